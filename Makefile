@@ -1,0 +1,46 @@
+# The README's two set-up commands: `make bench` and `make test`. Each creates .venv and installs
+# tritonkit on first use. On a machine that already has torch and triton (a GPU image), the venv
+# sees them (--system-site-packages) and nothing replaces them; elsewhere the CPU build of torch
+# and the Triton version the GPU image runs are installed, so CI tests the same compiler.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+TORCH_CPU := torch==2.13.0
+TRITON_PIN := triton==3.6.0
+
+.PHONY: bench test test-gpu lint setup clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@if $(PYTHON) -c "import torch, triton" >/dev/null 2>&1; then \
+		echo "setup: torch and triton are installed here; using them"; \
+		$(PYTHON) -m venv --system-site-packages $(VENV) && \
+		$(PY) -m pip install -q --no-deps --no-build-isolation -e . ; \
+	else \
+		echo "setup: installing $(TORCH_CPU) (CPU build), $(TRITON_PIN) and tritonkit into $(VENV)"; \
+		$(PYTHON) -m venv $(VENV) && \
+		$(PY) -m pip install -q --upgrade pip && \
+		$(PY) -m pip install -q $(TORCH_CPU) $(TRITON_PIN) && \
+		$(PY) -m pip install -q -e '.[dev]' ; \
+	fi
+	@touch $(STAMP)
+
+bench: $(STAMP)
+	$(VENV)/bin/tritonkit bench
+
+test: $(STAMP)
+	@start=$$(date +%s); \
+	$(PY) -m pytest -q; status=$$?; \
+	echo "test suite took $$(( $$(date +%s) - start )) s"; \
+	exit $$status
+
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m gpu
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,30 @@
+"""tritonkit: hand-written Triton kernels with references, cost models and benchmarks.
+
+Importing the package defines no kernel and queries no device: each public op is imported on
+first use, and that first import decides once whether kernels compile for the GPU or run in
+Triton's interpreter on the CPU (see ``tritonkit._runtime``).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_PUBLIC = {
+    "bias_gelu": "tritonkit.ops.bias_gelu",
+}
+__all__ = [*_PUBLIC, "__version__"]
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    raise AttributeError(f"module 'tritonkit' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,0 +1,102 @@
+"""The lean launch path: one dictionary lookup and one driver call per launch.
+
+``kernel[grid](...)`` spends most of a short kernel's host time outside the launch itself: it
+binds arguments, builds a string key, evaluates the grid, assembles launch metadata and calls
+profiler hooks. :class:`Launcher` keeps Triton for the first launch of each specialization (it
+compiles and returns the ``CompiledKernel``) and afterwards calls the compiled launcher's C entry
+point directly with the cached function handle.
+
+Correctness rests on the key: two calls that share a key must get the same compiled kernel.
+Triton specializes on each pointer's dtype and 16-byte alignment, on each integer's equality to 1,
+divisibility by 16 and width (i32, i64, u64), and on constexpr values; :func:`_arg_key` keys on
+exactly those facts (``tests/test_launch.py`` checks it against Triton's own binder on the GPU).
+Under the interpreter, and whenever a profiler hook is registered, calls go through Triton.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tritonkit._runtime import interpret
+
+_ALIGN = 16  # bytes; Triton marks pointers and integers divisible by 16 (the "D" attribute)
+_INT32_MIN, _INT32_MAX, _INT64_MAX = -(2**31), 2**31 - 1, 2**63 - 1
+# Options of kernel[grid](...) that are not kernel parameters.
+_LAUNCH_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg"})
+
+
+def _arg_key(arg) -> object:
+    """The facts about one runtime argument that Triton's specialization depends on."""
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() % _ALIGN == 0)
+    if isinstance(arg, bool) or arg is None or isinstance(arg, float):
+        return (type(arg), arg if arg is None else 0)
+    if isinstance(arg, int):
+        width = 32 if _INT32_MIN <= arg <= _INT32_MAX else (64 if arg <= _INT64_MAX else 65)
+        return (arg == 1, arg % _ALIGN == 0, width)
+    raise TypeError(f"cannot launch with an argument of type {type(arg).__name__}")
+
+
+_THROUGH_TRITON = "through-triton"  # cache entry of kernels that need Triton's own launcher
+
+
+class Launcher:
+    """Launches one ``@triton.jit`` kernel; keyword arguments are constexprs and launch options.
+
+    ``launcher(grid, *args, **meta)`` behaves like ``kernel[grid](*args, **meta)`` where ``grid``
+    is a tuple of up to three ints. The first argument is a tensor on the device to launch on.
+    Keyword constexprs must be the kernel's trailing parameters, in order (checked on first use).
+    """
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self._compiled: dict[tuple, tuple | str] = {}
+        self._hooks = None
+
+    def __call__(self, grid: Sequence[int], *args, **meta) -> None:
+        if interpret():
+            self.kernel[grid](*args, **meta)
+            return
+        if self._hooks is None:
+            from triton import knobs
+
+            self._hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+        if self._hooks[0].calls or self._hooks[1].calls:  # a profiler listens: let Triton report
+            self.kernel[grid](*args, **meta)
+            return
+        device = args[0].get_device()
+        if device != torch.cuda.current_device():
+            with torch.cuda.device(device):
+                return self(grid, *args, **meta)
+        key = (device, tuple(map(_arg_key, args)), tuple(meta.items()))
+        entry = self._compiled.get(key)
+        if entry is None:
+            self._compiled[key] = self._compile_and_launch(grid, args, meta)
+            return
+        if entry is _THROUGH_TRITON:
+            self.kernel[grid](*args, **meta)
+            return
+        launch, function, cooperative, pdl, packed_metadata, constexpr_names = entry
+        grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        launch(grid_x, grid_y, grid_z, stream, function, cooperative, pdl, None, None, packed_metadata,
+               None, None, None, *args, *[meta[name] for name in constexpr_names])
+
+    def _compile_and_launch(self, grid, args: tuple, meta: dict) -> tuple | str:
+        """Launch through Triton (compiling if needed) and return what later launches need."""
+        compiled = self.kernel[grid](*args, **meta)
+        constexpr_names = tuple(name for name in meta if name not in _LAUNCH_OPTIONS)
+        trailing = tuple(self.kernel.arg_names[len(args):])
+        if trailing != constexpr_names:
+            raise TypeError(
+                f"{self.kernel.__name__}: keyword arguments {list(constexpr_names)} must be the "
+                f"kernel's trailing parameters {list(trailing)}, in order"
+            )
+        runner = compiled.run  # the module is loaded on this device and the C launcher built
+        if (runner.global_scratch_size > 0 or runner.profile_scratch_size > 0
+                or getattr(compiled.metadata, "tensordesc_meta", None)):
+            return _THROUGH_TRITON  # scratch memory and tensor descriptors need Triton's wrapper
+        return (runner.launch, compiled.function, runner.launch_cooperative_grid, runner.launch_pdl,
+                compiled.packed_metadata, constexpr_names)

@@ -1,0 +1,84 @@
+"""GPU or interpreter: decided once, before any kernel is defined.
+
+With a CUDA GPU, kernels compile and run natively on CUDA tensors. Without one, every kernel runs
+through Triton's interpreter on CPU tensors: ``TRITON_INTERPRET=1`` must be in the environment
+before ``@triton.jit`` runs, because the decorator picks the interpreter at definition time. So
+Triton's own library functions (``tl.zeros``, ``tl.sum``) are decorated when ``triton`` is first
+imported, so the choice must be made before that import: every tritonkit module that imports
+triton calls :func:`interpret` first. ``import tritonkit`` itself decides nothing, queries no
+device and defines no kernel.
+
+``TRITONKIT_INTERPRET=1`` forces the interpreter (CUDA tensors are then copied to the host and
+back by Triton); ``TRITONKIT_INTERPRET=0`` forces native compilation.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+
+log = logging.getLogger("tritonkit")
+
+OVERRIDE_ENV = "TRITONKIT_INTERPRET"
+TRITON_ENV = "TRITON_INTERPRET"
+
+
+@functools.cache
+def interpret() -> bool:
+    """True when kernels run in Triton's interpreter. Decided on first call, logged once."""
+    override = os.environ.get(OVERRIDE_ENV)
+    if override is not None:
+        if override not in ("0", "1"):
+            raise ValueError(f"{OVERRIDE_ENV} must be '0' or '1', got {override!r}")
+        use_interpreter, reason = override == "1", f"{OVERRIDE_ENV}={override}"
+    elif os.environ.get(TRITON_ENV) == "1":
+        use_interpreter, reason = True, f"{TRITON_ENV}=1"
+    else:
+        import torch
+
+        use_interpreter = not torch.cuda.is_available()
+        reason = "no CUDA GPU found" if use_interpreter else "CUDA GPU found"
+    # Triton reads this variable whenever a kernel is defined: it must agree with our choice.
+    os.environ[TRITON_ENV] = "1" if use_interpreter else "0"
+    if use_interpreter and _triton_imported_for_gpu():
+        raise RuntimeError(
+            "triton was imported before tritonkit chose the interpreter, so its library functions "
+            "were built for the GPU; set TRITONKIT_INTERPRET=1 (or TRITON_INTERPRET=1) before "
+            "anything imports triton, or use a tritonkit op before importing triton"
+        )
+    if use_interpreter:
+        log.info("tritonkit: kernels run in Triton's interpreter on the CPU (%s)", reason)
+    else:
+        log.info("tritonkit: kernels compile for the GPU (%s)", reason)
+    return use_interpreter
+
+
+def _triton_imported_for_gpu() -> bool:
+    if "triton" not in sys.modules:
+        return False
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return not isinstance(sys.modules["triton"].language.standard.zeros, InterpretedFunction)
+
+
+def check_device(name: str, tensor) -> None:
+    """Natively, tensors must live on a CUDA device; the interpreter takes any device."""
+    if not tensor.is_cuda and not interpret():
+        raise ValueError(f"{name} must be a CUDA tensor, got one on {tensor.device}")
+
+
+# Set only by tritonkit.testing.poisoned_outputs(): outputs start as NaN so that an element the
+# kernel forgets to write fails the comparison instead of passing on leftover memory.
+poison_outputs = False
+
+
+def empty_output(shape, dtype, device):
+    """Allocate a kernel's output (NaN-filled while tests poison outputs)."""
+    import torch
+
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if poison_outputs:
+        out.fill_(float("nan"))
+    return out

@@ -1,0 +1,50 @@
+"""The op registry: one :class:`OpSpec` per public op, declared at the end of its op module.
+
+The registry names modules rather than importing them, so that ``import tritonkit.ops`` defines
+no kernel; :func:`get_op` imports an op's module (deciding GPU or interpreter first) on demand.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from tritonkit.roofline import Cost
+
+# op name -> module under tritonkit.ops that defines it
+OP_MODULES = {
+    "bias_gelu": "tritonkit.ops.bias_gelu",
+}
+MODES = ("fwd", "bwd", "fwd+bwd")
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """Everything the tests, the harness and the CLI need to know about one op."""
+
+    name: str
+    family: str  # pytest marker of the op's family
+    fn: Callable  # the tritonkit implementation (public function)
+    reference: Callable  # plain PyTorch; also the "torch" (eager) provider
+    cost: Callable[[tuple, torch.dtype, str], Cost]  # (shape, dtype, mode) -> Cost
+    make_inputs: Callable[..., tuple]  # (shape, dtype, device, generator) -> positional inputs
+    grad_inputs: tuple[int, ...]  # positions of differentiable inputs
+    flop_unit: str  # roofline peak key its FLOPs run on ("fp32" for CUDA-core math)
+    shapes: dict[str, list[tuple]]  # "quick", "full" (GPU) and "interpreter" shape lists
+    tiny_shape: tuple  # for host overhead: the kernel is negligible, the host path is not
+    dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
+    kwargs: dict = field(default_factory=dict)
+    peers: dict[str, Callable] = field(default_factory=dict)  # extra providers: name -> factory
+
+
+def op_names() -> list[str]:
+    return list(OP_MODULES)
+
+
+def get_op(name: str) -> OpSpec:
+    if name not in OP_MODULES:
+        raise ValueError(f"unknown op {name!r}; known ops: {', '.join(OP_MODULES)}")
+    return importlib.import_module(OP_MODULES[name]).SPEC

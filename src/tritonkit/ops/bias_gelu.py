@@ -1,0 +1,336 @@
+"""Bias + GELU, fused: ``y = gelu(x + b)`` over the last dimension (the example elementwise op).
+
+Maths. With ``z = x + b`` broadcast over rows,
+    exact:  gelu(z) = z * Phi(z) = 0.5 * z * (1 + erf(z / sqrt(2)))
+            gelu'(z) = Phi(z) + z * phi(z),  phi(z) = exp(-z^2 / 2) / sqrt(2 pi)
+    tanh:   gelu(z) ~ 0.5 * z * (1 + t),  t = tanh(u),  u = sqrt(2 / pi) * (z + 0.044715 z^3)
+            gelu'(z) ~ 0.5 * (1 + t) + 0.5 * z * (1 - t^2) * sqrt(2 / pi) * (1 + 3 * 0.044715 z^2)
+VJP: dx = dy * gelu'(z); db = sum over rows of dx.
+
+Work. x (M, N) and b (N) are read once, y written once: forward bytes s * (2 M N + N). Backward
+reads dy and x, writes dx, and reads/writes b-sized vectors: s * (3 M N + 2 N); the fp32 partial
+sums of db add 4 * N * M / (BLOCK_M * ROW_TILES) bytes, about 1.5% of dx at the chosen tiles.
+FLOPs are a handful per element on CUDA cores (counted below); at about 3 FLOP/byte against a
+ridge point near 16 (fp32 on the H200), the op is memory-bound: its roofline is the copy bandwidth.
+
+The add is done in fp32 and not rounded before the GELU, so the op is more accurate than eager
+``F.gelu(x + b)`` in 16-bit dtypes, which rounds ``x + b`` first.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from tritonkit._runtime import check_device, empty_output, interpret
+
+interpret()  # choose GPU or interpreter before triton is imported and any kernel is defined
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from tritonkit._launch import Launcher  # noqa: E402
+
+SQRT_HALF = 0.7071067811865476  # 1 / sqrt(2)
+INV_SQRT_2PI = 0.3989422804014327  # 1 / sqrt(2 pi)
+SQRT_2_OVER_PI = 0.7978845608028654  # sqrt(2 / pi)
+TANH_CUBIC = 0.044715  # coefficient of the tanh approximation (Hendrycks & Gimpel)
+APPROXIMATIONS = ("none", "tanh")
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _tanh(u):
+    # tanh(|u|) = (1 - e) / (1 + e) with e = exp(-2|u|) <= 1: no overflow for any u.
+    e = tl.exp(-2.0 * tl.abs(u))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(u >= 0, t, -t)
+
+
+@triton.jit
+def _gelu(z, APPROX_TANH: tl.constexpr):
+    if APPROX_TANH:
+        t = _tanh(SQRT_2_OVER_PI * (z + TANH_CUBIC * z * z * z))
+        return 0.5 * z * (1.0 + t)
+    else:
+        return 0.5 * z * (1.0 + tl.math.erf(z * SQRT_HALF))
+
+
+@triton.jit
+def _gelu_grad(z, APPROX_TANH: tl.constexpr):
+    if APPROX_TANH:
+        t = _tanh(SQRT_2_OVER_PI * (z + TANH_CUBIC * z * z * z))
+        du_dz = SQRT_2_OVER_PI * (1.0 + 3.0 * TANH_CUBIC * z * z)
+        return 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * du_dz
+    else:
+        cdf = 0.5 * (1.0 + tl.math.erf(z * SQRT_HALF))
+        return cdf + z * INV_SQRT_2PI * tl.exp(-0.5 * z * z)
+
+
+# Forward tiles: BLOCK_M x BLOCK_N = FWD_TILE elements a program, 16 per thread at 4 warps, which
+# is two 16-byte loads per thread in 16-bit dtypes: enough bytes in flight per SM to cover HBM
+# latency, few enough registers for full occupancy.
+FWD_TILE = 2048
+MAX_BLOCK_N = 1024
+NUM_WARPS = 4
+
+
+@triton.jit
+def _bias_gelu_fwd_kernel(
+    x_ptr,  # input, (M, N), strides (stride_xm, stride_xn)
+    b_ptr,  # bias, (N,), stride stride_bn
+    y_ptr,  # output, (M, N), contiguous
+    M,  # rows: every dimension of the input but the last
+    N,  # columns: the last dimension
+    stride_xm,  # elements between rows of x
+    stride_xn,  # elements between columns of x (1 when contiguous; Triton specializes on it)
+    stride_bn,  # elements between entries of b
+    APPROX_TANH: tl.constexpr,  # tanh approximation instead of erf
+    BLOCK_M: tl.constexpr,  # rows a program handles
+    BLOCK_N: tl.constexpr,  # columns a program handles
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # int64: M*N may pass 2^31
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn, mask=mask)
+    b = tl.load(b_ptr + cols * stride_bn, mask=cols < N)
+    z = x.to(tl.float32) + b.to(tl.float32)[None, :]
+    y = _gelu(z, APPROX_TANH)
+    tl.store(y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# Backward tiles as forward; each program also walks ROW_TILES tiles down its columns, summing
+# db in registers, so the fp32 partials of db are 1/(BLOCK_M * ROW_TILES) of dx's rows.
+BWD_TILE = 2048
+MAX_ROW_TILES = 16
+
+
+@triton.jit
+def _bias_gelu_bwd_kernel(
+    dy_ptr,  # upstream gradient, (M, N), strides (stride_dym, stride_dyn)
+    x_ptr,  # input of the forward, (M, N), strides (stride_xm, stride_xn)
+    b_ptr,  # bias, (N,), stride stride_bn
+    dx_ptr,  # gradient of x, (M, N), contiguous
+    db_partial_ptr,  # fp32 partial sums of db, (cdiv(M, BLOCK_M * ROW_TILES), N), contiguous
+    M,  # rows
+    N,  # columns
+    stride_dym,  # elements between rows of dy
+    stride_dyn,  # elements between columns of dy
+    stride_xm,  # elements between rows of x
+    stride_xn,  # elements between columns of x
+    stride_bn,  # elements between entries of b
+    APPROX_TANH: tl.constexpr,  # tanh approximation instead of erf
+    BLOCK_M: tl.constexpr,  # rows of one tile
+    BLOCK_N: tl.constexpr,  # columns a program handles
+    ROW_TILES: tl.constexpr,  # tiles a program walks down its columns
+):
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    b = tl.load(b_ptr + cols * stride_bn, mask=col_mask).to(tl.float32)
+    db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    first_row = tl.program_id(0).to(tl.int64) * (BLOCK_M * ROW_TILES)
+    for tile in range(ROW_TILES):
+        rows = first_row + tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask = (rows[:, None] < M) & col_mask[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn, mask=mask)
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dym + cols[None, :] * stride_dyn, mask=mask)
+        dz = dy.to(tl.float32) * _gelu_grad(x.to(tl.float32) + b[None, :], APPROX_TANH)
+        tl.store(dx_ptr + rows[:, None] * N + cols[None, :], dz.to(dx_ptr.dtype.element_ty), mask=mask)
+        db += tl.sum(tl.where(mask, dz, 0.0), axis=0)
+    tl.store(db_partial_ptr + tl.program_id(0) * N + cols, db, mask=col_mask)
+
+
+# ---------------------------------------------------------------- launchers
+
+_fwd_launcher = Launcher(_bias_gelu_fwd_kernel)
+_bwd_launcher = Launcher(_bias_gelu_bwd_kernel)
+
+
+@functools.lru_cache(maxsize=1024)
+def _tile(n_cols: int, tile_elements: int) -> tuple[int, int]:
+    block_n = min(triton.next_power_of_2(n_cols), MAX_BLOCK_N)
+    return max(1, tile_elements // block_n), block_n
+
+
+def _validate(input, bias, approximate: str, *, grad_output=None) -> None:
+    if not isinstance(input, torch.Tensor):
+        raise TypeError(f"input must be a torch.Tensor, got {type(input).__name__}")
+    if not isinstance(bias, torch.Tensor):
+        raise TypeError(f"bias must be a torch.Tensor, got {type(bias).__name__}")
+    if input.dtype not in DTYPES:
+        raise TypeError(f"input must be float16, bfloat16 or float32, got {input.dtype}")
+    if bias.dtype != input.dtype:
+        raise TypeError(f"bias must have input's dtype {input.dtype}, got {bias.dtype}")
+    if input.dim() == 0:
+        raise ValueError("input must have at least one dimension (bias is added along the last)")
+    if bias.dim() != 1 or bias.shape[0] != input.shape[-1]:
+        raise ValueError(f"bias must have shape ({input.shape[-1]},) to match input's last dimension, "
+                         f"got {tuple(bias.shape)}")
+    if approximate not in APPROXIMATIONS:
+        raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
+    check_device("input", input)
+    if bias.device != input.device:
+        raise ValueError(f"bias must be on input's device {input.device}, got {bias.device}")
+    if grad_output is not None:
+        if grad_output.shape != input.shape or grad_output.dtype != input.dtype:
+            raise ValueError(f"grad_output must match input: {tuple(input.shape)} {input.dtype}, "
+                             f"got {tuple(grad_output.shape)} {grad_output.dtype}")
+        if grad_output.device != input.device:
+            raise ValueError(f"grad_output must be on input's device {input.device}")
+
+
+def _bias_gelu_fwd(input: torch.Tensor, bias: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    _validate(input, bias, approximate)
+    y = empty_output(input.shape, input.dtype, input.device)
+    if y.numel() == 0:
+        return y
+    n_cols = input.shape[-1]
+    x = input.reshape(-1, n_cols)  # a view whenever the strides allow one
+    block_m, block_n = _tile(n_cols, FWD_TILE)
+    grid = (triton.cdiv(x.shape[0], block_m), triton.cdiv(n_cols, block_n))
+    _fwd_launcher(grid, x, bias, y, x.shape[0], n_cols, x.stride(0), x.stride(1), bias.stride(0),
+                  APPROX_TANH=approximate == "tanh", BLOCK_M=block_m, BLOCK_N=block_n, num_warps=NUM_WARPS)
+    return y
+
+
+def _bias_gelu_bwd(grad_output: torch.Tensor, input: torch.Tensor, bias: torch.Tensor,
+                   approximate: str) -> tuple[torch.Tensor, torch.Tensor]:
+    _validate(input, bias, approximate, grad_output=grad_output)
+    dx = empty_output(input.shape, input.dtype, input.device)
+    n_cols = input.shape[-1]
+    x, dy = input.reshape(-1, n_cols), grad_output.reshape(-1, n_cols)
+    n_rows = x.shape[0]
+    if n_rows == 0 or n_cols == 0:
+        return dx, torch.zeros_like(bias)
+    block_m, block_n = _tile(n_cols, BWD_TILE)
+    row_tiles = min(MAX_ROW_TILES, triton.next_power_of_2(triton.cdiv(n_rows, block_m)))
+    row_chunks = triton.cdiv(n_rows, block_m * row_tiles)
+    db_partial = empty_output((row_chunks, n_cols), torch.float32, input.device)
+    _bwd_launcher((row_chunks, triton.cdiv(n_cols, block_n)), dy, x, bias, dx, db_partial, n_rows, n_cols,
+                  dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), bias.stride(0),
+                  APPROX_TANH=approximate == "tanh", BLOCK_M=block_m, BLOCK_N=block_n, ROW_TILES=row_tiles,
+                  num_warps=NUM_WARPS)
+    return dx, db_partial.sum(0).to(bias.dtype)
+
+
+# ---------------------------------------------------------------- custom op and autograd
+
+
+@torch.library.custom_op("tritonkit::bias_gelu", mutates_args=())
+def _bias_gelu_op(input: torch.Tensor, bias: torch.Tensor, approximate: str) -> torch.Tensor:
+    return _bias_gelu_fwd(input, bias, approximate)
+
+
+@_bias_gelu_op.register_fake
+def _(input, bias, approximate):
+    _validate(input, bias, approximate)
+    return input.new_empty(input.shape)
+
+
+@torch.library.custom_op("tritonkit::bias_gelu_backward", mutates_args=())
+def _bias_gelu_backward_op(grad_output: torch.Tensor, input: torch.Tensor, bias: torch.Tensor,
+                           approximate: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return _bias_gelu_bwd(grad_output, input, bias, approximate)
+
+
+@_bias_gelu_backward_op.register_fake
+def _(grad_output, input, bias, approximate):
+    return input.new_empty(input.shape), bias.new_empty(bias.shape)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    input, bias, approximate = inputs
+    ctx.save_for_backward(input, bias)
+    ctx.approximate = approximate
+
+
+def _backward_traced(ctx, grad_output):
+    input, bias = ctx.saved_tensors
+    grad_input, grad_bias = _bias_gelu_backward_op(grad_output, input, bias, ctx.approximate)
+    return grad_input, grad_bias, None
+
+
+_bias_gelu_op.register_autograd(_backward_traced, setup_context=_setup_context)
+
+
+class _BiasGelu(torch.autograd.Function):
+    """Eager autograd without the custom-op dispatcher (the compiled path uses the custom op)."""
+
+    forward = staticmethod(_bias_gelu_fwd)
+    setup_context = staticmethod(_setup_context)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input, bias = ctx.saved_tensors
+        grad_input, grad_bias = _bias_gelu_bwd(grad_output, input, bias, ctx.approximate)
+        return grad_input, grad_bias, None
+
+
+def bias_gelu(input: torch.Tensor, bias: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """``gelu(input + bias)`` in one pass; ``approximate`` as in ``torch.nn.functional.gelu``.
+
+    ``bias`` has shape ``(input.shape[-1],)``. The output is contiguous, in input's dtype.
+    """
+    if torch.compiler.is_compiling():
+        return _bias_gelu_op(input, bias, approximate)
+    if torch.is_grad_enabled() and (input.requires_grad or bias.requires_grad):
+        return _BiasGelu.apply(input, bias, approximate)
+    return _bias_gelu_fwd(input, bias, approximate)
+
+
+# ---------------------------------------------------------------- reference and cost
+
+
+def bias_gelu_reference(input: torch.Tensor, bias: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """Plain PyTorch; pass float64 inputs for the oracle's reference."""
+    return torch.nn.functional.gelu(input + bias, approximate=approximate)
+
+
+# FLOPs per element, counting each add, multiply and special function once:
+# forward: add bias, scale, erf, add one, two multiplies; backward: the forward's z and cdf (4),
+# exp and its argument (3), z * phi (2), the sum with cdf, the multiply by dy and the db add.
+FWD_FLOPS_PER_ELEMENT = 6
+BWD_FLOPS_PER_ELEMENT = 12
+
+
+def bias_gelu_cost(shape: tuple, dtype: torch.dtype, mode: str = "fwd"):
+    from tritonkit.roofline import Cost
+
+    *lead, n_cols = shape
+    elements = n_cols * int(torch.tensor(lead).prod()) if lead else n_cols
+    size = torch.finfo(dtype).bits // 8
+    fwd = Cost(FWD_FLOPS_PER_ELEMENT * elements, size * (2 * elements + n_cols))
+    bwd = Cost(BWD_FLOPS_PER_ELEMENT * elements, size * (3 * elements + 2 * n_cols))
+    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]
+
+
+def _make_inputs(shape: tuple, dtype: torch.dtype, device, generator: torch.Generator) -> tuple:
+    from tritonkit.testing import random_tensor
+
+    return (random_tensor(shape, dtype, device, generator=generator),
+            random_tensor(shape[-1:], dtype, device, generator=generator))
+
+
+def _spec():
+    from tritonkit.ops import OpSpec
+
+    return OpSpec(
+        name="bias_gelu",
+        family="elementwise",
+        fn=bias_gelu,
+        reference=bias_gelu_reference,
+        cost=bias_gelu_cost,
+        make_inputs=_make_inputs,
+        grad_inputs=(0, 1),
+        flop_unit="fp32",
+        shapes={
+            "interpreter": [(4, 96), (33, 257)],
+            "quick": [(8192, 4096), (4096, 16384)],
+            "full": [(8192, 4096), (4096, 16384), (16384, 8192), (65536, 1024), (1823, 4097), (32768, 3072)],
+        },
+        tiny_shape=(4, 256),
+    )
+
+
+SPEC = _spec()
