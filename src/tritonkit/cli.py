@@ -1,2 +1,154 @@
-def main():
-    raise SystemExit("not yet")
+"""The command line: ``tritonkit info | bench | roofline``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import platform
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+from tritonkit import __version__, roofline
+from tritonkit.ops import MODES, get_op, op_names
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _parse_shape(parts: list[str]) -> tuple[int, ...]:
+    try:
+        dims = tuple(int(d) for part in parts for d in part.lower().split("x") if d)
+    except ValueError:
+        raise SystemExit(f"--shape takes integers like 8192x4096, got {' '.join(parts)}") from None
+    if not dims or any(d < 0 for d in dims):
+        raise SystemExit(f"--shape needs non-negative dimensions, got {' '.join(parts)}")
+    return dims
+
+
+def _spec_lines(spec: roofline.DeviceSpec) -> list[str]:
+    peaks = ", ".join(f"{unit} {value / 1e12:.1f}" for unit, value in spec.peak_flops.items())
+    return [f"  bandwidth: {spec.bandwidth / 1e12:.2f} TB/s", f"  peak TFLOP/s: {peaks}"]
+
+
+def cmd_info(args) -> int:
+    from tritonkit._runtime import interpret
+
+    interpreted = interpret()
+    import triton
+
+    print(f"tritonkit {__version__}  torch {torch.__version__}  triton {triton.__version__}  "
+          f"python {platform.python_version()}")
+    print(f"kernels: {'Triton interpreter on the CPU' if interpreted else 'compiled for the GPU'}")
+    if not torch.cuda.is_available():
+        print("device: no CUDA GPU")
+        spec = roofline.device_spec(args.device or "h200")
+        print(f"datasheet ceilings of {spec.name} (dense, for `tritonkit roofline`):")
+        print("\n".join(_spec_lines(spec)))
+        return 0
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    print(f"device: {props.name}, {props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB, "
+          f"L2 {props.L2_cache_size / 2**20:.0f} MiB, CUDA {torch.version.cuda}")
+    datasheet = roofline.device_spec(args.device or props.name)
+    print(f"datasheet ceilings ({datasheet.name}, dense):")
+    print("\n".join(_spec_lines(datasheet)))
+    measured = roofline.measured_ceilings(refresh=args.refresh)
+    print(f"measured ceilings (cached in {roofline.cache_dir() / roofline.CACHE_FILE}):")
+    print(f"  copy bandwidth: {measured.bandwidth / 1e12:.2f} TB/s (device-to-device, read + write)")
+    for unit in ("bf16", "fp16", "fp8"):
+        if measured.peak_flops.get(unit) != datasheet.peak_flops.get(unit):
+            print(f"  {unit} matmul: {measured.peak_flops[unit] / 1e12:.0f} TFLOP/s (cuBLAS, "
+                  f"{roofline.MATMUL_SIZE}^3)")
+    return 0
+
+
+def cmd_roofline(args) -> int:
+    spec_op = get_op(args.op)
+    shape = _parse_shape(args.shape)
+    dtype = DTYPES[args.dtype]
+    cost = spec_op.cost(shape, dtype, args.mode)
+    device = roofline.device_spec(args.device)
+    unit = spec_op.flop_unit
+    seconds = roofline.roofline_seconds(cost, device, unit)
+    print(f"{args.op} {args.mode} {'x'.join(map(str, shape))} {args.dtype} on {device.name} (datasheet)")
+    print(f"  bytes: {cost.bytes:.4g}   FLOPs: {cost.flops:.4g}   intensity: {cost.intensity:.3g} FLOP/B")
+    bound = roofline.bound_by(cost, device, unit)
+    print(f"  ridge point ({unit}): {device.ridge(unit):.3g} FLOP/B -> {bound}-bound")
+    print(f"  memory time: {cost.bytes / device.bandwidth * 1e3:.4g} ms   "
+          f"compute time: {cost.flops / device.peak(unit) * 1e3:.4g} ms")
+    print(f"  roofline: {seconds * 1e3:.4g} ms "
+          f"({cost.bytes / seconds / 1e9:.0f} GB/s, {cost.flops / seconds / 1e12:.3g} TFLOP/s)")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from tritonkit._runtime import interpret
+    from tritonkit.bench import add_peer_ratios, format_table, run, write_results
+
+    names = args.ops or op_names()
+    for name in names:
+        get_op(name)  # unknown names fail before any work
+    dtypes = [DTYPES[d] for d in args.dtype] if args.dtype else None
+    rows = run(names, shapes=args.shapes, dtypes=dtypes, modes=args.mode, providers=args.providers,
+               progress=not args.no_progress)
+    command = "tritonkit " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    for row in rows:
+        row["command"] = command
+    failed = [r for r in rows if r.get("check") == "FAIL"]
+    if interpret():
+        print("Correctness run in Triton's interpreter (no GPU): errors against the float64 "
+              "reference, and the analytic H200 roofline time, not timings.")
+        print(format_table(rows, interpreter=True))
+    else:
+        add_peer_ratios(rows)
+        print(format_table(rows))
+        for path in write_results(rows, Path(args.out)):
+            print(f"wrote {path}")
+    if failed:
+        print(f"{len(failed)} rows FAILED the error check", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tritonkit", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what tritonkit decides")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    info = sub.add_parser("info", help="device, versions, ceilings and interpreter mode")
+    info.add_argument("--device", help="datasheet to show (h200, h100, a100); default: this GPU")
+    info.add_argument("--refresh", action="store_true", help="measure the ceilings again")
+    info.set_defaults(func=cmd_info)
+
+    bench = sub.add_parser("bench", help="check and time ops against their peers")
+    bench.add_argument("ops", nargs="*", metavar="OP", help=f"ops (default all: {', '.join(op_names())})")
+    bench.add_argument("--mode", nargs="+", choices=MODES, default=list(MODES))
+    bench.add_argument("--dtype", nargs="+", choices=sorted(DTYPES))
+    bench.add_argument("--shapes", choices=("quick", "full"), default="quick")
+    bench.add_argument("--providers", nargs="+", help="providers to run (default: all available)")
+    bench.add_argument("--out", default="benchmarks/results", help="results folder (GPU runs)")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.set_defaults(func=cmd_bench)
+
+    roof = sub.add_parser("roofline", help="analytic roofline prediction for one op and shape")
+    roof.add_argument("op", choices=op_names())
+    roof.add_argument("--shape", nargs="+", required=True, help="e.g. 8192x4096 or 8192 4096")
+    roof.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    roof.add_argument("--mode", choices=MODES, default="fwd")
+    roof.add_argument("--device", default="h200", help="datasheet: h200, h100, a100, a100-40gb")
+    roof.set_defaults(func=cmd_roofline)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    try:
+        return args.func(args)
+    except ValueError as error:
+        print(f"tritonkit: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -115,15 +115,24 @@ def _clone_inputs(inputs: Sequence, dtype: torch.dtype | None, requires_grad: Se
     return cloned
 
 
-def check_against_reference(kernel: Callable, reference: Callable, inputs: Sequence, *,
-                            kwargs: dict | None = None, grad_inputs: Sequence[int] = (),
-                            grad_outputs: Sequence[torch.Tensor] | None = None,
-                            dtype: torch.dtype | None = None) -> list[Comparison]:
+def check_against_reference(kernel: Callable, reference: Callable, inputs: Sequence, **options
+                            ) -> list[Comparison]:
+    """:func:`compare_with_reference`, raising AssertionError listing every comparison if any fails."""
+    comparisons = compare_with_reference(kernel, reference, inputs, **options)
+    if not all(c.passed for c in comparisons):
+        raise AssertionError("kernel differs from the float64 reference:\n  "
+                             + "\n  ".join(str(c) for c in comparisons))
+    return comparisons
+
+
+def compare_with_reference(kernel: Callable, reference: Callable, inputs: Sequence, *,
+                           kwargs: dict | None = None, grad_inputs: Sequence[int] = (),
+                           grad_outputs: Sequence[torch.Tensor] | None = None,
+                           dtype: torch.dtype | None = None) -> list[Comparison]:
     """Compare ``kernel(*inputs)`` and its gradients with ``reference`` in float64.
 
     ``grad_inputs`` are the positions of inputs to differentiate; ``grad_outputs`` (one per output,
-    any strides) are the upstream gradients. Raises AssertionError listing every comparison when
-    any fails; returns the comparisons otherwise.
+    any strides) are the upstream gradients. Inputs are copied, so the caller's stay untouched.
     """
     kwargs = kwargs or {}
     dtype = dtype or next(v.dtype for v in inputs if isinstance(v, torch.Tensor))
@@ -146,8 +155,4 @@ def check_against_reference(kernel: Callable, reference: Callable, inputs: Seque
 
     names = [f"output[{i}]" for i in range(len(ref_out))] + [f"grad input[{i}]" for i in grad_inputs]
     triples = zip(kernel_out + kernel_grads, torch_out + torch_grads, ref_out + ref_grads, strict=True)
-    comparisons = [compare(name, k, t, r, dtype) for name, (k, t, r) in zip(names, triples, strict=True)]
-    if not all(c.passed for c in comparisons):
-        raise AssertionError("kernel differs from the float64 reference:\n  "
-                             + "\n  ".join(str(c) for c in comparisons))
-    return comparisons
+    return [compare(name, k, t, r, dtype) for name, (k, t, r) in zip(names, triples, strict=True)]

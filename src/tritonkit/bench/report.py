@@ -1,0 +1,139 @@
+"""Writers for benchmark rows: console table, JSON, CSV and a roofline plot."""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+from tritonkit import roofline
+
+TABLE_COLUMNS = [  # (header, row key, format)
+    ("op", "op", "{}"), ("mode", "mode", "{}"), ("shape", "shape", "{}"), ("dtype", "dtype", "{}"),
+    ("provider", "provider", "{}"), ("ms", "ms", "{:.4f}"), ("GB/s", "gbps", "{:.0f}"),
+    ("TFLOP/s", "tflops", "{:.2f}"), ("%roof", "pct_roofline", "{:.1f}"),
+    ("%roof(ds)", "pct_roofline_datasheet", "{:.1f}"), ("host us", "host_us", "{:.1f}"),
+    ("vs best peer", "speedup_vs_best_peer", "{:.2f}x"), ("max err", "max_err", "{:.2e}"),
+    ("check", "check", "{}"),
+]
+INTERPRETER_COLUMNS = [  # a correctness run: no timings, the analytic prediction instead
+    ("op", "op", "{}"), ("mode", "mode", "{}"), ("shape", "shape", "{}"), ("dtype", "dtype", "{}"),
+    ("provider", "provider", "{}"), ("max err", "max_err", "{:.2e}"), ("check", "check", "{}"),
+    ("H200 roofline ms", "predicted_ms_h200", "{:.3g}"),
+]
+
+
+def add_peer_ratios(rows: list[dict]) -> None:
+    """Give each timed tritonkit row the best peer's time over its own (>1: tritonkit is faster)."""
+    groups = defaultdict(list)
+    for row in rows:
+        if "ms" in row:
+            groups[(row["op"], row["mode"], tuple(row["shape"]), row["dtype"])].append(row)
+    for group in groups.values():
+        peers = [r["ms"] for r in group if r["provider"] != "tritonkit"]
+        for row in group:
+            if row["provider"] == "tritonkit" and peers:
+                row["speedup_vs_best_peer"] = min(peers) / row["ms"]
+
+
+def _cell(row: dict, key: str, fmt: str) -> str:
+    if key not in row:
+        return "-"
+    value = row[key]
+    if key == "shape":
+        return "x".join(map(str, value))
+    return fmt.format(value)
+
+
+def format_table(rows: list[dict], interpreter: bool = False) -> str:
+    """Measured rows as aligned columns; providers that did not run listed once below."""
+    columns = INTERPRETER_COLUMNS if interpreter else TABLE_COLUMNS
+    ran = [row for row in rows if "unavailable" not in row]
+    cells = [[header for header, _, _ in columns]]
+    cells += [[_cell(row, key, fmt) for _, key, fmt in columns] for row in ran]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+    lines = ["  ".join(cell.rjust(width) if i >= 4 else cell.ljust(width)
+                       for i, (cell, width) in enumerate(zip(line, widths, strict=True)))
+             for line in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    skipped = {row["provider"]: row["unavailable"] for row in rows if "unavailable" in row}
+    lines += [f"not run: {name} ({reason})" for name, reason in skipped.items()]
+    return "\n".join(lines)
+
+
+def gpu_slug(gpu_name: str) -> str:
+    """``h200`` for the H200; other known parts by datasheet key; else the name, simplified."""
+    try:
+        return roofline.slug_for_device_name(gpu_name)
+    except ValueError:
+        return re.sub(r"[^a-z0-9]+", "-", gpu_name.lower()).strip("-") or "unknown"
+
+
+def write_results(rows: list[dict], out_dir: Path) -> list[Path]:
+    """``<out>/<gpu-slug>/<op>.json`` (and .csv, .png) for each op in the rows."""
+    written = []
+    by_op = defaultdict(list)
+    for row in rows:
+        by_op[(gpu_slug(row["gpu"]), row["op"])].append(row)
+    for (slug, op), op_rows in by_op.items():
+        folder = out_dir / slug
+        folder.mkdir(parents=True, exist_ok=True)
+        json_path, csv_path, png_path = (folder / f"{op}.{ext}" for ext in ("json", "csv", "png"))
+        json_path.write_text(json.dumps(op_rows, indent=1) + "\n")
+        _write_csv(op_rows, csv_path)
+        written += [json_path, csv_path]
+        if any("tflops" in r for r in op_rows):
+            plot_roofline(op_rows, png_path)
+            written.append(png_path)
+    return written
+
+
+def _write_csv(rows: list[dict], path: Path) -> None:
+    keys = list(dict.fromkeys(key for row in rows for key in row))
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: "x".join(map(str, v)) if k == "shape" else v for k, v in row.items()})
+
+
+def plot_roofline(rows: list[dict], path: Path, flop_unit: str | None = None) -> None:
+    """Each measured point (intensity, TFLOP/s) under the device's measured and datasheet roofs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from tritonkit.ops import get_op
+
+    timed = [r for r in rows if "tflops" in r]
+    unit = flop_unit or get_op(timed[0]["op"]).flop_unit
+    datasheet = roofline.device_spec(timed[0]["gpu"])
+    measured = roofline.measured_ceilings()
+    intensities = [r["flops"] / r["bytes"] for r in timed]
+    lo, hi = min(intensities) / 8, max(max(intensities) * 8, datasheet.ridge(unit) * 4)
+    xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for spec, style in ((datasheet, "--"), (measured, "-")):
+        roof = [min(spec.peak(unit), x * spec.bandwidth) / 1e12 for x in xs]
+        ax.plot(xs, roof, style, color="black", lw=1,
+                label=f"{spec.source} roof: {spec.bandwidth / 1e12:.2f} TB/s, {spec.peak(unit) / 1e12:.0f} "
+                      f"TFLOP/s {unit}")
+    markers = {"fwd": "o", "bwd": "s", "fwd+bwd": "^"}
+    colors = {}
+    for row, x in zip(timed, intensities, strict=True):
+        color = colors.setdefault(row["provider"], f"C{len(colors)}")
+        ax.scatter(x, row["tflops"], color=color, marker=markers[row["mode"]], s=28, alpha=0.8)
+    for provider, color in colors.items():
+        ax.scatter([], [], color=color, label=provider)
+    for mode, marker in markers.items():
+        ax.scatter([], [], color="gray", marker=marker, label=mode)
+    ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP/byte)",
+           ylabel="achieved TFLOP/s", title=f"{timed[0]['op']} on {timed[0]['gpu']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

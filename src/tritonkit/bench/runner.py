@@ -1,0 +1,169 @@
+"""Sweeps: every (op, shape, dtype, mode, provider) checked against the reference and timed.
+
+On a GPU each row carries timings, rates, roofline percentages, host time per call and the
+error against the float64 reference. Without one, the same sweep runs the interpreter on small
+shapes as a correctness run and carries the analytic roofline prediction instead of timings.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tritonkit import roofline, testing
+from tritonkit._runtime import interpret
+from tritonkit.bench import timing
+from tritonkit.bench.providers import providers_for
+from tritonkit.ops import MODES, OpSpec, get_op
+
+DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+SEED = 0
+
+
+@dataclass(frozen=True)
+class Case:
+    spec: OpSpec
+    shape: tuple
+    dtype: torch.dtype
+    mode: str
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {v: k for k, v in DTYPE_NAMES.items()}[dtype]
+
+
+@functools.cache
+def provenance() -> dict:
+    """Versions and the code's git sha (``TRITONKIT_GIT_SHA`` where there is no repository)."""
+    import triton
+
+    sha = os.environ.get("TRITONKIT_GIT_SHA")
+    if not sha:
+        try:
+            here = Path(__file__).resolve().parent
+            sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
+                                 text=True, check=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            sha = "unknown"
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (interpreter)"
+    return {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "git_sha": sha}
+
+
+def cases(op_names: Iterable[str], shapes: str, dtypes: Iterable[torch.dtype] | None,
+          modes: Iterable[str]) -> list[Case]:
+    """The sweep; on the interpreter the shape list is always the op's small 'interpreter' one."""
+    out = []
+    for name in op_names:
+        spec = get_op(name)
+        shape_list = spec.shapes["interpreter" if interpret() else shapes]
+        for shape in shape_list:
+            for dtype in dtypes or spec.dtypes:
+                for mode in modes:
+                    if mode not in MODES:
+                        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+                    out.append(Case(spec, tuple(shape), dtype, mode))
+    return out
+
+
+def _inputs(case: Case, device: str, seed: int, requires_grad: bool) -> tuple:
+    inputs = case.spec.make_inputs(case.shape, case.dtype, device, testing.generator(seed))
+    if requires_grad:
+        for i in case.spec.grad_inputs:
+            inputs[i].requires_grad_(True)
+    return inputs
+
+
+def _call(fn: Callable, case: Case, inputs: tuple) -> Callable[[], object]:
+    """A zero-argument call doing the case's mode on one input set."""
+    grad_inputs = [inputs[i] for i in case.spec.grad_inputs]
+    if case.mode == "fwd":
+        return lambda: fn(*inputs)
+    output = fn(*inputs)
+    grad_output = testing.random_tensor(output.shape, output.dtype, output.device,
+                                        generator=testing.generator(SEED + 1))
+    if case.mode == "bwd":
+        return lambda: torch.autograd.grad(output, grad_inputs, grad_output, retain_graph=True)
+    return lambda: torch.autograd.grad(fn(*inputs), grad_inputs, grad_output)
+
+
+def _check(fn: Callable, case: Case, inputs: tuple) -> dict:
+    """The oracle on the mode's outputs and gradients: the largest error and the verdict."""
+    with_grads = case.mode != "fwd"
+    grad_outputs = None
+    if with_grads:
+        output = case.spec.reference(*(x.detach() for x in inputs), **case.spec.kwargs)
+        grad_outputs = [testing.random_tensor(output.shape, output.dtype, output.device,
+                                              generator=testing.generator(SEED + 1))]
+    comparisons = testing.compare_with_reference(
+        fn, functools.partial(case.spec.reference, **case.spec.kwargs), inputs,
+        grad_inputs=case.spec.grad_inputs if with_grads else (), grad_outputs=grad_outputs)
+    if case.mode == "bwd":
+        comparisons = [c for c in comparisons if c.name.startswith("grad")]
+    return {"max_err": max(c.err_kernel for c in comparisons),
+            "check": "pass" if all(c.passed for c in comparisons) else "FAIL"}
+
+
+def run_case(case: Case, provider_names: Iterable[str] | None, device: str) -> list[dict]:
+    """One row per provider for the case (unavailable providers give a row with the reason)."""
+    rows = []
+    for provider in providers_for(case.spec):
+        if provider_names and provider.name not in provider_names:
+            continue
+        fn = provider.build(case.spec, case.spec.kwargs)
+        row = _base_row(case, provider.name)
+        if isinstance(fn, str):
+            rows.append(row | {"unavailable": fn})
+            continue
+        needs_grad = case.mode != "fwd"
+        inputs = _inputs(case, device, SEED, needs_grad)
+        row |= _check(fn, case, inputs)
+        if device == "cuda":
+            row |= _timings(fn, case, inputs)
+        rows.append(row)
+    return rows
+
+
+def _base_row(case: Case, provider: str) -> dict:
+    cost = case.spec.cost(case.shape, case.dtype, case.mode)
+    h200 = roofline.device_spec("h200")
+    return {"op": case.spec.name, "provider": provider, "mode": case.mode, "shape": list(case.shape),
+            "dtype": dtype_name(case.dtype), "flops": cost.flops, "bytes": cost.bytes,
+            "predicted_ms_h200": roofline.roofline_seconds(cost, h200, case.spec.flop_unit) * 1e3}
+
+
+def _timings(fn: Callable, case: Case, inputs: tuple) -> dict:
+    cost = case.spec.cost(case.shape, case.dtype, case.mode)
+    input_bytes = sum(x.numel() * x.element_size() for x in inputs if isinstance(x, torch.Tensor))
+    sets = [inputs] + [_inputs(case, "cuda", SEED + 10 + i, case.mode != "fwd")
+                       for i in range(timing.rotation_count(input_bytes) - 1)]
+    p20, median, p80 = timing.kernel_ms([_call(fn, case, s) for s in sets])
+    seconds = median * 1e-3
+    measured, datasheet = roofline.measured_ceilings(), roofline.device_spec()
+    tiny = Case(case.spec, case.spec.tiny_shape, case.dtype, case.mode)
+    return {
+        "ms_p20": p20, "ms": median, "ms_p80": p80,
+        "gbps": cost.bytes / seconds / 1e9, "tflops": cost.flops / seconds / 1e12,
+        "pct_roofline": roofline.pct_of_roofline(cost, seconds, measured, case.spec.flop_unit),
+        "pct_roofline_datasheet": roofline.pct_of_roofline(cost, seconds, datasheet, case.spec.flop_unit),
+        "host_us": timing.host_us(_call(fn, tiny, _inputs(tiny, "cuda", SEED, case.mode != "fwd"))),
+        "host_shape": list(case.spec.tiny_shape),
+    }
+
+
+def run(op_names: Iterable[str], *, shapes: str = "quick", dtypes=None, modes=MODES,
+        providers: Iterable[str] | None = None, progress: bool = True) -> list[dict]:
+    """Run the sweep and return its rows (each with provenance)."""
+    from tqdm import tqdm
+
+    device = "cpu" if interpret() else "cuda"
+    sweep = cases(op_names, shapes, dtypes, modes)
+    rows = []
+    for case in tqdm(sweep, desc="bench", unit="case", disable=not progress):
+        rows.extend(run_case(case, providers, device))
+    return [row | provenance() for row in rows]
