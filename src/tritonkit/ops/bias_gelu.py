@@ -32,12 +32,13 @@ import triton.language as tl  # noqa: E402
 
 from tritonkit._launch import Launcher  # noqa: E402
 
-SQRT_HALF = 0.7071067811865476  # 1 / sqrt(2)
-INV_SQRT_2PI = 0.3989422804014327  # 1 / sqrt(2 pi)
-SQRT_2_OVER_PI = 0.7978845608028654  # sqrt(2 / pi)
-TANH_CUBIC = 0.044715  # coefficient of the tanh approximation (Hendrycks & Gimpel)
 APPROXIMATIONS = ("none", "tanh")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Kernels read globals only as constexprs.
+SQRT_HALF = tl.constexpr(0.7071067811865476)  # 1 / sqrt(2)
+INV_SQRT_2PI = tl.constexpr(0.3989422804014327)  # 1 / sqrt(2 pi)
+SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi)
+TANH_CUBIC = tl.constexpr(0.044715)  # coefficient of the tanh approximation (Hendrycks & Gimpel)
 
 
 @triton.jit
