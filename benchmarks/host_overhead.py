@@ -26,7 +26,7 @@ def measure() -> dict[str, float]:
     y = torch.empty_like(x)
     m, n = SHAPE
     block_m, block_n = bg._tile(n, bg.FWD_TILE)
-    grid = (triton_cdiv(m, block_m), triton_cdiv(n, block_n))
+    grid = (triton_cdiv(m, block_m), triton_cdiv(n, block_n), 1)
     args = (x, b, y, m, n, x.stride(0), x.stride(1), b.stride(0))
     meta = dict(APPROX_TANH=False, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=bg.NUM_WARPS)
     compiled = bg._bias_gelu_fwd_kernel[grid](*args, **meta)

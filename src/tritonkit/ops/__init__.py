@@ -21,7 +21,7 @@ OP_MODULES = {
 MODES = ("fwd", "bwd", "fwd+bwd")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared and hashed by identity: one spec per op
 class OpSpec:
     """Everything the tests, the harness and the CLI need to know about one op."""
 
