@@ -1,13 +1,17 @@
 """Where each microsecond of a short call goes: host wall time per call on a tiny input.
 
-Run on a GPU:  PYTHONPATH=src python benchmarks/host_overhead.py OUT.json
-Each figure is the median of 5 runs of 2000 back-to-back calls on a 4 x 256 bf16 input, where the
-GPU finishes each kernel before the host issues the next, so the time is the host path alone.
+Run on a GPU:  PYTHONPATH=src python benchmarks/host_overhead.py OUT.json [PROFILE.txt]
+Each figure is tritonkit.bench.timing.host_us: the median over bursts of 100 calls on a 4 x 256
+bf16 input of the time to issue one call (the bursts never fill the launch queue, so the host
+never waits for the GPU). PROFILE.txt gets cProfile's view of the eager forward and backward.
 """
 
 from __future__ import annotations
 
+import cProfile
+import io
 import json
+import pstats
 import sys
 
 import torch
@@ -52,6 +56,28 @@ def measure() -> dict[str, float]:
     return {name: host_us(call) for name, call in cases.items()}
 
 
+def profile(path: str) -> None:
+    """cProfile of 2000 eager forwards and 500 backwards, the top entries by own time."""
+    x = torch.randn(SHAPE, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(SHAPE[-1], device="cuda", dtype=torch.bfloat16)
+    x_grad = x.clone().requires_grad_(True)
+    dy = torch.randn_like(x)
+    out = io.StringIO()
+    for title, call, count in (("eager forward", lambda: bg.bias_gelu(x, b), 2000),
+                               ("forward + backward", lambda: bg.bias_gelu(x_grad, b).backward(dy), 500)):
+        call()
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(count):
+            call()
+        profiler.disable()
+        torch.cuda.synchronize()
+        out.write(f"==== {title}: {count} calls\n")
+        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(25)
+    with open(path, "w") as f:
+        f.write(out.getvalue())
+
+
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -77,6 +103,8 @@ def main() -> None:
               "command": "PYTHONPATH=src python benchmarks/host_overhead.py OUT.json"} | provenance()
     with open(sys.argv[1], "w") as f:
         json.dump(record, f, indent=1)
+    if len(sys.argv) > 2:
+        profile(sys.argv[2])
 
 
 if __name__ == "__main__":
