@@ -17,6 +17,7 @@ import sys
 import torch
 
 import tritonkit.ops.bias_gelu as bg
+from tritonkit._launch import cdiv
 from tritonkit.bench.runner import provenance
 from tritonkit.bench.timing import host_us
 
@@ -29,8 +30,8 @@ def measure() -> dict[str, float]:
     x_grad = x.clone().requires_grad_(True)
     y = torch.empty_like(x)
     m, n = SHAPE
-    block_m, block_n = bg._tile(n, bg.FWD_TILE)
-    grid = (triton_cdiv(m, block_m), triton_cdiv(n, block_n), 1)
+    block_m, block_n = bg._tile(n, x.element_size())
+    grid = (cdiv(m, block_m), cdiv(n, block_n), 1)
     args = (x, b, y, m, n, x.stride(0), x.stride(1), b.stride(0))
     meta = dict(APPROX_TANH=False, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=bg.NUM_WARPS)
     compiled = bg._bias_gelu_fwd_kernel[grid](*args, **meta)
@@ -76,10 +77,6 @@ def profile(path: str) -> None:
         pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(25)
     with open(path, "w") as f:
         f.write(out.getvalue())
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def main() -> None:

@@ -7,9 +7,8 @@ compiles and returns the ``CompiledKernel``) and afterwards calls the compiled l
 point directly with the cached function handle.
 
 Correctness rests on the key: two calls that share a key must get the same compiled kernel.
-Triton specializes on each pointer's dtype and 16-byte alignment, on each integer's equality to 1,
-divisibility by 16 and width (i32, i64, u64), and on constexpr values; :func:`_arg_key` keys on
-exactly those facts (``tests/test_launch.py`` checks it against Triton's own binder on the GPU).
+:func:`specialization_key` keys on facts at least as fine as Triton's specialization (the tests
+check it against Triton's own binder on the GPU), plus the constexprs and launch options.
 Under the interpreter, and whenever a profiler hook is registered, calls go through Triton.
 """
 
@@ -21,22 +20,34 @@ import torch
 
 from tritonkit._runtime import interpret
 
-_ALIGN = 16  # bytes; Triton marks pointers and integers divisible by 16 (the "D" attribute)
-_INT32_MIN, _INT32_MAX, _INT64_MAX = -(2**31), 2**31 - 1, 2**63 - 1
-# Options of kernel[grid](...) that are not kernel parameters.
 _LAUNCH_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg"})
+MAX_KEYS = 4096  # distinct specializations cached per kernel before the cache starts afresh
 
 
-def _arg_key(arg) -> object:
-    """The facts about one runtime argument that Triton's specialization depends on."""
-    if isinstance(arg, torch.Tensor):
-        return (arg.dtype, arg.data_ptr() % _ALIGN == 0)
-    if isinstance(arg, bool) or arg is None or isinstance(arg, float):
-        return (type(arg), arg if arg is None else 0)
-    if isinstance(arg, int):
-        width = 32 if _INT32_MIN <= arg <= _INT32_MAX else (64 if arg <= _INT64_MAX else 65)
-        return (arg == 1, arg % _ALIGN == 0, width)
-    raise TypeError(f"cannot launch with an argument of type {type(arg).__name__}")
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division (``triton.cdiv`` costs microseconds from Python: it unwraps constexprs)."""
+    return -(-a // b)
+
+
+def specialization_key(args: tuple) -> tuple:
+    """A key that determines Triton's specialization of the runtime arguments.
+
+    Triton specializes a pointer on its dtype and 16-byte alignment, and an integer on being 1,
+    being divisible by 16 and its width. Keying on each integer's value and each pointer's dtype
+    and address mod 16 refines that (never merges two specializations) and is cheap to build.
+    """
+    key = []
+    for arg in args:
+        if type(arg) is int:
+            key.append(arg)
+        elif isinstance(arg, torch.Tensor):
+            key.append(arg.dtype)
+            key.append(arg.data_ptr() & 15)
+        elif arg is None or type(arg) in (bool, float):
+            key.append((type(arg), arg if arg is None else 0))  # specialized on type only
+        else:
+            raise TypeError(f"cannot launch with an argument of type {type(arg).__name__}")
+    return tuple(key)
 
 
 _THROUGH_TRITON = "through-triton"  # cache entry of kernels that need Triton's own launcher
@@ -67,22 +78,24 @@ class Launcher:
             self.kernel[grid](*args, **meta)
             return
         device = args[0].get_device()
-        if device != torch.cuda.current_device():
+        if device != torch._C._cuda_getDevice():  # CUDA is initialised: args[0] lives there
             with torch.cuda.device(device):
                 return self(grid, *args, **meta)
-        key = (device, tuple(map(_arg_key, args)), tuple(meta.items()))
+        key = (device, tuple(meta), *meta.values(), *specialization_key(args))
         entry = self._compiled.get(key)
         if entry is None:
+            if len(self._compiled) >= MAX_KEYS:
+                self._compiled.clear()
             self._compiled[key] = self._compile_and_launch(grid, args, meta)
             return
         if entry is _THROUGH_TRITON:
             self.kernel[grid](*args, **meta)
             return
-        launch, function, cooperative, pdl, packed_metadata, constexpr_names = entry
+        launch, function, cooperative, pdl, packed_metadata, constexpr_values = entry
         grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
         stream = torch._C._cuda_getCurrentRawStream(device)
         launch(grid_x, grid_y, grid_z, stream, function, cooperative, pdl, None, None, packed_metadata,
-               None, None, None, *args, *[meta[name] for name in constexpr_names])
+               None, None, None, *args, *constexpr_values)
 
     def _compile_and_launch(self, grid, args: tuple, meta: dict) -> tuple | str:
         """Launch through Triton (compiling if needed) and return what later launches need."""
@@ -98,5 +111,6 @@ class Launcher:
         if (runner.global_scratch_size > 0 or runner.profile_scratch_size > 0
                 or getattr(compiled.metadata, "tensordesc_meta", None)):
             return _THROUGH_TRITON  # scratch memory and tensor descriptors need Triton's wrapper
+        constexpr_values = tuple(meta[name] for name in constexpr_names)  # the same for the key
         return (runner.launch, compiled.function, runner.launch_cooperative_grid, runner.launch_pdl,
-                compiled.packed_metadata, constexpr_names)
+                compiled.packed_metadata, constexpr_values)

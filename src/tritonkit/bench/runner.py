@@ -142,7 +142,7 @@ def _timings(fn: Callable, case: Case, inputs: tuple) -> dict:
     input_bytes = sum(x.numel() * x.element_size() for x in inputs if isinstance(x, torch.Tensor))
     sets = [inputs] + [_inputs(case, "cuda", SEED + 10 + i, case.mode != "fwd")
                        for i in range(timing.rotation_count(input_bytes) - 1)]
-    (p20, median, p80), method = timing.kernel_ms([_call(fn, case, s) for s in sets])
+    (p20, median, p80), method = timing.kernel_ms([functools.partial(_call, fn, case, s) for s in sets])
     seconds = median * 1e-3
     measured, datasheet = roofline.measured_ceilings(), roofline.device_spec()
     tiny = Case(case.spec, case.spec.tiny_shape, case.dtype, case.mode)

@@ -41,35 +41,40 @@ def rotation_count(input_bytes: int) -> int:
     return min(MAX_ROTATION, math.ceil(2 * l2_bytes / input_bytes))
 
 
-def capture(call: Callable[[], object]) -> Callable[[], object] | None:
-    """A replay of ``call`` captured in a CUDA graph, or None where capture is not possible."""
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(GRAPH_WARMUP_CALLS):
-                call()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            call()
-    except RuntimeError:
-        torch.cuda.synchronize()
-        return None
-    return graph.replay
+def capture(make_call: Callable[[], Callable[[], object]]) -> tuple[Callable[[], object], str]:
+    """(replay, "cuda-graph") of the call ``make_call`` builds, or (call, "eager: why") if capture fails.
 
-
-def kernel_ms(calls: Sequence[Callable[[], object]]) -> tuple[tuple[float, float, float], str]:
-    """((p20, median, p80) in ms, method) of the calls taken in turn, one input set each.
-
-    The method is "cuda-graph" when every call could be captured, else "eager".
+    The call is built (running any forward a backward needs), warmed up and captured on one side
+    stream: the autograd engine runs a backward on its forward's stream, which must be the one
+    being captured.
     """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call = make_call()
+        for _ in range(GRAPH_WARMUP_CALLS):
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, stream=side):
+            call()
+    except RuntimeError as error:
+        torch.cuda.synchronize()
+        return call, f"eager: capture failed ({str(error).splitlines()[0][:120]})"
+    return graph.replay, "cuda-graph"
+
+
+def kernel_ms(call_makers: Sequence[Callable[[], Callable[[], object]]]
+              ) -> tuple[tuple[float, float, float], str]:
+    """((p20, median, p80) in ms, method) of the calls taken in turn, one input set each."""
     interpret()  # decide before triton is imported
     from triton.testing import do_bench
 
-    replays = [capture(call) for call in calls]
-    method = "cuda-graph" if all(replays) else "eager"
-    cycle = itertools.cycle(replays if method == "cuda-graph" else calls)
+    captured = [capture(make_call) for make_call in call_makers]
+    methods = {method for _, method in captured}
+    method = methods.pop() if len(methods) == 1 else "mixed: " + "; ".join(sorted(methods))
+    cycle = itertools.cycle([run for run, _ in captured])
     median, p20, p80 = do_bench(lambda: next(cycle)(), warmup=WARMUP_MS, rep=REP_MS,
                                 quantiles=list(QUANTILES))
     return (p20, median, p80), method
