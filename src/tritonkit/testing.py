@@ -103,14 +103,19 @@ def _as_tuple(value) -> tuple:
 
 
 def _clone_inputs(inputs: Sequence, dtype: torch.dtype | None, requires_grad: Sequence[bool]) -> list:
-    """Detached copies (upcast to ``dtype`` when given) that keep each input's strides."""
+    """Detached copies (upcast to ``dtype`` when given) with each input's strides.
+
+    An expanded input (stride 0) is copied compactly and expanded again, so the kernel still sees
+    stride 0; gradients are then taken with respect to the expanded view.
+    """
     cloned = []
     for value, wants_grad in zip(inputs, requires_grad, strict=True):
         if isinstance(value, torch.Tensor):
-            copy = torch.empty_strided(value.shape, value.stride(), dtype=dtype or value.dtype,
+            base = value.detach()[tuple(slice(0, 1) if st == 0 else slice(None) for st in value.stride())]
+            copy = torch.empty_strided(base.shape, base.stride(), dtype=dtype or value.dtype,
                                        device=value.device)
-            copy.copy_(value.detach())
-            value = copy.requires_grad_(wants_grad)
+            copy.copy_(base)
+            value = copy.requires_grad_(wants_grad).expand(value.shape)
         cloned.append(value)
     return cloned
 

@@ -71,8 +71,12 @@ def gpu_slug(gpu_name: str) -> str:
         return re.sub(r"[^a-z0-9]+", "-", gpu_name.lower()).strip("-") or "unknown"
 
 
-def write_results(rows: list[dict], out_dir: Path) -> list[Path]:
-    """``<out>/<gpu-slug>/<op>.json`` (and .csv, .png) for each op in the rows."""
+def write_results(rows: list[dict], out_dir: Path,
+                  ceilings: tuple[roofline.DeviceSpec, roofline.DeviceSpec] | None = None) -> list[Path]:
+    """``<out>/<gpu-slug>/<op>.json`` (and .csv, .png) for each op in the rows.
+
+    ``ceilings`` (datasheet, measured) for the plot default to this GPU's.
+    """
     written = []
     by_op = defaultdict(list)
     for row in rows:
@@ -85,7 +89,9 @@ def write_results(rows: list[dict], out_dir: Path) -> list[Path]:
         _write_csv(op_rows, csv_path)
         written += [json_path, csv_path]
         if any("tflops" in r for r in op_rows):
-            plot_roofline(op_rows, png_path)
+            datasheet, measured = ceilings or (roofline.device_spec(op_rows[0]["gpu"]),
+                                               roofline.measured_ceilings())
+            plot_roofline(op_rows, png_path, datasheet, measured)
             written.append(png_path)
     return written
 
@@ -99,7 +105,8 @@ def _write_csv(rows: list[dict], path: Path) -> None:
             writer.writerow({k: "x".join(map(str, v)) if k == "shape" else v for k, v in row.items()})
 
 
-def plot_roofline(rows: list[dict], path: Path, flop_unit: str | None = None) -> None:
+def plot_roofline(rows: list[dict], path: Path, datasheet: roofline.DeviceSpec,
+                  measured: roofline.DeviceSpec) -> None:
     """Each measured point (intensity, TFLOP/s) under the device's measured and datasheet roofs."""
     import matplotlib
 
@@ -109,9 +116,7 @@ def plot_roofline(rows: list[dict], path: Path, flop_unit: str | None = None) ->
     from tritonkit.ops import get_op
 
     timed = [r for r in rows if "tflops" in r]
-    unit = flop_unit or get_op(timed[0]["op"]).flop_unit
-    datasheet = roofline.device_spec(timed[0]["gpu"])
-    measured = roofline.measured_ceilings()
+    unit = get_op(timed[0]["op"]).flop_unit
     intensities = [r["flops"] / r["bytes"] for r in timed]
     lo, hi = min(intensities) / 8, max(max(intensities) * 8, datasheet.ridge(unit) * 4)
     xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]

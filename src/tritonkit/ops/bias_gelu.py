@@ -4,7 +4,7 @@ Maths. With ``z = x + b`` broadcast over rows,
     exact:  gelu(z) = z * Phi(z) = 0.5 * z * (1 + erf(z / sqrt(2)))
             gelu'(z) = Phi(z) + z * phi(z),  phi(z) = exp(-z^2 / 2) / sqrt(2 pi)
     tanh:   gelu(z) ~ 0.5 * z * (1 + t),  t = tanh(u),  u = sqrt(2 / pi) * (z + 0.044715 z^3)
-            gelu'(z) ~ 0.5 * (1 + t) + 0.5 * z * (1 - t^2) * sqrt(2 / pi) * (1 + 3 * 0.044715 z^2)
+            gelu'(z) ~ 0.5 * (1 + t) + 0.5 * z * sech^2(u) * sqrt(2 / pi) * (1 + 3 * 0.044715 z^2)
 VJP: dx = dy * gelu'(z); db = sum over rows of dx.
 
 Work. x (M, N) and b (N) are read once, y written once: forward bytes s * (2 M N + N). Backward
@@ -42,17 +42,20 @@ TANH_CUBIC = tl.constexpr(0.044715)  # coefficient of the tanh approximation (He
 
 
 @triton.jit
-def _tanh(u):
-    # tanh(|u|) = (1 - e) / (1 + e) with e = exp(-2|u|) <= 1: no overflow for any u.
+def _tanh_and_sech2(u):
+    # With e = exp(-2|u|) <= 1 (no overflow for any u): tanh|u| = (1 - e) / (1 + e) and
+    # sech^2 u = 1 - tanh^2 u = 4e / (1 + e)^2, which keeps full precision where tanh is near +-1
+    # (1 - t*t would cancel there and lose the gradient's low bits).
     e = tl.exp(-2.0 * tl.abs(u))
-    t = (1.0 - e) / (1.0 + e)
-    return tl.where(u >= 0, t, -t)
+    inv = 1.0 / (1.0 + e)
+    t = (1.0 - e) * inv
+    return tl.where(u >= 0, t, -t), 4.0 * e * inv * inv
 
 
 @triton.jit
 def _gelu(z, APPROX_TANH: tl.constexpr):
     if APPROX_TANH:
-        t = _tanh(SQRT_2_OVER_PI * (z + TANH_CUBIC * z * z * z))
+        t, _ = _tanh_and_sech2(SQRT_2_OVER_PI * (z + TANH_CUBIC * z * z * z))
         return 0.5 * z * (1.0 + t)
     else:
         return 0.5 * z * (1.0 + tl.math.erf(z * SQRT_HALF))
@@ -61,9 +64,9 @@ def _gelu(z, APPROX_TANH: tl.constexpr):
 @triton.jit
 def _gelu_grad(z, APPROX_TANH: tl.constexpr):
     if APPROX_TANH:
-        t = _tanh(SQRT_2_OVER_PI * (z + TANH_CUBIC * z * z * z))
+        t, sech2 = _tanh_and_sech2(SQRT_2_OVER_PI * (z + TANH_CUBIC * z * z * z))
         du_dz = SQRT_2_OVER_PI * (1.0 + 3.0 * TANH_CUBIC * z * z)
-        return 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * du_dz
+        return 0.5 * (1.0 + t) + 0.5 * z * sech2 * du_dz
     else:
         cdf = 0.5 * (1.0 + tl.math.erf(z * SQRT_HALF))
         return cdf + z * INV_SQRT_2PI * tl.exp(-0.5 * z * z)
@@ -205,11 +208,11 @@ def _bias_gelu_bwd(grad_output: torch.Tensor, input: torch.Tensor, bias: torch.T
                    approximate: str) -> tuple[torch.Tensor, torch.Tensor]:
     _validate(input, bias, approximate, grad_output=grad_output)
     dx = empty_output(input.shape, input.dtype, input.device)
+    if input.numel() == 0:  # before the reshape, which cannot infer -1 when the last dim is 0
+        return dx, torch.zeros_like(bias)
     n_cols = input.shape[-1]
     x, dy = input.reshape(-1, n_cols), grad_output.reshape(-1, n_cols)
     n_rows = x.shape[0]
-    if n_rows == 0 or n_cols == 0:
-        return dx, torch.zeros_like(bias)
     block_m, block_n = _tile(n_cols, input.element_size())
     row_tiles = _row_tiles(cdiv(n_rows, block_m))
     row_chunks = cdiv(n_rows, block_m * row_tiles)
@@ -287,7 +290,12 @@ def bias_gelu(input: torch.Tensor, bias: torch.Tensor, approximate: str = "none"
     """
     if torch.compiler.is_compiling():
         return _bias_gelu_op(input, bias, approximate)
-    if torch.is_grad_enabled() and (input.requires_grad or bias.requires_grad):
+    try:
+        needs_grad = torch.is_grad_enabled() and (input.requires_grad or bias.requires_grad)
+    except AttributeError:  # not tensors: let validation say which argument, and what it wants
+        _validate(input, bias, approximate)
+        raise
+    if needs_grad:
         return _BiasGelu.apply(input, bias, approximate)
     return _bias_gelu_fwd(input, bias, approximate)
 

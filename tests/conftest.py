@@ -1,0 +1,25 @@
+"""Shared test set-up: decide GPU or interpreter before anything imports triton."""
+
+from tritonkit import _runtime
+
+# Triton picks the interpreter for its own library functions when it is first imported, so the
+# decision (which sets TRITON_INTERPRET) must come before any test module imports triton.
+_runtime.interpret()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture
+def device() -> str:
+    """Where kernel inputs live: CUDA natively, the CPU under the interpreter."""
+    return "cpu" if _runtime.interpret() else "cuda"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    needs_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(needs_gpu)

@@ -1,0 +1,143 @@
+"""The benchmark harness and the CLI: sweeps, checks, writers and commands."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from tritonkit import roofline
+from tritonkit.bench import add_peer_ratios, format_table, run, write_results
+from tritonkit.bench.providers import providers_for
+from tritonkit.bench.runner import Case, run_case
+from tritonkit.cli import main
+from tritonkit.ops import get_op
+
+pytestmark = pytest.mark.infra
+
+ROW_FIELDS = {"op", "provider", "mode", "shape", "dtype", "max_err", "check", "gpu", "torch", "triton",
+              "git_sha", "flops", "bytes", "predicted_ms_h200"}
+TIMED_FIELDS = {"ms_p20", "ms", "ms_p80", "gbps", "tflops", "pct_roofline", "pct_roofline_datasheet",
+                "host_us", "timing"}
+
+
+@pytest.fixture
+def spec():
+    return get_op("bias_gelu")
+
+
+def test_unknown_op_is_refused():
+    with pytest.raises(ValueError, match="unknown op 'nope'"):
+        get_op("nope")
+
+
+def test_correctness_run_rows(spec):
+    rows = run(["bias_gelu"], dtypes=[torch.float32], modes=["fwd", "bwd"], progress=False)
+    ran = [r for r in rows if "unavailable" not in r]
+    assert {r["provider"] for r in ran} >= {"tritonkit", "torch"}
+    assert len({tuple(r["shape"]) for r in ran}) == len(spec.shapes["interpreter"])
+    for row in ran:
+        assert row.keys() >= ROW_FIELDS
+        assert row["check"] == "pass" and 0 < row["max_err"] < 1e-5
+        assert all(isinstance(d, int) for d in row["shape"])
+        cost = spec.cost(tuple(row["shape"]), torch.float32, row["mode"])
+        assert row["bytes"] == cost.bytes
+        assert row["predicted_ms_h200"] == pytest.approx(cost.bytes / 4.8e12 * 1e3)
+
+
+def test_unavailable_providers_say_why(spec):
+    rows = run_case(Case(spec, (4, 96), torch.float32, "fwd"), None, "cpu")
+    reasons = {r["provider"]: r["unavailable"] for r in rows if "unavailable" in r}
+    if not torch.cuda.is_available():
+        assert "CUDA" in reasons["torch.compile"]
+    table = format_table(rows, interpreter=True)
+    for name, reason in reasons.items():
+        assert f"not run: {name} ({reason})" in table
+
+
+def test_check_fails_a_wrong_kernel(spec):
+    def off_by_a_percent(input, bias, approximate="none"):
+        return spec.reference(input, bias, approximate) * 1.01
+
+    broken = dataclasses.replace(spec, fn=off_by_a_percent)
+    rows = run_case(Case(broken, (7, 33), torch.float32, "fwd"), ["tritonkit"], "cpu")
+    assert [r["check"] for r in rows] == ["FAIL"]
+
+
+def test_op_specific_peers_are_providers(spec):
+    with_peer = dataclasses.replace(spec, peers={"cublaslt": lambda kwargs: spec.reference})
+    assert [p.name for p in providers_for(with_peer)][-1] == "cublaslt"
+
+
+def _timed_row(provider: str, ms: float, **extra) -> dict:
+    cost = roofline.Cost(flops=2e8, bytes=1.3e8)
+    return {"op": "bias_gelu", "provider": provider, "mode": "fwd", "shape": [8192, 4096], "dtype": "bf16",
+            "ms": ms, "ms_p20": ms * 0.99, "ms_p80": ms * 1.01, "flops": cost.flops, "bytes": cost.bytes,
+            "gbps": cost.bytes / ms / 1e6, "tflops": cost.flops / ms / 1e9, "gpu": "NVIDIA H200"} | extra
+
+
+def test_peer_ratio_is_best_peer_over_tritonkit():
+    rows = [_timed_row("tritonkit", 0.05), _timed_row("torch", 0.13), _timed_row("torch.compile", 0.06)]
+    add_peer_ratios(rows)
+    assert rows[0]["speedup_vs_best_peer"] == pytest.approx(0.06 / 0.05)
+    assert "speedup_vs_best_peer" not in rows[1]
+
+
+def test_writers(tmp_path):
+    rows = [_timed_row("tritonkit", 0.05), _timed_row("torch", 0.13)]
+    datasheet = roofline.device_spec("h200")
+    measured = dataclasses.replace(datasheet, bandwidth=4.25e12, source="measured")
+    written = write_results(rows, tmp_path, ceilings=(datasheet, measured))
+    folder = tmp_path / "h200"
+    assert sorted(written) == sorted(folder / f"bias_gelu.{ext}" for ext in ("json", "csv", "png"))
+    assert json.loads((folder / "bias_gelu.json").read_text()) == rows
+    csv_lines = (folder / "bias_gelu.csv").read_text().splitlines()
+    assert len(csv_lines) == 3 and "8192x4096" in csv_lines[1]
+    assert (folder / "bias_gelu.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_roofline(capsys):
+    assert main(["roofline", "bias_gelu", "--shape", "8192x4096", "--dtype", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "memory-bound" in out
+    expected_ms = 2 * (2 * 8192 * 4096 + 4096) / 4.8e12 * 1e3
+    assert f"roofline: {expected_ms:.4g} ms" in out
+
+
+def test_cli_roofline_unknown_device(capsys):
+    assert main(["roofline", "bias_gelu", "--shape", "8", "8", "--device", "rtx9090"]) == 2
+    assert "rtx9090" in capsys.readouterr().err
+
+
+def test_cli_roofline_bad_shape():
+    with pytest.raises(SystemExit, match="--shape"):
+        main(["roofline", "bias_gelu", "--shape", "8192xabc"])
+
+
+def test_cli_info(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    if torch.cuda.is_available():
+        assert "measured ceilings" in out and "copy bandwidth" in out and "bf16 matmul" in out
+    else:
+        assert "interpreter" in out and "no CUDA GPU" in out and "4.80 TB/s" in out
+
+
+def test_cli_bench_correctness_run(capsys):
+    code = main(["bench", "bias_gelu", "--mode", "fwd", "--dtype", "fp32", "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0
+    if not torch.cuda.is_available():
+        assert "Correctness run" in out and "pass" in out and "FAIL" not in out
+
+
+@pytest.mark.gpu
+def test_timing_protocol_on_gpu():
+    from tritonkit.bench import timing
+
+    x = torch.randn(4096, 4096, device="cuda")
+    (p20, median, p80), method = timing.kernel_ms([lambda: (lambda: x * 2)])
+    assert method == "cuda-graph" and 0 < p20 <= median <= p80
+    assert 0 < timing.host_us(lambda: x * 2) < 1000

@@ -1,0 +1,395 @@
+"""bias_gelu: outputs and gradients against the float64 reference, layouts, edges, errors, compile."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tritonkit._runtime import empty_output
+from tritonkit.ops import get_op
+from tritonkit.ops.bias_gelu import (
+    APPROXIMATIONS,
+    DTYPES,
+    MAX_BLOCK_N,
+    MAX_ROW_TILES,
+    SPEC,
+    TILE_BYTES,
+    bias_gelu,
+    bias_gelu_cost,
+    bias_gelu_reference,
+)
+from tritonkit.testing import (
+    check_against_reference,
+    compare,
+    generator,
+    poisoned_outputs,
+    random_tensor,
+)
+
+pytestmark = pytest.mark.elementwise
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+
+
+def _tile_rows(n_cols: int, dtype: torch.dtype) -> int:
+    """Rows of one tile (the launcher's tiling, computed from the module's constants)."""
+    block_n = min(1 << (n_cols - 1).bit_length(), MAX_BLOCK_N)
+    return max(1, TILE_BYTES // dtype.itemsize // block_n)
+
+
+def _many_rows(n_cols: int, dtype: torch.dtype, chunks: int = 3) -> tuple[int, int]:
+    """A shape whose backward walks all MAX_ROW_TILES tiles in ``chunks`` row chunks, the last short."""
+    return ((chunks - 1) * _tile_rows(n_cols, dtype) * MAX_ROW_TILES + 3, n_cols)
+
+
+GRID = [
+    *[((7, 33), dtype, approximate) for dtype in DTYPES for approximate in APPROXIMATIONS],
+    ((1, 1), F32, "none"),
+    ((1, 1), BF16, "tanh"),
+    ((37,), F16, "tanh"),  # 1-D input: a single row
+    ((123, 257), BF16, "none"),
+    ((123, 257), F16, "tanh"),
+    ((2, 3, 96), F16, "none"),
+    ((2, 3, 96), F32, "tanh"),
+    ((5, 1), BF16, "tanh"),  # one column
+    ((3, 1823), F32, "none"),  # two column blocks, the second ragged
+    ((3, 1823), BF16, "tanh"),
+    ((2, 2 * MAX_BLOCK_N + 1), F16, "none"),  # three column blocks, the last of one column
+    (_many_rows(48, F32), F32, "tanh"),  # 48 columns: a partial column block too
+    (_many_rows(48, BF16), BF16, "none"),
+]
+
+
+def _inputs(shape, dtype, device, seed):
+    """Input, bias and upstream gradient: fresh seeded standard-normal values."""
+    g = generator(seed)
+    return (random_tensor(shape, dtype, device, generator=g),
+            random_tensor(shape[-1:], dtype, device, generator=g),
+            random_tensor(shape, dtype, device, generator=g))
+
+
+def _check(x, b, dy, approximate="none", grad_inputs=(0, 1), kernel=bias_gelu):
+    return check_against_reference(kernel, bias_gelu_reference, [x, b], kwargs={"approximate": approximate},
+                                   grad_inputs=grad_inputs, grad_outputs=[dy])
+
+
+@pytest.mark.parametrize("shape, dtype, approximate", GRID, ids=str)
+def test_matches_reference(shape, dtype, approximate, device):
+    comparisons = _check(*_inputs(shape, dtype, device, seed=len(shape) * 1000 + shape[-1]), approximate)
+    assert [c.name for c in comparisons] == ["output[0]", "grad input[0]", "grad input[1]"]
+
+
+def test_spec_is_registered():
+    assert get_op("bias_gelu") is SPEC
+    assert (SPEC.fn, SPEC.reference, SPEC.cost) == (bias_gelu, bias_gelu_reference, bias_gelu_cost)
+    assert SPEC.family == "elementwise" and SPEC.grad_inputs == (0, 1)
+
+
+@pytest.mark.parametrize("shape", SPEC.shapes["interpreter"], ids=str)
+def test_spec_inputs_match_reference(shape, device):
+    g = generator(7)
+    inputs = SPEC.make_inputs(shape, F32, device, g)
+    dy = random_tensor(shape, F32, device, generator=g)
+    check_against_reference(SPEC.fn, SPEC.reference, inputs, grad_inputs=SPEC.grad_inputs, grad_outputs=[dy])
+
+
+# ---------------------------------------------------------------- layouts
+
+
+def _row_shaped(g, dtype, device, **layout):
+    return random_tensor((9, 70), dtype, device, generator=g, **layout)
+
+
+def _strided_input(g, dtype, device):
+    x = _row_shaped(g, dtype, device, noncontiguous=True)
+    assert x.stride() == (140, 2)
+    return x, random_tensor((70,), dtype, device, generator=g), _row_shaped(g, dtype, device)
+
+
+def _transposed_input(g, dtype, device):
+    x = random_tensor((70, 9), dtype, device, generator=g).t()
+    assert x.stride() == (1, 9)
+    return x, random_tensor((70,), dtype, device, generator=g), _row_shaped(g, dtype, device)
+
+
+def _strided_bias(g, dtype, device):
+    b = random_tensor((70,), dtype, device, generator=g, noncontiguous=True)
+    assert b.stride() == (2,)
+    return _row_shaped(g, dtype, device), b, _row_shaped(g, dtype, device)
+
+
+def _strided_grad_output(g, dtype, device):
+    dy = _row_shaped(g, dtype, device, noncontiguous=True)
+    assert not dy.is_contiguous()
+    return _row_shaped(g, dtype, device), random_tensor((70,), dtype, device, generator=g), dy
+
+
+@pytest.mark.parametrize("make", [_strided_input, _transposed_input, _strided_bias, _strided_grad_output],
+                         ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+def test_strided_layouts(make, dtype, device):
+    x, b, dy = make(generator(11), dtype, device)
+    _check(x, b, dy, approximate="tanh")
+
+
+def _expand_first(fn, rows):
+    """``fn`` on its first argument broadcast to ``rows`` rows (a stride-0 view)."""
+    return lambda x, bias, approximate: fn(x.expand(rows, -1), bias, approximate)
+
+
+def _expand_bias(fn, cols):
+    """``fn`` with a one-element bias broadcast to ``cols`` entries (a stride-0 view)."""
+    return lambda x, bias, approximate: fn(x, bias.expand(cols), approximate)
+
+
+def test_expanded_input(device):
+    g = generator(12)
+    row, b = random_tensor((1, 65), F32, device, generator=g), random_tensor((65,), F32, device, generator=g)
+    dy = random_tensor((6, 65), F32, device, generator=g)
+    assert bias_gelu(row.expand(6, -1), b).shape == (6, 65)
+    check_against_reference(_expand_first(bias_gelu, 6), _expand_first(bias_gelu_reference, 6), [row, b],
+                            kwargs={"approximate": "none"}, grad_inputs=(0, 1), grad_outputs=[dy])
+
+
+def test_expanded_bias(device):
+    g = generator(13)
+    x, b = random_tensor((6, 65), F32, device, generator=g), random_tensor((1,), F32, device, generator=g)
+    # The bias gradient is one sum of 390 terms: a small dy keeps it near 1, the magnitude ATOL is for.
+    dy = random_tensor((6, 65), F32, device, generator=g, scale=0.05)
+    check_against_reference(_expand_bias(bias_gelu, 65), _expand_bias(bias_gelu_reference, 65), [x, b],
+                            kwargs={"approximate": "tanh"}, grad_inputs=(0, 1), grad_outputs=[dy])
+
+
+# ---------------------------------------------------------------- edges and invariants
+
+
+@pytest.mark.parametrize("shape", [(0, 16), (2, 0, 5), (3, 0)], ids=str)
+def test_empty_input(shape, device):
+    x = torch.empty(shape, device=device).requires_grad_()
+    b = random_tensor(shape[-1:], F32, device, generator=generator(14)).requires_grad_()
+    y = bias_gelu(x, b)
+    assert y.shape == shape and y.dtype == F32
+    grad_x, grad_b = torch.autograd.grad(y, (x, b), torch.empty(shape, device=device))
+    assert grad_x.shape == shape
+    torch.testing.assert_close(grad_b, torch.zeros_like(b), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("approximate", APPROXIMATIONS)
+def test_far_tails(approximate, device):
+    """gelu(z) = z for large positive z and 0 for large negative z (to fp32 rounding)."""
+    g = generator(15)
+    b = random_tensor((40,), F32, device, generator=g, scale=0.1)
+    x = 8.0 + random_tensor((8, 40), F32, device, generator=g).abs()
+    torch.testing.assert_close(bias_gelu(x, b, approximate), x + b, rtol=2e-7, atol=0)
+    tail = bias_gelu(-x, b, approximate)
+    assert tail.abs().max().item() < 1e-12 and (tail <= 0).all()
+
+
+@pytest.mark.parametrize("approximate", APPROXIMATIONS)
+def test_odd_part_is_identity(approximate, device):
+    """gelu(z) - gelu(-z) = z for both forms, since Phi(z) + Phi(-z) = 1 and tanh is odd."""
+    g = generator(16)
+    x, b = random_tensor((16, 50), F32, device, generator=g, scale=2.0), random_tensor((50,), F32, device,
+                                                                                        generator=g)
+    odd = bias_gelu(x, b, approximate).double() - bias_gelu(-x, -b, approximate).double()
+    torch.testing.assert_close(odd, x.double() + b.double(), rtol=1e-6, atol=1e-6)
+
+
+def test_fp32_tanh_gradients_over_seeds(device):
+    """Where tanh(u) nears +-1, 1 - t*t cancels; the gradients must still meet the oracle on every seed."""
+    for seed in range(6):
+        _check(*_inputs((64, 256), F32, device, seed=seed), approximate="tanh")
+
+
+def test_every_output_element_written(device):
+    x, b, dy = _inputs((5, MAX_BLOCK_N + 77), BF16, device, seed=17)
+    x.requires_grad_(), b.requires_grad_()
+    with poisoned_outputs():
+        assert torch.isnan(empty_output((3,), F32, device)).all()  # poisoning is really on
+        y = bias_gelu(x, b, "tanh")
+        grad_x, grad_b = torch.autograd.grad(y, (x, b), dy)
+    for value in (y, grad_x, grad_b):
+        assert not torch.isnan(value).any()
+
+
+# ---------------------------------------------------------------- bad arguments
+
+
+def _valid_arguments(device):
+    g = generator(18)
+    return random_tensor((4, 8), F32, device, generator=g), random_tensor((8,), F32, device, generator=g)
+
+
+# (turn valid input and bias into bad ones, expected exception, the argument its message starts with)
+BAD_ARGUMENTS = [
+    pytest.param(lambda x, b: (x.tolist(), b), TypeError, "input", id="input not a tensor"),
+    pytest.param(lambda x, b: (x, b.tolist()), TypeError, "bias", id="bias not a tensor"),
+    pytest.param(lambda x, b: ((100 * x).int(), (100 * b).int()), TypeError, "input", id="int input"),
+    pytest.param(lambda x, b: (x.double(), b.double()), TypeError, "input", id="float64 input"),
+    pytest.param(lambda x, b: (x, b.to(BF16)), TypeError, "bias", id="bias dtype"),
+    pytest.param(lambda x, b: (x, torch.cat([b, b[:1]])), ValueError, "bias", id="bias length"),
+    pytest.param(lambda x, b: (x, b[None]), ValueError, "bias", id="2-D bias"),
+    pytest.param(lambda x, b: (x[0, 0], b[:1]), ValueError, "input", id="0-dim input"),
+    pytest.param(lambda x, b: (x, b.to("meta")), ValueError, "bias", id="bias on another device"),
+]
+
+
+@pytest.mark.parametrize("corrupt, error, argument", BAD_ARGUMENTS)
+def test_bad_arguments(corrupt, error, argument, device):
+    with pytest.raises(error, match=rf"^{argument} "):
+        bias_gelu(*corrupt(*_valid_arguments(device)))
+
+
+def test_bad_approximate(device):
+    with pytest.raises(ValueError, match="^approximate "):
+        bias_gelu(*_valid_arguments(device), approximate="exact")
+
+
+@pytest.mark.parametrize("dy_shape, dy_dtype", [((4, 9), F32), ((4, 8), F16)], ids=["shape", "dtype"])
+def test_backward_rejects_mismatched_grad_output(dy_shape, dy_dtype, device):
+    x, b = _valid_arguments(device)
+    dy = random_tensor(dy_shape, dy_dtype, device, generator=generator(19))
+    with pytest.raises(ValueError, match="grad_output"):
+        torch.ops.tritonkit.bias_gelu_backward(dy, x, b, "none")
+
+
+# ---------------------------------------------------------------- autograd, custom op, compile
+
+
+@pytest.mark.parametrize("grad_inputs", [(0,), (1,)], ids=["input only", "bias only"])
+def test_partial_gradients(grad_inputs, device):
+    _check(*_inputs((10, 40), F32, device, seed=20), grad_inputs=grad_inputs)
+
+
+def test_no_grad_has_no_graph(device):
+    x, b, _ = _inputs((4, 40), F32, device, seed=21)
+    x.requires_grad_(), b.requires_grad_()
+    with torch.no_grad():
+        y = bias_gelu(x, b)
+    assert y.grad_fn is None and not y.requires_grad
+    y_graph = bias_gelu(x, b)
+    assert y_graph.grad_fn is not None
+    torch.testing.assert_close(y, y_graph.detach(), rtol=0, atol=0)
+
+
+def test_opcheck_forward(device):
+    x, b, _ = _inputs((5, 40), F32, device, seed=22)
+    x.requires_grad_(), b.requires_grad_()
+    torch.library.opcheck(torch.ops.tritonkit.bias_gelu.default, (x, b, "none"))
+
+
+def test_opcheck_backward(device):
+    x, b, dy = _inputs((5, 40), F32, device, seed=23)
+    torch.library.opcheck(torch.ops.tritonkit.bias_gelu_backward.default, (dy, x, b, "tanh"))
+
+
+def test_compile_fullgraph(device):
+    torch._dynamo.reset()
+
+    def fn(input, bias, approximate):
+        return bias_gelu(input, bias, approximate)
+
+    compiled = torch.compile(fn, fullgraph=True)
+    x, b, dy = _inputs((6, 40), F32, device, seed=24)
+    _check(x, b, dy, approximate="tanh", kernel=compiled)
+    eager_x, eager_b = x.clone().requires_grad_(), b.clone().requires_grad_()
+    eager = bias_gelu(eager_x, eager_b, "tanh")
+    out = compiled(x.requires_grad_(), b.requires_grad_(), "tanh")
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+    torch.testing.assert_close(torch.autograd.grad(out, (x, b), dy),
+                               torch.autograd.grad(eager, (eager_x, eager_b), dy), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- cost model
+
+
+@pytest.mark.parametrize("shape, dtype, size", [((7, 33), F32, 4), ((2, 3, 96), BF16, 2),
+                                                ((1823, 4097), F16, 2), ((37,), F32, 4)], ids=str)
+def test_cost_bytes(shape, dtype, size):
+    n = shape[-1]
+    mn = math.prod(shape)
+    fwd, bwd = bias_gelu_cost(shape, dtype, "fwd"), bias_gelu_cost(shape, dtype, "bwd")
+    both = bias_gelu_cost(shape, dtype, "fwd+bwd")
+    assert fwd.bytes == size * (2 * mn + n)  # read x, write y, read b
+    assert bwd.bytes == size * (3 * mn + 2 * n)  # read dy and x, write dx, read b, write db
+    assert (both.bytes, both.flops) == (fwd.bytes + bwd.bytes, fwd.flops + bwd.flops)
+    assert bias_gelu_cost(shape, dtype) == fwd
+    assert 0 < fwd.flops < bwd.flops
+
+
+def test_cost_flops_scale_with_elements():
+    one, four = bias_gelu_cost((100, 64), BF16, "fwd+bwd"), bias_gelu_cost((400, 64), BF16, "fwd+bwd")
+    assert four.flops == 4 * one.flops
+
+
+# ---------------------------------------------------------------- GPU: large shapes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, dtype, approximate",
+                         [((8192, 4096), BF16, "none"), ((1823, 4097), F16, "tanh")], ids=str)
+def test_large_shapes_match_reference(shape, dtype, approximate, device):
+    _check(*_inputs(shape, dtype, device, seed=25), approximate)
+
+
+@pytest.mark.gpu
+def test_input_on_cpu_rejected_on_gpu():
+    x, b = _valid_arguments("cpu")
+    with pytest.raises(ValueError, match="input must be a CUDA tensor"):
+        bias_gelu(x, b)
+    with pytest.raises(ValueError, match="bias"):
+        bias_gelu(x.cuda(), b)
+
+
+HUGE_COLS = 4096
+HUGE_ROWS = 2**31 // HUGE_COLS + 3  # past 2^31 elements: int32 offsets would wrap
+FIRST_ROW_PAST_2_31 = 2**31 // HUGE_COLS
+
+
+def _huge_inputs(seed):
+    g = torch.Generator("cuda").manual_seed(seed)
+    x = torch.randn((HUGE_ROWS, HUGE_COLS), generator=g, device="cuda", dtype=BF16)
+    b = torch.randn((HUGE_COLS,), generator=g, device="cuda", dtype=BF16)
+    rows = torch.tensor([0, HUGE_ROWS // 2, FIRST_ROW_PAST_2_31 - 1, FIRST_ROW_PAST_2_31, HUGE_ROWS - 1],
+                        device="cuda")
+    return g, x, b, rows
+
+
+@pytest.mark.gpu
+def test_forward_past_2_31_elements():
+    _, x, b, rows = _huge_inputs(seed=26)
+    assert x.numel() > 2**31
+    with poisoned_outputs():
+        y = bias_gelu(x, b)
+    assert not torch.isnan(y).any()
+    reference = bias_gelu_reference(x[rows].double(), b.double())
+    comparison = compare("sampled rows", y[rows], bias_gelu_reference(x[rows], b), reference, BF16)
+    assert comparison.passed, str(comparison)
+
+
+def _row_grads(x_rows, b, dy_rows, upcast=None):
+    x_rows = x_rows.detach().to(upcast or x_rows.dtype).requires_grad_()
+    b = b.detach().to(upcast or b.dtype).requires_grad_()
+    out = bias_gelu_reference(x_rows, b)
+    return torch.autograd.grad(out, (x_rows, b), dy_rows.to(out.dtype))
+
+
+@pytest.mark.gpu
+def test_backward_past_2_31_elements():
+    g, x, b, rows = _huge_inputs(seed=27)
+    dy = torch.randn(x.shape, generator=g, device="cuda", dtype=BF16)
+    with poisoned_outputs():
+        grad_x, grad_b = torch.ops.tritonkit.bias_gelu_backward(dy, x, b, "none")
+    assert not torch.isnan(grad_x).any()
+    reference_x, _ = _row_grads(x[rows], b, dy[rows], torch.float64)
+    torch_x, _ = _row_grads(x[rows], b, dy[rows])
+    comparison = compare("grad input rows", grad_x[rows], torch_x, reference_x, BF16)
+    assert comparison.passed, str(comparison)
+    del grad_x
+    # db sums every row: the float64 reference in chunks, torch's bf16 autograd in one go.
+    chunks = zip(x.split(1 << 16), dy.split(1 << 16), strict=True)
+    reference_b = sum(_row_grads(xc, b, dyc, torch.float64)[1] for xc, dyc in chunks)
+    comparison = compare("grad bias", grad_b, _row_grads(x, b, dy)[1], reference_b, BF16)
+    assert comparison.passed, str(comparison)
