@@ -111,6 +111,11 @@ def test_cli_roofline_unknown_device(capsys):
     assert "rtx9090" in capsys.readouterr().err
 
 
+def test_cli_bench_unknown_provider(capsys):
+    assert main(["bench", "bias_gelu", "--providers", "ligerr", "--no-progress"]) == 2
+    assert "ligerr" in capsys.readouterr().err
+
+
 def test_cli_roofline_bad_shape():
     with pytest.raises(SystemExit, match="--shape"):
         main(["roofline", "bias_gelu", "--shape", "8192xabc"])

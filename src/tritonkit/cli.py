@@ -85,10 +85,15 @@ def cmd_roofline(args) -> int:
 def cmd_bench(args) -> int:
     from tritonkit._runtime import interpret
     from tritonkit.bench import add_peer_ratios, format_table, run, write_results
+    from tritonkit.bench.providers import providers_for
 
     names = args.ops or op_names()
-    for name in names:
-        get_op(name)  # unknown names fail before any work
+    known = {p.name for name in names for p in providers_for(get_op(name))}  # unknown ops fail here
+    unknown = sorted(set(args.providers or ()) - known)
+    if unknown:
+        raise ValueError(f"unknown providers {unknown}; known: {sorted(known)}")
+    if interpret() and args.shapes != "quick":
+        print(f"--shapes {args.shapes} does not apply: the interpreter runs each op's small shapes")
     dtypes = [DTYPES[d] for d in args.dtype] if args.dtype else None
     rows = run(names, shapes=args.shapes, dtypes=dtypes, modes=args.mode, providers=args.providers,
                progress=not args.no_progress)

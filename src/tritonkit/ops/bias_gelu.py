@@ -20,6 +20,7 @@ The add is done in fp32 and not rounded before the GELU, so the op is more accur
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -318,8 +319,7 @@ BWD_FLOPS_PER_ELEMENT = 12
 def bias_gelu_cost(shape: tuple, dtype: torch.dtype, mode: str = "fwd"):
     from tritonkit.roofline import Cost
 
-    *lead, n_cols = shape
-    elements = n_cols * int(torch.tensor(lead).prod()) if lead else n_cols
+    n_cols, elements = shape[-1], math.prod(shape)
     size = torch.finfo(dtype).bits // 8
     fwd = Cost(FWD_FLOPS_PER_ELEMENT * elements, size * (2 * elements + n_cols))
     bwd = Cost(BWD_FLOPS_PER_ELEMENT * elements, size * (3 * elements + 2 * n_cols))
