@@ -137,6 +137,12 @@ def _base_row(case: Case, provider: str) -> dict:
             "predicted_ms_h200": roofline.roofline_seconds(cost, h200, case.spec.flop_unit) * 1e3}
 
 
+@functools.cache
+def _ceilings() -> tuple[roofline.DeviceSpec, roofline.DeviceSpec]:
+    """(measured, datasheet) of this GPU, read once per process rather than once per row."""
+    return roofline.measured_ceilings(), roofline.device_spec()
+
+
 def _timings(fn: Callable, case: Case, inputs: tuple) -> dict:
     cost = case.spec.cost(case.shape, case.dtype, case.mode)
     input_bytes = sum(x.numel() * x.element_size() for x in inputs if isinstance(x, torch.Tensor))
@@ -144,7 +150,7 @@ def _timings(fn: Callable, case: Case, inputs: tuple) -> dict:
                        for i in range(timing.rotation_count(input_bytes) - 1)]
     (p20, median, p80), method = timing.kernel_ms([functools.partial(_call, fn, case, s) for s in sets])
     seconds = median * 1e-3
-    measured, datasheet = roofline.measured_ceilings(), roofline.device_spec()
+    measured, datasheet = _ceilings()
     tiny = Case(case.spec, case.spec.tiny_shape, case.dtype, case.mode)
     return {
         "ms_p20": p20, "ms": median, "ms_p80": p80, "timing": method,
