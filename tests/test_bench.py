@@ -86,16 +86,31 @@ def test_peer_ratio_is_best_peer_over_tritonkit():
 
 
 def test_writers(tmp_path):
-    rows = [_timed_row("tritonkit", 0.05), _timed_row("torch", 0.13)]
+    rows = [_timed_row("tritonkit", 0.05, check="pass", pct_roofline=62.1, pct_copy_same_bytes=70.2),
+            _timed_row("torch", 0.13, check="pass"), _timed_row("tritonkit[online]", 0.04, check="FAIL"),
+            {"op": "bias_gelu", "provider": "liger", "mode": "fwd", "shape": [8192, 4096], "dtype": "bf16",
+             "gpu": "NVIDIA H200", "unavailable": "refused: RuntimeError: n too large"}]
+    add_peer_ratios(rows)
     datasheet = roofline.device_spec("h200")
     measured = dataclasses.replace(datasheet, bandwidth=4.25e12, source="measured")
     written = write_results(rows, tmp_path, ceilings=(datasheet, measured))
     folder = tmp_path / "h200"
-    assert sorted(written) == sorted(folder / f"bias_gelu.{ext}" for ext in ("json", "csv", "png"))
+    assert sorted(written) == sorted([folder / f"bias_gelu.{ext}" for ext in ("json", "csv", "md", "png")]
+                                     + [folder / "bias_gelu-bandwidth.png"])
     assert json.loads((folder / "bias_gelu.json").read_text()) == rows
     csv_lines = (folder / "bias_gelu.csv").read_text().splitlines()
-    assert len(csv_lines) == 3 and "8192x4096" in csv_lines[1]
+    assert len(csv_lines) == 5 and "8192x4096" in csv_lines[1]
     assert (folder / "bias_gelu.png").read_bytes()[:4] == b"\x89PNG"
+    assert (folder / "bias_gelu-bandwidth.png").read_bytes()[:4] == b"\x89PNG"
+    # the docs' table: GB/s per provider, a failed check marked, a refusal said, the ratio to the
+    # best peer (torch: a tritonkit variant is not a peer)
+    header, rule, line = (folder / "bias_gelu.md").read_text().splitlines()
+    providers = ["tritonkit", "torch", "tritonkit[online]", "liger"]
+    assert header.split(" | ")[3:7] == [f"{p} GB/s" for p in providers]
+    cells = line.strip("| ").split(" | ")
+    assert cells[:3] == ["fwd", "8192x4096", "bf16"]
+    assert cells[3:7] == ["2600", "1000", "3250 (FAIL)", "refused"]
+    assert cells[7:] == ["62.1", "70.2", f"{0.13 / 0.05:.2f}x"]
 
 
 def test_cli_roofline(capsys):

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
+import sm90
 from tritonkit._runtime import empty_output
 from tritonkit.ops import get_op
 from tritonkit.ops.bias_gelu import (
@@ -17,7 +15,7 @@ from tritonkit.ops.bias_gelu import (
     DTYPES,
     MAX_BLOCK_N,
     MAX_ROW_TILES,
-    SPEC,
+    SPECS,
     TILE_BYTES,
     bias_gelu,
     bias_gelu_cost,
@@ -30,6 +28,8 @@ from tritonkit.testing import (
     poisoned_outputs,
     random_tensor,
 )
+
+SPEC = SPECS["bias_gelu"]
 
 pytestmark = pytest.mark.elementwise
 
@@ -400,27 +400,10 @@ def test_backward_past_2_31_elements():
 
 # ---------------------------------------------------------------- compiles for Hopper, no GPU needed
 
-_HOPPER_COMPILE = r"""
-import os, subprocess, sys, tempfile
-import triton
+_HOPPER_CHECK = r"""
 import tritonkit.ops.bias_gelu as bg
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 COMMON = {"M": "i32", "N": "i32", "stride_xm": "i32", "stride_xn": "constexpr", "stride_bn": "constexpr"}
-def compile_kernel(kernel, signature, constexprs):
-    # As Triton specializes an 8192 x 4096 launch: pointers 16-byte aligned, sizes and strides % 16 == 0.
-    aligned = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(signature.values()) if t != "constexpr"}
-    constants = {(kernel.arg_names.index(k),): v for k, v in constexprs.items()}
-    src = ASTSource(kernel, signature, constants, aligned)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": bg.NUM_WARPS})
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(compiled.asm["cubin"])
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    return sass, usage
-
 for dtype in ("bf16", "fp32"):
     for tanh in (False, True):
         block_m, block_n = bg._tile(4096, 2 if dtype == "bf16" else 4)
@@ -433,21 +416,15 @@ for dtype in ("bf16", "fp32"):
         for kernel, signature, extra in ((bg._bias_gelu_fwd_kernel, fwd, {}),
                                          (bg._bias_gelu_bwd_kernel, bwd, {"ROW_TILES": bg.MAX_ROW_TILES})):
             constexprs = {n: 1 for n, t in signature.items() if t == "constexpr"} | meta | extra
-            signature = signature | {n: "constexpr" for n in meta | extra}
-            sass, usage = compile_kernel(kernel, signature, constexprs)
-            print(kernel.__name__, dtype, tanh, "LDG.E.128" in sass, "STG.E.128" in sass,
-                  "STACK:0" in usage and "LOCAL:0" in usage)
+            sass, usage = compile_kernel(kernel, signature, constexprs, bg.NUM_WARPS)
+            print(kernel.__name__, dtype, tanh, "LDG.E.128" in sass, "STG.E.128" in sass, not spills(usage))
 """
 
 
 def test_kernels_compile_for_hopper_with_wide_accesses_and_no_spills():
     """Compiled for sm_90 with Triton's own ptxas (the interpreter never compiles): 16-byte global
     loads and stores on contiguous rows, and no stack or local memory (no spills)."""
-    env = os.environ | {"TRITONKIT_INTERPRET": "0", "TRITON_INTERPRET": "0"}
-    result = subprocess.run([sys.executable, "-c", _HOPPER_COMPILE], capture_output=True, text=True,
-                            env=env, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = result.stdout.splitlines()
-    assert len(lines) == 8, result.stdout
+    lines = sm90.run(_HOPPER_CHECK)
+    assert len(lines) == 8, lines
     for line in lines:
         assert line.endswith("True True True"), line

@@ -14,6 +14,8 @@ __version__ = "0.1.0"
 # public name -> module that defines it
 _PUBLIC = {
     "bias_gelu": "tritonkit.ops.bias_gelu",
+    "softmax": "tritonkit.ops.softmax",
+    "log_softmax": "tritonkit.ops.softmax",
 }
 __all__ = [*_PUBLIC, "__version__"]
 

@@ -14,9 +14,9 @@ TABLE_COLUMNS = [  # (header, row key, format)
     ("op", "op", "{}"), ("mode", "mode", "{}"), ("shape", "shape", "{}"), ("dtype", "dtype", "{}"),
     ("provider", "provider", "{}"), ("ms", "ms", "{:.4f}"), ("GB/s", "gbps", "{:.0f}"),
     ("TFLOP/s", "tflops", "{:.2f}"), ("%roof", "pct_roofline", "{:.1f}"),
-    ("%roof(ds)", "pct_roofline_datasheet", "{:.1f}"), ("host us", "host_us", "{:.1f}"),
-    ("vs best peer", "speedup_vs_best_peer", "{:.2f}x"), ("max err", "max_err", "{:.2e}"),
-    ("check", "check", "{}"),
+    ("%roof(ds)", "pct_roofline_datasheet", "{:.1f}"), ("%copy@size", "pct_copy_same_bytes", "{:.1f}"),
+    ("host us", "host_us", "{:.1f}"), ("vs best peer", "speedup_vs_best_peer", "{:.2f}x"),
+    ("max err", "max_err", "{:.2e}"), ("check", "check", "{}"),
 ]
 INTERPRETER_COLUMNS = [  # a correctness run: no timings, the analytic prediction instead
     ("op", "op", "{}"), ("mode", "mode", "{}"), ("shape", "shape", "{}"), ("dtype", "dtype", "{}"),
@@ -32,7 +32,8 @@ def add_peer_ratios(rows: list[dict]) -> None:
         if "ms" in row:
             groups[(row["op"], row["mode"], tuple(row["shape"]), row["dtype"])].append(row)
     for group in groups.values():
-        peers = [r["ms"] for r in group if r["provider"] != "tritonkit"]
+        # peers only: tritonkit's named variants ("tritonkit[online]") are shown, not compared with
+        peers = [r["ms"] for r in group if not r["provider"].startswith("tritonkit")]
         for row in group:
             if row["provider"] == "tritonkit" and peers:
                 row["speedup_vs_best_peer"] = min(peers) / row["ms"]
@@ -84,16 +85,93 @@ def write_results(rows: list[dict], out_dir: Path,
     for (slug, op), op_rows in by_op.items():
         folder = out_dir / slug
         folder.mkdir(parents=True, exist_ok=True)
-        json_path, csv_path, png_path = (folder / f"{op}.{ext}" for ext in ("json", "csv", "png"))
+        json_path, csv_path, md_path, png_path = (folder / f"{op}.{ext}"
+                                                  for ext in ("json", "csv", "md", "png"))
         json_path.write_text(json.dumps(op_rows, indent=1) + "\n")
         _write_csv(op_rows, csv_path)
-        written += [json_path, csv_path]
+        md_path.write_text(markdown_table(op_rows) + "\n")
+        written += [json_path, csv_path, md_path]
         if any("tflops" in r for r in op_rows):
             datasheet, measured = ceilings or (roofline.device_spec(op_rows[0]["gpu"]),
                                                roofline.measured_ceilings())
             plot_roofline(op_rows, png_path, datasheet, measured)
-            written.append(png_path)
+            bandwidth_path = folder / f"{op}-bandwidth.png"
+            plot_bandwidth(op_rows, bandwidth_path, measured)
+            written += [png_path, bandwidth_path]
     return written
+
+
+MARKDOWN_COLUMNS = [  # the table docs show: one line per (mode, shape, dtype), GB/s per provider
+    ("tritonkit %copy", "pct_roofline"), ("tritonkit %copy@size", "pct_copy_same_bytes"),
+    ("vs best peer", "speedup_vs_best_peer"),
+]
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """GB/s of every provider per case, tritonkit's share of the copy ceiling and its ratio to the
+    best peer: the table the docs show. Failed checks are marked; providers that refused say so."""
+    timed = [r for r in rows if "gbps" in r]
+    if not timed:
+        return "(no timed rows: a correctness run)"
+    providers = list(dict.fromkeys(r["provider"] for r in rows if "gbps" in r or "unavailable" in r))
+    cases = defaultdict(dict)
+    for r in rows:
+        if "gbps" in r or "unavailable" in r:
+            cases[(r["mode"], "x".join(map(str, r["shape"])), r["dtype"])][r["provider"]] = r
+    header = ["mode", "shape", "dtype", *[f"{p} GB/s" for p in providers], *[h for h, _ in MARKDOWN_COLUMNS]]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for (mode, shape, dtype), by_provider in cases.items():
+        cells = [mode, shape, dtype]
+        for provider in providers:
+            row = by_provider.get(provider)
+            if row is None or "gbps" not in row:
+                cells.append("refused" if row is not None else "-")
+            else:
+                cells.append(f"{row['gbps']:.0f}" + ("" if row.get("check") == "pass" else " (FAIL)"))
+        ours = by_provider.get("tritonkit", {})
+        for _, key in MARKDOWN_COLUMNS:
+            value = ours.get(key)
+            if value is None:
+                cells.append("-")
+            else:
+                cells.append(f"{value:.2f}x" if key.startswith("speedup") else f"{value:.1f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _case_label(row: dict) -> str:
+    return "x".join(map(str, row["shape"])) + "\n" + row["dtype"]
+
+
+def plot_bandwidth(rows: list[dict], path: Path, measured: roofline.DeviceSpec) -> None:
+    """GB/s of each provider per case, one panel per mode, under the measured copy bandwidth."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    timed = [r for r in rows if "gbps" in r]
+    modes = list(dict.fromkeys(r["mode"] for r in timed))
+    providers = list(dict.fromkeys(r["provider"] for r in timed))
+    fig, axes = plt.subplots(len(modes), 1, figsize=(11, 3.6 * len(modes)), squeeze=False)
+    width = 0.8 / len(providers)
+    for ax, mode in zip(axes[:, 0], modes, strict=True):
+        in_mode = [r for r in timed if r["mode"] == mode]
+        cases = list(dict.fromkeys(_case_label(r) for r in in_mode))
+        gbps = {(_case_label(r), r["provider"]): r["gbps"] for r in in_mode}
+        for i, provider in enumerate(providers):
+            heights = [gbps.get((case, provider), 0.0) for case in cases]
+            ax.bar([c + i * width for c in range(len(cases))], heights, width, label=provider, color=f"C{i}")
+        copy = measured.bandwidth / 1e9
+        ax.axhline(copy, color="black", lw=1, label=f"measured copy {copy:.0f} GB/s")
+        ax.axhline(0.9 * copy, color="black", lw=1, ls="--", label="90% of copy")
+        ax.set_xticks([c + 0.4 - width / 2 for c in range(len(cases))], cases, fontsize=7)
+        ax.set(ylabel="GB/s", ylim=(0, 1.3 * copy), title=f"{timed[0]['op']} {mode} on {timed[0]['gpu']}")
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0, 0].legend(fontsize=7, ncol=len(providers) + 2, loc="upper center")  # above the copy line
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def _write_csv(rows: list[dict], path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The op registry: one :class:`OpSpec` per public op, declared at the end of its op module.
+"""The op registry: one :class:`OpSpec` per public op, in its module's ``SPECS`` (name -> spec).
 
 The registry names modules rather than importing them, so that ``import tritonkit.ops`` defines
 no kernel; :func:`get_op` imports an op's module (deciding GPU or interpreter first) on demand.
@@ -17,6 +17,8 @@ from tritonkit.roofline import Cost
 # op name -> module under tritonkit.ops that defines it
 OP_MODULES = {
     "bias_gelu": "tritonkit.ops.bias_gelu",
+    "softmax": "tritonkit.ops.softmax",
+    "log_softmax": "tritonkit.ops.softmax",
 }
 MODES = ("fwd", "bwd", "fwd+bwd")
 
@@ -33,7 +35,9 @@ class OpSpec:
     make_inputs: Callable[..., tuple]  # (shape, dtype, device, generator) -> positional inputs
     grad_inputs: tuple[int, ...]  # positions of differentiable inputs
     flop_unit: str  # roofline peak key its FLOPs run on ("fp32" for CUDA-core math)
-    shapes: dict[str, list[tuple]]  # "quick", "full" (GPU) and "interpreter" shape lists
+    # "quick", "full" (GPU) and "interpreter" lists of shapes, each either a shape (run in every
+    # dtype) or a (shape, dtype name) pair: a shape measured in one dtype only
+    shapes: dict[str, list[tuple]]
     tiny_shape: tuple  # for host overhead: the kernel is negligible, the host path is not
     dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
     kwargs: dict = field(default_factory=dict)
@@ -47,4 +51,4 @@ def op_names() -> list[str]:
 def get_op(name: str) -> OpSpec:
     if name not in OP_MODULES:
         raise ValueError(f"unknown op {name!r}; known ops: {', '.join(OP_MODULES)}")
-    return importlib.import_module(OP_MODULES[name]).SPEC
+    return importlib.import_module(OP_MODULES[name]).SPECS[name]

@@ -354,4 +354,4 @@ def _spec():
     )
 
 
-SPEC = _spec()
+SPECS = {"bias_gelu": _spec()}

@@ -1,0 +1,704 @@
+"""Softmax and log-softmax along any dimension, forward and backward, at any row length.
+
+Maths. For a row x of length N, with m = max(x) and s = sum(exp(x - m)):
+    softmax:      y = exp(x - m) / s
+    log_softmax:  y = (x - m) - log(s)
+VJPs (y is the saved output, dy the upstream gradient):
+    softmax:      dx = y * (dy - sum(dy * y))
+    log_softmax:  dx = dy - exp(y) * sum(dy)
+Subtracting m keeps exp from overflowing; a row of all -inf has m = -inf and gives NaN, as torch.
+
+Layout. The input is viewed as (O, R, N): O outer slices of R rows, softmax along N, each with its
+own stride, so the last dimension (O = 1, R = the leading dimensions) and any other dimension
+(O = the dimensions before it, R = those after it, usually contiguous) run the same kernels without
+a transpose copy. A program takes a (BLOCK_M, BLOCK_N) tile of BLOCK_M rows; Triton orders the tile
+along whichever of its axes has stride 1.
+
+Kernels, selectable by name (``VARIANTS``):
+  one-pass  the row lives in registers: read x once, write y once. Short rows share a program
+            (BLOCK_M > 1), so each program still moves a few kilobytes.
+  online    rows too long for registers: pass 1 reads the row in chunks keeping a running max and
+            rescaled sum (Milakov & Gimelshein, "Online normalizer calculation for softmax", 2018);
+            pass 2 reads it again, backwards, and writes y. Walking backwards re-reads first the
+            chunks pass 1 touched last, which are the likeliest to still be in L2.
+The backward has the same two kernels, with sum(dy * y) (or sum(dy)) in place of the max and sum.
+
+Work. Forward reads x and writes y: 2 M N s bytes for M rows in dtype of s bytes; backward reads y
+and dy and writes dx: 3 M N s. About 5 FLOPs an element forward (max, subtract, exp, sum, scale)
+and 4 backward, against a ridge point near 100 FLOP/byte: memory-bound, so the roofline is the copy
+bandwidth. The online kernel reads x twice: 3 M N s bytes, unless pass 2 finds its chunks in L2.
+
+Launch parameters come from accuracy-gated autotuning (``tritonkit.tuning``): each config below
+is admitted only if its output on a calibration input passes the test oracle.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from tritonkit import tuning
+from tritonkit._runtime import check_device, empty_output, interpret
+
+interpret()  # choose GPU or interpreter before triton is imported and any kernel is defined
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from tritonkit._launch import Launcher, cdiv  # noqa: E402
+
+VARIANTS = ("auto", "one-pass", "online")
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}  # tuning keys
+LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * log2(e)): one FMA and one MUFU.EX2
+LN2 = tl.constexpr(0.6931471805599453)  # log(s) = log2(s) * ln(2)
+
+
+# ---------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _row_offsets(R, row_blocks, stride_o, stride_r, BLOCK_M: tl.constexpr):
+    """Element offsets of this program's BLOCK_M rows (int64: O*R*N may pass 2^31), and which exist.
+
+    (_tile widens the row-entry offsets too: over a leading dim the entries of a row are R apart,
+    so N * R passes 2^31 in a large tensor as well.)"""
+    pid = tl.program_id(0)
+    outer = pid // row_blocks  # one grid axis for both: the second is limited to 65535 programs
+    rows = (pid % row_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return outer.to(tl.int64) * stride_o + rows.to(tl.int64) * stride_r, rows < R
+
+
+@triton.jit
+def _tile(ptr, row_offsets, cols, stride_n):
+    """Pointers to a (rows, cols) tile: each row's offset plus its entries', all in int64."""
+    return ptr + row_offsets[:, None] + cols.to(tl.int64)[None, :] * stride_n
+
+
+@triton.jit
+def _row_sum(values, SUM_FP64: tl.constexpr):
+    """Sum along rows. log_softmax's output is absolute, y = (x - m) - log(s): one fp32 ulp of s
+    (1.2e-7 relative) is 1.2e-7 of error in y wherever y is near 0, which the backward multiplies
+    by sum(dy). An fp64 sum keeps fp32 log_softmax as exact as its last rounding."""
+    if SUM_FP64:
+        return tl.sum(values.to(tl.float64), axis=1)
+    else:
+        return tl.sum(values, axis=1)
+
+
+@triton.jit
+def _log(s):
+    """Natural log in s's precision, returned in fp32 (log2 * ln 2 costs one MUFU op in fp32)."""
+    if s.dtype == tl.float64:
+        return tl.log(s).to(tl.float32)
+    else:
+        return tl.log2(s) * LN2
+
+
+@triton.jit
+def _exp_shifted(x, m):
+    """exp(x - m) with the row max m; m = -inf only for rows that are all -inf (their result is NaN)."""
+    return tl.exp2((x - m[:, None]) * LOG2E)
+
+
+# One-pass forward. Each program holds BLOCK_M whole rows; BLOCK_N is the row length rounded up
+# to a power of two. A thread holds BLOCK_M * BLOCK_N / (32 * num_warps) fp32 values per tile; past
+# ONE_PASS_MAX_PER_THREAD the row no longer fits in registers and ptxas spills.
+ONE_PASS_MAX_PER_THREAD = 64
+ONE_PASS_MAX_BLOCK_N = 32768  # = 64 values a thread at 16 warps; 32 warps allow only 64 registers
+
+
+@triton.jit
+def _softmax_fwd_kernel(
+    x_ptr,  # input, viewed as (O, R, N) with strides (stride_xo, stride_xr, stride_xn)
+    y_ptr,  # output, same view, strides (stride_yo, stride_yr, stride_yn)
+    R,  # rows in each outer slice
+    N,  # row length: the softmax dimension
+    row_blocks,  # programs per outer slice, cdiv(R, BLOCK_M)
+    stride_xo, stride_xr, stride_xn,  # elements between outer slices, rows and row entries of x
+    stride_yo, stride_yr, stride_yn,  # the same for y
+    LOG: tl.constexpr,  # log_softmax instead of softmax
+    SUM_FP64: tl.constexpr,  # accumulate the row sum in fp64 (fp32 log_softmax: see _row_sum)
+    BLOCK_M: tl.constexpr,  # rows a program handles
+    BLOCK_N: tl.constexpr,  # power of two >= N: the whole row is one tile
+):
+    x_rows, row_mask = _row_offsets(R, row_blocks, stride_xo, stride_xr, BLOCK_M)
+    y_rows, _ = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    mask = row_mask[:, None] & (cols < N)[None, :]
+    x = tl.load(_tile(x_ptr, x_rows, cols, stride_xn), mask=mask, other=-float("inf"))
+    x = x.to(tl.float32)
+    m = tl.max(x, axis=1)
+    e = _exp_shifted(x, m)
+    s = _row_sum(e, SUM_FP64)
+    if LOG:
+        y = (x - m[:, None]) - _log(s)[:, None]
+    else:
+        y = e * (1.0 / s)[:, None]
+    tl.store(_tile(y_ptr, y_rows, cols, stride_yn), y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# Online forward: BLOCK_N is a chunk of the row; each pass holds one chunk at a time.
+
+
+@triton.jit
+def _softmax_fwd_online_kernel(
+    x_ptr,  # input, viewed as (O, R, N) with strides (stride_xo, stride_xr, stride_xn)
+    y_ptr,  # output, same view, strides (stride_yo, stride_yr, stride_yn)
+    R,  # rows in each outer slice
+    N,  # row length: the softmax dimension
+    row_blocks,  # programs per outer slice, cdiv(R, BLOCK_M)
+    stride_xo, stride_xr, stride_xn,  # elements between outer slices, rows and row entries of x
+    stride_yo, stride_yr, stride_yn,  # the same for y
+    LOG: tl.constexpr,  # log_softmax instead of softmax
+    SUM_FP64: tl.constexpr,  # accumulate the row sum in fp64 (fp32 log_softmax: see _row_sum)
+    BLOCK_M: tl.constexpr,  # rows a program handles
+    BLOCK_N: tl.constexpr,  # row entries per chunk
+):
+    x_rows, row_mask = _row_offsets(R, row_blocks, stride_xo, stride_xr, BLOCK_M)
+    y_rows, _ = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M)
+    offsets = tl.arange(0, BLOCK_N)
+    m = tl.full([BLOCK_M], -float("inf"), tl.float32)  # running max
+    s = tl.zeros([BLOCK_M], tl.float64 if SUM_FP64 else tl.float32)  # running sum of exp(x - m)
+    for start in range(0, N, BLOCK_N):
+        cols = start + offsets
+        mask = row_mask[:, None] & (cols < N)[None, :]
+        x = tl.load(_tile(x_ptr, x_rows, cols, stride_xn), mask=mask, other=-float("inf"),
+                    eviction_policy="evict_last")  # pass 2 reads it again
+        x = x.to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=1))
+        # Until a row has seen a finite value its max is -inf and x - m would be -inf - -inf = NaN:
+        # shift by 0 instead (exp(-inf) = 0 and s stays 0).
+        shift = tl.where(m_new == -float("inf"), 0.0, m_new)
+        s = s * tl.exp2((m - shift) * LOG2E) + _row_sum(_exp_shifted(x, shift), SUM_FP64)
+        m = m_new
+    # A row of all -inf keeps m = -inf, s = 0 and ends with 0 / 0 = NaN, as torch gives.
+    m = tl.where(m == -float("inf"), 0.0, m)
+    if LOG:
+        log_s = _log(s)
+    else:
+        inv_s = 1.0 / s
+    chunks = tl.cdiv(N, BLOCK_N)
+    for i in range(chunks):
+        cols = (chunks - 1 - i) * BLOCK_N + offsets  # last chunk first: the one L2 holds most surely
+        mask = row_mask[:, None] & (cols < N)[None, :]
+        x = tl.load(_tile(x_ptr, x_rows, cols, stride_xn), mask=mask, other=-float("inf"),
+                    eviction_policy="evict_first")
+        x = x.to(tl.float32)
+        if LOG:
+            y = (x - m[:, None]) - log_s[:, None]
+        else:
+            y = _exp_shifted(x, m) * inv_s[:, None]
+        tl.store(_tile(y_ptr, y_rows, cols, stride_yn), y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _row_dot(y, dy, LOG: tl.constexpr, SUM_FP64: tl.constexpr):
+    """The per-row sum the VJP needs: sum(dy * y) for softmax, sum(dy) for log_softmax (whose
+    error exp(y) * error(sum(dy)) is absolute, hence fp64 for fp32 log_softmax, as in _row_sum)."""
+    if LOG:
+        return _row_sum(dy, SUM_FP64)
+    else:
+        return tl.sum(dy * y, axis=1)
+
+
+@triton.jit
+def _input_grad(y, dy, dot, LOG: tl.constexpr):
+    if LOG:
+        return dy - tl.exp2(y * LOG2E) * dot[:, None]
+    else:
+        return y * (dy - dot[:, None])
+
+
+@triton.jit
+def _softmax_bwd_kernel(
+    y_ptr,  # forward output, viewed as (O, R, N) with strides (stride_yo, stride_yr, stride_yn)
+    dy_ptr,  # upstream gradient, same view, strides (stride_dyo, stride_dyr, stride_dyn)
+    dx_ptr,  # input gradient, same view, strides (stride_dxo, stride_dxr, stride_dxn)
+    R,  # rows in each outer slice
+    N,  # row length: the softmax dimension
+    row_blocks,  # programs per outer slice, cdiv(R, BLOCK_M)
+    stride_yo, stride_yr, stride_yn,  # elements between outer slices, rows and row entries of y
+    stride_dyo, stride_dyr, stride_dyn,  # the same for dy
+    stride_dxo, stride_dxr, stride_dxn,  # the same for dx
+    LOG: tl.constexpr,  # log_softmax instead of softmax
+    SUM_FP64: tl.constexpr,  # accumulate the row sum in fp64 (fp32 log_softmax: see _row_sum)
+    BLOCK_M: tl.constexpr,  # rows a program handles
+    BLOCK_N: tl.constexpr,  # power of two >= N: the whole row is one tile
+):
+    y_rows, row_mask = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M)
+    dy_rows, _ = _row_offsets(R, row_blocks, stride_dyo, stride_dyr, BLOCK_M)
+    dx_rows, _ = _row_offsets(R, row_blocks, stride_dxo, stride_dxr, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    mask = row_mask[:, None] & (cols < N)[None, :]
+    y = tl.load(_tile(y_ptr, y_rows, cols, stride_yn), mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(_tile(dy_ptr, dy_rows, cols, stride_dyn), mask=mask, other=0.0)
+    dy = dy.to(tl.float32)
+    dx = _input_grad(y, dy, _row_dot(y, dy, LOG, SUM_FP64).to(tl.float32), LOG)
+    tl.store(_tile(dx_ptr, dx_rows, cols, stride_dxn), dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _softmax_bwd_online_kernel(
+    y_ptr,  # forward output, viewed as (O, R, N) with strides (stride_yo, stride_yr, stride_yn)
+    dy_ptr,  # upstream gradient, same view, strides (stride_dyo, stride_dyr, stride_dyn)
+    dx_ptr,  # input gradient, same view, strides (stride_dxo, stride_dxr, stride_dxn)
+    R,  # rows in each outer slice
+    N,  # row length: the softmax dimension
+    row_blocks,  # programs per outer slice, cdiv(R, BLOCK_M)
+    stride_yo, stride_yr, stride_yn,  # elements between outer slices, rows and row entries of y
+    stride_dyo, stride_dyr, stride_dyn,  # the same for dy
+    stride_dxo, stride_dxr, stride_dxn,  # the same for dx
+    LOG: tl.constexpr,  # log_softmax instead of softmax
+    SUM_FP64: tl.constexpr,  # accumulate the row sum in fp64 (fp32 log_softmax: see _row_sum)
+    BLOCK_M: tl.constexpr,  # rows a program handles
+    BLOCK_N: tl.constexpr,  # row entries per chunk
+):
+    y_rows, row_mask = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M)
+    dy_rows, _ = _row_offsets(R, row_blocks, stride_dyo, stride_dyr, BLOCK_M)
+    dx_rows, _ = _row_offsets(R, row_blocks, stride_dxo, stride_dxr, BLOCK_M)
+    offsets = tl.arange(0, BLOCK_N)
+    dot = tl.zeros([BLOCK_M], tl.float64 if SUM_FP64 else tl.float32)
+    for start in range(0, N, BLOCK_N):
+        cols = start + offsets
+        mask = row_mask[:, None] & (cols < N)[None, :]
+        y = tl.load(_tile(y_ptr, y_rows, cols, stride_yn), mask=mask, other=0.0,
+                    eviction_policy="evict_last")
+        dy = tl.load(_tile(dy_ptr, dy_rows, cols, stride_dyn), mask=mask, other=0.0,
+                     eviction_policy="evict_last")
+        dot += _row_dot(y.to(tl.float32), dy.to(tl.float32), LOG, SUM_FP64)
+    chunks = tl.cdiv(N, BLOCK_N)
+    for i in range(chunks):
+        cols = (chunks - 1 - i) * BLOCK_N + offsets  # last chunk first, as in the forward
+        mask = row_mask[:, None] & (cols < N)[None, :]
+        y = tl.load(_tile(y_ptr, y_rows, cols, stride_yn), mask=mask, other=0.0,
+                    eviction_policy="evict_first")
+        dy = tl.load(_tile(dy_ptr, dy_rows, cols, stride_dyn), mask=mask, other=0.0,
+                     eviction_policy="evict_first")
+        dx = _input_grad(y.to(tl.float32), dy.to(tl.float32), dot.to(tl.float32), LOG)
+        tl.store(_tile(dx_ptr, dx_rows, cols, stride_dxn), dx.to(dx_ptr.dtype.element_ty),
+                 mask=mask)
+
+
+# ---------------------------------------------------------------- launch configs and tuning
+
+COLS_MIN_BLOCK_M = 16  # rows a program takes when rows are the contiguous axis: 32+ bytes a warp access
+CALIBRATION_ELEMENTS = 1 << 22  # cap on a calibration input: the float64 reference stays small
+TUNE_WARMUP_MS, TUNE_REP_MS = 5, 25  # per-config timing; the median of do_bench's repetitions
+
+# The configs both directions tune over. "auto" tunes over both variants: with rows of 32768 the
+# online kernel won on the H200 (pass 2 finds its chunks in L2, and more programs fit an SM).
+# Values a thread holds per tile (_per_thread) are kept within these bounds: on the H200 every
+# winner fell inside them, and the timing of each extra config costs a compile.
+PER_THREAD = {"one-pass": (16, ONE_PASS_MAX_PER_THREAD), "online": (8, 32)}
+CONFIGS = ([{"variant": "one-pass", "BLOCK_M": m, "num_warps": w}
+            for m in (1, 2, 4, 8, 16, 32, 64, 128) for w in (4, 8, 16, 32)]
+           + [{"variant": "online", "BLOCK_M": m, "BLOCK_N": n, "num_warps": w}
+              for m in (1, 16, 64) for n in (16, 64, 2048, 4096, 8192) for w in (4, 8, 16)])
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _as_3d(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """``t`` viewed as (O, R, N) with ``dim`` as N; a copy only where the dimensions cannot merge."""
+    shape = t.shape
+    outer, n = math.prod(shape[:dim]), shape[dim]
+    if dim == t.dim() - 1:
+        return t.reshape(1, outer, n)
+    return t.reshape(outer, n, math.prod(shape[dim + 1:])).transpose(1, 2)
+
+
+def _layout(view: torch.Tensor) -> str:
+    """'cols' when rows, not row entries, are the contiguous axis (softmax over a leading dim)."""
+    _, stride_r, stride_n = view.stride()
+    return "cols" if stride_r == 1 and stride_n != 1 and view.shape[1] > 1 else "rows"
+
+
+def _tiles(key: dict) -> int:
+    """Row tiles a one-pass program holds at once: x forward; y and dy backward."""
+    return 1 if key["direction"] == "fwd" else 2
+
+
+def _one_pass_fits(key: dict) -> bool:
+    """The backward holds two tiles: half the forward's row (ptxas spills at 32768). Over a leading
+    dim a program holds COLS_MIN_BLOCK_M rows, with int64 entry offsets: half as much again."""
+    if key["layout"] == "cols":
+        return key["block_n"] * COLS_MIN_BLOCK_M * _tiles(key) <= ONE_PASS_MAX_BLOCK_N // 2
+    return key["block_n"] * _tiles(key) <= ONE_PASS_MAX_BLOCK_N
+
+
+def _per_thread(config: dict, block_n: int) -> float:
+    return config["BLOCK_M"] * config.get("BLOCK_N", block_n) / (32 * config["num_warps"])
+
+
+def _default(key: dict) -> dict:
+    """The untuned config: used under the interpreter and wherever tuning cannot run."""
+    block_n, rows, cols = key["block_n"], key["rows"], key["layout"] == "cols"
+    if key["variant"] == "one-pass" or (key["variant"] == "auto" and _one_pass_fits(key)):
+        warps = min(16, max(4, block_n * _tiles(key) // 1024))  # 32 values a thread for long rows
+        block_m = max(1, min(rows, 16 * 32 * warps // block_n))
+        if cols:  # entry offsets are runtime strides, held in int64: 32 values a thread at most
+            block_m = max(block_m, min(rows, COLS_MIN_BLOCK_M))
+            warps = min(16, max(4, block_m * block_n * _tiles(key) // 1024))
+        return {"variant": "one-pass", "BLOCK_M": block_m, "num_warps": warps}
+    if cols:
+        return {"variant": "online", "BLOCK_M": min(64, max(COLS_MIN_BLOCK_M, rows)), "BLOCK_N": 64,
+                "num_warps": 4}
+    chunk = min(4096, block_n)
+    return {"variant": "online", "BLOCK_M": 1, "BLOCK_N": chunk, "num_warps": min(8, max(4, chunk // 512))}
+
+
+def _prune(config: dict, key: dict) -> bool:
+    """True drops the config for this key: another variant than asked, a row that does not fit,
+    too many or too few values a thread, rows beyond the problem or too few for coalescing."""
+    variant = config["variant"]
+    if key["variant"] not in ("auto", variant) or (variant == "one-pass" and not _one_pass_fits(key)):
+        return True
+    if variant == "online" and config["BLOCK_N"] > key["block_n"]:
+        return True
+    low, high = PER_THREAD[variant]
+    held = _per_thread(config, key["block_n"]) * (_tiles(key) if variant == "one-pass" else 1)
+    min_block_m = min(key["rows"], COLS_MIN_BLOCK_M) if key["layout"] == "cols" else 1
+    return not (low <= held <= high and min_block_m <= config["BLOCK_M"] <= max(1, key["rows"]))
+
+
+_FWD_HELPERS = (_row_offsets, _tile, _row_sum, _log, _exp_shifted)  # hashed with the kernels: edits retune
+_BWD_HELPERS = (_row_offsets, _tile, _row_sum, _row_dot, _input_grad)
+_LAUNCHERS = {
+    ("fwd", "one-pass"): Launcher(_softmax_fwd_kernel),
+    ("fwd", "online"): Launcher(_softmax_fwd_online_kernel),
+    ("bwd", "one-pass"): Launcher(_softmax_bwd_kernel),
+    ("bwd", "online"): Launcher(_softmax_bwd_online_kernel),
+}
+_TUNERS = {
+    "fwd": tuning.Tuner("softmax_fwd", CONFIGS, default=_default, prune=_prune,
+                        sources=(_softmax_fwd_kernel, _softmax_fwd_online_kernel, *_FWD_HELPERS)),
+    "bwd": tuning.Tuner("softmax_bwd", CONFIGS, default=_default, prune=_prune,
+                        sources=(_softmax_bwd_kernel, _softmax_bwd_online_kernel, *_BWD_HELPERS)),
+}
+_chosen: dict[tuple, dict] = {}  # key values -> config, once chosen for good (a cheap memo)
+
+
+def _launch(direction: str, config: dict, log: bool, views: tuple) -> None:
+    """Launch one kernel over (O, R, N) views: (x, y) forward, (y, dy, dx) backward."""
+    launcher = _LAUNCHERS[direction, config["variant"]]
+    outer, rows, n = views[0].shape
+    block_n = config.get("BLOCK_N", _next_power_of_2(n))
+    row_blocks = cdiv(rows, config["BLOCK_M"])
+    strides = [s for v in views for s in v.stride()]
+    sum_fp64 = log and views[0 if direction == "fwd" else 1].dtype == torch.float32
+    launcher((outer * row_blocks,), *views, rows, n, row_blocks, *strides, LOG=log, SUM_FP64=sum_fp64,
+             BLOCK_M=config["BLOCK_M"], BLOCK_N=block_n, num_warps=config["num_warps"])
+
+
+def _config(direction: str, variant: str, log: bool, views: tuple) -> dict:
+    """The tuned (or, where tuning cannot run, default) launch config for these views."""
+    outer, rows, n = views[0].shape
+    layout = _layout(views[0])
+    dtypes = f"{_DTYPE_NAMES[views[0].dtype]}>{_DTYPE_NAMES[views[-1].dtype]}"
+    key = {"direction": direction, "variant": variant, "layout": layout, "block_n": _next_power_of_2(n),
+           "rows": _next_power_of_2(outer * rows if layout == "rows" else rows), "dtype": dtypes}
+    memo_key = tuple(key.values())
+    config = _chosen.get(memo_key)
+    if config is not None:
+        return config
+    if variant == "one-pass" and not _one_pass_fits(key):
+        raise ValueError(f"variant 'one-pass' holds a row in registers: rows of {n} entries ({layout} "
+                         f"layout, {direction}) are too long; use the 'online' variant")
+    final = interpret() or tuning.tuning_possible()
+    config = _TUNERS[direction].config(key, admit=functools.partial(_admit, direction, log, views),
+                                       time_ms=functools.partial(_time_ms, direction, log, views))
+    if final:
+        _chosen[memo_key] = config
+    return config
+
+
+def _calibration_views(direction: str, log: bool, views: tuple, config: dict) -> tuple:
+    """Seeded random inputs in the layout of ``views`` with a partial last row block, and an output."""
+    from tritonkit.testing import generator, random_tensor
+
+    outer, rows, n = views[0].shape
+    outer, rows = min(outer, 2), min(rows, 2 * config["BLOCK_M"] + 1)
+    rows = max(1, min(rows, CALIBRATION_ELEMENTS // (outer * n)))
+    cols = _layout(views[0]) == "cols"
+
+    def make(dtype, seed):
+        if cols:
+            return random_tensor((outer, n, rows), dtype, views[0].device, generator=generator(seed),
+                                 scale=3.0).transpose(1, 2)
+        return random_tensor((outer, rows, n), dtype, views[0].device, generator=generator(seed), scale=3.0)
+
+    first = make(views[0].dtype, 1)
+    if direction == "fwd":
+        return first, make(views[1].dtype, 0).fill_(float("nan"))
+    first.copy_(_reference(first.double(), 2, log))  # a genuine forward output as y
+    return first, make(views[1].dtype, 2), make(views[2].dtype, 0).fill_(float("nan"))
+
+
+def _admit(direction: str, log: bool, views: tuple, config: dict) -> bool:
+    """True when ``config`` gives the reference's result, within the test oracle's bound."""
+    from tritonkit.testing import compare
+
+    cal = _calibration_views(direction, log, views, config)
+    _launch(direction, config, log, cal)
+    if direction == "fwd":
+        x, y = cal
+        reference = _reference(x.double(), 2, log)
+        in_dtype = _reference(x, 2, log, dtype=y.dtype)
+        return compare("output", y, in_dtype, reference, y.dtype).passed
+    y, dy, dx = cal
+    reference = _vjp_reference(y.double(), dy.double(), 2, log)
+    in_dtype = _vjp_reference(y, dy, 2, log).to(dx.dtype)
+    return compare("grad input", dx, in_dtype, reference, dx.dtype).passed
+
+
+def _time_ms(direction: str, log: bool, views: tuple, config: dict) -> float:
+    scratch = torch.empty_like(views[-1])  # tuning never writes the caller's output
+    args = (*views[:-1], scratch)
+    return triton.testing.do_bench(lambda: _launch(direction, config, log, args),
+                                   warmup=TUNE_WARMUP_MS, rep=TUNE_REP_MS, return_mode="median")
+
+
+def _validate(input, dim, dtype, variant: str = "auto") -> int:
+    """Check the arguments; return ``dim`` as a non-negative index."""
+    if not isinstance(input, torch.Tensor):
+        raise TypeError(f"input must be a torch.Tensor, got {type(input).__name__}")
+    if input.dtype not in DTYPES:
+        raise TypeError(f"input must be float16, bfloat16 or float32, got {input.dtype}")
+    if dtype is not None and dtype not in DTYPES:
+        raise TypeError(f"dtype must be None, torch.float16, torch.bfloat16 or torch.float32, got {dtype}")
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim must be an int, got {type(dim).__name__}")
+    ndim = max(1, input.dim())
+    if not -ndim <= dim < ndim:
+        raise IndexError(f"dim {dim} is out of range for a tensor of {input.dim()} dimensions")
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    check_device("input", input)
+    return dim % ndim
+
+
+def _softmax_fwd(input: torch.Tensor, dim: int, dtype, log: bool, variant: str = "auto") -> torch.Tensor:
+    dim = _validate(input, dim, dtype, variant)
+    y = empty_output(input.shape, dtype or input.dtype, input.device)
+    if y.numel() == 0:
+        return y
+    x = input.reshape(1) if input.dim() == 0 else input
+    views = (_as_3d(x, dim), _as_3d(y.view(x.shape), dim))
+    _launch("fwd", _config("fwd", variant, log, views), log, views)
+    return y
+
+
+def _softmax_bwd(grad_output: torch.Tensor, output: torch.Tensor, dim: int, input_dtype: torch.dtype,
+                 log: bool, variant: str = "auto") -> torch.Tensor:
+    dim = _validate(output, dim, None, variant)
+    if grad_output.shape != output.shape or grad_output.device != output.device:
+        raise ValueError(f"grad_output must match output: {tuple(output.shape)} on {output.device}, "
+                         f"got {tuple(grad_output.shape)} on {grad_output.device}")
+    dx = empty_output(output.shape, input_dtype, output.device)
+    if dx.numel() == 0:
+        return dx
+    shape = (1,) if output.dim() == 0 else output.shape
+    views = tuple(_as_3d(t.reshape(shape), dim) for t in (output, grad_output.to(output.dtype), dx))
+    _launch("bwd", _config("bwd", variant, log, views), log, views)
+    return dx
+
+
+# ---------------------------------------------------------------- custom ops and autograd
+
+
+@torch.library.custom_op("tritonkit::softmax", mutates_args=())
+def _softmax_op(input: torch.Tensor, dim: int, dtype: torch.dtype | None) -> torch.Tensor:
+    return _softmax_fwd(input, dim, dtype, log=False)
+
+
+@torch.library.custom_op("tritonkit::log_softmax", mutates_args=())
+def _log_softmax_op(input: torch.Tensor, dim: int, dtype: torch.dtype | None) -> torch.Tensor:
+    return _softmax_fwd(input, dim, dtype, log=True)
+
+
+@torch.library.custom_op("tritonkit::softmax_backward", mutates_args=())
+def _softmax_backward_op(grad_output: torch.Tensor, output: torch.Tensor, dim: int, input_dtype: torch.dtype,
+                         log: bool) -> torch.Tensor:
+    return _softmax_bwd(grad_output, output, dim, input_dtype, log)
+
+
+def _fake_forward(input, dim, dtype):
+    _validate(input, dim, dtype)
+    return input.new_empty(input.shape, dtype=dtype or input.dtype)
+
+
+_softmax_op.register_fake(_fake_forward)
+_log_softmax_op.register_fake(_fake_forward)
+
+
+@_softmax_backward_op.register_fake
+def _(grad_output, output, dim, input_dtype, log):
+    return output.new_empty(output.shape, dtype=input_dtype)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    input, dim, _ = inputs
+    ctx.save_for_backward(output)
+    ctx.dim, ctx.input_dtype = dim, input.dtype
+
+
+def _backward_traced(log: bool):
+    def backward(ctx, grad_output):
+        (output,) = ctx.saved_tensors
+        return _softmax_backward_op(grad_output, output, ctx.dim, ctx.input_dtype, log), None, None
+
+    return backward
+
+
+_softmax_op.register_autograd(_backward_traced(False), setup_context=_setup_context)
+_log_softmax_op.register_autograd(_backward_traced(True), setup_context=_setup_context)
+
+
+class _Softmax(torch.autograd.Function):
+    """Eager autograd without the custom-op dispatcher (the compiled path uses the custom ops).
+
+    forward takes ctx itself: a separate setup_context costs an inspect.signature bind per call.
+    """
+
+    @staticmethod
+    def forward(ctx, input, dim, dtype, log, variant):
+        output = _softmax_fwd(input, dim, dtype, log, variant)
+        ctx.save_for_backward(output)
+        ctx.dim, ctx.input_dtype, ctx.log, ctx.variant = dim, input.dtype, log, variant
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (output,) = ctx.saved_tensors
+        grad_input = _softmax_bwd(grad_output, output, ctx.dim, ctx.input_dtype, ctx.log, ctx.variant)
+        return grad_input, None, None, None, None
+
+
+def _dispatch(input, dim, dtype, log: bool, variant: str) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        if variant != "auto":  # the custom ops have no variant argument: say so, never ignore it
+            raise NotImplementedError(f"variant {variant!r} runs eagerly only; under torch.compile "
+                                      "softmax tunes over every variant ('auto')")
+        return (_log_softmax_op if log else _softmax_op)(input, dim, dtype)
+    try:
+        needs_grad = torch.is_grad_enabled() and input.requires_grad
+    except AttributeError:  # not a tensor: let validation say so
+        _validate(input, dim, dtype, variant)
+        raise
+    if needs_grad:
+        return _Softmax.apply(input, dim, dtype, log, variant)
+    return _softmax_fwd(input, dim, dtype, log, variant)
+
+
+def softmax(input: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``torch.nn.functional.softmax``: exp(x) / sum(exp(x)) along ``dim``, accumulated in fp32.
+
+    The output is contiguous, in ``dtype`` if given, else in input's dtype.
+    """
+    return _dispatch(input, dim, dtype, False, "auto")
+
+
+def log_softmax(input: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``torch.nn.functional.log_softmax``: x - log(sum(exp(x))) along ``dim``, accumulated in fp32."""
+    return _dispatch(input, dim, dtype, True, "auto")
+
+
+def softmax_variant(input: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None, *,
+                    log: bool = False, variant: str = "auto") -> torch.Tensor:
+    """Softmax (or log_softmax) through a named kernel variant: ``VARIANTS``; for benchmarks."""
+    return _dispatch(input, dim, dtype, log, variant)
+
+
+# ---------------------------------------------------------------- reference and cost
+
+
+def _reference(input: torch.Tensor, dim: int, log: bool, dtype=None) -> torch.Tensor:
+    fn = torch.log_softmax if log else torch.softmax
+    return fn(input, dim, dtype=dtype)
+
+
+def _vjp_reference(output: torch.Tensor, grad_output: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
+    if log:
+        return grad_output - output.exp() * grad_output.sum(dim, keepdim=True)
+    return output * (grad_output - (grad_output * output).sum(dim, keepdim=True))
+
+
+def softmax_reference(input: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Plain PyTorch; pass float64 inputs for the oracle's reference."""
+    return torch.softmax(input, dim, dtype=dtype)
+
+
+def log_softmax_reference(input: torch.Tensor, dim: int = -1,
+                          dtype: torch.dtype | None = None) -> torch.Tensor:
+    return torch.log_softmax(input, dim, dtype=dtype)
+
+
+# FLOPs per element: forward max, subtract, exp, sum, scale; backward multiply, sum, subtract, multiply.
+FWD_FLOPS_PER_ELEMENT = 5
+BWD_FLOPS_PER_ELEMENT = 4
+
+
+def softmax_cost(shape: tuple, dtype: torch.dtype, mode: str = "fwd"):
+    """Minimal traffic: forward reads x and writes y; backward reads y and dy and writes dx."""
+    from tritonkit.roofline import Cost
+
+    elements, size = math.prod(shape), torch.finfo(dtype).bits // 8
+    fwd = Cost(FWD_FLOPS_PER_ELEMENT * elements, 2 * size * elements)
+    bwd = Cost(BWD_FLOPS_PER_ELEMENT * elements, 3 * size * elements)
+    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]
+
+
+def _make_inputs(shape: tuple, dtype: torch.dtype, device, generator: torch.Generator) -> tuple:
+    from tritonkit.testing import random_tensor
+
+    return (random_tensor(shape, dtype, device, generator=generator, scale=3.0),)
+
+
+def _liger(kwargs: dict):
+    if kwargs.get("dim", -1) != -1 or kwargs.get("dtype") is not None:
+        return "covers dim=-1 without dtype only"
+    from liger_kernel.transformers.functional import liger_softmax
+
+    return liger_softmax
+
+
+def _variant_peer(log: bool, variant: str):
+    return lambda kwargs: functools.partial(softmax_variant, **kwargs, log=log, variant=variant)
+
+
+def _spec(log: bool):
+    from tritonkit.ops import OpSpec
+
+    peers = {f"tritonkit[{v}]": _variant_peer(log, v) for v in VARIANTS if v != "auto"}
+    if not log:
+        peers = {"liger": _liger, **peers}
+    return OpSpec(
+        name="log_softmax" if log else "softmax",
+        family="softmax",
+        fn=log_softmax if log else softmax,
+        reference=log_softmax_reference if log else softmax_reference,
+        cost=softmax_cost,
+        make_inputs=_make_inputs,
+        grad_inputs=(0,),
+        flop_unit="fp32",
+        shapes={
+            "interpreter": [(4, 96), (37, 1823)],
+            "quick": [((4096, 4096), "fp16"), ((32768, 4096), "bf16"), ((65536, 1024), "bf16"),
+                      ((262144, 256), "bf16"), ((8192, 32768), "bf16"), ((2048, 131072), "bf16"),
+                      ((512, 524288), "fp32"), ((256, 4194304), "fp32")],
+            "full": [((4096, 4096), "fp16"), ((32768, 4096), "bf16"), ((65536, 1024), "bf16"),
+                     ((262144, 256), "bf16"), ((8192, 32768), "bf16"), ((2048, 131072), "bf16"),
+                     ((512, 524288), "fp32"), ((256, 4194304), "fp32"), ((16384, 1823), "bf16"),
+                     ((32768, 4096), "fp32"), ((32768, 4096), "fp16")],
+        },
+        tiny_shape=(4, 256),
+        peers=peers,
+    )
+
+
+SPECS = {"softmax": _spec(log=False), "log_softmax": _spec(log=True)}

@@ -1,0 +1,235 @@
+"""Accuracy-gated autotuning with an on-disk cache, shared by every kernel family.
+
+A config is a dict of kernel meta-parameters (``{"BLOCK_M": 4, "num_warps": 8}``). Speed alone
+would pick a config that skips work, so each candidate is first run on a calibration input and
+admitted only if its output matches the reference within the test oracle's tolerance; the
+fastest admitted config wins. Winners are cached on disk, one JSON file per tuner, key, device,
+Triton version and kernel-source hash, so an edited kernel or a new Triton tunes afresh.
+
+Tuning launches and times kernels, which cannot happen under the interpreter (one config is then
+always used and the disk cache is left alone), while torch.compile traces, while a CUDA graph is
+being captured, or inside :func:`disabled`. In the last three a cached winner is still used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import inspect
+import json
+import logging
+import math
+import os
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from tritonkit._runtime import interpret
+from tritonkit.roofline import cache_dir
+
+log = logging.getLogger("tritonkit")
+
+FORMAT = 1  # bump when the file layout changes: older files are then ignored and rebuilt
+SUBDIR = "tuning"
+NAME_HASH_CHARS = 16  # 64 bits of sha256 in the file name: collisions are caught by the checks on read
+
+_disabled_depth = 0  # > 0 inside disabled(); a counter so that nested blocks restore correctly
+_unwritable_dirs: set[Path] = set()  # cache directories already warned about
+
+
+def _canonical(value) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def _single_config() -> bool:
+    """Under the interpreter one config is always used: its timings say nothing about a GPU."""
+    return interpret()
+
+
+def tuning_possible() -> bool:
+    """Whether kernels may be launched and timed now to pick a config."""
+    if _single_config() or _disabled_depth:
+        return False
+    # Tracing sees fake tensors, and a capturing stream records launches instead of running them.
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Within this block nothing is tuned: cached winners are used, else each tuner's default."""
+    global _disabled_depth
+    _disabled_depth += 1
+    try:
+        yield
+    finally:
+        _disabled_depth -= 1
+
+
+def _device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def _triton_version() -> str:
+    interpret()  # decide before triton is imported
+    import triton
+
+    return triton.__version__
+
+
+def _source_text(source) -> str:
+    if isinstance(source, str):
+        return source
+    if isinstance(getattr(source, "src", None), str):  # triton JITFunction
+        return source.src
+    if hasattr(source, "fn"):  # the interpreter's InterpretedFunction, triton's Autotuner
+        return _source_text(source.fn)
+    return inspect.getsource(source)
+
+
+class Tuner:
+    """Picks, per key, the fastest config whose output passes the accuracy gate."""
+
+    def __init__(self, name: str, configs: Sequence[dict], *, sources: Sequence,
+                 default: Callable[[dict], dict], prune: Callable[[dict, dict], bool] | None = None):
+        if not configs:
+            raise ValueError(f"tuner {name!r} needs at least one config")
+        self.name = name
+        self.configs = [dict(c) for c in configs]
+        self.sources = list(sources)
+        self.default = default
+        self.prune = prune
+        self._memo: dict[str, dict] = {}  # canonical key -> winner
+        self._disk_checked: set[str] = set()  # keys whose cache file was already read (hit or miss)
+
+    @functools.cached_property
+    def source_hash(self) -> str:
+        """sha256 of the kernel sources and the config list; read lazily, only when the disk is used."""
+        digest = hashlib.sha256()
+        for text in [_source_text(s) for s in self.sources] + [_canonical(self.configs)]:
+            digest.update(f"{len(text)}:{text}".encode())  # length prefix: no two splits hash alike
+        return digest.hexdigest()
+
+    def config(self, key: dict, *, admit: Callable[[dict], bool], time_ms: Callable[[dict], float]) -> dict:
+        """The config to launch with for ``key`` (a JSON-able dict: shape bucket and dtype)."""
+        if _single_config():
+            return self.default(key)
+        memo_key = _canonical(key)
+        if memo_key in self._memo:
+            return self._memo[memo_key]
+        if memo_key not in self._disk_checked:
+            self._disk_checked.add(memo_key)
+            if (cached := self._read(key)) is not None:
+                self._memo[memo_key] = cached
+                return cached
+        if not tuning_possible():
+            return self.default(key)
+        entry = self._tune(key, admit, time_ms)
+        self._write(key, entry)
+        self._memo[memo_key] = entry["config"]
+        return entry["config"]
+
+    def _identity(self, key: dict) -> dict:
+        return {"tuner": self.name, "key": key, "device": _device_name(), "triton": _triton_version(),
+                "source_hash": self.source_hash}
+
+    def _path(self, identity: dict) -> Path:
+        digest = hashlib.sha256(_canonical(identity).encode()).hexdigest()[:NAME_HASH_CHARS]
+        return cache_dir() / SUBDIR / f"{self.name}-{digest}.json"
+
+    def _candidates(self, key: dict) -> list[dict]:
+        """The configs the prune function keeps, and the key's default whatever prune says (it is the
+        fallback wherever tuning cannot run, so it must pass the gate too)."""
+        default = dict(self.default(key))
+        kept = [c for c in self.configs if c == default or not (self.prune and self.prune(c, key))]
+        return kept if default in kept else [*kept, default]
+
+    def _tune(self, key: dict, admit: Callable, time_ms: Callable) -> dict:
+        ms: dict[str, float | None] = {}
+        rejected: dict[str, str] = {}
+        candidates = self._candidates(key)
+        for config in candidates:
+            name = _canonical(config)
+            ms[name] = None
+            try:
+                if not admit(config):
+                    rejected[name] = "output does not match the reference"
+                    continue
+                elapsed = float(time_ms(config))
+                if not math.isfinite(elapsed) or elapsed < 0:
+                    raise ValueError(f"time_ms returned {elapsed}")
+                ms[name] = elapsed
+            except Exception as error:  # a compile error ("out of resources") rejects only this config
+                rejected[name] = f"{type(error).__name__}: {error}"
+            if name in rejected:
+                log.debug("tritonkit: %s %s rejects %s: %s", self.name, key, name, rejected[name])
+        timed = {name: t for name, t in ms.items() if t is not None}
+        if not timed:
+            reasons = "".join(f"\n  {name}: {reason}" for name, reason in rejected.items())
+            raise RuntimeError(f"tuner {self.name!r}: no config admitted for key {key} "
+                               f"({len(self.configs) + 1 - len(candidates)} pruned):{reasons}")
+        best = min(timed, key=timed.__getitem__)
+        winner = next(c for c in candidates if _canonical(c) == best)
+        log.info("tritonkit: tuned %s for %s: %s in %.4f ms (%d of %d configs rejected, %d pruned)",
+                 self.name, key, best, timed[best], len(rejected), len(candidates),
+                 len(self.configs) + 1 - len(candidates))
+        return {"config": winner, "ms": ms, "rejected": rejected}
+
+    def _read(self, key: dict) -> dict | None:
+        """The cached winner, or None when the file is missing, damaged or from another setting."""
+        identity = self._identity(key)
+        path = self._path(identity)
+        try:
+            entry = json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as error:  # ValueError covers bad JSON and bad UTF-8
+            log.info("tritonkit: ignoring unreadable tuning cache %s (%s)", path, error)
+            return None
+        candidates = self._candidates(key)
+        problem = _entry_problem(entry, identity, candidates)
+        if problem:
+            log.info("tritonkit: ignoring tuning cache %s: %s", path, problem)
+            return None
+        return next(c for c in candidates if c == entry["config"])
+
+    def _write(self, key: dict, result: dict) -> None:
+        """Write the entry atomically: a reader sees the old file or the whole new one, never a part."""
+        identity = self._identity(key)
+        path = self._path(identity)
+        tmp_name = None
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", delete=False, dir=path.parent, prefix=f".{path.name}.",
+                                             suffix=".tmp") as tmp:
+                tmp_name = tmp.name
+                json.dump({"format": FORMAT, **identity, **result}, tmp, indent=1, sort_keys=True)
+                tmp.flush()
+                os.fsync(tmp.fileno())
+            os.replace(tmp_name, path)  # atomic on POSIX: concurrent tuners each land a whole file
+            tmp_name = None
+        except OSError as error:
+            if path.parent not in _unwritable_dirs:
+                _unwritable_dirs.add(path.parent)
+                log.warning("tritonkit: cannot write the tuning cache in %s (%s); tuned configs are kept "
+                            "in memory for this process only", path.parent, error)
+        finally:
+            if tmp_name is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp_name)
+
+
+def _entry_problem(entry, identity: dict, configs: list[dict]) -> str | None:
+    """Why a cache entry cannot be used, or None when it can."""
+    if not isinstance(entry, dict) or entry.get("format") != FORMAT:
+        return f"not a format-{FORMAT} entry"
+    for field, expected in identity.items():
+        if _canonical(entry.get(field)) != _canonical(expected):
+            return f"stored {field} {entry.get(field)!r} differs from {expected!r}"
+    if entry.get("config") not in configs:
+        return f"config {entry.get('config')!r} is not one of the current candidates"
+    return None

@@ -1,0 +1,933 @@
+"""softmax and log_softmax: outputs and gradients against the float64 reference for both kernels,
+layouts and dims, edge values, invariants, poisoning, the tuner's accuracy gate, errors, custom ops,
+compile, and the SASS the kernels compile to for Hopper."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import sm90
+import tritonkit
+import tritonkit.ops.softmax as sm
+from tritonkit import tuning
+from tritonkit._runtime import empty_output, interpret
+from tritonkit.ops import get_op
+from tritonkit.ops.softmax import (
+    DTYPES,
+    ONE_PASS_MAX_BLOCK_N,
+    SPECS,
+    VARIANTS,
+    log_softmax,
+    log_softmax_reference,
+    softmax,
+    softmax_cost,
+    softmax_reference,
+    softmax_variant,
+)
+from tritonkit.testing import (
+    check_against_reference,
+    compare,
+    compare_with_reference,
+    generator,
+    poisoned_outputs,
+    random_tensor,
+)
+
+pytestmark = pytest.mark.softmax
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+LOGS = [pytest.param(False, id="softmax"), pytest.param(True, id="log_softmax")]
+# Untuned (under the interpreter), "auto" runs the one-pass kernel at every row length of the CPU
+# suite (checked below); "online" forces the chunked kernel on the same inputs.
+KERNELS = ("auto", "online")
+
+
+def _kernel(log: bool, variant: str = "auto"):
+    """The public function for "auto", else softmax_variant with the named kernel."""
+    if variant == "auto":
+        return log_softmax if log else softmax
+
+    def kernel(input, dim=-1, dtype=None):
+        return softmax_variant(input, dim, dtype, log=log, variant=variant)
+
+    return kernel
+
+
+def _reference(log: bool):
+    """The reference; its float64 run ignores ``dtype``, so that it stays the float64 reference."""
+    fn = log_softmax_reference if log else softmax_reference
+
+    def reference(input, dim=-1, dtype=None):
+        return fn(input, dim, dtype=None if input.dtype == torch.float64 else dtype)
+
+    return reference
+
+
+def _inputs(shape, dtype, device, seed, *, noncontiguous=False, grad_noncontiguous=False, grad_dtype=None):
+    """Input (standard normal times 3: rows with a clear maximum and small tails) and upstream gradient."""
+    g = generator(seed)
+    x = random_tensor(shape, dtype, device, generator=g, scale=3.0, noncontiguous=noncontiguous)
+    dy = random_tensor(shape, grad_dtype or dtype, device, generator=g, noncontiguous=grad_noncontiguous)
+    return x, dy
+
+
+def _check(x, dy, *, log=False, variant="auto", dim=-1, dtype=None):
+    """The oracle on output and input gradient. Tolerances are those of the output dtype: with
+    ``dtype`` the gradient is computed from that output, so it carries the output's precision."""
+    kwargs = {"dim": dim} | ({"dtype": dtype} if dtype is not None else {})
+    return check_against_reference(_kernel(log, variant), _reference(log), [x], kwargs=kwargs,
+                                   grad_inputs=(0,), grad_outputs=[dy], dtype=dtype or x.dtype)
+
+
+def _key(direction, n, layout="rows", rows=64, variant="auto", dtype="fp32>fp32"):
+    """A tuning key as the launcher builds it, for rows of ``n`` entries."""
+    return {"direction": direction, "variant": variant, "layout": layout, "block_n": sm._next_power_of_2(n),
+            "rows": rows, "dtype": dtype}
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Every kernel launch, as (direction, config): which kernel ran, with which parameters."""
+    launch, seen = sm._launch, []
+
+    def recording_launch(direction, config, *args):
+        seen.append((direction, config))
+        launch(direction, config, *args)
+
+    monkeypatch.setattr(sm, "_launch", recording_launch)
+    return seen
+
+
+def _variants(launches) -> dict:
+    """direction -> the set of kernel variants launched in it."""
+    ran = {}
+    for direction, config in launches:
+        ran.setdefault(direction, set()).add(config["variant"])
+    return ran
+
+
+# ---------------------------------------------------------------- the oracle over shapes and dtypes
+
+SHAPES = [
+    (7, 123),  # several rows to a program, a ragged row tile
+    (5, 1823),  # prime row length
+    (3, 4097),  # online: two chunks of the default 4096, the second of one entry
+    (1, 7),  # one row
+    (9, 1),  # one entry a row: softmax 1, log_softmax 0, gradient 0 (softmax) or dy - sum(dy)
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("log", LOGS)
+@pytest.mark.parametrize("variant", KERNELS)
+def test_matches_reference(shape, dtype, log, variant, launches, device):
+    x, dy = _inputs(shape, dtype, device, seed=shape[0] * 10000 + shape[1])
+    comparisons = _check(x, dy, log=log, variant=variant)
+    assert [c.name for c in comparisons] == ["output[0]", "grad input[0]"]
+    if variant == "online" or interpret():  # tuned, auto may pick either kernel
+        expected = {"one-pass"} if variant == "auto" else {"online"}
+        assert _variants(launches) == {"fwd": expected, "bwd": expected}
+
+
+def test_untuned_auto_is_one_pass_up_to_the_register_limit():
+    """The kernel "auto" starts from (and runs under the interpreter), at the one-pass kernel's limits."""
+    def variant(*args, **kwargs):
+        return sm._default(_key(*args, **kwargs))["variant"]
+
+    for n in (1, 7, 4097, ONE_PASS_MAX_BLOCK_N):
+        assert variant("fwd", n) == "one-pass"
+    assert variant("fwd", ONE_PASS_MAX_BLOCK_N + 1) == "online"
+    # the backward holds y and dy: half the row; the column layout holds 16 rows at once, with int64
+    # entry offsets: half of that again
+    assert variant("bwd", ONE_PASS_MAX_BLOCK_N // 2) == "one-pass"
+    assert variant("bwd", ONE_PASS_MAX_BLOCK_N // 2 + 1) == "online"
+    assert variant("fwd", ONE_PASS_MAX_BLOCK_N // 32, "cols") == "one-pass"
+    assert variant("fwd", ONE_PASS_MAX_BLOCK_N // 32 + 1, "cols") == "online"
+    assert variant("bwd", ONE_PASS_MAX_BLOCK_N // 64, "cols") == "one-pass"
+    assert variant("bwd", ONE_PASS_MAX_BLOCK_N // 64 + 1, "cols") == "online"
+
+
+def test_forward_one_pass_backward_online(launches, device):
+    """Rows that fit the one-pass forward but not the one-pass backward: auto switches per direction."""
+    n = ONE_PASS_MAX_BLOCK_N // 2 + 117
+    for log in (False, True):
+        _check(*_inputs((1, n), F32, device, seed=30 + log), log=log)
+    if interpret():  # tuned, the forward may pick online too
+        assert _variants(launches) == {"fwd": {"one-pass"}, "bwd": {"online"}}
+
+
+def test_one_pass_variant_backward_rejects_long_rows(device):
+    """Forcing "one-pass" where only its forward fits: the backward says to use "online"."""
+    x = random_tensor((1, ONE_PASS_MAX_BLOCK_N // 2 + 1), F32, device, generator=generator(31))
+    x.requires_grad_()
+    y = softmax_variant(x, variant="one-pass")
+    with pytest.raises(ValueError, match="online"):
+        y.backward(torch.ones_like(y))
+
+
+# ---------------------------------------------------------------- layouts and dims
+
+
+def _expanded_rows(g, device):
+    x = random_tensor((1, 70), F32, device, generator=g).expand(5, 70)  # every row the same, stride 0
+    return x, random_tensor((5, 70), F32, device, generator=g)
+
+
+def _expanded_entries(g, device):
+    x = random_tensor((5, 1), F32, device, generator=g).expand(5, 70)  # constant rows: softmax 1/70
+    return x, random_tensor((5, 70), F32, device, generator=g)
+
+
+# (name, shape, dtype, dim, how the input is laid out)
+LAYOUTS = [
+    ("strided input", (9, 70), F32, -1, {"noncontiguous": True}),
+    ("strided grad output", (9, 70), BF16, -1, {"grad_noncontiguous": True}),
+    ("strided both, dim 1 of 3", (2, 40, 6), BF16, 1, {"noncontiguous": True, "grad_noncontiguous": True}),
+    ("dim 0", (123, 7), F32, 0, {}),  # rows are the contiguous axis: the column layout
+    ("3-D dim -1", (2, 3, 96), F16, -1, {}),
+    ("3-D dim -2", (2, 33, 6), F32, -2, {}),
+    ("3-D dim 0", (5, 3, 8), BF16, 0, {}),
+    ("4-D dim 1", (2, 3, 4, 5), F32, 1, {}),
+    ("4-D dim -1", (2, 3, 2, 5), F16, -1, {}),
+    ("1-D", (37,), F32, 0, {}),
+    ("0-D", (), F32, 0, {}),
+    ("0-D dim -1", (), BF16, -1, {}),
+]
+
+
+@pytest.mark.parametrize("name, shape, dtype, dim, layout", LAYOUTS, ids=[case[0] for case in LAYOUTS])
+@pytest.mark.parametrize("log", LOGS)
+@pytest.mark.parametrize("variant", KERNELS)
+def test_layouts_and_dims(name, shape, dtype, dim, layout, log, variant, device):
+    x, dy = _inputs(shape, dtype, device, seed=len(name), **layout)
+    assert x.is_contiguous() != layout.get("noncontiguous", False)
+    assert dy.is_contiguous() != layout.get("grad_noncontiguous", False)
+    _check(x, dy, log=log, variant=variant, dim=dim)
+    y = _kernel(log, variant)(x, dim)
+    assert y.shape == x.shape and y.dtype == dtype and y.is_contiguous()
+
+
+@pytest.mark.parametrize("log", LOGS)
+def test_long_columns_run_online(log, launches, device):
+    """Softmax over a leading dim of 2049: the column layout's one-pass limit is 2048, so auto runs
+    the online kernel, in chunks of 64 entries."""
+    _check(*_inputs((2049, 3), BF16, device, seed=32), log=log, dim=0)
+    assert _variants(launches) == {"fwd": {"online"}, "bwd": {"online"}}
+    if interpret():  # the untuned chunk
+        assert {config["BLOCK_N"] for _, config in launches} == {64}
+
+
+@pytest.mark.parametrize("dim", [-1, 0])
+@pytest.mark.parametrize("log", LOGS)
+@pytest.mark.parametrize("variant", KERNELS)
+def test_transposed_input(dim, log, variant, device):
+    g = generator(33 + dim)
+    x = random_tensor((40, 9), BF16, device, generator=g, scale=3.0).t()
+    assert x.stride() == (1, 9)
+    _check(x, random_tensor((9, 40), BF16, device, generator=g), log=log, variant=variant, dim=dim)
+
+
+@pytest.mark.parametrize("make", [_expanded_rows, _expanded_entries], ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize("log", LOGS)
+@pytest.mark.parametrize("variant", KERNELS)
+def test_expanded_input(make, log, variant, device):
+    x, dy = make(generator(33), device)
+    assert 0 in x.stride()
+    _check(x, dy, log=log, variant=variant)
+
+
+@pytest.mark.parametrize("shape, dim", [((0, 16), -1), ((0, 16), 0), ((3, 0), 0), ((3, 0), -1),
+                                        ((2, 0, 5), 2)], ids=str)
+@pytest.mark.parametrize("variant", KERNELS)
+def test_empty_input(shape, dim, variant, device):
+    for log in (False, True):
+        x = torch.empty(shape, device=device, dtype=BF16).requires_grad_()
+        y = _kernel(log, variant)(x, dim)
+        assert y.shape == shape and y.dtype == BF16
+        (grad,) = torch.autograd.grad(y, x, torch.empty(shape, device=device, dtype=BF16))
+        assert grad.shape == shape and grad.dtype == BF16
+
+
+# ---------------------------------------------------------------- the dtype argument
+
+
+@pytest.mark.parametrize("in_dtype, out_dtype", [(F16, F32), (F32, BF16), (BF16, F32)], ids=str)
+@pytest.mark.parametrize("log", LOGS)
+@pytest.mark.parametrize("variant", KERNELS)
+def test_dtype_argument(in_dtype, out_dtype, log, variant, device):
+    g = generator(34)
+    x = random_tensor((6, 123), in_dtype, device, generator=g, scale=3.0)
+    dy = random_tensor((6, 123), out_dtype, device, generator=g)
+    _check(x, dy, log=log, variant=variant, dtype=out_dtype)
+    x.requires_grad_()
+    y = _kernel(log, variant)(x, -1, out_dtype)
+    assert y.dtype == out_dtype
+    (grad,) = torch.autograd.grad(y, x, dy)
+    assert grad.dtype == in_dtype  # the gradient arrives in the input's dtype
+
+
+# ---------------------------------------------------------------- many online chunks
+
+# A chunk of 64 entries makes the online kernels walk several chunks on rows the interpreter runs
+# quickly; two rows a program puts a masked (absent) row next to a real one in every odd-rowed case.
+SMALL_CHUNKS = {"variant": "online", "BLOCK_M": 2, "BLOCK_N": 64, "num_warps": 4}
+
+
+@pytest.fixture
+def small_chunks(monkeypatch, launches):
+    """The online kernel's default config (the one used under the interpreter) becomes SMALL_CHUNKS.
+
+    The tuners hold the default function itself, so it is wrapped there; nothing is tuned (on a
+    GPU too); the memo of chosen configs starts empty and is restored afterwards. Returns the launches.
+    """
+    monkeypatch.setattr(tuning, "_single_config", lambda: True)
+    monkeypatch.setattr(sm, "_chosen", {})
+    for tuner in sm._TUNERS.values():
+        default = tuner.default
+        monkeypatch.setattr(tuner, "default", lambda key, default=default: (
+            dict(SMALL_CHUNKS) if default(key)["variant"] == "online" else default(key)))
+    return launches
+
+
+@pytest.mark.parametrize("shape, dim", [((5, 200), -1), ((3, 128), -1), ((7, 1), -1), ((3, 65), -1),
+                                        ((200, 5), 0), ((2, 130, 3), 1)], ids=str)
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+@pytest.mark.parametrize("log", LOGS)
+def test_online_over_many_chunks(shape, dim, dtype, log, small_chunks, device):
+    x, dy = _inputs(shape, dtype, device, seed=35 + shape[0])
+    _check(x, dy, log=log, variant="online", dim=dim)
+    _assert_small_chunks_ran(small_chunks)
+
+
+# ---------------------------------------------------------------- edge values
+
+
+def _outputs_and_grad(fn, x, dy, dim, upcast=None, poison=False):
+    x = x.detach().to(upcast or x.dtype).requires_grad_()
+    with poisoned_outputs() if poison else contextlib.nullcontext():
+        y = fn(x, dim)
+        (grad,) = torch.autograd.grad(y, x, dy.to(y.dtype))
+    return y.detach(), grad
+
+
+def _check_nonfinite(x, dy, *, log, variant, dim=-1):
+    """The oracle where the float64 reference has NaN or infinite entries: the kernel must have the
+    same values there (NaN where NaN, -inf where -inf) and pass the error bound everywhere else."""
+    kernel = _outputs_and_grad(_kernel(log, variant), x, dy, dim, poison=True)
+    same_dtype = _outputs_and_grad(_reference(log), x, dy, dim)
+    reference = _outputs_and_grad(_reference(log), x, dy, dim, upcast=torch.float64)
+    for name, k, t, r in zip(("output", "grad input"), kernel, same_dtype, reference, strict=True):
+        special = ~torch.isfinite(r)
+        torch.testing.assert_close(k[special].double(), r[special], rtol=0, atol=0, equal_nan=True,
+                                   msg=lambda m, name=name: f"{name} where the reference is not finite: {m}")
+        comparison = compare(name, k.masked_fill(special, 0), t.masked_fill(special, 0),
+                             r.masked_fill(special, 0), x.dtype)
+        assert math.isfinite(comparison.err_torch), comparison  # torch agrees where values are finite
+        assert comparison.passed, str(comparison)
+    return reference
+
+
+def _with_rows(x, rows: dict):
+    """``x`` with row i replaced by the function rows[i] of that row."""
+    x = x.clone()
+    for i, fill in rows.items():
+        x[i] = fill(x[i])
+    return x
+
+
+INF, NAN = float("inf"), float("nan")
+
+
+def _at(*entries):
+    """A mask of a row: true at ``entries``."""
+    return lambda r: torch.isin(_entries(r), torch.tensor(entries, device=r.device))
+
+
+def _entries(r):
+    return torch.arange(r.numel(), device=r.device)
+
+
+EDGE_ROWS = {  # name -> {row: new row}; the other rows stay random and must stay right
+    "all -inf row": {1: lambda r: torch.full_like(r, -INF)},
+    "+inf entry": {2: lambda r: r.masked_fill(_at(5)(r), INF)},
+    "two +inf entries": {0: lambda r: r.masked_fill(_at(0, 70)(r), INF)},
+    "nan entry": {3: lambda r: r.masked_fill(_at(99)(r), NAN)},
+    "one finite entry": {1: lambda r: r.masked_fill(~_at(50)(r), -INF)},
+    "-inf entries": {i: (lambda r, i=i: r.masked_fill(_entries(r) % (i + 2) == 0, -INF)) for i in range(4)},
+}
+
+
+@pytest.mark.parametrize("case", EDGE_ROWS)
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+@pytest.mark.parametrize("log", LOGS)
+@pytest.mark.parametrize("variant", KERNELS)
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy, in the interpreter
+def test_nonfinite_inputs_match_torch(case, dtype, log, variant, device):
+    x, dy = _inputs((5, 100), dtype, device, seed=36)
+    reference = _check_nonfinite(_with_rows(x, EDGE_ROWS[case]), dy, log=log, variant=variant)
+    changed = [i for i in range(5) if i in EDGE_ROWS[case]]
+    assert torch.isfinite(reference[0][[i for i in range(5) if i not in changed]]).all()
+
+
+def _masked_attention(shape, dtype, device, seed, keep):
+    """Rows with -inf at masked positions, as attention masks make them: row i keeps its entries
+    keep[i][0] to keep[i][1] - 1 and masks the rest."""
+    x, dy = _inputs(shape, dtype, device, seed)
+    cols = torch.arange(shape[-1], device=device)
+    for i, (start, stop) in enumerate(keep):
+        x[i].masked_fill_((cols < start) | (cols >= stop), -INF)
+    return x, dy
+
+
+def _assert_small_chunks_ran(launches):
+    directions = {direction for direction, config in launches if config == SMALL_CHUNKS}
+    assert directions == {"fwd", "bwd"}, launches
+    assert all(config == SMALL_CHUNKS for _, config in launches if config["variant"] == "online"), launches
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("log", LOGS)
+@pytest.mark.parametrize("variant", KERNELS)
+def test_masked_rows_with_first_chunks_all_masked(dtype, log, variant, small_chunks, device):
+    """With 64-entry chunks: a row whose first chunk, or first two, hold only -inf, then finite values."""
+    keep = [(0, 200), (64, 150), (199, 200), (130, 151), (1, 190)]  # chunks start at 0, 64, 128, 192
+    x, dy = _masked_attention((5, 200), dtype, device, seed=37, keep=keep)
+    _check_nonfinite(x, dy, log=log, variant=variant)
+    if variant == "online":
+        _assert_small_chunks_ran(small_chunks)
+
+
+@pytest.mark.parametrize("log", LOGS)
+def test_masked_first_chunk_at_the_default_chunk(log, launches, device):
+    """The online kernel's default 4096-entry chunk, the first all -inf, the second finite."""
+    x, dy = _masked_attention((2, 4200), BF16, device, seed=38, keep=[(4096, 4200), (4100, 4150)])
+    _check_nonfinite(x, dy, log=log, variant="online")
+    if interpret():  # the untuned chunk
+        assert {config["BLOCK_N"] for _, config in launches} == {4096}
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=str)
+@pytest.mark.parametrize("log", LOGS)
+@pytest.mark.parametrize("variant", KERNELS)
+def test_large_magnitudes(dtype, log, variant, device):
+    """Values up to several times 1e4 (exp would overflow any dtype without the max subtracted)."""
+    g = generator(39)
+    x = random_tensor((6, 300), F32, device, generator=g, scale=1e4).clamp(-6e4, 6e4).to(dtype)
+    assert x.abs().max() > 2e4
+    _check(x, random_tensor((6, 300), dtype, device, generator=g), log=log, variant=variant)
+
+
+# ---------------------------------------------------------------- invariants
+
+
+@pytest.mark.parametrize("shape, dim", [((6, 123), -1), ((3, 1823), -1), ((40, 5), 0)], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("variant", KERNELS)
+def test_rows_sum_to_one(shape, dim, dtype, variant, device):
+    """Each output is within one ulp of its true value, so a row sums to 1 within one ulp of 1, plus
+    the reciprocal's rounding and the fp32 tree sum's log2(N) ulps."""
+    x, _ = _inputs(shape, dtype, device, seed=40)
+    n = shape[dim]
+    bound = (2 + math.ceil(math.log2(n))) * torch.finfo(dtype).eps
+    y = _kernel(False, variant)(x, dim).double()
+    assert (y >= 0).all() and (y <= 1).all()
+    assert (y.sum(dim) - 1).abs().max().item() <= bound
+    log_y = _kernel(True, variant)(x, dim).double()
+    assert (log_y <= 0).all()
+    # exp(log y) errs by y * |log y| * eps/2 at most: sum(y |log y|) is the entropy, at most log(N)
+    assert (log_y.exp().sum(dim) - 1).abs().max().item() <= bound + math.log(n) * torch.finfo(dtype).eps
+
+
+@pytest.mark.parametrize("log", LOGS)
+@pytest.mark.parametrize("variant", KERNELS)
+def test_shift_invariance(log, variant, device):
+    """softmax(x + c) = softmax(x) for a per-row c. With x on a 2^-10 grid and integer c, x + c and
+    x + c - max(x + c) = x - max(x) are exact in fp32, so the outputs agree bit for bit; without
+    the max subtracted, exp(x + 8000) overflows."""
+    g = generator(41)
+    x = torch.round(random_tensor((6, 300), F32, device, generator=g, scale=3.0) * 1024) / 1024
+    c = torch.randint(-8000, 8000, (6, 1), generator=g).to(device=device, dtype=F32)
+    c[0] = 8000
+    fn = _kernel(log, variant)
+    torch.testing.assert_close(fn(x + c), fn(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("variant", KERNELS)
+def test_log_softmax_is_log_of_softmax(variant, device):
+    x, _ = _inputs((6, 300), F32, device, seed=42)
+    y, log_y = _kernel(False, variant)(x).double(), _kernel(True, variant)(x).double()
+    # log(y) errs by y's relative error, a few fp32 ulps; log y itself is rounded to fp32 (rtol)
+    eps = torch.finfo(F32).eps
+    torch.testing.assert_close(log_y, y.log(), rtol=eps, atol=8 * eps)
+
+
+# ---------------------------------------------------------------- poisoning
+
+
+def _skip_last_row(direction_skipped: str):
+    """A launch that leaves the last row of its output unwritten in ``direction_skipped``."""
+    launch = sm._launch
+
+    def partial_launch(direction, config, log, views):
+        if direction == direction_skipped:
+            views = tuple(v[:, :-1] for v in views)
+        launch(direction, config, log, views)
+
+    return partial_launch
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+@pytest.mark.parametrize("log", LOGS)
+@pytest.mark.parametrize("variant", KERNELS)
+def test_poisoning_catches_an_unwritten_row(direction, log, variant, monkeypatch, device):
+    x, dy = _inputs((5, 40), F32, device, seed=43)
+    _check(x, dy, log=log, variant=variant)  # passes with the real launch
+    monkeypatch.setattr(tuning, "_single_config", lambda: True)  # no tuning with the broken launch
+    monkeypatch.setattr(sm, "_launch", _skip_last_row(direction))
+    comparisons = compare_with_reference(_kernel(log, variant), _reference(log), [x], grad_inputs=(0,),
+                                         grad_outputs=[dy])
+    failed = [c.name for c in comparisons if not c.passed]
+    assert failed == (["output[0]", "grad input[0]"] if direction == "fwd" else ["grad input[0]"])
+    with poisoned_outputs():
+        y = _kernel(log, variant)(x)
+    assert torch.isnan(y[-1]).all().item() == (direction == "fwd") and not torch.isnan(y[:-1]).any()
+
+
+def test_every_output_element_written(device):
+    with poisoned_outputs():
+        assert torch.isnan(empty_output((3,), F32, device)).all()  # poisoning is really on
+        for variant in KERNELS:
+            for log in (False, True):
+                x, dy = _inputs((3, 5, 77), BF16, device, seed=44)
+                x.requires_grad_()
+                y = _kernel(log, variant)(x, 1)
+                (grad,) = torch.autograd.grad(y, x, dy)
+                assert not torch.isnan(y).any() and not torch.isnan(grad).any()
+
+
+# ---------------------------------------------------------------- the accuracy gate with the real kernels
+
+# On rows of 200 the one-pass kernel's BLOCK_N is 256; these configs cut it, so the kernel
+# normalises only the first 64 or 128 entries and never writes the rest. The second passes the
+# prune function (16 values a thread, 32 backward), so a tuner really offers it.
+SHORT_TILE = {"variant": "one-pass", "BLOCK_M": 1, "BLOCK_N": 64, "num_warps": 4}
+SHORT_TILE_UNPRUNED = {"variant": "one-pass", "BLOCK_M": 16, "BLOCK_N": 128, "num_warps": 4}
+GATE_ROWS, GATE_N = 64, 200
+
+
+def _gate_views(direction, dtype, layout, device):
+    """(O, R, N) views of a 64 x 200 problem as the launcher builds them; content is irrelevant."""
+    shape, dim = ((GATE_ROWS, GATE_N), 1) if layout == "rows" else ((GATE_N, GATE_ROWS), 0)
+    tensors = [random_tensor(shape, dtype, device, generator=generator(i)) for i in range(3)]
+    views = tuple(sm._as_3d(t, dim) for t in tensors[:2 if direction == "fwd" else 3])
+    assert sm._layout(views[0]) == layout
+    return views
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+@pytest.mark.parametrize("layout, dtype", [("rows", F32), ("cols", BF16)], ids=str)
+@pytest.mark.parametrize("log", LOGS)
+def test_gate_rejects_a_config_that_skips_entries(direction, layout, dtype, log, device):
+    views = _gate_views(direction, dtype, layout, device)
+    name = sm._DTYPE_NAMES[dtype]
+    key = _key(direction, GATE_N, layout, GATE_ROWS, dtype=f"{name}>{name}")
+    assert not sm._prune(SHORT_TILE_UNPRUNED, key)
+    for bad in (SHORT_TILE, SHORT_TILE_UNPRUNED):
+        assert not sm._admit(direction, log, views, bad), bad
+    good = [sm._default(key), {**SHORT_TILE, "BLOCK_N": 256}, sm._default({**key, "variant": "online"}),
+            {**SHORT_TILE, "variant": "online"}]  # the online kernel takes any chunk: 64 is fine
+    assert [config["variant"] for config in good] == ["one-pass", "one-pass", "online", "online"]
+    for config in good:
+        assert sm._admit(direction, log, views, config), config
+
+
+def fake_ms(config):
+    """A fake timing: fewer rows and warps a program are faster."""
+    return 1.0 + config["BLOCK_M"] / 100 + config["num_warps"] / 1000
+
+
+@pytest.fixture
+def tuned(monkeypatch, tmp_path):
+    """Tuning as on a GPU, with fresh tuners (also offered SHORT_TILE_UNPRUNED), a private cache, an
+    empty memo, and a fake timer (do_bench needs CUDA) under which SHORT_TILE_UNPRUNED is by far the
+    fastest. Returns the cache folder and the configs timed."""
+    monkeypatch.setattr(tuning, "_single_config", lambda: False)
+    monkeypatch.setenv("TRITONKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(sm, "_chosen", {})
+    for direction, tuner in list(sm._TUNERS.items()):
+        fresh = tuning.Tuner(tuner.name, [*tuner.configs, SHORT_TILE_UNPRUNED], sources=tuner.sources,
+                             default=tuner.default, prune=tuner.prune)
+        monkeypatch.setitem(sm._TUNERS, direction, fresh)
+    timed = []
+
+    def fake_time_ms(direction, log, views, config):
+        timed.append(config)
+        return 0.001 if config == SHORT_TILE_UNPRUNED else fake_ms(config)
+
+    monkeypatch.setattr(sm, "_time_ms", fake_time_ms)
+    return tmp_path / tuning.SUBDIR, timed
+
+
+@pytest.mark.parametrize("log", LOGS)
+def test_tuner_never_picks_the_fast_wrong_config(log, tuned, launches, device):
+    cache, timed = tuned
+    x, dy = _inputs((GATE_ROWS, GATE_N), F32, device, seed=45)
+    _check(x, dy, log=log)
+    assert SHORT_TILE_UNPRUNED not in timed and timed
+    files = {path.name.split("-")[0]: path for path in cache.iterdir()}
+    assert sorted(files) == ["softmax_bwd", "softmax_fwd"]
+    bad = tuning._canonical(SHORT_TILE_UNPRUNED)
+    for direction in ("fwd", "bwd"):
+        entry = json.loads(files[f"softmax_{direction}"].read_text())
+        assert entry["ms"][bad] is None and "does not match" in entry["rejected"][bad], direction
+        admitted = [json.loads(c) for c, ms in entry["ms"].items() if ms is not None]
+        assert len(admitted) > 1 and entry["config"] == min(admitted, key=fake_ms)
+        # the memo holds the winner, and the op's own launch (the last, after tuning) used it
+        assert sm._chosen[tuple(_key(direction, GATE_N, rows=GATE_ROWS).values())] == entry["config"]
+        assert [config for d, config in launches if d == direction][-1] == entry["config"]
+
+
+# ---------------------------------------------------------------- bad arguments
+
+
+def _valid(device):
+    return random_tensor((4, 8), F32, device, generator=generator(46))
+
+
+BAD_ARGUMENTS = [  # (call with a valid input, exception, pattern of its message)
+    pytest.param(lambda x: softmax(x.tolist()), TypeError, "^input must be a torch.Tensor", id="list input"),
+    pytest.param(lambda x: log_softmax(x.double()), TypeError, "^input .*float64", id="float64 input"),
+    pytest.param(lambda x: softmax((10 * x).int()), TypeError, "^input ", id="int input"),
+    pytest.param(lambda x: softmax(x, dtype=torch.int32), TypeError, "^dtype ", id="int dtype"),
+    pytest.param(lambda x: softmax(x, dtype=torch.float64), TypeError, "^dtype ", id="float64 dtype"),
+    pytest.param(lambda x: softmax(x, dim=2), IndexError, "^dim 2 ", id="dim 2 of 2-D"),
+    pytest.param(lambda x: log_softmax(x, dim=-3), IndexError, "^dim -3 ", id="dim -3 of 2-D"),
+    pytest.param(lambda x: softmax(x[0, 0], dim=1), IndexError, "^dim 1 ", id="dim 1 of 0-D"),
+    pytest.param(lambda x: softmax(x, dim=1.0), TypeError, "^dim ", id="float dim"),
+    pytest.param(lambda x: softmax(x, dim=True), TypeError, "^dim ", id="bool dim"),
+    pytest.param(lambda x: softmax_variant(x, variant="two-pass"), ValueError, "^variant ", id="bad variant"),
+    pytest.param(lambda x: softmax_variant(x.new_ones(1, 70000), variant="one-pass"), ValueError,
+                 "'online'", id="row too long for one-pass"),
+    pytest.param(lambda x: softmax_variant(x.new_ones(70000, 2), dim=0, variant="one-pass"), ValueError,
+                 "'online'", id="column too long for one-pass"),
+]
+
+
+@pytest.mark.parametrize("call, error, pattern", BAD_ARGUMENTS)
+def test_bad_arguments(call, error, pattern, device):
+    with pytest.raises(error, match=pattern):
+        call(_valid(device))
+
+
+def test_bad_arguments_with_autograd(device):
+    x = _valid(device).requires_grad_()
+    with pytest.raises(IndexError, match="^dim "):
+        softmax(x, dim=5)
+    with pytest.raises(TypeError, match="^dtype "):
+        log_softmax(x, dtype=torch.int64)
+
+
+def test_backward_rejects_mismatched_grad_output(device):
+    y = softmax(_valid(device))
+    with pytest.raises(ValueError, match="grad_output"):
+        torch.ops.tritonkit.softmax_backward(y[:, :7], y, -1, F32, False)
+
+
+# ---------------------------------------------------------------- autograd, custom ops, compile
+
+
+def test_no_grad_has_no_graph(device):
+    x = _valid(device).requires_grad_()
+    with torch.no_grad():
+        y = softmax(x)
+    assert y.grad_fn is None and not y.requires_grad
+    y_graph = softmax(x)
+    assert y_graph.grad_fn is not None
+    torch.testing.assert_close(y, y_graph.detach(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+@pytest.mark.parametrize("dtype, dim, out_dtype", [(F32, -1, None), (F16, 0, F32)], ids=str)
+def test_opcheck_forward(op, dtype, dim, out_dtype, device):
+    x = random_tensor((5, 40), dtype, device, generator=generator(47), scale=3.0).requires_grad_()
+    torch.library.opcheck(getattr(torch.ops.tritonkit, op).default, (x, dim, out_dtype))
+
+
+@pytest.mark.parametrize("log", LOGS)
+def test_opcheck_backward(log, device):
+    x, dy = _inputs((5, 40), BF16, device, seed=48)
+    y = _kernel(log)(x)
+    torch.library.opcheck(torch.ops.tritonkit.softmax_backward.default, (dy, y, -1, F32, log))
+
+
+def test_custom_ops_match_the_public_functions(device):
+    x, dy = _inputs((5, 40), F32, device, seed=49)
+    for log, op in ((False, torch.ops.tritonkit.softmax), (True, torch.ops.tritonkit.log_softmax)):
+        y = op(x, 0, BF16)
+        torch.testing.assert_close(y, _kernel(log)(x, 0, BF16), rtol=0, atol=0)
+        eager_x = x.clone().requires_grad_()
+        (eager_grad,) = torch.autograd.grad(_kernel(log)(eager_x, 0, BF16), eager_x, dy.to(BF16))
+        grad = torch.ops.tritonkit.softmax_backward(dy.to(BF16), y, 0, F32, log)
+        torch.testing.assert_close(grad, eager_grad, rtol=0, atol=0)
+
+
+def test_compile_fullgraph(device):
+    torch._dynamo.reset()
+
+    def fn(input):
+        return tritonkit.softmax(input, -1), tritonkit.log_softmax(input, 0, dtype=F32)
+
+    compiled = torch.compile(fn, fullgraph=True)
+    g = generator(50)
+    x = random_tensor((6, 40), BF16, device, generator=g, scale=3.0)
+    dys = tuple(random_tensor((6, 40), dtype, device, generator=g) for dtype in (BF16, F32))
+    eager_x = x.clone().requires_grad_()
+    eager = fn(eager_x)
+    out = compiled(x.requires_grad_())
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+    torch.testing.assert_close(torch.autograd.grad(out, x, dys), torch.autograd.grad(eager, eager_x, dys),
+                               rtol=0, atol=0)
+    check_against_reference(lambda t: compiled(t)[0], softmax_reference, [x.detach()], grad_inputs=(0,),
+                            grad_outputs=[dys[0]])
+
+
+# ---------------------------------------------------------------- registry, cost model, harness shapes
+
+
+@pytest.mark.parametrize("name", ["softmax", "log_softmax"])
+def test_spec_is_registered(name):
+    spec, log = SPECS[name], name == "log_softmax"
+    assert get_op(name) is spec
+    reference = log_softmax_reference if log else softmax_reference
+    assert (spec.fn, spec.reference, spec.cost) == (_kernel(log), reference, softmax_cost)
+    assert spec.family == "softmax" and spec.grad_inputs == (0,) and spec.name == name
+    assert getattr(tritonkit, name) is spec.fn
+    variant_peers = {f"tritonkit[{v}]" for v in VARIANTS if v != "auto"}
+    assert set(spec.peers) == variant_peers | (set() if log else {"liger"})
+
+
+@pytest.mark.parametrize("shape, dtype, size", [((7, 33), F32, 4), ((2, 3, 96), BF16, 2),
+                                                ((4096, 4097), F16, 2), ((37,), F32, 4)], ids=str)
+def test_cost_bytes_and_flops(shape, dtype, size):
+    mn = math.prod(shape)
+    fwd, bwd = softmax_cost(shape, dtype, "fwd"), softmax_cost(shape, dtype, "bwd")
+    both = softmax_cost(shape, dtype, "fwd+bwd")
+    assert fwd.bytes == 2 * mn * size and bwd.bytes == 3 * mn * size  # x in, y out; y, dy in, dx out
+    assert (fwd.flops, bwd.flops) == (5 * mn, 4 * mn)
+    assert (both.bytes, both.flops) == (fwd.bytes + bwd.bytes, fwd.flops + bwd.flops)
+    assert softmax_cost(shape, dtype) == fwd
+
+
+@pytest.mark.parametrize("name", ["softmax", "log_softmax"])
+@pytest.mark.parametrize("shape", SPECS["softmax"].shapes["interpreter"], ids=str)
+def test_spec_inputs_match_reference(name, shape, device):
+    spec = SPECS[name]
+    assert spec.shapes["interpreter"] == SPECS["softmax"].shapes["interpreter"]
+    for dtype in spec.dtypes:
+        g = generator(51)
+        inputs = spec.make_inputs(shape, dtype, device, g)
+        dy = random_tensor(shape, dtype, device, generator=g)
+        check_against_reference(spec.fn, spec.reference, inputs, kwargs=spec.kwargs,
+                                grad_inputs=spec.grad_inputs, grad_outputs=[dy])
+
+
+@pytest.mark.parametrize("name", ["softmax", "log_softmax"])
+def test_variant_peers_match_reference(name, device):
+    spec, log = SPECS[name], name == "log_softmax"
+    for peer in ("tritonkit[one-pass]", "tritonkit[online]"):
+        fn = spec.peers[peer]({"dim": 0})
+        x, dy = _inputs((70, 9), F32, device, seed=52)
+        check_against_reference(fn, _reference(log), [x], kwargs={"dim": 0}, grad_inputs=(0,),
+                                grad_outputs=[dy])
+    if not log:
+        assert isinstance(spec.peers["liger"]({"dim": 0}), str)  # liger covers dim=-1 only: says so
+
+
+# ---------------------------------------------------------------- compiles for Hopper, no GPU needed
+
+_HOPPER_CHECK = r"""
+import concurrent.futures
+import tritonkit.ops.softmax as sm
+
+ROWS = 8192  # rows of the input whose default config is compiled
+CASES = [  # (layout, direction, row length, the variant auto starts from there)
+    ("rows", "fwd", 4096, "one-pass"), ("rows", "fwd", 32768, "one-pass"),
+    ("rows", "bwd", 4096, "one-pass"), ("rows", "bwd", 16384, "one-pass"),
+    ("rows", "fwd", 131072, "online"), ("rows", "bwd", 131072, "online"),
+    # softmax over a leading dim: rows are the contiguous axis (stride_r == 1)
+    ("cols", "fwd", 1024, "one-pass"), ("cols", "bwd", 512, "one-pass"),
+    ("cols", "fwd", 131072, "online"), ("cols", "bwd", 131072, "online"),
+]
+
+def check(layout, direction, n, variant, dtype, log):
+    key = {"direction": direction, "variant": "auto", "layout": layout, "block_n": n, "rows": ROWS,
+           "dtype": f"{dtype}>{dtype}"}
+    config = sm._default(key)
+    kernel = sm._LAUNCHERS[direction, config["variant"]].kernel
+    unit = "n" if layout == "rows" else "r"  # the stride that is 1, which Triton makes a constant
+    constexprs = {a: 1 for a in kernel.arg_names if a.startswith("stride_") and a.endswith(unit)}
+    constexprs |= {"LOG": log, "SUM_FP64": log and dtype == "fp32", "BLOCK_M": config["BLOCK_M"],
+                   "BLOCK_N": config.get("BLOCK_N", n)}
+    signature = {a: f"*{dtype}" if a.endswith("_ptr") else "i32"
+                 for a in kernel.arg_names if a not in constexprs}
+    sass, usage = compile_kernel(kernel, signature, constexprs, config["num_warps"])
+    loads, stores = set(re.findall(r"LDG\.E[.\w]*", sass)), set(re.findall(r"STG\.E[.\w]*", sass))
+    wide_loads = bool(loads) and all(re.fullmatch(r"LDG\.E(\.E[LF])?\.128", x) for x in loads)
+    wide_stores = stores == {"STG.E.128"}
+    hints = loads == {"LDG.E.EL.128", "LDG.E.EF.128"} if variant == "online" else True
+    fp64 = ("DADD" in sass) == constexprs["SUM_FP64"]
+    return (f"{kernel.__name__} {layout} {n} {dtype} {'log' if log else 'softmax'} {config} | "
+            f"{config['variant'] == variant} {wide_loads} {wide_stores} {hints} {not spills(usage)} {fp64} | "
+            f"{sorted(loads)} {sorted(stores)}")
+
+jobs = [(*case, dtype, log) for case in CASES if case[0] == "rows" for dtype in ("bf16", "fp32")
+        for log in (False, True)]
+jobs += [(*case, dtype, log) for case in CASES if case[0] == "cols" for dtype, log in (("bf16", False),
+                                                                                      ("fp32", True))]
+# Compiles in threads overlap ptxas and Triton's passes: about half the time on two cores.
+with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as pool:
+    for line in pool.map(lambda job: check(*job), jobs):
+        print(line)
+"""
+
+
+def test_kernels_compile_for_hopper_with_wide_accesses_and_no_spills():
+    """Each kernel compiled for sm_90 at the config the tuner starts from (its default) for 8192
+    rows: only 16-byte global loads and stores (the online kernels' with their eviction hints), no
+    spills, and fp64 adds exactly where the fp32 log_softmax asks for an fp64 sum."""
+    lines = sm90.run(_HOPPER_CHECK)
+    assert len(lines) == 6 * 4 + 4 * 2, lines
+    for line in lines:
+        verdicts = line.split("|")[1].split()
+        assert verdicts == ["True"] * 6, line
+
+
+# ---------------------------------------------------------------- offsets past 2^31 on a few elements
+
+_STRIDED_PAST_2_31 = r"""
+import torch
+import tritonkit
+from tritonkit._runtime import interpret
+
+STRIDE = 2**30 + 1  # an int32 stride; entry 2 of a row sits 2 * STRIDE > 2^31 elements from entry 0
+device = "cpu" if interpret() else "cuda"
+base = torch.empty(2 * STRIDE + 4, dtype=torch.bfloat16, device=device)  # 4 GiB, 12 entries touched
+x, dy = (base.as_strided((3, 2), (STRIDE, 1), offset) for offset in (0, 2))
+x.copy_(torch.tensor([[1.0, -2.0], [2.0, 0.5], [3.0, 0.25]]))
+dy.copy_(torch.tensor([[0.5, 1.0], [-1.0, 2.0], [0.25, -0.5]]))
+y = tritonkit.softmax(x, 0)
+torch.testing.assert_close(y.double(), torch.softmax(x.double(), 0), rtol=0, atol=2**-7)
+print("fwd ok", flush=True)
+grad = torch.ops.tritonkit.softmax_backward(dy, y, 0, torch.bfloat16, False)
+y64 = y.double()
+reference = y64 * (dy.double() - (dy.double() * y64).sum(0, keepdim=True))
+torch.testing.assert_close(grad.double(), reference, rtol=0, atol=2**-7)
+print("bwd ok", flush=True)
+"""
+
+
+def test_row_entry_offsets_past_2_31():
+    """A row whose entries lie 2^30 + 1 elements apart (a column of a tensor past 2^31 elements,
+    laid out sparsely so that only 12 entries are touched): offsets past 2^31 must not wrap. Run in
+    a child process: a wrapped offset reads outside the tensor and may crash it."""
+    result = subprocess.run([sys.executable, "-c", _STRIDED_PAST_2_31], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and result.stdout.split("\n")[:2] == ["fwd ok", "bwd ok"], (
+        f"exit status {result.returncode}; stdout {result.stdout!r}; stderr {result.stderr[-2000:]}")
+
+
+# ---------------------------------------------------------------- GPU: large shapes
+
+HUGE_SHAPE = (2**16 + 3, 2**15 + 1)  # past 2^31 elements: int32 offsets would wrap
+assert math.prod(HUGE_SHAPE) > 2**31
+
+
+def _sampled_rows(rows: int, n: int, device) -> torch.Tensor:
+    """A few hundred rows spread over the tensor, the last ones and those around element 2^31."""
+    past = 2**31 // n
+    spread = torch.linspace(0, rows - 1, 300).long().tolist()
+    return torch.tensor(sorted({*spread, past - 1, past, past + 1, rows - 2, rows - 1}), device=device)
+
+
+def _compare_rows(name, kernel_rows, x_rows, dy_rows=None, *, log=False, dim=-1):
+    """compare() on sampled rows: forward, or with ``dy_rows`` the input gradient."""
+    def run(upcast=None):
+        x = x_rows.detach().to(upcast or x_rows.dtype).requires_grad_(dy_rows is not None)
+        y = _reference(log)(x, dim)
+        if dy_rows is None:
+            return y.detach()
+        return torch.autograd.grad(y, x, dy_rows.to(y.dtype))[0]
+
+    comparison = compare(name, kernel_rows, run(), run(torch.float64), kernel_rows.dtype)
+    assert comparison.passed, str(comparison)
+
+
+@pytest.mark.gpu
+def test_past_2_31_elements():
+    g = torch.Generator("cuda").manual_seed(53)
+    x = torch.randn(HUGE_SHAPE, generator=g, device="cuda", dtype=BF16)
+    rows = _sampled_rows(*HUGE_SHAPE, "cuda")
+    with poisoned_outputs():
+        y = softmax(x)
+    assert not torch.isnan(y).any()
+    _compare_rows("sampled rows", y[rows], x[rows])
+    dy = torch.randn(HUGE_SHAPE, generator=g, device="cuda", dtype=BF16)
+    with poisoned_outputs():
+        grad = torch.ops.tritonkit.softmax_backward(dy, y, -1, BF16, False)
+    assert not torch.isnan(grad).any()
+    _compare_rows("sampled gradient rows", grad[rows], x[rows], dy[rows])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, dtype", [((4096, 4096), F16), ((2048, 131072), BF16), ((8192, 1823), BF16)],
+                         ids=str)
+@pytest.mark.parametrize("log", LOGS)
+def test_large_shapes_match_reference(shape, dtype, log, device):
+    _check(*_inputs(shape, dtype, device, seed=54), log=log)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("log", LOGS)
+def test_longest_rows_forward(log):
+    """(256, 4194304) fp32: the online kernel over 1024 chunks a row; some rows checked."""
+    x = torch.randn((256, 4194304), generator=torch.Generator("cuda").manual_seed(55), device="cuda")
+    with poisoned_outputs():
+        y = _kernel(log)(x)
+    assert not torch.isnan(y).any()
+    rows = torch.tensor([0, 1, 100, 254, 255], device="cuda")
+    _compare_rows("sampled rows", y[rows], x[rows], log=log)
+
+
+@pytest.fixture
+def tuning_afresh(monkeypatch, tmp_path):
+    """Real tuning on the GPU, from scratch: fresh tuners, a private cache, an empty memo."""
+    assert tuning.tuning_possible()
+    monkeypatch.setenv("TRITONKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(sm, "_chosen", {})
+    for direction, tuner in list(sm._TUNERS.items()):
+        fresh = tuning.Tuner(tuner.name, tuner.configs, sources=tuner.sources, default=tuner.default,
+                             prune=tuner.prune)
+        monkeypatch.setitem(sm._TUNERS, direction, fresh)
+    return tmp_path / tuning.SUBDIR
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(4096, 1823), (64, 65536)], ids=str)
+def test_tuned_winner_matches_reference(shape, tuning_afresh, launches, device):
+    """Real tuning (both variants are candidates for auto): the winners pass the oracle, are cached
+    on disk, and are what the op launched with."""
+    _check(*_inputs(shape, BF16, device, seed=56))
+    files = {path.name.split("-")[0]: path for path in tuning_afresh.iterdir()}
+    assert sorted(files) == ["softmax_bwd", "softmax_fwd"]
+    for direction in ("fwd", "bwd"):
+        entry = json.loads(files[f"softmax_{direction}"].read_text())
+        assert entry["ms"][tuning._canonical(entry["config"])] is not None
+        assert [config for d, config in launches if d == direction][-1] == entry["config"]

@@ -1,0 +1,397 @@
+"""Accuracy-gated autotuning: the gate, the choice, the memo and the on-disk cache.
+
+No real kernels: a fake "kernel" sums a list in blocks, one config skips its last block (fastest,
+wrong), and the timings are a table. The CPU suite runs under the interpreter, where tuning is off;
+the ``tuning_on`` fixture turns off the interpreter's single-config mode for this module alone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from tritonkit import tuning
+
+pytestmark = pytest.mark.tuning
+
+KEY = {"N": 64, "dtype": "fp32"}
+DEFAULT = {"BLOCK": 16, "SKIP_TAIL": False, "num_warps": 4}
+CONFIGS = [
+    {"BLOCK": 8, "SKIP_TAIL": False, "num_warps": 4},
+    {"BLOCK": 16, "SKIP_TAIL": False, "num_warps": 4},
+    {"BLOCK": 32, "SKIP_TAIL": False, "num_warps": 8},
+    {"BLOCK": 32, "SKIP_TAIL": True, "num_warps": 8},  # skips work: the fastest, and wrong
+]
+# ms per config index: the skipping config is fastest, then BLOCK 16, which should win
+TIMES = [3.0, 1.0, 2.0, 0.5]
+VALUES = [float(i % 7 + 1) for i in range(KEY["N"])]  # never zeros: a skipped block changes the sum
+
+
+class FakeKernel:
+    """admit/time_ms for CONFIGS; records which configs each was called with."""
+
+    def __init__(self, times=TIMES, raise_in_admit=(), raise_in_time=()):
+        self.times, self.raise_in_admit, self.raise_in_time = times, raise_in_admit, raise_in_time
+        self.admitted: list[dict] = []
+        self.timed: list[dict] = []
+
+    def run(self, config: dict) -> float:
+        blocks = [VALUES[i:i + config["BLOCK"]] for i in range(0, len(VALUES), config["BLOCK"])]
+        return sum(sum(b) for b in (blocks[:-1] if config["SKIP_TAIL"] else blocks))
+
+    def admit(self, config: dict) -> bool:
+        self.admitted.append(config)
+        if CONFIGS.index(config) in self.raise_in_admit:
+            raise RuntimeError("out of resources: shared memory, Required: 300000")
+        return abs(self.run(config) - sum(VALUES)) <= 1e-6
+
+    def time_ms(self, config: dict) -> float:
+        self.timed.append(config)
+        if CONFIGS.index(config) in self.raise_in_time:
+            raise RuntimeError("illegal memory access")
+        return self.times[CONFIGS.index(config)]
+
+    @property
+    def calls(self) -> int:
+        return len(self.admitted) + len(self.timed)
+
+
+def make_tuner(name="fake", configs=CONFIGS, sources=("kernel v1",), prune=None) -> tuning.Tuner:
+    return tuning.Tuner(name, configs, sources=sources, default=lambda key: DEFAULT, prune=prune)
+
+
+def tune(tuner: tuning.Tuner, fake: FakeKernel, key=KEY) -> dict:
+    return tuner.config(key, admit=fake.admit, time_ms=fake.time_ms)
+
+
+def cache_files(cache: Path) -> list[Path]:
+    return sorted(cache.iterdir()) if cache.exists() else []
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch) -> Path:
+    """A private cache directory per test; returns the folder the tuning files go in."""
+    monkeypatch.setenv("TRITONKIT_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "tuning"
+
+
+@pytest.fixture
+def tuning_on(monkeypatch):
+    """The seam: leave the interpreter's single-config mode, as on a GPU."""
+    monkeypatch.setattr(tuning, "_single_config", lambda: False)
+
+
+# ---------------------------------------------------------------- choosing
+
+
+def test_fastest_admitted_config_wins(tuning_on, cache, caplog):
+    fake = FakeKernel()
+    with caplog.at_level(logging.INFO, logger="tritonkit"):
+        assert tune(make_tuner(), fake) == CONFIGS[1]
+    assert fake.admitted == CONFIGS
+    assert CONFIGS[3] not in fake.timed  # the skipping config is never timed
+    [path] = cache_files(cache)
+    assert path.name.startswith("fake-") and len(path.stem) == len("fake-") + tuning.NAME_HASH_CHARS
+    entry = json.loads(path.read_text())
+    assert entry["config"] == CONFIGS[1]
+    assert entry["format"] == tuning.FORMAT and entry["key"] == KEY and entry["tuner"] == "fake"
+    assert entry["ms"][tuning._canonical(CONFIGS[3])] is None
+    assert list(entry["rejected"]) == [tuning._canonical(CONFIGS[3])]
+    [line] = [r.getMessage() for r in caplog.records if "tuned fake" in r.getMessage()]
+    assert "1.0000 ms" in line and "1 of 4 configs rejected" in line
+
+
+def test_raising_configs_are_rejected_not_fatal(tuning_on, cache):
+    # BLOCK 16 fails to compile and BLOCK 32 crashes while timed: BLOCK 8 is the one left
+    fake = FakeKernel(raise_in_admit=(1,), raise_in_time=(2,))
+    assert tune(make_tuner(), fake) == CONFIGS[0]
+    rejected = json.loads(cache_files(cache)[0].read_text())["rejected"]
+    assert "out of resources" in rejected[tuning._canonical(CONFIGS[1])]
+    assert "illegal memory access" in rejected[tuning._canonical(CONFIGS[2])]
+
+
+def test_no_admitted_config_raises_with_every_reason(tuning_on, cache):
+    fake = FakeKernel(raise_in_admit=(0, 1), raise_in_time=(2,))
+    with pytest.raises(RuntimeError) as raised:
+        tune(make_tuner(), fake)
+    message = str(raised.value)
+    assert "'fake'" in message and "'N': 64" in message
+    assert "out of resources" in message and "illegal memory access" in message
+    assert "does not match the reference" in message  # the skipping config
+    assert cache_files(cache) == []
+
+
+def test_non_finite_time_rejects_the_config(tuning_on):
+    fake = FakeKernel(times=[float("nan"), 1.0, 2.0, 0.5])  # first, where min() would keep a NaN
+    assert tune(make_tuner(), fake) == CONFIGS[1]
+
+
+def test_pruned_configs_are_never_run(tuning_on):
+    tuner = make_tuner(prune=lambda config, key: config["BLOCK"] < key["N"] // 4)  # drops BLOCK 8
+    fake = FakeKernel(times=[0.1, 1.0, 2.0, 0.5])  # BLOCK 8 would win
+    assert tune(tuner, fake) == CONFIGS[1]
+    assert fake.admitted == CONFIGS[1:] and CONFIGS[0] not in fake.timed
+
+
+def test_default_is_always_a_candidate(tuning_on):
+    # pruning everything leaves the default, which still has to pass the gate
+    fake = FakeKernel()
+    assert tune(make_tuner(prune=lambda config, key: True), fake) == DEFAULT
+    assert fake.admitted == [DEFAULT]
+    # a default outside the config list is tried too, after the kept configs
+    outside = {"BLOCK": 64, "SKIP_TAIL": False, "num_warps": 4}
+    tuner = tuning.Tuner("outside", CONFIGS[:1], sources=("v1",), default=lambda key: outside)
+    admitted = []
+
+    def admit(config):
+        admitted.append(config)
+        return True
+
+    assert tuner.config(KEY, admit=admit, time_ms=lambda c: 0.5 if c == outside else 1.0) == outside
+    assert admitted == [CONFIGS[0], outside]
+
+
+def test_wrong_default_raises(tuning_on):
+    # every candidate, the default included, fails the gate: a kernel bug, reported with the reasons
+    wrong = {"BLOCK": 32, "SKIP_TAIL": True, "num_warps": 8}
+    tuner = tuning.Tuner("wrong", [wrong], sources=("v1",), default=lambda key: wrong)
+    with pytest.raises(RuntimeError, match="does not match the reference"):
+        tuner.config(KEY, admit=FakeKernel().admit, time_ms=FakeKernel().time_ms)
+
+
+# ---------------------------------------------------------------- memo and disk
+
+
+def test_second_call_uses_the_memo(tuning_on):
+    tuner, fake = make_tuner(), FakeKernel()
+    tune(tuner, fake)
+    calls = fake.calls
+    assert tune(tuner, fake) == CONFIGS[1]
+    assert fake.calls == calls
+    tune(tuner, fake, key={"N": 128, "dtype": "fp32"})  # another key is tuned on its own
+    assert fake.calls > calls
+
+
+def test_fresh_tuner_reads_the_disk_cache(tuning_on, cache):
+    tune(make_tuner(), FakeKernel())
+    # a new process: same name, sources and configs; timings that would now pick another config
+    fake = FakeKernel(times=[0.1, 1.0, 2.0, 0.5])
+    assert tune(make_tuner(), fake) == CONFIGS[1]
+    assert fake.calls == 0
+    assert len(cache_files(cache)) == 1
+
+
+def _corrupt_garbage(path: Path) -> None:
+    path.write_bytes(b"\xff\xfe\x00garbage\x80")
+
+
+def _corrupt_truncated(path: Path) -> None:
+    path.write_text(path.read_text()[:40])
+
+
+def _edit(field, value):
+    def corrupt(path: Path) -> None:
+        entry = json.loads(path.read_text())
+        entry[field] = value
+        path.write_text(json.dumps(entry))
+    return corrupt
+
+
+def _corrupt_not_a_dict(path: Path) -> None:
+    path.write_text("[1, 2]")
+
+
+@pytest.mark.parametrize("corrupt", [
+    _corrupt_garbage, _corrupt_truncated, _corrupt_not_a_dict, _edit("format", tuning.FORMAT + 1),
+    _edit("source_hash", "0" * 64), _edit("triton", "0.0.0"), _edit("device", "another GPU"),
+    _edit("key", {"N": 65, "dtype": "fp32"}), _edit("config", {"BLOCK": 999}),
+], ids=lambda f: f.__name__)
+def test_damaged_or_stale_entry_is_rebuilt(tuning_on, cache, corrupt):
+    tune(make_tuner(), FakeKernel())
+    [path] = cache_files(cache)
+    corrupt(path)
+    fake = FakeKernel(times=[0.1, 1.0, 2.0, 0.5])  # the rebuild picks BLOCK 8, telling it from the old
+    assert tune(make_tuner(), fake) == CONFIGS[0]
+    assert fake.admitted == CONFIGS
+    assert cache_files(cache) == [path]
+    assert json.loads(path.read_text())["config"] == CONFIGS[0]
+    assert tune(make_tuner(), FakeKernel(times=[9.0] * 4)) == CONFIGS[0]  # and it reads back
+
+
+def test_changed_source_or_configs_retune(tuning_on, cache):
+    tune(make_tuner(sources=("kernel v1",)), FakeKernel())
+    edited = FakeKernel(times=[0.1, 1.0, 2.0, 0.5])
+    assert tune(make_tuner(sources=("kernel v2",)), edited) == CONFIGS[0]
+    assert edited.calls > 0
+    fewer = FakeKernel()
+    assert tune(make_tuner(configs=CONFIGS[1:]), fewer) == CONFIGS[1]
+    assert fewer.calls > 0
+    assert len(cache_files(cache)) == 3
+    assert tune(make_tuner(sources=("kernel v1",)), FakeKernel(times=[9.0] * 4)) == CONFIGS[1]
+
+
+def test_new_triton_version_retunes(tuning_on, monkeypatch):
+    import triton
+
+    tune(make_tuner(), FakeKernel())
+    monkeypatch.setattr(triton, "__version__", "99.0.0")
+    fake = FakeKernel(times=[0.1, 1.0, 2.0, 0.5])
+    assert tune(make_tuner(), fake) == CONFIGS[0]
+    assert fake.calls > 0
+
+
+def test_source_hash_reads_strings_functions_and_kernels():
+    def kernel(x):
+        return x + 1
+
+    text = tuning.inspect.getsource(kernel)
+    assert make_tuner(sources=[kernel]).source_hash == make_tuner(sources=[text]).source_hash
+    jit_like = types.SimpleNamespace(src=text)  # triton's JITFunction
+    interpreted_like = types.SimpleNamespace(fn=kernel)  # the interpreter's InterpretedFunction
+    assert make_tuner(sources=[jit_like]).source_hash == make_tuner(sources=[interpreted_like]).source_hash
+    assert make_tuner(sources=["a", "bc"]).source_hash != make_tuner(sources=["ab", "c"]).source_hash
+    assert make_tuner(sources=[text]).source_hash != make_tuner(sources=[text + " "]).source_hash
+
+
+_CHILD = """
+import json, sys, time
+from pathlib import Path
+from tritonkit import tuning
+
+tuning._single_config = lambda: False
+me, other = Path(sys.argv[1]), Path(sys.argv[2])
+timed = []
+
+def time_ms(config):
+    if not timed:  # wait until the other process is tuning too, so that their writes race
+        me.touch()
+        deadline = time.monotonic() + 60
+        while not other.exists():
+            if time.monotonic() > deadline:
+                sys.exit("the other process never started tuning")
+            time.sleep(0.01)
+    timed.append(config)
+    time.sleep(0.05)
+    return {8: 3.0, 16: 1.0, 32: 2.0}[config["BLOCK"]]
+
+configs = [{"BLOCK": b} for b in (8, 16, 32)]
+tuner = tuning.Tuner("race", configs, sources=["src"], default=lambda key: configs[0])
+winner = tuner.config({"N": 64}, admit=lambda config: True, time_ms=time_ms)
+print(json.dumps({"winner": winner, "timed": len(timed)}))
+"""
+
+
+def test_two_processes_tuning_at_once_leave_one_whole_file(tuning_on, tmp_path, cache):
+    script = tmp_path / "child.py"
+    script.write_text(_CHILD)
+    env = dict(os.environ, TRITONKIT_INTERPRET="1", PYTHONPATH=str(Path(tuning.__file__).parents[1]))
+    flags = [tmp_path / "a", tmp_path / "b"]
+    children = [subprocess.Popen([sys.executable, str(script), str(me), str(other)], env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                for me, other in (flags, flags[::-1])]
+    for child in children:
+        out, err = child.communicate(timeout=120)
+        assert child.returncode == 0, err
+        assert json.loads(out.splitlines()[-1]) == {"winner": {"BLOCK": 16}, "timed": 3}
+    [path] = cache_files(cache)  # no stray temporary files
+    assert path.suffix == ".json" and json.loads(path.read_text())["config"] == {"BLOCK": 16}
+    configs = [{"BLOCK": b} for b in (8, 16, 32)]
+    reader = tuning.Tuner("race", configs, sources=["src"], default=lambda key: configs[0])
+    assert reader.config({"N": 64}, admit=pytest.fail, time_ms=pytest.fail) == {"BLOCK": 16}
+
+
+# ---------------------------------------------------------------- when tuning is off
+
+
+def test_interpreter_uses_the_default_and_leaves_the_disk_alone(monkeypatch, cache):
+    monkeypatch.setattr(tuning, "interpret", lambda: True)
+    fake = FakeKernel()
+    assert tune(make_tuner(), fake) == DEFAULT
+    assert fake.calls == 0 and cache_files(cache) == []
+    assert not tuning.tuning_possible()
+    # a cached winner other than the default is not read either
+    with monkeypatch.context() as patch:
+        patch.setattr(tuning, "interpret", lambda: False)
+        patch.setattr(tuning, "tuning_possible", lambda: True)
+        tune(make_tuner(), FakeKernel(times=[0.1, 1.0, 2.0, 0.5]))
+    assert tune(make_tuner(), fake) == DEFAULT and fake.calls == 0
+
+
+def test_tuning_impossible_uses_default_or_a_cached_winner(tuning_on, monkeypatch, cache):
+    tune(make_tuner(), FakeKernel(times=[0.1, 1.0, 2.0, 0.5]))  # caches BLOCK 8 for KEY
+    monkeypatch.setattr(tuning, "tuning_possible", lambda: False)
+    fake = FakeKernel()
+    assert tune(make_tuner(), fake, key={"N": 128, "dtype": "fp32"}) == DEFAULT
+    assert tune(make_tuner(), fake) == CONFIGS[0]
+    assert fake.calls == 0 and len(cache_files(cache)) == 1
+
+
+def test_disabled_turns_tuning_off(tuning_on, cache):
+    assert tuning.tuning_possible()
+    tuner, fake = make_tuner(), FakeKernel()
+    with tuning.disabled():
+        with tuning.disabled():
+            assert not tuning.tuning_possible()
+        assert not tuning.tuning_possible()
+        assert tune(tuner, fake) == DEFAULT
+        assert fake.calls == 0 and cache_files(cache) == []
+    assert tuning.tuning_possible()
+    assert tune(tuner, fake) == CONFIGS[1]
+
+
+def test_torch_compile_tracing_turns_tuning_off(tuning_on, monkeypatch):
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not tuning.tuning_possible()
+
+
+def test_unwritable_cache_keeps_the_winner_in_memory(tuning_on, tmp_path, monkeypatch, caplog):
+    if os.geteuid() == 0:  # root ignores permissions: put the cache under a regular file instead
+        blocker = tmp_path / "a-file"
+        blocker.write_text("")
+        monkeypatch.setenv("TRITONKIT_CACHE_DIR", str(blocker / "cache"))
+    else:
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        monkeypatch.setenv("TRITONKIT_CACHE_DIR", str(locked))
+    tuner, fake = make_tuner(), FakeKernel()
+    with caplog.at_level(logging.WARNING, logger="tritonkit"):
+        assert tune(tuner, fake) == CONFIGS[1]
+        assert tune(tuner, fake, key={"N": 128, "dtype": "fp32"}) == CONFIGS[1]
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "cannot write the tuning cache" in warnings[0].getMessage()
+    calls = fake.calls
+    assert tune(tuner, fake) == CONFIGS[1] and fake.calls == calls
+    assert [p.name for p in tmp_path.rglob("*.tmp")] == []
+
+
+def test_failed_write_leaves_no_temporary_file(tuning_on, cache, monkeypatch, caplog):
+    def refuse(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(tuning.os, "replace", refuse)
+    with caplog.at_level(logging.WARNING, logger="tritonkit"):
+        assert tune(make_tuner(), FakeKernel()) == CONFIGS[1]
+    assert "disk full" in caplog.text
+    assert cache.is_dir() and cache_files(cache) == []
+
+
+def test_entry_is_synced_under_a_temporary_name_before_it_takes_the_final_one(tuning_on, cache, monkeypatch):
+    seen_at_fsync = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        seen_at_fsync.append([p.suffix for p in cache_files(cache)])
+        real_fsync(fd)
+
+    monkeypatch.setattr(tuning.os, "fsync", fsync)
+    tune(make_tuner(), FakeKernel())
+    assert seen_at_fsync == [[".tmp"]]  # only the temporary file exists while it is synced
+    assert [p.suffix for p in cache_files(cache)] == [".json"]
