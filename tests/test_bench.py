@@ -161,3 +161,31 @@ def test_timing_protocol_on_gpu():
     (p20, median, p80), method = timing.kernel_ms([lambda: (lambda: x * 2)])
     assert method == "cuda-graph" and 0 < p20 <= median <= p80
     assert 0 < timing.host_us(lambda: x * 2) < 1000
+
+
+@pytest.mark.gpu
+def test_captured_backward_keeps_what_its_graph_reads_alive():
+    """A backward's graph reads the forward output and upstream gradient that only the call holds:
+    once capture returns, the replay must keep them alive, or their memory is reused under it."""
+    import gc
+    import weakref
+
+    from tritonkit.bench import timing
+
+    held = []
+
+    def make_call():
+        x = torch.randn(2048, 2048, device="cuda", requires_grad=True)
+        y = torch.softmax(x, -1)
+        dy = torch.randn_like(y)
+        held.extend([weakref.ref(y), weakref.ref(dy)])
+        return lambda: torch.autograd.grad(y, x, dy, retain_graph=True)
+
+    replay, method = timing.capture(make_call)
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert method == "cuda-graph"
+    assert held[0]() is not None and held[1]() is not None
+    for _ in range(3):
+        replay()
+    torch.cuda.synchronize()  # an illegal address would raise here

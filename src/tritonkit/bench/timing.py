@@ -15,6 +15,7 @@ host path alone (the eager cost a small shape pays).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import time
@@ -62,7 +63,14 @@ def capture(make_call: Callable[[], Callable[[], object]]) -> tuple[Callable[[],
     except RuntimeError as error:
         torch.cuda.synchronize()
         return call, f"eager: capture failed ({str(error).splitlines()[0][:120]})"
-    return graph.replay, "cuda-graph"
+    # The graph's kernels read tensors that only `call` holds (a backward's saved forward output and
+    # its upstream gradient): the replay keeps `call` alive, or their memory would be reused while
+    # the graph still reads and writes it (an illegal address on the H200).
+    return functools.partial(_replay, graph, call), "cuda-graph"
+
+
+def _replay(graph: torch.cuda.CUDAGraph, call_kept_alive: Callable[[], object]) -> None:
+    graph.replay()
 
 
 def kernel_ms(call_makers: Sequence[Callable[[], Callable[[], object]]]
