@@ -56,6 +56,74 @@ LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * log2(e)): one FMA 
 LN2 = tl.constexpr(0.6931471805599453)  # log(s) = log2(s) * ln(2)
 
 
+# ---------------------------------------------------------------- configs
+
+# One-pass kernels: each program holds BLOCK_M whole rows; BLOCK_N is the row length rounded up
+# to a power of two. A thread holds BLOCK_M * BLOCK_N / (32 * num_warps) fp32 values per tile; past
+# ONE_PASS_MAX_PER_THREAD the row no longer fits in registers and ptxas spills.
+ONE_PASS_MAX_PER_THREAD = 64
+ONE_PASS_MAX_BLOCK_N = 32768  # = 64 values a thread at 16 warps; 32 warps allow only 64 registers
+COLS_MIN_BLOCK_M = 16  # rows a program takes when rows are the contiguous axis: 32+ bytes a warp access
+
+# The configs both directions tune over. "auto" tunes over both variants: with rows of 32768 the
+# online kernel won on the H200 (pass 2 finds its chunks in L2, and more programs fit an SM).
+# Values a thread holds per tile (_per_thread) are kept within these bounds: on the H200 every
+# winner fell inside them, and the timing of each extra config costs a compile.
+PER_THREAD = {"one-pass": (16, ONE_PASS_MAX_PER_THREAD), "online": (8, 32)}
+CONFIGS = ([{"variant": "one-pass", "BLOCK_M": m, "num_warps": w}
+            for m in (1, 2, 4, 8, 16, 32, 64, 128) for w in (4, 8, 16, 32)]
+           + [{"variant": "online", "BLOCK_M": m, "BLOCK_N": n, "num_warps": w}
+              for m in (1, 16, 64) for n in (16, 64, 2048, 4096, 8192) for w in (4, 8, 16)])
+
+
+def _tiles(key: dict) -> int:
+    """Row tiles a one-pass program holds at once: x forward; y and dy backward."""
+    return 1 if key["direction"] == "fwd" else 2
+
+
+def _one_pass_fits(key: dict) -> bool:
+    """The backward holds two tiles: half the forward's row (ptxas spills at 32768). Over a leading
+    dim a program holds COLS_MIN_BLOCK_M rows, with int64 entry offsets: half as much again."""
+    if key["layout"] == "cols":
+        return key["block_n"] * COLS_MIN_BLOCK_M * _tiles(key) <= ONE_PASS_MAX_BLOCK_N // 2
+    return key["block_n"] * _tiles(key) <= ONE_PASS_MAX_BLOCK_N
+
+
+def _per_thread(config: dict, block_n: int) -> float:
+    return config["BLOCK_M"] * config.get("BLOCK_N", block_n) / (32 * config["num_warps"])
+
+
+def _default(key: dict) -> dict:
+    """The untuned config: used under the interpreter and wherever tuning cannot run."""
+    block_n, rows, cols = key["block_n"], key["rows"], key["layout"] == "cols"
+    if key["variant"] == "one-pass" or (key["variant"] == "auto" and _one_pass_fits(key)):
+        warps = min(16, max(4, block_n * _tiles(key) // 1024))  # 32 values a thread for long rows
+        block_m = max(1, min(rows, 16 * 32 * warps // block_n))
+        if cols:  # entry offsets are runtime strides, held in int64: 32 values a thread at most
+            block_m = max(block_m, min(rows, COLS_MIN_BLOCK_M))
+            warps = min(16, max(4, block_m * block_n * _tiles(key) // 1024))
+        return {"variant": "one-pass", "BLOCK_M": block_m, "num_warps": warps}
+    if cols:
+        return {"variant": "online", "BLOCK_M": min(64, max(COLS_MIN_BLOCK_M, rows)), "BLOCK_N": 64,
+                "num_warps": 4}
+    chunk = min(4096, block_n)
+    return {"variant": "online", "BLOCK_M": 1, "BLOCK_N": chunk, "num_warps": min(8, max(4, chunk // 512))}
+
+
+def _prune(config: dict, key: dict) -> bool:
+    """True drops the config for this key: another variant than asked, a row that does not fit,
+    too many or too few values a thread, rows beyond the problem or too few for coalescing."""
+    variant = config["variant"]
+    if key["variant"] not in ("auto", variant) or (variant == "one-pass" and not _one_pass_fits(key)):
+        return True
+    if variant == "online" and config["BLOCK_N"] > key["block_n"]:
+        return True
+    low, high = PER_THREAD[variant]
+    held = _per_thread(config, key["block_n"]) * (_tiles(key) if variant == "one-pass" else 1)
+    min_block_m = min(key["rows"], COLS_MIN_BLOCK_M) if key["layout"] == "cols" else 1
+    return not (low <= held <= high and min_block_m <= config["BLOCK_M"] <= max(1, key["rows"]))
+
+
 # ---------------------------------------------------------------- kernels
 
 
@@ -101,13 +169,6 @@ def _log(s):
 def _exp_shifted(x, m):
     """exp(x - m) with the row max m; m = -inf only for rows that are all -inf (their result is NaN)."""
     return tl.exp2((x - m[:, None]) * LOG2E)
-
-
-# One-pass forward. Each program holds BLOCK_M whole rows; BLOCK_N is the row length rounded up
-# to a power of two. A thread holds BLOCK_M * BLOCK_N / (32 * num_warps) fp32 values per tile; past
-# ONE_PASS_MAX_PER_THREAD the row no longer fits in registers and ptxas spills.
-ONE_PASS_MAX_PER_THREAD = 64
-ONE_PASS_MAX_BLOCK_N = 32768  # = 64 values a thread at 16 warps; 32 warps allow only 64 registers
 
 
 @triton.jit
@@ -284,20 +345,8 @@ def _softmax_bwd_online_kernel(
 
 # ---------------------------------------------------------------- launch configs and tuning
 
-COLS_MIN_BLOCK_M = 16  # rows a program takes when rows are the contiguous axis: 32+ bytes a warp access
 CALIBRATION_ELEMENTS = 1 << 22  # cap on a calibration input: the float64 reference stays small
 TUNE_WARMUP_MS, TUNE_REP_MS = 5, 25  # per-config timing; the median of do_bench's repetitions
-
-# The configs both directions tune over. "auto" tunes over both variants: with rows of 32768 the
-# online kernel won on the H200 (pass 2 finds its chunks in L2, and more programs fit an SM).
-# Values a thread holds per tile (_per_thread) are kept within these bounds: on the H200 every
-# winner fell inside them, and the timing of each extra config costs a compile.
-PER_THREAD = {"one-pass": (16, ONE_PASS_MAX_PER_THREAD), "online": (8, 32)}
-CONFIGS = ([{"variant": "one-pass", "BLOCK_M": m, "num_warps": w}
-            for m in (1, 2, 4, 8, 16, 32, 64, 128) for w in (4, 8, 16, 32)]
-           + [{"variant": "online", "BLOCK_M": m, "BLOCK_N": n, "num_warps": w}
-              for m in (1, 16, 64) for n in (16, 64, 2048, 4096, 8192) for w in (4, 8, 16)])
-
 
 def _next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
@@ -316,54 +365,6 @@ def _layout(view: torch.Tensor) -> str:
     """'cols' when rows, not row entries, are the contiguous axis (softmax over a leading dim)."""
     _, stride_r, stride_n = view.stride()
     return "cols" if stride_r == 1 and stride_n != 1 and view.shape[1] > 1 else "rows"
-
-
-def _tiles(key: dict) -> int:
-    """Row tiles a one-pass program holds at once: x forward; y and dy backward."""
-    return 1 if key["direction"] == "fwd" else 2
-
-
-def _one_pass_fits(key: dict) -> bool:
-    """The backward holds two tiles: half the forward's row (ptxas spills at 32768). Over a leading
-    dim a program holds COLS_MIN_BLOCK_M rows, with int64 entry offsets: half as much again."""
-    if key["layout"] == "cols":
-        return key["block_n"] * COLS_MIN_BLOCK_M * _tiles(key) <= ONE_PASS_MAX_BLOCK_N // 2
-    return key["block_n"] * _tiles(key) <= ONE_PASS_MAX_BLOCK_N
-
-
-def _per_thread(config: dict, block_n: int) -> float:
-    return config["BLOCK_M"] * config.get("BLOCK_N", block_n) / (32 * config["num_warps"])
-
-
-def _default(key: dict) -> dict:
-    """The untuned config: used under the interpreter and wherever tuning cannot run."""
-    block_n, rows, cols = key["block_n"], key["rows"], key["layout"] == "cols"
-    if key["variant"] == "one-pass" or (key["variant"] == "auto" and _one_pass_fits(key)):
-        warps = min(16, max(4, block_n * _tiles(key) // 1024))  # 32 values a thread for long rows
-        block_m = max(1, min(rows, 16 * 32 * warps // block_n))
-        if cols:  # entry offsets are runtime strides, held in int64: 32 values a thread at most
-            block_m = max(block_m, min(rows, COLS_MIN_BLOCK_M))
-            warps = min(16, max(4, block_m * block_n * _tiles(key) // 1024))
-        return {"variant": "one-pass", "BLOCK_M": block_m, "num_warps": warps}
-    if cols:
-        return {"variant": "online", "BLOCK_M": min(64, max(COLS_MIN_BLOCK_M, rows)), "BLOCK_N": 64,
-                "num_warps": 4}
-    chunk = min(4096, block_n)
-    return {"variant": "online", "BLOCK_M": 1, "BLOCK_N": chunk, "num_warps": min(8, max(4, chunk // 512))}
-
-
-def _prune(config: dict, key: dict) -> bool:
-    """True drops the config for this key: another variant than asked, a row that does not fit,
-    too many or too few values a thread, rows beyond the problem or too few for coalescing."""
-    variant = config["variant"]
-    if key["variant"] not in ("auto", variant) or (variant == "one-pass" and not _one_pass_fits(key)):
-        return True
-    if variant == "online" and config["BLOCK_N"] > key["block_n"]:
-        return True
-    low, high = PER_THREAD[variant]
-    held = _per_thread(config, key["block_n"]) * (_tiles(key) if variant == "one-pass" else 1)
-    min_block_m = min(key["rows"], COLS_MIN_BLOCK_M) if key["layout"] == "cols" else 1
-    return not (low <= held <= high and min_block_m <= config["BLOCK_M"] <= max(1, key["rows"]))
 
 
 _FWD_HELPERS = (_row_offsets, _tile, _row_sum, _log, _exp_shifted)  # hashed with the kernels: edits retune
