@@ -71,6 +71,19 @@ def test_op_specific_peers_are_providers(spec):
     assert [p.name for p in providers_for(with_peer)][-1] == "cublaslt"
 
 
+def test_a_peer_that_refuses_a_case_gets_a_row_saying_so(spec):
+    def refuses(input, bias, approximate="none"):
+        raise RuntimeError(f"Cannot launch Triton kernel since n = {input.shape[-1]} exceeds 65536")
+
+    with_peer = dataclasses.replace(spec, peers={"picky": lambda kwargs: refuses})
+    [row] = run_case(Case(with_peer, (7, 33), torch.float32, "fwd"), ["picky"], "cpu")
+    assert row["unavailable"].startswith("refused: RuntimeError: Cannot launch") and "check" not in row
+    # tritonkit's own failure is a bug, never a row
+    broken = dataclasses.replace(spec, fn=refuses)
+    with pytest.raises(RuntimeError, match="Cannot launch"):
+        run_case(Case(broken, (7, 33), torch.float32, "fwd"), ["tritonkit"], "cpu")
+
+
 def _timed_row(provider: str, ms: float, **extra) -> dict:
     cost = roofline.Cost(flops=2e8, bytes=1.3e8)
     return {"op": "bias_gelu", "provider": provider, "mode": "fwd", "shape": [8192, 4096], "dtype": "bf16",
