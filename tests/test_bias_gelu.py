@@ -416,8 +416,9 @@ for dtype in ("bf16", "fp32"):
         for kernel, signature, extra in ((bg._bias_gelu_fwd_kernel, fwd, {}),
                                          (bg._bias_gelu_bwd_kernel, bwd, {"ROW_TILES": bg.MAX_ROW_TILES})):
             constexprs = {n: 1 for n, t in signature.items() if t == "constexpr"} | meta | extra
-            sass, usage = compile_kernel(kernel, signature, constexprs, bg.NUM_WARPS)
-            print(kernel.__name__, dtype, tanh, "LDG.E.128" in sass, "STG.E.128" in sass, not spills(usage))
+            report = compile_kernel(kernel, signature, constexprs, bg.NUM_WARPS)
+            print(kernel.__name__, dtype, tanh, set(report.loads) == {128}, set(report.stores) == {128},
+                  not report.spills)
 """
 
 

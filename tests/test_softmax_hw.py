@@ -51,14 +51,15 @@ def check(layout, direction, n, variant, dtype, log):
                    "BLOCK_N": config.get("BLOCK_N", n)}
     signature = {a: f"*{dtype}" if a.endswith("_ptr") else "i32"
                  for a in kernel.arg_names if a not in constexprs}
-    sass, usage = compile_kernel(kernel, signature, constexprs, config["num_warps"])
+    report = compile_kernel(kernel, signature, constexprs, config["num_warps"])
+    sass = report.asm["sass"]
     loads, stores = set(re.findall(r"LDG\.E[.\w]*", sass)), set(re.findall(r"STG\.E[.\w]*", sass))
     wide_loads = bool(loads) and all(re.fullmatch(r"LDG\.E(\.E[LF])?\.128", x) for x in loads)
     wide_stores = stores == {"STG.E.128"}
     hints = loads == {"LDG.E.EL.128", "LDG.E.EF.128"} if variant == "online" else True
     fp64 = ("DADD" in sass) == constexprs["SUM_FP64"]
     return (f"{kernel.__name__} {layout} {n} {dtype} {'log' if log else 'softmax'} {config} | "
-            f"{config['variant'] == variant} {wide_loads} {wide_stores} {hints} {not spills(usage)} {fp64} | "
+            f"{config['variant'] == variant} {wide_loads} {wide_stores} {hints} {not report.spills} {fp64} | "
             f"{sorted(loads)} {sorted(stores)}")
 
 jobs = [(*case, dtype, log) for case in CASES if case[0] == "rows" for dtype in ("bf16", "fp32")

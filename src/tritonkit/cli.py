@@ -1,9 +1,11 @@
-"""The command line: ``tritonkit info | bench | roofline``."""
+"""The command line: ``tritonkit info | bench | roofline | inspect``."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import platform
 import shlex
 import sys
@@ -15,6 +17,8 @@ from tritonkit import __version__, roofline
 from tritonkit.ops import MODES, get_op, op_names
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+ARCH_NAMES = ("sm_80", "sm_90", "sm_100")  # as tritonkit.inspect.ARCHS, which imports nothing heavy
+IR_NAMES = ("ttir", "ttgir", "llir", "ptx", "sass")
 
 
 def _parse_shape(parts: list[str]) -> tuple[int, ...]:
@@ -115,6 +119,65 @@ def cmd_bench(args) -> int:
     return 1 if failed else 0
 
 
+def _compile_natively() -> None:
+    """inspect compiles real kernels: choose native compilation before anything imports triton."""
+    from tritonkit import _runtime
+
+    if _runtime.interpret.cache_info().currsize == 0 and _runtime.OVERRIDE_ENV not in os.environ:
+        os.environ[_runtime.OVERRIDE_ENV] = "0"  # compiling needs no GPU, only Triton's compiler
+    if _runtime.interpret():
+        raise ValueError(f"inspect compiles kernels, which {_runtime.OVERRIDE_ENV}=1 forbids: it makes "
+                         "this process interpret them")
+
+
+def _parse_config(text: str | None, flag: str) -> dict | None:
+    if text is None:
+        return None
+    try:
+        config = json.loads(text)
+    except ValueError:
+        raise SystemExit(f"{flag} takes a JSON object like '{{\"BLOCK_M\": 4, \"num_warps\": 8}}', "
+                         f"got {text}") from None
+    if not isinstance(config, dict):
+        raise SystemExit(f"{flag} takes a JSON object, got {text}")
+    return config
+
+
+def cmd_inspect(args) -> int:
+    _compile_natively()
+    from tritonkit import inspect
+
+    spec_op = get_op(args.op)
+    if spec_op.inspect is None:
+        raise ValueError(f"{args.op} does not describe its launches for inspect")
+    first = spec_op.shapes["quick"][0]
+    default_shape, default_dtype = (first[0], first[1]) if isinstance(first[-1], str) else (first, "bf16")
+    shape = _parse_shape(args.shape) if args.shape else tuple(default_shape)
+    dtype_name = args.dtype or default_dtype
+    configs = [_parse_config(args.config, "--config")]
+    if args.diff:
+        configs.append(_parse_config(args.diff, "--diff"))
+    print(f"{args.op} {'x'.join(map(str, shape))} {dtype_name} compiled for {args.arch} (not launched)")
+    reports = []
+    for config in configs:
+        launches = spec_op.inspect(shape, DTYPES[dtype_name], config)
+        reports.append([inspect.compile_launch(launch, args.arch) for launch in launches])
+        print(inspect.format_reports(reports[-1]))
+    if args.diff:
+        print(inspect.format_diff(reports[0], reports[1]))
+    for report in reports[0] if args.ir or args.out else ():
+        irs = [args.ir] if args.ir else list(inspect.IRS)
+        for ir in irs:
+            if args.out:
+                path = Path(args.out) / f"{args.op}-{report.name.replace(' ', '-')}-{args.arch}.{ir}"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(report.asm[ir])
+                print(f"wrote {path}")
+            else:
+                print(f"---- {report.name}: {ir} ----\n{report.asm[ir]}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tritonkit", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log what tritonkit decides")
@@ -142,6 +205,18 @@ def build_parser() -> argparse.ArgumentParser:
     roof.add_argument("--mode", choices=MODES, default="fwd")
     roof.add_argument("--device", default="h200", help="datasheet: h200, h100, a100, a100-40gb")
     roof.set_defaults(func=cmd_roofline)
+
+    insp = sub.add_parser("inspect", help="compile an op's kernels for a GPU without one: registers, spills, "
+                                          "access widths, instruction mix, IR")
+    insp.add_argument("op", choices=op_names())
+    insp.add_argument("--shape", nargs="+", help="e.g. 8192x4096 (default: the op's first benchmark shape)")
+    insp.add_argument("--dtype", choices=sorted(DTYPES), help="default: the shape's benchmark dtype")
+    insp.add_argument("--arch", choices=sorted(ARCH_NAMES), default="sm_90")
+    insp.add_argument("--config", help="a tuning config as JSON (default: the untuned config)")
+    insp.add_argument("--diff", help="a second config as JSON, compared with --config")
+    insp.add_argument("--ir", choices=IR_NAMES, help="print this IR of each kernel (with -o: write only it)")
+    insp.add_argument("-o", "--out", help="write the IRs to this folder instead of printing them")
+    insp.set_defaults(func=cmd_inspect)
     return parser
 
 

@@ -42,6 +42,8 @@ class OpSpec:
     dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
     kwargs: dict = field(default_factory=dict)
     peers: dict[str, Callable] = field(default_factory=dict)  # extra providers: name -> factory
+    # (shape, dtype, config or None) -> the inspect.Launch records the op makes (tritonkit inspect)
+    inspect: Callable | None = None
 
 
 def op_names() -> list[str]:

@@ -196,13 +196,20 @@ def _bias_gelu_fwd(input: torch.Tensor, bias: torch.Tensor, approximate: str = "
     y = empty_output(input.shape, input.dtype, input.device)
     if y.numel() == 0:
         return y
+    grid, args, meta = _fwd_launch_args(input, bias, y, approximate)
+    _fwd_launcher(grid, *args, **meta)
+    return y
+
+
+def _fwd_launch_args(input, bias, y, approximate: str) -> tuple[tuple, tuple, dict]:
+    """(grid, arguments, constexprs and options) of the forward kernel."""
     n_cols = input.shape[-1]
     x = input if input.dim() == 2 else input.reshape(-1, n_cols)  # a view whenever strides allow
     block_m, block_n = _tile(n_cols, input.element_size())
     grid = (cdiv(x.shape[0], block_m), cdiv(n_cols, block_n))
-    _fwd_launcher(grid, x, bias, y, x.shape[0], n_cols, x.stride(0), x.stride(1), bias.stride(0),
-                  APPROX_TANH=approximate == "tanh", BLOCK_M=block_m, BLOCK_N=block_n, num_warps=NUM_WARPS)
-    return y
+    meta = {"APPROX_TANH": approximate == "tanh", "BLOCK_M": block_m, "BLOCK_N": block_n,
+            "num_warps": NUM_WARPS}
+    return grid, (x, bias, y, x.shape[0], n_cols, x.stride(0), x.stride(1), bias.stride(0)), meta
 
 
 def _bias_gelu_bwd(grad_output: torch.Tensor, input: torch.Tensor, bias: torch.Tensor,
@@ -211,6 +218,13 @@ def _bias_gelu_bwd(grad_output: torch.Tensor, input: torch.Tensor, bias: torch.T
     dx = empty_output(input.shape, input.dtype, input.device)
     if input.numel() == 0:  # before the reshape, which cannot infer -1 when the last dim is 0
         return dx, torch.zeros_like(bias)
+    grid, args, meta = _bwd_launch_args(grad_output, input, bias, dx, approximate)
+    _bwd_launcher(grid, *args, **meta)
+    return dx, args[4].sum(0).to(bias.dtype)  # the fp32 partial sums of db
+
+
+def _bwd_launch_args(grad_output, input, bias, dx, approximate: str) -> tuple[tuple, tuple, dict]:
+    """(grid, arguments, constexprs and options) of the backward kernel; allocates db's partials."""
     n_cols = input.shape[-1]
     x, dy = input.reshape(-1, n_cols), grad_output.reshape(-1, n_cols)
     n_rows = x.shape[0]
@@ -218,11 +232,11 @@ def _bias_gelu_bwd(grad_output: torch.Tensor, input: torch.Tensor, bias: torch.T
     row_tiles = _row_tiles(cdiv(n_rows, block_m))
     row_chunks = cdiv(n_rows, block_m * row_tiles)
     db_partial = empty_output((row_chunks, n_cols), torch.float32, input.device)
-    _bwd_launcher((row_chunks, cdiv(n_cols, block_n)), dy, x, bias, dx, db_partial, n_rows, n_cols,
-                  dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), bias.stride(0),
-                  APPROX_TANH=approximate == "tanh", BLOCK_M=block_m, BLOCK_N=block_n, ROW_TILES=row_tiles,
-                  num_warps=NUM_WARPS)
-    return dx, db_partial.sum(0).to(bias.dtype)
+    meta = {"APPROX_TANH": approximate == "tanh", "BLOCK_M": block_m, "BLOCK_N": block_n,
+            "ROW_TILES": row_tiles, "num_warps": NUM_WARPS}
+    args = (dy, x, bias, dx, db_partial, n_rows, n_cols, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
+            bias.stride(0))
+    return (row_chunks, cdiv(n_cols, block_n)), args, meta
 
 
 # ---------------------------------------------------------------- custom op and autograd
@@ -326,6 +340,19 @@ def bias_gelu_cost(shape: tuple, dtype: torch.dtype, mode: str = "fwd"):
     return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]
 
 
+def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None = None) -> list:
+    """The forward and backward launches for ``shape`` (exact GELU): what ``tritonkit inspect`` compiles."""
+    from tritonkit.inspect import Launch
+
+    if config is not None:
+        raise ValueError("bias_gelu has no tuning configs: its tile follows from the row length and dtype")
+    x, b = torch.empty(shape, dtype=dtype, device="meta"), torch.empty(shape[-1:], dtype=dtype, device="meta")
+    _, fwd_args, fwd_meta = _fwd_launch_args(x, b, x, "none")
+    _, bwd_args, bwd_meta = _bwd_launch_args(x, x, b, x, "none")
+    return [Launch("fwd", _bias_gelu_fwd_kernel, fwd_args, fwd_meta),
+            Launch("bwd", _bias_gelu_bwd_kernel, bwd_args, bwd_meta)]
+
+
 def _make_inputs(shape: tuple, dtype: torch.dtype, device, generator: torch.Generator) -> tuple:
     from tritonkit.testing import random_tensor
 
@@ -351,6 +378,7 @@ def _spec():
             "full": [(8192, 4096), (4096, 16384), (16384, 8192), (65536, 1024), (1823, 4097), (32768, 3072)],
         },
         tiny_shape=(4, 256),
+        inspect=_inspect_launches,
     )
 
 

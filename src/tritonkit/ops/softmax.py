@@ -385,32 +385,48 @@ _TUNERS = {
 _chosen: dict[tuple, dict] = {}  # key values -> config, once chosen for good (a cheap memo)
 
 
-def _launch(direction: str, config: dict, log: bool, views: tuple) -> None:
-    """Launch one kernel over (O, R, N) views: (x, y) forward, (y, dy, dx) backward."""
-    launcher = _LAUNCHERS[direction, config["variant"]]
+def _launch_args(direction: str, config: dict, log: bool, views: tuple) -> tuple[tuple, tuple, dict]:
+    """(grid, arguments, constexprs and options) of one kernel over (O, R, N) views: (x, y)
+    forward, (y, dy, dx) backward."""
     outer, rows, n = views[0].shape
     block_n = config.get("BLOCK_N", _next_power_of_2(n))
     row_blocks = cdiv(rows, config["BLOCK_M"])
     strides = [s for v in views for s in v.stride()]
     sum_fp64 = log and views[0 if direction == "fwd" else 1].dtype == torch.float32
-    launcher((outer * row_blocks,), *views, rows, n, row_blocks, *strides, LOG=log, SUM_FP64=sum_fp64,
-             BLOCK_M=config["BLOCK_M"], BLOCK_N=block_n, num_warps=config["num_warps"])
+    meta = {"LOG": log, "SUM_FP64": sum_fp64, "BLOCK_M": config["BLOCK_M"], "BLOCK_N": block_n,
+            "num_warps": config["num_warps"]}
+    return (outer * row_blocks,), (*views, rows, n, row_blocks, *strides), meta
+
+
+def _launch(direction: str, config: dict, log: bool, views: tuple) -> None:
+    grid, args, meta = _launch_args(direction, config, log, views)
+    _LAUNCHERS[direction, config["variant"]](grid, *args, **meta)
+
+
+def _tuning_key(direction: str, variant: str, views: tuple) -> dict:
+    """The shape bucket, layout and dtypes a config is tuned for."""
+    outer, rows, n = views[0].shape
+    layout = _layout(views[0])
+    return {"direction": direction, "variant": variant, "layout": layout, "block_n": _next_power_of_2(n),
+            "rows": _next_power_of_2(outer * rows if layout == "rows" else rows),
+            "dtype": f"{_DTYPE_NAMES[views[0].dtype]}>{_DTYPE_NAMES[views[-1].dtype]}"}
+
+
+def _check_fits(config: dict, key: dict) -> None:
+    if config["variant"] == "one-pass" and not _one_pass_fits(key):
+        raise ValueError(f"variant 'one-pass' holds a row in registers: rows of up to {key['block_n']} "
+                         f"entries ({key['layout']} layout, {key['direction']}) are too long; use the "
+                         "'online' variant")
 
 
 def _config(direction: str, variant: str, log: bool, views: tuple) -> dict:
     """The tuned (or, where tuning cannot run, default) launch config for these views."""
-    outer, rows, n = views[0].shape
-    layout = _layout(views[0])
-    dtypes = f"{_DTYPE_NAMES[views[0].dtype]}>{_DTYPE_NAMES[views[-1].dtype]}"
-    key = {"direction": direction, "variant": variant, "layout": layout, "block_n": _next_power_of_2(n),
-           "rows": _next_power_of_2(outer * rows if layout == "rows" else rows), "dtype": dtypes}
+    key = _tuning_key(direction, variant, views)
     memo_key = tuple(key.values())
     config = _chosen.get(memo_key)
     if config is not None:
         return config
-    if variant == "one-pass" and not _one_pass_fits(key):
-        raise ValueError(f"variant 'one-pass' holds a row in registers: rows of {n} entries ({layout} "
-                         f"layout, {direction}) are too long; use the 'online' variant")
+    _check_fits({"variant": variant}, key)
     final = interpret() or tuning.tuning_possible()
     config = _TUNERS[direction].config(key, admit=functools.partial(_admit, direction, log, views),
                                        time_ms=functools.partial(_time_ms, direction, log, views))
@@ -655,6 +671,22 @@ def softmax_cost(shape: tuple, dtype: torch.dtype, mode: str = "fwd"):
     return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]
 
 
+def _inspect_launches(log: bool, shape: tuple, dtype: torch.dtype, config: dict | None = None) -> list:
+    """The forward and backward launches for a contiguous ``shape`` (softmax over the last dim), with
+    the default configs or ``config``: what ``tritonkit inspect`` compiles."""
+    from tritonkit.inspect import Launch
+
+    launches = []
+    x = torch.empty(shape, dtype=dtype, device="meta")
+    for direction, tensors in (("fwd", (x, x)), ("bwd", (x, x, x))):
+        views = tuple(_as_3d(t, len(shape) - 1) for t in tensors)
+        chosen = config or _default(_tuning_key(direction, "auto", views))  # any config: spills show
+        _, args, meta = _launch_args(direction, chosen, log, views)
+        kernel = _LAUNCHERS[direction, chosen["variant"]].kernel
+        launches.append(Launch(f"{direction} {chosen['variant']}", kernel, args, meta, chosen))
+    return launches
+
+
 def _make_inputs(shape: tuple, dtype: torch.dtype, device, generator: torch.Generator) -> tuple:
     from tritonkit.testing import random_tensor
 
@@ -700,6 +732,7 @@ def _spec(log: bool):
         },
         tiny_shape=(4, 256),
         peers=peers,
+        inspect=functools.partial(_inspect_launches, log),
     )
 
 

@@ -1,0 +1,145 @@
+"""tritonkit inspect: kernels compiled for a GPU on a machine without one, and what the report reads.
+
+Compilation runs in child processes (`tritonkit inspect`, natively compiled); specialization,
+occupancy and the SASS parsing are checked here on their own. The static checks every op's
+default configs must pass on sm_90 live here too: a codegen regression fails CI with no GPU.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+import sm90
+from tritonkit import inspect
+from tritonkit.ops import get_op, op_names
+
+pytestmark = pytest.mark.infra
+
+
+def _cli(*args: str, interpret: str = "0") -> subprocess.CompletedProcess:
+    env = os.environ | {"TRITONKIT_INTERPRET": interpret}
+    return subprocess.run([sys.executable, "-m", "tritonkit.cli", "inspect", *args], capture_output=True,
+                          text=True, env=env, timeout=600)
+
+
+def test_cli_reports_each_launch():
+    result = _cli("softmax", "--shape", "8192x4096", "--dtype", "bf16")
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = result.stdout
+    assert out.startswith("softmax 8192x4096 bf16 compiled for sm_90 (not launched)")
+    for name in ("fwd one-pass: _softmax_fwd_kernel", "bwd one-pass: _softmax_bwd_kernel"):
+        assert name in out
+    assert out.count("spills none") == 2 and "global loads 128-bit x" in out and "occupancy:" in out
+
+
+def test_cli_shows_a_planted_spill_and_the_diff():
+    """The regression the static checks exist for: a config whose row no longer fits in registers."""
+    fits = '{"variant": "online", "BLOCK_M": 1, "BLOCK_N": 4096, "num_warps": 8}'
+    spills = '{"variant": "one-pass", "BLOCK_M": 1, "num_warps": 32}'
+    result = _cli("softmax", "--shape", "64x65536", "--dtype", "fp32", "--config", fits, "--diff", spills)
+    assert result.returncode == 0, result.stderr[-2000:]
+    blocks = result.stdout.split("fwd one-pass:")
+    assert "spills YES" not in blocks[0] and "spills YES" in blocks[1]
+    assert "fwd online -> fwd one-pass: registers" in result.stdout and "spills none -> YES" in result.stdout
+
+
+def test_cli_writes_the_irs(tmp_path):
+    result = _cli("bias_gelu", "--shape", "64x256", "--dtype", "fp16", "--arch", "sm_80", "-o", str(tmp_path))
+    assert result.returncode == 0, result.stderr[-2000:]
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == sorted(f"bias_gelu-{d}-sm_80.{ir}" for d in ("fwd", "bwd") for ir in inspect.IRS)
+    assert ".target sm_80" in (tmp_path / "bias_gelu-fwd-sm_80.ptx").read_text()
+    assert "HMMA" not in (tmp_path / "bias_gelu-fwd-sm_80.sass").read_text()  # elementwise: no matmul
+
+
+def test_cli_refuses_to_inspect_interpreted_kernels():
+    result = _cli("softmax", interpret="1")
+    assert result.returncode == 2 and "TRITONKIT_INTERPRET" in result.stderr
+
+
+def test_cli_rejects_a_malformed_config():
+    result = _cli("softmax", "--config", "{BLOCK_M: 4}")
+    assert result.returncode != 0 and "--config takes a JSON object" in result.stderr
+
+
+def test_compiling_in_an_interpreting_process_says_how_to_fix_it():
+    launch = get_op("softmax").inspect((8, 64), torch.float32, None)[0]
+    with pytest.raises(RuntimeError, match="TRITONKIT_INTERPRET=0"):
+        inspect.compile_launch(launch)
+
+
+# ---------------------------------------------------------------- the pieces, without compiling
+
+
+def test_specialize_as_a_launch_does():
+    kernel = types.SimpleNamespace(arg_names=["x_ptr", "one", "n", "m", "big", "BLOCK"], __name__="k")
+    x = torch.empty(8, dtype=torch.bfloat16, device="meta")
+    launch = inspect.Launch("fwd", kernel, (x, 1, 4096, 7, 2**31 + 16), {"BLOCK": 64, "num_warps": 8})
+    signature, constants, attrs, options = inspect.specialize(launch)
+    assert signature == {"x_ptr": "*bf16", "one": "constexpr", "n": "i32", "m": "i32", "big": "i64",
+                         "BLOCK": "constexpr"}
+    assert constants == {(1,): 1, (5,): 64}
+    assert sorted(attrs) == [(0,), (2,), (4,)]  # the pointer and the multiples of 16
+    assert options == {"num_warps": 8}
+    with pytest.raises(TypeError, match="trailing parameters"):
+        inspect.specialize(inspect.Launch("fwd", kernel, (x, 1, 4096, 7), {"BLOCK": 64}))
+
+
+def test_occupancy_by_the_cuda_rules():
+    assert inspect.occupancy(90, 4, 48, 1024) == (10, "registers")  # 48 x 128 threads: 6144 a program
+    assert inspect.occupancy(90, 8, 32, 1024) == (8, "threads")
+    assert inspect.occupancy(90, 4, 32, 100 * 1024) == (2, "shared memory")
+    assert inspect.occupancy(90, 4, 33, 0)[0] == 12  # 33 rounds up to 40 registers a thread
+
+
+def test_sass_parsing():
+    sass = """
+        /*0090*/                   LDG.E.128 R4, desc[UR4][R2.64] ;           /* 0x000... */
+        /*00a0*/              @!P0 LDG.E.U16 R8, desc[UR4][R6.64] ;
+        /*00b0*/                   LDG.E.EL.128 R12, desc[UR4][R2.64] ;
+        /*00c0*/                   STG.E.64 desc[UR4][R2.64], R4 ;
+        /*00d0*/                   STG.E desc[UR4][R2.64], R4 ;
+        /*00e0*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24 ;
+    """
+    full = inspect._SASS_LINE.findall(sass)
+    assert [op.split(".")[0] for op in full] == ["LDG", "LDG", "LDG", "STG", "STG", "HGMMA"]
+    assert inspect._widths(full, "LDG") == collections.Counter({128: 2, 16: 1})
+    assert inspect._widths(full, "STG") == collections.Counter({64: 1, 32: 1})
+
+
+# ---------------------------------------------------------------- static checks on every op (CI)
+
+_STATIC_CHECKS = r"""
+import json, torch
+from tritonkit.inspect import compile_launch
+from tritonkit.ops import get_op
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+for name in json.loads(NAMES):
+    spec = get_op(name)
+    for entry in spec.shapes["quick"]:
+        shape, dtype = (entry[0], entry[1]) if isinstance(entry[-1], str) else (entry, "bf16")
+        for launch in spec.inspect(tuple(shape), DTYPES[dtype], None):
+            r = compile_launch(launch, "sm_90")
+            print(json.dumps({"op": name, "shape": shape, "dtype": dtype, "launch": r.name,
+                              "spills": r.spills, "loads": sorted(r.loads), "stores": sorted(r.stores)}))
+"""
+
+
+def test_every_default_config_compiles_for_hopper_without_spills_and_with_wide_accesses():
+    """Each op's untuned configs at each benchmark shape, compiled for sm_90: no spills, and only
+    128-bit global loads and stores (every benchmark shape is contiguous with 16-aligned rows)."""
+    names = [name for name in op_names() if get_op(name).inspect is not None]
+    assert {"softmax", "log_softmax", "bias_gelu"} <= set(names)
+    lines = sm90.run(f"NAMES = {json.dumps(json.dumps(names))}\n" + _STATIC_CHECKS)
+    rows = [json.loads(line) for line in lines]
+    assert {row["op"] for row in rows} == set(names)
+    for row in rows:
+        assert not row["spills"] and row["loads"] == [128] and row["stores"] == [128], row
