@@ -395,3 +395,42 @@ def test_entry_is_synced_under_a_temporary_name_before_it_takes_the_final_one(tu
     tune(make_tuner(), FakeKernel())
     assert seen_at_fsync == [[".tmp"]]  # only the temporary file exists while it is synced
     assert [p.suffix for p in cache_files(cache)] == [".json"]
+
+
+# ---------------------------------------------------------------- moving a cache between machines
+
+
+def test_export_then_import_into_an_empty_cache(tuning_on, cache, tmp_path, monkeypatch):
+    tune(make_tuner(), FakeKernel())
+    tune(make_tuner(), FakeKernel(), key={"N": 128, "dtype": "fp32"})
+    bundle = tmp_path / "h200-tuning.json"
+    assert tuning.export_cache(bundle) == 2
+    assert tuning.export_cache(tmp_path / "other.json", device="another GPU") == 0
+    monkeypatch.setenv("TRITONKIT_CACHE_DIR", str(tmp_path / "elsewhere"))
+    assert tuning.import_cache(bundle) == 2
+    fake = FakeKernel(times=[0.1, 1.0, 2.0, 0.5])  # would pick another config if it tuned
+    assert tune(make_tuner(), fake) == CONFIGS[1] and fake.calls == 0
+
+
+@pytest.mark.parametrize("content", ["not json", '{"format": 1}', '{"format": 1, "entries": [{"format": 1}]}',
+                                     '[1, 2]'])
+def test_import_refuses_what_is_not_an_export(tmp_path, content):
+    bundle = tmp_path / "bundle.json"
+    bundle.write_text(content)
+    with pytest.raises(ValueError, match="tuning (export|entry)"):
+        tuning.import_cache(bundle)
+    assert not (tmp_path / "cache" / "tuning").exists()  # nothing half-imported
+
+
+def test_cli_tune(tuning_on, cache, tmp_path, capsys):
+    from tritonkit.cli import main
+
+    tune(make_tuner(), FakeKernel())
+    bundle = tmp_path / "bundle.json"
+    assert main(["tune", "--export", str(bundle)]) == 0
+    assert "exported 1 tuned configs" in capsys.readouterr().out
+    assert main(["tune", "--import", str(bundle)]) == 0
+    assert "imported 1 tuned configs" in capsys.readouterr().out
+    assert main(["tune"]) == 2 and "name ops to tune" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["tune", "softmax"]) == 2 and "needs a CUDA GPU" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""The command line: ``tritonkit info | bench | roofline | inspect``."""
+"""The command line: ``tritonkit info | bench | roofline | inspect | tune``."""
 
 from __future__ import annotations
 
@@ -178,6 +178,57 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def cmd_tune(args) -> int:
+    from tritonkit import tuning
+    from tritonkit._runtime import interpret
+
+    if args.import_file:
+        print(f"imported {tuning.import_cache(Path(args.import_file))} tuned configs into "
+              f"{roofline.cache_dir() / tuning.SUBDIR}")
+    if args.ops and interpret():
+        raise ValueError("tune times kernels: it needs a CUDA GPU (this process interprets them)")
+    for name in args.ops:
+        _tune_op(get_op(name), args)
+    if args.export_file:
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.all_devices else None
+        count = tuning.export_cache(Path(args.export_file), device)
+        print(f"exported {count} tuned configs{f' of {device}' if device else ''} to {args.export_file}")
+    if not (args.ops or args.import_file or args.export_file):
+        raise ValueError("name ops to tune, or --import / --export a cache")
+    return 0
+
+
+def _tune_op(spec_op, args) -> None:
+    """Run the op on each shape, forward and backward, so each tuner picks its config; print them."""
+    import time
+
+    from tritonkit import testing, tuning
+
+    started = time.time()
+    benchmark = [(tuple(e[0]), e[1]) if isinstance(e[-1], str) else (tuple(e), None)
+                 for e in spec_op.shapes["quick"]]
+    shapes = [(_parse_shape([s]), None) for s in args.shape] if args.shape else benchmark
+    for shape, dtype_name in shapes:
+        dtype = DTYPES[args.dtype or dtype_name or "bf16"]
+        inputs = spec_op.make_inputs(shape, dtype, "cuda", testing.generator(0))
+        for i in spec_op.grad_inputs:
+            inputs[i].requires_grad_("bwd" in args.mode)
+        output = spec_op.fn(*inputs, **spec_op.kwargs)  # the first call of a shape bucket tunes
+        if "bwd" in args.mode:
+            torch.autograd.grad(output, [inputs[i] for i in spec_op.grad_inputs], torch.ones_like(output))
+    torch.cuda.synchronize()
+    fresh = tuning.cached_entries(since=started)
+    if not fresh:
+        print(f"{spec_op.name}: nothing tuned: every shape bucket had a cached winner "
+              f"(in {roofline.cache_dir() / tuning.SUBDIR})")
+    for entry in fresh:
+        print(f"{entry['tuner']} {entry['key']}: {entry['config']}")
+        for ms, config in sorted((ms, c) for c, ms in entry["ms"].items() if ms is not None):
+            print(f"  {ms * 1e3:9.1f} us  {config}")
+        for config, reason in entry["rejected"].items():
+            print(f"  rejected   {config}: {reason}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tritonkit", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log what tritonkit decides")
@@ -217,6 +268,17 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("--ir", choices=IR_NAMES, help="print this IR of each kernel (with -o: write only it)")
     insp.add_argument("-o", "--out", help="write the IRs to this folder instead of printing them")
     insp.set_defaults(func=cmd_inspect)
+
+    tune = sub.add_parser("tune", help="tune ops on this GPU (accuracy-gated); move the cache between "
+                                       "machines of one GPU model")
+    tune.add_argument("ops", nargs="*", metavar="OP", help=f"ops to tune ({', '.join(op_names())})")
+    tune.add_argument("--shape", nargs="+", help="shapes like 8192x4096 (default: the op's benchmark shapes)")
+    tune.add_argument("--dtype", choices=sorted(DTYPES), help="default: each benchmark shape's dtype")
+    tune.add_argument("--mode", nargs="+", choices=("fwd", "bwd"), default=["fwd", "bwd"])
+    tune.add_argument("--export", dest="export_file", metavar="FILE", help="write the cache to FILE")
+    tune.add_argument("--all-devices", action="store_true", help="with --export: every GPU's entries")
+    tune.add_argument("--import", dest="import_file", metavar="FILE", help="add FILE's entries to the cache")
+    tune.set_defaults(func=cmd_tune)
     return parser
 
 

@@ -133,13 +133,12 @@ class Tuner:
         self._memo[memo_key] = entry["config"]
         return entry["config"]
 
-    def _identity(self, key: dict) -> dict:
+    def _identity(self, key: dict) -> dict:  # the fields of IDENTITY_FIELDS, in that order
         return {"tuner": self.name, "key": key, "device": _device_name(), "triton": _triton_version(),
                 "source_hash": self.source_hash}
 
     def _path(self, identity: dict) -> Path:
-        digest = hashlib.sha256(_canonical(identity).encode()).hexdigest()[:NAME_HASH_CHARS]
-        return cache_dir() / SUBDIR / f"{self.name}-{digest}.json"
+        return _entry_path(identity)
 
     def _candidates(self, key: dict) -> list[dict]:
         """The configs the prune function keeps, and the key's default whatever prune says (it is the
@@ -198,29 +197,88 @@ class Tuner:
         return next(c for c in candidates if c == entry["config"])
 
     def _write(self, key: dict, result: dict) -> None:
-        """Write the entry atomically: a reader sees the old file or the whole new one, never a part."""
         identity = self._identity(key)
         path = self._path(identity)
-        tmp_name = None
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile("w", delete=False, dir=path.parent, prefix=f".{path.name}.",
-                                             suffix=".tmp") as tmp:
-                tmp_name = tmp.name
-                json.dump({"format": FORMAT, **identity, **result}, tmp, indent=1, sort_keys=True)
-                tmp.flush()
-                os.fsync(tmp.fileno())
-            os.replace(tmp_name, path)  # atomic on POSIX: concurrent tuners each land a whole file
-            tmp_name = None
+            _write_atomically(path, {"format": FORMAT, **identity, **result})
         except OSError as error:
             if path.parent not in _unwritable_dirs:
                 _unwritable_dirs.add(path.parent)
                 log.warning("tritonkit: cannot write the tuning cache in %s (%s); tuned configs are kept "
                             "in memory for this process only", path.parent, error)
-        finally:
-            if tmp_name is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp_name)
+
+
+IDENTITY_FIELDS = ("tuner", "key", "device", "triton", "source_hash")  # what names an entry's file
+
+
+def _entry_path(identity: dict) -> Path:
+    digest = hashlib.sha256(_canonical(identity).encode()).hexdigest()[:NAME_HASH_CHARS]
+    return cache_dir() / SUBDIR / f"{identity['tuner']}-{digest}.json"
+
+
+def _write_atomically(path: Path, entry: dict) -> None:
+    """A reader sees the old file or the whole new one, never a part (OSError if it cannot)."""
+    tmp_name = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", delete=False, dir=path.parent, prefix=f".{path.name}.",
+                                         suffix=".tmp") as tmp:
+            tmp_name = tmp.name
+            json.dump(entry, tmp, indent=1, sort_keys=True)
+            tmp.flush()
+            os.fsync(tmp.fileno())
+        os.replace(tmp_name, path)  # atomic on POSIX: concurrent tuners each land a whole file
+        tmp_name = None
+    finally:
+        if tmp_name is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp_name)
+
+
+def _is_entry(entry) -> bool:
+    return (isinstance(entry, dict) and entry.get("format") == FORMAT
+            and all(f in entry for f in (*IDENTITY_FIELDS, "config")))
+
+
+def cached_entries(since: float | None = None) -> list[dict]:
+    """Every readable current-format entry in the cache (damaged files are skipped, as on lookup);
+    with ``since`` (a time.time()), only those written since."""
+    entries = []
+    for path in sorted((cache_dir() / SUBDIR).glob("*.json")):
+        try:
+            if since is not None and path.stat().st_mtime < since:
+                continue
+            entry = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if _is_entry(entry):
+            entries.append(entry)
+    return entries
+
+
+def export_cache(path: Path, device: str | None = None) -> int:
+    """Write the cached winners (of ``device`` only, if given) to one file; the number written."""
+    entries = [e for e in cached_entries() if device is None or e["device"] == device]
+    _write_atomically(Path(path), {"format": FORMAT, "entries": entries})
+    return len(entries)
+
+
+def import_cache(path: Path) -> int:
+    """Add the winners exported to ``path`` to this machine's cache; the number added. Entries keep
+    their device, Triton version and kernel-source hash: they are used only where all three match."""
+    try:
+        bundle = json.loads(Path(path).read_text())
+    except ValueError as error:
+        raise ValueError(f"{path} is not a tuning export: {error}") from None
+    entries = bundle.get("entries") if isinstance(bundle, dict) and bundle.get("format") == FORMAT else None
+    if not isinstance(entries, list):
+        raise ValueError(f"{path} is not a format-{FORMAT} tuning export")
+    for index, entry in enumerate(entries):
+        if not _is_entry(entry):
+            raise ValueError(f"{path}: entry {index} is not a format-{FORMAT} tuning entry")
+    for entry in entries:
+        _write_atomically(_entry_path({f: entry[f] for f in IDENTITY_FIELDS}), entry)
+    return len(entries)
 
 
 def _entry_problem(entry, identity: dict, configs: list[dict]) -> str | None:
