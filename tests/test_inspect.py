@@ -124,9 +124,9 @@ from tritonkit.ops import get_op
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 for name in json.loads(NAMES):
     spec = get_op(name)
-    for entry in spec.shapes["quick"]:
-        shape, dtype = (entry[0], entry[1]) if isinstance(entry[-1], str) else (entry, "bf16")
-        for launch in spec.inspect(tuple(shape), DTYPES[dtype], None):
+    for shape, dtype in spec.shape_list("quick"):
+        dtype = dtype or "bf16"
+        for launch in spec.inspect(shape, DTYPES[dtype], None):
             r = compile_launch(launch, "sm_90")
             print(json.dumps({"op": name, "shape": shape, "dtype": dtype, "launch": r.name,
                               "spills": r.spills, "loads": sorted(r.loads), "stores": sorted(r.stores)}))

@@ -14,11 +14,10 @@ from pathlib import Path
 import torch
 
 from tritonkit import __version__, roofline
+from tritonkit.inspect import ARCHS, IRS  # stdlib and torch only: no kernel is defined here
 from tritonkit.ops import MODES, get_op, op_names
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-ARCH_NAMES = ("sm_80", "sm_90", "sm_100")  # as tritonkit.inspect.ARCHS, which imports nothing heavy
-IR_NAMES = ("ttir", "ttgir", "llir", "ptx", "sass")
 
 
 def _parse_shape(parts: list[str]) -> tuple[int, ...]:
@@ -150,10 +149,9 @@ def cmd_inspect(args) -> int:
     spec_op = get_op(args.op)
     if spec_op.inspect is None:
         raise ValueError(f"{args.op} does not describe its launches for inspect")
-    first = spec_op.shapes["quick"][0]
-    default_shape, default_dtype = (first[0], first[1]) if isinstance(first[-1], str) else (first, "bf16")
-    shape = _parse_shape(args.shape) if args.shape else tuple(default_shape)
-    dtype_name = args.dtype or default_dtype
+    default_shape, default_dtype = spec_op.shape_list("quick")[0]
+    shape = _parse_shape(args.shape) if args.shape else default_shape
+    dtype_name = args.dtype or default_dtype or "bf16"
     configs = [_parse_config(args.config, "--config")]
     if args.diff:
         configs.append(_parse_config(args.diff, "--diff"))
@@ -166,7 +164,7 @@ def cmd_inspect(args) -> int:
     if args.diff:
         print(inspect.format_diff(reports[0], reports[1]))
     for report in reports[0] if args.ir or args.out else ():
-        irs = [args.ir] if args.ir else list(inspect.IRS)
+        irs = [args.ir] if args.ir else list(IRS)
         for ir in irs:
             if args.out:
                 path = Path(args.out) / f"{args.op}-{report.name.replace(' ', '-')}-{args.arch}.{ir}"
@@ -205,9 +203,7 @@ def _tune_op(spec_op, args) -> None:
     from tritonkit import testing, tuning
 
     started = time.time()
-    benchmark = [(tuple(e[0]), e[1]) if isinstance(e[-1], str) else (tuple(e), None)
-                 for e in spec_op.shapes["quick"]]
-    shapes = [(_parse_shape([s]), None) for s in args.shape] if args.shape else benchmark
+    shapes = [(_parse_shape([s]), None) for s in args.shape] if args.shape else spec_op.shape_list("quick")
     for shape, dtype_name in shapes:
         dtype = DTYPES[args.dtype or dtype_name or "bf16"]
         inputs = spec_op.make_inputs(shape, dtype, "cuda", testing.generator(0))
@@ -262,10 +258,10 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("op", choices=op_names())
     insp.add_argument("--shape", nargs="+", help="e.g. 8192x4096 (default: the op's first benchmark shape)")
     insp.add_argument("--dtype", choices=sorted(DTYPES), help="default: the shape's benchmark dtype")
-    insp.add_argument("--arch", choices=sorted(ARCH_NAMES), default="sm_90")
+    insp.add_argument("--arch", choices=sorted(ARCHS), default="sm_90")
     insp.add_argument("--config", help="a tuning config as JSON (default: the untuned config)")
     insp.add_argument("--diff", help="a second config as JSON, compared with --config")
-    insp.add_argument("--ir", choices=IR_NAMES, help="print this IR of each kernel (with -o: write only it)")
+    insp.add_argument("--ir", choices=IRS, help="print this IR of each kernel (with -o: write only it)")
     insp.add_argument("-o", "--out", help="write the IRs to this folder instead of printing them")
     insp.set_defaults(func=cmd_inspect)
 

@@ -61,9 +61,8 @@ def cases(op_names: Iterable[str], shapes: str, dtypes: Iterable[torch.dtype] | 
     out = []
     for name in op_names:
         spec = get_op(name)
-        for entry in spec.shapes["interpreter" if interpret() else shapes]:
-            shape, own_dtypes = _shape_and_dtypes(entry, spec.dtypes)
-            for dtype in own_dtypes:
+        for shape, dtype_name in spec.shape_list("interpreter" if interpret() else shapes):
+            for dtype in (DTYPE_NAMES[dtype_name],) if dtype_name else spec.dtypes:
                 if dtypes and dtype not in dtypes:
                     continue
                 for mode in modes:
@@ -71,13 +70,6 @@ def cases(op_names: Iterable[str], shapes: str, dtypes: Iterable[torch.dtype] | 
                         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
                     out.append(Case(spec, shape, dtype, mode))
     return out
-
-
-def _shape_and_dtypes(entry: tuple, all_dtypes: tuple) -> tuple[tuple, tuple]:
-    """A shape list entry is a shape (every dtype of the op) or a (shape, dtype name) pair."""
-    if len(entry) == 2 and isinstance(entry[1], str):
-        return tuple(entry[0]), (DTYPE_NAMES[entry[1]],)
-    return tuple(entry), all_dtypes
 
 
 def _inputs(case: Case, device: str, seed: int, requires_grad: bool) -> tuple:

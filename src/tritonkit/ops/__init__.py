@@ -45,6 +45,11 @@ class OpSpec:
     # (shape, dtype, config or None) -> the inspect.Launch records the op makes (tritonkit inspect)
     inspect: Callable | None = None
 
+    def shape_list(self, kind: str) -> list[tuple[tuple, str | None]]:
+        """``shapes[kind]`` as (shape, dtype name), the name None where the shape runs in every dtype."""
+        return [(tuple(e[0]), e[1]) if len(e) == 2 and isinstance(e[1], str) else (tuple(e), None)
+                for e in self.shapes[kind]]
+
 
 def op_names() -> list[str]:
     return list(OP_MODULES)
