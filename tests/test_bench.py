@@ -202,3 +202,17 @@ def test_captured_backward_keeps_what_its_graph_reads_alive():
     for _ in range(3):
         replay()
     torch.cuda.synchronize()  # an illegal address would raise here
+
+
+def test_cli_roofline_plot(tmp_path, capsys):
+    """The device's roofline with the benchmarked points found under the results folder."""
+    folder = tmp_path / "results" / "h200"
+    folder.mkdir(parents=True)
+    rows = [_timed_row("tritonkit", 0.05, measured_bandwidth=4.25e12), _timed_row("torch", 0.13)]
+    (folder / "bias_gelu.json").write_text(json.dumps(rows))
+    (folder / "host_overhead.json").write_text(json.dumps({"not": "rows"}))  # other files are skipped
+    png = tmp_path / "roofline.png"
+    assert main(["roofline", "--plot", str(png), "--results", str(tmp_path / "results")]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert "bias_gelu, softmax, log_softmax" in capsys.readouterr().out
+    assert main(["roofline"]) == 2 and "needs an OP and --shape" in capsys.readouterr().err

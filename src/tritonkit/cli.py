@@ -67,6 +67,17 @@ def cmd_info(args) -> int:
 
 
 def cmd_roofline(args) -> int:
+    if args.plot:
+        from tritonkit.bench.report import plot_results
+
+        datasheet = roofline.device_spec(args.device)
+        ops = plot_results(Path(args.results), datasheet, Path(args.plot))
+        print(f"wrote {args.plot}: {datasheet.name} roofline, benchmarked points from "
+              f"{Path(args.results) / datasheet.slug}, roofline positions of {', '.join(ops)}")
+        if not (args.op or args.shape):
+            return 0
+    if not (args.op and args.shape):
+        raise ValueError("roofline needs an OP and --shape (or --plot alone)")
     spec_op = get_op(args.op)
     shape = _parse_shape(args.shape)
     dtype = DTYPES[args.dtype]
@@ -246,11 +257,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=cmd_bench)
 
     roof = sub.add_parser("roofline", help="analytic roofline prediction for one op and shape")
-    roof.add_argument("op", choices=op_names())
-    roof.add_argument("--shape", nargs="+", required=True, help="e.g. 8192x4096 or 8192 4096")
+    roof.add_argument("op", nargs="?", choices=op_names())
+    roof.add_argument("--shape", nargs="+", help="e.g. 8192x4096 or 8192 4096")
     roof.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     roof.add_argument("--mode", choices=MODES, default="fwd")
     roof.add_argument("--device", default="h200", help="datasheet: h200, h100, a100, a100-40gb")
+    roof.add_argument("--plot", metavar="PNG", help="draw the device's roofline with every op's latest "
+                                                    "benchmarked points and roofline positions")
+    roof.add_argument("--results", default="benchmarks/results", help="with --plot: the results folder")
     roof.set_defaults(func=cmd_roofline)
 
     insp = sub.add_parser("inspect", help="compile an op's kernels for a GPU without one: registers, spills, "

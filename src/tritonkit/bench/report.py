@@ -220,3 +220,57 @@ def plot_roofline(rows: list[dict], path: Path, datasheet: roofline.DeviceSpec,
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_results(results: Path, datasheet: roofline.DeviceSpec, path: Path) -> list[str]:
+    """The device's roofline with tritonkit's latest benchmarked points of every op found under
+    ``results/<slug>/`` (filled), and each op's analytic roofline position at its benchmark shapes
+    (hollow: where the roof allows it to be). Returns the ops plotted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from tritonkit.bench.runner import DTYPE_NAMES
+    from tritonkit.ops import get_op, op_names
+
+    rows = []
+    for file in sorted((results / datasheet.slug).glob("*.json")):
+        data = json.loads(file.read_text())
+        if isinstance(data, list):  # a benchmark's rows (other files hold other measurements)
+            rows += [r for r in data if r.get("provider") == "tritonkit" and "tflops" in r]
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    xs = [10 ** (k / 40) for k in range(-120, 161)]  # 1e-3 .. 1e4 FLOP/B
+    units = sorted({get_op(name).flop_unit for name in op_names()})
+    for unit, style in zip(units, ("-", "--", ":", "-."), strict=False):
+        ax.plot(xs, [min(datasheet.peak(unit), x * datasheet.bandwidth) / 1e12 for x in xs], style,
+                color="black", lw=1, label=f"{datasheet.name} datasheet roof ({unit})")
+    measured = [r for r in rows if "measured_bandwidth" in r]
+    if measured:
+        bandwidth = measured[-1]["measured_bandwidth"]
+        ax.plot(xs, [x * bandwidth / 1e12 for x in xs], color="gray", lw=1,
+                label=f"measured copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    plotted = []
+    for index, name in enumerate(op_names()):
+        spec, color = get_op(name), f"C{index}"
+        ours = [r for r in rows if r["op"] == name]
+        if ours:
+            ax.scatter([r["flops"] / r["bytes"] for r in ours], [r["tflops"] for r in ours], color=color,
+                       s=24, label=f"{name} (measured)")
+        predicted = []
+        for shape, dtype_name in spec.shape_list("quick"):
+            for dtype in ((DTYPE_NAMES[dtype_name],) if dtype_name else spec.dtypes):
+                cost = spec.cost(shape, dtype, "fwd")
+                seconds = roofline.roofline_seconds(cost, datasheet, spec.flop_unit)
+                predicted.append((cost.flops / cost.bytes, cost.flops / seconds / 1e12))
+        ax.scatter(*zip(*predicted, strict=True), facecolors="none", edgecolors=color, s=40,
+                   label=f"{name} (roofline, fwd)")
+        plotted.append(name)
+    ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP/byte)", ylabel="TFLOP/s",
+           title=f"tritonkit on {datasheet.name}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return plotted

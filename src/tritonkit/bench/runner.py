@@ -177,6 +177,7 @@ def _timings(fn: Callable, case: Case, inputs: tuple) -> dict:
         "pct_roofline": roofline.pct_of_roofline(cost, seconds, measured, case.spec.flop_unit),
         "pct_roofline_datasheet": roofline.pct_of_roofline(cost, seconds, datasheet, case.spec.flop_unit),
         "pct_copy_same_bytes": 100 * _copy_ms(cost.bytes) / median,
+        "measured_bandwidth": measured.bandwidth, "measured_peak": measured.peak(case.spec.flop_unit),
         "host_us": timing.host_us(_call(fn, tiny, _inputs(tiny, "cuda", SEED, case.mode != "fwd"))),
         "host_shape": list(case.spec.tiny_shape),
     }
