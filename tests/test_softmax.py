@@ -288,6 +288,7 @@ def small_chunks(monkeypatch, launches):
     """
     monkeypatch.setattr(tuning, "_single_config", lambda: True)
     monkeypatch.setattr(sm, "_chosen", {})
+    monkeypatch.setattr(sm, "_plans", {})  # plans hold configs too
     for tuner in sm._TUNERS.values():
         default = tuner.default
         monkeypatch.setattr(tuner, "default", lambda key, default=default: (
@@ -474,10 +475,11 @@ def _skip_last_row(direction_skipped: str):
     """A launch that leaves the last row of its output unwritten in ``direction_skipped``."""
     launch = sm._launch
 
-    def partial_launch(direction, config, log, views):
+    def partial_launch(direction, config, log, tensors, geometry):
         if direction == direction_skipped:
-            views = tuple(v[:, :-1] for v in views)
-        launch(direction, config, log, views)
+            outer, rows, n, strides = geometry
+            geometry = (outer, rows - 1, n, strides)
+        launch(direction, config, log, tensors, geometry)
 
     return partial_launch
 
@@ -560,6 +562,7 @@ def tuned(monkeypatch, tmp_path):
     monkeypatch.setattr(tuning, "_single_config", lambda: False)
     monkeypatch.setenv("TRITONKIT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(sm, "_chosen", {})
+    monkeypatch.setattr(sm, "_plans", {})  # plans hold configs too
     for direction, tuner in list(sm._TUNERS.items()):
         fresh = tuning.Tuner(tuner.name, [*tuner.configs, SHORT_TILE_UNPRUNED], sources=tuner.sources,
                              default=tuner.default, prune=tuner.prune)
@@ -640,6 +643,38 @@ def test_backward_rejects_mismatched_grad_output(device):
 
 
 # ---------------------------------------------------------------- autograd, custom ops, compile
+
+
+def test_repeated_calls_take_the_stored_plan(monkeypatch, device):
+    """A call like one before skips validation, views and the tuning lookup; a call whose views
+    need a copy of the input is never planned (its pointer is not the input's)."""
+    monkeypatch.setattr(sm, "_plans", {})
+    x, dy = _inputs((6, 50), F32, device, seed=51)
+    x.requires_grad_()
+    for log in (False, True):
+        y = _kernel(log)(x)
+        (grad,) = torch.autograd.grad(y, x, dy)
+        assert len(sm._plans) == 2 * (1 + log)  # forward and backward
+
+        def no_lookup(*args):
+            raise AssertionError("a planned call looked up its config")
+
+        with monkeypatch.context() as patched:
+            patched.setattr(sm, "_config", no_lookup)
+            patched.setattr(sm, "_validate", no_lookup)
+            with poisoned_outputs():
+                y_again = _kernel(log)(x)
+                (grad_again,) = torch.autograd.grad(y_again, x, dy)
+        torch.testing.assert_close(y_again, y, rtol=0, atol=0)
+        torch.testing.assert_close(grad_again, grad, rtol=0, atol=0)
+    # (6, 4, 50) permuted to (4, 6, 50): its rows do not merge into one stride, so a copy is made
+    permuted = random_tensor((6, 4, 50), F32, device, generator=generator(52)).permute(1, 0, 2)
+    planned = len(sm._plans)
+    torch.testing.assert_close(softmax(permuted), softmax_reference(permuted))
+    assert len(sm._plans) == planned
+    # the same shape with other strides is another plan
+    torch.testing.assert_close(softmax(x.detach().t().contiguous().t()), softmax_reference(x.detach()))
+    assert len(sm._plans) == planned + 1
 
 
 def test_no_grad_has_no_graph(device):

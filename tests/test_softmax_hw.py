@@ -186,6 +186,7 @@ def tuning_afresh(monkeypatch, tmp_path):
     assert tuning.tuning_possible()
     monkeypatch.setenv("TRITONKIT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(sm, "_chosen", {})
+    monkeypatch.setattr(sm, "_plans", {})  # plans hold configs too
     for direction, tuner in list(sm._TUNERS.items()):
         fresh = tuning.Tuner(tuner.name, tuner.configs, sources=tuner.sources, default=tuner.default,
                              prune=tuner.prune)

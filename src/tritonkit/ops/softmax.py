@@ -385,21 +385,26 @@ _TUNERS = {
 _chosen: dict[tuple, dict] = {}  # key values -> config, once chosen for good (a cheap memo)
 
 
-def _launch_args(direction: str, config: dict, log: bool, views: tuple) -> tuple[tuple, tuple, dict]:
-    """(grid, arguments, constexprs and options) of one kernel over (O, R, N) views: (x, y)
-    forward, (y, dy, dx) backward."""
-    outer, rows, n = views[0].shape
+def _geometry(views: tuple) -> tuple:
+    """(O, R, N) and every view's strides: all a launch needs of the views beyond their pointers."""
+    return (*views[0].shape, tuple(s for v in views for s in v.stride()))
+
+
+def _launch_args(direction: str, config: dict, log: bool, tensors: tuple,
+                 geometry: tuple) -> tuple[tuple, tuple, dict]:
+    """(grid, arguments, constexprs and options) of one kernel: ``tensors`` are (x, y) forward or
+    (y, dy, dx) backward (or anything with their data pointers), ``geometry`` their (O, R, N) views'."""
+    outer, rows, n, strides = geometry
     block_n = config.get("BLOCK_N", _next_power_of_2(n))
     row_blocks = cdiv(rows, config["BLOCK_M"])
-    strides = [s for v in views for s in v.stride()]
-    sum_fp64 = log and views[0 if direction == "fwd" else 1].dtype == torch.float32
+    sum_fp64 = log and tensors[0 if direction == "fwd" else 1].dtype == torch.float32
     meta = {"LOG": log, "SUM_FP64": sum_fp64, "BLOCK_M": config["BLOCK_M"], "BLOCK_N": block_n,
             "num_warps": config["num_warps"]}
-    return (outer * row_blocks,), (*views, rows, n, row_blocks, *strides), meta
+    return (outer * row_blocks,), (*tensors, rows, n, row_blocks, *strides), meta
 
 
-def _launch(direction: str, config: dict, log: bool, views: tuple) -> None:
-    grid, args, meta = _launch_args(direction, config, log, views)
+def _launch(direction: str, config: dict, log: bool, tensors: tuple, geometry: tuple) -> None:
+    grid, args, meta = _launch_args(direction, config, log, tensors, geometry)
     _LAUNCHERS[direction, config["variant"]](grid, *args, **meta)
 
 
@@ -419,20 +424,21 @@ def _check_fits(config: dict, key: dict) -> None:
                          "'online' variant")
 
 
-def _config(direction: str, variant: str, log: bool, views: tuple) -> dict:
-    """The tuned (or, where tuning cannot run, default) launch config for these views."""
+def _config(direction: str, variant: str, log: bool, views: tuple) -> tuple[dict, bool]:
+    """The tuned (or, where tuning cannot run, default) launch config for these views, and whether
+    it is final (tuned or cached; under the interpreter the default is)."""
     key = _tuning_key(direction, variant, views)
     memo_key = tuple(key.values())
     config = _chosen.get(memo_key)
     if config is not None:
-        return config
+        return config, True
     _check_fits({"variant": variant}, key)
     final = interpret() or tuning.tuning_possible()
     config = _TUNERS[direction].config(key, admit=functools.partial(_admit, direction, log, views),
                                        time_ms=functools.partial(_time_ms, direction, log, views))
     if final:
         _chosen[memo_key] = config
-    return config
+    return config, final
 
 
 def _calibration_views(direction: str, log: bool, views: tuple, config: dict) -> tuple:
@@ -462,7 +468,7 @@ def _admit(direction: str, log: bool, views: tuple, config: dict) -> bool:
     from tritonkit.testing import compare
 
     cal = _calibration_views(direction, log, views, config)
-    _launch(direction, config, log, cal)
+    _launch(direction, config, log, cal, _geometry(cal))
     if direction == "fwd":
         x, y = cal
         reference = _reference(x.double(), 2, log)
@@ -476,8 +482,8 @@ def _admit(direction: str, log: bool, views: tuple, config: dict) -> bool:
 
 def _time_ms(direction: str, log: bool, views: tuple, config: dict) -> float:
     scratch = torch.empty_like(views[-1])  # tuning never writes the caller's output
-    args = (*views[:-1], scratch)
-    return triton.testing.do_bench(lambda: _launch(direction, config, log, args),
+    tensors, geometry = (*views[:-1], scratch), _geometry(views)
+    return triton.testing.do_bench(lambda: _launch(direction, config, log, tensors, geometry),
                                    warmup=TUNE_WARMUP_MS, rep=TUNE_REP_MS, return_mode="median")
 
 
@@ -500,19 +506,54 @@ def _validate(input, dim, dtype, variant: str = "auto") -> int:
     return dim % ndim
 
 
+# Plans of calls seen before: a call with the same shapes, strides, dtypes and arguments as one
+# already launched with a final config skips validation, the views and the tuning lookup (about
+# 10 us of Python a call), passing its tensors' pointers with the stored geometry.
+MAX_PLANS = 4096
+_plans: dict[tuple, tuple] = {}  # call signature -> (config, geometry, output dtype)
+
+
+def _plan(key: tuple, config: dict, final: bool, tensors: tuple, views: tuple, out_dtype) -> None:
+    """Keep the call's plan when its config is final and every view aliases its tensor (no copy)."""
+    if final and all(v.data_ptr() == t.data_ptr() for v, t in zip(views, tensors, strict=True)):
+        if len(_plans) >= MAX_PLANS:
+            _plans.clear()
+        _plans[key] = (config, _geometry(views), out_dtype)
+
+
 def _softmax_fwd(input: torch.Tensor, dim: int, dtype, log: bool, variant: str = "auto") -> torch.Tensor:
+    try:
+        key = ("fwd", input.shape, input.stride(), input.dtype, input.device, dim, dtype, log, variant)
+    except AttributeError:  # not a tensor: validation says so below
+        key = None
+    plan = _plans.get(key)
+    if plan is not None:
+        config, geometry, out_dtype = plan
+        y = empty_output(input.shape, out_dtype, input.device)
+        _launch("fwd", config, log, (input, y), geometry)
+        return y
     dim = _validate(input, dim, dtype, variant)
     y = empty_output(input.shape, dtype or input.dtype, input.device)
     if y.numel() == 0:
         return y
     x = input.reshape(1) if input.dim() == 0 else input
     views = (_as_3d(x, dim), _as_3d(y.view(x.shape), dim))
-    _launch("fwd", _config("fwd", variant, log, views), log, views)
+    config, final = _config("fwd", variant, log, views)
+    _launch("fwd", config, log, views, _geometry(views))
+    _plan(key, config, final, (input, y), views, y.dtype)
     return y
 
 
 def _softmax_bwd(grad_output: torch.Tensor, output: torch.Tensor, dim: int, input_dtype: torch.dtype,
                  log: bool, variant: str = "auto") -> torch.Tensor:
+    key = ("bwd", output.shape, output.stride(), output.dtype, output.device, grad_output.shape,
+           grad_output.stride(), grad_output.dtype, grad_output.device, dim, input_dtype, log, variant)
+    plan = _plans.get(key)
+    if plan is not None:
+        config, geometry, out_dtype = plan
+        dx = empty_output(output.shape, out_dtype, output.device)
+        _launch("bwd", config, log, (output, grad_output, dx), geometry)
+        return dx
     dim = _validate(output, dim, None, variant)
     if grad_output.shape != output.shape or grad_output.device != output.device:
         raise ValueError(f"grad_output must match output: {tuple(output.shape)} on {output.device}, "
@@ -522,7 +563,9 @@ def _softmax_bwd(grad_output: torch.Tensor, output: torch.Tensor, dim: int, inpu
         return dx
     shape = (1,) if output.dim() == 0 else output.shape
     views = tuple(_as_3d(t.reshape(shape), dim) for t in (output, grad_output.to(output.dtype), dx))
-    _launch("bwd", _config("bwd", variant, log, views), log, views)
+    config, final = _config("bwd", variant, log, views)
+    _launch("bwd", config, log, views, _geometry(views))
+    _plan(key, config, final, (output, grad_output, dx), views, dx.dtype)
     return dx
 
 
@@ -681,7 +724,7 @@ def _inspect_launches(log: bool, shape: tuple, dtype: torch.dtype, config: dict 
     for direction, tensors in (("fwd", (x, x)), ("bwd", (x, x, x))):
         views = tuple(_as_3d(t, len(shape) - 1) for t in tensors)
         chosen = config or _default(_tuning_key(direction, "auto", views))  # any config: spills show
-        _, args, meta = _launch_args(direction, chosen, log, views)
+        _, args, meta = _launch_args(direction, chosen, log, views, _geometry(views))
         kernel = _LAUNCHERS[direction, chosen["variant"]].kernel
         launches.append(Launch(f"{direction} {chosen['variant']}", kernel, args, meta, chosen))
     return launches
