@@ -25,11 +25,13 @@ The backward has the same two kernels, with sum(dy * y) (or sum(dy)) in place of
 
 Work. Forward reads x and writes y: 2 M N s bytes for M rows in dtype of s bytes; backward reads y
 and dy and writes dx: 3 M N s. About 5 FLOPs an element forward (max, subtract, exp, sum, scale)
-and 4 backward, against a ridge point near 100 FLOP/byte: memory-bound, so the roofline is the copy
-bandwidth. The online kernel reads x twice: 3 M N s bytes, unless pass 2 finds its chunks in L2.
+and 4 backward: at most 1.25 FLOP/byte, far under the fp32 ridge point (about 14 FLOP/byte on the
+H200), so the roofline is the copy bandwidth. The online kernel reads x twice: 3 M N s bytes, unless
+pass 2 finds its chunks in L2.
 
-Launch parameters come from accuracy-gated autotuning (``tritonkit.tuning``): each config below
-is admitted only if its output on a calibration input passes the test oracle.
+Launch parameters come from accuracy-gated autotuning (``tritonkit.tuning``) over both kernels
+("auto"): each config below is admitted only if its output on a calibration input passes the test
+oracle. Rows too long for registers leave only the online kernel.
 """
 
 from __future__ import annotations
