@@ -16,13 +16,19 @@ _PUBLIC = {
     "bias_gelu": "tritonkit.ops.bias_gelu",
     "softmax": "tritonkit.ops.softmax",
     "log_softmax": "tritonkit.ops.softmax",
+    "layer_norm": "tritonkit.ops.norm",
+    "rms_norm": "tritonkit.ops.norm",
+    "add_layer_norm": "tritonkit.ops.norm",
+    "add_rms_norm": "tritonkit.ops.norm",
+    "nn": "tritonkit.nn",
 }
 __all__ = [*_PUBLIC, "__version__"]
 
 
 def __getattr__(name: str):
     if name in _PUBLIC:
-        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+        module = importlib.import_module(_PUBLIC[name])
+        value = module if module.__name__ == f"tritonkit.{name}" else getattr(module, name)
         globals()[name] = value  # later lookups skip this function
         return value
     raise AttributeError(f"module 'tritonkit' has no attribute {name!r}")

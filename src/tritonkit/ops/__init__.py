@@ -19,6 +19,10 @@ OP_MODULES = {
     "bias_gelu": "tritonkit.ops.bias_gelu",
     "softmax": "tritonkit.ops.softmax",
     "log_softmax": "tritonkit.ops.softmax",
+    "layer_norm": "tritonkit.ops.norm",
+    "rms_norm": "tritonkit.ops.norm",
+    "add_layer_norm": "tritonkit.ops.norm",
+    "add_rms_norm": "tritonkit.ops.norm",
 }
 MODES = ("fwd", "bwd", "fwd+bwd")
 

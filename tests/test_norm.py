@@ -1,0 +1,227 @@
+"""LayerNorm and RMSNorm (and their add_ forms): outputs and every gradient against the float64
+reference, awkward shapes, parameters absent or in fp32, constant rows, errors, custom ops, compile,
+the modules' state_dict, and on the H200 a tensor past 2^31 elements."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+import tritonkit
+import tritonkit.ops.norm as nm
+from tritonkit.ops import get_op
+from tritonkit.testing import check_against_reference, generator, poisoned_outputs, random_tensor
+
+pytestmark = pytest.mark.norm
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+KINDS = ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm"]
+
+
+def _case(kind: str, shape, dtype, device, seed, *, weight=True, bias=True, param_dtype=None,
+          noncontiguous=False):
+    """(kernel, reference, inputs, grad_inputs, grad_outputs) for one call of ``kind``."""
+    g = generator(seed)
+    n, residual, rms = shape[-1], kind.startswith("add_"), "rms" in kind
+    x = random_tensor(shape, dtype, device, generator=g, scale=2.0, noncontiguous=noncontiguous).add_(0.5)
+    inputs = [x] + ([random_tensor(shape, dtype, device, generator=g)] if residual else [])
+    params = [("weight", weight), ("bias", bias and not rms)]
+    inputs += [random_tensor((n,), param_dtype or dtype, device, generator=g) for _, on in params if on]
+    names = [name for name, on in params if on]
+    eps = torch.finfo(dtype).eps if rms else 1e-5
+
+    def split(args):
+        head = 2 if residual else 1
+        return list(args[:head]) + [(n,)], dict(zip(names, args[head:], strict=True)) | {"eps": eps}
+
+    def kernel(*args):
+        positional, kwargs = split(args)
+        return getattr(tritonkit, kind)(*positional, **kwargs)
+
+    def reference(*args):
+        positional, kwargs = split(args)
+        return getattr(nm, f"{kind}_reference")(*positional, **kwargs)
+
+    grads = [random_tensor(shape, dtype, device, generator=g, noncontiguous=not noncontiguous)
+             for _ in range(2 if residual else 1)]
+    return kernel, reference, inputs, tuple(range(len(inputs))), grads
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape", [(7, 1000), (3, 5, 64), (1, 7), (9, 1), (2, 4097)], ids=str)
+@pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=str)
+def test_matches_reference(kind, shape, dtype, device):
+    kernel, reference, inputs, grad_inputs, grads = _case(kind, shape, dtype, device, seed=sum(shape))
+    check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("weight, bias, param_dtype", [(False, False, None), (True, False, None),
+                                                       (True, True, F32)], ids=str)
+def test_parameters_absent_or_fp32(kind, weight, bias, param_dtype, device):
+    kernel, reference, inputs, grad_inputs, grads = _case(kind, (5, 96), BF16, device, seed=1, weight=weight,
+                                                          bias=bias, param_dtype=param_dtype)
+    check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_noncontiguous_input_and_gradient(kind, device):
+    kernel, reference, inputs, grad_inputs, grads = _case(kind, (6, 200), F32, device, seed=2,
+                                                          noncontiguous=True)
+    assert not inputs[0].is_contiguous() and grads[0].is_contiguous()
+    check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_empty_input(kind, device):
+    kernel, _, inputs, _, _ = _case(kind, (0, 64), F32, device, seed=3)
+    inputs = [t.requires_grad_() for t in inputs]
+    outputs = kernel(*inputs)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    assert all(o.shape == (0, 64) for o in outputs)
+    grads = torch.autograd.grad(outputs, inputs, [torch.ones_like(o) for o in outputs])
+    assert [g.shape for g in grads] == [t.shape for t in inputs]
+    assert all(not g.numel() or not g.any() for g in grads[1 + kind.startswith("add_"):])  # no rows: zeros
+
+
+@pytest.mark.parametrize("kind", ["layer_norm", "rms_norm"])
+def test_constant_rows_stay_finite(kind, device):
+    """Variance 0 (LayerNorm) or an all-zero row (RMSNorm): eps keeps every output finite."""
+    x = torch.full((4, 128), 3.0 if kind == "layer_norm" else 0.0, device=device).requires_grad_()
+    with poisoned_outputs():
+        y = getattr(tritonkit, kind)(x, 128)
+        (grad,) = torch.autograd.grad(y, x, torch.ones_like(y))
+    assert torch.isfinite(y).all() and torch.isfinite(grad).all()
+    torch.testing.assert_close(y, getattr(nm, f"{kind}_reference")(x.detach(), (128,)))
+
+
+def test_weight_gradients_are_deterministic(device):
+    """Two-stage sums, no atomics: the same inputs give bit-identical dw and db."""
+    kernel, _, inputs, _, grads = _case("layer_norm", (300, 64), BF16, device, seed=4)
+    runs = []
+    for _ in range(2):
+        args = [t.detach().clone().requires_grad_() for t in inputs]
+        runs.append(torch.autograd.grad(kernel(*args), args, grads))
+    for first, second in zip(*runs, strict=True):
+        assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize("dtype", [F32, F16], ids=str)  # (the interpreter truncates to bf16)
+def test_add_forms_return_the_sum(dtype, device):
+    x, r = (random_tensor((3, 40), dtype, device, generator=generator(5 + i)) for i in range(2))
+    for fn in (tritonkit.add_layer_norm, tritonkit.add_rms_norm):
+        _, h = fn(x, r, 40)
+        torch.testing.assert_close(h, x + r, rtol=0, atol=0)  # one rounding of the fp32 sum, as torch
+
+
+BAD_ARGUMENTS = [  # (call on a (4, 8) fp32 input, exception, pattern of its message)
+    pytest.param(lambda x: tritonkit.layer_norm(x.tolist(), 8), TypeError, "^input ", id="list input"),
+    pytest.param(lambda x: tritonkit.rms_norm(x.double(), 8), TypeError, "^input .*float64", id="float64"),
+    pytest.param(lambda x: tritonkit.layer_norm(x, (4, 8)), NotImplementedError, "more than the last",
+                 id="two normalized dims"),
+    pytest.param(lambda x: tritonkit.layer_norm(x, 7), ValueError, "^normalized_shape", id="wrong length"),
+    pytest.param(lambda x: tritonkit.layer_norm(x, 8, x[0, :4]), ValueError, "^weight must have shape",
+                 id="weight shape"),
+    pytest.param(lambda x: tritonkit.layer_norm(x, 8, None, x[0, :8].half()), TypeError, "^bias must be",
+                 id="bias dtype"),
+    pytest.param(lambda x: tritonkit.add_rms_norm(x, x[:2], 8), ValueError, "^residual must match",
+                 id="residual shape"),
+    pytest.param(lambda x: tritonkit.rms_norm(x.new_ones(2, 20000), 20000), NotImplementedError,
+                 "looped kernel", id="row too long"),
+]
+
+
+@pytest.mark.parametrize("call, error, pattern", BAD_ARGUMENTS)
+def test_bad_arguments(call, error, pattern, device):
+    with pytest.raises(error, match=pattern):
+        call(random_tensor((4, 8), F32, device, generator=generator(6)))
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("residual", [False, True], ids=["", "residual"])
+def test_opcheck(rms, residual, device):
+    g = generator(7)
+    x = random_tensor((5, 40), BF16, device, generator=g).requires_grad_()
+    r = random_tensor((5, 40), BF16, device, generator=g).requires_grad_() if residual else None
+    w = random_tensor((40,), F32, device, generator=g).requires_grad_()
+    b = None if rms else random_tensor((40,), F32, device, generator=g).requires_grad_()
+    torch.library.opcheck(torch.ops.tritonkit.norm.default, (x, r, w, b, 1e-5, rms))
+    with torch.no_grad():  # the backward op's own inputs need no gradient
+        y, h, mean, rstd = torch.ops.tritonkit.norm(x, r, w, b, 1e-5, rms)
+    dy = random_tensor((5, 40), BF16, device, generator=g)
+    saved = [t.detach() if t is not None else None for t in (h if residual else x, w, b)]
+    torch.library.opcheck(torch.ops.tritonkit.norm_backward.default,
+                          (dy, dy if residual else None, saved[0], saved[1], saved[2], mean, rstd, rms))
+
+
+def test_compile_fullgraph(device):
+    torch._dynamo.reset()
+
+    def fn(x, r, w, b):
+        normed, h = tritonkit.add_layer_norm(x, r, 64, w, b)
+        return tritonkit.rms_norm(normed, 64, w), h
+
+    g = generator(8)
+    args = [random_tensor(s, F32, device, generator=g) for s in ((6, 64), (6, 64), (64,), (64,))]
+    compiled = torch.compile(fn, fullgraph=True)
+    eager_args = [a.clone().requires_grad_() for a in args]
+    args = [a.requires_grad_() for a in args]
+    out, eager = compiled(*args), fn(*eager_args)
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+    upstream = [torch.ones_like(o) for o in out]
+    torch.testing.assert_close(torch.autograd.grad(out, args, upstream),
+                               torch.autograd.grad(eager, eager_args, upstream), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("module, torch_module", [("LayerNorm", torch.nn.LayerNorm),
+                                                  ("RMSNorm", torch.nn.RMSNorm)])
+def test_modules_take_torch_state_dicts(module, torch_module, device):
+    theirs = torch_module(96).to(device)
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.copy_(random_tensor(p.shape, p.dtype, device, generator=generator(9)))
+    ours = getattr(tritonkit.nn, module)(96).to(device)
+    ours.load_state_dict(theirs.state_dict())
+    assert ours.state_dict().keys() == theirs.state_dict().keys()
+    x = random_tensor((7, 96), F32, device, generator=generator(10))
+    torch.testing.assert_close(ours(x), theirs(x), rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("name", KINDS)
+def test_spec_is_registered_and_its_shapes_pass(name, device):
+    spec = get_op(name)
+    assert spec is nm.SPECS[name] and spec.family == "norm" and spec.inspect is not None
+    for shape, dtype in itertools.product(spec.shapes["interpreter"], (F32,)):
+        inputs = spec.make_inputs(shape, dtype, device, generator(11))
+        outputs = spec.reference(*[t.double() if isinstance(t, torch.Tensor) else t for t in inputs])
+        grads = [random_tensor(o.shape, dtype, device, generator=generator(12))
+                 for o in (outputs if isinstance(outputs, tuple) else (outputs,))]
+        check_against_reference(spec.fn, spec.reference, inputs, grad_inputs=spec.grad_inputs,
+                                grad_outputs=grads)
+
+
+def test_cost(device):
+    cost = nm.norm_cost((1024, 4096), BF16, "fwd", residual=False, bias=True)
+    assert cost.bytes == 2 * (2 * 1024 * 4096 + 2 * 4096)
+    cost = nm.norm_cost((1024, 4096), BF16, "bwd", residual=True, bias=False)
+    assert cost.bytes == 2 * (4 * 1024 * 4096 + 2 * 4096)
+
+
+# ---------------------------------------------------------------- the H200
+
+
+@pytest.mark.gpu
+def test_past_2_31_elements():
+    shape = (2**16 + 3, 2**15 + 1)
+    assert math.prod(shape) > 2**31
+    g = torch.Generator("cuda").manual_seed(13)
+    x = torch.randn(shape, generator=g, device="cuda", dtype=BF16)
+    w = torch.randn(shape[-1], generator=g, device="cuda", dtype=BF16)
+    with poisoned_outputs():
+        y = tritonkit.rms_norm(x, shape[-1], w)
+    rows = torch.tensor([0, 2**31 // shape[-1], 2**31 // shape[-1] + 1, shape[0] - 1], device="cuda")
+    expected = nm.rms_norm_reference(x[rows].double(), (shape[-1],), w.double(), torch.finfo(BF16).eps)
+    torch.testing.assert_close(y[rows].double(), expected, rtol=2**-7, atol=2**-7)
