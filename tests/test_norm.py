@@ -67,6 +67,38 @@ def test_parameters_absent_or_fp32(kind, weight, bias, param_dtype, device):
     check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
 
 
+@pytest.fixture
+def looped(monkeypatch):
+    """Rows longer than 64 entries go through the looped kernels, in chunks of 32."""
+    monkeypatch.setattr(nm, "MAX_BLOCK_N", {"fwd": 64, "bwd": 64})
+    monkeypatch.setattr(nm, "LOOP_BLOCK_N", 32)
+    monkeypatch.setattr(nm, "LOOP_BWD_ROWS", 4)
+    seen = []
+    for key, launcher in nm._LAUNCHERS.items():
+        def recording(grid, *args, _launcher=launcher, _key=key, **meta):
+            seen.append(_key)
+            _launcher(grid, *args, **meta)
+        monkeypatch.setitem(nm._LAUNCHERS, key, recording)
+    return seen
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape", [(7, 200), (3, 65), (9, 97)], ids=str)  # 9 rows: a partial row group
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+def test_long_rows_go_through_the_looped_kernels(kind, shape, dtype, looped, device):
+    kernel, reference, inputs, grad_inputs, grads = _case(kind, shape, dtype, device, seed=sum(shape) + 1)
+    check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
+    assert set(looped) == {("fwd", True), ("bwd", True)}
+
+
+def test_looped_layer_norm_keeps_a_large_mean_from_cancelling(looped, device):
+    """Rows far from zero: merged chunk statistics keep the variance that sum(h^2) - N mean^2 loses."""
+    x = (random_tensor((4, 300), F32, device, generator=generator(14)) + 1000.0).requires_grad_()
+    check_against_reference(lambda t: tritonkit.layer_norm(t, 300),
+                            lambda t: nm.layer_norm_reference(t, (300,)), [x.detach()], grad_inputs=(0,),
+                            grad_outputs=[random_tensor((4, 300), F32, device, generator=generator(15))])
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_noncontiguous_input_and_gradient(kind, device):
     kernel, reference, inputs, grad_inputs, grads = _case(kind, (6, 200), F32, device, seed=2,
@@ -129,8 +161,6 @@ BAD_ARGUMENTS = [  # (call on a (4, 8) fp32 input, exception, pattern of its mes
                  id="bias dtype"),
     pytest.param(lambda x: tritonkit.add_rms_norm(x, x[:2], 8), ValueError, "^residual must match",
                  id="residual shape"),
-    pytest.param(lambda x: tritonkit.rms_norm(x.new_ones(2, 20000), 20000), NotImplementedError,
-                 "looped kernel", id="row too long"),
 ]
 
 

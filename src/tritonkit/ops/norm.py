@@ -16,7 +16,8 @@ and the fp32 partial sums of dw and db. A handful of FLOPs an element: memory-bo
 
 dw and db are reduced in two stages, never with float atomics, so results are deterministic: each
 backward program sums its rows into fp32 partials, and a second pass sums the partials.
-The row lives in registers (up to ``MAX_BLOCK_N`` entries). h = x + residual is added in fp32 and
+A row lives in registers up to ``MAX_BLOCK_N`` entries; longer rows go through looped kernels
+that read each row twice (see above them). h = x + residual is added in fp32 and
 rounded to the input dtype before it is normalised, as ``norm(x + residual)`` is in PyTorch: the
 backward then recomputes xhat from the stored h exactly.
 """
@@ -44,6 +45,9 @@ MAX_BLOCK_N = {"fwd": 32768, "bwd": 16384}
 ROW_ELEMENTS = 8192  # elements a program takes at a time: rows of 1024 go 8 to a program
 PER_THREAD = 16  # values a thread holds per row tile: four 16-byte fp32 vectors in flight
 BWD_ROWS_PER_PROGRAM = 64  # rows each backward program walks, summing dw and db in registers
+LOOP_BLOCK_N = 4096  # chunk of the looped kernels: 16 fp32 values a thread at 8 warps
+LOOP_WARPS = 8
+LOOP_BWD_ROWS = 16  # rows a looped backward program finishes chunk by chunk (its dw and db sums)
 
 
 # ---------------------------------------------------------------- kernels
@@ -156,10 +160,158 @@ def _norm_bwd_kernel(
         tl.store(db_partial_ptr + tl.program_id(0) * N + cols, db, mask=col_mask)
 
 
+# Rows longer than a register tile: the looped kernels walk each row in BLOCK_N chunks, twice.
+# Forward: pass 1 adds the residual (storing h) and gathers the statistics as sums of h - shift,
+# shift being the first chunk's mean, so that LayerNorm's variance does not cancel when the row
+# sits far from zero; pass 2 reads h back and normalises. Backward: per row, pass 1 gathers
+# mean(g * xhat) and mean(g) into a small fp32 scratch; then chunk by chunk, every row of the
+# program is finished and dw and db for that chunk are summed in registers over the rows.
+
+
+@triton.jit
+def _norm_fwd_looped_kernel(
+    x_ptr,  # input, (M, N), row stride stride_xm, unit column stride
+    r_ptr,  # residual, (M, N), row stride stride_rm (unused without HAS_RESIDUAL)
+    h_ptr,  # x + residual out, (M, N), contiguous (unused without HAS_RESIDUAL)
+    y_ptr,  # normalised output, (M, N), contiguous
+    w_ptr,  # weight, (N,) (unused without HAS_WEIGHT)
+    b_ptr,  # bias, (N,) (unused without HAS_BIAS)
+    mean_ptr,  # fp32 row means, (M,) (LayerNorm only)
+    rstd_ptr,  # fp32 reciprocal standard deviations (or RMS), (M,)
+    M,  # rows
+    N,  # row length
+    stride_xm,  # elements between rows of x
+    stride_rm,  # elements between rows of the residual
+    eps,  # added to the variance (mean square) before the square root
+    RMS: tl.constexpr,  # RMSNorm instead of LayerNorm
+    HAS_RESIDUAL: tl.constexpr,  # add the residual first and store the sum
+    HAS_WEIGHT: tl.constexpr,  # scale by w
+    HAS_BIAS: tl.constexpr,  # shift by b
+    BLOCK_N: tl.constexpr,  # entries per chunk
+):
+    row = tl.program_id(0).to(tl.int64)  # one row a program
+    offsets = tl.arange(0, BLOCK_N)
+    shift = 0.0  # LayerNorm: the first chunk's mean; sums of h - shift stay small and do not cancel
+    total = 0.0  # sum of h - shift (LayerNorm)
+    squares = 0.0  # sum of (h - shift)^2 (LayerNorm) or of h^2 (RMSNorm)
+    for start in range(0, N, BLOCK_N):
+        cols = start + offsets
+        mask = cols < N
+        h = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            h += tl.load(r_ptr + row * stride_rm + cols, mask=mask, other=0.0).to(tl.float32)
+            h = h.to(h_ptr.dtype.element_ty)
+            tl.store(h_ptr + row * N + cols, h, mask=mask)
+            h = h.to(tl.float32)
+        if RMS:
+            squares += tl.sum(h * h, axis=0)
+        else:
+            if start == 0:
+                shift = tl.sum(h, axis=0) / tl.minimum(N, BLOCK_N).to(tl.float32)
+            deviations = tl.where(mask, h - shift, 0.0)
+            total += tl.sum(deviations, axis=0)
+            squares += tl.sum(deviations * deviations, axis=0)
+    if RMS:
+        mean = 0.0
+        rstd = 1.0 / tl.sqrt(squares / N + eps)
+    else:
+        offset = total / N  # the mean is shift + offset, the variance E[(h - shift)^2] - offset^2
+        mean = shift + offset
+        rstd = 1.0 / tl.sqrt(tl.maximum(squares / N - offset * offset, 0.0) + eps)
+        tl.store(mean_ptr + row, mean)
+    tl.store(rstd_ptr + row, rstd)
+    source_ptr = h_ptr + row * N if HAS_RESIDUAL else x_ptr + row * stride_xm
+    for start in range(0, N, BLOCK_N):
+        cols = start + offsets
+        mask = cols < N
+        h = tl.load(source_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y = (h * rstd) if RMS else (h - mean) * rstd
+        if HAS_WEIGHT:
+            y *= tl.load(w_ptr + cols, mask=mask).to(tl.float32)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + cols, mask=mask).to(tl.float32)
+        tl.store(y_ptr + row * N + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_bwd_looped_kernel(
+    dy_ptr,  # upstream gradient of y, (M, N), row stride stride_dym, unit column stride
+    dh_ptr,  # upstream gradient of h (add_ forms), (M, N), row stride stride_dhm
+    h_ptr,  # the forward's normalised input, (M, N), row stride stride_hm
+    w_ptr,  # weight, (N,) (unused without HAS_WEIGHT)
+    mean_ptr,  # fp32 row means from the forward, (M,) (LayerNorm only)
+    rstd_ptr,  # fp32 reciprocal standard deviations from the forward, (M,)
+    sums_ptr,  # fp32 scratch, (M, 2): each row's mean(g * xhat) and mean(g)
+    dx_ptr,  # gradient of x (and of the residual), (M, N), contiguous
+    dw_partial_ptr,  # fp32 partial sums of dw, (programs, N) (unused without HAS_WEIGHT)
+    db_partial_ptr,  # fp32 partial sums of db, (programs, N) (unused without HAS_BIAS)
+    M,  # rows
+    N,  # row length
+    stride_dym,  # elements between rows of dy
+    stride_dhm,  # elements between rows of dh
+    stride_hm,  # elements between rows of h
+    RMS: tl.constexpr,  # RMSNorm instead of LayerNorm
+    HAS_DH: tl.constexpr,  # add the gradient of h (add_ forms)
+    HAS_WEIGHT: tl.constexpr,  # the forward scaled by w
+    HAS_BIAS: tl.constexpr,  # db is wanted
+    ROWS: tl.constexpr,  # rows a program finishes
+    BLOCK_N: tl.constexpr,  # entries per chunk
+):
+    first = tl.program_id(0).to(tl.int64) * ROWS
+    offsets = tl.arange(0, BLOCK_N)
+    for i in range(ROWS):  # pass 1: each row's two sums, over all its chunks
+        row = first + i
+        if row < M:
+            rstd = tl.load(rstd_ptr + row)
+            shift = 0.0 if RMS else tl.load(mean_ptr + row)
+            gx = tl.zeros([BLOCK_N], tl.float32)
+            g_sum = tl.zeros([BLOCK_N], tl.float32)
+            for start in range(0, N, BLOCK_N):
+                cols = start + offsets
+                mask = cols < N
+                h = tl.load(h_ptr + row * stride_hm + cols, mask=mask, other=0.0).to(tl.float32)
+                g = tl.load(dy_ptr + row * stride_dym + cols, mask=mask, other=0.0).to(tl.float32)
+                if HAS_WEIGHT:
+                    g *= tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                gx += g * tl.where(mask, (h - shift) * rstd, 0.0)
+                g_sum += g
+            tl.store(sums_ptr + row * 2, tl.sum(gx, axis=0) / N)
+            tl.store(sums_ptr + row * 2 + 1, tl.sum(g_sum, axis=0) / N)
+    for start in range(0, N, BLOCK_N):  # pass 2: chunk by chunk over the program's rows
+        cols = start + offsets
+        mask = cols < N
+        if HAS_WEIGHT:
+            w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        dw = tl.zeros([BLOCK_N], tl.float32)
+        db = tl.zeros([BLOCK_N], tl.float32)
+        for i in range(ROWS):
+            row = first + i
+            row_mask = mask & (row < M)
+            rstd = tl.load(rstd_ptr + row, mask=row < M, other=0.0)
+            shift = 0.0 if RMS else tl.load(mean_ptr + row, mask=row < M, other=0.0)
+            c1 = tl.load(sums_ptr + row * 2, mask=row < M, other=0.0)
+            c2 = tl.load(sums_ptr + row * 2 + 1, mask=row < M, other=0.0)
+            h = tl.load(h_ptr + row * stride_hm + cols, mask=row_mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + row * stride_dym + cols, mask=row_mask, other=0.0).to(tl.float32)
+            xhat = tl.where(row_mask, (h - shift) * rstd, 0.0)
+            g = dy * w if HAS_WEIGHT else dy
+            dh = (g - xhat * c1) * rstd if RMS else (g - xhat * c1 - c2) * rstd
+            if HAS_DH:
+                dh += tl.load(dh_ptr + row * stride_dhm + cols, mask=row_mask, other=0.0).to(tl.float32)
+            tl.store(dx_ptr + row * N + cols, dh.to(dx_ptr.dtype.element_ty), mask=row_mask)
+            dw += dy * xhat
+            db += dy
+        if HAS_WEIGHT:
+            tl.store(dw_partial_ptr + tl.program_id(0) * N + cols, dw, mask=mask)
+        if HAS_BIAS:
+            tl.store(db_partial_ptr + tl.program_id(0) * N + cols, db, mask=mask)
+
+
 # ---------------------------------------------------------------- launchers
 
-_fwd_launcher = Launcher(_norm_fwd_kernel)
-_bwd_launcher = Launcher(_norm_bwd_kernel)
+_LAUNCHERS = {(direction, looped): Launcher(kernel) for (direction, looped), kernel in {
+    ("fwd", False): _norm_fwd_kernel, ("fwd", True): _norm_fwd_looped_kernel,
+    ("bwd", False): _norm_bwd_kernel, ("bwd", True): _norm_bwd_looped_kernel}.items()}
 
 
 def _next_power_of_2(n: int) -> int:
@@ -197,9 +349,6 @@ def _validate(input, normalized_shape, weight, bias, residual=None) -> int:
     if input.dim() == 0:
         raise ValueError("input must have at least one dimension")
     n = _check_normalized_shape(input, normalized_shape)
-    if n > MAX_BLOCK_N["bwd"] and n > 0:
-        raise NotImplementedError(f"rows of {n} entries: rows longer than {MAX_BLOCK_N['bwd']} need the "
-                                  "looped kernel, not written yet")
     for name, param in (("weight", weight), ("bias", bias)):
         if param is None:
             continue
@@ -226,15 +375,15 @@ def _validate(input, normalized_shape, weight, bias, residual=None) -> int:
 def _norm_fwd(input, residual, weight, bias, eps: float, rms: bool):
     """(y, h or None, mean or None, rstd): h = input + residual when a residual is given."""
     _validate(input, input.shape[-1:], weight, bias, residual)
-    outputs, grid, args, meta = _fwd_launch_args(input, residual, weight, bias, eps, rms)
+    outputs, launcher, grid, args, meta = _fwd_launch_args(input, residual, weight, bias, eps, rms)
     if input.numel():
-        _fwd_launcher(grid, *args, **meta)
+        launcher(grid, *args, **meta)
     return outputs
 
 
 def _fwd_launch_args(input, residual, weight, bias, eps: float, rms: bool):
-    """((y, h, mean, rstd), grid, arguments, constexprs and options) of the forward kernel, with the
-    outputs allocated (h None without a residual, mean None for RMSNorm)."""
+    """((y, h, mean, rstd), launcher, grid, arguments, constexprs and options) of the forward, with
+    the outputs allocated (h None without a residual, mean None for RMSNorm)."""
     n = input.shape[-1]
     rows = input.numel() // n if n else 0
     y = empty_output(input.shape, input.dtype, input.device)
@@ -243,29 +392,32 @@ def _fwd_launch_args(input, residual, weight, bias, eps: float, rms: bool):
     rstd = empty_output((rows,), torch.float32, input.device)
     outputs = (y, h, mean, rstd)
     if input.numel() == 0:
-        return outputs, None, None, None
+        return outputs, None, None, None, None
     x2 = _rows_2d(input, n)
     r2 = _rows_2d(residual, n) if residual is not None else x2
-    block_n = _next_power_of_2(n)
-    block_m = max(1, min(_next_power_of_2(rows), ROW_ELEMENTS // block_n))
     args = (x2, r2, h if h is not None else y, y, weight if weight is not None else y,
             bias if bias is not None else y, mean if mean is not None else rstd, rstd, rows, n, x2.stride(0),
             r2.stride(0), float(eps))
     meta = {"RMS": rms, "HAS_RESIDUAL": residual is not None, "HAS_WEIGHT": weight is not None,
-            "HAS_BIAS": bias is not None, "BLOCK_M": block_m, "BLOCK_N": block_n,
-            "num_warps": _warps(block_m * block_n)}
-    return outputs, (cdiv(rows, block_m),), args, meta
+            "HAS_BIAS": bias is not None}
+    block_n = _next_power_of_2(n)
+    if block_n > MAX_BLOCK_N["fwd"]:
+        return outputs, _LAUNCHERS["fwd", True], (rows,), args, meta | {"BLOCK_N": LOOP_BLOCK_N,
+                                                                        "num_warps": LOOP_WARPS}
+    block_m = max(1, min(_next_power_of_2(rows), ROW_ELEMENTS // block_n))
+    meta |= {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": _warps(block_m * block_n)}
+    return outputs, _LAUNCHERS["fwd", False], (cdiv(rows, block_m),), args, meta
 
 
 def _norm_bwd(grad_y, grad_h, h, weight, bias, mean, rstd, rms: bool):
     """(dx, dw or None, db or None); dx is also the residual's gradient in the add_ forms."""
-    (dx, dw_partial, db_partial), grid, args, meta = _bwd_launch_args(grad_y, grad_h, h, weight, bias, rms,
-                                                                      mean, rstd)
+    (dx, dw_partial, db_partial), launcher, grid, args, meta = _bwd_launch_args(
+        grad_y, grad_h, h, weight, bias, rms, mean, rstd)
     if h.numel() == 0:
         n = h.shape[-1]
         zeros = lambda param: torch.zeros(n, dtype=param.dtype, device=h.device)  # noqa: E731
         return dx, zeros(weight) if weight is not None else None, zeros(bias) if bias is not None else None
-    _bwd_launcher(grid, *args, **meta)
+    launcher(grid, *args, **meta)
     # the second stage of the two-stage reduction: deterministic, no atomics
     dw = dw_partial.sum(0) if weight is not None else None
     db = db_partial.sum(0) if bias is not None else None
@@ -273,12 +425,14 @@ def _norm_bwd(grad_y, grad_h, h, weight, bias, mean, rstd, rms: bool):
 
 
 def _bwd_launch_args(grad_y, grad_h, h, weight, bias, rms: bool, mean=None, rstd=None):
-    """((dx, dw partials, db partials), grid, arguments, constexprs and options) of the backward
-    kernel, with its outputs allocated (statistics default to empty ones, for inspect)."""
+    """((dx, dw partials, db partials), launcher, grid, arguments, constexprs and options) of the
+    backward, with its outputs allocated (statistics default to empty ones, for inspect)."""
     n = h.shape[-1]
     rows = h.numel() // n if n else 0
     dx = empty_output(h.shape, h.dtype, h.device)
-    programs = cdiv(rows, BWD_ROWS_PER_PROGRAM)
+    block_n = _next_power_of_2(n)
+    looped = block_n > MAX_BLOCK_N["bwd"]
+    programs = cdiv(rows, LOOP_BWD_ROWS if looped else BWD_ROWS_PER_PROGRAM)
     rstd = rstd if rstd is not None else torch.empty(rows, dtype=torch.float32, device=h.device)
     if mean is None and not rms:
         mean = torch.empty(rows, dtype=torch.float32, device=h.device)
@@ -286,16 +440,19 @@ def _bwd_launch_args(grad_y, grad_h, h, weight, bias, rms: bool, mean=None, rstd
     db_partial = empty_output((programs, n), torch.float32, h.device) if bias is not None else rstd
     outputs = (dx, dw_partial, db_partial)
     if h.numel() == 0:
-        return outputs, None, None, None
+        return outputs, None, None, None, None
     h2, dy2 = _rows_2d(h, n), _rows_2d(grad_y.to(h.dtype), n)
     dh2 = _rows_2d(grad_h.to(h.dtype), n) if grad_h is not None else dy2
-    block_n = _next_power_of_2(n)
-    args = (dy2, dh2, h2, weight if weight is not None else rstd, mean if mean is not None else rstd, rstd,
-            dx, dw_partial, db_partial, rows, n, dy2.stride(0), dh2.stride(0), h2.stride(0))
+    stats = (weight if weight is not None else rstd, mean if mean is not None else rstd, rstd)
+    tail = (dx, dw_partial, db_partial, rows, n, dy2.stride(0), dh2.stride(0), h2.stride(0))
     meta = {"RMS": rms, "HAS_DH": grad_h is not None, "HAS_WEIGHT": weight is not None,
-            "HAS_BIAS": bias is not None, "ROWS": BWD_ROWS_PER_PROGRAM, "BLOCK_N": block_n,
-            "num_warps": _warps(block_n)}
-    return outputs, (programs,), args, meta
+            "HAS_BIAS": bias is not None}
+    if looped:
+        sums = torch.empty((rows, 2), dtype=torch.float32, device=h.device)  # per-row scratch
+        meta |= {"ROWS": LOOP_BWD_ROWS, "BLOCK_N": LOOP_BLOCK_N, "num_warps": LOOP_WARPS}
+        return outputs, _LAUNCHERS["bwd", True], (programs,), (dy2, dh2, h2, *stats, sums, *tail), meta
+    meta |= {"ROWS": BWD_ROWS_PER_PROGRAM, "BLOCK_N": block_n, "num_warps": _warps(block_n)}
+    return outputs, _LAUNCHERS["bwd", False], (programs,), (dy2, dh2, h2, *stats, *tail), meta
 
 
 def _cast(grad, param):
@@ -503,10 +660,11 @@ def _inspect_launches(residual: bool, rms: bool, bias: bool, shape: tuple, dtype
         raise ValueError("the norms have no tuning configs: their tiles follow from the row length")
     x = torch.empty(shape, dtype=dtype, device="meta")
     w = torch.empty(shape[-1:], dtype=dtype, device="meta")
-    _, _, fwd_args, fwd_meta = _fwd_launch_args(x, x if residual else None, w, w if bias else None, 1e-5, rms)
-    _, _, bwd_args, bwd_meta = _bwd_launch_args(x, x if residual else None, x, w, w if bias else None, rms)
-    return [Launch("fwd", _norm_fwd_kernel, fwd_args, fwd_meta),
-            Launch("bwd", _norm_bwd_kernel, bwd_args, bwd_meta)]
+    _, fwd, _, fwd_args, fwd_meta = _fwd_launch_args(x, x if residual else None, w, w if bias else None,
+                                                     1e-5, rms)
+    _, bwd, _, bwd_args, bwd_meta = _bwd_launch_args(x, x if residual else None, x, w, w if bias else None,
+                                                     rms)
+    return [Launch("fwd", fwd.kernel, fwd_args, fwd_meta), Launch("bwd", bwd.kernel, bwd_args, bwd_meta)]
 
 
 def _spec(name: str, residual: bool, rms: bool):
@@ -530,9 +688,10 @@ def _spec(name: str, residual: bool, rms: bool):
         shapes={
             "interpreter": [(4, 96), (9, 1000)],
             "quick": [((32768, 4096), "bf16"), ((16384, 8192), "bf16"), ((65536, 1024), "bf16"),
-                      ((8192, 4096), "fp32")],
+                      ((4096, 65536), "bf16"), ((8192, 4096), "fp32")],
             "full": [((32768, 4096), "bf16"), ((16384, 8192), "bf16"), ((65536, 1024), "bf16"),
-                     ((8192, 4096), "fp32"), ((4097, 1823), "bf16")],
+                     ((4096, 65536), "bf16"), ((8192, 4096), "fp32"), ((4097, 1823), "bf16"),
+                     ((1024, 262144), "bf16")],
         },
         tiny_shape=(4, 256),
         peers={} if residual else {"liger": _liger(rms)},
