@@ -637,8 +637,15 @@ def _make_inputs(residual: bool, bias: bool):
     return make
 
 
-def _liger(rms: bool):
+def _liger(rms: bool, residual: bool):
     def factory(kwargs: dict):
+        if residual and rms:
+            from liger_kernel.transformers.functional import liger_fused_add_rms_norm
+
+            return lambda x, r, shape, w, eps=None: liger_fused_add_rms_norm(
+                x, r, w, torch.finfo(x.dtype).eps if eps is None else eps, in_place=False)
+        if residual:
+            return "has no fused add + LayerNorm"
         if rms:
             from liger_kernel.transformers.functional import liger_rms_norm
 
@@ -694,7 +701,7 @@ def _spec(name: str, residual: bool, rms: bool):
                      ((1024, 262144), "bf16")],
         },
         tiny_shape=(4, 256),
-        peers={} if residual else {"liger": _liger(rms)},
+        peers={"liger": _liger(rms, residual)},
         inspect=functools.partial(_inspect_launches, residual, rms, bias),
     )
 
