@@ -91,6 +91,12 @@ def test_long_rows_go_through_the_looped_kernels(kind, shape, dtype, looped, dev
     assert set(looped) == {("fwd", True), ("bwd", True)}
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_rows_of_131072_at_the_real_chunk_size(kind, device):
+    kernel, reference, inputs, grad_inputs, grads = _case(kind, (2, 131072), F32, device, seed=16)
+    check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
+
+
 def test_looped_layer_norm_keeps_a_large_mean_from_cancelling(looped, device):
     """Rows far from zero: merged chunk statistics keep the variance that sum(h^2) - N mean^2 loses."""
     x = (random_tensor((4, 300), F32, device, generator=generator(14)) + 1000.0).requires_grad_()
