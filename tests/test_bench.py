@@ -166,6 +166,82 @@ def test_cli_bench_correctness_run(capsys):
         assert "Correctness run" in out and "pass" in out and "FAIL" not in out
 
 
+def test_run_skips_cases_already_done_and_reports_each_case(spec, capsys):
+    kwargs = {"dtypes": [torch.float32], "modes": ["fwd", "bwd"], "progress": False}
+    finished = []
+    full = run(["bias_gelu"], on_case=finished.append, **kwargs)
+    assert len(finished) == 2 * len(spec.shapes["interpreter"]) and sum(map(len, finished)) == len(full)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("bench [")]
+    assert len(lines) == len(finished) and lines[0].startswith("bench [1/4] bias_gelu fwd 4x96 fp32: ")
+    done = finished[1] + finished[2]  # two cases of an interrupted run
+    again = []
+    resumed = run(["bias_gelu"], done=done, on_case=again.append, **kwargs)
+    assert [row["mode"] for rows in again for row in rows[:1]] == ["fwd", "bwd"]  # only the others ran
+    assert [r for r in resumed if r in done] == done
+    key = ("op", "mode", "shape", "dtype", "provider")
+    assert [[r[k] for k in key] for r in resumed] == [[r[k] for k in key] for r in full]  # sweep order
+
+
+def test_checkpoint_keeps_rows_of_the_same_run_only(tmp_path):
+    from tritonkit.bench.report import append_checkpoint, read_checkpoint
+
+    same = {"command": "tritonkit bench softmax", "gpu": "NVIDIA H200", "torch": "2.11", "triton": "3.6.0",
+            "git_sha": "abc1234"}
+    path = tmp_path / "h200" / "bench-checkpoint.jsonl"
+    append_checkpoint(path, [same | {"op": "softmax", "n": 1}, same | {"op": "softmax", "n": 2}])
+    append_checkpoint(path, [same | {"git_sha": "fff0000", "n": 3},
+                             same | {"command": "tritonkit bench", "n": 4}])
+    with path.open("a") as out:
+        out.write(json.dumps(same | {"n": 5})[:30])  # a line cut short by a stop
+    rows, left_out = read_checkpoint(path, same)
+    assert [r["n"] for r in rows] == [1, 2] and left_out == 3
+    assert read_checkpoint(tmp_path / "missing.jsonl", same) == ([], 0)
+
+
+def test_cli_bench_resumes_an_interrupted_gpu_run(tmp_path, monkeypatch, capsys):
+    """Stopped after its first case, the run resumes with --resume, runs only the rest, writes
+    every row and removes the checkpoint. (GPU runs; the sweep is faked here.)"""
+    import tritonkit._runtime
+    import tritonkit.bench
+    import tritonkit.bench.runner
+
+    monkeypatch.setattr(tritonkit._runtime, "interpret", lambda: False)
+    origin = {"gpu": "NVIDIA H200", "torch": "t", "triton": "3.6.0", "git_sha": "abc"}
+    monkeypatch.setattr(tritonkit.bench.runner, "provenance", lambda: origin)
+    monkeypatch.setattr(tritonkit.bench, "add_peer_ratios", lambda rows: None)
+    written = []
+    monkeypatch.setattr(tritonkit.bench, "write_results", lambda rows, out: written.append(rows) or [])
+    case = {"op": "softmax", "mode": "fwd", "shape": [8, 8], "dtype": "bf16"}
+    cases = [[case | origin | {"provider": p, "n": i} for p in ("tritonkit", "torch")] for i in range(3)]
+    runs = []
+
+    def fake_run(names, *, done, on_case, **kwargs):
+        runs.append(list(done))
+        rest = cases[len(done) // 2:]
+        for rows in rest:
+            on_case(rows)
+            if len(runs) == 1:
+                raise KeyboardInterrupt  # stopped after the first case
+        return list(done) + [dict(r) for rows in rest for r in rows]
+
+    monkeypatch.setattr(tritonkit.bench, "run", fake_run)
+    argv = ["bench", "softmax", "--out", str(tmp_path), "--no-progress"]
+    monkeypatch.setattr("sys.argv", ["tritonkit", *argv])
+    checkpoint = tmp_path / "h200" / "bench-checkpoint.jsonl"
+    with pytest.raises(KeyboardInterrupt):
+        main(argv)
+    assert len(checkpoint.read_text().splitlines()) == 2
+    monkeypatch.setattr("sys.argv", ["tritonkit", *argv, "--resume"])
+    assert main([*argv, "--resume"]) == 0
+    assert [r["n"] for r in runs[1]] == [0, 0] and "2 rows kept" in capsys.readouterr().out
+    [rows] = written
+    assert [r["n"] for r in rows] == [0, 0, 1, 1, 2, 2]
+    assert {r["command"] for r in rows} == {"tritonkit " + " ".join(argv)}  # --resume is not recorded
+    assert not checkpoint.exists()
+    main(argv)  # without --resume a run starts afresh
+    assert runs[2] == []
+
+
 @pytest.mark.gpu
 def test_timing_protocol_on_gpu():
     from tritonkit.bench import timing

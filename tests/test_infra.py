@@ -484,6 +484,69 @@ def test_launcher_fast_path_matches_triton():
     torch.testing.assert_close(outputs[3], bias_gelu_reference(x, b, "none"))  # constexprs are keyed
 
 
+def test_precompile_submits_every_call_to_a_thread_pool_and_survives_failures(monkeypatch, caplog):
+    import threading
+
+    from triton.runtime import _async_compile
+
+    from tritonkit import _launch
+
+    monkeypatch.setattr(_launch, "interpret", lambda: False)  # the path a GPU takes
+    monkeypatch.setattr(_launch.os, "cpu_count", lambda: 4)
+    threads, seen = set(), []
+
+    class Kernel:
+        def warmup(self, *args, grid, **meta):
+            mode = _async_compile.active_mode.get()  # Triton's compile-in-the-background switch
+            assert mode is not None
+            seen.append((grid, args, meta))
+
+            def compile_one():
+                threads.add(threading.current_thread().name)
+                return "compiled"
+
+            mode.submit(len(seen), compile_one, lambda kernel: None)
+
+    launcher = _launch.Launcher(Kernel())
+    calls = [(launcher, (i, 1), (i,), {"BLOCK": 16 * i}) for i in range(1, 7)]
+    _launch.precompile(calls)
+    assert seen == [call[1:] for call in calls] and len(threads) >= 1
+    assert all(name != threading.current_thread().name for name in threads)
+
+    class Broken:
+        def warmup(self, *args, grid, **meta):
+            raise RuntimeError("no driver")
+
+    with caplog.at_level("INFO", logger="tritonkit"):
+        _launch.precompile([(_launch.Launcher(Broken()), (1,), (), {})] * 2)  # logged, not raised
+    assert "no driver" in caplog.text and "compiles at its launch" in caplog.text
+    _launch.precompile(calls[:1])  # one call: nothing to overlap, compiled at its launch
+    assert len(seen) == len(calls)
+
+
+@pytest.mark.gpu
+def test_precompile_fills_tritons_cache_before_the_first_launch():
+    import triton
+
+    from tritonkit._launch import Launcher, precompile
+    from tritonkit.ops.bias_gelu import _bias_gelu_fwd_kernel
+
+    kernel = triton.jit(_bias_gelu_fwd_kernel.fn)  # a fresh JITFunction: its caches start empty
+    g = generator(43)
+    x, b = random_tensor((8, 64), F32, "cuda", generator=g), random_tensor((64,), F32, "cuda", generator=g)
+    metas = [{"APPROX_TANH": tanh, "BLOCK_M": m, "BLOCK_N": 64} for tanh in (True, False) for m in (4, 8)]
+    launcher = Launcher(kernel)
+    precompile([(launcher, (2, 1), _fwd_arguments(x, b, torch.empty_like(x), 8, 64), m) for m in metas])
+    compiled = kernel.device_caches[torch.cuda.current_device()][0]
+    assert len(compiled) == len(metas)
+    for meta in metas:
+        y = torch.full_like(x, math.nan)
+        launcher((8 // meta["BLOCK_M"], 1), *_fwd_arguments(x, b, y, 8, 64), **meta)
+        expected = bias_gelu_reference(x, b, "tanh" if meta["APPROX_TANH"] else "none")
+        torch.testing.assert_close(y, expected)
+    assert len(compiled) == len(metas)  # the launches found every kernel compiled
+
+
 @pytest.mark.gpu
 def test_launcher_rejects_constexprs_out_of_order():
     from tritonkit._launch import Launcher

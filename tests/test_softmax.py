@@ -85,7 +85,7 @@ def _check(x, dy, *, log=False, variant="auto", dim=-1, dtype=None):
 
 
 def _key(direction, n, layout="rows", rows=64, variant="auto", dtype="fp32>fp32"):
-    """A tuning key as the launcher builds it, for rows of ``n`` entries."""
+    """A tuning key as the launcher builds it (with a variant: as _default reads it), rows of ``n``."""
     return {"direction": direction, "variant": variant, "layout": layout, "block_n": sm._next_power_of_2(n),
             "rows": rows, "dtype": dtype}
 
@@ -541,12 +541,12 @@ def test_gate_rejects_a_config_that_skips_entries(direction, layout, dtype, log,
     key = _key(direction, GATE_N, layout, GATE_ROWS, dtype=f"{name}>{name}")
     assert not sm._prune(SHORT_TILE_UNPRUNED, key)
     for bad in (SHORT_TILE, SHORT_TILE_UNPRUNED):
-        assert not sm._admit(direction, log, views, bad), bad
+        assert not sm._admit(direction, log, views, bad).passed, bad
     good = [sm._default(key), {**SHORT_TILE, "BLOCK_N": 256}, sm._default({**key, "variant": "online"}),
             {**SHORT_TILE, "variant": "online"}]  # the online kernel takes any chunk: 64 is fine
     assert [config["variant"] for config in good] == ["one-pass", "one-pass", "online", "online"]
     for config in good:
-        assert sm._admit(direction, log, views, config), config
+        assert sm._admit(direction, log, views, config).passed, config
 
 
 def fake_ms(config):
@@ -592,8 +592,29 @@ def test_tuner_never_picks_the_fast_wrong_config(log, tuned, launches, device):
         admitted = [json.loads(c) for c, ms in entry["ms"].items() if ms is not None]
         assert len(admitted) > 1 and entry["config"] == min(admitted, key=fake_ms)
         # the memo holds the winner, and the op's own launch (the last, after tuning) used it
-        assert sm._chosen[tuple(_key(direction, GATE_N, rows=GATE_ROWS).values())] == entry["config"]
+        key = {k: v for k, v in _key(direction, GATE_N, rows=GATE_ROWS).items() if k != "variant"}
+        assert sm._chosen[("auto", *key.values())] == entry["config"]
         assert [config for d, config in launches if d == direction][-1] == entry["config"]
+
+
+def test_named_variants_read_the_one_tuning_of_their_shape(tuned, launches, device):
+    """softmax, then each named variant on the same shape: one tuning per direction (every config
+    timed once), and each variant launches the fastest admitted config of its own kind."""
+    cache, timed = tuned
+    x, dy = _inputs((GATE_ROWS, GATE_N), F32, device, seed=47)
+    for variant in ("auto", "one-pass", "online"):
+        _check(x, dy, variant=variant)
+    assert sorted(path.name.split("-")[0] for path in cache.iterdir()) == ["softmax_bwd", "softmax_fwd"]
+    admitted_total = 0
+    for direction in ("fwd", "bwd"):
+        entry = json.loads(next(cache.glob(f"softmax_{direction}-*")).read_text())
+        admitted = [json.loads(c) for c, ms in entry["ms"].items() if ms is not None]
+        admitted_total += len(admitted)
+        ran = [config for d, config in launches if d == direction]
+        for variant in ("one-pass", "online"):
+            fastest = min((c for c in admitted if c["variant"] == variant), key=fake_ms)
+            assert fastest in ran, (direction, variant)
+    assert len(timed) == admitted_total  # each admitted config timed once, for all three variants
 
 
 # ---------------------------------------------------------------- bad arguments

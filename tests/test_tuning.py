@@ -167,6 +167,40 @@ def test_wrong_default_raises(tuning_on):
         tuner.config(KEY, admit=FakeKernel().admit, time_ms=FakeKernel().time_ms)
 
 
+def test_entry_holds_every_timing_and_fastest_picks_within_a_subset(tuning_on):
+    tuner, fake = make_tuner(), FakeKernel()
+    entry = tuner.entry(KEY, admit=fake.admit, time_ms=fake.time_ms)
+    assert entry["config"] == CONFIGS[1]
+    assert {tuning._canonical(c): t for c, t in zip(CONFIGS, TIMES, strict=True)} | {
+        tuning._canonical(CONFIGS[3]): None} == entry["ms"]
+    # the fastest admitted 8-warp config is BLOCK 32 (the faster skipping one was rejected)
+    assert tuning.fastest(entry, lambda c: c["num_warps"] == 8) == CONFIGS[2]
+    assert tuning.fastest(entry, lambda c: c["BLOCK"] == 64) is None
+    calls = fake.calls  # the subset is read from the same tuning: nothing runs again
+    assert tuner.entry(KEY, admit=fake.admit, time_ms=fake.time_ms) is entry and fake.calls == calls
+
+
+def test_precompile_sees_every_candidate_before_any_runs(tuning_on):
+    fake, seen = FakeKernel(), []
+
+    def precompile(candidates):
+        assert fake.calls == 0
+        seen.extend(candidates)
+
+    tuner = make_tuner(prune=lambda config, key: config["BLOCK"] == 8)
+    tuner.config(KEY, admit=fake.admit, time_ms=fake.time_ms, precompile=precompile)
+    assert seen == CONFIGS[1:] == fake.admitted
+
+
+def test_no_entry_where_tuning_cannot_run(monkeypatch):
+    fake = FakeKernel()
+    assert make_tuner().entry(KEY, admit=fake.admit, time_ms=fake.time_ms) is None  # the interpreter
+    monkeypatch.setattr(tuning, "_single_config", lambda: False)
+    with tuning.disabled():
+        assert make_tuner().entry(KEY, admit=fake.admit, time_ms=fake.time_ms) is None
+    assert fake.calls == 0
+
+
 # ---------------------------------------------------------------- memo and disk
 
 
@@ -212,7 +246,8 @@ def _corrupt_not_a_dict(path: Path) -> None:
 @pytest.mark.parametrize("corrupt", [
     _corrupt_garbage, _corrupt_truncated, _corrupt_not_a_dict, _edit("format", tuning.FORMAT + 1),
     _edit("source_hash", "0" * 64), _edit("triton", "0.0.0"), _edit("device", "another GPU"),
-    _edit("key", {"N": 65, "dtype": "fp32"}), _edit("config", {"BLOCK": 999}),
+    _edit("key", {"N": 65, "dtype": "fp32"}), _edit("config", {"BLOCK": 999}), _edit("ms", [1.0]),
+    _edit("ms", {tuning._canonical(CONFIGS[1]): "fast"}), _edit("ms", {}), _edit("rejected", None),
 ], ids=lambda f: f.__name__)
 def test_damaged_or_stale_entry_is_rebuilt(tuning_on, cache, corrupt):
     tune(make_tuner(), FakeKernel())
@@ -420,6 +455,65 @@ def test_import_refuses_what_is_not_an_export(tmp_path, content):
     with pytest.raises(ValueError, match="tuning (export|entry)"):
         tuning.import_cache(bundle)
     assert not (tmp_path / "cache" / "tuning").exists()  # nothing half-imported
+
+
+def test_entry_keeps_the_errors_a_comparison_reports_and_tune_prints_them(tuning_on):
+    from tritonkit.cli import format_tuning
+    from tritonkit.testing import Comparison
+
+    fake = FakeKernel()
+
+    def admit(config):  # as the ops' gates do: the oracle's comparison, not a bare bool
+        error = abs(fake.run(config) - sum(VALUES))
+        return Comparison("output", err_kernel=error + 1e-9, err_torch=1e-9, tolerance=1e-6)
+
+    entry = make_tuner().entry(KEY, admit=admit, time_ms=fake.time_ms)
+    skipping, winner = tuning._canonical(CONFIGS[3]), tuning._canonical(CONFIGS[1])
+    assert entry["config"] == CONFIGS[1]
+    assert entry["rejected"] == {skipping: "output does not match the reference"}
+    assert entry["error"][skipping] > 1 and entry["error"][winner] == pytest.approx(1e-9)
+    text = format_tuning([{"tuner": "fake", "key": KEY} | entry]).splitlines()
+    assert text[0].startswith("fake {'N': 64") and "1000.0 us" in text[1] and "err 1.00e-09" in text[1]
+    assert text[-1].startswith(f"  rejected   {skipping}: output does not match") and "(err " in text[-1]
+
+
+@pytest.fixture
+def shipped(tmp_path, monkeypatch):
+    """An empty folder of shipped exports in place of the package's; returns it."""
+    folder = tmp_path / "tuned"
+    folder.mkdir()
+    monkeypatch.setattr(tuning, "SHIPPED_DIR", folder)
+    tuning._shipped.cache_clear()
+    yield folder
+    tuning._shipped.cache_clear()
+
+
+def test_shipped_configs_are_used_where_the_cache_has_none(tuning_on, cache, shipped, monkeypatch):
+    tune(make_tuner(), FakeKernel(times=[0.1, 1.0, 2.0, 0.5]))  # tuned "on the H200": BLOCK 8 wins
+    tuning.export_cache(shipped / "h200.json")
+    for path in cache_files(cache):
+        path.unlink()
+    (shipped / "other.json").write_text("{not an export")  # a broken file is skipped with a warning
+    tuning._shipped.cache_clear()
+    fake = FakeKernel()  # tuning here would pick BLOCK 16
+    assert tune(make_tuner(), fake) == CONFIGS[0] and fake.calls == 0
+    assert cache_files(cache) == []  # shipped entries are read in place, not copied
+    # an edited kernel: the shipped entry is stale and the tuner tunes
+    assert tune(make_tuner(sources=("kernel v2",)), fake) == CONFIGS[1] and fake.calls > 0
+    # this machine's own cache wins over what ships
+    with monkeypatch.context() as patch:
+        patch.setattr(tuning, "_shipped", dict)
+        assert tune(make_tuner(), FakeKernel()) == CONFIGS[1]  # tuned here, into the cache
+    assert tune(make_tuner(), FakeKernel(times=[0.1] * 4)) == CONFIGS[1]
+
+
+def test_the_package_ships_well_formed_exports():
+    tuning._shipped.cache_clear()
+    for path in sorted(tuning.SHIPPED_DIR.glob("*.json")):
+        entries = tuning._export_entries(json.loads(path.read_text()))
+        assert entries and all(tuning._is_entry(e) for e in entries), path
+        assert {e["device"] for e in entries} == {"NVIDIA H200"}, path
+    assert all(tuning._is_entry(e) for e in tuning._shipped().values())
 
 
 def test_cli_tune(tuning_on, cache, tmp_path, capsys):

@@ -14,6 +14,8 @@ Under the interpreter, and whenever a profiler hook is registered, calls go thro
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Sequence
 
 import torch
@@ -22,6 +24,9 @@ from tritonkit._runtime import interpret
 
 _LAUNCH_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg"})
 MAX_KEYS = 4096  # distinct specializations cached per kernel before the cache starts afresh
+MAX_COMPILE_THREADS = 16  # threads compiling a tuner's candidates together (see precompile)
+
+log = logging.getLogger("tritonkit")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -114,3 +119,30 @@ class Launcher:
         constexpr_values = tuple(meta[name] for name in constexpr_names)  # the same for the key
         return (runner.launch, compiled.function, runner.launch_cooperative_grid, runner.launch_pdl,
                 compiled.packed_metadata, constexpr_values)
+
+
+def precompile(calls: Sequence[tuple[Launcher, Sequence[int], tuple, dict]]) -> None:
+    """Compile the kernels of ``calls`` ((launcher, grid, args, meta) each) together, launching none.
+
+    Triton compiles one kernel at a time on first launch, and a tuner's candidates each need their
+    own compile (about half a second each for a softmax config). Triton's compiler releases the GIL
+    in its passes and runs ptxas as a process, so threads overlap the compiles; later launches find
+    the kernels in Triton's cache. Only a speed-up: a kernel that fails to compile here is compiled
+    (and fails) again at its launch, where the caller sees the error.
+    """
+    workers = min(len(calls), os.cpu_count() or 1, MAX_COMPILE_THREADS)
+    if interpret() or workers < 2:
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:  # a Triton without asynchronous compilation: kernels compile at launch
+        return
+    try:
+        with ThreadPoolExecutor(workers) as pool, AsyncCompileMode(pool, ignore_errors=True):
+            for launcher, grid, args, meta in calls:
+                launcher.kernel.warmup(*args, grid=grid, **meta)
+    except Exception as error:  # noqa: BLE001 - compiling ahead is optional; the launch compiles too
+        log.info("tritonkit: compiling %d kernels ahead failed (%s: %s); each compiles at its launch",
+                 len(calls), type(error).__name__, error)

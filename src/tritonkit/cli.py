@@ -100,6 +100,8 @@ def cmd_bench(args) -> int:
     from tritonkit._runtime import interpret
     from tritonkit.bench import add_peer_ratios, format_table, run, write_results
     from tritonkit.bench.providers import providers_for
+    from tritonkit.bench.report import CHECKPOINT, append_checkpoint, gpu_slug, read_checkpoint
+    from tritonkit.bench.runner import provenance
 
     names = args.ops or op_names()
     known = {p.name for name in names for p in providers_for(get_op(name))}  # unknown ops fail here
@@ -109,9 +111,25 @@ def cmd_bench(args) -> int:
     if interpret() and args.shapes != "quick":
         print(f"--shapes {args.shapes} does not apply: the interpreter runs each op's small shapes")
     dtypes = [DTYPES[d] for d in args.dtype] if args.dtype else None
+    command = "tritonkit " + " ".join(shlex.quote(a) for a in sys.argv[1:] if a != "--resume")
+    checkpoint, done = None, []
+    if interpret():
+        if args.resume:
+            print("--resume does not apply: an interpreter run keeps no checkpoint")
+    else:
+        checkpoint = Path(args.out) / gpu_slug(provenance()["gpu"]) / CHECKPOINT
+        if args.resume:
+            done, left_out = read_checkpoint(checkpoint, {"command": command, **provenance()})
+            print(f"resuming from {checkpoint}: {len(done)} rows kept"
+                  + (f", {left_out} of another command, commit or version left out" if left_out else ""))
+        else:
+            checkpoint.unlink(missing_ok=True)
+
+    def save(case_rows: list[dict]) -> None:
+        append_checkpoint(checkpoint, [row | {"command": command} for row in case_rows])
+
     rows = run(names, shapes=args.shapes, dtypes=dtypes, modes=args.mode, providers=args.providers,
-               progress=not args.no_progress)
-    command = "tritonkit " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+               progress=not args.no_progress, done=done, on_case=save if checkpoint else None)
     for row in rows:
         row["command"] = command
     failed = [r for r in rows if r.get("check") == "FAIL"]
@@ -124,6 +142,7 @@ def cmd_bench(args) -> int:
         print(format_table(rows))
         for path in write_results(rows, Path(args.out)):
             print(f"wrote {path}")
+        checkpoint.unlink(missing_ok=True)  # the results hold every row now
     if failed:
         print(f"{len(failed)} rows FAILED the error check", file=sys.stderr)
     return 1 if failed else 0
@@ -211,11 +230,13 @@ def _tune_op(spec_op, args) -> None:
     """Run the op on each shape, forward and backward, so each tuner picks its config; print them."""
     import time
 
+    from tqdm import tqdm
+
     from tritonkit import testing, tuning
 
     started = time.time()
     shapes = [(_parse_shape([s]), None) for s in args.shape] if args.shape else spec_op.shape_list("quick")
-    for shape, dtype_name in shapes:
+    for shape, dtype_name in tqdm(shapes, desc=f"tune {spec_op.name}", unit="shape"):
         dtype = DTYPES[args.dtype or dtype_name or "bf16"]
         inputs = spec_op.make_inputs(shape, dtype, "cuda", testing.generator(0))
         for i in spec_op.grad_inputs:
@@ -228,12 +249,23 @@ def _tune_op(spec_op, args) -> None:
     if not fresh:
         print(f"{spec_op.name}: nothing tuned: every shape bucket had a cached winner "
               f"(in {roofline.cache_dir() / tuning.SUBDIR})")
-    for entry in fresh:
-        print(f"{entry['tuner']} {entry['key']}: {entry['config']}")
+    else:
+        print(format_tuning(fresh))
+
+
+def format_tuning(entries: list[dict]) -> str:
+    """Each tuning entry: its winner, every admitted config's time and error, each rejection."""
+    lines = []
+    for entry in entries:
+        errors = entry.get("error", {})
+        lines.append(f"{entry['tuner']} {entry['key']}: {entry['config']}")
         for ms, config in sorted((ms, c) for c, ms in entry["ms"].items() if ms is not None):
-            print(f"  {ms * 1e3:9.1f} us  {config}")
+            error = f"err {errors[config]:.2e}" if config in errors else ""
+            lines.append(f"  {ms * 1e3:9.1f} us  {error:>12}  {config}")
         for config, reason in entry["rejected"].items():
-            print(f"  rejected   {config}: {reason}")
+            error = f" (err {errors[config]:.2e})" if config in errors else ""
+            lines.append(f"  rejected   {config}: {reason}{error}")
+    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -253,7 +285,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--shapes", choices=("quick", "full"), default="quick")
     bench.add_argument("--providers", nargs="+", help="providers to run (default: all available)")
     bench.add_argument("--out", default="benchmarks/results", help="results folder (GPU runs)")
-    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar: a line per case instead")
+    bench.add_argument("--resume", action="store_true",
+                       help="go on with an interrupted GPU run of the same command: the cases in its "
+                            "checkpoint (<out>/<gpu>/bench-checkpoint.jsonl) are not run again")
     bench.set_defaults(func=cmd_bench)
 
     roof = sub.add_parser("roofline", help="analytic roofline prediction for one op and shape")
@@ -282,7 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
     tune = sub.add_parser("tune", help="tune ops on this GPU (accuracy-gated); move the cache between "
                                        "machines of one GPU model")
     tune.add_argument("ops", nargs="*", metavar="OP", help=f"ops to tune ({', '.join(op_names())})")
-    tune.add_argument("--shape", nargs="+", help="shapes like 8192x4096 (default: the op's benchmark shapes)")
+    tune.add_argument("--shapes", "--shape", dest="shape", nargs="+",
+                      help="shapes like 8192x4096 (default: the op's benchmark shapes)")
     tune.add_argument("--dtype", choices=sorted(DTYPES), help="default: each benchmark shape's dtype")
     tune.add_argument("--mode", nargs="+", choices=("fwd", "bwd"), default=["fwd", "bwd"])
     tune.add_argument("--export", dest="export_file", metavar="FILE", help="write the cache to FILE")

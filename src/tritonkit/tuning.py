@@ -4,7 +4,9 @@ A config is a dict of kernel meta-parameters (``{"BLOCK_M": 4, "num_warps": 8}``
 would pick a config that skips work, so each candidate is first run on a calibration input and
 admitted only if its output matches the reference within the test oracle's tolerance; the
 fastest admitted config wins. Winners are cached on disk, one JSON file per tuner, key, device,
-Triton version and kernel-source hash, so an edited kernel or a new Triton tunes afresh.
+Triton version and kernel-source hash, so an edited kernel or a new Triton tunes afresh. The
+package ships winners tuned on the H200 (``tuned/*.json``, written by ``tritonkit tune --export``):
+where this machine's cache has no entry, a shipped one for the same setting is used.
 
 Tuning launches and times kernels, which cannot happen under the interpreter (one config is then
 always used and the disk cache is left alone), while torch.compile traces, while a CUDA graph is
@@ -103,7 +105,7 @@ class Tuner:
         self.sources = list(sources)
         self.default = default
         self.prune = prune
-        self._memo: dict[str, dict] = {}  # canonical key -> winner
+        self._memo: dict[str, dict] = {}  # canonical key -> entry (winner, timings, rejections)
         self._disk_checked: set[str] = set()  # keys whose cache file was already read (hit or miss)
 
     @functools.cached_property
@@ -114,10 +116,26 @@ class Tuner:
             digest.update(f"{len(text)}:{text}".encode())  # length prefix: no two splits hash alike
         return digest.hexdigest()
 
-    def config(self, key: dict, *, admit: Callable[[dict], bool], time_ms: Callable[[dict], float]) -> dict:
-        """The config to launch with for ``key`` (a JSON-able dict: shape bucket and dtype)."""
+    def config(self, key: dict, *, admit: Callable[[dict], bool], time_ms: Callable[[dict], float],
+               precompile: Callable[[list[dict]], None] | None = None) -> dict:
+        """The config to launch with for ``key`` (a JSON-able dict: shape bucket and dtype): the tuned
+        or cached winner, else (under the interpreter, or where tuning cannot run) the default."""
+        entry = self.entry(key, admit=admit, time_ms=time_ms, precompile=precompile)
+        return self.default(key) if entry is None else entry["config"]
+
+    def entry(self, key: dict, *, admit: Callable[[dict], bool], time_ms: Callable[[dict], float],
+              precompile: Callable[[list[dict]], None] | None = None) -> dict | None:
+        """The tuning of ``key``: {"config": winner, "ms": canonical config -> ms or None (rejected),
+        "rejected": canonical config -> reason, "error": canonical config -> error against the
+        reference}, from the memo, the disk cache or a tuning run now;
+        None under the interpreter, or where tuning cannot run and nothing is cached.
+
+        ``admit(config)`` returns whether the config's output passes the gate: a bool, or a
+        :class:`tritonkit.testing.Comparison`, whose error is then kept in the entry's "error".
+        ``precompile(candidates)``, if given, is called once before the candidates are admitted and
+        timed, to compile their kernels together rather than one at a time."""
         if _single_config():
-            return self.default(key)
+            return None
         memo_key = _canonical(key)
         if memo_key in self._memo:
             return self._memo[memo_key]
@@ -127,11 +145,11 @@ class Tuner:
                 self._memo[memo_key] = cached
                 return cached
         if not tuning_possible():
-            return self.default(key)
-        entry = self._tune(key, admit, time_ms)
+            return None
+        entry = self._tune(key, admit, time_ms, precompile)
         self._write(key, entry)
-        self._memo[memo_key] = entry["config"]
-        return entry["config"]
+        self._memo[memo_key] = entry
+        return entry
 
     def _identity(self, key: dict) -> dict:  # the fields of IDENTITY_FIELDS, in that order
         return {"tuner": self.name, "key": key, "device": _device_name(), "triton": _triton_version(),
@@ -147,15 +165,21 @@ class Tuner:
         kept = [c for c in self.configs if c == default or not (self.prune and self.prune(c, key))]
         return kept if default in kept else [*kept, default]
 
-    def _tune(self, key: dict, admit: Callable, time_ms: Callable) -> dict:
+    def _tune(self, key: dict, admit: Callable, time_ms: Callable, precompile: Callable | None) -> dict:
         ms: dict[str, float | None] = {}
         rejected: dict[str, str] = {}
+        errors: dict[str, float] = {}  # error against the reference, where admit reports one
         candidates = self._candidates(key)
+        if precompile is not None:
+            precompile(candidates)
         for config in candidates:
             name = _canonical(config)
             ms[name] = None
             try:
-                if not admit(config):
+                verdict = admit(config)
+                if hasattr(verdict, "err_kernel"):  # a testing.Comparison: keep its error
+                    errors[name] = float(verdict.err_kernel)
+                if not (verdict.passed if hasattr(verdict, "passed") else verdict):
                     rejected[name] = "output does not match the reference"
                     continue
                 elapsed = float(time_ms(config))
@@ -176,25 +200,24 @@ class Tuner:
         log.info("tritonkit: tuned %s for %s: %s in %.4f ms (%d of %d configs rejected, %d pruned)",
                  self.name, key, best, timed[best], len(rejected), len(candidates),
                  len(self.configs) + 1 - len(candidates))
-        return {"config": winner, "ms": ms, "rejected": rejected}
+        return {"config": winner, "ms": ms, "rejected": rejected, "error": errors}
 
     def _read(self, key: dict) -> dict | None:
-        """The cached winner, or None when the file is missing, damaged or from another setting."""
+        """The cached entry (winner, timings, errors, rejections) from this machine's cache, else from
+        the configs the package ships; None when neither holds a usable one for this setting."""
         identity = self._identity(key)
         path = self._path(identity)
-        try:
-            entry = json.loads(path.read_text())
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError) as error:  # ValueError covers bad JSON and bad UTF-8
-            log.info("tritonkit: ignoring unreadable tuning cache %s (%s)", path, error)
-            return None
         candidates = self._candidates(key)
-        problem = _entry_problem(entry, identity, candidates)
-        if problem:
-            log.info("tritonkit: ignoring tuning cache %s: %s", path, problem)
-            return None
-        return next(c for c in candidates if c == entry["config"])
+        for source, entry in (("cache", _load(path)), ("shipped", _shipped().get(path.name))):
+            if entry is None:
+                continue
+            problem = _entry_problem(entry, identity, candidates)
+            if problem:
+                log.info("tritonkit: ignoring %s tuning entry %s: %s", source, path.name, problem)
+                continue
+            return {"config": next(c for c in candidates if c == entry["config"]),
+                    "ms": entry["ms"], "rejected": entry["rejected"], "error": entry.get("error", {})}
+        return None
 
     def _write(self, key: dict, result: dict) -> None:
         identity = self._identity(key)
@@ -209,11 +232,38 @@ class Tuner:
 
 
 IDENTITY_FIELDS = ("tuner", "key", "device", "triton", "source_hash")  # what names an entry's file
+SHIPPED_DIR = Path(__file__).resolve().parent / "tuned"  # pre-tuned exports shipped with the package
 
 
 def _entry_path(identity: dict) -> Path:
     digest = hashlib.sha256(_canonical(identity).encode()).hexdigest()[:NAME_HASH_CHARS]
     return cache_dir() / SUBDIR / f"{identity['tuner']}-{digest}.json"
+
+
+def _load(path: Path):
+    """A cache file's JSON, or None when it is missing or unreadable."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as error:  # ValueError covers bad JSON and bad UTF-8
+        log.info("tritonkit: ignoring unreadable tuning cache %s (%s)", path, error)
+        return None
+
+
+@functools.cache
+def _shipped() -> dict[str, dict]:
+    """The pre-tuned entries the package ships (exports in SHIPPED_DIR), by cache file name: a first
+    call on a GPU they were tuned on (same device, Triton and kernel sources) tunes nothing."""
+    entries = {}
+    for path in sorted(SHIPPED_DIR.glob("*.json")):
+        listed = _export_entries(_load(path))
+        if listed is None:
+            log.warning("tritonkit: ignoring %s: not a format-%d tuning export", path, FORMAT)
+            continue
+        for entry in filter(_is_entry, listed):
+            entries[_entry_path({f: entry[f] for f in IDENTITY_FIELDS}).name] = entry
+    return entries
 
 
 def _write_atomically(path: Path, entry: dict) -> None:
@@ -270,8 +320,8 @@ def import_cache(path: Path) -> int:
         bundle = json.loads(Path(path).read_text())
     except ValueError as error:
         raise ValueError(f"{path} is not a tuning export: {error}") from None
-    entries = bundle.get("entries") if isinstance(bundle, dict) and bundle.get("format") == FORMAT else None
-    if not isinstance(entries, list):
+    entries = _export_entries(bundle)
+    if entries is None:
         raise ValueError(f"{path} is not a format-{FORMAT} tuning export")
     for index, entry in enumerate(entries):
         if not _is_entry(entry):
@@ -279,6 +329,12 @@ def import_cache(path: Path) -> int:
     for entry in entries:
         _write_atomically(_entry_path({f: entry[f] for f in IDENTITY_FIELDS}), entry)
     return len(entries)
+
+
+def _export_entries(bundle) -> list | None:
+    """The entries of a tuning export (what export_cache writes), or None if it is not one."""
+    entries = bundle.get("entries") if isinstance(bundle, dict) and bundle.get("format") == FORMAT else None
+    return entries if isinstance(entries, list) else None
 
 
 def _entry_problem(entry, identity: dict, configs: list[dict]) -> str | None:
@@ -290,4 +346,18 @@ def _entry_problem(entry, identity: dict, configs: list[dict]) -> str | None:
             return f"stored {field} {entry.get(field)!r} differs from {expected!r}"
     if entry.get("config") not in configs:
         return f"config {entry.get('config')!r} is not one of the current candidates"
+    timings, rejected = entry.get("ms"), entry.get("rejected")
+    if not (isinstance(timings, dict) and isinstance(rejected, dict)
+            and all(ms is None or isinstance(ms, (int, float)) for ms in timings.values())):
+        return "its timings are not a map of configs to milliseconds"
+    if _canonical(entry["config"]) not in timings:
+        return "its winner has no timing"
     return None
+
+
+def fastest(entry: dict, accept: Callable[[dict], bool]) -> dict | None:
+    """The fastest admitted config of a tuning ``entry`` that ``accept`` takes, or None: one tuning
+    over a family's configs answers for any subset of them (softmax's named kernel variants)."""
+    timed = [(ms, json.loads(name)) for name, ms in entry["ms"].items() if ms is not None]
+    accepted = [(ms, config) for ms, config in timed if accept(config)]
+    return min(accepted, key=lambda pair: pair[0])[1] if accepted else None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -99,6 +100,42 @@ def write_results(rows: list[dict], out_dir: Path,
             plot_bandwidth(op_rows, bandwidth_path, measured)
             written += [png_path, bandwidth_path]
     return written
+
+
+CHECKPOINT = "bench-checkpoint.jsonl"  # a GPU run's rows so far, beside its results
+PROVENANCE_FIELDS = ("command", "gpu", "torch", "triton", "git_sha")  # what a resumed run must share
+
+
+def append_checkpoint(path: Path, rows: list[dict]) -> None:
+    """Add a finished case's rows to the run's checkpoint (JSON lines, synced): a run stopped at
+    any moment loses at most the case in flight, and ``tritonkit bench --resume`` goes on from it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as out:
+        out.writelines(json.dumps(row) + "\n" for row in rows)
+        out.flush()
+        os.fsync(out.fileno())
+
+
+def read_checkpoint(path: Path, provenance: dict) -> tuple[list[dict], int]:
+    """(rows whose PROVENANCE_FIELDS equal ``provenance``'s, rows left out): another command,
+    commit or version is not resumed, and a line cut short by a stop is skipped."""
+    kept, left_out = [], 0
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return [], 0
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            left_out += 1
+            continue
+        same = isinstance(row, dict) and all(row.get(f) == provenance.get(f) for f in PROVENANCE_FIELDS)
+        if same:
+            kept.append(row)
+        else:
+            left_out += 1
+    return kept, left_out
 
 
 MARKDOWN_COLUMNS = [  # the table docs show: one line per (mode, shape, dtype), GB/s per provider

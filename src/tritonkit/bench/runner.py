@@ -10,6 +10,8 @@ from __future__ import annotations
 import functools
 import os
 import subprocess
+import sys
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -183,14 +185,52 @@ def _timings(fn: Callable, case: Case, inputs: tuple) -> dict:
     }
 
 
+def case_id(case: Case) -> tuple:
+    """What names a case in its rows: (op, mode, shape, dtype)."""
+    return case.spec.name, case.mode, tuple(case.shape), dtype_name(case.dtype)
+
+
+def row_case_id(row: dict) -> tuple:
+    return row["op"], row["mode"], tuple(row["shape"]), row["dtype"]
+
+
+def case_label(case: Case) -> str:
+    return f"{case.spec.name} {case.mode} {'x'.join(map(str, case.shape))} {dtype_name(case.dtype)}"
+
+
 def run(op_names: Iterable[str], *, shapes: str = "quick", dtypes=None, modes=MODES,
-        providers: Iterable[str] | None = None, progress: bool = True) -> list[dict]:
-    """Run the sweep and return its rows (each with provenance)."""
+        providers: Iterable[str] | None = None, progress: bool = True, done: Iterable[dict] = (),
+        on_case: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    """Run the sweep and return its rows (each with provenance), in sweep order.
+
+    Cases that already have rows in ``done`` (an interrupted run's) are not run again: their rows
+    are kept. ``on_case`` receives each case's rows as soon as the case finishes. Without a
+    progress bar, a line per case goes to stderr (a log shows where a long run is).
+    """
     from tqdm import tqdm
 
     device = "cpu" if interpret() else "cuda"
     sweep = cases(op_names, shapes, dtypes, modes)
-    rows = []
-    for case in tqdm(sweep, desc="bench", unit="case", disable=not progress):
-        rows.extend(run_case(case, providers, device))
-    return [row | provenance() for row in rows]
+    order = {case_id(case): index for index, case in enumerate(sweep)}
+    rows = [row for row in done if row_case_id(row) in order]
+    finished = {row_case_id(row) for row in rows}
+    todo = [case for case in sweep if case_id(case) not in finished]
+    bar = tqdm(todo, desc="bench", unit="case", disable=not progress)
+    compiled_for = None
+    for index, case in enumerate(bar):
+        bar.set_postfix_str(case_label(case))
+        if device == "cuda" and compiled_for != (case.spec.name, case.shape, case.dtype):
+            # torch.compile's peer compiles each shape afresh, all through one wrapper: past
+            # config.recompile_limit (8) Dynamo would quietly run it eagerly, and from a second
+            # shape on it would compile for dynamic shapes. The modes of one shape share graphs.
+            torch._dynamo.reset()
+            compiled_for = (case.spec.name, case.shape, case.dtype)
+        started = time.perf_counter()
+        case_rows = [row | provenance() for row in run_case(case, providers, device)]
+        rows.extend(case_rows)
+        if on_case is not None:
+            on_case(case_rows)
+        if not progress:
+            print(f"bench [{index + 1}/{len(todo)}] {case_label(case)}: {len(case_rows)} rows in "
+                  f"{time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+    return sorted(rows, key=lambda row: order[row_case_id(row)])

@@ -49,7 +49,7 @@ interpret()  # choose GPU or interpreter before triton is imported and any kerne
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from tritonkit._launch import Launcher, cdiv  # noqa: E402
+from tritonkit._launch import Launcher, cdiv, precompile  # noqa: E402
 
 VARIANTS = ("auto", "one-pass", "online")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -67,8 +67,9 @@ ONE_PASS_MAX_PER_THREAD = 64
 ONE_PASS_MAX_BLOCK_N = 32768  # = 64 values a thread at 16 warps; 32 warps allow only 64 registers
 COLS_MIN_BLOCK_M = 16  # rows a program takes when rows are the contiguous axis: 32+ bytes a warp access
 
-# The configs both directions tune over. "auto" tunes over both variants: with rows of 32768 the
-# online kernel won on the H200 (pass 2 finds its chunks in L2, and more programs fit an SM).
+# The configs both directions tune over. Each shape bucket is tuned once over both variants ("auto"
+# takes the winner; a named variant its own fastest): with rows of 32768 the online kernel won on
+# the H200 (pass 2 finds its chunks in L2, and more programs fit an SM).
 # Values a thread holds per tile (_per_thread) are kept within these bounds: on the H200 every
 # winner fell inside them, and the timing of each extra config costs a compile.
 PER_THREAD = {"one-pass": (16, ONE_PASS_MAX_PER_THREAD), "online": (8, 32)}
@@ -98,7 +99,8 @@ def _per_thread(config: dict, block_n: int) -> float:
 def _default(key: dict) -> dict:
     """The untuned config: used under the interpreter and wherever tuning cannot run."""
     block_n, rows, cols = key["block_n"], key["rows"], key["layout"] == "cols"
-    if key["variant"] == "one-pass" or (key["variant"] == "auto" and _one_pass_fits(key)):
+    variant = key.get("variant", "auto")  # tuning keys hold none: they cover both variants
+    if variant == "one-pass" or (variant == "auto" and _one_pass_fits(key)):
         warps = min(16, max(4, block_n * _tiles(key) // 1024))  # 32 values a thread for long rows
         block_m = max(1, min(rows, 16 * 32 * warps // block_n))
         if cols:  # entry offsets are runtime strides, held in int64: 32 values a thread at most
@@ -115,8 +117,8 @@ def _default(key: dict) -> dict:
 def _prune(config: dict, key: dict) -> bool:
     """True drops the config for this key: another variant than asked, a row that does not fit,
     too many or too few values a thread, rows beyond the problem or too few for coalescing."""
-    variant = config["variant"]
-    if key["variant"] not in ("auto", variant) or (variant == "one-pass" and not _one_pass_fits(key)):
+    variant, asked = config["variant"], key.get("variant", "auto")
+    if asked not in ("auto", variant) or (variant == "one-pass" and not _one_pass_fits(key)):
         return True
     if variant == "online" and config["BLOCK_N"] > key["block_n"]:
         return True
@@ -410,11 +412,12 @@ def _launch(direction: str, config: dict, log: bool, tensors: tuple, geometry: t
     _LAUNCHERS[direction, config["variant"]](grid, *args, **meta)
 
 
-def _tuning_key(direction: str, variant: str, views: tuple) -> dict:
-    """The shape bucket, layout and dtypes a config is tuned for."""
+def _tuning_key(direction: str, views: tuple) -> dict:
+    """The shape bucket, layout and dtypes a config is tuned for (over both variants: a named
+    variant takes its own fastest config from the same tuning)."""
     outer, rows, n = views[0].shape
     layout = _layout(views[0])
-    return {"direction": direction, "variant": variant, "layout": layout, "block_n": _next_power_of_2(n),
+    return {"direction": direction, "layout": layout, "block_n": _next_power_of_2(n),
             "rows": _next_power_of_2(outer * rows if layout == "rows" else rows),
             "dtype": f"{_DTYPE_NAMES[views[0].dtype]}>{_DTYPE_NAMES[views[-1].dtype]}"}
 
@@ -429,27 +432,48 @@ def _check_fits(config: dict, key: dict) -> None:
 def _config(direction: str, variant: str, log: bool, views: tuple) -> tuple[dict, bool]:
     """The tuned (or, where tuning cannot run, default) launch config for these views, and whether
     it is final (tuned or cached; under the interpreter the default is)."""
-    key = _tuning_key(direction, variant, views)
-    memo_key = tuple(key.values())
+    key = _tuning_key(direction, views)
+    memo_key = (variant, *key.values())
     config = _chosen.get(memo_key)
     if config is not None:
         return config, True
     _check_fits({"variant": variant}, key)
-    final = interpret() or tuning.tuning_possible()
-    config = _TUNERS[direction].config(key, admit=functools.partial(_admit, direction, log, views),
-                                       time_ms=functools.partial(_time_ms, direction, log, views))
+    tuner = _TUNERS[direction]
+    entry = tuner.entry(key, admit=functools.partial(_admit, direction, log, views),
+                        time_ms=functools.partial(_time_ms, direction, log, views),
+                        precompile=functools.partial(_precompile, direction, log, views))
+    config = _pick(tuner, entry, key, variant)
+    final = interpret() or entry is not None
     if final:
         _chosen[memo_key] = config
     return config, final
+
+
+def _pick(tuner: tuning.Tuner, entry: dict | None, key: dict, variant: str) -> dict:
+    """The config of ``variant`` from a tuning entry (None: the tuner's default for the variant)."""
+    if entry is None:
+        return tuner.default({**key, "variant": variant})
+    if variant == "auto":
+        return entry["config"]
+    config = tuning.fastest(entry, lambda c: c["variant"] == variant)
+    if config is None:
+        reasons = "; ".join(f"{c}: {why}" for c, why in entry["rejected"].items() if variant in c)
+        raise RuntimeError(f"no {variant} config passed the accuracy gate for {key}: {reasons}")
+    return config
+
+
+def _calibration_shape(views: tuple, config: dict) -> tuple[int, int, int]:
+    """(O, R, N) of the calibration input: a partial last row block, within CALIBRATION_ELEMENTS."""
+    outer, rows, n = views[0].shape
+    outer, rows = min(outer, 2), min(rows, 2 * config["BLOCK_M"] + 1)
+    return outer, max(1, min(rows, CALIBRATION_ELEMENTS // (outer * n))), n
 
 
 def _calibration_views(direction: str, log: bool, views: tuple, config: dict) -> tuple:
     """Seeded random inputs in the layout of ``views`` with a partial last row block, and an output."""
     from tritonkit.testing import generator, random_tensor
 
-    outer, rows, n = views[0].shape
-    outer, rows = min(outer, 2), min(rows, 2 * config["BLOCK_M"] + 1)
-    rows = max(1, min(rows, CALIBRATION_ELEMENTS // (outer * n)))
+    outer, rows, n = _calibration_shape(views, config)
     cols = _layout(views[0]) == "cols"
 
     def make(dtype, seed):
@@ -465,8 +489,8 @@ def _calibration_views(direction: str, log: bool, views: tuple, config: dict) ->
     return first, make(views[1].dtype, 2), make(views[2].dtype, 0).fill_(float("nan"))
 
 
-def _admit(direction: str, log: bool, views: tuple, config: dict) -> bool:
-    """True when ``config`` gives the reference's result, within the test oracle's bound."""
+def _admit(direction: str, log: bool, views: tuple, config: dict):
+    """The oracle's comparison of ``config``'s result with the reference (passed: within its bound)."""
     from tritonkit.testing import compare
 
     cal = _calibration_views(direction, log, views, config)
@@ -475,11 +499,28 @@ def _admit(direction: str, log: bool, views: tuple, config: dict) -> bool:
         x, y = cal
         reference = _reference(x.double(), 2, log)
         in_dtype = _reference(x, 2, log, dtype=y.dtype)
-        return compare("output", y, in_dtype, reference, y.dtype).passed
+        return compare("output", y, in_dtype, reference, y.dtype)
     y, dy, dx = cal
     reference = _vjp_reference(y.double(), dy.double(), 2, log)
     in_dtype = _vjp_reference(y, dy, 2, log).to(dx.dtype)
-    return compare("grad input", dx, in_dtype, reference, dx.dtype).passed
+    return compare("grad input", dx, in_dtype, reference, dx.dtype)
+
+
+def _precompile(direction: str, log: bool, views: tuple, configs: list[dict]) -> None:
+    """Compile every candidate for the calibration views and for ``views`` at once (the two
+    specialize apart): tuning then spends its time timing, not compiling one config after another."""
+    calls = []
+    for config in configs:
+        outer, rows, n = _calibration_shape(views, config)
+        cols = _layout(views[0]) == "cols"
+        calibration = tuple(
+            torch.empty((outer, n, rows) if cols else (outer, rows, n), dtype=v.dtype, device=v.device)
+            for v in views)
+        calibration = tuple(t.transpose(1, 2) for t in calibration) if cols else calibration
+        for tensors in (calibration, views):
+            grid, args, meta = _launch_args(direction, config, log, tensors, _geometry(tensors))
+            calls.append((_LAUNCHERS[direction, config["variant"]], grid, args, meta))
+    precompile(calls)
 
 
 def _time_ms(direction: str, log: bool, views: tuple, config: dict) -> float:
@@ -725,7 +766,7 @@ def _inspect_launches(log: bool, shape: tuple, dtype: torch.dtype, config: dict 
     x = torch.empty(shape, dtype=dtype, device="meta")
     for direction, tensors in (("fwd", (x, x)), ("bwd", (x, x, x))):
         views = tuple(_as_3d(t, len(shape) - 1) for t in tensors)
-        chosen = config or _default(_tuning_key(direction, "auto", views))  # any config: spills show
+        chosen = config or _default(_tuning_key(direction, views))  # any config: spills show
         _, args, meta = _launch_args(direction, chosen, log, views, _geometry(views))
         kernel = _LAUNCHERS[direction, chosen["variant"]].kernel
         launches.append(Launch(f"{direction} {chosen['variant']}", kernel, args, meta, chosen))
