@@ -1,0 +1,235 @@
+"""The softmax family's Triton kernels: one-pass and online, forward and backward.
+
+``tritonkit.ops.softmax`` holds the maths, the layout, the configs, the launch and the API; this
+file holds only what runs on the GPU (and their shared ``@triton.jit`` helpers), split off to keep
+each file readable. Every kernel views its tensors as (O, R, N) with a stride for each axis.
+"""
+
+from __future__ import annotations
+
+from tritonkit._runtime import interpret
+
+interpret()  # choose GPU or interpreter before triton is imported and any kernel is defined
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * log2(e)): one FMA and one MUFU.EX2
+LN2 = tl.constexpr(0.6931471805599453)  # log(s) = log2(s) * ln(2)
+
+
+
+@triton.jit
+def _row_offsets(R, row_blocks, stride_o, stride_r, BLOCK_M: tl.constexpr):
+    """Element offsets of this program's BLOCK_M rows (int64: O*R*N may pass 2^31), and which exist.
+
+    (_tile widens the row-entry offsets too: over a leading dim the entries of a row are R apart,
+    so N * R passes 2^31 in a large tensor as well.)"""
+    pid = tl.program_id(0)
+    outer = pid // row_blocks  # one grid axis for both: the second is limited to 65535 programs
+    rows = (pid % row_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return outer.to(tl.int64) * stride_o + rows.to(tl.int64) * stride_r, rows < R
+
+
+@triton.jit
+def _tile(ptr, row_offsets, cols, stride_n):
+    """Pointers to a (rows, cols) tile: each row's offset plus its entries', all in int64."""
+    return ptr + row_offsets[:, None] + cols.to(tl.int64)[None, :] * stride_n
+
+
+@triton.jit
+def _row_sum(values, SUM_FP64: tl.constexpr):
+    """Sum along rows. log_softmax's output is absolute, y = (x - m) - log(s): one fp32 ulp of s
+    (1.2e-7 relative) is 1.2e-7 of error in y wherever y is near 0, which the backward multiplies
+    by sum(dy). An fp64 sum keeps fp32 log_softmax as exact as its last rounding."""
+    if SUM_FP64:
+        return tl.sum(values.to(tl.float64), axis=1)
+    else:
+        return tl.sum(values, axis=1)
+
+
+@triton.jit
+def _log(s):
+    """Natural log in s's precision, returned in fp32 (log2 * ln 2 costs one MUFU op in fp32)."""
+    if s.dtype == tl.float64:
+        return tl.log(s).to(tl.float32)
+    else:
+        return tl.log2(s) * LN2
+
+
+@triton.jit
+def _exp_shifted(x, m):
+    """exp(x - m) with the row max m; m = -inf only for rows that are all -inf (their result is NaN)."""
+    return tl.exp2((x - m[:, None]) * LOG2E)
+
+
+@triton.jit
+def _softmax_fwd_kernel(
+    x_ptr,  # input, viewed as (O, R, N) with strides (stride_xo, stride_xr, stride_xn)
+    y_ptr,  # output, same view, strides (stride_yo, stride_yr, stride_yn)
+    R,  # rows in each outer slice
+    N,  # row length: the softmax dimension
+    row_blocks,  # programs per outer slice, cdiv(R, BLOCK_M)
+    stride_xo, stride_xr, stride_xn,  # elements between outer slices, rows and row entries of x
+    stride_yo, stride_yr, stride_yn,  # the same for y
+    LOG: tl.constexpr,  # log_softmax instead of softmax
+    SUM_FP64: tl.constexpr,  # accumulate the row sum in fp64 (fp32 log_softmax: see _row_sum)
+    BLOCK_M: tl.constexpr,  # rows a program handles
+    BLOCK_N: tl.constexpr,  # power of two >= N: the whole row is one tile
+):
+    x_rows, row_mask = _row_offsets(R, row_blocks, stride_xo, stride_xr, BLOCK_M)
+    y_rows, _ = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    mask = row_mask[:, None] & (cols < N)[None, :]
+    x = tl.load(_tile(x_ptr, x_rows, cols, stride_xn), mask=mask, other=-float("inf"))
+    x = x.to(tl.float32)
+    m = tl.max(x, axis=1)
+    e = _exp_shifted(x, m)
+    s = _row_sum(e, SUM_FP64)
+    if LOG:
+        y = (x - m[:, None]) - _log(s)[:, None]
+    else:
+        y = e * (1.0 / s)[:, None]
+    tl.store(_tile(y_ptr, y_rows, cols, stride_yn), y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# Online forward: BLOCK_N is a chunk of the row; each pass holds one chunk at a time.
+
+
+@triton.jit
+def _softmax_fwd_online_kernel(
+    x_ptr,  # input, viewed as (O, R, N) with strides (stride_xo, stride_xr, stride_xn)
+    y_ptr,  # output, same view, strides (stride_yo, stride_yr, stride_yn)
+    R,  # rows in each outer slice
+    N,  # row length: the softmax dimension
+    row_blocks,  # programs per outer slice, cdiv(R, BLOCK_M)
+    stride_xo, stride_xr, stride_xn,  # elements between outer slices, rows and row entries of x
+    stride_yo, stride_yr, stride_yn,  # the same for y
+    LOG: tl.constexpr,  # log_softmax instead of softmax
+    SUM_FP64: tl.constexpr,  # accumulate the row sum in fp64 (fp32 log_softmax: see _row_sum)
+    BLOCK_M: tl.constexpr,  # rows a program handles
+    BLOCK_N: tl.constexpr,  # row entries per chunk
+):
+    x_rows, row_mask = _row_offsets(R, row_blocks, stride_xo, stride_xr, BLOCK_M)
+    y_rows, _ = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M)
+    offsets = tl.arange(0, BLOCK_N)
+    m = tl.full([BLOCK_M], -float("inf"), tl.float32)  # running max
+    s = tl.zeros([BLOCK_M], tl.float64 if SUM_FP64 else tl.float32)  # running sum of exp(x - m)
+    for start in range(0, N, BLOCK_N):
+        cols = start + offsets
+        mask = row_mask[:, None] & (cols < N)[None, :]
+        x = tl.load(_tile(x_ptr, x_rows, cols, stride_xn), mask=mask, other=-float("inf"),
+                    eviction_policy="evict_last")  # pass 2 reads it again
+        x = x.to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=1))
+        # Until a row has seen a finite value its max is -inf and x - m would be -inf - -inf = NaN:
+        # shift by 0 instead (exp(-inf) = 0 and s stays 0).
+        shift = tl.where(m_new == -float("inf"), 0.0, m_new)
+        s = s * tl.exp2((m - shift) * LOG2E) + _row_sum(_exp_shifted(x, shift), SUM_FP64)
+        m = m_new
+    # A row of all -inf keeps m = -inf, s = 0 and ends with 0 / 0 = NaN, as torch gives.
+    m = tl.where(m == -float("inf"), 0.0, m)
+    if LOG:
+        log_s = _log(s)
+    else:
+        inv_s = 1.0 / s
+    chunks = tl.cdiv(N, BLOCK_N)
+    for i in range(chunks):
+        cols = (chunks - 1 - i) * BLOCK_N + offsets  # last chunk first: the one L2 holds most surely
+        mask = row_mask[:, None] & (cols < N)[None, :]
+        x = tl.load(_tile(x_ptr, x_rows, cols, stride_xn), mask=mask, other=-float("inf"),
+                    eviction_policy="evict_first")
+        x = x.to(tl.float32)
+        if LOG:
+            y = (x - m[:, None]) - log_s[:, None]
+        else:
+            y = _exp_shifted(x, m) * inv_s[:, None]
+        tl.store(_tile(y_ptr, y_rows, cols, stride_yn), y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _row_dot(y, dy, LOG: tl.constexpr, SUM_FP64: tl.constexpr):
+    """The per-row sum the VJP needs: sum(dy * y) for softmax, sum(dy) for log_softmax (whose
+    error exp(y) * error(sum(dy)) is absolute, hence fp64 for fp32 log_softmax, as in _row_sum)."""
+    if LOG:
+        return _row_sum(dy, SUM_FP64)
+    else:
+        return tl.sum(dy * y, axis=1)
+
+
+@triton.jit
+def _input_grad(y, dy, dot, LOG: tl.constexpr):
+    if LOG:
+        return dy - tl.exp2(y * LOG2E) * dot[:, None]
+    else:
+        return y * (dy - dot[:, None])
+
+
+@triton.jit
+def _softmax_bwd_kernel(
+    y_ptr,  # forward output, viewed as (O, R, N) with strides (stride_yo, stride_yr, stride_yn)
+    dy_ptr,  # upstream gradient, same view, strides (stride_dyo, stride_dyr, stride_dyn)
+    dx_ptr,  # input gradient, same view, strides (stride_dxo, stride_dxr, stride_dxn)
+    R,  # rows in each outer slice
+    N,  # row length: the softmax dimension
+    row_blocks,  # programs per outer slice, cdiv(R, BLOCK_M)
+    stride_yo, stride_yr, stride_yn,  # elements between outer slices, rows and row entries of y
+    stride_dyo, stride_dyr, stride_dyn,  # the same for dy
+    stride_dxo, stride_dxr, stride_dxn,  # the same for dx
+    LOG: tl.constexpr,  # log_softmax instead of softmax
+    SUM_FP64: tl.constexpr,  # accumulate the row sum in fp64 (fp32 log_softmax: see _row_sum)
+    BLOCK_M: tl.constexpr,  # rows a program handles
+    BLOCK_N: tl.constexpr,  # power of two >= N: the whole row is one tile
+):
+    y_rows, row_mask = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M)
+    dy_rows, _ = _row_offsets(R, row_blocks, stride_dyo, stride_dyr, BLOCK_M)
+    dx_rows, _ = _row_offsets(R, row_blocks, stride_dxo, stride_dxr, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    mask = row_mask[:, None] & (cols < N)[None, :]
+    y = tl.load(_tile(y_ptr, y_rows, cols, stride_yn), mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(_tile(dy_ptr, dy_rows, cols, stride_dyn), mask=mask, other=0.0)
+    dy = dy.to(tl.float32)
+    dx = _input_grad(y, dy, _row_dot(y, dy, LOG, SUM_FP64).to(tl.float32), LOG)
+    tl.store(_tile(dx_ptr, dx_rows, cols, stride_dxn), dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _softmax_bwd_online_kernel(
+    y_ptr,  # forward output, viewed as (O, R, N) with strides (stride_yo, stride_yr, stride_yn)
+    dy_ptr,  # upstream gradient, same view, strides (stride_dyo, stride_dyr, stride_dyn)
+    dx_ptr,  # input gradient, same view, strides (stride_dxo, stride_dxr, stride_dxn)
+    R,  # rows in each outer slice
+    N,  # row length: the softmax dimension
+    row_blocks,  # programs per outer slice, cdiv(R, BLOCK_M)
+    stride_yo, stride_yr, stride_yn,  # elements between outer slices, rows and row entries of y
+    stride_dyo, stride_dyr, stride_dyn,  # the same for dy
+    stride_dxo, stride_dxr, stride_dxn,  # the same for dx
+    LOG: tl.constexpr,  # log_softmax instead of softmax
+    SUM_FP64: tl.constexpr,  # accumulate the row sum in fp64 (fp32 log_softmax: see _row_sum)
+    BLOCK_M: tl.constexpr,  # rows a program handles
+    BLOCK_N: tl.constexpr,  # row entries per chunk
+):
+    y_rows, row_mask = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M)
+    dy_rows, _ = _row_offsets(R, row_blocks, stride_dyo, stride_dyr, BLOCK_M)
+    dx_rows, _ = _row_offsets(R, row_blocks, stride_dxo, stride_dxr, BLOCK_M)
+    offsets = tl.arange(0, BLOCK_N)
+    dot = tl.zeros([BLOCK_M], tl.float64 if SUM_FP64 else tl.float32)
+    for start in range(0, N, BLOCK_N):
+        cols = start + offsets
+        mask = row_mask[:, None] & (cols < N)[None, :]
+        y = tl.load(_tile(y_ptr, y_rows, cols, stride_yn), mask=mask, other=0.0,
+                    eviction_policy="evict_last")
+        dy = tl.load(_tile(dy_ptr, dy_rows, cols, stride_dyn), mask=mask, other=0.0,
+                     eviction_policy="evict_last")
+        dot += _row_dot(y.to(tl.float32), dy.to(tl.float32), LOG, SUM_FP64)
+    chunks = tl.cdiv(N, BLOCK_N)
+    for i in range(chunks):
+        cols = (chunks - 1 - i) * BLOCK_N + offsets  # last chunk first, as in the forward
+        mask = row_mask[:, None] & (cols < N)[None, :]
+        y = tl.load(_tile(y_ptr, y_rows, cols, stride_yn), mask=mask, other=0.0,
+                    eviction_policy="evict_first")
+        dy = tl.load(_tile(dy_ptr, dy_rows, cols, stride_dyn), mask=mask, other=0.0,
+                     eviction_policy="evict_first")
+        dx = _input_grad(y.to(tl.float32), dy.to(tl.float32), dot.to(tl.float32), LOG)
+        tl.store(_tile(dx_ptr, dx_rows, cols, stride_dxn), dx.to(dx_ptr.dtype.element_ty),
+                 mask=mask)
