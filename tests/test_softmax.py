@@ -1,5 +1,5 @@
 """softmax and log_softmax on the CPU: outputs and gradients against the float64 reference for
-both kernels, layouts and dims, edge values, invariants, poisoning, the tuner's accuracy gate,
+every kernel, layouts and dims, edge values, invariants, poisoning, the tuner's accuracy gate,
 errors, custom ops and compile. What the hardware sees (SASS, offsets past 2^31, the H200) is in
 test_softmax_hw.py."""
 
@@ -43,8 +43,30 @@ pytestmark = pytest.mark.softmax
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 LOGS = [pytest.param(False, id="softmax"), pytest.param(True, id="log_softmax")]
 # Untuned (under the interpreter), "auto" runs the one-pass kernel at every row length of the CPU
-# suite (checked below); "online" forces the chunked kernel on the same inputs.
-KERNELS = ("auto", "online")
+# suite (checked below); "online" forces the chunked kernel on the same inputs, "split" the
+# split-row one, in small segments (small_segments_config).
+KERNELS = ("auto", "online", "split")
+
+
+def small_segments_config(key: dict) -> dict:
+    """The split config the CPU suite runs: rows of up to four segments (three where the row is just
+    past a power of two), each of two chunks, most with a ragged end: few programs for the
+    interpreter, every path of the kernel."""
+    segment = max(32, key["block_n"] // 4)
+    return {"variant": "split", "SEGMENT": segment, "BLOCK_N": segment // 2, "num_warps": 4, "PER_SM": 1}
+
+
+@pytest.fixture(autouse=True)
+def small_segments(monkeypatch):
+    """The split kernel's untuned config (which the named "split" variant runs wherever it was not
+    tuned for the shape: under the interpreter, and on a GPU for rows too short to tune it for)
+    becomes small_segments_config, with fresh memos of chosen configs and plans."""
+    monkeypatch.setattr(sm, "_chosen", {})
+    monkeypatch.setattr(sm, "_plans", {})
+    for tuner in sm._TUNERS.values():
+        default = tuner.default
+        monkeypatch.setattr(tuner, "default", lambda key, default=default: (
+            small_segments_config(key) if key.get("variant") == "split" else default(key)))
 
 
 def _kernel(log: bool, variant: str = "auto"):
@@ -130,8 +152,8 @@ def test_matches_reference(shape, dtype, log, variant, launches, device):
     x, dy = _inputs(shape, dtype, device, seed=shape[0] * 10000 + shape[1])
     comparisons = _check(x, dy, log=log, variant=variant)
     assert [c.name for c in comparisons] == ["output[0]", "grad input[0]"]
-    if variant == "online" or interpret():  # tuned, auto may pick either kernel
-        expected = {"one-pass"} if variant == "auto" else {"online"}
+    if variant != "auto" or interpret():  # tuned, auto may pick any kernel
+        expected = {"one-pass"} if variant == "auto" else {variant}
         assert _variants(launches) == {"fwd": expected, "bwd": expected}
 
 
@@ -304,6 +326,54 @@ def test_online_over_many_chunks(shape, dim, dtype, log, small_chunks, device):
     x, dy = _inputs(shape, dtype, device, seed=35 + shape[0])
     _check(x, dy, log=log, variant="online", dim=dim)
     _assert_small_chunks_ran(small_chunks)
+
+
+# ---------------------------------------------------------------- split rows
+
+
+@pytest.mark.parametrize("shape", [(3, 64), (5, 200), (1, 129), (50, 130), (2, 4100), (9, 1)], ids=str)
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+@pytest.mark.parametrize("log", LOGS)
+def test_split_rows_over_many_segments(shape, dtype, log, launches, device):
+    """Rows of one to four segments, ragged last segments and chunks. 50 rows of three segments are
+    more than the 44 that run at once on the nominal 132 SMs, so programs walk two rows."""
+    x, dy = _inputs(shape, dtype, device, seed=39 + shape[1])
+    _check(x, dy, log=log, variant="split")
+    assert _variants(launches) == {"fwd": {"split"}, "bwd": {"split"}}
+    if interpret():
+        segments = {-(-shape[1] // config["SEGMENT"]) for _, config in launches}
+        assert segments == {{64: 2, 200: 4, 129: 3, 130: 3, 4100: 3, 1: 1}[shape[1]]}
+
+
+def test_split_refuses_more_segments_than_can_run_at_once(device):
+    config = {"variant": "split", "SEGMENT": 64, "BLOCK_N": 32, "num_warps": 4, "PER_SM": 1}
+    programs = sm._sm_count(torch.device(device))
+    x = torch.empty((1, 64 * programs + 1), device=device)
+    views = (sm._as_3d(x, 1), sm._as_3d(torch.empty_like(x), 1))
+    message = rf"{programs + 1} segments of 64, more than the {programs} programs"
+    with pytest.raises(ValueError, match=message):
+        sm._launch_args("fwd", config, False, views, sm._geometry(views))
+
+
+def test_split_is_tuned_only_for_long_rows_within_l2():
+    """Split candidates: rows of two segments or more, every segment in flight at once within
+    SPLIT_L2_BYTES (backward: y and dy), and never the untuned default."""
+    def split_candidates(n, dtype="bf16>bf16", direction="fwd"):
+        key = {k: v for k, v in _key(direction, n, rows=2048, dtype=dtype).items() if k != "variant"}
+        assert sm._default(key)["variant"] != "split"
+        return [c for c in sm._TUNERS[direction]._candidates(key) if c["variant"] == "split"]
+
+    assert split_candidates(16384) == [] and split_candidates(32768)
+    sms = sm._sm_count(sm._current_device())
+    for n, dtype, direction in [(131072, "bf16>bf16", "fwd"), (524288, "fp32>fp32", "fwd"),
+                                (4194304, "fp32>fp32", "bwd")]:
+        candidates = split_candidates(n, dtype, direction)
+        assert candidates, (n, dtype, direction)
+        for config in candidates:
+            programs = config["PER_SM"] * sms
+            assert 2 <= n // config["SEGMENT"] <= programs
+            tiles = 1 if direction == "fwd" else 2
+            assert programs * config["SEGMENT"] * (2 if "bf16" in dtype else 4) * tiles <= sm.SPLIT_L2_BYTES
 
 
 # ---------------------------------------------------------------- edge values

@@ -15,7 +15,7 @@ import torch
 import sm90
 import test_softmax
 import tritonkit.ops.softmax as sm
-from test_softmax import BF16, F16, LOGS, _check, _inputs, _kernel, _reference
+from test_softmax import BF16, F16, LOGS, _check, _inputs, _kernel, _reference, _variants
 from tritonkit import tuning
 from tritonkit.ops.softmax import softmax
 from tritonkit.testing import compare, poisoned_outputs
@@ -82,6 +82,50 @@ def test_kernels_compile_for_hopper_with_wide_accesses_and_no_spills():
     for line in lines:
         verdicts = line.split("|")[1].split()
         assert verdicts == ["True"] * 6, line
+
+
+_SPLIT_HOPPER_CHECK = r"""
+import tritonkit.ops.softmax as sm
+
+def check(direction, dtype, log, config):
+    kernel = sm._LAUNCHERS[direction, "split"].kernel
+    sum_fp64 = log and dtype == "fp32"
+    constexprs = {a: 1 for a in kernel.arg_names if a.startswith("stride_") and a.endswith("n")}
+    constexprs |= {"LOG": log, "SUM_FP64": sum_fp64, "BLOCK_N": config["BLOCK_N"], "SEGMENTS": 64, "PHASE": 0}
+    workspace = {"max_ptr": "*fp32", "sum_ptr": "*fp64" if sum_fp64 else "*fp32",
+                 "dot_ptr": "*fp64" if sum_fp64 else "*fp32", "arrived_ptr": "*i32"}
+    signature = {a: workspace.get(a, f"*{dtype}") if a.endswith("_ptr") else "i32"
+                 for a in kernel.arg_names if a not in constexprs}
+    report = compile_kernel(kernel, signature, constexprs, config["num_warps"])
+    sass = report.asm["sass"]
+    loads, stores = set(re.findall(r"LDG\.E[.\w]*", sass)), set(re.findall(r"STG\.E[.\w]*", sass))
+    row_loads = {x for x in loads if "STRONG" not in x}  # the rest read the partials, bypassing L1
+    partial_loads = loads - row_loads
+    verdicts = [row_loads == {"LDG.E.EL.128", "LDG.E.EF.128"}, "STG.E.128" in stores,
+                bool(partial_loads) and all(x.endswith("STRONG.GPU") for x in partial_loads),
+                "ATOMG.E.ADD.STRONG.GPU" in sass and "MEMBAR" in sass, not report.spills]
+    name = f"{kernel.__name__} {dtype} {'log' if log else 'softmax'} {config}"
+    print(f"{name} | {' '.join(map(str, verdicts))} | {sorted(loads)} {sorted(stores)} "
+          f"registers {report.registers}")
+
+KEY = {"direction": "fwd", "layout": "rows", "block_n": 1 << 20, "rows": 512, "dtype": "fp32>fp32"}
+CHUNKS = [c for c in sm._TUNERS["fwd"]._candidates(KEY)  # each (BLOCK_N, num_warps) a tuner may try
+          if c["variant"] == "split" and c["SEGMENT"] == 32768 and c["PER_SM"] == 1]
+for config in CHUNKS:
+    for direction in ("fwd", "bwd"):
+        for dtype, log in (("bf16", False), ("fp32", True)):
+            check(direction, dtype, log, config)
+"""
+
+
+def test_split_kernels_compile_for_hopper():
+    """The split kernels for sm_90: the row's loads 16 bytes wide with their eviction hints (evict
+    last in pass 1, first in pass 2), 16-byte stores, the partials read past L1 (written by other
+    SMs), the per-row counter a GPU-scope atomic behind a fence, and no spills."""
+    lines = sm90.run(_SPLIT_HOPPER_CHECK)
+    assert len(lines) == 3 * 4, lines  # (chunk, warps) configs x directions x (dtype, log)
+    for line in lines:
+        assert line.split("|")[1].split() == ["True"] * 5, line
 
 
 # ---------------------------------------------------------------- offsets past 2^31 on a few elements
@@ -169,12 +213,23 @@ def test_large_shapes_match_reference(shape, dtype, log, device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape, dtype", [((2048, 131072), BF16), ((64, 1048576), torch.float32)], ids=str)
 @pytest.mark.parametrize("log", LOGS)
-def test_longest_rows_forward(log):
-    """(256, 4194304) fp32: the online kernel over 1024 chunks a row; some rows checked."""
+def test_split_rows_at_scale(shape, dtype, log, launches, device):
+    """The split kernels as tuned on the GPU: cooperative launches whose segments wait for each other."""
+    _check(*_inputs(shape, dtype, device, seed=57), log=log, variant="split")
+    assert _variants(launches) == {"fwd": {"split"}, "bwd": {"split"}}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["auto", "split"])
+@pytest.mark.parametrize("log", LOGS)
+def test_longest_rows_forward(log, variant):
+    """(256, 4194304) fp32: the online kernel over 1024 chunks a row, or 128 to 256 segments; some
+    rows checked."""
     x = torch.randn((256, 4194304), generator=torch.Generator("cuda").manual_seed(55), device="cuda")
     with poisoned_outputs():
-        y = _kernel(log)(x)
+        y = _kernel(log, variant)(x)
     assert not torch.isnan(y).any()
     rows = torch.tensor([0, 1, 100, 254, 255], device="cuda")
     _compare_rows("sampled rows", y[rows], x[rows], log=log)
@@ -197,7 +252,7 @@ def tuning_afresh(monkeypatch, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(4096, 1823), (64, 65536)], ids=str)
 def test_tuned_winner_matches_reference(shape, tuning_afresh, launches, device):
-    """Real tuning (both variants are candidates for auto): the winners pass the oracle, are cached
+    """Real tuning (every variant is a candidate for auto): the winners pass the oracle, are cached
     on disk, and are what the op launched with."""
     _check(*_inputs(shape, BF16, device, seed=56))
     files = {path.name.split("-")[0]: path for path in tuning_afresh.iterdir()}

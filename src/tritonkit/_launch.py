@@ -22,7 +22,8 @@ import torch
 
 from tritonkit._runtime import interpret
 
-_LAUNCH_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg"})
+# keyword arguments of a launch that are compile options, not constexprs
+LAUNCH_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg", "launch_cooperative_grid"})
 MAX_KEYS = 4096  # distinct specializations cached per kernel before the cache starts afresh
 MAX_COMPILE_THREADS = 16  # threads compiling a tuner's candidates together (see precompile)
 
@@ -105,7 +106,7 @@ class Launcher:
     def _compile_and_launch(self, grid, args: tuple, meta: dict) -> tuple | str:
         """Launch through Triton (compiling if needed) and return what later launches need."""
         compiled = self.kernel[grid](*args, **meta)
-        constexpr_names = tuple(name for name in meta if name not in _LAUNCH_OPTIONS)
+        constexpr_names = tuple(name for name in meta if name not in LAUNCH_OPTIONS)
         trailing = tuple(self.kernel.arg_names[len(args):])
         if trailing != constexpr_names:
             raise TypeError(

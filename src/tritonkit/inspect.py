@@ -25,12 +25,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tritonkit._launch import LAUNCH_OPTIONS
+
 ARCHS = {"sm_80": 80, "sm_90": 90, "sm_100": 100}
 IRS = ("ttir", "ttgir", "llir", "ptx", "sass")
 _TRITON_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
                   torch.float64: "fp64", torch.int32: "i32", torch.int64: "i64", torch.int8: "i8",
                   torch.uint8: "u8", torch.bool: "i1"}
-_LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 # Per-SM limits for the occupancy estimate (CUDA occupancy rules: registers are allocated per warp
 # in units of 256, i.e. per thread in multiples of 8).
 _SM_LIMITS = {  # arch -> (threads, blocks, registers, shared bytes usable by blocks)
@@ -100,7 +101,7 @@ def _divisible_by_16(value) -> bool:
 def specialize(launch: Launch) -> tuple[dict, dict, dict, dict]:
     """(signature, constants, attributes, options) for ``triton.compile``, as a launch specializes."""
     names = launch.kernel.arg_names
-    constexprs = {k: v for k, v in launch.meta.items() if k not in _LAUNCH_OPTIONS}
+    constexprs = {k: v for k, v in launch.meta.items() if k not in LAUNCH_OPTIONS}
     if tuple(names[len(launch.args):]) != tuple(constexprs):
         raise TypeError(f"{launch.kernel.__name__}: {list(constexprs)} must be its trailing parameters "
                         f"{list(names[len(launch.args):])}, in order")
@@ -114,7 +115,7 @@ def specialize(launch: Launch) -> tuple[dict, dict, dict, dict]:
             attrs[(index,)] = [["tt.divisibility", 16]]
     for name, value in constexprs.items():
         signature[name], constants[(names.index(name),)] = "constexpr", value
-    options = {k: launch.meta[k] for k in _LAUNCH_OPTIONS if k in launch.meta}
+    options = {k: launch.meta[k] for k in LAUNCH_OPTIONS if k in launch.meta}
     return signature, constants, attrs, options
 
 

@@ -21,7 +21,11 @@ Kernels, selectable by name (``VARIANTS``):
             rescaled sum (Milakov & Gimelshein, "Online normalizer calculation for softmax", 2018);
             pass 2 reads it again, backwards, and writes y. Walking backwards re-reads first the
             chunks pass 1 touched last, which are the likeliest to still be in L2.
-The backward has the same two kernels, with sum(dy * y) (or sum(dy)) in place of the max and sum.
+  split     rows far longer than L2 can hold while they are in flight (hundreds of kilobytes and
+            up): the programs of a row each take one segment, publish its partial (max, sum), wait
+            for the row's other segments, combine them and normalise their own segment, which is
+            still in L2. Needs every program resident at once: a cooperative launch.
+The backward has the same kernels, with sum(dy * y) (or sum(dy)) in place of the max and sum.
 
 Work. Forward reads x and writes y: 2 M N s bytes for M rows in dtype of s bytes; backward reads y
 and dy and writes dx: 3 M N s. About 5 FLOPs an element forward (max, subtract, exp, sum, scale)
@@ -29,14 +33,16 @@ and 4 backward: at most 1.25 FLOP/byte, far under the fp32 ridge point (about 14
 H200), so the roofline is the copy bandwidth. The online kernel reads x twice: 3 M N s bytes, unless
 pass 2 finds its chunks in L2.
 
-Launch parameters come from accuracy-gated autotuning (``tritonkit.tuning``) over both kernels
+Launch parameters come from accuracy-gated autotuning (``tritonkit.tuning``) over every kernel
 ("auto"): each config below is admitted only if its output on a calibration input passes the test
-oracle. Rows too long for registers leave only the online kernel.
+oracle. Rows too long for registers leave the online and split kernels; the untuned default is
+never the split kernel.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import math
 
 import torch
@@ -53,17 +59,21 @@ from tritonkit.ops.softmax_kernels import (  # noqa: E402
     _exp_shifted,
     _input_grad,
     _log,
+    _publish_and_wait,
     _row_dot,
     _row_offsets,
+    _row_start,
     _row_sum,
     _softmax_bwd_kernel,
     _softmax_bwd_online_kernel,
+    _softmax_bwd_split_kernel,
     _softmax_fwd_kernel,
     _softmax_fwd_online_kernel,
+    _softmax_fwd_split_kernel,
     _tile,
 )
 
-VARIANTS = ("auto", "one-pass", "online")
+VARIANTS = ("auto", "one-pass", "online", "split")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}  # tuning keys
 
@@ -77,16 +87,24 @@ ONE_PASS_MAX_PER_THREAD = 64
 ONE_PASS_MAX_BLOCK_N = 32768  # = 64 values a thread at 16 warps; 32 warps allow only 64 registers
 COLS_MIN_BLOCK_M = 16  # rows a program takes when rows are the contiguous axis: 32+ bytes a warp access
 
-# The configs both directions tune over. Each shape bucket is tuned once over both variants ("auto"
+# The configs both directions tune over. Each shape bucket is tuned once over every variant ("auto"
 # takes the winner; a named variant its own fastest): with rows of 32768 the online kernel won on
 # the H200 (pass 2 finds its chunks in L2, and more programs fit an SM).
 # Values a thread holds per tile (_per_thread) are kept within these bounds: on the H200 every
 # winner fell inside them, and the timing of each extra config costs a compile.
-PER_THREAD = {"one-pass": (16, ONE_PASS_MAX_PER_THREAD), "online": (8, 32)}
+PER_THREAD = {"one-pass": (16, ONE_PASS_MAX_PER_THREAD), "online": (8, 32), "split": (8, 16)}
 CONFIGS = ([{"variant": "one-pass", "BLOCK_M": m, "num_warps": w}
             for m in (1, 2, 4, 8, 16, 32, 64, 128) for w in (4, 8, 16, 32)]
            + [{"variant": "online", "BLOCK_M": m, "BLOCK_N": n, "num_warps": w}
-              for m in (1, 16, 64) for n in (16, 64, 2048, 4096, 8192) for w in (4, 8, 16)])
+              for m in (1, 16, 64) for n in (16, 64, 2048, 4096, 8192) for w in (4, 8, 16)]
+           + [{"variant": "split", "SEGMENT": segment, "BLOCK_N": n, "num_warps": w, "PER_SM": k}
+              for segment in (16384, 32768, 65536) for n in (2048, 4096) for w in (8, 16) for k in (1, 2)])
+
+# Split-row kernels: PER_SM programs an SM, each holding one SEGMENT of a row between its two
+# passes. Everything in flight must stay in L2 for pass 2 to hit it: most of the H200's 50 MB
+# (a row of 4M fp32 entries alone, y and dy, is 32 MB).
+SPLIT_L2_BYTES = 40 << 20
+NOMINAL_SMS = 132  # the H200's SMs: the grid where no GPU says (the interpreter, inspect)
 
 
 def _tiles(key: dict) -> int:
@@ -103,13 +121,36 @@ def _one_pass_fits(key: dict) -> bool:
 
 
 def _per_thread(config: dict, block_n: int) -> float:
-    return config["BLOCK_M"] * config.get("BLOCK_N", block_n) / (32 * config["num_warps"])
+    return config.get("BLOCK_M", 1) * config.get("BLOCK_N", block_n) / (32 * config["num_warps"])
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return NOMINAL_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _current_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _split_fits(config: dict, key: dict) -> bool:
+    """Rows of at least two segments, as many segments as programs fit at once, and the segments
+    in flight (x, or y and dy) within SPLIT_L2_BYTES."""
+    segments = key["block_n"] // config["SEGMENT"]
+    programs = config["PER_SM"] * _sm_count(_current_device())
+    element_bytes = {"fp16": 2, "bf16": 2, "fp32": 4}[key["dtype"].split(">")[0]]
+    in_flight = programs * config["SEGMENT"] * element_bytes * _tiles(key)
+    return 2 <= segments <= programs and in_flight <= SPLIT_L2_BYTES and key["layout"] == "rows"
 
 
 def _default(key: dict) -> dict:
     """The untuned config: used under the interpreter and wherever tuning cannot run."""
     block_n, rows, cols = key["block_n"], key["rows"], key["layout"] == "cols"
-    variant = key.get("variant", "auto")  # tuning keys hold none: they cover both variants
+    variant = key.get("variant", "auto")  # tuning keys hold none: they cover every variant
     if variant == "one-pass" or (variant == "auto" and _one_pass_fits(key)):
         warps = min(16, max(4, block_n * _tiles(key) // 1024))  # 32 values a thread for long rows
         block_m = max(1, min(rows, 16 * 32 * warps // block_n))
@@ -117,6 +158,8 @@ def _default(key: dict) -> dict:
             block_m = max(block_m, min(rows, COLS_MIN_BLOCK_M))
             warps = min(16, max(4, block_m * block_n * _tiles(key) // 1024))
         return {"variant": "one-pass", "BLOCK_M": block_m, "num_warps": warps}
+    if variant == "split":  # never chosen untuned: it needs its segments resident at once
+        return {"variant": "split", "SEGMENT": 16384, "BLOCK_N": 4096, "num_warps": 8, "PER_SM": 1}
     if cols:
         return {"variant": "online", "BLOCK_M": min(64, max(COLS_MIN_BLOCK_M, rows)), "BLOCK_N": 64,
                 "num_warps": 4}
@@ -126,7 +169,8 @@ def _default(key: dict) -> dict:
 
 def _prune(config: dict, key: dict) -> bool:
     """True drops the config for this key: another variant than asked, a row that does not fit,
-    too many or too few values a thread, rows beyond the problem or too few for coalescing."""
+    too many or too few values a thread, rows beyond the problem or too few for coalescing; a split
+    row of one segment, or of more than fit at once or in L2."""
     variant, asked = config["variant"], key.get("variant", "auto")
     if asked not in ("auto", variant) or (variant == "one-pass" and not _one_pass_fits(key)):
         return True
@@ -134,6 +178,9 @@ def _prune(config: dict, key: dict) -> bool:
         return True
     low, high = PER_THREAD[variant]
     held = _per_thread(config, key["block_n"]) * (_tiles(key) if variant == "one-pass" else 1)
+    if variant == "split":
+        return not (low <= held <= high and config["SEGMENT"] >= 2 * config["BLOCK_N"]
+                    and _split_fits(config, key))
     min_block_m = min(key["rows"], COLS_MIN_BLOCK_M) if key["layout"] == "cols" else 1
     return not (low <= held <= high and min_block_m <= config["BLOCK_M"] <= max(1, key["rows"]))
 
@@ -163,19 +210,23 @@ def _layout(view: torch.Tensor) -> str:
     return "cols" if stride_r == 1 and stride_n != 1 and view.shape[1] > 1 else "rows"
 
 
-_FWD_HELPERS = (_row_offsets, _tile, _row_sum, _log, _exp_shifted)  # hashed with the kernels: edits retune
-_BWD_HELPERS = (_row_offsets, _tile, _row_sum, _row_dot, _input_grad)
+# hashed with the kernels: an edit retunes
+_SPLIT_HELPERS = (_row_start, _publish_and_wait)
+_FWD_HELPERS = (_row_offsets, _tile, _row_sum, _log, _exp_shifted, *_SPLIT_HELPERS)
+_BWD_HELPERS = (_row_offsets, _tile, _row_sum, _row_dot, _input_grad, *_SPLIT_HELPERS)
 _LAUNCHERS = {
     ("fwd", "one-pass"): Launcher(_softmax_fwd_kernel),
     ("fwd", "online"): Launcher(_softmax_fwd_online_kernel),
+    ("fwd", "split"): Launcher(_softmax_fwd_split_kernel),
     ("bwd", "one-pass"): Launcher(_softmax_bwd_kernel),
     ("bwd", "online"): Launcher(_softmax_bwd_online_kernel),
+    ("bwd", "split"): Launcher(_softmax_bwd_split_kernel),
 }
 _TUNERS = {
-    "fwd": tuning.Tuner("softmax_fwd", CONFIGS, default=_default, prune=_prune,
-                        sources=(_softmax_fwd_kernel, _softmax_fwd_online_kernel, *_FWD_HELPERS)),
-    "bwd": tuning.Tuner("softmax_bwd", CONFIGS, default=_default, prune=_prune,
-                        sources=(_softmax_bwd_kernel, _softmax_bwd_online_kernel, *_BWD_HELPERS)),
+    direction: tuning.Tuner(f"softmax_{direction}", CONFIGS, default=_default, prune=_prune,
+                            sources=(*(_LAUNCHERS[direction, v].kernel for v in VARIANTS if v != "auto"),
+                                     *helpers))
+    for direction, helpers in (("fwd", _FWD_HELPERS), ("bwd", _BWD_HELPERS))
 }
 _chosen: dict[tuple, dict] = {}  # key values -> config, once chosen for good (a cheap memo)
 
@@ -185,26 +236,64 @@ def _geometry(views: tuple) -> tuple:
     return (*views[0].shape, tuple(s for v in views for s in v.stride()))
 
 
-def _launch_args(direction: str, config: dict, log: bool, tensors: tuple,
-                 geometry: tuple) -> tuple[tuple, tuple, dict]:
+def _launch_args(direction: str, config: dict, log: bool, tensors: tuple, geometry: tuple,
+                 phase: int = 0) -> tuple[tuple, tuple, dict]:
     """(grid, arguments, constexprs and options) of one kernel: ``tensors`` are (x, y) forward or
-    (y, dy, dx) backward (or anything with their data pointers), ``geometry`` their (O, R, N) views'."""
+    (y, dy, dx) backward (or anything with their data pointers), ``geometry`` their (O, R, N) views'.
+    ``phase`` is the split kernels' PHASE."""
     outer, rows, n, strides = geometry
+    sum_fp64 = log and tensors[0 if direction == "fwd" else 1].dtype == torch.float32
+    if config["variant"] == "split":
+        return _split_launch_args(direction, config, log, sum_fp64, tensors, geometry, phase)
     block_n = config.get("BLOCK_N", _next_power_of_2(n))
     row_blocks = cdiv(rows, config["BLOCK_M"])
-    sum_fp64 = log and tensors[0 if direction == "fwd" else 1].dtype == torch.float32
     meta = {"LOG": log, "SUM_FP64": sum_fp64, "BLOCK_M": config["BLOCK_M"], "BLOCK_N": block_n,
             "num_warps": config["num_warps"]}
     return (outer * row_blocks,), (*tensors, rows, n, row_blocks, *strides), meta
 
 
+def _split_launch_args(direction: str, config: dict, log: bool, sum_fp64: bool, tensors: tuple,
+                       geometry: tuple, phase: int) -> tuple[tuple, tuple, dict]:
+    """The split kernels' launch: as many rows at once as PER_SM programs an SM allow, each row's
+    segments side by side; the partial-result workspace and the zeroed per-row counters."""
+    outer, rows, n, strides = geometry
+    device, total, segment = tensors[0].device, outer * rows, config["SEGMENT"]
+    segments = cdiv(n, segment)
+    programs = config["PER_SM"] * _sm_count(device)
+    if segments > programs:
+        raise ValueError(f"split softmax: rows of {n} entries make {segments} segments of {segment}, "
+                         f"more than the {programs} programs that run at once")
+    groups = max(1, min(total, programs // segments))
+    sums = torch.empty(total * segments, dtype=torch.float64 if sum_fp64 else torch.float32, device=device)
+    arrived = torch.zeros(total if phase == 0 else 1, dtype=torch.int32, device=device)
+    if direction == "fwd":
+        maxima = torch.empty(total * segments, dtype=torch.float32, device=device)
+        workspace = (maxima, sums, arrived)
+    else:
+        workspace = (sums, arrived)
+    meta = {"LOG": log, "SUM_FP64": sum_fp64, "BLOCK_N": config["BLOCK_N"],
+            "SEGMENTS": _next_power_of_2(segments), "PHASE": phase, "num_warps": config["num_warps"]}
+    if phase == 0:
+        meta["launch_cooperative_grid"] = True  # the launch fails, not hangs, if they cannot all run
+    args = (*tensors, *workspace, rows, n, total, segments, segment, *strides)
+    return (groups * segments,), args, meta
+
+
 def _launch(direction: str, config: dict, log: bool, tensors: tuple, geometry: tuple) -> None:
+    launcher = _LAUNCHERS[direction, config["variant"]]
+    if config["variant"] == "split" and interpret():
+        # the interpreter runs programs one after another, so none may wait for another: pass 1 for
+        # every segment, then pass 2, through one workspace
+        grid, args, meta = _launch_args(direction, config, log, tensors, geometry, phase=1)
+        launcher(grid, *args, **meta)
+        launcher(grid, *args, **{**meta, "PHASE": 2})
+        return
     grid, args, meta = _launch_args(direction, config, log, tensors, geometry)
-    _LAUNCHERS[direction, config["variant"]](grid, *args, **meta)
+    launcher(grid, *args, **meta)
 
 
 def _tuning_key(direction: str, views: tuple) -> dict:
-    """The shape bucket, layout and dtypes a config is tuned for (over both variants: a named
+    """The shape bucket, layout and dtypes a config is tuned for (over every variant: a named
     variant takes its own fastest config from the same tuning)."""
     outer, rows, n = views[0].shape
     layout = _layout(views[0])
@@ -247,16 +336,19 @@ def _pick(tuner: tuning.Tuner, entry: dict | None, key: dict, variant: str) -> d
     if variant == "auto":
         return entry["config"]
     config = tuning.fastest(entry, lambda c: c["variant"] == variant)
-    if config is None:
-        reasons = "; ".join(f"{c}: {why}" for c, why in entry["rejected"].items() if variant in c)
-        raise RuntimeError(f"no {variant} config passed the accuracy gate for {key}: {reasons}")
-    return config
+    if config is not None:
+        return config
+    reasons = {c: why for c, why in entry["rejected"].items() if json.loads(c)["variant"] == variant}
+    if reasons:
+        raise RuntimeError(f"no {variant} config passed the accuracy gate for {key}: "
+                           + "; ".join(f"{c}: {why}" for c, why in reasons.items()))
+    return tuner.default({**key, "variant": variant})  # none was a candidate for this shape
 
 
 def _calibration_shape(views: tuple, config: dict) -> tuple[int, int, int]:
     """(O, R, N) of the calibration input: a partial last row block, within CALIBRATION_ELEMENTS."""
     outer, rows, n = views[0].shape
-    outer, rows = min(outer, 2), min(rows, 2 * config["BLOCK_M"] + 1)
+    outer, rows = min(outer, 2), min(rows, 2 * config.get("BLOCK_M", 1) + 1)
     return outer, max(1, min(rows, CALIBRATION_ELEMENTS // (outer * n))), n
 
 
