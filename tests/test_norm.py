@@ -12,6 +12,7 @@ import torch
 
 import tritonkit
 import tritonkit.ops.norm as nm
+from tritonkit._runtime import current_device, sm_count
 from tritonkit.ops import get_op
 from tritonkit.testing import check_against_reference, generator, poisoned_outputs, random_tensor
 
@@ -69,10 +70,10 @@ def test_parameters_absent_or_fp32(kind, weight, bias, param_dtype, device):
 
 @pytest.fixture
 def looped(monkeypatch):
-    """Rows longer than 64 entries go through the looped kernels, in chunks of 32."""
+    """Rows longer than 64 entries go through the looped kernels, in chunks of 32 (the few rows of
+    these tests make backward programs of 4 rows: 9 rows end in a partial group)."""
     monkeypatch.setattr(nm, "MAX_BLOCK_N", {"fwd": 64, "bwd": 64})
     monkeypatch.setattr(nm, "LOOP_BLOCK_N", 32)
-    monkeypatch.setattr(nm, "LOOP_BWD_ROWS", 4)
     seen = []
     for key, launcher in nm._LAUNCHERS.items():
         def recording(grid, *args, _launcher=launcher, _key=key, **meta):
@@ -89,6 +90,20 @@ def test_long_rows_go_through_the_looped_kernels(kind, shape, dtype, looped, dev
     kernel, reference, inputs, grad_inputs, grads = _case(kind, shape, dtype, device, seed=sum(shape) + 1)
     check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
     assert set(looped) == {("fwd", True), ("bwd", True)}
+
+
+def test_backward_rows_per_program_keep_every_sm_busy():
+    """Two programs an SM where rows allow (8192 rows at 64 a program were 128 programs for 132 SMs),
+    at most 64 rows a program (16 looped), at least 8 (4 looped)."""
+    sms = sm_count(current_device())  # the H200's 132 without a GPU
+    for rows, looped, expected in [(8192, False, 16), (32768, False, 64), (65536, False, 64),
+                                   (16384, False, 32), (4096, True, 8), (1024, True, 4), (9, False, 8)]:
+        per_program = nm._bwd_rows_per_program(rows, current_device(), looped)
+        if sms == 132:
+            assert per_program == expected, (rows, looped)
+        low, high = nm.BWD_ROWS_RANGE[looped]
+        assert low <= per_program <= high and per_program & (per_program - 1) == 0
+        assert per_program == low or -(-rows // per_program) >= nm.BWD_PROGRAMS_PER_SM * sms
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -15,7 +15,7 @@ import torch
 import tritonkit
 import tritonkit.ops.softmax as sm
 from tritonkit import tuning
-from tritonkit._runtime import empty_output, interpret
+from tritonkit._runtime import current_device, empty_output, interpret, sm_count
 from tritonkit.ops import get_op
 from tritonkit.ops.softmax import (
     DTYPES,
@@ -347,7 +347,7 @@ def test_split_rows_over_many_segments(shape, dtype, log, launches, device):
 
 def test_split_refuses_more_segments_than_can_run_at_once(device):
     config = {"variant": "split", "SEGMENT": 64, "BLOCK_N": 32, "num_warps": 4, "PER_SM": 1}
-    programs = sm._sm_count(torch.device(device))
+    programs = sm_count(device)
     x = torch.empty((1, 64 * programs + 1), device=device)
     views = (sm._as_3d(x, 1), sm._as_3d(torch.empty_like(x), 1))
     message = rf"{programs + 1} segments of 64, more than the {programs} programs"
@@ -364,7 +364,7 @@ def test_split_is_tuned_only_for_long_rows_within_l2():
         return [c for c in sm._TUNERS[direction]._candidates(key) if c["variant"] == "split"]
 
     assert split_candidates(16384) == [] and split_candidates(32768)
-    sms = sm._sm_count(sm._current_device())
+    sms = sm_count(current_device())
     for n, dtype, direction in [(131072, "bf16>bf16", "fwd"), (524288, "fp32>fp32", "fwd"),
                                 (4194304, "fp32>fp32", "bwd")]:
         candidates = split_candidates(n, dtype, direction)

@@ -69,6 +69,29 @@ def check_device(name: str, tensor) -> None:
         raise ValueError(f"{name} must be a CUDA tensor, got one on {tensor.device}")
 
 
+NOMINAL_SMS = 132  # the H200's SMs: what grids are sized for where no GPU says (interpreter, inspect)
+
+
+@functools.cache
+def sm_count(device) -> int:
+    """Streaming multiprocessors of a torch device; NOMINAL_SMS off CUDA."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return NOMINAL_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def current_device():
+    """The current CUDA device, else the CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 # Set only by tritonkit.testing.poisoned_outputs(): outputs start as NaN so that an element the
 # kernel forgets to write fails the comparison instead of passing on leftover memory.
 poison_outputs = False

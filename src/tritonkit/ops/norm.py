@@ -29,7 +29,7 @@ import math
 
 import torch
 
-from tritonkit._runtime import check_device, empty_output, interpret
+from tritonkit._runtime import check_device, empty_output, interpret, sm_count
 
 interpret()  # choose GPU or interpreter before triton is imported and any kernel is defined
 
@@ -44,10 +44,14 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_BLOCK_N = {"fwd": 32768, "bwd": 16384}
 ROW_ELEMENTS = 8192  # elements a program takes at a time: rows of 1024 go 8 to a program
 PER_THREAD = 16  # values a thread holds per row tile: four 16-byte fp32 vectors in flight
-BWD_ROWS_PER_PROGRAM = 64  # rows each backward program walks, summing dw and db in registers
+# Rows each backward program walks, summing its dw and db partials in registers (a power of two in
+# this range; looped: finishing them chunk by chunk). Fewer rows a program cost partial traffic,
+# 4 N bytes a program for each of dw and db, written and summed again; too few programs leave SMs
+# idle: 8192 rows at 64 a program made 128 programs for 132 SMs.
+BWD_ROWS_RANGE = {False: (8, 64), True: (4, 16)}  # one-pass, looped
+BWD_PROGRAMS_PER_SM = 2  # what an SM holds of the one-pass backward (h and dy in registers)
 LOOP_BLOCK_N = 4096  # chunk of the looped kernels: 16 fp32 values a thread at 8 warps
 LOOP_WARPS = 8
-LOOP_BWD_ROWS = 16  # rows a looped backward program finishes chunk by chunk (its dw and db sums)
 
 
 # ---------------------------------------------------------------- kernels
@@ -323,6 +327,14 @@ def _warps(elements: int) -> int:
     return min(16, max(4, elements // (32 * PER_THREAD)))
 
 
+def _bwd_rows_per_program(rows: int, device, looped: bool) -> int:
+    """The most rows a backward program may walk while every SM still gets BWD_PROGRAMS_PER_SM
+    programs, as a power of two within BWD_ROWS_RANGE."""
+    low, high = BWD_ROWS_RANGE[looped]
+    most = max(1, rows // (BWD_PROGRAMS_PER_SM * sm_count(device)))
+    return min(high, max(low, 1 << (most.bit_length() - 1)))
+
+
 def _rows_2d(t: torch.Tensor, n: int) -> torch.Tensor:
     """``t`` as (rows, n) with unit column stride: a view where the strides allow, else a copy."""
     t = t.reshape(-1, n)
@@ -432,7 +444,8 @@ def _bwd_launch_args(grad_y, grad_h, h, weight, bias, rms: bool, mean=None, rstd
     dx = empty_output(h.shape, h.dtype, h.device)
     block_n = _next_power_of_2(n)
     looped = block_n > MAX_BLOCK_N["bwd"]
-    programs = cdiv(rows, LOOP_BWD_ROWS if looped else BWD_ROWS_PER_PROGRAM)
+    rows_per_program = _bwd_rows_per_program(rows, h.device, looped)
+    programs = cdiv(rows, rows_per_program)
     rstd = rstd if rstd is not None else torch.empty(rows, dtype=torch.float32, device=h.device)
     if mean is None and not rms:
         mean = torch.empty(rows, dtype=torch.float32, device=h.device)
@@ -449,9 +462,9 @@ def _bwd_launch_args(grad_y, grad_h, h, weight, bias, rms: bool, mean=None, rstd
             "HAS_BIAS": bias is not None}
     if looped:
         sums = torch.empty((rows, 2), dtype=torch.float32, device=h.device)  # per-row scratch
-        meta |= {"ROWS": LOOP_BWD_ROWS, "BLOCK_N": LOOP_BLOCK_N, "num_warps": LOOP_WARPS}
+        meta |= {"ROWS": rows_per_program, "BLOCK_N": LOOP_BLOCK_N, "num_warps": LOOP_WARPS}
         return outputs, _LAUNCHERS["bwd", True], (programs,), (dy2, dh2, h2, *stats, sums, *tail), meta
-    meta |= {"ROWS": BWD_ROWS_PER_PROGRAM, "BLOCK_N": block_n, "num_warps": _warps(block_n)}
+    meta |= {"ROWS": rows_per_program, "BLOCK_N": block_n, "num_warps": _warps(block_n)}
     return outputs, _LAUNCHERS["bwd", False], (programs,), (dy2, dh2, h2, *stats, *tail), meta
 
 

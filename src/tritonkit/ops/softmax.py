@@ -48,7 +48,7 @@ import math
 import torch
 
 from tritonkit import tuning
-from tritonkit._runtime import check_device, empty_output, interpret
+from tritonkit._runtime import check_device, current_device, empty_output, interpret, sm_count
 
 interpret()  # choose GPU or interpreter before triton is imported and any kernel is defined
 
@@ -104,7 +104,6 @@ CONFIGS = ([{"variant": "one-pass", "BLOCK_M": m, "num_warps": w}
 # passes. Everything in flight must stay in L2 for pass 2 to hit it: most of the H200's 50 MB
 # (a row of 4M fp32 entries alone, y and dy, is 32 MB).
 SPLIT_L2_BYTES = 40 << 20
-NOMINAL_SMS = 132  # the H200's SMs: the grid where no GPU says (the interpreter, inspect)
 
 
 def _tiles(key: dict) -> int:
@@ -124,24 +123,11 @@ def _per_thread(config: dict, block_n: int) -> float:
     return config.get("BLOCK_M", 1) * config.get("BLOCK_N", block_n) / (32 * config["num_warps"])
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return NOMINAL_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _current_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _split_fits(config: dict, key: dict) -> bool:
     """Rows of at least two segments, as many segments as programs fit at once, and the segments
     in flight (x, or y and dy) within SPLIT_L2_BYTES."""
     segments = key["block_n"] // config["SEGMENT"]
-    programs = config["PER_SM"] * _sm_count(_current_device())
+    programs = config["PER_SM"] * sm_count(current_device())
     element_bytes = {"fp16": 2, "bf16": 2, "fp32": 4}[key["dtype"].split(">")[0]]
     in_flight = programs * config["SEGMENT"] * element_bytes * _tiles(key)
     return 2 <= segments <= programs and in_flight <= SPLIT_L2_BYTES and key["layout"] == "rows"
@@ -259,7 +245,7 @@ def _split_launch_args(direction: str, config: dict, log: bool, sum_fp64: bool, 
     outer, rows, n, strides = geometry
     device, total, segment = tensors[0].device, outer * rows, config["SEGMENT"]
     segments = cdiv(n, segment)
-    programs = config["PER_SM"] * _sm_count(device)
+    programs = config["PER_SM"] * sm_count(device)
     if segments > programs:
         raise ValueError(f"split softmax: rows of {n} entries make {segments} segments of {segment}, "
                          f"more than the {programs} programs that run at once")
