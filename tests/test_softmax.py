@@ -365,6 +365,9 @@ def test_split_is_tuned_only_for_long_rows_within_l2():
 
     assert split_candidates(16384) == [] and split_candidates(32768)
     sms = sm_count(current_device())
+    for n in (1 << 17, 1 << 22, 1 << 24):  # the untuned split config fits any row up to 2^24 at once
+        default = sm._default({**_key("fwd", n, rows=2048), "variant": "split"})
+        assert -(-n // default["SEGMENT"]) <= default["PER_SM"] * sms
     for n, dtype, direction in [(131072, "bf16>bf16", "fwd"), (524288, "fp32>fp32", "fwd"),
                                 (4194304, "fp32>fp32", "bwd")]:
         candidates = split_candidates(n, dtype, direction)

@@ -192,6 +192,16 @@ def test_precompile_sees_every_candidate_before_any_runs(tuning_on):
     assert seen == CONFIGS[1:] == fake.admitted
 
 
+def test_a_failing_precompile_only_costs_its_speed_up(tuning_on, caplog):
+    def precompile(candidates):
+        raise ValueError("no such kernel")
+
+    with caplog.at_level(logging.INFO, logger="tritonkit"):
+        assert make_tuner().config(KEY, admit=FakeKernel().admit, time_ms=FakeKernel().time_ms,
+                                   precompile=precompile) == CONFIGS[1]
+    assert "could not compile its candidates ahead (ValueError: no such kernel)" in caplog.text
+
+
 def test_no_entry_where_tuning_cannot_run(monkeypatch):
     fake = FakeKernel()
     assert make_tuner().entry(KEY, admit=fake.admit, time_ms=fake.time_ms) is None  # the interpreter

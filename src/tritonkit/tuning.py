@@ -171,7 +171,11 @@ class Tuner:
         errors: dict[str, float] = {}  # error against the reference, where admit reports one
         candidates = self._candidates(key)
         if precompile is not None:
-            precompile(candidates)
+            try:
+                precompile(candidates)
+            except Exception as error:  # only a speed-up: each candidate still compiles when it runs
+                log.info("tritonkit: %s could not compile its candidates ahead (%s: %s)", self.name,
+                         type(error).__name__, error)
         for config in candidates:
             name = _canonical(config)
             ms[name] = None

@@ -144,8 +144,9 @@ def _default(key: dict) -> dict:
             block_m = max(block_m, min(rows, COLS_MIN_BLOCK_M))
             warps = min(16, max(4, block_m * block_n * _tiles(key) // 1024))
         return {"variant": "one-pass", "BLOCK_M": block_m, "num_warps": warps}
-    if variant == "split":  # never chosen untuned: it needs its segments resident at once
-        return {"variant": "split", "SEGMENT": 16384, "BLOCK_N": 4096, "num_warps": 8, "PER_SM": 1}
+    if variant == "split":  # never chosen untuned; at most 128 segments a row, so they fit at once
+        return {"variant": "split", "SEGMENT": max(16384, block_n // 128), "BLOCK_N": 4096, "num_warps": 8,
+                "PER_SM": 1}
     if cols:
         return {"variant": "online", "BLOCK_M": min(64, max(COLS_MIN_BLOCK_M, rows)), "BLOCK_N": 64,
                 "num_warps": 4}
