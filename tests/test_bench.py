@@ -182,6 +182,21 @@ def test_run_skips_cases_already_done_and_reports_each_case(spec, capsys):
     assert [[r[k] for k in key] for r in resumed] == [[r[k] for k in key] for r in full]  # sweep order
 
 
+def test_host_time_is_measured_once_per_op_provider_mode_and_dtype(spec, monkeypatch):
+    from tritonkit.bench import runner
+
+    measured = []
+    monkeypatch.setattr(runner.timing, "host_us", lambda call: measured.append(call) or 7.5)
+    monkeypatch.setattr(runner, "_inputs", lambda case, device, seed, grad: (case.shape,))
+    monkeypatch.setattr(runner, "_call", lambda fn, case, inputs: (case, inputs))
+    monkeypatch.setattr(runner, "_host_times", {})
+    rows = [runner._host_time(lambda *a: None, Case(spec, shape, dtype, mode), provider)
+            for shape in [(8192, 4096), (4096, 4096)] for dtype in (torch.float32, torch.bfloat16)
+            for mode in ("fwd", "bwd") for provider in ("tritonkit", "torch")]
+    assert len(measured) == 2 * 2 * 2  # the second shape reuses every measurement
+    assert all(row == {"host_us": 7.5, "host_shape": list(spec.tiny_shape)} for row in rows)
+
+
 def test_checkpoint_keeps_rows_of_the_same_run_only(tmp_path):
     from tritonkit.bench.report import append_checkpoint, read_checkpoint
 
