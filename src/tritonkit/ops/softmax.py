@@ -64,6 +64,7 @@ from tritonkit.ops.softmax_kernels import (  # noqa: E402
     _row_offsets,
     _row_start,
     _row_sum,
+    _segment_of_program,
     _softmax_bwd_kernel,
     _softmax_bwd_online_kernel,
     _softmax_bwd_split_kernel,
@@ -198,7 +199,7 @@ def _layout(view: torch.Tensor) -> str:
 
 
 # hashed with the kernels: an edit retunes
-_SPLIT_HELPERS = (_row_start, _publish_and_wait)
+_SPLIT_HELPERS = (_row_start, _segment_of_program, _publish_and_wait)
 _FWD_HELPERS = (_row_offsets, _tile, _row_sum, _log, _exp_shifted, *_SPLIT_HELPERS)
 _BWD_HELPERS = (_row_offsets, _tile, _row_sum, _row_dot, _input_grad, *_SPLIT_HELPERS)
 _LAUNCHERS = {

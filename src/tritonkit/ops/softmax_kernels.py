@@ -255,6 +255,17 @@ def _row_start(row, R, stride_o, stride_r):
 
 
 @triton.jit
+def _segment_of_program(N, segments, SEGMENT, BLOCK_N: tl.constexpr):
+    """This program's place: (its first row, rows in flight at once, its segment, the segment's first
+    entry, its chunks). A row's programs are adjacent; every program walks every groups-th row."""
+    pid = tl.program_id(0)
+    segment = pid % segments
+    first = segment * SEGMENT
+    return (pid // segments, tl.num_programs(0) // segments, segment, first,
+            tl.cdiv(tl.minimum(N - first, SEGMENT), BLOCK_N))
+
+
+@triton.jit
 def _publish_and_wait(arrived_ptr, row, segments):
     """Count this program's segment of ``row`` as published, then wait until every segment is.
 
@@ -287,13 +298,9 @@ def _softmax_fwd_split_kernel(
     SEGMENTS: tl.constexpr,  # power of two >= segments: the partials a program combines
     PHASE: tl.constexpr,  # 0: both passes, waiting between them; 1: pass 1 only; 2: pass 2 only
 ):
-    pid = tl.program_id(0)
-    groups = tl.num_programs(0) // segments  # rows in flight at once
-    segment = pid % segments
+    first_row, groups, segment, first, chunks = _segment_of_program(N, segments, SEGMENT, BLOCK_N)
     offsets = tl.arange(0, BLOCK_N)
-    first = segment * SEGMENT
-    chunks = tl.cdiv(tl.minimum(N - first, SEGMENT), BLOCK_N)
-    for row in range(pid // segments, rows, groups):
+    for row in range(first_row, rows, groups):
         x_row = _row_start(row, R, stride_xo, stride_xr)
         if PHASE != 2:  # pass 1: the segment's running max and rescaled sum, as the online kernel
             m = tl.full([1], -float("inf"), tl.float32)
@@ -359,13 +366,9 @@ def _softmax_bwd_split_kernel(
     SEGMENTS: tl.constexpr,  # power of two >= segments: the partials a program combines
     PHASE: tl.constexpr,  # 0: both passes, waiting between them; 1: pass 1 only; 2: pass 2 only
 ):
-    pid = tl.program_id(0)
-    groups = tl.num_programs(0) // segments
-    segment = pid % segments
+    first_row, groups, segment, first, chunks = _segment_of_program(N, segments, SEGMENT, BLOCK_N)
     offsets = tl.arange(0, BLOCK_N)
-    first = segment * SEGMENT
-    chunks = tl.cdiv(tl.minimum(N - first, SEGMENT), BLOCK_N)
-    for row in range(pid // segments, rows, groups):
+    for row in range(first_row, rows, groups):
         y_row = _row_start(row, R, stride_yo, stride_yr)
         dy_row = _row_start(row, R, stride_dyo, stride_dyr)
         if PHASE != 2:
