@@ -6,7 +6,6 @@ test_softmax_hw.py."""
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 
 import pytest
@@ -15,7 +14,7 @@ import torch
 import tritonkit
 import tritonkit.ops.softmax as sm
 from tritonkit import tuning
-from tritonkit._runtime import current_device, empty_output, interpret, sm_count
+from tritonkit._runtime import empty_output, interpret, sm_count
 from tritonkit.ops import get_op
 from tritonkit.ops.softmax import (
     DTYPES,
@@ -355,30 +354,6 @@ def test_split_refuses_more_segments_than_can_run_at_once(device):
         sm._launch_args("fwd", config, False, views, sm._geometry(views))
 
 
-def test_split_is_tuned_only_for_long_rows_within_l2():
-    """Split candidates: rows of two segments or more, every segment in flight at once within
-    SPLIT_L2_BYTES (backward: y and dy), and never the untuned default."""
-    def split_candidates(n, dtype="bf16>bf16", direction="fwd"):
-        key = {k: v for k, v in _key(direction, n, rows=2048, dtype=dtype).items() if k != "variant"}
-        assert sm._default(key)["variant"] != "split"
-        return [c for c in sm._TUNERS[direction]._candidates(key) if c["variant"] == "split"]
-
-    assert split_candidates(16384) == [] and split_candidates(32768)
-    sms = sm_count(current_device())
-    for n in (1 << 17, 1 << 22, 1 << 24):  # the untuned split config fits any row up to 2^24 at once
-        default = sm._default({**_key("fwd", n, rows=2048), "variant": "split"})
-        assert -(-n // default["SEGMENT"]) <= default["PER_SM"] * sms
-    for n, dtype, direction in [(131072, "bf16>bf16", "fwd"), (524288, "fp32>fp32", "fwd"),
-                                (4194304, "fp32>fp32", "bwd")]:
-        candidates = split_candidates(n, dtype, direction)
-        assert candidates, (n, dtype, direction)
-        for config in candidates:
-            programs = config["PER_SM"] * sms
-            assert 2 <= n // config["SEGMENT"] <= programs
-            tiles = 1 if direction == "fwd" else 2
-            assert programs * config["SEGMENT"] * (2 if "bf16" in dtype else 4) * tiles <= sm.SPLIT_L2_BYTES
-
-
 # ---------------------------------------------------------------- edge values
 
 
@@ -584,110 +559,6 @@ def test_every_output_element_written(device):
                 y = _kernel(log, variant)(x, 1)
                 (grad,) = torch.autograd.grad(y, x, dy)
                 assert not torch.isnan(y).any() and not torch.isnan(grad).any()
-
-
-# ---------------------------------------------------------------- the accuracy gate with the real kernels
-
-# On rows of 200 the one-pass kernel's BLOCK_N is 256; these configs cut it, so the kernel
-# normalises only the first 64 or 128 entries and never writes the rest. The second passes the
-# prune function (16 values a thread, 32 backward), so a tuner really offers it.
-SHORT_TILE = {"variant": "one-pass", "BLOCK_M": 1, "BLOCK_N": 64, "num_warps": 4}
-SHORT_TILE_UNPRUNED = {"variant": "one-pass", "BLOCK_M": 16, "BLOCK_N": 128, "num_warps": 4}
-GATE_ROWS, GATE_N = 64, 200
-
-
-def _gate_views(direction, dtype, layout, device):
-    """(O, R, N) views of a 64 x 200 problem as the launcher builds them; content is irrelevant."""
-    shape, dim = ((GATE_ROWS, GATE_N), 1) if layout == "rows" else ((GATE_N, GATE_ROWS), 0)
-    tensors = [random_tensor(shape, dtype, device, generator=generator(i)) for i in range(3)]
-    views = tuple(sm._as_3d(t, dim) for t in tensors[:2 if direction == "fwd" else 3])
-    assert sm._layout(views[0]) == layout
-    return views
-
-
-@pytest.mark.parametrize("direction", ["fwd", "bwd"])
-@pytest.mark.parametrize("layout, dtype", [("rows", F32), ("cols", BF16)], ids=str)
-@pytest.mark.parametrize("log", LOGS)
-def test_gate_rejects_a_config_that_skips_entries(direction, layout, dtype, log, device):
-    views = _gate_views(direction, dtype, layout, device)
-    name = sm._DTYPE_NAMES[dtype]
-    key = _key(direction, GATE_N, layout, GATE_ROWS, dtype=f"{name}>{name}")
-    assert not sm._prune(SHORT_TILE_UNPRUNED, key)
-    for bad in (SHORT_TILE, SHORT_TILE_UNPRUNED):
-        assert not sm._admit(direction, log, views, bad).passed, bad
-    good = [sm._default(key), {**SHORT_TILE, "BLOCK_N": 256}, sm._default({**key, "variant": "online"}),
-            {**SHORT_TILE, "variant": "online"}]  # the online kernel takes any chunk: 64 is fine
-    assert [config["variant"] for config in good] == ["one-pass", "one-pass", "online", "online"]
-    for config in good:
-        assert sm._admit(direction, log, views, config).passed, config
-
-
-def fake_ms(config):
-    """A fake timing: fewer rows and warps a program are faster."""
-    return 1.0 + config["BLOCK_M"] / 100 + config["num_warps"] / 1000
-
-
-@pytest.fixture
-def tuned(monkeypatch, tmp_path):
-    """Tuning as on a GPU, with fresh tuners (also offered SHORT_TILE_UNPRUNED), a private cache, an
-    empty memo, and a fake timer (do_bench needs CUDA) under which SHORT_TILE_UNPRUNED is by far the
-    fastest. Returns the cache folder and the configs timed."""
-    monkeypatch.setattr(tuning, "_single_config", lambda: False)
-    monkeypatch.setenv("TRITONKIT_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(sm, "_chosen", {})
-    monkeypatch.setattr(sm, "_plans", {})  # plans hold configs too
-    for direction, tuner in list(sm._TUNERS.items()):
-        fresh = tuning.Tuner(tuner.name, [*tuner.configs, SHORT_TILE_UNPRUNED], sources=tuner.sources,
-                             default=tuner.default, prune=tuner.prune)
-        monkeypatch.setitem(sm._TUNERS, direction, fresh)
-    timed = []
-
-    def fake_time_ms(direction, log, views, config):
-        timed.append(config)
-        return 0.001 if config == SHORT_TILE_UNPRUNED else fake_ms(config)
-
-    monkeypatch.setattr(sm, "_time_ms", fake_time_ms)
-    return tmp_path / tuning.SUBDIR, timed
-
-
-@pytest.mark.parametrize("log", LOGS)
-def test_tuner_never_picks_the_fast_wrong_config(log, tuned, launches, device):
-    cache, timed = tuned
-    x, dy = _inputs((GATE_ROWS, GATE_N), F32, device, seed=45)
-    _check(x, dy, log=log)
-    assert SHORT_TILE_UNPRUNED not in timed and timed
-    files = {path.name.split("-")[0]: path for path in cache.iterdir()}
-    assert sorted(files) == ["softmax_bwd", "softmax_fwd"]
-    bad = tuning._canonical(SHORT_TILE_UNPRUNED)
-    for direction in ("fwd", "bwd"):
-        entry = json.loads(files[f"softmax_{direction}"].read_text())
-        assert entry["ms"][bad] is None and "does not match" in entry["rejected"][bad], direction
-        admitted = [json.loads(c) for c, ms in entry["ms"].items() if ms is not None]
-        assert len(admitted) > 1 and entry["config"] == min(admitted, key=fake_ms)
-        # the memo holds the winner, and the op's own launch (the last, after tuning) used it
-        key = {k: v for k, v in _key(direction, GATE_N, rows=GATE_ROWS).items() if k != "variant"}
-        assert sm._chosen[("auto", *key.values())] == entry["config"]
-        assert [config for d, config in launches if d == direction][-1] == entry["config"]
-
-
-def test_named_variants_read_the_one_tuning_of_their_shape(tuned, launches, device):
-    """softmax, then each named variant on the same shape: one tuning per direction (every config
-    timed once), and each variant launches the fastest admitted config of its own kind."""
-    cache, timed = tuned
-    x, dy = _inputs((GATE_ROWS, GATE_N), F32, device, seed=47)
-    for variant in ("auto", "one-pass", "online"):
-        _check(x, dy, variant=variant)
-    assert sorted(path.name.split("-")[0] for path in cache.iterdir()) == ["softmax_bwd", "softmax_fwd"]
-    admitted_total = 0
-    for direction in ("fwd", "bwd"):
-        entry = json.loads(next(cache.glob(f"softmax_{direction}-*")).read_text())
-        admitted = [json.loads(c) for c, ms in entry["ms"].items() if ms is not None]
-        admitted_total += len(admitted)
-        ran = [config for d, config in launches if d == direction]
-        for variant in ("one-pass", "online"):
-            fastest = min((c for c in admitted if c["variant"] == variant), key=fake_ms)
-            assert fastest in ran, (direction, variant)
-    assert len(timed) == admitted_total  # each admitted config timed once, for all three variants
 
 
 # ---------------------------------------------------------------- bad arguments

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -129,7 +130,8 @@ def cmd_bench(args) -> int:
         append_checkpoint(checkpoint, [row | {"command": command} for row in case_rows])
 
     rows = run(names, shapes=args.shapes, dtypes=dtypes, modes=args.mode, providers=args.providers,
-               progress=not args.no_progress, done=done, on_case=save if checkpoint else None)
+               progress=not args.no_progress, done=done, on_case=save if checkpoint else None,
+               report=functools.partial(print, file=sys.stderr, flush=True) if args.no_progress else None)
     for row in rows:
         row["command"] = command
     failed = [r for r in rows if r.get("check") == "FAIL"]

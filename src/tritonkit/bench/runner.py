@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -211,12 +210,13 @@ def case_label(case: Case) -> str:
 
 def run(op_names: Iterable[str], *, shapes: str = "quick", dtypes=None, modes=MODES,
         providers: Iterable[str] | None = None, progress: bool = True, done: Iterable[dict] = (),
-        on_case: Callable[[list[dict]], None] | None = None) -> list[dict]:
+        on_case: Callable[[list[dict]], None] | None = None,
+        report: Callable[[str], None] | None = None) -> list[dict]:
     """Run the sweep and return its rows (each with provenance), in sweep order.
 
     Cases that already have rows in ``done`` (an interrupted run's) are not run again: their rows
-    are kept. ``on_case`` receives each case's rows as soon as the case finishes. Without a
-    progress bar, a line per case goes to stderr (a log shows where a long run is).
+    are kept. ``on_case`` receives each case's rows as soon as the case finishes, and ``report`` a
+    line saying which case finished and how long it took (where a log shows a long run's progress).
     """
     from tqdm import tqdm
 
@@ -242,7 +242,7 @@ def run(op_names: Iterable[str], *, shapes: str = "quick", dtypes=None, modes=MO
         rows.extend(case_rows)
         if on_case is not None:
             on_case(case_rows)
-        if not progress:
-            print(f"bench [{index + 1}/{len(todo)}] {case_label(case)}: {len(case_rows)} rows in "
-                  f"{time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+        if report is not None:
+            report(f"bench [{index + 1}/{len(todo)}] {case_label(case)}: {len(case_rows)} rows in "
+                   f"{time.perf_counter() - started:.1f} s")
     return sorted(rows, key=lambda row: order[row_case_id(row)])
