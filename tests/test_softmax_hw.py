@@ -110,7 +110,7 @@ def check(direction, dtype, log, config):
 
 KEY = {"direction": "fwd", "layout": "rows", "block_n": 1 << 20, "rows": 512, "dtype": "fp32>fp32"}
 CHUNKS = [c for c in sm._TUNERS["fwd"]._candidates(KEY)  # each (BLOCK_N, num_warps) a tuner may try
-          if c["variant"] == "split" and c["SEGMENT"] == 32768 and c["PER_SM"] == 1]
+          if c["variant"] == "split" and c["SEGMENT"] == 16384 and c["PER_SM"] == 2]
 for config in CHUNKS:
     for direction in ("fwd", "bwd"):
         for dtype, log in (("bf16", False), ("fp32", True)):

@@ -135,7 +135,7 @@ def test_split_is_tuned_only_for_long_rows_within_l2():
         assert sm._default(key)["variant"] != "split"
         return [c for c in sm._TUNERS[direction]._candidates(key) if c["variant"] == "split"]
 
-    assert split_candidates(16384) == [] and split_candidates(32768)
+    assert split_candidates(8192) == [] and split_candidates(16384)  # two segments of 8192 at least
     sms = sm_count(current_device())
     for n in (1 << 17, 1 << 22, 1 << 24):  # the untuned split config fits any row up to 2^24 at once
         default = sm._default({**_key("fwd", n, rows=2048), "variant": "split"})
@@ -147,5 +147,6 @@ def test_split_is_tuned_only_for_long_rows_within_l2():
         for config in candidates:
             programs = config["PER_SM"] * sms
             assert 2 <= n // config["SEGMENT"] <= programs
+            assert config["PER_SM"] * config["num_warps"] <= sm.SPLIT_MAX_WARPS_PER_SM  # all fit at once
             tiles = 1 if direction == "fwd" else 2
             assert programs * config["SEGMENT"] * (2 if "bf16" in dtype else 4) * tiles <= sm.SPLIT_L2_BYTES

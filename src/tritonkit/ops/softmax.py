@@ -99,12 +99,17 @@ CONFIGS = ([{"variant": "one-pass", "BLOCK_M": m, "num_warps": w}
            + [{"variant": "online", "BLOCK_M": m, "BLOCK_N": n, "num_warps": w}
               for m in (1, 16, 64) for n in (16, 64, 2048, 4096, 8192) for w in (4, 8, 16)]
            + [{"variant": "split", "SEGMENT": segment, "BLOCK_N": n, "num_warps": w, "PER_SM": k}
-              for segment in (16384, 32768, 65536) for n in (2048, 4096) for w in (8, 16) for k in (1, 2)])
+              for segment in (8192, 16384, 32768) for n in (2048, 4096) for w in (4, 8) for k in (2, 4, 8)])
 
 # Split-row kernels: PER_SM programs an SM, each holding one SEGMENT of a row between its two
-# passes. Everything in flight must stay in L2 for pass 2 to hit it: most of the H200's 50 MB
-# (a row of 4M fp32 entries alone, y and dy, is 32 MB).
+# passes. Two budgets pull apart. What is between the passes must stay in L2 for pass 2 to hit it:
+# most of the H200's 50 MB (a row of 4M fp32 entries alone, y and dy, is 32 MB). And an SM needs
+# about 32 KB of loads in flight to keep its share of HBM busy (4.8 TB/s over 132 SMs times ~1 us
+# of latency), while one program has only a chunk (8 KB at 4096 bf16 entries) in flight: several
+# programs an SM, in short segments. PER_SM * num_warps stays within half an SM's 64 warps, which
+# the kernels' registers (at most 64 a thread) always allow, so the cooperative launch fits.
 SPLIT_L2_BYTES = 40 << 20
+SPLIT_MAX_WARPS_PER_SM = 32
 
 
 def _tiles(key: dict) -> int:
@@ -145,9 +150,9 @@ def _default(key: dict) -> dict:
             block_m = max(block_m, min(rows, COLS_MIN_BLOCK_M))
             warps = min(16, max(4, block_m * block_n * _tiles(key) // 1024))
         return {"variant": "one-pass", "BLOCK_M": block_m, "num_warps": warps}
-    if variant == "split":  # never chosen untuned; at most 128 segments a row, so they fit at once
-        return {"variant": "split", "SEGMENT": max(16384, block_n // 128), "BLOCK_N": 4096, "num_warps": 8,
-                "PER_SM": 1}
+    if variant == "split":  # never chosen untuned; at most 256 segments a row, so they fit at once
+        return {"variant": "split", "SEGMENT": max(16384, block_n // 256), "BLOCK_N": 4096, "num_warps": 8,
+                "PER_SM": 2}
     if cols:
         return {"variant": "online", "BLOCK_M": min(64, max(COLS_MIN_BLOCK_M, rows)), "BLOCK_N": 64,
                 "num_warps": 4}
@@ -168,6 +173,7 @@ def _prune(config: dict, key: dict) -> bool:
     held = _per_thread(config, key["block_n"]) * (_tiles(key) if variant == "one-pass" else 1)
     if variant == "split":
         return not (low <= held <= high and config["SEGMENT"] >= 2 * config["BLOCK_N"]
+                    and config["PER_SM"] * config["num_warps"] <= SPLIT_MAX_WARPS_PER_SM
                     and _split_fits(config, key))
     min_block_m = min(key["rows"], COLS_MIN_BLOCK_M) if key["layout"] == "cols" else 1
     return not (low <= held <= high and min_block_m <= config["BLOCK_M"] <= max(1, key["rows"]))
