@@ -4,8 +4,8 @@ A config is a dict of kernel meta-parameters (``{"BLOCK_M": 4, "num_warps": 8}``
 would pick a config that skips work, so each candidate is first run on a calibration input and
 admitted only if its output matches the reference within the test oracle's tolerance; the
 fastest admitted config wins. Winners are cached on disk, one JSON file per tuner, key, device,
-Triton version and kernel-source hash, so an edited kernel or a new Triton tunes afresh. The
-package ships winners tuned on the H200 (``tuned/*.json``, written by ``tritonkit tune --export``):
+Triton version and kernel-source hash, so an edited kernel or a new Triton tunes afresh. Winners
+exported from the H200 (``tritonkit tune --export``) ship with the package in ``tuned/*.json``:
 where this machine's cache has no entry, a shipped one for the same setting is used.
 
 Tuning launches and times kernels, which cannot happen under the interpreter (one config is then
