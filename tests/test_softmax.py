@@ -113,14 +113,28 @@ def _key(direction, n, layout="rows", rows=64, variant="auto", dtype="fp32>fp32"
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Every kernel launch, as (direction, config): which kernel ran, with which parameters."""
-    launch, seen = sm._launch, []
+    """Every kernel launch the op makes, as (direction, config): which kernel ran, with which
+    parameters. The tuner's own launches (its gate and timings, over every variant, on a GPU) are
+    left out."""
+    launch, seen, tuning_depth = sm._launch, [], [0]
 
     def recording_launch(direction, config, *args):
-        seen.append((direction, config))
+        if not tuning_depth[0]:
+            seen.append((direction, config))
         launch(direction, config, *args)
 
+    def unrecorded(tuning_step):
+        def step(*args, **kwargs):
+            tuning_depth[0] += 1
+            try:
+                return tuning_step(*args, **kwargs)
+            finally:
+                tuning_depth[0] -= 1
+        return step
+
     monkeypatch.setattr(sm, "_launch", recording_launch)
+    monkeypatch.setattr(sm, "_admit", unrecorded(sm._admit))
+    monkeypatch.setattr(sm, "_time_ms", unrecorded(sm._time_ms))
     return seen
 
 
