@@ -43,16 +43,19 @@ F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 LOGS = [pytest.param(False, id="softmax"), pytest.param(True, id="log_softmax")]
 # Untuned (under the interpreter), "auto" runs the one-pass kernel at every row length of the CPU
 # suite (checked below); "online" forces the chunked kernel on the same inputs, "split" the
-# split-row one, in small segments (small_segments_config).
-KERNELS = ("auto", "online", "split")
+# split-row one, in small segments of two chunks (small_segments_config), and "split-held" the
+# split-row one with each segment one chunk, held in registers between the passes.
+KERNELS = ("auto", "online", "split", "split-held")
+_split_held = [False]  # whether the split default is HELD: set by _kernel
 
 
-def small_segments_config(key: dict) -> dict:
+def small_segments_config(key: dict, held: bool = False) -> dict:
     """The split config the CPU suite runs: rows of up to four segments (three where the row is just
-    past a power of two), each of two chunks, most with a ragged end: few programs for the
-    interpreter, every path of the kernel."""
+    past a power of two), each of two chunks (or one, held), most with a ragged end: few programs
+    for the interpreter, every path of the kernel."""
     segment = max(32, key["block_n"] // 4)
-    return {"variant": "split", "SEGMENT": segment, "BLOCK_N": segment // 2, "num_warps": 4, "PER_SM": 1}
+    return {"variant": "split", "SEGMENT": segment, "BLOCK_N": segment if held else segment // 2,
+            "num_warps": 4, "PER_SM": 1}
 
 
 @pytest.fixture(autouse=True)
@@ -62,14 +65,22 @@ def small_segments(monkeypatch):
     becomes small_segments_config, with fresh memos of chosen configs and plans."""
     monkeypatch.setattr(sm, "_chosen", {})
     monkeypatch.setattr(sm, "_plans", {})
+    _split_held[0] = False
     for tuner in sm._TUNERS.values():
         default = tuner.default
         monkeypatch.setattr(tuner, "default", lambda key, default=default: (
-            small_segments_config(key) if key.get("variant") == "split" else default(key)))
+            small_segments_config(key, _split_held[0]) if key.get("variant") == "split" else default(key)))
 
 
 def _kernel(log: bool, variant: str = "auto"):
-    """The public function for "auto", else softmax_variant with the named kernel."""
+    """The public function for "auto", else softmax_variant with the named kernel ("split-held":
+    "split", whose untuned config is HELD from here on, with fresh memos where that changes)."""
+    held = variant == "split-held"
+    if held != _split_held[0]:
+        _split_held[0] = held
+        sm._chosen.clear()
+        sm._plans.clear()
+    variant = "split" if held else variant
     if variant == "auto":
         return log_softmax if log else softmax
 
@@ -166,8 +177,10 @@ def test_matches_reference(shape, dtype, log, variant, launches, device):
     comparisons = _check(x, dy, log=log, variant=variant)
     assert [c.name for c in comparisons] == ["output[0]", "grad input[0]"]
     if variant != "auto" or interpret():  # tuned, auto may pick any kernel
-        expected = {"one-pass"} if variant == "auto" else {variant}
+        expected = {"one-pass"} if variant == "auto" else {variant.removesuffix("-held")}
         assert _variants(launches) == {"fwd": expected, "bwd": expected}
+        if variant.startswith("split"):
+            assert all(sm._held(config) == (variant == "split-held") for _, config in launches)
 
 
 def test_untuned_auto_is_one_pass_up_to_the_register_limit():

@@ -127,15 +127,16 @@ def test_named_variants_read_the_one_tuning_of_their_shape(tuned, launches, devi
 # ---------------------------------------------------------------- split-row candidates
 
 
-def test_split_is_tuned_only_for_long_rows_within_l2():
-    """Split candidates: rows of two segments or more, every segment in flight at once within
-    SPLIT_L2_BYTES (backward: y and dy), and never the untuned default."""
+def test_split_is_tuned_only_for_long_rows_that_fit_at_once():
+    """Split candidates: rows of two segments or more, all in flight at once. Chunked segments
+    together within SPLIT_L2_BYTES (backward: y and dy) and SPLIT_MAX_WARPS_PER_SM; HELD segments
+    within an SM's registers. Never the untuned default."""
     def split_candidates(n, dtype="bf16>bf16", direction="fwd"):
         key = {k: v for k, v in _key(direction, n, rows=2048, dtype=dtype).items() if k != "variant"}
         assert sm._default(key)["variant"] != "split"
         return [c for c in sm._TUNERS[direction]._candidates(key) if c["variant"] == "split"]
 
-    assert split_candidates(8192) == [] and split_candidates(16384)  # two segments of 8192 at least
+    assert split_candidates(4096) == [] and split_candidates(8192)  # two segments of 4096 at least
     sms = sm_count(current_device())
     for n in (1 << 17, 1 << 22, 1 << 24):  # the untuned split config fits any row up to 2^24 at once
         default = sm._default({**_key("fwd", n, rows=2048), "variant": "split"})
@@ -143,10 +144,15 @@ def test_split_is_tuned_only_for_long_rows_within_l2():
     for n, dtype, direction in [(131072, "bf16>bf16", "fwd"), (524288, "fp32>fp32", "fwd"),
                                 (4194304, "fp32>fp32", "bwd")]:
         candidates = split_candidates(n, dtype, direction)
-        assert candidates, (n, dtype, direction)
+        assert any(sm._held(c) for c in candidates) == (n < 4194304), (n, dtype, direction)
+        assert any(not sm._held(c) for c in candidates), (n, dtype, direction)
+        tiles, element_bytes = (1 if direction == "fwd" else 2), (2 if "bf16" in dtype else 4)
         for config in candidates:
-            programs = config["PER_SM"] * sms
+            programs, threads = config["PER_SM"] * sms, config["PER_SM"] * config["num_warps"] * 32
             assert 2 <= n // config["SEGMENT"] <= programs
-            assert config["PER_SM"] * config["num_warps"] <= sm.SPLIT_MAX_WARPS_PER_SM  # all fit at once
-            tiles = 1 if direction == "fwd" else 2
-            assert programs * config["SEGMENT"] * (2 if "bf16" in dtype else 4) * tiles <= sm.SPLIT_L2_BYTES
+            if sm._held(config):
+                values = config["SEGMENT"] * tiles / (32 * config["num_warps"])
+                assert threads * sm._held_registers(values, element_bytes) <= sm.SM_REGISTERS
+            else:
+                assert config["PER_SM"] * config["num_warps"] <= sm.SPLIT_MAX_WARPS_PER_SM
+                assert programs * config["SEGMENT"] * element_bytes * tiles <= sm.SPLIT_L2_BYTES

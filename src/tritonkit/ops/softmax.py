@@ -24,7 +24,8 @@ Kernels, selectable by name (``VARIANTS``):
   split     rows far longer than L2 can hold while they are in flight (hundreds of kilobytes and
             up): the programs of a row each take one segment, publish its partial (max, sum), wait
             for the row's other segments, combine them and normalise their own segment, which is
-            still in L2. Needs every program resident at once: a cooperative launch.
+            still in L2 (or, HELD, in its registers). Needs every program resident at once: a
+            cooperative launch.
 The backward has the same kernels, with sum(dy * y) (or sum(dy)) in place of the max and sum.
 
 Work. Forward reads x and writes y: 2 M N s bytes for M rows in dtype of s bytes; backward reads y
@@ -59,6 +60,7 @@ from tritonkit.ops.softmax_kernels import (  # noqa: E402
     _exp_shifted,
     _input_grad,
     _log,
+    _normalized,
     _publish_and_wait,
     _row_dot,
     _row_offsets,
@@ -99,7 +101,9 @@ CONFIGS = ([{"variant": "one-pass", "BLOCK_M": m, "num_warps": w}
            + [{"variant": "online", "BLOCK_M": m, "BLOCK_N": n, "num_warps": w}
               for m in (1, 16, 64) for n in (16, 64, 2048, 4096, 8192) for w in (4, 8, 16)]
            + [{"variant": "split", "SEGMENT": segment, "BLOCK_N": n, "num_warps": w, "PER_SM": k}
-              for segment in (8192, 16384, 32768) for n in (2048, 4096) for w in (4, 8) for k in (2, 4, 8)])
+              for segment in (4096, 8192, 16384) for n in (2048, 4096) for w in (4, 8) for k in (2, 4, 8)]
+           + [{"variant": "split", "SEGMENT": n, "BLOCK_N": n, "num_warps": w, "PER_SM": k}  # HELD
+              for n in (4096, 8192, 16384) for w in (4, 8, 16) for k in (1, 2, 4)])
 
 # Split-row kernels: PER_SM programs an SM, each holding one SEGMENT of a row between its two
 # passes. Two budgets pull apart. What is between the passes must stay in L2 for pass 2 to hit it:
@@ -108,8 +112,19 @@ CONFIGS = ([{"variant": "one-pass", "BLOCK_M": m, "num_warps": w}
 # of latency), while one program has only a chunk (8 KB at 4096 bf16 entries) in flight: several
 # programs an SM, in short segments. PER_SM * num_warps stays within half an SM's 64 warps, which
 # the kernels' registers (at most 64 a thread) always allow, so the cooperative launch fits.
+# Online configs with short chunks are for the cols layout: along a contiguous row, chunks under a
+# quarter of the row or ONLINE_MIN_ROWS_CHUNK entries never won on the H200 (some took 100x the best).
+ONLINE_MIN_ROWS_CHUNK = 2048
 SPLIT_L2_BYTES = 40 << 20
 SPLIT_MAX_WARPS_PER_SM = 32
+# HELD split configs (SEGMENT == BLOCK_N) keep a thread's share of the segment in registers between
+# the passes, HELD_PER_THREAD values (x; or y and dy); their cooperative launch needs PER_SM programs'
+# registers within an SM's 64K. _held_registers bounds what ptxas gave them for sm_90 (Triton 3.6:
+# 40-128 a thread for 16-bit entries, 48-185 for fp32, more with fp64 sums; a test checks the bound).
+HELD_PER_THREAD = (16, 64)
+HELD_BASE_REGISTERS = 32
+HELD_REGISTERS_PER_VALUE = {2: 2.0, 4: 3.5}  # by entry bytes: the values, their pointers, masks, fp64 sums
+SM_REGISTERS = 1 << 16
 
 
 def _tiles(key: dict) -> int:
@@ -129,14 +144,35 @@ def _per_thread(config: dict, block_n: int) -> float:
     return config.get("BLOCK_M", 1) * config.get("BLOCK_N", block_n) / (32 * config["num_warps"])
 
 
+def _held(config: dict) -> bool:
+    """A split config whose segment is one chunk, held in registers between the passes."""
+    return config["variant"] == "split" and config["SEGMENT"] == config["BLOCK_N"]
+
+
+def _held_registers(values: float, element_bytes: int) -> int:
+    """An upper bound on a HELD split kernel's registers a thread, rounded up as the SM allocates."""
+    return cdiv(int(HELD_BASE_REGISTERS + values * HELD_REGISTERS_PER_VALUE[element_bytes]), 8) * 8
+
+
 def _split_fits(config: dict, key: dict) -> bool:
-    """Rows of at least two segments, as many segments as programs fit at once, and the segments
-    in flight (x, or y and dy) within SPLIT_L2_BYTES."""
+    """Rows of at least two segments and as many segments as programs fit at once. Chunked: the
+    values a thread holds within PER_THREAD, at least two chunks a segment, PER_SM programs within
+    SPLIT_MAX_WARPS_PER_SM and the segments in flight (x, or y and dy) within SPLIT_L2_BYTES. HELD:
+    the segment's values a thread within HELD_PER_THREAD, and PER_SM programs' registers in an SM."""
     segments = key["block_n"] // config["SEGMENT"]
     programs = config["PER_SM"] * sm_count(current_device())
+    if not (2 <= segments <= programs and key["layout"] == "rows"):
+        return False
+    values = _per_thread(config, key["block_n"]) * _tiles(key)
+    threads = config["PER_SM"] * config["num_warps"] * 32
     element_bytes = {"fp16": 2, "bf16": 2, "fp32": 4}[key["dtype"].split(">")[0]]
+    if _held(config):
+        low, high = HELD_PER_THREAD
+        return low <= values <= high and threads * _held_registers(values, element_bytes) <= SM_REGISTERS
     in_flight = programs * config["SEGMENT"] * element_bytes * _tiles(key)
-    return 2 <= segments <= programs and in_flight <= SPLIT_L2_BYTES and key["layout"] == "rows"
+    low, high = PER_THREAD["split"]
+    return (low <= values / _tiles(key) <= high and config["SEGMENT"] >= 2 * config["BLOCK_N"]
+            and threads <= SPLIT_MAX_WARPS_PER_SM * 32 and in_flight <= SPLIT_L2_BYTES)
 
 
 def _default(key: dict) -> dict:
@@ -167,14 +203,13 @@ def _prune(config: dict, key: dict) -> bool:
     variant, asked = config["variant"], key.get("variant", "auto")
     if asked not in ("auto", variant) or (variant == "one-pass" and not _one_pass_fits(key)):
         return True
-    if variant == "online" and config["BLOCK_N"] > key["block_n"]:
+    if variant == "online" and (config["BLOCK_N"] > key["block_n"] or key["layout"] == "rows"
+                                and config["BLOCK_N"] < min(key["block_n"] // 4, ONLINE_MIN_ROWS_CHUNK)):
         return True
+    if variant == "split":
+        return not _split_fits(config, key)
     low, high = PER_THREAD[variant]
     held = _per_thread(config, key["block_n"]) * (_tiles(key) if variant == "one-pass" else 1)
-    if variant == "split":
-        return not (low <= held <= high and config["SEGMENT"] >= 2 * config["BLOCK_N"]
-                    and config["PER_SM"] * config["num_warps"] <= SPLIT_MAX_WARPS_PER_SM
-                    and _split_fits(config, key))
     min_block_m = min(key["rows"], COLS_MIN_BLOCK_M) if key["layout"] == "cols" else 1
     return not (low <= held <= high and min_block_m <= config["BLOCK_M"] <= max(1, key["rows"]))
 
@@ -206,7 +241,7 @@ def _layout(view: torch.Tensor) -> str:
 
 # hashed with the kernels: an edit retunes
 _SPLIT_HELPERS = (_row_start, _segment_of_program, _publish_and_wait)
-_FWD_HELPERS = (_row_offsets, _tile, _row_sum, _log, _exp_shifted, *_SPLIT_HELPERS)
+_FWD_HELPERS = (_row_offsets, _tile, _row_sum, _log, _exp_shifted, _normalized, *_SPLIT_HELPERS)
 _BWD_HELPERS = (_row_offsets, _tile, _row_sum, _row_dot, _input_grad, *_SPLIT_HELPERS)
 _LAUNCHERS = {
     ("fwd", "one-pass"): Launcher(_softmax_fwd_kernel),
@@ -266,7 +301,8 @@ def _split_launch_args(direction: str, config: dict, log: bool, sum_fp64: bool, 
     else:
         workspace = (sums, arrived)
     meta = {"LOG": log, "SUM_FP64": sum_fp64, "BLOCK_N": config["BLOCK_N"],
-            "SEGMENTS": _next_power_of_2(segments), "PHASE": phase, "num_warps": config["num_warps"]}
+            "SEGMENTS": _next_power_of_2(segments), "PHASE": phase, "HELD": _held(config),
+            "num_warps": config["num_warps"]}
     if phase == 0:
         meta["launch_cooperative_grid"] = True  # the launch fails, not hangs, if they cannot all run
     args = (*tensors, *workspace, rows, n, total, segments, segment, *strides)
