@@ -105,11 +105,12 @@ def check(direction, dtype, log, config):
     row_loads = {x for x in loads if "STRONG" not in x}  # the rest read the partials, bypassing L1
     partial_loads = loads - row_loads
     values = config["BLOCK_N"] * (1 if direction == "fwd" else 2) / (32 * config["num_warps"])
+    bound = sm._held_registers(direction, values, 4 if dtype == "fp32" else 2)
     verdicts = [row_loads == ({"LDG.E.EF.128"} if held else {"LDG.E.EL.128", "LDG.E.EF.128"}),
                 "STG.E.128" in stores,
                 bool(partial_loads) and all(x.endswith("STRONG.GPU") for x in partial_loads),
                 "ATOMG.E.ADD.STRONG.GPU" in sass and "MEMBAR" in sass,
-                not held or report.registers <= sm._held_registers(values, 2 if dtype == "bf16" else 4)]
+                not held or report.registers <= bound]
     name = f"{'held' if held else 'chunked'} {kernel.__name__} {dtype} {'log' if log else 'softmax'} {config}"
     return (f"{name} | {' '.join(map(str, verdicts))} | {report.spills} | {sorted(loads)} "
             f"{sorted(stores)} registers {report.registers}")
@@ -125,7 +126,8 @@ jobs = [(direction, dtype, log, config)
         for direction in ("fwd", "bwd") for dtype, log in (("bf16", False), ("fp32", True))]
 # each (SEGMENT, num_warps) of HELD configs a tuner may try at the benchmark's long rows
 for direction, n, dtype, log in (("fwd", 131072, "bf16", False), ("bwd", 131072, "bf16", True),
-                                 ("fwd", 524288, "fp32", True), ("bwd", 524288, "fp32", False)):
+                                 ("fwd", 524288, "fp32", True), ("bwd", 524288, "fp32", False),
+                                 ("bwd", 524288, "fp32", True)):
     held = {(c["SEGMENT"], c["num_warps"]): c for c in candidates(direction, n, dtype) if sm._held(c)}
     jobs += [(direction, dtype, log, config) for config in held.values()]
 with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as pool:

@@ -152,7 +152,7 @@ def test_split_is_tuned_only_for_long_rows_that_fit_at_once():
             assert 2 <= n // config["SEGMENT"] <= programs
             if sm._held(config):
                 values = config["SEGMENT"] * tiles / (32 * config["num_warps"])
-                assert threads * sm._held_registers(values, element_bytes) <= sm.SM_REGISTERS
+                assert threads * sm._held_registers(direction, values, element_bytes) <= sm.SM_REGISTERS
             else:
                 assert config["PER_SM"] * config["num_warps"] <= sm.SPLIT_MAX_WARPS_PER_SM
                 assert programs * config["SEGMENT"] * element_bytes * tiles <= sm.SPLIT_L2_BYTES

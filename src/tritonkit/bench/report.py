@@ -285,7 +285,8 @@ def plot_results(results: Path, datasheet: roofline.DeviceSpec, path: Path) -> l
     measured = [r for r in rows if "measured_bandwidth" in r]
     if measured:
         bandwidth = measured[-1]["measured_bandwidth"]
-        ax.plot(xs, [x * bandwidth / 1e12 for x in xs], color="gray", lw=1,
+        peak = max(datasheet.peak(unit) for unit in units)  # a bandwidth slope, up to the highest roof
+        ax.plot(xs, [min(peak, x * bandwidth) / 1e12 for x in xs], color="gray", lw=1,
                 label=f"measured copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     plotted = []
     for index, name in enumerate(op_names()):

@@ -101,7 +101,8 @@ CONFIGS = ([{"variant": "one-pass", "BLOCK_M": m, "num_warps": w}
            + [{"variant": "online", "BLOCK_M": m, "BLOCK_N": n, "num_warps": w}
               for m in (1, 16, 64) for n in (16, 64, 2048, 4096, 8192) for w in (4, 8, 16)]
            + [{"variant": "split", "SEGMENT": segment, "BLOCK_N": n, "num_warps": w, "PER_SM": k}
-              for segment in (4096, 8192, 16384) for n in (2048, 4096) for w in (4, 8) for k in (2, 4, 8)]
+              for segment in (4096, 8192, 16384) for n in (2048, 4096) if segment >= 2 * n
+              for w in (4, 8) for k in (2, 4, 8)]
            + [{"variant": "split", "SEGMENT": n, "BLOCK_N": n, "num_warps": w, "PER_SM": k}  # HELD
               for n in (4096, 8192, 16384) for w in (4, 8, 16) for k in (1, 2, 4)])
 
@@ -123,7 +124,8 @@ SPLIT_MAX_WARPS_PER_SM = 32
 # 40-128 a thread for 16-bit entries, 48-185 for fp32, more with fp64 sums; a test checks the bound).
 HELD_PER_THREAD = (16, 64)
 HELD_BASE_REGISTERS = 32
-HELD_REGISTERS_PER_VALUE = {2: 2.0, 4: 3.5}  # by entry bytes: the values, their pointers, masks, fp64 sums
+HELD_REGISTERS_PER_VALUE = {  # by direction and entry bytes: the values, pointers, masks, fp64 sums
+    ("fwd", 2): 2.0, ("fwd", 4): 3.5, ("bwd", 2): 1.5, ("bwd", 4): 2.25}
 SM_REGISTERS = 1 << 16
 
 
@@ -149,9 +151,10 @@ def _held(config: dict) -> bool:
     return config["variant"] == "split" and config["SEGMENT"] == config["BLOCK_N"]
 
 
-def _held_registers(values: float, element_bytes: int) -> int:
+def _held_registers(direction: str, values: float, element_bytes: int) -> int:
     """An upper bound on a HELD split kernel's registers a thread, rounded up as the SM allocates."""
-    return cdiv(int(HELD_BASE_REGISTERS + values * HELD_REGISTERS_PER_VALUE[element_bytes]), 8) * 8
+    per_value = HELD_REGISTERS_PER_VALUE[direction, element_bytes]
+    return cdiv(int(HELD_BASE_REGISTERS + values * per_value), 8) * 8
 
 
 def _split_fits(config: dict, key: dict) -> bool:
@@ -168,7 +171,8 @@ def _split_fits(config: dict, key: dict) -> bool:
     element_bytes = {"fp16": 2, "bf16": 2, "fp32": 4}[key["dtype"].split(">")[0]]
     if _held(config):
         low, high = HELD_PER_THREAD
-        return low <= values <= high and threads * _held_registers(values, element_bytes) <= SM_REGISTERS
+        registers = _held_registers(key["direction"], values, element_bytes)
+        return low <= values <= high and threads * registers <= SM_REGISTERS
     in_flight = programs * config["SEGMENT"] * element_bytes * _tiles(key)
     low, high = PER_THREAD["split"]
     return (low <= values / _tiles(key) <= high and config["SEGMENT"] >= 2 * config["BLOCK_N"]
