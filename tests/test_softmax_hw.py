@@ -257,6 +257,7 @@ def test_held_split_configs_at_scale(shape, dtype, log, device):
         key = sm._tuning_key(direction, tensors)
         held = [c for c in sm._TUNERS[direction]._candidates(key) if sm._held(c)]
         assert held, key
+        sm._precompile(direction, log, tensors, held)  # on threads, as the tuner does
         for config in held:
             out = torch.full_like(tensors[-1], float("nan"))  # poisoned: every entry must be written
             sm._launch(direction, config, log, (*tensors[:-1], out), sm._geometry(tensors))
