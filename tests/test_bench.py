@@ -66,6 +66,18 @@ def test_check_fails_a_wrong_kernel(spec):
     assert [r["check"] for r in rows] == ["FAIL"]
 
 
+def test_ops_with_several_outputs_and_non_tensor_inputs_are_checked_in_every_mode():
+    # add_rms_norm returns (normed, x + residual) and takes the normalized shape as an input
+    spec = get_op("add_rms_norm")
+    for mode in ("fwd", "bwd", "fwd+bwd"):
+        [row] = run_case(Case(spec, (5, 96), torch.float32, mode), ["tritonkit"], "cpu")
+        assert row["check"] == "pass" and 0 < row["max_err"] < 1e-4, (mode, row)
+    broken = dataclasses.replace(spec, fn=lambda x, r, shape, w, eps=None: tuple(
+        t * 1.01 for t in spec.fn(x, r, shape, w, eps)))
+    [row] = run_case(Case(broken, (5, 96), torch.float32, "bwd"), ["tritonkit"], "cpu")
+    assert row["check"] == "FAIL"
+
+
 def test_op_specific_peers_are_providers(spec):
     with_peer = dataclasses.replace(spec, peers={"cublaslt": lambda kwargs: spec.reference})
     assert [p.name for p in providers_for(with_peer)][-1] == "cublaslt"

@@ -101,7 +101,8 @@ def compare(name: str, kernel_value: torch.Tensor, torch_value: torch.Tensor,
     return Comparison(name, max_abs_error(kernel_value, reference_value), err_torch, tolerance)
 
 
-def _as_tuple(value) -> tuple:
+def as_tuple(value) -> tuple:
+    """An op's outputs as a tuple: one output or several."""
     return tuple(value) if isinstance(value, (tuple, list)) else (value,)
 
 
@@ -149,7 +150,7 @@ def compare_with_reference(kernel: Callable, reference: Callable, inputs: Sequen
     def run(fn, upcast: torch.dtype | None, poison: bool):
         args = _clone_inputs(inputs, upcast, wants_grad)
         with poisoned_outputs() if poison else contextlib.nullcontext():
-            outputs = _as_tuple(fn(*args, **kwargs))
+            outputs = as_tuple(fn(*args, **kwargs))
         grads = ()
         if grad_inputs:
             upstream = [g.to(upcast) if upcast else g for g in grad_outputs]

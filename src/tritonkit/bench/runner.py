@@ -86,12 +86,17 @@ def _call(fn: Callable, case: Case, inputs: tuple) -> Callable[[], object]:
     grad_inputs = [inputs[i] for i in case.spec.grad_inputs]
     if case.mode == "fwd":
         return lambda: fn(*inputs)
-    output = fn(*inputs)
-    grad_output = testing.random_tensor(output.shape, output.dtype, output.device,
-                                        generator=testing.generator(SEED + 1))
+    outputs = testing.as_tuple(fn(*inputs))
+    grad_outputs = _grad_outputs(outputs)
     if case.mode == "bwd":
-        return lambda: torch.autograd.grad(output, grad_inputs, grad_output, retain_graph=True)
-    return lambda: torch.autograd.grad(fn(*inputs), grad_inputs, grad_output)
+        return lambda: torch.autograd.grad(outputs, grad_inputs, grad_outputs, retain_graph=True)
+    return lambda: torch.autograd.grad(testing.as_tuple(fn(*inputs)), grad_inputs, grad_outputs)
+
+
+def _grad_outputs(outputs: tuple) -> list:
+    """Random upstream gradients, one per output (add_rms_norm returns two), the same every run."""
+    generator = testing.generator(SEED + 1)
+    return [testing.random_tensor(o.shape, o.dtype, o.device, generator=generator) for o in outputs]
 
 
 def _check(fn: Callable, case: Case, inputs: tuple) -> dict:
@@ -99,9 +104,8 @@ def _check(fn: Callable, case: Case, inputs: tuple) -> dict:
     with_grads = case.mode != "fwd"
     grad_outputs = None
     if with_grads:
-        output = case.spec.reference(*(x.detach() for x in inputs), **case.spec.kwargs)
-        grad_outputs = [testing.random_tensor(output.shape, output.dtype, output.device,
-                                              generator=testing.generator(SEED + 1))]
+        detached = [x.detach() if isinstance(x, torch.Tensor) else x for x in inputs]  # shapes too
+        grad_outputs = _grad_outputs(testing.as_tuple(case.spec.reference(*detached, **case.spec.kwargs)))
     comparisons = testing.compare_with_reference(
         fn, functools.partial(case.spec.reference, **case.spec.kwargs), inputs,
         grad_inputs=case.spec.grad_inputs if with_grads else (), grad_outputs=grad_outputs)
