@@ -41,6 +41,11 @@ def _compiled_reference(spec: OpSpec, kwargs_items: tuple) -> Callable:
 def _torch_compile(spec: OpSpec, kwargs: dict) -> Callable | str:
     if not torch.cuda.is_available():
         return "needs a CUDA GPU (timings only)"
+    # The backward is timed by replaying one graph (retain_graph=True), which a compiled backward
+    # with donated buffers refuses; donation saves memory, not time, so the benchmark turns it off.
+    import torch._functorch.config as functorch_config
+
+    functorch_config.donated_buffer = False
     return _compiled_reference(spec, tuple(sorted(kwargs.items())))
 
 
