@@ -51,6 +51,30 @@ def _case(kind: str, shape, dtype, device, seed, *, weight=True, bias=True, para
     return kernel, reference, inputs, tuple(range(len(inputs))), grads
 
 
+@pytest.mark.parametrize("kind", ["rms_norm", "add_rms_norm"])
+@pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=str)
+def test_rms_eps_default_is_torchs(kind, dtype, device):
+    # torch computes 16-bit inputs in fp32 and takes fp32's epsilon when eps is None; rows with a
+    # mean square near bf16's epsilon (7.8e-3) show the difference at once
+    g = generator(5)
+    residual = kind.startswith("add_")
+    inputs = [random_tensor((6, 300), dtype, device, generator=g, scale=0.05)]
+    inputs += [random_tensor((6, 300), dtype, device, generator=g, scale=0.05)] if residual else []
+    inputs += [random_tensor((300,), dtype, device, generator=g)]
+    head = 2 if residual else 1
+
+    def kernel(*args):
+        return getattr(tritonkit, kind)(*args[:head], (300,), *args[head:])
+
+    def reference(*args):
+        return getattr(nm, f"{kind}_reference")(*args[:head], (300,), *args[head:])
+
+    assert nm.rms_eps(None, dtype) == torch.finfo(F32).eps and nm.rms_eps(0.5, dtype) == 0.5
+    grads = [random_tensor((6, 300), dtype, device, generator=g) for _ in range(head)]
+    check_against_reference(kernel, reference, inputs, grad_inputs=tuple(range(len(inputs))),
+                            grad_outputs=grads)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("shape", [(7, 1000), (3, 5, 64), (1, 7), (9, 1), (2, 4097)], ids=str)
 @pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=str)

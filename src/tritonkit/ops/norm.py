@@ -563,9 +563,10 @@ def _norm(input, residual, normalized_shape, weight, bias, eps, rms: bool):
     return (y, h) if residual is not None else y
 
 
-def _rms_eps(eps, input) -> float:
-    """F.rms_norm's default: the input dtype's machine epsilon."""
-    return torch.finfo(input.dtype).eps if eps is None else eps
+def rms_eps(eps: float | None, dtype: torch.dtype) -> float:
+    """F.rms_norm's default eps: the machine epsilon of the type it computes in, fp32 for 16-bit
+    inputs (1.2e-7, not bf16's 7.8e-3, which shifts outputs of small rows by several percent)."""
+    return torch.finfo(torch.promote_types(dtype, torch.float32)).eps if eps is None else eps
 
 
 def layer_norm(input: torch.Tensor, normalized_shape, weight: torch.Tensor | None = None,
@@ -577,7 +578,7 @@ def layer_norm(input: torch.Tensor, normalized_shape, weight: torch.Tensor | Non
 def rms_norm(input: torch.Tensor, normalized_shape, weight: torch.Tensor | None = None,
              eps: float | None = None) -> torch.Tensor:
     """``torch.nn.functional.rms_norm`` over the last dimension, statistics in fp32."""
-    return _norm(input, None, normalized_shape, weight, None, _rms_eps(eps, input), rms=True)
+    return _norm(input, None, normalized_shape, weight, None, rms_eps(eps, input.dtype), rms=True)
 
 
 def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, normalized_shape,
@@ -591,7 +592,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, normalized_shape,
                  weight: torch.Tensor | None = None,
                  eps: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual), x + residual)`` in one pass."""
-    return _norm(x, residual, normalized_shape, weight, None, _rms_eps(eps, x), rms=True)
+    return _norm(x, residual, normalized_shape, weight, None, rms_eps(eps, x.dtype), rms=True)
 
 
 # ---------------------------------------------------------------- reference and cost
@@ -656,14 +657,13 @@ def _liger(rms: bool, residual: bool):
             from liger_kernel.transformers.functional import liger_fused_add_rms_norm
 
             return lambda x, r, shape, w, eps=None: liger_fused_add_rms_norm(
-                x, r, w, torch.finfo(x.dtype).eps if eps is None else eps, in_place=False)
+                x, r, w, rms_eps(eps, x.dtype), in_place=False)
         if residual:
             return "has no fused add + LayerNorm"
         if rms:
             from liger_kernel.transformers.functional import liger_rms_norm
 
-            return lambda x, shape, w, eps=None: liger_rms_norm(x, w, torch.finfo(x.dtype).eps if eps is None
-                                                                 else eps, in_place=False)
+            return lambda x, shape, w, eps=None: liger_rms_norm(x, w, rms_eps(eps, x.dtype), in_place=False)
         from liger_kernel.transformers.functional import liger_layer_norm
 
         return lambda x, shape, w, b, eps=1e-5: liger_layer_norm(x, w, b, eps)
