@@ -42,20 +42,17 @@ pytestmark = pytest.mark.softmax
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 LOGS = [pytest.param(False, id="softmax"), pytest.param(True, id="log_softmax")]
 # Untuned (under the interpreter), "auto" runs the one-pass kernel at every row length of the CPU
-# suite (checked below); "online" forces the chunked kernel on the same inputs, "split" the
-# split-row one, in small segments of two chunks (small_segments_config), and "split-held" the
-# split-row one with each segment one chunk, held in registers between the passes.
-KERNELS = ("auto", "online", "split", "split-held")
-_split_held = [False]  # whether the split default is HELD: set by _kernel
+# suite (checked below); "online" forces the chunked kernel on the same inputs, and "split" the
+# split-row one, in small segments of two chunks (small_segments_config).
+KERNELS = ("auto", "online", "split")
 
 
-def small_segments_config(key: dict, held: bool = False) -> dict:
+def small_segments_config(key: dict) -> dict:
     """The split config the CPU suite runs: rows of up to four segments (three where the row is just
-    past a power of two), each of two chunks (or one, held), most with a ragged end: few programs
-    for the interpreter, every path of the kernel."""
+    past a power of two), each of two chunks, most with a ragged end: few programs for the
+    interpreter, every path of the kernel."""
     segment = max(32, key["block_n"] // 4)
-    return {"variant": "split", "SEGMENT": segment, "BLOCK_N": segment if held else segment // 2,
-            "num_warps": 4, "PER_SM": 1}
+    return {"variant": "split", "SEGMENT": segment, "BLOCK_N": segment // 2, "num_warps": 4, "PER_SM": 1}
 
 
 @pytest.fixture(autouse=True)
@@ -65,22 +62,14 @@ def small_segments(monkeypatch):
     becomes small_segments_config, with fresh memos of chosen configs and plans."""
     monkeypatch.setattr(sm, "_chosen", {})
     monkeypatch.setattr(sm, "_plans", {})
-    _split_held[0] = False
     for tuner in sm._TUNERS.values():
         default = tuner.default
         monkeypatch.setattr(tuner, "default", lambda key, default=default: (
-            small_segments_config(key, _split_held[0]) if key.get("variant") == "split" else default(key)))
+            small_segments_config(key) if key.get("variant") == "split" else default(key)))
 
 
 def _kernel(log: bool, variant: str = "auto"):
-    """The public function for "auto", else softmax_variant with the named kernel ("split-held":
-    "split", whose untuned config is HELD from here on, with fresh memos where that changes)."""
-    held = variant == "split-held"
-    if held != _split_held[0]:
-        _split_held[0] = held
-        sm._chosen.clear()
-        sm._plans.clear()
-    variant = "split" if held else variant
+    """The public function for "auto", else softmax_variant with the named kernel."""
     if variant == "auto":
         return log_softmax if log else softmax
 
@@ -177,10 +166,8 @@ def test_matches_reference(shape, dtype, log, variant, launches, device):
     comparisons = _check(x, dy, log=log, variant=variant)
     assert [c.name for c in comparisons] == ["output[0]", "grad input[0]"]
     if variant != "auto" or interpret():  # tuned, auto may pick any kernel
-        expected = {"one-pass"} if variant == "auto" else {variant.removesuffix("-held")}
+        expected = {"one-pass"} if variant == "auto" else {variant}
         assert _variants(launches) == {"fwd": expected, "bwd": expected}
-        if variant.startswith("split"):
-            assert all(sm._held(config) == (variant == "split-held") for _, config in launches)
 
 
 def test_untuned_auto_is_one_pass_up_to_the_register_limit():
@@ -195,6 +182,11 @@ def test_untuned_auto_is_one_pass_up_to_the_register_limit():
     # entry offsets: half of that again
     assert variant("bwd", ONE_PASS_MAX_BLOCK_N // 2) == "one-pass"
     assert variant("bwd", ONE_PASS_MAX_BLOCK_N // 2 + 1) == "online"
+    # ... unless it keeps them bf16: the whole row, at 32 warps (64 values a thread)
+    bf16 = sm._default(_key("bwd", ONE_PASS_MAX_BLOCK_N, dtype="bf16>bf16"))
+    assert bf16 == {"variant": "one-pass", "BLOCK_M": 1, "num_warps": 32}
+    assert variant("bwd", ONE_PASS_MAX_BLOCK_N, dtype="fp16>fp16") == "online"
+    assert variant("bwd", ONE_PASS_MAX_BLOCK_N + 1, dtype="bf16>bf16") == "online"
     assert variant("fwd", ONE_PASS_MAX_BLOCK_N // 32, "cols") == "one-pass"
     assert variant("fwd", ONE_PASS_MAX_BLOCK_N // 32 + 1, "cols") == "online"
     assert variant("bwd", ONE_PASS_MAX_BLOCK_N // 64, "cols") == "one-pass"
@@ -208,6 +200,21 @@ def test_forward_one_pass_backward_online(launches, device):
         _check(*_inputs((1, n), F32, device, seed=30 + log), log=log)
     if interpret():  # tuned, the forward may pick online too
         assert _variants(launches) == {"fwd": {"one-pass"}, "bwd": {"online"}}
+
+
+def test_bf16_backward_holds_the_longest_rows(launches, device):
+    """bf16 rows of ONE_PASS_MAX_BLOCK_N entries: the backward keeps y and dy 16-bit and widens them
+    twice (for the dot, then by their bits for dx); infinities and NaN in dy come through as torch's."""
+    x, dy = _inputs((3, ONE_PASS_MAX_BLOCK_N - 5), BF16, device, seed=32)
+    for log in (False, True):
+        _check(x, dy, log=log)
+    if interpret():  # tuned, the backward may pick online
+        assert _variants(launches)["bwd"] == {"one-pass"}
+    y = softmax(x)
+    dy[0, 10], dy[1, 20], dy[2, 21] = float("inf"), float("-inf"), float("nan")
+    expected = torch._softmax_backward_data(dy.float(), y.float(), -1, torch.float32)
+    got = torch.ops.tritonkit.softmax_backward(dy, y, -1, BF16, False)
+    torch.testing.assert_close(got, expected.to(BF16), equal_nan=True)  # +-inf and NaN where torch has them
 
 
 def test_one_pass_variant_backward_rejects_long_rows(device):

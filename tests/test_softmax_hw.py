@@ -39,6 +39,7 @@ CASES = [  # (layout, direction, row length, the variant auto starts from there)
     ("cols", "fwd", 1024, "one-pass"), ("cols", "bwd", 512, "one-pass"),
     ("cols", "fwd", 131072, "online"), ("cols", "bwd", 131072, "online"),
 ]
+BF16_CASES = [("rows", "bwd", 32768, "one-pass")]  # y and dy kept 16-bit: the whole row in registers
 
 def check(layout, direction, n, variant, dtype, log):
     key = {"direction": direction, "variant": "auto", "layout": layout, "block_n": n, "rows": ROWS,
@@ -66,6 +67,7 @@ jobs = [(*case, dtype, log) for case in CASES if case[0] == "rows" for dtype in 
         for log in (False, True)]
 jobs += [(*case, dtype, log) for case in CASES if case[0] == "cols" for dtype, log in (("bf16", False),
                                                                                       ("fp32", True))]
+jobs += [(*case, "bf16", log) for case in BF16_CASES for log in (False, True)]
 # Compiles in threads overlap ptxas and Triton's passes: about half the time on two cores.
 with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as pool:
     for line in pool.map(lambda job: check(*job), jobs):
@@ -78,7 +80,7 @@ def test_kernels_compile_for_hopper_with_wide_accesses_and_no_spills():
     rows: only 16-byte global loads and stores (the online kernels' with their eviction hints), no
     spills, and fp64 adds exactly where the fp32 log_softmax asks for an fp64 sum."""
     lines = sm90.run(_HOPPER_CHECK)
-    assert len(lines) == 6 * 4 + 4 * 2, lines
+    assert len(lines) == 6 * 4 + 4 * 2 + 2, lines
     for line in lines:
         verdicts = line.split("|")[1].split()
         assert verdicts == ["True"] * 6, line
@@ -92,9 +94,7 @@ def check(direction, dtype, log, config):
     kernel = sm._LAUNCHERS[direction, "split"].kernel
     sum_fp64 = log and dtype == "fp32"
     constexprs = {a: 1 for a in kernel.arg_names if a.startswith("stride_") and a.endswith("n")}
-    held = sm._held(config)
-    constexprs |= {"LOG": log, "SUM_FP64": sum_fp64, "BLOCK_N": config["BLOCK_N"], "SEGMENTS": 64, "PHASE": 0,
-                   "HELD": held}
+    constexprs |= {"LOG": log, "SUM_FP64": sum_fp64, "BLOCK_N": config["BLOCK_N"], "SEGMENTS": 64, "PHASE": 0}
     workspace = {"max_ptr": "*fp32", "sum_ptr": "*fp64" if sum_fp64 else "*fp32",
                  "dot_ptr": "*fp64" if sum_fp64 else "*fp32", "arrived_ptr": "*i32"}
     signature = {a: workspace.get(a, f"*{dtype}") if a.endswith("_ptr") else "i32"
@@ -104,14 +104,11 @@ def check(direction, dtype, log, config):
     loads, stores = set(re.findall(r"LDG\.E[.\w]*", sass)), set(re.findall(r"STG\.E[.\w]*", sass))
     row_loads = {x for x in loads if "STRONG" not in x}  # the rest read the partials, bypassing L1
     partial_loads = loads - row_loads
-    values = config["BLOCK_N"] * (1 if direction == "fwd" else 2) / (32 * config["num_warps"])
-    bound = sm._held_registers(direction, values, 4 if dtype == "fp32" else 2)
-    verdicts = [row_loads == ({"LDG.E.EF.128"} if held else {"LDG.E.EL.128", "LDG.E.EF.128"}),
+    verdicts = [row_loads == {"LDG.E.EL.128", "LDG.E.EF.128"},
                 "STG.E.128" in stores,
                 bool(partial_loads) and all(x.endswith("STRONG.GPU") for x in partial_loads),
-                "ATOMG.E.ADD.STRONG.GPU" in sass and "MEMBAR" in sass,
-                not held or report.registers <= bound]
-    name = f"{'held' if held else 'chunked'} {kernel.__name__} {dtype} {'log' if log else 'softmax'} {config}"
+                "ATOMG.E.ADD.STRONG.GPU" in sass and "MEMBAR" in sass]
+    name = f"{kernel.__name__} {dtype} {'log' if log else 'softmax'} {config}"
     return (f"{name} | {' '.join(map(str, verdicts))} | {report.spills} | {sorted(loads)} "
             f"{sorted(stores)} registers {report.registers}")
 
@@ -119,17 +116,11 @@ def candidates(direction, n, dtype):
     key = {"direction": direction, "layout": "rows", "block_n": n, "rows": 512, "dtype": f"{dtype}>{dtype}"}
     return [c for c in sm._TUNERS[direction]._candidates(key) if c["variant"] == "split"]
 
-# each (BLOCK_N, num_warps) a tuner may try of the chunked kernel at SEGMENT 16384, in four flavours
+# each (BLOCK_N, num_warps) a tuner may try at SEGMENT 16384, in four flavours
 jobs = [(direction, dtype, log, config)
         for config in candidates("fwd", 1 << 20, "fp32")
-        if config["SEGMENT"] == 16384 and config["PER_SM"] == 2 and not sm._held(config)
+        if config["SEGMENT"] == 16384 and config["PER_SM"] == 2
         for direction in ("fwd", "bwd") for dtype, log in (("bf16", False), ("fp32", True))]
-# each (SEGMENT, num_warps) of HELD configs a tuner may try at the benchmark's long rows
-for direction, n, dtype, log in (("fwd", 131072, "bf16", False), ("bwd", 131072, "bf16", True),
-                                 ("fwd", 524288, "fp32", True), ("bwd", 524288, "fp32", False),
-                                 ("bwd", 524288, "fp32", True)):
-    held = {(c["SEGMENT"], c["num_warps"]): c for c in candidates(direction, n, dtype) if sm._held(c)}
-    jobs += [(direction, dtype, log, config) for config in held.values()]
 with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as pool:
     for line in pool.map(lambda job: check(*job), jobs):
         print(line)
@@ -137,17 +128,14 @@ with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as pool:
 
 
 def test_split_kernels_compile_for_hopper():
-    """The split kernels for sm_90: the row's loads 16 bytes wide with their eviction hints (chunked:
-    evict last in pass 1, first in pass 2; HELD: read once, evict first), 16-byte stores, the
-    partials read past L1 (written by other SMs), the per-row counter a GPU-scope atomic behind a
-    fence; HELD within the registers the tuner's pruning assumes; no spills in the chunked kernels."""
+    """The split kernels for sm_90: the row's loads 16 bytes wide with their eviction hints (evict
+    last in pass 1, first in pass 2), 16-byte stores, the partials read past L1 (written by other
+    SMs), the per-row counter a GPU-scope atomic behind a fence, and no spills."""
     lines = sm90.run(_SPLIT_HOPPER_CHECK)
-    chunked = [line for line in lines if line.startswith("chunked")]
-    assert len(chunked) == 3 * 4 and len(lines) - len(chunked) >= 3 * 4, lines  # (chunk, warps) x 4
+    assert len(lines) == 3 * 4, lines  # (chunk, warps) x 4 flavours
     for line in lines:
-        assert line.split("|")[1].split() == ["True"] * 5, line
-    # ptxas spills one register (8 bytes of stack) in a few HELD compiles; the tuner times them
-    assert all(line.split("|")[2].strip() == "False" for line in chunked), chunked
+        assert line.split("|")[1].split() == ["True"] * 4, line
+        assert line.split("|")[2].strip() == "False", line
 
 
 # ---------------------------------------------------------------- offsets past 2^31 on a few elements
@@ -241,33 +229,6 @@ def test_split_rows_at_scale(shape, dtype, log, launches, device):
     """The split kernels as tuned on the GPU: cooperative launches whose segments wait for each other."""
     _check(*_inputs(shape, dtype, device, seed=57), log=log, variant="split")
     assert _variants(launches) == {"fwd": {"split"}, "bwd": {"split"}}
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape, dtype", [((2048, 131072), BF16), ((64, 1048576), torch.float32)], ids=str)
-@pytest.mark.parametrize("log", LOGS)
-def test_held_split_configs_at_scale(shape, dtype, log, device):
-    """Every HELD split config the tuner may try on these shapes, launched directly (cooperatively,
-    each segment in registers across the wait), forward and backward against the reference."""
-    x, dy = _inputs(shape, dtype, device, seed=58)
-    y = sm._reference(x.double(), 1, log).to(dtype)
-    views = {"fwd": (x[None], torch.empty_like(x)[None]),
-             "bwd": (y[None], dy[None], torch.empty_like(x)[None])}
-    for direction, tensors in views.items():
-        key = sm._tuning_key(direction, tensors)
-        held = [c for c in sm._TUNERS[direction]._candidates(key) if sm._held(c)]
-        assert held, key
-        sm._precompile(direction, log, tensors, held)  # on threads, as the tuner does
-        for config in held:
-            out = torch.full_like(tensors[-1], float("nan"))  # poisoned: every entry must be written
-            sm._launch(direction, config, log, (*tensors[:-1], out), sm._geometry(tensors))
-            if direction == "fwd":
-                expected, against = sm._reference(x.double(), 1, log), sm._reference(x, 1, log)
-            else:
-                expected = sm._vjp_reference(y.double(), dy.double(), 1, log)
-                against = sm._vjp_reference(y, dy, 1, log).to(dtype)
-            comparison = compare(f"{direction} {config}", out[0], against, expected, dtype)
-            assert comparison.passed, str(comparison)
 
 
 @pytest.mark.gpu

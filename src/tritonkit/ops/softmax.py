@@ -24,8 +24,7 @@ Kernels, selectable by name (``VARIANTS``):
   split     rows far longer than L2 can hold while they are in flight (hundreds of kilobytes and
             up): the programs of a row each take one segment, publish its partial (max, sum), wait
             for the row's other segments, combine them and normalise their own segment, which is
-            still in L2 (or, HELD, in its registers). Needs every program resident at once: a
-            cooperative launch.
+            still in L2. Needs every program resident at once: a cooperative launch.
 The backward has the same kernels, with sum(dy * y) (or sum(dy)) in place of the max and sum.
 
 Work. Forward reads x and writes y: 2 M N s bytes for M rows in dtype of s bytes; backward reads y
@@ -102,9 +101,7 @@ CONFIGS = ([{"variant": "one-pass", "BLOCK_M": m, "num_warps": w}
               for m in (1, 16, 64) for n in (16, 64, 2048, 4096, 8192) for w in (4, 8, 16)]
            + [{"variant": "split", "SEGMENT": segment, "BLOCK_N": n, "num_warps": w, "PER_SM": k}
               for segment in (4096, 8192, 16384) for n in (2048, 4096) if segment >= 2 * n
-              for w in (4, 8) for k in (2, 4, 8)]
-           + [{"variant": "split", "SEGMENT": n, "BLOCK_N": n, "num_warps": w, "PER_SM": k}  # HELD
-              for n in (4096, 8192, 16384) for w in (4, 8, 16) for k in (1, 2, 4)])
+              for w in (4, 8) for k in (2, 4, 8)])
 
 # Split-row kernels: PER_SM programs an SM, each holding one SEGMENT of a row between its two
 # passes. Two budgets pull apart. What is between the passes must stay in L2 for pass 2 to hit it:
@@ -118,15 +115,6 @@ CONFIGS = ([{"variant": "one-pass", "BLOCK_M": m, "num_warps": w}
 ONLINE_MIN_ROWS_CHUNK = 2048
 SPLIT_L2_BYTES = 40 << 20
 SPLIT_MAX_WARPS_PER_SM = 32
-# HELD split configs (SEGMENT == BLOCK_N) keep a thread's share of the segment in registers between
-# the passes, HELD_PER_THREAD values (x; or y and dy); their cooperative launch needs PER_SM programs'
-# registers within an SM's 64K. _held_registers bounds what ptxas gave them for sm_90 (Triton 3.6:
-# 40-128 a thread for 16-bit entries, 48-185 for fp32, more with fp64 sums; a test checks the bound).
-HELD_PER_THREAD = (16, 64)
-HELD_BASE_REGISTERS = 32
-HELD_REGISTERS_PER_VALUE = {  # by direction and entry bytes: the values, pointers, masks, fp64 sums
-    ("fwd", 2): 2.0, ("fwd", 4): 3.5, ("bwd", 2): 1.5, ("bwd", 4): 2.25}
-SM_REGISTERS = 1 << 16
 
 
 def _tiles(key: dict) -> int:
@@ -135,47 +123,32 @@ def _tiles(key: dict) -> int:
 
 
 def _one_pass_fits(key: dict) -> bool:
-    """The backward holds two tiles: half the forward's row (ptxas spills at 32768). Over a leading
-    dim a program holds COLS_MIN_BLOCK_M rows, with int64 entry offsets: half as much again."""
+    """The backward holds two tiles: half the forward's row, or all of it in bf16, which it keeps
+    16-bit (see _widen_again; fp16 spilled). Over a leading dim a program holds COLS_MIN_BLOCK_M
+    rows, with int64 entry offsets: half as much again."""
     if key["layout"] == "cols":
         return key["block_n"] * COLS_MIN_BLOCK_M * _tiles(key) <= ONE_PASS_MAX_BLOCK_N // 2
-    return key["block_n"] * _tiles(key) <= ONE_PASS_MAX_BLOCK_N
+    packed = key["direction"] == "bwd" and key["dtype"].startswith("bf16")
+    return key["block_n"] * _tiles(key) <= ONE_PASS_MAX_BLOCK_N * (2 if packed else 1)
 
 
 def _per_thread(config: dict, block_n: int) -> float:
     return config.get("BLOCK_M", 1) * config.get("BLOCK_N", block_n) / (32 * config["num_warps"])
 
 
-def _held(config: dict) -> bool:
-    """A split config whose segment is one chunk, held in registers between the passes."""
-    return config["variant"] == "split" and config["SEGMENT"] == config["BLOCK_N"]
-
-
-def _held_registers(direction: str, values: float, element_bytes: int) -> int:
-    """An upper bound on a HELD split kernel's registers a thread, rounded up as the SM allocates."""
-    per_value = HELD_REGISTERS_PER_VALUE[direction, element_bytes]
-    return cdiv(int(HELD_BASE_REGISTERS + values * per_value), 8) * 8
-
-
 def _split_fits(config: dict, key: dict) -> bool:
-    """Rows of at least two segments and as many segments as programs fit at once. Chunked: the
-    values a thread holds within PER_THREAD, at least two chunks a segment, PER_SM programs within
-    SPLIT_MAX_WARPS_PER_SM and the segments in flight (x, or y and dy) within SPLIT_L2_BYTES. HELD:
-    the segment's values a thread within HELD_PER_THREAD, and PER_SM programs' registers in an SM."""
+    """Rows of at least two segments and as many segments as programs fit at once, the values a
+    thread holds within PER_THREAD, at least two chunks a segment, PER_SM programs within
+    SPLIT_MAX_WARPS_PER_SM and the segments in flight (x, or y and dy) within SPLIT_L2_BYTES."""
     segments = key["block_n"] // config["SEGMENT"]
     programs = config["PER_SM"] * sm_count(current_device())
     if not (2 <= segments <= programs and key["layout"] == "rows"):
         return False
-    values = _per_thread(config, key["block_n"]) * _tiles(key)
     threads = config["PER_SM"] * config["num_warps"] * 32
     element_bytes = {"fp16": 2, "bf16": 2, "fp32": 4}[key["dtype"].split(">")[0]]
-    if _held(config):
-        low, high = HELD_PER_THREAD
-        registers = _held_registers(key["direction"], values, element_bytes)
-        return low <= values <= high and threads * registers <= SM_REGISTERS
     in_flight = programs * config["SEGMENT"] * element_bytes * _tiles(key)
     low, high = PER_THREAD["split"]
-    return (low <= values / _tiles(key) <= high and config["SEGMENT"] >= 2 * config["BLOCK_N"]
+    return (low <= _per_thread(config, key["block_n"]) <= high and config["SEGMENT"] >= 2 * config["BLOCK_N"]
             and threads <= SPLIT_MAX_WARPS_PER_SM * 32 and in_flight <= SPLIT_L2_BYTES)
 
 
@@ -185,6 +158,8 @@ def _default(key: dict) -> dict:
     variant = key.get("variant", "auto")  # tuning keys hold none: they cover every variant
     if variant == "one-pass" or (variant == "auto" and _one_pass_fits(key)):
         warps = min(16, max(4, block_n * _tiles(key) // 1024))  # 32 values a thread for long rows
+        if block_n * _tiles(key) > ONE_PASS_MAX_PER_THREAD * 32 * warps:  # the packed bf16 backward
+            warps = 32
         block_m = max(1, min(rows, 16 * 32 * warps // block_n))
         if cols:  # entry offsets are runtime strides, held in int64: 32 values a thread at most
             block_m = max(block_m, min(rows, COLS_MIN_BLOCK_M))
@@ -305,7 +280,7 @@ def _split_launch_args(direction: str, config: dict, log: bool, sum_fp64: bool, 
     else:
         workspace = (sums, arrived)
     meta = {"LOG": log, "SUM_FP64": sum_fp64, "BLOCK_N": config["BLOCK_N"],
-            "SEGMENTS": _next_power_of_2(segments), "PHASE": phase, "HELD": _held(config),
+            "SEGMENTS": _next_power_of_2(segments), "PHASE": phase,
             "num_warps": config["num_warps"]}
     if phase == 0:
         meta["launch_cooperative_grid"] = True  # the launch fails, not hangs, if they cannot all run

@@ -166,6 +166,19 @@ def _input_grad(y, dy, dot, LOG: tl.constexpr):
 
 
 @triton.jit
+def _widen_again(v):
+    """v in fp32, by other instructions than ``v.to(tl.float32)`` for bf16 (its bits shifted into
+    the high half of a 32-bit word, exact for every value). The one-pass backward widens y and dy
+    for the row's dot and again for dx: with one conversion, ptxas keeps the widened copies alive
+    across the row reduction, twice the registers of the 16-bit values, and spilled at 32768
+    entries; with two it keeps the 16-bit values and converts each time."""
+    if v.dtype == tl.bfloat16:
+        return (v.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return v.to(tl.float32)
+
+
+@triton.jit
 def _softmax_bwd_kernel(
     y_ptr,  # forward output, viewed as (O, R, N) with strides (stride_yo, stride_yr, stride_yn)
     dy_ptr,  # upstream gradient, same view, strides (stride_dyo, stride_dyr, stride_dyn)
@@ -186,10 +199,11 @@ def _softmax_bwd_kernel(
     dx_rows, _ = _row_offsets(R, row_blocks, stride_dxo, stride_dxr, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     mask = row_mask[:, None] & (cols < N)[None, :]
-    y = tl.load(_tile(y_ptr, y_rows, cols, stride_yn), mask=mask, other=0.0).to(tl.float32)
+    # kept as loaded: a 16-bit row takes half the registers of its fp32 widening
+    y = tl.load(_tile(y_ptr, y_rows, cols, stride_yn), mask=mask, other=0.0)
     dy = tl.load(_tile(dy_ptr, dy_rows, cols, stride_dyn), mask=mask, other=0.0)
-    dy = dy.to(tl.float32)
-    dx = _input_grad(y, dy, _row_dot(y, dy, LOG, SUM_FP64).to(tl.float32), LOG)
+    dot = _row_dot(y.to(tl.float32), dy.to(tl.float32), LOG, SUM_FP64).to(tl.float32)
+    dx = _input_grad(_widen_again(y), _widen_again(dy), dot, LOG)
     tl.store(_tile(dx_ptr, dx_rows, cols, stride_dxn), dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
@@ -243,10 +257,6 @@ def _softmax_bwd_online_kernel(
 # on such rows. The programs wait for each other: PHASE 0 (the GPU) needs them all resident at
 # once, a cooperative launch. PHASE 1 then PHASE 2, two launches, do the same work without waiting
 # (the interpreter runs programs one after another).
-# With HELD the segment is a single chunk that stays in registers from pass 1 to pass 2: x is read
-# once and not even L2 is asked again, and each program has its whole segment in flight at once,
-# where the chunked loop has one chunk. It takes more registers, so fewer programs an SM and rows no
-# longer than the programs that fit hold together.
 
 
 @triton.jit
@@ -310,31 +320,22 @@ def _softmax_fwd_split_kernel(
     BLOCK_N: tl.constexpr,  # row entries per chunk
     SEGMENTS: tl.constexpr,  # power of two >= segments: the partials a program combines
     PHASE: tl.constexpr,  # 0: both passes, waiting between them; 1: pass 1 only; 2: pass 2 only
-    HELD: tl.constexpr,  # SEGMENT == BLOCK_N: one chunk, kept in registers between the passes
 ):
     first_row, groups, segment, first, chunks = _segment_of_program(N, segments, SEGMENT, BLOCK_N)
     offsets = tl.arange(0, BLOCK_N)
     for row in range(first_row, rows, groups):
         x_row = _row_start(row, R, stride_xo, stride_xr)
-        if HELD:
-            held_cols = first + offsets
-            held = tl.load(_tile(x_ptr, x_row, held_cols, stride_xn), mask=(held_cols < N)[None, :],
-                           other=-float("inf"), eviction_policy="evict_first").to(tl.float32)
         if PHASE != 2:  # pass 1: the segment's running max and rescaled sum, as the online kernel
-            if HELD:
-                m = tl.max(held, axis=1)
-                s = _row_sum(_exp_shifted(held, tl.where(m == -float("inf"), 0.0, m)), SUM_FP64)
-            else:
-                m = tl.full([1], -float("inf"), tl.float32)
-                s = tl.zeros([1], tl.float64 if SUM_FP64 else tl.float32)
-                for i in range(chunks):
-                    cols = first + i * BLOCK_N + offsets
-                    x = tl.load(_tile(x_ptr, x_row, cols, stride_xn), mask=(cols < N)[None, :],
-                                other=-float("inf"), eviction_policy="evict_last").to(tl.float32)
-                    m_new = tl.maximum(m, tl.max(x, axis=1))
-                    shift = tl.where(m_new == -float("inf"), 0.0, m_new)
-                    s = s * tl.exp2((m - shift) * LOG2E) + _row_sum(_exp_shifted(x, shift), SUM_FP64)
-                    m = m_new
+            m = tl.full([1], -float("inf"), tl.float32)
+            s = tl.zeros([1], tl.float64 if SUM_FP64 else tl.float32)
+            for i in range(chunks):
+                cols = first + i * BLOCK_N + offsets
+                x = tl.load(_tile(x_ptr, x_row, cols, stride_xn), mask=(cols < N)[None, :],
+                            other=-float("inf"), eviction_policy="evict_last").to(tl.float32)
+                m_new = tl.maximum(m, tl.max(x, axis=1))
+                shift = tl.where(m_new == -float("inf"), 0.0, m_new)
+                s = s * tl.exp2((m - shift) * LOG2E) + _row_sum(_exp_shifted(x, shift), SUM_FP64)
+                m = m_new
             tl.store(max_ptr + row * segments + segment + tl.arange(0, 1), m)
             tl.store(sum_ptr + row * segments + segment + tl.arange(0, 1), s)
         if PHASE == 0:
@@ -355,18 +356,13 @@ def _softmax_fwd_split_kernel(
                 scale = tl.full([1], 0.0, tl.float32) + _log(s)
             else:
                 scale = tl.full([1], 0.0, tl.float32) + (1.0 / s).to(tl.float32)
-            if HELD:
-                tl.store(_tile(y_ptr, y_row, held_cols, stride_yn),
-                         _normalized(held, m, scale, LOG).to(y_ptr.dtype.element_ty),
-                         mask=(held_cols < N)[None, :])
-            else:
-                for i in range(chunks):
-                    cols = first + (chunks - 1 - i) * BLOCK_N + offsets  # last read first: in L2
-                    mask = (cols < N)[None, :]
-                    x = tl.load(_tile(x_ptr, x_row, cols, stride_xn), mask=mask, other=-float("inf"),
-                                eviction_policy="evict_first").to(tl.float32)
-                    tl.store(_tile(y_ptr, y_row, cols, stride_yn),
-                             _normalized(x, m, scale, LOG).to(y_ptr.dtype.element_ty), mask=mask)
+            for i in range(chunks):
+                cols = first + (chunks - 1 - i) * BLOCK_N + offsets  # last read first: in L2
+                mask = (cols < N)[None, :]
+                x = tl.load(_tile(x_ptr, x_row, cols, stride_xn), mask=mask, other=-float("inf"),
+                            eviction_policy="evict_first").to(tl.float32)
+                tl.store(_tile(y_ptr, y_row, cols, stride_yn),
+                         _normalized(x, m, scale, LOG).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -389,33 +385,22 @@ def _softmax_bwd_split_kernel(
     BLOCK_N: tl.constexpr,  # row entries per chunk
     SEGMENTS: tl.constexpr,  # power of two >= segments: the partials a program combines
     PHASE: tl.constexpr,  # 0: both passes, waiting between them; 1: pass 1 only; 2: pass 2 only
-    HELD: tl.constexpr,  # SEGMENT == BLOCK_N: one chunk, kept in registers between the passes
 ):
     first_row, groups, segment, first, chunks = _segment_of_program(N, segments, SEGMENT, BLOCK_N)
     offsets = tl.arange(0, BLOCK_N)
     for row in range(first_row, rows, groups):
         y_row = _row_start(row, R, stride_yo, stride_yr)
         dy_row = _row_start(row, R, stride_dyo, stride_dyr)
-        if HELD:  # kept as loaded (16-bit values take half the registers), widened where used
-            held_cols = first + offsets
-            held_mask = (held_cols < N)[None, :]
-            held_y = tl.load(_tile(y_ptr, y_row, held_cols, stride_yn), mask=held_mask, other=0.0,
-                             eviction_policy="evict_first")
-            held_dy = tl.load(_tile(dy_ptr, dy_row, held_cols, stride_dyn), mask=held_mask, other=0.0,
-                              eviction_policy="evict_first")
         if PHASE != 2:
-            if HELD:
-                dot = _row_dot(held_y.to(tl.float32), held_dy.to(tl.float32), LOG, SUM_FP64)
-            else:
-                dot = tl.zeros([1], tl.float64 if SUM_FP64 else tl.float32)
-                for i in range(chunks):
-                    cols = first + i * BLOCK_N + offsets
-                    mask = (cols < N)[None, :]
-                    y = tl.load(_tile(y_ptr, y_row, cols, stride_yn), mask=mask, other=0.0,
-                                eviction_policy="evict_last")
-                    dy = tl.load(_tile(dy_ptr, dy_row, cols, stride_dyn), mask=mask, other=0.0,
-                                 eviction_policy="evict_last")
-                    dot += _row_dot(y.to(tl.float32), dy.to(tl.float32), LOG, SUM_FP64)
+            dot = tl.zeros([1], tl.float64 if SUM_FP64 else tl.float32)
+            for i in range(chunks):
+                cols = first + i * BLOCK_N + offsets
+                mask = (cols < N)[None, :]
+                y = tl.load(_tile(y_ptr, y_row, cols, stride_yn), mask=mask, other=0.0,
+                            eviction_policy="evict_last")
+                dy = tl.load(_tile(dy_ptr, dy_row, cols, stride_dyn), mask=mask, other=0.0,
+                             eviction_policy="evict_last")
+                dot += _row_dot(y.to(tl.float32), dy.to(tl.float32), LOG, SUM_FP64)
             tl.store(dot_ptr + row * segments + segment + tl.arange(0, 1), dot)
         if PHASE == 0:
             _publish_and_wait(arrived_ptr, row, segments)
@@ -425,18 +410,13 @@ def _softmax_bwd_split_kernel(
                            cache_modifier=".cg")
             dot = tl.full([1], 0.0, tl.float32) + tl.sum(dots, axis=0).to(tl.float32)
             dx_row = _row_start(row, R, stride_dxo, stride_dxr)
-            if HELD:
-                dx = _input_grad(held_y.to(tl.float32), held_dy.to(tl.float32), dot, LOG)
-                tl.store(_tile(dx_ptr, dx_row, held_cols, stride_dxn), dx.to(dx_ptr.dtype.element_ty),
-                         mask=held_mask)
-            else:
-                for i in range(chunks):
-                    cols = first + (chunks - 1 - i) * BLOCK_N + offsets
-                    mask = (cols < N)[None, :]
-                    y = tl.load(_tile(y_ptr, y_row, cols, stride_yn), mask=mask, other=0.0,
-                                eviction_policy="evict_first")
-                    dy = tl.load(_tile(dy_ptr, dy_row, cols, stride_dyn), mask=mask, other=0.0,
-                                 eviction_policy="evict_first")
-                    dx = _input_grad(y.to(tl.float32), dy.to(tl.float32), dot, LOG)
-                    tl.store(_tile(dx_ptr, dx_row, cols, stride_dxn), dx.to(dx_ptr.dtype.element_ty),
-                             mask=mask)
+            for i in range(chunks):
+                cols = first + (chunks - 1 - i) * BLOCK_N + offsets
+                mask = (cols < N)[None, :]
+                y = tl.load(_tile(y_ptr, y_row, cols, stride_yn), mask=mask, other=0.0,
+                            eviction_policy="evict_first")
+                dy = tl.load(_tile(dy_ptr, dy_row, cols, stride_dyn), mask=mask, other=0.0,
+                             eviction_policy="evict_first")
+                dx = _input_grad(y.to(tl.float32), dy.to(tl.float32), dot, LOG)
+                tl.store(_tile(dx_ptr, dx_row, cols, stride_dxn), dx.to(dx_ptr.dtype.element_ty),
+                         mask=mask)
