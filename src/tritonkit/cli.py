@@ -243,9 +243,10 @@ def _tune_op(spec_op, args) -> None:
         inputs = spec_op.make_inputs(shape, dtype, "cuda", testing.generator(0))
         for i in spec_op.grad_inputs:
             inputs[i].requires_grad_("bwd" in args.mode)
-        output = spec_op.fn(*inputs, **spec_op.kwargs)  # the first call of a shape bucket tunes
+        outputs = testing.as_tuple(spec_op.fn(*inputs, **spec_op.kwargs))  # a bucket's first call tunes
         if "bwd" in args.mode:
-            torch.autograd.grad(output, [inputs[i] for i in spec_op.grad_inputs], torch.ones_like(output))
+            torch.autograd.grad(outputs, [inputs[i] for i in spec_op.grad_inputs],
+                                [torch.ones_like(o) for o in outputs])
     torch.cuda.synchronize()
     fresh = tuning.cached_entries(since=started)
     if not fresh:

@@ -17,7 +17,8 @@ and the fp32 partial sums of dw and db. A handful of FLOPs an element: memory-bo
 dw and db are reduced in two stages, never with float atomics, so results are deterministic: each
 backward program sums its rows into fp32 partials, and a second pass sums the partials.
 A row lives in registers up to ``MAX_BLOCK_N`` entries; longer rows go through looped kernels
-that read each row twice (see above them). h = x + residual is added in fp32 and
+that read each row twice (``norm_kernels.py``). Rows a program, chunk sizes and warps come from
+accuracy-gated tuning (``tritonkit.tuning``), each kernel with its own tuner and configs. h = x + residual is added in fp32 and
 rounded to the input dtype before it is normalised, as ``norm(x + residual)`` is in PyTorch: the
 backward then recomputes xhat from the stored h exactly.
 """
@@ -29,286 +30,53 @@ import math
 
 import torch
 
-from tritonkit._runtime import check_device, empty_output, interpret, sm_count
+from tritonkit import tuning
+from tritonkit._runtime import check_device, current_device, empty_output, interpret, sm_count
 
 interpret()  # choose GPU or interpreter before triton is imported and any kernel is defined
 
 import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 from tritonkit._launch import Launcher, cdiv  # noqa: E402
+from tritonkit.ops.norm_kernels import (  # noqa: E402
+    _norm_bwd_kernel,
+    _norm_bwd_looped_kernel,
+    _norm_fwd_kernel,
+    _norm_fwd_looped_kernel,
+)
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}  # tuning keys
 # A row lives in registers: at 16 warps, 64 fp32 values a thread hold 32768 entries forward; the
 # backward holds h and dy at once, hence half.
 MAX_BLOCK_N = {"fwd": 32768, "bwd": 16384}
-ROW_ELEMENTS = 8192  # elements a program takes at a time: rows of 1024 go 8 to a program
-PER_THREAD = 16  # values a thread holds per row tile: four 16-byte fp32 vectors in flight
+
+# Launch configs come from accuracy-gated tuning (tritonkit.tuning), one tuner per kernel: the
+# forward one-pass kernel takes BLOCK_M rows a program, the backward one ROWS rows (summing their
+# dw and db partials), the looped kernels walk rows in BLOCK_N chunks. The defaults below, used
+# under the interpreter and wherever tuning cannot run, are the rules the kernels had before.
+CONFIGS = {
+    ("fwd", False): [{"BLOCK_M": m, "num_warps": w} for m in (1, 2, 4, 8, 16, 32) for w in (4, 8, 16)],
+    ("fwd", True): [{"BLOCK_N": n, "num_warps": w} for n in (2048, 4096, 8192) for w in (4, 8, 16)],
+    ("bwd", False): [{"ROWS": r, "num_warps": w} for r in (8, 16, 32, 64) for w in (4, 8, 16)],
+    ("bwd", True): [{"ROWS": r, "BLOCK_N": n, "num_warps": w} for r in (4, 8, 16) for n in (2048, 4096)
+                    for w in (4, 8)],
+}
+# fp32 values a thread holds per tile (one-pass: the row tile, x or h and dy; looped: a chunk):
+# past 64 the one-pass kernels spill, under 8 a program moves too little at once.
+PER_THREAD_RANGE = {False: (8, 64), True: (8, 32)}
+ROW_ELEMENTS = 8192  # default: elements a forward program takes at a time (rows of 1024 go 8 to one)
+PER_THREAD = 16  # default: values a thread holds per row tile, four 16-byte fp32 vectors in flight
 # Rows each backward program walks, summing its dw and db partials in registers (a power of two in
 # this range; looped: finishing them chunk by chunk). Fewer rows a program cost partial traffic,
 # 4 N bytes a program for each of dw and db, written and summed again; too few programs leave SMs
 # idle: 8192 rows at 64 a program made 128 programs for 132 SMs.
 BWD_ROWS_RANGE = {False: (8, 64), True: (4, 16)}  # one-pass, looped
-BWD_PROGRAMS_PER_SM = 2  # what an SM holds of the one-pass backward (h and dy in registers)
-LOOP_BLOCK_N = 4096  # chunk of the looped kernels: 16 fp32 values a thread at 8 warps
+BWD_PROGRAMS_PER_SM = 2  # default: what an SM holds of the one-pass backward (h and dy in registers)
+LOOP_BLOCK_N = 4096  # default chunk of the looped kernels: 16 fp32 values a thread at 8 warps
 LOOP_WARPS = 8
-
-
-# ---------------------------------------------------------------- kernels
-
-
-@triton.jit
-def _norm_fwd_kernel(
-    x_ptr,  # input, (M, N), row stride stride_xm, unit column stride
-    r_ptr,  # residual, (M, N), row stride stride_rm (unused without HAS_RESIDUAL)
-    h_ptr,  # x + residual out, (M, N), contiguous (unused without HAS_RESIDUAL)
-    y_ptr,  # normalised output, (M, N), contiguous
-    w_ptr,  # weight, (N,) (unused without HAS_WEIGHT)
-    b_ptr,  # bias, (N,) (unused without HAS_BIAS)
-    mean_ptr,  # fp32 row means, (M,) (LayerNorm only)
-    rstd_ptr,  # fp32 reciprocal standard deviations (or RMS), (M,)
-    M,  # rows
-    N,  # row length: the normalised dimension
-    stride_xm,  # elements between rows of x
-    stride_rm,  # elements between rows of the residual
-    eps,  # added to the variance (mean square) before the square root
-    RMS: tl.constexpr,  # RMSNorm instead of LayerNorm
-    HAS_RESIDUAL: tl.constexpr,  # add the residual first and store the sum
-    HAS_WEIGHT: tl.constexpr,  # scale by w
-    HAS_BIAS: tl.constexpr,  # shift by b
-    BLOCK_M: tl.constexpr,  # rows a program handles
-    BLOCK_N: tl.constexpr,  # power of two >= N: the whole row is one tile
-):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # int64: M*N may pass 2^31
-    cols = tl.arange(0, BLOCK_N)
-    col_mask = cols < N
-    mask = (rows < M)[:, None] & col_mask[None, :]
-    h = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        h += tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        h = h.to(h_ptr.dtype.element_ty)
-        tl.store(h_ptr + rows[:, None] * N + cols[None, :], h, mask=mask)
-        h = h.to(tl.float32)
-    if RMS:
-        centred = h
-    else:
-        mean = tl.sum(h, axis=1) / N
-        centred = tl.where(mask, h - mean[:, None], 0.0)  # padding must not enter the variance
-        tl.store(mean_ptr + rows, mean, mask=rows < M)
-    rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) / N + eps)
-    tl.store(rstd_ptr + rows, rstd, mask=rows < M)
-    y = centred * rstd[:, None]
-    if HAS_WEIGHT:
-        y *= tl.load(w_ptr + cols, mask=col_mask).to(tl.float32)[None, :]
-    if HAS_BIAS:
-        y += tl.load(b_ptr + cols, mask=col_mask).to(tl.float32)[None, :]
-    tl.store(y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _norm_bwd_kernel(
-    dy_ptr,  # upstream gradient of y, (M, N), row stride stride_dym, unit column stride
-    dh_ptr,  # upstream gradient of h (add_ forms), (M, N), row stride stride_dhm
-    h_ptr,  # the forward's normalised input (x, or x + residual), (M, N), row stride stride_hm
-    w_ptr,  # weight, (N,) (unused without HAS_WEIGHT)
-    mean_ptr,  # fp32 row means from the forward, (M,) (LayerNorm only)
-    rstd_ptr,  # fp32 reciprocal standard deviations from the forward, (M,)
-    dx_ptr,  # gradient of x (and of the residual), (M, N), contiguous
-    dw_partial_ptr,  # fp32 partial sums of dw, (programs, N) (unused without HAS_WEIGHT)
-    db_partial_ptr,  # fp32 partial sums of db, (programs, N) (unused without HAS_BIAS)
-    M,  # rows
-    N,  # row length
-    stride_dym,  # elements between rows of dy
-    stride_dhm,  # elements between rows of dh
-    stride_hm,  # elements between rows of h
-    RMS: tl.constexpr,  # RMSNorm instead of LayerNorm
-    HAS_DH: tl.constexpr,  # add the gradient of h (add_ forms)
-    HAS_WEIGHT: tl.constexpr,  # the forward scaled by w: g = dy * w, and dw is wanted
-    HAS_BIAS: tl.constexpr,  # db is wanted
-    ROWS: tl.constexpr,  # rows a program walks, one at a time
-    BLOCK_N: tl.constexpr,  # power of two >= N
-):
-    cols = tl.arange(0, BLOCK_N)
-    col_mask = cols < N
-    if HAS_WEIGHT:
-        w = tl.load(w_ptr + cols, mask=col_mask).to(tl.float32)
-    dw = tl.zeros([BLOCK_N], tl.float32)
-    db = tl.zeros([BLOCK_N], tl.float32)
-    first = tl.program_id(0).to(tl.int64) * ROWS
-    for i in range(ROWS):
-        row = first + i
-        mask = col_mask & (row < M)
-        h = tl.load(h_ptr + row * stride_hm + cols, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + row * stride_dym + cols, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(rstd_ptr + row, mask=row < M, other=0.0)
-        if RMS:
-            xhat = h * rstd
-        else:
-            xhat = tl.where(mask, (h - tl.load(mean_ptr + row, mask=row < M, other=0.0)) * rstd, 0.0)
-        g = dy * w if HAS_WEIGHT else dy
-        c1 = tl.sum(g * xhat, axis=0) / N
-        if RMS:
-            dh = (g - xhat * c1) * rstd
-        else:
-            dh = (g - xhat * c1 - tl.sum(g, axis=0) / N) * rstd
-        if HAS_DH:
-            dh += tl.load(dh_ptr + row * stride_dhm + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(dx_ptr + row * N + cols, dh.to(dx_ptr.dtype.element_ty), mask=mask)
-        if HAS_WEIGHT:
-            dw += dy * xhat
-        if HAS_BIAS:
-            db += dy
-    if HAS_WEIGHT:
-        tl.store(dw_partial_ptr + tl.program_id(0) * N + cols, dw, mask=col_mask)
-    if HAS_BIAS:
-        tl.store(db_partial_ptr + tl.program_id(0) * N + cols, db, mask=col_mask)
-
-
-# Rows longer than a register tile: the looped kernels walk each row in BLOCK_N chunks, twice.
-# Forward: pass 1 adds the residual (storing h) and gathers the statistics as sums of h - shift,
-# shift being the first chunk's mean, so that LayerNorm's variance does not cancel when the row
-# sits far from zero; pass 2 reads h back and normalises. Backward: per row, pass 1 gathers
-# mean(g * xhat) and mean(g) into a small fp32 scratch; then chunk by chunk, every row of the
-# program is finished and dw and db for that chunk are summed in registers over the rows.
-
-
-@triton.jit
-def _norm_fwd_looped_kernel(
-    x_ptr,  # input, (M, N), row stride stride_xm, unit column stride
-    r_ptr,  # residual, (M, N), row stride stride_rm (unused without HAS_RESIDUAL)
-    h_ptr,  # x + residual out, (M, N), contiguous (unused without HAS_RESIDUAL)
-    y_ptr,  # normalised output, (M, N), contiguous
-    w_ptr,  # weight, (N,) (unused without HAS_WEIGHT)
-    b_ptr,  # bias, (N,) (unused without HAS_BIAS)
-    mean_ptr,  # fp32 row means, (M,) (LayerNorm only)
-    rstd_ptr,  # fp32 reciprocal standard deviations (or RMS), (M,)
-    M,  # rows
-    N,  # row length
-    stride_xm,  # elements between rows of x
-    stride_rm,  # elements between rows of the residual
-    eps,  # added to the variance (mean square) before the square root
-    RMS: tl.constexpr,  # RMSNorm instead of LayerNorm
-    HAS_RESIDUAL: tl.constexpr,  # add the residual first and store the sum
-    HAS_WEIGHT: tl.constexpr,  # scale by w
-    HAS_BIAS: tl.constexpr,  # shift by b
-    BLOCK_N: tl.constexpr,  # entries per chunk
-):
-    row = tl.program_id(0).to(tl.int64)  # one row a program
-    offsets = tl.arange(0, BLOCK_N)
-    shift = 0.0  # LayerNorm: the first chunk's mean; sums of h - shift stay small and do not cancel
-    total = 0.0  # sum of h - shift (LayerNorm)
-    squares = 0.0  # sum of (h - shift)^2 (LayerNorm) or of h^2 (RMSNorm)
-    for start in range(0, N, BLOCK_N):
-        cols = start + offsets
-        mask = cols < N
-        h = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:
-            h += tl.load(r_ptr + row * stride_rm + cols, mask=mask, other=0.0).to(tl.float32)
-            h = h.to(h_ptr.dtype.element_ty)
-            tl.store(h_ptr + row * N + cols, h, mask=mask)
-            h = h.to(tl.float32)
-        if RMS:
-            squares += tl.sum(h * h, axis=0)
-        else:
-            if start == 0:
-                shift = tl.sum(h, axis=0) / tl.minimum(N, BLOCK_N).to(tl.float32)
-            deviations = tl.where(mask, h - shift, 0.0)
-            total += tl.sum(deviations, axis=0)
-            squares += tl.sum(deviations * deviations, axis=0)
-    if RMS:
-        mean = 0.0
-        rstd = 1.0 / tl.sqrt(squares / N + eps)
-    else:
-        offset = total / N  # the mean is shift + offset, the variance E[(h - shift)^2] - offset^2
-        mean = shift + offset
-        rstd = 1.0 / tl.sqrt(tl.maximum(squares / N - offset * offset, 0.0) + eps)
-        tl.store(mean_ptr + row, mean)
-    tl.store(rstd_ptr + row, rstd)
-    source_ptr = h_ptr + row * N if HAS_RESIDUAL else x_ptr + row * stride_xm
-    for start in range(0, N, BLOCK_N):
-        cols = start + offsets
-        mask = cols < N
-        h = tl.load(source_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        y = (h * rstd) if RMS else (h - mean) * rstd
-        if HAS_WEIGHT:
-            y *= tl.load(w_ptr + cols, mask=mask).to(tl.float32)
-        if HAS_BIAS:
-            y += tl.load(b_ptr + cols, mask=mask).to(tl.float32)
-        tl.store(y_ptr + row * N + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _norm_bwd_looped_kernel(
-    dy_ptr,  # upstream gradient of y, (M, N), row stride stride_dym, unit column stride
-    dh_ptr,  # upstream gradient of h (add_ forms), (M, N), row stride stride_dhm
-    h_ptr,  # the forward's normalised input, (M, N), row stride stride_hm
-    w_ptr,  # weight, (N,) (unused without HAS_WEIGHT)
-    mean_ptr,  # fp32 row means from the forward, (M,) (LayerNorm only)
-    rstd_ptr,  # fp32 reciprocal standard deviations from the forward, (M,)
-    sums_ptr,  # fp32 scratch, (M, 2): each row's mean(g * xhat) and mean(g)
-    dx_ptr,  # gradient of x (and of the residual), (M, N), contiguous
-    dw_partial_ptr,  # fp32 partial sums of dw, (programs, N) (unused without HAS_WEIGHT)
-    db_partial_ptr,  # fp32 partial sums of db, (programs, N) (unused without HAS_BIAS)
-    M,  # rows
-    N,  # row length
-    stride_dym,  # elements between rows of dy
-    stride_dhm,  # elements between rows of dh
-    stride_hm,  # elements between rows of h
-    RMS: tl.constexpr,  # RMSNorm instead of LayerNorm
-    HAS_DH: tl.constexpr,  # add the gradient of h (add_ forms)
-    HAS_WEIGHT: tl.constexpr,  # the forward scaled by w
-    HAS_BIAS: tl.constexpr,  # db is wanted
-    ROWS: tl.constexpr,  # rows a program finishes
-    BLOCK_N: tl.constexpr,  # entries per chunk
-):
-    first = tl.program_id(0).to(tl.int64) * ROWS
-    offsets = tl.arange(0, BLOCK_N)
-    for i in range(ROWS):  # pass 1: each row's two sums, over all its chunks
-        row = first + i
-        if row < M:
-            rstd = tl.load(rstd_ptr + row)
-            shift = 0.0 if RMS else tl.load(mean_ptr + row)
-            gx = tl.zeros([BLOCK_N], tl.float32)
-            g_sum = tl.zeros([BLOCK_N], tl.float32)
-            for start in range(0, N, BLOCK_N):
-                cols = start + offsets
-                mask = cols < N
-                h = tl.load(h_ptr + row * stride_hm + cols, mask=mask, other=0.0).to(tl.float32)
-                g = tl.load(dy_ptr + row * stride_dym + cols, mask=mask, other=0.0).to(tl.float32)
-                if HAS_WEIGHT:
-                    g *= tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-                gx += g * tl.where(mask, (h - shift) * rstd, 0.0)
-                g_sum += g
-            tl.store(sums_ptr + row * 2, tl.sum(gx, axis=0) / N)
-            tl.store(sums_ptr + row * 2 + 1, tl.sum(g_sum, axis=0) / N)
-    for start in range(0, N, BLOCK_N):  # pass 2: chunk by chunk over the program's rows
-        cols = start + offsets
-        mask = cols < N
-        if HAS_WEIGHT:
-            w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        dw = tl.zeros([BLOCK_N], tl.float32)
-        db = tl.zeros([BLOCK_N], tl.float32)
-        for i in range(ROWS):
-            row = first + i
-            row_mask = mask & (row < M)
-            rstd = tl.load(rstd_ptr + row, mask=row < M, other=0.0)
-            shift = 0.0 if RMS else tl.load(mean_ptr + row, mask=row < M, other=0.0)
-            c1 = tl.load(sums_ptr + row * 2, mask=row < M, other=0.0)
-            c2 = tl.load(sums_ptr + row * 2 + 1, mask=row < M, other=0.0)
-            h = tl.load(h_ptr + row * stride_hm + cols, mask=row_mask, other=0.0).to(tl.float32)
-            dy = tl.load(dy_ptr + row * stride_dym + cols, mask=row_mask, other=0.0).to(tl.float32)
-            xhat = tl.where(row_mask, (h - shift) * rstd, 0.0)
-            g = dy * w if HAS_WEIGHT else dy
-            dh = (g - xhat * c1) * rstd if RMS else (g - xhat * c1 - c2) * rstd
-            if HAS_DH:
-                dh += tl.load(dh_ptr + row * stride_dhm + cols, mask=row_mask, other=0.0).to(tl.float32)
-            tl.store(dx_ptr + row * N + cols, dh.to(dx_ptr.dtype.element_ty), mask=row_mask)
-            dw += dy * xhat
-            db += dy
-        if HAS_WEIGHT:
-            tl.store(dw_partial_ptr + tl.program_id(0) * N + cols, dw, mask=mask)
-        if HAS_BIAS:
-            tl.store(db_partial_ptr + tl.program_id(0) * N + cols, db, mask=mask)
+CALIBRATION_ELEMENTS = 1 << 21  # cap on a calibration problem: its float64 reference stays small
+TUNE_WARMUP_MS, TUNE_REP_MS = 5, 25  # per-config timing, as the softmax tunes
 
 
 # ---------------------------------------------------------------- launchers
@@ -333,6 +101,143 @@ def _bwd_rows_per_program(rows: int, device, looped: bool) -> int:
     low, high = BWD_ROWS_RANGE[looped]
     most = max(1, rows // (BWD_PROGRAMS_PER_SM * sm_count(device)))
     return min(high, max(low, 1 << (most.bit_length() - 1)))
+
+
+# ---------------------------------------------------------------- tuning
+
+
+def _tuning_key(direction: str, n: int, rows: int, dtype: torch.dtype, params: dict) -> dict:
+    """The kernel (direction, looped), the shape bucket and what specialises the kernel: the dtype,
+    RMS or not, the residual (backward: its gradient) and the parameters' dtypes."""
+    block_n = _next_power_of_2(n)
+    return {"direction": direction, "looped": block_n > MAX_BLOCK_N[direction], "block_n": block_n,
+            "rows": _next_power_of_2(rows), "dtype": _DTYPE_NAMES[dtype], **params}
+
+
+def _default(key: dict) -> dict:
+    """The untuned config: the kernels' fixed rules before tuning."""
+    block_n, rows = key["block_n"], key["rows"]
+    if key["direction"] == "fwd":
+        if key["looped"]:
+            return {"BLOCK_N": LOOP_BLOCK_N, "num_warps": LOOP_WARPS}
+        block_m = max(1, min(rows, ROW_ELEMENTS // block_n))
+        return {"BLOCK_M": block_m, "num_warps": _warps(block_m * block_n)}
+    per_program = _bwd_rows_per_program(rows, current_device(), key["looped"])
+    if key["looped"]:
+        return {"ROWS": per_program, "BLOCK_N": LOOP_BLOCK_N, "num_warps": LOOP_WARPS}
+    return {"ROWS": per_program, "num_warps": _warps(block_n)}
+
+
+def _prune(config: dict, key: dict) -> bool:
+    """True drops the config: fp32 values a thread outside PER_THREAD_RANGE, rows a program beyond
+    the problem, or so many backward rows a program that SMs would sit idle (the fewest rows a
+    program of BWD_ROWS_RANGE always stays)."""
+    tile = config.get("BLOCK_N", key["block_n"]) * config.get("BLOCK_M", 1)
+    tiles = 2 if key["direction"] == "bwd" and not key["looped"] else 1  # h and dy
+    low, high = PER_THREAD_RANGE[key["looped"]]
+    if not low <= tile * tiles / (32 * config["num_warps"]) <= high:
+        return True
+    if config.get("BLOCK_M", 1) > max(1, key["rows"]):
+        return True
+    rows = config.get("ROWS")
+    return (rows is not None and rows > BWD_ROWS_RANGE[key["looped"]][0]
+            and cdiv(key["rows"], rows) < sm_count(current_device()))
+
+
+_TUNERS = {
+    (direction, looped): tuning.Tuner(f"norm_{direction}{'_looped' if looped else ''}", configs,
+                                      default=_default, prune=_prune,
+                                      sources=(_LAUNCHERS[direction, looped].kernel,))
+    for (direction, looped), configs in CONFIGS.items()
+}
+
+
+def _params_key(residual: bool, weight, bias, rms: bool) -> dict:
+    """What specialises a kernel beyond its shape: RMS or not, a residual (backward: the gradient of
+    h, which the add_ forms' dx takes in) and the parameters' dtypes."""
+    name = lambda t: _DTYPE_NAMES[t.dtype] if t is not None else None  # noqa: E731
+    return {"rms": rms, "residual": residual, "weight": name(weight), "bias": name(bias)}
+
+
+def _calibration(key: dict, n: int, config: dict, device) -> dict:
+    """Seeded random inputs of the key's kind with a partial last row group: x, residual, weight,
+    bias, dy and dh (each None where the key has none)."""
+    from tritonkit.testing import generator, random_tensor
+
+    per_program = config.get("BLOCK_M", config.get("ROWS", 1))
+    rows = max(1, min(key["rows"], 2 * per_program + 1, CALIBRATION_ELEMENTS // max(1, n)))
+    dtype = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
+    g = generator(11)
+    make = lambda shape, name: random_tensor(shape, dtype[name], device, generator=g)  # noqa: E731
+    x = make((rows, n), key["dtype"]).mul_(2.0).add_(0.5)  # off zero: the mean matters
+    return {"x": x, "residual": make((rows, n), key["dtype"]) if key["residual"] else None,
+            "weight": make((n,), key["weight"]) if key["weight"] else None,
+            "bias": make((n,), key["bias"]) if key["bias"] else None,
+            "dy": make((rows, n), key["dtype"]),
+            "dh": make((rows, n), key["dtype"]) if key["residual"] else None}
+
+
+def _reference_fn(key: dict, eps: float):
+    """The key's op as a function of (x, residual, weight, bias), returning (y, h or None)."""
+    def run(x, residual, weight, bias):
+        h = x + residual if residual is not None else x
+        if key["rms"]:
+            y = torch.nn.functional.rms_norm(h, (h.shape[-1],), weight, eps)
+        else:
+            y = torch.nn.functional.layer_norm(h, (h.shape[-1],), weight, bias, eps)
+        return y, (h if residual is not None else None)
+    return run
+
+
+def _admit(key: dict, n: int, eps: float, device, config: dict) -> bool:
+    """Whether ``config``'s results on a calibration problem pass the oracle: y (and h) forward;
+    dx, dw and db backward."""
+    from tritonkit.testing import compare
+
+    cal = _calibration(key, n, config, device)
+    inputs = (cal["x"], cal["residual"], cal["weight"], cal["bias"])
+    reference = _reference_fn(key, eps)
+    if key["direction"] == "fwd":
+        y, h, _, _ = _norm_fwd(*inputs, eps, key["rms"], config=config)
+        exact = reference(*(t.double() if t is not None else None for t in inputs))
+        in_dtype = reference(*inputs)
+        pairs = [(y, in_dtype[0], exact[0])] + ([(h, in_dtype[1], exact[1])] if h is not None else [])
+        return all(compare("output", *pair, cal["x"].dtype).passed for pair in pairs)
+    fwd_key = _tuning_key("fwd", n, cal["x"].shape[0], cal["x"].dtype,
+                          {k: key[k] for k in ("rms", "residual", "weight", "bias")})
+    y, h, mean, rstd = _norm_fwd(*inputs, eps, key["rms"], config=_default(fwd_key))
+    grads = _norm_bwd(cal["dy"], cal["dh"], h if h is not None else cal["x"], cal["weight"], cal["bias"],
+                      mean, rstd, key["rms"], config=config)
+    wanted = [0] + [i for i in (2, 3) if inputs[i] is not None]  # x (= residual), weight, bias
+
+    def reference_grads(upcast: bool):
+        args = [t.double() if upcast and t is not None else t for t in inputs]
+        args = [t.detach().requires_grad_(i in wanted) if t is not None else None for i, t in enumerate(args)]
+        y_ref, h_ref = reference(*args)
+        outs, upstream = [y_ref], [cal["dy"]]
+        if h_ref is not None:
+            outs, upstream = [y_ref, h_ref], [cal["dy"], cal["dh"]]
+        upstream = [u.double() if upcast else u for u in upstream]
+        return torch.autograd.grad(outs, [args[i] for i in wanted], upstream)
+
+    with torch.enable_grad():
+        exact, in_dtype = reference_grads(True), reference_grads(False)
+    ours = [grads[0]] + [g for g in grads[1:] if g is not None]
+    return all(compare("grad", o, t, e, o.dtype).passed
+               for o, t, e in zip(ours, in_dtype, exact, strict=True))
+
+
+def _time_ms(run, config: dict) -> float:
+    """Median ms of ``run(config)``: the real problem (outputs freshly allocated), with the config."""
+    return triton.testing.do_bench(lambda: run(config), warmup=TUNE_WARMUP_MS, rep=TUNE_REP_MS,
+                                   return_mode="median")
+
+
+def _config(key: dict, n: int, eps: float, device, run) -> dict:
+    """The tuned (or default) config of ``key``'s kernel; ``run(config)`` is the real problem."""
+    tuner = _TUNERS[key["direction"], key["looped"]]
+    return tuner.config(key, admit=functools.partial(_admit, key, n, eps, device),
+                        time_ms=functools.partial(_time_ms, run))
 
 
 def _rows_2d(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -384,16 +289,23 @@ def _validate(input, normalized_shape, weight, bias, residual=None) -> int:
     return n
 
 
-def _norm_fwd(input, residual, weight, bias, eps: float, rms: bool):
-    """(y, h or None, mean or None, rstd): h = input + residual when a residual is given."""
+def _norm_fwd(input, residual, weight, bias, eps: float, rms: bool, config: dict | None = None):
+    """(y, h or None, mean or None, rstd): h = input + residual when a residual is given. Without
+    ``config``, the tuned one for the shape."""
     _validate(input, input.shape[-1:], weight, bias, residual)
-    outputs, launcher, grid, args, meta = _fwd_launch_args(input, residual, weight, bias, eps, rms)
+    if input.numel() and config is None:
+        n = input.shape[-1]
+        params = _params_key(residual is not None, weight, bias, rms)
+        key = _tuning_key("fwd", n, input.numel() // n, input.dtype, params)
+        config = _config(key, n, eps, input.device,
+                         lambda c: _norm_fwd(input, residual, weight, bias, eps, rms, config=c))
+    outputs, launcher, grid, args, meta = _fwd_launch_args(input, residual, weight, bias, eps, rms, config)
     if input.numel():
         launcher(grid, *args, **meta)
     return outputs
 
 
-def _fwd_launch_args(input, residual, weight, bias, eps: float, rms: bool):
+def _fwd_launch_args(input, residual, weight, bias, eps: float, rms: bool, config: dict | None):
     """((y, h, mean, rstd), launcher, grid, arguments, constexprs and options) of the forward, with
     the outputs allocated (h None without a residual, mean None for RMSNorm)."""
     n = input.shape[-1]
@@ -411,20 +323,25 @@ def _fwd_launch_args(input, residual, weight, bias, eps: float, rms: bool):
             bias if bias is not None else y, mean if mean is not None else rstd, rstd, rows, n, x2.stride(0),
             r2.stride(0), float(eps))
     meta = {"RMS": rms, "HAS_RESIDUAL": residual is not None, "HAS_WEIGHT": weight is not None,
-            "HAS_BIAS": bias is not None}
+            "HAS_BIAS": bias is not None, "num_warps": config["num_warps"]}
     block_n = _next_power_of_2(n)
     if block_n > MAX_BLOCK_N["fwd"]:
-        return outputs, _LAUNCHERS["fwd", True], (rows,), args, meta | {"BLOCK_N": LOOP_BLOCK_N,
-                                                                        "num_warps": LOOP_WARPS}
-    block_m = max(1, min(_next_power_of_2(rows), ROW_ELEMENTS // block_n))
-    meta |= {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": _warps(block_m * block_n)}
-    return outputs, _LAUNCHERS["fwd", False], (cdiv(rows, block_m),), args, meta
+        return outputs, _LAUNCHERS["fwd", True], (rows,), args, meta | {"BLOCK_N": config["BLOCK_N"]}
+    meta |= {"BLOCK_M": config["BLOCK_M"], "BLOCK_N": block_n}
+    return outputs, _LAUNCHERS["fwd", False], (cdiv(rows, config["BLOCK_M"]),), args, meta
 
 
-def _norm_bwd(grad_y, grad_h, h, weight, bias, mean, rstd, rms: bool):
-    """(dx, dw or None, db or None); dx is also the residual's gradient in the add_ forms."""
+def _norm_bwd(grad_y, grad_h, h, weight, bias, mean, rstd, rms: bool, config: dict | None = None):
+    """(dx, dw or None, db or None); dx is also the residual's gradient in the add_ forms. Without
+    ``config``, the tuned one for the shape."""
+    if h.numel() and config is None:
+        n = h.shape[-1]
+        params = _params_key(grad_h is not None, weight, bias, rms)
+        key = _tuning_key("bwd", n, h.numel() // n, h.dtype, params)
+        config = _config(key, n, 1e-5, h.device,
+                         lambda c: _norm_bwd(grad_y, grad_h, h, weight, bias, mean, rstd, rms, config=c))
     (dx, dw_partial, db_partial), launcher, grid, args, meta = _bwd_launch_args(
-        grad_y, grad_h, h, weight, bias, rms, mean, rstd)
+        grad_y, grad_h, h, weight, bias, rms, config, mean, rstd)
     if h.numel() == 0:
         n = h.shape[-1]
         zeros = lambda param: torch.zeros(n, dtype=param.dtype, device=h.device)  # noqa: E731
@@ -436,35 +353,34 @@ def _norm_bwd(grad_y, grad_h, h, weight, bias, mean, rstd, rms: bool):
     return dx, _cast(dw, weight), _cast(db, bias)
 
 
-def _bwd_launch_args(grad_y, grad_h, h, weight, bias, rms: bool, mean=None, rstd=None):
+def _bwd_launch_args(grad_y, grad_h, h, weight, bias, rms: bool, config: dict | None, mean=None, rstd=None):
     """((dx, dw partials, db partials), launcher, grid, arguments, constexprs and options) of the
     backward, with its outputs allocated (statistics default to empty ones, for inspect)."""
     n = h.shape[-1]
     rows = h.numel() // n if n else 0
     dx = empty_output(h.shape, h.dtype, h.device)
+    if h.numel() == 0:
+        return (dx, None, None), None, None, None, None
     block_n = _next_power_of_2(n)
     looped = block_n > MAX_BLOCK_N["bwd"]
-    rows_per_program = _bwd_rows_per_program(rows, h.device, looped)
-    programs = cdiv(rows, rows_per_program)
+    programs = cdiv(rows, config["ROWS"])
     rstd = rstd if rstd is not None else torch.empty(rows, dtype=torch.float32, device=h.device)
     if mean is None and not rms:
         mean = torch.empty(rows, dtype=torch.float32, device=h.device)
     dw_partial = empty_output((programs, n), torch.float32, h.device) if weight is not None else rstd
     db_partial = empty_output((programs, n), torch.float32, h.device) if bias is not None else rstd
     outputs = (dx, dw_partial, db_partial)
-    if h.numel() == 0:
-        return outputs, None, None, None, None
     h2, dy2 = _rows_2d(h, n), _rows_2d(grad_y.to(h.dtype), n)
     dh2 = _rows_2d(grad_h.to(h.dtype), n) if grad_h is not None else dy2
     stats = (weight if weight is not None else rstd, mean if mean is not None else rstd, rstd)
     tail = (dx, dw_partial, db_partial, rows, n, dy2.stride(0), dh2.stride(0), h2.stride(0))
     meta = {"RMS": rms, "HAS_DH": grad_h is not None, "HAS_WEIGHT": weight is not None,
-            "HAS_BIAS": bias is not None}
+            "HAS_BIAS": bias is not None, "ROWS": config["ROWS"], "num_warps": config["num_warps"]}
     if looped:
         sums = torch.empty((rows, 2), dtype=torch.float32, device=h.device)  # per-row scratch
-        meta |= {"ROWS": rows_per_program, "BLOCK_N": LOOP_BLOCK_N, "num_warps": LOOP_WARPS}
+        meta |= {"BLOCK_N": config["BLOCK_N"]}
         return outputs, _LAUNCHERS["bwd", True], (programs,), (dy2, dh2, h2, *stats, sums, *tail), meta
-    meta |= {"ROWS": rows_per_program, "BLOCK_N": block_n, "num_warps": _warps(block_n)}
+    meta |= {"BLOCK_N": block_n}
     return outputs, _LAUNCHERS["bwd", False], (programs,), (dy2, dh2, h2, *stats, *tail), meta
 
 
@@ -673,18 +589,27 @@ def _liger(rms: bool, residual: bool):
 
 def _inspect_launches(residual: bool, rms: bool, bias: bool, shape: tuple, dtype: torch.dtype,
                       config: dict | None = None) -> list:
-    """The forward and backward launches for ``shape``: what ``tritonkit inspect`` compiles."""
+    """The forward and backward launches for ``shape``: what ``tritonkit inspect`` compiles. Each
+    takes its default config, with what ``config`` sets of it (BLOCK_M is the one-pass forward's,
+    ROWS the backward's, BLOCK_N the looped kernels', num_warps every kernel's)."""
     from tritonkit.inspect import Launch
 
-    if config is not None:
-        raise ValueError("the norms have no tuning configs: their tiles follow from the row length")
     x = torch.empty(shape, dtype=dtype, device="meta")
     w = torch.empty(shape[-1:], dtype=dtype, device="meta")
-    _, fwd, _, fwd_args, fwd_meta = _fwd_launch_args(x, x if residual else None, w, w if bias else None,
-                                                     1e-5, rms)
-    _, bwd, _, bwd_args, bwd_meta = _bwd_launch_args(x, x if residual else None, x, w, w if bias else None,
-                                                     rms)
-    return [Launch("fwd", fwd.kernel, fwd_args, fwd_meta), Launch("bwd", bwd.kernel, bwd_args, bwd_meta)]
+    n, rows = shape[-1], math.prod(shape[:-1])
+    params = _params_key(residual, w, w if bias else None, rms)
+    launches = []
+    for direction in ("fwd", "bwd"):
+        default = _default(_tuning_key(direction, n, rows, dtype, params))
+        chosen = default | {k: v for k, v in (config or {}).items() if k in default}
+        if direction == "fwd":
+            _, kernel, _, args, meta = _fwd_launch_args(x, x if residual else None, w, w if bias else None,
+                                                        1e-5, rms, chosen)
+        else:
+            _, kernel, _, args, meta = _bwd_launch_args(x, x if residual else None, x, w, w if bias else None,
+                                                        rms, chosen)
+        launches.append(Launch(direction, kernel.kernel, args, meta, chosen))
+    return launches
 
 
 def _spec(name: str, residual: bool, rms: bool):

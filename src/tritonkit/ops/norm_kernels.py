@@ -1,0 +1,269 @@
+"""The norm family's Triton kernels: one-pass and looped, forward and backward.
+
+``tritonkit.ops.norm`` holds the maths, the configs, the launch and the API; this file holds only
+what runs on the GPU, split off to keep each file readable. Rows are (M, N) with a row stride and
+unit column stride.
+"""
+
+from __future__ import annotations
+
+from tritonkit._runtime import interpret
+
+interpret()  # choose GPU or interpreter before triton is imported and any kernel is defined
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _norm_fwd_kernel(
+    x_ptr,  # input, (M, N), row stride stride_xm, unit column stride
+    r_ptr,  # residual, (M, N), row stride stride_rm (unused without HAS_RESIDUAL)
+    h_ptr,  # x + residual out, (M, N), contiguous (unused without HAS_RESIDUAL)
+    y_ptr,  # normalised output, (M, N), contiguous
+    w_ptr,  # weight, (N,) (unused without HAS_WEIGHT)
+    b_ptr,  # bias, (N,) (unused without HAS_BIAS)
+    mean_ptr,  # fp32 row means, (M,) (LayerNorm only)
+    rstd_ptr,  # fp32 reciprocal standard deviations (or RMS), (M,)
+    M,  # rows
+    N,  # row length: the normalised dimension
+    stride_xm,  # elements between rows of x
+    stride_rm,  # elements between rows of the residual
+    eps,  # added to the variance (mean square) before the square root
+    RMS: tl.constexpr,  # RMSNorm instead of LayerNorm
+    HAS_RESIDUAL: tl.constexpr,  # add the residual first and store the sum
+    HAS_WEIGHT: tl.constexpr,  # scale by w
+    HAS_BIAS: tl.constexpr,  # shift by b
+    BLOCK_M: tl.constexpr,  # rows a program handles
+    BLOCK_N: tl.constexpr,  # power of two >= N: the whole row is one tile
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # int64: M*N may pass 2^31
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    mask = (rows < M)[:, None] & col_mask[None, :]
+    h = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        h += tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        h = h.to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + rows[:, None] * N + cols[None, :], h, mask=mask)
+        h = h.to(tl.float32)
+    if RMS:
+        centred = h
+    else:
+        mean = tl.sum(h, axis=1) / N
+        centred = tl.where(mask, h - mean[:, None], 0.0)  # padding must not enter the variance
+        tl.store(mean_ptr + rows, mean, mask=rows < M)
+    rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) / N + eps)
+    tl.store(rstd_ptr + rows, rstd, mask=rows < M)
+    y = centred * rstd[:, None]
+    if HAS_WEIGHT:
+        y *= tl.load(w_ptr + cols, mask=col_mask).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        y += tl.load(b_ptr + cols, mask=col_mask).to(tl.float32)[None, :]
+    tl.store(y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_bwd_kernel(
+    dy_ptr,  # upstream gradient of y, (M, N), row stride stride_dym, unit column stride
+    dh_ptr,  # upstream gradient of h (add_ forms), (M, N), row stride stride_dhm
+    h_ptr,  # the forward's normalised input (x, or x + residual), (M, N), row stride stride_hm
+    w_ptr,  # weight, (N,) (unused without HAS_WEIGHT)
+    mean_ptr,  # fp32 row means from the forward, (M,) (LayerNorm only)
+    rstd_ptr,  # fp32 reciprocal standard deviations from the forward, (M,)
+    dx_ptr,  # gradient of x (and of the residual), (M, N), contiguous
+    dw_partial_ptr,  # fp32 partial sums of dw, (programs, N) (unused without HAS_WEIGHT)
+    db_partial_ptr,  # fp32 partial sums of db, (programs, N) (unused without HAS_BIAS)
+    M,  # rows
+    N,  # row length
+    stride_dym,  # elements between rows of dy
+    stride_dhm,  # elements between rows of dh
+    stride_hm,  # elements between rows of h
+    RMS: tl.constexpr,  # RMSNorm instead of LayerNorm
+    HAS_DH: tl.constexpr,  # add the gradient of h (add_ forms)
+    HAS_WEIGHT: tl.constexpr,  # the forward scaled by w: g = dy * w, and dw is wanted
+    HAS_BIAS: tl.constexpr,  # db is wanted
+    ROWS: tl.constexpr,  # rows a program walks, one at a time
+    BLOCK_N: tl.constexpr,  # power of two >= N
+):
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=col_mask).to(tl.float32)
+    dw = tl.zeros([BLOCK_N], tl.float32)
+    db = tl.zeros([BLOCK_N], tl.float32)
+    first = tl.program_id(0).to(tl.int64) * ROWS
+    for i in range(ROWS):
+        row = first + i
+        mask = col_mask & (row < M)
+        h = tl.load(h_ptr + row * stride_hm + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + row * stride_dym + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + row, mask=row < M, other=0.0)
+        if RMS:
+            xhat = h * rstd
+        else:
+            xhat = tl.where(mask, (h - tl.load(mean_ptr + row, mask=row < M, other=0.0)) * rstd, 0.0)
+        g = dy * w if HAS_WEIGHT else dy
+        c1 = tl.sum(g * xhat, axis=0) / N
+        if RMS:
+            dh = (g - xhat * c1) * rstd
+        else:
+            dh = (g - xhat * c1 - tl.sum(g, axis=0) / N) * rstd
+        if HAS_DH:
+            dh += tl.load(dh_ptr + row * stride_dhm + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + row * N + cols, dh.to(dx_ptr.dtype.element_ty), mask=mask)
+        if HAS_WEIGHT:
+            dw += dy * xhat
+        if HAS_BIAS:
+            db += dy
+    if HAS_WEIGHT:
+        tl.store(dw_partial_ptr + tl.program_id(0) * N + cols, dw, mask=col_mask)
+    if HAS_BIAS:
+        tl.store(db_partial_ptr + tl.program_id(0) * N + cols, db, mask=col_mask)
+
+
+# Rows longer than a register tile: the looped kernels walk each row in BLOCK_N chunks, twice.
+# Forward: pass 1 adds the residual (storing h) and gathers the statistics as sums of h - shift,
+# shift being the first chunk's mean, so that LayerNorm's variance does not cancel when the row
+# sits far from zero; pass 2 reads h back and normalises. Backward: per row, pass 1 gathers
+# mean(g * xhat) and mean(g) into a small fp32 scratch; then chunk by chunk, every row of the
+# program is finished and dw and db for that chunk are summed in registers over the rows.
+
+
+@triton.jit
+def _norm_fwd_looped_kernel(
+    x_ptr,  # input, (M, N), row stride stride_xm, unit column stride
+    r_ptr,  # residual, (M, N), row stride stride_rm (unused without HAS_RESIDUAL)
+    h_ptr,  # x + residual out, (M, N), contiguous (unused without HAS_RESIDUAL)
+    y_ptr,  # normalised output, (M, N), contiguous
+    w_ptr,  # weight, (N,) (unused without HAS_WEIGHT)
+    b_ptr,  # bias, (N,) (unused without HAS_BIAS)
+    mean_ptr,  # fp32 row means, (M,) (LayerNorm only)
+    rstd_ptr,  # fp32 reciprocal standard deviations (or RMS), (M,)
+    M,  # rows
+    N,  # row length
+    stride_xm,  # elements between rows of x
+    stride_rm,  # elements between rows of the residual
+    eps,  # added to the variance (mean square) before the square root
+    RMS: tl.constexpr,  # RMSNorm instead of LayerNorm
+    HAS_RESIDUAL: tl.constexpr,  # add the residual first and store the sum
+    HAS_WEIGHT: tl.constexpr,  # scale by w
+    HAS_BIAS: tl.constexpr,  # shift by b
+    BLOCK_N: tl.constexpr,  # entries per chunk
+):
+    row = tl.program_id(0).to(tl.int64)  # one row a program
+    offsets = tl.arange(0, BLOCK_N)
+    shift = 0.0  # LayerNorm: the first chunk's mean; sums of h - shift stay small and do not cancel
+    total = 0.0  # sum of h - shift (LayerNorm)
+    squares = 0.0  # sum of (h - shift)^2 (LayerNorm) or of h^2 (RMSNorm)
+    for start in range(0, N, BLOCK_N):
+        cols = start + offsets
+        mask = cols < N
+        h = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            h += tl.load(r_ptr + row * stride_rm + cols, mask=mask, other=0.0).to(tl.float32)
+            h = h.to(h_ptr.dtype.element_ty)
+            tl.store(h_ptr + row * N + cols, h, mask=mask)
+            h = h.to(tl.float32)
+        if RMS:
+            squares += tl.sum(h * h, axis=0)
+        else:
+            if start == 0:
+                shift = tl.sum(h, axis=0) / tl.minimum(N, BLOCK_N).to(tl.float32)
+            deviations = tl.where(mask, h - shift, 0.0)
+            total += tl.sum(deviations, axis=0)
+            squares += tl.sum(deviations * deviations, axis=0)
+    if RMS:
+        mean = 0.0
+        rstd = 1.0 / tl.sqrt(squares / N + eps)
+    else:
+        offset = total / N  # the mean is shift + offset, the variance E[(h - shift)^2] - offset^2
+        mean = shift + offset
+        rstd = 1.0 / tl.sqrt(tl.maximum(squares / N - offset * offset, 0.0) + eps)
+        tl.store(mean_ptr + row, mean)
+    tl.store(rstd_ptr + row, rstd)
+    source_ptr = h_ptr + row * N if HAS_RESIDUAL else x_ptr + row * stride_xm
+    for start in range(0, N, BLOCK_N):
+        cols = start + offsets
+        mask = cols < N
+        h = tl.load(source_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y = (h * rstd) if RMS else (h - mean) * rstd
+        if HAS_WEIGHT:
+            y *= tl.load(w_ptr + cols, mask=mask).to(tl.float32)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + cols, mask=mask).to(tl.float32)
+        tl.store(y_ptr + row * N + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_bwd_looped_kernel(
+    dy_ptr,  # upstream gradient of y, (M, N), row stride stride_dym, unit column stride
+    dh_ptr,  # upstream gradient of h (add_ forms), (M, N), row stride stride_dhm
+    h_ptr,  # the forward's normalised input, (M, N), row stride stride_hm
+    w_ptr,  # weight, (N,) (unused without HAS_WEIGHT)
+    mean_ptr,  # fp32 row means from the forward, (M,) (LayerNorm only)
+    rstd_ptr,  # fp32 reciprocal standard deviations from the forward, (M,)
+    sums_ptr,  # fp32 scratch, (M, 2): each row's mean(g * xhat) and mean(g)
+    dx_ptr,  # gradient of x (and of the residual), (M, N), contiguous
+    dw_partial_ptr,  # fp32 partial sums of dw, (programs, N) (unused without HAS_WEIGHT)
+    db_partial_ptr,  # fp32 partial sums of db, (programs, N) (unused without HAS_BIAS)
+    M,  # rows
+    N,  # row length
+    stride_dym,  # elements between rows of dy
+    stride_dhm,  # elements between rows of dh
+    stride_hm,  # elements between rows of h
+    RMS: tl.constexpr,  # RMSNorm instead of LayerNorm
+    HAS_DH: tl.constexpr,  # add the gradient of h (add_ forms)
+    HAS_WEIGHT: tl.constexpr,  # the forward scaled by w
+    HAS_BIAS: tl.constexpr,  # db is wanted
+    ROWS: tl.constexpr,  # rows a program finishes
+    BLOCK_N: tl.constexpr,  # entries per chunk
+):
+    first = tl.program_id(0).to(tl.int64) * ROWS
+    offsets = tl.arange(0, BLOCK_N)
+    for i in range(ROWS):  # pass 1: each row's two sums, over all its chunks
+        row = first + i
+        if row < M:
+            rstd = tl.load(rstd_ptr + row)
+            shift = 0.0 if RMS else tl.load(mean_ptr + row)
+            gx = tl.zeros([BLOCK_N], tl.float32)
+            g_sum = tl.zeros([BLOCK_N], tl.float32)
+            for start in range(0, N, BLOCK_N):
+                cols = start + offsets
+                mask = cols < N
+                h = tl.load(h_ptr + row * stride_hm + cols, mask=mask, other=0.0).to(tl.float32)
+                g = tl.load(dy_ptr + row * stride_dym + cols, mask=mask, other=0.0).to(tl.float32)
+                if HAS_WEIGHT:
+                    g *= tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                gx += g * tl.where(mask, (h - shift) * rstd, 0.0)
+                g_sum += g
+            tl.store(sums_ptr + row * 2, tl.sum(gx, axis=0) / N)
+            tl.store(sums_ptr + row * 2 + 1, tl.sum(g_sum, axis=0) / N)
+    for start in range(0, N, BLOCK_N):  # pass 2: chunk by chunk over the program's rows
+        cols = start + offsets
+        mask = cols < N
+        if HAS_WEIGHT:
+            w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        dw = tl.zeros([BLOCK_N], tl.float32)
+        db = tl.zeros([BLOCK_N], tl.float32)
+        for i in range(ROWS):
+            row = first + i
+            row_mask = mask & (row < M)
+            rstd = tl.load(rstd_ptr + row, mask=row < M, other=0.0)
+            shift = 0.0 if RMS else tl.load(mean_ptr + row, mask=row < M, other=0.0)
+            c1 = tl.load(sums_ptr + row * 2, mask=row < M, other=0.0)
+            c2 = tl.load(sums_ptr + row * 2 + 1, mask=row < M, other=0.0)
+            h = tl.load(h_ptr + row * stride_hm + cols, mask=row_mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + row * stride_dym + cols, mask=row_mask, other=0.0).to(tl.float32)
+            xhat = tl.where(row_mask, (h - shift) * rstd, 0.0)
+            g = dy * w if HAS_WEIGHT else dy
+            dh = (g - xhat * c1) * rstd if RMS else (g - xhat * c1 - c2) * rstd
+            if HAS_DH:
+                dh += tl.load(dh_ptr + row * stride_dhm + cols, mask=row_mask, other=0.0).to(tl.float32)
+            tl.store(dx_ptr + row * N + cols, dh.to(dx_ptr.dtype.element_ty), mask=row_mask)
+            dw += dy * xhat
+            db += dy
+        if HAS_WEIGHT:
+            tl.store(dw_partial_ptr + tl.program_id(0) * N + cols, dw, mask=mask)
+        if HAS_BIAS:
+            tl.store(db_partial_ptr + tl.program_id(0) * N + cols, db, mask=mask)

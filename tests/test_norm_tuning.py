@@ -1,0 +1,124 @@
+"""The norms' tuning: every config a tuner may offer passes the accuracy gate on the real kernels,
+the gate rejects a wrong result, and the tuner launches the fastest admitted config (a fake timer:
+do_bench needs CUDA). The helpers come from test_norm.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import test_norm
+import tritonkit.ops.norm as nm
+from test_norm import BF16, F32, _case
+from tritonkit import tuning
+from tritonkit.testing import check_against_reference
+
+pytestmark = pytest.mark.norm
+looped = test_norm.looped  # the fixture sending rows past 64 entries through the looped kernels
+
+
+def _key(direction, n, rows, dtype=F32, *, rms=False, residual=False, weight=F32, bias=F32):
+    params = nm._params_key(residual, torch.empty(0, dtype=weight) if weight else None,
+                            torch.empty(0, dtype=bias) if bias and not rms else None, rms)
+    return nm._tuning_key(direction, n, rows, dtype, params)
+
+
+def _candidates(key):
+    return nm._TUNERS[key["direction"], key["looped"]]._candidates(key)
+
+
+# Rows of 96 forward (block of 128: BLOCK_M of 8 and more keep 8+ values a thread) and of 1000
+# backward (h and dy: 4 and 8 warps), in a bucket of many rows so that no ROWS is pruned.
+GATE_CASES = [("fwd", 96, 4096, {}), ("fwd", 96, 4096, {"rms": True, "residual": True}),
+              ("bwd", 1000, 65536, {}),
+              ("bwd", 1000, 65536, {"rms": True, "residual": True, "dtype": BF16, "weight": BF16}),
+              ("fwd", 1000, 64, {"dtype": BF16, "bias": None})]
+
+
+@pytest.mark.parametrize("direction, n, rows, options", GATE_CASES, ids=str)
+def test_every_candidate_passes_the_gate(direction, n, rows, options, device):
+    key = _key(direction, n, rows, **options)
+    candidates = _candidates(key)
+    assert len(candidates) >= 4, candidates  # the tuner has a real choice
+    eps = 1e-5
+    for config in candidates:
+        assert nm._admit(key, n, eps, device, config), config
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_every_looped_candidate_passes_the_gate(direction, looped, device):
+    key = _key(direction, 200, 4096, rms=direction == "bwd", residual=True)
+    assert key["looped"]
+    candidates = _candidates(key)
+    assert len(candidates) >= 3, candidates
+    for config in candidates:
+        assert nm._admit(key, 200, 1e-5, device, config), config
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_gate_rejects_a_wrong_result(direction, monkeypatch, device):
+    """A launch whose output is 1% off (y forward, dx backward) fails the gate; the same config
+    passes with the real launch."""
+    key = _key(direction, 96 if direction == "fwd" else 1000, 4096)
+    n, config = (96, {"BLOCK_M": 16, "num_warps": 4}) if direction == "fwd" else (1000, {"ROWS": 8,
+                                                                                         "num_warps": 4})
+    assert nm._admit(key, n, 1e-5, device, config)
+    launcher = nm._LAUNCHERS[direction, False]
+    output = 3 if direction == "fwd" else 6  # y, or dx, among the launch arguments
+
+    def off_by_a_percent(grid, *args, **meta):
+        launcher(grid, *args, **meta)
+        args[output].mul_(1.01)
+
+    monkeypatch.setitem(nm._LAUNCHERS, (direction, False), off_by_a_percent)
+    assert not nm._admit(key, n, 1e-5, device, config)
+
+
+def fake_ms(config):
+    """A fake timing under which more warps and fewer rows a program are faster."""
+    return 1.0 + config.get("BLOCK_M", config.get("ROWS", 1)) / 100 - config["num_warps"] / 1000
+
+
+@pytest.fixture
+def tuned(monkeypatch, tmp_path):
+    """Tuning as on a GPU with fresh tuners, a private cache and a fake timer; records launches."""
+    monkeypatch.setattr(tuning, "_single_config", lambda: False)
+    monkeypatch.setenv("TRITONKIT_CACHE_DIR", str(tmp_path))
+    for name, tuner in list(nm._TUNERS.items()):
+        monkeypatch.setitem(nm._TUNERS, name, tuning.Tuner(tuner.name, tuner.configs, sources=tuner.sources,
+                                                           default=tuner.default, prune=tuner.prune))
+    monkeypatch.setattr(nm, "_time_ms", lambda run, config: fake_ms(config))
+    launched = []
+    for name, launcher in list(nm._LAUNCHERS.items()):
+        def recording(grid, *args, _launcher=launcher, _name=name, **meta):
+            launched.append((_name, meta))
+            _launcher(grid, *args, **meta)
+        monkeypatch.setitem(nm._LAUNCHERS, name, recording)
+    return tmp_path / tuning.SUBDIR, launched
+
+
+def test_the_op_launches_the_fastest_admitted_config(tuned, device):
+    cache, launched = tuned
+    kernel, reference, inputs, grad_inputs, grads = _case("add_layer_norm", (9, 1000), BF16, device, seed=3)
+    kernel(*inputs)  # the forward alone: tuned, then launched
+    fwd_launches = len(launched)
+    check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
+    files = {path.name.split("-")[0]: json.loads(path.read_text()) for path in cache.iterdir()}
+    assert sorted(files) == ["norm_bwd", "norm_fwd"]
+    for direction, entry in ((d, files[f"norm_{d}"]) for d in ("fwd", "bwd")):
+        admitted = [json.loads(c) for c, ms in entry["ms"].items() if ms is not None]
+        assert len(admitted) >= 2 and not entry["rejected"], entry
+        assert entry["config"] == min(admitted, key=fake_ms)
+        # the op's own launch, after its tuning (the backward's gate runs forwards of its own)
+        ours = [meta for (d, _), meta in (launched[:fwd_launches] if direction == "fwd" else launched)
+                if d == direction][-1]
+        assert {k: ours[k] for k in entry["config"]} == entry["config"]
+
+
+def test_inspect_takes_a_config_for_each_kernel():
+    launches = nm._inspect_launches(False, True, False, (8192, 4096), BF16, {"BLOCK_M": 4, "ROWS": 16,
+                                                                            "num_warps": 8})
+    assert [(launch.meta["BLOCK_M"], launch.meta["num_warps"]) for launch in launches[:1]] == [(4, 8)]
+    assert (launches[1].meta["ROWS"], launches[1].meta["num_warps"]) == (16, 8)
