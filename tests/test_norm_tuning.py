@@ -86,6 +86,7 @@ def tuned(monkeypatch, tmp_path):
     """Tuning as on a GPU with fresh tuners, a private cache and a fake timer; records launches."""
     monkeypatch.setattr(tuning, "_single_config", lambda: False)
     monkeypatch.setenv("TRITONKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(nm, "_chosen", {})
     for name, tuner in list(nm._TUNERS.items()):
         monkeypatch.setitem(nm._TUNERS, name, tuning.Tuner(tuner.name, tuner.configs, sources=tuner.sources,
                                                            default=tuner.default, prune=tuner.prune))

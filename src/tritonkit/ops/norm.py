@@ -18,9 +18,9 @@ dw and db are reduced in two stages, never with float atomics, so results are de
 backward program sums its rows into fp32 partials, and a second pass sums the partials.
 A row lives in registers up to ``MAX_BLOCK_N`` entries; longer rows go through looped kernels
 that read each row twice (``norm_kernels.py``). Rows a program, chunk sizes and warps come from
-accuracy-gated tuning (``tritonkit.tuning``), each kernel with its own tuner and configs. h = x + residual is added in fp32 and
-rounded to the input dtype before it is normalised, as ``norm(x + residual)`` is in PyTorch: the
-backward then recomputes xhat from the stored h exactly.
+accuracy-gated tuning (``tritonkit.tuning``), each kernel with its own tuner and configs.
+h = x + residual is added in fp32 and rounded to the input dtype before it is normalised, as
+``norm(x + residual)`` is in PyTorch: the backward then recomputes xhat from the stored h exactly.
 """
 
 from __future__ import annotations
@@ -233,11 +233,21 @@ def _time_ms(run, config: dict) -> float:
                                    return_mode="median")
 
 
+_chosen: dict[tuple, dict] = {}  # key values -> config, once chosen for good (a cheap memo)
+
+
 def _config(key: dict, n: int, eps: float, device, run) -> dict:
     """The tuned (or default) config of ``key``'s kernel; ``run(config)`` is the real problem."""
-    tuner = _TUNERS[key["direction"], key["looped"]]
-    return tuner.config(key, admit=functools.partial(_admit, key, n, eps, device),
-                        time_ms=functools.partial(_time_ms, run))
+    memo_key = tuple(key.values())
+    config = _chosen.get(memo_key)
+    if config is None:
+        tuner = _TUNERS[key["direction"], key["looped"]]
+        entry = tuner.entry(key, admit=functools.partial(_admit, key, n, eps, device),
+                            time_ms=functools.partial(_time_ms, run))
+        config = tuner.default(key) if entry is None else entry["config"]
+        if entry is not None or interpret():  # final: tuned, cached, or the interpreter's one config
+            _chosen[memo_key] = config
+    return config
 
 
 def _rows_2d(t: torch.Tensor, n: int) -> torch.Tensor:
