@@ -123,3 +123,24 @@ def test_inspect_takes_a_config_for_each_kernel():
                                                                             "num_warps": 8})
     assert [(launch.meta["BLOCK_M"], launch.meta["num_warps"]) for launch in launches[:1]] == [(4, 8)]
     assert (launches[1].meta["ROWS"], launches[1].meta["num_warps"]) == (16, 8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind, shape", [("add_rms_norm", (4096, 4096)), ("layer_norm", (512, 65536))],
+                         ids=str)
+def test_real_tuning_picks_a_timed_winner_that_matches_the_reference(kind, shape, monkeypatch, tmp_path,
+                                                                      device):
+    """On the GPU, with an empty cache: each kernel tunes, its winner was admitted and timed, and
+    the op's outputs and gradients pass the oracle."""
+    monkeypatch.setenv("TRITONKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(nm, "_chosen", {})
+    for name, tuner in list(nm._TUNERS.items()):
+        monkeypatch.setitem(nm._TUNERS, name, tuning.Tuner(tuner.name, tuner.configs, sources=tuner.sources,
+                                                           default=tuner.default, prune=tuner.prune))
+    kernel, reference, inputs, grad_inputs, grads = _case(kind, shape, BF16, device, seed=21)
+    check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
+    entries = [json.loads(path.read_text()) for path in (tmp_path / tuning.SUBDIR).iterdir()]
+    assert sorted(e["tuner"] for e in entries) == (["norm_bwd", "norm_fwd"] if shape[1] <= 8192
+                                                   else ["norm_bwd_looped", "norm_fwd_looped"])
+    for entry in entries:
+        assert entry["ms"][tuning._canonical(entry["config"])] is not None, entry
