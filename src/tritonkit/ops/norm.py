@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from tritonkit import tuning
+from tritonkit import _runtime, tuning
 from tritonkit._runtime import check_device, current_device, empty_output, interpret, sm_count
 
 interpret()  # choose GPU or interpreter before triton is imported and any kernel is defined
@@ -228,9 +228,14 @@ def _admit(key: dict, n: int, eps: float, device, config: dict) -> bool:
 
 
 def _time_ms(run, config: dict) -> float:
-    """Median ms of ``run(config)``: the real problem (outputs freshly allocated), with the config."""
-    return triton.testing.do_bench(lambda: run(config), warmup=TUNE_WARMUP_MS, rep=TUNE_REP_MS,
-                                   return_mode="median")
+    """Median ms of ``run(config)``: the real problem with the config. Its outputs are allocated in
+    the timed call, so they are never NaN-filled there (a test's poisoning would time the fills)."""
+    previous, _runtime.poison_outputs = _runtime.poison_outputs, False
+    try:
+        return triton.testing.do_bench(lambda: run(config), warmup=TUNE_WARMUP_MS, rep=TUNE_REP_MS,
+                                       return_mode="median")
+    finally:
+        _runtime.poison_outputs = previous
 
 
 _chosen: dict[tuple, dict] = {}  # key values -> config, once chosen for good (a cheap memo)
