@@ -331,23 +331,28 @@ def test_dtype_argument(in_dtype, out_dtype, log, variant, device):
 
 # A chunk of 64 entries makes the online kernels walk several chunks on rows the interpreter runs
 # quickly; two rows a program puts a masked (absent) row next to a real one in every odd-rowed case.
+# Each such test runs twice: with pass 1 loading one chunk at a time, and with PREFETCH.
 SMALL_CHUNKS = {"variant": "online", "BLOCK_M": 2, "BLOCK_N": 64, "num_warps": 4}
+_small_chunks = {"config": SMALL_CHUNKS}  # that of the running test: set by the fixture
 
 
-@pytest.fixture
-def small_chunks(monkeypatch, launches):
-    """The online kernel's default config (the one used under the interpreter) becomes SMALL_CHUNKS.
+@pytest.fixture(params=[False, True], ids=["one-chunk", "prefetch"])
+def small_chunks(request, monkeypatch, launches):
+    """The online kernel's default config (the one used under the interpreter) becomes SMALL_CHUNKS,
+    with or without PREFETCH.
 
     The tuners hold the default function itself, so it is wrapped there; nothing is tuned (on a
     GPU too); the memo of chosen configs starts empty and is restored afterwards. Returns the launches.
     """
+    config = SMALL_CHUNKS | ({"PREFETCH": True} if request.param else {})
+    monkeypatch.setitem(_small_chunks, "config", config)
     monkeypatch.setattr(tuning, "_single_config", lambda: True)
     monkeypatch.setattr(sm, "_chosen", {})
     monkeypatch.setattr(sm, "_plans", {})  # plans hold configs too
     for tuner in sm._TUNERS.values():
         default = tuner.default
         monkeypatch.setattr(tuner, "default", lambda key, default=default: (
-            dict(SMALL_CHUNKS) if default(key)["variant"] == "online" else default(key)))
+            dict(config) if default(key)["variant"] == "online" else default(key)))
     return launches
 
 
@@ -469,9 +474,10 @@ def _masked_attention(shape, dtype, device, seed, keep):
 
 
 def _assert_small_chunks_ran(launches):
-    directions = {direction for direction, config in launches if config == SMALL_CHUNKS}
+    small = _small_chunks["config"]
+    directions = {direction for direction, config in launches if config == small}
     assert directions == {"fwd", "bwd"}, launches
-    assert all(config == SMALL_CHUNKS for _, config in launches if config["variant"] == "online"), launches
+    assert all(config == small for _, config in launches if config["variant"] == "online"), launches
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -50,6 +50,8 @@ def check(layout, direction, n, variant, dtype, log):
     constexprs = {a: 1 for a in kernel.arg_names if a.startswith("stride_") and a.endswith(unit)}
     constexprs |= {"LOG": log, "SUM_FP64": log and dtype == "fp32", "BLOCK_M": config["BLOCK_M"],
                    "BLOCK_N": config.get("BLOCK_N", n)}
+    if config["variant"] == "online":
+        constexprs["PREFETCH"] = config.get("PREFETCH", False)
     signature = {a: f"*{dtype}" if a.endswith("_ptr") else "i32"
                  for a in kernel.arg_names if a not in constexprs}
     report = compile_kernel(kernel, signature, constexprs, config["num_warps"])
@@ -84,6 +86,43 @@ def test_kernels_compile_for_hopper_with_wide_accesses_and_no_spills():
     for line in lines:
         verdicts = line.split("|")[1].split()
         assert verdicts == ["True"] * 6, line
+
+
+_PREFETCH_HOPPER_CHECK = r"""
+import concurrent.futures
+import tritonkit.ops.softmax as sm
+
+def check(direction, dtype, log, config):
+    kernel = sm._LAUNCHERS[direction, "online"].kernel
+    constexprs = {a: 1 for a in kernel.arg_names if a.startswith("stride_") and a.endswith("n")}
+    constexprs |= {"LOG": log, "SUM_FP64": log and dtype == "fp32", "BLOCK_M": 1,
+                   "BLOCK_N": config["BLOCK_N"], "PREFETCH": True}
+    signature = {a: f"*{dtype}" if a.endswith("_ptr") else "i32" for a in kernel.arg_names
+                 if a not in constexprs}
+    report = compile_kernel(kernel, signature, constexprs, config["num_warps"])
+    loads = set(re.findall(r"LDG\.E[.\w]*", report.asm["sass"]))
+    return f"{direction} {dtype} {log} {config} | {report.spills} {sorted(loads)} {report.registers}"
+
+key = {"layout": "rows", "block_n": 131072, "rows": 2048}
+jobs = [(direction, dtype, log, config)
+        for direction in ("fwd", "bwd") for dtype, log in (("bf16", False), ("fp32", True))
+        for config in sm._TUNERS[direction]._candidates({**key, "direction": direction,
+                                                           "dtype": f"{dtype}>{dtype}"})
+        if config.get("PREFETCH")]
+with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as pool:
+    for line in pool.map(lambda job: check(*job), jobs):
+        print(line)
+"""
+
+
+def test_prefetching_online_candidates_compile_for_hopper_without_spills():
+    """Every PREFETCH candidate of a long-row bucket, compiled for sm_90: two chunks in registers and
+    no spills, the loads 16 bytes wide with their eviction hints."""
+    lines = sm90.run(_PREFETCH_HOPPER_CHECK)
+    assert len(lines) >= 4 * 3, lines  # at least three (chunk, warps) a direction and flavour
+    for line in lines:
+        spills, loads = line.split("|")[1].split(" ", 2)[1:]
+        assert spills == "False" and loads.startswith("['LDG.E.EF.128', 'LDG.E.EL.128']"), line
 
 
 _SPLIT_HOPPER_CHECK = r"""

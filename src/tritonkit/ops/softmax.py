@@ -57,6 +57,7 @@ import triton  # noqa: E402
 from tritonkit._launch import Launcher, cdiv, precompile  # noqa: E402
 from tritonkit.ops.softmax_kernels import (  # noqa: E402
     _exp_shifted,
+    _first_pass_chunk,
     _input_grad,
     _log,
     _normalized,
@@ -73,6 +74,7 @@ from tritonkit.ops.softmax_kernels import (  # noqa: E402
     _softmax_fwd_online_kernel,
     _softmax_fwd_split_kernel,
     _tile,
+    _widen_again,
 )
 
 VARIANTS = ("auto", "one-pass", "online", "split")
@@ -99,6 +101,8 @@ CONFIGS = ([{"variant": "one-pass", "BLOCK_M": m, "num_warps": w}
             for m in (1, 2, 4, 8, 16, 32, 64, 128) for w in (4, 8, 16, 32)]
            + [{"variant": "online", "BLOCK_M": m, "BLOCK_N": n, "num_warps": w}
               for m in (1, 16, 64) for n in (16, 64, 2048, 4096, 8192) for w in (4, 8, 16)]
+           + [{"variant": "online", "BLOCK_M": 1, "BLOCK_N": n, "num_warps": w, "PREFETCH": True}
+              for n in (2048, 4096, 8192) for w in (4, 8, 16)]
            + [{"variant": "split", "SEGMENT": segment, "BLOCK_N": n, "num_warps": w, "PER_SM": k}
               for segment in (4096, 8192, 16384) for n in (2048, 4096) if segment >= 2 * n
               for w in (4, 8) for k in (2, 4, 8)])
@@ -113,6 +117,11 @@ CONFIGS = ([{"variant": "one-pass", "BLOCK_M": m, "num_warps": w}
 # Online configs with short chunks are for the cols layout: along a contiguous row, chunks under a
 # quarter of the row or ONLINE_MIN_ROWS_CHUNK entries never won on the H200 (some took 100x the best).
 ONLINE_MIN_ROWS_CHUNK = 2048
+# PREFETCH online configs hold two chunks at once (the next one's load is issued before this one is
+# reduced, so a program keeps loads in flight through its reductions' barriers): rows of two chunks
+# or more, at most PREFETCH_MAX_PER_THREAD values a thread a chunk (8192 entries at 16 warps: 61
+# registers on sm_90, no spills). Not yet measured on the H200; the tuner decides.
+PREFETCH_MAX_PER_THREAD = 16
 SPLIT_L2_BYTES = 40 << 20
 SPLIT_MAX_WARPS_PER_SM = 32
 
@@ -187,6 +196,9 @@ def _prune(config: dict, key: dict) -> bool:
         return True
     if variant == "split":
         return not _split_fits(config, key)
+    if config.get("PREFETCH") and (key["layout"] != "rows" or key["block_n"] < 2 * config["BLOCK_N"]
+                                   or _per_thread(config, key["block_n"]) > PREFETCH_MAX_PER_THREAD):
+        return True
     low, high = PER_THREAD[variant]
     held = _per_thread(config, key["block_n"]) * (_tiles(key) if variant == "one-pass" else 1)
     min_block_m = min(key["rows"], COLS_MIN_BLOCK_M) if key["layout"] == "cols" else 1
@@ -220,8 +232,10 @@ def _layout(view: torch.Tensor) -> str:
 
 # hashed with the kernels: an edit retunes
 _SPLIT_HELPERS = (_row_start, _segment_of_program, _publish_and_wait)
-_FWD_HELPERS = (_row_offsets, _tile, _row_sum, _log, _exp_shifted, _normalized, *_SPLIT_HELPERS)
-_BWD_HELPERS = (_row_offsets, _tile, _row_sum, _row_dot, _input_grad, *_SPLIT_HELPERS)
+_FWD_HELPERS = (_row_offsets, _tile, _row_sum, _log, _exp_shifted, _normalized, _first_pass_chunk,
+                *_SPLIT_HELPERS)
+_BWD_HELPERS = (_row_offsets, _tile, _row_sum, _row_dot, _input_grad, _widen_again, _first_pass_chunk,
+                *_SPLIT_HELPERS)
 _LAUNCHERS = {
     ("fwd", "one-pass"): Launcher(_softmax_fwd_kernel),
     ("fwd", "online"): Launcher(_softmax_fwd_online_kernel),
@@ -257,6 +271,8 @@ def _launch_args(direction: str, config: dict, log: bool, tensors: tuple, geomet
     row_blocks = cdiv(rows, config["BLOCK_M"])
     meta = {"LOG": log, "SUM_FP64": sum_fp64, "BLOCK_M": config["BLOCK_M"], "BLOCK_N": block_n,
             "num_warps": config["num_warps"]}
+    if config["variant"] == "online":
+        meta["PREFETCH"] = config.get("PREFETCH", False)
     return (outer * row_blocks,), (*tensors, rows, n, row_blocks, *strides), meta
 
 

@@ -97,6 +97,15 @@ def _softmax_fwd_kernel(
 
 
 @triton.jit
+def _first_pass_chunk(ptr, rows, start, offsets, stride_n, row_mask, N, other):
+    """The online kernels' pass-1 load of the chunk at ``start``, kept in L2 for pass 2 (masked
+    wholly past the row's end, where PREFETCH asks for the chunk after the last)."""
+    cols = start + offsets
+    return tl.load(_tile(ptr, rows, cols, stride_n), mask=row_mask[:, None] & (cols < N)[None, :],
+                   other=other, eviction_policy="evict_last")
+
+
+@triton.jit
 def _softmax_fwd_online_kernel(
     x_ptr,  # input, viewed as (O, R, N) with strides (stride_xo, stride_xr, stride_xn)
     y_ptr,  # output, same view, strides (stride_yo, stride_yr, stride_yn)
@@ -109,17 +118,22 @@ def _softmax_fwd_online_kernel(
     SUM_FP64: tl.constexpr,  # accumulate the row sum in fp64 (fp32 log_softmax: see _row_sum)
     BLOCK_M: tl.constexpr,  # rows a program handles
     BLOCK_N: tl.constexpr,  # row entries per chunk
+    PREFETCH: tl.constexpr,  # pass 1 loads the next chunk before it reduces this one
 ):
     x_rows, row_mask = _row_offsets(R, row_blocks, stride_xo, stride_xr, BLOCK_M)
     y_rows, _ = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M)
     offsets = tl.arange(0, BLOCK_N)
     m = tl.full([BLOCK_M], -float("inf"), tl.float32)  # running max
     s = tl.zeros([BLOCK_M], tl.float64 if SUM_FP64 else tl.float32)  # running sum of exp(x - m)
+    if PREFETCH:
+        x_next = _first_pass_chunk(x_ptr, x_rows, 0, offsets, stride_xn, row_mask, N, -float("inf"))
     for start in range(0, N, BLOCK_N):
-        cols = start + offsets
-        mask = row_mask[:, None] & (cols < N)[None, :]
-        x = tl.load(_tile(x_ptr, x_rows, cols, stride_xn), mask=mask, other=-float("inf"),
-                    eviction_policy="evict_last")  # pass 2 reads it again
+        if PREFETCH:  # two chunks in flight: the reductions' barriers no longer wait on this load
+            x = x_next
+            x_next = _first_pass_chunk(x_ptr, x_rows, start + BLOCK_N, offsets, stride_xn, row_mask, N,
+                                       -float("inf"))
+        else:
+            x = _first_pass_chunk(x_ptr, x_rows, start, offsets, stride_xn, row_mask, N, -float("inf"))
         x = x.to(tl.float32)
         m_new = tl.maximum(m, tl.max(x, axis=1))
         # Until a row has seen a finite value its max is -inf and x - m would be -inf - -inf = NaN:
@@ -222,19 +236,25 @@ def _softmax_bwd_online_kernel(
     SUM_FP64: tl.constexpr,  # accumulate the row sum in fp64 (fp32 log_softmax: see _row_sum)
     BLOCK_M: tl.constexpr,  # rows a program handles
     BLOCK_N: tl.constexpr,  # row entries per chunk
+    PREFETCH: tl.constexpr,  # pass 1 loads the next chunk before it reduces this one
 ):
     y_rows, row_mask = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M)
     dy_rows, _ = _row_offsets(R, row_blocks, stride_dyo, stride_dyr, BLOCK_M)
     dx_rows, _ = _row_offsets(R, row_blocks, stride_dxo, stride_dxr, BLOCK_M)
     offsets = tl.arange(0, BLOCK_N)
     dot = tl.zeros([BLOCK_M], tl.float64 if SUM_FP64 else tl.float32)
+    if PREFETCH:
+        y_next = _first_pass_chunk(y_ptr, y_rows, 0, offsets, stride_yn, row_mask, N, 0.0)
+        dy_next = _first_pass_chunk(dy_ptr, dy_rows, 0, offsets, stride_dyn, row_mask, N, 0.0)
     for start in range(0, N, BLOCK_N):
-        cols = start + offsets
-        mask = row_mask[:, None] & (cols < N)[None, :]
-        y = tl.load(_tile(y_ptr, y_rows, cols, stride_yn), mask=mask, other=0.0,
-                    eviction_policy="evict_last")
-        dy = tl.load(_tile(dy_ptr, dy_rows, cols, stride_dyn), mask=mask, other=0.0,
-                     eviction_policy="evict_last")
+        if PREFETCH:  # as in the forward
+            y, dy = y_next, dy_next
+            y_next = _first_pass_chunk(y_ptr, y_rows, start + BLOCK_N, offsets, stride_yn, row_mask, N, 0.0)
+            dy_next = _first_pass_chunk(dy_ptr, dy_rows, start + BLOCK_N, offsets, stride_dyn, row_mask, N,
+                                        0.0)
+        else:
+            y = _first_pass_chunk(y_ptr, y_rows, start, offsets, stride_yn, row_mask, N, 0.0)
+            dy = _first_pass_chunk(dy_ptr, dy_rows, start, offsets, stride_dyn, row_mask, N, 0.0)
         dot += _row_dot(y.to(tl.float32), dy.to(tl.float32), LOG, SUM_FP64)
     chunks = tl.cdiv(N, BLOCK_N)
     for i in range(chunks):
