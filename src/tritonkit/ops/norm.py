@@ -304,10 +304,12 @@ def _validate(input, normalized_shape, weight, bias, residual=None) -> int:
     return n
 
 
-def _norm_fwd(input, residual, weight, bias, eps: float, rms: bool, config: dict | None = None):
+def _norm_fwd(input, residual, weight, bias, eps: float, rms: bool, config: dict | None = None,
+              validated: bool = False):
     """(y, h or None, mean or None, rstd): h = input + residual when a residual is given. Without
-    ``config``, the tuned one for the shape."""
-    _validate(input, input.shape[-1:], weight, bias, residual)
+    ``config``, the tuned one for the shape; ``validated``: the public function checked the arguments."""
+    if not validated:
+        _validate(input, input.shape[-1:], weight, bias, residual)
     if input.numel() and config is None:
         n = input.shape[-1]
         params = _params_key(residual is not None, weight, bias, rms)
@@ -469,7 +471,7 @@ class _Norm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input, residual, weight, bias, eps, rms):
-        y, h, mean, rstd = _norm_fwd(input, residual, weight, bias, eps, rms)
+        y, h, mean, rstd = _norm_fwd(input, residual, weight, bias, eps, rms, validated=True)
         ctx.save_for_backward(h if residual is not None else input, weight, bias, mean, rstd)
         ctx.rms, ctx.has_residual = rms, residual is not None
         return (y, h) if residual is not None else y
@@ -490,7 +492,7 @@ def _norm(input, residual, normalized_shape, weight, bias, eps, rms: bool):
     tensors = [t for t in (input, residual, weight, bias) if t is not None]
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return _Norm.apply(input, residual, weight, bias, eps, rms)
-    y, h, _, _ = _norm_fwd(input, residual, weight, bias, eps, rms)
+    y, h, _, _ = _norm_fwd(input, residual, weight, bias, eps, rms, validated=True)
     return (y, h) if residual is not None else y
 
 
