@@ -77,8 +77,9 @@ def test_gate_rejects_a_wrong_result(direction, monkeypatch, device):
 
 
 def fake_ms(config):
-    """A fake timing under which more warps and fewer rows a program are faster."""
-    return 1.0 + config.get("BLOCK_M", config.get("ROWS", 1)) / 100 - config["num_warps"] / 1000
+    """A fake timing under which more warps and fewer rows a program are faster, and PREFETCH too."""
+    return (1.0 + config.get("BLOCK_M", config.get("ROWS", 1)) / 100 - config["num_warps"] / 1000
+            - config.get("PREFETCH", False) / 10000)
 
 
 @pytest.fixture

@@ -43,6 +43,7 @@ from tritonkit.ops.norm_kernels import (  # noqa: E402
     _norm_bwd_looped_kernel,
     _norm_fwd_kernel,
     _norm_fwd_looped_kernel,
+    _row_of_h_and_dy,
 )
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -58,13 +59,16 @@ MAX_BLOCK_N = {"fwd": 32768, "bwd": 16384}
 CONFIGS = {
     ("fwd", False): [{"BLOCK_M": m, "num_warps": w} for m in (1, 2, 4, 8, 16, 32) for w in (4, 8, 16)],
     ("fwd", True): [{"BLOCK_N": n, "num_warps": w} for n in (2048, 4096, 8192) for w in (4, 8, 16)],
-    ("bwd", False): [{"ROWS": r, "num_warps": w} for r in (8, 16, 32, 64) for w in (4, 8, 16)],
+    ("bwd", False): [{"ROWS": r, "num_warps": w, **prefetch} for r in (8, 16, 32, 64) for w in (4, 8, 16)
+                     for prefetch in ({}, {"PREFETCH": True})],
     ("bwd", True): [{"ROWS": r, "BLOCK_N": n, "num_warps": w} for r in (4, 8, 16) for n in (2048, 4096)
                     for w in (4, 8)],
 }
 # fp32 values a thread holds per tile (one-pass: the row tile, x or h and dy; looped: a chunk):
-# past 64 the one-pass kernels spill, under 8 a program moves too little at once.
+# past 64 the one-pass kernels spill, under 8 a program moves too little at once. A PREFETCH
+# backward holds the next row's h and dy too: at most 32 a row. (Not yet measured on the H200.)
 PER_THREAD_RANGE = {False: (8, 64), True: (8, 32)}
+PREFETCH_MAX_PER_THREAD = 32
 ROW_ELEMENTS = 8192  # default: elements a forward program takes at a time (rows of 1024 go 8 to one)
 PER_THREAD = 16  # default: values a thread holds per row tile, four 16-byte fp32 vectors in flight
 # Rows each backward program walks, summing its dw and db partials in registers (a power of two in
@@ -135,7 +139,8 @@ def _prune(config: dict, key: dict) -> bool:
     tile = config.get("BLOCK_N", key["block_n"]) * config.get("BLOCK_M", 1)
     tiles = 2 if key["direction"] == "bwd" and not key["looped"] else 1  # h and dy
     low, high = PER_THREAD_RANGE[key["looped"]]
-    if not low <= tile * tiles / (32 * config["num_warps"]) <= high:
+    per_thread = tile * tiles / (32 * config["num_warps"])
+    if not low <= per_thread <= high or config.get("PREFETCH") and per_thread > PREFETCH_MAX_PER_THREAD:
         return True
     if config.get("BLOCK_M", 1) > max(1, key["rows"]):
         return True
@@ -144,10 +149,12 @@ def _prune(config: dict, key: dict) -> bool:
             and cdiv(key["rows"], rows) < sm_count(current_device()))
 
 
+_HELPERS = {("bwd", False): (_row_of_h_and_dy,)}  # the @triton.jit helpers a kernel calls
 _TUNERS = {
     (direction, looped): tuning.Tuner(f"norm_{direction}{'_looped' if looped else ''}", configs,
                                       default=_default, prune=_prune,
-                                      sources=(_LAUNCHERS[direction, looped].kernel,))
+                                      sources=(_LAUNCHERS[direction, looped].kernel,
+                                               *_HELPERS.get((direction, looped), ())))
     for (direction, looped), configs in CONFIGS.items()
 }
 
@@ -397,7 +404,7 @@ def _bwd_launch_args(grad_y, grad_h, h, weight, bias, rms: bool, config: dict | 
         sums = torch.empty((rows, 2), dtype=torch.float32, device=h.device)  # per-row scratch
         meta |= {"BLOCK_N": config["BLOCK_N"]}
         return outputs, _LAUNCHERS["bwd", True], (programs,), (dy2, dh2, h2, *stats, sums, *tail), meta
-    meta |= {"BLOCK_N": block_n}
+    meta |= {"BLOCK_N": block_n, "PREFETCH": config.get("PREFETCH", False)}
     return outputs, _LAUNCHERS["bwd", False], (programs,), (dy2, dh2, h2, *stats, *tail), meta
 
 
@@ -608,7 +615,7 @@ def _inspect_launches(residual: bool, rms: bool, bias: bool, shape: tuple, dtype
                       config: dict | None = None) -> list:
     """The forward and backward launches for ``shape``: what ``tritonkit inspect`` compiles. Each
     takes its default config, with what ``config`` sets of it (BLOCK_M is the one-pass forward's,
-    ROWS the backward's, BLOCK_N the looped kernels', num_warps every kernel's)."""
+    ROWS and PREFETCH the backward's, BLOCK_N the looped kernels', num_warps every kernel's)."""
     from tritonkit.inspect import Launch
 
     x = torch.empty(shape, dtype=dtype, device="meta")
@@ -618,7 +625,7 @@ def _inspect_launches(residual: bool, rms: bool, bias: bool, shape: tuple, dtype
     launches = []
     for direction in ("fwd", "bwd"):
         default = _default(_tuning_key(direction, n, rows, dtype, params))
-        chosen = default | {k: v for k, v in (config or {}).items() if k in default}
+        chosen = default | {k: v for k, v in (config or {}).items() if k in default or k == "PREFETCH"}
         if direction == "fwd":
             _, kernel, _, args, meta = _fwd_launch_args(x, x if residual else None, w, w if bias else None,
                                                         1e-5, rms, chosen)

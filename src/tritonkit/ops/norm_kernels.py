@@ -64,6 +64,14 @@ def _norm_fwd_kernel(
 
 
 @triton.jit
+def _row_of_h_and_dy(h_ptr, dy_ptr, row, row_exists, cols, col_mask, stride_hm, stride_dym):
+    """One row of h and of dy, as stored (zeros where the row or an entry does not exist)."""
+    mask = col_mask & row_exists
+    return (tl.load(h_ptr + row * stride_hm + cols, mask=mask, other=0.0),
+            tl.load(dy_ptr + row * stride_dym + cols, mask=mask, other=0.0))
+
+
+@triton.jit
 def _norm_bwd_kernel(
     dy_ptr,  # upstream gradient of y, (M, N), row stride stride_dym, unit column stride
     dh_ptr,  # upstream gradient of h (add_ forms), (M, N), row stride stride_dhm
@@ -85,6 +93,7 @@ def _norm_bwd_kernel(
     HAS_BIAS: tl.constexpr,  # db is wanted
     ROWS: tl.constexpr,  # rows a program walks, one at a time
     BLOCK_N: tl.constexpr,  # power of two >= N
+    PREFETCH: tl.constexpr,  # load the next row's h and dy before this row is reduced
 ):
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -93,11 +102,20 @@ def _norm_bwd_kernel(
     dw = tl.zeros([BLOCK_N], tl.float32)
     db = tl.zeros([BLOCK_N], tl.float32)
     first = tl.program_id(0).to(tl.int64) * ROWS
+    if PREFETCH:
+        h_next, dy_next = _row_of_h_and_dy(h_ptr, dy_ptr, first, first < M, cols, col_mask, stride_hm,
+                                           stride_dym)
     for i in range(ROWS):
         row = first + i
         mask = col_mask & (row < M)
-        h = tl.load(h_ptr + row * stride_hm + cols, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + row * stride_dym + cols, mask=mask, other=0.0).to(tl.float32)
+        if PREFETCH:  # two rows in flight: this row's barriers no longer wait on the next row's load
+            h, dy = h_next, dy_next
+            h_next, dy_next = _row_of_h_and_dy(h_ptr, dy_ptr, row + 1, (i + 1 < ROWS) & (row + 1 < M), cols,
+                                               col_mask, stride_hm, stride_dym)
+        else:
+            h, dy = _row_of_h_and_dy(h_ptr, dy_ptr, row, row < M, cols, col_mask, stride_hm, stride_dym)
+        h = h.to(tl.float32)
+        dy = dy.to(tl.float32)
         rstd = tl.load(rstd_ptr + row, mask=row < M, other=0.0)
         if RMS:
             xhat = h * rstd
