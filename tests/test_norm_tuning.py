@@ -158,3 +158,26 @@ def test_timing_never_fills_outputs_with_nan(monkeypatch):
         assert nm._time_ms(lambda config: seen.append(_runtime.poison_outputs), {}) == 1.0
         assert _runtime.poison_outputs
     assert seen == [False]
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_candidates_compile_together_for_both_problems(direction, monkeypatch, device):
+    """The tuner's precompile step hands every candidate's launch, for the calibration problem and
+    the real one, to one concurrent compile (which itself is a no-op under the interpreter)."""
+    compiled = []
+    monkeypatch.setattr(nm, "precompile", compiled.extend)
+    n = 96 if direction == "fwd" else 1000
+    kernel, reference, inputs, grad_inputs, grads = _case("add_rms_norm", (40, n), BF16, device, seed=9)
+    x, residual, weight = inputs
+    key = _key(direction, n, 40, BF16, rms=True, residual=True, weight=BF16)
+    if direction == "fwd":
+        real = lambda c: nm._fwd_launch_args(x, residual, weight, None, 1e-5, True, c)  # noqa: E731
+    else:
+        real = lambda c: nm._bwd_launch_args(grads[0], grads[1], x, weight, None, True, c)  # noqa: E731
+    configs = _candidates(key)
+    nm._precompile(key, n, device, real, configs)
+    assert len(compiled) == 2 * len(configs)
+    for launcher, grid, args, meta in compiled:  # args: tensors first, then the ints
+        assert isinstance(args[0], torch.Tensor)
+        assert launcher is nm._LAUNCHERS[direction, False] and grid[0] >= 1
+        assert meta["num_warps"] in (4, 8, 16) and ("BLOCK_M" in meta) == (direction == "fwd")

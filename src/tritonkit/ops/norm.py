@@ -37,7 +37,7 @@ interpret()  # choose GPU or interpreter before triton is imported and any kerne
 
 import triton  # noqa: E402
 
-from tritonkit._launch import Launcher, cdiv  # noqa: E402
+from tritonkit._launch import Launcher, cdiv, precompile  # noqa: E402
 from tritonkit.ops.norm_kernels import (  # noqa: E402
     _norm_bwd_kernel,
     _norm_bwd_looped_kernel,
@@ -248,14 +248,33 @@ def _time_ms(run, config: dict) -> float:
 _chosen: dict[tuple, dict] = {}  # key values -> config, once chosen for good (a cheap memo)
 
 
-def _config(key: dict, n: int, eps: float, device, run) -> dict:
-    """The tuned (or default) config of ``key``'s kernel; ``run(config)`` is the real problem."""
+def _precompile(key: dict, n: int, device, launch_args, configs: list[dict]) -> None:
+    """Compile every candidate for its calibration problem and the real one (they specialise apart)
+    at once, on threads: tuning then spends its time timing. ``launch_args(config)`` gives the real
+    problem's (outputs, launcher, grid, arguments, meta)."""
+    calls = []
+    for config in configs:
+        cal = _calibration(key, n, config, device)
+        inputs = (cal["x"], cal["residual"], cal["weight"], cal["bias"])
+        if key["direction"] == "fwd":
+            calibration = _fwd_launch_args(*inputs, 1e-5, key["rms"], config)
+        else:  # statistics default to empty ones: nothing is launched
+            calibration = _bwd_launch_args(cal["dy"], cal["dh"], cal["x"], cal["weight"], cal["bias"],
+                                           key["rms"], config)
+        calls += [launch[1:] for launch in (calibration, launch_args(config))]
+    precompile(calls)
+
+
+def _config(key: dict, n: int, eps: float, device, run, launch_args) -> dict:
+    """The tuned (or default) config of ``key``'s kernel; ``run(config)`` is the real problem and
+    ``launch_args(config)`` its launch."""
     memo_key = tuple(key.values())
     config = _chosen.get(memo_key)
     if config is None:
         tuner = _TUNERS[key["direction"], key["looped"]]
         entry = tuner.entry(key, admit=functools.partial(_admit, key, n, eps, device),
-                            time_ms=functools.partial(_time_ms, run))
+                            time_ms=functools.partial(_time_ms, run),
+                            precompile=functools.partial(_precompile, key, n, device, launch_args))
         config = tuner.default(key) if entry is None else entry["config"]
         if entry is not None or interpret():  # final: tuned, cached, or the interpreter's one config
             _chosen[memo_key] = config
@@ -322,7 +341,8 @@ def _norm_fwd(input, residual, weight, bias, eps: float, rms: bool, config: dict
         params = _params_key(residual is not None, weight, bias, rms)
         key = _tuning_key("fwd", n, input.numel() // n, input.dtype, params)
         config = _config(key, n, eps, input.device,
-                         lambda c: _norm_fwd(input, residual, weight, bias, eps, rms, config=c))
+                         lambda c: _norm_fwd(input, residual, weight, bias, eps, rms, config=c),
+                         lambda c: _fwd_launch_args(input, residual, weight, bias, eps, rms, c))
     outputs, launcher, grid, args, meta = _fwd_launch_args(input, residual, weight, bias, eps, rms, config)
     if input.numel():
         launcher(grid, *args, **meta)
@@ -363,7 +383,8 @@ def _norm_bwd(grad_y, grad_h, h, weight, bias, mean, rstd, rms: bool, config: di
         params = _params_key(grad_h is not None, weight, bias, rms)
         key = _tuning_key("bwd", n, h.numel() // n, h.dtype, params)
         config = _config(key, n, 1e-5, h.device,
-                         lambda c: _norm_bwd(grad_y, grad_h, h, weight, bias, mean, rstd, rms, config=c))
+                         lambda c: _norm_bwd(grad_y, grad_h, h, weight, bias, mean, rstd, rms, config=c),
+                         lambda c: _bwd_launch_args(grad_y, grad_h, h, weight, bias, rms, c, mean, rstd))
     (dx, dw_partial, db_partial), launcher, grid, args, meta = _bwd_launch_args(
         grad_y, grad_h, h, weight, bias, rms, config, mean, rstd)
     if h.numel() == 0:
