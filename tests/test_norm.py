@@ -92,6 +92,20 @@ def test_parameters_absent_or_fp32(kind, weight, bias, param_dtype, device):
     check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+def test_strided_weight_and_bias(kind, dtype, device):
+    """Parameters that are views with stride 2 (every other entry of a longer tensor) are read as
+    the values they hold, and get their gradients."""
+    kernel, reference, inputs, grad_inputs, grads = _case(kind, (7, 1000), dtype, device, seed=44)
+    head = 2 if kind.startswith("add_") else 1
+    strided = [random_tensor((2 * p.shape[0],), p.dtype, device, generator=generator(45 + i))[::2]
+               for i, p in enumerate(inputs[head:])]
+    assert strided and all(p.stride() == (2,) for p in strided)
+    check_against_reference(kernel, reference, inputs[:head] + strided, grad_inputs=grad_inputs,
+                            grad_outputs=grads)
+
+
 @pytest.fixture
 def looped(monkeypatch):
     """Rows longer than 64 entries go through the looped kernels, in chunks of 32 (the few rows of

@@ -281,6 +281,11 @@ def _config(key: dict, n: int, eps: float, device, run, launch_args) -> dict:
     return config
 
 
+def _unit_stride(param: torch.Tensor | None) -> torch.Tensor | None:
+    """A weight or bias as the kernels read it, entry i at offset i (a strided view is copied)."""
+    return param if param is None or param.stride() == (1,) else param.contiguous()
+
+
 def _rows_2d(t: torch.Tensor, n: int) -> torch.Tensor:
     """``t`` as (rows, n) with unit column stride: a view where the strides allow, else a copy."""
     t = t.reshape(-1, n)
@@ -363,6 +368,7 @@ def _fwd_launch_args(input, residual, weight, bias, eps: float, rms: bool, confi
         return outputs, None, None, None, None
     x2 = _rows_2d(input, n)
     r2 = _rows_2d(residual, n) if residual is not None else x2
+    weight, bias = _unit_stride(weight), _unit_stride(bias)
     args = (x2, r2, h if h is not None else y, y, weight if weight is not None else y,
             bias if bias is not None else y, mean if mean is not None else rstd, rstd, rows, n, x2.stride(0),
             r2.stride(0), float(eps))
@@ -417,6 +423,7 @@ def _bwd_launch_args(grad_y, grad_h, h, weight, bias, rms: bool, config: dict | 
     outputs = (dx, dw_partial, db_partial)
     h2, dy2 = _rows_2d(h, n), _rows_2d(grad_y.to(h.dtype), n)
     dh2 = _rows_2d(grad_h.to(h.dtype), n) if grad_h is not None else dy2
+    weight = _unit_stride(weight)
     stats = (weight if weight is not None else rstd, mean if mean is not None else rstd, rstd)
     tail = (dx, dw_partial, db_partial, rows, n, dy2.stride(0), dh2.stride(0), h2.stride(0))
     meta = {"RMS": rms, "HAS_DH": grad_h is not None, "HAS_WEIGHT": weight is not None,
