@@ -181,3 +181,20 @@ def test_candidates_compile_together_for_both_problems(direction, monkeypatch, d
         assert isinstance(args[0], torch.Tensor)
         assert launcher is nm._LAUNCHERS[direction, False] and grid[0] >= 1
         assert meta["num_warps"] in (4, 8, 16) and ("BLOCK_M" in meta) == (direction == "fwd")
+
+
+def test_a_call_seen_before_reuses_its_config(monkeypatch, device):
+    """The chosen config is kept by call signature: a repeat skips the tuning key; the memo is
+    cleared, not grown without end, past MAX_CHOSEN signatures."""
+    monkeypatch.setattr(nm, "_chosen", {})
+    monkeypatch.setattr(nm, "MAX_CHOSEN", 2)
+    x = torch.randn(3, 40, device=device)
+    torch.testing.assert_close(nm.rms_norm(x, (40,)), torch.nn.functional.rms_norm(x, (40,)))
+    monkeypatch.setattr(nm, "_tuning_key", lambda *args: pytest.fail("the tuning key was rebuilt"))
+    nm.rms_norm(x, (40,))
+    monkeypatch.undo()
+    monkeypatch.setattr(nm, "_chosen", {})
+    monkeypatch.setattr(nm, "MAX_CHOSEN", 2)
+    for rows in (1, 2, 3, 4, 5):
+        nm.rms_norm(torch.randn(rows, 40, device=device), (40,))
+        assert 1 <= len(nm._chosen) <= 2

@@ -245,7 +245,10 @@ def _time_ms(run, config: dict) -> float:
         _runtime.poison_outputs = previous
 
 
-_chosen: dict[tuple, dict] = {}  # key values -> config, once chosen for good (a cheap memo)
+# Configs once chosen for good, by call signature (shape, dtypes, device, what is present): a call
+# seen before skips the tuning key. Cleared when MAX_CHOSEN signatures have gathered.
+MAX_CHOSEN = 4096
+_chosen: dict[tuple, dict] = {}
 
 
 def _precompile(key: dict, n: int, device, launch_args, configs: list[dict]) -> None:
@@ -265,19 +268,25 @@ def _precompile(key: dict, n: int, device, launch_args, configs: list[dict]) -> 
     precompile(calls)
 
 
-def _config(key: dict, n: int, eps: float, device, run, launch_args) -> dict:
-    """The tuned (or default) config of ``key``'s kernel; ``run(config)`` is the real problem and
-    ``launch_args(config)`` its launch."""
-    memo_key = tuple(key.values())
-    config = _chosen.get(memo_key)
+def _config(direction: str, h: torch.Tensor, has_residual: bool, weight, bias, rms: bool, eps: float, run,
+            launch_args) -> dict:
+    """The tuned (or default) config of the kernel for rows like ``h``; ``run(config)`` is the real
+    problem and ``launch_args(config)`` its launch."""
+    signature = (direction, h.shape, h.dtype, h.device, has_residual, weight.dtype if weight is not None
+                 else None, bias.dtype if bias is not None else None, rms)
+    config = _chosen.get(signature)
     if config is None:
+        n = h.shape[-1]
+        key = _tuning_key(direction, n, h.numel() // n, h.dtype, _params_key(has_residual, weight, bias, rms))
         tuner = _TUNERS[key["direction"], key["looped"]]
-        entry = tuner.entry(key, admit=functools.partial(_admit, key, n, eps, device),
+        entry = tuner.entry(key, admit=functools.partial(_admit, key, n, eps, h.device),
                             time_ms=functools.partial(_time_ms, run),
-                            precompile=functools.partial(_precompile, key, n, device, launch_args))
+                            precompile=functools.partial(_precompile, key, n, h.device, launch_args))
         config = tuner.default(key) if entry is None else entry["config"]
         if entry is not None or interpret():  # final: tuned, cached, or the interpreter's one config
-            _chosen[memo_key] = config
+            if len(_chosen) >= MAX_CHOSEN:
+                _chosen.clear()
+            _chosen[signature] = config
     return config
 
 
@@ -342,10 +351,7 @@ def _norm_fwd(input, residual, weight, bias, eps: float, rms: bool, config: dict
     if not validated:
         _validate(input, input.shape[-1:], weight, bias, residual)
     if input.numel() and config is None:
-        n = input.shape[-1]
-        params = _params_key(residual is not None, weight, bias, rms)
-        key = _tuning_key("fwd", n, input.numel() // n, input.dtype, params)
-        config = _config(key, n, eps, input.device,
+        config = _config("fwd", input, residual is not None, weight, bias, rms, eps,
                          lambda c: _norm_fwd(input, residual, weight, bias, eps, rms, config=c),
                          lambda c: _fwd_launch_args(input, residual, weight, bias, eps, rms, c))
     outputs, launcher, grid, args, meta = _fwd_launch_args(input, residual, weight, bias, eps, rms, config)
@@ -385,10 +391,7 @@ def _norm_bwd(grad_y, grad_h, h, weight, bias, mean, rstd, rms: bool, config: di
     """(dx, dw or None, db or None); dx is also the residual's gradient in the add_ forms. Without
     ``config``, the tuned one for the shape."""
     if h.numel() and config is None:
-        n = h.shape[-1]
-        params = _params_key(grad_h is not None, weight, bias, rms)
-        key = _tuning_key("bwd", n, h.numel() // n, h.dtype, params)
-        config = _config(key, n, 1e-5, h.device,
+        config = _config("bwd", h, grad_h is not None, weight, bias, rms, 1e-5,
                          lambda c: _norm_bwd(grad_y, grad_h, h, weight, bias, mean, rstd, rms, config=c),
                          lambda c: _bwd_launch_args(grad_y, grad_h, h, weight, bias, rms, c, mean, rstd))
     (dx, dw_partial, db_partial), launcher, grid, args, meta = _bwd_launch_args(
