@@ -272,8 +272,8 @@ def _config(direction: str, h: torch.Tensor, has_residual: bool, weight, bias, r
             launch_args) -> dict:
     """The tuned (or default) config of the kernel for rows like ``h``; ``run(config)`` is the real
     problem and ``launch_args(config)`` its launch."""
-    signature = (direction, h.shape, h.dtype, h.device, has_residual, weight.dtype if weight is not None
-                 else None, bias.dtype if bias is not None else None, rms)
+    param_dtypes = tuple(t.dtype if t is not None else None for t in (weight, bias))
+    signature = (direction, h.shape, h.dtype, h.device, has_residual, param_dtypes, rms)
     config = _chosen.get(signature)
     if config is None:
         n = h.shape[-1]
