@@ -44,7 +44,7 @@ def _gate_views(direction, dtype, layout, device):
 @pytest.mark.parametrize("log", LOGS)
 def test_gate_rejects_a_config_that_skips_entries(direction, layout, dtype, log, device):
     views = _gate_views(direction, dtype, layout, device)
-    name = sm._DTYPE_NAMES[dtype]
+    name = tuning.DTYPE_NAMES[dtype]
     key = _key(direction, GATE_N, layout, GATE_ROWS, dtype=f"{name}>{name}")
     assert not sm._prune(SHORT_TILE_UNPRUNED, key)
     for bad in (SHORT_TILE, SHORT_TILE_UNPRUNED):

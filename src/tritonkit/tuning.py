@@ -36,6 +36,7 @@ log = logging.getLogger("tritonkit")
 
 FORMAT = 1  # bump when the file layout changes: older files are then ignored and rebuilt
 SUBDIR = "tuning"
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}  # dtypes in keys
 NAME_HASH_CHARS = 16  # 64 bits of sha256 in the file name: collisions are caught by the checks on read
 
 _disabled_depth = 0  # > 0 inside disabled(); a counter so that nested blocks restore correctly

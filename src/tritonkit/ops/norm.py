@@ -47,7 +47,6 @@ from tritonkit.ops.norm_kernels import (  # noqa: E402
 )
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}  # tuning keys
 # A row lives in registers: at 16 warps, 64 fp32 values a thread hold 32768 entries forward; the
 # backward holds h and dy at once, hence half.
 MAX_BLOCK_N = {"fwd": 32768, "bwd": 16384}
@@ -115,7 +114,7 @@ def _tuning_key(direction: str, n: int, rows: int, dtype: torch.dtype, params: d
     RMS or not, the residual (backward: its gradient) and the parameters' dtypes."""
     block_n = _next_power_of_2(n)
     return {"direction": direction, "looped": block_n > MAX_BLOCK_N[direction], "block_n": block_n,
-            "rows": _next_power_of_2(rows), "dtype": _DTYPE_NAMES[dtype], **params}
+            "rows": _next_power_of_2(rows), "dtype": tuning.DTYPE_NAMES[dtype], **params}
 
 
 def _default(key: dict) -> dict:
@@ -162,7 +161,7 @@ _TUNERS = {
 def _params_key(residual: bool, weight, bias, rms: bool) -> dict:
     """What specialises a kernel beyond its shape: RMS or not, a residual (backward: the gradient of
     h, which the add_ forms' dx takes in) and the parameters' dtypes."""
-    name = lambda t: _DTYPE_NAMES[t.dtype] if t is not None else None  # noqa: E731
+    name = lambda t: tuning.DTYPE_NAMES[t.dtype] if t is not None else None  # noqa: E731
     return {"rms": rms, "residual": residual, "weight": name(weight), "bias": name(bias)}
 
 
@@ -173,7 +172,7 @@ def _calibration(key: dict, n: int, config: dict, device) -> dict:
 
     per_program = config.get("BLOCK_M", config.get("ROWS", 1))
     rows = max(1, min(key["rows"], 2 * per_program + 1, CALIBRATION_ELEMENTS // max(1, n)))
-    dtype = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
+    dtype = {name: dtype for dtype, name in tuning.DTYPE_NAMES.items()}
     g = generator(11)
     make = lambda shape, name: random_tensor(shape, dtype[name], device, generator=g)  # noqa: E731
     x = make((rows, n), key["dtype"]).mul_(2.0).add_(0.5)  # off zero: the mean matters
@@ -185,14 +184,17 @@ def _calibration(key: dict, n: int, config: dict, device) -> dict:
 
 
 def _reference_fn(key: dict, eps: float):
-    """The key's op as a function of (x, residual, weight, bias), returning (y, h or None)."""
+    """The key's op (its reference below) as a function of (x, residual, weight, bias), returning
+    (y, h or None)."""
     def run(x, residual, weight, bias):
-        h = x + residual if residual is not None else x
+        shape = (x.shape[-1],)
+        if residual is not None:
+            if key["rms"]:
+                return add_rms_norm_reference(x, residual, shape, weight, eps)
+            return add_layer_norm_reference(x, residual, shape, weight, bias, eps)
         if key["rms"]:
-            y = torch.nn.functional.rms_norm(h, (h.shape[-1],), weight, eps)
-        else:
-            y = torch.nn.functional.layer_norm(h, (h.shape[-1],), weight, bias, eps)
-        return y, (h if residual is not None else None)
+            return rms_norm_reference(x, shape, weight, eps), None
+        return layer_norm_reference(x, shape, weight, bias, eps), None
     return run
 
 

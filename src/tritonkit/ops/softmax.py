@@ -79,7 +79,6 @@ from tritonkit.ops.softmax_kernels import (  # noqa: E402
 
 VARIANTS = ("auto", "one-pass", "online", "split")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}  # tuning keys
 
 
 # ---------------------------------------------------------------- configs
@@ -324,7 +323,7 @@ def _tuning_key(direction: str, views: tuple) -> dict:
     layout = _layout(views[0])
     return {"direction": direction, "layout": layout, "block_n": _next_power_of_2(n),
             "rows": _next_power_of_2(outer * rows if layout == "rows" else rows),
-            "dtype": f"{_DTYPE_NAMES[views[0].dtype]}>{_DTYPE_NAMES[views[-1].dtype]}"}
+            "dtype": f"{tuning.DTYPE_NAMES[views[0].dtype]}>{tuning.DTYPE_NAMES[views[-1].dtype]}"}
 
 
 def _check_fits(config: dict, key: dict) -> None:
