@@ -7,6 +7,7 @@ the ``tuning_on`` fixture turns off the interpreter's single-config mode for thi
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -294,13 +295,15 @@ def test_new_triton_version_retunes(tuning_on, monkeypatch):
 
 
 def test_source_hash_reads_strings_functions_and_kernels():
+    @functools.cache  # a decorator, as @triton.jit: not part of the hashed text
     def kernel(x):
         return x + 1
 
-    text = tuning.inspect.getsource(kernel)
-    assert make_tuner(sources=[kernel]).source_hash == make_tuner(sources=[text]).source_hash
-    jit_like = types.SimpleNamespace(src=text)  # triton's JITFunction
-    interpreted_like = types.SimpleNamespace(fn=kernel)  # the interpreter's InterpretedFunction
+    text = "def kernel(x):\n    return x + 1\n"  # triton's JITFunction.src: dedented, from "def"
+    assert make_tuner(sources=[kernel.__wrapped__]).source_hash == make_tuner(sources=[text]).source_hash
+    jit_like = types.SimpleNamespace(src=text)  # triton's JITFunction, as on the GPU
+    interpreted_like = types.SimpleNamespace(fn=kernel.__wrapped__)  # the interpreter's InterpretedFunction
+    # the same hash under the interpreter as on the GPU: a CPU run can tell shipped configs are current
     assert make_tuner(sources=[jit_like]).source_hash == make_tuner(sources=[interpreted_like]).source_hash
     assert make_tuner(sources=["a", "bc"]).source_hash != make_tuner(sources=["ab", "c"]).source_hash
     assert make_tuner(sources=[text]).source_hash != make_tuner(sources=[text + " "]).source_hash
@@ -524,6 +527,37 @@ def test_the_package_ships_well_formed_exports():
         assert entries and all(tuning._is_entry(e) for e in entries), path
         assert {e["device"] for e in entries} == {"NVIDIA H200"}, path
     assert all(tuning._is_entry(e) for e in tuning._shipped().values())
+
+
+def test_shipped_configs_describe_the_kernels_as_they_are():
+    """A kernel edited after its configs were tuned on the H200 leaves them stale (ignored, so a first
+    call there tunes again): re-export them there (tritonkit tune --export) or delete the entries."""
+    import tritonkit.ops.norm  # noqa: F401  (each op module defines its tuners on import)
+    import tritonkit.ops.softmax  # noqa: F401
+
+    tuning._shipped.cache_clear()
+    assert tuning.stale_shipped() == []
+    shipped_tuners = {e["tuner"] for e in tuning._shipped().values()}
+    assert {"softmax_fwd", "softmax_bwd", "norm_fwd", "norm_bwd"} <= shipped_tuners
+
+
+def test_stale_shipped_names_each_entry_that_would_be_ignored(tuning_on, cache, shipped, monkeypatch):
+    monkeypatch.setattr(tuning, "TUNERS", {})
+    tune(make_tuner(), FakeKernel(times=[0.1, 1.0, 2.0, 0.5]))
+    tuning.export_cache(shipped / "h200.json")
+    assert tuning.stale_shipped() == []
+    make_tuner(name="other")  # defined, but it has no shipped entry: nothing to report
+    tuning.TUNERS["fake"] = make_tuner(sources=("kernel v2",))  # the kernel was edited since
+    (problem,) = tuning.stale_shipped()
+    assert problem.startswith("h200.json: fake {") and "stored source_hash" in problem
+    tuning.TUNERS["fake"] = make_tuner(prune=lambda config, key: config == CONFIGS[0])  # prunes the winner
+    (problem,) = tuning.stale_shipped()
+    assert "is not one of the current candidates" in problem
+    del tuning.TUNERS["fake"]
+    (problem,) = tuning.stale_shipped()
+    assert problem == "h200.json: entry 0 names no defined tuner"
+    (shipped / "broken.json").write_text("[]")
+    assert tuning.stale_shipped()[0] == "broken.json: not a format-1 tuning export"
 
 
 def test_cli_tune(tuning_on, cache, tmp_path, capsys):

@@ -23,7 +23,9 @@ import json
 import logging
 import math
 import os
+import re
 import tempfile
+import textwrap
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -85,13 +87,21 @@ def _triton_version() -> str:
 
 
 def _source_text(source) -> str:
+    """The text a tuner hashes: a triton JITFunction's ``src`` (dedented, from ``def``, no decorators);
+    any other function's the same way, so that the interpreter's hash equals the GPU's and a CPU run
+    can tell whether configs tuned on the GPU still describe these kernels."""
     if isinstance(source, str):
         return source
     if isinstance(getattr(source, "src", None), str):  # triton JITFunction
         return source.src
     if hasattr(source, "fn"):  # the interpreter's InterpretedFunction, triton's Autotuner
         return _source_text(source.fn)
-    return inspect.getsource(source)
+    text = textwrap.dedent(inspect.getsource(source))
+    start = re.search(r"^def\s+\w+\s*\(", text, re.MULTILINE)
+    return text[start.start():] if start else text
+
+
+TUNERS: dict[str, Tuner] = {}  # the tuners defined so far, by name (each op module defines its own)
 
 
 class Tuner:
@@ -108,6 +118,7 @@ class Tuner:
         self.prune = prune
         self._memo: dict[str, dict] = {}  # canonical key -> entry (winner, timings, rejections)
         self._disk_checked: set[str] = set()  # keys whose cache file was already read (hit or miss)
+        TUNERS.setdefault(name, self)  # the first of a name is the module's; later ones are copies
 
     @functools.cached_property
     def source_hash(self) -> str:
@@ -269,6 +280,27 @@ def _shipped() -> dict[str, dict]:
         for entry in filter(_is_entry, listed):
             entries[_entry_path({f: entry[f] for f in IDENTITY_FIELDS}).name] = entry
     return entries
+
+
+def stale_shipped() -> list[str]:
+    """Why each shipped entry of a defined tuner would be ignored on its own device and Triton (a
+    kernel or the config list changed since it was tuned), as "file: tuner key: problem" lines."""
+    problems = []
+    for path in sorted(SHIPPED_DIR.glob("*.json")):
+        listed = _export_entries(_load(path))
+        if listed is None:
+            problems.append(f"{path.name}: not a format-{FORMAT} tuning export")
+            continue
+        for index, entry in enumerate(listed):
+            tuner = TUNERS.get(entry.get("tuner")) if isinstance(entry, dict) else None
+            if tuner is None:
+                problems.append(f"{path.name}: entry {index} names no defined tuner")
+                continue
+            identity = tuner._identity(entry.get("key")) | {f: entry.get(f) for f in ("device", "triton")}
+            problem = _entry_problem(entry, identity, tuner._candidates(entry["key"]))
+            if problem:
+                problems.append(f"{path.name}: {tuner.name} {_canonical(entry['key'])}: {problem}")
+    return problems
 
 
 def _write_atomically(path: Path, entry: dict) -> None:
