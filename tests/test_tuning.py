@@ -572,3 +572,31 @@ def test_cli_tune(tuning_on, cache, tmp_path, capsys):
     assert main(["tune"]) == 2 and "name ops to tune" in capsys.readouterr().err
     if not torch.cuda.is_available():
         assert main(["tune", "softmax"]) == 2 and "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_cli_tune_show(tuning_on, cache, shipped, tmp_path, capsys):
+    from tritonkit.cli import main
+
+    tune(make_tuner(), FakeKernel(times=[0.1, 1.0, 2.0, 0.5]))
+    tune(make_tuner(name="other"), FakeKernel(), key={"N": 128, "dtype": "bf16"})
+    bundle = tmp_path / "bundle.json"
+    tuning.export_cache(bundle)
+    tuning.export_cache(shipped / "h200.json")
+    tuning._shipped.cache_clear()
+    assert main(["tune", "--show", str(bundle), "--tuner", "fake", "--where", "N=64", "dtype=fp32"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"{bundle}: 1 of 2 entries (")
+    assert out[1].startswith("fake {'N': 64, 'dtype': 'fp32'}: {'BLOCK': 8")  # the fastest won
+    assert "100.0 us" in out[2] and len(out) == 2 + len(CONFIGS)
+    assert main(["tune", "--show", "--where", "N=128"]) == 0  # the cache, then what ships
+    out = capsys.readouterr().out
+    assert out.count("1 of 2 entries") == 2 and "shipped h200.json" in out and "fake {" not in out
+    assert main(["tune", "--show", "--where", "N=65"]) == 0
+    assert "no tuned entries match" in capsys.readouterr().out
+    assert main(["tune", "--show", "--where", "N"]) == 2 and "FIELD=VALUE" in capsys.readouterr().err
+    assert main(["tune", "--show", "--import", str(bundle)]) == 2 and "takes no ops" in capsys.readouterr().err
+    assert main(["tune", "--export", str(bundle), "--tuner", "fake"]) == 2
+    assert "filter what --show prints" in capsys.readouterr().err
+    (tmp_path / "junk.json").write_text("{}")
+    assert main(["tune", "--show", str(tmp_path / "junk.json")]) == 2
+    assert "not a format-1 tuning export" in capsys.readouterr().err

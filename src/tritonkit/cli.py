@@ -212,6 +212,12 @@ def cmd_tune(args) -> int:
     from tritonkit import tuning
     from tritonkit._runtime import interpret
 
+    if args.show is not None:
+        if args.ops or args.import_file or args.export_file:
+            raise ValueError("--show prints tuned entries; it takes no ops, --import or --export")
+        return _show_tuning(args)
+    if args.tuner or args.where:
+        raise ValueError("--tuner and --where filter what --show prints")
     if args.import_file:
         print(f"imported {tuning.import_cache(Path(args.import_file))} tuned configs into "
               f"{roofline.cache_dir() / tuning.SUBDIR}")
@@ -226,6 +232,41 @@ def cmd_tune(args) -> int:
     if not (args.ops or args.import_file or args.export_file):
         raise ValueError("name ops to tune, or --import / --export a cache")
     return 0
+
+
+def _show_tuning(args) -> int:
+    """Print the entries of an export (or of the cache and the shipped exports) that the filters keep."""
+    from tritonkit import tuning
+
+    wanted = {}
+    for condition in args.where:
+        field, equals, value = condition.partition("=")
+        if not (field and equals):
+            raise ValueError(f"--where takes FIELD=VALUE, got {condition!r}")
+        wanted[field] = value
+    if args.show:
+        sources = {args.show: tuning.read_export(Path(args.show))}
+    else:
+        sources = {str(roofline.cache_dir() / tuning.SUBDIR): tuning.cached_entries(),
+                   **{f"shipped {name}": entries for name, entries in tuning.shipped_exports().items()}}
+    shown = 0
+    for source, entries in sources.items():
+        kept = [e for e in entries if (args.tuner in (None, e["tuner"]))
+                and all(_key_text(e["key"].get(f)) == v for f, v in wanted.items())]
+        if kept:
+            print(f"{source}: {len(kept)} of {len(entries)} entries ({kept[0]['device']}, "
+                  f"triton {kept[0]['triton']})")
+            print(format_tuning(kept))
+            shown += len(kept)
+    if not shown:
+        print("no tuned entries match" + (f" in {args.show}" if args.show else
+                                          " in this machine's cache or the shipped configs"))
+    return 0
+
+
+def _key_text(value) -> str:
+    """A key field as typed on the command line: strings as they are, the rest as JSON (null, true)."""
+    return value if isinstance(value, str) else json.dumps(value)
 
 
 def _tune_op(spec_op, args) -> None:
@@ -327,6 +368,12 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--export", dest="export_file", metavar="FILE", help="write the cache to FILE")
     tune.add_argument("--all-devices", action="store_true", help="with --export: every GPU's entries")
     tune.add_argument("--import", dest="import_file", metavar="FILE", help="add FILE's entries to the cache")
+    tune.add_argument("--show", nargs="?", const="", metavar="FILE",
+                      help="print tuned winners with every config's time and error: FILE's (an export), "
+                           "else this machine's cache and the configs the package ships; needs no GPU")
+    tune.add_argument("--tuner", help="with --show: only this tuner's entries (softmax_fwd, norm_bwd, ...)")
+    tune.add_argument("--where", nargs="+", default=[], metavar="FIELD=VALUE",
+                      help="with --show: only entries whose key has these values, e.g. block_n=131072")
     tune.set_defaults(func=cmd_tune)
     return parser
 

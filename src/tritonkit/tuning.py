@@ -271,15 +271,8 @@ def _load(path: Path):
 def _shipped() -> dict[str, dict]:
     """The pre-tuned entries the package ships (exports in SHIPPED_DIR), by cache file name: a first
     call on a GPU they were tuned on (same device, Triton and kernel sources) tunes nothing."""
-    entries = {}
-    for path in sorted(SHIPPED_DIR.glob("*.json")):
-        listed = _export_entries(_load(path))
-        if listed is None:
-            log.warning("tritonkit: ignoring %s: not a format-%d tuning export", path, FORMAT)
-            continue
-        for entry in filter(_is_entry, listed):
-            entries[_entry_path({f: entry[f] for f in IDENTITY_FIELDS}).name] = entry
-    return entries
+    return {_entry_path({f: entry[f] for f in IDENTITY_FIELDS}).name: entry
+            for listed in shipped_exports().values() for entry in listed}
 
 
 def stale_shipped() -> list[str]:
@@ -350,9 +343,8 @@ def export_cache(path: Path, device: str | None = None) -> int:
     return len(entries)
 
 
-def import_cache(path: Path) -> int:
-    """Add the winners exported to ``path`` to this machine's cache; the number added. Entries keep
-    their device, Triton version and kernel-source hash: they are used only where all three match."""
+def read_export(path: Path) -> list[dict]:
+    """The entries of the export at ``path``; ValueError naming the problem if it is not one."""
     try:
         bundle = json.loads(Path(path).read_text())
     except ValueError as error:
@@ -363,6 +355,25 @@ def import_cache(path: Path) -> int:
     for index, entry in enumerate(entries):
         if not _is_entry(entry):
             raise ValueError(f"{path}: entry {index} is not a format-{FORMAT} tuning entry")
+    return entries
+
+
+def shipped_exports() -> dict[str, list[dict]]:
+    """The well-formed entries of each export the package ships, by file name."""
+    exports = {}
+    for path in sorted(SHIPPED_DIR.glob("*.json")):
+        listed = _export_entries(_load(path))
+        if listed is None:
+            log.warning("tritonkit: ignoring %s: not a format-%d tuning export", path, FORMAT)
+            continue
+        exports[path.name] = [e for e in listed if _is_entry(e)]
+    return exports
+
+
+def import_cache(path: Path) -> int:
+    """Add the winners exported to ``path`` to this machine's cache; the number added. Entries keep
+    their device, Triton version and kernel-source hash: they are used only where all three match."""
+    entries = read_export(path)
     for entry in entries:
         _write_atomically(_entry_path({f: entry[f] for f in IDENTITY_FIELDS}), entry)
     return len(entries)
