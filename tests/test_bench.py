@@ -318,3 +318,13 @@ def test_cli_roofline_plot(tmp_path, capsys):
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert "bias_gelu, softmax, log_softmax" in capsys.readouterr().out
     assert main(["roofline"]) == 2 and "needs an OP and --shape" in capsys.readouterr().err
+
+
+def test_roofline_plot_axis_spans_the_points_and_the_ridge():
+    from tritonkit.bench.report import _intensity_axis
+
+    axis = _intensity_axis([0.3, 1.7], ridge=14.0)
+    assert axis[0] == pytest.approx(0.01) and axis[-1] == pytest.approx(1000)  # a decade around each
+    assert all(b > a for a, b in zip(axis, axis[1:], strict=False))
+    axis = _intensity_axis([0.3, 400.0], ridge=14.0)  # a matmul past the ridge widens it
+    assert axis[-1] == pytest.approx(1e4)

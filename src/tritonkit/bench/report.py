@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import re
 from collections import defaultdict
@@ -259,6 +260,29 @@ def plot_roofline(rows: list[dict], path: Path, datasheet: roofline.DeviceSpec,
     plt.close(fig)
 
 
+def _predicted(name: str, datasheet: roofline.DeviceSpec) -> list[tuple[float, float]]:
+    """(FLOP/byte, TFLOP/s) where the roofline puts the op's forward at each of its benchmark shapes."""
+    from tritonkit.bench.runner import DTYPE_NAMES
+    from tritonkit.ops import get_op
+
+    spec, points = get_op(name), []
+    for shape, dtype_name in spec.shape_list("quick"):
+        for dtype in ((DTYPE_NAMES[dtype_name],) if dtype_name else spec.dtypes):
+            cost = spec.cost(shape, dtype, "fwd")
+            seconds = roofline.roofline_seconds(cost, datasheet, spec.flop_unit)
+            points.append((cost.flops / cost.bytes, cost.flops / seconds / 1e12))
+    return points
+
+
+def _intensity_axis(intensities: list[float], ridge: float) -> list[float]:
+    """Log-spaced FLOP/byte from a decade under the lowest point to a decade past the highest point
+    or the ridge, whichever is further: the points spread over the plot rather than bunch."""
+    low = 10 ** math.floor(math.log10(min(intensities)) - 1)
+    high = 10 ** math.ceil(math.log10(max(*intensities, ridge)) + 1)
+    steps = round(40 * math.log10(high / low))
+    return [low * 10 ** (k / 40) for k in range(steps + 1)]
+
+
 def plot_results(results: Path, datasheet: roofline.DeviceSpec, path: Path) -> list[str]:
     """The device's roofline with tritonkit's latest benchmarked points of every op found under
     ``results/<slug>/`` (filled), and each op's analytic roofline position at its benchmark shapes
@@ -268,7 +292,6 @@ def plot_results(results: Path, datasheet: roofline.DeviceSpec, path: Path) -> l
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from tritonkit.bench.runner import DTYPE_NAMES
     from tritonkit.ops import get_op, op_names
 
     rows = []
@@ -277,8 +300,10 @@ def plot_results(results: Path, datasheet: roofline.DeviceSpec, path: Path) -> l
         if isinstance(data, list):  # a benchmark's rows (other files hold other measurements)
             rows += [r for r in data if r.get("provider") == "tritonkit" and "tflops" in r]
     fig, ax = plt.subplots(figsize=(8, 5.5))
-    xs = [10 ** (k / 40) for k in range(-120, 161)]  # 1e-3 .. 1e4 FLOP/B
     units = sorted({get_op(name).flop_unit for name in op_names()})
+    intensities = [r["flops"] / r["bytes"] for r in rows]
+    intensities += [x for name in op_names() for x, _ in _predicted(name, datasheet)]
+    xs = _intensity_axis(intensities, max(datasheet.peak(unit) for unit in units) / datasheet.bandwidth)
     for unit, style in zip(units, ("-", "--", ":", "-."), strict=False):
         ax.plot(xs, [min(datasheet.peak(unit), x * datasheet.bandwidth) / 1e12 for x in xs], style,
                 color="black", lw=1, label=f"{datasheet.name} datasheet roof ({unit})")
@@ -290,18 +315,12 @@ def plot_results(results: Path, datasheet: roofline.DeviceSpec, path: Path) -> l
                 label=f"measured copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     plotted = []
     for index, name in enumerate(op_names()):
-        spec, color = get_op(name), f"C{index}"
+        color = f"C{index}"
         ours = [r for r in rows if r["op"] == name]
         if ours:
             ax.scatter([r["flops"] / r["bytes"] for r in ours], [r["tflops"] for r in ours], color=color,
                        s=24, label=f"{name} (measured)")
-        predicted = []
-        for shape, dtype_name in spec.shape_list("quick"):
-            for dtype in ((DTYPE_NAMES[dtype_name],) if dtype_name else spec.dtypes):
-                cost = spec.cost(shape, dtype, "fwd")
-                seconds = roofline.roofline_seconds(cost, datasheet, spec.flop_unit)
-                predicted.append((cost.flops / cost.bytes, cost.flops / seconds / 1e12))
-        ax.scatter(*zip(*predicted, strict=True), facecolors="none", edgecolors=color, s=40,
+        ax.scatter(*zip(*_predicted(name, datasheet), strict=True), facecolors="none", edgecolors=color, s=40,
                    label=f"{name} (roofline, fwd)")
         plotted.append(name)
     ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP/byte)", ylabel="TFLOP/s",
