@@ -601,3 +601,19 @@ def test_cli_tune_show(tuning_on, cache, shipped, tmp_path, capsys):
     (tmp_path / "junk.json").write_text("{}")
     assert main(["tune", "--show", str(tmp_path / "junk.json")]) == 2
     assert "not a format-1 tuning export" in capsys.readouterr().err
+
+
+def test_retuning_tunes_again_whatever_is_stored(tuning_on, cache, shipped, monkeypatch):
+    tune(make_tuner(), FakeKernel(times=[0.1, 1.0, 2.0, 0.5]))
+    tuning.export_cache(shipped / "h200.json")  # the same winner cached here and shipped
+    tuning._shipped.cache_clear()
+    tuner = make_tuner()
+    assert tune(tuner, FakeKernel(times=[9.0] * 4)) == CONFIGS[0]  # read back, nothing timed
+    monkeypatch.setitem(tuning.TUNERS, "fake", tuner)
+    faster = FakeKernel(times=[2.0, 0.1, 1.0, 0.5])
+    with tuning.retuning():
+        assert tune(tuner, faster) == CONFIGS[1] and faster.calls > 0  # the memo was forgotten too
+        calls = faster.calls
+        assert tune(tuner, faster) == CONFIGS[1] and faster.calls == calls  # once a key, then the memo
+    assert tune(make_tuner(), FakeKernel(times=[9.0] * 4)) == CONFIGS[1]  # the new winner was written
+    assert not tuning._retuning

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import logging
@@ -223,8 +224,9 @@ def cmd_tune(args) -> int:
               f"{roofline.cache_dir() / tuning.SUBDIR}")
     if args.ops and interpret():
         raise ValueError("tune times kernels: it needs a CUDA GPU (this process interprets them)")
-    for name in args.ops:
-        _tune_op(get_op(name), args)
+    with tuning.retuning() if args.retune else contextlib.nullcontext():
+        for name in args.ops:
+            _tune_op(get_op(name), args)
     if args.export_file:
         device = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.all_devices else None
         count = tuning.export_cache(Path(args.export_file), device)
@@ -291,8 +293,9 @@ def _tune_op(spec_op, args) -> None:
     torch.cuda.synchronize()
     fresh = tuning.cached_entries(since=started)
     if not fresh:
-        print(f"{spec_op.name}: nothing tuned: every shape bucket had a cached winner "
-              f"(in {roofline.cache_dir() / tuning.SUBDIR})")
+        print(f"{spec_op.name}: nothing tuned: every shape bucket had a winner, cached in "
+              f"{roofline.cache_dir() / tuning.SUBDIR} or shipped with tritonkit (--retune tunes "
+              "them again; tune --show prints them)")
     else:
         print(format_tuning(fresh))
 
@@ -368,6 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--export", dest="export_file", metavar="FILE", help="write the cache to FILE")
     tune.add_argument("--all-devices", action="store_true", help="with --export: every GPU's entries")
     tune.add_argument("--import", dest="import_file", metavar="FILE", help="add FILE's entries to the cache")
+    tune.add_argument("--retune", action="store_true",
+                      help="tune every bucket again, even where the cache or shipped configs hold a winner")
     tune.add_argument("--show", nargs="?", const="", metavar="FILE",
                       help="print tuned winners with every config's time and error: FILE's (an export), "
                            "else this machine's cache and the configs the package ships; needs no GPU")

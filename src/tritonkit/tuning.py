@@ -43,6 +43,7 @@ NAME_HASH_CHARS = 16  # 64 bits of sha256 in the file name: collisions are caugh
 
 _disabled_depth = 0  # > 0 inside disabled(); a counter so that nested blocks restore correctly
 _unwritable_dirs: set[Path] = set()  # cache directories already warned about
+_retuning = False  # True inside retuning(): stored winners are not read
 
 
 def _canonical(value) -> str:
@@ -73,6 +74,21 @@ def disabled() -> Iterator[None]:
         yield
     finally:
         _disabled_depth -= 1
+
+
+@contextlib.contextmanager
+def retuning() -> Iterator[None]:
+    """Within this block each tuner tunes every key it meets once more, whatever this machine's cache
+    or the shipped configs hold, and writes the new winner to the cache (``tritonkit tune --retune``).
+    An op's own per-signature memo still answers calls it has seen: use it in a fresh process."""
+    global _retuning
+    previous, _retuning = _retuning, True
+    for tuner in TUNERS.values():
+        tuner.forget()
+    try:
+        yield
+    finally:
+        _retuning = previous
 
 
 def _device_name() -> str:
@@ -163,6 +179,11 @@ class Tuner:
         self._memo[memo_key] = entry
         return entry
 
+    def forget(self) -> None:
+        """Drop what this process remembers of its keys, so the next lookup reads or tunes again."""
+        self._memo.clear()
+        self._disk_checked.clear()
+
     def _identity(self, key: dict) -> dict:  # the fields of IDENTITY_FIELDS, in that order
         return {"tuner": self.name, "key": key, "device": _device_name(), "triton": _triton_version(),
                 "source_hash": self.source_hash}
@@ -221,6 +242,8 @@ class Tuner:
     def _read(self, key: dict) -> dict | None:
         """The cached entry (winner, timings, errors, rejections) from this machine's cache, else from
         the configs the package ships; None when neither holds a usable one for this setting."""
+        if _retuning:
+            return None
         identity = self._identity(key)
         path = self._path(identity)
         candidates = self._candidates(key)
