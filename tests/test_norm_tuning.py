@@ -5,6 +5,7 @@ do_bench needs CUDA). The helpers come from test_norm.py."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -44,7 +45,7 @@ def test_every_candidate_passes_the_gate(direction, n, rows, options, device):
     assert len(candidates) >= 4, candidates  # the tuner has a real choice
     eps = 1e-5
     for config in candidates:
-        assert nm._admit(key, n, eps, device, config), config
+        assert nm._admit(key, n, eps, device, config).passed, config
 
 
 @pytest.mark.parametrize("direction", ["fwd", "bwd"])
@@ -54,7 +55,7 @@ def test_every_looped_candidate_passes_the_gate(direction, looped, device):
     candidates = _candidates(key)
     assert len(candidates) >= 3, candidates
     for config in candidates:
-        assert nm._admit(key, 200, 1e-5, device, config), config
+        assert nm._admit(key, 200, 1e-5, device, config).passed, config
 
 
 @pytest.mark.parametrize("direction", ["fwd", "bwd"])
@@ -64,7 +65,7 @@ def test_gate_rejects_a_wrong_result(direction, monkeypatch, device):
     key = _key(direction, 96 if direction == "fwd" else 1000, 4096)
     n, config = (96, {"BLOCK_M": 16, "num_warps": 4}) if direction == "fwd" else (1000, {"ROWS": 8,
                                                                                          "num_warps": 4})
-    assert nm._admit(key, n, 1e-5, device, config)
+    assert nm._admit(key, n, 1e-5, device, config).passed
     launcher = nm._LAUNCHERS[direction, False]
     output = 3 if direction == "fwd" else 6  # y, or dx, among the launch arguments
 
@@ -73,7 +74,7 @@ def test_gate_rejects_a_wrong_result(direction, monkeypatch, device):
         args[output].mul_(1.01)
 
     monkeypatch.setitem(nm._LAUNCHERS, (direction, False), off_by_a_percent)
-    assert not nm._admit(key, n, 1e-5, device, config)
+    assert not nm._admit(key, n, 1e-5, device, config).passed
 
 
 def fake_ms(config):
@@ -198,3 +199,13 @@ def test_a_call_seen_before_reuses_its_config(monkeypatch, device):
     for rows in (1, 2, 3, 4, 5):
         nm.rms_norm(torch.randn(rows, 40, device=device), (40,))
         assert 1 <= len(nm._chosen) <= 2
+
+
+def test_the_gate_reports_the_output_nearest_its_bound():
+    from tritonkit.testing import Comparison
+
+    close = Comparison("y", err_kernel=0.9e-3, err_torch=1e-3, tolerance=1e-3)
+    far_but_loose = Comparison("dw", err_kernel=0.5, err_torch=0.4, tolerance=1.0)
+    assert nm._worst([far_but_loose, close]) is close  # 90% of its bound against 50%
+    broken = Comparison("dx", err_kernel=math.nan, err_torch=1e-3, tolerance=1e-3)
+    assert nm._worst([close, broken, far_but_loose]) is broken and not broken.passed
