@@ -39,11 +39,12 @@ import triton  # noqa: E402
 
 from tritonkit._launch import Launcher, cdiv, precompile  # noqa: E402
 from tritonkit.ops.norm_kernels import (  # noqa: E402
+    _add_pairs,
+    _bwd_row,
     _norm_bwd_kernel,
     _norm_bwd_looped_kernel,
     _norm_fwd_kernel,
     _norm_fwd_looped_kernel,
-    _row_of_h_and_dy,
 )
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -148,7 +149,7 @@ def _prune(config: dict, key: dict) -> bool:
             and cdiv(key["rows"], rows) < sm_count(current_device()))
 
 
-_HELPERS = {("bwd", False): (_row_of_h_and_dy,)}  # the @triton.jit helpers a kernel calls
+_HELPERS = {("bwd", False): (_bwd_row, _add_pairs)}  # the @triton.jit helpers a kernel calls
 _TUNERS = {
     (direction, looped): tuning.Tuner(f"norm_{direction}{'_looped' if looped else ''}", configs,
                                       default=_default, prune=_prune,

@@ -41,9 +41,18 @@ def _norm_fwd_kernel(
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
     mask = (rows < M)[:, None] & col_mask[None, :]
-    h = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    # Every load is issued before the row's reductions, the weight and bias too: issued after them,
+    # their L2 round trip would follow the reductions' barriers in each program. Rows are read once
+    # (evict_first); the weight and bias, read by every program, stay in L2 (evict_last).
+    h = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0,
+                eviction_policy="evict_first").to(tl.float32)
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=col_mask, eviction_policy="evict_last")
+    if HAS_BIAS:
+        b = tl.load(b_ptr + cols, mask=col_mask, eviction_policy="evict_last")
     if HAS_RESIDUAL:
-        h += tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        h += tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0,
+                     eviction_policy="evict_first").to(tl.float32)
         h = h.to(h_ptr.dtype.element_ty)
         tl.store(h_ptr + rows[:, None] * N + cols[None, :], h, mask=mask)
         h = h.to(tl.float32)
@@ -57,18 +66,31 @@ def _norm_fwd_kernel(
     tl.store(rstd_ptr + rows, rstd, mask=rows < M)
     y = centred * rstd[:, None]
     if HAS_WEIGHT:
-        y *= tl.load(w_ptr + cols, mask=col_mask).to(tl.float32)[None, :]
+        y *= w.to(tl.float32)[None, :]
     if HAS_BIAS:
-        y += tl.load(b_ptr + cols, mask=col_mask).to(tl.float32)[None, :]
+        y += b.to(tl.float32)[None, :]
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _row_of_h_and_dy(h_ptr, dy_ptr, row, row_exists, cols, col_mask, stride_hm, stride_dym):
-    """One row of h and of dy, as stored (zeros where the row or an entry does not exist)."""
+def _bwd_row(h_ptr, dy_ptr, mean_ptr, rstd_ptr, row, row_exists, cols, col_mask, stride_hm, stride_dym,
+             RMS: tl.constexpr):
+    """What the backward loads for one row before its reductions, as stored: h, dy, the row's mean
+    (LayerNorm, else 0) and its rstd; zeros where the row or an entry does not exist. A prefetched
+    row's scalars are then in flight with it. (The add_ forms' dh is loaded where it is added: held
+    from one row to the next, it would cost a row of registers, and half the programs an SM.)"""
     mask = col_mask & row_exists
-    return (tl.load(h_ptr + row * stride_hm + cols, mask=mask, other=0.0),
-            tl.load(dy_ptr + row * stride_dym + cols, mask=mask, other=0.0))
+    h = tl.load(h_ptr + row * stride_hm + cols, mask=mask, other=0.0)
+    dy = tl.load(dy_ptr + row * stride_dym + cols, mask=mask, other=0.0)
+    mean = 0.0
+    if not RMS:
+        mean = tl.load(mean_ptr + row, mask=row_exists, other=0.0)
+    return h, dy, mean, tl.load(rstd_ptr + row, mask=row_exists, other=0.0)
+
+
+@triton.jit
+def _add_pairs(a_first, a_second, b_first, b_second):
+    return a_first + b_first, a_second + b_second
 
 
 @triton.jit
@@ -93,7 +115,7 @@ def _norm_bwd_kernel(
     HAS_BIAS: tl.constexpr,  # db is wanted
     ROWS: tl.constexpr,  # rows a program walks, one at a time
     BLOCK_N: tl.constexpr,  # power of two >= N
-    PREFETCH: tl.constexpr,  # load the next row's h and dy before this row is reduced
+    PREFETCH: tl.constexpr,  # load the next row (h, dy, mean, rstd) before this row is reduced
 ):
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -103,30 +125,31 @@ def _norm_bwd_kernel(
     db = tl.zeros([BLOCK_N], tl.float32)
     first = tl.program_id(0).to(tl.int64) * ROWS
     if PREFETCH:
-        h_next, dy_next = _row_of_h_and_dy(h_ptr, dy_ptr, first, first < M, cols, col_mask, stride_hm,
-                                           stride_dym)
+        h_next, dy_next, mean_next, rstd_next = _bwd_row(h_ptr, dy_ptr, mean_ptr, rstd_ptr, first, first < M,
+                                                         cols, col_mask, stride_hm, stride_dym, RMS)
     for i in range(ROWS):
         row = first + i
         mask = col_mask & (row < M)
-        if PREFETCH:  # two rows in flight: this row's barriers no longer wait on the next row's load
-            h, dy = h_next, dy_next
-            h_next, dy_next = _row_of_h_and_dy(h_ptr, dy_ptr, row + 1, (i + 1 < ROWS) & (row + 1 < M), cols,
-                                               col_mask, stride_hm, stride_dym)
+        if PREFETCH:  # two rows in flight: this row's barriers no longer wait on the next row's loads
+            h, dy, mean, rstd = h_next, dy_next, mean_next, rstd_next
+            h_next, dy_next, mean_next, rstd_next = _bwd_row(h_ptr, dy_ptr, mean_ptr, rstd_ptr, row + 1,
+                                                             (i + 1 < ROWS) & (row + 1 < M), cols, col_mask,
+                                                             stride_hm, stride_dym, RMS)
         else:
-            h, dy = _row_of_h_and_dy(h_ptr, dy_ptr, row, row < M, cols, col_mask, stride_hm, stride_dym)
+            h, dy, mean, rstd = _bwd_row(h_ptr, dy_ptr, mean_ptr, rstd_ptr, row, row < M, cols, col_mask,
+                                         stride_hm, stride_dym, RMS)
         h = h.to(tl.float32)
         dy = dy.to(tl.float32)
-        rstd = tl.load(rstd_ptr + row, mask=row < M, other=0.0)
         if RMS:
             xhat = h * rstd
         else:
-            xhat = tl.where(mask, (h - tl.load(mean_ptr + row, mask=row < M, other=0.0)) * rstd, 0.0)
+            xhat = tl.where(mask, (h - mean) * rstd, 0.0)
         g = dy * w if HAS_WEIGHT else dy
-        c1 = tl.sum(g * xhat, axis=0) / N
         if RMS:
-            dh = (g - xhat * c1) * rstd
-        else:
-            dh = (g - xhat * c1 - tl.sum(g, axis=0) / N) * rstd
+            dh = (g - xhat * (tl.sum(g * xhat, axis=0) / N)) * rstd
+        else:  # both sums in one reduction: one exchange between warps instead of two
+            sum_g_xhat, sum_g = tl.reduce((g * xhat, g), 0, _add_pairs)
+            dh = (g - xhat * (sum_g_xhat / N) - sum_g / N) * rstd
         if HAS_DH:
             dh += tl.load(dh_ptr + row * stride_dhm + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(dx_ptr + row * N + cols, dh.to(dx_ptr.dtype.element_ty), mask=mask)
