@@ -1,0 +1,355 @@
+"""Attention forward, FlashAttention-2 style: ``O = softmax(scale * Q K^T + mask) V``, never storing
+the Sq x Sk scores.
+
+Maths. For query row i and the keys j it may attend to, with scores s_ij = scale * q_i . k_j:
+    m_i = max_j s_ij,   l_i = sum_j exp(s_ij - m_i),   o_i = sum_j exp(s_ij - m_i) v_j / l_i,
+    lse_i = m_i + log l_i   (the log-sum-exp: what merging results over disjoint key sets needs).
+A program holds a block of query rows and walks the key blocks once with the online softmax: when
+a block raises the running max from m to m', the running sum and the accumulator are rescaled by
+exp(m - m'). Exponentials are exp2, with scale * log2(e) folded into the scores (one multiply).
+
+Masks. Causal: query i sees key j iff j <= i + offset. offset = 0 aligns the mask top-left, as
+torch's scaled_dot_product_attention does; offset = Sk - Sq aligns it bottom-right, as
+FlashAttention >= 2.1 does (the last query sees every key, which KV-cache decoding needs). A row
+that sees no key (bottom-right with Sq > Sk) outputs 0 and has lse = -inf. Only the key blocks a
+mask cuts (the diagonal and the ragged end) are masked; blocks past the diagonal are skipped.
+GQA/MQA: query head h reads key/value head h // (Hq / Hkv).
+
+Work. FLOPs 4 * B * Hq * Sq * Sk * D (two matmuls), about half of it when causal with Sq = Sk; HBM
+bytes s * (|Q| + |K| + |V| + |O|) + 4 * B * Hq * Sq for the lse when K and V of a head stay in L2
+while its query blocks pass. At D = 128 and S = 4096 that is about 1000 FLOP a byte: compute-bound,
+so the roofline is the tensor cores' peak.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from tritonkit._runtime import check_device, empty_output, interpret
+
+interpret()  # choose GPU or interpreter before triton is imported and any kernel is defined
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from tritonkit._launch import Launcher, cdiv  # noqa: E402
+
+DTYPES = (torch.float16, torch.bfloat16)
+MAX_HEAD_DIM = 256  # a (BLOCK_M, 256) fp32 accumulator is already 128 registers a thread at 8 warps
+LOG2_E = 1.4426950408889634
+LN_2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _attn_fwd_blocks(acc, l_i, m_i, q, k_tile_ptr, v_tile_ptr, stride_kn, stride_vn, offs_m, offs_n, d_mask,
+                     start, end, SEQ_K, CAUSAL_OFFSET, qk_scale,
+                     IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
+                     EXACT_DOT_IN_FP32: tl.constexpr):
+    """The online softmax over the key blocks in [start, end): the running (acc, l_i, m_i) after them.
+
+    ``k_tile_ptr`` points at the head's first key block as a transposed (D, BLOCK_N) tile,
+    ``v_tile_ptr`` at its first value block, (BLOCK_N, D); ``d_mask`` masks head dims past D.
+    MASKED blocks also mask keys past SEQ_K and, when causal, keys past each row's diagonal.
+    EXACT_DOT_IN_FP32 multiplies the 16-bit tiles as fp32 (their products are exact there): Triton
+    3.6's interpreter returns wrong bf16 dot products, so the interpreter takes this path."""
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + offs_n
+        k_ptrs = k_tile_ptr + tl.cast(start_n, tl.int64) * stride_kn  # int64: S * stride may pass 2^31
+        v_ptrs = v_tile_ptr + tl.cast(start_n, tl.int64) * stride_vn
+        if MASKED:
+            k = tl.load(k_ptrs, mask=d_mask[:, None] & (cols[None, :] < SEQ_K), other=0.0)
+        else:
+            k = tl.load(k_ptrs, mask=d_mask[:, None], other=0.0)
+        if EXACT_DOT_IN_FP32:
+            s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee") * qk_scale
+        else:
+            s = tl.dot(q, k) * qk_scale  # scores in log2 units
+        if MASKED:
+            visible = cols[None, :] < SEQ_K
+            if IS_CAUSAL:
+                visible = visible & (cols[None, :] <= offs_m[:, None] + CAUSAL_OFFSET)
+            s = tl.where(visible, s, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_new = tl.where(m_new == -float("inf"), 0.0, m_new)  # a row with no key yet: exp2(-inf) = 0
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASKED:
+            v = tl.load(v_ptrs, mask=d_mask[None, :] & (cols[:, None] < SEQ_K), other=0.0)
+        else:
+            v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
+        if EXACT_DOT_IN_FP32:  # p rounded to v's dtype first, as the tensor-core path rounds it
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32),
+                                                input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    q_ptr,  # queries, (B, Hq, Sq, D), strides stride_q*
+    k_ptr,  # keys, (B, Hkv, Sk, D), strides stride_k*
+    v_ptr,  # values, (B, Hkv, Sk, D), strides stride_v*
+    o_ptr,  # output, (B, Hq, Sq, D), contiguous
+    lse_ptr,  # fp32 log-sum-exp of each query row's scores (natural log), (B, Hq, Sq), contiguous
+    stride_qb, stride_qh, stride_qm, stride_qd,  # elements between batches, heads, rows, head dims of q
+    stride_kb, stride_kh, stride_kn, stride_kd,  # ... of k
+    stride_vb, stride_vh, stride_vn, stride_vd,  # ... of v
+    H,  # query heads
+    GROUP,  # query heads per key/value head (1 without GQA)
+    SEQ_Q,  # query rows per head
+    SEQ_K,  # keys per head
+    CAUSAL_OFFSET,  # causal: query i sees key j iff j <= i + CAUSAL_OFFSET (0 top-left, Sk - Sq bottom-right)
+    qk_scale,  # the softmax scale times log2(e)
+    HEAD_DIM: tl.constexpr,  # D
+    BLOCK_D: tl.constexpr,  # power of two >= D
+    IS_CAUSAL: tl.constexpr,  # mask keys past each row's diagonal
+    BLOCK_M: tl.constexpr,  # query rows a program holds
+    BLOCK_N: tl.constexpr,  # keys a step of the loop takes
+    EXACT_DOT_IN_FP32: tl.constexpr,  # multiply the 16-bit tiles as fp32 (the interpreter's path)
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    head = tl.program_id(1) % H
+    batch = (tl.program_id(1) // H).to(tl.int64)  # int64: batch * stride may pass 2^31
+    kv_head = (head // GROUP).to(tl.int64)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM  # all true (and folded away) when D is a power of two
+    q_rows = q_ptr + batch * stride_qb + head.to(tl.int64) * stride_qh + start_m.to(tl.int64) * stride_qm
+    q = tl.load(q_rows + tl.arange(0, BLOCK_M)[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                mask=(offs_m[:, None] < SEQ_Q) & d_mask[None, :], other=0.0)
+    k_tile_ptr = k_ptr + batch * stride_kb + kv_head * stride_kh + offs_n[None, :] * stride_kn \
+        + offs_d[:, None] * stride_kd  # (D, BLOCK_N): K^T, so that the scores are q @ k
+    v_tile_ptr = v_ptr + batch * stride_vb + kv_head * stride_vh + offs_n[:, None] * stride_vn \
+        + offs_d[None, :] * stride_vd
+    m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # Keys [0, unmasked_end) are visible to every row of the block; [unmasked_end, end) need masks.
+    if IS_CAUSAL:
+        end = tl.maximum(tl.minimum(SEQ_K, start_m + BLOCK_M + CAUSAL_OFFSET), 0)
+        unmasked_end = tl.maximum(tl.minimum(SEQ_K, start_m + 1 + CAUSAL_OFFSET), 0) // BLOCK_N * BLOCK_N
+    else:
+        end = SEQ_K
+        unmasked_end = SEQ_K // BLOCK_N * BLOCK_N
+    acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, k_tile_ptr, v_tile_ptr, stride_kn, stride_vn, offs_m,
+                                     offs_n, d_mask, 0, unmasked_end, SEQ_K, CAUSAL_OFFSET, qk_scale,
+                                     IS_CAUSAL, False, BLOCK_N, EXACT_DOT_IN_FP32)
+    acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, k_tile_ptr, v_tile_ptr, stride_kn, stride_vn, offs_m,
+                                     offs_n, d_mask, unmasked_end, end, SEQ_K, CAUSAL_OFFSET, qk_scale,
+                                     IS_CAUSAL, True, BLOCK_N, EXACT_DOT_IN_FP32)
+    seen = l_i > 0.0  # false only for a row that sees no key: its output is 0, its lse -inf
+    o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    row_mask = offs_m < SEQ_Q
+    bh = tl.program_id(1).to(tl.int64)
+    o_rows = o_ptr + (bh * SEQ_Q + start_m) * HEAD_DIM
+    o_ptrs = o_rows + tl.arange(0, BLOCK_M)[:, None] * HEAD_DIM + offs_d[None, :]
+    tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN_2, -float("inf"))
+    tl.store(lse_ptr + bh * SEQ_Q + offs_m, lse, mask=row_mask)
+
+
+# ---------------------------------------------------------------- launcher
+
+_fwd_launcher = Launcher(_attn_fwd_kernel)
+# The interpreter runs each program in numpy: small tiles, so that the few rows of a test shape
+# still make several query blocks and key blocks (the masked and unmasked stages both run).
+INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+
+
+@functools.lru_cache(maxsize=64)
+def default_config(head_dim: int) -> dict:
+    """The forward's launch config for a head dim (before tuning): 128 query rows a program, the
+    tile Triton's own Hopper tutorial runs; at D = 256, 64 rows at 8 warps (sm_90: 128 rows at 8
+    warps, or 64 at 4, spill; this compiles to 222 registers and none)."""
+    if interpret():
+        return dict(INTERPRETER_CONFIG)
+    if head_dim <= 64:
+        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+    if head_dim <= 128:
+        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+    return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+
+
+def _validate(q, k, v) -> None:
+    for name, tensor in (("query", q), ("key", k), ("value", v)):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dtype not in DTYPES:
+            raise TypeError(f"{name} must be float16 or bfloat16, got {tensor.dtype}")
+        if tensor.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (batch, heads, sequence, head dim), got shape "
+                             f"{tuple(tensor.shape)}")
+        check_device(name, tensor)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"query, key and value must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"query, key and value must be on one device, got {q.device}, {k.device}, "
+                         f"{v.device}")
+    (batch, heads_q, _, head_dim), (batch_k, heads_kv, _, head_dim_k) = q.shape, k.shape
+    if v.shape != k.shape:
+        raise ValueError(f"value must have key's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    if batch_k != batch:
+        raise ValueError(f"key and value must have query's batch size {batch}, got {batch_k}")
+    if head_dim_k != head_dim:
+        raise ValueError(f"key and value must have query's head dim {head_dim}, got {head_dim_k}")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim must be 1 to {MAX_HEAD_DIM}, got {head_dim}")
+    if heads_kv == 0 or heads_q % heads_kv:
+        raise ValueError(f"query heads ({heads_q}) must be a multiple of key/value heads ({heads_kv})")
+
+
+def _attention_fwd(q, k, v, scale: float, causal: bool, bottom_right: bool,
+                   config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, lse) of attention over (B, H, S, D) tensors; ``config`` overrides the launch config."""
+    _validate(q, k, v)
+    batch, heads, seq_q, head_dim = q.shape
+    o = empty_output(q.shape, q.dtype, q.device)
+    lse = empty_output((batch, heads, seq_q), torch.float32, q.device)
+    if o.numel() == 0:
+        return o, lse
+    grid, args, meta = _fwd_launch_args(q, k, v, o, lse, scale, causal, bottom_right, config)
+    _fwd_launcher(grid, *args, **meta)
+    return o, lse
+
+
+def _fwd_launch_args(q, k, v, o, lse, scale: float, causal: bool, bottom_right: bool,
+                     config: dict | None) -> tuple[tuple, tuple, dict]:
+    """(grid, arguments, constexprs and options) of the forward kernel."""
+    batch, heads, seq_q, head_dim = q.shape
+    seq_k = k.shape[2]
+    config = dict(config or default_config(head_dim))
+    causal_offset = seq_k - seq_q if bottom_right else 0
+    args = (q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), heads, heads // k.shape[1], seq_q, seq_k,
+            causal_offset, scale * LOG2_E)
+    meta = {"HEAD_DIM": head_dim, "BLOCK_D": max(16, triton.next_power_of_2(head_dim)), "IS_CAUSAL": causal,
+            "BLOCK_M": config.pop("BLOCK_M"), "BLOCK_N": config.pop("BLOCK_N"),
+            "EXACT_DOT_IN_FP32": interpret(), **config}
+    return (cdiv(seq_q, meta["BLOCK_M"]), batch * heads), args, meta
+
+
+# ---------------------------------------------------------------- custom op and public functions
+
+
+@torch.library.custom_op("tritonkit::attention_fwd", mutates_args=())
+def _attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+                      bottom_right: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _attention_fwd(q, k, v, scale, causal, bottom_right)
+
+
+@_attention_fwd_op.register_fake
+def _(q, k, v, scale, causal, bottom_right):
+    _validate(q, k, v)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+def _no_backward_yet(*tensors) -> None:
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors if isinstance(t, torch.Tensor)):
+        raise NotImplementedError("tritonkit's attention has no backward yet: call it under torch.no_grad() "
+                                  "or on tensors that do not require grad")
+
+
+def _scale(scale: float | None, head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                    scale: float | None = None, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                    return_lse: bool = False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                    max_seqlen_k=None):
+    """Attention over (B, H, S, D) fp16/bf16 tensors, FlashAttention's conventions: ``causal``
+    aligned bottom-right when Sq != Sk; GQA/MQA when k and v have fewer heads (a divisor of q's);
+    ``scale`` defaults to 1/sqrt(D). With ``return_lse``, also the fp32 log-sum-exp of each query
+    row's scaled scores, (B, Hq, Sq) (-inf for a row that sees no key, whose output is 0).
+
+    Not yet: ``window``, ``softcap``, variable-length batches (``cu_seqlens_*``, ``max_seqlen_*``)
+    and the backward; each raises NotImplementedError."""
+    if tuple(window) != (-1, -1):
+        raise NotImplementedError("flash_attention: window (sliding-window attention) is not implemented yet")
+    if softcap:
+        raise NotImplementedError("flash_attention: softcap is not implemented yet")
+    for name, value in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
+                        ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if value is not None:
+            raise NotImplementedError(f"flash_attention: {name} (variable-length batches) is not "
+                                      "implemented yet")
+    _no_backward_yet(q, k, v)
+    _validate(q, k, v)
+    o, lse = _attention_fwd_op(q, k, v, _scale(scale, q.shape[-1]), bool(causal), True)
+    return (o, lse) if return_lse else o
+
+
+def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
+                                 dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                                 enable_gqa: bool = False) -> torch.Tensor:
+    """``torch.nn.functional.scaled_dot_product_attention`` on (B, H, S, D) fp16/bf16 tensors, with its
+    semantics: ``is_causal`` aligned top-left when Sq != Sk, fewer key/value heads only with
+    ``enable_gqa``. A dense ``attn_mask`` and ``dropout_p > 0`` raise NotImplementedError."""
+    if attn_mask is not None:
+        raise NotImplementedError("scaled_dot_product_attention: attn_mask is not supported (use is_causal, "
+                                  "or flash_attention's window)")
+    if dropout_p:
+        raise NotImplementedError("scaled_dot_product_attention: dropout_p > 0 is not supported")
+    _no_backward_yet(query, key, value)
+    _validate(query, key, value)
+    if key.shape[1] != query.shape[1] and not enable_gqa:
+        raise ValueError(f"query has {query.shape[1]} heads and key/value {key.shape[1]}: pass "
+                         "enable_gqa=True for grouped-query attention, as torch requires")
+    o, _ = _attention_fwd_op(query, key, value, _scale(scale, query.shape[-1]), bool(is_causal), False)
+    return o
+
+
+# ---------------------------------------------------------------- reference and cost
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                        scale: float | None = None, bottom_right: bool = True, return_lse: bool = False):
+    """Plain PyTorch attention with the kernel's conventions (rows that see no key give 0 and lse
+    -inf); pass float64 inputs for the oracle's reference."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * _scale(scale, q.shape[-1])
+    if causal:
+        seq_q, seq_k = q.shape[2], k.shape[2]
+        offset = seq_k - seq_q if bottom_right else 0
+        rows = torch.arange(seq_q, device=q.device)[:, None]
+        visible = torch.arange(seq_k, device=q.device)[None, :] <= rows + offset
+        scores = scores.masked_fill(~visible, -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with no key: all -inf, NaN -> 0
+    o = probs @ v
+    return (o, lse.float() if lse.dtype != torch.float64 else lse) if return_lse else o
+
+
+def attention_cost(shape: tuple, dtype: torch.dtype, mode: str = "fwd", causal: bool = False):
+    """FLOPs and minimal bytes of attention over (B, H, S, D) q, k and v (Sq = Sk = S): forward
+    4 B H S^2 D (half when causal), backward 2.5x that; bytes read q, k, v once, write o and lse."""
+    from tritonkit.roofline import Cost
+
+    batch, heads, seq, head_dim = shape
+    size = torch.finfo(dtype).bits // 8
+    flops = 4 * batch * heads * seq * seq * head_dim / (2 if causal else 1)
+    tensor = batch * heads * seq * head_dim * size
+    fwd = Cost(flops, 4 * tensor + 4 * batch * heads * seq)
+    bwd = Cost(2.5 * flops, 8 * tensor + 4 * batch * heads * seq)  # q, k, v, o, do, lse in; dq, dk, dv out
+    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]
+
+
+def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None = None,
+                      causal: bool = False) -> list:
+    """The forward launch for (B, H, S, D) q, k and v: what ``tritonkit inspect`` compiles."""
+    from tritonkit.inspect import Launch
+
+    batch, heads, seq, head_dim = shape
+    q = torch.empty(shape, dtype=dtype, device="meta")
+    lse = torch.empty((batch, heads, seq), dtype=torch.float32, device="meta")
+    _, args, meta = _fwd_launch_args(q, q, q, q, lse, _scale(None, head_dim), causal, True, config)
+    return [Launch("fwd", _attn_fwd_kernel, args, meta, config or {})]

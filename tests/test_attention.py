@@ -1,0 +1,249 @@
+"""Attention forward against the float64 reference: outputs and the log-sum-exp, with the oracle's
+2x rule, over head dims, causal alignments, GQA and ragged lengths (CPU interpreter, small
+shapes); the sm_90 code (HGMMA, no spills); larger shapes as gpu tests."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import tritonkit
+from tritonkit import testing
+from tritonkit.ops import attention_fwd as af
+from tritonkit.ops.attention_fwd import attention_reference
+
+pytestmark = pytest.mark.attention
+
+
+def qkv(batch, heads_q, heads_kv, seq_q, seq_k, head_dim, dtype, device, seed=0, noncontiguous=False):
+    g = testing.generator(seed)
+    q = testing.random_tensor((batch, heads_q, seq_q, head_dim), dtype, device, generator=g,
+                              noncontiguous=noncontiguous)
+    k = testing.random_tensor((batch, heads_kv, seq_k, head_dim), dtype, device, generator=g,
+                              noncontiguous=noncontiguous)
+    v = testing.random_tensor((batch, heads_kv, seq_k, head_dim), dtype, device, generator=g,
+                              noncontiguous=noncontiguous)
+    return q, k, v
+
+
+def finite_lse(fn):
+    """fn's (output, lse) with a row that sees no key's lse (-inf) as 0, so that the oracle's
+    differences stay finite; those rows are checked on their own below."""
+    def run(*args, **kwargs):
+        o, lse = fn(*args, **kwargs)
+        return o, torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    return run
+
+
+def check(q, k, v, **kwargs):
+    kernel = finite_lse(lambda *a: tritonkit.flash_attention(*a, return_lse=True, **kwargs))
+    reference = finite_lse(lambda *a: attention_reference(*a, return_lse=True, **kwargs))
+    testing.check_against_reference(kernel, reference, (q, k, v))
+
+
+# (batch, Hq, Hkv, Sq, Sk, D): ragged lengths (not multiples of the interpreter's 16-row tiles),
+# Sq < Sk and Sq > Sk (rows that see no key when causal), one query, GQA and MQA
+SHAPES = [
+    (1, 2, 2, 37, 37, 64),
+    (2, 4, 2, 20, 45, 32),
+    (1, 4, 1, 45, 20, 128),
+    (1, 2, 2, 1, 33, 64),
+    (1, 3, 3, 33, 1, 32),
+    (1, 2, 2, 48, 48, 96),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_matches_the_reference(shape, causal, dtype, device):
+    batch, heads_q, heads_kv, seq_q, seq_k, head_dim = shape
+    check(*qkv(batch, heads_q, heads_kv, seq_q, seq_k, head_dim, dtype, device), causal=causal)
+
+
+def test_head_dim_256_and_a_scale(device):
+    check(*qkv(1, 1, 1, 19, 23, 256, torch.bfloat16, device), causal=True, scale=0.3)
+
+
+def test_strided_inputs(device):
+    """Every other head dim of a wider tensor, and a (B, S, H, D) tensor seen as (B, H, S, D)."""
+    check(*qkv(1, 2, 2, 21, 35, 64, torch.bfloat16, device, noncontiguous=True), causal=True)
+    q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in qkv(2, 4, 2, 29, 29, 32, torch.float16,
+                                                                            device, seed=1))
+    assert q.stride(1) == 32 and q.stride(2) == 4 * 32
+    check(q, k, v)
+
+
+def test_large_scores_stay_finite(device):
+    """Scores near 100 in magnitude: the running max keeps every exp2 at or below 1."""
+    q, k, v = qkv(1, 2, 2, 40, 40, 64, torch.bfloat16, device, seed=2)
+    check(q * 12, k * 12, v, causal=True)
+
+
+def test_rows_that_see_no_key_give_zero_and_minus_inf(device):
+    q, k, v = qkv(1, 2, 1, 30, 12, 32, torch.bfloat16, device, seed=3)
+    with testing.poisoned_outputs():
+        o, lse = tritonkit.flash_attention(q, k, v, causal=True, return_lse=True)
+    blind = 30 - 12  # bottom-right: query i sees keys j <= i - 18
+    assert torch.equal(o[:, :, :blind], torch.zeros_like(o[:, :, :blind]))
+    assert torch.isneginf(lse[:, :, :blind]).all() and torch.isfinite(lse[:, :, blind:]).all()
+    assert torch.isfinite(o).all()
+
+
+def test_lse_merges_attention_over_two_halves_of_the_keys(device):
+    """What ring attention relies on: attention over keys A and B is attention over A and over B,
+    weighted by exp(lse_A - lse) and exp(lse_B - lse) with lse = logaddexp(lse_A, lse_B)."""
+    q, k, v = qkv(1, 2, 2, 24, 40, 64, torch.float16, device, seed=4)
+    o_a, lse_a = tritonkit.flash_attention(q, k[:, :, :17], v[:, :, :17], return_lse=True)
+    o_b, lse_b = tritonkit.flash_attention(q, k[:, :, 17:], v[:, :, 17:], return_lse=True)
+    o, lse = tritonkit.flash_attention(q, k, v, return_lse=True)
+    merged_lse = torch.logaddexp(lse_a, lse_b)
+    merged = (o_a.float() * (lse_a - merged_lse).exp()[..., None]
+              + o_b.float() * (lse_b - merged_lse).exp()[..., None])
+    torch.testing.assert_close(merged_lse, lse, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(merged, o.float(), atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sdpa_has_torch_semantics(causal, device):
+    """Top-left causal alignment when Sq != Sk, GQA only with enable_gqa: as torch's SDPA."""
+    q, k, v = qkv(1, 4, 2, 19, 33, 64, torch.bfloat16, device, seed=5)
+    ours = tritonkit.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    theirs = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                                              is_causal=causal, enable_gqa=True)
+    in_dtype = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    comparison = testing.compare("output", ours, in_dtype, theirs, q.dtype)
+    assert comparison.passed, comparison
+    with pytest.raises(ValueError, match="enable_gqa=True"):
+        tritonkit.scaled_dot_product_attention(q, k, v)
+
+
+def test_empty_inputs(device):
+    q, k, v = qkv(1, 2, 2, 5, 7, 32, torch.bfloat16, device)
+    o, lse = tritonkit.flash_attention(q[:, :, :0], k, v, return_lse=True)
+    assert o.shape == (1, 2, 0, 32) and lse.shape == (1, 2, 0)
+    o, lse = tritonkit.flash_attention(q, k[:, :, :0], v[:, :, :0], return_lse=True)  # no keys at all
+    assert torch.equal(o, torch.zeros_like(o)) and torch.isneginf(lse).all()
+    assert tritonkit.flash_attention(q[:0], k[:0], v[:0]).shape == (0, 2, 5, 32)
+
+
+def test_bad_input_is_named(device):
+    q, k, v = qkv(1, 4, 2, 8, 8, 32, torch.bfloat16, device)
+    fa = tritonkit.flash_attention
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        fa(q.float(), k.float(), v.float())
+    with pytest.raises(TypeError, match="share a dtype"):
+        fa(q, k.half(), v.half())
+    with pytest.raises(ValueError, match="4-D"):
+        fa(q[0], k[0], v[0])
+    with pytest.raises(ValueError, match="head dim 32"):
+        fa(q, k[..., :16], v[..., :16])
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        fa(q[:, :3], k, v)
+    with pytest.raises(ValueError, match="value must have key's shape"):
+        fa(q, k, v[:, :, :4])
+    with pytest.raises(ValueError, match="batch size"):
+        fa(q, torch.cat([k, k]), torch.cat([v, v]))
+    with pytest.raises(TypeError, match="key must be a torch.Tensor"):
+        fa(q, None, v)
+    cu_seqlens = torch.zeros(2, dtype=torch.int32)
+    for name, value in (("window", (4, 0)), ("softcap", 30.0), ("cu_seqlens_q", cu_seqlens)):
+        with pytest.raises(NotImplementedError, match=name):
+            fa(q, k, v, **{name: value})
+    with pytest.raises(NotImplementedError, match="attn_mask"):
+        tritonkit.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool))
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        tritonkit.scaled_dot_product_attention(q, k, v, dropout_p=0.1, enable_gqa=True)
+    with pytest.raises(NotImplementedError, match="no backward yet"):
+        fa(q.requires_grad_(), k, v)
+
+
+def test_opcheck(device):
+    q, k, v = qkv(1, 2, 1, 17, 23, 32, torch.bfloat16, device)
+    torch.library.opcheck(af._attention_fwd_op, (q, k, v, 0.2, True, True))
+
+
+def test_gpu_default_config_runs_in_the_interpreter(device):
+    """The GPU's tile (128 query rows, 64 keys) is not what the interpreter picks by default: run it
+    once here, with a row block the ragged lengths split."""
+    q, k, v = qkv(1, 2, 2, 130, 70, 64, torch.bfloat16, device, seed=6)
+    config = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+    with testing.poisoned_outputs():
+        o, lse = af._attention_fwd(q, k, v, 0.125, True, True, config=config)
+    ref_o, ref_lse = attention_reference(q.double(), k.double(), v.double(), causal=True, scale=0.125,
+                                         return_lse=True)
+    torch_o = attention_reference(q, k, v, causal=True, scale=0.125)
+    comparison = testing.compare("output", o, torch_o, ref_o, q.dtype)
+    assert comparison.passed, comparison
+    seen = torch.isfinite(ref_lse)
+    assert torch.isneginf(lse[~seen]).all()
+    torch.testing.assert_close(lse[seen], ref_lse[seen].float(), atol=1e-4, rtol=1e-5)
+
+
+def test_cost():
+    full = af.attention_cost((4, 32, 4096, 128), torch.bfloat16)
+    assert full.flops == 4 * 4 * 32 * 4096**2 * 128
+    assert af.attention_cost((4, 32, 4096, 128), torch.bfloat16, causal=True).flops == full.flops / 2
+    assert full.bytes == 4 * (4 * 32 * 4096 * 128 * 2) + 4 * 4 * 32 * 4096
+    assert math.isclose(af.attention_cost((4, 32, 4096, 128), torch.bfloat16, "bwd").flops, 2.5 * full.flops)
+
+
+_SASS_CHECK = r"""
+import json, torch
+from tritonkit.inspect import compile_launch
+from tritonkit.ops.attention_fwd import _inspect_launches
+for head_dim in (64, 128, 256):
+    for causal in (False, True):
+        (launch,) = _inspect_launches((4, 32, 4096, head_dim), torch.bfloat16, causal=causal)
+        r = compile_launch(launch, "sm_90")
+        print(json.dumps({"head_dim": head_dim, "causal": causal, "hgmma": r.opcodes["HGMMA"],
+                          "hmma": r.opcodes["HMMA"], "spills": r.spills, "loads": sorted(r.loads),
+                          "stores": sorted(r.stores)}))
+"""
+
+
+def test_default_configs_compile_for_hopper_to_wgmma_without_spills():
+    """The forward's default tiles at the benchmark's head dims, compiled for sm_90: the two matmuls
+    of the loop are HGMMA (wgmma), not the Ampere HMMA path; no spills; q, k, v read in 16-byte
+    vectors and o written so (the lse is one fp32 a row)."""
+    import sm90
+
+    rows = [json.loads(line) for line in sm90.run(_SASS_CHECK)]
+    assert len(rows) == 6
+    for row in rows:
+        assert row["hgmma"] > 0 and row["hmma"] == 0, row
+        assert not row["spills"], row
+        assert row["loads"] == [128] and row["stores"] == [32, 128], row
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", [(2, 8, 1024, 128), (1, 8, 1000, 64), (1, 4, 777, 256), (2, 16, 515, 96)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_gpu_default_tiles_match_the_reference(shape, causal, dtype, device):
+    batch, heads, seq, head_dim = shape
+    check(*qkv(batch, heads, heads // 4 if heads >= 4 else heads, seq, seq + 37, head_dim, dtype, device),
+          causal=causal)
+
+
+@pytest.mark.gpu
+def test_gpu_keys_past_2_to_the_31_elements(device):
+    """K and V of 3 x 2^30 elements: the last batch's offsets need 64 bits. 16 queries a batch keep
+    the reference's scores to 1.6 GB."""
+    g = torch.Generator(device=device).manual_seed(7)
+    q = torch.randn((3, 1, 16, 128), generator=g, device=device, dtype=torch.bfloat16)
+    k = torch.randn((3, 1, 2**23, 128), generator=g, device=device, dtype=torch.bfloat16)
+    v = torch.randn((3, 1, 2**23, 128), generator=g, device=device, dtype=torch.bfloat16)
+    for batch in range(3):  # batches that a wrapped offset would mix up differ: scores by 2x, outputs by 10
+        k[batch] *= 0.5 * (batch + 1)
+        v[batch] += 10 * batch
+    with testing.poisoned_outputs():
+        o, lse = tritonkit.flash_attention(q, k, v, return_lse=True)
+    scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(128)
+    torch.testing.assert_close(lse, torch.logsumexp(scores, -1), atol=1e-3, rtol=1e-4)
+    expected = torch.softmax(scores, -1) @ v.float()
+    torch.testing.assert_close(o.float(), expected, atol=2e-2, rtol=2e-2)
