@@ -184,11 +184,15 @@ def test_gpu_default_config_runs_in_the_interpreter(device):
 
 
 def test_cost():
-    full = af.attention_cost((4, 32, 4096, 128), torch.bfloat16)
+    full = af.attention_cost((4, 32, 32, 4096, 128), torch.bfloat16)
     assert full.flops == 4 * 4 * 32 * 4096**2 * 128
-    assert af.attention_cost((4, 32, 4096, 128), torch.bfloat16, causal=True).flops == full.flops / 2
-    assert full.bytes == 4 * (4 * 32 * 4096 * 128 * 2) + 4 * 4 * 32 * 4096
-    assert math.isclose(af.attention_cost((4, 32, 4096, 128), torch.bfloat16, "bwd").flops, 2.5 * full.flops)
+    assert af.attention_cost((4, 32, 32, 4096, 128), torch.bfloat16, causal=True).flops == full.flops / 2
+    tensor = 4 * 32 * 4096 * 128 * 2
+    assert full.bytes == 4 * tensor + 4 * 4 * 32 * 4096  # q, k, v in, o out, the fp32 lse
+    gqa = af.attention_cost((4, 32, 8, 4096, 128), torch.bfloat16)
+    assert gqa.flops == full.flops and gqa.bytes == full.bytes - 2 * tensor * 3 // 4
+    assert math.isclose(af.attention_cost((4, 32, 32, 4096, 128), torch.bfloat16, "bwd").flops,
+                        2.5 * full.flops)
 
 
 _SASS_CHECK = r"""
@@ -197,7 +201,7 @@ from tritonkit.inspect import compile_launch
 from tritonkit.ops.attention_fwd import _inspect_launches
 for head_dim in (64, 128, 256):
     for causal in (False, True):
-        (launch,) = _inspect_launches((4, 32, 4096, head_dim), torch.bfloat16, causal=causal)
+        (launch,) = _inspect_launches((4, 32, 32, 4096, head_dim), torch.bfloat16, causal=causal)
         r = compile_launch(launch, "sm_90")
         print(json.dumps({"head_dim": head_dim, "causal": causal, "hgmma": r.opcodes["HGMMA"],
                           "hmma": r.opcodes["HMMA"], "spills": r.spills, "loads": sorted(r.loads),
@@ -247,3 +251,11 @@ def test_gpu_keys_past_2_to_the_31_elements(device):
     torch.testing.assert_close(lse, torch.logsumexp(scores, -1), atol=1e-3, rtol=1e-4)
     expected = torch.softmax(scores, -1) @ v.float()
     torch.testing.assert_close(o.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_the_reference_in_chunks_is_the_reference_whole(monkeypatch):
+    q, k, v = qkv(1, 2, 1, 37, 29, 32, torch.float32, "cpu", seed=8)
+    whole = attention_reference(q.double(), k.double(), v.double(), causal=True, return_lse=True)
+    monkeypatch.setattr(af, "REFERENCE_SCORE_BYTES", 2 * 29 * 8 * 5)  # five query rows a chunk
+    chunked = attention_reference(q.double(), k.double(), v.double(), causal=True, return_lse=True)
+    torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-12)

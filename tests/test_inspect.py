@@ -117,7 +117,7 @@ def test_sass_parsing():
 
 # ---------------------------------------------------------------- static checks on every op (CI)
 
-PER_ROW_STATISTICS = {"norm"}  # families that store or load an fp32 per row (their 32-bit accesses)
+PER_ROW_STATISTICS = {"norm", "attention"}  # families that store or load an fp32 per row (32-bit accesses)
 _STATIC_CHECKS = r"""
 import json, torch
 from tritonkit.inspect import compile_launch

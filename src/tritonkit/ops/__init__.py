@@ -23,6 +23,8 @@ OP_MODULES = {
     "rms_norm": "tritonkit.ops.norm",
     "add_layer_norm": "tritonkit.ops.norm",
     "add_rms_norm": "tritonkit.ops.norm",
+    "attention": "tritonkit.ops.attention_fwd",
+    "attention_causal": "tritonkit.ops.attention_fwd",
 }
 MODES = ("fwd", "bwd", "fwd+bwd")
 
@@ -48,6 +50,7 @@ class OpSpec:
     peers: dict[str, Callable] = field(default_factory=dict)  # extra providers: name -> factory
     # (shape, dtype, config or None) -> the inspect.Launch records the op makes (tritonkit inspect)
     inspect: Callable | None = None
+    modes: tuple[str, ...] = MODES  # the benchmark modes it has (an op without a backward yet: fwd)
 
     def shape_list(self, kind: str) -> list[tuple[tuple, str | None]]:
         """``shapes[kind]`` as (shape, dtype name), the name None where the shape runs in every dtype."""

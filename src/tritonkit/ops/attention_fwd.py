@@ -310,46 +310,139 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
 # ---------------------------------------------------------------- reference and cost
 
 
+REFERENCE_SCORE_BYTES = 2**31  # the reference takes query rows in chunks whose scores fit in this
+
+
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                         scale: float | None = None, bottom_right: bool = True, return_lse: bool = False):
     """Plain PyTorch attention with the kernel's conventions (rows that see no key give 0 and lse
-    -inf); pass float64 inputs for the oracle's reference."""
+    -inf); pass float64 inputs for the oracle's reference. Query rows go in chunks whose scores
+    take at most REFERENCE_SCORE_BYTES: at (2, 16, 16384, 128) whole float64 scores would be 69 GB."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = (q @ k.transpose(-1, -2)) * _scale(scale, q.shape[-1])
-    if causal:
-        seq_q, seq_k = q.shape[2], k.shape[2]
-        offset = seq_k - seq_q if bottom_right else 0
-        rows = torch.arange(seq_q, device=q.device)[:, None]
-        visible = torch.arange(seq_k, device=q.device)[None, :] <= rows + offset
-        scores = scores.masked_fill(~visible, -math.inf)
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with no key: all -inf, NaN -> 0
-    o = probs @ v
-    return (o, lse.float() if lse.dtype != torch.float64 else lse) if return_lse else o
+    batch, heads, seq_q, _ = q.shape
+    seq_k = k.shape[2]
+    rows = max(1, REFERENCE_SCORE_BYTES // max(1, batch * heads * seq_k * q.element_size()))
+    outputs, lses = [], []
+    for start in range(0, seq_q, rows) if seq_q else [0]:
+        scores = (q[:, :, start:start + rows] @ k.transpose(-1, -2)) * _scale(scale, q.shape[-1])
+        if causal:
+            offset = seq_k - seq_q if bottom_right else 0
+            row_ids = torch.arange(start, start + scores.shape[2], device=q.device)[:, None]
+            visible = torch.arange(seq_k, device=q.device)[None, :] <= row_ids + offset
+            scores = scores.masked_fill(~visible, -math.inf)
+        lses.append(torch.logsumexp(scores, dim=-1))
+        outputs.append(torch.softmax(scores, dim=-1).nan_to_num(0.0) @ v)  # no key: all -inf, NaN -> 0
+    o, lse = torch.cat(outputs, dim=2), torch.cat(lses, dim=2)
+    return (o, lse if lse.dtype == torch.float64 else lse.float()) if return_lse else o
 
 
 def attention_cost(shape: tuple, dtype: torch.dtype, mode: str = "fwd", causal: bool = False):
-    """FLOPs and minimal bytes of attention over (B, H, S, D) q, k and v (Sq = Sk = S): forward
-    4 B H S^2 D (half when causal), backward 2.5x that; bytes read q, k, v once, write o and lse."""
+    """FLOPs and minimal bytes of attention over a benchmark shape (B, Hq, Hkv, S, D), Sq = Sk = S:
+    forward 4 B Hq S^2 D FLOPs (half when causal), backward 2.5x that; the forward reads q, k and v
+    once and writes o and the lse, the backward also reads o, dO and the lse and writes dq, dk, dv."""
     from tritonkit.roofline import Cost
 
-    batch, heads, seq, head_dim = shape
+    batch, heads_q, heads_kv, seq, head_dim = shape
     size = torch.finfo(dtype).bits // 8
-    flops = 4 * batch * heads * seq * seq * head_dim / (2 if causal else 1)
-    tensor = batch * heads * seq * head_dim * size
-    fwd = Cost(flops, 4 * tensor + 4 * batch * heads * seq)
-    bwd = Cost(2.5 * flops, 8 * tensor + 4 * batch * heads * seq)  # q, k, v, o, do, lse in; dq, dk, dv out
+    flops = 4 * batch * heads_q * seq * seq * head_dim / (2 if causal else 1)
+    q_bytes, kv_bytes = batch * heads_q * seq * head_dim * size, batch * heads_kv * seq * head_dim * size
+    lse_bytes = 4 * batch * heads_q * seq
+    fwd = Cost(flops, 2 * q_bytes + 2 * kv_bytes + lse_bytes)
+    bwd = Cost(2.5 * flops, 5 * q_bytes + 4 * kv_bytes + lse_bytes)  # q, o, dO, dq; k, v, dk, dv
     return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]
 
 
 def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None = None,
                       causal: bool = False) -> list:
-    """The forward launch for (B, H, S, D) q, k and v: what ``tritonkit inspect`` compiles."""
+    """The forward launch for a benchmark shape (B, Hq, Hkv, S, D): what ``tritonkit inspect`` compiles."""
     from tritonkit.inspect import Launch
 
-    batch, heads, seq, head_dim = shape
-    q = torch.empty(shape, dtype=dtype, device="meta")
-    lse = torch.empty((batch, heads, seq), dtype=torch.float32, device="meta")
-    _, args, meta = _fwd_launch_args(q, q, q, q, lse, _scale(None, head_dim), causal, True, config)
+    batch, heads_q, heads_kv, seq, head_dim = shape
+    q = torch.empty((batch, heads_q, seq, head_dim), dtype=dtype, device="meta")
+    kv = torch.empty((batch, heads_kv, seq, head_dim), dtype=dtype, device="meta")
+    lse = torch.empty((batch, heads_q, seq), dtype=torch.float32, device="meta")
+    _, args, meta = _fwd_launch_args(q, kv, kv, q, lse, _scale(None, head_dim), causal, True, config)
     return [Launch("fwd", _attn_fwd_kernel, args, meta, config or {})]
+
+
+# ---------------------------------------------------------------- benchmark peers and specs
+
+
+def _sdpa_backend(backend: str):
+    """A peer: torch's scaled_dot_product_attention pinned to one backend (FLASH_ATTENTION, CUDNN_ATTENTION,
+    EFFICIENT_ATTENTION); a backend that cannot take a case raises, and the harness reports it."""
+    def factory(kwargs: dict):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        chosen = getattr(SDPBackend, backend)
+
+        def run(q, k, v):
+            with sdpa_kernel(chosen):
+                return torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, is_causal=kwargs.get("causal", False), enable_gqa=q.shape[1] != k.shape[1])
+        return run
+    return factory
+
+
+def _flex(kwargs: dict):
+    """A peer: compiled FlexAttention, with a causal block mask built once per sequence length."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU (timings only)"
+    compiled = torch.compile(flex_attention)
+
+    @functools.cache
+    def causal_mask(seq_q: int, seq_k: int):
+        return create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx, None, None, seq_q, seq_k)
+
+    def run(q, k, v):
+        mask = causal_mask(q.shape[2], k.shape[2]) if kwargs.get("causal") else None
+        return compiled(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    return run
+
+
+def _make_inputs(shape: tuple, dtype: torch.dtype, device, generator: torch.Generator) -> tuple:
+    from tritonkit.testing import random_tensor
+
+    batch, heads_q, heads_kv, seq, head_dim = shape
+    return (random_tensor((batch, heads_q, seq, head_dim), dtype, device, generator=generator),
+            random_tensor((batch, heads_kv, seq, head_dim), dtype, device, generator=generator),
+            random_tensor((batch, heads_kv, seq, head_dim), dtype, device, generator=generator))
+
+
+def _spec(causal: bool):
+    from tritonkit.ops import OpSpec
+
+    return OpSpec(
+        name="attention_causal" if causal else "attention",
+        family="attention",
+        fn=flash_attention,
+        reference=attention_reference,
+        cost=functools.partial(attention_cost, causal=causal),
+        make_inputs=_make_inputs,
+        grad_inputs=(0, 1, 2),
+        flop_unit="bf16",
+        # (B, Hq, Hkv, S, D): the issue's shapes; GQA at Hq 32, Hkv 8; fp16 at the first
+        shapes={
+            "interpreter": [((1, 2, 1, 40, 64), "bf16"), ((1, 2, 2, 33, 32), "fp16")],
+            "quick": [((4, 32, 32, 4096, 128), "bf16"), ((2, 16, 16, 16384, 128), "bf16"),
+                      ((4, 32, 32, 4096, 64), "bf16"), ((16, 16, 16, 1024, 128), "bf16"),
+                      ((4, 32, 32, 4096, 128), "fp16"), ((4, 32, 8, 4096, 128), "bf16")],
+            "full": [((4, 32, 32, 4096, 128), "bf16"), ((2, 16, 16, 16384, 128), "bf16"),
+                     ((4, 32, 32, 4096, 64), "bf16"), ((16, 16, 16, 1024, 128), "bf16"),
+                     ((4, 32, 32, 4096, 128), "fp16"), ((4, 32, 8, 4096, 128), "bf16"),
+                     ((1, 32, 32, 8192, 256), "bf16"), ((8, 16, 16, 2048, 96), "bf16")],
+        },
+        tiny_shape=(1, 1, 1, 128, 64),
+        dtypes=DTYPES,
+        kwargs={"causal": causal},
+        peers={"sdpa-flash": _sdpa_backend("FLASH_ATTENTION"), "sdpa-cudnn": _sdpa_backend("CUDNN_ATTENTION"),
+               "sdpa-efficient": _sdpa_backend("EFFICIENT_ATTENTION"), "flex": _flex},
+        inspect=functools.partial(_inspect_launches, causal=causal),
+        modes=("fwd",),
+    )
+
+
+SPECS = {"attention": _spec(False), "attention_causal": _spec(True)}
