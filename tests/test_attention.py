@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tritonkit
-from tritonkit import testing
+from tritonkit import testing, tuning
 from tritonkit.ops import attention_fwd as af
 from tritonkit.ops.attention_fwd import attention_reference
 
@@ -259,3 +259,86 @@ def test_the_reference_in_chunks_is_the_reference_whole(monkeypatch):
     monkeypatch.setattr(af, "REFERENCE_SCORE_BYTES", 2 * 29 * 8 * 5)  # five query rows a chunk
     chunked = attention_reference(q.double(), k.double(), v.double(), causal=True, return_lse=True)
     torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-12)
+
+
+# ---------------------------------------------------------------- tuning
+
+
+def _key(seq_q=4096, seq_k=4096, head_dim=64, mask="bottom-right", dtype="bf16", group=1):
+    q = torch.empty((4, 8 * group, seq_q, head_dim), dtype=_dtype_named(dtype), device="meta")
+    k = torch.empty((4, 8, seq_k, head_dim), dtype=q.dtype, device="meta")
+    return af._tuning_key(q, k, mask != "none", mask == "bottom-right")
+
+
+def _dtype_named(name):
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+def test_the_candidates_fit_and_the_default_is_among_them():
+    for head_dim in (64, 128, 256):
+        candidates = af._TUNER._candidates(_key(head_dim=head_dim))
+        assert len(candidates) >= 6, (head_dim, candidates)
+        assert af._TUNER.default(_key(head_dim=head_dim)) in candidates
+        assert all(c["BLOCK_M"] * head_dim / (32 * c["num_warps"]) <= af.MAX_TILE_VALUES for c in candidates)
+    fewer = af._TUNER._candidates(_key(seq_q=16))  # 128 query rows a program > 2 x 16
+    assert len(fewer) < len(af._TUNER._candidates(_key()))
+
+
+# the distinct tiles (warps and stages change nothing in the interpreter), GQA, ragged blocks
+@pytest.mark.parametrize("mask", ["bottom-right", "top-left", "none"])
+def test_every_tile_passes_the_gate(mask, device):
+    key = _key(seq_q=256, seq_k=512, head_dim=64, mask=mask, group=2)
+    tiles = {(c["BLOCK_M"], c["BLOCK_N"]): c for c in af._TUNER._candidates(key)}
+    assert len(tiles) >= 4, tiles
+    for config in tiles.values():
+        assert af._admit(key, 0.125, device, config).passed, config
+
+
+def test_gate_rejects_a_wrong_result(monkeypatch, device):
+    """An output 10% off fails the gate (bf16 bounds: 4e-2 here), and so does a finite lse for a row
+    that sees no key."""
+    key = _key(seq_q=64, seq_k=32, head_dim=32)
+    config = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+    assert af._admit(key, 0.2, device, config).passed
+    real = af._fwd_launcher
+
+    def off_by_a_tenth(grid, *args, **meta):
+        real(grid, *args, **meta)
+        args[3].mul_(1.1)  # o
+
+    monkeypatch.setattr(af, "_fwd_launcher", off_by_a_tenth)
+    assert not af._admit(key, 0.2, device, config).passed
+
+    def blind_rows_see_zero(grid, *args, **meta):
+        real(grid, *args, **meta)
+        args[4].nan_to_num_(neginf=0.0)  # the lse of rows that see no key
+
+    monkeypatch.setattr(af, "_fwd_launcher", blind_rows_see_zero)
+    verdict = af._admit(key, 0.2, device, config)
+    assert not verdict.passed and "no key" in verdict.name
+
+
+def test_the_op_launches_the_fastest_admitted_config(monkeypatch, tmp_path, device):
+    monkeypatch.setattr(tuning, "_single_config", lambda: False)
+    monkeypatch.setenv("TRITONKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(af, "_chosen", {})
+    monkeypatch.setattr(af, "_TUNER", tuning.Tuner("attention_fwd", af.CONFIGS, sources=af._TUNER.sources,
+                                                   default=af._TUNER.default, prune=af._TUNER.prune))
+    # fake timings: 64 query rows and 32 keys a step are fastest, more warps and stages a little; the
+    # interpreter's default tile (a candidate too) slowest
+    fake_ms = lambda config: (config["BLOCK_M"] + config["BLOCK_N"] - config["num_warps"] / 10  # noqa: E731
+                              - config["num_stages"] / 100 + 1000 * (config == af.INTERPRETER_CONFIG))
+    monkeypatch.setattr(af, "_time_ms", lambda run, config: fake_ms(config))
+    launched = []
+    real = af._fwd_launcher
+    monkeypatch.setattr(af, "_fwd_launcher", lambda grid, *args, **meta: (launched.append(meta),
+                                                                          real(grid, *args, **meta)))
+    q, k, v = qkv(1, 2, 1, 70, 90, 32, torch.bfloat16, device, seed=9)
+    check(q, k, v, causal=True)
+    (path,) = (tmp_path / tuning.SUBDIR).iterdir()
+    entry = json.loads(path.read_text())
+    admitted = [json.loads(c) for c, ms in entry["ms"].items() if ms is not None]
+    assert len(admitted) >= 6 and not entry["rejected"]
+    assert entry["config"] == min(admitted, key=fake_ms) == {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8,
+                                                               "num_stages": 4}
+    assert {k: launched[-1][k] for k in entry["config"]} == entry["config"]

@@ -557,3 +557,13 @@ def test_launcher_rejects_constexprs_out_of_order():
     with pytest.raises(TypeError, match="trailing parameters"):
         Launcher(kernel)((1, 1), *_fwd_arguments(x, b, torch.empty_like(x), 4, 64),
                          APPROX_TANH=False, BLOCK_N=64, BLOCK_M=4)
+
+
+def test_worst_is_the_comparison_nearest_its_bound():
+    from tritonkit.testing import Comparison, worst
+
+    close = Comparison("y", err_kernel=0.9e-3, err_torch=1e-3, tolerance=1e-3)
+    far_but_loose = Comparison("dw", err_kernel=0.5, err_torch=0.4, tolerance=1.0)
+    assert worst([far_but_loose, close]) is close  # 90% of its bound against 50%
+    broken = Comparison("dx", err_kernel=math.nan, err_torch=1e-3, tolerance=1e-3)
+    assert worst([close, broken, far_but_loose]) is broken and not broken.passed

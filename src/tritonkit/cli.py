@@ -280,14 +280,18 @@ def _tune_op(spec_op, args) -> None:
     from tritonkit import testing, tuning
 
     started = time.time()
+    missing = [mode for mode in args.mode if mode not in spec_op.modes]
+    if missing:
+        print(f"{spec_op.name} has no {' or '.join(missing)} yet: tuning its {', '.join(spec_op.modes)} only")
+    backward = "bwd" in args.mode and "bwd" in spec_op.modes
     shapes = [(_parse_shape([s]), None) for s in args.shape] if args.shape else spec_op.shape_list("quick")
     for shape, dtype_name in tqdm(shapes, desc=f"tune {spec_op.name}", unit="shape"):
         dtype = DTYPES[args.dtype or dtype_name or "bf16"]
         inputs = spec_op.make_inputs(shape, dtype, "cuda", testing.generator(0))
         for i in spec_op.grad_inputs:
-            inputs[i].requires_grad_("bwd" in args.mode)
+            inputs[i].requires_grad_(backward)
         outputs = testing.as_tuple(spec_op.fn(*inputs, **spec_op.kwargs))  # a bucket's first call tunes
-        if "bwd" in args.mode:
+        if backward:
             torch.autograd.grad(outputs, [inputs[i] for i in spec_op.grad_inputs],
                                 [torch.ones_like(o) for o in outputs])
     torch.cuda.synchronize()

@@ -79,6 +79,16 @@ class Comparison:
                 f"(torch err {self.err_torch:.3e}) {verdict}")
 
 
+def worst(comparisons: Sequence[Comparison]) -> Comparison:
+    """The comparison with the largest error for its bound (a failing one if any fails); a
+    non-finite error is the worst. What a tuner's gate reports for an op with several outputs."""
+    def share_of_bound(c: Comparison) -> float:
+        if not math.isfinite(c.err_kernel):
+            return math.inf
+        return c.err_kernel / c.tolerance if c.tolerance > 0 else (0.0 if c.err_kernel == 0 else math.inf)
+    return max(comparisons, key=share_of_bound)
+
+
 def max_abs_error(value: torch.Tensor, reference: torch.Tensor) -> float:
     """Largest |value - reference| in float64; inf when value has a NaN or the shapes differ."""
     if value.shape != reference.shape:

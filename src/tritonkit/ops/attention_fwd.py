@@ -28,6 +28,7 @@ import math
 
 import torch
 
+from tritonkit import _runtime, tuning
 from tritonkit._runtime import check_device, empty_output, interpret
 
 interpret()  # choose GPU or interpreter before triton is imported and any kernel is defined
@@ -35,7 +36,7 @@ interpret()  # choose GPU or interpreter before triton is imported and any kerne
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from tritonkit._launch import Launcher, cdiv  # noqa: E402
+from tritonkit._launch import Launcher, cdiv, precompile  # noqa: E402
 
 DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256  # a (BLOCK_M, 256) fp32 accumulator is already 128 registers a thread at 8 warps
@@ -157,26 +158,149 @@ def _attn_fwd_kernel(
     tl.store(lse_ptr + bh * SEQ_Q + offs_m, lse, mask=row_mask)
 
 
-# ---------------------------------------------------------------- launcher
+# ---------------------------------------------------------------- launcher and tuning
 
 _fwd_launcher = Launcher(_attn_fwd_kernel)
 # The interpreter runs each program in numpy: small tiles, so that the few rows of a test shape
 # still make several query blocks and key blocks (the masked and unmasked stages both run).
 INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+CONFIGS = [{"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+           for block_m in (64, 128) for block_n in (32, 64, 128) for warps in (4, 8) for stages in (2, 3, 4)]
+# A config is pruned when its accumulator and score tile pass MAX_TILE_VALUES fp32 values a thread
+# (sm_90 doubles that in registers: 128 rows at D = 256 and 8 warps, 160 values, spilled) or when
+# its stages of K and V tiles and the Q tile pass the shared memory of an SM.
+MAX_TILE_VALUES = 128
+SHARED_BYTES = 227 * 1024
+TUNE_WARMUP_MS, TUNE_REP_MS = 5, 25
 
 
-@functools.lru_cache(maxsize=64)
-def default_config(head_dim: int) -> dict:
-    """The forward's launch config for a head dim (before tuning): 128 query rows a program, the
-    tile Triton's own Hopper tutorial runs; at D = 256, 64 rows at 8 warps (sm_90: 128 rows at 8
-    warps, or 64 at 4, spill; this compiles to 222 registers and none)."""
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _default(key: dict) -> dict:
+    """The untuned config: 128 query rows a program, the tile Triton's own Hopper tutorial runs; at
+    D = 256, 64 rows at 8 warps (sm_90: 128 rows at 8 warps, or 64 at 4, spill; this compiles to 222
+    registers and none). The interpreter's small tiles under the interpreter."""
     if interpret():
         return dict(INTERPRETER_CONFIG)
-    if head_dim <= 64:
+    if key["head_dim"] <= 64:
         return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
-    if head_dim <= 128:
+    if key["head_dim"] <= 128:
         return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
     return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+
+
+def _prune(config: dict, key: dict) -> bool:
+    """True drops the config: too many fp32 values a thread, too much shared memory, or more query
+    rows a program than the problem has."""
+    block_d, threads = _block_d(key["head_dim"]), 32 * config["num_warps"]
+    values = (config["BLOCK_M"] * block_d + config["BLOCK_M"] * config["BLOCK_N"]) / threads
+    shared = 2 * (config["num_stages"] * 2 * config["BLOCK_N"] * block_d + config["BLOCK_M"] * block_d)
+    return values > MAX_TILE_VALUES or shared > SHARED_BYTES or config["BLOCK_M"] > 2 * key["seq_q"]
+
+
+_TUNER = tuning.Tuner("attention_fwd", CONFIGS, default=_default, prune=_prune,
+                      sources=(_attn_fwd_kernel, _attn_fwd_blocks))
+
+
+def _tuning_key(q: torch.Tensor, k: torch.Tensor, causal: bool, bottom_right: bool) -> dict:
+    """What the fastest tile depends on: the head dim, the mask, the dtype and the problem's size
+    (sequence lengths and batch x heads, each to the next power of two)."""
+    batch, heads, seq_q, head_dim = q.shape
+    pow2 = triton.next_power_of_2
+    mask = ("bottom-right" if bottom_right else "top-left") if causal else "none"
+    return {"head_dim": head_dim, "mask": mask, "dtype": tuning.DTYPE_NAMES[q.dtype], "seq_q": pow2(seq_q),
+            "seq_k": pow2(k.shape[2]), "batch_heads": pow2(batch * heads), "group": heads // k.shape[1]}
+
+
+def _mask_flags(key: dict) -> tuple[bool, bool]:
+    """(causal, bottom_right) of a tuning key's mask."""
+    return key["mask"] != "none", key["mask"] == "bottom-right"
+
+
+def _calibration(key: dict, config: dict, device) -> tuple:
+    """Seeded q, k, v of the key's kind, small: two query blocks and a ragged third, three key blocks
+    and a ragged fourth (fewer where the key's sequences are shorter)."""
+    from tritonkit.testing import generator, random_tensor
+
+    seq_q = min(key["seq_q"], 2 * config["BLOCK_M"] + 5)
+    seq_k = min(key["seq_k"], 3 * config["BLOCK_N"] + 7)
+    dtype = {name: dtype for dtype, name in tuning.DTYPE_NAMES.items()}[key["dtype"]]
+    g = generator(12)
+    q = random_tensor((1, 2 * key["group"], seq_q, key["head_dim"]), dtype, device, generator=g)
+    kv = [random_tensor((1, 2, seq_k, key["head_dim"]), dtype, device, generator=g) for _ in range(2)]
+    return q, *kv
+
+
+def _admit(key: dict, scale: float, device, config: dict):
+    """The oracle on ``config``'s output and lse for a calibration problem (the worse of the two);
+    a row that sees no key must have lse -inf."""
+    from tritonkit.testing import Comparison, compare, worst
+
+    q, k, v = _calibration(key, config, device)
+    causal, bottom_right = _mask_flags(key)
+    o, lse = _attention_fwd(q, k, v, scale, causal, bottom_right, config=config)
+    exact = attention_reference(q.double(), k.double(), v.double(), causal, scale, bottom_right, True)
+    in_dtype = attention_reference(q, k, v, causal, scale, bottom_right, True)
+    seen = torch.isfinite(exact[1])
+    if not torch.equal(torch.isneginf(lse), ~seen):
+        return Comparison("lse of the rows that see no key", math.inf, 0.0, 0.0)
+    return worst([compare("output", o, in_dtype[0], exact[0], q.dtype),
+                  compare("lse", lse[seen], in_dtype[1][seen], exact[1][seen], torch.float32)])
+
+
+def _time_ms(run, config: dict) -> float:
+    """Median ms of ``run(config)``, the real problem, with outputs never NaN-filled while timed."""
+    previous, _runtime.poison_outputs = _runtime.poison_outputs, False
+    try:
+        return triton.testing.do_bench(lambda: run(config), warmup=TUNE_WARMUP_MS, rep=TUNE_REP_MS,
+                                       return_mode="median")
+    finally:
+        _runtime.poison_outputs = previous
+
+
+def _precompile(key: dict, scale: float, launch_args, device, configs: list[dict]) -> None:
+    """Compile every candidate for its calibration problem and the real one, together on threads."""
+    calls = []
+    for config in configs:
+        q, k, v = _calibration(key, config, device)
+        o, lse = torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+        causal, bottom_right = _mask_flags(key)
+        for grid, args, meta in (_fwd_launch_args(q, k, v, o, lse, scale, causal, bottom_right, config),
+                                 launch_args(config)):
+            calls.append((_fwd_launcher, grid, args, meta))
+    precompile(calls)
+
+
+MAX_CHOSEN = 4096  # call signatures whose config is kept, so a repeated call skips the tuning key
+_chosen: dict[tuple, dict] = {}
+
+
+def _config(q, k, v, o, lse, scale: float, causal: bool, bottom_right: bool) -> dict:
+    """The tuned (or default) config for this call's signature."""
+    signature = (q.shape, k.shape, q.dtype, q.device, causal, bottom_right)
+    config = _chosen.get(signature)
+    if config is not None:
+        return config
+    key = _tuning_key(q, k, causal, bottom_right)
+
+    def launch_args(candidate):
+        return _fwd_launch_args(q, k, v, o, lse, scale, causal, bottom_right, candidate)
+
+    def run(candidate):
+        grid, args, meta = launch_args(candidate)
+        _fwd_launcher(grid, *args, **meta)
+
+    entry = _TUNER.entry(key, admit=functools.partial(_admit, key, scale, q.device),
+                         time_ms=functools.partial(_time_ms, run),
+                         precompile=functools.partial(_precompile, key, scale, launch_args, q.device))
+    config = _TUNER.default(key) if entry is None else entry["config"]
+    if entry is not None or interpret():  # final: tuned, cached, or the interpreter's one config
+        if len(_chosen) >= MAX_CHOSEN:
+            _chosen.clear()
+        _chosen[signature] = config
+    return config
 
 
 def _validate(q, k, v) -> None:
@@ -216,6 +340,8 @@ def _attention_fwd(q, k, v, scale: float, causal: bool, bottom_right: bool,
     lse = empty_output((batch, heads, seq_q), torch.float32, q.device)
     if o.numel() == 0:
         return o, lse
+    if config is None:
+        config = _config(q, k, v, o, lse, scale, causal, bottom_right)
     grid, args, meta = _fwd_launch_args(q, k, v, o, lse, scale, causal, bottom_right, config)
     _fwd_launcher(grid, *args, **meta)
     return o, lse
@@ -226,11 +352,11 @@ def _fwd_launch_args(q, k, v, o, lse, scale: float, causal: bool, bottom_right: 
     """(grid, arguments, constexprs and options) of the forward kernel."""
     batch, heads, seq_q, head_dim = q.shape
     seq_k = k.shape[2]
-    config = dict(config or default_config(head_dim))
+    config = dict(config or _default({"head_dim": head_dim}))
     causal_offset = seq_k - seq_q if bottom_right else 0
     args = (q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), heads, heads // k.shape[1], seq_q, seq_k,
             causal_offset, scale * LOG2_E)
-    meta = {"HEAD_DIM": head_dim, "BLOCK_D": max(16, triton.next_power_of_2(head_dim)), "IS_CAUSAL": causal,
+    meta = {"HEAD_DIM": head_dim, "BLOCK_D": _block_d(head_dim), "IS_CAUSAL": causal,
             "BLOCK_M": config.pop("BLOCK_M"), "BLOCK_N": config.pop("BLOCK_N"),
             "EXACT_DOT_IN_FP32": interpret(), **config}
     return (cdiv(seq_q, meta["BLOCK_M"]), batch * heads), args, meta

@@ -202,7 +202,7 @@ def _reference_fn(key: dict, eps: float):
 def _admit(key: dict, n: int, eps: float, device, config: dict):
     """``config``'s results on a calibration problem against the oracle, y (and h) forward, dx, dw
     and db backward: the comparison nearest its bound (a failing one, if any fails)."""
-    from tritonkit.testing import compare
+    from tritonkit.testing import compare, worst
 
     cal = _calibration(key, n, config, device)
     inputs = (cal["x"], cal["residual"], cal["weight"], cal["bias"])
@@ -212,7 +212,7 @@ def _admit(key: dict, n: int, eps: float, device, config: dict):
         exact = reference(*(t.double() if t is not None else None for t in inputs))
         in_dtype = reference(*inputs)
         pairs = [(y, in_dtype[0], exact[0])] + ([(h, in_dtype[1], exact[1])] if h is not None else [])
-        return _worst([compare("output", *pair, cal["x"].dtype) for pair in pairs])
+        return worst([compare("output", *pair, cal["x"].dtype) for pair in pairs])
     fwd_key = _tuning_key("fwd", n, cal["x"].shape[0], cal["x"].dtype,
                           {k: key[k] for k in ("rms", "residual", "weight", "bias")})
     y, h, mean, rstd = _norm_fwd(*inputs, eps, key["rms"], config=_default(fwd_key))
@@ -233,16 +233,7 @@ def _admit(key: dict, n: int, eps: float, device, config: dict):
     with torch.enable_grad():
         exact, in_dtype = reference_grads(True), reference_grads(False)
     ours = [grads[0]] + [g for g in grads[1:] if g is not None]
-    return _worst([compare("grad", o, t, e, o.dtype) for o, t, e in zip(ours, in_dtype, exact, strict=True)])
-
-
-def _worst(comparisons: list):
-    """The comparison with the largest error for its bound; a non-finite error is the worst."""
-    def share_of_bound(c) -> float:
-        if not math.isfinite(c.err_kernel):
-            return math.inf
-        return c.err_kernel / c.tolerance if c.tolerance > 0 else (0.0 if c.err_kernel == 0 else math.inf)
-    return max(comparisons, key=share_of_bound)
+    return worst([compare("grad", o, t, e, o.dtype) for o, t, e in zip(ours, in_dtype, exact, strict=True)])
 
 
 def _time_ms(run, config: dict) -> float:
