@@ -38,10 +38,16 @@ def finite_lse(fn):
     return run
 
 
-def check(q, k, v, **kwargs):
+def check(q, k, v, grads=True, seed=100, **kwargs):
+    """Output and lse, and (``grads``) the gradients of q, k and v under random upstream gradients
+    of both: each against the float64 reference with the oracle's rule."""
     kernel = finite_lse(lambda *a: tritonkit.flash_attention(*a, return_lse=True, **kwargs))
     reference = finite_lse(lambda *a: attention_reference(*a, return_lse=True, **kwargs))
-    testing.check_against_reference(kernel, reference, (q, k, v))
+    g = testing.generator(seed)
+    upstream = [testing.random_tensor(q.shape, q.dtype, q.device, generator=g),
+                testing.random_tensor(q.shape[:3], torch.float32, q.device, generator=g)]
+    testing.check_against_reference(kernel, reference, (q, k, v), grad_inputs=(0, 1, 2) if grads else (),
+                                    grad_outputs=upstream)
 
 
 # (batch, Hq, Hkv, Sq, Sk, D): ragged lengths (not multiples of the interpreter's 16-row tiles),
@@ -157,13 +163,53 @@ def test_bad_input_is_named(device):
         tritonkit.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool))
     with pytest.raises(NotImplementedError, match="dropout_p"):
         tritonkit.scaled_dot_product_attention(q, k, v, dropout_p=0.1, enable_gqa=True)
-    with pytest.raises(NotImplementedError, match="no backward yet"):
-        fa(q.requires_grad_(), k, v)
 
 
 def test_opcheck(device):
-    q, k, v = qkv(1, 2, 1, 17, 23, 32, torch.bfloat16, device)
+    """The forward op (with its autograd) and the backward op: schemas, fake tensors, compile."""
+    q, k, v = (t.requires_grad_() for t in qkv(1, 2, 1, 17, 23, 32, torch.bfloat16, device))
     torch.library.opcheck(af._attention_fwd_op, (q, k, v, 0.2, True, True))
+    o, lse = af._attention_fwd_op(q, k, v, 0.2, True, True)
+    do = torch.randn_like(o)
+    args = (do, q.detach(), k.detach(), v.detach(), o.detach(), lse.detach())
+    torch.library.opcheck(af._attention_bwd_op, (*args, None, 0.2, True, True))
+    torch.library.opcheck(af._attention_bwd_op, (*args, torch.randn_like(lse), 0.2, False, False))
+
+
+def test_expanded_upstream_gradients(device):
+    """The gradients of o.sum() and lse.sum(): upstream gradients with stride 0 everywhere (Sq <= Sk:
+    every row sees a key, so the lse goes to the oracle as it is)."""
+    q, k, v = qkv(1, 2, 1, 21, 30, 32, torch.float16, device, seed=14)
+    kernel = lambda *a: tritonkit.flash_attention(*a, return_lse=True, causal=True)  # noqa: E731
+    reference = lambda *a: attention_reference(*a, return_lse=True, causal=True)  # noqa: E731
+    upstream = [torch.ones((), dtype=q.dtype, device=device).expand(q.shape),
+                torch.full((), -0.5, device=device).expand(q.shape[:3])]
+    testing.check_against_reference(kernel, reference, (q, k, v), grad_inputs=(0, 1, 2),
+                                    grad_outputs=upstream)
+
+
+def test_sdpa_gradients_with_top_left_causal(device):
+    q, k, v = qkv(1, 4, 2, 19, 33, 64, torch.bfloat16, device, seed=10)
+    do = testing.random_tensor(q.shape, q.dtype, device, generator=testing.generator(11))
+    testing.check_against_reference(
+        lambda *a: tritonkit.scaled_dot_product_attention(*a, is_causal=True, enable_gqa=True),
+        lambda *a: attention_reference(*a, causal=True, bottom_right=False), (q, k, v), grad_inputs=(0, 1, 2),
+        grad_outputs=[do])
+
+
+def test_backward_is_deterministic_and_zero_for_rows_that_see_no_key(device):
+    q, k, v = (t.requires_grad_() for t in qkv(1, 4, 2, 40, 24, 32, torch.bfloat16, device, seed=12))
+    do = testing.random_tensor(q.shape, q.dtype, device, generator=testing.generator(13))
+    grads = []
+    for _ in range(2):
+        with testing.poisoned_outputs():
+            o = tritonkit.flash_attention(q, k, v, causal=True)
+            grads.append(torch.autograd.grad(o, (q, k, v), do))
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))  # the same bits
+    dq = grads[0][0]
+    blind = 40 - 24  # bottom-right: query i sees keys j <= i - 16
+    assert torch.equal(dq[:, :, :blind], torch.zeros_like(dq[:, :, :blind]))
+    assert all(torch.isfinite(g).all() for g in grads[0])
 
 
 def test_gpu_default_config_runs_in_the_interpreter(device):
@@ -201,26 +247,31 @@ from tritonkit.inspect import compile_launch
 from tritonkit.ops.attention_fwd import _inspect_launches
 for head_dim in (64, 128, 256):
     for causal in (False, True):
-        (launch,) = _inspect_launches((4, 32, 32, 4096, head_dim), torch.bfloat16, causal=causal)
-        r = compile_launch(launch, "sm_90")
-        print(json.dumps({"head_dim": head_dim, "causal": causal, "hgmma": r.opcodes["HGMMA"],
-                          "hmma": r.opcodes["HMMA"], "spills": r.spills, "loads": sorted(r.loads),
-                          "stores": sorted(r.stores)}))
+        for launch in _inspect_launches((4, 32, 32, 4096, head_dim), torch.bfloat16, causal=causal):
+            r = compile_launch(launch, "sm_90")
+            print(json.dumps({"head_dim": head_dim, "causal": causal, "launch": r.name,
+                              "hgmma": r.opcodes["HGMMA"], "hmma": r.opcodes["HMMA"], "spills": r.spills,
+                              "loads": sorted(r.loads), "stores": sorted(r.stores)}))
 """
 
 
 def test_default_configs_compile_for_hopper_to_wgmma_without_spills():
-    """The forward's default tiles at the benchmark's head dims, compiled for sm_90: the two matmuls
-    of the loop are HGMMA (wgmma), not the Ampere HMMA path; no spills; q, k, v read in 16-byte
-    vectors and o written so (the lse is one fp32 a row)."""
+    """The default tiles at the benchmark's head dims, compiled for sm_90: every matmul of the
+    forward and of the backward's two main kernels is HGMMA (wgmma), not the Ampere HMMA path, but
+    the backward's at D = 256 (no wgmma tile of it fits without spilling: see attention_bwd); no
+    spills; tiles read and written in 16-byte vectors, per-row statistics one fp32 each."""
     import sm90
 
     rows = [json.loads(line) for line in sm90.run(_SASS_CHECK)]
-    assert len(rows) == 6
+    assert len(rows) == 3 * 2 * 4
     for row in rows:
-        assert row["hgmma"] > 0 and row["hmma"] == 0, row
         assert not row["spills"], row
-        assert row["loads"] == [128] and row["stores"] == [32, 128], row
+        if row["launch"] == "bwd delta":
+            assert row["loads"] == [128] and row["stores"] == [32], row
+            continue
+        if row["launch"] == "fwd" or row["head_dim"] <= 128:
+            assert row["hgmma"] > 0 and row["hmma"] == 0, row
+        assert 128 in row["loads"] and 128 in row["stores"] and min(row["loads"] + row["stores"]) >= 32, row
 
 
 @pytest.mark.gpu

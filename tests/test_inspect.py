@@ -146,8 +146,8 @@ def test_every_default_config_compiles_for_hopper_without_spills_and_with_wide_a
     for row in rows:
         assert not row["spills"], row
         if get_op(row["op"]).family in PER_ROW_STATISTICS:
-            # the row data moves in 16-byte vectors; a row's mean and rstd are one fp32 each
-            assert 128 in row["loads"] and 128 in row["stores"], row
-            assert min(row["loads"] + row["stores"]) >= 32, row
+            # the row data moves in 16-byte vectors; a row's mean and rstd (lse, delta) are one fp32 each
+            assert 128 in row["loads"] and min(row["loads"] + row["stores"]) >= 32, row
+            assert 128 in row["stores"] or row["stores"] == [32], row  # [32]: it writes statistics only
         else:
             assert row["loads"] == [128] and row["stores"] == [128], row

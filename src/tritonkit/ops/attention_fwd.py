@@ -37,6 +37,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from tritonkit._launch import Launcher, cdiv, precompile  # noqa: E402
+from tritonkit.ops.attention_bwd import _inspect_launches as _inspect_bwd_launches  # noqa: E402
+from tritonkit.ops.attention_bwd import attention_bwd  # noqa: E402
 
 DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256  # a (BLOCK_M, 256) fp32 accumulator is already 128 registers a thread at 8 warps
@@ -377,10 +379,35 @@ def _(q, k, v, scale, causal, bottom_right):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-def _no_backward_yet(*tensors) -> None:
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors if isinstance(t, torch.Tensor)):
-        raise NotImplementedError("tritonkit's attention has no backward yet: call it under torch.no_grad() "
-                                  "or on tensors that do not require grad")
+@torch.library.custom_op("tritonkit::attention_bwd", mutates_args=())
+def _attention_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                      lse: torch.Tensor, dlse: torch.Tensor | None, scale: float, causal: bool,
+                      bottom_right: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return attention_bwd(do, q, k, v, o, lse, dlse, scale, causal, bottom_right)
+
+
+@_attention_bwd_op.register_fake
+def _(do, q, k, v, o, lse, dlse, scale, causal, bottom_right):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, scale, causal, bottom_right = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.options = (scale, causal, bottom_right)
+    ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zeros to read
+
+
+def _backward(ctx, do, dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    if do is None:  # only the lse was differentiated
+        do = torch.zeros_like(o)
+    dq, dk, dv = _attention_bwd_op(do, q, k, v, o, lse, dlse, *ctx.options)
+    return dq, dk, dv, None, None, None
+
+
+_attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _scale(scale: float | None, head_dim: int) -> float:
@@ -396,8 +423,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     ``scale`` defaults to 1/sqrt(D). With ``return_lse``, also the fp32 log-sum-exp of each query
     row's scaled scores, (B, Hq, Sq) (-inf for a row that sees no key, whose output is 0).
 
-    Not yet: ``window``, ``softcap``, variable-length batches (``cu_seqlens_*``, ``max_seqlen_*``)
-    and the backward; each raises NotImplementedError."""
+    Differentiable in q, k, v (GQA gradients summed over each group) and in the lse. Not yet:
+    ``window``, ``softcap`` and variable-length batches (``cu_seqlens_*``, ``max_seqlen_*``); each
+    raises NotImplementedError."""
     if tuple(window) != (-1, -1):
         raise NotImplementedError("flash_attention: window (sliding-window attention) is not implemented yet")
     if softcap:
@@ -407,7 +435,6 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         if value is not None:
             raise NotImplementedError(f"flash_attention: {name} (variable-length batches) is not "
                                       "implemented yet")
-    _no_backward_yet(q, k, v)
     _validate(q, k, v)
     o, lse = _attention_fwd_op(q, k, v, _scale(scale, q.shape[-1]), bool(causal), True)
     return (o, lse) if return_lse else o
@@ -424,7 +451,6 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
                                   "or flash_attention's window)")
     if dropout_p:
         raise NotImplementedError("scaled_dot_product_attention: dropout_p > 0 is not supported")
-    _no_backward_yet(query, key, value)
     _validate(query, key, value)
     if key.shape[1] != query.shape[1] and not enable_gqa:
         raise ValueError(f"query has {query.shape[1]} heads and key/value {key.shape[1]}: pass "
@@ -452,13 +478,17 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     outputs, lses = [], []
     for start in range(0, seq_q, rows) if seq_q else [0]:
         scores = (q[:, :, start:start + rows] @ k.transpose(-1, -2)) * _scale(scale, q.shape[-1])
-        if causal:
-            offset = seq_k - seq_q if bottom_right else 0
-            row_ids = torch.arange(start, start + scores.shape[2], device=q.device)[:, None]
-            visible = torch.arange(seq_k, device=q.device)[None, :] <= row_ids + offset
-            scores = scores.masked_fill(~visible, -math.inf)
-        lses.append(torch.logsumexp(scores, dim=-1))
-        outputs.append(torch.softmax(scores, dim=-1).nan_to_num(0.0) @ v)  # no key: all -inf, NaN -> 0
+        if not causal:
+            lses.append(torch.logsumexp(scores, dim=-1))
+            outputs.append(torch.softmax(scores, dim=-1) @ v)
+            continue
+        offset = seq_k - seq_q if bottom_right else 0
+        row_ids = torch.arange(start, start + scores.shape[2], device=q.device)[:, None]
+        visible = torch.arange(seq_k, device=q.device)[None, :] <= row_ids + offset
+        sees = visible.any(-1, keepdim=True)  # a row that sees no key: 0 out, lse -inf, no NaN in the VJP
+        scores = scores.masked_fill(~visible, -math.inf).masked_fill(~sees, 0.0)
+        lses.append(torch.logsumexp(scores, dim=-1).masked_fill(~sees[:, 0], -math.inf))
+        outputs.append((torch.softmax(scores, dim=-1) * sees) @ v)
     o, lse = torch.cat(outputs, dim=2), torch.cat(lses, dim=2)
     return (o, lse if lse.dtype == torch.float64 else lse.float()) if return_lse else o
 
@@ -479,9 +509,18 @@ def attention_cost(shape: tuple, dtype: torch.dtype, mode: str = "fwd", causal: 
     return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]
 
 
+def _bwd_tiles(config: dict, head_dim: int) -> dict:
+    """The backward's launch config for ``inspect --config``: its defaults, overridden by what is given."""
+    from tritonkit.ops.attention_bwd import default_config
+
+    return default_config(head_dim) | config
+
+
 def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None = None,
                       causal: bool = False) -> list:
-    """The forward launch for a benchmark shape (B, Hq, Hkv, S, D): what ``tritonkit inspect`` compiles."""
+    """The forward's launch and the backward's three for a benchmark shape (B, Hq, Hkv, S, D): what
+    ``tritonkit inspect`` compiles. A ``config`` sets the forward's tile; the backward takes the
+    keys it names (BLOCK_M_KV, BLOCK_N_KV and the dQ kernel's BLOCK_M, BLOCK_N) over its defaults."""
     from tritonkit.inspect import Launch
 
     batch, heads_q, heads_kv, seq, head_dim = shape
@@ -489,7 +528,8 @@ def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None = No
     kv = torch.empty((batch, heads_kv, seq, head_dim), dtype=dtype, device="meta")
     lse = torch.empty((batch, heads_q, seq), dtype=torch.float32, device="meta")
     _, args, meta = _fwd_launch_args(q, kv, kv, q, lse, _scale(None, head_dim), causal, True, config)
-    return [Launch("fwd", _attn_fwd_kernel, args, meta, config or {})]
+    return [Launch("fwd", _attn_fwd_kernel, args, meta, config or {}),
+            *_inspect_bwd_launches(shape, dtype, config and _bwd_tiles(config, head_dim), causal)]
 
 
 # ---------------------------------------------------------------- benchmark peers and specs
@@ -567,7 +607,6 @@ def _spec(causal: bool):
         peers={"sdpa-flash": _sdpa_backend("FLASH_ATTENTION"), "sdpa-cudnn": _sdpa_backend("CUDNN_ATTENTION"),
                "sdpa-efficient": _sdpa_backend("EFFICIENT_ATTENTION"), "flex": _flex},
         inspect=functools.partial(_inspect_launches, causal=causal),
-        modes=("fwd",),
     )
 
 
