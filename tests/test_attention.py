@@ -305,11 +305,17 @@ def test_gpu_keys_past_2_to_the_31_elements(device):
 
 
 def test_the_reference_in_chunks_is_the_reference_whole(monkeypatch):
-    q, k, v = qkv(1, 2, 1, 37, 29, 32, torch.float32, "cpu", seed=8)
-    whole = attention_reference(q.double(), k.double(), v.double(), causal=True, return_lse=True)
+    """Outputs, lse and gradients: the chunks (checkpointed) give what the whole problem gives."""
+    q, k, v = (t.double().requires_grad_() for t in qkv(1, 2, 1, 37, 29, 32, torch.float32, "cpu", seed=8))
+    do = torch.randn(q.shape, dtype=torch.float64, generator=testing.generator(15))
+
+    def run():
+        o, lse = attention_reference(q, k, v, causal=True, return_lse=True)
+        return (o, lse, *torch.autograd.grad((o * do).sum() + lse[lse.isfinite()].sum(), (q, k, v)))
+
+    whole = run()
     monkeypatch.setattr(af, "REFERENCE_SCORE_BYTES", 2 * 29 * 8 * 5)  # five query rows a chunk
-    chunked = attention_reference(q.double(), k.double(), v.double(), causal=True, return_lse=True)
-    torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-12)
+    torch.testing.assert_close(run(), whole, rtol=0, atol=1e-12)
 
 
 # ---------------------------------------------------------------- tuning

@@ -469,28 +469,37 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
                         scale: float | None = None, bottom_right: bool = True, return_lse: bool = False):
     """Plain PyTorch attention with the kernel's conventions (rows that see no key give 0 and lse
     -inf); pass float64 inputs for the oracle's reference. Query rows go in chunks whose scores
-    take at most REFERENCE_SCORE_BYTES: at (2, 16, 16384, 128) whole float64 scores would be 69 GB."""
+    take at most REFERENCE_SCORE_BYTES (at (2, 16, 16384, 128) whole float64 scores would be 69 GB);
+    with several chunks, each is recomputed in the backward instead of kept (activation
+    checkpointing), so the reference's gradients fit too."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     batch, heads, seq_q, _ = q.shape
-    seq_k = k.shape[2]
-    rows = max(1, REFERENCE_SCORE_BYTES // max(1, batch * heads * seq_k * q.element_size()))
-    outputs, lses = [], []
-    for start in range(0, seq_q, rows) if seq_q else [0]:
-        scores = (q[:, :, start:start + rows] @ k.transpose(-1, -2)) * _scale(scale, q.shape[-1])
-        if not causal:
-            lses.append(torch.logsumexp(scores, dim=-1))
-            outputs.append(torch.softmax(scores, dim=-1) @ v)
-            continue
-        offset = seq_k - seq_q if bottom_right else 0
-        row_ids = torch.arange(start, start + scores.shape[2], device=q.device)[:, None]
-        visible = torch.arange(seq_k, device=q.device)[None, :] <= row_ids + offset
-        sees = visible.any(-1, keepdim=True)  # a row that sees no key: 0 out, lse -inf, no NaN in the VJP
-        scores = scores.masked_fill(~visible, -math.inf).masked_fill(~sees, 0.0)
-        lses.append(torch.logsumexp(scores, dim=-1).masked_fill(~sees[:, 0], -math.inf))
-        outputs.append((torch.softmax(scores, dim=-1) * sees) @ v)
-    o, lse = torch.cat(outputs, dim=2), torch.cat(lses, dim=2)
+    rows = max(1, REFERENCE_SCORE_BYTES // max(1, batch * heads * k.shape[2] * q.element_size()))
+    chunk = functools.partial(_reference_rows, scale=_scale(scale, q.shape[-1]), causal=causal,
+                              offset=k.shape[2] - seq_q if bottom_right else 0)
+    if seq_q <= rows:
+        o, lse = chunk(q, k, v, 0)
+    else:
+        from torch.utils.checkpoint import checkpoint
+
+        parts = [checkpoint(chunk, q[:, :, start:start + rows], k, v, start, use_reentrant=False)
+                 for start in range(0, seq_q, rows)]
+        o, lse = torch.cat([p[0] for p in parts], dim=2), torch.cat([p[1] for p in parts], dim=2)
     return (o, lse if lse.dtype == torch.float64 else lse.float()) if return_lse else o
+
+
+def _reference_rows(q, k, v, first_row: int, scale: float, causal: bool, offset: int):
+    """(output, lse) of the reference for the query rows ``q`` (the first of them row ``first_row``)."""
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if not causal:
+        return torch.softmax(scores, dim=-1) @ v, torch.logsumexp(scores, dim=-1)
+    row_ids = torch.arange(first_row, first_row + q.shape[2], device=q.device)[:, None]
+    visible = torch.arange(k.shape[2], device=q.device)[None, :] <= row_ids + offset
+    sees = visible.any(-1, keepdim=True)  # a row that sees no key: 0 out, lse -inf, no NaN in the VJP
+    scores = scores.masked_fill(~visible, -math.inf).masked_fill(~sees, 0.0)
+    return ((torch.softmax(scores, dim=-1) * sees) @ v,
+            torch.logsumexp(scores, dim=-1).masked_fill(~sees[:, 0], -math.inf))
 
 
 def attention_cost(shape: tuple, dtype: torch.dtype, mode: str = "fwd", causal: bool = False):
