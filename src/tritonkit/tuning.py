@@ -91,6 +91,24 @@ def retuning() -> Iterator[None]:
         _retuning = previous
 
 
+TUNE_WARMUP_MS, TUNE_REP_MS = 5, 25  # per config: the median of do_bench's repetitions
+
+
+def median_ms(call: Callable[[], object]) -> float:
+    """Median ms of ``call()`` (one config on the real problem), the way every op's tuner times.
+    Outputs it allocates are never NaN-filled while it is timed: a test's poisoning would time the
+    fills."""
+    import triton
+
+    from tritonkit import _runtime
+
+    previous, _runtime.poison_outputs = _runtime.poison_outputs, False
+    try:
+        return triton.testing.do_bench(call, warmup=TUNE_WARMUP_MS, rep=TUNE_REP_MS, return_mode="median")
+    finally:
+        _runtime.poison_outputs = previous
+
+
 def _device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 

@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from tritonkit import _runtime, tuning
+from tritonkit import tuning
 from tritonkit._runtime import check_device, empty_output, interpret
 
 interpret()  # choose GPU or interpreter before triton is imported and any kernel is defined
@@ -173,7 +173,6 @@ CONFIGS = [{"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_sta
 # its stages of K and V tiles and the Q tile pass the shared memory of an SM.
 MAX_TILE_VALUES = 128
 SHARED_BYTES = 227 * 1024
-TUNE_WARMUP_MS, TUNE_REP_MS = 5, 25
 
 
 def _block_d(head_dim: int) -> int:
@@ -253,13 +252,8 @@ def _admit(key: dict, scale: float, device, config: dict):
 
 
 def _time_ms(run, config: dict) -> float:
-    """Median ms of ``run(config)``, the real problem, with outputs never NaN-filled while timed."""
-    previous, _runtime.poison_outputs = _runtime.poison_outputs, False
-    try:
-        return triton.testing.do_bench(lambda: run(config), warmup=TUNE_WARMUP_MS, rep=TUNE_REP_MS,
-                                       return_mode="median")
-    finally:
-        _runtime.poison_outputs = previous
+    """Median ms of ``run(config)``: the real problem with the config."""
+    return tuning.median_ms(lambda: run(config))
 
 
 def _precompile(key: dict, scale: float, launch_args, device, configs: list[dict]) -> None:

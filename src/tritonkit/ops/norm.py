@@ -30,12 +30,11 @@ import math
 
 import torch
 
-from tritonkit import _runtime, tuning
+from tritonkit import tuning
 from tritonkit._runtime import check_device, current_device, empty_output, interpret, sm_count
 
 interpret()  # choose GPU or interpreter before triton is imported and any kernel is defined
 
-import triton  # noqa: E402
 
 from tritonkit._launch import Launcher, cdiv, precompile  # noqa: E402
 from tritonkit.ops.norm_kernels import (  # noqa: E402
@@ -80,7 +79,6 @@ BWD_PROGRAMS_PER_SM = 2  # default: what an SM holds of the one-pass backward (h
 LOOP_BLOCK_N = 4096  # default chunk of the looped kernels: 16 fp32 values a thread at 8 warps
 LOOP_WARPS = 8
 CALIBRATION_ELEMENTS = 1 << 21  # cap on a calibration problem: its float64 reference stays small
-TUNE_WARMUP_MS, TUNE_REP_MS = 5, 25  # per-config timing, as the softmax tunes
 
 
 # ---------------------------------------------------------------- launchers
@@ -237,14 +235,8 @@ def _admit(key: dict, n: int, eps: float, device, config: dict):
 
 
 def _time_ms(run, config: dict) -> float:
-    """Median ms of ``run(config)``: the real problem with the config. Its outputs are allocated in
-    the timed call, so they are never NaN-filled there (a test's poisoning would time the fills)."""
-    previous, _runtime.poison_outputs = _runtime.poison_outputs, False
-    try:
-        return triton.testing.do_bench(lambda: run(config), warmup=TUNE_WARMUP_MS, rep=TUNE_REP_MS,
-                                       return_mode="median")
-    finally:
-        _runtime.poison_outputs = previous
+    """Median ms of ``run(config)``: the real problem with the config."""
+    return tuning.median_ms(lambda: run(config))
 
 
 # Configs once chosen for good, by call signature (shape, dtypes, device, what is present): a call

@@ -52,7 +52,6 @@ from tritonkit._runtime import check_device, current_device, empty_output, inter
 
 interpret()  # choose GPU or interpreter before triton is imported and any kernel is defined
 
-import triton  # noqa: E402
 
 from tritonkit._launch import Launcher, cdiv, precompile  # noqa: E402
 from tritonkit.ops.softmax_kernels import (  # noqa: E402
@@ -207,7 +206,6 @@ def _prune(config: dict, key: dict) -> bool:
 # ---------------------------------------------------------------- launching and tuning
 
 CALIBRATION_ELEMENTS = 1 << 22  # cap on a calibration input: the float64 reference stays small
-TUNE_WARMUP_MS, TUNE_REP_MS = 5, 25  # per-config timing; the median of do_bench's repetitions
 
 
 def _next_power_of_2(n: int) -> int:
@@ -433,8 +431,7 @@ def _precompile(direction: str, log: bool, views: tuple, configs: list[dict]) ->
 def _time_ms(direction: str, log: bool, views: tuple, config: dict) -> float:
     scratch = torch.empty_like(views[-1])  # tuning never writes the caller's output
     tensors, geometry = (*views[:-1], scratch), _geometry(views)
-    return triton.testing.do_bench(lambda: _launch(direction, config, log, tensors, geometry),
-                                   warmup=TUNE_WARMUP_MS, rep=TUNE_REP_MS, return_mode="median")
+    return tuning.median_ms(lambda: _launch(direction, config, log, tensors, geometry))
 
 
 def _validate(input, dim, dtype, variant: str = "auto") -> int:
