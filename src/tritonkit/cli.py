@@ -280,10 +280,7 @@ def _tune_op(spec_op, args) -> None:
     from tritonkit import testing, tuning
 
     started = time.time()
-    missing = [mode for mode in args.mode if mode not in spec_op.modes]
-    if missing:
-        print(f"{spec_op.name} has no {' or '.join(missing)} yet: tuning its {', '.join(spec_op.modes)} only")
-    backward = "bwd" in args.mode and "bwd" in spec_op.modes
+    backward = "bwd" in args.mode
     shapes = [(_parse_shape([s]), None) for s in args.shape] if args.shape else spec_op.shape_list("quick")
     for shape, dtype_name in tqdm(shapes, desc=f"tune {spec_op.name}", unit="shape"):
         dtype = DTYPES[args.dtype or dtype_name or "bf16"]

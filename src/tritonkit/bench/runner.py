@@ -8,7 +8,6 @@ shapes as a correctness run and carries the analytic roofline prediction instead
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import subprocess
 import time
@@ -26,8 +25,6 @@ from tritonkit.ops import MODES, OpSpec, get_op
 
 DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SEED = 0
-
-log = logging.getLogger("tritonkit")
 
 
 @dataclass(frozen=True)
@@ -62,7 +59,7 @@ def provenance() -> dict:
 def cases(op_names: Iterable[str], shapes: str, dtypes: Iterable[torch.dtype] | None,
           modes: Iterable[str]) -> list[Case]:
     """The sweep; on the interpreter the shape list is always the op's small 'interpreter' one."""
-    out, skipped = [], set()
+    out = []
     for name in op_names:
         spec = get_op(name)
         for shape, dtype_name in spec.shape_list("interpreter" if interpret() else shapes):
@@ -72,12 +69,7 @@ def cases(op_names: Iterable[str], shapes: str, dtypes: Iterable[torch.dtype] | 
                 for mode in modes:
                     if mode not in MODES:
                         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-                    if mode in spec.modes:
-                        out.append(Case(spec, shape, dtype, mode))
-                    elif (name, mode) not in skipped:
-                        skipped.add((name, mode))
-                        log.warning("bench: %s has no %s mode yet (it has %s); its %s cases are skipped",
-                                    name, mode, ", ".join(spec.modes), mode)
+                    out.append(Case(spec, shape, dtype, mode))
     return out
 
 

@@ -50,7 +50,6 @@ class OpSpec:
     peers: dict[str, Callable] = field(default_factory=dict)  # extra providers: name -> factory
     # (shape, dtype, config or None) -> the inspect.Launch records the op makes (tritonkit inspect)
     inspect: Callable | None = None
-    modes: tuple[str, ...] = MODES  # the benchmark modes it has (an op without a backward yet: fwd)
 
     def shape_list(self, kind: str) -> list[tuple[tuple, str | None]]:
         """``shapes[kind]`` as (shape, dtype name), the name None where the shape runs in every dtype."""
