@@ -632,3 +632,10 @@ def test_timing_never_fills_outputs_with_nan(monkeypatch):
         assert tuning.median_ms(lambda: seen.append(_runtime.poison_outputs)) == 1.0
         assert _runtime.poison_outputs
     assert seen == [False]
+
+
+def test_remember_keeps_at_most_limit_signatures():
+    memo = {}
+    for signature in range(5):
+        tuning.remember(memo, signature, {"BLOCK": signature}, limit=2)
+        assert 1 <= len(memo) <= 2 and memo[signature] == {"BLOCK": signature}

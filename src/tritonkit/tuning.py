@@ -91,6 +91,14 @@ def retuning() -> Iterator[None]:
         _retuning = previous
 
 
+def remember(memo: dict, signature, config: dict, limit: int) -> None:
+    """Keep ``config`` as chosen for good for a call ``signature`` (an op's per-signature memo, which
+    lets a repeated call skip its tuning key); the memo is emptied when ``limit`` have gathered."""
+    if len(memo) >= limit:
+        memo.clear()
+    memo[signature] = config
+
+
 TUNE_WARMUP_MS, TUNE_REP_MS = 5, 25  # per config: the median of do_bench's repetitions
 
 

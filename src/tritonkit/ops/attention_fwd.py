@@ -293,9 +293,7 @@ def _config(q, k, v, o, lse, scale: float, causal: bool, bottom_right: bool) -> 
                          precompile=functools.partial(_precompile, key, scale, launch_args, q.device))
     config = _TUNER.default(key) if entry is None else entry["config"]
     if entry is not None or interpret():  # final: tuned, cached, or the interpreter's one config
-        if len(_chosen) >= MAX_CHOSEN:
-            _chosen.clear()
-        _chosen[signature] = config
+        tuning.remember(_chosen, signature, config, MAX_CHOSEN)
     return config
 
 

@@ -278,9 +278,7 @@ def _config(direction: str, h: torch.Tensor, has_residual: bool, weight, bias, r
                             precompile=functools.partial(_precompile, key, n, h.device, launch_args))
         config = tuner.default(key) if entry is None else entry["config"]
         if entry is not None or interpret():  # final: tuned, cached, or the interpreter's one config
-            if len(_chosen) >= MAX_CHOSEN:
-                _chosen.clear()
-            _chosen[signature] = config
+            tuning.remember(_chosen, signature, config, MAX_CHOSEN)
     return config
 
 
