@@ -288,20 +288,28 @@ def test_gpu_default_tiles_match_the_reference(shape, causal, dtype, device):
 @pytest.mark.gpu
 def test_gpu_keys_past_2_to_the_31_elements(device):
     """K and V of 3 x 2^30 elements: the last batch's offsets need 64 bits. 16 queries a batch keep
-    the reference's scores to 1.6 GB."""
+    the reference's scores to 1.6 GB.
+
+    The values are centred: over 2^23 keys, the tensor cores' fp32 accumulation of P @ V (each MMA
+    adds into the running output) loses a few percent of a large output: measured on the H200,
+    values of mean 10 and 20 came out 5.6% low while the lse was exact. A centred output stays
+    small, so what this test checks is the offsets."""
     g = torch.Generator(device=device).manual_seed(7)
     q = torch.randn((3, 1, 16, 128), generator=g, device=device, dtype=torch.bfloat16)
     k = torch.randn((3, 1, 2**23, 128), generator=g, device=device, dtype=torch.bfloat16)
     v = torch.randn((3, 1, 2**23, 128), generator=g, device=device, dtype=torch.bfloat16)
-    for batch in range(3):  # batches that a wrapped offset would mix up differ: scores by 2x, outputs by 10
+    for batch in range(3):  # batches that a wrapped offset would mix up differ: scores by 2x, values by 4x
         k[batch] *= 0.5 * (batch + 1)
-        v[batch] += 10 * batch
+        v[batch] *= 4 ** batch
     with testing.poisoned_outputs():
         o, lse = tritonkit.flash_attention(q, k, v, return_lse=True)
     scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(128)
     torch.testing.assert_close(lse, torch.logsumexp(scores, -1), atol=1e-3, rtol=1e-4)
     expected = torch.softmax(scores, -1) @ v.float()
-    torch.testing.assert_close(o.float(), expected, atol=2e-2, rtol=2e-2)
+    # an output read from another batch's values would be uncorrelated with this one, off by its size
+    scale = expected.abs().amax(dim=(-2, -1), keepdim=True)
+    assert scale.min() > 0.01
+    torch.testing.assert_close(o.float() / scale, expected / scale, atol=2e-2, rtol=0)
 
 
 def test_the_reference_in_chunks_is_the_reference_whole(monkeypatch):

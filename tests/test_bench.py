@@ -10,6 +10,7 @@ import torch
 
 from tritonkit import roofline
 from tritonkit.bench import add_peer_ratios, format_table, run, write_results
+from tritonkit.bench.report import markdown_table
 from tritonkit.bench.providers import providers_for
 from tritonkit.bench.runner import Case, run_case
 from tritonkit.cli import main
@@ -136,6 +137,28 @@ def test_writers(tmp_path):
     assert cells[:3] == ["fwd", "8192x4096", "bf16"]
     assert cells[3:7] == ["2600", "1000", "3250 (FAIL)", "refused"]
     assert cells[7:] == ["62.1", "70.2", f"{0.13 / 0.05:.2f}x"]
+
+
+def test_markdown_table_counts_flops_for_a_compute_bound_op():
+    """Attention-like rows (FLOPs a byte past the measured ridge) are shown in TFLOP/s against the
+    peak, with no copy columns; the same rows under a ridge they do not pass stay in GB/s."""
+    ceilings = {"measured_peak": 680e12, "measured_bandwidth": 4.25e12}  # ridge: 160 FLOPs a byte
+    attention = roofline.Cost(flops=1.1e12, bytes=5.4e8)
+    rows = [_timed_row(p, ms, check="pass", flops=attention.flops, bytes=attention.bytes,
+                       gbps=attention.bytes / ms / 1e6, tflops=attention.flops / ms / 1e9, **ceilings)
+            for p, ms in (("tritonkit", 2.0), ("sdpa-cudnn", 2.5))]
+    rows[0]["pct_roofline"] = 80.9
+    add_peer_ratios(rows)
+    header, _, line = markdown_table(rows).splitlines()
+    assert header.split(" | ")[3:] == ["tritonkit TFLOP/s", "sdpa-cudnn TFLOP/s", "tritonkit %peak",
+                                       "vs best peer |"]
+    assert line.strip("| ").split(" | ")[3:] == ["550", "440", "80.9", "1.25x"]
+    for row in rows:
+        row["measured_peak"] = 1e15  # a ridge of 235 FLOPs a byte: still compute-bound
+    assert "TFLOP/s" in markdown_table(rows)
+    for row in rows:
+        row["measured_peak"] = 1e19  # past the op's 2037 FLOPs a byte: memory-bound
+    assert "tritonkit GB/s" in markdown_table(rows) and "%copy" in markdown_table(rows)
 
 
 def test_cli_roofline(capsys):

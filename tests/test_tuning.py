@@ -532,13 +532,14 @@ def test_the_package_ships_well_formed_exports():
 def test_shipped_configs_describe_the_kernels_as_they_are():
     """A kernel edited after its configs were tuned on the H200 leaves them stale (ignored, so a first
     call there tunes again): re-export them there (tritonkit tune --export) or delete the entries."""
-    import tritonkit.ops.norm  # noqa: F401  (each op module defines its tuners on import)
+    import tritonkit.ops.attention_fwd  # noqa: F401  (each op module defines its tuners on import)
+    import tritonkit.ops.norm  # noqa: F401
     import tritonkit.ops.softmax  # noqa: F401
 
     tuning._shipped.cache_clear()
     assert tuning.stale_shipped() == []
     shipped_tuners = {e["tuner"] for e in tuning._shipped().values()}
-    assert {"softmax_fwd", "softmax_bwd"} <= shipped_tuners  # what the package ships now
+    assert {"softmax_fwd", "softmax_bwd", "norm_fwd", "norm_bwd", "attention_fwd"} <= shipped_tuners
 
 
 def test_stale_shipped_names_each_entry_that_would_be_ignored(tuning_on, cache, shipped, monkeypatch):

@@ -139,35 +139,44 @@ def read_checkpoint(path: Path, provenance: dict) -> tuple[list[dict], int]:
     return kept, left_out
 
 
-MARKDOWN_COLUMNS = [  # the table docs show: one line per (mode, shape, dtype), GB/s per provider
-    ("tritonkit %copy", "pct_roofline"), ("tritonkit %copy@size", "pct_copy_same_bytes"),
-    ("vs best peer", "speedup_vs_best_peer"),
-]
+def _compute_bound(row: dict) -> bool:
+    """True when the row's FLOPs a byte pass the measured ridge point: its ceiling is the FLOP rate."""
+    if not (row.get("flops") and row.get("bytes") and row.get("measured_peak")):
+        return False
+    return row["flops"] / row["bytes"] > row["measured_peak"] / row["measured_bandwidth"]
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """GB/s of every provider per case, tritonkit's share of the copy ceiling and its ratio to the
-    best peer: the table the docs show. Failed checks are marked; providers that refused say so."""
+    """Each provider's rate per case, tritonkit's share of its ceiling and its ratio to the best peer:
+    the table the docs show. Rates are GB/s, or TFLOP/s for an op whose tritonkit rows are
+    compute-bound (attention, matmul), against the measured peak. Failed checks are marked;
+    providers that refused say so."""
     timed = [r for r in rows if "gbps" in r]
     if not timed:
         return "(no timed rows: a correctness run)"
+    ours_timed = [r for r in timed if r["provider"] == "tritonkit"] or timed
+    compute = all(_compute_bound(r) for r in ours_timed)
+    unit, rate_key = ("TFLOP/s", "tflops") if compute else ("GB/s", "gbps")
+    ours_columns = ([("tritonkit %peak", "pct_roofline")] if compute else
+                    [("tritonkit %copy", "pct_roofline"), ("tritonkit %copy@size", "pct_copy_same_bytes")])
+    ours_columns.append(("vs best peer", "speedup_vs_best_peer"))
     providers = list(dict.fromkeys(r["provider"] for r in rows if "gbps" in r or "unavailable" in r))
     cases = defaultdict(dict)
     for r in rows:
         if "gbps" in r or "unavailable" in r:
             cases[(r["mode"], "x".join(map(str, r["shape"])), r["dtype"])][r["provider"]] = r
-    header = ["mode", "shape", "dtype", *[f"{p} GB/s" for p in providers], *[h for h, _ in MARKDOWN_COLUMNS]]
+    header = ["mode", "shape", "dtype", *[f"{p} {unit}" for p in providers], *[h for h, _ in ours_columns]]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for (mode, shape, dtype), by_provider in cases.items():
         cells = [mode, shape, dtype]
         for provider in providers:
             row = by_provider.get(provider)
-            if row is None or "gbps" not in row:
+            if row is None or rate_key not in row:
                 cells.append("refused" if row is not None else "-")
             else:
-                cells.append(f"{row['gbps']:.0f}" + ("" if row.get("check") == "pass" else " (FAIL)"))
+                cells.append(f"{row[rate_key]:.0f}" + ("" if row.get("check") == "pass" else " (FAIL)"))
         ours = by_provider.get("tritonkit", {})
-        for _, key in MARKDOWN_COLUMNS:
+        for _, key in ours_columns:
             value = ours.get(key)
             if value is None:
                 cells.append("-")
@@ -310,9 +319,11 @@ def plot_results(results: Path, datasheet: roofline.DeviceSpec, path: Path) -> l
     measured = [r for r in rows if "measured_bandwidth" in r]
     if measured:
         bandwidth = measured[-1]["measured_bandwidth"]
-        peak = max(datasheet.peak(unit) for unit in units)  # a bandwidth slope, up to the highest roof
-        ax.plot(xs, [min(peak, x * bandwidth) / 1e12 for x in xs], color="gray", lw=1,
-                label=f"measured copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+        peaks = [r["measured_peak"] for r in measured if "measured_peak" in r]  # matmul rates measured
+        peak = max(peaks) if peaks else max(datasheet.peak(unit) for unit in units)  # the highest roof
+        label = f"measured roof: copy {bandwidth / 1e12:.2f} TB/s" + (
+            f", matmul {peak / 1e12:.0f} TFLOP/s" if peaks else "")
+        ax.plot(xs, [min(peak, x * bandwidth) / 1e12 for x in xs], color="gray", lw=1, label=label)
     plotted = []
     for index, name in enumerate(op_names()):
         color = f"C{index}"

@@ -41,18 +41,9 @@ def _norm_fwd_kernel(
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
     mask = (rows < M)[:, None] & col_mask[None, :]
-    # Every load is issued before the row's reductions, the weight and bias too: issued after them,
-    # their L2 round trip would follow the reductions' barriers in each program. Rows are read once
-    # (evict_first); the weight and bias, read by every program, stay in L2 (evict_last).
-    h = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0,
-                eviction_policy="evict_first").to(tl.float32)
-    if HAS_WEIGHT:
-        w = tl.load(w_ptr + cols, mask=col_mask, eviction_policy="evict_last")
-    if HAS_BIAS:
-        b = tl.load(b_ptr + cols, mask=col_mask, eviction_policy="evict_last")
+    h = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        h += tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0,
-                     eviction_policy="evict_first").to(tl.float32)
+        h += tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         h = h.to(h_ptr.dtype.element_ty)
         tl.store(h_ptr + rows[:, None] * N + cols[None, :], h, mask=mask)
         h = h.to(tl.float32)
@@ -66,9 +57,9 @@ def _norm_fwd_kernel(
     tl.store(rstd_ptr + rows, rstd, mask=rows < M)
     y = centred * rstd[:, None]
     if HAS_WEIGHT:
-        y *= w.to(tl.float32)[None, :]
+        y *= tl.load(w_ptr + cols, mask=col_mask).to(tl.float32)[None, :]
     if HAS_BIAS:
-        y += b.to(tl.float32)[None, :]
+        y += tl.load(b_ptr + cols, mask=col_mask).to(tl.float32)[None, :]
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
