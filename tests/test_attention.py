@@ -12,6 +12,7 @@ import torch
 
 import tritonkit
 from tritonkit import testing, tuning
+from tritonkit.ops import attention_bwd as ab
 from tritonkit.ops import attention_fwd as af
 from tritonkit.ops.attention_fwd import attention_reference
 
@@ -399,7 +400,7 @@ def test_the_op_launches_the_fastest_admitted_config(monkeypatch, tmp_path, devi
     monkeypatch.setattr(af, "_fwd_launcher", lambda grid, *args, **meta: (launched.append(meta),
                                                                           real(grid, *args, **meta)))
     q, k, v = qkv(1, 2, 1, 70, 90, 32, torch.bfloat16, device, seed=9)
-    check(q, k, v, causal=True)
+    check(q, k, v, grads=False, causal=True)  # the backward has its own tuners (below)
     (path,) = (tmp_path / tuning.SUBDIR).iterdir()
     entry = json.loads(path.read_text())
     admitted = [json.loads(c) for c, ms in entry["ms"].items() if ms is not None]
@@ -407,3 +408,102 @@ def test_the_op_launches_the_fastest_admitted_config(monkeypatch, tmp_path, devi
     assert entry["config"] == min(admitted, key=fake_ms) == {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8,
                                                                "num_stages": 4}
     assert {k: launched[-1][k] for k in entry["config"]} == entry["config"]
+
+
+# ---------------------------------------------------------------- backward tuning
+
+
+@pytest.mark.parametrize("kernel", ab.KERNELS)
+def test_backward_candidates_fit_and_the_default_is_among_them(kernel):
+    tuner = ab._TUNERS[kernel]
+    held = ab.HELD[kernel]
+    for head_dim in (64, 128, 256):
+        candidates = tuner._candidates(_key(head_dim=head_dim))
+        assert len(candidates) >= 6, (head_dim, candidates)
+        assert tuner.default(_key(head_dim=head_dim)) in candidates
+        for c in candidates[:-1]:  # the last may be the default, which is kept whatever prune says
+            step = c["BLOCK_M"] + c["BLOCK_N"] - c[held]
+            assert (2 * c[held] * head_dim + 2 * c[held] * step) / (32 * c["num_warps"]) <= ab.MAX_TILE_VALUES[kernel]
+    short = _key(seq_q=16, seq_k=16)  # held tiles past 2 x 16 rows go
+    assert all(c[held] <= 32 for c in tuner._candidates(short)[:-1])
+
+
+@pytest.mark.parametrize("kernel", ab.KERNELS)
+def test_every_backward_tile_passes_the_gate(kernel, device):
+    """The distinct tiles a ragged GQA problem admits (warps and stages change nothing in the
+    interpreter), causal bottom-right: each kernel's gradients against the float64 reference."""
+    key = _key(seq_q=48, seq_k=80, head_dim=32, group=2)
+    tiles = {(c["BLOCK_M"], c["BLOCK_N"]): c for c in ab._TUNERS[kernel]._candidates(key)}
+    assert len(tiles) >= 4, tiles
+    for config in tiles.values():
+        verdict = ab._admit(kernel, key, 0.2, device, config)
+        assert verdict.passed, (config, verdict)
+
+
+@pytest.mark.parametrize("kernel", ab.KERNELS)
+def test_backward_gate_rejects_a_wrong_gradient(kernel, monkeypatch, device):
+    """A gradient 10% off fails the gate; the other kernel's is not what it judges."""
+    key = _key(seq_q=40, seq_k=24, head_dim=32, mask="top-left")
+    config = dict(ab.INTERPRETER_CONFIG)
+    assert ab._admit(kernel, key, 0.2, device, config).passed
+    launcher = "_dkdv_launcher" if kernel == "dkdv" else "_dq_launcher"
+    real = getattr(ab, launcher)
+
+    def off_by_a_tenth(grid, *args, **meta):
+        real(grid, *args, **meta)
+        args[6].mul_(1.1)  # dk, or dq
+
+    monkeypatch.setattr(ab, launcher, off_by_a_tenth)
+    verdict = ab._admit(kernel, key, 0.2, device, config)
+    assert not verdict.passed and verdict.name == ("dk" if kernel == "dkdv" else "dq")
+    other = "dq" if kernel == "dkdv" else "dkdv"
+    assert ab._admit(other, key, 0.2, device, config).passed
+
+
+def test_the_backward_launches_the_fastest_admitted_configs(monkeypatch, tmp_path, device):
+    monkeypatch.setattr(tuning, "_single_config", lambda: False)
+    monkeypatch.setenv("TRITONKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(ab, "_chosen", {})
+    # the forward's one config, and the backward's small tiles: the interpreter runs each candidate
+    monkeypatch.setattr(af, "_TUNER", tuning.Tuner("attention_fwd", [af.INTERPRETER_CONFIG],
+                                                   sources=af._TUNER.sources, default=af._TUNER.default))
+    small = [c for c in ab.CONFIGS if c["BLOCK_M"] <= 32 and c["BLOCK_N"] == 16]
+    monkeypatch.setattr(ab, "_TUNERS", {kernel: tuning.Tuner(f"attention_bwd_{kernel}", small,
+                                                             sources=tuner.sources, default=tuner.default,
+                                                             prune=tuner.prune)
+                                        for kernel, tuner in ab._TUNERS.items()})
+    # fake timings, one rule for all three tuners: smaller tiles faster, then more warps and stages
+    fake_ms = lambda config: (config["BLOCK_M"] + 2 * config["BLOCK_N"] - config["num_warps"] / 10  # noqa: E731
+                              - config["num_stages"] / 100)
+    monkeypatch.setattr(af, "_time_ms", lambda run, config: fake_ms(config))
+    monkeypatch.setattr(ab, "_time_ms", lambda run, config: fake_ms(config))
+    launched = {}
+    for name in ("_dkdv_launcher", "_dq_launcher"):
+        real = getattr(ab, name)
+        monkeypatch.setattr(ab, name, lambda grid, *args, real=real, name=name, **meta: (
+            launched.__setitem__(name, meta), real(grid, *args, **meta)))
+    q, k, v = qkv(1, 2, 1, 40, 56, 32, torch.bfloat16, device, seed=9)
+    check(q, k, v, causal=True)
+    entries = {e["tuner"]: e for e in (json.loads(p.read_text()) for p in (tmp_path / tuning.SUBDIR).iterdir())}
+    assert set(entries) == {"attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq"}
+    for kernel in ab.KERNELS:
+        entry = entries[f"attention_bwd_{kernel}"]
+        admitted = [json.loads(c) for c, ms in entry["ms"].items() if ms is not None]
+        assert len(admitted) == len(small) + 1 and not entry["rejected"], entry  # and the default
+        assert entry["config"] == min(admitted, key=fake_ms)
+        assert entry["config"]["BLOCK_M"] == 16 and entry["config"]["BLOCK_N"] == 16, entry["config"]
+        meta = launched["_dkdv_launcher" if kernel == "dkdv" else "_dq_launcher"]
+        assert {name: meta[name] for name in entry["config"]} == entry["config"]
+
+
+@pytest.mark.parametrize("causal, bottom_right", [(False, True), (True, False), (True, True)])
+def test_the_gates_gradients_are_autograds(causal, bottom_right):
+    """The backward gate's written-out reference gradients equal autograd's through the reference,
+    in float64: GQA, Sq > Sk (rows that see no key when bottom-right), ragged lengths."""
+    q, k, v = (t.double() for t in qkv(2, 4, 2, 23, 17, 16, torch.float32, "cpu", seed=21))
+    do = torch.randn(q.shape, dtype=torch.float64, generator=testing.generator(22))
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    o = attention_reference(*inputs, causal=causal, scale=0.3, bottom_right=bottom_right)
+    expected = torch.autograd.grad(o, inputs, do)
+    for ours, theirs in zip(ab._reference_grads(q, k, v, do, 0.3, causal, bottom_right), expected, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)

@@ -17,8 +17,11 @@ written, K and V re-read from L2 by the dQ programs and Q, dO by the dK/dV progr
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from tritonkit import tuning
 from tritonkit._runtime import empty_output, interpret
 
 interpret()  # choose GPU or interpreter before triton is imported and any kernel is defined
@@ -26,7 +29,7 @@ interpret()  # choose GPU or interpreter before triton is imported and any kerne
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from tritonkit._launch import Launcher, cdiv  # noqa: E402
+from tritonkit._launch import Launcher, cdiv, precompile  # noqa: E402
 
 LOG2_E = 1.4426950408889634
 
@@ -60,27 +63,65 @@ def _attn_bwd_delta_kernel(
 
 
 @triton.jit
-def _probabilities(q, k_t, lse_log2, rows, cols, SEQ_Q, SEQ_K, CAUSAL_OFFSET, qk_scale,
-                   IS_CAUSAL: tl.constexpr, EXACT_DOT_IN_FP32: tl.constexpr):
-    """P = exp(S - lse) for a (rows x cols) tile: q (BLOCK_M, D) and K^T (D, BLOCK_N), the rows'
-    lse in log2 units (+inf for a row that sees no key, so its P is 0), masked entries 0."""
-    if EXACT_DOT_IN_FP32:
-        s = tl.dot(q.to(tl.float32), k_t.to(tl.float32), input_precision="ieee")
-    else:
-        s = tl.dot(q, k_t)
-    visible = (rows[:, None] < SEQ_Q) & (cols[None, :] < SEQ_K)
-    if IS_CAUSAL:
-        visible = visible & (cols[None, :] <= rows[:, None] + CAUSAL_OFFSET)
-    return tl.where(visible, tl.math.exp2(s * qk_scale - lse_log2[:, None]), 0.0)
-
-
-@triton.jit
 def _dot(a, b, EXACT_DOT_IN_FP32: tl.constexpr):
     """a @ b with an fp32 result: 16-bit tiles on tensor cores, or as fp32 under the interpreter,
     whose bf16 dot products Triton 3.6 gets wrong (the products of 16-bit values are exact in fp32)."""
     if EXACT_DOT_IN_FP32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     return tl.dot(a, b)
+
+
+@triton.jit
+def _dkdv_steps(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, batch, kv_head, cols, dims, d_mask,
+                stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod,
+                H_KV, GROUP, SEQ_Q, SEQ_K, CAUSAL_OFFSET, qk_scale, lead_start, n_lead, rest_start, n_rest,
+                IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
+                EXACT_DOT_IN_FP32: tl.constexpr):
+    """dk and dv after query blocks of every query head of the key block's group: for each head,
+    ``n_lead`` blocks from row ``lead_start``, then ``n_rest`` from ``rest_start``. One loop over
+    (head, block) pairs: a nested loop over the heads kept both loops from pipelining on sm_90 and
+    spilled at D = 128 with 4 heads a group. MASKED blocks mask rows past SEQ_Q, keys past SEQ_K and
+    the causal diagonal; the others are inside all three, and load and exponentiate unmasked.
+
+    The scores are computed transposed, keys by queries, so that every matmul has the program's
+    keys as its M (wgmma's 64-row operand) and the query step BLOCK_M may be small."""
+    per_head = n_lead + n_rest
+    local_m = tl.arange(0, BLOCK_M)
+    for step in range(GROUP * per_head):
+        head = kv_head * GROUP + step // per_head
+        index = step % per_head
+        start_m = tl.where(index < n_lead, lead_start + index * BLOCK_M, rest_start + (index - n_lead) * BLOCK_M)
+        bh = batch * (H_KV * GROUP) + head
+        rows = start_m + local_m
+        block = tl.cast(start_m, tl.int64)
+        q_ptrs = (q_ptr + batch * stride_qb + head * stride_qh + block * stride_qm
+                  + local_m[:, None] * stride_qm + dims[None, :] * stride_qd)
+        do_ptrs = (do_ptr + batch * stride_dob + head * stride_doh + block * stride_dom
+                   + local_m[:, None] * stride_dom + dims[None, :] * stride_dod)
+        if MASKED:
+            row_mask = rows < SEQ_Q
+            q = tl.load(q_ptrs, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+            do = tl.load(do_ptrs, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+            lse = tl.load(lse_ptr + bh * SEQ_Q + rows, mask=row_mask, other=float("inf"))
+            delta = tl.load(delta_ptr + bh * SEQ_Q + rows, mask=row_mask, other=0.0)
+        else:
+            q = tl.load(q_ptrs, mask=d_mask[None, :], other=0.0)
+            do = tl.load(do_ptrs, mask=d_mask[None, :], other=0.0)
+            lse = tl.load(lse_ptr + bh * SEQ_Q + rows)
+            delta = tl.load(delta_ptr + bh * SEQ_Q + rows)
+        lse_log2 = tl.where(lse == -float("inf"), float("inf"), lse * 1.4426950408889634)
+        s_t = _dot(k, tl.trans(q), EXACT_DOT_IN_FP32)  # (BLOCK_N, BLOCK_M)
+        p_t = tl.math.exp2(s_t * qk_scale - lse_log2[None, :])
+        if MASKED:
+            visible = (cols[:, None] < SEQ_K) & row_mask[None, :]
+            if IS_CAUSAL:
+                visible = visible & (cols[:, None] <= rows[None, :] + CAUSAL_OFFSET)
+            p_t = tl.where(visible, p_t, 0.0)
+        dv += _dot(p_t.to(do.dtype), do, EXACT_DOT_IN_FP32)
+        dp_t = _dot(v, tl.trans(do), EXACT_DOT_IN_FP32)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += _dot(ds_t.to(q.dtype), q, EXACT_DOT_IN_FP32)
+    return dk, dv
 
 
 @triton.jit
@@ -120,43 +161,66 @@ def _attn_bwd_dkdv_kernel(
     v = tl.load(v_rows + local_n[:, None] * stride_vn + dims[None, :] * stride_vd, mask=kv_mask, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    # the first query row that sees any key of this block: i >= start_n - CAUSAL_OFFSET
-    first = tl.maximum(start_n - CAUSAL_OFFSET, 0) // BLOCK_M * BLOCK_M if IS_CAUSAL else 0
-    # One loop over (query head of the group, query block): a nested loop over the heads kept both
-    # loops from pipelining on sm_90 and spilled at D = 128 with 4 heads a group. The scores are
-    # computed transposed, keys by queries, so that every matmul has this block's BLOCK_N keys as
-    # its M (wgmma's 64-row operand) and the query step BLOCK_M may be small.
-    blocks = tl.cdiv(SEQ_Q - first, BLOCK_M)
-    local_m = tl.arange(0, BLOCK_M)
-    for step in range(GROUP * blocks):
-        head = kv_head * GROUP + step // blocks
-        start_m = first + (step % blocks) * BLOCK_M
-        bh = batch * (H_KV * GROUP) + head
-        rows = start_m + local_m
-        row_mask = rows < SEQ_Q
-        tile_mask = row_mask[:, None] & d_mask[None, :]
-        block = tl.cast(start_m, tl.int64)
-        q_rows = q_ptr + batch * stride_qb + head * stride_qh + block * stride_qm
-        do_rows = do_ptr + batch * stride_dob + head * stride_doh + block * stride_dom
-        q = tl.load(q_rows + local_m[:, None] * stride_qm + dims[None, :] * stride_qd, mask=tile_mask,
-                    other=0.0)
-        do = tl.load(do_rows + local_m[:, None] * stride_dom + dims[None, :] * stride_dod, mask=tile_mask,
-                     other=0.0)
-        lse = tl.load(lse_ptr + bh * SEQ_Q + rows, mask=row_mask, other=float("inf"))
-        delta = tl.load(delta_ptr + bh * SEQ_Q + rows, mask=row_mask, other=0.0)
-        lse_log2 = tl.where(lse == -float("inf"), float("inf"), lse * 1.4426950408889634)
-        s_t = _dot(k, tl.trans(q), EXACT_DOT_IN_FP32)  # (BLOCK_N, BLOCK_M)
-        visible = (cols[:, None] < SEQ_K) & row_mask[None, :]
-        if IS_CAUSAL:
-            visible = visible & (cols[:, None] <= rows[None, :] + CAUSAL_OFFSET)
-        p_t = tl.where(visible, tl.math.exp2(s_t * qk_scale - lse_log2[None, :]), 0.0)
-        dv += _dot(p_t.to(do.dtype), do, EXACT_DOT_IN_FP32)
-        dp_t = _dot(v, tl.trans(do), EXACT_DOT_IN_FP32)
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk += _dot(ds_t.to(q.dtype), q, EXACT_DOT_IN_FP32)
+    # Query blocks, as row ranges: [first, diagonal_end) cross the causal diagonal (masked);
+    # [diagonal_end, inside_end) see every key of this block and lie inside SEQ_Q (unmasked);
+    # [inside_end, all_end) hold the ragged last rows (masked). A ragged key block masks them all.
+    all_end = tl.cdiv(SEQ_Q, BLOCK_M) * BLOCK_M
+    if IS_CAUSAL:  # the first row that sees any key of the block: i >= start_n - CAUSAL_OFFSET
+        first = tl.minimum(tl.maximum(start_n - CAUSAL_OFFSET, 0) // BLOCK_M * BLOCK_M, all_end)
+        last_key = start_n + BLOCK_N - 1  # rows from last_key - CAUSAL_OFFSET on see every key
+        diagonal_end = tl.cdiv(tl.maximum(last_key - CAUSAL_OFFSET, 0), BLOCK_M) * BLOCK_M
+        diagonal_end = tl.minimum(tl.maximum(diagonal_end, first), all_end)
+    else:
+        first = 0
+        diagonal_end = 0
+    inside_end = tl.maximum(SEQ_Q // BLOCK_M * BLOCK_M, diagonal_end)
+    if start_n + BLOCK_N > SEQ_K:
+        diagonal_end = all_end
+        inside_end = all_end
+    dk, dv = _dkdv_steps(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, batch, kv_head, cols, dims, d_mask,
+                         stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom,
+                         stride_dod, H_KV, GROUP, SEQ_Q, SEQ_K, CAUSAL_OFFSET, qk_scale,
+                         first, (diagonal_end - first) // BLOCK_M, inside_end, (all_end - inside_end) // BLOCK_M,
+                         IS_CAUSAL, True, BLOCK_M, EXACT_DOT_IN_FP32)
+    dk, dv = _dkdv_steps(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, batch, kv_head, cols, dims, d_mask,
+                         stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom,
+                         stride_dod, H_KV, GROUP, SEQ_Q, SEQ_K, CAUSAL_OFFSET, qk_scale,
+                         diagonal_end, (inside_end - diagonal_end) // BLOCK_M, inside_end, 0,
+                         IS_CAUSAL, False, BLOCK_M, EXACT_DOT_IN_FP32)
     out = bh_kv * SEQ_K * HEAD_DIM + cols[:, None] * HEAD_DIM + dims[None, :]
     tl.store(dk_ptr + out, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
     tl.store(dv_ptr + out, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _dq_steps(dq, q, do, lse_log2, delta, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd, rows,
+              dims, d_mask, start, end, SEQ_Q, SEQ_K, CAUSAL_OFFSET, qk_scale,
+              IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
+              EXACT_DOT_IN_FP32: tl.constexpr):
+    """dq after the key blocks in [start, end); MASKED blocks mask keys past SEQ_K and the causal
+    diagonal (rows past SEQ_Q need no mask: their lse is +inf, so their P is 0, and they are not stored)."""
+    local_n = tl.arange(0, BLOCK_N)
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + local_n
+        block_n = tl.cast(start_n, tl.int64)
+        k_ptrs = k_head + block_n * stride_kn + local_n[:, None] * stride_kn + dims[None, :] * stride_kd
+        v_ptrs = v_head + block_n * stride_vn + local_n[:, None] * stride_vn + dims[None, :] * stride_vd
+        if MASKED:
+            kv_mask = (cols[:, None] < SEQ_K) & d_mask[None, :]
+        else:
+            kv_mask = d_mask[None, :]
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        p = tl.math.exp2(_dot(q, tl.trans(k), EXACT_DOT_IN_FP32) * qk_scale - lse_log2[:, None])
+        if MASKED:
+            visible = (rows[:, None] < SEQ_Q) & (cols[None, :] < SEQ_K)
+            if IS_CAUSAL:
+                visible = visible & (cols[None, :] <= rows[:, None] + CAUSAL_OFFSET)
+            p = tl.where(visible, p, 0.0)
+        dp = _dot(do, tl.trans(v), EXACT_DOT_IN_FP32)
+        ds = p * (dp - delta[:, None])
+        dq += _dot(ds.to(k.dtype), k, EXACT_DOT_IN_FP32)
+    return dq
 
 
 @triton.jit
@@ -202,86 +266,198 @@ def _attn_bwd_dq_kernel(
     k_head = k_ptr + batch * stride_kb + kv_head * stride_kh
     v_head = v_ptr + batch * stride_vb + kv_head * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # keys past the block's last row's diagonal are seen by none of its rows
-    end = tl.maximum(tl.minimum(SEQ_K, start_m + BLOCK_M + CAUSAL_OFFSET), 0) if IS_CAUSAL else SEQ_K
-    local_n = tl.arange(0, BLOCK_N)
-    for start_n in range(0, end, BLOCK_N):
-        cols = start_n + local_n
-        kv_mask = (cols[:, None] < SEQ_K) & d_mask[None, :]
-        block_n = tl.cast(start_n, tl.int64)
-        k = tl.load(k_head + block_n * stride_kn + local_n[:, None] * stride_kn + dims[None, :] * stride_kd,
-                    mask=kv_mask, other=0.0)
-        v = tl.load(v_head + block_n * stride_vn + local_n[:, None] * stride_vn + dims[None, :] * stride_vd,
-                    mask=kv_mask, other=0.0)
-        p = _probabilities(q, tl.trans(k), lse_log2, rows, cols, SEQ_Q, SEQ_K, CAUSAL_OFFSET, qk_scale,
-                           IS_CAUSAL, EXACT_DOT_IN_FP32)
-        dp = _dot(do, tl.trans(v), EXACT_DOT_IN_FP32)
-        ds = p * (dp - delta[:, None])
-        dq += _dot(ds.to(k.dtype), k, EXACT_DOT_IN_FP32)
+    # Keys [0, unmasked_end) are visible to every row of the block; [unmasked_end, end) need masks;
+    # keys past the last row's diagonal are seen by none of its rows.
+    if IS_CAUSAL:
+        end = tl.maximum(tl.minimum(SEQ_K, start_m + BLOCK_M + CAUSAL_OFFSET), 0)
+        unmasked_end = tl.maximum(tl.minimum(SEQ_K, start_m + 1 + CAUSAL_OFFSET), 0) // BLOCK_N * BLOCK_N
+    else:
+        end = SEQ_K
+        unmasked_end = SEQ_K // BLOCK_N * BLOCK_N
+    dq = _dq_steps(dq, q, do, lse_log2, delta, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd, rows,
+                   dims, d_mask, 0, unmasked_end, SEQ_Q, SEQ_K, CAUSAL_OFFSET, qk_scale, IS_CAUSAL, False,
+                   BLOCK_N, EXACT_DOT_IN_FP32)
+    dq = _dq_steps(dq, q, do, lse_log2, delta, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd, rows,
+                   dims, d_mask, unmasked_end, end, SEQ_Q, SEQ_K, CAUSAL_OFFSET, qk_scale, IS_CAUSAL, True,
+                   BLOCK_N, EXACT_DOT_IN_FP32)
     out = (bh * SEQ_Q + rows[:, None]) * HEAD_DIM + dims[None, :]
     tl.store(dq_ptr + out, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=tile_mask)
 
 
-# ---------------------------------------------------------------- launcher
+# ---------------------------------------------------------------- launcher and tuning
 
 _delta_launcher = Launcher(_attn_bwd_delta_kernel)
 _dkdv_launcher = Launcher(_attn_bwd_dkdv_kernel)
 _dq_launcher = Launcher(_attn_bwd_dq_kernel)
 DELTA_BLOCK_M = 64
+KERNELS = ("dkdv", "dq")  # a backward config holds one launch config for each: {"dkdv": ..., "dq": ...}
 # The interpreter's tiles, as the forward's: several blocks a test shape, both loops' edges run.
-INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_M_KV": 16, "BLOCK_N_KV": 16, "num_warps": 4,
-                      "num_stages": 1}
+INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+# In both kernels BLOCK_M counts query rows and BLOCK_N keys: dK/dV programs hold BLOCK_N keys and
+# step BLOCK_M rows; dQ programs hold BLOCK_M rows and step BLOCK_N keys.
+CONFIGS = [{"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+           for block_m in (16, 32, 64, 128) for block_n in (16, 32, 64, 128) for warps in (4, 8)
+           for stages in (2, 3)]
+HELD = {"dkdv": "BLOCK_N", "dq": "BLOCK_M"}  # the tile a program holds; the other is its loop's step
+# fp32 values a thread past which a config spills on sm_90, fitted to `tritonkit inspect` scans at
+# D = 64, 128 and 256 (4 and 8 warps, 2 and 3 stages): dK/dV holds two accumulators of its keys
+# by D and a scores tile and dP tile of keys by step, (2 held D + 2 held step) / threads; it spilled
+# from 192 on and not up to 160 at D <= 128 (at D = 256, 64-key tiles spill from 136: an estimate,
+# and the tuner times what it lets through). dQ holds its accumulator and Q and dO: up to 192.
+MAX_TILE_VALUES = {"dkdv": 160, "dq": 192}
+SHARED_BYTES = 227 * 1024
 
 
 def default_config(head_dim: int) -> dict:
-    """The backward's tiles before tuning: dQ programs hold BLOCK_M query rows and step BLOCK_N keys;
-    dK/dV programs hold BLOCK_N_KV keys and step BLOCK_M_KV query rows. Picked from a scan of sm_90
-    builds (`tritonkit inspect attention --config ...`) among the tiles whose matmuls are all HGMMA
-    with no spills, preferring more rows held (fewer re-reads of the other operand) below ~200
-    registers. At D = 256 every wgmma tile of dK/dV spilled (two fp32 accumulators of BLOCK_N_KV x
-    256), so 16-row steps there, which compile to mma.sync (HMMA)."""
+    """The backward's launch configs before tuning. Picked from a scan of sm_90 builds (`tritonkit
+    inspect attention --config ...`) among the tiles whose matmuls are all HGMMA with no spills,
+    preferring more rows held (fewer re-reads of the other operand) below ~200 registers. At D = 256
+    every wgmma tile of dK/dV spilled (two fp32 accumulators of BLOCK_N x 256, and the masked and
+    unmasked loops each hold their tiles), so 32 keys by 16-row steps at 4 warps there, which
+    compile to mma.sync (HMMA) in 241 registers."""
     if interpret():
-        return dict(INTERPRETER_CONFIG)
+        return {kernel: dict(INTERPRETER_CONFIG) for kernel in KERNELS}
     if head_dim <= 64:
-        return {"BLOCK_M": 128, "BLOCK_N": 32, "BLOCK_M_KV": 32, "BLOCK_N_KV": 128, "num_warps": 8,
-                "num_stages": 2}
+        return {"dkdv": {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
+                "dq": {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}}
     if head_dim <= 128:
-        return {"BLOCK_M": 128, "BLOCK_N": 32, "BLOCK_M_KV": 32, "BLOCK_N_KV": 64, "num_warps": 8,
-                "num_stages": 2}
-    return {"BLOCK_M": 64, "BLOCK_N": 16, "BLOCK_M_KV": 16, "BLOCK_N_KV": 64, "num_warps": 8, "num_stages": 2}
+        return {"dkdv": {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
+                "dq": {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}}
+    return {"dkdv": {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
+            "dq": {"BLOCK_M": 64, "BLOCK_N": 16, "num_warps": 8, "num_stages": 2}}
 
 
-def _launches(q, k, v, o, do, lse, dlse, delta, dq, dk, dv, scale: float, causal: bool, bottom_right: bool,
-              config: dict | None) -> list[tuple]:
-    """(launcher, grid, arguments, constexprs and options) of delta, dK/dV and dQ, in that order."""
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _prune(kernel: str, config: dict, key: dict) -> bool:
+    """True drops the config: more fp32 values a thread than compile without spilling, more shared
+    memory than an SM has (the pipelined step's two tiles a stage, and the held tiles), or a held
+    tile past twice the problem's rows (keys for dK/dV, query rows for dQ)."""
+    block_d, threads = _block_d(key["head_dim"]), 32 * config["num_warps"]
+    held, step = config[HELD[kernel]], config["BLOCK_M" if kernel == "dkdv" else "BLOCK_N"]
+    values = (2 * held * block_d + 2 * held * step) / threads
+    shared = 2 * (config["num_stages"] * 2 * step * block_d + 2 * held * block_d)
+    rows = key["seq_k"] if kernel == "dkdv" else key["seq_q"]
+    return values > MAX_TILE_VALUES[kernel] or shared > SHARED_BYTES or held > 2 * rows
+
+
+def _launch_delta(o, do, lse, dlse, delta) -> tuple:
+    """(launcher, grid, arguments, constexprs and options) of the delta kernel."""
+    batch, heads, seq_q, head_dim = o.shape
+    args = (o, do, dlse if dlse is not None else lse, delta, *do.stride(), heads, seq_q)
+    meta = {"HEAD_DIM": head_dim, "BLOCK_D": _block_d(head_dim), "HAS_DLSE": dlse is not None,
+            "BLOCK_M": DELTA_BLOCK_M, "num_warps": 4}
+    return _delta_launcher, (cdiv(seq_q, DELTA_BLOCK_M), batch * heads), args, meta
+
+
+def _launch_main(kernel: str, q, k, v, do, lse, delta, grads, scale: float, causal: bool, bottom_right: bool,
+                 config: dict) -> tuple:
+    """(launcher, grid, arguments, constexprs and options) of the dK/dV kernel (``grads`` = (dk, dv))
+    or the dQ kernel (``grads`` = (dq,))."""
     batch, heads, seq_q, head_dim = q.shape
     heads_kv, seq_k = k.shape[1], k.shape[2]
-    config = dict(config or default_config(head_dim))
-    tiles = {name: config.pop(name) for name in ("BLOCK_M", "BLOCK_N", "BLOCK_M_KV", "BLOCK_N_KV")}
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    delta_args = (o, do, dlse if dlse is not None else lse, delta, *do.stride(), heads, seq_q)
-    delta_meta = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "HAS_DLSE": dlse is not None,
-                  "BLOCK_M": DELTA_BLOCK_M, "num_warps": 4}
-    offset = seq_k - seq_q if bottom_right else 0
-    strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
-    def meta(block_m: int, block_n: int) -> dict:
-        return {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "IS_CAUSAL": causal, "BLOCK_M": block_m,
-                "BLOCK_N": block_n, "EXACT_DOT_IN_FP32": interpret(), **config}
+    config = dict(config)
+    meta = {"HEAD_DIM": head_dim, "BLOCK_D": _block_d(head_dim), "IS_CAUSAL": causal,
+            "BLOCK_M": config.pop("BLOCK_M"), "BLOCK_N": config.pop("BLOCK_N"), "EXACT_DOT_IN_FP32": interpret(),
+            **config}
+    tail = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), heads_kv if kernel == "dkdv" else heads,
+            heads // heads_kv, seq_q, seq_k, seq_k - seq_q if bottom_right else 0, scale * LOG2_E, scale)
+    if kernel == "dkdv":
+        return _dkdv_launcher, (cdiv(seq_k, meta["BLOCK_N"]), batch * heads_kv), (q, k, v, do, lse, delta, *grads,
+                                                                                 *tail), meta
+    return _dq_launcher, (cdiv(seq_q, meta["BLOCK_M"]), batch * heads), (q, k, v, do, lse, delta, *grads, *tail), meta
 
-    group, qk_scale = heads // heads_kv, scale * LOG2_E
-    return [(_delta_launcher, (cdiv(seq_q, DELTA_BLOCK_M), batch * heads), delta_args, delta_meta),
-            (_dkdv_launcher, (cdiv(seq_k, tiles["BLOCK_N_KV"]), batch * heads_kv),
-             (q, k, v, do, lse, delta, dk, dv, *strides, heads_kv, group, seq_q, seq_k, offset, qk_scale,
-              scale), meta(tiles["BLOCK_M_KV"], tiles["BLOCK_N_KV"])),
-            (_dq_launcher, (cdiv(seq_q, tiles["BLOCK_M"]), batch * heads),
-             (q, k, v, do, lse, delta, dq, *strides, heads, group, seq_q, seq_k, offset, qk_scale, scale),
-             meta(tiles["BLOCK_M"], tiles["BLOCK_N"]))]
+
+def _reference_grads(q, k, v, do, scale: float, causal: bool, bottom_right: bool) -> tuple:
+    """(dq, dk, dv) of plain attention by the formulas above, in the inputs' dtype, for small
+    problems: the tuner's gate runs inside the backward op, where autograd does not record, so the
+    reference's gradients are written out (a test holds them to autograd's)."""
+    heads_kv, group = k.shape[1], q.shape[1] // k.shape[1]
+    k_q, v_q = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = (q @ k_q.transpose(-1, -2)) * scale
+    if causal:
+        seq_q, seq_k = q.shape[2], k.shape[2]
+        rows = torch.arange(seq_q, device=q.device)[:, None] + (seq_k - seq_q if bottom_right else 0)
+        scores = scores.masked_fill(torch.arange(seq_k, device=q.device)[None, :] > rows, -float("inf"))
+    p = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row that sees no key: NaN, as 0
+    dp = do @ v_q.transpose(-1, -2)
+    ds = p * (dp - (do * (p @ v_q)).sum(-1, keepdim=True))
+    dk, dv = scale * ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ do
+    return (scale * ds @ k_q, *(g.unflatten(1, (heads_kv, group)).sum(2) for g in (dk, dv)))
+
+
+def _admit(kernel: str, key: dict, scale: float, device, config: dict):
+    """The oracle on the gradients ``config``'s kernel writes (dk and dv, or dq) for a calibration
+    problem, the other kernel on its default: the worst comparison."""
+    from tritonkit.ops import attention_fwd as fwd
+    from tritonkit.testing import compare, generator, random_tensor, worst
+
+    q, k, v = fwd._calibration(key, config, device)
+    causal, bottom_right = fwd._mask_flags(key)
+    do = random_tensor(q.shape, q.dtype, device, generator=generator(13))
+    o, lse = fwd._attention_fwd(q, k, v, scale, causal, bottom_right, config=fwd._default(key))
+    configs = default_config(key["head_dim"]) | {kernel: config}
+    ours = dict(zip(("dq", "dk", "dv"), attention_bwd(do, q, k, v, o, lse, None, scale, causal, bottom_right,
+                                                      configs), strict=True))
+    exact = _reference_grads(q.double(), k.double(), v.double(), do.double(), scale, causal, bottom_right)
+    in_dtype = _reference_grads(q, k, v, do, scale, causal, bottom_right)
+    names = ("dk", "dv") if kernel == "dkdv" else ("dq",)
+    index = {"dq": 0, "dk": 1, "dv": 2}
+    return worst([compare(name, ours[name], in_dtype[index[name]], exact[index[name]], q.dtype) for name in names])
+
+
+def _time_ms(run, config: dict) -> float:
+    """Median ms of ``run(config)``: the real problem's kernel with the config."""
+    return tuning.median_ms(lambda: run(config))
+
+
+_TUNERS = {kernel: tuning.Tuner(f"attention_bwd_{kernel}", CONFIGS, default=lambda key, kernel=kernel:
+                                default_config(key["head_dim"])[kernel],
+                                prune=lambda config, key, kernel=kernel: _prune(kernel, config, key),
+                                sources=(_attn_bwd_dkdv_kernel, _dkdv_steps, _dot) if kernel == "dkdv"
+                                else (_attn_bwd_dq_kernel, _dq_steps, _dot))
+           for kernel in KERNELS}
+MAX_CHOSEN = 4096  # call signatures whose configs are kept, so a repeated call skips the tuning key
+_chosen: dict[tuple, dict] = {}
+
+
+def _configs(q, k, v, do, lse, delta, outputs: dict, scale: float, causal: bool, bottom_right: bool) -> dict:
+    """The tuned (or default) config of each main kernel for this call's signature."""
+    from tritonkit.ops import attention_fwd as fwd
+
+    signature = (q.shape, k.shape, q.dtype, q.device, causal, bottom_right)
+    configs = _chosen.get(signature)
+    if configs is not None:
+        return configs
+    key = fwd._tuning_key(q, k, causal, bottom_right)
+    configs, final = {}, True
+    for kernel, tuner in _TUNERS.items():
+        def launch(candidate, kernel=kernel):
+            return _launch_main(kernel, q, k, v, do, lse, delta, outputs[kernel], scale, causal, bottom_right,
+                                candidate)
+
+        def run(candidate, launch=launch):
+            launcher, grid, args, meta = launch(candidate)
+            launcher(grid, *args, **meta)
+
+        entry = tuner.entry(key, admit=functools.partial(_admit, kernel, key, scale, q.device),
+                            time_ms=functools.partial(_time_ms, run),
+                            precompile=lambda candidates, launch=launch: precompile(
+                                [launch(candidate) for candidate in candidates]))
+        configs[kernel] = tuner.default(key) if entry is None else entry["config"]
+        final = final and (entry is not None or interpret())  # tuned, cached, or the interpreter's one
+    if final:
+        tuning.remember(_chosen, signature, configs, MAX_CHOSEN)
+    return configs
 
 
 def attention_bwd(do, q, k, v, o, lse, dlse, scale: float, causal: bool, bottom_right: bool,
                   config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of attention; ``o`` and ``lse`` are the forward's (contiguous), ``dlse`` the
-    upstream gradient of the lse or None. Arguments are the forward's, already validated."""
+    upstream gradient of the lse or None. Arguments are the forward's, already validated.
+    ``config`` ({"dkdv": ..., "dq": ...}) overrides the tuned launch configs."""
     batch, heads, seq_q, _ = q.shape
     seq_k = k.shape[2]
     dq = empty_output(q.shape, q.dtype, q.device)
@@ -294,23 +470,34 @@ def attention_bwd(do, q, k, v, o, lse, dlse, scale: float, causal: bool, bottom_
     if dlse is not None:
         dlse = dlse.contiguous()  # the delta kernel reads it by row index (a sum's gradient is expanded)
     delta = empty_output((batch, heads, seq_q), torch.float32, q.device)
-    for launcher, grid, args, meta in _launches(q, k, v, o, do, lse, dlse, delta, dq, dk, dv, scale, causal,
-                                                bottom_right, config):
+    launcher, grid, args, meta = _launch_delta(o, do, lse, dlse, delta)
+    launcher(grid, *args, **meta)
+    outputs = {"dkdv": (dk, dv), "dq": (dq,)}
+    configs = config or _configs(q, k, v, do, lse, delta, outputs, scale, causal, bottom_right)
+    for kernel in KERNELS:
+        launcher, grid, args, meta = _launch_main(kernel, q, k, v, do, lse, delta, outputs[kernel], scale, causal,
+                                                  bottom_right, configs[kernel])
         launcher(grid, *args, **meta)
     return dq, dk, dv
 
 
 def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None = None,
                       causal: bool = False) -> list:
-    """The backward's three launches for a benchmark shape (B, Hq, Hkv, S, D), for ``tritonkit inspect``."""
+    """The backward's three launches for a benchmark shape (B, Hq, Hkv, S, D), for ``tritonkit
+    inspect``; ``config`` ({"dkdv": ..., "dq": ...}, either or both) over the defaults."""
     from tritonkit.inspect import Launch
 
     batch, heads_q, heads_kv, seq, head_dim = shape
     q = torch.empty((batch, heads_q, seq, head_dim), dtype=dtype, device="meta")
     kv = torch.empty((batch, heads_kv, seq, head_dim), dtype=dtype, device="meta")
     rows = torch.empty((batch, heads_q, seq), dtype=torch.float32, device="meta")
-    return [Launch(name, launcher.kernel, args, meta, config or {})
-            for name, (launcher, _, args, meta) in zip(("bwd delta", "bwd dk dv", "bwd dq"),
-                                                       _launches(q, kv, kv, q, q, rows, None, rows, q, kv, kv,
-                                                                 head_dim**-0.5, causal, True, config),
-                                                       strict=True)]
+    configs = default_config(head_dim)
+    for kernel in KERNELS:
+        configs[kernel] |= (config or {}).get(kernel, {})
+    launches = [("bwd delta", _launch_delta(q, q, rows, None, rows), {})]
+    launches += [(f"bwd {'dk dv' if kernel == 'dkdv' else kernel}",
+                  _launch_main(kernel, q, kv, kv, q, rows, rows, (kv, kv) if kernel == "dkdv" else (q,),
+                               head_dim**-0.5, causal, True, configs[kernel]), configs[kernel])
+                 for kernel in KERNELS]
+    return [Launch(name, launcher.kernel, args, meta, shown)
+            for name, (launcher, _, args, meta), shown in launches]

@@ -510,27 +510,23 @@ def attention_cost(shape: tuple, dtype: torch.dtype, mode: str = "fwd", causal: 
     return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]
 
 
-def _bwd_tiles(config: dict, head_dim: int) -> dict:
-    """The backward's launch config for ``inspect --config``: its defaults, overridden by what is given."""
-    from tritonkit.ops.attention_bwd import default_config
-
-    return default_config(head_dim) | config
-
-
 def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None = None,
                       causal: bool = False) -> list:
     """The forward's launch and the backward's three for a benchmark shape (B, Hq, Hkv, S, D): what
-    ``tritonkit inspect`` compiles. A ``config`` sets the forward's tile; the backward takes the
-    keys it names (BLOCK_M_KV, BLOCK_N_KV and the dQ kernel's BLOCK_M, BLOCK_N) over its defaults."""
+    ``tritonkit inspect`` compiles. A ``config`` sets the forward's tile, and under "dkdv" and "dq"
+    the backward kernels' (over their defaults)."""
     from tritonkit.inspect import Launch
+    from tritonkit.ops.attention_bwd import KERNELS
 
     batch, heads_q, heads_kv, seq, head_dim = shape
     q = torch.empty((batch, heads_q, seq, head_dim), dtype=dtype, device="meta")
     kv = torch.empty((batch, heads_kv, seq, head_dim), dtype=dtype, device="meta")
     lse = torch.empty((batch, heads_q, seq), dtype=torch.float32, device="meta")
-    _, args, meta = _fwd_launch_args(q, kv, kv, q, lse, _scale(None, head_dim), causal, True, config)
-    return [Launch("fwd", _attn_fwd_kernel, args, meta, config or {}),
-            *_inspect_bwd_launches(shape, dtype, config and _bwd_tiles(config, head_dim), causal)]
+    fwd_config = {name: value for name, value in (config or {}).items() if name not in KERNELS}
+    bwd_config = {name: value for name, value in (config or {}).items() if name in KERNELS}
+    _, args, meta = _fwd_launch_args(q, kv, kv, q, lse, _scale(None, head_dim), causal, True, fwd_config or None)
+    return [Launch("fwd", _attn_fwd_kernel, args, meta, fwd_config),
+            *_inspect_bwd_launches(shape, dtype, bwd_config, causal)]
 
 
 # ---------------------------------------------------------------- benchmark peers and specs
