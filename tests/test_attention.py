@@ -100,6 +100,44 @@ def test_rows_that_see_no_key_give_zero_and_minus_inf(device):
     assert torch.isfinite(o).all()
 
 
+# (window, causal): each side alone, both, a side with causal (whose right side is 0), a window
+# wider than the keys, and one narrow enough that some rows see no key (Sq > Sk, bottom-right)
+WINDOWS = [((5, -1), False), ((-1, 3), False), ((7, 2), False), ((6, 9), True), ((0, 0), False),
+           ((100, -1), True), ((2, -1), True)]
+
+
+@pytest.mark.parametrize("window, causal", WINDOWS, ids=lambda x: str(x).replace(" ", ""))
+def test_sliding_window_matches_the_reference(window, causal, device):
+    """Outputs, lse and all gradients under a window, GQA, Sq != Sk both ways, ragged lengths."""
+    check(*qkv(1, 4, 2, 37, 29, 32, torch.bfloat16, device, seed=30), causal=causal, window=window)
+    check(*qkv(1, 2, 2, 21, 45, 64, torch.float16, device, seed=31), causal=causal, window=window)
+
+
+def test_a_window_that_leaves_rows_without_keys(device):
+    """Sq > Sk bottom-right with a left window of 2: rows before the keys see none (0 output, lse
+    -inf, zero gradients), and no NaN anywhere."""
+    q, k, v = qkv(1, 2, 1, 30, 12, 32, torch.bfloat16, device, seed=32)
+    for t in (q, k, v):
+        t.requires_grad_()
+    with testing.poisoned_outputs():
+        o, lse = tritonkit.flash_attention(q, k, v, window=(2, 0), return_lse=True)
+        dq, dk, dv = torch.autograd.grad(o, (q, k, v), torch.randn_like(o))
+    blind = 30 - 12  # query i sees keys i - 20 ... i - 18: none while i < 18
+    assert torch.equal(o[:, :, :blind], torch.zeros_like(o[:, :, :blind]))
+    assert torch.isneginf(lse[:, :, :blind]).all() and torch.isfinite(lse[:, :, blind:]).all()
+    assert torch.equal(dq[:, :, :blind], torch.zeros_like(dq[:, :, :blind]))
+    assert all(torch.isfinite(t).all() for t in (o, dq, dk, dv))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_softcap_matches_the_reference(causal, device):
+    """softcap * tanh(s / softcap) on scores large enough that the cap bends them (|s| up to ~40
+    against a cap of 10), with a window too: outputs, lse and all gradients."""
+    q, k, v = qkv(1, 4, 2, 33, 40, 64, torch.bfloat16, device, seed=33)
+    check(q * 4, k * 4, v, causal=causal, softcap=10.0)
+    check(*qkv(1, 2, 2, 25, 19, 32, torch.float16, device, seed=34), causal=causal, softcap=0.5, window=(6, 4))
+
+
 def test_lse_merges_attention_over_two_halves_of_the_keys(device):
     """What ring attention relies on: attention over keys A and B is attention over A and over B,
     weighted by exp(lse_A - lse) and exp(lse_B - lse) with lse = logaddexp(lse_A, lse_B)."""
@@ -156,10 +194,15 @@ def test_bad_input_is_named(device):
         fa(q, torch.cat([k, k]), torch.cat([v, v]))
     with pytest.raises(TypeError, match="key must be a torch.Tensor"):
         fa(q, None, v)
-    cu_seqlens = torch.zeros(2, dtype=torch.int32)
-    for name, value in (("window", (4, 0)), ("softcap", 30.0), ("cu_seqlens_q", cu_seqlens)):
-        with pytest.raises(NotImplementedError, match=name):
-            fa(q, k, v, **{name: value})
+    for window, problem in (((-2, 0), "left side"), ((0, 1.5), "right side"), ((True, 3), "left side"),
+                            (4, "a pair"), ((1, 2, 3), "a pair")):
+        with pytest.raises(ValueError, match=f"window.*{problem}"):
+            fa(q, k, v, window=window)
+    for softcap in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="softcap must be a finite number >= 0"):
+            fa(q, k, v, softcap=softcap)
+    with pytest.raises(NotImplementedError, match="cu_seqlens_q"):
+        fa(q, k, v, cu_seqlens_q=torch.zeros(2, dtype=torch.int32))
     with pytest.raises(NotImplementedError, match="attn_mask"):
         tritonkit.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool))
     with pytest.raises(NotImplementedError, match="dropout_p"):
@@ -169,12 +212,13 @@ def test_bad_input_is_named(device):
 def test_opcheck(device):
     """The forward op (with its autograd) and the backward op: schemas, fake tensors, compile."""
     q, k, v = (t.requires_grad_() for t in qkv(1, 2, 1, 17, 23, 32, torch.bfloat16, device))
-    torch.library.opcheck(af._attention_fwd_op, (q, k, v, 0.2, True, True))
-    o, lse = af._attention_fwd_op(q, k, v, 0.2, True, True)
+    torch.library.opcheck(af._attention_fwd_op, (q, k, v, 0.2, True, True, -1, -1, 0.0))
+    torch.library.opcheck(af._attention_fwd_op, (q, k, v, 0.2, False, True, 5, 3, 4.0))  # window, softcap
+    o, lse = af._attention_fwd_op(q, k, v, 0.2, True, True, -1, -1, 0.0)
     do = torch.randn_like(o)
     args = (do, q.detach(), k.detach(), v.detach(), o.detach(), lse.detach())
-    torch.library.opcheck(af._attention_bwd_op, (*args, None, 0.2, True, True))
-    torch.library.opcheck(af._attention_bwd_op, (*args, torch.randn_like(lse), 0.2, False, False))
+    torch.library.opcheck(af._attention_bwd_op, (*args, None, 0.2, True, True, -1, -1, 0.0))
+    torch.library.opcheck(af._attention_bwd_op, (*args, torch.randn_like(lse), 0.2, False, False, 4, -1, 2.0))
 
 
 def test_expanded_upstream_gradients(device):
@@ -219,7 +263,7 @@ def test_gpu_default_config_runs_in_the_interpreter(device):
     q, k, v = qkv(1, 2, 2, 130, 70, 64, torch.bfloat16, device, seed=6)
     config = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
     with testing.poisoned_outputs():
-        o, lse = af._attention_fwd(q, k, v, 0.125, True, True, config=config)
+        o, lse = af._attention_fwd(q, k, v, ab.Scores(0.125, True, True), config=config)
     ref_o, ref_lse = attention_reference(q.double(), k.double(), v.double(), causal=True, scale=0.125,
                                          return_lse=True)
     torch_o = attention_reference(q, k, v, causal=True, scale=0.125)
@@ -330,10 +374,15 @@ def test_the_reference_in_chunks_is_the_reference_whole(monkeypatch):
 # ---------------------------------------------------------------- tuning
 
 
-def _key(seq_q=4096, seq_k=4096, head_dim=64, mask="bottom-right", dtype="bf16", group=1):
+def _key(seq_q=4096, seq_k=4096, head_dim=64, mask="bottom-right", dtype="bf16", group=1, window=(-1, -1),
+         softcap=0.0):
     q = torch.empty((4, 8 * group, seq_q, head_dim), dtype=_dtype_named(dtype), device="meta")
     k = torch.empty((4, 8, seq_k, head_dim), dtype=q.dtype, device="meta")
-    return af._tuning_key(q, k, mask != "none", mask == "bottom-right")
+    return af._tuning_key(q, k, _scores(mask, 0.125, window, softcap))
+
+
+def _scores(mask="bottom-right", scale=0.125, window=(-1, -1), softcap=0.0):
+    return ab.Scores(scale, mask != "none", mask == "bottom-right", window, softcap)
 
 
 def _dtype_named(name):
@@ -357,7 +406,7 @@ def test_every_tile_passes_the_gate(mask, device):
     tiles = {(c["BLOCK_M"], c["BLOCK_N"]): c for c in af._TUNER._candidates(key)}
     assert len(tiles) >= 4, tiles
     for config in tiles.values():
-        assert af._admit(key, 0.125, device, config).passed, config
+        assert af._admit(key, _scores(key["mask"], 0.125), device, config).passed, config
 
 
 def test_gate_rejects_a_wrong_result(monkeypatch, device):
@@ -365,7 +414,7 @@ def test_gate_rejects_a_wrong_result(monkeypatch, device):
     that sees no key."""
     key = _key(seq_q=64, seq_k=32, head_dim=32)
     config = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
-    assert af._admit(key, 0.2, device, config).passed
+    assert af._admit(key, _scores(key["mask"], 0.2), device, config).passed
     real = af._fwd_launcher
 
     def off_by_a_tenth(grid, *args, **meta):
@@ -373,14 +422,14 @@ def test_gate_rejects_a_wrong_result(monkeypatch, device):
         args[3].mul_(1.1)  # o
 
     monkeypatch.setattr(af, "_fwd_launcher", off_by_a_tenth)
-    assert not af._admit(key, 0.2, device, config).passed
+    assert not af._admit(key, _scores(key["mask"], 0.2), device, config).passed
 
     def blind_rows_see_zero(grid, *args, **meta):
         real(grid, *args, **meta)
         args[4].nan_to_num_(neginf=0.0)  # the lse of rows that see no key
 
     monkeypatch.setattr(af, "_fwd_launcher", blind_rows_see_zero)
-    verdict = af._admit(key, 0.2, device, config)
+    verdict = af._admit(key, _scores(key["mask"], 0.2), device, config)
     assert not verdict.passed and "no key" in verdict.name
 
 
@@ -436,7 +485,7 @@ def test_every_backward_tile_passes_the_gate(kernel, device):
     tiles = {(c["BLOCK_M"], c["BLOCK_N"]): c for c in ab._TUNERS[kernel]._candidates(key)}
     assert len(tiles) >= 4, tiles
     for config in tiles.values():
-        verdict = ab._admit(kernel, key, 0.2, device, config)
+        verdict = ab._admit(kernel, key, _scores(key["mask"], 0.2), device, config)
         assert verdict.passed, (config, verdict)
 
 
@@ -445,7 +494,7 @@ def test_backward_gate_rejects_a_wrong_gradient(kernel, monkeypatch, device):
     """A gradient 10% off fails the gate; the other kernel's is not what it judges."""
     key = _key(seq_q=40, seq_k=24, head_dim=32, mask="top-left")
     config = dict(ab.INTERPRETER_CONFIG)
-    assert ab._admit(kernel, key, 0.2, device, config).passed
+    assert ab._admit(kernel, key, _scores(key["mask"], 0.2), device, config).passed
     launcher = "_dkdv_launcher" if kernel == "dkdv" else "_dq_launcher"
     real = getattr(ab, launcher)
 
@@ -454,10 +503,10 @@ def test_backward_gate_rejects_a_wrong_gradient(kernel, monkeypatch, device):
         args[6].mul_(1.1)  # dk, or dq
 
     monkeypatch.setattr(ab, launcher, off_by_a_tenth)
-    verdict = ab._admit(kernel, key, 0.2, device, config)
+    verdict = ab._admit(kernel, key, _scores(key["mask"], 0.2), device, config)
     assert not verdict.passed and verdict.name == ("dk" if kernel == "dkdv" else "dq")
     other = "dq" if kernel == "dkdv" else "dkdv"
-    assert ab._admit(other, key, 0.2, device, config).passed
+    assert ab._admit(other, key, _scores(key["mask"], 0.2), device, config).passed
 
 
 def test_the_backward_launches_the_fastest_admitted_configs(monkeypatch, tmp_path, device):
@@ -505,5 +554,20 @@ def test_the_gates_gradients_are_autograds(causal, bottom_right):
     inputs = [t.clone().requires_grad_() for t in (q, k, v)]
     o = attention_reference(*inputs, causal=causal, scale=0.3, bottom_right=bottom_right)
     expected = torch.autograd.grad(o, inputs, do)
-    for ours, theirs in zip(ab._reference_grads(q, k, v, do, 0.3, causal, bottom_right), expected, strict=True):
+    for ours, theirs in zip(ab._reference_grads(q, k, v, do, ab.Scores(0.3, causal, bottom_right)), expected, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("mask, window", [("none", (9, 4)), ("bottom-right", (20, -1))], ids=["window", "causal"])
+def test_windowed_soft_capped_tiles_pass_the_gates(mask, window, device):
+    """The gates of the forward and of both backward kernels with a window and a soft cap (the
+    calibration problem's window cuts inside its blocks): tiles of two sizes each."""
+    key = _key(seq_q=48, seq_k=80, head_dim=32, group=2, mask=mask, window=window, softcap=3.0)
+    assert key["window"] == ("left+right" if window[1] >= 0 else "left") and key["softcap"]
+    scores = _scores(mask, 0.2, window, 3.0)
+    for tile in ((16, 16), (32, 64)):
+        config = {"BLOCK_M": tile[0], "BLOCK_N": tile[1], "num_warps": 4, "num_stages": 2}
+        assert af._admit(key, scores, device, config).passed, config
+        for kernel in ab.KERNELS:
+            verdict = ab._admit(kernel, key, scores, device, config)
+            assert verdict.passed, (kernel, config, verdict)

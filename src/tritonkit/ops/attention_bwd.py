@@ -18,6 +18,7 @@ written, K and V re-read from L2 by the dQ programs and Q, dO by the dK/dV progr
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -32,6 +33,81 @@ import triton.language as tl  # noqa: E402
 from tritonkit._launch import Launcher, cdiv, precompile  # noqa: E402
 
 LOG2_E = 1.4426950408889634
+
+
+class Scores(NamedTuple):
+    """How q . k becomes the softmax's input: scaled, soft-capped, masked. Query i sees key j iff
+    j <= i + offset + right (causal: right = 0) and j >= i + offset - left, where offset = Sk - Sq
+    aligned bottom-right and 0 top-left, and a -1 in ``window`` = (left, right) leaves that side
+    unbounded. ``softcap`` > 0 turns the scaled score s into softcap * tanh(s / softcap)."""
+
+    scale: float
+    causal: bool = False
+    bottom_right: bool = True
+    window: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+
+    def kernel_args(self, seq_q: int, seq_k: int) -> tuple[tuple, dict]:
+        """The kernels' (UPPER_OFFSET, LOWER_OFFSET, score_scale, cap_log2) and their constexprs
+        (IS_CAUSAL: any upper bound, HAS_LOWER, SOFTCAP): row i sees key j iff j <= i + UPPER_OFFSET
+        and j >= i + LOWER_OFFSET; the exponent (log2 units) is dot * score_scale, or with SOFTCAP
+        tanh(dot * score_scale) * cap_log2."""
+        offset = seq_k - seq_q if self.bottom_right else 0
+        left, right = self.window
+        upper = self.causal or right >= 0
+        upper_offset = offset + (0 if self.causal else right) if upper else 0
+        lower_offset = offset - left if left >= 0 else 0
+        if self.softcap:
+            factors = (self.scale / self.softcap, self.softcap * LOG2_E)
+        else:
+            factors = (self.scale * LOG2_E, 1.0)
+        return ((upper_offset, lower_offset, *factors),
+                {"IS_CAUSAL": upper, "HAS_LOWER": left >= 0, "SOFTCAP": bool(self.softcap)})
+
+
+@triton.jit
+def _exponent(dot, score_scale, cap_log2, SOFTCAP: tl.constexpr):
+    """(the scores in log2 units, tanh of the capped score or 0): dot * score_scale, or with SOFTCAP
+    tanh(dot * score_scale) * cap_log2; tanh as 1 - 2 / (e^2x + 1), which saturates to +-1 cleanly."""
+    if SOFTCAP:
+        t = 1.0 - 2.0 / (tl.math.exp2(dot * (2.0 * 1.4426950408889634 * score_scale)) + 1.0)
+        return t * cap_log2, t
+    return dot * score_scale, 0.0
+
+
+@triton.jit
+def _visible(rows, cols, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, IS_CAUSAL: tl.constexpr, HAS_LOWER: tl.constexpr):
+    """Whether query ``rows`` see keys ``cols`` (broadcast against each other): the key exists and
+    lies within the bounds."""
+    visible = cols < SEQ_K
+    if IS_CAUSAL:
+        visible = visible & (cols <= rows + UPPER_OFFSET)
+    if HAS_LOWER:
+        visible = visible & (cols >= rows + LOWER_OFFSET)
+    return visible
+
+
+@triton.jit
+def _key_ranges(start_m, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, IS_CAUSAL: tl.constexpr, HAS_LOWER: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The keys of query rows [start_m, start_m + BLOCK_M), as (start, inner_start, inner_end, end):
+    [inner_start, inner_end) every row sees whole, a multiple of BLOCK_N long; [start, inner_start)
+    and [inner_end, end) need masks; keys outside [start, end) no row sees."""
+    if IS_CAUSAL:  # the last row's bound for the end, the first row's for the blocks all rows see
+        end = tl.maximum(tl.minimum(SEQ_K, start_m + BLOCK_M + UPPER_OFFSET), 0)
+        inner_end = tl.maximum(tl.minimum(SEQ_K, start_m + 1 + UPPER_OFFSET), 0) // BLOCK_N * BLOCK_N
+    else:
+        end = SEQ_K
+        inner_end = SEQ_K // BLOCK_N * BLOCK_N
+    if HAS_LOWER:  # the first row's bound for the start, the last row's for the blocks all rows see
+        start = tl.maximum(start_m + LOWER_OFFSET, 0) // BLOCK_N * BLOCK_N
+        inner_start = tl.cdiv(tl.maximum(start_m + BLOCK_M - 1 + LOWER_OFFSET, 0), BLOCK_N) * BLOCK_N
+    else:
+        start = tl.full([], 0, tl.int32)
+        inner_start = tl.full([], 0, tl.int32)
+    inner_start = tl.minimum(tl.maximum(inner_start, start), end)
+    inner_end = tl.maximum(tl.minimum(inner_end, end), inner_start)
+    return start, inner_start, inner_end, end
 
 
 @triton.jit
@@ -74,14 +150,15 @@ def _dot(a, b, EXACT_DOT_IN_FP32: tl.constexpr):
 @triton.jit
 def _dkdv_steps(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, batch, kv_head, cols, dims, d_mask,
                 stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod,
-                H_KV, GROUP, SEQ_Q, SEQ_K, CAUSAL_OFFSET, qk_scale, lead_start, n_lead, rest_start, n_rest,
-                IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
-                EXACT_DOT_IN_FP32: tl.constexpr):
+                H_KV, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, score_scale, cap_log2, lead_start, n_lead,
+                rest_start, n_rest, IS_CAUSAL: tl.constexpr, HAS_LOWER: tl.constexpr, SOFTCAP: tl.constexpr,
+                MASKED: tl.constexpr, BLOCK_M: tl.constexpr, EXACT_DOT_IN_FP32: tl.constexpr):
     """dk and dv after query blocks of every query head of the key block's group: for each head,
     ``n_lead`` blocks from row ``lead_start``, then ``n_rest`` from ``rest_start``. One loop over
     (head, block) pairs: a nested loop over the heads kept both loops from pipelining on sm_90 and
     spilled at D = 128 with 4 heads a group. MASKED blocks mask rows past SEQ_Q, keys past SEQ_K and
-    the causal diagonal; the others are inside all three, and load and exponentiate unmasked.
+    keys outside each row's bounds; the others are inside all of them, and load and exponentiate
+    unmasked.
 
     The scores are computed transposed, keys by queries, so that every matmul has the program's
     keys as its M (wgmma's 64-row operand) and the query step BLOCK_M may be small."""
@@ -110,16 +187,17 @@ def _dkdv_steps(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, batch, kv_head,
             lse = tl.load(lse_ptr + bh * SEQ_Q + rows)
             delta = tl.load(delta_ptr + bh * SEQ_Q + rows)
         lse_log2 = tl.where(lse == -float("inf"), float("inf"), lse * 1.4426950408889634)
-        s_t = _dot(k, tl.trans(q), EXACT_DOT_IN_FP32)  # (BLOCK_N, BLOCK_M)
-        p_t = tl.math.exp2(s_t * qk_scale - lse_log2[None, :])
+        s_t, tanh_t = _exponent(_dot(k, tl.trans(q), EXACT_DOT_IN_FP32), score_scale, cap_log2, SOFTCAP)
+        p_t = tl.math.exp2(s_t - lse_log2[None, :])  # (BLOCK_N, BLOCK_M)
         if MASKED:
-            visible = (cols[:, None] < SEQ_K) & row_mask[None, :]
-            if IS_CAUSAL:
-                visible = visible & (cols[:, None] <= rows[None, :] + CAUSAL_OFFSET)
-            p_t = tl.where(visible, p_t, 0.0)
+            visible = _visible(rows[None, :], cols[:, None], SEQ_K, UPPER_OFFSET, LOWER_OFFSET, IS_CAUSAL,
+                               HAS_LOWER)
+            p_t = tl.where(visible & row_mask[None, :], p_t, 0.0)
         dv += _dot(p_t.to(do.dtype), do, EXACT_DOT_IN_FP32)
         dp_t = _dot(v, tl.trans(do), EXACT_DOT_IN_FP32)
         ds_t = p_t * (dp_t - delta[None, :])
+        if SOFTCAP:  # through the cap: d(c tanh(s / c)) / ds = 1 - tanh^2
+            ds_t = ds_t * (1.0 - tanh_t * tanh_t)
         dk += _dot(ds_t.to(q.dtype), q, EXACT_DOT_IN_FP32)
     return dk, dv
 
@@ -137,11 +215,10 @@ def _attn_bwd_dkdv_kernel(
     H_KV,  # key/value heads
     GROUP,  # query heads per key/value head
     SEQ_Q, SEQ_K,  # rows of q and of k per head
-    CAUSAL_OFFSET,  # causal: query i sees key j iff j <= i + CAUSAL_OFFSET
-    qk_scale,  # the softmax scale times log2(e)
+    UPPER_OFFSET, LOWER_OFFSET, score_scale, cap_log2,  # the scores' masks and exponent: Scores.kernel_args
     sm_scale,  # the softmax scale
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,  # D, and a power of two >= D
-    IS_CAUSAL: tl.constexpr,  # mask keys past each row's diagonal
+    IS_CAUSAL: tl.constexpr, HAS_LOWER: tl.constexpr, SOFTCAP: tl.constexpr,  # Scores.kernel_args
     BLOCK_M: tl.constexpr,  # query rows a step of the loop takes
     BLOCK_N: tl.constexpr,  # keys a program holds
     EXACT_DOT_IN_FP32: tl.constexpr,  # multiply the 16-bit tiles as fp32 (the interpreter's path)
@@ -161,32 +238,38 @@ def _attn_bwd_dkdv_kernel(
     v = tl.load(v_rows + local_n[:, None] * stride_vn + dims[None, :] * stride_vd, mask=kv_mask, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    # Query blocks, as row ranges: [first, diagonal_end) cross the causal diagonal (masked);
-    # [diagonal_end, inside_end) see every key of this block and lie inside SEQ_Q (unmasked);
-    # [inside_end, all_end) hold the ragged last rows (masked). A ragged key block masks them all.
+    # Query blocks, as row ranges: [first, inner_start) cross a bound's diagonal (masked); [inner_start,
+    # inner_end) see every key of this block and lie inside SEQ_Q (unmasked); [inner_end, end) cross
+    # the other bound or hold the ragged last rows (masked). A ragged key block masks them all.
     all_end = tl.cdiv(SEQ_Q, BLOCK_M) * BLOCK_M
-    if IS_CAUSAL:  # the first row that sees any key of the block: i >= start_n - CAUSAL_OFFSET
-        first = tl.minimum(tl.maximum(start_n - CAUSAL_OFFSET, 0) // BLOCK_M * BLOCK_M, all_end)
-        last_key = start_n + BLOCK_N - 1  # rows from last_key - CAUSAL_OFFSET on see every key
-        diagonal_end = tl.cdiv(tl.maximum(last_key - CAUSAL_OFFSET, 0), BLOCK_M) * BLOCK_M
-        diagonal_end = tl.minimum(tl.maximum(diagonal_end, first), all_end)
+    last_key = start_n + BLOCK_N - 1
+    inner_end = SEQ_Q // BLOCK_M * BLOCK_M
+    if IS_CAUSAL:  # row i sees key j only if i >= j - UPPER_OFFSET: from the first key for any, the last for all
+        first = tl.minimum(tl.maximum(start_n - UPPER_OFFSET, 0) // BLOCK_M * BLOCK_M, all_end)
+        inner_start = tl.cdiv(tl.maximum(last_key - UPPER_OFFSET, 0), BLOCK_M) * BLOCK_M
     else:
-        first = 0
-        diagonal_end = 0
-    inside_end = tl.maximum(SEQ_Q // BLOCK_M * BLOCK_M, diagonal_end)
+        first = tl.full([], 0, tl.int32)
+        inner_start = tl.full([], 0, tl.int32)
+    if HAS_LOWER:  # row i sees key j only if i <= j - LOWER_OFFSET: the last key for any, the first for all
+        end = tl.maximum(tl.minimum(tl.cdiv(tl.maximum(last_key - LOWER_OFFSET + 1, 0), BLOCK_M) * BLOCK_M,
+                                    all_end), first)
+        inner_end = tl.minimum(inner_end, tl.maximum(start_n - LOWER_OFFSET + 1, 0) // BLOCK_M * BLOCK_M)
+    else:
+        end = all_end
     if start_n + BLOCK_N > SEQ_K:
-        diagonal_end = all_end
-        inside_end = all_end
+        inner_start = end
+    inner_start = tl.minimum(tl.maximum(inner_start, first), end)
+    inner_end = tl.maximum(tl.minimum(inner_end, end), inner_start)
     dk, dv = _dkdv_steps(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, batch, kv_head, cols, dims, d_mask,
                          stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom,
-                         stride_dod, H_KV, GROUP, SEQ_Q, SEQ_K, CAUSAL_OFFSET, qk_scale,
-                         first, (diagonal_end - first) // BLOCK_M, inside_end, (all_end - inside_end) // BLOCK_M,
-                         IS_CAUSAL, True, BLOCK_M, EXACT_DOT_IN_FP32)
+                         stride_dod, H_KV, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, score_scale, cap_log2,
+                         first, (inner_start - first) // BLOCK_M, inner_end, (end - inner_end) // BLOCK_M,
+                         IS_CAUSAL, HAS_LOWER, SOFTCAP, True, BLOCK_M, EXACT_DOT_IN_FP32)
     dk, dv = _dkdv_steps(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, batch, kv_head, cols, dims, d_mask,
                          stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom,
-                         stride_dod, H_KV, GROUP, SEQ_Q, SEQ_K, CAUSAL_OFFSET, qk_scale,
-                         diagonal_end, (inside_end - diagonal_end) // BLOCK_M, inside_end, 0,
-                         IS_CAUSAL, False, BLOCK_M, EXACT_DOT_IN_FP32)
+                         stride_dod, H_KV, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, score_scale, cap_log2,
+                         inner_start, (inner_end - inner_start) // BLOCK_M, inner_end, 0,
+                         IS_CAUSAL, HAS_LOWER, SOFTCAP, False, BLOCK_M, EXACT_DOT_IN_FP32)
     out = bh_kv * SEQ_K * HEAD_DIM + cols[:, None] * HEAD_DIM + dims[None, :]
     tl.store(dk_ptr + out, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
     tl.store(dv_ptr + out, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
@@ -194,11 +277,11 @@ def _attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_steps(dq, q, do, lse_log2, delta, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd, rows,
-              dims, d_mask, start, end, SEQ_Q, SEQ_K, CAUSAL_OFFSET, qk_scale,
-              IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
-              EXACT_DOT_IN_FP32: tl.constexpr):
-    """dq after the key blocks in [start, end); MASKED blocks mask keys past SEQ_K and the causal
-    diagonal (rows past SEQ_Q need no mask: their lse is +inf, so their P is 0, and they are not stored)."""
+              dims, d_mask, start, end, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, score_scale, cap_log2,
+              IS_CAUSAL: tl.constexpr, HAS_LOWER: tl.constexpr, SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
+              BLOCK_N: tl.constexpr, EXACT_DOT_IN_FP32: tl.constexpr):
+    """dq after the key blocks in [start, end); MASKED blocks mask keys past SEQ_K and outside each
+    row's bounds (rows past SEQ_Q need no mask: their lse is +inf, so their P is 0, and they are not stored)."""
     local_n = tl.arange(0, BLOCK_N)
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + local_n
@@ -211,14 +294,16 @@ def _dq_steps(dq, q, do, lse_log2, delta, k_head, v_head, stride_kn, stride_kd, 
             kv_mask = d_mask[None, :]
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-        p = tl.math.exp2(_dot(q, tl.trans(k), EXACT_DOT_IN_FP32) * qk_scale - lse_log2[:, None])
+        s, tanh_s = _exponent(_dot(q, tl.trans(k), EXACT_DOT_IN_FP32), score_scale, cap_log2, SOFTCAP)
+        p = tl.math.exp2(s - lse_log2[:, None])
         if MASKED:
-            visible = (rows[:, None] < SEQ_Q) & (cols[None, :] < SEQ_K)
-            if IS_CAUSAL:
-                visible = visible & (cols[None, :] <= rows[:, None] + CAUSAL_OFFSET)
-            p = tl.where(visible, p, 0.0)
+            visible = _visible(rows[:, None], cols[None, :], SEQ_K, UPPER_OFFSET, LOWER_OFFSET, IS_CAUSAL,
+                               HAS_LOWER)
+            p = tl.where(visible & (rows[:, None] < SEQ_Q), p, 0.0)
         dp = _dot(do, tl.trans(v), EXACT_DOT_IN_FP32)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - tanh_s * tanh_s)
         dq += _dot(ds.to(k.dtype), k, EXACT_DOT_IN_FP32)
     return dq
 
@@ -235,11 +320,10 @@ def _attn_bwd_dq_kernel(
     H,  # query heads
     GROUP,  # query heads per key/value head
     SEQ_Q, SEQ_K,
-    CAUSAL_OFFSET,
-    qk_scale,
+    UPPER_OFFSET, LOWER_OFFSET, score_scale, cap_log2,
     sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    IS_CAUSAL: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_LOWER: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr,  # query rows a program holds
     BLOCK_N: tl.constexpr,  # keys a step of the loop takes
     EXACT_DOT_IN_FP32: tl.constexpr,
@@ -266,20 +350,17 @@ def _attn_bwd_dq_kernel(
     k_head = k_ptr + batch * stride_kb + kv_head * stride_kh
     v_head = v_ptr + batch * stride_vb + kv_head * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # Keys [0, unmasked_end) are visible to every row of the block; [unmasked_end, end) need masks;
-    # keys past the last row's diagonal are seen by none of its rows.
-    if IS_CAUSAL:
-        end = tl.maximum(tl.minimum(SEQ_K, start_m + BLOCK_M + CAUSAL_OFFSET), 0)
-        unmasked_end = tl.maximum(tl.minimum(SEQ_K, start_m + 1 + CAUSAL_OFFSET), 0) // BLOCK_N * BLOCK_N
-    else:
-        end = SEQ_K
-        unmasked_end = SEQ_K // BLOCK_N * BLOCK_N
+    start, inner_start, inner_end, end = _key_ranges(start_m, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, IS_CAUSAL,
+                                                     HAS_LOWER, BLOCK_M, BLOCK_N)
     dq = _dq_steps(dq, q, do, lse_log2, delta, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd, rows,
-                   dims, d_mask, 0, unmasked_end, SEQ_Q, SEQ_K, CAUSAL_OFFSET, qk_scale, IS_CAUSAL, False,
-                   BLOCK_N, EXACT_DOT_IN_FP32)
+                   dims, d_mask, start, inner_start, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, score_scale, cap_log2,
+                   IS_CAUSAL, HAS_LOWER, SOFTCAP, True, BLOCK_N, EXACT_DOT_IN_FP32)
     dq = _dq_steps(dq, q, do, lse_log2, delta, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd, rows,
-                   dims, d_mask, unmasked_end, end, SEQ_Q, SEQ_K, CAUSAL_OFFSET, qk_scale, IS_CAUSAL, True,
-                   BLOCK_N, EXACT_DOT_IN_FP32)
+                   dims, d_mask, inner_start, inner_end, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, score_scale,
+                   cap_log2, IS_CAUSAL, HAS_LOWER, SOFTCAP, False, BLOCK_N, EXACT_DOT_IN_FP32)
+    dq = _dq_steps(dq, q, do, lse_log2, delta, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd, rows,
+                   dims, d_mask, inner_end, end, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, score_scale, cap_log2,
+                   IS_CAUSAL, HAS_LOWER, SOFTCAP, True, BLOCK_N, EXACT_DOT_IN_FP32)
     out = (bh * SEQ_Q + rows[:, None]) * HEAD_DIM + dims[None, :]
     tl.store(dq_ptr + out, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=tile_mask)
 
@@ -352,57 +433,62 @@ def _launch_delta(o, do, lse, dlse, delta) -> tuple:
     return _delta_launcher, (cdiv(seq_q, DELTA_BLOCK_M), batch * heads), args, meta
 
 
-def _launch_main(kernel: str, q, k, v, do, lse, delta, grads, scale: float, causal: bool, bottom_right: bool,
-                 config: dict) -> tuple:
+def _launch_main(kernel: str, q, k, v, do, lse, delta, grads, scores: Scores, config: dict) -> tuple:
     """(launcher, grid, arguments, constexprs and options) of the dK/dV kernel (``grads`` = (dk, dv))
     or the dQ kernel (``grads`` = (dq,))."""
     batch, heads, seq_q, head_dim = q.shape
     heads_kv, seq_k = k.shape[1], k.shape[2]
     config = dict(config)
-    meta = {"HEAD_DIM": head_dim, "BLOCK_D": _block_d(head_dim), "IS_CAUSAL": causal,
+    score_args, score_meta = scores.kernel_args(seq_q, seq_k)
+    meta = {"HEAD_DIM": head_dim, "BLOCK_D": _block_d(head_dim), **score_meta,
             "BLOCK_M": config.pop("BLOCK_M"), "BLOCK_N": config.pop("BLOCK_N"), "EXACT_DOT_IN_FP32": interpret(),
             **config}
     tail = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), heads_kv if kernel == "dkdv" else heads,
-            heads // heads_kv, seq_q, seq_k, seq_k - seq_q if bottom_right else 0, scale * LOG2_E, scale)
+            heads // heads_kv, seq_q, seq_k, *score_args, scores.scale)
     if kernel == "dkdv":
         return _dkdv_launcher, (cdiv(seq_k, meta["BLOCK_N"]), batch * heads_kv), (q, k, v, do, lse, delta, *grads,
                                                                                  *tail), meta
     return _dq_launcher, (cdiv(seq_q, meta["BLOCK_M"]), batch * heads), (q, k, v, do, lse, delta, *grads, *tail), meta
 
 
-def _reference_grads(q, k, v, do, scale: float, causal: bool, bottom_right: bool) -> tuple:
+def _reference_grads(q, k, v, do, scores: Scores) -> tuple:
     """(dq, dk, dv) of plain attention by the formulas above, in the inputs' dtype, for small
     problems: the tuner's gate runs inside the backward op, where autograd does not record, so the
     reference's gradients are written out (a test holds them to autograd's)."""
+    from tritonkit.ops.attention_fwd import reference_visible
+
     heads_kv, group = k.shape[1], q.shape[1] // k.shape[1]
     k_q, v_q = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = (q @ k_q.transpose(-1, -2)) * scale
-    if causal:
-        seq_q, seq_k = q.shape[2], k.shape[2]
-        rows = torch.arange(seq_q, device=q.device)[:, None] + (seq_k - seq_q if bottom_right else 0)
-        scores = scores.masked_fill(torch.arange(seq_k, device=q.device)[None, :] > rows, -float("inf"))
-    p = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row that sees no key: NaN, as 0
+    logits = (q @ k_q.transpose(-1, -2)) * scores.scale
+    if scores.softcap:
+        tanh = torch.tanh(logits / scores.softcap)
+        logits = scores.softcap * tanh
+    visible = reference_visible(scores, 0, q.shape[2], q.shape[2], k.shape[2], q.device)
+    if visible is not None:
+        logits = logits.masked_fill(~visible, -float("inf"))
+    p = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a row that sees no key: NaN, as 0
     dp = do @ v_q.transpose(-1, -2)
     ds = p * (dp - (do * (p @ v_q)).sum(-1, keepdim=True))
-    dk, dv = scale * ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ do
-    return (scale * ds @ k_q, *(g.unflatten(1, (heads_kv, group)).sum(2) for g in (dk, dv)))
+    if scores.softcap:
+        ds = ds * (1 - tanh * tanh)
+    dk, dv = scores.scale * ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ do
+    return (scores.scale * ds @ k_q, *(g.unflatten(1, (heads_kv, group)).sum(2) for g in (dk, dv)))
 
 
-def _admit(kernel: str, key: dict, scale: float, device, config: dict):
+def _admit(kernel: str, key: dict, scores: Scores, device, config: dict):
     """The oracle on the gradients ``config``'s kernel writes (dk and dv, or dq) for a calibration
     problem, the other kernel on its default: the worst comparison."""
     from tritonkit.ops import attention_fwd as fwd
     from tritonkit.testing import compare, generator, random_tensor, worst
 
     q, k, v = fwd._calibration(key, config, device)
-    causal, bottom_right = fwd._mask_flags(key)
+    scores = fwd._calibration_scores(scores, config)
     do = random_tensor(q.shape, q.dtype, device, generator=generator(13))
-    o, lse = fwd._attention_fwd(q, k, v, scale, causal, bottom_right, config=fwd._default(key))
+    o, lse = fwd._attention_fwd(q, k, v, scores, config=fwd._default(key))
     configs = default_config(key["head_dim"]) | {kernel: config}
-    ours = dict(zip(("dq", "dk", "dv"), attention_bwd(do, q, k, v, o, lse, None, scale, causal, bottom_right,
-                                                      configs), strict=True))
-    exact = _reference_grads(q.double(), k.double(), v.double(), do.double(), scale, causal, bottom_right)
-    in_dtype = _reference_grads(q, k, v, do, scale, causal, bottom_right)
+    ours = dict(zip(("dq", "dk", "dv"), attention_bwd(do, q, k, v, o, lse, None, scores, configs), strict=True))
+    exact = _reference_grads(q.double(), k.double(), v.double(), do.double(), scores)
+    in_dtype = _reference_grads(q, k, v, do, scores)
     names = ("dk", "dv") if kernel == "dkdv" else ("dq",)
     index = {"dq": 0, "dk": 1, "dv": 2}
     return worst([compare(name, ours[name], in_dtype[index[name]], exact[index[name]], q.dtype) for name in names])
@@ -413,36 +499,36 @@ def _time_ms(run, config: dict) -> float:
     return tuning.median_ms(lambda: run(config))
 
 
+_HELPERS = (_dot, _exponent, _visible)  # the @triton.jit helpers both main kernels call
 _TUNERS = {kernel: tuning.Tuner(f"attention_bwd_{kernel}", CONFIGS, default=lambda key, kernel=kernel:
                                 default_config(key["head_dim"])[kernel],
                                 prune=lambda config, key, kernel=kernel: _prune(kernel, config, key),
-                                sources=(_attn_bwd_dkdv_kernel, _dkdv_steps, _dot) if kernel == "dkdv"
-                                else (_attn_bwd_dq_kernel, _dq_steps, _dot))
+                                sources=(_attn_bwd_dkdv_kernel, _dkdv_steps, *_HELPERS) if kernel == "dkdv"
+                                else (_attn_bwd_dq_kernel, _dq_steps, _key_ranges, *_HELPERS))
            for kernel in KERNELS}
 MAX_CHOSEN = 4096  # call signatures whose configs are kept, so a repeated call skips the tuning key
 _chosen: dict[tuple, dict] = {}
 
 
-def _configs(q, k, v, do, lse, delta, outputs: dict, scale: float, causal: bool, bottom_right: bool) -> dict:
+def _configs(q, k, v, do, lse, delta, outputs: dict, scores: Scores) -> dict:
     """The tuned (or default) config of each main kernel for this call's signature."""
     from tritonkit.ops import attention_fwd as fwd
 
-    signature = (q.shape, k.shape, q.dtype, q.device, causal, bottom_right)
+    signature = (q.shape, k.shape, q.dtype, q.device, scores)
     configs = _chosen.get(signature)
     if configs is not None:
         return configs
-    key = fwd._tuning_key(q, k, causal, bottom_right)
+    key = fwd._tuning_key(q, k, scores)
     configs, final = {}, True
     for kernel, tuner in _TUNERS.items():
         def launch(candidate, kernel=kernel):
-            return _launch_main(kernel, q, k, v, do, lse, delta, outputs[kernel], scale, causal, bottom_right,
-                                candidate)
+            return _launch_main(kernel, q, k, v, do, lse, delta, outputs[kernel], scores, candidate)
 
         def run(candidate, launch=launch):
             launcher, grid, args, meta = launch(candidate)
             launcher(grid, *args, **meta)
 
-        entry = tuner.entry(key, admit=functools.partial(_admit, kernel, key, scale, q.device),
+        entry = tuner.entry(key, admit=functools.partial(_admit, kernel, key, scores, q.device),
                             time_ms=functools.partial(_time_ms, run),
                             precompile=lambda candidates, launch=launch: precompile(
                                 [launch(candidate) for candidate in candidates]))
@@ -453,7 +539,7 @@ def _configs(q, k, v, do, lse, delta, outputs: dict, scale: float, causal: bool,
     return configs
 
 
-def attention_bwd(do, q, k, v, o, lse, dlse, scale: float, causal: bool, bottom_right: bool,
+def attention_bwd(do, q, k, v, o, lse, dlse, scores: Scores,
                   config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of attention; ``o`` and ``lse`` are the forward's (contiguous), ``dlse`` the
     upstream gradient of the lse or None. Arguments are the forward's, already validated.
@@ -473,16 +559,15 @@ def attention_bwd(do, q, k, v, o, lse, dlse, scale: float, causal: bool, bottom_
     launcher, grid, args, meta = _launch_delta(o, do, lse, dlse, delta)
     launcher(grid, *args, **meta)
     outputs = {"dkdv": (dk, dv), "dq": (dq,)}
-    configs = config or _configs(q, k, v, do, lse, delta, outputs, scale, causal, bottom_right)
+    configs = config or _configs(q, k, v, do, lse, delta, outputs, scores)
     for kernel in KERNELS:
-        launcher, grid, args, meta = _launch_main(kernel, q, k, v, do, lse, delta, outputs[kernel], scale, causal,
-                                                  bottom_right, configs[kernel])
+        launcher, grid, args, meta = _launch_main(kernel, q, k, v, do, lse, delta, outputs[kernel], scores,
+                                                  configs[kernel])
         launcher(grid, *args, **meta)
     return dq, dk, dv
 
 
-def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None = None,
-                      causal: bool = False) -> list:
+def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None, scores: Scores) -> list:
     """The backward's three launches for a benchmark shape (B, Hq, Hkv, S, D), for ``tritonkit
     inspect``; ``config`` ({"dkdv": ..., "dq": ...}, either or both) over the defaults."""
     from tritonkit.inspect import Launch
@@ -496,8 +581,8 @@ def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None = No
         configs[kernel] |= (config or {}).get(kernel, {})
     launches = [("bwd delta", _launch_delta(q, q, rows, None, rows), {})]
     launches += [(f"bwd {'dk dv' if kernel == 'dkdv' else kernel}",
-                  _launch_main(kernel, q, kv, kv, q, rows, rows, (kv, kv) if kernel == "dkdv" else (q,),
-                               head_dim**-0.5, causal, True, configs[kernel]), configs[kernel])
+                  _launch_main(kernel, q, kv, kv, q, rows, rows, (kv, kv) if kernel == "dkdv" else (q,), scores,
+                               configs[kernel]), configs[kernel])
                  for kernel in KERNELS]
     return [Launch(name, launcher.kernel, args, meta, shown)
             for name, (launcher, _, args, meta), shown in launches]

@@ -10,10 +10,12 @@ exp(m - m'). Exponentials are exp2, with scale * log2(e) folded into the scores 
 
 Masks. Causal: query i sees key j iff j <= i + offset. offset = 0 aligns the mask top-left, as
 torch's scaled_dot_product_attention does; offset = Sk - Sq aligns it bottom-right, as
-FlashAttention >= 2.1 does (the last query sees every key, which KV-cache decoding needs). A row
-that sees no key (bottom-right with Sq > Sk) outputs 0 and has lse = -inf. Only the key blocks a
-mask cuts (the diagonal and the ragged end) are masked; blocks past the diagonal are skipped.
-GQA/MQA: query head h reads key/value head h // (Hq / Hkv).
+FlashAttention >= 2.1 does (the last query sees every key, which KV-cache decoding needs). A
+sliding window (left, right) bounds j to [i + offset - left, i + offset + right] (either side may
+be open; causal closes the right at 0). A row that sees no key outputs 0 and has lse = -inf. Only
+the key blocks a bound cuts (its diagonal and the ragged end) are masked; blocks outside the bounds
+are skipped. Soft-capping replaces the scaled score s by softcap * tanh(s / softcap) before the
+softmax. GQA/MQA: query head h reads key/value head h // (Hq / Hkv).
 
 Work. FLOPs 4 * B * Hq * Sq * Sk * D (two matmuls), about half of it when causal with Sq = Sk; HBM
 bytes s * (|Q| + |K| + |V| + |O|) + 4 * B * Hq * Sq for the lse when K and V of a head stay in L2
@@ -38,7 +40,7 @@ import triton.language as tl  # noqa: E402
 
 from tritonkit._launch import Launcher, cdiv, precompile  # noqa: E402
 from tritonkit.ops.attention_bwd import _inspect_launches as _inspect_bwd_launches  # noqa: E402
-from tritonkit.ops.attention_bwd import attention_bwd  # noqa: E402
+from tritonkit.ops.attention_bwd import Scores, _exponent, _key_ranges, _visible, attention_bwd  # noqa: E402
 
 DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256  # a (BLOCK_M, 256) fp32 accumulator is already 128 registers a thread at 8 warps
@@ -48,14 +50,14 @@ LN_2 = tl.constexpr(0.6931471805599453)
 
 @triton.jit
 def _attn_fwd_blocks(acc, l_i, m_i, q, k_tile_ptr, v_tile_ptr, stride_kn, stride_vn, offs_m, offs_n, d_mask,
-                     start, end, SEQ_K, CAUSAL_OFFSET, qk_scale,
-                     IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
-                     EXACT_DOT_IN_FP32: tl.constexpr):
+                     start, end, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, score_scale, cap_log2,
+                     IS_CAUSAL: tl.constexpr, HAS_LOWER: tl.constexpr, SOFTCAP: tl.constexpr,
+                     MASKED: tl.constexpr, BLOCK_N: tl.constexpr, EXACT_DOT_IN_FP32: tl.constexpr):
     """The online softmax over the key blocks in [start, end): the running (acc, l_i, m_i) after them.
 
     ``k_tile_ptr`` points at the head's first key block as a transposed (D, BLOCK_N) tile,
     ``v_tile_ptr`` at its first value block, (BLOCK_N, D); ``d_mask`` masks head dims past D.
-    MASKED blocks also mask keys past SEQ_K and, when causal, keys past each row's diagonal.
+    MASKED blocks also mask keys past SEQ_K and keys outside each row's bounds (``Scores``).
     EXACT_DOT_IN_FP32 multiplies the 16-bit tiles as fp32 (their products are exact there): Triton
     3.6's interpreter returns wrong bf16 dot products, so the interpreter takes this path."""
     for start_n in range(start, end, BLOCK_N):
@@ -67,20 +69,24 @@ def _attn_fwd_blocks(acc, l_i, m_i, q, k_tile_ptr, v_tile_ptr, stride_kn, stride
         else:
             k = tl.load(k_ptrs, mask=d_mask[:, None], other=0.0)
         if EXACT_DOT_IN_FP32:
-            s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee") * qk_scale
+            dot = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
         else:
-            s = tl.dot(q, k) * qk_scale  # scores in log2 units
+            dot = tl.dot(q, k)
+        s, _ = _exponent(dot, score_scale, cap_log2, SOFTCAP)  # scores in log2 units
         if MASKED:
-            visible = cols[None, :] < SEQ_K
-            if IS_CAUSAL:
-                visible = visible & (cols[None, :] <= offs_m[:, None] + CAUSAL_OFFSET)
+            visible = _visible(offs_m[:, None], cols[None, :], SEQ_K, UPPER_OFFSET, LOWER_OFFSET, IS_CAUSAL,
+                               HAS_LOWER)
             s = tl.where(visible, s, -float("inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_new = tl.where(m_new == -float("inf"), 0.0, m_new)  # a row with no key yet: exp2(-inf) = 0
+            # a row with no key yet keeps m = -inf (a 0 there would leave its first key's p unscaled,
+            # below 1 and rounded, or under fp32's range); exp2 takes 0 then, so that -inf - -inf
+            # does not make NaN
+            m_exp = tl.where(m_new == -float("inf"), 0.0, m_new)
         else:
             m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
+            m_exp = m_new
+        p = tl.math.exp2(s - m_exp[:, None])
+        alpha = tl.math.exp2(m_i - m_exp)
         l_i = l_i * alpha + tl.sum(p, 1)
         if MASKED:
             v = tl.load(v_ptrs, mask=d_mask[None, :] & (cols[:, None] < SEQ_K), other=0.0)
@@ -109,11 +115,15 @@ def _attn_fwd_kernel(
     GROUP,  # query heads per key/value head (1 without GQA)
     SEQ_Q,  # query rows per head
     SEQ_K,  # keys per head
-    CAUSAL_OFFSET,  # causal: query i sees key j iff j <= i + CAUSAL_OFFSET (0 top-left, Sk - Sq bottom-right)
-    qk_scale,  # the softmax scale times log2(e)
+    UPPER_OFFSET,  # IS_CAUSAL: query i sees key j only if j <= i + UPPER_OFFSET
+    LOWER_OFFSET,  # HAS_LOWER: ... and only if j >= i + LOWER_OFFSET
+    score_scale,  # the exponent in log2 units is dot * score_scale (with SOFTCAP, its tanh's argument)
+    cap_log2,  # SOFTCAP: softcap * log2(e), the tanh's scale
     HEAD_DIM: tl.constexpr,  # D
     BLOCK_D: tl.constexpr,  # power of two >= D
-    IS_CAUSAL: tl.constexpr,  # mask keys past each row's diagonal
+    IS_CAUSAL: tl.constexpr,  # keys have an upper bound (causal, or a window's right side)
+    HAS_LOWER: tl.constexpr,  # keys have a lower bound (a window's left side)
+    SOFTCAP: tl.constexpr,  # the scores are soft-capped
     BLOCK_M: tl.constexpr,  # query rows a program holds
     BLOCK_N: tl.constexpr,  # keys a step of the loop takes
     EXACT_DOT_IN_FP32: tl.constexpr,  # multiply the 16-bit tiles as fp32 (the interpreter's path)
@@ -136,19 +146,20 @@ def _attn_fwd_kernel(
     m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # Keys [0, unmasked_end) are visible to every row of the block; [unmasked_end, end) need masks.
-    if IS_CAUSAL:
-        end = tl.maximum(tl.minimum(SEQ_K, start_m + BLOCK_M + CAUSAL_OFFSET), 0)
-        unmasked_end = tl.maximum(tl.minimum(SEQ_K, start_m + 1 + CAUSAL_OFFSET), 0) // BLOCK_N * BLOCK_N
-    else:
-        end = SEQ_K
-        unmasked_end = SEQ_K // BLOCK_N * BLOCK_N
+    start, inner_start, inner_end, end = _key_ranges(start_m, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, IS_CAUSAL,
+                                                     HAS_LOWER, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, k_tile_ptr, v_tile_ptr, stride_kn, stride_vn, offs_m,
-                                     offs_n, d_mask, 0, unmasked_end, SEQ_K, CAUSAL_OFFSET, qk_scale,
-                                     IS_CAUSAL, False, BLOCK_N, EXACT_DOT_IN_FP32)
+                                     offs_n, d_mask, start, inner_start, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
+                                     score_scale, cap_log2, IS_CAUSAL, HAS_LOWER, SOFTCAP, True, BLOCK_N,
+                                     EXACT_DOT_IN_FP32)
     acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, k_tile_ptr, v_tile_ptr, stride_kn, stride_vn, offs_m,
-                                     offs_n, d_mask, unmasked_end, end, SEQ_K, CAUSAL_OFFSET, qk_scale,
-                                     IS_CAUSAL, True, BLOCK_N, EXACT_DOT_IN_FP32)
+                                     offs_n, d_mask, inner_start, inner_end, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
+                                     score_scale, cap_log2, IS_CAUSAL, HAS_LOWER, SOFTCAP, False, BLOCK_N,
+                                     EXACT_DOT_IN_FP32)
+    acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, k_tile_ptr, v_tile_ptr, stride_kn, stride_vn, offs_m,
+                                     offs_n, d_mask, inner_end, end, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
+                                     score_scale, cap_log2, IS_CAUSAL, HAS_LOWER, SOFTCAP, True, BLOCK_N,
+                                     EXACT_DOT_IN_FP32)
     seen = l_i > 0.0  # false only for a row that sees no key: its output is 0, its lse -inf
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
     row_mask = offs_m < SEQ_Q
@@ -202,22 +213,19 @@ def _prune(config: dict, key: dict) -> bool:
 
 
 _TUNER = tuning.Tuner("attention_fwd", CONFIGS, default=_default, prune=_prune,
-                      sources=(_attn_fwd_kernel, _attn_fwd_blocks))
+                      sources=(_attn_fwd_kernel, _attn_fwd_blocks, _exponent, _visible, _key_ranges))
 
 
-def _tuning_key(q: torch.Tensor, k: torch.Tensor, causal: bool, bottom_right: bool) -> dict:
-    """What the fastest tile depends on: the head dim, the mask, the dtype and the problem's size
-    (sequence lengths and batch x heads, each to the next power of two)."""
+def _tuning_key(q: torch.Tensor, k: torch.Tensor, scores: Scores) -> dict:
+    """What the fastest tile depends on: the head dim, the masks, the soft cap, the dtype and the
+    problem's size (sequence lengths and batch x heads, each to the next power of two)."""
     batch, heads, seq_q, head_dim = q.shape
     pow2 = triton.next_power_of_2
-    mask = ("bottom-right" if bottom_right else "top-left") if causal else "none"
-    return {"head_dim": head_dim, "mask": mask, "dtype": tuning.DTYPE_NAMES[q.dtype], "seq_q": pow2(seq_q),
-            "seq_k": pow2(k.shape[2]), "batch_heads": pow2(batch * heads), "group": heads // k.shape[1]}
-
-
-def _mask_flags(key: dict) -> tuple[bool, bool]:
-    """(causal, bottom_right) of a tuning key's mask."""
-    return key["mask"] != "none", key["mask"] == "bottom-right"
+    mask = ("bottom-right" if scores.bottom_right else "top-left") if scores.causal else "none"
+    window = "+".join(side for side, bound in zip(("left", "right"), scores.window, strict=True) if bound >= 0)
+    return {"head_dim": head_dim, "mask": mask, "window": window or "none", "softcap": bool(scores.softcap),
+            "dtype": tuning.DTYPE_NAMES[q.dtype], "seq_q": pow2(seq_q), "seq_k": pow2(k.shape[2]),
+            "batch_heads": pow2(batch * heads), "group": heads // k.shape[1]}
 
 
 def _calibration(key: dict, config: dict, device) -> tuple:
@@ -234,16 +242,23 @@ def _calibration(key: dict, config: dict, device) -> tuple:
     return q, *kv
 
 
-def _admit(key: dict, scale: float, device, config: dict):
+def _calibration_scores(scores: Scores, config: dict) -> Scores:
+    """The call's scores for the calibration problem: a window's sides, where it has them, cut
+    inside its few blocks (a window of the real problem's width would cover them whole)."""
+    left, right = scores.window
+    return scores._replace(window=(config["BLOCK_N"] + 7 if left >= 0 else -1, 5 if right >= 0 else -1))
+
+
+def _admit(key: dict, scores: Scores, device, config: dict):
     """The oracle on ``config``'s output and lse for a calibration problem (the worse of the two);
     a row that sees no key must have lse -inf."""
     from tritonkit.testing import Comparison, compare, worst
 
     q, k, v = _calibration(key, config, device)
-    causal, bottom_right = _mask_flags(key)
-    o, lse = _attention_fwd(q, k, v, scale, causal, bottom_right, config=config)
-    exact = attention_reference(q.double(), k.double(), v.double(), causal, scale, bottom_right, True)
-    in_dtype = attention_reference(q, k, v, causal, scale, bottom_right, True)
+    scores = _calibration_scores(scores, config)
+    o, lse = _attention_fwd(q, k, v, scores, config=config)
+    exact = attention_reference(q.double(), k.double(), v.double(), return_lse=True, **scores._asdict())
+    in_dtype = attention_reference(q, k, v, return_lse=True, **scores._asdict())
     seen = torch.isfinite(exact[1])
     if not torch.equal(torch.isneginf(lse), ~seen):
         return Comparison("lse of the rows that see no key", math.inf, 0.0, 0.0)
@@ -256,15 +271,14 @@ def _time_ms(run, config: dict) -> float:
     return tuning.median_ms(lambda: run(config))
 
 
-def _precompile(key: dict, scale: float, launch_args, device, configs: list[dict]) -> None:
+def _precompile(key: dict, scores: Scores, launch_args, device, configs: list[dict]) -> None:
     """Compile every candidate for its calibration problem and the real one, together on threads."""
     calls = []
     for config in configs:
         q, k, v = _calibration(key, config, device)
         o, lse = torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
-        causal, bottom_right = _mask_flags(key)
-        for grid, args, meta in (_fwd_launch_args(q, k, v, o, lse, scale, causal, bottom_right, config),
-                                 launch_args(config)):
+        calibration = _fwd_launch_args(q, k, v, o, lse, _calibration_scores(scores, config), config)
+        for grid, args, meta in (calibration, launch_args(config)):
             calls.append((_fwd_launcher, grid, args, meta))
     precompile(calls)
 
@@ -273,24 +287,24 @@ MAX_CHOSEN = 4096  # call signatures whose config is kept, so a repeated call sk
 _chosen: dict[tuple, dict] = {}
 
 
-def _config(q, k, v, o, lse, scale: float, causal: bool, bottom_right: bool) -> dict:
+def _config(q, k, v, o, lse, scores: Scores) -> dict:
     """The tuned (or default) config for this call's signature."""
-    signature = (q.shape, k.shape, q.dtype, q.device, causal, bottom_right)
+    signature = (q.shape, k.shape, q.dtype, q.device, scores)
     config = _chosen.get(signature)
     if config is not None:
         return config
-    key = _tuning_key(q, k, causal, bottom_right)
+    key = _tuning_key(q, k, scores)
 
     def launch_args(candidate):
-        return _fwd_launch_args(q, k, v, o, lse, scale, causal, bottom_right, candidate)
+        return _fwd_launch_args(q, k, v, o, lse, scores, candidate)
 
     def run(candidate):
         grid, args, meta = launch_args(candidate)
         _fwd_launcher(grid, *args, **meta)
 
-    entry = _TUNER.entry(key, admit=functools.partial(_admit, key, scale, q.device),
+    entry = _TUNER.entry(key, admit=functools.partial(_admit, key, scores, q.device),
                          time_ms=functools.partial(_time_ms, run),
-                         precompile=functools.partial(_precompile, key, scale, launch_args, q.device))
+                         precompile=functools.partial(_precompile, key, scores, launch_args, q.device))
     config = _TUNER.default(key) if entry is None else entry["config"]
     if entry is not None or interpret():  # final: tuned, cached, or the interpreter's one config
         tuning.remember(_chosen, signature, config, MAX_CHOSEN)
@@ -325,8 +339,7 @@ def _validate(q, k, v) -> None:
         raise ValueError(f"query heads ({heads_q}) must be a multiple of key/value heads ({heads_kv})")
 
 
-def _attention_fwd(q, k, v, scale: float, causal: bool, bottom_right: bool,
-                   config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _attention_fwd(q, k, v, scores: Scores, config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(output, lse) of attention over (B, H, S, D) tensors; ``config`` overrides the launch config."""
     _validate(q, k, v)
     batch, heads, seq_q, head_dim = q.shape
@@ -335,22 +348,21 @@ def _attention_fwd(q, k, v, scale: float, causal: bool, bottom_right: bool,
     if o.numel() == 0:
         return o, lse
     if config is None:
-        config = _config(q, k, v, o, lse, scale, causal, bottom_right)
-    grid, args, meta = _fwd_launch_args(q, k, v, o, lse, scale, causal, bottom_right, config)
+        config = _config(q, k, v, o, lse, scores)
+    grid, args, meta = _fwd_launch_args(q, k, v, o, lse, scores, config)
     _fwd_launcher(grid, *args, **meta)
     return o, lse
 
 
-def _fwd_launch_args(q, k, v, o, lse, scale: float, causal: bool, bottom_right: bool,
-                     config: dict | None) -> tuple[tuple, tuple, dict]:
+def _fwd_launch_args(q, k, v, o, lse, scores: Scores, config: dict | None) -> tuple[tuple, tuple, dict]:
     """(grid, arguments, constexprs and options) of the forward kernel."""
     batch, heads, seq_q, head_dim = q.shape
     seq_k = k.shape[2]
     config = dict(config or _default({"head_dim": head_dim}))
-    causal_offset = seq_k - seq_q if bottom_right else 0
+    score_args, score_meta = scores.kernel_args(seq_q, seq_k)
     args = (q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), heads, heads // k.shape[1], seq_q, seq_k,
-            causal_offset, scale * LOG2_E)
-    meta = {"HEAD_DIM": head_dim, "BLOCK_D": _block_d(head_dim), "IS_CAUSAL": causal,
+            *score_args)
+    meta = {"HEAD_DIM": head_dim, "BLOCK_D": _block_d(head_dim), **score_meta,
             "BLOCK_M": config.pop("BLOCK_M"), "BLOCK_N": config.pop("BLOCK_N"),
             "EXACT_DOT_IN_FP32": interpret(), **config}
     return (cdiv(seq_q, meta["BLOCK_M"]), batch * heads), args, meta
@@ -359,14 +371,16 @@ def _fwd_launch_args(q, k, v, o, lse, scale: float, causal: bool, bottom_right: 
 # ---------------------------------------------------------------- custom op and public functions
 
 
+# The custom ops take Scores' fields one by one (a custom op's arguments are tensors and scalars).
 @torch.library.custom_op("tritonkit::attention_fwd", mutates_args=())
 def _attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-                      bottom_right: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _attention_fwd(q, k, v, scale, causal, bottom_right)
+                      bottom_right: bool, window_left: int, window_right: int,
+                      softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _attention_fwd(q, k, v, Scores(scale, causal, bottom_right, (window_left, window_right), softcap))
 
 
 @_attention_fwd_op.register_fake
-def _(q, k, v, scale, causal, bottom_right):
+def _(q, k, v, scale, causal, bottom_right, window_left, window_right, softcap):
     _validate(q, k, v)
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
@@ -374,20 +388,22 @@ def _(q, k, v, scale, causal, bottom_right):
 @torch.library.custom_op("tritonkit::attention_bwd", mutates_args=())
 def _attention_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                       lse: torch.Tensor, dlse: torch.Tensor | None, scale: float, causal: bool,
-                      bottom_right: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return attention_bwd(do, q, k, v, o, lse, dlse, scale, causal, bottom_right)
+                      bottom_right: bool, window_left: int, window_right: int,
+                      softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return attention_bwd(do, q, k, v, o, lse, dlse,
+                         Scores(scale, causal, bottom_right, (window_left, window_right), softcap))
 
 
 @_attention_bwd_op.register_fake
-def _(do, q, k, v, o, lse, dlse, scale, causal, bottom_right):
+def _(do, q, k, v, o, lse, dlse, scale, causal, bottom_right, window_left, window_right, softcap):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, scale, causal, bottom_right = inputs
+    q, k, v, *options = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse)
-    ctx.options = (scale, causal, bottom_right)
+    ctx.options = options
     ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zeros to read
 
 
@@ -396,10 +412,16 @@ def _backward(ctx, do, dlse):
     if do is None:  # only the lse was differentiated
         do = torch.zeros_like(o)
     dq, dk, dv = _attention_bwd_op(do, q, k, v, o, lse, dlse, *ctx.options)
-    return dq, dk, dv, None, None, None
+    return dq, dk, dv, *([None] * len(ctx.options))
 
 
 _attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _call(q, k, v, scores: Scores) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward custom op (differentiable) on validated inputs."""
+    return _attention_fwd_op(q, k, v, scores.scale, scores.causal, scores.bottom_right, *scores.window,
+                             scores.softcap)
 
 
 def _scale(scale: float | None, head_dim: int) -> float:
@@ -412,24 +434,38 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
                     max_seqlen_k=None):
     """Attention over (B, H, S, D) fp16/bf16 tensors, FlashAttention's conventions: ``causal``
     aligned bottom-right when Sq != Sk; GQA/MQA when k and v have fewer heads (a divisor of q's);
-    ``scale`` defaults to 1/sqrt(D). With ``return_lse``, also the fp32 log-sum-exp of each query
-    row's scaled scores, (B, Hq, Sq) (-inf for a row that sees no key, whose output is 0).
+    ``scale`` defaults to 1/sqrt(D). ``window`` = (left, right) lets query i see only the keys from
+    i + Sk - Sq - left to i + Sk - Sq + right (-1: no bound on that side; causal sets right to 0).
+    ``softcap`` > 0 caps each scaled score s as softcap * tanh(s / softcap). With ``return_lse``,
+    also the fp32 log-sum-exp of each query row's scores, (B, Hq, Sq). A row that sees no key
+    outputs 0, with lse -inf and zero gradients.
 
     Differentiable in q, k, v (GQA gradients summed over each group) and in the lse. Not yet:
-    ``window``, ``softcap`` and variable-length batches (``cu_seqlens_*``, ``max_seqlen_*``); each
-    raises NotImplementedError."""
-    if tuple(window) != (-1, -1):
-        raise NotImplementedError("flash_attention: window (sliding-window attention) is not implemented yet")
-    if softcap:
-        raise NotImplementedError("flash_attention: softcap is not implemented yet")
+    variable-length batches (``cu_seqlens_*``, ``max_seqlen_*``) raise NotImplementedError."""
     for name, value in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
                         ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if value is not None:
             raise NotImplementedError(f"flash_attention: {name} (variable-length batches) is not "
                                       "implemented yet")
+    window = _window(window)
+    softcap = float(softcap)
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be a finite number >= 0 (0: no cap), got {softcap}")
     _validate(q, k, v)
-    o, lse = _attention_fwd_op(q, k, v, _scale(scale, q.shape[-1]), bool(causal), True)
+    o, lse = _call(q, k, v, Scores(_scale(scale, q.shape[-1]), bool(causal), True, window, softcap))
     return (o, lse) if return_lse else o
+
+
+def _window(window) -> tuple[int, int]:
+    """``window`` as (left, right) ints >= -1, or ValueError naming what is wrong."""
+    try:
+        left, right = window
+    except (TypeError, ValueError):
+        raise ValueError(f"window must be a pair (left, right), got {window!r}") from None
+    for side, value in (("left", left), ("right", right)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+            raise ValueError(f"window's {side} side must be an int >= -1 (-1: unbounded), got {value!r}")
+    return left, right
 
 
 def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
@@ -447,7 +483,7 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     if key.shape[1] != query.shape[1] and not enable_gqa:
         raise ValueError(f"query has {query.shape[1]} heads and key/value {key.shape[1]}: pass "
                          "enable_gqa=True for grouped-query attention, as torch requires")
-    o, _ = _attention_fwd_op(query, key, value, _scale(scale, query.shape[-1]), bool(is_causal), False)
+    o, _ = _call(query, key, value, Scores(_scale(scale, query.shape[-1]), bool(is_causal), False))
     return o
 
 
@@ -458,7 +494,8 @@ REFERENCE_SCORE_BYTES = 2**31  # the reference takes query rows in chunks whose 
 
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                        scale: float | None = None, bottom_right: bool = True, return_lse: bool = False):
+                        scale: float | None = None, bottom_right: bool = True, return_lse: bool = False,
+                        window: tuple[int, int] = (-1, -1), softcap: float = 0.0):
     """Plain PyTorch attention with the kernel's conventions (rows that see no key give 0 and lse
     -inf); pass float64 inputs for the oracle's reference. Query rows go in chunks whose scores
     take at most REFERENCE_SCORE_BYTES (at (2, 16, 16384, 128) whole float64 scores would be 69 GB);
@@ -468,8 +505,8 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     batch, heads, seq_q, _ = q.shape
     rows = max(1, REFERENCE_SCORE_BYTES // max(1, batch * heads * k.shape[2] * q.element_size()))
-    chunk = functools.partial(_reference_rows, scale=_scale(scale, q.shape[-1]), causal=causal,
-                              offset=k.shape[2] - seq_q if bottom_right else 0)
+    chunk = functools.partial(_reference_rows, scores=Scores(_scale(scale, q.shape[-1]), causal, bottom_right,
+                                                             tuple(window), softcap), seq_q=seq_q)
     if seq_q <= rows:
         o, lse = chunk(q, k, v, 0)
     else:
@@ -481,17 +518,35 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     return (o, lse if lse.dtype == torch.float64 else lse.float()) if return_lse else o
 
 
-def _reference_rows(q, k, v, first_row: int, scale: float, causal: bool, offset: int):
+def reference_visible(scores: Scores, first_row: int, rows: int, seq_q: int, seq_k: int, device):
+    """(rows, Sk) whether query rows first_row... see each key under ``scores``' masks; None when
+    every row sees every key."""
+    left, right = scores.window
+    if not scores.causal and left < 0 and right < 0:
+        return None
+    offset = seq_k - seq_q if scores.bottom_right else 0
+    diagonal = torch.arange(first_row, first_row + rows, device=device)[:, None] + offset
+    keys = torch.arange(seq_k, device=device)[None, :]
+    visible = torch.ones((rows, seq_k), dtype=torch.bool, device=device)
+    if scores.causal or right >= 0:
+        visible &= keys <= diagonal + (0 if scores.causal else right)
+    if left >= 0:
+        visible &= keys >= diagonal - left
+    return visible
+
+
+def _reference_rows(q, k, v, first_row: int, scores: Scores, seq_q: int):
     """(output, lse) of the reference for the query rows ``q`` (the first of them row ``first_row``)."""
-    scores = (q @ k.transpose(-1, -2)) * scale
-    if not causal:
-        return torch.softmax(scores, dim=-1) @ v, torch.logsumexp(scores, dim=-1)
-    row_ids = torch.arange(first_row, first_row + q.shape[2], device=q.device)[:, None]
-    visible = torch.arange(k.shape[2], device=q.device)[None, :] <= row_ids + offset
+    logits = (q @ k.transpose(-1, -2)) * scores.scale
+    if scores.softcap:
+        logits = scores.softcap * torch.tanh(logits / scores.softcap)
+    visible = reference_visible(scores, first_row, q.shape[2], seq_q, k.shape[2], q.device)
+    if visible is None:
+        return torch.softmax(logits, dim=-1) @ v, torch.logsumexp(logits, dim=-1)
     sees = visible.any(-1, keepdim=True)  # a row that sees no key: 0 out, lse -inf, no NaN in the VJP
-    scores = scores.masked_fill(~visible, -math.inf).masked_fill(~sees, 0.0)
-    return ((torch.softmax(scores, dim=-1) * sees) @ v,
-            torch.logsumexp(scores, dim=-1).masked_fill(~sees[:, 0], -math.inf))
+    logits = logits.masked_fill(~visible, -math.inf).masked_fill(~sees, 0.0)
+    return ((torch.softmax(logits, dim=-1) * sees) @ v,
+            torch.logsumexp(logits, dim=-1).masked_fill(~sees[:, 0], -math.inf))
 
 
 def attention_cost(shape: tuple, dtype: torch.dtype, mode: str = "fwd", causal: bool = False):
@@ -524,9 +579,10 @@ def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None = No
     lse = torch.empty((batch, heads_q, seq), dtype=torch.float32, device="meta")
     fwd_config = {name: value for name, value in (config or {}).items() if name not in KERNELS}
     bwd_config = {name: value for name, value in (config or {}).items() if name in KERNELS}
-    _, args, meta = _fwd_launch_args(q, kv, kv, q, lse, _scale(None, head_dim), causal, True, fwd_config or None)
+    scores = Scores(_scale(None, head_dim), causal)
+    _, args, meta = _fwd_launch_args(q, kv, kv, q, lse, scores, fwd_config or None)
     return [Launch("fwd", _attn_fwd_kernel, args, meta, fwd_config),
-            *_inspect_bwd_launches(shape, dtype, bwd_config, causal)]
+            *_inspect_bwd_launches(shape, dtype, bwd_config, scores)]
 
 
 # ---------------------------------------------------------------- benchmark peers and specs
