@@ -135,7 +135,8 @@ def test_softcap_matches_the_reference(causal, device):
     against a cap of 10), with a window too: outputs, lse and all gradients."""
     q, k, v = qkv(1, 4, 2, 33, 40, 64, torch.bfloat16, device, seed=33)
     check(q * 4, k * 4, v, causal=causal, softcap=10.0)
-    check(*qkv(1, 2, 2, 25, 19, 32, torch.float16, device, seed=34), causal=causal, softcap=0.5, window=(6, 4))
+    q, k, v = qkv(1, 2, 2, 25, 19, 32, torch.float16, device, seed=34)
+    check(q, k, v, causal=causal, softcap=0.5, window=(6, 4))
 
 
 def test_lse_merges_attention_over_two_halves_of_the_keys(device):
@@ -331,6 +332,18 @@ def test_gpu_default_tiles_match_the_reference(shape, causal, dtype, device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_dim, window, softcap, causal",
+                         [(128, (300, 77), 0.0, False), (128, (511, -1), 30.0, True),
+                          (64, (-1, 200), 5.0, False), (256, (130, 0), 0.0, True)],
+                         ids=["window", "causal-window-cap", "right-cap", "d256-window"])
+def test_gpu_windows_and_soft_caps_match_the_reference(head_dim, window, softcap, causal, device):
+    """Windows that cut inside the tuned tiles and soft caps that bend the scores (q and k scaled
+    so that |s| reaches several caps), GQA, Sq != Sk."""
+    q, k, v = qkv(2, 8, 2, 1100, 1163, head_dim, torch.bfloat16, device, seed=40)
+    check(q * 2, k * 2, v, causal=causal, window=window, softcap=softcap)
+
+
+@pytest.mark.gpu
 def test_gpu_keys_past_2_to_the_31_elements(device):
     """K and V of 3 x 2^30 elements: the last batch's offsets need 64 bits. 16 queries a batch keep
     the reference's scores to 1.6 GB.
@@ -472,7 +485,8 @@ def test_backward_candidates_fit_and_the_default_is_among_them(kernel):
         assert tuner.default(_key(head_dim=head_dim)) in candidates
         for c in candidates[:-1]:  # the last may be the default, which is kept whatever prune says
             step = c["BLOCK_M"] + c["BLOCK_N"] - c[held]
-            assert (2 * c[held] * head_dim + 2 * c[held] * step) / (32 * c["num_warps"]) <= ab.MAX_TILE_VALUES[kernel]
+            values = (2 * c[held] * head_dim + 2 * c[held] * step) / (32 * c["num_warps"])
+            assert values <= ab.MAX_TILE_VALUES[kernel], c
     short = _key(seq_q=16, seq_k=16)  # held tiles past 2 x 16 rows go
     assert all(c[held] <= 32 for c in tuner._candidates(short)[:-1])
 
@@ -516,7 +530,8 @@ def test_the_backward_launches_the_fastest_admitted_configs(monkeypatch, tmp_pat
     # the forward's one config, and the backward's small tiles: the interpreter runs each candidate
     monkeypatch.setattr(af, "_TUNER", tuning.Tuner("attention_fwd", [af.INTERPRETER_CONFIG],
                                                    sources=af._TUNER.sources, default=af._TUNER.default))
-    small = [c for c in ab.CONFIGS if c["BLOCK_M"] <= 32 and c["BLOCK_N"] == 16]
+    small = [{"BLOCK_M": block_m, "BLOCK_N": 16, "num_warps": warps, "num_stages": stages}
+             for block_m in (16, 32) for warps in (4, 8) for stages in (2, 3)]
     monkeypatch.setattr(ab, "_TUNERS", {kernel: tuning.Tuner(f"attention_bwd_{kernel}", small,
                                                              sources=tuner.sources, default=tuner.default,
                                                              prune=tuner.prune)
@@ -533,7 +548,8 @@ def test_the_backward_launches_the_fastest_admitted_configs(monkeypatch, tmp_pat
             launched.__setitem__(name, meta), real(grid, *args, **meta)))
     q, k, v = qkv(1, 2, 1, 40, 56, 32, torch.bfloat16, device, seed=9)
     check(q, k, v, causal=True)
-    entries = {e["tuner"]: e for e in (json.loads(p.read_text()) for p in (tmp_path / tuning.SUBDIR).iterdir())}
+    files = (tmp_path / tuning.SUBDIR).iterdir()
+    entries = {e["tuner"]: e for e in (json.loads(path.read_text()) for path in files)}
     assert set(entries) == {"attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq"}
     for kernel in ab.KERNELS:
         entry = entries[f"attention_bwd_{kernel}"]
@@ -554,11 +570,13 @@ def test_the_gates_gradients_are_autograds(causal, bottom_right):
     inputs = [t.clone().requires_grad_() for t in (q, k, v)]
     o = attention_reference(*inputs, causal=causal, scale=0.3, bottom_right=bottom_right)
     expected = torch.autograd.grad(o, inputs, do)
-    for ours, theirs in zip(ab._reference_grads(q, k, v, do, ab.Scores(0.3, causal, bottom_right)), expected, strict=True):
+    written = ab._reference_grads(q, k, v, do, ab.Scores(0.3, causal, bottom_right))
+    for ours, theirs in zip(written, expected, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("mask, window", [("none", (9, 4)), ("bottom-right", (20, -1))], ids=["window", "causal"])
+@pytest.mark.parametrize("mask, window", [("none", (9, 4)), ("bottom-right", (20, -1))],
+                         ids=["window", "causal"])
 def test_windowed_soft_capped_tiles_pass_the_gates(mask, window, device):
     """The gates of the forward and of both backward kernels with a window and a soft cap (the
     calibration problem's window cuts inside its blocks): tiles of two sizes each."""

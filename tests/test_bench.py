@@ -10,8 +10,8 @@ import torch
 
 from tritonkit import roofline
 from tritonkit.bench import add_peer_ratios, format_table, run, write_results
-from tritonkit.bench.report import markdown_table
 from tritonkit.bench.providers import providers_for
+from tritonkit.bench.report import markdown_table
 from tritonkit.bench.runner import Case, run_case
 from tritonkit.cli import main
 from tritonkit.ops import get_op

@@ -150,9 +150,10 @@ def _dot(a, b, EXACT_DOT_IN_FP32: tl.constexpr):
 @triton.jit
 def _dkdv_steps(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, batch, kv_head, cols, dims, d_mask,
                 stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod,
-                H_KV, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, score_scale, cap_log2, lead_start, n_lead,
-                rest_start, n_rest, IS_CAUSAL: tl.constexpr, HAS_LOWER: tl.constexpr, SOFTCAP: tl.constexpr,
-                MASKED: tl.constexpr, BLOCK_M: tl.constexpr, EXACT_DOT_IN_FP32: tl.constexpr):
+                H_KV, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, score_scale, cap_log2,
+                lead_start, n_lead, rest_start, n_rest, IS_CAUSAL: tl.constexpr, HAS_LOWER: tl.constexpr,
+                SOFTCAP: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
+                EXACT_DOT_IN_FP32: tl.constexpr):
     """dk and dv after query blocks of every query head of the key block's group: for each head,
     ``n_lead`` blocks from row ``lead_start``, then ``n_rest`` from ``rest_start``. One loop over
     (head, block) pairs: a nested loop over the heads kept both loops from pipelining on sm_90 and
@@ -167,7 +168,8 @@ def _dkdv_steps(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, batch, kv_head,
     for step in range(GROUP * per_head):
         head = kv_head * GROUP + step // per_head
         index = step % per_head
-        start_m = tl.where(index < n_lead, lead_start + index * BLOCK_M, rest_start + (index - n_lead) * BLOCK_M)
+        start_m = tl.where(index < n_lead, lead_start + index * BLOCK_M,
+                           rest_start + (index - n_lead) * BLOCK_M)
         bh = batch * (H_KV * GROUP) + head
         rows = start_m + local_m
         block = tl.cast(start_m, tl.int64)
@@ -244,13 +246,16 @@ def _attn_bwd_dkdv_kernel(
     all_end = tl.cdiv(SEQ_Q, BLOCK_M) * BLOCK_M
     last_key = start_n + BLOCK_N - 1
     inner_end = SEQ_Q // BLOCK_M * BLOCK_M
-    if IS_CAUSAL:  # row i sees key j only if i >= j - UPPER_OFFSET: from the first key for any, the last for all
+    # row i sees key j only if i >= j - UPPER_OFFSET: the first key bounds the rows that see any,
+    # the last those that see all
+    if IS_CAUSAL:
         first = tl.minimum(tl.maximum(start_n - UPPER_OFFSET, 0) // BLOCK_M * BLOCK_M, all_end)
         inner_start = tl.cdiv(tl.maximum(last_key - UPPER_OFFSET, 0), BLOCK_M) * BLOCK_M
     else:
         first = tl.full([], 0, tl.int32)
         inner_start = tl.full([], 0, tl.int32)
-    if HAS_LOWER:  # row i sees key j only if i <= j - LOWER_OFFSET: the last key for any, the first for all
+    # and only if i <= j - LOWER_OFFSET: the last key bounds the rows that see any, the first all
+    if HAS_LOWER:
         end = tl.maximum(tl.minimum(tl.cdiv(tl.maximum(last_key - LOWER_OFFSET + 1, 0), BLOCK_M) * BLOCK_M,
                                     all_end), first)
         inner_end = tl.minimum(inner_end, tl.maximum(start_n - LOWER_OFFSET + 1, 0) // BLOCK_M * BLOCK_M)
@@ -262,13 +267,14 @@ def _attn_bwd_dkdv_kernel(
     inner_end = tl.maximum(tl.minimum(inner_end, end), inner_start)
     dk, dv = _dkdv_steps(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, batch, kv_head, cols, dims, d_mask,
                          stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom,
-                         stride_dod, H_KV, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, score_scale, cap_log2,
-                         first, (inner_start - first) // BLOCK_M, inner_end, (end - inner_end) // BLOCK_M,
-                         IS_CAUSAL, HAS_LOWER, SOFTCAP, True, BLOCK_M, EXACT_DOT_IN_FP32)
+                         stride_dod, H_KV, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, score_scale,
+                         cap_log2, first, (inner_start - first) // BLOCK_M, inner_end,
+                         (end - inner_end) // BLOCK_M, IS_CAUSAL, HAS_LOWER, SOFTCAP, True, BLOCK_M,
+                         EXACT_DOT_IN_FP32)
     dk, dv = _dkdv_steps(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, batch, kv_head, cols, dims, d_mask,
                          stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom,
-                         stride_dod, H_KV, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, score_scale, cap_log2,
-                         inner_start, (inner_end - inner_start) // BLOCK_M, inner_end, 0,
+                         stride_dod, H_KV, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, score_scale,
+                         cap_log2, inner_start, (inner_end - inner_start) // BLOCK_M, inner_end, 0,
                          IS_CAUSAL, HAS_LOWER, SOFTCAP, False, BLOCK_M, EXACT_DOT_IN_FP32)
     out = bh_kv * SEQ_K * HEAD_DIM + cols[:, None] * HEAD_DIM + dims[None, :]
     tl.store(dk_ptr + out, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
@@ -281,7 +287,8 @@ def _dq_steps(dq, q, do, lse_log2, delta, k_head, v_head, stride_kn, stride_kd, 
               IS_CAUSAL: tl.constexpr, HAS_LOWER: tl.constexpr, SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
               BLOCK_N: tl.constexpr, EXACT_DOT_IN_FP32: tl.constexpr):
     """dq after the key blocks in [start, end); MASKED blocks mask keys past SEQ_K and outside each
-    row's bounds (rows past SEQ_Q need no mask: their lse is +inf, so their P is 0, and they are not stored)."""
+    row's bounds (rows past SEQ_Q need no mask: their lse is +inf, so their P is 0, and they are not
+    stored)."""
     local_n = tl.arange(0, BLOCK_N)
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + local_n
@@ -352,15 +359,15 @@ def _attn_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     start, inner_start, inner_end, end = _key_ranges(start_m, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, IS_CAUSAL,
                                                      HAS_LOWER, BLOCK_M, BLOCK_N)
-    dq = _dq_steps(dq, q, do, lse_log2, delta, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd, rows,
-                   dims, d_mask, start, inner_start, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, score_scale, cap_log2,
-                   IS_CAUSAL, HAS_LOWER, SOFTCAP, True, BLOCK_N, EXACT_DOT_IN_FP32)
-    dq = _dq_steps(dq, q, do, lse_log2, delta, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd, rows,
-                   dims, d_mask, inner_start, inner_end, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, score_scale,
-                   cap_log2, IS_CAUSAL, HAS_LOWER, SOFTCAP, False, BLOCK_N, EXACT_DOT_IN_FP32)
-    dq = _dq_steps(dq, q, do, lse_log2, delta, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd, rows,
-                   dims, d_mask, inner_end, end, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, score_scale, cap_log2,
-                   IS_CAUSAL, HAS_LOWER, SOFTCAP, True, BLOCK_N, EXACT_DOT_IN_FP32)
+    dq = _dq_steps(dq, q, do, lse_log2, delta, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd,
+                   rows, dims, d_mask, start, inner_start, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
+                   score_scale, cap_log2, IS_CAUSAL, HAS_LOWER, SOFTCAP, True, BLOCK_N, EXACT_DOT_IN_FP32)
+    dq = _dq_steps(dq, q, do, lse_log2, delta, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd,
+                   rows, dims, d_mask, inner_start, inner_end, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
+                   score_scale, cap_log2, IS_CAUSAL, HAS_LOWER, SOFTCAP, False, BLOCK_N, EXACT_DOT_IN_FP32)
+    dq = _dq_steps(dq, q, do, lse_log2, delta, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd,
+                   rows, dims, d_mask, inner_end, end, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
+                   score_scale, cap_log2, IS_CAUSAL, HAS_LOWER, SOFTCAP, True, BLOCK_N, EXACT_DOT_IN_FP32)
     out = (bh * SEQ_Q + rows[:, None]) * HEAD_DIM + dims[None, :]
     tl.store(dq_ptr + out, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=tile_mask)
 
@@ -375,10 +382,13 @@ KERNELS = ("dkdv", "dq")  # a backward config holds one launch config for each: 
 # The interpreter's tiles, as the forward's: several blocks a test shape, both loops' edges run.
 INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
 # In both kernels BLOCK_M counts query rows and BLOCK_N keys: dK/dV programs hold BLOCK_N keys and
-# step BLOCK_M rows; dQ programs hold BLOCK_M rows and step BLOCK_N keys.
-CONFIGS = [{"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
-           for block_m in (16, 32, 64, 128) for block_n in (16, 32, 64, 128) for warps in (4, 8)
-           for stages in (2, 3)]
+# step BLOCK_M rows; dQ programs hold BLOCK_M rows and step BLOCK_N keys. Held tiles of 32 to 128
+# (64 and up: wgmma's M), steps of 16 to 64.
+_LAUNCH = [{"num_warps": warps, "num_stages": stages} for warps in (4, 8) for stages in (2, 3)]
+CONFIGS = {"dkdv": [{"BLOCK_M": step, "BLOCK_N": held, **launch}
+                    for held in (32, 64, 128) for step in (16, 32, 64) for launch in _LAUNCH],
+           "dq": [{"BLOCK_M": held, "BLOCK_N": step, **launch}
+                  for held in (64, 128) for step in (16, 32, 64) for launch in _LAUNCH]}
 HELD = {"dkdv": "BLOCK_N", "dq": "BLOCK_M"}  # the tile a program holds; the other is its loop's step
 # fp32 values a thread past which a config spills on sm_90, fitted to `tritonkit inspect` scans at
 # D = 64, 128 and 256 (4 and 8 warps, 2 and 3 stages): dK/dV holds two accumulators of its keys
@@ -441,14 +451,14 @@ def _launch_main(kernel: str, q, k, v, do, lse, delta, grads, scores: Scores, co
     config = dict(config)
     score_args, score_meta = scores.kernel_args(seq_q, seq_k)
     meta = {"HEAD_DIM": head_dim, "BLOCK_D": _block_d(head_dim), **score_meta,
-            "BLOCK_M": config.pop("BLOCK_M"), "BLOCK_N": config.pop("BLOCK_N"), "EXACT_DOT_IN_FP32": interpret(),
-            **config}
+            "BLOCK_M": config.pop("BLOCK_M"), "BLOCK_N": config.pop("BLOCK_N"),
+            "EXACT_DOT_IN_FP32": interpret(), **config}
     tail = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), heads_kv if kernel == "dkdv" else heads,
             heads // heads_kv, seq_q, seq_k, *score_args, scores.scale)
+    args = (q, k, v, do, lse, delta, *grads, *tail)
     if kernel == "dkdv":
-        return _dkdv_launcher, (cdiv(seq_k, meta["BLOCK_N"]), batch * heads_kv), (q, k, v, do, lse, delta, *grads,
-                                                                                 *tail), meta
-    return _dq_launcher, (cdiv(seq_q, meta["BLOCK_M"]), batch * heads), (q, k, v, do, lse, delta, *grads, *tail), meta
+        return _dkdv_launcher, (cdiv(seq_k, meta["BLOCK_N"]), batch * heads_kv), args, meta
+    return _dq_launcher, (cdiv(seq_q, meta["BLOCK_M"]), batch * heads), args, meta
 
 
 def _reference_grads(q, k, v, do, scores: Scores) -> tuple:
@@ -486,12 +496,14 @@ def _admit(kernel: str, key: dict, scores: Scores, device, config: dict):
     do = random_tensor(q.shape, q.dtype, device, generator=generator(13))
     o, lse = fwd._attention_fwd(q, k, v, scores, config=fwd._default(key))
     configs = default_config(key["head_dim"]) | {kernel: config}
-    ours = dict(zip(("dq", "dk", "dv"), attention_bwd(do, q, k, v, o, lse, None, scores, configs), strict=True))
+    grads = attention_bwd(do, q, k, v, o, lse, None, scores, configs)
+    ours = dict(zip(("dq", "dk", "dv"), grads, strict=True))
     exact = _reference_grads(q.double(), k.double(), v.double(), do.double(), scores)
     in_dtype = _reference_grads(q, k, v, do, scores)
     names = ("dk", "dv") if kernel == "dkdv" else ("dq",)
     index = {"dq": 0, "dk": 1, "dv": 2}
-    return worst([compare(name, ours[name], in_dtype[index[name]], exact[index[name]], q.dtype) for name in names])
+    return worst([compare(name, ours[name], in_dtype[index[name]], exact[index[name]], q.dtype)
+                  for name in names])
 
 
 def _time_ms(run, config: dict) -> float:
@@ -500,7 +512,7 @@ def _time_ms(run, config: dict) -> float:
 
 
 _HELPERS = (_dot, _exponent, _visible)  # the @triton.jit helpers both main kernels call
-_TUNERS = {kernel: tuning.Tuner(f"attention_bwd_{kernel}", CONFIGS, default=lambda key, kernel=kernel:
+_TUNERS = {kernel: tuning.Tuner(f"attention_bwd_{kernel}", CONFIGS[kernel], default=lambda key, kernel=kernel:
                                 default_config(key["head_dim"])[kernel],
                                 prune=lambda config, key, kernel=kernel: _prune(kernel, config, key),
                                 sources=(_attn_bwd_dkdv_kernel, _dkdv_steps, *_HELPERS) if kernel == "dkdv"
@@ -581,8 +593,8 @@ def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None, sco
         configs[kernel] |= (config or {}).get(kernel, {})
     launches = [("bwd delta", _launch_delta(q, q, rows, None, rows), {})]
     launches += [(f"bwd {'dk dv' if kernel == 'dkdv' else kernel}",
-                  _launch_main(kernel, q, kv, kv, q, rows, rows, (kv, kv) if kernel == "dkdv" else (q,), scores,
-                               configs[kernel]), configs[kernel])
+                  _launch_main(kernel, q, kv, kv, q, rows, rows, (kv, kv) if kernel == "dkdv" else (q,),
+                               scores, configs[kernel]), configs[kernel])
                  for kernel in KERNELS]
     return [Launch(name, launcher.kernel, args, meta, shown)
             for name, (launcher, _, args, meta), shown in launches]

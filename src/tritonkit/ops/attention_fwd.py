@@ -39,8 +39,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from tritonkit._launch import Launcher, cdiv, precompile  # noqa: E402
-from tritonkit.ops.attention_bwd import _inspect_launches as _inspect_bwd_launches  # noqa: E402
 from tritonkit.ops.attention_bwd import Scores, _exponent, _key_ranges, _visible, attention_bwd  # noqa: E402
+from tritonkit.ops.attention_bwd import _inspect_launches as _inspect_bwd_launches  # noqa: E402
 
 DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256  # a (BLOCK_M, 256) fp32 accumulator is already 128 registers a thread at 8 warps
@@ -153,9 +153,9 @@ def _attn_fwd_kernel(
                                      score_scale, cap_log2, IS_CAUSAL, HAS_LOWER, SOFTCAP, True, BLOCK_N,
                                      EXACT_DOT_IN_FP32)
     acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, k_tile_ptr, v_tile_ptr, stride_kn, stride_vn, offs_m,
-                                     offs_n, d_mask, inner_start, inner_end, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
-                                     score_scale, cap_log2, IS_CAUSAL, HAS_LOWER, SOFTCAP, False, BLOCK_N,
-                                     EXACT_DOT_IN_FP32)
+                                     offs_n, d_mask, inner_start, inner_end, SEQ_K, UPPER_OFFSET,
+                                     LOWER_OFFSET, score_scale, cap_log2, IS_CAUSAL, HAS_LOWER, SOFTCAP,
+                                     False, BLOCK_N, EXACT_DOT_IN_FP32)
     acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, k_tile_ptr, v_tile_ptr, stride_kn, stride_vn, offs_m,
                                      offs_n, d_mask, inner_end, end, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
                                      score_scale, cap_log2, IS_CAUSAL, HAS_LOWER, SOFTCAP, True, BLOCK_N,
@@ -222,7 +222,8 @@ def _tuning_key(q: torch.Tensor, k: torch.Tensor, scores: Scores) -> dict:
     batch, heads, seq_q, head_dim = q.shape
     pow2 = triton.next_power_of_2
     mask = ("bottom-right" if scores.bottom_right else "top-left") if scores.causal else "none"
-    window = "+".join(side for side, bound in zip(("left", "right"), scores.window, strict=True) if bound >= 0)
+    sides = [side for side, bound in zip(("left", "right"), scores.window, strict=True) if bound >= 0]
+    window = "+".join(sides)
     return {"head_dim": head_dim, "mask": mask, "window": window or "none", "softcap": bool(scores.softcap),
             "dtype": tuning.DTYPE_NAMES[q.dtype], "seq_q": pow2(seq_q), "seq_k": pow2(k.shape[2]),
             "batch_heads": pow2(batch * heads), "group": heads // k.shape[1]}
