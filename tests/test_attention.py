@@ -4,6 +4,7 @@ shapes); the sm_90 code (HGMMA, no spills); larger shapes as gpu tests."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
@@ -139,6 +140,93 @@ def test_softcap_matches_the_reference(causal, device):
     check(q, k, v, causal=causal, softcap=0.5, window=(6, 4))
 
 
+# ---------------------------------------------------------------- packed variable-length batches
+
+
+def packed(lengths, heads_q, heads_kv, head_dim, dtype, device, seed=50):
+    """Random packed q, k, v for sequences of (query rows, keys) ``lengths``, and their cu_seqlens."""
+    g = testing.generator(seed)
+    cu = [torch.tensor([0, *itertools.accumulate(n[i] for n in lengths)], dtype=torch.int32, device=device)
+          for i in (0, 1)]
+    q = testing.random_tensor((int(cu[0][-1]), heads_q, head_dim), dtype, device, generator=g)
+    k, v = (testing.random_tensor((int(cu[1][-1]), heads_kv, head_dim), dtype, device, generator=g)
+            for _ in range(2))
+    return q, k, v, {"cu_seqlens_q": cu[0], "cu_seqlens_k": cu[1]}
+
+
+def check_packed(q, k, v, seed=101, **kwargs):
+    """Output, lse (Hq, total_q) and all gradients of a packed batch against the float64 reference,
+    which runs a sequence at a time."""
+    kernel = finite_lse(lambda *a: tritonkit.flash_attention(*a, return_lse=True, **kwargs))
+    reference = finite_lse(lambda *a: attention_reference(*a, return_lse=True, **kwargs))
+    g = testing.generator(seed)
+    upstream = [testing.random_tensor(q.shape, q.dtype, q.device, generator=g),
+                testing.random_tensor((q.shape[1], q.shape[0]), torch.float32, q.device, generator=g)]
+    testing.check_against_reference(kernel, reference, (q, k, v), grad_inputs=(0, 1, 2),
+                                    grad_outputs=upstream)
+
+
+# sequences of (query rows, keys): ragged, Sq > Sk and Sq < Sk, one row, an empty query side, an
+# empty key side (its rows see nothing), and one longer than the interpreter's tiles
+LENGTHS = [(17, 17), (5, 30), (33, 9), (1, 1), (0, 7), (6, 0), (40, 45)]
+
+
+@pytest.mark.parametrize("causal, window, softcap", [(False, (-1, -1), 0.0), (True, (-1, -1), 0.0),
+                                                     (True, (6, -1), 0.0), (False, (5, 3), 2.0)],
+                         ids=["full", "causal", "causal-window", "window-cap"])
+def test_packed_batches_match_the_reference(causal, window, softcap, device):
+    q, k, v, cu = packed(LENGTHS, 4, 2, 32, torch.bfloat16, device)
+    check_packed(q, k, v, causal=causal, window=window, softcap=softcap, **cu)
+
+
+def test_packed_batch_equals_each_sequence_alone(device):
+    """The packed output, lse and gradients of each sequence are exactly the dense call's on it alone
+    (same tiles, same order of sums)."""
+    q, k, v, cu = packed([(9, 20), (23, 23), (0, 4)], 2, 1, 64, torch.float16, device, seed=51)
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    o, lse = tritonkit.flash_attention(*inputs, causal=True, return_lse=True, **cu)
+    do = torch.randn_like(o)
+    grads = torch.autograd.grad(o, inputs, do)
+    starts_q, starts_k = cu["cu_seqlens_q"].tolist(), cu["cu_seqlens_k"].tolist()
+    bounds = list(zip(starts_q[:-1], starts_q[1:], starts_k[:-1], starts_k[1:], strict=True))
+    for q0, q1, k0, k1 in bounds:
+        alone = [t[a:b].transpose(0, 1).unsqueeze(0).detach().requires_grad_()
+                 for t, a, b in ((q, q0, q1), (k, k0, k1), (v, k0, k1))]
+        o_b, lse_b = tritonkit.flash_attention(*alone, causal=True, return_lse=True)
+        assert torch.equal(o[q0:q1], o_b[0].transpose(0, 1)) and torch.equal(lse[:, q0:q1], lse_b[0])
+        if q1 > q0:
+            grads_b = torch.autograd.grad(o_b, alone, do[q0:q1].transpose(0, 1).unsqueeze(0))
+            rows = ((q0, q1), (k0, k1), (k0, k1))
+            for packed_grad, grad_b, (a, b) in zip(grads, grads_b, rows, strict=True):
+                assert torch.equal(packed_grad[a:b], grad_b[0].transpose(0, 1))
+
+
+def test_bad_packed_input_is_named(device):
+    q, k, v, cu = packed([(3, 4), (5, 2)], 2, 2, 32, torch.bfloat16, device)
+    fa = tritonkit.flash_attention
+    cu_q, cu_k = cu["cu_seqlens_q"], cu["cu_seqlens_k"]
+    with pytest.raises(TypeError, match="cu_seqlens_q must be int32"):
+        fa(q, k, v, cu_seqlens_q=cu_q.long(), cu_seqlens_k=cu_k)
+    with pytest.raises(TypeError, match="cu_seqlens_k must be a torch.Tensor"):
+        fa(q, k, v, cu_seqlens_q=cu_q)
+    with pytest.raises(ValueError, match="must start at 0"):
+        fa(q, k, v, cu_seqlens_q=cu_q + 1, cu_seqlens_k=cu_k)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        fa(q, k, v, cu_seqlens_q=cu_q[[0, 2, 1]], cu_seqlens_k=cu_k)
+    with pytest.raises(ValueError, match="must end at the packed tensor's 6 rows"):
+        fa(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k[:2].contiguous())
+    with pytest.raises(ValueError, match="one entry a sequence each"):
+        fa(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=torch.tensor([0, 6], dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="max_seqlen_q must be an int >= the longest sequence \\(5\\)"):
+        fa(q, k, v, max_seqlen_q=4, **cu)
+    with pytest.raises(ValueError, match="max_seqlen_k is for packed batches"):
+        fa(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), max_seqlen_k=4)
+    with pytest.raises(ValueError, match="a packed key must be 3-D"):
+        fa(q, k.unsqueeze(0), v, **cu)
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        fa(q[:, :1].expand(-1, 3, -1), k, v, **cu)
+
+
 def test_lse_merges_attention_over_two_halves_of_the_keys(device):
     """What ring attention relies on: attention over keys A and B is attention over A and over B,
     weighted by exp(lse_A - lse) and exp(lse_B - lse) with lse = logaddexp(lse_A, lse_B)."""
@@ -202,8 +290,6 @@ def test_bad_input_is_named(device):
     for softcap in (-1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="softcap must be a finite number >= 0"):
             fa(q, k, v, softcap=softcap)
-    with pytest.raises(NotImplementedError, match="cu_seqlens_q"):
-        fa(q, k, v, cu_seqlens_q=torch.zeros(2, dtype=torch.int32))
     with pytest.raises(NotImplementedError, match="attn_mask"):
         tritonkit.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool))
     with pytest.raises(NotImplementedError, match="dropout_p"):
@@ -213,13 +299,25 @@ def test_bad_input_is_named(device):
 def test_opcheck(device):
     """The forward op (with its autograd) and the backward op: schemas, fake tensors, compile."""
     q, k, v = (t.requires_grad_() for t in qkv(1, 2, 1, 17, 23, 32, torch.bfloat16, device))
-    torch.library.opcheck(af._attention_fwd_op, (q, k, v, 0.2, True, True, -1, -1, 0.0))
-    torch.library.opcheck(af._attention_fwd_op, (q, k, v, 0.2, False, True, 5, 3, 4.0))  # window, softcap
-    o, lse = af._attention_fwd_op(q, k, v, 0.2, True, True, -1, -1, 0.0)
+    dense = (None, None, 0, 0)
+    torch.library.opcheck(af._attention_fwd_op, (q, k, v, *dense, 0.2, True, True, -1, -1, 0.0))
+    torch.library.opcheck(af._attention_fwd_op, (q, k, v, *dense, 0.2, False, True, 5, 3, 4.0))  # window, cap
+    o, lse = af._attention_fwd_op(q, k, v, *dense, 0.2, True, True, -1, -1, 0.0)
     do = torch.randn_like(o)
     args = (do, q.detach(), k.detach(), v.detach(), o.detach(), lse.detach())
-    torch.library.opcheck(af._attention_bwd_op, (*args, None, 0.2, True, True, -1, -1, 0.0))
-    torch.library.opcheck(af._attention_bwd_op, (*args, torch.randn_like(lse), 0.2, False, False, 4, -1, 2.0))
+    torch.library.opcheck(af._attention_bwd_op, (*args, None, *dense, 0.2, True, True, -1, -1, 0.0))
+    dlse = torch.randn_like(lse)
+    torch.library.opcheck(af._attention_bwd_op, (*args, dlse, *dense, 0.2, False, False, 4, -1, 2.0))
+    # a packed batch: (T, H, D) tensors, a (H, T) lse
+    pq, pk, pv, cu = packed([(5, 9), (12, 3)], 2, 1, 32, torch.bfloat16, device)
+    varlen = (cu["cu_seqlens_q"], cu["cu_seqlens_k"], 12, 9)
+    pq, pk, pv = (t.requires_grad_() for t in (pq, pk, pv))
+    torch.library.opcheck(af._attention_fwd_op, (pq, pk, pv, *varlen, 0.2, True, True, -1, -1, 0.0))
+    po, plse = af._attention_fwd_op(pq, pk, pv, *varlen, 0.2, True, True, -1, -1, 0.0)
+    assert plse.shape == (2, 17)
+    args = (torch.randn_like(po), pq.detach(), pk.detach(), pv.detach(), po.detach(), plse.detach())
+    dlse = torch.randn_like(plse)
+    torch.library.opcheck(af._attention_bwd_op, (*args, dlse, *varlen, 0.2, True, True, 3, -1, 0.0))
 
 
 def test_expanded_upstream_gradients(device):
@@ -341,6 +439,17 @@ def test_gpu_windows_and_soft_caps_match_the_reference(head_dim, window, softcap
     so that |s| reaches several caps), GQA, Sq != Sk."""
     q, k, v = qkv(2, 8, 2, 1100, 1163, head_dim, torch.bfloat16, device, seed=40)
     check(q * 2, k * 2, v, causal=causal, window=window, softcap=softcap)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gpu_packed_batches_match_the_reference(causal, device):
+    """Packed sequences of mixed lengths on the tuned tiles: empty ones, one row, and some longer
+    than a tile, Sq != Sk within a sequence, GQA, a window."""
+    lengths = [(1000, 1000), (37, 300), (2048, 2048), (0, 64), (513, 1), (1, 700)]
+    q, k, v, cu = packed(lengths, 8, 2, 128, torch.bfloat16, device, seed=52)
+    check_packed(q, k, v, causal=causal, **cu)
+    check_packed(q, k, v, causal=causal, window=(256, 32), **cu)
 
 
 @pytest.mark.gpu

@@ -65,6 +65,23 @@ class Scores(NamedTuple):
                 {"IS_CAUSAL": upper, "HAS_LOWER": left >= 0, "SOFTCAP": bool(self.softcap)})
 
 
+class Packed(NamedTuple):
+    """A packed batch of variable-length sequences: sequence b's query rows are
+    cu_q[b]:cu_q[b + 1] of the packed tensor, its keys cu_k[b]:cu_k[b + 1]."""
+
+    cu_q: torch.Tensor  # int32, (B + 1,), on the tensors' device
+    cu_k: torch.Tensor
+    sequences: int  # B
+    max_q: int  # the longest sequence's query rows: the grid's extent
+    max_k: int
+
+
+def per_sequence(strides: tuple, packed: Packed | None) -> tuple:
+    """A tensor's strides as a kernel takes them: in a packed batch the leading (batch) stride is 0,
+    since a program's "batch" index is its sequence, found by its first row instead."""
+    return tuple(strides) if packed is None else (0, *strides[1:])
+
+
 @triton.jit
 def _exponent(dot, score_scale, cap_log2, SOFTCAP: tl.constexpr):
     """(the scores in log2 units, tanh of the capped score or 0): dot * score_scale, or with SOFTCAP
@@ -88,11 +105,27 @@ def _visible(rows, cols, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, IS_CAUSAL: tl.conste
 
 
 @triton.jit
-def _key_ranges(start_m, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, IS_CAUSAL: tl.constexpr, HAS_LOWER: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _sequence(batch, cu_q_ptr, cu_k_ptr, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, VARLEN: tl.constexpr):
+    """(first query row, query rows, first key, keys, UPPER_OFFSET, LOWER_OFFSET) of sequence ``batch``:
+    the problem's own in a dense batch; in a packed one (VARLEN) from cu_seqlens, the offsets then
+    aligned bottom-right for this sequence's lengths (they hold only the window's sides)."""
+    if VARLEN:
+        q_start = tl.load(cu_q_ptr + batch)
+        k_start = tl.load(cu_k_ptr + batch)
+        seq_q = tl.load(cu_q_ptr + batch + 1) - q_start
+        seq_k = tl.load(cu_k_ptr + batch + 1) - k_start
+        return (q_start.to(tl.int64), seq_q, k_start.to(tl.int64), seq_k, UPPER_OFFSET + seq_k - seq_q,
+                LOWER_OFFSET + seq_k - seq_q)
+    return 0, SEQ_Q, 0, SEQ_K, UPPER_OFFSET, LOWER_OFFSET
+
+
+@triton.jit
+def _key_ranges(start_m, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, IS_CAUSAL: tl.constexpr,
+                HAS_LOWER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The keys of query rows [start_m, start_m + BLOCK_M), as (start, inner_start, inner_end, end):
     [inner_start, inner_end) every row sees whole, a multiple of BLOCK_N long; [start, inner_start)
-    and [inner_end, end) need masks; keys outside [start, end) no row sees."""
+    and [inner_end, end) need masks; keys outside [start, end) no row sees (all of them when the
+    rows lie past SEQ_Q: a program past its packed sequence's end)."""
     if IS_CAUSAL:  # the last row's bound for the end, the first row's for the blocks all rows see
         end = tl.maximum(tl.minimum(SEQ_K, start_m + BLOCK_M + UPPER_OFFSET), 0)
         inner_end = tl.maximum(tl.minimum(SEQ_K, start_m + 1 + UPPER_OFFSET), 0) // BLOCK_N * BLOCK_N
@@ -105,6 +138,7 @@ def _key_ranges(start_m, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, IS_CAUSAL: tl.conste
     else:
         start = tl.full([], 0, tl.int32)
         inner_start = tl.full([], 0, tl.int32)
+    end = tl.where(start_m < SEQ_Q, end, start)
     inner_start = tl.minimum(tl.maximum(inner_start, start), end)
     inner_end = tl.maximum(tl.minimum(inner_end, end), inner_start)
     return start, inner_start, inner_end, end
@@ -112,11 +146,12 @@ def _key_ranges(start_m, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, IS_CAUSAL: tl.conste
 
 @triton.jit
 def _attn_bwd_delta_kernel(
-    o_ptr,  # forward output, (B, H, Sq, D), contiguous
+    o_ptr,  # forward output, (B, H, Sq, D), strides stride_o* and 1
     do_ptr,  # upstream gradient of o, (B, H, Sq, D), strides stride_do*
     dlse_ptr,  # upstream gradient of the lse, (B, H, Sq), contiguous (unused without HAS_DLSE)
-    delta_ptr,  # fp32 out: rowsum(dO * O) - dlse, (B, H, Sq)
-    stride_dob, stride_doh, stride_dom, stride_dod,  # elements between batches, heads, rows, dims of dO
+    delta_ptr,  # fp32 out: rowsum(dO * O) - dlse, (B, H, Sq), contiguous
+    stride_ob, stride_oh, stride_om,  # elements between batches, heads, rows of o
+    stride_dob, stride_doh, stride_dom, stride_dod,  # ... and head dims of dO
     H,  # heads
     SEQ_Q,  # query rows per head
     HEAD_DIM: tl.constexpr,  # D
@@ -129,7 +164,8 @@ def _attn_bwd_delta_kernel(
     batch, head = bh // H, bh % H
     dims = tl.arange(0, BLOCK_D)
     mask = (rows[:, None] < SEQ_Q) & (dims[None, :] < HEAD_DIM)
-    o = tl.load(o_ptr + (bh * SEQ_Q + rows[:, None]) * HEAD_DIM + dims[None, :], mask=mask, other=0.0)
+    o_rows = o_ptr + batch * stride_ob + head * stride_oh
+    o = tl.load(o_rows + rows[:, None] * stride_om + dims[None, :], mask=mask, other=0.0)
     do = tl.load(do_ptr + batch * stride_dob + head * stride_doh + rows[:, None] * stride_dom
                  + dims[None, :] * stride_dod, mask=mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
@@ -148,9 +184,9 @@ def _dot(a, b, EXACT_DOT_IN_FP32: tl.constexpr):
 
 
 @triton.jit
-def _dkdv_steps(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, batch, kv_head, cols, dims, d_mask,
+def _dkdv_steps(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, batch, kv_head, q_start, cols, dims, d_mask,
                 stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod,
-                H_KV, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, score_scale, cap_log2,
+                stride_lb, stride_lh, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, score_scale, cap_log2,
                 lead_start, n_lead, rest_start, n_rest, IS_CAUSAL: tl.constexpr, HAS_LOWER: tl.constexpr,
                 SOFTCAP: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
                 EXACT_DOT_IN_FP32: tl.constexpr):
@@ -170,9 +206,9 @@ def _dkdv_steps(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, batch, kv_head,
         index = step % per_head
         start_m = tl.where(index < n_lead, lead_start + index * BLOCK_M,
                            rest_start + (index - n_lead) * BLOCK_M)
-        bh = batch * (H_KV * GROUP) + head
         rows = start_m + local_m
-        block = tl.cast(start_m, tl.int64)
+        block = q_start + tl.cast(start_m, tl.int64)
+        row_stats = batch * stride_lb + head * stride_lh + block + local_m  # lse and delta
         q_ptrs = (q_ptr + batch * stride_qb + head * stride_qh + block * stride_qm
                   + local_m[:, None] * stride_qm + dims[None, :] * stride_qd)
         do_ptrs = (do_ptr + batch * stride_dob + head * stride_doh + block * stride_dom
@@ -181,13 +217,13 @@ def _dkdv_steps(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, batch, kv_head,
             row_mask = rows < SEQ_Q
             q = tl.load(q_ptrs, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
             do = tl.load(do_ptrs, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-            lse = tl.load(lse_ptr + bh * SEQ_Q + rows, mask=row_mask, other=float("inf"))
-            delta = tl.load(delta_ptr + bh * SEQ_Q + rows, mask=row_mask, other=0.0)
+            lse = tl.load(lse_ptr + row_stats, mask=row_mask, other=float("inf"))
+            delta = tl.load(delta_ptr + row_stats, mask=row_mask, other=0.0)
         else:
             q = tl.load(q_ptrs, mask=d_mask[None, :], other=0.0)
             do = tl.load(do_ptrs, mask=d_mask[None, :], other=0.0)
-            lse = tl.load(lse_ptr + bh * SEQ_Q + rows)
-            delta = tl.load(delta_ptr + bh * SEQ_Q + rows)
+            lse = tl.load(lse_ptr + row_stats)
+            delta = tl.load(delta_ptr + row_stats)
         lse_log2 = tl.where(lse == -float("inf"), float("inf"), lse * 1.4426950408889634)
         s_t, tanh_t = _exponent(_dot(k, tl.trans(q), EXACT_DOT_IN_FP32), score_scale, cap_log2, SOFTCAP)
         p_t = tl.math.exp2(s_t - lse_log2[None, :])  # (BLOCK_N, BLOCK_M)
@@ -207,13 +243,16 @@ def _dkdv_steps(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, batch, kv_head,
 @triton.jit
 def _attn_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr,  # inputs as the forward took them, and dO: (B, H*, S*, D), strided
-    lse_ptr,  # forward lse (natural log), (B, Hq, Sq), contiguous
-    delta_ptr,  # rowsum(dO * O) - dlse, (B, Hq, Sq), contiguous
-    dk_ptr, dv_ptr,  # out: (B, Hkv, Sk, D), contiguous
+    lse_ptr,  # forward lse (natural log), (B, Hq, Sq), strides stride_l* and 1
+    delta_ptr,  # rowsum(dO * O) - dlse, laid out as the lse
+    dk_ptr, dv_ptr,  # out: (B, Hkv, Sk, D), strides stride_g* and 1
+    cu_q_ptr, cu_k_ptr,  # VARLEN: int32 first row of each packed sequence of q and of k, and the total
     stride_qb, stride_qh, stride_qm, stride_qd,  # elements between batches, heads, rows, dims of q
     stride_kb, stride_kh, stride_kn, stride_kd,  # ... of k
     stride_vb, stride_vh, stride_vn, stride_vd,  # ... of v
     stride_dob, stride_doh, stride_dom, stride_dod,  # ... of dO
+    stride_lb, stride_lh,  # ... of the lse and delta
+    stride_gb, stride_gh, stride_gn,  # ... of dk and dv
     H_KV,  # key/value heads
     GROUP,  # query heads per key/value head
     SEQ_Q, SEQ_K,  # rows of q and of k per head
@@ -221,6 +260,7 @@ def _attn_bwd_dkdv_kernel(
     sm_scale,  # the softmax scale
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,  # D, and a power of two >= D
     IS_CAUSAL: tl.constexpr, HAS_LOWER: tl.constexpr, SOFTCAP: tl.constexpr,  # Scores.kernel_args
+    VARLEN: tl.constexpr,  # a packed batch: a program's "batch" is a sequence; batch strides are 0
     BLOCK_M: tl.constexpr,  # query rows a step of the loop takes
     BLOCK_N: tl.constexpr,  # keys a program holds
     EXACT_DOT_IN_FP32: tl.constexpr,  # multiply the 16-bit tiles as fp32 (the interpreter's path)
@@ -228,12 +268,14 @@ def _attn_bwd_dkdv_kernel(
     start_n = tl.program_id(0) * BLOCK_N
     bh_kv = tl.program_id(1).to(tl.int64)
     batch, kv_head = bh_kv // H_KV, bh_kv % H_KV
+    q_start, SEQ_Q, k_start, SEQ_K, UPPER_OFFSET, LOWER_OFFSET = _sequence(
+        batch, cu_q_ptr, cu_k_ptr, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, VARLEN)
     local_n = tl.arange(0, BLOCK_N)
     cols = start_n + local_n
     dims = tl.arange(0, BLOCK_D)
     d_mask = dims < HEAD_DIM
     kv_mask = (cols[:, None] < SEQ_K) & d_mask[None, :]
-    block = tl.cast(start_n, tl.int64)  # int64: S * stride may pass 2^31 (a (B, S, H, D) layout)
+    block = k_start + tl.cast(start_n, tl.int64)  # int64: S * stride may pass 2^31 (a (B, S, H, D) layout)
     k_rows = k_ptr + batch * stride_kb + kv_head * stride_kh + block * stride_kn
     v_rows = v_ptr + batch * stride_vb + kv_head * stride_vh + block * stride_vn
     k = tl.load(k_rows + local_n[:, None] * stride_kn + dims[None, :] * stride_kd, mask=kv_mask, other=0.0)
@@ -261,22 +303,25 @@ def _attn_bwd_dkdv_kernel(
         inner_end = tl.minimum(inner_end, tl.maximum(start_n - LOWER_OFFSET + 1, 0) // BLOCK_M * BLOCK_M)
     else:
         end = all_end
+    end = tl.where(start_n < SEQ_K, end, first)  # a program past its packed sequence's keys
     if start_n + BLOCK_N > SEQ_K:
         inner_start = end
     inner_start = tl.minimum(tl.maximum(inner_start, first), end)
     inner_end = tl.maximum(tl.minimum(inner_end, end), inner_start)
-    dk, dv = _dkdv_steps(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, batch, kv_head, cols, dims, d_mask,
-                         stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom,
-                         stride_dod, H_KV, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, score_scale,
+    dk, dv = _dkdv_steps(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, batch, kv_head, q_start, cols, dims,
+                         d_mask, stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh,
+                         stride_dom, stride_dod, stride_lb, stride_lh, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET,
+                         LOWER_OFFSET, score_scale,
                          cap_log2, first, (inner_start - first) // BLOCK_M, inner_end,
                          (end - inner_end) // BLOCK_M, IS_CAUSAL, HAS_LOWER, SOFTCAP, True, BLOCK_M,
                          EXACT_DOT_IN_FP32)
-    dk, dv = _dkdv_steps(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, batch, kv_head, cols, dims, d_mask,
-                         stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom,
-                         stride_dod, H_KV, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, score_scale,
+    dk, dv = _dkdv_steps(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, batch, kv_head, q_start, cols, dims,
+                         d_mask, stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh,
+                         stride_dom, stride_dod, stride_lb, stride_lh, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET,
+                         LOWER_OFFSET, score_scale,
                          cap_log2, inner_start, (inner_end - inner_start) // BLOCK_M, inner_end, 0,
                          IS_CAUSAL, HAS_LOWER, SOFTCAP, False, BLOCK_M, EXACT_DOT_IN_FP32)
-    out = bh_kv * SEQ_K * HEAD_DIM + cols[:, None] * HEAD_DIM + dims[None, :]
+    out = batch * stride_gb + kv_head * stride_gh + (block + local_n[:, None]) * stride_gn + dims[None, :]
     tl.store(dk_ptr + out, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
     tl.store(dv_ptr + out, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
 
@@ -318,12 +363,15 @@ def _dq_steps(dq, q, do, lse_log2, delta, k_head, v_head, stride_kn, stride_kd, 
 @triton.jit
 def _attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr,  # as in the dK/dV kernel
-    lse_ptr, delta_ptr,  # (B, Hq, Sq), contiguous
-    dq_ptr,  # out: (B, Hq, Sq, D), contiguous
+    lse_ptr, delta_ptr,  # (B, Hq, Sq), strides stride_l* and 1
+    dq_ptr,  # out: (B, Hq, Sq, D), strides stride_g* and 1
+    cu_q_ptr, cu_k_ptr,  # as in the dK/dV kernel
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_lb, stride_lh,
+    stride_gb, stride_gh, stride_gn,
     H,  # query heads
     GROUP,  # query heads per key/value head
     SEQ_Q, SEQ_K,
@@ -331,6 +379,7 @@ def _attn_bwd_dq_kernel(
     sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, HAS_LOWER: tl.constexpr, SOFTCAP: tl.constexpr,
+    VARLEN: tl.constexpr,
     BLOCK_M: tl.constexpr,  # query rows a program holds
     BLOCK_N: tl.constexpr,  # keys a step of the loop takes
     EXACT_DOT_IN_FP32: tl.constexpr,
@@ -339,26 +388,29 @@ def _attn_bwd_dq_kernel(
     bh = tl.program_id(1).to(tl.int64)
     batch, head = bh // H, bh % H
     kv_head = head // GROUP
+    q_start, SEQ_Q, k_start, SEQ_K, UPPER_OFFSET, LOWER_OFFSET = _sequence(
+        batch, cu_q_ptr, cu_k_ptr, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, VARLEN)
     local_m = tl.arange(0, BLOCK_M)
     rows = start_m + local_m
     row_mask = rows < SEQ_Q
     dims = tl.arange(0, BLOCK_D)
     d_mask = dims < HEAD_DIM
     tile_mask = row_mask[:, None] & d_mask[None, :]
-    block = tl.cast(start_m, tl.int64)  # int64: S * stride may pass 2^31 (a (B, S, H, D) layout)
+    block = q_start + tl.cast(start_m, tl.int64)  # int64: S * stride may pass 2^31 (a (B, S, H, D) layout)
     q_rows = q_ptr + batch * stride_qb + head * stride_qh + block * stride_qm
     do_rows = do_ptr + batch * stride_dob + head * stride_doh + block * stride_dom
     q = tl.load(q_rows + local_m[:, None] * stride_qm + dims[None, :] * stride_qd, mask=tile_mask, other=0.0)
     do = tl.load(do_rows + local_m[:, None] * stride_dom + dims[None, :] * stride_dod, mask=tile_mask,
                  other=0.0)
-    lse = tl.load(lse_ptr + bh * SEQ_Q + rows, mask=row_mask, other=float("inf"))
-    delta = tl.load(delta_ptr + bh * SEQ_Q + rows, mask=row_mask, other=0.0)
+    row_stats = batch * stride_lb + head * stride_lh + block + local_m  # lse and delta
+    lse = tl.load(lse_ptr + row_stats, mask=row_mask, other=float("inf"))
+    delta = tl.load(delta_ptr + row_stats, mask=row_mask, other=0.0)
     lse_log2 = tl.where(lse == -float("inf"), float("inf"), lse * 1.4426950408889634)
-    k_head = k_ptr + batch * stride_kb + kv_head * stride_kh
-    v_head = v_ptr + batch * stride_vb + kv_head * stride_vh
+    k_head = k_ptr + batch * stride_kb + kv_head * stride_kh + k_start * stride_kn
+    v_head = v_ptr + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    start, inner_start, inner_end, end = _key_ranges(start_m, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, IS_CAUSAL,
-                                                     HAS_LOWER, BLOCK_M, BLOCK_N)
+    start, inner_start, inner_end, end = _key_ranges(start_m, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
+                                                     IS_CAUSAL, HAS_LOWER, BLOCK_M, BLOCK_N)
     dq = _dq_steps(dq, q, do, lse_log2, delta, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd,
                    rows, dims, d_mask, start, inner_start, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
                    score_scale, cap_log2, IS_CAUSAL, HAS_LOWER, SOFTCAP, True, BLOCK_N, EXACT_DOT_IN_FP32)
@@ -368,7 +420,7 @@ def _attn_bwd_dq_kernel(
     dq = _dq_steps(dq, q, do, lse_log2, delta, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd,
                    rows, dims, d_mask, inner_end, end, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
                    score_scale, cap_log2, IS_CAUSAL, HAS_LOWER, SOFTCAP, True, BLOCK_N, EXACT_DOT_IN_FP32)
-    out = (bh * SEQ_Q + rows[:, None]) * HEAD_DIM + dims[None, :]
+    out = batch * stride_gb + head * stride_gh + (block + local_m[:, None]) * stride_gn + dims[None, :]
     tl.store(dq_ptr + out, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=tile_mask)
 
 
@@ -435,27 +487,36 @@ def _prune(kernel: str, config: dict, key: dict) -> bool:
 
 
 def _launch_delta(o, do, lse, dlse, delta) -> tuple:
-    """(launcher, grid, arguments, constexprs and options) of the delta kernel."""
+    """(launcher, grid, arguments, constexprs and options) of the delta kernel: every query row of
+    (B, H, Sq) views (a packed batch's are (1, H, T): delta needs no sequence bounds)."""
     batch, heads, seq_q, head_dim = o.shape
-    args = (o, do, dlse if dlse is not None else lse, delta, *do.stride(), heads, seq_q)
+    args = (o, do, dlse if dlse is not None else lse, delta, *o.stride()[:3], *do.stride(), heads, seq_q)
     meta = {"HEAD_DIM": head_dim, "BLOCK_D": _block_d(head_dim), "HAS_DLSE": dlse is not None,
             "BLOCK_M": DELTA_BLOCK_M, "num_warps": 4}
     return _delta_launcher, (cdiv(seq_q, DELTA_BLOCK_M), batch * heads), args, meta
 
 
-def _launch_main(kernel: str, q, k, v, do, lse, delta, grads, scores: Scores, config: dict) -> tuple:
+def _launch_main(kernel: str, q, k, v, do, lse, delta, grads, scores: Scores, config: dict,
+                 packed: Packed | None = None) -> tuple:
     """(launcher, grid, arguments, constexprs and options) of the dK/dV kernel (``grads`` = (dk, dv))
-    or the dQ kernel (``grads`` = (dq,))."""
+    or the dQ kernel (``grads`` = (dq,)); for a packed batch, every tensor is its (1, H, T, ...) view."""
     batch, heads, seq_q, head_dim = q.shape
     heads_kv, seq_k = k.shape[1], k.shape[2]
     config = dict(config)
-    score_args, score_meta = scores.kernel_args(seq_q, seq_k)
-    meta = {"HEAD_DIM": head_dim, "BLOCK_D": _block_d(head_dim), **score_meta,
+    if packed is None:
+        score_args, score_meta = scores.kernel_args(seq_q, seq_k)
+        cu_q = cu_k = lse  # not read
+    else:  # the offsets hold the window's sides; each sequence adds its own alignment
+        score_args, score_meta = scores.kernel_args(0, 0)
+        cu_q, cu_k, batch, seq_q, seq_k = packed
+    meta = {"HEAD_DIM": head_dim, "BLOCK_D": _block_d(head_dim), **score_meta, "VARLEN": packed is not None,
             "BLOCK_M": config.pop("BLOCK_M"), "BLOCK_N": config.pop("BLOCK_N"),
             "EXACT_DOT_IN_FP32": interpret(), **config}
-    tail = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), heads_kv if kernel == "dkdv" else heads,
-            heads // heads_kv, seq_q, seq_k, *score_args, scores.scale)
-    args = (q, k, v, do, lse, delta, *grads, *tail)
+    strides = [per_sequence(t.stride()[:rank], packed)
+               for t, rank in ((q, 4), (k, 4), (v, 4), (do, 4), (lse, 2), (grads[0], 3))]
+    args = (q, k, v, do, lse, delta, *grads, cu_q, cu_k, *(s for group in strides for s in group),
+            heads_kv if kernel == "dkdv" else heads, heads // heads_kv, seq_q, seq_k, *score_args,
+            scores.scale)
     if kernel == "dkdv":
         return _dkdv_launcher, (cdiv(seq_k, meta["BLOCK_N"]), batch * heads_kv), args, meta
     return _dq_launcher, (cdiv(seq_q, meta["BLOCK_M"]), batch * heads), args, meta
@@ -522,19 +583,19 @@ MAX_CHOSEN = 4096  # call signatures whose configs are kept, so a repeated call 
 _chosen: dict[tuple, dict] = {}
 
 
-def _configs(q, k, v, do, lse, delta, outputs: dict, scores: Scores) -> dict:
+def _configs(q, k, v, do, lse, delta, outputs: dict, scores: Scores, packed: Packed | None) -> dict:
     """The tuned (or default) config of each main kernel for this call's signature."""
     from tritonkit.ops import attention_fwd as fwd
 
-    signature = (q.shape, k.shape, q.dtype, q.device, scores)
+    signature = (q.shape, k.shape, q.dtype, q.device, scores, packed and packed[2:])
     configs = _chosen.get(signature)
     if configs is not None:
         return configs
-    key = fwd._tuning_key(q, k, scores)
+    key = fwd._tuning_key(q, k, scores, packed)
     configs, final = {}, True
     for kernel, tuner in _TUNERS.items():
         def launch(candidate, kernel=kernel):
-            return _launch_main(kernel, q, k, v, do, lse, delta, outputs[kernel], scores, candidate)
+            return _launch_main(kernel, q, k, v, do, lse, delta, outputs[kernel], scores, candidate, packed)
 
         def run(candidate, launch=launch):
             launcher, grid, args, meta = launch(candidate)
@@ -551,31 +612,31 @@ def _configs(q, k, v, do, lse, delta, outputs: dict, scores: Scores) -> dict:
     return configs
 
 
-def attention_bwd(do, q, k, v, o, lse, dlse, scores: Scores,
-                  config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def attention_bwd(do, q, k, v, o, lse, dlse, scores: Scores, config: dict | None = None,
+                  packed: Packed | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of attention; ``o`` and ``lse`` are the forward's (contiguous), ``dlse`` the
-    upstream gradient of the lse or None. Arguments are the forward's, already validated.
-    ``config`` ({"dkdv": ..., "dq": ...}) overrides the tuned launch configs."""
-    batch, heads, seq_q, _ = q.shape
-    seq_k = k.shape[2]
-    dq = empty_output(q.shape, q.dtype, q.device)
-    dk = empty_output(k.shape, k.dtype, k.device)
-    dv = empty_output(v.shape, v.dtype, v.device)
-    if seq_k == 0 or batch * heads == 0:
+    upstream gradient of the lse or None. Arguments are the forward's, already validated: (B, H, S,
+    D) tensors, or with ``packed`` (T, H, D) tensors and a (H, T) lse. ``config`` ({"dkdv": ...,
+    "dq": ...}) overrides the tuned launch configs."""
+    dq, dk, dv = (empty_output(t.shape, t.dtype, t.device) for t in (q, k, v))
+    if k.numel() == 0 or q.numel() == 0:  # no keys (every row sees none), or no query rows
         return dq.zero_(), dk.zero_(), dv.zero_()
-    if seq_q == 0:
-        return dq, dk.zero_(), dv.zero_()
     if dlse is not None:
         dlse = dlse.contiguous()  # the delta kernel reads it by row index (a sum's gradient is expanded)
-    delta = empty_output((batch, heads, seq_q), torch.float32, q.device)
+    if packed is not None:  # the kernels take (1, H, T, D) views of (T, H, D) and (1, H, T) of (H, T)
+        do, q, k, v, o, dq, dk, dv = (t.transpose(0, 1).unsqueeze(0) for t in (do, q, k, v, o, dq, dk, dv))
+        lse, dlse = lse.unsqueeze(0), dlse if dlse is None else dlse.unsqueeze(0)
+    delta = empty_output(lse.shape, torch.float32, q.device)
     launcher, grid, args, meta = _launch_delta(o, do, lse, dlse, delta)
     launcher(grid, *args, **meta)
     outputs = {"dkdv": (dk, dv), "dq": (dq,)}
-    configs = config or _configs(q, k, v, do, lse, delta, outputs, scores)
+    configs = config or _configs(q, k, v, do, lse, delta, outputs, scores, packed)
     for kernel in KERNELS:
         launcher, grid, args, meta = _launch_main(kernel, q, k, v, do, lse, delta, outputs[kernel], scores,
-                                                  configs[kernel])
+                                                  configs[kernel], packed)
         launcher(grid, *args, **meta)
+    if packed is not None:
+        dq, dk, dv = (t.squeeze(0).transpose(0, 1) for t in (dq, dk, dv))
     return dq, dk, dv
 
 

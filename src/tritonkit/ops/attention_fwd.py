@@ -15,7 +15,9 @@ sliding window (left, right) bounds j to [i + offset - left, i + offset + right]
 be open; causal closes the right at 0). A row that sees no key outputs 0 and has lse = -inf. Only
 the key blocks a bound cuts (its diagonal and the ragged end) are masked; blocks outside the bounds
 are skipped. Soft-capping replaces the scaled score s by softcap * tanh(s / softcap) before the
-softmax. GQA/MQA: query head h reads key/value head h // (Hq / Hkv).
+softmax. GQA/MQA: query head h reads key/value head h // (Hq / Hkv). Packed variable-length
+batches run the same kernels on (1, H, T, D) views of the (T, H, D) tensors: a program's batch
+index names its sequence, whose rows and lengths it reads from cu_seqlens (VARLEN).
 
 Work. FLOPs 4 * B * Hq * Sq * Sk * D (two matmuls), about half of it when causal with Sq = Sk; HBM
 bytes s * (|Q| + |K| + |V| + |O|) + 4 * B * Hq * Sq for the lse when K and V of a head stay in L2
@@ -39,7 +41,16 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from tritonkit._launch import Launcher, cdiv, precompile  # noqa: E402
-from tritonkit.ops.attention_bwd import Scores, _exponent, _key_ranges, _visible, attention_bwd  # noqa: E402
+from tritonkit.ops.attention_bwd import (  # noqa: E402
+    Packed,
+    Scores,
+    _exponent,
+    _key_ranges,
+    _sequence,
+    _visible,
+    attention_bwd,
+    per_sequence,
+)
 from tritonkit.ops.attention_bwd import _inspect_launches as _inspect_bwd_launches  # noqa: E402
 
 DTYPES = (torch.float16, torch.bfloat16)
@@ -106,15 +117,18 @@ def _attn_fwd_kernel(
     q_ptr,  # queries, (B, Hq, Sq, D), strides stride_q*
     k_ptr,  # keys, (B, Hkv, Sk, D), strides stride_k*
     v_ptr,  # values, (B, Hkv, Sk, D), strides stride_v*
-    o_ptr,  # output, (B, Hq, Sq, D), contiguous
-    lse_ptr,  # fp32 log-sum-exp of each query row's scores (natural log), (B, Hq, Sq), contiguous
+    o_ptr,  # output, (B, Hq, Sq, D), strides stride_o* and 1
+    lse_ptr,  # fp32 log-sum-exp of each query row's scores (natural log), (B, Hq, Sq), strides stride_l*, 1
+    cu_q_ptr, cu_k_ptr,  # VARLEN: int32 first row of each packed sequence of q and of k, and the total
     stride_qb, stride_qh, stride_qm, stride_qd,  # elements between batches, heads, rows, head dims of q
     stride_kb, stride_kh, stride_kn, stride_kd,  # ... of k
     stride_vb, stride_vh, stride_vn, stride_vd,  # ... of v
+    stride_ob, stride_oh, stride_om,  # ... of o
+    stride_lb, stride_lh,  # ... of the lse
     H,  # query heads
     GROUP,  # query heads per key/value head (1 without GQA)
-    SEQ_Q,  # query rows per head
-    SEQ_K,  # keys per head
+    SEQ_Q,  # query rows per head (VARLEN: per sequence, read from cu_q_ptr)
+    SEQ_K,  # keys per head (VARLEN: per sequence)
     UPPER_OFFSET,  # IS_CAUSAL: query i sees key j only if j <= i + UPPER_OFFSET
     LOWER_OFFSET,  # HAS_LOWER: ... and only if j >= i + LOWER_OFFSET
     score_scale,  # the exponent in log2 units is dot * score_scale (with SOFTCAP, its tanh's argument)
@@ -124,6 +138,7 @@ def _attn_fwd_kernel(
     IS_CAUSAL: tl.constexpr,  # keys have an upper bound (causal, or a window's right side)
     HAS_LOWER: tl.constexpr,  # keys have a lower bound (a window's left side)
     SOFTCAP: tl.constexpr,  # the scores are soft-capped
+    VARLEN: tl.constexpr,  # a packed batch: a program's "batch" is a sequence; batch strides are 0
     BLOCK_M: tl.constexpr,  # query rows a program holds
     BLOCK_N: tl.constexpr,  # keys a step of the loop takes
     EXACT_DOT_IN_FP32: tl.constexpr,  # multiply the 16-bit tiles as fp32 (the interpreter's path)
@@ -132,22 +147,25 @@ def _attn_fwd_kernel(
     head = tl.program_id(1) % H
     batch = (tl.program_id(1) // H).to(tl.int64)  # int64: batch * stride may pass 2^31
     kv_head = (head // GROUP).to(tl.int64)
+    q_start, SEQ_Q, k_start, SEQ_K, UPPER_OFFSET, LOWER_OFFSET = _sequence(
+        batch, cu_q_ptr, cu_k_ptr, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, VARLEN)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM  # all true (and folded away) when D is a power of two
-    q_rows = q_ptr + batch * stride_qb + head.to(tl.int64) * stride_qh + start_m.to(tl.int64) * stride_qm
+    first_row = q_start + start_m.to(tl.int64)  # int64: S * stride may pass 2^31
+    q_rows = q_ptr + batch * stride_qb + head.to(tl.int64) * stride_qh + first_row * stride_qm
     q = tl.load(q_rows + tl.arange(0, BLOCK_M)[:, None] * stride_qm + offs_d[None, :] * stride_qd,
                 mask=(offs_m[:, None] < SEQ_Q) & d_mask[None, :], other=0.0)
-    k_tile_ptr = k_ptr + batch * stride_kb + kv_head * stride_kh + offs_n[None, :] * stride_kn \
-        + offs_d[:, None] * stride_kd  # (D, BLOCK_N): K^T, so that the scores are q @ k
-    v_tile_ptr = v_ptr + batch * stride_vb + kv_head * stride_vh + offs_n[:, None] * stride_vn \
-        + offs_d[None, :] * stride_vd
+    k_tile_ptr = k_ptr + batch * stride_kb + kv_head * stride_kh + k_start * stride_kn \
+        + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd  # (D, BLOCK_N): K^T, scores = q @ k
+    v_tile_ptr = v_ptr + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn \
+        + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
     m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    start, inner_start, inner_end, end = _key_ranges(start_m, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, IS_CAUSAL,
-                                                     HAS_LOWER, BLOCK_M, BLOCK_N)
+    start, inner_start, inner_end, end = _key_ranges(start_m, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
+                                                     IS_CAUSAL, HAS_LOWER, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, k_tile_ptr, v_tile_ptr, stride_kn, stride_vn, offs_m,
                                      offs_n, d_mask, start, inner_start, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
                                      score_scale, cap_log2, IS_CAUSAL, HAS_LOWER, SOFTCAP, True, BLOCK_N,
@@ -163,12 +181,12 @@ def _attn_fwd_kernel(
     seen = l_i > 0.0  # false only for a row that sees no key: its output is 0, its lse -inf
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
     row_mask = offs_m < SEQ_Q
-    bh = tl.program_id(1).to(tl.int64)
-    o_rows = o_ptr + (bh * SEQ_Q + start_m) * HEAD_DIM
-    o_ptrs = o_rows + tl.arange(0, BLOCK_M)[:, None] * HEAD_DIM + offs_d[None, :]
+    o_rows = o_ptr + batch * stride_ob + head.to(tl.int64) * stride_oh + first_row * stride_om
+    o_ptrs = o_rows + tl.arange(0, BLOCK_M)[:, None] * stride_om + offs_d[None, :]
     tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN_2, -float("inf"))
-    tl.store(lse_ptr + bh * SEQ_Q + offs_m, lse, mask=row_mask)
+    lse_rows = lse_ptr + batch * stride_lb + head.to(tl.int64) * stride_lh + q_start
+    tl.store(lse_rows + offs_m, lse, mask=row_mask)
 
 
 # ---------------------------------------------------------------- launcher and tuning
@@ -213,19 +231,25 @@ def _prune(config: dict, key: dict) -> bool:
 
 
 _TUNER = tuning.Tuner("attention_fwd", CONFIGS, default=_default, prune=_prune,
-                      sources=(_attn_fwd_kernel, _attn_fwd_blocks, _exponent, _visible, _key_ranges))
+                      sources=(_attn_fwd_kernel, _attn_fwd_blocks, _exponent, _visible, _key_ranges,
+                               _sequence))
 
 
-def _tuning_key(q: torch.Tensor, k: torch.Tensor, scores: Scores) -> dict:
+def _tuning_key(q: torch.Tensor, k: torch.Tensor, scores: Scores, packed: Packed | None = None) -> dict:
     """What the fastest tile depends on: the head dim, the masks, the soft cap, the dtype and the
-    problem's size (sequence lengths and batch x heads, each to the next power of two)."""
+    problem's size (sequence lengths and batch x heads, each to the next power of two). A packed
+    batch (q and k its (1, H, T, D) views) counts its longest sequences and its sequences, as the
+    dense batch it would pad to; the tile found for that is the one it runs."""
     batch, heads, seq_q, head_dim = q.shape
+    seq_k = k.shape[2]
+    if packed is not None:
+        batch, seq_q, seq_k = packed.sequences, packed.max_q, packed.max_k
     pow2 = triton.next_power_of_2
     mask = ("bottom-right" if scores.bottom_right else "top-left") if scores.causal else "none"
     sides = [side for side, bound in zip(("left", "right"), scores.window, strict=True) if bound >= 0]
     window = "+".join(sides)
     return {"head_dim": head_dim, "mask": mask, "window": window or "none", "softcap": bool(scores.softcap),
-            "dtype": tuning.DTYPE_NAMES[q.dtype], "seq_q": pow2(seq_q), "seq_k": pow2(k.shape[2]),
+            "dtype": tuning.DTYPE_NAMES[q.dtype], "seq_q": pow2(seq_q), "seq_k": pow2(seq_k),
             "batch_heads": pow2(batch * heads), "group": heads // k.shape[1]}
 
 
@@ -288,16 +312,16 @@ MAX_CHOSEN = 4096  # call signatures whose config is kept, so a repeated call sk
 _chosen: dict[tuple, dict] = {}
 
 
-def _config(q, k, v, o, lse, scores: Scores) -> dict:
+def _config(q, k, v, o, lse, scores: Scores, packed: Packed | None) -> dict:
     """The tuned (or default) config for this call's signature."""
-    signature = (q.shape, k.shape, q.dtype, q.device, scores)
+    signature = (q.shape, k.shape, q.dtype, q.device, scores, packed and packed[2:])
     config = _chosen.get(signature)
     if config is not None:
         return config
-    key = _tuning_key(q, k, scores)
+    key = _tuning_key(q, k, scores, packed)
 
     def launch_args(candidate):
-        return _fwd_launch_args(q, k, v, o, lse, scores, candidate)
+        return _fwd_launch_args(q, k, v, o, lse, scores, candidate, packed)
 
     def run(candidate):
         grid, args, meta = launch_args(candidate)
@@ -340,30 +364,45 @@ def _validate(q, k, v) -> None:
         raise ValueError(f"query heads ({heads_q}) must be a multiple of key/value heads ({heads_kv})")
 
 
-def _attention_fwd(q, k, v, scores: Scores, config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output, lse) of attention over (B, H, S, D) tensors; ``config`` overrides the launch config."""
-    _validate(q, k, v)
-    batch, heads, seq_q, head_dim = q.shape
+def _attention_fwd(q, k, v, scores: Scores, config: dict | None = None,
+                   packed: Packed | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, lse) of attention: over (B, H, S, D) tensors, lse (B, H, S); or with ``packed`` over
+    (T, H, D) tensors, lse (H, T). ``config`` overrides the launch config."""
     o = empty_output(q.shape, q.dtype, q.device)
-    lse = empty_output((batch, heads, seq_q), torch.float32, q.device)
+    if packed is None:
+        _validate(q, k, v)
+        lse = empty_output(q.shape[:3], torch.float32, q.device)
+        views = (q, k, v, o, lse)
+    else:
+        lse = empty_output((q.shape[1], q.shape[0]), torch.float32, q.device)
+        views = (*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v, o)), lse.unsqueeze(0))
     if o.numel() == 0:
         return o, lse
     if config is None:
-        config = _config(q, k, v, o, lse, scores)
-    grid, args, meta = _fwd_launch_args(q, k, v, o, lse, scores, config)
+        config = _config(*views, scores, packed)
+    grid, args, meta = _fwd_launch_args(*views, scores, config, packed)
     _fwd_launcher(grid, *args, **meta)
     return o, lse
 
 
-def _fwd_launch_args(q, k, v, o, lse, scores: Scores, config: dict | None) -> tuple[tuple, tuple, dict]:
-    """(grid, arguments, constexprs and options) of the forward kernel."""
+def _fwd_launch_args(q, k, v, o, lse, scores: Scores, config: dict | None,
+                     packed: Packed | None = None) -> tuple[tuple, tuple, dict]:
+    """(grid, arguments, constexprs and options) of the forward kernel; ``packed`` for a packed
+    batch (q, k, v, o and the lse are then its (1, H, T, ...) views)."""
     batch, heads, seq_q, head_dim = q.shape
     seq_k = k.shape[2]
     config = dict(config or _default({"head_dim": head_dim}))
-    score_args, score_meta = scores.kernel_args(seq_q, seq_k)
-    args = (q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), heads, heads // k.shape[1], seq_q, seq_k,
-            *score_args)
-    meta = {"HEAD_DIM": head_dim, "BLOCK_D": _block_d(head_dim), **score_meta,
+    if packed is None:
+        score_args, score_meta = scores.kernel_args(seq_q, seq_k)
+        cu_q = cu_k = lse  # not read
+    else:  # the offsets hold the window's sides; each sequence adds its own alignment
+        score_args, score_meta = scores.kernel_args(0, 0)
+        cu_q, cu_k, batch, seq_q, seq_k = packed
+    strides = [per_sequence(t.stride()[:rank], packed)
+               for t, rank in ((q, 4), (k, 4), (v, 4), (o, 3), (lse, 2))]
+    args = (q, k, v, o, lse, cu_q, cu_k, *(s for group in strides for s in group), heads, heads // k.shape[1],
+            seq_q, seq_k, *score_args)
+    meta = {"HEAD_DIM": head_dim, "BLOCK_D": _block_d(head_dim), **score_meta, "VARLEN": packed is not None,
             "BLOCK_M": config.pop("BLOCK_M"), "BLOCK_N": config.pop("BLOCK_N"),
             "EXACT_DOT_IN_FP32": interpret(), **config}
     return (cdiv(seq_q, meta["BLOCK_M"]), batch * heads), args, meta
@@ -372,57 +411,71 @@ def _fwd_launch_args(q, k, v, o, lse, scores: Scores, config: dict | None) -> tu
 # ---------------------------------------------------------------- custom op and public functions
 
 
-# The custom ops take Scores' fields one by one (a custom op's arguments are tensors and scalars).
+# The custom ops take Scores' and Packed's fields one by one (a custom op's arguments are tensors
+# and scalars); a dense call has no cu_seqlens.
 @torch.library.custom_op("tritonkit::attention_fwd", mutates_args=())
-def _attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-                      bottom_right: bool, window_left: int, window_right: int,
+def _attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
+                      cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int, scale: float,
+                      causal: bool, bottom_right: bool, window_left: int, window_right: int,
                       softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return _attention_fwd(q, k, v, Scores(scale, causal, bottom_right, (window_left, window_right), softcap))
+    return _attention_fwd(q, k, v, Scores(scale, causal, bottom_right, (window_left, window_right), softcap),
+                          packed=_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
 
 
 @_attention_fwd_op.register_fake
-def _(q, k, v, scale, causal, bottom_right, window_left, window_right, softcap):
-    _validate(q, k, v)
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *scores):
+    if cu_seqlens_q is None:
+        _validate(q, k, v)
+        return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 @torch.library.custom_op("tritonkit::attention_bwd", mutates_args=())
 def _attention_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                      lse: torch.Tensor, dlse: torch.Tensor | None, scale: float, causal: bool,
-                      bottom_right: bool, window_left: int, window_right: int,
+                      lse: torch.Tensor, dlse: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None,
+                      cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int, scale: float,
+                      causal: bool, bottom_right: bool, window_left: int, window_right: int,
                       softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return attention_bwd(do, q, k, v, o, lse, dlse,
-                         Scores(scale, causal, bottom_right, (window_left, window_right), softcap))
+                         Scores(scale, causal, bottom_right, (window_left, window_right), softcap),
+                         packed=_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
 
 
 @_attention_bwd_op.register_fake
-def _(do, q, k, v, o, lse, dlse, scale, causal, bottom_right, window_left, window_right, softcap):
+def _(do, q, k, v, o, lse, dlse, *options):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
+def _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int) -> Packed | None:
+    if cu_seqlens_q is None:
+        return None
+    return Packed(cu_seqlens_q, cu_seqlens_k, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k)
+
+
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, *options = inputs
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *options = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
     ctx.options = options
     ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zeros to read
 
 
 def _backward(ctx, do, dlse):
-    q, k, v, o, lse = ctx.saved_tensors
+    q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     if do is None:  # only the lse was differentiated
         do = torch.zeros_like(o)
-    dq, dk, dv = _attention_bwd_op(do, q, k, v, o, lse, dlse, *ctx.options)
-    return dq, dk, dv, *([None] * len(ctx.options))
+    dq, dk, dv = _attention_bwd_op(do, q, k, v, o, lse, dlse, cu_seqlens_q, cu_seqlens_k, *ctx.options)
+    return dq, dk, dv, *([None] * (2 + len(ctx.options)))
 
 
 _attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _call(q, k, v, scores: Scores) -> tuple[torch.Tensor, torch.Tensor]:
+def _call(q, k, v, scores: Scores, packed: Packed | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward custom op (differentiable) on validated inputs."""
-    return _attention_fwd_op(q, k, v, scores.scale, scores.causal, scores.bottom_right, *scores.window,
-                             scores.softcap)
+    cu_q, cu_k, _, max_q, max_k = packed or (None, None, 0, 0, 0)
+    return _attention_fwd_op(q, k, v, cu_q, cu_k, max_q, max_k, scores.scale, scores.causal,
+                             scores.bottom_right, *scores.window, scores.softcap)
 
 
 def _scale(scale: float | None, head_dim: int) -> float:
@@ -441,20 +494,66 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     also the fp32 log-sum-exp of each query row's scores, (B, Hq, Sq). A row that sees no key
     outputs 0, with lse -inf and zero gradients.
 
-    Differentiable in q, k, v (GQA gradients summed over each group) and in the lse. Not yet:
-    variable-length batches (``cu_seqlens_*``, ``max_seqlen_*``) raise NotImplementedError."""
-    for name, value in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
-                        ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if value is not None:
-            raise NotImplementedError(f"flash_attention: {name} (variable-length batches) is not "
-                                      "implemented yet")
+    Packed variable-length batches: q (total_q, Hq, D), k and v (total_k, Hkv, D), with int32
+    ``cu_seqlens_q`` and ``cu_seqlens_k`` of B + 1 entries (sequence b is rows cu[b]:cu[b + 1];
+    empty sequences allowed), masks aligned per sequence; the output is (total_q, Hq, D) and the lse
+    (Hq, total_q). ``max_seqlen_q``/``max_seqlen_k`` (the longest sequences) are read from the
+    cu_seqlens when not given, which waits for the GPU; the cu_seqlens are checked on the host.
+
+    Differentiable in q, k, v (GQA gradients summed over each group) and in the lse."""
     window = _window(window)
     softcap = float(softcap)
     if not math.isfinite(softcap) or softcap < 0:
         raise ValueError(f"softcap must be a finite number >= 0 (0: no cap), got {softcap}")
-    _validate(q, k, v)
-    o, lse = _call(q, k, v, Scores(_scale(scale, q.shape[-1]), bool(causal), True, window, softcap))
+    if cu_seqlens_q is None and cu_seqlens_k is None:
+        for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+            if value is not None:
+                raise ValueError(f"{name} is for packed batches: pass cu_seqlens_q and cu_seqlens_k too")
+        _validate(q, k, v)
+        packed = None
+    else:
+        packed = _validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    o, lse = _call(q, k, v, Scores(_scale(scale, q.shape[-1]), bool(causal), True, window, softcap), packed)
     return (o, lse) if return_lse else o
+
+
+def _validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> Packed:
+    """The packed batch's Packed, or a TypeError or ValueError naming what is wrong."""
+    for name, tensor in (("query", q), ("key", k), ("value", v)):
+        if isinstance(tensor, torch.Tensor) and tensor.dim() != 3:
+            raise ValueError(f"a packed {name} must be 3-D (total tokens, heads, head dim), got shape "
+                             f"{tuple(tensor.shape)}")
+    _validate(*(t.transpose(0, 1).unsqueeze(0) if isinstance(t, torch.Tensor) else t for t in (q, k, v)))
+    lengths = {}
+    for name, cu, tensor in (("cu_seqlens_q", cu_seqlens_q, q), ("cu_seqlens_k", cu_seqlens_k, k)):
+        if not isinstance(cu, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor (pass both cu_seqlens), got {type(cu).__name__}")
+        if cu.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32, got {cu.dtype}")
+        if cu.dim() != 1 or cu.shape[0] < 1:
+            raise ValueError(f"{name} must be 1-D with B + 1 entries, got shape {tuple(cu.shape)}")
+        if cu.device != q.device:
+            raise ValueError(f"{name} must be on the tensors' device {q.device}, got {cu.device}")
+        host = cu.cpu()
+        if host[0] != 0:
+            raise ValueError(f"{name} must start at 0, got {int(host[0])}")
+        steps = host.diff()
+        if (steps < 0).any():
+            raise ValueError(f"{name} must be non-decreasing, got {host.tolist()}")
+        if host[-1] != tensor.shape[0]:
+            raise ValueError(f"{name} must end at the packed tensor's {tensor.shape[0]} rows, got "
+                             f"{int(host[-1])}")
+        lengths[name] = int(steps.max()) if steps.numel() else 0
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have one entry a sequence each, got "
+                         f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
+    longest = []
+    for name, given, found in (("max_seqlen_q", max_seqlen_q, lengths["cu_seqlens_q"]),
+                               ("max_seqlen_k", max_seqlen_k, lengths["cu_seqlens_k"])):
+        if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < found):
+            raise ValueError(f"{name} must be an int >= the longest sequence ({found}), got {given!r}")
+        longest.append(found if given is None else given)
+    return Packed(cu_seqlens_q, cu_seqlens_k, cu_seqlens_q.shape[0] - 1, *longest)
 
 
 def _window(window) -> tuple[int, int]:
@@ -496,12 +595,25 @@ REFERENCE_SCORE_BYTES = 2**31  # the reference takes query rows in chunks whose 
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                         scale: float | None = None, bottom_right: bool = True, return_lse: bool = False,
-                        window: tuple[int, int] = (-1, -1), softcap: float = 0.0):
+                        window: tuple[int, int] = (-1, -1), softcap: float = 0.0, cu_seqlens_q=None,
+                        cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
     """Plain PyTorch attention with the kernel's conventions (rows that see no key give 0 and lse
     -inf); pass float64 inputs for the oracle's reference. Query rows go in chunks whose scores
     take at most REFERENCE_SCORE_BYTES (at (2, 16, 16384, 128) whole float64 scores would be 69 GB);
     with several chunks, each is recomputed in the backward instead of kept (activation
-    checkpointing), so the reference's gradients fit too."""
+    checkpointing), so the reference's gradients fit too. A packed batch (``cu_seqlens_*``) goes
+    a sequence at a time; ``max_seqlen_*`` are accepted and not needed."""
+    if cu_seqlens_q is not None:
+        bounds = [(int(a), int(b), int(c), int(d)) for a, b, c, d in
+                  zip(cu_seqlens_q[:-1], cu_seqlens_q[1:], cu_seqlens_k[:-1], cu_seqlens_k[1:], strict=True)]
+        parts = [attention_reference(*(t[start:end].transpose(0, 1).unsqueeze(0)
+                                       for t, start, end in ((q, q0, q1), (k, k0, k1), (v, k0, k1))),
+                                     causal, scale, bottom_right, True, window, softcap)
+                 for q0, q1, k0, k1 in bounds]
+        o = torch.cat([q[:0], *(part[0][0].transpose(0, 1) for part in parts)])
+        lse = torch.cat([q.new_empty((q.shape[1], 0), dtype=parts[0][1].dtype if parts else torch.float32),
+                         *(part[1][0] for part in parts)], dim=1)
+        return (o, lse) if return_lse else o
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     batch, heads, seq_q, _ = q.shape
