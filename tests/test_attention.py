@@ -13,9 +13,10 @@ import torch
 
 import tritonkit
 from tritonkit import testing, tuning
+from tritonkit.ops import attention as at
 from tritonkit.ops import attention_bwd as ab
 from tritonkit.ops import attention_fwd as af
-from tritonkit.ops.attention_fwd import attention_reference
+from tritonkit.ops.attention import attention_reference
 
 pytestmark = pytest.mark.attention
 
@@ -300,24 +301,24 @@ def test_opcheck(device):
     """The forward op (with its autograd) and the backward op: schemas, fake tensors, compile."""
     q, k, v = (t.requires_grad_() for t in qkv(1, 2, 1, 17, 23, 32, torch.bfloat16, device))
     dense = (None, None, 0, 0)
-    torch.library.opcheck(af._attention_fwd_op, (q, k, v, *dense, 0.2, True, True, -1, -1, 0.0))
-    torch.library.opcheck(af._attention_fwd_op, (q, k, v, *dense, 0.2, False, True, 5, 3, 4.0))  # window, cap
-    o, lse = af._attention_fwd_op(q, k, v, *dense, 0.2, True, True, -1, -1, 0.0)
+    torch.library.opcheck(at._attention_fwd_op, (q, k, v, *dense, 0.2, True, True, -1, -1, 0.0))
+    torch.library.opcheck(at._attention_fwd_op, (q, k, v, *dense, 0.2, False, True, 5, 3, 4.0))  # window, cap
+    o, lse = at._attention_fwd_op(q, k, v, *dense, 0.2, True, True, -1, -1, 0.0)
     do = torch.randn_like(o)
     args = (do, q.detach(), k.detach(), v.detach(), o.detach(), lse.detach())
-    torch.library.opcheck(af._attention_bwd_op, (*args, None, *dense, 0.2, True, True, -1, -1, 0.0))
+    torch.library.opcheck(at._attention_bwd_op, (*args, None, *dense, 0.2, True, True, -1, -1, 0.0))
     dlse = torch.randn_like(lse)
-    torch.library.opcheck(af._attention_bwd_op, (*args, dlse, *dense, 0.2, False, False, 4, -1, 2.0))
+    torch.library.opcheck(at._attention_bwd_op, (*args, dlse, *dense, 0.2, False, False, 4, -1, 2.0))
     # a packed batch: (T, H, D) tensors, a (H, T) lse
     pq, pk, pv, cu = packed([(5, 9), (12, 3)], 2, 1, 32, torch.bfloat16, device)
     varlen = (cu["cu_seqlens_q"], cu["cu_seqlens_k"], 12, 9)
     pq, pk, pv = (t.requires_grad_() for t in (pq, pk, pv))
-    torch.library.opcheck(af._attention_fwd_op, (pq, pk, pv, *varlen, 0.2, True, True, -1, -1, 0.0))
-    po, plse = af._attention_fwd_op(pq, pk, pv, *varlen, 0.2, True, True, -1, -1, 0.0)
+    torch.library.opcheck(at._attention_fwd_op, (pq, pk, pv, *varlen, 0.2, True, True, -1, -1, 0.0))
+    po, plse = at._attention_fwd_op(pq, pk, pv, *varlen, 0.2, True, True, -1, -1, 0.0)
     assert plse.shape == (2, 17)
     args = (torch.randn_like(po), pq.detach(), pk.detach(), pv.detach(), po.detach(), plse.detach())
     dlse = torch.randn_like(plse)
-    torch.library.opcheck(af._attention_bwd_op, (*args, dlse, *varlen, 0.2, True, True, 3, -1, 0.0))
+    torch.library.opcheck(at._attention_bwd_op, (*args, dlse, *varlen, 0.2, True, True, 3, -1, 0.0))
 
 
 def test_expanded_upstream_gradients(device):
@@ -374,21 +375,21 @@ def test_gpu_default_config_runs_in_the_interpreter(device):
 
 
 def test_cost():
-    full = af.attention_cost((4, 32, 32, 4096, 128), torch.bfloat16)
+    full = at.attention_cost((4, 32, 32, 4096, 128), torch.bfloat16)
     assert full.flops == 4 * 4 * 32 * 4096**2 * 128
-    assert af.attention_cost((4, 32, 32, 4096, 128), torch.bfloat16, causal=True).flops == full.flops / 2
+    assert at.attention_cost((4, 32, 32, 4096, 128), torch.bfloat16, causal=True).flops == full.flops / 2
     tensor = 4 * 32 * 4096 * 128 * 2
     assert full.bytes == 4 * tensor + 4 * 4 * 32 * 4096  # q, k, v in, o out, the fp32 lse
-    gqa = af.attention_cost((4, 32, 8, 4096, 128), torch.bfloat16)
+    gqa = at.attention_cost((4, 32, 8, 4096, 128), torch.bfloat16)
     assert gqa.flops == full.flops and gqa.bytes == full.bytes - 2 * tensor * 3 // 4
-    assert math.isclose(af.attention_cost((4, 32, 32, 4096, 128), torch.bfloat16, "bwd").flops,
+    assert math.isclose(at.attention_cost((4, 32, 32, 4096, 128), torch.bfloat16, "bwd").flops,
                         2.5 * full.flops)
 
 
 _SASS_CHECK = r"""
 import json, torch
 from tritonkit.inspect import compile_launch
-from tritonkit.ops.attention_fwd import _inspect_launches
+from tritonkit.ops.attention import _inspect_launches
 for head_dim in (64, 128, 256):
     for causal in (False, True):
         for launch in _inspect_launches((4, 32, 32, 4096, head_dim), torch.bfloat16, causal=causal):
@@ -489,7 +490,7 @@ def test_the_reference_in_chunks_is_the_reference_whole(monkeypatch):
         return (o, lse, *torch.autograd.grad((o * do).sum() + lse[lse.isfinite()].sum(), (q, k, v)))
 
     whole = run()
-    monkeypatch.setattr(af, "REFERENCE_SCORE_BYTES", 2 * 29 * 8 * 5)  # five query rows a chunk
+    monkeypatch.setattr(at, "REFERENCE_SCORE_BYTES", 2 * 29 * 8 * 5)  # five query rows a chunk
     torch.testing.assert_close(run(), whole, rtol=0, atol=1e-12)
 
 

@@ -532,7 +532,7 @@ def test_the_package_ships_well_formed_exports():
 def test_shipped_configs_describe_the_kernels_as_they_are():
     """A kernel edited after its configs were tuned on the H200 leaves them stale (ignored, so a first
     call there tunes again): re-export them there (tritonkit tune --export) or delete the entries."""
-    import tritonkit.ops.attention_fwd  # noqa: F401  (each op module defines its tuners on import)
+    import tritonkit.ops.attention  # noqa: F401  (each op module defines its tuners on import)
     import tritonkit.ops.norm  # noqa: F401
     import tritonkit.ops.softmax  # noqa: F401
 

@@ -20,8 +20,8 @@ _PUBLIC = {
     "rms_norm": "tritonkit.ops.norm",
     "add_layer_norm": "tritonkit.ops.norm",
     "add_rms_norm": "tritonkit.ops.norm",
-    "flash_attention": "tritonkit.ops.attention_fwd",
-    "scaled_dot_product_attention": "tritonkit.ops.attention_fwd",
+    "flash_attention": "tritonkit.ops.attention",
+    "scaled_dot_product_attention": "tritonkit.ops.attention",
     "nn": "tritonkit.nn",
 }
 __all__ = [*_PUBLIC, "__version__"]

@@ -23,8 +23,8 @@ OP_MODULES = {
     "rms_norm": "tritonkit.ops.norm",
     "add_layer_norm": "tritonkit.ops.norm",
     "add_rms_norm": "tritonkit.ops.norm",
-    "attention": "tritonkit.ops.attention_fwd",
-    "attention_causal": "tritonkit.ops.attention_fwd",
+    "attention": "tritonkit.ops.attention",
+    "attention_causal": "tritonkit.ops.attention",
 }
 MODES = ("fwd", "bwd", "fwd+bwd")
 

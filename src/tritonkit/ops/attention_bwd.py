@@ -526,7 +526,7 @@ def _reference_grads(q, k, v, do, scores: Scores) -> tuple:
     """(dq, dk, dv) of plain attention by the formulas above, in the inputs' dtype, for small
     problems: the tuner's gate runs inside the backward op, where autograd does not record, so the
     reference's gradients are written out (a test holds them to autograd's)."""
-    from tritonkit.ops.attention_fwd import reference_visible
+    from tritonkit.ops.attention import reference_visible
 
     heads_kv, group = k.shape[1], q.shape[1] // k.shape[1]
     k_q, v_q = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)

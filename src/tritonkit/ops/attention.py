@@ -1,0 +1,426 @@
+"""Attention's public functions: ``flash_attention`` and ``scaled_dot_product_attention``, their
+argument checks, the custom ops with their autograd, the plain-PyTorch reference, the cost model
+and the benchmark specs. The kernels are in ``attention_fwd`` (forward, and its tuning) and
+``attention_bwd`` (backward, and the scores' masks and cap both share).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from tritonkit._runtime import check_device, interpret
+
+interpret()  # choose GPU or interpreter before triton is imported and any kernel is defined
+
+from tritonkit.ops.attention_bwd import Packed, Scores, attention_bwd  # noqa: E402
+from tritonkit.ops.attention_bwd import _inspect_launches as _inspect_bwd_launches  # noqa: E402
+from tritonkit.ops.attention_fwd import (  # noqa: E402
+    DTYPES,
+    MAX_HEAD_DIM,
+    _attention_fwd,
+    _attn_fwd_kernel,
+    _fwd_launch_args,
+)
+
+
+def _validate(q, k, v) -> None:
+    for name, tensor in (("query", q), ("key", k), ("value", v)):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dtype not in DTYPES:
+            raise TypeError(f"{name} must be float16 or bfloat16, got {tensor.dtype}")
+        if tensor.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (batch, heads, sequence, head dim), got shape "
+                             f"{tuple(tensor.shape)}")
+        check_device(name, tensor)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"query, key and value must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"query, key and value must be on one device, got {q.device}, {k.device}, "
+                         f"{v.device}")
+    (batch, heads_q, _, head_dim), (batch_k, heads_kv, _, head_dim_k) = q.shape, k.shape
+    if v.shape != k.shape:
+        raise ValueError(f"value must have key's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    if batch_k != batch:
+        raise ValueError(f"key and value must have query's batch size {batch}, got {batch_k}")
+    if head_dim_k != head_dim:
+        raise ValueError(f"key and value must have query's head dim {head_dim}, got {head_dim_k}")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim must be 1 to {MAX_HEAD_DIM}, got {head_dim}")
+    if heads_kv == 0 or heads_q % heads_kv:
+        raise ValueError(f"query heads ({heads_q}) must be a multiple of key/value heads ({heads_kv})")
+
+
+
+# ---------------------------------------------------------------- custom op and public functions
+
+
+# The custom ops take Scores' and Packed's fields one by one (a custom op's arguments are tensors
+# and scalars); a dense call has no cu_seqlens.
+@torch.library.custom_op("tritonkit::attention_fwd", mutates_args=())
+def _attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
+                      cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int, scale: float,
+                      causal: bool, bottom_right: bool, window_left: int, window_right: int,
+                      softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _attention_fwd(q, k, v, Scores(scale, causal, bottom_right, (window_left, window_right), softcap),
+                          packed=_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+
+
+@_attention_fwd_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *scores):
+    if cu_seqlens_q is None:
+        _validate(q, k, v)
+        return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("tritonkit::attention_bwd", mutates_args=())
+def _attention_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                      lse: torch.Tensor, dlse: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None,
+                      cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int, scale: float,
+                      causal: bool, bottom_right: bool, window_left: int, window_right: int,
+                      softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return attention_bwd(do, q, k, v, o, lse, dlse,
+                         Scores(scale, causal, bottom_right, (window_left, window_right), softcap),
+                         packed=_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+
+
+@_attention_bwd_op.register_fake
+def _(do, q, k, v, o, lse, dlse, *options):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int) -> Packed | None:
+    if cu_seqlens_q is None:
+        return None
+    return Packed(cu_seqlens_q, cu_seqlens_k, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *options = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.options = options
+    ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zeros to read
+
+
+def _backward(ctx, do, dlse):
+    q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    if do is None:  # only the lse was differentiated
+        do = torch.zeros_like(o)
+    dq, dk, dv = _attention_bwd_op(do, q, k, v, o, lse, dlse, cu_seqlens_q, cu_seqlens_k, *ctx.options)
+    return dq, dk, dv, *([None] * (2 + len(ctx.options)))
+
+
+_attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _call(q, k, v, scores: Scores, packed: Packed | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward custom op (differentiable) on validated inputs."""
+    cu_q, cu_k, _, max_q, max_k = packed or (None, None, 0, 0, 0)
+    return _attention_fwd_op(q, k, v, cu_q, cu_k, max_q, max_k, scores.scale, scores.causal,
+                             scores.bottom_right, *scores.window, scores.softcap)
+
+
+def _scale(scale: float | None, head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                    scale: float | None = None, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                    return_lse: bool = False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                    max_seqlen_k=None):
+    """Attention over (B, H, S, D) fp16/bf16 tensors, FlashAttention's conventions: ``causal``
+    aligned bottom-right when Sq != Sk; GQA/MQA when k and v have fewer heads (a divisor of q's);
+    ``scale`` defaults to 1/sqrt(D). ``window`` = (left, right) lets query i see only the keys from
+    i + Sk - Sq - left to i + Sk - Sq + right (-1: no bound on that side; causal sets right to 0).
+    ``softcap`` > 0 caps each scaled score s as softcap * tanh(s / softcap). With ``return_lse``,
+    also the fp32 log-sum-exp of each query row's scores, (B, Hq, Sq). A row that sees no key
+    outputs 0, with lse -inf and zero gradients.
+
+    Packed variable-length batches: q (total_q, Hq, D), k and v (total_k, Hkv, D), with int32
+    ``cu_seqlens_q`` and ``cu_seqlens_k`` of B + 1 entries (sequence b is rows cu[b]:cu[b + 1];
+    empty sequences allowed), masks aligned per sequence; the output is (total_q, Hq, D) and the lse
+    (Hq, total_q). ``max_seqlen_q``/``max_seqlen_k`` (the longest sequences) are read from the
+    cu_seqlens when not given, which waits for the GPU; the cu_seqlens are checked on the host.
+
+    Differentiable in q, k, v (GQA gradients summed over each group) and in the lse."""
+    window = _window(window)
+    softcap = float(softcap)
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be a finite number >= 0 (0: no cap), got {softcap}")
+    if cu_seqlens_q is None and cu_seqlens_k is None:
+        for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+            if value is not None:
+                raise ValueError(f"{name} is for packed batches: pass cu_seqlens_q and cu_seqlens_k too")
+        _validate(q, k, v)
+        packed = None
+    else:
+        packed = _validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    o, lse = _call(q, k, v, Scores(_scale(scale, q.shape[-1]), bool(causal), True, window, softcap), packed)
+    return (o, lse) if return_lse else o
+
+
+def _validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> Packed:
+    """The packed batch's Packed, or a TypeError or ValueError naming what is wrong."""
+    for name, tensor in (("query", q), ("key", k), ("value", v)):
+        if isinstance(tensor, torch.Tensor) and tensor.dim() != 3:
+            raise ValueError(f"a packed {name} must be 3-D (total tokens, heads, head dim), got shape "
+                             f"{tuple(tensor.shape)}")
+    _validate(*(t.transpose(0, 1).unsqueeze(0) if isinstance(t, torch.Tensor) else t for t in (q, k, v)))
+    lengths = {}
+    for name, cu, tensor in (("cu_seqlens_q", cu_seqlens_q, q), ("cu_seqlens_k", cu_seqlens_k, k)):
+        if not isinstance(cu, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor (pass both cu_seqlens), got {type(cu).__name__}")
+        if cu.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32, got {cu.dtype}")
+        if cu.dim() != 1 or cu.shape[0] < 1:
+            raise ValueError(f"{name} must be 1-D with B + 1 entries, got shape {tuple(cu.shape)}")
+        if cu.device != q.device:
+            raise ValueError(f"{name} must be on the tensors' device {q.device}, got {cu.device}")
+        host = cu.cpu()
+        if host[0] != 0:
+            raise ValueError(f"{name} must start at 0, got {int(host[0])}")
+        steps = host.diff()
+        if (steps < 0).any():
+            raise ValueError(f"{name} must be non-decreasing, got {host.tolist()}")
+        if host[-1] != tensor.shape[0]:
+            raise ValueError(f"{name} must end at the packed tensor's {tensor.shape[0]} rows, got "
+                             f"{int(host[-1])}")
+        lengths[name] = int(steps.max()) if steps.numel() else 0
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have one entry a sequence each, got "
+                         f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
+    longest = []
+    for name, given, found in (("max_seqlen_q", max_seqlen_q, lengths["cu_seqlens_q"]),
+                               ("max_seqlen_k", max_seqlen_k, lengths["cu_seqlens_k"])):
+        if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < found):
+            raise ValueError(f"{name} must be an int >= the longest sequence ({found}), got {given!r}")
+        longest.append(found if given is None else given)
+    return Packed(cu_seqlens_q, cu_seqlens_k, cu_seqlens_q.shape[0] - 1, *longest)
+
+
+def _window(window) -> tuple[int, int]:
+    """``window`` as (left, right) ints >= -1, or ValueError naming what is wrong."""
+    try:
+        left, right = window
+    except (TypeError, ValueError):
+        raise ValueError(f"window must be a pair (left, right), got {window!r}") from None
+    for side, value in (("left", left), ("right", right)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+            raise ValueError(f"window's {side} side must be an int >= -1 (-1: unbounded), got {value!r}")
+    return left, right
+
+
+def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
+                                 dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                                 enable_gqa: bool = False) -> torch.Tensor:
+    """``torch.nn.functional.scaled_dot_product_attention`` on (B, H, S, D) fp16/bf16 tensors, with its
+    semantics: ``is_causal`` aligned top-left when Sq != Sk, fewer key/value heads only with
+    ``enable_gqa``. A dense ``attn_mask`` and ``dropout_p > 0`` raise NotImplementedError."""
+    if attn_mask is not None:
+        raise NotImplementedError("scaled_dot_product_attention: attn_mask is not supported (use is_causal, "
+                                  "or flash_attention's window)")
+    if dropout_p:
+        raise NotImplementedError("scaled_dot_product_attention: dropout_p > 0 is not supported")
+    _validate(query, key, value)
+    if key.shape[1] != query.shape[1] and not enable_gqa:
+        raise ValueError(f"query has {query.shape[1]} heads and key/value {key.shape[1]}: pass "
+                         "enable_gqa=True for grouped-query attention, as torch requires")
+    o, _ = _call(query, key, value, Scores(_scale(scale, query.shape[-1]), bool(is_causal), False))
+    return o
+
+
+# ---------------------------------------------------------------- reference and cost
+
+
+REFERENCE_SCORE_BYTES = 2**31  # the reference takes query rows in chunks whose scores fit in this
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                        scale: float | None = None, bottom_right: bool = True, return_lse: bool = False,
+                        window: tuple[int, int] = (-1, -1), softcap: float = 0.0, cu_seqlens_q=None,
+                        cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+    """Plain PyTorch attention with the kernel's conventions (rows that see no key give 0 and lse
+    -inf); pass float64 inputs for the oracle's reference. Query rows go in chunks whose scores
+    take at most REFERENCE_SCORE_BYTES (at (2, 16, 16384, 128) whole float64 scores would be 69 GB);
+    with several chunks, each is recomputed in the backward instead of kept (activation
+    checkpointing), so the reference's gradients fit too. A packed batch (``cu_seqlens_*``) goes
+    a sequence at a time; ``max_seqlen_*`` are accepted and not needed."""
+    if cu_seqlens_q is not None:
+        bounds = [(int(a), int(b), int(c), int(d)) for a, b, c, d in
+                  zip(cu_seqlens_q[:-1], cu_seqlens_q[1:], cu_seqlens_k[:-1], cu_seqlens_k[1:], strict=True)]
+        parts = [attention_reference(*(t[start:end].transpose(0, 1).unsqueeze(0)
+                                       for t, start, end in ((q, q0, q1), (k, k0, k1), (v, k0, k1))),
+                                     causal, scale, bottom_right, True, window, softcap)
+                 for q0, q1, k0, k1 in bounds]
+        o = torch.cat([q[:0], *(part[0][0].transpose(0, 1) for part in parts)])
+        lse = torch.cat([q.new_empty((q.shape[1], 0), dtype=parts[0][1].dtype if parts else torch.float32),
+                         *(part[1][0] for part in parts)], dim=1)
+        return (o, lse) if return_lse else o
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    batch, heads, seq_q, _ = q.shape
+    rows = max(1, REFERENCE_SCORE_BYTES // max(1, batch * heads * k.shape[2] * q.element_size()))
+    chunk = functools.partial(_reference_rows, scores=Scores(_scale(scale, q.shape[-1]), causal, bottom_right,
+                                                             tuple(window), softcap), seq_q=seq_q)
+    if seq_q <= rows:
+        o, lse = chunk(q, k, v, 0)
+    else:
+        from torch.utils.checkpoint import checkpoint
+
+        parts = [checkpoint(chunk, q[:, :, start:start + rows], k, v, start, use_reentrant=False)
+                 for start in range(0, seq_q, rows)]
+        o, lse = torch.cat([p[0] for p in parts], dim=2), torch.cat([p[1] for p in parts], dim=2)
+    return (o, lse if lse.dtype == torch.float64 else lse.float()) if return_lse else o
+
+
+def reference_visible(scores: Scores, first_row: int, rows: int, seq_q: int, seq_k: int, device):
+    """(rows, Sk) whether query rows first_row... see each key under ``scores``' masks; None when
+    every row sees every key."""
+    left, right = scores.window
+    if not scores.causal and left < 0 and right < 0:
+        return None
+    offset = seq_k - seq_q if scores.bottom_right else 0
+    diagonal = torch.arange(first_row, first_row + rows, device=device)[:, None] + offset
+    keys = torch.arange(seq_k, device=device)[None, :]
+    visible = torch.ones((rows, seq_k), dtype=torch.bool, device=device)
+    if scores.causal or right >= 0:
+        visible &= keys <= diagonal + (0 if scores.causal else right)
+    if left >= 0:
+        visible &= keys >= diagonal - left
+    return visible
+
+
+def _reference_rows(q, k, v, first_row: int, scores: Scores, seq_q: int):
+    """(output, lse) of the reference for the query rows ``q`` (the first of them row ``first_row``)."""
+    logits = (q @ k.transpose(-1, -2)) * scores.scale
+    if scores.softcap:
+        logits = scores.softcap * torch.tanh(logits / scores.softcap)
+    visible = reference_visible(scores, first_row, q.shape[2], seq_q, k.shape[2], q.device)
+    if visible is None:
+        return torch.softmax(logits, dim=-1) @ v, torch.logsumexp(logits, dim=-1)
+    sees = visible.any(-1, keepdim=True)  # a row that sees no key: 0 out, lse -inf, no NaN in the VJP
+    logits = logits.masked_fill(~visible, -math.inf).masked_fill(~sees, 0.0)
+    return ((torch.softmax(logits, dim=-1) * sees) @ v,
+            torch.logsumexp(logits, dim=-1).masked_fill(~sees[:, 0], -math.inf))
+
+
+def attention_cost(shape: tuple, dtype: torch.dtype, mode: str = "fwd", causal: bool = False):
+    """FLOPs and minimal bytes of attention over a benchmark shape (B, Hq, Hkv, S, D), Sq = Sk = S:
+    forward 4 B Hq S^2 D FLOPs (half when causal), backward 2.5x that; the forward reads q, k and v
+    once and writes o and the lse, the backward also reads o, dO and the lse and writes dq, dk, dv."""
+    from tritonkit.roofline import Cost
+
+    batch, heads_q, heads_kv, seq, head_dim = shape
+    size = torch.finfo(dtype).bits // 8
+    flops = 4 * batch * heads_q * seq * seq * head_dim / (2 if causal else 1)
+    q_bytes, kv_bytes = batch * heads_q * seq * head_dim * size, batch * heads_kv * seq * head_dim * size
+    lse_bytes = 4 * batch * heads_q * seq
+    fwd = Cost(flops, 2 * q_bytes + 2 * kv_bytes + lse_bytes)
+    bwd = Cost(2.5 * flops, 5 * q_bytes + 4 * kv_bytes + lse_bytes)  # q, o, dO, dq; k, v, dk, dv
+    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]
+
+
+def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None = None,
+                      causal: bool = False) -> list:
+    """The forward's launch and the backward's three for a benchmark shape (B, Hq, Hkv, S, D): what
+    ``tritonkit inspect`` compiles. A ``config`` sets the forward's tile, and under "dkdv" and "dq"
+    the backward kernels' (over their defaults)."""
+    from tritonkit.inspect import Launch
+    from tritonkit.ops.attention_bwd import KERNELS
+
+    batch, heads_q, heads_kv, seq, head_dim = shape
+    q = torch.empty((batch, heads_q, seq, head_dim), dtype=dtype, device="meta")
+    kv = torch.empty((batch, heads_kv, seq, head_dim), dtype=dtype, device="meta")
+    lse = torch.empty((batch, heads_q, seq), dtype=torch.float32, device="meta")
+    fwd_config = {name: value for name, value in (config or {}).items() if name not in KERNELS}
+    bwd_config = {name: value for name, value in (config or {}).items() if name in KERNELS}
+    scores = Scores(_scale(None, head_dim), causal)
+    _, args, meta = _fwd_launch_args(q, kv, kv, q, lse, scores, fwd_config or None)
+    return [Launch("fwd", _attn_fwd_kernel, args, meta, fwd_config),
+            *_inspect_bwd_launches(shape, dtype, bwd_config, scores)]
+
+
+# ---------------------------------------------------------------- benchmark peers and specs
+
+
+def _sdpa_backend(backend: str):
+    """A peer: torch's scaled_dot_product_attention pinned to one backend (FLASH_ATTENTION, CUDNN_ATTENTION,
+    EFFICIENT_ATTENTION); a backend that cannot take a case raises, and the harness reports it."""
+    def factory(kwargs: dict):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        chosen = getattr(SDPBackend, backend)
+
+        def run(q, k, v):
+            with sdpa_kernel(chosen):
+                return torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, is_causal=kwargs.get("causal", False), enable_gqa=q.shape[1] != k.shape[1])
+        return run
+    return factory
+
+
+def _flex(kwargs: dict):
+    """A peer: compiled FlexAttention, with a causal block mask built once per sequence length."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU (timings only)"
+    compiled = torch.compile(flex_attention)
+
+    @functools.cache
+    def causal_mask(seq_q: int, seq_k: int):
+        return create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx, None, None, seq_q, seq_k)
+
+    def run(q, k, v):
+        mask = causal_mask(q.shape[2], k.shape[2]) if kwargs.get("causal") else None
+        return compiled(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    return run
+
+
+def _make_inputs(shape: tuple, dtype: torch.dtype, device, generator: torch.Generator) -> tuple:
+    from tritonkit.testing import random_tensor
+
+    batch, heads_q, heads_kv, seq, head_dim = shape
+    return (random_tensor((batch, heads_q, seq, head_dim), dtype, device, generator=generator),
+            random_tensor((batch, heads_kv, seq, head_dim), dtype, device, generator=generator),
+            random_tensor((batch, heads_kv, seq, head_dim), dtype, device, generator=generator))
+
+
+def _spec(causal: bool):
+    from tritonkit.ops import OpSpec
+
+    return OpSpec(
+        name="attention_causal" if causal else "attention",
+        family="attention",
+        fn=flash_attention,
+        reference=attention_reference,
+        cost=functools.partial(attention_cost, causal=causal),
+        make_inputs=_make_inputs,
+        grad_inputs=(0, 1, 2),
+        flop_unit="bf16",
+        # (B, Hq, Hkv, S, D): the issue's shapes; GQA at Hq 32, Hkv 8; fp16 at the first
+        shapes={
+            "interpreter": [((1, 2, 1, 40, 64), "bf16"), ((1, 2, 2, 33, 32), "fp16")],
+            "quick": [((4, 32, 32, 4096, 128), "bf16"), ((2, 16, 16, 16384, 128), "bf16"),
+                      ((4, 32, 32, 4096, 64), "bf16"), ((16, 16, 16, 1024, 128), "bf16"),
+                      ((4, 32, 32, 4096, 128), "fp16"), ((4, 32, 8, 4096, 128), "bf16")],
+            "full": [((4, 32, 32, 4096, 128), "bf16"), ((2, 16, 16, 16384, 128), "bf16"),
+                     ((4, 32, 32, 4096, 64), "bf16"), ((16, 16, 16, 1024, 128), "bf16"),
+                     ((4, 32, 32, 4096, 128), "fp16"), ((4, 32, 8, 4096, 128), "bf16"),
+                     ((1, 32, 32, 8192, 256), "bf16"), ((8, 16, 16, 2048, 96), "bf16")],
+        },
+        tiny_shape=(1, 1, 1, 128, 64),
+        dtypes=DTYPES,
+        kwargs={"causal": causal},
+        peers={"sdpa-flash": _sdpa_backend("FLASH_ATTENTION"), "sdpa-cudnn": _sdpa_backend("CUDNN_ATTENTION"),
+               "sdpa-efficient": _sdpa_backend("EFFICIENT_ATTENTION"), "flex": _flex},
+        inspect=functools.partial(_inspect_launches, causal=causal),
+    )
+
+
+SPECS = {"attention": _spec(False), "attention_causal": _spec(True)}
