@@ -180,6 +180,18 @@ def test_packed_batches_match_the_reference(causal, window, softcap, device):
     check_packed(q, k, v, causal=causal, window=window, softcap=softcap, **cu)
 
 
+def test_packed_views_of_a_fused_projection(device):
+    """q, k and v as views of one (T, 3, H, D) projection (row stride 3 H D), MQA, head dim 256 with
+    a soft cap and a left window: what a packed attention layer passes."""
+    lengths = [(14, 14), (3, 3), (20, 20)]
+    _, _, _, cu = packed(lengths, 1, 1, 16, torch.bfloat16, device)
+    g = testing.generator(53)
+    qkv_rows = testing.random_tensor((37, 3, 2, 256), torch.bfloat16, device, generator=g)
+    q, k, v = qkv_rows[:, 0], qkv_rows[:, 1, :1], qkv_rows[:, 2, :1]
+    assert q.stride(0) == 3 * 2 * 256 and not q.is_contiguous()
+    check_packed(q, k, v, causal=True, window=(5, -1), softcap=3.0, **cu)
+
+
 def test_packed_batch_equals_each_sequence_alone(device):
     """The packed output, lse and gradients of each sequence are exactly the dense call's on it alone
     (same tiles, same order of sums)."""
