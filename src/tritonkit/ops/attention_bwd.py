@@ -82,6 +82,20 @@ def per_sequence(strides: tuple, packed: Packed | None) -> tuple:
     return tuple(strides) if packed is None else (0, *strides[1:])
 
 
+def sequence_args(scores: Scores, packed: Packed | None, batch: int, seq_q: int, seq_k: int,
+                  unused: torch.Tensor) -> tuple:
+    """What the three main kernels take about the sequences and the scores: (batch, seq_q, seq_k,
+    (cu_q, cu_k), the scores' runtime arguments, their constexprs with VARLEN). A packed batch's
+    are its sequence count and longest lengths, with offsets holding only the window's sides (each
+    sequence adds its own alignment); a dense one passes ``unused`` for the cu_seqlens pointers."""
+    if packed is None:
+        score_args, score_meta = scores.kernel_args(seq_q, seq_k)
+        return batch, seq_q, seq_k, (unused, unused), score_args, {**score_meta, "VARLEN": False}
+    score_args, score_meta = scores.kernel_args(0, 0)
+    return (packed.sequences, packed.max_q, packed.max_k, (packed.cu_q, packed.cu_k), score_args,
+            {**score_meta, "VARLEN": True})
+
+
 @triton.jit
 def _exponent(dot, score_scale, cap_log2, SOFTCAP: tl.constexpr):
     """(the scores in log2 units, tanh of the capped score or 0): dot * score_scale, or with SOFTCAP
@@ -500,21 +514,17 @@ def _launch_main(kernel: str, q, k, v, do, lse, delta, grads, scores: Scores, co
                  packed: Packed | None = None) -> tuple:
     """(launcher, grid, arguments, constexprs and options) of the dK/dV kernel (``grads`` = (dk, dv))
     or the dQ kernel (``grads`` = (dq,)); for a packed batch, every tensor is its (1, H, T, ...) view."""
-    batch, heads, seq_q, head_dim = q.shape
-    heads_kv, seq_k = k.shape[1], k.shape[2]
+    _, heads, _, head_dim = q.shape
+    heads_kv = k.shape[1]
     config = dict(config)
-    if packed is None:
-        score_args, score_meta = scores.kernel_args(seq_q, seq_k)
-        cu_q = cu_k = lse  # not read
-    else:  # the offsets hold the window's sides; each sequence adds its own alignment
-        score_args, score_meta = scores.kernel_args(0, 0)
-        cu_q, cu_k, batch, seq_q, seq_k = packed
-    meta = {"HEAD_DIM": head_dim, "BLOCK_D": _block_d(head_dim), **score_meta, "VARLEN": packed is not None,
+    batch, seq_q, seq_k, cu, score_args, score_meta = sequence_args(scores, packed, q.shape[0], q.shape[2],
+                                                                    k.shape[2], lse)
+    meta = {"HEAD_DIM": head_dim, "BLOCK_D": _block_d(head_dim), **score_meta,
             "BLOCK_M": config.pop("BLOCK_M"), "BLOCK_N": config.pop("BLOCK_N"),
             "EXACT_DOT_IN_FP32": interpret(), **config}
     strides = [per_sequence(t.stride()[:rank], packed)
                for t, rank in ((q, 4), (k, 4), (v, 4), (do, 4), (lse, 2), (grads[0], 3))]
-    args = (q, k, v, do, lse, delta, *grads, cu_q, cu_k, *(s for group in strides for s in group),
+    args = (q, k, v, do, lse, delta, *grads, *cu, *(s for group in strides for s in group),
             heads_kv if kernel == "dkdv" else heads, heads // heads_kv, seq_q, seq_k, *score_args,
             scores.scale)
     if kernel == "dkdv":

@@ -44,11 +44,13 @@ from tritonkit._launch import Launcher, cdiv, precompile  # noqa: E402
 from tritonkit.ops.attention_bwd import (  # noqa: E402
     Packed,
     Scores,
+    _block_d,
     _exponent,
     _key_ranges,
     _sequence,
     _visible,
     per_sequence,
+    sequence_args,
 )
 
 DTYPES = (torch.float16, torch.bfloat16)
@@ -200,10 +202,6 @@ CONFIGS = [{"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_sta
 # its stages of K and V tiles and the Q tile pass the shared memory of an SM.
 MAX_TILE_VALUES = 128
 SHARED_BYTES = 227 * 1024
-
-
-def _block_d(head_dim: int) -> int:
-    return max(16, triton.next_power_of_2(head_dim))
 
 
 def _default(key: dict) -> dict:
@@ -360,20 +358,15 @@ def _fwd_launch_args(q, k, v, o, lse, scores: Scores, config: dict | None,
                      packed: Packed | None = None) -> tuple[tuple, tuple, dict]:
     """(grid, arguments, constexprs and options) of the forward kernel; ``packed`` for a packed
     batch (q, k, v, o and the lse are then its (1, H, T, ...) views)."""
-    batch, heads, seq_q, head_dim = q.shape
-    seq_k = k.shape[2]
+    _, heads, _, head_dim = q.shape
     config = dict(config or _default({"head_dim": head_dim}))
-    if packed is None:
-        score_args, score_meta = scores.kernel_args(seq_q, seq_k)
-        cu_q = cu_k = lse  # not read
-    else:  # the offsets hold the window's sides; each sequence adds its own alignment
-        score_args, score_meta = scores.kernel_args(0, 0)
-        cu_q, cu_k, batch, seq_q, seq_k = packed
+    batch, seq_q, seq_k, cu, score_args, score_meta = sequence_args(scores, packed, q.shape[0], q.shape[2],
+                                                                    k.shape[2], lse)
     strides = [per_sequence(t.stride()[:rank], packed)
                for t, rank in ((q, 4), (k, 4), (v, 4), (o, 3), (lse, 2))]
-    args = (q, k, v, o, lse, cu_q, cu_k, *(s for group in strides for s in group), heads, heads // k.shape[1],
+    args = (q, k, v, o, lse, *cu, *(s for group in strides for s in group), heads, heads // k.shape[1],
             seq_q, seq_k, *score_args)
-    meta = {"HEAD_DIM": head_dim, "BLOCK_D": _block_d(head_dim), **score_meta, "VARLEN": packed is not None,
+    meta = {"HEAD_DIM": head_dim, "BLOCK_D": _block_d(head_dim), **score_meta,
             "BLOCK_M": config.pop("BLOCK_M"), "BLOCK_N": config.pop("BLOCK_N"),
             "EXACT_DOT_IN_FP32": interpret(), **config}
     return (cdiv(seq_q, meta["BLOCK_M"]), batch * heads), args, meta
