@@ -313,24 +313,24 @@ def test_opcheck(device):
     """The forward op (with its autograd) and the backward op: schemas, fake tensors, compile."""
     q, k, v = (t.requires_grad_() for t in qkv(1, 2, 1, 17, 23, 32, torch.bfloat16, device))
     dense = (None, None, 0, 0)
-    torch.library.opcheck(at._attention_fwd_op, (q, k, v, *dense, 0.2, True, True, -1, -1, 0.0))
-    torch.library.opcheck(at._attention_fwd_op, (q, k, v, *dense, 0.2, False, True, 5, 3, 4.0))  # window, cap
-    o, lse = at._attention_fwd_op(q, k, v, *dense, 0.2, True, True, -1, -1, 0.0)
+    torch.library.opcheck(at._attention_fwd_op, (q, k, v, *dense, 0.2, True, True, -1, -1, 0.0, True))
+    torch.library.opcheck(at._attention_fwd_op, (q, k, v, *dense, 0.2, False, True, 5, 3, 4.0, False))
+    o, lse = at._attention_fwd_op(q, k, v, *dense, 0.2, True, True, -1, -1, 0.0, True)
     do = torch.randn_like(o)
     args = (do, q.detach(), k.detach(), v.detach(), o.detach(), lse.detach())
-    torch.library.opcheck(at._attention_bwd_op, (*args, None, *dense, 0.2, True, True, -1, -1, 0.0))
+    torch.library.opcheck(at._attention_bwd_op, (*args, None, *dense, 0.2, True, True, -1, -1, 0.0, True))
     dlse = torch.randn_like(lse)
-    torch.library.opcheck(at._attention_bwd_op, (*args, dlse, *dense, 0.2, False, False, 4, -1, 2.0))
+    torch.library.opcheck(at._attention_bwd_op, (*args, dlse, *dense, 0.2, False, False, 4, -1, 2.0, False))
     # a packed batch: (T, H, D) tensors, a (H, T) lse
     pq, pk, pv, cu = packed([(5, 9), (12, 3)], 2, 1, 32, torch.bfloat16, device)
     varlen = (cu["cu_seqlens_q"], cu["cu_seqlens_k"], 12, 9)
     pq, pk, pv = (t.requires_grad_() for t in (pq, pk, pv))
-    torch.library.opcheck(at._attention_fwd_op, (pq, pk, pv, *varlen, 0.2, True, True, -1, -1, 0.0))
-    po, plse = at._attention_fwd_op(pq, pk, pv, *varlen, 0.2, True, True, -1, -1, 0.0)
+    torch.library.opcheck(at._attention_fwd_op, (pq, pk, pv, *varlen, 0.2, True, True, -1, -1, 0.0, True))
+    po, plse = at._attention_fwd_op(pq, pk, pv, *varlen, 0.2, True, True, -1, -1, 0.0, True)
     assert plse.shape == (2, 17)
     args = (torch.randn_like(po), pq.detach(), pk.detach(), pv.detach(), po.detach(), plse.detach())
     dlse = torch.randn_like(plse)
-    torch.library.opcheck(at._attention_bwd_op, (*args, dlse, *varlen, 0.2, True, True, 3, -1, 0.0))
+    torch.library.opcheck(at._attention_bwd_op, (*args, dlse, *varlen, 0.2, True, True, 3, -1, 0.0, False))
 
 
 def test_expanded_upstream_gradients(device):
@@ -352,6 +352,17 @@ def test_sdpa_gradients_with_top_left_causal(device):
         lambda *a: tritonkit.scaled_dot_product_attention(*a, is_causal=True, enable_gqa=True),
         lambda *a: attention_reference(*a, causal=True, bottom_right=False), (q, k, v), grad_inputs=(0, 1, 2),
         grad_outputs=[do])
+
+
+@pytest.mark.parametrize("causal, window, softcap", [(True, (-1, -1), 0.0), (False, (7, 2), 3.0)],
+                         ids=["causal", "window-cap"])
+def test_atomic_dq_matches_the_reference(causal, window, softcap, device):
+    """deterministic=False: dq accumulated with atomics in the dK/dV kernel, GQA, ragged lengths,
+    and a packed batch."""
+    check(*qkv(1, 4, 2, 37, 29, 32, torch.bfloat16, device, seed=60), causal=causal, window=window,
+          softcap=softcap, deterministic=False)
+    q, k, v, cu = packed(LENGTHS, 2, 1, 64, torch.float16, device, seed=61)
+    check_packed(q, k, v, causal=causal, window=window, softcap=softcap, deterministic=False, **cu)
 
 
 def test_backward_is_deterministic_and_zero_for_rows_that_see_no_key(device):
@@ -711,3 +722,20 @@ def test_windowed_soft_capped_tiles_pass_the_gates(mask, window, device):
         for kernel in ab.KERNELS:
             verdict = ab._admit(kernel, key, scores, device, config)
             assert verdict.passed, (kernel, config, verdict)
+
+
+def test_the_atomic_dq_gate_judges_dq_too(monkeypatch, device):
+    """With dq accumulated by the dK/dV kernel, its gate compares dq as well as dk and dv: a dq 10%
+    off fails it."""
+    key = _key(seq_q=40, seq_k=24, head_dim=32, mask="top-left") | {"dq": "atomic"}
+    config = dict(ab.INTERPRETER_CONFIG)
+    assert ab._admit("dkdv", key, _scores("top-left", 0.2), device, config).passed
+    real = ab._dkdv_launcher
+
+    def dq_off_by_a_tenth(grid, *args, **meta):
+        real(grid, *args, **meta)
+        args[8].mul_(1.1)  # the fp32 dq accumulator
+
+    monkeypatch.setattr(ab, "_dkdv_launcher", dq_off_by_a_tenth)
+    verdict = ab._admit("dkdv", key, _scores("top-left", 0.2), device, config)
+    assert not verdict.passed and verdict.name == "dq"

@@ -63,8 +63,9 @@ def _validate(q, k, v) -> None:
 @torch.library.custom_op("tritonkit::attention_fwd", mutates_args=())
 def _attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
                       cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int, scale: float,
-                      causal: bool, bottom_right: bool, window_left: int, window_right: int,
-                      softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+                      causal: bool, bottom_right: bool, window_left: int, window_right: int, softcap: float,
+                      deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    # deterministic is the backward's: the forward takes it so that autograd hands it on
     return _attention_fwd(q, k, v, Scores(scale, causal, bottom_right, (window_left, window_right), softcap),
                           packed=_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
 
@@ -81,11 +82,12 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *scores):
 def _attention_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                       lse: torch.Tensor, dlse: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None,
                       cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int, scale: float,
-                      causal: bool, bottom_right: bool, window_left: int, window_right: int,
-                      softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      causal: bool, bottom_right: bool, window_left: int, window_right: int, softcap: float,
+                      deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return attention_bwd(do, q, k, v, o, lse, dlse,
                          Scores(scale, causal, bottom_right, (window_left, window_right), softcap),
-                         packed=_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+                         packed=_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+                         deterministic=deterministic)
 
 
 @_attention_bwd_op.register_fake
@@ -118,11 +120,12 @@ def _backward(ctx, do, dlse):
 _attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _call(q, k, v, scores: Scores, packed: Packed | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _call(q, k, v, scores: Scores, packed: Packed | None = None,
+          deterministic: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward custom op (differentiable) on validated inputs."""
     cu_q, cu_k, _, max_q, max_k = packed or (None, None, 0, 0, 0)
     return _attention_fwd_op(q, k, v, cu_q, cu_k, max_q, max_k, scores.scale, scores.causal,
-                             scores.bottom_right, *scores.window, scores.softcap)
+                             scores.bottom_right, *scores.window, scores.softcap, bool(deterministic))
 
 
 def _scale(scale: float | None, head_dim: int) -> float:
@@ -132,7 +135,7 @@ def _scale(scale: float | None, head_dim: int) -> float:
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                     scale: float | None = None, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                     return_lse: bool = False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                    max_seqlen_k=None):
+                    max_seqlen_k=None, deterministic: bool = True):
     """Attention over (B, H, S, D) fp16/bf16 tensors, FlashAttention's conventions: ``causal``
     aligned bottom-right when Sq != Sk; GQA/MQA when k and v have fewer heads (a divisor of q's);
     ``scale`` defaults to 1/sqrt(D). ``window`` = (left, right) lets query i see only the keys from
@@ -147,7 +150,10 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     (Hq, total_q). ``max_seqlen_q``/``max_seqlen_k`` (the longest sequences) are read from the
     cu_seqlens when not given, which waits for the GPU; the cu_seqlens are checked on the host.
 
-    Differentiable in q, k, v (GQA gradients summed over each group) and in the lse."""
+    Differentiable in q, k, v (GQA gradients summed over each group) and in the lse. The backward
+    is deterministic (the same inputs give the same bits); ``deterministic=False`` accumulates dq
+    with fp32 atomics in the dK/dV kernel instead of a dQ kernel that recomputes the scores (two
+    matmuls of seven fewer), and dq's last bits then vary from run to run."""
     window = _window(window)
     softcap = float(softcap)
     if not math.isfinite(softcap) or softcap < 0:
@@ -160,7 +166,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         packed = None
     else:
         packed = _validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    o, lse = _call(q, k, v, Scores(_scale(scale, q.shape[-1]), bool(causal), True, window, softcap), packed)
+    o, lse = _call(q, k, v, Scores(_scale(scale, q.shape[-1]), bool(causal), True, window, softcap), packed,
+                   deterministic)
     return (o, lse) if return_lse else o
 
 
@@ -243,13 +250,14 @@ REFERENCE_SCORE_BYTES = 2**31  # the reference takes query rows in chunks whose 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                         scale: float | None = None, bottom_right: bool = True, return_lse: bool = False,
                         window: tuple[int, int] = (-1, -1), softcap: float = 0.0, cu_seqlens_q=None,
-                        cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+                        cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, deterministic: bool = True):
     """Plain PyTorch attention with the kernel's conventions (rows that see no key give 0 and lse
     -inf); pass float64 inputs for the oracle's reference. Query rows go in chunks whose scores
     take at most REFERENCE_SCORE_BYTES (at (2, 16, 16384, 128) whole float64 scores would be 69 GB);
     with several chunks, each is recomputed in the backward instead of kept (activation
     checkpointing), so the reference's gradients fit too. A packed batch (``cu_seqlens_*``) goes
-    a sequence at a time; ``max_seqlen_*`` are accepted and not needed."""
+    a sequence at a time; ``max_seqlen_*`` and ``deterministic`` are flash_attention's, accepted and
+    not needed."""
     if cu_seqlens_q is not None:
         bounds = [(int(a), int(b), int(c), int(d)) for a, b, c, d in
                   zip(cu_seqlens_q[:-1], cu_seqlens_q[1:], cu_seqlens_k[:-1], cu_seqlens_k[1:], strict=True)]
@@ -417,7 +425,10 @@ def _spec(causal: bool):
         tiny_shape=(1, 1, 1, 128, 64),
         dtypes=DTYPES,
         kwargs={"causal": causal},
-        peers={"sdpa-flash": _sdpa_backend("FLASH_ATTENTION"), "sdpa-cudnn": _sdpa_backend("CUDNN_ATTENTION"),
+        # tritonkit[atomic-dq]: the backward with deterministic=False, shown beside the default
+        peers={"tritonkit[atomic-dq]": lambda kwargs: functools.partial(flash_attention, **kwargs,
+                                                                         deterministic=False),
+               "sdpa-flash": _sdpa_backend("FLASH_ATTENTION"), "sdpa-cudnn": _sdpa_backend("CUDNN_ATTENTION"),
                "sdpa-efficient": _sdpa_backend("EFFICIENT_ATTENTION"), "flex": _flex},
         inspect=functools.partial(_inspect_launches, causal=causal),
     )

@@ -198,11 +198,12 @@ def _dot(a, b, EXACT_DOT_IN_FP32: tl.constexpr):
 
 
 @triton.jit
-def _dkdv_steps(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, batch, kv_head, q_start, cols, dims, d_mask,
-                stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod,
-                stride_lb, stride_lh, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, score_scale, cap_log2,
+def _dkdv_steps(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_acc_ptr, batch, kv_head, q_start, cols,
+                dims, d_mask, stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom,
+                stride_dod, stride_lb, stride_lh, stride_ab, stride_ah, stride_am, GROUP, SEQ_Q, SEQ_K,
+                UPPER_OFFSET, LOWER_OFFSET, score_scale, cap_log2,
                 lead_start, n_lead, rest_start, n_rest, IS_CAUSAL: tl.constexpr, HAS_LOWER: tl.constexpr,
-                SOFTCAP: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
+                SOFTCAP: tl.constexpr, ATOMIC_DQ: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
                 EXACT_DOT_IN_FP32: tl.constexpr):
     """dk and dv after query blocks of every query head of the key block's group: for each head,
     ``n_lead`` blocks from row ``lead_start``, then ``n_rest`` from ``rest_start``. One loop over
@@ -212,7 +213,9 @@ def _dkdv_steps(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, batch, kv_head,
     unmasked.
 
     The scores are computed transposed, keys by queries, so that every matmul has the program's
-    keys as its M (wgmma's 64-row operand) and the query step BLOCK_M may be small."""
+    keys as its M (wgmma's 64-row operand) and the query step BLOCK_M may be small. ATOMIC_DQ also
+    adds each step's dS Q-side product, dS^T K, to the fp32 dq accumulator with atomics (its order,
+    so its rounding, varies from run to run)."""
     per_head = n_lead + n_rest
     local_m = tl.arange(0, BLOCK_M)
     for step in range(GROUP * per_head):
@@ -250,7 +253,16 @@ def _dkdv_steps(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, batch, kv_head,
         ds_t = p_t * (dp_t - delta[None, :])
         if SOFTCAP:  # through the cap: d(c tanh(s / c)) / ds = 1 - tanh^2
             ds_t = ds_t * (1.0 - tanh_t * tanh_t)
-        dk += _dot(ds_t.to(q.dtype), q, EXACT_DOT_IN_FP32)
+        ds_t = ds_t.to(q.dtype)
+        dk += _dot(ds_t, q, EXACT_DOT_IN_FP32)
+        if ATOMIC_DQ:
+            dq = _dot(tl.trans(ds_t), k, EXACT_DOT_IN_FP32)  # (BLOCK_M, D)
+            acc_ptrs = (dq_acc_ptr + batch * stride_ab + head * stride_ah
+                        + (block + local_m[:, None]) * stride_am + dims[None, :])
+            if MASKED:
+                tl.atomic_add(acc_ptrs, dq, mask=row_mask[:, None] & d_mask[None, :], sem="relaxed")
+            else:
+                tl.atomic_add(acc_ptrs, dq, mask=d_mask[None, :], sem="relaxed")
     return dk, dv
 
 
@@ -260,6 +272,7 @@ def _attn_bwd_dkdv_kernel(
     lse_ptr,  # forward lse (natural log), (B, Hq, Sq), strides stride_l* and 1
     delta_ptr,  # rowsum(dO * O) - dlse, laid out as the lse
     dk_ptr, dv_ptr,  # out: (B, Hkv, Sk, D), strides stride_g* and 1
+    dq_acc_ptr,  # ATOMIC_DQ: fp32 dq accumulator, (B, Hq, Sq, D), zeros, strides stride_a* and 1
     cu_q_ptr, cu_k_ptr,  # VARLEN: int32 first row of each packed sequence of q and of k, and the total
     stride_qb, stride_qh, stride_qm, stride_qd,  # elements between batches, heads, rows, dims of q
     stride_kb, stride_kh, stride_kn, stride_kd,  # ... of k
@@ -267,6 +280,7 @@ def _attn_bwd_dkdv_kernel(
     stride_dob, stride_doh, stride_dom, stride_dod,  # ... of dO
     stride_lb, stride_lh,  # ... of the lse and delta
     stride_gb, stride_gh, stride_gn,  # ... of dk and dv
+    stride_ab, stride_ah, stride_am,  # ... of the dq accumulator
     H_KV,  # key/value heads
     GROUP,  # query heads per key/value head
     SEQ_Q, SEQ_K,  # rows of q and of k per head
@@ -275,6 +289,7 @@ def _attn_bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,  # D, and a power of two >= D
     IS_CAUSAL: tl.constexpr, HAS_LOWER: tl.constexpr, SOFTCAP: tl.constexpr,  # Scores.kernel_args
     VARLEN: tl.constexpr,  # a packed batch: a program's "batch" is a sequence; batch strides are 0
+    ATOMIC_DQ: tl.constexpr,  # also accumulate dq, with atomics (no dQ kernel)
     BLOCK_M: tl.constexpr,  # query rows a step of the loop takes
     BLOCK_N: tl.constexpr,  # keys a program holds
     EXACT_DOT_IN_FP32: tl.constexpr,  # multiply the 16-bit tiles as fp32 (the interpreter's path)
@@ -322,19 +337,16 @@ def _attn_bwd_dkdv_kernel(
         inner_start = end
     inner_start = tl.minimum(tl.maximum(inner_start, first), end)
     inner_end = tl.maximum(tl.minimum(inner_end, end), inner_start)
-    dk, dv = _dkdv_steps(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, batch, kv_head, q_start, cols, dims,
-                         d_mask, stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh,
-                         stride_dom, stride_dod, stride_lb, stride_lh, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET,
-                         LOWER_OFFSET, score_scale,
-                         cap_log2, first, (inner_start - first) // BLOCK_M, inner_end,
-                         (end - inner_end) // BLOCK_M, IS_CAUSAL, HAS_LOWER, SOFTCAP, True, BLOCK_M,
-                         EXACT_DOT_IN_FP32)
-    dk, dv = _dkdv_steps(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, batch, kv_head, q_start, cols, dims,
-                         d_mask, stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh,
-                         stride_dom, stride_dod, stride_lb, stride_lh, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET,
-                         LOWER_OFFSET, score_scale,
-                         cap_log2, inner_start, (inner_end - inner_start) // BLOCK_M, inner_end, 0,
-                         IS_CAUSAL, HAS_LOWER, SOFTCAP, False, BLOCK_M, EXACT_DOT_IN_FP32)
+    # what the masked and the unmasked steps share: tiles, pointers, strides and scalars
+    shared = (k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_acc_ptr, batch, kv_head, q_start, cols, dims,
+              d_mask, stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom,
+              stride_dod, stride_lb, stride_lh, stride_ab, stride_ah, stride_am, GROUP, SEQ_Q, SEQ_K,
+              UPPER_OFFSET, LOWER_OFFSET, score_scale, cap_log2)
+    dk, dv = _dkdv_steps(dk, dv, *shared, first, (inner_start - first) // BLOCK_M, inner_end,
+                         (end - inner_end) // BLOCK_M, IS_CAUSAL, HAS_LOWER, SOFTCAP, ATOMIC_DQ, True,
+                         BLOCK_M, EXACT_DOT_IN_FP32)
+    dk, dv = _dkdv_steps(dk, dv, *shared, inner_start, (inner_end - inner_start) // BLOCK_M, inner_end,
+                         0, IS_CAUSAL, HAS_LOWER, SOFTCAP, ATOMIC_DQ, False, BLOCK_M, EXACT_DOT_IN_FP32)
     out = batch * stride_gb + kv_head * stride_gh + (block + local_n[:, None]) * stride_gn + dims[None, :]
     tl.store(dk_ptr + out, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
     tl.store(dv_ptr + out, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
@@ -512,18 +524,25 @@ def _launch_delta(o, do, lse, dlse, delta) -> tuple:
 
 def _launch_main(kernel: str, q, k, v, do, lse, delta, grads, scores: Scores, config: dict,
                  packed: Packed | None = None) -> tuple:
-    """(launcher, grid, arguments, constexprs and options) of the dK/dV kernel (``grads`` = (dk, dv))
-    or the dQ kernel (``grads`` = (dq,)); for a packed batch, every tensor is its (1, H, T, ...) view."""
+    """(launcher, grid, arguments, constexprs and options) of the dK/dV kernel (``grads`` = (dk, dv,
+    the fp32 dq accumulator or None)) or the dQ kernel (``grads`` = (dq,)); for a packed batch,
+    every tensor is its (1, H, T, ...) view."""
     _, heads, _, head_dim = q.shape
     heads_kv = k.shape[1]
     config = dict(config)
     batch, seq_q, seq_k, cu, score_args, score_meta = sequence_args(scores, packed, q.shape[0], q.shape[2],
                                                                     k.shape[2], lse)
+    outputs = [(t, 3) for t in grads[:1]]
+    if kernel == "dkdv":
+        dk, dv, dq_acc = grads
+        score_meta["ATOMIC_DQ"] = dq_acc is not None
+        grads = (dk, dv, dk if dq_acc is None else dq_acc)  # dk: a pointer never written through
+        outputs.append((grads[2], 3))
     meta = {"HEAD_DIM": head_dim, "BLOCK_D": _block_d(head_dim), **score_meta,
             "BLOCK_M": config.pop("BLOCK_M"), "BLOCK_N": config.pop("BLOCK_N"),
             "EXACT_DOT_IN_FP32": interpret(), **config}
     strides = [per_sequence(t.stride()[:rank], packed)
-               for t, rank in ((q, 4), (k, 4), (v, 4), (do, 4), (lse, 2), (grads[0], 3))]
+               for t, rank in ((q, 4), (k, 4), (v, 4), (do, 4), (lse, 2), *outputs)]
     args = (q, k, v, do, lse, delta, *grads, *cu, *(s for group in strides for s in group),
             heads_kv if kernel == "dkdv" else heads, heads // heads_kv, seq_q, seq_k, *score_args,
             scores.scale)
@@ -557,8 +576,9 @@ def _reference_grads(q, k, v, do, scores: Scores) -> tuple:
 
 
 def _admit(kernel: str, key: dict, scores: Scores, device, config: dict):
-    """The oracle on the gradients ``config``'s kernel writes (dk and dv, or dq) for a calibration
-    problem, the other kernel on its default: the worst comparison."""
+    """The oracle on the gradients ``config``'s kernel writes (dk and dv, and dq too when the key's
+    dq is accumulated with atomics; or dq) for a calibration problem, the other kernel on its
+    default: the worst comparison."""
     from tritonkit.ops import attention_fwd as fwd
     from tritonkit.testing import compare, generator, random_tensor, worst
 
@@ -567,11 +587,12 @@ def _admit(kernel: str, key: dict, scores: Scores, device, config: dict):
     do = random_tensor(q.shape, q.dtype, device, generator=generator(13))
     o, lse = fwd._attention_fwd(q, k, v, scores, config=fwd._default(key))
     configs = default_config(key["head_dim"]) | {kernel: config}
-    grads = attention_bwd(do, q, k, v, o, lse, None, scores, configs)
+    atomic = key.get("dq") == "atomic"
+    grads = attention_bwd(do, q, k, v, o, lse, None, scores, configs, deterministic=not atomic)
     ours = dict(zip(("dq", "dk", "dv"), grads, strict=True))
     exact = _reference_grads(q.double(), k.double(), v.double(), do.double(), scores)
     in_dtype = _reference_grads(q, k, v, do, scores)
-    names = ("dk", "dv") if kernel == "dkdv" else ("dq",)
+    names = ("dq",) if kernel == "dq" else ("dq", "dk", "dv") if atomic else ("dk", "dv")
     index = {"dq": 0, "dk": 1, "dv": 2}
     return worst([compare(name, ours[name], in_dtype[index[name]], exact[index[name]], q.dtype)
                   for name in names])
@@ -594,16 +615,21 @@ _chosen: dict[tuple, dict] = {}
 
 
 def _configs(q, k, v, do, lse, delta, outputs: dict, scores: Scores, packed: Packed | None) -> dict:
-    """The tuned (or default) config of each main kernel for this call's signature."""
+    """The tuned (or default) config of each main kernel ``outputs`` names, for this call's
+    signature; dK/dV's key says when it accumulates dq with atomics (its candidates then compete
+    at that work)."""
     from tritonkit.ops import attention_fwd as fwd
 
-    signature = (q.shape, k.shape, q.dtype, q.device, scores, packed and packed[2:])
+    atomic = outputs["dkdv"][2] is not None
+    signature = (q.shape, k.shape, q.dtype, q.device, scores, packed and packed[2:], atomic)
     configs = _chosen.get(signature)
     if configs is not None:
         return configs
-    key = fwd._tuning_key(q, k, scores, packed)
+    key = fwd._tuning_key(q, k, scores, packed) | ({"dq": "atomic"} if atomic else {})
     configs, final = {}, True
-    for kernel, tuner in _TUNERS.items():
+    for kernel in outputs:
+        tuner = _TUNERS[kernel]
+
         def launch(candidate, kernel=kernel):
             return _launch_main(kernel, q, k, v, do, lse, delta, outputs[kernel], scores, candidate, packed)
 
@@ -623,11 +649,14 @@ def _configs(q, k, v, do, lse, delta, outputs: dict, scores: Scores, packed: Pac
 
 
 def attention_bwd(do, q, k, v, o, lse, dlse, scores: Scores, config: dict | None = None,
-                  packed: Packed | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  packed: Packed | None = None, deterministic: bool = True
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of attention; ``o`` and ``lse`` are the forward's (contiguous), ``dlse`` the
     upstream gradient of the lse or None. Arguments are the forward's, already validated: (B, H, S,
     D) tensors, or with ``packed`` (T, H, D) tensors and a (H, T) lse. ``config`` ({"dkdv": ...,
-    "dq": ...}) overrides the tuned launch configs."""
+    "dq": ...}) overrides the tuned launch configs. ``deterministic=False`` accumulates dq in the
+    dK/dV kernel with fp32 atomics instead of running the dQ kernel, which recomputes the scores
+    and dP: two matmuls of five fewer, and dq's last bits vary from run to run."""
     dq, dk, dv = (empty_output(t.shape, t.dtype, t.device) for t in (q, k, v))
     if k.numel() == 0 or q.numel() == 0:  # no keys (every row sees none), or no query rows
         return dq.zero_(), dk.zero_(), dv.zero_()
@@ -639,12 +668,15 @@ def attention_bwd(do, q, k, v, o, lse, dlse, scores: Scores, config: dict | None
     delta = empty_output(lse.shape, torch.float32, q.device)
     launcher, grid, args, meta = _launch_delta(o, do, lse, dlse, delta)
     launcher(grid, *args, **meta)
-    outputs = {"dkdv": (dk, dv), "dq": (dq,)}
+    dq_acc = None if deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    outputs = {"dkdv": (dk, dv, dq_acc)} if dq_acc is not None else {"dkdv": (dk, dv, None), "dq": (dq,)}
     configs = config or _configs(q, k, v, do, lse, delta, outputs, scores, packed)
-    for kernel in KERNELS:
+    for kernel in outputs:
         launcher, grid, args, meta = _launch_main(kernel, q, k, v, do, lse, delta, outputs[kernel], scores,
                                                   configs[kernel], packed)
         launcher(grid, *args, **meta)
+    if dq_acc is not None:
+        dq.copy_(dq_acc.mul_(scores.scale))
     if packed is not None:
         dq, dk, dv = (t.squeeze(0).transpose(0, 1) for t in (dq, dk, dv))
     return dq, dk, dv
@@ -664,7 +696,7 @@ def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None, sco
         configs[kernel] |= (config or {}).get(kernel, {})
     launches = [("bwd delta", _launch_delta(q, q, rows, None, rows), {})]
     launches += [(f"bwd {'dk dv' if kernel == 'dkdv' else kernel}",
-                  _launch_main(kernel, q, kv, kv, q, rows, rows, (kv, kv) if kernel == "dkdv" else (q,),
+                  _launch_main(kernel, q, kv, kv, q, rows, rows, (kv, kv, None) if kernel == "dkdv" else (q,),
                                scores, configs[kernel]), configs[kernel])
                  for kernel in KERNELS]
     return [Launch(name, launcher.kernel, args, meta, shown)
