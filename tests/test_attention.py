@@ -411,33 +411,46 @@ def test_cost():
 
 _SASS_CHECK = r"""
 import json, torch
-from tritonkit.inspect import compile_launch
+from tritonkit.inspect import Launch, compile_launch
+from tritonkit.ops import attention_bwd as ab
 from tritonkit.ops.attention import _inspect_launches
 for head_dim in (64, 128, 256):
     for causal in (False, True):
-        for launch in _inspect_launches((4, 32, 32, 4096, head_dim), torch.bfloat16, causal=causal):
+        launches = _inspect_launches((4, 32, 32, 4096, head_dim), torch.bfloat16, causal=causal)
+        # deterministic=False: the dK/dV kernel with dq accumulated by atomics, on its default tile
+        q = torch.empty((4, 32, 4096, head_dim), dtype=torch.bfloat16, device="meta")
+        rows = torch.empty((4, 32, 4096), dtype=torch.float32, device="meta")
+        config = ab.default_config(head_dim)["dkdv"]
+        launcher, _, args, meta = ab._launch_main("dkdv", q, q, q, q, rows, rows, (q, q, q.float()),
+                                                  ab.Scores(head_dim**-0.5, causal), config)
+        launches.append(Launch("bwd dk dv atomic-dq", launcher.kernel, args, meta, config))
+        for launch in launches:
             r = compile_launch(launch, "sm_90")
             print(json.dumps({"head_dim": head_dim, "causal": causal, "launch": r.name,
-                              "hgmma": r.opcodes["HGMMA"], "hmma": r.opcodes["HMMA"], "spills": r.spills,
-                              "loads": sorted(r.loads), "stores": sorted(r.stores)}))
+                              "hgmma": r.opcodes["HGMMA"], "hmma": r.opcodes["HMMA"],
+                              "red": r.opcodes["REDG"], "spills": r.spills, "loads": sorted(r.loads),
+                              "stores": sorted(r.stores)}))
 """
 
 
 def test_default_configs_compile_for_hopper_to_wgmma_without_spills():
     """The default tiles at the benchmark's head dims, compiled for sm_90: every matmul of the
     forward and of the backward's two main kernels is HGMMA (wgmma), not the Ampere HMMA path, but
-    the backward's at D = 256 (no wgmma tile of it fits without spilling: see attention_bwd); no
-    spills; tiles read and written in 16-byte vectors, per-row statistics one fp32 each."""
+    the backward's at D = 256 (no wgmma tile of it fits without spilling: see attention_bwd) and
+    the atomic-dq kernel's dq product (a 16-32-row matmul), whose adds are REDG; no spills; tiles
+    read and written in 16-byte vectors, per-row statistics one fp32 each."""
     import sm90
 
     rows = [json.loads(line) for line in sm90.run(_SASS_CHECK)]
-    assert len(rows) == 3 * 2 * 4
+    assert len(rows) == 3 * 2 * 5
     for row in rows:
         assert not row["spills"], row
         if row["launch"] == "bwd delta":
             assert row["loads"] == [128] and row["stores"] == [32], row
             continue
-        if row["launch"] == "fwd" or row["head_dim"] <= 128:
+        if row["launch"] == "bwd dk dv atomic-dq":
+            assert row["red"] > 0 and (row["hgmma"] > 0 or row["head_dim"] > 128), row
+        elif row["launch"] == "fwd" or row["head_dim"] <= 128:
             assert row["hgmma"] > 0 and row["hmma"] == 0, row
         assert 128 in row["loads"] and 128 in row["stores"] and min(row["loads"] + row["stores"]) >= 32, row
 
