@@ -103,7 +103,8 @@ def _exponent(dot, score_scale, cap_log2, SOFTCAP: tl.constexpr):
     if SOFTCAP:
         t = 1.0 - 2.0 / (tl.math.exp2(dot * (2.0 * 1.4426950408889634 * score_scale)) + 1.0)
         return t * cap_log2, t
-    return dot * score_scale, 0.0
+    else:  # the else keeps Triton from compiling both returns (their types differ)
+        return dot * score_scale, 0.0
 
 
 @triton.jit
@@ -130,7 +131,8 @@ def _sequence(batch, cu_q_ptr, cu_k_ptr, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSE
         seq_k = tl.load(cu_k_ptr + batch + 1) - k_start
         return (q_start.to(tl.int64), seq_q, k_start.to(tl.int64), seq_k, UPPER_OFFSET + seq_k - seq_q,
                 LOWER_OFFSET + seq_k - seq_q)
-    return 0, SEQ_Q, 0, SEQ_K, UPPER_OFFSET, LOWER_OFFSET
+    else:  # the else keeps Triton from compiling both returns (their types differ)
+        return 0, SEQ_Q, 0, SEQ_K, UPPER_OFFSET, LOWER_OFFSET
 
 
 @triton.jit
@@ -194,7 +196,8 @@ def _dot(a, b, EXACT_DOT_IN_FP32: tl.constexpr):
     whose bf16 dot products Triton 3.6 gets wrong (the products of 16-bit values are exact in fp32)."""
     if EXACT_DOT_IN_FP32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b)
+    else:
+        return tl.dot(a, b)
 
 
 @triton.jit
@@ -629,9 +632,19 @@ def _configs(q, k, v, do, lse, delta, outputs: dict, scores: Scores, packed: Pac
     configs, final = {}, True
     for kernel in outputs:
         tuner = _TUNERS[kernel]
+        # the atomic dK/dV kernel adds into dq: its timing runs get an accumulator of their own, or
+        # the call's dq would carry the sum of every candidate's runs
+        scratch = {}
 
-        def launch(candidate, kernel=kernel):
-            return _launch_main(kernel, q, k, v, do, lse, delta, outputs[kernel], scores, candidate, packed)
+        def kernel_outputs(kernel=kernel, scratch=scratch):
+            if kernel != "dkdv" or not atomic:
+                return outputs[kernel]
+            if "dq" not in scratch:
+                scratch["dq"] = torch.empty_like(outputs[kernel][2])
+            return (*outputs[kernel][:2], scratch["dq"])
+
+        def launch(candidate, kernel=kernel, kernel_outputs=kernel_outputs):
+            return _launch_main(kernel, q, k, v, do, lse, delta, kernel_outputs(), scores, candidate, packed)
 
         def run(candidate, launch=launch):
             launcher, grid, args, meta = launch(candidate)
