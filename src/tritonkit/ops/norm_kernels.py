@@ -299,3 +299,38 @@ def _norm_bwd_looped_kernel(
             tl.store(dw_partial_ptr + tl.program_id(0) * N + cols, dw, mask=mask)
         if HAS_BIAS:
             tl.store(db_partial_ptr + tl.program_id(0) * N + cols, db, mask=mask)
+
+
+@triton.jit
+def _sum_partials_kernel(
+    dw_partial_ptr,  # fp32 partial sums of dw, (PROGRAMS, N) (unused without HAS_WEIGHT)
+    db_partial_ptr,  # fp32 partial sums of db, (PROGRAMS, N) (unused without HAS_BIAS)
+    dw_ptr,  # dw, (N,), in the weight's dtype
+    db_ptr,  # db, (N,), in the bias's dtype
+    PROGRAMS,  # rows of partials: the backward's programs
+    N,  # row length
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_P: tl.constexpr,  # partial rows a step loads
+    BLOCK_COLS: tl.constexpr,  # columns a program sums
+):
+    """The backward's second stage: dw and db, each the column sums of its partials, in one launch
+    that also casts them to the parameters' dtype. The steps add into a (BLOCK_P, BLOCK_COLS)
+    accumulator, reduced across rows once at the end, so a step's loads wait on no reduction; the
+    order of the additions is fixed, so the sums are the same bits on every run."""
+    cols = tl.program_id(0) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    col_mask = cols < N
+    dw = tl.zeros([BLOCK_P, BLOCK_COLS], tl.float32)
+    db = tl.zeros([BLOCK_P, BLOCK_COLS], tl.float32)
+    for start in range(0, PROGRAMS, BLOCK_P):
+        partial_rows = start + tl.arange(0, BLOCK_P)
+        mask = (partial_rows < PROGRAMS)[:, None] & col_mask[None, :]
+        offsets = partial_rows.to(tl.int64)[:, None] * N + cols[None, :]
+        if HAS_WEIGHT:
+            dw += tl.load(dw_partial_ptr + offsets, mask=mask, other=0.0)
+        if HAS_BIAS:
+            db += tl.load(db_partial_ptr + offsets, mask=mask, other=0.0)
+    if HAS_WEIGHT:
+        tl.store(dw_ptr + cols, tl.sum(dw, axis=0).to(dw_ptr.dtype.element_ty), mask=col_mask)
+    if HAS_BIAS:
+        tl.store(db_ptr + cols, tl.sum(db, axis=0).to(db_ptr.dtype.element_ty), mask=col_mask)
