@@ -463,37 +463,43 @@ q = torch.empty((1, 8, 4096, 128), dtype=torch.bfloat16, device="meta")
 kv = torch.empty((1, 2, 4096, 128), dtype=torch.bfloat16, device="meta")
 rows = torch.empty((1, 8, 4096), dtype=torch.float32, device="meta")
 cu = torch.empty(5, dtype=torch.int32, device="meta")
+packed = ab.Packed(cu, cu, 4, 2048, 2048)
 variants = {"causal-window-cap": (ab.Scores(0.1, True, True, (511, -1), 30.0), None, ("dkdv", "dq")),
-            "packed-window-cap": (ab.Scores(0.1, False, True, (256, 32), 5.0), ab.Packed(cu, cu, 4, 2048, 2048),
+            "packed-window-cap": (ab.Scores(0.1, False, True, (256, 32), 5.0), packed,
                                   ("dkdv", "dq", "dkdv atomic-dq"))}
 config = ab.default_config(128)
+TMA = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "TMA": True}
 for variant, (scores, packed, kernels) in variants.items():
-    _, args, meta = af._fwd_launch_args(q, kv, kv, q, rows, scores, None, packed)
-    launches = [Launch("fwd", af._attn_fwd_kernel, args, meta)]
+    launches = []
+    for name, fwd_config in (("fwd", None), ("fwd tma", TMA)):
+        _, args, meta = af._fwd_launch_args(q, kv, kv, q, rows, scores, fwd_config, packed)
+        launches.append(Launch(name, af._attn_fwd_kernel, args, meta))
     for name in kernels:
         kernel = name.split()[0]
         grads = (q,) if kernel == "dq" else (kv, kv, q.float() if "atomic" in name else None)
-        launcher, _, args, meta = ab._launch_main(kernel, q, kv, kv, q, rows, rows, grads, scores, config[kernel],
-                                                  packed)
+        launcher, _, args, meta = ab._launch_main(kernel, q, kv, kv, q, rows, rows, grads, scores,
+                                                  config[kernel], packed)
         launches.append(Launch(name, launcher.kernel, args, meta))
     for launch in launches:
         r = compile_launch(launch, "sm_90")
         print(json.dumps({"variant": variant, "launch": r.name, "hgmma": r.opcodes["HGMMA"],
-                          "spills": r.spills}))
+                          "tma": r.opcodes["UTMALDG"], "spills": r.spills}))
 """
 
 
 def test_windows_soft_caps_and_packed_batches_compile_for_hopper():
     """The score variants the benchmark shapes do not reach (soft caps, windows, packed batches,
-    atomic dq in a packed batch) compiled for sm_90 on the default tiles at D = 128: each kernel
-    compiles (the interpreter does not type-check what the compiler refuses), uses wgmma and does
-    not spill."""
+    atomic dq in a packed batch) compiled for sm_90 on the default tiles at D = 128, and the
+    forward with K and V read through tensor descriptors: each kernel compiles (the interpreter
+    does not type-check what the compiler refuses), uses wgmma and does not spill; the descriptor
+    forward loads with TMA (UTMALDG), the others do not."""
     import sm90
 
     rows = [json.loads(line) for line in sm90.run(_VARIANT_CHECK)]
-    assert len(rows) == 3 + 4
+    assert len(rows) == 4 + 5
     for row in rows:
         assert row["hgmma"] > 0 and not row["spills"], row
+        assert (row["tma"] > 0) == (row["launch"] == "fwd tma"), row
 
 
 @pytest.fixture
@@ -523,6 +529,32 @@ def test_gpu_atomic_dq_matches_the_reference(head_dim, causal, device, untuned):
     """deterministic=False: dq added with atomics by the dK/dV kernel, GQA, ragged lengths."""
     check(*qkv(2, 8, 2, 1000, 1037, head_dim, torch.bfloat16, device, seed=31), causal=causal,
           deterministic=False)
+
+
+TMA_CONFIGS = [{"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "TMA": True},
+               {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4, "TMA": True}]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", TMA_CONFIGS, ids=["128x64", "64x128"])
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+def test_gpu_tma_tiles_match_the_reference(config, head_dim, monkeypatch, device, untuned):
+    """The forward reading K and V through tensor descriptors: ragged lengths and dims past D
+    (zero-filled by the TMA), GQA, causal with a window, a packed batch (each descriptor bounded
+    by its sequence), and K and V whose layout TMA cannot read (the pointer path instead)."""
+    monkeypatch.setattr(af, "_chosen", {})
+    monkeypatch.setattr(af, "_TUNER", tuning.Tuner("attention_fwd", [config], sources=af._TUNER.sources,
+                                                   default=lambda key: dict(config)))
+    q, k, v = qkv(2, 8, 2, 1000, 1037, head_dim, torch.bfloat16, device, seed=60)
+    check(q, k, v, causal=True)
+    check(q, k, v, causal=True, window=(300, 0))
+    check(q, k[..., :-1, :], v[..., 1:, :], causal=False)  # views one key shorter, and from the second key
+    strided = torch.empty((2, 2, 1037, head_dim + 4), dtype=torch.bfloat16, device=device)[..., :head_dim]
+    assert not af._tma_ready(strided.copy_(k), v)  # rows of D + 4 elements: not 16-byte multiples
+    check(q, strided, v, causal=True)
+    q, k, v, cu = packed([(700, 700), (37, 300), (513, 1), (0, 64), (1, 900)], 8, 2, head_dim, torch.bfloat16,
+                         device, seed=61)
+    check_packed(q, k, v, causal=True, **cu)
 
 
 @pytest.mark.gpu

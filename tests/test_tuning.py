@@ -539,7 +539,7 @@ def test_shipped_configs_describe_the_kernels_as_they_are():
     tuning._shipped.cache_clear()
     assert tuning.stale_shipped() == []
     shipped_tuners = {e["tuner"] for e in tuning._shipped().values()}
-    assert {"softmax_fwd", "softmax_bwd", "norm_fwd", "attention_fwd", "attention_bwd_dkdv",
+    assert {"softmax_fwd", "softmax_bwd", "norm_fwd", "attention_bwd_dkdv",
             "attention_bwd_dq"} <= shipped_tuners
 
 

@@ -17,7 +17,9 @@ the key blocks a bound cuts (its diagonal and the ragged end) are masked; blocks
 are skipped. Soft-capping replaces the scaled score s by softcap * tanh(s / softcap) before the
 softmax. GQA/MQA: query head h reads key/value head h // (Hq / Hkv). Packed variable-length
 batches run the same kernels on (1, H, T, D) views of the (T, H, D) tensors: a program's batch
-index names its sequence, whose rows and lengths it reads from cu_seqlens (VARLEN).
+index names its sequence, whose rows and lengths it reads from cu_seqlens (VARLEN). On sm_90 a
+tuned config may read K and V through tensor descriptors (TMA) built per program over its
+sequence's keys.
 
 Work. FLOPs 4 * B * Hq * Sq * Sk * D (two matmuls), about half of it when causal with Sq = Sk; HBM
 bytes s * (|Q| + |K| + |V| + |O|) + 4 * B * Hq * Sq for the lse when K and V of a head stay in L2
@@ -60,25 +62,31 @@ LN_2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _attn_fwd_blocks(acc, l_i, m_i, q, k_tile_ptr, v_tile_ptr, stride_kn, stride_vn, offs_m, offs_n, d_mask,
+def _attn_fwd_blocks(acc, l_i, m_i, q, k_source, v_source, stride_kn, stride_vn, offs_m, offs_n, d_mask,
                      start, end, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, score_scale, cap_log2,
                      IS_CAUSAL: tl.constexpr, HAS_LOWER: tl.constexpr, SOFTCAP: tl.constexpr,
-                     MASKED: tl.constexpr, BLOCK_N: tl.constexpr, EXACT_DOT_IN_FP32: tl.constexpr):
+                     MASKED: tl.constexpr, BLOCK_N: tl.constexpr, EXACT_DOT_IN_FP32: tl.constexpr,
+                     TMA: tl.constexpr):
     """The online softmax over the key blocks in [start, end): the running (acc, l_i, m_i) after them.
 
-    ``k_tile_ptr`` points at the head's first key block as a transposed (D, BLOCK_N) tile,
-    ``v_tile_ptr`` at its first value block, (BLOCK_N, D); ``d_mask`` masks head dims past D.
-    MASKED blocks also mask keys past SEQ_K and keys outside each row's bounds (``Scores``).
-    EXACT_DOT_IN_FP32 multiplies the 16-bit tiles as fp32 (their products are exact there): Triton
-    3.6's interpreter returns wrong bf16 dot products, so the interpreter takes this path."""
+    ``k_source`` points at the head's first key block as a transposed (D, BLOCK_N) tile,
+    ``v_source`` at its first value block, (BLOCK_N, D); ``d_mask`` masks head dims past D. With
+    TMA they are tensor descriptors of the sequence's keys and values instead, whose loads fill
+    rows past SEQ_K and dims past D with zeros. MASKED blocks also mask keys past SEQ_K and keys
+    outside each row's bounds (``Scores``). EXACT_DOT_IN_FP32 multiplies the 16-bit tiles as fp32
+    (their products are exact there): Triton 3.6's interpreter returns wrong bf16 dot products, so
+    the interpreter takes this path."""
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
-        k_ptrs = k_tile_ptr + tl.cast(start_n, tl.int64) * stride_kn  # int64: S * stride may pass 2^31
-        v_ptrs = v_tile_ptr + tl.cast(start_n, tl.int64) * stride_vn
-        if MASKED:
-            k = tl.load(k_ptrs, mask=d_mask[:, None] & (cols[None, :] < SEQ_K), other=0.0)
+        if TMA:
+            k = tl.trans(k_source.load([start_n, 0]))
         else:
-            k = tl.load(k_ptrs, mask=d_mask[:, None], other=0.0)
+            k_ptrs = k_source + tl.cast(start_n, tl.int64) * stride_kn  # int64: S * stride may pass 2^31
+            v_ptrs = v_source + tl.cast(start_n, tl.int64) * stride_vn
+            if MASKED:
+                k = tl.load(k_ptrs, mask=d_mask[:, None] & (cols[None, :] < SEQ_K), other=0.0)
+            else:
+                k = tl.load(k_ptrs, mask=d_mask[:, None], other=0.0)
         if EXACT_DOT_IN_FP32:
             dot = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
         else:
@@ -99,10 +107,13 @@ def _attn_fwd_blocks(acc, l_i, m_i, q, k_tile_ptr, v_tile_ptr, stride_kn, stride
         p = tl.math.exp2(s - m_exp[:, None])
         alpha = tl.math.exp2(m_i - m_exp)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if MASKED:
-            v = tl.load(v_ptrs, mask=d_mask[None, :] & (cols[:, None] < SEQ_K), other=0.0)
+        if TMA:
+            v = v_source.load([start_n, 0])
         else:
-            v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
+            if MASKED:
+                v = tl.load(v_ptrs, mask=d_mask[None, :] & (cols[:, None] < SEQ_K), other=0.0)
+            else:
+                v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
         if EXACT_DOT_IN_FP32:  # p rounded to v's dtype first, as the tensor-core path rounds it
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32),
                                                 input_precision="ieee")
@@ -142,6 +153,7 @@ def _attn_fwd_kernel(
     BLOCK_M: tl.constexpr,  # query rows a program holds
     BLOCK_N: tl.constexpr,  # keys a step of the loop takes
     EXACT_DOT_IN_FP32: tl.constexpr,  # multiply the 16-bit tiles as fp32 (the interpreter's path)
+    TMA: tl.constexpr,  # load K and V through tensor descriptors (sm_90; unit head-dim stride)
 ):
     start_m = tl.program_id(0) * BLOCK_M
     head = tl.program_id(1) % H
@@ -157,27 +169,33 @@ def _attn_fwd_kernel(
     q_rows = q_ptr + batch * stride_qb + head.to(tl.int64) * stride_qh + first_row * stride_qm
     q = tl.load(q_rows + tl.arange(0, BLOCK_M)[:, None] * stride_qm + offs_d[None, :] * stride_qd,
                 mask=(offs_m[:, None] < SEQ_Q) & d_mask[None, :], other=0.0)
-    k_tile_ptr = k_ptr + batch * stride_kb + kv_head * stride_kh + k_start * stride_kn \
-        + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd  # (D, BLOCK_N): K^T, scores = q @ k
-    v_tile_ptr = v_ptr + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn \
-        + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    k_head = k_ptr + batch * stride_kb + kv_head * stride_kh + k_start * stride_kn
+    v_head = v_ptr + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn
+    if TMA:  # bounded by this sequence's keys: rows past them, and dims past D, load as zeros
+        k_source = tl.make_tensor_descriptor(k_head, shape=[SEQ_K, HEAD_DIM], strides=[stride_kn, 1],
+                                             block_shape=[BLOCK_N, BLOCK_D])
+        v_source = tl.make_tensor_descriptor(v_head, shape=[SEQ_K, HEAD_DIM], strides=[stride_vn, 1],
+                                             block_shape=[BLOCK_N, BLOCK_D])
+    else:  # K^T as a (D, BLOCK_N) tile, so that the scores are q @ k; V as (BLOCK_N, D)
+        k_source = k_head + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd
+        v_source = v_head + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
     m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     start, inner_start, inner_end, end = _key_ranges(start_m, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
                                                      IS_CAUSAL, HAS_LOWER, BLOCK_M, BLOCK_N)
-    acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, k_tile_ptr, v_tile_ptr, stride_kn, stride_vn, offs_m,
+    acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, k_source, v_source, stride_kn, stride_vn, offs_m,
                                      offs_n, d_mask, start, inner_start, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
                                      score_scale, cap_log2, IS_CAUSAL, HAS_LOWER, SOFTCAP, True, BLOCK_N,
-                                     EXACT_DOT_IN_FP32)
-    acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, k_tile_ptr, v_tile_ptr, stride_kn, stride_vn, offs_m,
+                                     EXACT_DOT_IN_FP32, TMA)
+    acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, k_source, v_source, stride_kn, stride_vn, offs_m,
                                      offs_n, d_mask, inner_start, inner_end, SEQ_K, UPPER_OFFSET,
                                      LOWER_OFFSET, score_scale, cap_log2, IS_CAUSAL, HAS_LOWER, SOFTCAP,
-                                     False, BLOCK_N, EXACT_DOT_IN_FP32)
-    acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, k_tile_ptr, v_tile_ptr, stride_kn, stride_vn, offs_m,
+                                     False, BLOCK_N, EXACT_DOT_IN_FP32, TMA)
+    acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, k_source, v_source, stride_kn, stride_vn, offs_m,
                                      offs_n, d_mask, inner_end, end, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
                                      score_scale, cap_log2, IS_CAUSAL, HAS_LOWER, SOFTCAP, True, BLOCK_N,
-                                     EXACT_DOT_IN_FP32)
+                                     EXACT_DOT_IN_FP32, TMA)
     seen = l_i > 0.0  # false only for a row that sees no key: its output is 0, its lse -inf
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
     row_mask = offs_m < SEQ_Q
@@ -197,6 +215,10 @@ _fwd_launcher = Launcher(_attn_fwd_kernel)
 INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
 CONFIGS = [{"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
            for block_m in (64, 128) for block_n in (32, 64, 128) for warps in (4, 8) for stages in (2, 3, 4)]
+# K and V through tensor descriptors (TMA): no address arithmetic or cp.async in the loop (sm_90:
+# 145 registers at 128 x 64 and 8 warps, against 190); not yet timed on the H200
+CONFIGS += [{"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages, "TMA": True}
+            for block_m, warps in ((64, 4), (128, 8)) for block_n in (64, 128) for stages in (3, 4)]
 # A config is pruned when its accumulator and score tile pass MAX_TILE_VALUES fp32 values a thread
 # (sm_90 doubles that in registers: 128 rows at D = 256 and 8 warps, 160 values, spilled) or when
 # its stages of K and V tiles and the Q tile pass the shared memory of an SM.
@@ -366,7 +388,32 @@ def _fwd_launch_args(q, k, v, o, lse, scores: Scores, config: dict | None,
                for t, rank in ((q, 4), (k, 4), (v, 4), (o, 3), (lse, 2))]
     args = (q, k, v, o, lse, *cu, *(s for group in strides for s in group), heads, heads // k.shape[1],
             seq_q, seq_k, *score_args)
+    tma = config.pop("TMA", False) and _tma_ready(k, v)
     meta = {"HEAD_DIM": head_dim, "BLOCK_D": _block_d(head_dim), **score_meta,
             "BLOCK_M": config.pop("BLOCK_M"), "BLOCK_N": config.pop("BLOCK_N"),
-            "EXACT_DOT_IN_FP32": interpret(), **config}
+            "EXACT_DOT_IN_FP32": interpret(), "TMA": tma, **config}
+    if tma:
+        _ensure_allocator()
     return (cdiv(seq_q, meta["BLOCK_M"]), batch * heads), args, meta
+
+
+def _tma_ready(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether K and V can be read through tensor descriptors: a unit head-dim stride, the other
+    strides and the base 16-byte aligned (a TMA requirement), on a GPU. A TMA config on other
+    tensors runs its tile with pointer loads."""
+    return not interpret() and all(
+        t.stride(-1) == 1 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+        and t.data_ptr() % 16 == 0 for t in (k, v))
+
+
+def _ensure_allocator() -> None:
+    """The kernel builds its tensor descriptors on the device, in global scratch memory that Triton
+    asks an allocator for at launch: torch's caching allocator, unless the caller set one."""
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_scratch)
+
+
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")  # 256-byte aligned, as torch allocates
