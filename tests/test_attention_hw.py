@@ -13,6 +13,7 @@ import torch
 import tritonkit
 from test_attention import check, check_packed, packed, qkv
 from tritonkit import testing, tuning
+from tritonkit.ops import attention_bwd as ab
 from tritonkit.ops import attention_fwd as af
 
 pytestmark = pytest.mark.attention
@@ -72,10 +73,12 @@ kv = torch.empty((1, 2, 4096, 128), dtype=torch.bfloat16, device="meta")
 rows = torch.empty((1, 8, 4096), dtype=torch.float32, device="meta")
 cu = torch.empty(5, dtype=torch.int32, device="meta")
 packed = ab.Packed(cu, cu, 4, 2048, 2048)
-variants = {"causal-window-cap": (ab.Scores(0.1, True, True, (511, -1), 30.0), None, ("dkdv", "dq")),
+variants = {"causal-window-cap": (ab.Scores(0.1, True, True, (511, -1), 30.0), None,
+                                  ("dkdv", "dq", "dkdv tma-dq")),
             "packed-window-cap": (ab.Scores(0.1, False, True, (256, 32), 5.0), packed,
-                                  ("dkdv", "dq", "dkdv atomic-dq"))}
+                                  ("dkdv", "dq", "dkdv atomic-dq", "dkdv tma-dq"))}
 config = ab.default_config(128)
+config["dkdv tma-dq"] = {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "TMA_DQ": True}
 TMA = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "TMA": True}
 for variant, (scores, packed, kernels) in variants.items():
     launches = []
@@ -84,30 +87,33 @@ for variant, (scores, packed, kernels) in variants.items():
         launches.append(Launch(name, af._attn_fwd_kernel, args, meta))
     for name in kernels:
         kernel = name.split()[0]
-        grads = (q,) if kernel == "dq" else (kv, kv, q.float() if "atomic" in name else None)
+        grads = (q,) if kernel == "dq" else (kv, kv, q.float() if "dq" in name else None)
         launcher, _, args, meta = ab._launch_main(kernel, q, kv, kv, q, rows, rows, grads, scores,
-                                                  config[kernel], packed)
+                                                  config.get(name, config[kernel]), packed)
         launches.append(Launch(name, launcher.kernel, args, meta))
     for launch in launches:
         r = compile_launch(launch, "sm_90")
         print(json.dumps({"variant": variant, "launch": r.name, "hgmma": r.opcodes["HGMMA"],
-                          "tma": r.opcodes["UTMALDG"], "spills": r.spills}))
+                          "tma": r.opcodes["UTMALDG"], "tma_reduce": r.opcodes["UTMAREDG"],
+                          "spills": r.spills}))
 """
 
 
 def test_windows_soft_caps_and_packed_batches_compile_for_hopper():
     """The score variants the benchmark shapes do not reach (soft caps, windows, packed batches,
-    atomic dq in a packed batch) compiled for sm_90 on the default tiles at D = 128, and the
-    forward with K and V read through tensor descriptors: each kernel compiles (the interpreter
-    does not type-check what the compiler refuses), uses wgmma and does not spill; the descriptor
-    forward loads with TMA (UTMALDG), the others do not."""
+    atomic dq in a packed batch) compiled for sm_90 on the default tiles at D = 128, the forward
+    with K and V read through tensor descriptors and atomic dq added a tile at a time by TMA: each
+    kernel compiles (the interpreter does not type-check what the compiler refuses), uses wgmma and
+    does not spill; only the descriptor forward loads with TMA (UTMALDG), only the tile-at-a-time
+    dq reduces with it (UTMAREDG)."""
     import sm90
 
     rows = [json.loads(line) for line in sm90.run(_VARIANT_CHECK)]
-    assert len(rows) == 4 + 5
+    assert len(rows) == 5 + 6
     for row in rows:
         assert row["hgmma"] > 0 and not row["spills"], row
         assert (row["tma"] > 0) == (row["launch"] == "fwd tma"), row
+        assert (row["tma_reduce"] > 0) == (row["launch"] == "dkdv tma-dq"), row
 
 
 @pytest.fixture
@@ -133,10 +139,22 @@ def test_gpu_default_tiles_match_the_reference(shape, causal, dtype, device, unt
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_gpu_atomic_dq_matches_the_reference(head_dim, causal, device, untuned):
-    """deterministic=False: dq added with atomics by the dK/dV kernel, GQA, ragged lengths."""
+@pytest.mark.parametrize("tma", [False, True], ids=["red", "tma"])
+def test_gpu_atomic_dq_matches_the_reference(tma, head_dim, causal, monkeypatch, device, untuned):
+    """deterministic=False: dq added with atomics by the dK/dV kernel (per 16-byte vector, or a
+    tile at a time by TMA), GQA, ragged lengths, and a packed batch (a tile past its sequence's
+    rows adds zeros to the next sequence's)."""
+    if tma:
+        config = {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "TMA_DQ": True}
+        tuner = ab._TUNERS["dkdv"]
+        monkeypatch.setattr(ab, "_chosen", {})
+        monkeypatch.setitem(ab._TUNERS, "dkdv", tuning.Tuner(tuner.name, tuner.configs, sources=tuner.sources,
+                                                             default=lambda key: dict(config)))
     check(*qkv(2, 8, 2, 1000, 1037, head_dim, torch.bfloat16, device, seed=31), causal=causal,
           deterministic=False)
+    q, k, v, cu = packed([(700, 700), (37, 300), (513, 1), (0, 64), (1, 900)], 8, 2, head_dim, torch.bfloat16,
+                         device, seed=32)
+    check_packed(q, k, v, causal=causal, deterministic=False, **cu)
 
 
 TMA_CONFIGS = [{"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "TMA": True},

@@ -147,3 +147,17 @@ def precompile(calls: Sequence[tuple[Launcher, Sequence[int], tuple, dict]]) -> 
     except Exception as error:  # noqa: BLE001 - compiling ahead is optional; the launch compiles too
         log.info("tritonkit: compiling %d kernels ahead failed (%s: %s); each compiles at its launch",
                  len(calls), type(error).__name__, error)
+
+
+def ensure_allocator() -> None:
+    """Kernels that build tensor descriptors on the device need global scratch memory, which Triton
+    asks an allocator for at launch: torch's caching allocator, unless the caller has set one."""
+    import triton
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_scratch)
+
+
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")  # 256-byte aligned, as torch allocates

@@ -30,7 +30,7 @@ interpret()  # choose GPU or interpreter before triton is imported and any kerne
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from tritonkit._launch import Launcher, cdiv, precompile  # noqa: E402
+from tritonkit._launch import Launcher, cdiv, ensure_allocator, precompile  # noqa: E402
 
 LOG2_E = 1.4426950408889634
 
@@ -201,13 +201,13 @@ def _dot(a, b, EXACT_DOT_IN_FP32: tl.constexpr):
 
 
 @triton.jit
-def _dkdv_steps(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_acc_ptr, batch, kv_head, q_start, cols,
+def _dkdv_steps(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_target, batch, kv_head, q_start, cols,
                 dims, d_mask, stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom,
                 stride_dod, stride_lb, stride_lh, stride_ab, stride_ah, stride_am, GROUP, SEQ_Q, SEQ_K,
                 UPPER_OFFSET, LOWER_OFFSET, score_scale, cap_log2,
                 lead_start, n_lead, rest_start, n_rest, IS_CAUSAL: tl.constexpr, HAS_LOWER: tl.constexpr,
                 SOFTCAP: tl.constexpr, ATOMIC_DQ: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
-                EXACT_DOT_IN_FP32: tl.constexpr):
+                EXACT_DOT_IN_FP32: tl.constexpr, TMA_DQ: tl.constexpr):
     """dk and dv after query blocks of every query head of the key block's group: for each head,
     ``n_lead`` blocks from row ``lead_start``, then ``n_rest`` from ``rest_start``. One loop over
     (head, block) pairs: a nested loop over the heads kept both loops from pipelining on sm_90 and
@@ -218,7 +218,10 @@ def _dkdv_steps(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_acc_ptr, bat
     The scores are computed transposed, keys by queries, so that every matmul has the program's
     keys as its M (wgmma's 64-row operand) and the query step BLOCK_M may be small. ATOMIC_DQ also
     adds each step's dS Q-side product, dS^T K, to the fp32 dq accumulator with atomics (its order,
-    so its rounding, varies from run to run)."""
+    so its rounding, varies from run to run): ``dq_target`` is the accumulator's pointer, or with
+    TMA_DQ a tensor descriptor of it as (rows, D), which adds the whole tile in one bulk reduction.
+    Rows past SEQ_Q add zeros there (their P is 0), so a tile that runs past its head's rows into
+    the next head's (or sequence's) changes nothing."""
     per_head = n_lead + n_rest
     local_m = tl.arange(0, BLOCK_M)
     for step in range(GROUP * per_head):
@@ -260,12 +263,16 @@ def _dkdv_steps(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_acc_ptr, bat
         dk += _dot(ds_t, q, EXACT_DOT_IN_FP32)
         if ATOMIC_DQ:
             dq = _dot(tl.trans(ds_t), k, EXACT_DOT_IN_FP32)  # (BLOCK_M, D)
-            acc_ptrs = (dq_acc_ptr + batch * stride_ab + head * stride_ah
-                        + (block + local_m[:, None]) * stride_am + dims[None, :])
-            if MASKED:
-                tl.atomic_add(acc_ptrs, dq, mask=row_mask[:, None] & d_mask[None, :], sem="relaxed")
+            if TMA_DQ:  # the accumulator is contiguous: its row stride is D
+                first_row = (batch * stride_ab + head * stride_ah) // stride_am + block
+                dq_target.atomic_add([first_row.to(tl.int32), 0], dq)
             else:
-                tl.atomic_add(acc_ptrs, dq, mask=d_mask[None, :], sem="relaxed")
+                acc_ptrs = (dq_target + batch * stride_ab + head * stride_ah
+                            + (block + local_m[:, None]) * stride_am + dims[None, :])
+                if MASKED:
+                    tl.atomic_add(acc_ptrs, dq, mask=row_mask[:, None] & d_mask[None, :], sem="relaxed")
+                else:
+                    tl.atomic_add(acc_ptrs, dq, mask=d_mask[None, :], sem="relaxed")
     return dk, dv
 
 
@@ -296,6 +303,7 @@ def _attn_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr,  # query rows a step of the loop takes
     BLOCK_N: tl.constexpr,  # keys a program holds
     EXACT_DOT_IN_FP32: tl.constexpr,  # multiply the 16-bit tiles as fp32 (the interpreter's path)
+    TMA_DQ: tl.constexpr,  # ATOMIC_DQ through a tensor descriptor: one bulk reduction a tile (sm_90)
 ):
     start_n = tl.program_id(0) * BLOCK_N
     bh_kv = tl.program_id(1).to(tl.int64)
@@ -340,16 +348,26 @@ def _attn_bwd_dkdv_kernel(
         inner_start = end
     inner_start = tl.minimum(tl.maximum(inner_start, first), end)
     inner_end = tl.maximum(tl.minimum(inner_end, end), inner_start)
+    if TMA_DQ:  # the whole (contiguous) accumulator as rows of D: (B, Hq, Sq) rows, or (Hq, T) packed
+        if VARLEN:
+            dq_rows = H_KV * GROUP * (stride_ah // stride_am)
+        else:
+            dq_rows = tl.num_programs(1) // H_KV * (stride_ab // stride_am)
+        dq_target = tl.make_tensor_descriptor(dq_acc_ptr, shape=[dq_rows, HEAD_DIM], strides=[stride_am, 1],
+                                              block_shape=[BLOCK_M, BLOCK_D])
+    else:
+        dq_target = dq_acc_ptr
     # what the masked and the unmasked steps share: tiles, pointers, strides and scalars
-    shared = (k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_acc_ptr, batch, kv_head, q_start, cols, dims,
+    shared = (k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_target, batch, kv_head, q_start, cols, dims,
               d_mask, stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom,
               stride_dod, stride_lb, stride_lh, stride_ab, stride_ah, stride_am, GROUP, SEQ_Q, SEQ_K,
               UPPER_OFFSET, LOWER_OFFSET, score_scale, cap_log2)
     dk, dv = _dkdv_steps(dk, dv, *shared, first, (inner_start - first) // BLOCK_M, inner_end,
                          (end - inner_end) // BLOCK_M, IS_CAUSAL, HAS_LOWER, SOFTCAP, ATOMIC_DQ, True,
-                         BLOCK_M, EXACT_DOT_IN_FP32)
+                         BLOCK_M, EXACT_DOT_IN_FP32, TMA_DQ)
     dk, dv = _dkdv_steps(dk, dv, *shared, inner_start, (inner_end - inner_start) // BLOCK_M, inner_end,
-                         0, IS_CAUSAL, HAS_LOWER, SOFTCAP, ATOMIC_DQ, False, BLOCK_M, EXACT_DOT_IN_FP32)
+                         0, IS_CAUSAL, HAS_LOWER, SOFTCAP, ATOMIC_DQ, False, BLOCK_M, EXACT_DOT_IN_FP32,
+                         TMA_DQ)
     out = batch * stride_gb + kv_head * stride_gh + (block + local_n[:, None]) * stride_gn + dims[None, :]
     tl.store(dk_ptr + out, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
     tl.store(dv_ptr + out, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
@@ -467,7 +485,10 @@ INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages"
 # (64 and up: wgmma's M), steps of 16 to 64.
 _LAUNCH = [{"num_warps": warps, "num_stages": stages} for warps in (4, 8) for stages in (2, 3)]
 CONFIGS = {"dkdv": [{"BLOCK_M": step, "BLOCK_N": held, **launch}
-                    for held in (32, 64, 128) for step in (16, 32, 64) for launch in _LAUNCH],
+                    for held in (32, 64, 128) for step in (16, 32, 64) for launch in _LAUNCH]
+           # atomic dq added a tile at a time by TMA (keys whose dq is atomic only; not yet timed)
+           + [{"BLOCK_M": step, "BLOCK_N": held, **launch, "TMA_DQ": True}
+              for held in (64, 128) for step in (32, 64) for launch in _LAUNCH],
            "dq": [{"BLOCK_M": held, "BLOCK_N": step, **launch}
                   for held in (64, 128) for step in (16, 32, 64) for launch in _LAUNCH]}
 HELD = {"dkdv": "BLOCK_N", "dq": "BLOCK_M"}  # the tile a program holds; the other is its loop's step
@@ -511,6 +532,10 @@ def _prune(kernel: str, config: dict, key: dict) -> bool:
     held, step = config[HELD[kernel]], config["BLOCK_M" if kernel == "dkdv" else "BLOCK_N"]
     values = (2 * held * block_d + 2 * held * step) / threads
     shared = 2 * (config["num_stages"] * 2 * step * block_d + 2 * held * block_d)
+    if config.get("TMA_DQ"):  # the dq tile is staged in shared memory for the bulk reduction
+        if key.get("dq") != "atomic":
+            return True
+        shared += 4 * step * block_d
     rows = key["seq_k"] if kernel == "dkdv" else key["seq_q"]
     return values > MAX_TILE_VALUES[kernel] or shared > SHARED_BYTES or held > 2 * rows
 
@@ -536,14 +561,19 @@ def _launch_main(kernel: str, q, k, v, do, lse, delta, grads, scores: Scores, co
     batch, seq_q, seq_k, cu, score_args, score_meta = sequence_args(scores, packed, q.shape[0], q.shape[2],
                                                                     k.shape[2], lse)
     outputs = [(t, 3) for t in grads[:1]]
+    tma_dq = config.pop("TMA_DQ", False)
     if kernel == "dkdv":
         dk, dv, dq_acc = grads
         score_meta["ATOMIC_DQ"] = dq_acc is not None
+        # the bulk reduction: on a GPU, to a contiguous accumulator whose rows a TMA coordinate reaches
+        tma_dq = tma_dq and dq_acc is not None and not interpret() and dq_acc.numel() // head_dim < 2**31
         grads = (dk, dv, dk if dq_acc is None else dq_acc)  # dk: a pointer never written through
         outputs.append((grads[2], 3))
     meta = {"HEAD_DIM": head_dim, "BLOCK_D": _block_d(head_dim), **score_meta,
             "BLOCK_M": config.pop("BLOCK_M"), "BLOCK_N": config.pop("BLOCK_N"),
-            "EXACT_DOT_IN_FP32": interpret(), **config}
+            "EXACT_DOT_IN_FP32": interpret(), **({"TMA_DQ": tma_dq} if kernel == "dkdv" else {}), **config}
+    if tma_dq:
+        ensure_allocator()
     strides = [per_sequence(t.stride()[:rank], packed)
                for t, rank in ((q, 4), (k, 4), (v, 4), (do, 4), (lse, 2), *outputs)]
     args = (q, k, v, do, lse, delta, *grads, *cu, *(s for group in strides for s in group),

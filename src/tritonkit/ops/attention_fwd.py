@@ -42,7 +42,7 @@ interpret()  # choose GPU or interpreter before triton is imported and any kerne
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from tritonkit._launch import Launcher, cdiv, precompile  # noqa: E402
+from tritonkit._launch import Launcher, cdiv, ensure_allocator, precompile  # noqa: E402
 from tritonkit.ops.attention_bwd import (  # noqa: E402
     Packed,
     Scores,
@@ -393,7 +393,7 @@ def _fwd_launch_args(q, k, v, o, lse, scores: Scores, config: dict | None,
             "BLOCK_M": config.pop("BLOCK_M"), "BLOCK_N": config.pop("BLOCK_N"),
             "EXACT_DOT_IN_FP32": interpret(), "TMA": tma, **config}
     if tma:
-        _ensure_allocator()
+        ensure_allocator()
     return (cdiv(seq_q, meta["BLOCK_M"]), batch * heads), args, meta
 
 
@@ -405,15 +405,3 @@ def _tma_ready(k: torch.Tensor, v: torch.Tensor) -> bool:
         t.stride(-1) == 1 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
         and t.data_ptr() % 16 == 0 for t in (k, v))
 
-
-def _ensure_allocator() -> None:
-    """The kernel builds its tensor descriptors on the device, in global scratch memory that Triton
-    asks an allocator for at launch: torch's caching allocator, unless the caller set one."""
-    from triton.runtime import _allocation
-
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(_scratch)
-
-
-def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    return torch.empty(size, dtype=torch.int8, device="cuda")  # 256-byte aligned, as torch allocates
