@@ -12,6 +12,7 @@ import torch
 
 import tritonkit
 import tritonkit.ops.norm as nm
+from tritonkit import tuning
 from tritonkit._runtime import current_device, sm_count
 from tritonkit.ops import get_op
 from tritonkit.testing import check_against_reference, generator, poisoned_outputs, random_tensor
@@ -129,6 +130,23 @@ def test_long_rows_go_through_the_looped_kernels(kind, shape, dtype, looped, dev
     kernel, reference, inputs, grad_inputs, grads = _case(kind, shape, dtype, device, seed=sum(shape) + 1)
     check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
     assert set(looped) == {("fwd", True), ("bwd", True)}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_persistent_looped_forward_walks_every_row(kind, looped, monkeypatch, device):
+    """A PER_SM config launches fewer programs than rows (two for 9 rows, on one SM), and each
+    walks its share: every row's output, statistics and gradients match the reference."""
+    monkeypatch.setattr(nm, "sm_count", lambda device: 1)
+    config = {"BLOCK_N": 32, "num_warps": 4, "PER_SM": 2}
+    tuner = nm._TUNERS["fwd", True]
+    persistent = tuning.Tuner(tuner.name, [config], sources=tuner.sources, default=lambda key: dict(config))
+    monkeypatch.setitem(nm._TUNERS, ("fwd", True), persistent)
+    grids, launcher = [], nm._LAUNCHERS["fwd", True]
+    monkeypatch.setitem(nm._LAUNCHERS, ("fwd", True),
+                        lambda grid, *args, **meta: (grids.append(grid), launcher(grid, *args, **meta)))
+    kernel, reference, inputs, grad_inputs, grads = _case(kind, (9, 97), BF16, device, seed=5)
+    check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
+    assert grids and all(grid == (2,) for grid in grids), grids
 
 
 def test_backward_rows_per_program_keep_every_sm_busy():

@@ -44,6 +44,7 @@ from tritonkit.ops.norm_kernels import (  # noqa: E402
     _norm_bwd_looped_kernel,
     _norm_fwd_kernel,
     _norm_fwd_looped_kernel,
+    _norm_fwd_looped_row,
     _sum_partials_kernel,
 )
 
@@ -58,7 +59,8 @@ MAX_BLOCK_N = {"fwd": 32768, "bwd": 16384}
 # under the interpreter and wherever tuning cannot run, are the rules the kernels had before.
 CONFIGS = {
     ("fwd", False): [{"BLOCK_M": m, "num_warps": w} for m in (1, 2, 4, 8, 16, 32) for w in (4, 8, 16)],
-    ("fwd", True): [{"BLOCK_N": n, "num_warps": w} for n in (2048, 4096, 8192) for w in (4, 8, 16)],
+    ("fwd", True): [{"BLOCK_N": n, "num_warps": w} for n in (2048, 4096, 8192) for w in (4, 8, 16)]
+    + [{"BLOCK_N": n, "num_warps": w, "PER_SM": p} for n in (4096, 8192) for w in (8, 16) for p in (1, 2, 4)],
     ("bwd", False): [{"ROWS": r, "num_warps": w, **prefetch} for r in (8, 16, 32, 64) for w in (4, 8, 16)
                      for prefetch in ({}, {"PREFETCH": True})],
     ("bwd", True): [{"ROWS": r, "BLOCK_N": n, "num_warps": w} for r in (4, 8, 16) for n in (2048, 4096)
@@ -157,7 +159,8 @@ def _prune(config: dict, key: dict) -> bool:
 
 # the other @triton.jit functions a tuner's timings depend on: the helpers a kernel calls, and the
 # backward's second stage, which each timing includes
-_HELPERS = {("bwd", False): (_bwd_row, _add_pairs, _sum_partials_kernel),
+_HELPERS = {("fwd", True): (_norm_fwd_looped_row,),
+            ("bwd", False): (_bwd_row, _add_pairs, _sum_partials_kernel),
             ("bwd", True): (_sum_partials_kernel,)}
 _TUNERS = {
     (direction, looped): tuning.Tuner(f"norm_{direction}{'_looped' if looped else ''}", configs,
@@ -385,7 +388,10 @@ def _fwd_launch_args(input, residual, weight, bias, eps: float, rms: bool, confi
             "HAS_BIAS": bias is not None, "num_warps": config["num_warps"]}
     block_n = _next_power_of_2(n)
     if block_n > MAX_BLOCK_N["fwd"]:
-        return outputs, _LAUNCHERS["fwd", True], (rows,), args, meta | {"BLOCK_N": config["BLOCK_N"]}
+        # PER_SM: a persistent grid of that many programs an SM walks the rows, so that fewer rows
+        # are between their two passes at once (the second pass is to find its row in L2)
+        programs = min(rows, config["PER_SM"] * sm_count(input.device)) if "PER_SM" in config else rows
+        return outputs, _LAUNCHERS["fwd", True], (programs,), args, meta | {"BLOCK_N": config["BLOCK_N"]}
     meta |= {"BLOCK_M": config["BLOCK_M"], "BLOCK_N": block_n}
     return outputs, _LAUNCHERS["fwd", False], (cdiv(rows, config["BLOCK_M"]),), args, meta
 

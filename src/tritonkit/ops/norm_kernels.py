@@ -183,7 +183,18 @@ def _norm_fwd_looped_kernel(
     HAS_BIAS: tl.constexpr,  # shift by b
     BLOCK_N: tl.constexpr,  # entries per chunk
 ):
-    row = tl.program_id(0).to(tl.int64)  # one row a program
+    # one row a program, or (a grid smaller than M) a persistent walk over the rows
+    for program_row in range(tl.program_id(0), M, tl.num_programs(0)):
+        _norm_fwd_looped_row(x_ptr, r_ptr, h_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr,
+                             tl.cast(program_row, tl.int64), N, stride_xm, stride_rm, eps, RMS, HAS_RESIDUAL,
+                             HAS_WEIGHT, HAS_BIAS, BLOCK_N)
+
+
+@triton.jit
+def _norm_fwd_looped_row(x_ptr, r_ptr, h_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, row, N, stride_xm,
+                         stride_rm, eps, RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                         HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One row of the looped forward: its statistics over the chunks, then its output."""
     offsets = tl.arange(0, BLOCK_N)
     shift = 0.0  # LayerNorm: the first chunk's mean; sums of h - shift stay small and do not cancel
     total = 0.0  # sum of h - shift (LayerNorm)
