@@ -178,8 +178,8 @@ def test_gpu_tma_tiles_match_the_reference(config, head_dim, monkeypatch, device
     strided = torch.empty((2, 2, 1037, head_dim + 4), dtype=torch.bfloat16, device=device)[..., :head_dim]
     assert not af._tma_ready(strided.copy_(k), v)  # rows of D + 4 elements: not 16-byte multiples
     check(q, strided, v, causal=True)
-    q, k, v, cu = packed([(700, 700), (37, 300), (513, 1), (0, 64), (1, 900)], 8, 2, head_dim, torch.bfloat16,
-                         device, seed=61)
+    q, k, v, cu = packed([(700, 700), (37, 300), (513, 1), (0, 64), (5, 0), (1, 900)], 8, 2, head_dim,
+                         torch.bfloat16, device, seed=61)
     check_packed(q, k, v, causal=True, **cu)
 
 

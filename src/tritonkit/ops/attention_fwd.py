@@ -171,10 +171,12 @@ def _attn_fwd_kernel(
                 mask=(offs_m[:, None] < SEQ_Q) & d_mask[None, :], other=0.0)
     k_head = k_ptr + batch * stride_kb + kv_head * stride_kh + k_start * stride_kn
     v_head = v_ptr + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn
-    if TMA:  # bounded by this sequence's keys: rows past them, and dims past D, load as zeros
-        k_source = tl.make_tensor_descriptor(k_head, shape=[SEQ_K, HEAD_DIM], strides=[stride_kn, 1],
+    if TMA:  # bounded by this sequence's keys: rows past them, and dims past D, load as zeros (a
+        # sequence without keys gets a one-row extent, never read: its key loops are empty)
+        keys = tl.maximum(SEQ_K, 1)
+        k_source = tl.make_tensor_descriptor(k_head, shape=[keys, HEAD_DIM], strides=[stride_kn, 1],
                                              block_shape=[BLOCK_N, BLOCK_D])
-        v_source = tl.make_tensor_descriptor(v_head, shape=[SEQ_K, HEAD_DIM], strides=[stride_vn, 1],
+        v_source = tl.make_tensor_descriptor(v_head, shape=[keys, HEAD_DIM], strides=[stride_vn, 1],
                                              block_shape=[BLOCK_N, BLOCK_D])
     else:  # K^T as a (D, BLOCK_N) tile, so that the scores are q @ k; V as (BLOCK_N, D)
         k_source = k_head + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd
