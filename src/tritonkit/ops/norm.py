@@ -453,8 +453,8 @@ def _bwd_launch_args(grad_y, grad_h, h, weight, bias, rms: bool, config: dict | 
 def _sum_partials_launch(dw_partial, db_partial, weight, bias) -> tuple:
     """(dw or None, db or None, (launcher, grid, arguments, constexprs and options)) of the second
     stage, which sums the (programs, N) fp32 partials of dw and db into the weight's and the bias's
-    dtype. One launch for both: as two torch sums and two casts it took 20 of the 234 us of
-    LayerNorm's backward at 32768x4096 bf16 on the H200."""
+    dtype. One launch for both: as two torch sums, two casts and a memset it took 23 of the 234 us
+    of LayerNorm's backward at 32768x4096 bf16 on the H200."""
     partials = dw_partial if weight is not None else db_partial
     programs, n = partials.shape
     dw = empty_output(weight.shape, weight.dtype, weight.device) if weight is not None else None
