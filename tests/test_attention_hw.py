@@ -158,7 +158,7 @@ def test_gpu_atomic_dq_matches_the_reference(tma, head_dim, causal, monkeypatch,
 
 
 TMA_CONFIGS = [{"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "TMA": True},
-               {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4, "TMA": True}]
+               {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "TMA": True}]  # 4 stages pass the shared memory at D > 64
 
 
 @pytest.mark.gpu
