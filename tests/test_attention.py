@@ -397,6 +397,41 @@ def test_gpu_default_config_runs_in_the_interpreter(device):
     torch.testing.assert_close(lse[seen], ref_lse[seen].float(), atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("seq_q, seq_k, scores",
+                         [(70, 150, ab.Scores(0.125, False)), (70, 150, ab.Scores(0.125, True, True)),
+                          (150, 70, ab.Scores(0.125, True, False)),
+                          (90, 200, ab.Scores(0.2, False, True, (40, 10), 5.0)),
+                          (40, 33, ab.Scores(0.125, False))],
+                         ids=["full", "causal", "causal-top-left", "window-cap", "one-block"])
+def test_a_block_ahead_gives_the_same_bits(seq_q, seq_k, scores, device):
+    """LOOKAHEAD reorders the unmasked loop (the next block's scores before this one's softmax) but
+    not its arithmetic: the same output and lse bits as the plain loop, GQA, ragged lengths, inner
+    ranges of zero, one and several blocks; and the reference's answer."""
+    q, k, v = qkv(2, 4, 2, seq_q, seq_k, 32, torch.bfloat16, device, seed=7)
+    plain = dict(af.INTERPRETER_CONFIG)
+    with testing.poisoned_outputs():
+        o, lse = af._attention_fwd(q, k, v, scores, config=plain)
+        o_ahead, lse_ahead = af._attention_fwd(q, k, v, scores, config=plain | {"LOOKAHEAD": True})
+    assert torch.equal(o, o_ahead) and torch.equal(lse, lse_ahead)
+    exact = attention_reference(q.double(), k.double(), v.double(), **scores._asdict())
+    comparison = testing.compare("output", o_ahead, attention_reference(q, k, v, **scores._asdict()), exact,
+                                 q.dtype)
+    assert comparison.passed, comparison
+
+
+def test_a_block_ahead_gives_the_same_bits_on_a_packed_batch(device):
+    """The same for a packed batch: each sequence's inner range is its own."""
+    q, k, v, cu = packed([(70, 150), (0, 20), (33, 1), (50, 64)], 4, 2, 32, torch.bfloat16, device, seed=8)
+    scores = ab.Scores(0.125, True, True)
+    sequences = ab.Packed(cu["cu_seqlens_q"], cu["cu_seqlens_k"], 4, 70, 150)
+    plain = dict(af.INTERPRETER_CONFIG)
+    with testing.poisoned_outputs():
+        o, lse = af._attention_fwd(q, k, v, scores, config=plain, packed=sequences)
+        o_ahead, lse_ahead = af._attention_fwd(q, k, v, scores, config=plain | {"LOOKAHEAD": True},
+                                               packed=sequences)
+    assert torch.equal(o, o_ahead) and torch.equal(lse, lse_ahead)
+
+
 def test_cost():
     full = at.attention_cost((4, 32, 32, 4096, 128), torch.bfloat16)
     assert full.flops == 4 * 4 * 32 * 4096**2 * 128

@@ -80,9 +80,10 @@ variants = {"causal-window-cap": (ab.Scores(0.1, True, True, (511, -1), 30.0), N
 config = ab.default_config(128)
 config["dkdv tma-dq"] = {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "TMA_DQ": True}
 TMA = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "TMA": True}
+AHEAD = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "LOOKAHEAD": True}
 for variant, (scores, packed, kernels) in variants.items():
     launches = []
-    for name, fwd_config in (("fwd", None), ("fwd tma", TMA)):
+    for name, fwd_config in (("fwd", None), ("fwd tma", TMA), ("fwd ahead", AHEAD)):
         _, args, meta = af._fwd_launch_args(q, kv, kv, q, rows, scores, fwd_config, packed)
         launches.append(Launch(name, af._attn_fwd_kernel, args, meta))
     for name in kernels:
@@ -102,18 +103,54 @@ for variant, (scores, packed, kernels) in variants.items():
 def test_windows_soft_caps_and_packed_batches_compile_for_hopper():
     """The score variants the benchmark shapes do not reach (soft caps, windows, packed batches,
     atomic dq in a packed batch) compiled for sm_90 on the default tiles at D = 128, the forward
-    with K and V read through tensor descriptors and atomic dq added a tile at a time by TMA: each
+    with K and V read through tensor descriptors or a key block ahead, and atomic dq added a tile at
+    a time by TMA: each
     kernel compiles (the interpreter does not type-check what the compiler refuses), uses wgmma and
     does not spill; only the descriptor forward loads with TMA (UTMALDG), only the tile-at-a-time
     dq reduces with it (UTMAREDG)."""
     import sm90
 
     rows = [json.loads(line) for line in sm90.run(_VARIANT_CHECK)]
-    assert len(rows) == 5 + 6
+    assert len(rows) == 6 + 7
     for row in rows:
         assert row["hgmma"] > 0 and not row["spills"], row
         assert (row["tma"] > 0) == (row["launch"] == "fwd tma"), row
         assert (row["tma_reduce"] > 0) == (row["launch"] == "dkdv tma-dq"), row
+
+
+_OVERLAP_CHECK = r"""
+import json, torch
+from tritonkit.inspect import Launch, compile_launch
+from tritonkit.ops import attention_bwd as ab, attention_fwd as af
+q = torch.empty((4, 32, 4096, 128), dtype=torch.bfloat16, device="meta")
+rows = torch.empty((4, 32, 4096), dtype=torch.float32, device="meta")
+tile = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+for name, config in (("plain", tile), ("ahead", tile | {"LOOKAHEAD": True})):
+    _, args, meta = af._fwd_launch_args(q, q, q, q, rows, ab.Scores(0.1, False), config)
+    sass = compile_launch(Launch(name, af._attn_fwd_kernel, args, meta), "sm_90").asm["sass"]
+    # exponentials issued while a group of wgmma runs: between its WARPGROUP.ARRIVE and its wait
+    in_flight, hgmma, exps, under = False, 0, 0, 0
+    for line in sass.splitlines():
+        if "WARPGROUP.ARRIVE" in line:
+            in_flight, hgmma, exps = True, 0, 0
+        elif "WARPGROUP.DEPBAR" in line and in_flight:
+            under += exps if hgmma else 0
+            in_flight = False
+        elif in_flight:
+            hgmma += "HGMMA" in line
+            exps += "MUFU.EX2" in line
+    print(json.dumps({"name": name, "exps_under_mma": under}))
+"""
+
+
+def test_the_forward_a_block_ahead_runs_its_exponentials_under_the_next_matmul():
+    """The point of LOOKAHEAD, read in the sm_90 SASS at D = 128: the next block's q @ K^T is issued
+    (HGMMA) and the current block's exponentials (MUFU.EX2) run before its wait; the plain loop
+    waits for each q @ K^T before any exponential."""
+    import sm90
+
+    under = {row["name"]: row["exps_under_mma"] for row in map(json.loads, sm90.run(_OVERLAP_CHECK))}
+    assert under["plain"] == 0 and under["ahead"] >= 32, under  # a 64 x 64 tile a warpgroup: 32 a thread
 
 
 @pytest.fixture
@@ -157,17 +194,22 @@ def test_gpu_atomic_dq_matches_the_reference(tma, head_dim, causal, monkeypatch,
     check_packed(q, k, v, causal=causal, deterministic=False, **cu)
 
 
-TMA_CONFIGS = [{"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "TMA": True},
-               {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "TMA": True}]  # 4 stages pass the shared memory at D > 64
+FORWARD_TILES = {  # 4 stages of 64 x 128 pass the shared memory at D > 64
+    "tma-128x64": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "TMA": True},
+    "tma-64x128": {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "TMA": True},
+    "ahead-128x64": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "LOOKAHEAD": True},
+    "ahead-tma-64x64": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "LOOKAHEAD": True,
+                        "TMA": True}}
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", TMA_CONFIGS, ids=["128x64", "64x128"])
+@pytest.mark.parametrize("config", FORWARD_TILES.values(), ids=FORWARD_TILES.keys())
 @pytest.mark.parametrize("head_dim", [64, 96, 128])
-def test_gpu_tma_tiles_match_the_reference(config, head_dim, monkeypatch, device, untuned):
-    """The forward reading K and V through tensor descriptors: ragged lengths and dims past D
-    (zero-filled by the TMA), GQA, causal with a window, a packed batch (each descriptor bounded
-    by its sequence), and K and V whose layout TMA cannot read (the pointer path instead)."""
+def test_gpu_tma_and_lookahead_tiles_match_the_reference(config, head_dim, monkeypatch, device, untuned):
+    """The forward reading K and V through tensor descriptors, or a key block ahead: ragged lengths
+    and dims past D (zero-filled by the TMA), GQA, causal with a window, a packed batch (each
+    descriptor bounded by its sequence), and K and V whose layout TMA cannot read (the pointer path
+    instead)."""
     monkeypatch.setattr(af, "_chosen", {})
     monkeypatch.setattr(af, "_TUNER", tuning.Tuner("attention_fwd", [config], sources=af._TUNER.sources,
                                                    default=lambda key: dict(config)))

@@ -124,6 +124,61 @@ def _attn_fwd_blocks(acc, l_i, m_i, q, k_source, v_source, stride_kn, stride_vn,
 
 
 @triton.jit
+def _unmasked_scores(q, k_source, start_n, stride_kn, d_mask, EXACT_DOT_IN_FP32: tl.constexpr,
+                     TMA: tl.constexpr):
+    """q @ K^T for the key block at ``start_n``, a block every row sees whole (no key mask)."""
+    if TMA:
+        k = tl.trans(k_source.load([start_n, 0]))
+    else:
+        k = tl.load(k_source + tl.cast(start_n, tl.int64) * stride_kn, mask=d_mask[:, None], other=0.0)
+    if EXACT_DOT_IN_FP32:
+        return tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(q, k)
+
+
+@triton.jit
+def _fold_unmasked(acc, l_i, m_i, dot, v_source, start_n, stride_vn, d_mask, score_scale, cap_log2,
+                   SOFTCAP: tl.constexpr, EXACT_DOT_IN_FP32: tl.constexpr, TMA: tl.constexpr):
+    """The online softmax's step for an unmasked key block whose scores ``dot`` are in hand."""
+    s, _ = _exponent(dot, score_scale, cap_log2, SOFTCAP)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if TMA:
+        v = v_source.load([start_n, 0])
+    else:
+        v = tl.load(v_source + tl.cast(start_n, tl.int64) * stride_vn, mask=d_mask[None, :], other=0.0)
+    if EXACT_DOT_IN_FP32:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32),
+                                            input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _attn_fwd_blocks_ahead(acc, l_i, m_i, q, k_source, v_source, stride_kn, stride_vn, d_mask, start, end,
+                           score_scale, cap_log2, SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr,
+                           EXACT_DOT_IN_FP32: tl.constexpr, TMA: tl.constexpr):
+    """``_attn_fwd_blocks`` over unmasked key blocks [start, end) (a multiple of BLOCK_N), one block
+    ahead: each step issues the next block's q @ K^T before this block's softmax, so that the tensor
+    cores have work while the exponentials run (FlashAttention-3's overlap within a warpgroup)."""
+    if start < end:
+        dot = _unmasked_scores(q, k_source, start, stride_kn, d_mask, EXACT_DOT_IN_FP32, TMA)
+        for start_n in range(start, end - BLOCK_N, BLOCK_N):
+            dot_next = _unmasked_scores(q, k_source, start_n + BLOCK_N, stride_kn, d_mask, EXACT_DOT_IN_FP32,
+                                        TMA)
+            acc, l_i, m_i = _fold_unmasked(acc, l_i, m_i, dot, v_source, start_n, stride_vn, d_mask,
+                                           score_scale, cap_log2, SOFTCAP, EXACT_DOT_IN_FP32, TMA)
+            dot = dot_next
+        acc, l_i, m_i = _fold_unmasked(acc, l_i, m_i, dot, v_source, end - BLOCK_N, stride_vn, d_mask,
+                                       score_scale, cap_log2, SOFTCAP, EXACT_DOT_IN_FP32, TMA)
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _attn_fwd_kernel(
     q_ptr,  # queries, (B, Hq, Sq, D), strides stride_q*
     k_ptr,  # keys, (B, Hkv, Sk, D), strides stride_k*
@@ -154,6 +209,7 @@ def _attn_fwd_kernel(
     BLOCK_N: tl.constexpr,  # keys a step of the loop takes
     EXACT_DOT_IN_FP32: tl.constexpr,  # multiply the 16-bit tiles as fp32 (the interpreter's path)
     TMA: tl.constexpr,  # load K and V through tensor descriptors (sm_90; unit head-dim stride)
+    LOOKAHEAD: tl.constexpr,  # unmasked blocks: the next block's scores before this one's softmax
 ):
     start_m = tl.program_id(0) * BLOCK_M
     head = tl.program_id(1) % H
@@ -190,10 +246,15 @@ def _attn_fwd_kernel(
                                      offs_n, d_mask, start, inner_start, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
                                      score_scale, cap_log2, IS_CAUSAL, HAS_LOWER, SOFTCAP, True, BLOCK_N,
                                      EXACT_DOT_IN_FP32, TMA)
-    acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, k_source, v_source, stride_kn, stride_vn, offs_m,
-                                     offs_n, d_mask, inner_start, inner_end, SEQ_K, UPPER_OFFSET,
-                                     LOWER_OFFSET, score_scale, cap_log2, IS_CAUSAL, HAS_LOWER, SOFTCAP,
-                                     False, BLOCK_N, EXACT_DOT_IN_FP32, TMA)
+    if LOOKAHEAD:
+        acc, l_i, m_i = _attn_fwd_blocks_ahead(acc, l_i, m_i, q, k_source, v_source, stride_kn, stride_vn,
+                                               d_mask, inner_start, inner_end, score_scale, cap_log2, SOFTCAP,
+                                               BLOCK_N, EXACT_DOT_IN_FP32, TMA)
+    else:
+        acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, k_source, v_source, stride_kn, stride_vn, offs_m,
+                                         offs_n, d_mask, inner_start, inner_end, SEQ_K, UPPER_OFFSET,
+                                         LOWER_OFFSET, score_scale, cap_log2, IS_CAUSAL, HAS_LOWER, SOFTCAP,
+                                         False, BLOCK_N, EXACT_DOT_IN_FP32, TMA)
     acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, k_source, v_source, stride_kn, stride_vn, offs_m,
                                      offs_n, d_mask, inner_end, end, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
                                      score_scale, cap_log2, IS_CAUSAL, HAS_LOWER, SOFTCAP, True, BLOCK_N,
@@ -218,12 +279,18 @@ INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages"
 CONFIGS = [{"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
            for block_m in (64, 128) for block_n in (32, 64, 128) for warps in (4, 8) for stages in (2, 3, 4)]
 # K and V through tensor descriptors (TMA): no address arithmetic or cp.async in the loop (sm_90:
-# 145 registers at 128 x 64 and 8 warps, against 190); not yet timed on the H200
+# 145 registers at 128 x 64 and 8 warps, against 190); on the H200 0-9% slower than pointer loads
 CONFIGS += [{"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages, "TMA": True}
             for block_m, warps in ((64, 4), (128, 8)) for block_n in (64, 128) for stages in (3, 4)]
-# A config is pruned when its accumulator and score tile pass MAX_TILE_VALUES fp32 values a thread
-# (sm_90 doubles that in registers: 128 rows at D = 256 and 8 warps, 160 values, spilled) or when
-# its stages of K and V tiles and the Q tile pass the shared memory of an SM.
+# One block ahead (LOOKAHEAD): two score tiles live at once, so 64-key steps only (sm_90, D = 128:
+# 228-231 registers, no spills; 128-key steps spill). Two or three stages, or TMA at three (two
+# crash ptxas with descriptors).
+CONFIGS += [{"BLOCK_M": block_m, "BLOCK_N": 64, "num_warps": warps, "num_stages": stages, "LOOKAHEAD": True,
+             **tma} for block_m, warps in ((64, 4), (128, 8))
+            for stages, tma in ((2, {}), (3, {}), (3, {"TMA": True}))]
+# A config is pruned when its accumulator and score tiles (two with LOOKAHEAD) pass MAX_TILE_VALUES
+# fp32 values a thread (sm_90 doubles that in registers: 128 rows at D = 256 and 8 warps, 160
+# values, spilled) or when its stages of K and V tiles and the Q tile pass the shared memory of an SM.
 MAX_TILE_VALUES = 128
 SHARED_BYTES = 227 * 1024
 
@@ -245,14 +312,15 @@ def _prune(config: dict, key: dict) -> bool:
     """True drops the config: too many fp32 values a thread, too much shared memory, or more query
     rows a program than the problem has."""
     block_d, threads = _block_d(key["head_dim"]), 32 * config["num_warps"]
-    values = (config["BLOCK_M"] * block_d + config["BLOCK_M"] * config["BLOCK_N"]) / threads
+    score_tiles = 2 if config.get("LOOKAHEAD") else 1
+    values = (config["BLOCK_M"] * block_d + score_tiles * config["BLOCK_M"] * config["BLOCK_N"]) / threads
     shared = 2 * (config["num_stages"] * 2 * config["BLOCK_N"] * block_d + config["BLOCK_M"] * block_d)
     return values > MAX_TILE_VALUES or shared > SHARED_BYTES or config["BLOCK_M"] > 2 * key["seq_q"]
 
 
 _TUNER = tuning.Tuner("attention_fwd", CONFIGS, default=_default, prune=_prune,
-                      sources=(_attn_fwd_kernel, _attn_fwd_blocks, _exponent, _visible, _key_ranges,
-                               _sequence))
+                      sources=(_attn_fwd_kernel, _attn_fwd_blocks, _unmasked_scores, _fold_unmasked,
+                               _attn_fwd_blocks_ahead, _exponent, _visible, _key_ranges, _sequence))
 
 
 def _tuning_key(q: torch.Tensor, k: torch.Tensor, scores: Scores, packed: Packed | None = None) -> dict:
@@ -393,7 +461,8 @@ def _fwd_launch_args(q, k, v, o, lse, scores: Scores, config: dict | None,
     tma = config.pop("TMA", False) and _tma_ready(k, v)
     meta = {"HEAD_DIM": head_dim, "BLOCK_D": _block_d(head_dim), **score_meta,
             "BLOCK_M": config.pop("BLOCK_M"), "BLOCK_N": config.pop("BLOCK_N"),
-            "EXACT_DOT_IN_FP32": interpret(), "TMA": tma, **config}
+            "EXACT_DOT_IN_FP32": interpret(), "TMA": tma,
+            "LOOKAHEAD": config.pop("LOOKAHEAD", False), **config}
     if tma:
         ensure_allocator()
     return (cdiv(seq_q, meta["BLOCK_M"]), batch * heads), args, meta
