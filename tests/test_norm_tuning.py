@@ -39,11 +39,12 @@ GATE_CASES = [("fwd", 96, 4096, {}), ("fwd", 96, 4096, {"rms": True, "residual":
 
 
 def _distinct_runs(candidates: list[dict]) -> list[dict]:
-    """The candidates, but under the interpreter one of those that differ only in warps: a launch
-    option it ignores, so they run the same computation."""
+    """The candidates, but under the interpreter one of those that differ only in warps or eviction
+    hints: what it ignores, so they run the same computation."""
     if not interpret():
         return candidates
-    return list({json.dumps({k: v for k, v in c.items() if k != "num_warps"}, sort_keys=True): c
+    ignored = ("num_warps", "EVICT")
+    return list({json.dumps({k: v for k, v in c.items() if k not in ignored}, sort_keys=True): c
                  for c in candidates}.values())
 
 
@@ -87,9 +88,10 @@ def test_gate_rejects_a_wrong_result(direction, monkeypatch, device):
 
 
 def fake_ms(config):
-    """A fake timing under which more warps and fewer rows a program are faster, and PREFETCH too."""
+    """A fake timing under which more warps and fewer rows a program are faster, and PREFETCH and
+    EVICT too."""
     return (1.0 + config.get("BLOCK_M", config.get("ROWS", 1)) / 100 - config["num_warps"] / 1000
-            - config.get("PREFETCH", False) / 10000)
+            - config.get("PREFETCH", False) / 10000 - config.get("EVICT", False) / 100000)
 
 
 @pytest.fixture
@@ -126,7 +128,11 @@ def test_the_op_launches_the_fastest_admitted_config(tuned, device):
         # the op's own launch, after its tuning (the backward's gate runs forwards of its own)
         ours = [meta for (d, _), meta in (launched[:fwd_launches] if direction == "fwd" else launched)
                 if d == direction][-1]
-        assert {k: ours[k] for k in entry["config"]} == entry["config"]
+        expected = dict(entry["config"])
+        evict = expected.pop("EVICT", False)  # launched as the loads' eviction hints
+        assert {k: ours[k] for k in expected} == expected
+        if direction == "fwd":
+            assert (ours["STREAM"], ours["KEEP"]) == (("evict_first", "evict_last") if evict else ("", ""))
 
 
 def test_inspect_takes_a_config_for_each_kernel():

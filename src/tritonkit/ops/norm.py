@@ -58,9 +58,12 @@ MAX_BLOCK_N = {"fwd": 32768, "bwd": 16384}
 # dw and db partials), the looped kernels walk rows in BLOCK_N chunks. The defaults below, used
 # under the interpreter and wherever tuning cannot run, are the rules the kernels had before.
 CONFIGS = {
-    ("fwd", False): [{"BLOCK_M": m, "num_warps": w} for m in (1, 2, 4, 8, 16, 32) for w in (4, 8, 16)],
+    ("fwd", False): [{"BLOCK_M": m, "num_warps": w, **evict} for m in (1, 2, 4, 8, 16, 32) for w in (4, 8, 16)
+                     for evict in ({}, {"EVICT": True})],
     ("fwd", True): [{"BLOCK_N": n, "num_warps": w} for n in (2048, 4096, 8192) for w in (4, 8, 16)]
-    + [{"BLOCK_N": n, "num_warps": w, "PER_SM": p} for n in (4096, 8192) for w in (8, 16) for p in (1, 2, 4)],
+    + [{"BLOCK_N": n, "num_warps": w, "PER_SM": p} for n in (4096, 8192) for w in (8, 16) for p in (1, 2, 4)]
+    + [{"BLOCK_N": n, "num_warps": w, "EVICT": True, **per_sm} for n in (4096, 8192) for w in (8, 16)
+       for per_sm in ({}, {"PER_SM": 1}, {"PER_SM": 2})],
     ("bwd", False): [{"ROWS": r, "num_warps": w, **prefetch} for r in (8, 16, 32, 64) for w in (4, 8, 16)
                      for prefetch in ({}, {"PREFETCH": True})],
     ("bwd", True): [{"ROWS": r, "BLOCK_N": n, "num_warps": w} for r in (4, 8, 16) for n in (2048, 4096)
@@ -384,8 +387,12 @@ def _fwd_launch_args(input, residual, weight, bias, eps: float, rms: bool, confi
     args = (x2, r2, h if h is not None else y, y, weight if weight is not None else y,
             bias if bias is not None else y, mean if mean is not None else rstd, rstd, rows, n, x2.stride(0),
             r2.stride(0), float(eps))
+    # EVICT: L2 eviction hints, as torch.compile's kernels give them: evict_first on what is read for
+    # the last time, evict_last on what is read again (the looped first pass, the weight and bias)
+    evict = config.get("EVICT", False)
     meta = {"RMS": rms, "HAS_RESIDUAL": residual is not None, "HAS_WEIGHT": weight is not None,
-            "HAS_BIAS": bias is not None, "num_warps": config["num_warps"]}
+            "HAS_BIAS": bias is not None, "num_warps": config["num_warps"],
+            "STREAM": "evict_first" if evict else "", "KEEP": "evict_last" if evict else ""}
     block_n = _next_power_of_2(n)
     if block_n > MAX_BLOCK_N["fwd"]:
         # PER_SM: a persistent grid of that many programs an SM walks the rows, so that fewer rows
@@ -670,7 +677,8 @@ def _inspect_launches(residual: bool, rms: bool, bias: bool, shape: tuple, dtype
                       config: dict | None = None) -> list:
     """The forward and backward launches for ``shape``: what ``tritonkit inspect`` compiles. Each
     takes its default config, with what ``config`` sets of it (BLOCK_M is the one-pass forward's,
-    ROWS and PREFETCH the backward's, BLOCK_N the looped kernels', num_warps every kernel's); then
+    EVICT either forward's, ROWS and PREFETCH the backward's, BLOCK_N the looped kernels', num_warps
+    every kernel's); then
     the backward's second stage, the partial sums, on its own fixed tile."""
     from tritonkit.inspect import Launch
 
@@ -682,7 +690,8 @@ def _inspect_launches(residual: bool, rms: bool, bias: bool, shape: tuple, dtype
     launches = []
     for direction in ("fwd", "bwd"):
         default = _default(_tuning_key(direction, n, rows, dtype, params))
-        chosen = default | {k: v for k, v in (config or {}).items() if k in default or k == "PREFETCH"}
+        optional = ("EVICT",) if direction == "fwd" else ("PREFETCH",)
+        chosen = default | {k: v for k, v in (config or {}).items() if k in default or k in optional}
         if direction == "fwd":
             _, kernel, _, args, meta = _fwd_launch_args(x, x if residual else None, w, b, 1e-5, rms, chosen)
         else:

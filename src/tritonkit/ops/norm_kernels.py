@@ -34,6 +34,8 @@ def _norm_fwd_kernel(
     HAS_RESIDUAL: tl.constexpr,  # add the residual first and store the sum
     HAS_WEIGHT: tl.constexpr,  # scale by w
     HAS_BIAS: tl.constexpr,  # shift by b
+    STREAM: tl.constexpr,  # eviction policy of what is read once (x, the residual): "" or "evict_first"
+    KEEP: tl.constexpr,  # ... of what every program reads again (w, b): "" or "evict_last"
     BLOCK_M: tl.constexpr,  # rows a program handles
     BLOCK_N: tl.constexpr,  # power of two >= N: the whole row is one tile
 ):
@@ -41,9 +43,11 @@ def _norm_fwd_kernel(
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
     mask = (rows < M)[:, None] & col_mask[None, :]
-    h = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    h = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0,
+                eviction_policy=STREAM).to(tl.float32)
     if HAS_RESIDUAL:
-        h += tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        h += tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0,
+                     eviction_policy=STREAM).to(tl.float32)
         h = h.to(h_ptr.dtype.element_ty)
         tl.store(h_ptr + rows[:, None] * N + cols[None, :], h, mask=mask)
         h = h.to(tl.float32)
@@ -57,9 +61,9 @@ def _norm_fwd_kernel(
     tl.store(rstd_ptr + rows, rstd, mask=rows < M)
     y = centred * rstd[:, None]
     if HAS_WEIGHT:
-        y *= tl.load(w_ptr + cols, mask=col_mask).to(tl.float32)[None, :]
+        y *= tl.load(w_ptr + cols, mask=col_mask, eviction_policy=KEEP).to(tl.float32)[None, :]
     if HAS_BIAS:
-        y += tl.load(b_ptr + cols, mask=col_mask).to(tl.float32)[None, :]
+        y += tl.load(b_ptr + cols, mask=col_mask, eviction_policy=KEEP).to(tl.float32)[None, :]
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -181,19 +185,22 @@ def _norm_fwd_looped_kernel(
     HAS_RESIDUAL: tl.constexpr,  # add the residual first and store the sum
     HAS_WEIGHT: tl.constexpr,  # scale by w
     HAS_BIAS: tl.constexpr,  # shift by b
+    STREAM: tl.constexpr,  # eviction policy of the second pass's reads (the row's last): "" or "evict_first"
+    KEEP: tl.constexpr,  # ... of the first pass's reads, and of w and b: "" or "evict_last"
     BLOCK_N: tl.constexpr,  # entries per chunk
 ):
     # one row a program, or (a grid smaller than M) a persistent walk over the rows
     for program_row in range(tl.program_id(0), M, tl.num_programs(0)):
         _norm_fwd_looped_row(x_ptr, r_ptr, h_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr,
                              tl.cast(program_row, tl.int64), N, stride_xm, stride_rm, eps, RMS, HAS_RESIDUAL,
-                             HAS_WEIGHT, HAS_BIAS, BLOCK_N)
+                             HAS_WEIGHT, HAS_BIAS, BLOCK_N, STREAM, KEEP)
 
 
 @triton.jit
 def _norm_fwd_looped_row(x_ptr, r_ptr, h_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, row, N, stride_xm,
                          stride_rm, eps, RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                         HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+                         HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                         STREAM: tl.constexpr, KEEP: tl.constexpr):
     """One row of the looped forward: its statistics over the chunks, then its output."""
     offsets = tl.arange(0, BLOCK_N)
     shift = 0.0  # LayerNorm: the first chunk's mean; sums of h - shift stay small and do not cancel
@@ -202,11 +209,15 @@ def _norm_fwd_looped_row(x_ptr, r_ptr, h_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rst
     for start in range(0, N, BLOCK_N):
         cols = start + offsets
         mask = cols < N
-        h = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:
-            h += tl.load(r_ptr + row * stride_rm + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:  # x and the residual are read once; h, stored here, is what pass 2 reads
+            h = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0, eviction_policy=STREAM)
+            h = h.to(tl.float32) + tl.load(r_ptr + row * stride_rm + cols, mask=mask, other=0.0,
+                                           eviction_policy=STREAM).to(tl.float32)
             h = h.to(h_ptr.dtype.element_ty)
-            tl.store(h_ptr + row * N + cols, h, mask=mask)
+            tl.store(h_ptr + row * N + cols, h, mask=mask, eviction_policy=KEEP)
+            h = h.to(tl.float32)
+        else:
+            h = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0, eviction_policy=KEEP)
             h = h.to(tl.float32)
         if RMS:
             squares += tl.sum(h * h, axis=0)
@@ -229,12 +240,12 @@ def _norm_fwd_looped_row(x_ptr, r_ptr, h_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rst
     for start in range(0, N, BLOCK_N):
         cols = start + offsets
         mask = cols < N
-        h = tl.load(source_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        h = tl.load(source_ptr + cols, mask=mask, other=0.0, eviction_policy=STREAM).to(tl.float32)
         y = (h * rstd) if RMS else (h - mean) * rstd
         if HAS_WEIGHT:
-            y *= tl.load(w_ptr + cols, mask=mask).to(tl.float32)
+            y *= tl.load(w_ptr + cols, mask=mask, eviction_policy=KEEP).to(tl.float32)
         if HAS_BIAS:
-            y += tl.load(b_ptr + cols, mask=mask).to(tl.float32)
+            y += tl.load(b_ptr + cols, mask=mask, eviction_policy=KEEP).to(tl.float32)
         tl.store(y_ptr + row * N + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
