@@ -47,6 +47,7 @@ from tritonkit.ops.attention_bwd import (  # noqa: E402
     Packed,
     Scores,
     _block_d,
+    _dot,
     _exponent,
     _key_ranges,
     _sequence,
@@ -73,9 +74,8 @@ def _attn_fwd_blocks(acc, l_i, m_i, q, k_source, v_source, stride_kn, stride_vn,
     ``v_source`` at its first value block, (BLOCK_N, D); ``d_mask`` masks head dims past D. With
     TMA they are tensor descriptors of the sequence's keys and values instead, whose loads fill
     rows past SEQ_K and dims past D with zeros. MASKED blocks also mask keys past SEQ_K and keys
-    outside each row's bounds (``Scores``). EXACT_DOT_IN_FP32 multiplies the 16-bit tiles as fp32
-    (their products are exact there): Triton 3.6's interpreter returns wrong bf16 dot products, so
-    the interpreter takes this path."""
+    outside each row's bounds (``Scores``). EXACT_DOT_IN_FP32: see ``_dot``. P is rounded to
+    V's dtype before its product in both paths, as the tensor cores take it."""
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
         if TMA:
@@ -87,11 +87,7 @@ def _attn_fwd_blocks(acc, l_i, m_i, q, k_source, v_source, stride_kn, stride_vn,
                 k = tl.load(k_ptrs, mask=d_mask[:, None] & (cols[None, :] < SEQ_K), other=0.0)
             else:
                 k = tl.load(k_ptrs, mask=d_mask[:, None], other=0.0)
-        if EXACT_DOT_IN_FP32:
-            dot = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
-        else:
-            dot = tl.dot(q, k)
-        s, _ = _exponent(dot, score_scale, cap_log2, SOFTCAP)  # scores in log2 units
+        s, _ = _exponent(_dot(q, k, EXACT_DOT_IN_FP32), score_scale, cap_log2, SOFTCAP)  # log2 units
         if MASKED:
             visible = _visible(offs_m[:, None], cols[None, :], SEQ_K, UPPER_OFFSET, LOWER_OFFSET, IS_CAUSAL,
                                HAS_LOWER)
@@ -114,11 +110,7 @@ def _attn_fwd_blocks(acc, l_i, m_i, q, k_source, v_source, stride_kn, stride_vn,
                 v = tl.load(v_ptrs, mask=d_mask[None, :] & (cols[:, None] < SEQ_K), other=0.0)
             else:
                 v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
-        if EXACT_DOT_IN_FP32:  # p rounded to v's dtype first, as the tensor-core path rounds it
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32),
-                                                input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, EXACT_DOT_IN_FP32)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -131,10 +123,7 @@ def _unmasked_scores(q, k_source, start_n, stride_kn, d_mask, EXACT_DOT_IN_FP32:
         k = tl.trans(k_source.load([start_n, 0]))
     else:
         k = tl.load(k_source + tl.cast(start_n, tl.int64) * stride_kn, mask=d_mask[:, None], other=0.0)
-    if EXACT_DOT_IN_FP32:
-        return tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(q, k)
+    return _dot(q, k, EXACT_DOT_IN_FP32)
 
 
 @triton.jit
@@ -150,11 +139,7 @@ def _fold_unmasked(acc, l_i, m_i, dot, v_source, start_n, stride_vn, d_mask, sco
         v = v_source.load([start_n, 0])
     else:
         v = tl.load(v_source + tl.cast(start_n, tl.int64) * stride_vn, mask=d_mask[None, :], other=0.0)
-    if EXACT_DOT_IN_FP32:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32),
-                                            input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, EXACT_DOT_IN_FP32)
     return acc, l_i, m_new
 
 
@@ -319,7 +304,7 @@ def _prune(config: dict, key: dict) -> bool:
 
 
 _TUNER = tuning.Tuner("attention_fwd", CONFIGS, default=_default, prune=_prune,
-                      sources=(_attn_fwd_kernel, _attn_fwd_blocks, _unmasked_scores, _fold_unmasked,
+                      sources=(_attn_fwd_kernel, _attn_fwd_blocks, _dot, _unmasked_scores, _fold_unmasked,
                                _attn_fwd_blocks_ahead, _exponent, _visible, _key_ranges, _sequence))
 
 
