@@ -22,6 +22,7 @@ _PUBLIC = {
     "add_rms_norm": "tritonkit.ops.norm",
     "flash_attention": "tritonkit.ops.attention",
     "scaled_dot_product_attention": "tritonkit.ops.attention",
+    "linear": "tritonkit.ops.linear",
     "nn": "tritonkit.nn",
 }
 __all__ = [*_PUBLIC, "__version__"]

@@ -23,3 +23,26 @@ class RMSNorm(torch.nn.RMSNorm):
         from tritonkit.ops.norm import rms_norm
 
         return rms_norm(input, self.normalized_shape, self.weight, self.eps)
+
+
+class Linear(torch.nn.Linear):
+    """``torch.nn.Linear`` (same parameters and state_dict) with an activation applied in the
+    matmul's epilogue, computed by ``tritonkit.linear``."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, activation: str | None = None,
+                 device=None, dtype=None):
+        from tritonkit.ops.linear import ACTIVATIONS
+
+        if activation not in ACTIVATIONS:
+            names = ", ".join(map(repr, ACTIVATIONS))
+            raise ValueError(f"activation must be one of {names}, got {activation!r}")
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self.activation = activation
+
+    def forward(self, input: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        from tritonkit.ops.linear import linear
+
+        return linear(input, self.weight, self.bias, self.activation, residual)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, activation={self.activation!r}"

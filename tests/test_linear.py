@@ -1,0 +1,186 @@
+"""linear: outputs and gradients of every epilogue against the float64 reference, shapes the tiles
+cut (M = 1, 17, 130; K = 33; N = 257), layouts, empty dimensions, errors, the custom ops, nn.Linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tritonkit
+from tritonkit.ops.linear import ACTIVATIONS, linear_cost, linear_reference
+from tritonkit.testing import check_against_reference, generator, poisoned_outputs, random_tensor
+
+pytestmark = pytest.mark.linear
+
+BF16, F16 = torch.bfloat16, torch.float16
+K, N = 33, 257  # in and out features: neither a multiple of a tile
+
+
+def _inputs(leading, dtype, device, seed, bias=True, residual=False, noncontiguous=False):
+    g = generator(seed)
+    x = random_tensor((*leading, K), dtype, device, generator=g, noncontiguous=noncontiguous)
+    w = random_tensor((N, K), dtype, device, generator=g, noncontiguous=noncontiguous)
+    b = random_tensor((N,), dtype, device, generator=g) if bias else None
+    r = random_tensor((*leading, N), dtype, device, generator=g) if residual else None
+    dy = random_tensor((*leading, N), dtype, device, generator=g, noncontiguous=noncontiguous)
+    return x, w, b, r, dy
+
+
+def _check(x, w, b, r, dy, activation):
+    """Output and the gradient of every tensor input, against the float64 reference."""
+    inputs = [t for t in (x, w, b, r) if t is not None]
+    has_b, has_r = b is not None, r is not None
+
+    def call(fn):
+        def run(*tensors):
+            it = iter(tensors)
+            x_, w_ = next(it), next(it)
+            b_ = next(it) if has_b else None
+            r_ = next(it) if has_r else None
+            return fn(x_, w_, b_, activation, r_)
+        return run
+
+    check_against_reference(call(tritonkit.linear), call(linear_reference), inputs,
+                            grad_inputs=tuple(range(len(inputs))), grad_outputs=[dy])
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["", "residual"])
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+@pytest.mark.parametrize("activation", list(ACTIVATIONS), ids=str)
+def test_every_epilogue_matches_the_reference(activation, bias, residual, device):
+    """fp16: Triton 3.6's interpreter truncates fp32 to bf16 (the GPU rounds), a bias toward zero
+    that the backward meets twice (the stored z, then dz) and sums 257 times; bf16 runs below."""
+    _check(*_inputs((17,), F16, device, seed=1, bias=bias, residual=residual), activation)
+
+
+@pytest.mark.parametrize("leading, dtype", [((1,), BF16), ((130,), F16), ((2, 65), BF16)], ids=str)
+def test_row_counts_and_leading_dims(leading, dtype, device):
+    _check(*_inputs(leading, dtype, device, seed=2, residual=True), "gelu_tanh")
+
+
+def test_noncontiguous_inputs_and_grad_output(device):
+    x, w, b, r, dy = _inputs((3, 11), F16, device, seed=3, residual=True, noncontiguous=True)
+    assert not (x.is_contiguous() or w.is_contiguous() or dy.is_contiguous())
+    _check(x, w, b, r, dy, "silu")
+    _check(x.transpose(0, 1), w, b, r.transpose(0, 1), dy.transpose(0, 1), "relu2")  # rows of stride 11 K
+
+
+def test_relu_gradient_is_zero_where_the_unit_is_off(device):
+    """relu' is a step: dx and dW get nothing through the entries whose pre-activation is negative."""
+    x, w, b, _, dy = _inputs((9,), BF16, device, seed=4)
+    x.requires_grad_()
+    with poisoned_outputs():
+        y = tritonkit.linear(x, w, b - 100.0, "relu")  # every unit off
+        (dx,) = torch.autograd.grad(y, x, dy)
+    assert torch.equal(y, torch.zeros_like(y)) and torch.equal(dx, torch.zeros_like(dx))
+
+
+def test_empty_dimensions(device):
+    """No rows: empty outputs and dx, zero dW and db. No in_features: act(bias) + residual."""
+    x, w, b, _, dy = _inputs((0,), BF16, device, seed=5)
+    x.requires_grad_(), w.requires_grad_(), b.requires_grad_()
+    with poisoned_outputs():
+        y = tritonkit.linear(x, w, b, "gelu")
+        dx, dw, db = torch.autograd.grad(y, (x, w, b), dy)
+    assert y.shape == (0, N) and dx.shape == (0, K)
+    assert torch.equal(dw, torch.zeros_like(dw)) and torch.equal(db, torch.zeros_like(db))
+    g = generator(6)
+    x0, w0 = (random_tensor(shape, BF16, device, generator=g) for shape in ((4, 0), (N, 0)))
+    r = random_tensor((4, N), BF16, device, generator=g)
+    with poisoned_outputs():
+        y = tritonkit.linear(x0, w0, b, "silu", r)
+    expected = linear_reference(x0.float(), w0.float(), b.float(), "silu", r.float())
+    torch.testing.assert_close(y, expected.to(BF16))
+
+
+def test_without_grad_no_pre_activation_is_kept(device):
+    x, w, b, r, _ = _inputs((5,), BF16, device, seed=7, residual=True)
+    y = tritonkit.linear(x, w, b, "gelu", r)
+    assert y.grad_fn is None and y.shape == (5, N)
+
+
+@pytest.mark.parametrize("case, error, match", [
+    ("fp32", TypeError, "float16 or bfloat16"),
+    ("weight dtype", TypeError, "weight must have input's dtype"),
+    ("in_features", ValueError, "in_features"),
+    ("bias shape", ValueError, "bias must have shape"),
+    ("residual shape", ValueError, "residual must have shape"),
+    ("activation", ValueError, "activation must be one of"),
+    ("not a tensor", TypeError, "weight must be a torch.Tensor"),
+])
+def test_bad_input_raises(case, error, match, device):
+    x, w, b, r, _ = _inputs((4,), BF16, device, seed=8, residual=True)
+    args = {"input": x, "weight": w, "bias": b, "activation": "gelu", "residual": r}
+    args |= {"fp32": {"input": x.float()}, "weight dtype": {"weight": w.half()},
+             "in_features": {"weight": w[:, :-1]}, "bias shape": {"bias": b[:-1]},
+             "residual shape": {"residual": r[:, :-1]}, "activation": {"activation": "tanh"},
+             "not a tensor": {"weight": w.tolist()}}[case]
+    with pytest.raises(error, match=match):
+        tritonkit.linear(**args)
+
+
+def test_opcheck(device):
+    x, w, b, r, dy = _inputs((6,), BF16, device, seed=9, residual=True)
+    x.requires_grad_(), w.requires_grad_()
+    torch.library.opcheck(torch.ops.tritonkit.linear.default, (x, w, b, r, "gelu_tanh", True))
+    pre = linear_reference(x, w, b).detach()
+    torch.library.opcheck(torch.ops.tritonkit.linear_backward.default, (dy, x.detach(), w.detach(), pre, True,
+                                                                         "gelu_tanh"))
+
+
+def test_compile_fullgraph(device):
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: tritonkit.linear(*a), fullgraph=True)
+    x, w, b, r, dy = _inputs((5,), BF16, device, seed=10, residual=True)
+    for t in (x, w, b, r):
+        t.requires_grad_()
+    y = compiled(x, w, b, "silu", r)
+    grads = torch.autograd.grad(y, (x, w, b, r), dy)
+    eager = tritonkit.linear(x, w, b, "silu", r)
+    assert torch.equal(y, eager)
+    assert all(torch.equal(a, e) for a, e in zip(grads, torch.autograd.grad(eager, (x, w, b, r), dy),
+                                                  strict=True))
+
+
+def test_module_loads_torch_state_dict(device):
+    torch_layer = torch.nn.Linear(K, N, dtype=BF16, device=device)
+    layer = tritonkit.nn.Linear(K, N, activation="relu2", dtype=BF16, device=device)
+    layer.load_state_dict(torch_layer.state_dict())
+    x = random_tensor((3, K), BF16, device, generator=generator(11))
+    with poisoned_outputs():
+        y = layer(x)
+    torch.testing.assert_close(y, torch.nn.functional.relu(torch_layer(x)).square(), atol=0.5, rtol=2**-6)
+    assert "activation='relu2'" in repr(layer)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        tritonkit.nn.Linear(K, N, activation="gelu_erf")
+
+
+def test_cost():
+    cost = linear_cost((8192, 4096, 16384), BF16)
+    assert cost.flops == 2 * 8192 * 4096 * 16384
+    assert cost.bytes == 2 * (8192 * 4096 + 16384 * 4096 + 8192 * 16384 + 16384)
+
+
+_SASS_CHECK = r"""
+import json, torch
+from tritonkit.inspect import compile_launch
+from tritonkit.ops.linear import _inspect_launches
+for launch in _inspect_launches((8192, 4096, 16384), torch.bfloat16):
+    r = compile_launch(launch, "sm_90")
+    print(json.dumps({"launch": r.name, "hgmma": r.opcodes["HGMMA"], "hmma": r.opcodes["HMMA"],
+                      "spills": r.spills, "stores": sorted(r.stores)}))
+"""
+
+
+def test_the_three_matmuls_compile_for_hopper_to_wgmma_without_spills():
+    """The forward (bias, gelu_tanh, residual, z stored) and the backward's dx and dW (act' in their
+    prologues, db summed in dW's) on the default tile at the MLP up-projection's shape, for sm_90:
+    wgmma (HGMMA), not Ampere's HMMA; no spills; the output tiles stored in 16-byte vectors."""
+    import json
+
+    import sm90
+
+    rows = [json.loads(line) for line in sm90.run(_SASS_CHECK)]
+    assert [row["launch"] for row in rows] == ["fwd", "bwd dx", "bwd dw"]
+    for row in rows:
+        assert row["hgmma"] > 0 and row["hmma"] == 0 and not row["spills"] and 128 in row["stores"], row
