@@ -1,5 +1,6 @@
-"""linear: outputs and gradients of every epilogue against the float64 reference, shapes the tiles
-cut (M = 1, 17, 130; K = 33; N = 257), layouts, empty dimensions, errors, the custom ops, nn.Linear."""
+"""linear and gated_linear: outputs and gradients of every epilogue against the float64 reference,
+shapes the tiles cut (M = 1, 17, 130; K = 33; N = 257), layouts, empty dimensions, errors, the
+custom ops, nn.Linear, and the sm_90 SASS."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 import tritonkit
-from tritonkit.ops.linear import ACTIVATIONS, linear_cost, linear_reference
+from tritonkit.ops.linear import ACTIVATIONS, gated_linear_reference, linear_cost, linear_reference
 from tritonkit.testing import check_against_reference, generator, poisoned_outputs, random_tensor
 
 pytestmark = pytest.mark.linear
@@ -156,9 +157,77 @@ def test_module_loads_torch_state_dict(device):
 
 
 def test_cost():
-    cost = linear_cost((8192, 4096, 16384), BF16)
+    cost = linear_cost((8192, 4096, 16384), BF16)  # (M, K, N)
     assert cost.flops == 2 * 8192 * 4096 * 16384
     assert cost.bytes == 2 * (8192 * 4096 + 16384 * 4096 + 8192 * 16384 + 16384)
+
+
+def _gated_inputs(leading, dtype, device, seed):
+    g = generator(seed)
+    x = random_tensor((*leading, K), dtype, device, generator=g)
+    w_gate, w_up = (random_tensor((N, K), dtype, device, generator=g) for _ in range(2))
+    return x, w_gate, w_up, random_tensor((*leading, N), dtype, device, generator=g)
+
+
+def _check_gated(x, w_gate, w_up, dy, activation, grad_inputs=(0, 1, 2)):
+    check_against_reference(lambda *a: tritonkit.gated_linear(*a, activation=activation),
+                            lambda *a: gated_linear_reference(*a, activation=activation), [x, w_gate, w_up],
+                            grad_inputs=grad_inputs, grad_outputs=[dy])
+
+
+@pytest.mark.parametrize("activation", list(ACTIVATIONS), ids=str)
+def test_gated_linear_matches_the_reference(activation, device):
+    """fp16, as the epilogue grid above (the interpreter's bf16 truncation)."""
+    _check_gated(*_gated_inputs((17,), F16, device, seed=20), activation)
+
+
+@pytest.mark.parametrize("leading, dtype", [((1,), F16), ((2, 65), BF16), ((130,), F16)], ids=str)
+def test_gated_linear_row_counts_and_leading_dims(leading, dtype, device):
+    """One row in fp16: there dWg's entries are single products of values the interpreter has
+    truncated to bf16 three times (g, u, dg), past its one-ulp allowance; bf16 runs at 130 rows."""
+    _check_gated(*_gated_inputs(leading, dtype, device, seed=21), "gelu_tanh")
+
+
+@pytest.mark.parametrize("grad_inputs", [(0,), (1,), (2,), (1, 2)], ids=str)
+def test_gated_linear_computes_the_gradients_asked_for(grad_inputs, device):
+    """Each backward product alone, and the two weight gradients without dx."""
+    _check_gated(*_gated_inputs((9,), F16, device, seed=22), "silu", grad_inputs=grad_inputs)
+
+
+def test_gated_linear_without_rows_and_bad_input(device):
+    x, w_gate, w_up, dy = _gated_inputs((0,), BF16, device, seed=23)
+    for t in (x, w_gate, w_up):
+        t.requires_grad_()
+    with poisoned_outputs():
+        y = tritonkit.gated_linear(x, w_gate, w_up)
+        grads = torch.autograd.grad(y, (x, w_gate, w_up), dy)
+    assert y.shape == (0, N) and grads[0].shape == (0, K)
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in grads[1:])
+    with pytest.raises(ValueError, match="weight_up must have weight_gate's shape"):
+        tritonkit.gated_linear(x, w_gate, w_up[:-1])
+    with pytest.raises(TypeError, match="weight must have input's dtype"):
+        tritonkit.gated_linear(x, w_gate, w_up.half())
+    with pytest.raises(ValueError, match="activation must be one of"):
+        tritonkit.gated_linear(x, w_gate, w_up, activation="swish")
+
+
+def test_gated_linear_opcheck_and_compile(device):
+    x, w_gate, w_up, dy = _gated_inputs((6,), BF16, device, seed=24)
+    for t in (x, w_gate, w_up):
+        t.requires_grad_()
+    torch.library.opcheck(torch.ops.tritonkit.gated_linear.default, (x, w_gate, w_up, "silu", True))
+    with torch.no_grad():
+        g, u = torch.nn.functional.linear(x, w_gate), torch.nn.functional.linear(x, w_up)
+    plain = [t.detach() for t in (dy, x, w_gate, w_up)]
+    torch.library.opcheck(torch.ops.tritonkit.gated_linear_backward.default, (*plain, g, u, "silu"))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: tritonkit.gated_linear(*a), fullgraph=True)
+    y = compiled(x, w_gate, w_up)
+    eager = tritonkit.gated_linear(x, w_gate, w_up)
+    assert torch.equal(y, eager)
+    for a, e in zip(torch.autograd.grad(y, (x, w_gate, w_up), dy),
+                    torch.autograd.grad(eager, (x, w_gate, w_up), dy), strict=True):
+        assert torch.equal(a, e)
 
 
 _SASS_CHECK = r"""
@@ -173,14 +242,16 @@ for launch in _inspect_launches((8192, 4096, 16384), torch.bfloat16):
 
 
 def test_the_three_matmuls_compile_for_hopper_to_wgmma_without_spills():
-    """The forward (bias, gelu_tanh, residual, z stored) and the backward's dx and dW (act' in their
-    prologues, db summed in dW's) on the default tile at the MLP up-projection's shape, for sm_90:
-    wgmma (HGMMA), not Ampere's HMMA; no spills; the output tiles stored in 16-byte vectors."""
+    """linear's forward (bias, gelu_tanh, residual, z stored) and backward (dx, and dW with db
+    summed in its prologue), and gated_linear's forward and three backward products, on their
+    default tiles at the MLP up-projection's shape, for sm_90: wgmma (HGMMA), not Ampere's HMMA; no
+    spills; the output tiles stored in 16-byte vectors."""
     import json
 
     import sm90
 
     rows = [json.loads(line) for line in sm90.run(_SASS_CHECK)]
-    assert [row["launch"] for row in rows] == ["fwd", "bwd dx", "bwd dw"]
+    assert [row["launch"] for row in rows] == ["fwd", "bwd dx", "bwd dw", "gated fwd", "gated bwd dx",
+                                               "gated bwd dwg", "gated bwd dwu"]
     for row in rows:
         assert row["hgmma"] > 0 and row["hmma"] == 0 and not row["spills"] and 128 in row["stores"], row

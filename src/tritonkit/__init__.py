@@ -23,6 +23,7 @@ _PUBLIC = {
     "flash_attention": "tritonkit.ops.attention",
     "scaled_dot_product_attention": "tritonkit.ops.attention",
     "linear": "tritonkit.ops.linear",
+    "gated_linear": "tritonkit.ops.linear",
     "nn": "tritonkit.nn",
 }
 __all__ = [*_PUBLIC, "__version__"]

@@ -40,6 +40,10 @@ DTYPES = (torch.float16, torch.bfloat16)
 # activation name -> the kernel's ACTIVATION code (constexprs: kernels read globals only as such)
 ACTIVATIONS = {None: 0, "gelu": 1, "gelu_tanh": 2, "silu": 3, "relu": 4, "relu2": 5}
 NONE, GELU, GELU_TANH, SILU, RELU, RELU2 = (tl.constexpr(code) for code in ACTIVATIONS.values())
+# The kernel's GATED forms: gated_linear's forward (two products, C = act(A B^T) * (A B2^T)) and the
+# three products of its backward, whose prologues turn dy, g = x Wg^T and u = x Wu^T into
+#   dg = dy * u * act'(g) and du = dy * act(g):  dx = dg Wg + du Wu,  dWg = dg^T x,  dWu = du^T x.
+NOT_GATED, GATED_FWD, GATED_DX, GATED_DG, GATED_DU = (tl.constexpr(code) for code in range(5))
 
 
 @triton.jit
@@ -80,10 +84,13 @@ def _activation_grad(z, ACTIVATION: tl.constexpr):
 
 
 # The untuned tiles: 128 x 128 outputs at 8 warps and 64-deep steps on the GPU (Triton's own
-# Hopper matmul tutorial's tile); the interpreter runs each program in numpy, so small tiles keep
-# several programs and k-steps in a test's odd shapes.
+# Hopper matmul tutorial's tile); the gated forms, two accumulators or two B tiles a step, take
+# 128 x 64 (sm_90: 128 x 128 spills the gated forward at 254 registers; 128 x 64 takes 125-142,
+# no spills). The interpreter runs each program in numpy, so small tiles keep several programs and
+# k-steps in a test's odd shapes.
 DEFAULT_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8,
                   "num_stages": 3}
+GATED_DEFAULT_CONFIG = DEFAULT_CONFIG | {"BLOCK_N": 64}
 INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4,
                       "num_stages": 1}
 
@@ -92,17 +99,21 @@ INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 2,
 def _linear_kernel(
     a_ptr,  # A, (M, K), strides (stride_am, stride_ak)
     b_ptr,  # B, (N, K), strides (stride_bn, stride_bk): C = A B^T
+    b2_ptr,  # GATED_FWD, GATED_DX: the second B (Wu or Wu^T), strides (stride_b2n, stride_b2k)
     c_ptr,  # output, (M, N), contiguous
     bias_ptr,  # HAS_BIAS: (N,), added to every row
     residual_ptr,  # HAS_RESIDUAL: (M, N), strides (stride_rm, stride_rn), added after the activation
-    pre_ptr,  # STORE_PRE: the pre-activation out, (M, N), contiguous
+    pre_ptr,  # STORE_PRE: the pre-activation out, (M, N), contiguous (gated: g)
+    pre2_ptr,  # STORE_PRE and GATED_FWD: u out, (M, N), contiguous
     z_ptr,  # GRAD_ACTIVATION: the pre-activation at A's positions, (M, K), strides (stride_zm, stride_zk)
+    z2_ptr,  # GATED_DX, GATED_DG: u at A's positions, strides (stride_zm, stride_zk) as z
     row_sum_ptr,  # SUM_ROWS: fp32 out, (M,): the sums of A's rows after the prologue
     M,  # rows of A and C
     N,  # rows of B: columns of C
     K,  # the reduced dimension
     stride_am, stride_ak,  # elements between rows, columns of A
     stride_bn, stride_bk,  # ... of B
+    stride_b2n, stride_b2k,  # ... of the second B
     stride_rm, stride_rn,  # ... of the residual
     stride_zm, stride_zk,  # ... of z
     ACTIVATION: tl.constexpr,  # epilogue: C = act(A B^T + bias) (+ residual); an ACTIVATIONS code
@@ -111,6 +122,7 @@ def _linear_kernel(
     STORE_PRE: tl.constexpr,  # also store A B^T + bias, the pre-activation
     GRAD_ACTIVATION: tl.constexpr,  # prologue: A's tiles times act'(z) (backward; an ACTIVATIONS code)
     SUM_ROWS: tl.constexpr,  # the programs of the first column of tiles store A's row sums
+    GATED: tl.constexpr,  # NOT_GATED, or a gated_linear product (GATED_FWD, _DX, _DG, _DU; see above)
     EXACT_DOT_IN_FP32: tl.constexpr,  # multiply the 16-bit tiles as fp32 (the interpreter's path)
     BLOCK_M: tl.constexpr,  # rows of C a program computes
     BLOCK_N: tl.constexpr,  # columns of C a program computes
@@ -129,34 +141,59 @@ def _linear_kernel(
     cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     depth = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # GATED_FWD: A B2^T
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     for k in range(0, K, BLOCK_K):
         ks = k + depth
         a_mask = (rows[:, None] < M) & (ks[None, :] < K)
         a = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak, mask=a_mask, other=0.0)
-        if GRAD_ACTIVATION != NONE:  # dz = dy * act'(z), rounded to dy's dtype as torch's dz is
-            z = tl.load(z_ptr + rows[:, None] * stride_zm + ks[None, :] * stride_zk, mask=a_mask, other=0.0)
-            dz = a.to(tl.float32) * _activation_grad(z.to(tl.float32), GRAD_ACTIVATION)
-            if SUM_ROWS:
-                row_sum += tl.sum(dz, axis=1)
-            a = dz.to(a_ptr.dtype.element_ty)
-        elif SUM_ROWS:
-            row_sum += tl.sum(a.to(tl.float32), axis=1)
+        z_ptrs = rows[:, None] * stride_zm + ks[None, :] * stride_zk
         b_mask = (ks[:, None] < K) & (cols[None, :] < N)
         b = tl.load(b_ptr + cols[None, :] * stride_bn + ks[:, None] * stride_bk, mask=b_mask, other=0.0)
-        acc += _dot(a, b, EXACT_DOT_IN_FP32)
+        b2_ptrs = b2_ptr + cols[None, :] * stride_b2n + ks[:, None] * stride_b2k
+        if GATED == NOT_GATED:
+            if GRAD_ACTIVATION != NONE:  # dz = dy * act'(z), rounded to dy's dtype as torch's dz is
+                z = tl.load(z_ptr + z_ptrs, mask=a_mask, other=0.0)
+                dz = a.to(tl.float32) * _activation_grad(z.to(tl.float32), GRAD_ACTIVATION)
+                if SUM_ROWS:
+                    row_sum += tl.sum(dz, axis=1)
+                a = dz.to(a_ptr.dtype.element_ty)
+            elif SUM_ROWS:
+                row_sum += tl.sum(a.to(tl.float32), axis=1)
+            acc += _dot(a, b, EXACT_DOT_IN_FP32)
+        elif GATED == GATED_FWD:
+            b2 = tl.load(b2_ptrs, mask=b_mask, other=0.0)
+            acc += _dot(a, b, EXACT_DOT_IN_FP32)
+            acc2 += _dot(a, b2, EXACT_DOT_IN_FP32)
+        else:  # the backward: A is dy, z is g and z2 is u at A's positions
+            dy = a.to(tl.float32)
+            g = tl.load(z_ptr + z_ptrs, mask=a_mask, other=0.0).to(tl.float32)
+            if GATED == GATED_DU:
+                acc += _dot((dy * _activate(g, GRAD_ACTIVATION)).to(a.dtype), b, EXACT_DOT_IN_FP32)
+            else:
+                u = tl.load(z2_ptr + z_ptrs, mask=a_mask, other=0.0).to(tl.float32)
+                dg = (dy * u * _activation_grad(g, GRAD_ACTIVATION)).to(a.dtype)
+                acc += _dot(dg, b, EXACT_DOT_IN_FP32)
+                if GATED == GATED_DX:
+                    b2 = tl.load(b2_ptrs, mask=b_mask, other=0.0)
+                    acc += _dot((dy * _activate(g, GRAD_ACTIVATION)).to(a.dtype), b2, EXACT_DOT_IN_FP32)
     if SUM_ROWS:
         tl.store(row_sum_ptr + rows, row_sum, mask=(rows < M) & (pid_n == 0))
     mask = (rows[:, None] < M) & (cols[None, :] < N)
+    out = rows[:, None] * N + cols[None, :]  # offsets in C and in the stored pre-activations
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     if STORE_PRE:
-        tl.store(pre_ptr + rows[:, None] * N + cols[None, :], acc.to(pre_ptr.dtype.element_ty), mask=mask)
+        tl.store(pre_ptr + out, acc.to(pre_ptr.dtype.element_ty), mask=mask)
+        if GATED == GATED_FWD:
+            tl.store(pre2_ptr + out, acc2.to(pre2_ptr.dtype.element_ty), mask=mask)
     y = _activate(acc, ACTIVATION)
+    if GATED == GATED_FWD:
+        y *= acc2
     if HAS_RESIDUAL:
         y += tl.load(residual_ptr + rows[:, None] * stride_rm + cols[None, :] * stride_rn, mask=mask,
                      other=0.0).to(tl.float32)
-    tl.store(c_ptr + rows[:, None] * N + cols[None, :], y.to(c_ptr.dtype.element_ty), mask=mask)
+    tl.store(c_ptr + out, y.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 # ---------------------------------------------------------------- launcher
@@ -164,8 +201,13 @@ def _linear_kernel(
 _launcher = Launcher(_linear_kernel)
 
 
-def _config() -> dict:
-    return dict(INTERPRETER_CONFIG if interpret() else DEFAULT_CONFIG)
+def _default_config(gated: int) -> dict:
+    """The GPU's untuned tile for a kernel form."""
+    return dict(GATED_DEFAULT_CONFIG if gated in (GATED_FWD, GATED_DX) else DEFAULT_CONFIG)
+
+
+def _config(gated: int) -> dict:
+    return dict(INTERPRETER_CONFIG) if interpret() else _default_config(gated)
 
 
 def _matmul(a, b, out, **operands) -> None:
@@ -176,19 +218,23 @@ def _matmul(a, b, out, **operands) -> None:
         _launcher(grid, *args, **meta)
 
 
-def _matmul_args(a, b, out, *, bias=None, residual=None, pre=None, activation=0, z=None, grad_activation=0,
-                 row_sum=None, config: dict | None = None) -> tuple[tuple, tuple, dict]:
-    """(grid, arguments, constexprs and options) of the kernel: a (M, K), b (N, K), out (M, N)."""
+def _matmul_args(a, b, out, *, b2=None, bias=None, residual=None, pre=None, pre2=None, activation=0, z=None,
+                 z2=None, grad_activation=0, row_sum=None, gated=0, config: dict | None = None
+                 ) -> tuple[tuple, tuple, dict]:
+    """(grid, arguments, constexprs and options) of the kernel: a (M, K), b and b2 (N, K), out (M, N),
+    z and z2 (M, K) with the same strides."""
     (M, K), N = a.shape, b.shape[0]
-    config = config or _config()
-    unused = out  # a pointer the kernel never reads for an absent operand
-    r, zz = (residual if residual is not None else out), (z if z is not None else a)
-    args = (a, b, out, bias if bias is not None else unused, r, pre if pre is not None else unused, zz,
-            row_sum if row_sum is not None else unused, M, N, K, *a.stride(), *b.stride(), *r.stride(),
-            *zz.stride())
+    config = config or _config(gated)
+
+    def given(t, stand_in):  # a pointer the kernel never reads stands in for an absent operand
+        return t if t is not None else stand_in
+
+    r, zz, bb = given(residual, out), given(z, a), given(b2, b)
+    args = (a, b, bb, out, given(bias, out), r, given(pre, out), given(pre2, out), zz, given(z2, zz),
+            given(row_sum, out), M, N, K, *a.stride(), *b.stride(), *bb.stride(), *r.stride(), *zz.stride())
     meta = {"ACTIVATION": activation, "HAS_BIAS": bias is not None, "HAS_RESIDUAL": residual is not None,
             "STORE_PRE": pre is not None, "GRAD_ACTIVATION": grad_activation, "SUM_ROWS": row_sum is not None,
-            "EXACT_DOT_IN_FP32": interpret(), **config}
+            "GATED": gated, "EXACT_DOT_IN_FP32": interpret(), **config}
     # K = 0: the loop takes no step and the epilogue still runs
     return (cdiv(M, config["BLOCK_M"]) * cdiv(N, config["BLOCK_N"]),), args, meta
 
@@ -351,6 +397,121 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return _linear_fwd(input, weight, bias, residual, activation, save_pre=False)[0]
 
 
+# ---------------------------------------------------------------- gated_linear
+
+
+def _validate_gated(input, weight_gate, weight_up, activation) -> None:
+    _validate(input, weight_gate, None, activation, None)
+    _validate(input, weight_up, None, activation, None)
+    if weight_up.shape != weight_gate.shape:
+        raise ValueError(f"weight_up must have weight_gate's shape {tuple(weight_gate.shape)}, "
+                         f"got {tuple(weight_up.shape)}")
+
+
+def _gated_fwd(input, weight_gate, weight_up, activation: str | None, save_pre: bool):
+    """(y, g, u): y = act(g) * u with g = input Wg^T and u = input Wu^T; g and u are stored only
+    when ``save_pre`` (else empty tensors)."""
+    _validate_gated(input, weight_gate, weight_up, activation)
+    n = weight_gate.shape[0]
+    out_shape = (*input.shape[:-1], n)
+    y = empty_output(out_shape, input.dtype, input.device)
+    g, u = ((empty_output(out_shape, input.dtype, input.device) for _ in range(2)) if save_pre
+            else (input.new_empty(0), input.new_empty(0)))
+    kept = {"pre": g.view(-1, n), "pre2": u.view(-1, n)} if save_pre else {}
+    _matmul(_rows(input), weight_gate, y.view(-1, n), b2=weight_up, activation=ACTIVATIONS[activation],
+            gated=GATED_FWD, **kept)
+    return y, g, u
+
+
+def _gated_bwd(grad_output, input, weight_gate, weight_up, g, u, activation: str | None, needs: list[bool]):
+    """(dx, dWg, dWu), each None where ``needs`` says not wanted; dg and du are made in the prologues
+    from dy, g and u, never stored."""
+    code = ACTIVATIONS[activation]
+    dy, x, g, u = _rows(grad_output), _rows(input), _rows(g), _rows(u)
+    dx = dwg = dwu = None
+    if needs[0]:  # dx = dg Wg + du Wu: both products into one accumulator
+        dx = empty_output(input.shape, input.dtype, input.device)
+        _matmul(dy, weight_gate.t(), dx.view(-1, input.shape[-1]), b2=weight_up.t(), z=g, z2=u,
+                grad_activation=code, gated=GATED_DX)
+    for wanted, weight, form in ((needs[1], weight_gate, GATED_DG), (needs[2], weight_up, GATED_DU)):
+        if wanted:  # dW = (dg or du)^T x
+            grad = empty_output(weight.shape, weight.dtype, weight.device)
+            _matmul(dy.t(), x.t(), grad, z=g.t(), z2=u.t(), grad_activation=code, gated=form)
+            dwg, dwu = (grad, dwu) if form == GATED_DG else (dwg, grad)
+    return dx, dwg, dwu
+
+
+@torch.library.custom_op("tritonkit::gated_linear", mutates_args=())
+def _gated_op(input: torch.Tensor, weight_gate: torch.Tensor, weight_up: torch.Tensor, activation: str,
+              save_pre: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _gated_fwd(input, weight_gate, weight_up, _activation(activation), save_pre)
+
+
+@_gated_op.register_fake
+def _(input, weight_gate, weight_up, activation, save_pre):
+    _validate_gated(input, weight_gate, weight_up, _activation(activation))
+    out_shape = (*input.shape[:-1], weight_gate.shape[0])
+    kept = out_shape if save_pre else (0,)
+    return input.new_empty(out_shape), input.new_empty(kept), input.new_empty(kept)
+
+
+@torch.library.custom_op("tritonkit::gated_linear_backward", mutates_args=())
+def _gated_backward_op(grad_output: torch.Tensor, input: torch.Tensor, weight_gate: torch.Tensor,
+                       weight_up: torch.Tensor, g: torch.Tensor, u: torch.Tensor, activation: str
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _gated_bwd(grad_output, input, weight_gate, weight_up, g, u, _activation(activation), [True] * 3)
+
+
+@_gated_backward_op.register_fake
+def _(grad_output, input, weight_gate, weight_up, g, u, activation):
+    return input.new_empty(input.shape), weight_gate.new_empty(weight_gate.shape), weight_up.new_empty(
+        weight_up.shape)
+
+
+def _gated_setup_context(ctx, inputs, output) -> None:
+    input, weight_gate, weight_up, activation, save_pre = inputs
+    ctx.save_for_backward(input, weight_gate, weight_up, output[1], output[2])
+    ctx.activation = activation
+
+
+def _gated_backward_traced(ctx, grad_output, _grad_g, _grad_u):
+    dx, dwg, dwu = _gated_backward_op(grad_output, *ctx.saved_tensors, ctx.activation)
+    return dx, dwg, dwu, None, None
+
+
+_gated_op.register_autograd(_gated_backward_traced, setup_context=_gated_setup_context)
+
+
+class _GatedLinear(torch.autograd.Function):
+    """Eager autograd without the custom-op dispatcher (the compiled path uses the custom op)."""
+
+    @staticmethod
+    def forward(ctx, input, weight_gate, weight_up, activation):
+        y, g, u = _gated_fwd(input, weight_gate, weight_up, activation, save_pre=True)
+        ctx.save_for_backward(input, weight_gate, weight_up, g, u)
+        ctx.activation = activation
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        needs = list(ctx.needs_input_grad[:3])
+        dx, dwg, dwu = _gated_bwd(grad_output, *ctx.saved_tensors, ctx.activation, needs)
+        return dx, dwg, dwu, None
+
+
+def gated_linear(input: torch.Tensor, weight_gate: torch.Tensor, weight_up: torch.Tensor,
+                 activation: str | None = "silu") -> torch.Tensor:
+    """``act(input Wg^T) * (input Wu^T)`` in one kernel (SwiGLU with "silu", GeGLU with "gelu" or
+    "gelu_tanh"): both products accumulate side by side and neither is written to memory, unless a
+    gradient is wanted (the backward reads them). Weights are (out_features, in_features)."""
+    if torch.compiler.is_compiling():
+        return _gated_op(input, weight_gate, weight_up, activation or "none", True)[0]
+    _validate_gated(input, weight_gate, weight_up, activation)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (input, weight_gate, weight_up)):
+        return _GatedLinear.apply(input, weight_gate, weight_up, activation)
+    return _gated_fwd(input, weight_gate, weight_up, activation, save_pre=False)[0]
+
+
 # ---------------------------------------------------------------- reference and cost
 
 _REFERENCE_ACTIVATIONS = {
@@ -370,6 +531,13 @@ def linear_reference(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return y if residual is None else y + residual
 
 
+def gated_linear_reference(input: torch.Tensor, weight_gate: torch.Tensor, weight_up: torch.Tensor,
+                           activation: str | None = "silu") -> torch.Tensor:
+    """Plain PyTorch, the eager form the issue compares with: act(x Wg^T) * (x Wu^T)."""
+    linear = torch.nn.functional.linear
+    return _REFERENCE_ACTIVATIONS[activation](linear(input, weight_gate)) * linear(input, weight_up)
+
+
 def linear_cost(shape: tuple, dtype: torch.dtype, mode: str = "fwd"):
     """(M, K, N): 2 M N K FLOPs a matmul (two more backward); bytes of the operands and output."""
     from tritonkit.roofline import Cost
@@ -384,8 +552,8 @@ def linear_cost(shape: tuple, dtype: torch.dtype, mode: str = "fwd"):
 
 def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None = None,
                       activation: str | None = "gelu_tanh") -> list:
-    """The three matmuls of a training step at (M, K, N), with bias, ``activation`` and a residual:
-    the forward (storing z), dx and dW (db summed in its prologue)."""
+    """The matmuls of a training step at (M, K, N): linear's with bias, ``activation`` and a residual
+    (the forward storing z, dx, and dW with db summed in its prologue), then gated_linear's four."""
     from tritonkit.inspect import Launch
 
     m, k, n = shape
@@ -395,9 +563,17 @@ def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None = No
     row_sum = torch.empty((n,), dtype=torch.float32, device="meta")
     calls = {"fwd": (x, w, y, {"bias": b, "residual": y, "pre": y, "activation": code}),
              "bwd dx": (y, w.t(), x, {"z": y, "grad_activation": code}),
-             "bwd dw": (y.t(), x.t(), w, {"z": y.t(), "grad_activation": code, "row_sum": row_sum})}
+             "bwd dw": (y.t(), x.t(), w, {"z": y.t(), "grad_activation": code, "row_sum": row_sum}),
+             "gated fwd": (x, w, y, {"b2": w, "pre": y, "pre2": y, "activation": code, "gated": GATED_FWD}),
+             "gated bwd dx": (y, w.t(), x, {"b2": w.t(), "z": y, "z2": y, "grad_activation": code,
+                                            "gated": GATED_DX}),
+             "gated bwd dwg": (y.t(), x.t(), w, {"z": y.t(), "z2": y.t(), "grad_activation": code,
+                                                 "gated": GATED_DG}),
+             "gated bwd dwu": (y.t(), x.t(), w, {"z": y.t(), "z2": y.t(), "grad_activation": code,
+                                                 "gated": GATED_DU})}
     launches = []
     for name, (a, b_, out, operands) in calls.items():
-        _, args, meta = _matmul_args(a, b_, out, config=config or dict(DEFAULT_CONFIG), **operands)
+        form_config = config or _default_config(operands.get("gated", NOT_GATED))
+        _, args, meta = _matmul_args(a, b_, out, config=form_config, **operands)
         launches.append(Launch(name, _linear_kernel, args, meta))
     return launches
