@@ -137,7 +137,8 @@ for name in json.loads(NAMES):
 def test_every_default_config_compiles_for_hopper_without_spills_and_with_wide_accesses():
     """Each op's untuned configs at each benchmark shape, compiled for sm_90: no spills, and 128-bit
     global loads and stores (every benchmark shape is contiguous with 16-aligned rows), besides the
-    norms' fp32 per-row statistics and the few values their second stage writes."""
+    norms' fp32 per-row statistics and the few values their second stage writes, and the matmuls'
+    operands, which cp.async stages."""
     names = [name for name in op_names() if get_op(name).inspect is not None]
     assert {"softmax", "log_softmax", "bias_gelu", "layer_norm", "add_rms_norm"} <= set(names)
     lines = sm90.run(f"NAMES = {json.dumps(json.dumps(names))}\n" + _STATIC_CHECKS)
@@ -149,6 +150,11 @@ def test_every_default_config_compiles_for_hopper_without_spills_and_with_wide_a
             # the norms' second stage reads (programs, N) fp32 partials and writes N values a call,
             # one or two bytes each after its sum across threads: only its loads need the width
             assert row["loads"] == [128], row
+        elif get_op(row["op"]).family == "linear":
+            # the matmul's operands are staged by cp.async (LDGSTS, not LDG); the output tile moves in
+            # 16-byte vectors; the bias (one 16-bit value a thread's column pair) and db's fp32 row
+            # sums are the 32-bit accesses
+            assert 128 in row["stores"] and min(row["loads"] + row["stores"]) >= 32, row
         elif get_op(row["op"]).family in PER_ROW_STATISTICS:
             # the row data moves in 16-byte vectors; a row's mean and rstd (lse, delta) are one fp32 each
             assert 128 in row["loads"] and min(row["loads"] + row["stores"]) >= 32, row

@@ -25,6 +25,9 @@ OP_MODULES = {
     "add_rms_norm": "tritonkit.ops.norm",
     "attention": "tritonkit.ops.attention",
     "attention_causal": "tritonkit.ops.attention",
+    "linear": "tritonkit.ops.linear",
+    "linear_bare": "tritonkit.ops.linear",
+    "gated_linear": "tritonkit.ops.linear",
 }
 MODES = ("fwd", "bwd", "fwd+bwd")
 

@@ -538,22 +538,36 @@ def gated_linear_reference(input: torch.Tensor, weight_gate: torch.Tensor, weigh
     return _REFERENCE_ACTIVATIONS[activation](linear(input, weight_gate)) * linear(input, weight_up)
 
 
-def linear_cost(shape: tuple, dtype: torch.dtype, mode: str = "fwd"):
-    """(M, K, N): 2 M N K FLOPs a matmul (two more backward); bytes of the operands and output."""
+def linear_cost(shape: tuple, dtype: torch.dtype, mode: str = "fwd", bias: bool = True):
+    """(M, K, N): 2 M N K FLOPs a matmul (two more backward); the bytes of the operands and output
+    (backward: dy and z read, x and W read, dx and dW written, db)."""
     from tritonkit.roofline import Cost
 
     m, k, n = shape
     size = torch.finfo(dtype).bits // 8
-    fwd = Cost(2 * m * n * k, size * (m * k + n * k + m * n + n))
-    bwd = Cost(4 * m * n * k, size * (2 * m * n + 2 * m * k + 2 * n * k + n))
+    fwd = Cost(2 * m * n * k, size * (m * k + n * k + m * n + bias * n))
+    bwd = Cost(4 * m * n * k, size * (2 * m * n + 2 * m * k + 2 * n * k + bias * n))
+    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]
+
+
+def gated_linear_cost(shape: tuple, dtype: torch.dtype, mode: str = "fwd"):
+    """(M, K, N): two products, 4 M N K FLOPs forward and 8 backward; bytes: x, Wg, Wu and y
+    (backward: dy, g, u, x, Wg and Wu read, dx, dWg and dWu written)."""
+    from tritonkit.roofline import Cost
+
+    m, k, n = shape
+    size = torch.finfo(dtype).bits // 8
+    fwd = Cost(4 * m * n * k, size * (m * k + 2 * n * k + m * n))
+    bwd = Cost(8 * m * n * k, size * (3 * m * n + 2 * m * k + 4 * n * k))
     return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]
 
 
 
 def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None = None,
-                      activation: str | None = "gelu_tanh") -> list:
+                      activation: str | None = "gelu_tanh", forms: tuple = ("linear", "gated")) -> list:
     """The matmuls of a training step at (M, K, N): linear's with bias, ``activation`` and a residual
-    (the forward storing z, dx, and dW with db summed in its prologue), then gated_linear's four."""
+    (the forward storing z, dx, and dW with db summed in its prologue; without an activation, a bare
+    matmul, dx and dW), then gated_linear's four; ``forms`` picks which."""
     from tritonkit.inspect import Launch
 
     m, k, n = shape
@@ -561,6 +575,8 @@ def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None = No
     x, w = torch.empty((m, k), dtype=dtype, device="meta"), torch.empty((n, k), dtype=dtype, device="meta")
     y, b = torch.empty((m, n), dtype=dtype, device="meta"), torch.empty((n,), dtype=dtype, device="meta")
     row_sum = torch.empty((n,), dtype=torch.float32, device="meta")
+    if activation is None:  # the bare matmul: no bias, residual or z
+        bare = {"fwd": (x, w, y, {}), "bwd dx": (y, w.t(), x, {}), "bwd dw": (y.t(), x.t(), w, {})}
     calls = {"fwd": (x, w, y, {"bias": b, "residual": y, "pre": y, "activation": code}),
              "bwd dx": (y, w.t(), x, {"z": y, "grad_activation": code}),
              "bwd dw": (y.t(), x.t(), w, {"z": y.t(), "grad_activation": code, "row_sum": row_sum}),
@@ -571,9 +587,73 @@ def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None = No
                                                  "gated": GATED_DG}),
              "gated bwd dwu": (y.t(), x.t(), w, {"z": y.t(), "z2": y.t(), "grad_activation": code,
                                                  "gated": GATED_DU})}
+    if activation is None:
+        calls |= bare
+    calls = {name: call for name, call in calls.items() if ("gated" if name.startswith("gated") else "linear")
+             in forms}
     launches = []
     for name, (a, b_, out, operands) in calls.items():
         form_config = config or _default_config(operands.get("gated", NOT_GATED))
         _, args, meta = _matmul_args(a, b_, out, config=form_config, **operands)
         launches.append(Launch(name, _linear_kernel, args, meta))
     return launches
+
+
+# ---------------------------------------------------------------- benchmark registration
+
+
+def _make_inputs(shape: tuple, dtype: torch.dtype, device, generator: torch.Generator, operands: int = 3):
+    """(M, K, N): x (M, K), then W (N, K) and b (N,) (``operands`` 3), W alone (2), or Wg and Wu
+    ("gated")."""
+    from tritonkit.testing import random_tensor
+
+    m, k, n = shape
+    x = random_tensor((m, k), dtype, device, generator=generator)
+    if operands == "gated":
+        return x, *(random_tensor((n, k), dtype, device, generator=generator) for _ in range(2))
+    w = random_tensor((n, k), dtype, device, generator=generator)
+    return (x, w, random_tensor((n,), dtype, device, generator=generator)) if operands == 3 else (x, w)
+
+
+def _addmm_gelu(kwargs: dict):
+    """A peer: torch._addmm_activation, cuBLASLt's matmul with bias and its GELU epilogue (tanh)."""
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU (cuBLASLt)"
+    return lambda x, w, b: torch._addmm_activation(b, x, w.t(), use_gelu=True)
+
+
+# (M, K, N), bf16: the MLP's up- and down-projections, a square one, and decode-like rows
+BENCH_SHAPES = [((8192, 4096, 16384), "bf16"), ((8192, 16384, 4096), "bf16"), ((4096, 4096, 4096), "bf16"),
+                ((16, 4096, 16384), "bf16"), ((128, 4096, 16384), "bf16")]
+
+
+def _spec(name: str):
+    import functools
+
+    from tritonkit.ops import OpSpec
+
+    gated = name == "gated_linear"
+    bare = name == "linear_bare"
+    activation = "silu" if gated else None if bare else "gelu_tanh"
+    return OpSpec(
+        name=name,
+        family="linear",
+        fn=gated_linear if gated else linear,
+        reference=gated_linear_reference if gated else linear_reference,
+        cost=(gated_linear_cost if gated else functools.partial(linear_cost, bias=not bare)),
+        make_inputs=functools.partial(_make_inputs, operands="gated" if gated else 2 if bare else 3),
+        grad_inputs=(0, 1) if bare else (0, 1, 2),
+        flop_unit="bf16",
+        shapes={"interpreter": [((17, 33, 257), "fp16")], "quick": BENCH_SHAPES, "full": BENCH_SHAPES},
+        tiny_shape=(4, 64, 64),
+        dtypes=DTYPES,
+        # linear: with bias and the tanh GELU, against cuBLASLt's fused epilogue; linear_bare: the
+        # bare matmul, whose "torch" provider is cuBLAS; gated_linear: SwiGLU
+        kwargs={"activation": activation},
+        peers={} if gated or bare else {"addmm-gelu": _addmm_gelu},
+        inspect=functools.partial(_inspect_launches, activation=activation,
+                                  forms=("gated",) if gated else ("linear",)),
+    )
+
+
+SPECS = {name: _spec(name) for name in ("linear", "linear_bare", "gated_linear")}
