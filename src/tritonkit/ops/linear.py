@@ -595,7 +595,7 @@ def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None = No
     for name, (a, b_, out, operands) in calls.items():
         form_config = config or _default_config(operands.get("gated", NOT_GATED))
         _, args, meta = _matmul_args(a, b_, out, config=form_config, **operands)
-        launches.append(Launch(name, _linear_kernel, args, meta))
+        launches.append(Launch(name, _linear_kernel, args, meta, form_config))
     return launches
 
 
