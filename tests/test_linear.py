@@ -4,6 +4,8 @@ custom ops, nn.Linear, and the sm_90 SASS."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -255,3 +257,102 @@ def test_the_three_matmuls_compile_for_hopper_to_wgmma_without_spills():
                                                "gated bwd dwg", "gated bwd dwu"]
     for row in rows:
         assert row["hgmma"] > 0 and row["hmma"] == 0 and not row["spills"] and 128 in row["stores"], row
+
+
+# ---------------------------------------------------------------- tuning
+
+
+def fake_ms(config):
+    """A fake timing under which 64 x 64 tiles, 3 stages and 8 warps are fastest, and the default
+    (the interpreter's small tile, a candidate too) slowest."""
+    from tritonkit.ops.linear_kernels import INTERPRETER_CONFIG
+
+    return (config["BLOCK_N"] / 1000 + config["num_stages"] / 10**4 - config["num_warps"] / 10**5
+            + config["BLOCK_M"] / 10**6 + (config == INTERPRETER_CONFIG))
+
+
+@pytest.fixture
+def tuned(monkeypatch, tmp_path):
+    """Tuning as on a GPU, with a fresh tuner, a private cache and a fake timer; records launches."""
+    from tritonkit import tuning
+    from tritonkit.ops import linear_kernels as lk
+
+    monkeypatch.setattr(tuning, "_single_config", lambda: False)
+    monkeypatch.setenv("TRITONKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(lk, "_chosen", {})
+    tuner = lk._TUNER
+    monkeypatch.setattr(lk, "_TUNER", tuning.Tuner(tuner.name, tuner.configs, sources=tuner.sources,
+                                                   default=tuner.default, prune=tuner.prune))
+    monkeypatch.setattr(lk, "_time_ms", lambda run, config: fake_ms(config))
+    launched = []
+
+    def recording(grid, *args, _launcher=lk._launcher, **meta):
+        launched.append(meta)
+        _launcher(grid, *args, **meta)
+
+    monkeypatch.setattr(lk, "_launcher", recording)
+    return tmp_path / tuning.SUBDIR, launched
+
+
+def test_each_matmul_launches_its_fastest_admitted_tile(tuned, device):
+    """A training step tunes the forward, dx and dW (with db) each through the gate, launches each
+    winner, and a second step tunes nothing."""
+    cache, launched = tuned
+    x, w, b, _, dy = _inputs((17,), F16, device, seed=30)
+    _check(x, w, b, None, dy, "gelu_tanh")
+    entries = [json.loads(path.read_text()) for path in cache.iterdir()]
+    forms = sorted((e["key"]["prologue"], e["key"]["a"], e["key"]["b"]) for e in entries)
+    # forward: x and W as they are; dx: dy and W^T; dW: dy^T and x^T
+    assert forms == [(False, "k-major", "k-major"), (True, "k-major", "n-major"),
+                     (True, "m-major", "n-major")]
+    for entry in entries:
+        admitted = [json.loads(c) for c, ms in entry["ms"].items() if ms is not None]
+        assert len(admitted) >= 4 and not entry["rejected"], entry
+        assert entry["config"] == min(admitted, key=fake_ms) and entry["config"]["BLOCK_N"] == 64
+    winners = [meta for meta in launched if meta["BLOCK_N"] == 64 and meta["num_stages"] == 3]
+    assert len(winners) >= 3  # the kernel's own launches ran the winners
+    launched.clear()
+    _check(x, w, b, None, dy, "gelu_tanh")
+    assert len(launched) == 3  # no candidate ran again: forward, dx, dW
+
+
+@pytest.mark.parametrize("corrupt", ["output", "row sums"])
+def test_gate_rejects_a_wrong_result(corrupt, monkeypatch, device):
+    """dW's launch with db's row sums: 1% off in either output fails the gate; exact passes."""
+    from tritonkit.ops import linear_kernels as lk
+
+    x, w, _, _, dy = _inputs((17,), F16, device, seed=31)
+    z = random_tensor(dy.shape, F16, device, generator=generator(32))
+    row_sum = torch.empty(N, dtype=torch.float32, device=device)
+    operands = {"z": z.t(), "grad_activation": ACTIVATIONS["silu"], "row_sum": row_sum}
+    config = dict(lk.INTERPRETER_CONFIG)
+    assert lk._admit(dy.t(), x.t(), operands, config).passed
+    launcher = lk._launcher
+
+    def off_by_a_percent(grid, *args, **meta):
+        launcher(grid, *args, **meta)
+        (args[3] if corrupt == "output" else args[10]).mul_(1.01)  # C, or the row sums
+
+    monkeypatch.setattr(lk, "_launcher", off_by_a_percent)
+    assert not lk._admit(dy.t(), x.t(), operands, config).passed
+
+
+# ---------------------------------------------------------------- on the H200
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["gelu_tanh", "silu", None], ids=str)
+def test_gpu_default_tiles_match_the_reference(activation, device):
+    """Tensor-core tiles (the interpreter multiplies in fp32) at ragged sizes past several tiles
+    each way and a deep K, bf16, every gradient; on the default tiles (tuning here would gate and
+    time every candidate at each key)."""
+    from tritonkit import tuning
+
+    g = generator(40)
+    x = random_tensor((1000, 1537), BF16, device, generator=g)
+    w, w_up = (random_tensor((3001, 1537), BF16, device, generator=g) for _ in range(2))
+    b = random_tensor((3001,), BF16, device, generator=g)
+    r, dy = (random_tensor((1000, 3001), BF16, device, generator=g) for _ in range(2))
+    with tuning.disabled():
+        _check(x, w, b, r, dy, activation)
+        _check_gated(x, w, w_up, dy, activation or "silu")

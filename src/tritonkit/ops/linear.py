@@ -13,6 +13,8 @@ summed in the same prologue of the dW matmul, by the programs of its first colum
 
 One kernel serves all three products: C = epilogue(prologue(A) B^T) with A (M, K) and B (N, K)
 of any strides. dx takes A = dy (M, N) and B = W^T (a (K, N) view); dW takes A = dy^T and B = x^T.
+The kernel, its launcher and its tuning are in ``linear_kernels.py``; this file holds the maths,
+the API, the autograd, the references and the costs.
 
 Work. 2 M N K FLOPs a matmul (three in forward plus backward); bytes s (M K + N K + M N) plus the
 epilogue's operands (b, the residual, z). At M, N, K in the thousands that is hundreds of FLOPs a
@@ -25,218 +27,22 @@ import math
 
 import torch
 
-from tritonkit._runtime import check_device, empty_output, interpret
-
-interpret()  # choose GPU or interpreter before triton is imported and any kernel is defined
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from tritonkit._launch import Launcher, cdiv  # noqa: E402
-from tritonkit.ops.attention_bwd import _dot  # noqa: E402
-from tritonkit.ops.bias_gelu import _gelu, _gelu_grad  # noqa: E402
+from tritonkit._runtime import check_device, empty_output
+from tritonkit.ops.linear_kernels import (
+    _REFERENCE_ACTIVATIONS,
+    ACTIVATIONS,
+    GATED_DG,
+    GATED_DU,
+    GATED_DX,
+    GATED_FWD,
+    NOT_GATED,
+    _default_config,
+    _linear_kernel,
+    _matmul,
+    _matmul_args,
+)
 
 DTYPES = (torch.float16, torch.bfloat16)
-# activation name -> the kernel's ACTIVATION code (constexprs: kernels read globals only as such)
-ACTIVATIONS = {None: 0, "gelu": 1, "gelu_tanh": 2, "silu": 3, "relu": 4, "relu2": 5}
-NONE, GELU, GELU_TANH, SILU, RELU, RELU2 = (tl.constexpr(code) for code in ACTIVATIONS.values())
-# The kernel's GATED forms: gated_linear's forward (two products, C = act(A B^T) * (A B2^T)) and the
-# three products of its backward, whose prologues turn dy, g = x Wg^T and u = x Wu^T into
-#   dg = dy * u * act'(g) and du = dy * act(g):  dx = dg Wg + du Wu,  dWg = dg^T x,  dWu = du^T x.
-NOT_GATED, GATED_FWD, GATED_DX, GATED_DG, GATED_DU = (tl.constexpr(code) for code in range(5))
-
-
-@triton.jit
-def _activate(z, ACTIVATION: tl.constexpr):
-    """act(z) in fp32."""
-    if ACTIVATION == GELU:
-        y = _gelu(z, False)
-    elif ACTIVATION == GELU_TANH:
-        y = _gelu(z, True)
-    elif ACTIVATION == SILU:
-        y = z / (1.0 + tl.exp(-z))
-    elif ACTIVATION == RELU:
-        y = tl.maximum(z, 0.0)
-    elif ACTIVATION == RELU2:
-        y = tl.maximum(z, 0.0) * tl.maximum(z, 0.0)
-    else:
-        y = z
-    return y
-
-
-@triton.jit
-def _activation_grad(z, ACTIVATION: tl.constexpr):
-    """act'(z) in fp32."""
-    if ACTIVATION == GELU:
-        g = _gelu_grad(z, False)
-    elif ACTIVATION == GELU_TANH:
-        g = _gelu_grad(z, True)
-    elif ACTIVATION == SILU:
-        sigmoid = 1.0 / (1.0 + tl.exp(-z))
-        g = sigmoid * (1.0 + z * (1.0 - sigmoid))
-    elif ACTIVATION == RELU:
-        g = tl.where(z > 0.0, 1.0, 0.0)
-    elif ACTIVATION == RELU2:
-        g = 2.0 * tl.maximum(z, 0.0)
-    else:
-        g = tl.full(z.shape, 1.0, tl.float32)
-    return g
-
-
-# The untuned tiles: 128 x 128 outputs at 8 warps and 64-deep steps on the GPU (Triton's own
-# Hopper matmul tutorial's tile); the gated forms, two accumulators or two B tiles a step, take
-# 128 x 64 (sm_90: 128 x 128 spills the gated forward at 254 registers; 128 x 64 takes 125-142,
-# no spills). The interpreter runs each program in numpy, so small tiles keep several programs and
-# k-steps in a test's odd shapes.
-DEFAULT_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8,
-                  "num_stages": 3}
-GATED_DEFAULT_CONFIG = DEFAULT_CONFIG | {"BLOCK_N": 64}
-INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4,
-                      "num_stages": 1}
-
-
-@triton.jit
-def _linear_kernel(
-    a_ptr,  # A, (M, K), strides (stride_am, stride_ak)
-    b_ptr,  # B, (N, K), strides (stride_bn, stride_bk): C = A B^T
-    b2_ptr,  # GATED_FWD, GATED_DX: the second B (Wu or Wu^T), strides (stride_b2n, stride_b2k)
-    c_ptr,  # output, (M, N), contiguous
-    bias_ptr,  # HAS_BIAS: (N,), added to every row
-    residual_ptr,  # HAS_RESIDUAL: (M, N), strides (stride_rm, stride_rn), added after the activation
-    pre_ptr,  # STORE_PRE: the pre-activation out, (M, N), contiguous (gated: g)
-    pre2_ptr,  # STORE_PRE and GATED_FWD: u out, (M, N), contiguous
-    z_ptr,  # GRAD_ACTIVATION: the pre-activation at A's positions, (M, K), strides (stride_zm, stride_zk)
-    z2_ptr,  # GATED_DX, GATED_DG: u at A's positions, strides (stride_zm, stride_zk) as z
-    row_sum_ptr,  # SUM_ROWS: fp32 out, (M,): the sums of A's rows after the prologue
-    M,  # rows of A and C
-    N,  # rows of B: columns of C
-    K,  # the reduced dimension
-    stride_am, stride_ak,  # elements between rows, columns of A
-    stride_bn, stride_bk,  # ... of B
-    stride_b2n, stride_b2k,  # ... of the second B
-    stride_rm, stride_rn,  # ... of the residual
-    stride_zm, stride_zk,  # ... of z
-    ACTIVATION: tl.constexpr,  # epilogue: C = act(A B^T + bias) (+ residual); an ACTIVATIONS code
-    HAS_BIAS: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-    STORE_PRE: tl.constexpr,  # also store A B^T + bias, the pre-activation
-    GRAD_ACTIVATION: tl.constexpr,  # prologue: A's tiles times act'(z) (backward; an ACTIVATIONS code)
-    SUM_ROWS: tl.constexpr,  # the programs of the first column of tiles store A's row sums
-    GATED: tl.constexpr,  # NOT_GATED, or a gated_linear product (GATED_FWD, _DX, _DG, _DU; see above)
-    EXACT_DOT_IN_FP32: tl.constexpr,  # multiply the 16-bit tiles as fp32 (the interpreter's path)
-    BLOCK_M: tl.constexpr,  # rows of C a program computes
-    BLOCK_N: tl.constexpr,  # columns of C a program computes
-    BLOCK_K: tl.constexpr,  # depth of a step
-    GROUP_M: tl.constexpr,  # row tiles a group walks before the next column of tiles (L2 reuse of B)
-):
-    # grouped order: consecutive programs share GROUP_M row tiles of A and one column tile of B
-    pid = tl.program_id(0)
-    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    group_first_m = pid // (GROUP_M * tiles_n) * GROUP_M
-    group_rows = tl.minimum(tiles_m - group_first_m, GROUP_M)
-    in_group = pid % (GROUP_M * tiles_n)
-    pid_m = group_first_m + in_group % group_rows
-    pid_n = in_group // group_rows
-    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # int64: M * K may pass 2^31
-    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    depth = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # GATED_FWD: A B2^T
-    row_sum = tl.zeros([BLOCK_M], tl.float32)
-    for k in range(0, K, BLOCK_K):
-        ks = k + depth
-        a_mask = (rows[:, None] < M) & (ks[None, :] < K)
-        a = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak, mask=a_mask, other=0.0)
-        z_ptrs = rows[:, None] * stride_zm + ks[None, :] * stride_zk
-        b_mask = (ks[:, None] < K) & (cols[None, :] < N)
-        b = tl.load(b_ptr + cols[None, :] * stride_bn + ks[:, None] * stride_bk, mask=b_mask, other=0.0)
-        b2_ptrs = b2_ptr + cols[None, :] * stride_b2n + ks[:, None] * stride_b2k
-        if GATED == NOT_GATED:
-            if GRAD_ACTIVATION != NONE:  # dz = dy * act'(z), rounded to dy's dtype as torch's dz is
-                z = tl.load(z_ptr + z_ptrs, mask=a_mask, other=0.0)
-                dz = a.to(tl.float32) * _activation_grad(z.to(tl.float32), GRAD_ACTIVATION)
-                if SUM_ROWS:
-                    row_sum += tl.sum(dz, axis=1)
-                a = dz.to(a_ptr.dtype.element_ty)
-            elif SUM_ROWS:
-                row_sum += tl.sum(a.to(tl.float32), axis=1)
-            acc += _dot(a, b, EXACT_DOT_IN_FP32)
-        elif GATED == GATED_FWD:
-            b2 = tl.load(b2_ptrs, mask=b_mask, other=0.0)
-            acc += _dot(a, b, EXACT_DOT_IN_FP32)
-            acc2 += _dot(a, b2, EXACT_DOT_IN_FP32)
-        else:  # the backward: A is dy, z is g and z2 is u at A's positions
-            dy = a.to(tl.float32)
-            g = tl.load(z_ptr + z_ptrs, mask=a_mask, other=0.0).to(tl.float32)
-            if GATED == GATED_DU:
-                acc += _dot((dy * _activate(g, GRAD_ACTIVATION)).to(a.dtype), b, EXACT_DOT_IN_FP32)
-            else:
-                u = tl.load(z2_ptr + z_ptrs, mask=a_mask, other=0.0).to(tl.float32)
-                dg = (dy * u * _activation_grad(g, GRAD_ACTIVATION)).to(a.dtype)
-                acc += _dot(dg, b, EXACT_DOT_IN_FP32)
-                if GATED == GATED_DX:
-                    b2 = tl.load(b2_ptrs, mask=b_mask, other=0.0)
-                    acc += _dot((dy * _activate(g, GRAD_ACTIVATION)).to(a.dtype), b2, EXACT_DOT_IN_FP32)
-    if SUM_ROWS:
-        tl.store(row_sum_ptr + rows, row_sum, mask=(rows < M) & (pid_n == 0))
-    mask = (rows[:, None] < M) & (cols[None, :] < N)
-    out = rows[:, None] * N + cols[None, :]  # offsets in C and in the stored pre-activations
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    if STORE_PRE:
-        tl.store(pre_ptr + out, acc.to(pre_ptr.dtype.element_ty), mask=mask)
-        if GATED == GATED_FWD:
-            tl.store(pre2_ptr + out, acc2.to(pre2_ptr.dtype.element_ty), mask=mask)
-    y = _activate(acc, ACTIVATION)
-    if GATED == GATED_FWD:
-        y *= acc2
-    if HAS_RESIDUAL:
-        y += tl.load(residual_ptr + rows[:, None] * stride_rm + cols[None, :] * stride_rn, mask=mask,
-                     other=0.0).to(tl.float32)
-    tl.store(c_ptr + out, y.to(c_ptr.dtype.element_ty), mask=mask)
-
-
-# ---------------------------------------------------------------- launcher
-
-_launcher = Launcher(_linear_kernel)
-
-
-def _default_config(gated: int) -> dict:
-    """The GPU's untuned tile for a kernel form."""
-    return dict(GATED_DEFAULT_CONFIG if gated in (GATED_FWD, GATED_DX) else DEFAULT_CONFIG)
-
-
-def _config(gated: int) -> dict:
-    return dict(INTERPRETER_CONFIG) if interpret() else _default_config(gated)
-
-
-def _matmul(a, b, out, **operands) -> None:
-    """out = act(prologue(a) b^T + bias) + residual, into the contiguous ``out``; see the kernel and
-    ``_matmul_args`` for the operands."""
-    if a.shape[0] and b.shape[0]:
-        grid, args, meta = _matmul_args(a, b, out, **operands)
-        _launcher(grid, *args, **meta)
-
-
-def _matmul_args(a, b, out, *, b2=None, bias=None, residual=None, pre=None, pre2=None, activation=0, z=None,
-                 z2=None, grad_activation=0, row_sum=None, gated=0, config: dict | None = None
-                 ) -> tuple[tuple, tuple, dict]:
-    """(grid, arguments, constexprs and options) of the kernel: a (M, K), b and b2 (N, K), out (M, N),
-    z and z2 (M, K) with the same strides."""
-    (M, K), N = a.shape, b.shape[0]
-    config = config or _config(gated)
-
-    def given(t, stand_in):  # a pointer the kernel never reads stands in for an absent operand
-        return t if t is not None else stand_in
-
-    r, zz, bb = given(residual, out), given(z, a), given(b2, b)
-    args = (a, b, bb, out, given(bias, out), r, given(pre, out), given(pre2, out), zz, given(z2, zz),
-            given(row_sum, out), M, N, K, *a.stride(), *b.stride(), *bb.stride(), *r.stride(), *zz.stride())
-    meta = {"ACTIVATION": activation, "HAS_BIAS": bias is not None, "HAS_RESIDUAL": residual is not None,
-            "STORE_PRE": pre is not None, "GRAD_ACTIVATION": grad_activation, "SUM_ROWS": row_sum is not None,
-            "GATED": gated, "EXACT_DOT_IN_FP32": interpret(), **config}
-    # K = 0: the loop takes no step and the epilogue still runs
-    return (cdiv(M, config["BLOCK_M"]) * cdiv(N, config["BLOCK_N"]),), args, meta
 
 
 def _validate(input, weight, bias, activation, residual) -> None:
@@ -514,15 +320,6 @@ def gated_linear(input: torch.Tensor, weight_gate: torch.Tensor, weight_up: torc
 
 # ---------------------------------------------------------------- reference and cost
 
-_REFERENCE_ACTIVATIONS = {
-    None: lambda z: z,
-    "gelu": torch.nn.functional.gelu,
-    "gelu_tanh": lambda z: torch.nn.functional.gelu(z, approximate="tanh"),
-    "silu": torch.nn.functional.silu,
-    "relu": torch.nn.functional.relu,
-    "relu2": lambda z: torch.nn.functional.relu(z).square(),
-}
-
 
 def linear_reference(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      activation: str | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -560,7 +357,6 @@ def gated_linear_cost(shape: tuple, dtype: torch.dtype, mode: str = "fwd"):
     fwd = Cost(4 * m * n * k, size * (m * k + 2 * n * k + m * n))
     bwd = Cost(8 * m * n * k, size * (3 * m * n + 2 * m * k + 4 * n * k))
     return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]
-
 
 
 def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None = None,

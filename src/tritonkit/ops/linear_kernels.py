@@ -1,0 +1,408 @@
+"""The linear family's Triton kernel: C = epilogue(prologue(A) B^T), the forward and backward
+matmuls of ``linear`` and ``gated_linear`` (``tritonkit.ops.linear`` holds the maths, the API and
+the autograd), with its launcher, its tuning and the tuning's accuracy gate."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from tritonkit import tuning
+from tritonkit._runtime import interpret
+
+interpret()  # choose GPU or interpreter before triton is imported and any kernel is defined
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from tritonkit._launch import Launcher, cdiv, precompile  # noqa: E402
+from tritonkit.ops.attention_bwd import _dot  # noqa: E402
+from tritonkit.ops.bias_gelu import _gelu, _gelu_grad  # noqa: E402
+
+# activation name -> the kernel's ACTIVATION code (constexprs: kernels read globals only as such)
+ACTIVATIONS = {None: 0, "gelu": 1, "gelu_tanh": 2, "silu": 3, "relu": 4, "relu2": 5}
+NONE, GELU, GELU_TANH, SILU, RELU, RELU2 = (tl.constexpr(code) for code in ACTIVATIONS.values())
+# The kernel's GATED forms: gated_linear's forward (two products, C = act(A B^T) * (A B2^T)) and the
+# three products of its backward, whose prologues turn dy, g = x Wg^T and u = x Wu^T into
+#   dg = dy * u * act'(g) and du = dy * act(g):  dx = dg Wg + du Wu,  dWg = dg^T x,  dWu = du^T x.
+NOT_GATED, GATED_FWD, GATED_DX, GATED_DG, GATED_DU = (tl.constexpr(code) for code in range(5))
+
+
+@triton.jit
+def _activate(z, ACTIVATION: tl.constexpr):
+    """act(z) in fp32."""
+    if ACTIVATION == GELU:
+        y = _gelu(z, False)
+    elif ACTIVATION == GELU_TANH:
+        y = _gelu(z, True)
+    elif ACTIVATION == SILU:
+        y = z / (1.0 + tl.exp(-z))
+    elif ACTIVATION == RELU:
+        y = tl.maximum(z, 0.0)
+    elif ACTIVATION == RELU2:
+        y = tl.maximum(z, 0.0) * tl.maximum(z, 0.0)
+    else:
+        y = z
+    return y
+
+
+@triton.jit
+def _activation_grad(z, ACTIVATION: tl.constexpr):
+    """act'(z) in fp32."""
+    if ACTIVATION == GELU:
+        g = _gelu_grad(z, False)
+    elif ACTIVATION == GELU_TANH:
+        g = _gelu_grad(z, True)
+    elif ACTIVATION == SILU:
+        sigmoid = 1.0 / (1.0 + tl.exp(-z))
+        g = sigmoid * (1.0 + z * (1.0 - sigmoid))
+    elif ACTIVATION == RELU:
+        g = tl.where(z > 0.0, 1.0, 0.0)
+    elif ACTIVATION == RELU2:
+        g = 2.0 * tl.maximum(z, 0.0)
+    else:
+        g = tl.full(z.shape, 1.0, tl.float32)
+    return g
+
+
+# The untuned tiles: 128 x 128 outputs at 8 warps and 64-deep steps on the GPU (Triton's own
+# Hopper matmul tutorial's tile); the gated forms, two accumulators or two B tiles a step, take
+# 128 x 64 (sm_90: 128 x 128 spills the gated forward at 254 registers; 128 x 64 takes 125-142,
+# no spills). The interpreter runs each program in numpy, so small tiles keep several programs and
+# k-steps in a test's odd shapes.
+DEFAULT_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8,
+                  "num_stages": 3}
+GATED_DEFAULT_CONFIG = DEFAULT_CONFIG | {"BLOCK_N": 64}
+INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4,
+                      "num_stages": 1}
+
+
+@triton.jit
+def _linear_kernel(
+    a_ptr,  # A, (M, K), strides (stride_am, stride_ak)
+    b_ptr,  # B, (N, K), strides (stride_bn, stride_bk): C = A B^T
+    b2_ptr,  # GATED_FWD, GATED_DX: the second B (Wu or Wu^T), strides (stride_b2n, stride_b2k)
+    c_ptr,  # output, (M, N), contiguous
+    bias_ptr,  # HAS_BIAS: (N,), added to every row
+    residual_ptr,  # HAS_RESIDUAL: (M, N), strides (stride_rm, stride_rn), added after the activation
+    pre_ptr,  # STORE_PRE: the pre-activation out, (M, N), contiguous (gated: g)
+    pre2_ptr,  # STORE_PRE and GATED_FWD: u out, (M, N), contiguous
+    z_ptr,  # GRAD_ACTIVATION: the pre-activation at A's positions, (M, K), strides (stride_zm, stride_zk)
+    z2_ptr,  # GATED_DX, GATED_DG: u at A's positions, strides (stride_zm, stride_zk) as z
+    row_sum_ptr,  # SUM_ROWS: fp32 out, (M,): the sums of A's rows after the prologue
+    M,  # rows of A and C
+    N,  # rows of B: columns of C
+    K,  # the reduced dimension
+    stride_am, stride_ak,  # elements between rows, columns of A
+    stride_bn, stride_bk,  # ... of B
+    stride_b2n, stride_b2k,  # ... of the second B
+    stride_rm, stride_rn,  # ... of the residual
+    stride_zm, stride_zk,  # ... of z
+    ACTIVATION: tl.constexpr,  # epilogue: C = act(A B^T + bias) (+ residual); an ACTIVATIONS code
+    HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    STORE_PRE: tl.constexpr,  # also store A B^T + bias, the pre-activation
+    GRAD_ACTIVATION: tl.constexpr,  # prologue: A's tiles times act'(z) (backward; an ACTIVATIONS code)
+    SUM_ROWS: tl.constexpr,  # the programs of the first column of tiles store A's row sums
+    GATED: tl.constexpr,  # NOT_GATED, or a gated_linear product (GATED_FWD, _DX, _DG, _DU; see above)
+    EXACT_DOT_IN_FP32: tl.constexpr,  # multiply the 16-bit tiles as fp32 (the interpreter's path)
+    BLOCK_M: tl.constexpr,  # rows of C a program computes
+    BLOCK_N: tl.constexpr,  # columns of C a program computes
+    BLOCK_K: tl.constexpr,  # depth of a step
+    GROUP_M: tl.constexpr,  # row tiles a group walks before the next column of tiles (L2 reuse of B)
+):
+    # grouped order: consecutive programs share GROUP_M row tiles of A and one column tile of B
+    pid = tl.program_id(0)
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    group_first_m = pid // (GROUP_M * tiles_n) * GROUP_M
+    group_rows = tl.minimum(tiles_m - group_first_m, GROUP_M)
+    in_group = pid % (GROUP_M * tiles_n)
+    pid_m = group_first_m + in_group % group_rows
+    pid_n = in_group // group_rows
+    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # int64: M * K may pass 2^31
+    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    depth = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # GATED_FWD: A B2^T
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    for k in range(0, K, BLOCK_K):
+        ks = k + depth
+        a_mask = (rows[:, None] < M) & (ks[None, :] < K)
+        a = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :] * stride_ak, mask=a_mask, other=0.0)
+        z_ptrs = rows[:, None] * stride_zm + ks[None, :] * stride_zk
+        b_mask = (ks[:, None] < K) & (cols[None, :] < N)
+        b = tl.load(b_ptr + cols[None, :] * stride_bn + ks[:, None] * stride_bk, mask=b_mask, other=0.0)
+        b2_ptrs = b2_ptr + cols[None, :] * stride_b2n + ks[:, None] * stride_b2k
+        if GATED == NOT_GATED:
+            if GRAD_ACTIVATION != NONE:  # dz = dy * act'(z), rounded to dy's dtype as torch's dz is
+                z = tl.load(z_ptr + z_ptrs, mask=a_mask, other=0.0)
+                dz = a.to(tl.float32) * _activation_grad(z.to(tl.float32), GRAD_ACTIVATION)
+                if SUM_ROWS:
+                    row_sum += tl.sum(dz, axis=1)
+                a = dz.to(a_ptr.dtype.element_ty)
+            elif SUM_ROWS:
+                row_sum += tl.sum(a.to(tl.float32), axis=1)
+            acc += _dot(a, b, EXACT_DOT_IN_FP32)
+        elif GATED == GATED_FWD:
+            b2 = tl.load(b2_ptrs, mask=b_mask, other=0.0)
+            acc += _dot(a, b, EXACT_DOT_IN_FP32)
+            acc2 += _dot(a, b2, EXACT_DOT_IN_FP32)
+        else:  # the backward: A is dy, z is g and z2 is u at A's positions
+            dy = a.to(tl.float32)
+            g = tl.load(z_ptr + z_ptrs, mask=a_mask, other=0.0).to(tl.float32)
+            if GATED == GATED_DU:
+                acc += _dot((dy * _activate(g, GRAD_ACTIVATION)).to(a.dtype), b, EXACT_DOT_IN_FP32)
+            else:
+                u = tl.load(z2_ptr + z_ptrs, mask=a_mask, other=0.0).to(tl.float32)
+                dg = (dy * u * _activation_grad(g, GRAD_ACTIVATION)).to(a.dtype)
+                acc += _dot(dg, b, EXACT_DOT_IN_FP32)
+                if GATED == GATED_DX:
+                    b2 = tl.load(b2_ptrs, mask=b_mask, other=0.0)
+                    acc += _dot((dy * _activate(g, GRAD_ACTIVATION)).to(a.dtype), b2, EXACT_DOT_IN_FP32)
+    if SUM_ROWS:
+        tl.store(row_sum_ptr + rows, row_sum, mask=(rows < M) & (pid_n == 0))
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    out = rows[:, None] * N + cols[None, :]  # offsets in C and in the stored pre-activations
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    if STORE_PRE:
+        tl.store(pre_ptr + out, acc.to(pre_ptr.dtype.element_ty), mask=mask)
+        if GATED == GATED_FWD:
+            tl.store(pre2_ptr + out, acc2.to(pre2_ptr.dtype.element_ty), mask=mask)
+    y = _activate(acc, ACTIVATION)
+    if GATED == GATED_FWD:
+        y *= acc2
+    if HAS_RESIDUAL:
+        y += tl.load(residual_ptr + rows[:, None] * stride_rm + cols[None, :] * stride_rn, mask=mask,
+                     other=0.0).to(tl.float32)
+    tl.store(c_ptr + out, y.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------- launcher
+
+_launcher = Launcher(_linear_kernel)
+
+
+def _default_config(gated: int) -> dict:
+    """The GPU's untuned tile for a kernel form."""
+    return dict(GATED_DEFAULT_CONFIG if gated in (GATED_FWD, GATED_DX) else DEFAULT_CONFIG)
+
+
+def _config(gated: int) -> dict:
+    return dict(INTERPRETER_CONFIG) if interpret() else _default_config(gated)
+
+
+def _matmul(a, b, out, **operands) -> None:
+    """out = act(prologue(a) b^T + bias) + residual, into the contiguous ``out``, on the tuned (or
+    default) tile; see the kernel and ``_matmul_args`` for the operands."""
+    if a.shape[0] and b.shape[0]:
+        grid, args, meta = _matmul_args(a, b, out, config=_tuned_config(a, b, out, operands), **operands)
+        _launcher(grid, *args, **meta)
+
+
+def _matmul_args(a, b, out, *, b2=None, bias=None, residual=None, pre=None, pre2=None, activation=0, z=None,
+                 z2=None, grad_activation=0, row_sum=None, gated=0, config: dict | None = None
+                 ) -> tuple[tuple, tuple, dict]:
+    """(grid, arguments, constexprs and options) of the kernel: a (M, K), b and b2 (N, K), out (M, N),
+    z and z2 (M, K) with the same strides."""
+    (M, K), N = a.shape, b.shape[0]
+    config = config or _config(gated)
+
+    def given(t, stand_in):  # a pointer the kernel never reads stands in for an absent operand
+        return t if t is not None else stand_in
+
+    r, zz, bb = given(residual, out), given(z, a), given(b2, b)
+    args = (a, b, bb, out, given(bias, out), r, given(pre, out), given(pre2, out), zz, given(z2, zz),
+            given(row_sum, out), M, N, K, *a.stride(), *b.stride(), *bb.stride(), *r.stride(), *zz.stride())
+    meta = {"ACTIVATION": activation, "HAS_BIAS": bias is not None, "HAS_RESIDUAL": residual is not None,
+            "STORE_PRE": pre is not None, "GRAD_ACTIVATION": grad_activation, "SUM_ROWS": row_sum is not None,
+            "GATED": gated, "EXACT_DOT_IN_FP32": interpret(), **config}
+    # K = 0: the loop takes no step and the epilogue still runs
+    return (cdiv(M, config["BLOCK_M"]) * cdiv(N, config["BLOCK_N"]),), args, meta
+
+
+# ---------------------------------------------------------------- tuning
+
+# Tiles, depths, warps and stages, tuned per kernel form, layout and shape bucket through the
+# accuracy gate; pruned where the accumulators pass MAX_ACC_VALUES fp32 values a thread (sm_90:
+# 128 x 128 at 8 warps, 64 a thread, compiles without spills; the gated forward's two at 128 x 128,
+# 128 a thread, spilled) or the stages pass an SM's shared memory.
+CONFIGS = [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": warps,
+            "num_stages": stages}
+           for bm in (64, 128) for bn in (64, 128, 256) for warps in (4, 8) for stages in (3, 4)]
+MAX_ACC_VALUES = 128
+SHARED_BYTES = 227 * 1024
+FORMS = ("linear", "gated fwd", "gated dx", "gated dwg", "gated dwu")  # by GATED code
+
+
+def _code(value) -> int:
+    """A kernel code (a tl.constexpr or an int) as an int."""
+    return value.value if isinstance(value, tl.constexpr) else int(value)
+
+
+def _default(key: dict) -> dict:
+    if interpret():
+        return dict(INTERPRETER_CONFIG)
+    return _default_config(FORMS.index(key["form"]))
+
+
+def _prune(config: dict, key: dict) -> bool:
+    """True drops the config: too many accumulator values a thread, too much shared memory, or a
+    tile twice the problem's rows or columns (decode-like rows take 64-row tiles)."""
+    accumulators = 2 if key["form"] == "gated fwd" else 1
+    b_tiles = 2 if key["form"] in ("gated fwd", "gated dx") else 1
+    values = accumulators * config["BLOCK_M"] * config["BLOCK_N"] / (32 * config["num_warps"])
+    tile_rows = config["BLOCK_M"] + b_tiles * config["BLOCK_N"]  # of A and B, each BLOCK_K 16-bit values
+    shared = config["num_stages"] * config["BLOCK_K"] * tile_rows * 2
+    return (values > MAX_ACC_VALUES or shared > SHARED_BYTES or config["BLOCK_M"] > max(64, key["m"])
+            or config["BLOCK_N"] > max(64, key["n"]))
+
+
+_TUNER = tuning.Tuner("linear", CONFIGS, default=_default, prune=_prune,
+                      sources=(_linear_kernel, _activate, _activation_grad, _dot, _gelu, _gelu_grad))
+
+
+def _major(t: torch.Tensor, inner: str, outer: str) -> str:
+    return f"{inner}-major" if t.stride(1) == 1 else f"{outer}-major"
+
+
+def _tuning_key(a, b, operands: dict) -> dict:
+    """What the fastest tile depends on: the kernel form, a prologue, an epilogue, the dtype, the
+    layouts of A and B, and (M, N, K), each to the next power of two."""
+    (m, k), n = a.shape, b.shape[0]
+    pow2 = triton.next_power_of_2
+    epilogue = any(operands.get(name) is not None for name in ("bias", "residual", "pre")) or bool(
+        operands.get("activation"))
+    return {"form": FORMS[_code(operands.get("gated", 0))], "prologue": bool(operands.get("grad_activation")),
+            "epilogue": epilogue, "dtype": tuning.DTYPE_NAMES[a.dtype], "m": pow2(m), "n": pow2(n),
+            "k": pow2(max(k, 1)), "a": _major(a, "k", "m"), "b": _major(b, "k", "n")}
+
+
+def _calibration(a, b, operands: dict, config: dict) -> tuple:
+    """Seeded random operands like the call's, small: two tiles and a ragged third each way, three
+    steps and a ragged fourth deep, in the call's layouts; (a, b, out, operands)."""
+    from tritonkit.testing import generator, random_tensor
+
+    m = min(a.shape[0], 2 * config["BLOCK_M"] + 5)
+    n = min(b.shape[0], 2 * config["BLOCK_N"] + 3)
+    k = min(a.shape[1], 3 * config["BLOCK_K"] + 7)
+    g = generator(13)
+
+    def like(t, rows, cols):  # random, with t's layout: rows unit-stride where t's are
+        if t.stride(1) == 1 or t.shape[1] == 1:
+            return random_tensor((rows, cols), t.dtype, t.device, generator=g)
+        return random_tensor((cols, rows), t.dtype, t.device, generator=g).t()
+
+    cal = {"a": like(a, m, k), "b": like(b, n, k)}
+    made = {"b2": lambda t: like(t, n, k), "z": lambda t: like(t, m, k), "z2": lambda t: like(t, m, k),
+            "bias": lambda t: random_tensor((n,), t.dtype, t.device, generator=g),
+            "residual": lambda t: random_tensor((m, n), t.dtype, t.device, generator=g),
+            "pre": lambda t: torch.empty((m, n), dtype=t.dtype, device=t.device),
+            "pre2": lambda t: torch.empty((m, n), dtype=t.dtype, device=t.device),
+            "row_sum": lambda t: torch.empty((m,), dtype=torch.float32, device=t.device)}
+    ops = {name: made[name](t) if isinstance(t, torch.Tensor) else t for name, t in operands.items()}
+    out = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    return cal["a"], cal["b"], out, ops
+
+
+def _matmul_reference(a, b, *, b2=None, bias=None, residual=None, activation=0, z=None, z2=None,
+                      grad_activation=0, row_sum=None, gated=0, pre=None, pre2=None):
+    """What the kernel computes, in plain PyTorch in a's dtype (float64 for the gate's reference)."""
+    act = {code: _REFERENCE_ACTIVATIONS[name] for name, code in ACTIVATIONS.items()}
+    gated, activation, grad_activation = _code(gated), _code(activation), _code(grad_activation)
+
+    def slope(z):  # act'(z), by autograd
+        z = z.detach().requires_grad_()
+        with torch.enable_grad():
+            return torch.autograd.grad(act[grad_activation](z).sum(), z)[0]
+
+    if gated == _code(NOT_GATED):
+        if grad_activation:
+            a = a * slope(z)
+        c = a @ b.t() + (bias if bias is not None else 0)
+        c = act[activation](c)
+        return c + residual if residual is not None else c
+    if gated == _code(GATED_FWD):
+        return act[activation](a @ b.t()) * (a @ b2.t())
+    if gated == _code(GATED_DU):
+        return (a * act[grad_activation](z)) @ b.t()
+    c = (a * z2 * slope(z)) @ b.t()
+    return c + (a * act[grad_activation](z)) @ b2.t() if gated == _code(GATED_DX) else c
+
+
+def _admit(a, b, operands: dict, config: dict):
+    """The oracle on ``config``'s output for a calibration problem like the call (and on the row
+    sums, where the call makes them)."""
+    from tritonkit.testing import compare, worst
+
+    cal_a, cal_b, out, ops = _calibration(a, b, operands, config)
+    grid, args, meta = _matmul_args(cal_a, cal_b, out, config=config, **ops)
+    _launcher(grid, *args, **meta)
+    tensors = {name: t for name, t in ops.items() if isinstance(t, torch.Tensor)}
+    plain = {name: t for name, t in ops.items() if not isinstance(t, torch.Tensor)}
+    exact = _matmul_reference(cal_a.double(), cal_b.double(), **plain,
+                              **{name: t.double() for name, t in tensors.items()})
+    in_dtype = _matmul_reference(cal_a, cal_b, **ops)
+    comparisons = [compare("output", out, in_dtype, exact, a.dtype)]
+    if "row_sum" in tensors:  # db: the prologue's dz summed over the reduced dimension (B = I)
+        z, eye = tensors.get("z"), torch.eye(cal_a.shape[1], dtype=cal_a.dtype, device=cal_a.device)
+        dz_exact = _matmul_reference(cal_a.double(), eye.double(), z=z.double() if z is not None else None,
+                                     **plain)
+        dz_torch = _matmul_reference(cal_a, eye, z=z, **plain)  # dz in the dtype, as torch's db sums it
+        comparisons.append(compare("row sums", tensors["row_sum"], dz_torch.float().sum(1), dz_exact.sum(1),
+                                   torch.float32))
+    return worst(comparisons)
+
+
+MAX_CHOSEN = 4096  # call signatures whose config is kept, so a repeated call skips the tuning key
+_chosen: dict[tuple, dict] = {}
+
+
+def _tuned_config(a, b, out, operands: dict) -> dict:
+    """The tuned (or default) tile for this call's signature."""
+    present = tuple((name, t.stride() if isinstance(t, torch.Tensor) else t) for name, t in operands.items()
+                    if t is not None)
+    signature = (a.shape, a.stride(), b.shape, b.stride(), a.dtype, a.device, present)
+    config = _chosen.get(signature)
+    if config is not None:
+        return config
+    key = _tuning_key(a, b, operands)
+
+    def launch_args(candidate):
+        return _matmul_args(a, b, out, config=candidate, **operands)
+
+    def run(candidate):
+        grid, args, meta = launch_args(candidate)
+        _launcher(grid, *args, **meta)
+
+    def compile_all(candidates):
+        calls = []
+        for candidate in candidates:
+            cal_a, cal_b, cal_out, ops = _calibration(a, b, operands, candidate)
+            calls += [(_launcher, *_matmul_args(cal_a, cal_b, cal_out, config=candidate, **ops)),
+                      (_launcher, *launch_args(candidate))]
+        precompile(calls)
+
+    entry = _TUNER.entry(key, admit=functools.partial(_admit, a, b, operands),
+                         time_ms=functools.partial(_time_ms, run), precompile=compile_all)
+    config = _TUNER.default(key) if entry is None else entry["config"]
+    if entry is not None or interpret():  # final: tuned, cached, or the interpreter's one config
+        tuning.remember(_chosen, signature, config, MAX_CHOSEN)
+    return config
+
+
+def _time_ms(run, config: dict) -> float:
+    """Median ms of ``run(config)``: the real problem with the config."""
+    return tuning.median_ms(lambda: run(config))
+
+
+# the activations as plain PyTorch: the gate's reference here, the op's in linear.py
+_REFERENCE_ACTIVATIONS = {
+    None: lambda z: z,
+    "gelu": torch.nn.functional.gelu,
+    "gelu_tanh": lambda z: torch.nn.functional.gelu(z, approximate="tanh"),
+    "silu": torch.nn.functional.silu,
+    "relu": torch.nn.functional.relu,
+    "relu2": lambda z: torch.nn.functional.relu(z).square(),
+}
