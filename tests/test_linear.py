@@ -94,6 +94,12 @@ def test_empty_dimensions(device):
         y = tritonkit.linear(x0, w0, b, "silu", r)
     expected = linear_reference(x0.float(), w0.float(), b.float(), "silu", r.float())
     torch.testing.assert_close(y, expected.to(BF16))
+    x, w_none, b_none = (random_tensor(shape, BF16, device, generator=g).requires_grad_()
+                         for shape in ((4, K), (0, K), (0,)))
+    with poisoned_outputs():  # no out_features: an empty output, and dx a sum over nothing
+        y = tritonkit.linear(x, w_none, b_none, "gelu")
+        (dx,) = torch.autograd.grad(y, x, torch.empty_like(y))
+    assert y.shape == (4, 0) and torch.equal(dx, torch.zeros_like(dx))
 
 
 def test_without_grad_no_pre_activation_is_kept(device):

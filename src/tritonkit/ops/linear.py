@@ -90,9 +90,9 @@ def _linear_fwd(input, weight, bias, residual, activation: str | None, save_pre:
     keep = save_pre and activation is not None
     pre = empty_output(out_shape, input.dtype, input.device) if keep else input.new_empty(0)
     x = _rows(input)
-    _matmul(x, weight, y.view(-1, weight.shape[0]), bias=bias,
+    _matmul(x, weight, _rows(y), bias=bias,
             residual=_rows(residual) if residual is not None else None,
-            pre=pre.view(-1, weight.shape[0]) if keep else None, activation=ACTIVATIONS[activation])
+            pre=_rows(pre) if keep else None, activation=ACTIVATIONS[activation])
     return y, pre
 
 
@@ -104,7 +104,7 @@ def _linear_bwd(grad_output, input, weight, pre, has_bias: bool, activation: str
     dx = dw = db = None
     if needs[0]:  # dx = dz W: A = dy (M, N), B = W^T, a (K, N) view
         dx = empty_output(input.shape, input.dtype, input.device)
-        _matmul(dy, weight.t(), dx.view(-1, input.shape[-1]), z=z, grad_activation=code)
+        _matmul(dy, weight.t(), _rows(dx), z=z, grad_activation=code)
     if needs[1] or (has_bias and needs[2]):  # dW = dz^T x: A = dy^T (N, M), B = x^T (K, M)
         dw = empty_output(weight.shape, weight.dtype, weight.device)
         row_sum = empty_output((weight.shape[0],), torch.float32, weight.device) if has_bias else None
@@ -223,8 +223,8 @@ def _gated_fwd(input, weight_gate, weight_up, activation: str | None, save_pre: 
     y = empty_output(out_shape, input.dtype, input.device)
     g, u = ((empty_output(out_shape, input.dtype, input.device) for _ in range(2)) if save_pre
             else (input.new_empty(0), input.new_empty(0)))
-    kept = {"pre": g.view(-1, n), "pre2": u.view(-1, n)} if save_pre else {}
-    _matmul(_rows(input), weight_gate, y.view(-1, n), b2=weight_up, activation=ACTIVATIONS[activation],
+    kept = {"pre": _rows(g), "pre2": _rows(u)} if save_pre else {}
+    _matmul(_rows(input), weight_gate, _rows(y), b2=weight_up, activation=ACTIVATIONS[activation],
             gated=GATED_FWD, **kept)
     return y, g, u
 
@@ -237,7 +237,7 @@ def _gated_bwd(grad_output, input, weight_gate, weight_up, g, u, activation: str
     dx = dwg = dwu = None
     if needs[0]:  # dx = dg Wg + du Wu: both products into one accumulator
         dx = empty_output(input.shape, input.dtype, input.device)
-        _matmul(dy, weight_gate.t(), dx.view(-1, input.shape[-1]), b2=weight_up.t(), z=g, z2=u,
+        _matmul(dy, weight_gate.t(), _rows(dx), b2=weight_up.t(), z=g, z2=u,
                 grad_activation=code, gated=GATED_DX)
     for wanted, weight, form in ((needs[1], weight_gate, GATED_DG), (needs[2], weight_up, GATED_DU)):
         if wanted:  # dW = (dg or du)^T x
