@@ -25,6 +25,7 @@ _PUBLIC = {
     "linear": "tritonkit.ops.linear",
     "gated_linear": "tritonkit.ops.linear",
     "nn": "tritonkit.nn",
+    "distributed": "tritonkit.distributed",
 }
 __all__ = [*_PUBLIC, "__version__"]
 

@@ -1,0 +1,276 @@
+"""Context-parallel (ring) attention over torch.distributed: each rank holds a shard of the sequence.
+
+Maths. Attention over keys split into blocks B_1..B_W merges exactly: with each block's output o_j
+and log-sum-exp lse_j for a query row, lse = log sum_j exp(lse_j) and o = sum_j exp(lse_j - lse) o_j.
+So a rank attends its queries to the key/value block in hand, passes the block on around the ring
+(W - 1 hops) and merges the partial results as they come. The backward is FlashAttention-2's per
+block, with the merged o and lse: P = exp(S - lse) and delta = rowsum(dO * O) are the full row's,
+so each block's dq, dk and dv are exactly its share. dq stays on its rank; dk and dv travel with
+their block and reach its owner after one more hop.
+
+Causal sharding is load-balanced: the sequence is cut into 2W chunks and rank i holds chunks i and
+2W - 1 - i, so every rank has one early and one late chunk and the same work. Query chunk a sees
+key chunk b whole if b < a, causally (its diagonal) if b == a, not at all if b > a.
+
+Work per rank and step: the attention FLOPs of its queries against one block (half of them skipped
+or causal when causal), and one block of K and V sent and received (2 B Hkv S_local D elements),
+which the send and receive of the next block overlap with the attention of the one in hand.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tritonkit._runtime import interpret
+
+interpret()  # choose GPU or interpreter before triton is imported and any kernel is defined
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from tritonkit._launch import Launcher, cdiv  # noqa: E402
+from tritonkit.ops.attention import _scale, _validate  # noqa: E402
+from tritonkit.ops.attention_bwd import Scores, attention_bwd  # noqa: E402
+from tritonkit.ops.attention_fwd import _attention_fwd  # noqa: E402
+
+MERGE_ROWS = 16  # query rows a merge program takes
+
+
+@triton.jit
+def _merge_kernel(
+    o_ptr,  # fp32 running output, (rows, D), contiguous: updated in place
+    lse_ptr,  # fp32 running log-sum-exp, (rows,): updated in place
+    part_ptr,  # a block's output, (rows, D), contiguous, in the inputs' dtype
+    part_lse_ptr,  # its fp32 log-sum-exp, (rows,); -inf where the row saw no key of the block
+    ROWS,  # rows of all heads and batches
+    D,  # head dim
+    BLOCK_R: tl.constexpr,  # rows a program merges
+    BLOCK_D: tl.constexpr,  # power of two >= D
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_D)
+    row_mask = rows < ROWS
+    mask = row_mask[:, None] & (cols[None, :] < D)
+    lse_a = tl.load(lse_ptr + rows, mask=row_mask, other=-float("inf"))
+    lse_b = tl.load(part_lse_ptr + rows, mask=row_mask, other=-float("inf"))
+    top = tl.maximum(lse_a, lse_b)
+    top = tl.where(top == -float("inf"), 0.0, top)  # neither saw a key: the weights are exp(-inf) = 0
+    weight_a, weight_b = tl.exp(lse_a - top), tl.exp(lse_b - top)
+    total = weight_a + weight_b
+    seen = total > 0.0
+    o_a = tl.load(o_ptr + rows[:, None] * D + cols[None, :], mask=mask, other=0.0)
+    o_b = tl.load(part_ptr + rows[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    o = (weight_a[:, None] * o_a + weight_b[:, None] * o_b) / tl.where(seen, total, 1.0)[:, None]
+    tl.store(o_ptr + rows[:, None] * D + cols[None, :], o, mask=mask)
+    tl.store(lse_ptr + rows, tl.where(seen, top + tl.log(tl.where(seen, total, 1.0)), -float("inf")),
+             mask=row_mask)
+
+
+_merge_launcher = Launcher(_merge_kernel)
+
+
+def _merge(o: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor) -> None:
+    """Fold a block's (output, lse) into the running fp32 (o, lse), in place."""
+    rows, head_dim = lse.numel(), o.shape[-1]
+    if rows:
+        _merge_launcher((cdiv(rows, MERGE_ROWS),), o, lse, part.contiguous(), part_lse.contiguous(), rows,
+                        head_dim, BLOCK_R=MERGE_ROWS, BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4)
+
+
+# ---------------------------------------------------------------- groups, shards and the ring
+
+
+def _group(group):
+    """A process group from None (the default group), a group, or a one-dimensional DeviceMesh."""
+    if group is not None and hasattr(group, "get_group"):
+        if group.ndim != 1:
+            raise ValueError(f"a DeviceMesh for ring attention must be one-dimensional, got {group.ndim} "
+                             f"dimensions: pass mesh[name] for the context-parallel dimension")
+        return group.get_group()
+    return group if group is not None else dist.group.WORLD
+
+
+def _chunks(rank: int, world: int, causal: bool) -> list[int]:
+    """The sequence chunks a rank holds, in order: of 2W chunks causal (load-balanced), else of W."""
+    return [rank, 2 * world - 1 - rank] if causal else [rank]
+
+
+def shard_sequence(x: torch.Tensor, dim: int, group=None, causal: bool = False) -> torch.Tensor:
+    """This rank's shard of ``x`` along ``dim`` (contiguous): chunk r of W, or with ``causal``
+    chunks r and 2W - 1 - r of 2W, the load-balanced layout ``ring_attention`` expects. The length
+    must be a multiple of W (2W causal): pad the sequence first (and mask the padding) otherwise."""
+    group = _group(group)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    parts = 2 * world if causal else world
+    length = x.shape[dim]
+    if length % parts:
+        raise ValueError(f"the sequence ({length} along dim {dim}) must be a multiple of {parts} to shard "
+                         f"over {world} ranks{' causally' if causal else ''}; pad it to "
+                         f"{-(-length // parts) * parts}")
+    pieces = x.chunk(parts, dim)
+    return torch.cat([pieces[i] for i in _chunks(rank, world, causal)], dim).contiguous()
+
+
+class _AllGather(torch.autograd.Function):
+    """Every rank's ``x`` (equal shapes), on every rank. Backward: a shard's gradient is the sum of
+    what each rank's use of it gave (an all-reduce), this rank's part of it."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        shards = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(shards, x, group=group)
+        return tuple(shards)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        stacked = torch.stack(grads).contiguous()
+        dist.all_reduce(stacked, group=ctx.group)
+        return stacked[dist.get_rank(ctx.group)], None
+
+
+def unshard_sequence(x: torch.Tensor, dim: int, group=None, causal: bool = False) -> torch.Tensor:
+    """The whole sequence from every rank's shard along ``dim`` (the inverse of ``shard_sequence``,
+    gathered on every rank); differentiable."""
+    group = _group(group)
+    world = dist.get_world_size(group)
+    shards = _AllGather.apply(x.contiguous(), group)
+    parts = 2 * world if causal else world
+    ordered = [None] * parts
+    for rank, shard in enumerate(shards):
+        indices = _chunks(rank, world, causal)
+        for index, piece in zip(indices, shard.chunk(len(indices), dim), strict=True):
+            ordered[index] = piece
+    return torch.cat(ordered, dim)
+
+
+def _check_across_ranks(q, k, v, causal: bool, group) -> None:
+    """Validate the shards locally, then agree across ranks: every rank raises the same error, so
+    none waits in a collective for a rank that has already raised."""
+    try:
+        _validate(q, k, v)
+        local_error = ""
+        facts = [*q.shape, k.shape[1], int(causal), q.dtype.itemsize]
+    except (TypeError, ValueError) as error:
+        local_error = f"{type(error).__name__}: {error}"
+        facts = []
+    gathered = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, (local_error, facts), group=group)
+    errors = [f"rank {rank}: {error}" for rank, (error, _) in enumerate(gathered) if error]
+    if errors:
+        raise ValueError("ring_attention: bad input on " + "; ".join(errors))
+    names = ("batch", "query heads", "sequence shard", "head dim", "key/value heads", "causal", "dtype size")
+    for index, name in enumerate(names):
+        values = [f[index] for _, f in gathered]
+        if len(set(values)) > 1:
+            raise ValueError(f"ring_attention: ranks disagree on the {name}: {values} (rank by rank); every "
+                             f"rank must hold an equal shard")
+    if causal and q.shape[2] % 2:
+        raise ValueError(f"ring_attention: a causal shard holds two equal chunks (shard_sequence(..., "
+                         f"causal=True)); its length {q.shape[2]} is odd")
+
+
+class _Ring:
+    """The ring: blocks go to rank + 1 and come from rank - 1 (global ranks of the group)."""
+
+    def __init__(self, group):
+        self.group = group
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.send_to = dist.get_global_rank(group, (self.rank + 1) % self.world)
+        self.recv_from = dist.get_global_rank(group, (self.rank - 1) % self.world)
+
+    def start(self, tensors: list[torch.Tensor]):
+        """Send ``tensors`` on and receive the previous rank's like them; (received, requests)."""
+        received = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, self.send_to, self.group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, t, self.recv_from, self.group) for t in received]
+        return received, dist.batch_isend_irecv(ops)
+
+
+def _pairs(rank: int, owner: int, world: int, causal: bool, chunk: int):
+    """(query chunk's place, query slice, key slice, causal diagonal) of each query chunk and key
+    chunk that meet, for this rank's queries against ``owner``'s block; slices index the shards."""
+    mine, theirs = _chunks(rank, world, causal), _chunks(owner, world, causal)
+    for i, a in enumerate(mine):
+        for j, b in enumerate(theirs):
+            if not causal or b <= a:
+                rows, keys = slice(i * chunk, (i + 1) * chunk), slice(j * chunk, (j + 1) * chunk)
+                yield i, rows, keys, causal and b == a
+
+
+def _ring_forward(q, k, v, scale: float, causal: bool, ring: _Ring):
+    """(o, lse) of this rank's queries against every rank's keys."""
+    places = 2 if causal else 1
+    chunk = q.shape[2] // places
+    shape = (*q.shape[:2], chunk, q.shape[3])
+    o = [torch.zeros(shape, dtype=torch.float32, device=q.device) for _ in range(places)]  # per query chunk
+    lse = [torch.full(shape[:3], -float("inf"), dtype=torch.float32, device=q.device) for _ in range(places)]
+    block, owner = [k, v], ring.rank
+    for step in range(ring.world):
+        incoming, requests = ring.start(block) if step < ring.world - 1 else (None, [])
+        for place, rows, keys, diagonal in _pairs(ring.rank, owner, ring.world, causal, chunk):
+            part, part_lse = _attention_fwd(q[:, :, rows], block[0][:, :, keys], block[1][:, :, keys],
+                                            Scores(scale, diagonal))
+            _merge(o[place], lse[place], part, part_lse)
+        for request in requests:
+            request.wait()
+        block, owner = incoming, (owner - 1) % ring.world
+    return torch.cat(o, 2).to(q.dtype), torch.cat(lse, 2)
+
+
+def _ring_backward(do, q, k, v, o, lse, scale: float, causal: bool, ring: _Ring):
+    """(dq, dk, dv) of this rank's shards: dk and dv go round with their block, then home."""
+    chunk = q.shape[2] // (2 if causal else 1)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    block = [k, v, torch.zeros(k.shape, dtype=torch.float32, device=k.device),
+             torch.zeros(v.shape, dtype=torch.float32, device=v.device)]
+    owner = ring.rank
+    for step in range(ring.world):
+        for _, rows, keys, diagonal in _pairs(ring.rank, owner, ring.world, causal, chunk):
+            piece = [t[:, :, rows].contiguous() for t in (do, q, o)] + [lse[:, :, rows].contiguous()]
+            dq_part, dk_part, dv_part = attention_bwd(piece[0], piece[1], block[0][:, :, keys].contiguous(),
+                                                      block[1][:, :, keys].contiguous(), piece[2], piece[3],
+                                                      None, Scores(scale, diagonal))
+            dq[:, :, rows] += dq_part
+            block[2][:, :, keys] += dk_part
+            block[3][:, :, keys] += dv_part
+        if ring.world > 1:  # on to the next rank; after the last step, the gradients go home
+            travelling = block if step < ring.world - 1 else block[2:]
+            incoming, requests = ring.start(travelling)
+            for request in requests:
+                request.wait()
+            block = incoming if step < ring.world - 1 else [None, None, *incoming]
+            owner = (owner - 1) % ring.world
+    return dq.to(q.dtype), block[2].to(k.dtype), block[3].to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, scale, causal, ring):
+        o, lse = _ring_forward(q, k, v, scale, causal, ring)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.scale, ctx.causal, ctx.ring = scale, causal, ring
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(do.contiguous(), q, k, v, o, lse, ctx.scale, ctx.causal, ctx.ring)
+        return dq, dk, dv, None, None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                   scale: float | None = None, group=None, return_lse: bool = False):
+    """Attention over a sequence sharded across the ranks of ``group`` (a process group, a
+    one-dimensional DeviceMesh, or None for the default group): q, k and v are this rank's shards,
+    (B, H, S_local, D), as ``shard_sequence`` makes them (with ``causal``, its load-balanced
+    layout). GQA as in ``flash_attention``. Returns this rank's output shard (and its lse, (B, Hq,
+    S_local), with ``return_lse``); differentiable in q, k and v. Every rank must call it with equal
+    shards; bad input raises the same ValueError on every rank."""
+    group = _group(group)
+    _check_across_ranks(q, k, v, causal, group)
+    o, lse = _RingAttention.apply(q, k, v, _scale(scale, q.shape[-1]), bool(causal), _Ring(group))
+    return (o, lse) if return_lse else o
+

@@ -1,0 +1,136 @@
+"""ring_attention on 2 and 3 CPU processes (gloo, kernels in the interpreter): output, lse and
+gradients against single-process flash_attention on the whole sequence and the float64 reference,
+causal (load-balanced shards) and full, GQA; sharding round trips and their gradients; bad input
+raising the same error on every rank. Sequence lengths that do not divide into the shards are
+refused with the length to pad to (shard_sequence)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.distributed
+
+TIMEOUT_S = 240  # the whole run of one world; a hang fails the test rather than the suite
+
+
+def _whole(seq, seed):
+    """q (4 heads), k and v (2: GQA) and dO over the whole sequence, the same on every rank."""
+    from tritonkit.testing import generator, random_tensor
+
+    g = generator(seed)
+    shapes = [(1, 4, seq, 16), (1, 2, seq, 16), (1, 2, seq, 16), (1, 4, seq, 16)]
+    return [random_tensor(shape, torch.bfloat16, "cpu", generator=g) for shape in shapes]
+
+
+def _compare_with_one_process(causal: bool, seq: int) -> list[dict]:
+    """Ring output, lse and gradients, gathered, against flash_attention on one process (the
+    oracle's torch term) and the float64 reference."""
+    import tritonkit
+    from tritonkit.distributed import ring_attention, shard_sequence, unshard_sequence
+    from tritonkit.ops.attention import attention_reference
+    from tritonkit.testing import compare, poisoned_outputs
+
+    q, k, v, do = _whole(seq, seed=7 + causal)
+    shards = [shard_sequence(t, 2, causal=causal).requires_grad_() for t in (q, k, v)]
+    with poisoned_outputs():
+        o, lse = ring_attention(*shards, causal=causal, return_lse=True)
+        grads = torch.autograd.grad(o, shards, shard_sequence(do, 2, causal=causal))
+    ring = [unshard_sequence(t, 2, causal=causal) for t in (o, lse, *grads)]
+    single_inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    single_o, single_lse = tritonkit.flash_attention(*single_inputs, causal=causal, return_lse=True)
+    single = [single_o, single_lse, *torch.autograd.grad(single_o, single_inputs, do)]
+    exact_inputs = [t.double().requires_grad_() for t in (q, k, v)]
+    exact_o, exact_lse = attention_reference(*exact_inputs, causal=causal, return_lse=True)
+    exact = [exact_o, exact_lse, *torch.autograd.grad(exact_o, exact_inputs, do.double())]
+    names = ["output", "lse", "dq", "dk", "dv"]
+    dtypes = [torch.bfloat16, torch.float32, torch.bfloat16, torch.bfloat16, torch.bfloat16]
+    comparisons = [compare(*args) for args in zip(names, ring, single, exact, dtypes, strict=True)]
+    return [{"causal": causal, "name": c.name, "passed": c.passed, "text": str(c)} for c in comparisons]
+
+
+def _errors_on_every_rank(rank: int) -> list[str]:
+    """Bad input on one rank or across ranks: each raises on every rank, none hangs."""
+    from tritonkit.distributed import ring_attention, shard_sequence
+
+    q, k, v, _ = _whole(24, seed=3)
+    messages = []
+    with pytest.raises(ValueError, match="must be a multiple of 4") as error:  # 23 over 2 ranks, causal
+        shard_sequence(q[:, :, :23], 2, causal=True)
+    messages.append(str(error.value))
+    shards = [shard_sequence(t, 2) for t in (q, k, v)]
+    longer = [torch.cat([t, t[:, :, :1]], 2) if rank == 1 else t for t in shards]
+    with pytest.raises(ValueError, match="ranks disagree on the sequence shard") as error:
+        ring_attention(*longer)
+    messages.append(str(error.value))
+    heads = [shards[0][:, :3] if rank == 0 else shards[0], *shards[1:]]  # 3 query heads over 2
+    with pytest.raises(ValueError, match="rank 0: ValueError: query heads") as error:
+        ring_attention(*heads)
+    messages.append(str(error.value))
+    return messages
+
+
+def _round_trip(world: int) -> bool:
+    """unshard(shard(x)) is x, causal (load-balanced) and not; its gradient reaches each shard,
+    summed over the ranks that used the gathered whole (each rank here)."""
+    from tritonkit.distributed import shard_sequence, unshard_sequence
+
+    x = torch.arange(4.0 * world * 3).reshape(1, 2, -1, 3)
+    weights = torch.randn(x.shape, generator=torch.Generator().manual_seed(0))
+    ok = True
+    for causal in (True, False):
+        shard = shard_sequence(x, 2, causal=causal).requires_grad_()
+        whole = unshard_sequence(shard, 2, causal=causal)
+        (grad,) = torch.autograd.grad((whole * weights).sum(), shard)
+        expected = world * shard_sequence(weights, 2, causal=causal)
+        ok &= torch.equal(whole, x) and torch.allclose(grad, expected)
+    return bool(ok)
+
+
+def _worker(rank: int, world: int, store: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=TIMEOUT_S // 2))
+    try:
+        seq = 4 * world * 2  # 2W chunks of 4 rows: causal shards hold two, each a ragged interpreter tile
+        results = _compare_with_one_process(True, seq) + _compare_with_one_process(False, seq)
+        results.append({"round trip": _round_trip(world)})
+        if world == 2:
+            results.append({"errors": _errors_on_every_rank(rank)})
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as out:
+            json.dump(results, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(world: int, tmp_path) -> list[list[dict]]:
+    context = mp.start_processes(_worker, args=(world, str(tmp_path / "store"), str(tmp_path)), nprocs=world,
+                                 join=False, start_method="spawn")
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=TIMEOUT_S)
+    while not context.join(timeout=5):
+        if datetime.datetime.now() > deadline:
+            for process in context.processes:
+                process.terminate()
+            pytest.fail(f"ring attention on {world} processes did not finish in {TIMEOUT_S} s")
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(world)]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ring_attention_equals_one_process(world, tmp_path):
+    """Every rank's gathered output, lse and gradients pass the oracle against flash_attention on
+    the whole sequence (causal and full, GQA: 4 query heads over 2)."""
+    for rank, results in enumerate(run := _run(world, tmp_path)):
+        comparisons = [r for r in results if "name" in r]
+        assert len(comparisons) == 10, results
+        failing = [r["text"] for r in comparisons if not r["passed"]]
+        assert not failing, (rank, failing)
+        assert {"round trip": True} in results
+    if world == 2:
+        errors = [results[-1]["errors"] for results in run]
+        assert errors[0][1:] == errors[1][1:]  # the same message on both ranks
