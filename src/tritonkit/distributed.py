@@ -220,29 +220,41 @@ def _ring_forward(q, k, v, scale: float, causal: bool, ring: _Ring):
 
 
 def _ring_backward(do, q, k, v, o, lse, scale: float, causal: bool, ring: _Ring):
-    """(dq, dk, dv) of this rank's shards: dk and dv go round with their block, then home."""
+    """(dq, dk, dv) of this rank's shards. K and V go on as in the forward; each block's dk and dv
+    follow a step behind: a rank adds what it computed for the block in hand to the sums the rank
+    before sent for it, and sends those on while it computes the next block. After the last step
+    the sums go one hop further, home."""
     chunk = q.shape[2] // (2 if causal else 1)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    block = [k, v, torch.zeros(k.shape, dtype=torch.float32, device=k.device),
-             torch.zeros(v.shape, dtype=torch.float32, device=v.device)]
-    owner = ring.rank
+    block, owner, sums = [k, v], ring.rank, None  # sums: (received dk and dv, their requests)
     for step in range(ring.world):
+        more = step < ring.world - 1
+        incoming, requests = ring.start(block) if more else (None, [])
+        dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in block)
         for _, rows, keys, diagonal in _pairs(ring.rank, owner, ring.world, causal, chunk):
             piece = [t[:, :, rows].contiguous() for t in (do, q, o)] + [lse[:, :, rows].contiguous()]
             dq_part, dk_part, dv_part = attention_bwd(piece[0], piece[1], block[0][:, :, keys].contiguous(),
                                                       block[1][:, :, keys].contiguous(), piece[2], piece[3],
                                                       None, Scores(scale, diagonal))
             dq[:, :, rows] += dq_part
-            block[2][:, :, keys] += dk_part
-            block[3][:, :, keys] += dv_part
-        if ring.world > 1:  # on to the next rank; after the last step, the gradients go home
-            travelling = block if step < ring.world - 1 else block[2:]
-            incoming, requests = ring.start(travelling)
-            for request in requests:
+            dk[:, :, keys] += dk_part
+            dv[:, :, keys] += dv_part
+        if sums is not None:  # what the ranks before computed for this block
+            for request in sums[1]:
                 request.wait()
-            block = incoming if step < ring.world - 1 else [None, None, *incoming]
-            owner = (owner - 1) % ring.world
-    return dq.to(q.dtype), block[2].to(k.dtype), block[3].to(v.dtype)
+            dk += sums[0][0]
+            dv += sums[0][1]
+        if ring.world > 1:
+            sums = ring.start([dk, dv])
+        for request in requests:
+            request.wait()
+        if more:
+            block, owner = incoming, (owner - 1) % ring.world
+    if sums is not None:  # this rank's own block, from the rank that saw it last
+        for request in sums[1]:
+            request.wait()
+        dk, dv = sums[0]
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class _RingAttention(torch.autograd.Function):
