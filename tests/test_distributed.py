@@ -105,6 +105,7 @@ def _worker(rank: int, world: int, store: str, out_dir: str) -> None:
             results.append({"errors": _errors_on_every_rank(rank)})
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as out:
             json.dump(results, out)
+        dist.barrier()  # no rank closes its connections while another still reads from them
     finally:
         dist.destroy_process_group()
 

@@ -35,6 +35,7 @@ from tritonkit.ops.attention_bwd import Scores, attention_bwd  # noqa: E402
 from tritonkit.ops.attention_fwd import _attention_fwd  # noqa: E402
 
 MERGE_ROWS = 16  # query rows a merge program takes
+SUMS_TAG = 2  # point-to-point tags: a block's K and V take 0 and 1, its gradient sums 2 and 3
 
 
 @triton.jit
@@ -180,11 +181,14 @@ class _Ring:
         self.send_to = dist.get_global_rank(group, (self.rank + 1) % self.world)
         self.recv_from = dist.get_global_rank(group, (self.rank - 1) % self.world)
 
-    def start(self, tensors: list[torch.Tensor]):
-        """Send ``tensors`` on and receive the previous rank's like them; (received, requests)."""
+    def start(self, tensors: list[torch.Tensor], tag: int = 0):
+        """Send ``tensors`` on and receive the previous rank's like them; (received, requests). Each
+        tensor has its own tag from ``tag`` on: exchanges in flight together (a block and the sums
+        of the one before) never match each other's messages."""
         received = [torch.empty_like(t) for t in tensors]
-        ops = [dist.P2POp(dist.isend, t, self.send_to, self.group) for t in tensors]
-        ops += [dist.P2POp(dist.irecv, t, self.recv_from, self.group) for t in received]
+        ops = [dist.P2POp(dist.isend, t, self.send_to, self.group, tag + i) for i, t in enumerate(tensors)]
+        ops += [dist.P2POp(dist.irecv, t, self.recv_from, self.group, tag + i)
+                for i, t in enumerate(received)]
         return received, dist.batch_isend_irecv(ops)
 
 
@@ -245,7 +249,7 @@ def _ring_backward(do, q, k, v, o, lse, scale: float, causal: bool, ring: _Ring)
             dk += sums[0][0]
             dv += sums[0][1]
         if ring.world > 1:
-            sums = ring.start([dk, dv])
+            sums = ring.start([dk, dv], tag=SUMS_TAG)
         for request in requests:
             request.wait()
         if more:
