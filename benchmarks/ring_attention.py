@@ -1,0 +1,164 @@
+"""Context-parallel attention across the GPUs of one host: tritonkit.distributed.ring_attention against
+torch's experimental context_parallel (cuDNN SDPA inside), and tritonkit's one-GPU attention on the
+whole sequence for the scaling efficiency. B = 1, H = 32, D = 128, bf16; S = 32768 and 65536 causal,
+32768 full.
+
+    PYTHONPATH=src python benchmarks/ring_attention.py OUT.json            # every GPU of the host
+    PYTHONPATH=src python benchmarks/ring_attention.py OUT.json --dry-run  # 2 CPU processes, tiny
+
+Each timing is the median of ITERATIONS calls, each call started on every rank after a barrier and
+timed with CUDA events; a row's time is the slowest rank's. Total TFLOP/s counts 4 B H S^2 D
+forward (half causal) and 2.5 times that backward; the scaling efficiency is the one-GPU time of
+the whole sequence over W times the ring's.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+CASES = [(32768, True), (65536, True), (32768, False)]  # (S, causal)
+DRY_CASES = [(16, True), (16, False)]
+HEADS, HEAD_DIM = 32, 128
+WARMUP, ITERATIONS = 3, 10
+
+
+def _timed(fn, device) -> float:
+    """Median ms of ``fn()`` on this rank, each call after a barrier; the slowest rank's."""
+    import time
+
+    for _ in range(WARMUP):
+        fn()
+    times = []
+    for _ in range(ITERATIONS):
+        dist.barrier()
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            began = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - began) * 1e3)
+    slowest = torch.tensor([statistics.median(times)], device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return slowest.item()
+
+
+def _inputs(seq: int, heads: int, head_dim: int, device):
+    """q, k, v and dO over the whole sequence, the same on every rank."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    return [torch.randn((1, heads, seq, head_dim), generator=g).to(device, torch.bfloat16) for _ in range(4)]
+
+
+def _ring_rows(seq, causal, heads, head_dim, device) -> dict:
+    import tritonkit
+    from tritonkit.distributed import ring_attention, shard_sequence, unshard_sequence
+
+    q, k, v, do = _inputs(seq, heads, head_dim, device)
+    shards = [shard_sequence(t, 2, causal=causal).requires_grad_() for t in (q, k, v)]
+    grad = shard_sequence(do, 2, causal=causal)
+    out = ring_attention(*shards, causal=causal)
+    whole = unshard_sequence(out.detach(), 2, causal=causal)
+    single_inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    single = tritonkit.flash_attention(*single_inputs, causal=causal)
+    error = (whole.float() - single.float()).abs().max().item()
+    fwd = _timed(lambda: ring_attention(*shards, causal=causal), device)
+    bwd = _timed(lambda: torch.autograd.grad(out, shards, grad, retain_graph=True), device)
+    one_fwd = _timed(lambda: tritonkit.flash_attention(*single_inputs, causal=causal), device)
+    one_bwd = _timed(lambda: torch.autograd.grad(single, single_inputs, do, retain_graph=True), device)
+    return {"tritonkit ring": (fwd, bwd), "tritonkit one GPU": (one_fwd, one_bwd),
+            "max_err_vs_one_gpu": error}
+
+
+def _context_parallel_rows(seq, causal, heads, head_dim, device) -> dict:
+    """torch's context_parallel with the cuDNN SDPA backend (its fastest measured; GPUs only)."""
+    if device != "cuda":
+        return {}
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+    q, k, v, do = _inputs(seq, heads, head_dim, device)
+    with context_parallel(mesh, buffers=[q, k, v, do], buffer_seq_dims=[2, 2, 2, 2]):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            def forward():
+                return torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal)
+            out = forward()
+            fwd = _timed(forward, device)
+            bwd = _timed(lambda: torch.autograd.grad(out, leaves, do, retain_graph=True), device)
+    return {"torch context_parallel (cuDNN)": (fwd, bwd)}
+
+
+def _worker(rank: int, world: int, store: str, out_path: str, dry: bool) -> None:
+    device = "cpu" if dry else "cuda"
+    if not dry:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("gloo" if dry else "nccl", init_method=f"file://{store}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=600))
+    heads, head_dim = (4, 16) if dry else (HEADS, HEAD_DIM)
+    rows = []
+    for seq, causal in DRY_CASES if dry else CASES:
+        found = _ring_rows(seq, causal, heads, head_dim, device)
+        found |= _context_parallel_rows(seq, causal, heads, head_dim, device)
+        flops = 4 * heads * seq * seq * head_dim / (2 if causal else 1)
+        one_gpu = found["tritonkit one GPU"]
+        for provider, times in found.items():
+            if provider == "max_err_vs_one_gpu":
+                continue
+            alone = provider.endswith("one GPU")
+            for mode, ms, work in (("fwd", times[0], flops), ("bwd", times[1], 2.5 * flops)):
+                ones = one_gpu[0] if mode == "fwd" else one_gpu[1]
+                rows.append({"provider": provider, "mode": mode, "shape": [1, heads, seq, head_dim],
+                             "causal": causal, "world": 1 if alone else world, "ms": ms,
+                             "tflops_total": work / ms / 1e9,
+                             "scaling_efficiency": None if alone else ones / (world * ms),
+                             "max_err_vs_one_gpu": found["max_err_vs_one_gpu"] if provider == "tritonkit ring"
+                             else None})
+        if rank == 0:
+            print(json.dumps(rows[-6:] if not dry else rows[-4:]), flush=True)
+    if rank == 0:
+        provenance = {"gpu": "cpu" if dry else torch.cuda.get_device_name(), "torch": torch.__version__,
+                      "triton": __import__("triton").__version__, "git_sha": _git_sha(),
+                      "command": "python benchmarks/ring_attention.py " + " ".join(sys.argv[1:])}
+        with open(out_path, "w") as out:
+            json.dump([row | provenance for row in rows], out, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _git_sha() -> str:
+    if os.environ.get("TRITONKIT_GIT_SHA"):
+        return os.environ["TRITONKIT_GIT_SHA"]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+def main() -> None:
+    out_path, dry = sys.argv[1], "--dry-run" in sys.argv[2:]
+    world = 2 if dry else torch.cuda.device_count()
+    if world < 2:
+        raise SystemExit(f"needs two GPUs or more on one host, found {world}")
+    with tempfile.TemporaryDirectory() as scratch:
+        store = os.path.join(scratch, "store")
+        mp.spawn(_worker, args=(world, store, out_path, dry), nprocs=world, join=True)
+
+
+if __name__ == "__main__":
+    main()
