@@ -124,7 +124,7 @@ def _run(world: int, tmp_path) -> list[list[dict]]:
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(world)]
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", [2, 3])
 def test_ring_attention_equals_one_process(world, tmp_path):
     """Every rank's gathered output, lse and gradients pass the oracle against flash_attention on
     the whole sequence (causal and full, GQA: 4 query heads over 2)."""

@@ -130,7 +130,8 @@ for name in json.loads(NAMES):
         for launch in spec.inspect(shape, DTYPES[dtype], None):
             r = compile_launch(launch, "sm_90")
             print(json.dumps({"op": name, "shape": shape, "dtype": dtype, "launch": r.name,
-                              "spills": r.spills, "loads": sorted(r.loads), "stores": sorted(r.stores)}))
+                              "spills": r.spills, "loads": sorted(r.loads), "stores": sorted(r.stores),
+                              "hgmma": r.opcodes["HGMMA"], "hmma": r.opcodes["HMMA"]}))
 """
 
 
@@ -138,7 +139,7 @@ def test_every_default_config_compiles_for_hopper_without_spills_and_with_wide_a
     """Each op's untuned configs at each benchmark shape, compiled for sm_90: no spills, and 128-bit
     global loads and stores (every benchmark shape is contiguous with 16-aligned rows), besides the
     norms' fp32 per-row statistics and the few values their second stage writes, and the matmuls'
-    operands, which cp.async stages."""
+    operands, which cp.async stages; the matmuls' products are wgmma (HGMMA)."""
     names = [name for name in op_names() if get_op(name).inspect is not None]
     assert {"softmax", "log_softmax", "bias_gelu", "layer_norm", "add_rms_norm"} <= set(names)
     lines = sm90.run(f"NAMES = {json.dumps(json.dumps(names))}\n" + _STATIC_CHECKS)
@@ -155,6 +156,7 @@ def test_every_default_config_compiles_for_hopper_without_spills_and_with_wide_a
             # 16-byte vectors; the bias (one 16-bit value a thread's column pair) and db's fp32 row
             # sums are the 32-bit accesses
             assert 128 in row["stores"] and min(row["loads"] + row["stores"]) >= 32, row
+            assert row["hgmma"] > 0 and row["hmma"] == 0, row  # wgmma, not Ampere's mma.sync
         elif get_op(row["op"]).family in PER_ROW_STATISTICS:
             # the row data moves in 16-byte vectors; a row's mean and rstd (lse, delta) are one fp32 each
             assert 128 in row["loads"] and min(row["loads"] + row["stores"]) >= 32, row

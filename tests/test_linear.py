@@ -1,6 +1,7 @@
 """linear and gated_linear: outputs and gradients of every epilogue against the float64 reference,
 shapes the tiles cut (M = 1, 17, 130; K = 33; N = 257), layouts, empty dimensions, errors, the
-custom ops, nn.Linear, and the sm_90 SASS."""
+custom ops, nn.Linear, tuning. The sm_90 SASS of every matmul (HGMMA, no spills) is checked at the
+benchmark shapes with the other ops' in test_inspect.py."""
 
 from __future__ import annotations
 
@@ -236,33 +237,6 @@ def test_gated_linear_opcheck_and_compile(device):
     for a, e in zip(torch.autograd.grad(y, (x, w_gate, w_up), dy),
                     torch.autograd.grad(eager, (x, w_gate, w_up), dy), strict=True):
         assert torch.equal(a, e)
-
-
-_SASS_CHECK = r"""
-import json, torch
-from tritonkit.inspect import compile_launch
-from tritonkit.ops.linear import _inspect_launches
-for launch in _inspect_launches((8192, 4096, 16384), torch.bfloat16):
-    r = compile_launch(launch, "sm_90")
-    print(json.dumps({"launch": r.name, "hgmma": r.opcodes["HGMMA"], "hmma": r.opcodes["HMMA"],
-                      "spills": r.spills, "stores": sorted(r.stores)}))
-"""
-
-
-def test_the_three_matmuls_compile_for_hopper_to_wgmma_without_spills():
-    """linear's forward (bias, gelu_tanh, residual, z stored) and backward (dx, and dW with db
-    summed in its prologue), and gated_linear's forward and three backward products, on their
-    default tiles at the MLP up-projection's shape, for sm_90: wgmma (HGMMA), not Ampere's HMMA; no
-    spills; the output tiles stored in 16-byte vectors."""
-    import json
-
-    import sm90
-
-    rows = [json.loads(line) for line in sm90.run(_SASS_CHECK)]
-    assert [row["launch"] for row in rows] == ["fwd", "bwd dx", "bwd dw", "gated fwd", "gated bwd dx",
-                                               "gated bwd dwg", "gated bwd dwu"]
-    for row in rows:
-        assert row["hgmma"] > 0 and row["hmma"] == 0 and not row["spills"] and 128 in row["stores"], row
 
 
 # ---------------------------------------------------------------- tuning
