@@ -151,10 +151,11 @@ def test_every_default_config_compiles_for_hopper_without_spills_and_with_wide_a
             # the norms' second stage reads (programs, N) fp32 partials and writes N values a call,
             # one or two bytes each after its sum across threads: only its loads need the width
             assert row["loads"] == [128], row
+        elif get_op(row["op"]).family == "linear" and row["launch"].endswith("(elementwise)"):
+            assert row["loads"] == [128] and row["stores"] == [128], row  # dy, z (g, u); dz (dg, du), db
         elif get_op(row["op"]).family == "linear":
             # the matmul's operands are staged by cp.async (LDGSTS, not LDG); the output tile moves in
-            # 16-byte vectors; the bias (one 16-bit value a thread's column pair) and db's fp32 row
-            # sums are the 32-bit accesses
+            # 16-byte vectors; the bias (one 16-bit value a thread's column pair) is the 32-bit access
             assert 128 in row["stores"] and min(row["loads"] + row["stores"]) >= 32, row
             assert row["hgmma"] > 0 and row["hmma"] == 0, row  # wgmma, not Ampere's mma.sync
         elif get_op(row["op"]).family in PER_ROW_STATISTICS:

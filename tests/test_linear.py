@@ -275,46 +275,76 @@ def tuned(monkeypatch, tmp_path):
 
 
 def test_each_matmul_launches_its_fastest_admitted_tile(tuned, device):
-    """A training step tunes the forward, dx and dW (with db) each through the gate, launches each
-    winner, and a second step tunes nothing."""
+    """A training step tunes the forward, dx and dW each through the gate, launches each winner, and
+    a second step tunes nothing."""
     cache, launched = tuned
     x, w, b, _, dy = _inputs((17,), F16, device, seed=30)
     _check(x, w, b, None, dy, "gelu_tanh")
     entries = [json.loads(path.read_text()) for path in cache.iterdir()]
-    forms = sorted((e["key"]["prologue"], e["key"]["a"], e["key"]["b"]) for e in entries)
-    # forward: x and W as they are; dx: dy and W^T; dW: dy^T and x^T
-    assert forms == [(False, "k-major", "k-major"), (True, "k-major", "n-major"),
-                     (True, "m-major", "n-major")]
+    forms = sorted((e["key"]["epilogue"], e["key"]["a"], e["key"]["b"]) for e in entries)
+    # forward: x and W as they are; dx: dz and W^T; dW: dz^T and x^T
+    assert forms == [(False, "k-major", "n-major"), (False, "m-major", "n-major"), (True, "k-major", "k-major")]
     for entry in entries:
         admitted = [json.loads(c) for c, ms in entry["ms"].items() if ms is not None]
         assert len(admitted) >= 4 and not entry["rejected"], entry
         assert entry["config"] == min(admitted, key=fake_ms) and entry["config"]["BLOCK_N"] == 64
-    winners = [meta for meta in launched if meta["BLOCK_N"] == 64 and meta["num_stages"] == 3]
+    matmuls = [meta for meta in launched if "GATED" in meta]
+    winners = [meta for meta in matmuls if meta["BLOCK_N"] == 64 and meta["num_stages"] == 3]
     assert len(winners) >= 3  # the kernel's own launches ran the winners
     launched.clear()
     _check(x, w, b, None, dy, "gelu_tanh")
-    assert len(launched) == 3  # no candidate ran again: forward, dx, dW
+    assert len([meta for meta in launched if "GATED" in meta]) == 3  # no candidate ran again
 
 
-@pytest.mark.parametrize("corrupt", ["output", "row sums"])
-def test_gate_rejects_a_wrong_result(corrupt, monkeypatch, device):
-    """dW's launch with db's row sums: 1% off in either output fails the gate; exact passes."""
+@pytest.mark.parametrize("form", ["linear", "gated dx"])
+def test_gate_rejects_a_wrong_result(form, monkeypatch, device):
+    """A launch 1% off fails the gate; the exact one passes (dW's layouts; gated dx's two products)."""
     from tritonkit.ops import linear_kernels as lk
 
     x, w, _, _, dy = _inputs((17,), F16, device, seed=31)
-    z = random_tensor(dy.shape, F16, device, generator=generator(32))
-    row_sum = torch.empty(N, dtype=torch.float32, device=device)
-    operands = {"z": z.t(), "grad_activation": ACTIVATIONS["silu"], "row_sum": row_sum}
+    if form == "linear":
+        a, b, operands = dy.t(), x.t(), {}
+    else:
+        du = random_tensor(dy.shape, F16, device, generator=generator(32))
+        a, b, operands = dy, w.t(), {"a2": du, "b2": w.t(), "gated": lk.GATED_DX}
     config = dict(lk.INTERPRETER_CONFIG)
-    assert lk._admit(dy.t(), x.t(), operands, config).passed
+    assert lk._admit(a, b, operands, config).passed
     launcher = lk._launcher
 
     def off_by_a_percent(grid, *args, **meta):
         launcher(grid, *args, **meta)
-        (args[3] if corrupt == "output" else args[10]).mul_(1.01)  # C, or the row sums
+        args[4].mul_(1.01)  # C
 
     monkeypatch.setattr(lk, "_launcher", off_by_a_percent)
-    assert not lk._admit(dy.t(), x.t(), operands, config).passed
+    assert not lk._admit(a, b, operands, config).passed
+
+
+def test_activation_backward_pass(device):
+    """The elementwise pass alone: dz = dy * act'(z) rounded to the dtype and db = the column sums of
+    that dz; gated, dg and du; on strided dy, ragged tiles and rows of none."""
+    from tritonkit.ops import linear_kernels as lk
+
+    g = generator(33)
+    dy = random_tensor((130, 257), F16, device, generator=g, noncontiguous=True)
+    z, u = (random_tensor((130, 257), F16, device, generator=g) for _ in range(2))
+    slope = torch.autograd.functional.vjp(lambda t: lk._REFERENCE_ACTIVATIONS["silu"](t), z.double(),
+                                          torch.ones_like(z, dtype=torch.float64))[1]
+    with poisoned_outputs():
+        dz, du, db = lk._activation_backward(dy, z, ACTIVATIONS["silu"], sum_db=True)
+    assert du is None
+    expected = (dy.double() * slope).to(F16)
+    assert (dz.double() - expected.double()).abs().max() <= 1e-3 * expected.double().abs().max()
+    assert torch.allclose(db.double(), dz.double().sum(0), rtol=1e-5, atol=1e-3)
+    with poisoned_outputs():
+        dg, du, none = lk._activation_backward(dy, z, ACTIVATIONS["silu"], u=u)
+    assert none is None
+    torch.testing.assert_close(dg.double(), dy.double() * u.double() * slope, rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(du.double(), dy.double() * lk._REFERENCE_ACTIVATIONS["silu"](z.double()),
+                               rtol=2e-3, atol=2e-3)
+    plain, _, db = lk._activation_backward(dy, None, 0, sum_db=True)  # no activation: dz is dy
+    assert plain is dy and torch.allclose(db.double(), dy.double().sum(0), rtol=1e-5, atol=1e-3)
+    _, _, zeros = lk._activation_backward(dy[:0], None, 0, sum_db=True)
+    assert torch.equal(zeros, torch.zeros(257, dtype=torch.float32, device=device))
 
 
 # ---------------------------------------------------------------- on the H200

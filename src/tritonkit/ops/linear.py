@@ -6,13 +6,15 @@ act is one of gelu (erf), gelu_tanh, silu (z * sigmoid z), relu, relu2 (relu squ
 
 The forward stores z beside y when a gradient is wanted (one more M x N write in the epilogue);
 the backward reads it back. Recomputing z instead would cost a third matmul of 2 M N K FLOPs, 50%
-more backward work, to save M N elements of traffic that a matmul of K >= 64 hides. act' is
-applied where z is read: in the prologue of both backward matmuls, which load dy and z tiles and
-multiply by act'(z) before the tensor cores see them, so dz is never written to memory; db is
-summed in the same prologue of the dW matmul, by the programs of its first column of tiles.
+more backward work, to save M N elements of traffic that a matmul of K >= 64 hides. The backward
+makes dz in one memory-bound pass (read dy and z, write dz, sum db: 3 M N elements) and then runs
+two plain matmuls on it, as torch does. Applying act'(z) in the matmuls' prologues instead, so that
+dz is never written, measured 2.8x (dx) and 7.6x (dW) slower on the H200: the elementwise work on
+the loaded tiles stalled the pipelined loads of every k-step, and each dz entry was recomputed by
+every tile that reads it (docs/perf-notes.md).
 
-One kernel serves all three products: C = epilogue(prologue(A) B^T) with A (M, K) and B (N, K)
-of any strides. dx takes A = dy (M, N) and B = W^T (a (K, N) view); dW takes A = dy^T and B = x^T.
+One kernel serves all the products: C = epilogue(A B^T) with A (M, K) and B (N, K) of any
+strides. dx takes A = dz (M, N) and B = W^T (a (K, N) view); dW takes A = dz^T and B = x^T.
 The kernel, its launcher and its tuning are in ``linear_kernels.py``; this file holds the maths,
 the API, the autograd, the references and the costs.
 
@@ -31,11 +33,12 @@ from tritonkit._runtime import check_device, empty_output
 from tritonkit.ops.linear_kernels import (
     _REFERENCE_ACTIVATIONS,
     ACTIVATIONS,
-    GATED_DG,
-    GATED_DU,
     GATED_DX,
     GATED_FWD,
     NOT_GATED,
+    _activation_backward,
+    _activation_backward_args,
+    _activation_backward_kernel,
     _default_config,
     _linear_kernel,
     _matmul,
@@ -100,20 +103,16 @@ def _linear_bwd(grad_output, input, weight, pre, has_bias: bool, activation: str
     """(dx, dW, db) of y = act(x W^T + b) + r, each None where ``needs`` (x, W, b) says not wanted."""
     code = ACTIVATIONS[activation]
     dy, x = _rows(grad_output), _rows(input)
-    z = _rows(pre) if code else None
-    dx = dw = db = None
-    if needs[0]:  # dx = dz W: A = dy (M, N), B = W^T, a (K, N) view
+    want_db = has_bias and needs[2]
+    dz, _, db = _activation_backward(dy, _rows(pre) if code else None, code, sum_db=want_db)
+    dx = dw = None
+    if needs[0]:  # dx = dz W: A = dz (M, N), B = W^T, a (K, N) view
         dx = empty_output(input.shape, input.dtype, input.device)
-        _matmul(dy, weight.t(), _rows(dx), z=z, grad_activation=code)
-    if needs[1] or (has_bias and needs[2]):  # dW = dz^T x: A = dy^T (N, M), B = x^T (K, M)
+        _matmul(dz, weight.t(), _rows(dx))
+    if needs[1]:  # dW = dz^T x: A = dz^T (N, M), B = x^T (K, M)
         dw = empty_output(weight.shape, weight.dtype, weight.device)
-        row_sum = empty_output((weight.shape[0],), torch.float32, weight.device) if has_bias else None
-        _matmul(dy.t(), x.t(), dw, z=z.t() if z is not None else None, grad_activation=code, row_sum=row_sum)
-        if has_bias and needs[2]:
-            db = row_sum.to(weight.dtype)  # no rows: the kernel's sums over none, zeros
-        if not needs[1]:
-            dw = None
-    return dx, dw, db
+        _matmul(dz.t(), x.t(), dw)
+    return dx, dw, db.to(weight.dtype) if want_db else None
 
 
 # ---------------------------------------------------------------- custom ops and autograd
@@ -230,20 +229,21 @@ def _gated_fwd(input, weight_gate, weight_up, activation: str | None, save_pre: 
 
 
 def _gated_bwd(grad_output, input, weight_gate, weight_up, g, u, activation: str | None, needs: list[bool]):
-    """(dx, dWg, dWu), each None where ``needs`` says not wanted; dg and du are made in the prologues
-    from dy, g and u, never stored."""
-    code = ACTIVATIONS[activation]
-    dy, x, g, u = _rows(grad_output), _rows(input), _rows(g), _rows(u)
+    """(dx, dWg, dWu), each None where ``needs`` says not wanted: dg = dy * u * act'(g) and
+    du = dy * act(g) in one elementwise pass, then dx = dg Wg + du Wu (one kernel, one accumulator),
+    dWg = dg^T x and dWu = du^T x."""
+    dy, x = _rows(grad_output), _rows(input)
+    dg, du, _ = _activation_backward(dy, _rows(g), ACTIVATIONS[activation], u=_rows(u))
     dx = dwg = dwu = None
-    if needs[0]:  # dx = dg Wg + du Wu: both products into one accumulator
+    if needs[0]:
         dx = empty_output(input.shape, input.dtype, input.device)
-        _matmul(dy, weight_gate.t(), _rows(dx), b2=weight_up.t(), z=g, z2=u,
-                grad_activation=code, gated=GATED_DX)
-    for wanted, weight, form in ((needs[1], weight_gate, GATED_DG), (needs[2], weight_up, GATED_DU)):
-        if wanted:  # dW = (dg or du)^T x
-            grad = empty_output(weight.shape, weight.dtype, weight.device)
-            _matmul(dy.t(), x.t(), grad, z=g.t(), z2=u.t(), grad_activation=code, gated=form)
-            dwg, dwu = (grad, dwu) if form == GATED_DG else (dwg, grad)
+        _matmul(dg, weight_gate.t(), _rows(dx), a2=du, b2=weight_up.t(), gated=GATED_DX)
+    if needs[1]:
+        dwg = empty_output(weight_gate.shape, weight_gate.dtype, weight_gate.device)
+        _matmul(dg.t(), x.t(), dwg)
+    if needs[2]:
+        dwu = empty_output(weight_up.shape, weight_up.dtype, weight_up.device)
+        _matmul(du.t(), x.t(), dwu)
     return dx, dwg, dwu
 
 
@@ -361,37 +361,34 @@ def gated_linear_cost(shape: tuple, dtype: torch.dtype, mode: str = "fwd"):
 
 def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None = None,
                       activation: str | None = "gelu_tanh", forms: tuple = ("linear", "gated")) -> list:
-    """The matmuls of a training step at (M, K, N): linear's with bias, ``activation`` and a residual
-    (the forward storing z, dx, and dW with db summed in its prologue; without an activation, a bare
-    matmul, dx and dW), then gated_linear's four; ``forms`` picks which."""
+    """The launches of a training step at (M, K, N): linear's forward with bias, ``activation`` and a
+    residual (storing z), its backward's elementwise pass (dz, db) and plain dx and dW matmuls
+    (without an activation: a bare matmul, dx and dW), then gated_linear's forward, elementwise
+    pass (dg, du) and dx (dW as linear's); ``forms`` picks which. ``config`` tiles the matmuls."""
     from tritonkit.inspect import Launch
 
     m, k, n = shape
     code = ACTIVATIONS[activation]
     x, w = torch.empty((m, k), dtype=dtype, device="meta"), torch.empty((n, k), dtype=dtype, device="meta")
     y, b = torch.empty((m, n), dtype=dtype, device="meta"), torch.empty((n,), dtype=dtype, device="meta")
-    row_sum = torch.empty((n,), dtype=torch.float32, device="meta")
-    if activation is None:  # the bare matmul: no bias, residual or z
-        bare = {"fwd": (x, w, y, {}), "bwd dx": (y, w.t(), x, {}), "bwd dw": (y.t(), x.t(), w, {})}
-    calls = {"fwd": (x, w, y, {"bias": b, "residual": y, "pre": y, "activation": code}),
-             "bwd dx": (y, w.t(), x, {"z": y, "grad_activation": code}),
-             "bwd dw": (y.t(), x.t(), w, {"z": y.t(), "grad_activation": code, "row_sum": row_sum}),
-             "gated fwd": (x, w, y, {"b2": w, "pre": y, "pre2": y, "activation": code, "gated": GATED_FWD}),
-             "gated bwd dx": (y, w.t(), x, {"b2": w.t(), "z": y, "z2": y, "grad_activation": code,
-                                            "gated": GATED_DX}),
-             "gated bwd dwg": (y.t(), x.t(), w, {"z": y.t(), "z2": y.t(), "grad_activation": code,
-                                                 "gated": GATED_DG}),
-             "gated bwd dwu": (y.t(), x.t(), w, {"z": y.t(), "z2": y.t(), "grad_activation": code,
-                                                 "gated": GATED_DU})}
-    if activation is None:
-        calls |= bare
-    calls = {name: call for name, call in calls.items() if ("gated" if name.startswith("gated") else "linear")
-             in forms}
+    fwd = (x, w, y, {"bias": b, "residual": y, "pre": y, "activation": code} if code else {})
+    matmuls = {"linear": {"fwd": fwd, "bwd dx": (y, w.t(), x, {}), "bwd dw": (y.t(), x.t(), w, {})},
+               "gated": {"gated fwd": (x, w, y, {"b2": w, "pre": y, "pre2": y, "activation": code,
+                                                 "gated": GATED_FWD}),
+                         "gated bwd dx": (y, w.t(), x, {"a2": y, "b2": w.t(), "gated": GATED_DX})}}
+    elementwise = {"linear": ("bwd dz (elementwise)", (y, y, None, y if code else None, None, code, True)),
+                   "gated": ("gated bwd dg du (elementwise)", (y, y, y, y, y, code or ACTIVATIONS["silu"], False))}
     launches = []
-    for name, (a, b_, out, operands) in calls.items():
-        form_config = config or _default_config(operands.get("gated", NOT_GATED))
-        _, args, meta = _matmul_args(a, b_, out, config=form_config, **operands)
-        launches.append(Launch(name, _linear_kernel, args, meta, form_config))
+    for form in forms:
+        for name, (a, b_, out, operands) in matmuls[form].items():
+            form_config = config or _default_config(operands.get("gated", NOT_GATED))
+            _, args, meta = _matmul_args(a, b_, out, config=form_config, **operands)
+            launches.append(Launch(name, _linear_kernel, args, meta, form_config))
+        if form == "linear" and not code:
+            continue  # the bare matmul's backward has no elementwise pass (no bias: no db)
+        name, call = elementwise[form]
+        _, args, meta = _activation_backward_args(*call)
+        launches.append(Launch(name, _activation_backward_kernel, args, meta))
     return launches
 
 
