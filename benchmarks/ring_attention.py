@@ -10,6 +10,12 @@ Each timing is the median of ITERATIONS calls, each call started on every rank a
 timed with CUDA events; a row's time is the slowest rank's. Total TFLOP/s counts 4 B H S^2 D
 forward (half causal) and 2.5 times that backward; the scaling efficiency is the one-GPU time of
 the whole sequence over W times the ring's.
+
+Where the ring's time goes, three more rows: the ring with its exchanges left out ("compute
+only": each block received is the one sent, so every attention and merge runs, on wrong data), the
+exchanges with the compute left out ("exchanges only": the same sends and receives, in order), and
+ring_attention's input check (one all_gather_object across the ranks). The JSON is rewritten after
+each case, so a run cut short keeps the cases it finished.
 """
 
 from __future__ import annotations
@@ -63,6 +69,51 @@ def _inputs(seq: int, heads: int, head_dim: int, device):
     return [torch.randn((1, heads, seq, head_dim), generator=g).to(device, torch.bfloat16) for _ in range(4)]
 
 
+class _NoExchangeRing:
+    """The ring's interface without its exchanges: each block "received" is the one sent."""
+
+    def __init__(self, ring):
+        self.world, self.rank = ring.world, ring.rank
+
+    def start(self, tensors, tag=0):
+        return list(tensors), []
+
+
+def _exchanges(ring, block, backward: bool) -> None:
+    """The ring's sends and receives alone, in its order: W - 1 hops of K and V; backward, also a
+    hop of fp32 dK and dV sums after each step, the last in the inputs' dtype."""
+    def wait(requests):
+        for request in requests:
+            request.wait()
+
+    sums = [torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in block]
+    for step in range(ring.world):
+        more = step < ring.world - 1
+        incoming, requests = ring.start(block) if more else (None, [])
+        if backward:
+            wait(ring.start(sums if more else block, tag=2)[1])
+        wait(requests)
+        block = incoming if more else block
+
+
+def _diagnostic_rows(shards, grad, causal, device) -> dict:
+    from tritonkit.distributed import _check_across_ranks, _group, _Ring, _RingAttention
+    from tritonkit.ops.attention import _scale
+
+    group = _group(None)
+    ring, scale = _Ring(group), _scale(None, shards[0].shape[-1])
+    local = _NoExchangeRing(ring)
+    out = _RingAttention.apply(*shards, scale, causal, local)[0]
+    fwd = _timed(lambda: _RingAttention.apply(*shards, scale, causal, local), device)
+    bwd = _timed(lambda: torch.autograd.grad(out, shards, grad, retain_graph=True), device)
+    block = [shards[1].detach(), shards[2].detach()]
+    exchange = (_timed(lambda: _exchanges(ring, block, False), device),
+                _timed(lambda: _exchanges(ring, block, True), device))
+    check = _timed(lambda: _check_across_ranks(*shards, causal, group), device)
+    return {"tritonkit ring, compute only": (fwd, bwd), "ring exchanges only": exchange,
+            "ring input check": (check, None)}  # forward only
+
+
 def _ring_rows(seq, causal, heads, head_dim, device) -> dict:
     import tritonkit
     from tritonkit.distributed import ring_attention, shard_sequence, unshard_sequence
@@ -80,7 +131,7 @@ def _ring_rows(seq, causal, heads, head_dim, device) -> dict:
     one_fwd = _timed(lambda: tritonkit.flash_attention(*single_inputs, causal=causal), device)
     one_bwd = _timed(lambda: torch.autograd.grad(single, single_inputs, do, retain_graph=True), device)
     return {"tritonkit ring": (fwd, bwd), "tritonkit one GPU": (one_fwd, one_bwd),
-            "max_err_vs_one_gpu": error}
+            "max_err_vs_one_gpu": error} | _diagnostic_rows(shards, grad, causal, device)
 
 
 def _context_parallel_rows(seq, causal, heads, head_dim, device) -> dict:
@@ -111,32 +162,38 @@ def _worker(rank: int, world: int, store: str, out_path: str, dry: bool) -> None
     dist.init_process_group("gloo" if dry else "nccl", init_method=f"file://{store}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=600))
     heads, head_dim = (4, 16) if dry else (HEADS, HEAD_DIM)
+    import tritonkit.distributed  # noqa: F401  (it chooses GPU or interpreter before triton is imported)
+
     rows = []
+    provenance = {"gpu": "cpu" if dry else torch.cuda.get_device_name(), "torch": torch.__version__,
+                  "triton": __import__("triton").__version__, "git_sha": _git_sha(),
+                  "command": "python benchmarks/ring_attention.py " + " ".join(sys.argv[1:])}
     for seq, causal in DRY_CASES if dry else CASES:
         found = _ring_rows(seq, causal, heads, head_dim, device)
         found |= _context_parallel_rows(seq, causal, heads, head_dim, device)
         flops = 4 * heads * seq * seq * head_dim / (2 if causal else 1)
         one_gpu = found["tritonkit one GPU"]
+        case_rows = []
         for provider, times in found.items():
             if provider == "max_err_vs_one_gpu":
                 continue
             alone = provider.endswith("one GPU")
+            attention = provider not in ("ring exchanges only", "ring input check")
             for mode, ms, work in (("fwd", times[0], flops), ("bwd", times[1], 2.5 * flops)):
+                if ms is None:
+                    continue
                 ones = one_gpu[0] if mode == "fwd" else one_gpu[1]
-                rows.append({"provider": provider, "mode": mode, "shape": [1, heads, seq, head_dim],
-                             "causal": causal, "world": 1 if alone else world, "ms": ms,
-                             "tflops_total": work / ms / 1e9,
-                             "scaling_efficiency": None if alone else ones / (world * ms),
-                             "max_err_vs_one_gpu": found["max_err_vs_one_gpu"] if provider == "tritonkit ring"
-                             else None})
+                case_rows.append({"provider": provider, "mode": mode, "shape": [1, heads, seq, head_dim],
+                                  "causal": causal, "world": 1 if alone else world, "ms": ms,
+                                  "tflops_total": work / ms / 1e9 if attention else None,
+                                  "scaling_efficiency": None if alone or not attention else ones / (world * ms),
+                                  "max_err_vs_one_gpu": found["max_err_vs_one_gpu"]
+                                  if provider == "tritonkit ring" else None})
+        rows += case_rows
         if rank == 0:
-            print(json.dumps(rows[-6:] if not dry else rows[-4:]), flush=True)
-    if rank == 0:
-        provenance = {"gpu": "cpu" if dry else torch.cuda.get_device_name(), "torch": torch.__version__,
-                      "triton": __import__("triton").__version__, "git_sha": _git_sha(),
-                      "command": "python benchmarks/ring_attention.py " + " ".join(sys.argv[1:])}
-        with open(out_path, "w") as out:
-            json.dump([row | provenance for row in rows], out, indent=1)
+            print(json.dumps(case_rows), flush=True)
+            with open(out_path, "w") as out:  # after each case: a run cut short keeps what it finished
+                json.dump([row | provenance for row in rows], out, indent=1)
     dist.barrier()
     dist.destroy_process_group()
 

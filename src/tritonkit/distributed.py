@@ -227,7 +227,8 @@ def _ring_backward(do, q, k, v, o, lse, scale: float, causal: bool, ring: _Ring)
     """(dq, dk, dv) of this rank's shards. K and V go on as in the forward; each block's dk and dv
     follow a step behind: a rank adds what it computed for the block in hand to the sums the rank
     before sent for it, and sends those on while it computes the next block. After the last step
-    the sums go one hop further, home."""
+    the sums go one hop further, home, with no compute left to hide it: that hop carries them
+    rounded to k's and v's dtype, as they would be at home (fp32 sums: twice the bytes of K and V)."""
     chunk = q.shape[2] // (2 if causal else 1)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     block, owner, sums = [k, v], ring.rank, None  # sums: (received dk and dv, their requests)
@@ -248,8 +249,8 @@ def _ring_backward(do, q, k, v, o, lse, scale: float, causal: bool, ring: _Ring)
                 request.wait()
             dk += sums[0][0]
             dv += sums[0][1]
-        if ring.world > 1:
-            sums = ring.start([dk, dv], tag=SUMS_TAG)
+        if ring.world > 1:  # the last hop carries finished sums: in the output dtype, half the bytes
+            sums = ring.start([dk, dv] if more else [dk.to(k.dtype), dv.to(v.dtype)], tag=SUMS_TAG)
         for request in requests:
             request.wait()
         if more:
