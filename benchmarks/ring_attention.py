@@ -135,7 +135,8 @@ def _ring_rows(seq, causal, heads, head_dim, device) -> dict:
 
 
 def _context_parallel_rows(seq, causal, heads, head_dim, device) -> dict:
-    """torch's context_parallel with the cuDNN SDPA backend (its fastest measured; GPUs only)."""
+    """torch's context_parallel with the cuDNN SDPA backend (its fastest measured), and cuDNN on the
+    whole sequence on one GPU (GPUs only)."""
     if device != "cuda":
         return {}
     from torch.distributed.device_mesh import init_device_mesh
@@ -152,7 +153,15 @@ def _context_parallel_rows(seq, causal, heads, head_dim, device) -> dict:
             out = forward()
             fwd = _timed(forward, device)
             bwd = _timed(lambda: torch.autograd.grad(out, leaves, do, retain_graph=True), device)
-    return {"torch context_parallel (cuDNN)": (fwd, bwd)}
+    *whole, whole_do = _inputs(seq, heads, head_dim, device)  # the whole sequence on one GPU
+    whole = [t.requires_grad_() for t in whole]
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        def whole_forward():
+            return torch.nn.functional.scaled_dot_product_attention(*whole, is_causal=causal)
+        whole_out = whole_forward()
+        one_fwd = _timed(whole_forward, device)
+        one_bwd = _timed(lambda: torch.autograd.grad(whole_out, whole, whole_do, retain_graph=True), device)
+    return {"torch context_parallel (cuDNN)": (fwd, bwd), "torch cuDNN one GPU": (one_fwd, one_bwd)}
 
 
 def _worker(rank: int, world: int, store: str, out_path: str, dry: bool) -> None:
@@ -177,16 +186,17 @@ def _worker(rank: int, world: int, store: str, out_path: str, dry: bool) -> None
         for provider, times in found.items():
             if provider == "max_err_vs_one_gpu":
                 continue
-            alone = provider.endswith("one GPU")
+            alone = provider.endswith("one GPU")  # the whole sequence on each rank's GPU
             attention = provider not in ("ring exchanges only", "ring input check")
             for mode, ms, work in (("fwd", times[0], flops), ("bwd", times[1], 2.5 * flops)):
                 if ms is None:
                     continue
                 ones = one_gpu[0] if mode == "fwd" else one_gpu[1]
+                efficiency = ones / (world * ms) if attention and not alone else None
                 case_rows.append({"provider": provider, "mode": mode, "shape": [1, heads, seq, head_dim],
                                   "causal": causal, "world": 1 if alone else world, "ms": ms,
                                   "tflops_total": work / ms / 1e9 if attention else None,
-                                  "scaling_efficiency": None if alone or not attention else ones / (world * ms),
+                                  "scaling_efficiency": efficiency,
                                   "max_err_vs_one_gpu": found["max_err_vs_one_gpu"]
                                   if provider == "tritonkit ring" else None})
         rows += case_rows
