@@ -283,7 +283,8 @@ def test_each_matmul_launches_its_fastest_admitted_tile(tuned, device):
     entries = [json.loads(path.read_text()) for path in cache.iterdir()]
     forms = sorted((e["key"]["epilogue"], e["key"]["a"], e["key"]["b"]) for e in entries)
     # forward: x and W as they are; dx: dz and W^T; dW: dz^T and x^T
-    assert forms == [(False, "k-major", "n-major"), (False, "m-major", "n-major"), (True, "k-major", "k-major")]
+    assert forms == [(False, "k-major", "n-major"), (False, "m-major", "n-major"),
+                     (True, "k-major", "k-major")]
     for entry in entries:
         admitted = [json.loads(c) for c, ms in entry["ms"].items() if ms is not None]
         assert len(admitted) >= 4 and not entry["rejected"], entry

@@ -539,8 +539,8 @@ def test_shipped_configs_describe_the_kernels_as_they_are():
     tuning._shipped.cache_clear()
     assert tuning.stale_shipped() == []
     shipped_tuners = {e["tuner"] for e in tuning._shipped().values()}
-    assert {"softmax_fwd", "softmax_bwd", "norm_bwd", "norm_bwd_looped", "attention_bwd_dkdv",
-            "attention_bwd_dq"} <= shipped_tuners
+    assert {"softmax_fwd", "softmax_bwd", "norm_fwd", "norm_fwd_looped", "norm_bwd", "norm_bwd_looped",
+            "attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq"} <= shipped_tuners
 
 
 def test_stale_shipped_names_each_entry_that_would_be_ignored(tuning_on, cache, shipped, monkeypatch):

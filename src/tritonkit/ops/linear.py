@@ -9,7 +9,7 @@ the backward reads it back. Recomputing z instead would cost a third matmul of 2
 more backward work, to save M N elements of traffic that a matmul of K >= 64 hides. The backward
 makes dz in one memory-bound pass (read dy and z, write dz, sum db: 3 M N elements) and then runs
 two plain matmuls on it, as torch does. Applying act'(z) in the matmuls' prologues instead, so that
-dz is never written, measured 2.8x (dx) and 7.6x (dW) slower on the H200: the elementwise work on
+dz is never written, measured 2.8-3.0x (dx) and 7.6x (dW) slower on the H200: the elementwise work on
 the loaded tiles stalled the pipelined loads of every k-step, and each dz entry was recomputed by
 every tile that reads it (docs/perf-notes.md).
 
@@ -376,8 +376,9 @@ def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None = No
                "gated": {"gated fwd": (x, w, y, {"b2": w, "pre": y, "pre2": y, "activation": code,
                                                  "gated": GATED_FWD}),
                          "gated bwd dx": (y, w.t(), x, {"a2": y, "b2": w.t(), "gated": GATED_DX})}}
+    gate = code or ACTIVATIONS["silu"]
     elementwise = {"linear": ("bwd dz (elementwise)", (y, y, None, y if code else None, None, code, True)),
-                   "gated": ("gated bwd dg du (elementwise)", (y, y, y, y, y, code or ACTIVATIONS["silu"], False))}
+                   "gated": ("gated bwd dg du (elementwise)", (y, y, y, y, y, gate, False))}
     launches = []
     for form in forms:
         for name, (a, b_, out, operands) in matmuls[form].items():

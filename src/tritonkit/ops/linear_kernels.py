@@ -130,7 +130,8 @@ def _linear_kernel(
         b = tl.load(b_ptr + cols[None, :] * stride_bn + ks[:, None] * stride_bk, mask=b_mask, other=0.0)
         acc += _dot(a, b, EXACT_DOT_IN_FP32)
         if GATED != NOT_GATED:
-            b2 = tl.load(b2_ptr + cols[None, :] * stride_b2n + ks[:, None] * stride_b2k, mask=b_mask, other=0.0)
+            b2_ptrs = b2_ptr + cols[None, :] * stride_b2n + ks[:, None] * stride_b2k
+            b2 = tl.load(b2_ptrs, mask=b_mask, other=0.0)
             if GATED == GATED_FWD:
                 acc2 += _dot(a, b2, EXACT_DOT_IN_FP32)
             else:  # GATED_DX
@@ -274,9 +275,10 @@ def _activation_backward_args(dy, z, u, dz, du, activation, sum_db: bool) -> tup
     row_tiles = _row_tiles(max(1, cdiv(m, block_m)))
     row_programs = cdiv(m, block_m * row_tiles)
     db_partial = empty_output((row_programs, n), torch.float32, device) if sum_db else dy
-    absent = dy  # a pointer the kernel never reads or writes
-    args = (dy, z if z is not None else absent, u if u is not None else absent, dz if dz is not None else absent,
-            du if du is not None else absent, db_partial, m, n, *dy.stride())
+    def given(t):  # dy stands in for a pointer the kernel never reads or writes
+        return t if t is not None else dy
+
+    args = (dy, given(z), given(u), given(dz), given(du), db_partial, m, n, *dy.stride())
     meta = {"ACTIVATION": _code(activation), "GATED": u is not None, "STORE_DZ": dz is not None,
             "SUM_DB": sum_db, "BLOCK_M": block_m, "BLOCK_N": block_n, "ROW_TILES": row_tiles,
             "num_warps": NUM_WARPS}
@@ -336,8 +338,9 @@ def _tuning_key(a, b, operands: dict) -> dict:
     pow2 = triton.next_power_of_2
     epilogue = any(operands.get(name) is not None for name in ("bias", "residual", "pre")) or bool(
         operands.get("activation"))
-    return {"form": FORMS[_code(operands.get("gated", 0))], "epilogue": epilogue, "dtype": tuning.DTYPE_NAMES[a.dtype], "m": pow2(m), "n": pow2(n),
-            "k": pow2(max(k, 1)), "a": _major(a, "k", "m"), "b": _major(b, "k", "n")}
+    return {"form": FORMS[_code(operands.get("gated", 0))], "epilogue": epilogue,
+            "dtype": tuning.DTYPE_NAMES[a.dtype], "m": pow2(m), "n": pow2(n), "k": pow2(max(k, 1)),
+            "a": _major(a, "k", "m"), "b": _major(b, "k", "n")}
 
 
 def _calibration(a, b, operands: dict, config: dict) -> tuple:
@@ -386,8 +389,8 @@ def _admit(a, b, operands: dict, config: dict):
     cal_a, cal_b, out, ops = _calibration(a, b, operands, config)
     grid, args, meta = _matmul_args(cal_a, cal_b, out, config=config, **ops)
     _launcher(grid, *args, **meta)
-    exact = _matmul_reference(cal_a.double(), cal_b.double(),
-                              **{name: t.double() if isinstance(t, torch.Tensor) else t for name, t in ops.items()})
+    wide = {name: t.double() if isinstance(t, torch.Tensor) else t for name, t in ops.items()}
+    exact = _matmul_reference(cal_a.double(), cal_b.double(), **wide)
     return compare("output", out, _matmul_reference(cal_a, cal_b, **ops), exact, a.dtype)
 
 
