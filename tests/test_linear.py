@@ -320,6 +320,49 @@ def test_gate_rejects_a_wrong_result(form, monkeypatch, device):
     assert not lk._admit(a, b, operands, config).passed
 
 
+def _forms(x, w, w_up, dy, du, epilogue: dict) -> dict:
+    """(A, B, operands) of each matmul form of a training step: the forward with ``epilogue``, dx
+    (dz W), dW (dz^T x), gated_linear's forward and its dx (dg Wg + du Wu)."""
+    from tritonkit.ops import linear_kernels as lk
+
+    silu = ACTIVATIONS["silu"]
+    return {"fwd": (x, w, epilogue), "dx": (dy, w.t(), {}), "dw": (dy.t(), x.t(), {}),
+            "gated fwd": (x, w, {"b2": w_up, "activation": silu, "gated": lk.GATED_FWD}),
+            "gated dx": (dy, w.t(), {"a2": du, "b2": w_up.t(), "gated": lk.GATED_DX})}
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["", "persistent"])
+@pytest.mark.parametrize("form", ["fwd", "dx", "dw", "gated fwd", "gated dx"])
+def test_tma_tiles_match_the_reference(form, persistent, monkeypatch, device):
+    """The TMA candidates (descriptors over K-contiguous and transposed operands; gated: four) and the
+    persistent grid (two programs walking six or nine tiles in the interpreter) through the gate's oracle,
+    on shapes whose rows are 16-byte aligned and cut ragged tiles; the launch took the TMA path."""
+    from tritonkit.ops import linear_kernels as lk
+
+    g = generator(34)
+    m, k, n = 72, 40, 72  # 3 x 3 tiles of 32, the third ragged; K: 2.5 steps of 16
+    x = random_tensor((m, k), F16, device, generator=g)
+    w, w_up = (random_tensor((n, k), F16, device, generator=g) for _ in range(2))
+    dy, du = (random_tensor((m, n), F16, device, generator=g) for _ in range(2))
+    epilogue = {"bias": random_tensor((n,), F16, device, generator=g), "residual": du,
+                "pre": torch.empty_like(dy), "activation": ACTIVATIONS["gelu_tanh"]}
+    a, b, operands = _forms(x, w, w_up, dy, du, epilogue)[form]
+    launched = []
+    launcher = lk._launcher
+
+    def recording(grid, *args, **meta):
+        launched.append((grid, meta))
+        launcher(grid, *args, **meta)
+
+    monkeypatch.setattr(lk, "_launcher", recording)
+    config = lk.INTERPRETER_CONFIG | {"TMA": True} | ({"PERSISTENT": 1} if persistent else {})
+    assert lk._admit(a, b, operands, config).passed
+    ((grid,), meta), = launched
+    assert meta["TMA"] and meta["PERSISTENT"] == persistent
+    tiles = -(-a.shape[0] // 32) * -(-b.shape[0] // 32)  # the calibration keeps these shapes
+    assert tiles >= 6 and grid == (2 if persistent else tiles)
+
+
 def test_activation_backward_pass(device):
     """The elementwise pass alone: dz = dy * act'(z) rounded to the dtype and db = the column sums of
     that dz; gated, dg and du; on strided dy, ragged tiles and rows of none."""
@@ -348,6 +391,33 @@ def test_activation_backward_pass(device):
     assert torch.equal(zeros, torch.zeros(257, dtype=torch.float32, device=device))
 
 
+_TMA_SASS_CHECK = r"""
+import json, torch
+from tritonkit.inspect import compile_launch
+from tritonkit.ops.linear import _inspect_launches
+tiles = {"tma": (128, {"num_warps": 8, "num_stages": 3, "TMA": True}),
+         "persistent": (256, {"num_warps": 8, "num_stages": 4, "TMA": True, "PERSISTENT": 1})}
+for name, (block_n, tile) in tiles.items():
+    config = {"BLOCK_M": 128, "BLOCK_N": block_n, "BLOCK_K": 64, "GROUP_M": 8} | tile
+    for launch in _inspect_launches((8192, 4096, 16384), torch.bfloat16, config, None, ("linear",)):
+        r = compile_launch(launch, "sm_90")
+        print(json.dumps({"tile": name, "launch": r.name, "hgmma": r.opcodes["HGMMA"],
+                          "tma": r.opcodes["UTMALDG"], "cp_async": r.opcodes["LDGSTS"], "spills": r.spills}))
+"""
+
+
+def test_tma_candidates_compile_for_hopper():
+    """The bare matmul's forward, dx and dW (the three layouts) on a TMA tile and on the persistent
+    TMA tile, compiled for sm_90 at the benchmark shape: A and B loaded by TMA (UTMALDG, no cp.async),
+    wgmma, no spills."""
+    import sm90
+
+    rows = [json.loads(line) for line in sm90.run(_TMA_SASS_CHECK)]
+    assert len(rows) == 6
+    for row in rows:
+        assert row["tma"] > 0 and row["cp_async"] == 0 and row["hgmma"] > 0 and not row["spills"], row
+
+
 # ---------------------------------------------------------------- on the H200
 
 
@@ -367,3 +437,27 @@ def test_gpu_default_tiles_match_the_reference(activation, device):
     with tuning.disabled():
         _check(x, w, b, r, dy, activation)
         _check_gated(x, w, w_up, dy, activation or "silu")
+
+
+TMA_GPU_TILES = {"persistent": {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "PERSISTENT": 1},
+                 "grid": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", list(TMA_GPU_TILES.values()), ids=list(TMA_GPU_TILES))
+@pytest.mark.parametrize("form", ["fwd", "dx", "dw", "gated fwd", "gated dx"])
+def test_gpu_tma_tiles_match_the_reference(form, config, device):
+    """The TMA candidates on the tensor cores, bf16, through the gate's oracle at ragged, aligned
+    sizes (two tiles and 8 more each way, three steps and 8 deep)."""
+    from tritonkit.ops import linear_kernels as lk
+
+    g = generator(41)
+    x = random_tensor((1000, 1536), BF16, device, generator=g)
+    w, w_up = (random_tensor((3008, 1536), BF16, device, generator=g) for _ in range(2))
+    dy, du = (random_tensor((1000, 3008), BF16, device, generator=g) for _ in range(2))
+    epilogue = {"bias": random_tensor((3008,), BF16, device, generator=g), "residual": du,
+                "pre": torch.empty_like(dy), "activation": ACTIVATIONS["gelu_tanh"]}
+    a, b, operands = _forms(x, w, w_up, dy, du, epilogue)[form]
+    tile = {"BLOCK_M": 128, "BLOCK_K": 64, "GROUP_M": 8, "TMA": True} | config
+    assert lk._tma_ready(a) and lk._tma_ready(b)
+    assert lk._admit(a, b, operands, tile).passed

@@ -213,6 +213,14 @@ def _validate_gated(input, weight_gate, weight_up, activation) -> None:
                          f"got {tuple(weight_up.shape)}")
 
 
+def _same_strides(weight_gate, weight_up):
+    """The two weights in one layout (the kernel reads both through one pair of strides): contiguous
+    copies where their strides differ."""
+    if weight_gate.stride() == weight_up.stride():
+        return weight_gate, weight_up
+    return weight_gate.contiguous(), weight_up.contiguous()
+
+
 def _gated_fwd(input, weight_gate, weight_up, activation: str | None, save_pre: bool):
     """(y, g, u): y = act(g) * u with g = input Wg^T and u = input Wu^T; g and u are stored only
     when ``save_pre`` (else empty tensors)."""
@@ -223,6 +231,7 @@ def _gated_fwd(input, weight_gate, weight_up, activation: str | None, save_pre: 
     g, u = ((empty_output(out_shape, input.dtype, input.device) for _ in range(2)) if save_pre
             else (input.new_empty(0), input.new_empty(0)))
     kept = {"pre": _rows(g), "pre2": _rows(u)} if save_pre else {}
+    weight_gate, weight_up = _same_strides(weight_gate, weight_up)
     _matmul(_rows(input), weight_gate, _rows(y), b2=weight_up, activation=ACTIVATIONS[activation],
             gated=GATED_FWD, **kept)
     return y, g, u
@@ -237,7 +246,8 @@ def _gated_bwd(grad_output, input, weight_gate, weight_up, g, u, activation: str
     dx = dwg = dwu = None
     if needs[0]:
         dx = empty_output(input.shape, input.dtype, input.device)
-        _matmul(dg, weight_gate.t(), _rows(dx), a2=du, b2=weight_up.t(), gated=GATED_DX)
+        wg, wu = _same_strides(weight_gate, weight_up)
+        _matmul(dg, wg.t(), _rows(dx), a2=du, b2=wu.t(), gated=GATED_DX)
     if needs[1]:
         dwg = empty_output(weight_gate.shape, weight_gate.dtype, weight_gate.device)
         _matmul(dg.t(), x.t(), dwg)

@@ -17,7 +17,7 @@ interpret()  # choose GPU or interpreter before triton is imported and any kerne
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from tritonkit._launch import Launcher, cdiv, precompile  # noqa: E402
+from tritonkit._launch import Launcher, cdiv, ensure_allocator, precompile  # noqa: E402
 from tritonkit.ops.attention_bwd import _dot  # noqa: E402
 from tritonkit.ops.bias_gelu import NUM_WARPS, _gelu, _gelu_grad, _row_tiles, _tile  # noqa: E402
 
@@ -80,62 +80,53 @@ INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 2,
 
 
 @triton.jit
-def _linear_kernel(
-    a_ptr,  # A, (M, K), strides (stride_am, stride_ak)
-    a2_ptr,  # GATED_DX: the second A (du), strides (stride_am, stride_ak) as A
-    b_ptr,  # B, (N, K), strides (stride_bn, stride_bk): C = A B^T
-    b2_ptr,  # GATED_FWD, GATED_DX: the second B (Wu or Wu^T), strides (stride_b2n, stride_b2k)
-    c_ptr,  # output, (M, N), contiguous
-    bias_ptr,  # HAS_BIAS: (N,), added to every row
-    residual_ptr,  # HAS_RESIDUAL: (M, N), strides (stride_rm, stride_rn), added after the activation
-    pre_ptr,  # STORE_PRE: the pre-activation out, (M, N), contiguous (gated: g)
-    pre2_ptr,  # STORE_PRE and GATED_FWD: u out, (M, N), contiguous
-    M,  # rows of A and C
-    N,  # rows of B: columns of C
-    K,  # the reduced dimension
-    stride_am, stride_ak,  # elements between rows, columns of A
-    stride_bn, stride_bk,  # ... of B
-    stride_b2n, stride_b2k,  # ... of the second B
-    stride_rm, stride_rn,  # ... of the residual
-    ACTIVATION: tl.constexpr,  # epilogue: C = act(A B^T + bias) (+ residual); an ACTIVATIONS code
-    HAS_BIAS: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-    STORE_PRE: tl.constexpr,  # also store A B^T + bias, the pre-activation
-    GATED: tl.constexpr,  # NOT_GATED, or a gated_linear product (GATED_FWD, GATED_DX; see above)
-    EXACT_DOT_IN_FP32: tl.constexpr,  # multiply the 16-bit tiles as fp32 (the interpreter's path)
-    BLOCK_M: tl.constexpr,  # rows of C a program computes
-    BLOCK_N: tl.constexpr,  # columns of C a program computes
-    BLOCK_K: tl.constexpr,  # depth of a step
-    GROUP_M: tl.constexpr,  # row tiles a group walks before the next column of tiles (L2 reuse of B)
-):
-    # grouped order: consecutive programs share GROUP_M row tiles of A and one column tile of B
-    pid = tl.program_id(0)
-    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    group_first_m = pid // (GROUP_M * tiles_n) * GROUP_M
+def _tile_position(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of C's tile-th tile in grouped order: consecutive tiles share GROUP_M
+    row tiles of A and one column tile of B, which L2 then serves to all of them."""
+    group_first_m = tile // (GROUP_M * tiles_n) * GROUP_M
     group_rows = tl.minimum(tiles_m - group_first_m, GROUP_M)
-    in_group = pid % (GROUP_M * tiles_n)
-    pid_m = group_first_m + in_group % group_rows
-    pid_n = in_group // group_rows
-    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # int64: M * K may pass 2^31
-    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    depth = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # GATED_FWD: A B2^T
-    for k in range(0, K, BLOCK_K):
-        ks = k + depth
-        a_mask = (rows[:, None] < M) & (ks[None, :] < K)
-        a_ptrs = rows[:, None] * stride_am + ks[None, :] * stride_ak
-        a = tl.load(a_ptr + a_ptrs, mask=a_mask, other=0.0)
-        b_mask = (ks[:, None] < K) & (cols[None, :] < N)
-        b = tl.load(b_ptr + cols[None, :] * stride_bn + ks[:, None] * stride_bk, mask=b_mask, other=0.0)
-        acc += _dot(a, b, EXACT_DOT_IN_FP32)
-        if GATED != NOT_GATED:
-            b2_ptrs = b2_ptr + cols[None, :] * stride_b2n + ks[:, None] * stride_b2k
-            b2 = tl.load(b2_ptrs, mask=b_mask, other=0.0)
-            if GATED == GATED_FWD:
-                acc2 += _dot(a, b2, EXACT_DOT_IN_FP32)
-            else:  # GATED_DX
-                acc += _dot(tl.load(a2_ptr + a_ptrs, mask=a_mask, other=0.0), b2, EXACT_DOT_IN_FP32)
+    in_group = tile % (GROUP_M * tiles_n)
+    return group_first_m + in_group % group_rows, in_group // group_rows
+
+
+@triton.jit
+def _descriptor(ptr, rows, K, stride_row, stride_k, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                K_MAJOR: tl.constexpr):
+    """A tensor descriptor (TMA) of an operand (rows, K) over its memory as it lies: boxes of
+    [BLOCK_R, BLOCK_K] over (rows, K) when K is the unit stride, else [BLOCK_K, BLOCK_R] over
+    (K, rows). Boxes past the edges load zeros."""
+    if K_MAJOR:
+        return tl.make_tensor_descriptor(ptr, shape=[rows, K], strides=[stride_row, 1],
+                                         block_shape=[BLOCK_R, BLOCK_K])
+    else:
+        return tl.make_tensor_descriptor(ptr, shape=[K, rows], strides=[stride_k, 1],
+                                         block_shape=[BLOCK_K, BLOCK_R])
+
+
+@triton.jit
+def _rows_by_depth(descriptor, first_row, k, K_MAJOR: tl.constexpr):
+    """The [BLOCK_R, BLOCK_K] box at (first_row, k) of a ``_descriptor``."""
+    if K_MAJOR:
+        return descriptor.load([first_row, k])
+    else:
+        return tl.trans(descriptor.load([k, first_row]))
+
+
+@triton.jit
+def _depth_by_rows(descriptor, first_row, k, K_MAJOR: tl.constexpr):
+    """The [BLOCK_K, BLOCK_R] box at (first_row, k) of a ``_descriptor`` (B's tile as the dot takes it)."""
+    if K_MAJOR:
+        return tl.trans(descriptor.load([first_row, k]))
+    else:
+        return descriptor.load([k, first_row])
+
+
+@triton.jit
+def _epilogue(acc, acc2, rows, cols, c_ptr, bias_ptr, residual_ptr, pre_ptr, pre2_ptr, M, N, stride_rm,
+              stride_rn, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+              STORE_PRE: tl.constexpr, GATED: tl.constexpr):
+    """C's tile from the accumulators: + bias, the pre-activations stored, act, * the second
+    product (GATED_FWD), + residual."""
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     out = rows[:, None] * N + cols[None, :]  # offsets in C and in the stored pre-activations
     if HAS_BIAS:
@@ -151,6 +142,107 @@ def _linear_kernel(
         y += tl.load(residual_ptr + rows[:, None] * stride_rm + cols[None, :] * stride_rn, mask=mask,
                      other=0.0).to(tl.float32)
     tl.store(c_ptr + out, y.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _linear_kernel(
+    a_ptr,  # A, (M, K), strides (stride_am, stride_ak)
+    a2_ptr,  # GATED_DX: the second A (du), strides (stride_am, stride_ak) as A
+    b_ptr,  # B, (N, K), strides (stride_bn, stride_bk): C = A B^T
+    b2_ptr,  # GATED_FWD, GATED_DX: the second B (Wu or Wu^T), strides (stride_bn, stride_bk) as B
+    c_ptr,  # output, (M, N), contiguous
+    bias_ptr,  # HAS_BIAS: (N,), added to every row
+    residual_ptr,  # HAS_RESIDUAL: (M, N), strides (stride_rm, stride_rn), added after the activation
+    pre_ptr,  # STORE_PRE: the pre-activation out, (M, N), contiguous (gated: g)
+    pre2_ptr,  # STORE_PRE and GATED_FWD: u out, (M, N), contiguous
+    M,  # rows of A and C
+    N,  # rows of B: columns of C
+    K,  # the reduced dimension
+    stride_am, stride_ak,  # elements between rows, columns of A
+    stride_bn, stride_bk,  # ... of B
+    stride_rm, stride_rn,  # ... of the residual
+    ACTIVATION: tl.constexpr,  # epilogue: C = act(A B^T + bias) (+ residual); an ACTIVATIONS code
+    HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    STORE_PRE: tl.constexpr,  # also store A B^T + bias, the pre-activation
+    GATED: tl.constexpr,  # NOT_GATED, or a gated_linear product (GATED_FWD, GATED_DX; see above)
+    EXACT_DOT_IN_FP32: tl.constexpr,  # multiply the 16-bit tiles as fp32 (the interpreter's path)
+    TMA: tl.constexpr,  # load A and B through tensor descriptors (unit stride one way, 16-byte aligned)
+    A_K_MAJOR: tl.constexpr,  # TMA: A's unit stride is along K (else along M)
+    B_K_MAJOR: tl.constexpr,  # TMA: B's unit stride is along K (else along N)
+    PERSISTENT: tl.constexpr,  # fewer programs than tiles: pipeline across a program's tiles
+    BLOCK_M: tl.constexpr,  # rows of a tile of C
+    BLOCK_N: tl.constexpr,  # columns of a tile of C
+    BLOCK_K: tl.constexpr,  # depth of a step
+    GROUP_M: tl.constexpr,  # row tiles a group walks before the next column of tiles (L2 reuse of B)
+):
+    # One program a tile of C; or, PERSISTENT, a few programs an SM, each walking tiles from its id
+    # in steps of the grid, so that a tile's epilogue runs while the next tile's loads are in flight.
+    a_source, a2_source, b_source, b2_source = a_ptr, a2_ptr, b_ptr, b2_ptr
+    if TMA:
+        a_source = _descriptor(a_ptr, M, K, stride_am, stride_ak, BLOCK_M, BLOCK_K, A_K_MAJOR)
+        b_source = _descriptor(b_ptr, N, K, stride_bn, stride_bk, BLOCK_N, BLOCK_K, B_K_MAJOR)
+        if GATED == GATED_DX:
+            a2_source = _descriptor(a2_ptr, M, K, stride_am, stride_ak, BLOCK_M, BLOCK_K, A_K_MAJOR)
+        if GATED != NOT_GATED:
+            b2_source = _descriptor(b2_ptr, N, K, stride_bn, stride_bk, BLOCK_N, BLOCK_K, B_K_MAJOR)
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    if PERSISTENT:
+        for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0), flatten=True):
+            _linear_tile(tile, tiles_m, tiles_n, a_source, a2_source, b_source, b2_source, c_ptr, bias_ptr,
+                         residual_ptr, pre_ptr, pre2_ptr, M, N, K, stride_am, stride_ak, stride_bn, stride_bk,
+                         stride_rm, stride_rn, ACTIVATION, HAS_BIAS, HAS_RESIDUAL, STORE_PRE, GATED,
+                         EXACT_DOT_IN_FP32, TMA, A_K_MAJOR, B_K_MAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+    else:
+        _linear_tile(tl.program_id(0), tiles_m, tiles_n, a_source, a2_source, b_source, b2_source, c_ptr,
+                     bias_ptr, residual_ptr, pre_ptr, pre2_ptr, M, N, K, stride_am, stride_ak, stride_bn,
+                     stride_bk, stride_rm, stride_rn, ACTIVATION, HAS_BIAS, HAS_RESIDUAL, STORE_PRE, GATED,
+                     EXACT_DOT_IN_FP32, TMA, A_K_MAJOR, B_K_MAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+
+
+@triton.jit
+def _linear_tile(tile, tiles_m, tiles_n, a_source, a2_source, b_source, b2_source, c_ptr, bias_ptr,
+                 residual_ptr, pre_ptr, pre2_ptr, M, N, K, stride_am, stride_ak, stride_bn, stride_bk,
+                 stride_rm, stride_rn,
+                 ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                 STORE_PRE: tl.constexpr, GATED: tl.constexpr, EXACT_DOT_IN_FP32: tl.constexpr,
+                 TMA: tl.constexpr, A_K_MAJOR: tl.constexpr, B_K_MAJOR: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """C's tile-th tile (grouped order): the k-loop over A and B (pointers, or descriptors with TMA;
+    see the kernel for the operands), then the epilogue."""
+    pid_m, pid_n = _tile_position(tile, tiles_m, tiles_n, GROUP_M)
+    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # int64: M * K may pass 2^31
+    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # GATED_FWD: A B2^T
+    for k in range(0, K, BLOCK_K):
+        if TMA:
+            a = _rows_by_depth(a_source, pid_m * BLOCK_M, k, A_K_MAJOR)
+            b = _depth_by_rows(b_source, pid_n * BLOCK_N, k, B_K_MAJOR)
+        else:
+            ks = k + tl.arange(0, BLOCK_K)
+            a_mask = (rows[:, None] < M) & (ks[None, :] < K)
+            a_ptrs = rows[:, None] * stride_am + ks[None, :] * stride_ak
+            a = tl.load(a_source + a_ptrs, mask=a_mask, other=0.0)
+            b_mask = (ks[:, None] < K) & (cols[None, :] < N)
+            b_ptrs = cols[None, :] * stride_bn + ks[:, None] * stride_bk
+            b = tl.load(b_source + b_ptrs, mask=b_mask, other=0.0)
+        acc += _dot(a, b, EXACT_DOT_IN_FP32)
+        if GATED != NOT_GATED:
+            if TMA:
+                b2 = _depth_by_rows(b2_source, pid_n * BLOCK_N, k, B_K_MAJOR)
+            else:
+                b2 = tl.load(b2_source + b_ptrs, mask=b_mask, other=0.0)
+            if GATED == GATED_FWD:
+                acc2 += _dot(a, b2, EXACT_DOT_IN_FP32)
+            else:  # GATED_DX
+                if TMA:
+                    a2 = _rows_by_depth(a2_source, pid_m * BLOCK_M, k, A_K_MAJOR)
+                else:
+                    a2 = tl.load(a2_source + a_ptrs, mask=a_mask, other=0.0)
+                acc += _dot(a2, b2, EXACT_DOT_IN_FP32)
+    _epilogue(acc, acc2, rows, cols, c_ptr, bias_ptr, residual_ptr, pre_ptr, pre2_ptr, M, N, stride_rm,
+              stride_rn, ACTIVATION, HAS_BIAS, HAS_RESIDUAL, STORE_PRE, GATED)
 
 
 # ---------------------------------------------------------------- launcher
@@ -178,22 +270,48 @@ def _matmul(a, b, out, **operands) -> None:
 def _matmul_args(a, b, out, *, a2=None, b2=None, bias=None, residual=None, pre=None, pre2=None, activation=0,
                  gated=0, config: dict | None = None) -> tuple[tuple, tuple, dict]:
     """(grid, arguments, constexprs and options) of the kernel: a and a2 (M, K) with the same
-    strides, b and b2 (N, K), out (M, N)."""
+    strides, b and b2 (N, K) with the same strides, out (M, N). A config's ``TMA`` loads A and B
+    through tensor descriptors where they allow it (else pointers, as without); its ``PERSISTENT``
+    launches that many programs an SM, each walking tiles, instead of one program a tile."""
     (M, K), N = a.shape, b.shape[0]
-    config = config or _config(gated)
-    if a2 is not None and a2.stride() != a.stride():
-        raise ValueError(f"a2 must have a's strides {a.stride()}, got {a2.stride()}")
+    config = dict(config or _config(gated))
+    for name, second, first in (("a2", a2, a), ("b2", b2, b)):
+        if second is not None and second.stride() != first.stride():
+            raise ValueError(f"{name} must have {name[0]}'s strides {first.stride()}, got {second.stride()}")
+    per_sm = config.pop("PERSISTENT", 0)
+    tma = config.pop("TMA", False) and all(_tma_ready(t) for t in (a, a2, b, b2) if t is not None)
 
     def given(t, stand_in):  # a pointer the kernel never reads stands in for an absent operand
         return t if t is not None else stand_in
 
-    r, bb = given(residual, out), given(b2, b)
-    args = (a, given(a2, a), b, bb, out, given(bias, out), r, given(pre, out), given(pre2, out),
-            M, N, K, *a.stride(), *b.stride(), *bb.stride(), *r.stride())
+    r = given(residual, out)
+    args = (a, given(a2, a), b, given(b2, b), out, given(bias, out), r, given(pre, out), given(pre2, out),
+            M, N, K, *a.stride(), *b.stride(), *r.stride())
     meta = {"ACTIVATION": activation, "HAS_BIAS": bias is not None, "HAS_RESIDUAL": residual is not None,
-            "STORE_PRE": pre is not None, "GATED": gated, "EXACT_DOT_IN_FP32": interpret(), **config}
+            "STORE_PRE": pre is not None, "GATED": gated, "EXACT_DOT_IN_FP32": interpret(), "TMA": tma,
+            "A_K_MAJOR": tma and a.stride(1) == 1, "B_K_MAJOR": tma and b.stride(1) == 1,
+            "PERSISTENT": per_sm > 0, **config}
+    if tma:
+        ensure_allocator()
+    tiles = cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])
     # K = 0: the loop takes no step and the epilogue still runs
-    return (cdiv(M, config["BLOCK_M"]) * cdiv(N, config["BLOCK_N"]),), args, meta
+    return (min(tiles, per_sm * _sm_count(a.device)) if per_sm else tiles,), args, meta
+
+
+def _tma_ready(t: torch.Tensor) -> bool:
+    """Whether a 2-d operand can be read through a tensor descriptor: a unit stride one way, the
+    other stride and the base 16-byte aligned (TMA's requirements)."""
+    return (1 in t.stride() and all(s * t.element_size() % 16 == 0 for s in t.stride() if s != 1)
+            and t.data_ptr() % 16 == 0)
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(device: torch.device) -> int:
+    """SMs of the GPU (persistent grids); elsewhere (the interpreter, meta tensors for ``tritonkit
+    inspect``) a stand-in, 2, so that the interpreter's programs each walk several tiles."""
+    if interpret() or device.type != "cuda":
+        return 2
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 # ---------------------------------------------------------------- the backward's elementwise step
@@ -294,6 +412,12 @@ def _activation_backward_args(dy, z, u, dz, du, activation, sum_db: bool) -> tup
 CONFIGS = [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": warps,
             "num_stages": stages}
            for bm in (64, 128) for bn in (64, 128, 256) for warps in (4, 8) for stages in (3, 4)]
+# The large tiles that won the large shapes' tuning at 3f55667, with A and B through TMA, and with
+# TMA on a persistent grid (one program an SM walking tiles in grouped order).
+CONFIGS += [{"BLOCK_M": 128, "BLOCK_N": bn, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": warps,
+             "num_stages": stages, "TMA": True, **persistent}
+            for bn, warps in ((256, 8), (128, 8), (128, 4)) for stages in (3, 4)
+            for persistent in ({}, {"PERSISTENT": 1})]
 MAX_ACC_VALUES = 128
 SHARED_BYTES = 227 * 1024
 FORMS = ("linear", "gated fwd", "gated dx")  # by GATED code
@@ -324,7 +448,8 @@ def _prune(config: dict, key: dict) -> bool:
 
 
 _TUNER = tuning.Tuner("linear", CONFIGS, default=_default, prune=_prune,
-                      sources=(_linear_kernel, _activate, _dot, _gelu))
+                      sources=(_linear_kernel, _linear_tile, _epilogue, _tile_position, _descriptor,
+                               _rows_by_depth, _depth_by_rows, _activate, _dot, _gelu))
 
 
 def _major(t: torch.Tensor, inner: str, outer: str) -> str:
@@ -345,12 +470,15 @@ def _tuning_key(a, b, operands: dict) -> dict:
 
 def _calibration(a, b, operands: dict, config: dict) -> tuple:
     """Seeded random operands like the call's, small: two tiles and a ragged third each way, three
-    steps and a ragged fourth deep, in the call's layouts; (a, b, out, operands)."""
+    steps and a ragged fourth deep, in the call's layouts; (a, b, out, operands). The ragged parts
+    keep the call's alignment: 8 elements (16 bytes) where its operands could go through TMA, so
+    that the gate checks the path the call will take."""
     from tritonkit.testing import generator, random_tensor
 
-    m = min(a.shape[0], 2 * config["BLOCK_M"] + 5)
-    n = min(b.shape[0], 2 * config["BLOCK_N"] + 3)
-    k = min(a.shape[1], 3 * config["BLOCK_K"] + 7)
+    aligned = _tma_ready(a) and _tma_ready(b)
+    m = min(a.shape[0], 2 * config["BLOCK_M"] + (8 if aligned else 5))
+    n = min(b.shape[0], 2 * config["BLOCK_N"] + (8 if aligned else 3))
+    k = min(a.shape[1], 3 * config["BLOCK_K"] + (8 if aligned else 7))
     g = generator(13)
 
     def like(t, rows, cols):  # random, with t's layout: rows unit-stride where t's are
