@@ -363,6 +363,40 @@ def test_tma_tiles_match_the_reference(form, persistent, monkeypatch, device):
     assert tiles >= 6 and grid == (2 if persistent else tiles)
 
 
+@pytest.mark.parametrize("form", ["dx", "dw"])
+def test_split_k_matches_the_reference(form, monkeypatch, device):
+    """SPLIT_K: four programs a tile over shares of K (one share empty), their fp32 partial products
+    summed by the launcher, through the gate's oracle; an epilogue is refused; the tuner offers the
+    split only for few tiles over a long K."""
+    from tritonkit.ops import linear_kernels as lk
+
+    g = generator(35)
+    x = random_tensor((72, 40), F16, device, generator=g)
+    w = random_tensor((72, 40), F16, device, generator=g)
+    dy = random_tensor((72, 72), F16, device, generator=g)
+    a, b, operands = _forms(x, w, w, dy, dy, {})[form]
+    launched = []
+    launcher = lk._launcher
+
+    def recording(grid, *args, **meta):
+        launched.append(grid)
+        launcher(grid, *args, **meta)
+
+    monkeypatch.setattr(lk, "_launcher", recording)
+    assert lk._admit(a, b, operands, lk.INTERPRETER_CONFIG | {"SPLIT_K": 4}).passed
+    assert launched[0][1] == 4
+    with pytest.raises(ValueError, match="plain matmuls"):
+        lk._matmul_args(x, w, torch.empty_like(dy), activation=ACTIVATIONS["silu"],
+                        config=lk.INTERPRETER_CONFIG | {"SPLIT_K": 4})
+    split = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 3,
+             "SPLIT_K": 4}
+    decode_dx = {"form": "linear", "epilogue": False, "m": 16, "n": 4096, "k": 16384}
+    assert not lk._prune(split, decode_dx)
+    assert lk._prune(split, decode_dx | {"m": 8192})  # 8192 tiles fill the GPU
+    assert lk._prune(split, decode_dx | {"k": 512})  # shares of two steps
+    assert lk._prune(split, decode_dx | {"epilogue": True})
+
+
 def test_activation_backward_pass(device):
     """The elementwise pass alone: dz = dy * act'(z) rounded to the dtype and db = the column sums of
     that dz; gated, dg and du; on strided dy, ragged tiles and rows of none."""

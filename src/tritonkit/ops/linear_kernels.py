@@ -150,7 +150,7 @@ def _linear_kernel(
     a2_ptr,  # GATED_DX: the second A (du), strides (stride_am, stride_ak) as A
     b_ptr,  # B, (N, K), strides (stride_bn, stride_bk): C = A B^T
     b2_ptr,  # GATED_FWD, GATED_DX: the second B (Wu or Wu^T), strides (stride_bn, stride_bk) as B
-    c_ptr,  # output, (M, N), contiguous
+    c_ptr,  # output, (M, N), contiguous (SPLIT_K > 1: fp32 partial products, (SPLIT_K, M, N))
     bias_ptr,  # HAS_BIAS: (N,), added to every row
     residual_ptr,  # HAS_RESIDUAL: (M, N), strides (stride_rm, stride_rn), added after the activation
     pre_ptr,  # STORE_PRE: the pre-activation out, (M, N), contiguous (gated: g)
@@ -171,13 +171,16 @@ def _linear_kernel(
     A_K_MAJOR: tl.constexpr,  # TMA: A's unit stride is along K (else along M)
     B_K_MAJOR: tl.constexpr,  # TMA: B's unit stride is along K (else along N)
     PERSISTENT: tl.constexpr,  # fewer programs than tiles: pipeline across a program's tiles
+    SPLIT_K: tl.constexpr,  # > 1: program_id(1) takes a 1/SPLIT_K share of K, C is fp32 (SPLIT_K, M, N)
     BLOCK_M: tl.constexpr,  # rows of a tile of C
     BLOCK_N: tl.constexpr,  # columns of a tile of C
     BLOCK_K: tl.constexpr,  # depth of a step
     GROUP_M: tl.constexpr,  # row tiles a group walks before the next column of tiles (L2 reuse of B)
 ):
     # One program a tile of C; or, PERSISTENT, a few programs an SM, each walking tiles from its id
-    # in steps of the grid, so that a tile's epilogue runs while the next tile's loads are in flight.
+    # in steps of the grid, so that a tile's epilogue runs while the next tile's loads are in flight;
+    # or, SPLIT_K, SPLIT_K programs a tile, each over a share of K (few tiles, a long K: dx of
+    # decode-like rows), whose fp32 partial products the launcher sums.
     a_source, a2_source, b_source, b2_source = a_ptr, a2_ptr, b_ptr, b2_ptr
     if TMA:
         a_source = _descriptor(a_ptr, M, K, stride_am, stride_ak, BLOCK_M, BLOCK_K, A_K_MAJOR)
@@ -190,32 +193,40 @@ def _linear_kernel(
     if PERSISTENT:
         for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0), flatten=True):
             _linear_tile(tile, tiles_m, tiles_n, a_source, a2_source, b_source, b2_source, c_ptr, bias_ptr,
-                         residual_ptr, pre_ptr, pre2_ptr, M, N, K, stride_am, stride_ak, stride_bn, stride_bk,
-                         stride_rm, stride_rn, ACTIVATION, HAS_BIAS, HAS_RESIDUAL, STORE_PRE, GATED,
-                         EXACT_DOT_IN_FP32, TMA, A_K_MAJOR, B_K_MAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+                         residual_ptr, pre_ptr, pre2_ptr, M, N, K, 0, K, stride_am, stride_ak, stride_bn,
+                         stride_bk, stride_rm, stride_rn, ACTIVATION, HAS_BIAS, HAS_RESIDUAL, STORE_PRE,
+                         GATED, EXACT_DOT_IN_FP32, TMA, A_K_MAJOR, B_K_MAJOR, BLOCK_M, BLOCK_N, BLOCK_K,
+                         GROUP_M)
     else:
-        _linear_tile(tl.program_id(0), tiles_m, tiles_n, a_source, a2_source, b_source, b2_source, c_ptr,
-                     bias_ptr, residual_ptr, pre_ptr, pre2_ptr, M, N, K, stride_am, stride_ak, stride_bn,
-                     stride_bk, stride_rm, stride_rn, ACTIVATION, HAS_BIAS, HAS_RESIDUAL, STORE_PRE, GATED,
-                     EXACT_DOT_IN_FP32, TMA, A_K_MAJOR, B_K_MAJOR, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+        c_tile, k_start, k_end = c_ptr, 0, K
+        if SPLIT_K > 1:  # whole steps a share: only the last share's last step is ragged
+            split = tl.program_id(1)
+            share = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+            c_tile = c_ptr + split.to(tl.int64) * M * N
+            k_start, k_end = split * share, tl.minimum(K, (split + 1) * share)
+        _linear_tile(tl.program_id(0), tiles_m, tiles_n, a_source, a2_source, b_source, b2_source, c_tile,
+                     bias_ptr, residual_ptr, pre_ptr, pre2_ptr, M, N, K, k_start, k_end, stride_am,
+                     stride_ak, stride_bn, stride_bk, stride_rm, stride_rn, ACTIVATION, HAS_BIAS,
+                     HAS_RESIDUAL, STORE_PRE, GATED, EXACT_DOT_IN_FP32, TMA, A_K_MAJOR, B_K_MAJOR, BLOCK_M,
+                     BLOCK_N, BLOCK_K, GROUP_M)
 
 
 @triton.jit
 def _linear_tile(tile, tiles_m, tiles_n, a_source, a2_source, b_source, b2_source, c_ptr, bias_ptr,
-                 residual_ptr, pre_ptr, pre2_ptr, M, N, K, stride_am, stride_ak, stride_bn, stride_bk,
-                 stride_rm, stride_rn,
+                 residual_ptr, pre_ptr, pre2_ptr, M, N, K, k_start, k_end, stride_am, stride_ak, stride_bn,
+                 stride_bk, stride_rm, stride_rn,
                  ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                  STORE_PRE: tl.constexpr, GATED: tl.constexpr, EXACT_DOT_IN_FP32: tl.constexpr,
                  TMA: tl.constexpr, A_K_MAJOR: tl.constexpr, B_K_MAJOR: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """C's tile-th tile (grouped order): the k-loop over A and B (pointers, or descriptors with TMA;
-    see the kernel for the operands), then the epilogue."""
+    """C's tile-th tile (grouped order): the k-loop over A and B from k_start to k_end (pointers, or
+    descriptors with TMA; see the kernel for the operands), then the epilogue."""
     pid_m, pid_n = _tile_position(tile, tiles_m, tiles_n, GROUP_M)
     rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # int64: M * K may pass 2^31
     cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # GATED_FWD: A B2^T
-    for k in range(0, K, BLOCK_K):
+    for k in range(k_start, k_end, BLOCK_K):
         if TMA:
             a = _rows_by_depth(a_source, pid_m * BLOCK_M, k, A_K_MAJOR)
             b = _depth_by_rows(b_source, pid_n * BLOCK_N, k, B_K_MAJOR)
@@ -263,8 +274,15 @@ def _matmul(a, b, out, **operands) -> None:
     """out = act(prologue(a) b^T + bias) + residual, into the contiguous ``out``, on the tuned (or
     default) tile; see the kernel and ``_matmul_args`` for the operands."""
     if a.shape[0] and b.shape[0]:
-        grid, args, meta = _matmul_args(a, b, out, config=_tuned_config(a, b, out, operands), **operands)
-        _launcher(grid, *args, **meta)
+        _launch(a, b, out, _tuned_config(a, b, out, operands), operands)
+
+
+def _launch(a, b, out, config: dict, operands: dict) -> None:
+    """One launch of the kernel on ``config``; with SPLIT_K, the sum of its partial products into out."""
+    grid, args, meta = _matmul_args(a, b, out, config=config, **operands)
+    _launcher(grid, *args, **meta)
+    if meta["SPLIT_K"] > 1:
+        out.copy_(args[4].sum(0))  # fp32 sums, in a fixed order: deterministic
 
 
 def _matmul_args(a, b, out, *, a2=None, b2=None, bias=None, residual=None, pre=None, pre2=None, activation=0,
@@ -272,30 +290,38 @@ def _matmul_args(a, b, out, *, a2=None, b2=None, bias=None, residual=None, pre=N
     """(grid, arguments, constexprs and options) of the kernel: a and a2 (M, K) with the same
     strides, b and b2 (N, K) with the same strides, out (M, N). A config's ``TMA`` loads A and B
     through tensor descriptors where they allow it (else pointers, as without); its ``PERSISTENT``
-    launches that many programs an SM, each walking tiles, instead of one program a tile."""
+    launches that many programs an SM, each walking tiles, instead of one program a tile; its
+    ``SPLIT_K`` (plain matmuls only) launches that many programs a tile, each over a share of K,
+    into fp32 partial products (the arguments' C) that ``_launch`` sums into out."""
     (M, K), N = a.shape, b.shape[0]
     config = dict(config or _config(gated))
     for name, second, first in (("a2", a2, a), ("b2", b2, b)):
         if second is not None and second.stride() != first.stride():
             raise ValueError(f"{name} must have {name[0]}'s strides {first.stride()}, got {second.stride()}")
-    per_sm = config.pop("PERSISTENT", 0)
+    per_sm, split_k = config.pop("PERSISTENT", 0), config.pop("SPLIT_K", 1)
+    epilogue = any(t is not None for t in (bias, residual, pre)) or activation or gated
+    if split_k > 1 and epilogue:
+        raise ValueError("SPLIT_K is for plain matmuls: no bias, activation, residual or gated form")
+    # SPLIT_K: the kernel's output is the fp32 partial products, which ``_launch`` sums into out
+    c = empty_output((split_k, M, N), torch.float32, a.device) if split_k > 1 else out
     tma = config.pop("TMA", False) and all(_tma_ready(t) for t in (a, a2, b, b2) if t is not None)
 
     def given(t, stand_in):  # a pointer the kernel never reads stands in for an absent operand
         return t if t is not None else stand_in
 
     r = given(residual, out)
-    args = (a, given(a2, a), b, given(b2, b), out, given(bias, out), r, given(pre, out), given(pre2, out),
+    args = (a, given(a2, a), b, given(b2, b), c, given(bias, out), r, given(pre, out), given(pre2, out),
             M, N, K, *a.stride(), *b.stride(), *r.stride())
     meta = {"ACTIVATION": activation, "HAS_BIAS": bias is not None, "HAS_RESIDUAL": residual is not None,
             "STORE_PRE": pre is not None, "GATED": gated, "EXACT_DOT_IN_FP32": interpret(), "TMA": tma,
             "A_K_MAJOR": tma and a.stride(1) == 1, "B_K_MAJOR": tma and b.stride(1) == 1,
-            "PERSISTENT": per_sm > 0, **config}
+            "PERSISTENT": per_sm > 0, "SPLIT_K": split_k, **config}
     if tma:
         ensure_allocator()
     tiles = cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])
     # K = 0: the loop takes no step and the epilogue still runs
-    return (min(tiles, per_sm * _sm_count(a.device)) if per_sm else tiles,), args, meta
+    programs = min(tiles, per_sm * _sm_count(a.device)) if per_sm else tiles
+    return ((programs, split_k) if split_k > 1 else (programs,)), args, meta
 
 
 def _tma_ready(t: torch.Tensor) -> bool:
@@ -418,6 +444,12 @@ CONFIGS += [{"BLOCK_M": 128, "BLOCK_N": bn, "BLOCK_K": 64, "GROUP_M": 8, "num_wa
              "num_stages": stages, "TMA": True, **persistent}
             for bn, warps in ((256, 8), (128, 8), (128, 4)) for stages in (3, 4)
             for persistent in ({}, {"PERSISTENT": 1})]
+# Split K for few tiles over a long K (decode-like rows: dx of 16 rows over K = 16384 is 64 tiles
+# of 64 x 64 for 132 SMs): plain matmuls only.
+CONFIGS += [{"BLOCK_M": 64, "BLOCK_N": bn, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 3,
+             "SPLIT_K": split_k} for bn in (64, 128) for split_k in (4, 16)]
+SPLIT_K_MAX_TILES = 264  # two programs an SM of the H200's 132: past that the tiles fill the GPU
+SPLIT_K_MIN_STEPS = 4  # k-steps a share of K takes at least
 MAX_ACC_VALUES = 128
 SHARED_BYTES = 227 * 1024
 FORMS = ("linear", "gated fwd", "gated dx")  # by GATED code
@@ -435,16 +467,21 @@ def _default(key: dict) -> dict:
 
 
 def _prune(config: dict, key: dict) -> bool:
-    """True drops the config: too many accumulator values a thread, too much shared memory, or a
-    tile twice the problem's rows or columns (decode-like rows take 64-row tiles)."""
+    """True drops the config: too many accumulator values a thread, too much shared memory, a tile
+    twice the problem's rows or columns (decode-like rows take 64-row tiles), or a split of K where
+    the matmul has an epilogue, the tiles fill the GPU or a share of K would take few steps."""
     accumulators = 2 if key["form"] == "gated fwd" else 1
     a_tiles = 2 if key["form"] == "gated dx" else 1
     b_tiles = 2 if key["form"] in ("gated fwd", "gated dx") else 1
     values = accumulators * config["BLOCK_M"] * config["BLOCK_N"] / (32 * config["num_warps"])
     tile_rows = a_tiles * config["BLOCK_M"] + b_tiles * config["BLOCK_N"]  # of A and B, each BLOCK_K deep
     shared = config["num_stages"] * config["BLOCK_K"] * tile_rows * 2
+    split_k = config.get("SPLIT_K", 1)
+    tiles = -(-key["m"] // config["BLOCK_M"]) * -(-key["n"] // config["BLOCK_N"])
+    no_split = split_k > 1 and (key["form"] != "linear" or key["epilogue"] or tiles > SPLIT_K_MAX_TILES
+                                or key["k"] < split_k * SPLIT_K_MIN_STEPS * config["BLOCK_K"])
     return (values > MAX_ACC_VALUES or shared > SHARED_BYTES or config["BLOCK_M"] > max(64, key["m"])
-            or config["BLOCK_N"] > max(64, key["n"]))
+            or config["BLOCK_N"] > max(64, key["n"]) or no_split)
 
 
 _TUNER = tuning.Tuner("linear", CONFIGS, default=_default, prune=_prune,
@@ -515,8 +552,7 @@ def _admit(a, b, operands: dict, config: dict):
     from tritonkit.testing import compare
 
     cal_a, cal_b, out, ops = _calibration(a, b, operands, config)
-    grid, args, meta = _matmul_args(cal_a, cal_b, out, config=config, **ops)
-    _launcher(grid, *args, **meta)
+    _launch(cal_a, cal_b, out, config, ops)
     wide = {name: t.double() if isinstance(t, torch.Tensor) else t for name, t in ops.items()}
     exact = _matmul_reference(cal_a.double(), cal_b.double(), **wide)
     return compare("output", out, _matmul_reference(cal_a, cal_b, **ops), exact, a.dtype)
@@ -540,8 +576,7 @@ def _tuned_config(a, b, out, operands: dict) -> dict:
         return _matmul_args(a, b, out, config=candidate, **operands)
 
     def run(candidate):
-        grid, args, meta = launch_args(candidate)
-        _launcher(grid, *args, **meta)
+        _launch(a, b, out, candidate, operands)
 
     def compile_all(candidates):
         calls = []
