@@ -134,6 +134,19 @@ def _ring_rows(seq, causal, heads, head_dim, device) -> dict:
             "max_err_vs_one_gpu": error} | _diagnostic_rows(shards, grad, causal, device)
 
 
+def _cudnn_times(q, k, v, do, causal: bool, device) -> tuple[float, float]:
+    """(forward ms, backward ms) of SDPA's cuDNN backend on these tensors."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        def forward():
+            return torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal)
+        out = forward()
+        return (_timed(forward, device),
+                _timed(lambda: torch.autograd.grad(out, leaves, do, retain_graph=True), device))
+
+
 def _context_parallel_rows(seq, causal, heads, head_dim, device) -> dict:
     """torch's context_parallel with the cuDNN SDPA backend (its fastest measured), and cuDNN on the
     whole sequence on one GPU (GPUs only)."""
@@ -141,27 +154,13 @@ def _context_parallel_rows(seq, causal, heads, head_dim, device) -> dict:
         return {}
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     mesh = init_device_mesh("cuda", (dist.get_world_size(),))
     q, k, v, do = _inputs(seq, heads, head_dim, device)
     with context_parallel(mesh, buffers=[q, k, v, do], buffer_seq_dims=[2, 2, 2, 2]):
-        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            def forward():
-                return torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal)
-            out = forward()
-            fwd = _timed(forward, device)
-            bwd = _timed(lambda: torch.autograd.grad(out, leaves, do, retain_graph=True), device)
-    *whole, whole_do = _inputs(seq, heads, head_dim, device)  # the whole sequence on one GPU
-    whole = [t.requires_grad_() for t in whole]
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        def whole_forward():
-            return torch.nn.functional.scaled_dot_product_attention(*whole, is_causal=causal)
-        whole_out = whole_forward()
-        one_fwd = _timed(whole_forward, device)
-        one_bwd = _timed(lambda: torch.autograd.grad(whole_out, whole, whole_do, retain_graph=True), device)
-    return {"torch context_parallel (cuDNN)": (fwd, bwd), "torch cuDNN one GPU": (one_fwd, one_bwd)}
+        sharded = _cudnn_times(q, k, v, do, causal, device)
+    whole = _cudnn_times(*_inputs(seq, heads, head_dim, device), causal, device)  # the whole sequence
+    return {"torch context_parallel (cuDNN)": sharded, "torch cuDNN one GPU": whole}
 
 
 def _worker(rank: int, world: int, store: str, out_path: str, dry: bool) -> None:
