@@ -1,7 +1,8 @@
 """linear and gated_linear: outputs and gradients of every epilogue against the float64 reference,
 shapes the tiles cut (M = 1, 17, 130; K = 33; N = 257), layouts, empty dimensions, errors, the
-custom ops, nn.Linear, tuning. The sm_90 SASS of every matmul (HGMMA, no spills) is checked at the
-benchmark shapes with the other ops' in test_inspect.py."""
+custom ops, nn.Linear, tuning (TMA, persistent and split-K tiles through the oracle). The sm_90
+SASS of every default launch (HGMMA, no spills) is checked at the benchmark shapes with the other
+ops' in test_inspect.py; the TMA tiles' here."""
 
 from __future__ import annotations
 
