@@ -63,16 +63,21 @@ CONFIGS = {
     ("fwd", True): [{"BLOCK_N": n, "num_warps": w} for n in (2048, 4096, 8192) for w in (4, 8, 16)]
     + [{"BLOCK_N": n, "num_warps": w, "PER_SM": p} for n in (4096, 8192) for w in (8, 16) for p in (1, 2, 4)]
     + [{"BLOCK_N": n, "num_warps": w, "EVICT": True, **per_sm} for n in (4096, 8192) for w in (8, 16)
-       for per_sm in ({}, {"PER_SM": 1}, {"PER_SM": 2})],
+       for per_sm in ({}, {"PER_SM": 1}, {"PER_SM": 2})]
+    # chunks of 16-64K entries at 16-32 warps: one or two programs an SM, each with its whole row
+    # (or half of it) in flight, so that pass 2 may find the row it has just read in L1 or L2
+    + [{"BLOCK_N": n, "num_warps": w, **evict} for n in (16384, 32768, 65536) for w in (16, 32)
+       for evict in ({}, {"EVICT": True})],
     ("bwd", False): [{"ROWS": r, "num_warps": w, **prefetch} for r in (8, 16, 32, 64) for w in (4, 8, 16)
                      for prefetch in ({}, {"PREFETCH": True})],
     ("bwd", True): [{"ROWS": r, "BLOCK_N": n, "num_warps": w} for r in (4, 8, 16) for n in (2048, 4096)
                     for w in (4, 8)],
 }
 # fp32 values a thread holds per tile (one-pass: the row tile, x or h and dy; looped: a chunk):
-# past 64 the one-pass kernels spill, under 8 a program moves too little at once. A PREFETCH
-# backward holds the next row's h and dy too: at most 32 a row. (Not yet measured on the H200.)
-PER_THREAD_RANGE = {False: (8, 64), True: (8, 32)}
+# past 64 the one-pass kernels spill, under 8 a program moves too little at once (the looped
+# forward's pass 1 holds a chunk of 64 a thread at 32 warps in 64 registers, no spill on sm_90). A
+# PREFETCH backward holds the next row's h and dy too: at most 32 a row.
+PER_THREAD_RANGE = {False: (8, 64), True: (8, 64)}
 PREFETCH_MAX_PER_THREAD = 32
 ROW_ELEMENTS = 8192  # default: elements a forward program takes at a time (rows of 1024 go 8 to one)
 PER_THREAD = 16  # default: values a thread holds per row tile, four 16-byte fp32 vectors in flight
