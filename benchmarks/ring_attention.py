@@ -5,6 +5,7 @@ whole sequence for the scaling efficiency. B = 1, H = 32, D = 128, bf16; S = 327
 
     PYTHONPATH=src python benchmarks/ring_attention.py OUT.json            # every GPU of the host
     PYTHONPATH=src python benchmarks/ring_attention.py OUT.json --dry-run  # 2 CPU processes, tiny
+    PYTHONPATH=src python benchmarks/ring_attention.py OUT.json --full-only  # the full case alone
 
 Each timing is the median of ITERATIONS calls, each call started on every rank after a barrier and
 timed with CUDA events; a row's time is the slowest rank's. Total TFLOP/s counts 4 B H S^2 D
@@ -155,15 +156,22 @@ def _context_parallel_rows(seq, causal, heads, head_dim, device) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
 
+    from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
+
     mesh = init_device_mesh("cuda", (dist.get_world_size(),))
     q, k, v, do = _inputs(seq, heads, head_dim, device)
-    with context_parallel(mesh, buffers=[q, k, v, do], buffer_seq_dims=[2, 2, 2, 2]):
-        sharded = _cudnn_times(q, k, v, do, causal, device)
+    balanced = _cp_options.enable_load_balance
+    _cp_options.enable_load_balance = causal  # torch balances causal shards only, and refuses it without the mask
+    try:
+        with context_parallel(mesh, buffers=[q, k, v, do], buffer_seq_dims=[2, 2, 2, 2]):
+            sharded = _cudnn_times(q, k, v, do, causal, device)
+    finally:
+        _cp_options.enable_load_balance = balanced
     whole = _cudnn_times(*_inputs(seq, heads, head_dim, device), causal, device)  # the whole sequence
     return {"torch context_parallel (cuDNN)": sharded, "torch cuDNN one GPU": whole}
 
 
-def _worker(rank: int, world: int, store: str, out_path: str, dry: bool) -> None:
+def _worker(rank: int, world: int, store: str, out_path: str, dry: bool, cases: list) -> None:
     device = "cpu" if dry else "cuda"
     if not dry:
         torch.cuda.set_device(rank)
@@ -176,7 +184,7 @@ def _worker(rank: int, world: int, store: str, out_path: str, dry: bool) -> None
     provenance = {"gpu": "cpu" if dry else torch.cuda.get_device_name(), "torch": torch.__version__,
                   "triton": __import__("triton").__version__, "git_sha": _git_sha(),
                   "command": "python benchmarks/ring_attention.py " + " ".join(sys.argv[1:])}
-    for seq, causal in DRY_CASES if dry else CASES:
+    for seq, causal in cases:
         found = _ring_rows(seq, causal, heads, head_dim, device)
         found |= _context_parallel_rows(seq, causal, heads, head_dim, device)
         flops = 4 * heads * seq * seq * head_dim / (2 if causal else 1)
@@ -218,12 +226,15 @@ def _git_sha() -> str:
 
 def main() -> None:
     out_path, dry = sys.argv[1], "--dry-run" in sys.argv[2:]
+    cases = DRY_CASES if dry else CASES
+    if "--full-only" in sys.argv[2:]:  # the cases without the mask alone
+        cases = [case for case in cases if not case[1]]
     world = 2 if dry else torch.cuda.device_count()
     if world < 2:
         raise SystemExit(f"needs two GPUs or more on one host, found {world}")
     with tempfile.TemporaryDirectory() as scratch:
         store = os.path.join(scratch, "store")
-        mp.spawn(_worker, args=(world, store, out_path, dry), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, store, out_path, dry, cases), nprocs=world, join=True)
 
 
 if __name__ == "__main__":

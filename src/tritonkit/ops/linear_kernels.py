@@ -259,6 +259,7 @@ def _linear_tile(tile, tiles_m, tiles_n, a_source, a2_source, b_source, b2_sourc
 # ---------------------------------------------------------------- launcher
 
 _launcher = Launcher(_linear_kernel)
+TILE_NAMES = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")  # the kernel's tile constexprs, in its order
 
 
 def _default_config(gated: int) -> dict:
@@ -315,7 +316,8 @@ def _matmul_args(a, b, out, *, a2=None, b2=None, bias=None, residual=None, pre=N
     meta = {"ACTIVATION": activation, "HAS_BIAS": bias is not None, "HAS_RESIDUAL": residual is not None,
             "STORE_PRE": pre is not None, "GATED": gated, "EXACT_DOT_IN_FP32": interpret(), "TMA": tma,
             "A_K_MAJOR": tma and a.stride(1) == 1, "B_K_MAJOR": tma and b.stride(1) == 1,
-            "PERSISTENT": per_sm > 0, "SPLIT_K": split_k, **config}
+            "PERSISTENT": per_sm > 0, "SPLIT_K": split_k,
+            **{name: config.pop(name) for name in TILE_NAMES}, **config}  # the tile in the kernel's order
     if tma:
         ensure_allocator()
     tiles = cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])
