@@ -533,6 +533,7 @@ def test_shipped_configs_describe_the_kernels_as_they_are():
     """A kernel edited after its configs were tuned on the H200 leaves them stale (ignored, so a first
     call there tunes again): re-export them there (tritonkit tune --export) or delete the entries."""
     import tritonkit.ops.attention  # noqa: F401  (each op module defines its tuners on import)
+    import tritonkit.ops.linear  # noqa: F401
     import tritonkit.ops.norm  # noqa: F401
     import tritonkit.ops.softmax  # noqa: F401
 
@@ -540,7 +541,7 @@ def test_shipped_configs_describe_the_kernels_as_they_are():
     assert tuning.stale_shipped() == []
     shipped_tuners = {e["tuner"] for e in tuning._shipped().values()}
     assert {"softmax_fwd", "softmax_bwd", "norm_fwd", "norm_fwd_looped", "norm_bwd", "norm_bwd_looped",
-            "attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq"} <= shipped_tuners
+            "attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq", "linear"} <= shipped_tuners
 
 
 def test_stale_shipped_names_each_entry_that_would_be_ignored(tuning_on, cache, shipped, monkeypatch):

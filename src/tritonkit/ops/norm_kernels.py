@@ -160,7 +160,7 @@ def _norm_bwd_kernel(
 
 # Rows longer than a register tile: the looped kernels walk each row in BLOCK_N chunks, twice.
 # Forward: pass 1 adds the residual (storing h) and gathers the statistics as sums of h - shift,
-# shift being the mean of the row's first 256 entries (x + residual in fp32), so that LayerNorm's variance does not cancel when the row
+# shift being the first chunk's mean, so that LayerNorm's variance does not cancel when the row
 # sits far from zero; pass 2 reads h back and normalises. Backward: per row, pass 1 gathers
 # mean(g * xhat) and mean(g) into a small fp32 scratch; then chunk by chunk, every row of the
 # program is finished and dw and db for that chunk are summed in registers over the rows.
@@ -203,13 +203,7 @@ def _norm_fwd_looped_row(x_ptr, r_ptr, h_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rst
                          STREAM: tl.constexpr, KEEP: tl.constexpr):
     """One row of the looped forward: its statistics over the chunks, then its output."""
     offsets = tl.arange(0, BLOCK_N)
-    shift = 0.0  # LayerNorm: the mean of the row's first 256 entries; sums of h - shift do not cancel
-    if not RMS:  # (loaded apart, so that h dies at each chunk's one reduction: a 64K chunk fits in registers)
-        head = tl.arange(0, 256)
-        shift = tl.load(x_ptr + row * stride_xm + head, mask=head < N, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:
-            shift += tl.load(r_ptr + row * stride_rm + head, mask=head < N, other=0.0).to(tl.float32)
-        shift = tl.sum(shift, axis=0) / tl.minimum(N, 256).to(tl.float32)
+    shift = 0.0  # LayerNorm: the first chunk's mean; sums of h - shift stay small and do not cancel
     total = 0.0  # sum of h - shift (LayerNorm)
     squares = 0.0  # sum of (h - shift)^2 (LayerNorm) or of h^2 (RMSNorm)
     for start in range(0, N, BLOCK_N):
@@ -227,11 +221,12 @@ def _norm_fwd_looped_row(x_ptr, r_ptr, h_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rst
             h = h.to(tl.float32)
         if RMS:
             squares += tl.sum(h * h, axis=0)
-        else:  # both sums in one reduction
+        else:
+            if start == 0:
+                shift = tl.sum(h, axis=0) / tl.minimum(N, BLOCK_N).to(tl.float32)
             deviations = tl.where(mask, h - shift, 0.0)
-            chunk_total, chunk_squares = tl.reduce((deviations, deviations * deviations), 0, _add_pairs)
-            total += chunk_total
-            squares += chunk_squares
+            total += tl.sum(deviations, axis=0)
+            squares += tl.sum(deviations * deviations, axis=0)
     if RMS:
         mean = 0.0
         rstd = 1.0 / tl.sqrt(squares / N + eps)
