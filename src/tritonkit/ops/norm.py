@@ -59,7 +59,11 @@ MAX_BLOCK_N = {"fwd": 32768, "bwd": 16384}
 # under the interpreter and wherever tuning cannot run, are the rules the kernels had before.
 CONFIGS = {
     ("fwd", False): [{"BLOCK_M": m, "num_warps": w, **evict} for m in (1, 2, 4, 8, 16, 32) for w in (4, 8, 16)
-                     for evict in ({}, {"EVICT": True})],
+                     for evict in ({}, {"EVICT": True})]
+    # rows that fit in registers may still go faster through the looped kernel, one row a program
+    # in chunks, read twice (the second time from cache), as torch.compile's kernels do
+    + [{"BLOCK_N": n, "num_warps": w, **evict} for n in (1024, 2048, 4096) for w in (4, 8, 16)
+       for evict in ({}, {"EVICT": True})],
     ("fwd", True): [{"BLOCK_N": n, "num_warps": w} for n in (2048, 4096, 8192) for w in (4, 8, 16)]
     + [{"BLOCK_N": n, "num_warps": w, "PER_SM": p} for n in (4096, 8192) for w in (8, 16) for p in (1, 2, 4)]
     + [{"BLOCK_N": n, "num_warps": w, "EVICT": True, **per_sm} for n in (4096, 8192) for w in (8, 16)
@@ -160,6 +164,8 @@ def _prune(config: dict, key: dict) -> bool:
         return True
     if config.get("BLOCK_M", 1) > max(1, key["rows"]):
         return True
+    if not key["looped"] and config.get("BLOCK_N", 0) > key["block_n"]:  # a looped chunk past the row
+        return True
     rows = config.get("ROWS")
     return (rows is not None and rows > BWD_ROWS_RANGE[key["looped"]][0]
             and cdiv(key["rows"], rows) < sm_count(current_device()))
@@ -167,7 +173,8 @@ def _prune(config: dict, key: dict) -> bool:
 
 # the other @triton.jit functions a tuner's timings depend on: the helpers a kernel calls, and the
 # backward's second stage, which each timing includes
-_HELPERS = {("fwd", True): (_norm_fwd_looped_row,),
+_HELPERS = {("fwd", False): (_norm_fwd_looped_kernel, _norm_fwd_looped_row),  # its looped candidates
+            ("fwd", True): (_norm_fwd_looped_row,),
             ("bwd", False): (_bwd_row, _add_pairs, _sum_partials_kernel),
             ("bwd", True): (_sum_partials_kernel,)}
 _TUNERS = {
@@ -399,7 +406,7 @@ def _fwd_launch_args(input, residual, weight, bias, eps: float, rms: bool, confi
             "HAS_BIAS": bias is not None, "num_warps": config["num_warps"],
             "STREAM": "evict_first" if evict else "", "KEEP": "evict_last" if evict else ""}
     block_n = _next_power_of_2(n)
-    if block_n > MAX_BLOCK_N["fwd"]:
+    if block_n > MAX_BLOCK_N["fwd"] or "BLOCK_N" in config:  # looped configs name their chunk
         # PER_SM: a persistent grid of that many programs an SM walks the rows, so that fewer rows
         # are between their two passes at once (the second pass is to find its row in L2)
         programs = min(rows, config["PER_SM"] * sm_count(input.device)) if "PER_SM" in config else rows
@@ -682,7 +689,8 @@ def _inspect_launches(residual: bool, rms: bool, bias: bool, shape: tuple, dtype
                       config: dict | None = None) -> list:
     """The forward and backward launches for ``shape``: what ``tritonkit inspect`` compiles. Each
     takes its default config, with what ``config`` sets of it (BLOCK_M is the one-pass forward's,
-    EVICT either forward's, ROWS and PREFETCH the backward's, BLOCK_N the looped kernels', num_warps
+    EVICT either forward's, ROWS and PREFETCH the backward's, BLOCK_N the looped kernels' (given for
+    a row that fits in registers, it sends the forward through the looped kernel), num_warps
     every kernel's); then
     the backward's second stage, the partial sums, on its own fixed tile."""
     from tritonkit.inspect import Launch
@@ -695,8 +703,10 @@ def _inspect_launches(residual: bool, rms: bool, bias: bool, shape: tuple, dtype
     launches = []
     for direction in ("fwd", "bwd"):
         default = _default(_tuning_key(direction, n, rows, dtype, params))
-        optional = ("EVICT",) if direction == "fwd" else ("PREFETCH",)
+        optional = ("EVICT", "BLOCK_N") if direction == "fwd" else ("PREFETCH",)
         chosen = default | {k: v for k, v in (config or {}).items() if k in default or k in optional}
+        if "BLOCK_N" in chosen:
+            chosen.pop("BLOCK_M", None)  # a looped forward
         if direction == "fwd":
             _, kernel, _, args, meta = _fwd_launch_args(x, x if residual else None, w, b, 1e-5, rms, chosen)
         else:

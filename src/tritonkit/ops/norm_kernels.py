@@ -203,9 +203,16 @@ def _norm_fwd_looped_row(x_ptr, r_ptr, h_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rst
                          STREAM: tl.constexpr, KEEP: tl.constexpr):
     """One row of the looped forward: its statistics over the chunks, then its output."""
     offsets = tl.arange(0, BLOCK_N)
+    # chunks of up to 8192 entries add into vectors, reduced across the warps once after the loop;
+    # a larger chunk reduces itself, as its vectors would double the registers it holds
+    VECTORS: tl.constexpr = BLOCK_N <= 8192
     shift = 0.0  # LayerNorm: the first chunk's mean; sums of h - shift stay small and do not cancel
-    total = 0.0  # sum of h - shift (LayerNorm)
-    squares = 0.0  # sum of (h - shift)^2 (LayerNorm) or of h^2 (RMSNorm)
+    if VECTORS:
+        total = tl.zeros([BLOCK_N], tl.float32)  # sum of h - shift (LayerNorm)
+        squares = tl.zeros([BLOCK_N], tl.float32)  # sum of (h - shift)^2 (LayerNorm) or of h^2 (RMSNorm)
+    else:
+        total = 0.0
+        squares = 0.0
     for start in range(0, N, BLOCK_N):
         cols = start + offsets
         mask = cols < N
@@ -220,13 +227,22 @@ def _norm_fwd_looped_row(x_ptr, r_ptr, h_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rst
             h = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0, eviction_policy=KEEP)
             h = h.to(tl.float32)
         if RMS:
-            squares += tl.sum(h * h, axis=0)
+            deviations = h
         else:
             if start == 0:
                 shift = tl.sum(h, axis=0) / tl.minimum(N, BLOCK_N).to(tl.float32)
             deviations = tl.where(mask, h - shift, 0.0)
-            total += tl.sum(deviations, axis=0)
+        if VECTORS:
+            total += deviations
+            squares += deviations * deviations
+        else:
+            if not RMS:
+                total += tl.sum(deviations, axis=0)
             squares += tl.sum(deviations * deviations, axis=0)
+    if VECTORS:
+        if not RMS:
+            total = tl.sum(total, axis=0)
+        squares = tl.sum(squares, axis=0)
     if RMS:
         mean = 0.0
         rstd = 1.0 / tl.sqrt(squares / N + eps)
