@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -21,6 +22,8 @@ from tritonkit.ops.bias_gelu import (
     bias_gelu_cost,
     bias_gelu_reference,
 )
+
+bg = importlib.import_module("tritonkit.ops.bias_gelu")  # the module (tritonkit.ops.bias_gelu is also a function's name)
 from tritonkit.testing import (
     check_against_reference,
     compare,
@@ -40,6 +43,22 @@ def _tile_rows(n_cols: int, dtype: torch.dtype) -> int:
     """Rows of one tile (the launcher's tiling, computed from the module's constants)."""
     block_n = min(1 << (n_cols - 1).bit_length(), MAX_BLOCK_N)
     return max(1, TILE_BYTES // dtype.itemsize // block_n)
+
+
+@pytest.fixture(autouse=True)
+def one_sm(monkeypatch):
+    """A device of one SM: the backward walks its MAX_ROW_TILES tiles a program wherever the rows
+    allow (on 132 SMs, these small shapes would take one tile a program)."""
+    monkeypatch.setattr(bg, "sm_count", lambda device: 1)
+
+
+def test_row_tiles_leave_two_programs_an_sm():
+    """Programs walk MAX_ROW_TILES tiles unless the GPU would then hold under two programs an SM:
+    128 rows of 16384 bf16 entries (32 row tiles, 16 column blocks) take one tile a program."""
+    assert bg._row_tiles(2048, 16, 132) == MAX_ROW_TILES  # 8192 rows: 2048 programs as before
+    assert bg._row_tiles(32, 16, 132) == 1  # 512 programs, not 32
+    assert bg._row_tiles(456, 5, 132) == 8  # 285 programs
+    assert bg._row_tiles(3, 1, 1) == 1 and bg._row_tiles(33, 1, 1) == MAX_ROW_TILES
 
 
 def _many_rows(n_cols: int, dtype: torch.dtype, chunks: int = 3) -> tuple[int, int]:

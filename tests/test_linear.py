@@ -398,10 +398,14 @@ def test_split_k_matches_the_reference(form, monkeypatch, device):
     assert lk._prune(split, decode_dx | {"epilogue": True})
 
 
-def test_activation_backward_pass(device):
+@pytest.mark.parametrize("sms", [132, 1], ids=["one tile a program", "eight tiles a program"])
+def test_activation_backward_pass(sms, monkeypatch, device):
     """The elementwise pass alone: dz = dy * act'(z) rounded to the dtype and db = the column sums of
-    that dz; gated, dg and du; on strided dy, ragged tiles and rows of none."""
+    that dz; gated, dg and du; on strided dy, ragged tiles and rows of none. On 132 SMs the 17 row
+    tiles are a program each; on one SM each program walks eight, summing db down its columns."""
     from tritonkit.ops import linear_kernels as lk
+
+    monkeypatch.setattr(lk, "sm_count", lambda device: sms)
 
     g = generator(33)
     dy = random_tensor((130, 257), F16, device, generator=g, noncontiguous=True)

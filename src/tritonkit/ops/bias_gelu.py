@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from tritonkit._runtime import check_device, empty_output, interpret
+from tritonkit._runtime import check_device, empty_output, interpret, sm_count
 
 interpret()  # choose GPU or interpreter before triton is imported and any kernel is defined
 
@@ -108,6 +108,7 @@ def _bias_gelu_fwd_kernel(
 # Backward tiles as forward; each program also walks ROW_TILES tiles down its columns, summing
 # db in registers, so the fp32 partials of db are 1/(BLOCK_M * ROW_TILES) of dx's rows.
 MAX_ROW_TILES = 16
+PROGRAMS_PER_SM = 2  # what the backward keeps before a program walks more tiles
 
 
 @triton.jit
@@ -159,9 +160,12 @@ def _tile(n_cols: int, element_size: int) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=1024)
-def _row_tiles(n_tiles: int) -> int:
-    """Tiles a backward program walks: a power of two (few compiled variants), at most MAX_ROW_TILES."""
-    return min(MAX_ROW_TILES, triton.next_power_of_2(n_tiles))
+def _row_tiles(n_tiles: int, column_programs: int, sms: int) -> int:
+    """Tiles a backward program walks: a power of two (few compiled variants), at most MAX_ROW_TILES,
+    and fewer where more would leave under PROGRAMS_PER_SM programs an SM (128 rows of 16384
+    entries walked 16 tiles a program: 32 programs for 132 SMs)."""
+    most = max(1, n_tiles * column_programs // (PROGRAMS_PER_SM * sms))
+    return min(MAX_ROW_TILES, triton.next_power_of_2(n_tiles), 1 << (most.bit_length() - 1))
 
 
 def _validate(input, bias, approximate: str, *, grad_output=None) -> None:
@@ -229,7 +233,7 @@ def _bwd_launch_args(grad_output, input, bias, dx, approximate: str) -> tuple[tu
     x, dy = input.reshape(-1, n_cols), grad_output.reshape(-1, n_cols)
     n_rows = x.shape[0]
     block_m, block_n = _tile(n_cols, input.element_size())
-    row_tiles = _row_tiles(cdiv(n_rows, block_m))
+    row_tiles = _row_tiles(cdiv(n_rows, block_m), cdiv(n_cols, block_n), sm_count(input.device))
     row_chunks = cdiv(n_rows, block_m * row_tiles)
     db_partial = empty_output((row_chunks, n_cols), torch.float32, input.device)
     meta = {"APPROX_TANH": approximate == "tanh", "BLOCK_M": block_m, "BLOCK_N": block_n,
