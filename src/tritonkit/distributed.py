@@ -199,15 +199,24 @@ class _Ring:
         return received, dist.batch_isend_irecv(ops)
 
 
-def _pairs(rank: int, owner: int, world: int, causal: bool, chunk: int):
-    """(query chunk's place, query slice, key slice, causal diagonal) of each query chunk and key
-    chunk that meet, for this rank's queries against ``owner``'s block; slices index the shards."""
-    mine, theirs = _chunks(rank, world, causal), _chunks(owner, world, causal)
-    for i, a in enumerate(mine):
-        for j, b in enumerate(theirs):
-            if not causal or b <= a:
-                rows, keys = slice(i * chunk, (i + 1) * chunk), slice(j * chunk, (j + 1) * chunk)
-                yield i, rows, keys, causal and b == a
+def _calls(rank: int, owner: int, causal: bool) -> list[tuple[int | None, int | None, bool]]:
+    """The attention calls of this rank's queries against ``owner``'s block: (query chunk, key chunk,
+    masked) each, a chunk by its place in the shard or block (None: all of it). Causal shards hold
+    chunks r and 2W - 1 - r of 2W, so against its own block a rank's first chunk meets its own
+    diagonal and its second chunk both key chunks, the last on the diagonal (one bottom-right
+    causal call); a lower rank's block is seen whole by both query chunks through its first chunk,
+    unmasked; a higher rank's block only by the second query chunk, whole, unmasked. Two calls a
+    step at most, one past the first step."""
+    if not causal:
+        return [(None, None, False)]
+    if owner == rank:
+        return [(0, 0, True), (1, None, True)]
+    return [(None, 0, False)] if owner < rank else [(1, None, False)]
+
+
+def _rows(place: int | None, chunk: int) -> slice:
+    """The slice of a shard (or block) along the sequence that a chunk's place names."""
+    return slice(None) if place is None else slice(place * chunk, (place + 1) * chunk)
 
 
 def _ring_forward(q, k, v, scale: float, causal: bool, ring: _Ring):
@@ -220,10 +229,12 @@ def _ring_forward(q, k, v, scale: float, causal: bool, ring: _Ring):
     block, owner = [k, v], ring.rank
     for step in range(ring.world):
         incoming, requests = ring.start(block) if step < ring.world - 1 else (None, [])
-        for place, rows, keys, diagonal in _pairs(ring.rank, owner, ring.world, causal, chunk):
-            part, part_lse = _attention_fwd(q[:, :, rows], block[0][:, :, keys], block[1][:, :, keys],
-                                            Scores(scale, diagonal))
-            _merge(o[place], lse[place], part, part_lse)
+        for rows, keys, masked in _calls(ring.rank, owner, causal):
+            part, part_lse = _attention_fwd(q[:, :, _rows(rows, chunk)], block[0][:, :, _rows(keys, chunk)],
+                                            block[1][:, :, _rows(keys, chunk)], Scores(scale, masked))
+            for place in range(places) if rows is None else [rows]:  # each query chunk's share
+                share = slice(None) if places == 1 or rows is not None else _rows(place, chunk)
+                _merge(o[place], lse[place], part[:, :, share], part_lse[:, :, share])
         for request in requests:
             request.wait()
         block, owner = incoming, (owner - 1) % ring.world
@@ -243,11 +254,12 @@ def _ring_backward(do, q, k, v, o, lse, scale: float, causal: bool, ring: _Ring)
         more = step < ring.world - 1
         incoming, requests = ring.start(block) if more else (None, [])
         dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in block)
-        for _, rows, keys, diagonal in _pairs(ring.rank, owner, ring.world, causal, chunk):
+        for rows, keys, masked in _calls(ring.rank, owner, causal):
+            rows, keys = _rows(rows, chunk), _rows(keys, chunk)
             piece = [t[:, :, rows].contiguous() for t in (do, q, o)] + [lse[:, :, rows].contiguous()]
             dq_part, dk_part, dv_part = attention_bwd(piece[0], piece[1], block[0][:, :, keys].contiguous(),
                                                       block[1][:, :, keys].contiguous(), piece[2], piece[3],
-                                                      None, Scores(scale, diagonal))
+                                                      None, Scores(scale, masked))
             dq[:, :, rows] += dq_part
             dk[:, :, keys] += dk_part
             dv[:, :, keys] += dv_part
