@@ -155,13 +155,12 @@ def _context_parallel_rows(seq, causal, heads, head_dim, device) -> dict:
         return {}
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
-
     from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
 
     mesh = init_device_mesh("cuda", (dist.get_world_size(),))
     q, k, v, do = _inputs(seq, heads, head_dim, device)
     balanced = _cp_options.enable_load_balance
-    _cp_options.enable_load_balance = causal  # torch balances causal shards only, and refuses it without the mask
+    _cp_options.enable_load_balance = causal  # torch balances causal shards only; refused without the mask
     try:
         with context_parallel(mesh, buffers=[q, k, v, do], buffer_seq_dims=[2, 2, 2, 2]):
             sharded = _cudnn_times(q, k, v, do, causal, device)

@@ -22,8 +22,6 @@ from tritonkit.ops.bias_gelu import (
     bias_gelu_cost,
     bias_gelu_reference,
 )
-
-bg = importlib.import_module("tritonkit.ops.bias_gelu")  # the module (tritonkit.ops.bias_gelu is also a function's name)
 from tritonkit.testing import (
     check_against_reference,
     compare,
@@ -32,6 +30,7 @@ from tritonkit.testing import (
     random_tensor,
 )
 
+bg = importlib.import_module("tritonkit.ops.bias_gelu")  # the module (the package names a function so)
 SPEC = SPECS["bias_gelu"]
 
 pytestmark = pytest.mark.elementwise
