@@ -232,8 +232,9 @@ def _ring_forward(q, k, v, scale: float, causal: bool, ring: _Ring):
         for rows, keys, masked in _calls(ring.rank, owner, causal):
             part, part_lse = _attention_fwd(q[:, :, _rows(rows, chunk)], block[0][:, :, _rows(keys, chunk)],
                                             block[1][:, :, _rows(keys, chunk)], Scores(scale, masked))
-            for place in range(places) if rows is None else [rows]:  # each query chunk's share
-                share = slice(None) if places == 1 or rows is not None else _rows(place, chunk)
+            met = range(places) if rows is None else [rows]  # the query chunks the call covered
+            for place in met:
+                share = _rows(place, chunk) if len(met) > 1 else slice(None)  # its rows of the part
                 _merge(o[place], lse[place], part[:, :, share], part_lse[:, :, share])
         for request in requests:
             request.wait()

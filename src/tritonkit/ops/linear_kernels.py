@@ -418,6 +418,7 @@ def _activation_backward_args(dy, z, u, dz, du, activation, sum_db: bool) -> tup
     db only); allocates db's partials. Tiles as bias_gelu's backward, the same memory-bound pass."""
     (m, n), device = dy.shape, dy.device
     block_m, block_n = _tile(max(n, 1), dy.element_size())  # m or n = 0: a grid of no programs
+    # the GPU's SMs (132 off CUDA), not _sm_count's interpreter stand-in for persistent grids
     row_tiles = _row_tiles(max(1, cdiv(m, block_m)), cdiv(max(n, 1), block_n), sm_count(device))
     row_programs = cdiv(m, block_m * row_tiles)
     db_partial = empty_output((row_programs, n), torch.float32, device) if sum_db else dy
