@@ -430,6 +430,35 @@ def test_activation_backward_pass(sms, monkeypatch, device):
     assert torch.equal(zeros, torch.zeros(257, dtype=torch.float32, device=device))
 
 
+@pytest.mark.parametrize("name", ["gelu_tanh"])
+def test_fast_activation_forms_equal_the_exact_ones(name, monkeypatch, device):
+    """The epilogue's GELU (tanh) for 16-bit outputs (z sigmoid(2u): one exp2 and a division)
+    against the float64 activation, out to the tails where the exponential overflows, and as close
+    as the form kept for fp32 outputs."""
+    import triton
+    import triton.language as tl
+
+    from tritonkit.ops import linear_kernels as lk
+
+    monkeypatch.setitem(globals(), "lk", lk)  # what the test kernel below calls, as a global
+
+    @triton.jit
+    def both(z_ptr, fast_ptr, exact_ptr, ACTIVATION: tl.constexpr):
+        offsets = tl.arange(0, 1024)
+        z = tl.load(z_ptr + offsets)
+        tl.store(fast_ptr + offsets, lk._activate(z, ACTIVATION, True))
+        tl.store(exact_ptr + offsets, lk._activate(z, ACTIVATION, False))
+
+    z = torch.cat([torch.linspace(-30.0, 30.0, 512), random_tensor((512,), torch.float32, "cpu",
+                                                                   generator=generator(7))]).to(device)
+    fast, exact = torch.empty_like(z), torch.empty_like(z)
+    both[(1,)](z, fast, exact, ACTIVATIONS[name])
+    reference = lk._REFERENCE_ACTIVATIONS[name](z.double())
+    exact_error = (exact.double() - reference).abs().max().item()
+    assert (fast.double() - reference).abs().max().item() <= max(2 * exact_error, 1e-6)
+    assert torch.isfinite(fast).all()
+
+
 _TMA_SASS_CHECK = r"""
 import json, torch
 from tritonkit.inspect import compile_launch

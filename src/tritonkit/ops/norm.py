@@ -63,7 +63,7 @@ CONFIGS = {
     # rows that fit in registers may still go faster through the looped kernel, one row a program
     # in chunks, read twice (the second time from cache), as torch.compile's kernels do
     + [{"BLOCK_N": n, "num_warps": w, **evict} for n in (1024, 2048, 4096) for w in (4, 8, 16)
-       for evict in ({}, {"EVICT": True})],
+       for evict in ({}, {"EVICT": True})],  # 1024 at 8 warps and 2048 at 16: torch.compile's 4 a thread
     ("fwd", True): [{"BLOCK_N": n, "num_warps": w} for n in (2048, 4096, 8192) for w in (4, 8, 16)]
     + [{"BLOCK_N": n, "num_warps": w, "PER_SM": p} for n in (4096, 8192) for w in (8, 16) for p in (1, 2, 4)]
     + [{"BLOCK_N": n, "num_warps": w, "EVICT": True, **per_sm} for n in (4096, 8192) for w in (8, 16)
@@ -83,6 +83,7 @@ CONFIGS = {
 # PREFETCH backward holds the next row's h and dy too: at most 32 a row.
 PER_THREAD_RANGE = {False: (8, 64), True: (8, 64)}
 PREFETCH_MAX_PER_THREAD = 32
+LOOPED_MIN_PER_THREAD = 4  # looped forward on rows that fit: torch.compile's 2048-entry chunks, 16 warps
 ROW_ELEMENTS = 8192  # default: elements a forward program takes at a time (rows of 1024 go 8 to one)
 PER_THREAD = 16  # default: values a thread holds per row tile, four 16-byte fp32 vectors in flight
 # Rows each backward program walks, summing its dw and db partials in registers (a power of two in
@@ -159,6 +160,8 @@ def _prune(config: dict, key: dict) -> bool:
     tile = config.get("BLOCK_N", key["block_n"]) * config.get("BLOCK_M", 1)
     tiles = 2 if key["direction"] == "bwd" and not key["looped"] else 1  # h and dy
     low, high = PER_THREAD_RANGE[key["looped"]]
+    if not key["looped"] and "BLOCK_N" in config:  # a looped config for a one-pass key
+        low = LOOPED_MIN_PER_THREAD
     per_thread = tile * tiles / (32 * config["num_warps"])
     if not low <= per_thread <= high or config.get("PREFETCH") and per_thread > PREFETCH_MAX_PER_THREAD:
         return True
