@@ -413,7 +413,10 @@ def _fwd_launch_args(input, residual, weight, bias, eps: float, rms: bool, confi
         # PER_SM: a persistent grid of that many programs an SM walks the rows, so that fewer rows
         # are between their two passes at once (the second pass is to find its row in L2)
         programs = min(rows, config["PER_SM"] * sm_count(input.device)) if "PER_SM" in config else rows
-        return outputs, _LAUNCHERS["fwd", True], (programs,), args, meta | {"BLOCK_N": config["BLOCK_N"]}
+        # rows that fit compile for their length (ROW_LENGTH), as the one-pass kernel does for its block
+        row_length = n if block_n <= MAX_BLOCK_N["fwd"] else 0
+        return (outputs, _LAUNCHERS["fwd", True], (programs,), args,
+                meta | {"BLOCK_N": config["BLOCK_N"], "ROW_LENGTH": row_length})
     meta |= {"BLOCK_M": config["BLOCK_M"], "BLOCK_N": block_n}
     return outputs, _LAUNCHERS["fwd", False], (cdiv(rows, config["BLOCK_M"]),), args, meta
 

@@ -188,11 +188,19 @@ def _norm_fwd_looped_kernel(
     STREAM: tl.constexpr,  # eviction policy of the second pass's reads (the row's last): "" or "evict_first"
     KEEP: tl.constexpr,  # ... of the first pass's reads, and of w and b: "" or "evict_last"
     BLOCK_N: tl.constexpr,  # entries per chunk
+    ROW_LENGTH: tl.constexpr,  # N when compiling for it (rows that fit in registers), else 0
 ):
+    # A row length known when compiling lets each pass's chunk loads all be issued before the first
+    # is summed (a fixed trip count): 7-17% faster on rows of 4096-8192 entries on the H200. Long
+    # rows keep N a run-time value, one compilation for all of them.
+    if ROW_LENGTH > 0:
+        n = ROW_LENGTH
+    else:
+        n = N
     # one row a program, or (a grid smaller than M) a persistent walk over the rows
     for program_row in range(tl.program_id(0), M, tl.num_programs(0)):
         _norm_fwd_looped_row(x_ptr, r_ptr, h_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr,
-                             tl.cast(program_row, tl.int64), N, stride_xm, stride_rm, eps, RMS, HAS_RESIDUAL,
+                             tl.cast(program_row, tl.int64), n, stride_xm, stride_rm, eps, RMS, HAS_RESIDUAL,
                              HAS_WEIGHT, HAS_BIAS, BLOCK_N, STREAM, KEEP)
 
 
