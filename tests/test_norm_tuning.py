@@ -31,11 +31,14 @@ def _candidates(key):
 
 
 # Rows of 96 forward (block of 128: BLOCK_M of 8 and more keep 8+ values a thread) and of 1000
-# backward (h and dy: 4 and 8 warps), in a bucket of many rows so that no ROWS is pruned.
+# backward (h and dy: 4 and 8 warps), in a bucket of many rows so that no ROWS is pruned; rows of
+# 1000 and 4097 forward also through the looped candidates, compiled for their length.
 GATE_CASES = [("fwd", 96, 4096, {}), ("fwd", 96, 4096, {"rms": True, "residual": True}),
               ("bwd", 1000, 65536, {}),
               ("bwd", 1000, 65536, {"rms": True, "residual": True, "dtype": BF16, "weight": BF16}),
-              ("fwd", 1000, 64, {"dtype": BF16, "bias": None})]
+              ("fwd", 1000, 64, {"dtype": BF16, "bias": None}),
+              # the looped candidates compiled for a row of several chunks and a ragged tail
+              ("fwd", 4097, 4, {"rms": True, "residual": True})]
 
 
 def _distinct_runs(candidates: list[dict]) -> list[dict]:
