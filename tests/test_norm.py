@@ -149,6 +149,25 @@ def test_a_persistent_looped_forward_walks_every_row(kind, looped, monkeypatch, 
     assert grids and all(grid == (2,) for grid in grids), grids
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n, out_block", [(100, 64), (20000, 4096)])
+def test_a_chunk_past_8192_with_a_smaller_second_pass(kind, n, out_block, looped, monkeypatch, device):
+    """Chunks past 8192 entries shift LayerNorm's sums by the mean of the row's first entries (all
+    of them at 100, fewer than SHIFT_SAMPLE), pass 2 walks chunks of OUT_BLOCK_N: rows far from
+    zero still match, and every entry of y is written."""
+    config = {"BLOCK_N": 16384, "OUT_BLOCK_N": out_block, "num_warps": 4}
+    tuner = nm._TUNERS["fwd", True]
+    forced = tuning.Tuner(tuner.name, [config], sources=tuner.sources, default=lambda key: dict(config))
+    monkeypatch.setitem(nm._TUNERS, ("fwd", True), forced)
+    metas, launcher = [], nm._LAUNCHERS["fwd", True]
+    monkeypatch.setitem(nm._LAUNCHERS, ("fwd", True),
+                        lambda grid, *args, **meta: (metas.append(meta), launcher(grid, *args, **meta)))
+    kernel, reference, inputs, grad_inputs, grads = _case(kind, (3, n), F32, device, seed=n)
+    inputs[0] += 1000.0
+    check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
+    assert metas and all(m["BLOCK_N"] == 16384 and m["OUT_BLOCK_N"] == out_block for m in metas)
+
+
 def test_backward_rows_per_program_keep_every_sm_busy():
     """Two programs an SM where rows allow (8192 rows at 64 a program were 128 programs for 132 SMs),
     at most 64 rows a program (16 looped), at least 8 (4 looped)."""

@@ -71,7 +71,12 @@ CONFIGS = {
     # chunks of 16-64K entries at 16-32 warps: one or two programs an SM, each with its whole row
     # (or half of it) in flight, so that pass 2 may find the row it has just read in L1 or L2
     + [{"BLOCK_N": n, "num_warps": w, **evict} for n in (16384, 32768, 65536) for w in (16, 32)
-       for evict in ({}, {"EVICT": True})],
+       for evict in ({}, {"EVICT": True})]
+    # ... with pass 2 in smaller chunks, as it holds h, w and b together. LayerNorm's whole-row chunk
+    # (65536 at 32 warps, sm_90) spilled 96 bytes; 56 with the smaller pass 2 alone, none once its
+    # sums are also shifted by a sampled mean (norm_kernels.SHIFT_SAMPLE)
+    + [{"BLOCK_N": n, "OUT_BLOCK_N": out, "num_warps": w, **evict} for n in (32768, 65536)
+       for out in (8192, 16384) for w in (16, 32) for evict in ({}, {"EVICT": True})],
     ("bwd", False): [{"ROWS": r, "num_warps": w, **prefetch} for r in (8, 16, 32, 64) for w in (4, 8, 16)
                      for prefetch in ({}, {"PREFETCH": True})],
     ("bwd", True): [{"ROWS": r, "BLOCK_N": n, "num_warps": w} for r in (4, 8, 16) for n in (2048, 4096)
@@ -416,7 +421,8 @@ def _fwd_launch_args(input, residual, weight, bias, eps: float, rms: bool, confi
         # rows that fit compile for their length (ROW_LENGTH), as the one-pass kernel does for its block
         row_length = n if block_n <= MAX_BLOCK_N["fwd"] else 0
         return (outputs, _LAUNCHERS["fwd", True], (programs,), args,
-                meta | {"BLOCK_N": config["BLOCK_N"], "ROW_LENGTH": row_length})
+                meta | {"BLOCK_N": config["BLOCK_N"], "ROW_LENGTH": row_length,
+                        "OUT_BLOCK_N": config.get("OUT_BLOCK_N", config["BLOCK_N"])})
     meta |= {"BLOCK_M": config["BLOCK_M"], "BLOCK_N": block_n}
     return outputs, _LAUNCHERS["fwd", False], (cdiv(rows, config["BLOCK_M"]),), args, meta
 
@@ -696,7 +702,8 @@ def _inspect_launches(residual: bool, rms: bool, bias: bool, shape: tuple, dtype
     """The forward and backward launches for ``shape``: what ``tritonkit inspect`` compiles. Each
     takes its default config, with what ``config`` sets of it (BLOCK_M is the one-pass forward's,
     EVICT either forward's, ROWS and PREFETCH the backward's, BLOCK_N the looped kernels' (given for
-    a row that fits in registers, it sends the forward through the looped kernel), num_warps
+    a row that fits in registers, it sends the forward through the looped kernel), OUT_BLOCK_N the
+    looped forward's pass 2 chunk, num_warps
     every kernel's); then
     the backward's second stage, the partial sums, on its own fixed tile."""
     from tritonkit.inspect import Launch
@@ -709,7 +716,7 @@ def _inspect_launches(residual: bool, rms: bool, bias: bool, shape: tuple, dtype
     launches = []
     for direction in ("fwd", "bwd"):
         default = _default(_tuning_key(direction, n, rows, dtype, params))
-        optional = ("EVICT", "BLOCK_N") if direction == "fwd" else ("PREFETCH",)
+        optional = ("EVICT", "BLOCK_N", "OUT_BLOCK_N") if direction == "fwd" else ("PREFETCH",)
         chosen = default | {k: v for k, v in (config or {}).items() if k in default or k in optional}
         if "BLOCK_N" in chosen:
             chosen.pop("BLOCK_M", None)  # a looped forward

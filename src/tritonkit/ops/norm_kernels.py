@@ -187,8 +187,9 @@ def _norm_fwd_looped_kernel(
     HAS_BIAS: tl.constexpr,  # shift by b
     STREAM: tl.constexpr,  # eviction policy of the second pass's reads (the row's last): "" or "evict_first"
     KEEP: tl.constexpr,  # ... of the first pass's reads, and of w and b: "" or "evict_last"
-    BLOCK_N: tl.constexpr,  # entries per chunk
+    BLOCK_N: tl.constexpr,  # entries per chunk of pass 1
     ROW_LENGTH: tl.constexpr,  # N when compiling for it (rows that fit in registers), else 0
+    OUT_BLOCK_N: tl.constexpr,  # entries per chunk of pass 2 (at most BLOCK_N)
 ):
     # A row length known when compiling fixes the trip count: the chunk loops unroll whole, and
     # pass 1 issues all its chunk loads before the first is summed. On the H200, rows of 4096-8192
@@ -202,20 +203,32 @@ def _norm_fwd_looped_kernel(
     for program_row in range(tl.program_id(0), M, tl.num_programs(0)):
         _norm_fwd_looped_row(x_ptr, r_ptr, h_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr,
                              tl.cast(program_row, tl.int64), n, stride_xm, stride_rm, eps, RMS, HAS_RESIDUAL,
-                             HAS_WEIGHT, HAS_BIAS, BLOCK_N, STREAM, KEEP)
+                             HAS_WEIGHT, HAS_BIAS, BLOCK_N, OUT_BLOCK_N, STREAM, KEEP)
+
+
+SHIFT_SAMPLE = tl.constexpr(256)  # entries whose mean shifts a large chunk's sums (LayerNorm)
 
 
 @triton.jit
 def _norm_fwd_looped_row(x_ptr, r_ptr, h_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, row, N, stride_xm,
                          stride_rm, eps, RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                          HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                         STREAM: tl.constexpr, KEEP: tl.constexpr):
+                         OUT_BLOCK_N: tl.constexpr, STREAM: tl.constexpr, KEEP: tl.constexpr):
     """One row of the looped forward: its statistics over the chunks, then its output."""
     offsets = tl.arange(0, BLOCK_N)
     # chunks of up to 8192 entries add into vectors, reduced across the warps once after the loop;
     # a larger chunk reduces itself, as its vectors would double the registers it holds
     VECTORS: tl.constexpr = BLOCK_N <= 8192
     shift = 0.0  # LayerNorm: the first chunk's mean; sums of h - shift stay small and do not cancel
+    if not RMS and not VECTORS:
+        # a large chunk would hold all of h across the reduction that makes its mean: the mean of
+        # the row's first SHIFT_SAMPLE entries, loaded apart (from cache once the chunk is issued),
+        # lets h die as it is summed (one chunk of 65536 entries at 32 warps spilled without it)
+        sample = tl.arange(0, SHIFT_SAMPLE)
+        head = tl.load(x_ptr + row * stride_xm + sample, mask=sample < N, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            head += tl.load(r_ptr + row * stride_rm + sample, mask=sample < N, other=0.0).to(tl.float32)
+        shift = tl.sum(head, axis=0) / tl.minimum(N, SHIFT_SAMPLE).to(tl.float32)
     if VECTORS:
         total = tl.zeros([BLOCK_N], tl.float32)  # sum of h - shift (LayerNorm)
         squares = tl.zeros([BLOCK_N], tl.float32)  # sum of (h - shift)^2 (LayerNorm) or of h^2 (RMSNorm)
@@ -238,7 +251,7 @@ def _norm_fwd_looped_row(x_ptr, r_ptr, h_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rst
         if RMS:
             deviations = h
         else:
-            if start == 0:
+            if VECTORS and start == 0:
                 shift = tl.sum(h, axis=0) / tl.minimum(N, BLOCK_N).to(tl.float32)
             deviations = tl.where(mask, h - shift, 0.0)
         if VECTORS:
@@ -262,8 +275,11 @@ def _norm_fwd_looped_row(x_ptr, r_ptr, h_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rst
         tl.store(mean_ptr + row, mean)
     tl.store(rstd_ptr + row, rstd)
     source_ptr = h_ptr + row * N if HAS_RESIDUAL else x_ptr + row * stride_xm
-    for start in range(0, N, BLOCK_N):
-        cols = start + offsets
+    # pass 2 may take smaller chunks than pass 1: it holds h, w and b at once, where pass 1 holds
+    # only h, and its reads come from cache when pass 1 took the whole row in one chunk
+    out_offsets = tl.arange(0, OUT_BLOCK_N)
+    for start in range(0, N, OUT_BLOCK_N):
+        cols = start + out_offsets
         mask = cols < N
         h = tl.load(source_ptr + cols, mask=mask, other=0.0, eviction_policy=STREAM).to(tl.float32)
         y = (h * rstd) if RMS else (h - mean) * rstd
