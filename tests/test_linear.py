@@ -529,3 +529,28 @@ def test_gpu_tma_tiles_match_the_reference(form, config, device):
     tile = {"BLOCK_M": 128, "BLOCK_K": 64, "GROUP_M": 8, "TMA": True} | config
     assert lk._tma_ready(a) and lk._tma_ready(b)
     assert lk._admit(a, b, operands, tile).passed
+
+
+@pytest.mark.parametrize("form", ["fwd", "dx"])
+def test_decode_tiles_match_the_reference_and_only_decode_keys_get_them(form, device):
+    """A 16-row tile, deeper than the usual 64 (the decode tiles' kind), through the gate's oracle on
+    5 rows with a ragged last step of K; the tuner offers such tiles only to decode-like rows, a
+    16-row tile only where the rows fit it, and no tile deeper than K."""
+    from tritonkit.ops import linear_kernels as lk
+
+    g = generator(36)
+    x = random_tensor((5, 200), F16, device, generator=g)
+    w = random_tensor((72, 200), F16, device, generator=g)
+    dy = random_tensor((5, 72), F16, device, generator=g)
+    a, b, operands = _forms(x, w, w, dy, dy, {"bias": random_tensor((72,), F16, device, generator=g),
+                                              "activation": ACTIVATIONS["gelu_tanh"]})[form]
+    tile = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 2}
+    assert lk._admit(a, b, operands, tile).passed
+    decode = {"form": "linear", "epilogue": False, "m": 16, "n": 16384, "k": 4096}
+    sixteen_rows, deep = ({"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4,
+                           "num_stages": 6} for bm in (16, 64))
+    assert not lk._prune(sixteen_rows, decode) and not lk._prune(deep, decode | {"m": 128})
+    assert lk._prune(sixteen_rows, decode | {"m": 32})  # rows past the tile
+    assert lk._prune(deep, decode | {"m": 256})  # not decode-like
+    assert lk._prune(deep, decode | {"k": 64})  # K shallower than a step
+    assert any(c["BLOCK_M"] == 16 for c in lk.CONFIGS) and any(c["BLOCK_K"] > 64 for c in lk.CONFIGS)
