@@ -45,8 +45,6 @@ from tritonkit.ops.norm_kernels import (  # noqa: E402
     _norm_fwd_kernel,
     _norm_fwd_looped_kernel,
     _norm_fwd_looped_row,
-    _out_chunk_loads,
-    _out_chunk_store,
     _sum_partials_kernel,
 )
 
@@ -183,9 +181,8 @@ def _prune(config: dict, key: dict) -> bool:
 
 # the other @triton.jit functions a tuner's timings depend on: the helpers a kernel calls, and the
 # backward's second stage, which each timing includes
-_FWD_LOOPED_HELPERS = (_norm_fwd_looped_row, _out_chunk_loads, _out_chunk_store)
-_HELPERS = {("fwd", False): (_norm_fwd_looped_kernel, *_FWD_LOOPED_HELPERS),  # its looped candidates
-            ("fwd", True): _FWD_LOOPED_HELPERS,
+_HELPERS = {("fwd", False): (_norm_fwd_looped_kernel, _norm_fwd_looped_row),  # its looped candidates
+            ("fwd", True): (_norm_fwd_looped_row,),
             ("bwd", False): (_bwd_row, _add_pairs, _sum_partials_kernel),
             ("bwd", True): (_sum_partials_kernel,)}
 _TUNERS = {

@@ -276,49 +276,18 @@ def _norm_fwd_looped_row(x_ptr, r_ptr, h_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rst
     tl.store(rstd_ptr + row, rstd)
     source_ptr = h_ptr + row * N if HAS_RESIDUAL else x_ptr + row * stride_xm
     # pass 2 may take smaller chunks than pass 1: it holds h, w and b at once, where pass 1 holds
-    # only h, and its reads come from cache when pass 1 took the whole row in one chunk. Smaller
-    # chunks load the next one before finishing this one: one at a time, each step would wait on
-    # its loads (RMSNorm at 4096x65536 on the H200: 261 us in one chunk, 300-306 in 16K-8K steps)
+    # only h, and its reads come from cache when pass 1 took the whole row in one chunk
     out_offsets = tl.arange(0, OUT_BLOCK_N)
-    y_row_ptr = y_ptr + row * N
-    if OUT_BLOCK_N < BLOCK_N:
-        h, w, b = _out_chunk_loads(source_ptr, w_ptr, b_ptr, out_offsets, N, HAS_WEIGHT, HAS_BIAS,
-                                   STREAM, KEEP)
-        for start in range(0, N, OUT_BLOCK_N):
-            cols = start + out_offsets
-            h_next, w_next, b_next = _out_chunk_loads(source_ptr, w_ptr, b_ptr, cols + OUT_BLOCK_N, N,
-                                                      HAS_WEIGHT, HAS_BIAS, STREAM, KEEP)
-            _out_chunk_store(y_row_ptr, cols, N, h, w, b, mean, rstd, RMS, HAS_WEIGHT, HAS_BIAS)
-            h, w, b = h_next, w_next, b_next
-    else:
-        for start in range(0, N, OUT_BLOCK_N):
-            cols = start + out_offsets
-            h, w, b = _out_chunk_loads(source_ptr, w_ptr, b_ptr, cols, N, HAS_WEIGHT, HAS_BIAS, STREAM, KEEP)
-            _out_chunk_store(y_row_ptr, cols, N, h, w, b, mean, rstd, RMS, HAS_WEIGHT, HAS_BIAS)
-
-
-@triton.jit
-def _out_chunk_loads(source_ptr, w_ptr, b_ptr, cols, N, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     STREAM: tl.constexpr, KEEP: tl.constexpr):
-    """A pass 2 chunk's h, w and b as stored (w and b stand in for themselves as h when absent)."""
-    mask = cols < N
-    h = tl.load(source_ptr + cols, mask=mask, other=0.0, eviction_policy=STREAM)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy=KEEP) if HAS_WEIGHT else h
-    b = tl.load(b_ptr + cols, mask=mask, other=0.0, eviction_policy=KEEP) if HAS_BIAS else h
-    return h, w, b
-
-
-@triton.jit
-def _out_chunk_store(y_row_ptr, cols, N, h, w, b, mean, rstd, RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-                     HAS_BIAS: tl.constexpr):
-    """y for a pass 2 chunk, from its loads."""
-    h = h.to(tl.float32)
-    y = (h * rstd) if RMS else (h - mean) * rstd
-    if HAS_WEIGHT:
-        y *= w.to(tl.float32)
-    if HAS_BIAS:
-        y += b.to(tl.float32)
-    tl.store(y_row_ptr + cols, y.to(y_row_ptr.dtype.element_ty), mask=cols < N)
+    for start in range(0, N, OUT_BLOCK_N):
+        cols = start + out_offsets
+        mask = cols < N
+        h = tl.load(source_ptr + cols, mask=mask, other=0.0, eviction_policy=STREAM).to(tl.float32)
+        y = (h * rstd) if RMS else (h - mean) * rstd
+        if HAS_WEIGHT:
+            y *= tl.load(w_ptr + cols, mask=mask, eviction_policy=KEEP).to(tl.float32)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + cols, mask=mask, eviction_policy=KEEP).to(tl.float32)
+        tl.store(y_ptr + row * N + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
