@@ -1,9 +1,14 @@
 """Decode-like linear tiles: the shipped kernel on tiles the tuner does not offer yet (16 and 32
 rows, mma.sync; 128 and 256 deep; more stages), against the shipped winners and cuBLAS, at
 M = 16 and 128, K = 4096, N = 16384 (forward: bare, and bias + gelu_tanh) and the dx form
-(M rows, K = 16384, N = 4096). CUDA-graph replays, median, as the benchmark; each result checked
-against float64. Also the time to read W once (a sum over it) as the bandwidth such a matmul can
-reach.
+(M rows, K = 16384, N = 4096). CUDA-graph replays, median; each result checked against float64.
+Also the time to read W once (a sum over it) as the bandwidth such a matmul can reach.
+
+Unlike the benchmark and the tuner (triton's do_bench, which writes 256 MB between repetitions),
+the replays here do not flush L2, so part of W's 128 MB is still there from the previous call: its
+times ran 20-35% below the tuner's for the same tiles (at 71895ba,
+benchmarks/results/h200/history/decode-tiles-71895ba.json), and its ranking overstated the deep
+64-row TMA tiles. The tiles it found were added to the tuner, which chose among them with L2 flushed.
 
     PYTHONPATH=src python benchmarks/prototypes/decode_tiles.py OUT.json
 """
@@ -19,7 +24,8 @@ from triton.testing import do_bench_cudagraph
 from tritonkit.ops import linear_kernels as lk
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: the interpreter, a smoke test
-SHAPES = [("fwd", 16, 4096, 16384), ("fwd", 128, 4096, 16384), ("dx", 16, 16384, 4096), ("dx", 128, 16384, 4096)]
+SHAPES = [("fwd", 16, 4096, 16384), ("fwd", 128, 4096, 16384),
+          ("dx", 16, 16384, 4096), ("dx", 128, 16384, 4096)]
 
 
 def tile(bm, bn, bk, stages, warps=4, **extra):
@@ -28,11 +34,13 @@ def tile(bm, bn, bk, stages, warps=4, **extra):
 
 
 def candidates(m):
-    shipped = [tile(64, 64, 64, 4), tile(64, 128, 64, 4, 8), tile(128, 64, 64, 4, 8), tile(64, 64, 64, 3)]
+    shipped = [tile(64, 64, 64, 4), tile(64, 128, 64, 4, 8), tile(128, 64, 64, 4, 8),
+               tile(64, 64, 64, 3)]
     small = [tile(bm, bn, bk, stages) for bm in ((16, 32) if m <= 16 else (32, 64))
              for bn, bk, stages in ((64, 128, 6), (64, 128, 8), (64, 256, 4), (128, 128, 4), (128, 128, 5),
                                     (32, 256, 6), (64, 64, 8))]
-    tma = [tile(16 if m <= 16 else 64, 64, 128, 6, TMA=True), tile(16 if m <= 16 else 64, 128, 128, 4, TMA=True)]
+    rows = 16 if m <= 16 else 64
+    tma = [tile(rows, 64, 128, 6, TMA=True), tile(rows, 128, 128, 4, TMA=True)]
     return shipped + small + tma
 
 
@@ -57,8 +65,8 @@ def time_one(x, w, operands, config):
     lk._launch(x, w, out, config, operands)
     if DEVICE == "cuda":
         torch.cuda.synchronize()
-    exact = lk._matmul_reference(x.double(), w.double(),
-                                 **{k: v.double() if isinstance(v, torch.Tensor) else v for k, v in operands.items()})
+    upcast = {k: v.double() if isinstance(v, torch.Tensor) else v for k, v in operands.items()}
+    exact = lk._matmul_reference(x.double(), w.double(), **upcast)
     err = (out.double() - exact).abs().max().item()
     ms = do_bench_cudagraph(lambda: lk._launch(x, w, out, config, operands), rep=200, return_mode="median")
     return ms, err
@@ -68,19 +76,21 @@ def main():
     rows = []
     for form, m, k, n in SHAPES:
         x, w, b = problem(form, m, k, n)
-        read_w = do_bench_cudagraph(lambda: w.sum(dtype=torch.float32), rep=200, return_mode="median")
-        cublas = do_bench_cudagraph(lambda: x @ w.T, rep=200, return_mode="median")
+        read_w = do_bench_cudagraph(lambda w=w: w.sum(dtype=torch.float32), rep=200, return_mode="median")
+        cublas = do_bench_cudagraph(lambda x=x, w=w: x @ w.T, rep=200, return_mode="median")
         epilogues = {"bare": {}}
         if form == "fwd":
             epilogues["bias gelu_tanh"] = {"bias": b, "activation": lk.ACTIVATIONS["gelu_tanh"]}
-            addmm = do_bench_cudagraph(lambda: torch._addmm_activation(b, x, w.T, use_gelu=True), rep=200,
-                                       return_mode="median")
+            def fused_gelu(b=b, x=x, w=w):
+                return torch._addmm_activation(b, x, w.T, use_gelu=True)
+            addmm = do_bench_cudagraph(fused_gelu, rep=200, return_mode="median")
         for label, operands in epilogues.items():
             row = {"form": form, "shape": [m, k, n], "epilogue": label, "cublas bare ms": cublas,
                    "read W once ms": read_w, "W bytes": w.numel() * 2, "configs": []}
             if label != "bare":
                 row["addmm gelu ms"] = addmm
-            splits = [tile(64, bn, 64, 3, SPLIT_K=s) for bn in (64, 128) for s in (2, 4, 8)] if label == "bare" else []
+            splits = ([tile(64, bn, 64, 3, SPLIT_K=s) for bn in (64, 128) for s in (2, 4, 8)]
+                      if label == "bare" else [])
             for config in candidates(m) + splits:
                 if not fits(config):
                     continue
@@ -95,7 +105,8 @@ def main():
                   f"best {best['ms'] * 1e3:.1f} us {best['config']}", flush=True)
             rows.append(row)
             with open(sys.argv[1], "w") as f:
-                json.dump({"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "rows": rows}, f, indent=1)
+                gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+                json.dump({"gpu": gpu, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
