@@ -132,21 +132,31 @@ def test_long_rows_go_through_the_looped_kernels(kind, shape, dtype, looped, dev
     assert set(looped) == {("fwd", True), ("bwd", True)}
 
 
+def _force_looped_forward(monkeypatch, config: dict) -> list:
+    """The looped forward's tuner offers only ``config``; the returned list records each launch's
+    (grid, constexprs and options)."""
+    tuner = nm._TUNERS["fwd", True]
+    forced = tuning.Tuner(tuner.name, [config], sources=tuner.sources, default=lambda key: dict(config))
+    monkeypatch.setitem(nm._TUNERS, ("fwd", True), forced)
+    launches, launcher = [], nm._LAUNCHERS["fwd", True]
+
+    def recording(grid, *args, **meta):
+        launches.append((grid, meta))
+        launcher(grid, *args, **meta)
+
+    monkeypatch.setitem(nm._LAUNCHERS, ("fwd", True), recording)
+    return launches
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_persistent_looped_forward_walks_every_row(kind, looped, monkeypatch, device):
     """A PER_SM config launches fewer programs than rows (two for 9 rows, on one SM), and each
     walks its share: every row's output, statistics and gradients match the reference."""
     monkeypatch.setattr(nm, "sm_count", lambda device: 1)
-    config = {"BLOCK_N": 32, "num_warps": 4, "PER_SM": 2}
-    tuner = nm._TUNERS["fwd", True]
-    persistent = tuning.Tuner(tuner.name, [config], sources=tuner.sources, default=lambda key: dict(config))
-    monkeypatch.setitem(nm._TUNERS, ("fwd", True), persistent)
-    grids, launcher = [], nm._LAUNCHERS["fwd", True]
-    monkeypatch.setitem(nm._LAUNCHERS, ("fwd", True),
-                        lambda grid, *args, **meta: (grids.append(grid), launcher(grid, *args, **meta)))
+    launches = _force_looped_forward(monkeypatch, {"BLOCK_N": 32, "num_warps": 4, "PER_SM": 2})
     kernel, reference, inputs, grad_inputs, grads = _case(kind, (9, 97), BF16, device, seed=5)
     check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
-    assert grids and all(grid == (2,) for grid in grids), grids
+    assert launches and all(grid == (2,) for grid, _ in launches), launches
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -156,16 +166,11 @@ def test_a_chunk_past_8192_with_a_smaller_second_pass(kind, n, out_block, looped
     of them at 100, fewer than SHIFT_SAMPLE), pass 2 walks chunks of OUT_BLOCK_N: rows far from
     zero still match, and every entry of y is written."""
     config = {"BLOCK_N": 16384, "OUT_BLOCK_N": out_block, "num_warps": 4}
-    tuner = nm._TUNERS["fwd", True]
-    forced = tuning.Tuner(tuner.name, [config], sources=tuner.sources, default=lambda key: dict(config))
-    monkeypatch.setitem(nm._TUNERS, ("fwd", True), forced)
-    metas, launcher = [], nm._LAUNCHERS["fwd", True]
-    monkeypatch.setitem(nm._LAUNCHERS, ("fwd", True),
-                        lambda grid, *args, **meta: (metas.append(meta), launcher(grid, *args, **meta)))
+    launches = _force_looped_forward(monkeypatch, config)
     kernel, reference, inputs, grad_inputs, grads = _case(kind, (3, n), F32, device, seed=n)
     inputs[0] += 1000.0
     check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
-    assert metas and all(m["BLOCK_N"] == 16384 and m["OUT_BLOCK_N"] == out_block for m in metas)
+    assert launches and all(m["BLOCK_N"] == 16384 and m["OUT_BLOCK_N"] == out_block for _, m in launches)
 
 
 def test_backward_rows_per_program_keep_every_sm_busy():
