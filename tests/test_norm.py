@@ -164,12 +164,13 @@ def test_a_persistent_looped_forward_walks_every_row(kind, looped, monkeypatch, 
 def test_a_chunk_past_8192_with_a_smaller_second_pass(kind, n, out_block, looped, monkeypatch, device):
     """Chunks past 8192 entries shift LayerNorm's sums by the mean of the row's first entries (all
     of them at 100, fewer than SHIFT_SAMPLE), pass 2 walks chunks of OUT_BLOCK_N: rows far from
-    zero still match, and every entry of y is written."""
+    zero still match, and every entry of y is written. The outputs only: y carries the mean and
+    rstd the backward reuses, and the looped backward's own tests cover the gradients."""
     config = {"BLOCK_N": 16384, "OUT_BLOCK_N": out_block, "num_warps": 4}
     launches = _force_looped_forward(monkeypatch, config)
-    kernel, reference, inputs, grad_inputs, grads = _case(kind, (3, n), F32, device, seed=n)
+    kernel, reference, inputs, _, _ = _case(kind, (3, n), F32, device, seed=n)
     inputs[0] += 1000.0
-    check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
+    check_against_reference(kernel, reference, inputs)
     assert launches and all(m["BLOCK_N"] == 16384 and m["OUT_BLOCK_N"] == out_block for _, m in launches)
 
 
