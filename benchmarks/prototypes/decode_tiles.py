@@ -6,7 +6,7 @@ Also the time to read W once (a sum over it) as the bandwidth such a matmul can 
 
 Unlike the benchmark and the tuner (triton's do_bench, which writes 256 MB between repetitions),
 the replays here do not flush L2, so part of W's 128 MB is still there from the previous call: its
-times ran 20-35% below the tuner's for the same tiles (at 71895ba,
+times ran 13-33% below the tuner's for the same tiles (at 71895ba,
 benchmarks/results/h200/history/decode-tiles-71895ba.json), and its ranking overstated the deep
 64-row TMA tiles. The tiles it found were added to the tuner, which chose among them with L2 flushed.
 
