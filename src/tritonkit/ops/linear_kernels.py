@@ -462,9 +462,9 @@ CONFIGS += [{"BLOCK_M": 128, "BLOCK_N": bn, "BLOCK_K": 64, "GROUP_M": 8, "num_wa
 CONFIGS += [{"BLOCK_M": 64, "BLOCK_N": bn, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 3,
              "SPLIT_K": split_k} for bn in (64, 128) for split_k in (4, 16)]
 # Decode-like rows (at most DECODE_ROWS): W is the traffic, so tiles that keep more of it in flight
-# a program: 16-row tiles (mma.sync; only where the rows fit them), 128-256 deep, 4-6 stages. On
-# the H200 (benchmarks/prototypes/decode_tiles.py) the best of these beat the tuner's best shipped
-# tile by 5% at 16 x 4096 x 16384 and by 15% at the backward's dx of 128 x 16384 x 4096.
+# a program: 16-row tiles (mma.sync; only where the rows fit them), 128-256 deep, 4-6 stages. Found
+# by benchmarks/prototypes/decode_tiles.py; timed with L2 flushed, the 16-row tiles won the H200's
+# 16-row keys (forward 47.5 -> 45.8 us, dx 56.6 -> 48.1) but the gated dx's, the deep 64-row ones none.
 DECODE_TILES = ((16, 128, 128, 5, {}), (16, 64, 128, 6, {}), (16, 32, 256, 6, {}),  # rows, columns, depth,
                 (64, 64, 128, 6, {"TMA": True}), (64, 128, 128, 4, {"TMA": True}))  # stages, TMA or not
 CONFIGS += [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": 4, "num_stages": stages,
