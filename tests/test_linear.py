@@ -508,7 +508,9 @@ def test_gpu_default_tiles_match_the_reference(activation, device):
 
 
 TMA_GPU_TILES = {"persistent": {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "PERSISTENT": 1},
-                 "grid": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}}
+                 "grid": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+                 "shallow, descriptor store": {"BLOCK_N": 64, "BLOCK_K": 16, "num_warps": 4, "num_stages": 3,
+                                               "PERSISTENT": 2, "TMA_STORE": True}}
 
 
 @pytest.mark.gpu
@@ -554,3 +556,50 @@ def test_decode_tiles_match_the_reference_and_only_decode_keys_get_them(form, de
     assert lk._prune(deep, decode | {"m": 256})  # not decode-like
     assert lk._prune(deep, decode | {"k": 64})  # K shallower than a step
     assert any(c["BLOCK_M"] == 16 for c in lk.CONFIGS) and any(c["BLOCK_K"] > 64 for c in lk.CONFIGS)
+
+
+@pytest.mark.parametrize("persistent", [0, 2], ids=["", "two programs an SM"])
+@pytest.mark.parametrize("form", ["fwd", "dw"])
+def test_shallow_tiles_and_the_descriptor_store_match_the_reference(form, persistent, monkeypatch, device):
+    """C stored through a tensor descriptor (TMA_STORE), after the bias and GELU epilogue and from
+    dW's transposed operands, on a NaN-filled output whose last tiles are ragged (the copy engine
+    clips them); rows that are not 16-byte aligned fall back to pointer stores; a split of K
+    ignores it. The tuner offers the shallow tiles only where K is at most DECODE_ROWS, and none
+    shallower than K."""
+    from tritonkit.ops import linear_kernels as lk
+    from tritonkit.testing import compare
+
+    g = generator(37)
+    launched = []
+    launcher = lk._launcher
+
+    def recording(grid, *args, **meta):
+        launched.append(meta)
+        launcher(grid, *args, **meta)
+
+    monkeypatch.setattr(lk, "_launcher", recording)
+    config = lk.INTERPRETER_CONFIG | {"TMA": True, "TMA_STORE": True, "PERSISTENT": persistent}
+    for k, stored_by_tma in ((40, True), (37, False)):  # dW's output rows: 80 bytes, or 74
+        x = random_tensor((72, k), F16, device, generator=g)
+        w = random_tensor((72, k), F16, device, generator=g)
+        dy = random_tensor((72, 72), F16, device, generator=g)
+        bias = random_tensor((72,), F16, device, generator=g)
+        epilogue = {"bias": bias, "activation": ACTIVATIONS["gelu_tanh"]}
+        a, b, operands = _forms(x, w, w, dy, dy, epilogue)[form]
+        out = torch.full((a.shape[0], b.shape[0]), float("nan"), dtype=F16, device=device)
+        lk._launch(a, b, out, config, operands)
+        assert launched[-1]["C_TMA"] == (stored_by_tma or form == "fwd")  # fwd: N = 72, aligned
+        wide = {name: t.double() if isinstance(t, torch.Tensor) else t for name, t in operands.items()}
+        checked = compare("output", out, lk._matmul_reference(a, b, **operands),
+                          lk._matmul_reference(a.double(), b.double(), **wide), F16)
+        assert checked.passed, checked
+    if form == "dw":
+        lk._launch(a, b, out, config | {"SPLIT_K": 2, "PERSISTENT": 0}, {})
+        assert not launched[-1]["C_TMA"] and launched[-1]["SPLIT_K"] == 2
+    dw = {"form": "linear", "epilogue": False, "m": 16384, "n": 4096, "k": 16}
+    shallow, store = ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": 4,
+                       "num_stages": 3, **extra} for bk, extra in ((16, {}), (64, {"TMA_STORE": True})))
+    assert not lk._prune(shallow, dw) and not lk._prune(store, dw)
+    assert lk._prune(shallow | {"BLOCK_K": 32}, dw)  # deeper than K
+    assert lk._prune(shallow, dw | {"k": 4096}) and lk._prune(store, dw | {"k": 4096})  # K not shallow
+    assert lk._prune(store | {"num_stages": 12}, dw)  # the stages and C's staged tile pass shared memory

@@ -132,11 +132,12 @@ def _depth_by_rows(descriptor, first_row, k, K_MAJOR: tl.constexpr):
 
 
 @triton.jit
-def _epilogue(acc, acc2, rows, cols, c_ptr, bias_ptr, residual_ptr, pre_ptr, pre2_ptr, M, N, stride_rm,
-              stride_rn, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-              STORE_PRE: tl.constexpr, GATED: tl.constexpr):
-    """C's tile from the accumulators: + bias, the pre-activations stored, act, * the second
-    product (GATED_FWD), + residual."""
+def _epilogue(acc, acc2, rows, cols, first_row, first_col, c_ptr, c_target, bias_ptr, residual_ptr, pre_ptr,
+              pre2_ptr, M, N, stride_rm, stride_rn, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr,
+              HAS_RESIDUAL: tl.constexpr, STORE_PRE: tl.constexpr, GATED: tl.constexpr, C_TMA: tl.constexpr):
+    """C's tile (rows x cols, from (first_row, first_col)) from the accumulators: + bias, the
+    pre-activations stored, act, * the second product (GATED_FWD), + residual; C_TMA: C stored
+    through ``c_target``, a descriptor."""
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     out = rows[:, None] * N + cols[None, :]  # offsets in C and in the stored pre-activations
     if HAS_BIAS:
@@ -151,7 +152,10 @@ def _epilogue(acc, acc2, rows, cols, c_ptr, bias_ptr, residual_ptr, pre_ptr, pre
     if HAS_RESIDUAL:
         y += tl.load(residual_ptr + rows[:, None] * stride_rm + cols[None, :] * stride_rn, mask=mask,
                      other=0.0).to(tl.float32)
-    tl.store(c_ptr + out, y.to(c_ptr.dtype.element_ty), mask=mask)
+    if C_TMA:  # the copy engine writes the tile from shared memory, clipped at C's edges
+        c_target.store([first_row, first_col], y.to(c_ptr.dtype.element_ty))
+    else:
+        tl.store(c_ptr + out, y.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -180,6 +184,7 @@ def _linear_kernel(
     TMA: tl.constexpr,  # load A and B through tensor descriptors (unit stride one way, 16-byte aligned)
     A_K_MAJOR: tl.constexpr,  # TMA: A's unit stride is along K (else along M)
     B_K_MAJOR: tl.constexpr,  # TMA: B's unit stride is along K (else along N)
+    C_TMA: tl.constexpr,  # store C through a tensor descriptor (contiguous, 16-byte aligned rows)
     PERSISTENT: tl.constexpr,  # fewer programs than tiles: pipeline across a program's tiles
     SPLIT_K: tl.constexpr,  # > 1: program_id(1) takes a 1/SPLIT_K share of K, C is fp32 (SPLIT_K, M, N)
     BLOCK_M: tl.constexpr,  # rows of a tile of C
@@ -191,7 +196,9 @@ def _linear_kernel(
     # in steps of the grid, so that a tile's epilogue runs while the next tile's loads are in flight;
     # or, SPLIT_K, SPLIT_K programs a tile, each over a share of K (few tiles, a long K: dx of
     # decode-like rows), whose fp32 partial products the launcher sums.
-    a_source, a2_source, b_source, b2_source = a_ptr, a2_ptr, b_ptr, b2_ptr
+    a_source, a2_source, b_source, b2_source, c_target = a_ptr, a2_ptr, b_ptr, b2_ptr, c_ptr
+    if C_TMA:
+        c_target = _descriptor(c_ptr, M, N, N, 1, BLOCK_M, BLOCK_N, True)
     if TMA:
         a_source = _descriptor(a_ptr, M, K, stride_am, stride_ak, BLOCK_M, BLOCK_K, A_K_MAJOR)
         b_source = _descriptor(b_ptr, N, K, stride_bn, stride_bk, BLOCK_N, BLOCK_K, B_K_MAJOR)
@@ -202,11 +209,11 @@ def _linear_kernel(
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     if PERSISTENT:
         for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0), flatten=True):
-            _linear_tile(tile, tiles_m, tiles_n, a_source, a2_source, b_source, b2_source, c_ptr, bias_ptr,
-                         residual_ptr, pre_ptr, pre2_ptr, M, N, K, 0, K, stride_am, stride_ak, stride_bn,
-                         stride_bk, stride_rm, stride_rn, ACTIVATION, HAS_BIAS, HAS_RESIDUAL, STORE_PRE,
-                         GATED, EXACT_DOT_IN_FP32, TMA, A_K_MAJOR, B_K_MAJOR, BLOCK_M, BLOCK_N, BLOCK_K,
-                         GROUP_M)
+            _linear_tile(tile, tiles_m, tiles_n, a_source, a2_source, b_source, b2_source, c_ptr, c_target,
+                         bias_ptr, residual_ptr, pre_ptr, pre2_ptr, M, N, K, 0, K, stride_am, stride_ak,
+                         stride_bn, stride_bk, stride_rm, stride_rn, ACTIVATION, HAS_BIAS, HAS_RESIDUAL,
+                         STORE_PRE, GATED, EXACT_DOT_IN_FP32, TMA, A_K_MAJOR, B_K_MAJOR, C_TMA, BLOCK_M,
+                         BLOCK_N, BLOCK_K, GROUP_M)
     else:
         c_tile, k_start, k_end = c_ptr, 0, K
         if SPLIT_K > 1:  # whole steps a share: only the last share's last step is ragged
@@ -215,20 +222,20 @@ def _linear_kernel(
             c_tile = c_ptr + split.to(tl.int64) * M * N
             k_start, k_end = split * share, tl.minimum(K, (split + 1) * share)
         _linear_tile(tl.program_id(0), tiles_m, tiles_n, a_source, a2_source, b_source, b2_source, c_tile,
-                     bias_ptr, residual_ptr, pre_ptr, pre2_ptr, M, N, K, k_start, k_end, stride_am,
+                     c_target, bias_ptr, residual_ptr, pre_ptr, pre2_ptr, M, N, K, k_start, k_end, stride_am,
                      stride_ak, stride_bn, stride_bk, stride_rm, stride_rn, ACTIVATION, HAS_BIAS,
-                     HAS_RESIDUAL, STORE_PRE, GATED, EXACT_DOT_IN_FP32, TMA, A_K_MAJOR, B_K_MAJOR, BLOCK_M,
-                     BLOCK_N, BLOCK_K, GROUP_M)
+                     HAS_RESIDUAL, STORE_PRE, GATED, EXACT_DOT_IN_FP32, TMA, A_K_MAJOR, B_K_MAJOR, C_TMA,
+                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
 
 
 @triton.jit
-def _linear_tile(tile, tiles_m, tiles_n, a_source, a2_source, b_source, b2_source, c_ptr, bias_ptr,
+def _linear_tile(tile, tiles_m, tiles_n, a_source, a2_source, b_source, b2_source, c_ptr, c_target, bias_ptr,
                  residual_ptr, pre_ptr, pre2_ptr, M, N, K, k_start, k_end, stride_am, stride_ak, stride_bn,
                  stride_bk, stride_rm, stride_rn,
                  ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                  STORE_PRE: tl.constexpr, GATED: tl.constexpr, EXACT_DOT_IN_FP32: tl.constexpr,
-                 TMA: tl.constexpr, A_K_MAJOR: tl.constexpr, B_K_MAJOR: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                 TMA: tl.constexpr, A_K_MAJOR: tl.constexpr, B_K_MAJOR: tl.constexpr, C_TMA: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """C's tile-th tile (grouped order): the k-loop over A and B from k_start to k_end (pointers, or
     descriptors with TMA; see the kernel for the operands), then the epilogue."""
     pid_m, pid_n = _tile_position(tile, tiles_m, tiles_n, GROUP_M)
@@ -262,8 +269,9 @@ def _linear_tile(tile, tiles_m, tiles_n, a_source, a2_source, b_source, b2_sourc
                 else:
                     a2 = tl.load(a2_source + a_ptrs, mask=a_mask, other=0.0)
                 acc += _dot(a2, b2, EXACT_DOT_IN_FP32)
-    _epilogue(acc, acc2, rows, cols, c_ptr, bias_ptr, residual_ptr, pre_ptr, pre2_ptr, M, N, stride_rm,
-              stride_rn, ACTIVATION, HAS_BIAS, HAS_RESIDUAL, STORE_PRE, GATED)
+    _epilogue(acc, acc2, rows, cols, pid_m * BLOCK_M, pid_n * BLOCK_N, c_ptr, c_target, bias_ptr,
+              residual_ptr, pre_ptr, pre2_ptr, M, N, stride_rm, stride_rn, ACTIVATION, HAS_BIAS, HAS_RESIDUAL,
+              STORE_PRE, GATED, C_TMA)
 
 
 # ---------------------------------------------------------------- launcher
@@ -303,13 +311,15 @@ def _matmul_args(a, b, out, *, a2=None, b2=None, bias=None, residual=None, pre=N
     through tensor descriptors where they allow it (else pointers, as without); its ``PERSISTENT``
     launches that many programs an SM, each walking tiles, instead of one program a tile; its
     ``SPLIT_K`` (plain matmuls only) launches that many programs a tile, each over a share of K,
-    into fp32 partial products (the arguments' C) that ``_launch`` sums into out."""
+    into fp32 partial products (the arguments' C) that ``_launch`` sums into out; its ``TMA_STORE``
+    stores C through a tensor descriptor where out allows it and K is not split."""
     (M, K), N = a.shape, b.shape[0]
     config = dict(config or _config(gated))
     for name, second, first in (("a2", a2, a), ("b2", b2, b)):
         if second is not None and second.stride() != first.stride():
             raise ValueError(f"{name} must have {name[0]}'s strides {first.stride()}, got {second.stride()}")
     per_sm, split_k = config.pop("PERSISTENT", 0), config.pop("SPLIT_K", 1)
+    c_tma = config.pop("TMA_STORE", False) and split_k == 1 and out.is_contiguous() and _tma_ready(out)
     epilogue = any(t is not None for t in (bias, residual, pre)) or activation or gated
     if split_k > 1 and epilogue:
         raise ValueError("SPLIT_K is for plain matmuls: no bias, activation, residual or gated form")
@@ -325,10 +335,10 @@ def _matmul_args(a, b, out, *, a2=None, b2=None, bias=None, residual=None, pre=N
             M, N, K, *a.stride(), *b.stride(), *r.stride())
     meta = {"ACTIVATION": activation, "HAS_BIAS": bias is not None, "HAS_RESIDUAL": residual is not None,
             "STORE_PRE": pre is not None, "GATED": gated, "EXACT_DOT_IN_FP32": interpret(), "TMA": tma,
-            "A_K_MAJOR": tma and a.stride(1) == 1, "B_K_MAJOR": tma and b.stride(1) == 1,
+            "A_K_MAJOR": tma and a.stride(1) == 1, "B_K_MAJOR": tma and b.stride(1) == 1, "C_TMA": c_tma,
             "PERSISTENT": per_sm > 0, "SPLIT_K": split_k,
             **{name: config.pop(name) for name in TILE_NAMES}, **config}  # the tile in the kernel's order
-    if tma:
+    if tma or c_tma:
         ensure_allocator()
     tiles = cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])
     # K = 0: the loop takes no step and the epilogue still runs
@@ -469,6 +479,21 @@ DECODE_TILES = ((16, 128, 128, 5, {}), (16, 64, 128, 6, {}), (16, 32, 256, 6, {}
                 (64, 64, 128, 6, {"TMA": True}), (64, 128, 128, 4, {"TMA": True}))  # stages, TMA or not
 CONFIGS += [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": 4, "num_stages": stages,
              **tma} for bm, bn, bk, stages, tma in DECODE_TILES]
+# Shallow matmuls (K of at most DECODE_ROWS: dW of decode-like rows, out_features x in_features
+# written from 16-128 rows) are bound by writing C, 128 MB at the benchmark's shapes: steps no
+# deeper than K (16-32, where 64-deep boxes load zeros), two programs an SM so that one's stores
+# overlap the other's, and C stored through a descriptor. Found by
+# benchmarks/prototypes/decode_backward.py (L2 flushed, as the tuner times): dW of 16 rows 50.7 ->
+# 37.8 us, of 128 rows 75.1 -> 57.5 (51.0 with a descriptor store; cuBLAS 47.4 and 51.5).
+SHALLOW_TILES = ((128, 128, 16, 4, {}), (128, 64, 16, 4, {}), (128, 128, 32, 4, {}),  # rows, columns,
+                 (128, 128, 16, 4, {"TMA": True, "PERSISTENT": 2}),  # depth, warps, TMA, grid, store
+                 (128, 128, 32, 4, {"TMA": True, "PERSISTENT": 2}),
+                 (128, 128, 64, 4, {"TMA": True, "PERSISTENT": 2}),
+                 (128, 128, 16, 4, {"TMA": True, "PERSISTENT": 2, "TMA_STORE": True}),
+                 (128, 128, 64, 4, {"TMA": True, "PERSISTENT": 2, "TMA_STORE": True}),
+                 (128, 256, 64, 8, {"TMA": True, "PERSISTENT": 1, "TMA_STORE": True}))
+CONFIGS += [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": warps, "num_stages": 3,
+             **form} for bm, bn, bk, warps, form in SHALLOW_TILES]
 DECODE_ROWS = 128
 SPLIT_K_MAX_TILES = 264  # two programs an SM of the H200's 132: past that the tiles fill the GPU
 SPLIT_K_MIN_STEPS = 4  # k-steps a share of K takes at least
@@ -493,13 +518,15 @@ def _prune(config: dict, key: dict) -> bool:
     twice the problem's rows or columns (decode-like rows take 64-row tiles), a split of K where
     the matmul has an epilogue, the tiles fill the GPU or a share of K would take few steps, or a
     decode tile (under 64 rows, or past 64 deep) where rows are not decode-like, K is shallower
-    than its step, or (under 64 rows) the rows overflow it."""
+    than its step, or (under 64 rows) the rows overflow it, or a shallow tile (under 64 deep, two
+    programs an SM, or C stored by TMA) where K is deep or (under 64 deep) shallower than its step."""
     accumulators = 2 if key["form"] == "gated fwd" else 1
     a_tiles = 2 if key["form"] == "gated dx" else 1
     b_tiles = 2 if key["form"] in ("gated fwd", "gated dx") else 1
     values = accumulators * config["BLOCK_M"] * config["BLOCK_N"] / (32 * config["num_warps"])
     tile_rows = a_tiles * config["BLOCK_M"] + b_tiles * config["BLOCK_N"]  # of A and B, each BLOCK_K deep
-    shared = config["num_stages"] * config["BLOCK_K"] * tile_rows * 2
+    c_staged = config["BLOCK_M"] * config["BLOCK_N"] * 2 if config.get("TMA_STORE") else 0  # C's tile
+    shared = config["num_stages"] * config["BLOCK_K"] * tile_rows * 2 + c_staged
     split_k = config.get("SPLIT_K", 1)
     tiles = -(-key["m"] // config["BLOCK_M"]) * -(-key["n"] // config["BLOCK_N"])
     no_split = split_k > 1 and (key["form"] != "linear" or key["epilogue"] or tiles > SPLIT_K_MAX_TILES
@@ -507,8 +534,10 @@ def _prune(config: dict, key: dict) -> bool:
     decode_tile = config["BLOCK_K"] > 64 or config["BLOCK_M"] < 64
     not_decode = decode_tile and (key["m"] > DECODE_ROWS or config["BLOCK_K"] > key["k"]
                                   or config["BLOCK_M"] < 64 and key["m"] > config["BLOCK_M"])
+    shallow_tile = config["BLOCK_K"] < 64 or config.get("PERSISTENT", 0) > 1 or config.get("TMA_STORE", False)
+    not_shallow = shallow_tile and (key["k"] > DECODE_ROWS or 64 > config["BLOCK_K"] > key["k"])
     return (values > MAX_ACC_VALUES or shared > SHARED_BYTES or config["BLOCK_M"] > max(64, key["m"])
-            or config["BLOCK_N"] > max(64, key["n"]) or no_split or not_decode)
+            or config["BLOCK_N"] > max(64, key["n"]) or no_split or not_decode or not_shallow)
 
 
 _TUNER = tuning.Tuner("linear", CONFIGS, default=_default, prune=_prune,
