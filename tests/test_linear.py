@@ -529,6 +529,8 @@ def test_gpu_tma_tiles_match_the_reference(form, config, device):
                 "pre": torch.empty_like(dy), "activation": ACTIVATIONS["gelu_tanh"]}
     a, b, operands = _forms(x, w, w_up, dy, du, epilogue)[form]
     tile = {"BLOCK_M": 128, "BLOCK_K": 64, "GROUP_M": 8, "TMA": True} | config
+    if form not in ("dx", "dw"):  # the descriptor store is for plain matmuls: the others refuse it
+        tile.pop("TMA_STORE", None)
     assert lk._tma_ready(a) and lk._tma_ready(b)
     assert lk._admit(a, b, operands, tile).passed
 
@@ -561,11 +563,11 @@ def test_decode_tiles_match_the_reference_and_only_decode_keys_get_them(form, de
 @pytest.mark.parametrize("persistent", [0, 2], ids=["", "two programs an SM"])
 @pytest.mark.parametrize("form", ["fwd", "dw"])
 def test_shallow_tiles_and_the_descriptor_store_match_the_reference(form, persistent, monkeypatch, device):
-    """C stored through a tensor descriptor (TMA_STORE), after the bias and GELU epilogue and from
-    dW's transposed operands, on a NaN-filled output whose last tiles are ragged (the copy engine
-    clips them); rows that are not 16-byte aligned fall back to pointer stores; a split of K
-    ignores it. The tuner offers the shallow tiles only where K is at most DECODE_ROWS, and none
-    shallower than K."""
+    """C stored through a tensor descriptor (TMA_STORE), from the forward's and dW's operands, on a
+    NaN-filled output whose last tiles are ragged (the copy engine clips them); rows that are not
+    16-byte aligned fall back to pointer stores; an epilogue or a split of K refuses it. The tuner
+    offers the shallow tiles only where K is at most DECODE_ROWS, none shallower than K, and the
+    descriptor store only to plain matmuls."""
     from tritonkit.ops import linear_kernels as lk
     from tritonkit.testing import compare
 
@@ -579,27 +581,26 @@ def test_shallow_tiles_and_the_descriptor_store_match_the_reference(form, persis
 
     monkeypatch.setattr(lk, "_launcher", recording)
     config = lk.INTERPRETER_CONFIG | {"TMA": True, "TMA_STORE": True, "PERSISTENT": persistent}
-    for k, stored_by_tma in ((40, True), (37, False)):  # dW's output rows: 80 bytes, or 74
+    for k, n in ((40, 72), (37, 69)):  # rows of C of 80 or 144 bytes (fwd and dW), or 74 or 138
         x = random_tensor((72, k), F16, device, generator=g)
-        w = random_tensor((72, k), F16, device, generator=g)
-        dy = random_tensor((72, 72), F16, device, generator=g)
-        bias = random_tensor((72,), F16, device, generator=g)
-        epilogue = {"bias": bias, "activation": ACTIVATIONS["gelu_tanh"]}
-        a, b, operands = _forms(x, w, w, dy, dy, epilogue)[form]
+        w = random_tensor((n, k), F16, device, generator=g)
+        dy = random_tensor((72, n), F16, device, generator=g)
+        a, b, operands = _forms(x, w, w, dy, dy, {})[form]
         out = torch.full((a.shape[0], b.shape[0]), float("nan"), dtype=F16, device=device)
         lk._launch(a, b, out, config, operands)
-        assert launched[-1]["C_TMA"] == (stored_by_tma or form == "fwd")  # fwd: N = 72, aligned
-        wide = {name: t.double() if isinstance(t, torch.Tensor) else t for name, t in operands.items()}
-        checked = compare("output", out, lk._matmul_reference(a, b, **operands),
-                          lk._matmul_reference(a.double(), b.double(), **wide), F16)
+        assert launched[-1]["C_TMA"] == (k == 40)
+        exact = lk._matmul_reference(a.double(), b.double())
+        checked = compare("output", out, lk._matmul_reference(a, b), exact, F16)
         assert checked.passed, checked
-    if form == "dw":
+    with pytest.raises(ValueError, match="plain matmuls"):
+        lk._launch(x, w, torch.empty_like(dy), config, {"activation": ACTIVATIONS["silu"]})
+    with pytest.raises(ValueError, match="not both"):
         lk._launch(a, b, out, config | {"SPLIT_K": 2, "PERSISTENT": 0}, {})
-        assert not launched[-1]["C_TMA"] and launched[-1]["SPLIT_K"] == 2
     dw = {"form": "linear", "epilogue": False, "m": 16384, "n": 4096, "k": 16}
     shallow, store = ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": 4,
                        "num_stages": 3, **extra} for bk, extra in ((16, {}), (64, {"TMA_STORE": True})))
     assert not lk._prune(shallow, dw) and not lk._prune(store, dw)
     assert lk._prune(shallow | {"BLOCK_K": 32}, dw)  # deeper than K
     assert lk._prune(shallow, dw | {"k": 4096}) and lk._prune(store, dw | {"k": 4096})  # K not shallow
+    assert lk._prune(store, dw | {"epilogue": True}) and not lk._prune(shallow, dw | {"epilogue": True})
     assert lk._prune(store | {"num_stages": 12}, dw)  # the stages and C's staged tile pass shared memory

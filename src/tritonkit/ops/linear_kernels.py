@@ -312,17 +312,23 @@ def _matmul_args(a, b, out, *, a2=None, b2=None, bias=None, residual=None, pre=N
     launches that many programs an SM, each walking tiles, instead of one program a tile; its
     ``SPLIT_K`` (plain matmuls only) launches that many programs a tile, each over a share of K,
     into fp32 partial products (the arguments' C) that ``_launch`` sums into out; its ``TMA_STORE``
-    stores C through a tensor descriptor where out allows it and K is not split."""
+    (plain matmuls only: an epilogue's stores need shared memory of their own beside C's staged tile,
+    which the tile's stages may leave none of) stores C through a tensor descriptor where out's rows
+    are 16-byte aligned (else from registers, as without)."""
     (M, K), N = a.shape, b.shape[0]
     config = dict(config or _config(gated))
     for name, second, first in (("a2", a2, a), ("b2", b2, b)):
         if second is not None and second.stride() != first.stride():
             raise ValueError(f"{name} must have {name[0]}'s strides {first.stride()}, got {second.stride()}")
     per_sm, split_k = config.pop("PERSISTENT", 0), config.pop("SPLIT_K", 1)
-    c_tma = config.pop("TMA_STORE", False) and split_k == 1 and out.is_contiguous() and _tma_ready(out)
+    tma_store = config.pop("TMA_STORE", False)
     epilogue = any(t is not None for t in (bias, residual, pre)) or activation or gated
-    if split_k > 1 and epilogue:
-        raise ValueError("SPLIT_K is for plain matmuls: no bias, activation, residual or gated form")
+    if (split_k > 1 or tma_store) and epilogue:
+        raise ValueError("SPLIT_K and TMA_STORE are for plain matmuls: no bias, activation, residual or "
+                         "gated form")
+    if split_k > 1 and tma_store:
+        raise ValueError("TMA_STORE stores C itself, SPLIT_K fp32 partial products: not both")
+    c_tma = tma_store and out.is_contiguous() and _tma_ready(out)
     # SPLIT_K: the kernel's output is the fp32 partial products, which ``_launch`` sums into out
     c = empty_output((split_k, M, N), torch.float32, a.device) if split_k > 1 else out
     tma = config.pop("TMA", False) and all(_tma_ready(t) for t in (a, a2, b, b2) if t is not None)
@@ -519,7 +525,8 @@ def _prune(config: dict, key: dict) -> bool:
     the matmul has an epilogue, the tiles fill the GPU or a share of K would take few steps, or a
     decode tile (under 64 rows, or past 64 deep) where rows are not decode-like, K is shallower
     than its step, or (under 64 rows) the rows overflow it, or a shallow tile (under 64 deep, two
-    programs an SM, or C stored by TMA) where K is deep or (under 64 deep) shallower than its step."""
+    programs an SM, or C stored by TMA) where K is deep or (under 64 deep) shallower than its step,
+    or C stored by TMA where the matmul has an epilogue."""
     accumulators = 2 if key["form"] == "gated fwd" else 1
     a_tiles = 2 if key["form"] == "gated dx" else 1
     b_tiles = 2 if key["form"] in ("gated fwd", "gated dx") else 1
@@ -534,8 +541,10 @@ def _prune(config: dict, key: dict) -> bool:
     decode_tile = config["BLOCK_K"] > 64 or config["BLOCK_M"] < 64
     not_decode = decode_tile and (key["m"] > DECODE_ROWS or config["BLOCK_K"] > key["k"]
                                   or config["BLOCK_M"] < 64 and key["m"] > config["BLOCK_M"])
-    shallow_tile = config["BLOCK_K"] < 64 or config.get("PERSISTENT", 0) > 1 or config.get("TMA_STORE", False)
-    not_shallow = shallow_tile and (key["k"] > DECODE_ROWS or 64 > config["BLOCK_K"] > key["k"])
+    tma_store = config.get("TMA_STORE", False)
+    shallow_tile = config["BLOCK_K"] < 64 or config.get("PERSISTENT", 0) > 1 or tma_store
+    not_shallow = shallow_tile and (key["k"] > DECODE_ROWS or 64 > config["BLOCK_K"] > key["k"]
+                                    or tma_store and (key["epilogue"] or key["form"] != "linear"))
     return (values > MAX_ACC_VALUES or shared > SHARED_BYTES or config["BLOCK_M"] > max(64, key["m"])
             or config["BLOCK_N"] > max(64, key["n"]) or no_split or not_decode or not_shallow)
 
