@@ -486,6 +486,35 @@ def test_tma_candidates_compile_for_hopper():
         assert row["tma"] > 0 and row["cp_async"] == 0 and row["hgmma"] > 0 and not row["spills"], row
 
 
+_SHALLOW_SASS_CHECK = r"""
+import json, torch
+from tritonkit.inspect import compile_launch
+from tritonkit.ops.linear import _inspect_launches
+tiles = {"shallow": (16, {"BLOCK_N": 128, "BLOCK_K": 16, "num_warps": 4}),
+         "descriptor store": (128, {"BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "TMA": True,
+                                    "PERSISTENT": 1, "TMA_STORE": True})}
+for name, (rows, tile) in tiles.items():
+    config = {"BLOCK_M": 128, "GROUP_M": 8, "num_stages": 3} | tile
+    launches = _inspect_launches((rows, 4096, 16384), torch.bfloat16, config, None, ("linear",))
+    r = compile_launch(next(launch for launch in launches if launch.name == "bwd dw"), "sm_90")
+    print(json.dumps({"tile": name, "hgmma": r.opcodes["HGMMA"], "tma_store": r.opcodes["UTMASTG"],
+                      "stores": {str(bits): n for bits, n in r.stores.items()}, "spills": r.spills}))
+"""
+
+
+def test_shallow_dw_tiles_compile_for_hopper():
+    """dW of decode-like rows (16 and 128) on the tiles the H200's tuner chose, compiled for sm_90:
+    wgmma, no spills; the 16-deep pointer tile stores 128 bits a thread at a time, the descriptor
+    store's tile stores only through the copy engine (UTMASTG, no st.global)."""
+    import sm90
+
+    shallow, store = (json.loads(line) for line in sm90.run(_SHALLOW_SASS_CHECK))
+    for row in (shallow, store):
+        assert row["hgmma"] > 0 and not row["spills"], row
+    assert shallow["stores"] and set(shallow["stores"]) == {"128"} and shallow["tma_store"] == 0, shallow
+    assert store["tma_store"] > 0 and not store["stores"], store
+
+
 # ---------------------------------------------------------------- on the H200
 
 

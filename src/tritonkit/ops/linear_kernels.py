@@ -490,7 +490,8 @@ CONFIGS += [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_war
 # deeper than K (16-32, where 64-deep boxes load zeros), two programs an SM so that one's stores
 # overlap the other's, and C stored through a descriptor. Found by
 # benchmarks/prototypes/decode_backward.py (L2 flushed, as the tuner times): dW of 16 rows 50.7 ->
-# 37.8 us, of 128 rows 75.1 -> 57.5 (51.0 with a descriptor store; cuBLAS 47.4 and 51.5).
+# 37.8 us, of 128 rows 75.1 -> 57.5 (51.0 with a descriptor store; cuBLAS 47.4 and 51.5). The H200's
+# tuner chose 128 x 128 x 16 (38.0 us) and the 128 x 256 tile with the store (51.2).
 SHALLOW_TILES = ((128, 128, 16, 4, {}), (128, 64, 16, 4, {}), (128, 128, 32, 4, {}),  # rows, columns,
                  (128, 128, 16, 4, {"TMA": True, "PERSISTENT": 2}),  # depth, warps, TMA, grid, store
                  (128, 128, 32, 4, {"TMA": True, "PERSISTENT": 2}),
