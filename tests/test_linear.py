@@ -321,6 +321,21 @@ def test_gate_rejects_a_wrong_result(form, monkeypatch, device):
     assert not lk._admit(a, b, operands, config).passed
 
 
+def _recorded_launches(monkeypatch) -> list:
+    """Every launch of the linear kernel from here on, as (grid, constexprs), each still launched."""
+    from tritonkit.ops import linear_kernels as lk
+
+    launched = []
+    launcher = lk._launcher
+
+    def recording(grid, *args, **meta):
+        launched.append((grid, meta))
+        launcher(grid, *args, **meta)
+
+    monkeypatch.setattr(lk, "_launcher", recording)
+    return launched
+
+
 def _forms(x, w, w_up, dy, du, epilogue: dict) -> dict:
     """(A, B, operands) of each matmul form of a training step: the forward with ``epilogue``, dx
     (dz W), dW (dz^T x), gated_linear's forward and its dx (dg Wg + du Wu)."""
@@ -348,14 +363,7 @@ def test_tma_tiles_match_the_reference(form, persistent, monkeypatch, device):
     epilogue = {"bias": random_tensor((n,), F16, device, generator=g), "residual": du,
                 "pre": torch.empty_like(dy), "activation": ACTIVATIONS["gelu_tanh"]}
     a, b, operands = _forms(x, w, w_up, dy, du, epilogue)[form]
-    launched = []
-    launcher = lk._launcher
-
-    def recording(grid, *args, **meta):
-        launched.append((grid, meta))
-        launcher(grid, *args, **meta)
-
-    monkeypatch.setattr(lk, "_launcher", recording)
+    launched = _recorded_launches(monkeypatch)
     config = lk.INTERPRETER_CONFIG | {"TMA": True} | ({"PERSISTENT": 1} if persistent else {})
     assert lk._admit(a, b, operands, config).passed
     ((grid,), meta), = launched
@@ -376,16 +384,10 @@ def test_split_k_matches_the_reference(form, monkeypatch, device):
     w = random_tensor((72, 40), F16, device, generator=g)
     dy = random_tensor((72, 72), F16, device, generator=g)
     a, b, operands = _forms(x, w, w, dy, dy, {})[form]
-    launched = []
-    launcher = lk._launcher
-
-    def recording(grid, *args, **meta):
-        launched.append(grid)
-        launcher(grid, *args, **meta)
-
-    monkeypatch.setattr(lk, "_launcher", recording)
+    launched = _recorded_launches(monkeypatch)
     assert lk._admit(a, b, operands, lk.INTERPRETER_CONFIG | {"SPLIT_K": 4}).passed
-    assert launched[0][1] == 4
+    (_, split), _ = launched[0]
+    assert split == 4
     with pytest.raises(ValueError, match="plain matmuls"):
         lk._matmul_args(x, w, torch.empty_like(dy), activation=ACTIVATIONS["silu"],
                         config=lk.INTERPRETER_CONFIG | {"SPLIT_K": 4})
@@ -601,14 +603,7 @@ def test_shallow_tiles_and_the_descriptor_store_match_the_reference(form, persis
     from tritonkit.testing import compare
 
     g = generator(37)
-    launched = []
-    launcher = lk._launcher
-
-    def recording(grid, *args, **meta):
-        launched.append(meta)
-        launcher(grid, *args, **meta)
-
-    monkeypatch.setattr(lk, "_launcher", recording)
+    launched = _recorded_launches(monkeypatch)
     config = lk.INTERPRETER_CONFIG | {"TMA": True, "TMA_STORE": True, "PERSISTENT": persistent}
     for k, n in ((40, 72), (37, 69)):  # rows of C of 80 or 144 bytes (fwd and dW), or 74 or 138
         x = random_tensor((72, k), F16, device, generator=g)
@@ -617,7 +612,7 @@ def test_shallow_tiles_and_the_descriptor_store_match_the_reference(form, persis
         a, b, operands = _forms(x, w, w, dy, dy, {})[form]
         out = torch.full((a.shape[0], b.shape[0]), float("nan"), dtype=F16, device=device)
         lk._launch(a, b, out, config, operands)
-        assert launched[-1]["C_TMA"] == (k == 40)
+        assert launched[-1][1]["C_TMA"] == (k == 40)
         exact = lk._matmul_reference(a.double(), b.double())
         checked = compare("output", out, lk._matmul_reference(a, b), exact, F16)
         assert checked.passed, checked
