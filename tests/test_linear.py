@@ -597,7 +597,7 @@ def test_shallow_tiles_and_the_descriptor_store_match_the_reference(form, persis
     """C stored through a tensor descriptor (TMA_STORE), from the forward's and dW's operands, on a
     NaN-filled output whose last tiles are ragged (the copy engine clips them); rows that are not
     16-byte aligned fall back to pointer stores; an epilogue or a split of K refuses it. The tuner
-    offers the shallow tiles only where K is at most DECODE_ROWS, none shallower than K, and the
+    offers the shallow tiles only where K is at most DECODE_ROWS, none deeper than K (16 at least), and the
     descriptor store only to plain matmuls."""
     from tritonkit.ops import linear_kernels as lk
     from tritonkit.testing import compare
@@ -625,6 +625,7 @@ def test_shallow_tiles_and_the_descriptor_store_match_the_reference(form, persis
                        "num_stages": 3, **extra} for bk, extra in ((16, {}), (64, {"TMA_STORE": True})))
     assert not lk._prune(shallow, dw) and not lk._prune(store, dw)
     assert lk._prune(shallow | {"BLOCK_K": 32}, dw)  # deeper than K
+    assert not lk._prune(shallow, dw | {"k": 4}) and lk._prune(shallow | {"BLOCK_K": 32}, dw | {"k": 4})
     assert lk._prune(shallow, dw | {"k": 4096}) and lk._prune(store, dw | {"k": 4096})  # K not shallow
     assert lk._prune(store, dw | {"epilogue": True}) and not lk._prune(shallow, dw | {"epilogue": True})
     assert lk._prune(store | {"num_stages": 12}, dw)  # the stages and C's staged tile pass shared memory

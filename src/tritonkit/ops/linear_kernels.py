@@ -526,8 +526,8 @@ def _prune(config: dict, key: dict) -> bool:
     the matmul has an epilogue, the tiles fill the GPU or a share of K would take few steps, or a
     decode tile (under 64 rows, or past 64 deep) where rows are not decode-like, K is shallower
     than its step, or (under 64 rows) the rows overflow it, or a shallow tile (under 64 deep, two
-    programs an SM, or C stored by TMA) where K is deep or (under 64 deep) shallower than its step,
-    or C stored by TMA where the matmul has an epilogue."""
+    programs an SM, or C stored by TMA) where K is deep or (under 64 deep) shallower than its step
+    (K under 16 takes the 16-deep step), or C stored by TMA where the matmul has an epilogue."""
     accumulators = 2 if key["form"] == "gated fwd" else 1
     a_tiles = 2 if key["form"] == "gated dx" else 1
     b_tiles = 2 if key["form"] in ("gated fwd", "gated dx") else 1
@@ -544,7 +544,7 @@ def _prune(config: dict, key: dict) -> bool:
                                   or config["BLOCK_M"] < 64 and key["m"] > config["BLOCK_M"])
     tma_store = config.get("TMA_STORE", False)
     shallow_tile = config["BLOCK_K"] < 64 or config.get("PERSISTENT", 0) > 1 or tma_store
-    not_shallow = shallow_tile and (key["k"] > DECODE_ROWS or 64 > config["BLOCK_K"] > key["k"]
+    not_shallow = shallow_tile and (key["k"] > DECODE_ROWS or 64 > config["BLOCK_K"] > max(key["k"], 16)
                                     or tma_store and (key["epilogue"] or key["form"] != "linear"))
     return (values > MAX_ACC_VALUES or shared > SHARED_BYTES or config["BLOCK_M"] > max(64, key["m"])
             or config["BLOCK_N"] > max(64, key["n"]) or no_split or not_decode or not_shallow)
