@@ -132,20 +132,54 @@ def test_long_rows_go_through_the_looped_kernels(kind, shape, dtype, looped, dev
     assert set(looped) == {("fwd", True), ("bwd", True)}
 
 
-def _force_looped_forward(monkeypatch, config: dict) -> list:
-    """The looped forward's tuner offers only ``config``; the returned list records each launch's
-    (grid, constexprs and options)."""
-    tuner = nm._TUNERS["fwd", True]
+def _force(monkeypatch, config: dict, direction: str = "fwd", looped: bool = True) -> list:
+    """The kernel's tuner offers only ``config``; the returned list records each launch's (grid,
+    constexprs and options)."""
+    tuner = nm._TUNERS[direction, looped]
     forced = tuning.Tuner(tuner.name, [config], sources=tuner.sources, default=lambda key: dict(config))
-    monkeypatch.setitem(nm._TUNERS, ("fwd", True), forced)
-    launches, launcher = [], nm._LAUNCHERS["fwd", True]
+    monkeypatch.setitem(nm._TUNERS, (direction, looped), forced)
+    monkeypatch.setattr(nm, "_chosen", {})
+    launches, launcher = [], nm._LAUNCHERS[direction, looped]
 
     def recording(grid, *args, **meta):
         launches.append((grid, meta))
         launcher(grid, *args, **meta)
 
-    monkeypatch.setitem(nm._LAUNCHERS, ("fwd", True), recording)
+    monkeypatch.setitem(nm._LAUNCHERS, (direction, looped), recording)
     return launches
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_persistent_one_pass_forward_walks_every_block(kind, monkeypatch, device):
+    """A one-pass PER_SM config launches fewer programs than blocks (two for five blocks of 2 rows,
+    the last one partial, on one SM); each walks its blocks, loading the next one ahead: every row's
+    output, statistics and gradients match the reference."""
+    monkeypatch.setattr(nm, "sm_count", lambda device: 1)
+    launches = _force(monkeypatch, {"BLOCK_M": 2, "num_warps": 4, "PER_SM": 2}, looped=False)
+    kernel, reference, inputs, grad_inputs, grads = _case(kind, (9, 97), BF16, device, seed=6)
+    check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
+    assert launches and all(grid == (2,) and meta["PERSISTENT"] for grid, meta in launches), launches
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_backward_rows_reduced_in_blocks(kind, prefetch, monkeypatch, device):
+    """The one-pass backward reducing BLOCK_M rows together: 11 rows at 8 a program make a program
+    of two full blocks and one of a full block and a partial one; dx, dw and db match."""
+    config = {"ROWS": 8, "BLOCK_M": 4, "num_warps": 4} | ({"PREFETCH": True} if prefetch else {})
+    launches = _force(monkeypatch, config, direction="bwd", looped=False)
+    kernel, reference, inputs, grad_inputs, grads = _case(kind, (11, 97), F32, device, seed=7)
+    check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
+    assert launches and all(grid == (2,) and meta["BLOCK_M"] == 4 for grid, meta in launches), launches
+
+
+def test_backward_blocks_must_divide_the_rows_a_program():
+    """A BLOCK_M that does not divide ROWS, or one given to the looped backward, is refused."""
+    for n, config in [(64, {"ROWS": 8, "BLOCK_M": 3, "num_warps": 4}),
+                      (65536, {"ROWS": 8, "BLOCK_M": 2, "BLOCK_N": 4096, "num_warps": 4})]:
+        h = torch.empty((16, n), dtype=F32)
+        with pytest.raises(ValueError, match="BLOCK_M must divide ROWS"):
+            nm._bwd_launch_args(h, None, h, h[0], None, True, config)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -153,7 +187,7 @@ def test_a_persistent_looped_forward_walks_every_row(kind, looped, monkeypatch, 
     """A PER_SM config launches fewer programs than rows (two for 9 rows, on one SM), and each
     walks its share: every row's output, statistics and gradients match the reference."""
     monkeypatch.setattr(nm, "sm_count", lambda device: 1)
-    launches = _force_looped_forward(monkeypatch, {"BLOCK_N": 32, "num_warps": 4, "PER_SM": 2})
+    launches = _force(monkeypatch, {"BLOCK_N": 32, "num_warps": 4, "PER_SM": 2})
     kernel, reference, inputs, grad_inputs, grads = _case(kind, (9, 97), BF16, device, seed=5)
     check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
     assert launches and all(grid == (2,) for grid, _ in launches), launches
@@ -167,7 +201,7 @@ def test_a_chunk_past_8192_with_a_smaller_second_pass(kind, n, out_block, looped
     zero still match, and every entry of y is written. The outputs only: y carries the mean and
     rstd the backward reuses, and the looped backward's own tests cover the gradients."""
     config = {"BLOCK_N": 16384, "OUT_BLOCK_N": out_block, "num_warps": 4}
-    launches = _force_looped_forward(monkeypatch, config)
+    launches = _force(monkeypatch, config)
     kernel, reference, inputs, _, _ = _case(kind, (3, n), F32, device, seed=n)
     inputs[0] += 1000.0
     check_against_reference(kernel, reference, inputs)

@@ -186,7 +186,7 @@ def test_candidates_compile_together_for_both_problems(direction, monkeypatch, d
     for launcher, grid, args, meta in compiled:  # args: tensors first, then the ints
         assert isinstance(args[0], torch.Tensor)
         assert launcher is nm._LAUNCHERS[direction, False] and grid[0] >= 1
-        assert meta["num_warps"] in (4, 8, 16) and ("BLOCK_M" in meta) == (direction == "fwd")
+        assert meta["num_warps"] in (2, 4, 8, 16) and meta["BLOCK_M"] >= 1
 
 
 def test_a_call_seen_before_reuses_its_config(monkeypatch, device):

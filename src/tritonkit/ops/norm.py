@@ -39,7 +39,9 @@ interpret()  # choose GPU or interpreter before triton is imported and any kerne
 from tritonkit._launch import Launcher, cdiv, precompile  # noqa: E402
 from tritonkit.ops.norm_kernels import (  # noqa: E402
     _add_pairs,
-    _bwd_row,
+    _bwd_rows,
+    _fwd_block,
+    _fwd_block_load,
     _norm_bwd_kernel,
     _norm_bwd_looped_kernel,
     _norm_fwd_kernel,
@@ -63,7 +65,12 @@ CONFIGS = {
     # rows that fit in registers may still go faster through the looped kernel, one row a program
     # in chunks, read twice (the second time from cache), as torch.compile's kernels do
     + [{"BLOCK_N": n, "num_warps": w, **evict} for n in (1024, 2048, 4096) for w in (4, 8, 16)
-       for evict in ({}, {"EVICT": True})],  # 1024 at 8 warps and 2048 at 16: torch.compile's 4 a thread
+       for evict in ({}, {"EVICT": True})]  # 1024 at 8 warps and 2048 at 16: torch.compile's 4 a thread
+    # a persistent grid of PER_SM programs an SM (16-32 warps an SM: the registers of two blocks
+    # in flight, 50-80 a thread on sm_90, leave room for no more), each walking blocks of rows with
+    # the next block loaded before this one is reduced
+    + [{"BLOCK_M": m, "num_warps": w, "PER_SM": p} for m in (1, 2, 4) for w, p in
+       ((4, 4), (4, 6), (4, 8), (8, 2), (8, 3), (8, 4), (16, 1), (16, 2))],
     ("fwd", True): [{"BLOCK_N": n, "num_warps": w} for n in (2048, 4096, 8192) for w in (4, 8, 16)]
     + [{"BLOCK_N": n, "num_warps": w, "PER_SM": p} for n in (4096, 8192) for w in (8, 16) for p in (1, 2, 4)]
     + [{"BLOCK_N": n, "num_warps": w, "EVICT": True, **per_sm} for n in (4096, 8192) for w in (8, 16)
@@ -77,8 +84,12 @@ CONFIGS = {
     # sums are also shifted by a sampled mean (norm_kernels.SHIFT_SAMPLE)
     + [{"BLOCK_N": n, "OUT_BLOCK_N": out, "num_warps": w, **evict} for n in (32768, 65536)
        for out in (8192, 16384) for w in (16, 32) for evict in ({}, {"EVICT": True})],
-    ("bwd", False): [{"ROWS": r, "num_warps": w, **prefetch} for r in (8, 16, 32, 64) for w in (4, 8, 16)
-                     for prefetch in ({}, {"PREFETCH": True})],
+    ("bwd", False): [{"ROWS": r, "num_warps": w, **prefetch} for r in (8, 16, 32, 64) for w in (2, 4, 8, 16)
+                     for prefetch in ({}, {"PREFETCH": True})]
+    # rows of up to 4096 entries (the prune's values a thread) also reduced BLOCK_M at a time: one
+    # exchange between warps for the block, where each row had its own
+    + [{"ROWS": r, "BLOCK_M": m, "num_warps": w, **prefetch} for r in (32, 64) for m in (2, 4) for w in (4, 8)
+       for prefetch in ({}, {"PREFETCH": True})],
     ("bwd", True): [{"ROWS": r, "BLOCK_N": n, "num_warps": w} for r in (4, 8, 16) for n in (2048, 4096)
                     for w in (4, 8)],
 }
@@ -159,16 +170,22 @@ def _default(key: dict) -> dict:
 
 
 def _prune(config: dict, key: dict) -> bool:
-    """True drops the config: fp32 values a thread outside PER_THREAD_RANGE, rows a program beyond
-    the problem, or so many backward rows a program that SMs would sit idle (the fewest rows a
-    program of BWD_ROWS_RANGE always stays)."""
+    """True drops the config: fp32 values a thread outside PER_THREAD_RANGE (past
+    PREFETCH_MAX_PER_THREAD where the next block is loaded ahead), rows a program beyond the
+    problem, or so many backward rows a program that SMs would sit idle (the fewest rows a program
+    of BWD_ROWS_RANGE always stays)."""
     tile = config.get("BLOCK_N", key["block_n"]) * config.get("BLOCK_M", 1)
     tiles = 2 if key["direction"] == "bwd" and not key["looped"] else 1  # h and dy
     low, high = PER_THREAD_RANGE[key["looped"]]
     if not key["looped"] and "BLOCK_N" in config:  # a looped config for a one-pass key
         low = LOOPED_MIN_PER_THREAD
     per_thread = tile * tiles / (32 * config["num_warps"])
-    if not low <= per_thread <= high or config.get("PREFETCH") and per_thread > PREFETCH_MAX_PER_THREAD:
+    if not low <= per_thread <= high:
+        return True
+    # a persistent one-pass forward holds the next block too: x, and the residual with it
+    persistent = key["direction"] == "fwd" and "BLOCK_M" in config and "PER_SM" in config
+    prefetched = per_thread * (2 if persistent and key["residual"] else 1)
+    if (config.get("PREFETCH") or persistent) and prefetched > PREFETCH_MAX_PER_THREAD:
         return True
     if config.get("BLOCK_M", 1) > max(1, key["rows"]):
         return True
@@ -181,9 +198,10 @@ def _prune(config: dict, key: dict) -> bool:
 
 # the other @triton.jit functions a tuner's timings depend on: the helpers a kernel calls, and the
 # backward's second stage, which each timing includes
-_HELPERS = {("fwd", False): (_norm_fwd_looped_kernel, _norm_fwd_looped_row),  # its looped candidates
+_HELPERS = {("fwd", False): (_fwd_block_load, _fwd_block, _norm_fwd_looped_kernel,
+                              _norm_fwd_looped_row),  # the last two: its looped candidates
             ("fwd", True): (_norm_fwd_looped_row,),
-            ("bwd", False): (_bwd_row, _add_pairs, _sum_partials_kernel),
+            ("bwd", False): (_bwd_rows, _add_pairs, _sum_partials_kernel),
             ("bwd", True): (_sum_partials_kernel,)}
 _TUNERS = {
     (direction, looped): tuning.Tuner(f"norm_{direction}{'_looped' if looped else ''}", configs,
@@ -206,7 +224,7 @@ def _calibration(key: dict, n: int, config: dict, device) -> dict:
     bias, dy and dh (each None where the key has none)."""
     from tritonkit.testing import generator, random_tensor
 
-    per_program = config.get("BLOCK_M", config.get("ROWS", 1))
+    per_program = config.get("ROWS", config.get("BLOCK_M", 1))
     rows = max(1, min(key["rows"], 2 * per_program + 1, CALIBRATION_ELEMENTS // max(1, n)))
     dtype = {name: dtype for dtype, name in tuning.DTYPE_NAMES.items()}
     g = generator(11)
@@ -423,8 +441,10 @@ def _fwd_launch_args(input, residual, weight, bias, eps: float, rms: bool, confi
         return (outputs, _LAUNCHERS["fwd", True], (programs,), args,
                 meta | {"BLOCK_N": config["BLOCK_N"], "ROW_LENGTH": row_length,
                         "OUT_BLOCK_N": config.get("OUT_BLOCK_N", config["BLOCK_N"])})
-    meta |= {"BLOCK_M": config["BLOCK_M"], "BLOCK_N": block_n}
-    return outputs, _LAUNCHERS["fwd", False], (cdiv(rows, config["BLOCK_M"]),), args, meta
+    blocks = cdiv(rows, config["BLOCK_M"])
+    programs = min(blocks, config["PER_SM"] * sm_count(input.device)) if "PER_SM" in config else blocks
+    meta |= {"BLOCK_M": config["BLOCK_M"], "BLOCK_N": block_n, "PERSISTENT": programs < blocks}
+    return outputs, _LAUNCHERS["fwd", False], (programs,), args, meta
 
 
 def _norm_bwd(grad_y, grad_h, h, weight, bias, mean, rstd, rms: bool, config: dict | None = None):
@@ -473,11 +493,14 @@ def _bwd_launch_args(grad_y, grad_h, h, weight, bias, rms: bool, config: dict | 
     tail = (dx, dw_partial, db_partial, rows, n, dy2.stride(0), dh2.stride(0), h2.stride(0))
     meta = {"RMS": rms, "HAS_DH": grad_h is not None, "HAS_WEIGHT": weight is not None,
             "HAS_BIAS": bias is not None, "ROWS": config["ROWS"], "num_warps": config["num_warps"]}
+    block_m = config.get("BLOCK_M", 1)  # rows the one-pass backward reduces together
+    if block_m > 1 and looped or config["ROWS"] % block_m:
+        raise ValueError(f"BLOCK_M must divide ROWS, and the looped backward takes rows singly: {config}")
     if looped:
         sums = torch.empty((rows, 2), dtype=torch.float32, device=h.device)  # per-row scratch
         meta |= {"BLOCK_N": config["BLOCK_N"]}
         return outputs, _LAUNCHERS["bwd", True], (programs,), (dy2, dh2, h2, *stats, sums, *tail), meta
-    meta |= {"BLOCK_N": block_n, "PREFETCH": config.get("PREFETCH", False)}
+    meta |= {"BLOCK_M": block_m, "BLOCK_N": block_n, "PREFETCH": config.get("PREFETCH", False)}
     return outputs, _LAUNCHERS["bwd", False], (programs,), (dy2, dh2, h2, *stats, *tail), meta
 
 
@@ -700,12 +723,12 @@ def _liger(rms: bool, residual: bool):
 def _inspect_launches(residual: bool, rms: bool, bias: bool, shape: tuple, dtype: torch.dtype,
                       config: dict | None = None) -> list:
     """The forward and backward launches for ``shape``: what ``tritonkit inspect`` compiles. Each
-    takes its default config, with what ``config`` sets of it (BLOCK_M is the one-pass forward's,
-    EVICT either forward's, ROWS and PREFETCH the backward's, BLOCK_N the looped kernels' (given for
-    a row that fits in registers, it sends the forward through the looped kernel), OUT_BLOCK_N the
-    looped forward's pass 2 chunk, num_warps
-    every kernel's); then
-    the backward's second stage, the partial sums, on its own fixed tile."""
+    takes its default config, with what ``config`` sets of it (BLOCK_M is the one-pass forward's and
+    the one-pass backward's rows reduced together, EVICT either forward's, PER_SM either forward's
+    persistent grid, ROWS and PREFETCH the backward's, BLOCK_N the looped kernels' (given for a row
+    that fits in registers, it sends the forward through the looped kernel), OUT_BLOCK_N the looped
+    forward's pass 2 chunk, num_warps every kernel's); then the backward's second stage, the
+    partial sums, on its own fixed tile."""
     from tritonkit.inspect import Launch
 
     x = torch.empty(shape, dtype=dtype, device="meta")
@@ -715,8 +738,10 @@ def _inspect_launches(residual: bool, rms: bool, bias: bool, shape: tuple, dtype
     b = w if bias else None
     launches = []
     for direction in ("fwd", "bwd"):
-        default = _default(_tuning_key(direction, n, rows, dtype, params))
-        optional = ("EVICT", "BLOCK_N", "OUT_BLOCK_N") if direction == "fwd" else ("PREFETCH",)
+        key = _tuning_key(direction, n, rows, dtype, params)
+        default = _default(key)
+        optional = (("EVICT", "BLOCK_N", "OUT_BLOCK_N", "PER_SM") if direction == "fwd"
+                    else ("PREFETCH",) + (() if key["looped"] else ("BLOCK_M",)))
         chosen = default | {k: v for k, v in (config or {}).items() if k in default or k in optional}
         if "BLOCK_N" in chosen:
             chosen.pop("BLOCK_M", None)  # a looped forward

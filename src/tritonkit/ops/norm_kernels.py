@@ -36,19 +36,57 @@ def _norm_fwd_kernel(
     HAS_BIAS: tl.constexpr,  # shift by b
     STREAM: tl.constexpr,  # eviction policy of what is read once (x, the residual): "" or "evict_first"
     KEEP: tl.constexpr,  # ... of what every program reads again (w, b): "" or "evict_last"
-    BLOCK_M: tl.constexpr,  # rows a program handles
+    BLOCK_M: tl.constexpr,  # rows a program handles at a time
     BLOCK_N: tl.constexpr,  # power of two >= N: the whole row is one tile
+    PERSISTENT: tl.constexpr,  # a grid smaller than the blocks: programs walk blocks pid, pid + grid, ...
 ):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # int64: M*N may pass 2^31
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
+    block_rows = tl.arange(0, BLOCK_M)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + block_rows  # int64: M*N may pass 2^31
+    x, r = _fwd_block_load(x_ptr, r_ptr, rows, cols, col_mask, M, stride_xm, stride_rm, HAS_RESIDUAL, STREAM)
+    if PERSISTENT:
+        # the next block is loaded before this one is reduced, so a program keeps a block in flight
+        # through its barriers, and no program ends and starts between blocks; past the last block
+        # the loads are masked off
+        step = tl.num_programs(0)
+        for block in range(tl.program_id(0), tl.cdiv(M, BLOCK_M), step):
+            rows = tl.cast(block, tl.int64) * BLOCK_M + block_rows
+            next_rows = rows + step * BLOCK_M
+            x_this, r_this = x, r
+            x, r = _fwd_block_load(x_ptr, r_ptr, next_rows, cols, col_mask, M, stride_xm, stride_rm,
+                                   HAS_RESIDUAL, STREAM)
+            _fwd_block(x_this, r_this, h_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, rows, cols, col_mask,
+                       M, N, eps, RMS, HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, KEEP)
+    else:
+        _fwd_block(x, r, h_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, rows, cols, col_mask, M, N, eps, RMS,
+                   HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, KEEP)
+
+
+@triton.jit
+def _fwd_block_load(x_ptr, r_ptr, rows, cols, col_mask, M, stride_xm, stride_rm, HAS_RESIDUAL: tl.constexpr,
+                    STREAM: tl.constexpr):
+    """A block of rows of x and of the residual (x again without one), as stored; zeros past M or N."""
     mask = (rows < M)[:, None] & col_mask[None, :]
-    h = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0,
-                eviction_policy=STREAM).to(tl.float32)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0,
+                eviction_policy=STREAM)
+    r = x
     if HAS_RESIDUAL:
-        h += tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0,
-                     eviction_policy=STREAM).to(tl.float32)
-        h = h.to(h_ptr.dtype.element_ty)
+        r = tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0,
+                    eviction_policy=STREAM)
+    return x, r
+
+
+@triton.jit
+def _fwd_block(x, r, h_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, rows, cols, col_mask, M, N, eps,
+               RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+               HAS_BIAS: tl.constexpr, KEEP: tl.constexpr):
+    """Normalise a loaded block of rows (x and the residual): store h (the add_ forms), the row
+    statistics and y."""
+    mask = (rows < M)[:, None] & col_mask[None, :]
+    h = x.to(tl.float32)
+    if HAS_RESIDUAL:
+        h = (h + r.to(tl.float32)).to(h_ptr.dtype.element_ty)
         tl.store(h_ptr + rows[:, None] * N + cols[None, :], h, mask=mask)
         h = h.to(tl.float32)
     if RMS:
@@ -68,19 +106,19 @@ def _norm_fwd_kernel(
 
 
 @triton.jit
-def _bwd_row(h_ptr, dy_ptr, mean_ptr, rstd_ptr, row, row_exists, cols, col_mask, stride_hm, stride_dym,
-             RMS: tl.constexpr):
-    """What the backward loads for one row before its reductions, as stored: h, dy, the row's mean
-    (LayerNorm, else 0) and its rstd; zeros where the row or an entry does not exist. A prefetched
-    row's scalars are then in flight with it. (The add_ forms' dh is loaded where it is added: held
-    from one row to the next, it would cost a row of registers, and half the programs an SM.)"""
-    mask = col_mask & row_exists
-    h = tl.load(h_ptr + row * stride_hm + cols, mask=mask, other=0.0)
-    dy = tl.load(dy_ptr + row * stride_dym + cols, mask=mask, other=0.0)
+def _bwd_rows(h_ptr, dy_ptr, mean_ptr, rstd_ptr, rows, rows_exist, cols, col_mask, stride_hm, stride_dym,
+              RMS: tl.constexpr):
+    """What the backward loads for a block of rows before its reductions, as stored: h, dy, the rows'
+    means (LayerNorm, else 0) and rstds; zeros where a row or an entry does not exist. A prefetched
+    block's scalars are then in flight with it. (The add_ forms' dh is loaded where it is added:
+    held from one block to the next, it would cost a block of registers, and half the programs an SM.)"""
+    mask = rows_exist[:, None] & col_mask[None, :]
+    h = tl.load(h_ptr + rows[:, None] * stride_hm + cols[None, :], mask=mask, other=0.0)
+    dy = tl.load(dy_ptr + rows[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0)
     mean = 0.0
     if not RMS:
-        mean = tl.load(mean_ptr + row, mask=row_exists, other=0.0)
-    return h, dy, mean, tl.load(rstd_ptr + row, mask=row_exists, other=0.0)
+        mean = tl.load(mean_ptr + rows, mask=rows_exist, other=0.0)
+    return h, dy, mean, tl.load(rstd_ptr + rows, mask=rows_exist, other=0.0)
 
 
 @triton.jit
@@ -108,50 +146,57 @@ def _norm_bwd_kernel(
     HAS_DH: tl.constexpr,  # add the gradient of h (add_ forms)
     HAS_WEIGHT: tl.constexpr,  # the forward scaled by w: g = dy * w, and dw is wanted
     HAS_BIAS: tl.constexpr,  # db is wanted
-    ROWS: tl.constexpr,  # rows a program walks, one at a time
+    ROWS: tl.constexpr,  # rows a program walks, BLOCK_M at a time (a multiple of BLOCK_M)
+    BLOCK_M: tl.constexpr,  # rows reduced together: one exchange between warps serves them all
     BLOCK_N: tl.constexpr,  # power of two >= N
-    PREFETCH: tl.constexpr,  # load the next row (h, dy, mean, rstd) before this row is reduced
+    PREFETCH: tl.constexpr,  # load the next block (h, dy, mean, rstd) before this block is reduced
 ):
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
+    block_rows = tl.arange(0, BLOCK_M)
     if HAS_WEIGHT:
-        w = tl.load(w_ptr + cols, mask=col_mask).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=col_mask).to(tl.float32)[None, :]
     dw = tl.zeros([BLOCK_N], tl.float32)
     db = tl.zeros([BLOCK_N], tl.float32)
     first = tl.program_id(0).to(tl.int64) * ROWS
     if PREFETCH:
-        h_next, dy_next, mean_next, rstd_next = _bwd_row(h_ptr, dy_ptr, mean_ptr, rstd_ptr, first, first < M,
-                                                         cols, col_mask, stride_hm, stride_dym, RMS)
-    for i in range(ROWS):
-        row = first + i
-        mask = col_mask & (row < M)
-        if PREFETCH:  # two rows in flight: this row's barriers no longer wait on the next row's loads
+        rows = first + block_rows
+        h_next, dy_next, mean_next, rstd_next = _bwd_rows(h_ptr, dy_ptr, mean_ptr, rstd_ptr, rows, rows < M,
+                                                          cols, col_mask, stride_hm, stride_dym, RMS)
+    for i in range(0, ROWS, BLOCK_M):
+        rows = first + i + block_rows
+        rows_exist = rows < M
+        mask = rows_exist[:, None] & col_mask[None, :]
+        if PREFETCH:  # two blocks in flight: this block's barriers no longer wait on the next one's loads
             h, dy, mean, rstd = h_next, dy_next, mean_next, rstd_next
-            h_next, dy_next, mean_next, rstd_next = _bwd_row(h_ptr, dy_ptr, mean_ptr, rstd_ptr, row + 1,
-                                                             (i + 1 < ROWS) & (row + 1 < M), cols, col_mask,
-                                                             stride_hm, stride_dym, RMS)
+            next_rows = rows + BLOCK_M
+            h_next, dy_next, mean_next, rstd_next = _bwd_rows(h_ptr, dy_ptr, mean_ptr, rstd_ptr, next_rows,
+                                                              (i + BLOCK_M < ROWS) & (next_rows < M), cols,
+                                                              col_mask, stride_hm, stride_dym, RMS)
         else:
-            h, dy, mean, rstd = _bwd_row(h_ptr, dy_ptr, mean_ptr, rstd_ptr, row, row < M, cols, col_mask,
-                                         stride_hm, stride_dym, RMS)
+            h, dy, mean, rstd = _bwd_rows(h_ptr, dy_ptr, mean_ptr, rstd_ptr, rows, rows_exist, cols, col_mask,
+                                          stride_hm, stride_dym, RMS)
         h = h.to(tl.float32)
         dy = dy.to(tl.float32)
+        rstd = rstd[:, None]
         if RMS:
             xhat = h * rstd
         else:
-            xhat = tl.where(mask, (h - mean) * rstd, 0.0)
+            xhat = tl.where(mask, (h - mean[:, None]) * rstd, 0.0)
         g = dy * w if HAS_WEIGHT else dy
         if RMS:
-            dh = (g - xhat * (tl.sum(g * xhat, axis=0) / N)) * rstd
+            dh = (g - xhat * (tl.sum(g * xhat, axis=1) / N)[:, None]) * rstd
         else:  # both sums in one reduction: one exchange between warps instead of two
-            sum_g_xhat, sum_g = tl.reduce((g * xhat, g), 0, _add_pairs)
-            dh = (g - xhat * (sum_g_xhat / N) - sum_g / N) * rstd
+            sum_g_xhat, sum_g = tl.reduce((g * xhat, g), 1, _add_pairs)
+            dh = (g - xhat * (sum_g_xhat / N)[:, None] - (sum_g / N)[:, None]) * rstd
         if HAS_DH:
-            dh += tl.load(dh_ptr + row * stride_dhm + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(dx_ptr + row * N + cols, dh.to(dx_ptr.dtype.element_ty), mask=mask)
-        if HAS_WEIGHT:
-            dw += dy * xhat
+            dh += tl.load(dh_ptr + rows[:, None] * stride_dhm + cols[None, :], mask=mask,
+                          other=0.0).to(tl.float32)
+        tl.store(dx_ptr + rows[:, None] * N + cols[None, :], dh.to(dx_ptr.dtype.element_ty), mask=mask)
+        if HAS_WEIGHT:  # a block's rows sit in each thread's registers: the sums over them stay in-thread
+            dw += tl.sum(dy * xhat, axis=0)
         if HAS_BIAS:
-            db += dy
+            db += tl.sum(dy, axis=0)
     if HAS_WEIGHT:
         tl.store(dw_partial_ptr + tl.program_id(0) * N + cols, dw, mask=col_mask)
     if HAS_BIAS:
