@@ -150,18 +150,6 @@ def _force(monkeypatch, config: dict, direction: str = "fwd", looped: bool = Tru
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_persistent_one_pass_forward_walks_every_block(kind, monkeypatch, device):
-    """A one-pass PER_SM config launches fewer programs than blocks (two for five blocks of 2 rows,
-    the last one partial, on one SM); each walks its blocks, loading the next one ahead: every row's
-    output, statistics and gradients match the reference."""
-    monkeypatch.setattr(nm, "sm_count", lambda device: 1)
-    launches = _force(monkeypatch, {"BLOCK_M": 2, "num_warps": 4, "PER_SM": 2}, looped=False)
-    kernel, reference, inputs, grad_inputs, grads = _case(kind, (9, 97), BF16, device, seed=6)
-    check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
-    assert launches and all(grid == (2,) and meta["PERSISTENT"] for grid, meta in launches), launches
-
-
-@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_backward_rows_reduced_in_blocks(kind, prefetch, monkeypatch, device):
     """The one-pass backward reducing BLOCK_M rows together: 11 rows at 8 a program make a program

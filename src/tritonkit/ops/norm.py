@@ -40,8 +40,6 @@ from tritonkit._launch import Launcher, cdiv, precompile  # noqa: E402
 from tritonkit.ops.norm_kernels import (  # noqa: E402
     _add_pairs,
     _bwd_rows,
-    _fwd_block,
-    _fwd_block_load,
     _norm_bwd_kernel,
     _norm_bwd_looped_kernel,
     _norm_fwd_kernel,
@@ -65,12 +63,7 @@ CONFIGS = {
     # rows that fit in registers may still go faster through the looped kernel, one row a program
     # in chunks, read twice (the second time from cache), as torch.compile's kernels do
     + [{"BLOCK_N": n, "num_warps": w, **evict} for n in (1024, 2048, 4096) for w in (4, 8, 16)
-       for evict in ({}, {"EVICT": True})]  # 1024 at 8 warps and 2048 at 16: torch.compile's 4 a thread
-    # a persistent grid of PER_SM programs an SM (16-32 warps an SM: the registers of two blocks
-    # in flight, 50-80 a thread on sm_90, leave room for no more), each walking blocks of rows with
-    # the next block loaded before this one is reduced
-    + [{"BLOCK_M": m, "num_warps": w, "PER_SM": p} for m in (1, 2, 4) for w, p in
-       ((4, 4), (4, 6), (4, 8), (8, 2), (8, 3), (8, 4), (16, 1), (16, 2))],
+       for evict in ({}, {"EVICT": True})],  # 1024 at 8 warps and 2048 at 16: torch.compile's 4 a thread
     ("fwd", True): [{"BLOCK_N": n, "num_warps": w} for n in (2048, 4096, 8192) for w in (4, 8, 16)]
     + [{"BLOCK_N": n, "num_warps": w, "PER_SM": p} for n in (4096, 8192) for w in (8, 16) for p in (1, 2, 4)]
     + [{"BLOCK_N": n, "num_warps": w, "EVICT": True, **per_sm} for n in (4096, 8192) for w in (8, 16)
@@ -182,10 +175,7 @@ def _prune(config: dict, key: dict) -> bool:
     per_thread = tile * tiles / (32 * config["num_warps"])
     if not low <= per_thread <= high:
         return True
-    # a persistent one-pass forward holds the next block too: x, and the residual with it
-    persistent = key["direction"] == "fwd" and "BLOCK_M" in config and "PER_SM" in config
-    prefetched = per_thread * (2 if persistent and key["residual"] else 1)
-    if (config.get("PREFETCH") or persistent) and prefetched > PREFETCH_MAX_PER_THREAD:
+    if config.get("PREFETCH") and per_thread > PREFETCH_MAX_PER_THREAD:
         return True
     if config.get("BLOCK_M", 1) > max(1, key["rows"]):
         return True
@@ -198,8 +188,7 @@ def _prune(config: dict, key: dict) -> bool:
 
 # the other @triton.jit functions a tuner's timings depend on: the helpers a kernel calls, and the
 # backward's second stage, which each timing includes
-_HELPERS = {("fwd", False): (_fwd_block_load, _fwd_block, _norm_fwd_looped_kernel,
-                              _norm_fwd_looped_row),  # the last two: its looped candidates
+_HELPERS = {("fwd", False): (_norm_fwd_looped_kernel, _norm_fwd_looped_row),  # its looped candidates
             ("fwd", True): (_norm_fwd_looped_row,),
             ("bwd", False): (_bwd_rows, _add_pairs, _sum_partials_kernel),
             ("bwd", True): (_sum_partials_kernel,)}
@@ -441,10 +430,8 @@ def _fwd_launch_args(input, residual, weight, bias, eps: float, rms: bool, confi
         return (outputs, _LAUNCHERS["fwd", True], (programs,), args,
                 meta | {"BLOCK_N": config["BLOCK_N"], "ROW_LENGTH": row_length,
                         "OUT_BLOCK_N": config.get("OUT_BLOCK_N", config["BLOCK_N"])})
-    blocks = cdiv(rows, config["BLOCK_M"])
-    programs = min(blocks, config["PER_SM"] * sm_count(input.device)) if "PER_SM" in config else blocks
-    meta |= {"BLOCK_M": config["BLOCK_M"], "BLOCK_N": block_n, "PERSISTENT": programs < blocks}
-    return outputs, _LAUNCHERS["fwd", False], (programs,), args, meta
+    meta |= {"BLOCK_M": config["BLOCK_M"], "BLOCK_N": block_n}
+    return outputs, _LAUNCHERS["fwd", False], (cdiv(rows, config["BLOCK_M"]),), args, meta
 
 
 def _norm_bwd(grad_y, grad_h, h, weight, bias, mean, rstd, rms: bool, config: dict | None = None):
@@ -724,8 +711,8 @@ def _inspect_launches(residual: bool, rms: bool, bias: bool, shape: tuple, dtype
                       config: dict | None = None) -> list:
     """The forward and backward launches for ``shape``: what ``tritonkit inspect`` compiles. Each
     takes its default config, with what ``config`` sets of it (BLOCK_M is the one-pass forward's and
-    the one-pass backward's rows reduced together, EVICT either forward's, PER_SM either forward's
-    persistent grid, ROWS and PREFETCH the backward's, BLOCK_N the looped kernels' (given for a row
+    the one-pass backward's rows reduced together, EVICT either forward's, PER_SM the looped
+    forward's persistent grid, ROWS and PREFETCH the backward's, BLOCK_N the looped kernels' (given for a row
     that fits in registers, it sends the forward through the looped kernel), OUT_BLOCK_N the looped
     forward's pass 2 chunk, num_warps every kernel's); then the backward's second stage, the
     partial sums, on its own fixed tile."""

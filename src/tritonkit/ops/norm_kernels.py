@@ -36,57 +36,19 @@ def _norm_fwd_kernel(
     HAS_BIAS: tl.constexpr,  # shift by b
     STREAM: tl.constexpr,  # eviction policy of what is read once (x, the residual): "" or "evict_first"
     KEEP: tl.constexpr,  # ... of what every program reads again (w, b): "" or "evict_last"
-    BLOCK_M: tl.constexpr,  # rows a program handles at a time
+    BLOCK_M: tl.constexpr,  # rows a program handles
     BLOCK_N: tl.constexpr,  # power of two >= N: the whole row is one tile
-    PERSISTENT: tl.constexpr,  # a grid smaller than the blocks: programs walk blocks pid, pid + grid, ...
 ):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # int64: M*N may pass 2^31
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
-    block_rows = tl.arange(0, BLOCK_M)
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + block_rows  # int64: M*N may pass 2^31
-    x, r = _fwd_block_load(x_ptr, r_ptr, rows, cols, col_mask, M, stride_xm, stride_rm, HAS_RESIDUAL, STREAM)
-    if PERSISTENT:
-        # the next block is loaded before this one is reduced, so a program keeps a block in flight
-        # through its barriers, and no program ends and starts between blocks; past the last block
-        # the loads are masked off
-        step = tl.num_programs(0)
-        for block in range(tl.program_id(0), tl.cdiv(M, BLOCK_M), step):
-            rows = tl.cast(block, tl.int64) * BLOCK_M + block_rows
-            next_rows = rows + step * BLOCK_M
-            x_this, r_this = x, r
-            x, r = _fwd_block_load(x_ptr, r_ptr, next_rows, cols, col_mask, M, stride_xm, stride_rm,
-                                   HAS_RESIDUAL, STREAM)
-            _fwd_block(x_this, r_this, h_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, rows, cols, col_mask,
-                       M, N, eps, RMS, HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, KEEP)
-    else:
-        _fwd_block(x, r, h_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, rows, cols, col_mask, M, N, eps, RMS,
-                   HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, KEEP)
-
-
-@triton.jit
-def _fwd_block_load(x_ptr, r_ptr, rows, cols, col_mask, M, stride_xm, stride_rm, HAS_RESIDUAL: tl.constexpr,
-                    STREAM: tl.constexpr):
-    """A block of rows of x and of the residual (x again without one), as stored; zeros past M or N."""
     mask = (rows < M)[:, None] & col_mask[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0,
-                eviction_policy=STREAM)
-    r = x
+    h = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0,
+                eviction_policy=STREAM).to(tl.float32)
     if HAS_RESIDUAL:
-        r = tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0,
-                    eviction_policy=STREAM)
-    return x, r
-
-
-@triton.jit
-def _fwd_block(x, r, h_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, rows, cols, col_mask, M, N, eps,
-               RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-               HAS_BIAS: tl.constexpr, KEEP: tl.constexpr):
-    """Normalise a loaded block of rows (x and the residual): store h (the add_ forms), the row
-    statistics and y."""
-    mask = (rows < M)[:, None] & col_mask[None, :]
-    h = x.to(tl.float32)
-    if HAS_RESIDUAL:
-        h = (h + r.to(tl.float32)).to(h_ptr.dtype.element_ty)
+        h += tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0,
+                     eviction_policy=STREAM).to(tl.float32)
+        h = h.to(h_ptr.dtype.element_ty)
         tl.store(h_ptr + rows[:, None] * N + cols[None, :], h, mask=mask)
         h = h.to(tl.float32)
     if RMS:
