@@ -150,6 +150,21 @@ def _force(monkeypatch, config: dict, direction: str = "fwd", looped: bool = Tru
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_a_call_without_autograd_stores_no_statistics(kind, monkeypatch, device):
+    """Without autograd the one-pass forward stores no mean or rstd (only a backward reads them);
+    with it, it does. The outputs, and the gradients from the stored statistics, match."""
+    launches = _force(monkeypatch, {"BLOCK_M": 2, "num_warps": 4}, looped=False)
+    kernel, reference, inputs, grad_inputs, grads = _case(kind, (9, 97), BF16, device, seed=8)
+    check_against_reference(kernel, reference, inputs)
+    assert launches and not any(meta["STATS"] for _, meta in launches), launches
+    launches.clear()
+    check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
+    assert launches and all(meta["STATS"] for _, meta in launches), launches
+    _, _, mean, rstd = nm._norm_fwd(inputs[0], None, None, None, 1e-5, "rms" in kind, stats=False)
+    assert mean is None and rstd is None
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_backward_rows_reduced_in_blocks(kind, prefetch, monkeypatch, device):
     """The one-pass backward reducing BLOCK_M rows together: 11 rows at 8 a program make a program

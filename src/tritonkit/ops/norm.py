@@ -381,56 +381,64 @@ def _validate(input, normalized_shape, weight, bias, residual=None) -> int:
 
 
 def _norm_fwd(input, residual, weight, bias, eps: float, rms: bool, config: dict | None = None,
-              validated: bool = False):
-    """(y, h or None, mean or None, rstd): h = input + residual when a residual is given. Without
-    ``config``, the tuned one for the shape; ``validated``: the public function checked the arguments."""
+              validated: bool = False, stats: bool = True):
+    """(y, h or None, mean or None, rstd or None): h = input + residual when a residual is given.
+    Without ``config``, the tuned one for the shape; ``validated``: the public function checked the
+    arguments; ``stats``: the mean and rstd are wanted (for a backward)."""
     if not validated:
         _validate(input, input.shape[-1:], weight, bias, residual)
     if input.numel() and config is None:
         config = _config("fwd", input, residual is not None, weight, bias, rms, eps,
-                         lambda c: _norm_fwd(input, residual, weight, bias, eps, rms, config=c),
-                         lambda c: _fwd_launch_args(input, residual, weight, bias, eps, rms, c))
-    outputs, launcher, grid, args, meta = _fwd_launch_args(input, residual, weight, bias, eps, rms, config)
+                         lambda c: _norm_fwd(input, residual, weight, bias, eps, rms, config=c, stats=stats),
+                         lambda c: _fwd_launch_args(input, residual, weight, bias, eps, rms, c, stats))
+    outputs, launcher, grid, args, meta = _fwd_launch_args(input, residual, weight, bias, eps, rms, config,
+                                                           stats)
     if input.numel():
         launcher(grid, *args, **meta)
     return outputs
 
 
-def _fwd_launch_args(input, residual, weight, bias, eps: float, rms: bool, config: dict | None):
+def _fwd_launch_args(input, residual, weight, bias, eps: float, rms: bool, config: dict | None,
+                     stats: bool = True):
     """((y, h, mean, rstd), launcher, grid, arguments, constexprs and options) of the forward, with
-    the outputs allocated (h None without a residual, mean None for RMSNorm)."""
+    the outputs allocated (h None without a residual, mean None for RMSNorm). Without ``stats`` the
+    one-pass kernel stores no mean or rstd (they are None); the looped one stores them regardless,
+    one pair a long row."""
     n = input.shape[-1]
     rows = input.numel() // n if n else 0
+    block_n = _next_power_of_2(n)
+    looped = block_n > MAX_BLOCK_N["fwd"] or "BLOCK_N" in (config or {})  # looped configs name their chunk
+    stats = stats or looped
     y = empty_output(input.shape, input.dtype, input.device)
     h = empty_output(input.shape, input.dtype, input.device) if residual is not None else None
-    mean = empty_output((rows,), torch.float32, input.device) if not rms else None
-    rstd = empty_output((rows,), torch.float32, input.device)
+    mean = empty_output((rows,), torch.float32, input.device) if stats and not rms else None
+    rstd = empty_output((rows,), torch.float32, input.device) if stats else None
     outputs = (y, h, mean, rstd)
     if input.numel() == 0:
         return outputs, None, None, None, None
     x2 = _rows_2d(input, n)
     r2 = _rows_2d(residual, n) if residual is not None else x2
     weight, bias = _unit_stride(weight), _unit_stride(bias)
+    stats_args = (mean if mean is not None else rstd, rstd) if stats else (y, y)  # unused without stats
     args = (x2, r2, h if h is not None else y, y, weight if weight is not None else y,
-            bias if bias is not None else y, mean if mean is not None else rstd, rstd, rows, n, x2.stride(0),
-            r2.stride(0), float(eps))
+            bias if bias is not None else y, *stats_args, rows, n, x2.stride(0), r2.stride(0), float(eps))
     # EVICT: L2 eviction hints, as torch.compile's kernels give them: evict_first on what is read for
     # the last time, evict_last on what is read again (the looped first pass, the weight and bias)
     evict = config.get("EVICT", False)
-    meta = {"RMS": rms, "HAS_RESIDUAL": residual is not None, "HAS_WEIGHT": weight is not None,
-            "HAS_BIAS": bias is not None, "num_warps": config["num_warps"],
-            "STREAM": "evict_first" if evict else "", "KEEP": "evict_last" if evict else ""}
-    block_n = _next_power_of_2(n)
-    if block_n > MAX_BLOCK_N["fwd"] or "BLOCK_N" in config:  # looped configs name their chunk
+    flags = {"RMS": rms, "HAS_RESIDUAL": residual is not None, "HAS_WEIGHT": weight is not None,
+             "HAS_BIAS": bias is not None}
+    options = {"num_warps": config["num_warps"], "STREAM": "evict_first" if evict else "",
+               "KEEP": "evict_last" if evict else ""}
+    if looped:
         # PER_SM: a persistent grid of that many programs an SM walks the rows, so that fewer rows
         # are between their two passes at once (the second pass is to find its row in L2)
         programs = min(rows, config["PER_SM"] * sm_count(input.device)) if "PER_SM" in config else rows
         # rows that fit compile for their length (ROW_LENGTH), as the one-pass kernel does for its block
         row_length = n if block_n <= MAX_BLOCK_N["fwd"] else 0
         return (outputs, _LAUNCHERS["fwd", True], (programs,), args,
-                meta | {"BLOCK_N": config["BLOCK_N"], "ROW_LENGTH": row_length,
-                        "OUT_BLOCK_N": config.get("OUT_BLOCK_N", config["BLOCK_N"])})
-    meta |= {"BLOCK_M": config["BLOCK_M"], "BLOCK_N": block_n}
+                flags | options | {"BLOCK_N": config["BLOCK_N"], "ROW_LENGTH": row_length,
+                                   "OUT_BLOCK_N": config.get("OUT_BLOCK_N", config["BLOCK_N"])})
+    meta = flags | {"STATS": stats} | options | {"BLOCK_M": config["BLOCK_M"], "BLOCK_N": block_n}
     return outputs, _LAUNCHERS["fwd", False], (cdiv(rows, config["BLOCK_M"]),), args, meta
 
 
@@ -595,7 +603,8 @@ def _norm(input, residual, normalized_shape, weight, bias, eps, rms: bool):
     tensors = [t for t in (input, residual, weight, bias) if t is not None]
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return _Norm.apply(input, residual, weight, bias, eps, rms)
-    y, h, _, _ = _norm_fwd(input, residual, weight, bias, eps, rms, validated=True)
+    # no backward will follow: the statistics are not stored
+    y, h, _, _ = _norm_fwd(input, residual, weight, bias, eps, rms, validated=True, stats=False)
     return (y, h) if residual is not None else y
 
 

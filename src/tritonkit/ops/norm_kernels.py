@@ -34,6 +34,7 @@ def _norm_fwd_kernel(
     HAS_RESIDUAL: tl.constexpr,  # add the residual first and store the sum
     HAS_WEIGHT: tl.constexpr,  # scale by w
     HAS_BIAS: tl.constexpr,  # shift by b
+    STATS: tl.constexpr,  # store the mean and rstd: the backward needs them, a call without autograd not
     STREAM: tl.constexpr,  # eviction policy of what is read once (x, the residual): "" or "evict_first"
     KEEP: tl.constexpr,  # ... of what every program reads again (w, b): "" or "evict_last"
     BLOCK_M: tl.constexpr,  # rows a program handles
@@ -56,9 +57,11 @@ def _norm_fwd_kernel(
     else:
         mean = tl.sum(h, axis=1) / N
         centred = tl.where(mask, h - mean[:, None], 0.0)  # padding must not enter the variance
-        tl.store(mean_ptr + rows, mean, mask=rows < M)
+        if STATS:
+            tl.store(mean_ptr + rows, mean, mask=rows < M)
     rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) / N + eps)
-    tl.store(rstd_ptr + rows, rstd, mask=rows < M)
+    if STATS:
+        tl.store(rstd_ptr + rows, rstd, mask=rows < M)
     y = centred * rstd[:, None]
     if HAS_WEIGHT:
         y *= tl.load(w_ptr + cols, mask=col_mask, eviction_policy=KEEP).to(tl.float32)[None, :]
