@@ -173,9 +173,7 @@ def _prune(config: dict, key: dict) -> bool:
     if not key["looped"] and "BLOCK_N" in config:  # a looped config for a one-pass key
         low = LOOPED_MIN_PER_THREAD
     per_thread = tile * tiles / (32 * config["num_warps"])
-    if not low <= per_thread <= high:
-        return True
-    if config.get("PREFETCH") and per_thread > PREFETCH_MAX_PER_THREAD:
+    if not low <= per_thread <= high or config.get("PREFETCH") and per_thread > PREFETCH_MAX_PER_THREAD:
         return True
     if config.get("BLOCK_M", 1) > max(1, key["rows"]):
         return True
