@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from tritonkit.inspect import compile_launch
+from tritonkit.asm import compile_launch
 from tritonkit.ops import get_op, op_names
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -16,7 +16,7 @@ import sys
 PRELUDE = r'''
 import os
 import re
-from tritonkit.inspect import compile_kernel  # (kernel, signature, constexprs, num_warps) -> Report
+from tritonkit.asm import compile_kernel  # (kernel, signature, constexprs, num_warps) -> Report
 '''
 
 

@@ -20,7 +20,8 @@ pytestmark = pytest.mark.attention
 
 _SASS_CHECK = r"""
 import json, torch
-from tritonkit.inspect import Launch, compile_launch
+from tritonkit._launch import Launch
+from tritonkit.asm import compile_launch
 from tritonkit.ops import attention_bwd as ab
 from tritonkit.ops.attention import _inspect_launches
 for head_dim in (64, 128, 256):
@@ -66,7 +67,8 @@ def test_default_configs_compile_for_hopper_to_wgmma_without_spills():
 
 _VARIANT_CHECK = r"""
 import json, torch
-from tritonkit.inspect import Launch, compile_launch
+from tritonkit._launch import Launch
+from tritonkit.asm import compile_launch
 from tritonkit.ops import attention_bwd as ab, attention_fwd as af
 q = torch.empty((1, 8, 4096, 128), dtype=torch.bfloat16, device="meta")
 kv = torch.empty((1, 2, 4096, 128), dtype=torch.bfloat16, device="meta")
@@ -120,7 +122,8 @@ def test_windows_soft_caps_and_packed_batches_compile_for_hopper():
 
 _OVERLAP_CHECK = r"""
 import json, torch
-from tritonkit.inspect import Launch, compile_launch
+from tritonkit._launch import Launch
+from tritonkit.asm import compile_launch
 from tritonkit.ops import attention_bwd as ab, attention_fwd as af
 q = torch.empty((4, 32, 4096, 128), dtype=torch.bfloat16, device="meta")
 rows = torch.empty((4, 32, 4096), dtype=torch.float32, device="meta")

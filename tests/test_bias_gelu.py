@@ -54,10 +54,10 @@ def one_sm(monkeypatch):
 def test_row_tiles_leave_two_programs_an_sm():
     """Programs walk MAX_ROW_TILES tiles unless the GPU would then hold under two programs an SM:
     128 rows of 16384 bf16 entries (32 row tiles, 16 column blocks) take one tile a program."""
-    assert bg._row_tiles(2048, 16, 132) == MAX_ROW_TILES  # 8192 rows: 2048 programs as before
-    assert bg._row_tiles(32, 16, 132) == 1  # 512 programs, not 32
-    assert bg._row_tiles(456, 5, 132) == 8  # 285 programs
-    assert bg._row_tiles(3, 1, 1) == 1 and bg._row_tiles(33, 1, 1) == MAX_ROW_TILES
+    assert bg.row_tiles_per_program(2048, 16, 132) == MAX_ROW_TILES  # 8192 rows: 2048 programs as before
+    assert bg.row_tiles_per_program(32, 16, 132) == 1  # 512 programs, not 32
+    assert bg.row_tiles_per_program(456, 5, 132) == 8  # 285 programs
+    assert bg.row_tiles_per_program(3, 1, 1) == 1 and bg.row_tiles_per_program(33, 1, 1) == MAX_ROW_TILES
 
 
 def _many_rows(n_cols: int, dtype: torch.dtype, chunks: int = 3) -> tuple[int, int]:
@@ -424,7 +424,7 @@ import tritonkit.ops.bias_gelu as bg
 COMMON = {"M": "i32", "N": "i32", "stride_xm": "i32", "stride_xn": "constexpr", "stride_bn": "constexpr"}
 for dtype in ("bf16", "fp32"):
     for tanh in (False, True):
-        block_m, block_n = bg._tile(4096, 2 if dtype == "bf16" else 4)
+        block_m, block_n = bg.tile_shape(4096, 2 if dtype == "bf16" else 4)
         fwd = {"x_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "y_ptr": f"*{dtype}", **COMMON}
         bwd = {"dy_ptr": f"*{dtype}", "x_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "dx_ptr": f"*{dtype}",
                "db_partial_ptr": "*fp32", "M": "i32", "N": "i32", "stride_dym": "i32",

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import sm90
-from tritonkit import inspect
+from tritonkit import asm
+from tritonkit._launch import Launch
 from tritonkit.ops import get_op, op_names
 
 pytestmark = pytest.mark.infra
@@ -55,7 +56,7 @@ def test_cli_writes_the_irs(tmp_path):
     result = _cli("bias_gelu", "--shape", "64x256", "--dtype", "fp16", "--arch", "sm_80", "-o", str(tmp_path))
     assert result.returncode == 0, result.stderr[-2000:]
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == sorted(f"bias_gelu-{d}-sm_80.{ir}" for d in ("fwd", "bwd") for ir in inspect.IRS)
+    assert names == sorted(f"bias_gelu-{d}-sm_80.{ir}" for d in ("fwd", "bwd") for ir in asm.IRS)
     assert ".target sm_80" in (tmp_path / "bias_gelu-fwd-sm_80.ptx").read_text()
     assert "HMMA" not in (tmp_path / "bias_gelu-fwd-sm_80.sass").read_text()  # elementwise: no matmul
 
@@ -73,7 +74,7 @@ def test_cli_rejects_a_malformed_config():
 def test_compiling_in_an_interpreting_process_says_how_to_fix_it():
     launch = get_op("softmax").inspect((8, 64), torch.float32, None)[0]
     with pytest.raises(RuntimeError, match="TRITONKIT_INTERPRET=0"):
-        inspect.compile_launch(launch)
+        asm.compile_launch(launch)
 
 
 # ---------------------------------------------------------------- the pieces, without compiling
@@ -82,22 +83,22 @@ def test_compiling_in_an_interpreting_process_says_how_to_fix_it():
 def test_specialize_as_a_launch_does():
     kernel = types.SimpleNamespace(arg_names=["x_ptr", "one", "n", "m", "big", "BLOCK"], __name__="k")
     x = torch.empty(8, dtype=torch.bfloat16, device="meta")
-    launch = inspect.Launch("fwd", kernel, (x, 1, 4096, 7, 2**31 + 16), {"BLOCK": 64, "num_warps": 8})
-    signature, constants, attrs, options = inspect.specialize(launch)
+    launch = Launch("fwd", kernel, (x, 1, 4096, 7, 2**31 + 16), {"BLOCK": 64, "num_warps": 8})
+    signature, constants, attrs, options = asm.specialize(launch)
     assert signature == {"x_ptr": "*bf16", "one": "constexpr", "n": "i32", "m": "i32", "big": "i64",
                          "BLOCK": "constexpr"}
     assert constants == {(1,): 1, (5,): 64}
     assert sorted(attrs) == [(0,), (2,), (4,)]  # the pointer and the multiples of 16
     assert options == {"num_warps": 8}
     with pytest.raises(TypeError, match="trailing parameters"):
-        inspect.specialize(inspect.Launch("fwd", kernel, (x, 1, 4096, 7), {"BLOCK": 64}))
+        asm.specialize(Launch("fwd", kernel, (x, 1, 4096, 7), {"BLOCK": 64}))
 
 
 def test_occupancy_by_the_cuda_rules():
-    assert inspect.occupancy(90, 4, 48, 1024) == (10, "registers")  # 48 x 128 threads: 6144 a program
-    assert inspect.occupancy(90, 8, 32, 1024) == (8, "threads")
-    assert inspect.occupancy(90, 4, 32, 100 * 1024) == (2, "shared memory")
-    assert inspect.occupancy(90, 4, 33, 0)[0] == 12  # 33 rounds up to 40 registers a thread
+    assert asm.occupancy(90, 4, 48, 1024) == (10, "registers")  # 48 x 128 threads: 6144 a program
+    assert asm.occupancy(90, 8, 32, 1024) == (8, "threads")
+    assert asm.occupancy(90, 4, 32, 100 * 1024) == (2, "shared memory")
+    assert asm.occupancy(90, 4, 33, 0)[0] == 12  # 33 rounds up to 40 registers a thread
 
 
 def test_sass_parsing():
@@ -109,10 +110,10 @@ def test_sass_parsing():
         /*00d0*/                   STG.E desc[UR4][R2.64], R4 ;
         /*00e0*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24 ;
     """
-    full = inspect._SASS_LINE.findall(sass)
+    full = asm._SASS_LINE.findall(sass)
     assert [op.split(".")[0] for op in full] == ["LDG", "LDG", "LDG", "STG", "STG", "HGMMA"]
-    assert inspect._widths(full, "LDG") == collections.Counter({128: 2, 16: 1})
-    assert inspect._widths(full, "STG") == collections.Counter({64: 1, 32: 1})
+    assert asm._widths(full, "LDG") == collections.Counter({128: 2, 16: 1})
+    assert asm._widths(full, "STG") == collections.Counter({64: 1, 32: 1})
 
 
 # ---------------------------------------------------------------- static checks on every op (CI)
@@ -120,7 +121,7 @@ def test_sass_parsing():
 PER_ROW_STATISTICS = {"norm", "attention"}  # families that store or load an fp32 per row (32-bit accesses)
 _STATIC_CHECKS = r"""
 import json, torch
-from tritonkit.inspect import compile_launch
+from tritonkit.asm import compile_launch
 from tritonkit.ops import get_op
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 for name in json.loads(NAMES):

@@ -463,7 +463,7 @@ def test_fast_activation_forms_equal_the_exact_ones(name, monkeypatch, device):
 
 _TMA_SASS_CHECK = r"""
 import json, torch
-from tritonkit.inspect import compile_launch
+from tritonkit.asm import compile_launch
 from tritonkit.ops.linear import _inspect_launches
 tiles = {"tma": (128, {"num_warps": 8, "num_stages": 3, "TMA": True}),
          "persistent": (256, {"num_warps": 8, "num_stages": 4, "TMA": True, "PERSISTENT": 1})}
@@ -490,7 +490,7 @@ def test_tma_candidates_compile_for_hopper():
 
 _SHALLOW_SASS_CHECK = r"""
 import json, torch
-from tritonkit.inspect import compile_launch
+from tritonkit.asm import compile_launch
 from tritonkit.ops.linear import _inspect_launches
 tiles = {"shallow": (16, {"BLOCK_N": 128, "BLOCK_K": 16, "num_warps": 4}),
          "descriptor store": (128, {"BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "TMA": True,

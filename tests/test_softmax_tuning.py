@@ -14,6 +14,7 @@ import tritonkit.ops.softmax as sm
 from test_softmax import BF16, F32, LOGS, _check, _inputs, _key
 from tritonkit import tuning
 from tritonkit._runtime import current_device, sm_count
+from tritonkit.dtypes import NAME_OF
 from tritonkit.testing import generator, random_tensor
 
 pytestmark = pytest.mark.softmax
@@ -44,7 +45,7 @@ def _gate_views(direction, dtype, layout, device):
 @pytest.mark.parametrize("log", LOGS)
 def test_gate_rejects_a_config_that_skips_entries(direction, layout, dtype, log, device):
     views = _gate_views(direction, dtype, layout, device)
-    name = tuning.DTYPE_NAMES[dtype]
+    name = NAME_OF[dtype]
     key = _key(direction, GATE_N, layout, GATE_ROWS, dtype=f"{name}>{name}")
     assert not sm._prune(SHORT_TILE_UNPRUNED, key)
     for bad in (SHORT_TILE, SHORT_TILE_UNPRUNED):

@@ -642,3 +642,30 @@ def test_remember_keeps_at_most_limit_signatures():
     for signature in range(5):
         tuning.remember(memo, signature, {"BLOCK": signature}, limit=2)
         assert 1 <= len(memo) <= 2 and memo[signature] == {"BLOCK": signature}
+
+
+def test_a_tuners_hash_covers_every_jit_helper_its_kernels_call():
+    """The closure is found from the kernels' bodies: helpers called through other helpers, in other
+    modules (tritonkit.jit), and the constexpr globals they read, with no list kept by hand."""
+    from tritonkit.ops import attention_bwd, linear_kernels
+
+    dq = tuning.jit_closure(attention_bwd._attn_bwd_dq_kernel)
+    assert {"_attn_bwd_dq_kernel()", "_dq_steps()", "_sequence()", "_key_ranges()", "dot_fp32()"} <= set(dq)
+    assert dq["LOG2E"] == repr(1.4426950408889634)
+    linear = tuning.jit_closure(linear_kernels._linear_kernel)
+    assert {"_activate()", "gelu()", "tanh_and_sech2()"} <= set(linear)  # through jit.gelu
+    assert "tl" not in linear and not any(name.startswith("triton") for name in linear)
+
+
+def test_editing_a_helper_deep_in_the_closure_changes_the_hash(monkeypatch):
+    from tritonkit.ops import linear_kernels
+
+    tuner = linear_kernels._TUNER
+    copy = lambda: tuning.Tuner("closure-copy", tuner.configs, sources=tuner.sources, default=tuner.default)  # noqa: E731
+    before = copy().source_hash
+    real = tuning._source_text
+    edited = lambda s: real(s).replace("4.0 * e", "4.0000001 * e")  # noqa: E731  (in jit.tanh_and_sech2)
+    monkeypatch.setattr(tuning, "_source_text", lambda s: s if isinstance(s, str) else edited(s))
+    after = copy().source_hash
+    assert before != after
+    tuning.TUNERS.pop("closure-copy", None)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +29,17 @@ MAX_KEYS = 4096  # distinct specializations cached per kernel before the cache s
 MAX_COMPILE_THREADS = 16  # threads compiling a tuner's candidates together (see precompile)
 
 log = logging.getLogger("tritonkit")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch an op would make, described without running it."""
+
+    name: str  # what it is in the op: "fwd one-pass"
+    kernel: object  # the @triton.jit function
+    args: tuple  # runtime arguments as the op passes them (tensors may be on the "meta" device)
+    meta: dict  # constexpr arguments and launch options (num_warps, num_stages)
+    config: dict = field(default_factory=dict)  # the tuning config behind it, for display
 
 
 def cdiv(a: int, b: int) -> int:

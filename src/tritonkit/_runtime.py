@@ -83,6 +83,21 @@ def sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+NOMINAL_SHARED_BYTES = 227 * 1024  # the H200's shared memory a program may opt into, where no GPU says
+
+
+@functools.cache
+def shared_memory_bytes(device) -> int:
+    """Shared memory one program may use on a torch device (its opt-in limit); NOMINAL_SHARED_BYTES off
+    CUDA. What a tile prune compares a config's shared memory against."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return NOMINAL_SHARED_BYTES
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+
+
 def current_device():
     """The current CUDA device, else the CPU."""
     import torch

@@ -16,10 +16,11 @@ from pathlib import Path
 import torch
 
 from tritonkit import __version__, roofline
-from tritonkit.inspect import ARCHS, IRS  # stdlib and torch only: no kernel is defined here
+from tritonkit.asm import ARCHS, IRS  # stdlib and torch only: no kernel is defined here
+from tritonkit.dtypes import DTYPE_OF
 from tritonkit.ops import MODES, get_op, op_names
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = DTYPE_OF
 
 
 def _parse_shape(parts: list[str]) -> tuple[int, ...]:
@@ -177,7 +178,7 @@ def _parse_config(text: str | None, flag: str) -> dict | None:
 
 def cmd_inspect(args) -> int:
     _compile_natively()
-    from tritonkit import inspect
+    from tritonkit import asm
 
     spec_op = get_op(args.op)
     if spec_op.inspect is None:
@@ -192,10 +193,10 @@ def cmd_inspect(args) -> int:
     reports = []
     for config in configs:
         launches = spec_op.inspect(shape, DTYPES[dtype_name], config)
-        reports.append([inspect.compile_launch(launch, args.arch) for launch in launches])
-        print(inspect.format_reports(reports[-1]))
+        reports.append([asm.compile_launch(launch, args.arch) for launch in launches])
+        print(asm.format_reports(reports[-1]))
     if args.diff:
-        print(inspect.format_diff(reports[0], reports[1]))
+        print(asm.format_diff(reports[0], reports[1]))
     for report in reports[0] if args.ir or args.out else ():
         irs = [args.ir] if args.ir else list(IRS)
         for ir in irs:
@@ -219,6 +220,10 @@ def cmd_tune(args) -> int:
         return _show_tuning(args)
     if args.tuner or args.where:
         raise ValueError("--tuner and --where filter what --show prints")
+    if args.rekey:
+        if args.ops or args.import_file or args.export_file:
+            raise ValueError("--rekey rewrites the shipped configs; it takes no ops, --import or --export")
+        return _rekey(args.rekey)
     if args.import_file:
         print(f"imported {tuning.import_cache(Path(args.import_file))} tuned configs into "
               f"{roofline.cache_dir() / tuning.SUBDIR}")
@@ -233,6 +238,55 @@ def cmd_tune(args) -> int:
         print(f"exported {count} tuned configs{f' of {device}' if device else ''} to {args.export_file}")
     if not (args.ops or args.import_file or args.export_file):
         raise ValueError("name ops to tune, or --import / --export a cache")
+    return 0
+
+
+# what tuning.tuner_identities() returns, written out so that it runs on versions that predate it
+_IDENTITIES = """
+import importlib, json, sys
+from tritonkit import ops, tuning
+for name in ops.op_names():
+    importlib.import_module(ops.OP_MODULES[name])
+canonical = lambda value: json.dumps(value, sort_keys=True, separators=(",", ":"))
+json.dump({name: {"source_hash": t.source_hash, "configs": canonical(t.configs)}
+           for name, t in tuning.TUNERS.items()}, sys.stdout)
+"""
+
+
+def _tuner_identities_at(revision: str) -> dict:
+    """:func:`tuning.tuner_identities` of the package as committed at ``revision`` (a git worktree of
+    it, imported in a child process that interprets kernels, so no GPU is needed)."""
+    import subprocess
+    import tempfile
+
+    root = Path(subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
+                               check=True).stdout.strip())
+    with tempfile.TemporaryDirectory() as scratch:
+        tree = Path(scratch) / "tree"
+        subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", "-q", str(tree), revision],
+                       check=True)
+        try:
+            env = {**os.environ, "PYTHONPATH": str(tree / "src"), "TRITONKIT_INTERPRET": "1"}
+            child = subprocess.run([sys.executable, "-c", _IDENTITIES], capture_output=True, text=True,
+                                   env=env, cwd=scratch)
+            if child.returncode:
+                raise ValueError(f"importing the package at {revision} failed:\n{child.stderr[-2000:]}")
+            return json.loads(child.stdout)
+        finally:
+            subprocess.run(["git", "-C", str(root), "worktree", "remove", "--force", str(tree)], check=False)
+
+
+def _rekey(revision: str) -> int:
+    from tritonkit import tuning
+
+    for name in op_names():
+        get_op(name)  # defines every tuner
+    moved = tuning.rekey_shipped(_tuner_identities_at(revision))
+    for tuner, count in sorted(moved.items()):
+        print(f"{tuner}: {count} shipped entries re-keyed from {revision}")
+    left = tuning.stale_shipped()
+    print(f"re-keyed {sum(moved.values())} entries; {len(left)} shipped entries are stale"
+          + "".join(f"\n  {line}" for line in left[:20]))
     return 0
 
 
@@ -374,6 +428,9 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--import", dest="import_file", metavar="FILE", help="add FILE's entries to the cache")
     tune.add_argument("--retune", action="store_true",
                       help="tune every bucket again, even where the cache or shipped configs hold a winner")
+    tune.add_argument("--rekey", metavar="REV",
+                      help="move the shipped configs tuned on the kernels as committed at REV to these, "
+                           "where only their source text changed (check that the SASS did not)")
     tune.add_argument("--show", nargs="?", const="", metavar="FILE",
                       help="print tuned winners with every config's time and error: FILE's (an export), "
                            "else this machine's cache and the configs the package ships; needs no GPU")

@@ -22,17 +22,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tritonkit._runtime import interpret
-
-interpret()  # choose GPU or interpreter before triton is imported and any kernel is defined
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from tritonkit._launch import Launcher, cdiv  # noqa: E402
-from tritonkit.ops.attention import _scale, _validate  # noqa: E402
-from tritonkit.ops.attention_bwd import Scores, attention_bwd  # noqa: E402
-from tritonkit.ops.attention_fwd import _attention_fwd  # noqa: E402
+from tritonkit._launch import Launcher, cdiv
+from tritonkit._triton import tl, triton
+from tritonkit.ops.attention import _scale, _validate
+from tritonkit.ops.attention_bwd import Scores, attention_bwd
+from tritonkit.ops.attention_fwd import _attention_fwd
 
 MERGE_ROWS = 16  # query rows a merge program takes
 SUMS_TAG = 2  # point-to-point tags: a block's K and V take 0 and 1, its gradient sums 2 and 3

@@ -15,6 +15,7 @@ being captured, or inside :func:`disabled`. In the last three a cached winner is
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
 import hashlib
@@ -38,7 +39,6 @@ log = logging.getLogger("tritonkit")
 
 FORMAT = 1  # bump when the file layout changes: older files are then ignored and rebuilt
 SUBDIR = "tuning"
-DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}  # dtypes in keys
 NAME_HASH_CHARS = 16  # 64 bits of sha256 in the file name: collisions are caught by the checks on read
 
 _disabled_depth = 0  # > 0 inside disabled(); a counter so that nested blocks restore correctly
@@ -143,6 +143,44 @@ def _source_text(source) -> str:
     return text[start.start():] if start else text
 
 
+def _python_function(value):
+    """The plain function behind a ``@triton.jit`` kernel or helper (compiled or interpreted), else None."""
+    if type(value).__name__ not in ("JITFunction", "InterpretedFunction"):
+        return None
+    fn = value.fn
+    return fn if inspect.isfunction(fn) and fn.__module__.startswith("tritonkit") else None
+
+
+def jit_closure(kernel) -> dict[str, str]:
+    """The source of ``kernel`` and of every tritonkit ``@triton.jit`` helper it calls, directly or
+    through other helpers, plus the constexpr globals they read: name -> text. This is what a tuned
+    kernel compiles from, found the way Triton's own cache key finds a kernel's dependencies (the
+    names each body reads, looked up in its module's globals), so no list is kept by hand."""
+    texts: dict[str, str] = {}
+    pending = [kernel]
+    while pending:
+        fn = _python_function(pending.pop())
+        if fn is None or f"{fn.__name__}()" in texts:
+            continue
+        source = _source_text(fn)
+        texts[f"{fn.__name__}()"] = source
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Name) and node.id in fn.__globals__:
+                value = fn.__globals__[node.id]
+                if _python_function(value) is not None:
+                    pending.append(value)
+                elif type(value).__name__ == "constexpr":
+                    texts[node.id] = repr(value.value)
+    return texts
+
+
+def _hashed_texts(source) -> list[str]:
+    """What a tuner hashes for one of its sources: a string as it is; a kernel with its jit closure."""
+    if isinstance(source, str) or _python_function(source) is None:
+        return [_source_text(source)]
+    return [f"{name}={text}" for name, text in sorted(jit_closure(source).items())]
+
+
 TUNERS: dict[str, Tuner] = {}  # the tuners defined so far, by name (each op module defines its own)
 
 
@@ -164,9 +202,11 @@ class Tuner:
 
     @functools.cached_property
     def source_hash(self) -> str:
-        """sha256 of the kernel sources and the config list; read lazily, only when the disk is used."""
+        """sha256 of the kernels with their jit closures (:func:`jit_closure`) and of the config list;
+        read lazily, only when the disk is used."""
         digest = hashlib.sha256()
-        for text in [_source_text(s) for s in self.sources] + [_canonical(self.configs)]:
+        texts = sorted({text for source in self.sources for text in _hashed_texts(source)})
+        for text in texts + [_canonical(self.configs)]:
             digest.update(f"{len(text)}:{text}".encode())  # length prefix: no two splits hash alike
         return digest.hexdigest()
 
@@ -343,6 +383,37 @@ def stale_shipped() -> list[str]:
             if problem:
                 problems.append(f"{path.name}: {tuner.name} {_canonical(entry['key'])}: {problem}")
     return problems
+
+
+def tuner_identities() -> dict[str, dict]:
+    """Each defined tuner's source hash and canonical config list, by name: what :func:`rekey_shipped`
+    compares between two versions of the package."""
+    return {name: {"source_hash": tuner.source_hash, "configs": _canonical(tuner.configs)}
+            for name, tuner in TUNERS.items()}
+
+
+def rekey_shipped(before: dict[str, dict]) -> dict[str, int]:
+    """Move the shipped entries tuned on an earlier version of the kernels onto this one, where the
+    two versions differ in source text only (a rename, a helper moved, formatting): ``before`` is
+    :func:`tuner_identities` of the earlier version. An entry is re-keyed only where its tuner's
+    config list is the same in both and it carries the earlier hash; that the compiled kernels are
+    the same is the caller's to show (``tritonkit inspect``'s SASS). Returns entries re-keyed per tuner."""
+    moved: dict[str, int] = {}
+    for path in sorted(SHIPPED_DIR.glob("*.json")):
+        bundle = _load(path)
+        changed = False
+        for entry in _export_entries(bundle) or []:
+            tuner, earlier = TUNERS.get(entry.get("tuner")), before.get(entry.get("tuner"))
+            if tuner is None or earlier is None or earlier["configs"] != _canonical(tuner.configs):
+                continue
+            if entry.get("source_hash") == earlier["source_hash"] != tuner.source_hash:
+                entry["source_hash"] = tuner.source_hash
+                moved[tuner.name] = moved.get(tuner.name, 0) + 1
+                changed = True
+        if changed:
+            _write_atomically(path, bundle)
+    _shipped.cache_clear()
+    return moved
 
 
 def _write_atomically(path: Path, entry: dict) -> None:

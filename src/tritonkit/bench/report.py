@@ -271,12 +271,12 @@ def plot_roofline(rows: list[dict], path: Path, datasheet: roofline.DeviceSpec,
 
 def _predicted(name: str, datasheet: roofline.DeviceSpec) -> list[tuple[float, float]]:
     """(FLOP/byte, TFLOP/s) where the roofline puts the op's forward at each of its benchmark shapes."""
-    from tritonkit.bench.runner import DTYPE_NAMES
+    from tritonkit.dtypes import DTYPE_OF
     from tritonkit.ops import get_op
 
     spec, points = get_op(name), []
     for shape, dtype_name in spec.shape_list("quick"):
-        for dtype in ((DTYPE_NAMES[dtype_name],) if dtype_name else spec.dtypes):
+        for dtype in ((DTYPE_OF[dtype_name],) if dtype_name else spec.dtypes):
             cost = spec.cost(shape, dtype, "fwd")
             seconds = roofline.roofline_seconds(cost, datasheet, spec.flop_unit)
             points.append((cost.flops / cost.bytes, cost.flops / seconds / 1e12))

@@ -21,9 +21,9 @@ from tritonkit import roofline, testing
 from tritonkit._runtime import interpret
 from tritonkit.bench import timing
 from tritonkit.bench.providers import providers_for
+from tritonkit.dtypes import DTYPE_OF, NAME_OF
 from tritonkit.ops import MODES, OpSpec, get_op
 
-DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SEED = 0
 
 
@@ -36,7 +36,7 @@ class Case:
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    return {v: k for k, v in DTYPE_NAMES.items()}[dtype]
+    return NAME_OF[dtype]
 
 
 @functools.cache
@@ -63,7 +63,7 @@ def cases(op_names: Iterable[str], shapes: str, dtypes: Iterable[torch.dtype] | 
     for name in op_names:
         spec = get_op(name)
         for shape, dtype_name in spec.shape_list("interpreter" if interpret() else shapes):
-            for dtype in (DTYPE_NAMES[dtype_name],) if dtype_name else spec.dtypes:
+            for dtype in (DTYPE_OF[dtype_name],) if dtype_name else spec.dtypes:
                 if dtypes and dtype not in dtypes:
                     continue
                 for mode in modes:

@@ -11,13 +11,11 @@ import math
 
 import torch
 
-from tritonkit._runtime import check_device, interpret
-
-interpret()  # choose GPU or interpreter before triton is imported and any kernel is defined
-
-from tritonkit.ops.attention_bwd import Packed, Scores, attention_bwd  # noqa: E402
-from tritonkit.ops.attention_bwd import _inspect_launches as _inspect_bwd_launches  # noqa: E402
-from tritonkit.ops.attention_fwd import (  # noqa: E402
+from tritonkit._launch import Launch
+from tritonkit._runtime import check_device
+from tritonkit.ops.attention_bwd import Packed, Scores, attention_bwd
+from tritonkit.ops.attention_bwd import _inspect_launches as _inspect_bwd_launches
+from tritonkit.ops.attention_fwd import (
     DTYPES,
     MAX_HEAD_DIM,
     _attention_fwd,
@@ -338,7 +336,6 @@ def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None = No
     """The forward's launch and the backward's three for a benchmark shape (B, Hq, Hkv, S, D): what
     ``tritonkit inspect`` compiles. A ``config`` sets the forward's tile, and under "dkdv" and "dq"
     the backward kernels' (over their defaults)."""
-    from tritonkit.inspect import Launch
     from tritonkit.ops.attention_bwd import KERNELS
 
     batch, heads_q, heads_kv, seq, head_dim = shape

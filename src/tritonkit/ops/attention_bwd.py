@@ -23,16 +23,10 @@ from typing import NamedTuple
 import torch
 
 from tritonkit import tuning
-from tritonkit._runtime import empty_output, interpret
-
-interpret()  # choose GPU or interpreter before triton is imported and any kernel is defined
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from tritonkit._launch import Launcher, cdiv, ensure_allocator, precompile  # noqa: E402
-
-LOG2_E = 1.4426950408889634
+from tritonkit._launch import Launch, Launcher, cdiv, ensure_allocator, precompile
+from tritonkit._runtime import current_device, empty_output, interpret, shared_memory_bytes
+from tritonkit._triton import tl, triton
+from tritonkit.jit import LOG2E, dot_fp32
 
 
 class Scores(NamedTuple):
@@ -58,9 +52,9 @@ class Scores(NamedTuple):
         upper_offset = offset + (0 if self.causal else right) if upper else 0
         lower_offset = offset - left if left >= 0 else 0
         if self.softcap:
-            factors = (self.scale / self.softcap, self.softcap * LOG2_E)
+            factors = (self.scale / self.softcap, self.softcap * LOG2E.value)
         else:
-            factors = (self.scale * LOG2_E, 1.0)
+            factors = (self.scale * LOG2E.value, 1.0)
         return ((upper_offset, lower_offset, *factors),
                 {"IS_CAUSAL": upper, "HAS_LOWER": left >= 0, "SOFTCAP": bool(self.softcap)})
 
@@ -101,7 +95,7 @@ def _exponent(dot, score_scale, cap_log2, SOFTCAP: tl.constexpr):
     """(the scores in log2 units, tanh of the capped score or 0): dot * score_scale, or with SOFTCAP
     tanh(dot * score_scale) * cap_log2; tanh as 1 - 2 / (e^2x + 1), which saturates to +-1 cleanly."""
     if SOFTCAP:
-        t = 1.0 - 2.0 / (tl.math.exp2(dot * (2.0 * 1.4426950408889634 * score_scale)) + 1.0)
+        t = 1.0 - 2.0 / (tl.math.exp2(dot * (2.0 * LOG2E * score_scale)) + 1.0)
         return t * cap_log2, t
     else:  # the else keeps Triton from compiling both returns (their types differ)
         return dot * score_scale, 0.0
@@ -191,16 +185,6 @@ def _attn_bwd_delta_kernel(
 
 
 @triton.jit
-def _dot(a, b, EXACT_DOT_IN_FP32: tl.constexpr):
-    """a @ b with an fp32 result: 16-bit tiles on tensor cores, or as fp32 under the interpreter,
-    whose bf16 dot products Triton 3.6 gets wrong (the products of 16-bit values are exact in fp32)."""
-    if EXACT_DOT_IN_FP32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a, b)
-
-
-@triton.jit
 def _dkdv_steps(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_target, batch, kv_head, q_start, cols,
                 dims, d_mask, stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom,
                 stride_dod, stride_lb, stride_lh, stride_ab, stride_ah, stride_am, GROUP, SEQ_Q, SEQ_K,
@@ -247,22 +231,22 @@ def _dkdv_steps(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_target, batc
             do = tl.load(do_ptrs, mask=d_mask[None, :], other=0.0)
             lse = tl.load(lse_ptr + row_stats)
             delta = tl.load(delta_ptr + row_stats)
-        lse_log2 = tl.where(lse == -float("inf"), float("inf"), lse * 1.4426950408889634)
-        s_t, tanh_t = _exponent(_dot(k, tl.trans(q), EXACT_DOT_IN_FP32), score_scale, cap_log2, SOFTCAP)
+        lse_log2 = tl.where(lse == -float("inf"), float("inf"), lse * LOG2E)
+        s_t, tanh_t = _exponent(dot_fp32(k, tl.trans(q), EXACT_DOT_IN_FP32), score_scale, cap_log2, SOFTCAP)
         p_t = tl.math.exp2(s_t - lse_log2[None, :])  # (BLOCK_N, BLOCK_M)
         if MASKED:
             visible = _visible(rows[None, :], cols[:, None], SEQ_K, UPPER_OFFSET, LOWER_OFFSET, IS_CAUSAL,
                                HAS_LOWER)
             p_t = tl.where(visible & row_mask[None, :], p_t, 0.0)
-        dv += _dot(p_t.to(do.dtype), do, EXACT_DOT_IN_FP32)
-        dp_t = _dot(v, tl.trans(do), EXACT_DOT_IN_FP32)
+        dv += dot_fp32(p_t.to(do.dtype), do, EXACT_DOT_IN_FP32)
+        dp_t = dot_fp32(v, tl.trans(do), EXACT_DOT_IN_FP32)
         ds_t = p_t * (dp_t - delta[None, :])
         if SOFTCAP:  # through the cap: d(c tanh(s / c)) / ds = 1 - tanh^2
             ds_t = ds_t * (1.0 - tanh_t * tanh_t)
         ds_t = ds_t.to(q.dtype)
-        dk += _dot(ds_t, q, EXACT_DOT_IN_FP32)
+        dk += dot_fp32(ds_t, q, EXACT_DOT_IN_FP32)
         if ATOMIC_DQ:
-            dq = _dot(tl.trans(ds_t), k, EXACT_DOT_IN_FP32)  # (BLOCK_M, D)
+            dq = dot_fp32(tl.trans(ds_t), k, EXACT_DOT_IN_FP32)  # (BLOCK_M, D)
             if TMA_DQ:  # the accumulator is contiguous: its row stride is D
                 first_row = (batch * stride_ab + head * stride_ah) // stride_am + block
                 dq_target.atomic_add([first_row.to(tl.int32), 0], dq)
@@ -393,17 +377,17 @@ def _dq_steps(dq, q, do, lse_log2, delta, k_head, v_head, stride_kn, stride_kd, 
             kv_mask = d_mask[None, :]
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-        s, tanh_s = _exponent(_dot(q, tl.trans(k), EXACT_DOT_IN_FP32), score_scale, cap_log2, SOFTCAP)
+        s, tanh_s = _exponent(dot_fp32(q, tl.trans(k), EXACT_DOT_IN_FP32), score_scale, cap_log2, SOFTCAP)
         p = tl.math.exp2(s - lse_log2[:, None])
         if MASKED:
             visible = _visible(rows[:, None], cols[None, :], SEQ_K, UPPER_OFFSET, LOWER_OFFSET, IS_CAUSAL,
                                HAS_LOWER)
             p = tl.where(visible & (rows[:, None] < SEQ_Q), p, 0.0)
-        dp = _dot(do, tl.trans(v), EXACT_DOT_IN_FP32)
+        dp = dot_fp32(do, tl.trans(v), EXACT_DOT_IN_FP32)
         ds = p * (dp - delta[:, None])
         if SOFTCAP:
             ds = ds * (1.0 - tanh_s * tanh_s)
-        dq += _dot(ds.to(k.dtype), k, EXACT_DOT_IN_FP32)
+        dq += dot_fp32(ds.to(k.dtype), k, EXACT_DOT_IN_FP32)
     return dq
 
 
@@ -452,7 +436,7 @@ def _attn_bwd_dq_kernel(
     row_stats = batch * stride_lb + head * stride_lh + block + local_m  # lse and delta
     lse = tl.load(lse_ptr + row_stats, mask=row_mask, other=float("inf"))
     delta = tl.load(delta_ptr + row_stats, mask=row_mask, other=0.0)
-    lse_log2 = tl.where(lse == -float("inf"), float("inf"), lse * 1.4426950408889634)
+    lse_log2 = tl.where(lse == -float("inf"), float("inf"), lse * LOG2E)
     k_head = k_ptr + batch * stride_kb + kv_head * stride_kh + k_start * stride_kn
     v_head = v_ptr + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -498,7 +482,6 @@ HELD = {"dkdv": "BLOCK_N", "dq": "BLOCK_M"}  # the tile a program holds; the oth
 # from 192 on and not up to 160 at D <= 128 (at D = 256, 64-key tiles spill from 136: an estimate,
 # and the tuner times what it lets through). dQ holds its accumulator and Q and dO: up to 192.
 MAX_TILE_VALUES = {"dkdv": 160, "dq": 192}
-SHARED_BYTES = 227 * 1024
 
 
 def default_config(head_dim: int) -> dict:
@@ -537,7 +520,8 @@ def _prune(kernel: str, config: dict, key: dict) -> bool:
             return True
         shared += 4 * step * block_d
     rows = key["seq_k"] if kernel == "dkdv" else key["seq_q"]
-    return values > MAX_TILE_VALUES[kernel] or shared > SHARED_BYTES or held > 2 * rows
+    too_much_shared = shared > shared_memory_bytes(current_device())
+    return values > MAX_TILE_VALUES[kernel] or too_much_shared or held > 2 * rows
 
 
 def _launch_delta(o, do, lse, dlse, delta) -> tuple:
@@ -636,12 +620,10 @@ def _time_ms(run, config: dict) -> float:
     return tuning.median_ms(lambda: run(config))
 
 
-_HELPERS = (_dot, _exponent, _visible)  # the @triton.jit helpers both main kernels call
 _TUNERS = {kernel: tuning.Tuner(f"attention_bwd_{kernel}", CONFIGS[kernel], default=lambda key, kernel=kernel:
                                 default_config(key["head_dim"])[kernel],
                                 prune=lambda config, key, kernel=kernel: _prune(kernel, config, key),
-                                sources=(_attn_bwd_dkdv_kernel, _dkdv_steps, *_HELPERS) if kernel == "dkdv"
-                                else (_attn_bwd_dq_kernel, _dq_steps, _key_ranges, *_HELPERS))
+                                sources=(_attn_bwd_dkdv_kernel if kernel == "dkdv" else _attn_bwd_dq_kernel,))
            for kernel in KERNELS}
 MAX_CHOSEN = 4096  # call signatures whose configs are kept, so a repeated call skips the tuning key
 _chosen: dict[tuple, dict] = {}
@@ -728,7 +710,6 @@ def attention_bwd(do, q, k, v, o, lse, dlse, scores: Scores, config: dict | None
 def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None, scores: Scores) -> list:
     """The backward's three launches for a benchmark shape (B, Hq, Hkv, S, D), for ``tritonkit
     inspect``; ``config`` ({"dkdv": ..., "dq": ...}, either or both) over the defaults."""
-    from tritonkit.inspect import Launch
 
     batch, heads_q, heads_kv, seq, head_dim = shape
     q = torch.empty((batch, heads_q, seq, head_dim), dtype=dtype, device="meta")

@@ -35,19 +35,15 @@ import math
 import torch
 
 from tritonkit import tuning
-from tritonkit._runtime import empty_output, interpret
-
-interpret()  # choose GPU or interpreter before triton is imported and any kernel is defined
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from tritonkit._launch import Launcher, cdiv, ensure_allocator, precompile  # noqa: E402
-from tritonkit.ops.attention_bwd import (  # noqa: E402
+from tritonkit._launch import Launcher, cdiv, ensure_allocator, precompile
+from tritonkit._runtime import current_device, empty_output, interpret, shared_memory_bytes
+from tritonkit._triton import tl, triton
+from tritonkit.dtypes import DTYPE_OF, HALVES, NAME_OF
+from tritonkit.jit import dot_fp32
+from tritonkit.ops.attention_bwd import (
     Packed,
     Scores,
     _block_d,
-    _dot,
     _exponent,
     _key_ranges,
     _sequence,
@@ -56,9 +52,8 @@ from tritonkit.ops.attention_bwd import (  # noqa: E402
     sequence_args,
 )
 
-DTYPES = (torch.float16, torch.bfloat16)
+DTYPES = HALVES
 MAX_HEAD_DIM = 256  # a (BLOCK_M, 256) fp32 accumulator is already 128 registers a thread at 8 warps
-LOG2_E = 1.4426950408889634
 LN_2 = tl.constexpr(0.6931471805599453)
 
 
@@ -87,7 +82,7 @@ def _attn_fwd_blocks(acc, l_i, m_i, q, k_source, v_source, stride_kn, stride_vn,
                 k = tl.load(k_ptrs, mask=d_mask[:, None] & (cols[None, :] < SEQ_K), other=0.0)
             else:
                 k = tl.load(k_ptrs, mask=d_mask[:, None], other=0.0)
-        s, _ = _exponent(_dot(q, k, EXACT_DOT_IN_FP32), score_scale, cap_log2, SOFTCAP)  # log2 units
+        s, _ = _exponent(dot_fp32(q, k, EXACT_DOT_IN_FP32), score_scale, cap_log2, SOFTCAP)  # log2 units
         if MASKED:
             visible = _visible(offs_m[:, None], cols[None, :], SEQ_K, UPPER_OFFSET, LOWER_OFFSET, IS_CAUSAL,
                                HAS_LOWER)
@@ -110,7 +105,7 @@ def _attn_fwd_blocks(acc, l_i, m_i, q, k_source, v_source, stride_kn, stride_vn,
                 v = tl.load(v_ptrs, mask=d_mask[None, :] & (cols[:, None] < SEQ_K), other=0.0)
             else:
                 v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, EXACT_DOT_IN_FP32)
+        acc = acc * alpha[:, None] + dot_fp32(p.to(v.dtype), v, EXACT_DOT_IN_FP32)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -123,7 +118,7 @@ def _unmasked_scores(q, k_source, start_n, stride_kn, d_mask, EXACT_DOT_IN_FP32:
         k = tl.trans(k_source.load([start_n, 0]))
     else:
         k = tl.load(k_source + tl.cast(start_n, tl.int64) * stride_kn, mask=d_mask[:, None], other=0.0)
-    return _dot(q, k, EXACT_DOT_IN_FP32)
+    return dot_fp32(q, k, EXACT_DOT_IN_FP32)
 
 
 @triton.jit
@@ -139,7 +134,7 @@ def _fold_unmasked(acc, l_i, m_i, dot, v_source, start_n, stride_vn, d_mask, sco
         v = v_source.load([start_n, 0])
     else:
         v = tl.load(v_source + tl.cast(start_n, tl.int64) * stride_vn, mask=d_mask[None, :], other=0.0)
-    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, EXACT_DOT_IN_FP32)
+    acc = acc * alpha[:, None] + dot_fp32(p.to(v.dtype), v, EXACT_DOT_IN_FP32)
     return acc, l_i, m_new
 
 
@@ -277,7 +272,6 @@ CONFIGS += [{"BLOCK_M": block_m, "BLOCK_N": 64, "num_warps": warps, "num_stages"
 # fp32 values a thread (sm_90 doubles that in registers: 128 rows at D = 256 and 8 warps, 160
 # values, spilled) or when its stages of K and V tiles and the Q tile pass the shared memory of an SM.
 MAX_TILE_VALUES = 128
-SHARED_BYTES = 227 * 1024
 
 
 def _default(key: dict) -> dict:
@@ -300,12 +294,12 @@ def _prune(config: dict, key: dict) -> bool:
     score_tiles = 2 if config.get("LOOKAHEAD") else 1
     values = (config["BLOCK_M"] * block_d + score_tiles * config["BLOCK_M"] * config["BLOCK_N"]) / threads
     shared = 2 * (config["num_stages"] * 2 * config["BLOCK_N"] * block_d + config["BLOCK_M"] * block_d)
-    return values > MAX_TILE_VALUES or shared > SHARED_BYTES or config["BLOCK_M"] > 2 * key["seq_q"]
+    too_much_shared = shared > shared_memory_bytes(current_device())
+    return values > MAX_TILE_VALUES or too_much_shared or config["BLOCK_M"] > 2 * key["seq_q"]
 
 
 _TUNER = tuning.Tuner("attention_fwd", CONFIGS, default=_default, prune=_prune,
-                      sources=(_attn_fwd_kernel, _attn_fwd_blocks, _dot, _unmasked_scores, _fold_unmasked,
-                               _attn_fwd_blocks_ahead, _exponent, _visible, _key_ranges, _sequence))
+                      sources=(_attn_fwd_kernel,))
 
 
 def _tuning_key(q: torch.Tensor, k: torch.Tensor, scores: Scores, packed: Packed | None = None) -> dict:
@@ -322,7 +316,7 @@ def _tuning_key(q: torch.Tensor, k: torch.Tensor, scores: Scores, packed: Packed
     sides = [side for side, bound in zip(("left", "right"), scores.window, strict=True) if bound >= 0]
     window = "+".join(sides)
     return {"head_dim": head_dim, "mask": mask, "window": window or "none", "softcap": bool(scores.softcap),
-            "dtype": tuning.DTYPE_NAMES[q.dtype], "seq_q": pow2(seq_q), "seq_k": pow2(seq_k),
+            "dtype": NAME_OF[q.dtype], "seq_q": pow2(seq_q), "seq_k": pow2(seq_k),
             "batch_heads": pow2(batch * heads), "group": heads // k.shape[1]}
 
 
@@ -333,7 +327,7 @@ def _calibration(key: dict, config: dict, device) -> tuple:
 
     seq_q = min(key["seq_q"], 2 * config["BLOCK_M"] + 5)
     seq_k = min(key["seq_k"], 3 * config["BLOCK_N"] + 7)
-    dtype = {name: dtype for dtype, name in tuning.DTYPE_NAMES.items()}[key["dtype"]]
+    dtype = DTYPE_OF[key["dtype"]]
     g = generator(12)
     q = random_tensor((1, 2 * key["group"], seq_q, key["head_dim"]), dtype, device, generator=g)
     kv = [random_tensor((1, 2, seq_k, key["head_dim"]), dtype, device, generator=g) for _ in range(2)]

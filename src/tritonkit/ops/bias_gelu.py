@@ -24,55 +24,14 @@ import math
 
 import torch
 
-from tritonkit._runtime import check_device, empty_output, interpret, sm_count
-
-interpret()  # choose GPU or interpreter before triton is imported and any kernel is defined
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from tritonkit._launch import Launcher, cdiv  # noqa: E402
+from tritonkit._launch import Launch, Launcher, cdiv
+from tritonkit._runtime import check_device, empty_output, sm_count
+from tritonkit._triton import tl, triton
+from tritonkit.dtypes import FLOATS
+from tritonkit.jit import gelu, gelu_grad
 
 APPROXIMATIONS = ("none", "tanh")
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Kernels read globals only as constexprs.
-SQRT_HALF = tl.constexpr(0.7071067811865476)  # 1 / sqrt(2)
-INV_SQRT_2PI = tl.constexpr(0.3989422804014327)  # 1 / sqrt(2 pi)
-SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi)
-TANH_CUBIC = tl.constexpr(0.044715)  # coefficient of the tanh approximation (Hendrycks & Gimpel)
-
-
-@triton.jit
-def _tanh_and_sech2(u):
-    # With e = exp(-2|u|) <= 1 (no overflow for any u): tanh|u| = (1 - e) / (1 + e) and
-    # sech^2 u = 1 - tanh^2 u = 4e / (1 + e)^2, which keeps full precision where tanh is near +-1
-    # (1 - t*t would cancel there and lose the gradient's low bits).
-    e = tl.exp(-2.0 * tl.abs(u))
-    inv = 1.0 / (1.0 + e)
-    t = (1.0 - e) * inv
-    return tl.where(u >= 0, t, -t), 4.0 * e * inv * inv
-
-
-@triton.jit
-def _gelu(z, APPROX_TANH: tl.constexpr):
-    if APPROX_TANH:
-        t, _ = _tanh_and_sech2(SQRT_2_OVER_PI * (z + TANH_CUBIC * z * z * z))
-        return 0.5 * z * (1.0 + t)
-    else:
-        return 0.5 * z * (1.0 + tl.math.erf(z * SQRT_HALF))
-
-
-@triton.jit
-def _gelu_grad(z, APPROX_TANH: tl.constexpr):
-    if APPROX_TANH:
-        t, sech2 = _tanh_and_sech2(SQRT_2_OVER_PI * (z + TANH_CUBIC * z * z * z))
-        du_dz = SQRT_2_OVER_PI * (1.0 + 3.0 * TANH_CUBIC * z * z)
-        return 0.5 * (1.0 + t) + 0.5 * z * sech2 * du_dz
-    else:
-        cdf = 0.5 * (1.0 + tl.math.erf(z * SQRT_HALF))
-        return cdf + z * INV_SQRT_2PI * tl.exp(-0.5 * z * z)
-
-
+DTYPES = FLOATS
 # Tiles hold TILE_BYTES of input a program: at 4 warps, 64 bytes a thread, four 16-byte loads in
 # flight per thread whatever the dtype. With 2048 elements a tile (two loads a thread in 16-bit
 # dtypes) bf16 reached 59% of the copy bandwidth on the H200 against fp32's 87%.
@@ -101,7 +60,7 @@ def _bias_gelu_fwd_kernel(
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn, mask=mask)
     b = tl.load(b_ptr + cols * stride_bn, mask=cols < N)
     z = x.to(tl.float32) + b.to(tl.float32)[None, :]
-    y = _gelu(z, APPROX_TANH)
+    y = gelu(z, APPROX_TANH)
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -140,7 +99,7 @@ def _bias_gelu_bwd_kernel(
         mask = (rows[:, None] < M) & col_mask[None, :]
         x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn, mask=mask)
         dy = tl.load(dy_ptr + rows[:, None] * stride_dym + cols[None, :] * stride_dyn, mask=mask)
-        dz = dy.to(tl.float32) * _gelu_grad(x.to(tl.float32) + b[None, :], APPROX_TANH)
+        dz = dy.to(tl.float32) * gelu_grad(x.to(tl.float32) + b[None, :], APPROX_TANH)
         tl.store(dx_ptr + rows[:, None] * N + cols[None, :], dz.to(dx_ptr.dtype.element_ty), mask=mask)
         db += tl.sum(tl.where(mask, dz, 0.0), axis=0)
     tl.store(db_partial_ptr + tl.program_id(0) * N + cols, db, mask=col_mask)
@@ -153,14 +112,14 @@ _bwd_launcher = Launcher(_bias_gelu_bwd_kernel)
 
 
 @functools.lru_cache(maxsize=1024)
-def _tile(n_cols: int, element_size: int) -> tuple[int, int]:
+def tile_shape(n_cols: int, element_size: int) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N) of a TILE_BYTES tile; as wide as the row up to MAX_BLOCK_N."""
     block_n = min(triton.next_power_of_2(n_cols), MAX_BLOCK_N)
     return max(1, TILE_BYTES // element_size // block_n), block_n
 
 
 @functools.lru_cache(maxsize=1024)
-def _row_tiles(n_tiles: int, column_programs: int, sms: int) -> int:
+def row_tiles_per_program(n_tiles: int, column_programs: int, sms: int) -> int:
     """Tiles a backward program walks: a power of two (few compiled variants), at most MAX_ROW_TILES,
     and fewer where more would leave under PROGRAMS_PER_SM programs an SM (128 rows of 16384
     entries walked 16 tiles a program: 32 programs for 132 SMs)."""
@@ -209,7 +168,7 @@ def _fwd_launch_args(input, bias, y, approximate: str) -> tuple[tuple, tuple, di
     """(grid, arguments, constexprs and options) of the forward kernel."""
     n_cols = input.shape[-1]
     x = input if input.dim() == 2 else input.reshape(-1, n_cols)  # a view whenever strides allow
-    block_m, block_n = _tile(n_cols, input.element_size())
+    block_m, block_n = tile_shape(n_cols, input.element_size())
     grid = (cdiv(x.shape[0], block_m), cdiv(n_cols, block_n))
     meta = {"APPROX_TANH": approximate == "tanh", "BLOCK_M": block_m, "BLOCK_N": block_n,
             "num_warps": NUM_WARPS}
@@ -232,8 +191,8 @@ def _bwd_launch_args(grad_output, input, bias, dx, approximate: str) -> tuple[tu
     n_cols = input.shape[-1]
     x, dy = input.reshape(-1, n_cols), grad_output.reshape(-1, n_cols)
     n_rows = x.shape[0]
-    block_m, block_n = _tile(n_cols, input.element_size())
-    row_tiles = _row_tiles(cdiv(n_rows, block_m), cdiv(n_cols, block_n), sm_count(input.device))
+    block_m, block_n = tile_shape(n_cols, input.element_size())
+    row_tiles = row_tiles_per_program(cdiv(n_rows, block_m), cdiv(n_cols, block_n), sm_count(input.device))
     row_chunks = cdiv(n_rows, block_m * row_tiles)
     db_partial = empty_output((row_chunks, n_cols), torch.float32, input.device)
     meta = {"APPROX_TANH": approximate == "tanh", "BLOCK_M": block_m, "BLOCK_N": block_n,
@@ -346,7 +305,6 @@ def bias_gelu_cost(shape: tuple, dtype: torch.dtype, mode: str = "fwd"):
 
 def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None = None) -> list:
     """The forward and backward launches for ``shape`` (exact GELU): what ``tritonkit inspect`` compiles."""
-    from tritonkit.inspect import Launch
 
     if config is not None:
         raise ValueError("bias_gelu has no tuning configs: its tile follows from the row length and dtype")

@@ -29,7 +29,9 @@ import math
 
 import torch
 
+from tritonkit._launch import Launch
 from tritonkit._runtime import check_device, empty_output
+from tritonkit.dtypes import HALVES
 from tritonkit.ops.linear_kernels import (
     _REFERENCE_ACTIVATIONS,
     ACTIVATIONS,
@@ -45,7 +47,7 @@ from tritonkit.ops.linear_kernels import (
     _matmul_args,
 )
 
-DTYPES = (torch.float16, torch.bfloat16)
+DTYPES = HALVES
 
 
 def _validate(input, weight, bias, activation, residual) -> None:
@@ -375,7 +377,6 @@ def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None = No
     residual (storing z), its backward's elementwise pass (dz, db) and plain dx and dW matmuls
     (without an activation: a bare matmul, dx and dW), then gated_linear's forward, elementwise
     pass (dg, du) and dx (dW as linear's); ``forms`` picks which. ``config`` tiles the matmuls."""
-    from tritonkit.inspect import Launch
 
     m, k, n = shape
     code = ACTIVATIONS[activation]

@@ -10,20 +10,16 @@ import functools
 import torch
 
 from tritonkit import tuning
-from tritonkit._runtime import empty_output, interpret, sm_count
-
-interpret()  # choose GPU or interpreter before triton is imported and any kernel is defined
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from tritonkit._launch import Launcher, cdiv, ensure_allocator, precompile  # noqa: E402
-from tritonkit.ops.attention_bwd import _dot  # noqa: E402
-from tritonkit.ops.bias_gelu import NUM_WARPS, _gelu, _gelu_grad, _row_tiles, _tile  # noqa: E402
+from tritonkit._launch import Launcher, cdiv, ensure_allocator, precompile
+from tritonkit._runtime import current_device, empty_output, interpret, shared_memory_bytes, sm_count
+from tritonkit._triton import tl, triton
+from tritonkit.dtypes import NAME_OF
+from tritonkit.jit import LOG2E, SQRT_2_OVER_PI, TANH_CUBIC, dot_fp32, gelu, gelu_grad
+from tritonkit.ops.bias_gelu import NUM_WARPS, row_tiles_per_program, tile_shape
 
 # -2 sqrt(2/pi) log2(e) and that times 0.044715: GELU (tanh) as z / (1 + 2^(z (a + b z^2)))
-GELU_EXP2_LINEAR = tl.constexpr(-2.0 * 0.7978845608028654 * 1.4426950408889634)
-GELU_EXP2_CUBIC = tl.constexpr(-2.0 * 0.7978845608028654 * 1.4426950408889634 * 0.044715)
+GELU_EXP2_LINEAR = tl.constexpr(-2.0 * SQRT_2_OVER_PI.value * LOG2E.value)
+GELU_EXP2_CUBIC = tl.constexpr(-2.0 * SQRT_2_OVER_PI.value * LOG2E.value * TANH_CUBIC.value)
 
 # activation name -> the kernel's ACTIVATION code (constexprs: kernels read globals only as such)
 ACTIVATIONS = {None: 0, "gelu": 1, "gelu_tanh": 2, "silu": 3, "relu": 4, "relu2": 5}
@@ -41,12 +37,12 @@ def _activate(z, ACTIVATION: tl.constexpr, FAST: tl.constexpr):
     near +-1) takes twice the instructions and live values, paid by the matmul's epilogue on every
     output while the tensor cores wait (sm_90, 128 x 256 tile: 784 bytes of spills -> 120)."""
     if ACTIVATION == GELU:
-        y = _gelu(z, False)
+        y = gelu(z, False)
     elif ACTIVATION == GELU_TANH:
         if FAST:  # 0.5 z (1 + tanh u) = z / (1 + 2^(-2u log2 e)), u = sqrt(2/pi) (z + 0.044715 z^3)
             y = z / (1.0 + tl.exp2(z * (GELU_EXP2_LINEAR + GELU_EXP2_CUBIC * (z * z))))
         else:
-            y = _gelu(z, True)
+            y = gelu(z, True)
     elif ACTIVATION == SILU:
         y = z / (1.0 + tl.exp(-z))
     elif ACTIVATION == RELU:
@@ -62,9 +58,9 @@ def _activate(z, ACTIVATION: tl.constexpr, FAST: tl.constexpr):
 def _activation_grad(z, ACTIVATION: tl.constexpr):
     """act'(z) in fp32."""
     if ACTIVATION == GELU:
-        g = _gelu_grad(z, False)
+        g = gelu_grad(z, False)
     elif ACTIVATION == GELU_TANH:
-        g = _gelu_grad(z, True)
+        g = gelu_grad(z, True)
     elif ACTIVATION == SILU:
         sigmoid = 1.0 / (1.0 + tl.exp(-z))
         g = sigmoid * (1.0 + z * (1.0 - sigmoid))
@@ -255,20 +251,20 @@ def _linear_tile(tile, tiles_m, tiles_n, a_source, a2_source, b_source, b2_sourc
             b_mask = (ks[:, None] < K) & (cols[None, :] < N)
             b_ptrs = cols[None, :] * stride_bn + ks[:, None] * stride_bk
             b = tl.load(b_source + b_ptrs, mask=b_mask, other=0.0)
-        acc += _dot(a, b, EXACT_DOT_IN_FP32)
+        acc += dot_fp32(a, b, EXACT_DOT_IN_FP32)
         if GATED != NOT_GATED:
             if TMA:
                 b2 = _depth_by_rows(b2_source, pid_n * BLOCK_N, k, B_K_MAJOR)
             else:
                 b2 = tl.load(b2_source + b_ptrs, mask=b_mask, other=0.0)
             if GATED == GATED_FWD:
-                acc2 += _dot(a, b2, EXACT_DOT_IN_FP32)
+                acc2 += dot_fp32(a, b2, EXACT_DOT_IN_FP32)
             else:  # GATED_DX
                 if TMA:
                     a2 = _rows_by_depth(a2_source, pid_m * BLOCK_M, k, A_K_MAJOR)
                 else:
                     a2 = tl.load(a2_source + a_ptrs, mask=a_mask, other=0.0)
-                acc += _dot(a2, b2, EXACT_DOT_IN_FP32)
+                acc += dot_fp32(a2, b2, EXACT_DOT_IN_FP32)
     _epilogue(acc, acc2, rows, cols, pid_m * BLOCK_M, pid_n * BLOCK_N, c_ptr, c_target, bias_ptr,
               residual_ptr, pre_ptr, pre2_ptr, M, N, stride_rm, stride_rn, ACTIVATION, HAS_BIAS, HAS_RESIDUAL,
               STORE_PRE, GATED, C_TMA)
@@ -443,9 +439,9 @@ def _activation_backward_args(dy, z, u, dz, du, activation, sum_db: bool) -> tup
     """(grid, arguments, constexprs and options) of the elementwise backward (dz None: no activation,
     db only); allocates db's partials. Tiles as bias_gelu's backward, the same memory-bound pass."""
     (m, n), device = dy.shape, dy.device
-    block_m, block_n = _tile(max(n, 1), dy.element_size())  # m or n = 0: a grid of no programs
+    block_m, block_n = tile_shape(max(n, 1), dy.element_size())  # m or n = 0: a grid of no programs
     # the GPU's SMs (132 off CUDA), not _sm_count's interpreter stand-in for persistent grids
-    row_tiles = _row_tiles(max(1, cdiv(m, block_m)), cdiv(max(n, 1), block_n), sm_count(device))
+    row_tiles = row_tiles_per_program(max(1, cdiv(m, block_m)), cdiv(max(n, 1), block_n), sm_count(device))
     row_programs = cdiv(m, block_m * row_tiles)
     db_partial = empty_output((row_programs, n), torch.float32, device) if sum_db else dy
     def given(t):  # dy stands in for a pointer the kernel never reads or writes
@@ -505,7 +501,6 @@ DECODE_ROWS = 128
 SPLIT_K_MAX_TILES = 264  # two programs an SM of the H200's 132: past that the tiles fill the GPU
 SPLIT_K_MIN_STEPS = 4  # k-steps a share of K takes at least
 MAX_ACC_VALUES = 128
-SHARED_BYTES = 227 * 1024
 FORMS = ("linear", "gated fwd", "gated dx")  # by GATED code
 
 
@@ -546,13 +541,13 @@ def _prune(config: dict, key: dict) -> bool:
     shallow_tile = config["BLOCK_K"] < 64 or config.get("PERSISTENT", 0) > 1 or tma_store
     not_shallow = shallow_tile and (key["k"] > DECODE_ROWS or 64 > config["BLOCK_K"] > max(key["k"], 16)
                                     or tma_store and (key["epilogue"] or key["form"] != "linear"))
-    return (values > MAX_ACC_VALUES or shared > SHARED_BYTES or config["BLOCK_M"] > max(64, key["m"])
+    too_much_shared = shared > shared_memory_bytes(current_device())
+    return (values > MAX_ACC_VALUES or too_much_shared or config["BLOCK_M"] > max(64, key["m"])
             or config["BLOCK_N"] > max(64, key["n"]) or no_split or not_decode or not_shallow)
 
 
 _TUNER = tuning.Tuner("linear", CONFIGS, default=_default, prune=_prune,
-                      sources=(_linear_kernel, _linear_tile, _epilogue, _tile_position, _descriptor,
-                               _rows_by_depth, _depth_by_rows, _activate, _dot, _gelu))
+                      sources=(_linear_kernel,))
 
 
 def _major(t: torch.Tensor, inner: str, outer: str) -> str:
@@ -567,7 +562,7 @@ def _tuning_key(a, b, operands: dict) -> dict:
     epilogue = any(operands.get(name) is not None for name in ("bias", "residual", "pre")) or bool(
         operands.get("activation"))
     return {"form": FORMS[_code(operands.get("gated", 0))], "epilogue": epilogue,
-            "dtype": tuning.DTYPE_NAMES[a.dtype], "m": pow2(m), "n": pow2(n), "k": pow2(max(k, 1)),
+            "dtype": NAME_OF[a.dtype], "m": pow2(m), "n": pow2(n), "k": pow2(max(k, 1)),
             "a": _major(a, "k", "m"), "b": _major(b, "k", "n")}
 
 

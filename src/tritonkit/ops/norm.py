@@ -31,24 +31,18 @@ import math
 import torch
 
 from tritonkit import tuning
+from tritonkit._launch import Launch, Launcher, cdiv, precompile
 from tritonkit._runtime import check_device, current_device, empty_output, interpret, sm_count
-
-interpret()  # choose GPU or interpreter before triton is imported and any kernel is defined
-
-
-from tritonkit._launch import Launcher, cdiv, precompile  # noqa: E402
-from tritonkit.ops.norm_kernels import (  # noqa: E402
-    _add_pairs,
-    _bwd_rows,
+from tritonkit.dtypes import DTYPE_OF, FLOATS, NAME_OF
+from tritonkit.ops.norm_kernels import (
     _norm_bwd_kernel,
     _norm_bwd_looped_kernel,
     _norm_fwd_kernel,
     _norm_fwd_looped_kernel,
-    _norm_fwd_looped_row,
     _sum_partials_kernel,
 )
 
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+DTYPES = FLOATS
 # A row lives in registers: at 16 warps, 64 fp32 values a thread hold 32768 entries forward; the
 # backward holds h and dy at once, hence half.
 MAX_BLOCK_N = {"fwd": 32768, "bwd": 16384}
@@ -145,7 +139,7 @@ def _tuning_key(direction: str, n: int, rows: int, dtype: torch.dtype, params: d
     RMS or not, the residual (backward: its gradient) and the parameters' dtypes."""
     block_n = _next_power_of_2(n)
     return {"direction": direction, "looped": block_n > MAX_BLOCK_N[direction], "block_n": block_n,
-            "rows": _next_power_of_2(rows), "dtype": tuning.DTYPE_NAMES[dtype], **params}
+            "rows": _next_power_of_2(rows), "dtype": NAME_OF[dtype], **params}
 
 
 def _default(key: dict) -> dict:
@@ -184,17 +178,15 @@ def _prune(config: dict, key: dict) -> bool:
             and cdiv(key["rows"], rows) < sm_count(current_device()))
 
 
-# the other @triton.jit functions a tuner's timings depend on: the helpers a kernel calls, and the
-# backward's second stage, which each timing includes
-_HELPERS = {("fwd", False): (_norm_fwd_looped_kernel, _norm_fwd_looped_row),  # its looped candidates
-            ("fwd", True): (_norm_fwd_looped_row,),
-            ("bwd", False): (_bwd_rows, _add_pairs, _sum_partials_kernel),
-            ("bwd", True): (_sum_partials_kernel,)}
+# the other kernels a tuner's timings depend on (each kernel's jit helpers are found by the tuner):
+# the one-pass forward's looped candidates, and the backward's second stage, which each timing includes
+_ALSO_TIMED = {("fwd", False): (_norm_fwd_looped_kernel,), ("bwd", False): (_sum_partials_kernel,),
+               ("bwd", True): (_sum_partials_kernel,)}
 _TUNERS = {
     (direction, looped): tuning.Tuner(f"norm_{direction}{'_looped' if looped else ''}", configs,
                                       default=_default, prune=_prune,
                                       sources=(_LAUNCHERS[direction, looped].kernel,
-                                               *_HELPERS.get((direction, looped), ())))
+                                               *_ALSO_TIMED.get((direction, looped), ())))
     for (direction, looped), configs in CONFIGS.items()
 }
 
@@ -202,7 +194,7 @@ _TUNERS = {
 def _params_key(residual: bool, weight, bias, rms: bool) -> dict:
     """What specialises a kernel beyond its shape: RMS or not, a residual (backward: the gradient of
     h, which the add_ forms' dx takes in) and the parameters' dtypes."""
-    name = lambda t: tuning.DTYPE_NAMES[t.dtype] if t is not None else None  # noqa: E731
+    name = lambda t: NAME_OF[t.dtype] if t is not None else None  # noqa: E731
     return {"rms": rms, "residual": residual, "weight": name(weight), "bias": name(bias)}
 
 
@@ -213,9 +205,8 @@ def _calibration(key: dict, n: int, config: dict, device) -> dict:
 
     per_program = config.get("ROWS", config.get("BLOCK_M", 1))
     rows = max(1, min(key["rows"], 2 * per_program + 1, CALIBRATION_ELEMENTS // max(1, n)))
-    dtype = {name: dtype for dtype, name in tuning.DTYPE_NAMES.items()}
     g = generator(11)
-    make = lambda shape, name: random_tensor(shape, dtype[name], device, generator=g)  # noqa: E731
+    make = lambda shape, name: random_tensor(shape, DTYPE_OF[name], device, generator=g)  # noqa: E731
     x = make((rows, n), key["dtype"]).mul_(2.0).add_(0.5)  # off zero: the mean matters
     return {"x": x, "residual": make((rows, n), key["dtype"]) if key["residual"] else None,
             "weight": make((n,), key["weight"]) if key["weight"] else None,
@@ -723,7 +714,6 @@ def _inspect_launches(residual: bool, rms: bool, bias: bool, shape: tuple, dtype
     that fits in registers, it sends the forward through the looped kernel), OUT_BLOCK_N the looped
     forward's pass 2 chunk, num_warps every kernel's); then the backward's second stage, the
     partial sums, on its own fixed tile."""
-    from tritonkit.inspect import Launch
 
     x = torch.empty(shape, dtype=dtype, device="meta")
     w = torch.empty(shape[-1:], dtype=dtype, device="meta")

@@ -7,12 +7,7 @@ unit column stride.
 
 from __future__ import annotations
 
-from tritonkit._runtime import interpret
-
-interpret()  # choose GPU or interpreter before triton is imported and any kernel is defined
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+from tritonkit._triton import tl, triton
 
 
 @triton.jit

@@ -48,36 +48,20 @@ import math
 import torch
 
 from tritonkit import tuning
+from tritonkit._launch import Launch, Launcher, cdiv, precompile
 from tritonkit._runtime import check_device, current_device, empty_output, interpret, sm_count
-
-interpret()  # choose GPU or interpreter before triton is imported and any kernel is defined
-
-
-from tritonkit._launch import Launcher, cdiv, precompile  # noqa: E402
-from tritonkit.ops.softmax_kernels import (  # noqa: E402
-    _exp_shifted,
-    _first_pass_chunk,
-    _input_grad,
-    _log,
-    _normalized,
-    _publish_and_wait,
-    _row_dot,
-    _row_offsets,
-    _row_start,
-    _row_sum,
-    _segment_of_program,
+from tritonkit.dtypes import FLOATS, NAME_OF
+from tritonkit.ops.softmax_kernels import (
     _softmax_bwd_kernel,
     _softmax_bwd_online_kernel,
     _softmax_bwd_split_kernel,
     _softmax_fwd_kernel,
     _softmax_fwd_online_kernel,
     _softmax_fwd_split_kernel,
-    _tile,
-    _widen_again,
 )
 
 VARIANTS = ("auto", "one-pass", "online", "split")
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+DTYPES = FLOATS
 
 
 # ---------------------------------------------------------------- configs
@@ -228,11 +212,6 @@ def _layout(view: torch.Tensor) -> str:
 
 
 # hashed with the kernels: an edit retunes
-_SPLIT_HELPERS = (_row_start, _segment_of_program, _publish_and_wait)
-_FWD_HELPERS = (_row_offsets, _tile, _row_sum, _log, _exp_shifted, _normalized, _first_pass_chunk,
-                *_SPLIT_HELPERS)
-_BWD_HELPERS = (_row_offsets, _tile, _row_sum, _row_dot, _input_grad, _widen_again, _first_pass_chunk,
-                *_SPLIT_HELPERS)
 _LAUNCHERS = {
     ("fwd", "one-pass"): Launcher(_softmax_fwd_kernel),
     ("fwd", "online"): Launcher(_softmax_fwd_online_kernel),
@@ -243,9 +222,8 @@ _LAUNCHERS = {
 }
 _TUNERS = {
     direction: tuning.Tuner(f"softmax_{direction}", CONFIGS, default=_default, prune=_prune,
-                            sources=(*(_LAUNCHERS[direction, v].kernel for v in VARIANTS if v != "auto"),
-                                     *helpers))
-    for direction, helpers in (("fwd", _FWD_HELPERS), ("bwd", _BWD_HELPERS))
+                            sources=tuple(_LAUNCHERS[direction, v].kernel for v in VARIANTS if v != "auto"))
+    for direction in ("fwd", "bwd")
 }
 _chosen: dict[tuple, dict] = {}  # key values -> config, once chosen for good (a cheap memo)
 
@@ -321,7 +299,7 @@ def _tuning_key(direction: str, views: tuple) -> dict:
     layout = _layout(views[0])
     return {"direction": direction, "layout": layout, "block_n": _next_power_of_2(n),
             "rows": _next_power_of_2(outer * rows if layout == "rows" else rows),
-            "dtype": f"{tuning.DTYPE_NAMES[views[0].dtype]}>{tuning.DTYPE_NAMES[views[-1].dtype]}"}
+            "dtype": f"{NAME_OF[views[0].dtype]}>{NAME_OF[views[-1].dtype]}"}
 
 
 def _check_fits(config: dict, key: dict) -> None:
@@ -664,7 +642,6 @@ def softmax_cost(shape: tuple, dtype: torch.dtype, mode: str = "fwd"):
 def _inspect_launches(log: bool, shape: tuple, dtype: torch.dtype, config: dict | None = None) -> list:
     """The forward and backward launches for a contiguous ``shape`` (softmax over the last dim), with
     the default configs or ``config``: what ``tritonkit inspect`` compiles."""
-    from tritonkit.inspect import Launch
 
     launches = []
     x = torch.empty(shape, dtype=dtype, device="meta")

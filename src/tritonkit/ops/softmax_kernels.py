@@ -7,16 +7,8 @@ each file readable. Every kernel views its tensors as (O, R, N) with a stride fo
 
 from __future__ import annotations
 
-from tritonkit._runtime import interpret
-
-interpret()  # choose GPU or interpreter before triton is imported and any kernel is defined
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * log2(e)): one FMA and one MUFU.EX2
-LN2 = tl.constexpr(0.6931471805599453)  # log(s) = log2(s) * ln(2)
-
+from tritonkit._triton import tl, triton
+from tritonkit.jit import LN2, LOG2E
 
 
 @triton.jit

@@ -21,11 +21,11 @@ import os
 import re
 import subprocess
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from tritonkit._launch import LAUNCH_OPTIONS
+from tritonkit._launch import LAUNCH_OPTIONS, Launch
 
 ARCHS = {"sm_80": 80, "sm_90": 90, "sm_100": 100}
 IRS = ("ttir", "ttgir", "llir", "ptx", "sass")
@@ -42,17 +42,6 @@ _SM_LIMITS = {  # arch -> (threads, blocks, registers, shared bytes usable by bl
 _SASS_LINE = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", re.MULTILINE)
 MIX_OPCODES = ("HGMMA", "HMMA", "IMMA", "FFMA", "FMUL", "FADD", "HFMA2", "MUFU", "DADD", "DFMA",
                "UTMALDG", "UTMASTG", "LDGSTS", "LDS", "STS", "SHFL", "BAR")
-
-
-@dataclass(frozen=True)
-class Launch:
-    """One kernel launch an op would make, described without running it."""
-
-    name: str  # what it is in the op: "fwd one-pass"
-    kernel: object  # the @triton.jit function
-    args: tuple  # runtime arguments as the op passes them (tensors may be on the "meta" device)
-    meta: dict  # constexpr arguments and launch options (num_warps, num_stages)
-    config: dict = field(default_factory=dict)  # the tuning config behind it, for display
 
 
 @dataclass

@@ -1,0 +1,61 @@
+"""``@triton.jit`` helpers and constants that more than one family's kernels use.
+
+A family's kernels import these by name (``from tritonkit.jit import LOG2E, gelu``); helpers that
+only one family uses stay in that family's ``kernels`` module. Kernels read globals only as
+constexprs, so every constant here is one.
+"""
+
+from __future__ import annotations
+
+from tritonkit._triton import tl, triton
+
+LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * log2(e)): one FMA and one MUFU.EX2
+LN2 = tl.constexpr(0.6931471805599453)  # log(s) = log2(s) * ln(2)
+
+SQRT_HALF = tl.constexpr(0.7071067811865476)  # 1 / sqrt(2)
+INV_SQRT_2PI = tl.constexpr(0.3989422804014327)  # 1 / sqrt(2 pi)
+SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi)
+TANH_CUBIC = tl.constexpr(0.044715)  # coefficient of GELU's tanh approximation (Hendrycks & Gimpel)
+
+
+@triton.jit
+def dot_fp32(a, b, EXACT_DOT_IN_FP32: tl.constexpr):
+    """a @ b with an fp32 result: 16-bit tiles on tensor cores, or as fp32 under the interpreter,
+    whose bf16 dot products Triton 3.6 gets wrong (the products of 16-bit values are exact in fp32)."""
+    if EXACT_DOT_IN_FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def tanh_and_sech2(u):
+    # With e = exp(-2|u|) <= 1 (no overflow for any u): tanh|u| = (1 - e) / (1 + e) and
+    # sech^2 u = 1 - tanh^2 u = 4e / (1 + e)^2, which keeps full precision where tanh is near +-1
+    # (1 - t*t would cancel there and lose the gradient's low bits).
+    e = tl.exp(-2.0 * tl.abs(u))
+    inv = 1.0 / (1.0 + e)
+    t = (1.0 - e) * inv
+    return tl.where(u >= 0, t, -t), 4.0 * e * inv * inv
+
+
+@triton.jit
+def gelu(z, APPROX_TANH: tl.constexpr):
+    """GELU of fp32 ``z``: z * Phi(z) by erf, or (APPROX_TANH) 0.5 z (1 + tanh(sqrt(2/pi) (z + c z^3)))."""
+    if APPROX_TANH:
+        t, _ = tanh_and_sech2(SQRT_2_OVER_PI * (z + TANH_CUBIC * z * z * z))
+        return 0.5 * z * (1.0 + t)
+    else:
+        return 0.5 * z * (1.0 + tl.math.erf(z * SQRT_HALF))
+
+
+@triton.jit
+def gelu_grad(z, APPROX_TANH: tl.constexpr):
+    """d gelu(z) / dz for fp32 ``z``, in the same form as :func:`gelu`."""
+    if APPROX_TANH:
+        t, sech2 = tanh_and_sech2(SQRT_2_OVER_PI * (z + TANH_CUBIC * z * z * z))
+        du_dz = SQRT_2_OVER_PI * (1.0 + 3.0 * TANH_CUBIC * z * z)
+        return 0.5 * (1.0 + t) + 0.5 * z * sech2 * du_dz
+    else:
+        cdf = 0.5 * (1.0 + tl.math.erf(z * SQRT_HALF))
+        return cdf + z * INV_SQRT_2PI * tl.exp(-0.5 * z * z)
