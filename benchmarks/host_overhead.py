@@ -17,7 +17,7 @@ import sys
 import torch
 
 import tritonkit.ops.bias_gelu as bg
-from tritonkit._launch import cdiv
+from tritonkit._launch import cdiv, launcher_of
 from tritonkit.bench.runner import provenance
 from tritonkit.bench.timing import host_us
 
@@ -30,7 +30,7 @@ def measure() -> dict[str, float]:
     x_grad = x.clone().requires_grad_(True)
     y = torch.empty_like(x)
     m, n = SHAPE
-    block_m, block_n = bg._tile(n, x.element_size())
+    block_m, block_n = bg.tile_shape(n, x.element_size())
     grid = (cdiv(m, block_m), cdiv(n, block_n), 1)
     args = (x, b, y, m, n, x.stride(0), x.stride(1), b.stride(0))
     meta = dict(APPROX_TANH=False, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=bg.NUM_WARPS)
@@ -38,6 +38,7 @@ def measure() -> dict[str, float]:
     runner = compiled[grid]
     constexprs = tuple(v for k, v in meta.items() if k != "num_warps")
     op = torch.ops.tritonkit.bias_gelu
+    launcher = launcher_of(bg._bias_gelu_fwd_kernel)
     kernel = bg._bias_gelu_fwd_kernel
     cases = {
         "torch.empty (the output allocation)": lambda: torch.empty_like(x),
@@ -45,13 +46,12 @@ def measure() -> dict[str, float]:
         "torch eager gelu(x + b)": lambda: torch.nn.functional.gelu(x + b),
         "triton kernel[grid](...) (bare Triton launch)": lambda: kernel[grid](*args, **meta),
         "CompiledKernel[grid](...) (cached kernel, Triton's runner)": lambda: runner(*args, *constexprs),
-        "tritonkit Launcher (lean launch)": lambda: bg._fwd_launcher(grid, *args, **meta),
+        "tritonkit Launcher (lean launch)": lambda: launcher(grid, *args, **meta),
         "tritonkit validation alone": lambda: bg._validate(x, b, "none"),
-        "tritonkit _bias_gelu_fwd (validate + allocate + launch)": lambda: bg._bias_gelu_fwd(x, b, "none"),
+        "tritonkit op, eager (build the launch + launch)": lambda: bg._forward(x, b, "none", y),
         "tritonkit.bias_gelu (eager, no grad)": lambda: bg.bias_gelu(x, b),
         "tritonkit.bias_gelu (input requires grad: autograd.Function)": lambda: bg.bias_gelu(x_grad, b),
-        "torch.ops.tritonkit.bias_gelu (custom op, no grad)": lambda: op(x, b, "none"),
-        "torch.ops.tritonkit.bias_gelu (custom op, requires grad)": lambda: op(x_grad, b, "none"),
+        "torch.ops.tritonkit.bias_gelu (through the dispatcher)": lambda: op(x, b, "none", y),
         "torch eager gelu(x + b), requires grad": lambda: torch.nn.functional.gelu(x_grad + b),
     }
     return {name: host_us(call) for name, call in cases.items()}

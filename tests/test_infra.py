@@ -19,6 +19,7 @@ from tritonkit._launch import specialization_key
 from tritonkit._runtime import empty_output
 from tritonkit.ops import get_op, op_names
 from tritonkit.ops.bias_gelu import bias_gelu, bias_gelu_reference
+from tritonkit.oracle import ATOL, INTERPRETER_BF16_ULP, Comparison, compare, max_abs_error
 from tritonkit.roofline import (
     Cost,
     DeviceSpec,
@@ -28,17 +29,7 @@ from tritonkit.roofline import (
     pct_of_roofline,
     roofline_seconds,
 )
-from tritonkit.testing import (
-    ATOL,
-    INTERPRETER_BF16_ULP,
-    Comparison,
-    check_against_reference,
-    compare,
-    generator,
-    max_abs_error,
-    poisoned_outputs,
-    random_tensor,
-)
+from tritonkit.testing import check_against_reference, generator, poisoned_outputs, random_tensor
 
 pytestmark = pytest.mark.infra
 

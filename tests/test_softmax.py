@@ -60,8 +60,9 @@ def small_segments(monkeypatch):
     """The split kernel's untuned config (which the named "split" variant runs wherever it was not
     tuned for the shape: under the interpreter, and on a GPU for rows too short to tune it for)
     becomes small_segments_config, with fresh memos of chosen configs and plans."""
-    monkeypatch.setattr(sm, "_chosen", {})
     monkeypatch.setattr(sm, "_plans", {})
+    for tuned in sm._TUNED.values():
+        monkeypatch.setattr(tuned, "_chosen", {})
     for tuner in sm._TUNERS.values():
         default = tuner.default
         monkeypatch.setattr(tuner, "default", lambda key, default=default: (
@@ -105,6 +106,13 @@ def _check(x, dy, *, log=False, variant="auto", dim=-1, dtype=None):
                                    grad_inputs=(0,), grad_outputs=[dy], dtype=dtype or x.dtype)
 
 
+def _backward_op(grad_output, output, dim, input_dtype, log):
+    """The backward custom op, through the dispatcher, into a fresh gradient of ``input_dtype``."""
+    dx = torch.empty(output.shape, dtype=input_dtype, device=output.device)
+    torch.ops.tritonkit.softmax_backward(grad_output, output, dim, log, "auto", dx)
+    return dx
+
+
 def _key(direction, n, layout="rows", rows=64, variant="auto", dtype="fp32>fp32"):
     """A tuning key as the launcher builds it (with a variant: as _default reads it), rows of ``n``."""
     return {"direction": direction, "variant": variant, "layout": layout, "block_n": sm._next_power_of_2(n),
@@ -114,27 +122,15 @@ def _key(direction, n, layout="rows", rows=64, variant="auto", dtype="fp32>fp32"
 @pytest.fixture
 def launches(monkeypatch):
     """Every kernel launch the op makes, as (direction, config): which kernel ran, with which
-    parameters. The tuner's own launches (its gate and timings, over every variant, on a GPU) are
-    left out."""
-    launch, seen, tuning_depth = sm._launch, [], [0]
+    parameters. The tuner's own launches (its gate and timings, over every variant, on a GPU) do
+    not pass through the op's ``_launch``, so they are left out."""
+    launch, seen = sm._launch, []
 
     def recording_launch(direction, config, *args):
-        if not tuning_depth[0]:
-            seen.append((direction, config))
+        seen.append((direction, config))
         launch(direction, config, *args)
 
-    def unrecorded(tuning_step):
-        def step(*args, **kwargs):
-            tuning_depth[0] += 1
-            try:
-                return tuning_step(*args, **kwargs)
-            finally:
-                tuning_depth[0] -= 1
-        return step
-
     monkeypatch.setattr(sm, "_launch", recording_launch)
-    monkeypatch.setattr(sm, "_admit", unrecorded(sm._admit))
-    monkeypatch.setattr(sm, "_time_ms", unrecorded(sm._time_ms))
     return seen
 
 
@@ -213,7 +209,7 @@ def test_bf16_backward_holds_the_longest_rows(launches, device):
     y = softmax(x)
     dy[0, 10], dy[1, 20], dy[2, 21] = float("inf"), float("-inf"), float("nan")
     expected = torch._softmax_backward_data(dy.float(), y.float(), -1, torch.float32)
-    got = torch.ops.tritonkit.softmax_backward(dy, y, -1, BF16, False)
+    got = _backward_op(dy, y, -1, BF16, False)
     torch.testing.assert_close(got, expected.to(BF16), equal_nan=True)  # +-inf and NaN where torch has them
 
 
@@ -347,8 +343,9 @@ def small_chunks(request, monkeypatch, launches):
     config = SMALL_CHUNKS | ({"PREFETCH": True} if request.param else {})
     monkeypatch.setitem(_small_chunks, "config", config)
     monkeypatch.setattr(tuning, "_single_config", lambda: True)
-    monkeypatch.setattr(sm, "_chosen", {})
     monkeypatch.setattr(sm, "_plans", {})  # plans hold configs too
+    for tuned in sm._TUNED.values():
+        monkeypatch.setattr(tuned, "_chosen", {})
     for tuner in sm._TUNERS.values():
         default = tuner.default
         monkeypatch.setattr(tuner, "default", lambda key, default=default: (
@@ -644,7 +641,7 @@ def test_bad_arguments_with_autograd(device):
 def test_backward_rejects_mismatched_grad_output(device):
     y = softmax(_valid(device))
     with pytest.raises(ValueError, match="grad_output"):
-        torch.ops.tritonkit.softmax_backward(y[:, :7], y, -1, F32, False)
+        torch.ops.tritonkit.softmax_backward(y[:, :7], y, -1, False, "auto", torch.empty_like(y))
 
 
 # ---------------------------------------------------------------- autograd, custom ops, compile
@@ -692,28 +689,31 @@ def test_no_grad_has_no_graph(device):
     torch.testing.assert_close(y, y_graph.detach(), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
-@pytest.mark.parametrize("dtype, dim, out_dtype", [(F32, -1, None), (F16, 0, F32)], ids=str)
-def test_opcheck_forward(op, dtype, dim, out_dtype, device):
+@pytest.mark.parametrize("log", LOGS)
+@pytest.mark.parametrize("dtype, dim, out_dtype", [(F32, -1, F32), (F16, 0, F32)], ids=str)
+def test_opcheck_forward(log, dtype, dim, out_dtype, device):
     x = random_tensor((5, 40), dtype, device, generator=generator(47), scale=3.0).requires_grad_()
-    torch.library.opcheck(getattr(torch.ops.tritonkit, op).default, (x, dim, out_dtype))
+    y = torch.empty(x.shape, dtype=out_dtype, device=device)
+    torch.library.opcheck(torch.ops.tritonkit.softmax.default, (x, dim, log, "auto", y))
 
 
 @pytest.mark.parametrize("log", LOGS)
 def test_opcheck_backward(log, device):
     x, dy = _inputs((5, 40), BF16, device, seed=48)
     y = _kernel(log)(x)
-    torch.library.opcheck(torch.ops.tritonkit.softmax_backward.default, (dy, y, -1, F32, log))
+    dx = torch.empty(y.shape, dtype=F32, device=device)
+    torch.library.opcheck(torch.ops.tritonkit.softmax_backward.default, (dy, y, -1, log, "auto", dx))
 
 
 def test_custom_ops_match_the_public_functions(device):
     x, dy = _inputs((5, 40), F32, device, seed=49)
-    for log, op in ((False, torch.ops.tritonkit.softmax), (True, torch.ops.tritonkit.log_softmax)):
-        y = op(x, 0, BF16)
+    for log in (False, True):
+        y = torch.empty(x.shape, dtype=BF16, device=device)
+        torch.ops.tritonkit.softmax(x, 0, log, "auto", y)
         torch.testing.assert_close(y, _kernel(log)(x, 0, BF16), rtol=0, atol=0)
         eager_x = x.clone().requires_grad_()
         (eager_grad,) = torch.autograd.grad(_kernel(log)(eager_x, 0, BF16), eager_x, dy.to(BF16))
-        grad = torch.ops.tritonkit.softmax_backward(dy.to(BF16), y, 0, F32, log)
+        grad = _backward_op(dy.to(BF16), y, 0, F32, log)
         torch.testing.assert_close(grad, eager_grad, rtol=0, atol=0)
 
 

@@ -49,12 +49,12 @@ def test_gate_rejects_a_config_that_skips_entries(direction, layout, dtype, log,
     key = _key(direction, GATE_N, layout, GATE_ROWS, dtype=f"{name}>{name}")
     assert not sm._prune(SHORT_TILE_UNPRUNED, key)
     for bad in (SHORT_TILE, SHORT_TILE_UNPRUNED):
-        assert not sm._admit(direction, log, views, bad).passed, bad
+        assert not sm._TUNED[direction].admit(sm._problem(direction, log, views), bad).passed, bad
     good = [sm._default(key), {**SHORT_TILE, "BLOCK_N": 256}, sm._default({**key, "variant": "online"}),
             {**SHORT_TILE, "variant": "online"}]  # the online kernel takes any chunk: 64 is fine
     assert [config["variant"] for config in good] == ["one-pass", "one-pass", "online", "online"]
     for config in good:
-        assert sm._admit(direction, log, views, config).passed, config
+        assert sm._TUNED[direction].admit(sm._problem(direction, log, views), config).passed, config
 
 
 def fake_ms(config):
@@ -69,19 +69,20 @@ def tuned(monkeypatch, tmp_path):
     fastest. Returns the cache folder and the configs timed."""
     monkeypatch.setattr(tuning, "_single_config", lambda: False)
     monkeypatch.setenv("TRITONKIT_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(sm, "_chosen", {})
     monkeypatch.setattr(sm, "_plans", {})  # plans hold configs too
+    timed = []
+
+    def fake_time_ms(problem, config):
+        timed.append(config)
+        return 0.001 if config == SHORT_TILE_UNPRUNED else fake_ms(config)
+
     for direction, tuner in list(sm._TUNERS.items()):
         fresh = tuning.Tuner(tuner.name, [*tuner.configs, SHORT_TILE_UNPRUNED], sources=tuner.sources,
                              default=tuner.default, prune=tuner.prune)
         monkeypatch.setitem(sm._TUNERS, direction, fresh)
-    timed = []
-
-    def fake_time_ms(direction, log, views, config):
-        timed.append(config)
-        return 0.001 if config == SHORT_TILE_UNPRUNED else fake_ms(config)
-
-    monkeypatch.setattr(sm, "_time_ms", fake_time_ms)
+        monkeypatch.setattr(sm._TUNED[direction], "tuner", fresh)
+        monkeypatch.setattr(sm._TUNED[direction], "_chosen", {})
+        monkeypatch.setattr(sm._TUNED[direction], "time_ms", fake_time_ms)  # the injected timer
     return tmp_path / tuning.SUBDIR, timed
 
 
@@ -101,7 +102,7 @@ def test_tuner_never_picks_the_fast_wrong_config(log, tuned, launches, device):
         assert len(admitted) > 1 and entry["config"] == min(admitted, key=fake_ms)
         # the memo holds the winner, and the op's own launch (the last, after tuning) used it
         key = {k: v for k, v in _key(direction, GATE_N, rows=GATE_ROWS).items() if k != "variant"}
-        assert sm._chosen[("auto", *key.values())] == entry["config"]
+        assert sm._TUNED[direction]._chosen[("auto", *key.values())] == entry["config"]
         assert [config for d, config in launches if d == direction][-1] == entry["config"]
 
 

@@ -14,6 +14,7 @@ Under the interpreter, and whenever a profiler hook is registered, calls go thro
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Sequence
@@ -40,6 +41,11 @@ class Launch:
     args: tuple  # runtime arguments as the op passes them (tensors may be on the "meta" device)
     meta: dict  # constexpr arguments and launch options (num_warps, num_stages)
     config: dict = field(default_factory=dict)  # the tuning config behind it, for display
+    grid: tuple = ()  # programs along each axis, where the launch is to run (empty for inspection only)
+
+    def run(self) -> None:
+        """Launch it, through the kernel's lean :class:`Launcher`."""
+        launcher_of(self.kernel)(self.grid, *self.args, **self.meta)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -134,8 +140,15 @@ class Launcher:
                 compiled.packed_metadata, constexpr_values)
 
 
-def precompile(calls: Sequence[tuple[Launcher, Sequence[int], tuple, dict]]) -> None:
-    """Compile the kernels of ``calls`` ((launcher, grid, args, meta) each) together, launching none.
+@functools.cache
+def launcher_of(kernel) -> Launcher:
+    """The one :class:`Launcher` of a ``@triton.jit`` kernel, shared by every launch of it."""
+    return Launcher(kernel)
+
+
+def precompile(calls: Sequence[Launch | tuple[Launcher, Sequence[int], tuple, dict]]) -> None:
+    """Compile the kernels of ``calls`` (:class:`Launch` records, or (launcher, grid, args, meta)
+    tuples) together, launching none.
 
     Triton compiles one kernel at a time on first launch, and a tuner's candidates each need their
     own compile (about half a second each for a softmax config). Triton's compiler releases the GIL
@@ -154,8 +167,12 @@ def precompile(calls: Sequence[tuple[Launcher, Sequence[int], tuple, dict]]) -> 
         return
     try:
         with ThreadPoolExecutor(workers) as pool, AsyncCompileMode(pool, ignore_errors=True):
-            for launcher, grid, args, meta in calls:
-                launcher.kernel.warmup(*args, grid=grid, **meta)
+            for call in calls:
+                if isinstance(call, Launch):
+                    call.kernel.warmup(*call.args, grid=call.grid, **call.meta)
+                else:
+                    launcher, grid, args, meta = call
+                    launcher.kernel.warmup(*args, grid=grid, **meta)
     except Exception as error:  # noqa: BLE001 - compiling ahead is optional; the launch compiles too
         log.info("tritonkit: compiling %d kernels ahead failed (%s: %s); each compiles at its launch",
                  len(calls), type(error).__name__, error)

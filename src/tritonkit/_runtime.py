@@ -23,6 +23,7 @@ log = logging.getLogger("tritonkit")
 
 OVERRIDE_ENV = "TRITONKIT_INTERPRET"
 TRITON_ENV = "TRITON_INTERPRET"
+_interpreting: bool | None = None  # interpret()'s answer once decided: a plain global torch.compile can read
 
 
 @functools.cache
@@ -48,6 +49,8 @@ def interpret() -> bool:
             "were built for the GPU; set TRITONKIT_INTERPRET=1 (or TRITON_INTERPRET=1) before "
             "anything imports triton, or use a tritonkit op before importing triton"
         )
+    global _interpreting
+    _interpreting = use_interpreter
     if use_interpreter:
         log.info("tritonkit: kernels run in Triton's interpreter on the CPU (%s)", reason)
     else:
@@ -64,8 +67,9 @@ def _triton_imported_for_gpu() -> bool:
 
 
 def check_device(name: str, tensor) -> None:
-    """Natively, tensors must live on a CUDA device; the interpreter takes any device."""
-    if not tensor.is_cuda and not interpret():
+    """Natively, tensors must live on a CUDA device; the interpreter takes any device. (Reads the
+    decision as a global once made: torch.compile traces this, and cannot trace the deciding.)"""
+    if not tensor.is_cuda and not (_interpreting if _interpreting is not None else interpret()):
         raise ValueError(f"{name} must be a CUDA tensor, got one on {tensor.device}")
 
 

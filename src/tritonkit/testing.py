@@ -1,4 +1,4 @@
-"""The error oracle: kernels are compared with their plain-PyTorch reference in float64.
+"""Testing with the oracle: kernels compared with their plain-PyTorch reference in float64.
 
 The rule (FlashAttention's): a kernel passes when, for its output and every gradient,
 
@@ -13,23 +13,12 @@ so an unwritten element fails, and inputs are fresh seeded random values, never 
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 
 import torch
 
 from tritonkit import _runtime
-
-# One unit in the last place at magnitude 1 (fp16, bf16); for fp32, eight such units, since two
-# correct fp32 implementations of a transcendental may differ by a few ulps.
-ATOL = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7, torch.float32: 2.0**-20}
-ORACLE_FACTOR = 2.0
-# Triton 3.6's interpreter converts fp32 to bf16 by truncation where the GPU rounds to nearest
-# even: up to one bf16 ulp (2^-7 relative) where the GPU errs by half of one. Under the
-# interpreter only, bf16 bounds grow by that ulp at the reference's largest magnitude; the GPU
-# tests keep the plain rule.
-INTERPRETER_BF16_ULP = 2.0**-7
+from tritonkit.oracle import ATOL, ORACLE_FACTOR, Comparison, compare, max_abs_error, worst  # noqa: F401
 
 
 @contextlib.contextmanager
@@ -58,57 +47,6 @@ def random_tensor(shape: Sequence[int], dtype: torch.dtype, device, *, generator
 
 def generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
-
-
-@dataclass(frozen=True)
-class Comparison:
-    """One output or gradient compared with the float64 reference."""
-
-    name: str
-    err_kernel: float
-    err_torch: float
-    tolerance: float
-
-    @property
-    def passed(self) -> bool:
-        return math.isfinite(self.err_kernel) and self.err_kernel <= self.tolerance
-
-    def __str__(self) -> str:
-        verdict = "ok" if self.passed else "FAIL"
-        return (f"{self.name}: err {self.err_kernel:.3e} vs bound {self.tolerance:.3e} "
-                f"(torch err {self.err_torch:.3e}) {verdict}")
-
-
-def worst(comparisons: Sequence[Comparison]) -> Comparison:
-    """The comparison with the largest error for its bound (a failing one if any fails); a
-    non-finite error is the worst. What a tuner's gate reports for an op with several outputs."""
-    def share_of_bound(c: Comparison) -> float:
-        if not math.isfinite(c.err_kernel):
-            return math.inf
-        return c.err_kernel / c.tolerance if c.tolerance > 0 else (0.0 if c.err_kernel == 0 else math.inf)
-    return max(comparisons, key=share_of_bound)
-
-
-def max_abs_error(value: torch.Tensor, reference: torch.Tensor) -> float:
-    """Largest |value - reference| in float64; inf when value has a NaN or the shapes differ."""
-    if value.shape != reference.shape:
-        return math.inf
-    if value.numel() == 0:
-        return 0.0
-    # on the reference's device: on the host, a billion-entry output would cross as 8 GB of float64
-    reference = reference.detach().to(torch.float64)
-    diff = (value.detach().to(reference.device, torch.float64) - reference).abs_()
-    largest = diff.max().item()  # a NaN anywhere makes the max NaN
-    return math.inf if math.isnan(largest) else largest
-
-
-def compare(name: str, kernel_value: torch.Tensor, torch_value: torch.Tensor,
-            reference_value: torch.Tensor, dtype: torch.dtype) -> Comparison:
-    err_torch = max_abs_error(torch_value, reference_value)
-    tolerance = ORACLE_FACTOR * err_torch + ATOL[dtype]
-    if dtype == torch.bfloat16 and _runtime.interpret() and reference_value.numel():
-        tolerance += INTERPRETER_BF16_ULP * reference_value.detach().abs().max().item()
-    return Comparison(name, max_abs_error(kernel_value, reference_value), err_torch, tolerance)
 
 
 def as_tuple(value) -> tuple:

@@ -79,12 +79,13 @@ def disabled() -> Iterator[None]:
 @contextlib.contextmanager
 def retuning() -> Iterator[None]:
     """Within this block each tuner tunes every key it meets once more, whatever this machine's cache
-    or the shipped configs hold, and writes the new winner to the cache (``tritonkit tune --retune``).
-    An op's own per-signature memo still answers calls it has seen: use it in a fresh process."""
+    or the shipped configs hold, and writes the new winner to the cache (``tritonkit tune --retune``)."""
     global _retuning
     previous, _retuning = _retuning, True
     for tuner in TUNERS.values():
         tuner.forget()
+    for tuned in TUNED:
+        tuned.forget()
     try:
         yield
     finally:
@@ -529,3 +530,103 @@ def fastest(entry: dict, accept: Callable[[dict], bool]) -> dict | None:
     timed = [(ms, json.loads(name)) for name, ms in entry["ms"].items() if ms is not None]
     accepted = [(ms, config) for ms, config in timed if accept(config)]
     return min(accepted, key=lambda pair: pair[0])[1] if accepted else None
+
+
+# ---------------------------------------------------------------- a family's tuned kernel
+
+Problem = dict  # a call's named tensors (inputs and outputs) and the scalars its launches need
+TUNED: list[Tuned] = []  # every Tuned defined so far (retuning() empties their memos)
+MAX_CHOSEN = 4096  # call signatures whose configs a Tuned keeps, so a repeated call skips its key
+
+
+class Tuned:
+    """One tuned kernel of a family: the accuracy gate, timing, ahead-of-time compiles and the memo of
+    chosen configs, written once. The family supplies only what it knows:
+
+    - ``tuner``: the configs, prune and default, defined beside the kernel;
+    - ``launches(problem, config) -> [Launch]``: the launches that compute the problem's outputs with
+      ``config`` (grids included; any workspace allocated inside);
+    - ``calibrate(problem, config) -> Problem``: a small seeded problem of the same kind as ``problem``
+      (dtypes, layout, flags) whose shape exercises the config's edges, such as a partial last block;
+    - ``reference(problem) -> {name: tensor}``: the outputs in plain PyTorch. The gate calls it on the
+      calibration problem with every floating tensor upcast to float64, and as it is (torch's own
+      error in the dtype), and compares each output with the oracle's rule, keeping the worst;
+    - ``outputs``: the names of the problem's outputs (an output that is None is skipped).
+    """
+
+    def __init__(self, tuner: Tuner, *, launches: Callable, calibrate: Callable, reference: Callable,
+                 outputs: Sequence[str]):
+        self.tuner = tuner
+        self.launches = launches
+        self.calibrate = calibrate
+        self.reference = reference
+        self.outputs = tuple(outputs)
+        self._chosen: dict = {}  # call signature -> config chosen for good
+        TUNED.append(self)
+
+    def choose(self, key: dict, problem: Problem, *, signature=None,
+               pick: Callable[[dict | None], dict] | None = None) -> tuple[dict, bool]:
+        """(config, final) for a call: the memo's answer for ``signature`` (default: the key's values),
+        else the tuning of ``key`` (from the cache, the shipped configs or a tuning run on ``problem``),
+        through ``pick`` (tuning entry or None -> config; default: the winner, else the tuner's default).
+        Final configs (tuned, cached, or any under the interpreter) are remembered."""
+        signature = tuple(key.values()) if signature is None else signature
+        config = self._chosen.get(signature)
+        if config is not None:
+            return config, True
+        entry = self.entry(key, problem)
+        if pick is not None:
+            config = pick(entry)
+        else:
+            config = self.tuner.default(key) if entry is None else entry["config"]
+        final = entry is not None or _single_config()
+        if final:
+            remember(self._chosen, signature, config, MAX_CHOSEN)
+        return config, final
+
+    def entry(self, key: dict, problem: Problem) -> dict | None:
+        """The tuner's entry for ``key`` (see :meth:`Tuner.entry`), tuned on ``problem`` if need be."""
+        return self.tuner.entry(key, admit=functools.partial(self.admit, problem),
+                                time_ms=functools.partial(self.time_ms, problem),
+                                precompile=functools.partial(self.precompile, problem))
+
+    def forget(self) -> None:
+        self._chosen.clear()
+
+    def run(self, problem: Problem, config: dict) -> None:
+        for launch in self.launches(problem, config):
+            launch.run()
+
+    def admit(self, problem: Problem, config: dict):
+        """The worst of the oracle's comparisons of ``config``'s outputs on a calibration problem."""
+        from tritonkit.oracle import compare, worst
+
+        calibration = self.calibrate(problem, config)
+        outputs = {name: calibration[name] for name in self.outputs if calibration.get(name) is not None}
+        for value in outputs.values():
+            value.fill_(float("nan"))  # an element the kernel leaves unwritten fails
+        self.run(calibration, config)
+        upcast = {name: _float64(value) for name, value in calibration.items()}
+        exact, in_dtype = self.reference(upcast), self.reference(calibration)
+        return worst([compare(name, value, in_dtype[name].to(value.dtype), exact[name], value.dtype)
+                      for name, value in outputs.items()])
+
+    def time_ms(self, problem: Problem, config: dict) -> float:
+        """Median ms of ``config`` on the call's own inputs, into scratch outputs (tuning never writes
+        the caller's outputs)."""
+        scratch = {**problem, **{name: torch.empty_like(problem[name]) for name in self.outputs
+                                 if problem.get(name) is not None}}
+        return median_ms(lambda: self.run(scratch, config))
+
+    def precompile(self, problem: Problem, configs: list[dict]) -> None:
+        """Compile every candidate's launches for the calibration problem and for ``problem`` at once
+        (the two specialize apart): tuning then spends its time timing, not compiling."""
+        from tritonkit._launch import precompile
+
+        precompile([launch for config in configs
+                    for case in (self.calibrate(problem, config), problem)
+                    for launch in self.launches(case, config)])
+
+
+def _float64(value):
+    return value.double() if isinstance(value, torch.Tensor) and value.is_floating_point() else value

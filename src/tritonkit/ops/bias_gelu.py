@@ -24,11 +24,12 @@ import math
 
 import torch
 
-from tritonkit._launch import Launch, Launcher, cdiv
-from tritonkit._runtime import check_device, empty_output, sm_count
+from tritonkit._launch import Launch, cdiv
+from tritonkit._runtime import empty_output, sm_count
 from tritonkit._triton import tl, triton
 from tritonkit.dtypes import FLOATS
 from tritonkit.jit import gelu, gelu_grad
+from tritonkit.opdef import check_tensor, op
 
 APPROXIMATIONS = ("none", "tanh")
 DTYPES = FLOATS
@@ -105,10 +106,7 @@ def _bias_gelu_bwd_kernel(
     tl.store(db_partial_ptr + tl.program_id(0) * N + cols, db, mask=col_mask)
 
 
-# ---------------------------------------------------------------- launchers
-
-_fwd_launcher = Launcher(_bias_gelu_fwd_kernel)
-_bwd_launcher = Launcher(_bias_gelu_bwd_kernel)
+# ---------------------------------------------------------------- launches
 
 
 @functools.lru_cache(maxsize=1024)
@@ -127,123 +125,119 @@ def row_tiles_per_program(n_tiles: int, column_programs: int, sms: int) -> int:
     return min(MAX_ROW_TILES, triton.next_power_of_2(n_tiles), 1 << (most.bit_length() - 1))
 
 
-def _validate(input, bias, approximate: str, *, grad_output=None) -> None:
-    if not isinstance(input, torch.Tensor):
-        raise TypeError(f"input must be a torch.Tensor, got {type(input).__name__}")
-    if not isinstance(bias, torch.Tensor):
-        raise TypeError(f"bias must be a torch.Tensor, got {type(bias).__name__}")
-    if input.dtype not in DTYPES:
-        raise TypeError(f"input must be float16, bfloat16 or float32, got {input.dtype}")
-    if bias.dtype != input.dtype:
-        raise TypeError(f"bias must have input's dtype {input.dtype}, got {bias.dtype}")
-    if input.dim() == 0:
-        raise ValueError("input must have at least one dimension (bias is added along the last)")
-    if bias.dim() != 1 or bias.shape[0] != input.shape[-1]:
-        raise ValueError(f"bias must have shape ({input.shape[-1]},) to match input's last dimension, "
-                         f"got {tuple(bias.shape)}")
+def _validate(input, bias, approximate: str) -> None:
+    check_tensor("input", input, dtypes=DTYPES, min_ndim=1)
+    check_tensor("bias", bias, dtypes=(input.dtype,), ndim=1, device_of=("input", input))
+    if bias.shape[0] != input.shape[-1]:
+        raise ValueError(
+            f"bias must have shape ({input.shape[-1]},) to match input's last dimension, "
+            f"got {tuple(bias.shape)}"
+        )
     if approximate not in APPROXIMATIONS:
         raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
-    check_device("input", input)
-    if bias.device != input.device:
-        raise ValueError(f"bias must be on input's device {input.device}, got {bias.device}")
-    if grad_output is not None:
-        if grad_output.shape != input.shape or grad_output.dtype != input.dtype:
-            raise ValueError(f"grad_output must match input: {tuple(input.shape)} {input.dtype}, "
-                             f"got {tuple(grad_output.shape)} {grad_output.dtype}")
-        if grad_output.device != input.device:
-            raise ValueError(f"grad_output must be on input's device {input.device}")
 
 
-def _bias_gelu_fwd(input: torch.Tensor, bias: torch.Tensor, approximate: str = "none") -> torch.Tensor:
-    _validate(input, bias, approximate)
-    y = empty_output(input.shape, input.dtype, input.device)
-    if y.numel() == 0:
-        return y
-    grid, args, meta = _fwd_launch_args(input, bias, y, approximate)
-    _fwd_launcher(grid, *args, **meta)
-    return y
-
-
-def _fwd_launch_args(input, bias, y, approximate: str) -> tuple[tuple, tuple, dict]:
-    """(grid, arguments, constexprs and options) of the forward kernel."""
+def _fwd_launches(input, bias, y, approximate: str) -> list[Launch]:
+    """The forward kernel's launch: tiles from the row length and dtype (no tuning)."""
     n_cols = input.shape[-1]
     x = input if input.dim() == 2 else input.reshape(-1, n_cols)  # a view whenever strides allow
     block_m, block_n = tile_shape(n_cols, input.element_size())
-    grid = (cdiv(x.shape[0], block_m), cdiv(n_cols, block_n))
-    meta = {"APPROX_TANH": approximate == "tanh", "BLOCK_M": block_m, "BLOCK_N": block_n,
-            "num_warps": NUM_WARPS}
-    return grid, (x, bias, y, x.shape[0], n_cols, x.stride(0), x.stride(1), bias.stride(0)), meta
+    meta = {
+        "APPROX_TANH": approximate == "tanh",
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+        "num_warps": NUM_WARPS,
+    }
+    args = (x, bias, y, x.shape[0], n_cols, x.stride(0), x.stride(1), bias.stride(0))
+    return [
+        Launch(
+            "fwd", _bias_gelu_fwd_kernel, args, meta, grid=(cdiv(x.shape[0], block_m), cdiv(n_cols, block_n))
+        )
+    ]
 
 
-def _bias_gelu_bwd(grad_output: torch.Tensor, input: torch.Tensor, bias: torch.Tensor,
-                   approximate: str) -> tuple[torch.Tensor, torch.Tensor]:
-    _validate(input, bias, approximate, grad_output=grad_output)
-    dx = empty_output(input.shape, input.dtype, input.device)
-    if input.numel() == 0:  # before the reshape, which cannot infer -1 when the last dim is 0
-        return dx, torch.zeros_like(bias)
-    grid, args, meta = _bwd_launch_args(grad_output, input, bias, dx, approximate)
-    _bwd_launcher(grid, *args, **meta)
-    return dx, args[4].sum(0).to(bias.dtype)  # the fp32 partial sums of db
-
-
-def _bwd_launch_args(grad_output, input, bias, dx, approximate: str) -> tuple[tuple, tuple, dict]:
-    """(grid, arguments, constexprs and options) of the backward kernel; allocates db's partials."""
+def _bwd_launches(grad_output, input, bias, dx, db_partial, approximate: str) -> list[Launch]:
+    """The backward kernel's launch, writing dx and db's fp32 partial sums (one row a row chunk,
+    allocated by :func:`_db_partial`)."""
     n_cols = input.shape[-1]
     x, dy = input.reshape(-1, n_cols), grad_output.reshape(-1, n_cols)
-    n_rows = x.shape[0]
+    block_m, block_n, row_tiles = _bwd_tiles(x.shape[0], n_cols, input)
+    meta = {
+        "APPROX_TANH": approximate == "tanh",
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+        "ROW_TILES": row_tiles,
+        "num_warps": NUM_WARPS,
+    }
+    args = (
+        dy,
+        x,
+        bias,
+        dx,
+        db_partial,
+        x.shape[0],
+        n_cols,
+        dy.stride(0),
+        dy.stride(1),
+        x.stride(0),
+        x.stride(1),
+        bias.stride(0),
+    )
+    return [
+        Launch("bwd", _bias_gelu_bwd_kernel, args, meta, grid=(db_partial.shape[0], cdiv(n_cols, block_n)))
+    ]
+
+
+def _bwd_tiles(n_rows: int, n_cols: int, input: torch.Tensor) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, ROW_TILES) of the backward."""
     block_m, block_n = tile_shape(n_cols, input.element_size())
     row_tiles = row_tiles_per_program(cdiv(n_rows, block_m), cdiv(n_cols, block_n), sm_count(input.device))
-    row_chunks = cdiv(n_rows, block_m * row_tiles)
-    db_partial = empty_output((row_chunks, n_cols), torch.float32, input.device)
-    meta = {"APPROX_TANH": approximate == "tanh", "BLOCK_M": block_m, "BLOCK_N": block_n,
-            "ROW_TILES": row_tiles, "num_warps": NUM_WARPS}
-    args = (dy, x, bias, dx, db_partial, n_rows, n_cols, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
-            bias.stride(0))
-    return (row_chunks, cdiv(n_cols, block_n)), args, meta
+    return block_m, block_n, row_tiles
 
 
-# ---------------------------------------------------------------- custom op and autograd
+def _db_partial(input: torch.Tensor) -> torch.Tensor:
+    """db's fp32 partial sums: one row per ROW_TILES tiles of rows."""
+    n_cols = input.shape[-1]
+    n_rows = input.numel() // n_cols
+    block_m, _, row_tiles = _bwd_tiles(n_rows, n_cols, input)
+    return empty_output((cdiv(n_rows, block_m * row_tiles), n_cols), torch.float32, input.device)
 
 
-@torch.library.custom_op("tritonkit::bias_gelu", mutates_args=())
-def _bias_gelu_op(input: torch.Tensor, bias: torch.Tensor, approximate: str) -> torch.Tensor:
-    return _bias_gelu_fwd(input, bias, approximate)
+# ---------------------------------------------------------------- ops and autograd
 
 
-@_bias_gelu_op.register_fake
-def _(input, bias, approximate):
-    _validate(input, bias, approximate)
-    return input.new_empty(input.shape)
+@op("bias_gelu", mutates=("y",))
+def _forward(input: torch.Tensor, bias: torch.Tensor, approximate: str, y: torch.Tensor) -> None:
+    if y.numel():
+        for launch in _fwd_launches(input, bias, y, approximate):
+            launch.run()
 
 
-@torch.library.custom_op("tritonkit::bias_gelu_backward", mutates_args=())
-def _bias_gelu_backward_op(grad_output: torch.Tensor, input: torch.Tensor, bias: torch.Tensor,
-                           approximate: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return _bias_gelu_bwd(grad_output, input, bias, approximate)
-
-
-@_bias_gelu_backward_op.register_fake
-def _(grad_output, input, bias, approximate):
-    return input.new_empty(input.shape), bias.new_empty(bias.shape)
-
-
-def _setup_context(ctx, inputs, output) -> None:
-    input, bias, approximate = inputs
-    ctx.save_for_backward(input, bias)
-    ctx.approximate = approximate
-
-
-def _backward_traced(ctx, grad_output):
-    input, bias = ctx.saved_tensors
-    grad_input, grad_bias = _bias_gelu_backward_op(grad_output, input, bias, ctx.approximate)
-    return grad_input, grad_bias, None
-
-
-_bias_gelu_op.register_autograd(_backward_traced, setup_context=_setup_context)
+@op("bias_gelu_backward", mutates=("dx", "db"))
+def _backward(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    bias: torch.Tensor,
+    approximate: str,
+    dx: torch.Tensor,
+    db: torch.Tensor,
+) -> None:
+    if grad_output.shape != input.shape or grad_output.dtype != input.dtype:
+        raise ValueError(
+            f"grad_output must match input: {tuple(input.shape)} {input.dtype}, "
+            f"got {tuple(grad_output.shape)} {grad_output.dtype}"
+        )
+    if input.numel() == 0:  # before the reshape, which cannot infer -1 when the last dim is 0
+        db.zero_()
+        return
+    db_partial = _db_partial(input)
+    for launch in _bwd_launches(grad_output, input, bias, dx, db_partial, approximate):
+        launch.run()
+    db.copy_(db_partial.sum(0))
 
 
 class _BiasGelu(torch.autograd.Function):
-    """Eager autograd without the custom-op dispatcher (the compiled path uses the custom op).
+    """One autograd function for eager calls and torch.compile (the ops skip the dispatcher eagerly).
 
     forward takes ctx itself: with a separate setup_context, Function.apply binds arguments through
     inspect.signature on every call (about 10 us on the H200's host).
@@ -251,14 +245,19 @@ class _BiasGelu(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input, bias, approximate):
-        _setup_context(ctx, (input, bias, approximate), None)
-        return _bias_gelu_fwd(input, bias, approximate)
+        ctx.save_for_backward(input, bias)
+        ctx.approximate = approximate
+        y = empty_output(input.shape, input.dtype, input.device)
+        _forward(input, bias, approximate, y)
+        return y
 
     @staticmethod
     def backward(ctx, grad_output):
         input, bias = ctx.saved_tensors
-        grad_input, grad_bias = _bias_gelu_bwd(grad_output, input, bias, ctx.approximate)
-        return grad_input, grad_bias, None
+        dx = empty_output(input.shape, input.dtype, input.device)
+        db = empty_output(bias.shape, bias.dtype, bias.device)
+        _backward(grad_output, input, bias, ctx.approximate, dx, db)
+        return dx, db, None
 
 
 def bias_gelu(input: torch.Tensor, bias: torch.Tensor, approximate: str = "none") -> torch.Tensor:
@@ -266,16 +265,12 @@ def bias_gelu(input: torch.Tensor, bias: torch.Tensor, approximate: str = "none"
 
     ``bias`` has shape ``(input.shape[-1],)``. The output is contiguous, in input's dtype.
     """
-    if torch.compiler.is_compiling():
-        return _bias_gelu_op(input, bias, approximate)
-    try:
-        needs_grad = torch.is_grad_enabled() and (input.requires_grad or bias.requires_grad)
-    except AttributeError:  # not tensors: let validation say which argument, and what it wants
-        _validate(input, bias, approximate)
-        raise
-    if needs_grad:
+    _validate(input, bias, approximate)
+    if torch.is_grad_enabled() and (input.requires_grad or bias.requires_grad):
         return _BiasGelu.apply(input, bias, approximate)
-    return _bias_gelu_fwd(input, bias, approximate)
+    y = empty_output(input.shape, input.dtype, input.device)
+    _forward(input, bias, approximate, y)
+    return y
 
 
 # ---------------------------------------------------------------- reference and cost
@@ -303,23 +298,21 @@ def bias_gelu_cost(shape: tuple, dtype: torch.dtype, mode: str = "fwd"):
     return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]
 
 
-def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None = None) -> list:
+def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None = None) -> list[Launch]:
     """The forward and backward launches for ``shape`` (exact GELU): what ``tritonkit inspect`` compiles."""
-
     if config is not None:
         raise ValueError("bias_gelu has no tuning configs: its tile follows from the row length and dtype")
     x, b = torch.empty(shape, dtype=dtype, device="meta"), torch.empty(shape[-1:], dtype=dtype, device="meta")
-    _, fwd_args, fwd_meta = _fwd_launch_args(x, b, x, "none")
-    _, bwd_args, bwd_meta = _bwd_launch_args(x, x, b, x, "none")
-    return [Launch("fwd", _bias_gelu_fwd_kernel, fwd_args, fwd_meta),
-            Launch("bwd", _bias_gelu_bwd_kernel, bwd_args, bwd_meta)]
+    return [*_fwd_launches(x, b, x, "none"), *_bwd_launches(x, x, b, x, _db_partial(x), "none")]
 
 
 def _make_inputs(shape: tuple, dtype: torch.dtype, device, generator: torch.Generator) -> tuple:
     from tritonkit.testing import random_tensor
 
-    return (random_tensor(shape, dtype, device, generator=generator),
-            random_tensor(shape[-1:], dtype, device, generator=generator))
+    return (
+        random_tensor(shape, dtype, device, generator=generator),
+        random_tensor(shape[-1:], dtype, device, generator=generator),
+    )
 
 
 def _spec():

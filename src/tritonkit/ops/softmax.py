@@ -48,9 +48,10 @@ import math
 import torch
 
 from tritonkit import tuning
-from tritonkit._launch import Launch, Launcher, cdiv, precompile
+from tritonkit._launch import Launch, cdiv, launcher_of
 from tritonkit._runtime import check_device, current_device, empty_output, interpret, sm_count
 from tritonkit.dtypes import FLOATS, NAME_OF
+from tritonkit.opdef import op
 from tritonkit.ops.softmax_kernels import (
     _softmax_bwd_kernel,
     _softmax_bwd_online_kernel,
@@ -213,19 +214,18 @@ def _layout(view: torch.Tensor) -> str:
 
 # hashed with the kernels: an edit retunes
 _LAUNCHERS = {
-    ("fwd", "one-pass"): Launcher(_softmax_fwd_kernel),
-    ("fwd", "online"): Launcher(_softmax_fwd_online_kernel),
-    ("fwd", "split"): Launcher(_softmax_fwd_split_kernel),
-    ("bwd", "one-pass"): Launcher(_softmax_bwd_kernel),
-    ("bwd", "online"): Launcher(_softmax_bwd_online_kernel),
-    ("bwd", "split"): Launcher(_softmax_bwd_split_kernel),
+    ("fwd", "one-pass"): launcher_of(_softmax_fwd_kernel),
+    ("fwd", "online"): launcher_of(_softmax_fwd_online_kernel),
+    ("fwd", "split"): launcher_of(_softmax_fwd_split_kernel),
+    ("bwd", "one-pass"): launcher_of(_softmax_bwd_kernel),
+    ("bwd", "online"): launcher_of(_softmax_bwd_online_kernel),
+    ("bwd", "split"): launcher_of(_softmax_bwd_split_kernel),
 }
 _TUNERS = {
     direction: tuning.Tuner(f"softmax_{direction}", CONFIGS, default=_default, prune=_prune,
                             sources=tuple(_LAUNCHERS[direction, v].kernel for v in VARIANTS if v != "auto"))
     for direction in ("fwd", "bwd")
 }
-_chosen: dict[tuple, dict] = {}  # key values -> config, once chosen for good (a cheap memo)
 
 
 def _geometry(views: tuple) -> tuple:
@@ -279,17 +279,25 @@ def _split_launch_args(direction: str, config: dict, log: bool, sum_fp64: bool, 
     return (groups * segments,), args, meta
 
 
-def _launch(direction: str, config: dict, log: bool, tensors: tuple, geometry: tuple) -> None:
-    launcher = _LAUNCHERS[direction, config["variant"]]
+def _launches(direction: str, config: dict, log: bool, tensors: tuple, geometry: tuple) -> list[Launch]:
+    """The launches of one call: one kernel, or under the interpreter the split kernels' two passes
+    (it runs programs one after another, so none may wait for another: pass 1 for every segment,
+    then pass 2, through one workspace)."""
+    kernel = _LAUNCHERS[direction, config["variant"]].kernel
+    name = f"{direction} {config['variant']}"
     if config["variant"] == "split" and interpret():
-        # the interpreter runs programs one after another, so none may wait for another: pass 1 for
-        # every segment, then pass 2, through one workspace
         grid, args, meta = _launch_args(direction, config, log, tensors, geometry, phase=1)
-        launcher(grid, *args, **meta)
-        launcher(grid, *args, **{**meta, "PHASE": 2})
-        return
+        second = {**meta, "PHASE": 2}
+        return [Launch(name, kernel, args, meta, config, grid),
+                Launch(name, kernel, args, second, config, grid)]
     grid, args, meta = _launch_args(direction, config, log, tensors, geometry)
-    launcher(grid, *args, **meta)
+    return [Launch(name, kernel, args, meta, config, grid)]
+
+
+def _launch(direction: str, config: dict, log: bool, tensors: tuple, geometry: tuple) -> None:
+    """Run one call's launches (the op's path; the tuner runs its candidates through _TUNED)."""
+    for launch in _launches(direction, config, log, tensors, geometry):
+        launch.run()
 
 
 def _tuning_key(direction: str, views: tuple) -> dict:
@@ -313,20 +321,10 @@ def _config(direction: str, variant: str, log: bool, views: tuple) -> tuple[dict
     """The tuned (or, where tuning cannot run, default) launch config for these views, and whether
     it is final (tuned or cached; under the interpreter the default is)."""
     key = _tuning_key(direction, views)
-    memo_key = (variant, *key.values())
-    config = _chosen.get(memo_key)
-    if config is not None:
-        return config, True
     _check_fits({"variant": variant}, key)
-    tuner = _TUNERS[direction]
-    entry = tuner.entry(key, admit=functools.partial(_admit, direction, log, views),
-                        time_ms=functools.partial(_time_ms, direction, log, views),
-                        precompile=functools.partial(_precompile, direction, log, views))
-    config = _pick(tuner, entry, key, variant)
-    final = interpret() or entry is not None
-    if final:
-        _chosen[memo_key] = config
-    return config, final
+    tuned = _TUNED[direction]
+    return tuned.choose(key, _problem(direction, log, views), signature=(variant, *key.values()),
+                        pick=lambda entry: _pick(tuned.tuner, entry, key, variant))
 
 
 def _pick(tuner: tuning.Tuner, entry: dict | None, key: dict, variant: str) -> dict:
@@ -352,10 +350,23 @@ def _calibration_shape(views: tuple, config: dict) -> tuple[int, int, int]:
     return outer, max(1, min(rows, CALIBRATION_ELEMENTS // (outer * n))), n
 
 
-def _calibration_views(direction: str, log: bool, views: tuple, config: dict) -> tuple:
-    """Seeded random inputs in the layout of ``views`` with a partial last row block, and an output."""
+def _problem(direction: str, log: bool, tensors: tuple) -> dict:
+    """A call as the tuning layer sees it: (x, y) forward, (y, dy, dx) backward, by name."""
+    names = ("x", "y") if direction == "fwd" else ("y", "dy", "dx")
+    return {"log": log, **dict(zip(names, tensors, strict=True))}
+
+
+def _tensors(direction: str, problem: dict) -> tuple:
+    names = ("x", "y") if direction == "fwd" else ("y", "dy", "dx")
+    return tuple(problem[name] for name in names)
+
+
+def _calibration(direction: str, problem: dict, config: dict) -> dict:
+    """Seeded random inputs in the layout of the call's views with a partial last row block; for the
+    backward, y a genuine forward output. Outputs are allocated (the gate poisons them)."""
     from tritonkit.testing import generator, random_tensor
 
+    views = _tensors(direction, problem)
     outer, rows, n = _calibration_shape(views, config)
     cols = _layout(views[0]) == "cols"
 
@@ -367,49 +378,30 @@ def _calibration_views(direction: str, log: bool, views: tuple, config: dict) ->
 
     first = make(views[0].dtype, 1)
     if direction == "fwd":
-        return first, make(views[1].dtype, 0).fill_(float("nan"))
-    first.copy_(_reference(first.double(), 2, log))  # a genuine forward output as y
-    return first, make(views[1].dtype, 2), make(views[2].dtype, 0).fill_(float("nan"))
+        return _problem(direction, problem["log"], (first, make(views[1].dtype, 0)))
+    first.copy_(_reference(first.double(), 2, problem["log"]))
+    return _problem(direction, problem["log"], (first, make(views[1].dtype, 2), make(views[2].dtype, 0)))
 
 
-def _admit(direction: str, log: bool, views: tuple, config: dict):
-    """The oracle's comparison of ``config``'s result with the reference (passed: within its bound)."""
-    from tritonkit.testing import compare
-
-    cal = _calibration_views(direction, log, views, config)
-    _launch(direction, config, log, cal, _geometry(cal))
+def _problem_reference(direction: str, problem: dict) -> dict:
+    """The output in plain PyTorch (in y's dtype forward, as torch.softmax's dtype argument gives)."""
     if direction == "fwd":
-        x, y = cal
-        reference = _reference(x.double(), 2, log)
-        in_dtype = _reference(x, 2, log, dtype=y.dtype)
-        return compare("output", y, in_dtype, reference, y.dtype)
-    y, dy, dx = cal
-    reference = _vjp_reference(y.double(), dy.double(), 2, log)
-    in_dtype = _vjp_reference(y, dy, 2, log).to(dx.dtype)
-    return compare("grad input", dx, in_dtype, reference, dx.dtype)
+        return {"y": _reference(problem["x"], 2, problem["log"], dtype=problem["y"].dtype)}
+    return {"dx": _vjp_reference(problem["y"], problem["dy"], 2, problem["log"])}
 
 
-def _precompile(direction: str, log: bool, views: tuple, configs: list[dict]) -> None:
-    """Compile every candidate for the calibration views and for ``views`` at once (the two
-    specialize apart): tuning then spends its time timing, not compiling one config after another."""
-    calls = []
-    for config in configs:
-        outer, rows, n = _calibration_shape(views, config)
-        cols = _layout(views[0]) == "cols"
-        calibration = tuple(
-            torch.empty((outer, n, rows) if cols else (outer, rows, n), dtype=v.dtype, device=v.device)
-            for v in views)
-        calibration = tuple(t.transpose(1, 2) for t in calibration) if cols else calibration
-        for tensors in (calibration, views):
-            grid, args, meta = _launch_args(direction, config, log, tensors, _geometry(tensors))
-            calls.append((_LAUNCHERS[direction, config["variant"]], grid, args, meta))
-    precompile(calls)
+def _problem_launches(direction: str, problem: dict, config: dict) -> list[Launch]:
+    tensors = _tensors(direction, problem)
+    return _launches(direction, config, problem["log"], tensors, _geometry(tensors))
 
 
-def _time_ms(direction: str, log: bool, views: tuple, config: dict) -> float:
-    scratch = torch.empty_like(views[-1])  # tuning never writes the caller's output
-    tensors, geometry = (*views[:-1], scratch), _geometry(views)
-    return tuning.median_ms(lambda: _launch(direction, config, log, tensors, geometry))
+_TUNED = {
+    direction: tuning.Tuned(_TUNERS[direction], launches=functools.partial(_problem_launches, direction),
+                            calibrate=functools.partial(_calibration, direction),
+                            reference=functools.partial(_problem_reference, direction),
+                            outputs=("y",) if direction == "fwd" else ("dx",))
+    for direction in ("fwd", "bwd")
+}
 
 
 def _validate(input, dim, dtype, variant: str = "auto") -> int:
@@ -446,114 +438,77 @@ def _plan(key: tuple, config: dict, final: bool, tensors: tuple, views: tuple, o
         _plans[key] = (config, _geometry(views), out_dtype)
 
 
-def _softmax_fwd(input: torch.Tensor, dim: int, dtype, log: bool, variant: str = "auto") -> torch.Tensor:
+def _signature(direction: str, tensors: tuple, *options) -> tuple | None:
+    """What a stored plan is keyed by: shapes, strides, dtypes and devices of the call's tensors."""
     try:
-        key = ("fwd", input.shape, input.stride(), input.dtype, input.device, dim, dtype, log, variant)
-    except AttributeError:  # not a tensor: validation says so below
-        key = None
+        return (direction, *((t.shape, t.stride(), t.dtype, t.device) for t in tensors), *options)
+    except AttributeError:  # not a tensor: validation says so
+        return None
+
+
+@op("softmax", mutates=("y",))
+def _forward(input: torch.Tensor, dim: int, log: bool, variant: str, y: torch.Tensor) -> None:
+    """y = softmax(input) (or log_softmax) along ``dim``, into ``y`` (input's shape, contiguous)."""
+    key = _signature("fwd", (input,), dim, y.dtype, log, variant)
     plan = _plans.get(key)
     if plan is not None:
-        config, geometry, out_dtype = plan
-        y = empty_output(input.shape, out_dtype, input.device)
+        config, geometry, _ = plan
         _launch("fwd", config, log, (input, y), geometry)
-        return y
-    dim = _validate(input, dim, dtype, variant)
-    y = empty_output(input.shape, dtype or input.dtype, input.device)
+        return
     if y.numel() == 0:
-        return y
+        return
     x = input.reshape(1) if input.dim() == 0 else input
+    dim %= x.dim()
     views = (_as_3d(x, dim), _as_3d(y.view(x.shape), dim))
     config, final = _config("fwd", variant, log, views)
     _launch("fwd", config, log, views, _geometry(views))
     _plan(key, config, final, (input, y), views, y.dtype)
-    return y
 
 
-def _softmax_bwd(grad_output: torch.Tensor, output: torch.Tensor, dim: int, input_dtype: torch.dtype,
-                 log: bool, variant: str = "auto") -> torch.Tensor:
-    key = ("bwd", output.shape, output.stride(), output.dtype, output.device, grad_output.shape,
-           grad_output.stride(), grad_output.dtype, grad_output.device, dim, input_dtype, log, variant)
+@op("softmax_backward", mutates=("dx",))
+def _backward(grad_output: torch.Tensor, output: torch.Tensor, dim: int, log: bool, variant: str,
+              dx: torch.Tensor) -> None:
+    """dx, the input gradient of softmax (or log_softmax) from its output and grad_output, into ``dx``."""
+    key = _signature("bwd", (output, grad_output), dim, dx.dtype, log, variant)
     plan = _plans.get(key)
     if plan is not None:
-        config, geometry, out_dtype = plan
-        dx = empty_output(output.shape, out_dtype, output.device)
+        config, geometry, _ = plan
         _launch("bwd", config, log, (output, grad_output, dx), geometry)
-        return dx
-    dim = _validate(output, dim, None, variant)
+        return
     if grad_output.shape != output.shape or grad_output.device != output.device:
         raise ValueError(f"grad_output must match output: {tuple(output.shape)} on {output.device}, "
                          f"got {tuple(grad_output.shape)} on {grad_output.device}")
-    dx = empty_output(output.shape, input_dtype, output.device)
     if dx.numel() == 0:
-        return dx
+        return
     shape = (1,) if output.dim() == 0 else output.shape
+    dim %= len(shape)
     views = tuple(_as_3d(t.reshape(shape), dim) for t in (output, grad_output.to(output.dtype), dx))
     config, final = _config("bwd", variant, log, views)
     _launch("bwd", config, log, views, _geometry(views))
     _plan(key, config, final, (output, grad_output, dx), views, dx.dtype)
-    return dx
 
 
-# ---------------------------------------------------------------- custom ops and autograd
-
-
-@torch.library.custom_op("tritonkit::softmax", mutates_args=())
-def _softmax_op(input: torch.Tensor, dim: int, dtype: torch.dtype | None) -> torch.Tensor:
-    return _softmax_fwd(input, dim, dtype, log=False)
-
-
-@torch.library.custom_op("tritonkit::log_softmax", mutates_args=())
-def _log_softmax_op(input: torch.Tensor, dim: int, dtype: torch.dtype | None) -> torch.Tensor:
-    return _softmax_fwd(input, dim, dtype, log=True)
-
-
-@torch.library.custom_op("tritonkit::softmax_backward", mutates_args=())
-def _softmax_backward_op(grad_output: torch.Tensor, output: torch.Tensor, dim: int, input_dtype: torch.dtype,
-                         log: bool) -> torch.Tensor:
-    return _softmax_bwd(grad_output, output, dim, input_dtype, log)
-
-
-def _fake_forward(input, dim, dtype):
-    _validate(input, dim, dtype)
-    return input.new_empty(input.shape, dtype=dtype or input.dtype)
-
-
-_softmax_op.register_fake(_fake_forward)
-_log_softmax_op.register_fake(_fake_forward)
-
-
-@_softmax_backward_op.register_fake
-def _(grad_output, output, dim, input_dtype, log):
-    return output.new_empty(output.shape, dtype=input_dtype)
-
-
-def _setup_context(ctx, inputs, output) -> None:
-    input, dim, _ = inputs
-    ctx.save_for_backward(output)
-    ctx.dim, ctx.input_dtype = dim, input.dtype
-
-
-def _backward_traced(log: bool):
-    def backward(ctx, grad_output):
-        (output,) = ctx.saved_tensors
-        return _softmax_backward_op(grad_output, output, ctx.dim, ctx.input_dtype, log), None, None
-
-    return backward
-
-
-_softmax_op.register_autograd(_backward_traced(False), setup_context=_setup_context)
-_log_softmax_op.register_autograd(_backward_traced(True), setup_context=_setup_context)
+def _softmax(input, dim, dtype, log: bool, variant: str) -> torch.Tensor:
+    """The forward: validated unless a stored plan says a call like it was seen (about 10 us of
+    host time a call), then one op. Plans are keyed by ``dim`` as given."""
+    out_dtype = dtype or input.dtype
+    planned = _signature("fwd", (input,), dim, out_dtype, log, variant) in _plans
+    if torch.compiler.is_compiling() or not planned:
+        _validate(input, dim, dtype, variant)
+    y = empty_output(input.shape, out_dtype, input.device)
+    _forward(input, dim, log, variant, y)
+    return y
 
 
 class _Softmax(torch.autograd.Function):
-    """Eager autograd without the custom-op dispatcher (the compiled path uses the custom ops).
+    """One autograd function for eager calls and torch.compile (the ops skip the dispatcher eagerly).
 
     forward takes ctx itself: a separate setup_context costs an inspect.signature bind per call.
     """
 
     @staticmethod
     def forward(ctx, input, dim, dtype, log, variant):
-        output = _softmax_fwd(input, dim, dtype, log, variant)
+        output = _softmax(input, dim, dtype, log, variant)
         ctx.save_for_backward(output)
         ctx.dim, ctx.input_dtype, ctx.log, ctx.variant = dim, input.dtype, log, variant
         return output
@@ -561,16 +516,12 @@ class _Softmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         (output,) = ctx.saved_tensors
-        grad_input = _softmax_bwd(grad_output, output, ctx.dim, ctx.input_dtype, ctx.log, ctx.variant)
-        return grad_input, None, None, None, None
+        dx = empty_output(output.shape, ctx.input_dtype, output.device)
+        _backward(grad_output, output, ctx.dim, ctx.log, ctx.variant, dx)
+        return dx, None, None, None, None
 
 
 def _dispatch(input, dim, dtype, log: bool, variant: str) -> torch.Tensor:
-    if torch.compiler.is_compiling():
-        if variant != "auto":  # the custom ops have no variant argument: say so, never ignore it
-            raise NotImplementedError(f"variant {variant!r} runs eagerly only; under torch.compile "
-                                      "softmax tunes over every variant ('auto')")
-        return (_log_softmax_op if log else _softmax_op)(input, dim, dtype)
     try:
         needs_grad = torch.is_grad_enabled() and input.requires_grad
     except AttributeError:  # not a tensor: let validation say so
@@ -578,7 +529,7 @@ def _dispatch(input, dim, dtype, log: bool, variant: str) -> torch.Tensor:
         raise
     if needs_grad:
         return _Softmax.apply(input, dim, dtype, log, variant)
-    return _softmax_fwd(input, dim, dtype, log, variant)
+    return _softmax(input, dim, dtype, log, variant)
 
 
 def softmax(input: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) -> torch.Tensor:

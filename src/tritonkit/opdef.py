@@ -1,0 +1,76 @@
+"""The glue between a family's host code and torch: one custom-op helper and one tensor check.
+
+A family writes each kernel's host side as a destination-passing function: ``_forward(x, b, y)``
+writes the outputs its caller allocated and returns None. :func:`op` registers that function as a
+``tritonkit::`` custom op whose fake does nothing (the outputs exist already, so there is no shape
+to infer), and returns a callable that calls the function directly when eager, skipping the
+dispatcher (tens of microseconds of host time a call), and the custom op while torch.compile
+traces. A family's one ``torch.autograd.Function``, whose forward and backward allocate outputs and
+call such ops, then serves eager calls and compiled graphs alike (the shape of quack's
+``torch_library_op``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import torch
+
+from tritonkit._runtime import check_device
+from tritonkit.dtypes import NAME_OF
+
+
+def op(name: str, *, mutates: Sequence[str]) -> Callable[[Callable], Callable]:
+    """Register the decorated destination-passing function as the custom op ``tritonkit::name``,
+    writing the arguments named in ``mutates``; its parameters need type annotations (the schema is
+    read from them). The returned callable has the custom op as ``.custom_op`` (for opcheck)."""
+
+    def register(fn: Callable) -> Callable:
+        custom = torch.library.custom_op(f"tritonkit::{name}", fn, mutates_args=tuple(mutates))
+        custom.register_fake(_writes_outputs_only)
+
+        @functools.wraps(fn)
+        def call(*args):
+            if torch.compiler.is_compiling():
+                return custom(*args)
+            return fn(*args)
+
+        call.custom_op = custom
+        return call
+
+    return register
+
+
+def _writes_outputs_only(*args, **kwargs) -> None:
+    """The fake of a destination-passing op: it returns nothing, and its outputs exist already."""
+    return None
+
+
+def check_tensor(
+    name: str,
+    value,
+    *,
+    dtypes: Sequence[torch.dtype] | None = None,
+    ndim: int | None = None,
+    min_ndim: int = 0,
+    device_of: tuple[str, torch.Tensor] | None = None,
+) -> None:
+    """Raise TypeError or ValueError naming ``name`` unless ``value`` is a tensor of one of ``dtypes``,
+    with ``ndim`` (or at least ``min_ndim``) dimensions, on a device kernels run on, and on the device
+    of ``device_of`` = (its name, the tensor) when given."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if dtypes is not None and value.dtype not in dtypes:
+        allowed = ", ".join(NAME_OF.get(d, str(d)) for d in dtypes)
+        raise TypeError(f"{name} must be one of {allowed}, got {value.dtype}")
+    if ndim is not None and value.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(value.shape)}")
+    if value.dim() < min_ndim:
+        raise ValueError(f"{name} must have at least {min_ndim} dimension(s), got shape {tuple(value.shape)}")
+    if device_of is not None:
+        other, tensor = device_of
+        if value.device != tensor.device:
+            raise ValueError(f"{name} must be on {other}'s device {tensor.device}, got {value.device}")
+    else:
+        check_device(name, value)
