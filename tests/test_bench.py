@@ -351,3 +351,13 @@ def test_roofline_plot_axis_spans_the_points_and_the_ridge():
     assert all(b > a for a, b in zip(axis, axis[1:], strict=False))
     axis = _intensity_axis([0.3, 400.0], ridge=14.0)  # a matmul past the ridge widens it
     assert axis[-1] == pytest.approx(1e4)
+
+
+def test_python_dash_m_is_the_command():
+    """``python -m tritonkit`` runs the same parser as the ``tritonkit`` script (a bad op: exit 2)."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "tritonkit", "roofline", "no_such_op"], capture_output=True,
+                         text=True)
+    assert run.returncode == 2 and "no_such_op" in run.stderr

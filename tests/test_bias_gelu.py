@@ -86,14 +86,22 @@ GRID = [
 def _inputs(shape, dtype, device, seed):
     """Input, bias and upstream gradient: fresh seeded standard-normal values."""
     g = generator(seed)
-    return (random_tensor(shape, dtype, device, generator=g),
-            random_tensor(shape[-1:], dtype, device, generator=g),
-            random_tensor(shape, dtype, device, generator=g))
+    return (
+        random_tensor(shape, dtype, device, generator=g),
+        random_tensor(shape[-1:], dtype, device, generator=g),
+        random_tensor(shape, dtype, device, generator=g),
+    )
 
 
 def _check(x, b, dy, approximate="none", grad_inputs=(0, 1), kernel=bias_gelu):
-    return check_against_reference(kernel, bias_gelu_reference, [x, b], kwargs={"approximate": approximate},
-                                   grad_inputs=grad_inputs, grad_outputs=[dy])
+    return check_against_reference(
+        kernel,
+        bias_gelu_reference,
+        [x, b],
+        kwargs={"approximate": approximate},
+        grad_inputs=grad_inputs,
+        grad_outputs=[dy],
+    )
 
 
 @pytest.mark.parametrize("shape, dtype, approximate", GRID, ids=str)
@@ -147,8 +155,11 @@ def _strided_grad_output(g, dtype, device):
     return _row_shaped(g, dtype, device), random_tensor((70,), dtype, device, generator=g), dy
 
 
-@pytest.mark.parametrize("make", [_strided_input, _transposed_input, _strided_bias, _strided_grad_output],
-                         ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize(
+    "make",
+    [_strided_input, _transposed_input, _strided_bias, _strided_grad_output],
+    ids=lambda f: f.__name__.strip("_"),
+)
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
 def test_strided_layouts(make, dtype, device):
     x, b, dy = make(generator(11), dtype, device)
@@ -170,8 +181,14 @@ def test_expanded_input(device):
     row, b = random_tensor((1, 65), F32, device, generator=g), random_tensor((65,), F32, device, generator=g)
     dy = random_tensor((6, 65), F32, device, generator=g)
     assert bias_gelu(row.expand(6, -1), b).shape == (6, 65)
-    check_against_reference(_expand_first(bias_gelu, 6), _expand_first(bias_gelu_reference, 6), [row, b],
-                            kwargs={"approximate": "none"}, grad_inputs=(0, 1), grad_outputs=[dy])
+    check_against_reference(
+        _expand_first(bias_gelu, 6),
+        _expand_first(bias_gelu_reference, 6),
+        [row, b],
+        kwargs={"approximate": "none"},
+        grad_inputs=(0, 1),
+        grad_outputs=[dy],
+    )
 
 
 def test_expanded_bias(device):
@@ -179,8 +196,14 @@ def test_expanded_bias(device):
     x, b = random_tensor((6, 65), F32, device, generator=g), random_tensor((1,), F32, device, generator=g)
     # The bias gradient is one sum of 390 terms: a small dy keeps it near 1, the magnitude ATOL is for.
     dy = random_tensor((6, 65), F32, device, generator=g, scale=0.05)
-    check_against_reference(_expand_bias(bias_gelu, 65), _expand_bias(bias_gelu_reference, 65), [x, b],
-                            kwargs={"approximate": "tanh"}, grad_inputs=(0, 1), grad_outputs=[dy])
+    check_against_reference(
+        _expand_bias(bias_gelu, 65),
+        _expand_bias(bias_gelu_reference, 65),
+        [x, b],
+        kwargs={"approximate": "tanh"},
+        grad_inputs=(0, 1),
+        grad_outputs=[dy],
+    )
 
 
 # ---------------------------------------------------------------- edges and invariants
@@ -212,8 +235,10 @@ def test_far_tails(approximate, device):
 def test_odd_part_is_identity(approximate, device):
     """gelu(z) - gelu(-z) = z for both forms, since Phi(z) + Phi(-z) = 1 and tanh is odd."""
     g = generator(16)
-    x, b = random_tensor((16, 50), F32, device, generator=g, scale=2.0), random_tensor((50,), F32, device,
-                                                                                        generator=g)
+    x, b = (
+        random_tensor((16, 50), F32, device, generator=g, scale=2.0),
+        random_tensor((50,), F32, device, generator=g),
+    )
     odd = bias_gelu(x, b, approximate).double() - bias_gelu(-x, -b, approximate).double()
     torch.testing.assert_close(odd, x.double() + b.double(), rtol=1e-6, atol=1e-6)
 
@@ -320,15 +345,22 @@ def test_compile_fullgraph(device):
     eager = bias_gelu(eager_x, eager_b, "tanh")
     out = compiled(x.requires_grad_(), b.requires_grad_(), "tanh")
     torch.testing.assert_close(out, eager, rtol=0, atol=0)
-    torch.testing.assert_close(torch.autograd.grad(out, (x, b), dy),
-                               torch.autograd.grad(eager, (eager_x, eager_b), dy), rtol=0, atol=0)
+    torch.testing.assert_close(
+        torch.autograd.grad(out, (x, b), dy),
+        torch.autograd.grad(eager, (eager_x, eager_b), dy),
+        rtol=0,
+        atol=0,
+    )
 
 
 # ---------------------------------------------------------------- cost model
 
 
-@pytest.mark.parametrize("shape, dtype, size", [((7, 33), F32, 4), ((2, 3, 96), BF16, 2),
-                                                ((1823, 4097), F16, 2), ((37,), F32, 4)], ids=str)
+@pytest.mark.parametrize(
+    "shape, dtype, size",
+    [((7, 33), F32, 4), ((2, 3, 96), BF16, 2), ((1823, 4097), F16, 2), ((37,), F32, 4)],
+    ids=str,
+)
 def test_cost_bytes(shape, dtype, size):
     n = shape[-1]
     mn = math.prod(shape)
@@ -350,8 +382,9 @@ def test_cost_flops_scale_with_elements():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape, dtype, approximate",
-                         [((8192, 4096), BF16, "none"), ((1823, 4097), F16, "tanh")], ids=str)
+@pytest.mark.parametrize(
+    "shape, dtype, approximate", [((8192, 4096), BF16, "none"), ((1823, 4097), F16, "tanh")], ids=str
+)
 def test_large_shapes_match_reference(shape, dtype, approximate, device):
     _check(*_inputs(shape, dtype, device, seed=25), approximate)
 
@@ -374,8 +407,9 @@ def _huge_inputs(seed):
     g = torch.Generator("cuda").manual_seed(seed)
     x = torch.randn((HUGE_ROWS, HUGE_COLS), generator=g, device="cuda", dtype=BF16)
     b = torch.randn((HUGE_COLS,), generator=g, device="cuda", dtype=BF16)
-    rows = torch.tensor([0, HUGE_ROWS // 2, FIRST_ROW_PAST_2_31 - 1, FIRST_ROW_PAST_2_31, HUGE_ROWS - 1],
-                        device="cuda")
+    rows = torch.tensor(
+        [0, HUGE_ROWS // 2, FIRST_ROW_PAST_2_31 - 1, FIRST_ROW_PAST_2_31, HUGE_ROWS - 1], device="cuda"
+    )
     return g, x, b, rows
 
 

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 import tritonkit
-import tritonkit.ops.softmax as sm
+import tritonkit.ops.softmax.kernels as sk
+import tritonkit.ops.softmax.softmax as sm
 from tritonkit import tuning
 from tritonkit._runtime import empty_output, interpret, sm_count
 from tritonkit.ops import get_op
-from tritonkit.ops.softmax import (
+from tritonkit.ops.softmax.softmax import (
     DTYPES,
-    ONE_PASS_MAX_BLOCK_N,
     SPECS,
     VARIANTS,
     log_softmax,
@@ -65,8 +65,13 @@ def small_segments(monkeypatch):
         monkeypatch.setattr(tuned, "_chosen", {})
     for tuner in sm._TUNERS.values():
         default = tuner.default
-        monkeypatch.setattr(tuner, "default", lambda key, default=default: (
-            small_segments_config(key) if key.get("variant") == "split" else default(key)))
+        monkeypatch.setattr(
+            tuner,
+            "default",
+            lambda key, default=default: (
+                small_segments_config(key) if key.get("variant") == "split" else default(key)
+            ),
+        )
 
 
 def _kernel(log: bool, variant: str = "auto"):
@@ -102,8 +107,15 @@ def _check(x, dy, *, log=False, variant="auto", dim=-1, dtype=None):
     """The oracle on output and input gradient. Tolerances are those of the output dtype: with
     ``dtype`` the gradient is computed from that output, so it carries the output's precision."""
     kwargs = {"dim": dim} | ({"dtype": dtype} if dtype is not None else {})
-    return check_against_reference(_kernel(log, variant), _reference(log), [x], kwargs=kwargs,
-                                   grad_inputs=(0,), grad_outputs=[dy], dtype=dtype or x.dtype)
+    return check_against_reference(
+        _kernel(log, variant),
+        _reference(log),
+        [x],
+        kwargs=kwargs,
+        grad_inputs=(0,),
+        grad_outputs=[dy],
+        dtype=dtype or x.dtype,
+    )
 
 
 def _backward_op(grad_output, output, dim, input_dtype, log):
@@ -115,8 +127,14 @@ def _backward_op(grad_output, output, dim, input_dtype, log):
 
 def _key(direction, n, layout="rows", rows=64, variant="auto", dtype="fp32>fp32"):
     """A tuning key as the launcher builds it (with a variant: as _default reads it), rows of ``n``."""
-    return {"direction": direction, "variant": variant, "layout": layout, "block_n": sm._next_power_of_2(n),
-            "rows": rows, "dtype": dtype}
+    return {
+        "direction": direction,
+        "variant": variant,
+        "layout": layout,
+        "block_n": sm._next_power_of_2(n),
+        "rows": rows,
+        "dtype": dtype,
+    }
 
 
 @pytest.fixture
@@ -168,30 +186,31 @@ def test_matches_reference(shape, dtype, log, variant, launches, device):
 
 def test_untuned_auto_is_one_pass_up_to_the_register_limit():
     """The kernel "auto" starts from (and runs under the interpreter), at the one-pass kernel's limits."""
+
     def variant(*args, **kwargs):
         return sm._default(_key(*args, **kwargs))["variant"]
 
-    for n in (1, 7, 4097, ONE_PASS_MAX_BLOCK_N):
+    for n in (1, 7, 4097, sk.ONE_PASS_MAX_BLOCK_N):
         assert variant("fwd", n) == "one-pass"
-    assert variant("fwd", ONE_PASS_MAX_BLOCK_N + 1) == "online"
+    assert variant("fwd", sk.ONE_PASS_MAX_BLOCK_N + 1) == "online"
     # the backward holds y and dy: half the row; the column layout holds 16 rows at once, with int64
     # entry offsets: half of that again
-    assert variant("bwd", ONE_PASS_MAX_BLOCK_N // 2) == "one-pass"
-    assert variant("bwd", ONE_PASS_MAX_BLOCK_N // 2 + 1) == "online"
+    assert variant("bwd", sk.ONE_PASS_MAX_BLOCK_N // 2) == "one-pass"
+    assert variant("bwd", sk.ONE_PASS_MAX_BLOCK_N // 2 + 1) == "online"
     # ... unless it keeps them bf16: the whole row, at 32 warps (64 values a thread)
-    bf16 = sm._default(_key("bwd", ONE_PASS_MAX_BLOCK_N, dtype="bf16>bf16"))
+    bf16 = sm._default(_key("bwd", sk.ONE_PASS_MAX_BLOCK_N, dtype="bf16>bf16"))
     assert bf16 == {"variant": "one-pass", "BLOCK_M": 1, "num_warps": 32}
-    assert variant("bwd", ONE_PASS_MAX_BLOCK_N, dtype="fp16>fp16") == "online"
-    assert variant("bwd", ONE_PASS_MAX_BLOCK_N + 1, dtype="bf16>bf16") == "online"
-    assert variant("fwd", ONE_PASS_MAX_BLOCK_N // 32, "cols") == "one-pass"
-    assert variant("fwd", ONE_PASS_MAX_BLOCK_N // 32 + 1, "cols") == "online"
-    assert variant("bwd", ONE_PASS_MAX_BLOCK_N // 64, "cols") == "one-pass"
-    assert variant("bwd", ONE_PASS_MAX_BLOCK_N // 64 + 1, "cols") == "online"
+    assert variant("bwd", sk.ONE_PASS_MAX_BLOCK_N, dtype="fp16>fp16") == "online"
+    assert variant("bwd", sk.ONE_PASS_MAX_BLOCK_N + 1, dtype="bf16>bf16") == "online"
+    assert variant("fwd", sk.ONE_PASS_MAX_BLOCK_N // 32, "cols") == "one-pass"
+    assert variant("fwd", sk.ONE_PASS_MAX_BLOCK_N // 32 + 1, "cols") == "online"
+    assert variant("bwd", sk.ONE_PASS_MAX_BLOCK_N // 64, "cols") == "one-pass"
+    assert variant("bwd", sk.ONE_PASS_MAX_BLOCK_N // 64 + 1, "cols") == "online"
 
 
 def test_forward_one_pass_backward_online(launches, device):
     """Rows that fit the one-pass forward but not the one-pass backward: auto switches per direction."""
-    n = ONE_PASS_MAX_BLOCK_N // 2 + 117
+    n = sk.ONE_PASS_MAX_BLOCK_N // 2 + 117
     for log in (False, True):
         _check(*_inputs((1, n), F32, device, seed=30 + log), log=log)
     if interpret():  # tuned, the forward may pick online too
@@ -199,9 +218,9 @@ def test_forward_one_pass_backward_online(launches, device):
 
 
 def test_bf16_backward_holds_the_longest_rows(launches, device):
-    """bf16 rows of ONE_PASS_MAX_BLOCK_N entries: the backward keeps y and dy 16-bit and widens them
+    """bf16 rows of sk.ONE_PASS_MAX_BLOCK_N entries: the backward keeps y and dy 16-bit and widens them
     twice (for the dot, then by their bits for dx); infinities and NaN in dy come through as torch's."""
-    x, dy = _inputs((3, ONE_PASS_MAX_BLOCK_N - 5), BF16, device, seed=32)
+    x, dy = _inputs((3, sk.ONE_PASS_MAX_BLOCK_N - 5), BF16, device, seed=32)
     for log in (False, True):
         _check(x, dy, log=log)
     if interpret():  # tuned, the backward may pick online
@@ -215,7 +234,7 @@ def test_bf16_backward_holds_the_longest_rows(launches, device):
 
 def test_one_pass_variant_backward_rejects_long_rows(device):
     """Forcing "one-pass" where only its forward fits: the backward says to use "online"."""
-    x = random_tensor((1, ONE_PASS_MAX_BLOCK_N // 2 + 1), F32, device, generator=generator(31))
+    x = random_tensor((1, sk.ONE_PASS_MAX_BLOCK_N // 2 + 1), F32, device, generator=generator(31))
     x.requires_grad_()
     y = softmax_variant(x, variant="one-pass")
     with pytest.raises(ValueError, match="online"):
@@ -293,8 +312,9 @@ def test_expanded_input(make, log, variant, device):
     _check(x, dy, log=log, variant=variant)
 
 
-@pytest.mark.parametrize("shape, dim", [((0, 16), -1), ((0, 16), 0), ((3, 0), 0), ((3, 0), -1),
-                                        ((2, 0, 5), 2)], ids=str)
+@pytest.mark.parametrize(
+    "shape, dim", [((0, 16), -1), ((0, 16), 0), ((3, 0), 0), ((3, 0), -1), ((2, 0, 5), 2)], ids=str
+)
 @pytest.mark.parametrize("variant", KERNELS)
 def test_empty_input(shape, dim, variant, device):
     for log in (False, True):
@@ -348,13 +368,21 @@ def small_chunks(request, monkeypatch, launches):
         monkeypatch.setattr(tuned, "_chosen", {})
     for tuner in sm._TUNERS.values():
         default = tuner.default
-        monkeypatch.setattr(tuner, "default", lambda key, default=default: (
-            dict(config) if default(key)["variant"] == "online" else default(key)))
+        monkeypatch.setattr(
+            tuner,
+            "default",
+            lambda key, default=default: (
+                dict(config) if default(key)["variant"] == "online" else default(key)
+            ),
+        )
     return launches
 
 
-@pytest.mark.parametrize("shape, dim", [((5, 200), -1), ((3, 128), -1), ((7, 1), -1), ((3, 65), -1),
-                                        ((200, 5), 0), ((2, 130, 3), 1)], ids=str)
+@pytest.mark.parametrize(
+    "shape, dim",
+    [((5, 200), -1), ((3, 128), -1), ((7, 1), -1), ((3, 65), -1), ((200, 5), 0), ((2, 130, 3), 1)],
+    ids=str,
+)
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
 @pytest.mark.parametrize("log", LOGS)
 def test_online_over_many_chunks(shape, dim, dtype, log, small_chunks, device):
@@ -409,10 +437,17 @@ def _check_nonfinite(x, dy, *, log, variant, dim=-1):
     reference = _outputs_and_grad(_reference(log), x, dy, dim, upcast=torch.float64)
     for name, k, t, r in zip(("output", "grad input"), kernel, same_dtype, reference, strict=True):
         special = ~torch.isfinite(r)
-        torch.testing.assert_close(k[special].double(), r[special], rtol=0, atol=0, equal_nan=True,
-                                   msg=lambda m, name=name: f"{name} where the reference is not finite: {m}")
-        comparison = compare(name, k.masked_fill(special, 0), t.masked_fill(special, 0),
-                             r.masked_fill(special, 0), x.dtype)
+        torch.testing.assert_close(
+            k[special].double(),
+            r[special],
+            rtol=0,
+            atol=0,
+            equal_nan=True,
+            msg=lambda m, name=name: f"{name} where the reference is not finite: {m}",
+        )
+        comparison = compare(
+            name, k.masked_fill(special, 0), t.masked_fill(special, 0), r.masked_fill(special, 0), x.dtype
+        )
         assert math.isfinite(comparison.err_torch), comparison  # torch agrees where values are finite
         assert comparison.passed, str(comparison)
     return reference
@@ -577,8 +612,9 @@ def test_poisoning_catches_an_unwritten_row(direction, log, variant, monkeypatch
     _check(x, dy, log=log, variant=variant)  # passes with the real launch
     monkeypatch.setattr(tuning, "_single_config", lambda: True)  # no tuning with the broken launch
     monkeypatch.setattr(sm, "_launch", _skip_last_row(direction))
-    comparisons = compare_with_reference(_kernel(log, variant), _reference(log), [x], grad_inputs=(0,),
-                                         grad_outputs=[dy])
+    comparisons = compare_with_reference(
+        _kernel(log, variant), _reference(log), [x], grad_inputs=(0,), grad_outputs=[dy]
+    )
     failed = [c.name for c in comparisons if not c.passed]
     assert failed == (["output[0]", "grad input[0]"] if direction == "fwd" else ["grad input[0]"])
     with poisoned_outputs():
@@ -617,10 +653,18 @@ BAD_ARGUMENTS = [  # (call with a valid input, exception, pattern of its message
     pytest.param(lambda x: softmax(x, dim=1.0), TypeError, "^dim ", id="float dim"),
     pytest.param(lambda x: softmax(x, dim=True), TypeError, "^dim ", id="bool dim"),
     pytest.param(lambda x: softmax_variant(x, variant="two-pass"), ValueError, "^variant ", id="bad variant"),
-    pytest.param(lambda x: softmax_variant(x.new_ones(1, 70000), variant="one-pass"), ValueError,
-                 "'online'", id="row too long for one-pass"),
-    pytest.param(lambda x: softmax_variant(x.new_ones(70000, 2), dim=0, variant="one-pass"), ValueError,
-                 "'online'", id="column too long for one-pass"),
+    pytest.param(
+        lambda x: softmax_variant(x.new_ones(1, 70000), variant="one-pass"),
+        ValueError,
+        "'online'",
+        id="row too long for one-pass",
+    ),
+    pytest.param(
+        lambda x: softmax_variant(x.new_ones(70000, 2), dim=0, variant="one-pass"),
+        ValueError,
+        "'online'",
+        id="column too long for one-pass",
+    ),
 ]
 
 
@@ -731,10 +775,12 @@ def test_compile_fullgraph(device):
     eager = fn(eager_x)
     out = compiled(x.requires_grad_())
     torch.testing.assert_close(out, eager, rtol=0, atol=0)
-    torch.testing.assert_close(torch.autograd.grad(out, x, dys), torch.autograd.grad(eager, eager_x, dys),
-                               rtol=0, atol=0)
-    check_against_reference(lambda t: compiled(t)[0], softmax_reference, [x.detach()], grad_inputs=(0,),
-                            grad_outputs=[dys[0]])
+    torch.testing.assert_close(
+        torch.autograd.grad(out, x, dys), torch.autograd.grad(eager, eager_x, dys), rtol=0, atol=0
+    )
+    check_against_reference(
+        lambda t: compiled(t)[0], softmax_reference, [x.detach()], grad_inputs=(0,), grad_outputs=[dys[0]]
+    )
 
 
 # ---------------------------------------------------------------- registry, cost model, harness shapes
@@ -752,8 +798,11 @@ def test_spec_is_registered(name):
     assert set(spec.peers) == variant_peers | (set() if log else {"liger"})
 
 
-@pytest.mark.parametrize("shape, dtype, size", [((7, 33), F32, 4), ((2, 3, 96), BF16, 2),
-                                                ((4096, 4097), F16, 2), ((37,), F32, 4)], ids=str)
+@pytest.mark.parametrize(
+    "shape, dtype, size",
+    [((7, 33), F32, 4), ((2, 3, 96), BF16, 2), ((4096, 4097), F16, 2), ((37,), F32, 4)],
+    ids=str,
+)
 def test_cost_bytes_and_flops(shape, dtype, size):
     mn = math.prod(shape)
     fwd, bwd = softmax_cost(shape, dtype, "fwd"), softmax_cost(shape, dtype, "bwd")
@@ -773,8 +822,14 @@ def test_spec_inputs_match_reference(name, shape, device):
         g = generator(51)
         inputs = spec.make_inputs(shape, dtype, device, g)
         dy = random_tensor(shape, dtype, device, generator=g)
-        check_against_reference(spec.fn, spec.reference, inputs, kwargs=spec.kwargs,
-                                grad_inputs=spec.grad_inputs, grad_outputs=[dy])
+        check_against_reference(
+            spec.fn,
+            spec.reference,
+            inputs,
+            kwargs=spec.kwargs,
+            grad_inputs=spec.grad_inputs,
+            grad_outputs=[dy],
+        )
 
 
 @pytest.mark.parametrize("name", ["softmax", "log_softmax"])
@@ -783,7 +838,8 @@ def test_variant_peers_match_reference(name, device):
     for peer in ("tritonkit[one-pass]", "tritonkit[online]"):
         fn = spec.peers[peer]({"dim": 0})
         x, dy = _inputs((70, 9), F32, device, seed=52)
-        check_against_reference(fn, _reference(log), [x], kwargs={"dim": 0}, grad_inputs=(0,),
-                                grad_outputs=[dy])
+        check_against_reference(
+            fn, _reference(log), [x], kwargs={"dim": 0}, grad_inputs=(0,), grad_outputs=[dy]
+        )
     if not log:
         assert isinstance(spec.peers["liger"]({"dim": 0}), str)  # liger covers dim=-1 only: says so

@@ -14,10 +14,10 @@ import torch
 
 import sm90
 import test_softmax
-import tritonkit.ops.softmax as sm
+import tritonkit.ops.softmax.softmax as sm
 from test_softmax import BF16, F16, LOGS, _check, _inputs, _kernel, _reference, _variants
 from tritonkit import tuning
-from tritonkit.ops.softmax import softmax
+from tritonkit.ops.softmax.softmax import softmax
 from tritonkit.testing import compare, poisoned_outputs
 
 pytestmark = pytest.mark.softmax
@@ -28,7 +28,8 @@ launches = test_softmax.launches  # the fixture recording each launch, shared
 
 _HOPPER_CHECK = r"""
 import concurrent.futures
-import tritonkit.ops.softmax as sm
+import tritonkit.ops.softmax.kernels as sk
+import tritonkit.ops.softmax.softmax as sm
 
 ROWS = 8192  # rows of the input whose default config is compiled
 CASES = [  # (layout, direction, row length, the variant auto starts from there)
@@ -90,7 +91,8 @@ def test_kernels_compile_for_hopper_with_wide_accesses_and_no_spills():
 
 _PREFETCH_HOPPER_CHECK = r"""
 import concurrent.futures
-import tritonkit.ops.softmax as sm
+import tritonkit.ops.softmax.kernels as sk
+import tritonkit.ops.softmax.softmax as sm
 
 def check(direction, dtype, log, config):
     kernel = sm._LAUNCHERS[direction, "online"].kernel
@@ -127,7 +129,8 @@ def test_prefetching_online_candidates_compile_for_hopper_without_spills():
 
 _SPLIT_HOPPER_CHECK = r"""
 import concurrent.futures
-import tritonkit.ops.softmax as sm
+import tritonkit.ops.softmax.kernels as sk
+import tritonkit.ops.softmax.softmax as sm
 
 def check(direction, dtype, log, config):
     kernel = sm._LAUNCHERS[direction, "split"].kernel
@@ -206,10 +209,12 @@ def test_row_entry_offsets_past_2_31():
     """A row whose entries lie 2^30 + 1 elements apart (a column of a tensor past 2^31 elements,
     laid out sparsely so that only 12 entries are touched): offsets past 2^31 must not wrap. Run in
     a child process: a wrapped offset reads outside the tensor and may crash it."""
-    result = subprocess.run([sys.executable, "-c", _STRIDED_PAST_2_31], capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", _STRIDED_PAST_2_31], capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0 and result.stdout.split("\n")[:2] == ["fwd ok", "bwd ok"], (
-        f"exit status {result.returncode}; stdout {result.stdout!r}; stderr {result.stderr[-2000:]}")
+        f"exit status {result.returncode}; stdout {result.stdout!r}; stderr {result.stderr[-2000:]}"
+    )
 
 
 # ---------------------------------------------------------------- GPU: large shapes
@@ -227,6 +232,7 @@ def _sampled_rows(rows: int, n: int, device) -> torch.Tensor:
 
 def _compare_rows(name, kernel_rows, x_rows, dy_rows=None, *, log=False, dim=-1):
     """compare() on sampled rows: forward, or with ``dy_rows`` the input gradient."""
+
     def run(upcast=None):
         x = x_rows.detach().to(upcast or x_rows.dtype).requires_grad_(dy_rows is not None)
         y = _reference(log)(x, dim)
@@ -255,8 +261,9 @@ def test_past_2_31_elements():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape, dtype", [((4096, 4096), F16), ((2048, 131072), BF16), ((8192, 1823), BF16)],
-                         ids=str)
+@pytest.mark.parametrize(
+    "shape, dtype", [((4096, 4096), F16), ((2048, 131072), BF16), ((8192, 1823), BF16)], ids=str
+)
 @pytest.mark.parametrize("log", LOGS)
 def test_large_shapes_match_reference(shape, dtype, log, device):
     _check(*_inputs(shape, dtype, device, seed=54), log=log)
@@ -292,8 +299,9 @@ def tuning_afresh(monkeypatch, tmp_path):
     monkeypatch.setenv("TRITONKIT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(sm, "_plans", {})  # plans hold configs too
     for direction, tuner in list(sm._TUNERS.items()):
-        fresh = tuning.Tuner(tuner.name, tuner.configs, sources=tuner.sources, default=tuner.default,
-                             prune=tuner.prune)
+        fresh = tuning.Tuner(
+            tuner.name, tuner.configs, sources=tuner.sources, default=tuner.default, prune=tuner.prune
+        )
         monkeypatch.setitem(sm._TUNERS, direction, fresh)
         monkeypatch.setattr(sm._TUNED[direction], "tuner", fresh)
         monkeypatch.setattr(sm._TUNED[direction], "_chosen", {})

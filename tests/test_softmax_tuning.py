@@ -10,7 +10,8 @@ import json
 import pytest
 
 import test_softmax
-import tritonkit.ops.softmax as sm
+import tritonkit.ops.softmax.kernels as sk
+import tritonkit.ops.softmax.softmax as sm
 from test_softmax import BF16, F32, LOGS, _check, _inputs, _key
 from tritonkit import tuning
 from tritonkit._runtime import current_device, sm_count
@@ -35,7 +36,7 @@ def _gate_views(direction, dtype, layout, device):
     """(O, R, N) views of a 64 x 200 problem as the launcher builds them; content is irrelevant."""
     shape, dim = ((GATE_ROWS, GATE_N), 1) if layout == "rows" else ((GATE_N, GATE_ROWS), 0)
     tensors = [random_tensor(shape, dtype, device, generator=generator(i)) for i in range(3)]
-    views = tuple(sm._as_3d(t, dim) for t in tensors[:2 if direction == "fwd" else 3])
+    views = tuple(sm._as_3d(t, dim) for t in tensors[: 2 if direction == "fwd" else 3])
     assert sm._layout(views[0]) == layout
     return views
 
@@ -50,8 +51,12 @@ def test_gate_rejects_a_config_that_skips_entries(direction, layout, dtype, log,
     assert not sm._prune(SHORT_TILE_UNPRUNED, key)
     for bad in (SHORT_TILE, SHORT_TILE_UNPRUNED):
         assert not sm._TUNED[direction].admit(sm._problem(direction, log, views), bad).passed, bad
-    good = [sm._default(key), {**SHORT_TILE, "BLOCK_N": 256}, sm._default({**key, "variant": "online"}),
-            {**SHORT_TILE, "variant": "online"}]  # the online kernel takes any chunk: 64 is fine
+    good = [
+        sm._default(key),
+        {**SHORT_TILE, "BLOCK_N": 256},
+        sm._default({**key, "variant": "online"}),
+        {**SHORT_TILE, "variant": "online"},
+    ]  # the online kernel takes any chunk: 64 is fine
     assert [config["variant"] for config in good] == ["one-pass", "one-pass", "online", "online"]
     for config in good:
         assert sm._TUNED[direction].admit(sm._problem(direction, log, views), config).passed, config
@@ -77,8 +82,13 @@ def tuned(monkeypatch, tmp_path):
         return 0.001 if config == SHORT_TILE_UNPRUNED else fake_ms(config)
 
     for direction, tuner in list(sm._TUNERS.items()):
-        fresh = tuning.Tuner(tuner.name, [*tuner.configs, SHORT_TILE_UNPRUNED], sources=tuner.sources,
-                             default=tuner.default, prune=tuner.prune)
+        fresh = tuning.Tuner(
+            tuner.name,
+            [*tuner.configs, SHORT_TILE_UNPRUNED],
+            sources=tuner.sources,
+            default=tuner.default,
+            prune=tuner.prune,
+        )
         monkeypatch.setitem(sm._TUNERS, direction, fresh)
         monkeypatch.setattr(sm._TUNED[direction], "tuner", fresh)
         monkeypatch.setattr(sm._TUNED[direction], "_chosen", {})
@@ -132,6 +142,7 @@ def test_named_variants_read_the_one_tuning_of_their_shape(tuned, launches, devi
 def test_split_is_tuned_only_for_long_rows_that_fit_at_once():
     """Split candidates: rows of two segments or more, all in flight at once, the segments together
     within SPLIT_L2_BYTES (backward: y and dy) and SPLIT_MAX_WARPS_PER_SM. Never the untuned default."""
+
     def split_candidates(n, dtype="bf16>bf16", direction="fwd"):
         key = {k: v for k, v in _key(direction, n, rows=2048, dtype=dtype).items() if k != "variant"}
         assert sm._default(key)["variant"] != "split"
@@ -142,13 +153,16 @@ def test_split_is_tuned_only_for_long_rows_that_fit_at_once():
     for n in (1 << 17, 1 << 22, 1 << 24):  # the untuned split config fits any row up to 2^24 at once
         default = sm._default({**_key("fwd", n, rows=2048), "variant": "split"})
         assert -(-n // default["SEGMENT"]) <= default["PER_SM"] * sms
-    for n, dtype, direction in [(131072, "bf16>bf16", "fwd"), (524288, "fp32>fp32", "fwd"),
-                                (4194304, "fp32>fp32", "bwd")]:
+    for n, dtype, direction in [
+        (131072, "bf16>bf16", "fwd"),
+        (524288, "fp32>fp32", "fwd"),
+        (4194304, "fp32>fp32", "bwd"),
+    ]:
         candidates = split_candidates(n, dtype, direction)
         assert candidates, (n, dtype, direction)
         tiles, element_bytes = (1 if direction == "fwd" else 2), (2 if "bf16" in dtype else 4)
         for config in candidates:
             programs = config["PER_SM"] * sms
             assert 2 <= n // config["SEGMENT"] <= programs
-            assert config["PER_SM"] * config["num_warps"] <= sm.SPLIT_MAX_WARPS_PER_SM
-            assert programs * config["SEGMENT"] * element_bytes * tiles <= sm.SPLIT_L2_BYTES
+            assert config["PER_SM"] * config["num_warps"] <= sk.SPLIT_MAX_WARPS_PER_SM
+            assert programs * config["SEGMENT"] * element_bytes * tiles <= sk.SPLIT_L2_BYTES

@@ -535,7 +535,7 @@ def test_shipped_configs_describe_the_kernels_as_they_are():
     import tritonkit.ops.attention  # noqa: F401  (each op module defines its tuners on import)
     import tritonkit.ops.linear  # noqa: F401
     import tritonkit.ops.norm  # noqa: F401
-    import tritonkit.ops.softmax  # noqa: F401
+    import tritonkit.ops.softmax.softmax  # noqa: F401
 
     tuning._shipped.cache_clear()
     assert tuning.stale_shipped() == []
@@ -669,3 +669,26 @@ def test_editing_a_helper_deep_in_the_closure_changes_the_hash(monkeypatch):
     after = copy().source_hash
     assert before != after
     tuning.TUNERS.pop("closure-copy", None)
+
+
+def test_rekey_moves_only_entries_whose_hash_alone_changed(monkeypatch, tmp_path):
+    """An entry tuned on the earlier source (same configs) takes the new hash; one whose configs
+    changed since, or that was tuned on yet another source, is left as it was (and stays stale)."""
+    monkeypatch.setattr(tuning, "SHIPPED_DIR", tmp_path)
+    tuner = make_tuner(name="rekeyed", sources=("kernel v2",))
+    other = make_tuner(name="reconfigured", sources=("kernel v2",), configs=CONFIGS[:2])
+    monkeypatch.setitem(tuning.TUNERS, "rekeyed", tuner)
+    monkeypatch.setitem(tuning.TUNERS, "reconfigured", other)
+    old = make_tuner(name="old", sources=("kernel v1",)).source_hash
+    entry = {"format": tuning.FORMAT, "key": {"n": 1}, "device": "d", "triton": "t", "config": CONFIGS[0],
+             "ms": {tuning._canonical(CONFIGS[0]): 1.0}, "rejected": {}}
+    entries = [{**entry, "tuner": "rekeyed", "source_hash": old},
+               {**entry, "tuner": "rekeyed", "source_hash": "f" * 64},
+               {**entry, "tuner": "reconfigured", "source_hash": old}]
+    (tmp_path / "h200.json").write_text(json.dumps({"format": tuning.FORMAT, "entries": entries}))
+    before = {"rekeyed": {"source_hash": old, "configs": tuning._canonical(CONFIGS)},
+              "reconfigured": {"source_hash": old, "configs": tuning._canonical(CONFIGS)}}
+    assert tuning.rekey_shipped(before) == {"rekeyed": 1}
+    hashes = [e["source_hash"] for e in json.loads((tmp_path / "h200.json").read_text())["entries"]]
+    assert hashes == [tuner.source_hash, "f" * 64, old]
+    tuning._shipped.cache_clear()

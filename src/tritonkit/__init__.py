@@ -14,8 +14,8 @@ __version__ = "0.1.0"
 # public name -> module that defines it
 _PUBLIC = {
     "bias_gelu": "tritonkit.ops.bias_gelu",
-    "softmax": "tritonkit.ops.softmax",
-    "log_softmax": "tritonkit.ops.softmax",
+    "softmax": "tritonkit.ops.softmax.softmax",
+    "log_softmax": "tritonkit.ops.softmax.softmax",
     "layer_norm": "tritonkit.ops.norm",
     "rms_norm": "tritonkit.ops.norm",
     "add_layer_norm": "tritonkit.ops.norm",

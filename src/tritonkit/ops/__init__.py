@@ -17,8 +17,8 @@ from tritonkit.roofline import Cost
 # op name -> module under tritonkit.ops that defines it
 OP_MODULES = {
     "bias_gelu": "tritonkit.ops.bias_gelu",
-    "softmax": "tritonkit.ops.softmax",
-    "log_softmax": "tritonkit.ops.softmax",
+    "softmax": "tritonkit.ops.softmax.softmax",
+    "log_softmax": "tritonkit.ops.softmax.softmax",
     "layer_norm": "tritonkit.ops.norm",
     "rms_norm": "tritonkit.ops.norm",
     "add_layer_norm": "tritonkit.ops.norm",

@@ -49,10 +49,14 @@ import torch
 
 from tritonkit import tuning
 from tritonkit._launch import Launch, cdiv, launcher_of
-from tritonkit._runtime import check_device, current_device, empty_output, interpret, sm_count
+from tritonkit._runtime import check_device, empty_output, interpret, sm_count
 from tritonkit.dtypes import FLOATS, NAME_OF
 from tritonkit.opdef import op
-from tritonkit.ops.softmax_kernels import (
+from tritonkit.ops.softmax.kernels import (
+    CONFIGS,
+    _default,
+    _one_pass_fits,
+    _prune,
     _softmax_bwd_kernel,
     _softmax_bwd_online_kernel,
     _softmax_bwd_split_kernel,
@@ -63,129 +67,6 @@ from tritonkit.ops.softmax_kernels import (
 
 VARIANTS = ("auto", "one-pass", "online", "split")
 DTYPES = FLOATS
-
-
-# ---------------------------------------------------------------- configs
-
-# One-pass kernels: each program holds BLOCK_M whole rows; BLOCK_N is the row length rounded up
-# to a power of two. A thread holds BLOCK_M * BLOCK_N / (32 * num_warps) fp32 values per tile; past
-# ONE_PASS_MAX_PER_THREAD the row no longer fits in registers and ptxas spills.
-ONE_PASS_MAX_PER_THREAD = 64
-ONE_PASS_MAX_BLOCK_N = 32768  # = 64 values a thread at 16 warps; 32 warps allow only 64 registers
-COLS_MIN_BLOCK_M = 16  # rows a program takes when rows are the contiguous axis: 32+ bytes a warp access
-
-# The configs both directions tune over. Each shape bucket is tuned once over every variant ("auto"
-# takes the winner; a named variant its own fastest): with rows of 32768 the online kernel won on
-# the H200 (pass 2 finds its chunks in L2, and more programs fit an SM).
-# Values a thread holds per tile (_per_thread) are kept within these bounds: on the H200 every
-# winner fell inside them, and the timing of each extra config costs a compile.
-PER_THREAD = {"one-pass": (16, ONE_PASS_MAX_PER_THREAD), "online": (8, 32), "split": (8, 16)}
-CONFIGS = ([{"variant": "one-pass", "BLOCK_M": m, "num_warps": w}
-            for m in (1, 2, 4, 8, 16, 32, 64, 128) for w in (4, 8, 16, 32)]
-           + [{"variant": "online", "BLOCK_M": m, "BLOCK_N": n, "num_warps": w}
-              for m in (1, 16, 64) for n in (16, 64, 2048, 4096, 8192) for w in (4, 8, 16)]
-           + [{"variant": "online", "BLOCK_M": 1, "BLOCK_N": n, "num_warps": w, "PREFETCH": True}
-              for n in (2048, 4096, 8192) for w in (4, 8, 16)]
-           + [{"variant": "split", "SEGMENT": segment, "BLOCK_N": n, "num_warps": w, "PER_SM": k}
-              for segment in (4096, 8192, 16384) for n in (2048, 4096) if segment >= 2 * n
-              for w in (4, 8) for k in (2, 4, 8)])
-
-# Split-row kernels: PER_SM programs an SM, each holding one SEGMENT of a row between its two
-# passes. Two budgets pull apart. What is between the passes must stay in L2 for pass 2 to hit it:
-# most of the H200's 50 MB (a row of 4M fp32 entries alone, y and dy, is 32 MB). And an SM needs
-# about 32 KB of loads in flight to keep its share of HBM busy (4.8 TB/s over 132 SMs times ~1 us
-# of latency), while one program has only a chunk (8 KB at 4096 bf16 entries) in flight: several
-# programs an SM, in short segments. PER_SM * num_warps stays within half an SM's 64 warps, which
-# the kernels' registers (at most 64 a thread) always allow, so the cooperative launch fits.
-# Online configs with short chunks are for the cols layout: along a contiguous row, chunks under a
-# quarter of the row or ONLINE_MIN_ROWS_CHUNK entries never won on the H200 (some took 100x the best).
-ONLINE_MIN_ROWS_CHUNK = 2048
-# PREFETCH online configs hold two chunks at once (the next one's load is issued before this one is
-# reduced, so a program keeps loads in flight through its reductions' barriers): rows of two chunks
-# or more, at most PREFETCH_MAX_PER_THREAD values a thread a chunk (8192 entries at 16 warps: 61
-# registers on sm_90, no spills). Not yet measured on the H200; the tuner decides.
-PREFETCH_MAX_PER_THREAD = 16
-SPLIT_L2_BYTES = 40 << 20
-SPLIT_MAX_WARPS_PER_SM = 32
-
-
-def _tiles(key: dict) -> int:
-    """Row tiles a one-pass program holds at once: x forward; y and dy backward."""
-    return 1 if key["direction"] == "fwd" else 2
-
-
-def _one_pass_fits(key: dict) -> bool:
-    """The backward holds two tiles: half the forward's row, or all of it in bf16, which it keeps
-    16-bit (see _widen_again; fp16 spilled). Over a leading dim a program holds COLS_MIN_BLOCK_M
-    rows, with int64 entry offsets: half as much again."""
-    if key["layout"] == "cols":
-        return key["block_n"] * COLS_MIN_BLOCK_M * _tiles(key) <= ONE_PASS_MAX_BLOCK_N // 2
-    packed = key["direction"] == "bwd" and key["dtype"].startswith("bf16")
-    return key["block_n"] * _tiles(key) <= ONE_PASS_MAX_BLOCK_N * (2 if packed else 1)
-
-
-def _per_thread(config: dict, block_n: int) -> float:
-    return config.get("BLOCK_M", 1) * config.get("BLOCK_N", block_n) / (32 * config["num_warps"])
-
-
-def _split_fits(config: dict, key: dict) -> bool:
-    """Rows of at least two segments and as many segments as programs fit at once, the values a
-    thread holds within PER_THREAD, at least two chunks a segment, PER_SM programs within
-    SPLIT_MAX_WARPS_PER_SM and the segments in flight (x, or y and dy) within SPLIT_L2_BYTES."""
-    segments = key["block_n"] // config["SEGMENT"]
-    programs = config["PER_SM"] * sm_count(current_device())
-    if not (2 <= segments <= programs and key["layout"] == "rows"):
-        return False
-    threads = config["PER_SM"] * config["num_warps"] * 32
-    element_bytes = {"fp16": 2, "bf16": 2, "fp32": 4}[key["dtype"].split(">")[0]]
-    in_flight = programs * config["SEGMENT"] * element_bytes * _tiles(key)
-    low, high = PER_THREAD["split"]
-    return (low <= _per_thread(config, key["block_n"]) <= high and config["SEGMENT"] >= 2 * config["BLOCK_N"]
-            and threads <= SPLIT_MAX_WARPS_PER_SM * 32 and in_flight <= SPLIT_L2_BYTES)
-
-
-def _default(key: dict) -> dict:
-    """The untuned config: used under the interpreter and wherever tuning cannot run."""
-    block_n, rows, cols = key["block_n"], key["rows"], key["layout"] == "cols"
-    variant = key.get("variant", "auto")  # tuning keys hold none: they cover every variant
-    if variant == "one-pass" or (variant == "auto" and _one_pass_fits(key)):
-        warps = min(16, max(4, block_n * _tiles(key) // 1024))  # 32 values a thread for long rows
-        if block_n * _tiles(key) > ONE_PASS_MAX_PER_THREAD * 32 * warps:  # the packed bf16 backward
-            warps = 32
-        block_m = max(1, min(rows, 16 * 32 * warps // block_n))
-        if cols:  # entry offsets are runtime strides, held in int64: 32 values a thread at most
-            block_m = max(block_m, min(rows, COLS_MIN_BLOCK_M))
-            warps = min(16, max(4, block_m * block_n * _tiles(key) // 1024))
-        return {"variant": "one-pass", "BLOCK_M": block_m, "num_warps": warps}
-    if variant == "split":  # never chosen untuned; at most 256 segments a row, so they fit at once
-        return {"variant": "split", "SEGMENT": max(16384, block_n // 256), "BLOCK_N": 4096, "num_warps": 8,
-                "PER_SM": 2}
-    if cols:
-        return {"variant": "online", "BLOCK_M": min(64, max(COLS_MIN_BLOCK_M, rows)), "BLOCK_N": 64,
-                "num_warps": 4}
-    chunk = min(4096, block_n)
-    return {"variant": "online", "BLOCK_M": 1, "BLOCK_N": chunk, "num_warps": min(8, max(4, chunk // 512))}
-
-
-def _prune(config: dict, key: dict) -> bool:
-    """True drops the config for this key: another variant than asked, a row that does not fit,
-    too many or too few values a thread, rows beyond the problem or too few for coalescing; a split
-    row of one segment, or of more than fit at once or in L2."""
-    variant, asked = config["variant"], key.get("variant", "auto")
-    if asked not in ("auto", variant) or (variant == "one-pass" and not _one_pass_fits(key)):
-        return True
-    if variant == "online" and (config["BLOCK_N"] > key["block_n"] or key["layout"] == "rows"
-                                and config["BLOCK_N"] < min(key["block_n"] // 4, ONLINE_MIN_ROWS_CHUNK)):
-        return True
-    if variant == "split":
-        return not _split_fits(config, key)
-    if config.get("PREFETCH") and (key["layout"] != "rows" or key["block_n"] < 2 * config["BLOCK_N"]
-                                   or _per_thread(config, key["block_n"]) > PREFETCH_MAX_PER_THREAD):
-        return True
-    low, high = PER_THREAD[variant]
-    held = _per_thread(config, key["block_n"]) * (_tiles(key) if variant == "one-pass" else 1)
-    min_block_m = min(key["rows"], COLS_MIN_BLOCK_M) if key["layout"] == "cols" else 1
-    return not (low <= held <= high and min_block_m <= config["BLOCK_M"] <= max(1, key["rows"]))
 
 
 # ---------------------------------------------------------------- launching and tuning
@@ -203,7 +84,7 @@ def _as_3d(t: torch.Tensor, dim: int) -> torch.Tensor:
     outer, n = math.prod(shape[:dim]), shape[dim]
     if dim == t.dim() - 1:
         return t.reshape(1, outer, n)
-    return t.reshape(outer, n, math.prod(shape[dim + 1:])).transpose(1, 2)
+    return t.reshape(outer, n, math.prod(shape[dim + 1 :])).transpose(1, 2)
 
 
 def _layout(view: torch.Tensor) -> str:
@@ -222,8 +103,13 @@ _LAUNCHERS = {
     ("bwd", "split"): launcher_of(_softmax_bwd_split_kernel),
 }
 _TUNERS = {
-    direction: tuning.Tuner(f"softmax_{direction}", CONFIGS, default=_default, prune=_prune,
-                            sources=tuple(_LAUNCHERS[direction, v].kernel for v in VARIANTS if v != "auto"))
+    direction: tuning.Tuner(
+        f"softmax_{direction}",
+        CONFIGS,
+        default=_default,
+        prune=_prune,
+        sources=tuple(_LAUNCHERS[direction, v].kernel for v in VARIANTS if v != "auto"),
+    )
     for direction in ("fwd", "bwd")
 }
 
@@ -233,8 +119,9 @@ def _geometry(views: tuple) -> tuple:
     return (*views[0].shape, tuple(s for v in views for s in v.stride()))
 
 
-def _launch_args(direction: str, config: dict, log: bool, tensors: tuple, geometry: tuple,
-                 phase: int = 0) -> tuple[tuple, tuple, dict]:
+def _launch_args(
+    direction: str, config: dict, log: bool, tensors: tuple, geometry: tuple, phase: int = 0
+) -> tuple[tuple, tuple, dict]:
     """(grid, arguments, constexprs and options) of one kernel: ``tensors`` are (x, y) forward or
     (y, dy, dx) backward (or anything with their data pointers), ``geometry`` their (O, R, N) views'.
     ``phase`` is the split kernels' PHASE."""
@@ -244,15 +131,21 @@ def _launch_args(direction: str, config: dict, log: bool, tensors: tuple, geomet
         return _split_launch_args(direction, config, log, sum_fp64, tensors, geometry, phase)
     block_n = config.get("BLOCK_N", _next_power_of_2(n))
     row_blocks = cdiv(rows, config["BLOCK_M"])
-    meta = {"LOG": log, "SUM_FP64": sum_fp64, "BLOCK_M": config["BLOCK_M"], "BLOCK_N": block_n,
-            "num_warps": config["num_warps"]}
+    meta = {
+        "LOG": log,
+        "SUM_FP64": sum_fp64,
+        "BLOCK_M": config["BLOCK_M"],
+        "BLOCK_N": block_n,
+        "num_warps": config["num_warps"],
+    }
     if config["variant"] == "online":
         meta["PREFETCH"] = config.get("PREFETCH", False)
     return (outer * row_blocks,), (*tensors, rows, n, row_blocks, *strides), meta
 
 
-def _split_launch_args(direction: str, config: dict, log: bool, sum_fp64: bool, tensors: tuple,
-                       geometry: tuple, phase: int) -> tuple[tuple, tuple, dict]:
+def _split_launch_args(
+    direction: str, config: dict, log: bool, sum_fp64: bool, tensors: tuple, geometry: tuple, phase: int
+) -> tuple[tuple, tuple, dict]:
     """The split kernels' launch: as many rows at once as PER_SM programs an SM allow, each row's
     segments side by side; the partial-result workspace and the zeroed per-row counters."""
     outer, rows, n, strides = geometry
@@ -260,8 +153,10 @@ def _split_launch_args(direction: str, config: dict, log: bool, sum_fp64: bool, 
     segments = cdiv(n, segment)
     programs = config["PER_SM"] * sm_count(device)
     if segments > programs:
-        raise ValueError(f"split softmax: rows of {n} entries make {segments} segments of {segment}, "
-                         f"more than the {programs} programs that run at once")
+        raise ValueError(
+            f"split softmax: rows of {n} entries make {segments} segments of {segment}, "
+            f"more than the {programs} programs that run at once"
+        )
     groups = max(1, min(total, programs // segments))
     sums = torch.empty(total * segments, dtype=torch.float64 if sum_fp64 else torch.float32, device=device)
     arrived = torch.zeros(total if phase == 0 else 1, dtype=torch.int32, device=device)
@@ -270,9 +165,14 @@ def _split_launch_args(direction: str, config: dict, log: bool, sum_fp64: bool, 
         workspace = (maxima, sums, arrived)
     else:
         workspace = (sums, arrived)
-    meta = {"LOG": log, "SUM_FP64": sum_fp64, "BLOCK_N": config["BLOCK_N"],
-            "SEGMENTS": _next_power_of_2(segments), "PHASE": phase,
-            "num_warps": config["num_warps"]}
+    meta = {
+        "LOG": log,
+        "SUM_FP64": sum_fp64,
+        "BLOCK_N": config["BLOCK_N"],
+        "SEGMENTS": _next_power_of_2(segments),
+        "PHASE": phase,
+        "num_warps": config["num_warps"],
+    }
     if phase == 0:
         meta["launch_cooperative_grid"] = True  # the launch fails, not hangs, if they cannot all run
     args = (*tensors, *workspace, rows, n, total, segments, segment, *strides)
@@ -288,8 +188,10 @@ def _launches(direction: str, config: dict, log: bool, tensors: tuple, geometry:
     if config["variant"] == "split" and interpret():
         grid, args, meta = _launch_args(direction, config, log, tensors, geometry, phase=1)
         second = {**meta, "PHASE": 2}
-        return [Launch(name, kernel, args, meta, config, grid),
-                Launch(name, kernel, args, second, config, grid)]
+        return [
+            Launch(name, kernel, args, meta, config, grid),
+            Launch(name, kernel, args, second, config, grid),
+        ]
     grid, args, meta = _launch_args(direction, config, log, tensors, geometry)
     return [Launch(name, kernel, args, meta, config, grid)]
 
@@ -305,16 +207,22 @@ def _tuning_key(direction: str, views: tuple) -> dict:
     variant takes its own fastest config from the same tuning)."""
     outer, rows, n = views[0].shape
     layout = _layout(views[0])
-    return {"direction": direction, "layout": layout, "block_n": _next_power_of_2(n),
-            "rows": _next_power_of_2(outer * rows if layout == "rows" else rows),
-            "dtype": f"{NAME_OF[views[0].dtype]}>{NAME_OF[views[-1].dtype]}"}
+    return {
+        "direction": direction,
+        "layout": layout,
+        "block_n": _next_power_of_2(n),
+        "rows": _next_power_of_2(outer * rows if layout == "rows" else rows),
+        "dtype": f"{NAME_OF[views[0].dtype]}>{NAME_OF[views[-1].dtype]}",
+    }
 
 
 def _check_fits(config: dict, key: dict) -> None:
     if config["variant"] == "one-pass" and not _one_pass_fits(key):
-        raise ValueError(f"variant 'one-pass' holds a row in registers: rows of up to {key['block_n']} "
-                         f"entries ({key['layout']} layout, {key['direction']}) are too long; use the "
-                         "'online' variant")
+        raise ValueError(
+            f"variant 'one-pass' holds a row in registers: rows of up to {key['block_n']} "
+            f"entries ({key['layout']} layout, {key['direction']}) are too long; use the "
+            "'online' variant"
+        )
 
 
 def _config(direction: str, variant: str, log: bool, views: tuple) -> tuple[dict, bool]:
@@ -323,8 +231,12 @@ def _config(direction: str, variant: str, log: bool, views: tuple) -> tuple[dict
     key = _tuning_key(direction, views)
     _check_fits({"variant": variant}, key)
     tuned = _TUNED[direction]
-    return tuned.choose(key, _problem(direction, log, views), signature=(variant, *key.values()),
-                        pick=lambda entry: _pick(tuned.tuner, entry, key, variant))
+    return tuned.choose(
+        key,
+        _problem(direction, log, views),
+        signature=(variant, *key.values()),
+        pick=lambda entry: _pick(tuned.tuner, entry, key, variant),
+    )
 
 
 def _pick(tuner: tuning.Tuner, entry: dict | None, key: dict, variant: str) -> dict:
@@ -338,8 +250,10 @@ def _pick(tuner: tuning.Tuner, entry: dict | None, key: dict, variant: str) -> d
         return config
     reasons = {c: why for c, why in entry["rejected"].items() if json.loads(c)["variant"] == variant}
     if reasons:
-        raise RuntimeError(f"no {variant} config passed the accuracy gate for {key}: "
-                           + "; ".join(f"{c}: {why}" for c, why in reasons.items()))
+        raise RuntimeError(
+            f"no {variant} config passed the accuracy gate for {key}: "
+            + "; ".join(f"{c}: {why}" for c, why in reasons.items())
+        )
     return tuner.default({**key, "variant": variant})  # none was a candidate for this shape
 
 
@@ -372,8 +286,9 @@ def _calibration(direction: str, problem: dict, config: dict) -> dict:
 
     def make(dtype, seed):
         if cols:
-            return random_tensor((outer, n, rows), dtype, views[0].device, generator=generator(seed),
-                                 scale=3.0).transpose(1, 2)
+            return random_tensor(
+                (outer, n, rows), dtype, views[0].device, generator=generator(seed), scale=3.0
+            ).transpose(1, 2)
         return random_tensor((outer, rows, n), dtype, views[0].device, generator=generator(seed), scale=3.0)
 
     first = make(views[0].dtype, 1)
@@ -396,10 +311,13 @@ def _problem_launches(direction: str, problem: dict, config: dict) -> list[Launc
 
 
 _TUNED = {
-    direction: tuning.Tuned(_TUNERS[direction], launches=functools.partial(_problem_launches, direction),
-                            calibrate=functools.partial(_calibration, direction),
-                            reference=functools.partial(_problem_reference, direction),
-                            outputs=("y",) if direction == "fwd" else ("dx",))
+    direction: tuning.Tuned(
+        _TUNERS[direction],
+        launches=functools.partial(_problem_launches, direction),
+        calibrate=functools.partial(_calibration, direction),
+        reference=functools.partial(_problem_reference, direction),
+        outputs=("y",) if direction == "fwd" else ("dx",),
+    )
     for direction in ("fwd", "bwd")
 }
 
@@ -466,8 +384,9 @@ def _forward(input: torch.Tensor, dim: int, log: bool, variant: str, y: torch.Te
 
 
 @op("softmax_backward", mutates=("dx",))
-def _backward(grad_output: torch.Tensor, output: torch.Tensor, dim: int, log: bool, variant: str,
-              dx: torch.Tensor) -> None:
+def _backward(
+    grad_output: torch.Tensor, output: torch.Tensor, dim: int, log: bool, variant: str, dx: torch.Tensor
+) -> None:
     """dx, the input gradient of softmax (or log_softmax) from its output and grad_output, into ``dx``."""
     key = _signature("bwd", (output, grad_output), dim, dx.dtype, log, variant)
     plan = _plans.get(key)
@@ -476,8 +395,10 @@ def _backward(grad_output: torch.Tensor, output: torch.Tensor, dim: int, log: bo
         _launch("bwd", config, log, (output, grad_output, dx), geometry)
         return
     if grad_output.shape != output.shape or grad_output.device != output.device:
-        raise ValueError(f"grad_output must match output: {tuple(output.shape)} on {output.device}, "
-                         f"got {tuple(grad_output.shape)} on {grad_output.device}")
+        raise ValueError(
+            f"grad_output must match output: {tuple(output.shape)} on {output.device}, "
+            f"got {tuple(grad_output.shape)} on {grad_output.device}"
+        )
     if dx.numel() == 0:
         return
     shape = (1,) if output.dim() == 0 else output.shape
@@ -545,8 +466,14 @@ def log_softmax(input: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = 
     return _dispatch(input, dim, dtype, True, "auto")
 
 
-def softmax_variant(input: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None, *,
-                    log: bool = False, variant: str = "auto") -> torch.Tensor:
+def softmax_variant(
+    input: torch.Tensor,
+    dim: int = -1,
+    dtype: torch.dtype | None = None,
+    *,
+    log: bool = False,
+    variant: str = "auto",
+) -> torch.Tensor:
     """Softmax (or log_softmax) through a named kernel variant: ``VARIANTS``; for benchmarks."""
     return _dispatch(input, dim, dtype, log, variant)
 
@@ -570,8 +497,9 @@ def softmax_reference(input: torch.Tensor, dim: int = -1, dtype: torch.dtype | N
     return torch.softmax(input, dim, dtype=dtype)
 
 
-def log_softmax_reference(input: torch.Tensor, dim: int = -1,
-                          dtype: torch.dtype | None = None) -> torch.Tensor:
+def log_softmax_reference(
+    input: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     return torch.log_softmax(input, dim, dtype=dtype)
 
 
@@ -640,13 +568,29 @@ def _spec(log: bool):
         flop_unit="fp32",
         shapes={
             "interpreter": [(4, 96), (37, 1823)],
-            "quick": [((4096, 4096), "fp16"), ((32768, 4096), "bf16"), ((65536, 1024), "bf16"),
-                      ((262144, 256), "bf16"), ((8192, 32768), "bf16"), ((2048, 131072), "bf16"),
-                      ((512, 524288), "fp32"), ((256, 4194304), "fp32")],
-            "full": [((4096, 4096), "fp16"), ((32768, 4096), "bf16"), ((65536, 1024), "bf16"),
-                     ((262144, 256), "bf16"), ((8192, 32768), "bf16"), ((2048, 131072), "bf16"),
-                     ((512, 524288), "fp32"), ((256, 4194304), "fp32"), ((16384, 1823), "bf16"),
-                     ((32768, 4096), "fp32"), ((32768, 4096), "fp16")],
+            "quick": [
+                ((4096, 4096), "fp16"),
+                ((32768, 4096), "bf16"),
+                ((65536, 1024), "bf16"),
+                ((262144, 256), "bf16"),
+                ((8192, 32768), "bf16"),
+                ((2048, 131072), "bf16"),
+                ((512, 524288), "fp32"),
+                ((256, 4194304), "fp32"),
+            ],
+            "full": [
+                ((4096, 4096), "fp16"),
+                ((32768, 4096), "bf16"),
+                ((65536, 1024), "bf16"),
+                ((262144, 256), "bf16"),
+                ((8192, 32768), "bf16"),
+                ((2048, 131072), "bf16"),
+                ((512, 524288), "fp32"),
+                ((256, 4194304), "fp32"),
+                ((16384, 1823), "bf16"),
+                ((32768, 4096), "fp32"),
+                ((32768, 4096), "fp16"),
+            ],
         },
         tiny_shape=(4, 256),
         peers=peers,

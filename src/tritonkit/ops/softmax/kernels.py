@@ -1,12 +1,12 @@
-"""The softmax family's Triton kernels: one-pass and online, forward and backward.
-
-``tritonkit.ops.softmax`` holds the maths, the layout, the configs, the launch and the API; this
-file holds only what runs on the GPU (and their shared ``@triton.jit`` helpers), split off to keep
-each file readable. Every kernel views its tensors as (O, R, N) with a stride for each axis.
+"""The softmax family's Triton kernels (one-pass, online and split, forward and backward), their
+shared ``@triton.jit`` helpers, and the configs the tuner picks among, with the rules that prune and
+default them. ``softmax.py`` beside this holds the maths, the layout, the launches and the API.
+Every kernel views its tensors as (O, R, N) with a stride for each axis.
 """
 
 from __future__ import annotations
 
+from tritonkit._runtime import current_device, sm_count
 from tritonkit._triton import tl, triton
 from tritonkit.jit import LN2, LOG2E
 
@@ -55,6 +55,168 @@ def _exp_shifted(x, m):
     return tl.exp2((x - m[:, None]) * LOG2E)
 
 
+# ------------------------------------------------ configs: every kernel below tunes over these
+
+# One-pass kernels: each program holds BLOCK_M whole rows; BLOCK_N is the row length rounded up
+# to a power of two. A thread holds BLOCK_M * BLOCK_N / (32 * num_warps) fp32 values per tile; past
+# ONE_PASS_MAX_PER_THREAD the row no longer fits in registers and ptxas spills.
+ONE_PASS_MAX_PER_THREAD = 64
+ONE_PASS_MAX_BLOCK_N = 32768  # = 64 values a thread at 16 warps; 32 warps allow only 64 registers
+COLS_MIN_BLOCK_M = 16  # rows a program takes when rows are the contiguous axis: 32+ bytes a warp access
+
+# The configs both directions tune over. Each shape bucket is tuned once over every variant ("auto"
+# takes the winner; a named variant its own fastest): with rows of 32768 the online kernel won on
+# the H200 (pass 2 finds its chunks in L2, and more programs fit an SM).
+# Values a thread holds per tile (_per_thread) are kept within these bounds: on the H200 every
+# winner fell inside them, and the timing of each extra config costs a compile.
+PER_THREAD = {"one-pass": (16, ONE_PASS_MAX_PER_THREAD), "online": (8, 32), "split": (8, 16)}
+CONFIGS = (
+    [
+        {"variant": "one-pass", "BLOCK_M": m, "num_warps": w}
+        for m in (1, 2, 4, 8, 16, 32, 64, 128)
+        for w in (4, 8, 16, 32)
+    ]
+    + [
+        {"variant": "online", "BLOCK_M": m, "BLOCK_N": n, "num_warps": w}
+        for m in (1, 16, 64)
+        for n in (16, 64, 2048, 4096, 8192)
+        for w in (4, 8, 16)
+    ]
+    + [
+        {"variant": "online", "BLOCK_M": 1, "BLOCK_N": n, "num_warps": w, "PREFETCH": True}
+        for n in (2048, 4096, 8192)
+        for w in (4, 8, 16)
+    ]
+    + [
+        {"variant": "split", "SEGMENT": segment, "BLOCK_N": n, "num_warps": w, "PER_SM": k}
+        for segment in (4096, 8192, 16384)
+        for n in (2048, 4096)
+        if segment >= 2 * n
+        for w in (4, 8)
+        for k in (2, 4, 8)
+    ]
+)
+
+# Split-row kernels: PER_SM programs an SM, each holding one SEGMENT of a row between its two
+# passes. Two budgets pull apart. What is between the passes must stay in L2 for pass 2 to hit it:
+# most of the H200's 50 MB (a row of 4M fp32 entries alone, y and dy, is 32 MB). And an SM needs
+# about 32 KB of loads in flight to keep its share of HBM busy (4.8 TB/s over 132 SMs times ~1 us
+# of latency), while one program has only a chunk (8 KB at 4096 bf16 entries) in flight: several
+# programs an SM, in short segments. PER_SM * num_warps stays within half an SM's 64 warps, which
+# the kernels' registers (at most 64 a thread) always allow, so the cooperative launch fits.
+# Online configs with short chunks are for the cols layout: along a contiguous row, chunks under a
+# quarter of the row or ONLINE_MIN_ROWS_CHUNK entries never won on the H200 (some took 100x the best).
+ONLINE_MIN_ROWS_CHUNK = 2048
+# PREFETCH online configs hold two chunks at once (the next one's load is issued before this one is
+# reduced, so a program keeps loads in flight through its reductions' barriers): rows of two chunks
+# or more, at most PREFETCH_MAX_PER_THREAD values a thread a chunk (8192 entries at 16 warps: 61
+# registers on sm_90, no spills). Not yet measured on the H200; the tuner decides.
+PREFETCH_MAX_PER_THREAD = 16
+SPLIT_L2_BYTES = 40 << 20
+SPLIT_MAX_WARPS_PER_SM = 32
+
+
+def _tiles(key: dict) -> int:
+    """Row tiles a one-pass program holds at once: x forward; y and dy backward."""
+    return 1 if key["direction"] == "fwd" else 2
+
+
+def _one_pass_fits(key: dict) -> bool:
+    """The backward holds two tiles: half the forward's row, or all of it in bf16, which it keeps
+    16-bit (see _widen_again; fp16 spilled). Over a leading dim a program holds COLS_MIN_BLOCK_M
+    rows, with int64 entry offsets: half as much again."""
+    if key["layout"] == "cols":
+        return key["block_n"] * COLS_MIN_BLOCK_M * _tiles(key) <= ONE_PASS_MAX_BLOCK_N // 2
+    packed = key["direction"] == "bwd" and key["dtype"].startswith("bf16")
+    return key["block_n"] * _tiles(key) <= ONE_PASS_MAX_BLOCK_N * (2 if packed else 1)
+
+
+def _per_thread(config: dict, block_n: int) -> float:
+    return config.get("BLOCK_M", 1) * config.get("BLOCK_N", block_n) / (32 * config["num_warps"])
+
+
+def _split_fits(config: dict, key: dict) -> bool:
+    """Rows of at least two segments and as many segments as programs fit at once, the values a
+    thread holds within PER_THREAD, at least two chunks a segment, PER_SM programs within
+    SPLIT_MAX_WARPS_PER_SM and the segments in flight (x, or y and dy) within SPLIT_L2_BYTES."""
+    segments = key["block_n"] // config["SEGMENT"]
+    programs = config["PER_SM"] * sm_count(current_device())
+    if not (2 <= segments <= programs and key["layout"] == "rows"):
+        return False
+    threads = config["PER_SM"] * config["num_warps"] * 32
+    element_bytes = {"fp16": 2, "bf16": 2, "fp32": 4}[key["dtype"].split(">")[0]]
+    in_flight = programs * config["SEGMENT"] * element_bytes * _tiles(key)
+    low, high = PER_THREAD["split"]
+    return (
+        low <= _per_thread(config, key["block_n"]) <= high
+        and config["SEGMENT"] >= 2 * config["BLOCK_N"]
+        and threads <= SPLIT_MAX_WARPS_PER_SM * 32
+        and in_flight <= SPLIT_L2_BYTES
+    )
+
+
+def _default(key: dict) -> dict:
+    """The untuned config: used under the interpreter and wherever tuning cannot run."""
+    block_n, rows, cols = key["block_n"], key["rows"], key["layout"] == "cols"
+    variant = key.get("variant", "auto")  # tuning keys hold none: they cover every variant
+    if variant == "one-pass" or (variant == "auto" and _one_pass_fits(key)):
+        warps = min(16, max(4, block_n * _tiles(key) // 1024))  # 32 values a thread for long rows
+        if block_n * _tiles(key) > ONE_PASS_MAX_PER_THREAD * 32 * warps:  # the packed bf16 backward
+            warps = 32
+        block_m = max(1, min(rows, 16 * 32 * warps // block_n))
+        if cols:  # entry offsets are runtime strides, held in int64: 32 values a thread at most
+            block_m = max(block_m, min(rows, COLS_MIN_BLOCK_M))
+            warps = min(16, max(4, block_m * block_n * _tiles(key) // 1024))
+        return {"variant": "one-pass", "BLOCK_M": block_m, "num_warps": warps}
+    if variant == "split":  # never chosen untuned; at most 256 segments a row, so they fit at once
+        return {
+            "variant": "split",
+            "SEGMENT": max(16384, block_n // 256),
+            "BLOCK_N": 4096,
+            "num_warps": 8,
+            "PER_SM": 2,
+        }
+    if cols:
+        return {
+            "variant": "online",
+            "BLOCK_M": min(64, max(COLS_MIN_BLOCK_M, rows)),
+            "BLOCK_N": 64,
+            "num_warps": 4,
+        }
+    chunk = min(4096, block_n)
+    return {"variant": "online", "BLOCK_M": 1, "BLOCK_N": chunk, "num_warps": min(8, max(4, chunk // 512))}
+
+
+def _prune(config: dict, key: dict) -> bool:
+    """True drops the config for this key: another variant than asked, a row that does not fit,
+    too many or too few values a thread, rows beyond the problem or too few for coalescing; a split
+    row of one segment, or of more than fit at once or in L2."""
+    variant, asked = config["variant"], key.get("variant", "auto")
+    if asked not in ("auto", variant) or (variant == "one-pass" and not _one_pass_fits(key)):
+        return True
+    if variant == "online" and (
+        config["BLOCK_N"] > key["block_n"]
+        or key["layout"] == "rows"
+        and config["BLOCK_N"] < min(key["block_n"] // 4, ONLINE_MIN_ROWS_CHUNK)
+    ):
+        return True
+    if variant == "split":
+        return not _split_fits(config, key)
+    if config.get("PREFETCH") and (
+        key["layout"] != "rows"
+        or key["block_n"] < 2 * config["BLOCK_N"]
+        or _per_thread(config, key["block_n"]) > PREFETCH_MAX_PER_THREAD
+    ):
+        return True
+    low, high = PER_THREAD[variant]
+    held = _per_thread(config, key["block_n"]) * (_tiles(key) if variant == "one-pass" else 1)
+    min_block_m = min(key["rows"], COLS_MIN_BLOCK_M) if key["layout"] == "cols" else 1
+    return not (low <= held <= high and min_block_m <= config["BLOCK_M"] <= max(1, key["rows"]))
+
+
+# ---------------------------------------------------------------- kernels
+
+
 @triton.jit
 def _softmax_fwd_kernel(
     x_ptr,  # input, viewed as (O, R, N) with strides (stride_xo, stride_xr, stride_xn)
@@ -62,8 +224,12 @@ def _softmax_fwd_kernel(
     R,  # rows in each outer slice
     N,  # row length: the softmax dimension
     row_blocks,  # programs per outer slice, cdiv(R, BLOCK_M)
-    stride_xo, stride_xr, stride_xn,  # elements between outer slices, rows and row entries of x
-    stride_yo, stride_yr, stride_yn,  # the same for y
+    stride_xo,
+    stride_xr,
+    stride_xn,  # elements between outer slices, rows and row entries of x
+    stride_yo,
+    stride_yr,
+    stride_yn,  # the same for y
     LOG: tl.constexpr,  # log_softmax instead of softmax
     SUM_FP64: tl.constexpr,  # accumulate the row sum in fp64 (fp32 log_softmax: see _row_sum)
     BLOCK_M: tl.constexpr,  # rows a program handles
@@ -93,8 +259,12 @@ def _first_pass_chunk(ptr, rows, start, offsets, stride_n, row_mask, N, other):
     """The online kernels' pass-1 load of the chunk at ``start``, kept in L2 for pass 2 (masked
     wholly past the row's end, where PREFETCH asks for the chunk after the last)."""
     cols = start + offsets
-    return tl.load(_tile(ptr, rows, cols, stride_n), mask=row_mask[:, None] & (cols < N)[None, :],
-                   other=other, eviction_policy="evict_last")
+    return tl.load(
+        _tile(ptr, rows, cols, stride_n),
+        mask=row_mask[:, None] & (cols < N)[None, :],
+        other=other,
+        eviction_policy="evict_last",
+    )
 
 
 @triton.jit
@@ -104,8 +274,12 @@ def _softmax_fwd_online_kernel(
     R,  # rows in each outer slice
     N,  # row length: the softmax dimension
     row_blocks,  # programs per outer slice, cdiv(R, BLOCK_M)
-    stride_xo, stride_xr, stride_xn,  # elements between outer slices, rows and row entries of x
-    stride_yo, stride_yr, stride_yn,  # the same for y
+    stride_xo,
+    stride_xr,
+    stride_xn,  # elements between outer slices, rows and row entries of x
+    stride_yo,
+    stride_yr,
+    stride_yn,  # the same for y
     LOG: tl.constexpr,  # log_softmax instead of softmax
     SUM_FP64: tl.constexpr,  # accumulate the row sum in fp64 (fp32 log_softmax: see _row_sum)
     BLOCK_M: tl.constexpr,  # rows a program handles
@@ -122,8 +296,9 @@ def _softmax_fwd_online_kernel(
     for start in range(0, N, BLOCK_N):
         if PREFETCH:  # two chunks in flight: the reductions' barriers no longer wait on this load
             x = x_next
-            x_next = _first_pass_chunk(x_ptr, x_rows, start + BLOCK_N, offsets, stride_xn, row_mask, N,
-                                       -float("inf"))
+            x_next = _first_pass_chunk(
+                x_ptr, x_rows, start + BLOCK_N, offsets, stride_xn, row_mask, N, -float("inf")
+            )
         else:
             x = _first_pass_chunk(x_ptr, x_rows, start, offsets, stride_xn, row_mask, N, -float("inf"))
         x = x.to(tl.float32)
@@ -143,8 +318,12 @@ def _softmax_fwd_online_kernel(
     for i in range(chunks):
         cols = (chunks - 1 - i) * BLOCK_N + offsets  # last chunk first: the one L2 holds most surely
         mask = row_mask[:, None] & (cols < N)[None, :]
-        x = tl.load(_tile(x_ptr, x_rows, cols, stride_xn), mask=mask, other=-float("inf"),
-                    eviction_policy="evict_first")
+        x = tl.load(
+            _tile(x_ptr, x_rows, cols, stride_xn),
+            mask=mask,
+            other=-float("inf"),
+            eviction_policy="evict_first",
+        )
         x = x.to(tl.float32)
         if LOG:
             y = (x - m[:, None]) - log_s[:, None]
@@ -192,9 +371,15 @@ def _softmax_bwd_kernel(
     R,  # rows in each outer slice
     N,  # row length: the softmax dimension
     row_blocks,  # programs per outer slice, cdiv(R, BLOCK_M)
-    stride_yo, stride_yr, stride_yn,  # elements between outer slices, rows and row entries of y
-    stride_dyo, stride_dyr, stride_dyn,  # the same for dy
-    stride_dxo, stride_dxr, stride_dxn,  # the same for dx
+    stride_yo,
+    stride_yr,
+    stride_yn,  # elements between outer slices, rows and row entries of y
+    stride_dyo,
+    stride_dyr,
+    stride_dyn,  # the same for dy
+    stride_dxo,
+    stride_dxr,
+    stride_dxn,  # the same for dx
     LOG: tl.constexpr,  # log_softmax instead of softmax
     SUM_FP64: tl.constexpr,  # accumulate the row sum in fp64 (fp32 log_softmax: see _row_sum)
     BLOCK_M: tl.constexpr,  # rows a program handles
@@ -221,9 +406,15 @@ def _softmax_bwd_online_kernel(
     R,  # rows in each outer slice
     N,  # row length: the softmax dimension
     row_blocks,  # programs per outer slice, cdiv(R, BLOCK_M)
-    stride_yo, stride_yr, stride_yn,  # elements between outer slices, rows and row entries of y
-    stride_dyo, stride_dyr, stride_dyn,  # the same for dy
-    stride_dxo, stride_dxr, stride_dxn,  # the same for dx
+    stride_yo,
+    stride_yr,
+    stride_yn,  # elements between outer slices, rows and row entries of y
+    stride_dyo,
+    stride_dyr,
+    stride_dyn,  # the same for dy
+    stride_dxo,
+    stride_dxr,
+    stride_dxn,  # the same for dx
     LOG: tl.constexpr,  # log_softmax instead of softmax
     SUM_FP64: tl.constexpr,  # accumulate the row sum in fp64 (fp32 log_softmax: see _row_sum)
     BLOCK_M: tl.constexpr,  # rows a program handles
@@ -242,8 +433,9 @@ def _softmax_bwd_online_kernel(
         if PREFETCH:  # as in the forward
             y, dy = y_next, dy_next
             y_next = _first_pass_chunk(y_ptr, y_rows, start + BLOCK_N, offsets, stride_yn, row_mask, N, 0.0)
-            dy_next = _first_pass_chunk(dy_ptr, dy_rows, start + BLOCK_N, offsets, stride_dyn, row_mask, N,
-                                        0.0)
+            dy_next = _first_pass_chunk(
+                dy_ptr, dy_rows, start + BLOCK_N, offsets, stride_dyn, row_mask, N, 0.0
+            )
         else:
             y = _first_pass_chunk(y_ptr, y_rows, start, offsets, stride_yn, row_mask, N, 0.0)
             dy = _first_pass_chunk(dy_ptr, dy_rows, start, offsets, stride_dyn, row_mask, N, 0.0)
@@ -252,13 +444,14 @@ def _softmax_bwd_online_kernel(
     for i in range(chunks):
         cols = (chunks - 1 - i) * BLOCK_N + offsets  # last chunk first, as in the forward
         mask = row_mask[:, None] & (cols < N)[None, :]
-        y = tl.load(_tile(y_ptr, y_rows, cols, stride_yn), mask=mask, other=0.0,
-                    eviction_policy="evict_first")
-        dy = tl.load(_tile(dy_ptr, dy_rows, cols, stride_dyn), mask=mask, other=0.0,
-                     eviction_policy="evict_first")
+        y = tl.load(
+            _tile(y_ptr, y_rows, cols, stride_yn), mask=mask, other=0.0, eviction_policy="evict_first"
+        )
+        dy = tl.load(
+            _tile(dy_ptr, dy_rows, cols, stride_dyn), mask=mask, other=0.0, eviction_policy="evict_first"
+        )
         dx = _input_grad(y.to(tl.float32), dy.to(tl.float32), dot.to(tl.float32), LOG)
-        tl.store(_tile(dx_ptr, dx_rows, cols, stride_dxn), dx.to(dx_ptr.dtype.element_ty),
-                 mask=mask)
+        tl.store(_tile(dx_ptr, dx_rows, cols, stride_dxn), dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 # Split-row kernels, for rows far longer than registers hold. The programs of a row each take one
@@ -287,8 +480,13 @@ def _segment_of_program(N, segments, SEGMENT, BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
     segment = pid % segments
     first = segment * SEGMENT
-    return (pid // segments, tl.num_programs(0) // segments, segment, first,
-            tl.cdiv(tl.minimum(N - first, SEGMENT), BLOCK_N))
+    return (
+        pid // segments,
+        tl.num_programs(0) // segments,
+        segment,
+        first,
+        tl.cdiv(tl.minimum(N - first, SEGMENT), BLOCK_N),
+    )
 
 
 @triton.jit
@@ -325,8 +523,12 @@ def _softmax_fwd_split_kernel(
     rows,  # O * R: every row of every outer slice
     segments,  # programs per row, cdiv(N, SEGMENT); the grid is a multiple of it
     SEGMENT,  # row entries per program, a multiple of BLOCK_N
-    stride_xo, stride_xr, stride_xn,  # elements between outer slices, rows and row entries of x
-    stride_yo, stride_yr, stride_yn,  # the same for y
+    stride_xo,
+    stride_xr,
+    stride_xn,  # elements between outer slices, rows and row entries of x
+    stride_yo,
+    stride_yr,
+    stride_yn,  # the same for y
     LOG: tl.constexpr,  # log_softmax instead of softmax
     SUM_FP64: tl.constexpr,  # accumulate the sums in fp64 (fp32 log_softmax: see _row_sum)
     BLOCK_N: tl.constexpr,  # row entries per chunk
@@ -342,8 +544,12 @@ def _softmax_fwd_split_kernel(
             s = tl.zeros([1], tl.float64 if SUM_FP64 else tl.float32)
             for i in range(chunks):
                 cols = first + i * BLOCK_N + offsets
-                x = tl.load(_tile(x_ptr, x_row, cols, stride_xn), mask=(cols < N)[None, :],
-                            other=-float("inf"), eviction_policy="evict_last").to(tl.float32)
+                x = tl.load(
+                    _tile(x_ptr, x_row, cols, stride_xn),
+                    mask=(cols < N)[None, :],
+                    other=-float("inf"),
+                    eviction_policy="evict_last",
+                ).to(tl.float32)
                 m_new = tl.maximum(m, tl.max(x, axis=1))
                 shift = tl.where(m_new == -float("inf"), 0.0, m_new)
                 s = s * tl.exp2((m - shift) * LOG2E) + _row_sum(_exp_shifted(x, shift), SUM_FP64)
@@ -355,10 +561,10 @@ def _softmax_fwd_split_kernel(
         if PHASE != 1:  # combine the row's partials, then pass 2 over this segment
             parts = tl.arange(0, SEGMENTS)
             part_mask = parts < segments
-            maxima = tl.load(max_ptr + row * segments + parts, mask=part_mask, other=-float("inf"),
-                             cache_modifier=".cg")  # written by other SMs: not from L1
-            sums = tl.load(sum_ptr + row * segments + parts, mask=part_mask, other=0.0,
-                           cache_modifier=".cg")
+            maxima = tl.load(
+                max_ptr + row * segments + parts, mask=part_mask, other=-float("inf"), cache_modifier=".cg"
+            )  # written by other SMs: not from L1
+            sums = tl.load(sum_ptr + row * segments + parts, mask=part_mask, other=0.0, cache_modifier=".cg")
             m = tl.max(maxima, axis=0)
             m = tl.where(m == -float("inf"), 0.0, m)  # a row of all -inf: 0 / 0 = NaN, as torch
             s = tl.sum(sums * tl.exp2((maxima - m) * LOG2E).to(sums.dtype), axis=0)
@@ -371,10 +577,17 @@ def _softmax_fwd_split_kernel(
             for i in range(chunks):
                 cols = first + (chunks - 1 - i) * BLOCK_N + offsets  # last read first: in L2
                 mask = (cols < N)[None, :]
-                x = tl.load(_tile(x_ptr, x_row, cols, stride_xn), mask=mask, other=-float("inf"),
-                            eviction_policy="evict_first").to(tl.float32)
-                tl.store(_tile(y_ptr, y_row, cols, stride_yn),
-                         _normalized(x, m, scale, LOG).to(y_ptr.dtype.element_ty), mask=mask)
+                x = tl.load(
+                    _tile(x_ptr, x_row, cols, stride_xn),
+                    mask=mask,
+                    other=-float("inf"),
+                    eviction_policy="evict_first",
+                ).to(tl.float32)
+                tl.store(
+                    _tile(y_ptr, y_row, cols, stride_yn),
+                    _normalized(x, m, scale, LOG).to(y_ptr.dtype.element_ty),
+                    mask=mask,
+                )
 
 
 @triton.jit
@@ -389,9 +602,15 @@ def _softmax_bwd_split_kernel(
     rows,  # O * R: every row of every outer slice
     segments,  # programs per row, cdiv(N, SEGMENT); the grid is a multiple of it
     SEGMENT,  # row entries per program, a multiple of BLOCK_N
-    stride_yo, stride_yr, stride_yn,  # elements between outer slices, rows and row entries of y
-    stride_dyo, stride_dyr, stride_dyn,  # the same for dy
-    stride_dxo, stride_dxr, stride_dxn,  # the same for dx
+    stride_yo,
+    stride_yr,
+    stride_yn,  # elements between outer slices, rows and row entries of y
+    stride_dyo,
+    stride_dyr,
+    stride_dyn,  # the same for dy
+    stride_dxo,
+    stride_dxr,
+    stride_dxn,  # the same for dx
     LOG: tl.constexpr,  # log_softmax instead of softmax
     SUM_FP64: tl.constexpr,  # accumulate the sums in fp64 (fp32 log_softmax: see _row_sum)
     BLOCK_N: tl.constexpr,  # row entries per chunk
@@ -408,27 +627,37 @@ def _softmax_bwd_split_kernel(
             for i in range(chunks):
                 cols = first + i * BLOCK_N + offsets
                 mask = (cols < N)[None, :]
-                y = tl.load(_tile(y_ptr, y_row, cols, stride_yn), mask=mask, other=0.0,
-                            eviction_policy="evict_last")
-                dy = tl.load(_tile(dy_ptr, dy_row, cols, stride_dyn), mask=mask, other=0.0,
-                             eviction_policy="evict_last")
+                y = tl.load(
+                    _tile(y_ptr, y_row, cols, stride_yn), mask=mask, other=0.0, eviction_policy="evict_last"
+                )
+                dy = tl.load(
+                    _tile(dy_ptr, dy_row, cols, stride_dyn),
+                    mask=mask,
+                    other=0.0,
+                    eviction_policy="evict_last",
+                )
                 dot += _row_dot(y.to(tl.float32), dy.to(tl.float32), LOG, SUM_FP64)
             tl.store(dot_ptr + row * segments + segment + tl.arange(0, 1), dot)
         if PHASE == 0:
             _publish_and_wait(arrived_ptr, row, segments)
         if PHASE != 1:
             parts = tl.arange(0, SEGMENTS)
-            dots = tl.load(dot_ptr + row * segments + parts, mask=parts < segments, other=0.0,
-                           cache_modifier=".cg")
+            dots = tl.load(
+                dot_ptr + row * segments + parts, mask=parts < segments, other=0.0, cache_modifier=".cg"
+            )
             dot = tl.full([1], 0.0, tl.float32) + tl.sum(dots, axis=0).to(tl.float32)
             dx_row = _row_start(row, R, stride_dxo, stride_dxr)
             for i in range(chunks):
                 cols = first + (chunks - 1 - i) * BLOCK_N + offsets
                 mask = (cols < N)[None, :]
-                y = tl.load(_tile(y_ptr, y_row, cols, stride_yn), mask=mask, other=0.0,
-                            eviction_policy="evict_first")
-                dy = tl.load(_tile(dy_ptr, dy_row, cols, stride_dyn), mask=mask, other=0.0,
-                             eviction_policy="evict_first")
+                y = tl.load(
+                    _tile(y_ptr, y_row, cols, stride_yn), mask=mask, other=0.0, eviction_policy="evict_first"
+                )
+                dy = tl.load(
+                    _tile(dy_ptr, dy_row, cols, stride_dyn),
+                    mask=mask,
+                    other=0.0,
+                    eviction_policy="evict_first",
+                )
                 dx = _input_grad(y.to(tl.float32), dy.to(tl.float32), dot, LOG)
-                tl.store(_tile(dx_ptr, dx_row, cols, stride_dxn), dx.to(dx_ptr.dtype.element_ty),
-                         mask=mask)
+                tl.store(_tile(dx_ptr, dx_row, cols, stride_dxn), dx.to(dx_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,7 @@
+"""``python -m tritonkit``: the ``tritonkit`` command."""
+
+import sys
+
+from tritonkit.cli import main
+
+sys.exit(main())
