@@ -12,13 +12,29 @@ call such ops, then serves eager calls and compiled graphs alike (the shape of q
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
 from tritonkit._runtime import check_device
 from tritonkit.dtypes import NAME_OF
+
+OPS: dict[str, Callable] = {}  # custom-op name -> the callable op() returned, for every op defined
+_recorders: list[list] = []  # open recording_calls() blocks
+
+
+@contextlib.contextmanager
+def recording_calls() -> Iterator[list[tuple[object, tuple]]]:
+    """Within this block, each eager call of an op is appended as (custom op, arguments): what
+    ``torch.library.opcheck`` needs to check the op on real arguments."""
+    calls: list[tuple[object, tuple]] = []
+    _recorders.append(calls)
+    try:
+        yield calls
+    finally:
+        _recorders.remove(calls)
 
 
 def op(name: str, *, mutates: Sequence[str]) -> Callable[[Callable], Callable]:
@@ -34,9 +50,12 @@ def op(name: str, *, mutates: Sequence[str]) -> Callable[[Callable], Callable]:
         def call(*args):
             if torch.compiler.is_compiling():
                 return custom(*args)
+            for calls in _recorders:
+                calls.append((custom, args))
             return fn(*args)
 
         call.custom_op = custom
+        OPS[name] = call
         return call
 
     return register

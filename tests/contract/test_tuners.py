@@ -1,0 +1,128 @@
+"""The contract of every tuned kernel (``tuning.Tuned``), checked once for all of them on the problems
+the registered ops really pose: the accuracy gate admits the candidates (one sampled per kind of
+config under the interpreter; every one on the GPU), rejects a kernel that gets any one output
+wrong, and the fastest admitted config is the one that launches.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+from test_ops import OPS, _forward_and_backward, _problem
+
+from tritonkit import tuning
+from tritonkit.ops import get_op
+
+
+def _posed(name: str, device) -> list[tuple[tuning.Tuned, dict, dict]]:
+    """(tuned kernel, key, problem) for each tuning lookup a forward and backward of ``name`` make
+    at each of its interpreter shapes."""
+    seen, choose = [], tuning.Tuned.choose
+
+    def recording(self, key, problem, **options):
+        seen.append((self, key, problem))
+        return choose(self, key, problem, **options)
+
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(tuning.Tuned, "choose", recording)
+        for tuned in tuning.TUNED:
+            patched.setattr(tuned, "_chosen", {})  # every call looks its config up
+        for index in range(len(get_op(name).shape_list("interpreter"))):
+            spec, inputs, _, _ = _problem(name, device, seed=11, shape_index=index)
+            _forward_and_backward(spec, inputs)
+    distinct = {}
+    for tuned, key, problem in seen:
+        distinct.setdefault((id(tuned), tuning._canonical(key)), (tuned, key, problem))
+    return list(distinct.values())
+
+
+def _kind(config: dict) -> tuple:
+    """What a config is, beyond its tile sizes: the kernel variant and the switches it sets."""
+    return tuple(sorted((k, v) for k, v in config.items() if not isinstance(v, int) or isinstance(v, bool)))
+
+
+def _sampled(tuned: tuning.Tuned, key: dict) -> list[dict]:
+    """The key's default and the first candidate of each kind."""
+    candidates = tuned.tuner._candidates(key)
+    by_kind = {}
+    for config in candidates:
+        by_kind.setdefault(_kind(config), config)
+    default = tuned.tuner.default(key)
+    return [default, *(c for c in by_kind.values() if c != default)]
+
+
+@pytest.fixture(scope="module")
+def posed():
+    """name -> the problems its tuned kernels are asked to choose for (computed once)."""
+    device = "cpu" if tuning._single_config() else "cuda"
+    return functools.cache(lambda name: _posed(name, device))
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_the_gate_admits_a_sample_of_each_kind_of_candidate(name, posed):
+    for tuned, key, problem in posed(name):
+        for config in _sampled(tuned, key):
+            verdict = tuned.admit(problem, config)
+            assert verdict.passed, (tuned.tuner.name, key, config, str(verdict))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", OPS)
+def test_the_gate_admits_every_candidate(name, posed):
+    for tuned, key, problem in posed(name):
+        for config in tuned.tuner._candidates(key):
+            verdict = tuned.admit(problem, config)
+            assert verdict.passed, (tuned.tuner.name, key, config, str(verdict))
+
+
+def _spoiling(tuned: tuning.Tuned, wrong: str):
+    """``tuned.run`` that then adds 1000 to the first element of the output named ``wrong``."""
+
+    def run(problem, config):
+        tuning.Tuned.run(tuned, problem, config)
+        value = problem[wrong]
+        value[(0,) * value.dim()] += 1000.0
+
+    return run
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_the_gate_rejects_a_kernel_that_gets_any_one_output_wrong(name, posed):
+    for tuned, key, problem in posed(name):
+        config = tuned.tuner.default(key)
+        calibration = tuned.calibrate(problem, config)
+        for wrong in tuned.outputs:
+            if calibration.get(wrong) is None or not calibration[wrong].numel():
+                continue  # an output this kind of problem has not
+            with pytest.MonkeyPatch.context() as patched:
+                patched.setattr(tuned, "run", _spoiling(tuned, wrong))
+                assert not tuned.admit(problem, config).passed, (tuned.tuner.name, wrong)
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_the_fastest_admitted_config_launches(name, posed, monkeypatch, tmp_path):
+    """Tuning as on a GPU over the sampled candidates with a fake timer: the winner is the fastest of
+    those the gate admits, it is remembered, and the next call with the key launches it."""
+    monkeypatch.setattr(tuning, "_single_config", lambda: False)
+    monkeypatch.setenv("TRITONKIT_CACHE_DIR", str(tmp_path))
+    for tuned, key, problem in posed(name):
+        sample = _sampled(tuned, key)
+        monkeypatch.setattr(tuned.tuner, "_candidates", lambda key, sample=sample: sample)
+        monkeypatch.setattr(tuned, "_chosen", {})
+        fake = {tuning._canonical(c): 1.0 + i for i, c in enumerate(reversed(sample))}  # the last fastest
+        monkeypatch.setattr(
+            tuned, "time_ms", lambda problem, config, fake=fake: fake[tuning._canonical(config)]
+        )
+        with tuning.retuning():
+            config, final = tuned.choose(key, problem)
+        fastest = min(sample, key=lambda c: fake[tuning._canonical(c)])
+        assert final and config == fastest, (tuned.tuner.name, key)
+        assert tuned.choose(key, problem) == (fastest, True)
+        tuned.tuner.forget()
+
+
+def test_every_tuned_kernel_is_reached_by_a_registered_op():
+    device = "cpu" if tuning._single_config() else "cuda"
+    reached = {id(tuned) for name in OPS for tuned, _, _ in _posed(name, device)}
+    assert {tuned.tuner.name for tuned in tuning.TUNED if id(tuned) not in reached} == set()
