@@ -84,8 +84,7 @@ def retuning() -> Iterator[None]:
     previous, _retuning = _retuning, True
     for tuner in TUNERS.values():
         tuner.forget()
-    for tuned in TUNED:
-        tuned.forget()
+    forget_chosen()
     try:
         yield
     finally:
@@ -536,6 +535,17 @@ def fastest(entry: dict, accept: Callable[[dict], bool]) -> dict | None:
 
 Problem = dict  # a call's named tensors (inputs and outputs) and the scalars its launches need
 TUNED: list[Tuned] = []  # every Tuned defined so far (retuning() empties their memos)
+# Memos a family keeps of whole calls beside its Tuned (softmax's plans: the config and geometry of
+# a call signature), registered so that forget_chosen() empties them with the Tuned memos.
+CALL_MEMOS: list[dict] = []
+
+
+def forget_chosen() -> None:
+    """Empty every memo of chosen configs, so the next call of each op looks its config up again."""
+    for tuned in TUNED:
+        tuned.forget()
+    for memo in CALL_MEMOS:
+        memo.clear()
 MAX_CHOSEN = 4096  # call signatures whose configs a Tuned keeps, so a repeated call skips its key
 
 

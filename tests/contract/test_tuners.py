@@ -24,10 +24,9 @@ def _posed(name: str, device) -> list[tuple[tuning.Tuned, dict, dict]]:
         seen.append((self, key, problem))
         return choose(self, key, problem, **options)
 
+    tuning.forget_chosen()  # every call looks its config up
     with pytest.MonkeyPatch.context() as patched:
         patched.setattr(tuning.Tuned, "choose", recording)
-        for tuned in tuning.TUNED:
-            patched.setattr(tuned, "_chosen", {})  # every call looks its config up
         for index in range(len(get_op(name).shape_list("interpreter"))):
             spec, inputs, _, _ = _problem(name, device, seed=11, shape_index=index)
             _forward_and_backward(spec, inputs)

@@ -346,6 +346,7 @@ def _validate(input, dim, dtype, variant: str = "auto") -> int:
 # 10 us of Python a call), passing its tensors' pointers with the stored geometry.
 MAX_PLANS = 4096
 _plans: dict[tuple, tuple] = {}  # call signature -> (config, geometry, output dtype)
+tuning.CALL_MEMOS.append(_plans)
 
 
 def _plan(key: tuple, config: dict, final: bool, tensors: tuple, views: tuple, out_dtype) -> None:
