@@ -98,11 +98,11 @@ def _exchanges(ring, block, backward: bool) -> None:
 
 
 def _diagnostic_rows(shards, grad, causal, device) -> dict:
-    from tritonkit.distributed import _check_across_ranks, _group, _Ring, _RingAttention
-    from tritonkit.ops.attention import _scale
+    from tritonkit.distributed.ring_attention import _check_across_ranks, _group, _Ring, _RingAttention
+    from tritonkit.ops.attention.common import softmax_scale
 
     group = _group(None)
-    ring, scale = _Ring(group), _scale(None, shards[0].shape[-1])
+    ring, scale = _Ring(group), softmax_scale(None, shards[0].shape[-1])
     local = _NoExchangeRing(ring)
     out = _RingAttention.apply(*shards, scale, causal, local)[0]
     fwd = _timed(lambda: _RingAttention.apply(*shards, scale, causal, local), device)

@@ -13,10 +13,11 @@ import torch
 
 import tritonkit
 from tritonkit import testing, tuning
-from tritonkit.ops import attention as at
-from tritonkit.ops import attention_bwd as ab
-from tritonkit.ops import attention_fwd as af
-from tritonkit.ops.attention import attention_reference
+from tritonkit.ops.attention import attention as at
+from tritonkit.ops.attention import attention_reference, merge_attention
+from tritonkit.ops.attention import bwd as ab
+from tritonkit.ops.attention import common as ac
+from tritonkit.ops.attention import fwd as af
 
 pytestmark = pytest.mark.attention
 
@@ -254,6 +255,36 @@ def test_lse_merges_attention_over_two_halves_of_the_keys(device):
     torch.testing.assert_close(merged, o.float(), atol=2e-3, rtol=2e-3)
 
 
+def test_merge_attention_folds_parts_over_disjoint_keys_into_the_whole(device):
+    """merge_attention, in place from (zeros, -inf): a part that saw no key (o 0, lse -inf) first,
+    then two halves of the keys, give attention over all of them; rows stay 0 and -inf until a
+    part that saw keys comes."""
+    q, k, v = qkv(1, 2, 2, 24, 40, 64, torch.float16, device, seed=5)  # fp16: parts rounded finely
+    o, lse = tritonkit.flash_attention(q, k, v, return_lse=True)
+    merged = torch.zeros(q.shape, dtype=torch.float32, device=device)
+    merged_lse = torch.full(q.shape[:3], -math.inf, dtype=torch.float32, device=device)
+    none, none_lse = tritonkit.flash_attention(q, k[:, :, :0], v[:, :, :0], return_lse=True)
+    merge_attention(merged, merged_lse, none, none_lse)
+    assert torch.equal(merged, torch.zeros_like(merged)) and torch.isneginf(merged_lse).all()
+    for keys in (slice(0, 17), slice(17, 40)):
+        part, part_lse = tritonkit.flash_attention(q, k[:, :, keys], v[:, :, keys], return_lse=True)
+        merge_attention(merged, merged_lse, part.transpose(1, 2).contiguous().transpose(1, 2), part_lse)
+    torch.testing.assert_close(merged_lse, lse, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(merged, o.float(), atol=2e-3, rtol=2e-3)
+
+
+def test_merge_attention_refuses_what_it_cannot_update_in_place(device):
+    o = torch.zeros((1, 2, 8, 16), dtype=torch.float32, device=device)
+    lse = torch.full(o.shape[:3], -math.inf, dtype=torch.float32, device=device)
+    part, part_lse = o.to(torch.bfloat16), lse.clone()
+    with pytest.raises(TypeError, match="must be float32"):
+        merge_attention(o.to(torch.bfloat16), lse, part, part_lse)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        merge_attention(o.transpose(1, 2), lse, part.transpose(1, 2), part_lse)
+    with pytest.raises(ValueError, match="part o's shape"):
+        merge_attention(o, lse, part[:, :, :7], part_lse)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_sdpa_has_torch_semantics(causal, device):
     """Top-left causal alignment when Sq != Sk, GQA only with enable_gqa: as torch's SDPA."""
@@ -386,7 +417,7 @@ def test_gpu_default_config_runs_in_the_interpreter(device):
     q, k, v = qkv(1, 2, 2, 130, 70, 64, torch.bfloat16, device, seed=6)
     config = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
     with testing.poisoned_outputs():
-        o, lse = af._attention_fwd(q, k, v, ab.Scores(0.125, True, True), config=config)
+        o, lse = af.attention_fwd(q, k, v, ac.Scores(0.125, True, True), config=config)
     ref_o, ref_lse = attention_reference(q.double(), k.double(), v.double(), causal=True, scale=0.125,
                                          return_lse=True)
     torch_o = attention_reference(q, k, v, causal=True, scale=0.125)
@@ -398,10 +429,10 @@ def test_gpu_default_config_runs_in_the_interpreter(device):
 
 
 @pytest.mark.parametrize("seq_q, seq_k, scores",
-                         [(70, 150, ab.Scores(0.125, False)), (70, 150, ab.Scores(0.125, True, True)),
-                          (150, 70, ab.Scores(0.125, True, False)),
-                          (90, 200, ab.Scores(0.2, False, True, (40, 10), 5.0)),
-                          (40, 33, ab.Scores(0.125, False))],
+                         [(70, 150, ac.Scores(0.125, False)), (70, 150, ac.Scores(0.125, True, True)),
+                          (150, 70, ac.Scores(0.125, True, False)),
+                          (90, 200, ac.Scores(0.2, False, True, (40, 10), 5.0)),
+                          (40, 33, ac.Scores(0.125, False))],
                          ids=["full", "causal", "causal-top-left", "window-cap", "one-block"])
 def test_a_block_ahead_gives_the_same_bits(seq_q, seq_k, scores, device):
     """LOOKAHEAD reorders the unmasked loop (the next block's scores before this one's softmax) but
@@ -410,8 +441,8 @@ def test_a_block_ahead_gives_the_same_bits(seq_q, seq_k, scores, device):
     q, k, v = qkv(2, 4, 2, seq_q, seq_k, 32, torch.bfloat16, device, seed=7)
     plain = dict(af.INTERPRETER_CONFIG)
     with testing.poisoned_outputs():
-        o, lse = af._attention_fwd(q, k, v, scores, config=plain)
-        o_ahead, lse_ahead = af._attention_fwd(q, k, v, scores, config=plain | {"LOOKAHEAD": True})
+        o, lse = af.attention_fwd(q, k, v, scores, config=plain)
+        o_ahead, lse_ahead = af.attention_fwd(q, k, v, scores, config=plain | {"LOOKAHEAD": True})
     assert torch.equal(o, o_ahead) and torch.equal(lse, lse_ahead)
     exact = attention_reference(q.double(), k.double(), v.double(), **scores._asdict())
     comparison = testing.compare("output", o_ahead, attention_reference(q, k, v, **scores._asdict()), exact,
@@ -422,13 +453,13 @@ def test_a_block_ahead_gives_the_same_bits(seq_q, seq_k, scores, device):
 def test_a_block_ahead_gives_the_same_bits_on_a_packed_batch(device):
     """The same for a packed batch: each sequence's inner range is its own."""
     q, k, v, cu = packed([(70, 150), (0, 20), (33, 1), (50, 64)], 4, 2, 32, torch.bfloat16, device, seed=8)
-    scores = ab.Scores(0.125, True, True)
-    sequences = ab.Packed(cu["cu_seqlens_q"], cu["cu_seqlens_k"], 4, 70, 150)
+    scores = ac.Scores(0.125, True, True)
+    sequences = ac.Packed(cu["cu_seqlens_q"], cu["cu_seqlens_k"], 4, 70, 150)
     plain = dict(af.INTERPRETER_CONFIG)
     with testing.poisoned_outputs():
-        o, lse = af._attention_fwd(q, k, v, scores, config=plain, packed=sequences)
-        o_ahead, lse_ahead = af._attention_fwd(q, k, v, scores, config=plain | {"LOOKAHEAD": True},
-                                               packed=sequences)
+        o, lse = af.attention_fwd(q, k, v, scores, config=plain, packed=sequences)
+        o_ahead, lse_ahead = af.attention_fwd(q, k, v, scores, config=plain | {"LOOKAHEAD": True},
+                                              packed=sequences)
     assert torch.equal(o, o_ahead) and torch.equal(lse, lse_ahead)
 
 
@@ -454,7 +485,7 @@ def test_the_reference_in_chunks_is_the_reference_whole(monkeypatch):
         return (o, lse, *torch.autograd.grad((o * do).sum() + lse[lse.isfinite()].sum(), (q, k, v)))
 
     whole = run()
-    monkeypatch.setattr(at, "REFERENCE_SCORE_BYTES", 2 * 29 * 8 * 5)  # five query rows a chunk
+    monkeypatch.setattr(ac, "REFERENCE_SCORE_BYTES", 2 * 29 * 8 * 5)  # five query rows a chunk
     torch.testing.assert_close(run(), whole, rtol=0, atol=1e-12)
 
 
@@ -465,11 +496,11 @@ def _key(seq_q=4096, seq_k=4096, head_dim=64, mask="bottom-right", dtype="bf16",
          softcap=0.0):
     q = torch.empty((4, 8 * group, seq_q, head_dim), dtype=_dtype_named(dtype), device="meta")
     k = torch.empty((4, 8, seq_k, head_dim), dtype=q.dtype, device="meta")
-    return af._tuning_key(q, k, _scores(mask, 0.125, window, softcap))
+    return ac.tuning_key(q, k, _scores(mask, 0.125, window, softcap))
 
 
 def _scores(mask="bottom-right", scale=0.125, window=(-1, -1), softcap=0.0):
-    return ab.Scores(scale, mask != "none", mask == "bottom-right", window, softcap)
+    return ac.Scores(scale, mask != "none", mask == "bottom-right", window, softcap)
 
 
 def _dtype_named(name):
@@ -671,7 +702,7 @@ def test_the_gates_gradients_are_autograds(causal, bottom_right):
     inputs = [t.clone().requires_grad_() for t in (q, k, v)]
     o = attention_reference(*inputs, causal=causal, scale=0.3, bottom_right=bottom_right)
     expected = torch.autograd.grad(o, inputs, do)
-    written = ab._reference_grads(q, k, v, do, ab.Scores(0.3, causal, bottom_right))
+    written = ab._reference_grads(q, k, v, do, ac.Scores(0.3, causal, bottom_right))
     for ours, theirs in zip(written, expected, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
 

@@ -13,8 +13,8 @@ import torch
 import tritonkit
 from test_attention import check, check_packed, packed, qkv
 from tritonkit import testing, tuning
-from tritonkit.ops import attention_bwd as ab
-from tritonkit.ops import attention_fwd as af
+from tritonkit.ops.attention import bwd as ab
+from tritonkit.ops.attention import fwd as af
 
 pytestmark = pytest.mark.attention
 
@@ -22,8 +22,8 @@ _SASS_CHECK = r"""
 import json, torch
 from tritonkit._launch import Launch
 from tritonkit.asm import compile_launch
-from tritonkit.ops import attention_bwd as ab
-from tritonkit.ops.attention import _inspect_launches
+from tritonkit.ops.attention import bwd as ab, common as ac
+from tritonkit.ops.attention.attention import _inspect_launches
 for head_dim in (64, 128, 256):
     for causal in (False, True):
         launches = _inspect_launches((4, 32, 32, 4096, head_dim), torch.bfloat16, causal=causal)
@@ -32,7 +32,7 @@ for head_dim in (64, 128, 256):
         rows = torch.empty((4, 32, 4096), dtype=torch.float32, device="meta")
         config = ab.default_config(head_dim)["dkdv"]
         launcher, _, args, meta = ab._launch_main("dkdv", q, q, q, q, rows, rows, (q, q, q.float()),
-                                                  ab.Scores(head_dim**-0.5, causal), config)
+                                                  ac.Scores(head_dim**-0.5, causal), config)
         launches.append(Launch("bwd dk dv atomic-dq", launcher.kernel, args, meta, config))
         for launch in launches:
             r = compile_launch(launch, "sm_90")
@@ -46,7 +46,7 @@ for head_dim in (64, 128, 256):
 def test_default_configs_compile_for_hopper_to_wgmma_without_spills():
     """The default tiles at the benchmark's head dims, compiled for sm_90: every matmul of the
     forward and of the backward's two main kernels is HGMMA (wgmma), not the Ampere HMMA path, but
-    the backward's at D = 256 (no wgmma tile of it fits without spilling: see attention_bwd) and
+    the backward's at D = 256 (no wgmma tile of it fits without spilling: see attention.bwd) and
     the atomic-dq kernel's dq product (a 16-32-row matmul), whose adds are REDG; no spills; tiles
     read and written in 16-byte vectors, per-row statistics one fp32 each."""
     import sm90
@@ -69,15 +69,15 @@ _VARIANT_CHECK = r"""
 import json, torch
 from tritonkit._launch import Launch
 from tritonkit.asm import compile_launch
-from tritonkit.ops import attention_bwd as ab, attention_fwd as af
+from tritonkit.ops.attention import bwd as ab, common as ac, fwd as af
 q = torch.empty((1, 8, 4096, 128), dtype=torch.bfloat16, device="meta")
 kv = torch.empty((1, 2, 4096, 128), dtype=torch.bfloat16, device="meta")
 rows = torch.empty((1, 8, 4096), dtype=torch.float32, device="meta")
 cu = torch.empty(5, dtype=torch.int32, device="meta")
-packed = ab.Packed(cu, cu, 4, 2048, 2048)
-variants = {"causal-window-cap": (ab.Scores(0.1, True, True, (511, -1), 30.0), None,
+packed = ac.Packed(cu, cu, 4, 2048, 2048)
+variants = {"causal-window-cap": (ac.Scores(0.1, True, True, (511, -1), 30.0), None,
                                   ("dkdv", "dq", "dkdv tma-dq")),
-            "packed-window-cap": (ab.Scores(0.1, False, True, (256, 32), 5.0), packed,
+            "packed-window-cap": (ac.Scores(0.1, False, True, (256, 32), 5.0), packed,
                                   ("dkdv", "dq", "dkdv atomic-dq", "dkdv tma-dq"))}
 config = ab.default_config(128)
 config["dkdv tma-dq"] = {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "TMA_DQ": True}
@@ -124,12 +124,12 @@ _OVERLAP_CHECK = r"""
 import json, torch
 from tritonkit._launch import Launch
 from tritonkit.asm import compile_launch
-from tritonkit.ops import attention_bwd as ab, attention_fwd as af
+from tritonkit.ops.attention import bwd as ab, common as ac, fwd as af
 q = torch.empty((4, 32, 4096, 128), dtype=torch.bfloat16, device="meta")
 rows = torch.empty((4, 32, 4096), dtype=torch.float32, device="meta")
 tile = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
 for name, config in (("plain", tile), ("ahead", tile | {"LOOKAHEAD": True})):
-    _, args, meta = af._fwd_launch_args(q, q, q, q, rows, ab.Scores(0.1, False), config)
+    _, args, meta = af._fwd_launch_args(q, q, q, q, rows, ac.Scores(0.1, False), config)
     sass = compile_launch(Launch(name, af._attn_fwd_kernel, args, meta), "sm_90").asm["sass"]
     # exponentials issued while a group of wgmma runs: between its WARPGROUP.ARRIVE and its wait
     in_flight, hgmma, exps, under = False, 0, 0, 0

@@ -3,10 +3,10 @@
 Maths. Attention over keys split into blocks B_1..B_W merges exactly: with each block's output o_j
 and log-sum-exp lse_j for a query row, lse = log sum_j exp(lse_j) and o = sum_j exp(lse_j - lse) o_j.
 So a rank attends its queries to the key/value block in hand, passes the block on around the ring
-(W - 1 hops) and merges the partial results as they come. The backward is FlashAttention-2's per
-block, with the merged o and lse: P = exp(S - lse) and delta = rowsum(dO * O) are the full row's,
-so each block's dq, dk and dv are exactly its share. dq stays on its rank; dk and dv travel with
-their block and reach its owner after one more hop.
+(W - 1 hops) and merges the partial results as they come (``tritonkit.ops.attention.merge``). The
+backward is FlashAttention-2's per block, with the merged o and lse: P = exp(S - lse) and delta =
+rowsum(dO * O) are the full row's, so each block's dq, dk and dv are exactly its share. dq stays on
+its rank; dk and dv travel with their block and reach its owner after one more hop.
 
 Causal sharding is load-balanced: the sequence is cut into 2W chunks and rank i holds chunks i and
 2W - 1 - i, so every rank has one early and one late chunk and the same work. Query chunk a sees
@@ -22,55 +22,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tritonkit._launch import Launcher, cdiv
-from tritonkit._triton import tl, triton
-from tritonkit.ops.attention import _scale, _validate
-from tritonkit.ops.attention_bwd import Scores, attention_bwd
-from tritonkit.ops.attention_fwd import _attention_fwd
+from tritonkit.ops.attention.bwd import attention_bwd
+from tritonkit.ops.attention.common import Scores, softmax_scale, validate_qkv
+from tritonkit.ops.attention.fwd import attention_fwd
+from tritonkit.ops.attention.merge import merge_attention
 
-MERGE_ROWS = 16  # query rows a merge program takes
 SUMS_TAG = 2  # point-to-point tags: a block's K and V take 0 and 1, its gradient sums 2 and 3
-
-
-@triton.jit
-def _merge_kernel(
-    o_ptr,  # fp32 running output, (rows, D), contiguous: updated in place
-    lse_ptr,  # fp32 running log-sum-exp, (rows,): updated in place
-    part_ptr,  # a block's output, (rows, D), contiguous, in the inputs' dtype
-    part_lse_ptr,  # its fp32 log-sum-exp, (rows,); -inf where the row saw no key of the block
-    ROWS,  # rows of all heads and batches
-    D,  # head dim
-    BLOCK_R: tl.constexpr,  # rows a program merges
-    BLOCK_D: tl.constexpr,  # power of two >= D
-):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, BLOCK_D)
-    row_mask = rows < ROWS
-    mask = row_mask[:, None] & (cols[None, :] < D)
-    lse_a = tl.load(lse_ptr + rows, mask=row_mask, other=-float("inf"))
-    lse_b = tl.load(part_lse_ptr + rows, mask=row_mask, other=-float("inf"))
-    top = tl.maximum(lse_a, lse_b)
-    top = tl.where(top == -float("inf"), 0.0, top)  # neither saw a key: the weights are exp(-inf) = 0
-    weight_a, weight_b = tl.exp(lse_a - top), tl.exp(lse_b - top)
-    total = weight_a + weight_b
-    seen = total > 0.0
-    o_a = tl.load(o_ptr + rows[:, None] * D + cols[None, :], mask=mask, other=0.0)
-    o_b = tl.load(part_ptr + rows[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    o = (weight_a[:, None] * o_a + weight_b[:, None] * o_b) / tl.where(seen, total, 1.0)[:, None]
-    tl.store(o_ptr + rows[:, None] * D + cols[None, :], o, mask=mask)
-    tl.store(lse_ptr + rows, tl.where(seen, top + tl.log(tl.where(seen, total, 1.0)), -float("inf")),
-             mask=row_mask)
-
-
-_merge_launcher = Launcher(_merge_kernel)
-
-
-def _merge(o: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor) -> None:
-    """Fold a block's (output, lse) into the running fp32 (o, lse), in place."""
-    rows, head_dim = lse.numel(), o.shape[-1]
-    if rows:
-        _merge_launcher((cdiv(rows, MERGE_ROWS),), o, lse, part.contiguous(), part_lse.contiguous(), rows,
-                        head_dim, BLOCK_R=MERGE_ROWS, BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4)
 
 
 # ---------------------------------------------------------------- groups, shards and the ring
@@ -146,7 +103,7 @@ def _check_across_ranks(q, k, v, causal: bool, group) -> None:
     integers (one all_gather and a copy to the host; all_gather_object took 0.7-0.9 ms a call on
     two H200); the messages of local errors travel only when some rank has one."""
     try:
-        _validate(q, k, v)
+        validate_qkv(q, k, v)
         local_error = ""
         facts = [*q.shape, k.shape[1], int(causal), q.dtype.itemsize]
     except (TypeError, ValueError) as error:
@@ -224,12 +181,12 @@ def _ring_forward(q, k, v, scale: float, causal: bool, ring: _Ring):
     for step in range(ring.world):
         incoming, requests = ring.start(block) if step < ring.world - 1 else (None, [])
         for rows, keys, masked in _calls(ring.rank, owner, causal):
-            part, part_lse = _attention_fwd(q[:, :, _rows(rows, chunk)], block[0][:, :, _rows(keys, chunk)],
-                                            block[1][:, :, _rows(keys, chunk)], Scores(scale, masked))
+            part, part_lse = attention_fwd(q[:, :, _rows(rows, chunk)], block[0][:, :, _rows(keys, chunk)],
+                                           block[1][:, :, _rows(keys, chunk)], Scores(scale, masked))
             met = range(places) if rows is None else [rows]  # the query chunks the call covered
             for place in met:
                 share = _rows(place, chunk) if len(met) > 1 else slice(None)  # its rows of the part
-                _merge(o[place], lse[place], part[:, :, share], part_lse[:, :, share])
+                merge_attention(o[place], lse[place], part[:, :, share], part_lse[:, :, share])
         for request in requests:
             request.wait()
         block, owner = incoming, (owner - 1) % ring.world
@@ -302,6 +259,6 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     shards; bad input raises the same ValueError on every rank."""
     group = _group(group)
     _check_across_ranks(q, k, v, causal, group)
-    o, lse = _RingAttention.apply(q, k, v, _scale(scale, q.shape[-1]), bool(causal), _Ring(group))
+    o, lse = _RingAttention.apply(q, k, v, softmax_scale(scale, q.shape[-1]), bool(causal), _Ring(group))
     return (o, lse) if return_lse else o
 

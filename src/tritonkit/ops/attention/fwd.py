@@ -25,6 +25,9 @@ Work. FLOPs 4 * B * Hq * Sq * Sk * D (two matmuls), about half of it when causal
 bytes s * (|Q| + |K| + |V| + |O|) + 4 * B * Hq * Sq for the lse when K and V of a head stay in L2
 while its query blocks pass. At D = 128 and S = 4096 that is about 1000 FLOP a byte: compute-bound,
 so the roofline is the tensor cores' peak.
+
+The scores' scale, cap and masks, the packed batches, the tuning key, the calibration problem and
+the reference the gate compares against are in ``common``, which the backward shares.
 """
 
 from __future__ import annotations
@@ -38,9 +41,8 @@ from tritonkit import tuning
 from tritonkit._launch import Launcher, cdiv, ensure_allocator, precompile
 from tritonkit._runtime import current_device, empty_output, interpret, shared_memory_bytes
 from tritonkit._triton import tl, triton
-from tritonkit.dtypes import DTYPE_OF, HALVES, NAME_OF
 from tritonkit.jit import dot_fp32
-from tritonkit.ops.attention_bwd import (
+from tritonkit.ops.attention.common import (
     Packed,
     Scores,
     _block_d,
@@ -48,12 +50,14 @@ from tritonkit.ops.attention_bwd import (
     _key_ranges,
     _sequence,
     _visible,
+    attention_reference,
+    calibration_inputs,
+    calibration_scores,
     per_sequence,
     sequence_args,
+    tuning_key,
 )
 
-DTYPES = HALVES
-MAX_HEAD_DIM = 256  # a (BLOCK_M, 256) fp32 accumulator is already 128 registers a thread at 8 warps
 LN_2 = tl.constexpr(0.6931471805599453)
 
 
@@ -158,6 +162,53 @@ def _attn_fwd_blocks_ahead(acc, l_i, m_i, q, k_source, v_source, stride_kn, stri
     return acc, l_i, m_i
 
 
+# ---------------------------------------------------------------- the kernel's tiles: configs and prune
+
+# The interpreter runs each program in numpy: small tiles, so that the few rows of a test shape
+# still make several query blocks and key blocks (the masked and unmasked stages both run).
+INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+CONFIGS = [{"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+           for block_m in (64, 128) for block_n in (32, 64, 128) for warps in (4, 8) for stages in (2, 3, 4)]
+# K and V through tensor descriptors (TMA): no address arithmetic or cp.async in the loop (sm_90:
+# 145 registers at 128 x 64 and 8 warps, against 190); on the H200 0-9% slower than pointer loads
+CONFIGS += [{"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages, "TMA": True}
+            for block_m, warps in ((64, 4), (128, 8)) for block_n in (64, 128) for stages in (3, 4)]
+# One block ahead (LOOKAHEAD): two score tiles live at once, so 64-key steps only (sm_90, D = 128:
+# 228-231 registers, no spills; 128-key steps spill). Two or three stages, or TMA at three (two
+# crash ptxas with descriptors).
+CONFIGS += [{"BLOCK_M": block_m, "BLOCK_N": 64, "num_warps": warps, "num_stages": stages, "LOOKAHEAD": True,
+             **tma} for block_m, warps in ((64, 4), (128, 8))
+            for stages, tma in ((2, {}), (3, {}), (3, {"TMA": True}))]
+# A config is pruned when its accumulator and score tiles (two with LOOKAHEAD) pass MAX_TILE_VALUES
+# fp32 values a thread (sm_90 doubles that in registers: 128 rows at D = 256 and 8 warps, 160
+# values, spilled) or when its stages of K and V tiles and the Q tile pass the shared memory of an SM.
+MAX_TILE_VALUES = 128
+
+
+def _default(key: dict) -> dict:
+    """The untuned config: 128 query rows a program, the tile Triton's own Hopper tutorial runs; at
+    D = 256, 64 rows at 8 warps (sm_90: 128 rows at 8 warps, or 64 at 4, spill; this compiles to 222
+    registers and none). The interpreter's small tiles under the interpreter."""
+    if interpret():
+        return dict(INTERPRETER_CONFIG)
+    if key["head_dim"] <= 64:
+        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+    if key["head_dim"] <= 128:
+        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+    return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+
+
+def _prune(config: dict, key: dict) -> bool:
+    """True drops the config: too many fp32 values a thread, too much shared memory, or more query
+    rows a program than the problem has."""
+    block_d, threads = _block_d(key["head_dim"]), 32 * config["num_warps"]
+    score_tiles = 2 if config.get("LOOKAHEAD") else 1
+    values = (config["BLOCK_M"] * block_d + score_tiles * config["BLOCK_M"] * config["BLOCK_N"]) / threads
+    shared = 2 * (config["num_stages"] * 2 * config["BLOCK_N"] * block_d + config["BLOCK_M"] * block_d)
+    too_much_shared = shared > shared_memory_bytes(current_device())
+    return values > MAX_TILE_VALUES or too_much_shared or config["BLOCK_M"] > 2 * key["seq_q"]
+
+
 @triton.jit
 def _attn_fwd_kernel(
     q_ptr,  # queries, (B, Hq, Sq, D), strides stride_q*
@@ -253,103 +304,18 @@ def _attn_fwd_kernel(
 # ---------------------------------------------------------------- launcher and tuning
 
 _fwd_launcher = Launcher(_attn_fwd_kernel)
-# The interpreter runs each program in numpy: small tiles, so that the few rows of a test shape
-# still make several query blocks and key blocks (the masked and unmasked stages both run).
-INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
-CONFIGS = [{"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
-           for block_m in (64, 128) for block_n in (32, 64, 128) for warps in (4, 8) for stages in (2, 3, 4)]
-# K and V through tensor descriptors (TMA): no address arithmetic or cp.async in the loop (sm_90:
-# 145 registers at 128 x 64 and 8 warps, against 190); on the H200 0-9% slower than pointer loads
-CONFIGS += [{"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages, "TMA": True}
-            for block_m, warps in ((64, 4), (128, 8)) for block_n in (64, 128) for stages in (3, 4)]
-# One block ahead (LOOKAHEAD): two score tiles live at once, so 64-key steps only (sm_90, D = 128:
-# 228-231 registers, no spills; 128-key steps spill). Two or three stages, or TMA at three (two
-# crash ptxas with descriptors).
-CONFIGS += [{"BLOCK_M": block_m, "BLOCK_N": 64, "num_warps": warps, "num_stages": stages, "LOOKAHEAD": True,
-             **tma} for block_m, warps in ((64, 4), (128, 8))
-            for stages, tma in ((2, {}), (3, {}), (3, {"TMA": True}))]
-# A config is pruned when its accumulator and score tiles (two with LOOKAHEAD) pass MAX_TILE_VALUES
-# fp32 values a thread (sm_90 doubles that in registers: 128 rows at D = 256 and 8 warps, 160
-# values, spilled) or when its stages of K and V tiles and the Q tile pass the shared memory of an SM.
-MAX_TILE_VALUES = 128
-
-
-def _default(key: dict) -> dict:
-    """The untuned config: 128 query rows a program, the tile Triton's own Hopper tutorial runs; at
-    D = 256, 64 rows at 8 warps (sm_90: 128 rows at 8 warps, or 64 at 4, spill; this compiles to 222
-    registers and none). The interpreter's small tiles under the interpreter."""
-    if interpret():
-        return dict(INTERPRETER_CONFIG)
-    if key["head_dim"] <= 64:
-        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
-    if key["head_dim"] <= 128:
-        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
-    return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
-
-
-def _prune(config: dict, key: dict) -> bool:
-    """True drops the config: too many fp32 values a thread, too much shared memory, or more query
-    rows a program than the problem has."""
-    block_d, threads = _block_d(key["head_dim"]), 32 * config["num_warps"]
-    score_tiles = 2 if config.get("LOOKAHEAD") else 1
-    values = (config["BLOCK_M"] * block_d + score_tiles * config["BLOCK_M"] * config["BLOCK_N"]) / threads
-    shared = 2 * (config["num_stages"] * 2 * config["BLOCK_N"] * block_d + config["BLOCK_M"] * block_d)
-    too_much_shared = shared > shared_memory_bytes(current_device())
-    return values > MAX_TILE_VALUES or too_much_shared or config["BLOCK_M"] > 2 * key["seq_q"]
-
-
 _TUNER = tuning.Tuner("attention_fwd", CONFIGS, default=_default, prune=_prune,
                       sources=(_attn_fwd_kernel,))
-
-
-def _tuning_key(q: torch.Tensor, k: torch.Tensor, scores: Scores, packed: Packed | None = None) -> dict:
-    """What the fastest tile depends on: the head dim, the masks, the soft cap, the dtype and the
-    problem's size (sequence lengths and batch x heads, each to the next power of two). A packed
-    batch (q and k its (1, H, T, D) views) counts its longest sequences and its sequences, as the
-    dense batch it would pad to; the tile found for that is the one it runs."""
-    batch, heads, seq_q, head_dim = q.shape
-    seq_k = k.shape[2]
-    if packed is not None:
-        batch, seq_q, seq_k = packed.sequences, packed.max_q, packed.max_k
-    pow2 = triton.next_power_of_2
-    mask = ("bottom-right" if scores.bottom_right else "top-left") if scores.causal else "none"
-    sides = [side for side, bound in zip(("left", "right"), scores.window, strict=True) if bound >= 0]
-    window = "+".join(sides)
-    return {"head_dim": head_dim, "mask": mask, "window": window or "none", "softcap": bool(scores.softcap),
-            "dtype": NAME_OF[q.dtype], "seq_q": pow2(seq_q), "seq_k": pow2(seq_k),
-            "batch_heads": pow2(batch * heads), "group": heads // k.shape[1]}
-
-
-def _calibration(key: dict, config: dict, device) -> tuple:
-    """Seeded q, k, v of the key's kind, small: two query blocks and a ragged third, three key blocks
-    and a ragged fourth (fewer where the key's sequences are shorter)."""
-    from tritonkit.testing import generator, random_tensor
-
-    seq_q = min(key["seq_q"], 2 * config["BLOCK_M"] + 5)
-    seq_k = min(key["seq_k"], 3 * config["BLOCK_N"] + 7)
-    dtype = DTYPE_OF[key["dtype"]]
-    g = generator(12)
-    q = random_tensor((1, 2 * key["group"], seq_q, key["head_dim"]), dtype, device, generator=g)
-    kv = [random_tensor((1, 2, seq_k, key["head_dim"]), dtype, device, generator=g) for _ in range(2)]
-    return q, *kv
-
-
-def _calibration_scores(scores: Scores, config: dict) -> Scores:
-    """The call's scores for the calibration problem: a window's sides, where it has them, cut
-    inside its few blocks (a window of the real problem's width would cover them whole)."""
-    left, right = scores.window
-    return scores._replace(window=(config["BLOCK_N"] + 7 if left >= 0 else -1, 5 if right >= 0 else -1))
 
 
 def _admit(key: dict, scores: Scores, device, config: dict):
     """The oracle on ``config``'s output and lse for a calibration problem (the worse of the two);
     a row that sees no key must have lse -inf."""
-    from tritonkit.ops.attention import attention_reference
     from tritonkit.testing import Comparison, compare, worst
 
-    q, k, v = _calibration(key, config, device)
-    scores = _calibration_scores(scores, config)
-    o, lse = _attention_fwd(q, k, v, scores, config=config)
+    q, k, v = calibration_inputs(key, config, device)
+    scores = calibration_scores(scores, config)
+    o, lse = attention_fwd(q, k, v, scores, config=config)
     exact = attention_reference(q.double(), k.double(), v.double(), return_lse=True, **scores._asdict())
     in_dtype = attention_reference(q, k, v, return_lse=True, **scores._asdict())
     seen = torch.isfinite(exact[1])
@@ -368,9 +334,9 @@ def _precompile(key: dict, scores: Scores, launch_args, device, configs: list[di
     """Compile every candidate for its calibration problem and the real one, together on threads."""
     calls = []
     for config in configs:
-        q, k, v = _calibration(key, config, device)
+        q, k, v = calibration_inputs(key, config, device)
         o, lse = torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
-        calibration = _fwd_launch_args(q, k, v, o, lse, _calibration_scores(scores, config), config)
+        calibration = _fwd_launch_args(q, k, v, o, lse, calibration_scores(scores, config), config)
         for grid, args, meta in (calibration, launch_args(config)):
             calls.append((_fwd_launcher, grid, args, meta))
     precompile(calls)
@@ -386,7 +352,7 @@ def _config(q, k, v, o, lse, scores: Scores, packed: Packed | None) -> dict:
     config = _chosen.get(signature)
     if config is not None:
         return config
-    key = _tuning_key(q, k, scores, packed)
+    key = tuning_key(q, k, scores, packed)
 
     def launch_args(candidate):
         return _fwd_launch_args(q, k, v, o, lse, scores, candidate, packed)
@@ -404,10 +370,10 @@ def _config(q, k, v, o, lse, scores: Scores, packed: Packed | None) -> dict:
     return config
 
 
-def _attention_fwd(q, k, v, scores: Scores, config: dict | None = None,
-                   packed: Packed | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_fwd(q, k, v, scores: Scores, config: dict | None = None,
+                  packed: Packed | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(output, lse) of attention: over (B, H, S, D) tensors, lse (B, H, S); or with ``packed`` over
-    (T, H, D) tensors, lse (H, T). The inputs are valid (``tritonkit.ops.attention`` checks them);
+    (T, H, D) tensors, lse (H, T). The inputs are valid (``common.validate_qkv`` checks them);
     ``config`` overrides the launch config."""
     o = empty_output(q.shape, q.dtype, q.device)
     if packed is None:
@@ -454,4 +420,3 @@ def _tma_ready(k: torch.Tensor, v: torch.Tensor) -> bool:
     return not interpret() and all(
         t.stride(-1) == 1 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
         and t.data_ptr() % 16 == 0 for t in (k, v))
-

@@ -13,12 +13,15 @@ same bits.
 Work. 2.5x the forward's FLOPs (five matmuls of B·Hq·Sq·Sk·D, against two), the probabilities
 recomputed in each of the two main kernels. Bytes: q, k, v, o, dO and the lse read, dq, dk, dv
 written, K and V re-read from L2 by the dQ programs and Q, dO by the dK/dV programs.
+
+The scores' scale, cap and masks, the packed batches, the jit helpers both directions call, the
+tuning key and the calibration problem are in ``common``; the gate runs the forward (``fwd``) for
+the o and lse its calibration problem needs.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import torch
 
@@ -27,131 +30,24 @@ from tritonkit._launch import Launch, Launcher, cdiv, ensure_allocator, precompi
 from tritonkit._runtime import current_device, empty_output, interpret, shared_memory_bytes
 from tritonkit._triton import tl, triton
 from tritonkit.jit import LOG2E, dot_fp32
+from tritonkit.ops.attention import fwd
+from tritonkit.ops.attention.common import (
+    Packed,
+    Scores,
+    _block_d,
+    _exponent,
+    _key_ranges,
+    _sequence,
+    _visible,
+    calibration_inputs,
+    calibration_scores,
+    per_sequence,
+    reference_visible,
+    sequence_args,
+    tuning_key,
+)
 
-
-class Scores(NamedTuple):
-    """How q . k becomes the softmax's input: scaled, soft-capped, masked. Query i sees key j iff
-    j <= i + offset + right (causal: right = 0) and j >= i + offset - left, where offset = Sk - Sq
-    aligned bottom-right and 0 top-left, and a -1 in ``window`` = (left, right) leaves that side
-    unbounded. ``softcap`` > 0 turns the scaled score s into softcap * tanh(s / softcap)."""
-
-    scale: float
-    causal: bool = False
-    bottom_right: bool = True
-    window: tuple[int, int] = (-1, -1)
-    softcap: float = 0.0
-
-    def kernel_args(self, seq_q: int, seq_k: int) -> tuple[tuple, dict]:
-        """The kernels' (UPPER_OFFSET, LOWER_OFFSET, score_scale, cap_log2) and their constexprs
-        (IS_CAUSAL: any upper bound, HAS_LOWER, SOFTCAP): row i sees key j iff j <= i + UPPER_OFFSET
-        and j >= i + LOWER_OFFSET; the exponent (log2 units) is dot * score_scale, or with SOFTCAP
-        tanh(dot * score_scale) * cap_log2."""
-        offset = seq_k - seq_q if self.bottom_right else 0
-        left, right = self.window
-        upper = self.causal or right >= 0
-        upper_offset = offset + (0 if self.causal else right) if upper else 0
-        lower_offset = offset - left if left >= 0 else 0
-        if self.softcap:
-            factors = (self.scale / self.softcap, self.softcap * LOG2E.value)
-        else:
-            factors = (self.scale * LOG2E.value, 1.0)
-        return ((upper_offset, lower_offset, *factors),
-                {"IS_CAUSAL": upper, "HAS_LOWER": left >= 0, "SOFTCAP": bool(self.softcap)})
-
-
-class Packed(NamedTuple):
-    """A packed batch of variable-length sequences: sequence b's query rows are
-    cu_q[b]:cu_q[b + 1] of the packed tensor, its keys cu_k[b]:cu_k[b + 1]."""
-
-    cu_q: torch.Tensor  # int32, (B + 1,), on the tensors' device
-    cu_k: torch.Tensor
-    sequences: int  # B
-    max_q: int  # the longest sequence's query rows: the grid's extent
-    max_k: int
-
-
-def per_sequence(strides: tuple, packed: Packed | None) -> tuple:
-    """A tensor's strides as a kernel takes them: in a packed batch the leading (batch) stride is 0,
-    since a program's "batch" index is its sequence, found by its first row instead."""
-    return tuple(strides) if packed is None else (0, *strides[1:])
-
-
-def sequence_args(scores: Scores, packed: Packed | None, batch: int, seq_q: int, seq_k: int,
-                  unused: torch.Tensor) -> tuple:
-    """What the three main kernels take about the sequences and the scores: (batch, seq_q, seq_k,
-    (cu_q, cu_k), the scores' runtime arguments, their constexprs with VARLEN). A packed batch's
-    are its sequence count and longest lengths, with offsets holding only the window's sides (each
-    sequence adds its own alignment); a dense one passes ``unused`` for the cu_seqlens pointers."""
-    if packed is None:
-        score_args, score_meta = scores.kernel_args(seq_q, seq_k)
-        return batch, seq_q, seq_k, (unused, unused), score_args, {**score_meta, "VARLEN": False}
-    score_args, score_meta = scores.kernel_args(0, 0)
-    return (packed.sequences, packed.max_q, packed.max_k, (packed.cu_q, packed.cu_k), score_args,
-            {**score_meta, "VARLEN": True})
-
-
-@triton.jit
-def _exponent(dot, score_scale, cap_log2, SOFTCAP: tl.constexpr):
-    """(the scores in log2 units, tanh of the capped score or 0): dot * score_scale, or with SOFTCAP
-    tanh(dot * score_scale) * cap_log2; tanh as 1 - 2 / (e^2x + 1), which saturates to +-1 cleanly."""
-    if SOFTCAP:
-        t = 1.0 - 2.0 / (tl.math.exp2(dot * (2.0 * LOG2E * score_scale)) + 1.0)
-        return t * cap_log2, t
-    else:  # the else keeps Triton from compiling both returns (their types differ)
-        return dot * score_scale, 0.0
-
-
-@triton.jit
-def _visible(rows, cols, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, IS_CAUSAL: tl.constexpr, HAS_LOWER: tl.constexpr):
-    """Whether query ``rows`` see keys ``cols`` (broadcast against each other): the key exists and
-    lies within the bounds."""
-    visible = cols < SEQ_K
-    if IS_CAUSAL:
-        visible = visible & (cols <= rows + UPPER_OFFSET)
-    if HAS_LOWER:
-        visible = visible & (cols >= rows + LOWER_OFFSET)
-    return visible
-
-
-@triton.jit
-def _sequence(batch, cu_q_ptr, cu_k_ptr, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, VARLEN: tl.constexpr):
-    """(first query row, query rows, first key, keys, UPPER_OFFSET, LOWER_OFFSET) of sequence ``batch``:
-    the problem's own in a dense batch; in a packed one (VARLEN) from cu_seqlens, the offsets then
-    aligned bottom-right for this sequence's lengths (they hold only the window's sides)."""
-    if VARLEN:
-        q_start = tl.load(cu_q_ptr + batch)
-        k_start = tl.load(cu_k_ptr + batch)
-        seq_q = tl.load(cu_q_ptr + batch + 1) - q_start
-        seq_k = tl.load(cu_k_ptr + batch + 1) - k_start
-        return (q_start.to(tl.int64), seq_q, k_start.to(tl.int64), seq_k, UPPER_OFFSET + seq_k - seq_q,
-                LOWER_OFFSET + seq_k - seq_q)
-    else:  # the else keeps Triton from compiling both returns (their types differ)
-        return 0, SEQ_Q, 0, SEQ_K, UPPER_OFFSET, LOWER_OFFSET
-
-
-@triton.jit
-def _key_ranges(start_m, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, IS_CAUSAL: tl.constexpr,
-                HAS_LOWER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The keys of query rows [start_m, start_m + BLOCK_M), as (start, inner_start, inner_end, end):
-    [inner_start, inner_end) every row sees whole, a multiple of BLOCK_N long; [start, inner_start)
-    and [inner_end, end) need masks; keys outside [start, end) no row sees (all of them when the
-    rows lie past SEQ_Q: a program past its packed sequence's end)."""
-    if IS_CAUSAL:  # the last row's bound for the end, the first row's for the blocks all rows see
-        end = tl.maximum(tl.minimum(SEQ_K, start_m + BLOCK_M + UPPER_OFFSET), 0)
-        inner_end = tl.maximum(tl.minimum(SEQ_K, start_m + 1 + UPPER_OFFSET), 0) // BLOCK_N * BLOCK_N
-    else:
-        end = SEQ_K
-        inner_end = SEQ_K // BLOCK_N * BLOCK_N
-    if HAS_LOWER:  # the first row's bound for the start, the last row's for the blocks all rows see
-        start = tl.maximum(start_m + LOWER_OFFSET, 0) // BLOCK_N * BLOCK_N
-        inner_start = tl.cdiv(tl.maximum(start_m + BLOCK_M - 1 + LOWER_OFFSET, 0), BLOCK_N) * BLOCK_N
-    else:
-        start = tl.full([], 0, tl.int32)
-        inner_start = tl.full([], 0, tl.int32)
-    end = tl.where(start_m < SEQ_Q, end, start)
-    inner_start = tl.minimum(tl.maximum(inner_start, start), end)
-    inner_end = tl.maximum(tl.minimum(inner_end, end), inner_start)
-    return start, inner_start, inner_end, end
+DELTA_BLOCK_M = 64  # query rows a delta program reduces
 
 
 @triton.jit
@@ -258,6 +154,68 @@ def _dkdv_steps(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_target, batc
                 else:
                     tl.atomic_add(acc_ptrs, dq, mask=d_mask[None, :], sem="relaxed")
     return dk, dv
+
+
+# ---------------------------------------------------------------- the main kernels' tiles: configs and prune
+
+KERNELS = ("dkdv", "dq")  # a backward config holds one launch config for each: {"dkdv": ..., "dq": ...}
+# The interpreter's tiles, as the forward's: several blocks a test shape, both loops' edges run.
+INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+# In both kernels BLOCK_M counts query rows and BLOCK_N keys: dK/dV programs hold BLOCK_N keys and
+# step BLOCK_M rows; dQ programs hold BLOCK_M rows and step BLOCK_N keys. Held tiles of 32 to 128
+# (64 and up: wgmma's M), steps of 16 to 64.
+_LAUNCH = [{"num_warps": warps, "num_stages": stages} for warps in (4, 8) for stages in (2, 3)]
+HELD = {"dkdv": "BLOCK_N", "dq": "BLOCK_M"}  # the tile a program holds; the other is its loop's step
+# fp32 values a thread past which a config spills on sm_90, fitted to `tritonkit inspect` scans at
+# D = 64, 128 and 256 (4 and 8 warps, 2 and 3 stages): dK/dV holds two accumulators of its keys
+# by D and a scores tile and dP tile of keys by step, (2 held D + 2 held step) / threads; it spilled
+# from 192 on and not up to 160 at D <= 128 (at D = 256, 64-key tiles spill from 136: an estimate,
+# and the tuner times what it lets through). dQ holds its accumulator and Q and dO: up to 192.
+MAX_TILE_VALUES = {"dkdv": 160, "dq": 192}
+
+
+def default_config(head_dim: int) -> dict:
+    """The backward's launch configs before tuning. Picked from a scan of sm_90 builds (`tritonkit
+    inspect attention --config ...`) among the tiles whose matmuls are all HGMMA with no spills,
+    preferring more rows held (fewer re-reads of the other operand) below ~200 registers. At D = 256
+    every wgmma tile of dK/dV spilled (two fp32 accumulators of BLOCK_N x 256, and the masked and
+    unmasked loops each hold their tiles), so 32 keys by 16-row steps at 4 warps there, which
+    compile to mma.sync (HMMA) in 241 registers."""
+    if interpret():
+        return {kernel: dict(INTERPRETER_CONFIG) for kernel in KERNELS}
+    if head_dim <= 64:
+        return {"dkdv": {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
+                "dq": {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}}
+    if head_dim <= 128:
+        return {"dkdv": {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
+                "dq": {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}}
+    return {"dkdv": {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
+            "dq": {"BLOCK_M": 64, "BLOCK_N": 16, "num_warps": 8, "num_stages": 2}}
+
+
+def _prune(kernel: str, config: dict, key: dict) -> bool:
+    """True drops the config: more fp32 values a thread than compile without spilling, more shared
+    memory than an SM has (the pipelined step's two tiles a stage, and the held tiles), or a held
+    tile past twice the problem's rows (keys for dK/dV, query rows for dQ)."""
+    block_d, threads = _block_d(key["head_dim"]), 32 * config["num_warps"]
+    held, step = config[HELD[kernel]], config["BLOCK_M" if kernel == "dkdv" else "BLOCK_N"]
+    values = (2 * held * block_d + 2 * held * step) / threads
+    shared = 2 * (config["num_stages"] * 2 * step * block_d + 2 * held * block_d)
+    if config.get("TMA_DQ"):  # the dq tile is staged in shared memory for the bulk reduction
+        if key.get("dq") != "atomic":
+            return True
+        shared += 4 * step * block_d
+    rows = key["seq_k"] if kernel == "dkdv" else key["seq_q"]
+    too_much_shared = shared > shared_memory_bytes(current_device())
+    return values > MAX_TILE_VALUES[kernel] or too_much_shared or held > 2 * rows
+
+
+# dK/dV: programs hold BLOCK_N keys and step BLOCK_M query rows
+DKDV_CONFIGS = ([{"BLOCK_M": step, "BLOCK_N": held, **launch}
+                 for held in (32, 64, 128) for step in (16, 32, 64) for launch in _LAUNCH]
+                # atomic dq added a tile at a time by TMA (keys whose dq is atomic only; not yet timed)
+                + [{"BLOCK_M": step, "BLOCK_N": held, **launch, "TMA_DQ": True}
+                   for held in (64, 128) for step in (32, 64) for launch in _LAUNCH])
 
 
 @triton.jit
@@ -391,6 +349,11 @@ def _dq_steps(dq, q, do, lse_log2, delta, k_head, v_head, stride_kn, stride_kd, 
     return dq
 
 
+# dQ: programs hold BLOCK_M query rows and step BLOCK_N keys
+DQ_CONFIGS = [{"BLOCK_M": held, "BLOCK_N": step, **launch}
+              for held in (64, 128) for step in (16, 32, 64) for launch in _LAUNCH]
+
+
 @triton.jit
 def _attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr,  # as in the dK/dV kernel
@@ -460,68 +423,7 @@ def _attn_bwd_dq_kernel(
 _delta_launcher = Launcher(_attn_bwd_delta_kernel)
 _dkdv_launcher = Launcher(_attn_bwd_dkdv_kernel)
 _dq_launcher = Launcher(_attn_bwd_dq_kernel)
-DELTA_BLOCK_M = 64
-KERNELS = ("dkdv", "dq")  # a backward config holds one launch config for each: {"dkdv": ..., "dq": ...}
-# The interpreter's tiles, as the forward's: several blocks a test shape, both loops' edges run.
-INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
-# In both kernels BLOCK_M counts query rows and BLOCK_N keys: dK/dV programs hold BLOCK_N keys and
-# step BLOCK_M rows; dQ programs hold BLOCK_M rows and step BLOCK_N keys. Held tiles of 32 to 128
-# (64 and up: wgmma's M), steps of 16 to 64.
-_LAUNCH = [{"num_warps": warps, "num_stages": stages} for warps in (4, 8) for stages in (2, 3)]
-CONFIGS = {"dkdv": [{"BLOCK_M": step, "BLOCK_N": held, **launch}
-                    for held in (32, 64, 128) for step in (16, 32, 64) for launch in _LAUNCH]
-           # atomic dq added a tile at a time by TMA (keys whose dq is atomic only; not yet timed)
-           + [{"BLOCK_M": step, "BLOCK_N": held, **launch, "TMA_DQ": True}
-              for held in (64, 128) for step in (32, 64) for launch in _LAUNCH],
-           "dq": [{"BLOCK_M": held, "BLOCK_N": step, **launch}
-                  for held in (64, 128) for step in (16, 32, 64) for launch in _LAUNCH]}
-HELD = {"dkdv": "BLOCK_N", "dq": "BLOCK_M"}  # the tile a program holds; the other is its loop's step
-# fp32 values a thread past which a config spills on sm_90, fitted to `tritonkit inspect` scans at
-# D = 64, 128 and 256 (4 and 8 warps, 2 and 3 stages): dK/dV holds two accumulators of its keys
-# by D and a scores tile and dP tile of keys by step, (2 held D + 2 held step) / threads; it spilled
-# from 192 on and not up to 160 at D <= 128 (at D = 256, 64-key tiles spill from 136: an estimate,
-# and the tuner times what it lets through). dQ holds its accumulator and Q and dO: up to 192.
-MAX_TILE_VALUES = {"dkdv": 160, "dq": 192}
-
-
-def default_config(head_dim: int) -> dict:
-    """The backward's launch configs before tuning. Picked from a scan of sm_90 builds (`tritonkit
-    inspect attention --config ...`) among the tiles whose matmuls are all HGMMA with no spills,
-    preferring more rows held (fewer re-reads of the other operand) below ~200 registers. At D = 256
-    every wgmma tile of dK/dV spilled (two fp32 accumulators of BLOCK_N x 256, and the masked and
-    unmasked loops each hold their tiles), so 32 keys by 16-row steps at 4 warps there, which
-    compile to mma.sync (HMMA) in 241 registers."""
-    if interpret():
-        return {kernel: dict(INTERPRETER_CONFIG) for kernel in KERNELS}
-    if head_dim <= 64:
-        return {"dkdv": {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
-                "dq": {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}}
-    if head_dim <= 128:
-        return {"dkdv": {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
-                "dq": {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}}
-    return {"dkdv": {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
-            "dq": {"BLOCK_M": 64, "BLOCK_N": 16, "num_warps": 8, "num_stages": 2}}
-
-
-def _block_d(head_dim: int) -> int:
-    return max(16, triton.next_power_of_2(head_dim))
-
-
-def _prune(kernel: str, config: dict, key: dict) -> bool:
-    """True drops the config: more fp32 values a thread than compile without spilling, more shared
-    memory than an SM has (the pipelined step's two tiles a stage, and the held tiles), or a held
-    tile past twice the problem's rows (keys for dK/dV, query rows for dQ)."""
-    block_d, threads = _block_d(key["head_dim"]), 32 * config["num_warps"]
-    held, step = config[HELD[kernel]], config["BLOCK_M" if kernel == "dkdv" else "BLOCK_N"]
-    values = (2 * held * block_d + 2 * held * step) / threads
-    shared = 2 * (config["num_stages"] * 2 * step * block_d + 2 * held * block_d)
-    if config.get("TMA_DQ"):  # the dq tile is staged in shared memory for the bulk reduction
-        if key.get("dq") != "atomic":
-            return True
-        shared += 4 * step * block_d
-    rows = key["seq_k"] if kernel == "dkdv" else key["seq_q"]
-    too_much_shared = shared > shared_memory_bytes(current_device())
-    return values > MAX_TILE_VALUES[kernel] or too_much_shared or held > 2 * rows
+CONFIGS = {"dkdv": DKDV_CONFIGS, "dq": DQ_CONFIGS}  # by kernel, as KERNELS names them
 
 
 def _launch_delta(o, do, lse, dlse, delta) -> tuple:
@@ -572,8 +474,6 @@ def _reference_grads(q, k, v, do, scores: Scores) -> tuple:
     """(dq, dk, dv) of plain attention by the formulas above, in the inputs' dtype, for small
     problems: the tuner's gate runs inside the backward op, where autograd does not record, so the
     reference's gradients are written out (a test holds them to autograd's)."""
-    from tritonkit.ops.attention import reference_visible
-
     heads_kv, group = k.shape[1], q.shape[1] // k.shape[1]
     k_q, v_q = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     logits = (q @ k_q.transpose(-1, -2)) * scores.scale
@@ -596,13 +496,12 @@ def _admit(kernel: str, key: dict, scores: Scores, device, config: dict):
     """The oracle on the gradients ``config``'s kernel writes (dk and dv, and dq too when the key's
     dq is accumulated with atomics; or dq) for a calibration problem, the other kernel on its
     default: the worst comparison."""
-    from tritonkit.ops import attention_fwd as fwd
     from tritonkit.testing import compare, generator, random_tensor, worst
 
-    q, k, v = fwd._calibration(key, config, device)
-    scores = fwd._calibration_scores(scores, config)
+    q, k, v = calibration_inputs(key, config, device)
+    scores = calibration_scores(scores, config)
     do = random_tensor(q.shape, q.dtype, device, generator=generator(13))
-    o, lse = fwd._attention_fwd(q, k, v, scores, config=fwd._default(key))
+    o, lse = fwd.attention_fwd(q, k, v, scores, config=fwd._default(key))
     configs = default_config(key["head_dim"]) | {kernel: config}
     atomic = key.get("dq") == "atomic"
     grads = attention_bwd(do, q, k, v, o, lse, None, scores, configs, deterministic=not atomic)
@@ -633,14 +532,12 @@ def _configs(q, k, v, do, lse, delta, outputs: dict, scores: Scores, packed: Pac
     """The tuned (or default) config of each main kernel ``outputs`` names, for this call's
     signature; dK/dV's key says when it accumulates dq with atomics (its candidates then compete
     at that work)."""
-    from tritonkit.ops import attention_fwd as fwd
-
     atomic = outputs["dkdv"][2] is not None
     signature = (q.shape, k.shape, q.dtype, q.device, scores, packed and packed[2:], atomic)
     configs = _chosen.get(signature)
     if configs is not None:
         return configs
-    key = fwd._tuning_key(q, k, scores, packed) | ({"dq": "atomic"} if atomic else {})
+    key = tuning_key(q, k, scores, packed) | ({"dq": "atomic"} if atomic else {})
     configs, final = {}, True
     for kernel in outputs:
         tuner = _TUNERS[kernel]

@@ -1,7 +1,8 @@
-"""Attention's public functions: ``flash_attention`` and ``scaled_dot_product_attention``, their
-argument checks, the custom ops with their autograd, the plain-PyTorch reference, the cost model
-and the benchmark specs. The kernels are in ``attention_fwd`` (forward, and its tuning) and
-``attention_bwd`` (backward, and the scores' masks and cap both share).
+"""Attention's public functions: ``flash_attention`` and ``scaled_dot_product_attention``, the
+packed batches' and the window's argument checks, the custom ops with their autograd, the cost
+model, the launches ``tritonkit inspect`` compiles and the benchmark specs. The kernels are in
+``fwd`` (forward, and its tuning) and ``bwd`` (backward, and its tuning); what both share (the
+scores' masks and cap, the dense checks, the reference) is in ``common``.
 """
 
 from __future__ import annotations
@@ -12,46 +13,17 @@ import math
 import torch
 
 from tritonkit._launch import Launch
-from tritonkit._runtime import check_device
-from tritonkit.ops.attention_bwd import Packed, Scores, attention_bwd
-from tritonkit.ops.attention_bwd import _inspect_launches as _inspect_bwd_launches
-from tritonkit.ops.attention_fwd import (
+from tritonkit.ops.attention.bwd import KERNELS, attention_bwd
+from tritonkit.ops.attention.bwd import _inspect_launches as _inspect_bwd_launches
+from tritonkit.ops.attention.common import (
     DTYPES,
-    MAX_HEAD_DIM,
-    _attention_fwd,
-    _attn_fwd_kernel,
-    _fwd_launch_args,
+    Packed,
+    Scores,
+    attention_reference,
+    softmax_scale,
+    validate_qkv,
 )
-
-
-def _validate(q, k, v) -> None:
-    for name, tensor in (("query", q), ("key", k), ("value", v)):
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.dtype not in DTYPES:
-            raise TypeError(f"{name} must be float16 or bfloat16, got {tensor.dtype}")
-        if tensor.dim() != 4:
-            raise ValueError(f"{name} must be 4-D (batch, heads, sequence, head dim), got shape "
-                             f"{tuple(tensor.shape)}")
-        check_device(name, tensor)
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"query, key and value must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if k.device != q.device or v.device != q.device:
-        raise ValueError(f"query, key and value must be on one device, got {q.device}, {k.device}, "
-                         f"{v.device}")
-    (batch, heads_q, _, head_dim), (batch_k, heads_kv, _, head_dim_k) = q.shape, k.shape
-    if v.shape != k.shape:
-        raise ValueError(f"value must have key's shape {tuple(k.shape)}, got {tuple(v.shape)}")
-    if batch_k != batch:
-        raise ValueError(f"key and value must have query's batch size {batch}, got {batch_k}")
-    if head_dim_k != head_dim:
-        raise ValueError(f"key and value must have query's head dim {head_dim}, got {head_dim_k}")
-    if not 1 <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"head dim must be 1 to {MAX_HEAD_DIM}, got {head_dim}")
-    if heads_kv == 0 or heads_q % heads_kv:
-        raise ValueError(f"query heads ({heads_q}) must be a multiple of key/value heads ({heads_kv})")
-
-
+from tritonkit.ops.attention.fwd import _attn_fwd_kernel, _fwd_launch_args, attention_fwd
 
 # ---------------------------------------------------------------- custom op and public functions
 
@@ -64,14 +36,14 @@ def _attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
                       causal: bool, bottom_right: bool, window_left: int, window_right: int, softcap: float,
                       deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
     # deterministic is the backward's: the forward takes it so that autograd hands it on
-    return _attention_fwd(q, k, v, Scores(scale, causal, bottom_right, (window_left, window_right), softcap),
-                          packed=_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    return attention_fwd(q, k, v, Scores(scale, causal, bottom_right, (window_left, window_right), softcap),
+                         packed=_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
 
 
 @_attention_fwd_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *scores):
     if cu_seqlens_q is None:
-        _validate(q, k, v)
+        validate_qkv(q, k, v)
         return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
@@ -126,10 +98,6 @@ def _call(q, k, v, scores: Scores, packed: Packed | None = None,
                              scores.bottom_right, *scores.window, scores.softcap, bool(deterministic))
 
 
-def _scale(scale: float | None, head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-
-
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                     scale: float | None = None, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                     return_lse: bool = False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
@@ -160,12 +128,12 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
             if value is not None:
                 raise ValueError(f"{name} is for packed batches: pass cu_seqlens_q and cu_seqlens_k too")
-        _validate(q, k, v)
+        validate_qkv(q, k, v)
         packed = None
     else:
         packed = _validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    o, lse = _call(q, k, v, Scores(_scale(scale, q.shape[-1]), bool(causal), True, window, softcap), packed,
-                   deterministic)
+    scores = Scores(softmax_scale(scale, q.shape[-1]), bool(causal), True, window, softcap)
+    o, lse = _call(q, k, v, scores, packed, deterministic)
     return (o, lse) if return_lse else o
 
 
@@ -175,7 +143,7 @@ def _validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         if isinstance(tensor, torch.Tensor) and tensor.dim() != 3:
             raise ValueError(f"a packed {name} must be 3-D (total tokens, heads, head dim), got shape "
                              f"{tuple(tensor.shape)}")
-    _validate(*(t.transpose(0, 1).unsqueeze(0) if isinstance(t, torch.Tensor) else t for t in (q, k, v)))
+    validate_qkv(*(t.transpose(0, 1).unsqueeze(0) if isinstance(t, torch.Tensor) else t for t in (q, k, v)))
     lengths = {}
     for name, cu, tensor in (("cu_seqlens_q", cu_seqlens_q, q), ("cu_seqlens_k", cu_seqlens_k, k)):
         if not isinstance(cu, torch.Tensor):
@@ -231,88 +199,15 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
                                   "or flash_attention's window)")
     if dropout_p:
         raise NotImplementedError("scaled_dot_product_attention: dropout_p > 0 is not supported")
-    _validate(query, key, value)
+    validate_qkv(query, key, value)
     if key.shape[1] != query.shape[1] and not enable_gqa:
         raise ValueError(f"query has {query.shape[1]} heads and key/value {key.shape[1]}: pass "
                          "enable_gqa=True for grouped-query attention, as torch requires")
-    o, _ = _call(query, key, value, Scores(_scale(scale, query.shape[-1]), bool(is_causal), False))
+    o, _ = _call(query, key, value, Scores(softmax_scale(scale, query.shape[-1]), bool(is_causal), False))
     return o
 
 
-# ---------------------------------------------------------------- reference and cost
-
-
-REFERENCE_SCORE_BYTES = 2**31  # the reference takes query rows in chunks whose scores fit in this
-
-
-def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                        scale: float | None = None, bottom_right: bool = True, return_lse: bool = False,
-                        window: tuple[int, int] = (-1, -1), softcap: float = 0.0, cu_seqlens_q=None,
-                        cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, deterministic: bool = True):
-    """Plain PyTorch attention with the kernel's conventions (rows that see no key give 0 and lse
-    -inf); pass float64 inputs for the oracle's reference. Query rows go in chunks whose scores
-    take at most REFERENCE_SCORE_BYTES (at (2, 16, 16384, 128) whole float64 scores would be 69 GB);
-    with several chunks, each is recomputed in the backward instead of kept (activation
-    checkpointing), so the reference's gradients fit too. A packed batch (``cu_seqlens_*``) goes
-    a sequence at a time; ``max_seqlen_*`` and ``deterministic`` are flash_attention's, accepted and
-    not needed."""
-    if cu_seqlens_q is not None:
-        bounds = [(int(a), int(b), int(c), int(d)) for a, b, c, d in
-                  zip(cu_seqlens_q[:-1], cu_seqlens_q[1:], cu_seqlens_k[:-1], cu_seqlens_k[1:], strict=True)]
-        parts = [attention_reference(*(t[start:end].transpose(0, 1).unsqueeze(0)
-                                       for t, start, end in ((q, q0, q1), (k, k0, k1), (v, k0, k1))),
-                                     causal, scale, bottom_right, True, window, softcap)
-                 for q0, q1, k0, k1 in bounds]
-        o = torch.cat([q[:0], *(part[0][0].transpose(0, 1) for part in parts)])
-        lse = torch.cat([q.new_empty((q.shape[1], 0), dtype=parts[0][1].dtype if parts else torch.float32),
-                         *(part[1][0] for part in parts)], dim=1)
-        return (o, lse) if return_lse else o
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    batch, heads, seq_q, _ = q.shape
-    rows = max(1, REFERENCE_SCORE_BYTES // max(1, batch * heads * k.shape[2] * q.element_size()))
-    chunk = functools.partial(_reference_rows, scores=Scores(_scale(scale, q.shape[-1]), causal, bottom_right,
-                                                             tuple(window), softcap), seq_q=seq_q)
-    if seq_q <= rows:
-        o, lse = chunk(q, k, v, 0)
-    else:
-        from torch.utils.checkpoint import checkpoint
-
-        parts = [checkpoint(chunk, q[:, :, start:start + rows], k, v, start, use_reentrant=False)
-                 for start in range(0, seq_q, rows)]
-        o, lse = torch.cat([p[0] for p in parts], dim=2), torch.cat([p[1] for p in parts], dim=2)
-    return (o, lse if lse.dtype == torch.float64 else lse.float()) if return_lse else o
-
-
-def reference_visible(scores: Scores, first_row: int, rows: int, seq_q: int, seq_k: int, device):
-    """(rows, Sk) whether query rows first_row... see each key under ``scores``' masks; None when
-    every row sees every key."""
-    left, right = scores.window
-    if not scores.causal and left < 0 and right < 0:
-        return None
-    offset = seq_k - seq_q if scores.bottom_right else 0
-    diagonal = torch.arange(first_row, first_row + rows, device=device)[:, None] + offset
-    keys = torch.arange(seq_k, device=device)[None, :]
-    visible = torch.ones((rows, seq_k), dtype=torch.bool, device=device)
-    if scores.causal or right >= 0:
-        visible &= keys <= diagonal + (0 if scores.causal else right)
-    if left >= 0:
-        visible &= keys >= diagonal - left
-    return visible
-
-
-def _reference_rows(q, k, v, first_row: int, scores: Scores, seq_q: int):
-    """(output, lse) of the reference for the query rows ``q`` (the first of them row ``first_row``)."""
-    logits = (q @ k.transpose(-1, -2)) * scores.scale
-    if scores.softcap:
-        logits = scores.softcap * torch.tanh(logits / scores.softcap)
-    visible = reference_visible(scores, first_row, q.shape[2], seq_q, k.shape[2], q.device)
-    if visible is None:
-        return torch.softmax(logits, dim=-1) @ v, torch.logsumexp(logits, dim=-1)
-    sees = visible.any(-1, keepdim=True)  # a row that sees no key: 0 out, lse -inf, no NaN in the VJP
-    logits = logits.masked_fill(~visible, -math.inf).masked_fill(~sees, 0.0)
-    return ((torch.softmax(logits, dim=-1) * sees) @ v,
-            torch.logsumexp(logits, dim=-1).masked_fill(~sees[:, 0], -math.inf))
+# ---------------------------------------------------------------- cost and inspection
 
 
 def attention_cost(shape: tuple, dtype: torch.dtype, mode: str = "fwd", causal: bool = False):
@@ -336,15 +231,13 @@ def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None = No
     """The forward's launch and the backward's three for a benchmark shape (B, Hq, Hkv, S, D): what
     ``tritonkit inspect`` compiles. A ``config`` sets the forward's tile, and under "dkdv" and "dq"
     the backward kernels' (over their defaults)."""
-    from tritonkit.ops.attention_bwd import KERNELS
-
     batch, heads_q, heads_kv, seq, head_dim = shape
     q = torch.empty((batch, heads_q, seq, head_dim), dtype=dtype, device="meta")
     kv = torch.empty((batch, heads_kv, seq, head_dim), dtype=dtype, device="meta")
     lse = torch.empty((batch, heads_q, seq), dtype=torch.float32, device="meta")
     fwd_config = {name: value for name, value in (config or {}).items() if name not in KERNELS}
     bwd_config = {name: value for name, value in (config or {}).items() if name in KERNELS}
-    scores = Scores(_scale(None, head_dim), causal)
+    scores = Scores(softmax_scale(None, head_dim), causal)
     _, args, meta = _fwd_launch_args(q, kv, kv, q, lse, scores, fwd_config or None)
     return [Launch("fwd", _attn_fwd_kernel, args, meta, fwd_config),
             *_inspect_bwd_launches(shape, dtype, bwd_config, scores)]

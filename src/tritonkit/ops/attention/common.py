@@ -1,0 +1,313 @@
+"""What attention's forward and backward share, so that each imports it from here and neither
+imports the other for it: how scores are scaled, capped and masked (``Scores``), packed
+variable-length batches (``Packed``), the ``@triton.jit`` helpers both kernels call for the
+exponent, the masks, a packed sequence's bounds and a query block's key ranges; the argument
+checks and the default scale; the forward's tuning key and calibration problem, which both
+tuners key and gate with; and the plain-PyTorch reference the gates compare against.
+
+The maths and the kernels are in ``fwd`` and ``bwd``; the public functions in ``attention``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import torch
+
+from tritonkit._runtime import check_device
+from tritonkit._triton import tl, triton
+from tritonkit.dtypes import DTYPE_OF, HALVES, NAME_OF
+from tritonkit.jit import LOG2E
+
+DTYPES = HALVES  # the dtypes attention takes
+MAX_HEAD_DIM = 256  # a (BLOCK_M, 256) fp32 accumulator is already 128 registers a thread at 8 warps
+
+
+class Scores(NamedTuple):
+    """How q . k becomes the softmax's input: scaled, soft-capped, masked. Query i sees key j iff
+    j <= i + offset + right (causal: right = 0) and j >= i + offset - left, where offset = Sk - Sq
+    aligned bottom-right and 0 top-left, and a -1 in ``window`` = (left, right) leaves that side
+    unbounded. ``softcap`` > 0 turns the scaled score s into softcap * tanh(s / softcap)."""
+
+    scale: float
+    causal: bool = False
+    bottom_right: bool = True
+    window: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+
+    def kernel_args(self, seq_q: int, seq_k: int) -> tuple[tuple, dict]:
+        """The kernels' (UPPER_OFFSET, LOWER_OFFSET, score_scale, cap_log2) and their constexprs
+        (IS_CAUSAL: any upper bound, HAS_LOWER, SOFTCAP): row i sees key j iff j <= i + UPPER_OFFSET
+        and j >= i + LOWER_OFFSET; the exponent (log2 units) is dot * score_scale, or with SOFTCAP
+        tanh(dot * score_scale) * cap_log2."""
+        offset = seq_k - seq_q if self.bottom_right else 0
+        left, right = self.window
+        upper = self.causal or right >= 0
+        upper_offset = offset + (0 if self.causal else right) if upper else 0
+        lower_offset = offset - left if left >= 0 else 0
+        if self.softcap:
+            factors = (self.scale / self.softcap, self.softcap * LOG2E.value)
+        else:
+            factors = (self.scale * LOG2E.value, 1.0)
+        return ((upper_offset, lower_offset, *factors),
+                {"IS_CAUSAL": upper, "HAS_LOWER": left >= 0, "SOFTCAP": bool(self.softcap)})
+
+
+class Packed(NamedTuple):
+    """A packed batch of variable-length sequences: sequence b's query rows are
+    cu_q[b]:cu_q[b + 1] of the packed tensor, its keys cu_k[b]:cu_k[b + 1]."""
+
+    cu_q: torch.Tensor  # int32, (B + 1,), on the tensors' device
+    cu_k: torch.Tensor
+    sequences: int  # B
+    max_q: int  # the longest sequence's query rows: the grid's extent
+    max_k: int
+
+
+def per_sequence(strides: tuple, packed: Packed | None) -> tuple:
+    """A tensor's strides as a kernel takes them: in a packed batch the leading (batch) stride is 0,
+    since a program's "batch" index is its sequence, found by its first row instead."""
+    return tuple(strides) if packed is None else (0, *strides[1:])
+
+
+def sequence_args(scores: Scores, packed: Packed | None, batch: int, seq_q: int, seq_k: int,
+                  unused: torch.Tensor) -> tuple:
+    """What the three main kernels take about the sequences and the scores: (batch, seq_q, seq_k,
+    (cu_q, cu_k), the scores' runtime arguments, their constexprs with VARLEN). A packed batch's
+    are its sequence count and longest lengths, with offsets holding only the window's sides (each
+    sequence adds its own alignment); a dense one passes ``unused`` for the cu_seqlens pointers."""
+    if packed is None:
+        score_args, score_meta = scores.kernel_args(seq_q, seq_k)
+        return batch, seq_q, seq_k, (unused, unused), score_args, {**score_meta, "VARLEN": False}
+    score_args, score_meta = scores.kernel_args(0, 0)
+    return (packed.sequences, packed.max_q, packed.max_k, (packed.cu_q, packed.cu_k), score_args,
+            {**score_meta, "VARLEN": True})
+
+
+def softmax_scale(scale: float | None, head_dim: int) -> float:
+    """``scale``, or 1/sqrt(D) where it is None (torch's and FlashAttention's default)."""
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
+def validate_qkv(q, k, v) -> None:
+    """Check dense (B, H, S, D) query, key and value: a TypeError or ValueError naming what is wrong."""
+    for name, tensor in (("query", q), ("key", k), ("value", v)):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dtype not in DTYPES:
+            raise TypeError(f"{name} must be float16 or bfloat16, got {tensor.dtype}")
+        if tensor.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (batch, heads, sequence, head dim), got shape "
+                             f"{tuple(tensor.shape)}")
+        check_device(name, tensor)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"query, key and value must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"query, key and value must be on one device, got {q.device}, {k.device}, "
+                         f"{v.device}")
+    (batch, heads_q, _, head_dim), (batch_k, heads_kv, _, head_dim_k) = q.shape, k.shape
+    if v.shape != k.shape:
+        raise ValueError(f"value must have key's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    if batch_k != batch:
+        raise ValueError(f"key and value must have query's batch size {batch}, got {batch_k}")
+    if head_dim_k != head_dim:
+        raise ValueError(f"key and value must have query's head dim {head_dim}, got {head_dim_k}")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim must be 1 to {MAX_HEAD_DIM}, got {head_dim}")
+    if heads_kv == 0 or heads_q % heads_kv:
+        raise ValueError(f"query heads ({heads_q}) must be a multiple of key/value heads ({heads_kv})")
+
+
+# ---------------------------------------------------------------- jit helpers of both kernels
+
+
+@triton.jit
+def _exponent(dot, score_scale, cap_log2, SOFTCAP: tl.constexpr):
+    """(the scores in log2 units, tanh of the capped score or 0): dot * score_scale, or with SOFTCAP
+    tanh(dot * score_scale) * cap_log2; tanh as 1 - 2 / (e^2x + 1), which saturates to +-1 cleanly."""
+    if SOFTCAP:
+        t = 1.0 - 2.0 / (tl.math.exp2(dot * (2.0 * LOG2E * score_scale)) + 1.0)
+        return t * cap_log2, t
+    else:  # the else keeps Triton from compiling both returns (their types differ)
+        return dot * score_scale, 0.0
+
+
+@triton.jit
+def _visible(rows, cols, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, IS_CAUSAL: tl.constexpr, HAS_LOWER: tl.constexpr):
+    """Whether query ``rows`` see keys ``cols`` (broadcast against each other): the key exists and
+    lies within the bounds."""
+    visible = cols < SEQ_K
+    if IS_CAUSAL:
+        visible = visible & (cols <= rows + UPPER_OFFSET)
+    if HAS_LOWER:
+        visible = visible & (cols >= rows + LOWER_OFFSET)
+    return visible
+
+
+@triton.jit
+def _sequence(batch, cu_q_ptr, cu_k_ptr, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, VARLEN: tl.constexpr):
+    """(first query row, query rows, first key, keys, UPPER_OFFSET, LOWER_OFFSET) of sequence ``batch``:
+    the problem's own in a dense batch; in a packed one (VARLEN) from cu_seqlens, the offsets then
+    aligned bottom-right for this sequence's lengths (they hold only the window's sides)."""
+    if VARLEN:
+        q_start = tl.load(cu_q_ptr + batch)
+        k_start = tl.load(cu_k_ptr + batch)
+        seq_q = tl.load(cu_q_ptr + batch + 1) - q_start
+        seq_k = tl.load(cu_k_ptr + batch + 1) - k_start
+        return (q_start.to(tl.int64), seq_q, k_start.to(tl.int64), seq_k, UPPER_OFFSET + seq_k - seq_q,
+                LOWER_OFFSET + seq_k - seq_q)
+    else:  # the else keeps Triton from compiling both returns (their types differ)
+        return 0, SEQ_Q, 0, SEQ_K, UPPER_OFFSET, LOWER_OFFSET
+
+
+@triton.jit
+def _key_ranges(start_m, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, IS_CAUSAL: tl.constexpr,
+                HAS_LOWER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The keys of query rows [start_m, start_m + BLOCK_M), as (start, inner_start, inner_end, end):
+    [inner_start, inner_end) every row sees whole, a multiple of BLOCK_N long; [start, inner_start)
+    and [inner_end, end) need masks; keys outside [start, end) no row sees (all of them when the
+    rows lie past SEQ_Q: a program past its packed sequence's end)."""
+    if IS_CAUSAL:  # the last row's bound for the end, the first row's for the blocks all rows see
+        end = tl.maximum(tl.minimum(SEQ_K, start_m + BLOCK_M + UPPER_OFFSET), 0)
+        inner_end = tl.maximum(tl.minimum(SEQ_K, start_m + 1 + UPPER_OFFSET), 0) // BLOCK_N * BLOCK_N
+    else:
+        end = SEQ_K
+        inner_end = SEQ_K // BLOCK_N * BLOCK_N
+    if HAS_LOWER:  # the first row's bound for the start, the last row's for the blocks all rows see
+        start = tl.maximum(start_m + LOWER_OFFSET, 0) // BLOCK_N * BLOCK_N
+        inner_start = tl.cdiv(tl.maximum(start_m + BLOCK_M - 1 + LOWER_OFFSET, 0), BLOCK_N) * BLOCK_N
+    else:
+        start = tl.full([], 0, tl.int32)
+        inner_start = tl.full([], 0, tl.int32)
+    end = tl.where(start_m < SEQ_Q, end, start)
+    inner_start = tl.minimum(tl.maximum(inner_start, start), end)
+    inner_end = tl.maximum(tl.minimum(inner_end, end), inner_start)
+    return start, inner_start, inner_end, end
+
+
+def _block_d(head_dim: int) -> int:
+    """The kernels' BLOCK_D: a power of two >= D, and at least 16, the smallest extent tl.dot
+    takes (D is the contraction of q . k)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+# ---------------------------------------------------------------- tuning key and calibration problem
+# The backward's tuners key by the forward's key (plus how dq is summed) and gate on the same small
+# problem, so that a shape's forward and backward entries name the same bucket.
+
+
+def tuning_key(q: torch.Tensor, k: torch.Tensor, scores: Scores, packed: Packed | None = None) -> dict:
+    """What the fastest tile depends on: the head dim, the masks, the soft cap, the dtype and the
+    problem's size (sequence lengths and batch x heads, each to the next power of two). A packed
+    batch (q and k its (1, H, T, D) views) counts its longest sequences and its sequences, as the
+    dense batch it would pad to; the tile found for that is the one it runs."""
+    batch, heads, seq_q, head_dim = q.shape
+    seq_k = k.shape[2]
+    if packed is not None:
+        batch, seq_q, seq_k = packed.sequences, packed.max_q, packed.max_k
+    pow2 = triton.next_power_of_2
+    mask = ("bottom-right" if scores.bottom_right else "top-left") if scores.causal else "none"
+    sides = [side for side, bound in zip(("left", "right"), scores.window, strict=True) if bound >= 0]
+    window = "+".join(sides)
+    return {"head_dim": head_dim, "mask": mask, "window": window or "none", "softcap": bool(scores.softcap),
+            "dtype": NAME_OF[q.dtype], "seq_q": pow2(seq_q), "seq_k": pow2(seq_k),
+            "batch_heads": pow2(batch * heads), "group": heads // k.shape[1]}
+
+
+def calibration_inputs(key: dict, config: dict, device) -> tuple:
+    """Seeded q, k, v of the key's kind, small: two query blocks and a ragged third, three key blocks
+    and a ragged fourth (fewer where the key's sequences are shorter)."""
+    from tritonkit.testing import generator, random_tensor
+
+    seq_q = min(key["seq_q"], 2 * config["BLOCK_M"] + 5)
+    seq_k = min(key["seq_k"], 3 * config["BLOCK_N"] + 7)
+    dtype = DTYPE_OF[key["dtype"]]
+    g = generator(12)
+    q = random_tensor((1, 2 * key["group"], seq_q, key["head_dim"]), dtype, device, generator=g)
+    kv = [random_tensor((1, 2, seq_k, key["head_dim"]), dtype, device, generator=g) for _ in range(2)]
+    return q, *kv
+
+
+def calibration_scores(scores: Scores, config: dict) -> Scores:
+    """The call's scores for the calibration problem: a window's sides, where it has them, cut
+    inside its few blocks (a window of the real problem's width would cover them whole)."""
+    left, right = scores.window
+    return scores._replace(window=(config["BLOCK_N"] + 7 if left >= 0 else -1, 5 if right >= 0 else -1))
+
+
+# ---------------------------------------------------------------- reference
+
+
+REFERENCE_SCORE_BYTES = 2**31  # the reference takes query rows in chunks whose scores fit in this
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                        scale: float | None = None, bottom_right: bool = True, return_lse: bool = False,
+                        window: tuple[int, int] = (-1, -1), softcap: float = 0.0, cu_seqlens_q=None,
+                        cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, deterministic: bool = True):
+    """Plain PyTorch attention with the kernel's conventions (rows that see no key give 0 and lse
+    -inf); pass float64 inputs for the oracle's reference. Query rows go in chunks whose scores
+    take at most REFERENCE_SCORE_BYTES (at (2, 16, 16384, 128) whole float64 scores would be 69 GB);
+    with several chunks, each is recomputed in the backward instead of kept (activation
+    checkpointing), so the reference's gradients fit too. A packed batch (``cu_seqlens_*``) goes
+    a sequence at a time; ``max_seqlen_*`` and ``deterministic`` are flash_attention's, accepted and
+    not needed."""
+    if cu_seqlens_q is not None:
+        bounds = [(int(a), int(b), int(c), int(d)) for a, b, c, d in
+                  zip(cu_seqlens_q[:-1], cu_seqlens_q[1:], cu_seqlens_k[:-1], cu_seqlens_k[1:], strict=True)]
+        parts = [attention_reference(*(t[start:end].transpose(0, 1).unsqueeze(0)
+                                       for t, start, end in ((q, q0, q1), (k, k0, k1), (v, k0, k1))),
+                                     causal, scale, bottom_right, True, window, softcap)
+                 for q0, q1, k0, k1 in bounds]
+        o = torch.cat([q[:0], *(part[0][0].transpose(0, 1) for part in parts)])
+        lse = torch.cat([q.new_empty((q.shape[1], 0), dtype=parts[0][1].dtype if parts else torch.float32),
+                         *(part[1][0] for part in parts)], dim=1)
+        return (o, lse) if return_lse else o
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    batch, heads, seq_q, _ = q.shape
+    rows = max(1, REFERENCE_SCORE_BYTES // max(1, batch * heads * k.shape[2] * q.element_size()))
+    scores = Scores(softmax_scale(scale, q.shape[-1]), causal, bottom_right, tuple(window), softcap)
+    chunk = functools.partial(_reference_rows, scores=scores, seq_q=seq_q)
+    if seq_q <= rows:
+        o, lse = chunk(q, k, v, 0)
+    else:
+        from torch.utils.checkpoint import checkpoint
+
+        parts = [checkpoint(chunk, q[:, :, start:start + rows], k, v, start, use_reentrant=False)
+                 for start in range(0, seq_q, rows)]
+        o, lse = torch.cat([p[0] for p in parts], dim=2), torch.cat([p[1] for p in parts], dim=2)
+    return (o, lse if lse.dtype == torch.float64 else lse.float()) if return_lse else o
+
+
+def reference_visible(scores: Scores, first_row: int, rows: int, seq_q: int, seq_k: int, device):
+    """(rows, Sk) whether query rows first_row... see each key under ``scores``' masks; None when
+    every row sees every key."""
+    left, right = scores.window
+    if not scores.causal and left < 0 and right < 0:
+        return None
+    offset = seq_k - seq_q if scores.bottom_right else 0
+    diagonal = torch.arange(first_row, first_row + rows, device=device)[:, None] + offset
+    keys = torch.arange(seq_k, device=device)[None, :]
+    visible = torch.ones((rows, seq_k), dtype=torch.bool, device=device)
+    if scores.causal or right >= 0:
+        visible &= keys <= diagonal + (0 if scores.causal else right)
+    if left >= 0:
+        visible &= keys >= diagonal - left
+    return visible
+
+
+def _reference_rows(q, k, v, first_row: int, scores: Scores, seq_q: int):
+    """(output, lse) of the reference for the query rows ``q`` (the first of them row ``first_row``)."""
+    logits = (q @ k.transpose(-1, -2)) * scores.scale
+    if scores.softcap:
+        logits = scores.softcap * torch.tanh(logits / scores.softcap)
+    visible = reference_visible(scores, first_row, q.shape[2], seq_q, k.shape[2], q.device)
+    if visible is None:
+        return torch.softmax(logits, dim=-1) @ v, torch.logsumexp(logits, dim=-1)
+    sees = visible.any(-1, keepdim=True)  # a row that sees no key: 0 out, lse -inf, no NaN in the VJP
+    logits = logits.masked_fill(~visible, -math.inf).masked_fill(~sees, 0.0)
+    return ((torch.softmax(logits, dim=-1) * sees) @ v,
+            torch.logsumexp(logits, dim=-1).masked_fill(~sees[:, 0], -math.inf))
