@@ -98,7 +98,7 @@ def _exchanges(ring, block, backward: bool) -> None:
 
 
 def _diagnostic_rows(shards, grad, causal, device) -> dict:
-    from tritonkit.distributed.ring_attention import _check_across_ranks, _group, _Ring, _RingAttention
+    from tritonkit.distributed.ring import _check_across_ranks, _group, _Ring, _RingAttention
     from tritonkit.ops.attention.common import softmax_scale
 
     group = _group(None)

@@ -14,10 +14,11 @@ import torch
 import tritonkit
 from tritonkit import testing, tuning
 from tritonkit.ops.attention import attention as at
-from tritonkit.ops.attention import attention_reference, merge_attention
 from tritonkit.ops.attention import bwd as ab
 from tritonkit.ops.attention import common as ac
 from tritonkit.ops.attention import fwd as af
+from tritonkit.ops.attention.common import attention_reference
+from tritonkit.ops.attention.merge import merge_attention
 
 pytestmark = pytest.mark.attention
 

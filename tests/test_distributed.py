@@ -33,7 +33,7 @@ def _compare_with_one_process(causal: bool, seq: int) -> list[dict]:
     oracle's torch term) and the float64 reference."""
     import tritonkit
     from tritonkit.distributed import ring_attention, shard_sequence, unshard_sequence
-    from tritonkit.ops.attention import attention_reference
+    from tritonkit.ops.attention.common import attention_reference
     from tritonkit.testing import compare, poisoned_outputs
 
     q, k, v, do = _whole(seq, seed=7 + causal)
