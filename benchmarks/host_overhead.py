@@ -64,8 +64,10 @@ def profile(path: str) -> None:
     x_grad = x.clone().requires_grad_(True)
     dy = torch.randn_like(x)
     out = io.StringIO()
-    for title, call, count in (("eager forward", lambda: bg.bias_gelu(x, b), 2000),
-                               ("forward + backward", lambda: bg.bias_gelu(x_grad, b).backward(dy), 500)):
+    for title, call, count in (
+        ("eager forward", lambda: bg.bias_gelu(x, b), 2000),
+        ("forward + backward", lambda: bg.bias_gelu(x_grad, b).backward(dy), 500),
+    ):
         call()
         profiler = cProfile.Profile()
         profiler.enable()
@@ -89,15 +91,22 @@ def main() -> None:
         "eager_forward_goal_us": 12.0,
         "added_over_bare_triton_launch_us": eager - (bare + alloc),
         "added_goal_us": 5.0,
-        "grad_path_added_over_bare_us":
-            results["tritonkit.bias_gelu (input requires grad: autograd.Function)"] - (bare + alloc),
+        "grad_path_added_over_bare_us": results[
+            "tritonkit.bias_gelu (input requires grad: autograd.Function)"
+        ]
+        - (bare + alloc),
     }
     for name, us in results.items():
         print(f"{us:8.2f} us  {name}")
     for name, value in summary.items():
         print(f"{name}: {value:.2f}")
-    record = {"shape": list(SHAPE), "dtype": "bf16", "host_us": results, "summary": summary,
-              "command": "PYTHONPATH=src python benchmarks/host_overhead.py OUT.json"} | provenance()
+    record = {
+        "shape": list(SHAPE),
+        "dtype": "bf16",
+        "host_us": results,
+        "summary": summary,
+        "command": "PYTHONPATH=src python benchmarks/host_overhead.py OUT.json",
+    } | provenance()
     with open(sys.argv[1], "w") as f:
         json.dump(record, f, indent=1)
     if len(sys.argv) > 2:

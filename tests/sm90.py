@@ -13,17 +13,18 @@ import os
 import subprocess
 import sys
 
-PRELUDE = r'''
+PRELUDE = r"""
 import os
 import re
 from tritonkit.asm import compile_kernel  # (kernel, signature, constexprs, num_warps) -> Report
-'''
+"""
 
 
 def run(body: str, timeout: int = 600) -> list[str]:
     """Run ``PRELUDE + body`` natively compiled; its stdout lines (AssertionError on failure)."""
     env = os.environ | {"TRITONKIT_INTERPRET": "0", "TRITON_INTERPRET": "0"}
-    result = subprocess.run([sys.executable, "-c", PRELUDE + body], capture_output=True, text=True,
-                            env=env, timeout=timeout)
+    result = subprocess.run(
+        [sys.executable, "-c", PRELUDE + body], capture_output=True, text=True, env=env, timeout=timeout
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout.splitlines()

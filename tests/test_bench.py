@@ -18,10 +18,33 @@ from tritonkit.ops import get_op
 
 pytestmark = pytest.mark.infra
 
-ROW_FIELDS = {"op", "provider", "mode", "shape", "dtype", "max_err", "check", "gpu", "torch", "triton",
-              "git_sha", "flops", "bytes", "predicted_ms_h200"}
-TIMED_FIELDS = {"ms_p20", "ms", "ms_p80", "gbps", "tflops", "pct_roofline", "pct_roofline_datasheet",
-                "host_us", "timing"}
+ROW_FIELDS = {
+    "op",
+    "provider",
+    "mode",
+    "shape",
+    "dtype",
+    "max_err",
+    "check",
+    "gpu",
+    "torch",
+    "triton",
+    "git_sha",
+    "flops",
+    "bytes",
+    "predicted_ms_h200",
+}
+TIMED_FIELDS = {
+    "ms_p20",
+    "ms",
+    "ms_p80",
+    "gbps",
+    "tflops",
+    "pct_roofline",
+    "pct_roofline_datasheet",
+    "host_us",
+    "timing",
+}
 
 
 @pytest.fixture
@@ -73,8 +96,9 @@ def test_ops_with_several_outputs_and_non_tensor_inputs_are_checked_in_every_mod
     for mode in ("fwd", "bwd", "fwd+bwd"):
         [row] = run_case(Case(spec, (5, 96), torch.float32, mode), ["tritonkit"], "cpu")
         assert row["check"] == "pass" and 0 < row["max_err"] < 1e-4, (mode, row)
-    broken = dataclasses.replace(spec, fn=lambda x, r, shape, w, eps=None: tuple(
-        t * 1.01 for t in spec.fn(x, r, shape, w, eps)))
+    broken = dataclasses.replace(
+        spec, fn=lambda x, r, shape, w, eps=None: tuple(t * 1.01 for t in spec.fn(x, r, shape, w, eps))
+    )
     [row] = run_case(Case(broken, (5, 96), torch.float32, "bwd"), ["tritonkit"], "cpu")
     assert row["check"] == "FAIL"
 
@@ -99,9 +123,21 @@ def test_a_peer_that_refuses_a_case_gets_a_row_saying_so(spec):
 
 def _timed_row(provider: str, ms: float, **extra) -> dict:
     cost = roofline.Cost(flops=2e8, bytes=1.3e8)
-    return {"op": "bias_gelu", "provider": provider, "mode": "fwd", "shape": [8192, 4096], "dtype": "bf16",
-            "ms": ms, "ms_p20": ms * 0.99, "ms_p80": ms * 1.01, "flops": cost.flops, "bytes": cost.bytes,
-            "gbps": cost.bytes / ms / 1e6, "tflops": cost.flops / ms / 1e9, "gpu": "NVIDIA H200"} | extra
+    return {
+        "op": "bias_gelu",
+        "provider": provider,
+        "mode": "fwd",
+        "shape": [8192, 4096],
+        "dtype": "bf16",
+        "ms": ms,
+        "ms_p20": ms * 0.99,
+        "ms_p80": ms * 1.01,
+        "flops": cost.flops,
+        "bytes": cost.bytes,
+        "gbps": cost.bytes / ms / 1e6,
+        "tflops": cost.flops / ms / 1e9,
+        "gpu": "NVIDIA H200",
+    } | extra
 
 
 def test_peer_ratio_is_best_peer_over_tritonkit():
@@ -112,17 +148,29 @@ def test_peer_ratio_is_best_peer_over_tritonkit():
 
 
 def test_writers(tmp_path):
-    rows = [_timed_row("tritonkit", 0.05, check="pass", pct_roofline=62.1, pct_copy_same_bytes=70.2),
-            _timed_row("torch", 0.13, check="pass"), _timed_row("tritonkit[online]", 0.04, check="FAIL"),
-            {"op": "bias_gelu", "provider": "liger", "mode": "fwd", "shape": [8192, 4096], "dtype": "bf16",
-             "gpu": "NVIDIA H200", "unavailable": "refused: RuntimeError: n too large"}]
+    rows = [
+        _timed_row("tritonkit", 0.05, check="pass", pct_roofline=62.1, pct_copy_same_bytes=70.2),
+        _timed_row("torch", 0.13, check="pass"),
+        _timed_row("tritonkit[online]", 0.04, check="FAIL"),
+        {
+            "op": "bias_gelu",
+            "provider": "liger",
+            "mode": "fwd",
+            "shape": [8192, 4096],
+            "dtype": "bf16",
+            "gpu": "NVIDIA H200",
+            "unavailable": "refused: RuntimeError: n too large",
+        },
+    ]
     add_peer_ratios(rows)
     datasheet = roofline.device_spec("h200")
     measured = dataclasses.replace(datasheet, bandwidth=4.25e12, source="measured")
     written = write_results(rows, tmp_path, ceilings=(datasheet, measured))
     folder = tmp_path / "h200"
-    assert sorted(written) == sorted([folder / f"bias_gelu.{ext}" for ext in ("json", "csv", "md", "png")]
-                                     + [folder / "bias_gelu-bandwidth.png"])
+    assert sorted(written) == sorted(
+        [folder / f"bias_gelu.{ext}" for ext in ("json", "csv", "md", "png")]
+        + [folder / "bias_gelu-bandwidth.png"]
+    )
     assert json.loads((folder / "bias_gelu.json").read_text()) == rows
     csv_lines = (folder / "bias_gelu.csv").read_text().splitlines()
     assert len(csv_lines) == 5 and "8192x4096" in csv_lines[1]
@@ -144,14 +192,28 @@ def test_markdown_table_counts_flops_for_a_compute_bound_op():
     peak, with no copy columns; the same rows under a ridge they do not pass stay in GB/s."""
     ceilings = {"measured_peak": 680e12, "measured_bandwidth": 4.25e12}  # ridge: 160 FLOPs a byte
     attention = roofline.Cost(flops=1.1e12, bytes=5.4e8)
-    rows = [_timed_row(p, ms, check="pass", flops=attention.flops, bytes=attention.bytes,
-                       gbps=attention.bytes / ms / 1e6, tflops=attention.flops / ms / 1e9, **ceilings)
-            for p, ms in (("tritonkit", 2.0), ("sdpa-cudnn", 2.5))]
+    rows = [
+        _timed_row(
+            p,
+            ms,
+            check="pass",
+            flops=attention.flops,
+            bytes=attention.bytes,
+            gbps=attention.bytes / ms / 1e6,
+            tflops=attention.flops / ms / 1e9,
+            **ceilings,
+        )
+        for p, ms in (("tritonkit", 2.0), ("sdpa-cudnn", 2.5))
+    ]
     rows[0]["pct_roofline"] = 80.9
     add_peer_ratios(rows)
     header, _, line = markdown_table(rows).splitlines()
-    assert header.split(" | ")[3:] == ["tritonkit TFLOP/s", "sdpa-cudnn TFLOP/s", "tritonkit %peak",
-                                       "vs best peer |"]
+    assert header.split(" | ")[3:] == [
+        "tritonkit TFLOP/s",
+        "sdpa-cudnn TFLOP/s",
+        "tritonkit %peak",
+        "vs best peer |",
+    ]
     assert line.strip("| ").split(" | ")[3:] == ["550", "440", "80.9", "1.25x"]
     for row in rows:
         row["measured_peak"] = 1e15  # a ridge of 235 FLOPs a byte: still compute-bound
@@ -224,9 +286,13 @@ def test_host_time_is_measured_once_per_op_provider_mode_and_dtype(spec, monkeyp
     monkeypatch.setattr(runner, "_inputs", lambda case, device, seed, grad: (case.shape,))
     monkeypatch.setattr(runner, "_call", lambda fn, case, inputs: (case, inputs))
     monkeypatch.setattr(runner, "_host_times", {})
-    rows = [runner._host_time(lambda *a: None, Case(spec, shape, dtype, mode), provider)
-            for shape in [(8192, 4096), (4096, 4096)] for dtype in (torch.float32, torch.bfloat16)
-            for mode in ("fwd", "bwd") for provider in ("tritonkit", "torch")]
+    rows = [
+        runner._host_time(lambda *a: None, Case(spec, shape, dtype, mode), provider)
+        for shape in [(8192, 4096), (4096, 4096)]
+        for dtype in (torch.float32, torch.bfloat16)
+        for mode in ("fwd", "bwd")
+        for provider in ("tritonkit", "torch")
+    ]
     assert len(measured) == 2 * 2 * 2  # the second shape reuses every measurement
     assert all(row == {"host_us": 7.5, "host_shape": list(spec.tiny_shape)} for row in rows)
 
@@ -234,12 +300,18 @@ def test_host_time_is_measured_once_per_op_provider_mode_and_dtype(spec, monkeyp
 def test_checkpoint_keeps_rows_of_the_same_run_only(tmp_path):
     from tritonkit.bench.report import append_checkpoint, read_checkpoint
 
-    same = {"command": "tritonkit bench softmax", "gpu": "NVIDIA H200", "torch": "2.11", "triton": "3.6.0",
-            "git_sha": "abc1234"}
+    same = {
+        "command": "tritonkit bench softmax",
+        "gpu": "NVIDIA H200",
+        "torch": "2.11",
+        "triton": "3.6.0",
+        "git_sha": "abc1234",
+    }
     path = tmp_path / "h200" / "bench-checkpoint.jsonl"
     append_checkpoint(path, [same | {"op": "softmax", "n": 1}, same | {"op": "softmax", "n": 2}])
-    append_checkpoint(path, [same | {"git_sha": "fff0000", "n": 3},
-                             same | {"command": "tritonkit bench", "n": 4}])
+    append_checkpoint(
+        path, [same | {"git_sha": "fff0000", "n": 3}, same | {"command": "tritonkit bench", "n": 4}]
+    )
     with path.open("a") as out:
         out.write(json.dumps(same | {"n": 5})[:30])  # a line cut short by a stop
     rows, left_out = read_checkpoint(path, same)
@@ -266,7 +338,7 @@ def test_cli_bench_resumes_an_interrupted_gpu_run(tmp_path, monkeypatch, capsys)
 
     def fake_run(names, *, done, on_case, **kwargs):
         runs.append(list(done))
-        rest = cases[len(done) // 2:]
+        rest = cases[len(done) // 2 :]
         for rows in rest:
             on_case(rows)
             if len(runs) == 1:
@@ -296,7 +368,7 @@ def test_timing_protocol_on_gpu():
     from tritonkit.bench import timing
 
     x = torch.randn(4096, 4096, device="cuda")
-    (p20, median, p80), method = timing.kernel_ms([lambda: (lambda: x * 2)])
+    (p20, median, p80), method = timing.kernel_ms([lambda: lambda: x * 2])
     assert method == "cuda-graph" and 0 < p20 <= median <= p80
     assert 0 < timing.host_us(lambda: x * 2) < 1000
 
@@ -358,6 +430,7 @@ def test_python_dash_m_is_the_command():
     import subprocess
     import sys
 
-    run = subprocess.run([sys.executable, "-m", "tritonkit", "roofline", "no_such_op"], capture_output=True,
-                         text=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "tritonkit", "roofline", "no_such_op"], capture_output=True, text=True
+    )
     assert run.returncode == 2 and "no_such_op" in run.stderr

@@ -52,9 +52,15 @@ def test_h200_datasheet():
     assert device_spec("h100").bandwidth == pytest.approx(3.35e12, rel=1e-12)
 
 
-@pytest.mark.parametrize("cuda_name, slug", [("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"),
-                                             ("NVIDIA A100-SXM4-80GB", "a100"),
-                                             ("NVIDIA A100-SXM4-40GB", "a100-40gb")])
+@pytest.mark.parametrize(
+    "cuda_name, slug",
+    [
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA H100 80GB HBM3", "h100"),
+        ("NVIDIA A100-SXM4-80GB", "a100"),
+        ("NVIDIA A100-SXM4-40GB", "a100-40gb"),
+    ],
+)
 def test_device_spec_by_cuda_name(cuda_name, slug):
     assert device_spec(cuda_name).slug == slug
 
@@ -147,8 +153,9 @@ def test_interpreter_widens_bf16_bound_only(monkeypatch):
     bounds = {}
     for interpreting in (False, True):
         monkeypatch.setattr(_runtime, "interpret", lambda interpreting=interpreting: interpreting)
-        bounds[interpreting] = [compare("y", reference, torch_value, reference, dtype).tolerance
-                                for dtype in (BF16, F16)]
+        bounds[interpreting] = [
+            compare("y", reference, torch_value, reference, dtype).tolerance for dtype in (BF16, F16)
+        ]
     widening = INTERPRETER_BF16_ULP * reference.abs().max().item()
     assert bounds[True][0] == pytest.approx(bounds[False][0] + widening)
     assert bounds[True][1] == bounds[False][1]
@@ -184,8 +191,9 @@ def _oracle_inputs(dtype=F32, seed=33):
 
 def _check(kernel, dtype=F32, grad_inputs=(0, 1)):
     inputs, dy = _oracle_inputs(dtype)
-    return check_against_reference(kernel, bias_gelu_reference, inputs, grad_inputs=grad_inputs,
-                                   grad_outputs=[dy])
+    return check_against_reference(
+        kernel, bias_gelu_reference, inputs, grad_inputs=grad_inputs, grad_outputs=[dy]
+    )
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=str)
@@ -198,9 +206,14 @@ def test_oracle_passes_a_correctly_rounded_kernel(dtype):
     assert all(c.passed for c in comparisons)
 
 
-@pytest.mark.parametrize("wrong", [lambda x, b: 1.01 * bias_gelu_reference(x, b),
-                                   lambda x, b: torch.nn.functional.gelu(x + b, approximate="tanh")],
-                         ids=["scaled by 1.01", "tanh form for the exact one"])
+@pytest.mark.parametrize(
+    "wrong",
+    [
+        lambda x, b: 1.01 * bias_gelu_reference(x, b),
+        lambda x, b: torch.nn.functional.gelu(x + b, approximate="tanh"),
+    ],
+    ids=["scaled by 1.01", "tanh form for the exact one"],
+)
 def test_oracle_fails_a_wrong_kernel(wrong):
     with pytest.raises(AssertionError, match=r"output\[0\]: .* FAIL"):
         _check(wrong, grad_inputs=())
@@ -245,8 +258,9 @@ def test_oracle_accepts_expanded_inputs(device):
     g = generator(34)
     row, b = random_tensor((1, 20), F32, device, generator=g), random_tensor((20,), F32, device, generator=g)
     dy = random_tensor((6, 20), F32, device, generator=g)
-    check_against_reference(bias_gelu, bias_gelu_reference, [row.expand(6, -1), b], grad_inputs=(0, 1),
-                            grad_outputs=[dy])
+    check_against_reference(
+        bias_gelu, bias_gelu_reference, [row.expand(6, -1), b], grad_inputs=(0, 1), grad_outputs=[dy]
+    )
 
 
 def test_poisoned_outputs_are_nan_and_restored():
@@ -297,8 +311,13 @@ def report(**facts):
 def _run_python(code: str, **env: str) -> dict:
     """Run ``code`` in a fresh interpreter with neither INTERPRET variable set unless given."""
     environ = {k: v for k, v in os.environ.items() if k not in (_runtime.TRITON_ENV, _runtime.OVERRIDE_ENV)}
-    result = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(code)], env={**environ, **env},
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", PRELUDE + textwrap.dedent(code)],
+        env={**environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -311,62 +330,83 @@ def test_import_has_no_side_effects():
                op_loaded="tritonkit.ops.bias_gelu" in sys.modules, cuda=torch.cuda.is_initialized(),
                decided=tritonkit._runtime.interpret.cache_info().currsize, messages=messages)
     """)
-    assert facts == {"env": None, "triton": False, "op_loaded": False, "cuda": False, "decided": 0,
-                     "messages": []}
+    assert facts == {
+        "env": None,
+        "triton": False,
+        "op_loaded": False,
+        "cuda": False,
+        "decided": 0,
+        "messages": [],
+    }
 
 
 def test_forced_interpreter_logged_once():
-    facts = _run_python("""
+    facts = _run_python(
+        """
         import torch, tritonkit
         torch.manual_seed(0)
         x, b = torch.randn(3, 8), torch.randn(8)
         first, second = tritonkit.bias_gelu(x, b), tritonkit.bias_gelu(x, b)
         report(env=os.environ.get("TRITON_INTERPRET"), messages=messages, same=torch.equal(first, second),
                op_loaded="tritonkit.ops.bias_gelu" in sys.modules)
-    """, TRITONKIT_INTERPRET="1")
+    """,
+        TRITONKIT_INTERPRET="1",
+    )
     assert facts["env"] == "1" and facts["same"] and facts["op_loaded"]
     assert len(facts["messages"]) == 1, facts["messages"]
     assert "interpreter" in facts["messages"][0] and "TRITONKIT_INTERPRET=1" in facts["messages"][0]
 
 
 def test_invalid_override_raises():
-    facts = _run_python("""
+    facts = _run_python(
+        """
         import tritonkit
         report(error=error_of(lambda: tritonkit.bias_gelu))
-    """, TRITONKIT_INTERPRET="maybe")
+    """,
+        TRITONKIT_INTERPRET="maybe",
+    )
     assert facts["error"][0] == "ValueError"
     assert "TRITONKIT_INTERPRET" in facts["error"][1] and "'maybe'" in facts["error"][1]
 
 
 def test_triton_imported_first_is_refused_for_the_interpreter():
-    facts = _run_python("""
+    facts = _run_python(
+        """
         import triton, tritonkit
         report(error=error_of(lambda: tritonkit.bias_gelu))
-    """, TRITONKIT_INTERPRET="1")
+    """,
+        TRITONKIT_INTERPRET="1",
+    )
     assert facts["error"][0] == "RuntimeError"
     assert "triton was imported before tritonkit" in facts["error"][1]
 
 
 def test_triton_imported_first_with_triton_interpret_works():
-    facts = _run_python("""
+    facts = _run_python(
+        """
         import torch, triton, tritonkit
         torch.manual_seed(0)
         x, b = torch.randn(3, 8), torch.randn(8)
         err = (tritonkit.bias_gelu(x, b).double() - tritonkit.ops.bias_gelu.bias_gelu_reference(
             x.double(), b.double())).abs().max().item()
         report(err=err, messages=messages)
-    """, TRITON_INTERPRET="1")
+    """,
+        TRITON_INTERPRET="1",
+    )
     assert facts["err"] < 1e-5
     assert len(facts["messages"]) == 1 and "TRITON_INTERPRET=1" in facts["messages"][0]
 
 
 def test_forced_native_rejects_cpu_tensors():
-    facts = _run_python("""
+    facts = _run_python(
+        """
         import torch, tritonkit
         torch.manual_seed(0)
         report(error=error_of(lambda: tritonkit.bias_gelu(torch.randn(3, 8), torch.randn(8))),
                env=os.environ.get("TRITON_INTERPRET"))
-    """, TRITONKIT_INTERPRET="0")
+    """,
+        TRITONKIT_INTERPRET="0",
+    )
     assert facts["env"] == "0"
     assert facts["error"] == ["ValueError", "input must be a CUDA tensor, got one on cpu"]
 
@@ -399,8 +439,21 @@ def test_specialization_key_tensors():
 
 
 # Pairs Triton specializes differently: equal to 1, divisible by 16, i32/i64/u64, the type.
-@pytest.mark.parametrize("a, b", [(1, 2), (2, 16), (16, 17), (2**31 - 1, 2**31), (-(2**31), -(2**31) - 1),
-                                  (2**63 - 1, 2**63), (True, 1), (1.0, 1), (None, 0)], ids=str)
+@pytest.mark.parametrize(
+    "a, b",
+    [
+        (1, 2),
+        (2, 16),
+        (16, 17),
+        (2**31 - 1, 2**31),
+        (-(2**31), -(2**31) - 1),
+        (2**63 - 1, 2**63),
+        (True, 1),
+        (1.0, 1),
+        (None, 0),
+    ],
+    ids=str,
+)
 def test_specialization_key_distinguishes(a, b):
     assert specialization_key((a,)) != specialization_key((b,))
 
@@ -441,8 +494,11 @@ def test_specialization_key_refines_triton_binder():
     tensors = [storage, storage[1:], storage[8:], storage[9:], storage.float(), storage.float()[3:]]
     ints = [1, 2, 3, 16, 17, 48, -16, 2**31 - 1, 2**31, 2**31 + 16, 2**32 + 1, 2**63 - 1, 2**63, 2**64 - 16]
     base = _fwd_arguments(storage, storage, storage, 64, 4096)
-    variants = [base[:i] + (value,) + base[i + 1:]
-                for i, arg in enumerate(base) for value in (tensors if torch.is_tensor(arg) else ints)]
+    variants = [
+        base[:i] + (value,) + base[i + 1 :]
+        for i, arg in enumerate(base)
+        for value in (tensors if torch.is_tensor(arg) else ints)
+    ]
     rng = random.Random(40)
     variants += [tuple(rng.choice(tensors if torch.is_tensor(a) else ints) for a in base) for _ in range(100)]
     meta = {"APPROX_TANH": False, "BLOCK_M": 2, "BLOCK_N": 1024}
@@ -546,8 +602,13 @@ def test_launcher_rejects_constexprs_out_of_order():
     g = generator(42)
     x, b = random_tensor((4, 64), F32, "cuda", generator=g), random_tensor((64,), F32, "cuda", generator=g)
     with pytest.raises(TypeError, match="trailing parameters"):
-        Launcher(kernel)((1, 1), *_fwd_arguments(x, b, torch.empty_like(x), 4, 64),
-                         APPROX_TANH=False, BLOCK_N=64, BLOCK_M=4)
+        Launcher(kernel)(
+            (1, 1),
+            *_fwd_arguments(x, b, torch.empty_like(x), 4, 64),
+            APPROX_TANH=False,
+            BLOCK_N=64,
+            BLOCK_M=4,
+        )
 
 
 def test_worst_is_the_comparison_nearest_its_bound():

@@ -27,8 +27,13 @@ pytestmark = pytest.mark.infra
 
 def _cli(*args: str, interpret: str = "0") -> subprocess.CompletedProcess:
     env = os.environ | {"TRITONKIT_INTERPRET": interpret}
-    return subprocess.run([sys.executable, "-m", "tritonkit.cli", "inspect", *args], capture_output=True,
-                          text=True, env=env, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "tritonkit.cli", "inspect", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
 
 
 def test_cli_reports_each_launch():
@@ -85,8 +90,14 @@ def test_specialize_as_a_launch_does():
     x = torch.empty(8, dtype=torch.bfloat16, device="meta")
     launch = Launch("fwd", kernel, (x, 1, 4096, 7, 2**31 + 16), {"BLOCK": 64, "num_warps": 8})
     signature, constants, attrs, options = asm.specialize(launch)
-    assert signature == {"x_ptr": "*bf16", "one": "constexpr", "n": "i32", "m": "i32", "big": "i64",
-                         "BLOCK": "constexpr"}
+    assert signature == {
+        "x_ptr": "*bf16",
+        "one": "constexpr",
+        "n": "i32",
+        "m": "i32",
+        "big": "i64",
+        "BLOCK": "constexpr",
+    }
     assert constants == {(1,): 1, (5,): 64}
     assert sorted(attrs) == [(0,), (2,), (4,)]  # the pointer and the multiples of 16
     assert options == {"num_warps": 8}

@@ -45,7 +45,7 @@ class FakeKernel:
         self.timed: list[dict] = []
 
     def run(self, config: dict) -> float:
-        blocks = [VALUES[i:i + config["BLOCK"]] for i in range(0, len(VALUES), config["BLOCK"])]
+        blocks = [VALUES[i : i + config["BLOCK"]] for i in range(0, len(VALUES), config["BLOCK"])]
         return sum(sum(b) for b in (blocks[:-1] if config["SKIP_TAIL"] else blocks))
 
     def admit(self, config: dict) -> bool:
@@ -173,7 +173,8 @@ def test_entry_holds_every_timing_and_fastest_picks_within_a_subset(tuning_on):
     entry = tuner.entry(KEY, admit=fake.admit, time_ms=fake.time_ms)
     assert entry["config"] == CONFIGS[1]
     assert {tuning._canonical(c): t for c, t in zip(CONFIGS, TIMES, strict=True)} | {
-        tuning._canonical(CONFIGS[3]): None} == entry["ms"]
+        tuning._canonical(CONFIGS[3]): None
+    } == entry["ms"]
     # the fastest admitted 8-warp config is BLOCK 32 (the faster skipping one was rejected)
     assert tuning.fastest(entry, lambda c: c["num_warps"] == 8) == CONFIGS[2]
     assert tuning.fastest(entry, lambda c: c["BLOCK"] == 64) is None
@@ -198,8 +199,12 @@ def test_a_failing_precompile_only_costs_its_speed_up(tuning_on, caplog):
         raise ValueError("no such kernel")
 
     with caplog.at_level(logging.INFO, logger="tritonkit"):
-        assert make_tuner().config(KEY, admit=FakeKernel().admit, time_ms=FakeKernel().time_ms,
-                                   precompile=precompile) == CONFIGS[1]
+        assert (
+            make_tuner().config(
+                KEY, admit=FakeKernel().admit, time_ms=FakeKernel().time_ms, precompile=precompile
+            )
+            == CONFIGS[1]
+        )
     assert "could not compile its candidates ahead (ValueError: no such kernel)" in caplog.text
 
 
@@ -247,6 +252,7 @@ def _edit(field, value):
         entry = json.loads(path.read_text())
         entry[field] = value
         path.write_text(json.dumps(entry))
+
     return corrupt
 
 
@@ -254,12 +260,25 @@ def _corrupt_not_a_dict(path: Path) -> None:
     path.write_text("[1, 2]")
 
 
-@pytest.mark.parametrize("corrupt", [
-    _corrupt_garbage, _corrupt_truncated, _corrupt_not_a_dict, _edit("format", tuning.FORMAT + 1),
-    _edit("source_hash", "0" * 64), _edit("triton", "0.0.0"), _edit("device", "another GPU"),
-    _edit("key", {"N": 65, "dtype": "fp32"}), _edit("config", {"BLOCK": 999}), _edit("ms", [1.0]),
-    _edit("ms", {tuning._canonical(CONFIGS[1]): "fast"}), _edit("ms", {}), _edit("rejected", None),
-], ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        _corrupt_garbage,
+        _corrupt_truncated,
+        _corrupt_not_a_dict,
+        _edit("format", tuning.FORMAT + 1),
+        _edit("source_hash", "0" * 64),
+        _edit("triton", "0.0.0"),
+        _edit("device", "another GPU"),
+        _edit("key", {"N": 65, "dtype": "fp32"}),
+        _edit("config", {"BLOCK": 999}),
+        _edit("ms", [1.0]),
+        _edit("ms", {tuning._canonical(CONFIGS[1]): "fast"}),
+        _edit("ms", {}),
+        _edit("rejected", None),
+    ],
+    ids=lambda f: f.__name__,
+)
 def test_damaged_or_stale_entry_is_rebuilt(tuning_on, cache, corrupt):
     tune(make_tuner(), FakeKernel())
     [path] = cache_files(cache)
@@ -342,9 +361,16 @@ def test_two_processes_tuning_at_once_leave_one_whole_file(tuning_on, tmp_path, 
     script.write_text(_CHILD)
     env = dict(os.environ, TRITONKIT_INTERPRET="1", PYTHONPATH=str(Path(tuning.__file__).parents[1]))
     flags = [tmp_path / "a", tmp_path / "b"]
-    children = [subprocess.Popen([sys.executable, str(script), str(me), str(other)], env=env,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                for me, other in (flags, flags[::-1])]
+    children = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(me), str(other)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for me, other in (flags, flags[::-1])
+    ]
     for child in children:
         out, err = child.communicate(timeout=120)
         assert child.returncode == 0, err
@@ -460,8 +486,9 @@ def test_export_then_import_into_an_empty_cache(tuning_on, cache, tmp_path, monk
     assert tune(make_tuner(), fake) == CONFIGS[1] and fake.calls == 0
 
 
-@pytest.mark.parametrize("content", ["not json", '{"format": 1}', '{"format": 1, "entries": [{"format": 1}]}',
-                                     '[1, 2]'])
+@pytest.mark.parametrize(
+    "content", ["not json", '{"format": 1}', '{"format": 1, "entries": [{"format": 1}]}', "[1, 2]"]
+)
 def test_import_refuses_what_is_not_an_export(tmp_path, content):
     bundle = tmp_path / "bundle.json"
     bundle.write_text(content)
@@ -540,8 +567,18 @@ def test_shipped_configs_describe_the_kernels_as_they_are():
     tuning._shipped.cache_clear()
     assert tuning.stale_shipped() == []
     shipped_tuners = {e["tuner"] for e in tuning._shipped().values()}
-    assert {"softmax_fwd", "softmax_bwd", "norm_fwd", "norm_fwd_looped", "norm_bwd", "norm_bwd_looped",
-            "attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq", "linear"} <= shipped_tuners
+    assert {
+        "softmax_fwd",
+        "softmax_bwd",
+        "norm_fwd",
+        "norm_fwd_looped",
+        "norm_bwd",
+        "norm_bwd_looped",
+        "attention_fwd",
+        "attention_bwd_dkdv",
+        "attention_bwd_dq",
+        "linear",
+    } <= shipped_tuners
 
 
 def test_stale_shipped_names_each_entry_that_would_be_ignored(tuning_on, cache, shipped, monkeypatch):
@@ -681,14 +718,25 @@ def test_rekey_moves_only_entries_whose_hash_alone_changed(monkeypatch, tmp_path
     monkeypatch.setitem(tuning.TUNERS, "rekeyed", tuner)
     monkeypatch.setitem(tuning.TUNERS, "reconfigured", other)
     old = make_tuner(name="old", sources=("kernel v1",)).source_hash
-    entry = {"format": tuning.FORMAT, "key": {"n": 1}, "device": "d", "triton": "t", "config": CONFIGS[0],
-             "ms": {tuning._canonical(CONFIGS[0]): 1.0}, "rejected": {}}
-    entries = [{**entry, "tuner": "rekeyed", "source_hash": old},
-               {**entry, "tuner": "rekeyed", "source_hash": "f" * 64},
-               {**entry, "tuner": "reconfigured", "source_hash": old}]
+    entry = {
+        "format": tuning.FORMAT,
+        "key": {"n": 1},
+        "device": "d",
+        "triton": "t",
+        "config": CONFIGS[0],
+        "ms": {tuning._canonical(CONFIGS[0]): 1.0},
+        "rejected": {},
+    }
+    entries = [
+        {**entry, "tuner": "rekeyed", "source_hash": old},
+        {**entry, "tuner": "rekeyed", "source_hash": "f" * 64},
+        {**entry, "tuner": "reconfigured", "source_hash": old},
+    ]
     (tmp_path / "h200.json").write_text(json.dumps({"format": tuning.FORMAT, "entries": entries}))
-    before = {"rekeyed": {"source_hash": old, "configs": tuning._canonical(CONFIGS)},
-              "reconfigured": {"source_hash": old, "configs": tuning._canonical(CONFIGS)}}
+    before = {
+        "rekeyed": {"source_hash": old, "configs": tuning._canonical(CONFIGS)},
+        "reconfigured": {"source_hash": old, "configs": tuning._canonical(CONFIGS)},
+    }
     assert tuning.rekey_shipped(before) == {"rekeyed": 1}
     hashes = [e["source_hash"] for e in json.loads((tmp_path / "h200.json").read_text())["entries"]]
     assert hashes == [tuner.source_hash, "f" * 64, old]

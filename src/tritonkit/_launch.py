@@ -118,26 +118,50 @@ class Launcher:
         launch, function, cooperative, pdl, packed_metadata, constexpr_values = entry
         grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
         stream = torch._C._cuda_getCurrentRawStream(device)
-        launch(grid_x, grid_y, grid_z, stream, function, cooperative, pdl, None, None, packed_metadata,
-               None, None, None, *args, *constexpr_values)
+        launch(
+            grid_x,
+            grid_y,
+            grid_z,
+            stream,
+            function,
+            cooperative,
+            pdl,
+            None,
+            None,
+            packed_metadata,
+            None,
+            None,
+            None,
+            *args,
+            *constexpr_values,
+        )
 
     def _compile_and_launch(self, grid, args: tuple, meta: dict) -> tuple | str:
         """Launch through Triton (compiling if needed) and return what later launches need."""
         compiled = self.kernel[grid](*args, **meta)
         constexpr_names = tuple(name for name in meta if name not in LAUNCH_OPTIONS)
-        trailing = tuple(self.kernel.arg_names[len(args):])
+        trailing = tuple(self.kernel.arg_names[len(args) :])
         if trailing != constexpr_names:
             raise TypeError(
                 f"{self.kernel.__name__}: keyword arguments {list(constexpr_names)} must be the "
                 f"kernel's trailing parameters {list(trailing)}, in order"
             )
         runner = compiled.run  # the module is loaded on this device and the C launcher built
-        if (runner.global_scratch_size > 0 or runner.profile_scratch_size > 0
-                or getattr(compiled.metadata, "tensordesc_meta", None)):
+        if (
+            runner.global_scratch_size > 0
+            or runner.profile_scratch_size > 0
+            or getattr(compiled.metadata, "tensordesc_meta", None)
+        ):
             return _THROUGH_TRITON  # scratch memory and tensor descriptors need Triton's wrapper
         constexpr_values = tuple(meta[name] for name in constexpr_names)  # the same for the key
-        return (runner.launch, compiled.function, runner.launch_cooperative_grid, runner.launch_pdl,
-                compiled.packed_metadata, constexpr_values)
+        return (
+            runner.launch,
+            compiled.function,
+            runner.launch_cooperative_grid,
+            runner.launch_pdl,
+            compiled.packed_metadata,
+            constexpr_values,
+        )
 
 
 @functools.cache
@@ -174,8 +198,12 @@ def precompile(calls: Sequence[Launch | tuple[Launcher, Sequence[int], tuple, di
                     launcher, grid, args, meta = call
                     launcher.kernel.warmup(*args, grid=grid, **meta)
     except Exception as error:  # noqa: BLE001 - compiling ahead is optional; the launch compiles too
-        log.info("tritonkit: compiling %d kernels ahead failed (%s: %s); each compiles at its launch",
-                 len(calls), type(error).__name__, error)
+        log.info(
+            "tritonkit: compiling %d kernels ahead failed (%s: %s); each compiles at its launch",
+            len(calls),
+            type(error).__name__,
+            error,
+        )
 
 
 def ensure_allocator() -> None:

@@ -29,9 +29,17 @@ from tritonkit._launch import LAUNCH_OPTIONS, Launch
 
 ARCHS = {"sm_80": 80, "sm_90": 90, "sm_100": 100}
 IRS = ("ttir", "ttgir", "llir", "ptx", "sass")
-_TRITON_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
-                  torch.float64: "fp64", torch.int32: "i32", torch.int64: "i64", torch.int8: "i8",
-                  torch.uint8: "u8", torch.bool: "i1"}
+_TRITON_DTYPES = {
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float32: "fp32",
+    torch.float64: "fp64",
+    torch.int32: "i32",
+    torch.int64: "i64",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+    torch.bool: "i1",
+}
 # Per-SM limits for the occupancy estimate (CUDA occupancy rules: registers are allocated per warp
 # in units of 256, i.e. per thread in multiples of 8).
 _SM_LIMITS = {  # arch -> (threads, blocks, registers, shared bytes usable by blocks)
@@ -40,8 +48,25 @@ _SM_LIMITS = {  # arch -> (threads, blocks, registers, shared bytes usable by bl
     100: (2048, 32, 65536, 227 * 1024),
 }
 _SASS_LINE = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", re.MULTILINE)
-MIX_OPCODES = ("HGMMA", "HMMA", "IMMA", "FFMA", "FMUL", "FADD", "HFMA2", "MUFU", "DADD", "DFMA",
-               "UTMALDG", "UTMASTG", "LDGSTS", "LDS", "STS", "SHFL", "BAR")
+MIX_OPCODES = (
+    "HGMMA",
+    "HMMA",
+    "IMMA",
+    "FFMA",
+    "FMUL",
+    "FADD",
+    "HFMA2",
+    "MUFU",
+    "DADD",
+    "DFMA",
+    "UTMALDG",
+    "UTMASTG",
+    "LDGSTS",
+    "LDS",
+    "STS",
+    "SHFL",
+    "BAR",
+)
 
 
 @dataclass
@@ -91,9 +116,11 @@ def specialize(launch: Launch) -> tuple[dict, dict, dict, dict]:
     """(signature, constants, attributes, options) for ``triton.compile``, as a launch specializes."""
     names = launch.kernel.arg_names
     constexprs = {k: v for k, v in launch.meta.items() if k not in LAUNCH_OPTIONS}
-    if tuple(names[len(launch.args):]) != tuple(constexprs):
-        raise TypeError(f"{launch.kernel.__name__}: {list(constexprs)} must be its trailing parameters "
-                        f"{list(names[len(launch.args):])}, in order")
+    if tuple(names[len(launch.args) :]) != tuple(constexprs):
+        raise TypeError(
+            f"{launch.kernel.__name__}: {list(constexprs)} must be its trailing parameters "
+            f"{list(names[len(launch.args) :])}, in order"
+        )
     signature, constants, attrs = {}, {}, {}
     for index, (name, value) in enumerate(zip(names, launch.args, strict=False)):
         if type(value) is int and value == 1:  # Triton makes a 1 a constant
@@ -130,7 +157,7 @@ def _widths(opcodes_full: list[str], prefix: str) -> collections.Counter:
     widths = collections.Counter()
     for op in opcodes_full:
         if op.split(".")[0] == prefix:
-            sizes = [int(m) for m in re.findall(r"\.U?S?(\d+)\b", op[len(prefix):]) if int(m) >= 8]
+            sizes = [int(m) for m in re.findall(r"\.U?S?(\d+)\b", op[len(prefix) :]) if int(m) >= 8]
             widths[sizes[-1] if sizes else 32] += 1
     return widths
 
@@ -139,9 +166,12 @@ def occupancy(arch: int, num_warps: int, registers: int, shared_bytes: int) -> t
     """Programs one SM holds at once and the resource that stops more, by CUDA's occupancy rules."""
     threads, blocks, register_file, shared = _SM_LIMITS[arch]
     per_warp = -(-max(registers, 1) * 32 // 256) * 256
-    limits = {"threads": threads // (32 * num_warps), "blocks": blocks,
-              "registers": register_file // (per_warp * num_warps),
-              "shared memory": shared // shared_bytes if shared_bytes else blocks}
+    limits = {
+        "threads": threads // (32 * num_warps),
+        "blocks": blocks,
+        "registers": register_file // (per_warp * num_warps),
+        "shared memory": shared // shared_bytes if shared_bytes else blocks,
+    }
     limiter = min(limits, key=limits.get)
     return limits[limiter], limiter
 
@@ -149,21 +179,27 @@ def occupancy(arch: int, num_warps: int, registers: int, shared_bytes: int) -> t
 def compile_launch(launch: Launch, arch: str = "sm_90") -> Report:
     """Compile ``launch`` for ``arch`` (no GPU needed) and report what it became."""
     if not hasattr(launch.kernel, "arg_names") or type(launch.kernel).__name__ != "JITFunction":
-        raise RuntimeError("kernels are interpreted in this process; inspect needs TRITONKIT_INTERPRET=0 "
-                           "set before tritonkit is first used")
+        raise RuntimeError(
+            "kernels are interpreted in this process; inspect needs TRITONKIT_INTERPRET=0 "
+            "set before tritonkit is first used"
+        )
     signature, constants, attrs, options = specialize(launch)
     return _compile(launch.kernel, signature, constants, attrs, options, arch, launch.name, launch.config)
 
 
-def compile_kernel(kernel, signature: dict, constexprs: dict, num_warps: int, arch: str = "sm_90",
-                   aligned: bool = True) -> Report:
+def compile_kernel(
+    kernel, signature: dict, constexprs: dict, num_warps: int, arch: str = "sm_90", aligned: bool = True
+) -> Report:
     """Compile ``kernel`` from an explicit signature (argument name -> Triton type) and constexprs;
     with ``aligned``, every pointer and integer argument carries the divisible-by-16 hint."""
     names = kernel.arg_names
     signature = {n: "constexpr" if n in constexprs else signature[n] for n in names}
     constants = {(names.index(n),): v for n, v in constexprs.items()}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(signature.values())
-             if aligned and t != "constexpr"}
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, t in enumerate(signature.values())
+        if aligned and t != "constexpr"
+    }
     return _compile(kernel, signature, constants, attrs, {"num_warps": num_warps}, arch, kernel.__name__, {})
 
 
@@ -174,8 +210,11 @@ def _compile(kernel, signature, constants, attrs, options, arch, name, config) -
 
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {sorted(ARCHS)}, got {arch!r}")
-    compiled = triton.compile(ASTSource(kernel, signature, constants, attrs),
-                              target=GPUTarget("cuda", ARCHS[arch], 32), options=options)
+    compiled = triton.compile(
+        ASTSource(kernel, signature, constants, attrs),
+        target=GPUTarget("cuda", ARCHS[arch], 32),
+        options=options,
+    )
     sass = _cuobjdump(compiled.asm["cubin"], "-sass")
     usage = _cuobjdump(compiled.asm["cubin"], "-res-usage")
     full = _SASS_LINE.findall(sass)
@@ -183,10 +222,18 @@ def _compile(kernel, signature, constants, attrs, options, arch, name, config) -
     registers = _usage(usage, "REG")
     shared = max(_usage(usage, "SHARED"), compiled.metadata.shared)  # dynamic shared memory too
     return Report(
-        name=name, kernel=kernel.__name__, arch=arch, config=dict(config), num_warps=num_warps,
-        registers=registers, stack_bytes=_usage(usage, "STACK"), local_bytes=_usage(usage, "LOCAL"),
-        shared_bytes=shared, opcodes=collections.Counter(op.split(".")[0] for op in full),
-        loads=_widths(full, "LDG"), stores=_widths(full, "STG"),
+        name=name,
+        kernel=kernel.__name__,
+        arch=arch,
+        config=dict(config),
+        num_warps=num_warps,
+        registers=registers,
+        stack_bytes=_usage(usage, "STACK"),
+        local_bytes=_usage(usage, "LOCAL"),
+        shared_bytes=shared,
+        opcodes=collections.Counter(op.split(".")[0] for op in full),
+        loads=_widths(full, "LDG"),
+        stores=_widths(full, "STG"),
         occupancy=occupancy(ARCHS[arch], num_warps, registers, shared),
         asm={ir: compiled.asm[ir] for ir in IRS if ir in compiled.asm} | {"sass": sass},
     )
@@ -214,9 +261,12 @@ def format_reports(reports: list[Report]) -> str:
 
 
 DIFF_FIELDS = [  # (label, value of a report)
-    ("registers", lambda r: r.registers), ("spills", lambda r: "YES" if r.spills else "none"),
-    ("shared bytes", lambda r: r.shared_bytes), ("warps", lambda r: r.num_warps),
-    ("programs/SM", lambda r: r.occupancy[0]), ("128-bit loads", lambda r: r.loads[128]),
+    ("registers", lambda r: r.registers),
+    ("spills", lambda r: "YES" if r.spills else "none"),
+    ("shared bytes", lambda r: r.shared_bytes),
+    ("warps", lambda r: r.num_warps),
+    ("programs/SM", lambda r: r.occupancy[0]),
+    ("128-bit loads", lambda r: r.loads[128]),
     ("narrower loads", lambda r: sum(n for bits, n in r.loads.items() if bits < 128)),
     ("128-bit stores", lambda r: r.stores[128]),
     ("narrower stores", lambda r: sum(n for bits, n in r.stores.items() if bits < 128)),

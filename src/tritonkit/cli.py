@@ -44,8 +44,10 @@ def cmd_info(args) -> int:
     interpreted = interpret()
     import triton
 
-    print(f"tritonkit {__version__}  torch {torch.__version__}  triton {triton.__version__}  "
-          f"python {platform.python_version()}")
+    print(
+        f"tritonkit {__version__}  torch {torch.__version__}  triton {triton.__version__}  "
+        f"python {platform.python_version()}"
+    )
     print(f"kernels: {'Triton interpreter on the CPU' if interpreted else 'compiled for the GPU'}")
     if not torch.cuda.is_available():
         print("device: no CUDA GPU")
@@ -54,8 +56,10 @@ def cmd_info(args) -> int:
         print("\n".join(_spec_lines(spec)))
         return 0
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    print(f"device: {props.name}, {props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB, "
-          f"L2 {props.L2_cache_size / 2**20:.0f} MiB, CUDA {torch.version.cuda}")
+    print(
+        f"device: {props.name}, {props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB, "
+        f"L2 {props.L2_cache_size / 2**20:.0f} MiB, CUDA {torch.version.cuda}"
+    )
     datasheet = roofline.device_spec(args.device or props.name)
     print(f"datasheet ceilings ({datasheet.name}, dense):")
     print("\n".join(_spec_lines(datasheet)))
@@ -64,8 +68,10 @@ def cmd_info(args) -> int:
     print(f"  copy bandwidth: {measured.bandwidth / 1e12:.2f} TB/s (device-to-device, read + write)")
     for unit in ("bf16", "fp16", "fp8"):
         if measured.peak_flops.get(unit) != datasheet.peak_flops.get(unit):
-            print(f"  {unit} matmul: {measured.peak_flops[unit] / 1e12:.0f} TFLOP/s (cuBLAS, "
-                  f"{roofline.MATMUL_SIZE}^3)")
+            print(
+                f"  {unit} matmul: {measured.peak_flops[unit] / 1e12:.0f} TFLOP/s (cuBLAS, "
+                f"{roofline.MATMUL_SIZE}^3)"
+            )
     return 0
 
 
@@ -75,8 +81,10 @@ def cmd_roofline(args) -> int:
 
         datasheet = roofline.device_spec(args.device)
         ops = plot_results(Path(args.results), datasheet, Path(args.plot))
-        print(f"wrote {args.plot}: {datasheet.name} roofline, benchmarked points from "
-              f"{Path(args.results) / datasheet.slug}, roofline positions of {', '.join(ops)}")
+        print(
+            f"wrote {args.plot}: {datasheet.name} roofline, benchmarked points from "
+            f"{Path(args.results) / datasheet.slug}, roofline positions of {', '.join(ops)}"
+        )
         if not (args.op or args.shape):
             return 0
     if not (args.op and args.shape):
@@ -92,10 +100,14 @@ def cmd_roofline(args) -> int:
     print(f"  bytes: {cost.bytes:.4g}   FLOPs: {cost.flops:.4g}   intensity: {cost.intensity:.3g} FLOP/B")
     bound = roofline.bound_by(cost, device, unit)
     print(f"  ridge point ({unit}): {device.ridge(unit):.3g} FLOP/B -> {bound}-bound")
-    print(f"  memory time: {cost.bytes / device.bandwidth * 1e3:.4g} ms   "
-          f"compute time: {cost.flops / device.peak(unit) * 1e3:.4g} ms")
-    print(f"  roofline: {seconds * 1e3:.4g} ms "
-          f"({cost.bytes / seconds / 1e9:.0f} GB/s, {cost.flops / seconds / 1e12:.3g} TFLOP/s)")
+    print(
+        f"  memory time: {cost.bytes / device.bandwidth * 1e3:.4g} ms   "
+        f"compute time: {cost.flops / device.peak(unit) * 1e3:.4g} ms"
+    )
+    print(
+        f"  roofline: {seconds * 1e3:.4g} ms "
+        f"({cost.bytes / seconds / 1e9:.0f} GB/s, {cost.flops / seconds / 1e12:.3g} TFLOP/s)"
+    )
     return 0
 
 
@@ -123,23 +135,35 @@ def cmd_bench(args) -> int:
         checkpoint = Path(args.out) / gpu_slug(provenance()["gpu"]) / CHECKPOINT
         if args.resume:
             done, left_out = read_checkpoint(checkpoint, {"command": command, **provenance()})
-            print(f"resuming from {checkpoint}: {len(done)} rows kept"
-                  + (f", {left_out} of another command, commit or version left out" if left_out else ""))
+            print(
+                f"resuming from {checkpoint}: {len(done)} rows kept"
+                + (f", {left_out} of another command, commit or version left out" if left_out else "")
+            )
         else:
             checkpoint.unlink(missing_ok=True)
 
     def save(case_rows: list[dict]) -> None:
         append_checkpoint(checkpoint, [row | {"command": command} for row in case_rows])
 
-    rows = run(names, shapes=args.shapes, dtypes=dtypes, modes=args.mode, providers=args.providers,
-               progress=not args.no_progress, done=done, on_case=save if checkpoint else None,
-               report=functools.partial(print, file=sys.stderr, flush=True) if args.no_progress else None)
+    rows = run(
+        names,
+        shapes=args.shapes,
+        dtypes=dtypes,
+        modes=args.mode,
+        providers=args.providers,
+        progress=not args.no_progress,
+        done=done,
+        on_case=save if checkpoint else None,
+        report=functools.partial(print, file=sys.stderr, flush=True) if args.no_progress else None,
+    )
     for row in rows:
         row["command"] = command
     failed = [r for r in rows if r.get("check") == "FAIL"]
     if interpret():
-        print("Correctness run in Triton's interpreter (no GPU): errors against the float64 "
-              "reference, and the analytic H200 roofline time, not timings.")
+        print(
+            "Correctness run in Triton's interpreter (no GPU): errors against the float64 "
+            "reference, and the analytic H200 roofline time, not timings."
+        )
         print(format_table(rows, interpreter=True))
     else:
         add_peer_ratios(rows)
@@ -159,8 +183,10 @@ def _compile_natively() -> None:
     if _runtime.interpret.cache_info().currsize == 0 and _runtime.OVERRIDE_ENV not in os.environ:
         os.environ[_runtime.OVERRIDE_ENV] = "0"  # compiling needs no GPU, only Triton's compiler
     if _runtime.interpret():
-        raise ValueError(f"inspect compiles kernels, which {_runtime.OVERRIDE_ENV}=1 forbids: it makes "
-                         "this process interpret them")
+        raise ValueError(
+            f"inspect compiles kernels, which {_runtime.OVERRIDE_ENV}=1 forbids: it makes "
+            "this process interpret them"
+        )
 
 
 def _parse_config(text: str | None, flag: str) -> dict | None:
@@ -169,8 +195,9 @@ def _parse_config(text: str | None, flag: str) -> dict | None:
     try:
         config = json.loads(text)
     except ValueError:
-        raise SystemExit(f"{flag} takes a JSON object like '{{\"BLOCK_M\": 4, \"num_warps\": 8}}', "
-                         f"got {text}") from None
+        raise SystemExit(
+            f'{flag} takes a JSON object like \'{{"BLOCK_M": 4, "num_warps": 8}}\', got {text}'
+        ) from None
     if not isinstance(config, dict):
         raise SystemExit(f"{flag} takes a JSON object, got {text}")
     return config
@@ -225,8 +252,10 @@ def cmd_tune(args) -> int:
             raise ValueError("--rekey rewrites the shipped configs; it takes no ops, --import or --export")
         return _rekey(args.rekey)
     if args.import_file:
-        print(f"imported {tuning.import_cache(Path(args.import_file))} tuned configs into "
-              f"{roofline.cache_dir() / tuning.SUBDIR}")
+        print(
+            f"imported {tuning.import_cache(Path(args.import_file))} tuned configs into "
+            f"{roofline.cache_dir() / tuning.SUBDIR}"
+        )
     if args.ops and interpret():
         raise ValueError("tune times kernels: it needs a CUDA GPU (this process interprets them)")
     with tuning.retuning() if args.retune else contextlib.nullcontext():
@@ -259,16 +288,21 @@ def _tuner_identities_at(revision: str) -> dict:
     import subprocess
     import tempfile
 
-    root = Path(subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
-                               check=True).stdout.strip())
+    root = Path(
+        subprocess.run(
+            ["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    )
     with tempfile.TemporaryDirectory() as scratch:
         tree = Path(scratch) / "tree"
-        subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", "-q", str(tree), revision],
-                       check=True)
+        subprocess.run(
+            ["git", "-C", str(root), "worktree", "add", "--detach", "-q", str(tree), revision], check=True
+        )
         try:
             env = {**os.environ, "PYTHONPATH": str(tree / "src"), "TRITONKIT_INTERPRET": "1"}
-            child = subprocess.run([sys.executable, "-c", _IDENTITIES], capture_output=True, text=True,
-                                   env=env, cwd=scratch)
+            child = subprocess.run(
+                [sys.executable, "-c", _IDENTITIES], capture_output=True, text=True, env=env, cwd=scratch
+            )
             if child.returncode:
                 raise ValueError(f"importing the package at {revision} failed:\n{child.stderr[-2000:]}")
             return json.loads(child.stdout)
@@ -285,8 +319,10 @@ def _rekey(revision: str) -> int:
     for tuner, count in sorted(moved.items()):
         print(f"{tuner}: {count} shipped entries re-keyed from {revision}")
     left = tuning.stale_shipped()
-    print(f"re-keyed {sum(moved.values())} entries; {len(left)} shipped entries are stale"
-          + "".join(f"\n  {line}" for line in left[:20]))
+    print(
+        f"re-keyed {sum(moved.values())} entries; {len(left)} shipped entries are stale"
+        + "".join(f"\n  {line}" for line in left[:20])
+    )
     return 0
 
 
@@ -303,20 +339,30 @@ def _show_tuning(args) -> int:
     if args.show:
         sources = {args.show: tuning.read_export(Path(args.show))}
     else:
-        sources = {str(roofline.cache_dir() / tuning.SUBDIR): tuning.cached_entries(),
-                   **{f"shipped {name}": entries for name, entries in tuning.shipped_exports().items()}}
+        sources = {
+            str(roofline.cache_dir() / tuning.SUBDIR): tuning.cached_entries(),
+            **{f"shipped {name}": entries for name, entries in tuning.shipped_exports().items()},
+        }
     shown = 0
     for source, entries in sources.items():
-        kept = [e for e in entries if (args.tuner in (None, e["tuner"]))
-                and all(_key_text(e["key"].get(f)) == v for f, v in wanted.items())]
+        kept = [
+            e
+            for e in entries
+            if (args.tuner in (None, e["tuner"]))
+            and all(_key_text(e["key"].get(f)) == v for f, v in wanted.items())
+        ]
         if kept:
-            print(f"{source}: {len(kept)} of {len(entries)} entries ({kept[0]['device']}, "
-                  f"triton {kept[0]['triton']})")
+            print(
+                f"{source}: {len(kept)} of {len(entries)} entries ({kept[0]['device']}, "
+                f"triton {kept[0]['triton']})"
+            )
             print(format_tuning(kept))
             shown += len(kept)
     if not shown:
-        print("no tuned entries match" + (f" in {args.show}" if args.show else
-                                          " in this machine's cache or the shipped configs"))
+        print(
+            "no tuned entries match"
+            + (f" in {args.show}" if args.show else " in this machine's cache or the shipped configs")
+        )
     return 0
 
 
@@ -343,14 +389,17 @@ def _tune_op(spec_op, args) -> None:
             inputs[i].requires_grad_(backward)
         outputs = testing.as_tuple(spec_op.fn(*inputs, **spec_op.kwargs))  # a bucket's first call tunes
         if backward:
-            torch.autograd.grad(outputs, [inputs[i] for i in spec_op.grad_inputs],
-                                [torch.ones_like(o) for o in outputs])
+            torch.autograd.grad(
+                outputs, [inputs[i] for i in spec_op.grad_inputs], [torch.ones_like(o) for o in outputs]
+            )
     torch.cuda.synchronize()
     fresh = tuning.cached_entries(since=started)
     if not fresh:
-        print(f"{spec_op.name}: nothing tuned: every shape bucket had a winner, cached in "
-              f"{roofline.cache_dir() / tuning.SUBDIR} or shipped with tritonkit (--retune tunes "
-              "them again; tune --show prints them)")
+        print(
+            f"{spec_op.name}: nothing tuned: every shape bucket had a winner, cached in "
+            f"{roofline.cache_dir() / tuning.SUBDIR} or shipped with tritonkit (--retune tunes "
+            "them again; tune --show prints them)"
+        )
     else:
         print(format_tuning(fresh))
 
@@ -388,9 +437,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--providers", nargs="+", help="providers to run (default: all available)")
     bench.add_argument("--out", default="benchmarks/results", help="results folder (GPU runs)")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar: a line per case instead")
-    bench.add_argument("--resume", action="store_true",
-                       help="go on with an interrupted GPU run of the same command: the cases in its "
-                            "checkpoint (<out>/<gpu>/bench-checkpoint.jsonl) are not run again")
+    bench.add_argument(
+        "--resume",
+        action="store_true",
+        help="go on with an interrupted GPU run of the same command: the cases in its "
+        "checkpoint (<out>/<gpu>/bench-checkpoint.jsonl) are not run again",
+    )
     bench.set_defaults(func=cmd_bench)
 
     roof = sub.add_parser("roofline", help="analytic roofline prediction for one op and shape")
@@ -399,13 +451,19 @@ def build_parser() -> argparse.ArgumentParser:
     roof.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     roof.add_argument("--mode", choices=MODES, default="fwd")
     roof.add_argument("--device", default="h200", help="datasheet: h200, h100, a100, a100-40gb")
-    roof.add_argument("--plot", metavar="PNG", help="draw the device's roofline with every op's latest "
-                                                    "benchmarked points and roofline positions")
+    roof.add_argument(
+        "--plot",
+        metavar="PNG",
+        help="draw the device's roofline with every op's latest benchmarked points and roofline positions",
+    )
     roof.add_argument("--results", default="benchmarks/results", help="with --plot: the results folder")
     roof.set_defaults(func=cmd_roofline)
 
-    insp = sub.add_parser("inspect", help="compile an op's kernels for a GPU without one: registers, spills, "
-                                          "access widths, instruction mix, IR")
+    insp = sub.add_parser(
+        "inspect",
+        help="compile an op's kernels for a GPU without one: registers, spills, "
+        "access widths, instruction mix, IR",
+    )
     insp.add_argument("op", choices=op_names())
     insp.add_argument("--shape", nargs="+", help="e.g. 8192x4096 (default: the op's first benchmark shape)")
     insp.add_argument("--dtype", choices=sorted(DTYPES), help="default: the shape's benchmark dtype")
@@ -416,27 +474,49 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("-o", "--out", help="write the IRs to this folder instead of printing them")
     insp.set_defaults(func=cmd_inspect)
 
-    tune = sub.add_parser("tune", help="tune ops on this GPU (accuracy-gated); move the cache between "
-                                       "machines of one GPU model")
+    tune = sub.add_parser(
+        "tune", help="tune ops on this GPU (accuracy-gated); move the cache between machines of one GPU model"
+    )
     tune.add_argument("ops", nargs="*", metavar="OP", help=f"ops to tune ({', '.join(op_names())})")
-    tune.add_argument("--shapes", "--shape", dest="shape", nargs="+",
-                      help="shapes like 8192x4096 (default: the op's benchmark shapes)")
+    tune.add_argument(
+        "--shapes",
+        "--shape",
+        dest="shape",
+        nargs="+",
+        help="shapes like 8192x4096 (default: the op's benchmark shapes)",
+    )
     tune.add_argument("--dtype", choices=sorted(DTYPES), help="default: each benchmark shape's dtype")
     tune.add_argument("--mode", nargs="+", choices=("fwd", "bwd"), default=["fwd", "bwd"])
     tune.add_argument("--export", dest="export_file", metavar="FILE", help="write the cache to FILE")
     tune.add_argument("--all-devices", action="store_true", help="with --export: every GPU's entries")
     tune.add_argument("--import", dest="import_file", metavar="FILE", help="add FILE's entries to the cache")
-    tune.add_argument("--retune", action="store_true",
-                      help="tune every bucket again, even where the cache or shipped configs hold a winner")
-    tune.add_argument("--rekey", metavar="REV",
-                      help="move the shipped configs tuned on the kernels as committed at REV to these, "
-                           "where only their source text changed (check that the SASS did not)")
-    tune.add_argument("--show", nargs="?", const="", metavar="FILE",
-                      help="print tuned winners with every config's time and error: FILE's (an export), "
-                           "else this machine's cache and the configs the package ships; needs no GPU")
+    tune.add_argument(
+        "--retune",
+        action="store_true",
+        help="tune every bucket again, even where the cache or shipped configs hold a winner",
+    )
+    tune.add_argument(
+        "--rekey",
+        metavar="REV",
+        help="move the shipped configs tuned on the kernels as committed at REV to these, "
+        "where only their source text changed (check that the SASS did not)",
+    )
+    tune.add_argument(
+        "--show",
+        nargs="?",
+        const="",
+        metavar="FILE",
+        help="print tuned winners with every config's time and error: FILE's (an export), "
+        "else this machine's cache and the configs the package ships; needs no GPU",
+    )
     tune.add_argument("--tuner", help="with --show: only this tuner's entries (softmax_fwd, norm_bwd, ...)")
-    tune.add_argument("--where", nargs="+", default=[], metavar="FIELD=VALUE",
-                      help="with --show: only entries whose key has these values, e.g. block_n=131072")
+    tune.add_argument(
+        "--where",
+        nargs="+",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="with --show: only entries whose key has these values, e.g. block_n=131072",
+    )
     tune.set_defaults(func=cmd_tune)
     return parser
 

@@ -65,8 +65,13 @@ class DeviceSpec:
 def _hopper_sxm(name: str, slug: str, bandwidth: float) -> DeviceSpec:
     # H100 SXM datasheet, dense: 989 TFLOP/s bf16/fp16, 1979 fp8, 494.5 tf32, 67 fp32.
     # The H200 SXM has the same SMs and clocks, with HBM3e at 4.8 TB/s.
-    peaks = {"bf16": 989 * TERA, "fp16": 989 * TERA, "fp8": 1979 * TERA, "tf32": 494.5 * TERA,
-             "fp32": 67 * TERA}
+    peaks = {
+        "bf16": 989 * TERA,
+        "fp16": 989 * TERA,
+        "fp8": 1979 * TERA,
+        "tf32": 494.5 * TERA,
+        "fp32": 67 * TERA,
+    }
     return DeviceSpec(name, slug, bandwidth, peaks)
 
 
@@ -181,8 +186,9 @@ def measured_ceilings(refresh: bool = False) -> DeviceSpec:
     record = cached[key]
     datasheet = device_spec(device_name)
     peaks = dict(datasheet.peak_flops) | {unit: tflops * TERA for unit, tflops in record["tflops"].items()}
-    return dataclasses.replace(datasheet, bandwidth=record["copy_tbps"] * TERA, peak_flops=peaks,
-                               source="measured")
+    return dataclasses.replace(
+        datasheet, bandwidth=record["copy_tbps"] * TERA, peak_flops=peaks, source="measured"
+    )
 
 
 def _measure(torch) -> dict:
@@ -191,8 +197,11 @@ def _measure(torch) -> dict:
     interpret()  # decide before triton is imported
     from triton.testing import do_bench
 
-    record = {"copy_tbps": _copy_bytes_per_s(torch, do_bench) / TERA, "tflops": {},
-              "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    record = {
+        "copy_tbps": _copy_bytes_per_s(torch, do_bench) / TERA,
+        "tflops": {},
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
     units = [("bf16", torch.bfloat16), ("fp16", torch.float16)]
     if torch.cuda.get_device_capability() >= (8, 9):
         units.append(("fp8", torch.float8_e4m3fn))
@@ -215,8 +224,9 @@ def _matmul_flops_per_s(torch, do_bench, dtype) -> float:
     if dtype == torch.float8_e4m3fn:
         one = torch.ones((), device="cuda")
         b_cols = b.t().contiguous().t()  # cuBLAS takes fp8 B column-major
-        ms = do_bench(lambda: torch._scaled_mm(a, b_cols, one, one, out_dtype=torch.bfloat16),
-                      return_mode="median")
+        ms = do_bench(
+            lambda: torch._scaled_mm(a, b_cols, one, one, out_dtype=torch.bfloat16), return_mode="median"
+        )
     else:
         ms = do_bench(lambda: a @ b, return_mode="median")
     return 2 * n**3 / (ms * 1e-3)

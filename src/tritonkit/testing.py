@@ -31,8 +31,15 @@ def poisoned_outputs() -> Iterator[None]:
         _runtime.poison_outputs = previous
 
 
-def random_tensor(shape: Sequence[int], dtype: torch.dtype, device, *, generator: torch.Generator,
-                  scale: float = 1.0, noncontiguous: bool = False) -> torch.Tensor:
+def random_tensor(
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    device,
+    *,
+    generator: torch.Generator,
+    scale: float = 1.0,
+    noncontiguous: bool = False,
+) -> torch.Tensor:
     """Standard-normal values (times ``scale``), never zeros; optionally a strided view.
 
     The non-contiguous form is every other column of a tensor twice as wide, so its last-dim
@@ -64,28 +71,37 @@ def _clone_inputs(inputs: Sequence, dtype: torch.dtype | None, requires_grad: Se
     for value, wants_grad in zip(inputs, requires_grad, strict=True):
         if isinstance(value, torch.Tensor):
             base = value.detach()[tuple(slice(0, 1) if st == 0 else slice(None) for st in value.stride())]
-            copy = torch.empty_strided(base.shape, base.stride(), dtype=dtype or value.dtype,
-                                       device=value.device)
+            copy = torch.empty_strided(
+                base.shape, base.stride(), dtype=dtype or value.dtype, device=value.device
+            )
             copy.copy_(base)
             value = copy.requires_grad_(wants_grad).expand(value.shape)
         cloned.append(value)
     return cloned
 
 
-def check_against_reference(kernel: Callable, reference: Callable, inputs: Sequence, **options
-                            ) -> list[Comparison]:
+def check_against_reference(
+    kernel: Callable, reference: Callable, inputs: Sequence, **options
+) -> list[Comparison]:
     """:func:`compare_with_reference`, raising AssertionError listing every comparison if any fails."""
     comparisons = compare_with_reference(kernel, reference, inputs, **options)
     if not all(c.passed for c in comparisons):
-        raise AssertionError("kernel differs from the float64 reference:\n  "
-                             + "\n  ".join(str(c) for c in comparisons))
+        raise AssertionError(
+            "kernel differs from the float64 reference:\n  " + "\n  ".join(str(c) for c in comparisons)
+        )
     return comparisons
 
 
-def compare_with_reference(kernel: Callable, reference: Callable, inputs: Sequence, *,
-                           kwargs: dict | None = None, grad_inputs: Sequence[int] = (),
-                           grad_outputs: Sequence[torch.Tensor] | None = None,
-                           dtype: torch.dtype | None = None) -> list[Comparison]:
+def compare_with_reference(
+    kernel: Callable,
+    reference: Callable,
+    inputs: Sequence,
+    *,
+    kwargs: dict | None = None,
+    grad_inputs: Sequence[int] = (),
+    grad_outputs: Sequence[torch.Tensor] | None = None,
+    dtype: torch.dtype | None = None,
+) -> list[Comparison]:
     """Compare ``kernel(*inputs)`` and its gradients with ``reference`` in float64.
 
     ``grad_inputs`` are the positions of inputs to differentiate; ``grad_outputs`` (one per output,

@@ -140,7 +140,7 @@ def _source_text(source) -> str:
         return _source_text(source.fn)
     text = textwrap.dedent(inspect.getsource(source))
     start = re.search(r"^def\s+\w+\s*\(", text, re.MULTILINE)
-    return text[start.start():] if start else text
+    return text[start.start() :] if start else text
 
 
 def _python_function(value):
@@ -187,8 +187,15 @@ TUNERS: dict[str, Tuner] = {}  # the tuners defined so far, by name (each op mod
 class Tuner:
     """Picks, per key, the fastest config whose output passes the accuracy gate."""
 
-    def __init__(self, name: str, configs: Sequence[dict], *, sources: Sequence,
-                 default: Callable[[dict], dict], prune: Callable[[dict, dict], bool] | None = None):
+    def __init__(
+        self,
+        name: str,
+        configs: Sequence[dict],
+        *,
+        sources: Sequence,
+        default: Callable[[dict], dict],
+        prune: Callable[[dict, dict], bool] | None = None,
+    ):
         if not configs:
             raise ValueError(f"tuner {name!r} needs at least one config")
         self.name = name
@@ -210,15 +217,27 @@ class Tuner:
             digest.update(f"{len(text)}:{text}".encode())  # length prefix: no two splits hash alike
         return digest.hexdigest()
 
-    def config(self, key: dict, *, admit: Callable[[dict], bool], time_ms: Callable[[dict], float],
-               precompile: Callable[[list[dict]], None] | None = None) -> dict:
+    def config(
+        self,
+        key: dict,
+        *,
+        admit: Callable[[dict], bool],
+        time_ms: Callable[[dict], float],
+        precompile: Callable[[list[dict]], None] | None = None,
+    ) -> dict:
         """The config to launch with for ``key`` (a JSON-able dict: shape bucket and dtype): the tuned
         or cached winner, else (under the interpreter, or where tuning cannot run) the default."""
         entry = self.entry(key, admit=admit, time_ms=time_ms, precompile=precompile)
         return self.default(key) if entry is None else entry["config"]
 
-    def entry(self, key: dict, *, admit: Callable[[dict], bool], time_ms: Callable[[dict], float],
-              precompile: Callable[[list[dict]], None] | None = None) -> dict | None:
+    def entry(
+        self,
+        key: dict,
+        *,
+        admit: Callable[[dict], bool],
+        time_ms: Callable[[dict], float],
+        precompile: Callable[[list[dict]], None] | None = None,
+    ) -> dict | None:
         """The tuning of ``key``: {"config": winner, "ms": canonical config -> ms or None (rejected),
         "rejected": canonical config -> reason, "error": canonical config -> error against the
         reference}, from the memo, the disk cache or a tuning run now;
@@ -251,8 +270,13 @@ class Tuner:
         self._disk_checked.clear()
 
     def _identity(self, key: dict) -> dict:  # the fields of IDENTITY_FIELDS, in that order
-        return {"tuner": self.name, "key": key, "device": _device_name(), "triton": _triton_version(),
-                "source_hash": self.source_hash}
+        return {
+            "tuner": self.name,
+            "key": key,
+            "device": _device_name(),
+            "triton": _triton_version(),
+            "source_hash": self.source_hash,
+        }
 
     def _path(self, identity: dict) -> Path:
         return _entry_path(identity)
@@ -273,8 +297,12 @@ class Tuner:
             try:
                 precompile(candidates)
             except Exception as error:  # only a speed-up: each candidate still compiles when it runs
-                log.info("tritonkit: %s could not compile its candidates ahead (%s: %s)", self.name,
-                         type(error).__name__, error)
+                log.info(
+                    "tritonkit: %s could not compile its candidates ahead (%s: %s)",
+                    self.name,
+                    type(error).__name__,
+                    error,
+                )
         for config in candidates:
             name = _canonical(config)
             ms[name] = None
@@ -296,13 +324,22 @@ class Tuner:
         timed = {name: t for name, t in ms.items() if t is not None}
         if not timed:
             reasons = "".join(f"\n  {name}: {reason}" for name, reason in rejected.items())
-            raise RuntimeError(f"tuner {self.name!r}: no config admitted for key {key} "
-                               f"({len(self.configs) + 1 - len(candidates)} pruned):{reasons}")
+            raise RuntimeError(
+                f"tuner {self.name!r}: no config admitted for key {key} "
+                f"({len(self.configs) + 1 - len(candidates)} pruned):{reasons}"
+            )
         best = min(timed, key=timed.__getitem__)
         winner = next(c for c in candidates if _canonical(c) == best)
-        log.info("tritonkit: tuned %s for %s: %s in %.4f ms (%d of %d configs rejected, %d pruned)",
-                 self.name, key, best, timed[best], len(rejected), len(candidates),
-                 len(self.configs) + 1 - len(candidates))
+        log.info(
+            "tritonkit: tuned %s for %s: %s in %.4f ms (%d of %d configs rejected, %d pruned)",
+            self.name,
+            key,
+            best,
+            timed[best],
+            len(rejected),
+            len(candidates),
+            len(self.configs) + 1 - len(candidates),
+        )
         return {"config": winner, "ms": ms, "rejected": rejected, "error": errors}
 
     def _read(self, key: dict) -> dict | None:
@@ -320,8 +357,12 @@ class Tuner:
             if problem:
                 log.info("tritonkit: ignoring %s tuning entry %s: %s", source, path.name, problem)
                 continue
-            return {"config": next(c for c in candidates if c == entry["config"]),
-                    "ms": entry["ms"], "rejected": entry["rejected"], "error": entry.get("error", {})}
+            return {
+                "config": next(c for c in candidates if c == entry["config"]),
+                "ms": entry["ms"],
+                "rejected": entry["rejected"],
+                "error": entry.get("error", {}),
+            }
         return None
 
     def _write(self, key: dict, result: dict) -> None:
@@ -332,8 +373,12 @@ class Tuner:
         except OSError as error:
             if path.parent not in _unwritable_dirs:
                 _unwritable_dirs.add(path.parent)
-                log.warning("tritonkit: cannot write the tuning cache in %s (%s); tuned configs are kept "
-                            "in memory for this process only", path.parent, error)
+                log.warning(
+                    "tritonkit: cannot write the tuning cache in %s (%s); tuned configs are kept "
+                    "in memory for this process only",
+                    path.parent,
+                    error,
+                )
 
 
 IDENTITY_FIELDS = ("tuner", "key", "device", "triton", "source_hash")  # what names an entry's file
@@ -360,8 +405,11 @@ def _load(path: Path):
 def _shipped() -> dict[str, dict]:
     """The pre-tuned entries the package ships (exports in SHIPPED_DIR), by cache file name: a first
     call on a GPU they were tuned on (same device, Triton and kernel sources) tunes nothing."""
-    return {_entry_path({f: entry[f] for f in IDENTITY_FIELDS}).name: entry
-            for listed in shipped_exports().values() for entry in listed}
+    return {
+        _entry_path({f: entry[f] for f in IDENTITY_FIELDS}).name: entry
+        for listed in shipped_exports().values()
+        for entry in listed
+    }
 
 
 def stale_shipped() -> list[str]:
@@ -388,8 +436,10 @@ def stale_shipped() -> list[str]:
 def tuner_identities() -> dict[str, dict]:
     """Each defined tuner's source hash and canonical config list, by name: what :func:`rekey_shipped`
     compares between two versions of the package."""
-    return {name: {"source_hash": tuner.source_hash, "configs": _canonical(tuner.configs)}
-            for name, tuner in TUNERS.items()}
+    return {
+        name: {"source_hash": tuner.source_hash, "configs": _canonical(tuner.configs)}
+        for name, tuner in TUNERS.items()
+    }
 
 
 def rekey_shipped(before: dict[str, dict]) -> dict[str, int]:
@@ -421,8 +471,9 @@ def _write_atomically(path: Path, entry: dict) -> None:
     tmp_name = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", delete=False, dir=path.parent, prefix=f".{path.name}.",
-                                         suffix=".tmp") as tmp:
+        with tempfile.NamedTemporaryFile(
+            "w", delete=False, dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"
+        ) as tmp:
             tmp_name = tmp.name
             json.dump(entry, tmp, indent=1, sort_keys=True)
             tmp.flush()
@@ -436,8 +487,11 @@ def _write_atomically(path: Path, entry: dict) -> None:
 
 
 def _is_entry(entry) -> bool:
-    return (isinstance(entry, dict) and entry.get("format") == FORMAT
-            and all(f in entry for f in (*IDENTITY_FIELDS, "config")))
+    return (
+        isinstance(entry, dict)
+        and entry.get("format") == FORMAT
+        and all(f in entry for f in (*IDENTITY_FIELDS, "config"))
+    )
 
 
 def cached_entries(since: float | None = None) -> list[dict]:
@@ -515,8 +569,11 @@ def _entry_problem(entry, identity: dict, configs: list[dict]) -> str | None:
     if entry.get("config") not in configs:
         return f"config {entry.get('config')!r} is not one of the current candidates"
     timings, rejected = entry.get("ms"), entry.get("rejected")
-    if not (isinstance(timings, dict) and isinstance(rejected, dict)
-            and all(ms is None or isinstance(ms, (int, float)) for ms in timings.values())):
+    if not (
+        isinstance(timings, dict)
+        and isinstance(rejected, dict)
+        and all(ms is None or isinstance(ms, (int, float)) for ms in timings.values())
+    ):
         return "its timings are not a map of configs to milliseconds"
     if _canonical(entry["config"]) not in timings:
         return "its winner has no timing"
@@ -546,6 +603,8 @@ def forget_chosen() -> None:
         tuned.forget()
     for memo in CALL_MEMOS:
         memo.clear()
+
+
 MAX_CHOSEN = 4096  # call signatures whose configs a Tuned keeps, so a repeated call skips its key
 
 
@@ -564,8 +623,15 @@ class Tuned:
     - ``outputs``: the names of the problem's outputs (an output that is None is skipped).
     """
 
-    def __init__(self, tuner: Tuner, *, launches: Callable, calibrate: Callable, reference: Callable,
-                 outputs: Sequence[str]):
+    def __init__(
+        self,
+        tuner: Tuner,
+        *,
+        launches: Callable,
+        calibrate: Callable,
+        reference: Callable,
+        outputs: Sequence[str],
+    ):
         self.tuner = tuner
         self.launches = launches
         self.calibrate = calibrate
@@ -574,8 +640,14 @@ class Tuned:
         self._chosen: dict = {}  # call signature -> config chosen for good
         TUNED.append(self)
 
-    def choose(self, key: dict, problem: Problem, *, signature=None,
-               pick: Callable[[dict | None], dict] | None = None) -> tuple[dict, bool]:
+    def choose(
+        self,
+        key: dict,
+        problem: Problem,
+        *,
+        signature=None,
+        pick: Callable[[dict | None], dict] | None = None,
+    ) -> tuple[dict, bool]:
         """(config, final) for a call: the memo's answer for ``signature`` (default: the key's values),
         else the tuning of ``key`` (from the cache, the shipped configs or a tuning run on ``problem``),
         through ``pick`` (tuning entry or None -> config; default: the winner, else the tuner's default).
@@ -596,9 +668,12 @@ class Tuned:
 
     def entry(self, key: dict, problem: Problem) -> dict | None:
         """The tuner's entry for ``key`` (see :meth:`Tuner.entry`), tuned on ``problem`` if need be."""
-        return self.tuner.entry(key, admit=functools.partial(self.admit, problem),
-                                time_ms=functools.partial(self.time_ms, problem),
-                                precompile=functools.partial(self.precompile, problem))
+        return self.tuner.entry(
+            key,
+            admit=functools.partial(self.admit, problem),
+            time_ms=functools.partial(self.time_ms, problem),
+            precompile=functools.partial(self.precompile, problem),
+        )
 
     def forget(self) -> None:
         self._chosen.clear()
@@ -618,14 +693,24 @@ class Tuned:
         self.run(calibration, config)
         upcast = {name: _float64(value) for name, value in calibration.items()}
         exact, in_dtype = self.reference(upcast), self.reference(calibration)
-        return worst([compare(name, value, in_dtype[name].to(value.dtype), exact[name], value.dtype)
-                      for name, value in outputs.items()])
+        return worst(
+            [
+                compare(name, value, in_dtype[name].to(value.dtype), exact[name], value.dtype)
+                for name, value in outputs.items()
+            ]
+        )
 
     def time_ms(self, problem: Problem, config: dict) -> float:
         """Median ms of ``config`` on the call's own inputs, into scratch outputs (tuning never writes
         the caller's outputs)."""
-        scratch = {**problem, **{name: torch.empty_like(problem[name]) for name in self.outputs
-                                 if problem.get(name) is not None}}
+        scratch = {
+            **problem,
+            **{
+                name: torch.empty_like(problem[name])
+                for name in self.outputs
+                if problem.get(name) is not None
+            },
+        }
         return median_ms(lambda: self.run(scratch, config))
 
     def precompile(self, problem: Problem, configs: list[dict]) -> None:
@@ -633,9 +718,14 @@ class Tuned:
         (the two specialize apart): tuning then spends its time timing, not compiling."""
         from tritonkit._launch import precompile
 
-        precompile([launch for config in configs
-                    for case in (self.calibrate(problem, config), problem)
-                    for launch in self.launches(case, config)])
+        precompile(
+            [
+                launch
+                for config in configs
+                for case in (self.calibrate(problem, config), problem)
+                for launch in self.launches(case, config)
+            ]
+        )
 
 
 def _float64(value):

@@ -71,6 +71,9 @@ GENERIC = [
 def providers_for(spec: OpSpec) -> list[Provider]:
     """Generic providers, then the op's own peers (cuDNN SDPA, FlexAttention, cuBLASLt...)."""
     named = {p.name for p in GENERIC}
-    extra = [Provider(name, f"{name} (op-specific peer)", _peer(name, None))
-             for name in spec.peers if name not in named]
+    extra = [
+        Provider(name, f"{name} (op-specific peer)", _peer(name, None))
+        for name in spec.peers
+        if name not in named
+    ]
     return GENERIC + extra

@@ -13,16 +13,30 @@ from pathlib import Path
 from tritonkit import roofline
 
 TABLE_COLUMNS = [  # (header, row key, format)
-    ("op", "op", "{}"), ("mode", "mode", "{}"), ("shape", "shape", "{}"), ("dtype", "dtype", "{}"),
-    ("provider", "provider", "{}"), ("ms", "ms", "{:.4f}"), ("GB/s", "gbps", "{:.0f}"),
-    ("TFLOP/s", "tflops", "{:.2f}"), ("%roof", "pct_roofline", "{:.1f}"),
-    ("%roof(ds)", "pct_roofline_datasheet", "{:.1f}"), ("%copy@size", "pct_copy_same_bytes", "{:.1f}"),
-    ("host us", "host_us", "{:.1f}"), ("vs best peer", "speedup_vs_best_peer", "{:.2f}x"),
-    ("max err", "max_err", "{:.2e}"), ("check", "check", "{}"),
+    ("op", "op", "{}"),
+    ("mode", "mode", "{}"),
+    ("shape", "shape", "{}"),
+    ("dtype", "dtype", "{}"),
+    ("provider", "provider", "{}"),
+    ("ms", "ms", "{:.4f}"),
+    ("GB/s", "gbps", "{:.0f}"),
+    ("TFLOP/s", "tflops", "{:.2f}"),
+    ("%roof", "pct_roofline", "{:.1f}"),
+    ("%roof(ds)", "pct_roofline_datasheet", "{:.1f}"),
+    ("%copy@size", "pct_copy_same_bytes", "{:.1f}"),
+    ("host us", "host_us", "{:.1f}"),
+    ("vs best peer", "speedup_vs_best_peer", "{:.2f}x"),
+    ("max err", "max_err", "{:.2e}"),
+    ("check", "check", "{}"),
 ]
 INTERPRETER_COLUMNS = [  # a correctness run: no timings, the analytic prediction instead
-    ("op", "op", "{}"), ("mode", "mode", "{}"), ("shape", "shape", "{}"), ("dtype", "dtype", "{}"),
-    ("provider", "provider", "{}"), ("max err", "max_err", "{:.2e}"), ("check", "check", "{}"),
+    ("op", "op", "{}"),
+    ("mode", "mode", "{}"),
+    ("shape", "shape", "{}"),
+    ("dtype", "dtype", "{}"),
+    ("provider", "provider", "{}"),
+    ("max err", "max_err", "{:.2e}"),
+    ("check", "check", "{}"),
     ("H200 roofline ms", "predicted_ms_h200", "{:.3g}"),
 ]
 
@@ -57,9 +71,13 @@ def format_table(rows: list[dict], interpreter: bool = False) -> str:
     cells = [[header for header, _, _ in columns]]
     cells += [[_cell(row, key, fmt) for _, key, fmt in columns] for row in ran]
     widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
-    lines = ["  ".join(cell.rjust(width) if i >= 4 else cell.ljust(width)
-                       for i, (cell, width) in enumerate(zip(line, widths, strict=True)))
-             for line in cells]
+    lines = [
+        "  ".join(
+            cell.rjust(width) if i >= 4 else cell.ljust(width)
+            for i, (cell, width) in enumerate(zip(line, widths, strict=True))
+        )
+        for line in cells
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     skipped = {row["provider"]: row["unavailable"] for row in rows if "unavailable" in row}
     lines += [f"not run: {name} ({reason})" for name, reason in skipped.items()]
@@ -74,8 +92,9 @@ def gpu_slug(gpu_name: str) -> str:
         return re.sub(r"[^a-z0-9]+", "-", gpu_name.lower()).strip("-") or "unknown"
 
 
-def write_results(rows: list[dict], out_dir: Path,
-                  ceilings: tuple[roofline.DeviceSpec, roofline.DeviceSpec] | None = None) -> list[Path]:
+def write_results(
+    rows: list[dict], out_dir: Path, ceilings: tuple[roofline.DeviceSpec, roofline.DeviceSpec] | None = None
+) -> list[Path]:
     """``<out>/<gpu-slug>/<op>.json`` (and .csv, .png) for each op in the rows.
 
     ``ceilings`` (datasheet, measured) for the plot default to this GPU's.
@@ -87,15 +106,18 @@ def write_results(rows: list[dict], out_dir: Path,
     for (slug, op), op_rows in by_op.items():
         folder = out_dir / slug
         folder.mkdir(parents=True, exist_ok=True)
-        json_path, csv_path, md_path, png_path = (folder / f"{op}.{ext}"
-                                                  for ext in ("json", "csv", "md", "png"))
+        json_path, csv_path, md_path, png_path = (
+            folder / f"{op}.{ext}" for ext in ("json", "csv", "md", "png")
+        )
         json_path.write_text(json.dumps(op_rows, indent=1) + "\n")
         _write_csv(op_rows, csv_path)
         md_path.write_text(markdown_table(op_rows) + "\n")
         written += [json_path, csv_path, md_path]
         if any("tflops" in r for r in op_rows):
-            datasheet, measured = ceilings or (roofline.device_spec(op_rows[0]["gpu"]),
-                                               roofline.measured_ceilings())
+            datasheet, measured = ceilings or (
+                roofline.device_spec(op_rows[0]["gpu"]),
+                roofline.measured_ceilings(),
+            )
             plot_roofline(op_rows, png_path, datasheet, measured)
             bandwidth_path = folder / f"{op}-bandwidth.png"
             plot_bandwidth(op_rows, bandwidth_path, measured)
@@ -157,8 +179,11 @@ def markdown_table(rows: list[dict]) -> str:
     ours_timed = [r for r in timed if r["provider"] == "tritonkit"] or timed
     compute = all(_compute_bound(r) for r in ours_timed)
     unit, rate_key = ("TFLOP/s", "tflops") if compute else ("GB/s", "gbps")
-    ours_columns = ([("tritonkit %peak", "pct_roofline")] if compute else
-                    [("tritonkit %copy", "pct_roofline"), ("tritonkit %copy@size", "pct_copy_same_bytes")])
+    ours_columns = (
+        [("tritonkit %peak", "pct_roofline")]
+        if compute
+        else [("tritonkit %copy", "pct_roofline"), ("tritonkit %copy@size", "pct_copy_same_bytes")]
+    )
     ours_columns.append(("vs best peer", "speedup_vs_best_peer"))
     providers = list(dict.fromkeys(r["provider"] for r in rows if "gbps" in r or "unavailable" in r))
     cases = defaultdict(dict)
@@ -230,8 +255,9 @@ def _write_csv(rows: list[dict], path: Path) -> None:
             writer.writerow({k: "x".join(map(str, v)) if k == "shape" else v for k, v in row.items()})
 
 
-def plot_roofline(rows: list[dict], path: Path, datasheet: roofline.DeviceSpec,
-                  measured: roofline.DeviceSpec) -> None:
+def plot_roofline(
+    rows: list[dict], path: Path, datasheet: roofline.DeviceSpec, measured: roofline.DeviceSpec
+) -> None:
     """Each measured point (intensity, TFLOP/s) under the device's measured and datasheet roofs."""
     import matplotlib
 
@@ -248,9 +274,15 @@ def plot_roofline(rows: list[dict], path: Path, datasheet: roofline.DeviceSpec,
     fig, ax = plt.subplots(figsize=(8, 5.5))
     for spec, style in ((datasheet, "--"), (measured, "-")):
         roof = [min(spec.peak(unit), x * spec.bandwidth) / 1e12 for x in xs]
-        ax.plot(xs, roof, style, color="black", lw=1,
-                label=f"{spec.source} roof: {spec.bandwidth / 1e12:.2f} TB/s, {spec.peak(unit) / 1e12:.0f} "
-                      f"TFLOP/s {unit}")
+        ax.plot(
+            xs,
+            roof,
+            style,
+            color="black",
+            lw=1,
+            label=f"{spec.source} roof: {spec.bandwidth / 1e12:.2f} TB/s, {spec.peak(unit) / 1e12:.0f} "
+            f"TFLOP/s {unit}",
+        )
     markers = {"fwd": "o", "bwd": "s", "fwd+bwd": "^"}
     colors = {}
     for row, x in zip(timed, intensities, strict=True):
@@ -260,8 +292,13 @@ def plot_roofline(rows: list[dict], path: Path, datasheet: roofline.DeviceSpec,
         ax.scatter([], [], color=color, label=provider)
     for mode, marker in markers.items():
         ax.scatter([], [], color="gray", marker=marker, label=mode)
-    ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP/byte)",
-           ylabel="achieved TFLOP/s", title=f"{timed[0]['op']} on {timed[0]['gpu']}")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="arithmetic intensity (FLOP/byte)",
+        ylabel="achieved TFLOP/s",
+        title=f"{timed[0]['op']} on {timed[0]['gpu']}",
+    )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
@@ -276,7 +313,7 @@ def _predicted(name: str, datasheet: roofline.DeviceSpec) -> list[tuple[float, f
 
     spec, points = get_op(name), []
     for shape, dtype_name in spec.shape_list("quick"):
-        for dtype in ((DTYPE_OF[dtype_name],) if dtype_name else spec.dtypes):
+        for dtype in (DTYPE_OF[dtype_name],) if dtype_name else spec.dtypes:
             cost = spec.cost(shape, dtype, "fwd")
             seconds = roofline.roofline_seconds(cost, datasheet, spec.flop_unit)
             points.append((cost.flops / cost.bytes, cost.flops / seconds / 1e12))
@@ -314,28 +351,50 @@ def plot_results(results: Path, datasheet: roofline.DeviceSpec, path: Path) -> l
     intensities += [x for name in op_names() for x, _ in _predicted(name, datasheet)]
     xs = _intensity_axis(intensities, max(datasheet.peak(unit) for unit in units) / datasheet.bandwidth)
     for unit, style in zip(units, ("-", "--", ":", "-."), strict=False):
-        ax.plot(xs, [min(datasheet.peak(unit), x * datasheet.bandwidth) / 1e12 for x in xs], style,
-                color="black", lw=1, label=f"{datasheet.name} datasheet roof ({unit})")
+        ax.plot(
+            xs,
+            [min(datasheet.peak(unit), x * datasheet.bandwidth) / 1e12 for x in xs],
+            style,
+            color="black",
+            lw=1,
+            label=f"{datasheet.name} datasheet roof ({unit})",
+        )
     measured = [r for r in rows if "measured_bandwidth" in r]
     if measured:
         bandwidth = measured[-1]["measured_bandwidth"]
         peaks = [r["measured_peak"] for r in measured if "measured_peak" in r]  # matmul rates measured
         peak = max(peaks) if peaks else max(datasheet.peak(unit) for unit in units)  # the highest roof
         label = f"measured roof: copy {bandwidth / 1e12:.2f} TB/s" + (
-            f", matmul {peak / 1e12:.0f} TFLOP/s" if peaks else "")
+            f", matmul {peak / 1e12:.0f} TFLOP/s" if peaks else ""
+        )
         ax.plot(xs, [min(peak, x * bandwidth) / 1e12 for x in xs], color="gray", lw=1, label=label)
     plotted = []
     for index, name in enumerate(op_names()):
         color = f"C{index}"
         ours = [r for r in rows if r["op"] == name]
         if ours:
-            ax.scatter([r["flops"] / r["bytes"] for r in ours], [r["tflops"] for r in ours], color=color,
-                       s=24, label=f"{name} (measured)")
-        ax.scatter(*zip(*_predicted(name, datasheet), strict=True), facecolors="none", edgecolors=color, s=40,
-                   label=f"{name} (roofline, fwd)")
+            ax.scatter(
+                [r["flops"] / r["bytes"] for r in ours],
+                [r["tflops"] for r in ours],
+                color=color,
+                s=24,
+                label=f"{name} (measured)",
+            )
+        ax.scatter(
+            *zip(*_predicted(name, datasheet), strict=True),
+            facecolors="none",
+            edgecolors=color,
+            s=40,
+            label=f"{name} (roofline, fwd)",
+        )
         plotted.append(name)
-    ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP/byte)", ylabel="TFLOP/s",
-           title=f"tritonkit on {datasheet.name}")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="arithmetic intensity (FLOP/byte)",
+        ylabel="TFLOP/s",
+        title=f"tritonkit on {datasheet.name}",
+    )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()

@@ -48,16 +48,23 @@ def provenance() -> dict:
     if not sha:
         try:
             here = Path(__file__).resolve().parent
-            sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
-                                 text=True, check=True, timeout=10).stdout.strip()
+            sha = subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                cwd=here,
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=10,
+            ).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             sha = "unknown"
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (interpreter)"
     return {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "git_sha": sha}
 
 
-def cases(op_names: Iterable[str], shapes: str, dtypes: Iterable[torch.dtype] | None,
-          modes: Iterable[str]) -> list[Case]:
+def cases(
+    op_names: Iterable[str], shapes: str, dtypes: Iterable[torch.dtype] | None, modes: Iterable[str]
+) -> list[Case]:
     """The sweep; on the interpreter the shape list is always the op's small 'interpreter' one."""
     out = []
     for name in op_names:
@@ -107,12 +114,18 @@ def _check(fn: Callable, case: Case, inputs: tuple) -> dict:
         detached = [x.detach() if isinstance(x, torch.Tensor) else x for x in inputs]  # shapes too
         grad_outputs = _grad_outputs(testing.as_tuple(case.spec.reference(*detached, **case.spec.kwargs)))
     comparisons = testing.compare_with_reference(
-        fn, functools.partial(case.spec.reference, **case.spec.kwargs), inputs,
-        grad_inputs=case.spec.grad_inputs if with_grads else (), grad_outputs=grad_outputs)
+        fn,
+        functools.partial(case.spec.reference, **case.spec.kwargs),
+        inputs,
+        grad_inputs=case.spec.grad_inputs if with_grads else (),
+        grad_outputs=grad_outputs,
+    )
     if case.mode == "bwd":
         comparisons = [c for c in comparisons if c.name.startswith("grad")]
-    return {"max_err": max(c.err_kernel for c in comparisons),
-            "check": "pass" if all(c.passed for c in comparisons) else "FAIL"}
+    return {
+        "max_err": max(c.err_kernel for c in comparisons),
+        "check": "pass" if all(c.passed for c in comparisons) else "FAIL",
+    }
 
 
 def run_case(case: Case, provider_names: Iterable[str] | None, device: str) -> list[dict]:
@@ -145,9 +158,16 @@ def run_case(case: Case, provider_names: Iterable[str] | None, device: str) -> l
 def _base_row(case: Case, provider: str) -> dict:
     cost = case.spec.cost(case.shape, case.dtype, case.mode)
     h200 = roofline.device_spec("h200")
-    return {"op": case.spec.name, "provider": provider, "mode": case.mode, "shape": list(case.shape),
-            "dtype": dtype_name(case.dtype), "flops": cost.flops, "bytes": cost.bytes,
-            "predicted_ms_h200": roofline.roofline_seconds(cost, h200, case.spec.flop_unit) * 1e3}
+    return {
+        "op": case.spec.name,
+        "provider": provider,
+        "mode": case.mode,
+        "shape": list(case.shape),
+        "dtype": dtype_name(case.dtype),
+        "flops": cost.flops,
+        "bytes": cost.bytes,
+        "predicted_ms_h200": roofline.roofline_seconds(cost, h200, case.spec.flop_unit) * 1e3,
+    }
 
 
 @functools.cache
@@ -172,18 +192,25 @@ def _copy_ms(total_bytes: int) -> float:
 def _timings(fn: Callable, case: Case, inputs: tuple) -> dict:
     cost = case.spec.cost(case.shape, case.dtype, case.mode)
     input_bytes = sum(x.numel() * x.element_size() for x in inputs if isinstance(x, torch.Tensor))
-    sets = [inputs] + [_inputs(case, "cuda", SEED + 10 + i, case.mode != "fwd")
-                       for i in range(timing.rotation_count(input_bytes) - 1)]
+    sets = [inputs] + [
+        _inputs(case, "cuda", SEED + 10 + i, case.mode != "fwd")
+        for i in range(timing.rotation_count(input_bytes) - 1)
+    ]
     (p20, median, p80), method = timing.kernel_ms([functools.partial(_call, fn, case, s) for s in sets])
     seconds = median * 1e-3
     measured, datasheet = _ceilings()
     return {
-        "ms_p20": p20, "ms": median, "ms_p80": p80, "timing": method,
-        "gbps": cost.bytes / seconds / 1e9, "tflops": cost.flops / seconds / 1e12,
+        "ms_p20": p20,
+        "ms": median,
+        "ms_p80": p80,
+        "timing": method,
+        "gbps": cost.bytes / seconds / 1e9,
+        "tflops": cost.flops / seconds / 1e12,
         "pct_roofline": roofline.pct_of_roofline(cost, seconds, measured, case.spec.flop_unit),
         "pct_roofline_datasheet": roofline.pct_of_roofline(cost, seconds, datasheet, case.spec.flop_unit),
         "pct_copy_same_bytes": 100 * _copy_ms(cost.bytes) / median,
-        "measured_bandwidth": measured.bandwidth, "measured_peak": measured.peak(case.spec.flop_unit),
+        "measured_bandwidth": measured.bandwidth,
+        "measured_peak": measured.peak(case.spec.flop_unit),
     }
 
 
@@ -214,10 +241,18 @@ def case_label(case: Case) -> str:
     return f"{case.spec.name} {case.mode} {'x'.join(map(str, case.shape))} {dtype_name(case.dtype)}"
 
 
-def run(op_names: Iterable[str], *, shapes: str = "quick", dtypes=None, modes=MODES,
-        providers: Iterable[str] | None = None, progress: bool = True, done: Iterable[dict] = (),
-        on_case: Callable[[list[dict]], None] | None = None,
-        report: Callable[[str], None] | None = None) -> list[dict]:
+def run(
+    op_names: Iterable[str],
+    *,
+    shapes: str = "quick",
+    dtypes=None,
+    modes=MODES,
+    providers: Iterable[str] | None = None,
+    progress: bool = True,
+    done: Iterable[dict] = (),
+    on_case: Callable[[list[dict]], None] | None = None,
+    report: Callable[[str], None] | None = None,
+) -> list[dict]:
     """Run the sweep and return its rows (each with provenance), in sweep order.
 
     Cases that already have rows in ``done`` (an interrupted run's) are not run again: their rows
@@ -249,6 +284,8 @@ def run(op_names: Iterable[str], *, shapes: str = "quick", dtypes=None, modes=MO
         if on_case is not None:
             on_case(case_rows)
         if report is not None:
-            report(f"bench [{index + 1}/{len(todo)}] {case_label(case)}: {len(case_rows)} rows in "
-                   f"{time.perf_counter() - started:.1f} s")
+            report(
+                f"bench [{index + 1}/{len(todo)}] {case_label(case)}: {len(case_rows)} rows in "
+                f"{time.perf_counter() - started:.1f} s"
+            )
     return sorted(rows, key=lambda row: order[row_case_id(row)])

@@ -80,8 +80,9 @@ def _replay(graph: torch.cuda.CUDAGraph, call_kept_alive: Callable[[], object]) 
     graph.replay()
 
 
-def kernel_ms(call_makers: Sequence[Callable[[], Callable[[], object]]]
-              ) -> tuple[tuple[float, float, float], str]:
+def kernel_ms(
+    call_makers: Sequence[Callable[[], Callable[[], object]]],
+) -> tuple[tuple[float, float, float], str]:
     """((p20, median, p80) in ms, method) of the calls taken in turn, one input set each."""
     interpret()  # decide before triton is imported
     from triton.testing import do_bench
@@ -90,8 +91,9 @@ def kernel_ms(call_makers: Sequence[Callable[[], Callable[[], object]]]
     methods = {method for _, method in captured}
     method = methods.pop() if len(methods) == 1 else "mixed: " + "; ".join(sorted(methods))
     cycle = itertools.cycle([run for run, _ in captured])
-    median, p20, p80 = do_bench(lambda: next(cycle)(), warmup=WARMUP_MS, rep=REP_MS,
-                                quantiles=list(QUANTILES))
+    median, p20, p80 = do_bench(
+        lambda: next(cycle)(), warmup=WARMUP_MS, rep=REP_MS, quantiles=list(QUANTILES)
+    )
     return (p20, median, p80), method
 
 

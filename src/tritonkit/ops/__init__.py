@@ -56,8 +56,10 @@ class OpSpec:
 
     def shape_list(self, kind: str) -> list[tuple[tuple, str | None]]:
         """``shapes[kind]`` as (shape, dtype name), the name None where the shape runs in every dtype."""
-        return [(tuple(e[0]), e[1]) if len(e) == 2 and isinstance(e[1], str) else (tuple(e), None)
-                for e in self.shapes[kind]]
+        return [
+            (tuple(e[0]), e[1]) if len(e) == 2 and isinstance(e[1], str) else (tuple(e), None)
+            for e in self.shapes[kind]
+        ]
 
 
 def op_names() -> list[str]:
