@@ -15,16 +15,13 @@ import tritonkit
 import tritonkit.ops.softmax.kernels as sk
 import tritonkit.ops.softmax.softmax as sm
 from tritonkit import tuning
-from tritonkit._runtime import empty_output, interpret, sm_count
-from tritonkit.ops import get_op
+from tritonkit._runtime import interpret, sm_count
 from tritonkit.ops.softmax.softmax import (
     DTYPES,
     SPECS,
-    VARIANTS,
     log_softmax,
     log_softmax_reference,
     softmax,
-    softmax_cost,
     softmax_reference,
     softmax_variant,
 )
@@ -622,18 +619,6 @@ def test_poisoning_catches_an_unwritten_row(direction, log, variant, monkeypatch
     assert torch.isnan(y[-1]).all().item() == (direction == "fwd") and not torch.isnan(y[:-1]).any()
 
 
-def test_every_output_element_written(device):
-    with poisoned_outputs():
-        assert torch.isnan(empty_output((3,), F32, device)).all()  # poisoning is really on
-        for variant in KERNELS:
-            for log in (False, True):
-                x, dy = _inputs((3, 5, 77), BF16, device, seed=44)
-                x.requires_grad_()
-                y = _kernel(log, variant)(x, 1)
-                (grad,) = torch.autograd.grad(y, x, dy)
-                assert not torch.isnan(y).any() and not torch.isnan(grad).any()
-
-
 # ---------------------------------------------------------------- bad arguments
 
 
@@ -723,32 +708,6 @@ def test_repeated_calls_take_the_stored_plan(monkeypatch, device):
     assert len(sm._plans) == planned + 1
 
 
-def test_no_grad_has_no_graph(device):
-    x = _valid(device).requires_grad_()
-    with torch.no_grad():
-        y = softmax(x)
-    assert y.grad_fn is None and not y.requires_grad
-    y_graph = softmax(x)
-    assert y_graph.grad_fn is not None
-    torch.testing.assert_close(y, y_graph.detach(), rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("log", LOGS)
-@pytest.mark.parametrize("dtype, dim, out_dtype", [(F32, -1, F32), (F16, 0, F32)], ids=str)
-def test_opcheck_forward(log, dtype, dim, out_dtype, device):
-    x = random_tensor((5, 40), dtype, device, generator=generator(47), scale=3.0).requires_grad_()
-    y = torch.empty(x.shape, dtype=out_dtype, device=device)
-    torch.library.opcheck(torch.ops.tritonkit.softmax.default, (x, dim, log, "auto", y))
-
-
-@pytest.mark.parametrize("log", LOGS)
-def test_opcheck_backward(log, device):
-    x, dy = _inputs((5, 40), BF16, device, seed=48)
-    y = _kernel(log)(x)
-    dx = torch.empty(y.shape, dtype=F32, device=device)
-    torch.library.opcheck(torch.ops.tritonkit.softmax_backward.default, (dy, y, -1, log, "auto", dx))
-
-
 def test_custom_ops_match_the_public_functions(device):
     x, dy = _inputs((5, 40), F32, device, seed=49)
     for log in (False, True):
@@ -784,33 +743,6 @@ def test_compile_fullgraph(device):
 
 
 # ---------------------------------------------------------------- registry, cost model, harness shapes
-
-
-@pytest.mark.parametrize("name", ["softmax", "log_softmax"])
-def test_spec_is_registered(name):
-    spec, log = SPECS[name], name == "log_softmax"
-    assert get_op(name) is spec
-    reference = log_softmax_reference if log else softmax_reference
-    assert (spec.fn, spec.reference, spec.cost) == (_kernel(log), reference, softmax_cost)
-    assert spec.family == "softmax" and spec.grad_inputs == (0,) and spec.name == name
-    assert getattr(tritonkit, name) is spec.fn
-    variant_peers = {f"tritonkit[{v}]" for v in VARIANTS if v != "auto"}
-    assert set(spec.peers) == variant_peers | (set() if log else {"liger"})
-
-
-@pytest.mark.parametrize(
-    "shape, dtype, size",
-    [((7, 33), F32, 4), ((2, 3, 96), BF16, 2), ((4096, 4097), F16, 2), ((37,), F32, 4)],
-    ids=str,
-)
-def test_cost_bytes_and_flops(shape, dtype, size):
-    mn = math.prod(shape)
-    fwd, bwd = softmax_cost(shape, dtype, "fwd"), softmax_cost(shape, dtype, "bwd")
-    both = softmax_cost(shape, dtype, "fwd+bwd")
-    assert fwd.bytes == 2 * mn * size and bwd.bytes == 3 * mn * size  # x in, y out; y, dy in, dx out
-    assert (fwd.flops, bwd.flops) == (5 * mn, 4 * mn)
-    assert (both.bytes, both.flops) == (fwd.bytes + bwd.bytes, fwd.flops + bwd.flops)
-    assert softmax_cost(shape, dtype) == fwd
 
 
 @pytest.mark.parametrize("name", ["softmax", "log_softmax"])
