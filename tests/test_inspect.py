@@ -36,6 +36,23 @@ def _cli(*args: str, interpret: str = "0") -> subprocess.CompletedProcess:
     )
 
 
+def test_fingerprints_tell_which_launches_compile_differently(tmp_path):
+    """Every launch of an op at its benchmark shapes, fingerprinted; against an earlier file whose
+    entry for one launch differs, that launch is named and the exit code is 1."""
+    earlier = {
+        "bias_gelu 8192x4096 bf16 fwd": {"sass": "0" * 16, "registers": 0},  # a stand-in that cannot match
+    }
+    (tmp_path / "earlier.json").write_text(json.dumps(earlier))
+    out = tmp_path / "now.json"
+    result = _cli("bias_gelu", "--fingerprints", str(out), "--against", str(tmp_path / "earlier.json"))
+    assert result.returncode == 1, result.stderr
+    prints = json.loads(out.read_text())
+    assert "bias_gelu 8192x4096 bf16 bwd" in prints and len(prints) == 4  # two shapes, fwd and bwd
+    assert all(len(p["sass"]) == 16 and p["registers"] > 0 for p in prints.values())
+    assert "differs: bias_gelu 8192x4096 bf16 fwd" in result.stdout
+    assert "0 of 4 launches compile as in" in result.stdout and "1 differ, 3 not there" in result.stdout
+
+
 def test_cli_reports_each_launch():
     result = _cli("softmax", "--shape", "8192x4096", "--dtype", "bf16")
     assert result.returncode == 0, result.stderr[-2000:]

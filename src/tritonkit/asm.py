@@ -17,6 +17,7 @@ Compiling needs Triton's real JIT functions: the process must compile natively, 
 from __future__ import annotations
 
 import collections
+import hashlib
 import os
 import re
 import subprocess
@@ -237,6 +238,21 @@ def _compile(kernel, signature, constants, attrs, options, arch, name, config) -
         occupancy=occupancy(ARCHS[arch], num_warps, registers, shared),
         asm={ir: compiled.asm[ir] for ir in IRS if ir in compiled.asm} | {"sass": sass},
     )
+
+
+_SASS_COMMENT = re.compile(r"/\*.*?\*/")  # instruction offsets and encodings
+
+
+def fingerprint(sass: str) -> str:
+    """A short hash of a kernel's SASS instructions alone (no addresses, encodings, comments or file
+    paths, which differ between checkouts): two versions of a kernel's source that keep it compile
+    to the same code."""
+    lines = []
+    for line in sass.splitlines():
+        line = _SASS_COMMENT.sub("", line).strip()
+        if line and not line.startswith("//") and ".file" not in line:
+            lines.append(" ".join(line.split(";")[0].split()))
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
 
 
 def _widths_text(widths: collections.Counter) -> str:

@@ -207,6 +207,10 @@ def cmd_inspect(args) -> int:
     _compile_natively()
     from tritonkit import asm
 
+    if args.fingerprints:
+        return _fingerprints(args)
+    if args.op is None or args.against:
+        raise ValueError("name an op to inspect (or write --fingerprints, optionally --against another file)")
     spec_op = get_op(args.op)
     if spec_op.inspect is None:
         raise ValueError(f"{args.op} does not describe its launches for inspect")
@@ -235,6 +239,38 @@ def cmd_inspect(args) -> int:
             else:
                 print(f"---- {report.name}: {ir} ----\n{report.asm[ir]}")
     return 0
+
+
+def _fingerprints(args) -> int:
+    """Write the SASS fingerprint of every launch the ops make at their benchmark shapes with their
+    untuned configs (all ops, or the one named) to a JSON file; with --against, compare it with an
+    earlier one (1 if any launch compiles differently). What shows that a source-only change kept
+    every kernel, so its shipped tunings still describe them (tune --rekey)."""
+    from tritonkit import asm
+
+    names = [args.op] if args.op else [n for n in op_names() if get_op(n).inspect is not None]
+    prints = {}
+    for name in names:
+        spec = get_op(name)
+        for shape, dtype in spec.shape_list("quick"):
+            for launch in spec.inspect(shape, DTYPES[dtype or "bf16"], None):
+                report = asm.compile_launch(launch, args.arch)
+                label = f"{name} {'x'.join(map(str, shape))} {dtype or 'bf16'} {report.name}"
+                prints[label] = {"sass": asm.fingerprint(report.asm["sass"]), "registers": report.registers}
+    Path(args.fingerprints).write_text(json.dumps(prints, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {len(prints)} launch fingerprints ({args.arch}) to {args.fingerprints}")
+    if not args.against:
+        return 0
+    earlier = json.loads(Path(args.against).read_text())
+    differ = [label for label in prints if label in earlier and earlier[label] != prints[label]]
+    missing = [label for label in prints if label not in earlier]
+    for label in differ:
+        print(f"  differs: {label}: {earlier[label]} -> {prints[label]}")
+    print(
+        f"{len(prints) - len(differ) - len(missing)} of {len(prints)} launches compile as in {args.against}"
+        f" ({len(differ)} differ, {len(missing)} not there)"
+    )
+    return 1 if differ else 0
 
 
 def cmd_tune(args) -> int:
@@ -464,7 +500,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="compile an op's kernels for a GPU without one: registers, spills, "
         "access widths, instruction mix, IR",
     )
-    insp.add_argument("op", choices=op_names())
+    insp.add_argument("op", nargs="?", choices=op_names())
     insp.add_argument("--shape", nargs="+", help="e.g. 8192x4096 (default: the op's first benchmark shape)")
     insp.add_argument("--dtype", choices=sorted(DTYPES), help="default: the shape's benchmark dtype")
     insp.add_argument("--arch", choices=sorted(ARCHS), default="sm_90")
@@ -472,6 +508,12 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("--diff", help="a second config as JSON, compared with --config")
     insp.add_argument("--ir", choices=IRS, help="print this IR of each kernel (with -o: write only it)")
     insp.add_argument("-o", "--out", help="write the IRs to this folder instead of printing them")
+    insp.add_argument(
+        "--fingerprints",
+        metavar="FILE",
+        help="write each launch's SASS fingerprint (every op, or OP) at its benchmark shapes",
+    )
+    insp.add_argument("--against", metavar="FILE", help="with --fingerprints: compare with an earlier file")
     insp.set_defaults(func=cmd_inspect)
 
     tune = sub.add_parser(
