@@ -69,6 +69,10 @@ def specialization_key(args: tuple) -> tuple:
             key.append(arg.data_ptr() & 15)
         elif arg is None or type(arg) in (bool, float):
             key.append((type(arg), arg if arg is None else 0))  # specialized on type only
+        elif type(arg).__name__ == "TensorDescriptor":  # a host-side TMA descriptor (Gluon kernels)
+            key.append(
+                (type(arg), arg.base.dtype, arg.base.data_ptr() & 15, tuple(arg.block_shape), arg.layout)
+            )
         else:
             raise TypeError(f"cannot launch with an argument of type {type(arg).__name__}")
     return tuple(key)
@@ -148,7 +152,10 @@ class Launcher:
             )
         runner = compiled.run  # the module is loaded on this device and the C launcher built
         if (
-            runner.global_scratch_size > 0
+            any(
+                type(arg).__name__ == "TensorDescriptor" for arg in args
+            )  # built per call by Triton's wrapper
+            or runner.global_scratch_size > 0
             or runner.profile_scratch_size > 0
             or getattr(compiled.metadata, "tensordesc_meta", None)
         ):

@@ -1,0 +1,224 @@
+"""The sm_90 Gluon attention forward (``ops/attention/fwd_sm90.py``): its SASS checked for Hopper
+without a GPU (warp-specialized partitions with register budgets, the main loop's wgmma wait leaving
+one group outstanding with the block's exponentials under it, HGMMA, no spills), and on the H200
+(``gpu``) its output and lse against the float64 reference with the oracle's rule, over ragged
+lengths, both causal alignments of Sq != Sk, GQA/MQA, fp16/bf16, D 64 and 128 and strided layouts.
+Gluon kernels do not run in Triton's interpreter, so nothing here runs on the CPU but the compile."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import sm90
+
+pytestmark = pytest.mark.attention
+
+_STATIC_CHECK = r"""
+import json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+from tritonkit.asm import _cuobjdump
+from tritonkit.ops.attention import fwd_sm90 as fwd
+
+def numbers(pattern, text):
+    return sorted(set(int(n) for n in re.findall(pattern, text)))
+
+def descriptor(dtype, rows, head_dim):
+    block = [1, 1, rows, head_dim]
+    layout = gl.NVMMASharedLayout.get_default_for(block, {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype])
+    return f"tensordesc<{dtype}[{','.join(map(str, block))}],{layout!r}>"
+
+for dtype, head_dim, causal in (("bf16", 128, False), ("bf16", 128, True), ("fp16", 64, True)):
+    config = fwd.CONFIGS[head_dim]
+    signature = {"q_desc": descriptor(dtype, fwd.SPLIT_M, head_dim),
+                 "k_desc": descriptor(dtype, config.block_n, head_dim),
+                 "v_desc": descriptor(dtype, config.block_n, head_dim),
+                 "o_desc": descriptor(dtype, fwd.SPLIT_M, head_dim), "lse_ptr": "*fp32", "stride_lb": "i32",
+                 "stride_lh": "i32", "GROUP": "i32", "SEQ_Q": "i32", "SEQ_K": "i32", "UPPER_OFFSET": "i32",
+                 "qk_scale": "fp32", "IS_CAUSAL": "constexpr", "NUM_STAGES": "constexpr",
+                 "PIN_SOFTMAX": "constexpr", "PINGPONG": "constexpr"}
+    constants = {"IS_CAUSAL": causal, "NUM_STAGES": config.num_stages, "PIN_SOFTMAX": config.pin_softmax,
+                 "PINGPONG": config.pingpong}
+    kernel = triton.compile(GluonASTSource(fwd._attn_fwd_sm90_kernel, signature, constants),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": fwd.CONSUMER_WARPS.value})
+    ptx, sass = kernel.asm["ptx"], _cuobjdump(kernel.asm["cubin"], "-sass")
+    under, current = [], None  # MUFU.EX2 between each wait(1) and the next wait(0)
+    for line in sass.splitlines():
+        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line:
+            current = 0
+        elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line and current is not None:
+            under.append(current)
+            current = None
+        elif "MUFU.EX2" in line and current is not None:
+            current += 1
+    print(json.dumps({
+        "case": f"{dtype} d{head_dim} {'causal' if causal else 'full'}", "warps": kernel.metadata.num_warps,
+        "waits": numbers(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx),
+        "setmaxnreg": numbers(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx),
+        "hgmma": sass.count("HGMMA"), "hmma": sass.count(" HMMA"),
+        "spills": sass.count("STL") + sass.count("LDL"),
+        "tma_loads": ptx.count("cp.async.bulk.tensor.4d.shared"), "exps_under_pv": max(under or [0]),
+        "block_exps": fwd.SPLIT_M * config.block_n // 128,
+    }))
+"""
+
+
+def test_the_kernel_compiles_for_hopper_warp_specialized_with_its_softmax_under_the_pv_product():
+    rows = [json.loads(line) for line in sm90.run(_STATIC_CHECK)]
+    assert len(rows) == 3
+    for row in rows:
+        # two consumer warpgroups and the producer's warpgroup; budgets 240 and 24 (and Triton's steps)
+        assert row["warps"] == 12 and {240, 24} <= set(row["setmaxnreg"]), row
+        assert row["waits"] == [0, 1], row  # the main loop waits for the older product only
+        assert row["hgmma"] > 0 and row["hmma"] == 0 and row["spills"] == 0 and row["tma_loads"] > 0, row
+        # a block's exponentials (64 a thread at 128 keys) run while the previous PV product does
+        assert row["exps_under_pv"] >= row["block_exps"], row
+
+
+# ---------------------------------------------------------------- on the H200
+
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def _fwd():
+    from tritonkit.ops.attention import fwd_sm90
+
+    return fwd_sm90
+
+
+def _inputs(batch, heads_q, heads_kv, seq_q, seq_k, head_dim, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    shapes = ((batch, heads_q, seq_q, head_dim), *((batch, heads_kv, seq_k, head_dim),) * 2)
+    return tuple(torch.randn(shape, device="cuda", dtype=dtype, generator=g) for shape in shapes)
+
+
+def _run(q, k, v, scale, causal, config=None):
+    """The kernel's (output, lse), written into NaN-filled buffers."""
+    o = torch.full_like(q, math.nan)
+    lse = torch.full(q.shape[:3], math.nan, device=q.device, dtype=torch.float32)
+    _fwd().attention_fwd_sm90(q, k, v, o, lse, scale=scale, causal=causal, config=config)
+    return o, lse
+
+
+def check(q, k, v, causal: bool, scale: float | None = None, config=None):
+    """The oracle on the output and the lse of the rows that see a key; those that see none give
+    exactly 0 and lse -inf."""
+    from tritonkit.ops.attention.common import attention_reference
+    from tritonkit.oracle import compare
+
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    o, lse = _run(q, k, v, scale, causal, config)
+    exact_o, exact_lse = attention_reference(
+        q.double(), k.double(), v.double(), causal, scale, return_lse=True
+    )
+    torch_o, torch_lse = attention_reference(q, k, v, causal, scale, return_lse=True)
+    seen = torch.isfinite(exact_lse)
+    assert torch.equal(torch.isneginf(lse), ~seen) and (o[~seen] == 0).all()
+    comparisons = [
+        compare("output", o, torch_o, exact_o, q.dtype),
+        compare("lse", lse[seen], torch_lse.float()[seen], exact_lse[seen], q.dtype),
+    ]
+    assert all(c.passed for c in comparisons), [str(c) for c in comparisons]
+
+
+# (B, Hq, Hkv, Sq, Sk, causal): single rows and keys, lengths off the 128-row and 128-key blocks, Sq != Sk
+# both ways (causal with Sq > Sk leaves rows that see no key), B*H > 1, GQA 32/8 and MQA, diagonals on
+# and off block edges
+CASES = [
+    (1, 1, 1, 1, 1, False),
+    (1, 1, 1, 1, 1, True),
+    (1, 2, 2, 1, 123, True),
+    (1, 2, 2, 7, 7, True),
+    (2, 3, 3, 123, 123, True),
+    (1, 2, 2, 1000, 1000, False),
+    (1, 2, 2, 1000, 1000, True),
+    (1, 2, 2, 4097, 4097, True),
+    (1, 2, 2, 100, 1000, True),
+    (1, 2, 2, 1000, 100, True),
+    (2, 3, 3, 257, 389, False),
+    (2, 3, 3, 389, 257, True),
+    (1, 32, 8, 500, 700, True),
+    (2, 8, 1, 333, 333, True),
+    (2, 8, 1, 1, 333, False),
+    (1, 4, 4, 384, 512, True),
+    (1, 4, 4, 512, 512, False),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:5])) + ("-causal" if c[5] else ""))
+def test_gpu_matches_the_reference(case, head_dim, dtype):
+    batch, heads_q, heads_kv, seq_q, seq_k, causal = case
+    seed = 4 * CASES.index(case) + 2 * (head_dim == 128) + (dtype == torch.float16)
+    check(*_inputs(batch, heads_q, heads_kv, seq_q, seq_k, head_dim, dtype, seed), causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_large_and_repeatable(causal):
+    """(2, 8, 8192, 128) bf16: many blocks a program; two runs give the same bits (no race)."""
+    q, k, v = _inputs(2, 8, 8, 8192, 8192, 128, torch.bfloat16, seed=8192 + causal)
+    check(q, k, v, causal)
+    first, second = _run(q, k, v, 0.125, causal), _run(q, k, v, 0.125, causal)
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_strided_layouts_and_scale(causal):
+    """(B, S, H, D) tensors viewed as (B, H, S, D), a strided output and a scale of its own."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v = (
+        torch.randn(2, s, h, 128, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
+        for s, h in ((301, 4), (517, 2), (517, 2))
+    )
+    assert _fwd().supports(q, k, v, causal=causal)
+    check(q, k, v, causal, scale=0.3)
+    o = torch.full((2, 301, 4, 128), math.nan, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    lse = torch.full((2, 4, 301), math.nan, device="cuda", dtype=torch.float32)
+    _fwd().attention_fwd_sm90(q, k, v, o, lse, scale=0.3, causal=causal)
+    assert torch.equal(o, _run(q.contiguous(), k.contiguous(), v.contiguous(), 0.3, causal)[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_every_candidate_config(head_dim, causal):
+    for i, config in enumerate(_fwd().CANDIDATES[head_dim]):
+        check(*_inputs(2, 4, 2, 777, 901, head_dim, torch.bfloat16, seed=100 + i), causal, config=config)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+def test_gpu_empty_keyless_and_refusals():
+    fwd = _fwd()
+    o, lse = _run(*_inputs(1, 2, 2, 0, 5, 64, torch.bfloat16, seed=1), 0.125, True)
+    assert o.shape == (1, 2, 0, 64)
+    o, lse = _run(*_inputs(1, 2, 2, 5, 0, 64, torch.bfloat16, seed=2), 0.125, False)
+    assert (o == 0).all() and torch.isneginf(lse).all()
+    q, k, v = _inputs(1, 2, 2, 16, 16, 128, torch.bfloat16, seed=3)
+    o, lse = torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    assert fwd.supports(q, k, v, causal=True)
+    assert not fwd.supports(q, k, v, causal=False, window=(4, 0))
+    assert not fwd.supports(q, k, v, causal=False, softcap=30.0)
+    assert not fwd.supports(q, k, v, causal=False, packed=True)
+    assert not fwd.supports(q.float(), k.float(), v.float(), causal=False)
+    assert not fwd.supports(*_inputs(1, 2, 2, 16, 16, 96, torch.bfloat16, seed=4), causal=False)
+    with pytest.raises(NotImplementedError, match="window"):
+        fwd.attention_fwd_sm90(q, k, v, o, lse, scale=0.1, causal=False, window=(4, 0))
+    with pytest.raises(NotImplementedError, match="softcap"):
+        fwd.attention_fwd_sm90(q, k, v, o, lse, scale=0.1, causal=False, softcap=30.0)
