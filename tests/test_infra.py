@@ -414,6 +414,20 @@ def test_forced_native_rejects_cpu_tensors():
 # ---------------------------------------------------------------- lazy exports and registry
 
 
+def test_the_registry_is_the_one_list_of_ops():
+    """Each family's module defines exactly the specs and public functions the registry lists for it."""
+    import importlib
+
+    from tritonkit import _registry
+
+    for module_name, family in _registry.FAMILIES.items():
+        module = importlib.import_module(module_name)
+        assert sorted(module.SPECS) == sorted(family["specs"]), module_name
+        for name in family["public"]:
+            assert getattr(tritonkit, name) is getattr(module, name), name
+    assert sorted(op_names()) == sorted(_registry.SPEC_MODULES)
+
+
 def test_lazy_public_names():
     assert "bias_gelu" in dir(tritonkit) and "bias_gelu" in tritonkit.__all__
     assert tritonkit.bias_gelu is bias_gelu

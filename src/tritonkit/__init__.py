@@ -9,24 +9,10 @@ from __future__ import annotations
 
 import importlib
 
+from tritonkit._registry import PUBLIC as _PUBLIC  # public name -> module that defines it
+
 __version__ = "0.1.0"
 
-# public name -> module that defines it
-_PUBLIC = {
-    "bias_gelu": "tritonkit.ops.bias_gelu",
-    "softmax": "tritonkit.ops.softmax.softmax",
-    "log_softmax": "tritonkit.ops.softmax.softmax",
-    "layer_norm": "tritonkit.ops.norm",
-    "rms_norm": "tritonkit.ops.norm",
-    "add_layer_norm": "tritonkit.ops.norm",
-    "add_rms_norm": "tritonkit.ops.norm",
-    "flash_attention": "tritonkit.ops.attention.attention",
-    "scaled_dot_product_attention": "tritonkit.ops.attention.attention",
-    "linear": "tritonkit.ops.linear",
-    "gated_linear": "tritonkit.ops.linear",
-    "nn": "tritonkit.nn",
-    "distributed": "tritonkit.distributed",
-}
 __all__ = [*_PUBLIC, "__version__"]
 
 

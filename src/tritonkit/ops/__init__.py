@@ -12,23 +12,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tritonkit._registry import SPEC_MODULES
 from tritonkit.roofline import Cost
 
-# op name -> module under tritonkit.ops that defines it
-OP_MODULES = {
-    "bias_gelu": "tritonkit.ops.bias_gelu",
-    "softmax": "tritonkit.ops.softmax.softmax",
-    "log_softmax": "tritonkit.ops.softmax.softmax",
-    "layer_norm": "tritonkit.ops.norm",
-    "rms_norm": "tritonkit.ops.norm",
-    "add_layer_norm": "tritonkit.ops.norm",
-    "add_rms_norm": "tritonkit.ops.norm",
-    "attention": "tritonkit.ops.attention.attention",
-    "attention_causal": "tritonkit.ops.attention.attention",
-    "linear": "tritonkit.ops.linear",
-    "linear_bare": "tritonkit.ops.linear",
-    "gated_linear": "tritonkit.ops.linear",
-}
+OP_MODULES = SPEC_MODULES  # spec name -> the module whose SPECS hold it (tritonkit._registry)
 MODES = ("fwd", "bwd", "fwd+bwd")
 
 
