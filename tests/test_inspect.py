@@ -193,3 +193,9 @@ def test_every_default_config_compiles_for_hopper_without_spills_and_with_wide_a
             assert 128 in row["stores"] or row["stores"] == [32], row  # [32]: it writes statistics only
         else:
             assert row["loads"] == [128] and row["stores"] == [128], row
+
+
+def test_the_sm90_compile_process_reports_a_failing_check_and_serves_the_next():
+    with pytest.raises(AssertionError, match="ValueError: no such kernel"):
+        sm90.run("print('before')\nraise ValueError('no such kernel')")
+    assert sm90.run("print(1 + 1)") == ["2"]
