@@ -527,98 +527,22 @@ def _attn_fwd_sm90_kernel(
 
     # (the partitions' arguments are spelled out: a tuple bound to a name turns its constexprs into
     # tensors)
-    gl.warp_specialize(
-        [
-            # the default partition (the launch's warps), the second consumer, the producer
-            (
-                _softmax_partition,
-                (
-                    0,
-                    o_desc,
-                    lse_ptr,
-                    q_smem,
-                    k_smem,
-                    v_smem,
-                    q_ready,
-                    k_ready,
-                    k_empty,
-                    v_ready,
-                    v_empty,
-                    pin_smem,
-                    turn_smem,
-                    batch,
-                    head,
-                    start_m,
-                    n_blocks,
-                    n_full,
-                    SEQ_Q,
-                    SEQ_K,
-                    UPPER_OFFSET,
-                    stride_lb,
-                    stride_lh,
-                    qk_scale,
-                    IS_CAUSAL,
-                    PIN_SOFTMAX,
-                    PINGPONG,
-                ),
-            ),
-            (
-                _softmax_partition,
-                (
-                    1,
-                    o_desc,
-                    lse_ptr,
-                    q_smem,
-                    k_smem,
-                    v_smem,
-                    q_ready,
-                    k_ready,
-                    k_empty,
-                    v_ready,
-                    v_empty,
-                    pin_smem,
-                    turn_smem,
-                    batch,
-                    head,
-                    start_m,
-                    n_blocks,
-                    n_full,
-                    SEQ_Q,
-                    SEQ_K,
-                    UPPER_OFFSET,
-                    stride_lb,
-                    stride_lh,
-                    qk_scale,
-                    IS_CAUSAL,
-                    PIN_SOFTMAX,
-                    PINGPONG,
-                ),
-            ),
-            (
-                _load_partition,
-                (
-                    q_desc,
-                    k_desc,
-                    v_desc,
-                    q_smem,
-                    k_smem,
-                    v_smem,
-                    q_ready,
-                    k_ready,
-                    k_empty,
-                    v_ready,
-                    v_empty,
-                    batch,
-                    head,
-                    kv_head,
-                    start_m,
-                    n_blocks,
-                ),
-            ),
-        ],
-        [CONSUMER_WARPS, PRODUCER_WARPS],
-        [CONSUMER_REGS, PRODUCER_REGS],
-    )
+    # the two consumers' argument lists side by side: the same but for the index
+    # fmt: off
+    gl.warp_specialize([
+        # the default partition (the launch's warps), the second consumer, the producer
+        (_softmax_partition, (0, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready,
+                              v_empty, pin_smem, turn_smem, batch, head, start_m, n_blocks, n_full, SEQ_Q,
+                              SEQ_K, UPPER_OFFSET, stride_lb, stride_lh, qk_scale, IS_CAUSAL, PIN_SOFTMAX,
+                              PINGPONG)),
+        (_softmax_partition, (1, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready,
+                              v_empty, pin_smem, turn_smem, batch, head, start_m, n_blocks, n_full, SEQ_Q,
+                              SEQ_K, UPPER_OFFSET, stride_lb, stride_lh, qk_scale, IS_CAUSAL, PIN_SOFTMAX,
+                              PINGPONG)),
+        (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready,
+                           v_empty, batch, head, kv_head, start_m, n_blocks)),
+    ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+    # fmt: on
 
 
 # ---------------------------------------------------------------- launcher
