@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import tritonkit
-import tritonkit.ops.norm as nm
 from tritonkit import tuning
 from tritonkit._runtime import current_device, sm_count
 from tritonkit.ops import get_op
+from tritonkit.ops.norm import norm as nm
 from tritonkit.testing import check_against_reference, generator, poisoned_outputs, random_tensor
 
 pytestmark = pytest.mark.norm

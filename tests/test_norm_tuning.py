@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import test_norm
-import tritonkit.ops.norm as nm
 from test_norm import BF16, F32, _case
 from tritonkit import tuning
 from tritonkit._runtime import interpret
+from tritonkit.ops.norm import norm as nm
 from tritonkit.testing import check_against_reference
 
 pytestmark = pytest.mark.norm

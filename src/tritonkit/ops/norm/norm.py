@@ -17,7 +17,7 @@ and the fp32 partial sums of dw and db. A handful of FLOPs an element: memory-bo
 dw and db are reduced in two stages, never with float atomics, so results are deterministic: each
 backward program sums its rows into fp32 partials, and a second pass sums the partials.
 A row lives in registers up to ``MAX_BLOCK_N`` entries; longer rows go through looped kernels
-that read each row twice (``norm_kernels.py``). Rows a program, chunk sizes and warps come from
+that read each row twice (``kernels.py``). Rows a program, chunk sizes and warps come from
 accuracy-gated tuning (``tritonkit.tuning``), each kernel with its own tuner and configs.
 h = x + residual is added in fp32 and rounded to the input dtype before it is normalised, as
 ``norm(x + residual)`` is in PyTorch: the backward then recomputes xhat from the stored h exactly.
@@ -34,7 +34,7 @@ from tritonkit import tuning
 from tritonkit._launch import Launch, Launcher, cdiv, precompile
 from tritonkit._runtime import check_device, current_device, empty_output, interpret, sm_count
 from tritonkit.dtypes import DTYPE_OF, FLOATS, NAME_OF
-from tritonkit.ops.norm_kernels import (
+from tritonkit.ops.norm.kernels import (
     _norm_bwd_kernel,
     _norm_bwd_looped_kernel,
     _norm_fwd_kernel,
@@ -68,7 +68,7 @@ CONFIGS = {
        for evict in ({}, {"EVICT": True})]
     # ... with pass 2 in smaller chunks, as it holds h, w and b together. LayerNorm's whole-row chunk
     # (65536 at 32 warps, sm_90) spilled 96 bytes; 56 with the smaller pass 2 alone, none once its
-    # sums are also shifted by a sampled mean (norm_kernels.SHIFT_SAMPLE)
+    # sums are also shifted by a sampled mean (kernels.SHIFT_SAMPLE)
     + [{"BLOCK_N": n, "OUT_BLOCK_N": out, "num_warps": w, **evict} for n in (32768, 65536)
        for out in (8192, 16384) for w in (16, 32) for evict in ({}, {"EVICT": True})],
     ("bwd", False): [{"ROWS": r, "num_warps": w, **prefetch} for r in (8, 16, 32, 64) for w in (2, 4, 8, 16)

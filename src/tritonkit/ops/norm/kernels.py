@@ -1,6 +1,6 @@
 """The norm family's Triton kernels: one-pass and looped, forward and backward.
 
-``tritonkit.ops.norm`` holds the maths, the configs, the launch and the API; this file holds only
+``norm.py`` beside it holds the maths, the configs, the launch and the API; this file holds only
 what runs on the GPU, split off to keep each file readable. Rows are (M, N) with a row stride and
 unit column stride.
 """
