@@ -1,8 +1,8 @@
-"""LayerNorm and RMSNorm, with the residual add fused in: ``kernels.py`` holds the Triton kernels,
-``norm.py`` their launches, tuning, autograd, public functions, references, costs and specs."""
+"""LayerNorm and RMSNorm, with the residual add fused in: ``kernels.py`` holds the Triton kernels with
+the configs each is tuned over, ``norm.py`` their launches, tuning, autograd, public functions,
+references and costs, ``spec.py`` the registry's specs."""
 
 from tritonkit.ops.norm.norm import (
-    SPECS,
     add_layer_norm,
     add_layer_norm_reference,
     add_rms_norm,
@@ -14,6 +14,7 @@ from tritonkit.ops.norm.norm import (
     rms_norm,
     rms_norm_reference,
 )
+from tritonkit.ops.norm.spec import SPECS
 
 __all__ = [
     "SPECS",
