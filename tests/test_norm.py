@@ -11,20 +11,30 @@ import pytest
 import torch
 
 import tritonkit
-import tritonkit.ops.norm as nm
 from tritonkit import tuning
 from tritonkit._runtime import current_device, sm_count
 from tritonkit.ops import get_op
+from tritonkit.ops.norm import SPECS
+from tritonkit.ops.norm import kernels as nk
+from tritonkit.ops.norm import norm as nm
 from tritonkit.testing import check_against_reference, generator, poisoned_outputs, random_tensor
 
 pytestmark = pytest.mark.norm
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 KINDS = ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm"]
+# the main kernel of each (direction, looped), by which tests tell the launches apart
+KERNELS = {
+    nk._norm_fwd_kernel: ("fwd", False),
+    nk._norm_fwd_looped_kernel: ("fwd", True),
+    nk._norm_bwd_kernel: ("bwd", False),
+    nk._norm_bwd_looped_kernel: ("bwd", True),
+}
 
 
-def _case(kind: str, shape, dtype, device, seed, *, weight=True, bias=True, param_dtype=None,
-          noncontiguous=False):
+def _case(
+    kind: str, shape, dtype, device, seed, *, weight=True, bias=True, param_dtype=None, noncontiguous=False
+):
     """(kernel, reference, inputs, grad_inputs, grad_outputs) for one call of ``kind``."""
     g = generator(seed)
     n, residual, rms = shape[-1], kind.startswith("add_"), "rms" in kind
@@ -47,8 +57,10 @@ def _case(kind: str, shape, dtype, device, seed, *, weight=True, bias=True, para
         positional, kwargs = split(args)
         return getattr(nm, f"{kind}_reference")(*positional, **kwargs)
 
-    grads = [random_tensor(shape, dtype, device, generator=g, noncontiguous=not noncontiguous)
-             for _ in range(2 if residual else 1)]
+    grads = [
+        random_tensor(shape, dtype, device, generator=g, noncontiguous=not noncontiguous)
+        for _ in range(2 if residual else 1)
+    ]
     return kernel, reference, inputs, tuple(range(len(inputs))), grads
 
 
@@ -72,8 +84,9 @@ def test_rms_eps_default_is_torchs(kind, dtype, device):
 
     assert nm.rms_eps(None, dtype) == torch.finfo(F32).eps and nm.rms_eps(0.5, dtype) == 0.5
     grads = [random_tensor((6, 300), dtype, device, generator=g) for _ in range(head)]
-    check_against_reference(kernel, reference, inputs, grad_inputs=tuple(range(len(inputs))),
-                            grad_outputs=grads)
+    check_against_reference(
+        kernel, reference, inputs, grad_inputs=tuple(range(len(inputs))), grad_outputs=grads
+    )
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -85,11 +98,13 @@ def test_matches_reference(kind, shape, dtype, device):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("weight, bias, param_dtype", [(False, False, None), (True, False, None),
-                                                       (True, True, F32)], ids=str)
+@pytest.mark.parametrize(
+    "weight, bias, param_dtype", [(False, False, None), (True, False, None), (True, True, F32)], ids=str
+)
 def test_parameters_absent_or_fp32(kind, weight, bias, param_dtype, device):
-    kernel, reference, inputs, grad_inputs, grads = _case(kind, (5, 96), BF16, device, seed=1, weight=weight,
-                                                          bias=bias, param_dtype=param_dtype)
+    kernel, reference, inputs, grad_inputs, grads = _case(
+        kind, (5, 96), BF16, device, seed=1, weight=weight, bias=bias, param_dtype=param_dtype
+    )
     check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
 
 
@@ -100,11 +115,14 @@ def test_strided_weight_and_bias(kind, dtype, device):
     the values they hold, and get their gradients."""
     kernel, reference, inputs, grad_inputs, grads = _case(kind, (7, 1000), dtype, device, seed=44)
     head = 2 if kind.startswith("add_") else 1
-    strided = [random_tensor((2 * p.shape[0],), p.dtype, device, generator=generator(45 + i))[::2]
-               for i, p in enumerate(inputs[head:])]
+    strided = [
+        random_tensor((2 * p.shape[0],), p.dtype, device, generator=generator(45 + i))[::2]
+        for i, p in enumerate(inputs[head:])
+    ]
     assert strided and all(p.stride() == (2,) for p in strided)
-    check_against_reference(kernel, reference, inputs[:head] + strided, grad_inputs=grad_inputs,
-                            grad_outputs=grads)
+    check_against_reference(
+        kernel, reference, inputs[:head] + strided, grad_inputs=grad_inputs, grad_outputs=grads
+    )
 
 
 @pytest.fixture
@@ -112,14 +130,16 @@ def looped(monkeypatch):
     """Rows longer than 64 entries go through the looped kernels, in chunks of 32 (the few rows of
     these tests make backward programs of 4 rows: 9 rows end in a partial group)."""
     monkeypatch.setattr(nm, "MAX_BLOCK_N", {"fwd": 64, "bwd": 64})
-    monkeypatch.setattr(nm, "LOOP_BLOCK_N", 32)
-    monkeypatch.setattr(nm, "_chosen", {})  # configs chosen under the usual limits
-    seen = []
-    for key, launcher in nm._LAUNCHERS.items():
-        def recording(grid, *args, _launcher=launcher, _key=key, **meta):
-            seen.append(_key)
-            _launcher(grid, *args, **meta)
-        monkeypatch.setitem(nm._LAUNCHERS, key, recording)
+    monkeypatch.setattr(nk, "LOOP_BLOCK_N", 32)
+    for tuned in nm._TUNED.values():
+        monkeypatch.setattr(tuned, "_chosen", {})  # configs chosen under the usual limits
+    seen, run = [], nm._run
+
+    def recording(launches):
+        seen.extend(KERNELS[launch.kernel] for launch in launches if launch.kernel in KERNELS)
+        run(launches)
+
+    monkeypatch.setattr(nm, "_run", recording)
     return seen
 
 
@@ -133,19 +153,21 @@ def test_long_rows_go_through_the_looped_kernels(kind, shape, dtype, looped, dev
 
 
 def _force(monkeypatch, config: dict, direction: str = "fwd", looped: bool = True) -> list:
-    """The kernel's tuner offers only ``config``; the returned list records each launch's (grid,
-    constexprs and options)."""
-    tuner = nm._TUNERS[direction, looped]
-    forced = tuning.Tuner(tuner.name, [config], sources=tuner.sources, default=lambda key: dict(config))
-    monkeypatch.setitem(nm._TUNERS, (direction, looped), forced)
-    monkeypatch.setattr(nm, "_chosen", {})
-    launches, launcher = [], nm._LAUNCHERS[direction, looped]
+    """The kernel's tuner offers only ``config``; the returned list records each of the kernel's
+    launches as (grid, constexprs and options)."""
+    tuned = nm._TUNED[direction, looped]
+    forced = tuning.Tuner(
+        tuned.tuner.name, [config], sources=tuned.tuner.sources, default=lambda key: dict(config)
+    )
+    monkeypatch.setattr(tuned, "tuner", forced)
+    monkeypatch.setattr(tuned, "_chosen", {})
+    launches, run = [], nm._run
 
-    def recording(grid, *args, **meta):
-        launches.append((grid, meta))
-        launcher(grid, *args, **meta)
+    def recording(calls):
+        launches.extend((c.grid, c.meta) for c in calls if KERNELS.get(c.kernel) == (direction, looped))
+        run(calls)
 
-    monkeypatch.setitem(nm._LAUNCHERS, (direction, looped), recording)
+    monkeypatch.setattr(nm, "_run", recording)
     return launches
 
 
@@ -160,8 +182,8 @@ def test_a_call_without_autograd_stores_no_statistics(kind, monkeypatch, device)
     launches.clear()
     check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
     assert launches and all(meta["STATS"] for _, meta in launches), launches
-    _, _, mean, rstd = nm._norm_fwd(inputs[0], None, None, None, 1e-5, "rms" in kind, stats=False)
-    assert mean is None and rstd is None
+    _, _, mean, rstd = nm._forward_outputs(inputs[0], None, "rms" in kind, stats=False)
+    assert mean is None and rstd is None  # what the op is given without autograd
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -178,11 +200,13 @@ def test_backward_rows_reduced_in_blocks(kind, prefetch, monkeypatch, device):
 
 def test_backward_blocks_must_divide_the_rows_a_program():
     """A BLOCK_M that does not divide ROWS, or one given to the looped backward, is refused."""
-    for n, config in [(64, {"ROWS": 8, "BLOCK_M": 3, "num_warps": 4}),
-                      (65536, {"ROWS": 8, "BLOCK_M": 2, "BLOCK_N": 4096, "num_warps": 4})]:
+    for n, config in [
+        (64, {"ROWS": 8, "BLOCK_M": 3, "num_warps": 4}),
+        (65536, {"ROWS": 8, "BLOCK_M": 2, "BLOCK_N": 4096, "num_warps": 4}),
+    ]:
         h = torch.empty((16, n), dtype=F32)
         with pytest.raises(ValueError, match="BLOCK_M must divide ROWS"):
-            nm._bwd_launch_args(h, None, h, h[0], None, True, config)
+            nm._bwd_launches(h, None, h, h[0], None, None, h[:, 0], True, h, h[0], None, config)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -215,14 +239,21 @@ def test_backward_rows_per_program_keep_every_sm_busy():
     """Two programs an SM where rows allow (8192 rows at 64 a program were 128 programs for 132 SMs),
     at most 64 rows a program (16 looped), at least 8 (4 looped)."""
     sms = sm_count(current_device())  # the H200's 132 without a GPU
-    for rows, looped, expected in [(8192, False, 16), (32768, False, 64), (65536, False, 64),
-                                   (16384, False, 32), (4096, True, 8), (1024, True, 4), (9, False, 8)]:
-        per_program = nm._bwd_rows_per_program(rows, current_device(), looped)
+    for rows, looped, expected in [
+        (8192, False, 16),
+        (32768, False, 64),
+        (65536, False, 64),
+        (16384, False, 32),
+        (4096, True, 8),
+        (1024, True, 4),
+        (9, False, 8),
+    ]:
+        per_program = nk._bwd_rows_per_program(rows, current_device(), looped)
         if sms == 132:
             assert per_program == expected, (rows, looped)
-        low, high = nm.BWD_ROWS_RANGE[looped]
+        low, high = nk.BWD_ROWS_RANGE[looped]
         assert low <= per_program <= high and per_program & (per_program - 1) == 0
-        assert per_program == low or -(-rows // per_program) >= nm.BWD_PROGRAMS_PER_SM * sms
+        assert per_program == low or -(-rows // per_program) >= nk.BWD_PROGRAMS_PER_SM * sms
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -234,15 +265,20 @@ def test_rows_of_131072_at_the_real_chunk_size(kind, device):
 def test_looped_layer_norm_keeps_a_large_mean_from_cancelling(looped, device):
     """Rows far from zero: merged chunk statistics keep the variance that sum(h^2) - N mean^2 loses."""
     x = (random_tensor((4, 300), F32, device, generator=generator(14)) + 1000.0).requires_grad_()
-    check_against_reference(lambda t: tritonkit.layer_norm(t, 300),
-                            lambda t: nm.layer_norm_reference(t, (300,)), [x.detach()], grad_inputs=(0,),
-                            grad_outputs=[random_tensor((4, 300), F32, device, generator=generator(15))])
+    check_against_reference(
+        lambda t: tritonkit.layer_norm(t, 300),
+        lambda t: nm.layer_norm_reference(t, (300,)),
+        [x.detach()],
+        grad_inputs=(0,),
+        grad_outputs=[random_tensor((4, 300), F32, device, generator=generator(15))],
+    )
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_noncontiguous_input_and_gradient(kind, device):
-    kernel, reference, inputs, grad_inputs, grads = _case(kind, (6, 200), F32, device, seed=2,
-                                                          noncontiguous=True)
+    kernel, reference, inputs, grad_inputs, grads = _case(
+        kind, (6, 200), F32, device, seed=2, noncontiguous=True
+    )
     assert not inputs[0].is_contiguous() and grads[0].is_contiguous()
     check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
 
@@ -256,7 +292,7 @@ def test_empty_input(kind, device):
     assert all(o.shape == (0, 64) for o in outputs)
     grads = torch.autograd.grad(outputs, inputs, [torch.ones_like(o) for o in outputs])
     assert [g.shape for g in grads] == [t.shape for t in inputs]
-    assert all(not g.numel() or not g.any() for g in grads[1 + kind.startswith("add_"):])  # no rows: zeros
+    assert all(not g.numel() or not g.any() for g in grads[1 + kind.startswith("add_") :])  # no rows: zeros
 
 
 @pytest.mark.parametrize("kind", ["layer_norm", "rms_norm"])
@@ -292,15 +328,28 @@ def test_add_forms_return_the_sum(dtype, device):
 BAD_ARGUMENTS = [  # (call on a (4, 8) fp32 input, exception, pattern of its message)
     pytest.param(lambda x: tritonkit.layer_norm(x.tolist(), 8), TypeError, "^input ", id="list input"),
     pytest.param(lambda x: tritonkit.rms_norm(x.double(), 8), TypeError, "^input .*float64", id="float64"),
-    pytest.param(lambda x: tritonkit.layer_norm(x, (4, 8)), NotImplementedError, "more than the last",
-                 id="two normalized dims"),
+    pytest.param(
+        lambda x: tritonkit.layer_norm(x, (4, 8)),
+        NotImplementedError,
+        "more than the last",
+        id="two normalized dims",
+    ),
     pytest.param(lambda x: tritonkit.layer_norm(x, 7), ValueError, "^normalized_shape", id="wrong length"),
-    pytest.param(lambda x: tritonkit.layer_norm(x, 8, x[0, :4]), ValueError, "^weight must have shape",
-                 id="weight shape"),
-    pytest.param(lambda x: tritonkit.layer_norm(x, 8, None, x[0, :8].half()), TypeError, "^bias must be",
-                 id="bias dtype"),
-    pytest.param(lambda x: tritonkit.add_rms_norm(x, x[:2], 8), ValueError, "^residual must match",
-                 id="residual shape"),
+    pytest.param(
+        lambda x: tritonkit.layer_norm(x, 8, x[0, :4]),
+        ValueError,
+        "^weight must have shape",
+        id="weight shape",
+    ),
+    pytest.param(
+        lambda x: tritonkit.layer_norm(x, 8, None, x[0, :8].half()),
+        TypeError,
+        "^bias must be",
+        id="bias dtype",
+    ),
+    pytest.param(
+        lambda x: tritonkit.add_rms_norm(x, x[:2], 8), ValueError, "^residual must match", id="residual shape"
+    ),
 ]
 
 
@@ -318,13 +367,17 @@ def test_opcheck(rms, residual, device):
     r = random_tensor((5, 40), BF16, device, generator=g).requires_grad_() if residual else None
     w = random_tensor((40,), F32, device, generator=g).requires_grad_()
     b = None if rms else random_tensor((40,), F32, device, generator=g).requires_grad_()
-    torch.library.opcheck(torch.ops.tritonkit.norm.default, (x, r, w, b, 1e-5, rms))
+    y, h, mean, rstd = nm._forward_outputs(x, r, rms, stats=True)
+    torch.library.opcheck(torch.ops.tritonkit.norm.default, (x, r, w, b, 1e-5, rms, y, h, mean, rstd))
     with torch.no_grad():  # the backward op's own inputs need no gradient
-        y, h, mean, rstd = torch.ops.tritonkit.norm(x, r, w, b, 1e-5, rms)
+        torch.ops.tritonkit.norm(x, r, w, b, 1e-5, rms, y, h, mean, rstd)
     dy = random_tensor((5, 40), BF16, device, generator=g)
     saved = [t.detach() if t is not None else None for t in (h if residual else x, w, b)]
-    torch.library.opcheck(torch.ops.tritonkit.norm_backward.default,
-                          (dy, dy if residual else None, saved[0], saved[1], saved[2], mean, rstd, rms))
+    grads = [torch.empty_like(t) if t is not None else None for t in saved]  # dx, dw, db
+    torch.library.opcheck(
+        torch.ops.tritonkit.norm_backward.default,
+        (dy, dy if residual else None, *saved, mean, rstd, rms, *grads),
+    )
 
 
 def test_compile_fullgraph(device):
@@ -342,12 +395,17 @@ def test_compile_fullgraph(device):
     out, eager = compiled(*args), fn(*eager_args)
     torch.testing.assert_close(out, eager, rtol=0, atol=0)
     upstream = [torch.ones_like(o) for o in out]
-    torch.testing.assert_close(torch.autograd.grad(out, args, upstream),
-                               torch.autograd.grad(eager, eager_args, upstream), rtol=0, atol=0)
+    torch.testing.assert_close(
+        torch.autograd.grad(out, args, upstream),
+        torch.autograd.grad(eager, eager_args, upstream),
+        rtol=0,
+        atol=0,
+    )
 
 
-@pytest.mark.parametrize("module, torch_module", [("LayerNorm", torch.nn.LayerNorm),
-                                                  ("RMSNorm", torch.nn.RMSNorm)])
+@pytest.mark.parametrize(
+    "module, torch_module", [("LayerNorm", torch.nn.LayerNorm), ("RMSNorm", torch.nn.RMSNorm)]
+)
 def test_modules_take_torch_state_dicts(module, torch_module, device):
     theirs = torch_module(96).to(device)
     with torch.no_grad():
@@ -363,14 +421,17 @@ def test_modules_take_torch_state_dicts(module, torch_module, device):
 @pytest.mark.parametrize("name", KINDS)
 def test_spec_is_registered_and_its_shapes_pass(name, device):
     spec = get_op(name)
-    assert spec is nm.SPECS[name] and spec.family == "norm" and spec.inspect is not None
+    assert spec is SPECS[name] and spec.family == "norm" and spec.inspect is not None
     for shape, dtype in itertools.product(spec.shapes["interpreter"], (F32,)):
         inputs = spec.make_inputs(shape, dtype, device, generator(11))
         outputs = spec.reference(*[t.double() if isinstance(t, torch.Tensor) else t for t in inputs])
-        grads = [random_tensor(o.shape, dtype, device, generator=generator(12))
-                 for o in (outputs if isinstance(outputs, tuple) else (outputs,))]
-        check_against_reference(spec.fn, spec.reference, inputs, grad_inputs=spec.grad_inputs,
-                                grad_outputs=grads)
+        grads = [
+            random_tensor(o.shape, dtype, device, generator=generator(12))
+            for o in (outputs if isinstance(outputs, tuple) else (outputs,))
+        ]
+        check_against_reference(
+            spec.fn, spec.reference, inputs, grad_inputs=spec.grad_inputs, grad_outputs=grads
+        )
 
 
 def test_cost(device):

@@ -1,13 +1,110 @@
-"""The norm family's Triton kernels: one-pass and looped, forward and backward.
+"""The norm family's Triton kernels, each under the configs its tuner tries, its prune and its default.
 
-``tritonkit.ops.norm`` holds the maths, the configs, the launch and the API; this file holds only
-what runs on the GPU, split off to keep each file readable. Rows are (M, N) with a row stride and
-unit column stride.
+Rows are (M, N) with a row stride and unit column stride. ``norm.py`` beside this file has the maths,
+the launches, the tuning keys and the API. A config is what the launch takes of a kernel: rows a
+program (``BLOCK_M`` forward, ``ROWS`` backward), chunk sizes of the looped kernels (``BLOCK_N``,
+``OUT_BLOCK_N``), warps, and flags (``EVICT``, ``PREFETCH``, ``PER_SM``). The defaults, used under the
+interpreter and wherever tuning cannot run, are the fixed rules the kernels had before tuning.
+A tuning key (``norm._tuning_key``) holds "block_n", the row length rounded up to a power of two,
+"rows", the row count rounded likewise, and "looped", which kernel pair runs.
 """
 
 from __future__ import annotations
 
+from tritonkit._launch import cdiv
+from tritonkit._runtime import current_device, sm_count
 from tritonkit._triton import tl, triton
+
+# fp32 values a thread holds per tile, by looped or not (one-pass: the row tile, x or h and dy;
+# looped: a chunk): past 64 the one-pass kernels spill, under 8 a program moves too little at once (the
+# looped forward's pass 1 holds a chunk of 64 a thread at 32 warps in 64 registers, no spill on sm_90)
+PER_THREAD_RANGE = {False: (8, 64), True: (8, 64)}
+PREFETCH_MAX_PER_THREAD = 32  # a PREFETCH backward holds the next row's h and dy too: at most 32 a row
+LOOPED_MIN_PER_THREAD = 4  # looped forward on rows that fit: torch.compile's 2048-entry chunks, 16 warps
+ROW_ELEMENTS = 8192  # default: elements a forward program takes at a time (rows of 1024 go 8 to one)
+PER_THREAD = 16  # default: values a thread holds per row tile, four 16-byte fp32 vectors in flight
+# Rows each backward program walks, by looped or not, summing its dw and db partials in registers (a
+# power of two in this range; looped: finishing them chunk by chunk). Fewer rows a program cost
+# partial traffic, 4 N bytes a program for each of dw and db, written and summed again; too few
+# programs leave SMs idle: 8192 rows at 64 a program made 128 programs for 132 SMs.
+BWD_ROWS_RANGE = {False: (8, 64), True: (4, 16)}
+BWD_PROGRAMS_PER_SM = 2  # default: what an SM holds of the one-pass backward (h and dy in registers)
+LOOP_BLOCK_N = 4096  # default chunk of the looped kernels: 16 fp32 values a thread at 8 warps
+LOOP_WARPS = 8
+
+
+def _warps(elements: int) -> int:
+    """Warps for a tile of ``elements`` fp32 values at PER_THREAD a thread, within 4..16."""
+    return min(16, max(4, elements // (32 * PER_THREAD)))
+
+
+def _bwd_rows_per_program(rows: int, device, looped: bool) -> int:
+    """The most rows a backward program may walk while every SM still gets BWD_PROGRAMS_PER_SM
+    programs, as a power of two within BWD_ROWS_RANGE."""
+    low, high = BWD_ROWS_RANGE[looped]
+    most = max(1, rows // (BWD_PROGRAMS_PER_SM * sm_count(device)))
+    return min(high, max(low, 1 << (most.bit_length() - 1)))
+
+
+def _per_thread(config: dict, key: dict, tiles: int = 1) -> float:
+    """fp32 values a thread holds of ``tiles`` tiles at once, a tile being BLOCK_M rows (else one) of
+    BLOCK_N entries (else the key's whole row block)."""
+    return (
+        config.get("BLOCK_N", key["block_n"]) * config.get("BLOCK_M", 1) * tiles / (32 * config["num_warps"])
+    )
+
+
+def _outside(per_thread: float, looped: bool, low: int | None = None) -> bool:
+    """Whether ``per_thread`` values a thread fall outside PER_THREAD_RANGE (from ``low`` if given)."""
+    least, most = PER_THREAD_RANGE[looped]
+    return not (least if low is None else low) <= per_thread <= most
+
+
+def _leaves_sms_idle(config: dict, key: dict, looped: bool) -> bool:
+    """Whether a backward config walks so many rows a program that some SM gets none (the fewest rows
+    a program of BWD_ROWS_RANGE always stay)."""
+    rows = config["ROWS"]
+    return rows > BWD_ROWS_RANGE[looped][0] and cdiv(key["rows"], rows) < sm_count(current_device())
+
+
+# ---------------------------------------------------------------- the one-pass forward
+
+# BLOCK_M rows a program, the row in registers; EVICT: L2 eviction hints, as torch.compile's kernels
+# give them (evict_first on what is read for the last time, evict_last on what is read again).
+FWD_CONFIGS = (
+    [
+        {"BLOCK_M": m, "num_warps": w, **evict}
+        for m in (1, 2, 4, 8, 16, 32)
+        for w in (4, 8, 16)
+        for evict in ({}, {"EVICT": True})
+    ]
+    # rows that fit in registers may still go faster through the looped kernel, one row a program
+    # in chunks, read twice (the second time from cache), as torch.compile's kernels do
+    + [
+        {"BLOCK_N": n, "num_warps": w, **evict}
+        for n in (1024, 2048, 4096)
+        for w in (4, 8, 16)
+        for evict in ({}, {"EVICT": True})
+    ]  # 1024 at 8 warps and 2048 at 16: torch.compile's 4 a thread
+)
+
+
+def _fwd_default(key: dict) -> dict:
+    """ROW_ELEMENTS a program at PER_THREAD values a thread."""
+    block_m = max(1, min(key["rows"], ROW_ELEMENTS // key["block_n"]))
+    return {"BLOCK_M": block_m, "num_warps": _warps(block_m * key["block_n"])}
+
+
+def _fwd_prune(config: dict, key: dict) -> bool:
+    """True drops the config: fp32 values a thread outside PER_THREAD_RANGE (from
+    LOOPED_MIN_PER_THREAD for a looped candidate), rows a program beyond the problem, or a looped
+    chunk past the row."""
+    low = LOOPED_MIN_PER_THREAD if "BLOCK_N" in config else None
+    return (
+        _outside(_per_thread(config, key), False, low)
+        or config.get("BLOCK_M", 1) > max(1, key["rows"])
+        or config.get("BLOCK_N", 0) > key["block_n"]
+    )
 
 
 @triton.jit
@@ -30,8 +127,8 @@ def _norm_fwd_kernel(
     HAS_WEIGHT: tl.constexpr,  # scale by w
     HAS_BIAS: tl.constexpr,  # shift by b
     STATS: tl.constexpr,  # store the mean and rstd: the backward needs them, a call without autograd not
-    STREAM: tl.constexpr,  # eviction policy of what is read once (x, the residual): "" or "evict_first"
-    KEEP: tl.constexpr,  # ... of what every program reads again (w, b): "" or "evict_last"
+    EVICT_READ_ONCE: tl.constexpr,  # eviction policy of x and the residual, read once: "" or "evict_first"
+    EVICT_REREAD: tl.constexpr,  # ... of what every program reads again (w, b): "" or "evict_last"
     BLOCK_M: tl.constexpr,  # rows a program handles
     BLOCK_N: tl.constexpr,  # power of two >= N: the whole row is one tile
 ):
@@ -39,11 +136,19 @@ def _norm_fwd_kernel(
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
     mask = (rows < M)[:, None] & col_mask[None, :]
-    h = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0,
-                eviction_policy=STREAM).to(tl.float32)
+    h = tl.load(
+        x_ptr + rows[:, None] * stride_xm + cols[None, :],
+        mask=mask,
+        other=0.0,
+        eviction_policy=EVICT_READ_ONCE,
+    ).to(tl.float32)
     if HAS_RESIDUAL:
-        h += tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0,
-                     eviction_policy=STREAM).to(tl.float32)
+        h += tl.load(
+            r_ptr + rows[:, None] * stride_rm + cols[None, :],
+            mask=mask,
+            other=0.0,
+            eviction_policy=EVICT_READ_ONCE,
+        ).to(tl.float32)
         h = h.to(h_ptr.dtype.element_ty)
         tl.store(h_ptr + rows[:, None] * N + cols[None, :], h, mask=mask)
         h = h.to(tl.float32)
@@ -59,15 +164,71 @@ def _norm_fwd_kernel(
         tl.store(rstd_ptr + rows, rstd, mask=rows < M)
     y = centred * rstd[:, None]
     if HAS_WEIGHT:
-        y *= tl.load(w_ptr + cols, mask=col_mask, eviction_policy=KEEP).to(tl.float32)[None, :]
+        y *= tl.load(w_ptr + cols, mask=col_mask, eviction_policy=EVICT_REREAD).to(tl.float32)[None, :]
     if HAS_BIAS:
-        y += tl.load(b_ptr + cols, mask=col_mask, eviction_policy=KEEP).to(tl.float32)[None, :]
+        y += tl.load(b_ptr + cols, mask=col_mask, eviction_policy=EVICT_REREAD).to(tl.float32)[None, :]
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+# ---------------------------------------------------------------- the one-pass backward
+
+# ROWS rows a program, summing their dw and db partials; PREFETCH loads the next block of rows
+# before this one is reduced.
+BWD_CONFIGS = (
+    [
+        {"ROWS": r, "num_warps": w, **prefetch}
+        for r in (8, 16, 32, 64)
+        for w in (2, 4, 8, 16)
+        for prefetch in ({}, {"PREFETCH": True})
+    ]
+    # rows of up to 4096 entries (the prune's values a thread) also reduced BLOCK_M at a time: one
+    # exchange between warps for the block, where each row had its own
+    + [
+        {"ROWS": r, "BLOCK_M": m, "num_warps": w, **prefetch}
+        for r in (32, 64)
+        for m in (2, 4)
+        for w in (4, 8)
+        for prefetch in ({}, {"PREFETCH": True})
+    ]
+)
+
+
+def _bwd_default(key: dict) -> dict:
+    """BWD_PROGRAMS_PER_SM programs an SM, each holding h and dy at PER_THREAD values a thread."""
+    return {
+        "ROWS": _bwd_rows_per_program(key["rows"], current_device(), False),
+        "num_warps": _warps(key["block_n"]),
+    }
+
+
+def _bwd_prune(config: dict, key: dict) -> bool:
+    """True drops the config: fp32 values a thread (h and dy) outside PER_THREAD_RANGE, or past
+    PREFETCH_MAX_PER_THREAD where the next block is loaded ahead; a block of rows beyond the problem;
+    or so many rows a program that SMs would sit idle."""
+    per_thread = _per_thread(config, key, tiles=2)
+    return (
+        _outside(per_thread, False)
+        or config.get("PREFETCH", False)
+        and per_thread > PREFETCH_MAX_PER_THREAD
+        or config.get("BLOCK_M", 1) > max(1, key["rows"])
+        or _leaves_sms_idle(config, key, False)
+    )
+
+
 @triton.jit
-def _bwd_rows(h_ptr, dy_ptr, mean_ptr, rstd_ptr, rows, rows_exist, cols, col_mask, stride_hm, stride_dym,
-              RMS: tl.constexpr):
+def _bwd_rows(
+    h_ptr,
+    dy_ptr,
+    mean_ptr,
+    rstd_ptr,
+    rows,
+    rows_exist,
+    cols,
+    col_mask,
+    stride_hm,
+    stride_dym,
+    RMS: tl.constexpr,
+):
     """What the backward loads for a block of rows before its reductions, as stored: h, dy, the rows'
     means (LayerNorm, else 0) and rstds; zeros where a row or an entry does not exist. A prefetched
     block's scalars are then in flight with it. (The add_ forms' dh is loaded where it is added:
@@ -121,8 +282,9 @@ def _norm_bwd_kernel(
     first = tl.program_id(0).to(tl.int64) * ROWS
     if PREFETCH:
         rows = first + block_rows
-        h_next, dy_next, mean_next, rstd_next = _bwd_rows(h_ptr, dy_ptr, mean_ptr, rstd_ptr, rows, rows < M,
-                                                          cols, col_mask, stride_hm, stride_dym, RMS)
+        h_next, dy_next, mean_next, rstd_next = _bwd_rows(
+            h_ptr, dy_ptr, mean_ptr, rstd_ptr, rows, rows < M, cols, col_mask, stride_hm, stride_dym, RMS
+        )
     for i in range(0, ROWS, BLOCK_M):
         rows = first + i + block_rows
         rows_exist = rows < M
@@ -130,12 +292,33 @@ def _norm_bwd_kernel(
         if PREFETCH:  # two blocks in flight: this block's barriers no longer wait on the next one's loads
             h, dy, mean, rstd = h_next, dy_next, mean_next, rstd_next
             next_rows = rows + BLOCK_M
-            h_next, dy_next, mean_next, rstd_next = _bwd_rows(h_ptr, dy_ptr, mean_ptr, rstd_ptr, next_rows,
-                                                              (i + BLOCK_M < ROWS) & (next_rows < M), cols,
-                                                              col_mask, stride_hm, stride_dym, RMS)
+            h_next, dy_next, mean_next, rstd_next = _bwd_rows(
+                h_ptr,
+                dy_ptr,
+                mean_ptr,
+                rstd_ptr,
+                next_rows,
+                (i + BLOCK_M < ROWS) & (next_rows < M),
+                cols,
+                col_mask,
+                stride_hm,
+                stride_dym,
+                RMS,
+            )
         else:
-            h, dy, mean, rstd = _bwd_rows(h_ptr, dy_ptr, mean_ptr, rstd_ptr, rows, rows_exist, cols, col_mask,
-                                          stride_hm, stride_dym, RMS)
+            h, dy, mean, rstd = _bwd_rows(
+                h_ptr,
+                dy_ptr,
+                mean_ptr,
+                rstd_ptr,
+                rows,
+                rows_exist,
+                cols,
+                col_mask,
+                stride_hm,
+                stride_dym,
+                RMS,
+            )
         h = h.to(tl.float32)
         dy = dy.to(tl.float32)
         rstd = rstd[:, None]
@@ -150,8 +333,9 @@ def _norm_bwd_kernel(
             sum_g_xhat, sum_g = tl.reduce((g * xhat, g), 1, _add_pairs)
             dh = (g - xhat * (sum_g_xhat / N)[:, None] - (sum_g / N)[:, None]) * rstd
         if HAS_DH:
-            dh += tl.load(dh_ptr + rows[:, None] * stride_dhm + cols[None, :], mask=mask,
-                          other=0.0).to(tl.float32)
+            dh += tl.load(dh_ptr + rows[:, None] * stride_dhm + cols[None, :], mask=mask, other=0.0).to(
+                tl.float32
+            )
         tl.store(dx_ptr + rows[:, None] * N + cols[None, :], dh.to(dx_ptr.dtype.element_ty), mask=mask)
         if HAS_WEIGHT:  # a block's rows sit in each thread's registers: the sums over them stay in-thread
             dw += tl.sum(dy * xhat, axis=0)
@@ -163,12 +347,56 @@ def _norm_bwd_kernel(
         tl.store(db_partial_ptr + tl.program_id(0) * N + cols, db, mask=col_mask)
 
 
+# ---------------------------------------------------------------- the looped kernels
+
 # Rows longer than a register tile: the looped kernels walk each row in BLOCK_N chunks, twice.
 # Forward: pass 1 adds the residual (storing h) and gathers the statistics as sums of h - shift,
 # shift being the first chunk's mean, so that LayerNorm's variance does not cancel when the row
 # sits far from zero; pass 2 reads h back and normalises. Backward: per row, pass 1 gathers
 # mean(g * xhat) and mean(g) into a small fp32 scratch; then chunk by chunk, every row of the
 # program is finished and dw and db for that chunk are summed in registers over the rows.
+
+# BLOCK_N entries a chunk, one row a program
+FWD_LOOPED_CONFIGS = (
+    [{"BLOCK_N": n, "num_warps": w} for n in (2048, 4096, 8192) for w in (4, 8, 16)]
+    # PER_SM: a persistent grid of that many programs an SM walks the rows, so that fewer rows are
+    # between their two passes at once (the second pass is to find its row in L2)
+    + [{"BLOCK_N": n, "num_warps": w, "PER_SM": p} for n in (4096, 8192) for w in (8, 16) for p in (1, 2, 4)]
+    + [
+        {"BLOCK_N": n, "num_warps": w, "EVICT": True, **per_sm}
+        for n in (4096, 8192)
+        for w in (8, 16)
+        for per_sm in ({}, {"PER_SM": 1}, {"PER_SM": 2})
+    ]
+    # chunks of 16-64K entries at 16-32 warps: one or two programs an SM, each with its whole row
+    # (or half of it) in flight, so that pass 2 may find the row it has just read in L1 or L2
+    + [
+        {"BLOCK_N": n, "num_warps": w, **evict}
+        for n in (16384, 32768, 65536)
+        for w in (16, 32)
+        for evict in ({}, {"EVICT": True})
+    ]
+    # ... with pass 2 in smaller chunks (OUT_BLOCK_N), as it holds h, w and b together. LayerNorm's
+    # whole-row chunk (65536 at 32 warps, sm_90) spilled 96 bytes; 56 with the smaller pass 2 alone,
+    # none once its sums are also shifted by a sampled mean (SHIFT_SAMPLE)
+    + [
+        {"BLOCK_N": n, "OUT_BLOCK_N": out, "num_warps": w, **evict}
+        for n in (32768, 65536)
+        for out in (8192, 16384)
+        for w in (16, 32)
+        for evict in ({}, {"EVICT": True})
+    ]
+)
+
+
+def _fwd_looped_default(key: dict) -> dict:
+    """LOOP_BLOCK_N entries a chunk at LOOP_WARPS."""
+    return {"BLOCK_N": LOOP_BLOCK_N, "num_warps": LOOP_WARPS}
+
+
+def _fwd_looped_prune(config: dict, key: dict) -> bool:
+    """True drops the config: fp32 values a thread of a chunk outside PER_THREAD_RANGE."""
+    return _outside(_per_thread(config, key), True)
 
 
 @triton.jit
@@ -190,8 +418,8 @@ def _norm_fwd_looped_kernel(
     HAS_RESIDUAL: tl.constexpr,  # add the residual first and store the sum
     HAS_WEIGHT: tl.constexpr,  # scale by w
     HAS_BIAS: tl.constexpr,  # shift by b
-    STREAM: tl.constexpr,  # eviction policy of the second pass's reads (the row's last): "" or "evict_first"
-    KEEP: tl.constexpr,  # ... of the first pass's reads, and of w and b: "" or "evict_last"
+    EVICT_READ_ONCE: tl.constexpr,  # eviction policy of pass 2's reads, the row's last: "" or "evict_first"
+    EVICT_REREAD: tl.constexpr,  # ... of the first pass's reads, and of w and b: "" or "evict_last"
     BLOCK_N: tl.constexpr,  # entries per chunk of pass 1
     ROW_LENGTH: tl.constexpr,  # N when compiling for it (rows that fit in registers), else 0
     OUT_BLOCK_N: tl.constexpr,  # entries per chunk of pass 2 (at most BLOCK_N)
@@ -206,19 +434,58 @@ def _norm_fwd_looped_kernel(
         n = N
     # one row a program, or (a grid smaller than M) a persistent walk over the rows
     for program_row in range(tl.program_id(0), M, tl.num_programs(0)):
-        _norm_fwd_looped_row(x_ptr, r_ptr, h_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr,
-                             tl.cast(program_row, tl.int64), n, stride_xm, stride_rm, eps, RMS, HAS_RESIDUAL,
-                             HAS_WEIGHT, HAS_BIAS, BLOCK_N, OUT_BLOCK_N, STREAM, KEEP)
+        _norm_fwd_looped_row(
+            x_ptr,
+            r_ptr,
+            h_ptr,
+            y_ptr,
+            w_ptr,
+            b_ptr,
+            mean_ptr,
+            rstd_ptr,
+            tl.cast(program_row, tl.int64),
+            n,
+            stride_xm,
+            stride_rm,
+            eps,
+            RMS,
+            HAS_RESIDUAL,
+            HAS_WEIGHT,
+            HAS_BIAS,
+            BLOCK_N,
+            OUT_BLOCK_N,
+            EVICT_READ_ONCE,
+            EVICT_REREAD,
+        )
 
 
 SHIFT_SAMPLE = tl.constexpr(256)  # entries whose mean shifts a large chunk's sums (LayerNorm)
 
 
 @triton.jit
-def _norm_fwd_looped_row(x_ptr, r_ptr, h_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, row, N, stride_xm,
-                         stride_rm, eps, RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                         HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                         OUT_BLOCK_N: tl.constexpr, STREAM: tl.constexpr, KEEP: tl.constexpr):
+def _norm_fwd_looped_row(
+    x_ptr,
+    r_ptr,
+    h_ptr,
+    y_ptr,
+    w_ptr,
+    b_ptr,
+    mean_ptr,
+    rstd_ptr,
+    row,
+    N,
+    stride_xm,
+    stride_rm,
+    eps,
+    RMS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    OUT_BLOCK_N: tl.constexpr,
+    EVICT_READ_ONCE: tl.constexpr,
+    EVICT_REREAD: tl.constexpr,
+):
     """One row of the looped forward: its statistics over the chunks, then its output."""
     offsets = tl.arange(0, BLOCK_N)
     # chunks of up to 8192 entries add into vectors, reduced across the warps once after the loop;
@@ -244,14 +511,15 @@ def _norm_fwd_looped_row(x_ptr, r_ptr, h_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rst
         cols = start + offsets
         mask = cols < N
         if HAS_RESIDUAL:  # x and the residual are read once; h, stored here, is what pass 2 reads
-            h = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0, eviction_policy=STREAM)
-            h = h.to(tl.float32) + tl.load(r_ptr + row * stride_rm + cols, mask=mask, other=0.0,
-                                           eviction_policy=STREAM).to(tl.float32)
+            h = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0, eviction_policy=EVICT_READ_ONCE)
+            h = h.to(tl.float32) + tl.load(
+                r_ptr + row * stride_rm + cols, mask=mask, other=0.0, eviction_policy=EVICT_READ_ONCE
+            ).to(tl.float32)
             h = h.to(h_ptr.dtype.element_ty)
-            tl.store(h_ptr + row * N + cols, h, mask=mask, eviction_policy=KEEP)
+            tl.store(h_ptr + row * N + cols, h, mask=mask, eviction_policy=EVICT_REREAD)
             h = h.to(tl.float32)
         else:
-            h = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0, eviction_policy=KEEP)
+            h = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0, eviction_policy=EVICT_REREAD)
             h = h.to(tl.float32)
         if RMS:
             deviations = h
@@ -286,13 +554,34 @@ def _norm_fwd_looped_row(x_ptr, r_ptr, h_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rst
     for start in range(0, N, OUT_BLOCK_N):
         cols = start + out_offsets
         mask = cols < N
-        h = tl.load(source_ptr + cols, mask=mask, other=0.0, eviction_policy=STREAM).to(tl.float32)
+        h = tl.load(source_ptr + cols, mask=mask, other=0.0, eviction_policy=EVICT_READ_ONCE).to(tl.float32)
         y = (h * rstd) if RMS else (h - mean) * rstd
         if HAS_WEIGHT:
-            y *= tl.load(w_ptr + cols, mask=mask, eviction_policy=KEEP).to(tl.float32)
+            y *= tl.load(w_ptr + cols, mask=mask, eviction_policy=EVICT_REREAD).to(tl.float32)
         if HAS_BIAS:
-            y += tl.load(b_ptr + cols, mask=mask, eviction_policy=KEEP).to(tl.float32)
+            y += tl.load(b_ptr + cols, mask=mask, eviction_policy=EVICT_REREAD).to(tl.float32)
         tl.store(y_ptr + row * N + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# ROWS rows a program, each in BLOCK_N chunks
+BWD_LOOPED_CONFIGS = [
+    {"ROWS": r, "BLOCK_N": n, "num_warps": w} for r in (4, 8, 16) for n in (2048, 4096) for w in (4, 8)
+]
+
+
+def _bwd_looped_default(key: dict) -> dict:
+    """BWD_PROGRAMS_PER_SM programs an SM in LOOP_BLOCK_N chunks at LOOP_WARPS."""
+    return {
+        "ROWS": _bwd_rows_per_program(key["rows"], current_device(), True),
+        "BLOCK_N": LOOP_BLOCK_N,
+        "num_warps": LOOP_WARPS,
+    }
+
+
+def _bwd_looped_prune(config: dict, key: dict) -> bool:
+    """True drops the config: fp32 values a thread of a chunk outside PER_THREAD_RANGE, or so many
+    rows a program that SMs would sit idle."""
+    return _outside(_per_thread(config, key), True) or _leaves_sms_idle(config, key, True)
 
 
 @triton.jit
@@ -367,6 +656,16 @@ def _norm_bwd_looped_kernel(
             tl.store(dw_partial_ptr + tl.program_id(0) * N + cols, dw, mask=mask)
         if HAS_BIAS:
             tl.store(db_partial_ptr + tl.program_id(0) * N + cols, db, mask=mask)
+
+
+# ---------------------------------------------------------------- the backward's second stage
+
+# Untuned, one rule: about SUM_PROGRAMS programs (two an SM), BLOCK_COLS columns a program within
+# 8-64 fp32 (a 32-byte sector to two 128-byte lines a partial row), each adding tiles of at most
+# SUM_TILE values (32 a thread at SUM_WARPS warps) a step, of both partials at once.
+SUM_PROGRAMS = 256
+SUM_TILE = 4096
+SUM_WARPS = 4
 
 
 @triton.jit
