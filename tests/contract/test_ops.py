@@ -23,10 +23,6 @@ from tritonkit.testing import as_tuple, generator, poisoned_outputs
 
 # The families still on their own custom ops and launch tuples until they move onto opdef and Launch.
 NOT_YET_ON_THE_SCAFFOLDING = {
-    "layer_norm",
-    "rms_norm",
-    "add_layer_norm",
-    "add_rms_norm",
     "attention",
     "attention_causal",
     "linear",

@@ -463,35 +463,37 @@ def _config(
 # ---------------------------------------------------------------- validation, custom ops and autograd
 
 
-def _check_normalized_shape(input, normalized_shape) -> int:
+def _check_normalized_shape(input, normalized_shape, first: str) -> int:
     """N, the last dimension, which ``normalized_shape`` must name (the only form supported)."""
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
     if len(shape) != 1:
         raise NotImplementedError(f"normalized_shape over more than the last dimension: {shape}")
     n = input.shape[-1]
     if shape[0] != n:
-        raise ValueError(f"normalized_shape {shape} must match input's last dimension {n}")
+        raise ValueError(f"normalized_shape {shape} must match {first}'s last dimension {n}")
     return n
 
 
 def _validate(input, normalized_shape, weight, bias, residual) -> None:
     """Raise TypeError, ValueError or NotImplementedError naming the argument that is not one the
-    kernels take; once a call, in the public function."""
-    check_tensor("input", input, dtypes=DTYPES, min_ndim=1)
-    n = _check_normalized_shape(input, normalized_shape)
+    kernels take; once a call, in the public function. The first tensor is ``input``, or ``x`` in
+    the fused residual forms (their signatures' names)."""
+    first = "input" if residual is None else "x"
+    check_tensor(first, input, dtypes=DTYPES, min_ndim=1)
+    n = _check_normalized_shape(input, normalized_shape, first)
     for name, param in (("weight", weight), ("bias", bias)):
         if param is None:
             continue
-        check_tensor(name, param, device_of=("input", input))
+        check_tensor(name, param, device_of=(first, input))
         if param.shape != (n,):
             raise ValueError(f"{name} must have shape ({n},), got {tuple(param.shape)}")
         if param.dtype not in (input.dtype, torch.float32):
-            raise TypeError(f"{name} must be float32 or input's dtype {input.dtype}, got {param.dtype}")
+            raise TypeError(f"{name} must be float32 or {first}'s dtype {input.dtype}, got {param.dtype}")
     if residual is not None:
-        check_tensor("residual", residual, device_of=("input", input))
+        check_tensor("residual", residual, device_of=(first, input))
         if residual.shape != input.shape or residual.dtype != input.dtype:
             raise ValueError(
-                f"residual must match input: {tuple(input.shape)} {input.dtype}, got "
+                f"residual must match {first}: {tuple(input.shape)} {input.dtype}, got "
                 f"{tuple(residual.shape)} {residual.dtype}"
             )
 
@@ -595,8 +597,11 @@ class _Norm(torch.autograd.Function):
 
 
 def _norm(input, residual, normalized_shape, weight, bias, eps, rms: bool):
-    """The public functions' one body: y, or (y, h) with a residual."""
+    """The public functions' one body: y, or (y, h) with a residual (``eps`` None: RMSNorm's
+    default for the dtype)."""
     _validate(input, normalized_shape, weight, bias, residual)
+    if rms:
+        eps = rms_eps(eps, input.dtype)
     if torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (input, residual, weight, bias)
     ):
@@ -628,7 +633,7 @@ def rms_norm(
     input: torch.Tensor, normalized_shape, weight: torch.Tensor | None = None, eps: float | None = None
 ) -> torch.Tensor:
     """``torch.nn.functional.rms_norm`` over the last dimension, statistics in fp32."""
-    return _norm(input, None, normalized_shape, weight, None, rms_eps(eps, input.dtype), rms=True)
+    return _norm(input, None, normalized_shape, weight, None, eps, rms=True)
 
 
 def add_layer_norm(
@@ -651,7 +656,7 @@ def add_rms_norm(
     eps: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual), x + residual)`` in one pass."""
-    return _norm(x, residual, normalized_shape, weight, None, rms_eps(eps, x.dtype), rms=True)
+    return _norm(x, residual, normalized_shape, weight, None, eps, rms=True)
 
 
 # ---------------------------------------------------------------- reference and cost
