@@ -246,7 +246,7 @@ def test_gated_linear_opcheck_and_compile(device):
 def fake_ms(config):
     """A fake timing under which 64 x 64 tiles, 3 stages and 8 warps are fastest, and the default
     (the interpreter's small tile, a candidate too) slowest."""
-    from tritonkit.ops.linear_kernels import INTERPRETER_CONFIG
+    from tritonkit.ops.linear.kernels import INTERPRETER_CONFIG
 
     return (config["BLOCK_N"] / 1000 + config["num_stages"] / 10**4 - config["num_warps"] / 10**5
             + config["BLOCK_M"] / 10**6 + (config == INTERPRETER_CONFIG))
@@ -256,7 +256,7 @@ def fake_ms(config):
 def tuned(monkeypatch, tmp_path):
     """Tuning as on a GPU, with a fresh tuner, a private cache and a fake timer; records launches."""
     from tritonkit import tuning
-    from tritonkit.ops import linear_kernels as lk
+    from tritonkit.ops.linear import kernels as lk
 
     monkeypatch.setattr(tuning, "_single_config", lambda: False)
     monkeypatch.setenv("TRITONKIT_CACHE_DIR", str(tmp_path))
@@ -301,7 +301,7 @@ def test_each_matmul_launches_its_fastest_admitted_tile(tuned, device):
 @pytest.mark.parametrize("form", ["linear", "gated dx"])
 def test_gate_rejects_a_wrong_result(form, monkeypatch, device):
     """A launch 1% off fails the gate; the exact one passes (dW's layouts; gated dx's two products)."""
-    from tritonkit.ops import linear_kernels as lk
+    from tritonkit.ops.linear import kernels as lk
 
     x, w, _, _, dy = _inputs((17,), F16, device, seed=31)
     if form == "linear":
@@ -323,7 +323,7 @@ def test_gate_rejects_a_wrong_result(form, monkeypatch, device):
 
 def _recorded_launches(monkeypatch) -> list:
     """Every launch of the linear kernel from here on, as (grid, constexprs), each still launched."""
-    from tritonkit.ops import linear_kernels as lk
+    from tritonkit.ops.linear import kernels as lk
 
     launched = []
     launcher = lk._launcher
@@ -339,7 +339,7 @@ def _recorded_launches(monkeypatch) -> list:
 def _forms(x, w, w_up, dy, du, epilogue: dict) -> dict:
     """(A, B, operands) of each matmul form of a training step: the forward with ``epilogue``, dx
     (dz W), dW (dz^T x), gated_linear's forward and its dx (dg Wg + du Wu)."""
-    from tritonkit.ops import linear_kernels as lk
+    from tritonkit.ops.linear import kernels as lk
 
     silu = ACTIVATIONS["silu"]
     return {"fwd": (x, w, epilogue), "dx": (dy, w.t(), {}), "dw": (dy.t(), x.t(), {}),
@@ -353,7 +353,7 @@ def test_tma_tiles_match_the_reference(form, persistent, monkeypatch, device):
     """The TMA candidates (descriptors over K-contiguous and transposed operands; gated: four) and the
     persistent grid (two programs walking six or nine tiles in the interpreter) through the gate's oracle,
     on shapes whose rows are 16-byte aligned and cut ragged tiles; the launch took the TMA path."""
-    from tritonkit.ops import linear_kernels as lk
+    from tritonkit.ops.linear import kernels as lk
 
     g = generator(34)
     m, k, n = 72, 40, 72  # 3 x 3 tiles of 32, the third ragged; K: 2.5 steps of 16
@@ -377,7 +377,7 @@ def test_split_k_matches_the_reference(form, monkeypatch, device):
     """SPLIT_K: four programs a tile over shares of K (one share empty), their fp32 partial products
     summed by the launcher, through the gate's oracle; an epilogue is refused; the tuner offers the
     split only for few tiles over a long K."""
-    from tritonkit.ops import linear_kernels as lk
+    from tritonkit.ops.linear import kernels as lk
 
     g = generator(35)
     x = random_tensor((72, 40), F16, device, generator=g)
@@ -405,7 +405,7 @@ def test_activation_backward_pass(sms, monkeypatch, device):
     """The elementwise pass alone: dz = dy * act'(z) rounded to the dtype and db = the column sums of
     that dz; gated, dg and du; on strided dy, ragged tiles and rows of none. On 132 SMs the 17 row
     tiles are a program each; on one SM each program walks eight, summing db down its columns."""
-    from tritonkit.ops import linear_kernels as lk
+    from tritonkit.ops.linear import kernels as lk
 
     monkeypatch.setattr(lk, "sm_count", lambda device: sms)
 
@@ -440,7 +440,7 @@ def test_fast_activation_forms_equal_the_exact_ones(name, monkeypatch, device):
     import triton
     import triton.language as tl
 
-    from tritonkit.ops import linear_kernels as lk
+    from tritonkit.ops.linear import kernels as lk
 
     monkeypatch.setitem(globals(), "lk", lk)  # what the test kernel below calls, as a global
 
@@ -464,7 +464,7 @@ def test_fast_activation_forms_equal_the_exact_ones(name, monkeypatch, device):
 _TMA_SASS_CHECK = r"""
 import json, torch
 from tritonkit.asm import compile_launch
-from tritonkit.ops.linear import _inspect_launches
+from tritonkit.ops.linear.linear import _inspect_launches
 tiles = {"tma": (128, {"num_warps": 8, "num_stages": 3, "TMA": True}),
          "persistent": (256, {"num_warps": 8, "num_stages": 4, "TMA": True, "PERSISTENT": 1})}
 for name, (block_n, tile) in tiles.items():
@@ -491,7 +491,7 @@ def test_tma_candidates_compile_for_hopper():
 _SHALLOW_SASS_CHECK = r"""
 import json, torch
 from tritonkit.asm import compile_launch
-from tritonkit.ops.linear import _inspect_launches
+from tritonkit.ops.linear.linear import _inspect_launches
 tiles = {"shallow": (16, {"BLOCK_N": 128, "BLOCK_K": 16, "num_warps": 4}),
          "descriptor store": (128, {"BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "TMA": True,
                                     "PERSISTENT": 1, "TMA_STORE": True})}
@@ -550,7 +550,7 @@ TMA_GPU_TILES = {"persistent": {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3,
 def test_gpu_tma_tiles_match_the_reference(form, config, device):
     """The TMA candidates on the tensor cores, bf16, through the gate's oracle at ragged, aligned
     sizes (two tiles and 8 more each way, three steps and 8 deep)."""
-    from tritonkit.ops import linear_kernels as lk
+    from tritonkit.ops.linear import kernels as lk
 
     g = generator(41)
     x = random_tensor((1000, 1536), BF16, device, generator=g)
@@ -571,7 +571,7 @@ def test_decode_tiles_match_the_reference_and_only_decode_keys_get_them(form, de
     """A 16-row tile, deeper than the usual 64 (the decode tiles' kind), through the gate's oracle on
     5 rows with a ragged last step of K; the tuner offers such tiles only to decode-like rows, a
     16-row tile only where the rows fit it, and no tile deeper than K."""
-    from tritonkit.ops import linear_kernels as lk
+    from tritonkit.ops.linear import kernels as lk
 
     g = generator(36)
     x = random_tensor((5, 200), F16, device, generator=g)
@@ -599,7 +599,7 @@ def test_shallow_tiles_and_the_descriptor_store_match_the_reference(form, persis
     16-byte aligned fall back to pointer stores; an epilogue or a split of K refuses it. The tuner
     offers the shallow tiles only where K is at most DECODE_ROWS, none deeper than K (16 at least), and the
     descriptor store only to plain matmuls."""
-    from tritonkit.ops import linear_kernels as lk
+    from tritonkit.ops.linear import kernels as lk
     from tritonkit.testing import compare
 
     g = generator(37)

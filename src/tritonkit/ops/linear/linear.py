@@ -15,7 +15,7 @@ every tile that reads it (docs/perf-notes.md).
 
 One kernel serves all the products: C = epilogue(A B^T) with A (M, K) and B (N, K) of any
 strides. dx takes A = dz (M, N) and B = W^T (a (K, N) view); dW takes A = dz^T and B = x^T.
-The kernel, its launcher and its tuning are in ``linear_kernels.py``; this file holds the maths,
+The kernel, its launcher and its tuning are in ``kernels.py``; this file holds the maths,
 the API, the autograd, the references and the costs.
 
 Work. 2 M N K FLOPs a matmul (three in forward plus backward); bytes s (M K + N K + M N) plus the
@@ -32,7 +32,7 @@ import torch
 from tritonkit._launch import Launch
 from tritonkit._runtime import check_device, empty_output
 from tritonkit.dtypes import HALVES
-from tritonkit.ops.linear_kernels import (
+from tritonkit.ops.linear.kernels import (
     _REFERENCE_ACTIVATIONS,
     ACTIVATIONS,
     GATED_DX,
