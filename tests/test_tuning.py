@@ -659,9 +659,9 @@ def test_a_tuners_hash_covers_every_jit_helper_its_kernels_call():
 
 
 def test_editing_a_helper_deep_in_the_closure_changes_the_hash(monkeypatch):
-    from tritonkit.ops.linear import kernels as linear_kernels
+    from tritonkit.ops.linear import matmul
 
-    tuner = linear_kernels._TUNER
+    tuner = matmul.TUNER
     copy = lambda: tuning.Tuner("closure-copy", tuner.configs, sources=tuner.sources, default=tuner.default)  # noqa: E731
     before = copy().source_hash
     real = tuning._source_text

@@ -1,9 +1,9 @@
 """The linear family: ``linear`` (a matmul with a fused epilogue) and ``gated_linear`` (SwiGLU and
-GeGLU in one kernel). ``kernels`` holds the Triton kernels with their launcher and tuning,
-``linear`` the public functions, autograd, references and costs."""
+GeGLU in one kernel). ``kernels`` holds the Triton kernels, ``matmul`` the matmul's launches and
+tuning (the API other ops build on), ``linear`` the public functions, autograd, references and costs."""
 
+from tritonkit.ops.linear.kernels import ACTIVATIONS
 from tritonkit.ops.linear.linear import (
-    ACTIVATIONS,
     DTYPES,
     SPECS,
     gated_linear,

@@ -1,21 +1,14 @@
-"""The linear family's Triton kernels: the matmul C = epilogue(A B^T), the forward and backward
-matmuls of ``linear`` and ``gated_linear`` (``tritonkit.ops.linear`` holds the maths, the API and
-the autograd), with its launcher, its tuning and the tuning's accuracy gate; and the backward's
-elementwise step, dz = dy * act'(z) with db's partial sums (gated: dg and du)."""
+"""The linear family's Triton kernels: the matmul C = epilogue(A B^T) that serves the forward and
+backward products of ``linear`` and ``gated_linear``, with the configs it is tuned over and their
+prune directly above it, and the backward's elementwise step, dz = dy * act'(z) with db's partial
+sums (gated: dg and du). ``matmul.py`` builds and tunes the matmul's launches; ``linear.py`` holds
+the maths, the API and the autograd."""
 
 from __future__ import annotations
 
-import functools
-
-import torch
-
-from tritonkit import tuning
-from tritonkit._launch import Launcher, cdiv, ensure_allocator, precompile
-from tritonkit._runtime import current_device, empty_output, interpret, shared_memory_bytes, sm_count
+from tritonkit._runtime import current_device, interpret, shared_memory_bytes
 from tritonkit._triton import tl, triton
-from tritonkit.dtypes import NAME_OF
 from tritonkit.jit import LOG2E, SQRT_2_OVER_PI, TANH_CUBIC, dot_fp32, gelu, gelu_grad
-from tritonkit.ops.bias_gelu import NUM_WARPS, row_tiles_per_program, tile_shape
 
 # -2 sqrt(2/pi) log2(e) and that times 0.044715: GELU (tanh) as z / (1 + 2^(z (a + b z^2)))
 GELU_EXP2_LINEAR = tl.constexpr(-2.0 * SQRT_2_OVER_PI.value * LOG2E.value)
@@ -28,6 +21,7 @@ NONE, GELU, GELU_TANH, SILU, RELU, RELU2 = (tl.constexpr(code) for code in ACTIV
 # its backward's dx = dg Wg + du Wu (C = A B^T + A2 B2^T, one accumulator); its dWg = dg^T x and
 # dWu = du^T x are plain matmuls.
 NOT_GATED, GATED_FWD, GATED_DX = (tl.constexpr(code) for code in range(3))
+FORMS = ("linear", "gated fwd", "gated dx")  # the forms' names in tuning keys, by GATED code
 
 
 @triton.jit
@@ -73,18 +67,6 @@ def _activation_grad(z, ACTIVATION: tl.constexpr):
     return g
 
 
-# The untuned tiles: 128 x 128 outputs at 8 warps and 64-deep steps on the GPU (Triton's own
-# Hopper matmul tutorial's tile); the gated forms, two accumulators or two B tiles a step, take
-# 128 x 64 (sm_90: 128 x 128 spills the gated forward at 254 registers; 128 x 64 takes 125-142,
-# no spills). The interpreter runs each program in numpy, so small tiles keep several programs and
-# k-steps in a test's odd shapes.
-DEFAULT_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8,
-                  "num_stages": 3}
-GATED_DEFAULT_CONFIG = DEFAULT_CONFIG | {"BLOCK_N": 64}
-INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4,
-                      "num_stages": 1}
-
-
 @triton.jit
 def _tile_position(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
     """(row tile, column tile) of C's tile-th tile in grouped order: consecutive tiles share GROUP_M
@@ -96,17 +78,20 @@ def _tile_position(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _descriptor(ptr, rows, K, stride_row, stride_k, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                K_MAJOR: tl.constexpr):
+def _descriptor(
+    ptr, rows, K, stride_row, stride_k, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, K_MAJOR: tl.constexpr
+):
     """A tensor descriptor (TMA) of an operand (rows, K) over its memory as it lies: boxes of
     [BLOCK_R, BLOCK_K] over (rows, K) when K is the unit stride, else [BLOCK_K, BLOCK_R] over
     (K, rows). Boxes past the edges load zeros."""
     if K_MAJOR:
-        return tl.make_tensor_descriptor(ptr, shape=[rows, K], strides=[stride_row, 1],
-                                         block_shape=[BLOCK_R, BLOCK_K])
+        return tl.make_tensor_descriptor(
+            ptr, shape=[rows, K], strides=[stride_row, 1], block_shape=[BLOCK_R, BLOCK_K]
+        )
     else:
-        return tl.make_tensor_descriptor(ptr, shape=[K, rows], strides=[stride_k, 1],
-                                         block_shape=[BLOCK_K, BLOCK_R])
+        return tl.make_tensor_descriptor(
+            ptr, shape=[K, rows], strides=[stride_k, 1], block_shape=[BLOCK_K, BLOCK_R]
+        )
 
 
 @triton.jit
@@ -128,9 +113,30 @@ def _depth_by_rows(descriptor, first_row, k, K_MAJOR: tl.constexpr):
 
 
 @triton.jit
-def _epilogue(acc, acc2, rows, cols, first_row, first_col, c_ptr, c_target, bias_ptr, residual_ptr, pre_ptr,
-              pre2_ptr, M, N, stride_rm, stride_rn, ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr,
-              HAS_RESIDUAL: tl.constexpr, STORE_PRE: tl.constexpr, GATED: tl.constexpr, C_TMA: tl.constexpr):
+def _epilogue(
+    acc,
+    acc2,
+    rows,
+    cols,
+    first_row,
+    first_col,
+    c_ptr,
+    c_target,
+    bias_ptr,
+    residual_ptr,
+    pre_ptr,
+    pre2_ptr,
+    M,
+    N,
+    stride_rm,
+    stride_rn,
+    ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    STORE_PRE: tl.constexpr,
+    GATED: tl.constexpr,
+    C_TMA: tl.constexpr,
+):
     """C's tile (rows x cols, from (first_row, first_col)) from the accumulators: + bias, the
     pre-activations stored, act, * the second product (GATED_FWD), + residual; C_TMA: C stored
     through ``c_target``, a descriptor."""
@@ -146,12 +152,202 @@ def _epilogue(acc, acc2, rows, cols, first_row, first_col, c_ptr, c_target, bias
     if GATED == GATED_FWD:
         y *= acc2
     if HAS_RESIDUAL:
-        y += tl.load(residual_ptr + rows[:, None] * stride_rm + cols[None, :] * stride_rn, mask=mask,
-                     other=0.0).to(tl.float32)
+        y += tl.load(
+            residual_ptr + rows[:, None] * stride_rm + cols[None, :] * stride_rn, mask=mask, other=0.0
+        ).to(tl.float32)
     if C_TMA:  # the copy engine writes the tile from shared memory, clipped at C's edges
         c_target.store([first_row, first_col], y.to(c_ptr.dtype.element_ty))
     else:
         tl.store(c_ptr + out, y.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------- the matmul: configs, prune, kernel
+
+# Tiles, depths, warps and stages, tuned per kernel form, layout and shape bucket through the
+# accuracy gate; pruned where the accumulators pass MAX_ACC_VALUES fp32 values a thread (sm_90:
+# 128 x 128 at 8 warps, 64 a thread, compiles without spills; the gated forward's two at 128 x 128,
+# 128 a thread, spilled) or the stages pass an SM's shared memory.
+CONFIGS = [
+    {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": warps, "num_stages": stages}
+    for bm in (64, 128)
+    for bn in (64, 128, 256)
+    for warps in (4, 8)
+    for stages in (3, 4)
+]
+# The large tiles that won the large shapes' tuning at 3f55667, with A and B through TMA, and with
+# TMA on a persistent grid (one program an SM walking tiles in grouped order).
+CONFIGS += [
+    {
+        "BLOCK_M": 128,
+        "BLOCK_N": bn,
+        "BLOCK_K": 64,
+        "GROUP_M": 8,
+        "num_warps": warps,
+        "num_stages": stages,
+        "TMA": True,
+        **persistent,
+    }
+    for bn, warps in ((256, 8), (128, 8), (128, 4))
+    for stages in (3, 4)
+    for persistent in ({}, {"PERSISTENT": 1})
+]
+# Split K for few tiles over a long K (decode-like rows: dx of 16 rows over K = 16384 is 64 tiles
+# of 64 x 64 for 132 SMs): plain matmuls only.
+CONFIGS += [
+    {
+        "BLOCK_M": 64,
+        "BLOCK_N": bn,
+        "BLOCK_K": 64,
+        "GROUP_M": 8,
+        "num_warps": 4,
+        "num_stages": 3,
+        "SPLIT_K": split_k,
+    }
+    for bn in (64, 128)
+    for split_k in (4, 16)
+]
+# Decode-like rows (at most DECODE_ROWS): W is the traffic, so tiles that keep more of it in flight
+# a program: 16-row tiles (mma.sync; only where the rows fit them), 128-256 deep, 4-6 stages. Found
+# by benchmarks/prototypes/decode_tiles.py; timed with L2 flushed, the 16-row tiles won the H200's
+# 16-row keys (forward 47.5 -> 45.8 us, dx 56.6 -> 48.1) but the gated dx's, the deep 64-row ones none.
+DECODE_TILES = (  # rows, columns, depth, stages, TMA or not
+    (16, 128, 128, 5, {}),
+    (16, 64, 128, 6, {}),
+    (16, 32, 256, 6, {}),
+    (64, 64, 128, 6, {"TMA": True}),
+    (64, 128, 128, 4, {"TMA": True}),
+)
+CONFIGS += [
+    {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": 4, "num_stages": stages, **tma}
+    for bm, bn, bk, stages, tma in DECODE_TILES
+]
+# Shallow matmuls (K of at most DECODE_ROWS: dW of decode-like rows, out_features x in_features
+# written from 16-128 rows) are bound by writing C, 128 MB at the benchmark's shapes: steps no
+# deeper than K (16-32, where 64-deep boxes load zeros), two programs an SM so that one's stores
+# overlap the other's, and C stored through a descriptor. Found by
+# benchmarks/prototypes/decode_backward.py (L2 flushed, as the tuner times): dW of 16 rows 50.7 ->
+# 37.8 us, of 128 rows 75.1 -> 57.5 (51.0 with a descriptor store; cuBLAS 47.4 and 51.5). The H200's
+# tuner chose 128 x 128 x 16 (38.0 us) and the 128 x 256 tile with the store (51.2).
+SHALLOW_TILES = (  # rows, columns, depth, warps, and TMA, grid and store
+    (128, 128, 16, 4, {}),
+    (128, 64, 16, 4, {}),
+    (128, 128, 32, 4, {}),
+    (128, 128, 16, 4, {"TMA": True, "PERSISTENT": 2}),
+    (128, 128, 32, 4, {"TMA": True, "PERSISTENT": 2}),
+    (128, 128, 64, 4, {"TMA": True, "PERSISTENT": 2}),
+    (128, 128, 16, 4, {"TMA": True, "PERSISTENT": 2, "TMA_STORE": True}),
+    (128, 128, 64, 4, {"TMA": True, "PERSISTENT": 2, "TMA_STORE": True}),
+    (128, 256, 64, 8, {"TMA": True, "PERSISTENT": 1, "TMA_STORE": True}),
+)
+CONFIGS += [
+    {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": warps, "num_stages": 3, **form}
+    for bm, bn, bk, warps, form in SHALLOW_TILES
+]
+
+# The untuned configs, the tuner's default wherever tuning cannot run: 128 x 128 outputs at 8 warps
+# and 64-deep steps on the GPU (Triton's own Hopper matmul tutorial's tile); the gated forms, two
+# accumulators or two B tiles a step, take 128 x 64 (sm_90: 128 x 128 spills the gated forward at
+# 254 registers; 128 x 64 takes 125-142, no spills). The interpreter runs each program in numpy,
+# so its small tile keeps several programs and k-steps in a test's odd shapes.
+DEFAULT_CONFIGS = {  # the GPU's, by kernel form
+    "linear": {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+}
+DEFAULT_CONFIGS |= {form: DEFAULT_CONFIGS["linear"] | {"BLOCK_N": 64} for form in ("gated fwd", "gated dx")}
+INTERPRETER_CONFIG = {
+    "BLOCK_M": 32,
+    "BLOCK_N": 32,
+    "BLOCK_K": 16,
+    "GROUP_M": 2,
+    "num_warps": 4,
+    "num_stages": 1,
+}
+
+
+def default_config(form: str) -> dict:
+    """The untuned config of a kernel form (``FORMS``): the interpreter's small tile, else the GPU's.
+    The tuner's default for a key of that form, and what ``tritonkit inspect`` compiles untold."""
+    return dict(INTERPRETER_CONFIG if interpret() else DEFAULT_CONFIGS[form])
+
+
+DECODE_ROWS = 128  # rows (M) up to which a matmul is decode-like, and depths (K) up to which shallow
+SPLIT_K_MAX_TILES = 264  # two programs an SM of the H200's 132: past that the tiles fill the GPU
+SPLIT_K_MIN_STEPS = 4  # k-steps a share of K takes at least
+MAX_ACC_VALUES = 128  # fp32 accumulator values a thread may hold (see CONFIGS)
+
+
+def _accumulator_values(config: dict, key: dict) -> float:
+    """fp32 accumulator values a thread holds: the gated forward keeps two products."""
+    accumulators = 2 if key["form"] == "gated fwd" else 1
+    return accumulators * config["BLOCK_M"] * config["BLOCK_N"] / (32 * config["num_warps"])
+
+
+def _fits_shared_memory(config: dict, key: dict) -> bool:
+    """Whether the stages of A and B tiles (two of A for the gated dx, two of B for both gated forms),
+    and C's tile where TMA_STORE stages it, fit in the shared memory a program may use."""
+    a_tiles = 2 if key["form"] == "gated dx" else 1
+    b_tiles = 2 if key["form"] in ("gated fwd", "gated dx") else 1
+    tile_rows = a_tiles * config["BLOCK_M"] + b_tiles * config["BLOCK_N"]  # of A and B, each BLOCK_K deep
+    c_staged = config["BLOCK_M"] * config["BLOCK_N"] * 2 if config.get("TMA_STORE") else 0  # C's tile
+    shared = config["num_stages"] * config["BLOCK_K"] * tile_rows * 2 + c_staged
+    return shared <= shared_memory_bytes(current_device())
+
+
+def _overhangs_the_problem(config: dict, key: dict) -> bool:
+    """A tile at least twice the problem's rows or columns (decode-like rows still take 64-row tiles)."""
+    return config["BLOCK_M"] > max(64, key["m"]) or config["BLOCK_N"] > max(64, key["n"])
+
+
+def _split_k_fits(config: dict, key: dict) -> bool:
+    """Whether a split of K suits the key: a plain matmul without an epilogue, few enough tiles that
+    they leave the GPU idle, and at least SPLIT_K_MIN_STEPS k-steps in each share of K."""
+    tiles = -(-key["m"] // config["BLOCK_M"]) * -(-key["n"] // config["BLOCK_N"])
+    return (
+        key["form"] == "linear"
+        and not key["epilogue"]
+        and tiles <= SPLIT_K_MAX_TILES
+        and key["k"] >= config["SPLIT_K"] * SPLIT_K_MIN_STEPS * config["BLOCK_K"]
+    )
+
+
+def _is_decode_tile(config: dict) -> bool:
+    """A tile for decode-like rows: under 64 rows, or steps past 64 deep."""
+    return config["BLOCK_K"] > 64 or config["BLOCK_M"] < 64
+
+
+def _decode_tile_fits(config: dict, key: dict) -> bool:
+    """Whether a decode tile suits the key: decode-like rows, K at least a step deep, and (under 64
+    rows) rows within the tile."""
+    return (
+        key["m"] <= DECODE_ROWS
+        and config["BLOCK_K"] <= key["k"]
+        and not (config["BLOCK_M"] < 64 and key["m"] > config["BLOCK_M"])
+    )
+
+
+def _is_shallow_tile(config: dict) -> bool:
+    """A tile for shallow matmuls: steps under 64 deep, two programs an SM, or C stored by TMA."""
+    return config["BLOCK_K"] < 64 or config.get("PERSISTENT", 0) > 1 or config.get("TMA_STORE", False)
+
+
+def _shallow_tile_fits(config: dict, key: dict) -> bool:
+    """Whether a shallow tile suits the key: K of at most DECODE_ROWS, a step under 64 deep no deeper
+    than K (K under 16 takes the 16-deep step), and C stored by TMA only for plain matmuls without
+    an epilogue."""
+    deeper_than_k = 64 > config["BLOCK_K"] > max(key["k"], 16)
+    tma_store_refused = config.get("TMA_STORE", False) and (key["epilogue"] or key["form"] != "linear")
+    return key["k"] <= DECODE_ROWS and not deeper_than_k and not tma_store_refused
+
+
+def _prune(config: dict, key: dict) -> bool:
+    """True drops the config for the key (see each predicate)."""
+    return (
+        _accumulator_values(config, key) > MAX_ACC_VALUES
+        or not _fits_shared_memory(config, key)
+        or _overhangs_the_problem(config, key)
+        or (config.get("SPLIT_K", 1) > 1 and not _split_k_fits(config, key))
+        or (_is_decode_tile(config) and not _decode_tile_fits(config, key))
+        or (_is_shallow_tile(config) and not _shallow_tile_fits(config, key))
+    )
 
 
 @triton.jit
@@ -168,9 +364,12 @@ def _linear_kernel(
     M,  # rows of A and C
     N,  # rows of B: columns of C
     K,  # the reduced dimension
-    stride_am, stride_ak,  # elements between rows, columns of A
-    stride_bn, stride_bk,  # ... of B
-    stride_rm, stride_rn,  # ... of the residual
+    stride_am,  # elements between rows of A
+    stride_ak,  # elements between columns of A
+    stride_bn,  # ... rows of B
+    stride_bk,  # ... columns of B
+    stride_rm,  # ... rows of the residual
+    stride_rn,  # ... columns of the residual
     ACTIVATION: tl.constexpr,  # epilogue: C = act(A B^T + bias) (+ residual); an ACTIVATIONS code
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
@@ -205,11 +404,46 @@ def _linear_kernel(
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     if PERSISTENT:
         for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0), flatten=True):
-            _linear_tile(tile, tiles_m, tiles_n, a_source, a2_source, b_source, b2_source, c_ptr, c_target,
-                         bias_ptr, residual_ptr, pre_ptr, pre2_ptr, M, N, K, 0, K, stride_am, stride_ak,
-                         stride_bn, stride_bk, stride_rm, stride_rn, ACTIVATION, HAS_BIAS, HAS_RESIDUAL,
-                         STORE_PRE, GATED, EXACT_DOT_IN_FP32, TMA, A_K_MAJOR, B_K_MAJOR, C_TMA, BLOCK_M,
-                         BLOCK_N, BLOCK_K, GROUP_M)
+            _linear_tile(
+                tile,
+                tiles_m,
+                tiles_n,
+                a_source,
+                a2_source,
+                b_source,
+                b2_source,
+                c_ptr,
+                c_target,
+                bias_ptr,
+                residual_ptr,
+                pre_ptr,
+                pre2_ptr,
+                M,
+                N,
+                K,
+                0,
+                K,
+                stride_am,
+                stride_ak,
+                stride_bn,
+                stride_bk,
+                stride_rm,
+                stride_rn,
+                ACTIVATION,
+                HAS_BIAS,
+                HAS_RESIDUAL,
+                STORE_PRE,
+                GATED,
+                EXACT_DOT_IN_FP32,
+                TMA,
+                A_K_MAJOR,
+                B_K_MAJOR,
+                C_TMA,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                GROUP_M,
+            )
     else:
         c_tile, k_start, k_end = c_ptr, 0, K
         if SPLIT_K > 1:  # whole steps a share: only the last share's last step is ragged
@@ -217,21 +451,89 @@ def _linear_kernel(
             share = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
             c_tile = c_ptr + split.to(tl.int64) * M * N
             k_start, k_end = split * share, tl.minimum(K, (split + 1) * share)
-        _linear_tile(tl.program_id(0), tiles_m, tiles_n, a_source, a2_source, b_source, b2_source, c_tile,
-                     c_target, bias_ptr, residual_ptr, pre_ptr, pre2_ptr, M, N, K, k_start, k_end, stride_am,
-                     stride_ak, stride_bn, stride_bk, stride_rm, stride_rn, ACTIVATION, HAS_BIAS,
-                     HAS_RESIDUAL, STORE_PRE, GATED, EXACT_DOT_IN_FP32, TMA, A_K_MAJOR, B_K_MAJOR, C_TMA,
-                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+        _linear_tile(
+            tl.program_id(0),
+            tiles_m,
+            tiles_n,
+            a_source,
+            a2_source,
+            b_source,
+            b2_source,
+            c_tile,
+            c_target,
+            bias_ptr,
+            residual_ptr,
+            pre_ptr,
+            pre2_ptr,
+            M,
+            N,
+            K,
+            k_start,
+            k_end,
+            stride_am,
+            stride_ak,
+            stride_bn,
+            stride_bk,
+            stride_rm,
+            stride_rn,
+            ACTIVATION,
+            HAS_BIAS,
+            HAS_RESIDUAL,
+            STORE_PRE,
+            GATED,
+            EXACT_DOT_IN_FP32,
+            TMA,
+            A_K_MAJOR,
+            B_K_MAJOR,
+            C_TMA,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            GROUP_M,
+        )
 
 
 @triton.jit
-def _linear_tile(tile, tiles_m, tiles_n, a_source, a2_source, b_source, b2_source, c_ptr, c_target, bias_ptr,
-                 residual_ptr, pre_ptr, pre2_ptr, M, N, K, k_start, k_end, stride_am, stride_ak, stride_bn,
-                 stride_bk, stride_rm, stride_rn,
-                 ACTIVATION: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                 STORE_PRE: tl.constexpr, GATED: tl.constexpr, EXACT_DOT_IN_FP32: tl.constexpr,
-                 TMA: tl.constexpr, A_K_MAJOR: tl.constexpr, B_K_MAJOR: tl.constexpr, C_TMA: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+def _linear_tile(
+    tile,
+    tiles_m,
+    tiles_n,
+    a_source,
+    a2_source,
+    b_source,
+    b2_source,
+    c_ptr,
+    c_target,
+    bias_ptr,
+    residual_ptr,
+    pre_ptr,
+    pre2_ptr,
+    M,
+    N,
+    K,
+    k_start,
+    k_end,
+    stride_am,
+    stride_ak,
+    stride_bn,
+    stride_bk,
+    stride_rm,
+    stride_rn,
+    ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    STORE_PRE: tl.constexpr,
+    GATED: tl.constexpr,
+    EXACT_DOT_IN_FP32: tl.constexpr,
+    TMA: tl.constexpr,
+    A_K_MAJOR: tl.constexpr,
+    B_K_MAJOR: tl.constexpr,
+    C_TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
     """C's tile-th tile (grouped order): the k-loop over A and B from k_start to k_end (pointers, or
     descriptors with TMA; see the kernel for the operands), then the epilogue."""
     pid_m, pid_n = _tile_position(tile, tiles_m, tiles_n, GROUP_M)
@@ -265,103 +567,30 @@ def _linear_tile(tile, tiles_m, tiles_n, a_source, a2_source, b_source, b2_sourc
                 else:
                     a2 = tl.load(a2_source + a_ptrs, mask=a_mask, other=0.0)
                 acc += dot_fp32(a2, b2, EXACT_DOT_IN_FP32)
-    _epilogue(acc, acc2, rows, cols, pid_m * BLOCK_M, pid_n * BLOCK_N, c_ptr, c_target, bias_ptr,
-              residual_ptr, pre_ptr, pre2_ptr, M, N, stride_rm, stride_rn, ACTIVATION, HAS_BIAS, HAS_RESIDUAL,
-              STORE_PRE, GATED, C_TMA)
-
-
-# ---------------------------------------------------------------- launcher
-
-_launcher = Launcher(_linear_kernel)
-TILE_NAMES = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")  # the kernel's tile constexprs, in its order
-
-
-def _default_config(gated: int) -> dict:
-    """The GPU's untuned tile for a kernel form."""
-    return dict(GATED_DEFAULT_CONFIG if gated in (GATED_FWD, GATED_DX) else DEFAULT_CONFIG)
-
-
-def _config(gated: int) -> dict:
-    return dict(INTERPRETER_CONFIG) if interpret() else _default_config(gated)
-
-
-def _matmul(a, b, out, **operands) -> None:
-    """out = act(prologue(a) b^T + bias) + residual, into the contiguous ``out``, on the tuned (or
-    default) tile; see the kernel and ``_matmul_args`` for the operands."""
-    if a.shape[0] and b.shape[0]:
-        _launch(a, b, out, _tuned_config(a, b, out, operands), operands)
-
-
-def _launch(a, b, out, config: dict, operands: dict) -> None:
-    """One launch of the kernel on ``config``; with SPLIT_K, the sum of its partial products into out."""
-    grid, args, meta = _matmul_args(a, b, out, config=config, **operands)
-    _launcher(grid, *args, **meta)
-    if meta["SPLIT_K"] > 1:
-        out.copy_(args[4].sum(0))  # fp32 sums, in a fixed order: deterministic
-
-
-def _matmul_args(a, b, out, *, a2=None, b2=None, bias=None, residual=None, pre=None, pre2=None, activation=0,
-                 gated=0, config: dict | None = None) -> tuple[tuple, tuple, dict]:
-    """(grid, arguments, constexprs and options) of the kernel: a and a2 (M, K) with the same
-    strides, b and b2 (N, K) with the same strides, out (M, N). A config's ``TMA`` loads A and B
-    through tensor descriptors where they allow it (else pointers, as without); its ``PERSISTENT``
-    launches that many programs an SM, each walking tiles, instead of one program a tile; its
-    ``SPLIT_K`` (plain matmuls only) launches that many programs a tile, each over a share of K,
-    into fp32 partial products (the arguments' C) that ``_launch`` sums into out; its ``TMA_STORE``
-    (plain matmuls only: an epilogue's stores need shared memory of their own beside C's staged tile,
-    which the tile's stages may leave none of) stores C through a tensor descriptor where out's rows
-    are 16-byte aligned (else from registers, as without)."""
-    (M, K), N = a.shape, b.shape[0]
-    config = dict(config or _config(gated))
-    for name, second, first in (("a2", a2, a), ("b2", b2, b)):
-        if second is not None and second.stride() != first.stride():
-            raise ValueError(f"{name} must have {name[0]}'s strides {first.stride()}, got {second.stride()}")
-    per_sm, split_k = config.pop("PERSISTENT", 0), config.pop("SPLIT_K", 1)
-    tma_store = config.pop("TMA_STORE", False)
-    epilogue = any(t is not None for t in (bias, residual, pre)) or activation or gated
-    if (split_k > 1 or tma_store) and epilogue:
-        raise ValueError("SPLIT_K and TMA_STORE are for plain matmuls: no bias, activation, residual or "
-                         "gated form")
-    if split_k > 1 and tma_store:
-        raise ValueError("TMA_STORE stores C itself, SPLIT_K fp32 partial products: not both")
-    c_tma = tma_store and out.is_contiguous() and _tma_ready(out)
-    # SPLIT_K: the kernel's output is the fp32 partial products, which ``_launch`` sums into out
-    c = empty_output((split_k, M, N), torch.float32, a.device) if split_k > 1 else out
-    tma = config.pop("TMA", False) and all(_tma_ready(t) for t in (a, a2, b, b2) if t is not None)
-
-    def given(t, stand_in):  # a pointer the kernel never reads stands in for an absent operand
-        return t if t is not None else stand_in
-
-    r = given(residual, out)
-    args = (a, given(a2, a), b, given(b2, b), c, given(bias, out), r, given(pre, out), given(pre2, out),
-            M, N, K, *a.stride(), *b.stride(), *r.stride())
-    meta = {"ACTIVATION": activation, "HAS_BIAS": bias is not None, "HAS_RESIDUAL": residual is not None,
-            "STORE_PRE": pre is not None, "GATED": gated, "EXACT_DOT_IN_FP32": interpret(), "TMA": tma,
-            "A_K_MAJOR": tma and a.stride(1) == 1, "B_K_MAJOR": tma and b.stride(1) == 1, "C_TMA": c_tma,
-            "PERSISTENT": per_sm > 0, "SPLIT_K": split_k,
-            **{name: config.pop(name) for name in TILE_NAMES}, **config}  # the tile in the kernel's order
-    if tma or c_tma:
-        ensure_allocator()
-    tiles = cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])
-    # K = 0: the loop takes no step and the epilogue still runs
-    programs = min(tiles, per_sm * _sm_count(a.device)) if per_sm else tiles
-    return ((programs, split_k) if split_k > 1 else (programs,)), args, meta
-
-
-def _tma_ready(t: torch.Tensor) -> bool:
-    """Whether a 2-d operand can be read through a tensor descriptor: a unit stride one way, the
-    other stride and the base 16-byte aligned (TMA's requirements)."""
-    return (1 in t.stride() and all(s * t.element_size() % 16 == 0 for s in t.stride() if s != 1)
-            and t.data_ptr() % 16 == 0)
-
-
-@functools.lru_cache(maxsize=16)
-def _sm_count(device: torch.device) -> int:
-    """SMs of the GPU (persistent grids); elsewhere (the interpreter, meta tensors for ``tritonkit
-    inspect``) a stand-in, 2, so that the interpreter's programs each walk several tiles."""
-    if interpret() or device.type != "cuda":
-        return 2
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    _epilogue(
+        acc,
+        acc2,
+        rows,
+        cols,
+        pid_m * BLOCK_M,
+        pid_n * BLOCK_N,
+        c_ptr,
+        c_target,
+        bias_ptr,
+        residual_ptr,
+        pre_ptr,
+        pre2_ptr,
+        M,
+        N,
+        stride_rm,
+        stride_rn,
+        ACTIVATION,
+        HAS_BIAS,
+        HAS_RESIDUAL,
+        STORE_PRE,
+        GATED,
+        C_TMA,
+    )
 
 
 # ---------------------------------------------------------------- the backward's elementwise step
@@ -413,259 +642,3 @@ def _activation_backward_kernel(
                 db += tl.sum(dz.to(tl.float32), axis=0)  # masked entries loaded as 0: dz is 0 there
     if SUM_DB:
         tl.store(db_partial_ptr + tl.program_id(0) * N + cols, db, mask=cols < N)
-
-
-_activation_backward_launcher = Launcher(_activation_backward_kernel)
-
-
-def _activation_backward(dy, z, activation, *, u=None, sum_db: bool = False):
-    """(dz, du, db) of the rows (M, N) of dy: dz = dy * act'(z), or dy itself when there is no
-    activation; gated (u given), dz = dg = dy * u * act'(z) and du = dy * act(z); db, the sums of
-    dz over the rows in fp32, when ``sum_db`` (else None)."""
-    gated, store = u is not None, bool(_code(activation)) or u is not None
-    (m, n), device = dy.shape, dy.device
-    dz = empty_output((m, n), dy.dtype, device) if store else dy
-    du = empty_output((m, n), dy.dtype, device) if gated else None
-    if not (store or sum_db):
-        return dz, du, None
-    grid, args, meta = _activation_backward_args(dy, z, u, dz if store else None, du, activation, sum_db)
-    if m and n:
-        _activation_backward_launcher(grid, *args, **meta)
-    db = args[5].sum(0) if sum_db else None  # the fp32 partials; no rows: a sum over none, zeros
-    return dz, du, db
-
-
-def _activation_backward_args(dy, z, u, dz, du, activation, sum_db: bool) -> tuple[tuple, tuple, dict]:
-    """(grid, arguments, constexprs and options) of the elementwise backward (dz None: no activation,
-    db only); allocates db's partials. Tiles as bias_gelu's backward, the same memory-bound pass."""
-    (m, n), device = dy.shape, dy.device
-    block_m, block_n = tile_shape(max(n, 1), dy.element_size())  # m or n = 0: a grid of no programs
-    # the GPU's SMs (132 off CUDA), not _sm_count's interpreter stand-in for persistent grids
-    row_tiles = row_tiles_per_program(max(1, cdiv(m, block_m)), cdiv(max(n, 1), block_n), sm_count(device))
-    row_programs = cdiv(m, block_m * row_tiles)
-    db_partial = empty_output((row_programs, n), torch.float32, device) if sum_db else dy
-    def given(t):  # dy stands in for a pointer the kernel never reads or writes
-        return t if t is not None else dy
-
-    args = (dy, given(z), given(u), given(dz), given(du), db_partial, m, n, *dy.stride())
-    meta = {"ACTIVATION": _code(activation), "GATED": u is not None, "STORE_DZ": dz is not None,
-            "SUM_DB": sum_db, "BLOCK_M": block_m, "BLOCK_N": block_n, "ROW_TILES": row_tiles,
-            "num_warps": NUM_WARPS}
-    return (row_programs, cdiv(n, block_n)), args, meta
-
-
-# ---------------------------------------------------------------- tuning
-
-# Tiles, depths, warps and stages, tuned per kernel form, layout and shape bucket through the
-# accuracy gate; pruned where the accumulators pass MAX_ACC_VALUES fp32 values a thread (sm_90:
-# 128 x 128 at 8 warps, 64 a thread, compiles without spills; the gated forward's two at 128 x 128,
-# 128 a thread, spilled) or the stages pass an SM's shared memory.
-CONFIGS = [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": warps,
-            "num_stages": stages}
-           for bm in (64, 128) for bn in (64, 128, 256) for warps in (4, 8) for stages in (3, 4)]
-# The large tiles that won the large shapes' tuning at 3f55667, with A and B through TMA, and with
-# TMA on a persistent grid (one program an SM walking tiles in grouped order).
-CONFIGS += [{"BLOCK_M": 128, "BLOCK_N": bn, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": warps,
-             "num_stages": stages, "TMA": True, **persistent}
-            for bn, warps in ((256, 8), (128, 8), (128, 4)) for stages in (3, 4)
-            for persistent in ({}, {"PERSISTENT": 1})]
-# Split K for few tiles over a long K (decode-like rows: dx of 16 rows over K = 16384 is 64 tiles
-# of 64 x 64 for 132 SMs): plain matmuls only.
-CONFIGS += [{"BLOCK_M": 64, "BLOCK_N": bn, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 3,
-             "SPLIT_K": split_k} for bn in (64, 128) for split_k in (4, 16)]
-# Decode-like rows (at most DECODE_ROWS): W is the traffic, so tiles that keep more of it in flight
-# a program: 16-row tiles (mma.sync; only where the rows fit them), 128-256 deep, 4-6 stages. Found
-# by benchmarks/prototypes/decode_tiles.py; timed with L2 flushed, the 16-row tiles won the H200's
-# 16-row keys (forward 47.5 -> 45.8 us, dx 56.6 -> 48.1) but the gated dx's, the deep 64-row ones none.
-DECODE_TILES = ((16, 128, 128, 5, {}), (16, 64, 128, 6, {}), (16, 32, 256, 6, {}),  # rows, columns, depth,
-                (64, 64, 128, 6, {"TMA": True}), (64, 128, 128, 4, {"TMA": True}))  # stages, TMA or not
-CONFIGS += [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": 4, "num_stages": stages,
-             **tma} for bm, bn, bk, stages, tma in DECODE_TILES]
-# Shallow matmuls (K of at most DECODE_ROWS: dW of decode-like rows, out_features x in_features
-# written from 16-128 rows) are bound by writing C, 128 MB at the benchmark's shapes: steps no
-# deeper than K (16-32, where 64-deep boxes load zeros), two programs an SM so that one's stores
-# overlap the other's, and C stored through a descriptor. Found by
-# benchmarks/prototypes/decode_backward.py (L2 flushed, as the tuner times): dW of 16 rows 50.7 ->
-# 37.8 us, of 128 rows 75.1 -> 57.5 (51.0 with a descriptor store; cuBLAS 47.4 and 51.5). The H200's
-# tuner chose 128 x 128 x 16 (38.0 us) and the 128 x 256 tile with the store (51.2).
-SHALLOW_TILES = ((128, 128, 16, 4, {}), (128, 64, 16, 4, {}), (128, 128, 32, 4, {}),  # rows, columns,
-                 (128, 128, 16, 4, {"TMA": True, "PERSISTENT": 2}),  # depth, warps, TMA, grid, store
-                 (128, 128, 32, 4, {"TMA": True, "PERSISTENT": 2}),
-                 (128, 128, 64, 4, {"TMA": True, "PERSISTENT": 2}),
-                 (128, 128, 16, 4, {"TMA": True, "PERSISTENT": 2, "TMA_STORE": True}),
-                 (128, 128, 64, 4, {"TMA": True, "PERSISTENT": 2, "TMA_STORE": True}),
-                 (128, 256, 64, 8, {"TMA": True, "PERSISTENT": 1, "TMA_STORE": True}))
-CONFIGS += [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": warps, "num_stages": 3,
-             **form} for bm, bn, bk, warps, form in SHALLOW_TILES]
-DECODE_ROWS = 128
-SPLIT_K_MAX_TILES = 264  # two programs an SM of the H200's 132: past that the tiles fill the GPU
-SPLIT_K_MIN_STEPS = 4  # k-steps a share of K takes at least
-MAX_ACC_VALUES = 128
-FORMS = ("linear", "gated fwd", "gated dx")  # by GATED code
-
-
-def _code(value) -> int:
-    """A kernel code (a tl.constexpr or an int) as an int."""
-    return value.value if isinstance(value, tl.constexpr) else int(value)
-
-
-def _default(key: dict) -> dict:
-    if interpret():
-        return dict(INTERPRETER_CONFIG)
-    return _default_config(FORMS.index(key["form"]))
-
-
-def _prune(config: dict, key: dict) -> bool:
-    """True drops the config: too many accumulator values a thread, too much shared memory, a tile
-    twice the problem's rows or columns (decode-like rows take 64-row tiles), a split of K where
-    the matmul has an epilogue, the tiles fill the GPU or a share of K would take few steps, or a
-    decode tile (under 64 rows, or past 64 deep) where rows are not decode-like, K is shallower
-    than its step, or (under 64 rows) the rows overflow it, or a shallow tile (under 64 deep, two
-    programs an SM, or C stored by TMA) where K is deep or (under 64 deep) shallower than its step
-    (K under 16 takes the 16-deep step), or C stored by TMA where the matmul has an epilogue."""
-    accumulators = 2 if key["form"] == "gated fwd" else 1
-    a_tiles = 2 if key["form"] == "gated dx" else 1
-    b_tiles = 2 if key["form"] in ("gated fwd", "gated dx") else 1
-    values = accumulators * config["BLOCK_M"] * config["BLOCK_N"] / (32 * config["num_warps"])
-    tile_rows = a_tiles * config["BLOCK_M"] + b_tiles * config["BLOCK_N"]  # of A and B, each BLOCK_K deep
-    c_staged = config["BLOCK_M"] * config["BLOCK_N"] * 2 if config.get("TMA_STORE") else 0  # C's tile
-    shared = config["num_stages"] * config["BLOCK_K"] * tile_rows * 2 + c_staged
-    split_k = config.get("SPLIT_K", 1)
-    tiles = -(-key["m"] // config["BLOCK_M"]) * -(-key["n"] // config["BLOCK_N"])
-    no_split = split_k > 1 and (key["form"] != "linear" or key["epilogue"] or tiles > SPLIT_K_MAX_TILES
-                                or key["k"] < split_k * SPLIT_K_MIN_STEPS * config["BLOCK_K"])
-    decode_tile = config["BLOCK_K"] > 64 or config["BLOCK_M"] < 64
-    not_decode = decode_tile and (key["m"] > DECODE_ROWS or config["BLOCK_K"] > key["k"]
-                                  or config["BLOCK_M"] < 64 and key["m"] > config["BLOCK_M"])
-    tma_store = config.get("TMA_STORE", False)
-    shallow_tile = config["BLOCK_K"] < 64 or config.get("PERSISTENT", 0) > 1 or tma_store
-    not_shallow = shallow_tile and (key["k"] > DECODE_ROWS or 64 > config["BLOCK_K"] > max(key["k"], 16)
-                                    or tma_store and (key["epilogue"] or key["form"] != "linear"))
-    too_much_shared = shared > shared_memory_bytes(current_device())
-    return (values > MAX_ACC_VALUES or too_much_shared or config["BLOCK_M"] > max(64, key["m"])
-            or config["BLOCK_N"] > max(64, key["n"]) or no_split or not_decode or not_shallow)
-
-
-_TUNER = tuning.Tuner("linear", CONFIGS, default=_default, prune=_prune,
-                      sources=(_linear_kernel,))
-
-
-def _major(t: torch.Tensor, inner: str, outer: str) -> str:
-    return f"{inner}-major" if t.stride(1) == 1 else f"{outer}-major"
-
-
-def _tuning_key(a, b, operands: dict) -> dict:
-    """What the fastest tile depends on: the kernel form, an epilogue, the dtype, the layouts of A
-    and B, and (M, N, K), each to the next power of two."""
-    (m, k), n = a.shape, b.shape[0]
-    pow2 = triton.next_power_of_2
-    epilogue = any(operands.get(name) is not None for name in ("bias", "residual", "pre")) or bool(
-        operands.get("activation"))
-    return {"form": FORMS[_code(operands.get("gated", 0))], "epilogue": epilogue,
-            "dtype": NAME_OF[a.dtype], "m": pow2(m), "n": pow2(n), "k": pow2(max(k, 1)),
-            "a": _major(a, "k", "m"), "b": _major(b, "k", "n")}
-
-
-def _calibration(a, b, operands: dict, config: dict) -> tuple:
-    """Seeded random operands like the call's, small: two tiles and a ragged third each way, three
-    steps and a ragged fourth deep, in the call's layouts; (a, b, out, operands). The ragged parts
-    keep the call's alignment: 8 elements (16 bytes) where its operands could go through TMA, so
-    that the gate checks the path the call will take."""
-    from tritonkit.testing import generator, random_tensor
-
-    aligned = _tma_ready(a) and _tma_ready(b)
-    m = min(a.shape[0], 2 * config["BLOCK_M"] + (8 if aligned else 5))
-    n = min(b.shape[0], 2 * config["BLOCK_N"] + (8 if aligned else 3))
-    k = min(a.shape[1], 3 * config["BLOCK_K"] + (8 if aligned else 7))
-    g = generator(13)
-
-    def like(t, rows, cols):  # random, with t's layout: rows unit-stride where t's are
-        if t.stride(1) == 1 or t.shape[1] == 1:
-            return random_tensor((rows, cols), t.dtype, t.device, generator=g)
-        return random_tensor((cols, rows), t.dtype, t.device, generator=g).t()
-
-    cal = {"a": like(a, m, k), "b": like(b, n, k)}
-    made = {"a2": lambda t: like(t, m, k), "b2": lambda t: like(t, n, k),
-            "bias": lambda t: random_tensor((n,), t.dtype, t.device, generator=g),
-            "residual": lambda t: random_tensor((m, n), t.dtype, t.device, generator=g),
-            "pre": lambda t: torch.empty((m, n), dtype=t.dtype, device=t.device),
-            "pre2": lambda t: torch.empty((m, n), dtype=t.dtype, device=t.device)}
-    ops = {name: made[name](t) if isinstance(t, torch.Tensor) else t for name, t in operands.items()}
-    out = torch.empty((m, n), dtype=a.dtype, device=a.device)
-    return cal["a"], cal["b"], out, ops
-
-
-def _matmul_reference(a, b, *, a2=None, b2=None, bias=None, residual=None, activation=0, gated=0, pre=None,
-                      pre2=None):
-    """What the kernel computes, in plain PyTorch in a's dtype (float64 for the gate's reference)."""
-    act = {code: _REFERENCE_ACTIVATIONS[name] for name, code in ACTIVATIONS.items()}
-    gated, activation = _code(gated), _code(activation)
-    if gated == _code(GATED_FWD):
-        return act[activation](a @ b.t()) * (a @ b2.t())
-    if gated == _code(GATED_DX):
-        return a @ b.t() + a2 @ b2.t()
-    c = act[activation](a @ b.t() + (bias if bias is not None else 0))
-    return c + residual if residual is not None else c
-
-
-def _admit(a, b, operands: dict, config: dict):
-    """The oracle on ``config``'s output for a calibration problem like the call."""
-    from tritonkit.testing import compare
-
-    cal_a, cal_b, out, ops = _calibration(a, b, operands, config)
-    _launch(cal_a, cal_b, out, config, ops)
-    wide = {name: t.double() if isinstance(t, torch.Tensor) else t for name, t in ops.items()}
-    exact = _matmul_reference(cal_a.double(), cal_b.double(), **wide)
-    return compare("output", out, _matmul_reference(cal_a, cal_b, **ops), exact, a.dtype)
-
-
-MAX_CHOSEN = 4096  # call signatures whose config is kept, so a repeated call skips the tuning key
-_chosen: dict[tuple, dict] = {}
-
-
-def _tuned_config(a, b, out, operands: dict) -> dict:
-    """The tuned (or default) tile for this call's signature."""
-    present = tuple((name, t.stride() if isinstance(t, torch.Tensor) else t) for name, t in operands.items()
-                    if t is not None)
-    signature = (a.shape, a.stride(), b.shape, b.stride(), a.dtype, a.device, present)
-    config = _chosen.get(signature)
-    if config is not None:
-        return config
-    key = _tuning_key(a, b, operands)
-
-    def launch_args(candidate):
-        return _matmul_args(a, b, out, config=candidate, **operands)
-
-    def run(candidate):
-        _launch(a, b, out, candidate, operands)
-
-    def compile_all(candidates):
-        calls = []
-        for candidate in candidates:
-            cal_a, cal_b, cal_out, ops = _calibration(a, b, operands, candidate)
-            calls += [(_launcher, *_matmul_args(cal_a, cal_b, cal_out, config=candidate, **ops)),
-                      (_launcher, *launch_args(candidate))]
-        precompile(calls)
-
-    entry = _TUNER.entry(key, admit=functools.partial(_admit, a, b, operands),
-                         time_ms=functools.partial(_time_ms, run), precompile=compile_all)
-    config = _TUNER.default(key) if entry is None else entry["config"]
-    if entry is not None or interpret():  # final: tuned, cached, or the interpreter's one config
-        tuning.remember(_chosen, signature, config, MAX_CHOSEN)
-    return config
-
-
-def _time_ms(run, config: dict) -> float:
-    """Median ms of ``run(config)``: the real problem with the config."""
-    return tuning.median_ms(lambda: run(config))
-
-
-# the activations as plain PyTorch: the gate's reference here, the op's in linear.py
-_REFERENCE_ACTIVATIONS = {
-    None: lambda z: z,
-    "gelu": torch.nn.functional.gelu,
-    "gelu_tanh": lambda z: torch.nn.functional.gelu(z, approximate="tanh"),
-    "silu": torch.nn.functional.silu,
-    "relu": torch.nn.functional.relu,
-    "relu2": lambda z: torch.nn.functional.relu(z).square(),
-}
