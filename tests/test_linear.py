@@ -6,15 +6,19 @@ ops' in test_inspect.py; the TMA tiles' here."""
 
 from __future__ import annotations
 
+import importlib
 import json
 
 import pytest
 import torch
 
 import tritonkit
+import tritonkit.ops.linear.kernels as kn
+import tritonkit.ops.linear.matmul as mm
 from tritonkit.ops.linear import ACTIVATIONS, gated_linear_reference, linear_cost, linear_reference
 from tritonkit.testing import check_against_reference, generator, poisoned_outputs, random_tensor
 
+op_module = importlib.import_module("tritonkit.ops.linear.linear")  # the package's `linear` is the function
 pytestmark = pytest.mark.linear
 
 BF16, F16 = torch.bfloat16, torch.float16
@@ -43,10 +47,16 @@ def _check(x, w, b, r, dy, activation):
             b_ = next(it) if has_b else None
             r_ = next(it) if has_r else None
             return fn(x_, w_, b_, activation, r_)
+
         return run
 
-    check_against_reference(call(tritonkit.linear), call(linear_reference), inputs,
-                            grad_inputs=tuple(range(len(inputs))), grad_outputs=[dy])
+    check_against_reference(
+        call(tritonkit.linear),
+        call(linear_reference),
+        inputs,
+        grad_inputs=tuple(range(len(inputs))),
+        grad_outputs=[dy],
+    )
 
 
 @pytest.mark.parametrize("residual", [False, True], ids=["", "residual"])
@@ -96,8 +106,9 @@ def test_empty_dimensions(device):
         y = tritonkit.linear(x0, w0, b, "silu", r)
     expected = linear_reference(x0.float(), w0.float(), b.float(), "silu", r.float())
     torch.testing.assert_close(y, expected.to(BF16))
-    x, w_none, b_none = (random_tensor(shape, BF16, device, generator=g).requires_grad_()
-                         for shape in ((4, K), (0, K), (0,)))
+    x, w_none, b_none = (
+        random_tensor(shape, BF16, device, generator=g).requires_grad_() for shape in ((4, K), (0, K), (0,))
+    )
     with poisoned_outputs():  # no out_features: an empty output, and dx a sum over nothing
         y = tritonkit.linear(x, w_none, b_none, "gelu")
         (dx,) = torch.autograd.grad(y, x, torch.empty_like(y))
@@ -110,22 +121,30 @@ def test_without_grad_no_pre_activation_is_kept(device):
     assert y.grad_fn is None and y.shape == (5, N)
 
 
-@pytest.mark.parametrize("case, error, match", [
-    ("fp32", TypeError, "float16 or bfloat16"),
-    ("weight dtype", TypeError, "weight must have input's dtype"),
-    ("in_features", ValueError, "in_features"),
-    ("bias shape", ValueError, "bias must have shape"),
-    ("residual shape", ValueError, "residual must have shape"),
-    ("activation", ValueError, "activation must be one of"),
-    ("not a tensor", TypeError, "weight must be a torch.Tensor"),
-])
+@pytest.mark.parametrize(
+    "case, error, match",
+    [
+        ("fp32", TypeError, "float16 or bfloat16"),
+        ("weight dtype", TypeError, "weight must have input's dtype"),
+        ("in_features", ValueError, "in_features"),
+        ("bias shape", ValueError, "bias must have shape"),
+        ("residual shape", ValueError, "residual must have shape"),
+        ("activation", ValueError, "activation must be one of"),
+        ("not a tensor", TypeError, "weight must be a torch.Tensor"),
+    ],
+)
 def test_bad_input_raises(case, error, match, device):
     x, w, b, r, _ = _inputs((4,), BF16, device, seed=8, residual=True)
     args = {"input": x, "weight": w, "bias": b, "activation": "gelu", "residual": r}
-    args |= {"fp32": {"input": x.float()}, "weight dtype": {"weight": w.half()},
-             "in_features": {"weight": w[:, :-1]}, "bias shape": {"bias": b[:-1]},
-             "residual shape": {"residual": r[:, :-1]}, "activation": {"activation": "tanh"},
-             "not a tensor": {"weight": w.tolist()}}[case]
+    args |= {
+        "fp32": {"input": x.float()},
+        "weight dtype": {"weight": w.half()},
+        "in_features": {"weight": w[:, :-1]},
+        "bias shape": {"bias": b[:-1]},
+        "residual shape": {"residual": r[:, :-1]},
+        "activation": {"activation": "tanh"},
+        "not a tensor": {"weight": w.tolist()},
+    }[case]
     with pytest.raises(error, match=match):
         tritonkit.linear(**args)
 
@@ -133,10 +152,18 @@ def test_bad_input_raises(case, error, match, device):
 def test_opcheck(device):
     x, w, b, r, dy = _inputs((6,), BF16, device, seed=9, residual=True)
     x.requires_grad_(), w.requires_grad_()
-    torch.library.opcheck(torch.ops.tritonkit.linear.default, (x, w, b, r, "gelu_tanh", True))
+    y, pre = torch.empty_like(r), torch.empty_like(r)
+    torch.library.opcheck(torch.ops.tritonkit.linear.default, (x, w, b, r, "gelu_tanh", y, pre))
+    torch.library.opcheck(torch.ops.tritonkit.linear.default, (x, w, None, None, None, y, None))
     pre = linear_reference(x, w, b).detach()
-    torch.library.opcheck(torch.ops.tritonkit.linear_backward.default, (dy, x.detach(), w.detach(), pre, True,
-                                                                         "gelu_tanh"))
+    grads = (torch.empty_like(x), torch.empty_like(w), torch.empty_like(b))
+    torch.library.opcheck(
+        torch.ops.tritonkit.linear_backward.default, (dy, x.detach(), w.detach(), pre, "gelu_tanh", *grads)
+    )
+    torch.library.opcheck(
+        torch.ops.tritonkit.linear_backward.default,
+        (dy, x.detach(), w.detach(), None, None, None, grads[1], None),
+    )
 
 
 def test_compile_fullgraph(device):
@@ -149,8 +176,9 @@ def test_compile_fullgraph(device):
     grads = torch.autograd.grad(y, (x, w, b, r), dy)
     eager = tritonkit.linear(x, w, b, "silu", r)
     assert torch.equal(y, eager)
-    assert all(torch.equal(a, e) for a, e in zip(grads, torch.autograd.grad(eager, (x, w, b, r), dy),
-                                                  strict=True))
+    assert all(
+        torch.equal(a, e) for a, e in zip(grads, torch.autograd.grad(eager, (x, w, b, r), dy), strict=True)
+    )
 
 
 def test_module_loads_torch_state_dict(device):
@@ -180,9 +208,13 @@ def _gated_inputs(leading, dtype, device, seed):
 
 
 def _check_gated(x, w_gate, w_up, dy, activation, grad_inputs=(0, 1, 2)):
-    check_against_reference(lambda *a: tritonkit.gated_linear(*a, activation=activation),
-                            lambda *a: gated_linear_reference(*a, activation=activation), [x, w_gate, w_up],
-                            grad_inputs=grad_inputs, grad_outputs=[dy])
+    check_against_reference(
+        lambda *a: tritonkit.gated_linear(*a, activation=activation),
+        lambda *a: gated_linear_reference(*a, activation=activation),
+        [x, w_gate, w_up],
+        grad_inputs=grad_inputs,
+        grad_outputs=[dy],
+    )
 
 
 @pytest.mark.parametrize("activation", list(ACTIVATIONS), ids=str)
@@ -215,7 +247,7 @@ def test_gated_linear_without_rows_and_bad_input(device):
     assert all(torch.equal(g, torch.zeros_like(g)) for g in grads[1:])
     with pytest.raises(ValueError, match="weight_up must have weight_gate's shape"):
         tritonkit.gated_linear(x, w_gate, w_up[:-1])
-    with pytest.raises(TypeError, match="weight must have input's dtype"):
+    with pytest.raises(TypeError, match="weight_up must have input's dtype"):
         tritonkit.gated_linear(x, w_gate, w_up.half())
     with pytest.raises(ValueError, match="activation must be one of"):
         tritonkit.gated_linear(x, w_gate, w_up, activation="swish")
@@ -225,18 +257,24 @@ def test_gated_linear_opcheck_and_compile(device):
     x, w_gate, w_up, dy = _gated_inputs((6,), BF16, device, seed=24)
     for t in (x, w_gate, w_up):
         t.requires_grad_()
-    torch.library.opcheck(torch.ops.tritonkit.gated_linear.default, (x, w_gate, w_up, "silu", True))
+    y, g, u = (torch.empty_like(dy) for _ in range(3))
+    torch.library.opcheck(torch.ops.tritonkit.gated_linear.default, (x, w_gate, w_up, "silu", y, g, u))
+    torch.library.opcheck(torch.ops.tritonkit.gated_linear.default, (x, w_gate, w_up, "silu", y, None, None))
     with torch.no_grad():
         g, u = torch.nn.functional.linear(x, w_gate), torch.nn.functional.linear(x, w_up)
     plain = [t.detach() for t in (dy, x, w_gate, w_up)]
-    torch.library.opcheck(torch.ops.tritonkit.gated_linear_backward.default, (*plain, g, u, "silu"))
+    grads = (torch.empty_like(x), torch.empty_like(w_gate), torch.empty_like(w_up))
+    torch.library.opcheck(torch.ops.tritonkit.gated_linear_backward.default, (*plain, g, u, "silu", *grads))
     torch._dynamo.reset()
     compiled = torch.compile(lambda *a: tritonkit.gated_linear(*a), fullgraph=True)
     y = compiled(x, w_gate, w_up)
     eager = tritonkit.gated_linear(x, w_gate, w_up)
     assert torch.equal(y, eager)
-    for a, e in zip(torch.autograd.grad(y, (x, w_gate, w_up), dy),
-                    torch.autograd.grad(eager, (x, w_gate, w_up), dy), strict=True):
+    for a, e in zip(
+        torch.autograd.grad(y, (x, w_gate, w_up), dy),
+        torch.autograd.grad(eager, (x, w_gate, w_up), dy),
+        strict=True,
+    ):
         assert torch.equal(a, e)
 
 
@@ -246,33 +284,34 @@ def test_gated_linear_opcheck_and_compile(device):
 def fake_ms(config):
     """A fake timing under which 64 x 64 tiles, 3 stages and 8 warps are fastest, and the default
     (the interpreter's small tile, a candidate too) slowest."""
-    from tritonkit.ops.linear_kernels import INTERPRETER_CONFIG
-
-    return (config["BLOCK_N"] / 1000 + config["num_stages"] / 10**4 - config["num_warps"] / 10**5
-            + config["BLOCK_M"] / 10**6 + (config == INTERPRETER_CONFIG))
+    return (
+        config["BLOCK_N"] / 1000
+        + config["num_stages"] / 10**4
+        - config["num_warps"] / 10**5
+        + config["BLOCK_M"] / 10**6
+        + (config == kn.INTERPRETER_CONFIG)
+    )
 
 
 @pytest.fixture
 def tuned(monkeypatch, tmp_path):
-    """Tuning as on a GPU, with a fresh tuner, a private cache and a fake timer; records launches."""
+    """Tuning as on a GPU, with a fresh tuner, a private cache, an empty memo and a fake timer (the
+    Tuned's hooks); records launches."""
     from tritonkit import tuning
-    from tritonkit.ops import linear_kernels as lk
 
     monkeypatch.setattr(tuning, "_single_config", lambda: False)
     monkeypatch.setenv("TRITONKIT_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(lk, "_chosen", {})
-    tuner = lk._TUNER
-    monkeypatch.setattr(lk, "_TUNER", tuning.Tuner(tuner.name, tuner.configs, sources=tuner.sources,
-                                                   default=tuner.default, prune=tuner.prune))
-    monkeypatch.setattr(lk, "_time_ms", lambda run, config: fake_ms(config))
-    launched = []
-
-    def recording(grid, *args, _launcher=lk._launcher, **meta):
-        launched.append(meta)
-        _launcher(grid, *args, **meta)
-
-    monkeypatch.setattr(lk, "_launcher", recording)
-    return tmp_path / tuning.SUBDIR, launched
+    tuner = mm.MATMUL.tuner
+    monkeypatch.setattr(
+        mm.MATMUL,
+        "tuner",
+        tuning.Tuner(
+            tuner.name, tuner.configs, sources=tuner.sources, default=tuner.default, prune=tuner.prune
+        ),
+    )
+    monkeypatch.setattr(mm.MATMUL, "_chosen", {})
+    monkeypatch.setattr(mm.MATMUL, "time_ms", lambda problem, config: fake_ms(config))
+    return tmp_path / tuning.SUBDIR, _recorded_launches(monkeypatch)
 
 
 def test_each_matmul_launches_its_fastest_admitted_tile(tuned, device):
@@ -284,67 +323,74 @@ def test_each_matmul_launches_its_fastest_admitted_tile(tuned, device):
     entries = [json.loads(path.read_text()) for path in cache.iterdir()]
     forms = sorted((e["key"]["epilogue"], e["key"]["a"], e["key"]["b"]) for e in entries)
     # forward: x and W as they are; dx: dz and W^T; dW: dz^T and x^T
-    assert forms == [(False, "k-major", "n-major"), (False, "m-major", "n-major"),
-                     (True, "k-major", "k-major")]
+    assert forms == [
+        (False, "k-major", "n-major"),
+        (False, "m-major", "n-major"),
+        (True, "k-major", "k-major"),
+    ]
     for entry in entries:
         admitted = [json.loads(c) for c, ms in entry["ms"].items() if ms is not None]
         assert len(admitted) >= 4 and not entry["rejected"], entry
         assert entry["config"] == min(admitted, key=fake_ms) and entry["config"]["BLOCK_N"] == 64
-    matmuls = [meta for meta in launched if "GATED" in meta]
-    winners = [meta for meta in matmuls if meta["BLOCK_N"] == 64 and meta["num_stages"] == 3]
+    winners = [meta for _, meta in launched if meta["BLOCK_N"] == 64 and meta["num_stages"] == 3]
     assert len(winners) >= 3  # the kernel's own launches ran the winners
     launched.clear()
     _check(x, w, b, None, dy, "gelu_tanh")
-    assert len([meta for meta in launched if "GATED" in meta]) == 3  # no candidate ran again
+    assert len(launched) == 3  # no candidate ran again
 
 
 @pytest.mark.parametrize("form", ["linear", "gated dx"])
 def test_gate_rejects_a_wrong_result(form, monkeypatch, device):
     """A launch 1% off fails the gate; the exact one passes (dW's layouts; gated dx's two products)."""
-    from tritonkit.ops import linear_kernels as lk
-
     x, w, _, _, dy = _inputs((17,), F16, device, seed=31)
     if form == "linear":
         a, b, operands = dy.t(), x.t(), {}
     else:
         du = random_tensor(dy.shape, F16, device, generator=generator(32))
-        a, b, operands = dy, w.t(), {"a2": du, "b2": w.t(), "gated": lk.GATED_DX}
-    config = dict(lk.INTERPRETER_CONFIG)
-    assert lk._admit(a, b, operands, config).passed
-    launcher = lk._launcher
+        a, b, operands = dy, w.t(), {"a2": du, "b2": w.t(), "gated": kn.GATED_DX}
+    config = dict(kn.INTERPRETER_CONFIG)
+    assert _admit(a, b, operands, config).passed
+    run = mm.MATMUL.run
 
-    def off_by_a_percent(grid, *args, **meta):
-        launcher(grid, *args, **meta)
-        args[4].mul_(1.01)  # C
+    def off_by_a_percent(problem, config):
+        run(problem, config)
+        problem["out"].mul_(1.01)  # C
 
-    monkeypatch.setattr(lk, "_launcher", off_by_a_percent)
-    assert not lk._admit(a, b, operands, config).passed
+    monkeypatch.setattr(mm.MATMUL, "run", off_by_a_percent)
+    assert not _admit(a, b, operands, config).passed
+
+
+def _admit(a, b, operands: dict, config: dict):
+    """The gate's verdict on ``config`` for the matmul of A, B and ``operands`` (into a fresh C)."""
+    out = torch.empty((a.shape[0], b.shape[0]), dtype=a.dtype, device=a.device)
+    return mm.MATMUL.admit(mm.matmul_problem(a, b, out, **operands), config)
 
 
 def _recorded_launches(monkeypatch) -> list:
-    """Every launch of the linear kernel from here on, as (grid, constexprs), each still launched."""
-    from tritonkit.ops import linear_kernels as lk
-
+    """Every launch of the matmul from here on (the op's, the gate's), as (grid, constexprs), each
+    still launched: the Tuned's run, hooked."""
     launched = []
-    launcher = lk._launcher
 
-    def recording(grid, *args, **meta):
-        launched.append((grid, meta))
-        launcher(grid, *args, **meta)
+    def recording(problem, config):
+        for launch in mm.MATMUL.launches(problem, config):
+            launched.append((launch.grid, launch.meta))
+            launch.run()
 
-    monkeypatch.setattr(lk, "_launcher", recording)
+    monkeypatch.setattr(mm.MATMUL, "run", recording)
     return launched
 
 
 def _forms(x, w, w_up, dy, du, epilogue: dict) -> dict:
     """(A, B, operands) of each matmul form of a training step: the forward with ``epilogue``, dx
     (dz W), dW (dz^T x), gated_linear's forward and its dx (dg Wg + du Wu)."""
-    from tritonkit.ops import linear_kernels as lk
-
     silu = ACTIVATIONS["silu"]
-    return {"fwd": (x, w, epilogue), "dx": (dy, w.t(), {}), "dw": (dy.t(), x.t(), {}),
-            "gated fwd": (x, w, {"b2": w_up, "activation": silu, "gated": lk.GATED_FWD}),
-            "gated dx": (dy, w.t(), {"a2": du, "b2": w_up.t(), "gated": lk.GATED_DX})}
+    return {
+        "fwd": (x, w, epilogue),
+        "dx": (dy, w.t(), {}),
+        "dw": (dy.t(), x.t(), {}),
+        "gated fwd": (x, w, {"b2": w_up, "activation": silu, "gated": kn.GATED_FWD}),
+        "gated dx": (dy, w.t(), {"a2": du, "b2": w_up.t(), "gated": kn.GATED_DX}),
+    }
 
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["", "persistent"])
@@ -353,20 +399,22 @@ def test_tma_tiles_match_the_reference(form, persistent, monkeypatch, device):
     """The TMA candidates (descriptors over K-contiguous and transposed operands; gated: four) and the
     persistent grid (two programs walking six or nine tiles in the interpreter) through the gate's oracle,
     on shapes whose rows are 16-byte aligned and cut ragged tiles; the launch took the TMA path."""
-    from tritonkit.ops import linear_kernels as lk
-
     g = generator(34)
     m, k, n = 72, 40, 72  # 3 x 3 tiles of 32, the third ragged; K: 2.5 steps of 16
     x = random_tensor((m, k), F16, device, generator=g)
     w, w_up = (random_tensor((n, k), F16, device, generator=g) for _ in range(2))
     dy, du = (random_tensor((m, n), F16, device, generator=g) for _ in range(2))
-    epilogue = {"bias": random_tensor((n,), F16, device, generator=g), "residual": du,
-                "pre": torch.empty_like(dy), "activation": ACTIVATIONS["gelu_tanh"]}
+    epilogue = {
+        "bias": random_tensor((n,), F16, device, generator=g),
+        "residual": du,
+        "pre": torch.empty_like(dy),
+        "activation": ACTIVATIONS["gelu_tanh"],
+    }
     a, b, operands = _forms(x, w, w_up, dy, du, epilogue)[form]
     launched = _recorded_launches(monkeypatch)
-    config = lk.INTERPRETER_CONFIG | {"TMA": True} | ({"PERSISTENT": 1} if persistent else {})
-    assert lk._admit(a, b, operands, config).passed
-    ((grid,), meta), = launched
+    config = kn.INTERPRETER_CONFIG | {"TMA": True} | ({"PERSISTENT": 1} if persistent else {})
+    assert _admit(a, b, operands, config).passed
+    (((grid,), meta),) = launched
     assert meta["TMA"] and meta["PERSISTENT"] == persistent
     tiles = -(-a.shape[0] // 32) * -(-b.shape[0] // 32)  # the calibration keeps these shapes
     assert tiles >= 6 and grid == (2 if persistent else tiles)
@@ -377,27 +425,34 @@ def test_split_k_matches_the_reference(form, monkeypatch, device):
     """SPLIT_K: four programs a tile over shares of K (one share empty), their fp32 partial products
     summed by the launcher, through the gate's oracle; an epilogue is refused; the tuner offers the
     split only for few tiles over a long K."""
-    from tritonkit.ops import linear_kernels as lk
-
     g = generator(35)
     x = random_tensor((72, 40), F16, device, generator=g)
     w = random_tensor((72, 40), F16, device, generator=g)
     dy = random_tensor((72, 72), F16, device, generator=g)
     a, b, operands = _forms(x, w, w, dy, dy, {})[form]
     launched = _recorded_launches(monkeypatch)
-    assert lk._admit(a, b, operands, lk.INTERPRETER_CONFIG | {"SPLIT_K": 4}).passed
+    assert _admit(a, b, operands, kn.INTERPRETER_CONFIG | {"SPLIT_K": 4}).passed
     (_, split), _ = launched[0]
     assert split == 4
     with pytest.raises(ValueError, match="plain matmuls"):
-        lk._matmul_args(x, w, torch.empty_like(dy), activation=ACTIVATIONS["silu"],
-                        config=lk.INTERPRETER_CONFIG | {"SPLIT_K": 4})
-    split = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 3,
-             "SPLIT_K": 4}
+        mm.matmul_launches(
+            mm.matmul_problem(x, w, torch.empty_like(dy), activation=ACTIVATIONS["silu"]),
+            kn.INTERPRETER_CONFIG | {"SPLIT_K": 4},
+        )
+    split = {
+        "BLOCK_M": 64,
+        "BLOCK_N": 64,
+        "BLOCK_K": 64,
+        "GROUP_M": 8,
+        "num_warps": 4,
+        "num_stages": 3,
+        "SPLIT_K": 4,
+    }
     decode_dx = {"form": "linear", "epilogue": False, "m": 16, "n": 4096, "k": 16384}
-    assert not lk._prune(split, decode_dx)
-    assert lk._prune(split, decode_dx | {"m": 8192})  # 8192 tiles fill the GPU
-    assert lk._prune(split, decode_dx | {"k": 512})  # shares of two steps
-    assert lk._prune(split, decode_dx | {"epilogue": True})
+    assert not kn._prune(split, decode_dx)
+    assert kn._prune(split, decode_dx | {"m": 8192})  # 8192 tiles fill the GPU
+    assert kn._prune(split, decode_dx | {"k": 512})  # shares of two steps
+    assert kn._prune(split, decode_dx | {"epilogue": True})
 
 
 @pytest.mark.parametrize("sms", [132, 1], ids=["one tile a program", "eight tiles a program"])
@@ -405,30 +460,30 @@ def test_activation_backward_pass(sms, monkeypatch, device):
     """The elementwise pass alone: dz = dy * act'(z) rounded to the dtype and db = the column sums of
     that dz; gated, dg and du; on strided dy, ragged tiles and rows of none. On 132 SMs the 17 row
     tiles are a program each; on one SM each program walks eight, summing db down its columns."""
-    from tritonkit.ops import linear_kernels as lk
-
-    monkeypatch.setattr(lk, "sm_count", lambda device: sms)
+    monkeypatch.setattr(op_module, "sm_count", lambda device: sms)
 
     g = generator(33)
     dy = random_tensor((130, 257), F16, device, generator=g, noncontiguous=True)
     z, u = (random_tensor((130, 257), F16, device, generator=g) for _ in range(2))
-    slope = torch.autograd.functional.vjp(lambda t: lk._REFERENCE_ACTIVATIONS["silu"](t), z.double(),
-                                          torch.ones_like(z, dtype=torch.float64))[1]
+    slope = torch.autograd.functional.vjp(
+        lambda t: mm.REFERENCE_ACTIVATIONS["silu"](t), z.double(), torch.ones_like(z, dtype=torch.float64)
+    )[1]
     with poisoned_outputs():
-        dz, du, db = lk._activation_backward(dy, z, ACTIVATIONS["silu"], sum_db=True)
+        dz, du, db = op_module._activation_backward(dy, z, ACTIVATIONS["silu"], sum_db=True)
     assert du is None
     expected = (dy.double() * slope).to(F16)
     assert (dz.double() - expected.double()).abs().max() <= 1e-3 * expected.double().abs().max()
     assert torch.allclose(db.double(), dz.double().sum(0), rtol=1e-5, atol=1e-3)
     with poisoned_outputs():
-        dg, du, none = lk._activation_backward(dy, z, ACTIVATIONS["silu"], u=u)
+        dg, du, none = op_module._activation_backward(dy, z, ACTIVATIONS["silu"], u=u)
     assert none is None
     torch.testing.assert_close(dg.double(), dy.double() * u.double() * slope, rtol=2e-3, atol=2e-3)
-    torch.testing.assert_close(du.double(), dy.double() * lk._REFERENCE_ACTIVATIONS["silu"](z.double()),
-                               rtol=2e-3, atol=2e-3)
-    plain, _, db = lk._activation_backward(dy, None, 0, sum_db=True)  # no activation: dz is dy
+    torch.testing.assert_close(
+        du.double(), dy.double() * mm.REFERENCE_ACTIVATIONS["silu"](z.double()), rtol=2e-3, atol=2e-3
+    )
+    plain, _, db = op_module._activation_backward(dy, None, 0, sum_db=True)  # no activation: dz is dy
     assert plain is dy and torch.allclose(db.double(), dy.double().sum(0), rtol=1e-5, atol=1e-3)
-    _, _, zeros = lk._activation_backward(dy[:0], None, 0, sum_db=True)
+    _, _, zeros = op_module._activation_backward(dy[:0], None, 0, sum_db=True)
     assert torch.equal(zeros, torch.zeros(257, dtype=torch.float32, device=device))
 
 
@@ -440,22 +495,22 @@ def test_fast_activation_forms_equal_the_exact_ones(name, monkeypatch, device):
     import triton
     import triton.language as tl
 
-    from tritonkit.ops import linear_kernels as lk
-
-    monkeypatch.setitem(globals(), "lk", lk)  # what the test kernel below calls, as a global
-
     @triton.jit
     def both(z_ptr, fast_ptr, exact_ptr, ACTIVATION: tl.constexpr):
         offsets = tl.arange(0, 1024)
         z = tl.load(z_ptr + offsets)
-        tl.store(fast_ptr + offsets, lk._activate(z, ACTIVATION, True))
-        tl.store(exact_ptr + offsets, lk._activate(z, ACTIVATION, False))
+        tl.store(fast_ptr + offsets, kn._activate(z, ACTIVATION, True))
+        tl.store(exact_ptr + offsets, kn._activate(z, ACTIVATION, False))
 
-    z = torch.cat([torch.linspace(-30.0, 30.0, 512), random_tensor((512,), torch.float32, "cpu",
-                                                                   generator=generator(7))]).to(device)
+    z = torch.cat(
+        [
+            torch.linspace(-30.0, 30.0, 512),
+            random_tensor((512,), torch.float32, "cpu", generator=generator(7)),
+        ]
+    ).to(device)
     fast, exact = torch.empty_like(z), torch.empty_like(z)
     both[(1,)](z, fast, exact, ACTIVATIONS[name])
-    reference = lk._REFERENCE_ACTIVATIONS[name](z.double())
+    reference = mm.REFERENCE_ACTIVATIONS[name](z.double())
     exact_error = (exact.double() - reference).abs().max().item()
     assert (fast.double() - reference).abs().max().item() <= max(2 * exact_error, 1e-6)
     assert torch.isfinite(fast).all()
@@ -464,7 +519,7 @@ def test_fast_activation_forms_equal_the_exact_ones(name, monkeypatch, device):
 _TMA_SASS_CHECK = r"""
 import json, torch
 from tritonkit.asm import compile_launch
-from tritonkit.ops.linear import _inspect_launches
+from tritonkit.ops.linear.linear import _inspect_launches
 tiles = {"tma": (128, {"num_warps": 8, "num_stages": 3, "TMA": True}),
          "persistent": (256, {"num_warps": 8, "num_stages": 4, "TMA": True, "PERSISTENT": 1})}
 for name, (block_n, tile) in tiles.items():
@@ -491,7 +546,7 @@ def test_tma_candidates_compile_for_hopper():
 _SHALLOW_SASS_CHECK = r"""
 import json, torch
 from tritonkit.asm import compile_launch
-from tritonkit.ops.linear import _inspect_launches
+from tritonkit.ops.linear.linear import _inspect_launches
 tiles = {"shallow": (16, {"BLOCK_N": 128, "BLOCK_K": 16, "num_warps": 4}),
          "descriptor store": (128, {"BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "TMA": True,
                                     "PERSISTENT": 1, "TMA_STORE": True})}
@@ -538,10 +593,18 @@ def test_gpu_default_tiles_match_the_reference(activation, device):
         _check_gated(x, w, w_up, dy, activation or "silu")
 
 
-TMA_GPU_TILES = {"persistent": {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "PERSISTENT": 1},
-                 "grid": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
-                 "shallow, descriptor store": {"BLOCK_N": 64, "BLOCK_K": 16, "num_warps": 4, "num_stages": 3,
-                                               "PERSISTENT": 2, "TMA_STORE": True}}
+TMA_GPU_TILES = {
+    "persistent": {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "PERSISTENT": 1},
+    "grid": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+    "shallow, descriptor store": {
+        "BLOCK_N": 64,
+        "BLOCK_K": 16,
+        "num_warps": 4,
+        "num_stages": 3,
+        "PERSISTENT": 2,
+        "TMA_STORE": True,
+    },
+}
 
 
 @pytest.mark.gpu
@@ -550,20 +613,22 @@ TMA_GPU_TILES = {"persistent": {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3,
 def test_gpu_tma_tiles_match_the_reference(form, config, device):
     """The TMA candidates on the tensor cores, bf16, through the gate's oracle at ragged, aligned
     sizes (two tiles and 8 more each way, three steps and 8 deep)."""
-    from tritonkit.ops import linear_kernels as lk
-
     g = generator(41)
     x = random_tensor((1000, 1536), BF16, device, generator=g)
     w, w_up = (random_tensor((3008, 1536), BF16, device, generator=g) for _ in range(2))
     dy, du = (random_tensor((1000, 3008), BF16, device, generator=g) for _ in range(2))
-    epilogue = {"bias": random_tensor((3008,), BF16, device, generator=g), "residual": du,
-                "pre": torch.empty_like(dy), "activation": ACTIVATIONS["gelu_tanh"]}
+    epilogue = {
+        "bias": random_tensor((3008,), BF16, device, generator=g),
+        "residual": du,
+        "pre": torch.empty_like(dy),
+        "activation": ACTIVATIONS["gelu_tanh"],
+    }
     a, b, operands = _forms(x, w, w_up, dy, du, epilogue)[form]
     tile = {"BLOCK_M": 128, "BLOCK_K": 64, "GROUP_M": 8, "TMA": True} | config
     if form not in ("dx", "dw"):  # the descriptor store is for plain matmuls: the others refuse it
         tile.pop("TMA_STORE", None)
-    assert lk._tma_ready(a) and lk._tma_ready(b)
-    assert lk._admit(a, b, operands, tile).passed
+    assert mm._tma_ready(a) and mm._tma_ready(b)
+    assert _admit(a, b, operands, tile).passed
 
 
 @pytest.mark.parametrize("form", ["fwd", "dx"])
@@ -571,24 +636,30 @@ def test_decode_tiles_match_the_reference_and_only_decode_keys_get_them(form, de
     """A 16-row tile, deeper than the usual 64 (the decode tiles' kind), through the gate's oracle on
     5 rows with a ragged last step of K; the tuner offers such tiles only to decode-like rows, a
     16-row tile only where the rows fit it, and no tile deeper than K."""
-    from tritonkit.ops import linear_kernels as lk
-
     g = generator(36)
     x = random_tensor((5, 200), F16, device, generator=g)
     w = random_tensor((72, 200), F16, device, generator=g)
     dy = random_tensor((5, 72), F16, device, generator=g)
-    a, b, operands = _forms(x, w, w, dy, dy, {"bias": random_tensor((72,), F16, device, generator=g),
-                                              "activation": ACTIVATIONS["gelu_tanh"]})[form]
+    a, b, operands = _forms(
+        x,
+        w,
+        w,
+        dy,
+        dy,
+        {"bias": random_tensor((72,), F16, device, generator=g), "activation": ACTIVATIONS["gelu_tanh"]},
+    )[form]
     tile = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 2}
-    assert lk._admit(a, b, operands, tile).passed
+    assert _admit(a, b, operands, tile).passed
     decode = {"form": "linear", "epilogue": False, "m": 16, "n": 16384, "k": 4096}
-    sixteen_rows, deep = ({"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4,
-                           "num_stages": 6} for bm in (16, 64))
-    assert not lk._prune(sixteen_rows, decode) and not lk._prune(deep, decode | {"m": 128})
-    assert lk._prune(sixteen_rows, decode | {"m": 32})  # rows past the tile
-    assert lk._prune(deep, decode | {"m": 256})  # not decode-like
-    assert lk._prune(deep, decode | {"k": 64})  # K shallower than a step
-    assert any(c["BLOCK_M"] == 16 for c in lk.CONFIGS) and any(c["BLOCK_K"] > 64 for c in lk.CONFIGS)
+    sixteen_rows, deep = (
+        {"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 6}
+        for bm in (16, 64)
+    )
+    assert not kn._prune(sixteen_rows, decode) and not kn._prune(deep, decode | {"m": 128})
+    assert kn._prune(sixteen_rows, decode | {"m": 32})  # rows past the tile
+    assert kn._prune(deep, decode | {"m": 256})  # not decode-like
+    assert kn._prune(deep, decode | {"k": 64})  # K shallower than a step
+    assert any(c["BLOCK_M"] == 16 for c in kn.CONFIGS) and any(c["BLOCK_K"] > 64 for c in kn.CONFIGS)
 
 
 @pytest.mark.parametrize("persistent", [0, 2], ids=["", "two programs an SM"])
@@ -599,33 +670,42 @@ def test_shallow_tiles_and_the_descriptor_store_match_the_reference(form, persis
     16-byte aligned fall back to pointer stores; an epilogue or a split of K refuses it. The tuner
     offers the shallow tiles only where K is at most DECODE_ROWS, none deeper than K (16 at least), and the
     descriptor store only to plain matmuls."""
-    from tritonkit.ops import linear_kernels as lk
     from tritonkit.testing import compare
 
     g = generator(37)
     launched = _recorded_launches(monkeypatch)
-    config = lk.INTERPRETER_CONFIG | {"TMA": True, "TMA_STORE": True, "PERSISTENT": persistent}
+    config = kn.INTERPRETER_CONFIG | {"TMA": True, "TMA_STORE": True, "PERSISTENT": persistent}
     for k, n in ((40, 72), (37, 69)):  # rows of C of 80 or 144 bytes (fwd and dW), or 74 or 138
         x = random_tensor((72, k), F16, device, generator=g)
         w = random_tensor((n, k), F16, device, generator=g)
         dy = random_tensor((72, n), F16, device, generator=g)
         a, b, operands = _forms(x, w, w, dy, dy, {})[form]
         out = torch.full((a.shape[0], b.shape[0]), float("nan"), dtype=F16, device=device)
-        lk._launch(a, b, out, config, operands)
+        mm.MATMUL.run(mm.matmul_problem(a, b, out, **operands), config)
         assert launched[-1][1]["C_TMA"] == (k == 40)
-        exact = lk._matmul_reference(a.double(), b.double())
-        checked = compare("output", out, lk._matmul_reference(a, b), exact, F16)
+        exact = mm.matmul_reference(a.double(), b.double())
+        checked = compare("output", out, mm.matmul_reference(a, b), exact, F16)
         assert checked.passed, checked
     with pytest.raises(ValueError, match="plain matmuls"):
-        lk._launch(x, w, torch.empty_like(dy), config, {"activation": ACTIVATIONS["silu"]})
+        mm.MATMUL.run(mm.matmul_problem(x, w, torch.empty_like(dy), activation=ACTIVATIONS["silu"]), config)
     with pytest.raises(ValueError, match="not both"):
-        lk._launch(a, b, out, config | {"SPLIT_K": 2, "PERSISTENT": 0}, {})
+        mm.MATMUL.run(mm.matmul_problem(a, b, out), config | {"SPLIT_K": 2, "PERSISTENT": 0})
     dw = {"form": "linear", "epilogue": False, "m": 16384, "n": 4096, "k": 16}
-    shallow, store = ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": 4,
-                       "num_stages": 3, **extra} for bk, extra in ((16, {}), (64, {"TMA_STORE": True})))
-    assert not lk._prune(shallow, dw) and not lk._prune(store, dw)
-    assert lk._prune(shallow | {"BLOCK_K": 32}, dw)  # deeper than K
-    assert not lk._prune(shallow, dw | {"k": 4}) and lk._prune(shallow | {"BLOCK_K": 32}, dw | {"k": 4})
-    assert lk._prune(shallow, dw | {"k": 4096}) and lk._prune(store, dw | {"k": 4096})  # K not shallow
-    assert lk._prune(store, dw | {"epilogue": True}) and not lk._prune(shallow, dw | {"epilogue": True})
-    assert lk._prune(store | {"num_stages": 12}, dw)  # the stages and C's staged tile pass shared memory
+    shallow, store = (
+        {
+            "BLOCK_M": 128,
+            "BLOCK_N": 128,
+            "BLOCK_K": bk,
+            "GROUP_M": 8,
+            "num_warps": 4,
+            "num_stages": 3,
+            **extra,
+        }
+        for bk, extra in ((16, {}), (64, {"TMA_STORE": True}))
+    )
+    assert not kn._prune(shallow, dw) and not kn._prune(store, dw)
+    assert kn._prune(shallow | {"BLOCK_K": 32}, dw)  # deeper than K
+    assert not kn._prune(shallow, dw | {"k": 4}) and kn._prune(shallow | {"BLOCK_K": 32}, dw | {"k": 4})
+    assert kn._prune(shallow, dw | {"k": 4096}) and kn._prune(store, dw | {"k": 4096})  # K not shallow
+    assert kn._prune(store, dw | {"epilogue": True}) and not kn._prune(shallow, dw | {"epilogue": True})
+    assert kn._prune(store | {"num_stages": 12}, dw)  # the stages and C's staged tile pass shared memory

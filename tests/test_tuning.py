@@ -683,8 +683,8 @@ def test_remember_keeps_at_most_limit_signatures():
 def test_a_tuners_hash_covers_every_jit_helper_its_kernels_call():
     """The closure is found from the kernels' bodies: helpers called through other helpers, in other
     modules (tritonkit.jit), and the constexpr globals they read, with no list kept by hand."""
-    from tritonkit.ops import linear_kernels
     from tritonkit.ops.attention import bwd as attention_bwd
+    from tritonkit.ops.linear import kernels as linear_kernels
 
     dq = tuning.jit_closure(attention_bwd._attn_bwd_dq_kernel)
     assert {"_attn_bwd_dq_kernel()", "_dq_steps()", "_sequence()", "_key_ranges()", "dot_fp32()"} <= set(dq)
@@ -695,9 +695,9 @@ def test_a_tuners_hash_covers_every_jit_helper_its_kernels_call():
 
 
 def test_editing_a_helper_deep_in_the_closure_changes_the_hash(monkeypatch):
-    from tritonkit.ops import linear_kernels
+    from tritonkit.ops.linear import matmul
 
-    tuner = linear_kernels._TUNER
+    tuner = matmul.TUNER
     copy = lambda: tuning.Tuner("closure-copy", tuner.configs, sources=tuner.sources, default=tuner.default)  # noqa: E731
     before = copy().source_hash
     real = tuning._source_text

@@ -1,0 +1,541 @@
+"""Linear layers with fused epilogues: ``y = act(x W^T + b) + residual`` in one matmul kernel.
+
+Maths. With z = x W^T + b (x: (M, K), W: (N, K), b: (N,)) and y = act(z) + r:
+    dz = dy * act'(z),   dx = dz W,   dW = dz^T x,   db = sum over rows of dz,   dr = dy.
+act is one of gelu (erf), gelu_tanh, silu (z * sigmoid z), relu, relu2 (relu squared), or none.
+
+The forward stores z beside y when a gradient is wanted (one more M x N write in the epilogue);
+the backward reads it back. Recomputing z instead would cost a third matmul of 2 M N K FLOPs, 50%
+more backward work, to save M N elements of traffic that a matmul of K >= 64 hides. The backward
+makes dz in one memory-bound pass (read dy and z, write dz, sum db: 3 M N elements) and then runs
+two plain matmuls on it, as torch does. Applying act'(z) in the matmuls' prologues instead, so that
+dz is never written, measured 2.8-3.0x (dx) and 7.6x (dW) slower on the H200: the elementwise work on
+the loaded tiles stalled the pipelined loads of every k-step, and each dz entry was recomputed by
+every tile that reads it (docs/perf-notes.md).
+
+One kernel serves all the products: C = epilogue(A B^T) with A (M, K) and B (N, K) of any
+strides. dx takes A = dz (M, N) and B = W^T (a (K, N) view); dW takes A = dz^T and B = x^T.
+The kernels are in ``kernels.py``, the matmul's launches and tuning in ``matmul.py``; this file
+holds the maths, the API, the autograd, the references and the costs.
+
+Work. 2 M N K FLOPs a matmul (three in forward plus backward); bytes s (M K + N K + M N) plus the
+epilogue's operands (b, the residual, z). At M, N, K in the thousands that is hundreds of FLOPs a
+byte, past the ridge: compute-bound, so the roofline is the tensor cores' peak.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import torch
+
+from tritonkit._launch import Launch, cdiv
+from tritonkit._runtime import empty_output, sm_count
+from tritonkit.dtypes import HALVES
+from tritonkit.opdef import check_tensor, op
+from tritonkit.ops.bias_gelu import NUM_WARPS, row_tiles_per_program, tile_shape
+from tritonkit.ops.linear.kernels import (
+    ACTIVATIONS,
+    FORMS,
+    GATED_DX,
+    GATED_FWD,
+    _activation_backward_kernel,
+    default_config,
+)
+from tritonkit.ops.linear.matmul import (
+    REFERENCE_ACTIVATIONS,
+    given,
+    matmul,
+    matmul_launches,
+    matmul_problem,
+)
+from tritonkit.roofline import Cost
+
+DTYPES = HALVES
+
+
+def _validate(input, weights: dict, activation, bias=None, residual=None) -> None:
+    """Raise TypeError or ValueError naming the argument unless the kernels take the call: input fp16
+    or bf16 with at least one dimension; each of ``weights`` (name -> tensor) (out_features,
+    in_features); bias (out_features,) and residual (the output's shape) where given; all of input's
+    dtype and on its device; an activation of ACTIVATIONS."""
+    check_tensor("input", input, min_ndim=1)
+    if input.dtype not in DTYPES:
+        raise TypeError(f"input must be float16 or bfloat16, got {input.dtype}")
+    for name, weight in weights.items():
+        _check_operand(name, weight, input)
+        if weight.dim() != 2 or weight.shape[1] != input.shape[-1]:
+            raise ValueError(
+                f"{name} must be (out_features, in_features) with in_features = input's last "
+                f"dimension {input.shape[-1]}, got {tuple(weight.shape)}"
+            )
+    out_features = next(iter(weights.values())).shape[0]
+    for name, value, shape in (
+        ("bias", bias, (out_features,)),
+        ("residual", residual, (*input.shape[:-1], out_features)),
+    ):
+        if value is not None:
+            _check_operand(name, value, input)
+            if tuple(value.shape) != shape:
+                raise ValueError(f"{name} must have shape {shape}, got {tuple(value.shape)}")
+    if activation not in ACTIVATIONS:
+        names = ", ".join(repr(a) for a in ACTIVATIONS)
+        raise ValueError(f"activation must be one of {names}, got {activation!r}")
+
+
+def _check_operand(name: str, value, input: torch.Tensor) -> None:
+    """A tensor of input's dtype on input's device, else TypeError or ValueError naming it."""
+    check_tensor(name, value, device_of=("input", input))
+    if value.dtype != input.dtype:
+        raise TypeError(f"{name} must have input's dtype {input.dtype}, got {value.dtype}")
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """(rows, last dim) view of t (a copy only where the strides allow no view); no -1, which a
+    last dim of 0 leaves ambiguous. A 2-d tensor is its own: reshape would cost ~2 us of host time
+    for the same view."""
+    return t if t.dim() == 2 else t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+
+
+# ---------------------------------------------------------------- the backward's elementwise step
+
+
+@functools.lru_cache(maxsize=1024)
+def _elementwise_tiles(m: int, n: int, element_size: int, sms: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, ROW_TILES) of the elementwise backward on (m, n) over ``sms`` SMs: bias_gelu's
+    backward tiles, the same memory-bound pass."""
+    block_m, block_n = tile_shape(max(n, 1), element_size)  # m or n = 0: a grid of no programs
+    row_tiles = row_tiles_per_program(max(1, cdiv(m, block_m)), cdiv(max(n, 1), block_n), sms)
+    return block_m, block_n, row_tiles
+
+
+def _db_partial(dy: torch.Tensor) -> torch.Tensor:
+    """db's fp32 partial sums: one row a program of the elementwise backward on dy's rows."""
+    (m, n), device = dy.shape, dy.device
+    block_m, _, row_tiles = _elementwise_tiles(m, n, dy.element_size(), sm_count(device))
+    return empty_output((cdiv(m, block_m * row_tiles), n), torch.float32, device)
+
+
+def _elementwise_launches(dy, z, u, dz, du, db_partial, activation: int) -> list[Launch]:
+    """The elementwise backward's launch on the rows (M, N) of dy: dz = dy * act'(z), or (dz None,
+    no activation) db only; gated (u given), dg (into dz) and du; db's partial sums into
+    ``db_partial`` where given (:func:`_db_partial`)."""
+    (m, n), device = dy.shape, dy.device
+    # the GPU's SMs (132 off CUDA), not the matmul's interpreter stand-in for persistent grids
+    block_m, block_n, row_tiles = _elementwise_tiles(m, n, dy.element_size(), sm_count(device))
+    args = (
+        dy,
+        given(z, dy),
+        given(u, dy),
+        given(dz, dy),
+        given(du, dy),
+        given(db_partial, dy),
+        m,
+        n,
+        *dy.stride(),
+    )
+    meta = {
+        "ACTIVATION": activation,
+        "GATED": u is not None,
+        "STORE_DZ": dz is not None,
+        "SUM_DB": db_partial is not None,
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+        "ROW_TILES": row_tiles,
+        "num_warps": NUM_WARPS,
+    }
+    name = "gated bwd dg du (elementwise)" if u is not None else "bwd dz (elementwise)"
+    grid = (cdiv(m, block_m * row_tiles), cdiv(n, block_n))
+    return [Launch(name, _activation_backward_kernel, args, meta, grid=grid)]
+
+
+def _activation_backward(dy, z, activation: int, *, u=None, sum_db: bool = False):
+    """(dz, du, db) of the rows (M, N) of dy: dz = dy * act'(z), or dy itself when there is no
+    activation; gated (u given), dz = dg = dy * u * act'(z) and du = dy * act(z); db, the sums of
+    dz over the rows in fp32, when ``sum_db`` (else None)."""
+    gated, store = u is not None, bool(activation) or u is not None
+    (m, n), device = dy.shape, dy.device
+    dz = empty_output((m, n), dy.dtype, device) if store else dy
+    du = empty_output((m, n), dy.dtype, device) if gated else None
+    if not (store or sum_db):
+        return dz, du, None
+    db_partial = _db_partial(dy) if sum_db else None
+    if m and n:
+        for launch in _elementwise_launches(dy, z, u, dz if store else None, du, db_partial, activation):
+            launch.run()
+    return dz, du, db_partial.sum(0) if sum_db else None  # no rows: a sum over none, zeros
+
+
+# ---------------------------------------------------------------- ops and autograd: linear
+
+
+@op("linear", mutates=("y", "pre"))
+def _linear_forward(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    activation: str | None,
+    y: torch.Tensor,
+    pre: torch.Tensor | None,
+) -> None:
+    """y = act(input weight^T + bias) + residual into ``y`` (the output's shape, contiguous), and the
+    pre-activation z = input weight^T + bias into ``pre`` where given (the backward reads it)."""
+    matmul(
+        _rows(input),
+        weight,
+        _rows(y),
+        bias=bias,
+        residual=None if residual is None else _rows(residual),
+        pre=None if pre is None else _rows(pre),
+        activation=ACTIVATIONS[activation],
+    )
+
+
+@op("linear_backward", mutates=("dx", "dw", "db"))
+def _linear_backward(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    pre: torch.Tensor | None,
+    activation: str | None,
+    dx: torch.Tensor | None,
+    dw: torch.Tensor | None,
+    db: torch.Tensor | None,
+) -> None:
+    """dx, dW and db of y = act(x W^T + b) + r, each into its tensor where given; ``pre`` is the
+    forward's z (None without an activation)."""
+    code = ACTIVATIONS[activation]
+    dz, _, db_sum = _activation_backward(
+        _rows(grad_output), _rows(pre) if code else None, code, sum_db=db is not None
+    )
+    if dx is not None:  # dx = dz W: A = dz (M, N), B = W^T, a (K, N) view
+        matmul(dz, weight.t(), _rows(dx))
+    if dw is not None:  # dW = dz^T x: A = dz^T (N, M), B = x^T (K, M)
+        matmul(dz.t(), _rows(input).t(), dw)
+    if db is not None:
+        db.copy_(db_sum)
+
+
+def _linear(input, weight, bias, residual, activation: str | None, keep_pre: bool):
+    """(y, z): the output, and its pre-activation where ``keep_pre`` and there is an activation
+    (else None)."""
+    out_shape = (*input.shape[:-1], weight.shape[0])
+    y = empty_output(out_shape, input.dtype, input.device)
+    pre = empty_output(out_shape, input.dtype, input.device) if keep_pre and activation is not None else None
+    _linear_forward(input, weight, bias, residual, activation, y, pre)
+    return y, pre
+
+
+class _Linear(torch.autograd.Function):
+    """One autograd function for eager calls and torch.compile (the ops skip the dispatcher eagerly).
+
+    forward takes ctx itself: a separate setup_context costs an inspect.signature bind per call.
+    """
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, residual, activation):
+        y, pre = _linear(input, weight, bias, residual, activation, keep_pre=True)
+        ctx.save_for_backward(input, weight, pre)
+        ctx.activation = activation
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input, weight, pre = ctx.saved_tensors
+        needs_dx, needs_dw, needs_db, needs_dr = ctx.needs_input_grad[:4]
+        dx = empty_output(input.shape, input.dtype, input.device) if needs_dx else None
+        dw = empty_output(weight.shape, weight.dtype, weight.device) if needs_dw else None
+        db = empty_output(weight.shape[:1], weight.dtype, weight.device) if needs_db else None
+        _linear_backward(grad_output, input, weight, pre, ctx.activation, dx, dw, db)
+        return dx, dw, db, grad_output if needs_dr else None, None
+
+
+def linear(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``act(F.linear(input, weight, bias)) + residual`` in one matmul: weight is (out_features,
+    in_features) as in ``torch.nn.functional.linear``, input has any leading dimensions, the
+    activation is one of None, "gelu", "gelu_tanh", "silu", "relu", "relu2" (squared ReLU), and
+    the residual, of the output's shape, is added after it. fp16 or bf16; fp32 accumulation."""
+    _validate(input, {"weight": weight}, activation, bias, residual)
+    tensors = (input, weight, bias, residual)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return _Linear.apply(input, weight, bias, residual, activation)
+    return _linear(input, weight, bias, residual, activation, keep_pre=False)[0]
+
+
+# ---------------------------------------------------------------- ops and autograd: gated_linear
+
+
+def _validate_gated(input, weight_gate, weight_up, activation) -> None:
+    """:func:`_validate` for gated_linear's two weights, which must also share one shape."""
+    _validate(input, {"weight_gate": weight_gate, "weight_up": weight_up}, activation)
+    if weight_up.shape != weight_gate.shape:
+        raise ValueError(
+            f"weight_up must have weight_gate's shape {tuple(weight_gate.shape)}, "
+            f"got {tuple(weight_up.shape)}"
+        )
+
+
+def _same_strides(weight_gate, weight_up):
+    """The two weights in one layout (the kernel reads both through one pair of strides): contiguous
+    copies where their strides differ."""
+    if weight_gate.stride() == weight_up.stride():
+        return weight_gate, weight_up
+    return weight_gate.contiguous(), weight_up.contiguous()
+
+
+@op("gated_linear", mutates=("y", "g", "u"))
+def _gated_forward(
+    input: torch.Tensor,
+    weight_gate: torch.Tensor,
+    weight_up: torch.Tensor,
+    activation: str | None,
+    y: torch.Tensor,
+    g: torch.Tensor | None,
+    u: torch.Tensor | None,
+) -> None:
+    """y = act(g) * u with g = input Wg^T and u = input Wu^T into ``y``, and g and u into theirs
+    where given (the backward reads them)."""
+    weight_gate, weight_up = _same_strides(weight_gate, weight_up)
+    matmul(
+        _rows(input),
+        weight_gate,
+        _rows(y),
+        b2=weight_up,
+        activation=ACTIVATIONS[activation],
+        gated=GATED_FWD,
+        pre=None if g is None else _rows(g),
+        pre2=None if u is None else _rows(u),
+    )
+
+
+@op("gated_linear_backward", mutates=("dx", "dwg", "dwu"))
+def _gated_backward(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    weight_gate: torch.Tensor,
+    weight_up: torch.Tensor,
+    g: torch.Tensor,
+    u: torch.Tensor,
+    activation: str | None,
+    dx: torch.Tensor | None,
+    dwg: torch.Tensor | None,
+    dwu: torch.Tensor | None,
+) -> None:
+    """dx, dWg and dWu, each into its tensor where given: dg = dy * u * act'(g) and du = dy * act(g)
+    in one elementwise pass, then dx = dg Wg + du Wu (one kernel, one accumulator), dWg = dg^T x and
+    dWu = du^T x."""
+    dg, du, _ = _activation_backward(_rows(grad_output), _rows(g), ACTIVATIONS[activation], u=_rows(u))
+    if dx is not None:
+        wg, wu = _same_strides(weight_gate, weight_up)
+        matmul(dg, wg.t(), _rows(dx), a2=du, b2=wu.t(), gated=GATED_DX)
+    x = _rows(input) if dwg is not None or dwu is not None else None  # a copy where no view will do
+    if dwg is not None:
+        matmul(dg.t(), x.t(), dwg)
+    if dwu is not None:
+        matmul(du.t(), x.t(), dwu)
+
+
+def _gated_linear(input, weight_gate, weight_up, activation: str | None, keep_products: bool):
+    """(y, g, u): the output, and the two products where ``keep_products`` (else None)."""
+    out_shape = (*input.shape[:-1], weight_gate.shape[0])
+    y = empty_output(out_shape, input.dtype, input.device)
+    g, u = (
+        (empty_output(out_shape, input.dtype, input.device) for _ in range(2))
+        if keep_products
+        else (None, None)
+    )
+    _gated_forward(input, weight_gate, weight_up, activation, y, g, u)
+    return y, g, u
+
+
+class _GatedLinear(torch.autograd.Function):
+    """One autograd function for eager calls and torch.compile (the ops skip the dispatcher eagerly)."""
+
+    @staticmethod
+    def forward(ctx, input, weight_gate, weight_up, activation):
+        y, g, u = _gated_linear(input, weight_gate, weight_up, activation, keep_products=True)
+        ctx.save_for_backward(input, weight_gate, weight_up, g, u)
+        ctx.activation = activation
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input, weight_gate, weight_up, g, u = ctx.saved_tensors
+        needs_dx, needs_dwg, needs_dwu = ctx.needs_input_grad[:3]
+        dx = empty_output(input.shape, input.dtype, input.device) if needs_dx else None
+        dwg = empty_output(weight_gate.shape, weight_gate.dtype, weight_gate.device) if needs_dwg else None
+        dwu = empty_output(weight_up.shape, weight_up.dtype, weight_up.device) if needs_dwu else None
+        _gated_backward(grad_output, input, weight_gate, weight_up, g, u, ctx.activation, dx, dwg, dwu)
+        return dx, dwg, dwu, None
+
+
+def gated_linear(
+    input: torch.Tensor, weight_gate: torch.Tensor, weight_up: torch.Tensor, activation: str | None = "silu"
+) -> torch.Tensor:
+    """``act(input Wg^T) * (input Wu^T)`` in one kernel (SwiGLU with "silu", GeGLU with "gelu" or
+    "gelu_tanh"): both products accumulate side by side and neither is written to memory, unless a
+    gradient is wanted (the backward reads them). Weights are (out_features, in_features)."""
+    _validate_gated(input, weight_gate, weight_up, activation)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (input, weight_gate, weight_up)):
+        return _GatedLinear.apply(input, weight_gate, weight_up, activation)
+    return _gated_linear(input, weight_gate, weight_up, activation, keep_products=False)[0]
+
+
+# ---------------------------------------------------------------- reference and cost
+
+
+def linear_reference(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain PyTorch; pass float64 tensors for the oracle's reference."""
+    y = REFERENCE_ACTIVATIONS[activation](torch.nn.functional.linear(input, weight, bias))
+    return y if residual is None else y + residual
+
+
+def gated_linear_reference(
+    input: torch.Tensor, weight_gate: torch.Tensor, weight_up: torch.Tensor, activation: str | None = "silu"
+) -> torch.Tensor:
+    """Plain PyTorch, the eager form the issue compares with: act(x Wg^T) * (x Wu^T)."""
+    linear = torch.nn.functional.linear
+    return REFERENCE_ACTIVATIONS[activation](linear(input, weight_gate)) * linear(input, weight_up)
+
+
+def linear_cost(shape: tuple, dtype: torch.dtype, mode: str = "fwd", bias: bool = True):
+    """(M, K, N): 2 M N K FLOPs a matmul (two more backward); the bytes of the operands and output
+    (backward: dy and z read, x and W read, dx and dW written, db)."""
+    m, k, n = shape
+    size = torch.finfo(dtype).bits // 8
+    fwd = Cost(2 * m * n * k, size * (m * k + n * k + m * n + bias * n))
+    bwd = Cost(4 * m * n * k, size * (2 * m * n + 2 * m * k + 2 * n * k + bias * n))
+    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]
+
+
+def gated_linear_cost(shape: tuple, dtype: torch.dtype, mode: str = "fwd"):
+    """(M, K, N): two products, 4 M N K FLOPs forward and 8 backward; bytes: x, Wg, Wu and y
+    (backward: dy, g, u, x, Wg and Wu read, dx, dWg and dWu written)."""
+    m, k, n = shape
+    size = torch.finfo(dtype).bits // 8
+    fwd = Cost(4 * m * n * k, size * (m * k + 2 * n * k + m * n))
+    bwd = Cost(8 * m * n * k, size * (3 * m * n + 2 * m * k + 4 * n * k))
+    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]
+
+
+def _inspect_launches(
+    shape: tuple,
+    dtype: torch.dtype,
+    config: dict | None = None,
+    activation: str | None = "gelu_tanh",
+    forms: tuple = ("linear", "gated"),
+) -> list[Launch]:
+    """The launches of a training step at (M, K, N): linear's forward with bias, ``activation`` and a
+    residual (storing z), its backward's elementwise pass (dz, db) and plain dx and dW matmuls
+    (without an activation: a bare matmul, dx and dW), then gated_linear's forward, elementwise
+    pass (dg, du) and dx (dW as linear's); ``forms`` picks which. ``config`` tiles the matmuls
+    (default: each form's untuned tile). What ``tritonkit inspect`` compiles."""
+    m, k, n = shape
+    code = ACTIVATIONS[activation]
+    x, w = torch.empty((m, k), dtype=dtype, device="meta"), torch.empty((n, k), dtype=dtype, device="meta")
+    y, b = torch.empty((m, n), dtype=dtype, device="meta"), torch.empty((n,), dtype=dtype, device="meta")
+    epilogue = {"bias": b, "residual": y, "pre": y, "activation": code} if code else {}
+    matmuls = {
+        "linear": {
+            "fwd": matmul_problem(x, w, y, **epilogue),
+            "bwd dx": matmul_problem(y, w.t(), x),
+            "bwd dw": matmul_problem(y.t(), x.t(), w),
+        },
+        "gated": {
+            "gated fwd": matmul_problem(x, w, y, b2=w, pre=y, pre2=y, activation=code, gated=GATED_FWD),
+            "gated bwd dx": matmul_problem(y, w.t(), x, a2=y, b2=w.t(), gated=GATED_DX),
+        },
+    }
+    gate = code or ACTIVATIONS["silu"]
+    elementwise = {
+        "linear": (y, y, None, y, None, _db_partial(y), code),  # dy, z, u, dz, du, db, act
+        "gated": (y, y, y, y, y, None, gate),
+    }
+    launches = []
+    for form in forms:
+        for name, problem in matmuls[form].items():
+            tile = config or default_config(FORMS[problem["gated"]])
+            launches += [dataclasses.replace(launch, name=name) for launch in matmul_launches(problem, tile)]
+        if form == "linear" and not code:
+            continue  # the bare matmul's backward has no elementwise pass (no bias: no db)
+        launches += _elementwise_launches(*elementwise[form])
+    return launches
+
+
+# ---------------------------------------------------------------- benchmark registration
+
+
+def _make_inputs(shape: tuple, dtype: torch.dtype, device, generator: torch.Generator, operands: int = 3):
+    """(M, K, N): x (M, K), then W (N, K) and b (N,) (``operands`` 3), W alone (2), or Wg and Wu
+    ("gated")."""
+    from tritonkit.testing import random_tensor
+
+    m, k, n = shape
+    x = random_tensor((m, k), dtype, device, generator=generator)
+    if operands == "gated":
+        return x, *(random_tensor((n, k), dtype, device, generator=generator) for _ in range(2))
+    w = random_tensor((n, k), dtype, device, generator=generator)
+    return (x, w, random_tensor((n,), dtype, device, generator=generator)) if operands == 3 else (x, w)
+
+
+def _addmm_gelu(kwargs: dict):
+    """A peer: torch._addmm_activation, cuBLASLt's matmul with bias and its GELU epilogue (tanh)."""
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU (cuBLASLt)"
+    return lambda x, w, b: torch._addmm_activation(b, x, w.t(), use_gelu=True)
+
+
+# (M, K, N), bf16: the MLP's up- and down-projections, a square one, and decode-like rows
+BENCH_SHAPES = [
+    ((8192, 4096, 16384), "bf16"),
+    ((8192, 16384, 4096), "bf16"),
+    ((4096, 4096, 4096), "bf16"),
+    ((16, 4096, 16384), "bf16"),
+    ((128, 4096, 16384), "bf16"),
+]
+
+
+def _spec(name: str):
+    from tritonkit.ops import OpSpec
+
+    gated = name == "gated_linear"
+    bare = name == "linear_bare"
+    activation = "silu" if gated else None if bare else "gelu_tanh"
+    return OpSpec(
+        name=name,
+        family="linear",
+        fn=gated_linear if gated else linear,
+        reference=gated_linear_reference if gated else linear_reference,
+        cost=(gated_linear_cost if gated else functools.partial(linear_cost, bias=not bare)),
+        make_inputs=functools.partial(_make_inputs, operands="gated" if gated else 2 if bare else 3),
+        grad_inputs=(0, 1) if bare else (0, 1, 2),
+        flop_unit="bf16",
+        shapes={"interpreter": [((17, 33, 257), "fp16")], "quick": BENCH_SHAPES, "full": BENCH_SHAPES},
+        tiny_shape=(4, 64, 64),
+        dtypes=DTYPES,
+        # linear: with bias and the tanh GELU, against cuBLASLt's fused epilogue; linear_bare: the
+        # bare matmul, whose "torch" provider is cuBLAS; gated_linear: SwiGLU
+        kwargs={"activation": activation},
+        peers={} if gated or bare else {"addmm-gelu": _addmm_gelu},
+        inspect=functools.partial(
+            _inspect_launches, activation=activation, forms=("gated",) if gated else ("linear",)
+        ),
+    )
+
+
+SPECS = {name: _spec(name) for name in ("linear", "linear_bare", "gated_linear")}

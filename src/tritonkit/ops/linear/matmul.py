@@ -1,0 +1,314 @@
+"""The matmul C = epilogue(A B^T), as an API for any op that needs it: its launch builder
+(:func:`matmul_launches`), its tuned kernel (:data:`MATMUL`, a :class:`tritonkit.tuning.Tuned`) and
+:func:`matmul`, which launches it on the tuned tile.
+
+A problem (:func:`matmul_problem`) names the kernel's operands: A ``a`` (M, K) and B ``b`` (N, K) of
+any strides and C ``out`` (M, N), contiguous; the epilogue's ``bias`` (N,), ``residual`` (M, N) and
+``activation`` (an ACTIVATIONS code); ``pre`` (and, gated forward, ``pre2``) to store the
+pre-activations; and the GATED forms' second operands, ``a2`` (strides as A) and ``b2`` (as B).
+The kernel, its configs and their prune are in ``kernels.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from tritonkit import tuning
+from tritonkit._launch import Launch, cdiv, ensure_allocator
+from tritonkit._runtime import empty_output, interpret
+from tritonkit._triton import tl, triton
+from tritonkit.dtypes import NAME_OF
+from tritonkit.ops.linear.kernels import (
+    ACTIVATIONS,
+    CONFIGS,
+    FORMS,
+    GATED_DX,
+    GATED_FWD,
+    _linear_kernel,
+    _prune,
+    default_config,
+)
+
+TILE_NAMES = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")  # the kernel's tile constexprs, in its order
+# A problem's optional tensors, in the order its calibration draws them (the op's calls name them so)
+OPERANDS = ("a2", "b2", "bias", "residual", "pre", "pre2")
+C_ARG = _linear_kernel.arg_names.index("c_ptr")  # where C is among the kernel's arguments
+
+
+def matmul_problem(
+    a, b, out, *, a2=None, b2=None, bias=None, residual=None, pre=None, pre2=None, activation=0, gated=0
+) -> tuning.Problem:
+    """The kernel's operands by name (see the module docstring); ``gated`` is NOT_GATED, GATED_FWD or
+    GATED_DX. Codes are kept as ints (a problem holds tensors and plain scalars)."""
+    return {
+        "a": a,
+        "b": b,
+        "out": out,
+        "a2": a2,
+        "b2": b2,
+        "bias": bias,
+        "residual": residual,
+        "pre": pre,
+        "pre2": pre2,
+        "activation": _code(activation),
+        "gated": _code(gated),
+    }
+
+
+def _code(value) -> int:
+    """A kernel code (a tl.constexpr such as GATED_FWD, or an int) as an int."""
+    return value.value if isinstance(value, tl.constexpr) else int(value)
+
+
+def given(t, stand_in):
+    """``t``, or ``stand_in`` where it is absent: a pointer the kernel never reads or writes (its flag
+    is off) stands in for an absent operand, so that every launch passes tensors."""
+    return t if t is not None else stand_in
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitKLaunch(Launch):
+    """A launch with SPLIT_K: the kernel writes fp32 partial products (its C), which running the
+    launch then sums into ``out``, in a fixed order (deterministic). A Launch runs a kernel only, and
+    this sum is part of the matmul, so the record carries it."""
+
+    out: torch.Tensor | None = None
+
+    def run(self) -> None:
+        super().run()
+        self.out.copy_(self.args[C_ARG].sum(0))
+
+
+def matmul_launches(problem: tuning.Problem, config: dict) -> list[Launch]:
+    """The kernel's launch that computes ``problem`` on ``config``.
+
+    A config's ``TMA`` loads A and B through tensor descriptors where they allow it (else pointers,
+    as without); its ``PERSISTENT`` launches that many programs an SM, each walking tiles, instead of
+    one program a tile; its ``SPLIT_K`` (plain matmuls only) launches that many programs a tile, each
+    over a share of K, into fp32 partial products that the launch sums into out (:class:`SplitKLaunch`);
+    its ``TMA_STORE`` (plain matmuls only: an epilogue's stores need shared memory of their own beside
+    C's staged tile, which the tile's stages may leave none of) stores C through a tensor descriptor
+    where out's rows are 16-byte aligned (else from registers, as without)."""
+    a, b, out, a2, b2 = problem["a"], problem["b"], problem["out"], problem["a2"], problem["b2"]
+    bias, residual, pre, pre2 = problem["bias"], problem["residual"], problem["pre"], problem["pre2"]
+    activation, gated = problem["activation"], problem["gated"]
+    (M, K), N = a.shape, b.shape[0]
+    for name, second, first in (("a2", a2, a), ("b2", b2, b)):
+        if second is not None and second.stride() != first.stride():
+            raise ValueError(f"{name} must have {name[0]}'s strides {first.stride()}, got {second.stride()}")
+    options = dict(config)
+    per_sm, split_k = options.pop("PERSISTENT", 0), options.pop("SPLIT_K", 1)
+    tma_store = options.pop("TMA_STORE", False)
+    epilogue = any(t is not None for t in (bias, residual, pre)) or activation or gated
+    if (split_k > 1 or tma_store) and epilogue:
+        raise ValueError(
+            "SPLIT_K and TMA_STORE are for plain matmuls: no bias, activation, residual or gated form"
+        )
+    if split_k > 1 and tma_store:
+        raise ValueError("TMA_STORE stores C itself, SPLIT_K fp32 partial products: not both")
+    c_tma = tma_store and out.is_contiguous() and _tma_ready(out)
+    c = empty_output((split_k, M, N), torch.float32, a.device) if split_k > 1 else out
+    tma = options.pop("TMA", False) and all(_tma_ready(t) for t in (a, a2, b, b2) if t is not None)
+    r = given(residual, out)
+    args = (
+        a,
+        given(a2, a),
+        b,
+        given(b2, b),
+        c,
+        given(bias, out),
+        r,
+        given(pre, out),
+        given(pre2, out),
+        M,
+        N,
+        K,
+        *a.stride(),
+        *b.stride(),
+        *r.stride(),
+    )
+    meta = {
+        "ACTIVATION": activation,
+        "HAS_BIAS": bias is not None,
+        "HAS_RESIDUAL": residual is not None,
+        "STORE_PRE": pre is not None,
+        "GATED": gated,
+        "EXACT_DOT_IN_FP32": interpret(),
+        "TMA": tma,
+        "A_K_MAJOR": tma and a.stride(1) == 1,
+        "B_K_MAJOR": tma and b.stride(1) == 1,
+        "C_TMA": c_tma,
+        "PERSISTENT": per_sm > 0,
+        "SPLIT_K": split_k,
+        **{name: options.pop(name) for name in TILE_NAMES},  # the tile in the kernel's order
+        **options,
+    }
+    if tma or c_tma:
+        ensure_allocator()
+    tiles = cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])
+    # K = 0: the loop takes no step and the epilogue still runs
+    programs = min(tiles, per_sm * _sm_count(a.device)) if per_sm else tiles
+    if split_k > 1:
+        return [SplitKLaunch("matmul", _linear_kernel, args, meta, config, (programs, split_k), out=out)]
+    return [Launch("matmul", _linear_kernel, args, meta, config, (programs,))]
+
+
+def _tma_ready(t: torch.Tensor) -> bool:
+    """Whether a 2-d operand can be read through a tensor descriptor: a unit stride one way, the
+    other stride and the base 16-byte aligned (TMA's requirements)."""
+    return (
+        1 in t.stride()
+        and all(s * t.element_size() % 16 == 0 for s in t.stride() if s != 1)
+        and t.data_ptr() % 16 == 0
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(device: torch.device) -> int:
+    """SMs of the GPU (persistent grids); elsewhere (the interpreter, meta tensors for ``tritonkit
+    inspect``) a stand-in, 2, so that the interpreter's programs each walk several tiles."""
+    if interpret() or device.type != "cuda":
+        return 2
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# ---------------------------------------------------------------- tuning
+
+
+def _major(t: torch.Tensor, inner: str, outer: str) -> str:
+    return f"{inner}-major" if t.stride(1) == 1 else f"{outer}-major"
+
+
+def tuning_key(problem: tuning.Problem) -> dict:
+    """What the fastest tile depends on: the kernel form, an epilogue, the dtype, the layouts of A
+    and B, and (M, N, K), each to the next power of two."""
+    a, b = problem["a"], problem["b"]
+    (m, k), n = a.shape, b.shape[0]
+    pow2 = triton.next_power_of_2
+    epilogue = any(problem[name] is not None for name in ("bias", "residual", "pre")) or bool(
+        problem["activation"]
+    )
+    return {
+        "form": FORMS[problem["gated"]],
+        "epilogue": epilogue,
+        "dtype": NAME_OF[a.dtype],
+        "m": pow2(m),
+        "n": pow2(n),
+        "k": pow2(max(k, 1)),
+        "a": _major(a, "k", "m"),
+        "b": _major(b, "k", "n"),
+    }
+
+
+def _signature(problem: tuning.Problem) -> tuple:
+    """What a call's tuning key follows from: the shapes, strides, dtype and device of A and B, the
+    strides of the operands present, and the codes. The memo of chosen configs is keyed by it."""
+    a, b = problem["a"], problem["b"]
+    present = tuple((name, problem[name].stride()) for name in OPERANDS if problem[name] is not None)
+    codes = (problem["activation"], problem["gated"])
+    return (a.shape, a.stride(), b.shape, b.stride(), a.dtype, a.device, present, codes)
+
+
+def _calibration(problem: tuning.Problem, config: dict) -> tuning.Problem:
+    """Seeded random operands like the call's, small: two tiles and a ragged third each way, three
+    steps and a ragged fourth deep, in the call's layouts. The ragged parts keep the call's
+    alignment: 8 elements (16 bytes) where its operands could go through TMA, so that the gate checks
+    the path the call will take."""
+    from tritonkit.testing import generator, random_tensor
+
+    a, b = problem["a"], problem["b"]
+    aligned = _tma_ready(a) and _tma_ready(b)
+    m = min(a.shape[0], 2 * config["BLOCK_M"] + (8 if aligned else 5))
+    n = min(b.shape[0], 2 * config["BLOCK_N"] + (8 if aligned else 3))
+    k = min(a.shape[1], 3 * config["BLOCK_K"] + (8 if aligned else 7))
+    g = generator(13)
+
+    def like(t, rows, cols):  # random, with t's layout: rows unit-stride where t's are
+        if t.stride(1) == 1 or t.shape[1] == 1:
+            return random_tensor((rows, cols), t.dtype, t.device, generator=g)
+        return random_tensor((cols, rows), t.dtype, t.device, generator=g).t()
+
+    calibration = {"a": like(a, m, k), "b": like(b, n, k)}
+    made = {
+        "a2": lambda t: like(t, m, k),
+        "b2": lambda t: like(t, n, k),
+        "bias": lambda t: random_tensor((n,), t.dtype, t.device, generator=g),
+        "residual": lambda t: random_tensor((m, n), t.dtype, t.device, generator=g),
+        "pre": lambda t: torch.empty((m, n), dtype=t.dtype, device=t.device),
+        "pre2": lambda t: torch.empty((m, n), dtype=t.dtype, device=t.device),
+    }
+    for name in OPERANDS:  # drawn in this order
+        calibration[name] = None if problem[name] is None else made[name](problem[name])
+    out = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    return {**calibration, "out": out, "activation": problem["activation"], "gated": problem["gated"]}
+
+
+# the activations as plain PyTorch: the gate's reference here, the op's in linear.py
+REFERENCE_ACTIVATIONS = {
+    None: lambda z: z,
+    "gelu": torch.nn.functional.gelu,
+    "gelu_tanh": lambda z: torch.nn.functional.gelu(z, approximate="tanh"),
+    "silu": torch.nn.functional.silu,
+    "relu": torch.nn.functional.relu,
+    "relu2": lambda z: torch.nn.functional.relu(z).square(),
+}
+_BY_CODE = {code: REFERENCE_ACTIVATIONS[name] for name, code in ACTIVATIONS.items()}
+
+
+def _reference_outputs(problem: tuning.Problem) -> dict:
+    """What the kernel writes, in plain PyTorch in the operands' dtype (float64 for the gate's exact
+    reference): C as "out", the pre-activation (the first product, with bias) as "pre", and the
+    gated forward's second product as "pre2"."""
+    a, b, gated = problem["a"], problem["b"], problem["gated"]
+    pre = a @ b.t()
+    if gated == GATED_DX.value:
+        pre = pre + problem["a2"] @ problem["b2"].t()
+    if problem["bias"] is not None:
+        pre = pre + problem["bias"]
+    c = _BY_CODE[problem["activation"]](pre)
+    pre2 = a @ problem["b2"].t() if gated == GATED_FWD.value else None
+    if pre2 is not None:
+        c = c * pre2
+    if problem["residual"] is not None:
+        c = c + problem["residual"]
+    return {"out": c, "pre": pre, "pre2": pre2}
+
+
+def matmul_reference(a, b, **operands) -> torch.Tensor:
+    """C as the kernel computes it for ``matmul_problem(a, b, out, **operands)``, in plain PyTorch in
+    a's dtype (float64 for an exact reference)."""
+    return _reference_outputs(matmul_problem(a, b, None, **operands))["out"]
+
+
+TUNER = tuning.Tuner(
+    "linear",
+    CONFIGS,
+    default=lambda key: default_config(key["form"]),
+    prune=_prune,
+    sources=(_linear_kernel,),
+)
+MATMUL = tuning.Tuned(
+    TUNER,
+    launches=matmul_launches,
+    calibrate=_calibration,
+    reference=_reference_outputs,
+    outputs=("out", "pre", "pre2"),
+)
+
+
+def matmul(a, b, out, **operands) -> None:
+    """out = epilogue(a b^T) (operands as :func:`matmul_problem` takes them) on the tuned tile, or the
+    untuned one where tuning cannot run; no launch where M or N is 0."""
+    if not (a.shape[0] and b.shape[0]):
+        return
+    problem = matmul_problem(a, b, out, **operands)
+    signature = _signature(problem)
+    # A repeated call finds its config in the memo before building the tuning key, which costs
+    # more than the rest of the host path (MATMUL.choose takes the key ready-made).
+    config = MATMUL._chosen.get(signature)
+    if config is None:
+        config, _ = MATMUL.choose(tuning_key(problem), problem, signature=signature)
+    MATMUL.run(problem, config)
