@@ -15,7 +15,7 @@ import torch
 import tritonkit
 import tritonkit.ops.linear.kernels as kn
 import tritonkit.ops.linear.matmul as mm
-from tritonkit.ops.linear import ACTIVATIONS, gated_linear_reference, linear_cost, linear_reference
+from tritonkit.ops.linear import ACTIVATIONS, gated_linear_reference, linear_reference
 from tritonkit.testing import check_against_reference, generator, poisoned_outputs, random_tensor
 
 op_module = importlib.import_module("tritonkit.ops.linear.linear")  # the package's `linear` is the function
@@ -192,12 +192,6 @@ def test_module_loads_torch_state_dict(device):
     assert "activation='relu2'" in repr(layer)
     with pytest.raises(ValueError, match="activation must be one of"):
         tritonkit.nn.Linear(K, N, activation="gelu_erf")
-
-
-def test_cost():
-    cost = linear_cost((8192, 4096, 16384), BF16)  # (M, K, N)
-    assert cost.flops == 2 * 8192 * 4096 * 16384
-    assert cost.bytes == 2 * (8192 * 4096 + 16384 * 4096 + 8192 * 16384 + 16384)
 
 
 def _gated_inputs(leading, dtype, device, seed):

@@ -15,6 +15,7 @@ import tritonkit
 import tritonkit.ops.softmax.kernels as sk
 import tritonkit.ops.softmax.softmax as sm
 from tritonkit import tuning
+from tritonkit._launch import next_power_of_2
 from tritonkit._runtime import interpret, sm_count
 from tritonkit.ops.softmax.softmax import (
     DTYPES,
@@ -128,7 +129,7 @@ def _key(direction, n, layout="rows", rows=64, variant="auto", dtype="fp32>fp32"
         "direction": direction,
         "variant": variant,
         "layout": layout,
-        "block_n": sm._next_power_of_2(n),
+        "block_n": next_power_of_2(n),
         "rows": rows,
         "dtype": dtype,
     }

@@ -17,8 +17,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -32,20 +32,32 @@ MAX_COMPILE_THREADS = 16  # threads compiling a tuner's candidates together (see
 log = logging.getLogger("tritonkit")
 
 
-@dataclass(frozen=True)
-class Launch:
-    """One kernel launch an op would make, described without running it."""
+class Launch(NamedTuple):
+    """One kernel launch: what an op runs, a tuner times and ``tritonkit inspect`` compiles, built by
+    the op's own launch code. A tuple, because an op builds one or two on every call (a frozen
+    dataclass costs about a microsecond more to build)."""
 
     name: str  # what it is in the op: "fwd one-pass"
-    kernel: object  # the @triton.jit function
+    kernel: object  # the @triton.jit (or @gluon.jit) function
     args: tuple  # runtime arguments as the op passes them (tensors may be on the "meta" device)
     meta: dict  # constexpr arguments and launch options (num_warps, num_stages)
-    config: dict = field(default_factory=dict)  # the tuning config behind it, for display
+    config: dict = {}  # the tuning config behind it, for display (never mutated)
     grid: tuple = ()  # programs along each axis, where the launch is to run (empty for inspection only)
+    # a host step the launch's result needs before anyone reads it (split-K's sum of partial
+    # products into the output), run right after the kernel is launched
+    then: Callable[[], object] | None = None
 
     def run(self) -> None:
-        """Launch it, through the kernel's lean :class:`Launcher`."""
+        """Launch it, through the kernel's lean :class:`Launcher`, then its host step if it has one."""
         launcher_of(self.kernel)(self.grid, *self.args, **self.meta)
+        if self.then is not None:
+            self.then()
+
+
+def next_power_of_2(n: int) -> int:
+    """The least power of two at least ``n`` (1 for n <= 1); ``triton.next_power_of_2`` costs
+    microseconds from Python, which launch builders pay on every call."""
+    return 1 << max(0, n - 1).bit_length()
 
 
 def cdiv(a: int, b: int) -> int:

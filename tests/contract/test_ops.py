@@ -25,9 +25,6 @@ from tritonkit.testing import as_tuple, generator, poisoned_outputs
 NOT_YET_ON_THE_SCAFFOLDING = {
     "attention",
     "attention_causal",
-    "linear",
-    "linear_bare",
-    "gated_linear",
 }
 OPS = [name for name in op_names() if name not in NOT_YET_ON_THE_SCAFFOLDING]
 # Slack on the backward's cost: its bytes are the least it must move; its launches also touch

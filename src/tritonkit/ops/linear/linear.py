@@ -25,7 +25,6 @@ byte, past the ridge: compute-bound, so the roofline is the tensor cores' peak.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -413,13 +412,16 @@ def gated_linear_reference(
     return REFERENCE_ACTIVATIONS[activation](linear(input, weight_gate)) * linear(input, weight_up)
 
 
-def linear_cost(shape: tuple, dtype: torch.dtype, mode: str = "fwd", bias: bool = True):
+def linear_cost(
+    shape: tuple, dtype: torch.dtype, mode: str = "fwd", bias: bool = True, activation: bool = True
+):
     """(M, K, N): 2 M N K FLOPs a matmul (two more backward); the bytes of the operands and output
-    (backward: dy and z read, x and W read, dx and dW written, db)."""
+    (backward: dy read, and the pre-activation z where there is an activation, x and W read, dx
+    and dW written, db)."""
     m, k, n = shape
     size = torch.finfo(dtype).bits // 8
     fwd = Cost(2 * m * n * k, size * (m * k + n * k + m * n + bias * n))
-    bwd = Cost(4 * m * n * k, size * (2 * m * n + 2 * m * k + 2 * n * k + bias * n))
+    bwd = Cost(4 * m * n * k, size * ((1 + activation) * m * n + 2 * m * k + 2 * n * k + bias * n))
     return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]
 
 
@@ -470,7 +472,7 @@ def _inspect_launches(
     for form in forms:
         for name, problem in matmuls[form].items():
             tile = config or default_config(FORMS[problem["gated"]])
-            launches += [dataclasses.replace(launch, name=name) for launch in matmul_launches(problem, tile)]
+            launches += [launch._replace(name=name) for launch in matmul_launches(problem, tile)]
         if form == "linear" and not code:
             continue  # the bare matmul's backward has no elementwise pass (no bias: no db)
         launches += _elementwise_launches(*elementwise[form])
@@ -521,7 +523,9 @@ def _spec(name: str):
         family="linear",
         fn=gated_linear if gated else linear,
         reference=gated_linear_reference if gated else linear_reference,
-        cost=(gated_linear_cost if gated else functools.partial(linear_cost, bias=not bare)),
+        cost=(
+            gated_linear_cost if gated else functools.partial(linear_cost, bias=not bare, activation=not bare)
+        ),
         make_inputs=functools.partial(_make_inputs, operands="gated" if gated else 2 if bare else 3),
         grad_inputs=(0, 1) if bare else (0, 1, 2),
         flop_unit="bf16",

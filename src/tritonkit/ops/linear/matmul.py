@@ -11,7 +11,6 @@ The kernel, its configs and their prune are in ``kernels.py``.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import torch
@@ -69,26 +68,13 @@ def given(t, stand_in):
     return t if t is not None else stand_in
 
 
-@dataclasses.dataclass(frozen=True)
-class SplitKLaunch(Launch):
-    """A launch with SPLIT_K: the kernel writes fp32 partial products (its C), which running the
-    launch then sums into ``out``, in a fixed order (deterministic). A Launch runs a kernel only, and
-    this sum is part of the matmul, so the record carries it."""
-
-    out: torch.Tensor | None = None
-
-    def run(self) -> None:
-        super().run()
-        self.out.copy_(self.args[C_ARG].sum(0))
-
-
 def matmul_launches(problem: tuning.Problem, config: dict) -> list[Launch]:
     """The kernel's launch that computes ``problem`` on ``config``.
 
     A config's ``TMA`` loads A and B through tensor descriptors where they allow it (else pointers,
     as without); its ``PERSISTENT`` launches that many programs an SM, each walking tiles, instead of
     one program a tile; its ``SPLIT_K`` (plain matmuls only) launches that many programs a tile, each
-    over a share of K, into fp32 partial products that the launch sums into out (:class:`SplitKLaunch`);
+    over a share of K, into fp32 partial products that the launch's host step sums into out;
     its ``TMA_STORE`` (plain matmuls only: an epilogue's stores need shared memory of their own beside
     C's staged tile, which the tile's stages may leave none of) stores C through a tensor descriptor
     where out's rows are 16-byte aligned (else from registers, as without)."""
@@ -152,7 +138,10 @@ def matmul_launches(problem: tuning.Problem, config: dict) -> list[Launch]:
     # K = 0: the loop takes no step and the epilogue still runs
     programs = min(tiles, per_sm * _sm_count(a.device)) if per_sm else tiles
     if split_k > 1:
-        return [SplitKLaunch("matmul", _linear_kernel, args, meta, config, (programs, split_k), out=out)]
+        # the kernel writes fp32 partial products (its C), summed into out in a fixed order (deterministic)
+        partials = args[C_ARG]
+        summed = functools.partial(_sum_into, out, partials)
+        return [Launch("matmul", _linear_kernel, args, meta, config, (programs, split_k), then=summed)]
     return [Launch("matmul", _linear_kernel, args, meta, config, (programs,))]
 
 
@@ -312,3 +301,7 @@ def matmul(a, b, out, **operands) -> None:
     if config is None:
         config, _ = MATMUL.choose(tuning_key(problem), problem, signature=signature)
     MATMUL.run(problem, config)
+
+
+def _sum_into(out: torch.Tensor, partials: torch.Tensor) -> None:
+    out.copy_(partials.sum(0))

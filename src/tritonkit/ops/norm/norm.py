@@ -35,9 +35,8 @@ from collections.abc import Callable
 import torch
 
 from tritonkit import tuning
-from tritonkit._launch import Launch, cdiv
+from tritonkit._launch import Launch, cdiv, next_power_of_2
 from tritonkit._runtime import empty_output, sm_count
-from tritonkit._triton import triton
 from tritonkit.dtypes import DTYPE_OF, FLOATS, NAME_OF
 from tritonkit.opdef import check_tensor, op
 from tritonkit.ops.norm.kernels import (
@@ -73,7 +72,6 @@ CALIBRATION_ELEMENTS = 1 << 21  # cap on a calibration problem: its float64 refe
 BWD_CALIBRATION_EPS = 1e-5  # the backward's calibration forward (the backward is not given the op's eps)
 # triton.next_power_of_2, memoized: it unwraps constexprs, microseconds from Python (as triton.cdiv
 # does, which _launch.cdiv stands in for), and the launches below take it on every call
-_next_power_of_2 = functools.lru_cache(maxsize=4096)(triton.next_power_of_2)
 
 
 # ---------------------------------------------------------------- launches
@@ -98,7 +96,7 @@ def _fwd_launches(
     stores none; the looped one stores them regardless, one pair a long row, into scratch."""
     n = input.shape[-1]
     rows = input.numel() // n
-    block_n = _next_power_of_2(n)
+    block_n = next_power_of_2(n)
     looped = block_n > MAX_BLOCK_N["fwd"] or "BLOCK_N" in config  # looped configs name their chunk
     stats = rstd is not None
     if looped and not stats:
@@ -165,7 +163,7 @@ def _bwd_launches(
     by empty ones (for inspect)."""
     n = h.shape[-1]
     rows = h.numel() // n
-    block_n = _next_power_of_2(n)
+    block_n = next_power_of_2(n)
     looped = block_n > MAX_BLOCK_N["bwd"]
     programs = cdiv(rows, config["ROWS"])
     rstd = rstd if rstd is not None else torch.empty(rows, dtype=torch.float32, device=h.device)
@@ -224,7 +222,7 @@ def _sum_partials_launch(dw_partial, db_partial, dw, db) -> Launch:
     partials = dw_partial if dw_partial is not None else db_partial
     programs, n = partials.shape
     block_cols = min(64, max(8, 1 << max(0, (n // SUM_PROGRAMS).bit_length() - 1)))
-    block_p = min(SUM_TILE // block_cols, _next_power_of_2(programs))
+    block_p = min(SUM_TILE // block_cols, next_power_of_2(programs))
     args = (
         dw_partial if dw_partial is not None else partials,
         db_partial if db_partial is not None else partials,
@@ -256,12 +254,12 @@ def _run(launches: list[Launch]) -> None:
 def _tuning_key(direction: str, n: int, rows: int, dtype: torch.dtype, params: dict) -> dict:
     """The kernel (direction, looped), the shape bucket and what specialises the kernel: the dtype,
     RMS or not, the residual (backward: its gradient) and the parameters' dtypes."""
-    block_n = _next_power_of_2(n)
+    block_n = next_power_of_2(n)
     return {
         "direction": direction,
         "looped": block_n > MAX_BLOCK_N[direction],
         "block_n": block_n,
-        "rows": _next_power_of_2(rows),
+        "rows": next_power_of_2(rows),
         "dtype": NAME_OF[dtype],
         **params,
     }

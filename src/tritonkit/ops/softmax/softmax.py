@@ -48,7 +48,7 @@ import math
 import torch
 
 from tritonkit import tuning
-from tritonkit._launch import Launch, cdiv, launcher_of
+from tritonkit._launch import Launch, cdiv, launcher_of, next_power_of_2
 from tritonkit._runtime import check_device, empty_output, interpret, sm_count
 from tritonkit.dtypes import FLOATS, NAME_OF
 from tritonkit.opdef import op
@@ -72,10 +72,6 @@ DTYPES = FLOATS
 # ---------------------------------------------------------------- launching and tuning
 
 CALIBRATION_ELEMENTS = 1 << 22  # cap on a calibration input: the float64 reference stays small
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 def _as_3d(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -129,7 +125,7 @@ def _launch_args(
     sum_fp64 = log and tensors[0 if direction == "fwd" else 1].dtype == torch.float32
     if config["variant"] == "split":
         return _split_launch_args(direction, config, log, sum_fp64, tensors, geometry, phase)
-    block_n = config.get("BLOCK_N", _next_power_of_2(n))
+    block_n = config.get("BLOCK_N", next_power_of_2(n))
     row_blocks = cdiv(rows, config["BLOCK_M"])
     meta = {
         "LOG": log,
@@ -169,7 +165,7 @@ def _split_launch_args(
         "LOG": log,
         "SUM_FP64": sum_fp64,
         "BLOCK_N": config["BLOCK_N"],
-        "SEGMENTS": _next_power_of_2(segments),
+        "SEGMENTS": next_power_of_2(segments),
         "PHASE": phase,
         "num_warps": config["num_warps"],
     }
@@ -210,8 +206,8 @@ def _tuning_key(direction: str, views: tuple) -> dict:
     return {
         "direction": direction,
         "layout": layout,
-        "block_n": _next_power_of_2(n),
-        "rows": _next_power_of_2(outer * rows if layout == "rows" else rows),
+        "block_n": next_power_of_2(n),
+        "rows": next_power_of_2(outer * rows if layout == "rows" else rows),
         "dtype": f"{NAME_OF[views[0].dtype]}>{NAME_OF[views[-1].dtype]}",
     }
 
