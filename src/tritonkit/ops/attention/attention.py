@@ -31,13 +31,30 @@ from tritonkit.ops.attention.fwd import _attn_fwd_kernel, _fwd_launch_args, atte
 # The custom ops take Scores' and Packed's fields one by one (a custom op's arguments are tensors
 # and scalars); a dense call has no cu_seqlens.
 @torch.library.custom_op("tritonkit::attention_fwd", mutates_args=())
-def _attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
-                      cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int, scale: float,
-                      causal: bool, bottom_right: bool, window_left: int, window_right: int, softcap: float,
-                      deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _attention_fwd_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+    causal: bool,
+    bottom_right: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     # deterministic is the backward's: the forward takes it so that autograd hands it on
-    return attention_fwd(q, k, v, Scores(scale, causal, bottom_right, (window_left, window_right), softcap),
-                         packed=_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    return attention_fwd(
+        q,
+        k,
+        v,
+        Scores(scale, causal, bottom_right, (window_left, window_right), softcap),
+        packed=_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+    )
 
 
 @_attention_fwd_op.register_fake
@@ -49,15 +66,38 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *scores):
 
 
 @torch.library.custom_op("tritonkit::attention_bwd", mutates_args=())
-def _attention_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                      lse: torch.Tensor, dlse: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None,
-                      cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int, scale: float,
-                      causal: bool, bottom_right: bool, window_left: int, window_right: int, softcap: float,
-                      deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return attention_bwd(do, q, k, v, o, lse, dlse,
-                         Scores(scale, causal, bottom_right, (window_left, window_right), softcap),
-                         packed=_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
-                         deterministic=deterministic)
+def _attention_bwd_op(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+    causal: bool,
+    bottom_right: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return attention_bwd(
+        do,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        dlse,
+        Scores(scale, causal, bottom_right, (window_left, window_right), softcap),
+        packed=_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+        deterministic=deterministic,
+    )
 
 
 @_attention_bwd_op.register_fake
@@ -90,18 +130,43 @@ def _backward(ctx, do, dlse):
 _attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _call(q, k, v, scores: Scores, packed: Packed | None = None,
-          deterministic: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def _call(
+    q, k, v, scores: Scores, packed: Packed | None = None, deterministic: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward custom op (differentiable) on validated inputs."""
     cu_q, cu_k, _, max_q, max_k = packed or (None, None, 0, 0, 0)
-    return _attention_fwd_op(q, k, v, cu_q, cu_k, max_q, max_k, scores.scale, scores.causal,
-                             scores.bottom_right, *scores.window, scores.softcap, bool(deterministic))
+    return _attention_fwd_op(
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        scores.scale,
+        scores.causal,
+        scores.bottom_right,
+        *scores.window,
+        scores.softcap,
+        bool(deterministic),
+    )
 
 
-def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                    scale: float | None = None, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                    return_lse: bool = False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                    max_seqlen_k=None, deterministic: bool = True):
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    return_lse: bool = False,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    deterministic: bool = True,
+):
     """Attention over (B, H, S, D) fp16/bf16 tensors, FlashAttention's conventions: ``causal``
     aligned bottom-right when Sq != Sk; GQA/MQA when k and v have fewer heads (a divisor of q's);
     ``scale`` defaults to 1/sqrt(D). ``window`` = (left, right) lets query i see only the keys from
@@ -141,8 +206,10 @@ def _validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     """The packed batch's Packed, or a TypeError or ValueError naming what is wrong."""
     for name, tensor in (("query", q), ("key", k), ("value", v)):
         if isinstance(tensor, torch.Tensor) and tensor.dim() != 3:
-            raise ValueError(f"a packed {name} must be 3-D (total tokens, heads, head dim), got shape "
-                             f"{tuple(tensor.shape)}")
+            raise ValueError(
+                f"a packed {name} must be 3-D (total tokens, heads, head dim), got shape "
+                f"{tuple(tensor.shape)}"
+            )
     validate_qkv(*(t.transpose(0, 1).unsqueeze(0) if isinstance(t, torch.Tensor) else t for t in (q, k, v)))
     lengths = {}
     for name, cu, tensor in (("cu_seqlens_q", cu_seqlens_q, q), ("cu_seqlens_k", cu_seqlens_k, k)):
@@ -161,15 +228,20 @@ def _validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         if (steps < 0).any():
             raise ValueError(f"{name} must be non-decreasing, got {host.tolist()}")
         if host[-1] != tensor.shape[0]:
-            raise ValueError(f"{name} must end at the packed tensor's {tensor.shape[0]} rows, got "
-                             f"{int(host[-1])}")
+            raise ValueError(
+                f"{name} must end at the packed tensor's {tensor.shape[0]} rows, got {int(host[-1])}"
+            )
         lengths[name] = int(steps.max()) if steps.numel() else 0
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have one entry a sequence each, got "
-                         f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must have one entry a sequence each, got "
+            f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}"
+        )
     longest = []
-    for name, given, found in (("max_seqlen_q", max_seqlen_q, lengths["cu_seqlens_q"]),
-                               ("max_seqlen_k", max_seqlen_k, lengths["cu_seqlens_k"])):
+    for name, given, found in (
+        ("max_seqlen_q", max_seqlen_q, lengths["cu_seqlens_q"]),
+        ("max_seqlen_k", max_seqlen_k, lengths["cu_seqlens_k"]),
+    ):
         if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < found):
             raise ValueError(f"{name} must be an int >= the longest sequence ({found}), got {given!r}")
         longest.append(found if given is None else given)
@@ -188,21 +260,32 @@ def _window(window) -> tuple[int, int]:
     return left, right
 
 
-def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
-                                 dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-                                 enable_gqa: bool = False) -> torch.Tensor:
+def scaled_dot_product_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask=None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
     """``torch.nn.functional.scaled_dot_product_attention`` on (B, H, S, D) fp16/bf16 tensors, with its
     semantics: ``is_causal`` aligned top-left when Sq != Sk, fewer key/value heads only with
     ``enable_gqa``. A dense ``attn_mask`` and ``dropout_p > 0`` raise NotImplementedError."""
     if attn_mask is not None:
-        raise NotImplementedError("scaled_dot_product_attention: attn_mask is not supported (use is_causal, "
-                                  "or flash_attention's window)")
+        raise NotImplementedError(
+            "scaled_dot_product_attention: attn_mask is not supported (use is_causal, "
+            "or flash_attention's window)"
+        )
     if dropout_p:
         raise NotImplementedError("scaled_dot_product_attention: dropout_p > 0 is not supported")
     validate_qkv(query, key, value)
     if key.shape[1] != query.shape[1] and not enable_gqa:
-        raise ValueError(f"query has {query.shape[1]} heads and key/value {key.shape[1]}: pass "
-                         "enable_gqa=True for grouped-query attention, as torch requires")
+        raise ValueError(
+            f"query has {query.shape[1]} heads and key/value {key.shape[1]}: pass "
+            "enable_gqa=True for grouped-query attention, as torch requires"
+        )
     o, _ = _call(query, key, value, Scores(softmax_scale(scale, query.shape[-1]), bool(is_causal), False))
     return o
 
@@ -226,8 +309,9 @@ def attention_cost(shape: tuple, dtype: torch.dtype, mode: str = "fwd", causal: 
     return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]
 
 
-def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None = None,
-                      causal: bool = False) -> list:
+def _inspect_launches(
+    shape: tuple, dtype: torch.dtype, config: dict | None = None, causal: bool = False
+) -> list:
     """The forward's launch and the backward's three for a benchmark shape (B, Hq, Hkv, S, D): what
     ``tritonkit inspect`` compiles. A ``config`` sets the forward's tile, and under "dkdv" and "dq"
     the backward kernels' (over their defaults)."""
@@ -239,8 +323,10 @@ def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None = No
     bwd_config = {name: value for name, value in (config or {}).items() if name in KERNELS}
     scores = Scores(softmax_scale(None, head_dim), causal)
     _, args, meta = _fwd_launch_args(q, kv, kv, q, lse, scores, fwd_config or None)
-    return [Launch("fwd", _attn_fwd_kernel, args, meta, fwd_config),
-            *_inspect_bwd_launches(shape, dtype, bwd_config, scores)]
+    return [
+        Launch("fwd", _attn_fwd_kernel, args, meta, fwd_config),
+        *_inspect_bwd_launches(shape, dtype, bwd_config, scores),
+    ]
 
 
 # ---------------------------------------------------------------- benchmark peers and specs
@@ -249,6 +335,7 @@ def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None = No
 def _sdpa_backend(backend: str):
     """A peer: torch's scaled_dot_product_attention pinned to one backend (FLASH_ATTENTION, CUDNN_ATTENTION,
     EFFICIENT_ATTENTION); a backend that cannot take a case raises, and the harness reports it."""
+
     def factory(kwargs: dict):
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -257,8 +344,11 @@ def _sdpa_backend(backend: str):
         def run(q, k, v):
             with sdpa_kernel(chosen):
                 return torch.nn.functional.scaled_dot_product_attention(
-                    q, k, v, is_causal=kwargs.get("causal", False), enable_gqa=q.shape[1] != k.shape[1])
+                    q, k, v, is_causal=kwargs.get("causal", False), enable_gqa=q.shape[1] != k.shape[1]
+                )
+
         return run
+
     return factory
 
 
@@ -277,6 +367,7 @@ def _flex(kwargs: dict):
     def run(q, k, v):
         mask = causal_mask(q.shape[2], k.shape[2]) if kwargs.get("causal") else None
         return compiled(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
     return run
 
 
@@ -284,9 +375,11 @@ def _make_inputs(shape: tuple, dtype: torch.dtype, device, generator: torch.Gene
     from tritonkit.testing import random_tensor
 
     batch, heads_q, heads_kv, seq, head_dim = shape
-    return (random_tensor((batch, heads_q, seq, head_dim), dtype, device, generator=generator),
-            random_tensor((batch, heads_kv, seq, head_dim), dtype, device, generator=generator),
-            random_tensor((batch, heads_kv, seq, head_dim), dtype, device, generator=generator))
+    return (
+        random_tensor((batch, heads_q, seq, head_dim), dtype, device, generator=generator),
+        random_tensor((batch, heads_kv, seq, head_dim), dtype, device, generator=generator),
+        random_tensor((batch, heads_kv, seq, head_dim), dtype, device, generator=generator),
+    )
 
 
 def _spec(causal: bool):
@@ -304,22 +397,38 @@ def _spec(causal: bool):
         # (B, Hq, Hkv, S, D): the issue's shapes; GQA at Hq 32, Hkv 8; fp16 at the first
         shapes={
             "interpreter": [((1, 2, 1, 40, 64), "bf16"), ((1, 2, 2, 33, 32), "fp16")],
-            "quick": [((4, 32, 32, 4096, 128), "bf16"), ((2, 16, 16, 16384, 128), "bf16"),
-                      ((4, 32, 32, 4096, 64), "bf16"), ((16, 16, 16, 1024, 128), "bf16"),
-                      ((4, 32, 32, 4096, 128), "fp16"), ((4, 32, 8, 4096, 128), "bf16")],
-            "full": [((4, 32, 32, 4096, 128), "bf16"), ((2, 16, 16, 16384, 128), "bf16"),
-                     ((4, 32, 32, 4096, 64), "bf16"), ((16, 16, 16, 1024, 128), "bf16"),
-                     ((4, 32, 32, 4096, 128), "fp16"), ((4, 32, 8, 4096, 128), "bf16"),
-                     ((1, 32, 32, 8192, 256), "bf16"), ((8, 16, 16, 2048, 96), "bf16")],
+            "quick": [
+                ((4, 32, 32, 4096, 128), "bf16"),
+                ((2, 16, 16, 16384, 128), "bf16"),
+                ((4, 32, 32, 4096, 64), "bf16"),
+                ((16, 16, 16, 1024, 128), "bf16"),
+                ((4, 32, 32, 4096, 128), "fp16"),
+                ((4, 32, 8, 4096, 128), "bf16"),
+            ],
+            "full": [
+                ((4, 32, 32, 4096, 128), "bf16"),
+                ((2, 16, 16, 16384, 128), "bf16"),
+                ((4, 32, 32, 4096, 64), "bf16"),
+                ((16, 16, 16, 1024, 128), "bf16"),
+                ((4, 32, 32, 4096, 128), "fp16"),
+                ((4, 32, 8, 4096, 128), "bf16"),
+                ((1, 32, 32, 8192, 256), "bf16"),
+                ((8, 16, 16, 2048, 96), "bf16"),
+            ],
         },
         tiny_shape=(1, 1, 1, 128, 64),
         dtypes=DTYPES,
         kwargs={"causal": causal},
         # tritonkit[atomic-dq]: the backward with deterministic=False, shown beside the default
-        peers={"tritonkit[atomic-dq]": lambda kwargs: functools.partial(flash_attention, **kwargs,
-                                                                         deterministic=False),
-               "sdpa-flash": _sdpa_backend("FLASH_ATTENTION"), "sdpa-cudnn": _sdpa_backend("CUDNN_ATTENTION"),
-               "sdpa-efficient": _sdpa_backend("EFFICIENT_ATTENTION"), "flex": _flex},
+        peers={
+            "tritonkit[atomic-dq]": lambda kwargs: functools.partial(
+                flash_attention, **kwargs, deterministic=False
+            ),
+            "sdpa-flash": _sdpa_backend("FLASH_ATTENTION"),
+            "sdpa-cudnn": _sdpa_backend("CUDNN_ATTENTION"),
+            "sdpa-efficient": _sdpa_backend("EFFICIENT_ATTENTION"),
+            "flex": _flex,
+        },
         inspect=functools.partial(_inspect_launches, causal=causal),
     )
 

@@ -56,8 +56,13 @@ def _attn_bwd_delta_kernel(
     do_ptr,  # upstream gradient of o, (B, H, Sq, D), strides stride_do*
     dlse_ptr,  # upstream gradient of the lse, (B, H, Sq), contiguous (unused without HAS_DLSE)
     delta_ptr,  # fp32 out: rowsum(dO * O) - dlse, (B, H, Sq), contiguous
-    stride_ob, stride_oh, stride_om,  # elements between batches, heads, rows of o
-    stride_dob, stride_doh, stride_dom, stride_dod,  # ... and head dims of dO
+    stride_ob,
+    stride_oh,
+    stride_om,  # elements between batches, heads, rows of o
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_dod,  # ... and head dims of dO
     H,  # heads
     SEQ_Q,  # query rows per head
     HEAD_DIM: tl.constexpr,  # D
@@ -72,8 +77,15 @@ def _attn_bwd_delta_kernel(
     mask = (rows[:, None] < SEQ_Q) & (dims[None, :] < HEAD_DIM)
     o_rows = o_ptr + batch * stride_ob + head * stride_oh
     o = tl.load(o_rows + rows[:, None] * stride_om + dims[None, :], mask=mask, other=0.0)
-    do = tl.load(do_ptr + batch * stride_dob + head * stride_doh + rows[:, None] * stride_dom
-                 + dims[None, :] * stride_dod, mask=mask, other=0.0)
+    do = tl.load(
+        do_ptr
+        + batch * stride_dob
+        + head * stride_doh
+        + rows[:, None] * stride_dom
+        + dims[None, :] * stride_dod,
+        mask=mask,
+        other=0.0,
+    )
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     if HAS_DLSE:
         delta -= tl.load(dlse_ptr + bh * SEQ_Q + rows, mask=rows < SEQ_Q, other=0.0)
@@ -81,13 +93,55 @@ def _attn_bwd_delta_kernel(
 
 
 @triton.jit
-def _dkdv_steps(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_target, batch, kv_head, q_start, cols,
-                dims, d_mask, stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom,
-                stride_dod, stride_lb, stride_lh, stride_ab, stride_ah, stride_am, GROUP, SEQ_Q, SEQ_K,
-                UPPER_OFFSET, LOWER_OFFSET, score_scale, cap_log2,
-                lead_start, n_lead, rest_start, n_rest, IS_CAUSAL: tl.constexpr, HAS_LOWER: tl.constexpr,
-                SOFTCAP: tl.constexpr, ATOMIC_DQ: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
-                EXACT_DOT_IN_FP32: tl.constexpr, TMA_DQ: tl.constexpr):
+def _dkdv_steps(
+    dk,
+    dv,
+    k,
+    v,
+    q_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    dq_target,
+    batch,
+    kv_head,
+    q_start,
+    cols,
+    dims,
+    d_mask,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_dod,
+    stride_lb,
+    stride_lh,
+    stride_ab,
+    stride_ah,
+    stride_am,
+    GROUP,
+    SEQ_Q,
+    SEQ_K,
+    UPPER_OFFSET,
+    LOWER_OFFSET,
+    score_scale,
+    cap_log2,
+    lead_start,
+    n_lead,
+    rest_start,
+    n_rest,
+    IS_CAUSAL: tl.constexpr,
+    HAS_LOWER: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr,
+    MASKED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    EXACT_DOT_IN_FP32: tl.constexpr,
+    TMA_DQ: tl.constexpr,
+):
     """dk and dv after query blocks of every query head of the key block's group: for each head,
     ``n_lead`` blocks from row ``lead_start``, then ``n_rest`` from ``rest_start``. One loop over
     (head, block) pairs: a nested loop over the heads kept both loops from pipelining on sm_90 and
@@ -107,15 +161,28 @@ def _dkdv_steps(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_target, batc
     for step in range(GROUP * per_head):
         head = kv_head * GROUP + step // per_head
         index = step % per_head
-        start_m = tl.where(index < n_lead, lead_start + index * BLOCK_M,
-                           rest_start + (index - n_lead) * BLOCK_M)
+        start_m = tl.where(
+            index < n_lead, lead_start + index * BLOCK_M, rest_start + (index - n_lead) * BLOCK_M
+        )
         rows = start_m + local_m
         block = q_start + tl.cast(start_m, tl.int64)
         row_stats = batch * stride_lb + head * stride_lh + block + local_m  # lse and delta
-        q_ptrs = (q_ptr + batch * stride_qb + head * stride_qh + block * stride_qm
-                  + local_m[:, None] * stride_qm + dims[None, :] * stride_qd)
-        do_ptrs = (do_ptr + batch * stride_dob + head * stride_doh + block * stride_dom
-                   + local_m[:, None] * stride_dom + dims[None, :] * stride_dod)
+        q_ptrs = (
+            q_ptr
+            + batch * stride_qb
+            + head * stride_qh
+            + block * stride_qm
+            + local_m[:, None] * stride_qm
+            + dims[None, :] * stride_qd
+        )
+        do_ptrs = (
+            do_ptr
+            + batch * stride_dob
+            + head * stride_doh
+            + block * stride_dom
+            + local_m[:, None] * stride_dom
+            + dims[None, :] * stride_dod
+        )
         if MASKED:
             row_mask = rows < SEQ_Q
             q = tl.load(q_ptrs, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
@@ -131,8 +198,9 @@ def _dkdv_steps(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_target, batc
         s_t, tanh_t = _exponent(dot_fp32(k, tl.trans(q), EXACT_DOT_IN_FP32), score_scale, cap_log2, SOFTCAP)
         p_t = tl.math.exp2(s_t - lse_log2[None, :])  # (BLOCK_N, BLOCK_M)
         if MASKED:
-            visible = _visible(rows[None, :], cols[:, None], SEQ_K, UPPER_OFFSET, LOWER_OFFSET, IS_CAUSAL,
-                               HAS_LOWER)
+            visible = _visible(
+                rows[None, :], cols[:, None], SEQ_K, UPPER_OFFSET, LOWER_OFFSET, IS_CAUSAL, HAS_LOWER
+            )
             p_t = tl.where(visible & row_mask[None, :], p_t, 0.0)
         dv += dot_fp32(p_t.to(do.dtype), do, EXACT_DOT_IN_FP32)
         dp_t = dot_fp32(v, tl.trans(do), EXACT_DOT_IN_FP32)
@@ -147,8 +215,13 @@ def _dkdv_steps(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_target, batc
                 first_row = (batch * stride_ab + head * stride_ah) // stride_am + block
                 dq_target.atomic_add([first_row.to(tl.int32), 0], dq)
             else:
-                acc_ptrs = (dq_target + batch * stride_ab + head * stride_ah
-                            + (block + local_m[:, None]) * stride_am + dims[None, :])
+                acc_ptrs = (
+                    dq_target
+                    + batch * stride_ab
+                    + head * stride_ah
+                    + (block + local_m[:, None]) * stride_am
+                    + dims[None, :]
+                )
                 if MASKED:
                     tl.atomic_add(acc_ptrs, dq, mask=row_mask[:, None] & d_mask[None, :], sem="relaxed")
                 else:
@@ -184,13 +257,19 @@ def default_config(head_dim: int) -> dict:
     if interpret():
         return {kernel: dict(INTERPRETER_CONFIG) for kernel in KERNELS}
     if head_dim <= 64:
-        return {"dkdv": {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
-                "dq": {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}}
+        return {
+            "dkdv": {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
+            "dq": {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
+        }
     if head_dim <= 128:
-        return {"dkdv": {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
-                "dq": {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}}
-    return {"dkdv": {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
-            "dq": {"BLOCK_M": 64, "BLOCK_N": 16, "num_warps": 8, "num_stages": 2}}
+        return {
+            "dkdv": {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
+            "dq": {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
+        }
+    return {
+        "dkdv": {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
+        "dq": {"BLOCK_M": 64, "BLOCK_N": 16, "num_warps": 8, "num_stages": 2},
+    }
 
 
 def _prune(kernel: str, config: dict, key: dict) -> bool:
@@ -211,35 +290,74 @@ def _prune(kernel: str, config: dict, key: dict) -> bool:
 
 
 # dK/dV: programs hold BLOCK_N keys and step BLOCK_M query rows
-DKDV_CONFIGS = ([{"BLOCK_M": step, "BLOCK_N": held, **launch}
-                 for held in (32, 64, 128) for step in (16, 32, 64) for launch in _LAUNCH]
-                # atomic dq added a tile at a time by TMA (keys whose dq is atomic only; not yet timed)
-                + [{"BLOCK_M": step, "BLOCK_N": held, **launch, "TMA_DQ": True}
-                   for held in (64, 128) for step in (32, 64) for launch in _LAUNCH])
+DKDV_CONFIGS = (
+    [
+        {"BLOCK_M": step, "BLOCK_N": held, **launch}
+        for held in (32, 64, 128)
+        for step in (16, 32, 64)
+        for launch in _LAUNCH
+    ]
+    # atomic dq added a tile at a time by TMA (keys whose dq is atomic only; not yet timed)
+    + [
+        {"BLOCK_M": step, "BLOCK_N": held, **launch, "TMA_DQ": True}
+        for held in (64, 128)
+        for step in (32, 64)
+        for launch in _LAUNCH
+    ]
+)
 
 
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr,  # inputs as the forward took them, and dO: (B, H*, S*, D), strided
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    do_ptr,  # inputs as the forward took them, and dO: (B, H*, S*, D), strided
     lse_ptr,  # forward lse (natural log), (B, Hq, Sq), strides stride_l* and 1
     delta_ptr,  # rowsum(dO * O) - dlse, laid out as the lse
-    dk_ptr, dv_ptr,  # out: (B, Hkv, Sk, D), strides stride_g* and 1
+    dk_ptr,
+    dv_ptr,  # out: (B, Hkv, Sk, D), strides stride_g* and 1
     dq_acc_ptr,  # ATOMIC_DQ: fp32 dq accumulator, (B, Hq, Sq, D), zeros, strides stride_a* and 1
-    cu_q_ptr, cu_k_ptr,  # VARLEN: int32 first row of each packed sequence of q and of k, and the total
-    stride_qb, stride_qh, stride_qm, stride_qd,  # elements between batches, heads, rows, dims of q
-    stride_kb, stride_kh, stride_kn, stride_kd,  # ... of k
-    stride_vb, stride_vh, stride_vn, stride_vd,  # ... of v
-    stride_dob, stride_doh, stride_dom, stride_dod,  # ... of dO
-    stride_lb, stride_lh,  # ... of the lse and delta
-    stride_gb, stride_gh, stride_gn,  # ... of dk and dv
-    stride_ab, stride_ah, stride_am,  # ... of the dq accumulator
+    cu_q_ptr,
+    cu_k_ptr,  # VARLEN: int32 first row of each packed sequence of q and of k, and the total
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,  # elements between batches, heads, rows, dims of q
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,  # ... of k
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,  # ... of v
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_dod,  # ... of dO
+    stride_lb,
+    stride_lh,  # ... of the lse and delta
+    stride_gb,
+    stride_gh,
+    stride_gn,  # ... of dk and dv
+    stride_ab,
+    stride_ah,
+    stride_am,  # ... of the dq accumulator
     H_KV,  # key/value heads
     GROUP,  # query heads per key/value head
-    SEQ_Q, SEQ_K,  # rows of q and of k per head
-    UPPER_OFFSET, LOWER_OFFSET, score_scale, cap_log2,  # the scores' masks and exponent: Scores.kernel_args
+    SEQ_Q,
+    SEQ_K,  # rows of q and of k per head
+    UPPER_OFFSET,
+    LOWER_OFFSET,
+    score_scale,
+    cap_log2,  # the scores' masks and exponent: Scores.kernel_args
     sm_scale,  # the softmax scale
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,  # D, and a power of two >= D
-    IS_CAUSAL: tl.constexpr, HAS_LOWER: tl.constexpr, SOFTCAP: tl.constexpr,  # Scores.kernel_args
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # D, and a power of two >= D
+    IS_CAUSAL: tl.constexpr,
+    HAS_LOWER: tl.constexpr,
+    SOFTCAP: tl.constexpr,  # Scores.kernel_args
     VARLEN: tl.constexpr,  # a packed batch: a program's "batch" is a sequence; batch strides are 0
     ATOMIC_DQ: tl.constexpr,  # also accumulate dq, with atomics (no dQ kernel)
     BLOCK_M: tl.constexpr,  # query rows a step of the loop takes
@@ -251,7 +369,8 @@ def _attn_bwd_dkdv_kernel(
     bh_kv = tl.program_id(1).to(tl.int64)
     batch, kv_head = bh_kv // H_KV, bh_kv % H_KV
     q_start, SEQ_Q, k_start, SEQ_K, UPPER_OFFSET, LOWER_OFFSET = _sequence(
-        batch, cu_q_ptr, cu_k_ptr, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, VARLEN)
+        batch, cu_q_ptr, cu_k_ptr, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, VARLEN
+    )
     local_n = tl.arange(0, BLOCK_N)
     cols = start_n + local_n
     dims = tl.arange(0, BLOCK_D)
@@ -280,8 +399,9 @@ def _attn_bwd_dkdv_kernel(
         inner_start = tl.full([], 0, tl.int32)
     # and only if i <= j - LOWER_OFFSET: the last key bounds the rows that see any, the first all
     if HAS_LOWER:
-        end = tl.maximum(tl.minimum(tl.cdiv(tl.maximum(last_key - LOWER_OFFSET + 1, 0), BLOCK_M) * BLOCK_M,
-                                    all_end), first)
+        end = tl.maximum(
+            tl.minimum(tl.cdiv(tl.maximum(last_key - LOWER_OFFSET + 1, 0), BLOCK_M) * BLOCK_M, all_end), first
+        )
         inner_end = tl.minimum(inner_end, tl.maximum(start_n - LOWER_OFFSET + 1, 0) // BLOCK_M * BLOCK_M)
     else:
         end = all_end
@@ -295,31 +415,117 @@ def _attn_bwd_dkdv_kernel(
             dq_rows = H_KV * GROUP * (stride_ah // stride_am)
         else:
             dq_rows = tl.num_programs(1) // H_KV * (stride_ab // stride_am)
-        dq_target = tl.make_tensor_descriptor(dq_acc_ptr, shape=[dq_rows, HEAD_DIM], strides=[stride_am, 1],
-                                              block_shape=[BLOCK_M, BLOCK_D])
+        dq_target = tl.make_tensor_descriptor(
+            dq_acc_ptr, shape=[dq_rows, HEAD_DIM], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_D]
+        )
     else:
         dq_target = dq_acc_ptr
     # what the masked and the unmasked steps share: tiles, pointers, strides and scalars
-    shared = (k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_target, batch, kv_head, q_start, cols, dims,
-              d_mask, stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom,
-              stride_dod, stride_lb, stride_lh, stride_ab, stride_ah, stride_am, GROUP, SEQ_Q, SEQ_K,
-              UPPER_OFFSET, LOWER_OFFSET, score_scale, cap_log2)
-    dk, dv = _dkdv_steps(dk, dv, *shared, first, (inner_start - first) // BLOCK_M, inner_end,
-                         (end - inner_end) // BLOCK_M, IS_CAUSAL, HAS_LOWER, SOFTCAP, ATOMIC_DQ, True,
-                         BLOCK_M, EXACT_DOT_IN_FP32, TMA_DQ)
-    dk, dv = _dkdv_steps(dk, dv, *shared, inner_start, (inner_end - inner_start) // BLOCK_M, inner_end,
-                         0, IS_CAUSAL, HAS_LOWER, SOFTCAP, ATOMIC_DQ, False, BLOCK_M, EXACT_DOT_IN_FP32,
-                         TMA_DQ)
+    shared = (
+        k,
+        v,
+        q_ptr,
+        do_ptr,
+        lse_ptr,
+        delta_ptr,
+        dq_target,
+        batch,
+        kv_head,
+        q_start,
+        cols,
+        dims,
+        d_mask,
+        stride_qb,
+        stride_qh,
+        stride_qm,
+        stride_qd,
+        stride_dob,
+        stride_doh,
+        stride_dom,
+        stride_dod,
+        stride_lb,
+        stride_lh,
+        stride_ab,
+        stride_ah,
+        stride_am,
+        GROUP,
+        SEQ_Q,
+        SEQ_K,
+        UPPER_OFFSET,
+        LOWER_OFFSET,
+        score_scale,
+        cap_log2,
+    )
+    dk, dv = _dkdv_steps(
+        dk,
+        dv,
+        *shared,
+        first,
+        (inner_start - first) // BLOCK_M,
+        inner_end,
+        (end - inner_end) // BLOCK_M,
+        IS_CAUSAL,
+        HAS_LOWER,
+        SOFTCAP,
+        ATOMIC_DQ,
+        True,
+        BLOCK_M,
+        EXACT_DOT_IN_FP32,
+        TMA_DQ,
+    )
+    dk, dv = _dkdv_steps(
+        dk,
+        dv,
+        *shared,
+        inner_start,
+        (inner_end - inner_start) // BLOCK_M,
+        inner_end,
+        0,
+        IS_CAUSAL,
+        HAS_LOWER,
+        SOFTCAP,
+        ATOMIC_DQ,
+        False,
+        BLOCK_M,
+        EXACT_DOT_IN_FP32,
+        TMA_DQ,
+    )
     out = batch * stride_gb + kv_head * stride_gh + (block + local_n[:, None]) * stride_gn + dims[None, :]
     tl.store(dk_ptr + out, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
     tl.store(dv_ptr + out, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
 
 
 @triton.jit
-def _dq_steps(dq, q, do, lse_log2, delta, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd, rows,
-              dims, d_mask, start, end, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, score_scale, cap_log2,
-              IS_CAUSAL: tl.constexpr, HAS_LOWER: tl.constexpr, SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
-              BLOCK_N: tl.constexpr, EXACT_DOT_IN_FP32: tl.constexpr):
+def _dq_steps(
+    dq,
+    q,
+    do,
+    lse_log2,
+    delta,
+    k_head,
+    v_head,
+    stride_kn,
+    stride_kd,
+    stride_vn,
+    stride_vd,
+    rows,
+    dims,
+    d_mask,
+    start,
+    end,
+    SEQ_Q,
+    SEQ_K,
+    UPPER_OFFSET,
+    LOWER_OFFSET,
+    score_scale,
+    cap_log2,
+    IS_CAUSAL: tl.constexpr,
+    HAS_LOWER: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    MASKED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    EXACT_DOT_IN_FP32: tl.constexpr,
+):
     """dq after the key blocks in [start, end); MASKED blocks mask keys past SEQ_K and outside each
     row's bounds (rows past SEQ_Q need no mask: their lse is +inf, so their P is 0, and they are not
     stored)."""
@@ -338,8 +544,9 @@ def _dq_steps(dq, q, do, lse_log2, delta, k_head, v_head, stride_kn, stride_kd, 
         s, tanh_s = _exponent(dot_fp32(q, tl.trans(k), EXACT_DOT_IN_FP32), score_scale, cap_log2, SOFTCAP)
         p = tl.math.exp2(s - lse_log2[:, None])
         if MASKED:
-            visible = _visible(rows[:, None], cols[None, :], SEQ_K, UPPER_OFFSET, LOWER_OFFSET, IS_CAUSAL,
-                               HAS_LOWER)
+            visible = _visible(
+                rows[:, None], cols[None, :], SEQ_K, UPPER_OFFSET, LOWER_OFFSET, IS_CAUSAL, HAS_LOWER
+            )
             p = tl.where(visible & (rows[:, None] < SEQ_Q), p, 0.0)
         dp = dot_fp32(do, tl.trans(v), EXACT_DOT_IN_FP32)
         ds = p * (dp - delta[:, None])
@@ -350,29 +557,60 @@ def _dq_steps(dq, q, do, lse_log2, delta, k_head, v_head, stride_kn, stride_kd, 
 
 
 # dQ: programs hold BLOCK_M query rows and step BLOCK_N keys
-DQ_CONFIGS = [{"BLOCK_M": held, "BLOCK_N": step, **launch}
-              for held in (64, 128) for step in (16, 32, 64) for launch in _LAUNCH]
+DQ_CONFIGS = [
+    {"BLOCK_M": held, "BLOCK_N": step, **launch}
+    for held in (64, 128)
+    for step in (16, 32, 64)
+    for launch in _LAUNCH
+]
 
 
 @triton.jit
 def _attn_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr,  # as in the dK/dV kernel
-    lse_ptr, delta_ptr,  # (B, Hq, Sq), strides stride_l* and 1
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    do_ptr,  # as in the dK/dV kernel
+    lse_ptr,
+    delta_ptr,  # (B, Hq, Sq), strides stride_l* and 1
     dq_ptr,  # out: (B, Hq, Sq, D), strides stride_g* and 1
-    cu_q_ptr, cu_k_ptr,  # as in the dK/dV kernel
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_lb, stride_lh,
-    stride_gb, stride_gh, stride_gn,
+    cu_q_ptr,
+    cu_k_ptr,  # as in the dK/dV kernel
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_dod,
+    stride_lb,
+    stride_lh,
+    stride_gb,
+    stride_gh,
+    stride_gn,
     H,  # query heads
     GROUP,  # query heads per key/value head
-    SEQ_Q, SEQ_K,
-    UPPER_OFFSET, LOWER_OFFSET, score_scale, cap_log2,
+    SEQ_Q,
+    SEQ_K,
+    UPPER_OFFSET,
+    LOWER_OFFSET,
+    score_scale,
+    cap_log2,
     sm_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, HAS_LOWER: tl.constexpr, SOFTCAP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_LOWER: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     VARLEN: tl.constexpr,
     BLOCK_M: tl.constexpr,  # query rows a program holds
     BLOCK_N: tl.constexpr,  # keys a step of the loop takes
@@ -383,7 +621,8 @@ def _attn_bwd_dq_kernel(
     batch, head = bh // H, bh % H
     kv_head = head // GROUP
     q_start, SEQ_Q, k_start, SEQ_K, UPPER_OFFSET, LOWER_OFFSET = _sequence(
-        batch, cu_q_ptr, cu_k_ptr, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, VARLEN)
+        batch, cu_q_ptr, cu_k_ptr, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, VARLEN
+    )
     local_m = tl.arange(0, BLOCK_M)
     rows = start_m + local_m
     row_mask = rows < SEQ_Q
@@ -394,8 +633,9 @@ def _attn_bwd_dq_kernel(
     q_rows = q_ptr + batch * stride_qb + head * stride_qh + block * stride_qm
     do_rows = do_ptr + batch * stride_dob + head * stride_doh + block * stride_dom
     q = tl.load(q_rows + local_m[:, None] * stride_qm + dims[None, :] * stride_qd, mask=tile_mask, other=0.0)
-    do = tl.load(do_rows + local_m[:, None] * stride_dom + dims[None, :] * stride_dod, mask=tile_mask,
-                 other=0.0)
+    do = tl.load(
+        do_rows + local_m[:, None] * stride_dom + dims[None, :] * stride_dod, mask=tile_mask, other=0.0
+    )
     row_stats = batch * stride_lb + head * stride_lh + block + local_m  # lse and delta
     lse = tl.load(lse_ptr + row_stats, mask=row_mask, other=float("inf"))
     delta = tl.load(delta_ptr + row_stats, mask=row_mask, other=0.0)
@@ -403,17 +643,99 @@ def _attn_bwd_dq_kernel(
     k_head = k_ptr + batch * stride_kb + kv_head * stride_kh + k_start * stride_kn
     v_head = v_ptr + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    start, inner_start, inner_end, end = _key_ranges(start_m, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
-                                                     IS_CAUSAL, HAS_LOWER, BLOCK_M, BLOCK_N)
-    dq = _dq_steps(dq, q, do, lse_log2, delta, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd,
-                   rows, dims, d_mask, start, inner_start, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
-                   score_scale, cap_log2, IS_CAUSAL, HAS_LOWER, SOFTCAP, True, BLOCK_N, EXACT_DOT_IN_FP32)
-    dq = _dq_steps(dq, q, do, lse_log2, delta, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd,
-                   rows, dims, d_mask, inner_start, inner_end, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
-                   score_scale, cap_log2, IS_CAUSAL, HAS_LOWER, SOFTCAP, False, BLOCK_N, EXACT_DOT_IN_FP32)
-    dq = _dq_steps(dq, q, do, lse_log2, delta, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd,
-                   rows, dims, d_mask, inner_end, end, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
-                   score_scale, cap_log2, IS_CAUSAL, HAS_LOWER, SOFTCAP, True, BLOCK_N, EXACT_DOT_IN_FP32)
+    start, inner_start, inner_end, end = _key_ranges(
+        start_m, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, IS_CAUSAL, HAS_LOWER, BLOCK_M, BLOCK_N
+    )
+    dq = _dq_steps(
+        dq,
+        q,
+        do,
+        lse_log2,
+        delta,
+        k_head,
+        v_head,
+        stride_kn,
+        stride_kd,
+        stride_vn,
+        stride_vd,
+        rows,
+        dims,
+        d_mask,
+        start,
+        inner_start,
+        SEQ_Q,
+        SEQ_K,
+        UPPER_OFFSET,
+        LOWER_OFFSET,
+        score_scale,
+        cap_log2,
+        IS_CAUSAL,
+        HAS_LOWER,
+        SOFTCAP,
+        True,
+        BLOCK_N,
+        EXACT_DOT_IN_FP32,
+    )
+    dq = _dq_steps(
+        dq,
+        q,
+        do,
+        lse_log2,
+        delta,
+        k_head,
+        v_head,
+        stride_kn,
+        stride_kd,
+        stride_vn,
+        stride_vd,
+        rows,
+        dims,
+        d_mask,
+        inner_start,
+        inner_end,
+        SEQ_Q,
+        SEQ_K,
+        UPPER_OFFSET,
+        LOWER_OFFSET,
+        score_scale,
+        cap_log2,
+        IS_CAUSAL,
+        HAS_LOWER,
+        SOFTCAP,
+        False,
+        BLOCK_N,
+        EXACT_DOT_IN_FP32,
+    )
+    dq = _dq_steps(
+        dq,
+        q,
+        do,
+        lse_log2,
+        delta,
+        k_head,
+        v_head,
+        stride_kn,
+        stride_kd,
+        stride_vn,
+        stride_vd,
+        rows,
+        dims,
+        d_mask,
+        inner_end,
+        end,
+        SEQ_Q,
+        SEQ_K,
+        UPPER_OFFSET,
+        LOWER_OFFSET,
+        score_scale,
+        cap_log2,
+        IS_CAUSAL,
+        HAS_LOWER,
+        SOFTCAP,
+        True,
+        BLOCK_N,
+        EXACT_DOT_IN_FP32,
+    )
     out = batch * stride_gb + head * stride_gh + (block + local_m[:, None]) * stride_gn + dims[None, :]
     tl.store(dq_ptr + out, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=tile_mask)
 
@@ -431,21 +753,28 @@ def _launch_delta(o, do, lse, dlse, delta) -> tuple:
     (B, H, Sq) views (a packed batch's are (1, H, T): delta needs no sequence bounds)."""
     batch, heads, seq_q, head_dim = o.shape
     args = (o, do, dlse if dlse is not None else lse, delta, *o.stride()[:3], *do.stride(), heads, seq_q)
-    meta = {"HEAD_DIM": head_dim, "BLOCK_D": _block_d(head_dim), "HAS_DLSE": dlse is not None,
-            "BLOCK_M": DELTA_BLOCK_M, "num_warps": 4}
+    meta = {
+        "HEAD_DIM": head_dim,
+        "BLOCK_D": _block_d(head_dim),
+        "HAS_DLSE": dlse is not None,
+        "BLOCK_M": DELTA_BLOCK_M,
+        "num_warps": 4,
+    }
     return _delta_launcher, (cdiv(seq_q, DELTA_BLOCK_M), batch * heads), args, meta
 
 
-def _launch_main(kernel: str, q, k, v, do, lse, delta, grads, scores: Scores, config: dict,
-                 packed: Packed | None = None) -> tuple:
+def _launch_main(
+    kernel: str, q, k, v, do, lse, delta, grads, scores: Scores, config: dict, packed: Packed | None = None
+) -> tuple:
     """(launcher, grid, arguments, constexprs and options) of the dK/dV kernel (``grads`` = (dk, dv,
     the fp32 dq accumulator or None)) or the dQ kernel (``grads`` = (dq,)); for a packed batch,
     every tensor is its (1, H, T, ...) view."""
     _, heads, _, head_dim = q.shape
     heads_kv = k.shape[1]
     config = dict(config)
-    batch, seq_q, seq_k, cu, score_args, score_meta = sequence_args(scores, packed, q.shape[0], q.shape[2],
-                                                                    k.shape[2], lse)
+    batch, seq_q, seq_k, cu, score_args, score_meta = sequence_args(
+        scores, packed, q.shape[0], q.shape[2], k.shape[2], lse
+    )
     outputs = [(t, 3) for t in grads[:1]]
     tma_dq = config.pop("TMA_DQ", False)
     if kernel == "dkdv":
@@ -455,16 +784,39 @@ def _launch_main(kernel: str, q, k, v, do, lse, delta, grads, scores: Scores, co
         tma_dq = tma_dq and dq_acc is not None and not interpret() and dq_acc.numel() // head_dim < 2**31
         grads = (dk, dv, dk if dq_acc is None else dq_acc)  # dk: a pointer never written through
         outputs.append((grads[2], 3))
-    meta = {"HEAD_DIM": head_dim, "BLOCK_D": _block_d(head_dim), **score_meta,
-            "BLOCK_M": config.pop("BLOCK_M"), "BLOCK_N": config.pop("BLOCK_N"),
-            "EXACT_DOT_IN_FP32": interpret(), **({"TMA_DQ": tma_dq} if kernel == "dkdv" else {}), **config}
+    meta = {
+        "HEAD_DIM": head_dim,
+        "BLOCK_D": _block_d(head_dim),
+        **score_meta,
+        "BLOCK_M": config.pop("BLOCK_M"),
+        "BLOCK_N": config.pop("BLOCK_N"),
+        "EXACT_DOT_IN_FP32": interpret(),
+        **({"TMA_DQ": tma_dq} if kernel == "dkdv" else {}),
+        **config,
+    }
     if tma_dq:
         ensure_allocator()
-    strides = [per_sequence(t.stride()[:rank], packed)
-               for t, rank in ((q, 4), (k, 4), (v, 4), (do, 4), (lse, 2), *outputs)]
-    args = (q, k, v, do, lse, delta, *grads, *cu, *(s for group in strides for s in group),
-            heads_kv if kernel == "dkdv" else heads, heads // heads_kv, seq_q, seq_k, *score_args,
-            scores.scale)
+    strides = [
+        per_sequence(t.stride()[:rank], packed)
+        for t, rank in ((q, 4), (k, 4), (v, 4), (do, 4), (lse, 2), *outputs)
+    ]
+    args = (
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        *grads,
+        *cu,
+        *(s for group in strides for s in group),
+        heads_kv if kernel == "dkdv" else heads,
+        heads // heads_kv,
+        seq_q,
+        seq_k,
+        *score_args,
+        scores.scale,
+    )
     if kernel == "dkdv":
         return _dkdv_launcher, (cdiv(seq_k, meta["BLOCK_N"]), batch * heads_kv), args, meta
     return _dq_launcher, (cdiv(seq_q, meta["BLOCK_M"]), batch * heads), args, meta
@@ -510,8 +862,9 @@ def _admit(kernel: str, key: dict, scores: Scores, device, config: dict):
     in_dtype = _reference_grads(q, k, v, do, scores)
     names = ("dq",) if kernel == "dq" else ("dq", "dk", "dv") if atomic else ("dk", "dv")
     index = {"dq": 0, "dk": 1, "dv": 2}
-    return worst([compare(name, ours[name], in_dtype[index[name]], exact[index[name]], q.dtype)
-                  for name in names])
+    return worst(
+        [compare(name, ours[name], in_dtype[index[name]], exact[index[name]], q.dtype) for name in names]
+    )
 
 
 def _time_ms(run, config: dict) -> float:
@@ -519,11 +872,16 @@ def _time_ms(run, config: dict) -> float:
     return tuning.median_ms(lambda: run(config))
 
 
-_TUNERS = {kernel: tuning.Tuner(f"attention_bwd_{kernel}", CONFIGS[kernel], default=lambda key, kernel=kernel:
-                                default_config(key["head_dim"])[kernel],
-                                prune=lambda config, key, kernel=kernel: _prune(kernel, config, key),
-                                sources=(_attn_bwd_dkdv_kernel if kernel == "dkdv" else _attn_bwd_dq_kernel,))
-           for kernel in KERNELS}
+_TUNERS = {
+    kernel: tuning.Tuner(
+        f"attention_bwd_{kernel}",
+        CONFIGS[kernel],
+        default=lambda key, kernel=kernel: default_config(key["head_dim"])[kernel],
+        prune=lambda config, key, kernel=kernel: _prune(kernel, config, key),
+        sources=(_attn_bwd_dkdv_kernel if kernel == "dkdv" else _attn_bwd_dq_kernel,),
+    )
+    for kernel in KERNELS
+}
 MAX_CHOSEN = 4096  # call signatures whose configs are kept, so a repeated call skips the tuning key
 _chosen: dict[tuple, dict] = {}
 
@@ -559,10 +917,14 @@ def _configs(q, k, v, do, lse, delta, outputs: dict, scores: Scores, packed: Pac
             launcher, grid, args, meta = launch(candidate)
             launcher(grid, *args, **meta)
 
-        entry = tuner.entry(key, admit=functools.partial(_admit, kernel, key, scores, q.device),
-                            time_ms=functools.partial(_time_ms, run),
-                            precompile=lambda candidates, launch=launch: precompile(
-                                [launch(candidate) for candidate in candidates]))
+        entry = tuner.entry(
+            key,
+            admit=functools.partial(_admit, kernel, key, scores, q.device),
+            time_ms=functools.partial(_time_ms, run),
+            precompile=lambda candidates, launch=launch: precompile(
+                [launch(candidate) for candidate in candidates]
+            ),
+        )
         configs[kernel] = tuner.default(key) if entry is None else entry["config"]
         final = final and (entry is not None or interpret())  # tuned, cached, or the interpreter's one
     if final:
@@ -570,9 +932,19 @@ def _configs(q, k, v, do, lse, delta, outputs: dict, scores: Scores, packed: Pac
     return configs
 
 
-def attention_bwd(do, q, k, v, o, lse, dlse, scores: Scores, config: dict | None = None,
-                  packed: Packed | None = None, deterministic: bool = True
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def attention_bwd(
+    do,
+    q,
+    k,
+    v,
+    o,
+    lse,
+    dlse,
+    scores: Scores,
+    config: dict | None = None,
+    packed: Packed | None = None,
+    deterministic: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of attention; ``o`` and ``lse`` are the forward's (contiguous), ``dlse`` the
     upstream gradient of the lse or None. Arguments are the forward's, already validated: (B, H, S,
     D) tensors, or with ``packed`` (T, H, D) tensors and a (H, T) lse. ``config`` ({"dkdv": ...,
@@ -594,8 +966,9 @@ def attention_bwd(do, q, k, v, o, lse, dlse, scores: Scores, config: dict | None
     outputs = {"dkdv": (dk, dv, dq_acc)} if dq_acc is not None else {"dkdv": (dk, dv, None), "dq": (dq,)}
     configs = config or _configs(q, k, v, do, lse, delta, outputs, scores, packed)
     for kernel in outputs:
-        launcher, grid, args, meta = _launch_main(kernel, q, k, v, do, lse, delta, outputs[kernel], scores,
-                                                  configs[kernel], packed)
+        launcher, grid, args, meta = _launch_main(
+            kernel, q, k, v, do, lse, delta, outputs[kernel], scores, configs[kernel], packed
+        )
         launcher(grid, *args, **meta)
     if dq_acc is not None:
         dq.copy_(dq_acc.mul_(scores.scale))
@@ -616,9 +989,26 @@ def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None, sco
     for kernel in KERNELS:
         configs[kernel] |= (config or {}).get(kernel, {})
     launches = [("bwd delta", _launch_delta(q, q, rows, None, rows), {})]
-    launches += [(f"bwd {'dk dv' if kernel == 'dkdv' else kernel}",
-                  _launch_main(kernel, q, kv, kv, q, rows, rows, (kv, kv, None) if kernel == "dkdv" else (q,),
-                               scores, configs[kernel]), configs[kernel])
-                 for kernel in KERNELS]
-    return [Launch(name, launcher.kernel, args, meta, shown)
-            for name, (launcher, _, args, meta), shown in launches]
+    launches += [
+        (
+            f"bwd {'dk dv' if kernel == 'dkdv' else kernel}",
+            _launch_main(
+                kernel,
+                q,
+                kv,
+                kv,
+                q,
+                rows,
+                rows,
+                (kv, kv, None) if kernel == "dkdv" else (q,),
+                scores,
+                configs[kernel],
+            ),
+            configs[kernel],
+        )
+        for kernel in KERNELS
+    ]
+    return [
+        Launch(name, launcher.kernel, args, meta, shown)
+        for name, (launcher, _, args, meta), shown in launches
+    ]
