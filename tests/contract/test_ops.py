@@ -27,8 +27,6 @@ NOT_YET_ON_THE_SCAFFOLDING = {
     "rms_norm",
     "add_layer_norm",
     "add_rms_norm",
-    "attention",
-    "attention_causal",
     "linear",
     "linear_bare",
     "gated_linear",

@@ -1,8 +1,10 @@
 """Attention's public functions: ``flash_attention`` and ``scaled_dot_product_attention``, the
-packed batches' and the window's argument checks, the custom ops with their autograd, the cost
-model, the launches ``tritonkit inspect`` compiles and the benchmark specs. The kernels are in
-``fwd`` (forward, and its tuning) and ``bwd`` (backward, and its tuning); what both share (the
-scores' masks and cap, the dense checks, the reference) is in ``common``.
+packed batches' and the window's argument checks, the forward and backward ops (destination-passing,
+``tritonkit::attention_fwd`` and ``tritonkit::attention_bwd``) with the one autograd function over
+them, the cost model, the launches ``tritonkit inspect`` compiles and the benchmark specs. The
+forward's kernel, launch and tuning are in ``fwd``; the backward's kernels in ``bwd_kernels``, their
+launches and tuning in ``bwd``; what both share (the scores' masks and cap, the dense checks, the
+reference) is in ``common``.
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ import math
 
 import torch
 
-from tritonkit._launch import Launch
-from tritonkit.ops.attention.bwd import KERNELS, attention_bwd
+from tritonkit._runtime import empty_output
+from tritonkit.opdef import op
 from tritonkit.ops.attention.bwd import _inspect_launches as _inspect_bwd_launches
+from tritonkit.ops.attention.bwd import attention_bwd_into
+from tritonkit.ops.attention.bwd_kernels import KERNELS
 from tritonkit.ops.attention.common import (
     DTYPES,
     Packed,
@@ -23,15 +27,17 @@ from tritonkit.ops.attention.common import (
     softmax_scale,
     validate_qkv,
 )
-from tritonkit.ops.attention.fwd import _attn_fwd_kernel, _fwd_launch_args, attention_fwd
+from tritonkit.ops.attention.fwd import _fwd_launches, _problem, attention_fwd_into, fwd_outputs
 
-# ---------------------------------------------------------------- custom op and public functions
+# ---------------------------------------------------------------- ops, autograd and public functions
+
+NAMES = ("q", "k", "v")  # flash_attention's names of its tensors, which its errors call them by
+# The ops take Scores' and Packed's fields one by one (a custom op's arguments are tensors and
+# scalars); a dense call has no cu_seqlens.
 
 
-# The custom ops take Scores' and Packed's fields one by one (a custom op's arguments are tensors
-# and scalars); a dense call has no cu_seqlens.
-@torch.library.custom_op("tritonkit::attention_fwd", mutates_args=())
-def _attention_fwd_op(
+@op("attention_fwd", mutates=("o", "lse"))
+def _forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -45,28 +51,23 @@ def _attention_fwd_op(
     window_left: int,
     window_right: int,
     softcap: float,
-    deterministic: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    # deterministic is the backward's: the forward takes it so that autograd hands it on
-    return attention_fwd(
+    o: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:
+    """Attention's output into ``o`` and its lse into ``lse`` (``fwd.fwd_outputs``' shapes)."""
+    attention_fwd_into(
         q,
         k,
         v,
+        o,
+        lse,
         Scores(scale, causal, bottom_right, (window_left, window_right), softcap),
-        packed=_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+        _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
     )
 
 
-@_attention_fwd_op.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *scores):
-    if cu_seqlens_q is None:
-        validate_qkv(q, k, v)
-        return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
-    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
-
-
-@torch.library.custom_op("tritonkit::attention_bwd", mutates_args=())
-def _attention_bwd_op(
+@op("attention_bwd", mutates=("dq", "dk", "dv"))
+def _backward(
     do: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -85,8 +86,12 @@ def _attention_bwd_op(
     window_right: int,
     softcap: float,
     deterministic: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return attention_bwd(
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+) -> None:
+    """Attention's gradients into ``dq``, ``dk`` and ``dv`` (q's, k's and v's shapes)."""
+    attention_bwd_into(
         do,
         q,
         k,
@@ -94,62 +99,62 @@ def _attention_bwd_op(
         o,
         lse,
         dlse,
+        dq,
+        dk,
+        dv,
         Scores(scale, causal, bottom_right, (window_left, window_right), softcap),
-        packed=_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
-        deterministic=deterministic,
+        _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+        deterministic,
     )
 
 
-@_attention_bwd_op.register_fake
-def _(do, q, k, v, o, lse, dlse, *options):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
 def _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int) -> Packed | None:
+    """The ops' batch fields as the Packed they came from (None: a dense call)."""
     if cu_seqlens_q is None:
         return None
     return Packed(cu_seqlens_q, cu_seqlens_k, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k)
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, cu_seqlens_q, cu_seqlens_k, *options = inputs
-    o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
-    ctx.options = options
-    ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zeros to read
+class _Attention(torch.autograd.Function):
+    """One autograd function for eager calls and torch.compile (the ops skip the dispatcher eagerly),
+    differentiable in q, k, v and the lse. Its arguments after q, k and v are the ops' scores and
+    batch fields, then ``deterministic`` (the backward's).
 
+    forward takes ctx itself: a separate setup_context costs an inspect.signature bind per call.
+    """
 
-def _backward(ctx, do, dlse):
-    q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-    if do is None:  # only the lse was differentiated
-        do = torch.zeros_like(o)
-    dq, dk, dv = _attention_bwd_op(do, q, k, v, o, lse, dlse, cu_seqlens_q, cu_seqlens_k, *ctx.options)
-    return dq, dk, dv, *([None] * (2 + len(ctx.options)))
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, *options):
+        *scores, deterministic = options
+        o, lse = fwd_outputs(q, cu_seqlens_q is not None)
+        _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *scores, o, lse)
+        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
+        ctx.options = options
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zeros to read
+        return o, lse
 
-
-_attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        if do is None:  # only the lse was differentiated
+            do = torch.zeros_like(o)
+        dq, dk, dv = (empty_output(t.shape, t.dtype, t.device) for t in (q, k, v))
+        _backward(do, q, k, v, o, lse, dlse, cu_seqlens_q, cu_seqlens_k, *ctx.options, dq, dk, dv)
+        return dq, dk, dv, *([None] * (2 + len(ctx.options)))
 
 
 def _call(
     q, k, v, scores: Scores, packed: Packed | None = None, deterministic: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward custom op (differentiable) on validated inputs."""
+    """(o, lse) of validated inputs: through the autograd function where a gradient is wanted,
+    else the forward op alone."""
     cu_q, cu_k, _, max_q, max_k = packed or (None, None, 0, 0, 0)
-    return _attention_fwd_op(
-        q,
-        k,
-        v,
-        cu_q,
-        cu_k,
-        max_q,
-        max_k,
-        scores.scale,
-        scores.causal,
-        scores.bottom_right,
-        *scores.window,
-        scores.softcap,
-        bool(deterministic),
-    )
+    fields = (max_q, max_k, scores.scale, scores.causal, scores.bottom_right, *scores.window, scores.softcap)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _Attention.apply(q, k, v, cu_q, cu_k, *fields, bool(deterministic))
+    o, lse = fwd_outputs(q, packed is not None)
+    _forward(q, k, v, cu_q, cu_k, *fields, o, lse)
+    return o, lse
 
 
 def flash_attention(
@@ -193,7 +198,7 @@ def flash_attention(
         for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
             if value is not None:
                 raise ValueError(f"{name} is for packed batches: pass cu_seqlens_q and cu_seqlens_k too")
-        validate_qkv(q, k, v)
+        validate_qkv(q, k, v, names=NAMES)
         packed = None
     else:
         packed = _validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
@@ -204,13 +209,16 @@ def flash_attention(
 
 def _validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> Packed:
     """The packed batch's Packed, or a TypeError or ValueError naming what is wrong."""
-    for name, tensor in (("query", q), ("key", k), ("value", v)):
+    for name, tensor in zip(NAMES, (q, k, v), strict=True):
         if isinstance(tensor, torch.Tensor) and tensor.dim() != 3:
             raise ValueError(
                 f"a packed {name} must be 3-D (total tokens, heads, head dim), got shape "
                 f"{tuple(tensor.shape)}"
             )
-    validate_qkv(*(t.transpose(0, 1).unsqueeze(0) if isinstance(t, torch.Tensor) else t for t in (q, k, v)))
+    validate_qkv(
+        *(t.transpose(0, 1).unsqueeze(0) if isinstance(t, torch.Tensor) else t for t in (q, k, v)),
+        names=NAMES,
+    )
     lengths = {}
     for name, cu, tensor in (("cu_seqlens_q", cu_seqlens_q, q), ("cu_seqlens_k", cu_seqlens_k, k)):
         if not isinstance(cu, torch.Tensor):
@@ -305,7 +313,7 @@ def attention_cost(shape: tuple, dtype: torch.dtype, mode: str = "fwd", causal: 
     q_bytes, kv_bytes = batch * heads_q * seq * head_dim * size, batch * heads_kv * seq * head_dim * size
     lse_bytes = 4 * batch * heads_q * seq
     fwd = Cost(flops, 2 * q_bytes + 2 * kv_bytes + lse_bytes)
-    bwd = Cost(2.5 * flops, 5 * q_bytes + 4 * kv_bytes + lse_bytes)  # q, o, dO, dq; k, v, dk, dv
+    bwd = Cost(2.5 * flops, 4 * q_bytes + 4 * kv_bytes + lse_bytes)  # q, o, dO, dq; k, v, dk, dv; the lse
     return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]
 
 
@@ -322,9 +330,8 @@ def _inspect_launches(
     fwd_config = {name: value for name, value in (config or {}).items() if name not in KERNELS}
     bwd_config = {name: value for name, value in (config or {}).items() if name in KERNELS}
     scores = Scores(softmax_scale(None, head_dim), causal)
-    _, args, meta = _fwd_launch_args(q, kv, kv, q, lse, scores, fwd_config or None)
     return [
-        Launch("fwd", _attn_fwd_kernel, args, meta, fwd_config),
+        *_fwd_launches(_problem(q, kv, kv, q, lse, scores), fwd_config or None),
         *_inspect_bwd_launches(shape, dtype, bwd_config, scores),
     ]
 

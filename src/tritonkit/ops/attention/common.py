@@ -16,10 +16,10 @@ from typing import NamedTuple
 
 import torch
 
-from tritonkit._runtime import check_device
 from tritonkit._triton import tl, triton
 from tritonkit.dtypes import DTYPE_OF, HALVES, NAME_OF
 from tritonkit.jit import LOG2E
+from tritonkit.opdef import check_tensor
 
 DTYPES = HALVES  # the dtypes attention takes
 MAX_HEAD_DIM = 256  # a (BLOCK_M, 256) fp32 accumulator is already 128 registers a thread at 8 warps
@@ -100,31 +100,31 @@ def softmax_scale(scale: float | None, head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
 
-def validate_qkv(q, k, v) -> None:
-    """Check dense (B, H, S, D) query, key and value: a TypeError or ValueError naming what is wrong."""
-    for name, tensor in (("query", q), ("key", k), ("value", v)):
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.dtype not in DTYPES:
-            raise TypeError(f"{name} must be float16 or bfloat16, got {tensor.dtype}")
+def validate_qkv(q, k, v, names: tuple[str, str, str] = ("query", "key", "value")) -> None:
+    """Check dense (B, H, S, D) query, key and value: a TypeError or ValueError naming what is wrong,
+    each tensor by its name in ``names`` (the caller's parameter names)."""
+    for name, tensor in zip(names, (q, k, v), strict=True):
+        check_tensor(name, tensor, dtypes=DTYPES)
         if tensor.dim() != 4:
             raise ValueError(
                 f"{name} must be 4-D (batch, heads, sequence, head dim), got shape {tuple(tensor.shape)}"
             )
-        check_device(name, tensor)
+    q_name, k_name, v_name = names
     if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"query, key and value must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise TypeError(
+            f"{q_name}, {k_name} and {v_name} must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
     if k.device != q.device or v.device != q.device:
         raise ValueError(
-            f"query, key and value must be on one device, got {q.device}, {k.device}, {v.device}"
+            f"{q_name}, {k_name} and {v_name} must be on one device, got {q.device}, {k.device}, {v.device}"
         )
     (batch, heads_q, _, head_dim), (batch_k, heads_kv, _, head_dim_k) = q.shape, k.shape
     if v.shape != k.shape:
-        raise ValueError(f"value must have key's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+        raise ValueError(f"{v_name} must have {k_name}'s shape {tuple(k.shape)}, got {tuple(v.shape)}")
     if batch_k != batch:
-        raise ValueError(f"key and value must have query's batch size {batch}, got {batch_k}")
+        raise ValueError(f"{k_name} and {v_name} must have {q_name}'s batch size {batch}, got {batch_k}")
     if head_dim_k != head_dim:
-        raise ValueError(f"key and value must have query's head dim {head_dim}, got {head_dim_k}")
+        raise ValueError(f"{k_name} and {v_name} must have {q_name}'s head dim {head_dim}, got {head_dim_k}")
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"head dim must be 1 to {MAX_HEAD_DIM}, got {head_dim}")
     if heads_kv == 0 or heads_q % heads_kv:
@@ -213,10 +213,16 @@ def _key_ranges(
     return start, inner_start, inner_end, end
 
 
+def next_power_of_2(n: int) -> int:
+    """``triton.next_power_of_2(n)`` for n >= 0 without its constexpr unwrapping, which costs
+    microseconds a call: each call of attention builds its tuning key and BLOCK_D with it."""
+    return 1 << (n - 1).bit_length() if n > 1 else n
+
+
 def _block_d(head_dim: int) -> int:
     """The kernels' BLOCK_D: a power of two >= D, and at least 16, the smallest extent tl.dot
     takes (D is the contraction of q . k)."""
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_power_of_2(head_dim))
 
 
 # ---------------------------------------------------------------- tuning key and calibration problem
@@ -233,7 +239,7 @@ def tuning_key(q: torch.Tensor, k: torch.Tensor, scores: Scores, packed: Packed 
     seq_k = k.shape[2]
     if packed is not None:
         batch, seq_q, seq_k = packed.sequences, packed.max_q, packed.max_k
-    pow2 = triton.next_power_of_2
+    pow2 = next_power_of_2
     mask = ("bottom-right" if scores.bottom_right else "top-left") if scores.causal else "none"
     sides = [side for side, bound in zip(("left", "right"), scores.window, strict=True) if bound >= 0]
     window = "+".join(sides)

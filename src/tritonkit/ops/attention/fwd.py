@@ -32,13 +32,10 @@ the reference the gate compares against are in ``common``, which the backward sh
 
 from __future__ import annotations
 
-import functools
-import math
-
 import torch
 
 from tritonkit import tuning
-from tritonkit._launch import Launcher, cdiv, ensure_allocator, precompile
+from tritonkit._launch import Launch, cdiv, ensure_allocator
 from tritonkit._runtime import current_device, empty_output, interpret, shared_memory_bytes
 from tritonkit._triton import tl, triton
 from tritonkit.jit import dot_fp32
@@ -497,109 +494,21 @@ def _attn_fwd_kernel(
     tl.store(lse_rows + offs_m, lse, mask=row_mask)
 
 
-# ---------------------------------------------------------------- launcher and tuning
-
-_fwd_launcher = Launcher(_attn_fwd_kernel)
-_TUNER = tuning.Tuner("attention_fwd", CONFIGS, default=_default, prune=_prune, sources=(_attn_fwd_kernel,))
+# ---------------------------------------------------------------- launches and tuning
 
 
-def _admit(key: dict, scores: Scores, device, config: dict):
-    """The oracle on ``config``'s output and lse for a calibration problem (the worse of the two);
-    a row that sees no key must have lse -inf."""
-    from tritonkit.testing import Comparison, compare, worst
-
-    q, k, v = calibration_inputs(key, config, device)
-    scores = calibration_scores(scores, config)
-    o, lse = attention_fwd(q, k, v, scores, config=config)
-    exact = attention_reference(q.double(), k.double(), v.double(), return_lse=True, **scores._asdict())
-    in_dtype = attention_reference(q, k, v, return_lse=True, **scores._asdict())
-    seen = torch.isfinite(exact[1])
-    if not torch.equal(torch.isneginf(lse), ~seen):
-        return Comparison("lse of the rows that see no key", math.inf, 0.0, 0.0)
-    return worst(
-        [
-            compare("output", o, in_dtype[0], exact[0], q.dtype),
-            compare("lse", lse[seen], in_dtype[1][seen], exact[1][seen], torch.float32),
-        ]
-    )
+def _problem(q, k, v, o, lse, scores: Scores, packed: Packed | None = None) -> dict:
+    """A forward call as its launches and tuner see it: q, k, v, o and the lse as the kernel takes
+    them ((B, H, S, ...), or a packed batch's (1, H, T, ...) views), the scores and the batch."""
+    return {"q": q, "k": k, "v": v, "o": o, "lse": lse, "scores": scores, "packed": packed}
 
 
-def _time_ms(run, config: dict) -> float:
-    """Median ms of ``run(config)``: the real problem with the config."""
-    return tuning.median_ms(lambda: run(config))
-
-
-def _precompile(key: dict, scores: Scores, launch_args, device, configs: list[dict]) -> None:
-    """Compile every candidate for its calibration problem and the real one, together on threads."""
-    calls = []
-    for config in configs:
-        q, k, v = calibration_inputs(key, config, device)
-        o, lse = torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
-        calibration = _fwd_launch_args(q, k, v, o, lse, calibration_scores(scores, config), config)
-        for grid, args, meta in (calibration, launch_args(config)):
-            calls.append((_fwd_launcher, grid, args, meta))
-    precompile(calls)
-
-
-MAX_CHOSEN = 4096  # call signatures whose config is kept, so a repeated call skips the tuning key
-_chosen: dict[tuple, dict] = {}
-
-
-def _config(q, k, v, o, lse, scores: Scores, packed: Packed | None) -> dict:
-    """The tuned (or default) config for this call's signature."""
-    signature = (q.shape, k.shape, q.dtype, q.device, scores, packed and packed[2:])
-    config = _chosen.get(signature)
-    if config is not None:
-        return config
-    key = tuning_key(q, k, scores, packed)
-
-    def launch_args(candidate):
-        return _fwd_launch_args(q, k, v, o, lse, scores, candidate, packed)
-
-    def run(candidate):
-        grid, args, meta = launch_args(candidate)
-        _fwd_launcher(grid, *args, **meta)
-
-    entry = _TUNER.entry(
-        key,
-        admit=functools.partial(_admit, key, scores, q.device),
-        time_ms=functools.partial(_time_ms, run),
-        precompile=functools.partial(_precompile, key, scores, launch_args, q.device),
-    )
-    config = _TUNER.default(key) if entry is None else entry["config"]
-    if entry is not None or interpret():  # final: tuned, cached, or the interpreter's one config
-        tuning.remember(_chosen, signature, config, MAX_CHOSEN)
-    return config
-
-
-def attention_fwd(
-    q, k, v, scores: Scores, config: dict | None = None, packed: Packed | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output, lse) of attention: over (B, H, S, D) tensors, lse (B, H, S); or with ``packed`` over
-    (T, H, D) tensors, lse (H, T). The inputs are valid (``common.validate_qkv`` checks them);
-    ``config`` overrides the launch config."""
-    o = empty_output(q.shape, q.dtype, q.device)
-    if packed is None:
-        lse = empty_output(q.shape[:3], torch.float32, q.device)
-        views = (q, k, v, o, lse)
-    else:
-        lse = empty_output((q.shape[1], q.shape[0]), torch.float32, q.device)
-        views = (*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v, o)), lse.unsqueeze(0))
-    if o.numel() == 0:
-        return o, lse
-    if config is None:
-        config = _config(*views, scores, packed)
-    grid, args, meta = _fwd_launch_args(*views, scores, config, packed)
-    _fwd_launcher(grid, *args, **meta)
-    return o, lse
-
-
-def _fwd_launch_args(
-    q, k, v, o, lse, scores: Scores, config: dict | None, packed: Packed | None = None
-) -> tuple[tuple, tuple, dict]:
-    """(grid, arguments, constexprs and options) of the forward kernel; ``packed`` for a packed
-    batch (q, k, v, o and the lse are then its (1, H, T, ...) views)."""
+def _fwd_launches(problem: dict, config: dict | None) -> list[Launch]:
+    """The forward kernel's launch for ``problem`` with ``config`` (None: the untuned tile)."""
+    q, k, v, o, lse = problem["q"], problem["k"], problem["v"], problem["o"], problem["lse"]
+    scores, packed = problem["scores"], problem["packed"]
     _, heads, _, head_dim = q.shape
+    shown = config or {}
     config = dict(config or _default({"head_dim": head_dim}))
     batch, seq_q, seq_k, cu, score_args, score_meta = sequence_args(
         scores, packed, q.shape[0], q.shape[2], k.shape[2], lse
@@ -635,7 +544,8 @@ def _fwd_launch_args(
     }
     if tma:
         ensure_allocator()
-    return (cdiv(seq_q, meta["BLOCK_M"]), batch * heads), args, meta
+    grid = (cdiv(seq_q, meta["BLOCK_M"]), batch * heads)
+    return [Launch("fwd", _attn_fwd_kernel, args, meta, shown, grid)]
 
 
 def _tma_ready(k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -648,3 +558,86 @@ def _tma_ready(k: torch.Tensor, v: torch.Tensor) -> bool:
         and t.data_ptr() % 16 == 0
         for t in (k, v)
     )
+
+
+# The gate compares every element of the lse, and the lse of a row that sees no key is -inf, which
+# differs from itself by NaN: a calibration problem has those rows' lse set to this after its
+# launch and in its reference, so that a finite lse where the reference has none, or -inf where it
+# has one, is off by about 1e30 (a power of two: float32 holds it exactly, as float64 does).
+UNSEEN_LSE = -(2.0**100)
+
+
+def _calibration(problem: dict, config: dict) -> dict:
+    """A small seeded dense problem of the call's kind (``common.calibration_inputs``), its window
+    cut inside its blocks, outputs allocated (the gate poisons them)."""
+    key = tuning_key(problem["q"], problem["k"], problem["scores"], problem["packed"])
+    q, k, v = calibration_inputs(key, config, problem["q"].device)
+    o, lse = torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    scores = calibration_scores(problem["scores"], config)
+    return _problem(q, k, v, o, lse, scores) | {"unseen_lse": UNSEEN_LSE}
+
+
+def _problem_reference(problem: dict) -> dict:
+    """The output and lse of a dense problem in plain PyTorch; where the problem names an
+    ``unseen_lse``, the lse of a row that sees no key is that instead of -inf."""
+    if problem["packed"] is not None:
+        raise ValueError("the forward's problem reference takes dense problems (calibration problems are)")
+    o, lse = attention_reference(
+        problem["q"], problem["k"], problem["v"], return_lse=True, **problem["scores"]._asdict()
+    )
+    if problem.get("unseen_lse") is not None:
+        lse = lse.masked_fill(torch.isneginf(lse), problem["unseen_lse"])
+    return {"o": o, "lse": lse}
+
+
+class _ForwardTuned(tuning.Tuned):
+    """The forward's tuned kernel: the scaffolding's, with a run that, on a problem naming an
+    ``unseen_lse`` (a calibration problem), sets the lse of the rows that see no key to it after
+    the launch, as its reference does (see UNSEEN_LSE)."""
+
+    def run(self, problem: dict, config: dict) -> None:
+        super().run(problem, config)
+        unseen = problem.get("unseen_lse")
+        if unseen is not None:
+            problem["lse"].masked_fill_(torch.isneginf(problem["lse"]), unseen)
+
+
+_TUNER = tuning.Tuner("attention_fwd", CONFIGS, default=_default, prune=_prune, sources=(_attn_fwd_kernel,))
+_TUNED = _ForwardTuned(
+    _TUNER, launches=_fwd_launches, calibrate=_calibration, reference=_problem_reference, outputs=("o", "lse")
+)
+
+
+def attention_fwd_into(
+    q, k, v, o, lse, scores: Scores, packed: Packed | None = None, config: dict | None = None
+) -> None:
+    """Write attention's output into ``o`` and its lse into ``lse``: over (B, H, S, D) tensors, lse
+    (B, H, S); or with ``packed`` over (T, H, D) tensors, lse (H, T). The inputs are valid
+    (``common.validate_qkv`` checks them); ``config`` overrides the tuned launch config."""
+    if o.numel() == 0:
+        return
+    if packed is not None:  # the kernel takes (1, H, T, D) views of (T, H, D) and (1, H, T) of (H, T)
+        q, k, v, o = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v, o))
+        lse = lse.unsqueeze(0)
+    problem = _problem(q, k, v, o, lse, scores, packed)
+    if config is None:
+        signature = (q.shape, k.shape, q.dtype, q.device, scores, packed and packed[2:])
+        config, _ = _TUNED.choose(tuning_key(q, k, scores, packed), problem, signature=signature)
+    _TUNED.run(problem, config)
+
+
+def fwd_outputs(q: torch.Tensor, packed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse) allocated for a forward over ``q``: (B, H, S, D) and (B, H, S), or for a packed
+    batch's (T, H, D) q, (T, H, D) and (H, T)."""
+    o = empty_output(q.shape, q.dtype, q.device)
+    rows = (q.shape[1], q.shape[0]) if packed else q.shape[:3]
+    return o, empty_output(rows, torch.float32, q.device)
+
+
+def attention_fwd(
+    q, k, v, scores: Scores, config: dict | None = None, packed: Packed | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, lse) of attention, allocated here (see :func:`attention_fwd_into`)."""
+    o, lse = fwd_outputs(q, packed is not None)
+    attention_fwd_into(q, k, v, o, lse, scores, packed, config)
+    return o, lse
