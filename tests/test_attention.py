@@ -5,16 +5,14 @@ shapes); the sm_90 code (HGMMA, no spills); larger shapes as gpu tests."""
 from __future__ import annotations
 
 import itertools
-import json
 import math
 
 import pytest
 import torch
 
 import tritonkit
-from tritonkit import testing, tuning
+from tritonkit import testing
 from tritonkit.ops.attention import attention as at
-from tritonkit.ops.attention import bwd as ab
 from tritonkit.ops.attention import common as ac
 from tritonkit.ops.attention import fwd as af
 from tritonkit.ops.attention.common import attention_reference
@@ -25,21 +23,26 @@ pytestmark = pytest.mark.attention
 
 def qkv(batch, heads_q, heads_kv, seq_q, seq_k, head_dim, dtype, device, seed=0, noncontiguous=False):
     g = testing.generator(seed)
-    q = testing.random_tensor((batch, heads_q, seq_q, head_dim), dtype, device, generator=g,
-                              noncontiguous=noncontiguous)
-    k = testing.random_tensor((batch, heads_kv, seq_k, head_dim), dtype, device, generator=g,
-                              noncontiguous=noncontiguous)
-    v = testing.random_tensor((batch, heads_kv, seq_k, head_dim), dtype, device, generator=g,
-                              noncontiguous=noncontiguous)
+    q = testing.random_tensor(
+        (batch, heads_q, seq_q, head_dim), dtype, device, generator=g, noncontiguous=noncontiguous
+    )
+    k = testing.random_tensor(
+        (batch, heads_kv, seq_k, head_dim), dtype, device, generator=g, noncontiguous=noncontiguous
+    )
+    v = testing.random_tensor(
+        (batch, heads_kv, seq_k, head_dim), dtype, device, generator=g, noncontiguous=noncontiguous
+    )
     return q, k, v
 
 
 def finite_lse(fn):
     """fn's (output, lse) with a row that sees no key's lse (-inf) as 0, so that the oracle's
     differences stay finite; those rows are checked on their own below."""
+
     def run(*args, **kwargs):
         o, lse = fn(*args, **kwargs)
         return o, torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
     return run
 
 
@@ -49,10 +52,13 @@ def check(q, k, v, grads=True, seed=100, **kwargs):
     kernel = finite_lse(lambda *a: tritonkit.flash_attention(*a, return_lse=True, **kwargs))
     reference = finite_lse(lambda *a: attention_reference(*a, return_lse=True, **kwargs))
     g = testing.generator(seed)
-    upstream = [testing.random_tensor(q.shape, q.dtype, q.device, generator=g),
-                testing.random_tensor(q.shape[:3], torch.float32, q.device, generator=g)]
-    testing.check_against_reference(kernel, reference, (q, k, v), grad_inputs=(0, 1, 2) if grads else (),
-                                    grad_outputs=upstream)
+    upstream = [
+        testing.random_tensor(q.shape, q.dtype, q.device, generator=g),
+        testing.random_tensor(q.shape[:3], torch.float32, q.device, generator=g),
+    ]
+    testing.check_against_reference(
+        kernel, reference, (q, k, v), grad_inputs=(0, 1, 2) if grads else (), grad_outputs=upstream
+    )
 
 
 # (batch, Hq, Hkv, Sq, Sk, D): ragged lengths (not multiples of the interpreter's 16-row tiles),
@@ -82,8 +88,10 @@ def test_head_dim_256_and_a_scale(device):
 def test_strided_inputs(device):
     """Every other head dim of a wider tensor, and a (B, S, H, D) tensor seen as (B, H, S, D)."""
     check(*qkv(1, 2, 2, 21, 35, 64, torch.bfloat16, device, noncontiguous=True), causal=True)
-    q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in qkv(2, 4, 2, 29, 29, 32, torch.float16,
-                                                                            device, seed=1))
+    q, k, v = (
+        t.transpose(1, 2).contiguous().transpose(1, 2)
+        for t in qkv(2, 4, 2, 29, 29, 32, torch.float16, device, seed=1)
+    )
     assert q.stride(1) == 32 and q.stride(2) == 4 * 32
     check(q, k, v)
 
@@ -106,8 +114,15 @@ def test_rows_that_see_no_key_give_zero_and_minus_inf(device):
 
 # (window, causal): each side alone, both, a side with causal (whose right side is 0), a window
 # wider than the keys, and one narrow enough that some rows see no key (Sq > Sk, bottom-right)
-WINDOWS = [((5, -1), False), ((-1, 3), False), ((7, 2), False), ((6, 9), True), ((0, 0), False),
-           ((100, -1), True), ((2, -1), True)]
+WINDOWS = [
+    ((5, -1), False),
+    ((-1, 3), False),
+    ((7, 2), False),
+    ((6, 9), True),
+    ((0, 0), False),
+    ((100, -1), True),
+    ((2, -1), True),
+]
 
 
 @pytest.mark.parametrize("window, causal", WINDOWS, ids=lambda x: str(x).replace(" ", ""))
@@ -149,11 +164,15 @@ def test_softcap_matches_the_reference(causal, device):
 def packed(lengths, heads_q, heads_kv, head_dim, dtype, device, seed=50):
     """Random packed q, k, v for sequences of (query rows, keys) ``lengths``, and their cu_seqlens."""
     g = testing.generator(seed)
-    cu = [torch.tensor([0, *itertools.accumulate(n[i] for n in lengths)], dtype=torch.int32, device=device)
-          for i in (0, 1)]
+    cu = [
+        torch.tensor([0, *itertools.accumulate(n[i] for n in lengths)], dtype=torch.int32, device=device)
+        for i in (0, 1)
+    ]
     q = testing.random_tensor((int(cu[0][-1]), heads_q, head_dim), dtype, device, generator=g)
-    k, v = (testing.random_tensor((int(cu[1][-1]), heads_kv, head_dim), dtype, device, generator=g)
-            for _ in range(2))
+    k, v = (
+        testing.random_tensor((int(cu[1][-1]), heads_kv, head_dim), dtype, device, generator=g)
+        for _ in range(2)
+    )
     return q, k, v, {"cu_seqlens_q": cu[0], "cu_seqlens_k": cu[1]}
 
 
@@ -163,10 +182,13 @@ def check_packed(q, k, v, seed=101, **kwargs):
     kernel = finite_lse(lambda *a: tritonkit.flash_attention(*a, return_lse=True, **kwargs))
     reference = finite_lse(lambda *a: attention_reference(*a, return_lse=True, **kwargs))
     g = testing.generator(seed)
-    upstream = [testing.random_tensor(q.shape, q.dtype, q.device, generator=g),
-                testing.random_tensor((q.shape[1], q.shape[0]), torch.float32, q.device, generator=g)]
-    testing.check_against_reference(kernel, reference, (q, k, v), grad_inputs=(0, 1, 2),
-                                    grad_outputs=upstream)
+    upstream = [
+        testing.random_tensor(q.shape, q.dtype, q.device, generator=g),
+        testing.random_tensor((q.shape[1], q.shape[0]), torch.float32, q.device, generator=g),
+    ]
+    testing.check_against_reference(
+        kernel, reference, (q, k, v), grad_inputs=(0, 1, 2), grad_outputs=upstream
+    )
 
 
 # sequences of (query rows, keys): ragged, Sq > Sk and Sq < Sk, one row, an empty query side, an
@@ -174,9 +196,11 @@ def check_packed(q, k, v, seed=101, **kwargs):
 LENGTHS = [(17, 17), (5, 30), (33, 9), (1, 1), (0, 7), (6, 0), (40, 45)]
 
 
-@pytest.mark.parametrize("causal, window, softcap", [(False, (-1, -1), 0.0), (True, (-1, -1), 0.0),
-                                                     (True, (6, -1), 0.0), (False, (5, 3), 2.0)],
-                         ids=["full", "causal", "causal-window", "window-cap"])
+@pytest.mark.parametrize(
+    "causal, window, softcap",
+    [(False, (-1, -1), 0.0), (True, (-1, -1), 0.0), (True, (6, -1), 0.0), (False, (5, 3), 2.0)],
+    ids=["full", "causal", "causal-window", "window-cap"],
+)
 def test_packed_batches_match_the_reference(causal, window, softcap, device):
     q, k, v, cu = packed(LENGTHS, 4, 2, 32, torch.bfloat16, device)
     check_packed(q, k, v, causal=causal, window=window, softcap=softcap, **cu)
@@ -205,8 +229,10 @@ def test_packed_batch_equals_each_sequence_alone(device):
     starts_q, starts_k = cu["cu_seqlens_q"].tolist(), cu["cu_seqlens_k"].tolist()
     bounds = list(zip(starts_q[:-1], starts_q[1:], starts_k[:-1], starts_k[1:], strict=True))
     for q0, q1, k0, k1 in bounds:
-        alone = [t[a:b].transpose(0, 1).unsqueeze(0).detach().requires_grad_()
-                 for t, a, b in ((q, q0, q1), (k, k0, k1), (v, k0, k1))]
+        alone = [
+            t[a:b].transpose(0, 1).unsqueeze(0).detach().requires_grad_()
+            for t, a, b in ((q, q0, q1), (k, k0, k1), (v, k0, k1))
+        ]
         o_b, lse_b = tritonkit.flash_attention(*alone, causal=True, return_lse=True)
         assert torch.equal(o[q0:q1], o_b[0].transpose(0, 1)) and torch.equal(lse[:, q0:q1], lse_b[0])
         if q1 > q0:
@@ -236,7 +262,7 @@ def test_bad_packed_input_is_named(device):
         fa(q, k, v, max_seqlen_q=4, **cu)
     with pytest.raises(ValueError, match="max_seqlen_k is for packed batches"):
         fa(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), max_seqlen_k=4)
-    with pytest.raises(ValueError, match="a packed key must be 3-D"):
+    with pytest.raises(ValueError, match="a packed k must be 3-D"):
         fa(q, k.unsqueeze(0), v, **cu)
     with pytest.raises(ValueError, match="multiple of key/value heads"):
         fa(q[:, :1].expand(-1, 3, -1), k, v, **cu)
@@ -250,8 +276,10 @@ def test_lse_merges_attention_over_two_halves_of_the_keys(device):
     o_b, lse_b = tritonkit.flash_attention(q, k[:, :, 17:], v[:, :, 17:], return_lse=True)
     o, lse = tritonkit.flash_attention(q, k, v, return_lse=True)
     merged_lse = torch.logaddexp(lse_a, lse_b)
-    merged = (o_a.float() * (lse_a - merged_lse).exp()[..., None]
-              + o_b.float() * (lse_b - merged_lse).exp()[..., None])
+    merged = (
+        o_a.float() * (lse_a - merged_lse).exp()[..., None]
+        + o_b.float() * (lse_b - merged_lse).exp()[..., None]
+    )
     torch.testing.assert_close(merged_lse, lse, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(merged, o.float(), atol=2e-3, rtol=2e-3)
 
@@ -291,8 +319,9 @@ def test_sdpa_has_torch_semantics(causal, device):
     """Top-left causal alignment when Sq != Sk, GQA only with enable_gqa: as torch's SDPA."""
     q, k, v = qkv(1, 4, 2, 19, 33, 64, torch.bfloat16, device, seed=5)
     ours = tritonkit.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
-    theirs = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(),
-                                                              is_causal=causal, enable_gqa=True)
+    theirs = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), is_causal=causal, enable_gqa=True
+    )
     in_dtype = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
     comparison = testing.compare("output", ours, in_dtype, theirs, q.dtype)
     assert comparison.passed, comparison
@@ -312,7 +341,7 @@ def test_empty_inputs(device):
 def test_bad_input_is_named(device):
     q, k, v = qkv(1, 4, 2, 8, 8, 32, torch.bfloat16, device)
     fa = tritonkit.flash_attention
-    with pytest.raises(TypeError, match="float16 or bfloat16"):
+    with pytest.raises(TypeError, match="^q must be one of fp16, bf16"):
         fa(q.float(), k.float(), v.float())
     with pytest.raises(TypeError, match="share a dtype"):
         fa(q, k.half(), v.half())
@@ -322,14 +351,21 @@ def test_bad_input_is_named(device):
         fa(q, k[..., :16], v[..., :16])
     with pytest.raises(ValueError, match="multiple of key/value heads"):
         fa(q[:, :3], k, v)
-    with pytest.raises(ValueError, match="value must have key's shape"):
+    with pytest.raises(ValueError, match="v must have k's shape"):
         fa(q, k, v[:, :, :4])
     with pytest.raises(ValueError, match="batch size"):
         fa(q, torch.cat([k, k]), torch.cat([v, v]))
-    with pytest.raises(TypeError, match="key must be a torch.Tensor"):
+    with pytest.raises(TypeError, match="^k must be a torch.Tensor"):
         fa(q, None, v)
-    for window, problem in (((-2, 0), "left side"), ((0, 1.5), "right side"), ((True, 3), "left side"),
-                            (4, "a pair"), ((1, 2, 3), "a pair")):
+    with pytest.raises(TypeError, match="^key must be a torch.Tensor"):  # torch's name for it
+        tritonkit.scaled_dot_product_attention(q, None, v)
+    for window, problem in (
+        ((-2, 0), "left side"),
+        ((0, 1.5), "right side"),
+        ((True, 3), "left side"),
+        (4, "a pair"),
+        ((1, 2, 3), "a pair"),
+    ):
         with pytest.raises(ValueError, match=f"window.*{problem}"):
             fa(q, k, v, window=window)
     for softcap in (-1.0, float("nan"), float("inf")):
@@ -342,27 +378,36 @@ def test_bad_input_is_named(device):
 
 
 def test_opcheck(device):
-    """The forward op (with its autograd) and the backward op: schemas, fake tensors, compile."""
-    q, k, v = (t.requires_grad_() for t in qkv(1, 2, 1, 17, 23, 32, torch.bfloat16, device))
+    """The forward and backward ops on real arguments: schemas, the no-op fakes (the outputs exist
+    already), mutation of exactly the outputs; masks, a window, a soft cap, dlse, a packed batch."""
+    q, k, v = qkv(1, 2, 1, 17, 23, 32, torch.bfloat16, device)
     dense = (None, None, 0, 0)
-    torch.library.opcheck(at._attention_fwd_op, (q, k, v, *dense, 0.2, True, True, -1, -1, 0.0, True))
-    torch.library.opcheck(at._attention_fwd_op, (q, k, v, *dense, 0.2, False, True, 5, 3, 4.0, False))
-    o, lse = at._attention_fwd_op(q, k, v, *dense, 0.2, True, True, -1, -1, 0.0, True)
-    do = torch.randn_like(o)
-    args = (do, q.detach(), k.detach(), v.detach(), o.detach(), lse.detach())
-    torch.library.opcheck(at._attention_bwd_op, (*args, None, *dense, 0.2, True, True, -1, -1, 0.0, True))
+    for scores in ((0.2, True, True, -1, -1, 0.0), (0.2, False, True, 5, 3, 4.0)):
+        o, lse = af.fwd_outputs(q)
+        torch.library.opcheck(at._forward.custom_op, (q, k, v, *dense, *scores, o, lse))
+    o, lse = af.attention_fwd(q, k, v, ac.Scores(0.2, True, True))
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    args = (torch.randn_like(o), q, k, v, o, lse)
+    torch.library.opcheck(
+        at._backward.custom_op, (*args, None, *dense, 0.2, True, True, -1, -1, 0.0, True, *grads)
+    )
     dlse = torch.randn_like(lse)
-    torch.library.opcheck(at._attention_bwd_op, (*args, dlse, *dense, 0.2, False, False, 4, -1, 2.0, False))
+    torch.library.opcheck(
+        at._backward.custom_op, (*args, dlse, *dense, 0.2, False, False, 4, -1, 2.0, False, *grads)
+    )
     # a packed batch: (T, H, D) tensors, a (H, T) lse
     pq, pk, pv, cu = packed([(5, 9), (12, 3)], 2, 1, 32, torch.bfloat16, device)
     varlen = (cu["cu_seqlens_q"], cu["cu_seqlens_k"], 12, 9)
-    pq, pk, pv = (t.requires_grad_() for t in (pq, pk, pv))
-    torch.library.opcheck(at._attention_fwd_op, (pq, pk, pv, *varlen, 0.2, True, True, -1, -1, 0.0, True))
-    po, plse = at._attention_fwd_op(pq, pk, pv, *varlen, 0.2, True, True, -1, -1, 0.0, True)
+    po, plse = af.fwd_outputs(pq, packed=True)
     assert plse.shape == (2, 17)
-    args = (torch.randn_like(po), pq.detach(), pk.detach(), pv.detach(), po.detach(), plse.detach())
-    dlse = torch.randn_like(plse)
-    torch.library.opcheck(at._attention_bwd_op, (*args, dlse, *varlen, 0.2, True, True, 3, -1, 0.0, False))
+    torch.library.opcheck(
+        at._forward.custom_op, (pq, pk, pv, *varlen, 0.2, True, True, -1, -1, 0.0, po, plse)
+    )
+    grads = [torch.empty_like(t) for t in (pq, pk, pv)]
+    args = (torch.randn_like(po), pq, pk, pv, po, plse, torch.randn_like(plse))
+    torch.library.opcheck(
+        at._backward.custom_op, (*args, *varlen, 0.2, True, True, 3, -1, 0.0, False, *grads)
+    )
 
 
 def test_expanded_upstream_gradients(device):
@@ -371,10 +416,13 @@ def test_expanded_upstream_gradients(device):
     q, k, v = qkv(1, 2, 1, 21, 30, 32, torch.float16, device, seed=14)
     kernel = lambda *a: tritonkit.flash_attention(*a, return_lse=True, causal=True)  # noqa: E731
     reference = lambda *a: attention_reference(*a, return_lse=True, causal=True)  # noqa: E731
-    upstream = [torch.ones((), dtype=q.dtype, device=device).expand(q.shape),
-                torch.full((), -0.5, device=device).expand(q.shape[:3])]
-    testing.check_against_reference(kernel, reference, (q, k, v), grad_inputs=(0, 1, 2),
-                                    grad_outputs=upstream)
+    upstream = [
+        torch.ones((), dtype=q.dtype, device=device).expand(q.shape),
+        torch.full((), -0.5, device=device).expand(q.shape[:3]),
+    ]
+    testing.check_against_reference(
+        kernel, reference, (q, k, v), grad_inputs=(0, 1, 2), grad_outputs=upstream
+    )
 
 
 def test_sdpa_gradients_with_top_left_causal(device):
@@ -382,17 +430,26 @@ def test_sdpa_gradients_with_top_left_causal(device):
     do = testing.random_tensor(q.shape, q.dtype, device, generator=testing.generator(11))
     testing.check_against_reference(
         lambda *a: tritonkit.scaled_dot_product_attention(*a, is_causal=True, enable_gqa=True),
-        lambda *a: attention_reference(*a, causal=True, bottom_right=False), (q, k, v), grad_inputs=(0, 1, 2),
-        grad_outputs=[do])
+        lambda *a: attention_reference(*a, causal=True, bottom_right=False),
+        (q, k, v),
+        grad_inputs=(0, 1, 2),
+        grad_outputs=[do],
+    )
 
 
-@pytest.mark.parametrize("causal, window, softcap", [(True, (-1, -1), 0.0), (False, (7, 2), 3.0)],
-                         ids=["causal", "window-cap"])
+@pytest.mark.parametrize(
+    "causal, window, softcap", [(True, (-1, -1), 0.0), (False, (7, 2), 3.0)], ids=["causal", "window-cap"]
+)
 def test_atomic_dq_matches_the_reference(causal, window, softcap, device):
     """deterministic=False: dq accumulated with atomics in the dK/dV kernel, GQA, ragged lengths,
     and a packed batch."""
-    check(*qkv(1, 4, 2, 37, 29, 32, torch.bfloat16, device, seed=60), causal=causal, window=window,
-          softcap=softcap, deterministic=False)
+    check(
+        *qkv(1, 4, 2, 37, 29, 32, torch.bfloat16, device, seed=60),
+        causal=causal,
+        window=window,
+        softcap=softcap,
+        deterministic=False,
+    )
     q, k, v, cu = packed(LENGTHS, 2, 1, 64, torch.float16, device, seed=61)
     check_packed(q, k, v, causal=causal, window=window, softcap=softcap, deterministic=False, **cu)
 
@@ -419,8 +476,9 @@ def test_gpu_default_config_runs_in_the_interpreter(device):
     config = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
     with testing.poisoned_outputs():
         o, lse = af.attention_fwd(q, k, v, ac.Scores(0.125, True, True), config=config)
-    ref_o, ref_lse = attention_reference(q.double(), k.double(), v.double(), causal=True, scale=0.125,
-                                         return_lse=True)
+    ref_o, ref_lse = attention_reference(
+        q.double(), k.double(), v.double(), causal=True, scale=0.125, return_lse=True
+    )
     torch_o = attention_reference(q, k, v, causal=True, scale=0.125)
     comparison = testing.compare("output", o, torch_o, ref_o, q.dtype)
     assert comparison.passed, comparison
@@ -429,12 +487,17 @@ def test_gpu_default_config_runs_in_the_interpreter(device):
     torch.testing.assert_close(lse[seen], ref_lse[seen].float(), atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("seq_q, seq_k, scores",
-                         [(70, 150, ac.Scores(0.125, False)), (70, 150, ac.Scores(0.125, True, True)),
-                          (150, 70, ac.Scores(0.125, True, False)),
-                          (90, 200, ac.Scores(0.2, False, True, (40, 10), 5.0)),
-                          (40, 33, ac.Scores(0.125, False))],
-                         ids=["full", "causal", "causal-top-left", "window-cap", "one-block"])
+@pytest.mark.parametrize(
+    "seq_q, seq_k, scores",
+    [
+        (70, 150, ac.Scores(0.125, False)),
+        (70, 150, ac.Scores(0.125, True, True)),
+        (150, 70, ac.Scores(0.125, True, False)),
+        (90, 200, ac.Scores(0.2, False, True, (40, 10), 5.0)),
+        (40, 33, ac.Scores(0.125, False)),
+    ],
+    ids=["full", "causal", "causal-top-left", "window-cap", "one-block"],
+)
 def test_a_block_ahead_gives_the_same_bits(seq_q, seq_k, scores, device):
     """LOOKAHEAD reorders the unmasked loop (the next block's scores before this one's softmax) but
     not its arithmetic: the same output and lse bits as the plain loop, GQA, ragged lengths, inner
@@ -446,8 +509,9 @@ def test_a_block_ahead_gives_the_same_bits(seq_q, seq_k, scores, device):
         o_ahead, lse_ahead = af.attention_fwd(q, k, v, scores, config=plain | {"LOOKAHEAD": True})
     assert torch.equal(o, o_ahead) and torch.equal(lse, lse_ahead)
     exact = attention_reference(q.double(), k.double(), v.double(), **scores._asdict())
-    comparison = testing.compare("output", o_ahead, attention_reference(q, k, v, **scores._asdict()), exact,
-                                 q.dtype)
+    comparison = testing.compare(
+        "output", o_ahead, attention_reference(q, k, v, **scores._asdict()), exact, q.dtype
+    )
     assert comparison.passed, comparison
 
 
@@ -459,8 +523,9 @@ def test_a_block_ahead_gives_the_same_bits_on_a_packed_batch(device):
     plain = dict(af.INTERPRETER_CONFIG)
     with testing.poisoned_outputs():
         o, lse = af.attention_fwd(q, k, v, scores, config=plain, packed=sequences)
-        o_ahead, lse_ahead = af.attention_fwd(q, k, v, scores, config=plain | {"LOOKAHEAD": True},
-                                              packed=sequences)
+        o_ahead, lse_ahead = af.attention_fwd(
+            q, k, v, scores, config=plain | {"LOOKAHEAD": True}, packed=sequences
+        )
     assert torch.equal(o, o_ahead) and torch.equal(lse, lse_ahead)
 
 
@@ -472,8 +537,9 @@ def test_cost():
     assert full.bytes == 4 * tensor + 4 * 4 * 32 * 4096  # q, k, v in, o out, the fp32 lse
     gqa = at.attention_cost((4, 32, 8, 4096, 128), torch.bfloat16)
     assert gqa.flops == full.flops and gqa.bytes == full.bytes - 2 * tensor * 3 // 4
-    assert math.isclose(at.attention_cost((4, 32, 32, 4096, 128), torch.bfloat16, "bwd").flops,
-                        2.5 * full.flops)
+    backward = at.attention_cost((4, 32, 32, 4096, 128), torch.bfloat16, "bwd")
+    assert math.isclose(backward.flops, 2.5 * full.flops)
+    assert backward.bytes == 8 * tensor + 4 * 4 * 32 * 4096  # q, k, v, o, dO in, dq, dk, dv out, the lse
 
 
 def test_the_reference_in_chunks_is_the_reference_whole(monkeypatch):
@@ -488,254 +554,3 @@ def test_the_reference_in_chunks_is_the_reference_whole(monkeypatch):
     whole = run()
     monkeypatch.setattr(ac, "REFERENCE_SCORE_BYTES", 2 * 29 * 8 * 5)  # five query rows a chunk
     torch.testing.assert_close(run(), whole, rtol=0, atol=1e-12)
-
-
-# ---------------------------------------------------------------- tuning
-
-
-def _key(seq_q=4096, seq_k=4096, head_dim=64, mask="bottom-right", dtype="bf16", group=1, window=(-1, -1),
-         softcap=0.0):
-    q = torch.empty((4, 8 * group, seq_q, head_dim), dtype=_dtype_named(dtype), device="meta")
-    k = torch.empty((4, 8, seq_k, head_dim), dtype=q.dtype, device="meta")
-    return ac.tuning_key(q, k, _scores(mask, 0.125, window, softcap))
-
-
-def _scores(mask="bottom-right", scale=0.125, window=(-1, -1), softcap=0.0):
-    return ac.Scores(scale, mask != "none", mask == "bottom-right", window, softcap)
-
-
-def _dtype_named(name):
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
-
-
-def test_the_candidates_fit_and_the_default_is_among_them():
-    for head_dim in (64, 128, 256):
-        candidates = af._TUNER._candidates(_key(head_dim=head_dim))
-        assert len(candidates) >= 6, (head_dim, candidates)
-        assert af._TUNER.default(_key(head_dim=head_dim)) in candidates
-        assert all(c["BLOCK_M"] * head_dim / (32 * c["num_warps"]) <= af.MAX_TILE_VALUES for c in candidates)
-    fewer = af._TUNER._candidates(_key(seq_q=16))  # 128 query rows a program > 2 x 16
-    assert len(fewer) < len(af._TUNER._candidates(_key()))
-
-
-# the distinct tiles (warps and stages change nothing in the interpreter), GQA, ragged blocks
-@pytest.mark.parametrize("mask", ["bottom-right", "top-left", "none"])
-def test_every_tile_passes_the_gate(mask, device):
-    key = _key(seq_q=256, seq_k=512, head_dim=64, mask=mask, group=2)
-    tiles = {(c["BLOCK_M"], c["BLOCK_N"]): c for c in af._TUNER._candidates(key)}
-    assert len(tiles) >= 4, tiles
-    for config in tiles.values():
-        assert af._admit(key, _scores(key["mask"], 0.125), device, config).passed, config
-
-
-def test_gate_rejects_a_wrong_result(monkeypatch, device):
-    """An output 10% off fails the gate (bf16 bounds: 4e-2 here), and so does a finite lse for a row
-    that sees no key."""
-    key = _key(seq_q=64, seq_k=32, head_dim=32)
-    config = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
-    assert af._admit(key, _scores(key["mask"], 0.2), device, config).passed
-    real = af._fwd_launcher
-
-    def off_by_a_tenth(grid, *args, **meta):
-        real(grid, *args, **meta)
-        args[3].mul_(1.1)  # o
-
-    monkeypatch.setattr(af, "_fwd_launcher", off_by_a_tenth)
-    assert not af._admit(key, _scores(key["mask"], 0.2), device, config).passed
-
-    def blind_rows_see_zero(grid, *args, **meta):
-        real(grid, *args, **meta)
-        args[4].nan_to_num_(neginf=0.0)  # the lse of rows that see no key
-
-    monkeypatch.setattr(af, "_fwd_launcher", blind_rows_see_zero)
-    verdict = af._admit(key, _scores(key["mask"], 0.2), device, config)
-    assert not verdict.passed and "no key" in verdict.name
-
-
-def test_the_op_launches_the_fastest_admitted_config(monkeypatch, tmp_path, device):
-    monkeypatch.setattr(tuning, "_single_config", lambda: False)
-    monkeypatch.setenv("TRITONKIT_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(af, "_chosen", {})
-    monkeypatch.setattr(af, "_TUNER", tuning.Tuner("attention_fwd", af.CONFIGS, sources=af._TUNER.sources,
-                                                   default=af._TUNER.default, prune=af._TUNER.prune))
-    # fake timings: 64 query rows and 32 keys a step are fastest, more warps and stages a little; the
-    # interpreter's default tile (a candidate too) slowest
-    fake_ms = lambda config: (config["BLOCK_M"] + config["BLOCK_N"] - config["num_warps"] / 10  # noqa: E731
-                              - config["num_stages"] / 100 + 1000 * (config == af.INTERPRETER_CONFIG))
-    monkeypatch.setattr(af, "_time_ms", lambda run, config: fake_ms(config))
-    launched = []
-    real = af._fwd_launcher
-    monkeypatch.setattr(af, "_fwd_launcher", lambda grid, *args, **meta: (launched.append(meta),
-                                                                          real(grid, *args, **meta)))
-    q, k, v = qkv(1, 2, 1, 70, 90, 32, torch.bfloat16, device, seed=9)
-    check(q, k, v, grads=False, causal=True)  # the backward has its own tuners (below)
-    (path,) = (tmp_path / tuning.SUBDIR).iterdir()
-    entry = json.loads(path.read_text())
-    admitted = [json.loads(c) for c, ms in entry["ms"].items() if ms is not None]
-    assert len(admitted) >= 6 and not entry["rejected"]
-    assert entry["config"] == min(admitted, key=fake_ms) == {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8,
-                                                               "num_stages": 4}
-    assert {k: launched[-1][k] for k in entry["config"]} == entry["config"]
-
-
-# ---------------------------------------------------------------- backward tuning
-
-
-@pytest.mark.parametrize("kernel", ab.KERNELS)
-def test_backward_candidates_fit_and_the_default_is_among_them(kernel):
-    tuner = ab._TUNERS[kernel]
-    held = ab.HELD[kernel]
-    for head_dim in (64, 128, 256):
-        candidates = tuner._candidates(_key(head_dim=head_dim))
-        assert len(candidates) >= 6, (head_dim, candidates)
-        assert tuner.default(_key(head_dim=head_dim)) in candidates
-        for c in candidates[:-1]:  # the last may be the default, which is kept whatever prune says
-            step = c["BLOCK_M"] + c["BLOCK_N"] - c[held]
-            values = (2 * c[held] * head_dim + 2 * c[held] * step) / (32 * c["num_warps"])
-            assert values <= ab.MAX_TILE_VALUES[kernel], c
-    short = _key(seq_q=16, seq_k=16)  # held tiles past 2 x 16 rows go
-    assert all(c[held] <= 32 for c in tuner._candidates(short)[:-1])
-
-
-@pytest.mark.parametrize("kernel", ab.KERNELS)
-def test_every_backward_tile_passes_the_gate(kernel, device):
-    """The distinct tiles a ragged GQA problem admits (warps and stages change nothing in the
-    interpreter), causal bottom-right: each kernel's gradients against the float64 reference."""
-    key = _key(seq_q=48, seq_k=80, head_dim=32, group=2)
-    tiles = {(c["BLOCK_M"], c["BLOCK_N"]): c for c in ab._TUNERS[kernel]._candidates(key)}
-    assert len(tiles) >= 4, tiles
-    for config in tiles.values():
-        verdict = ab._admit(kernel, key, _scores(key["mask"], 0.2), device, config)
-        assert verdict.passed, (config, verdict)
-
-
-@pytest.mark.parametrize("kernel", ab.KERNELS)
-def test_backward_gate_rejects_a_wrong_gradient(kernel, monkeypatch, device):
-    """A gradient 10% off fails the gate; the other kernel's is not what it judges."""
-    key = _key(seq_q=40, seq_k=24, head_dim=32, mask="top-left")
-    config = dict(ab.INTERPRETER_CONFIG)
-    assert ab._admit(kernel, key, _scores(key["mask"], 0.2), device, config).passed
-    launcher = "_dkdv_launcher" if kernel == "dkdv" else "_dq_launcher"
-    real = getattr(ab, launcher)
-
-    def off_by_a_tenth(grid, *args, **meta):
-        real(grid, *args, **meta)
-        args[6].mul_(1.1)  # dk, or dq
-
-    monkeypatch.setattr(ab, launcher, off_by_a_tenth)
-    verdict = ab._admit(kernel, key, _scores(key["mask"], 0.2), device, config)
-    assert not verdict.passed and verdict.name == ("dk" if kernel == "dkdv" else "dq")
-    other = "dq" if kernel == "dkdv" else "dkdv"
-    assert ab._admit(other, key, _scores(key["mask"], 0.2), device, config).passed
-
-
-def test_the_backward_launches_the_fastest_admitted_configs(monkeypatch, tmp_path, device):
-    monkeypatch.setattr(tuning, "_single_config", lambda: False)
-    monkeypatch.setenv("TRITONKIT_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(ab, "_chosen", {})
-    # the forward's one config, and the backward's small tiles: the interpreter runs each candidate
-    monkeypatch.setattr(af, "_TUNER", tuning.Tuner("attention_fwd", [af.INTERPRETER_CONFIG],
-                                                   sources=af._TUNER.sources, default=af._TUNER.default))
-    small = [{"BLOCK_M": block_m, "BLOCK_N": 16, "num_warps": warps, "num_stages": stages}
-             for block_m in (16, 32) for warps in (4, 8) for stages in (2, 3)]
-    monkeypatch.setattr(ab, "_TUNERS", {kernel: tuning.Tuner(f"attention_bwd_{kernel}", small,
-                                                             sources=tuner.sources, default=tuner.default,
-                                                             prune=tuner.prune)
-                                        for kernel, tuner in ab._TUNERS.items()})
-    # fake timings, one rule for all three tuners: smaller tiles faster, then more warps and stages
-    fake_ms = lambda config: (config["BLOCK_M"] + 2 * config["BLOCK_N"] - config["num_warps"] / 10  # noqa: E731
-                              - config["num_stages"] / 100)
-    monkeypatch.setattr(af, "_time_ms", lambda run, config: fake_ms(config))
-    monkeypatch.setattr(ab, "_time_ms", lambda run, config: fake_ms(config))
-    launched = {}
-    for name in ("_dkdv_launcher", "_dq_launcher"):
-        real = getattr(ab, name)
-        monkeypatch.setattr(ab, name, lambda grid, *args, real=real, name=name, **meta: (
-            launched.__setitem__(name, meta), real(grid, *args, **meta)))
-    q, k, v = qkv(1, 2, 1, 40, 56, 32, torch.bfloat16, device, seed=9)
-    check(q, k, v, causal=True)
-    files = (tmp_path / tuning.SUBDIR).iterdir()
-    entries = {e["tuner"]: e for e in (json.loads(path.read_text()) for path in files)}
-    assert set(entries) == {"attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq"}
-    for kernel in ab.KERNELS:
-        entry = entries[f"attention_bwd_{kernel}"]
-        admitted = [json.loads(c) for c, ms in entry["ms"].items() if ms is not None]
-        assert len(admitted) == len(small) + 1 and not entry["rejected"], entry  # and the default
-        assert entry["config"] == min(admitted, key=fake_ms)
-        assert entry["config"]["BLOCK_M"] == 16 and entry["config"]["BLOCK_N"] == 16, entry["config"]
-        meta = launched["_dkdv_launcher" if kernel == "dkdv" else "_dq_launcher"]
-        assert {name: meta[name] for name in entry["config"]} == entry["config"]
-
-
-def test_tuning_the_atomic_backward_leaves_dq_alone(monkeypatch, tmp_path, device):
-    """deterministic=False while its dK/dV kernel is tuned: the candidates' timing runs (real runs,
-    each adding into a dq accumulator) must not reach the call's dq."""
-    monkeypatch.setattr(tuning, "_single_config", lambda: False)
-    monkeypatch.setenv("TRITONKIT_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(ab, "_chosen", {})
-    monkeypatch.setattr(af, "_TUNER", tuning.Tuner("attention_fwd", [af.INTERPRETER_CONFIG],
-                                                   sources=af._TUNER.sources, default=af._TUNER.default))
-    small = [{"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": stages} for stages in (2, 3)]
-    monkeypatch.setattr(ab, "_TUNERS", {kernel: tuning.Tuner(f"attention_bwd_{kernel}", small,
-                                                             sources=tuner.sources, default=tuner.default,
-                                                             prune=tuner.prune)
-                                        for kernel, tuner in ab._TUNERS.items()})
-    timed = []
-
-    def run_twice(run, config):  # as on a GPU: the candidate runs on the call's own problem
-        run(config), run(config)
-        timed.append(config)
-        return config["num_stages"]
-
-    monkeypatch.setattr(af, "_time_ms", lambda run, config: 1.0)
-    monkeypatch.setattr(ab, "_time_ms", run_twice)
-    q, k, v = qkv(1, 2, 1, 40, 33, 32, torch.bfloat16, device, seed=10)
-    check(q, k, v, causal=True, deterministic=False)
-    assert timed, "the dK/dV tuner timed no candidate"
-
-
-@pytest.mark.parametrize("causal, bottom_right", [(False, True), (True, False), (True, True)])
-def test_the_gates_gradients_are_autograds(causal, bottom_right):
-    """The backward gate's written-out reference gradients equal autograd's through the reference,
-    in float64: GQA, Sq > Sk (rows that see no key when bottom-right), ragged lengths."""
-    q, k, v = (t.double() for t in qkv(2, 4, 2, 23, 17, 16, torch.float32, "cpu", seed=21))
-    do = torch.randn(q.shape, dtype=torch.float64, generator=testing.generator(22))
-    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
-    o = attention_reference(*inputs, causal=causal, scale=0.3, bottom_right=bottom_right)
-    expected = torch.autograd.grad(o, inputs, do)
-    written = ab._reference_grads(q, k, v, do, ac.Scores(0.3, causal, bottom_right))
-    for ours, theirs in zip(written, expected, strict=True):
-        torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
-
-
-@pytest.mark.parametrize("mask, window", [("none", (9, 4)), ("bottom-right", (20, -1))],
-                         ids=["window", "causal"])
-def test_windowed_soft_capped_tiles_pass_the_gates(mask, window, device):
-    """The gates of the forward and of both backward kernels with a window and a soft cap (the
-    calibration problem's window cuts inside its blocks): tiles of two sizes each."""
-    key = _key(seq_q=48, seq_k=80, head_dim=32, group=2, mask=mask, window=window, softcap=3.0)
-    assert key["window"] == ("left+right" if window[1] >= 0 else "left") and key["softcap"]
-    scores = _scores(mask, 0.2, window, 3.0)
-    for tile in ((16, 16), (32, 64)):
-        config = {"BLOCK_M": tile[0], "BLOCK_N": tile[1], "num_warps": 4, "num_stages": 2}
-        assert af._admit(key, scores, device, config).passed, config
-        for kernel in ab.KERNELS:
-            verdict = ab._admit(kernel, key, scores, device, config)
-            assert verdict.passed, (kernel, config, verdict)
-
-
-def test_the_atomic_dq_gate_judges_dq_too(monkeypatch, device):
-    """With dq accumulated by the dK/dV kernel, its gate compares dq as well as dk and dv: a dq 10%
-    off fails it."""
-    key = _key(seq_q=40, seq_k=24, head_dim=32, mask="top-left") | {"dq": "atomic"}
-    config = dict(ab.INTERPRETER_CONFIG)
-    assert ab._admit("dkdv", key, _scores("top-left", 0.2), device, config).passed
-    real = ab._dkdv_launcher
-
-    def dq_off_by_a_tenth(grid, *args, **meta):
-        real(grid, *args, **meta)
-        args[8].mul_(1.1)  # the fp32 dq accumulator
-
-    monkeypatch.setattr(ab, "_dkdv_launcher", dq_off_by_a_tenth)
-    verdict = ab._admit("dkdv", key, _scores("top-left", 0.2), device, config)
-    assert not verdict.passed and verdict.name == "dq"

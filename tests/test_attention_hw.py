@@ -19,8 +19,7 @@ from tritonkit.ops.attention import fwd as af
 pytestmark = pytest.mark.attention
 
 _SASS_CHECK = r"""
-import json, torch
-from tritonkit._launch import Launch
+import dataclasses, json, torch
 from tritonkit.asm import compile_launch
 from tritonkit.ops.attention import bwd as ab, common as ac
 from tritonkit.ops.attention.attention import _inspect_launches
@@ -31,9 +30,10 @@ for head_dim in (64, 128, 256):
         q = torch.empty((4, 32, 4096, head_dim), dtype=torch.bfloat16, device="meta")
         rows = torch.empty((4, 32, 4096), dtype=torch.float32, device="meta")
         config = ab.default_config(head_dim)["dkdv"]
-        launcher, _, args, meta = ab._launch_main("dkdv", q, q, q, q, rows, rows, (q, q, q.float()),
-                                                  ac.Scores(head_dim**-0.5, causal), config)
-        launches.append(Launch("bwd dk dv atomic-dq", launcher.kernel, args, meta, config))
+        problem = ab._problem(q, q, q, q, rows, rows, ac.Scores(head_dim**-0.5, causal), dk=q, dv=q, dq=q,
+                              dq_acc=q.float())
+        (launch,) = ab._main_launches("dkdv", problem, config)
+        launches.append(dataclasses.replace(launch, name="bwd dk dv atomic-dq"))
         for launch in launches:
             r = compile_launch(launch, "sm_90")
             print(json.dumps({"head_dim": head_dim, "causal": causal, "launch": r.name,
@@ -66,8 +66,7 @@ def test_default_configs_compile_for_hopper_to_wgmma_without_spills():
 
 
 _VARIANT_CHECK = r"""
-import json, torch
-from tritonkit._launch import Launch
+import dataclasses, json, torch
 from tritonkit.asm import compile_launch
 from tritonkit.ops.attention import bwd as ab, common as ac, fwd as af
 q = torch.empty((1, 8, 4096, 128), dtype=torch.bfloat16, device="meta")
@@ -86,14 +85,17 @@ AHEAD = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "LOOKAH
 for variant, (scores, packed, kernels) in variants.items():
     launches = []
     for name, fwd_config in (("fwd", None), ("fwd tma", TMA), ("fwd ahead", AHEAD)):
-        _, args, meta = af._fwd_launch_args(q, kv, kv, q, rows, scores, fwd_config, packed)
-        launches.append(Launch(name, af._attn_fwd_kernel, args, meta))
+        (launch,) = af._fwd_launches(af._problem(q, kv, kv, q, rows, scores, packed), fwd_config)
+        launches.append(dataclasses.replace(launch, name=name))
     for name in kernels:
         kernel = name.split()[0]
-        grads = (q,) if kernel == "dq" else (kv, kv, q.float() if "dq" in name else None)
-        launcher, _, args, meta = ab._launch_main(kernel, q, kv, kv, q, rows, rows, grads, scores,
-                                                  config.get(name, config[kernel]), packed)
-        launches.append(Launch(name, launcher.kernel, args, meta))
+        if kernel == "dq":
+            grads = {"dq": q}
+        else:
+            grads = {"dk": kv, "dv": kv} | ({"dq": q, "dq_acc": q.float()} if "dq" in name else {})
+        problem = ab._problem(q, kv, kv, q, rows, rows, scores, packed, **grads)
+        (launch,) = ab._main_launches(kernel, problem, config.get(name, config[kernel]))
+        launches.append(dataclasses.replace(launch, name=name))
     for launch in launches:
         r = compile_launch(launch, "sm_90")
         print(json.dumps({"variant": variant, "launch": r.name, "hgmma": r.opcodes["HGMMA"],
@@ -122,15 +124,14 @@ def test_windows_soft_caps_and_packed_batches_compile_for_hopper():
 
 _OVERLAP_CHECK = r"""
 import json, torch
-from tritonkit._launch import Launch
 from tritonkit.asm import compile_launch
-from tritonkit.ops.attention import bwd as ab, common as ac, fwd as af
+from tritonkit.ops.attention import common as ac, fwd as af
 q = torch.empty((4, 32, 4096, 128), dtype=torch.bfloat16, device="meta")
 rows = torch.empty((4, 32, 4096), dtype=torch.float32, device="meta")
 tile = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
 for name, config in (("plain", tile), ("ahead", tile | {"LOOKAHEAD": True})):
-    _, args, meta = af._fwd_launch_args(q, q, q, q, rows, ac.Scores(0.1, False), config)
-    sass = compile_launch(Launch(name, af._attn_fwd_kernel, args, meta), "sm_90").asm["sass"]
+    (launch,) = af._fwd_launches(af._problem(q, q, q, q, rows, ac.Scores(0.1, False)), config)
+    sass = compile_launch(launch, "sm_90").asm["sass"]
     # exponentials issued while a group of wgmma runs: between its WARPGROUP.ARRIVE and its wait
     in_flight, hgmma, exps, under = False, 0, 0, 0
     for line in sass.splitlines():
@@ -168,12 +169,17 @@ def untuned():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("shape", [(2, 8, 1024, 128), (1, 8, 1000, 64), (1, 4, 777, 256), (2, 16, 515, 96)],
-                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 8, 1024, 128), (1, 8, 1000, 64), (1, 4, 777, 256), (2, 16, 515, 96)],
+    ids=lambda s: "x".join(map(str, s)),
+)
 def test_gpu_default_tiles_match_the_reference(shape, causal, dtype, device, untuned):
     batch, heads, seq, head_dim = shape
-    check(*qkv(batch, heads, heads // 4 if heads >= 4 else heads, seq, seq + 37, head_dim, dtype, device),
-          causal=causal)
+    check(
+        *qkv(batch, heads, heads // 4 if heads >= 4 else heads, seq, seq + 37, head_dim, dtype, device),
+        causal=causal,
+    )
 
 
 @pytest.mark.gpu
@@ -186,14 +192,26 @@ def test_gpu_atomic_dq_matches_the_reference(tma, head_dim, causal, monkeypatch,
     rows adds zeros to the next sequence's)."""
     if tma:
         config = {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "TMA_DQ": True}
-        tuner = ab._TUNERS["dkdv"]
-        monkeypatch.setattr(ab, "_chosen", {})
-        monkeypatch.setitem(ab._TUNERS, "dkdv", tuning.Tuner(tuner.name, tuner.configs, sources=tuner.sources,
-                                                             default=lambda key: dict(config)))
-    check(*qkv(2, 8, 2, 1000, 1037, head_dim, torch.bfloat16, device, seed=31), causal=causal,
-          deterministic=False)
-    q, k, v, cu = packed([(700, 700), (37, 300), (513, 1), (0, 64), (1, 900)], 8, 2, head_dim, torch.bfloat16,
-                         device, seed=32)
+        tuned = ab._TUNED["dkdv"]
+        monkeypatch.setattr(tuned, "_chosen", {})
+        monkeypatch.setattr(
+            tuned,
+            "tuner",
+            tuning.Tuner(
+                tuned.tuner.name,
+                tuned.tuner.configs,
+                sources=tuned.tuner.sources,
+                default=lambda key: dict(config),
+            ),
+        )
+    check(
+        *qkv(2, 8, 2, 1000, 1037, head_dim, torch.bfloat16, device, seed=31),
+        causal=causal,
+        deterministic=False,
+    )
+    q, k, v, cu = packed(
+        [(700, 700), (37, 300), (513, 1), (0, 64), (1, 900)], 8, 2, head_dim, torch.bfloat16, device, seed=32
+    )
     check_packed(q, k, v, causal=causal, deterministic=False, **cu)
 
 
@@ -201,8 +219,15 @@ FORWARD_TILES = {  # 4 stages of 64 x 128 pass the shared memory at D > 64
     "tma-128x64": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "TMA": True},
     "tma-64x128": {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "TMA": True},
     "ahead-128x64": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "LOOKAHEAD": True},
-    "ahead-tma-64x64": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "LOOKAHEAD": True,
-                        "TMA": True}}
+    "ahead-tma-64x64": {
+        "BLOCK_M": 64,
+        "BLOCK_N": 64,
+        "num_warps": 4,
+        "num_stages": 3,
+        "LOOKAHEAD": True,
+        "TMA": True,
+    },
+}
 
 
 @pytest.mark.gpu
@@ -213,9 +238,12 @@ def test_gpu_tma_and_lookahead_tiles_match_the_reference(config, head_dim, monke
     and dims past D (zero-filled by the TMA), GQA, causal with a window, a packed batch (each
     descriptor bounded by its sequence), and K and V whose layout TMA cannot read (the pointer path
     instead)."""
-    monkeypatch.setattr(af, "_chosen", {})
-    monkeypatch.setattr(af, "_TUNER", tuning.Tuner("attention_fwd", [config], sources=af._TUNER.sources,
-                                                   default=lambda key: dict(config)))
+    monkeypatch.setattr(af._TUNED, "_chosen", {})
+    monkeypatch.setattr(
+        af._TUNED,
+        "tuner",
+        tuning.Tuner("attention_fwd", [config], sources=af._TUNER.sources, default=lambda key: dict(config)),
+    )
     q, k, v = qkv(2, 8, 2, 1000, 1037, head_dim, torch.bfloat16, device, seed=60)
     check(q, k, v, causal=True)
     check(q, k, v, causal=True, window=(300, 0))
@@ -223,16 +251,29 @@ def test_gpu_tma_and_lookahead_tiles_match_the_reference(config, head_dim, monke
     strided = torch.empty((2, 2, 1037, head_dim + 4), dtype=torch.bfloat16, device=device)[..., :head_dim]
     assert not af._tma_ready(strided.copy_(k), v)  # rows of D + 4 elements: not 16-byte multiples
     check(q, strided, v, causal=True)
-    q, k, v, cu = packed([(700, 700), (37, 300), (513, 1), (0, 64), (5, 0), (1, 900)], 8, 2, head_dim,
-                         torch.bfloat16, device, seed=61)
+    q, k, v, cu = packed(
+        [(700, 700), (37, 300), (513, 1), (0, 64), (5, 0), (1, 900)],
+        8,
+        2,
+        head_dim,
+        torch.bfloat16,
+        device,
+        seed=61,
+    )
     check_packed(q, k, v, causal=True, **cu)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim, window, softcap, causal",
-                         [(128, (300, 77), 0.0, False), (128, (511, -1), 30.0, True),
-                          (64, (-1, 200), 5.0, False), (256, (130, 0), 0.0, True)],
-                         ids=["window", "causal-window-cap", "right-cap", "d256-window"])
+@pytest.mark.parametrize(
+    "head_dim, window, softcap, causal",
+    [
+        (128, (300, 77), 0.0, False),
+        (128, (511, -1), 30.0, True),
+        (64, (-1, 200), 5.0, False),
+        (256, (130, 0), 0.0, True),
+    ],
+    ids=["window", "causal-window-cap", "right-cap", "d256-window"],
+)
 def test_gpu_windows_and_soft_caps_match_the_reference(head_dim, window, softcap, causal, device, untuned):
     """Windows that cut inside the tiles and soft caps that bend the scores (q and k scaled
     so that |s| reaches several caps), GQA, Sq != Sk."""
@@ -268,7 +309,7 @@ def test_gpu_keys_past_2_to_the_31_elements(device, untuned):
     v = torch.randn((3, 1, 2**23, 128), generator=g, device=device, dtype=torch.bfloat16)
     for batch in range(3):  # batches that a wrapped offset would mix up differ: scores by 2x, values by 4x
         k[batch] *= 0.5 * (batch + 1)
-        v[batch] *= 4 ** batch
+        v[batch] *= 4**batch
     with testing.poisoned_outputs():
         o, lse = tritonkit.flash_attention(q, k, v, return_lse=True)
     scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(128)

@@ -21,12 +21,7 @@ from tritonkit.dtypes import DTYPE_OF
 from tritonkit.ops import get_op, op_names
 from tritonkit.testing import as_tuple, generator, poisoned_outputs
 
-# The families still on their own custom ops and launch tuples until they move onto opdef and Launch.
-NOT_YET_ON_THE_SCAFFOLDING = {
-    "attention",
-    "attention_causal",
-}
-OPS = [name for name in op_names() if name not in NOT_YET_ON_THE_SCAFFOLDING]
+OPS = op_names()
 # Slack on the backward's cost: its bytes are the least it must move; its launches also touch
 # workspaces (the fp32 partial sums of a reduction over rows), a large share at test shapes.
 WORKSPACE_SHARE = 0.35

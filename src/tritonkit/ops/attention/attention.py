@@ -1,8 +1,10 @@
 """Attention's public functions: ``flash_attention`` and ``scaled_dot_product_attention``, the
-packed batches' and the window's argument checks, the custom ops with their autograd, the cost
-model, the launches ``tritonkit inspect`` compiles and the benchmark specs. The kernels are in
-``fwd`` (forward, and its tuning) and ``bwd`` (backward, and its tuning); what both share (the
-scores' masks and cap, the dense checks, the reference) is in ``common``.
+packed batches' and the window's argument checks, the forward and backward ops (destination-passing,
+``tritonkit::attention_fwd`` and ``tritonkit::attention_bwd``) with the one autograd function over
+them, the cost model, the launches ``tritonkit inspect`` compiles and the benchmark specs. The
+forward's kernel, launch and tuning are in ``fwd``; the backward's kernels in ``bwd_kernels``, their
+launches and tuning in ``bwd``; what both share (the scores' masks and cap, the dense checks, the
+reference) is in ``common``.
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ import math
 
 import torch
 
-from tritonkit._launch import Launch
-from tritonkit.ops.attention.bwd import KERNELS, attention_bwd
+from tritonkit._runtime import empty_output
+from tritonkit.opdef import op
 from tritonkit.ops.attention.bwd import _inspect_launches as _inspect_bwd_launches
+from tritonkit.ops.attention.bwd import attention_bwd_into
+from tritonkit.ops.attention.bwd_kernels import KERNELS
 from tritonkit.ops.attention.common import (
     DTYPES,
     Packed,
@@ -23,85 +27,151 @@ from tritonkit.ops.attention.common import (
     softmax_scale,
     validate_qkv,
 )
-from tritonkit.ops.attention.fwd import _attn_fwd_kernel, _fwd_launch_args, attention_fwd
+from tritonkit.ops.attention.fwd import _fwd_launches, _problem, attention_fwd_into, fwd_outputs
 
-# ---------------------------------------------------------------- custom op and public functions
+# ---------------------------------------------------------------- ops, autograd and public functions
 
-
-# The custom ops take Scores' and Packed's fields one by one (a custom op's arguments are tensors
-# and scalars); a dense call has no cu_seqlens.
-@torch.library.custom_op("tritonkit::attention_fwd", mutates_args=())
-def _attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
-                      cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int, scale: float,
-                      causal: bool, bottom_right: bool, window_left: int, window_right: int, softcap: float,
-                      deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    # deterministic is the backward's: the forward takes it so that autograd hands it on
-    return attention_fwd(q, k, v, Scores(scale, causal, bottom_right, (window_left, window_right), softcap),
-                         packed=_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+NAMES = ("q", "k", "v")  # flash_attention's names of its tensors, which its errors call them by
+# The ops take Scores' and Packed's fields one by one (a custom op's arguments are tensors and
+# scalars); a dense call has no cu_seqlens.
 
 
-@_attention_fwd_op.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *scores):
-    if cu_seqlens_q is None:
-        validate_qkv(q, k, v)
-        return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
-    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+@op("attention_fwd", mutates=("o", "lse"))
+def _forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+    causal: bool,
+    bottom_right: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:
+    """Attention's output into ``o`` and its lse into ``lse`` (``fwd.fwd_outputs``' shapes)."""
+    attention_fwd_into(
+        q,
+        k,
+        v,
+        o,
+        lse,
+        Scores(scale, causal, bottom_right, (window_left, window_right), softcap),
+        _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+    )
 
 
-@torch.library.custom_op("tritonkit::attention_bwd", mutates_args=())
-def _attention_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                      lse: torch.Tensor, dlse: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None,
-                      cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int, scale: float,
-                      causal: bool, bottom_right: bool, window_left: int, window_right: int, softcap: float,
-                      deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return attention_bwd(do, q, k, v, o, lse, dlse,
-                         Scores(scale, causal, bottom_right, (window_left, window_right), softcap),
-                         packed=_packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
-                         deterministic=deterministic)
-
-
-@_attention_bwd_op.register_fake
-def _(do, q, k, v, o, lse, dlse, *options):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+@op("attention_bwd", mutates=("dq", "dk", "dv"))
+def _backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+    causal: bool,
+    bottom_right: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    deterministic: bool,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+) -> None:
+    """Attention's gradients into ``dq``, ``dk`` and ``dv`` (q's, k's and v's shapes)."""
+    attention_bwd_into(
+        do,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        dlse,
+        dq,
+        dk,
+        dv,
+        Scores(scale, causal, bottom_right, (window_left, window_right), softcap),
+        _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+        deterministic,
+    )
 
 
 def _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int) -> Packed | None:
+    """The ops' batch fields as the Packed they came from (None: a dense call)."""
     if cu_seqlens_q is None:
         return None
     return Packed(cu_seqlens_q, cu_seqlens_k, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k)
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, cu_seqlens_q, cu_seqlens_k, *options = inputs
-    o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
-    ctx.options = options
-    ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zeros to read
+class _Attention(torch.autograd.Function):
+    """One autograd function for eager calls and torch.compile (the ops skip the dispatcher eagerly),
+    differentiable in q, k, v and the lse. Its arguments after q, k and v are the ops' scores and
+    batch fields, then ``deterministic`` (the backward's).
+
+    forward takes ctx itself: a separate setup_context costs an inspect.signature bind per call.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, *options):
+        *scores, deterministic = options
+        o, lse = fwd_outputs(q, cu_seqlens_q is not None)
+        _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *scores, o, lse)
+        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
+        ctx.options = options
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zeros to read
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        if do is None:  # only the lse was differentiated
+            do = torch.zeros_like(o)
+        dq, dk, dv = (empty_output(t.shape, t.dtype, t.device) for t in (q, k, v))
+        _backward(do, q, k, v, o, lse, dlse, cu_seqlens_q, cu_seqlens_k, *ctx.options, dq, dk, dv)
+        return dq, dk, dv, *([None] * (2 + len(ctx.options)))
 
 
-def _backward(ctx, do, dlse):
-    q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-    if do is None:  # only the lse was differentiated
-        do = torch.zeros_like(o)
-    dq, dk, dv = _attention_bwd_op(do, q, k, v, o, lse, dlse, cu_seqlens_q, cu_seqlens_k, *ctx.options)
-    return dq, dk, dv, *([None] * (2 + len(ctx.options)))
-
-
-_attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-def _call(q, k, v, scores: Scores, packed: Packed | None = None,
-          deterministic: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward custom op (differentiable) on validated inputs."""
+def _call(
+    q, k, v, scores: Scores, packed: Packed | None = None, deterministic: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse) of validated inputs: through the autograd function where a gradient is wanted,
+    else the forward op alone."""
     cu_q, cu_k, _, max_q, max_k = packed or (None, None, 0, 0, 0)
-    return _attention_fwd_op(q, k, v, cu_q, cu_k, max_q, max_k, scores.scale, scores.causal,
-                             scores.bottom_right, *scores.window, scores.softcap, bool(deterministic))
+    fields = (max_q, max_k, scores.scale, scores.causal, scores.bottom_right, *scores.window, scores.softcap)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _Attention.apply(q, k, v, cu_q, cu_k, *fields, bool(deterministic))
+    o, lse = fwd_outputs(q, packed is not None)
+    _forward(q, k, v, cu_q, cu_k, *fields, o, lse)
+    return o, lse
 
 
-def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                    scale: float | None = None, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                    return_lse: bool = False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                    max_seqlen_k=None, deterministic: bool = True):
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    return_lse: bool = False,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    deterministic: bool = True,
+):
     """Attention over (B, H, S, D) fp16/bf16 tensors, FlashAttention's conventions: ``causal``
     aligned bottom-right when Sq != Sk; GQA/MQA when k and v have fewer heads (a divisor of q's);
     ``scale`` defaults to 1/sqrt(D). ``window`` = (left, right) lets query i see only the keys from
@@ -128,7 +198,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
             if value is not None:
                 raise ValueError(f"{name} is for packed batches: pass cu_seqlens_q and cu_seqlens_k too")
-        validate_qkv(q, k, v)
+        validate_qkv(q, k, v, names=NAMES)
         packed = None
     else:
         packed = _validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
@@ -139,11 +209,16 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 
 def _validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> Packed:
     """The packed batch's Packed, or a TypeError or ValueError naming what is wrong."""
-    for name, tensor in (("query", q), ("key", k), ("value", v)):
+    for name, tensor in zip(NAMES, (q, k, v), strict=True):
         if isinstance(tensor, torch.Tensor) and tensor.dim() != 3:
-            raise ValueError(f"a packed {name} must be 3-D (total tokens, heads, head dim), got shape "
-                             f"{tuple(tensor.shape)}")
-    validate_qkv(*(t.transpose(0, 1).unsqueeze(0) if isinstance(t, torch.Tensor) else t for t in (q, k, v)))
+            raise ValueError(
+                f"a packed {name} must be 3-D (total tokens, heads, head dim), got shape "
+                f"{tuple(tensor.shape)}"
+            )
+    validate_qkv(
+        *(t.transpose(0, 1).unsqueeze(0) if isinstance(t, torch.Tensor) else t for t in (q, k, v)),
+        names=NAMES,
+    )
     lengths = {}
     for name, cu, tensor in (("cu_seqlens_q", cu_seqlens_q, q), ("cu_seqlens_k", cu_seqlens_k, k)):
         if not isinstance(cu, torch.Tensor):
@@ -161,15 +236,20 @@ def _validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         if (steps < 0).any():
             raise ValueError(f"{name} must be non-decreasing, got {host.tolist()}")
         if host[-1] != tensor.shape[0]:
-            raise ValueError(f"{name} must end at the packed tensor's {tensor.shape[0]} rows, got "
-                             f"{int(host[-1])}")
+            raise ValueError(
+                f"{name} must end at the packed tensor's {tensor.shape[0]} rows, got {int(host[-1])}"
+            )
         lengths[name] = int(steps.max()) if steps.numel() else 0
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have one entry a sequence each, got "
-                         f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must have one entry a sequence each, got "
+            f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}"
+        )
     longest = []
-    for name, given, found in (("max_seqlen_q", max_seqlen_q, lengths["cu_seqlens_q"]),
-                               ("max_seqlen_k", max_seqlen_k, lengths["cu_seqlens_k"])):
+    for name, given, found in (
+        ("max_seqlen_q", max_seqlen_q, lengths["cu_seqlens_q"]),
+        ("max_seqlen_k", max_seqlen_k, lengths["cu_seqlens_k"]),
+    ):
         if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < found):
             raise ValueError(f"{name} must be an int >= the longest sequence ({found}), got {given!r}")
         longest.append(found if given is None else given)
@@ -188,21 +268,32 @@ def _window(window) -> tuple[int, int]:
     return left, right
 
 
-def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
-                                 dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-                                 enable_gqa: bool = False) -> torch.Tensor:
+def scaled_dot_product_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask=None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
     """``torch.nn.functional.scaled_dot_product_attention`` on (B, H, S, D) fp16/bf16 tensors, with its
     semantics: ``is_causal`` aligned top-left when Sq != Sk, fewer key/value heads only with
     ``enable_gqa``. A dense ``attn_mask`` and ``dropout_p > 0`` raise NotImplementedError."""
     if attn_mask is not None:
-        raise NotImplementedError("scaled_dot_product_attention: attn_mask is not supported (use is_causal, "
-                                  "or flash_attention's window)")
+        raise NotImplementedError(
+            "scaled_dot_product_attention: attn_mask is not supported (use is_causal, "
+            "or flash_attention's window)"
+        )
     if dropout_p:
         raise NotImplementedError("scaled_dot_product_attention: dropout_p > 0 is not supported")
     validate_qkv(query, key, value)
     if key.shape[1] != query.shape[1] and not enable_gqa:
-        raise ValueError(f"query has {query.shape[1]} heads and key/value {key.shape[1]}: pass "
-                         "enable_gqa=True for grouped-query attention, as torch requires")
+        raise ValueError(
+            f"query has {query.shape[1]} heads and key/value {key.shape[1]}: pass "
+            "enable_gqa=True for grouped-query attention, as torch requires"
+        )
     o, _ = _call(query, key, value, Scores(softmax_scale(scale, query.shape[-1]), bool(is_causal), False))
     return o
 
@@ -222,12 +313,13 @@ def attention_cost(shape: tuple, dtype: torch.dtype, mode: str = "fwd", causal: 
     q_bytes, kv_bytes = batch * heads_q * seq * head_dim * size, batch * heads_kv * seq * head_dim * size
     lse_bytes = 4 * batch * heads_q * seq
     fwd = Cost(flops, 2 * q_bytes + 2 * kv_bytes + lse_bytes)
-    bwd = Cost(2.5 * flops, 5 * q_bytes + 4 * kv_bytes + lse_bytes)  # q, o, dO, dq; k, v, dk, dv
+    bwd = Cost(2.5 * flops, 4 * q_bytes + 4 * kv_bytes + lse_bytes)  # q, o, dO, dq; k, v, dk, dv; the lse
     return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]
 
 
-def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None = None,
-                      causal: bool = False) -> list:
+def _inspect_launches(
+    shape: tuple, dtype: torch.dtype, config: dict | None = None, causal: bool = False
+) -> list:
     """The forward's launch and the backward's three for a benchmark shape (B, Hq, Hkv, S, D): what
     ``tritonkit inspect`` compiles. A ``config`` sets the forward's tile, and under "dkdv" and "dq"
     the backward kernels' (over their defaults)."""
@@ -238,9 +330,10 @@ def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None = No
     fwd_config = {name: value for name, value in (config or {}).items() if name not in KERNELS}
     bwd_config = {name: value for name, value in (config or {}).items() if name in KERNELS}
     scores = Scores(softmax_scale(None, head_dim), causal)
-    _, args, meta = _fwd_launch_args(q, kv, kv, q, lse, scores, fwd_config or None)
-    return [Launch("fwd", _attn_fwd_kernel, args, meta, fwd_config),
-            *_inspect_bwd_launches(shape, dtype, bwd_config, scores)]
+    return [
+        *_fwd_launches(_problem(q, kv, kv, q, lse, scores), fwd_config or None),
+        *_inspect_bwd_launches(shape, dtype, bwd_config, scores),
+    ]
 
 
 # ---------------------------------------------------------------- benchmark peers and specs
@@ -249,6 +342,7 @@ def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None = No
 def _sdpa_backend(backend: str):
     """A peer: torch's scaled_dot_product_attention pinned to one backend (FLASH_ATTENTION, CUDNN_ATTENTION,
     EFFICIENT_ATTENTION); a backend that cannot take a case raises, and the harness reports it."""
+
     def factory(kwargs: dict):
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -257,8 +351,11 @@ def _sdpa_backend(backend: str):
         def run(q, k, v):
             with sdpa_kernel(chosen):
                 return torch.nn.functional.scaled_dot_product_attention(
-                    q, k, v, is_causal=kwargs.get("causal", False), enable_gqa=q.shape[1] != k.shape[1])
+                    q, k, v, is_causal=kwargs.get("causal", False), enable_gqa=q.shape[1] != k.shape[1]
+                )
+
         return run
+
     return factory
 
 
@@ -277,6 +374,7 @@ def _flex(kwargs: dict):
     def run(q, k, v):
         mask = causal_mask(q.shape[2], k.shape[2]) if kwargs.get("causal") else None
         return compiled(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
     return run
 
 
@@ -284,9 +382,11 @@ def _make_inputs(shape: tuple, dtype: torch.dtype, device, generator: torch.Gene
     from tritonkit.testing import random_tensor
 
     batch, heads_q, heads_kv, seq, head_dim = shape
-    return (random_tensor((batch, heads_q, seq, head_dim), dtype, device, generator=generator),
-            random_tensor((batch, heads_kv, seq, head_dim), dtype, device, generator=generator),
-            random_tensor((batch, heads_kv, seq, head_dim), dtype, device, generator=generator))
+    return (
+        random_tensor((batch, heads_q, seq, head_dim), dtype, device, generator=generator),
+        random_tensor((batch, heads_kv, seq, head_dim), dtype, device, generator=generator),
+        random_tensor((batch, heads_kv, seq, head_dim), dtype, device, generator=generator),
+    )
 
 
 def _spec(causal: bool):
@@ -304,22 +404,38 @@ def _spec(causal: bool):
         # (B, Hq, Hkv, S, D): the issue's shapes; GQA at Hq 32, Hkv 8; fp16 at the first
         shapes={
             "interpreter": [((1, 2, 1, 40, 64), "bf16"), ((1, 2, 2, 33, 32), "fp16")],
-            "quick": [((4, 32, 32, 4096, 128), "bf16"), ((2, 16, 16, 16384, 128), "bf16"),
-                      ((4, 32, 32, 4096, 64), "bf16"), ((16, 16, 16, 1024, 128), "bf16"),
-                      ((4, 32, 32, 4096, 128), "fp16"), ((4, 32, 8, 4096, 128), "bf16")],
-            "full": [((4, 32, 32, 4096, 128), "bf16"), ((2, 16, 16, 16384, 128), "bf16"),
-                     ((4, 32, 32, 4096, 64), "bf16"), ((16, 16, 16, 1024, 128), "bf16"),
-                     ((4, 32, 32, 4096, 128), "fp16"), ((4, 32, 8, 4096, 128), "bf16"),
-                     ((1, 32, 32, 8192, 256), "bf16"), ((8, 16, 16, 2048, 96), "bf16")],
+            "quick": [
+                ((4, 32, 32, 4096, 128), "bf16"),
+                ((2, 16, 16, 16384, 128), "bf16"),
+                ((4, 32, 32, 4096, 64), "bf16"),
+                ((16, 16, 16, 1024, 128), "bf16"),
+                ((4, 32, 32, 4096, 128), "fp16"),
+                ((4, 32, 8, 4096, 128), "bf16"),
+            ],
+            "full": [
+                ((4, 32, 32, 4096, 128), "bf16"),
+                ((2, 16, 16, 16384, 128), "bf16"),
+                ((4, 32, 32, 4096, 64), "bf16"),
+                ((16, 16, 16, 1024, 128), "bf16"),
+                ((4, 32, 32, 4096, 128), "fp16"),
+                ((4, 32, 8, 4096, 128), "bf16"),
+                ((1, 32, 32, 8192, 256), "bf16"),
+                ((8, 16, 16, 2048, 96), "bf16"),
+            ],
         },
         tiny_shape=(1, 1, 1, 128, 64),
         dtypes=DTYPES,
         kwargs={"causal": causal},
         # tritonkit[atomic-dq]: the backward with deterministic=False, shown beside the default
-        peers={"tritonkit[atomic-dq]": lambda kwargs: functools.partial(flash_attention, **kwargs,
-                                                                         deterministic=False),
-               "sdpa-flash": _sdpa_backend("FLASH_ATTENTION"), "sdpa-cudnn": _sdpa_backend("CUDNN_ATTENTION"),
-               "sdpa-efficient": _sdpa_backend("EFFICIENT_ATTENTION"), "flex": _flex},
+        peers={
+            "tritonkit[atomic-dq]": lambda kwargs: functools.partial(
+                flash_attention, **kwargs, deterministic=False
+            ),
+            "sdpa-flash": _sdpa_backend("FLASH_ATTENTION"),
+            "sdpa-cudnn": _sdpa_backend("CUDNN_ATTENTION"),
+            "sdpa-efficient": _sdpa_backend("EFFICIENT_ATTENTION"),
+            "flex": _flex,
+        },
         inspect=functools.partial(_inspect_launches, causal=causal),
     )
 

@@ -1,22 +1,13 @@
-"""Attention backward, FlashAttention-2's split: the gradients of ``O = softmax(scale * Q K^T + mask) V``
-from the forward's output O and log-sum-exp, recomputing the probabilities instead of storing them.
+"""Attention backward, the host side: the launches of the three kernels in ``bwd_kernels`` (delta,
+dK/dV, dQ), the tuners of the two main ones, and the backward itself (``attention_bwd``, and
+``attention_bwd_into`` for gradients the caller allocated).
 
-Maths. With P = exp(S - lse) row by row (S the scaled, masked scores) and dO the upstream gradient:
-    dV = P^T dO,   dP = dO V^T,   dS = P * (dP - delta),   delta_i = sum_d dO_id O_id - dlse_i,
-    dQ = scale * dS K,   dK = scale * dS^T Q,
-where dlse is the upstream gradient of the lse (zero unless the caller differentiates it: d lse_i /
-d S_ij = P_ij). Three kernels: delta per query row; dK and dV per key block, walking the query rows
-that see it (with GQA, those of every query head of its group: the sum over the group without
-atomics); dQ per query block, walking its keys. No atomics anywhere, so the same inputs give the
-same bits.
-
-Work. 2.5x the forward's FLOPs (five matmuls of B·Hq·Sq·Sk·D, against two), the probabilities
-recomputed in each of the two main kernels. Bytes: q, k, v, o, dO and the lse read, dq, dk, dv
-written, K and V re-read from L2 by the dQ programs and Q, dO by the dK/dV programs.
-
-The scores' scale, cap and masks, the packed batches, the jit helpers both directions call, the
-tuning key and the calibration problem are in ``common``; the gate runs the forward (``fwd``) for
-the o and lse its calibration problem needs.
+A backward call poses each main kernel's tuner the problem it runs: its inputs by name, the
+gradients it writes, the scores and the packed batch. The dK/dV kernel also writes dq when dq is
+accumulated with atomics (``deterministic=False``): into an fp32 accumulator that its run zeroes
+first and scales into dq after. Each gate compares against autograd's gradients through the
+plain-PyTorch reference, on a calibration problem whose o, lse and delta the forward and the delta
+kernel compute first.
 """
 
 from __future__ import annotations
@@ -26,588 +17,315 @@ import functools
 import torch
 
 from tritonkit import tuning
-from tritonkit._launch import Launch, Launcher, cdiv, ensure_allocator, precompile
-from tritonkit._runtime import current_device, empty_output, interpret, shared_memory_bytes
-from tritonkit._triton import tl, triton
-from tritonkit.jit import LOG2E, dot_fp32
+from tritonkit._launch import Launch, cdiv, ensure_allocator
+from tritonkit._runtime import empty_output, interpret
 from tritonkit.ops.attention import fwd
+from tritonkit.ops.attention.bwd_kernels import (
+    CONFIGS,
+    DELTA_BLOCK_M,
+    KERNELS,
+    _attn_bwd_delta_kernel,
+    _attn_bwd_dkdv_kernel,
+    _attn_bwd_dq_kernel,
+    _prune,
+    default_config,
+)
 from tritonkit.ops.attention.common import (
     Packed,
     Scores,
     _block_d,
-    _exponent,
-    _key_ranges,
-    _sequence,
-    _visible,
+    attention_reference,
     calibration_inputs,
     calibration_scores,
     per_sequence,
-    reference_visible,
     sequence_args,
     tuning_key,
 )
 
-DELTA_BLOCK_M = 64  # query rows a delta program reduces
+# ---------------------------------------------------------------- launches
 
 
-@triton.jit
-def _attn_bwd_delta_kernel(
-    o_ptr,  # forward output, (B, H, Sq, D), strides stride_o* and 1
-    do_ptr,  # upstream gradient of o, (B, H, Sq, D), strides stride_do*
-    dlse_ptr,  # upstream gradient of the lse, (B, H, Sq), contiguous (unused without HAS_DLSE)
-    delta_ptr,  # fp32 out: rowsum(dO * O) - dlse, (B, H, Sq), contiguous
-    stride_ob, stride_oh, stride_om,  # elements between batches, heads, rows of o
-    stride_dob, stride_doh, stride_dom, stride_dod,  # ... and head dims of dO
-    H,  # heads
-    SEQ_Q,  # query rows per head
-    HEAD_DIM: tl.constexpr,  # D
-    BLOCK_D: tl.constexpr,  # power of two >= D
-    HAS_DLSE: tl.constexpr,  # the lse has an upstream gradient
-    BLOCK_M: tl.constexpr,  # rows a program reduces
-):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    bh = tl.program_id(1).to(tl.int64)
-    batch, head = bh // H, bh % H
-    dims = tl.arange(0, BLOCK_D)
-    mask = (rows[:, None] < SEQ_Q) & (dims[None, :] < HEAD_DIM)
-    o_rows = o_ptr + batch * stride_ob + head * stride_oh
-    o = tl.load(o_rows + rows[:, None] * stride_om + dims[None, :], mask=mask, other=0.0)
-    do = tl.load(do_ptr + batch * stride_dob + head * stride_doh + rows[:, None] * stride_dom
-                 + dims[None, :] * stride_dod, mask=mask, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    if HAS_DLSE:
-        delta -= tl.load(dlse_ptr + bh * SEQ_Q + rows, mask=rows < SEQ_Q, other=0.0)
-    tl.store(delta_ptr + bh * SEQ_Q + rows, delta, mask=rows < SEQ_Q)
-
-
-@triton.jit
-def _dkdv_steps(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_target, batch, kv_head, q_start, cols,
-                dims, d_mask, stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom,
-                stride_dod, stride_lb, stride_lh, stride_ab, stride_ah, stride_am, GROUP, SEQ_Q, SEQ_K,
-                UPPER_OFFSET, LOWER_OFFSET, score_scale, cap_log2,
-                lead_start, n_lead, rest_start, n_rest, IS_CAUSAL: tl.constexpr, HAS_LOWER: tl.constexpr,
-                SOFTCAP: tl.constexpr, ATOMIC_DQ: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
-                EXACT_DOT_IN_FP32: tl.constexpr, TMA_DQ: tl.constexpr):
-    """dk and dv after query blocks of every query head of the key block's group: for each head,
-    ``n_lead`` blocks from row ``lead_start``, then ``n_rest`` from ``rest_start``. One loop over
-    (head, block) pairs: a nested loop over the heads kept both loops from pipelining on sm_90 and
-    spilled at D = 128 with 4 heads a group. MASKED blocks mask rows past SEQ_Q, keys past SEQ_K and
-    keys outside each row's bounds; the others are inside all of them, and load and exponentiate
-    unmasked.
-
-    The scores are computed transposed, keys by queries, so that every matmul has the program's
-    keys as its M (wgmma's 64-row operand) and the query step BLOCK_M may be small. ATOMIC_DQ also
-    adds each step's dS Q-side product, dS^T K, to the fp32 dq accumulator with atomics (its order,
-    so its rounding, varies from run to run): ``dq_target`` is the accumulator's pointer, or with
-    TMA_DQ a tensor descriptor of it as (rows, D), which adds the whole tile in one bulk reduction.
-    Rows past SEQ_Q add zeros there (their P is 0), so a tile that runs past its head's rows into
-    the next head's (or sequence's) changes nothing."""
-    per_head = n_lead + n_rest
-    local_m = tl.arange(0, BLOCK_M)
-    for step in range(GROUP * per_head):
-        head = kv_head * GROUP + step // per_head
-        index = step % per_head
-        start_m = tl.where(index < n_lead, lead_start + index * BLOCK_M,
-                           rest_start + (index - n_lead) * BLOCK_M)
-        rows = start_m + local_m
-        block = q_start + tl.cast(start_m, tl.int64)
-        row_stats = batch * stride_lb + head * stride_lh + block + local_m  # lse and delta
-        q_ptrs = (q_ptr + batch * stride_qb + head * stride_qh + block * stride_qm
-                  + local_m[:, None] * stride_qm + dims[None, :] * stride_qd)
-        do_ptrs = (do_ptr + batch * stride_dob + head * stride_doh + block * stride_dom
-                   + local_m[:, None] * stride_dom + dims[None, :] * stride_dod)
-        if MASKED:
-            row_mask = rows < SEQ_Q
-            q = tl.load(q_ptrs, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-            do = tl.load(do_ptrs, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-            lse = tl.load(lse_ptr + row_stats, mask=row_mask, other=float("inf"))
-            delta = tl.load(delta_ptr + row_stats, mask=row_mask, other=0.0)
-        else:
-            q = tl.load(q_ptrs, mask=d_mask[None, :], other=0.0)
-            do = tl.load(do_ptrs, mask=d_mask[None, :], other=0.0)
-            lse = tl.load(lse_ptr + row_stats)
-            delta = tl.load(delta_ptr + row_stats)
-        lse_log2 = tl.where(lse == -float("inf"), float("inf"), lse * LOG2E)
-        s_t, tanh_t = _exponent(dot_fp32(k, tl.trans(q), EXACT_DOT_IN_FP32), score_scale, cap_log2, SOFTCAP)
-        p_t = tl.math.exp2(s_t - lse_log2[None, :])  # (BLOCK_N, BLOCK_M)
-        if MASKED:
-            visible = _visible(rows[None, :], cols[:, None], SEQ_K, UPPER_OFFSET, LOWER_OFFSET, IS_CAUSAL,
-                               HAS_LOWER)
-            p_t = tl.where(visible & row_mask[None, :], p_t, 0.0)
-        dv += dot_fp32(p_t.to(do.dtype), do, EXACT_DOT_IN_FP32)
-        dp_t = dot_fp32(v, tl.trans(do), EXACT_DOT_IN_FP32)
-        ds_t = p_t * (dp_t - delta[None, :])
-        if SOFTCAP:  # through the cap: d(c tanh(s / c)) / ds = 1 - tanh^2
-            ds_t = ds_t * (1.0 - tanh_t * tanh_t)
-        ds_t = ds_t.to(q.dtype)
-        dk += dot_fp32(ds_t, q, EXACT_DOT_IN_FP32)
-        if ATOMIC_DQ:
-            dq = dot_fp32(tl.trans(ds_t), k, EXACT_DOT_IN_FP32)  # (BLOCK_M, D)
-            if TMA_DQ:  # the accumulator is contiguous: its row stride is D
-                first_row = (batch * stride_ab + head * stride_ah) // stride_am + block
-                dq_target.atomic_add([first_row.to(tl.int32), 0], dq)
-            else:
-                acc_ptrs = (dq_target + batch * stride_ab + head * stride_ah
-                            + (block + local_m[:, None]) * stride_am + dims[None, :])
-                if MASKED:
-                    tl.atomic_add(acc_ptrs, dq, mask=row_mask[:, None] & d_mask[None, :], sem="relaxed")
-                else:
-                    tl.atomic_add(acc_ptrs, dq, mask=d_mask[None, :], sem="relaxed")
-    return dk, dv
-
-
-# ---------------------------------------------------------------- the main kernels' tiles: configs and prune
-
-KERNELS = ("dkdv", "dq")  # a backward config holds one launch config for each: {"dkdv": ..., "dq": ...}
-# The interpreter's tiles, as the forward's: several blocks a test shape, both loops' edges run.
-INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
-# In both kernels BLOCK_M counts query rows and BLOCK_N keys: dK/dV programs hold BLOCK_N keys and
-# step BLOCK_M rows; dQ programs hold BLOCK_M rows and step BLOCK_N keys. Held tiles of 32 to 128
-# (64 and up: wgmma's M), steps of 16 to 64.
-_LAUNCH = [{"num_warps": warps, "num_stages": stages} for warps in (4, 8) for stages in (2, 3)]
-HELD = {"dkdv": "BLOCK_N", "dq": "BLOCK_M"}  # the tile a program holds; the other is its loop's step
-# fp32 values a thread past which a config spills on sm_90, fitted to `tritonkit inspect` scans at
-# D = 64, 128 and 256 (4 and 8 warps, 2 and 3 stages): dK/dV holds two accumulators of its keys
-# by D and a scores tile and dP tile of keys by step, (2 held D + 2 held step) / threads; it spilled
-# from 192 on and not up to 160 at D <= 128 (at D = 256, 64-key tiles spill from 136: an estimate,
-# and the tuner times what it lets through). dQ holds its accumulator and Q and dO: up to 192.
-MAX_TILE_VALUES = {"dkdv": 160, "dq": 192}
-
-
-def default_config(head_dim: int) -> dict:
-    """The backward's launch configs before tuning. Picked from a scan of sm_90 builds (`tritonkit
-    inspect attention --config ...`) among the tiles whose matmuls are all HGMMA with no spills,
-    preferring more rows held (fewer re-reads of the other operand) below ~200 registers. At D = 256
-    every wgmma tile of dK/dV spilled (two fp32 accumulators of BLOCK_N x 256, and the masked and
-    unmasked loops each hold their tiles), so 32 keys by 16-row steps at 4 warps there, which
-    compile to mma.sync (HMMA) in 241 registers."""
-    if interpret():
-        return {kernel: dict(INTERPRETER_CONFIG) for kernel in KERNELS}
-    if head_dim <= 64:
-        return {"dkdv": {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
-                "dq": {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}}
-    if head_dim <= 128:
-        return {"dkdv": {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
-                "dq": {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}}
-    return {"dkdv": {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
-            "dq": {"BLOCK_M": 64, "BLOCK_N": 16, "num_warps": 8, "num_stages": 2}}
-
-
-def _prune(kernel: str, config: dict, key: dict) -> bool:
-    """True drops the config: more fp32 values a thread than compile without spilling, more shared
-    memory than an SM has (the pipelined step's two tiles a stage, and the held tiles), or a held
-    tile past twice the problem's rows (keys for dK/dV, query rows for dQ)."""
-    block_d, threads = _block_d(key["head_dim"]), 32 * config["num_warps"]
-    held, step = config[HELD[kernel]], config["BLOCK_M" if kernel == "dkdv" else "BLOCK_N"]
-    values = (2 * held * block_d + 2 * held * step) / threads
-    shared = 2 * (config["num_stages"] * 2 * step * block_d + 2 * held * block_d)
-    if config.get("TMA_DQ"):  # the dq tile is staged in shared memory for the bulk reduction
-        if key.get("dq") != "atomic":
-            return True
-        shared += 4 * step * block_d
-    rows = key["seq_k"] if kernel == "dkdv" else key["seq_q"]
-    too_much_shared = shared > shared_memory_bytes(current_device())
-    return values > MAX_TILE_VALUES[kernel] or too_much_shared or held > 2 * rows
-
-
-# dK/dV: programs hold BLOCK_N keys and step BLOCK_M query rows
-DKDV_CONFIGS = ([{"BLOCK_M": step, "BLOCK_N": held, **launch}
-                 for held in (32, 64, 128) for step in (16, 32, 64) for launch in _LAUNCH]
-                # atomic dq added a tile at a time by TMA (keys whose dq is atomic only; not yet timed)
-                + [{"BLOCK_M": step, "BLOCK_N": held, **launch, "TMA_DQ": True}
-                   for held in (64, 128) for step in (32, 64) for launch in _LAUNCH])
-
-
-@triton.jit
-def _attn_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr,  # inputs as the forward took them, and dO: (B, H*, S*, D), strided
-    lse_ptr,  # forward lse (natural log), (B, Hq, Sq), strides stride_l* and 1
-    delta_ptr,  # rowsum(dO * O) - dlse, laid out as the lse
-    dk_ptr, dv_ptr,  # out: (B, Hkv, Sk, D), strides stride_g* and 1
-    dq_acc_ptr,  # ATOMIC_DQ: fp32 dq accumulator, (B, Hq, Sq, D), zeros, strides stride_a* and 1
-    cu_q_ptr, cu_k_ptr,  # VARLEN: int32 first row of each packed sequence of q and of k, and the total
-    stride_qb, stride_qh, stride_qm, stride_qd,  # elements between batches, heads, rows, dims of q
-    stride_kb, stride_kh, stride_kn, stride_kd,  # ... of k
-    stride_vb, stride_vh, stride_vn, stride_vd,  # ... of v
-    stride_dob, stride_doh, stride_dom, stride_dod,  # ... of dO
-    stride_lb, stride_lh,  # ... of the lse and delta
-    stride_gb, stride_gh, stride_gn,  # ... of dk and dv
-    stride_ab, stride_ah, stride_am,  # ... of the dq accumulator
-    H_KV,  # key/value heads
-    GROUP,  # query heads per key/value head
-    SEQ_Q, SEQ_K,  # rows of q and of k per head
-    UPPER_OFFSET, LOWER_OFFSET, score_scale, cap_log2,  # the scores' masks and exponent: Scores.kernel_args
-    sm_scale,  # the softmax scale
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,  # D, and a power of two >= D
-    IS_CAUSAL: tl.constexpr, HAS_LOWER: tl.constexpr, SOFTCAP: tl.constexpr,  # Scores.kernel_args
-    VARLEN: tl.constexpr,  # a packed batch: a program's "batch" is a sequence; batch strides are 0
-    ATOMIC_DQ: tl.constexpr,  # also accumulate dq, with atomics (no dQ kernel)
-    BLOCK_M: tl.constexpr,  # query rows a step of the loop takes
-    BLOCK_N: tl.constexpr,  # keys a program holds
-    EXACT_DOT_IN_FP32: tl.constexpr,  # multiply the 16-bit tiles as fp32 (the interpreter's path)
-    TMA_DQ: tl.constexpr,  # ATOMIC_DQ through a tensor descriptor: one bulk reduction a tile (sm_90)
-):
-    start_n = tl.program_id(0) * BLOCK_N
-    bh_kv = tl.program_id(1).to(tl.int64)
-    batch, kv_head = bh_kv // H_KV, bh_kv % H_KV
-    q_start, SEQ_Q, k_start, SEQ_K, UPPER_OFFSET, LOWER_OFFSET = _sequence(
-        batch, cu_q_ptr, cu_k_ptr, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, VARLEN)
-    local_n = tl.arange(0, BLOCK_N)
-    cols = start_n + local_n
-    dims = tl.arange(0, BLOCK_D)
-    d_mask = dims < HEAD_DIM
-    kv_mask = (cols[:, None] < SEQ_K) & d_mask[None, :]
-    block = k_start + tl.cast(start_n, tl.int64)  # int64: S * stride may pass 2^31 (a (B, S, H, D) layout)
-    k_rows = k_ptr + batch * stride_kb + kv_head * stride_kh + block * stride_kn
-    v_rows = v_ptr + batch * stride_vb + kv_head * stride_vh + block * stride_vn
-    k = tl.load(k_rows + local_n[:, None] * stride_kn + dims[None, :] * stride_kd, mask=kv_mask, other=0.0)
-    v = tl.load(v_rows + local_n[:, None] * stride_vn + dims[None, :] * stride_vd, mask=kv_mask, other=0.0)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    # Query blocks, as row ranges: [first, inner_start) cross a bound's diagonal (masked); [inner_start,
-    # inner_end) see every key of this block and lie inside SEQ_Q (unmasked); [inner_end, end) cross
-    # the other bound or hold the ragged last rows (masked). A ragged key block masks them all.
-    all_end = tl.cdiv(SEQ_Q, BLOCK_M) * BLOCK_M
-    last_key = start_n + BLOCK_N - 1
-    inner_end = SEQ_Q // BLOCK_M * BLOCK_M
-    # row i sees key j only if i >= j - UPPER_OFFSET: the first key bounds the rows that see any,
-    # the last those that see all
-    if IS_CAUSAL:
-        first = tl.minimum(tl.maximum(start_n - UPPER_OFFSET, 0) // BLOCK_M * BLOCK_M, all_end)
-        inner_start = tl.cdiv(tl.maximum(last_key - UPPER_OFFSET, 0), BLOCK_M) * BLOCK_M
-    else:
-        first = tl.full([], 0, tl.int32)
-        inner_start = tl.full([], 0, tl.int32)
-    # and only if i <= j - LOWER_OFFSET: the last key bounds the rows that see any, the first all
-    if HAS_LOWER:
-        end = tl.maximum(tl.minimum(tl.cdiv(tl.maximum(last_key - LOWER_OFFSET + 1, 0), BLOCK_M) * BLOCK_M,
-                                    all_end), first)
-        inner_end = tl.minimum(inner_end, tl.maximum(start_n - LOWER_OFFSET + 1, 0) // BLOCK_M * BLOCK_M)
-    else:
-        end = all_end
-    end = tl.where(start_n < SEQ_K, end, first)  # a program past its packed sequence's keys
-    if start_n + BLOCK_N > SEQ_K:
-        inner_start = end
-    inner_start = tl.minimum(tl.maximum(inner_start, first), end)
-    inner_end = tl.maximum(tl.minimum(inner_end, end), inner_start)
-    if TMA_DQ:  # the whole (contiguous) accumulator as rows of D: (B, Hq, Sq) rows, or (Hq, T) packed
-        if VARLEN:
-            dq_rows = H_KV * GROUP * (stride_ah // stride_am)
-        else:
-            dq_rows = tl.num_programs(1) // H_KV * (stride_ab // stride_am)
-        dq_target = tl.make_tensor_descriptor(dq_acc_ptr, shape=[dq_rows, HEAD_DIM], strides=[stride_am, 1],
-                                              block_shape=[BLOCK_M, BLOCK_D])
-    else:
-        dq_target = dq_acc_ptr
-    # what the masked and the unmasked steps share: tiles, pointers, strides and scalars
-    shared = (k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_target, batch, kv_head, q_start, cols, dims,
-              d_mask, stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom,
-              stride_dod, stride_lb, stride_lh, stride_ab, stride_ah, stride_am, GROUP, SEQ_Q, SEQ_K,
-              UPPER_OFFSET, LOWER_OFFSET, score_scale, cap_log2)
-    dk, dv = _dkdv_steps(dk, dv, *shared, first, (inner_start - first) // BLOCK_M, inner_end,
-                         (end - inner_end) // BLOCK_M, IS_CAUSAL, HAS_LOWER, SOFTCAP, ATOMIC_DQ, True,
-                         BLOCK_M, EXACT_DOT_IN_FP32, TMA_DQ)
-    dk, dv = _dkdv_steps(dk, dv, *shared, inner_start, (inner_end - inner_start) // BLOCK_M, inner_end,
-                         0, IS_CAUSAL, HAS_LOWER, SOFTCAP, ATOMIC_DQ, False, BLOCK_M, EXACT_DOT_IN_FP32,
-                         TMA_DQ)
-    out = batch * stride_gb + kv_head * stride_gh + (block + local_n[:, None]) * stride_gn + dims[None, :]
-    tl.store(dk_ptr + out, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
-    tl.store(dv_ptr + out, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
-
-
-@triton.jit
-def _dq_steps(dq, q, do, lse_log2, delta, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd, rows,
-              dims, d_mask, start, end, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, score_scale, cap_log2,
-              IS_CAUSAL: tl.constexpr, HAS_LOWER: tl.constexpr, SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
-              BLOCK_N: tl.constexpr, EXACT_DOT_IN_FP32: tl.constexpr):
-    """dq after the key blocks in [start, end); MASKED blocks mask keys past SEQ_K and outside each
-    row's bounds (rows past SEQ_Q need no mask: their lse is +inf, so their P is 0, and they are not
-    stored)."""
-    local_n = tl.arange(0, BLOCK_N)
-    for start_n in range(start, end, BLOCK_N):
-        cols = start_n + local_n
-        block_n = tl.cast(start_n, tl.int64)
-        k_ptrs = k_head + block_n * stride_kn + local_n[:, None] * stride_kn + dims[None, :] * stride_kd
-        v_ptrs = v_head + block_n * stride_vn + local_n[:, None] * stride_vn + dims[None, :] * stride_vd
-        if MASKED:
-            kv_mask = (cols[:, None] < SEQ_K) & d_mask[None, :]
-        else:
-            kv_mask = d_mask[None, :]
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-        s, tanh_s = _exponent(dot_fp32(q, tl.trans(k), EXACT_DOT_IN_FP32), score_scale, cap_log2, SOFTCAP)
-        p = tl.math.exp2(s - lse_log2[:, None])
-        if MASKED:
-            visible = _visible(rows[:, None], cols[None, :], SEQ_K, UPPER_OFFSET, LOWER_OFFSET, IS_CAUSAL,
-                               HAS_LOWER)
-            p = tl.where(visible & (rows[:, None] < SEQ_Q), p, 0.0)
-        dp = dot_fp32(do, tl.trans(v), EXACT_DOT_IN_FP32)
-        ds = p * (dp - delta[:, None])
-        if SOFTCAP:
-            ds = ds * (1.0 - tanh_s * tanh_s)
-        dq += dot_fp32(ds.to(k.dtype), k, EXACT_DOT_IN_FP32)
-    return dq
-
-
-# dQ: programs hold BLOCK_M query rows and step BLOCK_N keys
-DQ_CONFIGS = [{"BLOCK_M": held, "BLOCK_N": step, **launch}
-              for held in (64, 128) for step in (16, 32, 64) for launch in _LAUNCH]
-
-
-@triton.jit
-def _attn_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr,  # as in the dK/dV kernel
-    lse_ptr, delta_ptr,  # (B, Hq, Sq), strides stride_l* and 1
-    dq_ptr,  # out: (B, Hq, Sq, D), strides stride_g* and 1
-    cu_q_ptr, cu_k_ptr,  # as in the dK/dV kernel
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_lb, stride_lh,
-    stride_gb, stride_gh, stride_gn,
-    H,  # query heads
-    GROUP,  # query heads per key/value head
-    SEQ_Q, SEQ_K,
-    UPPER_OFFSET, LOWER_OFFSET, score_scale, cap_log2,
-    sm_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, HAS_LOWER: tl.constexpr, SOFTCAP: tl.constexpr,
-    VARLEN: tl.constexpr,
-    BLOCK_M: tl.constexpr,  # query rows a program holds
-    BLOCK_N: tl.constexpr,  # keys a step of the loop takes
-    EXACT_DOT_IN_FP32: tl.constexpr,
-):
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1).to(tl.int64)
-    batch, head = bh // H, bh % H
-    kv_head = head // GROUP
-    q_start, SEQ_Q, k_start, SEQ_K, UPPER_OFFSET, LOWER_OFFSET = _sequence(
-        batch, cu_q_ptr, cu_k_ptr, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, VARLEN)
-    local_m = tl.arange(0, BLOCK_M)
-    rows = start_m + local_m
-    row_mask = rows < SEQ_Q
-    dims = tl.arange(0, BLOCK_D)
-    d_mask = dims < HEAD_DIM
-    tile_mask = row_mask[:, None] & d_mask[None, :]
-    block = q_start + tl.cast(start_m, tl.int64)  # int64: S * stride may pass 2^31 (a (B, S, H, D) layout)
-    q_rows = q_ptr + batch * stride_qb + head * stride_qh + block * stride_qm
-    do_rows = do_ptr + batch * stride_dob + head * stride_doh + block * stride_dom
-    q = tl.load(q_rows + local_m[:, None] * stride_qm + dims[None, :] * stride_qd, mask=tile_mask, other=0.0)
-    do = tl.load(do_rows + local_m[:, None] * stride_dom + dims[None, :] * stride_dod, mask=tile_mask,
-                 other=0.0)
-    row_stats = batch * stride_lb + head * stride_lh + block + local_m  # lse and delta
-    lse = tl.load(lse_ptr + row_stats, mask=row_mask, other=float("inf"))
-    delta = tl.load(delta_ptr + row_stats, mask=row_mask, other=0.0)
-    lse_log2 = tl.where(lse == -float("inf"), float("inf"), lse * LOG2E)
-    k_head = k_ptr + batch * stride_kb + kv_head * stride_kh + k_start * stride_kn
-    v_head = v_ptr + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn
-    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    start, inner_start, inner_end, end = _key_ranges(start_m, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
-                                                     IS_CAUSAL, HAS_LOWER, BLOCK_M, BLOCK_N)
-    dq = _dq_steps(dq, q, do, lse_log2, delta, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd,
-                   rows, dims, d_mask, start, inner_start, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
-                   score_scale, cap_log2, IS_CAUSAL, HAS_LOWER, SOFTCAP, True, BLOCK_N, EXACT_DOT_IN_FP32)
-    dq = _dq_steps(dq, q, do, lse_log2, delta, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd,
-                   rows, dims, d_mask, inner_start, inner_end, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
-                   score_scale, cap_log2, IS_CAUSAL, HAS_LOWER, SOFTCAP, False, BLOCK_N, EXACT_DOT_IN_FP32)
-    dq = _dq_steps(dq, q, do, lse_log2, delta, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd,
-                   rows, dims, d_mask, inner_end, end, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
-                   score_scale, cap_log2, IS_CAUSAL, HAS_LOWER, SOFTCAP, True, BLOCK_N, EXACT_DOT_IN_FP32)
-    out = batch * stride_gb + head * stride_gh + (block + local_m[:, None]) * stride_gn + dims[None, :]
-    tl.store(dq_ptr + out, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=tile_mask)
-
-
-# ---------------------------------------------------------------- launcher and tuning
-
-_delta_launcher = Launcher(_attn_bwd_delta_kernel)
-_dkdv_launcher = Launcher(_attn_bwd_dkdv_kernel)
-_dq_launcher = Launcher(_attn_bwd_dq_kernel)
-CONFIGS = {"dkdv": DKDV_CONFIGS, "dq": DQ_CONFIGS}  # by kernel, as KERNELS names them
-
-
-def _launch_delta(o, do, lse, dlse, delta) -> tuple:
-    """(launcher, grid, arguments, constexprs and options) of the delta kernel: every query row of
-    (B, H, Sq) views (a packed batch's are (1, H, T): delta needs no sequence bounds)."""
+def _delta_launch(o, do, lse, dlse, delta) -> Launch:
+    """The delta kernel's launch: every query row of (B, H, Sq) views (a packed batch's are (1, H,
+    T): delta needs no sequence bounds)."""
     batch, heads, seq_q, head_dim = o.shape
     args = (o, do, dlse if dlse is not None else lse, delta, *o.stride()[:3], *do.stride(), heads, seq_q)
-    meta = {"HEAD_DIM": head_dim, "BLOCK_D": _block_d(head_dim), "HAS_DLSE": dlse is not None,
-            "BLOCK_M": DELTA_BLOCK_M, "num_warps": 4}
-    return _delta_launcher, (cdiv(seq_q, DELTA_BLOCK_M), batch * heads), args, meta
+    meta = {
+        "HEAD_DIM": head_dim,
+        "BLOCK_D": _block_d(head_dim),
+        "HAS_DLSE": dlse is not None,
+        "BLOCK_M": DELTA_BLOCK_M,
+        "num_warps": 4,
+    }
+    return Launch(
+        "bwd delta", _attn_bwd_delta_kernel, args, meta, grid=(cdiv(seq_q, DELTA_BLOCK_M), batch * heads)
+    )
 
 
-def _launch_main(kernel: str, q, k, v, do, lse, delta, grads, scores: Scores, config: dict,
-                 packed: Packed | None = None) -> tuple:
-    """(launcher, grid, arguments, constexprs and options) of the dK/dV kernel (``grads`` = (dk, dv,
-    the fp32 dq accumulator or None)) or the dQ kernel (``grads`` = (dq,)); for a packed batch,
-    every tensor is its (1, H, T, ...) view."""
+def _problem(
+    q,
+    k,
+    v,
+    do,
+    lse,
+    delta,
+    scores: Scores,
+    packed: Packed | None = None,
+    *,
+    dk=None,
+    dv=None,
+    dq=None,
+    dq_acc=None,
+) -> dict:
+    """A backward call as a main kernel's launches and tuner see it: the inputs and gradients as
+    the kernels take them ((B, H, S, ...), or a packed batch's (1, H, T, ...) views), by name. A
+    dK/dV problem has dk and dv, and dq with its fp32 accumulator ``dq_acc`` when it accumulates dq
+    with atomics; a dQ problem has dq."""
+    return {
+        "q": q,
+        "k": k,
+        "v": v,
+        "do": do,
+        "lse": lse,
+        "delta": delta,
+        "dk": dk,
+        "dv": dv,
+        "dq": dq,
+        "dq_acc": dq_acc,
+        "scores": scores,
+        "packed": packed,
+    }
+
+
+def _main_launches(kernel: str, problem: dict, config: dict) -> list[Launch]:
+    """The launch of the dK/dV kernel (``kernel`` "dkdv": writes dk and dv, and adds into the dq
+    accumulator where the problem has one) or of the dQ kernel ("dq": writes dq)."""
+    q, k, v, do, lse, delta = (problem[name] for name in ("q", "k", "v", "do", "lse", "delta"))
+    scores, packed = problem["scores"], problem["packed"]
     _, heads, _, head_dim = q.shape
     heads_kv = k.shape[1]
-    config = dict(config)
-    batch, seq_q, seq_k, cu, score_args, score_meta = sequence_args(scores, packed, q.shape[0], q.shape[2],
-                                                                    k.shape[2], lse)
-    outputs = [(t, 3) for t in grads[:1]]
+    shown, config = config, dict(config)
+    batch, seq_q, seq_k, cu, score_args, score_meta = sequence_args(
+        scores, packed, q.shape[0], q.shape[2], k.shape[2], lse
+    )
     tma_dq = config.pop("TMA_DQ", False)
     if kernel == "dkdv":
-        dk, dv, dq_acc = grads
+        dk, dv, dq_acc = problem["dk"], problem["dv"], problem["dq_acc"]
         score_meta["ATOMIC_DQ"] = dq_acc is not None
         # the bulk reduction: on a GPU, to a contiguous accumulator whose rows a TMA coordinate reaches
         tma_dq = tma_dq and dq_acc is not None and not interpret() and dq_acc.numel() // head_dim < 2**31
         grads = (dk, dv, dk if dq_acc is None else dq_acc)  # dk: a pointer never written through
-        outputs.append((grads[2], 3))
-    meta = {"HEAD_DIM": head_dim, "BLOCK_D": _block_d(head_dim), **score_meta,
-            "BLOCK_M": config.pop("BLOCK_M"), "BLOCK_N": config.pop("BLOCK_N"),
-            "EXACT_DOT_IN_FP32": interpret(), **({"TMA_DQ": tma_dq} if kernel == "dkdv" else {}), **config}
+        outputs = [(dk, 3), (grads[2], 3)]
+    else:
+        grads = (problem["dq"],)
+        outputs = [(grads[0], 3)]
+    meta = {
+        "HEAD_DIM": head_dim,
+        "BLOCK_D": _block_d(head_dim),
+        **score_meta,
+        "BLOCK_M": config.pop("BLOCK_M"),
+        "BLOCK_N": config.pop("BLOCK_N"),
+        "EXACT_DOT_IN_FP32": interpret(),
+        **({"TMA_DQ": tma_dq} if kernel == "dkdv" else {}),
+        **config,
+    }
     if tma_dq:
         ensure_allocator()
-    strides = [per_sequence(t.stride()[:rank], packed)
-               for t, rank in ((q, 4), (k, 4), (v, 4), (do, 4), (lse, 2), *outputs)]
-    args = (q, k, v, do, lse, delta, *grads, *cu, *(s for group in strides for s in group),
-            heads_kv if kernel == "dkdv" else heads, heads // heads_kv, seq_q, seq_k, *score_args,
-            scores.scale)
+    strides = [
+        per_sequence(t.stride()[:rank], packed)
+        for t, rank in ((q, 4), (k, 4), (v, 4), (do, 4), (lse, 2), *outputs)
+    ]
+    args = (
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        *grads,
+        *cu,
+        *(s for group in strides for s in group),
+        heads_kv if kernel == "dkdv" else heads,
+        heads // heads_kv,
+        seq_q,
+        seq_k,
+        *score_args,
+        scores.scale,
+    )
     if kernel == "dkdv":
-        return _dkdv_launcher, (cdiv(seq_k, meta["BLOCK_N"]), batch * heads_kv), args, meta
-    return _dq_launcher, (cdiv(seq_q, meta["BLOCK_M"]), batch * heads), args, meta
+        grid = (cdiv(seq_k, meta["BLOCK_N"]), batch * heads_kv)
+        return [Launch("bwd dk dv", _attn_bwd_dkdv_kernel, args, meta, shown, grid)]
+    grid = (cdiv(seq_q, meta["BLOCK_M"]), batch * heads)
+    return [Launch("bwd dq", _attn_bwd_dq_kernel, args, meta, shown, grid)]
 
 
-def _reference_grads(q, k, v, do, scores: Scores) -> tuple:
-    """(dq, dk, dv) of plain attention by the formulas above, in the inputs' dtype, for small
-    problems: the tuner's gate runs inside the backward op, where autograd does not record, so the
-    reference's gradients are written out (a test holds them to autograd's)."""
-    heads_kv, group = k.shape[1], q.shape[1] // k.shape[1]
-    k_q, v_q = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    logits = (q @ k_q.transpose(-1, -2)) * scores.scale
-    if scores.softcap:
-        tanh = torch.tanh(logits / scores.softcap)
-        logits = scores.softcap * tanh
-    visible = reference_visible(scores, 0, q.shape[2], q.shape[2], k.shape[2], q.device)
-    if visible is not None:
-        logits = logits.masked_fill(~visible, -float("inf"))
-    p = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a row that sees no key: NaN, as 0
-    dp = do @ v_q.transpose(-1, -2)
-    ds = p * (dp - (do * (p @ v_q)).sum(-1, keepdim=True))
-    if scores.softcap:
-        ds = ds * (1 - tanh * tanh)
-    dk, dv = scores.scale * ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ do
-    return (scores.scale * ds @ k_q, *(g.unflatten(1, (heads_kv, group)).sum(2) for g in (dk, dv)))
+# ---------------------------------------------------------------- tuning
 
 
-def _admit(kernel: str, key: dict, scores: Scores, device, config: dict):
-    """The oracle on the gradients ``config``'s kernel writes (dk and dv, and dq too when the key's
-    dq is accumulated with atomics; or dq) for a calibration problem, the other kernel on its
-    default: the worst comparison."""
-    from tritonkit.testing import compare, generator, random_tensor, worst
+def _calibration(kernel: str, problem: dict, config: dict) -> dict:
+    """A small seeded dense problem of the call's kind for ``kernel``'s gate: q, k, v and dO of the
+    forward's calibration shape, o and the lse from the forward (on its untuned tile), delta from
+    the delta kernel; the gradients the kernel writes allocated (the gate poisons them)."""
+    from tritonkit.testing import generator, random_tensor
 
+    atomic = problem["dq_acc"] is not None
+    key = tuning_key(problem["q"], problem["k"], problem["scores"], problem["packed"])
+    device = problem["q"].device
     q, k, v = calibration_inputs(key, config, device)
-    scores = calibration_scores(scores, config)
+    scores = calibration_scores(problem["scores"], config)
     do = random_tensor(q.shape, q.dtype, device, generator=generator(13))
     o, lse = fwd.attention_fwd(q, k, v, scores, config=fwd._default(key))
-    configs = default_config(key["head_dim"]) | {kernel: config}
-    atomic = key.get("dq") == "atomic"
-    grads = attention_bwd(do, q, k, v, o, lse, None, scores, configs, deterministic=not atomic)
-    ours = dict(zip(("dq", "dk", "dv"), grads, strict=True))
-    exact = _reference_grads(q.double(), k.double(), v.double(), do.double(), scores)
-    in_dtype = _reference_grads(q, k, v, do, scores)
-    names = ("dq",) if kernel == "dq" else ("dq", "dk", "dv") if atomic else ("dk", "dv")
-    index = {"dq": 0, "dk": 1, "dv": 2}
-    return worst([compare(name, ours[name], in_dtype[index[name]], exact[index[name]], q.dtype)
-                  for name in names])
+    delta = torch.empty(lse.shape, dtype=torch.float32, device=device)
+    _delta_launch(o, do, lse, None, delta).run()
+    if kernel == "dq":
+        return _problem(q, k, v, do, lse, delta, scores, dq=torch.empty_like(q))
+    dq, dq_acc = (
+        (torch.empty_like(q), torch.empty(q.shape, dtype=torch.float32, device=device))
+        if atomic
+        else (None, None)
+    )
+    return _problem(
+        q, k, v, do, lse, delta, scores, dk=torch.empty_like(k), dv=torch.empty_like(v), dq=dq, dq_acc=dq_acc
+    )
 
 
-def _time_ms(run, config: dict) -> float:
-    """Median ms of ``run(config)``: the real problem's kernel with the config."""
-    return tuning.median_ms(lambda: run(config))
+def _gradients_reference(problem: dict) -> dict:
+    """dq, dk and dv of a dense problem: autograd's through the plain-PyTorch reference, with dO as
+    the output's upstream gradient (the gate runs inside the backward, where autograd is off)."""
+    if problem["packed"] is not None:
+        raise ValueError("the backward's problem reference takes dense problems (calibration problems are)")
+    with torch.enable_grad():
+        inputs = [problem[name].detach().requires_grad_() for name in ("q", "k", "v")]
+        o = attention_reference(*inputs, **problem["scores"]._asdict())
+        dq, dk, dv = torch.autograd.grad(o, inputs, problem["do"])
+    return {"dq": dq, "dk": dk, "dv": dv}
 
 
-_TUNERS = {kernel: tuning.Tuner(f"attention_bwd_{kernel}", CONFIGS[kernel], default=lambda key, kernel=kernel:
-                                default_config(key["head_dim"])[kernel],
-                                prune=lambda config, key, kernel=kernel: _prune(kernel, config, key),
-                                sources=(_attn_bwd_dkdv_kernel if kernel == "dkdv" else _attn_bwd_dq_kernel,))
-           for kernel in KERNELS}
-MAX_CHOSEN = 4096  # call signatures whose configs are kept, so a repeated call skips the tuning key
-_chosen: dict[tuple, dict] = {}
+class _DkDvTuned(tuning.Tuned):
+    """The dK/dV kernel's tuned kernel: the scaffolding's, with a run that, where the problem
+    accumulates dq with atomics, zeroes the accumulator before the launch and writes dq, its sum
+    times the scale, after it (what computes the problem's dq, for the gate, the timing and the
+    call alike)."""
+
+    def run(self, problem: dict, config: dict) -> None:
+        dq_acc = problem["dq_acc"]
+        if dq_acc is not None:
+            dq_acc.zero_()
+        super().run(problem, config)
+        if dq_acc is not None:
+            problem["dq"].copy_(dq_acc.mul_(problem["scores"].scale))
 
 
-def _configs(q, k, v, do, lse, delta, outputs: dict, scores: Scores, packed: Packed | None) -> dict:
-    """The tuned (or default) config of each main kernel ``outputs`` names, for this call's
-    signature; dK/dV's key says when it accumulates dq with atomics (its candidates then compete
-    at that work)."""
-    atomic = outputs["dkdv"][2] is not None
-    signature = (q.shape, k.shape, q.dtype, q.device, scores, packed and packed[2:], atomic)
-    configs = _chosen.get(signature)
-    if configs is not None:
-        return configs
-    key = tuning_key(q, k, scores, packed) | ({"dq": "atomic"} if atomic else {})
-    configs, final = {}, True
-    for kernel in outputs:
-        tuner = _TUNERS[kernel]
-        # the atomic dK/dV kernel adds into dq: its timing runs get an accumulator of their own, or
-        # the call's dq would carry the sum of every candidate's runs
-        scratch = {}
-
-        def kernel_outputs(kernel=kernel, scratch=scratch):
-            if kernel != "dkdv" or not atomic:
-                return outputs[kernel]
-            if "dq" not in scratch:
-                scratch["dq"] = torch.empty_like(outputs[kernel][2])
-            return (*outputs[kernel][:2], scratch["dq"])
-
-        def launch(candidate, kernel=kernel, kernel_outputs=kernel_outputs):
-            return _launch_main(kernel, q, k, v, do, lse, delta, kernel_outputs(), scores, candidate, packed)
-
-        def run(candidate, launch=launch):
-            launcher, grid, args, meta = launch(candidate)
-            launcher(grid, *args, **meta)
-
-        entry = tuner.entry(key, admit=functools.partial(_admit, kernel, key, scores, q.device),
-                            time_ms=functools.partial(_time_ms, run),
-                            precompile=lambda candidates, launch=launch: precompile(
-                                [launch(candidate) for candidate in candidates]))
-        configs[kernel] = tuner.default(key) if entry is None else entry["config"]
-        final = final and (entry is not None or interpret())  # tuned, cached, or the interpreter's one
-    if final:
-        tuning.remember(_chosen, signature, configs, MAX_CHOSEN)
-    return configs
+_TUNERS = {
+    kernel: tuning.Tuner(
+        f"attention_bwd_{kernel}",
+        CONFIGS[kernel],
+        default=lambda key, kernel=kernel: default_config(key["head_dim"])[kernel],
+        prune=lambda config, key, kernel=kernel: _prune(kernel, config, key),
+        sources=(_attn_bwd_dkdv_kernel if kernel == "dkdv" else _attn_bwd_dq_kernel,),
+    )
+    for kernel in KERNELS
+}
+_TUNED = {
+    kernel: (_DkDvTuned if kernel == "dkdv" else tuning.Tuned)(
+        _TUNERS[kernel],
+        launches=functools.partial(_main_launches, kernel),
+        calibrate=functools.partial(_calibration, kernel),
+        reference=_gradients_reference,
+        outputs=("dk", "dv", "dq") if kernel == "dkdv" else ("dq",),
+    )
+    for kernel in KERNELS
+}
 
 
-def attention_bwd(do, q, k, v, o, lse, dlse, scores: Scores, config: dict | None = None,
-                  packed: Packed | None = None, deterministic: bool = True
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of attention; ``o`` and ``lse`` are the forward's (contiguous), ``dlse`` the
-    upstream gradient of the lse or None. Arguments are the forward's, already validated: (B, H, S,
-    D) tensors, or with ``packed`` (T, H, D) tensors and a (H, T) lse. ``config`` ({"dkdv": ...,
-    "dq": ...}) overrides the tuned launch configs. ``deterministic=False`` accumulates dq in the
-    dK/dV kernel with fp32 atomics instead of running the dQ kernel, which recomputes the scores
-    and dP: two matmuls of five fewer, and dq's last bits vary from run to run."""
-    dq, dk, dv = (empty_output(t.shape, t.dtype, t.device) for t in (q, k, v))
+# ---------------------------------------------------------------- the backward
+
+
+def attention_bwd_into(
+    do,
+    q,
+    k,
+    v,
+    o,
+    lse,
+    dlse,
+    dq,
+    dk,
+    dv,
+    scores: Scores,
+    packed: Packed | None = None,
+    deterministic: bool = True,
+    config: dict | None = None,
+) -> None:
+    """Write attention's gradients into ``dq``, ``dk`` and ``dv`` (q's, k's and v's shapes and dtype).
+    ``o`` and ``lse`` are the forward's (contiguous), ``dlse`` the upstream gradient of the lse or
+    None. Arguments are the forward's, already validated: (B, H, S, D) tensors, or with ``packed``
+    (T, H, D) tensors and a (H, T) lse. ``config`` ({"dkdv": ..., "dq": ...}) overrides the tuned
+    launch configs. ``deterministic=False`` accumulates dq in the dK/dV kernel with fp32 atomics
+    instead of running the dQ kernel, which recomputes the scores and dP: two matmuls of five fewer,
+    and dq's last bits vary from run to run."""
     if k.numel() == 0 or q.numel() == 0:  # no keys (every row sees none), or no query rows
-        return dq.zero_(), dk.zero_(), dv.zero_()
+        for grad in (dq, dk, dv):
+            grad.zero_()
+        return
     if dlse is not None:
         dlse = dlse.contiguous()  # the delta kernel reads it by row index (a sum's gradient is expanded)
     if packed is not None:  # the kernels take (1, H, T, D) views of (T, H, D) and (1, H, T) of (H, T)
         do, q, k, v, o, dq, dk, dv = (t.transpose(0, 1).unsqueeze(0) for t in (do, q, k, v, o, dq, dk, dv))
         lse, dlse = lse.unsqueeze(0), dlse if dlse is None else dlse.unsqueeze(0)
     delta = empty_output(lse.shape, torch.float32, q.device)
-    launcher, grid, args, meta = _launch_delta(o, do, lse, dlse, delta)
-    launcher(grid, *args, **meta)
-    dq_acc = None if deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    outputs = {"dkdv": (dk, dv, dq_acc)} if dq_acc is not None else {"dkdv": (dk, dv, None), "dq": (dq,)}
-    configs = config or _configs(q, k, v, do, lse, delta, outputs, scores, packed)
-    for kernel in outputs:
-        launcher, grid, args, meta = _launch_main(kernel, q, k, v, do, lse, delta, outputs[kernel], scores,
-                                                  configs[kernel], packed)
-        launcher(grid, *args, **meta)
-    if dq_acc is not None:
-        dq.copy_(dq_acc.mul_(scores.scale))
-    if packed is not None:
-        dq, dk, dv = (t.squeeze(0).transpose(0, 1) for t in (dq, dk, dv))
+    _delta_launch(o, do, lse, dlse, delta).run()
+    if deterministic:
+        problems = {
+            "dkdv": _problem(q, k, v, do, lse, delta, scores, packed, dk=dk, dv=dv),
+            "dq": _problem(q, k, v, do, lse, delta, scores, packed, dq=dq),
+        }
+    else:  # the accumulator is zeroed by each run of the dK/dV kernel (tuning runs too)
+        dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        problems = {
+            "dkdv": _problem(q, k, v, do, lse, delta, scores, packed, dk=dk, dv=dv, dq=dq, dq_acc=dq_acc)
+        }
+    configs = config or _configs(problems, q, k, scores, packed)
+    for kernel, problem in problems.items():
+        _TUNED[kernel].run(problem, configs[kernel])
+
+
+def _configs(problems: dict, q, k, scores: Scores, packed: Packed | None) -> dict:
+    """The tuned (or default) config of each main kernel that ``problems`` name; dK/dV's key says
+    when it accumulates dq with atomics (its candidates then compete at that work)."""
+    key = tuning_key(q, k, scores, packed)
+    signature = (q.shape, k.shape, q.dtype, q.device, scores, packed and packed[2:])
+    configs = {}
+    for kernel, problem in problems.items():
+        atomic = problem["dq_acc"] is not None
+        configs[kernel], _ = _TUNED[kernel].choose(
+            key | {"dq": "atomic"} if atomic else key, problem, signature=(*signature, atomic)
+        )
+    return configs
+
+
+def attention_bwd(
+    do,
+    q,
+    k,
+    v,
+    o,
+    lse,
+    dlse,
+    scores: Scores,
+    config: dict | None = None,
+    packed: Packed | None = None,
+    deterministic: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of attention, allocated here (see :func:`attention_bwd_into`)."""
+    dq, dk, dv = (empty_output(t.shape, t.dtype, t.device) for t in (q, k, v))
+    attention_bwd_into(do, q, k, v, o, lse, dlse, dq, dk, dv, scores, packed, deterministic, config)
     return dq, dk, dv
 
 
-def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None, scores: Scores) -> list:
+def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None, scores: Scores) -> list[Launch]:
     """The backward's three launches for a benchmark shape (B, Hq, Hkv, S, D), for ``tritonkit
     inspect``; ``config`` ({"dkdv": ..., "dq": ...}, either or both) over the defaults."""
-
     batch, heads_q, heads_kv, seq, head_dim = shape
     q = torch.empty((batch, heads_q, seq, head_dim), dtype=dtype, device="meta")
     kv = torch.empty((batch, heads_kv, seq, head_dim), dtype=dtype, device="meta")
@@ -615,10 +333,8 @@ def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None, sco
     configs = default_config(head_dim)
     for kernel in KERNELS:
         configs[kernel] |= (config or {}).get(kernel, {})
-    launches = [("bwd delta", _launch_delta(q, q, rows, None, rows), {})]
-    launches += [(f"bwd {'dk dv' if kernel == 'dkdv' else kernel}",
-                  _launch_main(kernel, q, kv, kv, q, rows, rows, (kv, kv, None) if kernel == "dkdv" else (q,),
-                               scores, configs[kernel]), configs[kernel])
-                 for kernel in KERNELS]
-    return [Launch(name, launcher.kernel, args, meta, shown)
-            for name, (launcher, _, args, meta), shown in launches]
+    problem = _problem(q, kv, kv, q, rows, rows, scores, dk=kv, dv=kv, dq=q)
+    return [
+        _delta_launch(q, q, rows, None, rows),
+        *(launch for kernel in KERNELS for launch in _main_launches(kernel, problem, configs[kernel])),
+    ]

@@ -16,10 +16,10 @@ from typing import NamedTuple
 
 import torch
 
-from tritonkit._runtime import check_device
 from tritonkit._triton import tl, triton
 from tritonkit.dtypes import DTYPE_OF, HALVES, NAME_OF
 from tritonkit.jit import LOG2E
+from tritonkit.opdef import check_tensor
 
 DTYPES = HALVES  # the dtypes attention takes
 MAX_HEAD_DIM = 256  # a (BLOCK_M, 256) fp32 accumulator is already 128 registers a thread at 8 warps
@@ -51,8 +51,10 @@ class Scores(NamedTuple):
             factors = (self.scale / self.softcap, self.softcap * LOG2E.value)
         else:
             factors = (self.scale * LOG2E.value, 1.0)
-        return ((upper_offset, lower_offset, *factors),
-                {"IS_CAUSAL": upper, "HAS_LOWER": left >= 0, "SOFTCAP": bool(self.softcap)})
+        return (
+            (upper_offset, lower_offset, *factors),
+            {"IS_CAUSAL": upper, "HAS_LOWER": left >= 0, "SOFTCAP": bool(self.softcap)},
+        )
 
 
 class Packed(NamedTuple):
@@ -72,8 +74,9 @@ def per_sequence(strides: tuple, packed: Packed | None) -> tuple:
     return tuple(strides) if packed is None else (0, *strides[1:])
 
 
-def sequence_args(scores: Scores, packed: Packed | None, batch: int, seq_q: int, seq_k: int,
-                  unused: torch.Tensor) -> tuple:
+def sequence_args(
+    scores: Scores, packed: Packed | None, batch: int, seq_q: int, seq_k: int, unused: torch.Tensor
+) -> tuple:
     """What the three main kernels take about the sequences and the scores: (batch, seq_q, seq_k,
     (cu_q, cu_k), the scores' runtime arguments, their constexprs with VARLEN). A packed batch's
     are its sequence count and longest lengths, with offsets holding only the window's sides (each
@@ -82,8 +85,14 @@ def sequence_args(scores: Scores, packed: Packed | None, batch: int, seq_q: int,
         score_args, score_meta = scores.kernel_args(seq_q, seq_k)
         return batch, seq_q, seq_k, (unused, unused), score_args, {**score_meta, "VARLEN": False}
     score_args, score_meta = scores.kernel_args(0, 0)
-    return (packed.sequences, packed.max_q, packed.max_k, (packed.cu_q, packed.cu_k), score_args,
-            {**score_meta, "VARLEN": True})
+    return (
+        packed.sequences,
+        packed.max_q,
+        packed.max_k,
+        (packed.cu_q, packed.cu_k),
+        score_args,
+        {**score_meta, "VARLEN": True},
+    )
 
 
 def softmax_scale(scale: float | None, head_dim: int) -> float:
@@ -91,29 +100,31 @@ def softmax_scale(scale: float | None, head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
 
-def validate_qkv(q, k, v) -> None:
-    """Check dense (B, H, S, D) query, key and value: a TypeError or ValueError naming what is wrong."""
-    for name, tensor in (("query", q), ("key", k), ("value", v)):
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.dtype not in DTYPES:
-            raise TypeError(f"{name} must be float16 or bfloat16, got {tensor.dtype}")
+def validate_qkv(q, k, v, names: tuple[str, str, str] = ("query", "key", "value")) -> None:
+    """Check dense (B, H, S, D) query, key and value: a TypeError or ValueError naming what is wrong,
+    each tensor by its name in ``names`` (the caller's parameter names)."""
+    for name, tensor in zip(names, (q, k, v), strict=True):
+        check_tensor(name, tensor, dtypes=DTYPES)
         if tensor.dim() != 4:
-            raise ValueError(f"{name} must be 4-D (batch, heads, sequence, head dim), got shape "
-                             f"{tuple(tensor.shape)}")
-        check_device(name, tensor)
+            raise ValueError(
+                f"{name} must be 4-D (batch, heads, sequence, head dim), got shape {tuple(tensor.shape)}"
+            )
+    q_name, k_name, v_name = names
     if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"query, key and value must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise TypeError(
+            f"{q_name}, {k_name} and {v_name} must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
     if k.device != q.device or v.device != q.device:
-        raise ValueError(f"query, key and value must be on one device, got {q.device}, {k.device}, "
-                         f"{v.device}")
+        raise ValueError(
+            f"{q_name}, {k_name} and {v_name} must be on one device, got {q.device}, {k.device}, {v.device}"
+        )
     (batch, heads_q, _, head_dim), (batch_k, heads_kv, _, head_dim_k) = q.shape, k.shape
     if v.shape != k.shape:
-        raise ValueError(f"value must have key's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+        raise ValueError(f"{v_name} must have {k_name}'s shape {tuple(k.shape)}, got {tuple(v.shape)}")
     if batch_k != batch:
-        raise ValueError(f"key and value must have query's batch size {batch}, got {batch_k}")
+        raise ValueError(f"{k_name} and {v_name} must have {q_name}'s batch size {batch}, got {batch_k}")
     if head_dim_k != head_dim:
-        raise ValueError(f"key and value must have query's head dim {head_dim}, got {head_dim_k}")
+        raise ValueError(f"{k_name} and {v_name} must have {q_name}'s head dim {head_dim}, got {head_dim_k}")
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"head dim must be 1 to {MAX_HEAD_DIM}, got {head_dim}")
     if heads_kv == 0 or heads_q % heads_kv:
@@ -156,15 +167,30 @@ def _sequence(batch, cu_q_ptr, cu_k_ptr, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSE
         k_start = tl.load(cu_k_ptr + batch)
         seq_q = tl.load(cu_q_ptr + batch + 1) - q_start
         seq_k = tl.load(cu_k_ptr + batch + 1) - k_start
-        return (q_start.to(tl.int64), seq_q, k_start.to(tl.int64), seq_k, UPPER_OFFSET + seq_k - seq_q,
-                LOWER_OFFSET + seq_k - seq_q)
+        return (
+            q_start.to(tl.int64),
+            seq_q,
+            k_start.to(tl.int64),
+            seq_k,
+            UPPER_OFFSET + seq_k - seq_q,
+            LOWER_OFFSET + seq_k - seq_q,
+        )
     else:  # the else keeps Triton from compiling both returns (their types differ)
         return 0, SEQ_Q, 0, SEQ_K, UPPER_OFFSET, LOWER_OFFSET
 
 
 @triton.jit
-def _key_ranges(start_m, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, IS_CAUSAL: tl.constexpr,
-                HAS_LOWER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _key_ranges(
+    start_m,
+    SEQ_Q,
+    SEQ_K,
+    UPPER_OFFSET,
+    LOWER_OFFSET,
+    IS_CAUSAL: tl.constexpr,
+    HAS_LOWER: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """The keys of query rows [start_m, start_m + BLOCK_M), as (start, inner_start, inner_end, end):
     [inner_start, inner_end) every row sees whole, a multiple of BLOCK_N long; [start, inner_start)
     and [inner_end, end) need masks; keys outside [start, end) no row sees (all of them when the
@@ -187,10 +213,16 @@ def _key_ranges(start_m, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, IS_CAUSAL: tl
     return start, inner_start, inner_end, end
 
 
+def next_power_of_2(n: int) -> int:
+    """``triton.next_power_of_2(n)`` for n >= 0 without its constexpr unwrapping, which costs
+    microseconds a call: each call of attention builds its tuning key and BLOCK_D with it."""
+    return 1 << (n - 1).bit_length() if n > 1 else n
+
+
 def _block_d(head_dim: int) -> int:
     """The kernels' BLOCK_D: a power of two >= D, and at least 16, the smallest extent tl.dot
     takes (D is the contraction of q . k)."""
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_power_of_2(head_dim))
 
 
 # ---------------------------------------------------------------- tuning key and calibration problem
@@ -207,13 +239,21 @@ def tuning_key(q: torch.Tensor, k: torch.Tensor, scores: Scores, packed: Packed 
     seq_k = k.shape[2]
     if packed is not None:
         batch, seq_q, seq_k = packed.sequences, packed.max_q, packed.max_k
-    pow2 = triton.next_power_of_2
+    pow2 = next_power_of_2
     mask = ("bottom-right" if scores.bottom_right else "top-left") if scores.causal else "none"
     sides = [side for side, bound in zip(("left", "right"), scores.window, strict=True) if bound >= 0]
     window = "+".join(sides)
-    return {"head_dim": head_dim, "mask": mask, "window": window or "none", "softcap": bool(scores.softcap),
-            "dtype": NAME_OF[q.dtype], "seq_q": pow2(seq_q), "seq_k": pow2(seq_k),
-            "batch_heads": pow2(batch * heads), "group": heads // k.shape[1]}
+    return {
+        "head_dim": head_dim,
+        "mask": mask,
+        "window": window or "none",
+        "softcap": bool(scores.softcap),
+        "dtype": NAME_OF[q.dtype],
+        "seq_q": pow2(seq_q),
+        "seq_k": pow2(seq_k),
+        "batch_heads": pow2(batch * heads),
+        "group": heads // k.shape[1],
+    }
 
 
 def calibration_inputs(key: dict, config: dict, device) -> tuple:
@@ -243,10 +283,22 @@ def calibration_scores(scores: Scores, config: dict) -> Scores:
 REFERENCE_SCORE_BYTES = 2**31  # the reference takes query rows in chunks whose scores fit in this
 
 
-def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                        scale: float | None = None, bottom_right: bool = True, return_lse: bool = False,
-                        window: tuple[int, int] = (-1, -1), softcap: float = 0.0, cu_seqlens_q=None,
-                        cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, deterministic: bool = True):
+def attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    scale: float | None = None,
+    bottom_right: bool = True,
+    return_lse: bool = False,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    deterministic: bool = True,
+):
     """Plain PyTorch attention with the kernel's conventions (rows that see no key give 0 and lse
     -inf); pass float64 inputs for the oracle's reference. Query rows go in chunks whose scores
     take at most REFERENCE_SCORE_BYTES (at (2, 16, 16384, 128) whole float64 scores would be 69 GB);
@@ -255,15 +307,35 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     a sequence at a time; ``max_seqlen_*`` and ``deterministic`` are flash_attention's, accepted and
     not needed."""
     if cu_seqlens_q is not None:
-        bounds = [(int(a), int(b), int(c), int(d)) for a, b, c, d in
-                  zip(cu_seqlens_q[:-1], cu_seqlens_q[1:], cu_seqlens_k[:-1], cu_seqlens_k[1:], strict=True)]
-        parts = [attention_reference(*(t[start:end].transpose(0, 1).unsqueeze(0)
-                                       for t, start, end in ((q, q0, q1), (k, k0, k1), (v, k0, k1))),
-                                     causal, scale, bottom_right, True, window, softcap)
-                 for q0, q1, k0, k1 in bounds]
+        bounds = [
+            (int(a), int(b), int(c), int(d))
+            for a, b, c, d in zip(
+                cu_seqlens_q[:-1], cu_seqlens_q[1:], cu_seqlens_k[:-1], cu_seqlens_k[1:], strict=True
+            )
+        ]
+        parts = [
+            attention_reference(
+                *(
+                    t[start:end].transpose(0, 1).unsqueeze(0)
+                    for t, start, end in ((q, q0, q1), (k, k0, k1), (v, k0, k1))
+                ),
+                causal,
+                scale,
+                bottom_right,
+                True,
+                window,
+                softcap,
+            )
+            for q0, q1, k0, k1 in bounds
+        ]
         o = torch.cat([q[:0], *(part[0][0].transpose(0, 1) for part in parts)])
-        lse = torch.cat([q.new_empty((q.shape[1], 0), dtype=parts[0][1].dtype if parts else torch.float32),
-                         *(part[1][0] for part in parts)], dim=1)
+        lse = torch.cat(
+            [
+                q.new_empty((q.shape[1], 0), dtype=parts[0][1].dtype if parts else torch.float32),
+                *(part[1][0] for part in parts),
+            ],
+            dim=1,
+        )
         return (o, lse) if return_lse else o
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -276,8 +348,10 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     else:
         from torch.utils.checkpoint import checkpoint
 
-        parts = [checkpoint(chunk, q[:, :, start:start + rows], k, v, start, use_reentrant=False)
-                 for start in range(0, seq_q, rows)]
+        parts = [
+            checkpoint(chunk, q[:, :, start : start + rows], k, v, start, use_reentrant=False)
+            for start in range(0, seq_q, rows)
+        ]
         o, lse = torch.cat([p[0] for p in parts], dim=2), torch.cat([p[1] for p in parts], dim=2)
     return (o, lse if lse.dtype == torch.float64 else lse.float()) if return_lse else o
 
@@ -309,5 +383,7 @@ def _reference_rows(q, k, v, first_row: int, scores: Scores, seq_q: int):
         return torch.softmax(logits, dim=-1) @ v, torch.logsumexp(logits, dim=-1)
     sees = visible.any(-1, keepdim=True)  # a row that sees no key: 0 out, lse -inf, no NaN in the VJP
     logits = logits.masked_fill(~visible, -math.inf).masked_fill(~sees, 0.0)
-    return ((torch.softmax(logits, dim=-1) * sees) @ v,
-            torch.logsumexp(logits, dim=-1).masked_fill(~sees[:, 0], -math.inf))
+    return (
+        (torch.softmax(logits, dim=-1) * sees) @ v,
+        torch.logsumexp(logits, dim=-1).masked_fill(~sees[:, 0], -math.inf),
+    )

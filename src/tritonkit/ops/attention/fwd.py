@@ -32,13 +32,10 @@ the reference the gate compares against are in ``common``, which the backward sh
 
 from __future__ import annotations
 
-import functools
-import math
-
 import torch
 
 from tritonkit import tuning
-from tritonkit._launch import Launcher, cdiv, ensure_allocator, precompile
+from tritonkit._launch import Launch, cdiv, ensure_allocator
 from tritonkit._runtime import current_device, empty_output, interpret, shared_memory_bytes
 from tritonkit._triton import tl, triton
 from tritonkit.jit import dot_fp32
@@ -62,11 +59,33 @@ LN_2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _attn_fwd_blocks(acc, l_i, m_i, q, k_source, v_source, stride_kn, stride_vn, offs_m, offs_n, d_mask,
-                     start, end, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, score_scale, cap_log2,
-                     IS_CAUSAL: tl.constexpr, HAS_LOWER: tl.constexpr, SOFTCAP: tl.constexpr,
-                     MASKED: tl.constexpr, BLOCK_N: tl.constexpr, EXACT_DOT_IN_FP32: tl.constexpr,
-                     TMA: tl.constexpr):
+def _attn_fwd_blocks(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_source,
+    v_source,
+    stride_kn,
+    stride_vn,
+    offs_m,
+    offs_n,
+    d_mask,
+    start,
+    end,
+    SEQ_K,
+    UPPER_OFFSET,
+    LOWER_OFFSET,
+    score_scale,
+    cap_log2,
+    IS_CAUSAL: tl.constexpr,
+    HAS_LOWER: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    MASKED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    EXACT_DOT_IN_FP32: tl.constexpr,
+    TMA: tl.constexpr,
+):
     """The online softmax over the key blocks in [start, end): the running (acc, l_i, m_i) after them.
 
     ``k_source`` points at the head's first key block as a transposed (D, BLOCK_N) tile,
@@ -88,8 +107,9 @@ def _attn_fwd_blocks(acc, l_i, m_i, q, k_source, v_source, stride_kn, stride_vn,
                 k = tl.load(k_ptrs, mask=d_mask[:, None], other=0.0)
         s, _ = _exponent(dot_fp32(q, k, EXACT_DOT_IN_FP32), score_scale, cap_log2, SOFTCAP)  # log2 units
         if MASKED:
-            visible = _visible(offs_m[:, None], cols[None, :], SEQ_K, UPPER_OFFSET, LOWER_OFFSET, IS_CAUSAL,
-                               HAS_LOWER)
+            visible = _visible(
+                offs_m[:, None], cols[None, :], SEQ_K, UPPER_OFFSET, LOWER_OFFSET, IS_CAUSAL, HAS_LOWER
+            )
             s = tl.where(visible, s, -float("inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # a row with no key yet keeps m = -inf (a 0 there would leave its first key's p unscaled,
@@ -115,8 +135,9 @@ def _attn_fwd_blocks(acc, l_i, m_i, q, k_source, v_source, stride_kn, stride_vn,
 
 
 @triton.jit
-def _unmasked_scores(q, k_source, start_n, stride_kn, d_mask, EXACT_DOT_IN_FP32: tl.constexpr,
-                     TMA: tl.constexpr):
+def _unmasked_scores(
+    q, k_source, start_n, stride_kn, d_mask, EXACT_DOT_IN_FP32: tl.constexpr, TMA: tl.constexpr
+):
     """q @ K^T for the key block at ``start_n``, a block every row sees whole (no key mask)."""
     if TMA:
         k = tl.trans(k_source.load([start_n, 0]))
@@ -126,8 +147,21 @@ def _unmasked_scores(q, k_source, start_n, stride_kn, d_mask, EXACT_DOT_IN_FP32:
 
 
 @triton.jit
-def _fold_unmasked(acc, l_i, m_i, dot, v_source, start_n, stride_vn, d_mask, score_scale, cap_log2,
-                   SOFTCAP: tl.constexpr, EXACT_DOT_IN_FP32: tl.constexpr, TMA: tl.constexpr):
+def _fold_unmasked(
+    acc,
+    l_i,
+    m_i,
+    dot,
+    v_source,
+    start_n,
+    stride_vn,
+    d_mask,
+    score_scale,
+    cap_log2,
+    SOFTCAP: tl.constexpr,
+    EXACT_DOT_IN_FP32: tl.constexpr,
+    TMA: tl.constexpr,
+):
     """The online softmax's step for an unmasked key block whose scores ``dot`` are in hand."""
     s, _ = _exponent(dot, score_scale, cap_log2, SOFTCAP)
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -143,22 +177,65 @@ def _fold_unmasked(acc, l_i, m_i, dot, v_source, start_n, stride_vn, d_mask, sco
 
 
 @triton.jit
-def _attn_fwd_blocks_ahead(acc, l_i, m_i, q, k_source, v_source, stride_kn, stride_vn, d_mask, start, end,
-                           score_scale, cap_log2, SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr,
-                           EXACT_DOT_IN_FP32: tl.constexpr, TMA: tl.constexpr):
+def _attn_fwd_blocks_ahead(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_source,
+    v_source,
+    stride_kn,
+    stride_vn,
+    d_mask,
+    start,
+    end,
+    score_scale,
+    cap_log2,
+    SOFTCAP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    EXACT_DOT_IN_FP32: tl.constexpr,
+    TMA: tl.constexpr,
+):
     """``_attn_fwd_blocks`` over unmasked key blocks [start, end) (a multiple of BLOCK_N), one block
     ahead: each step issues the next block's q @ K^T before this block's softmax, so that the tensor
     cores have work while the exponentials run (FlashAttention-3's overlap within a warpgroup)."""
     if start < end:
         dot = _unmasked_scores(q, k_source, start, stride_kn, d_mask, EXACT_DOT_IN_FP32, TMA)
         for start_n in range(start, end - BLOCK_N, BLOCK_N):
-            dot_next = _unmasked_scores(q, k_source, start_n + BLOCK_N, stride_kn, d_mask, EXACT_DOT_IN_FP32,
-                                        TMA)
-            acc, l_i, m_i = _fold_unmasked(acc, l_i, m_i, dot, v_source, start_n, stride_vn, d_mask,
-                                           score_scale, cap_log2, SOFTCAP, EXACT_DOT_IN_FP32, TMA)
+            dot_next = _unmasked_scores(
+                q, k_source, start_n + BLOCK_N, stride_kn, d_mask, EXACT_DOT_IN_FP32, TMA
+            )
+            acc, l_i, m_i = _fold_unmasked(
+                acc,
+                l_i,
+                m_i,
+                dot,
+                v_source,
+                start_n,
+                stride_vn,
+                d_mask,
+                score_scale,
+                cap_log2,
+                SOFTCAP,
+                EXACT_DOT_IN_FP32,
+                TMA,
+            )
             dot = dot_next
-        acc, l_i, m_i = _fold_unmasked(acc, l_i, m_i, dot, v_source, end - BLOCK_N, stride_vn, d_mask,
-                                       score_scale, cap_log2, SOFTCAP, EXACT_DOT_IN_FP32, TMA)
+        acc, l_i, m_i = _fold_unmasked(
+            acc,
+            l_i,
+            m_i,
+            dot,
+            v_source,
+            end - BLOCK_N,
+            stride_vn,
+            d_mask,
+            score_scale,
+            cap_log2,
+            SOFTCAP,
+            EXACT_DOT_IN_FP32,
+            TMA,
+        )
     return acc, l_i, m_i
 
 
@@ -167,18 +244,29 @@ def _attn_fwd_blocks_ahead(acc, l_i, m_i, q, k_source, v_source, stride_kn, stri
 # The interpreter runs each program in numpy: small tiles, so that the few rows of a test shape
 # still make several query blocks and key blocks (the masked and unmasked stages both run).
 INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
-CONFIGS = [{"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
-           for block_m in (64, 128) for block_n in (32, 64, 128) for warps in (4, 8) for stages in (2, 3, 4)]
+CONFIGS = [
+    {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+    for block_m in (64, 128)
+    for block_n in (32, 64, 128)
+    for warps in (4, 8)
+    for stages in (2, 3, 4)
+]
 # K and V through tensor descriptors (TMA): no address arithmetic or cp.async in the loop (sm_90:
 # 145 registers at 128 x 64 and 8 warps, against 190); on the H200 0-9% slower than pointer loads
-CONFIGS += [{"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages, "TMA": True}
-            for block_m, warps in ((64, 4), (128, 8)) for block_n in (64, 128) for stages in (3, 4)]
+CONFIGS += [
+    {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages, "TMA": True}
+    for block_m, warps in ((64, 4), (128, 8))
+    for block_n in (64, 128)
+    for stages in (3, 4)
+]
 # One block ahead (LOOKAHEAD): two score tiles live at once, so 64-key steps only (sm_90, D = 128:
 # 228-231 registers, no spills; 128-key steps spill). Two or three stages, or TMA at three (two
 # crash ptxas with descriptors).
-CONFIGS += [{"BLOCK_M": block_m, "BLOCK_N": 64, "num_warps": warps, "num_stages": stages, "LOOKAHEAD": True,
-             **tma} for block_m, warps in ((64, 4), (128, 8))
-            for stages, tma in ((2, {}), (3, {}), (3, {"TMA": True}))]
+CONFIGS += [
+    {"BLOCK_M": block_m, "BLOCK_N": 64, "num_warps": warps, "num_stages": stages, "LOOKAHEAD": True, **tma}
+    for block_m, warps in ((64, 4), (128, 8))
+    for stages, tma in ((2, {}), (3, {}), (3, {"TMA": True}))
+]
 # A config is pruned when its accumulator and score tiles (two with LOOKAHEAD) pass MAX_TILE_VALUES
 # fp32 values a thread (sm_90 doubles that in registers: 128 rows at D = 256 and 8 warps, 160
 # values, spilled) or when its stages of K and V tiles and the Q tile pass the shared memory of an SM.
@@ -216,12 +304,25 @@ def _attn_fwd_kernel(
     v_ptr,  # values, (B, Hkv, Sk, D), strides stride_v*
     o_ptr,  # output, (B, Hq, Sq, D), strides stride_o* and 1
     lse_ptr,  # fp32 log-sum-exp of each query row's scores (natural log), (B, Hq, Sq), strides stride_l*, 1
-    cu_q_ptr, cu_k_ptr,  # VARLEN: int32 first row of each packed sequence of q and of k, and the total
-    stride_qb, stride_qh, stride_qm, stride_qd,  # elements between batches, heads, rows, head dims of q
-    stride_kb, stride_kh, stride_kn, stride_kd,  # ... of k
-    stride_vb, stride_vh, stride_vn, stride_vd,  # ... of v
-    stride_ob, stride_oh, stride_om,  # ... of o
-    stride_lb, stride_lh,  # ... of the lse
+    cu_q_ptr,
+    cu_k_ptr,  # VARLEN: int32 first row of each packed sequence of q and of k, and the total
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,  # elements between batches, heads, rows, head dims of q
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,  # ... of k
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,  # ... of v
+    stride_ob,
+    stride_oh,
+    stride_om,  # ... of o
+    stride_lb,
+    stride_lh,  # ... of the lse
     H,  # query heads
     GROUP,  # query heads per key/value head (1 without GQA)
     SEQ_Q,  # query rows per head (VARLEN: per sequence, read from cu_q_ptr)
@@ -247,49 +348,141 @@ def _attn_fwd_kernel(
     batch = (tl.program_id(1) // H).to(tl.int64)  # int64: batch * stride may pass 2^31
     kv_head = (head // GROUP).to(tl.int64)
     q_start, SEQ_Q, k_start, SEQ_K, UPPER_OFFSET, LOWER_OFFSET = _sequence(
-        batch, cu_q_ptr, cu_k_ptr, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, VARLEN)
+        batch, cu_q_ptr, cu_k_ptr, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, VARLEN
+    )
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM  # all true (and folded away) when D is a power of two
     first_row = q_start + start_m.to(tl.int64)  # int64: S * stride may pass 2^31
     q_rows = q_ptr + batch * stride_qb + head.to(tl.int64) * stride_qh + first_row * stride_qm
-    q = tl.load(q_rows + tl.arange(0, BLOCK_M)[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                mask=(offs_m[:, None] < SEQ_Q) & d_mask[None, :], other=0.0)
+    q = tl.load(
+        q_rows + tl.arange(0, BLOCK_M)[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+        mask=(offs_m[:, None] < SEQ_Q) & d_mask[None, :],
+        other=0.0,
+    )
     k_head = k_ptr + batch * stride_kb + kv_head * stride_kh + k_start * stride_kn
     v_head = v_ptr + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn
     if TMA:  # bounded by this sequence's keys: rows past them, and dims past D, load as zeros (a
         # sequence without keys gets a one-row extent, never read: its key loops are empty)
         keys = tl.maximum(SEQ_K, 1)
-        k_source = tl.make_tensor_descriptor(k_head, shape=[keys, HEAD_DIM], strides=[stride_kn, 1],
-                                             block_shape=[BLOCK_N, BLOCK_D])
-        v_source = tl.make_tensor_descriptor(v_head, shape=[keys, HEAD_DIM], strides=[stride_vn, 1],
-                                             block_shape=[BLOCK_N, BLOCK_D])
+        k_source = tl.make_tensor_descriptor(
+            k_head, shape=[keys, HEAD_DIM], strides=[stride_kn, 1], block_shape=[BLOCK_N, BLOCK_D]
+        )
+        v_source = tl.make_tensor_descriptor(
+            v_head, shape=[keys, HEAD_DIM], strides=[stride_vn, 1], block_shape=[BLOCK_N, BLOCK_D]
+        )
     else:  # K^T as a (D, BLOCK_N) tile, so that the scores are q @ k; V as (BLOCK_N, D)
         k_source = k_head + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd
         v_source = v_head + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
     m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    start, inner_start, inner_end, end = _key_ranges(start_m, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
-                                                     IS_CAUSAL, HAS_LOWER, BLOCK_M, BLOCK_N)
-    acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, k_source, v_source, stride_kn, stride_vn, offs_m,
-                                     offs_n, d_mask, start, inner_start, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
-                                     score_scale, cap_log2, IS_CAUSAL, HAS_LOWER, SOFTCAP, True, BLOCK_N,
-                                     EXACT_DOT_IN_FP32, TMA)
+    start, inner_start, inner_end, end = _key_ranges(
+        start_m, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, IS_CAUSAL, HAS_LOWER, BLOCK_M, BLOCK_N
+    )
+    acc, l_i, m_i = _attn_fwd_blocks(
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_source,
+        v_source,
+        stride_kn,
+        stride_vn,
+        offs_m,
+        offs_n,
+        d_mask,
+        start,
+        inner_start,
+        SEQ_K,
+        UPPER_OFFSET,
+        LOWER_OFFSET,
+        score_scale,
+        cap_log2,
+        IS_CAUSAL,
+        HAS_LOWER,
+        SOFTCAP,
+        True,
+        BLOCK_N,
+        EXACT_DOT_IN_FP32,
+        TMA,
+    )
     if LOOKAHEAD:
-        acc, l_i, m_i = _attn_fwd_blocks_ahead(acc, l_i, m_i, q, k_source, v_source, stride_kn, stride_vn,
-                                               d_mask, inner_start, inner_end, score_scale, cap_log2, SOFTCAP,
-                                               BLOCK_N, EXACT_DOT_IN_FP32, TMA)
+        acc, l_i, m_i = _attn_fwd_blocks_ahead(
+            acc,
+            l_i,
+            m_i,
+            q,
+            k_source,
+            v_source,
+            stride_kn,
+            stride_vn,
+            d_mask,
+            inner_start,
+            inner_end,
+            score_scale,
+            cap_log2,
+            SOFTCAP,
+            BLOCK_N,
+            EXACT_DOT_IN_FP32,
+            TMA,
+        )
     else:
-        acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, k_source, v_source, stride_kn, stride_vn, offs_m,
-                                         offs_n, d_mask, inner_start, inner_end, SEQ_K, UPPER_OFFSET,
-                                         LOWER_OFFSET, score_scale, cap_log2, IS_CAUSAL, HAS_LOWER, SOFTCAP,
-                                         False, BLOCK_N, EXACT_DOT_IN_FP32, TMA)
-    acc, l_i, m_i = _attn_fwd_blocks(acc, l_i, m_i, q, k_source, v_source, stride_kn, stride_vn, offs_m,
-                                     offs_n, d_mask, inner_end, end, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
-                                     score_scale, cap_log2, IS_CAUSAL, HAS_LOWER, SOFTCAP, True, BLOCK_N,
-                                     EXACT_DOT_IN_FP32, TMA)
+        acc, l_i, m_i = _attn_fwd_blocks(
+            acc,
+            l_i,
+            m_i,
+            q,
+            k_source,
+            v_source,
+            stride_kn,
+            stride_vn,
+            offs_m,
+            offs_n,
+            d_mask,
+            inner_start,
+            inner_end,
+            SEQ_K,
+            UPPER_OFFSET,
+            LOWER_OFFSET,
+            score_scale,
+            cap_log2,
+            IS_CAUSAL,
+            HAS_LOWER,
+            SOFTCAP,
+            False,
+            BLOCK_N,
+            EXACT_DOT_IN_FP32,
+            TMA,
+        )
+    acc, l_i, m_i = _attn_fwd_blocks(
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_source,
+        v_source,
+        stride_kn,
+        stride_vn,
+        offs_m,
+        offs_n,
+        d_mask,
+        inner_end,
+        end,
+        SEQ_K,
+        UPPER_OFFSET,
+        LOWER_OFFSET,
+        score_scale,
+        cap_log2,
+        IS_CAUSAL,
+        HAS_LOWER,
+        SOFTCAP,
+        True,
+        BLOCK_N,
+        EXACT_DOT_IN_FP32,
+        TMA,
+    )
     seen = l_i > 0.0  # false only for a row that sees no key: its output is 0, its lse -inf
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
     row_mask = offs_m < SEQ_Q
@@ -301,116 +494,58 @@ def _attn_fwd_kernel(
     tl.store(lse_rows + offs_m, lse, mask=row_mask)
 
 
-# ---------------------------------------------------------------- launcher and tuning
-
-_fwd_launcher = Launcher(_attn_fwd_kernel)
-_TUNER = tuning.Tuner("attention_fwd", CONFIGS, default=_default, prune=_prune,
-                      sources=(_attn_fwd_kernel,))
+# ---------------------------------------------------------------- launches and tuning
 
 
-def _admit(key: dict, scores: Scores, device, config: dict):
-    """The oracle on ``config``'s output and lse for a calibration problem (the worse of the two);
-    a row that sees no key must have lse -inf."""
-    from tritonkit.testing import Comparison, compare, worst
-
-    q, k, v = calibration_inputs(key, config, device)
-    scores = calibration_scores(scores, config)
-    o, lse = attention_fwd(q, k, v, scores, config=config)
-    exact = attention_reference(q.double(), k.double(), v.double(), return_lse=True, **scores._asdict())
-    in_dtype = attention_reference(q, k, v, return_lse=True, **scores._asdict())
-    seen = torch.isfinite(exact[1])
-    if not torch.equal(torch.isneginf(lse), ~seen):
-        return Comparison("lse of the rows that see no key", math.inf, 0.0, 0.0)
-    return worst([compare("output", o, in_dtype[0], exact[0], q.dtype),
-                  compare("lse", lse[seen], in_dtype[1][seen], exact[1][seen], torch.float32)])
+def _problem(q, k, v, o, lse, scores: Scores, packed: Packed | None = None) -> dict:
+    """A forward call as its launches and tuner see it: q, k, v, o and the lse as the kernel takes
+    them ((B, H, S, ...), or a packed batch's (1, H, T, ...) views), the scores and the batch."""
+    return {"q": q, "k": k, "v": v, "o": o, "lse": lse, "scores": scores, "packed": packed}
 
 
-def _time_ms(run, config: dict) -> float:
-    """Median ms of ``run(config)``: the real problem with the config."""
-    return tuning.median_ms(lambda: run(config))
-
-
-def _precompile(key: dict, scores: Scores, launch_args, device, configs: list[dict]) -> None:
-    """Compile every candidate for its calibration problem and the real one, together on threads."""
-    calls = []
-    for config in configs:
-        q, k, v = calibration_inputs(key, config, device)
-        o, lse = torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
-        calibration = _fwd_launch_args(q, k, v, o, lse, calibration_scores(scores, config), config)
-        for grid, args, meta in (calibration, launch_args(config)):
-            calls.append((_fwd_launcher, grid, args, meta))
-    precompile(calls)
-
-
-MAX_CHOSEN = 4096  # call signatures whose config is kept, so a repeated call skips the tuning key
-_chosen: dict[tuple, dict] = {}
-
-
-def _config(q, k, v, o, lse, scores: Scores, packed: Packed | None) -> dict:
-    """The tuned (or default) config for this call's signature."""
-    signature = (q.shape, k.shape, q.dtype, q.device, scores, packed and packed[2:])
-    config = _chosen.get(signature)
-    if config is not None:
-        return config
-    key = tuning_key(q, k, scores, packed)
-
-    def launch_args(candidate):
-        return _fwd_launch_args(q, k, v, o, lse, scores, candidate, packed)
-
-    def run(candidate):
-        grid, args, meta = launch_args(candidate)
-        _fwd_launcher(grid, *args, **meta)
-
-    entry = _TUNER.entry(key, admit=functools.partial(_admit, key, scores, q.device),
-                         time_ms=functools.partial(_time_ms, run),
-                         precompile=functools.partial(_precompile, key, scores, launch_args, q.device))
-    config = _TUNER.default(key) if entry is None else entry["config"]
-    if entry is not None or interpret():  # final: tuned, cached, or the interpreter's one config
-        tuning.remember(_chosen, signature, config, MAX_CHOSEN)
-    return config
-
-
-def attention_fwd(q, k, v, scores: Scores, config: dict | None = None,
-                  packed: Packed | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output, lse) of attention: over (B, H, S, D) tensors, lse (B, H, S); or with ``packed`` over
-    (T, H, D) tensors, lse (H, T). The inputs are valid (``common.validate_qkv`` checks them);
-    ``config`` overrides the launch config."""
-    o = empty_output(q.shape, q.dtype, q.device)
-    if packed is None:
-        lse = empty_output(q.shape[:3], torch.float32, q.device)
-        views = (q, k, v, o, lse)
-    else:
-        lse = empty_output((q.shape[1], q.shape[0]), torch.float32, q.device)
-        views = (*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v, o)), lse.unsqueeze(0))
-    if o.numel() == 0:
-        return o, lse
-    if config is None:
-        config = _config(*views, scores, packed)
-    grid, args, meta = _fwd_launch_args(*views, scores, config, packed)
-    _fwd_launcher(grid, *args, **meta)
-    return o, lse
-
-
-def _fwd_launch_args(q, k, v, o, lse, scores: Scores, config: dict | None,
-                     packed: Packed | None = None) -> tuple[tuple, tuple, dict]:
-    """(grid, arguments, constexprs and options) of the forward kernel; ``packed`` for a packed
-    batch (q, k, v, o and the lse are then its (1, H, T, ...) views)."""
+def _fwd_launches(problem: dict, config: dict | None) -> list[Launch]:
+    """The forward kernel's launch for ``problem`` with ``config`` (None: the untuned tile)."""
+    q, k, v, o, lse = problem["q"], problem["k"], problem["v"], problem["o"], problem["lse"]
+    scores, packed = problem["scores"], problem["packed"]
     _, heads, _, head_dim = q.shape
+    shown = config or {}
     config = dict(config or _default({"head_dim": head_dim}))
-    batch, seq_q, seq_k, cu, score_args, score_meta = sequence_args(scores, packed, q.shape[0], q.shape[2],
-                                                                    k.shape[2], lse)
-    strides = [per_sequence(t.stride()[:rank], packed)
-               for t, rank in ((q, 4), (k, 4), (v, 4), (o, 3), (lse, 2))]
-    args = (q, k, v, o, lse, *cu, *(s for group in strides for s in group), heads, heads // k.shape[1],
-            seq_q, seq_k, *score_args)
+    batch, seq_q, seq_k, cu, score_args, score_meta = sequence_args(
+        scores, packed, q.shape[0], q.shape[2], k.shape[2], lse
+    )
+    strides = [
+        per_sequence(t.stride()[:rank], packed) for t, rank in ((q, 4), (k, 4), (v, 4), (o, 3), (lse, 2))
+    ]
+    args = (
+        q,
+        k,
+        v,
+        o,
+        lse,
+        *cu,
+        *(s for group in strides for s in group),
+        heads,
+        heads // k.shape[1],
+        seq_q,
+        seq_k,
+        *score_args,
+    )
     tma = config.pop("TMA", False) and _tma_ready(k, v)
-    meta = {"HEAD_DIM": head_dim, "BLOCK_D": _block_d(head_dim), **score_meta,
-            "BLOCK_M": config.pop("BLOCK_M"), "BLOCK_N": config.pop("BLOCK_N"),
-            "EXACT_DOT_IN_FP32": interpret(), "TMA": tma,
-            "LOOKAHEAD": config.pop("LOOKAHEAD", False), **config}
+    meta = {
+        "HEAD_DIM": head_dim,
+        "BLOCK_D": _block_d(head_dim),
+        **score_meta,
+        "BLOCK_M": config.pop("BLOCK_M"),
+        "BLOCK_N": config.pop("BLOCK_N"),
+        "EXACT_DOT_IN_FP32": interpret(),
+        "TMA": tma,
+        "LOOKAHEAD": config.pop("LOOKAHEAD", False),
+        **config,
+    }
     if tma:
         ensure_allocator()
-    return (cdiv(seq_q, meta["BLOCK_M"]), batch * heads), args, meta
+    grid = (cdiv(seq_q, meta["BLOCK_M"]), batch * heads)
+    return [Launch("fwd", _attn_fwd_kernel, args, meta, shown, grid)]
 
 
 def _tma_ready(k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -418,5 +553,91 @@ def _tma_ready(k: torch.Tensor, v: torch.Tensor) -> bool:
     strides and the base 16-byte aligned (a TMA requirement), on a GPU. A TMA config on other
     tensors runs its tile with pointer loads."""
     return not interpret() and all(
-        t.stride(-1) == 1 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
-        and t.data_ptr() % 16 == 0 for t in (k, v))
+        t.stride(-1) == 1
+        and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+        and t.data_ptr() % 16 == 0
+        for t in (k, v)
+    )
+
+
+# The gate compares every element of the lse, and the lse of a row that sees no key is -inf, which
+# differs from itself by NaN: a calibration problem has those rows' lse set to this after its
+# launch and in its reference, so that a finite lse where the reference has none, or -inf where it
+# has one, is off by about 1e30 (a power of two: float32 holds it exactly, as float64 does).
+UNSEEN_LSE = -(2.0**100)
+
+
+def _calibration(problem: dict, config: dict) -> dict:
+    """A small seeded dense problem of the call's kind (``common.calibration_inputs``), its window
+    cut inside its blocks, outputs allocated (the gate poisons them)."""
+    key = tuning_key(problem["q"], problem["k"], problem["scores"], problem["packed"])
+    q, k, v = calibration_inputs(key, config, problem["q"].device)
+    o, lse = torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    scores = calibration_scores(problem["scores"], config)
+    return _problem(q, k, v, o, lse, scores) | {"unseen_lse": UNSEEN_LSE}
+
+
+def _problem_reference(problem: dict) -> dict:
+    """The output and lse of a dense problem in plain PyTorch; where the problem names an
+    ``unseen_lse``, the lse of a row that sees no key is that instead of -inf."""
+    if problem["packed"] is not None:
+        raise ValueError("the forward's problem reference takes dense problems (calibration problems are)")
+    o, lse = attention_reference(
+        problem["q"], problem["k"], problem["v"], return_lse=True, **problem["scores"]._asdict()
+    )
+    if problem.get("unseen_lse") is not None:
+        lse = lse.masked_fill(torch.isneginf(lse), problem["unseen_lse"])
+    return {"o": o, "lse": lse}
+
+
+class _ForwardTuned(tuning.Tuned):
+    """The forward's tuned kernel: the scaffolding's, with a run that, on a problem naming an
+    ``unseen_lse`` (a calibration problem), sets the lse of the rows that see no key to it after
+    the launch, as its reference does (see UNSEEN_LSE)."""
+
+    def run(self, problem: dict, config: dict) -> None:
+        super().run(problem, config)
+        unseen = problem.get("unseen_lse")
+        if unseen is not None:
+            problem["lse"].masked_fill_(torch.isneginf(problem["lse"]), unseen)
+
+
+_TUNER = tuning.Tuner("attention_fwd", CONFIGS, default=_default, prune=_prune, sources=(_attn_fwd_kernel,))
+_TUNED = _ForwardTuned(
+    _TUNER, launches=_fwd_launches, calibrate=_calibration, reference=_problem_reference, outputs=("o", "lse")
+)
+
+
+def attention_fwd_into(
+    q, k, v, o, lse, scores: Scores, packed: Packed | None = None, config: dict | None = None
+) -> None:
+    """Write attention's output into ``o`` and its lse into ``lse``: over (B, H, S, D) tensors, lse
+    (B, H, S); or with ``packed`` over (T, H, D) tensors, lse (H, T). The inputs are valid
+    (``common.validate_qkv`` checks them); ``config`` overrides the tuned launch config."""
+    if o.numel() == 0:
+        return
+    if packed is not None:  # the kernel takes (1, H, T, D) views of (T, H, D) and (1, H, T) of (H, T)
+        q, k, v, o = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v, o))
+        lse = lse.unsqueeze(0)
+    problem = _problem(q, k, v, o, lse, scores, packed)
+    if config is None:
+        signature = (q.shape, k.shape, q.dtype, q.device, scores, packed and packed[2:])
+        config, _ = _TUNED.choose(tuning_key(q, k, scores, packed), problem, signature=signature)
+    _TUNED.run(problem, config)
+
+
+def fwd_outputs(q: torch.Tensor, packed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse) allocated for a forward over ``q``: (B, H, S, D) and (B, H, S), or for a packed
+    batch's (T, H, D) q, (T, H, D) and (H, T)."""
+    o = empty_output(q.shape, q.dtype, q.device)
+    rows = (q.shape[1], q.shape[0]) if packed else q.shape[:3]
+    return o, empty_output(rows, torch.float32, q.device)
+
+
+def attention_fwd(
+    q, k, v, scores: Scores, config: dict | None = None, packed: Packed | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, lse) of attention, allocated here (see :func:`attention_fwd_into`)."""
+    o, lse = fwd_outputs(q, packed is not None)
+    attention_fwd_into(q, k, v, o, lse, scores, packed, config)
+    return o, lse

@@ -48,8 +48,9 @@ def _merge_kernel(
     o_b = tl.load(part_ptr + rows[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     o = (weight_a[:, None] * o_a + weight_b[:, None] * o_b) / tl.where(seen, total, 1.0)[:, None]
     tl.store(o_ptr + rows[:, None] * D + cols[None, :], o, mask=mask)
-    tl.store(lse_ptr + rows, tl.where(seen, top + tl.log(tl.where(seen, total, 1.0)), -float("inf")),
-             mask=row_mask)
+    tl.store(
+        lse_ptr + rows, tl.where(seen, top + tl.log(tl.where(seen, total, 1.0)), -float("inf")), mask=row_mask
+    )
 
 
 _merge_launcher = Launcher(_merge_kernel)
@@ -62,15 +63,28 @@ def merge_attention(o: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part
     first part in too. ``part`` (in the inputs' dtype; a strided one is copied) and ``part_lse``
     (fp32) have their shapes: the same query rows, against other keys."""
     if not (o.dtype == lse.dtype == part_lse.dtype == torch.float32):
-        raise TypeError(f"o, lse and part_lse must be float32, got {o.dtype}, {lse.dtype} and "
-                        f"{part_lse.dtype}")
+        raise TypeError(
+            f"o, lse and part_lse must be float32, got {o.dtype}, {lse.dtype} and {part_lse.dtype}"
+        )
     if not (o.is_contiguous() and lse.is_contiguous()):
         raise ValueError("o and lse must be contiguous: the kernel updates them in place, row by row")
     if lse.shape != o.shape[:-1] or part.shape != o.shape or part_lse.shape != lse.shape:
-        raise ValueError(f"lse must have o's leading dims, part o's shape and part_lse lse's; got o "
-                         f"{tuple(o.shape)}, lse {tuple(lse.shape)}, part {tuple(part.shape)}, part_lse "
-                         f"{tuple(part_lse.shape)}")
+        raise ValueError(
+            f"lse must have o's leading dims, part o's shape and part_lse lse's; got o "
+            f"{tuple(o.shape)}, lse {tuple(lse.shape)}, part {tuple(part.shape)}, part_lse "
+            f"{tuple(part_lse.shape)}"
+        )
     rows, head_dim = lse.numel(), o.shape[-1]
     if rows:
-        _merge_launcher((cdiv(rows, MERGE_ROWS),), o, lse, part.contiguous(), part_lse.contiguous(), rows,
-                        head_dim, BLOCK_R=MERGE_ROWS, BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4)
+        _merge_launcher(
+            (cdiv(rows, MERGE_ROWS),),
+            o,
+            lse,
+            part.contiguous(),
+            part_lse.contiguous(),
+            rows,
+            head_dim,
+            BLOCK_R=MERGE_ROWS,
+            BLOCK_D=triton.next_power_of_2(head_dim),
+            num_warps=4,
+        )
