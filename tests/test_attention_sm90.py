@@ -222,3 +222,58 @@ def test_gpu_empty_keyless_and_refusals():
         fwd.attention_fwd_sm90(q, k, v, o, lse, scale=0.1, causal=False, window=(4, 0))
     with pytest.raises(NotImplementedError, match="softcap"):
         fwd.attention_fwd_sm90(q, k, v, o, lse, scale=0.1, causal=False, softcap=30.0)
+
+
+# ---------------------------------------------------------------- the dispatch
+
+
+def test_calls_the_gluon_forward_cannot_take_go_to_the_triton_kernel(device):
+    """Packed batches, windows, soft caps and top-left causal masks with Sq != Sk never take it;
+    and nothing does under the interpreter (Gluon kernels do not run there)."""
+    from tritonkit.ops.attention import fwd
+    from tritonkit.ops.attention.common import Packed, Scores
+
+    q = torch.randn(1, 2, 16, 64, device=device, dtype=torch.bfloat16)
+    k = torch.randn(1, 2, 24, 64, device=device, dtype=torch.bfloat16)
+    packed = Packed(torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), 1, 16, 24)
+    for scores, pack in [
+        (Scores(0.125), packed),
+        (Scores(0.125, window=(4, 0)), None),
+        (Scores(0.125, softcap=30.0), None),
+        (Scores(0.125, causal=True, bottom_right=False), None),
+    ]:
+        assert not fwd.sm90_takes(q, k, k, scores, pack), scores
+    if not _sm90():
+        assert not fwd.sm90_takes(q, k, k, Scores(0.125, causal=True), None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+def test_gpu_flash_attention_runs_the_gluon_forward_where_it_applies(caplog):
+    """flash_attention on sm_90 takes the Gluon forward (the log says so) and matches the reference
+    with its gradients, which the Triton backward computes from the Gluon forward's lse; a window
+    keeps the Triton forward."""
+    import logging
+
+    import tritonkit
+    from tritonkit.ops.attention.common import attention_reference
+    from tritonkit.testing import check_against_reference
+
+    q, k, v = _inputs(2, 4, 2, 300, 500, 128, torch.bfloat16, seed=21)
+    dy = torch.randn(
+        q.shape, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(1)
+    )
+    with caplog.at_level(logging.DEBUG, logger="tritonkit"):
+        check_against_reference(
+            tritonkit.flash_attention,
+            attention_reference,
+            [q, k, v],
+            kwargs={"causal": True},
+            grad_inputs=(0, 1, 2),
+            grad_outputs=[dy],
+        )
+    assert "on the sm_90 Gluon kernel" in caplog.text and "on the Triton kernel" not in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="tritonkit"):
+        tritonkit.flash_attention(q, k, v, causal=True, window=(64, 0))
+    assert "on the Triton kernel" in caplog.text

@@ -32,6 +32,8 @@ the reference the gate compares against are in ``common``, which the backward sh
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from tritonkit import tuning
@@ -608,14 +610,53 @@ _TUNED = _ForwardTuned(
 )
 
 
+log = logging.getLogger("tritonkit")
+
+# Whether a forward the sm_90 Gluon kernel takes (``fwd_sm90.supports``) runs there: on the H200 it
+# ran at 1.01-1.08x cuDNN at D = 128 and 0.89-0.96x at D = 64 and 1024 tokens (docs/perf-notes.md),
+# past this Triton kernel's 0.76-0.88x at every shape measured.
+SM90_FORWARD = True
+
+
+def sm90_takes(q, k, v, scores: Scores, packed: Packed | None) -> bool:
+    """Whether the sm_90 Gluon forward (``fwd_sm90``) computes this call: natively compiled, on an
+    sm_90 GPU, within what it supports; causal aligned top-left only where Sq = Sk (it aligns
+    bottom-right, as flash_attention does). Everything else takes the Triton kernel below."""
+    if not SM90_FORWARD or interpret() or not q.is_cuda or packed is not None:
+        return False
+    if scores.causal and not scores.bottom_right and q.shape[2] != k.shape[2]:
+        return False
+    from tritonkit.ops.attention import fwd_sm90
+
+    return fwd_sm90.supports(
+        q,
+        k,
+        v,
+        causal=scores.causal,
+        window=scores.window,
+        softcap=scores.softcap,
+        packed=False,
+        scale=scores.scale,
+    )
+
+
 def attention_fwd_into(
     q, k, v, o, lse, scores: Scores, packed: Packed | None = None, config: dict | None = None
 ) -> None:
     """Write attention's output into ``o`` and its lse into ``lse``: over (B, H, S, D) tensors, lse
     (B, H, S); or with ``packed`` over (T, H, D) tensors, lse (H, T). The inputs are valid
-    (``common.validate_qkv`` checks them); ``config`` overrides the tuned launch config."""
+    (``common.validate_qkv`` checks them); ``config`` overrides the tuned launch config of the
+    Triton kernel (and so chooses it). On sm_90 the Gluon kernel takes what it supports
+    (:func:`sm90_takes`); a debug log line says which kernel ran."""
     if o.numel() == 0:
         return
+    if config is None and sm90_takes(q, k, v, scores, packed):
+        from tritonkit.ops.attention import fwd_sm90
+
+        log.debug("tritonkit: attention forward %s on the sm_90 Gluon kernel", tuple(q.shape))
+        fwd_sm90.attention_fwd_sm90(q, k, v, o, lse, scale=scores.scale, causal=scores.causal)
+        return
+    log.debug("tritonkit: attention forward %s on the Triton kernel", tuple(q.shape))
     if packed is not None:  # the kernel takes (1, H, T, D) views of (T, H, D) and (1, H, T) of (H, T)
         q, k, v, o = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v, o))
         lse = lse.unsqueeze(0)
