@@ -272,8 +272,13 @@ def test_gpu_flash_attention_runs_the_gluon_forward_where_it_applies(caplog):
             grad_inputs=(0, 1, 2),
             grad_outputs=[dy],
         )
-    assert "on the sm_90 Gluon kernel" in caplog.text and "on the Triton kernel" not in caplog.text
+    # (the backward's tuner may run the Triton forward on its own small calibration problems)
+    shape = str(tuple(q.shape))
+    assert (
+        f"{shape} on the sm_90 Gluon kernel" in caplog.text
+        and f"{shape} on the Triton kernel" not in caplog.text
+    )
     caplog.clear()
     with caplog.at_level(logging.DEBUG, logger="tritonkit"):
         tritonkit.flash_attention(q, k, v, causal=True, window=(64, 0))
-    assert "on the Triton kernel" in caplog.text
+    assert f"{shape} on the Triton kernel" in caplog.text
