@@ -59,10 +59,21 @@ def main(out: str) -> None:
             for shape, dtype_name in get_op(op).shape_list("quick"):
                 kernels = kernel_us(op, shape, DTYPES[dtype_name])
                 main_us = max(kernels.values())
-                rows.append({"op": op, "shape": list(shape), "dtype": dtype_name, "kernels_us": kernels,
-                             "main_us": main_us, "rest_us": sum(kernels.values()) - main_us})
-                print(f"{op:13s} {'x'.join(map(str, shape)):11s} {dtype_name}: main {main_us:7.1f} us, "
-                      f"the rest {rows[-1]['rest_us']:6.1f} us in {len(kernels) - 1} kernels", flush=True)
+                rows.append(
+                    {
+                        "op": op,
+                        "shape": list(shape),
+                        "dtype": dtype_name,
+                        "kernels_us": kernels,
+                        "main_us": main_us,
+                        "rest_us": sum(kernels.values()) - main_us,
+                    }
+                )
+                print(
+                    f"{op:13s} {'x'.join(map(str, shape)):11s} {dtype_name}: main {main_us:7.1f} us, "
+                    f"the rest {rows[-1]['rest_us']:6.1f} us in {len(kernels) - 1} kernels",
+                    flush=True,
+                )
     with open(out, "w") as f:
         json.dump({"provenance": provenance(), "iterations": ITERATIONS, "rows": rows}, f, indent=1)
 

@@ -83,6 +83,7 @@ class _NoExchangeRing:
 def _exchanges(ring, block, backward: bool) -> None:
     """The ring's sends and receives alone, in its order: W - 1 hops of K and V; backward, also a
     hop of fp32 dK and dV sums after each step, the last in the inputs' dtype."""
+
     def wait(requests):
         for request in requests:
             request.wait()
@@ -108,11 +109,16 @@ def _diagnostic_rows(shards, grad, causal, device) -> dict:
     fwd = _timed(lambda: _RingAttention.apply(*shards, scale, causal, local), device)
     bwd = _timed(lambda: torch.autograd.grad(out, shards, grad, retain_graph=True), device)
     block = [shards[1].detach(), shards[2].detach()]
-    exchange = (_timed(lambda: _exchanges(ring, block, False), device),
-                _timed(lambda: _exchanges(ring, block, True), device))
+    exchange = (
+        _timed(lambda: _exchanges(ring, block, False), device),
+        _timed(lambda: _exchanges(ring, block, True), device),
+    )
     check = _timed(lambda: _check_across_ranks(*shards, causal, group), device)
-    return {"tritonkit ring, compute only": (fwd, bwd), "ring exchanges only": exchange,
-            "ring input check": (check, None)}  # forward only
+    return {
+        "tritonkit ring, compute only": (fwd, bwd),
+        "ring exchanges only": exchange,
+        "ring input check": (check, None),
+    }  # forward only
 
 
 def _ring_rows(seq, causal, heads, head_dim, device) -> dict:
@@ -131,8 +137,11 @@ def _ring_rows(seq, causal, heads, head_dim, device) -> dict:
     bwd = _timed(lambda: torch.autograd.grad(out, shards, grad, retain_graph=True), device)
     one_fwd = _timed(lambda: tritonkit.flash_attention(*single_inputs, causal=causal), device)
     one_bwd = _timed(lambda: torch.autograd.grad(single, single_inputs, do, retain_graph=True), device)
-    return {"tritonkit ring": (fwd, bwd), "tritonkit one GPU": (one_fwd, one_bwd),
-            "max_err_vs_one_gpu": error} | _diagnostic_rows(shards, grad, causal, device)
+    return {
+        "tritonkit ring": (fwd, bwd),
+        "tritonkit one GPU": (one_fwd, one_bwd),
+        "max_err_vs_one_gpu": error,
+    } | _diagnostic_rows(shards, grad, causal, device)
 
 
 def _cudnn_times(q, k, v, do, causal: bool, device) -> tuple[float, float]:
@@ -141,11 +150,15 @@ def _cudnn_times(q, k, v, do, causal: bool, device) -> tuple[float, float]:
 
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+
         def forward():
             return torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal)
+
         out = forward()
-        return (_timed(forward, device),
-                _timed(lambda: torch.autograd.grad(out, leaves, do, retain_graph=True), device))
+        return (
+            _timed(forward, device),
+            _timed(lambda: torch.autograd.grad(out, leaves, do, retain_graph=True), device),
+        )
 
 
 def _context_parallel_rows(seq, causal, heads, head_dim, device) -> dict:
@@ -174,15 +187,24 @@ def _worker(rank: int, world: int, store: str, out_path: str, dry: bool, cases: 
     device = "cpu" if dry else "cuda"
     if not dry:
         torch.cuda.set_device(rank)
-    dist.init_process_group("gloo" if dry else "nccl", init_method=f"file://{store}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo" if dry else "nccl",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=600),
+    )
     heads, head_dim = (4, 16) if dry else (HEADS, HEAD_DIM)
     import tritonkit.distributed  # noqa: F401  (it chooses GPU or interpreter before triton is imported)
 
     rows = []
-    provenance = {"gpu": "cpu" if dry else torch.cuda.get_device_name(), "torch": torch.__version__,
-                  "triton": __import__("triton").__version__, "git_sha": _git_sha(),
-                  "command": "python benchmarks/ring_attention.py " + " ".join(sys.argv[1:])}
+    provenance = {
+        "gpu": "cpu" if dry else torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "git_sha": _git_sha(),
+        "command": "python benchmarks/ring_attention.py " + " ".join(sys.argv[1:]),
+    }
     for seq, causal in cases:
         found = _ring_rows(seq, causal, heads, head_dim, device)
         found |= _context_parallel_rows(seq, causal, heads, head_dim, device)
@@ -199,12 +221,21 @@ def _worker(rank: int, world: int, store: str, out_path: str, dry: bool, cases: 
                     continue
                 ones = one_gpu[0] if mode == "fwd" else one_gpu[1]
                 efficiency = ones / (world * ms) if attention and not alone else None
-                case_rows.append({"provider": provider, "mode": mode, "shape": [1, heads, seq, head_dim],
-                                  "causal": causal, "world": 1 if alone else world, "ms": ms,
-                                  "tflops_total": work / ms / 1e9 if attention else None,
-                                  "scaling_efficiency": efficiency,
-                                  "max_err_vs_one_gpu": found["max_err_vs_one_gpu"]
-                                  if provider == "tritonkit ring" else None})
+                case_rows.append(
+                    {
+                        "provider": provider,
+                        "mode": mode,
+                        "shape": [1, heads, seq, head_dim],
+                        "causal": causal,
+                        "world": 1 if alone else world,
+                        "ms": ms,
+                        "tflops_total": work / ms / 1e9 if attention else None,
+                        "scaling_efficiency": efficiency,
+                        "max_err_vs_one_gpu": found["max_err_vs_one_gpu"]
+                        if provider == "tritonkit ring"
+                        else None,
+                    }
+                )
         rows += case_rows
         if rank == 0:
             print(json.dumps(case_rows), flush=True)

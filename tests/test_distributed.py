@@ -97,8 +97,13 @@ def _worker(rank: int, world: int, store: str, out_dir: str) -> None:
 
     os.environ["TRITONKIT_INTERPRET"] = "1"  # CPU processes on gloo, on a GPU machine too
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=TIMEOUT_S // 2))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=TIMEOUT_S // 2),
+    )
     try:
         seq = 4 * world * 2  # 2W chunks of 4 rows: causal shards hold two, each a ragged interpreter tile
         results = _compare_with_one_process(True, seq) + _compare_with_one_process(False, seq)
@@ -130,8 +135,13 @@ def _all_finished(store: str, world: int) -> None:
 
 
 def _run(world: int, tmp_path) -> list[list[dict]]:
-    context = mp.start_processes(_worker, args=(world, str(tmp_path / "store"), str(tmp_path)), nprocs=world,
-                                 join=False, start_method="spawn")
+    context = mp.start_processes(
+        _worker,
+        args=(world, str(tmp_path / "store"), str(tmp_path)),
+        nprocs=world,
+        join=False,
+        start_method="spawn",
+    )
     deadline = datetime.datetime.now() + datetime.timedelta(seconds=TIMEOUT_S)
     while not context.join(timeout=5):
         if datetime.datetime.now() > deadline:

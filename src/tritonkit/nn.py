@@ -29,8 +29,15 @@ class Linear(torch.nn.Linear):
     """``torch.nn.Linear`` (same parameters and state_dict) with an activation applied in the
     matmul's epilogue, computed by ``tritonkit.linear``."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, activation: str | None = None,
-                 device=None, dtype=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        activation: str | None = None,
+        device=None,
+        dtype=None,
+    ):
         from tritonkit.ops.linear import ACTIVATIONS
 
         if activation not in ACTIVATIONS:

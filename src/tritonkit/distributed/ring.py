@@ -37,8 +37,10 @@ def _group(group):
     """A process group from None (the default group), a group, or a one-dimensional DeviceMesh."""
     if group is not None and hasattr(group, "get_group"):
         if group.ndim != 1:
-            raise ValueError(f"a DeviceMesh for ring attention must be one-dimensional, got {group.ndim} "
-                             f"dimensions: pass mesh[name] for the context-parallel dimension")
+            raise ValueError(
+                f"a DeviceMesh for ring attention must be one-dimensional, got {group.ndim} "
+                f"dimensions: pass mesh[name] for the context-parallel dimension"
+            )
         return group.get_group()
     return group if group is not None else dist.group.WORLD
 
@@ -57,9 +59,11 @@ def shard_sequence(x: torch.Tensor, dim: int, group=None, causal: bool = False) 
     parts = 2 * world if causal else world
     length = x.shape[dim]
     if length % parts:
-        raise ValueError(f"the sequence ({length} along dim {dim}) must be a multiple of {parts} to shard "
-                         f"over {world} ranks{' causally' if causal else ''}; pad it to "
-                         f"{-(-length // parts) * parts}")
+        raise ValueError(
+            f"the sequence ({length} along dim {dim}) must be a multiple of {parts} to shard "
+            f"over {world} ranks{' causally' if causal else ''}; pad it to "
+            f"{-(-length // parts) * parts}"
+        )
     pieces = x.chunk(parts, dim)
     return torch.cat([pieces[i] for i in _chunks(rank, world, causal)], dim).contiguous()
 
@@ -123,11 +127,15 @@ def _check_across_ranks(q, k, v, causal: bool, group) -> None:
     for index, name in enumerate(names):
         values = [row[1 + index] for row in rows]
         if len(set(values)) > 1:
-            raise ValueError(f"ring_attention: ranks disagree on the {name}: {values} (rank by rank); every "
-                             f"rank must hold an equal shard")
+            raise ValueError(
+                f"ring_attention: ranks disagree on the {name}: {values} (rank by rank); every "
+                f"rank must hold an equal shard"
+            )
     if causal and q.shape[2] % 2:
-        raise ValueError(f"ring_attention: a causal shard holds two equal chunks (shard_sequence(..., "
-                         f"causal=True)); its length {q.shape[2]} is odd")
+        raise ValueError(
+            f"ring_attention: a causal shard holds two equal chunks (shard_sequence(..., "
+            f"causal=True)); its length {q.shape[2]} is odd"
+        )
 
 
 class _Ring:
@@ -145,8 +153,9 @@ class _Ring:
         of the one before) never match each other's messages."""
         received = [torch.empty_like(t) for t in tensors]
         ops = [dist.P2POp(dist.isend, t, self.send_to, self.group, tag + i) for i, t in enumerate(tensors)]
-        ops += [dist.P2POp(dist.irecv, t, self.recv_from, self.group, tag + i)
-                for i, t in enumerate(received)]
+        ops += [
+            dist.P2POp(dist.irecv, t, self.recv_from, self.group, tag + i) for i, t in enumerate(received)
+        ]
         return received, dist.batch_isend_irecv(ops)
 
 
@@ -181,8 +190,12 @@ def _ring_forward(q, k, v, scale: float, causal: bool, ring: _Ring):
     for step in range(ring.world):
         incoming, requests = ring.start(block) if step < ring.world - 1 else (None, [])
         for rows, keys, masked in _calls(ring.rank, owner, causal):
-            part, part_lse = attention_fwd(q[:, :, _rows(rows, chunk)], block[0][:, :, _rows(keys, chunk)],
-                                           block[1][:, :, _rows(keys, chunk)], Scores(scale, masked))
+            part, part_lse = attention_fwd(
+                q[:, :, _rows(rows, chunk)],
+                block[0][:, :, _rows(keys, chunk)],
+                block[1][:, :, _rows(keys, chunk)],
+                Scores(scale, masked),
+            )
             met = range(places) if rows is None else [rows]  # the query chunks the call covered
             for place in met:
                 share = _rows(place, chunk) if len(met) > 1 else slice(None)  # its rows of the part
@@ -209,9 +222,16 @@ def _ring_backward(do, q, k, v, o, lse, scale: float, causal: bool, ring: _Ring)
         for rows, keys, masked in _calls(ring.rank, owner, causal):
             rows, keys = _rows(rows, chunk), _rows(keys, chunk)
             piece = [t[:, :, rows].contiguous() for t in (do, q, o)] + [lse[:, :, rows].contiguous()]
-            dq_part, dk_part, dv_part = attention_bwd(piece[0], piece[1], block[0][:, :, keys].contiguous(),
-                                                      block[1][:, :, keys].contiguous(), piece[2], piece[3],
-                                                      None, Scores(scale, masked))
+            dq_part, dk_part, dv_part = attention_bwd(
+                piece[0],
+                piece[1],
+                block[0][:, :, keys].contiguous(),
+                block[1][:, :, keys].contiguous(),
+                piece[2],
+                piece[3],
+                None,
+                Scores(scale, masked),
+            )
             dq[:, :, rows] += dq_part
             dk[:, :, keys] += dk_part
             dv[:, :, keys] += dv_part
@@ -249,8 +269,15 @@ class _RingAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                   scale: float | None = None, group=None, return_lse: bool = False):
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    scale: float | None = None,
+    group=None,
+    return_lse: bool = False,
+):
     """Attention over a sequence sharded across the ranks of ``group`` (a process group, a
     one-dimensional DeviceMesh, or None for the default group): q, k and v are this rank's shards,
     (B, H, S_local, D), as ``shard_sequence`` makes them (with ``causal``, its load-balanced
@@ -261,4 +288,3 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     _check_across_ranks(q, k, v, causal, group)
     o, lse = _RingAttention.apply(q, k, v, softmax_scale(scale, q.shape[-1]), bool(causal), _Ring(group))
     return (o, lse) if return_lse else o
-
