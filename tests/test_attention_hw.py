@@ -33,7 +33,7 @@ for head_dim in (64, 128, 256):
         problem = ab._problem(q, q, q, q, rows, rows, ac.Scores(head_dim**-0.5, causal), dk=q, dv=q, dq=q,
                               dq_acc=q.float())
         (launch,) = ab._main_launches("dkdv", problem, config)
-        launches.append(dataclasses.replace(launch, name="bwd dk dv atomic-dq"))
+        launches.append(launch._replace(name="bwd dk dv atomic-dq"))
         for launch in launches:
             r = compile_launch(launch, "sm_90")
             print(json.dumps({"head_dim": head_dim, "causal": causal, "launch": r.name,
@@ -86,7 +86,7 @@ for variant, (scores, packed, kernels) in variants.items():
     launches = []
     for name, fwd_config in (("fwd", None), ("fwd tma", TMA), ("fwd ahead", AHEAD)):
         (launch,) = af._fwd_launches(af._problem(q, kv, kv, q, rows, scores, packed), fwd_config)
-        launches.append(dataclasses.replace(launch, name=name))
+        launches.append(launch._replace(name=name))
     for name in kernels:
         kernel = name.split()[0]
         if kernel == "dq":
@@ -95,7 +95,7 @@ for variant, (scores, packed, kernels) in variants.items():
             grads = {"dk": kv, "dv": kv} | ({"dq": q, "dq_acc": q.float()} if "dq" in name else {})
         problem = ab._problem(q, kv, kv, q, rows, rows, scores, packed, **grads)
         (launch,) = ab._main_launches(kernel, problem, config.get(name, config[kernel]))
-        launches.append(dataclasses.replace(launch, name=name))
+        launches.append(launch._replace(name=name))
     for launch in launches:
         r = compile_launch(launch, "sm_90")
         print(json.dumps({"variant": variant, "launch": r.name, "hgmma": r.opcodes["HGMMA"],

@@ -91,6 +91,7 @@ def _distinct_runs(candidates: list[dict]) -> list[dict]:
     )
 
 
+@pytest.mark.gpu  # every candidate: seconds on the GPU, minutes interpreted (the contract samples each kind)
 @pytest.mark.parametrize("direction, n, rows, options", GATE_CASES, ids=str)
 def test_every_candidate_passes_the_gate(direction, n, rows, options, device):
     key = _key(direction, n, rows, **options)
