@@ -5,8 +5,6 @@ checks every tuned kernel shares are in contract/test_tuners.py."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -153,33 +151,6 @@ def test_gate_rejects_a_wrong_result(monkeypatch, device):
         )  # the lse of rows that see no key
         verdict = af._TUNED.admit(problem, config)
         assert not verdict.passed and verdict.name == "lse", verdict
-
-
-def test_the_op_launches_the_fastest_admitted_config(monkeypatch, tmp_path, device):
-    monkeypatch.setattr(tuning, "_single_config", lambda: False)
-    monkeypatch.setenv("TRITONKIT_CACHE_DIR", str(tmp_path))
-    _fresh(monkeypatch, af._TUNED)
-
-    def fake_ms(config):  # 64 query rows and 32 keys a step fastest, more warps and stages a little; the
-        # interpreter's default tile (a candidate too) slowest
-        warps_and_stages = config["num_warps"] / 10 + config["num_stages"] / 100
-        interpreters = 1000 * (config == af.INTERPRETER_CONFIG)
-        return config["BLOCK_M"] + config["BLOCK_N"] - warps_and_stages + interpreters
-
-    monkeypatch.setattr(af._TUNED, "time_ms", lambda problem, config: fake_ms(config))
-    launched = _launched(monkeypatch)
-    q, k, v = qkv(1, 2, 1, 70, 90, 32, torch.bfloat16, device, seed=9)
-    check(q, k, v, grads=False, causal=True)  # the backward has its own tuners (below)
-    (path,) = (tmp_path / tuning.SUBDIR).iterdir()
-    entry = json.loads(path.read_text())
-    admitted = [json.loads(c) for c, ms in entry["ms"].items() if ms is not None]
-    assert len(admitted) >= 6 and not entry["rejected"]
-    assert (
-        entry["config"]
-        == min(admitted, key=fake_ms)
-        == {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 4}
-    )
-    assert {k: launched["fwd"][k] for k in entry["config"]} == entry["config"]
 
 
 # ---------------------------------------------------------------- backward

@@ -173,27 +173,6 @@ def _fresh_tuners(monkeypatch):
         monkeypatch.setattr(tuned, "_chosen", {})
 
 
-def test_the_op_launches_the_fastest_admitted_config(tuned, device):
-    cache, launched = tuned
-    kernel, reference, inputs, grad_inputs, grads = _case("add_layer_norm", (9, 1000), BF16, device, seed=3)
-    kernel(*inputs)  # the forward alone: tuned, then launched
-    check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
-    files = {path.name.split("-")[0]: json.loads(path.read_text()) for path in cache.iterdir()}
-    assert sorted(files) == ["norm_bwd", "norm_fwd"]
-    for direction, entry in ((d, files[f"norm_{d}"]) for d in ("fwd", "bwd")):
-        admitted = [json.loads(c) for c, ms in entry["ms"].items() if ms is not None]
-        assert len(admitted) >= 2 and not entry["rejected"], entry
-        assert entry["config"] == min(admitted, key=fake_ms)
-        # the op's own launch, after its tuning
-        ours = [meta for (d, _), meta in launched if d == direction][-1]
-        expected = dict(entry["config"])
-        evict = expected.pop("EVICT", False)  # launched as the loads' eviction hints
-        assert {k: ours[k] for k in expected} == expected
-        if direction == "fwd":
-            hints = (ours["EVICT_READ_ONCE"], ours["EVICT_REREAD"])
-            assert hints == (("evict_first", "evict_last") if evict else ("", ""))
-
-
 def test_inspect_takes_a_config_for_each_kernel():
     launches = ns._inspect_launches(
         False, True, False, (8192, 4096), BF16, {"BLOCK_M": 4, "ROWS": 16, "num_warps": 8}
