@@ -568,10 +568,10 @@ def test_precompile_submits_every_call_to_a_thread_pool_and_survives_failures(mo
 
             mode.submit(len(seen), compile_one, lambda kernel: None)
 
-    launcher = _launch.Launcher(Kernel())
-    calls = [(launcher, (i, 1), (i,), {"BLOCK": 16 * i}) for i in range(1, 7)]
+    kernel = Kernel()
+    calls = [_launch.Launch("fwd", kernel, (i,), {"BLOCK": 16 * i}, grid=(i, 1)) for i in range(1, 7)]
     _launch.precompile(calls)
-    assert seen == [call[1:] for call in calls] and len(threads) >= 1
+    assert seen == [(call.grid, call.args, call.meta) for call in calls] and len(threads) >= 1
     assert all(name != threading.current_thread().name for name in threads)
 
     class Broken:
@@ -579,7 +579,7 @@ def test_precompile_submits_every_call_to_a_thread_pool_and_survives_failures(mo
             raise RuntimeError("no driver")
 
     with caplog.at_level("INFO", logger="tritonkit"):
-        _launch.precompile([(_launch.Launcher(Broken()), (1,), (), {})] * 2)  # logged, not raised
+        _launch.precompile([_launch.Launch("fwd", Broken(), (), {}, grid=(1,))] * 2)  # logged, not raised
     assert "no driver" in caplog.text and "compiles at its launch" in caplog.text
     _launch.precompile(calls[:1])  # one call: nothing to overlap, compiled at its launch
     assert len(seen) == len(calls)
@@ -589,7 +589,7 @@ def test_precompile_submits_every_call_to_a_thread_pool_and_survives_failures(mo
 def test_precompile_fills_tritons_cache_before_the_first_launch():
     import triton
 
-    from tritonkit._launch import Launcher, precompile
+    from tritonkit._launch import Launch, Launcher, precompile
     from tritonkit.ops.bias_gelu import _bias_gelu_fwd_kernel
 
     kernel = triton.jit(_bias_gelu_fwd_kernel.fn)  # a fresh JITFunction: its caches start empty
@@ -597,7 +597,8 @@ def test_precompile_fills_tritons_cache_before_the_first_launch():
     x, b = random_tensor((8, 64), F32, "cuda", generator=g), random_tensor((64,), F32, "cuda", generator=g)
     metas = [{"APPROX_TANH": tanh, "BLOCK_M": m, "BLOCK_N": 64} for tanh in (True, False) for m in (4, 8)]
     launcher = Launcher(kernel)
-    precompile([(launcher, (2, 1), _fwd_arguments(x, b, torch.empty_like(x), 8, 64), m) for m in metas])
+    arguments = _fwd_arguments(x, b, torch.empty_like(x), 8, 64)
+    precompile([Launch("fwd", kernel, arguments, m, grid=(2, 1)) for m in metas])
     compiled = kernel.device_caches[torch.cuda.current_device()][0]
     assert len(compiled) == len(metas)
     for meta in metas:

@@ -81,10 +81,6 @@ def specialization_key(args: tuple) -> tuple:
             key.append(arg.data_ptr() & 15)
         elif arg is None or type(arg) in (bool, float):
             key.append((type(arg), arg if arg is None else 0))  # specialized on type only
-        elif type(arg).__name__ == "TensorDescriptor":  # a host-side TMA descriptor (Gluon kernels)
-            key.append(
-                (type(arg), arg.base.dtype, arg.base.data_ptr() & 15, tuple(arg.block_shape), arg.layout)
-            )
         else:
             raise TypeError(f"cannot launch with an argument of type {type(arg).__name__}")
     return tuple(key)
@@ -117,9 +113,9 @@ class Launcher:
         if self._hooks[0].calls or self._hooks[1].calls:  # a profiler listens: let Triton report
             self.kernel[grid](*args, **meta)
             return
-        if (
-            type(args[0]).__name__ == "TensorDescriptor"
-        ):  # host TMA descriptors: Triton's launcher builds them
+        # a kernel over host TMA descriptors (the Gluon kernels take them first): Triton's launcher
+        # turns them into the kernel's arguments, so every launch goes through it
+        if type(args[0]).__name__ == "TensorDescriptor":
             self.kernel[grid](*args, **meta)
             return
         device = args[0].get_device()
@@ -169,10 +165,7 @@ class Launcher:
             )
         runner = compiled.run  # the module is loaded on this device and the C launcher built
         if (
-            any(
-                type(arg).__name__ == "TensorDescriptor" for arg in args
-            )  # built per call by Triton's wrapper
-            or runner.global_scratch_size > 0
+            runner.global_scratch_size > 0
             or runner.profile_scratch_size > 0
             or getattr(compiled.metadata, "tensordesc_meta", None)
         ):
@@ -194,9 +187,8 @@ def launcher_of(kernel) -> Launcher:
     return Launcher(kernel)
 
 
-def precompile(calls: Sequence[Launch | tuple[Launcher, Sequence[int], tuple, dict]]) -> None:
-    """Compile the kernels of ``calls`` (:class:`Launch` records, or (launcher, grid, args, meta)
-    tuples) together, launching none.
+def precompile(calls: Sequence[Launch]) -> None:
+    """Compile the kernels of ``calls`` together, launching none.
 
     Triton compiles one kernel at a time on first launch, and a tuner's candidates each need their
     own compile (about half a second each for a softmax config). Triton's compiler releases the GIL
@@ -216,11 +208,7 @@ def precompile(calls: Sequence[Launch | tuple[Launcher, Sequence[int], tuple, di
     try:
         with ThreadPoolExecutor(workers) as pool, AsyncCompileMode(pool, ignore_errors=True):
             for call in calls:
-                if isinstance(call, Launch):
-                    call.kernel.warmup(*call.args, grid=call.grid, **call.meta)
-                else:
-                    launcher, grid, args, meta = call
-                    launcher.kernel.warmup(*args, grid=grid, **meta)
+                call.kernel.warmup(*call.args, grid=call.grid, **call.meta)
     except Exception as error:  # noqa: BLE001 - compiling ahead is optional; the launch compiles too
         log.info(
             "tritonkit: compiling %d kernels ahead failed (%s: %s); each compiles at its launch",

@@ -21,7 +21,6 @@ import torch
 from tritonkit._runtime import check_device
 from tritonkit.dtypes import NAME_OF
 
-OPS: dict[str, Callable] = {}  # custom-op name -> the callable op() returned, for every op defined
 _recorders: list[list] = []  # open recording_calls() blocks
 
 
@@ -55,7 +54,6 @@ def op(name: str, *, mutates: Sequence[str]) -> Callable[[Callable], Callable]:
             return fn(*args)
 
         call.custom_op = custom
-        OPS[name] = call
         return call
 
     return register
