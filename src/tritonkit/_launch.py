@@ -60,6 +60,20 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+TMA_ALIGN_BYTES = 16  # a TMA descriptor's base and every stride but the innermost: multiples of this
+
+
+def tma_ready(t: torch.Tensor) -> bool:
+    """Whether ``t`` can be read and written through a TMA descriptor over its dims as they are: a
+    unit last stride, and the base and the other strides multiples of TMA_ALIGN_BYTES."""
+    size = t.element_size()
+    return (
+        t.stride(-1) == 1
+        and t.data_ptr() % TMA_ALIGN_BYTES == 0
+        and all(s * size % TMA_ALIGN_BYTES == 0 for s in t.stride()[:-1])
+    )
+
+
 def cdiv(a: int, b: int) -> int:
     """Ceiling division (``triton.cdiv`` costs microseconds from Python: it unwraps constexprs)."""
     return -(-a // b)

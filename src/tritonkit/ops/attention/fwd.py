@@ -37,7 +37,7 @@ import logging
 import torch
 
 from tritonkit import tuning
-from tritonkit._launch import Launch, cdiv, ensure_allocator
+from tritonkit._launch import Launch, cdiv, ensure_allocator, tma_ready
 from tritonkit._runtime import current_device, empty_output, interpret, shared_memory_bytes
 from tritonkit._triton import tl, triton
 from tritonkit.jit import dot_fp32
@@ -551,15 +551,9 @@ def _fwd_launches(problem: dict, config: dict | None) -> list[Launch]:
 
 
 def _tma_ready(k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether K and V can be read through tensor descriptors: a unit head-dim stride, the other
-    strides and the base 16-byte aligned (a TMA requirement), on a GPU. A TMA config on other
-    tensors runs its tile with pointer loads."""
-    return not interpret() and all(
-        t.stride(-1) == 1
-        and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
-        and t.data_ptr() % 16 == 0
-        for t in (k, v)
-    )
+    """Whether K and V can be read through tensor descriptors (``_launch.tma_ready``), on a GPU. A
+    TMA config on other tensors runs its tile with pointer loads."""
+    return not interpret() and tma_ready(k) and tma_ready(v)
 
 
 # The gate compares every element of the lse, and the lse of a row that sees no key is -inf, which

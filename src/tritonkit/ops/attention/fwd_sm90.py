@@ -68,14 +68,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from tritonkit._launch import Launch, cdiv
+from tritonkit._launch import TMA_ALIGN_BYTES, Launch, cdiv, tma_ready
+from tritonkit.dtypes import HALVES
+from tritonkit.jit import LN2, LOG2E
 
-LOG2E = 1.4426950408889634
-LN_2 = gl.constexpr(0.6931471805599453)
-
-DTYPES = (torch.float16, torch.bfloat16)
+DTYPES = HALVES
 HEAD_DIMS = (64, 128)
-TMA_ALIGN_BYTES = 16  # a TMA descriptor's base and every stride but the last: multiples of 16 bytes
 SM90 = (9, 0)  # wgmma, setmaxnreg and the TMA engine: Hopper only (sm_90a)
 
 SPLIT_M = 64  # query rows a consumer warpgroup holds: a wgmma's M per warpgroup
@@ -441,7 +439,7 @@ def _softmax_partition(
     seen = l_i > 0.0
     l_safe = gl.where(seen, l_i, 1.0)
     o = o / gl.convert_layout(l_safe, row_o)[:, None]
-    lse = gl.where(seen, (m_i + gl.log2(l_safe)) * LN_2, -float("inf"))
+    lse = gl.where(seen, (m_i + gl.log2(l_safe)) * LN2, -float("inf"))
     # int64: B * H * Sq may pass 2^31
     lse_rows = lse_ptr + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
     gl.store(lse_rows + rows, lse, mask=rows < SEQ_Q)
@@ -553,16 +551,6 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def _tma_ready(t: torch.Tensor) -> bool:
-    """A unit last stride, and the base and the other strides multiples of 16 bytes (TMA's rules)."""
-    size = t.element_size()
-    return (
-        t.stride(-1) == 1
-        and t.data_ptr() % TMA_ALIGN_BYTES == 0
-        and all(s * size % TMA_ALIGN_BYTES == 0 for s in t.stride()[:-1])
-    )
-
-
 def supports(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -595,7 +583,7 @@ def supports(
         return False
     if heads_kv == 0 or heads_q % heads_kv:
         return False
-    return all(_tma_ready(t) for t in tensors)
+    return all(tma_ready(t) for t in tensors)
 
 
 def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
@@ -675,7 +663,7 @@ def attention_fwd_sm90(
             f"{lse.dtype} {tuple(lse.shape)} strides {lse.stride()}"
         )
     for name, t in (("q", q), ("k", k), ("v", v), ("o", o)):
-        if not _tma_ready(t):
+        if not tma_ready(t):
             raise ValueError(
                 f"{name} must have a unit last stride and a base and other strides that are "
                 f"multiples of {TMA_ALIGN_BYTES} bytes (TMA), got strides {t.stride()}"
@@ -708,7 +696,7 @@ def launches(q, k, v, o, lse, *, scale: float, causal: bool, config: Config | No
         seq_q,
         seq_k,
         seq_k - seq_q,
-        scale * LOG2E,
+        scale * LOG2E.value,
     )
     meta = {
         "IS_CAUSAL": bool(causal),
