@@ -740,3 +740,28 @@ def test_rekey_moves_only_entries_whose_hash_alone_changed(monkeypatch, tmp_path
     hashes = [e["source_hash"] for e in json.loads((tmp_path / "h200.json").read_text())["entries"]]
     assert hashes == [tuner.source_hash, "f" * 64, old]
     tuning._shipped.cache_clear()
+
+
+def test_a_tuned_kernel_builds_a_key_given_as_a_function_only_when_its_memo_does_not_answer():
+    """Under the interpreter the default is final: the first call builds key and problem, the
+    second answers from the memo without calling either."""
+    built = []
+    tuned = tuning.Tuned(make_tuner(name="lazy"), launches=None, calibrate=None, reference=None, outputs=())
+    try:
+
+        def key():
+            built.append("key")
+            return KEY
+
+        def problem():
+            built.append("problem")
+            return {}
+
+        assert tuned.choose(key, problem, signature=("s",)) == (DEFAULT, True)
+        assert tuned.choose(key, problem, signature=("s",)) == (DEFAULT, True)
+        assert built == ["key", "problem"]
+        with pytest.raises(TypeError, match="signature"):
+            tuned.choose(key, problem)
+    finally:
+        tuning.TUNED.remove(tuned)
+        tuning.TUNERS.pop("lazy", None)

@@ -642,8 +642,8 @@ class Tuned:
 
     def choose(
         self,
-        key: dict,
-        problem: Problem,
+        key: dict | Callable[[], dict],
+        problem: Problem | Callable[[], Problem],
         *,
         signature=None,
         pick: Callable[[dict | None], dict] | None = None,
@@ -651,11 +651,18 @@ class Tuned:
         """(config, final) for a call: the memo's answer for ``signature`` (default: the key's values),
         else the tuning of ``key`` (from the cache, the shipped configs or a tuning run on ``problem``),
         through ``pick`` (tuning entry or None -> config; default: the winner, else the tuner's default).
-        Final configs (tuned, cached, or any under the interpreter) are remembered."""
-        signature = tuple(key.values()) if signature is None else signature
+        Final configs (tuned, cached, or any under the interpreter) are remembered. ``key`` and
+        ``problem`` may be functions that build them, called only when the memo does not answer (a
+        key can cost more than the rest of a call's host path); ``signature`` is then required."""
+        if signature is None:
+            if callable(key):
+                raise TypeError("a key given as a function needs a signature")
+            signature = tuple(key.values())
         config = self._chosen.get(signature)
         if config is not None:
             return config, True
+        key = key() if callable(key) else key
+        problem = problem() if callable(problem) else problem
         entry = self.entry(key, problem)
         if pick is not None:
             config = pick(entry)

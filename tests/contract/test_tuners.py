@@ -21,6 +21,7 @@ def _posed(name: str, device) -> list[tuple[tuning.Tuned, dict, dict]]:
     seen, choose = [], tuning.Tuned.choose
 
     def recording(self, key, problem, **options):
+        key, problem = (key() if callable(key) else key), (problem() if callable(problem) else problem)
         seen.append((self, key, problem))
         return choose(self, key, problem, **options)
 

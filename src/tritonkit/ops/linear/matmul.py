@@ -295,11 +295,8 @@ def matmul(a, b, out, **operands) -> None:
         return
     problem = matmul_problem(a, b, out, **operands)
     signature = _signature(problem)
-    # A repeated call finds its config in the memo before building the tuning key, which costs
-    # more than the rest of the host path (MATMUL.choose takes the key ready-made).
-    config = MATMUL._chosen.get(signature)
-    if config is None:
-        config, _ = MATMUL.choose(tuning_key(problem), problem, signature=signature)
+    # the tuning key costs more than the rest of the host path: built only when the memo does not answer
+    config, _ = MATMUL.choose(lambda: tuning_key(problem), problem, signature=signature)
     MATMUL.run(problem, config)
 
 

@@ -449,13 +449,15 @@ def _config(
         bias.dtype if bias is not None else None,
         rms,
     )
-    # Tuned.choose takes the key, which costs microseconds to build: its memo is read first. (MAX_BLOCK_N
-    # holds powers of two, so n > MAX_BLOCK_N is the key's "looped".)
-    config = _TUNED[direction, n > MAX_BLOCK_N[direction]]._chosen.get(signature)
-    if config is not None:
-        return config
-    key = _tuning_key(direction, n, h.numel() // n, h.dtype, _params_key(has_residual, weight, bias, rms))
-    return _TUNED[direction, key["looped"]].choose(key, problem(), signature=signature)[0]
+
+    # the key costs microseconds to build: Tuned.choose builds it only when its memo does not answer
+    # (MAX_BLOCK_N holds powers of two, so n > MAX_BLOCK_N is the key's "looped")
+    def key():
+        return _tuning_key(
+            direction, n, h.numel() // n, h.dtype, _params_key(has_residual, weight, bias, rms)
+        )
+
+    return _TUNED[direction, n > MAX_BLOCK_N[direction]].choose(key, problem, signature=signature)[0]
 
 
 # ---------------------------------------------------------------- validation, custom ops and autograd
