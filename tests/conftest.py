@@ -9,6 +9,11 @@ _runtime.interpret()
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+if _runtime.interpret():  # Triton's interpreter made faster for the suite (see its docstring)
+    import fast_interpreter  # noqa: E402
+
+    fast_interpreter.install()
+
 
 @pytest.fixture
 def device() -> str:

@@ -108,9 +108,10 @@ def test_the_gate_rejects_a_kernel_that_gets_any_one_output_wrong(name, posed):
 def test_the_fastest_admitted_config_launches(name, posed, monkeypatch, tmp_path):
     """Tuning as on a GPU over the sampled candidates with a fake timer: the winner is the fastest of
     those the gate admits, it is remembered, and the next call with the key launches it."""
+    problems = posed(name)  # posed as the interpreter poses them, before tuning is switched on
     monkeypatch.setattr(tuning, "_single_config", lambda: False)
     monkeypatch.setenv("TRITONKIT_CACHE_DIR", str(tmp_path))
-    for tuned, key, problem in posed(name):
+    for tuned, key, problem in problems:
         sample = _sampled(tuned, key)
         monkeypatch.setattr(tuned.tuner, "_candidates", lambda key, sample=sample: sample)
         monkeypatch.setattr(tuned, "_chosen", {})

@@ -36,7 +36,7 @@ import torch
 
 from tritonkit import tuning
 from tritonkit._launch import Launch, cdiv, next_power_of_2
-from tritonkit._runtime import empty_output, sm_count
+from tritonkit._runtime import empty_output, interpret, sm_count
 from tritonkit.dtypes import DTYPE_OF, FLOATS, NAME_OF
 from tritonkit.opdef import check_tensor, op
 from tritonkit.ops.norm.kernels import (
@@ -73,6 +73,8 @@ BWD_CALIBRATION_EPS = 1e-5  # the backward's calibration forward (the backward i
 # triton.next_power_of_2, memoized: it unwraps constexprs, microseconds from Python (as triton.cdiv
 # does, which _launch.cdiv stands in for), and the launches below take it on every call
 
+
+INTERPRETER_SUM_COLUMNS = 1024  # the second stage's columns a program under the interpreter
 
 # ---------------------------------------------------------------- launches
 
@@ -222,6 +224,8 @@ def _sum_partials_launch(dw_partial, db_partial, dw, db) -> Launch:
     partials = dw_partial if dw_partial is not None else db_partial
     programs, n = partials.shape
     block_cols = min(64, max(8, 1 << max(0, (n // SUM_PROGRAMS).bit_length() - 1)))
+    if interpret():  # a program costs the interpreter milliseconds whatever its width: 16x fewer
+        block_cols = INTERPRETER_SUM_COLUMNS
     block_p = min(SUM_TILE // block_cols, next_power_of_2(programs))
     args = (
         dw_partial if dw_partial is not None else partials,

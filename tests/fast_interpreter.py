@@ -1,0 +1,93 @@
+"""Two speed-ups of Triton's interpreter (3.6) for the test run, installed by ``conftest``; the kernels
+compute what they compute without them (``test_fast_interpreter`` compares).
+
+A pairwise ``tl.reduce``. The interpreter reduces with a combine function of the kernel's own
+(anything but sum, min, max and the arg-reductions) one element at a time in Python: LayerNorm's
+backward, which takes both of its
+row sums in one ``tl.reduce``, spent 22 of a test's 26 s there on a row of 4097 entries. This one
+combines the two halves of the reduced axis as whole tensors until one entry is left: log2(n) calls
+of the combine function, each vectorised over the block, in the order a GPU's tree reduction takes
+(pairs of entries apart by a power of two) rather than the interpreter's left to right.
+
+One patching of the language a launch. The interpreter replaces every builtin of ``triton.language``
+with an interpreted one when a launch starts, and again, from scratch, at every call of a jit helper
+inside it (about 1.4 ms each): a norm's tuner test spent 17 of its 52 s there. Every helper sees the
+same language modules, so inside a launch a helper's call patches only modules not patched yet.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import triton.language as tl
+from triton.runtime import interpreter
+
+_SEQUENTIAL = interpreter.ReduceOps.generic_reduce  # kept for the test that compares the two
+
+
+def pairwise_reduce(self, input):
+    original_axis, axis = self.axis, 0 if self.axis is None else self.axis
+    dtypes = [arg.dtype for arg in input]
+    # the whole block when axis is None (Triton's own ``unravel`` flattens only a tuple's first)
+    data = [arg.handle.data if self.axis is not None else arg.handle.data.ravel() for arg in input]
+    while data[0].shape[axis] > 1:
+        half = data[0].shape[axis] // 2
+        low = [self.to_tensor(np.take(d, range(half), axis), t) for d, t in zip(data, dtypes, strict=True)]
+        high = [
+            self.to_tensor(np.take(d, range(half, 2 * half), axis), t)
+            for d, t in zip(data, dtypes, strict=True)
+        ]
+        combined = self.combine_fn.fn(*low, *high)
+        combined = combined if isinstance(combined, tuple) else (combined,)
+        odd = [np.take(d, range(2 * half, d.shape[axis]), axis) for d in data]  # one entry or none
+        data = [
+            np.concatenate(
+                [np.broadcast_to(c.handle.data, o.shape[:axis] + (half,) + o.shape[axis + 1 :]), o], axis
+            ).astype(d.dtype)
+            for c, o, d in zip(combined, odd, data, strict=True)
+        ]
+    results = []
+    for d, t in zip(data, dtypes, strict=True):
+        d = np.take(d, 0, axis)
+        if self.keep_dims:
+            d = np.expand_dims(d, axis) if original_axis is not None else d.reshape((1,))
+        elif original_axis is None:
+            d = d.item()
+        results.append(self.to_tensor(d, t))
+    return results
+
+
+_PATCH_LANG = interpreter._patch_lang
+_RUN_GRID = interpreter.GridExecutor.__call__
+_launch = {"running": False, "patched": frozenset()}  # ids of the language modules patched so far
+
+
+def _languages(fn) -> frozenset:
+    """The language modules the interpreter patches for ``fn``: ``triton.language`` and its ``core``,
+    where ``fn``'s module refers to them (a helper of Triton's own reaches ``core`` its kernel may not)."""
+    return frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+
+
+def patch_lang_once(fn):
+    """``interpreter._patch_lang``, but only for language modules the running launch has not patched
+    yet: other calls get None (which the interpreter's device-function call discards)."""
+    languages = _languages(fn)
+    if _launch["running"] and languages <= _launch["patched"]:
+        return None
+    scope = _PATCH_LANG(fn)
+    if _launch["running"]:
+        _launch["patched"] |= languages
+    return scope
+
+
+def run_grid(self, *args, **kwargs):
+    _launch.update(running=True, patched=frozenset())
+    try:
+        return _RUN_GRID(self, *args, **kwargs)
+    finally:
+        _launch.update(running=False, patched=frozenset())
+
+
+def install() -> None:
+    interpreter.ReduceOps.generic_reduce = pairwise_reduce
+    interpreter._patch_lang = patch_lang_once
+    interpreter.GridExecutor.__call__ = run_grid

@@ -1,0 +1,86 @@
+"""The interpreter speed-ups the suite installs (``fast_interpreter``): the pairwise reduce gives what
+Triton's own element-by-element one gives, for tuple combines along each axis, the whole block and
+kept dims; a launch patches the language once, and kernels calling helpers compute as before."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from triton.runtime import interpreter
+
+import fast_interpreter
+from fast_interpreter import _SEQUENTIAL, pairwise_reduce
+from tritonkit._runtime import interpret
+
+pytestmark = pytest.mark.skipif(not interpret(), reason="checks Triton's interpreter")
+
+
+@triton.jit
+def _sum_and_max(a_sum, a_max, b_sum, b_max):
+    return a_sum + b_sum, tl.maximum(a_max, b_max)
+
+
+@triton.jit
+def _reduce_kernel(
+    x_ptr, sum_ptr, max_ptr, AXIS: tl.constexpr, KEEP: tl.constexpr, M: tl.constexpr, N: tl.constexpr
+):
+    x = tl.load(x_ptr + tl.arange(0, M)[:, None] * N + tl.arange(0, N)[None, :])
+    if AXIS is None:
+        total, top = tl.reduce((x, -x), None, _sum_and_max, keep_dims=KEEP)
+        if KEEP:  # a (1, 1) block
+            tl.store(sum_ptr + tl.zeros((1, 1), tl.int32), total)
+            tl.store(max_ptr + tl.zeros((1, 1), tl.int32), top)
+        else:
+            tl.store(sum_ptr, total)
+            tl.store(max_ptr, top)
+    else:
+        total, top = tl.reduce((x, -x), AXIS, _sum_and_max, keep_dims=KEEP)
+        length: tl.constexpr = N if AXIS == 0 else M
+        offsets = tl.arange(0, length)
+        if KEEP:
+            offsets = offsets[None, :] if AXIS == 0 else offsets[:, None]
+        tl.store(sum_ptr + offsets, total)
+        tl.store(max_ptr + offsets, top)
+
+
+def _run(axis, keep) -> tuple[torch.Tensor, torch.Tensor]:
+    x = _input()
+    sums, maxes = torch.full((16,), -7, dtype=torch.int32), torch.full((16,), -7, dtype=torch.int32)
+    _reduce_kernel[(1,)](x, sums, maxes, AXIS=axis, KEEP=keep, M=8, N=16)
+    return sums, maxes
+
+
+def _input() -> torch.Tensor:
+    return torch.randint(-1000, 1000, (8, 16), generator=torch.Generator().manual_seed(3), dtype=torch.int32)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+@pytest.mark.parametrize("axis", [0, 1])
+def test_pairwise_reduce_equals_the_sequential_one(axis, keep, monkeypatch):
+    assert interpreter.ReduceOps.generic_reduce is pairwise_reduce, "conftest installs the pairwise reduce"
+    pairwise = _run(axis, keep)
+    monkeypatch.setattr(interpreter.ReduceOps, "generic_reduce", _SEQUENTIAL)
+    sequential = _run(axis, keep)
+    for ours, theirs in zip(pairwise, sequential, strict=True):
+        assert torch.equal(ours, theirs)
+    assert (pairwise[0] != -7).any()  # written
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_pairwise_reduce_over_the_whole_block(keep):
+    """(Triton's own reduce fails here with a tuple: it flattens only the first of the tuple.)"""
+    sums, maxes = _run(None, keep)
+    x = _input()
+    assert sums[0] == x.sum() and maxes[0] == (-x).max()
+
+
+def test_a_launch_patches_the_language_once_and_its_helpers_still_compute(monkeypatch):
+    patched = []
+    real = fast_interpreter._PATCH_LANG
+    monkeypatch.setattr(fast_interpreter, "_PATCH_LANG", lambda fn: patched.append(fn) or real(fn))
+    sums, maxes = _run(1, False)  # tl.reduce calls the kernel's combine helper, log2(16) times
+    x = _input()
+    assert len(patched) == 1
+    assert torch.equal(sums[:8], x.sum(1)) and torch.equal(maxes[:8], (-x).max(1).values)
