@@ -185,3 +185,14 @@ def test_cli_parses_bench_layer(capsys):
     assert main(["bench", "layer", "--dtype", "fp32"]) == 2
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "layer", "--case", "70b"])
+
+
+def test_the_roofline_plot_passes_over_the_layer_rows(tmp_path, capsys):
+    """layer.json sits beside the ops' results: its rows have FLOPs and no bytes, so no roofline point."""
+    folder = tmp_path / "results" / "h200"
+    folder.mkdir(parents=True)
+    rows = _timed_rows()
+    (folder / "layer.json").write_text(json.dumps([r | {"flops": 1e13} for r in rows]))
+    png = tmp_path / "roofline.png"
+    assert main(["roofline", "--plot", str(png), "--results", str(tmp_path / "results")]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
