@@ -17,6 +17,7 @@ import torch
 
 from tritonkit import __version__, roofline
 from tritonkit.asm import ARCHS, IRS  # stdlib and torch only: no kernel is defined here
+from tritonkit.bench.layer import CASES as LAYER_CASES  # likewise
 from tritonkit.dtypes import DTYPE_OF
 from tritonkit.ops import MODES, get_op, op_names
 
@@ -111,6 +112,54 @@ def cmd_roofline(args) -> int:
     return 0
 
 
+def cmd_bench_layer(args) -> int:
+    """``tritonkit bench layer``: the decoder layer's training step and forward (bench.layer)."""
+    from tritonkit._runtime import interpret
+    from tritonkit.bench import layer
+
+    if args.ops != [layer.OP]:
+        raise ValueError(f"layer is benchmarked on its own: `tritonkit bench layer`, not with {args.ops}")
+    modes = args.mode or list(layer.MODES)
+    if "bwd" in modes:
+        raise ValueError(f"the layer times {' and '.join(layer.MODES)} (a step and its forward), not bwd")
+    dtypes = args.dtype or ["bf16"]
+    if len(dtypes) != 1 or dtypes[0] not in ("bf16", "fp16"):
+        raise ValueError(f"the layer runs in one of bf16 and fp16, got --dtype {' '.join(dtypes)}")
+    if interpret():
+        print("Correctness run in Triton's interpreter (no GPU): the tiny layer, checked, not timed")
+        if args.case:
+            print("--case does not apply: the interpreter runs the tiny layer")
+    command = "tritonkit " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    out = Path(args.out)
+
+    def save(rows: list[dict]) -> None:  # after every case: a run stopped later keeps the cases done
+        if not interpret():
+            layer.write_results([row | {"command": command} for row in rows], out)
+
+    rows, not_run = layer.run(
+        args.case or list(layer.CASES),
+        dtype=DTYPES[dtypes[0]],
+        providers=args.providers or layer.PROVIDERS,
+        modes=modes,
+        progress=not args.no_progress,
+        report=functools.partial(print, file=sys.stderr, flush=True) if args.no_progress else None,
+        on_case=save,
+        time_limit=args.time_limit,
+    )
+    rows = [row | {"command": command} for row in rows]
+    if rows:
+        print(layer.markdown_table(rows))
+    if rows and not interpret():
+        for path in layer.write_results(rows, out):
+            print(f"wrote {path}")
+    if not_run:
+        print(f"not run (past --time-limit {args.time_limit:g} s): {', '.join(not_run)}")
+    failed = [r for r in rows if r.get("check") == "FAIL"]
+    if failed:
+        print(f"{len(failed)} layer rows FAILED the check against torch", file=sys.stderr)
+    return 1 if failed else 0
+
+
 def cmd_bench(args) -> int:
     from tritonkit._runtime import interpret
     from tritonkit.bench import add_peer_ratios, format_table, run, write_results
@@ -118,6 +167,10 @@ def cmd_bench(args) -> int:
     from tritonkit.bench.report import CHECKPOINT, append_checkpoint, gpu_slug, read_checkpoint
     from tritonkit.bench.runner import provenance
 
+    if "layer" in args.ops:
+        return cmd_bench_layer(args)
+    if args.case or args.time_limit is not None:
+        raise ValueError("--case and --time-limit are the layer benchmark's: `tritonkit bench layer`")
     names = args.ops or op_names()
     known = {p.name for name in names for p in providers_for(get_op(name))}  # unknown ops fail here
     unknown = sorted(set(args.providers or ()) - known)
@@ -149,7 +202,7 @@ def cmd_bench(args) -> int:
         names,
         shapes=args.shapes,
         dtypes=dtypes,
-        modes=args.mode,
+        modes=args.mode or list(MODES),
         providers=args.providers,
         progress=not args.no_progress,
         done=done,
@@ -466,8 +519,15 @@ def build_parser() -> argparse.ArgumentParser:
     info.set_defaults(func=cmd_info)
 
     bench = sub.add_parser("bench", help="check and time ops against their peers")
-    bench.add_argument("ops", nargs="*", metavar="OP", help=f"ops (default all: {', '.join(op_names())})")
-    bench.add_argument("--mode", nargs="+", choices=MODES, default=list(MODES))
+    bench.add_argument(
+        "ops",
+        nargs="*",
+        metavar="OP",
+        help=f"ops (default all: {', '.join(op_names())}), or `layer`: a decoder layer's training step",
+    )
+    bench.add_argument(
+        "--mode", nargs="+", choices=MODES, help="default: every mode (the layer: fwd+bwd, fwd)"
+    )
     bench.add_argument("--dtype", nargs="+", choices=sorted(DTYPES))
     bench.add_argument("--shapes", choices=("quick", "full"), default="quick")
     bench.add_argument("--providers", nargs="+", help="providers to run (default: all available)")
@@ -478,6 +538,16 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="go on with an interrupted GPU run of the same command: the cases in its "
         "checkpoint (<out>/<gpu>/bench-checkpoint.jsonl) are not run again",
+    )
+    bench.add_argument(
+        "--case", nargs="+", choices=list(LAYER_CASES), help="with layer: the layer shapes (default all)"
+    )
+    bench.add_argument(
+        "--time-limit",
+        type=float,
+        metavar="S",
+        help="with layer: start a case only if, at the pace of the longest case so far, the run "
+        "would end within S seconds; the cases left are listed as not run",
     )
     bench.set_defaults(func=cmd_bench)
 

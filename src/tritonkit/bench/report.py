@@ -344,7 +344,8 @@ def plot_results(results: Path, datasheet: roofline.DeviceSpec, path: Path) -> l
     for file in sorted((results / datasheet.slug).glob("*.json")):
         data = json.loads(file.read_text())
         if isinstance(data, list):  # a benchmark's rows (other files hold other measurements)
-            rows += [r for r in data if r.get("provider") == "tritonkit" and "tflops" in r]
+            # an op's rows; the decoder layer's (layer.json) have FLOPs but no bytes: no roofline point
+            rows += [r for r in data if r.get("provider") == "tritonkit" and "tflops" in r and "bytes" in r]
     fig, ax = plt.subplots(figsize=(8, 5.5))
     units = sorted({get_op(name).flop_unit for name in op_names()})
     intensities = [r["flops"] / r["bytes"] for r in rows]

@@ -1,0 +1,198 @@
+"""The decoder-layer benchmark: the layer, its check against torch, its FLOP count, rows, files, CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from tritonkit import _runtime
+from tritonkit.bench import layer
+from tritonkit.cli import build_parser, main
+
+pytestmark = pytest.mark.infra
+
+
+def _meta_layer(shape: layer.LayerShape) -> tuple:
+    """(x, weights) of the shape on the meta device: the real sizes, no memory, no arithmetic."""
+
+    def meta(*size):
+        return torch.empty(size, device="meta", dtype=torch.bfloat16, requires_grad=True)
+
+    qkv, d, f = (shape.heads + 2 * shape.kv_heads) * shape.head_dim, shape.dim, shape.ffn
+    w = layer.Weights(
+        meta(d),
+        meta(qkv, d),
+        meta(d, shape.heads * shape.head_dim),
+        meta(d),
+        meta(f, d),
+        meta(f, d),
+        meta(d, f),
+    )
+    return meta(shape.batch, shape.seq, d), w
+
+
+def test_the_layer_builds_with_the_weights_of_its_shape():
+    shape = layer.TINY
+    x, g = layer.make_inputs(shape, torch.bfloat16, "cpu")
+    w = layer.make_weights(shape, torch.bfloat16, "cpu")
+    assert w.qkv.shape == ((2 + 2 * 1) * 32, 64) and w.out.shape == (64, 64) and w.down.shape == (64, 128)
+    assert all(p.requires_grad and p.is_leaf for p in (x, *w)) and not g.requires_grad
+    assert layer.torch_layer(x, w, shape).shape == x.shape
+    # seeded: the same weights every run, and the norm weights are not all ones
+    assert torch.equal(layer.make_weights(shape, torch.bfloat16, "cpu").gate, w.gate)
+    assert not torch.equal(w.attn_norm, torch.ones_like(w.attn_norm))
+    assert [case.dims() for case in layer.CASES.values()] == [
+        [2, 4096, 4096, 32, 8, 128, 14336],
+        [2, 4096, 2048, 32, 8, 64, 8192],
+        [1, 16384, 4096, 32, 8, 128, 14336],
+    ]
+
+
+def test_the_tritonkit_layer_matches_the_torch_layer_under_the_interpreter():
+    assert _runtime.interpret()  # the CPU suite: every tritonkit kernel of the layer interpreted
+    rows = layer.run_case("tiny", layer.TINY, torch.bfloat16, layer.PROVIDERS, layer.MODES, "cpu")
+    by = {(r["provider"], r["mode"]): r for r in rows}
+    assert set(by) == {(p, m) for p in layer.PROVIDERS for m in layer.MODES}
+    for mode in layer.MODES:
+        ours = by["tritonkit", mode]
+        assert ours["check"] == "pass" and 0 < ours["max_rel_err"] <= layer.REL_TOLERANCE, ours
+        assert by["torch", mode]["check"] == "reference"
+        assert "unavailable" in by["torch.compile", mode]  # needs a GPU
+        assert ours["flops"] == layer.layer_flops(layer.TINY, mode)["total"] and "ms" not in ours
+
+
+def test_the_check_fails_a_wrong_layer_and_names_the_tensor():
+    reference = [torch.randn(8, 8) for _ in layer.TENSOR_NAMES]
+    assert layer.check([r.clone() for r in reference], reference)["check"] == "pass"
+    wrong = [r.clone() for r in reference]
+    wrong[3] *= 1.1  # one gradient 10% off
+    verdict = layer.check(wrong, reference)
+    assert verdict["check"] == "FAIL" and verdict["worst_tensor"] == layer.TENSOR_NAMES[3]
+    assert verdict["max_rel_err"] == pytest.approx(0.1, rel=1e-3)
+    wrong[3] = torch.full((8, 8), math.nan)
+    assert layer.check(wrong, reference)["max_rel_err"] == math.inf
+    wrong[3] = None  # a gradient that never arrived
+    assert layer.check(wrong, reference)["check"] == "FAIL"
+
+
+def test_a_provider_that_raises_gives_rows_saying_so(monkeypatch):
+    def broken(provider, shape, backend):
+        return lambda x, w: (_ for _ in ()).throw(RuntimeError("kernel exploded"))
+
+    monkeypatch.setattr(layer, "build", broken)
+    with pytest.raises(RuntimeError):  # the reference itself cannot fail quietly
+        layer.run_case("tiny", layer.TINY, torch.bfloat16, ["tritonkit"], layer.MODES, "cpu")
+    x, g = layer.make_inputs(layer.TINY, torch.bfloat16, "cpu")
+    w = layer.make_weights(layer.TINY, torch.bfloat16, "cpu")
+    inputs = (x, w, g, None)
+    fn = broken("tritonkit", layer.TINY, None)
+    ours = layer._provider_rows("tritonkit", fn, "tiny", layer.TINY, inputs, [], ["fwd"])
+    assert ours[0]["check"] == "FAIL" and "kernel exploded" in ours[0]["error"]
+    peer = layer._provider_rows("torch.compile", fn, "tiny", layer.TINY, inputs, [], ["fwd"])
+    assert "kernel exploded" in peer[0]["unavailable"] and "check" not in peer[0]
+
+
+@pytest.mark.parametrize("case", list(layer.CASES))
+def test_flops_match_torchs_flop_counter(case):
+    """The counter's own count at the real sizes (meta tensors): its mm are the projections (forward
+    and, in the backward, dX and dW of each); the SDPA on meta runs the math path, whose bmm count
+    the full score matrix, two matmuls forward and four backward. The kernels' count takes half the
+    matrix (causal) and five backward matmuls (the scores recomputed)."""
+    shape = layer.CASES[case]
+    x, w = _meta_layer(shape)
+    counts = {}
+    for mode in layer.MODES:
+        with FlopCounterMode(display=False) as counter:
+            out = layer.torch_layer(x, w, shape)
+            if mode == "fwd+bwd":
+                out.backward(torch.empty_like(out))
+        counts[mode] = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    # (score-matrix matmuls the counter counts, the kernels' count) per mode
+    for mode, (theirs, kernels) in (("fwd", (2, 2)), ("fwd+bwd", (2 + 4, 2 + 5))):
+        ours = layer.layer_flops(shape, mode)
+        assert ours["matmul"] == counts[mode]["aten.mm"]
+        assert ours["attention"] == pytest.approx(counts[mode]["aten.bmm"] / theirs * kernels / 2)
+        assert ours["total"] == ours["matmul"] + ours["attention"]
+
+
+def test_the_causal_attention_count_is_the_visible_pairs():
+    """Counted pair by pair: query i sees keys 0..i, each pair 2 D FLOPs a matmul; the formula's S^2 / 2
+    leaves out the diagonal's S / 2 pairs, a relative 1 / (S + 1)."""
+    for shape in (*layer.CASES.values(), layer.TINY):
+        pairs = sum(i + 1 for i in range(shape.seq))
+        exact = shape.batch * shape.heads * pairs * 2 * shape.head_dim * 2
+        ours = layer.layer_flops(shape, "fwd")["attention"]
+        assert ours == pytest.approx(exact, rel=1.01 / (shape.seq + 1))
+        assert layer.layer_flops(shape, "bwd")["attention"] == 2.5 * ours
+
+
+def _timed_rows() -> list[dict]:
+    base = {"op": "layer", "case": "8b-4k", "model": "llama3-8b", "shape": layer.CASES["8b-4k"].dims()}
+    base |= {"dtype": "bf16", "gpu": "NVIDIA H200", "torch": "2.9", "triton": "3.6", "git_sha": "abc1234"}
+    times = {"torch": (19.0, 3 * 2**30), "torch.compile": (18.0, 2 * 2**30), "tritonkit": (20.0, 4 * 2**30)}
+    rows = []
+    for provider, (ms, peak) in times.items():
+        row = base | {"provider": provider, "mode": "fwd+bwd", "ms": ms, "tflops": 600.0}
+        rows.append(
+            row | {"peak_bytes": peak, "peak_gib": peak / 2**30, "check": "pass", "max_rel_err": 0.01}
+        )
+    return rows
+
+
+def test_ratios_tables_and_files(tmp_path):
+    rows = _timed_rows()
+    layer.add_ratios(rows)
+    ours = rows[-1]
+    assert ours["vs_torch"] == pytest.approx(19 / 20) and ours["vs_compile"] == pytest.approx(18 / 20)
+    assert ours["memory_vs_torch"] == pytest.approx(4 / 3) and ours["memory_vs_compile"] == 2
+    assert "vs_torch" not in rows[0]
+    table = layer.markdown_table(rows)
+    assert "19.00 / 18.00 / 20.00" in table and "3.00 / 2.00 / 4.00" in table
+    assert "| 0.95x | 0.90x | pass (1.0e-02) |" in table
+    paths = layer.write_results(rows, tmp_path)
+    assert [p.relative_to(tmp_path).as_posix() for p in paths] == ["h200/layer.json", "h200/layer.md"]
+    assert json.loads(paths[0].read_text()) == rows
+    assert paths[1].read_text().startswith("NVIDIA H200, torch 2.9, triton 3.6, at abc1234")
+
+
+def test_a_time_limit_starts_no_case_the_run_would_not_finish(monkeypatch):
+    monkeypatch.setattr(_runtime, "interpret", lambda: False)  # the GPU path's case list, faked cases
+
+    def fake_case(name, shape, dtype, providers, modes, device, on_provider=None):
+        time.sleep(0.2)
+        return [{"op": "layer", "case": name, "provider": "torch", "mode": "fwd"}]
+
+    monkeypatch.setattr(layer, "run_case", fake_case)
+    rows, not_run = layer.run(list(layer.CASES), progress=False, time_limit=0.3)
+    assert [r["case"] for r in rows] == ["8b-4k"] and not_run == ["d64-4k", "8b-16k"]
+    rows, not_run = layer.run(["8b-4k", "8b-16k"], progress=False)
+    assert [r["case"] for r in rows] == ["8b-4k", "8b-16k"] and not_run == []
+
+
+def test_cli_parses_bench_layer(capsys):
+    args = build_parser().parse_args(["bench", "layer", "--case", "8b-4k", "d64-4k", "--time-limit", "200"])
+    assert args.ops == ["layer"] and args.case == ["8b-4k", "d64-4k"] and args.time_limit == 200
+    assert args.mode is None  # each benchmark's own default modes
+    assert main(["bench", "layer", "--mode", "bwd"]) == 2
+    assert "fwd+bwd and fwd" in capsys.readouterr().err
+    assert main(["bench", "layer", "softmax"]) == 2
+    assert main(["bench", "softmax", "--case", "8b-4k"]) == 2
+    assert main(["bench", "layer", "--dtype", "fp32"]) == 2
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "layer", "--case", "70b"])
+
+
+def test_the_roofline_plot_passes_over_the_layer_rows(tmp_path, capsys):
+    """layer.json sits beside the ops' results: its rows have FLOPs and no bytes, so no roofline point."""
+    folder = tmp_path / "results" / "h200"
+    folder.mkdir(parents=True)
+    rows = _timed_rows()
+    (folder / "layer.json").write_text(json.dumps([r | {"flops": 1e13} for r in rows]))
+    png = tmp_path / "roofline.png"
+    assert main(["roofline", "--plot", str(png), "--results", str(tmp_path / "results")]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
