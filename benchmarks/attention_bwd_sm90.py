@@ -90,6 +90,8 @@ def _row(shape, causal: bool) -> dict:
             ("triton", False, False),
             ("triton_deterministic", True, False),
         ):
+            if name == "gluon_deterministic" and "--skip-deterministic" in sys.argv:
+                continue
             fn = ours(deterministic, gluon)
             grads = fn()
             row["ms"][name] = _bench(fn)
