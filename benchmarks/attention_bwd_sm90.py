@@ -1,7 +1,8 @@
 """The attention backward on the H200: the sm_90 Gluon kernel (both modes) against cuDNN SDPA's
 backward and tritonkit's Triton backward (both modes), in one process, bf16.
 
-    python benchmarks/attention_bwd_sm90.py OUT.json [--deadline SECONDS]
+    python benchmarks/attention_bwd_sm90.py OUT.json [--deadline SECONDS] [--skip-triton]
+        [--skip-deterministic]
 
 Each provider's time is the median of ``triton.testing.do_bench`` over a backward call (the delta
 pass and dq's conversion included; cuDNN's own preprocessing too), from saved forward outputs;
@@ -91,6 +92,8 @@ def _row(shape, causal: bool) -> dict:
             ("triton_deterministic", True, False),
         ):
             if name == "gluon_deterministic" and "--skip-deterministic" in sys.argv:
+                continue
+            if name.startswith("triton") and "--skip-triton" in sys.argv:
                 continue
             fn = ours(deterministic, gluon)
             grads = fn()

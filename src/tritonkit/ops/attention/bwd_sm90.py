@@ -68,6 +68,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from tritonkit._launch import Launch, cdiv, tma_ready
+from tritonkit._runtime import sm_count
 from tritonkit.dtypes import HALVES
 from tritonkit.jit import LOG2E
 from tritonkit.ops.attention.fwd_sm90 import _capability
@@ -152,6 +153,7 @@ def _load_partition(
     GROUP,  # query heads of the group
     m_start,
     m_end,  # the query blocks it walks in each head: [m_start, m_end)
+    rot,  # ... starting at m_start + rot, round to m_start + rot - 1 (ROTATE's order; 0 otherwise)
     lse_ptr,
     delta_ptr,  # the rows' lse and delta (the kernel's), copied into lse_smem and delta_smem
     lse_smem,
@@ -186,7 +188,7 @@ def _load_partition(
             )
         for step in range(GROUP * n_tiles):
             head = kv_head * GROUP + step // n_tiles
-            start_m = (m_start + step % n_tiles) * BLOCK
+            start_m = (m_start + (step % n_tiles + rot) % n_tiles) * BLOCK
             stage = step % NUM_STAGES
             # the rows' statistics: the lse in log2 units, +inf past Sq and where a row sees no key
             # (so that P = 0 there), and delta
@@ -233,6 +235,13 @@ def _release(pending, token, sem_ptr):
 
 
 @gluon.jit
+def _starts_up_to(x, blocks, m_count):
+    """How many of ``blocks`` key blocks start their walk (ROTATE) at a query block <= x (>= -1):
+    block n starts at n * m_count // blocks."""
+    return gl.minimum(blocks, gl.cdiv((x + 1) * blocks, m_count))
+
+
+@gluon.jit
 def _grad_steps(
     dk,
     dv,
@@ -256,6 +265,8 @@ def _grad_steps(
     last,
     step0,
     n_last,
+    rot,
+    m_count,
     SEQ_K,
     UPPER_OFFSET,
     stride_sb,
@@ -264,9 +275,11 @@ def _grad_steps(
     MASKED: gl.constexpr,
     IS_CAUSAL: gl.constexpr,
     DETERMINISTIC: gl.constexpr,
+    ROTATE: gl.constexpr,
 ):
     """Query blocks [first, last) of query head ``head`` against this warpgroup's keys (from
-    ``key_start``): step step0 + (m - first) of the ring for block m. Returns (dk, dv, pending);
+    ``key_start``): step step0 + (m - first) of the ring for block m (with ROTATE, block
+    (m + rot) % m_count: a full mask's walk starting at block ``rot``). Returns (dk, dv, pending);
     ``pending`` is the ticket offset of the last reduce whose completion is not yet published
     (DETERMINISTIC; -1 if none). MASKED steps hide keys past SEQ_K and, causal, those past each
     row's diagonal (key j <= row i + UPPER_OFFSET)."""
@@ -292,8 +305,11 @@ def _grad_steps(
     zero_dq = gl.zeros([BLOCK, DQ_COLS], gl.float32, dq_layout)
     keys = key_start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     token = gl.full([1], 0, gl.int32, gl.BlockedLayout([1], [32], [4], [0]))
-    for m in range(first, last):
-        step = step0 + m - first
+    for i in range(first, last):
+        step = step0 + i - first
+        m = i
+        if ROTATE:
+            m = (i + rot) % m_count
         stage = step % NUM_STAGES
         q = q_smem.index(stage)
         do = do_smem.index(stage)
@@ -349,7 +365,22 @@ def _grad_steps(
             # the last one the block sees (n_last for the block, by the same rule as the launcher's)
             key_block = key_start // (2 * ROWS)
             part = (key_start // ROWS) % 2
-            if IS_CAUSAL:
+            if ROTATE:
+                # key block n starts its walk at block rot = n * m_count // (n_last + 1), so it
+                # reaches block m at step t = (m - rot) mod m_count; turns in the order of
+                # arrival, ties (equal starts) by key block: the turn's rank counts the key
+                # blocks that start in the t blocks up to m, and those of equal start before n
+                blocks = n_last + 1
+                t = (m - rot + m_count) % m_count
+                low = m - t + 1
+                before = _starts_up_to(m, blocks, m_count)
+                if low >= 0:
+                    before -= _starts_up_to(low - 1, blocks, m_count)
+                else:
+                    before += blocks - _starts_up_to(m_count + low - 1, blocks, m_count)
+                rank = before + key_block - _starts_up_to(rot - 1, blocks, m_count)
+                turn = 2 * rank + part
+            elif IS_CAUSAL:
                 # (the block's last row counted as m * BLOCK + BLOCK - 1 even past Sq: the
                 # launcher's m_start counts it so)
                 top = gl.minimum((m * BLOCK + BLOCK - 1 + UPPER_OFFSET) // (2 * ROWS), n_last)
@@ -390,6 +421,7 @@ def _grad_partition(
     m_mid,
     m_end,  # per head: blocks [m_start, m_mid) masked, [m_mid, m_end) not
     n_last,  # the last key block of the heads
+    rot,  # ROTATE: the walk of each head starts at this block
     SEQ_K,
     UPPER_OFFSET,
     stride_sb,
@@ -398,6 +430,7 @@ def _grad_partition(
     scale,
     IS_CAUSAL: gl.constexpr,
     DETERMINISTIC: gl.constexpr,
+    ROTATE: gl.constexpr,
 ):
     ROWS: gl.constexpr = k_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
@@ -421,12 +454,13 @@ def _grad_partition(
             # fmt: off
             dk, dv, pending = _grad_steps(
                 dk, dv, pending, k, v, q_smem, do_smem, ds_buf, dq_buf, qd_ready, qd_empty, dq_desc, lse_smem,
-                delta_smem, sem_ptr, batch, head, key_start, m_start, m_mid, g * n_tiles, n_last, SEQ_K,
-                UPPER_OFFSET, stride_sb, stride_sh, qk_scale, True, IS_CAUSAL, DETERMINISTIC)
+                delta_smem, sem_ptr, batch, head, key_start, m_start, m_mid, g * n_tiles, n_last, rot, m_end,
+                SEQ_K, UPPER_OFFSET, stride_sb, stride_sh, qk_scale, True, IS_CAUSAL, DETERMINISTIC, ROTATE)
             dk, dv, pending = _grad_steps(
                 dk, dv, pending, k, v, q_smem, do_smem, ds_buf, dq_buf, qd_ready, qd_empty, dq_desc, lse_smem,
                 delta_smem, sem_ptr, batch, head, key_start, m_mid, m_end, g * n_tiles + m_mid - m_start,
-                n_last, SEQ_K, UPPER_OFFSET, stride_sb, stride_sh, qk_scale, False, IS_CAUSAL, DETERMINISTIC)
+                n_last, rot, m_end, SEQ_K, UPPER_OFFSET, stride_sb, stride_sh, qk_scale, False, IS_CAUSAL,
+                DETERMINISTIC, ROTATE)
             # fmt: on
     tma.store_wait(pendings=0)
     if DETERMINISTIC:
@@ -472,6 +506,8 @@ def _attn_bwd_sm90_kernel(
     IS_CAUSAL: gl.constexpr,  # the causal mask
     DETERMINISTIC: gl.constexpr,  # dq's partials added in a fixed order (ticket counters)
     NUM_STAGES: gl.constexpr,  # Q/dO tiles in flight
+    KEY_MAJOR: gl.constexpr,  # key blocks on the grid's fastest axis (else (batch, head) pairs)
+    ROTATE: gl.constexpr,  # DETERMINISTIC, full mask: key block n walks the query blocks from n * Mb / Nb
 ):
     BLOCK: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -482,14 +518,14 @@ def _attn_bwd_sm90_kernel(
     gl.static_assert(k_desc.block_type.shape[3] == HEAD_DIM, "q and k share D")
 
     n_blocks = gl.cdiv(SEQ_K, KEYS)
-    if DETERMINISTIC:  # key blocks the slowest axis, in turn order: a program waits only on earlier ones
-        bh = gl.program_id(0)
-        pid_n = gl.program_id(1)
-        if IS_CAUSAL:
-            pid_n = n_blocks - 1 - pid_n
-    else:  # key blocks fastest: the blocks of a head run together and share its Q and dO in L2
+    if KEY_MAJOR:  # the key blocks of a head run together and share its Q, dO and dq in L2
         pid_n = gl.program_id(0)
         bh = gl.program_id(1)
+    else:
+        bh = gl.program_id(0)
+        pid_n = gl.program_id(1)
+    if DETERMINISTIC and IS_CAUSAL:  # in turn order: the last key block first
+        pid_n = n_blocks - 1 - pid_n
     batch = bh // HEADS_KV
     kv_head = bh % HEADS_KV
     start_n = pid_n * KEYS
@@ -506,6 +542,9 @@ def _attn_bwd_sm90_kernel(
         m_mid = 0
     if start_n + KEYS > SEQ_K:  # the ragged last block: every step masks the keys past Sk
         m_mid = m_end
+    rot = pid_n * 0
+    if ROTATE:
+        rot = (pid_n * m_end) // n_blocks
 
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, HEAD_DIM], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
@@ -534,16 +573,18 @@ def _attn_bwd_sm90_kernel(
         # the default partition (the launch's warps), the second consumer, the producer
         (_grad_partition, (0, dk_desc, dv_desc, dq_desc, sem_ptr, q_smem, do_smem, lse_smem, delta_smem,
                            k_smem, v_smem, ds_smem, dq_smem, kv_ready, qd_ready, qd_empty, batch, kv_head,
-                           start_n, GROUP, m_start, m_mid, m_end, n_blocks - 1, SEQ_K, UPPER_OFFSET,
-                           stride_sb, stride_sh, qk_scale, scale, IS_CAUSAL, DETERMINISTIC)),
+                           start_n, GROUP, m_start, m_mid, m_end, n_blocks - 1, rot, SEQ_K,
+                           UPPER_OFFSET, stride_sb, stride_sh, qk_scale, scale, IS_CAUSAL, DETERMINISTIC,
+                           ROTATE)),
         (_grad_partition, (1, dk_desc, dv_desc, dq_desc, sem_ptr, q_smem, do_smem, lse_smem, delta_smem,
                            k_smem, v_smem, ds_smem, dq_smem, kv_ready, qd_ready, qd_empty, batch, kv_head,
-                           start_n, GROUP, m_start, m_mid, m_end, n_blocks - 1, SEQ_K, UPPER_OFFSET,
-                           stride_sb, stride_sh, qk_scale, scale, IS_CAUSAL, DETERMINISTIC)),
+                           start_n, GROUP, m_start, m_mid, m_end, n_blocks - 1, rot, SEQ_K,
+                           UPPER_OFFSET, stride_sb, stride_sh, qk_scale, scale, IS_CAUSAL, DETERMINISTIC,
+                           ROTATE)),
         (_load_partition, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, kv_ready,
-                           qd_ready, qd_empty, batch, kv_head, start_n, GROUP, m_start, m_end, lse_ptr,
-                           delta_ptr, lse_smem, delta_smem, SEQ_Q, stride_lb, stride_lh, stride_db,
-                           stride_dh)),
+                           qd_ready, qd_empty, batch, kv_head, start_n, GROUP, m_start, m_end, rot,
+                           lse_ptr, delta_ptr, lse_smem, delta_smem, SEQ_Q, stride_lb, stride_lh,
+                           stride_db, stride_dh)),
     ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     # fmt: on
 
@@ -689,12 +730,19 @@ def launches(
         scale * LOG2E.value,
         scale,
     )
+    blocks, pairs = cdiv(seq_k, BLOCK_N), batch * heads_kv
+    # A full mask's deterministic walk is rotated so that the key blocks of a head, running
+    # together, reach each query block at different steps; a block may then wait on a later one of
+    # its head, so all of a head's blocks must be resident at once (one program an SM). Otherwise
+    # the blocks run in turn order on the slow axis, where a program waits only on earlier ones.
+    rotate = bool(deterministic and not causal and blocks <= sm_count(q.device))
     meta = {
         "IS_CAUSAL": bool(causal),
         "DETERMINISTIC": bool(deterministic),
         "NUM_STAGES": config.num_stages,
+        "KEY_MAJOR": not deterministic or causal or rotate,
+        "ROTATE": rotate,
         "num_warps": CONSUMER_WARPS.value,
     }
-    blocks, pairs = cdiv(seq_k, BLOCK_N), batch * heads_kv
-    grid = (pairs, blocks) if deterministic else (blocks, pairs)
+    grid = (blocks, pairs) if meta["KEY_MAJOR"] else (pairs, blocks)
     return [Launch("bwd sm90", _attn_bwd_sm90_kernel, args, meta, config._asdict(), grid)]
