@@ -48,9 +48,10 @@ for dtype, head_dim, causal, deterministic in CASES:
                  "GROUP", "SEQ_Q", "SEQ_K", "UPPER_OFFSET"):
         signature[name] = "i32"
     signature |= {"qk_scale": "fp32", "scale": "fp32", "IS_CAUSAL": "constexpr", "DETERMINISTIC": "constexpr",
-                  "NUM_STAGES": "constexpr", "KEY_MAJOR": "constexpr", "ROTATE": "constexpr"}
+                  "NUM_STAGES": "constexpr", "KEY_MAJOR": "constexpr", "ROTATE": "constexpr",
+                  "OVERLAP_SDP": "constexpr"}
     constants = {"IS_CAUSAL": causal, "DETERMINISTIC": deterministic, "NUM_STAGES": config.num_stages,
-                 "KEY_MAJOR": True, "ROTATE": deterministic and not causal}
+                 "KEY_MAJOR": True, "ROTATE": deterministic and not causal, "OVERLAP_SDP": config.overlap_sdp}
     kernel = triton.compile(GluonASTSource(bwd._attn_bwd_sm90_kernel, signature, constants),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": bwd.CONSUMER_WARPS.value})
     ptx, sass = kernel.asm["ptx"], _cuobjdump(kernel.asm["cubin"], "-sass")
@@ -146,7 +147,7 @@ def _forward(q, k, v, causal, scale, bottom_right):
     return o.to(q.dtype), lse.float()
 
 
-def _run(q, k, v, do, o, lse, causal, scale, bottom_right, deterministic, grads=None):
+def _run(q, k, v, do, o, lse, causal, scale, bottom_right, deterministic, grads=None, config=None):
     """The kernel's (dq, dk, dv), written into NaN-filled buffers (or into ``grads``)."""
     from tritonkit.ops.attention import bwd, bwd_sm90
 
@@ -156,12 +157,12 @@ def _run(q, k, v, do, o, lse, causal, scale, bottom_right, deterministic, grads=
     offset = q.shape[2] - k.shape[2]
     bwd_sm90.attention_bwd_sm90(
         do, q, k, v, lse, delta, dq, dk, dv, scale=scale, causal=causal,
-        upper_offset=-offset if bottom_right else 0, deterministic=deterministic,
+        upper_offset=-offset if bottom_right else 0, deterministic=deterministic, config=config,
     )  # fmt: skip
     return dq, dk, dv
 
 
-def check(q, k, v, do, causal, *, deterministic, scale=None, bottom_right=True):
+def check(q, k, v, do, causal, *, deterministic, scale=None, bottom_right=True, config=None):
     """The oracle on dq, dk and dv against autograd through the reference in float64, torch's error
     from the same reference run in the inputs' dtype."""
     from tritonkit.ops.attention.common import attention_reference
@@ -169,7 +170,7 @@ def check(q, k, v, do, causal, *, deterministic, scale=None, bottom_right=True):
 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     o, lse = _forward(q, k, v, causal, scale, bottom_right)
-    grads = _run(q, k, v, do, o, lse, causal, scale, bottom_right, deterministic)
+    grads = _run(q, k, v, do, o, lse, causal, scale, bottom_right, deterministic, config=config)
 
     def reference(dtype):
         inputs = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
@@ -226,6 +227,17 @@ def test_gpu_matches_the_reference(case, head_dim, dtype, deterministic):
     seed = 8 * CASES.index(case) + 4 * (head_dim == 128) + 2 * (dtype == torch.float16) + deterministic
     inputs = _inputs(batch, heads_q, heads_kv, seq_q, seq_k, head_dim, dtype, seed)
     check(*inputs, causal, deterministic=deterministic, bottom_right=bottom_right)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_every_candidate_config(causal):
+    from tritonkit.ops.attention import bwd_sm90
+
+    for i, config in enumerate(bwd_sm90.CANDIDATES[128]):
+        inputs = _inputs(2, 4, 2, 777, 901, 128, torch.bfloat16, seed=100 + i)
+        check(*inputs, causal, deterministic=False, config=config)
 
 
 @pytest.mark.gpu

@@ -86,22 +86,26 @@ PRODUCER_WARPS = gl.constexpr(1)  # one warp issues every TMA load
 # setmaxnreg budgets (FA3's): 2 x 128 threads x 240 + 128 x 24 <= 65,536. A consumer's live set at
 # D = 128: dK and dV (2 x 64 fp32), the dQ partial (64), S^T or dP^T and P^T (32 + 32 + 16).
 CONSUMER_REGS = gl.constexpr(240)
-# Whether dP^T is issued beside S^T (both 64 x 64 fp32 accumulators live at once, 32 registers more
-# at the exponentials) or after P^T, beside dV
-OVERLAP_SDP = gl.constexpr(False)
 PRODUCER_REGS = gl.constexpr(24)
 
 
 class Config(NamedTuple):
-    """A launch's shape: NUM_STAGES Q/dO tiles in flight."""
+    """A launch's shape: NUM_STAGES Q/dO tiles in flight; overlap_sdp issues dP^T beside S^T (both
+    64 x 64 fp32 accumulators live at the exponentials, 32 registers more a thread) instead of
+    after P^T, beside dV."""
 
     num_stages: int
+    overlap_sdp: bool = False
 
 
 # Shared memory a program at D = 128, 16-bit elements: K and V 2 x 32 KB, the Q/dO ring NUM_STAGES x
 # 32 KB, dS^T 2 x 8 KB, the fp32 dQ staging 2 x 32 KB: 208 KB with two stages (of 227 KB). At D =
 # 64 everything halves but dS^T: 112 KB with two stages, 144 KB with three.
 CONFIGS = {64: Config(num_stages=2), 128: Config(num_stages=2)}
+# What the benchmark compares (and the tests check) beside the default: dP^T issued beside S^T
+CANDIDATES = {
+    d: [config, config._replace(overlap_sdp=not config.overlap_sdp)] for d, config in CONFIGS.items()
+}
 
 
 # ---------------------------------------------------------------- kernels
@@ -276,6 +280,7 @@ def _grad_steps(
     IS_CAUSAL: gl.constexpr,
     DETERMINISTIC: gl.constexpr,
     ROTATE: gl.constexpr,
+    OVERLAP_SDP: gl.constexpr,
 ):
     """Query blocks [first, last) of query head ``head`` against this warpgroup's keys (from
     ``key_start``): step step0 + (m - first) of the ring for block m (with ROTATE, block
@@ -431,6 +436,7 @@ def _grad_partition(
     IS_CAUSAL: gl.constexpr,
     DETERMINISTIC: gl.constexpr,
     ROTATE: gl.constexpr,
+    OVERLAP_SDP: gl.constexpr,
 ):
     ROWS: gl.constexpr = k_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
@@ -455,12 +461,13 @@ def _grad_partition(
             dk, dv, pending = _grad_steps(
                 dk, dv, pending, k, v, q_smem, do_smem, ds_buf, dq_buf, qd_ready, qd_empty, dq_desc, lse_smem,
                 delta_smem, sem_ptr, batch, head, key_start, m_start, m_mid, g * n_tiles, n_last, rot, m_end,
-                SEQ_K, UPPER_OFFSET, stride_sb, stride_sh, qk_scale, True, IS_CAUSAL, DETERMINISTIC, ROTATE)
+                SEQ_K, UPPER_OFFSET, stride_sb, stride_sh, qk_scale, True, IS_CAUSAL, DETERMINISTIC, ROTATE,
+                OVERLAP_SDP)
             dk, dv, pending = _grad_steps(
                 dk, dv, pending, k, v, q_smem, do_smem, ds_buf, dq_buf, qd_ready, qd_empty, dq_desc, lse_smem,
                 delta_smem, sem_ptr, batch, head, key_start, m_mid, m_end, g * n_tiles + m_mid - m_start,
                 n_last, rot, m_end, SEQ_K, UPPER_OFFSET, stride_sb, stride_sh, qk_scale, False, IS_CAUSAL,
-                DETERMINISTIC, ROTATE)
+                DETERMINISTIC, ROTATE, OVERLAP_SDP)
             # fmt: on
     tma.store_wait(pendings=0)
     if DETERMINISTIC:
@@ -508,6 +515,7 @@ def _attn_bwd_sm90_kernel(
     NUM_STAGES: gl.constexpr,  # Q/dO tiles in flight
     KEY_MAJOR: gl.constexpr,  # key blocks on the grid's fastest axis (else (batch, head) pairs)
     ROTATE: gl.constexpr,  # DETERMINISTIC, full mask: key block n walks the query blocks from n * Mb / Nb
+    OVERLAP_SDP: gl.constexpr,  # dP^T issued beside S^T (Config.overlap_sdp)
 ):
     BLOCK: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -575,12 +583,12 @@ def _attn_bwd_sm90_kernel(
                            k_smem, v_smem, ds_smem, dq_smem, kv_ready, qd_ready, qd_empty, batch, kv_head,
                            start_n, GROUP, m_start, m_mid, m_end, n_blocks - 1, rot, SEQ_K,
                            UPPER_OFFSET, stride_sb, stride_sh, qk_scale, scale, IS_CAUSAL, DETERMINISTIC,
-                           ROTATE)),
+                           ROTATE, OVERLAP_SDP)),
         (_grad_partition, (1, dk_desc, dv_desc, dq_desc, sem_ptr, q_smem, do_smem, lse_smem, delta_smem,
                            k_smem, v_smem, ds_smem, dq_smem, kv_ready, qd_ready, qd_empty, batch, kv_head,
                            start_n, GROUP, m_start, m_mid, m_end, n_blocks - 1, rot, SEQ_K,
                            UPPER_OFFSET, stride_sb, stride_sh, qk_scale, scale, IS_CAUSAL, DETERMINISTIC,
-                           ROTATE)),
+                           ROTATE, OVERLAP_SDP)),
         (_load_partition, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, kv_ready,
                            qd_ready, qd_empty, batch, kv_head, start_n, GROUP, m_start, m_end, rot,
                            lse_ptr, delta_ptr, lse_smem, delta_smem, SEQ_Q, stride_lb, stride_lh,
@@ -742,6 +750,7 @@ def launches(
         "NUM_STAGES": config.num_stages,
         "KEY_MAJOR": not deterministic or causal or rotate,
         "ROTATE": rotate,
+        "OVERLAP_SDP": config.overlap_sdp,
         "num_warps": CONSUMER_WARPS.value,
     }
     grid = (blocks, pairs) if meta["KEY_MAJOR"] else (pairs, blocks)
