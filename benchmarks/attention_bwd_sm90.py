@@ -65,6 +65,7 @@ def _row(shape, causal: bool) -> dict:
         "tflops": {},
     }
 
+    switches = bwd.SM90_BACKWARD, bwd.SM90_BACKWARD_DETERMINISTIC, bwd.SM90_BACKWARD_DETERMINISTIC_GQA
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         out = torch.nn.functional.scaled_dot_product_attention(
@@ -79,7 +80,7 @@ def _row(shape, causal: bool) -> dict:
 
     def ours(deterministic: bool, gluon: bool):
         def call():
-            bwd.SM90_BACKWARD = bwd.SM90_BACKWARD_DETERMINISTIC = gluon
+            bwd.SM90_BACKWARD = bwd.SM90_BACKWARD_DETERMINISTIC = bwd.SM90_BACKWARD_DETERMINISTIC_GQA = gluon
             return bwd.attention_bwd(do, q, k, v, o, lse, None, scores, deterministic=deterministic)
 
         return call
@@ -118,7 +119,7 @@ def _row(shape, causal: bool) -> dict:
 
             name = "gluon_" + "_".join(f"{key}={value}" for key, value in config._asdict().items())
             row["ms"][name] = _bench(candidate)
-    bwd.SM90_BACKWARD = bwd.SM90_BACKWARD_DETERMINISTIC = True
+    bwd.SM90_BACKWARD, bwd.SM90_BACKWARD_DETERMINISTIC, bwd.SM90_BACKWARD_DETERMINISTIC_GQA = switches
     for name, ms in row["ms"].items():
         row["tflops"][name] = flops / ms / 1e9
     row["vs_cudnn"] = {name: row["ms"]["cudnn"] / ms for name, ms in row["ms"].items()}

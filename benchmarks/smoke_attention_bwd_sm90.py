@@ -20,9 +20,10 @@ for causal in (False, True):
     scores = Scores(128**-0.5, causal)
     o, lse = fwd.attention_fwd(q, k, v, scores)
     mine = bwd.attention_bwd(do, q, k, v, o, lse, None, scores, deterministic=deterministic)
-    bwd.SM90_BACKWARD = bwd.SM90_BACKWARD_DETERMINISTIC = False
+    switches = bwd.SM90_BACKWARD, bwd.SM90_BACKWARD_DETERMINISTIC, bwd.SM90_BACKWARD_DETERMINISTIC_GQA
+    bwd.SM90_BACKWARD = bwd.SM90_BACKWARD_DETERMINISTIC = bwd.SM90_BACKWARD_DETERMINISTIC_GQA = False
     theirs = bwd.attention_bwd(do, q, k, v, o, lse, None, scores, deterministic=True)
-    bwd.SM90_BACKWARD = bwd.SM90_BACKWARD_DETERMINISTIC = True
+    bwd.SM90_BACKWARD, bwd.SM90_BACKWARD_DETERMINISTIC, bwd.SM90_BACKWARD_DETERMINISTIC_GQA = switches
     torch.cuda.synchronize()
     errors = [(a.float() - b.float()).abs().max().item() for a, b in zip(mine, theirs, strict=True)]
     print(

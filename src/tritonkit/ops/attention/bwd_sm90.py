@@ -17,12 +17,13 @@ atomics):
   guarded by a ready and an empty mbarrier (the empty one counts both consumers);
 - two consumer warpgroups (240 registers each) of SPLIT_N = 64 keys each. A step's products are
   computed transposed (FA3's swapAB), keys by queries, so that P^T and dS^T leave the first two
-  products in registers ready to be the A operand of the next two: issue S^T = K Q^T and
-  dP^T = V dO^T, wait for S^T only (dP^T runs on) and exponentiate, issue dV += P^T dO, wait for
-  dP^T (dV runs on) and form dS^T, issue dK += dS^T Q, store dS^T in shared memory and issue the
-  partial dQ = dS K of this warpgroup's 64 keys, then wait for everything; the partial goes to
-  shared memory and a TMA reduce-add (``cp.reduce.async.bulk.tensor ... add``) adds it to an fp32
-  accumulator in global memory, which the next step's products overlap;
+  products in registers ready to be the A operand of the next two: S^T = K Q^T, exponentiate;
+  issue dP^T = V dO^T and dV += P^T dO, wait for dP^T (dV runs on) and form dS^T (from P^T in the
+  input dtype); issue dK += dS^T Q, store dS^T in shared memory and issue the partial dQ = dS K of
+  this warpgroup's 64 keys (at D = 128 in two 64-column halves: a whole 64 x 128 fp32 partial
+  beside dK and dV does not fit in 240 registers); the partial goes to shared memory and a TMA
+  reduce-add (``cp.reduce.async.bulk.tensor ... add``) adds it to an fp32 accumulator in global
+  memory under the next step's products. (``Config.overlap_sdp`` issues dP^T beside S^T instead.)
 - the epilogue scales dK, writes dK and dV through the K and V buffers with TMA stores, which clip
   the rows past Sk; a conversion afterwards writes dq = scale * accumulator in q's dtype.
 Masks only where a bound cuts a step: the causal diagonal (the first query blocks a key block sees)
@@ -35,9 +36,16 @@ has a ticket counter in global memory, and a warpgroup adds its partial only whe
 equals its turn; it increments it once its reduce has completed (one step later, under the next
 step's products). Turns: key blocks ascending (warpgroup 0 before 1) for a full mask; for a causal
 one, descending from the last key block that the query block sees (FA3's shortest-first order),
-which is the order in which a lockstep walk of ascending query blocks reaches it. Programs launch
-in turn order (key blocks the slowest grid axis), so one that waits only waits on programs already
-running or done.
+which is the order in which a lockstep walk of ascending query blocks reaches it. By default the
+programs launch in turn order (key blocks the slowest grid axis), so one that waits only waits on
+programs already running or done; ``KEY_MAJOR_DETERMINISTIC`` (off, not yet run on the H200) keeps
+a head's key blocks together instead (see there).
+
+Measured on the H200 (bf16, at fa3667b; ``benchmarks/results/h200/history/``): 0.77-0.93x cuDNN
+free, 0.39-0.51x deterministic (the running programs' dq accumulators spread over 132 heads, past
+the L2). Short of FA3's design still: the two warpgroups add separate dQ partials (twice the reduce
+traffic of one shared 64 x D tile), the products of a step wait on each other more than FA3's, and
+at D = 128 ptxas keeps a few values (deterministic: many) on the stack.
 
 Work. 2.5 x 4 * B * Hq * Sq * Sk * D FLOPs (five matmuls; about half when causal with Sq = Sk);
 bytes: q, k, v, dO, o once (o by the delta kernel), each key block re-reading its head's Q and dO
@@ -689,6 +697,28 @@ def attention_bwd_sm90(
     torch.mul(dq_acc, scale, out=dq)  # the conversion: dq = scale * dS K, in q's dtype
 
 
+# The deterministic mode's order of programs. Turns on the slow axis (key blocks in turn order,
+# (batch, head) pairs fastest) wait only on earlier programs, but spread the running programs over
+# 132 heads, whose dq accumulators do not fit in L2: on the H200 at fa3667b it ran at 0.39-0.51x
+# cuDNN against the free order's 0.77-0.93x. KEY_MAJOR_DETERMINISTIC runs a head's key blocks
+# together instead: causal in its shortest-first turns (a block still waits only on earlier
+# programs), a full mask's walk rotated so that each key block reaches a query block at its own
+# step (a block may then wait on a later one of its head, so all of a head's blocks must be
+# resident at once: at most one a multiprocessor, else the slow-axis order). Written and checked on
+# the CPU (the rank rule against a simulation; it compiles), not yet run on the H200: off.
+KEY_MAJOR_DETERMINISTIC = False
+
+
+def order(deterministic: bool, causal: bool, blocks: int, sms: int) -> tuple[bool, bool]:
+    """(KEY_MAJOR, ROTATE) for a launch of ``blocks`` key blocks a head on ``sms`` multiprocessors."""
+    if not deterministic:
+        return True, False
+    if not KEY_MAJOR_DETERMINISTIC:
+        return False, False
+    rotate = not causal and blocks <= sms
+    return causal or rotate, rotate
+
+
 def launches(
     do,
     q,
@@ -739,16 +769,12 @@ def launches(
         scale,
     )
     blocks, pairs = cdiv(seq_k, BLOCK_N), batch * heads_kv
-    # A full mask's deterministic walk is rotated so that the key blocks of a head, running
-    # together, reach each query block at different steps; a block may then wait on a later one of
-    # its head, so all of a head's blocks must be resident at once (one program an SM). Otherwise
-    # the blocks run in turn order on the slow axis, where a program waits only on earlier ones.
-    rotate = bool(deterministic and not causal and blocks <= sm_count(q.device))
+    key_major, rotate = order(deterministic, causal, blocks, sm_count(q.device))
     meta = {
         "IS_CAUSAL": bool(causal),
         "DETERMINISTIC": bool(deterministic),
         "NUM_STAGES": config.num_stages,
-        "KEY_MAJOR": not deterministic or causal or rotate,
+        "KEY_MAJOR": key_major,
         "ROTATE": rotate,
         "OVERLAP_SDP": config.overlap_sdp,
         "num_warps": CONSUMER_WARPS.value,
