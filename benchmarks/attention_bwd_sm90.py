@@ -103,22 +103,31 @@ def _row(shape, causal: bool) -> dict:
                 row[f"{name}_max_err_vs_cudnn"] = max(
                     (a.float() - b.float()).abs().max().item() for a, b in zip(grads, reference, strict=True)
                 )
-        if head_dim == 128 and heads_q == heads_kv and batch <= 4:  # the other candidate tile
+        if heads_q == heads_kv:  # the other candidate tiles, free order
             from tritonkit.ops.attention import bwd_sm90
 
             delta = torch.empty(lse.shape, dtype=torch.float32, device="cuda")
             grads = tuple(torch.empty_like(t) for t in (q, k, v))
-            config = bwd_sm90.CANDIDATES[head_dim][1]
+            for config in bwd_sm90.CANDIDATES[head_dim][1:]:
 
-            def candidate():
-                bwd._delta_launch(o, do, lse, None, delta).run()
-                bwd_sm90.attention_bwd_sm90(
-                    do, q, k, v, lse, delta, *grads, scale=scores.scale, causal=causal,
-                    upper_offset=0, deterministic=False, config=config,
-                )  # fmt: skip
+                def candidate(config=config):
+                    bwd._delta_launch(o, do, lse, None, delta).run()
+                    bwd_sm90.attention_bwd_sm90(
+                        do, q, k, v, lse, delta, *grads, scale=scores.scale, causal=causal,
+                        upper_offset=0, deterministic=False, config=config,
+                    )  # fmt: skip
 
-            name = "gluon_" + "_".join(f"{key}={value}" for key, value in config._asdict().items())
-            row["ms"][name] = _bench(candidate)
+                changed = {
+                    key: value
+                    for key, value in config._asdict().items()
+                    if value != bwd_sm90.CONFIGS[head_dim]._asdict()[key]
+                }
+                name = "gluon_" + "_".join(f"{key}={value}" for key, value in changed.items())
+                candidate()
+                row[f"{name}_max_err_vs_cudnn"] = max(
+                    (a.float() - b.float()).abs().max().item() for a, b in zip(grads, reference, strict=True)
+                )
+                row["ms"][name] = _bench(candidate)
     bwd.SM90_BACKWARD, bwd.SM90_BACKWARD_DETERMINISTIC, bwd.SM90_BACKWARD_DETERMINISTIC_GQA = switches
     for name, ms in row["ms"].items():
         row["tflops"][name] = flops / ms / 1e9

@@ -31,34 +31,39 @@ from tritonkit.ops.attention import bwd_sm90 as bwd
 def numbers(pattern, text):
     return sorted(set(int(n) for n in re.findall(pattern, text)))
 
-def descriptor(dtype, rows, head_dim):
-    block = [1, 1, rows, head_dim]
+def descriptor(dtype, rows, cols, swizzle=None):  # as bwd_sm90._descriptor makes it
+    block = [1, 1, rows, cols]
     element = {"bf16": gl.bfloat16, "fp16": gl.float16, "fp32": gl.float32}[dtype]
     layout = gl.NVMMASharedLayout.get_default_for(block, element)
+    if swizzle is not None:
+        layout = gl.NVMMASharedLayout(swizzle, layout.element_bitwidth, rank=4)
     return f"tensordesc<{dtype}[{','.join(map(str, block))}],{layout!r}>"
 
-for dtype, head_dim, causal, deterministic, key_major, _ in CASES:
+for dtype, head_dim, causal, deterministic, key_major, shared_dq, _ in CASES:
     bwd.KEY_MAJOR_DETERMINISTIC = key_major
-    config = bwd.CONFIGS[head_dim]
+    config = bwd.CONFIGS[head_dim]._replace(shared_dq=shared_dq)
+    k_swizzle = 64 if shared_dq and head_dim == 64 else None
     rows = {"q_desc": bwd.BLOCK_M, "k_desc": bwd.SPLIT_N, "v_desc": bwd.SPLIT_N, "do_desc": bwd.BLOCK_M,
             "dk_desc": bwd.SPLIT_N, "dv_desc": bwd.SPLIT_N}
-    signature = {name: descriptor(dtype, n, head_dim) for name, n in rows.items()}
-    signature |= {"dq_desc": descriptor("fp32", bwd.BLOCK_M, head_dim), "lse_ptr": "*fp32",
-                  "delta_ptr": "*fp32", "sem_ptr": "*i32"}
+    signature = {name: descriptor(dtype, n, head_dim, k_swizzle if name in ("k_desc", "dk_desc") else None)
+                 for name, n in rows.items()}
+    signature |= {"dq_desc": descriptor("fp32", bwd.BLOCK_M, head_dim // 2 if shared_dq else head_dim),
+                  "lse_ptr": "*fp32", "delta_ptr": "*fp32", "sem_ptr": "*i32"}
     for name in ("stride_lb", "stride_lh", "stride_db", "stride_dh", "stride_sb", "stride_sh", "HEADS_KV",
                  "GROUP", "SEQ_Q", "SEQ_K", "UPPER_OFFSET"):
         signature[name] = "i32"
     signature |= {"qk_scale": "fp32", "scale": "fp32", "IS_CAUSAL": "constexpr", "DETERMINISTIC": "constexpr",
                   "NUM_STAGES": "constexpr", "KEY_MAJOR": "constexpr", "ROTATE": "constexpr",
-                  "OVERLAP_SDP": "constexpr"}
+                  "OVERLAP_SDP": "constexpr", "SHARED_DQ": "constexpr"}
     constants = {"IS_CAUSAL": causal, "DETERMINISTIC": deterministic, "NUM_STAGES": config.num_stages,
-                 "OVERLAP_SDP": config.overlap_sdp}
+                 "OVERLAP_SDP": config.overlap_sdp, "SHARED_DQ": config.shared_dq}
     constants["KEY_MAJOR"], constants["ROTATE"] = bwd.order(deterministic, causal, 32, 132)
     kernel = triton.compile(GluonASTSource(bwd._attn_bwd_sm90_kernel, signature, constants),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": bwd.CONSUMER_WARPS.value})
     ptx, sass = kernel.asm["ptx"], _cuobjdump(kernel.asm["cubin"], "-sass")
     print(json.dumps({
-        "case": f"{dtype} d{head_dim} causal={causal} deterministic={deterministic} key_major={key_major}",
+        "case": f"{dtype} d{head_dim} causal={causal} deterministic={deterministic} key_major={key_major} "
+                f"shared_dq={shared_dq}",
         "warps": kernel.metadata.num_warps, "shared": kernel.metadata.shared,
         "waits": numbers(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx),
         "setmaxnreg": numbers(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx),
@@ -69,28 +74,30 @@ for dtype, head_dim, causal, deterministic, key_major, _ in CASES:
     }))
 """
 
-# (dtype, D, causal, deterministic, KEY_MAJOR_DETERMINISTIC, spills): both head dims, both masks,
-# both modes, both deterministic orders, and the local loads and stores in the SASS, which may not
-# grow. None at D = 64 but for the key-major order, where a few values computed before the
-# partitions start (each program's walk) cross the register reallocation on the stack. At D = 128
-# a consumer's accumulators (dK and dV: 128 registers a thread, S^T and dP^T 64 more) leave ptxas
-# short of 240 for the rest: the free order keeps two values on the stack; the deterministic one,
-# with the tickets' arithmetic, many (shared-memory descriptors of the products, reloaded in the
-# loop). Fewer is the next step (see bwd_sm90's docstring).
+# (dtype, D, causal, deterministic, KEY_MAJOR_DETERMINISTIC, Config.shared_dq, spills): both head
+# dims, both masks, both modes, both deterministic orders, both dQ splits, and the local loads and
+# stores in the SASS, which may not grow. None at D = 64 but for the key-major order, where a few
+# values computed before the partitions start (each program's walk) cross the register
+# reallocation on the stack. At D = 128 a consumer's accumulators (dK and dV: 128 registers a
+# thread, S^T and dP^T 64 more) leave ptxas short of 240 for the rest: the free order keeps a few
+# values on the stack; the deterministic one, with the tickets' arithmetic, many (shared-memory
+# descriptors of the products, reloaded in the loop). Fewer is a next step (docs/perf-notes.md).
 STATIC_CASES = [
-    ("bf16", 128, False, False, False, 4),
-    ("bf16", 128, True, True, False, 235),
-    ("fp16", 64, True, False, False, 0),
-    ("bf16", 64, False, True, False, 0),
-    ("bf16", 128, False, True, True, 230),
-    ("bf16", 64, True, True, True, 13),
+    ("bf16", 128, False, False, False, False, 4),
+    ("bf16", 128, True, True, False, False, 235),
+    ("fp16", 64, True, False, False, False, 0),
+    ("bf16", 64, False, True, False, False, 0),
+    ("bf16", 128, False, True, True, False, 230),
+    ("bf16", 64, True, True, True, False, 13),
+    ("bf16", 128, True, False, False, True, 43),
+    ("fp16", 64, False, False, False, True, 0),
 ]
 
 
 def test_the_kernel_compiles_for_hopper_warp_specialized_with_the_dq_reduce_off_the_registers():
     rows = [json.loads(line) for line in sm90.run(f"CASES = {STATIC_CASES!r}\n{_STATIC_CHECK}")]
     assert len(rows) == len(STATIC_CASES)
-    for row, (*_, deterministic, _, spills) in zip(rows, STATIC_CASES, strict=True):
+    for row, (*_, deterministic, _, _, spills) in zip(rows, STATIC_CASES, strict=True):
         # two consumer warpgroups and the producer's warp; budgets 240 and 24 (and Triton's steps)
         assert row["warps"] == 12 and {240, 24} <= set(row["setmaxnreg"]), row
         # one product left running under the exponentials and under dS, and full waits
@@ -236,13 +243,16 @@ def test_gpu_matches_the_reference(case, head_dim, dtype, deterministic):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_gpu_every_candidate_config(causal):
+def test_gpu_every_candidate_config(causal, head_dim):
+    """Each candidate in either mode (GQA, ragged, Sq != Sk)."""
     from tritonkit.ops.attention import bwd_sm90
 
-    for i, config in enumerate(bwd_sm90.CANDIDATES[128]):
-        inputs = _inputs(2, 4, 2, 777, 901, 128, torch.bfloat16, seed=100 + i)
-        check(*inputs, causal, deterministic=False, config=config)
+    for i, config in enumerate(bwd_sm90.CANDIDATES[head_dim]):
+        for deterministic in (False, True):
+            inputs = _inputs(2, 4, 2, 777, 901, head_dim, torch.bfloat16, seed=100 + i)
+            check(*inputs, causal, deterministic=deterministic, config=config)
 
 
 @pytest.mark.gpu
