@@ -13,6 +13,7 @@ kernel compute first.
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
@@ -240,6 +241,37 @@ _TUNED = {
 
 # ---------------------------------------------------------------- the backward
 
+log = logging.getLogger("tritonkit")
+
+# Whether a backward the sm_90 Gluon kernel takes (``bwd_sm90.supports``) runs there. On the H200
+# (bf16, at fa3667b, docs/perf-notes.md), against cuDNN: with ``deterministic=False`` (dq's partials
+# added in any order) 0.77-0.93x, past this file's kernels at every shape (0.24-0.71x with atomics,
+# 0.27-0.84x deterministic). With the default ``deterministic=True`` (a fixed order through ticket
+# counters) 0.39-0.51x: behind the deterministic Triton kernels (0.68-0.84x) without GQA, ahead
+# with it (GQA 32/8 at S = 8192: 270 against 143 TFLOP/s full, 198 against 163 causal), where the
+# Triton dK/dV kernel walks the whole group in one program.
+SM90_BACKWARD = True
+SM90_BACKWARD_DETERMINISTIC = False  # without GQA
+SM90_BACKWARD_DETERMINISTIC_GQA = True
+
+
+def sm90_takes(q, k, v, scores: Scores, packed: Packed | None, deterministic: bool = True) -> bool:
+    """Whether the sm_90 Gluon backward (``bwd_sm90``) computes this call: switched on for its mode
+    (and, deterministic, for GQA or not), natively compiled, on an sm_90 GPU, dense, no window, no
+    soft cap, within what it supports (either causal alignment). Everything else takes the Triton
+    kernels."""
+    if deterministic:
+        switch = SM90_BACKWARD_DETERMINISTIC_GQA if q.shape[1] != k.shape[1] else SM90_BACKWARD_DETERMINISTIC
+    else:
+        switch = SM90_BACKWARD
+    if not switch or interpret() or not q.is_cuda or packed is not None:
+        return False
+    if tuple(scores.window) != (-1, -1) or scores.softcap or not scores.scale > 0:
+        return False
+    from tritonkit.ops.attention import bwd_sm90
+
+    return bwd_sm90.supports(q, k, v)
+
 
 def attention_bwd_into(
     do,
@@ -275,6 +307,17 @@ def attention_bwd_into(
         lse, dlse = lse.unsqueeze(0), dlse if dlse is None else dlse.unsqueeze(0)
     delta = empty_output(lse.shape, torch.float32, q.device)
     _delta_launch(o, do, lse, dlse, delta).run()
+    if config is None and sm90_takes(q, k, v, scores, packed, deterministic):
+        from tritonkit.ops.attention import bwd_sm90
+
+        log.debug("tritonkit: attention backward %s on the sm_90 Gluon kernel", tuple(q.shape))
+        (upper_offset, *_), _ = scores.kernel_args(q.shape[2], k.shape[2])
+        bwd_sm90.attention_bwd_sm90(
+            do, q, k, v, lse, delta, dq, dk, dv, scale=scores.scale, causal=scores.causal,
+            upper_offset=upper_offset, deterministic=deterministic,
+        )  # fmt: skip
+        return
+    log.debug("tritonkit: attention backward %s on the Triton kernels", tuple(q.shape))
     if deterministic:
         problems = {
             "dkdv": _problem(q, k, v, do, lse, delta, scores, packed, dk=dk, dv=dv),

@@ -1,0 +1,173 @@
+"""The attention backward on the H200: the sm_90 Gluon kernel (both modes) against cuDNN SDPA's
+backward and tritonkit's Triton backward (both modes), in one process, bf16.
+
+    python benchmarks/attention_bwd_sm90.py OUT.json [--deadline SECONDS] [--skip-triton]
+        [--skip-deterministic]
+
+Each provider's time is the median of ``triton.testing.do_bench`` over a backward call (the delta
+pass and dq's conversion included; cuDNN's own preprocessing too), from saved forward outputs;
+TFLOP/s from 2.5 x 4 * B * Hq * Sq * Sk * D (half of it causal). Each Gluon row also gives its
+largest gradient error against cuDNN's. Rows stop being timed at the deadline (the JSON holds what
+was measured).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+import triton
+import triton.testing
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from tritonkit import tuning
+from tritonkit.ops.attention import bwd, fwd
+from tritonkit.ops.attention.common import Scores
+
+# (B, Hq, Hkv, S, D), each full and causal
+SHAPES = [
+    (4, 32, 32, 4096, 128),
+    (4, 32, 32, 4096, 64),
+    (2, 16, 16, 16384, 128),
+    (16, 16, 16, 1024, 128),
+    (2, 32, 8, 8192, 128),
+]
+
+
+def _bench(fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _row(shape, causal: bool) -> dict:
+    batch, heads_q, heads_kv, seq, head_dim = shape
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(batch, heads_q, seq, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (
+        torch.randn(batch, heads_kv, seq, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+        for _ in "kv"
+    )
+    do = torch.randn_like(q)
+    scores = Scores(head_dim**-0.5, causal)
+    o, lse = fwd.attention_fwd(q, k, v, scores)
+    flops = 2.5 * 4 * batch * heads_q * seq * seq * head_dim * (0.5 if causal else 1.0)
+    row = {
+        "shape": list(shape),
+        "causal": causal,
+        "dtype": "bf16",
+        "tflop": flops / 1e12,
+        "ms": {},
+        "tflops": {},
+    }
+
+    switches = bwd.SM90_BACKWARD, bwd.SM90_BACKWARD_DETERMINISTIC, bwd.SM90_BACKWARD_DETERMINISTIC_GQA
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            *leaves, is_causal=causal, enable_gqa=heads_q != heads_kv
+        )
+
+        def cudnn():
+            return torch.autograd.grad(out, leaves, do, retain_graph=True)
+
+        reference = cudnn()
+        row["ms"]["cudnn"] = _bench(cudnn)
+
+    def ours(deterministic: bool, gluon: bool):
+        def call():
+            bwd.SM90_BACKWARD = bwd.SM90_BACKWARD_DETERMINISTIC = bwd.SM90_BACKWARD_DETERMINISTIC_GQA = gluon
+            return bwd.attention_bwd(do, q, k, v, o, lse, None, scores, deterministic=deterministic)
+
+        return call
+
+    with tuning.disabled():  # the shipped (or cached) configs: no tuning runs inside the timing
+        for name, deterministic, gluon in (
+            ("gluon", False, True),
+            ("gluon_deterministic", True, True),
+            ("triton", False, False),
+            ("triton_deterministic", True, False),
+        ):
+            if name == "gluon_deterministic" and "--skip-deterministic" in sys.argv:
+                continue
+            if name.startswith("triton") and "--skip-triton" in sys.argv:
+                continue
+            fn = ours(deterministic, gluon)
+            grads = fn()
+            row["ms"][name] = _bench(fn)
+            if gluon:
+                row[f"{name}_max_err_vs_cudnn"] = max(
+                    (a.float() - b.float()).abs().max().item() for a, b in zip(grads, reference, strict=True)
+                )
+        if heads_q == heads_kv:  # the other candidate tiles, free order
+            from tritonkit.ops.attention import bwd_sm90
+
+            delta = torch.empty(lse.shape, dtype=torch.float32, device="cuda")
+            grads = tuple(torch.empty_like(t) for t in (q, k, v))
+            for config in bwd_sm90.CANDIDATES[head_dim][1:]:
+
+                def candidate(config=config):
+                    bwd._delta_launch(o, do, lse, None, delta).run()
+                    bwd_sm90.attention_bwd_sm90(
+                        do, q, k, v, lse, delta, *grads, scale=scores.scale, causal=causal,
+                        upper_offset=0, deterministic=False, config=config,
+                    )  # fmt: skip
+
+                changed = {
+                    key: value
+                    for key, value in config._asdict().items()
+                    if value != bwd_sm90.CONFIGS[head_dim]._asdict()[key]
+                }
+                name = "gluon_" + "_".join(f"{key}={value}" for key, value in changed.items())
+                candidate()
+                row[f"{name}_max_err_vs_cudnn"] = max(
+                    (a.float() - b.float()).abs().max().item() for a, b in zip(grads, reference, strict=True)
+                )
+                row["ms"][name] = _bench(candidate)
+    bwd.SM90_BACKWARD, bwd.SM90_BACKWARD_DETERMINISTIC, bwd.SM90_BACKWARD_DETERMINISTIC_GQA = switches
+    for name, ms in row["ms"].items():
+        row["tflops"][name] = flops / ms / 1e9
+    row["vs_cudnn"] = {name: row["ms"]["cudnn"] / ms for name, ms in row["ms"].items()}
+    return row
+
+
+def main() -> None:
+    out = sys.argv[1]
+    deadline = time.time() + (
+        float(sys.argv[sys.argv.index("--deadline") + 1]) if "--deadline" in sys.argv else 1e9
+    )
+    sha = (
+        os.environ.get("GIT_SHA")
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+    )
+    result = {
+        "op": "attention_bwd",
+        "command": "python benchmarks/attention_bwd_sm90.py " + " ".join(sys.argv[1:]),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "git": sha,
+        "timing": "triton.testing.do_bench median (warmup 25 ms, rep 100 ms), L2 flushed",
+        "rows": [],
+    }
+    for shape in SHAPES:
+        for causal in (False, True):
+            if time.time() > deadline:
+                break
+            row = _row(shape, causal)
+            result["rows"].append(row)
+            summary = "  ".join(f"{n} {t:.0f} ({row['vs_cudnn'][n]:.2f}x)" for n, t in row["tflops"].items())
+            print(f"{shape} {'causal' if causal else 'full'}: {summary}", flush=True)
+            with open(out, "w") as f:
+                json.dump(result, f, indent=1)
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

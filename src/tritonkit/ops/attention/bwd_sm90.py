@@ -1,0 +1,241 @@
+"""Attention backward for Hopper (sm_90) in Gluon, the host side: which calls it takes
+(``supports``), its tiles (``CONFIGS``), the order of its programs, and the launch
+(``attention_bwd_sm90``: the kernel of ``bwd_sm90_kernels``, whose docstring has the maths and the
+design, then dq's conversion from its fp32 accumulator).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from tritonkit._launch import Launch, cdiv, tma_ready
+from tritonkit._runtime import sm_count
+from tritonkit.dtypes import HALVES
+from tritonkit.jit import LOG2E
+from tritonkit.ops.attention.bwd_sm90_kernels import (
+    BLOCK_M,
+    BLOCK_N,
+    CONSUMER_WARPS,
+    SPLIT_N,
+    _attn_bwd_sm90_kernel,
+)
+from tritonkit.ops.attention.fwd_sm90 import _capability
+
+DTYPES = HALVES
+HEAD_DIMS = (64, 128)
+SM90 = (9, 0)  # wgmma, setmaxnreg and the TMA engine: Hopper only (sm_90a)
+
+
+class Config(NamedTuple):
+    """A launch's shape: NUM_STAGES Q/dO tiles in flight; overlap_sdp issues dP^T beside S^T (both
+    64 x 64 fp32 accumulators live at the exponentials, 32 registers more a thread) instead of
+    after P^T, beside dV; shared_dq adds one 64 x D dQ tile a step for the program, each
+    warpgroup its D / 2 columns over the 128 keys (FA3's split), instead of a 64-key partial each."""
+
+    num_stages: int
+    overlap_sdp: bool = False
+    shared_dq: bool = False
+
+
+# Shared memory a program at D = 128, 16-bit elements: K and V 2 x 32 KB, the Q/dO ring NUM_STAGES x
+# 32 KB, dS^T 2 x 8 KB, the fp32 dQ staging 2 x 32 KB: 208 KB with two stages (of 227 KB). At D =
+# 64 everything halves but dS^T: 112 KB with two stages, 144 KB with three.
+CONFIGS = {64: Config(num_stages=2), 128: Config(num_stages=2)}
+# What the benchmark compares (and the tests check) beside the default: dP^T issued beside S^T
+CANDIDATES = {
+    d: [config, config._replace(overlap_sdp=not config.overlap_sdp), config._replace(shared_dq=True)]
+    for d, config in CONFIGS.items()
+}
+
+
+# ---------------------------------------------------------------- launcher
+
+
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether ``attention_bwd_sm90`` takes these inputs: (B, H, S, D) fp16/bf16 tensors of one dtype
+    on an sm_90 GPU, D 64 or 128, Hq a multiple of Hkv, within the grid's bounds. Strides are free
+    (tensors that TMA cannot read as they are are copied first). Masks, windows and the rest are the
+    caller's to check (``bwd.sm90_takes``)."""
+    tensors = (q, k, v)
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_cuda for t in tensors):
+        return False
+    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return False
+    if k.device != q.device or v.device != q.device or _capability(q.device.index or 0) != SM90:
+        return False
+    (batch, heads_q, _, head_dim), (batch_k, heads_kv, seq_k, head_dim_k) = q.shape, k.shape
+    if head_dim not in HEAD_DIMS or head_dim_k != head_dim or v.shape != k.shape or batch_k != batch:
+        return False
+    if heads_kv == 0 or heads_q % heads_kv:
+        return False
+    return batch * heads_kv < MAX_GRID_Y and cdiv(seq_k, BLOCK_N) < MAX_GRID_Y
+
+
+MAX_GRID_Y = 65536  # programs a launch may have along its y axis (CUDA's limit)
+
+
+def _descriptor(
+    t: torch.Tensor, rows: int, cols: int | None = None, swizzle: int | None = None
+) -> TensorDescriptor:
+    """A 4-D TMA descriptor over a (B, H, S, D) tensor with a (1, 1, rows, cols or D) box: the S
+    bound is the head's own, so a box past it loads zeros and stores (or adds) nothing. The shared
+    layout is the default for the box, or ``swizzle`` bytes wide."""
+    dtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[t.dtype]
+    block = [1, 1, rows, cols or t.shape[3]]
+    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
+    if swizzle is not None:
+        layout = gl.NVMMASharedLayout(swizzle, layout.element_bitwidth, rank=4)
+    return TensorDescriptor.from_tensor(t, block, layout)
+
+
+def attention_bwd_sm90(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool,
+    upper_offset: int,
+    deterministic: bool = True,
+    config: Config | None = None,
+) -> None:
+    """Write attention's gradients into ``dq``, ``dk`` and ``dv`` (q's, k's, v's shapes and dtype).
+
+    q and do (B, Hq, Sq, D), k and v (B, Hkv, Sk, D); ``lse`` the forward's fp32 log-sum-exp
+    (B, Hq, Sq) with a contiguous last dim (-inf where a row sees no key), ``delta`` (B, Hq, Sq) fp32
+    from the delta kernel, likewise. ``causal``: row i sees key j iff j <= i + ``upper_offset``
+    (Sk - Sq aligned bottom-right, 0 top-left). ``scale`` > 0 multiplies q . k. ``deterministic``
+    orders the additions into dq (the same bits every run). The caller has checked ``supports``;
+    tensors TMA cannot take as they are are copied (gradients written back)."""
+    scale = float(scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a finite number > 0, got {scale}")
+    if not supports(q, k, v):
+        raise ValueError("attention_bwd_sm90 does not take these inputs (see supports)")
+    for name, t in (("lse", lse), ("delta", delta)):
+        if t.shape != q.shape[:3] or t.dtype != torch.float32 or (q.shape[2] > 1 and t.stride(2) != 1):
+            raise ValueError(f"{name} must be float32 {tuple(q.shape[:3])} with a contiguous last dim")
+    if q.numel() == 0 or k.numel() == 0:
+        for grad in (dq, dk, dv):
+            grad.zero_()
+        return
+    do, q, k, v = (t if tma_ready(t) else t.contiguous() for t in (do, q, k, v))
+    outputs = [
+        g if tma_ready(g) else torch.empty_like(g, memory_format=torch.contiguous_format) for g in (dk, dv)
+    ]
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    tickets = (
+        torch.zeros((*q.shape[:2], cdiv(q.shape[2], BLOCK_M)), dtype=torch.int32, device=q.device)
+        if deterministic
+        else dq_acc
+    )
+    for launch in launches(
+        do, q, k, v, lse, delta, dq_acc, tickets, *outputs, scale=scale, causal=causal,
+        upper_offset=upper_offset, deterministic=deterministic, config=config,
+    ):  # fmt: skip
+        launch.run()
+    for grad, out in zip((dk, dv), outputs, strict=True):
+        if out is not grad:
+            grad.copy_(out)
+    torch.mul(dq_acc, scale, out=dq)  # the conversion: dq = scale * dS K, in q's dtype
+
+
+# The deterministic mode's order of programs. Turns on the slow axis (key blocks in turn order,
+# (batch, head) pairs fastest) wait only on earlier programs, but spread the running programs over
+# 132 heads, whose dq accumulators do not fit in L2: on the H200 at fa3667b it ran at 0.39-0.51x
+# cuDNN against the free order's 0.77-0.93x. KEY_MAJOR_DETERMINISTIC runs a head's key blocks
+# together instead: causal in its shortest-first turns (a block still waits only on earlier
+# programs), a full mask's walk rotated so that each key block reaches a query block at its own
+# step (a block may then wait on a later one of its head, so all of a head's blocks must be
+# resident at once: at most one a multiprocessor, else the slow-axis order). Written and checked on
+# the CPU (the rank rule against a simulation; it compiles), not yet run on the H200: off.
+KEY_MAJOR_DETERMINISTIC = False
+
+
+def order(deterministic: bool, causal: bool, blocks: int, sms: int) -> tuple[bool, bool]:
+    """(KEY_MAJOR, ROTATE) for a launch of ``blocks`` key blocks a head on ``sms`` multiprocessors."""
+    if not deterministic:
+        return True, False
+    if not KEY_MAJOR_DETERMINISTIC:
+        return False, False
+    rotate = not causal and blocks <= sms
+    return causal or rotate, rotate
+
+
+def launches(
+    do,
+    q,
+    k,
+    v,
+    lse,
+    delta,
+    dq_acc,
+    tickets,
+    dk,
+    dv,
+    *,
+    scale,
+    causal,
+    upper_offset,
+    deterministic,
+    config=None,
+) -> list[Launch]:
+    """The kernel's launch for checked, TMA-ready arguments (``attention_bwd_sm90``'s): one program
+    per BLOCK_N keys of a (batch, key/value head). Without determinism key blocks run fastest (a
+    head's blocks together, sharing its Q and dO in L2); with it, (batch, head) pairs do, key blocks
+    in turn order on the y axis."""
+    (batch, heads_q, seq_q, head_dim), (_, heads_kv, seq_k, _) = q.shape, k.shape
+    config = config or CONFIGS[head_dim]
+    # shared_dq: each warpgroup adds D / 2 columns of a dq tile; at D = 64 K (and dK, which leaves
+    # through K's buffer) takes a 64-byte swizzle, so that 32 columns of its tile slice
+    k_swizzle = 64 if config.shared_dq and head_dim == 64 else None
+    args = (
+        _descriptor(q, BLOCK_M),
+        _descriptor(k, SPLIT_N, swizzle=k_swizzle),
+        _descriptor(v, SPLIT_N),
+        _descriptor(do, BLOCK_M),
+        _descriptor(dk, SPLIT_N, swizzle=k_swizzle),
+        _descriptor(dv, SPLIT_N),
+        _descriptor(dq_acc, BLOCK_M, head_dim // 2 if config.shared_dq else None),
+        lse,
+        delta,
+        tickets,
+        lse.stride(0),
+        lse.stride(1),
+        delta.stride(0),
+        delta.stride(1),
+        tickets.stride(0),
+        tickets.stride(1),
+        heads_kv,
+        heads_q // heads_kv,
+        seq_q,
+        seq_k,
+        int(upper_offset),
+        scale * LOG2E.value,
+        scale,
+    )
+    blocks, pairs = cdiv(seq_k, BLOCK_N), batch * heads_kv
+    key_major, rotate = order(deterministic, causal, blocks, sm_count(q.device))
+    meta = {
+        "IS_CAUSAL": bool(causal),
+        "DETERMINISTIC": bool(deterministic),
+        "NUM_STAGES": config.num_stages,
+        "KEY_MAJOR": key_major,
+        "ROTATE": rotate,
+        "OVERLAP_SDP": config.overlap_sdp,
+        "SHARED_DQ": config.shared_dq,
+        "num_warps": CONSUMER_WARPS.value,
+    }
+    grid = (blocks, pairs) if meta["KEY_MAJOR"] else (pairs, blocks)
+    return [Launch("bwd sm90", _attn_bwd_sm90_kernel, args, meta, config._asdict(), grid)]

@@ -1,0 +1,653 @@
+"""Attention backward for Hopper (sm_90) in Gluon, the kernels (launched by ``bwd_sm90``), with
+FlashAttention-3's dataflow: dK, dV and the dQ partials of a key block in one program, five
+matmuls a step, dQ summed in fp32 by TMA reduce-add.
+
+Maths. With the scores s = scale * q . k (masked), P = exp(s - lse) row by row, and dO the upstream
+gradient of the output:
+    dV = P^T dO,   dP = dO V^T,   dS = P * (dP - delta),   delta_i = sum_d dO_id O_id - dlse_i,
+    dQ = scale * dS K,   dK = scale * dS^T Q.
+The probabilities are recomputed from the forward's lse, with exp2 and scale * log2(e) folded in:
+P = exp2(q . k * qk_scale - lse * log2(e)), one FFMA and one exponential a score. delta comes from
+``bwd``'s delta kernel (shared with the Triton backward).
+
+Structure (one program = BLOCK_N = 128 keys of one (batch, key/value head); it walks every query
+block of every query head of the head's group, so that dK and dV sum over a GQA group without
+atomics):
+- a producer warp (24 registers) loads the key block's K and V once (a 64-row tile per consumer),
+  then streams Q and dO block by block (BLOCK_M = 64 rows) into a NUM_STAGES-deep ring, each stage
+  guarded by a ready and an empty mbarrier (the empty one counts both consumers);
+- two consumer warpgroups (240 registers each) of SPLIT_N = 64 keys each. A step's products are
+  computed transposed (FA3's swapAB), keys by queries, so that P^T and dS^T leave the first two
+  products in registers ready to be the A operand of the next two: S^T = K Q^T, exponentiate;
+  issue dP^T = V dO^T and dV += P^T dO, wait for dP^T (dV runs on) and form dS^T (from P^T in the
+  input dtype); issue dK += dS^T Q, store dS^T in shared memory and issue the partial dQ = dS K of
+  this warpgroup's 64 keys (at D = 128 in two 64-column halves: a whole 64 x 128 fp32 partial
+  beside dK and dV does not fit in 240 registers); the partial goes to shared memory and a TMA
+  reduce-add (``cp.reduce.async.bulk.tensor ... add``) adds it to an fp32 accumulator in global
+  memory under the next step's products. (``bwd_sm90.Config``'s overlap_sdp issues dP^T beside S^T
+  instead; its shared_dq adds one 64 x D tile a step for the program, each warpgroup D / 2 columns
+  over both warpgroups' dS^T, as FA3 does.)
+- the epilogue scales dK, writes dK and dV through the K and V buffers with TMA stores, which clip
+  the rows past Sk; a conversion afterwards writes dq = scale * accumulator in q's dtype.
+Masks only where a bound cuts a step: the causal diagonal (the first query blocks a key block sees)
+and the ragged end of the keys (every step of the last key block: a key past Sk loads as zero and
+would otherwise get exp2(-lse)). Rows past Sq need none: their lse reads as +inf, so P = 0.
+
+Determinism. Without it (``deterministic=False``) the key blocks of a head add their partials in
+whatever order they finish, so dq's last bits vary. With it, every (batch, query head, query block)
+has a ticket counter in global memory, and a warpgroup adds its partial only when the counter
+equals its turn; it increments it once its reduce has completed (one step later, under the next
+step's products). Turns: key blocks ascending (warpgroup 0 before 1) for a full mask; for a causal
+one, descending from the last key block that the query block sees (FA3's shortest-first order),
+which is the order in which a lockstep walk of ascending query blocks reaches it. By default the
+programs launch in turn order (key blocks the slowest grid axis), so one that waits only waits on
+programs already running or done; ``bwd_sm90.KEY_MAJOR_DETERMINISTIC`` (off, not yet run on the
+H200) keeps a head's key blocks together instead (see there).
+
+Measured on the H200 (bf16, at fa3667b; ``benchmarks/results/h200/history/``): 0.77-0.93x cuDNN
+free, 0.39-0.51x deterministic (the running programs' dq accumulators spread over 132 heads, past
+the L2). Short of FA3's design still: the two warpgroups add separate dQ partials (twice the reduce
+traffic of one shared 64 x D tile; shared_dq, written, is not yet timed), the products of a step
+wait on each other more than FA3's, and at D = 128 ptxas keeps a few values (deterministic: many)
+on the stack.
+
+Work. 2.5 x 4 * B * Hq * Sq * Sk * D FLOPs (five matmuls; about half when causal with Sq = Sk);
+bytes: q, k, v, dO, o once (o by the delta kernel), each key block re-reading its head's Q and dO
+(from L2 when the blocks of a head run together), and the dQ accumulator's reduce-adds, 2 x 4 x
+Sk / 64 x |q| bytes of L2 traffic (each warpgroup adds its own partial).
+
+References: Shah et al., "FlashAttention-3" (arXiv 2407.08608), section 3 and the backward in
+Dao-AILab/flash-attention ``hopper/mainloop_bwd_sm90_tma_gmma_ws.hpp``; Triton's Gluon tutorials.
+"""
+
+from __future__ import annotations
+
+from triton._C.libtriton import ir
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from tritonkit.jit import LOG2E
+
+SPLIT_N = 64  # keys a consumer warpgroup holds: a wgmma's M per warpgroup
+NUM_CONSUMERS = gl.constexpr(2)  # FA3's 2 x 64 = 128 keys a program
+BLOCK_N = NUM_CONSUMERS.value * SPLIT_N
+BLOCK_M = 64  # query rows a step (FA3's at D = 128 causal): S^T is 64 x 64 fp32, 32 registers a thread
+CONSUMER_WARPS = gl.constexpr(4)  # a consumer is a warpgroup; the first is the default partition
+PRODUCER_WARPS = gl.constexpr(1)  # one warp issues every TMA load
+# setmaxnreg budgets (FA3's): 2 x 128 threads x 240 + 128 x 24 <= 65,536. A consumer's live set at
+# D = 128: dK and dV (2 x 64 fp32), S^T and dP^T (2 x 32), P^T and dS^T in 16 bits (2 x 16), a
+# 64-column slice of the dQ partial (32).
+CONSUMER_REGS = gl.constexpr(240)
+PRODUCER_REGS = gl.constexpr(24)
+
+
+# ---------------------------------------------------------------- kernels
+
+
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """Add the shared-memory tile ``src`` into the global tensor of ``tensor_desc`` at ``coord``
+    with one bulk TMA reduction (``cp.reduce.async.bulk.tensor ... .add``); like
+    ``tma.async_copy_shared_to_global`` it clips at the tensor's bounds and ``tma.store_wait``
+    waits for it. Gluon 3.6 has the op in its builder but no wrapper."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(
+        ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle
+    )
+
+
+@gluon.jit
+def _bulk_wait_all(token):
+    """Wait until this thread's bulk async groups (its TMA reduces) have completed, not merely read
+    their shared memory (``tma.store_wait`` waits for that), and order their writes before what
+    follows in the generic proxy. ``token``: any int32 tensor (inline assembly needs an operand)."""
+    return gl.inline_asm_elementwise(
+        "cp.async.bulk.wait_group 0; fence.proxy.async.global; fence.acq_rel.gpu; mov.b32 $0, $1;",
+        "=r,r",
+        [token],
+        dtype=gl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@gluon.jit
+def _load_partition(
+    q_desc,
+    k_desc,
+    v_desc,
+    do_desc,  # TMA descriptors of q and dO (B, Hq, Sq, D), k and v (B, Hkv, Sk, D); boxes of 64 rows
+    q_smem,
+    do_smem,  # (NUM_STAGES, BLOCK_M, D): the Q and dO ring
+    k_smem,
+    v_smem,  # (NUM_CONSUMERS, SPLIT_N, D): each consumer's keys and values
+    kv_ready,  # (NUM_CONSUMERS,) mbarriers: a consumer's K and V landed
+    qd_ready,
+    qd_empty,  # (NUM_STAGES,) mbarriers: a ring stage landed / was released by both consumers
+    batch,
+    kv_head,
+    start_n,  # this program's batch, key/value head and first key
+    GROUP,  # query heads of the group
+    m_start,
+    m_end,  # the query blocks it walks in each head: [m_start, m_end)
+    rot,  # ... starting at m_start + rot, round to m_start + rot - 1 (ROTATE's order; 0 otherwise)
+    lse_ptr,
+    delta_ptr,  # the rows' lse and delta (the kernel's), copied into lse_smem and delta_smem
+    lse_smem,
+    delta_smem,  # (NUM_STAGES, BLOCK_M) fp32: beside the ring's Q and dO tiles
+    SEQ_Q,
+    stride_lb,
+    stride_lh,
+    stride_db,
+    stride_dh,
+):
+    row_layout: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])
+    CONSUMERS: gl.constexpr = k_smem.type.shape[0]
+    ROWS: gl.constexpr = k_smem.type.shape[1]
+    HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
+    NUM_STAGES: gl.constexpr = q_smem.type.shape[0]
+    BLOCK: gl.constexpr = q_smem.type.shape[1]
+    n_tiles = m_end - m_start
+    if n_tiles > 0:  # a key block that no row sees loads nothing (its consumers write zeros)
+        for c in gl.static_range(CONSUMERS):
+            mbarrier.expect(kv_ready.index(c), 2 * k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(
+                k_desc,
+                [batch, kv_head, start_n + c * ROWS, 0],
+                kv_ready.index(c),
+                k_smem.index(c).reshape([1, 1, ROWS, HEAD_DIM]),
+            )
+            tma.async_copy_global_to_shared(
+                v_desc,
+                [batch, kv_head, start_n + c * ROWS, 0],
+                kv_ready.index(c),
+                v_smem.index(c).reshape([1, 1, ROWS, HEAD_DIM]),
+            )
+        for step in range(GROUP * n_tiles):
+            head = kv_head * GROUP + step // n_tiles
+            start_m = (m_start + (step % n_tiles + rot) % n_tiles) * BLOCK
+            stage = step % NUM_STAGES
+            # the rows' statistics: the lse in log2 units, +inf past Sq and where a row sees no key
+            # (so that P = 0 there), and delta
+            rows = start_m + gl.arange(0, BLOCK, layout=row_layout)
+            in_rows = rows < SEQ_Q
+            lse = gl.load(
+                lse_ptr + (batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh) + rows,
+                mask=in_rows,
+                other=-float("inf"),
+            )
+            lse = gl.where(lse == -float("inf"), float("inf"), lse * LOG2E)
+            delta = gl.load(
+                delta_ptr + (batch.to(gl.int64) * stride_db + head.to(gl.int64) * stride_dh) + rows,
+                mask=in_rows,
+                other=0.0,
+            )
+            # the first pass over the ring waits on the phase before init, which counts as complete
+            mbarrier.wait(qd_empty.index(stage), ((step // NUM_STAGES) & 1) ^ 1)
+            lse_smem.index(stage).store(lse)
+            delta_smem.index(stage).store(delta)
+            gl.thread_barrier()  # every lane's stores before the arrive that publishes them
+            mbarrier.expect(qd_ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(
+                q_desc,
+                [batch, head, start_m, 0],
+                qd_ready.index(stage),
+                q_smem.index(stage).reshape([1, 1, BLOCK, HEAD_DIM]),
+            )
+            tma.async_copy_global_to_shared(
+                do_desc,
+                [batch, head, start_m, 0],
+                qd_ready.index(stage),
+                do_smem.index(stage).reshape([1, 1, BLOCK, HEAD_DIM]),
+            )
+
+
+@gluon.jit
+def _release(pending, token, sem_ptr):
+    """Deterministic mode: once this warpgroup's last reduce has completed, advance the ticket
+    counter at ``sem_ptr + pending`` (none when ``pending`` < 0)."""
+    if pending >= 0:
+        _bulk_wait_all(token)
+        gl.atomic_add(sem_ptr + pending, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def _starts_up_to(x, blocks, m_count):
+    """How many of ``blocks`` key blocks start their walk (ROTATE) at a query block <= x (>= -1):
+    block n starts at n * m_count // blocks."""
+    return gl.minimum(blocks, gl.cdiv((x + 1) * blocks, m_count))
+
+
+@gluon.jit
+def _grad_steps(
+    dk,
+    dv,
+    pending,
+    k,
+    v,
+    k_smem,
+    q_smem,
+    do_smem,
+    ds_smem,
+    dq_smem,
+    qd_ready,
+    qd_empty,
+    ds_ready,
+    ds_free,
+    dq_desc,
+    lse_smem,
+    delta_smem,
+    sem_ptr,
+    batch,
+    head,
+    key_start,
+    first,
+    last,
+    step0,
+    n_last,
+    rot,
+    m_count,
+    SEQ_K,
+    UPPER_OFFSET,
+    stride_sb,
+    stride_sh,
+    qk_scale,
+    MASKED: gl.constexpr,
+    IS_CAUSAL: gl.constexpr,
+    DETERMINISTIC: gl.constexpr,
+    ROTATE: gl.constexpr,
+    OVERLAP_SDP: gl.constexpr,
+    SHARED_DQ: gl.constexpr,
+    CID: gl.constexpr,
+):
+    """Query blocks [first, last) of query head ``head`` against this warpgroup's keys (from
+    ``key_start``): step step0 + (m - first) of the ring for block m (with ROTATE, block
+    (m + rot) % m_count: a full mask's walk starting at block ``rot``). Returns (dk, dv, pending);
+    ``pending`` is the ticket offset of the last reduce whose completion is not yet published
+    (DETERMINISTIC; -1 if none). MASKED steps hide keys past SEQ_K and, causal, those past each
+    row's diagonal (key j <= row i + UPPER_OFFSET). SHARED_DQ: ``ds_smem`` holds both warpgroups'
+    dS^T (2 steps x 2 warpgroups, step-major, guarded by ``ds_ready`` and ``ds_free``) and this one computes
+    the D / 2 columns of dQ from CID * D / 2 over all 128 keys (``k_smem``); otherwise ``ds_smem``
+    is this warpgroup's own and it computes a whole partial over its 64 keys."""
+    NUM_STAGES: gl.constexpr = q_smem.type.shape[0]
+    BLOCK: gl.constexpr = q_smem.type.shape[1]
+    HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
+    ROWS: gl.constexpr = k.type.shape[0]
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16]
+    )
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)  # along the query rows (S^T's columns)
+    zero_s = gl.zeros([ROWS, BLOCK], gl.float32, s_layout)
+    if SHARED_DQ:
+        DQ_COLS: gl.constexpr = HEAD_DIM // 2
+        DQ_SPLIT: gl.constexpr = 1
+    else:
+        DQ_COLS: gl.constexpr = 64 if HEAD_DIM > 64 else HEAD_DIM
+        DQ_SPLIT: gl.constexpr = HEAD_DIM // DQ_COLS
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQ_COLS, 16]
+    )
+    zero_dq = gl.zeros([BLOCK, DQ_COLS], gl.float32, dq_layout)
+    keys = key_start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+    token = gl.full([1], 0, gl.int32, gl.BlockedLayout([1], [32], [4], [0]))
+    for i in range(first, last):
+        step = step0 + i - first
+        m = i
+        if ROTATE:
+            m = (i + rot) % m_count
+        stage = step % NUM_STAGES
+        q = q_smem.index(stage)
+        do = do_smem.index(stage)
+        mbarrier.wait(qd_ready.index(stage), (step // NUM_STAGES) & 1)
+        s = warpgroup_mma(k, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        if OVERLAP_SDP:
+            dp = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+        else:
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        lse = lse_smem.index(stage).load(col_s)
+        if MASKED:
+            rows = m * BLOCK + gl.arange(0, BLOCK, layout=col_s)
+            visible = keys[:, None] < SEQ_K
+            if IS_CAUSAL:
+                visible = visible & (keys[:, None] <= rows[None, :] + UPPER_OFFSET)
+            p = gl.exp2(gl.where(visible, s * qk_scale - lse[None, :], -float("inf")))
+        else:
+            p = gl.exp2(s * qk_scale - lse[None, :])
+        # P^T in the input dtype only: the A operand of dV (the same registers as the accumulator's
+        # layout for 16-bit types) and dS's factor, which keeps 32 fp32 registers free at D = 128
+        p = p.to(dtype)
+        p_a = gl.convert_layout(p, a_layout)
+        if not OVERLAP_SDP:  # dP^T now, under P's conversion and dV
+            dp = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dv = warpgroup_mma(p_a, do, dv, is_async=True)
+        dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp,))
+        ds = (p.to(gl.float32) * (dp - delta_smem.index(stage).load(col_s)[None, :])).to(dtype)
+        ds_a = gl.convert_layout(ds, a_layout)
+        dk = warpgroup_mma(ds_a, q, dk, is_async=True)
+        if SHARED_DQ:
+            # both warpgroups' dS^T of this step in one buffer of two (free once both products
+            # of two steps ago that read it are done), then this warpgroup's columns of dQ over
+            # all 128 keys: one 64 x D tile a step for the two, half the reduce traffic
+            ds_stage = step % 2
+            ds_phase = (step // 2) & 1
+            mbarrier.wait(ds_free.index(ds_stage), ds_phase ^ 1)
+            ds_smem.index(2 * ds_stage + CID).store(ds)
+            fence_async_shared()  # the generic-proxy store before either warpgroup's wgmma reads it
+            mbarrier.arrive(ds_ready.index(ds_stage), count=1)
+            dv, dk, p_a = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dk, p_a))
+            tma.store_wait(pendings=0)  # the previous reduce has read the staging buffer
+            mbarrier.wait(ds_ready.index(ds_stage), ds_phase)
+            dq = warpgroup_mma(
+                ds_smem.index(2 * ds_stage).permute((1, 0)),
+                k_smem.index(0).slice(CID * DQ_COLS, DQ_COLS, dim=1),
+                zero_dq,
+                use_acc=False,
+                is_async=True,
+            )
+            dq = warpgroup_mma(
+                ds_smem.index(2 * ds_stage + 1).permute((1, 0)),
+                k_smem.index(1).slice(CID * DQ_COLS, DQ_COLS, dim=1),
+                dq,
+                is_async=True,
+            )
+            dq, dk, ds_a = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, ds_a))
+            mbarrier.arrive(ds_free.index(ds_stage), count=1)
+            dq_smem.store(dq)
+        else:
+            ds_smem.store(ds)
+            fence_async_shared()  # the generic-proxy store before the wgmma reads it
+            # dQ = dS K in DQ_SPLIT column slices of DQ_COLS (at D = 128 a whole 64 x 128 fp32
+            # partial beside dK and dV does not fit in 240 registers)
+            dv, dk, p_a = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dk, p_a))
+            tma.store_wait(pendings=0)  # the previous reduce has read the staging buffer
+            for half in gl.static_range(DQ_SPLIT):
+                dq = warpgroup_mma(
+                    ds_smem.permute((1, 0)),
+                    k.slice(half * DQ_COLS, DQ_COLS, dim=1),
+                    zero_dq,
+                    use_acc=False,
+                    is_async=True,
+                )
+                dq, dk, ds_a = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, ds_a))
+                dq_smem.slice(half * DQ_COLS, DQ_COLS, dim=1).store(dq)
+        mbarrier.arrive(qd_empty.index(stage), count=1)
+        fence_async_shared()
+        if DETERMINISTIC:
+            # the previous step's reduce has completed under this step's products: publish it
+            _release(pending, token, sem_ptr)
+            # this warpgroup's turn at the block: key blocks ascending, or causal descending from
+            # the last one the block sees (n_last for the block, by the same rule as the launcher's)
+            key_block = key_start // (2 * ROWS)
+            part = (key_start // ROWS) % 2
+            if ROTATE:
+                # key block n starts its walk at block rot = n * m_count // (n_last + 1), so it
+                # reaches block m at step t = (m - rot) mod m_count; turns in the order of
+                # arrival, ties (equal starts) by key block: the turn's rank counts the key
+                # blocks that start in the t blocks up to m, and those of equal start before n
+                blocks = n_last + 1
+                t = (m - rot + m_count) % m_count
+                low = m - t + 1
+                before = _starts_up_to(m, blocks, m_count)
+                if low >= 0:
+                    before -= _starts_up_to(low - 1, blocks, m_count)
+                else:
+                    before += blocks - _starts_up_to(m_count + low - 1, blocks, m_count)
+                rank = before + key_block - _starts_up_to(rot - 1, blocks, m_count)
+                turn = 2 * rank + part
+            elif IS_CAUSAL:
+                # (the block's last row counted as m * BLOCK + BLOCK - 1 even past Sq: the
+                # launcher's m_start counts it so)
+                top = gl.minimum((m * BLOCK + BLOCK - 1 + UPPER_OFFSET) // (2 * ROWS), n_last)
+                turn = 2 * (top - key_block) + part
+            else:
+                turn = 2 * key_block + part
+            ticket = batch.to(gl.int64) * stride_sb + head.to(gl.int64) * stride_sh + m
+            while gl.atomic_add(sem_ptr + ticket, 0, sem="acquire", scope="gpu") != turn:
+                pass
+            pending = ticket
+        _tma_reduce_add(
+            dq_desc,
+            [batch, head, m * BLOCK, CID * DQ_COLS if SHARED_DQ else 0],
+            dq_smem.reshape([1, 1, BLOCK, DQ_COLS * DQ_SPLIT]),
+        )
+    return dk, dv, pending
+
+
+@gluon.jit
+def _grad_partition(
+    cid: gl.constexpr,  # which consumer warpgroup: keys start_n + cid * SPLIT_N, ...
+    dk_desc,
+    dv_desc,  # TMA descriptors of dk and dv (B, Hkv, Sk, D), like k's
+    dq_desc,  # ... of the fp32 dq accumulator (B, Hq, Sq, D), box (1, 1, BLOCK_M, D)
+    sem_ptr,
+    q_smem,
+    do_smem,
+    lse_smem,
+    delta_smem,
+    k_smem,
+    v_smem,
+    ds_smem,
+    dq_smem,
+    kv_ready,
+    qd_ready,
+    qd_empty,
+    ds_ready,
+    ds_free,
+    batch,
+    kv_head,
+    start_n,
+    GROUP,
+    m_start,
+    m_mid,
+    m_end,  # per head: blocks [m_start, m_mid) masked, [m_mid, m_end) not
+    n_last,  # the last key block of the heads
+    rot,  # ROTATE: the walk of each head starts at this block
+    SEQ_K,
+    UPPER_OFFSET,
+    stride_sb,
+    stride_sh,
+    qk_scale,
+    scale,
+    IS_CAUSAL: gl.constexpr,
+    DETERMINISTIC: gl.constexpr,
+    ROTATE: gl.constexpr,
+    OVERLAP_SDP: gl.constexpr,
+    SHARED_DQ: gl.constexpr,
+):
+    ROWS: gl.constexpr = k_smem.type.shape[1]
+    HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
+    dtype: gl.constexpr = k_smem.dtype
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    k = k_smem.index(cid)
+    v = v_smem.index(cid)
+    if SHARED_DQ:
+        ds_buf = ds_smem
+    else:
+        ds_buf = ds_smem.index(cid)
+    dq_buf = dq_smem.index(cid)
+    key_start = start_n + cid * ROWS
+    dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
+    dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
+    n_tiles = m_end - m_start
+    pending = (batch * 0 - 1).to(gl.int64)  # no reduce awaiting its ticket's advance
+    if n_tiles > 0:
+        mbarrier.wait(kv_ready.index(cid), 0)
+        for g in range(GROUP):
+            head = kv_head * GROUP + g
+            # fmt: off
+            dk, dv, pending = _grad_steps(
+                dk, dv, pending, k, v, k_smem, q_smem, do_smem, ds_buf, dq_buf, qd_ready, qd_empty, ds_ready,
+                ds_free, dq_desc, lse_smem,
+                delta_smem, sem_ptr, batch, head, key_start, m_start, m_mid, g * n_tiles, n_last, rot, m_end,
+                SEQ_K, UPPER_OFFSET, stride_sb, stride_sh, qk_scale, True, IS_CAUSAL, DETERMINISTIC, ROTATE,
+                OVERLAP_SDP, SHARED_DQ, cid)
+            dk, dv, pending = _grad_steps(
+                dk, dv, pending, k, v, k_smem, q_smem, do_smem, ds_buf, dq_buf, qd_ready, qd_empty, ds_ready,
+                ds_free, dq_desc, lse_smem,
+                delta_smem, sem_ptr, batch, head, key_start, m_mid, m_end, g * n_tiles + m_mid - m_start,
+                n_last, rot, m_end, SEQ_K, UPPER_OFFSET, stride_sb, stride_sh, qk_scale, False, IS_CAUSAL,
+                DETERMINISTIC, ROTATE, OVERLAP_SDP, SHARED_DQ, cid)
+            # fmt: on
+    tma.store_wait(pendings=0)
+    if DETERMINISTIC:
+        _release(pending, gl.full([1], 0, gl.int32, gl.BlockedLayout([1], [32], [4], [0])), sem_ptr)
+    # dK and dV leave through this warpgroup's K and V buffers: every product that read them is done
+    k.store((dk * scale).to(dtype))
+    v.store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(
+        dk_desc, [batch, kv_head, key_start, 0], k.reshape([1, 1, ROWS, HEAD_DIM])
+    )
+    tma.async_copy_shared_to_global(
+        dv_desc, [batch, kv_head, key_start, 0], v.reshape([1, 1, ROWS, HEAD_DIM])
+    )
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _attn_bwd_sm90_kernel(
+    q_desc,  # TMA descriptor of q, (B, Hq, Sq, D), box (1, 1, BLOCK_M, D)
+    k_desc,  # ... of k, (B, Hkv, Sk, D), box (1, 1, SPLIT_N, D)
+    v_desc,  # ... of v, like k
+    do_desc,  # ... of dO, like q
+    dk_desc,  # ... of dk, like k
+    dv_desc,  # ... of dv, like k
+    dq_desc,  # ... of the fp32 dq accumulator (B, Hq, Sq, D), zeroed, box (1, 1, BLOCK_M, D)
+    lse_ptr,  # fp32 forward log-sum-exp (natural log), (B, Hq, Sq), strides stride_lb, stride_lh, 1
+    delta_ptr,  # fp32 rowsum(dO * O) - dlse, (B, Hq, Sq), strides stride_db, stride_dh, 1
+    sem_ptr,  # DETERMINISTIC: int32 ticket counters, zeroed, (B, Hq, cdiv(Sq, BLOCK_M)) strides stride_s*, 1
+    stride_lb,
+    stride_lh,
+    stride_db,
+    stride_dh,
+    stride_sb,
+    stride_sh,
+    HEADS_KV,  # key/value heads
+    GROUP,  # query heads per key/value head (1 without GQA)
+    SEQ_Q,  # query rows of a head
+    SEQ_K,  # keys of a head
+    UPPER_OFFSET,  # IS_CAUSAL: row i sees key j iff j <= i + UPPER_OFFSET
+    qk_scale,  # scale * log2(e)
+    scale,  # the scores' scale (dK's factor)
+    IS_CAUSAL: gl.constexpr,  # the causal mask
+    DETERMINISTIC: gl.constexpr,  # dq's partials added in a fixed order (ticket counters)
+    NUM_STAGES: gl.constexpr,  # Q/dO tiles in flight
+    KEY_MAJOR: gl.constexpr,  # key blocks on the grid's fastest axis (else (batch, head) pairs)
+    ROTATE: gl.constexpr,  # DETERMINISTIC, full mask: key block n walks the query blocks from n * Mb / Nb
+    OVERLAP_SDP: gl.constexpr,  # dP^T issued beside S^T (Config.overlap_sdp)
+    SHARED_DQ: gl.constexpr,  # one dQ tile a step for both warpgroups (Config.shared_dq)
+):
+    BLOCK: gl.constexpr = q_desc.block_type.shape[2]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    ROWS: gl.constexpr = k_desc.block_type.shape[2]
+    KEYS: gl.constexpr = NUM_CONSUMERS * ROWS
+    dtype: gl.constexpr = q_desc.dtype
+    gl.static_assert(ROWS == 64, "a consumer warpgroup's wgmma has 64 rows")
+    gl.static_assert(k_desc.block_type.shape[3] == HEAD_DIM, "q and k share D")
+
+    n_blocks = gl.cdiv(SEQ_K, KEYS)
+    if KEY_MAJOR:  # the key blocks of a head run together and share its Q, dO and dq in L2
+        pid_n = gl.program_id(0)
+        bh = gl.program_id(1)
+    else:
+        bh = gl.program_id(0)
+        pid_n = gl.program_id(1)
+    if DETERMINISTIC and IS_CAUSAL:  # in turn order: the last key block first
+        pid_n = n_blocks - 1 - pid_n
+    batch = bh // HEADS_KV
+    kv_head = bh % HEADS_KV
+    start_n = pid_n * KEYS
+    m_end = gl.cdiv(SEQ_Q, BLOCK)
+    if IS_CAUSAL:
+        # the first block with a row that sees key start_n, the first whose every row sees the
+        # program's last key
+        m_start = gl.minimum(gl.maximum(start_n - UPPER_OFFSET, 0) // BLOCK, m_end)
+        m_mid = gl.minimum(
+            gl.maximum(gl.cdiv(gl.maximum(start_n + KEYS - 1 - UPPER_OFFSET, 0), BLOCK), m_start), m_end
+        )
+    else:
+        m_start = 0
+        m_mid = 0
+    if start_n + KEYS > SEQ_K:  # the ragged last block: every step masks the keys past Sk
+        m_mid = m_end
+    rot = pid_n * 0
+    if ROTATE:
+        rot = (pid_n * m_end) // n_blocks
+
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, HEAD_DIM], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK], dtype)
+    if SHARED_DQ:  # K as its descriptor has it (D = 64: a 64-byte swizzle, so that D / 2 columns slice)
+        k_layout: gl.constexpr = gl.NVMMASharedLayout(k_desc.layout.swizzle_byte_width, 16)
+        DQ_COLS: gl.constexpr = HEAD_DIM // 2
+    else:
+        k_layout: gl.constexpr = kv_layout
+        DQ_COLS: gl.constexpr = HEAD_DIM
+    dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, DQ_COLS], gl.float32)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK, HEAD_DIM], q_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK, HEAD_DIM], q_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, ROWS, HEAD_DIM], k_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, ROWS, HEAD_DIM], kv_layout)
+    if SHARED_DQ:
+        ds_smem = gl.allocate_shared_memory(dtype, [2 * NUM_CONSUMERS, ROWS, BLOCK], ds_layout)
+    else:
+        ds_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, ROWS, BLOCK], ds_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS, BLOCK, DQ_COLS], dq_layout)
+    rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK], rows_layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK], rows_layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    qd_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    qd_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_CONSUMERS):
+        mbarrier.init(kv_ready.index(i), count=1)
+    if SHARED_DQ:
+        ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(ds_ready.index(i), count=NUM_CONSUMERS)  # both warpgroups' dS^T stored
+            mbarrier.init(ds_free.index(i), count=NUM_CONSUMERS)  # both warpgroups' dQ products done
+    else:  # (unused)
+        ds_ready = kv_ready
+        ds_free = kv_ready
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(qd_ready.index(i), count=1)  # the producer's expect; the TMA's bytes complete it
+        mbarrier.init(qd_empty.index(i), count=NUM_CONSUMERS)  # free once both consumers release it
+
+    # fmt: off
+    gl.warp_specialize([
+        # the default partition (the launch's warps), the second consumer, the producer
+        (_grad_partition, (0, dk_desc, dv_desc, dq_desc, sem_ptr, q_smem, do_smem, lse_smem, delta_smem,
+                           k_smem, v_smem, ds_smem, dq_smem, kv_ready, qd_ready, qd_empty, ds_ready, ds_free,
+                           batch, kv_head,
+                           start_n, GROUP, m_start, m_mid, m_end, n_blocks - 1, rot, SEQ_K,
+                           UPPER_OFFSET, stride_sb, stride_sh, qk_scale, scale, IS_CAUSAL, DETERMINISTIC,
+                           ROTATE, OVERLAP_SDP, SHARED_DQ)),
+        (_grad_partition, (1, dk_desc, dv_desc, dq_desc, sem_ptr, q_smem, do_smem, lse_smem, delta_smem,
+                           k_smem, v_smem, ds_smem, dq_smem, kv_ready, qd_ready, qd_empty, ds_ready, ds_free,
+                           batch, kv_head,
+                           start_n, GROUP, m_start, m_mid, m_end, n_blocks - 1, rot, SEQ_K,
+                           UPPER_OFFSET, stride_sb, stride_sh, qk_scale, scale, IS_CAUSAL, DETERMINISTIC,
+                           ROTATE, OVERLAP_SDP, SHARED_DQ)),
+        (_load_partition, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, kv_ready,
+                           qd_ready, qd_empty, batch, kv_head, start_n, GROUP, m_start, m_end, rot,
+                           lse_ptr, delta_ptr, lse_smem, delta_smem, SEQ_Q, stride_lb, stride_lh,
+                           stride_db, stride_dh)),
+    ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+    # fmt: on

@@ -1,0 +1,324 @@
+"""The sm_90 Gluon attention backward (``ops/attention/bwd_sm90.py``): its SASS checked for Hopper
+without a GPU (warp-specialized partitions with register budgets, HGMMA, the wgmma waits that leave
+one product running, the TMA reduce-add of dQ, no spills) and its dispatch rule; on the H200
+(``gpu``) dq, dk and dv against the float64 reference gradients with the oracle's rule, over ragged
+lengths, both causal alignments of Sq != Sk, GQA/MQA, fp16/bf16, D 64 and 128, strided layouts,
+both modes, and the deterministic mode's bits run to run. Gluon kernels do not run in Triton's
+interpreter, so nothing here runs on the CPU but the compile and the dispatch rule."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+import pytest
+import torch
+
+import sm90
+
+pytestmark = pytest.mark.attention
+
+_STATIC_CHECK = r"""
+import json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+from tritonkit.asm import _cuobjdump
+from tritonkit.ops.attention import bwd_sm90 as bwd
+
+def numbers(pattern, text):
+    return sorted(set(int(n) for n in re.findall(pattern, text)))
+
+def descriptor(dtype, rows, cols, swizzle=None):  # as bwd_sm90._descriptor makes it
+    block = [1, 1, rows, cols]
+    element = {"bf16": gl.bfloat16, "fp16": gl.float16, "fp32": gl.float32}[dtype]
+    layout = gl.NVMMASharedLayout.get_default_for(block, element)
+    if swizzle is not None:
+        layout = gl.NVMMASharedLayout(swizzle, layout.element_bitwidth, rank=4)
+    return f"tensordesc<{dtype}[{','.join(map(str, block))}],{layout!r}>"
+
+for dtype, head_dim, causal, deterministic, key_major, shared_dq, _ in CASES:
+    bwd.KEY_MAJOR_DETERMINISTIC = key_major
+    config = bwd.CONFIGS[head_dim]._replace(shared_dq=shared_dq)
+    k_swizzle = 64 if shared_dq and head_dim == 64 else None
+    rows = {"q_desc": bwd.BLOCK_M, "k_desc": bwd.SPLIT_N, "v_desc": bwd.SPLIT_N, "do_desc": bwd.BLOCK_M,
+            "dk_desc": bwd.SPLIT_N, "dv_desc": bwd.SPLIT_N}
+    signature = {name: descriptor(dtype, n, head_dim, k_swizzle if name in ("k_desc", "dk_desc") else None)
+                 for name, n in rows.items()}
+    signature |= {"dq_desc": descriptor("fp32", bwd.BLOCK_M, head_dim // 2 if shared_dq else head_dim),
+                  "lse_ptr": "*fp32", "delta_ptr": "*fp32", "sem_ptr": "*i32"}
+    for name in ("stride_lb", "stride_lh", "stride_db", "stride_dh", "stride_sb", "stride_sh", "HEADS_KV",
+                 "GROUP", "SEQ_Q", "SEQ_K", "UPPER_OFFSET"):
+        signature[name] = "i32"
+    signature |= {"qk_scale": "fp32", "scale": "fp32", "IS_CAUSAL": "constexpr", "DETERMINISTIC": "constexpr",
+                  "NUM_STAGES": "constexpr", "KEY_MAJOR": "constexpr", "ROTATE": "constexpr",
+                  "OVERLAP_SDP": "constexpr", "SHARED_DQ": "constexpr"}
+    constants = {"IS_CAUSAL": causal, "DETERMINISTIC": deterministic, "NUM_STAGES": config.num_stages,
+                 "OVERLAP_SDP": config.overlap_sdp, "SHARED_DQ": config.shared_dq}
+    constants["KEY_MAJOR"], constants["ROTATE"] = bwd.order(deterministic, causal, 32, 132)
+    kernel = triton.compile(GluonASTSource(bwd._attn_bwd_sm90_kernel, signature, constants),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": bwd.CONSUMER_WARPS.value})
+    ptx, sass = kernel.asm["ptx"], _cuobjdump(kernel.asm["cubin"], "-sass")
+    print(json.dumps({
+        "case": f"{dtype} d{head_dim} causal={causal} deterministic={deterministic} key_major={key_major} "
+                f"shared_dq={shared_dq}",
+        "warps": kernel.metadata.num_warps, "shared": kernel.metadata.shared,
+        "waits": numbers(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx),
+        "setmaxnreg": numbers(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx),
+        "hgmma": sass.count("HGMMA"), "hmma": sass.count(" HMMA"),
+        "spills": sass.count("STL") + sass.count("LDL"),
+        "reduces": sass.count("UTMAREDG"), "tma_loads": ptx.count("cp.async.bulk.tensor.4d.shared"),
+        "tickets": ptx.count("ld.global.gpu.acquire"), "releases": ptx.count("atom.global.gpu.release.add"),
+    }))
+"""
+
+# (dtype, D, causal, deterministic, KEY_MAJOR_DETERMINISTIC, Config.shared_dq, spills): both head
+# dims, both masks, both modes, both deterministic orders, both dQ splits, and the local loads and
+# stores in the SASS, which may not grow. None at D = 64 but for the key-major order, where a few
+# values computed before the partitions start (each program's walk) cross the register
+# reallocation on the stack. At D = 128 a consumer's accumulators (dK and dV: 128 registers a
+# thread, S^T and dP^T 64 more) leave ptxas short of 240 for the rest: the free order keeps a few
+# values on the stack; the deterministic one, with the tickets' arithmetic, many (shared-memory
+# descriptors of the products, reloaded in the loop). Fewer is a next step (docs/perf-notes.md).
+STATIC_CASES = [
+    ("bf16", 128, False, False, False, False, 4),
+    ("bf16", 128, True, True, False, False, 235),
+    ("fp16", 64, True, False, False, False, 0),
+    ("bf16", 64, False, True, False, False, 0),
+    ("bf16", 128, False, True, True, False, 230),
+    ("bf16", 64, True, True, True, False, 13),
+    ("bf16", 128, True, False, False, True, 43),
+    ("fp16", 64, False, False, False, True, 0),
+]
+
+
+def test_the_kernel_compiles_for_hopper_warp_specialized_with_the_dq_reduce_off_the_registers():
+    rows = [json.loads(line) for line in sm90.run(f"CASES = {STATIC_CASES!r}\n{_STATIC_CHECK}")]
+    assert len(rows) == len(STATIC_CASES)
+    for row, (*_, deterministic, _, _, spills) in zip(rows, STATIC_CASES, strict=True):
+        # two consumer warpgroups and the producer's warp; budgets 240 and 24 (and Triton's steps)
+        assert row["warps"] == 12 and {240, 24} <= set(row["setmaxnreg"]), row
+        # one product left running under the exponentials and under dS, and full waits
+        assert row["waits"] == [0, 1], row
+        assert row["hgmma"] > 0 and row["hmma"] == 0 and row["tma_loads"] > 0, row
+        assert row["reduces"] > 0, row  # dQ's partials go out by bulk reduce-add, not per element
+        assert row["shared"] <= 227 * 1024, row
+        # the deterministic mode waits for its turn (an acquiring load) and publishes its adds
+        assert (row["tickets"] > 0) == (row["releases"] > 0) == deterministic, row
+        assert row["spills"] <= spills, row
+
+
+# ---------------------------------------------------------------- the dispatch
+
+
+def test_calls_the_gluon_backward_cannot_take_go_to_the_triton_kernels(device):
+    """Packed batches, windows and soft caps never take it; and nothing does under the interpreter
+    or off an sm_90 GPU (Gluon kernels do not run there)."""
+    from tritonkit.ops.attention import bwd
+    from tritonkit.ops.attention.common import Packed, Scores
+
+    q = torch.randn(1, 2, 16, 64, device=device, dtype=torch.bfloat16)
+    k = torch.randn(1, 2, 24, 64, device=device, dtype=torch.bfloat16)
+    packed = Packed(torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), 1, 16, 24)
+    for scores, pack in [
+        (Scores(0.125), packed),
+        (Scores(0.125, window=(4, 0)), None),
+        (Scores(0.125, softcap=30.0), None),
+    ]:
+        for deterministic in (False, True):
+            assert not bwd.sm90_takes(q, k, k, scores, pack, deterministic), scores
+    if not _sm90():
+        for deterministic in (False, True):
+            assert not bwd.sm90_takes(q, k, k, Scores(0.125, causal=True), None, deterministic)
+
+
+# ---------------------------------------------------------------- on the H200
+
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def _inputs(batch, heads_q, heads_kv, seq_q, seq_k, head_dim, dtype, seed):
+    """q, k, v and dO, seeded."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    shapes = [(batch, heads_q, seq_q, head_dim), *((batch, heads_kv, seq_k, head_dim),) * 2]
+    shapes.append(shapes[0])
+    return tuple(torch.randn(shape, device="cuda", dtype=dtype, generator=g) for shape in shapes)
+
+
+def _forward(q, k, v, causal, scale, bottom_right):
+    """o (in q's dtype) and the fp32 lse, from the float64 reference."""
+    from tritonkit.ops.attention.common import attention_reference
+
+    o, lse = attention_reference(
+        q.double(), k.double(), v.double(), causal, scale, bottom_right=bottom_right, return_lse=True
+    )
+    return o.to(q.dtype), lse.float()
+
+
+def _run(q, k, v, do, o, lse, causal, scale, bottom_right, deterministic, grads=None, config=None):
+    """The kernel's (dq, dk, dv), written into NaN-filled buffers (or into ``grads``)."""
+    from tritonkit.ops.attention import bwd, bwd_sm90
+
+    delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
+    bwd._delta_launch(o, do, lse, None, delta).run()
+    dq, dk, dv = grads or tuple(torch.full_like(t, math.nan) for t in (q, k, v))
+    offset = q.shape[2] - k.shape[2]
+    bwd_sm90.attention_bwd_sm90(
+        do, q, k, v, lse, delta, dq, dk, dv, scale=scale, causal=causal,
+        upper_offset=-offset if bottom_right else 0, deterministic=deterministic, config=config,
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+def check(q, k, v, do, causal, *, deterministic, scale=None, bottom_right=True, config=None):
+    """The oracle on dq, dk and dv against autograd through the reference in float64, torch's error
+    from the same reference run in the inputs' dtype."""
+    from tritonkit.ops.attention.common import attention_reference
+    from tritonkit.oracle import compare
+
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    o, lse = _forward(q, k, v, causal, scale, bottom_right)
+    grads = _run(q, k, v, do, o, lse, causal, scale, bottom_right, deterministic, config=config)
+
+    def reference(dtype):
+        inputs = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        out = attention_reference(*inputs, causal, scale, bottom_right=bottom_right)
+        return torch.autograd.grad(out, inputs, do.to(dtype))
+
+    exact, in_dtype = reference(torch.float64), reference(q.dtype)
+    comparisons = [
+        compare(name, grad, torch_grad, exact_grad, q.dtype)
+        for name, grad, torch_grad, exact_grad in zip(("dq", "dk", "dv"), grads, in_dtype, exact, strict=True)
+    ]
+    assert all(c.passed for c in comparisons), [str(c) for c in comparisons]
+
+
+# (B, Hq, Hkv, Sq, Sk, causal, bottom_right): single rows and keys, lengths off the 64-row and
+# 128-key blocks, Sq != Sk both ways and both alignments (causal with Sq > Sk bottom-right leaves
+# rows that see no key), GQA 32/8 and MQA, diagonals on and off block edges
+CASES = [
+    (1, 1, 1, 1, 1, False, True),
+    (1, 1, 1, 1, 1, True, True),
+    (1, 2, 2, 1, 123, True, True),
+    (1, 2, 2, 7, 7, True, True),
+    (2, 3, 3, 123, 123, True, True),
+    (1, 2, 2, 1000, 1000, False, True),
+    (1, 2, 2, 1000, 1000, True, True),
+    (1, 2, 2, 100, 1000, True, True),
+    (1, 2, 2, 1000, 100, True, True),
+    (1, 2, 2, 100, 1000, True, False),
+    (1, 2, 2, 1000, 100, True, False),
+    (2, 3, 3, 257, 389, False, True),
+    (2, 3, 3, 389, 257, True, True),
+    (1, 32, 8, 500, 700, True, True),
+    (2, 8, 1, 333, 333, True, True),
+    (2, 8, 1, 1, 333, False, True),
+    (1, 4, 4, 384, 512, True, True),
+    (1, 4, 4, 512, 512, False, True),
+    (1, 1, 1, 100, 17000, False, True),  # more key blocks than the H200's SMs: no rotated walk
+]
+
+
+def _case_id(case) -> str:
+    shape = "x".join(map(str, case[:5]))
+    return shape + ("-causal" + ("" if case[6] else "-topleft") if case[5] else "")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("deterministic", [False, True], ids=["any-order", "deterministic"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_gpu_matches_the_reference(case, head_dim, dtype, deterministic):
+    batch, heads_q, heads_kv, seq_q, seq_k, causal, bottom_right = case
+    seed = 8 * CASES.index(case) + 4 * (head_dim == 128) + 2 * (dtype == torch.float16) + deterministic
+    inputs = _inputs(batch, heads_q, heads_kv, seq_q, seq_k, head_dim, dtype, seed)
+    check(*inputs, causal, deterministic=deterministic, bottom_right=bottom_right)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_every_candidate_config(causal, head_dim):
+    """Each candidate in either mode (GQA, ragged, Sq != Sk)."""
+    from tritonkit.ops.attention import bwd_sm90
+
+    for i, config in enumerate(bwd_sm90.CANDIDATES[head_dim]):
+        for deterministic in (False, True):
+            inputs = _inputs(2, 4, 2, 777, 901, head_dim, torch.bfloat16, seed=100 + i)
+            check(*inputs, causal, deterministic=deterministic, config=config)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_strided_layouts_and_scale(causal):
+    """(B, S, H, D) tensors viewed as (B, H, S, D), a dO whose last dim is strided (TMA cannot read
+    it: copied), strided gradients and a scale of its own."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v = (
+        torch.randn(2, s, h, 128, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
+        for s, h in ((301, 4), (517, 2), (517, 2))
+    )
+    do = torch.randn(2, 4, 128, 301, device="cuda", dtype=torch.bfloat16, generator=g).transpose(2, 3)
+    check(q, k, v, do, causal, deterministic=True, scale=0.3)
+    o, lse = _forward(q, k, v, causal, 0.3, True)
+    grads = tuple(torch.full_like(t.transpose(1, 2), math.nan).transpose(1, 2) for t in (q, k, v))
+    _run(q, k, v, do, o, lse, causal, 0.3, True, True, grads)
+    # the same dO (the delta kernel's order of summation follows its strides): the same bits
+    dense = _run(q.contiguous(), k.contiguous(), v.contiguous(), do, o, lse, causal, 0.3, True, True)
+    assert all(torch.equal(a, b) for a, b in zip(grads, dense, strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("key_major", [False, True], ids=["turns-slow", "key-major"])
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_deterministic_mode_gives_the_same_bits(causal, heads, key_major, monkeypatch):
+    """(2, H, 2048 + 77, 128) bf16, many key blocks adding into each dq block: the deterministic
+    mode's three gradients are the same bits run after run (dk and dv in either mode: no atomics),
+    in either order of programs (``bwd_sm90.KEY_MAJOR_DETERMINISTIC``), which pass the oracle."""
+    from tritonkit.ops.attention import bwd_sm90
+
+    monkeypatch.setattr(bwd_sm90, "KEY_MAJOR_DETERMINISTIC", key_major)
+    q, k, v, do = _inputs(2, *heads, 2125, 2125, 128, torch.bfloat16, seed=2125 + causal)
+    check(q, k, v, do, causal, deterministic=True, scale=0.1)
+    o, lse = _forward(q, k, v, causal, 0.1, True)
+    runs = [_run(q, k, v, do, o, lse, causal, 0.1, True, True) for _ in range(3)]
+    for other in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other, strict=True))
+    free = _run(q, k, v, do, o, lse, causal, 0.1, True, False)
+    assert torch.equal(free[1], runs[0][1]) and torch.equal(free[2], runs[0][2])
+    assert torch.allclose(free[0].float(), runs[0][0].float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("deterministic", [False, True], ids=["any-order", "deterministic"])
+def test_gpu_flash_attention_backward_runs_the_gluon_kernel(deterministic, caplog):
+    """Through the public function: the debug line names the Gluon backward, and its gradients
+    pass the oracle (GQA, causal, Sq != Sk)."""
+    import tritonkit
+    from tritonkit.ops.attention import bwd
+    from tritonkit.ops.attention.common import Scores
+
+    q, k, v, do = _inputs(2, 8, 2, 300, 450, 64, torch.bfloat16, seed=7)
+    if not bwd.sm90_takes(q, k, v, Scores(64**-0.5, True), None, deterministic):
+        pytest.skip("the Gluon backward is switched off for this mode")
+    inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+    with caplog.at_level(logging.DEBUG, logger="tritonkit"):
+        out = tritonkit.flash_attention(*inputs, causal=True, deterministic=deterministic)
+        grads = torch.autograd.grad(out, inputs, do)
+    assert any("backward" in r.message and "sm_90 Gluon" in r.message for r in caplog.records)
+    o, lse = _forward(q, k, v, True, 64**-0.5, True)
+    mine = _run(q, k, v, do, o, lse, True, 64**-0.5, True, deterministic)
+    for a, b in zip(grads, mine, strict=True):
+        assert torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+    check(q, k, v, do, True, deterministic=deterministic)
