@@ -78,25 +78,32 @@ def _row(shape, causal: bool) -> dict:
         reference = cudnn()
         row["ms"]["cudnn"] = _bench(cudnn)
 
-    def ours(deterministic: bool, gluon: bool):
+    from tritonkit.ops.attention import bwd_sm90
+
+    def ours(deterministic: bool, gluon: bool, key_major: bool = False):
         def call():
             bwd.SM90_BACKWARD = bwd.SM90_BACKWARD_DETERMINISTIC = bwd.SM90_BACKWARD_DETERMINISTIC_GQA = gluon
-            return bwd.attention_bwd(do, q, k, v, o, lse, None, scores, deterministic=deterministic)
+            bwd_sm90.KEY_MAJOR_DETERMINISTIC = key_major
+            try:
+                return bwd.attention_bwd(do, q, k, v, o, lse, None, scores, deterministic=deterministic)
+            finally:
+                bwd_sm90.KEY_MAJOR_DETERMINISTIC = False
 
         return call
 
     with tuning.disabled():  # the shipped (or cached) configs: no tuning runs inside the timing
-        for name, deterministic, gluon in (
-            ("gluon", False, True),
-            ("gluon_deterministic", True, True),
-            ("triton", False, False),
-            ("triton_deterministic", True, False),
+        for name, deterministic, gluon, key_major in (
+            ("gluon", False, True, False),
+            ("gluon_deterministic", True, True, False),
+            ("gluon_deterministic_key_major", True, True, True),
+            ("triton", False, False, False),
+            ("triton_deterministic", True, False, False),
         ):
-            if name == "gluon_deterministic" and "--skip-deterministic" in sys.argv:
+            if name.startswith("gluon_deterministic") and "--skip-deterministic" in sys.argv:
                 continue
             if name.startswith("triton") and "--skip-triton" in sys.argv:
                 continue
-            fn = ours(deterministic, gluon)
+            fn = ours(deterministic, gluon, key_major)
             grads = fn()
             row["ms"][name] = _bench(fn)
             if gluon:
@@ -104,8 +111,6 @@ def _row(shape, causal: bool) -> dict:
                     (a.float() - b.float()).abs().max().item() for a, b in zip(grads, reference, strict=True)
                 )
         if heads_q == heads_kv:  # the other candidate tiles, free order
-            from tritonkit.ops.attention import bwd_sm90
-
             delta = torch.empty(lse.shape, dtype=torch.float32, device="cuda")
             grads = tuple(torch.empty_like(t) for t in (q, k, v))
             for config in bwd_sm90.CANDIDATES[head_dim][1:]:
