@@ -249,10 +249,13 @@ log = logging.getLogger("tritonkit")
 # 0.27-0.84x deterministic). With the default ``deterministic=True`` (a fixed order through ticket
 # counters) 0.39-0.51x: behind the deterministic Triton kernels (0.68-0.84x) without GQA, ahead
 # with it (GQA 32/8 at S = 8192: 270 against 143 TFLOP/s full, 198 against 163 causal), where the
-# Triton dK/dV kernel walks the whole group in one program.
+# Triton dK/dV kernel walks the whole group in one program. But in the Llama-3-8B decoder layer
+# (GQA 32/8, causal, S = 4096, B = 2; q, k and v strided views of one QKV projection) the step took
+# 21.81 ms with it against 20.24 ms with the Triton kernels, one machine, one after the other
+# (`tritonkit bench layer --case 8b-4k`, at 96c4bc9): off until it wins there too.
 SM90_BACKWARD = True
 SM90_BACKWARD_DETERMINISTIC = False  # without GQA
-SM90_BACKWARD_DETERMINISTIC_GQA = True
+SM90_BACKWARD_DETERMINISTIC_GQA = False
 
 
 def sm90_takes(q, k, v, scores: Scores, packed: Packed | None, deterministic: bool = True) -> bool:
