@@ -15,7 +15,6 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from tritonkit._launch import Launch, cdiv, tma_ready
 from tritonkit._runtime import sm_count
-from tritonkit.dtypes import HALVES
 from tritonkit.jit import LOG2E
 from tritonkit.ops.attention.bwd_sm90_kernels import (
     BLOCK_M,
@@ -24,11 +23,7 @@ from tritonkit.ops.attention.bwd_sm90_kernels import (
     SPLIT_N,
     _attn_bwd_sm90_kernel,
 )
-from tritonkit.ops.attention.fwd_sm90 import _capability
-
-DTYPES = HALVES
-HEAD_DIMS = (64, 128)
-SM90 = (9, 0)  # wgmma, setmaxnreg and the TMA engine: Hopper only (sm_90a)
+from tritonkit.ops.attention.fwd_sm90 import sm90_dense_inputs
 
 
 class Config(NamedTuple):
@@ -61,18 +56,9 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     on an sm_90 GPU, D 64 or 128, Hq a multiple of Hkv, within the grid's bounds. Strides are free
     (tensors that TMA cannot read as they are are copied first). Masks, windows and the rest are the
     caller's to check (``bwd.sm90_takes``)."""
-    tensors = (q, k, v)
-    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_cuda for t in tensors):
+    if not sm90_dense_inputs(q, k, v):
         return False
-    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        return False
-    if k.device != q.device or v.device != q.device or _capability(q.device.index or 0) != SM90:
-        return False
-    (batch, heads_q, _, head_dim), (batch_k, heads_kv, seq_k, head_dim_k) = q.shape, k.shape
-    if head_dim not in HEAD_DIMS or head_dim_k != head_dim or v.shape != k.shape or batch_k != batch:
-        return False
-    if heads_kv == 0 or heads_q % heads_kv:
-        return False
+    (batch, heads_kv, seq_k, _) = k.shape
     return batch * heads_kv < MAX_GRID_Y and cdiv(seq_k, BLOCK_N) < MAX_GRID_Y
 
 

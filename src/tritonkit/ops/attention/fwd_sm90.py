@@ -571,6 +571,12 @@ def supports(
         return False
     if scale is not None and not (math.isfinite(scale) and scale > 0):
         return False
+    return sm90_dense_inputs(q, k, v) and all(tma_ready(t) for t in (q, k, v))
+
+
+def sm90_dense_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """What both sm_90 Gluon kernels (this forward and ``bwd_sm90``) need of their inputs: (B, H, S,
+    D) fp16/bf16 tensors of one dtype on one sm_90 GPU, D 64 or 128, Hq a multiple of Hkv."""
     tensors = (q, k, v)
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_cuda for t in tensors):
         return False
@@ -581,9 +587,7 @@ def supports(
     (batch, heads_q, _, head_dim), (batch_k, heads_kv, _, head_dim_k) = q.shape, k.shape
     if head_dim not in HEAD_DIMS or head_dim_k != head_dim or v.shape != k.shape or batch_k != batch:
         return False
-    if heads_kv == 0 or heads_q % heads_kv:
-        return False
-    return all(tma_ready(t) for t in tensors)
+    return heads_kv > 0 and heads_q % heads_kv == 0
 
 
 def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
