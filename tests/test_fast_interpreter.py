@@ -84,3 +84,10 @@ def test_a_launch_patches_the_language_once_and_its_helpers_still_compute(monkey
     x = _input()
     assert len(patched) == 1
     assert torch.equal(sums[:8], x.sum(1)) and torch.equal(maxes[:8], (-x).max(1).values)
+
+
+def test_the_numpy_dtype_memo_answers_as_the_interpreter_does():
+    types = [tl.float32, tl.bfloat16, tl.int1, tl.pointer_type(tl.float16)]
+    types += [tl.block_type(tl.bfloat16, [4, 8]), tl.block_type(tl.pointer_type(tl.int8), [2])]
+    for tt in types + types:  # the second time from the memo
+        assert fast_interpreter.np_dtype(tt) == fast_interpreter._GET_NP_DTYPE(tt), tt

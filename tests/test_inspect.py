@@ -167,13 +167,24 @@ for name in json.loads(NAMES):
 """
 
 
-def test_every_default_config_compiles_for_hopper_without_spills_and_with_wide_accesses():
+def _inspected() -> list[str]:
+    """The ops whose launches ``tritonkit inspect`` compiles."""
+    return [name for name in op_names() if get_op(name).inspect is not None]
+
+
+def test_every_family_has_ops_inspected():
+    families = {"softmax", "log_softmax", "bias_gelu", "layer_norm", "add_rms_norm", "linear", "attention"}
+    assert families <= set(_inspected())
+
+
+# a test a family, so that the suite's workers share the compiles
+@pytest.mark.parametrize("family", sorted({get_op(name).family for name in _inspected()}))
+def test_every_default_config_compiles_for_hopper_without_spills_and_with_wide_accesses(family):
     """Each op's untuned configs at each benchmark shape, compiled for sm_90: no spills, and 128-bit
     global loads and stores (every benchmark shape is contiguous with 16-aligned rows), besides the
     norms' fp32 per-row statistics and the few values their second stage writes, and the matmuls'
     operands, which cp.async stages; the matmuls' products are wgmma (HGMMA)."""
-    names = [name for name in op_names() if get_op(name).inspect is not None]
-    assert {"softmax", "log_softmax", "bias_gelu", "layer_norm", "add_rms_norm"} <= set(names)
+    names = [name for name in _inspected() if get_op(name).family == family]
     lines = sm90.run(f"NAMES = {json.dumps(json.dumps(names))}\n" + _STATIC_CHECKS)
     rows = [json.loads(line) for line in lines]
     assert {row["op"] for row in rows} == set(names)
