@@ -14,7 +14,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from tritonkit._launch import Launch, cdiv, tma_ready
-from tritonkit._runtime import sm_count
 from tritonkit.jit import LOG2E
 from tritonkit.ops.attention.bwd_sm90_kernels import (
     BLOCK_M,
@@ -140,24 +139,20 @@ def attention_bwd_sm90(
 # The deterministic mode's order of programs. Turns on the slow axis (key blocks in turn order,
 # (batch, head) pairs fastest) wait only on earlier programs, but spread the running programs over
 # 132 heads, whose dq accumulators do not fit in L2: on the H200 at fa3667b it ran at 0.39-0.51x
-# cuDNN against the free order's 0.77-0.93x. KEY_MAJOR_DETERMINISTIC runs a head's key blocks
-# together instead: causal in its shortest-first turns (a block still waits only on earlier
-# programs), a full mask's walk rotated so that each key block reaches a query block at its own
-# step (a block may then wait on a later one of its head, so all of a head's blocks must be
-# resident at once: at most one a multiprocessor, else the slow-axis order). On the H200 at 96c4bc9:
-# 0.50-0.55x cuDNN (0.44-0.47x the slow-axis order), the causal order the same bits run to run, the
-# rotated walk of a full mask not (its gpu test is an expected failure): off.
+# cuDNN against the free order's 0.77-0.93x. KEY_MAJOR_DETERMINISTIC runs a causal head's key
+# blocks together, in its shortest-first turns (a block still waits only on earlier programs): on
+# the H200 at 96c4bc9 0.55x cuDNN against the slow-axis order's 0.46x, the same bits run to run;
+# off while both trail the Triton kernels. The kernel's rotated walk of a full mask (ROTATE: each
+# key block starting at its own query block) gave new bits each run there: no order takes it.
 KEY_MAJOR_DETERMINISTIC = False
 
 
-def order(deterministic: bool, causal: bool, blocks: int, sms: int) -> tuple[bool, bool]:
-    """(KEY_MAJOR, ROTATE) for a launch of ``blocks`` key blocks a head on ``sms`` multiprocessors."""
+def order(deterministic: bool, causal: bool) -> tuple[bool, bool]:
+    """(KEY_MAJOR, ROTATE) for a launch: the free order key-major; the deterministic one key-major
+    where KEY_MAJOR_DETERMINISTIC and causal, else turns on the slow axis; never rotated."""
     if not deterministic:
         return True, False
-    if not KEY_MAJOR_DETERMINISTIC:
-        return False, False
-    rotate = not causal and blocks <= sms
-    return causal or rotate, rotate
+    return KEY_MAJOR_DETERMINISTIC and causal, False
 
 
 def launches(
@@ -213,7 +208,7 @@ def launches(
         scale,
     )
     blocks, pairs = cdiv(seq_k, BLOCK_N), batch * heads_kv
-    key_major, rotate = order(deterministic, causal, blocks, sm_count(q.device))
+    key_major, rotate = order(deterministic, causal)
     meta = {
         "IS_CAUSAL": bool(causal),
         "DETERMINISTIC": bool(deterministic),

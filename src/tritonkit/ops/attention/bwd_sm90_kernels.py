@@ -41,8 +41,8 @@ step's products). Turns: key blocks ascending (warpgroup 0 before 1) for a full 
 one, descending from the last key block that the query block sees (FA3's shortest-first order),
 which is the order in which a lockstep walk of ascending query blocks reaches it. By default the
 programs launch in turn order (key blocks the slowest grid axis), so one that waits only waits on
-programs already running or done; ``bwd_sm90.KEY_MAJOR_DETERMINISTIC`` (off, not yet run on the
-H200) keeps a head's key blocks together instead (see there).
+programs already running or done; ``bwd_sm90.KEY_MAJOR_DETERMINISTIC`` (off) keeps a causal head's
+key blocks together instead (see there, also for ROTATE, which no launch takes).
 
 Measured on the H200 (bf16, at fa3667b; ``benchmarks/results/h200/history/``): 0.77-0.93x cuDNN
 free, 0.39-0.51x deterministic (the running programs' dq accumulators spread over 132 heads, past
