@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from tritonkit import tuning
 from tritonkit.bench.runner import provenance
-from tritonkit.ops import get_op
+from tritonkit.ops import get_workload
 
 OPS = ("layer_norm", "rms_norm", "add_rms_norm")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -27,10 +27,10 @@ ITERATIONS = 20
 
 def kernel_us(op: str, shape: tuple, dtype: torch.dtype) -> dict[str, float]:
     """Kernel name -> mean device microseconds per backward call."""
-    spec = get_op(op)
+    spec = get_workload(op).op
     inputs = spec.make_inputs(shape, dtype, "cuda", torch.Generator().manual_seed(0))
     leaves = [t.requires_grad_() if i in spec.grad_inputs else t for i, t in enumerate(inputs)]
-    outputs = spec.fn(*leaves)
+    outputs = spec.fn(*leaves, **spec.kwargs)
     outputs = outputs if isinstance(outputs, tuple) else (outputs,)
     grads = [torch.randn_like(o) for o in outputs]
     wanted = [leaves[i] for i in spec.grad_inputs]
@@ -56,7 +56,7 @@ def main(out: str) -> None:
     rows = []
     with tuning.disabled():
         for op in OPS:
-            for shape, dtype_name in get_op(op).shape_list("quick"):
+            for shape, dtype_name in get_workload(op).shape_list("quick"):
                 kernels = kernel_us(op, shape, DTYPES[dtype_name])
                 main_us = max(kernels.values())
                 rows.append(

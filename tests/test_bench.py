@@ -14,7 +14,7 @@ from tritonkit.bench.providers import providers_for
 from tritonkit.bench.report import markdown_table
 from tritonkit.bench.runner import Case, run_case
 from tritonkit.cli import main
-from tritonkit.ops import get_op
+from tritonkit.ops import get_workload
 
 pytestmark = pytest.mark.infra
 
@@ -48,31 +48,36 @@ TIMED_FIELDS = {
 
 
 @pytest.fixture
-def spec():
-    return get_op("bias_gelu")
+def workload():
+    return get_workload("bias_gelu")
 
 
-def test_unknown_op_is_refused():
-    with pytest.raises(ValueError, match="unknown op 'nope'"):
-        get_op("nope")
+def _with_fn(workload, fn):
+    """The workload with its op's function replaced by ``fn``."""
+    return dataclasses.replace(workload, op=dataclasses.replace(workload.op, fn=fn))
 
 
-def test_correctness_run_rows(spec):
+def test_unknown_workload_is_refused():
+    with pytest.raises(ValueError, match="unknown workload 'nope'"):
+        get_workload("nope")
+
+
+def test_correctness_run_rows(workload):
     rows = run(["bias_gelu"], dtypes=[torch.float32], modes=["fwd", "bwd"], progress=False)
     ran = [r for r in rows if "unavailable" not in r]
     assert {r["provider"] for r in ran} >= {"tritonkit", "torch"}
-    assert len({tuple(r["shape"]) for r in ran}) == len(spec.shapes["interpreter"])
+    assert len({tuple(r["shape"]) for r in ran}) == len(workload.op.shapes)
     for row in ran:
         assert row.keys() >= ROW_FIELDS
         assert row["check"] == "pass" and 0 < row["max_err"] < 1e-5
         assert all(isinstance(d, int) for d in row["shape"])
-        cost = spec.cost(tuple(row["shape"]), torch.float32, row["mode"])
+        cost = workload.cost(tuple(row["shape"]), torch.float32, row["mode"])
         assert row["bytes"] == cost.bytes
         assert row["predicted_ms_h200"] == pytest.approx(cost.bytes / 4.8e12 * 1e3)
 
 
-def test_unavailable_providers_say_why(spec):
-    rows = run_case(Case(spec, (4, 96), torch.float32, "fwd"), None, "cpu")
+def test_unavailable_providers_say_why(workload):
+    rows = run_case(Case(workload, (4, 96), torch.float32, "fwd"), None, "cpu")
     reasons = {r["provider"]: r["unavailable"] for r in rows if "unavailable" in r}
     if not torch.cuda.is_available():
         assert "CUDA" in reasons["torch.compile"]
@@ -81,42 +86,58 @@ def test_unavailable_providers_say_why(spec):
         assert f"not run: {name} ({reason})" in table
 
 
-def test_check_fails_a_wrong_kernel(spec):
+def test_check_fails_a_wrong_kernel(workload):
     def off_by_a_percent(input, bias, approximate="none"):
-        return spec.reference(input, bias, approximate) * 1.01
+        return workload.op.reference(input, bias, approximate) * 1.01
 
-    broken = dataclasses.replace(spec, fn=off_by_a_percent)
+    broken = _with_fn(workload, off_by_a_percent)
     rows = run_case(Case(broken, (7, 33), torch.float32, "fwd"), ["tritonkit"], "cpu")
     assert [r["check"] for r in rows] == ["FAIL"]
 
 
 def test_ops_with_several_outputs_and_non_tensor_inputs_are_checked_in_every_mode():
     # add_rms_norm returns (normed, x + residual) and takes the normalized shape as an input
-    spec = get_op("add_rms_norm")
+    workload = get_workload("add_rms_norm")
     for mode in ("fwd", "bwd", "fwd+bwd"):
-        [row] = run_case(Case(spec, (5, 96), torch.float32, mode), ["tritonkit"], "cpu")
+        [row] = run_case(Case(workload, (5, 96), torch.float32, mode), ["tritonkit"], "cpu")
         assert row["check"] == "pass" and 0 < row["max_err"] < 1e-4, (mode, row)
-    broken = dataclasses.replace(
-        spec, fn=lambda x, r, shape, w, eps=None: tuple(t * 1.01 for t in spec.fn(x, r, shape, w, eps))
+    broken = _with_fn(
+        workload,
+        lambda x, r, shape, w, eps=None: tuple(t * 1.01 for t in workload.op.fn(x, r, shape, w, eps)),
     )
     [row] = run_case(Case(broken, (5, 96), torch.float32, "bwd"), ["tritonkit"], "cpu")
     assert row["check"] == "FAIL"
 
 
-def test_op_specific_peers_are_providers(spec):
-    with_peer = dataclasses.replace(spec, peers={"cublaslt": lambda kwargs: spec.reference})
+def test_op_specific_peers_are_providers(workload):
+    with_peer = dataclasses.replace(workload, peers={"cublaslt": lambda kwargs: workload.op.reference})
     assert [p.name for p in providers_for(with_peer)][-1] == "cublaslt"
 
 
-def test_a_peer_that_refuses_a_case_gets_a_row_saying_so(spec):
+def test_a_workloads_kwargs_reach_its_calls_its_cost_and_its_launches():
+    """attention and attention_causal run one op; the causal workload's causal=True reaches the
+    providers and peers it builds, its cost (half the FLOPs) and what inspect compiles."""
+    full, causal = get_workload("attention"), get_workload("attention_causal")
+    assert full.op is causal.op and full.op.kwargs == {}
+    shape, dtype = (1, 2, 2, 256, 64), torch.bfloat16
+    assert causal.cost(shape, dtype, "bwd").flops == full.cost(shape, dtype, "bwd").flops / 2
+    for workload, flag in ((full, False), (causal, True)):
+        built = {p.name: p.build(workload) for p in providers_for(workload)}
+        assert built["tritonkit"].keywords == built["torch"].keywords == {"causal": flag}
+        assert built["tritonkit[atomic-dq]"].keywords == {"causal": flag, "deterministic": False}
+        launches = workload.launches(shape, dtype)
+        assert [launch.meta["IS_CAUSAL"] for launch in launches if "IS_CAUSAL" in launch.meta] == [flag] * 3
+
+
+def test_a_peer_that_refuses_a_case_gets_a_row_saying_so(workload):
     def refuses(input, bias, approximate="none"):
         raise RuntimeError(f"Cannot launch Triton kernel since n = {input.shape[-1]} exceeds 65536")
 
-    with_peer = dataclasses.replace(spec, peers={"picky": lambda kwargs: refuses})
+    with_peer = dataclasses.replace(workload, peers={"picky": lambda kwargs: refuses})
     [row] = run_case(Case(with_peer, (7, 33), torch.float32, "fwd"), ["picky"], "cpu")
     assert row["unavailable"].startswith("refused: RuntimeError: Cannot launch") and "check" not in row
     # tritonkit's own failure is a bug, never a row
-    broken = dataclasses.replace(spec, fn=refuses)
+    broken = _with_fn(workload, refuses)
     with pytest.raises(RuntimeError, match="Cannot launch"):
         run_case(Case(broken, (7, 33), torch.float32, "fwd"), ["tritonkit"], "cpu")
 
@@ -263,11 +284,11 @@ def test_cli_bench_correctness_run(capsys):
         assert "Correctness run" in out and "pass" in out and "FAIL" not in out
 
 
-def test_run_skips_cases_already_done_and_reports_each_case(spec):
+def test_run_skips_cases_already_done_and_reports_each_case(workload):
     kwargs = {"dtypes": [torch.float32], "modes": ["fwd", "bwd"], "progress": False}
     finished, lines = [], []
     full = run(["bias_gelu"], on_case=finished.append, report=lines.append, **kwargs)
-    assert len(finished) == 2 * len(spec.shapes["interpreter"]) and sum(map(len, finished)) == len(full)
+    assert len(finished) == 2 * len(workload.op.shapes) and sum(map(len, finished)) == len(full)
     assert len(lines) == len(finished) and lines[0].startswith("bench [1/4] bias_gelu fwd 4x96 fp32: ")
     done = finished[1] + finished[2]  # two cases of an interrupted run
     again = []
@@ -278,7 +299,7 @@ def test_run_skips_cases_already_done_and_reports_each_case(spec):
     assert [[r[k] for k in key] for r in resumed] == [[r[k] for k in key] for r in full]  # sweep order
 
 
-def test_host_time_is_measured_once_per_op_provider_mode_and_dtype(spec, monkeypatch):
+def test_host_time_is_measured_once_per_op_provider_mode_and_dtype(workload, monkeypatch):
     from tritonkit.bench import runner
 
     measured = []
@@ -287,14 +308,14 @@ def test_host_time_is_measured_once_per_op_provider_mode_and_dtype(spec, monkeyp
     monkeypatch.setattr(runner, "_call", lambda fn, case, inputs: (case, inputs))
     monkeypatch.setattr(runner, "_host_times", {})
     rows = [
-        runner._host_time(lambda *a: None, Case(spec, shape, dtype, mode), provider)
+        runner._host_time(lambda *a: None, Case(workload, shape, dtype, mode), provider)
         for shape in [(8192, 4096), (4096, 4096)]
         for dtype in (torch.float32, torch.bfloat16)
         for mode in ("fwd", "bwd")
         for provider in ("tritonkit", "torch")
     ]
     assert len(measured) == 2 * 2 * 2  # the second shape reuses every measurement
-    assert all(row == {"host_us": 7.5, "host_shape": list(spec.tiny_shape)} for row in rows)
+    assert all(row == {"host_us": 7.5, "host_shape": list(workload.tiny_shape)} for row in rows)
 
 
 def test_checkpoint_keeps_rows_of_the_same_run_only(tmp_path):

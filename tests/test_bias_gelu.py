@@ -13,7 +13,7 @@ from tritonkit.ops.bias_gelu import (
     DTYPES,
     MAX_BLOCK_N,
     MAX_ROW_TILES,
-    SPECS,
+    OPS,
     TILE_BYTES,
     bias_gelu,
     bias_gelu_reference,
@@ -27,7 +27,7 @@ from tritonkit.testing import (
 )
 
 bg = importlib.import_module("tritonkit.ops.bias_gelu")  # the module (the package names a function so)
-SPEC = SPECS["bias_gelu"]
+OP = OPS["bias_gelu"]
 
 pytestmark = pytest.mark.elementwise
 
@@ -106,12 +106,12 @@ def test_matches_reference(shape, dtype, approximate, device):
     assert [c.name for c in comparisons] == ["output[0]", "grad input[0]", "grad input[1]"]
 
 
-@pytest.mark.parametrize("shape", SPEC.shapes["interpreter"], ids=str)
-def test_spec_inputs_match_reference(shape, device):
+@pytest.mark.parametrize("shape", OP.shapes, ids=str)
+def test_op_inputs_match_reference(shape, device):
     g = generator(7)
-    inputs = SPEC.make_inputs(shape, F32, device, g)
+    inputs = OP.make_inputs(shape, F32, device, g)
     dy = random_tensor(shape, F32, device, generator=g)
-    check_against_reference(SPEC.fn, SPEC.reference, inputs, grad_inputs=SPEC.grad_inputs, grad_outputs=[dy])
+    check_against_reference(OP.fn, OP.reference, inputs, grad_inputs=OP.grad_inputs, grad_outputs=[dy])
 
 
 # ---------------------------------------------------------------- layouts

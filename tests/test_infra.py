@@ -17,7 +17,7 @@ import tritonkit
 from tritonkit import _runtime
 from tritonkit._launch import specialization_key
 from tritonkit._runtime import empty_output
-from tritonkit.ops import get_op, op_names
+from tritonkit.ops import get_op, get_workload, op_names, workload_names
 from tritonkit.ops.bias_gelu import bias_gelu, bias_gelu_reference
 from tritonkit.oracle import ATOL, INTERPRETER_BF16_ULP, Comparison, compare, max_abs_error
 from tritonkit.roofline import (
@@ -415,17 +415,22 @@ def test_forced_native_rejects_cpu_tensors():
 
 
 def test_the_registry_is_the_one_list_of_ops():
-    """Each family's module defines exactly the specs and public functions the registry lists for it."""
+    """Each family's module defines exactly the ops, workloads and public functions the registry lists
+    for it, each under its own name, and its workloads run its own ops."""
     import importlib
 
     from tritonkit import _registry
 
     for module_name, family in _registry.FAMILIES.items():
         module = importlib.import_module(module_name)
-        assert sorted(module.SPECS) == sorted(family["specs"]), module_name
+        assert list(module.OPS) == list(family["ops"]), module_name
+        assert list(module.WORKLOADS) == list(family["workloads"]), module_name
+        assert all(name == op.name for name, op in module.OPS.items()), module_name
+        assert all(name == w.name for name, w in module.WORKLOADS.items()), module_name
+        assert {id(w.op) for w in module.WORKLOADS.values()} <= {id(op) for op in module.OPS.values()}
         for name in family["public"]:
             assert getattr(tritonkit, name) is getattr(module, name), name
-    assert sorted(op_names()) == sorted(_registry.SPEC_MODULES)
+    assert op_names() == list(_registry.OP_MODULES) and workload_names() == list(_registry.WORKLOAD_MODULES)
 
 
 def test_lazy_public_names():
@@ -437,8 +442,11 @@ def test_lazy_public_names():
 
 def test_op_registry():
     assert "bias_gelu" in op_names() and get_op("bias_gelu").fn is bias_gelu
+    assert get_workload("attention_causal").op is get_op("flash_attention")
     with pytest.raises(ValueError, match="no_such_op"):
         get_op("no_such_op")
+    with pytest.raises(ValueError, match="unknown workload 'flash_attention'"):
+        get_workload("flash_attention")  # an op, benchmarked as attention and attention_causal
 
 
 # ---------------------------------------------------------------- launcher keys

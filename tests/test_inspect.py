@@ -20,7 +20,7 @@ import torch
 import sm90
 from tritonkit import asm
 from tritonkit._launch import Launch
-from tritonkit.ops import get_op, op_names
+from tritonkit.ops import get_op, get_workload, workload_names
 
 pytestmark = pytest.mark.infra
 
@@ -150,14 +150,14 @@ PER_ROW_STATISTICS = {"norm", "attention"}  # families that store or load an fp3
 _STATIC_CHECKS = r"""
 import json, torch
 from tritonkit.asm import compile_launch, specialize
-from tritonkit.ops import get_op
+from tritonkit.ops import get_workload
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 compiled = {}
 for name in json.loads(NAMES):
-    spec = get_op(name)
-    for shape, dtype in spec.shape_list("quick"):
+    workload = get_workload(name)
+    for shape, dtype in workload.shape_list("quick"):
         dtype = dtype or "bf16"
-        for launch in spec.inspect(shape, DTYPES[dtype], None):
+        for launch in workload.launches(shape, DTYPES[dtype], None):
             # shapes that specialize a kernel alike compile to one binary: compile it once
             key = (launch.name, launch.kernel.__name__, repr(specialize(launch)))
             r = compiled[key] = compiled.get(key) or compile_launch(launch, "sm_90")
@@ -168,23 +168,23 @@ for name in json.loads(NAMES):
 
 
 def _inspected() -> list[str]:
-    """The ops whose launches ``tritonkit inspect`` compiles."""
-    return [name for name in op_names() if get_op(name).inspect is not None]
+    """The workloads whose launches ``tritonkit inspect`` compiles."""
+    return [name for name in workload_names() if get_workload(name).op.inspect is not None]
 
 
-def test_every_family_has_ops_inspected():
-    families = {"softmax", "log_softmax", "bias_gelu", "layer_norm", "add_rms_norm", "linear", "attention"}
-    assert families <= set(_inspected())
+def test_every_family_has_workloads_inspected():
+    some = {"softmax", "log_softmax", "bias_gelu", "layer_norm", "add_rms_norm", "linear", "attention"}
+    assert some <= set(_inspected())
 
 
 # a test a family, so that the suite's workers share the compiles
-@pytest.mark.parametrize("family", sorted({get_op(name).family for name in _inspected()}))
+@pytest.mark.parametrize("family", sorted({get_workload(name).op.family for name in _inspected()}))
 def test_every_default_config_compiles_for_hopper_without_spills_and_with_wide_accesses(family):
     """Each op's untuned configs at each benchmark shape, compiled for sm_90: no spills, and 128-bit
     global loads and stores (every benchmark shape is contiguous with 16-aligned rows), besides the
     norms' fp32 per-row statistics and the few values their second stage writes, and the matmuls'
     operands, which cp.async stages; the matmuls' products are wgmma (HGMMA)."""
-    names = [name for name in _inspected() if get_op(name).family == family]
+    names = [name for name in _inspected() if get_workload(name).op.family == family]
     lines = sm90.run(f"NAMES = {json.dumps(json.dumps(names))}\n" + _STATIC_CHECKS)
     rows = [json.loads(line) for line in lines]
     assert {row["op"] for row in rows} == set(names)
@@ -194,14 +194,14 @@ def test_every_default_config_compiles_for_hopper_without_spills_and_with_wide_a
             # the norms' second stage reads (programs, N) fp32 partials and writes N values a call,
             # one or two bytes each after its sum across threads: only its loads need the width
             assert row["loads"] == [128], row
-        elif get_op(row["op"]).family == "linear" and row["launch"].endswith("(elementwise)"):
+        elif get_workload(row["op"]).op.family == "linear" and row["launch"].endswith("(elementwise)"):
             assert row["loads"] == [128] and row["stores"] == [128], row  # dy, z (g, u); dz (dg, du), db
-        elif get_op(row["op"]).family == "linear":
+        elif get_workload(row["op"]).op.family == "linear":
             # the matmul's operands are staged by cp.async (LDGSTS, not LDG); the output tile moves in
             # 16-byte vectors; the bias (one 16-bit value a thread's column pair) is the 32-bit access
             assert 128 in row["stores"] and min(row["loads"] + row["stores"]) >= 32, row
             assert row["hgmma"] > 0 and row["hmma"] == 0, row  # wgmma, not Ampere's mma.sync
-        elif get_op(row["op"]).family in PER_ROW_STATISTICS:
+        elif get_workload(row["op"]).op.family in PER_ROW_STATISTICS:
             # the row data moves in 16-byte vectors; a row's mean and rstd (lse, delta) are one fp32 each
             assert 128 in row["loads"] and min(row["loads"] + row["stores"]) >= 32, row
             assert 128 in row["stores"] or row["stores"] == [32], row  # [32]: it writes statistics only

@@ -14,7 +14,7 @@ import tritonkit
 from tritonkit import tuning
 from tritonkit._runtime import current_device, sm_count
 from tritonkit.ops import get_op
-from tritonkit.ops.norm import SPECS
+from tritonkit.ops.norm import OPS
 from tritonkit.ops.norm import kernels as nk
 from tritonkit.ops.norm import norm as nm
 from tritonkit.testing import check_against_reference, generator, poisoned_outputs, random_tensor
@@ -419,19 +419,17 @@ def test_modules_take_torch_state_dicts(module, torch_module, device):
 
 
 @pytest.mark.parametrize("name", KINDS)
-def test_spec_is_registered_and_its_shapes_pass(name, device):
-    spec = get_op(name)
-    assert spec is SPECS[name] and spec.family == "norm" and spec.inspect is not None
-    for shape, dtype in itertools.product(spec.shapes["interpreter"], (F32,)):
-        inputs = spec.make_inputs(shape, dtype, device, generator(11))
-        outputs = spec.reference(*[t.double() if isinstance(t, torch.Tensor) else t for t in inputs])
+def test_op_is_registered_and_its_shapes_pass(name, device):
+    op = get_op(name)
+    assert op is OPS[name] and op.family == "norm" and op.inspect is not None
+    for shape, dtype in itertools.product(op.shapes, (F32,)):
+        inputs = op.make_inputs(shape, dtype, device, generator(11))
+        outputs = op.reference(*[t.double() if isinstance(t, torch.Tensor) else t for t in inputs])
         grads = [
             random_tensor(o.shape, dtype, device, generator=generator(12))
             for o in (outputs if isinstance(outputs, tuple) else (outputs,))
         ]
-        check_against_reference(
-            spec.fn, spec.reference, inputs, grad_inputs=spec.grad_inputs, grad_outputs=grads
-        )
+        check_against_reference(op.fn, op.reference, inputs, grad_inputs=op.grad_inputs, grad_outputs=grads)
 
 
 def test_cost(device):

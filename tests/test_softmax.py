@@ -19,7 +19,8 @@ from tritonkit._launch import next_power_of_2
 from tritonkit._runtime import interpret, sm_count
 from tritonkit.ops.softmax.softmax import (
     DTYPES,
-    SPECS,
+    OPS,
+    WORKLOADS,
     log_softmax,
     log_softmax_reference,
     softmax,
@@ -747,32 +748,32 @@ def test_compile_fullgraph(device):
 
 
 @pytest.mark.parametrize("name", ["softmax", "log_softmax"])
-@pytest.mark.parametrize("shape", SPECS["softmax"].shapes["interpreter"], ids=str)
-def test_spec_inputs_match_reference(name, shape, device):
-    spec = SPECS[name]
-    assert spec.shapes["interpreter"] == SPECS["softmax"].shapes["interpreter"]
-    for dtype in spec.dtypes:
+@pytest.mark.parametrize("shape", OPS["softmax"].shapes, ids=str)
+def test_op_inputs_match_reference(name, shape, device):
+    op = OPS[name]
+    assert op.shapes == OPS["softmax"].shapes
+    for dtype in op.dtypes:
         g = generator(51)
-        inputs = spec.make_inputs(shape, dtype, device, g)
+        inputs = op.make_inputs(shape, dtype, device, g)
         dy = random_tensor(shape, dtype, device, generator=g)
         check_against_reference(
-            spec.fn,
-            spec.reference,
+            op.fn,
+            op.reference,
             inputs,
-            kwargs=spec.kwargs,
-            grad_inputs=spec.grad_inputs,
+            kwargs=op.kwargs,
+            grad_inputs=op.grad_inputs,
             grad_outputs=[dy],
         )
 
 
 @pytest.mark.parametrize("name", ["softmax", "log_softmax"])
 def test_variant_peers_match_reference(name, device):
-    spec, log = SPECS[name], name == "log_softmax"
+    workload, log = WORKLOADS[name], name == "log_softmax"
     for peer in ("tritonkit[one-pass]", "tritonkit[online]"):
-        fn = spec.peers[peer]({"dim": 0})
+        fn = workload.peers[peer]({"dim": 0})
         x, dy = _inputs((70, 9), F32, device, seed=52)
         check_against_reference(
             fn, _reference(log), [x], kwargs={"dim": 0}, grad_inputs=(0,), grad_outputs=[dy]
         )
     if not log:
-        assert isinstance(spec.peers["liger"]({"dim": 0}), str)  # liger covers dim=-1 only: says so
+        assert isinstance(workload.peers["liger"]({"dim": 0}), str)  # liger covers dim=-1 only: says so

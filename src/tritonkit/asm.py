@@ -5,7 +5,7 @@ machine, GPU or not, and the ``cuobjdump`` inside Triton's wheel disassembles th
 So registers, spills, shared memory, the instruction mix (tensor-core HGMMA/HMMA against FFMA),
 TMA and the width of every global load and store can be read, and checked in CI, with no GPU.
 
-Each op describes the launches it would make for a shape (``OpSpec.inspect``) as :class:`Launch`
+Each op describes the launches it would make for a shape (``Op.inspect``) as :class:`Launch`
 records built by its own launch code from ``meta`` tensors, so the arguments compiled here are the
 ones the op passes. They are specialized the way Triton specializes a real launch: an integer equal
 to 1 becomes a constant, integers and (16-byte aligned) pointers divisible by 16 carry that hint.

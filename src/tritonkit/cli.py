@@ -19,7 +19,7 @@ from tritonkit import __version__, roofline
 from tritonkit.asm import ARCHS, IRS  # stdlib and torch only: no kernel is defined here
 from tritonkit.bench.layer import CASES as LAYER_CASES  # likewise
 from tritonkit.dtypes import DTYPE_OF
-from tritonkit.ops import MODES, get_op, op_names
+from tritonkit.ops import MODES, get_op, get_workload, op_names, workload_names
 
 DTYPES = DTYPE_OF
 
@@ -90,12 +90,12 @@ def cmd_roofline(args) -> int:
             return 0
     if not (args.op and args.shape):
         raise ValueError("roofline needs an OP and --shape (or --plot alone)")
-    spec_op = get_op(args.op)
+    workload = get_workload(args.op)
     shape = _parse_shape(args.shape)
     dtype = DTYPES[args.dtype]
-    cost = spec_op.cost(shape, dtype, args.mode)
+    cost = workload.cost(shape, dtype, args.mode)
     device = roofline.device_spec(args.device)
-    unit = spec_op.flop_unit
+    unit = workload.flop_unit
     seconds = roofline.roofline_seconds(cost, device, unit)
     print(f"{args.op} {args.mode} {'x'.join(map(str, shape))} {args.dtype} on {device.name} (datasheet)")
     print(f"  bytes: {cost.bytes:.4g}   FLOPs: {cost.flops:.4g}   intensity: {cost.intensity:.3g} FLOP/B")
@@ -171,8 +171,8 @@ def cmd_bench(args) -> int:
         return cmd_bench_layer(args)
     if args.case or args.time_limit is not None:
         raise ValueError("--case and --time-limit are the layer benchmark's: `tritonkit bench layer`")
-    names = args.ops or op_names()
-    known = {p.name for name in names for p in providers_for(get_op(name))}  # unknown ops fail here
+    names = args.ops or workload_names()
+    known = {p.name for name in names for p in providers_for(get_workload(name))}  # unknown names fail here
     unknown = sorted(set(args.providers or ()) - known)
     if unknown:
         raise ValueError(f"unknown providers {unknown}; known: {sorted(known)}")
@@ -264,10 +264,10 @@ def cmd_inspect(args) -> int:
         return _fingerprints(args)
     if args.op is None or args.against:
         raise ValueError("name an op to inspect (or write --fingerprints, optionally --against another file)")
-    spec_op = get_op(args.op)
-    if spec_op.inspect is None:
+    workload = get_workload(args.op)
+    if workload.op.inspect is None:
         raise ValueError(f"{args.op} does not describe its launches for inspect")
-    default_shape, default_dtype = spec_op.shape_list("quick")[0]
+    default_shape, default_dtype = workload.shape_list("quick")[0]
     shape = _parse_shape(args.shape) if args.shape else default_shape
     dtype_name = args.dtype or default_dtype or "bf16"
     configs = [_parse_config(args.config, "--config")]
@@ -276,7 +276,7 @@ def cmd_inspect(args) -> int:
     print(f"{args.op} {'x'.join(map(str, shape))} {dtype_name} compiled for {args.arch} (not launched)")
     reports = []
     for config in configs:
-        launches = spec_op.inspect(shape, DTYPES[dtype_name], config)
+        launches = workload.launches(shape, DTYPES[dtype_name], config)
         reports.append([asm.compile_launch(launch, args.arch) for launch in launches])
         print(asm.format_reports(reports[-1]))
     if args.diff:
@@ -295,18 +295,18 @@ def cmd_inspect(args) -> int:
 
 
 def _fingerprints(args) -> int:
-    """Write the SASS fingerprint of every launch the ops make at their benchmark shapes with their
-    untuned configs (all ops, or the one named) to a JSON file; with --against, compare it with an
+    """Write the SASS fingerprint of every launch the workloads make at their shapes with their
+    untuned configs (all workloads, or the one named) to a JSON file; with --against, compare it with an
     earlier one (1 if any launch compiles differently). What shows that a source-only change kept
     every kernel, so its shipped tunings still describe them (tune --rekey)."""
     from tritonkit import asm
 
-    names = [args.op] if args.op else [n for n in op_names() if get_op(n).inspect is not None]
+    names = [args.op] if args.op else [n for n in workload_names() if get_workload(n).op.inspect is not None]
     prints = {}
     for name in names:
-        spec = get_op(name)
-        for shape, dtype in spec.shape_list("quick"):
-            for launch in spec.inspect(shape, DTYPES[dtype or "bf16"], None):
+        workload = get_workload(name)
+        for shape, dtype in workload.shape_list("quick"):
+            for launch in workload.launches(shape, DTYPES[dtype or "bf16"], None):
                 report = asm.compile_launch(launch, args.arch)
                 label = f"{name} {'x'.join(map(str, shape))} {dtype or 'bf16'} {report.name}"
                 prints[label] = {"sass": asm.fingerprint(report.asm["sass"]), "registers": report.registers}
@@ -349,7 +349,7 @@ def cmd_tune(args) -> int:
         raise ValueError("tune times kernels: it needs a CUDA GPU (this process interprets them)")
     with tuning.retuning() if args.retune else contextlib.nullcontext():
         for name in args.ops:
-            _tune_op(get_op(name), args)
+            _tune(get_workload(name), args)
     if args.export_file:
         device = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.all_devices else None
         count = tuning.export_cache(Path(args.export_file), device)
@@ -460,8 +460,9 @@ def _key_text(value) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
-def _tune_op(spec_op, args) -> None:
-    """Run the op on each shape, forward and backward, so each tuner picks its config; print them."""
+def _tune(workload, args) -> None:
+    """Run the workload's op on each shape, forward and backward, so each tuner picks its config;
+    print them."""
     import time
 
     from tqdm import tqdm
@@ -470,22 +471,23 @@ def _tune_op(spec_op, args) -> None:
 
     started = time.time()
     backward = "bwd" in args.mode
-    shapes = [(_parse_shape([s]), None) for s in args.shape] if args.shape else spec_op.shape_list("quick")
-    for shape, dtype_name in tqdm(shapes, desc=f"tune {spec_op.name}", unit="shape"):
+    op = workload.op
+    shapes = [(_parse_shape([s]), None) for s in args.shape] if args.shape else workload.shape_list("quick")
+    for shape, dtype_name in tqdm(shapes, desc=f"tune {workload.name}", unit="shape"):
         dtype = DTYPES[args.dtype or dtype_name or "bf16"]
-        inputs = spec_op.make_inputs(shape, dtype, "cuda", testing.generator(0))
-        for i in spec_op.grad_inputs:
+        inputs = op.make_inputs(shape, dtype, "cuda", testing.generator(0))
+        for i in op.grad_inputs:
             inputs[i].requires_grad_(backward)
-        outputs = testing.as_tuple(spec_op.fn(*inputs, **spec_op.kwargs))  # a bucket's first call tunes
+        outputs = testing.as_tuple(op.fn(*inputs, **workload.call_kwargs))  # a bucket's first call tunes
         if backward:
             torch.autograd.grad(
-                outputs, [inputs[i] for i in spec_op.grad_inputs], [torch.ones_like(o) for o in outputs]
+                outputs, [inputs[i] for i in op.grad_inputs], [torch.ones_like(o) for o in outputs]
             )
     torch.cuda.synchronize()
     fresh = tuning.cached_entries(since=started)
     if not fresh:
         print(
-            f"{spec_op.name}: nothing tuned: every shape bucket had a winner, cached in "
+            f"{workload.name}: nothing tuned: every shape bucket had a winner, cached in "
             f"{roofline.cache_dir() / tuning.SUBDIR} or shipped with tritonkit (--retune tunes "
             "them again; tune --show prints them)"
         )
@@ -523,7 +525,8 @@ def build_parser() -> argparse.ArgumentParser:
         "ops",
         nargs="*",
         metavar="OP",
-        help=f"ops (default all: {', '.join(op_names())}), or `layer`: a decoder layer's training step",
+        help=f"workloads (default all: {', '.join(workload_names())}), or `layer`: a decoder layer's "
+        "training step",
     )
     bench.add_argument(
         "--mode", nargs="+", choices=MODES, help="default: every mode (the layer: fwd+bwd, fwd)"
@@ -552,7 +555,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=cmd_bench)
 
     roof = sub.add_parser("roofline", help="analytic roofline prediction for one op and shape")
-    roof.add_argument("op", nargs="?", choices=op_names())
+    roof.add_argument("op", nargs="?", choices=workload_names())
     roof.add_argument("--shape", nargs="+", help="e.g. 8192x4096 or 8192 4096")
     roof.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     roof.add_argument("--mode", choices=MODES, default="fwd")
@@ -570,7 +573,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="compile an op's kernels for a GPU without one: registers, spills, "
         "access widths, instruction mix, IR",
     )
-    insp.add_argument("op", nargs="?", choices=op_names())
+    insp.add_argument("op", nargs="?", choices=workload_names())
     insp.add_argument("--shape", nargs="+", help="e.g. 8192x4096 (default: the op's first benchmark shape)")
     insp.add_argument("--dtype", choices=sorted(DTYPES), help="default: the shape's benchmark dtype")
     insp.add_argument("--arch", choices=sorted(ARCHS), default="sm_90")
@@ -581,7 +584,7 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument(
         "--fingerprints",
         metavar="FILE",
-        help="write each launch's SASS fingerprint (every op, or OP) at its benchmark shapes",
+        help="write each launch's SASS fingerprint (every workload, or OP) at its shapes",
     )
     insp.add_argument("--against", metavar="FILE", help="with --fingerprints: compare with an earlier file")
     insp.set_defaults(func=cmd_inspect)
@@ -589,7 +592,9 @@ def build_parser() -> argparse.ArgumentParser:
     tune = sub.add_parser(
         "tune", help="tune ops on this GPU (accuracy-gated); move the cache between machines of one GPU model"
     )
-    tune.add_argument("ops", nargs="*", metavar="OP", help=f"ops to tune ({', '.join(op_names())})")
+    tune.add_argument(
+        "ops", nargs="*", metavar="OP", help=f"ops to tune, by workload ({', '.join(workload_names())})"
+    )
     tune.add_argument(
         "--shapes",
         "--shape",

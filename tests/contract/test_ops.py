@@ -28,42 +28,42 @@ WORKSPACE_SHARE = 0.35
 
 
 def _problem(name: str, device, seed: int = 0, first_dim: int | None = None, shape_index: int = 0):
-    """(spec, inputs, shape, dtype) at one of the op's interpreter shapes (the first by default)."""
-    spec = get_op(name)
-    shape, dtype_name = spec.shape_list("interpreter")[shape_index]
+    """(op, inputs, shape, dtype) at one of the op's interpreter shapes (the first by default)."""
+    op = get_op(name)
+    shape, dtype_name = op.shape_list()[shape_index]
     if first_dim is not None:
         shape = (first_dim, *shape[1:])
-    dtype = DTYPE_OF[dtype_name] if dtype_name else spec.dtypes[0]
-    inputs = spec.make_inputs(shape, dtype, device, generator(seed))
-    return spec, list(inputs), shape, dtype
+    dtype = DTYPE_OF[dtype_name] if dtype_name else op.dtypes[0]
+    inputs = op.make_inputs(shape, dtype, device, generator(seed))
+    return op, list(inputs), shape, dtype
 
 
-def _call(spec, inputs):
-    return as_tuple(spec.fn(*inputs, **spec.kwargs))
+def _call(op, inputs):
+    return as_tuple(op.fn(*inputs, **op.kwargs))
 
 
-def _with_grad(spec, inputs):
+def _with_grad(op, inputs):
     return [
-        t.detach().clone().requires_grad_(i in spec.grad_inputs) if isinstance(t, torch.Tensor) else t
+        t.detach().clone().requires_grad_(i in op.grad_inputs) if isinstance(t, torch.Tensor) else t
         for i, t in enumerate(inputs)
     ]
 
 
-def _forward_and_backward(spec, inputs, seed: int = 1):
+def _forward_and_backward(op, inputs, seed: int = 1):
     """Outputs and the gradients of the differentiable inputs for random upstream gradients."""
-    args = _with_grad(spec, inputs)
-    outputs = _call(spec, args)
+    args = _with_grad(op, inputs)
+    outputs = _call(op, args)
     g = generator(seed)
     upstream = [torch.randn(o.shape, generator=g).to(o) for o in outputs]
-    grads = torch.autograd.grad(outputs, [args[i] for i in spec.grad_inputs], upstream)
+    grads = torch.autograd.grad(outputs, [args[i] for i in op.grad_inputs], upstream)
     return outputs, grads
 
 
 @pytest.mark.parametrize("name", OPS)
 def test_custom_ops_pass_opcheck_on_real_arguments(name, device):
-    spec, inputs, _, _ = _problem(name, device)
+    op, inputs, _, _ = _problem(name, device)
     with opdef.recording_calls() as calls:
-        _forward_and_backward(spec, inputs)
+        _forward_and_backward(op, inputs)
     assert calls, f"{name} calls no tritonkit custom op: it is not written on opdef.op"
     checked = set()
     for custom, args in calls:
@@ -76,15 +76,15 @@ def test_custom_ops_pass_opcheck_on_real_arguments(name, device):
 
 @pytest.mark.parametrize("name", OPS)
 def test_compiles_without_a_graph_break_and_matches_eager(name, device):
-    spec, inputs, _, _ = _problem(name, device, seed=2)
+    op, inputs, _, _ = _problem(name, device, seed=2)
     torch._dynamo.reset()
-    compiled = torch.compile(lambda *args: spec.fn(*args, **spec.kwargs), fullgraph=True)
-    eager_out, eager_grads = _forward_and_backward(spec, inputs)
-    args = _with_grad(spec, inputs)
+    compiled = torch.compile(lambda *args: op.fn(*args, **op.kwargs), fullgraph=True)
+    eager_out, eager_grads = _forward_and_backward(op, inputs)
+    args = _with_grad(op, inputs)
     out = as_tuple(compiled(*args))
     g = generator(1)
     upstream = [torch.randn(o.shape, generator=g).to(o) for o in out]
-    grads = torch.autograd.grad(out, [args[i] for i in spec.grad_inputs], upstream)
+    grads = torch.autograd.grad(out, [args[i] for i in op.grad_inputs], upstream)
     for got, want in zip((*out, *grads), (*eager_out, *eager_grads), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
@@ -93,10 +93,10 @@ def test_compiles_without_a_graph_break_and_matches_eager(name, device):
 def test_poisoning_catches_launches_that_write_nothing(name, device, monkeypatch):
     """With every launch skipped, each output and gradient of a poisoned call is NaN: outputs are
     allocated through tritonkit (so poisoning reaches them) and only kernels write them."""
-    spec, inputs, _, _ = _problem(name, device, seed=3)
+    op, inputs, _, _ = _problem(name, device, seed=3)
     monkeypatch.setattr(Launch, "run", lambda self: None)
     with poisoned_outputs():
-        outputs, grads = _forward_and_backward(spec, inputs)
+        outputs, grads = _forward_and_backward(op, inputs)
     for index, value in enumerate((*outputs, *grads)):
         if value.is_floating_point() and value.numel():
             assert torch.isnan(value).any(), f"{name}: value {index} was written without a launch"
@@ -104,21 +104,21 @@ def test_poisoning_catches_launches_that_write_nothing(name, device, monkeypatch
 
 @pytest.mark.parametrize("name", OPS)
 def test_empty_input_gives_empty_outputs_and_gradients(name, device):
-    spec, inputs, _, _ = _problem(name, device, seed=4, first_dim=0)
-    outputs, grads = _forward_and_backward(spec, inputs)
-    reference_out = as_tuple(spec.reference(*_with_grad(spec, inputs), **spec.kwargs))
+    op, inputs, _, _ = _problem(name, device, seed=4, first_dim=0)
+    outputs, grads = _forward_and_backward(op, inputs)
+    reference_out = as_tuple(op.reference(*_with_grad(op, inputs), **op.kwargs))
     assert [(o.shape, o.dtype) for o in outputs] == [(o.shape, o.dtype) for o in reference_out]
-    for index, grad in zip(spec.grad_inputs, grads, strict=True):
+    for index, grad in zip(op.grad_inputs, grads, strict=True):
         assert grad.shape == inputs[index].shape and not torch.isnan(grad).any()
 
 
 @pytest.mark.parametrize("name", OPS)
 def test_no_grad_builds_no_graph_and_gives_the_same_values(name, device):
-    spec, inputs, _, _ = _problem(name, device, seed=5)
-    args = _with_grad(spec, inputs)
+    op, inputs, _, _ = _problem(name, device, seed=5)
+    args = _with_grad(op, inputs)
     with torch.no_grad():
-        plain = _call(spec, args)
-    tracked = _call(spec, args)
+        plain = _call(op, args)
+    tracked = _call(op, args)
     assert all(o.grad_fn is None and not o.requires_grad for o in plain)
     assert any(o.grad_fn is not None for o in tracked)
     for got, want in zip(plain, tracked, strict=True):
@@ -127,10 +127,10 @@ def test_no_grad_builds_no_graph_and_gives_the_same_values(name, device):
 
 @pytest.mark.parametrize("name", OPS)
 def test_a_first_argument_that_is_not_a_tensor_is_refused_by_name(name, device):
-    spec, inputs, _, _ = _problem(name, device, seed=6)
-    first = next(iter(inspect.signature(spec.fn).parameters))
+    op, inputs, _, _ = _problem(name, device, seed=6)
+    first = next(iter(inspect.signature(op.fn).parameters))
     with pytest.raises(TypeError, match=rf"^{first}\b"):
-        spec.fn(inputs[0].tolist(), *inputs[1:], **spec.kwargs)
+        op.fn(inputs[0].tolist(), *inputs[1:], **op.kwargs)
 
 
 def _bytes_touched(launches: list[Launch]) -> int:
@@ -150,18 +150,18 @@ def test_cost_counts_the_bytes_the_launches_touch(name, mode, device, monkeypatc
     """The forward's cost is exactly the bytes of the tensors its launches read and write; the
     backward's is at most that and not far under it. A cost that forgot a tensor, or counted one the
     kernels never touch, fails."""
-    spec, inputs, shape, dtype = _problem(name, device, seed=7)
-    args = _with_grad(spec, inputs)
-    outputs = _call(spec, args) if mode == "bwd" else None
+    op, inputs, shape, dtype = _problem(name, device, seed=7)
+    args = _with_grad(op, inputs)
+    outputs = _call(op, args) if mode == "bwd" else None
     run, launched = Launch.run, []
     monkeypatch.setattr(Launch, "run", lambda self: (launched.append(self), run(self))[1])
     if mode == "fwd":
         with torch.no_grad():
-            _call(spec, args)
+            _call(op, args)
     else:
         upstream = [torch.ones_like(o) for o in outputs]
-        torch.autograd.grad(outputs, [args[i] for i in spec.grad_inputs], upstream)
-    touched, cost = _bytes_touched(launched), spec.cost(shape, dtype, mode).bytes
+        torch.autograd.grad(outputs, [args[i] for i in op.grad_inputs], upstream)
+    touched, cost = _bytes_touched(launched), op.cost(shape, dtype, mode).bytes
     if mode == "fwd":
         assert touched == cost
     else:

@@ -28,9 +28,9 @@ def _posed(name: str, device) -> list[tuple[tuning.Tuned, dict, dict]]:
     tuning.forget_chosen()  # every call looks its config up
     with pytest.MonkeyPatch.context() as patched:
         patched.setattr(tuning.Tuned, "choose", recording)
-        for index in range(len(get_op(name).shape_list("interpreter"))):
-            spec, inputs, _, _ = _problem(name, device, seed=11, shape_index=index)
-            _forward_and_backward(spec, inputs)
+        for index in range(len(get_op(name).shape_list())):
+            op, inputs, _, _ = _problem(name, device, seed=11, shape_index=index)
+            _forward_and_backward(op, inputs)
     # each tuned kernel on one problem the op poses it (one key a kernel keeps this cheap): the one
     # whose candidates are of the most kinds
     richest = {}

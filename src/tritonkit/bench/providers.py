@@ -1,8 +1,8 @@
 """The provider registry: tritonkit and each peer a user would otherwise reach for.
 
-A provider turns an op (and its keyword arguments) into a callable with the op's positional
-inputs. Generic providers apply to every op; op-specific peers (liger-kernel, SDPA backends,
-cuBLASLt) come from ``OpSpec.peers``. A provider that is not installed, or that does not cover
+A provider turns a workload (an op and its keyword arguments) into a callable with the op's
+positional inputs. Generic providers apply to every workload; op-specific peers (liger-kernel, SDPA
+backends, cuBLASLt) come from ``Workload.peers``. A provider that is not installed, or that does not cover
 an op, is reported as unavailable with the reason, never silently dropped.
 """
 
@@ -15,30 +15,30 @@ from dataclasses import dataclass
 
 import torch
 
-from tritonkit.ops import OpSpec
+from tritonkit.ops import Workload
 
 
 @dataclass(frozen=True)
 class Provider:
     name: str
     description: str
-    build: Callable[[OpSpec, dict], Callable | str]  # a callable, or why it is unavailable
+    build: Callable[[Workload], Callable | str]  # a callable, or why it is unavailable
 
 
-def _tritonkit(spec: OpSpec, kwargs: dict) -> Callable:
-    return functools.partial(spec.fn, **kwargs)
+def _tritonkit(workload: Workload) -> Callable:
+    return functools.partial(workload.op.fn, **workload.call_kwargs)
 
 
-def _torch_eager(spec: OpSpec, kwargs: dict) -> Callable:
-    return functools.partial(spec.reference, **kwargs)
+def _torch_eager(workload: Workload) -> Callable:
+    return functools.partial(workload.op.reference, **workload.call_kwargs)
 
 
 @functools.cache
-def _compiled_reference(spec: OpSpec, kwargs_items: tuple) -> Callable:
-    return torch.compile(functools.partial(spec.reference, **dict(kwargs_items)))
+def _compiled_reference(workload: Workload) -> Callable:
+    return torch.compile(_torch_eager(workload))
 
 
-def _torch_compile(spec: OpSpec, kwargs: dict) -> Callable | str:
+def _torch_compile(workload: Workload) -> Callable | str:
     if not torch.cuda.is_available():
         return "needs a CUDA GPU (timings only)"
     # The backward is timed by replaying one graph (retain_graph=True), which a compiled backward
@@ -46,16 +46,16 @@ def _torch_compile(spec: OpSpec, kwargs: dict) -> Callable | str:
     import torch._functorch.config as functorch_config
 
     functorch_config.donated_buffer = False
-    return _compiled_reference(spec, tuple(sorted(kwargs.items())))
+    return _compiled_reference(workload)
 
 
-def _peer(name: str, module: str | None) -> Callable[[OpSpec, dict], Callable | str]:
-    def build(spec: OpSpec, kwargs: dict) -> Callable | str:
+def _peer(name: str, module: str | None) -> Callable[[Workload], Callable | str]:
+    def build(workload: Workload) -> Callable | str:
         if module is not None and importlib.util.find_spec(module) is None:
             return f"{module} is not installed"
-        if name not in spec.peers:
-            return f"has no {spec.name}"
-        return spec.peers[name](kwargs)
+        if name not in workload.peers:
+            return f"has no {workload.name}"
+        return workload.peers[name](workload.call_kwargs)
 
     return build
 
@@ -68,12 +68,12 @@ GENERIC = [
 ]
 
 
-def providers_for(spec: OpSpec) -> list[Provider]:
+def providers_for(workload: Workload) -> list[Provider]:
     """Generic providers, then the op's own peers (cuDNN SDPA, FlexAttention, cuBLASLt...)."""
     named = {p.name for p in GENERIC}
     extra = [
         Provider(name, f"{name} (op-specific peer)", _peer(name, None))
-        for name in spec.peers
+        for name in workload.peers
         if name not in named
     ]
     return GENERIC + extra

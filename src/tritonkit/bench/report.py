@@ -264,10 +264,10 @@ def plot_roofline(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from tritonkit.ops import get_op
+    from tritonkit.ops import get_workload
 
     timed = [r for r in rows if "tflops" in r]
-    unit = get_op(timed[0]["op"]).flop_unit
+    unit = get_workload(timed[0]["op"]).flop_unit
     intensities = [r["flops"] / r["bytes"] for r in timed]
     lo, hi = min(intensities) / 8, max(max(intensities) * 8, datasheet.ridge(unit) * 4)
     xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
@@ -307,15 +307,15 @@ def plot_roofline(
 
 
 def _predicted(name: str, datasheet: roofline.DeviceSpec) -> list[tuple[float, float]]:
-    """(FLOP/byte, TFLOP/s) where the roofline puts the op's forward at each of its benchmark shapes."""
+    """(FLOP/byte, TFLOP/s) where the roofline puts the workload's forward at each of its shapes."""
     from tritonkit.dtypes import DTYPE_OF
-    from tritonkit.ops import get_op
+    from tritonkit.ops import get_workload
 
-    spec, points = get_op(name), []
-    for shape, dtype_name in spec.shape_list("quick"):
-        for dtype in (DTYPE_OF[dtype_name],) if dtype_name else spec.dtypes:
-            cost = spec.cost(shape, dtype, "fwd")
-            seconds = roofline.roofline_seconds(cost, datasheet, spec.flop_unit)
+    workload, points = get_workload(name), []
+    for shape, dtype_name in workload.shape_list("quick"):
+        for dtype in (DTYPE_OF[dtype_name],) if dtype_name else workload.op.dtypes:
+            cost = workload.cost(shape, dtype, "fwd")
+            seconds = roofline.roofline_seconds(cost, datasheet, workload.flop_unit)
             points.append((cost.flops / cost.bytes, cost.flops / seconds / 1e12))
     return points
 
@@ -338,7 +338,7 @@ def plot_results(results: Path, datasheet: roofline.DeviceSpec, path: Path) -> l
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from tritonkit.ops import get_op, op_names
+    from tritonkit.ops import get_workload, workload_names
 
     rows = []
     for file in sorted((results / datasheet.slug).glob("*.json")):
@@ -347,9 +347,9 @@ def plot_results(results: Path, datasheet: roofline.DeviceSpec, path: Path) -> l
             # an op's rows; the decoder layer's (layer.json) have FLOPs but no bytes: no roofline point
             rows += [r for r in data if r.get("provider") == "tritonkit" and "tflops" in r and "bytes" in r]
     fig, ax = plt.subplots(figsize=(8, 5.5))
-    units = sorted({get_op(name).flop_unit for name in op_names()})
+    units = sorted({get_workload(name).flop_unit for name in workload_names()})
     intensities = [r["flops"] / r["bytes"] for r in rows]
-    intensities += [x for name in op_names() for x, _ in _predicted(name, datasheet)]
+    intensities += [x for name in workload_names() for x, _ in _predicted(name, datasheet)]
     xs = _intensity_axis(intensities, max(datasheet.peak(unit) for unit in units) / datasheet.bandwidth)
     for unit, style in zip(units, ("-", "--", ":", "-."), strict=False):
         ax.plot(
@@ -370,7 +370,7 @@ def plot_results(results: Path, datasheet: roofline.DeviceSpec, path: Path) -> l
         )
         ax.plot(xs, [min(peak, x * bandwidth) / 1e12 for x in xs], color="gray", lw=1, label=label)
     plotted = []
-    for index, name in enumerate(op_names()):
+    for index, name in enumerate(workload_names()):
         color = f"C{index}"
         ours = [r for r in rows if r["op"] == name]
         if ours:

@@ -1,4 +1,4 @@
-"""Sweeps: every (op, shape, dtype, mode, provider) checked against the reference and timed.
+"""Sweeps: every (workload, shape, dtype, mode, provider) checked against the reference and timed.
 
 On a GPU each row carries timings, rates, roofline percentages, host time per call and the
 error against the float64 reference. Without one, the same sweep runs the interpreter on small
@@ -22,14 +22,14 @@ from tritonkit._runtime import interpret
 from tritonkit.bench import timing
 from tritonkit.bench.providers import providers_for
 from tritonkit.dtypes import DTYPE_OF, NAME_OF
-from tritonkit.ops import MODES, OpSpec, get_op
+from tritonkit.ops import MODES, Workload, get_workload
 
 SEED = 0
 
 
 @dataclass(frozen=True)
 class Case:
-    spec: OpSpec
+    workload: Workload
     shape: tuple
     dtype: torch.dtype
     mode: str
@@ -63,34 +63,35 @@ def provenance() -> dict:
 
 
 def cases(
-    op_names: Iterable[str], shapes: str, dtypes: Iterable[torch.dtype] | None, modes: Iterable[str]
+    names: Iterable[str], shapes: str, dtypes: Iterable[torch.dtype] | None, modes: Iterable[str]
 ) -> list[Case]:
-    """The sweep; on the interpreter the shape list is always the op's small 'interpreter' one."""
+    """The sweep over the named workloads; on the interpreter the shape list is always the op's small
+    'interpreter' one."""
     out = []
-    for name in op_names:
-        spec = get_op(name)
-        for shape, dtype_name in spec.shape_list("interpreter" if interpret() else shapes):
-            for dtype in (DTYPE_OF[dtype_name],) if dtype_name else spec.dtypes:
+    for name in names:
+        workload = get_workload(name)
+        for shape, dtype_name in workload.shape_list("interpreter" if interpret() else shapes):
+            for dtype in (DTYPE_OF[dtype_name],) if dtype_name else workload.op.dtypes:
                 if dtypes and dtype not in dtypes:
                     continue
                 for mode in modes:
                     if mode not in MODES:
                         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-                    out.append(Case(spec, shape, dtype, mode))
+                    out.append(Case(workload, shape, dtype, mode))
     return out
 
 
 def _inputs(case: Case, device: str, seed: int, requires_grad: bool) -> tuple:
-    inputs = case.spec.make_inputs(case.shape, case.dtype, device, testing.generator(seed))
+    inputs = case.workload.op.make_inputs(case.shape, case.dtype, device, testing.generator(seed))
     if requires_grad:
-        for i in case.spec.grad_inputs:
+        for i in case.workload.op.grad_inputs:
             inputs[i].requires_grad_(True)
     return inputs
 
 
 def _call(fn: Callable, case: Case, inputs: tuple) -> Callable[[], object]:
     """A zero-argument call doing the case's mode on one input set."""
-    grad_inputs = [inputs[i] for i in case.spec.grad_inputs]
+    grad_inputs = [inputs[i] for i in case.workload.op.grad_inputs]
     if case.mode == "fwd":
         return lambda: fn(*inputs)
     outputs = testing.as_tuple(fn(*inputs))
@@ -108,16 +109,17 @@ def _grad_outputs(outputs: tuple) -> list:
 
 def _check(fn: Callable, case: Case, inputs: tuple) -> dict:
     """The oracle on the mode's outputs and gradients: the largest error and the verdict."""
-    with_grads = case.mode != "fwd"
+    with_grads, op = case.mode != "fwd", case.workload.op
+    reference = functools.partial(op.reference, **case.workload.call_kwargs)
     grad_outputs = None
     if with_grads:
         detached = [x.detach() if isinstance(x, torch.Tensor) else x for x in inputs]  # shapes too
-        grad_outputs = _grad_outputs(testing.as_tuple(case.spec.reference(*detached, **case.spec.kwargs)))
+        grad_outputs = _grad_outputs(testing.as_tuple(reference(*detached)))
     comparisons = testing.compare_with_reference(
         fn,
-        functools.partial(case.spec.reference, **case.spec.kwargs),
+        reference,
         inputs,
-        grad_inputs=case.spec.grad_inputs if with_grads else (),
+        grad_inputs=op.grad_inputs if with_grads else (),
         grad_outputs=grad_outputs,
     )
     if case.mode == "bwd":
@@ -131,10 +133,10 @@ def _check(fn: Callable, case: Case, inputs: tuple) -> dict:
 def run_case(case: Case, provider_names: Iterable[str] | None, device: str) -> list[dict]:
     """One row per provider for the case (unavailable providers give a row with the reason)."""
     rows = []
-    for provider in providers_for(case.spec):
+    for provider in providers_for(case.workload):
         if provider_names and provider.name not in provider_names:
             continue
-        fn = provider.build(case.spec, case.spec.kwargs)
+        fn = provider.build(case.workload)
         row = _base_row(case, provider.name)
         if isinstance(fn, str):
             rows.append(row | {"unavailable": fn})
@@ -156,17 +158,17 @@ def run_case(case: Case, provider_names: Iterable[str] | None, device: str) -> l
 
 
 def _base_row(case: Case, provider: str) -> dict:
-    cost = case.spec.cost(case.shape, case.dtype, case.mode)
+    cost = case.workload.cost(case.shape, case.dtype, case.mode)
     h200 = roofline.device_spec("h200")
     return {
-        "op": case.spec.name,
+        "op": case.workload.name,
         "provider": provider,
         "mode": case.mode,
         "shape": list(case.shape),
         "dtype": dtype_name(case.dtype),
         "flops": cost.flops,
         "bytes": cost.bytes,
-        "predicted_ms_h200": roofline.roofline_seconds(cost, h200, case.spec.flop_unit) * 1e3,
+        "predicted_ms_h200": roofline.roofline_seconds(cost, h200, case.workload.flop_unit) * 1e3,
     }
 
 
@@ -190,7 +192,7 @@ def _copy_ms(total_bytes: int) -> float:
 
 
 def _timings(fn: Callable, case: Case, inputs: tuple) -> dict:
-    cost = case.spec.cost(case.shape, case.dtype, case.mode)
+    cost = case.workload.cost(case.shape, case.dtype, case.mode)
     input_bytes = sum(x.numel() * x.element_size() for x in inputs if isinstance(x, torch.Tensor))
     sets = [inputs] + [
         _inputs(case, "cuda", SEED + 10 + i, case.mode != "fwd")
@@ -199,6 +201,7 @@ def _timings(fn: Callable, case: Case, inputs: tuple) -> dict:
     (p20, median, p80), method = timing.kernel_ms([functools.partial(_call, fn, case, s) for s in sets])
     seconds = median * 1e-3
     measured, datasheet = _ceilings()
+    unit = case.workload.flop_unit
     return {
         "ms_p20": p20,
         "ms": median,
@@ -206,31 +209,31 @@ def _timings(fn: Callable, case: Case, inputs: tuple) -> dict:
         "timing": method,
         "gbps": cost.bytes / seconds / 1e9,
         "tflops": cost.flops / seconds / 1e12,
-        "pct_roofline": roofline.pct_of_roofline(cost, seconds, measured, case.spec.flop_unit),
-        "pct_roofline_datasheet": roofline.pct_of_roofline(cost, seconds, datasheet, case.spec.flop_unit),
+        "pct_roofline": roofline.pct_of_roofline(cost, seconds, measured, unit),
+        "pct_roofline_datasheet": roofline.pct_of_roofline(cost, seconds, datasheet, unit),
         "pct_copy_same_bytes": 100 * _copy_ms(cost.bytes) / median,
         "measured_bandwidth": measured.bandwidth,
-        "measured_peak": measured.peak(case.spec.flop_unit),
+        "measured_peak": measured.peak(unit),
     }
 
 
-# Host time is measured on the op's tiny shape, the same for every shape of a sweep: once per
-# (op, provider, mode, dtype) a run. (Measured per case it also made torch.compile recompile the
+# Host time is measured on the workload's tiny shape, the same for every shape of a sweep: once per
+# (workload, provider, mode, dtype) a run. (Measured per case it also made torch.compile recompile the
 # tiny shape after every reset.)
 _host_times: dict[tuple, float] = {}
 
 
 def _host_time(fn: Callable, case: Case, provider: str) -> dict:
-    key = (case.spec.name, provider, case.mode, case.dtype)
+    key = (case.workload.name, provider, case.mode, case.dtype)
     if key not in _host_times:
-        tiny = Case(case.spec, case.spec.tiny_shape, case.dtype, case.mode)
+        tiny = Case(case.workload, case.workload.tiny_shape, case.dtype, case.mode)
         _host_times[key] = timing.host_us(_call(fn, tiny, _inputs(tiny, "cuda", SEED, case.mode != "fwd")))
-    return {"host_us": _host_times[key], "host_shape": list(case.spec.tiny_shape)}
+    return {"host_us": _host_times[key], "host_shape": list(case.workload.tiny_shape)}
 
 
 def case_id(case: Case) -> tuple:
-    """What names a case in its rows: (op, mode, shape, dtype)."""
-    return case.spec.name, case.mode, tuple(case.shape), dtype_name(case.dtype)
+    """What names a case in its rows: (op, mode, shape, dtype), "op" the workload's name."""
+    return case.workload.name, case.mode, tuple(case.shape), dtype_name(case.dtype)
 
 
 def row_case_id(row: dict) -> tuple:
@@ -238,11 +241,11 @@ def row_case_id(row: dict) -> tuple:
 
 
 def case_label(case: Case) -> str:
-    return f"{case.spec.name} {case.mode} {'x'.join(map(str, case.shape))} {dtype_name(case.dtype)}"
+    return f"{case.workload.name} {case.mode} {'x'.join(map(str, case.shape))} {dtype_name(case.dtype)}"
 
 
 def run(
-    op_names: Iterable[str],
+    names: Iterable[str],
     *,
     shapes: str = "quick",
     dtypes=None,
@@ -253,7 +256,7 @@ def run(
     on_case: Callable[[list[dict]], None] | None = None,
     report: Callable[[str], None] | None = None,
 ) -> list[dict]:
-    """Run the sweep and return its rows (each with provenance), in sweep order.
+    """Run the sweep over the named workloads and return its rows (each with provenance), in sweep order.
 
     Cases that already have rows in ``done`` (an interrupted run's) are not run again: their rows
     are kept. ``on_case`` receives each case's rows as soon as the case finishes, and ``report`` a
@@ -262,7 +265,7 @@ def run(
     from tqdm import tqdm
 
     device = "cpu" if interpret() else "cuda"
-    sweep = cases(op_names, shapes, dtypes, modes)
+    sweep = cases(names, shapes, dtypes, modes)
     order = {case_id(case): index for index, case in enumerate(sweep)}
     _host_times.clear()  # a new run measures host time afresh
     rows = [row for row in done if row_case_id(row) in order]
@@ -272,12 +275,12 @@ def run(
     compiled_for = None
     for index, case in enumerate(bar):
         bar.set_postfix_str(case_label(case))
-        if device == "cuda" and compiled_for != (case.spec.name, case.shape, case.dtype):
+        if device == "cuda" and compiled_for != (case.workload.name, case.shape, case.dtype):
             # torch.compile's peer compiles each shape afresh, all through one wrapper: past
             # config.recompile_limit (8) Dynamo would quietly run it eagerly, and from a second
             # shape on it would compile for dynamic shapes. The modes of one shape share graphs.
             torch._dynamo.reset()
-            compiled_for = (case.spec.name, case.shape, case.dtype)
+            compiled_for = (case.workload.name, case.shape, case.dtype)
         started = time.perf_counter()
         case_rows = [row | provenance() for row in run_case(case, providers, device)]
         rows.extend(case_rows)

@@ -30,6 +30,7 @@ from tritonkit._triton import tl, triton
 from tritonkit.dtypes import FLOATS
 from tritonkit.jit import gelu, gelu_grad
 from tritonkit.opdef import check_tensor, op
+from tritonkit.ops import Op, Workload
 
 APPROXIMATIONS = ("none", "tanh")
 DTYPES = FLOATS
@@ -315,10 +316,8 @@ def _make_inputs(shape: tuple, dtype: torch.dtype, device, generator: torch.Gene
     )
 
 
-def _spec():
-    from tritonkit.ops import OpSpec
-
-    return OpSpec(
+OPS = {
+    "bias_gelu": Op(
         name="bias_gelu",
         family="elementwise",
         fn=bias_gelu,
@@ -326,15 +325,19 @@ def _spec():
         cost=bias_gelu_cost,
         make_inputs=_make_inputs,
         grad_inputs=(0, 1),
+        shapes=[(4, 96), (33, 257)],
+        inspect=_inspect_launches,
+    )
+}
+WORKLOADS = {
+    "bias_gelu": Workload(
+        name="bias_gelu",
+        op=OPS["bias_gelu"],
         flop_unit="fp32",
         shapes={
-            "interpreter": [(4, 96), (33, 257)],
             "quick": [(8192, 4096), (4096, 16384)],
             "full": [(8192, 4096), (4096, 16384), (16384, 8192), (65536, 1024), (1823, 4097), (32768, 3072)],
         },
         tiny_shape=(4, 256),
-        inspect=_inspect_launches,
     )
-
-
-SPECS = {"bias_gelu": _spec()}
+}

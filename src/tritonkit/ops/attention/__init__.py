@@ -5,8 +5,8 @@ The modules, each importing only those before it: ``common`` (what forward and b
 scores, masks, packed batches, checks, the tuning key, the reference), ``fwd`` (the forward's
 kernel, launch and tuner), ``bwd_kernels`` (the backward's kernels with the configs they are tuned
 over) and ``bwd`` (their launches and tuners), ``merge`` (the log-sum-exp merge that ring attention
-and split-K decoding fold partial results with), ``attention`` (the public functions, the ops and
-their autograd, cost and benchmark specs). Nothing is re-exported here: the public functions are
-``tritonkit.flash_attention`` and ``tritonkit.scaled_dot_product_attention``, and each module is
-reached by its own name.
+and split-K decoding fold partial results with), ``attention`` (the public functions, the custom
+ops and their autograd, cost, the registry's op and its benchmark workloads). Nothing is re-exported
+here: the public functions are ``tritonkit.flash_attention`` and
+``tritonkit.scaled_dot_product_attention``, and each module is reached by its own name.
 """

@@ -1,10 +1,10 @@
 """Attention's public functions: ``flash_attention`` and ``scaled_dot_product_attention``, the
 packed batches' and the window's argument checks, the forward and backward ops (destination-passing,
 ``tritonkit::attention_fwd`` and ``tritonkit::attention_bwd``) with the one autograd function over
-them, the cost model, the launches ``tritonkit inspect`` compiles and the benchmark specs. The
-forward's kernel, launch and tuning are in ``fwd``; the backward's kernels in ``bwd_kernels``, their
-launches and tuning in ``bwd``; what both share (the scores' masks and cap, the dense checks, the
-reference) is in ``common``.
+them, the cost model, the launches ``tritonkit inspect`` compiles, and the registry's op and its
+benchmark workloads. The forward's kernel, launch and tuning are in ``fwd``; the backward's kernels
+in ``bwd_kernels``, their launches and tuning in ``bwd``; what both share (the scores' masks and
+cap, the dense checks, the reference) is in ``common``.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 
 from tritonkit._runtime import empty_output
 from tritonkit.opdef import op
+from tritonkit.ops import Op, Workload
 from tritonkit.ops.attention.bwd import _inspect_launches as _inspect_bwd_launches
 from tritonkit.ops.attention.bwd import attention_bwd_into
 from tritonkit.ops.attention.bwd_kernels import KERNELS
@@ -336,7 +337,7 @@ def _inspect_launches(
     ]
 
 
-# ---------------------------------------------------------------- benchmark peers and specs
+# ---------------------------------------------------------------- the op, its peers and workloads
 
 
 def _sdpa_backend(backend: str):
@@ -389,21 +390,34 @@ def _make_inputs(shape: tuple, dtype: torch.dtype, device, generator: torch.Gene
     )
 
 
-def _spec(causal: bool):
-    from tritonkit.ops import OpSpec
-
-    return OpSpec(
-        name="attention_causal" if causal else "attention",
+# The contract runs full attention, as a plain call does: the causal mask changes none of its checks
+# (the same custom ops, the same tensors read and written). The causal kernels' outputs, gradients
+# and poisoned rows are checked in tests/test_attention.py, their gates under each mask in
+# tests/test_attention_tuning.py; the attention_causal workload runs them at the benchmark's shapes.
+OPS = {
+    "flash_attention": Op(
+        name="flash_attention",
         family="attention",
         fn=flash_attention,
         reference=attention_reference,
-        cost=functools.partial(attention_cost, causal=causal),
+        cost=attention_cost,
         make_inputs=_make_inputs,
         grad_inputs=(0, 1, 2),
+        # (B, Hq, Hkv, S, D)
+        shapes=[((1, 2, 1, 40, 64), "bf16"), ((1, 2, 2, 33, 32), "fp16")],
+        dtypes=DTYPES,
+        inspect=_inspect_launches,
+    )
+}
+
+
+def _workload(causal: bool) -> Workload:
+    return Workload(
+        name="attention_causal" if causal else "attention",
+        op=OPS["flash_attention"],
         flop_unit="bf16",
         # (B, Hq, Hkv, S, D): the issue's shapes; GQA at Hq 32, Hkv 8; fp16 at the first
         shapes={
-            "interpreter": [((1, 2, 1, 40, 64), "bf16"), ((1, 2, 2, 33, 32), "fp16")],
             "quick": [
                 ((4, 32, 32, 4096, 128), "bf16"),
                 ((2, 16, 16, 16384, 128), "bf16"),
@@ -424,7 +438,6 @@ def _spec(causal: bool):
             ],
         },
         tiny_shape=(1, 1, 1, 128, 64),
-        dtypes=DTYPES,
         kwargs={"causal": causal},
         # tritonkit[atomic-dq]: the backward with deterministic=False, shown beside the default
         peers={
@@ -436,8 +449,7 @@ def _spec(causal: bool):
             "sdpa-efficient": _sdpa_backend("EFFICIENT_ATTENTION"),
             "flex": _flex,
         },
-        inspect=functools.partial(_inspect_launches, causal=causal),
     )
 
 
-SPECS = {"attention": _spec(False), "attention_causal": _spec(True)}
+WORKLOADS = {"attention": _workload(False), "attention_causal": _workload(True)}

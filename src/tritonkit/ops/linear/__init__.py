@@ -5,7 +5,8 @@ tuning (the API other ops build on), ``linear`` the public functions, autograd, 
 from tritonkit.ops.linear.kernels import ACTIVATIONS
 from tritonkit.ops.linear.linear import (
     DTYPES,
-    SPECS,
+    OPS,
+    WORKLOADS,
     gated_linear,
     gated_linear_cost,
     gated_linear_reference,
@@ -17,7 +18,8 @@ from tritonkit.ops.linear.linear import (
 __all__ = [
     "ACTIVATIONS",
     "DTYPES",
-    "SPECS",
+    "OPS",
+    "WORKLOADS",
     "gated_linear",
     "gated_linear_cost",
     "gated_linear_reference",

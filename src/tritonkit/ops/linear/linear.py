@@ -34,6 +34,7 @@ from tritonkit._launch import Launch, cdiv
 from tritonkit._runtime import empty_output, sm_count
 from tritonkit.dtypes import HALVES
 from tritonkit.opdef import check_tensor, op
+from tritonkit.ops import Op, Workload
 from tritonkit.ops.bias_gelu import NUM_WARPS, row_tiles_per_program, tile_shape
 from tritonkit.ops.linear.kernels import (
     ACTIVATIONS,
@@ -479,7 +480,7 @@ def _inspect_launches(
     return launches
 
 
-# ---------------------------------------------------------------- benchmark registration
+# ---------------------------------------------------------------- the registry's ops and workloads
 
 
 def _make_inputs(shape: tuple, dtype: torch.dtype, device, generator: torch.Generator, operands: int = 3):
@@ -512,13 +513,13 @@ BENCH_SHAPES = [
 ]
 
 
-def _spec(name: str):
-    from tritonkit.ops import OpSpec
-
+def _op(name: str) -> Op:
+    """linear: with bias and the tanh GELU; linear_bare: the bare matmul (no bias, no activation: its
+    backward has no elementwise pass); gated_linear: SwiGLU."""
     gated = name == "gated_linear"
     bare = name == "linear_bare"
     activation = "silu" if gated else None if bare else "gelu_tanh"
-    return OpSpec(
+    return Op(
         name=name,
         family="linear",
         fn=gated_linear if gated else linear,
@@ -528,18 +529,25 @@ def _spec(name: str):
         ),
         make_inputs=functools.partial(_make_inputs, operands="gated" if gated else 2 if bare else 3),
         grad_inputs=(0, 1) if bare else (0, 1, 2),
-        flop_unit="bf16",
-        shapes={"interpreter": [((17, 33, 257), "fp16")], "quick": BENCH_SHAPES, "full": BENCH_SHAPES},
-        tiny_shape=(4, 64, 64),
+        shapes=[((17, 33, 257), "fp16")],
         dtypes=DTYPES,
-        # linear: with bias and the tanh GELU, against cuBLASLt's fused epilogue; linear_bare: the
-        # bare matmul, whose "torch" provider is cuBLAS; gated_linear: SwiGLU
         kwargs={"activation": activation},
-        peers={} if gated or bare else {"addmm-gelu": _addmm_gelu},
         inspect=functools.partial(
             _inspect_launches, activation=activation, forms=("gated",) if gated else ("linear",)
         ),
     )
 
 
-SPECS = {name: _spec(name) for name in ("linear", "linear_bare", "gated_linear")}
+OPS = {name: _op(name) for name in ("linear", "linear_bare", "gated_linear")}
+# linear against cuBLASLt's fused epilogue; linear_bare's "torch" provider is cuBLAS
+WORKLOADS = {
+    name: Workload(
+        name=name,
+        op=OPS[name],
+        flop_unit="bf16",
+        shapes={"quick": BENCH_SHAPES, "full": BENCH_SHAPES},
+        tiny_shape=(4, 64, 64),
+        peers={"addmm-gelu": _addmm_gelu} if name == "linear" else {},
+    )
+    for name in OPS
+}

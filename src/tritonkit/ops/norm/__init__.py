@@ -1,6 +1,6 @@
 """LayerNorm and RMSNorm, with the residual add fused in: ``kernels.py`` holds the Triton kernels with
 the configs each is tuned over, ``norm.py`` their launches, tuning, autograd, public functions,
-references and costs, ``spec.py`` the registry's specs."""
+references and costs, ``spec.py`` the registry's ops and workloads."""
 
 from tritonkit.ops.norm.norm import (
     add_layer_norm,
@@ -14,10 +14,11 @@ from tritonkit.ops.norm.norm import (
     rms_norm,
     rms_norm_reference,
 )
-from tritonkit.ops.norm.spec import SPECS
+from tritonkit.ops.norm.spec import OPS, WORKLOADS
 
 __all__ = [
-    "SPECS",
+    "OPS",
+    "WORKLOADS",
     "add_layer_norm",
     "add_layer_norm_reference",
     "add_rms_norm",

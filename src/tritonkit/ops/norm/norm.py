@@ -23,7 +23,7 @@ h = x + residual is added in fp32 and rounded to the input dtype before it is no
 ``norm(x + residual)`` is in PyTorch: the backward then recomputes xhat from the stored h exactly.
 
 This file reads: launches, tuning (one ``tuning.Tuned`` a kernel pair), custom ops and autograd,
-the public functions, reference and cost; ``spec.py`` has the registry's specs.
+the public functions, reference and cost; ``spec.py`` has the registry's ops and workloads.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The registry's spec of each norm op (``tritonkit.ops.OpSpec``): benchmark inputs and shapes, the
-peers it is measured against, and the launches ``tritonkit inspect`` compiles."""
+"""The registry's records of the norm ops: each op's contract (``tritonkit.ops.Op``: inputs, the
+launches ``tritonkit inspect`` compiles) and its benchmark workload (``tritonkit.ops.Workload``:
+shapes and the peers it is measured against)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import math
 import torch
 
 from tritonkit._launch import Launch
+from tritonkit.ops import Op, Workload
 from tritonkit.ops.norm.norm import (
     _bwd_launches,
     _default,
@@ -105,19 +107,20 @@ def _inspect_launches(
     ]
 
 
-def _spec(name: str, residual: bool, rms: bool):
-    from tritonkit.ops import OpSpec
+_FUNCTIONS = {
+    "layer_norm": (layer_norm, layer_norm_reference),
+    "rms_norm": (rms_norm, rms_norm_reference),
+    "add_layer_norm": (add_layer_norm, add_layer_norm_reference),
+    "add_rms_norm": (add_rms_norm, add_rms_norm_reference),
+}
 
+
+def _op(name: str) -> Op:
+    residual, rms = name.startswith("add_"), "rms" in name
     bias = not rms
-    fns = {
-        "layer_norm": (layer_norm, layer_norm_reference),
-        "rms_norm": (rms_norm, rms_norm_reference),
-        "add_layer_norm": (add_layer_norm, add_layer_norm_reference),
-        "add_rms_norm": (add_rms_norm, add_rms_norm_reference),
-    }
-    fn, reference = fns[name]
+    fn, reference = _FUNCTIONS[name]
     params = (2, 3) if bias else (2,)
-    return OpSpec(
+    return Op(
         name=name,
         family="norm",
         fn=fn,
@@ -125,34 +128,29 @@ def _spec(name: str, residual: bool, rms: bool):
         cost=lambda shape, dtype, mode="fwd": norm_cost(shape, dtype, mode, residual=residual, bias=bias),
         make_inputs=_make_inputs(residual, bias),
         grad_inputs=(0, 1, *(p + 1 for p in params)) if residual else (0, *params),
-        flop_unit="fp32",
-        shapes={
-            # the last: a row past MAX_BLOCK_N, which the looped kernels take (and their tuners)
-            "interpreter": [(4, 96), (9, 1000), (1, 33000)],
-            "quick": [
-                ((32768, 4096), "bf16"),
-                ((16384, 8192), "bf16"),
-                ((65536, 1024), "bf16"),
-                ((4096, 65536), "bf16"),
-                ((8192, 4096), "fp32"),
-            ],
-            "full": [
-                ((32768, 4096), "bf16"),
-                ((16384, 8192), "bf16"),
-                ((65536, 1024), "bf16"),
-                ((4096, 65536), "bf16"),
-                ((8192, 4096), "fp32"),
-                ((4097, 1823), "bf16"),
-                ((1024, 262144), "bf16"),
-            ],
-        },
-        tiny_shape=(4, 256),
-        peers={"liger": _liger(rms, residual)},
+        # the last: a row past MAX_BLOCK_N, which the looped kernels take (and their tuners)
+        shapes=[(4, 96), (9, 1000), (1, 33000)],
         inspect=functools.partial(_inspect_launches, residual, rms, bias),
     )
 
 
-SPECS = {
-    name: _spec(name, residual=name.startswith("add_"), rms="rms" in name)
-    for name in ("layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm")
-}
+def _workload(name: str) -> Workload:
+    quick = [
+        ((32768, 4096), "bf16"),
+        ((16384, 8192), "bf16"),
+        ((65536, 1024), "bf16"),
+        ((4096, 65536), "bf16"),
+        ((8192, 4096), "fp32"),
+    ]
+    return Workload(
+        name=name,
+        op=OPS[name],
+        flop_unit="fp32",
+        shapes={"quick": quick, "full": [*quick, ((4097, 1823), "bf16"), ((1024, 262144), "bf16")]},
+        tiny_shape=(4, 256),
+        peers={"liger": _liger("rms" in name, name.startswith("add_"))},
+    )
+
+
+OPS = {name: _op(name) for name in _FUNCTIONS}
+WORKLOADS = {name: _workload(name) for name in _FUNCTIONS}

@@ -52,6 +52,7 @@ from tritonkit._launch import Launch, cdiv, launcher_of, next_power_of_2
 from tritonkit._runtime import check_device, empty_output, interpret, sm_count
 from tritonkit.dtypes import FLOATS, NAME_OF
 from tritonkit.opdef import op
+from tritonkit.ops import Op, Workload
 from tritonkit.ops.softmax.kernels import (
     CONFIGS,
     _default,
@@ -548,51 +549,54 @@ def _variant_peer(log: bool, variant: str):
     return lambda kwargs: functools.partial(softmax_variant, **kwargs, log=log, variant=variant)
 
 
-def _spec(log: bool):
-    from tritonkit.ops import OpSpec
-
-    peers = {f"tritonkit[{v}]": _variant_peer(log, v) for v in VARIANTS if v != "auto"}
-    if not log:
-        peers = {"liger": _liger, **peers}
-    return OpSpec(
-        name="log_softmax" if log else "softmax",
+OPS = {
+    name: Op(
+        name=name,
         family="softmax",
-        fn=log_softmax if log else softmax,
-        reference=log_softmax_reference if log else softmax_reference,
+        fn=fn,
+        reference=reference,
         cost=softmax_cost,
         make_inputs=_make_inputs,
         grad_inputs=(0,),
+        shapes=[(4, 96), (37, 1823)],
+        inspect=functools.partial(_inspect_launches, name == "log_softmax"),
+    )
+    for name, fn, reference in (
+        ("softmax", softmax, softmax_reference),
+        ("log_softmax", log_softmax, log_softmax_reference),
+    )
+}
+QUICK_SHAPES = [
+    ((4096, 4096), "fp16"),
+    ((32768, 4096), "bf16"),
+    ((65536, 1024), "bf16"),
+    ((262144, 256), "bf16"),
+    ((8192, 32768), "bf16"),
+    ((2048, 131072), "bf16"),
+    ((512, 524288), "fp32"),
+    ((256, 4194304), "fp32"),
+]
+
+
+def _workload(name: str) -> Workload:
+    log = name == "log_softmax"
+    peers = {f"tritonkit[{v}]": _variant_peer(log, v) for v in VARIANTS if v != "auto"}
+    return Workload(
+        name=name,
+        op=OPS[name],
         flop_unit="fp32",
         shapes={
-            "interpreter": [(4, 96), (37, 1823)],
-            "quick": [
-                ((4096, 4096), "fp16"),
-                ((32768, 4096), "bf16"),
-                ((65536, 1024), "bf16"),
-                ((262144, 256), "bf16"),
-                ((8192, 32768), "bf16"),
-                ((2048, 131072), "bf16"),
-                ((512, 524288), "fp32"),
-                ((256, 4194304), "fp32"),
-            ],
+            "quick": QUICK_SHAPES,
             "full": [
-                ((4096, 4096), "fp16"),
-                ((32768, 4096), "bf16"),
-                ((65536, 1024), "bf16"),
-                ((262144, 256), "bf16"),
-                ((8192, 32768), "bf16"),
-                ((2048, 131072), "bf16"),
-                ((512, 524288), "fp32"),
-                ((256, 4194304), "fp32"),
+                *QUICK_SHAPES,
                 ((16384, 1823), "bf16"),
                 ((32768, 4096), "fp32"),
                 ((32768, 4096), "fp16"),
             ],
         },
         tiny_shape=(4, 256),
-        peers=peers,
-        inspect=functools.partial(_inspect_launches, log),
+        peers=peers if log else {"liger": _liger, **peers},
     )
 
 
-SPECS = {"softmax": _spec(log=False), "log_softmax": _spec(log=True)}
+WORKLOADS = {name: _workload(name) for name in OPS}
