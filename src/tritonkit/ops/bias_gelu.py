@@ -62,7 +62,7 @@ def _bias_gelu_fwd_kernel(
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn, mask=mask)
     b = tl.load(b_ptr + cols * stride_bn, mask=cols < N)
     z = x.to(tl.float32) + b.to(tl.float32)[None, :]
-    y = gelu(z, APPROX_TANH)
+    y = gelu(z, APPROX_TANH=APPROX_TANH)
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -101,7 +101,7 @@ def _bias_gelu_bwd_kernel(
         mask = (rows[:, None] < M) & col_mask[None, :]
         x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn, mask=mask)
         dy = tl.load(dy_ptr + rows[:, None] * stride_dym + cols[None, :] * stride_dyn, mask=mask)
-        dz = dy.to(tl.float32) * gelu_grad(x.to(tl.float32) + b[None, :], APPROX_TANH)
+        dz = dy.to(tl.float32) * gelu_grad(x.to(tl.float32) + b[None, :], APPROX_TANH=APPROX_TANH)
         tl.store(dx_ptr + rows[:, None] * N + cols[None, :], dz.to(dx_ptr.dtype.element_ty), mask=mask)
         db += tl.sum(tl.where(mask, dz, 0.0), axis=0)
     tl.store(db_partial_ptr + tl.program_id(0) * N + cols, db, mask=col_mask)

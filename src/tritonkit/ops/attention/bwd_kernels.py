@@ -174,22 +174,33 @@ def _dkdv_steps(
             lse = tl.load(lse_ptr + row_stats)
             delta = tl.load(delta_ptr + row_stats)
         lse_log2 = tl.where(lse == -float("inf"), float("inf"), lse * LOG2E)
-        s_t, tanh_t = _exponent(dot_fp32(k, tl.trans(q), EXACT_DOT_IN_FP32), score_scale, cap_log2, SOFTCAP)
+        s_t, tanh_t = _exponent(
+            dot_fp32(k, tl.trans(q), EXACT_DOT_IN_FP32=EXACT_DOT_IN_FP32),
+            score_scale,
+            cap_log2,
+            SOFTCAP=SOFTCAP,
+        )
         p_t = tl.math.exp2(s_t - lse_log2[None, :])  # (BLOCK_N, BLOCK_M)
         if MASKED:
             visible = _visible(
-                rows[None, :], cols[:, None], SEQ_K, UPPER_OFFSET, LOWER_OFFSET, IS_CAUSAL, HAS_LOWER
+                rows[None, :],
+                cols[:, None],
+                SEQ_K,
+                UPPER_OFFSET,
+                LOWER_OFFSET,
+                IS_CAUSAL=IS_CAUSAL,
+                HAS_LOWER=HAS_LOWER,
             )
             p_t = tl.where(visible & row_mask[None, :], p_t, 0.0)
-        dv += dot_fp32(p_t.to(do.dtype), do, EXACT_DOT_IN_FP32)
-        dp_t = dot_fp32(v, tl.trans(do), EXACT_DOT_IN_FP32)
+        dv += dot_fp32(p_t.to(do.dtype), do, EXACT_DOT_IN_FP32=EXACT_DOT_IN_FP32)
+        dp_t = dot_fp32(v, tl.trans(do), EXACT_DOT_IN_FP32=EXACT_DOT_IN_FP32)
         ds_t = p_t * (dp_t - delta[None, :])
         if SOFTCAP:  # through the cap: d(c tanh(s / c)) / ds = 1 - tanh^2
             ds_t = ds_t * (1.0 - tanh_t * tanh_t)
         ds_t = ds_t.to(q.dtype)
-        dk += dot_fp32(ds_t, q, EXACT_DOT_IN_FP32)
+        dk += dot_fp32(ds_t, q, EXACT_DOT_IN_FP32=EXACT_DOT_IN_FP32)
         if ATOMIC_DQ:
-            dq = dot_fp32(tl.trans(ds_t), k, EXACT_DOT_IN_FP32)  # (BLOCK_M, D)
+            dq = dot_fp32(tl.trans(ds_t), k, EXACT_DOT_IN_FP32=EXACT_DOT_IN_FP32)  # (BLOCK_M, D)
             if TMA_DQ:  # the accumulator is contiguous: its row stride is D
                 first_row = (batch * stride_ab + head * stride_ah) // stride_am + block
                 dq_target.atomic_add([first_row.to(tl.int32), 0], dq)
@@ -348,7 +359,7 @@ def _attn_bwd_dkdv_kernel(
     bh_kv = tl.program_id(1).to(tl.int64)
     batch, kv_head = bh_kv // H_KV, bh_kv % H_KV
     q_start, SEQ_Q, k_start, SEQ_K, UPPER_OFFSET, LOWER_OFFSET = _sequence(
-        batch, cu_q_ptr, cu_k_ptr, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, VARLEN
+        batch, cu_q_ptr, cu_k_ptr, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, VARLEN=VARLEN
     )
     local_n = tl.arange(0, BLOCK_N)
     cols = start_n + local_n
@@ -443,14 +454,14 @@ def _attn_bwd_dkdv_kernel(
         (inner_start - first) // BLOCK_M,
         inner_end,
         (end - inner_end) // BLOCK_M,
-        IS_CAUSAL,
-        HAS_LOWER,
-        SOFTCAP,
-        ATOMIC_DQ,
-        True,
-        BLOCK_M,
-        EXACT_DOT_IN_FP32,
-        TMA_DQ,
+        IS_CAUSAL=IS_CAUSAL,
+        HAS_LOWER=HAS_LOWER,
+        SOFTCAP=SOFTCAP,
+        ATOMIC_DQ=ATOMIC_DQ,
+        MASKED=True,
+        BLOCK_M=BLOCK_M,
+        EXACT_DOT_IN_FP32=EXACT_DOT_IN_FP32,
+        TMA_DQ=TMA_DQ,
     )
     dk, dv = _dkdv_steps(
         dk,
@@ -460,14 +471,14 @@ def _attn_bwd_dkdv_kernel(
         (inner_end - inner_start) // BLOCK_M,
         inner_end,
         0,
-        IS_CAUSAL,
-        HAS_LOWER,
-        SOFTCAP,
-        ATOMIC_DQ,
-        False,
-        BLOCK_M,
-        EXACT_DOT_IN_FP32,
-        TMA_DQ,
+        IS_CAUSAL=IS_CAUSAL,
+        HAS_LOWER=HAS_LOWER,
+        SOFTCAP=SOFTCAP,
+        ATOMIC_DQ=ATOMIC_DQ,
+        MASKED=False,
+        BLOCK_M=BLOCK_M,
+        EXACT_DOT_IN_FP32=EXACT_DOT_IN_FP32,
+        TMA_DQ=TMA_DQ,
     )
     out = batch * stride_gb + kv_head * stride_gh + (block + local_n[:, None]) * stride_gn + dims[None, :]
     tl.store(dk_ptr + out, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
@@ -520,18 +531,29 @@ def _dq_steps(
             kv_mask = d_mask[None, :]
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-        s, tanh_s = _exponent(dot_fp32(q, tl.trans(k), EXACT_DOT_IN_FP32), score_scale, cap_log2, SOFTCAP)
+        s, tanh_s = _exponent(
+            dot_fp32(q, tl.trans(k), EXACT_DOT_IN_FP32=EXACT_DOT_IN_FP32),
+            score_scale,
+            cap_log2,
+            SOFTCAP=SOFTCAP,
+        )
         p = tl.math.exp2(s - lse_log2[:, None])
         if MASKED:
             visible = _visible(
-                rows[:, None], cols[None, :], SEQ_K, UPPER_OFFSET, LOWER_OFFSET, IS_CAUSAL, HAS_LOWER
+                rows[:, None],
+                cols[None, :],
+                SEQ_K,
+                UPPER_OFFSET,
+                LOWER_OFFSET,
+                IS_CAUSAL=IS_CAUSAL,
+                HAS_LOWER=HAS_LOWER,
             )
             p = tl.where(visible & (rows[:, None] < SEQ_Q), p, 0.0)
-        dp = dot_fp32(do, tl.trans(v), EXACT_DOT_IN_FP32)
+        dp = dot_fp32(do, tl.trans(v), EXACT_DOT_IN_FP32=EXACT_DOT_IN_FP32)
         ds = p * (dp - delta[:, None])
         if SOFTCAP:
             ds = ds * (1.0 - tanh_s * tanh_s)
-        dq += dot_fp32(ds.to(k.dtype), k, EXACT_DOT_IN_FP32)
+        dq += dot_fp32(ds.to(k.dtype), k, EXACT_DOT_IN_FP32=EXACT_DOT_IN_FP32)
     return dq
 
 
@@ -600,7 +622,7 @@ def _attn_bwd_dq_kernel(
     batch, head = bh // H, bh % H
     kv_head = head // GROUP
     q_start, SEQ_Q, k_start, SEQ_K, UPPER_OFFSET, LOWER_OFFSET = _sequence(
-        batch, cu_q_ptr, cu_k_ptr, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, VARLEN
+        batch, cu_q_ptr, cu_k_ptr, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, VARLEN=VARLEN
     )
     local_m = tl.arange(0, BLOCK_M)
     rows = start_m + local_m
@@ -623,7 +645,15 @@ def _attn_bwd_dq_kernel(
     v_head = v_ptr + batch * stride_vb + kv_head * stride_vh + k_start * stride_vn
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     start, inner_start, inner_end, end = _key_ranges(
-        start_m, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, IS_CAUSAL, HAS_LOWER, BLOCK_M, BLOCK_N
+        start_m,
+        SEQ_Q,
+        SEQ_K,
+        UPPER_OFFSET,
+        LOWER_OFFSET,
+        IS_CAUSAL=IS_CAUSAL,
+        HAS_LOWER=HAS_LOWER,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
     )
     dq = _dq_steps(
         dq,
@@ -648,12 +678,12 @@ def _attn_bwd_dq_kernel(
         LOWER_OFFSET,
         score_scale,
         cap_log2,
-        IS_CAUSAL,
-        HAS_LOWER,
-        SOFTCAP,
-        True,
-        BLOCK_N,
-        EXACT_DOT_IN_FP32,
+        IS_CAUSAL=IS_CAUSAL,
+        HAS_LOWER=HAS_LOWER,
+        SOFTCAP=SOFTCAP,
+        MASKED=True,
+        BLOCK_N=BLOCK_N,
+        EXACT_DOT_IN_FP32=EXACT_DOT_IN_FP32,
     )
     dq = _dq_steps(
         dq,
@@ -678,12 +708,12 @@ def _attn_bwd_dq_kernel(
         LOWER_OFFSET,
         score_scale,
         cap_log2,
-        IS_CAUSAL,
-        HAS_LOWER,
-        SOFTCAP,
-        False,
-        BLOCK_N,
-        EXACT_DOT_IN_FP32,
+        IS_CAUSAL=IS_CAUSAL,
+        HAS_LOWER=HAS_LOWER,
+        SOFTCAP=SOFTCAP,
+        MASKED=False,
+        BLOCK_N=BLOCK_N,
+        EXACT_DOT_IN_FP32=EXACT_DOT_IN_FP32,
     )
     dq = _dq_steps(
         dq,
@@ -708,12 +738,12 @@ def _attn_bwd_dq_kernel(
         LOWER_OFFSET,
         score_scale,
         cap_log2,
-        IS_CAUSAL,
-        HAS_LOWER,
-        SOFTCAP,
-        True,
-        BLOCK_N,
-        EXACT_DOT_IN_FP32,
+        IS_CAUSAL=IS_CAUSAL,
+        HAS_LOWER=HAS_LOWER,
+        SOFTCAP=SOFTCAP,
+        MASKED=True,
+        BLOCK_N=BLOCK_N,
+        EXACT_DOT_IN_FP32=EXACT_DOT_IN_FP32,
     )
     out = batch * stride_gb + head * stride_gh + (block + local_m[:, None]) * stride_gn + dims[None, :]
     tl.store(dq_ptr + out, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=tile_mask)

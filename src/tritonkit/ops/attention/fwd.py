@@ -107,10 +107,18 @@ def _attn_fwd_blocks(
                 k = tl.load(k_ptrs, mask=d_mask[:, None] & (cols[None, :] < SEQ_K), other=0.0)
             else:
                 k = tl.load(k_ptrs, mask=d_mask[:, None], other=0.0)
-        s, _ = _exponent(dot_fp32(q, k, EXACT_DOT_IN_FP32), score_scale, cap_log2, SOFTCAP)  # log2 units
+        s, _ = _exponent(  # log2 units
+            dot_fp32(q, k, EXACT_DOT_IN_FP32=EXACT_DOT_IN_FP32), score_scale, cap_log2, SOFTCAP=SOFTCAP
+        )
         if MASKED:
             visible = _visible(
-                offs_m[:, None], cols[None, :], SEQ_K, UPPER_OFFSET, LOWER_OFFSET, IS_CAUSAL, HAS_LOWER
+                offs_m[:, None],
+                cols[None, :],
+                SEQ_K,
+                UPPER_OFFSET,
+                LOWER_OFFSET,
+                IS_CAUSAL=IS_CAUSAL,
+                HAS_LOWER=HAS_LOWER,
             )
             s = tl.where(visible, s, -float("inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -131,7 +139,7 @@ def _attn_fwd_blocks(
                 v = tl.load(v_ptrs, mask=d_mask[None, :] & (cols[:, None] < SEQ_K), other=0.0)
             else:
                 v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
-        acc = acc * alpha[:, None] + dot_fp32(p.to(v.dtype), v, EXACT_DOT_IN_FP32)
+        acc = acc * alpha[:, None] + dot_fp32(p.to(v.dtype), v, EXACT_DOT_IN_FP32=EXACT_DOT_IN_FP32)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -145,7 +153,7 @@ def _unmasked_scores(
         k = tl.trans(k_source.load([start_n, 0]))
     else:
         k = tl.load(k_source + tl.cast(start_n, tl.int64) * stride_kn, mask=d_mask[:, None], other=0.0)
-    return dot_fp32(q, k, EXACT_DOT_IN_FP32)
+    return dot_fp32(q, k, EXACT_DOT_IN_FP32=EXACT_DOT_IN_FP32)
 
 
 @triton.jit
@@ -165,7 +173,7 @@ def _fold_unmasked(
     TMA: tl.constexpr,
 ):
     """The online softmax's step for an unmasked key block whose scores ``dot`` are in hand."""
-    s, _ = _exponent(dot, score_scale, cap_log2, SOFTCAP)
+    s, _ = _exponent(dot, score_scale, cap_log2, SOFTCAP=SOFTCAP)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     p = tl.math.exp2(s - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
@@ -174,7 +182,7 @@ def _fold_unmasked(
         v = v_source.load([start_n, 0])
     else:
         v = tl.load(v_source + tl.cast(start_n, tl.int64) * stride_vn, mask=d_mask[None, :], other=0.0)
-    acc = acc * alpha[:, None] + dot_fp32(p.to(v.dtype), v, EXACT_DOT_IN_FP32)
+    acc = acc * alpha[:, None] + dot_fp32(p.to(v.dtype), v, EXACT_DOT_IN_FP32=EXACT_DOT_IN_FP32)
     return acc, l_i, m_new
 
 
@@ -202,10 +210,18 @@ def _attn_fwd_blocks_ahead(
     ahead: each step issues the next block's q @ K^T before this block's softmax, so that the tensor
     cores have work while the exponentials run (FlashAttention-3's overlap within a warpgroup)."""
     if start < end:
-        dot = _unmasked_scores(q, k_source, start, stride_kn, d_mask, EXACT_DOT_IN_FP32, TMA)
+        dot = _unmasked_scores(
+            q, k_source, start, stride_kn, d_mask, EXACT_DOT_IN_FP32=EXACT_DOT_IN_FP32, TMA=TMA
+        )
         for start_n in range(start, end - BLOCK_N, BLOCK_N):
             dot_next = _unmasked_scores(
-                q, k_source, start_n + BLOCK_N, stride_kn, d_mask, EXACT_DOT_IN_FP32, TMA
+                q,
+                k_source,
+                start_n + BLOCK_N,
+                stride_kn,
+                d_mask,
+                EXACT_DOT_IN_FP32=EXACT_DOT_IN_FP32,
+                TMA=TMA,
             )
             acc, l_i, m_i = _fold_unmasked(
                 acc,
@@ -218,9 +234,9 @@ def _attn_fwd_blocks_ahead(
                 d_mask,
                 score_scale,
                 cap_log2,
-                SOFTCAP,
-                EXACT_DOT_IN_FP32,
-                TMA,
+                SOFTCAP=SOFTCAP,
+                EXACT_DOT_IN_FP32=EXACT_DOT_IN_FP32,
+                TMA=TMA,
             )
             dot = dot_next
         acc, l_i, m_i = _fold_unmasked(
@@ -234,9 +250,9 @@ def _attn_fwd_blocks_ahead(
             d_mask,
             score_scale,
             cap_log2,
-            SOFTCAP,
-            EXACT_DOT_IN_FP32,
-            TMA,
+            SOFTCAP=SOFTCAP,
+            EXACT_DOT_IN_FP32=EXACT_DOT_IN_FP32,
+            TMA=TMA,
         )
     return acc, l_i, m_i
 
@@ -350,7 +366,7 @@ def _attn_fwd_kernel(
     batch = (tl.program_id(1) // H).to(tl.int64)  # int64: batch * stride may pass 2^31
     kv_head = (head // GROUP).to(tl.int64)
     q_start, SEQ_Q, k_start, SEQ_K, UPPER_OFFSET, LOWER_OFFSET = _sequence(
-        batch, cu_q_ptr, cu_k_ptr, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, VARLEN
+        batch, cu_q_ptr, cu_k_ptr, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, VARLEN=VARLEN
     )
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -381,7 +397,15 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     start, inner_start, inner_end, end = _key_ranges(
-        start_m, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, IS_CAUSAL, HAS_LOWER, BLOCK_M, BLOCK_N
+        start_m,
+        SEQ_Q,
+        SEQ_K,
+        UPPER_OFFSET,
+        LOWER_OFFSET,
+        IS_CAUSAL=IS_CAUSAL,
+        HAS_LOWER=HAS_LOWER,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
     )
     acc, l_i, m_i = _attn_fwd_blocks(
         acc,
@@ -402,13 +426,13 @@ def _attn_fwd_kernel(
         LOWER_OFFSET,
         score_scale,
         cap_log2,
-        IS_CAUSAL,
-        HAS_LOWER,
-        SOFTCAP,
-        True,
-        BLOCK_N,
-        EXACT_DOT_IN_FP32,
-        TMA,
+        IS_CAUSAL=IS_CAUSAL,
+        HAS_LOWER=HAS_LOWER,
+        SOFTCAP=SOFTCAP,
+        MASKED=True,
+        BLOCK_N=BLOCK_N,
+        EXACT_DOT_IN_FP32=EXACT_DOT_IN_FP32,
+        TMA=TMA,
     )
     if LOOKAHEAD:
         acc, l_i, m_i = _attn_fwd_blocks_ahead(
@@ -425,10 +449,10 @@ def _attn_fwd_kernel(
             inner_end,
             score_scale,
             cap_log2,
-            SOFTCAP,
-            BLOCK_N,
-            EXACT_DOT_IN_FP32,
-            TMA,
+            SOFTCAP=SOFTCAP,
+            BLOCK_N=BLOCK_N,
+            EXACT_DOT_IN_FP32=EXACT_DOT_IN_FP32,
+            TMA=TMA,
         )
     else:
         acc, l_i, m_i = _attn_fwd_blocks(
@@ -450,13 +474,13 @@ def _attn_fwd_kernel(
             LOWER_OFFSET,
             score_scale,
             cap_log2,
-            IS_CAUSAL,
-            HAS_LOWER,
-            SOFTCAP,
-            False,
-            BLOCK_N,
-            EXACT_DOT_IN_FP32,
-            TMA,
+            IS_CAUSAL=IS_CAUSAL,
+            HAS_LOWER=HAS_LOWER,
+            SOFTCAP=SOFTCAP,
+            MASKED=False,
+            BLOCK_N=BLOCK_N,
+            EXACT_DOT_IN_FP32=EXACT_DOT_IN_FP32,
+            TMA=TMA,
         )
     acc, l_i, m_i = _attn_fwd_blocks(
         acc,
@@ -477,13 +501,13 @@ def _attn_fwd_kernel(
         LOWER_OFFSET,
         score_scale,
         cap_log2,
-        IS_CAUSAL,
-        HAS_LOWER,
-        SOFTCAP,
-        True,
-        BLOCK_N,
-        EXACT_DOT_IN_FP32,
-        TMA,
+        IS_CAUSAL=IS_CAUSAL,
+        HAS_LOWER=HAS_LOWER,
+        SOFTCAP=SOFTCAP,
+        MASKED=True,
+        BLOCK_N=BLOCK_N,
+        EXACT_DOT_IN_FP32=EXACT_DOT_IN_FP32,
+        TMA=TMA,
     )
     seen = l_i > 0.0  # false only for a row that sees no key: its output is 0, its lse -inf
     o = acc / tl.where(seen, l_i, 1.0)[:, None]

@@ -31,12 +31,12 @@ def _activate(z, ACTIVATION: tl.constexpr, FAST: tl.constexpr):
     near +-1) takes twice the instructions and live values, paid by the matmul's epilogue on every
     output while the tensor cores wait (sm_90, 128 x 256 tile: 784 bytes of spills -> 120)."""
     if ACTIVATION == GELU:
-        y = gelu(z, False)
+        y = gelu(z, APPROX_TANH=False)
     elif ACTIVATION == GELU_TANH:
         if FAST:  # 0.5 z (1 + tanh u) = z / (1 + 2^(-2u log2 e)), u = sqrt(2/pi) (z + 0.044715 z^3)
             y = z / (1.0 + tl.exp2(z * (GELU_EXP2_LINEAR + GELU_EXP2_CUBIC * (z * z))))
         else:
-            y = gelu(z, True)
+            y = gelu(z, APPROX_TANH=True)
     elif ACTIVATION == SILU:
         y = z / (1.0 + tl.exp(-z))
     elif ACTIVATION == RELU:
@@ -52,9 +52,9 @@ def _activate(z, ACTIVATION: tl.constexpr, FAST: tl.constexpr):
 def _activation_grad(z, ACTIVATION: tl.constexpr):
     """act'(z) in fp32."""
     if ACTIVATION == GELU:
-        g = gelu_grad(z, False)
+        g = gelu_grad(z, APPROX_TANH=False)
     elif ACTIVATION == GELU_TANH:
-        g = gelu_grad(z, True)
+        g = gelu_grad(z, APPROX_TANH=True)
     elif ACTIVATION == SILU:
         sigmoid = 1.0 / (1.0 + tl.exp(-z))
         g = sigmoid * (1.0 + z * (1.0 - sigmoid))
@@ -148,7 +148,7 @@ def _epilogue(
         tl.store(pre_ptr + out, acc.to(pre_ptr.dtype.element_ty), mask=mask)
         if GATED == GATED_FWD:
             tl.store(pre2_ptr + out, acc2.to(pre2_ptr.dtype.element_ty), mask=mask)
-    y = _activate(acc, ACTIVATION, c_ptr.dtype.element_ty != tl.float32)
+    y = _activate(acc, ACTIVATION=ACTIVATION, FAST=c_ptr.dtype.element_ty != tl.float32)
     if GATED == GATED_FWD:
         y *= acc2
     if HAS_RESIDUAL:
@@ -393,14 +393,22 @@ def _linear_kernel(
     # decode-like rows), whose fp32 partial products the launcher sums.
     a_source, a2_source, b_source, b2_source, c_target = a_ptr, a2_ptr, b_ptr, b2_ptr, c_ptr
     if C_TMA:
-        c_target = _descriptor(c_ptr, M, N, N, 1, BLOCK_M, BLOCK_N, True)
+        c_target = _descriptor(c_ptr, M, N, N, 1, BLOCK_R=BLOCK_M, BLOCK_K=BLOCK_N, K_MAJOR=True)
     if TMA:
-        a_source = _descriptor(a_ptr, M, K, stride_am, stride_ak, BLOCK_M, BLOCK_K, A_K_MAJOR)
-        b_source = _descriptor(b_ptr, N, K, stride_bn, stride_bk, BLOCK_N, BLOCK_K, B_K_MAJOR)
+        a_source = _descriptor(
+            a_ptr, M, K, stride_am, stride_ak, BLOCK_R=BLOCK_M, BLOCK_K=BLOCK_K, K_MAJOR=A_K_MAJOR
+        )
+        b_source = _descriptor(
+            b_ptr, N, K, stride_bn, stride_bk, BLOCK_R=BLOCK_N, BLOCK_K=BLOCK_K, K_MAJOR=B_K_MAJOR
+        )
         if GATED == GATED_DX:
-            a2_source = _descriptor(a2_ptr, M, K, stride_am, stride_ak, BLOCK_M, BLOCK_K, A_K_MAJOR)
+            a2_source = _descriptor(
+                a2_ptr, M, K, stride_am, stride_ak, BLOCK_R=BLOCK_M, BLOCK_K=BLOCK_K, K_MAJOR=A_K_MAJOR
+            )
         if GATED != NOT_GATED:
-            b2_source = _descriptor(b2_ptr, N, K, stride_bn, stride_bk, BLOCK_N, BLOCK_K, B_K_MAJOR)
+            b2_source = _descriptor(
+                b2_ptr, N, K, stride_bn, stride_bk, BLOCK_R=BLOCK_N, BLOCK_K=BLOCK_K, K_MAJOR=B_K_MAJOR
+            )
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     if PERSISTENT:
         for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0), flatten=True):
@@ -429,20 +437,20 @@ def _linear_kernel(
                 stride_bk,
                 stride_rm,
                 stride_rn,
-                ACTIVATION,
-                HAS_BIAS,
-                HAS_RESIDUAL,
-                STORE_PRE,
-                GATED,
-                EXACT_DOT_IN_FP32,
-                TMA,
-                A_K_MAJOR,
-                B_K_MAJOR,
-                C_TMA,
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_K,
-                GROUP_M,
+                ACTIVATION=ACTIVATION,
+                HAS_BIAS=HAS_BIAS,
+                HAS_RESIDUAL=HAS_RESIDUAL,
+                STORE_PRE=STORE_PRE,
+                GATED=GATED,
+                EXACT_DOT_IN_FP32=EXACT_DOT_IN_FP32,
+                TMA=TMA,
+                A_K_MAJOR=A_K_MAJOR,
+                B_K_MAJOR=B_K_MAJOR,
+                C_TMA=C_TMA,
+                BLOCK_M=BLOCK_M,
+                BLOCK_N=BLOCK_N,
+                BLOCK_K=BLOCK_K,
+                GROUP_M=GROUP_M,
             )
     else:
         c_tile, k_start, k_end = c_ptr, 0, K
@@ -476,20 +484,20 @@ def _linear_kernel(
             stride_bk,
             stride_rm,
             stride_rn,
-            ACTIVATION,
-            HAS_BIAS,
-            HAS_RESIDUAL,
-            STORE_PRE,
-            GATED,
-            EXACT_DOT_IN_FP32,
-            TMA,
-            A_K_MAJOR,
-            B_K_MAJOR,
-            C_TMA,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_K,
-            GROUP_M,
+            ACTIVATION=ACTIVATION,
+            HAS_BIAS=HAS_BIAS,
+            HAS_RESIDUAL=HAS_RESIDUAL,
+            STORE_PRE=STORE_PRE,
+            GATED=GATED,
+            EXACT_DOT_IN_FP32=EXACT_DOT_IN_FP32,
+            TMA=TMA,
+            A_K_MAJOR=A_K_MAJOR,
+            B_K_MAJOR=B_K_MAJOR,
+            C_TMA=C_TMA,
+            BLOCK_M=BLOCK_M,
+            BLOCK_N=BLOCK_N,
+            BLOCK_K=BLOCK_K,
+            GROUP_M=GROUP_M,
         )
 
 
@@ -536,15 +544,15 @@ def _linear_tile(
 ):
     """C's tile-th tile (grouped order): the k-loop over A and B from k_start to k_end (pointers, or
     descriptors with TMA; see the kernel for the operands), then the epilogue."""
-    pid_m, pid_n = _tile_position(tile, tiles_m, tiles_n, GROUP_M)
+    pid_m, pid_n = _tile_position(tile, tiles_m, tiles_n, GROUP_M=GROUP_M)
     rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # int64: M * K may pass 2^31
     cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # GATED_FWD: A B2^T
     for k in range(k_start, k_end, BLOCK_K):
         if TMA:
-            a = _rows_by_depth(a_source, pid_m * BLOCK_M, k, A_K_MAJOR)
-            b = _depth_by_rows(b_source, pid_n * BLOCK_N, k, B_K_MAJOR)
+            a = _rows_by_depth(a_source, pid_m * BLOCK_M, k, K_MAJOR=A_K_MAJOR)
+            b = _depth_by_rows(b_source, pid_n * BLOCK_N, k, K_MAJOR=B_K_MAJOR)
         else:
             ks = k + tl.arange(0, BLOCK_K)
             a_mask = (rows[:, None] < M) & (ks[None, :] < K)
@@ -553,20 +561,20 @@ def _linear_tile(
             b_mask = (ks[:, None] < K) & (cols[None, :] < N)
             b_ptrs = cols[None, :] * stride_bn + ks[:, None] * stride_bk
             b = tl.load(b_source + b_ptrs, mask=b_mask, other=0.0)
-        acc += dot_fp32(a, b, EXACT_DOT_IN_FP32)
+        acc += dot_fp32(a, b, EXACT_DOT_IN_FP32=EXACT_DOT_IN_FP32)
         if GATED != NOT_GATED:
             if TMA:
-                b2 = _depth_by_rows(b2_source, pid_n * BLOCK_N, k, B_K_MAJOR)
+                b2 = _depth_by_rows(b2_source, pid_n * BLOCK_N, k, K_MAJOR=B_K_MAJOR)
             else:
                 b2 = tl.load(b2_source + b_ptrs, mask=b_mask, other=0.0)
             if GATED == GATED_FWD:
-                acc2 += dot_fp32(a, b2, EXACT_DOT_IN_FP32)
+                acc2 += dot_fp32(a, b2, EXACT_DOT_IN_FP32=EXACT_DOT_IN_FP32)
             else:  # GATED_DX
                 if TMA:
-                    a2 = _rows_by_depth(a2_source, pid_m * BLOCK_M, k, A_K_MAJOR)
+                    a2 = _rows_by_depth(a2_source, pid_m * BLOCK_M, k, K_MAJOR=A_K_MAJOR)
                 else:
                     a2 = tl.load(a2_source + a_ptrs, mask=a_mask, other=0.0)
-                acc += dot_fp32(a2, b2, EXACT_DOT_IN_FP32)
+                acc += dot_fp32(a2, b2, EXACT_DOT_IN_FP32=EXACT_DOT_IN_FP32)
     _epilogue(
         acc,
         acc2,
@@ -584,12 +592,12 @@ def _linear_tile(
         N,
         stride_rm,
         stride_rn,
-        ACTIVATION,
-        HAS_BIAS,
-        HAS_RESIDUAL,
-        STORE_PRE,
-        GATED,
-        C_TMA,
+        ACTIVATION=ACTIVATION,
+        HAS_BIAS=HAS_BIAS,
+        HAS_RESIDUAL=HAS_RESIDUAL,
+        STORE_PRE=STORE_PRE,
+        GATED=GATED,
+        C_TMA=C_TMA,
     )
 
 
@@ -627,14 +635,16 @@ def _activation_backward_kernel(
         if GATED:
             g = tl.load(z_ptr + out, mask=mask, other=0.0).to(tl.float32)
             u = tl.load(u_ptr + out, mask=mask, other=0.0).to(tl.float32)
-            dg = dy.to(tl.float32) * u * _activation_grad(g, ACTIVATION)
+            dg = dy.to(tl.float32) * u * _activation_grad(g, ACTIVATION=ACTIVATION)
             tl.store(dz_ptr + out, dg.to(dz_ptr.dtype.element_ty), mask=mask)
-            act = _activate(g, ACTIVATION, du_ptr.dtype.element_ty != tl.float32)
+            act = _activate(g, ACTIVATION=ACTIVATION, FAST=du_ptr.dtype.element_ty != tl.float32)
             tl.store(du_ptr + out, (dy.to(tl.float32) * act).to(du_ptr.dtype.element_ty), mask=mask)
         else:
             if STORE_DZ:
                 z = tl.load(z_ptr + out, mask=mask, other=0.0).to(tl.float32)
-                dz = (dy.to(tl.float32) * _activation_grad(z, ACTIVATION)).to(dz_ptr.dtype.element_ty)
+                dz = (dy.to(tl.float32) * _activation_grad(z, ACTIVATION=ACTIVATION)).to(
+                    dz_ptr.dtype.element_ty
+                )
                 tl.store(dz_ptr + out, dz, mask=mask)
             else:
                 dz = dy

@@ -283,7 +283,7 @@ def _norm_bwd_kernel(
     if PREFETCH:
         rows = first + block_rows
         h_next, dy_next, mean_next, rstd_next = _bwd_rows(
-            h_ptr, dy_ptr, mean_ptr, rstd_ptr, rows, rows < M, cols, col_mask, stride_hm, stride_dym, RMS
+            h_ptr, dy_ptr, mean_ptr, rstd_ptr, rows, rows < M, cols, col_mask, stride_hm, stride_dym, RMS=RMS
         )
     for i in range(0, ROWS, BLOCK_M):
         rows = first + i + block_rows
@@ -303,7 +303,7 @@ def _norm_bwd_kernel(
                 col_mask,
                 stride_hm,
                 stride_dym,
-                RMS,
+                RMS=RMS,
             )
         else:
             h, dy, mean, rstd = _bwd_rows(
@@ -317,7 +317,7 @@ def _norm_bwd_kernel(
                 col_mask,
                 stride_hm,
                 stride_dym,
-                RMS,
+                RMS=RMS,
             )
         h = h.to(tl.float32)
         dy = dy.to(tl.float32)
@@ -448,14 +448,14 @@ def _norm_fwd_looped_kernel(
             stride_xm,
             stride_rm,
             eps,
-            RMS,
-            HAS_RESIDUAL,
-            HAS_WEIGHT,
-            HAS_BIAS,
-            BLOCK_N,
-            OUT_BLOCK_N,
-            EVICT_READ_ONCE,
-            EVICT_REREAD,
+            RMS=RMS,
+            HAS_RESIDUAL=HAS_RESIDUAL,
+            HAS_WEIGHT=HAS_WEIGHT,
+            HAS_BIAS=HAS_BIAS,
+            BLOCK_N=BLOCK_N,
+            OUT_BLOCK_N=OUT_BLOCK_N,
+            EVICT_READ_ONCE=EVICT_READ_ONCE,
+            EVICT_REREAD=EVICT_REREAD,
         )
 
 

@@ -235,15 +235,15 @@ def _softmax_fwd_kernel(
     BLOCK_M: tl.constexpr,  # rows a program handles
     BLOCK_N: tl.constexpr,  # power of two >= N: the whole row is one tile
 ):
-    x_rows, row_mask = _row_offsets(R, row_blocks, stride_xo, stride_xr, BLOCK_M)
-    y_rows, _ = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M)
+    x_rows, row_mask = _row_offsets(R, row_blocks, stride_xo, stride_xr, BLOCK_M=BLOCK_M)
+    y_rows, _ = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M=BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     mask = row_mask[:, None] & (cols < N)[None, :]
     x = tl.load(_tile(x_ptr, x_rows, cols, stride_xn), mask=mask, other=-float("inf"))
     x = x.to(tl.float32)
     m = tl.max(x, axis=1)
     e = _exp_shifted(x, m)
-    s = _row_sum(e, SUM_FP64)
+    s = _row_sum(e, SUM_FP64=SUM_FP64)
     if LOG:
         y = (x - m[:, None]) - _log(s)[:, None]
     else:
@@ -286,8 +286,8 @@ def _softmax_fwd_online_kernel(
     BLOCK_N: tl.constexpr,  # row entries per chunk
     PREFETCH: tl.constexpr,  # pass 1 loads the next chunk before it reduces this one
 ):
-    x_rows, row_mask = _row_offsets(R, row_blocks, stride_xo, stride_xr, BLOCK_M)
-    y_rows, _ = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M)
+    x_rows, row_mask = _row_offsets(R, row_blocks, stride_xo, stride_xr, BLOCK_M=BLOCK_M)
+    y_rows, _ = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M=BLOCK_M)
     offsets = tl.arange(0, BLOCK_N)
     m = tl.full([BLOCK_M], -float("inf"), tl.float32)  # running max
     s = tl.zeros([BLOCK_M], tl.float64 if SUM_FP64 else tl.float32)  # running sum of exp(x - m)
@@ -306,7 +306,7 @@ def _softmax_fwd_online_kernel(
         # Until a row has seen a finite value its max is -inf and x - m would be -inf - -inf = NaN:
         # shift by 0 instead (exp(-inf) = 0 and s stays 0).
         shift = tl.where(m_new == -float("inf"), 0.0, m_new)
-        s = s * tl.exp2((m - shift) * LOG2E) + _row_sum(_exp_shifted(x, shift), SUM_FP64)
+        s = s * tl.exp2((m - shift) * LOG2E) + _row_sum(_exp_shifted(x, shift), SUM_FP64=SUM_FP64)
         m = m_new
     # A row of all -inf keeps m = -inf, s = 0 and ends with 0 / 0 = NaN, as torch gives.
     m = tl.where(m == -float("inf"), 0.0, m)
@@ -337,7 +337,7 @@ def _row_dot(y, dy, LOG: tl.constexpr, SUM_FP64: tl.constexpr):
     """The per-row sum the VJP needs: sum(dy * y) for softmax, sum(dy) for log_softmax (whose
     error exp(y) * error(sum(dy)) is absolute, hence fp64 for fp32 log_softmax, as in _row_sum)."""
     if LOG:
-        return _row_sum(dy, SUM_FP64)
+        return _row_sum(dy, SUM_FP64=SUM_FP64)
     else:
         return tl.sum(dy * y, axis=1)
 
@@ -385,16 +385,16 @@ def _softmax_bwd_kernel(
     BLOCK_M: tl.constexpr,  # rows a program handles
     BLOCK_N: tl.constexpr,  # power of two >= N: the whole row is one tile
 ):
-    y_rows, row_mask = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M)
-    dy_rows, _ = _row_offsets(R, row_blocks, stride_dyo, stride_dyr, BLOCK_M)
-    dx_rows, _ = _row_offsets(R, row_blocks, stride_dxo, stride_dxr, BLOCK_M)
+    y_rows, row_mask = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M=BLOCK_M)
+    dy_rows, _ = _row_offsets(R, row_blocks, stride_dyo, stride_dyr, BLOCK_M=BLOCK_M)
+    dx_rows, _ = _row_offsets(R, row_blocks, stride_dxo, stride_dxr, BLOCK_M=BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     mask = row_mask[:, None] & (cols < N)[None, :]
     # kept as loaded: a 16-bit row takes half the registers of its fp32 widening
     y = tl.load(_tile(y_ptr, y_rows, cols, stride_yn), mask=mask, other=0.0)
     dy = tl.load(_tile(dy_ptr, dy_rows, cols, stride_dyn), mask=mask, other=0.0)
-    dot = _row_dot(y.to(tl.float32), dy.to(tl.float32), LOG, SUM_FP64).to(tl.float32)
-    dx = _input_grad(_widen_again(y), _widen_again(dy), dot, LOG)
+    dot = _row_dot(y.to(tl.float32), dy.to(tl.float32), LOG=LOG, SUM_FP64=SUM_FP64).to(tl.float32)
+    dx = _input_grad(_widen_again(y), _widen_again(dy), dot, LOG=LOG)
     tl.store(_tile(dx_ptr, dx_rows, cols, stride_dxn), dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
@@ -421,9 +421,9 @@ def _softmax_bwd_online_kernel(
     BLOCK_N: tl.constexpr,  # row entries per chunk
     PREFETCH: tl.constexpr,  # pass 1 loads the next chunk before it reduces this one
 ):
-    y_rows, row_mask = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M)
-    dy_rows, _ = _row_offsets(R, row_blocks, stride_dyo, stride_dyr, BLOCK_M)
-    dx_rows, _ = _row_offsets(R, row_blocks, stride_dxo, stride_dxr, BLOCK_M)
+    y_rows, row_mask = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M=BLOCK_M)
+    dy_rows, _ = _row_offsets(R, row_blocks, stride_dyo, stride_dyr, BLOCK_M=BLOCK_M)
+    dx_rows, _ = _row_offsets(R, row_blocks, stride_dxo, stride_dxr, BLOCK_M=BLOCK_M)
     offsets = tl.arange(0, BLOCK_N)
     dot = tl.zeros([BLOCK_M], tl.float64 if SUM_FP64 else tl.float32)
     if PREFETCH:
@@ -439,7 +439,7 @@ def _softmax_bwd_online_kernel(
         else:
             y = _first_pass_chunk(y_ptr, y_rows, start, offsets, stride_yn, row_mask, N, 0.0)
             dy = _first_pass_chunk(dy_ptr, dy_rows, start, offsets, stride_dyn, row_mask, N, 0.0)
-        dot += _row_dot(y.to(tl.float32), dy.to(tl.float32), LOG, SUM_FP64)
+        dot += _row_dot(y.to(tl.float32), dy.to(tl.float32), LOG=LOG, SUM_FP64=SUM_FP64)
     chunks = tl.cdiv(N, BLOCK_N)
     for i in range(chunks):
         cols = (chunks - 1 - i) * BLOCK_N + offsets  # last chunk first, as in the forward
@@ -450,7 +450,7 @@ def _softmax_bwd_online_kernel(
         dy = tl.load(
             _tile(dy_ptr, dy_rows, cols, stride_dyn), mask=mask, other=0.0, eviction_policy="evict_first"
         )
-        dx = _input_grad(y.to(tl.float32), dy.to(tl.float32), dot.to(tl.float32), LOG)
+        dx = _input_grad(y.to(tl.float32), dy.to(tl.float32), dot.to(tl.float32), LOG=LOG)
         tl.store(_tile(dx_ptr, dx_rows, cols, stride_dxn), dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
@@ -535,7 +535,7 @@ def _softmax_fwd_split_kernel(
     SEGMENTS: tl.constexpr,  # power of two >= segments: the partials a program combines
     PHASE: tl.constexpr,  # 0: both passes, waiting between them; 1: pass 1 only; 2: pass 2 only
 ):
-    first_row, groups, segment, first, chunks = _segment_of_program(N, segments, SEGMENT, BLOCK_N)
+    first_row, groups, segment, first, chunks = _segment_of_program(N, segments, SEGMENT, BLOCK_N=BLOCK_N)
     offsets = tl.arange(0, BLOCK_N)
     for row in range(first_row, rows, groups):
         x_row = _row_start(row, R, stride_xo, stride_xr)
@@ -552,7 +552,7 @@ def _softmax_fwd_split_kernel(
                 ).to(tl.float32)
                 m_new = tl.maximum(m, tl.max(x, axis=1))
                 shift = tl.where(m_new == -float("inf"), 0.0, m_new)
-                s = s * tl.exp2((m - shift) * LOG2E) + _row_sum(_exp_shifted(x, shift), SUM_FP64)
+                s = s * tl.exp2((m - shift) * LOG2E) + _row_sum(_exp_shifted(x, shift), SUM_FP64=SUM_FP64)
                 m = m_new
             tl.store(max_ptr + row * segments + segment + tl.arange(0, 1), m)
             tl.store(sum_ptr + row * segments + segment + tl.arange(0, 1), s)
@@ -585,7 +585,7 @@ def _softmax_fwd_split_kernel(
                 ).to(tl.float32)
                 tl.store(
                     _tile(y_ptr, y_row, cols, stride_yn),
-                    _normalized(x, m, scale, LOG).to(y_ptr.dtype.element_ty),
+                    _normalized(x, m, scale, LOG=LOG).to(y_ptr.dtype.element_ty),
                     mask=mask,
                 )
 
@@ -617,7 +617,7 @@ def _softmax_bwd_split_kernel(
     SEGMENTS: tl.constexpr,  # power of two >= segments: the partials a program combines
     PHASE: tl.constexpr,  # 0: both passes, waiting between them; 1: pass 1 only; 2: pass 2 only
 ):
-    first_row, groups, segment, first, chunks = _segment_of_program(N, segments, SEGMENT, BLOCK_N)
+    first_row, groups, segment, first, chunks = _segment_of_program(N, segments, SEGMENT, BLOCK_N=BLOCK_N)
     offsets = tl.arange(0, BLOCK_N)
     for row in range(first_row, rows, groups):
         y_row = _row_start(row, R, stride_yo, stride_yr)
@@ -636,7 +636,7 @@ def _softmax_bwd_split_kernel(
                     other=0.0,
                     eviction_policy="evict_last",
                 )
-                dot += _row_dot(y.to(tl.float32), dy.to(tl.float32), LOG, SUM_FP64)
+                dot += _row_dot(y.to(tl.float32), dy.to(tl.float32), LOG=LOG, SUM_FP64=SUM_FP64)
             tl.store(dot_ptr + row * segments + segment + tl.arange(0, 1), dot)
         if PHASE == 0:
             _publish_and_wait(arrived_ptr, row, segments)
@@ -659,5 +659,5 @@ def _softmax_bwd_split_kernel(
                     other=0.0,
                     eviction_policy="evict_first",
                 )
-                dx = _input_grad(y.to(tl.float32), dy.to(tl.float32), dot, LOG)
+                dx = _input_grad(y.to(tl.float32), dy.to(tl.float32), dot, LOG=LOG)
                 tl.store(_tile(dx_ptr, dx_row, cols, stride_dxn), dx.to(dx_ptr.dtype.element_ty), mask=mask)
