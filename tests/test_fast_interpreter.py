@@ -91,3 +91,10 @@ def test_the_numpy_dtype_memo_answers_as_the_interpreter_does():
     types += [tl.block_type(tl.bfloat16, [4, 8]), tl.block_type(tl.pointer_type(tl.int8), [2])]
     for tt in types + types:  # the second time from the memo
         assert fast_interpreter.np_dtype(tt) == fast_interpreter._GET_NP_DTYPE(tt), tt
+
+
+def test_the_tuple_type_memo_answers_as_triton_does():
+    cases = [(4, 8), (tl.constexpr(4), 8), (True, 1), (1, 1), (), (2.5,), (tl.constexpr(3),)]
+    for values in cases + cases:
+        ours, theirs = fast_interpreter.tuple_type(list(values)), fast_interpreter._TUPLE_TYPE(list(values))
+        assert ours.name == theirs.name and ours.types == theirs.types, values
