@@ -213,3 +213,21 @@ def test_the_sm90_compile_process_reports_a_failing_check_and_serves_the_next():
     with pytest.raises(AssertionError, match="ValueError: no such kernel"):
         sm90.run("print('before')\nraise ValueError('no such kernel')")
     assert sm90.run("print(1 + 1)") == ["2"]
+
+
+def test_the_disassembly_of_a_cubin_is_remembered(tmp_path, monkeypatch):
+    """cuobjdump runs once a (cubin, flag): the second ask reads the file the first wrote."""
+    monkeypatch.setenv("TRITONKIT_CACHE_DIR", str(tmp_path))
+    runs = []
+
+    def cuobjdump(command, **_):
+        runs.append(command[1])
+        return types.SimpleNamespace(stdout=f"listing {len(runs)} {command[1]}")
+
+    monkeypatch.setattr(asm.subprocess, "run", cuobjdump)
+    first = asm._cuobjdump(b"cubin one", "-sass")
+    assert asm._cuobjdump(b"cubin one", "-sass") == first == "listing 1 -sass"
+    assert asm._cuobjdump(b"cubin one", "-res-usage") == "listing 2 -res-usage"
+    assert asm._cuobjdump(b"cubin two", "-sass") == "listing 3 -sass"
+    assert runs == ["-sass", "-res-usage", "-sass"]
+    assert len(list((tmp_path / "cuobjdump").glob("*.txt"))) == 3
