@@ -1,13 +1,13 @@
-"""Two speed-ups of Triton's interpreter (3.6) for the test run, installed by ``conftest``; the kernels
+"""Four speed-ups of Triton's interpreter (3.6) for the test run, installed by ``conftest``; the kernels
 compute what they compute without them (``test_fast_interpreter`` compares).
 
 A pairwise ``tl.reduce``. The interpreter reduces with a combine function of the kernel's own
 (anything but sum, min, max and the arg-reductions) one element at a time in Python: LayerNorm's
-backward, which takes both of its
-row sums in one ``tl.reduce``, spent 22 of a test's 26 s there on a row of 4097 entries. This one
-combines the two halves of the reduced axis as whole tensors until one entry is left: log2(n) calls
-of the combine function, each vectorised over the block, in the order a GPU's tree reduction takes
-(pairs of entries apart by a power of two) rather than the interpreter's left to right.
+backward, which takes both of its row sums in one ``tl.reduce``, spent 22 of a test's 26 s there
+on a row of 4097 entries. This one combines the two halves of the reduced axis as whole tensors
+until one entry is left: log2(n) calls of the combine function, each vectorised over the block,
+in the order a GPU's tree reduction takes (pairs of entries apart by a power of two) rather than
+the interpreter's left to right.
 
 One patching of the language a launch. The interpreter replaces every builtin of ``triton.language``
 with an interpreted one when a launch starts, and again, from scratch, at every call of a jit helper
@@ -16,10 +16,12 @@ same language modules, so inside a launch a helper's call patches only modules n
 
 A memo of the type of a tuple of integers. Every tensor the interpreter makes stores its shape as a
 ``tl.tuple`` of constexprs, whose type Triton builds anew (a type a value and a name string): 13%
-of a softmax test's time. Tuples of integers (shapes) now share their types.
+of a softmax test's time under the profiler, 5% measured without it. Tuples of integers (shapes)
+now share their types.
 
 A memo of the numpy dtype of each Triton type. The interpreter builds a table of nineteen dtypes
-to look one up, at every tensor it makes (about 16 us each; 7-23% of a kernel test's time).
+to look one up, at every tensor it makes (about 16 us each; 7-23% of a kernel test's time under
+the profiler).
 """
 
 from __future__ import annotations
