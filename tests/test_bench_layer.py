@@ -57,7 +57,8 @@ def test_the_tritonkit_layer_matches_the_torch_layer_under_the_interpreter():
     assert _runtime.interpret()  # the CPU suite: every tritonkit kernel of the layer interpreted
     rows = layer.run_case("tiny", layer.TINY, torch.bfloat16, layer.PROVIDERS, layer.MODES, "cpu")
     by = {(r["provider"], r["mode"]): r for r in rows}
-    assert set(by) == {(p, m) for p in layer.PROVIDERS for m in layer.MODES}
+    assert set(by) == {(p, m) for p in layer.PROVIDERS for m in layer.PROVIDER_MODES.get(p, layer.MODES)}
+    assert by["tritonkit[nondeterministic]", "fwd+bwd"]["check"] == "pass"
     for mode in layer.MODES:
         ours = by["tritonkit", mode]
         assert ours["check"] == "pass" and 0 < ours["max_rel_err"] <= layer.REL_TOLERANCE, ours
@@ -134,7 +135,12 @@ def test_the_causal_attention_count_is_the_visible_pairs():
 def _timed_rows() -> list[dict]:
     base = {"op": "layer", "case": "8b-4k", "model": "llama3-8b", "shape": layer.CASES["8b-4k"].dims()}
     base |= {"dtype": "bf16", "gpu": "NVIDIA H200", "torch": "2.9", "triton": "3.6", "git_sha": "abc1234"}
-    times = {"torch": (19.0, 3 * 2**30), "torch.compile": (18.0, 2 * 2**30), "tritonkit": (20.0, 4 * 2**30)}
+    times = {
+        "torch": (19.0, 3 * 2**30),
+        "torch.compile": (18.0, 2 * 2**30),
+        "tritonkit[nondeterministic]": (16.0, 4 * 2**30),
+        "tritonkit": (20.0, 4 * 2**30),
+    }
     rows = []
     for provider, (ms, peak) in times.items():
         row = base | {"provider": provider, "mode": "fwd+bwd", "ms": ms, "tflops": 600.0}
@@ -153,7 +159,20 @@ def test_ratios_tables_and_files(tmp_path):
     assert "vs_torch" not in rows[0]
     table = layer.markdown_table(rows)
     assert "19.00 / 18.00 / 20.00" in table and "3.00 / 2.00 / 4.00" in table
-    assert "| 0.95x | 0.90x | pass (1.0e-02) |" in table
+    assert "| fwd+bwd | 19.00 / 18.00 / 20.00 |" in table and "| 0.95x | 0.90x | pass (1.0e-02) |" in table
+    # the nondeterministic step on a line of its own, below the default's
+    assert "| fwd+bwd [nondeterministic] | 19.00 / 18.00 / 16.00 |" in table
+    assert table.index("[nondeterministic]") > table.index("20.00")
+    assert layer.profile_table(rows) == ""  # no profiled rows, no table
+    rows[-1] |= {"kernel_ms": 19.5, "kernel_ms_by_kind": {"attention": 4.0, "matmul": 14.0, "other": 1.5}}
+    assert "| 8b-4k | fwd+bwd | tritonkit | 20.00 | 4.00 | 14.00 | 1.50 | 0.50 |" in layer.profile_table(rows)
+    assert [
+        layer.kernel_kind(n) for n in ("_attn_fwd_sm90_kernel", "nvjet_tst_128x256", "_norm_fwd_kernel")
+    ] == [
+        "attention",
+        "matmul",
+        "other",
+    ]
     paths = layer.write_results(rows, tmp_path)
     assert [p.relative_to(tmp_path).as_posix() for p in paths] == ["h200/layer.json", "h200/layer.md"]
     assert json.loads(paths[0].read_text()) == rows

@@ -64,7 +64,11 @@ log = logging.getLogger("tritonkit")
 
 OP = "layer"  # the rows' op name and the results' file name
 MODES = ("fwd+bwd", "fwd")
-PROVIDERS = ("tritonkit", "torch", "torch.compile")
+PROVIDERS = ("tritonkit", "tritonkit[nondeterministic]", "torch", "torch.compile")
+# tritonkit[nondeterministic]: the layer with flash_attention(deterministic=False), whose backward
+# adds dq's partials in whatever order they finish, as cuDNN's and FlashAttention-2's do (torch's
+# attention backward is not deterministic either). Its forward is the default's: a step only.
+PROVIDER_MODES = {"tritonkit[nondeterministic]": ("fwd+bwd",)}
 EPS = 1e-5  # Llama's RMSNorm epsilon, the same in every provider
 SEED = 0
 # Relative L2 error allowed of each output and gradient against torch's, both 16-bit. Measured on
@@ -192,13 +196,16 @@ def torch_layer(x: torch.Tensor, w: Weights, shape: LayerShape) -> torch.Tensor:
     )
 
 
-def tritonkit_layer(x: torch.Tensor, w: Weights, shape: LayerShape) -> torch.Tensor:
-    """The layer from tritonkit's ops (see the module docstring for what is fused where)."""
+def tritonkit_layer(
+    x: torch.Tensor, w: Weights, shape: LayerShape, deterministic: bool = True
+) -> torch.Tensor:
+    """The layer from tritonkit's ops (see the module docstring for what is fused where);
+    ``deterministic`` is the attention backward's."""
     import tritonkit
 
     d = (shape.dim,)
     q, k, v = _split_heads(tritonkit.linear(tritonkit.rms_norm(x, d, w.attn_norm, EPS), w.qkv), shape)
-    a = tritonkit.flash_attention(q, k, v, causal=True)
+    a = tritonkit.flash_attention(q, k, v, causal=True, deterministic=deterministic)
     x2 = tritonkit.linear(_merge_heads(a), w.out, residual=x)
     h2 = tritonkit.rms_norm(x2, d, w.mlp_norm, EPS)
     return tritonkit.linear(tritonkit.gated_linear(h2, w.gate, w.up, "silu"), w.down, residual=x2)
@@ -268,6 +275,8 @@ def build(provider: str, shape: LayerShape, backend: str | None) -> Callable | s
     """The provider's layer as fn(x, weights), or why it cannot run here."""
     if provider == "tritonkit":
         return functools.partial(tritonkit_layer, shape=shape)
+    if provider == "tritonkit[nondeterministic]":
+        return functools.partial(tritonkit_layer, shape=shape, deterministic=False)
     if provider == "torch":
         return _pinned(functools.partial(torch_layer, shape=shape), backend)
     if provider == "torch.compile":
@@ -351,12 +360,68 @@ def _mode_call(fn: Callable, mode: str, x: torch.Tensor, w: Weights, grad: torch
     return lambda: fn(x, w).backward(grad)
 
 
+# A kernel's kind, by the first pattern its lower-cased name contains (cuDNN's SDPA kernels, FA2's,
+# tritonkit's attention kernels; cuBLAS's (nvjet, sm90_xmma), CUTLASS's, tritonkit's linear ones)
+KERNEL_KINDS = {
+    "attention": ("attn", "flash", "fmha", "sdpa", "cudnn"),
+    "matmul": ("nvjet", "gemm", "xmma", "cutlass", "linear", "matmul", "mm_"),
+    "other": ("",),
+}
+
+
+def kernel_kind(name: str) -> str:
+    """Which of KERNEL_KINDS a GPU kernel of this name is."""
+    lowered = name.lower()
+    return next(kind for kind, patterns in KERNEL_KINDS.items() if any(p in lowered for p in patterns))
+
+
+PROFILE_STEPS = 3  # steps the kernel profile averages over
+PROFILE_TOP = 12  # kernels a row lists, by GPU time
+
+
+def kernel_profile(call: Callable[[], object], grads_to_none: list[torch.Tensor]) -> dict:
+    """Where a step's GPU time goes: {"kernel_ms": the step's kernel time, summed, "kernels": the
+    PROFILE_TOP longest kernels as {"name", "ms", "calls"} a step}, from torch.profiler over
+    PROFILE_STEPS steps. kernel_ms below the step's time is time the GPU waited on the host."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(PROFILE_STEPS):
+            _clear_grads(grads_to_none)
+            call()
+        torch.cuda.synchronize()
+    _clear_grads(grads_to_none)
+    totals: dict[str, list] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time_total > 0:
+            total = totals.setdefault(event.name, [0.0, 0])
+            total[0] += event.device_time_total / 1e3 / PROFILE_STEPS
+            total[1] += 1
+    ranked = sorted(totals.items(), key=lambda item: -item[1][0])
+    kinds = dict.fromkeys(KERNEL_KINDS, 0.0)
+    for name, (ms, _) in totals.items():
+        kinds[kernel_kind(name)] += ms
+    return {
+        "kernel_ms": sum(ms for ms, _ in totals.values()),
+        "kernel_ms_by_kind": kinds,
+        "kernels": [
+            {"name": name[:160], "ms": ms, "calls": calls / PROFILE_STEPS}
+            for name, (ms, calls) in ranked[:PROFILE_TOP]
+        ],
+    }
+
+
 def measure(fn: Callable, mode: str, x: torch.Tensor, w: Weights, grad: torch.Tensor) -> dict:
-    """The timing and memory fields of one provider's row in one mode."""
+    """The timing, memory and kernel-profile fields of one provider's row in one mode."""
     call, tensors = _mode_call(fn, mode, x, w, grad), [x, *w]
     p20, median, p80 = time_ms(call, tensors)
     peak = peak_bytes(call, tensors)
-    return {"ms_p20": p20, "ms": median, "ms_p80": p80, "peak_bytes": peak, "peak_gib": peak / 2**30}
+    timed = {"ms_p20": p20, "ms": median, "ms_p80": p80, "peak_bytes": peak, "peak_gib": peak / 2**30}
+    try:
+        return timed | kernel_profile(call, tensors)
+    except Exception as error:  # a diagnostic: the timing stands without it
+        log.warning("tritonkit: bench layer's kernel profile failed: %s", error)
+        return timed
 
 
 # ---------------------------------------------------------------- one case, a run
@@ -383,6 +448,8 @@ def _base_row(case: str, shape: LayerShape, dtype: torch.dtype, provider: str, m
 def _attention_kernel(provider: str, backend: str | None) -> str:
     if provider == "tritonkit":
         return "tritonkit.flash_attention"
+    if provider == "tritonkit[nondeterministic]":
+        return "tritonkit.flash_attention(deterministic=False)"
     return f"sdpa {backend.removesuffix('_ATTENTION').lower()}" if backend else "sdpa (its own choice)"
 
 
@@ -392,6 +459,7 @@ def _provider_rows(
     """The provider's rows, one a mode: checked against torch's ``reference``, timed on a GPU. A peer
     that fails says why in its rows; tritonkit failing is a FAIL."""
     x, w, grad, backend = inputs
+    modes = [mode for mode in modes if mode in PROVIDER_MODES.get(provider, MODES)]
     rows = [_base_row(case, shape, x.dtype, provider, mode) for mode in modes]
     if isinstance(fn, str):
         return [row | {"unavailable": fn} for row in rows]
@@ -451,7 +519,7 @@ def add_ratios(rows: list[dict]) -> None:
     peak memory over theirs (below 1: tritonkit holds less), peers of the same case and mode."""
     by_key = {(r["case"], r["mode"], r["provider"]): r for r in rows if "ms" in r}
     for (case, mode, provider), ours in by_key.items():
-        if provider != "tritonkit":
+        if not provider.startswith("tritonkit"):
             continue
         for peer, label in (("torch", "torch"), ("torch.compile", "compile")):
             theirs = by_key.get((case, mode, peer))
@@ -520,9 +588,9 @@ def _case_label(row: dict) -> str:
     return f"{row['model']} (d {dim}, {heads}/{kv_heads} heads of {head_dim}, F {ffn}), B={batch}, S={seq}"
 
 
-def _triple(by_provider: dict, key: str, fmt: str) -> str:
+def _triple(by_provider: dict, ours: str, key: str, fmt: str) -> str:
     cells = []
-    for provider in ("torch", "torch.compile", "tritonkit"):
+    for provider in ("torch", "torch.compile", ours):
         row = by_provider.get(provider)
         cells.append(fmt.format(row[key]) if row is not None and key in row else "-")
     return " / ".join(cells)
@@ -541,8 +609,9 @@ def _check_cell(row: dict | None) -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """The README's table: per case and mode each provider's step time, TFLOP/s and peak memory
-    (torch / torch.compile / tritonkit), tritonkit's time ratios (above 1: faster) and its check."""
+    """The README's table: per case and mode, and for each tritonkit provider that ran it, each
+    provider's step time, TFLOP/s and peak memory (torch / torch.compile / tritonkit), tritonkit's
+    time ratios (above 1: faster) and its check."""
     groups: dict[tuple, dict] = {}
     for row in rows:
         groups.setdefault((_case_label(row), row["mode"], row["dtype"]), {})[row["provider"]] = row
@@ -558,24 +627,42 @@ def markdown_table(rows: list[dict]) -> str:
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for (label, mode, dtype), by_provider in groups.items():
-        ours = by_provider.get("tritonkit")
-        cells = [
-            f"{label}, {dtype}",
-            mode,
-            _triple(by_provider, "ms", "{:.2f}"),
-            _triple(by_provider, "tflops", "{:.0f}"),
-            _triple(by_provider, "peak_gib", "{:.2f}"),
-            _ratio(ours, "vs_torch"),
-            _ratio(ours, "vs_compile"),
-            _check_cell(ours),
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
+        for name in (p for p in PROVIDERS if p.startswith("tritonkit") and p in by_provider):
+            ours = by_provider[name]
+            variant = name.removeprefix("tritonkit")
+            cells = [
+                f"{label}, {dtype}",
+                f"{mode} {variant}".strip(),
+                _triple(by_provider, name, "ms", "{:.2f}"),
+                _triple(by_provider, name, "tflops", "{:.0f}"),
+                _triple(by_provider, name, "peak_gib", "{:.2f}"),
+                _ratio(ours, "vs_torch"),
+                _ratio(ours, "vs_compile"),
+                _check_cell(ours),
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
     skipped = {
         (r["case"], r["provider"]): r["unavailable"]
         for r in rows
         if "unavailable" in r and r["mode"] == MODES[0]
     }
     lines += [f"\nnot run: {case} {provider} ({why})" for (case, provider), why in skipped.items()]
+    return "\n".join(lines)
+
+
+def profile_table(rows: list[dict]) -> str:
+    """Where each provider's step goes: GPU time a step by kernel kind (``kernel_profile``) and the
+    rest of the step's time, in which the GPU waited on the host. Empty without profiled rows."""
+    profiled = [r for r in rows if "kernel_ms_by_kind" in r]
+    if not profiled:
+        return ""
+    header = ["layer", "mode", "provider", "step ms", *(f"{kind} ms" for kind in KERNEL_KINDS), "GPU idle ms"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in profiled:
+        kinds = [f"{row['kernel_ms_by_kind'][kind]:.2f}" for kind in KERNEL_KINDS]
+        idle = f"{max(row['ms'] - row['kernel_ms'], 0.0):.2f}"
+        cells = [row["case"], row["mode"], row["provider"], f"{row['ms']:.2f}", *kinds, idle]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -595,5 +682,11 @@ def write_results(rows: list[dict], out_dir: Path) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     json_path, md_path = folder / f"{OP}.json", folder / f"{OP}.md"
     json_path.write_text(json.dumps(rows, indent=1) + "\n")
-    md_path.write_text(f"{provenance_line(rows)}\n\n{markdown_table(rows)}\n")
+    profile = profile_table(rows)
+    profile = (
+        f"\nGPU time a step by kernel kind (torch.profiler, {PROFILE_STEPS} steps):\n\n{profile}\n"
+        if profile
+        else ""
+    )
+    md_path.write_text(f"{provenance_line(rows)}\n\n{markdown_table(rows)}\n{profile}")
     return [json_path, md_path]
