@@ -164,8 +164,12 @@ def test_ratios_tables_and_files(tmp_path):
     assert "| fwd+bwd [nondeterministic] | 19.00 / 18.00 / 16.00 |" in table
     assert table.index("[nondeterministic]") > table.index("20.00")
     assert layer.profile_table(rows) == ""  # no profiled rows, no table
-    rows[-1] |= {"kernel_ms": 19.5, "kernel_ms_by_kind": {"attention": 4.0, "matmul": 14.0, "other": 1.5}}
-    assert "| 8b-4k | fwd+bwd | tritonkit | 20.00 | 4.00 | 14.00 | 1.50 | 0.50 |" in layer.profile_table(rows)
+    rows[-1] |= {"kernel_ms": 19.5, "profiled_span_ms": 20.5, "host_ms": 7.25}
+    rows[-1]["kernel_ms_by_kind"] = {"attention": 4.0, "matmul": 14.0, "other": 1.5}
+    assert (
+        "| 8b-4k | fwd+bwd | tritonkit | 20.00 | 7.25 | 4.00 | 14.00 | 1.50 | 1.00 |"
+        in layer.profile_table(rows)
+    )
     assert [
         layer.kernel_kind(n) for n in ("_attn_fwd_sm90_kernel", "nvjet_tst_128x256", "_norm_fwd_kernel")
     ] == [

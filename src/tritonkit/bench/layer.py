@@ -380,9 +380,10 @@ PROFILE_TOP = 12  # kernels a row lists, by GPU time
 
 
 def kernel_profile(call: Callable[[], object], grads_to_none: list[torch.Tensor]) -> dict:
-    """Where a step's GPU time goes: {"kernel_ms": the step's kernel time, summed, "kernels": the
-    PROFILE_TOP longest kernels as {"name", "ms", "calls"} a step}, from torch.profiler over
-    PROFILE_STEPS steps. kernel_ms below the step's time is time the GPU waited on the host."""
+    """Where a step's GPU time goes, from torch.profiler over PROFILE_STEPS steps: {"kernel_ms": the
+    step's kernel time, summed, "profiled_span_ms": the steps' span on the GPU, "kernel_ms_by_kind",
+    "kernels": the PROFILE_TOP longest kernels as {"name", "ms", "calls"} a step}. The span above
+    kernel_ms is time the GPU waited (on the host, or between the steps)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -392,17 +393,22 @@ def kernel_profile(call: Callable[[], object], grads_to_none: list[torch.Tensor]
         torch.cuda.synchronize()
     _clear_grads(grads_to_none)
     totals: dict[str, list] = {}
+    starts, ends = [], []
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time_total > 0:
             total = totals.setdefault(event.name, [0.0, 0])
             total[0] += event.device_time_total / 1e3 / PROFILE_STEPS
             total[1] += 1
+            starts.append(event.time_range.start)
+            ends.append(event.time_range.end)
     ranked = sorted(totals.items(), key=lambda item: -item[1][0])
     kinds = dict.fromkeys(KERNEL_KINDS, 0.0)
     for name, (ms, _) in totals.items():
         kinds[kernel_kind(name)] += ms
     return {
         "kernel_ms": sum(ms for ms, _ in totals.values()),
+        # first kernel's start to last one's end, a step: above kernel_ms by the GPU's idle time
+        "profiled_span_ms": (max(ends) - min(starts)) / 1e3 / PROFILE_STEPS if starts else 0.0,
         "kernel_ms_by_kind": kinds,
         "kernels": [
             {"name": name[:160], "ms": ms, "calls": calls / PROFILE_STEPS}
@@ -411,12 +417,31 @@ def kernel_profile(call: Callable[[], object], grads_to_none: list[torch.Tensor]
     }
 
 
+HOST_STEPS = 5  # steps host_ms is the median of
+
+
+def host_ms(call: Callable[[], object], grads_to_none: list[torch.Tensor]) -> float:
+    """The host's time to issue one step (the call returning, the GPU idle before it): at or above
+    the step's time, the step is bound by the host. The median of HOST_STEPS."""
+    times = []
+    for _ in range(HOST_STEPS):
+        _clear_grads(grads_to_none)
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - started) * 1e3)
+    torch.cuda.synchronize()
+    _clear_grads(grads_to_none)
+    return sorted(times)[len(times) // 2]
+
+
 def measure(fn: Callable, mode: str, x: torch.Tensor, w: Weights, grad: torch.Tensor) -> dict:
     """The timing, memory and kernel-profile fields of one provider's row in one mode."""
     call, tensors = _mode_call(fn, mode, x, w, grad), [x, *w]
     p20, median, p80 = time_ms(call, tensors)
     peak = peak_bytes(call, tensors)
     timed = {"ms_p20": p20, "ms": median, "ms_p80": p80, "peak_bytes": peak, "peak_gib": peak / 2**30}
+    timed["host_ms"] = host_ms(call, tensors)
     try:
         return timed | kernel_profile(call, tensors)
     except Exception as error:  # a diagnostic: the timing stands without it
@@ -656,12 +681,21 @@ def profile_table(rows: list[dict]) -> str:
     profiled = [r for r in rows if "kernel_ms_by_kind" in r]
     if not profiled:
         return ""
-    header = ["layer", "mode", "provider", "step ms", *(f"{kind} ms" for kind in KERNEL_KINDS), "GPU idle ms"]
+    header = [
+        "layer",
+        "mode",
+        "provider",
+        "step ms",
+        "host ms",
+        *(f"{kind} ms" for kind in KERNEL_KINDS),
+        "GPU idle ms",
+    ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in profiled:
         kinds = [f"{row['kernel_ms_by_kind'][kind]:.2f}" for kind in KERNEL_KINDS]
-        idle = f"{max(row['ms'] - row['kernel_ms'], 0.0):.2f}"
-        cells = [row["case"], row["mode"], row["provider"], f"{row['ms']:.2f}", *kinds, idle]
+        idle = f"{max(row['profiled_span_ms'] - row['kernel_ms'], 0.0):.2f}"
+        host = f"{row['host_ms']:.2f}" if "host_ms" in row else "-"
+        cells = [row["case"], row["mode"], row["provider"], f"{row['ms']:.2f}", host, *kinds, idle]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
