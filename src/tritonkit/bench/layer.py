@@ -376,6 +376,10 @@ def kernel_kind(name: str) -> str:
 
 
 PROFILE_STEPS = 3  # steps the kernel profile averages over
+# Steps run first, unprofiled: the H200 reaches its power cap after ~150 ms of a large step's
+# work and then lowers its clock, so a profile of a cold GPU times every kernel ~10% short of the
+# step's measured time (docs/perf-notes.md, "the power limit")
+PROFILE_WARMUP_STEPS = 15
 PROFILE_TOP = 12  # kernels a row lists, by GPU time
 
 
@@ -386,6 +390,9 @@ def kernel_profile(call: Callable[[], object], grads_to_none: list[torch.Tensor]
     kernel_ms is time the GPU waited (on the host, or between the steps)."""
     from torch.profiler import ProfilerActivity, profile
 
+    for _ in range(PROFILE_WARMUP_STEPS):  # back at the power cap the timing ran under
+        _clear_grads(grads_to_none)
+        call()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(PROFILE_STEPS):
             _clear_grads(grads_to_none)
