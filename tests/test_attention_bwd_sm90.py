@@ -247,11 +247,12 @@ def test_gpu_matches_the_reference(case, head_dim, dtype, deterministic):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_every_candidate_config(causal, head_dim):
-    """Each candidate in either mode (GQA, ragged, Sq != Sk)."""
+    """Each candidate in either mode it runs in (GQA, ragged, Sq != Sk): shared_dq without
+    determinism only."""
     from tritonkit.ops.attention import bwd_sm90
 
     for i, config in enumerate(bwd_sm90.CANDIDATES[head_dim]):
-        for deterministic in (False, True):
+        for deterministic in (False, True) if not config.shared_dq else (False,):
             inputs = _inputs(2, 4, 2, 777, 901, head_dim, torch.bfloat16, seed=100 + i)
             check(*inputs, causal, deterministic=deterministic, config=config)
 

@@ -29,7 +29,8 @@ class Config(NamedTuple):
     """A launch's shape: NUM_STAGES Q/dO tiles in flight; overlap_sdp issues dP^T beside S^T (both
     64 x 64 fp32 accumulators live at the exponentials, 32 registers more a thread) instead of
     after P^T, beside dV; shared_dq adds one 64 x D dQ tile a step for the program, each
-    warpgroup its D / 2 columns over the 128 keys (FA3's split), instead of a 64-key partial each."""
+    warpgroup its D / 2 columns over the 128 keys (FA3's split), instead of a 64-key partial each
+    (without determinism only: the tickets' turns would have the warpgroups wait on each other)."""
 
     num_stages: int
     overlap_sdp: bool = False
@@ -108,6 +109,10 @@ def attention_bwd_sm90(
         raise ValueError(f"scale must be a finite number > 0, got {scale}")
     if not supports(q, k, v):
         raise ValueError("attention_bwd_sm90 does not take these inputs (see supports)")
+    if deterministic and config is not None and config.shared_dq:
+        # the second warpgroup waits for its turn while the first, whose previous add that turn
+        # follows, waits for the second's dS^T: the two would wait on each other for good
+        raise ValueError("Config(shared_dq=True) runs without determinism only")
     for name, t in (("lse", lse), ("delta", delta)):
         if t.shape != q.shape[:3] or t.dtype != torch.float32 or (q.shape[2] > 1 and t.stride(2) != 1):
             raise ValueError(f"{name} must be float32 {tuple(q.shape[:3])} with a contiguous last dim")

@@ -193,25 +193,36 @@ BWD_CONFIGS = (
 )
 
 
+# Blocks a backward program adds into dw and db one after the other, at most, for fp32 inputs. A
+# chain of 64 fp32 adds a column (ROWS 64, BLOCK_M 1) erred at 2.4x torch's dw error on the H200
+# (1000 x 65536), past the gate's 2x; 16-bit inputs, whose reference rounds to 16 bits, keep them.
+FP32_SUM_CHAIN_MAX = 32
+
+
 def _bwd_default(key: dict) -> dict:
-    """BWD_PROGRAMS_PER_SM programs an SM, each holding h and dy at PER_THREAD values a thread."""
-    return {
-        "ROWS": _bwd_rows_per_program(key["rows"], current_device(), False),
-        "num_warps": _warps(key["block_n"]),
-    }
+    """BWD_PROGRAMS_PER_SM programs an SM, each holding h and dy at PER_THREAD values a thread (fp32
+    inputs: FP32_SUM_CHAIN_MAX rows at most)."""
+    rows = _bwd_rows_per_program(key["rows"], current_device(), False)
+    if key["dtype"] == "fp32":
+        rows = min(rows, FP32_SUM_CHAIN_MAX)
+    return {"ROWS": rows, "num_warps": _warps(key["block_n"])}
 
 
 def _bwd_prune(config: dict, key: dict) -> bool:
     """True drops the config: fp32 values a thread (h and dy) outside PER_THREAD_RANGE, or past
     PREFETCH_MAX_PER_THREAD where the next block is loaded ahead; a block of rows beyond the problem;
-    or so many rows a program that SMs would sit idle."""
+    so many rows a program that SMs would sit idle; fp32 inputs summed over more than
+    FP32_SUM_CHAIN_MAX blocks of rows."""
     per_thread = _per_thread(config, key, tiles=2)
+    chain = config["ROWS"] // config.get("BLOCK_M", 1)
     return (
         _outside(per_thread, False)
         or config.get("PREFETCH", False)
         and per_thread > PREFETCH_MAX_PER_THREAD
         or config.get("BLOCK_M", 1) > max(1, key["rows"])
         or _leaves_sms_idle(config, key, False)
+        or key["dtype"] == "fp32"
+        and chain > FP32_SUM_CHAIN_MAX
     )
 
 

@@ -667,7 +667,14 @@ def add_rms_norm(
 
 
 def layer_norm_reference(input, normalized_shape, weight=None, bias=None, eps=1e-5):
-    """Plain PyTorch; pass float64 inputs for the oracle's reference."""
+    """Plain PyTorch; pass float64 inputs for the oracle's reference. Parameters of another dtype than
+    the input (fp32 weights of a bf16 model: the kernels take them) are computed with in fp32, the
+    result rounded to the input's dtype, as the kernels do: torch's CUDA layer_norm takes one dtype."""
+    params = [p for p in (weight, bias) if p is not None]
+    if any(p.dtype != input.dtype for p in params) and input.dtype != torch.float64:
+        wide = lambda t: t.float() if t is not None else None  # noqa: E731
+        out = torch.nn.functional.layer_norm(input.float(), normalized_shape, wide(weight), wide(bias), eps)
+        return out.to(input.dtype)
     return torch.nn.functional.layer_norm(input, normalized_shape, weight, bias, eps)
 
 
@@ -677,7 +684,7 @@ def rms_norm_reference(input, normalized_shape, weight=None, eps=None):
 
 def add_layer_norm_reference(x, residual, normalized_shape, weight=None, bias=None, eps=1e-5):
     h = x + residual
-    return torch.nn.functional.layer_norm(h, normalized_shape, weight, bias, eps), h
+    return layer_norm_reference(h, normalized_shape, weight, bias, eps), h
 
 
 def add_rms_norm_reference(x, residual, normalized_shape, weight=None, eps=None):
