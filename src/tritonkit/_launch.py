@@ -107,7 +107,8 @@ class Launcher:
     """Launches one ``@triton.jit`` kernel; keyword arguments are constexprs and launch options.
 
     ``launcher(grid, *args, **meta)`` behaves like ``kernel[grid](*args, **meta)`` where ``grid``
-    is a tuple of up to three ints. The first argument is a tensor on the device to launch on.
+    is a tuple of up to three ints. The first tensor argument (the first argument unless that is an
+    absent pointer, None) is on the device to launch on.
     Keyword constexprs must be the kernel's trailing parameters, in order (checked on first use).
     """
 
@@ -132,7 +133,8 @@ class Launcher:
         if type(args[0]).__name__ == "TensorDescriptor":
             self.kernel[grid](*args, **meta)
             return
-        device = args[0].get_device()
+        first = args[0] if args[0] is not None else next(a for a in args if isinstance(a, torch.Tensor))
+        device = first.get_device()
         if device != torch._C._cuda_getDevice():  # CUDA is initialised: args[0] lives there
             with torch.cuda.device(device):
                 return self(grid, *args, **meta)

@@ -125,8 +125,8 @@ def specialize(launch: Launch) -> tuple[dict, dict, dict, dict]:
         )
     signature, constants, attrs = {}, {}, {}
     for index, (name, value) in enumerate(zip(names, launch.args, strict=False)):
-        if type(value) is int and value == 1:  # Triton makes a 1 a constant
-            signature[name], constants[(index,)] = "constexpr", 1
+        if type(value) is int and value == 1 or value is None:  # Triton makes a 1 and None constants
+            signature[name], constants[(index,)] = "constexpr", value
             continue
         signature[name] = _arg_type(value)
         if _divisible_by_16(value):

@@ -50,7 +50,7 @@ def _delta_launch(o, do, lse, dlse, delta) -> Launch:
     """The delta kernel's launch: every query row of (B, H, Sq) views (a packed batch's are (1, H,
     T): delta needs no sequence bounds)."""
     batch, heads, seq_q, head_dim = o.shape
-    args = (o, do, dlse if dlse is not None else lse, delta, *o.stride()[:3], *do.stride(), heads, seq_q)
+    args = (o, do, dlse, delta, *o.stride()[:3], *do.stride(), heads, seq_q)  # dlse None: HAS_DLSE off
     meta = {
         "HEAD_DIM": head_dim,
         "BLOCK_D": _block_d(head_dim),
@@ -115,7 +115,9 @@ def _main_launches(kernel: str, problem: dict, config: dict) -> list[Launch]:
         score_meta["ATOMIC_DQ"] = dq_acc is not None
         # the bulk reduction: on a GPU, to a contiguous accumulator whose rows a TMA coordinate reaches
         tma_dq = tma_dq and dq_acc is not None and not interpret() and dq_acc.numel() // head_dim < 2**31
-        grads = (dk, dv, dk if dq_acc is None else dq_acc)  # dk: a pointer never written through
+        # without ATOMIC_DQ dk stands in for the accumulator, never written through: the kernel packs
+        # its pointer into a tuple of shared arguments, which in Triton 3.6 cannot hold a None
+        grads = (dk, dv, dk if dq_acc is None else dq_acc)
         outputs = [(dk, 3), (grads[2], 3)]
     else:
         grads = (problem["dq"],)

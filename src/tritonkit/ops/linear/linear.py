@@ -46,7 +46,6 @@ from tritonkit.ops.linear.kernels import (
 )
 from tritonkit.ops.linear.matmul import (
     REFERENCE_ACTIVATIONS,
-    given,
     matmul,
     matmul_launches,
     matmul_problem,
@@ -125,17 +124,7 @@ def _elementwise_launches(dy, z, u, dz, du, db_partial, activation: int) -> list
     (m, n), device = dy.shape, dy.device
     # the GPU's SMs (132 off CUDA), not the matmul's interpreter stand-in for persistent grids
     block_m, block_n, row_tiles = _elementwise_tiles(m, n, dy.element_size(), sm_count(device))
-    args = (
-        dy,
-        given(z, dy),
-        given(u, dy),
-        given(dz, dy),
-        given(du, dy),
-        given(db_partial, dy),
-        m,
-        n,
-        *dy.stride(),
-    )
+    args = (dy, z, u, dz, du, db_partial, m, n, *dy.stride())  # None where absent: flags leave them
     meta = {
         "ACTIVATION": activation,
         "GATED": u is not None,

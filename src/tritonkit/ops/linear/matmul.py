@@ -62,12 +62,6 @@ def _code(value) -> int:
     return value.value if isinstance(value, tl.constexpr) else int(value)
 
 
-def given(t, stand_in):
-    """``t``, or ``stand_in`` where it is absent: a pointer the kernel never reads or writes (its flag
-    is off) stands in for an absent operand, so that every launch passes tensors."""
-    return t if t is not None else stand_in
-
-
 def matmul_launches(problem: tuning.Problem, config: dict) -> list[Launch]:
     """The kernel's launch that computes ``problem`` on ``config``.
 
@@ -98,23 +92,24 @@ def matmul_launches(problem: tuning.Problem, config: dict) -> list[Launch]:
     c_tma = tma_store and out.is_contiguous() and _tma_ready(out)
     c = empty_output((split_k, M, N), torch.float32, a.device) if split_k > 1 else out
     tma = options.pop("TMA", False) and all(_tma_ready(t) for t in (a, a2, b, b2) if t is not None)
-    r = given(residual, out)
+    # absent operands go as None: the kernel's flags (HAS_BIAS, HAS_RESIDUAL, STORE_PRE, GATED)
+    # leave them unread
     args = (
         a,
-        given(a2, a),
+        a2,
         b,
-        given(b2, b),
+        b2,
         c,
-        given(bias, out),
-        r,
-        given(pre, out),
-        given(pre2, out),
+        bias,
+        residual,
+        pre,
+        pre2,
         M,
         N,
         K,
         *a.stride(),
         *b.stride(),
-        *r.stride(),
+        *(residual.stride() if residual is not None else (0, 0)),
     )
     meta = {
         "ACTIVATION": activation,

@@ -106,21 +106,22 @@ def _fwd_launches(
         rstd = torch.empty(rows, dtype=torch.float32, device=input.device)
         stats = True
     x2 = _rows_2d(input, n)
-    r2 = _rows_2d(residual, n) if residual is not None else x2
+    r2 = _rows_2d(residual, n) if residual is not None else None
     weight, bias = _unit_stride(weight), _unit_stride(bias)
-    stats_args = (mean if mean is not None else rstd, rstd) if stats else (y, y)  # unused without stats
+    # absent tensors go as None (the kernels' HAS_* and STATS flags leave them unread)
     args = (
         x2,
         r2,
-        h if h is not None else y,
+        h,
         y,
-        weight if weight is not None else y,
-        bias if bias is not None else y,
-        *stats_args,
+        weight,
+        bias,
+        mean if stats else None,
+        rstd if stats else None,
         rows,
         n,
         x2.stride(0),
-        r2.stride(0),
+        r2.stride(0) if r2 is not None else 0,
         float(eps),
     )
     # EVICT: L2 eviction hints, as torch.compile's kernels give them: evict_first on what is read for
@@ -162,7 +163,7 @@ def _bwd_launches(
     """The backward's launches for a non-empty ``h``: the main kernel, writing dx and each program's
     fp32 partial sums of dw and db (workspace allocated here), then, with a weight or a bias, the
     second stage that sums the partials into ``dw`` and ``db``. Absent statistics are stood in for
-    by empty ones (for inspect)."""
+    by empty ones (for inspect); absent tensors go as None (the kernels' flags leave them unread)."""
     n = h.shape[-1]
     rows = h.numel() // n
     block_n = next_power_of_2(n)
@@ -174,17 +175,16 @@ def _bwd_launches(
     dw_partial = empty_output((programs, n), torch.float32, h.device) if weight is not None else None
     db_partial = empty_output((programs, n), torch.float32, h.device) if bias is not None else None
     h2, dy2 = _rows_2d(h, n), _rows_2d(grad_y.to(h.dtype), n)
-    dh2 = _rows_2d(grad_h.to(h.dtype), n) if grad_h is not None else dy2
-    weight = _unit_stride(weight)
-    stats = (weight if weight is not None else rstd, mean if mean is not None else rstd, rstd)
+    dh2 = _rows_2d(grad_h.to(h.dtype), n) if grad_h is not None else None
+    stats = (_unit_stride(weight), mean, rstd)
     tail = (
         dx,
-        dw_partial if dw_partial is not None else rstd,
-        db_partial if db_partial is not None else rstd,
+        dw_partial,
+        db_partial,
         rows,
         n,
         dy2.stride(0),
-        dh2.stride(0),
+        dh2.stride(0) if dh2 is not None else 0,
         h2.stride(0),
     )
     meta = {
@@ -227,14 +227,7 @@ def _sum_partials_launch(dw_partial, db_partial, dw, db) -> Launch:
     if interpret():  # a program costs the interpreter milliseconds whatever its width: 16x fewer
         block_cols = INTERPRETER_SUM_COLUMNS
     block_p = min(SUM_TILE // block_cols, next_power_of_2(programs))
-    args = (
-        dw_partial if dw_partial is not None else partials,
-        db_partial if db_partial is not None else partials,
-        dw if dw is not None else partials,
-        db if db is not None else partials,
-        programs,
-        n,
-    )
+    args = (dw_partial, db_partial, dw, db, programs, n)  # None where absent (HAS_* leave them)
     meta = {
         "HAS_WEIGHT": dw is not None,
         "HAS_BIAS": db is not None,
