@@ -41,6 +41,7 @@ test: $(STAMP)
 
 # Eight workers where pytest-xdist is installed: the gpu tests are mostly compiles (CPU-bound), and
 # one GPU holds eight processes' tensors (under fourteen the largest softmax tests failed, alone they pass).
+# TRITONKIT_TEST_FAILURES=FILE writes each failure to FILE as it happens (tests/conftest.py).
 test-gpu: $(STAMP)
 	@workers=$$($(PY) -c "import xdist" 2>/dev/null && echo "-n 8"); \
 	$(PY) -m pytest -q -m gpu $$workers

@@ -1,5 +1,7 @@
 """Shared test set-up: decide GPU or interpreter before anything imports triton."""
 
+import os
+
 from tritonkit import _runtime
 
 # Triton picks the interpreter for its own library functions when it is first imported, so the
@@ -28,3 +30,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(needs_gpu)
+
+
+# TRITONKIT_TEST_FAILURES=FILE: each failure's report appended to FILE as it happens, so that a run
+# stopped by a time limit (a GPU run's) keeps the messages pytest would print only at its end
+FAILURES_FILE = os.environ.get("TRITONKIT_TEST_FAILURES")
+
+
+def pytest_runtest_logreport(report):
+    # (under xdist the controller writes: workers' reports reach it too)
+    if FAILURES_FILE and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
+        with open(FAILURES_FILE, "a") as f:
+            f.write(f"===== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
