@@ -262,14 +262,17 @@ def test_cli_bench_unknown_provider(capsys):
     assert "ligerr" in capsys.readouterr().err
 
 
-def test_cli_roofline_bad_shape():
+def test_cli_roofline_bad_shape(capsys):
     with pytest.raises(SystemExit, match="--shape"):
         main(["roofline", "bias_gelu", "--shape", "8192xabc"])
+    assert main(["roofline", "bias_gelu", "--shape", "4096x0"]) == 2  # nothing to divide by
+    assert "dimensions >= 1" in capsys.readouterr().err
 
 
 def test_cli_info(capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out
+    assert "tuning cache: " in out and "TRITONKIT_CACHE_DIR" in out
     if torch.cuda.is_available():
         assert "measured ceilings" in out and "copy bandwidth" in out and "bf16 matmul" in out
     else:
@@ -434,6 +437,10 @@ def test_cli_roofline_plot(tmp_path, capsys):
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert "bias_gelu, softmax, log_softmax" in capsys.readouterr().out
     assert main(["roofline"]) == 2 and "needs an OP and --shape" in capsys.readouterr().err
+    # into a folder not there yet, from results not there: it says it plotted no points
+    elsewhere = tmp_path / "new" / "roofline.png"
+    assert main(["roofline", "--plot", str(elsewhere), "--results", str(tmp_path / "none")]) == 0
+    assert elsewhere.is_file() and "no benchmarked points" in capsys.readouterr().out
 
 
 def test_roofline_plot_axis_spans_the_points_and_the_ridge():

@@ -63,6 +63,9 @@ def _errors_on_every_rank(rank: int) -> list[str]:
     with pytest.raises(ValueError, match="must be a multiple of 4") as error:  # 23 over 2 ranks, causal
         shard_sequence(q[:, :, :23], 2, causal=True)
     messages.append(str(error.value))
+    with pytest.raises(ValueError, match=r"dim must be an int in \[-4, 4\)") as error:
+        shard_sequence(q, 5)
+    messages.append(str(error.value))
     shards = [shard_sequence(t, 2) for t in (q, k, v)]
     longer = [torch.cat([t, t[:, :, :1]], 2) if rank == 1 else t for t in shards]
     with pytest.raises(ValueError, match="ranks disagree on the sequence shard") as error:

@@ -323,21 +323,44 @@ def _run_python(code: str, **env: str) -> dict:
 
 
 def test_import_has_no_side_effects():
+    """Importing loads no op and triton, initialises no CUDA; it decides GPU or interpreter only
+    where no device need be asked: a torch built without a GPU backend (the CI machine's) gets the
+    interpreter at once, a CUDA build decides at the first op."""
     facts = _run_python("""
         import torch
         import tritonkit, tritonkit.ops, tritonkit.roofline, tritonkit.testing, tritonkit._launch
         report(env=os.environ.get("TRITON_INTERPRET"), triton="triton" in sys.modules,
                op_loaded="tritonkit.ops.bias_gelu" in sys.modules, cuda=torch.cuda.is_initialized(),
-               decided=tritonkit._runtime.interpret.cache_info().currsize, messages=messages)
+               decided=tritonkit._runtime.interpret.cache_info().currsize, messages=messages,
+               gpu_backend=torch.backends.cuda.is_built() or torch.version.hip is not None)
     """)
+    decided = {"env": "1", "decided": 1, "messages": [INTERPRETER_LINE]}
+    undecided = {"env": None, "decided": 0, "messages": []}
     assert facts == {
-        "env": None,
         "triton": False,
         "op_loaded": False,
         "cuda": False,
-        "decided": 0,
-        "messages": [],
+        "gpu_backend": facts["gpu_backend"],
+        **(undecided if facts["gpu_backend"] else decided),
     }
+
+
+INTERPRETER_LINE = "tritonkit: kernels run in Triton's interpreter on the CPU (no CUDA GPU found)"
+
+
+def test_torch_compile_as_the_first_use_finds_the_choice_made():
+    """torch.compile imports triton itself before tracing the first op: on a CPU-only torch the
+    import has chosen the interpreter already, and the traced op (attention's device check too)
+    compiles without a graph break."""
+    facts = _run_python("""
+        import torch, tritonkit
+        q = torch.randn(1, 2, 16, 64, dtype=torch.bfloat16)
+        if torch.backends.cuda.is_built():
+            q = q.cuda()
+        fn = torch.compile(lambda a: tritonkit.flash_attention(a, a, a), fullgraph=True)
+        report(close=bool(torch.allclose(fn(q).float(), tritonkit.flash_attention(q, q, q).float())))
+    """)
+    assert facts == {"close": True}
 
 
 def test_forced_interpreter_logged_once():

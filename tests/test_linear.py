@@ -192,6 +192,9 @@ def test_module_loads_torch_state_dict(device):
     assert "activation='relu2'" in repr(layer)
     with pytest.raises(ValueError, match="activation must be one of"):
         tritonkit.nn.Linear(K, N, activation="gelu_erf")
+    # built as torch.nn.Linear builds by default, in fp32: refused at the call, saying what to do
+    with pytest.raises(TypeError, match=r"computes in fp16 or bf16.*dtype=torch\.bfloat16"):
+        tritonkit.nn.Linear(K, N, device=device)(x.float())
 
 
 def _gated_inputs(leading, dtype, device, seed):

@@ -323,6 +323,14 @@ def test_add_forms_return_the_sum(dtype, device):
     for fn in (tritonkit.add_layer_norm, tritonkit.add_rms_norm):
         _, h = fn(x, r, 40)
         torch.testing.assert_close(h, x + r, rtol=0, atol=0)  # one rounding of the fp32 sum, as torch
+    # without a residual (a first layer's): still the documented pair, the norm of x and x itself
+    for fn, plain in (
+        (tritonkit.add_layer_norm, tritonkit.layer_norm),
+        (tritonkit.add_rms_norm, tritonkit.rms_norm),
+    ):
+        y, h = fn(x, None, 40)
+        assert h is x
+        torch.testing.assert_close(y, plain(x, 40), rtol=0, atol=0)
 
 
 BAD_ARGUMENTS = [  # (call on a (4, 8) fp32 input, exception, pattern of its message)
@@ -350,6 +358,10 @@ BAD_ARGUMENTS = [  # (call on a (4, 8) fp32 input, exception, pattern of its mes
     pytest.param(
         lambda x: tritonkit.add_rms_norm(x, x[:2], 8), ValueError, "^residual must match", id="residual shape"
     ),
+    pytest.param(
+        lambda x: tritonkit.layer_norm(x, 8, eps=None), TypeError, "^layer_norm: eps ", id="eps None"
+    ),
+    pytest.param(lambda x: tritonkit.rms_norm(x, 8, eps=-1e-6), ValueError, "^rms_norm: eps ", id="eps < 0"),
 ]
 
 

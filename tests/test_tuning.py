@@ -626,7 +626,8 @@ def test_cli_tune_show(tuning_on, cache, shipped, tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith(f"{bundle}: 1 of 2 entries (")
     assert out[1].startswith("fake {'N': 64, 'dtype': 'fp32'}: {'BLOCK': 8")  # the fastest won
-    assert "100.0 us" in out[2] and len(out) == 2 + len(CONFIGS)
+    assert "100.0 us" in out[2] and len(out) == 3 + len(CONFIGS)
+    assert out[-1] == "1 entries shown: fake 1 (narrow with --tuner NAME and --where FIELD=VALUE)"
     assert main(["tune", "--show", "--where", "N=128"]) == 0  # the cache, then what ships
     out = capsys.readouterr().out
     assert out.count("1 of 2 entries") == 2 and "shipped h200.json" in out and "fake {" not in out
@@ -640,6 +641,8 @@ def test_cli_tune_show(tuning_on, cache, shipped, tmp_path, capsys):
     (tmp_path / "junk.json").write_text("{}")
     assert main(["tune", "--show", str(tmp_path / "junk.json")]) == 2
     assert "not a format-1 tuning export" in capsys.readouterr().err
+    assert main(["tune", "--show", str(tmp_path / "missing.json")]) == 2
+    assert "missing.json: no such file" in capsys.readouterr().err
 
 
 def test_retuning_tunes_again_whatever_is_stored(tuning_on, cache, shipped, monkeypatch):
@@ -765,3 +768,18 @@ def test_a_tuned_kernel_builds_a_key_given_as_a_function_only_when_its_memo_does
     finally:
         tuning.TUNED.remove(tuned)
         tuning.TUNERS.pop("lazy", None)
+
+
+def test_a_new_key_logs_the_config_its_call_runs(caplog, device):
+    """One debug line a new key (the memo answers the calls after it): which tuner, key and config."""
+    import logging
+
+    import tritonkit
+
+    tuning.forget_chosen()
+    x = torch.randn(3, 50, device=device)
+    with caplog.at_level(logging.DEBUG, logger="tritonkit"):
+        tritonkit.softmax(x, -1)
+        tritonkit.softmax(x, -1)
+    lines = [r.getMessage() for r in caplog.records if " runs {" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("tritonkit: softmax_fwd {"), lines

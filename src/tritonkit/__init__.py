@@ -2,14 +2,18 @@
 
 Importing the package defines no kernel and queries no device: each public op is imported on
 first use, and that first import decides once whether kernels compile for the GPU or run in
-Triton's interpreter on the CPU (see ``tritonkit._runtime``).
+Triton's interpreter on the CPU (see ``tritonkit._runtime``), unless the import could decide
+without asking a device (a CPU-only torch, or a forcing variable).
 """
 
 from __future__ import annotations
 
 import importlib
 
+from tritonkit import _runtime as _runtime
 from tritonkit._registry import PUBLIC as _PUBLIC  # public name -> module that defines it
+
+_runtime.decide_early()
 
 __version__ = "0.1.0"
 

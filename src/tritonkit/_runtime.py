@@ -5,8 +5,9 @@ through Triton's interpreter on CPU tensors: ``TRITON_INTERPRET=1`` must be in t
 before ``@triton.jit`` runs, because the decorator picks the interpreter at definition time. So
 Triton's own library functions (``tl.zeros``, ``tl.sum``) are decorated when ``triton`` is first
 imported, so the choice must be made before that import: every tritonkit module that imports
-triton calls :func:`interpret` first. ``import tritonkit`` itself decides nothing, queries no
-device and defines no kernel.
+triton calls :func:`interpret` first. ``import tritonkit`` queries no device and defines no kernel;
+it decides only where no device need be asked (:func:`decide_early`), so that a first use under
+``torch.compile``, which imports triton itself, finds the choice made.
 
 ``TRITONKIT_INTERPRET=1`` forces the interpreter (CUDA tensors are then copied to the host and
 back by Triton); ``TRITONKIT_INTERPRET=0`` forces native compilation.
@@ -46,8 +47,8 @@ def interpret() -> bool:
     if use_interpreter and _triton_imported_for_gpu():
         raise RuntimeError(
             "triton was imported before tritonkit chose the interpreter, so its library functions "
-            "were built for the GPU; set TRITONKIT_INTERPRET=1 (or TRITON_INTERPRET=1) before "
-            "anything imports triton, or use a tritonkit op before importing triton"
+            "were built for the GPU: set TRITON_INTERPRET=1 in the environment before anything "
+            "imports triton, or import tritonkit before triton (and before torch.compile runs)"
         )
     global _interpreting
     _interpreting = use_interpreter
@@ -56,6 +57,23 @@ def interpret() -> bool:
     else:
         log.info("tritonkit: kernels compile for the GPU (%s)", reason)
     return use_interpreter
+
+
+def decide_early() -> None:
+    """Make :func:`interpret`'s choice now where it needs no device query: a forcing variable is set,
+    or torch is built without a GPU backend (the interpreter, then). Called by ``import tritonkit``;
+    not once triton is imported (the first op then says what went wrong, rather than the import)."""
+    if "triton" in sys.modules or interpret.cache_info().currsize:
+        return
+    forced = os.environ.get(OVERRIDE_ENV) is not None or os.environ.get(TRITON_ENV) == "1"
+    if forced or not _torch_has_gpu_backend():
+        interpret()
+
+
+def _torch_has_gpu_backend() -> bool:
+    import torch
+
+    return torch.backends.cuda.is_built() or torch.version.hip is not None
 
 
 def _triton_imported_for_gpu() -> bool:
@@ -67,8 +85,10 @@ def _triton_imported_for_gpu() -> bool:
 
 
 def check_device(name: str, tensor) -> None:
-    """Natively, tensors must live on a CUDA device; the interpreter takes any device. (Reads the
+    """Natively, tensors must live on a CUDA device; the interpreter takes any device but meta. (Reads the
     decision as a global once made: torch.compile traces this, and cannot trace the deciding.)"""
+    if tensor.is_meta:  # shapes only: a kernel (or the interpreter) would read memory that is not there
+        raise ValueError(f"{name} is on the meta device, which holds no data: kernels need a CUDA tensor")
     if not tensor.is_cuda and not (_interpreting if _interpreting is not None else interpret()):
         raise ValueError(f"{name} must be a CUDA tensor, got one on {tensor.device}")
 

@@ -50,6 +50,9 @@ def cmd_info(args) -> int:
         f"python {platform.python_version()}"
     )
     print(f"kernels: {'Triton interpreter on the CPU' if interpreted else 'compiled for the GPU'}")
+    from tritonkit import tuning
+
+    print(f"tuning cache: {roofline.cache_dir() / tuning.SUBDIR} (TRITONKIT_CACHE_DIR moves it)")
     if not torch.cuda.is_available():
         print("device: no CUDA GPU")
         spec = roofline.device_spec(args.device or "h200")
@@ -81,10 +84,17 @@ def cmd_roofline(args) -> int:
         from tritonkit.bench.report import plot_results
 
         datasheet = roofline.device_spec(args.device)
+        measured = Path(args.results) / datasheet.slug
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         ops = plot_results(Path(args.results), datasheet, Path(args.plot))
+        points = (
+            f"benchmarked points from {measured}"
+            if measured.is_dir()
+            else f"no benchmarked points ({measured} does not exist: --results names a checkout's "
+            "benchmarks/results)"
+        )
         print(
-            f"wrote {args.plot}: {datasheet.name} roofline, benchmarked points from "
-            f"{Path(args.results) / datasheet.slug}, roofline positions of {', '.join(ops)}"
+            f"wrote {args.plot}: {datasheet.name} roofline, {points}, roofline positions of {', '.join(ops)}"
         )
         if not (args.op or args.shape):
             return 0
@@ -92,6 +102,10 @@ def cmd_roofline(args) -> int:
         raise ValueError("roofline needs an OP and --shape (or --plot alone)")
     workload = get_workload(args.op)
     shape = _parse_shape(args.shape)
+    if 0 in shape:
+        raise ValueError(
+            f"roofline needs dimensions >= 1 (an empty tensor moves nothing), got {' '.join(args.shape)}"
+        )
     dtype = DTYPES[args.dtype]
     cost = workload.cost(shape, dtype, args.mode)
     device = roofline.device_spec(args.device)
@@ -426,13 +440,15 @@ def _show_tuning(args) -> int:
             raise ValueError(f"--where takes FIELD=VALUE, got {condition!r}")
         wanted[field] = value
     if args.show:
+        if not Path(args.show).is_file():
+            raise ValueError(f"--show {args.show}: no such file (an export of `tritonkit tune --export`)")
         sources = {args.show: tuning.read_export(Path(args.show))}
     else:
         sources = {
             str(roofline.cache_dir() / tuning.SUBDIR): tuning.cached_entries(),
             **{f"shipped {name}": entries for name, entries in tuning.shipped_exports().items()},
         }
-    shown = 0
+    shown, by_tuner = 0, {}
     for source, entries in sources.items():
         kept = [
             e
@@ -447,7 +463,12 @@ def _show_tuning(args) -> int:
             )
             print(format_tuning(kept))
             shown += len(kept)
-    if not shown:
+            for entry in kept:
+                by_tuner[entry["tuner"]] = by_tuner.get(entry["tuner"], 0) + 1
+    if shown:
+        counts = ", ".join(f"{tuner} {count}" for tuner, count in sorted(by_tuner.items()))
+        print(f"{shown} entries shown: {counts} (narrow with --tuner NAME and --where FIELD=VALUE)")
+    else:
         print(
             "no tuned entries match"
             + (f" in {args.show}" if args.show else " in this machine's cache or the shipped configs")

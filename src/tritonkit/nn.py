@@ -27,7 +27,8 @@ class RMSNorm(torch.nn.RMSNorm):
 
 class Linear(torch.nn.Linear):
     """``torch.nn.Linear`` (same parameters and state_dict) with an activation applied in the
-    matmul's epilogue, computed by ``tritonkit.linear``."""
+    matmul's epilogue, computed by ``tritonkit.linear``: in fp16 or bf16 (``dtype=``; its forward
+    refuses fp32 weights, torch.nn.Linear's default, by name)."""
 
     def __init__(
         self,
@@ -47,8 +48,13 @@ class Linear(torch.nn.Linear):
         self.activation = activation
 
     def forward(self, input: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        from tritonkit.ops.linear import linear
+        from tritonkit.ops.linear import DTYPES, linear
 
+        if self.weight.dtype not in DTYPES:  # torch.nn.Linear's default, fp32, which no kernel takes
+            raise TypeError(
+                f"tritonkit.nn.Linear computes in fp16 or bf16, and its weight is {self.weight.dtype}: "
+                "build it with dtype=torch.bfloat16 (or float16), or convert it with .to(torch.bfloat16)"
+            )
         return linear(input, self.weight, self.bias, self.activation, residual)
 
     def extra_repr(self) -> str:

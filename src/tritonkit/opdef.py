@@ -24,6 +24,46 @@ from tritonkit.dtypes import NAME_OF
 _recorders: list[list] = []  # open recording_calls() blocks
 
 
+def first_derivative_only(name: str) -> Callable[[Callable], Callable]:
+    """Decorate an ``autograd.Function``'s backward, which records no graph of its own: under
+    ``create_graph=True`` its gradients still depend on the forward's inputs (through what the
+    forward saved), so differentiating them again raises, naming the op, instead of giving a second
+    derivative of zero. (torch's ``once_differentiable`` raises only where the incoming gradients
+    require grad: a softmax's second derivative through its saved output would read as zero.)"""
+    message = (
+        f"tritonkit.{name} has no second derivative: its gradient was computed under "
+        "create_graph=True, and differentiating it again is not supported"
+    ).encode()
+
+    def decorate(backward: Callable) -> Callable:
+        @functools.wraps(backward)
+        def wrapper(ctx, *grads):
+            with torch.no_grad():
+                outputs = backward(ctx, *grads)
+            if not (torch.is_grad_enabled() and any(ctx.needs_input_grad)):
+                return outputs
+            many = isinstance(outputs, tuple)
+            outputs = outputs if many else (outputs,)
+            raising = torch._C._functions.DelayedError(message, len(outputs))
+            marked = raising(*(_requiring_grad(t) for t in outputs))
+            marked = marked if isinstance(marked, tuple) else (marked,)
+            # gradients of inputs that need none stay None
+            marked = tuple(m if t is not None else None for m, t in zip(marked, outputs, strict=True))
+            return marked if many else marked[0]
+
+        return wrapper
+
+    return decorate
+
+
+def _requiring_grad(t):
+    if t is None:
+        return None
+    t = t.detach()
+    t.requires_grad_(True)
+    return t
+
+
 @contextlib.contextmanager
 def recording_calls() -> Iterator[list[tuple[object, tuple]]]:
     """Within this block, each eager call of an op is appended as (custom op, arguments): what

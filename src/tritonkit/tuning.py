@@ -671,6 +671,14 @@ class Tuned:
         final = entry is not None or _single_config()
         if final:
             remember(self._chosen, signature, config, MAX_CHOSEN)
+        # once a signature (the memo answers the next calls): which config a new key's call runs
+        log.debug(
+            "tritonkit: %s %s runs %s (%s)",
+            self.tuner.name,
+            key,
+            config,
+            "no tuned entry: the default" if entry is None else "tuned",
+        )
         return config, final
 
     def entry(self, key: dict, problem: Problem) -> dict | None:

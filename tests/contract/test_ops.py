@@ -1,5 +1,6 @@
 """The contract every registered op keeps, checked once for all of them (``tritonkit.ops.op_names()``):
-its custom ops pass ``torch.library.opcheck`` on the arguments a real call passes, it compiles
+its custom ops pass ``torch.library.opcheck`` on the arguments a real call passes, a second
+derivative raises instead of reading as zero, it compiles
 without a graph break and gives eager's bits, every output comes from a kernel launch (an op whose
 launches write nothing is caught by poisoning), empty and no-grad calls behave, a bad first
 argument is refused by name, and its cost model counts the bytes its launches touch.
@@ -75,6 +76,23 @@ def test_custom_ops_pass_opcheck_on_real_arguments(name, device):
 
 
 @pytest.mark.parametrize("name", OPS)
+def test_a_second_derivative_raises_naming_the_op(name, device):
+    """Gradients taken with create_graph=True work, and differentiating them again raises a clear
+    error, where a backward that records no graph would otherwise give a silent zero (a gradient
+    penalty dropped)."""
+    op, inputs, _, _ = _problem(name, device)
+    args = _with_grad(op, inputs)
+    outputs = _call(op, args)
+    g = generator(1)
+    upstream = [torch.randn(o.shape, generator=g).to(o) for o in outputs]  # constants: no grad
+    grads = torch.autograd.grad(outputs, [args[i] for i in op.grad_inputs], upstream, create_graph=True)
+    assert all(grad.requires_grad for grad in grads), name
+    penalty = sum(grad.float().square().sum() for grad in grads)
+    with pytest.raises(RuntimeError, match="has no second derivative"):
+        penalty.backward()
+
+
+@pytest.mark.parametrize("name", OPS)
 def test_compiles_without_a_graph_break_and_matches_eager(name, device):
     op, inputs, _, _ = _problem(name, device, seed=2)
     torch._dynamo.reset()
@@ -131,6 +149,16 @@ def test_a_first_argument_that_is_not_a_tensor_is_refused_by_name(name, device):
     first = next(iter(inspect.signature(op.fn).parameters))
     with pytest.raises(TypeError, match=rf"^{first}\b"):
         op.fn(inputs[0].tolist(), *inputs[1:], **op.kwargs)
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_inputs_on_the_meta_device_are_refused_by_name(name, device):
+    """Meta tensors have shapes and no data: refused before any kernel would read them."""
+    op, inputs, _, _ = _problem(name, device, seed=6)
+    first = next(iter(inspect.signature(op.fn).parameters))
+    meta = [t.to("meta") if isinstance(t, torch.Tensor) else t for t in inputs]
+    with pytest.raises(ValueError, match=rf"^{first} is on the meta device"):
+        op.fn(*meta, **op.kwargs)
 
 
 def _bytes_touched(launches: list[Launch]) -> int:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from tritonkit.opdef import first_derivative_only
 from tritonkit.ops.attention.bwd import attention_bwd
 from tritonkit.ops.attention.common import Scores, softmax_scale, validate_qkv
 from tritonkit.ops.attention.fwd import attention_fwd
@@ -54,6 +55,12 @@ def shard_sequence(x: torch.Tensor, dim: int, group=None, causal: bool = False) 
     """This rank's shard of ``x`` along ``dim`` (contiguous): chunk r of W, or with ``causal``
     chunks r and 2W - 1 - r of 2W, the load-balanced layout ``ring_attention`` expects. The length
     must be a multiple of W (2W causal): pad the sequence first (and mask the padding) otherwise."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise ValueError(
+            f"dim must be an int in [{-x.dim()}, {x.dim()}) for x of shape {tuple(x.shape)}, got {dim!r}"
+        )
     group = _group(group)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     parts = 2 * world if causal else world
@@ -263,6 +270,7 @@ class _RingAttention(torch.autograd.Function):
         return o, lse
 
     @staticmethod
+    @first_derivative_only("ring_attention")
     def backward(ctx, do, _dlse):
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = _ring_backward(do.contiguous(), q, k, v, o, lse, ctx.scale, ctx.causal, ctx.ring)

@@ -29,7 +29,7 @@ from tritonkit._runtime import empty_output, sm_count
 from tritonkit._triton import tl, triton
 from tritonkit.dtypes import FLOATS
 from tritonkit.jit import gelu, gelu_grad
-from tritonkit.opdef import check_tensor, op
+from tritonkit.opdef import check_tensor, first_derivative_only, op
 from tritonkit.ops import Op, Workload
 
 APPROXIMATIONS = ("none", "tanh")
@@ -253,6 +253,7 @@ class _BiasGelu(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_derivative_only("bias_gelu")
     def backward(ctx, grad_output):
         input, bias = ctx.saved_tensors
         dx = empty_output(input.shape, input.dtype, input.device)

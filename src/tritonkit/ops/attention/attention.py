@@ -15,7 +15,7 @@ import math
 import torch
 
 from tritonkit._runtime import empty_output
-from tritonkit.opdef import op
+from tritonkit.opdef import first_derivative_only, op
 from tritonkit.ops import Op, Workload
 from tritonkit.ops.attention.bwd import _inspect_launches as _inspect_bwd_launches
 from tritonkit.ops.attention.bwd import attention_bwd_into
@@ -135,6 +135,7 @@ class _Attention(torch.autograd.Function):
         return o, lse
 
     @staticmethod
+    @first_derivative_only("flash_attention")
     def backward(ctx, do, dlse):
         q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
         if do is None:  # only the lse was differentiated
@@ -287,6 +288,8 @@ def scaled_dot_product_attention(
             "scaled_dot_product_attention: attn_mask is not supported (use is_causal, "
             "or flash_attention's window)"
         )
+    if not (isinstance(dropout_p, (int, float)) and 0 <= dropout_p <= 1):
+        raise ValueError(f"scaled_dot_product_attention: dropout_p must be in [0, 1], got {dropout_p!r}")
     if dropout_p:
         raise NotImplementedError("scaled_dot_product_attention: dropout_p > 0 is not supported")
     validate_qkv(query, key, value)

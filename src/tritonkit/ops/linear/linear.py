@@ -33,7 +33,7 @@ import torch
 from tritonkit._launch import Launch, cdiv
 from tritonkit._runtime import empty_output, sm_count
 from tritonkit.dtypes import HALVES
-from tritonkit.opdef import check_tensor, op
+from tritonkit.opdef import check_tensor, first_derivative_only, op
 from tritonkit.ops import Op, Workload
 from tritonkit.ops.bias_gelu import NUM_WARPS, row_tiles_per_program, tile_shape
 from tritonkit.ops.linear.kernels import (
@@ -232,6 +232,7 @@ class _Linear(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_derivative_only("linear")
     def backward(ctx, grad_output):
         input, weight, pre = ctx.saved_tensors
         needs_dx, needs_dw, needs_db, needs_dr = ctx.needs_input_grad[:4]
@@ -357,6 +358,7 @@ class _GatedLinear(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_derivative_only("gated_linear")
     def backward(ctx, grad_output):
         input, weight_gate, weight_up, g, u = ctx.saved_tensors
         needs_dx, needs_dwg, needs_dwu = ctx.needs_input_grad[:3]

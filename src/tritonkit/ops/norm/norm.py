@@ -38,7 +38,7 @@ from tritonkit import tuning
 from tritonkit._launch import Launch, cdiv, next_power_of_2
 from tritonkit._runtime import empty_output, interpret, sm_count
 from tritonkit.dtypes import DTYPE_OF, FLOATS, NAME_OF
-from tritonkit.opdef import check_tensor, op
+from tritonkit.opdef import check_tensor, first_derivative_only, op
 from tritonkit.ops.norm.kernels import (
     BWD_CONFIGS,
     BWD_LOOPED_CONFIGS,
@@ -585,6 +585,7 @@ class _Norm(torch.autograd.Function):
         return (y, h) if residual is not None else y
 
     @staticmethod
+    @first_derivative_only("layer_norm / rms_norm")
     def backward(ctx, grad_y, grad_h=None):
         h, weight, bias, mean, rstd = ctx.saved_tensors
         dx = empty_output(h.shape, h.dtype, h.device)
@@ -599,6 +600,7 @@ def _norm(input, residual, normalized_shape, weight, bias, eps, rms: bool):
     _validate(input, normalized_shape, weight, bias, residual)
     if rms:
         eps = rms_eps(eps, input.dtype)
+    _check_eps(eps, "rms_norm" if rms else "layer_norm")
     if torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (input, residual, weight, bias)
     ):
@@ -607,6 +609,15 @@ def _norm(input, residual, normalized_shape, weight, bias, eps, rms: bool):
     y, h, _, _ = _forward_outputs(input, residual, rms, stats=False)
     _forward(input, residual, weight, bias, eps, rms, y, h, None, None)
     return (y, h) if residual is not None else y
+
+
+def _check_eps(eps, name: str) -> None:
+    """Raise naming ``eps`` unless it is a finite real number >= 0 (LayerNorm has no default
+    for None, as F.layer_norm has none)."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"{name}: eps must be a real number >= 0, got {eps!r}")
+    if not (math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"{name}: eps must be a finite number >= 0, got {eps!r}")
 
 
 def rms_eps(eps: float | None, dtype: torch.dtype) -> float:
@@ -635,24 +646,30 @@ def rms_norm(
 
 def add_layer_norm(
     x: torch.Tensor,
-    residual: torch.Tensor,
+    residual: torch.Tensor | None,
     normalized_shape,
     weight: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     eps: float = 1e-5,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(layer_norm(x + residual), x + residual)`` in one pass."""
+    """``(layer_norm(x + residual), x + residual)`` in one pass; with ``residual`` None (a first
+    layer's), ``(layer_norm(x), x)``, x itself as the sum."""
+    if residual is None:
+        return _norm(x, None, normalized_shape, weight, bias, eps, rms=False), x
     return _norm(x, residual, normalized_shape, weight, bias, eps, rms=False)
 
 
 def add_rms_norm(
     x: torch.Tensor,
-    residual: torch.Tensor,
+    residual: torch.Tensor | None,
     normalized_shape,
     weight: torch.Tensor | None = None,
     eps: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rms_norm(x + residual), x + residual)`` in one pass."""
+    """``(rms_norm(x + residual), x + residual)`` in one pass; with ``residual`` None (a first
+    layer's), ``(rms_norm(x), x)``, x itself as the sum."""
+    if residual is None:
+        return _norm(x, None, normalized_shape, weight, None, eps, rms=True), x
     return _norm(x, residual, normalized_shape, weight, None, eps, rms=True)
 
 

@@ -51,7 +51,7 @@ from tritonkit import tuning
 from tritonkit._launch import Launch, cdiv, launcher_of, next_power_of_2
 from tritonkit._runtime import check_device, empty_output, interpret, sm_count
 from tritonkit.dtypes import FLOATS, NAME_OF
-from tritonkit.opdef import op
+from tritonkit.opdef import first_derivative_only, op
 from tritonkit.ops import Op, Workload
 from tritonkit.ops.softmax.kernels import (
     CONFIGS,
@@ -433,6 +433,7 @@ class _Softmax(torch.autograd.Function):
         return output
 
     @staticmethod
+    @first_derivative_only("softmax / log_softmax")
     def backward(ctx, grad_output):
         (output,) = ctx.saved_tensors
         dx = empty_output(output.shape, ctx.input_dtype, output.device)
