@@ -109,7 +109,11 @@ def _worker(rank: int, world: int, store: str, out_dir: str) -> None:
     )
     try:
         seq = 4 * world * 2  # 2W chunks of 4 rows: causal shards hold two, each a ragged interpreter tile
-        results = _compare_with_one_process(True, seq) + _compare_with_one_process(False, seq)
+        # both masks on two ranks; on three (the suite's slowest test, three processes on the CI
+        # machine's two cores) the causal one, whose load-balanced shards the full mask does not use
+        results = _compare_with_one_process(True, seq)
+        if world == 2:
+            results += _compare_with_one_process(False, seq)
         results.append({"round trip": _round_trip(world)})
         if world == 2:
             results.append({"errors": _errors_on_every_rank(rank)})
@@ -157,10 +161,10 @@ def _run(world: int, tmp_path) -> list[list[dict]]:
 @pytest.mark.parametrize("world", [2, 3])
 def test_ring_attention_equals_one_process(world, tmp_path):
     """Every rank's gathered output, lse and gradients pass the oracle against flash_attention on
-    the whole sequence (causal and full, GQA: 4 query heads over 2)."""
+    the whole sequence (causal, and on two ranks full too; GQA: 4 query heads over 2)."""
     for rank, results in enumerate(run := _run(world, tmp_path)):
         comparisons = [r for r in results if "name" in r]
-        assert len(comparisons) == 10, results
+        assert len(comparisons) == (10 if world == 2 else 5), results
         failing = [r["text"] for r in comparisons if not r["passed"]]
         assert not failing, (rank, failing)
         assert {"round trip": True} in results

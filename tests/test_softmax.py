@@ -14,7 +14,7 @@ import torch
 import tritonkit
 import tritonkit.ops.softmax.kernels as sk
 import tritonkit.ops.softmax.softmax as sm
-from grids import case_id, in_turn, pairs_not_met
+from grids import case_id, in_turn
 from tritonkit import tuning
 from tritonkit._launch import next_power_of_2
 from tritonkit._runtime import interpret, sm_count
@@ -388,14 +388,13 @@ def small_chunks(request, monkeypatch, launches):
     return launches
 
 
-@pytest.mark.parametrize(
-    "shape, dim",
-    [((5, 200), -1), ((3, 128), -1), ((7, 1), -1), ((3, 65), -1), ((200, 5), 0), ((2, 130, 3), 1)],
-    ids=str,
-)
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
-@pytest.mark.parametrize("log", LOGS)
-def test_online_over_many_chunks(shape, dim, dtype, log, small_chunks, device):
+ONLINE_CASES = [((5, 200), -1), ((3, 128), -1), ((7, 1), -1), ((3, 65), -1), ((200, 5), 0), ((2, 130, 3), 1)]
+ONLINE = in_turn(ONLINE_CASES, [F32, BF16], last=[False, True, True, False])  # each meets both logs
+
+
+@pytest.mark.parametrize("case, dtype, log", ONLINE, ids=map(case_id, ONLINE))
+def test_online_over_many_chunks(case, dtype, log, small_chunks, device):
+    shape, dim = case
     x, dy = _inputs(shape, dtype, device, seed=35 + shape[0])
     _check(x, dy, log=log, variant="online", dim=dim)
     _assert_small_chunks_ran(small_chunks)
@@ -404,9 +403,11 @@ def test_online_over_many_chunks(shape, dim, dtype, log, small_chunks, device):
 # ---------------------------------------------------------------- split rows
 
 
-@pytest.mark.parametrize("shape", [(3, 64), (5, 200), (1, 129), (50, 130), (2, 4100), (9, 1)], ids=str)
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
-@pytest.mark.parametrize("log", LOGS)
+SPLIT_SHAPES = [(3, 64), (5, 200), (1, 129), (50, 130), (2, 4100), (9, 1)]
+SPLIT_ROWS = in_turn(SPLIT_SHAPES, [F32, BF16], last=[False, True, True, False])  # each meets both logs
+
+
+@pytest.mark.parametrize("shape, dtype, log", SPLIT_ROWS, ids=map(case_id, SPLIT_ROWS))
 def test_split_rows_over_many_segments(shape, dtype, log, launches, device):
     """Rows of one to four segments, ragged last segments and chunks. 50 rows of three segments are
     more than the 44 that run at once on the nominal 132 SMs, so programs walk two rows."""
@@ -789,8 +790,3 @@ def test_variant_peers_match_reference(name, device):
         )
     if not log:
         assert isinstance(workload.peers["liger"]({"dim": 0}), str)  # liger covers dim=-1 only: says so
-
-
-@pytest.mark.parametrize("grid", [MATCHES_REFERENCE, LAYOUT_GRID, DTYPE_ARGUMENTS, NONFINITE, MASKED_ROWS])
-def test_reduced_grids_meet_every_pair(grid):
-    assert pairs_not_met(grid) == []

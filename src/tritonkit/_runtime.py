@@ -63,9 +63,11 @@ def decide_early() -> None:
     """Make :func:`interpret`'s choice now where it needs no device query: a forcing variable is set,
     or torch is built without a GPU backend (the interpreter, then). Called by ``import tritonkit``;
     not once triton is imported (the first op then says what went wrong, rather than the import)."""
-    if "triton" in sys.modules or interpret.cache_info().currsize:
+    override = os.environ.get(OVERRIDE_ENV)
+    # (an override that is neither 0 nor 1 is left for the first op to refuse by name)
+    if "triton" in sys.modules or interpret.cache_info().currsize or override not in (None, "0", "1"):
         return
-    forced = os.environ.get(OVERRIDE_ENV) is not None or os.environ.get(TRITON_ENV) == "1"
+    forced = override is not None or os.environ.get(TRITON_ENV) == "1"
     if forced or not _torch_has_gpu_backend():
         interpret()
 
