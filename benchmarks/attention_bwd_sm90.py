@@ -2,7 +2,11 @@
 backward and tritonkit's Triton backward (both modes), in one process, bf16.
 
     python benchmarks/attention_bwd_sm90.py OUT.json [--deadline SECONDS] [--skip-triton]
-        [--skip-deterministic]
+        [--skip-deterministic] [--layer]
+
+``--layer`` times the decoder layer's attention alone (``tritonkit bench layer``'s 8b-4k: GQA 32/8,
+S = 4096, causal), q, k and v strided views of one QKV projection's output and dO of the output
+projection's input, as the layer has them, with every Gluon candidate.
 
 Each provider's time is the median of ``triton.testing.do_bench`` over a backward call (the delta
 pass and dq's conversion included; cuDNN's own preprocessing too), from saved forward outputs;
@@ -38,26 +42,45 @@ SHAPES = [
 ]
 
 
+LAYER = (2, 32, 8, 4096, 128)  # bench layer's 8b-4k attention, causal
+
+
+def _layer_tensors(shape, g) -> tuple:
+    """q, k, v and dO as the decoder layer passes them: (B, H, S, D) views of (B, S, H, D) storage,
+    q, k and v of one (B, S, (Hq + 2 Hkv) D) projection."""
+    batch, heads_q, heads_kv, seq, head_dim = shape
+    width = heads_q + 2 * heads_kv
+    qkv = torch.randn(batch, seq, width * head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    q, k, v = qkv.view(batch, seq, width, head_dim).split([heads_q, heads_kv, heads_kv], dim=2)
+    do = torch.randn(batch, seq, heads_q * head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    do = do.view(batch, seq, heads_q, head_dim)
+    return tuple(t.transpose(1, 2) for t in (q, k, v, do))
+
+
 def _bench(fn) -> float:
     fn()
     torch.cuda.synchronize()
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def _row(shape, causal: bool) -> dict:
+def _row(shape, causal: bool, layer: bool = False) -> dict:
     batch, heads_q, heads_kv, seq, head_dim = shape
     g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(batch, heads_q, seq, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
-    k, v = (
-        torch.randn(batch, heads_kv, seq, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
-        for _ in "kv"
-    )
-    do = torch.randn_like(q)
+    if layer:
+        q, k, v, do = _layer_tensors(shape, g)
+    else:
+        q = torch.randn(batch, heads_q, seq, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+        k, v = (
+            torch.randn(batch, heads_kv, seq, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+            for _ in "kv"
+        )
+        do = torch.randn_like(q)
     scores = Scores(head_dim**-0.5, causal)
     o, lse = fwd.attention_fwd(q, k, v, scores)
     flops = 2.5 * 4 * batch * heads_q * seq * seq * head_dim * (0.5 if causal else 1.0)
     row = {
         "shape": list(shape),
+        "layer_layout": layer,
         "causal": causal,
         "dtype": "bf16",
         "tflop": flops / 1e12,
@@ -110,7 +133,7 @@ def _row(shape, causal: bool) -> dict:
                 row[f"{name}_max_err_vs_cudnn"] = max(
                     (a.float() - b.float()).abs().max().item() for a, b in zip(grads, reference, strict=True)
                 )
-        if heads_q == heads_kv:  # the other candidate tiles, free order
+        if heads_q == heads_kv or layer:  # the other candidate tiles, free order
             delta = torch.empty(lse.shape, dtype=torch.float32, device="cuda")
             grads = tuple(torch.empty_like(t) for t in (q, k, v))
             for config in bwd_sm90.CANDIDATES[head_dim][1:]:
@@ -161,11 +184,11 @@ def main() -> None:
         "timing": "triton.testing.do_bench median (warmup 25 ms, rep 100 ms), L2 flushed",
         "rows": [],
     }
-    for shape in SHAPES:
-        for causal in (False, True):
-            if time.time() > deadline:
-                break
-            row = _row(shape, causal)
+    layer = "--layer" in sys.argv
+    cases = [(LAYER, True)] if layer else [(shape, causal) for shape in SHAPES for causal in (False, True)]
+    for shape, causal in cases:
+        if time.time() <= deadline:
+            row = _row(shape, causal, layer)
             result["rows"].append(row)
             summary = "  ".join(f"{n} {t:.0f} ({row['vs_cudnn'][n]:.2f}x)" for n, t in row["tflops"].items())
             print(f"{shape} {'causal' if causal else 'full'}: {summary}", flush=True)
