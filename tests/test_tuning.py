@@ -768,18 +768,3 @@ def test_a_tuned_kernel_builds_a_key_given_as_a_function_only_when_its_memo_does
     finally:
         tuning.TUNED.remove(tuned)
         tuning.TUNERS.pop("lazy", None)
-
-
-def test_a_new_key_logs_the_config_its_call_runs(caplog, device):
-    """One debug line a new key (the memo answers the calls after it): which tuner, key and config."""
-    import logging
-
-    import tritonkit
-
-    tuning.forget_chosen()
-    x = torch.randn(3, 50, device=device)
-    with caplog.at_level(logging.DEBUG, logger="tritonkit"):
-        tritonkit.softmax(x, -1)
-        tritonkit.softmax(x, -1)
-    lines = [r.getMessage() for r in caplog.records if " runs {" in r.getMessage()]
-    assert len(lines) == 1 and lines[0].startswith("tritonkit: softmax_fwd {"), lines

@@ -20,11 +20,13 @@ import contextlib
 import functools
 import hashlib
 import inspect
+import io
 import json
 import logging
 import math
 import os
 import re
+import sys
 import tempfile
 import textwrap
 from collections.abc import Callable, Iterator, Sequence
@@ -34,6 +36,29 @@ import torch
 
 from tritonkit._runtime import interpret
 from tritonkit.roofline import cache_dir
+
+# What Triton prints to stdout when ptxas fails on a kernel, before it raises: a rule, the error, the
+# whole PTX listing, a rule and a plea (triton/backends/nvidia/compiler.py, Triton 3.6)
+_FAILURE_LISTING = re.compile(
+    r"\n*={64}\n.*?please share the reproducer above with Triton project\.\n", re.DOTALL
+)
+
+
+@contextlib.contextmanager
+def quiet_compile_failures() -> Iterator[None]:
+    """Within this block Triton's listings of candidates that failed to compile stay off stdout (the
+    tuner rejects each with a debug line); whatever else is printed meanwhile is passed on after it."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(captured):
+            yield
+    finally:  # (the rest is passed on even when the block raises)
+        kept, dropped = _FAILURE_LISTING.subn("", captured.getvalue())
+        if dropped:
+            log.debug("tritonkit: %d listings of candidates that failed to compile left off stdout", dropped)
+        if kept:
+            sys.stdout.write(kept)
+
 
 log = logging.getLogger("tritonkit")
 
@@ -289,6 +314,12 @@ class Tuner:
         return kept if default in kept else [*kept, default]
 
     def _tune(self, key: dict, admit: Callable, time_ms: Callable, precompile: Callable | None) -> dict:
+        with quiet_compile_failures():
+            return self._tune_candidates(key, admit, time_ms, precompile)
+
+    def _tune_candidates(
+        self, key: dict, admit: Callable, time_ms: Callable, precompile: Callable | None
+    ) -> dict:
         ms: dict[str, float | None] = {}
         rejected: dict[str, str] = {}
         errors: dict[str, float] = {}  # error against the reference, where admit reports one
