@@ -40,10 +40,11 @@ test: $(STAMP)
 	exit $$status
 
 # Eight workers where pytest-xdist is installed: the gpu tests are mostly compiles (CPU-bound), and
-# one GPU holds eight processes' tensors (under fourteen the largest softmax tests failed, alone they pass).
+# one GPU holds eight processes' tensors; the tests marked hbm (gigabytes each) share one worker
+# (--dist loadgroup: under eight workers side by side they overran the H200's memory).
 # TRITONKIT_TEST_FAILURES=FILE writes each failure to FILE as it happens (tests/conftest.py).
 test-gpu: $(STAMP)
-	@workers=$$($(PY) -c "import xdist" 2>/dev/null && echo "-n 8"); \
+	@workers=$$($(PY) -c "import xdist" 2>/dev/null && echo "-n 8 --dist loadgroup"); \
 	$(PY) -m pytest -q -m gpu $$workers
 
 # What CI holds the tree to besides the tests: ruff's lint rules, and the formatting `ruff format` gives

@@ -2,11 +2,14 @@
 backward and tritonkit's Triton backward (both modes), in one process, bf16.
 
     python benchmarks/attention_bwd_sm90.py OUT.json [--deadline SECONDS] [--skip-triton]
-        [--skip-deterministic] [--layer]
+        [--skip-deterministic] [--layer] [--causal] [--candidates]
 
 ``--layer`` times the decoder layer's attention alone (``tritonkit bench layer``'s 8b-4k: GQA 32/8,
 S = 4096, causal), q, k and v strided views of one QKV projection's output and dO of the output
-projection's input, as the layer has them, with every Gluon candidate.
+projection's input, as the layer has them, with every Gluon candidate. ``--causal`` times the causal
+rows only. A causal row also times the free order's other group sizes (``FREE_CAUSAL_GROUPS``), and
+every row the deterministic order's (``DETERMINISTIC_GROUPS``). ``--candidates`` times cuDNN, the
+default and the other Gluon candidates (``bwd_sm90.CANDIDATES``) only.
 
 Each provider's time is the median of ``triton.testing.do_bench`` over a backward call (the delta
 pass and dq's conversion included; cuDNN's own preprocessing too), from saved forward outputs;
@@ -42,6 +45,8 @@ SHAPES = [
 ]
 
 
+FREE_CAUSAL_GROUPS = (1, 2, 4, 8, 1024)  # 1: a head's key blocks together; 1024: all pairs
+DETERMINISTIC_GROUPS = (None, 1, 4)  # None: all pairs
 LAYER = (2, 32, 8, 4096, 128)  # bench layer's 8b-4k attention, causal
 
 
@@ -103,37 +108,58 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
 
     from tritonkit.ops.attention import bwd_sm90
 
-    def ours(deterministic: bool, gluon: bool, key_major: bool = False):
+    default_group = bwd_sm90.FREE_CAUSAL_PAIRS_PER_GROUP
+
+    default_deterministic_group = bwd_sm90.DETERMINISTIC_PAIRS_PER_GROUP
+
+    def ours(deterministic: bool, gluon: bool, group: int | None):
+        """The backward in one mode, its program order's group size set for the mode."""
+        name = "DETERMINISTIC_PAIRS_PER_GROUP" if deterministic else "FREE_CAUSAL_PAIRS_PER_GROUP"
+        default = default_deterministic_group if deterministic else default_group
+
         def call():
             bwd.SM90_BACKWARD = bwd.SM90_BACKWARD_DETERMINISTIC = bwd.SM90_BACKWARD_DETERMINISTIC_GQA = gluon
-            bwd_sm90.KEY_MAJOR_DETERMINISTIC = key_major
+            setattr(bwd_sm90, name, group)
             try:
                 return bwd.attention_bwd(do, q, k, v, o, lse, None, scores, deterministic=deterministic)
             finally:
-                bwd_sm90.KEY_MAJOR_DETERMINISTIC = False
+                setattr(bwd_sm90, name, default)
 
         return call
 
     with tuning.disabled():  # the shipped (or cached) configs: no tuning runs inside the timing
-        for name, deterministic, gluon, key_major in (
-            ("gluon", False, True, False),
-            ("gluon_deterministic", True, True, False),
-            ("gluon_deterministic_key_major", True, True, True),
-            ("triton", False, False, False),
-            ("triton_deterministic", True, False, False),
+        # the free causal order's other group sizes (bwd_sm90.FREE_CAUSAL_PAIRS_PER_GROUP), and the
+        # deterministic order's (DETERMINISTIC_PAIRS_PER_GROUP)
+        candidates_only = "--candidates" in sys.argv
+        groups = (
+            [g for g in FREE_CAUSAL_GROUPS if g != default_group] if causal and not candidates_only else []
+        )
+        for name, deterministic, gluon, group in (
+            ("gluon", False, True, default_group),
+            *((f"gluon_pairs_per_group={g}", False, True, g) for g in groups),
+            ("gluon_deterministic", True, True, default_deterministic_group),
+            *(
+                (f"gluon_deterministic_pairs_per_group={g}", True, True, g)
+                for g in DETERMINISTIC_GROUPS
+                if g != default_deterministic_group
+            ),
+            ("triton", False, False, None),
+            ("triton_deterministic", True, False, None),
         ):
+            if candidates_only and name != "gluon":
+                continue
             if name.startswith("gluon_deterministic") and "--skip-deterministic" in sys.argv:
                 continue
             if name.startswith("triton") and "--skip-triton" in sys.argv:
                 continue
-            fn = ours(deterministic, gluon, key_major)
+            fn = ours(deterministic, gluon, group)
             grads = fn()
             row["ms"][name] = _bench(fn)
             if gluon:
                 row[f"{name}_max_err_vs_cudnn"] = max(
                     (a.float() - b.float()).abs().max().item() for a, b in zip(grads, reference, strict=True)
                 )
-        if heads_q == heads_kv or layer:  # the other candidate tiles, free order
+        if heads_q == heads_kv or layer or candidates_only:  # the other candidate tiles, free order
             delta = torch.empty(lse.shape, dtype=torch.float32, device="cuda")
             grads = tuple(torch.empty_like(t) for t in (q, k, v))
             for config in bwd_sm90.CANDIDATES[head_dim][1:]:
@@ -185,7 +211,8 @@ def main() -> None:
         "rows": [],
     }
     layer = "--layer" in sys.argv
-    cases = [(LAYER, True)] if layer else [(shape, causal) for shape in SHAPES for causal in (False, True)]
+    masks = (True,) if "--causal" in sys.argv else (False, True)
+    cases = [(LAYER, True)] if layer else [(shape, causal) for shape in SHAPES for causal in masks]
     for shape, causal in cases:
         if time.time() <= deadline:
             row = _row(shape, causal, layer)

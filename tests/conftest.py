@@ -25,11 +25,25 @@ def device() -> str:
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
+        # one worker runs the tests that hold gigabytes, in turn (with `--dist loadgroup`, as
+        # `make test-gpu` runs): side by side, eight workers' of them overran the H200's memory
+        for item in items:
+            if "hbm" in item.keywords:
+                item.add_marker(pytest.mark.xdist_group("hbm"))
         return
     needs_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(needs_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _gpu_memory_returned(request):
+    """After a gpu test, the CUDA memory its process caches goes back to the device, for the other
+    workers' tests: a worker's caching allocator otherwise keeps its largest test's blocks."""
+    yield
+    if "gpu" in request.keywords and torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 # TRITONKIT_TEST_FAILURES=FILE: each failure's report appended to FILE as it happens, so that a run

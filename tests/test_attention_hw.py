@@ -293,6 +293,7 @@ def test_gpu_packed_batches_match_the_reference(causal, device, untuned):
 
 
 @pytest.mark.gpu
+@pytest.mark.hbm
 def test_gpu_keys_past_2_to_the_31_elements(device, untuned):
     """K and V of 3 x 2^30 elements: the last batch's offsets need 64 bits. 16 queries a batch keep
     the reference's scores to 1.6 GB.

@@ -165,6 +165,7 @@ def test_gpu_matches_the_reference(case, head_dim, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.hbm
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_large_and_repeatable(causal):

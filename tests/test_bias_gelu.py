@@ -295,6 +295,7 @@ def test_partial_gradients(grad_inputs, device):
 
 
 @pytest.mark.gpu
+@pytest.mark.hbm
 @pytest.mark.parametrize(
     "shape, dtype, approximate", [((8192, 4096), BF16, "none"), ((1823, 4097), F16, "tanh")], ids=str
 )
@@ -327,6 +328,7 @@ def _huge_inputs(seed):
 
 
 @pytest.mark.gpu
+@pytest.mark.hbm
 def test_forward_past_2_31_elements():
     _, x, b, rows = _huge_inputs(seed=26)
     assert x.numel() > 2**31
@@ -346,6 +348,7 @@ def _row_grads(x_rows, b, dy_rows, upcast=None):
 
 
 @pytest.mark.gpu
+@pytest.mark.hbm
 def test_backward_past_2_31_elements():
     g, x, b, rows = _huge_inputs(seed=27)
     dy = torch.randn(x.shape, generator=g, device="cuda", dtype=BF16)

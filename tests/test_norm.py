@@ -455,6 +455,7 @@ def test_cost(device):
 
 
 @pytest.mark.gpu
+@pytest.mark.hbm
 def test_past_2_31_elements():
     shape = (2**16 + 3, 2**15 + 1)
     assert math.prod(shape) > 2**31

@@ -245,6 +245,7 @@ def _compare_rows(name, kernel_rows, x_rows, dy_rows=None, *, log=False, dim=-1)
 
 
 @pytest.mark.gpu
+@pytest.mark.hbm
 def test_past_2_31_elements():
     g = torch.Generator("cuda").manual_seed(53)
     x = torch.randn(HUGE_SHAPE, generator=g, device="cuda", dtype=BF16)
@@ -261,6 +262,7 @@ def test_past_2_31_elements():
 
 
 @pytest.mark.gpu
+@pytest.mark.hbm
 @pytest.mark.parametrize(
     "shape, dtype", [((4096, 4096), F16), ((2048, 131072), BF16), ((8192, 1823), BF16)], ids=str
 )
@@ -270,6 +272,7 @@ def test_large_shapes_match_reference(shape, dtype, log, device):
 
 
 @pytest.mark.gpu
+@pytest.mark.hbm
 @pytest.mark.parametrize("shape, dtype", [((2048, 131072), BF16), ((64, 1048576), torch.float32)], ids=str)
 @pytest.mark.parametrize("log", LOGS)
 def test_split_rows_at_scale(shape, dtype, log, launches, device):

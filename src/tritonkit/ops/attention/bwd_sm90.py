@@ -59,10 +59,10 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     if not sm90_dense_inputs(q, k, v):
         return False
     (batch, heads_kv, seq_k, _) = k.shape
-    return batch * heads_kv < MAX_GRID_Y and cdiv(seq_k, BLOCK_N) < MAX_GRID_Y
+    return batch * heads_kv * cdiv(seq_k, BLOCK_N) < MAX_GRID_X
 
 
-MAX_GRID_Y = 65536  # programs a launch may have along its y axis (CUDA's limit)
+MAX_GRID_X = 2**31  # programs a launch may have along its x axis (CUDA's limit, and int32 ids)
 
 
 def _descriptor(
@@ -141,23 +141,34 @@ def attention_bwd_sm90(
     torch.mul(dq_acc, scale, out=dq)  # the conversion: dq = scale * dS K, in q's dtype
 
 
-# The deterministic mode's order of programs. Turns on the slow axis (key blocks in turn order,
-# (batch, head) pairs fastest) wait only on earlier programs, but spread the running programs over
-# 132 heads, whose dq accumulators do not fit in L2: on the H200 at fa3667b it ran at 0.39-0.51x
-# cuDNN against the free order's 0.77-0.93x. KEY_MAJOR_DETERMINISTIC runs a causal head's key
-# blocks together, in its shortest-first turns (a block still waits only on earlier programs): on
-# the H200 at 96c4bc9 0.55x cuDNN against the slow-axis order's 0.46x, the same bits run to run;
-# off while both trail the Triton kernels. The kernel's rotated walk of a full mask (ROTATE: each
-# key block starting at its own query block) gave new bits each run there: no order takes it.
-KEY_MAJOR_DETERMINISTIC = False
+# The deterministic mode's order of programs. Programs launch in turn order within each pair (a
+# program waits only on programs already running or done); pairs go in groups of
+# DETERMINISTIC_PAIRS_PER_GROUP, or all together where None (turns on the slow axis). All together
+# spreads the running programs over 132 heads, whose dq accumulators do not fit in L2: on the H200
+# at fa3667b 0.39-0.51x cuDNN against the free order's 0.77-0.93x; at 96c4bc9 a causal head's key
+# blocks together (groups of 1) 0.55x against 0.46x, the same bits run to run. The kernel's rotated
+# walk of a full mask (ROTATE: each key block starting at its own query block) gave new bits each
+# run there: no order takes it.
+DETERMINISTIC_PAIRS_PER_GROUP: int | None = None
+# The free order of a causal mask. Key block n walks the query blocks from n's diagonal on: the
+# first block of a head all of them, the last one or two. A head's blocks together (first to last)
+# leave long programs to the last heads, which run on alone at the end: simulated as a greedy
+# schedule on 132 SMs, 668 steps of a program's walk against 532 with every pair's block n before
+# any pair's n + 1 (524 if the work were spread evenly) at the layer's (2, 32/8, 4096, 128); 2277
+# against 2048 at (2, 32/8, 8192, 128), 3% at (4, 32, 4096, 128). Groups of a few pairs keep that
+# balance (524 in groups of 4 at the layer's shape) with fewer heads' Q, dO and dq in L2 at once.
+FREE_CAUSAL_PAIRS_PER_GROUP = 4
 
 
-def order(deterministic: bool, causal: bool) -> tuple[bool, bool]:
-    """(KEY_MAJOR, ROTATE) for a launch: the free order key-major; the deterministic one key-major
-    where KEY_MAJOR_DETERMINISTIC and causal, else turns on the slow axis; never rotated."""
-    if not deterministic:
-        return True, False
-    return KEY_MAJOR_DETERMINISTIC and causal, False
+def order(deterministic: bool, causal: bool, pairs: int) -> tuple[int, bool]:
+    """(PAIRS_PER_GROUP, ROTATE) for a launch of ``pairs`` (batch, head) pairs: the free order a
+    head's key blocks together for a full mask (their walks are all as long) and groups of
+    FREE_CAUSAL_PAIRS_PER_GROUP for a causal one; the deterministic one in groups of
+    DETERMINISTIC_PAIRS_PER_GROUP (None: every pair's key block before the next); never rotated."""
+    group = FREE_CAUSAL_PAIRS_PER_GROUP if causal else 1
+    if deterministic:
+        group = DETERMINISTIC_PAIRS_PER_GROUP or pairs
+    return min(group, pairs), False
 
 
 def launches(
@@ -179,14 +190,14 @@ def launches(
     config=None,
 ) -> list[Launch]:
     """The kernel's launch for checked, TMA-ready arguments (``attention_bwd_sm90``'s): one program
-    per BLOCK_N keys of a (batch, key/value head). Without determinism key blocks run fastest (a
-    head's blocks together, sharing its Q and dO in L2); with it, (batch, head) pairs do, key blocks
-    in turn order on the y axis."""
+    per BLOCK_N keys of a (batch, key/value head), a one-dimensional grid in ``order``'s order."""
     (batch, heads_q, seq_q, head_dim), (_, heads_kv, seq_k, _) = q.shape, k.shape
     config = config or CONFIGS[head_dim]
     # shared_dq: each warpgroup adds D / 2 columns of a dq tile; at D = 64 K (and dK, which leaves
     # through K's buffer) takes a 64-byte swizzle, so that 32 columns of its tile slice
     k_swizzle = 64 if config.shared_dq and head_dim == 64 else None
+    blocks, pairs = cdiv(seq_k, BLOCK_N), batch * heads_kv
+    pairs_per_group, rotate = order(deterministic, causal, pairs)
     args = (
         _descriptor(q, BLOCK_M),
         _descriptor(k, SPLIT_N, swizzle=k_swizzle),
@@ -205,6 +216,8 @@ def launches(
         tickets.stride(0),
         tickets.stride(1),
         heads_kv,
+        pairs,
+        pairs_per_group,
         heads_q // heads_kv,
         seq_q,
         seq_k,
@@ -212,17 +225,14 @@ def launches(
         scale * LOG2E.value,
         scale,
     )
-    blocks, pairs = cdiv(seq_k, BLOCK_N), batch * heads_kv
-    key_major, rotate = order(deterministic, causal)
     meta = {
         "IS_CAUSAL": bool(causal),
         "DETERMINISTIC": bool(deterministic),
         "NUM_STAGES": config.num_stages,
-        "KEY_MAJOR": key_major,
         "ROTATE": rotate,
         "OVERLAP_SDP": config.overlap_sdp,
         "SHARED_DQ": config.shared_dq,
         "num_warps": CONSUMER_WARPS.value,
     }
-    grid = (blocks, pairs) if meta["KEY_MAJOR"] else (pairs, blocks)
+    grid = (blocks * pairs,)
     return [Launch("bwd sm90", _attn_bwd_sm90_kernel, args, meta, config._asdict(), grid)]

@@ -39,10 +39,10 @@ has a ticket counter in global memory, and a warpgroup adds its partial only whe
 equals its turn; it increments it once its reduce has completed (one step later, under the next
 step's products). Turns: key blocks ascending (warpgroup 0 before 1) for a full mask; for a causal
 one, descending from the last key block that the query block sees (FA3's shortest-first order),
-which is the order in which a lockstep walk of ascending query blocks reaches it. By default the
-programs launch in turn order (key blocks the slowest grid axis), so one that waits only waits on
-programs already running or done; ``bwd_sm90.KEY_MAJOR_DETERMINISTIC`` (off) keeps a causal head's
-key blocks together instead (see there, also for ROTATE, which no launch takes).
+which is the order in which a lockstep walk of ascending query blocks reaches it. A pair's
+programs launch in turn order, so one that waits only waits on programs already running or done;
+how pairs interleave is ``bwd_sm90.DETERMINISTIC_PAIRS_PER_GROUP`` (see there, also for ROTATE,
+which no launch takes).
 
 Measured on the H200 (bf16, at fa3667b; ``benchmarks/results/h200/history/``): 0.77-0.93x cuDNN
 free, 0.39-0.51x deterministic (the running programs' dq accumulators spread over 132 heads, past
@@ -539,6 +539,8 @@ def _attn_bwd_sm90_kernel(
     stride_sb,
     stride_sh,
     HEADS_KV,  # key/value heads
+    PAIRS,  # (batch, key/value head) pairs: B * HEADS_KV
+    PAIRS_PER_GROUP,  # the order of programs (bwd_sm90.order): pairs a group of programs walks together
     GROUP,  # query heads per key/value head (1 without GQA)
     SEQ_Q,  # query rows of a head
     SEQ_K,  # keys of a head
@@ -548,7 +550,6 @@ def _attn_bwd_sm90_kernel(
     IS_CAUSAL: gl.constexpr,  # the causal mask
     DETERMINISTIC: gl.constexpr,  # dq's partials added in a fixed order (ticket counters)
     NUM_STAGES: gl.constexpr,  # Q/dO tiles in flight
-    KEY_MAJOR: gl.constexpr,  # key blocks on the grid's fastest axis (else (batch, head) pairs)
     ROTATE: gl.constexpr,  # DETERMINISTIC, full mask: key block n walks the query blocks from n * Mb / Nb
     OVERLAP_SDP: gl.constexpr,  # dP^T issued beside S^T (Config.overlap_sdp)
     SHARED_DQ: gl.constexpr,  # one dQ tile a step for both warpgroups (Config.shared_dq)
@@ -562,12 +563,16 @@ def _attn_bwd_sm90_kernel(
     gl.static_assert(k_desc.block_type.shape[3] == HEAD_DIM, "q and k share D")
 
     n_blocks = gl.cdiv(SEQ_K, KEYS)
-    if KEY_MAJOR:  # the key blocks of a head run together and share its Q, dO and dq in L2
-        pid_n = gl.program_id(0)
-        bh = gl.program_id(1)
-    else:
-        bh = gl.program_id(0)
-        pid_n = gl.program_id(1)
+    # One program a (key block, pair), launched group after group of PAIRS_PER_GROUP pairs; in a
+    # group the key blocks are the slow axis and its pairs the fast one. 1: a head's key blocks
+    # together, first to last (they share its Q, dO and dq in L2); PAIRS: key block n of every
+    # pair before block n + 1 of any.
+    pid = gl.program_id(0)
+    group_programs = PAIRS_PER_GROUP * n_blocks
+    first_pair = (pid // group_programs) * PAIRS_PER_GROUP
+    group_pairs = gl.minimum(PAIRS_PER_GROUP, PAIRS - first_pair)
+    pid_n = (pid % group_programs) // group_pairs
+    bh = first_pair + (pid % group_programs) % group_pairs
     if DETERMINISTIC and IS_CAUSAL:  # in turn order: the last key block first
         pid_n = n_blocks - 1 - pid_n
     batch = bh // HEADS_KV

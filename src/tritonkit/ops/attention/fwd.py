@@ -312,7 +312,22 @@ def _prune(config: dict, key: dict) -> bool:
     values = (config["BLOCK_M"] * block_d + score_tiles * config["BLOCK_M"] * config["BLOCK_N"]) / threads
     shared = 2 * (config["num_stages"] * 2 * config["BLOCK_N"] * block_d + config["BLOCK_M"] * block_d)
     too_much_shared = shared > shared_memory_bytes(current_device())
-    return values > MAX_TILE_VALUES or too_much_shared or config["BLOCK_M"] > 2 * key["seq_q"]
+    return (
+        values > MAX_TILE_VALUES
+        or too_much_shared
+        or config["BLOCK_M"] > 2 * key["seq_q"]
+        or _crashes_ptxas(config, key)
+    )
+
+
+def _crashes_ptxas(config: dict, key: dict) -> bool:
+    """Configs whose sm_90 compile segfaults ptxas (Triton 3.6's) at D = 64 on some of the shapes
+    the tuner calibrates on (found compiling every candidate for sm_90): LOOKAHEAD, and a 64 x 32
+    tile over 8 warps. The tuner would reject them, after a compile each; none ever won."""
+    if key["head_dim"] > 64:
+        return False
+    small_tile_wide = config["BLOCK_M"] == 64 and config["BLOCK_N"] == 32 and config["num_warps"] == 8
+    return bool(config.get("LOOKAHEAD")) or small_tile_wide
 
 
 @triton.jit
