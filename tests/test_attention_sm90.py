@@ -40,7 +40,8 @@ for dtype, head_dim, causal in (("bf16", 128, False), ("bf16", 128, True), ("fp1
                  "k_desc": descriptor(dtype, config.block_n, head_dim),
                  "v_desc": descriptor(dtype, config.block_n, head_dim),
                  "o_desc": descriptor(dtype, fwd.SPLIT_M, head_dim), "lse_ptr": "*fp32", "stride_lb": "i32",
-                 "stride_lh": "i32", "GROUP": "i32", "SEQ_Q": "i32", "SEQ_K": "i32", "UPPER_OFFSET": "i32",
+                 "stride_lh": "i32", "HEADS": "i32", "BATCH_HEADS": "i32", "HEADS_PER_GROUP": "i32",
+                 "GROUP": "i32", "SEQ_Q": "i32", "SEQ_K": "i32", "UPPER_OFFSET": "i32",
                  "qk_scale": "fp32", "IS_CAUSAL": "constexpr", "NUM_STAGES": "constexpr",
                  "PIN_SOFTMAX": "constexpr", "PINGPONG": "constexpr"}
     constants = {"IS_CAUSAL": causal, "NUM_STAGES": config.num_stages, "PIN_SOFTMAX": config.pin_softmax,

@@ -6,6 +6,7 @@ design, then dq's conversion from its fp32 accumulator).
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import NamedTuple
 
@@ -38,14 +39,33 @@ class Config(NamedTuple):
 
 
 # Shared memory a program at D = 128, 16-bit elements: K and V 2 x 32 KB, the Q/dO ring NUM_STAGES x
-# 32 KB, dS^T 2 x 8 KB, the fp32 dQ staging 2 x 32 KB: 208 KB with two stages (of 227 KB). At D =
-# 64 everything halves but dS^T: 112 KB with two stages, 144 KB with three.
-CONFIGS = {64: Config(num_stages=2), 128: Config(num_stages=2)}
-# What the benchmark compares (and the tests check) beside the default: dP^T issued beside S^T
+# 32 KB, dS^T 2 x 8 KB, the fp32 dQ staging 2 x 32 KB: 208 KB with two stages (of 227 KB); with
+# shared_dq 193 KB. At D = 64 everything halves but dS^T: 112 KB with two stages, 144 KB with three.
+# The free mode's defaults: at D = 128 one dQ tile a step (on the H200 with 11871ed's kernel, nine
+# shapes: 0.83-0.94x cuDNN against 0.78-0.90x, behind only at (2, 32/8, 8192, 128) full, 0.87
+# against 0.90; overlap_sdp led at the causal MHA shapes, 0.85-0.92x, and trailed with GQA), at
+# D = 64 neither switch (both cost 3-14% there). Deterministic launches take the default without
+# shared_dq.
+CONFIGS = {64: Config(num_stages=2), 128: Config(num_stages=2, shared_dq=True)}
+# What the benchmark compares (and the tests check): the default first, then the other settings of
+# its two switches (dP^T beside S^T, one dQ tile a step)
 CANDIDATES = {
-    d: [config, config._replace(overlap_sdp=not config.overlap_sdp), config._replace(shared_dq=True)]
+    d: [
+        config._replace(overlap_sdp=overlap, shared_dq=shared)
+        for overlap, shared in sorted(
+            itertools.product((False, True), repeat=2),
+            key=lambda switches: switches != (config.overlap_sdp, config.shared_dq),
+        )
+    ]
     for d, config in CONFIGS.items()
 }
+
+
+def default_config(head_dim: int, deterministic: bool) -> Config:
+    """The launch's config where the caller names none: CONFIGS', without shared_dq where the
+    mode is deterministic (the warpgroups would wait on each other's turns)."""
+    config = CONFIGS[head_dim]
+    return config._replace(shared_dq=False) if deterministic else config
 
 
 # ---------------------------------------------------------------- launcher
@@ -145,11 +165,11 @@ def attention_bwd_sm90(
 # program waits only on programs already running or done); pairs go in groups of
 # DETERMINISTIC_PAIRS_PER_GROUP, or all together where None (turns on the slow axis). All together
 # spreads the running programs over 132 heads, whose dq accumulators do not fit in L2: on the H200
-# at fa3667b 0.39-0.51x cuDNN against the free order's 0.77-0.93x; at 96c4bc9 a causal head's key
-# blocks together (groups of 1) 0.55x against 0.46x, the same bits run to run. The kernel's rotated
-# walk of a full mask (ROTATE: each key block starting at its own query block) gave new bits each
-# run there: no order takes it.
-DETERMINISTIC_PAIRS_PER_GROUP: int | None = None
+# (at 11871ed, six causal shapes) 0.37-0.50x cuDNN against 0.39-0.56x with a head's key blocks
+# together (groups of 1) and 0.38-0.56x in groups of 4; the free order 0.78-0.93x. Every order gave
+# the same bits run to run. The kernel's rotated walk of a full mask (ROTATE: each key block
+# starting at its own query block) gave new bits each run at 96c4bc9: no order takes it.
+DETERMINISTIC_PAIRS_PER_GROUP: int | None = 1
 # The free order of a causal mask. Key block n walks the query blocks from n's diagonal on: the
 # first block of a head all of them, the last one or two. A head's blocks together (first to last)
 # leave long programs to the last heads, which run on alone at the end: simulated as a greedy
@@ -192,7 +212,7 @@ def launches(
     """The kernel's launch for checked, TMA-ready arguments (``attention_bwd_sm90``'s): one program
     per BLOCK_N keys of a (batch, key/value head), a one-dimensional grid in ``order``'s order."""
     (batch, heads_q, seq_q, head_dim), (_, heads_kv, seq_k, _) = q.shape, k.shape
-    config = config or CONFIGS[head_dim]
+    config = config or default_config(head_dim, deterministic)
     # shared_dq: each warpgroup adds D / 2 columns of a dq tile; at D = 64 K (and dK, which leaves
     # through K's buffer) takes a 64-byte swizzle, so that 32 columns of its tile slice
     k_swizzle = 64 if config.shared_dq and head_dim == 64 else None

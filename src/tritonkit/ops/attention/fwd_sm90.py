@@ -22,8 +22,8 @@ its query blocks pass. At (4, 32, 4096, 128) that is 1.10 TFLOP over 537 MB, abo
 byte, far above the H200's ~206 FLOP/byte ridge: compute-bound, the roofline is the tensor cores'
 dense peak (989 TFLOP/s bf16; ~790 measured for a cuBLAS GEMM on the H200: 1.39 ms there).
 
-Structure (one program = BLOCK_M = 128 query rows of one (batch, head); grid (Sq / 128, Hq, B), the
-blocks of a causal head longest first):
+Structure (one program = BLOCK_M = 128 query rows of one (batch, head); a one-dimensional grid in
+``order``'s order, the blocks of a causal head longest first):
 - a producer warp (24 registers) issues every TMA load: Q once (two 64-row tiles), then K and V
   block by block into a NUM_STAGES-deep ring, each stage guarded by a ready and an empty mbarrier
   (K and V have their own, so that Q K^T can start before V has landed);
@@ -462,6 +462,9 @@ def _attn_fwd_sm90_kernel(
     lse_ptr,  # fp32 out: log-sum-exp of each row's scores (natural log), (B, Hq, Sq), strides stride_l*, 1
     stride_lb,
     stride_lh,  # elements between batches and heads of the lse
+    HEADS,  # query heads
+    BATCH_HEADS,  # B * HEADS
+    HEADS_PER_GROUP,  # the order of programs (``order``): (batch, head)s whose blocks run together
     GROUP,  # query heads per key/value head (1 without GQA)
     SEQ_Q,  # query rows of a head
     SEQ_K,  # keys of a head
@@ -480,11 +483,20 @@ def _attn_fwd_sm90_kernel(
     gl.static_assert(ROWS == 64, "a consumer warpgroup's wgmma has 64 rows")
     gl.static_assert(k_desc.block_type.shape[3] == HEAD_DIM, "q and k share D")
 
-    pid_m = gl.program_id(0)
-    if IS_CAUSAL:  # the longest rows (the last blocks) first, so that the short ones fill the tail
-        pid_m = gl.num_programs(0) - 1 - pid_m
-    head = gl.program_id(1)
-    batch = gl.program_id(2)
+    # One program a (query block, batch and head), launched group after group of HEADS_PER_GROUP
+    # (batch, head)s; in a group the query blocks are the slow axis and its heads the fast one,
+    # causal blocks longest (last) first, so that the short ones fill the tail
+    m_blocks = gl.cdiv(SEQ_Q, BLOCK)
+    pid = gl.program_id(0)
+    group_programs = HEADS_PER_GROUP * m_blocks
+    first = (pid // group_programs) * HEADS_PER_GROUP
+    group_heads = gl.minimum(HEADS_PER_GROUP, BATCH_HEADS - first)
+    pid_m = (pid % group_programs) // group_heads
+    if IS_CAUSAL:
+        pid_m = m_blocks - 1 - pid_m
+    bh = first + (pid % group_programs) % group_heads
+    head = bh % HEADS
+    batch = bh // HEADS
     kv_head = head // GROUP
     start_m = pid_m * BLOCK
     # Keys [0, end) some row of the program sees, [0, full_end) every row sees: causal, the last
@@ -571,7 +583,13 @@ def supports(
         return False
     if scale is not None and not (math.isfinite(scale) and scale > 0):
         return False
-    return sm90_dense_inputs(q, k, v) and all(tma_ready(t) for t in (q, k, v))
+    if not (sm90_dense_inputs(q, k, v) and all(tma_ready(t) for t in (q, k, v))):
+        return False
+    (batch, heads_q, seq_q, _) = q.shape
+    return cdiv(seq_q, BLOCK_M) * batch * heads_q < MAX_GRID_X
+
+
+MAX_GRID_X = 2**31  # programs a launch may have along its x axis (CUDA's limit, and int32 ids)
 
 
 def sm90_dense_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -682,10 +700,24 @@ def attention_fwd_sm90(
         launch.run()
 
 
+# The order of programs. A full mask's query blocks all walk every key: a head's blocks together
+# (groups of 1), sharing its K and V in L2. A causal block m walks m + 1 key blocks: a head's blocks
+# together, longest first, leave the last heads' long blocks running alone at the end; groups of a
+# few heads, each group's longest blocks first, balance them (simulated as a greedy schedule on 132
+# SMs at the layer's (2, 32, 4096, 128): 306 block-steps against 288 in groups of 4, 287 spread
+# evenly; 593 against 576 at (4, 32, 4096, 128)). As the backward's groups of pairs (bwd_sm90).
+CAUSAL_HEADS_PER_GROUP = 4
+
+
+def order(causal: bool, batch_heads: int) -> int:
+    """HEADS_PER_GROUP for a launch over ``batch_heads`` (batch, head)s."""
+    return min(CAUSAL_HEADS_PER_GROUP if causal else 1, batch_heads)
+
+
 def launches(q, k, v, o, lse, *, scale: float, causal: bool, config: Config | None = None) -> list[Launch]:
     """The kernel's launch for checked arguments (``attention_fwd_sm90``'s): one program per 128
-    query rows of a (batch, head), query blocks fastest, so that the blocks of a head (and the heads
-    of a GQA group) run together and share its K and V in L2; heads and batches on y and z."""
+    query rows of a (batch, head), a one-dimensional grid in ``order``'s order (the heads of a GQA
+    group are neighbours, so their blocks share K and V in L2)."""
     (batch, heads_q, seq_q, head_dim), (_, heads_kv, seq_k, _) = q.shape, k.shape
     config = config or CONFIGS[head_dim]
     args = (
@@ -696,6 +728,9 @@ def launches(q, k, v, o, lse, *, scale: float, causal: bool, config: Config | No
         lse,
         lse.stride(0),
         lse.stride(1),
+        heads_q,
+        batch * heads_q,
+        order(causal, batch * heads_q),
         heads_q // heads_kv,
         seq_q,
         seq_k,
@@ -709,5 +744,5 @@ def launches(q, k, v, o, lse, *, scale: float, causal: bool, config: Config | No
         "PINGPONG": config.pingpong,
         "num_warps": CONSUMER_WARPS.value,
     }
-    grid = (cdiv(seq_q, BLOCK_M), heads_q, batch)
+    grid = (cdiv(seq_q, BLOCK_M) * batch * heads_q,)
     return [Launch("fwd sm90", _attn_fwd_sm90_kernel, args, meta, config._asdict(), grid)]

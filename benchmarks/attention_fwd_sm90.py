@@ -1,0 +1,114 @@
+"""The attention forward on the H200: the sm_90 Gluon kernel against cuDNN SDPA's forward, in one
+process, bf16, with the causal order's group sizes beside the default.
+
+    python benchmarks/attention_fwd_sm90.py OUT.json [--deadline SECONDS]
+
+Rows: the backward benchmark's shapes (``attention_bwd_sm90.SHAPES``), full and causal, then the
+decoder layer's attention (``tritonkit bench layer``'s 8b-4k: GQA 32/8, S = 4096, causal, q, k and v
+strided views of one QKV projection). A causal row also times the other group sizes of
+``fwd_sm90.CAUSAL_HEADS_PER_GROUP`` (``GROUPS``). Each time is the median of
+``triton.testing.do_bench`` over an eager call (the host path included), L2 flushed; TFLOP/s from
+4 * B * Hq * Sq * Sk * D (half of it causal). Each row gives the largest difference from cuDNN's
+output. Rows stop being timed at the deadline (the JSON holds what was measured).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+import triton
+import triton.testing
+from attention_bwd_sm90 import LAYER, SHAPES, _bench, _layer_tensors
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from tritonkit.ops.attention import fwd_sm90
+
+GROUPS = (1, 2, 4, 8, 1 << 20)  # heads a group of the causal order; the last: every head at once
+
+
+def _row(shape, causal: bool, layer: bool) -> dict:
+    batch, heads_q, heads_kv, seq, head_dim = shape
+    g = torch.Generator(device="cuda").manual_seed(0)
+    if layer:
+        q, k, v, _ = _layer_tensors(shape, g)
+    else:
+        q = torch.randn(batch, heads_q, seq, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+        k, v = (
+            torch.randn(batch, heads_kv, seq, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+            for _ in "kv"
+        )
+    flops = 4 * batch * heads_q * seq * seq * head_dim * (0.5 if causal else 1.0)
+    row = {"shape": list(shape), "layer_layout": layer, "causal": causal, "dtype": "bf16", "ms": {}}
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        reference = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, enable_gqa=heads_q != heads_kv
+        )
+        row["ms"]["cudnn"] = _bench(
+            lambda: torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=causal, enable_gqa=heads_q != heads_kv
+            )
+        )
+    if not fwd_sm90.supports(q, k, v, causal=causal):
+        raise ValueError(f"the sm_90 forward does not take {shape} (layer layout: {layer})")
+    o = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
+    default = fwd_sm90.CAUSAL_HEADS_PER_GROUP
+
+    def ours():
+        fwd_sm90.attention_fwd_sm90(q, k, v, o, lse, scale=head_dim**-0.5, causal=causal)
+
+    for group in (default, *(g for g in GROUPS if g != default)) if causal else (default,):
+        fwd_sm90.CAUSAL_HEADS_PER_GROUP = group
+        try:
+            name = "gluon" if group == default else f"gluon_heads_per_group={group}"
+            ours()
+            row[f"{name}_max_err_vs_cudnn"] = (o.float() - reference.float()).abs().max().item()
+            row["ms"][name] = _bench(ours)
+        finally:
+            fwd_sm90.CAUSAL_HEADS_PER_GROUP = default
+    row["tflops"] = {name: flops / ms / 1e9 for name, ms in row["ms"].items()}
+    row["vs_cudnn"] = {name: row["ms"]["cudnn"] / ms for name, ms in row["ms"].items()}
+    return row
+
+
+def main() -> None:
+    out = sys.argv[1]
+    deadline = time.time() + (
+        float(sys.argv[sys.argv.index("--deadline") + 1]) if "--deadline" in sys.argv else 1e9
+    )
+    sha = (
+        os.environ.get("GIT_SHA")
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+    )
+    result = {
+        "op": "attention_fwd",
+        "command": "python benchmarks/attention_fwd_sm90.py " + " ".join(sys.argv[1:]),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "git": sha,
+        "timing": "triton.testing.do_bench median (warmup 25 ms, rep 100 ms), L2 flushed, eager calls",
+        "rows": [],
+    }
+    cases = [(LAYER, True, True)] + [(shape, causal, False) for shape in SHAPES for causal in (True, False)]
+    for shape, causal, layer in cases:
+        if time.time() > deadline:
+            break
+        row = _row(shape, causal, layer)
+        result["rows"].append(row)
+        summary = "  ".join(f"{n} {t:.0f} ({row['vs_cudnn'][n]:.2f}x)" for n, t in row["tflops"].items())
+        print(f"{shape}{' layer' if layer else ''} {'causal' if causal else 'full'}: {summary}", flush=True)
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
