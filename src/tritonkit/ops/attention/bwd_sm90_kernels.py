@@ -44,12 +44,12 @@ programs launch in turn order, so one that waits only waits on programs already 
 how pairs interleave is ``bwd_sm90.DETERMINISTIC_PAIRS_PER_GROUP`` (see there, also for ROTATE,
 which no launch takes).
 
-Measured on the H200 (bf16, at fa3667b; ``benchmarks/results/h200/history/``): 0.77-0.93x cuDNN
-free, 0.39-0.51x deterministic (the running programs' dq accumulators spread over 132 heads, past
-the L2). Short of FA3's design still: the two warpgroups add separate dQ partials (twice the reduce
-traffic of one shared 64 x D tile; shared_dq, written, is not yet timed), the products of a step
-wait on each other more than FA3's, and at D = 128 ptxas keeps a few values (deterministic: many)
-on the stack.
+Measured on the H200 (bf16, at 48877f9; ``benchmarks/results/h200/attention{,_causal}.json``):
+0.83-0.98x cuDNN free; deterministic 0.38-0.56x (at 11871ed's order runs, history/). Short of FA3's
+design still: at D = 64 the two warpgroups add separate dQ partials (twice the reduce traffic of
+one shared 64 x D tile; shared_dq, D = 128's default, costs there), the products of a step wait on
+each other more than FA3's, and at D = 128 ptxas keeps some values (deterministic: many) on the
+stack.
 
 Work. 2.5 x 4 * B * Hq * Sq * Sk * D FLOPs (five matmuls; about half when causal with Sq = Sk);
 bytes: q, k, v, dO, o once (o by the delta kernel), each key block re-reading its head's Q and dO
