@@ -18,6 +18,7 @@ import torch
 from tritonkit import __version__, roofline
 from tritonkit.asm import ARCHS, IRS  # stdlib and torch only: no kernel is defined here
 from tritonkit.bench.layer import CASES as LAYER_CASES  # likewise
+from tritonkit.bench.sweep import WORKLOADS as SWEEP_WORKLOADS  # likewise
 from tritonkit.dtypes import DTYPE_OF
 from tritonkit.ops import MODES, get_op, get_workload, op_names, workload_names
 
@@ -177,6 +178,7 @@ def cmd_bench_layer(args) -> int:
 def cmd_bench(args) -> int:
     from tritonkit._runtime import interpret
     from tritonkit.bench import add_peer_ratios, format_table, run, write_results
+    from tritonkit.bench import sweep as bench_sweep
     from tritonkit.bench.providers import providers_for
     from tritonkit.bench.report import CHECKPOINT, append_checkpoint, gpu_slug, read_checkpoint
     from tritonkit.bench.runner import provenance
@@ -185,14 +187,25 @@ def cmd_bench(args) -> int:
         return cmd_bench_layer(args)
     if args.case or args.time_limit is not None:
         raise ValueError("--case and --time-limit are the layer benchmark's: `tritonkit bench layer`")
-    names = args.ops or workload_names()
+    sweep = args.sweep is not None
+    if sweep:
+        if args.shapes is not None:
+            raise ValueError("--shapes does not apply to --sweep: it draws its own shapes")
+        names = bench_sweep.check_workloads(args.ops)
+        draw = bench_sweep.interpreter_shapes if interpret() else bench_sweep.sample_shapes
+        shapes = draw(args.sweep, args.seed)
+    else:
+        names, shapes = args.ops or workload_names(), args.shapes or "quick"
     known = {p.name for name in names for p in providers_for(get_workload(name))}  # unknown names fail here
     unknown = sorted(set(args.providers or ()) - known)
     if unknown:
         raise ValueError(f"unknown providers {unknown}; known: {sorted(known)}")
-    if interpret() and args.shapes != "quick":
-        print(f"--shapes {args.shapes} does not apply: the interpreter runs each op's small shapes")
+    if interpret() and shapes not in ("quick", "interpreter") and not sweep:
+        print(f"--shapes {shapes} does not apply: the interpreter runs each op's small shapes")
     dtypes = [DTYPES[d] for d in args.dtype] if args.dtype else None
+    providers = args.providers
+    if sweep and providers is None:  # the peers; tritonkit's named variants are diagnostics
+        providers = sorted(known - {name for name in known if name.startswith("tritonkit[")})
     command = "tritonkit " + " ".join(shlex.quote(a) for a in sys.argv[1:] if a != "--resume")
     checkpoint, done = None, []
     if interpret():
@@ -212,17 +225,20 @@ def cmd_bench(args) -> int:
     def save(case_rows: list[dict]) -> None:
         append_checkpoint(checkpoint, [row | {"command": command} for row in case_rows])
 
-    rows = run(
-        names,
-        shapes=args.shapes,
-        dtypes=dtypes,
-        modes=args.mode or list(MODES),
-        providers=args.providers,
-        progress=not args.no_progress,
-        done=done,
-        on_case=save if checkpoint else None,
-        report=functools.partial(print, file=sys.stderr, flush=True) if args.no_progress else None,
-    )
+    with bench_sweep.untuned_calls() if sweep else contextlib.nullcontext():
+        rows = run(
+            names,
+            shapes=shapes,
+            dtypes=dtypes,
+            modes=args.mode or (["fwd", "bwd"] if sweep else list(MODES)),
+            providers=providers,
+            progress=not args.no_progress,
+            done=done,
+            on_case=save if checkpoint else None,
+            report=functools.partial(print, file=sys.stderr, flush=True) if args.no_progress else None,
+            compile_per_shape=not sweep,
+            keep_going=sweep,
+        )
     for row in rows:
         row["command"] = command
     failed = [r for r in rows if r.get("check") == "FAIL"]
@@ -234,8 +250,8 @@ def cmd_bench(args) -> int:
         print(format_table(rows, interpreter=True))
     else:
         add_peer_ratios(rows)
-        print(format_table(rows))
-        for path in write_results(rows, Path(args.out)):
+        print(bench_sweep.markdown(rows) if sweep else format_table(rows))
+        for path in (bench_sweep.write if sweep else write_results)(rows, Path(args.out)):
             print(f"wrote {path}")
         checkpoint.unlink(missing_ok=True)  # the results hold every row now
     if failed:
@@ -553,7 +569,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--mode", nargs="+", choices=MODES, help="default: every mode (the layer: fwd+bwd, fwd)"
     )
     bench.add_argument("--dtype", nargs="+", choices=sorted(DTYPES))
-    bench.add_argument("--shapes", choices=("quick", "full"), default="quick")
+    bench.add_argument(
+        "--shapes", choices=("quick", "full"), help="the workloads' shape lists (default quick)"
+    )
+    bench.add_argument(
+        "--sweep",
+        type=int,
+        metavar="N",
+        help=f"N shapes drawn log-uniformly for each of {', '.join(SWEEP_WORKLOADS)}, fwd and "
+        "bwd, untuned as a first call runs; writes <out>/<gpu>/sweep.{json,md,png}",
+    )
+    bench.add_argument("--seed", type=int, default=0, help="with --sweep: the draw's seed")
     bench.add_argument("--providers", nargs="+", help="providers to run (default: all available)")
     bench.add_argument("--out", default="benchmarks/results", help="results folder (GPU runs)")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar: a line per case instead")

@@ -63,14 +63,21 @@ def provenance() -> dict:
 
 
 def cases(
-    names: Iterable[str], shapes: str, dtypes: Iterable[torch.dtype] | None, modes: Iterable[str]
+    names: Iterable[str],
+    shapes: str | list[tuple[tuple, str | None]],
+    dtypes: Iterable[torch.dtype] | None,
+    modes: Iterable[str],
 ) -> list[Case]:
-    """The sweep over the named workloads; on the interpreter the shape list is always the op's small
-    'interpreter' one."""
+    """The sweep over the named workloads: each one's "quick" or "full" shapes (on the interpreter
+    always the op's small 'interpreter' ones), or the given (shape, dtype name or None) list."""
     out = []
     for name in names:
         workload = get_workload(name)
-        for shape, dtype_name in workload.shape_list("interpreter" if interpret() else shapes):
+        if isinstance(shapes, str):
+            shape_list = workload.shape_list("interpreter" if interpret() else shapes)
+        else:
+            shape_list = shapes
+        for shape, dtype_name in shape_list:
             for dtype in (DTYPE_OF[dtype_name],) if dtype_name else workload.op.dtypes:
                 if dtypes and dtype not in dtypes:
                     continue
@@ -130,8 +137,11 @@ def _check(fn: Callable, case: Case, inputs: tuple) -> dict:
     }
 
 
-def run_case(case: Case, provider_names: Iterable[str] | None, device: str) -> list[dict]:
-    """One row per provider for the case (unavailable providers give a row with the reason)."""
+def run_case(
+    case: Case, provider_names: Iterable[str] | None, device: str, keep_going: bool = False
+) -> list[dict]:
+    """One row per provider for the case (unavailable providers give a row with the reason). An
+    error of tritonkit's raises, or with ``keep_going`` is a failed row saying what it was."""
     rows = []
     for provider in providers_for(case.workload):
         if provider_names and provider.name not in provider_names:
@@ -147,7 +157,10 @@ def run_case(case: Case, provider_names: Iterable[str] | None, device: str) -> l
             row |= _check(fn, case, inputs)
         except (ValueError, RuntimeError, NotImplementedError) as error:
             if provider.name == "tritonkit":
-                raise
+                if not keep_going:
+                    raise
+                rows.append(row | {"check": "FAIL", "error": f"{type(error).__name__}: {error}"[:300]})
+                continue
             # a peer that refuses the case (liger-kernel caps the row length) is a row saying why
             rows.append(row | {"unavailable": f"refused: {type(error).__name__}: {error}"[:200]})
             continue
@@ -247,7 +260,7 @@ def case_label(case: Case) -> str:
 def run(
     names: Iterable[str],
     *,
-    shapes: str = "quick",
+    shapes: str | list[tuple[tuple, str | None]] = "quick",
     dtypes=None,
     modes=MODES,
     providers: Iterable[str] | None = None,
@@ -255,12 +268,17 @@ def run(
     done: Iterable[dict] = (),
     on_case: Callable[[list[dict]], None] | None = None,
     report: Callable[[str], None] | None = None,
+    compile_per_shape: bool = True,
+    keep_going: bool = False,
 ) -> list[dict]:
     """Run the sweep over the named workloads and return its rows (each with provenance), in sweep order.
 
     Cases that already have rows in ``done`` (an interrupted run's) are not run again: their rows
     are kept. ``on_case`` receives each case's rows as soon as the case finishes, and ``report`` a
     line saying which case finished and how long it took (where a log shows a long run's progress).
+    ``compile_per_shape`` compiles torch.compile's peer afresh for each shape; without it, once a
+    workload, which then serves the workload's later shapes as Dynamo's dynamic-shape graphs do.
+    ``keep_going``: an error of tritonkit's on a case is a failed row, and the run goes on.
     """
     from tqdm import tqdm
 
@@ -275,14 +293,17 @@ def run(
     compiled_for = None
     for index, case in enumerate(bar):
         bar.set_postfix_str(case_label(case))
-        if device == "cuda" and compiled_for != (case.workload.name, case.shape, case.dtype):
+        compile_key = (
+            (case.workload.name, case.shape, case.dtype) if compile_per_shape else case.workload.name
+        )
+        if device == "cuda" and compiled_for != compile_key:
             # torch.compile's peer compiles each shape afresh, all through one wrapper: past
             # config.recompile_limit (8) Dynamo would quietly run it eagerly, and from a second
             # shape on it would compile for dynamic shapes. The modes of one shape share graphs.
             torch._dynamo.reset()
-            compiled_for = (case.workload.name, case.shape, case.dtype)
+            compiled_for = compile_key
         started = time.perf_counter()
-        case_rows = [row | provenance() for row in run_case(case, providers, device)]
+        case_rows = [row | provenance() for row in run_case(case, providers, device, keep_going)]
         rows.extend(case_rows)
         if on_case is not None:
             on_case(case_rows)
