@@ -68,18 +68,23 @@ def _bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def _row(shape, causal: bool, layer: bool = False) -> dict:
+def inputs(shape, layer: bool) -> tuple:
+    """q, k, v and dO, bf16, seeded: contiguous, or as the layer has them (``_layer_tensors``)."""
     batch, heads_q, heads_kv, seq, head_dim = shape
     g = torch.Generator(device="cuda").manual_seed(0)
     if layer:
-        q, k, v, do = _layer_tensors(shape, g)
-    else:
-        q = torch.randn(batch, heads_q, seq, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
-        k, v = (
-            torch.randn(batch, heads_kv, seq, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
-            for _ in "kv"
-        )
-        do = torch.randn_like(q)
+        return _layer_tensors(shape, g)
+    q = torch.randn(batch, heads_q, seq, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (
+        torch.randn(batch, heads_kv, seq, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+        for _ in "kv"
+    )
+    return q, k, v, torch.randn_like(q)
+
+
+def _row(shape, causal: bool, layer: bool = False) -> dict:
+    batch, heads_q, heads_kv, seq, head_dim = shape
+    q, k, v, do = inputs(shape, layer)
     scores = Scores(head_dim**-0.5, causal)
     o, lse = fwd.attention_fwd(q, k, v, scores)
     flops = 2.5 * 4 * batch * heads_q * seq * seq * head_dim * (0.5 if causal else 1.0)
@@ -189,39 +194,53 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
     return row
 
 
-def main() -> None:
-    out = sys.argv[1]
-    deadline = time.time() + (
-        float(sys.argv[sys.argv.index("--deadline") + 1]) if "--deadline" in sys.argv else 1e9
-    )
+def deadline() -> float:
+    """When rows stop being timed: ``--deadline SECONDS`` from now, else never."""
+    seconds = float(sys.argv[sys.argv.index("--deadline") + 1]) if "--deadline" in sys.argv else 1e9
+    return time.time() + seconds
+
+
+def result_header(op: str, script: str, timing: str) -> dict:
+    """A run's provenance: the command, the GPU, the versions and the commit (``GIT_SHA`` where
+    the tree is no repository)."""
     sha = (
         os.environ.get("GIT_SHA")
         or subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
         ).stdout.strip()
     )
-    result = {
-        "op": "attention_bwd",
-        "command": "python benchmarks/attention_bwd_sm90.py " + " ".join(sys.argv[1:]),
+    return {
+        "op": op,
+        "command": f"python benchmarks/{script} " + " ".join(sys.argv[1:]),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "git": sha,
-        "timing": "triton.testing.do_bench median (warmup 25 ms, rep 100 ms), L2 flushed",
+        "timing": timing,
         "rows": [],
     }
+
+
+def record(result: dict, row: dict, label: str, out: str) -> None:
+    """Add ``row`` to ``result``, print its rates against cuDNN and rewrite ``out``."""
+    result["rows"].append(row)
+    summary = "  ".join(f"{n} {t:.0f} ({row['vs_cudnn'][n]:.2f}x)" for n, t in row["tflops"].items())
+    print(f"{label}: {summary}", flush=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    out, stop = sys.argv[1], deadline()
+    timing = "triton.testing.do_bench median (warmup 25 ms, rep 100 ms), L2 flushed"
+    result = result_header("attention_bwd", "attention_bwd_sm90.py", timing)
     layer = "--layer" in sys.argv
     masks = (True,) if "--causal" in sys.argv else (False, True)
     cases = [(LAYER, True)] if layer else [(shape, causal) for shape in SHAPES for causal in masks]
     for shape, causal in cases:
-        if time.time() <= deadline:
-            row = _row(shape, causal, layer)
-            result["rows"].append(row)
-            summary = "  ".join(f"{n} {t:.0f} ({row['vs_cudnn'][n]:.2f}x)" for n, t in row["tflops"].items())
-            print(f"{shape} {'causal' if causal else 'full'}: {summary}", flush=True)
-            with open(out, "w") as f:
-                json.dump(result, f, indent=1)
-            torch.cuda.empty_cache()
+        if time.time() <= stop:
+            record(result, _row(shape, causal, layer), f"{shape} {'causal' if causal else 'full'}", out)
 
 
 if __name__ == "__main__":

@@ -14,16 +14,11 @@ output. Rows stop being timed at the deadline (the JSON holds what was measured)
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 import time
 
 import torch
-import triton
-import triton.testing
-from attention_bwd_sm90 import LAYER, SHAPES, _bench, _layer_tensors
+from attention_bwd_sm90 import LAYER, SHAPES, _bench, deadline, inputs, record, result_header
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tritonkit.ops.attention import fwd_sm90
@@ -33,15 +28,7 @@ GROUPS = (1, 2, 4, 8, 1 << 20)  # heads a group of the causal order; the last: e
 
 def _row(shape, causal: bool, layer: bool) -> dict:
     batch, heads_q, heads_kv, seq, head_dim = shape
-    g = torch.Generator(device="cuda").manual_seed(0)
-    if layer:
-        q, k, v, _ = _layer_tensors(shape, g)
-    else:
-        q = torch.randn(batch, heads_q, seq, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
-        k, v = (
-            torch.randn(batch, heads_kv, seq, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
-            for _ in "kv"
-        )
+    q, k, v, _ = inputs(shape, layer)
     flops = 4 * batch * heads_q * seq * seq * head_dim * (0.5 if causal else 1.0)
     row = {"shape": list(shape), "layer_layout": layer, "causal": causal, "dtype": "bf16", "ms": {}}
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -77,37 +64,15 @@ def _row(shape, causal: bool, layer: bool) -> dict:
 
 
 def main() -> None:
-    out = sys.argv[1]
-    deadline = time.time() + (
-        float(sys.argv[sys.argv.index("--deadline") + 1]) if "--deadline" in sys.argv else 1e9
-    )
-    sha = (
-        os.environ.get("GIT_SHA")
-        or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
-    )
-    result = {
-        "op": "attention_fwd",
-        "command": "python benchmarks/attention_fwd_sm90.py " + " ".join(sys.argv[1:]),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "git": sha,
-        "timing": "triton.testing.do_bench median (warmup 25 ms, rep 100 ms), L2 flushed, eager calls",
-        "rows": [],
-    }
+    out, stop = sys.argv[1], deadline()
+    timing = "triton.testing.do_bench median (warmup 25 ms, rep 100 ms), L2 flushed, eager calls"
+    result = result_header("attention_fwd", "attention_fwd_sm90.py", timing)
     cases = [(LAYER, True, True)] + [(shape, causal, False) for shape in SHAPES for causal in (True, False)]
     for shape, causal, layer in cases:
-        if time.time() > deadline:
+        if time.time() > stop:
             break
-        row = _row(shape, causal, layer)
-        result["rows"].append(row)
-        summary = "  ".join(f"{n} {t:.0f} ({row['vs_cudnn'][n]:.2f}x)" for n, t in row["tflops"].items())
-        print(f"{shape}{' layer' if layer else ''} {'causal' if causal else 'full'}: {summary}", flush=True)
-        with open(out, "w") as f:
-            json.dump(result, f, indent=1)
-        torch.cuda.empty_cache()
+        label = f"{shape}{' layer' if layer else ''} {'causal' if causal else 'full'}"
+        record(result, _row(shape, causal, layer), label, out)
 
 
 if __name__ == "__main__":

@@ -502,19 +502,16 @@ def test_gpu_default_config_runs_in_the_interpreter(device):
 )
 def test_a_block_ahead_gives_the_same_bits(seq_q, seq_k, scores, device):
     """LOOKAHEAD reorders the unmasked loop (the next block's scores before this one's softmax) but
-    not its arithmetic: the same output and lse bits as the plain loop, GQA, ragged lengths, inner
-    ranges of zero, one and several blocks; and the reference's answer."""
-    q, k, v = qkv(2, 4, 2, seq_q, seq_k, 32, torch.bfloat16, device, seed=7)
+    not its arithmetic: the same output and lse bits as the plain loop (the config the interpreter
+    runs, whose answers test_matches_the_reference checks), GQA, ragged lengths, inner ranges of
+    zero, one and several blocks."""
+    q, k, v = qkv(1, 4, 2, seq_q, seq_k, 32, torch.bfloat16, device, seed=7)
     plain = dict(af.INTERPRETER_CONFIG)
     with testing.poisoned_outputs():
         o, lse = af.attention_fwd(q, k, v, scores, config=plain)
         o_ahead, lse_ahead = af.attention_fwd(q, k, v, scores, config=plain | {"LOOKAHEAD": True})
     assert torch.equal(o, o_ahead) and torch.equal(lse, lse_ahead)
-    exact = attention_reference(q.double(), k.double(), v.double(), **scores._asdict())
-    comparison = testing.compare(
-        "output", o_ahead, attention_reference(q, k, v, **scores._asdict()), exact, q.dtype
-    )
-    assert comparison.passed, comparison
+    assert torch.isfinite(o).all()  # not a poisoned output matched by another
 
 
 def test_a_block_ahead_gives_the_same_bits_on_a_packed_batch(device):
