@@ -173,10 +173,13 @@ DETERMINISTIC_PAIRS_PER_GROUP: int | None = 1
 # The free order of a causal mask. Key block n walks the query blocks from n's diagonal on: the
 # first block of a head all of them, the last one or two. A head's blocks together (first to last)
 # leave long programs to the last heads, which run on alone at the end: simulated as a greedy
-# schedule on 132 SMs, 668 steps of a program's walk against 532 with every pair's block n before
-# any pair's n + 1 (524 if the work were spread evenly) at the layer's (2, 32/8, 4096, 128); 2277
-# against 2048 at (2, 32/8, 8192, 128), 3% at (4, 32, 4096, 128). Groups of a few pairs keep that
-# balance (524 in groups of 4 at the layer's shape) with fewer heads' Q, dO and dq in L2 at once.
+# schedule on 132 SMs (benchmarks/program_order.py), 668 steps of a program's walk against 532
+# with every pair's block n before any pair's n + 1 (524 if the work were spread evenly) at the
+# layer's (2, 32/8, 4096, 128); 2277 against 2048 at (2, 32/8, 8192, 128), 3% at (4, 32, 4096,
+# 128). Groups of a few pairs keep that balance (524 in groups of 4 at the layer's shape) with
+# fewer heads' Q, dO and dq in L2 at once. Measured on the H200 (at 11871ed): groups of 4
+# 0.87-0.89x cuDNN at the layer's attention against 0.76-0.79x, +3-5% at (2, 32/8, 8192, 128),
+# level elsewhere; all pairs at once 24-32% slower without GQA (the L2).
 FREE_CAUSAL_PAIRS_PER_GROUP = 4
 
 

@@ -704,8 +704,10 @@ def attention_fwd_sm90(
 # (groups of 1), sharing its K and V in L2. A causal block m walks m + 1 key blocks: a head's blocks
 # together, longest first, leave the last heads' long blocks running alone at the end; groups of a
 # few heads, each group's longest blocks first, balance them (simulated as a greedy schedule on 132
-# SMs at the layer's (2, 32, 4096, 128): 306 block-steps against 288 in groups of 4, 287 spread
-# evenly; 593 against 576 at (4, 32, 4096, 128)). As the backward's groups of pairs (bwd_sm90).
+# SMs, benchmarks/program_order.py, at the layer's (2, 32, 4096, 128): 306 block-steps against 288
+# in groups of 4, 287 spread evenly; 593 against 576 at (4, 32, 4096, 128)). Measured on the H200
+# at 48877f9: level with groups of 1 (within 2%, either way by shape); every head at once 2-27%
+# slower. As the backward's groups of pairs (bwd_sm90).
 CAUSAL_HEADS_PER_GROUP = 4
 
 
