@@ -123,8 +123,9 @@ def test_the_gate_rejects_a_kernel_that_gets_any_one_output_wrong(name, posed):
 
 @pytest.mark.parametrize("name", OPS)
 def test_the_fastest_admitted_config_launches(name, posed, monkeypatch, tmp_path):
-    """Tuning as on a GPU over the sampled candidates with a fake timer: the winner is the fastest of
-    those the gate admits, it is remembered, and the next call with the key launches it."""
+    """Tuning as on a GPU over the sampled candidates with a fake timer and a fake gate (the real
+    one's verdicts on these candidates are the test above's) that rejects the fastest: the winner
+    is the fastest of those admitted, it is remembered, and the next call with the key launches it."""
     problems = posed(name)  # posed as the interpreter poses them, before tuning is switched on
     monkeypatch.setattr(tuning, "_single_config", lambda: False)
     monkeypatch.setenv("TRITONKIT_CACHE_DIR", str(tmp_path))
@@ -136,9 +137,12 @@ def test_the_fastest_admitted_config_launches(name, posed, monkeypatch, tmp_path
         monkeypatch.setattr(
             tuned, "time_ms", lambda problem, config, fake=fake: fake[tuning._canonical(config)]
         )
+        by_speed = sorted(sample, key=lambda c: fake[tuning._canonical(c)])
+        rejected = by_speed[0] if len(sample) > 1 else None
+        monkeypatch.setattr(tuned, "admit", lambda problem, config, rejected=rejected: config != rejected)
         with tuning.retuning():
             config, final = tuned.choose(key, problem)
-        fastest = min(sample, key=lambda c: fake[tuning._canonical(c)])
+        fastest = by_speed[1] if rejected is not None else by_speed[0]
         assert final and config == fastest, (tuned.tuner.name, key)
         assert tuned.choose(key, problem) == (fastest, True)
         tuned.tuner.forget()
