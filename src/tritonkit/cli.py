@@ -200,7 +200,7 @@ def cmd_bench(args) -> int:
     unknown = sorted(set(args.providers or ()) - known)
     if unknown:
         raise ValueError(f"unknown providers {unknown}; known: {sorted(known)}")
-    if interpret() and shapes not in ("quick", "interpreter") and not sweep:
+    if interpret() and not sweep and shapes != "quick":
         print(f"--shapes {shapes} does not apply: the interpreter runs each op's small shapes")
     dtypes = [DTYPES[d] for d in args.dtype] if args.dtype else None
     providers = args.providers

@@ -7,8 +7,8 @@ at most 2^28 elements so that a float64 check fits beside them) with a dtype eac
 for every family, and runs each family's fwd and bwd on them as a user's first call does: with
 tuning off (``tuning.disabled()``: the shipped or cached winners where a key has one, else the
 untuned default). torch.compile's peer is compiled once a family and serves the family's later
-shapes through Dynamo's dynamic-shape graphs, as a model calling it on many shapes gets (compiling
-afresh for each of hundreds of shapes would take hours).
+shapes through Dynamo's dynamic-shape graphs, as a model calling it on many shapes gets (the
+benchmark tables compile afresh for each shape, a compile per shape and mode).
 
 The summary a family gives: the share of its shapes at or past the best peer, its worst ratio, and
 over the shapes that move at least 64 MB the least share of the measured copy bandwidth; then the
