@@ -8,8 +8,9 @@ backward and tritonkit's Triton backward (both modes), in one process, bf16.
 S = 4096, causal), q, k and v strided views of one QKV projection's output and dO of the output
 projection's input, as the layer has them, with every Gluon candidate. ``--causal`` times the causal
 rows only. A causal row also times the free order's other group sizes (``FREE_CAUSAL_GROUPS``), and
-every row the deterministic order's (``DETERMINISTIC_GROUPS``). ``--candidates`` times cuDNN, the
-default and the other Gluon candidates (``bwd_sm90.CANDIDATES``) only.
+every row the deterministic order's (``DETERMINISTIC_GROUPS``). ``--candidates`` times, in place of the other
+orders, every Gluon candidate (``bwd_sm90.CANDIDATES``) in both modes (the deterministic ones unless
+``--skip-deterministic``).
 
 Each provider's time is the median of ``triton.testing.do_bench`` over a backward call (the delta
 pass and dq's conversion included; cuDNN's own preprocessing too), from saved forward outputs;
@@ -20,6 +21,7 @@ was measured).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -151,7 +153,7 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
             ("triton", False, False, None),
             ("triton_deterministic", True, False, None),
         ):
-            if candidates_only and name != "gluon":
+            if candidates_only and "pairs_per_group" in name:
                 continue
             if name.startswith("gluon_deterministic") and "--skip-deterministic" in sys.argv:
                 continue
@@ -164,24 +166,28 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
                 row[f"{name}_max_err_vs_cudnn"] = max(
                     (a.float() - b.float()).abs().max().item() for a, b in zip(grads, reference, strict=True)
                 )
-        if heads_q == heads_kv or layer or candidates_only:  # the other candidate tiles, free order
+        if heads_q == heads_kv or layer or candidates_only:  # the other candidate tiles, each mode
             delta = torch.empty(lse.shape, dtype=torch.float32, device="cuda")
             grads = tuple(torch.empty_like(t) for t in (q, k, v))
-            for config in bwd_sm90.CANDIDATES[head_dim][1:]:
+            modes = (False,) if "--skip-deterministic" in sys.argv else (False, True)
+            for deterministic, config in itertools.product(modes, bwd_sm90.CANDIDATES[head_dim]):
+                default = bwd_sm90.default_config(head_dim, deterministic)
+                if config == default:  # timed above, as gluon or gluon_deterministic
+                    continue
 
-                def candidate(config=config):
+                def candidate(config=config, deterministic=deterministic):
                     bwd._delta_launch(o, do, lse, None, delta).run()
                     bwd_sm90.attention_bwd_sm90(
                         do, q, k, v, lse, delta, *grads, scale=scores.scale, causal=causal,
-                        upper_offset=0, deterministic=False, config=config,
+                        upper_offset=0, deterministic=deterministic, config=config,
                     )  # fmt: skip
 
                 changed = {
-                    key: value
-                    for key, value in config._asdict().items()
-                    if value != bwd_sm90.CONFIGS[head_dim]._asdict()[key]
+                    key: value for key, value in config._asdict().items() if value != default._asdict()[key]
                 }
-                name = "gluon_" + "_".join(f"{key}={value}" for key, value in changed.items())
+                name = ("gluon_deterministic_" if deterministic else "gluon_") + "_".join(
+                    f"{key}={value}" for key, value in changed.items()
+                )
                 candidate()
                 row[f"{name}_max_err_vs_cudnn"] = max(
                     (a.float() - b.float()).abs().max().item() for a, b in zip(grads, reference, strict=True)

@@ -89,6 +89,8 @@ STATIC_CASES = [
     ("bf16", 64, False, True, False, 0),
     ("bf16", 64, True, True, False, 13),
     ("bf16", 128, True, False, True, 44),
+    ("bf16", 128, True, True, True, 195),
+    ("bf16", 64, True, True, True, 18),
     ("fp16", 64, False, False, True, 0),
 ]
 
@@ -246,12 +248,11 @@ def test_gpu_matches_the_reference(case, head_dim, dtype, deterministic):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_every_candidate_config(causal, head_dim):
-    """Each candidate in either mode it runs in (GQA, ragged, Sq != Sk): shared_dq without
-    determinism only."""
+    """Each candidate in both modes (GQA, ragged, Sq != Sk)."""
     from tritonkit.ops.attention import bwd_sm90
 
     for i, config in enumerate(bwd_sm90.CANDIDATES[head_dim]):
-        for deterministic in (False, True) if not config.shared_dq else (False,):
+        for deterministic in (False, True):
             inputs = _inputs(2, 4, 2, 777, 901, head_dim, torch.bfloat16, seed=100 + i)
             check(*inputs, causal, deterministic=deterministic, config=config)
 
@@ -279,24 +280,30 @@ def test_gpu_strided_layouts_and_scale(causal):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("group", [None, 1, 3], ids=["turns-slow", "key-major", "groups-of-3"])
+@pytest.mark.parametrize(
+    "group, shared_dq",
+    [(None, False), (1, False), (3, False), (1, True), (3, True)],
+    ids=["turns-slow", "key-major", "groups-of-3", "key-major-shared-dq", "groups-of-3-shared-dq"],
+)
 @pytest.mark.parametrize("heads", [(8, 8), (8, 2)], ids=["mha", "gqa"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_gpu_deterministic_mode_gives_the_same_bits(causal, heads, group, monkeypatch):
+def test_gpu_deterministic_mode_gives_the_same_bits(causal, heads, group, shared_dq, monkeypatch):
     """(2, H, 2048 + 77, 128) bf16, many key blocks adding into each dq block: the deterministic
     mode's three gradients are the same bits run after run (dk and dv in either mode: no atomics),
     in every order of programs (``bwd_sm90.DETERMINISTIC_PAIRS_PER_GROUP``; 3 leaves a smaller
-    last group), which pass the oracle."""
+    last group) and both dQ splits (shared_dq: a ticket counter each column half), which pass the
+    oracle."""
     from tritonkit.ops.attention import bwd_sm90
 
     monkeypatch.setattr(bwd_sm90, "DETERMINISTIC_PAIRS_PER_GROUP", group)
+    config = bwd_sm90.CONFIGS[128]._replace(shared_dq=shared_dq)
     q, k, v, do = _inputs(2, *heads, 2125, 2125, 128, torch.bfloat16, seed=2125 + causal)
-    check(q, k, v, do, causal, deterministic=True, scale=0.1)
+    check(q, k, v, do, causal, deterministic=True, scale=0.1, config=config)
     o, lse = _forward(q, k, v, causal, 0.1, True)
-    runs = [_run(q, k, v, do, o, lse, causal, 0.1, True, True) for _ in range(3)]
+    runs = [_run(q, k, v, do, o, lse, causal, 0.1, True, True, config=config) for _ in range(3)]
     for other in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], other, strict=True))
-    free = _run(q, k, v, do, o, lse, causal, 0.1, True, False)
+    free = _run(q, k, v, do, o, lse, causal, 0.1, True, False, config=config)
     assert torch.equal(free[1], runs[0][1]) and torch.equal(free[2], runs[0][2])
     assert torch.allclose(free[0].float(), runs[0][0].float(), rtol=2e-2, atol=2e-2)
 

@@ -31,7 +31,7 @@ class Config(NamedTuple):
     64 x 64 fp32 accumulators live at the exponentials, 32 registers more a thread) instead of
     after P^T, beside dV; shared_dq adds one 64 x D dQ tile a step for the program, each
     warpgroup its D / 2 columns over the 128 keys (FA3's split), instead of a 64-key partial each
-    (without determinism only: the tickets' turns would have the warpgroups wait on each other)."""
+    (deterministic: a ticket counter each column half)."""
 
     num_stages: int
     overlap_sdp: bool = False
@@ -129,10 +129,6 @@ def attention_bwd_sm90(
         raise ValueError(f"scale must be a finite number > 0, got {scale}")
     if not supports(q, k, v):
         raise ValueError("attention_bwd_sm90 does not take these inputs (see supports)")
-    if deterministic and config is not None and config.shared_dq:
-        # the second warpgroup waits for its turn while the first, whose previous add that turn
-        # follows, waits for the second's dS^T: the two would wait on each other for good
-        raise ValueError("Config(shared_dq=True) runs without determinism only")
     for name, t in (("lse", lse), ("delta", delta)):
         if t.shape != q.shape[:3] or t.dtype != torch.float32 or (q.shape[2] > 1 and t.stride(2) != 1):
             raise ValueError(f"{name} must be float32 {tuple(q.shape[:3])} with a contiguous last dim")
@@ -145,10 +141,12 @@ def attention_bwd_sm90(
         g if tma_ready(g) else torch.empty_like(g, memory_format=torch.contiguous_format) for g in (dk, dv)
     ]
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    config = config or default_config(q.shape[3], deterministic)
+    # a counter a query block (with shared_dq, a column half's: both warpgroups' adds take turns
+    # only with the other programs')
+    blocks_q = cdiv(q.shape[2], BLOCK_M) * (2 if config.shared_dq else 1)
     tickets = (
-        torch.zeros((*q.shape[:2], cdiv(q.shape[2], BLOCK_M)), dtype=torch.int32, device=q.device)
-        if deterministic
-        else dq_acc
+        torch.zeros((*q.shape[:2], blocks_q), dtype=torch.int32, device=q.device) if deterministic else dq_acc
     )
     for launch in launches(
         do, q, k, v, lse, delta, dq_acc, tickets, *outputs, scale=scale, causal=causal,

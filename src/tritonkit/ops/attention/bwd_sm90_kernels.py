@@ -37,7 +37,9 @@ Determinism. Without it (``deterministic=False``) the key blocks of a head add t
 whatever order they finish, so dq's last bits vary. With it, every (batch, query head, query block)
 has a ticket counter in global memory, and a warpgroup adds its partial only when the counter
 equals its turn; it increments it once its reduce has completed (one step later, under the next
-step's products). Turns: key blocks ascending (warpgroup 0 before 1) for a full mask; for a causal
+step's products); with shared_dq the warpgroups add disjoint columns, so each column half has its
+own counter and the two never wait on each other. Turns: key blocks ascending (warpgroup 0 before
+1 where both add the same columns) for a full mask; for a causal
 one, descending from the last key block that the query block sees (FA3's shortest-first order),
 which is the order in which a lockstep walk of ascending query blocks reaches it. A pair's
 programs launch in turn order, so one that waits only waits on programs already running or done;
@@ -407,15 +409,22 @@ def _grad_steps(
                 else:
                     before += blocks - _starts_up_to(m_count + low - 1, blocks, m_count)
                 rank = before + key_block - _starts_up_to(rot - 1, blocks, m_count)
-                turn = 2 * rank + part
             elif IS_CAUSAL:
                 # (the block's last row counted as m * BLOCK + BLOCK - 1 even past Sq: the
                 # launcher's m_start counts it so)
                 top = gl.minimum((m * BLOCK + BLOCK - 1 + UPPER_OFFSET) // (2 * ROWS), n_last)
-                turn = 2 * (top - key_block) + part
+                rank = top - key_block
             else:
-                turn = 2 * key_block + part
-            ticket = batch.to(gl.int64) * stride_sb + head.to(gl.int64) * stride_sh + m
+                rank = key_block
+            ticket = batch.to(gl.int64) * stride_sb + head.to(gl.int64) * stride_sh
+            if SHARED_DQ:
+                # the warpgroups add disjoint columns: a ticket each, a turn a key block, so that
+                # neither waits on the other's add
+                ticket += 2 * m + CID
+                turn = rank
+            else:
+                ticket += m
+                turn = 2 * rank + part
             while gl.atomic_add(sem_ptr + ticket, 0, sem="acquire", scope="gpu") != turn:
                 pass
             pending = ticket
@@ -531,7 +540,8 @@ def _attn_bwd_sm90_kernel(
     dq_desc,  # ... of the fp32 dq accumulator (B, Hq, Sq, D), zeroed, box (1, 1, BLOCK_M, D)
     lse_ptr,  # fp32 forward log-sum-exp (natural log), (B, Hq, Sq), strides stride_lb, stride_lh, 1
     delta_ptr,  # fp32 rowsum(dO * O) - dlse, (B, Hq, Sq), strides stride_db, stride_dh, 1
-    sem_ptr,  # DETERMINISTIC: int32 ticket counters, zeroed, (B, Hq, cdiv(Sq, BLOCK_M)) strides stride_s*, 1
+    sem_ptr,  # DETERMINISTIC: zeroed int32 counters (B, Hq, cdiv(Sq, BLOCK_M) x (2 if SHARED_DQ)), strides
+    # stride_s*, 1
     stride_lb,
     stride_lh,
     stride_db,

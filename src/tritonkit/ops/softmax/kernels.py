@@ -6,6 +6,7 @@ Every kernel views its tensors as (O, R, N) with a stride for each axis.
 
 from __future__ import annotations
 
+from tritonkit._launch import next_power_of_2
 from tritonkit._runtime import current_device, sm_count
 from tritonkit._triton import tl, triton
 from tritonkit.jit import LN2, LOG2E
@@ -114,6 +115,15 @@ ONLINE_MIN_ROWS_CHUNK = 2048
 PREFETCH_MAX_PER_THREAD = 16
 SPLIT_L2_BYTES = 40 << 20
 SPLIT_MAX_WARPS_PER_SM = 32
+# The untuned default takes the split kernel for rows too long for registers where the online
+# kernel's one program a row leaves the GPU short of loads in flight: few rows (at most
+# SPLIT_DEFAULT_MAX_ROWS, two an SM) or rows of many chunks (from SPLIT_DEFAULT_MIN_BLOCK_N). On the
+# H200 untuned online calls ran 2 x 12291808 fp16 at 0.6% of the copy bandwidth and 32 x 3738195
+# bf16 at 6%, and every tuned entry past 131072 entries (512 x 524288 fp32, 2048 x 131072 bf16,
+# 64-256 rows of 1-4M fp32) is a split kernel, of 4 programs an SM, 8 warps and chunks of 4096
+# 16-bit or 2048 fp32 entries, as the default's.
+SPLIT_DEFAULT_MAX_ROWS = 256
+SPLIT_DEFAULT_MIN_BLOCK_N = 1 << 17
 
 
 def _tiles(key: dict) -> int:
@@ -168,14 +178,8 @@ def _default(key: dict) -> dict:
             block_m = max(block_m, min(rows, COLS_MIN_BLOCK_M))
             warps = min(16, max(4, block_m * block_n * _tiles(key) // 1024))
         return {"variant": "one-pass", "BLOCK_M": block_m, "num_warps": warps}
-    if variant == "split":  # never chosen untuned; at most 256 segments a row, so they fit at once
-        return {
-            "variant": "split",
-            "SEGMENT": max(16384, block_n // 256),
-            "BLOCK_N": 4096,
-            "num_warps": 8,
-            "PER_SM": 2,
-        }
+    if variant == "split" or (variant == "auto" and not cols and _split_by_default(key)):
+        return _split_default(key)
     if cols:
         return {
             "variant": "online",
@@ -185,6 +189,24 @@ def _default(key: dict) -> dict:
         }
     chunk = min(4096, block_n)
     return {"variant": "online", "BLOCK_M": 1, "BLOCK_N": chunk, "num_warps": min(8, max(4, chunk // 512))}
+
+
+def _split_by_default(key: dict) -> bool:
+    """Whether the untuned default of an "auto" call splits its rows (see SPLIT_DEFAULT_MAX_ROWS)."""
+    return key["block_n"] >= 4 * 4096 and (
+        key["rows"] <= SPLIT_DEFAULT_MAX_ROWS or key["block_n"] >= SPLIT_DEFAULT_MIN_BLOCK_N
+    )
+
+
+def _split_default(key: dict) -> dict:
+    """The split kernel's untuned config: segments of at least four chunks, as few segments a row
+    as fit at once (at most PER_SM programs an SM), whatever L2 holds (a row past it is read twice
+    from memory, as the online kernel reads it)."""
+    chunk = 2048 if key["dtype"].startswith("fp32") else 4096  # 8 or 16 values a thread
+    per_sm = 4
+    programs = per_sm * sm_count(current_device())
+    segment = max(4 * chunk, next_power_of_2(-(-key["block_n"] // programs)))
+    return {"variant": "split", "SEGMENT": segment, "BLOCK_N": chunk, "num_warps": 8, "PER_SM": per_sm}
 
 
 def _prune(config: dict, key: dict) -> bool:

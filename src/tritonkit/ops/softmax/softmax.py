@@ -35,8 +35,9 @@ pass 2 finds its chunks in L2.
 
 Launch parameters come from accuracy-gated autotuning (``tritonkit.tuning``) over every kernel
 ("auto"): each config below is admitted only if its output on a calibration input passes the test
-oracle. Rows too long for registers leave the online and split kernels; the untuned default is
-never the split kernel.
+oracle. Rows too long for registers leave the online and split kernels; the untuned default
+splits them where few rows, or rows of many chunks, would leave the online kernel's one program a
+row short of loads in flight (``kernels.SPLIT_DEFAULT_MAX_ROWS``).
 """
 
 from __future__ import annotations
