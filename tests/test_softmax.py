@@ -214,8 +214,8 @@ def test_untuned_auto_is_one_pass_up_to_the_register_limit():
 def test_untuned_auto_splits_few_rows_and_rows_of_many_chunks():
     """Past the one-pass limit the untuned default splits a row over several programs where the
     online kernel's one program a row would leave the GPU short of loads in flight: few rows, or
-    rows of many chunks. Its segments fit at once (at most PER_SM programs an SM) and hold four
-    chunks or more, and it is the tuner's winner at the shapes tuned on the H200."""
+    rows of many chunks. A row's segments fit at once (two programs an SM) and hold four chunks
+    or more, and it is the tuner's winner at the shapes tuned on the H200."""
     past = 2 * sk.ONE_PASS_MAX_BLOCK_N
     assert sm._default(_key("fwd", past, rows=sk.SPLIT_DEFAULT_MAX_ROWS))["variant"] == "split"
     assert sm._default(_key("fwd", past, rows=2 * sk.SPLIT_DEFAULT_MAX_ROWS))["variant"] == "online"
@@ -228,7 +228,7 @@ def test_untuned_auto_splits_few_rows_and_rows_of_many_chunks():
                 key = _key(direction, n, rows=2, dtype=dtype)
                 config = sm._default(key)
                 assert config["variant"] == "split", config
-                assert -(-n // config["SEGMENT"]) <= config["PER_SM"] * programs, config
+                assert -(-n // config["SEGMENT"]) <= sk.SPLIT_DEFAULT_SEGMENTS_PER_SM * programs, config
                 assert config["SEGMENT"] >= 4 * config["BLOCK_N"], config
                 assert config["PER_SM"] * config["num_warps"] <= sk.SPLIT_MAX_WARPS_PER_SM, config
                 low, high = sk.PER_THREAD["split"]

@@ -14,6 +14,7 @@ Under the interpreter, and whenever a profiler hook is registered, calls go thro
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import os
@@ -115,6 +116,7 @@ class Launcher:
     def __init__(self, kernel):
         self.kernel = kernel
         self._compiled: dict[tuple, tuple | str] = {}
+        self._occupancy: dict[tuple, int] = {}
         self._hooks = None
 
     def __call__(self, grid: Sequence[int], *args, **meta) -> None:
@@ -169,6 +171,23 @@ class Launcher:
             *constexpr_values,
         )
 
+    def programs_per_sm(self, *args, **meta) -> int:
+        """Programs of this launch that one SM holds at once: CUDA's occupancy of the kernel compiled
+        for these arguments (compiled here if need be). A cooperative launch of more programs than
+        this times the SMs fails; registers decide it, which only the compile knows."""
+        if interpret():
+            return 1 << 30
+        device = next(a for a in args if isinstance(a, torch.Tensor)).get_device()
+        key = (device, tuple(meta), *meta.values(), *specialization_key(args))
+        if key not in self._occupancy:
+            with torch.cuda.device(device):
+                compiled = self.kernel.warmup(*args, grid=(1,), **meta)
+                compiled._init_handles()
+                self._occupancy[key] = _max_active_blocks(
+                    compiled.function, 32 * compiled.metadata.num_warps, compiled.metadata.shared
+                )
+        return self._occupancy[key]
+
     def _compile_and_launch(self, grid, args: tuple, meta: dict) -> tuple | str:
         """Launch through Triton (compiling if needed) and return what later launches need."""
         compiled = self.kernel[grid](*args, **meta)
@@ -195,6 +214,22 @@ class Launcher:
             compiled.packed_metadata,
             constexpr_values,
         )
+
+
+def _max_active_blocks(function: int, threads: int, shared_bytes: int) -> int:
+    """cuOccupancyMaxActiveBlocksPerMultiprocessor of a loaded kernel (a CUfunction handle)."""
+    blocks = ctypes.c_int()
+    status = _libcuda().cuOccupancyMaxActiveBlocksPerMultiprocessor(
+        ctypes.byref(blocks), ctypes.c_void_p(function), ctypes.c_int(threads), ctypes.c_size_t(shared_bytes)
+    )
+    if status != 0:
+        raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed with CUDA error {status}")
+    return blocks.value
+
+
+@functools.cache
+def _libcuda() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
 
 
 @functools.cache

@@ -516,6 +516,11 @@ def _grad_partition(
     tma.store_wait(pendings=0)
     if DETERMINISTIC:
         _release(pending, gl.full([1], 0, gl.int32, gl.BlockedLayout([1], [32], [4], [0])), sem_ptr)
+    if SHARED_DQ and n_tiles > 0:
+        # the other warpgroup's dQ columns read this one's K too: its products of the last step
+        # must be done before dK overwrites K (both arrive at that step's ds_free once they are)
+        last = GROUP * n_tiles - 1
+        mbarrier.wait(ds_free.index(last % 2), (last // 2) & 1)
     # dK and dV leave through this warpgroup's K and V buffers: every product that read them is done
     k.store((dk * scale).to(dtype))
     v.store(dv.to(dtype))

@@ -144,18 +144,13 @@ def _launch_args(
 def _split_launch_args(
     direction: str, config: dict, log: bool, sum_fp64: bool, tensors: tuple, geometry: tuple, phase: int
 ) -> tuple[tuple, tuple, dict]:
-    """The split kernels' launch: as many rows at once as PER_SM programs an SM allow, each row's
-    segments side by side; the partial-result workspace and the zeroed per-row counters."""
+    """The split kernels' launch: as many rows at once as PER_SM programs an SM allow (fewer where
+    the compiled kernel's registers fit fewer), each row's segments side by side; the
+    partial-result workspace and the zeroed per-row counters."""
     outer, rows, n, strides = geometry
     device, total, segment = tensors[0].device, outer * rows, config["SEGMENT"]
     segments = cdiv(n, segment)
-    programs = config["PER_SM"] * sm_count(device)
-    if segments > programs:
-        raise ValueError(
-            f"split softmax: rows of {n} entries make {segments} segments of {segment}, "
-            f"more than the {programs} programs that run at once"
-        )
-    groups = max(1, min(total, programs // segments))
+    _check_segments(n, segment, segments, config["PER_SM"] * sm_count(device))
     sums = torch.empty(total * segments, dtype=torch.float64 if sum_fp64 else torch.float32, device=device)
     arrived = torch.zeros(total if phase == 0 else 1, dtype=torch.int32, device=device)
     if direction == "fwd":
@@ -174,7 +169,21 @@ def _split_launch_args(
     if phase == 0:
         meta["launch_cooperative_grid"] = True  # the launch fails, not hangs, if they cannot all run
     args = (*tensors, *workspace, rows, n, total, segments, segment, *strides)
+    per_sm = config["PER_SM"]
+    if phase == 0:  # every program at once: as many as the compiled kernel lets an SM hold
+        per_sm = min(per_sm, _LAUNCHERS[direction, "split"].programs_per_sm(*args, **meta))
+    programs = per_sm * sm_count(device)
+    _check_segments(n, segment, segments, programs)
+    groups = max(1, min(total, programs // segments))
     return (groups * segments,), args, meta
+
+
+def _check_segments(n: int, segment: int, segments: int, programs: int) -> None:
+    if segments > programs:
+        raise ValueError(
+            f"split softmax: rows of {n} entries make {segments} segments of {segment}, "
+            f"more than the {programs} programs that run at once"
+        )
 
 
 def _launches(direction: str, config: dict, log: bool, tensors: tuple, geometry: tuple) -> list[Launch]:
