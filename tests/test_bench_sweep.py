@@ -57,6 +57,18 @@ def test_calls_run_untuned_with_room_for_recompiles():
     assert torch._dynamo.config.recompile_limit == limit and tuning._disabled_depth == 0
 
 
+def test_cases_are_timed_under_the_sweeps_shorter_protocol():
+    from tritonkit.bench import timing
+
+    tables = timing.WARMUP_MS, timing.REP_MS
+    with sweep.sweep_timing():
+        assert (timing.WARMUP_MS, timing.REP_MS) == (sweep.SWEEP_WARMUP_MS, sweep.SWEEP_REP_MS) != tables
+        with timing.protocol(1, 2):  # nested blocks restore their own
+            assert (timing.WARMUP_MS, timing.REP_MS) == (1, 2)
+        assert timing.REP_MS == sweep.SWEEP_REP_MS
+    assert tables == (timing.WARMUP_MS, timing.REP_MS)
+
+
 def _ours(shape, ratio, nbytes, dtype="bf16", mode="fwd", op="softmax"):
     row = _timed_row("tritonkit", 1.0, op=op, mode=mode, shape=list(shape), dtype=dtype, bytes=nbytes)
     return row | {"gbps": nbytes / 1e6, "measured_bandwidth": 4e12, "speedup_vs_best_peer": ratio}

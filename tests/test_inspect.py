@@ -201,6 +201,11 @@ def test_every_default_config_compiles_for_hopper_without_spills_and_with_wide_a
             # 16-byte vectors; the bias (one 16-bit value a thread's column pair) is the 32-bit access
             assert 128 in row["stores"] and min(row["loads"] + row["stores"]) >= 32, row
             assert row["hgmma"] > 0 and row["hmma"] == 0, row  # wgmma, not Ampere's mma.sync
+        elif row["launch"].endswith("split"):
+            # a split row's programs exchange fp32 (fp64) partial sums, one a program, in 32-bit
+            # (64-bit) accesses; the row itself moves in 16-byte vectors
+            assert 128 in row["loads"] and 128 in row["stores"], row
+            assert min(row["loads"] + row["stores"]) >= 32, row
         elif get_workload(row["op"]).op.family in PER_ROW_STATISTICS:
             # the row data moves in 16-byte vectors; a row's mean and rstd (lse, delta) are one fp32 each
             assert 128 in row["loads"] and min(row["loads"] + row["stores"]) >= 32, row

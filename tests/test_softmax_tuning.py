@@ -139,6 +139,37 @@ def test_named_variants_read_the_one_tuning_of_their_shape(tuned, launches, devi
 # ---------------------------------------------------------------- split-row candidates
 
 
+def test_untuned_auto_splits_few_rows_and_rows_of_many_chunks():
+    """Past the one-pass limit the untuned default splits a row over several programs where the
+    online kernel's one program a row would leave the GPU short of loads in flight: few rows, or
+    rows of many chunks. A row's segments fit at once (two programs an SM) and hold four chunks
+    or more, and it is the tuner's winner at the shapes tuned on the H200."""
+    past = 2 * sk.ONE_PASS_MAX_BLOCK_N
+    assert sm._default(_key("fwd", past, rows=sk.SPLIT_DEFAULT_MAX_ROWS))["variant"] == "split"
+    assert sm._default(_key("fwd", past, rows=2 * sk.SPLIT_DEFAULT_MAX_ROWS))["variant"] == "online"
+    assert sm._default(_key("fwd", sk.SPLIT_DEFAULT_MIN_BLOCK_N, rows=1 << 20))["variant"] == "split"
+    assert sm._default(_key("fwd", past, "cols", rows=1))["variant"] == "online"  # rows only
+    programs = sm_count(current_device())
+    for n in (past, 3 << 20, 12291808, 1 << 24):
+        for dtype in ("fp32>fp32", "bf16>bf16"):
+            for direction in ("fwd", "bwd"):
+                key = _key(direction, n, rows=2, dtype=dtype)
+                config = sm._default(key)
+                assert config["variant"] == "split", config
+                assert -(-n // config["SEGMENT"]) <= sk.SPLIT_DEFAULT_SEGMENTS_PER_SM * programs, config
+                assert config["SEGMENT"] >= 4 * config["BLOCK_N"], config
+                assert config["PER_SM"] * config["num_warps"] <= sk.SPLIT_MAX_WARPS_PER_SM, config
+                low, high = sk.PER_THREAD["split"]
+                assert low <= config["BLOCK_N"] / (32 * config["num_warps"]) <= high, config
+    if programs == 132:  # the H200's winners (src/tritonkit/tuned/h200.json)
+        winner = {"variant": "split", "SEGMENT": 8192, "BLOCK_N": 2048, "num_warps": 8, "PER_SM": 4}
+        assert sm._default(_key("bwd", 524288, rows=512)) == winner
+        assert sm._default(_key("bwd", 131072, rows=2048, dtype="bf16>bf16")) == winner | {
+            "SEGMENT": 16384,
+            "BLOCK_N": 4096,
+        }
+
+
 def test_split_is_tuned_only_for_long_rows_that_fit_at_once():
     """Split candidates: rows of two segments or more, all in flight at once, the segments together
     within SPLIT_L2_BYTES (backward: y and dy) and SPLIT_MAX_WARPS_PER_SM. (The untuned default,

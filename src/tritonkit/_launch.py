@@ -175,9 +175,10 @@ class Launcher:
         """Programs of this launch that one SM holds at once: CUDA's occupancy of the kernel compiled
         for these arguments (compiled here if need be). A cooperative launch of more programs than
         this times the SMs fails; registers decide it, which only the compile knows."""
-        if interpret():
+        first = next(a for a in args if isinstance(a, torch.Tensor))
+        if interpret() or not first.is_cuda:  # nothing runs (meta tensors: an inspection's launch)
             return 1 << 30
-        device = next(a for a in args if isinstance(a, torch.Tensor)).get_device()
+        device = first.get_device()
         key = (device, tuple(meta), *meta.values(), *specialization_key(args))
         if key not in self._occupancy:
             with torch.cuda.device(device):

@@ -225,7 +225,10 @@ def cmd_bench(args) -> int:
     def save(case_rows: list[dict]) -> None:
         append_checkpoint(checkpoint, [row | {"command": command} for row in case_rows])
 
-    with bench_sweep.untuned_calls() if sweep else contextlib.nullcontext():
+    with (
+        bench_sweep.untuned_calls() if sweep else contextlib.nullcontext(),
+        bench_sweep.sweep_timing() if sweep else contextlib.nullcontext(),
+    ):
         rows = run(
             names,
             shapes=shapes,

@@ -92,6 +92,20 @@ def untuned_calls() -> Iterator[None]:
         torch._dynamo.config.recompile_limit = limit
 
 
+# The sweep's timing protocol: memory-bound kernels of microseconds to a few milliseconds, whose
+# power draw stays far under the cap that timing.WARMUP_MS (250 ms) waits out for large matmuls.
+# 25 ms of warm-up and 50 of repetitions are hundreds of calls at every shape of the sweep but the
+# largest (a 2^28-entry backward is about 1 ms); the case then costs about a quarter of the tables'.
+SWEEP_WARMUP_MS, SWEEP_REP_MS = 25, 50
+
+
+def sweep_timing() -> contextlib.AbstractContextManager:
+    """The timing protocol a sweep's cases run under (SWEEP_WARMUP_MS, SWEEP_REP_MS)."""
+    from tritonkit.bench import timing
+
+    return timing.protocol(SWEEP_WARMUP_MS, SWEEP_REP_MS)
+
+
 def copy_share(row: dict) -> float | None:
     """The row's bytes a second over the measured copy bandwidth, or None if it was not timed."""
     if "gbps" not in row or not row.get("measured_bandwidth"):

@@ -16,11 +16,12 @@ host path alone (the eager cost a small shape pays).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -35,10 +36,24 @@ QUANTILES = (0.5, 0.2, 0.8)  # median first, then p20 and p80
 # repetitions past the onset, each timed at the clock it sustains.
 WARMUP_MS = 250
 REP_MS = 100
+_TABLES_PROTOCOL = (WARMUP_MS, REP_MS)  # what a method string leaves unsaid
 MAX_ROTATION = 8  # input sets; more only costs memory once sets are twice the L2
 HOST_CALLS = 100  # calls per burst: a few hundred launches, under the launch queue's ~1000
 HOST_REPEATS = 21  # host time is the median over this many bursts
 GRAPH_WARMUP_CALLS = 3  # on a side stream before capture, as CUDA graphs require
+
+
+@contextlib.contextmanager
+def protocol(warmup_ms: float, rep_ms: float) -> Iterator[None]:
+    """Within this block kernels are timed after ``warmup_ms`` of warm-up over ``rep_ms`` of
+    repetitions, in place of WARMUP_MS and REP_MS."""
+    global WARMUP_MS, REP_MS
+    previous = WARMUP_MS, REP_MS
+    WARMUP_MS, REP_MS = warmup_ms, rep_ms
+    try:
+        yield
+    finally:
+        WARMUP_MS, REP_MS = previous
 
 
 def rotation_count(input_bytes: int) -> int:
@@ -83,7 +98,8 @@ def _replay(graph: torch.cuda.CUDAGraph, call_kept_alive: Callable[[], object]) 
 def kernel_ms(
     call_makers: Sequence[Callable[[], Callable[[], object]]],
 ) -> tuple[tuple[float, float, float], str]:
-    """((p20, median, p80) in ms, method) of the calls taken in turn, one input set each."""
+    """((p20, median, p80) in ms, method) of the calls taken in turn, one input set each; the
+    method names a protocol other than WARMUP_MS and REP_MS (``protocol``)."""
     interpret()  # decide before triton is imported
     from triton.testing import do_bench
 
@@ -94,6 +110,8 @@ def kernel_ms(
     median, p20, p80 = do_bench(
         lambda: next(cycle)(), warmup=WARMUP_MS, rep=REP_MS, quantiles=list(QUANTILES)
     )
+    if (WARMUP_MS, REP_MS) != _TABLES_PROTOCOL:
+        method += f" (warm-up {WARMUP_MS:g} ms, repetitions {REP_MS:g} ms)"
     return (p20, median, p80), method
 
 

@@ -47,7 +47,8 @@ how pairs interleave is ``bwd_sm90.DETERMINISTIC_PAIRS_PER_GROUP`` (see there, a
 which no launch takes).
 
 Measured on the H200 (bf16, at 48877f9; ``benchmarks/results/h200/attention{,_causal}.json``):
-0.83-0.98x cuDNN free; deterministic 0.38-0.56x (at 11871ed's order runs, history/). Short of FA3's
+0.83-0.98x cuDNN free; deterministic 0.38-0.56x (at 11871ed's order runs, history/), with
+shared_dq and overlap_sdp 0.44-0.70x at D = 128 causal (at 7d38ecf). Short of FA3's
 design still: at D = 64 the two warpgroups add separate dQ partials (twice the reduce traffic of
 one shared 64 x D tile; shared_dq, D = 128's default, costs there), the products of a step wait on
 each other more than FA3's, and at D = 128 ptxas keeps some values (deterministic: many) on the
