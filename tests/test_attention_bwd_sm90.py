@@ -90,7 +90,6 @@ STATIC_CASES = [
     ("bf16", 64, True, True, False, 13),
     ("bf16", 128, True, False, True, 46),
     ("bf16", 128, True, True, True, 194),
-    ("bf16", 64, True, True, True, 13),
     ("fp16", 64, False, False, True, 0),
 ]
 
