@@ -28,6 +28,11 @@ FAMILIES = {
         "ops": ("flash_attention",),
         "workloads": ("attention", "attention_causal"),
     },
+    "tritonkit.ops.attention.decode": {  # its op contract and benchmark workloads are still to come
+        "public": ("flash_attention_with_kvcache",),
+        "ops": (),
+        "workloads": (),
+    },
     "tritonkit.ops.linear": {
         "public": ("linear", "gated_linear"),
         "ops": ("linear", "linear_bare", "gated_linear"),

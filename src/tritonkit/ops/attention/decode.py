@@ -1,0 +1,449 @@
+"""Decode attention over a KV cache (flash-attn's ``flash_attn_with_kvcache``): a few new query
+tokens a sequence against the tokens already cached, contiguous or paged, with the new keys and
+values appended in place, the cache split across programs where batch x heads leaves SMs idle.
+
+Maths. Sequence b has L_b keys: ``cache_seqlens[b]`` cached, plus the Sq new ones when ``k`` and
+``v`` are appended. Query token i (of Sq) sees key j iff j < L_b and, causal, j <= i + L_b - Sq (the
+bottom-right alignment of ``flash_attention``; a window bounds it as there). Then the usual
+softmax(scale * q . k) v, accumulated in fp32 with a running max (log2 units, exp2).
+
+Layout. q and the output (B, Sq, Hq, D); a contiguous cache (B, S_cache, Hkv, D), or a paged one
+(num_blocks, block_size, Hkv, D) whose sequence b's key j lives in block ``block_table[b, j //
+block_size]`` at slot j % block_size. Both are addressed as (block, slot, head): a contiguous
+cache is a paged one of one block a sequence. The lse is (B, Hq, Sq) fp32, natural log.
+
+Kernel. One program a (key split, batch, key/value head): its rows are every query token of every
+query head of the head's GQA group (GROUP x Sq of them, padded to 16 for tl.dot), so that each
+cached key and value is read once for the group. It walks its split's keys BLOCK_N at a time,
+gathering a paged block's slots through the block table. With one split it writes the output;
+with several each writes its normalised partial output and lse, and a second kernel folds the
+splits together by their lse (``merge.py``'s fold of two parts, over any number of them).
+
+Work. Memory-bound: the cache's K and V of the L_b keys, 2 x B x Hkv x L x D x s bytes, dominate
+(q and the output are Sq rows); 4 x B x Hq x Sq x L x D FLOPs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tritonkit._launch import Launcher, cdiv, next_power_of_2
+from tritonkit._runtime import interpret, sm_count
+from tritonkit._triton import tl, triton
+from tritonkit.jit import LOG2E, dot_fp32
+from tritonkit.opdef import check_tensor, op
+from tritonkit.ops.attention.common import Scores, _exponent, _visible, attention_reference, softmax_scale
+
+BLOCK_N = 64  # keys a step
+MIN_ROWS = 16  # tl.dot's least M: a program's rows (GROUP x Sq) pad to this
+MIN_SPLIT_KEYS = 256  # keys a split takes at least, where the rule splits
+MAX_SPLITS = 64
+DTYPES = (torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,  # (B, Sq, Hq, D)
+    k_ptr,  # cache (blocks, slots, Hkv, D): (B, S_cache) contiguous, or paged
+    v_ptr,
+    seqlens_ptr,  # int32 (B,): cached tokens (HAS_SEQLENS), else every sequence S_MAX
+    table_ptr,  # PAGED: int32 (B, blocks a sequence), strides stride_tb, 1
+    out_ptr,  # FINAL: the output, q's layout and dtype; else the fp32 partials (splits, B x Hkv, R, D)
+    lse_ptr,  # FINAL: fp32 (B, Hq, Sq) contiguous; else the partials' (splits, B x Hkv, R)
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    stride_tb,
+    HEADS_KV,
+    SEQ_Q,  # new query tokens a sequence
+    S_MAX,  # keys a sequence may hold (the contiguous cache's S_cache)
+    SLOTS,  # a block's slots (PAGED)
+    SPLIT_KEYS,  # keys a split walks (a multiple of BLOCK_N)
+    APPENDED,  # keys appended this call (Sq, or 0): L_b = cached + APPENDED
+    RIGHT,  # the window's right side (0 causal)
+    LEFT,  # the window's left side (HAS_LOWER)
+    score_scale,
+    cap_log2,
+    HEAD_DIM,
+    GROUP: tl.constexpr,  # query heads a key/value head
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGED: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_LOWER: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    FINAL: tl.constexpr,  # one split: write the output itself
+    EXACT_DOT_IN_FP32: tl.constexpr,  # the interpreter's (tritonkit.jit.dot_fp32)
+):
+    split = tl.program_id(0)
+    pair = tl.program_id(1)
+    batch, kv_head = pair // HEADS_KV, pair % HEADS_KV
+    rows = tl.arange(0, BLOCK_R)  # row r: query head kv_head * GROUP + r // Sq, token r % Sq
+    token, group = rows % SEQ_Q, rows // SEQ_Q
+    row_ok = rows < GROUP * SEQ_Q
+    head = kv_head * GROUP + group
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    q_rows = batch.to(tl.int64) * stride_qb + token.to(tl.int64) * stride_qs + head.to(tl.int64) * stride_qh
+    q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+
+    if HAS_SEQLENS:
+        keys = tl.minimum(tl.load(seqlens_ptr + batch) + APPENDED, S_MAX)  # never past the cache
+    else:
+        keys = S_MAX
+    offset = keys - SEQ_Q  # token i sees key j <= i + offset (bottom-right)
+    start = split * SPLIT_KEYS
+    end = tl.minimum(start + SPLIT_KEYS, keys)
+    m_i = tl.full([BLOCK_R], -float("inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for n in range(start, end, BLOCK_N):
+        cols = n + tl.arange(0, BLOCK_N)
+        col_ok = cols < end
+        if PAGED:
+            block = tl.load(table_ptr + batch.to(tl.int64) * stride_tb + cols // SLOTS, mask=col_ok, other=0)
+            slot = cols % SLOTS
+        else:
+            block = batch + cols * 0
+            slot = cols
+        kv_mask = col_ok[:, None] & dim_ok[None, :]
+        k_rows = block.to(tl.int64) * stride_kb + slot.to(tl.int64) * stride_ks + kv_head * stride_kh
+        k = tl.load(k_ptr + k_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        x, _ = _exponent(
+            dot_fp32(q, tl.trans(k), EXACT_DOT_IN_FP32=EXACT_DOT_IN_FP32), score_scale, cap_log2, SOFTCAP
+        )
+        visible = _visible(
+            token[:, None], cols[None, :], end, offset + RIGHT, offset - LEFT, IS_CAUSAL, HAS_LOWER
+        )
+        x = tl.where(visible & row_ok[:, None], x, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(x, 1))
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # a row that sees nothing yet
+        p = tl.exp2(x - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_rows = block.to(tl.int64) * stride_vb + slot.to(tl.int64) * stride_vs + kv_head * stride_vh
+        v = tl.load(v_ptr + v_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + dot_fp32(p.to(v.dtype), v, EXACT_DOT_IN_FP32=EXACT_DOT_IN_FP32)
+        m_i = m_new
+
+    seen = l_i > 0.0
+    o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) / LOG2E, -float("inf"))
+    if FINAL:
+        o_rows = (
+            batch.to(tl.int64) * stride_ob + token.to(tl.int64) * stride_os + head.to(tl.int64) * stride_oh
+        )
+        tl.store(
+            out_ptr + o_rows[:, None] + dims[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & dim_ok[None, :],
+        )
+        lse_rows = (batch * HEADS_KV * GROUP + head).to(tl.int64) * SEQ_Q + token
+        tl.store(lse_ptr + lse_rows, lse, mask=row_ok)
+    else:
+        part = (split.to(tl.int64) * tl.num_programs(1) + pair) * (GROUP * SEQ_Q) + rows
+        tl.store(
+            out_ptr + part[:, None] * HEAD_DIM + dims[None, :], o, mask=row_ok[:, None] & dim_ok[None, :]
+        )
+        tl.store(lse_ptr + part, lse, mask=row_ok)
+
+
+@triton.jit
+def _combine_kernel(
+    part_ptr,  # fp32 (splits, B x Hkv, R, D)
+    part_lse_ptr,  # fp32 (splits, B x Hkv, R)
+    out_ptr,  # q's layout and dtype
+    lse_ptr,  # fp32 (B, Hq, Sq)
+    stride_ob,
+    stride_os,
+    stride_oh,
+    SPLITS,
+    HEADS_KV,
+    SEQ_Q,
+    HEAD_DIM,
+    GROUP: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """The splits of one (batch, key/value head) folded by their lse: o = sum_s w_s o_s / sum_s w_s
+    with w_s = exp(lse_s - max lse), lse = max + log(sum w); a split that saw no key weighs 0."""
+    pair = tl.program_id(0)
+    batch, kv_head = pair // HEADS_KV, pair % HEADS_KV
+    rows = tl.arange(0, BLOCK_R)
+    row_ok = rows < GROUP * SEQ_Q
+    dims = tl.arange(0, BLOCK_D)
+    mask = row_ok[:, None] & (dims[None, :] < HEAD_DIM)
+    top = tl.full([BLOCK_R], -float("inf"), tl.float32)
+    for s in range(SPLITS):  # the largest lse first, so that no weight overflows
+        part = (s * tl.num_programs(0) + pair).to(tl.int64) * (GROUP * SEQ_Q) + rows
+        top = tl.maximum(top, tl.load(part_lse_ptr + part, mask=row_ok, other=-float("inf")))
+    top_safe = tl.where(top == -float("inf"), 0.0, top)
+    total = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for s in range(SPLITS):
+        part = (s * tl.num_programs(0) + pair).to(tl.int64) * (GROUP * SEQ_Q) + rows
+        weight = tl.exp(tl.load(part_lse_ptr + part, mask=row_ok, other=-float("inf")) - top_safe)
+        o = tl.load(part_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=mask, other=0.0)
+        acc += weight[:, None] * o
+        total += weight
+    seen = total > 0.0
+    token, head = rows % SEQ_Q, kv_head * GROUP + rows // SEQ_Q
+    o_rows = batch.to(tl.int64) * stride_ob + token.to(tl.int64) * stride_os + head.to(tl.int64) * stride_oh
+    o = acc / tl.where(seen, total, 1.0)[:, None]
+    tl.store(out_ptr + o_rows[:, None] + dims[None, :], o.to(out_ptr.dtype.element_ty), mask=mask)
+    lse = tl.where(seen, top_safe + tl.log(tl.where(seen, total, 1.0)), -float("inf"))
+    tl.store(lse_ptr + (batch * HEADS_KV * GROUP + head).to(tl.int64) * SEQ_Q + token, lse, mask=row_ok)
+
+
+# The registry's lists (tritonkit._registry): the op contract and the benchmark workloads are still
+# to come, with the GPU run that sizes them
+OPS: dict = {}
+WORKLOADS: dict = {}
+
+_decode_launcher = Launcher(_decode_kernel)
+_combine_launcher = Launcher(_combine_kernel)
+
+
+def default_splits(batch: int, heads_kv: int, max_keys: int, device) -> int:
+    """Key splits where B x Hkv programs leave SMs idle (flash-decoding): about two programs an SM,
+    each split at least MIN_SPLIT_KEYS keys, at most MAX_SPLITS. From shapes alone: no host sync."""
+    programs = batch * heads_kv
+    sms = sm_count(device)
+    if programs >= sms:
+        return 1
+    return max(1, min(cdiv(2 * sms, programs), cdiv(max_keys, MIN_SPLIT_KEYS), MAX_SPLITS))
+
+
+def _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, window, softcap, num_splits) -> None:
+    """TypeError or ValueError naming what is wrong (nothing here reads a tensor's values)."""
+    check_tensor("q", q, dtypes=DTYPES, ndim=4)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(name, t, dtypes=(q.dtype,), ndim=4, device_of=("q", q))
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"k_cache and v_cache must have one shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    batch, seq_q, heads_q, head_dim = q.shape
+    heads_kv = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"the cache's head dim {k_cache.shape[3]} is not q's {head_dim}")
+    if heads_kv == 0 or heads_q % heads_kv:
+        raise ValueError(f"q's {heads_q} heads must be a multiple of the cache's {heads_kv}")
+    if not 1 <= head_dim <= 256:
+        raise ValueError(f"head dims 1-256 are supported, got {head_dim}")
+    if (k is None) != (v is None):
+        raise ValueError("k and v are appended together: give both or neither")
+    if k is not None:
+        for name, t in (("k", k), ("v", v)):
+            check_tensor(name, t, dtypes=(q.dtype,), ndim=4, device_of=("q", q))
+            if t.shape != (batch, seq_q, heads_kv, head_dim):
+                raise ValueError(
+                    f"{name} must be (B, Sq, Hkv, D) = {(batch, seq_q, heads_kv, head_dim)}, "
+                    f"got {tuple(t.shape)}"
+                )
+        if cache_seqlens is None:
+            raise ValueError("appending k and v needs cache_seqlens: where each sequence's new tokens go")
+    if cache_seqlens is not None:
+        check_tensor("cache_seqlens", cache_seqlens, dtypes=(torch.int32,), ndim=1, device_of=("q", q))
+        if cache_seqlens.shape[0] != batch:
+            raise ValueError(f"cache_seqlens must have B = {batch} entries, got {cache_seqlens.shape[0]}")
+    if block_table is not None:
+        check_tensor("block_table", block_table, dtypes=(torch.int32,), ndim=2, device_of=("q", q))
+        if block_table.shape[0] != batch:
+            raise ValueError(f"block_table must have B = {batch} rows, got {block_table.shape[0]}")
+        if cache_seqlens is None:
+            raise ValueError(
+                "a paged cache (block_table) needs cache_seqlens: how many of its slots hold keys"
+            )
+    elif k_cache.shape[0] != batch:
+        raise ValueError(f"a contiguous cache must have B = {batch} sequences, got {k_cache.shape[0]}")
+    if len(window) != 2 or any(int(w) < -1 for w in window):
+        raise ValueError(f"window must be (left, right), each -1 (unbounded) or >= 0, got {window}")
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap must be a finite number >= 0, got {softcap}")
+    if num_splits < 0:
+        raise ValueError(f"num_splits must be >= 0 (0: by the rule), got {num_splits}")
+
+
+def _append(k_cache, v_cache, k, v, cache_seqlens, block_table) -> None:
+    """Write the new tokens at positions cache_seqlens[b] + i of each sequence, by index: no host
+    sync, so a CUDA graph replays it with new lengths. A position past the cache is not checked
+    (that would read the lengths on the host): the index fails on the device."""
+    seq_q = k.shape[1]
+    positions = cache_seqlens.long()[:, None] + torch.arange(seq_q, device=k.device)  # (B, Sq)
+    if block_table is None:
+        sequences = torch.arange(k.shape[0], device=k.device)[:, None].expand(-1, seq_q)
+        k_cache[sequences, positions] = k
+        v_cache[sequences, positions] = v
+    else:
+        slots = k_cache.shape[1]
+        blocks = block_table.long().gather(1, positions // slots)
+        k_cache[blocks, positions % slots] = k
+        v_cache[blocks, positions % slots] = v
+
+
+@op("decode_attention", mutates=("k_cache", "v_cache", "out", "lse", "part", "part_lse"))
+def _decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    cache_seqlens: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    part: torch.Tensor,
+    part_lse: torch.Tensor,
+    scale: float,
+    causal: bool,
+    left: int,
+    right: int,
+    softcap: float,
+) -> None:
+    """Append k and v (if given), then attend q to each sequence's keys into ``out`` (q's shape,
+    unit last stride) and ``lse``; ``part`` and ``part_lse`` hold the splits' partials (their
+    first dim is the splits: 1 writes ``out`` directly)."""
+    if k is not None:
+        _append(k_cache, v_cache, k, v, cache_seqlens, block_table)
+    batch, seq_q, heads_q, head_dim = q.shape
+    heads_kv, splits = k_cache.shape[2], part.shape[0]
+    group = heads_q // heads_kv
+    paged = block_table is not None
+    max_keys = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    split_keys = cdiv(cdiv(max_keys, splits), BLOCK_N) * BLOCK_N
+    (_, _, score_scale, cap_log2), flags = Scores(scale, causal, True, (left, right), softcap).kernel_args(
+        1, 1
+    )
+    block_r = max(MIN_ROWS, next_power_of_2(group * seq_q))
+    block_d = max(16, next_power_of_2(head_dim))
+    final = splits == 1
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    _decode_launcher(
+        (splits, batch * heads_kv),
+        q, k_cache, v_cache, cache_seqlens, block_table,
+        out if final else part, lse if final else part_lse,
+        *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *out.stride()[:3],
+        block_table.stride(0) if paged else 0,
+        heads_kv, seq_q, max_keys, k_cache.shape[1], split_keys, seq_q if k is not None else 0,
+        0 if causal else max(right, 0), max(left, 0), score_scale, cap_log2, head_dim,
+        GROUP=group, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=BLOCK_N, PAGED=paged,
+        HAS_SEQLENS=cache_seqlens is not None, IS_CAUSAL=flags["IS_CAUSAL"], HAS_LOWER=flags["HAS_LOWER"],
+        SOFTCAP=flags["SOFTCAP"], FINAL=final, EXACT_DOT_IN_FP32=interpret(), num_warps=4,
+    )  # fmt: skip
+    if not final:
+        _combine_launcher(
+            (batch * heads_kv,),
+            part, part_lse, out, lse, *out.stride()[:3], splits, heads_kv, seq_q, head_dim,
+            GROUP=group, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4,
+        )  # fmt: skip
+
+
+def flash_attention_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    cache_seqlens: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    return_lse: bool = False,
+    num_splits: int = 0,
+):
+    """Attention of new query tokens over a KV cache (flash-attn's ``flash_attn_with_kvcache``).
+
+    q (B, Sq, Hq, D) fp16/bf16; ``k_cache``, ``v_cache`` (B, S_cache, Hkv, D), or paged
+    (num_blocks, block_size, Hkv, D) with ``block_table`` (B, blocks a sequence) int32;
+    ``cache_seqlens`` (B,) int32, the tokens already cached (None: every sequence full). ``k``, ``v``
+    (B, Sq, Hkv, D), when given, are written into the cache at positions cache_seqlens[b]... in
+    place and attended to with the rest (the caller advances cache_seqlens). Causal masks align
+    bottom-right; ``window`` and ``softcap`` as ``flash_attention``'s. ``num_splits``: key splits
+    (0: by ``default_splits``). Returns the output (B, Sq, Hq, D), and with ``return_lse`` the
+    fp32 lse (B, Hq, Sq). Forward only: decoding needs no gradient, and asking for one raises."""
+    window = tuple(int(w) for w in window)
+    num_splits, softcap = int(num_splits), float(softcap)
+    _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, window, softcap, num_splits)
+    batch, seq_q, heads_q, head_dim = q.shape
+    heads_kv = k_cache.shape[2]
+    max_keys = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
+    splits = num_splits or default_splits(batch, heads_kv, max_keys, q.device)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=q.device)
+    rows = (heads_q // heads_kv) * seq_q
+    shape = (splits, batch * heads_kv, rows) if splits > 1 else (1, 1, 1)
+    part = torch.empty((*shape, head_dim if splits > 1 else 1), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(shape, dtype=torch.float32, device=q.device)
+    if out.numel():
+        _decode(
+            q, k_cache, v_cache, k, v, cache_seqlens, block_table, out, lse, part, part_lse,
+            softmax_scale(scale, head_dim), bool(causal), window[0], window[1], softcap,
+        )  # fmt: skip
+    wanting = [t for t in (q, k_cache, v_cache, k, v) if t is not None and t.requires_grad]
+    if torch.is_grad_enabled() and wanting:
+        out = _NoGradient.apply(out, wanting[0])
+    return (out, lse) if return_lse else out
+
+
+class _NoGradient(torch.autograd.Function):
+    """Marks the output of a call made with grad enabled: its backward raises, naming the op."""
+
+    @staticmethod
+    def forward(ctx, out, source):  # source: an input that requires grad, so that the output does
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError(
+            "tritonkit.flash_attention_with_kvcache has no backward: decoding needs none; "
+            "train with tritonkit.flash_attention"
+        )
+
+
+def kvcache_reference(
+    q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None, causal=True, scale=None,
+    window=(-1, -1), softcap=0.0, return_lse=False, num_splits=0,
+):  # fmt: skip
+    """Plain PyTorch, sequence by sequence (host loops; for tests): the keys gathered from the cache
+    (after the append, on copies: the caller's cache is left alone) into (1, Hkv, L_b, D), then
+    ``attention_reference``, causal bottom-right. Pass float64 tensors for the oracle's reference."""
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    if k is not None:
+        _append(k_cache, v_cache, k, v, cache_seqlens, block_table)
+    batch, seq_q = q.shape[:2]
+    outputs, lses = [], []
+    for b in range(batch):
+        length = (
+            k_cache.shape[1] if cache_seqlens is None else int(cache_seqlens[b]) + (0 if k is None else seq_q)
+        )
+        if block_table is None:
+            keys, values = k_cache[b, :length], v_cache[b, :length]
+        else:
+            slots = k_cache.shape[1]
+            index = torch.arange(length, device=q.device)
+            blocks = block_table[b].long()[index // slots]
+            keys, values = k_cache[blocks, index % slots], v_cache[blocks, index % slots]
+        o, lse = attention_reference(
+            q[b : b + 1].transpose(1, 2), keys[None].transpose(1, 2), values[None].transpose(1, 2),
+            causal, scale, True, True, tuple(window), softcap,
+        )  # fmt: skip
+        outputs.append(o.transpose(1, 2))
+        lses.append(lse)
+    out, lse = torch.cat(outputs), torch.cat(lses)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,157 @@
+"""Decode attention over a KV cache (``ops/attention/decode.py``) against the float64 reference with
+the oracle's rule: contiguous and paged caches (a shuffled block table), ragged lengths from 0 to
+full, the new tokens appended where they belong and nowhere else, GQA, Sq 1 and 3, windows, soft
+caps, forced key splits; its custom op, the refusal of a gradient and of bad input. Small shapes
+under the CPU interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tritonkit
+from tritonkit import testing
+from tritonkit.opdef import recording_calls
+from tritonkit.ops.attention import decode
+from tritonkit.oracle import compare
+
+pytestmark = pytest.mark.attention
+
+BF16 = torch.bfloat16
+
+
+def _case(batch, seq_q, heads_q, heads_kv, head_dim, cache, lengths, device, slots=None, seed=0):
+    """(q, k_cache, v_cache, k, v, cache_seqlens, block_table): a contiguous cache of ``cache``
+    slots a sequence, or (``slots``) a paged one of shuffled blocks with two to spare. Every slot
+    past a sequence's keys holds NaN, so a kernel that read one would show it."""
+    g = testing.generator(seed)
+    q = testing.random_tensor((batch, seq_q, heads_q, head_dim), BF16, device, generator=g)
+    k, v = (
+        testing.random_tensor((batch, seq_q, heads_kv, head_dim), BF16, device, generator=g) for _ in "kv"
+    )
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    if slots is None:
+        shape, table = (batch, cache, heads_kv, head_dim), None
+    else:
+        per_sequence = -(-cache // slots)
+        order = torch.randperm(batch * per_sequence + 2, generator=torch.Generator().manual_seed(seed))
+        table = order[: batch * per_sequence].view(batch, per_sequence).to(torch.int32).to(device)
+        shape = (batch * per_sequence + 2, slots, heads_kv, head_dim)
+    k_cache, v_cache = (testing.random_tensor(shape, BF16, device, generator=g) for _ in "kv")
+    for b, length in enumerate(lengths):  # NaN past each sequence's cached keys
+        for position in range(length, per_sequence * slots if slots else cache):
+            block, slot = (int(table[b, position // slots]), position % slots) if slots else (b, position)
+            k_cache[block, slot] = v_cache[block, slot] = float("nan")
+    return q, k_cache, v_cache, k, v, seqlens, table
+
+
+def _check(args, append=True, **kwargs):
+    """The call's output and lse against the reference's in float64 and in bf16."""
+    q, k_cache, v_cache, k, v, seqlens, table = args
+    new = (k, v) if append else (None, None)
+    before = k_cache.clone(), v_cache.clone()
+    out, lse = tritonkit.flash_attention_with_kvcache(
+        q, k_cache, v_cache, *new, seqlens, table, return_lse=True, **kwargs
+    )
+    after = k_cache.clone(), v_cache.clone()
+
+    def reference(dtype):
+        cast = [t if t is None or not t.is_floating_point() else t.to(dtype) for t in (q, *before, *new)]
+        kwargs_ref = {key: value for key, value in kwargs.items() if key != "num_splits"}
+        return decode.kvcache_reference(*cast[:3], *cast[3:], seqlens, table, return_lse=True, **kwargs_ref)
+
+    exact, in_dtype = reference(torch.float64), reference(BF16)
+    finite = torch.isfinite(exact[1])  # rows that see no key: lse -inf (and an output of 0) in both
+    assert torch.equal(torch.isfinite(lse), finite)
+    comparisons = [
+        compare("out", out, in_dtype[0], exact[0], BF16),
+        compare("lse", lse[finite], in_dtype[1].float()[finite], exact[1][finite], torch.float32),
+    ]
+    assert all(c.passed for c in comparisons), [str(c) for c in comparisons]
+    return out, lse, before, after
+
+
+@pytest.mark.parametrize("seq_q", [1, 3])
+def test_contiguous_cache_with_the_new_tokens_appended(seq_q, device):
+    """GQA 4/2, ragged lengths (0, partly filled, full but for the new tokens); the new keys and
+    values land at cache_seqlens[b]... and every other slot keeps its bits (its NaN too)."""
+    cache, lengths = 96, [0, 37, 96 - seq_q]
+    args = _case(3, seq_q, 4, 2, 32, cache, lengths, device, seed=seq_q)
+    _, _, before, after = _check(args, causal=True)
+    k, v = args[3], args[4]
+    for old, new, fresh in zip(before, after, (k, v), strict=True):
+        expected = old.clone()
+        for b, length in enumerate(lengths):
+            expected[b, length : length + seq_q] = fresh[b]
+        assert torch.equal(new.view(torch.int16), expected.view(torch.int16))
+
+
+@pytest.mark.parametrize("slots", [16, 64])
+def test_paged_cache_through_a_shuffled_block_table(slots, device):
+    args = _case(2, 2, 6, 2, 64, 160, [0, 101], device, slots=slots, seed=slots)
+    _, _, before, after = _check(args, causal=True)
+    q, k_cache, _, k, _, _, table = args
+    block, slot = int(table[1, 101 // slots]), 101 % slots
+    assert torch.equal(after[0][block, slot], k[1, 0])  # the first new token of sequence 1
+    changed = (after[0] != before[0]) & ~(torch.isnan(after[0]) & torch.isnan(before[0]))
+    assert int(changed.any(-1).any(-1).sum()) == 2 + 2  # two tokens each of two sequences, nothing else
+
+
+def test_attending_the_cache_alone_windows_and_soft_caps(device):
+    """No append (the lengths are the keys), full and causal masks, a window, a soft cap."""
+    args = _case(2, 2, 2, 2, 32, 80, [80, 45], device, seed=5)
+    _check(args, append=False, causal=False)
+    _check(args, append=False, causal=True, window=(20, -1), softcap=3.0)
+
+
+def test_forced_splits_agree_with_one_split(device):
+    """Three key splits folded by their lse give the single split's output and lse."""
+    args = _case(2, 1, 4, 1, 32, 200, [200, 130], device, seed=7)
+    one, lse_one, _, _ = _check(args, append=False, num_splits=1)
+    three, lse_three, _, _ = _check(args, append=False, num_splits=3)
+    torch.testing.assert_close(three.float(), one.float(), atol=2e-2, rtol=0)
+    torch.testing.assert_close(lse_three, lse_one, atol=1e-4, rtol=1e-5)
+
+
+def test_the_split_rule_fills_the_sms_from_shapes_alone():
+    assert decode.default_splits(64, 8, 8192, "cpu") == 1  # 512 programs: every SM busy
+    assert decode.default_splits(1, 8, 8192, "cpu") == 32  # 8 programs: about two an SM
+    assert decode.default_splits(1, 8, 300, "cpu") == 2  # a short cache: 256 keys a split at least
+    assert decode.default_splits(1, 1, 10**6, "cpu") == decode.MAX_SPLITS
+
+
+def test_the_custom_op_and_a_gradient(device):
+    q, k_cache, v_cache, k, v, seqlens, _ = _case(1, 1, 2, 1, 16, 32, [5], device, seed=9)
+    q.requires_grad_(True)
+    out = tritonkit.flash_attention_with_kvcache(q, k_cache, v_cache, k, v, seqlens)
+    with pytest.raises(RuntimeError, match="has no backward: decoding needs none"):
+        out.sum().backward()
+    schema = str(decode._decode.custom_op._opoverload._schema)  # it names what it writes
+    for written in ("k_cache", "v_cache", "out", "lse"):
+        assert f"!) {written}" in schema, schema
+    q = q.detach()
+    with recording_calls() as calls:
+        tritonkit.flash_attention_with_kvcache(q, k_cache, v_cache, k, v, seqlens)
+    ((custom, args),) = calls
+    torch.library.opcheck(custom, args)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda a: a.update(q=a["q"].float()), "q must be one of"),
+        (lambda a: a.update(q=a["q"][:, :, :3]), "q's 3 heads must be a multiple of the cache's 2"),
+        (lambda a: a.update(v=None), "give both or neither"),
+        (lambda a: a.update(cache_seqlens=None), "needs cache_seqlens"),
+        (lambda a: a.update(cache_seqlens=a["cache_seqlens"].long()), "cache_seqlens must be one of"),
+        (lambda a: a.update(window=(-2, 0)), "window must be"),
+        (lambda a: a.update(num_splits=-1), "num_splits must be >= 0"),
+        (lambda a: a.update(k=a["k"][:, :, :1]), "k must be \\(B, Sq, Hkv, D\\)"),
+    ],
+)
+def test_bad_input_is_refused_by_name(change, message, device):
+    q, k_cache, v_cache, k, v, seqlens, _ = _case(2, 1, 4, 2, 16, 32, [3, 4], device)
+    args = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "cache_seqlens": seqlens}
+    change(args)
+    with pytest.raises((TypeError, ValueError), match=message):
+        tritonkit.flash_attention_with_kvcache(**args)
