@@ -65,7 +65,7 @@ def check(q, k, v, grads=True, seed=100, **kwargs):
 # Sq < Sk and Sq > Sk (rows that see no key when causal), one query, GQA and MQA
 SHAPES = [
     (1, 2, 2, 37, 37, 64),
-    (2, 4, 2, 20, 45, 32),
+    (2, 4, 2, 20, 29, 32),
     (1, 4, 1, 45, 20, 128),
     (1, 2, 2, 1, 33, 64),
     (1, 3, 3, 33, 1, 32),
@@ -505,7 +505,7 @@ def test_a_block_ahead_gives_the_same_bits(seq_q, seq_k, scores, device):
     not its arithmetic: the same output and lse bits as the plain loop (the config the interpreter
     runs, whose answers test_matches_the_reference checks), GQA, ragged lengths, inner ranges of
     zero, one and several blocks."""
-    q, k, v = qkv(1, 4, 2, seq_q, seq_k, 32, torch.bfloat16, device, seed=7)
+    q, k, v = qkv(1, 2, 1, seq_q, seq_k, 32, torch.bfloat16, device, seed=7)
     plain = dict(af.INTERPRETER_CONFIG)
     with testing.poisoned_outputs():
         o, lse = af.attention_fwd(q, k, v, scores, config=plain)
