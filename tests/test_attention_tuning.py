@@ -219,7 +219,7 @@ def test_tuning_the_atomic_backward_leaves_dq_alone(monkeypatch, tmp_path, devic
         "time_ms",
         lambda problem, config: (timed.append(config), time_ms(problem, config))[1],
     )
-    q, k, v = qkv(1, 2, 1, 40, 33, 32, torch.bfloat16, device, seed=10)
+    q, k, v = qkv(1, 2, 1, 20, 33, 32, torch.bfloat16, device, seed=10)
     check(q, k, v, causal=True, deterministic=False)
     assert timed, "the dK/dV tuner timed no candidate"
 
