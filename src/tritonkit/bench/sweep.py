@@ -93,7 +93,8 @@ def untuned_calls() -> Iterator[None]:
 
 
 # The sweep's timing protocol: memory-bound kernels of microseconds to a few milliseconds, whose
-# power draw stays far under the cap that timing.WARMUP_MS (250 ms) waits out for large matmuls.
+# power draw is expected (not yet measured) to stay under the cap that timing.WARMUP_MS (250 ms)
+# waits out for large matmuls.
 # 25 ms of warm-up and 50 of repetitions are hundreds of calls at every shape of the sweep but the
 # largest (a 2^28-entry backward is about 1 ms); the case then costs about a quarter of the tables'.
 SWEEP_WARMUP_MS, SWEEP_REP_MS = 25, 50

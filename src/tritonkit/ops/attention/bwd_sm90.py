@@ -209,12 +209,11 @@ def launches(
     causal,
     upper_offset,
     deterministic,
-    config=None,
+    config,
 ) -> list[Launch]:
     """The kernel's launch for checked, TMA-ready arguments (``attention_bwd_sm90``'s): one program
     per BLOCK_N keys of a (batch, key/value head), a one-dimensional grid in ``order``'s order."""
     (batch, heads_q, seq_q, head_dim), (_, heads_kv, seq_k, _) = q.shape, k.shape
-    config = config or default_config(head_dim, deterministic)
     # shared_dq: each warpgroup adds D / 2 columns of a dq tile; at D = 64 K (and dK, which leaves
     # through K's buffer) takes a 64-byte swizzle, so that 32 columns of its tile slice
     k_swizzle = 64 if config.shared_dq and head_dim == 64 else None
