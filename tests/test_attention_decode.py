@@ -6,6 +6,8 @@ under the CPU interpreter."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -39,9 +41,11 @@ def _case(batch, seq_q, heads_q, heads_kv, head_dim, cache, lengths, device, slo
         shape = (batch * per_sequence + 2, slots, heads_kv, head_dim)
     k_cache, v_cache = (testing.random_tensor(shape, BF16, device, generator=g) for _ in "kv")
     for b, length in enumerate(lengths):  # NaN past each sequence's cached keys
-        for position in range(length, per_sequence * slots if slots else cache):
-            block, slot = (int(table[b, position // slots]), position % slots) if slots else (b, position)
-            k_cache[block, slot] = v_cache[block, slot] = float("nan")
+        positions = torch.arange(length, per_sequence * slots if slots else cache, device=device)
+        blocks, slots_of = (
+            (table[b, positions // slots].long(), positions % slots) if slots else (b, positions)
+        )
+        k_cache[blocks, slots_of] = v_cache[blocks, slots_of] = float("nan")
     return q, k_cache, v_cache, k, v, seqlens, table
 
 
@@ -113,6 +117,13 @@ def test_forced_splits_agree_with_one_split(device):
     torch.testing.assert_close(lse_three, lse_one, atol=1e-4, rtol=1e-5)
 
 
+def test_a_chunk_of_new_tokens_over_several_row_blocks(device):
+    """17 new tokens of a GQA group of 4: 68 rows, over two programs of MAX_ROWS, two key splits."""
+    assert decode.MAX_ROWS < 4 * 17
+    args = _case(1, 17, 4, 1, 16, 48, [20], device, seed=11)
+    _check(args, causal=True, num_splits=2)
+
+
 def test_the_split_rule_fills_the_sms_from_shapes_alone():
     assert decode.default_splits(64, 8, 8192, "cpu") == 1  # 512 programs: every SM busy
     assert decode.default_splits(1, 8, 8192, "cpu") == 32  # 8 programs: about two an SM
@@ -155,3 +166,103 @@ def test_bad_input_is_refused_by_name(change, message, device):
     change(args)
     with pytest.raises((TypeError, ValueError), match=message):
         tritonkit.flash_attention_with_kvcache(**args)
+
+
+# ---------------------------------------------------------------- on the H200
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "batch, seq_q, heads_q, heads_kv, head_dim, cache, slots, splits",
+    [
+        (4, 1, 32, 8, 128, 8192, None, 0),  # one split a program at B x Hkv = 32: the rule's splits
+        (4, 4, 32, 8, 128, 8192, 64, 0),  # speculative tokens, paged
+        (2, 1, 32, 32, 128, 2048, 256, 1),  # MHA, blocks of 256, forced to one split
+        (1, 1, 32, 8, 128, 32768, None, 0),  # B = 1: the rule's 32 splits
+        (3, 2, 16, 2, 64, 3001, 16, 5),  # D = 64, an odd cache, blocks of 16, five splits
+    ],
+)
+def test_gpu_large_caches_match_the_reference(
+    batch, seq_q, heads_q, heads_kv, head_dim, cache, slots, splits, device
+):
+    """Ragged lengths from 0 to full, the new tokens appended, bf16 against float64."""
+    lengths = [0, cache - seq_q, cache // 3][:batch] + [cache // 2 + 7] * max(0, batch - 3)
+    args = _case(batch, seq_q, heads_q, heads_kv, head_dim, cache, lengths, device, slots=slots)
+    _check(args, causal=True, num_splits=splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("slots", [None, 64], ids=["contiguous", "paged"])
+def test_gpu_a_cuda_graph_replays_with_new_lengths_and_tables(slots, device):
+    """One call with its append, captured once; replayed with new lengths, new tokens and (paged) a
+    new block table, each replay gives what an eager call on the same state gives, and the reference's
+    output within the oracle's rule."""
+    q, k_cache, v_cache, k, v, seqlens, table = _case(3, 1, 8, 2, 128, 1024, [10, 500, 900], device, slots)
+    call = functools.partial(tritonkit.flash_attention_with_kvcache, return_lse=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call(q, k_cache.clone(), v_cache.clone(), k, v, seqlens, table)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = call(q, k_cache, v_cache, k, v, seqlens, table)
+    g = testing.generator(3)
+    for step, lengths in enumerate([[11, 0, 1000], [700, 3, 64], [1023, 1023, 512]]):
+        for t in (q, k, v):
+            t.copy_(testing.random_tensor(t.shape, BF16, device, generator=g))
+        seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        if table is not None:
+            table.copy_(table[torch.randperm(3, generator=torch.Generator().manual_seed(step))])
+        cache_before = k_cache.clone(), v_cache.clone()
+        graph.replay()
+        eager_cache = [c.clone() for c in cache_before]
+        eager_out, eager_lse = call(q, *eager_cache, k, v, seqlens, table)
+        assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
+        assert torch.equal(k_cache, eager_cache[0]) and torch.equal(v_cache, eager_cache[1])
+        exact = decode.kvcache_reference(
+            q.double(), *(c.double() for c in cache_before), k.double(), v.double(), seqlens, table
+        )
+        expected = decode.kvcache_reference(q, *cache_before, k, v, seqlens, table)
+        assert compare("out", out, expected, exact, BF16).passed, step
+
+
+@pytest.mark.gpu
+def test_gpu_a_decode_loop_equals_flash_attention_on_the_whole_sequence(device):
+    """A paged cache filled with a prompt, then steps of one new token (and two of four, as
+    speculative decoding verifies), each appended by the call: at every step the output is
+    flash_attention's over the sequence so far, the new tokens last (causal, bottom-right)."""
+    heads_q, heads_kv, head_dim, slots = 16, 4, 128, 64
+    prompts, steps = [300, 517], [1] * 12 + [4, 4]
+    g = testing.generator(4)
+    capacity = max(prompts) + sum(steps)
+    per_sequence = -(-capacity // slots)
+    table = torch.randperm(2 * per_sequence, generator=torch.Generator().manual_seed(4)).view(2, -1)
+    table = table.to(torch.int32).to(device)
+    keys, values = (
+        [testing.random_tensor((p, heads_kv, head_dim), BF16, device, generator=g) for p in prompts]
+        for _ in "kv"
+    )
+    k_cache, v_cache = (
+        torch.full((2 * per_sequence, slots, heads_kv, head_dim), float("nan"), dtype=BF16, device=device)
+        for _ in "kv"
+    )
+    for b, length in enumerate(prompts):
+        positions = torch.arange(length, device=device)
+        blocks = table[b, positions // slots].long()
+        k_cache[blocks, positions % slots], v_cache[blocks, positions % slots] = keys[b], values[b]
+    seqlens = torch.tensor(prompts, dtype=torch.int32, device=device)
+    for seq_q in steps:
+        q = testing.random_tensor((2, seq_q, heads_q, head_dim), BF16, device, generator=g)
+        k, v = (
+            testing.random_tensor((2, seq_q, heads_kv, head_dim), BF16, device, generator=g) for _ in "kv"
+        )
+        out = tritonkit.flash_attention_with_kvcache(q, k_cache, v_cache, k, v, seqlens, table)
+        for b in range(2):
+            keys[b], values[b] = torch.cat([keys[b], k[b]]), torch.cat([values[b], v[b]])
+            whole = tritonkit.flash_attention(
+                q[b : b + 1].transpose(1, 2), keys[b][None].transpose(1, 2), values[b][None].transpose(1, 2),
+                causal=True,
+            )  # fmt: skip
+            torch.testing.assert_close(out[b : b + 1].transpose(1, 2), whole, atol=1e-2, rtol=1e-2)
+        seqlens += seq_q

@@ -12,9 +12,10 @@ Layout. q and the output (B, Sq, Hq, D); a contiguous cache (B, S_cache, Hkv, D)
 block_size]`` at slot j % block_size. Both are addressed as (block, slot, head): a contiguous
 cache is a paged one of one block a sequence. The lse is (B, Hq, Sq) fp32, natural log.
 
-Kernel. One program a (key split, batch, key/value head): its rows are every query token of every
-query head of the head's GQA group (GROUP x Sq of them, padded to 16 for tl.dot), so that each
-cached key and value is read once for the group. It walks its split's keys BLOCK_N at a time,
+Kernel. One program a (key split, batch, key/value head, block of rows): its rows are the query
+tokens of the query heads of the head's GQA group (GROUP x Sq of them, padded to 16 for tl.dot, at
+most MAX_ROWS a program), so that at decode's few tokens each cached key and value is read once for
+the group. It walks its split's keys BLOCK_N at a time,
 gathering a paged block's slots through the block table. With one split it writes the output;
 with several each writes its normalised partial output and lse, and a second kernel folds the
 splits together by their lse (``merge.py``'s fold of two parts, over any number of them).
@@ -38,6 +39,7 @@ from tritonkit.ops.attention.common import Scores, _exponent, _visible, attentio
 
 BLOCK_N = 64  # keys a step
 MIN_ROWS = 16  # tl.dot's least M: a program's rows (GROUP x Sq) pad to this
+MAX_ROWS = 64  # rows a program at most: more (a long chunk of new tokens) take more programs
 MIN_SPLIT_KEYS = 256  # keys a split takes at least, where the rule splits
 MAX_SPLITS = 64
 DTYPES = (torch.float16, torch.bfloat16)
@@ -91,7 +93,8 @@ def _decode_kernel(
     split = tl.program_id(0)
     pair = tl.program_id(1)
     batch, kv_head = pair // HEADS_KV, pair % HEADS_KV
-    rows = tl.arange(0, BLOCK_R)  # row r: query head kv_head * GROUP + r // Sq, token r % Sq
+    # row r: query head kv_head * GROUP + r // Sq, token r % Sq
+    rows = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     token, group = rows % SEQ_Q, rows // SEQ_Q
     row_ok = rows < GROUP * SEQ_Q
     head = kv_head * GROUP + group
@@ -178,11 +181,12 @@ def _combine_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """The splits of one (batch, key/value head) folded by their lse: o = sum_s w_s o_s / sum_s w_s
-    with w_s = exp(lse_s - max lse), lse = max + log(sum w); a split that saw no key weighs 0."""
+    """The splits of one (batch, key/value head, block of rows) folded by their lse: o = sum_s w_s
+    o_s / sum_s w_s with w_s = exp(lse_s - max lse), lse = max + log(sum w); a split that saw no key
+    weighs 0."""
     pair = tl.program_id(0)
     batch, kv_head = pair // HEADS_KV, pair % HEADS_KV
-    rows = tl.arange(0, BLOCK_R)
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < GROUP * SEQ_Q
     dims = tl.arange(0, BLOCK_D)
     mask = row_ok[:, None] & (dims[None, :] < HEAD_DIM)
@@ -328,12 +332,13 @@ def _decode(
     (_, _, score_scale, cap_log2), flags = Scores(scale, causal, True, (left, right), softcap).kernel_args(
         1, 1
     )
-    block_r = max(MIN_ROWS, next_power_of_2(group * seq_q))
+    block_r = min(max(MIN_ROWS, next_power_of_2(group * seq_q)), MAX_ROWS)
+    row_blocks = cdiv(group * seq_q, block_r)
     block_d = max(16, next_power_of_2(head_dim))
     final = splits == 1
     q = q if q.stride(-1) == 1 else q.contiguous()
     _decode_launcher(
-        (splits, batch * heads_kv),
+        (splits, batch * heads_kv, row_blocks),
         q, k_cache, v_cache, cache_seqlens, block_table,
         out if final else part, lse if final else part_lse,
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *out.stride()[:3],
@@ -346,7 +351,7 @@ def _decode(
     )  # fmt: skip
     if not final:
         _combine_launcher(
-            (batch * heads_kv,),
+            (batch * heads_kv, row_blocks),
             part, part_lse, out, lse, *out.stride()[:3], splits, heads_kv, seq_q, head_dim,
             GROUP=group, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4,
         )  # fmt: skip

@@ -1,0 +1,215 @@
+"""Decode attention over a KV cache on the H200: ``tritonkit.flash_attention_with_kvcache`` against
+SDPA's cuDNN and flash backends (and, with ``--flex``, compiled FlexAttention), in one process, bf16.
+
+    python benchmarks/decode_attention.py OUT.json [--deadline SECONDS] [--flex] [--skip-step]
+
+Rows: issue 28's shapes (B, Hq, Hkv, S_cache, D), one new query token (four at one shape), every
+sequence's cache full. tritonkit reads a contiguous cache (B, S, Hkv, D) and a paged one (blocks of
+64 slots, a shuffled block table), with the lengths in ``cache_seqlens``; "tritonkit+append" also
+writes the step's new keys and values (the cache's last Sq slots) inside the call, as a decode step
+does. The peers read (B, Hkv, S, D) caches, their own layout, the new tokens aligned bottom-right
+(one token: no mask; four: SDPA's lower-right causal bias).
+
+Each time is a median in ms, two ways: ``graph`` replays the call from a CUDA graph
+(``tritonkit.bench.timing.kernel_ms``: L2 flushed, warm-up first), what a serving loop replays;
+``eager`` is ``triton.testing.do_bench`` over the plain call, the host path included. TB/s is the
+K + V bytes read over the graph time; ``copy_tbps`` is a device copy moving as many bytes (half read,
+half written) in the same run, the speed of light at that size. Each row gives tritonkit's largest
+output difference from cuDNN's (or the first peer that ran). Unless ``--skip-step``, a last row
+times a Llama-3-8B-shaped decode step's attention: 32 layers' calls at B = 16, 4096 cached tokens,
+each layer its own cache, replayed from one CUDA graph, against the same with cuDNN SDPA.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton.testing
+from attention_bwd_sm90 import deadline, result_header
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
+
+import tritonkit
+from tritonkit.bench import runner, timing
+
+SHAPES = [  # ((B, Hq, Hkv, S_cache, D), Sq)
+    ((1, 32, 8, 8192, 128), 1),
+    ((16, 32, 8, 8192, 128), 1),
+    ((32, 32, 8, 8192, 128), 1),
+    ((64, 32, 32, 2048, 128), 1),
+    ((8, 32, 8, 32768, 128), 1),
+    ((16, 32, 8, 8192, 128), 4),
+]
+SLOTS = 64  # the paged cache's block size
+STEP = ((16, 32, 8, 4096, 128), 32)  # a decode step of Llama-3-8B: (shape, layers)
+
+
+def _inputs(shape, seq_q, g) -> dict:
+    batch, heads_q, heads_kv, seq, head_dim = shape
+
+    def randn(*size):
+        return torch.randn(*size, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    q = randn(batch, seq_q, heads_q, head_dim)
+    k_cache, v_cache = randn(batch, seq, heads_kv, head_dim), randn(batch, seq, heads_kv, head_dim)
+    per_sequence = seq // SLOTS
+    order = torch.randperm(batch * per_sequence, device="cuda", generator=g)
+    table = order.view(batch, per_sequence).to(torch.int32)
+    paged_k, paged_v = (
+        torch.empty(batch * per_sequence, SLOTS, heads_kv, head_dim, **_like(q)) for _ in "kv"
+    )
+    paged_k[table.long()] = k_cache.view(batch, per_sequence, SLOTS, heads_kv, head_dim)
+    paged_v[table.long()] = v_cache.view(batch, per_sequence, SLOTS, heads_kv, head_dim)
+    return {
+        "q": q,
+        "k_cache": k_cache,
+        "v_cache": v_cache,
+        "paged": (paged_k, paged_v, table),
+        "full": torch.full((batch,), seq, dtype=torch.int32, device="cuda"),
+        "before_new": torch.full((batch,), seq - seq_q, dtype=torch.int32, device="cuda"),
+        "new": (k_cache[:, seq - seq_q :].clone(), v_cache[:, seq - seq_q :].clone()),
+        # the peers' layout: (B, H, S, D) contiguous
+        "peer": tuple(t.transpose(1, 2).contiguous() for t in (q, k_cache, v_cache)),
+    }
+
+
+def _like(t) -> dict:
+    return {"device": t.device, "dtype": t.dtype}
+
+
+def _providers(x: dict, seq_q: int, flex: bool) -> dict:
+    """name -> a no-argument call returning the output as (B, Sq, Hq, D)."""
+    q, (pk, pv, table) = x["q"], x["paged"]
+    calls = {
+        "tritonkit": lambda: tritonkit.flash_attention_with_kvcache(
+            q, x["k_cache"], x["v_cache"], cache_seqlens=x["full"]
+        ),
+        "tritonkit-paged": lambda: tritonkit.flash_attention_with_kvcache(
+            q, pk, pv, cache_seqlens=x["full"], block_table=table
+        ),
+        # rewrites the cache's last Sq slots with what they hold: the same state each repetition
+        "tritonkit+append": lambda: tritonkit.flash_attention_with_kvcache(
+            q, x["k_cache"], x["v_cache"], *x["new"], cache_seqlens=x["before_new"]
+        ),
+    }
+    pq, pk_, pv_ = x["peer"]
+    mask = causal_lower_right(seq_q, pk_.shape[2]) if seq_q > 1 else None
+    gqa = pq.shape[1] != pk_.shape[1]
+    for name, backend in (
+        ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION),
+        ("sdpa-flash", SDPBackend.FLASH_ATTENTION),
+    ):
+
+        def sdpa(backend=backend):
+            with sdpa_kernel(backend):
+                o = torch.nn.functional.scaled_dot_product_attention(
+                    pq, pk_, pv_, attn_mask=mask, enable_gqa=gqa
+                )
+            return o.transpose(1, 2)
+
+        calls[name] = sdpa
+    if flex:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        compiled = torch.compile(flex_attention)
+        seq = pk_.shape[2]
+        block_mask = (
+            create_block_mask(lambda b, h, i, j: j <= i + seq - seq_q, None, None, seq_q, seq)
+            if seq_q > 1
+            else None
+        )
+        calls["flex"] = lambda: compiled(pq, pk_, pv_, block_mask=block_mask, enable_gqa=gqa).transpose(1, 2)
+    return calls
+
+
+def _row(shape, seq_q: int, flex: bool) -> dict:
+    batch, heads_q, heads_kv, seq, head_dim = shape
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = _inputs(shape, seq_q, g)
+    kv_bytes = 2 * batch * heads_kv * seq * head_dim * 2
+    row = {"shape": list(shape), "seq_q": seq_q, "dtype": "bf16", "kv_bytes": kv_bytes}
+    row |= {"graph_ms": {}, "eager_ms": {}, "tbps": {}, "errors": {}, "method": {}}
+    outputs = {}
+    for name, call in _providers(x, seq_q, flex).items():
+        try:
+            outputs[name] = call().float()
+            (_, median, _), method = timing.kernel_ms([lambda call=call: call])
+            row["graph_ms"][name], row["method"][name] = median, method
+            row["eager_ms"][name] = triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median")
+            row["tbps"][name] = kv_bytes / median / 1e9
+        except Exception as error:  # a peer that cannot take the case: its reason, the others run on
+            row["errors"][name] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+        torch.cuda.synchronize()
+    peers = [n for n in outputs if not n.startswith("tritonkit")]
+    if peers:
+        reference = outputs[peers[0]]
+        row["max_err_vs"] = peers[0]
+        row["max_err"] = {n: (o - reference).abs().max().item() for n, o in outputs.items() if n != peers[0]}
+    row["copy_tbps"] = kv_bytes / runner._copy_ms(kv_bytes) / 1e9
+    best = min((ms for n, ms in row["graph_ms"].items() if not n.startswith("tritonkit")), default=None)
+    row["vs_best_peer"] = {n: best / ms for n, ms in row["graph_ms"].items()} if best else {}
+    row["of_copy"] = {n: tbps / row["copy_tbps"] for n, tbps in row["tbps"].items()}
+    return row
+
+
+def _step_row() -> dict:
+    """32 layers' attention calls of one decode step, each on its own cache, in one CUDA graph."""
+    (batch, heads_q, heads_kv, seq, head_dim), layers = STEP
+    g = torch.Generator(device="cuda").manual_seed(1)
+    caches = [_inputs((batch, heads_q, heads_kv, seq, head_dim), 1, g) for _ in range(layers)]
+    for x in caches:
+        del x["paged"]  # the step reads contiguous caches; free the paged copies
+    steps = {
+        "tritonkit": lambda: [
+            tritonkit.flash_attention_with_kvcache(
+                x["q"], x["k_cache"], x["v_cache"], *x["new"], x["before_new"]
+            )
+            for x in caches
+        ],
+        "sdpa-cudnn": lambda: [_cudnn(*x["peer"]) for x in caches],
+    }
+    row = {"step": {"shape": list(STEP[0]), "layers": layers}, "graph_ms": {}}
+    for name, call in steps.items():
+        (_, median, _), method = timing.kernel_ms([lambda call=call: call])
+        row["graph_ms"][name], row["method"] = median, method
+    row["vs_cudnn"] = row["graph_ms"]["sdpa-cudnn"] / row["graph_ms"]["tritonkit"]
+    return row
+
+
+def _cudnn(q, k, v):
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def main() -> None:
+    out, stop = sys.argv[1], deadline()
+    result = result_header(
+        "decode_attention",
+        "decode_attention.py",
+        "graph: tritonkit.bench.timing.kernel_ms; "
+        "eager: triton.testing.do_bench median (warmup 25 ms, rep 100 ms), L2 flushed",
+    )
+    for shape, seq_q in SHAPES:
+        if time.time() > stop:
+            break
+        row = _row(shape, seq_q, "--flex" in sys.argv)
+        result["rows"].append(row)
+        summary = "  ".join(
+            f"{n} {ms * 1e3:.0f}us {row['tbps'][n]:.2f}TB/s" for n, ms in row["graph_ms"].items()
+        )
+        print(f"{shape} Sq {seq_q} (copy {row['copy_tbps']:.2f} TB/s): {summary} {row['errors']}", flush=True)
+        Path(out).write_text(json.dumps(result, indent=1))
+        torch.cuda.empty_cache()
+    if "--skip-step" not in sys.argv and time.time() <= stop:
+        row = _step_row()
+        result["rows"].append(row)
+        print(f"decode step {row['step']}: {row['graph_ms']} ({row['vs_cudnn']:.2f}x cuDNN)", flush=True)
+        Path(out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
