@@ -124,6 +124,27 @@ def test_a_chunk_of_new_tokens_over_several_row_blocks(device):
     _check(args, causal=True, num_splits=2)
 
 
+def test_overrun_caches_and_missing_blocks_give_nan_without_a_sync(device):
+    """Sequence 0's new tokens would run past its cache; sequence 1's table names a block the cache
+    lacks: each gets NaN (outputs and lse), nothing is written past the cache or through the missing
+    block, and sequence 2 is unharmed."""
+    q, k_cache, v_cache, k, v, seqlens, table = _case(3, 2, 2, 1, 16, 64, [63, 20, 9], device, slots=16)
+    table[1, 0] = k_cache.shape[0]  # one past the last block
+    before = k_cache.clone()
+    out, lse = tritonkit.flash_attention_with_kvcache(
+        q, k_cache, v_cache, k, v, seqlens, table, return_lse=True
+    )
+    assert out[:2].isnan().all() and lse[:2].isnan().all()
+    assert not out[2].isnan().any() and not lse[2].isnan().any()
+    last = int(table[0, 3])  # sequence 0's last block: its final slot takes the first new token
+    assert torch.equal(k_cache[last, 15], k[0, 0])
+    unchanged = torch.ones(k_cache.shape[:2], dtype=torch.bool, device=device)
+    unchanged[last, 15] = False
+    unchanged[table[1, 1], 4:6] = False  # sequence 1's new tokens (its block 1 exists)
+    unchanged[table[2, 0], 9:11] = False  # sequence 2's
+    assert torch.equal(k_cache[unchanged].view(torch.int16), before[unchanged].view(torch.int16))
+
+
 def test_the_split_rule_fills_the_sms_from_shapes_alone():
     assert decode.default_splits(64, 8, 8192, "cpu") == 1  # 512 programs: every SM busy
     assert decode.default_splits(1, 8, 8192, "cpu") == 32  # 8 programs: about two an SM
@@ -197,7 +218,9 @@ def test_gpu_a_cuda_graph_replays_with_new_lengths_and_tables(slots, device):
     """One call with its append, captured once; replayed with new lengths, new tokens and (paged) a
     new block table, each replay gives what an eager call on the same state gives, and the reference's
     output within the oracle's rule."""
-    q, k_cache, v_cache, k, v, seqlens, table = _case(3, 1, 8, 2, 128, 1024, [10, 500, 900], device, slots)
+    # every slot holds a key (no NaN past the first lengths: the replays attend to more of them)
+    q, k_cache, v_cache, k, v, seqlens, table = _case(3, 1, 8, 2, 128, 1024, [1024] * 3, device, slots)
+    seqlens.copy_(torch.tensor([10, 500, 900], dtype=torch.int32))
     call = functools.partial(tritonkit.flash_attention_with_kvcache, return_lse=True)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

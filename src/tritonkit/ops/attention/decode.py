@@ -38,6 +38,8 @@ from tritonkit.opdef import check_tensor, op
 from tritonkit.ops.attention.common import Scores, _exponent, _visible, attention_reference, softmax_scale
 
 BLOCK_N = 64  # keys a step
+NUM_WARPS = 4
+NUM_STAGES = 3  # loads in flight a program: the key/value blocks ahead of the one in use
 MIN_ROWS = 16  # tl.dot's least M: a program's rows (GROUP x Sq) pad to this
 MAX_ROWS = 64  # rows a program at most: more (a long chunk of new tokens) take more programs
 MIN_SPLIT_KEYS = 256  # keys a split takes at least, where the rule splits
@@ -46,33 +48,66 @@ DTYPES = (torch.float16, torch.bfloat16)
 
 
 @triton.jit
+def _attend(q, k, v, cols, bound, token, row_ok, m_i, l_i, acc, upper, lower, score_scale, cap_log2,
+            IS_CAUSAL: tl.constexpr, HAS_LOWER: tl.constexpr, SOFTCAP: tl.constexpr,
+            EXACT_DOT_IN_FP32: tl.constexpr):  # fmt: skip
+    """One block of keys ``cols`` (those at or past ``bound`` masked) folded into the running max
+    ``m_i`` (log2 units), sum ``l_i`` and output ``acc`` of each row."""
+    x, _ = _exponent(
+        dot_fp32(q, tl.trans(k), EXACT_DOT_IN_FP32=EXACT_DOT_IN_FP32), score_scale, cap_log2, SOFTCAP
+    )
+    visible = _visible(token[:, None], cols[None, :], bound, upper, lower, IS_CAUSAL, HAS_LOWER)
+    x = tl.where(visible & row_ok[:, None], x, -float("inf"))
+    m_new = tl.maximum(m_i, tl.max(x, 1))
+    m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # a row that sees nothing yet
+    p = tl.exp2(x - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + dot_fp32(p.to(v.dtype), v, EXACT_DOT_IN_FP32=EXACT_DOT_IN_FP32)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _cache_slots(table_ptr, batch, n, cols, col_ok, stride_tb, SLOTS, NUM_BLOCKS, PAGED: tl.constexpr,
+                 PAGE_A_STEP: tl.constexpr):  # fmt: skip
+    """(block, slot, ok) of cache positions ``cols`` of sequence ``batch``: ok where the position is
+    wanted (``col_ok``) and its block exists. PAGE_A_STEP: ``cols`` lie in one page (block sizes a
+    multiple of BLOCK_N, ``n`` a multiple of it), whose table entry is read once."""
+    if PAGED:
+        row = table_ptr + batch.to(tl.int64) * stride_tb
+        if PAGE_A_STEP:
+            block = tl.load(row + n // SLOTS) + cols * 0
+        else:
+            block = tl.load(row + cols // SLOTS, mask=col_ok, other=0)
+        return block, cols % SLOTS, col_ok & (block >= 0) & (block < NUM_BLOCKS)
+    else:
+        return batch + cols * 0, cols, col_ok
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr,  # (B, Sq, Hq, D)
     k_ptr,  # cache (blocks, slots, Hkv, D): (B, S_cache) contiguous, or paged
     v_ptr,
+    k_new_ptr,  # HAS_NEW: (B, Sq, Hkv, D), the keys appended at cached..cached + Sq - 1
+    v_new_ptr,
     seqlens_ptr,  # int32 (B,): cached tokens (HAS_SEQLENS), else every sequence S_MAX
     table_ptr,  # PAGED: int32 (B, blocks a sequence), strides stride_tb, 1
     out_ptr,  # FINAL: the output, q's layout and dtype; else the fp32 partials (splits, B x Hkv, R, D)
     lse_ptr,  # FINAL: fp32 (B, Hq, Sq) contiguous; else the partials' (splits, B x Hkv, R)
-    stride_qb,
-    stride_qs,
-    stride_qh,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_vb,
-    stride_vs,
-    stride_vh,
-    stride_ob,
-    stride_os,
-    stride_oh,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_nkb, stride_nks, stride_nkh,
+    stride_nvb, stride_nvs, stride_nvh,
+    stride_ob, stride_os, stride_oh,
     stride_tb,
     HEADS_KV,
     SEQ_Q,  # new query tokens a sequence
-    S_MAX,  # keys a sequence may hold (the contiguous cache's S_cache)
+    S_MAX,  # keys a sequence may hold (the contiguous cache's S_cache, a paged one's table width x SLOTS)
     SLOTS,  # a block's slots (PAGED)
+    NUM_BLOCKS,  # the cache's blocks (PAGED: a table entry outside 0..NUM_BLOCKS - 1 is refused)
     SPLIT_KEYS,  # keys a split walks (a multiple of BLOCK_N)
-    APPENDED,  # keys appended this call (Sq, or 0): L_b = cached + APPENDED
     RIGHT,  # the window's right side (0 causal)
     LEFT,  # the window's left side (HAS_LOWER)
     score_scale,
@@ -83,13 +118,15 @@ def _decode_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr,
+    PAGE_A_STEP: tl.constexpr,  # PAGED with SLOTS a multiple of BLOCK_N
     HAS_SEQLENS: tl.constexpr,
+    HAS_NEW: tl.constexpr,  # k and v appended: L_b = cached + Sq
     IS_CAUSAL: tl.constexpr,
     HAS_LOWER: tl.constexpr,
     SOFTCAP: tl.constexpr,
     FINAL: tl.constexpr,  # one split: write the output itself
     EXACT_DOT_IN_FP32: tl.constexpr,  # the interpreter's (tritonkit.jit.dot_fp32)
-):
+):  # fmt: skip
     split = tl.program_id(0)
     pair = tl.program_id(1)
     batch, kv_head = pair // HEADS_KV, pair % HEADS_KV
@@ -104,47 +141,74 @@ def _decode_kernel(
     q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
 
     if HAS_SEQLENS:
-        keys = tl.minimum(tl.load(seqlens_ptr + batch) + APPENDED, S_MAX)  # never past the cache
+        cached = tl.load(seqlens_ptr + batch)
     else:
-        keys = S_MAX
+        cached = S_MAX
+    if HAS_NEW:
+        keys = cached + SEQ_Q
+    else:
+        keys = cached
     offset = keys - SEQ_Q  # token i sees key j <= i + offset (bottom-right)
+    upper, lower = offset + RIGHT, offset - LEFT
     start = split * SPLIT_KEYS
     end = tl.minimum(start + SPLIT_KEYS, keys)
     m_i = tl.full([BLOCK_R], -float("inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-    for n in range(start, end, BLOCK_N):
+    # the cached keys, from the cache (never past it, even where cache_seqlens says so)
+    cached_end = tl.minimum(tl.minimum(end, cached), S_MAX)
+    refused = tl.full([], 0, tl.int32)  # positions whose block the table does not hold
+    for n in range(start, cached_end, BLOCK_N):
         cols = n + tl.arange(0, BLOCK_N)
-        col_ok = cols < end
-        if PAGED:
-            block = tl.load(table_ptr + batch.to(tl.int64) * stride_tb + cols // SLOTS, mask=col_ok, other=0)
-            slot = cols % SLOTS
-        else:
-            block = batch + cols * 0
-            slot = cols
-        kv_mask = col_ok[:, None] & dim_ok[None, :]
+        block, slot, ok = _cache_slots(
+            table_ptr, batch, n, cols, cols < cached_end, stride_tb, SLOTS, NUM_BLOCKS, PAGED, PAGE_A_STEP
+        )
+        refused += tl.sum(((cols < cached_end) & ~ok).to(tl.int32))
+        mask = ok[:, None] & dim_ok[None, :]
         k_rows = block.to(tl.int64) * stride_kb + slot.to(tl.int64) * stride_ks + kv_head * stride_kh
-        k = tl.load(k_ptr + k_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        x, _ = _exponent(
-            dot_fp32(q, tl.trans(k), EXACT_DOT_IN_FP32=EXACT_DOT_IN_FP32), score_scale, cap_log2, SOFTCAP
-        )
-        visible = _visible(
-            token[:, None], cols[None, :], end, offset + RIGHT, offset - LEFT, IS_CAUSAL, HAS_LOWER
-        )
-        x = tl.where(visible & row_ok[:, None], x, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(x, 1))
-        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # a row that sees nothing yet
-        p = tl.exp2(x - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        k = tl.load(k_ptr + k_rows[:, None] + dims[None, :], mask=mask, other=0.0)
         v_rows = block.to(tl.int64) * stride_vb + slot.to(tl.int64) * stride_vs + kv_head * stride_vh
-        v = tl.load(v_ptr + v_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + dot_fp32(p.to(v.dtype), v, EXACT_DOT_IN_FP32=EXACT_DOT_IN_FP32)
-        m_i = m_new
+        v = tl.load(v_ptr + v_rows[:, None] + dims[None, :], mask=mask, other=0.0)
+        m_i, l_i, acc = _attend(
+            q, k, v, cols, cached_end, token, row_ok, m_i, l_i, acc, upper, lower, score_scale, cap_log2,
+            IS_CAUSAL, HAS_LOWER, SOFTCAP, EXACT_DOT_IN_FP32,
+        )  # fmt: skip
+    if HAS_NEW:  # the new keys, from k and v; the first block of rows also writes them to the cache
+        for n in range(tl.maximum(start, cached), end, BLOCK_N):
+            cols = n + tl.arange(0, BLOCK_N)
+            col_ok = cols < end
+            new = batch.to(tl.int64) * stride_nkb + (cols - cached).to(tl.int64) * stride_nks
+            k = tl.load(
+                k_new_ptr + (new + kv_head * stride_nkh)[:, None] + dims[None, :],
+                mask=col_ok[:, None] & dim_ok[None, :], other=0.0,
+            )  # fmt: skip
+            new = batch.to(tl.int64) * stride_nvb + (cols - cached).to(tl.int64) * stride_nvs
+            v = tl.load(
+                v_new_ptr + (new + kv_head * stride_nvh)[:, None] + dims[None, :],
+                mask=col_ok[:, None] & dim_ok[None, :], other=0.0,
+            )  # fmt: skip
+            if tl.program_id(2) == 0:
+                block, slot, ok = _cache_slots(
+                    table_ptr, batch, n, cols, col_ok & (cols < S_MAX), stride_tb, SLOTS, NUM_BLOCKS, PAGED,
+                    False,
+                )  # fmt: skip
+                mask = ok[:, None] & dim_ok[None, :]
+                k_rows = block.to(tl.int64) * stride_kb + slot.to(tl.int64) * stride_ks + kv_head * stride_kh
+                tl.store(k_ptr + k_rows[:, None] + dims[None, :], k, mask=mask)
+                v_rows = block.to(tl.int64) * stride_vb + slot.to(tl.int64) * stride_vs + kv_head * stride_vh
+                tl.store(v_ptr + v_rows[:, None] + dims[None, :], v, mask=mask)
+            m_i, l_i, acc = _attend(
+                q, k, v, cols, end, token, row_ok, m_i, l_i, acc, upper, lower, score_scale, cap_log2,
+                IS_CAUSAL, HAS_LOWER, SOFTCAP, EXACT_DOT_IN_FP32,
+            )  # fmt: skip
 
+    # A sequence whose keys overrun the cache, or whose table names a block the cache lacks, gets NaN:
+    # checking its lengths or table on the host would cost a sync a call
+    broken = (keys > S_MAX) | (refused > 0)
     seen = l_i > 0.0
-    o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    o = tl.where(broken, float("nan"), acc / tl.where(seen, l_i, 1.0)[:, None])
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) / LOG2E, -float("inf"))
+    lse = tl.where(broken, float("nan"), lse)
     if FINAL:
         o_rows = (
             batch.to(tl.int64) * stride_ob + token.to(tl.int64) * stride_os + head.to(tl.int64) * stride_oh
@@ -282,23 +346,6 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, window, softca
         raise ValueError(f"num_splits must be >= 0 (0: by the rule), got {num_splits}")
 
 
-def _append(k_cache, v_cache, k, v, cache_seqlens, block_table) -> None:
-    """Write the new tokens at positions cache_seqlens[b] + i of each sequence, by index: no host
-    sync, so a CUDA graph replays it with new lengths. A position past the cache is not checked
-    (that would read the lengths on the host): the index fails on the device."""
-    seq_q = k.shape[1]
-    positions = cache_seqlens.long()[:, None] + torch.arange(seq_q, device=k.device)  # (B, Sq)
-    if block_table is None:
-        sequences = torch.arange(k.shape[0], device=k.device)[:, None].expand(-1, seq_q)
-        k_cache[sequences, positions] = k
-        v_cache[sequences, positions] = v
-    else:
-        slots = k_cache.shape[1]
-        blocks = block_table.long().gather(1, positions // slots)
-        k_cache[blocks, positions % slots] = k
-        v_cache[blocks, positions % slots] = v
-
-
 @op("decode_attention", mutates=("k_cache", "v_cache", "out", "lse", "part", "part_lse"))
 def _decode(
     q: torch.Tensor,
@@ -318,11 +365,10 @@ def _decode(
     right: int,
     softcap: float,
 ) -> None:
-    """Append k and v (if given), then attend q to each sequence's keys into ``out`` (q's shape,
-    unit last stride) and ``lse``; ``part`` and ``part_lse`` hold the splits' partials (their
-    first dim is the splits: 1 writes ``out`` directly)."""
-    if k is not None:
-        _append(k_cache, v_cache, k, v, cache_seqlens, block_table)
+    """Attend q to each sequence's keys into ``out`` (q's shape, unit last stride) and ``lse``, k
+    and v (if given) appended to the cache by the kernel as it attends to them; ``part`` and
+    ``part_lse`` hold the splits' partials (their first dim is the splits: 1 writes ``out``
+    directly)."""
     batch, seq_q, heads_q, head_dim = q.shape
     heads_kv, splits = k_cache.shape[2], part.shape[0]
     group = heads_q // heads_kv
@@ -336,18 +382,21 @@ def _decode(
     row_blocks = cdiv(group * seq_q, block_r)
     block_d = max(16, next_power_of_2(head_dim))
     final = splits == 1
-    q = q if q.stride(-1) == 1 else q.contiguous()
+    q, k, v = (t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    new_strides = (*k.stride()[:3], *v.stride()[:3]) if k is not None else (0,) * 6
     _decode_launcher(
         (splits, batch * heads_kv, row_blocks),
-        q, k_cache, v_cache, cache_seqlens, block_table,
+        q, k_cache, v_cache, k, v, cache_seqlens, block_table,
         out if final else part, lse if final else part_lse,
-        *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *out.stride()[:3],
+        *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *new_strides, *out.stride()[:3],
         block_table.stride(0) if paged else 0,
-        heads_kv, seq_q, max_keys, k_cache.shape[1], split_keys, seq_q if k is not None else 0,
+        heads_kv, seq_q, max_keys, k_cache.shape[1], k_cache.shape[0], split_keys,
         0 if causal else max(right, 0), max(left, 0), score_scale, cap_log2, head_dim,
         GROUP=group, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=BLOCK_N, PAGED=paged,
-        HAS_SEQLENS=cache_seqlens is not None, IS_CAUSAL=flags["IS_CAUSAL"], HAS_LOWER=flags["HAS_LOWER"],
-        SOFTCAP=flags["SOFTCAP"], FINAL=final, EXACT_DOT_IN_FP32=interpret(), num_warps=4,
+        PAGE_A_STEP=paged and k_cache.shape[1] % BLOCK_N == 0, HAS_SEQLENS=cache_seqlens is not None,
+        HAS_NEW=k is not None, IS_CAUSAL=flags["IS_CAUSAL"], HAS_LOWER=flags["HAS_LOWER"],
+        SOFTCAP=flags["SOFTCAP"], FINAL=final, EXACT_DOT_IN_FP32=interpret(), num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
     )  # fmt: skip
     if not final:
         _combine_launcher(
@@ -381,7 +430,13 @@ def flash_attention_with_kvcache(
     place and attended to with the rest (the caller advances cache_seqlens). Causal masks align
     bottom-right; ``window`` and ``softcap`` as ``flash_attention``'s. ``num_splits``: key splits
     (0: by ``default_splits``). Returns the output (B, Sq, Hq, D), and with ``return_lse`` the
-    fp32 lse (B, Hq, Sq). Forward only: decoding needs no gradient, and asking for one raises."""
+    fp32 lse (B, Hq, Sq). Forward only: decoding needs no gradient, and asking for one raises.
+
+    No host sync and no allocation that depends on the lengths: a CUDA graph replays a call with
+    new ``cache_seqlens`` and ``block_table`` contents. So what only their values show is not
+    raised but marked: a sequence whose keys (cached plus appended) would overrun its cache, or
+    whose table names a block outside the cache, gets NaN outputs and lse, and nothing is written
+    past its cache."""
     window = tuple(int(w) for w in window)
     num_splits, softcap = int(num_splits), float(softcap)
     _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, window, softcap, num_splits)
@@ -429,8 +484,13 @@ def kvcache_reference(
     (after the append, on copies: the caller's cache is left alone) into (1, Hkv, L_b, D), then
     ``attention_reference``, causal bottom-right. Pass float64 tensors for the oracle's reference."""
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
-    if k is not None:
-        _append(k_cache, v_cache, k, v, cache_seqlens, block_table)
+    slots = k_cache.shape[1]
+    if k is not None:  # the new tokens at positions cache_seqlens[b] + i, one sequence at a time
+        for b in range(q.shape[0]):
+            positions = int(cache_seqlens[b]) + torch.arange(k.shape[1], device=q.device)
+            blocks = positions * 0 + b if block_table is None else block_table[b].long()[positions // slots]
+            slot = positions if block_table is None else positions % slots
+            k_cache[blocks, slot], v_cache[blocks, slot] = k[b], v[b]
     batch, seq_q = q.shape[:2]
     outputs, lses = [], []
     for b in range(batch):
@@ -440,7 +500,6 @@ def kvcache_reference(
         if block_table is None:
             keys, values = k_cache[b, :length], v_cache[b, :length]
         else:
-            slots = k_cache.shape[1]
             index = torch.arange(length, device=q.device)
             blocks = block_table[b].long()[index // slots]
             keys, values = k_cache[blocks, index % slots], v_cache[blocks, index % slots]
