@@ -2,6 +2,7 @@
 SDPA's cuDNN and flash backends (and, with ``--flex``, compiled FlexAttention), in one process, bf16.
 
     python benchmarks/decode_attention.py OUT.json [--deadline SECONDS] [--flex] [--skip-step]
+    python benchmarks/decode_attention.py OUT.json --configs [--deadline SECONDS]
 
 Rows: issue 28's shapes (B, Hq, Hkv, S_cache, D), one new query token (four at one shape), every
 sequence's cache full. tritonkit reads a contiguous cache (B, S, Hkv, D) and a paged one (blocks of
@@ -19,10 +20,15 @@ output difference from cuDNN's (or the first peer that ran). Unless ``--skip-ste
 times a Llama-3-8B-shaped decode step's attention: 32 layers' calls at B = 16, 4096 cached tokens,
 each layer its own cache, the step's token appended to it, replayed from one CUDA graph, against the
 same with cuDNN SDPA, the token written by ``index_copy_`` (and, beside it, SDPA without the write).
+
+``--configs`` times tritonkit alone, at each shape with the contiguous cache (appending) and the
+paged one: every launch config of ``CONFIGS`` at the rule's split count, then the fastest config at
+the split counts of ``_split_counts`` (a short protocol: 10 ms warm-up, 40 ms of repetitions).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 import time
@@ -36,6 +42,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 import tritonkit
 from tritonkit.bench import runner, timing
+from tritonkit.ops.attention import decode
 
 SHAPES = [  # ((B, Hq, Hkv, S_cache, D), Sq)
     ((1, 32, 8, 8192, 128), 1),
@@ -47,6 +54,7 @@ SHAPES = [  # ((B, Hq, Hkv, S_cache, D), Sq)
 ]
 SLOTS = 64  # the paged cache's block size
 STEP = ((16, 32, 8, 4096, 128), 32)  # a decode step of Llama-3-8B: (shape, layers)
+CONFIGS = list(itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4)))  # (BLOCK_N, NUM_WARPS, NUM_STAGES)
 
 
 def _inputs(shape, seq_q, g) -> dict:
@@ -195,8 +203,74 @@ def _cudnn(q, k, v):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1])
 
 
+def _split_counts(pairs: int, rule: int) -> list[int]:
+    """The rule's split count, half and twice it, and the counts that make one, two, four and eight
+    programs an SM (132 SMs) of ``pairs`` (batch x key/value heads)."""
+    waves = [-(-132 * n // pairs) for n in (1, 2, 4, 8)]
+    return sorted(c for c in {1, max(1, rule // 2), rule, 2 * rule, *waves} if c <= decode.MAX_SPLITS * 4)
+
+
+def _config_row(shape, seq_q: int, paged: bool, stop: float) -> dict:
+    """Graph time in us of each (BLOCK_N, warps, stages, splits) tried, keyed "64-4-3-5"."""
+    batch, _, heads_kv, seq, _ = shape
+    x = _inputs(shape, seq_q, torch.Generator(device="cuda").manual_seed(0))
+    rule = decode.default_splits(batch, heads_kv, seq, "cuda")
+    pk, pv, table = x["paged"]
+
+    def call(splits):
+        if paged:
+            return lambda: tritonkit.flash_attention_with_kvcache(
+                x["q"], pk, pv, cache_seqlens=x["full"], block_table=table, num_splits=splits
+            )
+        return lambda: tritonkit.flash_attention_with_kvcache(
+            x["q"], x["k_cache"], x["v_cache"], *x["new"], cache_seqlens=x["before_new"], num_splits=splits
+        )
+
+    def time_us(config, splits) -> float:
+        decode.BLOCK_N, decode.NUM_WARPS, decode.NUM_STAGES = config
+        try:
+            with timing.protocol(10, 40):
+                (_, median, _), _ = timing.kernel_ms([lambda: call(splits)])
+            return median * 1e3
+        finally:
+            decode.BLOCK_N, decode.NUM_WARPS, decode.NUM_STAGES = default
+
+    default = decode.BLOCK_N, decode.NUM_WARPS, decode.NUM_STAGES
+    us = {}
+    for config in CONFIGS:
+        if time.time() < stop:
+            us["-".join(map(str, (*config, rule)))] = time_us(config, rule)
+    best = min(us, key=us.get)
+    config = tuple(int(c) for c in best.split("-")[:3])
+    for splits in _split_counts(batch * heads_kv, rule):
+        if time.time() < stop:
+            us["-".join(map(str, (*config, splits)))] = time_us(config, splits)
+    best = min(us, key=us.get)
+    kv_bytes = 2 * batch * heads_kv * seq * shape[4] * 2
+    return {
+        "shape": list(shape), "seq_q": seq_q, "paged": paged, "rule_splits": rule, "us": us,
+        "default": "-".join(map(str, (*default, rule))), "best": best, "best_tbps": kv_bytes / us[best] / 1e6,
+    }  # fmt: skip
+
+
+def _configs(out: str, stop: float) -> None:
+    method = "tritonkit.bench.timing.kernel_ms, warm-up 10 ms, repetitions 40 ms"
+    result = result_header("decode_attention_configs", "decode_attention.py", method)
+    for (shape, seq_q), paged in itertools.product(SHAPES, (False, True)):
+        if time.time() > stop:
+            break
+        row = _config_row(shape, seq_q, paged, stop)
+        result["rows"].append(row)
+        print(f"{shape} Sq {seq_q} paged {paged}: default {row['us'].get(row['default'])} best {row['best']} "
+              f"{row['us'][row['best']]:.1f} us ({row['best_tbps']:.2f} TB/s)", flush=True)  # fmt: skip
+        Path(out).write_text(json.dumps(result, indent=1))
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     out, stop = sys.argv[1], deadline()
+    if "--configs" in sys.argv:
+        return _configs(out, stop)
     result = result_header(
         "decode_attention",
         "decode_attention.py",

@@ -7,6 +7,7 @@ under the CPU interpreter."""
 from __future__ import annotations
 
 import functools
+import json
 
 import pytest
 import torch
@@ -54,9 +55,10 @@ def _check(args, append=True, **kwargs):
     q, k_cache, v_cache, k, v, seqlens, table = args
     new = (k, v) if append else (None, None)
     before = k_cache.clone(), v_cache.clone()
-    out, lse = tritonkit.flash_attention_with_kvcache(
-        q, k_cache, v_cache, *new, seqlens, table, return_lse=True, **kwargs
-    )
+    with testing.poisoned_outputs():  # NaN in every output and partial until a kernel writes it
+        out, lse = tritonkit.flash_attention_with_kvcache(
+            q, k_cache, v_cache, *new, seqlens, table, return_lse=True, **kwargs
+        )
     after = k_cache.clone(), v_cache.clone()
 
     def reference(dtype):
@@ -168,6 +170,29 @@ def test_the_custom_op_and_a_gradient(device):
     torch.library.opcheck(custom, args)
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def test_compiles_without_a_graph_break_and_matches_eager(device):
+    """The call with its append under torch.compile(fullgraph=True): the cache it writes and the
+    output and lse it returns are eager's, bit for bit."""
+    q, k_cache, v_cache, k, v, seqlens, table = _case(2, 2, 4, 2, 32, 64, [7, 40], device, slots=16, seed=12)
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
+    torch._dynamo.reset()
+
+    def step(q, k_cache, v_cache, k, v, seqlens, table):
+        return tritonkit.flash_attention_with_kvcache(
+            q, k_cache, v_cache, k, v, seqlens, table, return_lse=True, num_splits=2
+        )
+
+    compiled = torch.compile(step, fullgraph=True)
+    got = compiled(q, *caches[0], k, v, seqlens, table)
+    want = step(q, *caches[1], k, v, seqlens, table)
+    for a, b in zip((*got, *caches[0]), (*want, *caches[1]), strict=True):
+        assert torch.equal(_bits(a), _bits(b))  # NaN in the cache's unused slots included
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
@@ -187,6 +212,52 @@ def test_bad_input_is_refused_by_name(change, message, device):
     change(args)
     with pytest.raises((TypeError, ValueError), match=message):
         tritonkit.flash_attention_with_kvcache(**args)
+
+
+_SASS_CHECK = r"""
+import json, re, torch
+from tritonkit.asm import compile_launch
+from tritonkit.ops.attention import decode
+def meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(shape, dtype=dtype, device="meta")
+B, HQ, HKV, S, D = 32, 32, 8, 8192, 128
+for paged, splits, seq_q, append in [(False, 1, 1, False), (False, 1, 1, True), (True, 1, 1, False),
+                                     (False, 4, 1, True), (True, 3, 4, True)]:
+    q = meta(B, seq_q, HQ, D)
+    cache = meta(B * S // 64, 64, HKV, D) if paged else meta(B, S, HKV, D)
+    new = meta(B, seq_q, HKV, D) if append else None
+    table = meta(B, S // 64, dtype=torch.int32) if paged else None
+    part = meta(splits, B * HKV, HQ // HKV * seq_q, D, dtype=torch.float32)
+    lse = meta(B, HQ, seq_q, dtype=torch.float32)
+    for launch in decode.launches(
+        q, cache, cache, new, new, meta(B, dtype=torch.int32), table, q, lse, part, part[..., 0], D**-0.5,
+        True, -1, -1, 0.0,
+    ):
+        r = compile_launch(launch, "sm_90")
+        print(json.dumps({"case": [paged, splits, seq_q, append], "launch": r.name, "spills": r.spills,
+                          "hmma": r.opcodes["HMMA"], "registers": r.registers, "per_sm": r.occupancy[0],
+                          "async_128": len(re.findall(r"LDGSTS\.E\.BYPASS\.128", r.asm["sass"])),
+                          "loads": sorted(r.loads), "stores": sorted(r.stores)}))
+"""
+
+
+def test_the_kernels_compile_for_hopper_to_tensor_cores_16_byte_loads_and_no_spills():
+    """At (32, 32/8, 8192, 128) bf16, contiguous and paged, one split and several, Sq 1 and 4, with
+    and without the append: no spills; both products on tensor cores (HMMA: 16 rows are under
+    wgmma's 64); keys and values streamed into shared memory 16 bytes a copy (LDGSTS.128, the
+    pipelined loop's loads); at least three programs an SM, whose loads overlap; the combine reads
+    and writes 16-byte vectors."""
+    import sm90
+
+    rows = [json.loads(line) for line in sm90.run(_SASS_CHECK)]
+    assert len(rows) == 5 + 2
+    for row in rows:
+        assert not row["spills"], row
+        if row["launch"] == "decode combine":
+            assert 128 in row["loads"] and 128 in row["stores"], row
+            continue
+        assert row["hmma"] > 0 and row["async_128"] > 0 and 128 in row["stores"], row
+        assert row["per_sm"] >= 3, row
 
 
 # ---------------------------------------------------------------- on the H200

@@ -30,8 +30,8 @@ import math
 
 import torch
 
-from tritonkit._launch import Launcher, cdiv, next_power_of_2
-from tritonkit._runtime import interpret, sm_count
+from tritonkit._launch import Launch, cdiv, next_power_of_2
+from tritonkit._runtime import empty_output, interpret, sm_count
 from tritonkit._triton import tl, triton
 from tritonkit.jit import LOG2E, dot_fp32
 from tritonkit.opdef import check_tensor, op
@@ -117,6 +117,7 @@ def _decode_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_NEW: tl.constexpr,  # new keys a step: a few, where Sq is (their tiles stay small)
     PAGED: tl.constexpr,
     PAGE_A_STEP: tl.constexpr,  # PAGED with SLOTS a multiple of BLOCK_N
     HAS_SEQLENS: tl.constexpr,
@@ -174,8 +175,8 @@ def _decode_kernel(
             IS_CAUSAL, HAS_LOWER, SOFTCAP, EXACT_DOT_IN_FP32,
         )  # fmt: skip
     if HAS_NEW:  # the new keys, from k and v; the first block of rows also writes them to the cache
-        for n in range(tl.maximum(start, cached), end, BLOCK_N):
-            cols = n + tl.arange(0, BLOCK_N)
+        for n in range(tl.maximum(start, cached), end, BLOCK_NEW):
+            cols = n + tl.arange(0, BLOCK_NEW)
             col_ok = cols < end
             new = batch.to(tl.int64) * stride_nkb + (cols - cached).to(tl.int64) * stride_nks
             k = tl.load(
@@ -281,9 +282,6 @@ def _combine_kernel(
 OPS: dict = {}
 WORKLOADS: dict = {}
 
-_decode_launcher = Launcher(_decode_kernel)
-_combine_launcher = Launcher(_combine_kernel)
-
 
 def default_splits(batch: int, heads_kv: int, max_keys: int, device) -> int:
     """Key splits where B x Hkv programs leave SMs idle (flash-decoding): about two programs an SM,
@@ -369,6 +367,19 @@ def _decode(
     and v (if given) appended to the cache by the kernel as it attends to them; ``part`` and
     ``part_lse`` hold the splits' partials (their first dim is the splits: 1 writes ``out``
     directly)."""
+    for launch in launches(
+        q, k_cache, v_cache, k, v, cache_seqlens, block_table, out, lse, part, part_lse, scale, causal, left,
+        right, softcap,
+    ):  # fmt: skip
+        launch.run()
+
+
+def launches(
+    q, k_cache, v_cache, k, v, cache_seqlens, block_table, out, lse, part, part_lse, scale, causal, left,
+    right, softcap,
+) -> list[Launch]:  # fmt: skip
+    """The decode kernel's launch and, with several splits, the combine's: what ``_decode`` runs
+    and what the sm_90 checks compile (its tensors may be on the meta device)."""
     batch, seq_q, heads_q, head_dim = q.shape
     heads_kv, splits = k_cache.shape[2], part.shape[0]
     group = heads_q // heads_kv
@@ -384,26 +395,31 @@ def _decode(
     final = splits == 1
     q, k, v = (t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     new_strides = (*k.stride()[:3], *v.stride()[:3]) if k is not None else (0,) * 6
-    _decode_launcher(
-        (splits, batch * heads_kv, row_blocks),
+    args = (
         q, k_cache, v_cache, k, v, cache_seqlens, block_table,
         out if final else part, lse if final else part_lse,
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *new_strides, *out.stride()[:3],
         block_table.stride(0) if paged else 0,
         heads_kv, seq_q, max_keys, k_cache.shape[1], k_cache.shape[0], split_keys,
         0 if causal else max(right, 0), max(left, 0), score_scale, cap_log2, head_dim,
-        GROUP=group, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=BLOCK_N, PAGED=paged,
+    )  # fmt: skip
+    meta = dict(
+        GROUP=group, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=BLOCK_N,
+        BLOCK_NEW=min(max(MIN_ROWS, next_power_of_2(seq_q)), BLOCK_N), PAGED=paged,
         PAGE_A_STEP=paged and k_cache.shape[1] % BLOCK_N == 0, HAS_SEQLENS=cache_seqlens is not None,
         HAS_NEW=k is not None, IS_CAUSAL=flags["IS_CAUSAL"], HAS_LOWER=flags["HAS_LOWER"],
         SOFTCAP=flags["SOFTCAP"], FINAL=final, EXACT_DOT_IN_FP32=interpret(), num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
     )  # fmt: skip
+    result = [Launch("decode" if final else "decode split", _decode_kernel, args, meta,
+                     grid=(splits, batch * heads_kv, row_blocks))]  # fmt: skip
     if not final:
-        _combine_launcher(
-            (batch * heads_kv, row_blocks),
-            part, part_lse, out, lse, *out.stride()[:3], splits, heads_kv, seq_q, head_dim,
-            GROUP=group, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4,
-        )  # fmt: skip
+        combine = (part, part_lse, out, lse, *out.stride()[:3], splits, heads_kv, seq_q, head_dim)
+        meta = dict(GROUP=group, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4)
+        result.append(
+            Launch("decode combine", _combine_kernel, combine, meta, grid=(batch * heads_kv, row_blocks))
+        )
+    return result
 
 
 def flash_attention_with_kvcache(
@@ -444,12 +460,12 @@ def flash_attention_with_kvcache(
     heads_kv = k_cache.shape[2]
     max_keys = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
     splits = num_splits or default_splits(batch, heads_kv, max_keys, q.device)
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=q.device)
+    out = empty_output(q.shape, q.dtype, q.device)
+    lse = empty_output((batch, heads_q, seq_q), torch.float32, q.device)
     rows = (heads_q // heads_kv) * seq_q
     shape = (splits, batch * heads_kv, rows) if splits > 1 else (1, 1, 1)
-    part = torch.empty((*shape, head_dim if splits > 1 else 1), dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(shape, dtype=torch.float32, device=q.device)
+    part = empty_output((*shape, head_dim if splits > 1 else 1), torch.float32, q.device)
+    part_lse = empty_output(shape, torch.float32, q.device)
     if out.numel():
         _decode(
             q, k_cache, v_cache, k, v, cache_seqlens, block_table, out, lse, part, part_lse,
