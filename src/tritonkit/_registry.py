@@ -33,6 +33,11 @@ FAMILIES = {
         "ops": (),
         "workloads": (),
     },
+    "tritonkit.ops.cross_entropy": {
+        "public": ("cross_entropy",),
+        "ops": ("cross_entropy",),
+        "workloads": ("cross_entropy",),
+    },
     "tritonkit.ops.linear": {
         "public": ("linear", "gated_linear"),
         "ops": ("linear", "linear_bare", "gated_linear"),

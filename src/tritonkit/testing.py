@@ -62,7 +62,8 @@ def as_tuple(value) -> tuple:
 
 
 def _clone_inputs(inputs: Sequence, dtype: torch.dtype | None, requires_grad: Sequence[bool]) -> list:
-    """Detached copies (upcast to ``dtype`` when given) with each input's strides.
+    """Detached copies (floating ones upcast to ``dtype`` when given; integer ones, class
+    indices say, kept) with each input's strides.
 
     An expanded input (stride 0) is copied compactly and expanded again, so the kernel still sees
     stride 0; gradients are then taken with respect to the expanded view.
@@ -71,9 +72,8 @@ def _clone_inputs(inputs: Sequence, dtype: torch.dtype | None, requires_grad: Se
     for value, wants_grad in zip(inputs, requires_grad, strict=True):
         if isinstance(value, torch.Tensor):
             base = value.detach()[tuple(slice(0, 1) if st == 0 else slice(None) for st in value.stride())]
-            copy = torch.empty_strided(
-                base.shape, base.stride(), dtype=dtype or value.dtype, device=value.device
-            )
+            upcast = dtype if dtype is not None and value.is_floating_point() else value.dtype
+            copy = torch.empty_strided(base.shape, base.stride(), dtype=upcast, device=value.device)
             copy.copy_(base)
             value = copy.requires_grad_(wants_grad).expand(value.shape)
         cloned.append(value)

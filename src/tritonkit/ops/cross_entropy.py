@@ -1,0 +1,558 @@
+"""Cross-entropy over (N, C) logits with integer targets: ``F.cross_entropy``'s semantics (class
+weights, ignore_index, label smoothing, every reduction), plus the PaLM z-loss, Gemma's logit
+soft-cap and the per-row log-sum-exp.
+
+Maths. Row i has logits x (soft-capped first where asked: x <- cap * tanh(x / cap)), target t,
+class weights w (all 1 without), smoothing e, z-loss factor z and lse = log sum_c exp(x_c):
+    loss_i = (1 - e) w_t (lse - x_t) + (e / C) sum_c w_c (lse - x_c) + z lse^2,   0 where t = ignore_index
+and the reduction is torch's: none, sum, or mean = sum_i loss_i / sum_i w_{t_i} over the rows not
+ignored (0 / 0 = NaN when every row is). The z term is per row, unweighted. VJP, with g_i the
+loss's upstream gradient of row i (none: grad[i]; sum: grad; mean: grad / the divisor), h_i that of
+the returned lse, p = softmax(x) and W = sum_c w_c:
+    dx_c = (g_i (p_c ((1 - e) w_t + (e / C) W + 2 z lse) - (1 - e) w_t [c = t] - (e / C) w_c) + h_i p_c)
+           * sech^2(x_c / cap)                                             (the last factor with a cap)
+
+Work. The forward reads the logits once (N C s bytes) and writes a few floats a row; the backward
+reads them again and writes their gradient (2 N C s). The least a fused step could move is N C s
+fewer: a forward that kept each row on chip until its gradient was written, which a row of 128K
+logits (256 KB in bf16) does not allow one program. A handful of FLOPs an element: memory-bound.
+
+A row's target outside 0..C-1 (other than ignore_index) is marked, not raised (raising would read
+the targets on the host): that row's loss, and so a sum or mean, is NaN, and so is its gradient.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tritonkit._launch import Launch, next_power_of_2
+from tritonkit._runtime import empty_output
+from tritonkit._triton import tl, triton
+from tritonkit.dtypes import FLOATS
+from tritonkit.jit import LOG2E, tanh_and_sech2
+from tritonkit.opdef import check_tensor, first_derivative_only, op
+from tritonkit.ops import Op, Workload
+
+DTYPES = FLOATS
+REDUCTIONS = ("none", "sum", "mean")
+TARGET_DTYPES = (torch.int64, torch.int32)
+BLOCK_BYTES = 16384  # logits a program holds a step: 8192 in 16-bit dtypes, four 16-byte loads a thread
+NUM_WARPS = 8
+SUM_BLOCK = 1024  # rows the reduction adds a step (one program: a fixed order, the same bits each call)
+
+
+@triton.jit
+def _capped(x, softcap, HAS_SOFTCAP: tl.constexpr):
+    """cap * tanh(x / cap), or x."""
+    if HAS_SOFTCAP:
+        t, _ = tanh_and_sech2(x / softcap)
+        return softcap * t
+    else:
+        return x
+
+
+@triton.jit
+def _cross_entropy_fwd_kernel(
+    x_ptr,  # logits (N, C), strides (stride_xn, stride_xc)
+    target_ptr,  # (N,) int64 or int32, stride stride_t
+    weight_ptr,  # HAS_WEIGHT: class weights (C,), contiguous
+    loss_ptr,  # (N,): each row's loss (the output itself, in its dtype, for reduction "none")
+    lse_ptr,  # fp32 (N,)
+    row_weight_ptr,  # HAS_DIVISOR: fp32 (N,), w_t of each row counted (0 ignored): the mean's divisor
+    C,  # classes
+    stride_xn,
+    stride_xc,
+    stride_t,
+    ignore_index,
+    smoothing,  # e
+    z_loss,  # z
+    softcap,  # HAS_SOFTCAP: the cap
+    HAS_WEIGHT: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_DIVISOR: tl.constexpr,
+    BLOCK_C: tl.constexpr,  # logits a step
+):
+    row = tl.program_id(0).to(tl.int64)  # int64: N * C may pass 2^31
+    x_row = x_ptr + row * stride_xn
+    m = -float("inf")  # running max
+    s = 0.0  # running sum of exp(x - m)
+    sum_wx = 0.0  # HAS_SMOOTHING: sum_c w_c x_c
+    sum_w = 0.0  # HAS_SMOOTHING and HAS_WEIGHT: sum_c w_c
+    for start in range(0, C, BLOCK_C):
+        cols = start + tl.arange(0, BLOCK_C)
+        mask = cols < C
+        x = _capped(
+            tl.load(x_row + cols * stride_xc, mask=mask, other=0.0).to(tl.float32), softcap, HAS_SOFTCAP
+        )
+        x = tl.where(mask, x, -float("inf"))
+        m_new = tl.maximum(m, tl.max(x, 0))
+        s = s * tl.exp2((m - m_new) * LOG2E) + tl.sum(tl.exp2((x - m_new) * LOG2E), 0)
+        m = m_new
+        if HAS_SMOOTHING:
+            if HAS_WEIGHT:
+                w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                sum_wx += tl.sum(w * tl.where(mask, x, 0.0), 0)
+                sum_w += tl.sum(w, 0)
+            else:
+                sum_wx += tl.sum(tl.where(mask, x, 0.0), 0)
+    lse = m + tl.log(s)
+
+    target = tl.load(target_ptr + row * stride_t)
+    ignored = target == ignore_index
+    valid = (target >= 0) & (target < C)
+    safe = tl.where(valid, target, 0).to(tl.int64)
+    x_t = _capped(tl.load(x_row + safe * stride_xc).to(tl.float32), softcap, HAS_SOFTCAP)
+    if HAS_WEIGHT:
+        w_t = tl.load(weight_ptr + safe).to(tl.float32)
+    else:
+        w_t = 1.0
+    loss = (1.0 - smoothing) * w_t * (lse - x_t)
+    if HAS_SMOOTHING:
+        if not HAS_WEIGHT:
+            sum_w = C * 1.0
+        loss += smoothing / C * (sum_w * lse - sum_wx)
+    if HAS_Z_LOSS:
+        loss += z_loss * lse * lse
+    loss = tl.where(ignored, 0.0, tl.where(valid, loss, float("nan")))
+    tl.store(loss_ptr + row, loss.to(loss_ptr.dtype.element_ty))
+    tl.store(lse_ptr + row, lse)
+    if HAS_DIVISOR:
+        tl.store(row_weight_ptr + row, tl.where(ignored, 0.0, tl.where(valid, w_t, float("nan"))))
+
+
+@triton.jit
+def _cross_entropy_sum_kernel(
+    loss_ptr,  # fp32 (N,): the rows' losses
+    row_weight_ptr,  # HAS_DIVISOR: fp32 (N,)
+    weight_ptr,  # HAS_WEIGHT_SUM: class weights (C,)
+    out_ptr,  # the reduced loss, one element in the output dtype
+    totals_ptr,  # fp32 (3,): the loss's sum, the mean's divisor, sum_c w_c (W), as far as computed
+    N,
+    C,
+    MEAN: tl.constexpr,
+    HAS_DIVISOR: tl.constexpr,
+    HAS_WEIGHT_SUM: tl.constexpr,  # the backward's W, for smoothing with class weights
+    BLOCK: tl.constexpr,
+):
+    """One program, in a fixed order: the same bits every call, eager or compiled. In fp64: the
+    rows' fp32 losses summed exactly and rounded once (an fp32 sum of a thousand losses near 10 is
+    off by several of its ulps, where torch's is off by about one)."""
+    acc = tl.zeros([BLOCK], tl.float64)
+    divisor = tl.zeros([BLOCK], tl.float64)
+    for start in range(0, N, BLOCK):
+        rows = start + tl.arange(0, BLOCK)
+        acc += tl.load(loss_ptr + rows, mask=rows < N, other=0.0).to(tl.float64)
+        if HAS_DIVISOR:
+            divisor += tl.load(row_weight_ptr + rows, mask=rows < N, other=0.0).to(tl.float64)
+    total = tl.sum(acc, 0)
+    if HAS_DIVISOR:
+        count = tl.sum(divisor, 0)
+        tl.store(totals_ptr + 1, count.to(tl.float32))
+        if MEAN:
+            total = total / count  # 0 / 0 = NaN where every row is ignored, as torch
+    total = total.to(tl.float32)  # then to the output's dtype: the interpreter's fp64 -> bf16 is wrong
+    tl.store(totals_ptr, total)
+    tl.store(out_ptr, total.to(out_ptr.dtype.element_ty))
+    if HAS_WEIGHT_SUM:
+        w_sum = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, C, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            w_sum += tl.load(weight_ptr + cols, mask=cols < C, other=0.0).to(tl.float32)
+        tl.store(totals_ptr + 2, tl.sum(w_sum, 0))
+
+
+@triton.jit
+def _cross_entropy_bwd_kernel(
+    x_ptr,  # logits (N, C), strides (stride_xn, stride_xc)
+    target_ptr,  # (N,), stride stride_t
+    weight_ptr,  # HAS_WEIGHT: (C,)
+    lse_ptr,  # fp32 (N,): the forward's
+    grad_ptr,  # the loss's upstream gradient: (N,) with stride stride_g ("none"), or one element (stride 0)
+    totals_ptr,  # fp32 (3,): the forward's sums (MEAN reads the divisor, smoothing with weights W)
+    grad_lse_ptr,  # HAS_LSE_GRAD: the lse's upstream gradient (N,), stride stride_gl
+    dx_ptr,  # (N, C) contiguous, the logits' dtype
+    C,
+    stride_xn,
+    stride_xc,
+    stride_t,
+    stride_g,
+    stride_gl,
+    ignore_index,
+    smoothing,
+    z_loss,
+    softcap,
+    MEAN: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_LSE_GRAD: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_xn
+    target = tl.load(target_ptr + row * stride_t)
+    ignored = target == ignore_index
+    valid = (target >= 0) & (target < C)
+    lse = tl.load(lse_ptr + row)
+    g = tl.load(grad_ptr + row * stride_g).to(tl.float32)
+    if MEAN:
+        g = g / tl.load(totals_ptr + 1)
+    g = tl.where(ignored, 0.0, tl.where(valid, g, float("nan")))
+    if HAS_WEIGHT:
+        w_t = tl.load(weight_ptr + tl.where(valid, target, 0).to(tl.int64)).to(tl.float32)
+    else:
+        w_t = 1.0
+    coef = (1.0 - smoothing) * w_t  # of p_c in the loss's gradient
+    if HAS_SMOOTHING:
+        if HAS_WEIGHT:
+            coef += smoothing / C * tl.load(totals_ptr + 2)
+        else:
+            coef += smoothing
+    if HAS_Z_LOSS:
+        coef += 2.0 * z_loss * lse
+    if HAS_LSE_GRAD:
+        h = tl.load(grad_lse_ptr + row * stride_gl)
+    for start in range(0, C, BLOCK_C):
+        cols = start + tl.arange(0, BLOCK_C)
+        mask = cols < C
+        x = tl.load(x_row + cols * stride_xc, mask=mask, other=0.0).to(tl.float32)
+        if HAS_SOFTCAP:
+            t, sech2 = tanh_and_sech2(x / softcap)
+            x = softcap * t
+        p = tl.exp2((x - lse) * LOG2E)
+        d = p * coef - tl.where(cols == target, (1.0 - smoothing) * w_t, 0.0)
+        if HAS_SMOOTHING:
+            if HAS_WEIGHT:
+                d -= smoothing / C * tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            else:
+                d -= smoothing / C
+        d = g * d
+        if HAS_LSE_GRAD:
+            d += h * p
+        if HAS_SOFTCAP:
+            d *= sech2
+        tl.store(dx_ptr + row * C + cols, d.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------- launches
+
+
+def _block_c(classes: int, element_size: int) -> int:
+    return min(next_power_of_2(classes), BLOCK_BYTES // element_size)
+
+
+def _flags(weight, smoothing: float, z_loss: float, softcap: float) -> dict:
+    return {
+        "HAS_WEIGHT": weight is not None,
+        "HAS_SMOOTHING": smoothing > 0,
+        "HAS_Z_LOSS": z_loss > 0,
+        "HAS_SOFTCAP": softcap > 0,
+    }
+
+
+def _needs_sums(reduction: str, weight, smoothing: float) -> bool:
+    """Whether the forward runs the sum kernel: for a sum or mean, and for the backward's W."""
+    return reduction != "none" or (weight is not None and smoothing > 0)
+
+
+def _fwd_launches(input, target, weight, options: tuple, outputs: tuple) -> list[Launch]:
+    """The row kernel (losses into ``rows``, or into ``out`` itself for "none") and, where
+    :func:`_needs_sums`, the sum kernel. ``options``: (ignore_index, reduction, smoothing, z_loss,
+    softcap); ``outputs``: :func:`_outputs`'."""
+    ignore_index, reduction, smoothing, z_loss, softcap = options
+    out, rows, lse, row_weight, totals = outputs
+    n, classes = input.shape
+    mean = reduction == "mean"
+    losses = out if reduction == "none" else rows
+    args = (
+        input, target, weight, losses, lse, row_weight if mean else None, classes,
+        input.stride(0), input.stride(1), target.stride(0), ignore_index, smoothing, z_loss, softcap,
+    )  # fmt: skip
+    block_c = _block_c(classes, input.element_size())
+    meta = _flags(weight, smoothing, z_loss, softcap) | {"HAS_DIVISOR": mean, "BLOCK_C": block_c}
+    launches = [Launch("fwd", _cross_entropy_fwd_kernel, args, meta | {"num_warps": NUM_WARPS}, grid=(n,))]
+    if _needs_sums(reduction, weight, smoothing):
+        sums = (rows, row_weight if mean else None, weight, out, totals, n, classes)
+        meta = {
+            "MEAN": mean,
+            "HAS_DIVISOR": mean,
+            "HAS_WEIGHT_SUM": weight is not None and smoothing > 0,
+            "BLOCK": SUM_BLOCK,
+            "num_warps": 4,
+        }
+        launches.append(Launch("fwd sum", _cross_entropy_sum_kernel, sums, meta, grid=(1,)))
+    return launches if n else launches[1:]
+
+
+def _bwd_launches(grad, grad_lse, input, target, weight, lse, totals, options: tuple, dx) -> list[Launch]:
+    """The backward's row kernel (``options`` as :func:`_fwd_launches`')."""
+    ignore_index, reduction, smoothing, z_loss, softcap = options
+    n, classes = input.shape
+    args = (
+        input, target, weight, lse, grad, totals, grad_lse, dx, classes, input.stride(0), input.stride(1),
+        target.stride(0), grad.stride(0) if reduction == "none" else 0,
+        grad_lse.stride(0) if grad_lse is not None else 0, ignore_index, smoothing, z_loss, softcap,
+    )  # fmt: skip
+    meta = {"MEAN": reduction == "mean"} | _flags(weight, smoothing, z_loss, softcap)
+    meta |= {"HAS_LSE_GRAD": grad_lse is not None, "BLOCK_C": _block_c(classes, input.element_size())}
+    meta["num_warps"] = NUM_WARPS
+    return [Launch("bwd", _cross_entropy_bwd_kernel, args, meta, grid=(n,))] if n else []
+
+
+# ---------------------------------------------------------------- ops and autograd
+
+
+@op("cross_entropy", mutates=("out", "rows", "lse", "row_weight", "totals"))
+def _forward(
+    input: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    ignore_index: int,
+    reduction: str,
+    smoothing: float,
+    z_loss: float,
+    softcap: float,
+    out: torch.Tensor,
+    rows: torch.Tensor,
+    lse: torch.Tensor,
+    row_weight: torch.Tensor,
+    totals: torch.Tensor,
+) -> None:
+    options = (ignore_index, reduction, smoothing, z_loss, softcap)
+    for launch in _fwd_launches(input, target, weight, options, (out, rows, lse, row_weight, totals)):
+        launch.run()
+
+
+@op("cross_entropy_backward", mutates=("dx",))
+def _backward(
+    grad: torch.Tensor,
+    grad_lse: torch.Tensor | None,
+    input: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    lse: torch.Tensor,
+    totals: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    smoothing: float,
+    z_loss: float,
+    softcap: float,
+    dx: torch.Tensor,
+) -> None:
+    options = (ignore_index, reduction, smoothing, z_loss, softcap)
+    for launch in _bwd_launches(grad, grad_lse, input, target, weight, lse, totals, options, dx):
+        launch.run()
+
+
+def _outputs(input: torch.Tensor, reduction: str) -> tuple[torch.Tensor, ...]:
+    """(out, rows, lse, row_weight, totals): the loss, the rows' fp32 losses a sum reads, the lse,
+    the mean's per-row divisor terms and the sums (placeholders of one element where unused)."""
+    n, device = input.shape[0], input.device
+    out = empty_output((n,) if reduction == "none" else (), input.dtype, device)
+    rows = empty_output((n,) if reduction != "none" else (1,), torch.float32, device)
+    row_weight = empty_output((n,) if reduction == "mean" else (1,), torch.float32, device)
+    lse = empty_output((n,), torch.float32, device)
+    return out, rows, lse, row_weight, empty_output((3,), torch.float32, device)
+
+
+class _CrossEntropy(torch.autograd.Function):
+    """One autograd function for eager calls and torch.compile (the ops skip the dispatcher eagerly)."""
+
+    @staticmethod
+    def forward(ctx, input, target, weight, *options):
+        ctx.set_materialize_grads(False)  # an unused lse's gradient stays None: no kernel reads zeros
+        out, rows, lse, row_weight, totals = _outputs(input, options[1])
+        _forward(input, target, weight, *options, out, rows, lse, row_weight, totals)
+        ctx.save_for_backward(input, target, weight, lse, totals)
+        ctx.options = options
+        return out, lse
+
+    @staticmethod
+    @first_derivative_only("cross_entropy")
+    def backward(ctx, grad, grad_lse):
+        input, target, weight, lse, totals = ctx.saved_tensors
+        reduction = ctx.options[1]
+        if grad is None:  # only the lse is used: its gradient alone, the loss's upstream zero
+            grad = torch.zeros((input.shape[0],) if reduction == "none" else (), device=input.device)
+        grad = grad.expand(1) if grad.dim() == 0 else grad
+        dx = empty_output(input.shape, input.dtype, input.device)
+        _backward(grad, grad_lse, input, target, weight, lse, totals, *ctx.options, dx)
+        return dx, None, None, None, None, None, None, None
+
+
+def _validate(input, target, weight, reduction, label_smoothing, z_loss, softcap) -> None:
+    check_tensor("input", input, dtypes=DTYPES)
+    if input.dim() != 2:
+        raise NotImplementedError(
+            f"cross_entropy takes (N, C) logits; got input of shape {tuple(input.shape)} (flatten other "
+            "dimensions into N, classes last)"
+        )
+    if isinstance(target, torch.Tensor) and target.is_floating_point():
+        raise NotImplementedError(
+            "cross_entropy takes class indices as target; class probabilities are not supported"
+        )
+    check_tensor("target", target, dtypes=TARGET_DTYPES, ndim=1, device_of=("input", input))
+    if target.shape[0] != input.shape[0]:
+        raise ValueError(f"target must have N = {input.shape[0]} entries, got {target.shape[0]}")
+    if input.shape[1] == 0:
+        raise ValueError("input must have at least one class")
+    if weight is not None:
+        check_tensor(
+            "weight", weight, dtypes=(torch.float32, input.dtype), ndim=1, device_of=("input", input)
+        )
+        if weight.shape[0] != input.shape[1]:
+            raise ValueError(f"weight must have C = {input.shape[1]} entries, got {weight.shape[0]}")
+        if weight.requires_grad:
+            raise NotImplementedError("cross_entropy has no gradient for weight: pass weight.detach()")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if not (math.isfinite(z_loss) and z_loss >= 0):
+        raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss}")
+    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap}")
+
+
+def cross_entropy(
+    input: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    *,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    return_lse: bool = False,
+):
+    """``F.cross_entropy(input, target, weight, ignore_index=..., reduction=..., label_smoothing=...)``
+    for (N, C) logits (fp32, fp16, bf16) and int64/int32 class indices, accumulated in fp32.
+
+    ``z_loss`` adds z_loss * lse^2 to each row not ignored (PaLM's auxiliary loss); ``softcap``
+    applies softcap * tanh(logits / softcap) first (Gemma's); ``return_lse`` also returns each
+    row's fp32 log-sum-exp (of the capped logits), differentiable. The loss has the logits' dtype.
+    A target outside 0..C-1 other than ignore_index gives that row (and a sum or mean) NaN rather
+    than an error: checking would read the targets on the host."""
+    label_smoothing, z_loss = float(label_smoothing), float(z_loss)
+    _validate(input, target, weight, reduction, label_smoothing, z_loss, softcap)
+    options = (int(ignore_index), reduction, label_smoothing, z_loss, float(softcap or 0.0))
+    if torch.is_grad_enabled() and input.requires_grad:
+        loss, lse = _CrossEntropy.apply(input, target, weight, *options)
+    else:
+        out, rows, lse, row_weight, totals = _outputs(input, reduction)
+        _forward(input, target, weight, *options, out, rows, lse, row_weight, totals)
+        loss = out
+    return (loss, lse) if return_lse else loss
+
+
+# ---------------------------------------------------------------- reference and cost
+
+
+def cross_entropy_reference(
+    input, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *, z_loss=0.0,
+    softcap=None, return_lse=False,
+):  # fmt: skip
+    """Plain PyTorch (``F.cross_entropy`` on the capped logits, the z term added per row); pass
+    float64 logits for the oracle's reference."""
+    x = input if softcap is None else softcap * torch.tanh(input / softcap)
+    weight = weight.to(x.dtype) if weight is not None else None
+    target = target.long()
+    rows = torch.nn.functional.cross_entropy(
+        x, target, weight, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing
+    )
+    lse = torch.logsumexp(x, dim=1)
+    kept = target != ignore_index
+    rows = rows + z_loss * lse.square() * kept
+    if reduction == "none":
+        loss = rows
+    elif reduction == "sum":
+        loss = rows.sum()
+    else:
+        counted = kept.to(x.dtype) if weight is None else weight[target.clamp(0, x.shape[1] - 1)] * kept
+        loss = rows.sum() / counted.sum()
+    return (loss, lse.float() if x.dtype != torch.float64 else lse) if return_lse else loss
+
+
+def cross_entropy_cost(shape: tuple, dtype: torch.dtype, mode: str = "fwd", reduction: str = "mean"):
+    """Bytes of the launches (int64 targets, no class weights): the forward reads the logits and
+    targets and writes the rows' losses, lse and the mean's divisor terms, then sums them; the
+    backward reads logits, targets, lse, the upstream gradient and the sums, and writes dx."""
+    from tritonkit.roofline import Cost
+
+    n, classes = shape
+    size = torch.finfo(dtype).bits // 8
+    logits, flops = n * classes * size, 8 * n * classes
+    rows = {"none": n * size + 4 * n, "sum": 8 * n + size + 12, "mean": 12 * n + size + 12}[reduction]
+    fwd = Cost(flops, logits + 8 * n + rows)
+    upstream = n * size if reduction == "none" else size
+    bwd = Cost(flops, 2 * logits + 8 * n + 4 * n + upstream + 12)
+    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]
+
+
+def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None = None, reduction="mean") -> list:
+    """The forward and backward launches at ``shape`` (N, C): what ``tritonkit inspect`` compiles."""
+    if config is not None:
+        raise ValueError("cross_entropy has no tuning configs: its block follows from the classes and dtype")
+    x = torch.empty(shape, dtype=dtype, device="meta")
+    target = torch.empty(shape[:1], dtype=torch.int64, device="meta")
+    outputs, options = _outputs(x, reduction), (-100, reduction, 0.0, 0.0, 0.0)
+    grad = torch.empty(shape[:1] if reduction == "none" else (1,), dtype=dtype, device="meta")
+    lse, totals = outputs[2], outputs[4]
+    return [
+        *_fwd_launches(x, target, None, options, outputs),
+        *_bwd_launches(grad, None, x, target, None, lse, totals, options, x),
+    ]
+
+
+def _make_inputs(shape: tuple, dtype: torch.dtype, device, generator: torch.Generator) -> tuple:
+    """Logits and targets, one row in eight ignored (ignore_index -100)."""
+    from tritonkit.testing import random_tensor
+
+    n, classes = shape
+    target = torch.randint(0, classes, (n,), generator=generator).to(device)
+    target[::8] = -100
+    return random_tensor(shape, dtype, device, generator=generator), target
+
+
+def _liger(kwargs: dict):
+    from liger_kernel.transformers.functional import liger_cross_entropy
+
+    def run(input, target):
+        return liger_cross_entropy(input, target, reduction=kwargs.get("reduction", "mean"))
+
+    return run
+
+
+OPS = {
+    "cross_entropy": Op(
+        name="cross_entropy",
+        family="cross_entropy",
+        fn=cross_entropy,
+        reference=cross_entropy_reference,
+        cost=cross_entropy_cost,
+        make_inputs=_make_inputs,
+        grad_inputs=(0,),
+        shapes=[((9, 37), "bf16"), ((5, 300), "fp32")],
+        inspect=_inspect_launches,
+    )
+}
+WORKLOADS = {
+    "cross_entropy": Workload(
+        name="cross_entropy",
+        op=OPS["cross_entropy"],
+        flop_unit="fp32",
+        # (tokens, vocabulary): the issue's vocabularies at 8192 tokens
+        shapes={
+            "quick": [((8192, 32000), "bf16"), ((8192, 128256), "bf16"), ((8192, 262144), "bf16")],
+            "full": [((8192, v), "bf16") for v in (32000, 50304, 128256, 151936, 262144)],
+        },
+        tiny_shape=(4, 256),
+        peers={"liger": _liger},
+    )
+}

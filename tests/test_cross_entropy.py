@@ -1,0 +1,178 @@
+"""cross_entropy against the float64 reference with the oracle's rule, values and the logits'
+gradient: vocabularies from 1 to 32000 and odd sizes, every reduction, class weights, label
+smoothing with ignored rows, the z-loss, the soft cap, the returned lse and its own gradient, every
+row ignored (torch's NaN mean), targets out of range (NaN, no sync), strided logits and int32
+targets, and bad input refused by name. The contract tests (tests/contract) add opcheck, compile,
+poisoning, empty input and the cost model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import tritonkit
+from grids import case_id, in_turn, pairs_not_met
+from tritonkit import testing
+from tritonkit.ops import cross_entropy as ce
+
+pytestmark = pytest.mark.cross_entropy
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+# (rows, classes): one class; a few; a thousand; a vocabulary-sized row over several blocks
+SIZES = [(6, 1), (9, 7), (17, 1000), (3, 32000)]
+# keyword arguments beyond the defaults; "weight" stands for random class weights
+FEATURES = [
+    {},
+    {"reduction": "sum"},
+    {"reduction": "none"},
+    {"label_smoothing": 0.1, "ignore_index": 2},
+    {"weight": True, "label_smoothing": 0.2},
+    {"weight": True, "reduction": "none"},
+    {"z_loss": 1e-3, "softcap": 5.0},
+    {"softcap": 2.0, "label_smoothing": 0.05, "reduction": "sum"},
+]
+# each feature meets each size, and each of them each dtype
+GRID = in_turn(FEATURES, SIZES, last=[F32, BF16, F16])
+
+
+def _inputs(rows: int, classes: int, dtype, device, seed: int = 0, ignore_index: int = -100):
+    g = testing.generator(seed)
+    x = testing.random_tensor((rows, classes), dtype, device, generator=g, scale=3.0)
+    target = torch.randint(0, classes, (rows,), generator=torch.Generator().manual_seed(seed)).to(device)
+    target[::3] = ignore_index  # every third row ignored
+    weight = torch.rand(classes, generator=torch.Generator().manual_seed(seed + 1)).to(device) + 0.5
+    return x, target, weight
+
+
+def _check(x, target, weight, upstream=None, **kwargs):
+    reduction = kwargs.get("reduction", "mean")
+    if upstream is None:
+        shape = (x.shape[0],) if reduction == "none" else ()
+        upstream = torch.randn(shape, generator=torch.Generator().manual_seed(5)).to(x)
+    testing.check_against_reference(
+        lambda x, t, w: tritonkit.cross_entropy(x, t, w, **kwargs),
+        lambda x, t, w: ce.cross_entropy_reference(x, t, w, **kwargs),
+        (x, target, weight),
+        grad_inputs=(0,),
+        grad_outputs=[upstream],
+        dtype=x.dtype,
+    )
+
+
+def test_the_grid_meets_every_pair():
+    assert not pairs_not_met([(repr(f), s, d) for f, s, d in GRID])
+
+
+@pytest.mark.parametrize(
+    "features, size, dtype", GRID, ids=[case_id((i, *c[1:])) for i, c in enumerate(GRID)]
+)
+def test_matches_the_reference(features, size, dtype, device):
+    kwargs = dict(features)
+    x, target, weight = _inputs(*size, dtype, device, ignore_index=kwargs.get("ignore_index", -100))
+    _check(x, target, weight if kwargs.pop("weight", False) else None, **kwargs)
+
+
+def test_the_lse_and_its_gradient_with_the_loss(device):
+    """return_lse: the capped logits' lse, and a loss that uses it (a z-loss of one's own) gets
+    both gradients."""
+    x, target, _ = _inputs(10, 300, F32, device, seed=1)
+
+    def loss_and_lse(fn):
+        def call(x, t, w):
+            loss, lse = fn(x, t, w, reduction="none", softcap=4.0, return_lse=True)
+            return loss, lse
+
+        return call
+
+    upstream = [torch.randn(10, generator=torch.Generator().manual_seed(s)) for s in (2, 3)]
+    testing.check_against_reference(
+        loss_and_lse(tritonkit.cross_entropy), loss_and_lse(ce.cross_entropy_reference), (x, target, None),
+        grad_inputs=(0,), grad_outputs=upstream, dtype=F32,
+    )  # fmt: skip
+
+
+def test_every_row_ignored_gives_torchs_nan_mean_and_zero_gradient(device):
+    x = testing.random_tensor((5, 11), F32, device, generator=testing.generator(4)).requires_grad_(True)
+    target = torch.full((5,), -100, device=device)
+    loss = tritonkit.cross_entropy(x, target)
+    loss.backward()
+    assert loss.isnan() and torch.equal(x.grad, torch.zeros_like(x))
+
+
+def test_a_target_out_of_range_marks_its_row_nan(device):
+    """No host sync reads the targets: the row with target C gets NaN loss and gradient, the
+    others are right, and its mean is NaN."""
+    x, target, _ = _inputs(6, 9, F32, device, seed=6)
+    target[4] = 9
+    x.requires_grad_(True)
+    rows = tritonkit.cross_entropy(x, target, reduction="none")
+    rows.sum().backward()
+    assert rows[4].isnan() and x.grad[4].isnan().all()
+    fine = torch.ones(6, dtype=torch.bool)
+    fine[4] = False
+    expected = ce.cross_entropy_reference(x.detach().double(), target.clamp(max=8), reduction="none")
+    torch.testing.assert_close(rows.detach()[fine].double(), expected[fine])
+    assert tritonkit.cross_entropy(x.detach(), target).isnan()
+
+
+def test_strided_logits_and_int32_targets(device):
+    """Logits as every other column of a wider tensor (column stride 2), targets int32."""
+    g = testing.generator(7)
+    x = testing.random_tensor((8, 130), BF16, device, generator=g, noncontiguous=True)
+    assert x.stride(1) == 2
+    target = torch.randint(0, 130, (8,), generator=torch.Generator().manual_seed(7)).to(device, torch.int32)
+    _check(x, target, None, label_smoothing=0.1)
+
+
+_SASS_CHECK = r"""
+import json, torch
+from tritonkit.asm import compile_launch
+from tritonkit.ops import cross_entropy as ce
+CASES = [((8192, 128256), torch.bfloat16, "mean"), ((8192, 32000), torch.float32, "none")]
+for shape, dtype, reduction in CASES:
+    for launch in ce._inspect_launches(shape, dtype, reduction=reduction):
+        r = compile_launch(launch, "sm_90")
+        print(json.dumps({"launch": r.name, "spills": r.spills, "loads": sorted(r.loads),
+                          "stores": sorted(r.stores), "per_sm": r.occupancy[0]}))
+"""
+
+
+def test_the_kernels_compile_for_hopper_to_16_byte_accesses_without_spills():
+    """At a 128K vocabulary in bf16 (mean) and 32K in fp32 (none): no spills; the logits read and
+    dx written in 16-byte vectors; at least four programs an SM, so that each SM keeps 64 KB or
+    more of loads in flight (16 KB a program a step)."""
+    import sm90
+
+    rows = [json.loads(line) for line in sm90.run(_SASS_CHECK)]
+    assert [r["launch"] for r in rows] == ["fwd", "fwd sum", "bwd", "fwd", "bwd"]
+    for row in rows:
+        assert not row["spills"] and 128 in row["loads"] and row["per_sm"] >= 4, row
+        if row["launch"] == "bwd":
+            assert row["stores"] == [128], row
+
+
+@pytest.mark.parametrize(
+    "change, error, message",
+    [
+        (lambda a: a.update(input=a["input"][None]), NotImplementedError, "takes \\(N, C\\) logits"),
+        (lambda a: a.update(target=a["target"].float()), NotImplementedError, "class probabilities"),
+        (lambda a: a.update(target=a["target"][:3]), ValueError, "target must have N = 4"),
+        (lambda a: a.update(weight=a["input"].new_ones(6)), ValueError, "weight must have C = 5"),
+        (
+            lambda a: a.update(weight=a["input"].new_ones(5).requires_grad_()),
+            NotImplementedError,
+            "no gradient",
+        ),
+        (lambda a: a.update(reduction="avg"), ValueError, "reduction must be"),
+        (lambda a: a.update(label_smoothing=1.5), ValueError, "label_smoothing must be in"),
+        (lambda a: a.update(softcap=0.0), ValueError, "softcap must be None or"),
+        (lambda a: a.update(z_loss=-1.0), ValueError, "z_loss must be"),
+    ],
+)
+def test_bad_input_is_refused_by_name(change, error, message, device):
+    args = {"input": torch.randn(4, 5, device=device), "target": torch.tensor([0, 1, 2, 3], device=device)}
+    change(args)
+    with pytest.raises(error, match=message):
+        tritonkit.cross_entropy(**args)
