@@ -38,6 +38,11 @@ FAMILIES = {
         "ops": ("cross_entropy",),
         "workloads": ("cross_entropy",),
     },
+    "tritonkit.ops.rotary": {
+        "public": ("apply_rotary_pos_emb", "apply_rotary_emb"),
+        "ops": ("rotary_pos_emb",),
+        "workloads": ("rotary_pos_emb",),
+    },
     "tritonkit.ops.linear": {
         "public": ("linear", "gated_linear"),
         "ops": ("linear", "linear_bare", "gated_linear"),

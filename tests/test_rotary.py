@@ -1,0 +1,198 @@
+"""Rotary embeddings against the float64 reference with the oracle's rule, outputs and gradients:
+Hugging Face's form (q and k together, (B, S, D) and (S, D) tables, both layouts, strided views of
+a fused QKV projection), flash-attn's (halves and interleaved pairs, a partial rotary dim, int and
+per-sequence offsets, packed sequences, in place), and bad input refused by name. The contract
+tests (tests/contract) add opcheck, compile, poisoning and the cost model for Hugging Face's."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import tritonkit
+from tritonkit import opdef, testing
+from tritonkit.ops import rotary
+
+pytestmark = pytest.mark.rotary
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+
+
+def _tables(positions: int, columns: int, device, seed: int = 1):
+    angles = torch.rand(positions, columns, generator=torch.Generator().manual_seed(seed)) * 6.0
+    return angles.cos().to(device), angles.sin().to(device)
+
+
+@pytest.mark.parametrize(
+    "dtype, batch_table, unsqueeze_dim, fused",
+    [(F32, False, 1, False), (BF16, True, 1, True), (F16, True, 2, False), (BF16, False, 2, True)],
+    ids=["fp32-SD", "bf16-BSD-fused", "fp16-BSD-heads-third", "bf16-SD-heads-third-fused"],
+)
+def test_hugging_face_q_and_k(dtype, batch_table, unsqueeze_dim, fused, device):
+    """GQA 6/2 over 11 tokens, D = 32; "fused": q and k strided views of one (B, S, (Hq + 2 Hkv) D)
+    projection, as a model's attention has them."""
+    g = testing.generator(0)
+    batch, seq, heads_q, heads_kv, head_dim = 2, 11, 6, 2, 32
+    if fused:
+        qkv = testing.random_tensor(
+            (batch, seq, heads_q + 2 * heads_kv, head_dim), dtype, device, generator=g
+        )
+        q, k, _ = qkv.split([heads_q, heads_kv, heads_kv], dim=2)
+    else:
+        q = testing.random_tensor((batch, seq, heads_q, head_dim), dtype, device, generator=g)
+        k = testing.random_tensor((batch, seq, heads_kv, head_dim), dtype, device, generator=g)
+    if unsqueeze_dim == 1:
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+    cos, sin = _tables(seq, head_dim, device)
+    if batch_table:
+        cos, sin = (torch.stack([t, t.flip(0)]).to(dtype) for t in (cos, sin))  # each sequence its own rows
+    testing.check_against_reference(
+        lambda q, k, c, s: tritonkit.apply_rotary_pos_emb(q, k, c, s, unsqueeze_dim=unsqueeze_dim),
+        lambda q, k, c, s: rotary.rotary_pos_emb_reference(q, k, c, s, unsqueeze_dim=unsqueeze_dim),
+        (q, k, cos, sin),
+        grad_inputs=(0, 1),
+        grad_outputs=[torch.randn(t.shape, generator=torch.Generator().manual_seed(2)).to(t) for t in (q, k)],
+        dtype=dtype,
+    )
+
+
+FLASH_CASES = [
+    (F32, {}),
+    (BF16, {"interleaved": True}),
+    (F16, {"seqlen_offsets": 5}),
+    (BF16, {"seqlen_offsets": "tensor", "interleaved": True}),
+    (F32, {"packed": True, "seqlen_offsets": 2}),
+    (BF16, {"packed": True, "seqlen_offsets": "tensor", "interleaved": True}),
+]
+
+
+@pytest.mark.parametrize("dtype, options", FLASH_CASES, ids=[f"{i}" for i in range(len(FLASH_CASES))])
+@pytest.mark.parametrize("rotary_dim", [24, 32], ids=["partial", "whole"])
+def test_flash_attn_form(dtype, options, rotary_dim, device):
+    """(B, S, H, D) = (3, 9, 4, 32), or the same tokens packed with lengths 9, 2 and 7."""
+    g = testing.generator(3)
+    options = dict(options)
+    packed = options.pop("packed", False)
+    if options.get("seqlen_offsets") == "tensor":
+        options["seqlen_offsets"] = torch.tensor([0, 6, 3], dtype=torch.int32, device=device)
+    if packed:
+        x = testing.random_tensor((18, 4, 32), dtype, device, generator=g)
+        options |= {
+            "cu_seqlens": torch.tensor([0, 9, 11, 18], dtype=torch.int32, device=device),
+            "max_seqlen": 9,
+        }
+    else:
+        x = testing.random_tensor((3, 9, 4, 32), dtype, device, generator=g)
+    cos, sin = _tables(16, rotary_dim // 2, device)
+    testing.check_against_reference(
+        lambda x, c, s: tritonkit.apply_rotary_emb(x, c, s, **options),
+        lambda x, c, s: rotary.rotary_emb_reference(x, c, s, **options),
+        (x, cos, sin),
+        grad_inputs=(0,),
+        grad_outputs=[testing.random_tensor(x.shape, dtype, device, generator=g, noncontiguous=True)],
+        dtype=dtype,
+    )
+
+
+def test_in_place_writes_x_and_leaves_the_other_dims(device):
+    """inplace=True returns x itself, rotated, its dims past the rotary ones bit for bit; its
+    gradient is the out-of-place one's."""
+    g = testing.generator(4)
+    x = testing.random_tensor((2, 5, 3, 16), BF16, device, generator=g)
+    cos, sin = _tables(5, 4, device)
+    expected = tritonkit.apply_rotary_emb(x, cos, sin)
+    leaf = x.clone().requires_grad_(True)
+    y = leaf.clone()  # a non-leaf that autograd lets the call write
+    out = tritonkit.apply_rotary_emb(y, cos, sin, inplace=True)
+    assert out is y and torch.equal(y.detach(), expected)
+    assert torch.equal(y.detach()[..., 8:], x[..., 8:])
+    upstream = testing.random_tensor(x.shape, BF16, device, generator=g)
+    out.backward(upstream)
+    plain = x.clone().requires_grad_(True)
+    tritonkit.apply_rotary_emb(plain, cos, sin).backward(upstream)
+    assert torch.equal(leaf.grad, plain.grad)
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["out-of-place", "in-place"])
+def test_the_flash_attn_form_passes_opcheck_and_compiles_without_a_graph_break(inplace, device):
+    """The contract's checks for the form it does not cover: opcheck on real arguments (packed,
+    per-sequence offsets), and torch.compile(fullgraph=True) giving eager's bits."""
+    g = testing.generator(5)
+    x = testing.random_tensor((7, 2, 16), BF16, device, generator=g)
+    cos, sin = _tables(9, 6, device)
+    options = {
+        "cu_seqlens": torch.tensor([0, 3, 7], dtype=torch.int32, device=device),
+        "max_seqlen": 4,
+        "seqlen_offsets": torch.tensor([2, 5], dtype=torch.int32, device=device),
+        "inplace": inplace,
+    }
+    with opdef.recording_calls() as calls:
+        eager = tritonkit.apply_rotary_emb(x.clone(), cos, sin, **options)
+    ((custom, args),) = calls
+    torch.library.opcheck(custom, tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: tritonkit.apply_rotary_emb(x, cos, sin, **options), fullgraph=True)
+    assert torch.equal(compiled(x.clone()), eager)
+
+
+_SASS_CHECK = r"""
+import json, re, torch
+from tritonkit.asm import compile_launch
+from tritonkit.ops import rotary
+for launch in rotary._inspect_launches((4, 32, 8, 4096, 128), torch.bfloat16):
+    r = compile_launch(launch, "sm_90")
+    narrow = len(re.findall(r"LDG\.E\.U16", r.asm["sass"]))
+    print(json.dumps({"launch": r.name, "spills": r.spills, "loads": sorted(r.loads),
+                      "stores": sorted(r.stores), "narrow_loads": narrow}))
+"""
+
+
+def test_the_kernel_compiles_for_hopper_to_16_byte_accesses_without_spills():
+    """Hugging Face's q and k at (4, 32/8, 4096, 128) bf16, both ways: no spills; each half of a
+    head read and written in 16-byte vectors (8 bf16). The tables' rows, a few hundred bytes a
+    tile, shared by its heads, load a few elements a thread: the only loads under 16 bytes that
+    may be 16-bit (four tables' halves in each of q's and k's branch)."""
+    import sm90
+
+    rows = [json.loads(line) for line in sm90.run(_SASS_CHECK)]
+    assert [r["launch"] for r in rows] == ["fwd", "bwd"]
+    for row in rows:
+        assert not row["spills"] and 128 in row["loads"] and row["stores"] == [128], row
+        assert row["narrow_loads"] <= 8 * 2, row
+
+
+def _flash(q, c, **kwargs):
+    return tritonkit.apply_rotary_emb(q.transpose(1, 2), c, c, **kwargs)  # (1, 5, 2, 8): S = 5
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (
+            lambda q, k, c: tritonkit.apply_rotary_pos_emb(q, k, c, c, position_ids=c),
+            NotImplementedError,
+            "deprec",
+        ),
+        (
+            lambda q, k, c: tritonkit.apply_rotary_pos_emb(q, k, c, c, unsqueeze_dim=3),
+            NotImplementedError,
+            "unsqu",
+        ),
+        (lambda q, k, c: tritonkit.apply_rotary_pos_emb(q, k[..., :6], c, c), ValueError, "k must match"),
+        (lambda q, k, c: tritonkit.apply_rotary_pos_emb(q, k, c[:3], c[:3]), ValueError, "cos must be"),
+        (lambda q, k, c: _flash(q, c[:, :5]), ValueError, "rotary_dim <= 8"),
+        (lambda q, k, c: _flash(q, c[:2, :2]), ValueError, "positions up to 4"),
+        (
+            lambda q, k, c: _flash(q[0], c[:, :2], cu_seqlens=q.new_zeros(2, dtype=torch.int32)),
+            ValueError,
+            "max_s",
+        ),
+    ],
+)
+def test_bad_input_is_refused_by_name(call, error, message, device):
+    q = torch.randn(1, 2, 5, 8, device=device)
+    k = torch.randn(1, 1, 5, 8, device=device)
+    with pytest.raises(error, match=message):
+        call(q, k, torch.randn(5, 8, device=device))
