@@ -176,3 +176,43 @@ def test_bad_input_is_refused_by_name(change, error, message, device):
     change(args)
     with pytest.raises(error, match=message):
         tritonkit.cross_entropy(**args)
+
+
+# ---------------------------------------------------------------- on the H200
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "rows, classes, dtype, features",
+    [
+        (1024, 128256, BF16, {}),
+        (512, 262144, BF16, {"label_smoothing": 0.1, "z_loss": 1e-4}),
+        (2048, 50304, F16, {"softcap": 30.0, "reduction": "sum"}),
+        (777, 151936, F32, {"weight": True, "reduction": "none"}),
+    ],
+)
+def test_gpu_vocabulary_sized_rows_match_the_reference(rows, classes, dtype, features, device):
+    kwargs = dict(features)
+    x, target, weight = _inputs(rows, classes, dtype, device)
+    _check(x, target, weight if kwargs.pop("weight", False) else None, **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.hbm
+def test_gpu_logits_past_2_to_the_31_elements(device):
+    """16385 rows of 131072 logits: the last rows' offsets need 64 bits. Rows at both ends, loss
+    and gradient, against the reference on those rows alone."""
+    rows, classes = 16385, 131072
+    assert rows * classes > 2**31
+    x, target, _ = _inputs(rows, classes, BF16, device, seed=8)
+    x.requires_grad_(True)
+    upstream = torch.randn(rows, device=device, generator=torch.Generator(device=device).manual_seed(9))
+    with testing.poisoned_outputs():
+        loss = tritonkit.cross_entropy(x, target, reduction="none")
+        (grad,) = torch.autograd.grad(loss, x, upstream.to(BF16))
+    for part in (slice(0, 4), slice(rows - 4, rows)):
+        expected = x.detach()[part].double().requires_grad_(True)
+        reference = ce.cross_entropy_reference(expected, target[part], reduction="none")
+        (expected_grad,) = torch.autograd.grad(reference, expected, upstream[part].double().to(BF16).double())
+        torch.testing.assert_close(loss[part].double(), reference, atol=0.1, rtol=1e-2)
+        torch.testing.assert_close(grad[part].double(), expected_grad, atol=1e-3, rtol=2e-2)

@@ -196,3 +196,37 @@ def test_bad_input_is_refused_by_name(call, error, message, device):
     k = torch.randn(1, 1, 5, 8, device=device)
     with pytest.raises(error, match=message):
         call(q, k, torch.randn(5, 8, device=device))
+
+
+# ---------------------------------------------------------------- on the H200
+
+
+@pytest.mark.gpu
+def test_gpu_llama_shaped_q_and_k(device):
+    """The benchmark's (4, 32/8, 4096, 128) bf16, q and k views of one fused projection."""
+    q, k, cos, sin = rotary._make_inputs((4, 32, 8, 4096, 128), BF16, device, testing.generator(6))
+    qkv = torch.cat([q, k, k], dim=1).transpose(1, 2).contiguous()  # (B, S, 48, D)
+    q, k = qkv[:, :, :32].transpose(1, 2), qkv[:, :, 32:40].transpose(1, 2)
+    upstream = [testing.random_tensor(t.shape, BF16, device, generator=testing.generator(7)) for t in (q, k)]
+    testing.check_against_reference(
+        tritonkit.apply_rotary_pos_emb, rotary.rotary_pos_emb_reference, (q, k, cos, sin), grad_inputs=(0, 1),
+        grad_outputs=upstream,
+    )  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.hbm
+def test_gpu_tokens_past_2_to_the_31_elements(device):
+    """x (2, 65537, 128, 128) bf16 in flash-attn's form: the last tokens' offsets need 64 bits;
+    the first and last tokens against the reference on them alone."""
+    x = testing.random_tensor((2, 65537, 128, 128), BF16, device, generator=testing.generator(8))
+    assert x.numel() > 2**31
+    cos, sin = _tables(65537 + 5, 64, device)
+    offsets = torch.tensor([0, 5], dtype=torch.int32, device=device)
+    with testing.poisoned_outputs():
+        out = tritonkit.apply_rotary_emb(x, cos, sin, seqlen_offsets=offsets)
+    for b, tokens in ((0, slice(0, 3)), (1, slice(65534, 65537))):
+        part = x[b : b + 1, tokens].double()
+        first = tokens.start + int(offsets[b])
+        expected = rotary.rotary_emb_reference(part, cos.double(), sin.double(), seqlen_offsets=first)
+        torch.testing.assert_close(out[b : b + 1, tokens].double(), expected, atol=2e-2, rtol=1e-2)
