@@ -1,8 +1,8 @@
-"""ring_attention on 2 and 3 CPU processes (gloo, kernels in the interpreter): output, lse and
-gradients against single-process flash_attention on the whole sequence and the float64 reference,
-causal (load-balanced shards) and full, GQA; sharding round trips and their gradients; bad input
-raising the same error on every rank. Sequence lengths that do not divide into the shards are
-refused with the length to pad to (shard_sequence)."""
+"""ring_attention on 3 CPU processes, and on a group of 2 of them (gloo, kernels in the
+interpreter): output, lse and gradients against single-process flash_attention on the whole
+sequence and the float64 reference, causal (load-balanced shards) and full, GQA; sharding round
+trips and their gradients; bad input raising the same error on every rank. Sequence lengths that do
+not divide into the shards are refused with the length to pad to (shard_sequence)."""
 
 from __future__ import annotations
 
@@ -17,31 +17,38 @@ import torch.multiprocessing as mp
 pytestmark = pytest.mark.distributed
 
 TIMEOUT_S = 240  # the whole run of one world; a hang fails the test rather than the suite
+WORLD = 3
+PAIR = [1, 2]  # the two-rank ring: a group whose ranks (0 and 1) are not the processes' own
 
 
-def _whole(seq, seed):
-    """q (4 heads), k and v (2: GQA) and dO over the whole sequence, the same on every rank."""
+def _whole(seq, seed, heads_kv=2):
+    """q (twice ``heads_kv`` heads), k and v (``heads_kv``: GQA) and dO over the whole sequence, the
+    same on every rank."""
     from tritonkit.testing import generator, random_tensor
 
     g = generator(seed)
-    shapes = [(1, 4, seq, 16), (1, 2, seq, 16), (1, 2, seq, 16), (1, 4, seq, 16)]
+    heads = [2 * heads_kv, heads_kv, heads_kv, 2 * heads_kv]
+    shapes = [(1, h, seq, 16) for h in heads]
     return [random_tensor(shape, torch.bfloat16, "cpu", generator=g) for shape in shapes]
 
 
-def _compare_with_one_process(causal: bool, seq: int) -> list[dict]:
-    """Ring output, lse and gradients, gathered, against flash_attention on one process (the
-    oracle's torch term) and the float64 reference."""
+def _compare_with_one_process(causal: bool, heads_kv: int, group=None) -> list[dict]:
+    """Ring output, lse and gradients over ``group``'s ranks (None: every process), gathered, against
+    flash_attention on one process (the oracle's torch term) and the float64 reference."""
+    import torch.distributed as dist
+
     import tritonkit
     from tritonkit.distributed import ring_attention, shard_sequence, unshard_sequence
     from tritonkit.ops.attention.common import attention_reference
     from tritonkit.testing import compare, poisoned_outputs
 
-    q, k, v, do = _whole(seq, seed=7 + causal)
-    shards = [shard_sequence(t, 2, causal=causal).requires_grad_() for t in (q, k, v)]
+    seq = 4 * dist.get_world_size(group) * 2  # 2W chunks of 4 rows: causal shards hold two, each ragged
+    q, k, v, do = _whole(seq, seed=7 + causal, heads_kv=heads_kv)
+    shards = [shard_sequence(t, 2, group, causal).requires_grad_() for t in (q, k, v)]
     with poisoned_outputs():
-        o, lse = ring_attention(*shards, causal=causal, return_lse=True)
-        grads = torch.autograd.grad(o, shards, shard_sequence(do, 2, causal=causal))
-    ring = [unshard_sequence(t, 2, causal=causal) for t in (o, lse, *grads)]
+        o, lse = ring_attention(*shards, causal=causal, group=group, return_lse=True)
+        grads = torch.autograd.grad(o, shards, shard_sequence(do, 2, group, causal))
+    ring = [unshard_sequence(t, 2, group, causal) for t in (o, lse, *grads)]
     single_inputs = [t.clone().requires_grad_() for t in (q, k, v)]
     single_o, single_lse = tritonkit.flash_attention(*single_inputs, causal=causal, return_lse=True)
     single = [single_o, single_lse, *torch.autograd.grad(single_o, single_inputs, do)]
@@ -54,43 +61,50 @@ def _compare_with_one_process(causal: bool, seq: int) -> list[dict]:
     return [{"causal": causal, "name": c.name, "passed": c.passed, "text": str(c)} for c in comparisons]
 
 
-def _errors_on_every_rank(rank: int) -> list[str]:
-    """Bad input on one rank or across ranks: each raises on every rank, none hangs."""
+def _errors_on_every_rank(group) -> list[str]:
+    """Bad input on one rank or across the two ranks of ``group``: each raises on every rank, none
+    hangs."""
+    import torch.distributed as dist
+
     from tritonkit.distributed import ring_attention, shard_sequence
 
+    rank = dist.get_rank(group)
     q, k, v, _ = _whole(24, seed=3)
     messages = []
     with pytest.raises(ValueError, match="must be a multiple of 4") as error:  # 23 over 2 ranks, causal
-        shard_sequence(q[:, :, :23], 2, causal=True)
+        shard_sequence(q[:, :, :23], 2, group, causal=True)
     messages.append(str(error.value))
     with pytest.raises(ValueError, match=r"dim must be an int in \[-4, 4\)") as error:
-        shard_sequence(q, 5)
+        shard_sequence(q, 5, group)
     messages.append(str(error.value))
-    shards = [shard_sequence(t, 2) for t in (q, k, v)]
+    shards = [shard_sequence(t, 2, group) for t in (q, k, v)]
     longer = [torch.cat([t, t[:, :, :1]], 2) if rank == 1 else t for t in shards]
     with pytest.raises(ValueError, match="ranks disagree on the sequence shard") as error:
-        ring_attention(*longer)
+        ring_attention(*longer, group=group)
     messages.append(str(error.value))
     heads = [shards[0][:, :3] if rank == 0 else shards[0], *shards[1:]]  # 3 query heads over 2
     with pytest.raises(ValueError, match="rank 0: ValueError: query heads") as error:
-        ring_attention(*heads)
+        ring_attention(*heads, group=group)
     messages.append(str(error.value))
     return messages
 
 
-def _round_trip(world: int) -> bool:
+def _round_trip(group=None) -> bool:
     """unshard(shard(x)) is x, causal (load-balanced) and not; its gradient reaches each shard,
-    summed over the ranks that used the gathered whole (each rank here)."""
+    summed over the ranks that used the gathered whole (each rank of ``group`` here)."""
+    import torch.distributed as dist
+
     from tritonkit.distributed import shard_sequence, unshard_sequence
 
+    world = dist.get_world_size(group)
     x = torch.arange(4.0 * world * 3).reshape(1, 2, -1, 3)
     weights = torch.randn(x.shape, generator=torch.Generator().manual_seed(0))
     ok = True
     for causal in (True, False):
-        shard = shard_sequence(x, 2, causal=causal).requires_grad_()
-        whole = unshard_sequence(shard, 2, causal=causal)
+        shard = shard_sequence(x, 2, group, causal).requires_grad_()
+        whole = unshard_sequence(shard, 2, group, causal)
         (grad,) = torch.autograd.grad((whole * weights).sum(), shard)
-        expected = world * shard_sequence(weights, 2, causal=causal)
+        expected = world * shard_sequence(weights, 2, group, causal)
         ok &= torch.equal(whole, x) and torch.allclose(grad, expected)
     return bool(ok)
 
@@ -99,6 +113,12 @@ def _worker(rank: int, world: int, store: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     os.environ["TRITONKIT_INTERPRET"] = "1"  # CPU processes on gloo, on a GPU machine too
+    from tritonkit import _runtime
+
+    if _runtime.interpret():  # the interpreter's speed-ups that conftest installs in the suite's processes
+        import fast_interpreter
+
+        fast_interpreter.install()
 
     dist.init_process_group(
         "gloo",
@@ -108,15 +128,23 @@ def _worker(rank: int, world: int, store: str, out_dir: str) -> None:
         timeout=datetime.timedelta(seconds=TIMEOUT_S // 2),
     )
     try:
-        seq = 4 * world * 2  # 2W chunks of 4 rows: causal shards hold two, each a ragged interpreter tile
-        # both masks on two ranks; on three (the suite's slowest test, three processes on the CI
-        # machine's two cores) the causal one, whose load-balanced shards the full mask does not use
-        results = _compare_with_one_process(True, seq)
-        if world == 2:
-            results += _compare_with_one_process(False, seq)
-        results.append({"round trip": _round_trip(world)})
-        if world == 2:
-            results.append({"errors": _errors_on_every_rank(rank)})
+        pair = dist.new_group(PAIR)  # every process takes part in making it
+        # Three ranks reach what two cannot: a ring whose next and previous ranks differ (blocks sent
+        # the wrong way round, or their owners counted so, pass on two), gradient sums received and
+        # sent on unfinished, and a rank that meets both lower and higher ranks' blocks. There the
+        # causal mask, whose load-balanced shards the full mask does not use, with one key head (on
+        # the CI machine's two cores, three processes). Two ranks, within the same processes (one
+        # start of Python and torch, not two): both masks, two key heads (GQA's mapping of query
+        # heads to key heads), and bad input.
+        results = {"three": _compare_with_one_process(True, heads_kv=1), "two": []}
+        results["three"].append({"round trip": _round_trip()})
+        if rank in PAIR:
+            results["two"] = [
+                *_compare_with_one_process(True, heads_kv=2, group=pair),
+                *_compare_with_one_process(False, heads_kv=2, group=pair),
+                {"round trip": _round_trip(pair)},
+                {"errors": _errors_on_every_rank(pair)},
+            ]
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as out:
             json.dump(results, out)
         dist.barrier()
@@ -141,7 +169,7 @@ def _all_finished(store: str, world: int) -> None:
         time.sleep(0.05)
 
 
-def _run(world: int, tmp_path) -> list[list[dict]]:
+def _run(world: int, tmp_path) -> list[dict]:
     context = mp.start_processes(
         _worker,
         args=(world, str(tmp_path / "store"), str(tmp_path)),
@@ -158,16 +186,19 @@ def _run(world: int, tmp_path) -> list[list[dict]]:
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(world)]
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_ring_attention_equals_one_process(world, tmp_path):
+def test_ring_attention_equals_one_process(tmp_path):
     """Every rank's gathered output, lse and gradients pass the oracle against flash_attention on
-    the whole sequence (causal, and on two ranks full too; GQA: 4 query heads over 2)."""
-    for rank, results in enumerate(run := _run(world, tmp_path)):
-        comparisons = [r for r in results if "name" in r]
-        assert len(comparisons) == (10 if world == 2 else 5), results
-        failing = [r["text"] for r in comparisons if not r["passed"]]
-        assert not failing, (rank, failing)
-        assert {"round trip": True} in results
-    if world == 2:
-        errors = [results[-1]["errors"] for results in run]
-        assert errors[0][1:] == errors[1][1:]  # the same message on both ranks
+    the whole sequence: on three ranks causal (GQA: 2 query heads over 1); on two of them, whose
+    ranks in their group are not their own, causal and full (4 query heads over 2), bad input
+    raising the same error on both."""
+    run = _run(WORLD, tmp_path)
+    for rank, results in enumerate(run):
+        for ring, count in (("three", 5), ("two", 10 if rank in PAIR else 0)):
+            comparisons = [r for r in results[ring] if "name" in r]
+            assert len(comparisons) == count, (ring, results)
+            failing = [r["text"] for r in comparisons if not r["passed"]]
+            assert not failing, (ring, rank, failing)
+        assert {"round trip": True} in results["three"]
+        assert ({"round trip": True} in results["two"]) == (rank in PAIR)
+    errors = [run[rank]["two"][-1]["errors"] for rank in PAIR]
+    assert errors[0][1:] == errors[1][1:]  # the same message on both ranks

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+import test_attention as ta
 import test_softmax as ts
 from grids import pairs_not_met
 
 GRIDS = {
+    "attention matches the reference": ta.REFERENCE_GRID,
     "softmax matches the reference": ts.MATCHES_REFERENCE,
     "softmax layouts": ts.LAYOUT_GRID,
     "softmax dtype argument": ts.DTYPE_ARGUMENTS,
@@ -15,6 +17,7 @@ GRIDS = {
     "softmax masked rows": ts.MASKED_ROWS,
     "softmax split rows": ts.SPLIT_ROWS,
     "softmax online chunks": ts.ONLINE,
+    "softmax poisoning": ts.POISONING,
 }
 
 

@@ -206,6 +206,14 @@ def test_every_default_config_compiles_for_hopper_without_spills_and_with_wide_a
             # (64-bit) accesses; the row itself moves in 16-byte vectors
             assert 128 in row["loads"] and 128 in row["stores"], row
             assert min(row["loads"] + row["stores"]) >= 32, row
+        elif get_workload(row["op"]).op.family == "cross_entropy":
+            # the logits move in 16-byte vectors (and dx); a row's target (int64) and its logit, and
+            # the statistics a row (fp32) and the reduced loss (one 16-bit value), are single values
+            assert 128 in row["loads"], row
+            assert row["stores"] == [128] if row["launch"] == "bwd" else max(row["stores"]) <= 32, row
+        elif get_workload(row["op"]).op.family == "rotary":
+            # q and k move in 16-byte vectors; a tile's table rows, shared by its heads, in 8 bytes
+            assert 128 in row["loads"] and min(row["loads"]) >= 64 and row["stores"] == [128], row
         elif get_workload(row["op"]).op.family in PER_ROW_STATISTICS:
             # the row data moves in 16-byte vectors; a row's mean and rstd (lse, delta) are one fp32 each
             assert 128 in row["loads"] and min(row["loads"] + row["stores"]) >= 32, row

@@ -364,15 +364,13 @@ SMALL_CHUNKS = {"variant": "online", "BLOCK_M": 2, "BLOCK_N": 64, "num_warps": 4
 _small_chunks = {"config": SMALL_CHUNKS}  # that of the running test: set by the fixture
 
 
-@pytest.fixture(params=[False, True], ids=["one-chunk", "prefetch"])
+@pytest.fixture(params=["one-chunk", "prefetch"])
 def small_chunks(request, monkeypatch, launches):
     """The online kernel's default config (the one used under the interpreter) becomes SMALL_CHUNKS,
-    with or without PREFETCH.
-
-    The tuners hold the default function itself, so it is wrapped there; nothing is tuned (on a
-    GPU too); the memo of chosen configs starts empty and is restored afterwards. Returns the launches.
-    """
-    config = SMALL_CHUNKS | ({"PREFETCH": True} if request.param else {})
+    with PREFETCH where the param is "prefetch" (a test may pick it: indirect parametrization). The
+    tuners hold the default function itself, so it is wrapped there; nothing is tuned (on a GPU
+    too); the memo of chosen configs starts empty and is restored afterwards. Returns the launches."""
+    config = SMALL_CHUNKS | ({"PREFETCH": True} if request.param == "prefetch" else {})
     monkeypatch.setitem(_small_chunks, "config", config)
     monkeypatch.setattr(tuning, "_single_config", lambda: True)
     monkeypatch.setattr(sm, "_plans", {})  # plans hold configs too
@@ -405,14 +403,15 @@ def test_online_over_many_chunks(case, dtype, log, small_chunks, device):
 # ---------------------------------------------------------------- split rows
 
 
-SPLIT_SHAPES = [(3, 64), (5, 200), (1, 129), (50, 130), (2, 4100), (9, 1)]
+SPLIT_SHAPES = [(3, 64), (5, 200), (1, 129), (7, 130), (2, 4100), (9, 1)]
 SPLIT_ROWS = in_turn(SPLIT_SHAPES, [F32, BF16], last=[False, True, True, False])  # each meets both logs
 
 
 @pytest.mark.parametrize("shape, dtype, log", SPLIT_ROWS, ids=map(case_id, SPLIT_ROWS))
-def test_split_rows_over_many_segments(shape, dtype, log, launches, device):
-    """Rows of one to four segments, ragged last segments and chunks. 50 rows of three segments are
-    more than the 44 that run at once on the nominal 132 SMs, so programs walk two rows."""
+def test_split_rows_over_many_segments(shape, dtype, log, launches, monkeypatch, device):
+    """Rows of one to four segments, ragged last segments and chunks. On 20 SMs, 7 rows of three
+    segments are more than the 6 that run at once, so a program walks two rows; the others all run at once."""
+    monkeypatch.setattr(sm, "sm_count", lambda device: 20)  # (the nominal 132 would take 45 rows to walk)
     x, dy = _inputs(shape, dtype, device, seed=39 + shape[1])
     _check(x, dy, log=log, variant="split")
     assert _variants(launches) == {"fwd": {"split"}, "bwd": {"split"}}
@@ -496,10 +495,11 @@ EDGE_ROWS = {  # name -> {row: new row}; the other rows stay random and must sta
 }
 
 
-NONFINITE = in_turn(EDGE_ROWS, [False, True], KERNELS, last=[F32, BF16])
+LOG_AND_DTYPE = [(False, F32), (True, BF16), (True, F32), (False, BF16)]  # in turn; every pair still meets
+NONFINITE = [(c, v, *s) for c, v, s in in_turn(EDGE_ROWS, KERNELS, last=LOG_AND_DTYPE)]
 
 
-@pytest.mark.parametrize("case, log, variant, dtype", NONFINITE, ids=map(case_id, NONFINITE))
+@pytest.mark.parametrize("case, variant, log, dtype", NONFINITE, ids=map(case_id, NONFINITE))
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy, in the interpreter
 def test_nonfinite_inputs_match_torch(case, dtype, log, variant, device):
     x, dy = _inputs((5, 100), dtype, device, seed=36)
@@ -525,10 +525,13 @@ def _assert_small_chunks_ran(launches):
     assert all(config == small for _, config in launches if config["variant"] == "online"), launches
 
 
-MASKED_ROWS = in_turn(DTYPES, KERNELS, last=[False, True])
+MASKED_ROWS = in_turn(DTYPES, KERNELS, last=[False, True])  # PREFETCH (below) changes the online kernel only
+MASKED_RUNS = [(*c, p) for c in MASKED_ROWS for p in ["one-chunk", "prefetch"][: 1 + (c[1] == "online")]]
 
 
-@pytest.mark.parametrize("dtype, variant, log", MASKED_ROWS, ids=map(case_id, MASKED_ROWS))
+@pytest.mark.parametrize(
+    "dtype, variant, log, small_chunks", MASKED_RUNS, ids=map(case_id, MASKED_RUNS), indirect=["small_chunks"]
+)
 def test_masked_rows_with_first_chunks_all_masked(dtype, log, variant, small_chunks, device):
     """With 64-entry chunks: a row whose first chunk, or first two, hold only -inf, then finite values."""
     keep = [(0, 200), (64, 150), (199, 200), (130, 151), (1, 190)]  # chunks start at 0, 64, 128, 192
@@ -624,9 +627,10 @@ def _skip_last_row(direction_skipped: str):
     return partial_launch
 
 
-@pytest.mark.parametrize("direction", ["fwd", "bwd"])
-@pytest.mark.parametrize("log", LOGS)
-@pytest.mark.parametrize("variant", KERNELS)
+POISONING = in_turn(["fwd", "bwd"], KERNELS, last=[False, True])  # each direction, and kernel, with both logs
+
+
+@pytest.mark.parametrize("direction, variant, log", POISONING, ids=map(case_id, POISONING))
 def test_poisoning_catches_an_unwritten_row(direction, log, variant, monkeypatch, device):
     x, dy = _inputs((5, 40), F32, device, seed=43)
     _check(x, dy, log=log, variant=variant)  # passes with the real launch
@@ -778,12 +782,7 @@ def test_op_inputs_match_reference(name, shape, device):
         inputs = op.make_inputs(shape, dtype, device, g)
         dy = random_tensor(shape, dtype, device, generator=g)
         check_against_reference(
-            op.fn,
-            op.reference,
-            inputs,
-            kwargs=op.kwargs,
-            grad_inputs=op.grad_inputs,
-            grad_outputs=[dy],
+            op.fn, op.reference, inputs, kwargs=op.kwargs, grad_inputs=op.grad_inputs, grad_outputs=[dy]
         )
 
 
