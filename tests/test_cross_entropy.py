@@ -3,11 +3,10 @@ gradient: vocabularies from 1 to 32000 and odd sizes, every reduction, class wei
 smoothing with ignored rows, the z-loss, the soft cap, the returned lse and its own gradient, every
 row ignored (torch's NaN mean), targets out of range (NaN, no sync), strided logits and int32
 targets, and bad input refused by name. The contract tests (tests/contract) add opcheck, compile,
-poisoning, empty input and the cost model."""
+poisoning, empty input and the cost model, and tests/test_inspect.py the sm_90 compile at the
+benchmark's vocabularies (no spills, the logits and dx in 16-byte vectors)."""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 import torch
@@ -124,33 +123,6 @@ def test_strided_logits_and_int32_targets(device):
     assert x.stride(1) == 2
     target = torch.randint(0, 130, (8,), generator=torch.Generator().manual_seed(7)).to(device, torch.int32)
     _check(x, target, None, label_smoothing=0.1)
-
-
-_SASS_CHECK = r"""
-import json, torch
-from tritonkit.asm import compile_launch
-from tritonkit.ops import cross_entropy as ce
-CASES = [((8192, 128256), torch.bfloat16, "mean"), ((8192, 32000), torch.float32, "none")]
-for shape, dtype, reduction in CASES:
-    for launch in ce._inspect_launches(shape, dtype, reduction=reduction):
-        r = compile_launch(launch, "sm_90")
-        print(json.dumps({"launch": r.name, "spills": r.spills, "loads": sorted(r.loads),
-                          "stores": sorted(r.stores), "per_sm": r.occupancy[0]}))
-"""
-
-
-def test_the_kernels_compile_for_hopper_to_16_byte_accesses_without_spills():
-    """At a 128K vocabulary in bf16 (mean) and 32K in fp32 (none): no spills; the logits read and
-    dx written in 16-byte vectors; at least four programs an SM, so that each SM keeps 64 KB or
-    more of loads in flight (16 KB a program a step)."""
-    import sm90
-
-    rows = [json.loads(line) for line in sm90.run(_SASS_CHECK)]
-    assert [r["launch"] for r in rows] == ["fwd", "fwd sum", "bwd", "fwd", "bwd"]
-    for row in rows:
-        assert not row["spills"] and 128 in row["loads"] and row["per_sm"] >= 4, row
-        if row["launch"] == "bwd":
-            assert row["stores"] == [128], row
 
 
 @pytest.mark.parametrize(

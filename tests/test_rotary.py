@@ -2,11 +2,10 @@
 Hugging Face's form (q and k together, (B, S, D) and (S, D) tables, both layouts, strided views of
 a fused QKV projection), flash-attn's (halves and interleaved pairs, a partial rotary dim, int and
 per-sequence offsets, packed sequences, in place), and bad input refused by name. The contract
-tests (tests/contract) add opcheck, compile, poisoning and the cost model for Hugging Face's."""
+tests (tests/contract) add opcheck, compile, poisoning and the cost model for Hugging Face's, and
+tests/test_inspect.py its sm_90 compile at the benchmark shapes (no spills, 16-byte accesses)."""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 import torch
@@ -135,32 +134,6 @@ def test_the_flash_attn_form_passes_opcheck_and_compiles_without_a_graph_break(i
     torch._dynamo.reset()
     compiled = torch.compile(lambda x: tritonkit.apply_rotary_emb(x, cos, sin, **options), fullgraph=True)
     assert torch.equal(compiled(x.clone()), eager)
-
-
-_SASS_CHECK = r"""
-import json, re, torch
-from tritonkit.asm import compile_launch
-from tritonkit.ops import rotary
-for launch in rotary._inspect_launches((4, 32, 8, 4096, 128), torch.bfloat16):
-    r = compile_launch(launch, "sm_90")
-    narrow = len(re.findall(r"LDG\.E\.U16", r.asm["sass"]))
-    print(json.dumps({"launch": r.name, "spills": r.spills, "loads": sorted(r.loads),
-                      "stores": sorted(r.stores), "narrow_loads": narrow}))
-"""
-
-
-def test_the_kernel_compiles_for_hopper_to_16_byte_accesses_without_spills():
-    """Hugging Face's q and k at (4, 32/8, 4096, 128) bf16, both ways: no spills; each half of a
-    head read and written in 16-byte vectors (8 bf16). The tables' rows, a few hundred bytes a
-    tile, shared by its heads, load a few elements a thread: the only loads under 16 bytes that
-    may be 16-bit (four tables' halves in each of q's and k's branch)."""
-    import sm90
-
-    rows = [json.loads(line) for line in sm90.run(_SASS_CHECK)]
-    assert [r["launch"] for r in rows] == ["fwd", "bwd"]
-    for row in rows:
-        assert not row["spills"] and 128 in row["loads"] and row["stores"] == [128], row
-        assert row["narrow_loads"] <= 8 * 2, row
 
 
 def _flash(q, c, **kwargs):

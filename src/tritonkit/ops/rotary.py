@@ -367,14 +367,8 @@ class _RotaryEmb(torch.autograd.Function):
         ctx.save_for_backward(cos, sin, offsets, cu_seqlens)
         ctx.options = interleaved, offset, max_seqlen
         if inplace:
-            _rotary_inplace(x, cos, sin, offsets, offset, cu_seqlens, max_seqlen, interleaved, False)
             ctx.mark_dirty(x)
-            return x
-        out = empty_output(x.shape, x.dtype, x.device)
-        _rotary(
-            x, out, None, None, cos, sin, offsets, offset, cu_seqlens, max_seqlen, False, interleaved, False
-        )
-        return out
+        return _flash_rotate(x, cos, sin, interleaved, inplace, offsets, offset, cu_seqlens, max_seqlen)
 
     @staticmethod
     @first_derivative_only("apply_rotary_emb")
@@ -407,13 +401,16 @@ def apply_rotary_emb(
     options = (bool(interleaved), bool(inplace), offsets, offset, cu_seqlens, max_seqlen)
     if torch.is_grad_enabled() and x.requires_grad:
         return _RotaryEmb.apply(x, cos, sin, *options)
+    return _flash_rotate(x, cos, sin, *options)
+
+
+def _flash_rotate(x, cos, sin, interleaved, inplace, offsets, offset, cu_seqlens, max_seqlen):
+    """x rotated (flash-attn's half tables): in place, or into a new tensor."""
     if inplace:
-        _rotary_inplace(x, cos, sin, offsets, offset, cu_seqlens, max_seqlen, bool(interleaved), False)
+        _rotary_inplace(x, cos, sin, offsets, offset, cu_seqlens, max_seqlen, interleaved, False)
         return x
     out = empty_output(x.shape, x.dtype, x.device)
-    _rotary(
-        x, out, None, None, cos, sin, offsets, offset, cu_seqlens, max_seqlen, False, bool(interleaved), False
-    )
+    _rotary(x, out, None, None, cos, sin, offsets, offset, cu_seqlens, max_seqlen, False, interleaved, False)
     return out
 
 
