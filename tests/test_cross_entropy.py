@@ -29,6 +29,7 @@ FEATURES = [
     {"label_smoothing": 0.1, "ignore_index": 2},
     {"weight": True, "label_smoothing": 0.2},
     {"weight": True, "reduction": "none"},
+    {"weight": True, "label_smoothing": 0.1, "reduction": "none"},  # the sum kernel for W alone
     {"z_loss": 1e-3, "softcap": 5.0},
     {"softcap": 2.0, "label_smoothing": 0.05, "reduction": "sum"},
 ]

@@ -126,37 +126,37 @@ def _cross_entropy_fwd_kernel(
 
 @triton.jit
 def _cross_entropy_sum_kernel(
-    loss_ptr,  # fp32 (N,): the rows' losses
-    row_weight_ptr,  # HAS_DIVISOR: fp32 (N,)
+    loss_ptr,  # REDUCE: fp32 (N,), the rows' losses
+    row_weight_ptr,  # MEAN: fp32 (N,)
     weight_ptr,  # HAS_WEIGHT_SUM: class weights (C,)
-    out_ptr,  # the reduced loss, one element in the output dtype
+    out_ptr,  # REDUCE: the reduced loss, one element in the output dtype
     totals_ptr,  # fp32 (3,): the loss's sum, the mean's divisor, sum_c w_c (W), as far as computed
     N,
     C,
+    REDUCE: tl.constexpr,  # a sum or mean (not "none", where only W is wanted)
     MEAN: tl.constexpr,
-    HAS_DIVISOR: tl.constexpr,
     HAS_WEIGHT_SUM: tl.constexpr,  # the backward's W, for smoothing with class weights
     BLOCK: tl.constexpr,
 ):
     """One program, in a fixed order: the same bits every call, eager or compiled. In fp64: the
     rows' fp32 losses summed exactly and rounded once (an fp32 sum of a thousand losses near 10 is
     off by several of its ulps, where torch's is off by about one)."""
-    acc = tl.zeros([BLOCK], tl.float64)
-    divisor = tl.zeros([BLOCK], tl.float64)
-    for start in range(0, N, BLOCK):
-        rows = start + tl.arange(0, BLOCK)
-        acc += tl.load(loss_ptr + rows, mask=rows < N, other=0.0).to(tl.float64)
-        if HAS_DIVISOR:
-            divisor += tl.load(row_weight_ptr + rows, mask=rows < N, other=0.0).to(tl.float64)
-    total = tl.sum(acc, 0)
-    if HAS_DIVISOR:
-        count = tl.sum(divisor, 0)
-        tl.store(totals_ptr + 1, count.to(tl.float32))
+    if REDUCE:
+        acc = tl.zeros([BLOCK], tl.float64)
+        divisor = tl.zeros([BLOCK], tl.float64)
+        for start in range(0, N, BLOCK):
+            rows = start + tl.arange(0, BLOCK)
+            acc += tl.load(loss_ptr + rows, mask=rows < N, other=0.0).to(tl.float64)
+            if MEAN:
+                divisor += tl.load(row_weight_ptr + rows, mask=rows < N, other=0.0).to(tl.float64)
+        total = tl.sum(acc, 0)
         if MEAN:
+            count = tl.sum(divisor, 0)
+            tl.store(totals_ptr + 1, count.to(tl.float32))
             total = total / count  # 0 / 0 = NaN where every row is ignored, as torch
-    total = total.to(tl.float32)  # then to the output's dtype: the interpreter's fp64 -> bf16 is wrong
-    tl.store(totals_ptr, total)
-    tl.store(out_ptr, total.to(out_ptr.dtype.element_ty))
+        total = total.to(tl.float32)  # then to the output's dtype: the interpreter's fp64 -> bf16 is wrong
+        tl.store(totals_ptr, total)
+        tl.store(out_ptr, total.to(out_ptr.dtype.element_ty))
     if HAS_WEIGHT_SUM:
         w_sum = tl.zeros([BLOCK], tl.float32)
         for start in range(0, C, BLOCK):
@@ -172,7 +172,7 @@ def _cross_entropy_bwd_kernel(
     weight_ptr,  # HAS_WEIGHT: (C,)
     lse_ptr,  # fp32 (N,): the forward's
     grad_ptr,  # the loss's upstream gradient: (N,) with stride stride_g ("none"), or one element (stride 0)
-    totals_ptr,  # fp32 (3,): the forward's sums (MEAN reads the divisor, smoothing with weights W)
+    totals_ptr,  # fp32 (3,), or None: the forward's sums (MEAN reads the divisor, smoothing with weights W)
     grad_lse_ptr,  # HAS_LSE_GRAD: the lse's upstream gradient (N,), stride stride_gl
     dx_ptr,  # (N, C) contiguous, the logits' dtype
     C,
@@ -270,17 +270,18 @@ def _fwd_launches(input, target, weight, options: tuple, outputs: tuple) -> list
     mean = reduction == "mean"
     losses = out if reduction == "none" else rows
     args = (
-        input, target, weight, losses, lse, row_weight if mean else None, classes,
+        input, target, weight, losses, lse, row_weight, classes,
         input.stride(0), input.stride(1), target.stride(0), ignore_index, smoothing, z_loss, softcap,
     )  # fmt: skip
     block_c = _block_c(classes, input.element_size())
     meta = _flags(weight, smoothing, z_loss, softcap) | {"HAS_DIVISOR": mean, "BLOCK_C": block_c}
     launches = [Launch("fwd", _cross_entropy_fwd_kernel, args, meta | {"num_warps": NUM_WARPS}, grid=(n,))]
-    if _needs_sums(reduction, weight, smoothing):
-        sums = (rows, row_weight if mean else None, weight, out, totals, n, classes)
+    if totals is not None:
+        reduce = reduction != "none"
+        sums = (rows, row_weight, weight, out if reduce else None, totals, n, classes)
         meta = {
+            "REDUCE": reduce,
             "MEAN": mean,
-            "HAS_DIVISOR": mean,
             "HAS_WEIGHT_SUM": weight is not None and smoothing > 0,
             "BLOCK": SUM_BLOCK,
             "num_warps": 4,
@@ -318,10 +319,10 @@ def _forward(
     z_loss: float,
     softcap: float,
     out: torch.Tensor,
-    rows: torch.Tensor,
+    rows: torch.Tensor | None,
     lse: torch.Tensor,
-    row_weight: torch.Tensor,
-    totals: torch.Tensor,
+    row_weight: torch.Tensor | None,
+    totals: torch.Tensor | None,
 ) -> None:
     options = (ignore_index, reduction, smoothing, z_loss, softcap)
     for launch in _fwd_launches(input, target, weight, options, (out, rows, lse, row_weight, totals)):
@@ -336,7 +337,7 @@ def _backward(
     target: torch.Tensor,
     weight: torch.Tensor | None,
     lse: torch.Tensor,
-    totals: torch.Tensor,
+    totals: torch.Tensor | None,
     ignore_index: int,
     reduction: str,
     smoothing: float,
@@ -349,15 +350,16 @@ def _backward(
         launch.run()
 
 
-def _outputs(input: torch.Tensor, reduction: str) -> tuple[torch.Tensor, ...]:
-    """(out, rows, lse, row_weight, totals): the loss, the rows' fp32 losses a sum reads, the lse,
-    the mean's per-row divisor terms and the sums (placeholders of one element where unused)."""
+def _outputs(input: torch.Tensor, reduction: str, sums: bool) -> tuple[torch.Tensor | None, ...]:
+    """(out, rows, lse, row_weight, totals): the loss, the rows' fp32 losses a sum or mean reads, the
+    lse, a mean's per-row divisor terms, and (``sums``, :func:`_needs_sums`) the sums; None where
+    unused."""
     n, device = input.shape[0], input.device
     out = empty_output((n,) if reduction == "none" else (), input.dtype, device)
-    rows = empty_output((n,) if reduction != "none" else (1,), torch.float32, device)
-    row_weight = empty_output((n,) if reduction == "mean" else (1,), torch.float32, device)
-    lse = empty_output((n,), torch.float32, device)
-    return out, rows, lse, row_weight, empty_output((3,), torch.float32, device)
+    rows = empty_output((n,), torch.float32, device) if reduction != "none" else None
+    row_weight = empty_output((n,), torch.float32, device) if reduction == "mean" else None
+    totals = empty_output((3,), torch.float32, device) if sums else None
+    return out, rows, empty_output((n,), torch.float32, device), row_weight, totals
 
 
 class _CrossEntropy(torch.autograd.Function):
@@ -366,7 +368,9 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, target, weight, *options):
         ctx.set_materialize_grads(False)  # an unused lse's gradient stays None: no kernel reads zeros
-        out, rows, lse, row_weight, totals = _outputs(input, options[1])
+        out, rows, lse, row_weight, totals = _outputs(
+            input, options[1], _needs_sums(options[1], weight, options[2])
+        )
         _forward(input, target, weight, *options, out, rows, lse, row_weight, totals)
         ctx.save_for_backward(input, target, weight, lse, totals)
         ctx.options = options
@@ -445,7 +449,9 @@ def cross_entropy(
     if torch.is_grad_enabled() and input.requires_grad:
         loss, lse = _CrossEntropy.apply(input, target, weight, *options)
     else:
-        out, rows, lse, row_weight, totals = _outputs(input, reduction)
+        out, rows, lse, row_weight, totals = _outputs(
+            input, reduction, _needs_sums(reduction, weight, label_smoothing)
+        )
         _forward(input, target, weight, *options, out, rows, lse, row_weight, totals)
         loss = out
     return (loss, lse) if return_lse else loss
@@ -491,7 +497,8 @@ def cross_entropy_cost(shape: tuple, dtype: torch.dtype, mode: str = "fwd", redu
     rows = {"none": n * size + 4 * n, "sum": 8 * n + size + 12, "mean": 12 * n + size + 12}[reduction]
     fwd = Cost(flops, logits + 8 * n + rows)
     upstream = n * size if reduction == "none" else size
-    bwd = Cost(flops, 2 * logits + 8 * n + 4 * n + upstream + 12)
+    sums = 0 if reduction == "none" else 12  # the forward's sums, which a mean's divisor is read from
+    bwd = Cost(flops, 2 * logits + 8 * n + 4 * n + upstream + sums)
     return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]
 
 
@@ -501,7 +508,10 @@ def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None = No
         raise ValueError("cross_entropy has no tuning configs: its block follows from the classes and dtype")
     x = torch.empty(shape, dtype=dtype, device="meta")
     target = torch.empty(shape[:1], dtype=torch.int64, device="meta")
-    outputs, options = _outputs(x, reduction), (-100, reduction, 0.0, 0.0, 0.0)
+    outputs, options = (
+        _outputs(x, reduction, _needs_sums(reduction, None, 0.0)),
+        (-100, reduction, 0.0, 0.0, 0.0),
+    )
     grad = torch.empty(shape[:1] if reduction == "none" else (1,), dtype=dtype, device="meta")
     lse, totals = outputs[2], outputs[4]
     return [
