@@ -2,7 +2,7 @@
 backward and tritonkit's Triton backward (both modes), in one process, bf16.
 
     python benchmarks/attention_bwd_sm90.py OUT.json [--deadline SECONDS] [--skip-triton]
-        [--skip-deterministic] [--layer] [--causal] [--candidates]
+        [--skip-deterministic] [--layer] [--causal] [--candidates | --defaults]
 
 ``--layer`` times the decoder layer's attention alone (``tritonkit bench layer``'s 8b-4k: GQA 32/8,
 S = 4096, causal), q, k and v strided views of one QKV projection's output and dO of the output
@@ -10,7 +10,7 @@ projection's input, as the layer has them, with every Gluon candidate. ``--causa
 rows only. A causal row also times the free order's other group sizes (``FREE_CAUSAL_GROUPS``), and
 every row the deterministic order's (``DETERMINISTIC_GROUPS``). ``--candidates`` times, in place of the other
 orders, every Gluon candidate (``bwd_sm90.CANDIDATES``) in both modes (the deterministic ones unless
-``--skip-deterministic``).
+``--skip-deterministic``); ``--defaults`` times each mode's default alone.
 
 Each provider's time is the median of ``triton.testing.do_bench`` over a backward call (the delta
 pass and dq's conversion included; cuDNN's own preprocessing too), from saved forward outputs;
@@ -138,8 +138,11 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
         # the free causal order's other group sizes (bwd_sm90.FREE_CAUSAL_PAIRS_PER_GROUP), and the
         # deterministic order's (DETERMINISTIC_PAIRS_PER_GROUP)
         candidates_only = "--candidates" in sys.argv
+        defaults_only = "--defaults" in sys.argv
         groups = (
-            [g for g in FREE_CAUSAL_GROUPS if g != default_group] if causal and not candidates_only else []
+            [g for g in FREE_CAUSAL_GROUPS if g != default_group]
+            if causal and not (candidates_only or defaults_only)
+            else []
         )
         for name, deterministic, gluon, group in (
             ("gluon", False, True, default_group),
@@ -153,7 +156,7 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
             ("triton", False, False, None),
             ("triton_deterministic", True, False, None),
         ):
-            if candidates_only and "pairs_per_group" in name:
+            if (candidates_only or defaults_only) and "pairs_per_group" in name:
                 continue
             if name.startswith("gluon_deterministic") and "--skip-deterministic" in sys.argv:
                 continue
@@ -166,7 +169,7 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
                 row[f"{name}_max_err_vs_cudnn"] = max(
                     (a.float() - b.float()).abs().max().item() for a, b in zip(grads, reference, strict=True)
                 )
-        if heads_q == heads_kv or layer or candidates_only:  # the other candidate tiles, each mode
+        if not defaults_only and (heads_q == heads_kv or layer or candidates_only):  # the other tiles
             delta = torch.empty(lse.shape, dtype=torch.float32, device="cuda")
             grads = tuple(torch.empty_like(t) for t in (q, k, v))
             modes = (False,) if "--skip-deterministic" in sys.argv else (False, True)

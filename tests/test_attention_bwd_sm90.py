@@ -56,7 +56,7 @@ for dtype, head_dim, causal, deterministic, shared_dq, _ in CASES:
                   "OVERLAP_SDP": "constexpr", "SHARED_DQ": "constexpr"}
     constants = {"IS_CAUSAL": causal, "DETERMINISTIC": deterministic, "NUM_STAGES": config.num_stages,
                  "OVERLAP_SDP": config.overlap_sdp, "SHARED_DQ": config.shared_dq}
-    constants["ROTATE"] = bwd.order(deterministic, causal, 64)[1]
+    constants["ROTATE"] = bwd.order(deterministic, causal, 64, 32, 132)[1]  # rotated where it may be
     kernel = triton.compile(GluonASTSource(bwd._attn_bwd_sm90_kernel, signature, constants),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": bwd.CONSUMER_WARPS.value})
     ptx, sass = kernel.asm["ptx"], _cuobjdump(kernel.asm["cubin"], "-sass")

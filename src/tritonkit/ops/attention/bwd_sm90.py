@@ -15,6 +15,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from tritonkit._launch import Launch, cdiv, tma_ready
+from tritonkit._runtime import sm_count
 from tritonkit.jit import LOG2E
 from tritonkit.ops.attention.bwd_sm90_kernels import (
     BLOCK_M,
@@ -62,11 +63,9 @@ CANDIDATES = {
 
 
 def default_config(head_dim: int, deterministic: bool) -> Config:
-    """The launch's config where the caller names none: CONFIGS', without shared_dq where the
-    mode is deterministic (with it, and with overlap_sdp, the causal shapes ran 7-23% faster at
-    7d38ecf; the full mask is not yet measured: docs/perf-notes.md)."""
-    config = CONFIGS[head_dim]
-    return config._replace(shared_dq=False) if deterministic else config
+    """The launch's config where the caller names none: CONFIGS' in either mode (the dQ warp
+    waits for the turns, so that the consumers' registers are the free mode's)."""
+    return CONFIGS[head_dim]
 
 
 # ---------------------------------------------------------------- launcher
@@ -165,9 +164,7 @@ def attention_bwd_sm90(
 # DETERMINISTIC_PAIRS_PER_GROUP, or all together where None (turns on the slow axis). All together
 # spreads the running programs over 132 heads, whose dq accumulators do not fit in L2: on the H200
 # (at 11871ed, six causal shapes) 0.37-0.50x cuDNN against 0.39-0.56x with a head's key blocks
-# together (groups of 1) and 0.38-0.56x in groups of 4; the free order 0.78-0.93x. Every order gave
-# the same bits run to run. The kernel's rotated walk of a full mask (ROTATE: each key block
-# starting at its own query block) gave new bits each run at 96c4bc9: no order takes it.
+# together (groups of 1) and 0.38-0.56x in groups of 4. Every order gave the same bits run to run.
 DETERMINISTIC_PAIRS_PER_GROUP: int | None = 1
 # The free order of a causal mask. Key block n walks the query blocks from n's diagonal on: the
 # first block of a head all of them, the last one or two. A head's blocks together (first to last)
@@ -182,15 +179,25 @@ DETERMINISTIC_PAIRS_PER_GROUP: int | None = 1
 FREE_CAUSAL_PAIRS_PER_GROUP = 4
 
 
-def order(deterministic: bool, causal: bool, pairs: int) -> tuple[int, bool]:
-    """(PAIRS_PER_GROUP, ROTATE) for a launch of ``pairs`` (batch, head) pairs: the free order a
-    head's key blocks together for a full mask (their walks are all as long) and groups of
+def order(deterministic: bool, causal: bool, pairs: int, blocks: int, resident: int) -> tuple[int, bool]:
+    """(PAIRS_PER_GROUP, ROTATE) for a launch of ``pairs`` (batch, head) pairs of ``blocks`` key
+    blocks each, ``resident`` programs running at once: the free order a head's key blocks
+    together for a full mask (their walks are all as long) and groups of
     FREE_CAUSAL_PAIRS_PER_GROUP for a causal one; the deterministic one in groups of
-    DETERMINISTIC_PAIRS_PER_GROUP (None: every pair's key block before the next); never rotated."""
+    DETERMINISTIC_PAIRS_PER_GROUP (None: every pair's key block before the next).
+
+    ROTATE, the deterministic full mask's walk: key block n starts at query block n * Mb / Nb and
+    the turns at a query block go in the order of arrival, so that no two key blocks of a head
+    reach one query block at one step. Without it every key block starts at block 0 and key block
+    n's adds wait for n - 1's: block n starts n adds' latency late, idle meanwhile. The order of
+    arrival is cyclic (key block n waits on n + 1, n + 2, ..., launched after it, and past its
+    walk's wrap on 0, 1, ...), so a head's key blocks must all run at once: rotated only where a
+    group's programs (launched together, key blocks on the slow axis) fit in ``resident``."""
     group = FREE_CAUSAL_PAIRS_PER_GROUP if causal else 1
     if deterministic:
         group = DETERMINISTIC_PAIRS_PER_GROUP or pairs
-    return min(group, pairs), False
+    group = min(group, pairs)
+    return group, deterministic and not causal and group * blocks <= resident
 
 
 def launches(
@@ -218,7 +225,8 @@ def launches(
     # through K's buffer) takes a 64-byte swizzle, so that 32 columns of its tile slice
     k_swizzle = 64 if config.shared_dq and head_dim == 64 else None
     blocks, pairs = cdiv(seq_k, BLOCK_N), batch * heads_kv
-    pairs_per_group, rotate = order(deterministic, causal, pairs)
+    # one program an SM: its shared memory (112-214 KB) leaves room for no second
+    pairs_per_group, rotate = order(deterministic, causal, pairs, blocks, sm_count(q.device))
     args = (
         _descriptor(q, BLOCK_M),
         _descriptor(k, SPLIT_N, swizzle=k_swizzle),

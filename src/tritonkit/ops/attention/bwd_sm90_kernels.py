@@ -214,15 +214,6 @@ def _load_partition(
 
 
 @gluon.jit
-def _release(pending, token, sem_ptr):
-    """Deterministic mode: once this warpgroup's last reduce has completed, advance the ticket
-    counter at ``sem_ptr + pending`` (none when ``pending`` < 0)."""
-    if pending >= 0:
-        _bulk_wait_all(token)
-        gl.atomic_add(sem_ptr + pending, 1, sem="release", scope="gpu")
-
-
-@gluon.jit
 def _starts_up_to(x, blocks, m_count):
     """How many of ``blocks`` key blocks start their walk (ROTATE) at a query block <= x (>= -1):
     block n starts at n * m_count // blocks."""
@@ -230,56 +221,145 @@ def _starts_up_to(x, blocks, m_count):
 
 
 @gluon.jit
+def _turn(
+    m,
+    key_block,
+    rot,
+    n_last,
+    m_count,
+    UPPER_OFFSET,
+    BLOCK: gl.constexpr,
+    KEYS: gl.constexpr,
+    IS_CAUSAL: gl.constexpr,
+    ROTATE: gl.constexpr,
+):
+    """Deterministic mode: the rank of key block ``key_block`` among the key blocks that add into
+    query block ``m`` (0: the first to add). Key blocks ascending for a full mask; causal,
+    descending from the last one the block sees (FA3's shortest-first order), the order in which
+    a lockstep walk of ascending query blocks reaches it; ROTATE, the order of arrival."""
+    if ROTATE:
+        # key block n starts its walk at block rot = n * m_count // (n_last + 1), so it reaches
+        # block m at step t = (m - rot) mod m_count; turns in the order of arrival, ties (equal
+        # starts) by key block: the rank counts the key blocks that start in the t blocks up to
+        # m, and those of equal start before n
+        blocks = n_last + 1
+        t = (m - rot + m_count) % m_count
+        low = m - t + 1
+        before = _starts_up_to(m, blocks, m_count)
+        if low >= 0:
+            before -= _starts_up_to(low - 1, blocks, m_count)
+        else:
+            before += blocks - _starts_up_to(m_count + low - 1, blocks, m_count)
+        rank = before + key_block - _starts_up_to(rot - 1, blocks, m_count)
+    elif IS_CAUSAL:
+        # (the block's last row counted as m * BLOCK + BLOCK - 1 even past Sq: the launcher's
+        # m_start counts it so)
+        rank = gl.minimum((m * BLOCK + BLOCK - 1 + UPPER_OFFSET) // KEYS, n_last) - key_block
+    else:
+        rank = key_block
+    return rank
+
+
+@gluon.jit
+def _dq_partition(
+    dq_desc,  # TMA descriptor of the fp32 dq accumulator (B, Hq, Sq, D), box (1, 1, BLOCK_M, DQ_COLS)
+    dq_smem,  # (NUM_CONSUMERS, BLOCK_M, DQ_COLS) fp32: each consumer's dQ columns of a step
+    dq_full,
+    dq_empty,  # (NUM_CONSUMERS,) mbarriers: a consumer's columns stored / read by the reduce
+    sem_ptr,
+    batch,
+    kv_head,
+    start_n,
+    GROUP,
+    m_start,
+    m_end,
+    n_last,
+    rot,
+    UPPER_OFFSET,
+    stride_sb,
+    stride_sh,
+    KEYS: gl.constexpr,  # keys a program
+    IS_CAUSAL: gl.constexpr,
+    DETERMINISTIC: gl.constexpr,
+    ROTATE: gl.constexpr,
+    SHARED_DQ: gl.constexpr,
+):
+    """The dQ warp: adds each step's dQ columns of both consumers into the fp32 accumulator by TMA
+    reduce-add, walking the query blocks as the consumers do. DETERMINISTIC: each add waits for its
+    turn at the query block's ticket counter (``_turn``) and, once it has completed, advances it;
+    with SHARED_DQ the consumers add disjoint columns, each column half with its own counter.
+    The consumers never wait on a ticket: only on their staging buffer, free once its reduce has
+    read it."""
+    CONSUMERS: gl.constexpr = dq_smem.type.shape[0]
+    BLOCK: gl.constexpr = dq_smem.type.shape[1]
+    DQ_COLS: gl.constexpr = dq_smem.type.shape[2]
+    n_tiles = m_end - m_start
+    key_block = start_n // KEYS
+    token = gl.full([1], 0, gl.int32, gl.BlockedLayout([1], [32], [1], [0]))
+    for step in range(GROUP * n_tiles):
+        head = kv_head * GROUP + step // n_tiles
+        m = m_start + step % n_tiles
+        if ROTATE:
+            m = (m + rot) % m_end
+        tickets = sem_ptr + (batch.to(gl.int64) * stride_sb + head.to(gl.int64) * stride_sh)
+        if DETERMINISTIC:
+            rank = _turn(m, key_block, rot, n_last, m_end, UPPER_OFFSET, BLOCK, KEYS, IS_CAUSAL, ROTATE)
+        for c in gl.static_range(CONSUMERS):
+            mbarrier.wait(dq_full.index(c), step & 1)
+            if DETERMINISTIC:
+                if SHARED_DQ:  # a counter each column half, a turn each key block
+                    ticket = tickets + 2 * m + c
+                    turn = rank
+                else:  # one counter, the warpgroups of a key block in turn
+                    ticket = tickets + m
+                    turn = 2 * rank + c
+                while gl.atomic_add(ticket, 0, sem="acquire", scope="gpu") != turn:
+                    pass
+            _tma_reduce_add(
+                dq_desc,
+                [batch, head, m * BLOCK, c * DQ_COLS if SHARED_DQ else 0],
+                dq_smem.index(c).reshape([1, 1, BLOCK, DQ_COLS]),
+            )
+            tma.store_wait(pendings=0)  # the reduce has read the columns: the consumer may store
+            mbarrier.arrive(dq_empty.index(c), count=1)
+            if DETERMINISTIC:
+                _bulk_wait_all(token)  # added, not only read: the next turn may start
+                gl.atomic_add(ticket, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
 def _grad_steps(
     dk,
     dv,
-    pending,
-    k,
-    v,
-    k_smem,
-    q_smem,
-    do_smem,
-    ds_smem,
-    dq_smem,
-    qd_ready,
-    qd_empty,
-    ds_ready,
-    ds_free,
-    dq_desc,
-    lse_smem,
-    delta_smem,
-    sem_ptr,
-    batch,
-    head,
+    buffers,  # this warpgroup's K, V; K and the Q, dO, dS^T, dQ tiles, their barriers, lse and delta
     key_start,
     first,
     last,
     step0,
-    n_last,
     rot,
     m_count,
     SEQ_K,
     UPPER_OFFSET,
-    stride_sb,
-    stride_sh,
     qk_scale,
     MASKED: gl.constexpr,
     IS_CAUSAL: gl.constexpr,
-    DETERMINISTIC: gl.constexpr,
     ROTATE: gl.constexpr,
     OVERLAP_SDP: gl.constexpr,
     SHARED_DQ: gl.constexpr,
     CID: gl.constexpr,
 ):
-    """Query blocks [first, last) of query head ``head`` against this warpgroup's keys (from
+    """Query blocks [first, last) of one query head against this warpgroup's keys (from
     ``key_start``): step step0 + (m - first) of the ring for block m (with ROTATE, block
-    (m + rot) % m_count: a full mask's walk starting at block ``rot``). Returns (dk, dv, pending);
-    ``pending`` is the ticket offset of the last reduce whose completion is not yet published
-    (DETERMINISTIC; -1 if none). MASKED steps hide keys past SEQ_K and, causal, those past each
-    row's diagonal (key j <= row i + UPPER_OFFSET). SHARED_DQ: ``ds_smem`` holds both warpgroups'
-    dS^T (2 steps x 2 warpgroups, step-major, guarded by ``ds_ready`` and ``ds_free``) and this one computes
-    the D / 2 columns of dQ from CID * D / 2 over all 128 keys (``k_smem``); otherwise ``ds_smem``
-    is this warpgroup's own and it computes a whole partial over its 64 keys."""
+    (m + rot) % m_count: a full mask's walk starting at block ``rot``). Returns (dk, dv). MASKED
+    steps hide keys past SEQ_K and, causal, those past each row's diagonal (key j <= row i +
+    UPPER_OFFSET). Each step's dQ columns go to ``dq_smem`` (free once ``dq_empty`` completes,
+    handed over by ``dq_full``) for the dQ warp to add. SHARED_DQ: ``ds_smem`` holds both
+    warpgroups' dS^T (2 steps x 2 warpgroups, step-major, guarded by ``ds_ready`` and ``ds_free``)
+    and this one computes the D / 2 columns of dQ from CID * D / 2 over all 128 keys
+    (``k_smem``); otherwise ``ds_smem`` is this warpgroup's own and it computes a whole partial
+    over its 64 keys."""
+    (k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem, qd_ready, qd_empty, ds_ready, ds_free, dq_full,
+     dq_empty, lse_smem, delta_smem) = buffers  # fmt: skip
     NUM_STAGES: gl.constexpr = q_smem.type.shape[0]
     BLOCK: gl.constexpr = q_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
@@ -305,7 +385,6 @@ def _grad_steps(
     )
     zero_dq = gl.zeros([BLOCK, DQ_COLS], gl.float32, dq_layout)
     keys = key_start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-    token = gl.full([1], 0, gl.int32, gl.BlockedLayout([1], [32], [4], [0]))
     for i in range(first, last):
         step = step0 + i - first
         m = i
@@ -352,7 +431,6 @@ def _grad_steps(
             fence_async_shared()  # the generic-proxy store before either warpgroup's wgmma reads it
             mbarrier.arrive(ds_ready.index(ds_stage), count=1)
             dv, dk, p_a = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dk, p_a))
-            tma.store_wait(pendings=0)  # the previous reduce has read the staging buffer
             mbarrier.wait(ds_ready.index(ds_stage), ds_phase)
             dq = warpgroup_mma(
                 ds_smem.index(2 * ds_stage).permute((1, 0)),
@@ -369,6 +447,7 @@ def _grad_steps(
             )
             dq, dk, ds_a = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, ds_a))
             mbarrier.arrive(ds_free.index(ds_stage), count=1)
+            mbarrier.wait(dq_empty, (step & 1) ^ 1)  # the dQ warp's last reduce has read it
             dq_smem.store(dq)
         else:
             ds_smem.store(ds)
@@ -376,7 +455,7 @@ def _grad_steps(
             # dQ = dS K in DQ_SPLIT column slices of DQ_COLS (at D = 128 a whole 64 x 128 fp32
             # partial beside dK and dV does not fit in 240 registers)
             dv, dk, p_a = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dk, p_a))
-            tma.store_wait(pendings=0)  # the previous reduce has read the staging buffer
+            mbarrier.wait(dq_empty, (step & 1) ^ 1)  # the dQ warp's last reduce has read it
             for half in gl.static_range(DQ_SPLIT):
                 dq = warpgroup_mma(
                     ds_smem.permute((1, 0)),
@@ -388,53 +467,9 @@ def _grad_steps(
                 dq, dk, ds_a = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, ds_a))
                 dq_smem.slice(half * DQ_COLS, DQ_COLS, dim=1).store(dq)
         mbarrier.arrive(qd_empty.index(stage), count=1)
-        fence_async_shared()
-        if DETERMINISTIC:
-            # the previous step's reduce has completed under this step's products: publish it
-            _release(pending, token, sem_ptr)
-            # this warpgroup's turn at the block: key blocks ascending, or causal descending from
-            # the last one the block sees (n_last for the block, by the same rule as the launcher's)
-            key_block = key_start // (2 * ROWS)
-            part = (key_start // ROWS) % 2
-            if ROTATE:
-                # key block n starts its walk at block rot = n * m_count // (n_last + 1), so it
-                # reaches block m at step t = (m - rot) mod m_count; turns in the order of
-                # arrival, ties (equal starts) by key block: the turn's rank counts the key
-                # blocks that start in the t blocks up to m, and those of equal start before n
-                blocks = n_last + 1
-                t = (m - rot + m_count) % m_count
-                low = m - t + 1
-                before = _starts_up_to(m, blocks, m_count)
-                if low >= 0:
-                    before -= _starts_up_to(low - 1, blocks, m_count)
-                else:
-                    before += blocks - _starts_up_to(m_count + low - 1, blocks, m_count)
-                rank = before + key_block - _starts_up_to(rot - 1, blocks, m_count)
-            elif IS_CAUSAL:
-                # (the block's last row counted as m * BLOCK + BLOCK - 1 even past Sq: the
-                # launcher's m_start counts it so)
-                top = gl.minimum((m * BLOCK + BLOCK - 1 + UPPER_OFFSET) // (2 * ROWS), n_last)
-                rank = top - key_block
-            else:
-                rank = key_block
-            ticket = batch.to(gl.int64) * stride_sb + head.to(gl.int64) * stride_sh
-            if SHARED_DQ:
-                # the warpgroups add disjoint columns: a ticket each, a turn a key block, so that
-                # neither waits on the other's add
-                ticket += 2 * m + CID
-                turn = rank
-            else:
-                ticket += m
-                turn = 2 * rank + part
-            while gl.atomic_add(sem_ptr + ticket, 0, sem="acquire", scope="gpu") != turn:
-                pass
-            pending = ticket
-        _tma_reduce_add(
-            dq_desc,
-            [batch, head, m * BLOCK, CID * DQ_COLS if SHARED_DQ else 0],
-            dq_smem.reshape([1, 1, BLOCK, DQ_COLS * DQ_SPLIT]),
-        )
-    return dk, dv, pending
+        fence_async_shared()  # the dQ columns' generic-proxy stores before the reduce reads them
+        mbarrier.arrive(dq_full, count=1)
+    return dk, dv
 
 
 @gluon.jit
@@ -442,8 +477,6 @@ def _grad_partition(
     cid: gl.constexpr,  # which consumer warpgroup: keys start_n + cid * SPLIT_N, ...
     dk_desc,
     dv_desc,  # TMA descriptors of dk and dv (B, Hkv, Sk, D), like k's
-    dq_desc,  # ... of the fp32 dq accumulator (B, Hq, Sq, D), box (1, 1, BLOCK_M, D)
-    sem_ptr,
     q_smem,
     do_smem,
     lse_smem,
@@ -457,6 +490,8 @@ def _grad_partition(
     qd_empty,
     ds_ready,
     ds_free,
+    dq_full,
+    dq_empty,
     batch,
     kv_head,
     start_n,
@@ -464,16 +499,12 @@ def _grad_partition(
     m_start,
     m_mid,
     m_end,  # per head: blocks [m_start, m_mid) masked, [m_mid, m_end) not
-    n_last,  # the last key block of the heads
     rot,  # ROTATE: the walk of each head starts at this block
     SEQ_K,
     UPPER_OFFSET,
-    stride_sb,
-    stride_sh,
     qk_scale,
     scale,
     IS_CAUSAL: gl.constexpr,
-    DETERMINISTIC: gl.constexpr,
     ROTATE: gl.constexpr,
     OVERLAP_SDP: gl.constexpr,
     SHARED_DQ: gl.constexpr,
@@ -490,33 +521,23 @@ def _grad_partition(
         ds_buf = ds_smem
     else:
         ds_buf = ds_smem.index(cid)
-    dq_buf = dq_smem.index(cid)
     key_start = start_n + cid * ROWS
     dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
     dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
     n_tiles = m_end - m_start
-    pending = (batch * 0 - 1).to(gl.int64)  # no reduce awaiting its ticket's advance
     if n_tiles > 0:
         mbarrier.wait(kv_ready.index(cid), 0)
         for g in range(GROUP):
-            head = kv_head * GROUP + g
             # fmt: off
-            dk, dv, pending = _grad_steps(
-                dk, dv, pending, k, v, k_smem, q_smem, do_smem, ds_buf, dq_buf, qd_ready, qd_empty, ds_ready,
-                ds_free, dq_desc, lse_smem,
-                delta_smem, sem_ptr, batch, head, key_start, m_start, m_mid, g * n_tiles, n_last, rot, m_end,
-                SEQ_K, UPPER_OFFSET, stride_sb, stride_sh, qk_scale, True, IS_CAUSAL, DETERMINISTIC, ROTATE,
-                OVERLAP_SDP, SHARED_DQ, cid)
-            dk, dv, pending = _grad_steps(
-                dk, dv, pending, k, v, k_smem, q_smem, do_smem, ds_buf, dq_buf, qd_ready, qd_empty, ds_ready,
-                ds_free, dq_desc, lse_smem,
-                delta_smem, sem_ptr, batch, head, key_start, m_mid, m_end, g * n_tiles + m_mid - m_start,
-                n_last, rot, m_end, SEQ_K, UPPER_OFFSET, stride_sb, stride_sh, qk_scale, False, IS_CAUSAL,
-                DETERMINISTIC, ROTATE, OVERLAP_SDP, SHARED_DQ, cid)
+            buffers = (k, v, k_smem, q_smem, do_smem, ds_buf, dq_smem.index(cid), qd_ready, qd_empty,
+                       ds_ready, ds_free, dq_full.index(cid), dq_empty.index(cid), lse_smem, delta_smem)
+            dk, dv = _grad_steps(
+                dk, dv, buffers, key_start, m_start, m_mid, g * n_tiles, rot, m_end, SEQ_K, UPPER_OFFSET,
+                qk_scale, True, IS_CAUSAL, ROTATE, OVERLAP_SDP, SHARED_DQ, cid)
+            dk, dv = _grad_steps(
+                dk, dv, buffers, key_start, m_mid, m_end, g * n_tiles + m_mid - m_start, rot, m_end, SEQ_K,
+                UPPER_OFFSET, qk_scale, False, IS_CAUSAL, ROTATE, OVERLAP_SDP, SHARED_DQ, cid)
             # fmt: on
-    tma.store_wait(pendings=0)
-    if DETERMINISTIC:
-        _release(pending, gl.full([1], 0, gl.int32, gl.BlockedLayout([1], [32], [4], [0])), sem_ptr)
     if SHARED_DQ and n_tiles > 0:
         # the other warpgroup's dQ columns read this one's K too: its products of the last step
         # must be done before dK overwrites K (both arrive at that step's ds_free once they are)
@@ -647,28 +668,32 @@ def _attn_bwd_sm90_kernel(
     else:  # (unused)
         ds_ready = kv_ready
         ds_free = kv_ready
+    dq_full = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_CONSUMERS):
+        mbarrier.init(dq_full.index(i), count=1)  # the consumer's dQ columns stored
+        mbarrier.init(dq_empty.index(i), count=1)  # ... and read by the dQ warp's reduce
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(qd_ready.index(i), count=1)  # the producer's expect; the TMA's bytes complete it
         mbarrier.init(qd_empty.index(i), count=NUM_CONSUMERS)  # free once both consumers release it
 
     # fmt: off
     gl.warp_specialize([
-        # the default partition (the launch's warps), the second consumer, the producer
-        (_grad_partition, (0, dk_desc, dv_desc, dq_desc, sem_ptr, q_smem, do_smem, lse_smem, delta_smem,
-                           k_smem, v_smem, ds_smem, dq_smem, kv_ready, qd_ready, qd_empty, ds_ready, ds_free,
-                           batch, kv_head,
-                           start_n, GROUP, m_start, m_mid, m_end, n_blocks - 1, rot, SEQ_K,
-                           UPPER_OFFSET, stride_sb, stride_sh, qk_scale, scale, IS_CAUSAL, DETERMINISTIC,
-                           ROTATE, OVERLAP_SDP, SHARED_DQ)),
-        (_grad_partition, (1, dk_desc, dv_desc, dq_desc, sem_ptr, q_smem, do_smem, lse_smem, delta_smem,
-                           k_smem, v_smem, ds_smem, dq_smem, kv_ready, qd_ready, qd_empty, ds_ready, ds_free,
-                           batch, kv_head,
-                           start_n, GROUP, m_start, m_mid, m_end, n_blocks - 1, rot, SEQ_K,
-                           UPPER_OFFSET, stride_sb, stride_sh, qk_scale, scale, IS_CAUSAL, DETERMINISTIC,
-                           ROTATE, OVERLAP_SDP, SHARED_DQ)),
+        # the default partition (the launch's warps), the second consumer, the producer, the dQ warp
+        (_grad_partition, (0, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem,
+                           v_smem, ds_smem, dq_smem, kv_ready, qd_ready, qd_empty, ds_ready, ds_free, dq_full,
+                           dq_empty, batch, kv_head, start_n, GROUP, m_start, m_mid, m_end, rot, SEQ_K,
+                           UPPER_OFFSET, qk_scale, scale, IS_CAUSAL, ROTATE, OVERLAP_SDP, SHARED_DQ)),
+        (_grad_partition, (1, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem,
+                           v_smem, ds_smem, dq_smem, kv_ready, qd_ready, qd_empty, ds_ready, ds_free, dq_full,
+                           dq_empty, batch, kv_head, start_n, GROUP, m_start, m_mid, m_end, rot, SEQ_K,
+                           UPPER_OFFSET, qk_scale, scale, IS_CAUSAL, ROTATE, OVERLAP_SDP, SHARED_DQ)),
         (_load_partition, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, kv_ready,
                            qd_ready, qd_empty, batch, kv_head, start_n, GROUP, m_start, m_end, rot,
                            lse_ptr, delta_ptr, lse_smem, delta_smem, SEQ_Q, stride_lb, stride_lh,
                            stride_db, stride_dh)),
-    ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+        (_dq_partition, (dq_desc, dq_smem, dq_full, dq_empty, sem_ptr, batch, kv_head, start_n, GROUP,
+                         m_start, m_end, n_blocks - 1, rot, UPPER_OFFSET, stride_sb, stride_sh, KEYS,
+                         IS_CAUSAL, DETERMINISTIC, ROTATE, SHARED_DQ)),
+    ], [CONSUMER_WARPS, PRODUCER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
     # fmt: on
