@@ -2,7 +2,7 @@
 backward and tritonkit's Triton backward (both modes), in one process, bf16.
 
     python benchmarks/attention_bwd_sm90.py OUT.json [--deadline SECONDS] [--skip-triton]
-        [--skip-deterministic] [--layer] [--causal] [--candidates | --defaults]
+        [--skip-deterministic] [--layer] [--causal] [--candidates | --defaults] [--shape B,Hq,Hkv,S,D]
 
 ``--layer`` times the decoder layer's attention alone (``tritonkit bench layer``'s 8b-4k: GQA 32/8,
 S = 4096, causal), q, k and v strided views of one QKV projection's output and dO of the output
@@ -10,7 +10,8 @@ projection's input, as the layer has them, with every Gluon candidate. ``--causa
 rows only. A causal row also times the free order's other group sizes (``FREE_CAUSAL_GROUPS``), and
 every row the deterministic order's (``DETERMINISTIC_GROUPS``). ``--candidates`` times, in place of the other
 orders, every Gluon candidate (``bwd_sm90.CANDIDATES``) in both modes (the deterministic ones unless
-``--skip-deterministic``); ``--defaults`` times each mode's default alone.
+``--skip-deterministic``); ``--defaults`` times each mode's default alone. ``--shape`` keeps the rows
+of one shape (repeatable).
 
 Each provider's time is the median of ``triton.testing.do_bench`` over a backward call (the delta
 pass and dq's conversion included; cuDNN's own preprocessing too), from saved forward outputs;
@@ -246,7 +247,10 @@ def main() -> None:
     result = result_header("attention_bwd", "attention_bwd_sm90.py", timing)
     layer = "--layer" in sys.argv
     masks = (True,) if "--causal" in sys.argv else (False, True)
-    cases = [(LAYER, True)] if layer else [(shape, causal) for shape in SHAPES for causal in masks]
+    shapes = [
+        tuple(int(n) for n in sys.argv[i + 1].split(",")) for i, a in enumerate(sys.argv) if a == "--shape"
+    ]
+    cases = [(LAYER, True)] if layer else [(shape, causal) for shape in shapes or SHAPES for causal in masks]
     for shape, causal in cases:
         if time.time() <= stop:
             record(result, _row(shape, causal, layer), f"{shape} {'causal' if causal else 'full'}", out)

@@ -31,8 +31,7 @@ class Config(NamedTuple):
     """A launch's shape: NUM_STAGES Q/dO tiles in flight; overlap_sdp issues dP^T beside S^T (both
     64 x 64 fp32 accumulators live at the exponentials, 32 registers more a thread) instead of
     after P^T, beside dV; shared_dq adds one 64 x D dQ tile a step for the program, each
-    warpgroup its D / 2 columns over the 128 keys (FA3's split), instead of a 64-key partial each
-    (deterministic: a ticket counter each column half)."""
+    warpgroup its D / 2 columns over the 128 keys (FA3's split), instead of a 64-key partial each."""
 
     num_stages: int
     overlap_sdp: bool = False
@@ -142,9 +141,8 @@ def attention_bwd_sm90(
     ]
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     config = config or default_config(q.shape[3], deterministic)
-    # a counter a query block (with shared_dq, a column half's: both warpgroups' adds take turns
-    # only with the other programs')
-    blocks_q = cdiv(q.shape[2], BLOCK_M) * (2 if config.shared_dq else 1)
+    # a ticket counter a query block: the key blocks' turns to add into it
+    blocks_q = cdiv(q.shape[2], BLOCK_M)
     tickets = (
         torch.zeros((*q.shape[:2], blocks_q), dtype=torch.int32, device=q.device) if deterministic else dq_acc
     )

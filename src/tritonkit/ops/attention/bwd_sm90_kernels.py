@@ -285,11 +285,13 @@ def _dq_partition(
     SHARED_DQ: gl.constexpr,
 ):
     """The dQ warp: adds each step's dQ columns of both consumers into the fp32 accumulator by TMA
-    reduce-add, walking the query blocks as the consumers do. DETERMINISTIC: each add waits for its
-    turn at the query block's ticket counter (``_turn``) and, once it has completed, advances it;
-    with SHARED_DQ the consumers add disjoint columns, each column half with its own counter.
-    The consumers never wait on a ticket: only on their staging buffer, free once its reduce has
-    read it."""
+    reduce-add, walking the query blocks as the consumers do, the step's reduces issued together
+    (one wait for their reads frees both staging buffers). DETERMINISTIC: a step's adds wait for
+    the key block's turn at the query block's ticket counter (``_turn``; polled before the
+    consumers are done, so that a turn already reached costs no round trip after them) and, once
+    they have completed, advance it; without SHARED_DQ both partials add the same columns, the
+    second once the first has completed. The consumers never wait on a ticket: only on their
+    staging buffer."""
     CONSUMERS: gl.constexpr = dq_smem.type.shape[0]
     BLOCK: gl.constexpr = dq_smem.type.shape[1]
     DQ_COLS: gl.constexpr = dq_smem.type.shape[2]
@@ -301,30 +303,26 @@ def _dq_partition(
         m = m_start + step % n_tiles
         if ROTATE:
             m = (m + rot) % m_end
-        tickets = sem_ptr + (batch.to(gl.int64) * stride_sb + head.to(gl.int64) * stride_sh)
+        ticket = sem_ptr + (batch.to(gl.int64) * stride_sb + head.to(gl.int64) * stride_sh + m)
         if DETERMINISTIC:
             rank = _turn(m, key_block, rot, n_last, m_end, UPPER_OFFSET, BLOCK, KEYS, IS_CAUSAL, ROTATE)
+            while gl.atomic_add(ticket, 0, sem="acquire", scope="gpu") != rank:
+                pass
         for c in gl.static_range(CONSUMERS):
             mbarrier.wait(dq_full.index(c), step & 1)
-            if DETERMINISTIC:
-                if SHARED_DQ:  # a counter each column half, a turn each key block
-                    ticket = tickets + 2 * m + c
-                    turn = rank
-                else:  # one counter, the warpgroups of a key block in turn
-                    ticket = tickets + m
-                    turn = 2 * rank + c
-                while gl.atomic_add(ticket, 0, sem="acquire", scope="gpu") != turn:
-                    pass
+            if DETERMINISTIC and not SHARED_DQ and c > 0:
+                _bulk_wait_all(token)  # the first partial added before the second adds the same columns
             _tma_reduce_add(
                 dq_desc,
                 [batch, head, m * BLOCK, c * DQ_COLS if SHARED_DQ else 0],
                 dq_smem.index(c).reshape([1, 1, BLOCK, DQ_COLS]),
             )
-            tma.store_wait(pendings=0)  # the reduce has read the columns: the consumer may store
+        tma.store_wait(pendings=0)  # the reduces have read the columns: the consumers may store
+        for c in gl.static_range(CONSUMERS):
             mbarrier.arrive(dq_empty.index(c), count=1)
-            if DETERMINISTIC:
-                _bulk_wait_all(token)  # added, not only read: the next turn may start
-                gl.atomic_add(ticket, 1, sem="release", scope="gpu")
+        if DETERMINISTIC:
+            _bulk_wait_all(token)  # added, not only read: the next turn may start
+            gl.atomic_add(ticket, 1, sem="release", scope="gpu")
 
 
 @gluon.jit
@@ -567,8 +565,7 @@ def _attn_bwd_sm90_kernel(
     dq_desc,  # ... of the fp32 dq accumulator (B, Hq, Sq, D), zeroed, box (1, 1, BLOCK_M, D)
     lse_ptr,  # fp32 forward log-sum-exp (natural log), (B, Hq, Sq), strides stride_lb, stride_lh, 1
     delta_ptr,  # fp32 rowsum(dO * O) - dlse, (B, Hq, Sq), strides stride_db, stride_dh, 1
-    sem_ptr,  # DETERMINISTIC: zeroed int32 counters (B, Hq, cdiv(Sq, BLOCK_M) x (2 if SHARED_DQ)), strides
-    # stride_s*, 1
+    sem_ptr,  # DETERMINISTIC: zeroed int32 counters (B, Hq, cdiv(Sq, BLOCK_M)), strides stride_s*, 1
     stride_lb,
     stride_lh,
     stride_db,
