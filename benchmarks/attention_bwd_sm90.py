@@ -126,7 +126,8 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
         default = default_deterministic_group if deterministic else default_group
 
         def call():
-            bwd.SM90_BACKWARD = bwd.SM90_BACKWARD_DETERMINISTIC = bwd.SM90_BACKWARD_DETERMINISTIC_GQA = gluon
+            bwd.SM90_BACKWARD = gluon
+            bwd.SM90_BACKWARD_DETERMINISTIC = bwd.SM90_BACKWARD_DETERMINISTIC_GQA = (64, 128) if gluon else ()
             setattr(bwd_sm90, name, group)
             try:
                 return bwd.attention_bwd(do, q, k, v, o, lse, None, scores, deterministic=deterministic)

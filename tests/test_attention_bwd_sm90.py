@@ -74,21 +74,20 @@ for dtype, head_dim, causal, deterministic, shared_dq, _ in CASES:
 """
 
 # (dtype, D, causal, deterministic, Config.shared_dq, spills): both head dims, both masks, both
-# modes, both dQ splits (the order of programs is a runtime argument: one compile serves all), and
-# the local loads and stores in the SASS, which may not grow. At D = 64 a few values computed before
-# the partitions start (each program's walk) cross the register reallocation on the stack. At
-# D = 128 a consumer's accumulators (dK and dV: 128 registers a thread, S^T and dP^T 64 more) leave
-# ptxas short of 240 for the rest: the free order keeps some values on the stack (a causal walk's
-# bounds more), the deterministic one, with the tickets' arithmetic, many (shared-memory
-# descriptors of the products, reloaded in the loop). Fewer is a next step (docs/perf-notes.md).
+# modes, both dQ splits (the order of programs is a runtime argument: one compile serves all; a
+# deterministic full mask compiles the rotated walk), and the local loads and stores in the SASS,
+# which may not grow. At D = 128 a consumer's accumulators (dK and dV: 128 registers a thread, S^T
+# and dP^T 64 more) leave ptxas short of 240 for the rest: it keeps some values on the stack, a
+# causal walk's bounds more; the tickets are the dQ warp's, so both modes spill alike. Fewer is a
+# next step (docs/perf-notes.md).
 STATIC_CASES = [
-    ("bf16", 128, False, False, False, 4),
-    ("bf16", 128, True, True, False, 253),
+    ("bf16", 128, False, False, False, 6),
+    ("bf16", 128, True, True, False, 71),
     ("fp16", 64, True, False, False, 0),
     ("bf16", 64, False, True, False, 0),
-    ("bf16", 64, True, True, False, 13),
-    ("bf16", 128, True, False, True, 46),
-    ("bf16", 128, True, True, True, 194),
+    ("bf16", 64, True, True, True, 0),
+    ("bf16", 128, True, False, True, 52),
+    ("bf16", 128, True, True, True, 52),
     ("fp16", 64, False, False, True, 0),
 ]
 
@@ -98,7 +97,8 @@ STATIC_CASES = [
 def test_the_kernel_compiles_for_hopper_warp_specialized_with_the_dq_reduce_off_the_registers(case):
     (row,) = [json.loads(line) for line in sm90.run(f"CASES = {[case]!r}\n{_STATIC_CHECK}")]
     *_, deterministic, _, spills = case
-    # two consumer warpgroups and the producer's warp; budgets 240 and 24 (and Triton's steps)
+    # two consumer warpgroups, the producer's warp and the dQ warp; budgets 240 and 24 (and
+    # Triton's steps)
     assert row["warps"] == 12 and {240, 24} <= set(row["setmaxnreg"]), row
     # one product left running under the exponentials and under dS, and full waits
     assert row["waits"] == [0, 1], row
@@ -111,6 +111,20 @@ def test_the_kernel_compiles_for_hopper_warp_specialized_with_the_dq_reduce_off_
 
 
 # ---------------------------------------------------------------- the dispatch
+
+
+def test_only_a_deterministic_full_mask_walks_rotated_and_only_where_a_group_runs_at_once(monkeypatch):
+    """The rotated walk's turns are cyclic (a key block waits on blocks launched after it), so it is
+    taken only where a group's programs all fit on the GPU at once; never causal, never free."""
+    from tritonkit.ops.attention import bwd_sm90
+
+    assert bwd_sm90.order(True, False, 64, 132, 132) == (1, True)
+    assert bwd_sm90.order(True, False, 64, 133, 132) == (1, False)
+    assert not bwd_sm90.order(True, True, 64, 32, 132)[1]
+    assert not bwd_sm90.order(False, False, 64, 32, 132)[1]
+    monkeypatch.setattr(bwd_sm90, "DETERMINISTIC_PAIRS_PER_GROUP", None)  # every pair at once
+    assert bwd_sm90.order(True, False, 4, 33, 132) == (4, True)
+    assert bwd_sm90.order(True, False, 4, 34, 132) == (4, False)
 
 
 def test_calls_the_gluon_backward_cannot_take_go_to_the_triton_kernels(device):
@@ -322,7 +336,7 @@ def test_gpu_flash_attention_backward_runs_the_gluon_kernel(deterministic, caplo
     from tritonkit.ops.attention.common import Scores
 
     monkeypatch.setattr(bwd, "SM90_BACKWARD", True)
-    monkeypatch.setattr(bwd, "SM90_BACKWARD_DETERMINISTIC_GQA", True)
+    monkeypatch.setattr(bwd, "SM90_BACKWARD_DETERMINISTIC_GQA", (64,))
     q, k, v, do = _inputs(2, 8, 2, 300, 450, 64, torch.bfloat16, seed=7)
     assert bwd.sm90_takes(q, k, v, Scores(64**-0.5, True), None, deterministic)
     inputs = [t.detach().requires_grad_() for t in (q, k, v)]

@@ -245,28 +245,30 @@ _TUNED = {
 
 log = logging.getLogger("tritonkit")
 
-# Whether a backward the sm_90 Gluon kernel takes (``bwd_sm90.supports``) runs there. On the H200
-# (bf16, at fa3667b, docs/perf-notes.md), against cuDNN: with ``deterministic=False`` (dq's partials
-# added in any order) 0.77-0.93x, past this file's kernels at every shape (0.24-0.71x with atomics,
-# 0.27-0.84x deterministic). With the default ``deterministic=True`` (a fixed order through ticket
-# counters) 0.39-0.51x: behind the deterministic Triton kernels (0.68-0.84x) without GQA, ahead
-# with it (GQA 32/8 at S = 8192: 270 against 143 TFLOP/s full, 198 against 163 causal), where the
-# Triton dK/dV kernel walks the whole group in one program. But in the Llama-3-8B decoder layer
-# (GQA 32/8, causal, S = 4096, B = 2; q, k and v strided views of one QKV projection) the step took
-# 21.81 ms with it against 20.24 ms with the Triton kernels, one machine, one after the other
-# (`tritonkit bench layer --case 8b-4k`, at 96c4bc9): off until it wins there too.
+# Whether a backward the sm_90 Gluon kernel takes (``bwd_sm90.supports``) runs there: with
+# ``deterministic=False`` always; deterministic, at the head dims named, without GQA and with it.
+# On the H200 (bf16, at 6ea5362, `python benchmarks/attention_bwd_sm90.py OUT.json --defaults
+# --skip-triton`, docs/perf-notes.md), against cuDNN: free 0.80-0.96x, past this file's kernels at
+# every shape; deterministic 0.75-0.93x at D = 128, where the Triton kernels' table has 0.68-0.83x,
+# and 0.53-0.58x at D = 64 (0.67-0.77x with shared_dq, its default since) against their 0.81-0.83x.
+# With GQA the Gluon deterministic order was 0.71x cuDNN at the Llama-3-8B decoder layer's attention
+# (GQA 32/8, causal, S = 4096, B = 2; q, k and v strided views of one QKV projection) where the
+# tuned Triton kernels ran at 0.77-0.81x inside the layer (`tritonkit bench layer`, at 48877f9):
+# GQA stays on the Triton kernels until the Gluon order wins there.
 SM90_BACKWARD = True
-SM90_BACKWARD_DETERMINISTIC = False  # without GQA
-SM90_BACKWARD_DETERMINISTIC_GQA = False
+SM90_BACKWARD_DETERMINISTIC: tuple[int, ...] = (128,)  # head dims, without GQA
+SM90_BACKWARD_DETERMINISTIC_GQA: tuple[int, ...] = ()
 
 
 def sm90_takes(q, k, v, scores: Scores, packed: Packed | None, deterministic: bool = True) -> bool:
     """Whether the sm_90 Gluon backward (``bwd_sm90``) computes this call: switched on for its mode
-    (and, deterministic, for GQA or not), natively compiled, on an sm_90 GPU, dense, no window, no
-    soft cap, within what it supports (either causal alignment). Everything else takes the Triton
+    (and, deterministic, for the head dim, with GQA or not), natively compiled, on an sm_90 GPU,
+    dense, no window, no soft cap, within what it supports (either causal alignment). Everything
+    else takes the Triton
     kernels."""
     if deterministic:
-        switch = SM90_BACKWARD_DETERMINISTIC_GQA if q.shape[1] != k.shape[1] else SM90_BACKWARD_DETERMINISTIC
+        dims = SM90_BACKWARD_DETERMINISTIC_GQA if q.shape[1] != k.shape[1] else SM90_BACKWARD_DETERMINISTIC
+        switch = q.shape[3] in dims
     else:
         switch = SM90_BACKWARD
     if not switch or interpret() or not q.is_cuda or packed is not None:

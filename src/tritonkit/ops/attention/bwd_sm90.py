@@ -62,9 +62,12 @@ CANDIDATES = {
 
 
 def default_config(head_dim: int, deterministic: bool) -> Config:
-    """The launch's config where the caller names none: CONFIGS' in either mode (the dQ warp
-    waits for the turns, so that the consumers' registers are the free mode's)."""
-    return CONFIGS[head_dim]
+    """The launch's config where the caller names none: CONFIGS', with shared_dq where the mode is
+    deterministic (one ticketed add a step instead of two in turn: at D = 64 on the H200, at
+    6ea5362, 0.67-0.77x cuDNN against 0.51-0.58x; `python benchmarks/attention_bwd_sm90.py OUT.json
+    --candidates --skip-triton --shape 4,32,32,4096,64`)."""
+    config = CONFIGS[head_dim]
+    return config._replace(shared_dq=True) if deterministic else config
 
 
 # ---------------------------------------------------------------- launcher

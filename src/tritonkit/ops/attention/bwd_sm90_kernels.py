@@ -263,9 +263,9 @@ def _turn(
 @gluon.jit
 def _dq_partition(
     dq_desc,  # TMA descriptor of the fp32 dq accumulator (B, Hq, Sq, D), box (1, 1, BLOCK_M, DQ_COLS)
-    dq_smem,  # (NUM_CONSUMERS, BLOCK_M, DQ_COLS) fp32: each consumer's dQ columns of a step
+    dq_smem,  # (DQ_BUFFERS x NUM_CONSUMERS, BLOCK_M, DQ_COLS) fp32: each consumer's dQ columns of a step
     dq_full,
-    dq_empty,  # (NUM_CONSUMERS,) mbarriers: a consumer's columns stored / read by the reduce
+    dq_empty,  # (DQ_BUFFERS x NUM_CONSUMERS,) mbarriers: a consumer's columns stored / read by the reduce
     sem_ptr,
     batch,
     kv_head,
@@ -292,7 +292,8 @@ def _dq_partition(
     they have completed, advance it; without SHARED_DQ both partials add the same columns, the
     second once the first has completed. The consumers never wait on a ticket: only on their
     staging buffer."""
-    CONSUMERS: gl.constexpr = dq_smem.type.shape[0]
+    CONSUMERS: gl.constexpr = NUM_CONSUMERS
+    BUFFERS: gl.constexpr = dq_smem.type.shape[0] // CONSUMERS
     BLOCK: gl.constexpr = dq_smem.type.shape[1]
     DQ_COLS: gl.constexpr = dq_smem.type.shape[2]
     n_tiles = m_end - m_start
@@ -309,17 +310,17 @@ def _dq_partition(
             while gl.atomic_add(ticket, 0, sem="acquire", scope="gpu") != rank:
                 pass
         for c in gl.static_range(CONSUMERS):
-            mbarrier.wait(dq_full.index(c), step & 1)
+            mbarrier.wait(dq_full.index(step % BUFFERS * CONSUMERS + c), (step // BUFFERS) & 1)
             if DETERMINISTIC and not SHARED_DQ and c > 0:
                 _bulk_wait_all(token)  # the first partial added before the second adds the same columns
             _tma_reduce_add(
                 dq_desc,
                 [batch, head, m * BLOCK, c * DQ_COLS if SHARED_DQ else 0],
-                dq_smem.index(c).reshape([1, 1, BLOCK, DQ_COLS]),
+                dq_smem.index(step % BUFFERS * CONSUMERS + c).reshape([1, 1, BLOCK, DQ_COLS]),
             )
         tma.store_wait(pendings=0)  # the reduces have read the columns: the consumers may store
         for c in gl.static_range(CONSUMERS):
-            mbarrier.arrive(dq_empty.index(c), count=1)
+            mbarrier.arrive(dq_empty.index(step % BUFFERS * CONSUMERS + c), count=1)
         if DETERMINISTIC:
             _bulk_wait_all(token)  # added, not only read: the next turn may start
             gl.atomic_add(ticket, 1, sem="release", scope="gpu")
@@ -350,8 +351,9 @@ def _grad_steps(
     ``key_start``): step step0 + (m - first) of the ring for block m (with ROTATE, block
     (m + rot) % m_count: a full mask's walk starting at block ``rot``). Returns (dk, dv). MASKED
     steps hide keys past SEQ_K and, causal, those past each row's diagonal (key j <= row i +
-    UPPER_OFFSET). Each step's dQ columns go to ``dq_smem`` (free once ``dq_empty`` completes,
-    handed over by ``dq_full``) for the dQ warp to add. SHARED_DQ: ``ds_smem`` holds both
+    UPPER_OFFSET). Each step's dQ columns go to this warpgroup's tile of ``dq_smem``, a buffer a
+    step in turn (free once its ``dq_empty`` completes, handed over by its ``dq_full``), for the dQ
+    warp to add. SHARED_DQ: ``ds_smem`` holds both
     warpgroups' dS^T (2 steps x 2 warpgroups, step-major, guarded by ``ds_ready`` and ``ds_free``)
     and this one computes the D / 2 columns of dQ from CID * D / 2 over all 128 keys
     (``k_smem``); otherwise ``ds_smem`` is this warpgroup's own and it computes a whole partial
@@ -362,6 +364,7 @@ def _grad_steps(
     BLOCK: gl.constexpr = q_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
     ROWS: gl.constexpr = k.type.shape[0]
+    DQ_BUFFERS: gl.constexpr = dq_smem.type.shape[0] // NUM_CONSUMERS
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16]
@@ -389,6 +392,8 @@ def _grad_steps(
         if ROTATE:
             m = (i + rot) % m_count
         stage = step % NUM_STAGES
+        dq_slot = step % DQ_BUFFERS * NUM_CONSUMERS + CID
+        dq_phase = (step // DQ_BUFFERS) & 1
         q = q_smem.index(stage)
         do = do_smem.index(stage)
         mbarrier.wait(qd_ready.index(stage), (step // NUM_STAGES) & 1)
@@ -445,15 +450,15 @@ def _grad_steps(
             )
             dq, dk, ds_a = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, ds_a))
             mbarrier.arrive(ds_free.index(ds_stage), count=1)
-            mbarrier.wait(dq_empty, (step & 1) ^ 1)  # the dQ warp's last reduce has read it
-            dq_smem.store(dq)
+            mbarrier.wait(dq_empty.index(dq_slot), dq_phase ^ 1)  # the reduce of its last use has read it
+            dq_smem.index(dq_slot).store(dq)
         else:
             ds_smem.store(ds)
             fence_async_shared()  # the generic-proxy store before the wgmma reads it
             # dQ = dS K in DQ_SPLIT column slices of DQ_COLS (at D = 128 a whole 64 x 128 fp32
             # partial beside dK and dV does not fit in 240 registers)
             dv, dk, p_a = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dk, p_a))
-            mbarrier.wait(dq_empty, (step & 1) ^ 1)  # the dQ warp's last reduce has read it
+            mbarrier.wait(dq_empty.index(dq_slot), dq_phase ^ 1)  # the reduce of its last use has read it
             for half in gl.static_range(DQ_SPLIT):
                 dq = warpgroup_mma(
                     ds_smem.permute((1, 0)),
@@ -463,10 +468,10 @@ def _grad_steps(
                     is_async=True,
                 )
                 dq, dk, ds_a = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, ds_a))
-                dq_smem.slice(half * DQ_COLS, DQ_COLS, dim=1).store(dq)
+                dq_smem.index(dq_slot).slice(half * DQ_COLS, DQ_COLS, dim=1).store(dq)
         mbarrier.arrive(qd_empty.index(stage), count=1)
         fence_async_shared()  # the dQ columns' generic-proxy stores before the reduce reads them
-        mbarrier.arrive(dq_full, count=1)
+        mbarrier.arrive(dq_full.index(dq_slot), count=1)
     return dk, dv
 
 
@@ -527,8 +532,8 @@ def _grad_partition(
         mbarrier.wait(kv_ready.index(cid), 0)
         for g in range(GROUP):
             # fmt: off
-            buffers = (k, v, k_smem, q_smem, do_smem, ds_buf, dq_smem.index(cid), qd_ready, qd_empty,
-                       ds_ready, ds_free, dq_full.index(cid), dq_empty.index(cid), lse_smem, delta_smem)
+            buffers = (k, v, k_smem, q_smem, do_smem, ds_buf, dq_smem, qd_ready, qd_empty, ds_ready, ds_free,
+                       dq_full, dq_empty, lse_smem, delta_smem)
             dk, dv = _grad_steps(
                 dk, dv, buffers, key_start, m_start, m_mid, g * n_tiles, rot, m_end, SEQ_K, UPPER_OFFSET,
                 qk_scale, True, IS_CAUSAL, ROTATE, OVERLAP_SDP, SHARED_DQ, cid)
@@ -647,7 +652,10 @@ def _attn_bwd_sm90_kernel(
         ds_smem = gl.allocate_shared_memory(dtype, [2 * NUM_CONSUMERS, ROWS, BLOCK], ds_layout)
     else:
         ds_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, ROWS, BLOCK], ds_layout)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [NUM_CONSUMERS, BLOCK, DQ_COLS], dq_layout)
+    # the dQ staging a buffer a step in turn: two where they fit (D = 64), so that a consumer's store
+    # never waits for the reduce of the step before; one at D = 128 (two would take 230-278 KB)
+    DQ_BUFFERS: gl.constexpr = 2 if HEAD_DIM <= 64 else 1
+    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS * NUM_CONSUMERS, BLOCK, DQ_COLS], dq_layout)
     rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK], rows_layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK], rows_layout)
@@ -665,9 +673,9 @@ def _attn_bwd_sm90_kernel(
     else:  # (unused)
         ds_ready = kv_ready
         ds_free = kv_ready
-    dq_full = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
-    dq_empty = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_CONSUMERS):
+    dq_full = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS * NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_BUFFERS * NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(DQ_BUFFERS * NUM_CONSUMERS):
         mbarrier.init(dq_full.index(i), count=1)  # the consumer's dQ columns stored
         mbarrier.init(dq_empty.index(i), count=1)  # ... and read by the dQ warp's reduce
     for i in gl.static_range(NUM_STAGES):
