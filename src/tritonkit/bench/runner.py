@@ -8,6 +8,7 @@ shapes as a correctness run and carries the analytic roofline prediction instead
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import subprocess
 import time
@@ -142,6 +143,12 @@ def run_case(
 ) -> list[dict]:
     """One row per provider for the case (unavailable providers give a row with the reason). An
     error of tritonkit's raises, or with ``keep_going`` is a failed row saying what it was."""
+    if device == "cuda":
+        # the caching allocator's idle segments back to the device: a float64 reference of a large
+        # case (16 GB of logits at 8192 x 262144) ran out of memory beside 104 GB the earlier
+        # cases had left reserved
+        gc.collect()
+        torch.cuda.empty_cache()
     rows = []
     for provider in providers_for(case.workload):
         if provider_names and provider.name not in provider_names:

@@ -264,8 +264,7 @@ def sm90_takes(q, k, v, scores: Scores, packed: Packed | None, deterministic: bo
     """Whether the sm_90 Gluon backward (``bwd_sm90``) computes this call: switched on for its mode
     (and, deterministic, for the head dim, with GQA or not), natively compiled, on an sm_90 GPU,
     dense, no window, no soft cap, within what it supports (either causal alignment). Everything
-    else takes the Triton
-    kernels."""
+    else takes the Triton kernels."""
     if deterministic:
         dims = SM90_BACKWARD_DETERMINISTIC_GQA if q.shape[1] != k.shape[1] else SM90_BACKWARD_DETERMINISTIC
         switch = q.shape[3] in dims

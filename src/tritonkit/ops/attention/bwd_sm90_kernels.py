@@ -22,11 +22,15 @@ atomics):
   issue dP^T = V dO^T and dV += P^T dO, wait for dP^T (dV runs on) and form dS^T (from P^T in the
   input dtype); issue dK += dS^T Q, store dS^T in shared memory and issue the partial dQ = dS K of
   this warpgroup's 64 keys (at D = 128 in two 64-column halves: a whole 64 x 128 fp32 partial
-  beside dK and dV does not fit in 240 registers); the partial goes to shared memory and a TMA
-  reduce-add (``cp.reduce.async.bulk.tensor ... add``) adds it to an fp32 accumulator in global
-  memory under the next step's products. (``bwd_sm90.Config``'s overlap_sdp issues dP^T beside S^T
-  instead; its shared_dq adds one 64 x D tile a step for the program, each warpgroup D / 2 columns
-  over both warpgroups' dS^T, as FA3 does.)
+  beside dK and dV does not fit in 240 registers); the partial goes to a shared-memory staging
+  buffer (two a consumer in turn at D = 64, one at D = 128, where two do not fit), handed to the
+  dQ warp by an mbarrier. (``bwd_sm90.Config``'s overlap_sdp issues dP^T beside S^T instead; its
+  shared_dq adds one 64 x D tile a step for the program, each warpgroup D / 2 columns over both
+  warpgroups' dS^T, as FA3 does.)
+- a dQ warp (24 registers) adds each step's partials to an fp32 accumulator in global memory with
+  TMA reduce-adds (``cp.reduce.async.bulk.tensor ... add``) under the next step's products, and
+  frees the staging buffers once the reduces have read them; in the deterministic mode it also
+  waits for the turns and publishes them (below), so that the consumers never do;
 - the epilogue scales dK, writes dK and dV through the K and V buffers with TMA stores, which clip
   the rows past Sk; a conversion afterwards writes dq = scale * accumulator in q's dtype.
 Masks only where a bound cuts a step: the causal diagonal (the first query blocks a key block sees)
@@ -35,29 +39,30 @@ would otherwise get exp2(-lse)). Rows past Sq need none: their lse reads as +inf
 
 Determinism. Without it (``deterministic=False``) the key blocks of a head add their partials in
 whatever order they finish, so dq's last bits vary. With it, every (batch, query head, query block)
-has a ticket counter in global memory, and a warpgroup adds its partial only when the counter
-equals its turn; it increments it once its reduce has completed (one step later, under the next
-step's products); with shared_dq the warpgroups add disjoint columns, so each column half has its
-own counter and the two never wait on each other. Turns: key blocks ascending (warpgroup 0 before
-1 where both add the same columns) for a full mask; for a causal
-one, descending from the last key block that the query block sees (FA3's shortest-first order),
-which is the order in which a lockstep walk of ascending query blocks reaches it. A pair's
-programs launch in turn order, so one that waits only waits on programs already running or done;
-how pairs interleave is ``bwd_sm90.DETERMINISTIC_PAIRS_PER_GROUP`` (see there, also for ROTATE,
-which no launch takes).
+has a ticket counter in global memory: the dQ warp adds a step's partials only when the counter
+equals its key block's turn (polled before its consumers are done with the step) and increments
+it once the adds have completed (``cp.async.bulk.wait_group 0``; without shared_dq the two
+partials add the same columns, the second once the first has completed). Turns: for a full mask
+key blocks ascending, or, where ``bwd_sm90.order`` rotates the walk (key block n starting at query
+block n * Mb / Nb), the order of arrival; for a causal one, descending from the last key block
+that the query block sees (FA3's shortest-first order), the order in which a lockstep walk of
+ascending query blocks reaches it. In the rotated and the causal orders the next key block
+reaches a query block about two steps after the last, so that in a steady walk no turn is waited
+for; in the ascending one key block n starts n adds late. Causal programs launch in turn order, so
+one that waits only waits on programs already running or done; the rotated walk's turns are
+cyclic, so its launches must fit on the GPU at once (``bwd_sm90.order``).
 
-Measured on the H200 (bf16, at 48877f9; ``benchmarks/results/h200/attention{,_causal}.json``):
-0.83-0.98x cuDNN free; deterministic 0.38-0.56x (at 11871ed's order runs, history/), with
-shared_dq and overlap_sdp 0.44-0.70x at D = 128 causal (at 7d38ecf). Short of FA3's
-design still: at D = 64 the two warpgroups add separate dQ partials (twice the reduce traffic of
-one shared 64 x D tile; shared_dq, D = 128's default, costs there), the products of a step wait on
-each other more than FA3's, and at D = 128 ptxas keeps some values (deterministic: many) on the
-stack.
+Measured on the H200 (bf16, at c3a4ea5; ``benchmarks/results/h200/attention{,_causal}.json``):
+0.86-1.04x cuDNN free; deterministic 0.81-0.91x at D = 128 without GQA (the default takes it
+there; elsewhere the Triton kernels). Short of FA3's design still: the causal GQA deterministic
+order waits most (0.71x at the Llama-3-8B layer's shape, at 6ea5362), at D = 64 the free mode ran
+0.89x causal against 0.95x before the dQ warp, the products of a step wait on each other more than
+FA3's, and at D = 128 ptxas keeps some values on the stack.
 
 Work. 2.5 x 4 * B * Hq * Sq * Sk * D FLOPs (five matmuls; about half when causal with Sq = Sk);
 bytes: q, k, v, dO, o once (o by the delta kernel), each key block re-reading its head's Q and dO
 (from L2 when the blocks of a head run together), and the dQ accumulator's reduce-adds, 2 x 4 x
-Sk / 64 x |q| bytes of L2 traffic (each warpgroup adds its own partial).
+Sk / 64 x |q| bytes of L2 traffic (each warpgroup its own partial; half that with shared_dq).
 
 References: Shah et al., "FlashAttention-3" (arXiv 2407.08608), section 3 and the backward in
 Dao-AILab/flash-attention ``hopper/mainloop_bwd_sm90_tma_gmma_ws.hpp``; Triton's Gluon tutorials.
