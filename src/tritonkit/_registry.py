@@ -38,6 +38,11 @@ FAMILIES = {
         "ops": ("cross_entropy",),
         "workloads": ("cross_entropy",),
     },
+    "tritonkit.ops.linear_cross_entropy": {
+        "public": ("linear_cross_entropy",),
+        "ops": ("linear_cross_entropy",),
+        "workloads": ("linear_cross_entropy",),
+    },
     "tritonkit.ops.rotary": {
         "public": ("apply_rotary_pos_emb", "apply_rotary_emb"),
         "ops": ("rotary_pos_emb",),

@@ -174,8 +174,10 @@ def _cross_entropy_bwd_kernel(
     grad_ptr,  # the loss's upstream gradient: (N,) with stride stride_g ("none"), or one element (stride 0)
     totals_ptr,  # fp32 (3,), or None: the forward's sums (MEAN reads the divisor, smoothing with weights W)
     grad_lse_ptr,  # HAS_LSE_GRAD: the lse's upstream gradient (N,), stride stride_gl
-    dx_ptr,  # (N, C) contiguous, the logits' dtype
-    C,
+    dx_ptr,  # (N, C) contiguous, the logits' dtype (it may be x itself: each block is read, then written)
+    C,  # the classes x holds: classes col0 .. col0 + C - 1 of C_ALL
+    col0,
+    C_ALL,
     stride_xn,
     stride_xc,
     stride_t,
@@ -197,7 +199,7 @@ def _cross_entropy_bwd_kernel(
     x_row = x_ptr + row * stride_xn
     target = tl.load(target_ptr + row * stride_t)
     ignored = target == ignore_index
-    valid = (target >= 0) & (target < C)
+    valid = (target >= 0) & (target < C_ALL)
     lse = tl.load(lse_ptr + row)
     g = tl.load(grad_ptr + row * stride_g).to(tl.float32)
     if MEAN:
@@ -210,7 +212,7 @@ def _cross_entropy_bwd_kernel(
     coef = (1.0 - smoothing) * w_t  # of p_c in the loss's gradient
     if HAS_SMOOTHING:
         if HAS_WEIGHT:
-            coef += smoothing / C * tl.load(totals_ptr + 2)
+            coef += smoothing / C_ALL * tl.load(totals_ptr + 2)
         else:
             coef += smoothing
     if HAS_Z_LOSS:
@@ -225,12 +227,13 @@ def _cross_entropy_bwd_kernel(
             t, sech2 = tanh_and_sech2(x / softcap)
             x = softcap * t
         p = tl.exp2((x - lse) * LOG2E)
-        d = p * coef - tl.where(cols == target, (1.0 - smoothing) * w_t, 0.0)
+        d = p * coef - tl.where(cols + col0 == target, (1.0 - smoothing) * w_t, 0.0)
         if HAS_SMOOTHING:
             if HAS_WEIGHT:
-                d -= smoothing / C * tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                w = tl.load(weight_ptr + col0 + cols, mask=mask, other=0.0).to(tl.float32)
+                d -= smoothing / C_ALL * w
             else:
-                d -= smoothing / C
+                d -= smoothing / C_ALL
         d = g * d
         if HAS_LSE_GRAD:
             d += h * p
@@ -277,30 +280,41 @@ def _fwd_launches(input, target, weight, options: tuple, outputs: tuple) -> list
     meta = _flags(weight, smoothing, z_loss, softcap) | {"HAS_DIVISOR": mean, "BLOCK_C": block_c}
     launches = [Launch("fwd", _cross_entropy_fwd_kernel, args, meta | {"num_warps": NUM_WARPS}, grid=(n,))]
     if totals is not None:
-        reduce = reduction != "none"
-        sums = (rows, row_weight, weight, out if reduce else None, totals, n, classes)
-        meta = {
-            "REDUCE": reduce,
-            "MEAN": mean,
-            "HAS_WEIGHT_SUM": weight is not None and smoothing > 0,
-            "BLOCK": SUM_BLOCK,
-            "num_warps": 4,
-        }
-        launches.append(Launch("fwd sum", _cross_entropy_sum_kernel, sums, meta, grid=(1,)))
+        launches.append(sum_launch(weight, options, (out, rows, lse, row_weight, totals), n, classes))
     return launches if n else launches[1:]
 
 
-def _bwd_launches(grad, grad_lse, input, target, weight, lse, totals, options: tuple, dx) -> list[Launch]:
-    """The backward's row kernel (``options`` as :func:`_fwd_launches`')."""
+def sum_launch(weight, options: tuple, outputs: tuple, n: int, classes: int) -> Launch:
+    """The sum kernel over ``n`` rows' losses (:func:`_fwd_launches`' second launch)."""
+    _, reduction, smoothing, _, _ = options
+    out, rows, _, row_weight, totals = outputs
+    reduce = reduction != "none"
+    sums = (rows, row_weight, weight, out if reduce else None, totals, n, classes)
+    meta = {
+        "REDUCE": reduce,
+        "MEAN": reduction == "mean",
+        "HAS_WEIGHT_SUM": weight is not None and smoothing > 0,
+        "BLOCK": SUM_BLOCK,
+        "num_warps": 4,
+    }
+    return Launch("fwd sum", _cross_entropy_sum_kernel, sums, meta, grid=(1,))
+
+
+def _bwd_launches(
+    grad, grad_lse, input, target, weight, lse, totals, options: tuple, dx, col0: int = 0, classes=None
+) -> list[Launch]:
+    """The backward's row kernel (``options`` as :func:`_fwd_launches`'); ``input`` may hold the
+    classes ``col0`` on of ``classes`` (all of them by default)."""
     ignore_index, reduction, smoothing, z_loss, softcap = options
-    n, classes = input.shape
+    n, width = input.shape
     args = (
-        input, target, weight, lse, grad, totals, grad_lse, dx, classes, input.stride(0), input.stride(1),
+        input, target, weight, lse, grad, totals, grad_lse, dx, width, col0, classes or width,
+        input.stride(0), input.stride(1),
         target.stride(0), grad.stride(0) if reduction == "none" else 0,
         grad_lse.stride(0) if grad_lse is not None else 0, ignore_index, smoothing, z_loss, softcap,
     )  # fmt: skip
     meta = {"MEAN": reduction == "mean"} | _flags(weight, smoothing, z_loss, softcap)
-    meta |= {"HAS_LSE_GRAD": grad_lse is not None, "BLOCK_C": _block_c(classes, input.element_size())}
+    meta |= {"HAS_LSE_GRAD": grad_lse is not None, "BLOCK_C": _block_c(width, input.element_size())}
     meta["num_warps"] = NUM_WARPS
     return [Launch("bwd", _cross_entropy_bwd_kernel, args, meta, grid=(n,))] if n else []
 

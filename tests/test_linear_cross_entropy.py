@@ -1,0 +1,153 @@
+"""linear_cross_entropy against the float64 reference (F.linear, then cross_entropy's reference)
+with the oracle's rule, the loss and the gradients of x, W and b: every reduction, class weights,
+label smoothing with ignored rows, the z-loss, the soft cap, no bias, leading dims and int32
+targets, logits over several forward chunks and backward vocabulary blocks (the class and target
+of a row in another block than the first), every row ignored, and bad input refused by name. The
+contract tests (tests/contract) add opcheck, compile, poisoning, empty input and the cost model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tritonkit
+from grids import in_turn, pairs_not_met
+from tritonkit import testing
+from tritonkit.ops import linear_cross_entropy as lce
+
+pytestmark = pytest.mark.cross_entropy
+
+BF16, F16 = torch.bfloat16, torch.float16
+# (tokens, hidden, vocabulary), and whether the logits go in chunks of ROW_ALIGN = 16 tokens forward
+# and blocks of 16 classes backward (three and five of them here) instead of at once
+LAYOUTS = [((7, 16, 3), False), ((33, 32, 70), False), ((33, 32, 70), True)]
+# keyword arguments beyond the defaults; "class_weight" stands for random class weights
+FEATURES = [
+    {},
+    {"reduction": "sum", "label_smoothing": 0.1},
+    {"reduction": "none", "bias": False},
+    {"class_weight": True, "label_smoothing": 0.2, "ignore_index": 2},
+    {"z_loss": 1e-3, "softcap": 5.0, "reduction": "none"},
+]
+# each feature meets each layout, and each of them each dtype
+GRID = in_turn(FEATURES, LAYOUTS, last=[BF16, F16])
+
+
+def _inputs(size, dtype, device, seed: int = 0, ignore_index: int = -100, leading=None):
+    tokens, hidden, vocab = size
+    g = testing.generator(seed)
+    x = testing.random_tensor((tokens, hidden), dtype, device, generator=g)
+    w = testing.random_tensor((vocab, hidden), dtype, device, generator=g) * hidden**-0.5
+    b = testing.random_tensor((vocab,), dtype, device, generator=g)
+    target = torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(seed)).to(device)
+    target[::4] = ignore_index  # every fourth row ignored
+    if leading is not None:
+        x, target = x.view(*leading, hidden), target.view(leading)
+    class_weight = torch.rand(vocab, generator=torch.Generator().manual_seed(seed + 1)).to(device) + 0.5
+    return x, w, target, b, class_weight
+
+
+def _check(x, w, target, b, **kwargs):
+    reduction = kwargs.get("reduction", "mean")
+    shape = target.shape if reduction == "none" else ()
+    upstream = torch.randn(shape, generator=torch.Generator().manual_seed(5)).to(x)
+    inputs, grad_inputs = (x, w, target) + ((b,) if b is not None else ()), (0, 1, 3)[: 2 + (b is not None)]
+    testing.check_against_reference(
+        lambda x, w, t, *b: tritonkit.linear_cross_entropy(x, w, t, *b, **kwargs),
+        lambda x, w, t, *b: lce.linear_cross_entropy_reference(x, w, t, *b, **kwargs),
+        inputs,
+        grad_inputs=grad_inputs,
+        grad_outputs=[upstream],
+        dtype=x.dtype,
+    )
+
+
+def test_the_grid_meets_every_pair():
+    assert not pairs_not_met(GRID)
+
+
+def _case_id(i: int, case: tuple) -> str:
+    _, (size, chunked), dtype = case
+    return f"{i}-{'x'.join(map(str, size))}{'-chunked' if chunked else ''}-{str(dtype).split('.')[-1]}"
+
+
+@pytest.mark.parametrize("features, layout, dtype", GRID, ids=[_case_id(i, c) for i, c in enumerate(GRID)])
+def test_matches_the_reference(features, layout, dtype, device, monkeypatch):
+    size, chunked = layout
+    if chunked:
+        monkeypatch.setattr(lce, "ROW_ALIGN", 16)
+        monkeypatch.setattr(lce, "CHUNK_BYTES", 1)
+    kwargs = dict(features)
+    x, w, target, b, class_weight = _inputs(
+        size, dtype, device, ignore_index=kwargs.get("ignore_index", -100)
+    )
+    if kwargs.pop("class_weight", False):
+        kwargs["class_weight"] = class_weight
+    _check(x, w, target, b if kwargs.pop("bias", True) else None, **kwargs)
+
+
+def test_leading_dims_and_int32_targets(device):
+    """x (2, 5, H) and targets (2, 5) int32: the loss of reduction "none" has the targets' shape."""
+    x, w, target, b, _ = _inputs((10, 16, 40), BF16, device, seed=3, leading=(2, 5))
+    _check(x, w, target.to(torch.int32), b, reduction="none")
+
+
+def test_every_row_ignored_gives_torchs_nan_mean_and_zero_gradients(device):
+    x, w, target, b, _ = _inputs((5, 16, 11), BF16, device, seed=4)
+    args = [t.requires_grad_(True) for t in (x, w, b)]
+    loss = tritonkit.linear_cross_entropy(x, w, torch.full_like(target, -100), b)
+    loss.backward()
+    assert loss.isnan() and all(torch.equal(t.grad, torch.zeros_like(t)) for t in args)
+
+
+def test_without_a_gradient_the_same_loss(device):
+    x, w, target, b, _ = _inputs((9, 16, 30), F16, device, seed=6)
+    with torch.no_grad():
+        plain = tritonkit.linear_cross_entropy(x, w, target, b, label_smoothing=0.1)
+    tracked = tritonkit.linear_cross_entropy(x.requires_grad_(True), w, target, b, label_smoothing=0.1)
+    assert torch.equal(plain, tracked.detach())
+
+
+@pytest.mark.parametrize(
+    "change, error, message",
+    [
+        (lambda a: a.update(input=a["input"].float()), TypeError, "input must be one of"),
+        (lambda a: a.update(weight=a["weight"][:, :7]), ValueError, "weight must be \\(V, 8\\)"),
+        (lambda a: a.update(weight=a["weight"].half()), TypeError, "weight must be one of"),
+        (lambda a: a.update(bias=a["bias"][:3]), ValueError, "bias must have V = 5"),
+        (lambda a: a.update(target=a["target"].float()), NotImplementedError, "class probabilities"),
+        (lambda a: a.update(target=a["target"][:3]), ValueError, "target must have input's leading shape"),
+        (lambda a: a.update(reduction="avg"), ValueError, "reduction must be"),
+        (lambda a: a.update(label_smoothing=1.5), ValueError, "label_smoothing must be in"),
+        (lambda a: a.update(softcap=0.0), ValueError, "softcap must be None or"),
+        (lambda a: a.update(class_weight=torch.ones(6)), ValueError, "weight must have C = 5"),
+    ],
+)
+def test_bad_input_is_refused_by_name(change, error, message, device):
+    args = {
+        "input": torch.randn(4, 8, device=device, dtype=BF16),
+        "weight": torch.randn(5, 8, device=device, dtype=BF16),
+        "target": torch.tensor([0, 1, 2, 3], device=device),
+        "bias": torch.randn(5, device=device, dtype=BF16),
+    }
+    change(args)
+    with pytest.raises(error, match=message):
+        tritonkit.linear_cross_entropy(**args)
+
+
+# ---------------------------------------------------------------- on the H200
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "size, dtype, features",
+    [
+        ((1024, 1024, 32000), BF16, {}),
+        ((777, 512, 50304), F16, {"softcap": 30.0, "reduction": "sum", "label_smoothing": 0.1}),
+        ((2048, 4096, 128256), BF16, {"z_loss": 1e-4, "reduction": "none"}),
+    ],
+)
+def test_gpu_vocabulary_sized_heads_match_the_reference(size, dtype, features, device):
+    """Chunks and blocks as the shapes make them (several of each at 128256 classes)."""
+    x, w, target, b, _ = _inputs(size, dtype, device, seed=11)
+    _check(x, w, target, b, **features)
