@@ -13,8 +13,8 @@ one sum kernel reduces them at the end. The backward walks the vocabulary in blo
 needs no accumulator: a block's logits for every token again (N x Vb), cross_entropy's backward
 kernel turns them into dz in place from the forward's lse, then dW's rows of the block = dz^T x
 (written once, in W's dtype), db's = the column sums, and dx += dz W_block into an fp32 (N, H)
-accumulator (the matmul's residual epilogue from the second block on: one rounding a block, to fp32). CHUNK_BYTES bounds
-what a chunk or block of logits takes.
+accumulator (the matmul's residual epilogue from the second block on: one rounding a block, to
+fp32). CHUNK_BYTES bounds what a chunk or block of logits takes.
 
 Work. Four matmuls of 2 N V H FLOPs (the forward's logits, the backward's again, dx, dW) against
 three for torch (which keeps the logits): a third more arithmetic for memory that does not grow
