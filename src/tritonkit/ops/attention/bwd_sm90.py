@@ -40,12 +40,13 @@ class Config(NamedTuple):
 
 # Shared memory a program at D = 128, 16-bit elements: K and V 2 x 32 KB, the Q/dO ring NUM_STAGES x
 # 32 KB, dS^T 2 x 8 KB, the fp32 dQ staging 2 x 32 KB: 208 KB with two stages (of 227 KB); with
-# shared_dq 193 KB. At D = 64 everything halves but dS^T: 112 KB with two stages, 144 KB with three.
+# shared_dq 193 KB. At D = 64 everything halves but dS^T, and the dQ staging doubles (two buffers a
+# consumer): 145 KB with two stages, 129 KB with shared_dq.
 # The free mode's defaults: at D = 128 one dQ tile a step (on the H200 with 11871ed's kernel, nine
 # shapes: 0.83-0.94x cuDNN against 0.78-0.90x, behind only at (2, 32/8, 8192, 128) full, 0.87
 # against 0.90; overlap_sdp led at the causal MHA shapes, 0.85-0.92x, and trailed with GQA), at
-# D = 64 neither switch (both cost 3-14% there). Deterministic launches take the default without
-# shared_dq.
+# D = 64 neither switch (each cost 1-6% there at 6ea5362). Deterministic launches take shared_dq
+# (``default_config``).
 CONFIGS = {64: Config(num_stages=2), 128: Config(num_stages=2, shared_dq=True)}
 # What the benchmark compares (and the tests check): the default first, then the other settings of
 # its two switches (dP^T beside S^T, one dQ tile a step)
