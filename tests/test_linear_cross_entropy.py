@@ -18,9 +18,17 @@ from tritonkit.ops import linear_cross_entropy as lce
 pytestmark = pytest.mark.cross_entropy
 
 BF16, F16 = torch.bfloat16, torch.float16
-# (tokens, hidden, vocabulary), and whether the logits go in chunks of ROW_ALIGN = 16 tokens forward
-# and blocks of 16 classes backward (three and five of them here) instead of at once
-LAYOUTS = [((7, 16, 3), False), ((33, 32, 70), False), ((33, 32, 70), True)]
+# (tokens, hidden, vocabulary), whether the logits go in chunks of ROW_ALIGN = 16 tokens and blocks
+# of 16 classes (three and five of them here) instead of at once, and the order of the gradients
+# (lce.ORDER: in the forward by chunks of tokens, or in the backward by blocks of the vocabulary;
+# reduction "none" takes the blocks either way)
+LAYOUTS = [
+    ((7, 16, 3), False, "tokens"),
+    ((7, 16, 3), False, "vocab"),
+    ((33, 32, 70), False, "tokens"),
+    ((33, 32, 70), True, "tokens"),
+    ((33, 32, 70), True, "vocab"),
+]
 # keyword arguments beyond the defaults; "class_weight" stands for random class weights
 FEATURES = [
     {},
@@ -67,13 +75,15 @@ def test_the_grid_meets_every_pair():
 
 
 def _case_id(i: int, case: tuple) -> str:
-    _, (size, chunked), dtype = case
-    return f"{i}-{'x'.join(map(str, size))}{'-chunked' if chunked else ''}-{str(dtype).split('.')[-1]}"
+    _, (size, chunked, order), dtype = case
+    chunks = "-chunked" if chunked else ""
+    return f"{i}-{'x'.join(map(str, size))}{chunks}-{order}-{str(dtype).split('.')[-1]}"
 
 
 @pytest.mark.parametrize("features, layout, dtype", GRID, ids=[_case_id(i, c) for i, c in enumerate(GRID)])
 def test_matches_the_reference(features, layout, dtype, device, monkeypatch):
-    size, chunked = layout
+    size, chunked, order = layout
+    monkeypatch.setattr(lce, "ORDER", order)
     if chunked:
         monkeypatch.setattr(lce, "ROW_ALIGN", 16)
         monkeypatch.setattr(lce, "CHUNK_BYTES", 1)
@@ -100,12 +110,35 @@ def test_every_row_ignored_gives_torchs_nan_mean_and_zero_gradients(device):
     assert loss.isnan() and all(torch.equal(t.grad, torch.zeros_like(t)) for t in args)
 
 
-def test_without_a_gradient_the_same_loss(device):
+@pytest.mark.parametrize("order", ["tokens", "vocab"])
+def test_without_a_gradient_the_same_loss(order, device, monkeypatch):
+    monkeypatch.setattr(lce, "ORDER", order)
     x, w, target, b, _ = _inputs((9, 16, 30), F16, device, seed=6)
     with torch.no_grad():
         plain = tritonkit.linear_cross_entropy(x, w, target, b, label_smoothing=0.1)
     tracked = tritonkit.linear_cross_entropy(x.requires_grad_(True), w, target, b, label_smoothing=0.1)
     assert torch.equal(plain, tracked.detach())
+
+
+def test_the_order_of_the_gradients_in_the_forward_passes_opcheck_and_compiles(device):
+    """ORDER "tokens" (the contract's variant, reduction "none", takes the other): its custom op on
+    the arguments a real call passes, and torch.compile's bits against eager's."""
+    from tritonkit import opdef
+
+    x, w, target, b, _ = _inputs((9, 16, 30), BF16, device, seed=8)
+    leaves = [t.requires_grad_(True) for t in (x, w, b)]
+    with opdef.recording_calls() as calls:
+        loss = tritonkit.linear_cross_entropy(x, w, target, b, label_smoothing=0.1)
+        eager = (loss, *torch.autograd.grad(loss, leaves))
+    (custom, args) = next((c, a) for c, a in calls if "with_grads" in c._name)
+    torch.library.opcheck(custom, tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args))
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda x, w, t, b: tritonkit.linear_cross_entropy(x, w, t, b, label_smoothing=0.1), fullgraph=True
+    )
+    loss = compiled(x, w, target, b)
+    for got, want in zip((loss, *torch.autograd.grad(loss, leaves)), eager, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(
