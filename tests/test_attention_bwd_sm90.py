@@ -113,6 +113,27 @@ def test_the_kernel_compiles_for_hopper_warp_specialized_with_the_dq_reduce_off_
 # ---------------------------------------------------------------- the dispatch
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("cols, swizzle", [(None, None), (32, None), (None, 64)])
+def test_the_cached_shared_layouts_give_the_descriptors_built_afresh(cols, swizzle, dtype):
+    """``fwd_sm90.descriptor`` computes a box's shared layout once (host time a call): the descriptor
+    it gives is field for field the one built without the cache."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from tritonkit.ops.attention.fwd_sm90 import descriptor
+
+    t = torch.randn(2, 3, 100, 64, dtype=dtype)
+    block = [1, 1, 64, cols or 64]
+    layout = gl.NVMMASharedLayout.get_default_for(
+        block, {torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[dtype]
+    )
+    if swizzle is not None:
+        layout = gl.NVMMASharedLayout(swizzle, layout.element_bitwidth, rank=4)
+    for _ in range(2):  # computed, then cached
+        assert descriptor(t, 64, cols, swizzle) == TensorDescriptor.from_tensor(t, block, layout)
+
+
 def test_only_a_deterministic_full_mask_walks_rotated_and_only_where_a_group_runs_at_once(monkeypatch):
     """The rotated walk's turns are cyclic (a key block waits on blocks launched after it), so it is
     taken only where a group's programs all fit on the GPU at once; never causal, never free."""

@@ -11,8 +11,6 @@ import math
 from typing import NamedTuple
 
 import torch
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from tritonkit._launch import Launch, cdiv, tma_ready
 from tritonkit._runtime import sm_count
@@ -24,7 +22,7 @@ from tritonkit.ops.attention.bwd_sm90_kernels import (
     SPLIT_N,
     _attn_bwd_sm90_kernel,
 )
-from tritonkit.ops.attention.fwd_sm90 import sm90_dense_inputs
+from tritonkit.ops.attention.fwd_sm90 import descriptor, sm90_dense_inputs
 
 
 class Config(NamedTuple):
@@ -86,20 +84,6 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 MAX_GRID_X = 2**31  # programs a launch may have along its x axis (CUDA's limit, and int32 ids)
-
-
-def _descriptor(
-    t: torch.Tensor, rows: int, cols: int | None = None, swizzle: int | None = None
-) -> TensorDescriptor:
-    """A 4-D TMA descriptor over a (B, H, S, D) tensor with a (1, 1, rows, cols or D) box: the S
-    bound is the head's own, so a box past it loads zeros and stores (or adds) nothing. The shared
-    layout is the default for the box, or ``swizzle`` bytes wide."""
-    dtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[t.dtype]
-    block = [1, 1, rows, cols or t.shape[3]]
-    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
-    if swizzle is not None:
-        layout = gl.NVMMASharedLayout(swizzle, layout.element_bitwidth, rank=4)
-    return TensorDescriptor.from_tensor(t, block, layout)
 
 
 def attention_bwd_sm90(
@@ -230,13 +214,13 @@ def launches(
     # one program an SM: its shared memory (112-214 KB) leaves room for no second
     pairs_per_group, rotate = order(deterministic, causal, pairs, blocks, sm_count(q.device))
     args = (
-        _descriptor(q, BLOCK_M),
-        _descriptor(k, SPLIT_N, swizzle=k_swizzle),
-        _descriptor(v, SPLIT_N),
-        _descriptor(do, BLOCK_M),
-        _descriptor(dk, SPLIT_N, swizzle=k_swizzle),
-        _descriptor(dv, SPLIT_N),
-        _descriptor(dq_acc, BLOCK_M, head_dim // 2 if config.shared_dq else None),
+        descriptor(q, BLOCK_M),
+        descriptor(k, SPLIT_N, swizzle=k_swizzle),
+        descriptor(v, SPLIT_N),
+        descriptor(do, BLOCK_M),
+        descriptor(dk, SPLIT_N, swizzle=k_swizzle),
+        descriptor(dv, SPLIT_N),
+        descriptor(dq_acc, BLOCK_M, head_dim // 2 if config.shared_dq else None),
         lse,
         delta,
         tickets,
