@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 # The memory-bound families whose shapes are (rows, row length)
-WORKLOADS = ("softmax", "log_softmax", "layer_norm", "rms_norm", "add_rms_norm", "bias_gelu")
+WORKLOADS = ("softmax", "log_softmax", "layer_norm", "rms_norm", "add_rms_norm", "bias_gelu", "cross_entropy")
 ROWS = (1, 2**20)
 LENGTH = (1, 2**24)
 MAX_ELEMENTS = 2**28
