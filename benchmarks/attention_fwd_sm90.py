@@ -1,12 +1,13 @@
 """The attention forward on the H200: the sm_90 Gluon kernel against cuDNN SDPA's forward, in one
 process, bf16, with the causal order's group sizes beside the default.
 
-    python benchmarks/attention_fwd_sm90.py OUT.json [--deadline SECONDS]
+    python benchmarks/attention_fwd_sm90.py OUT.json [--deadline SECONDS] [--candidates]
 
 Rows: the backward benchmark's shapes (``attention_bwd_sm90.SHAPES``), full and causal, then the
 decoder layer's attention (``tritonkit bench layer``'s 8b-4k: GQA 32/8, S = 4096, causal, q, k and v
 strided views of one QKV projection). A causal row also times the other group sizes of
-``fwd_sm90.CAUSAL_HEADS_PER_GROUP`` (``GROUPS``). Each time is the median of
+``fwd_sm90.CAUSAL_HEADS_PER_GROUP`` (``GROUPS``); ``--candidates`` times every tile of
+``fwd_sm90.CANDIDATES`` for the head dim instead. Each time is the median of
 ``triton.testing.do_bench`` over an eager call (the host path included), L2 flushed; TFLOP/s from
 4 * B * Hq * Sq * Sk * D (half of it causal). Each row gives the largest difference from cuDNN's
 output. Rows stop being timed at the deadline (the JSON holds what was measured).
@@ -49,7 +50,20 @@ def _row(shape, causal: bool, layer: bool) -> dict:
     def ours():
         fwd_sm90.attention_fwd_sm90(q, k, v, o, lse, scale=head_dim**-0.5, causal=causal)
 
-    for group in (default, *(g for g in GROUPS if g != default)) if causal else (default,):
+    if "--candidates" in sys.argv:
+        for config in fwd_sm90.CANDIDATES[head_dim]:
+            name = "gluon" if config == fwd_sm90.CONFIGS[head_dim] else f"gluon_{_changes(config, head_dim)}"
+
+            def candidate(config=config):
+                fwd_sm90.attention_fwd_sm90(
+                    q, k, v, o, lse, scale=head_dim**-0.5, causal=causal, config=config
+                )
+
+            candidate()
+            row[f"{name}_max_err_vs_cudnn"] = (o.float() - reference.float()).abs().max().item()
+            row["ms"][name] = _bench(candidate)
+    groups = (default, *(g for g in GROUPS if g != default)) if causal else (default,)
+    for group in () if "--candidates" in sys.argv else groups:
         fwd_sm90.CAUSAL_HEADS_PER_GROUP = group
         try:
             name = "gluon" if group == default else f"gluon_heads_per_group={group}"
@@ -61,6 +75,12 @@ def _row(shape, causal: bool, layer: bool) -> dict:
     row["tflops"] = {name: flops / ms / 1e9 for name, ms in row["ms"].items()}
     row["vs_cudnn"] = {name: row["ms"]["cudnn"] / ms for name, ms in row["ms"].items()}
     return row
+
+
+def _changes(config, head_dim: int) -> str:
+    """What a candidate changes of the head dim's default tile, as key=value words."""
+    default = fwd_sm90.CONFIGS[head_dim]._asdict()
+    return "_".join(f"{key}={value}" for key, value in config._asdict().items() if value != default[key])
 
 
 def main() -> None:

@@ -41,6 +41,9 @@ Tensors are read through 4-D TMA descriptors over the (B, H, S, D) views, whose 
 (1, 1, rows, D) is bounded by each head's own S: rows past it load as zeros (and are masked for K,
 harmless for Q and V) and are never stored, so ragged lengths need no padding.
 
+``Config.consumers`` = 3 (a candidate at D = 64, FA3's 192-row tile) adds a third consumer of 64
+rows at 160 registers each, with 64-key steps.
+
 Not here yet (later stages): sliding windows, soft-capping, packed variable-length batches, a
 persistent grid, D other than 64 and 128. Ping-pong between the consumer warpgroups is written
 (PINGPONG, through an mbarrier pair) but off: it measured no gain on the H200.
@@ -77,15 +80,16 @@ HEAD_DIMS = (64, 128)
 SM90 = (9, 0)  # wgmma, setmaxnreg and the TMA engine: Hopper only (sm_90a)
 
 SPLIT_M = 64  # query rows a consumer warpgroup holds: a wgmma's M per warpgroup
-NUM_CONSUMERS = gl.constexpr(2)  # consumer warpgroups: FA3's 2 x 64 = 128 rows a program at D <= 128
-BLOCK_M = NUM_CONSUMERS.value * SPLIT_M
+NUM_CONSUMERS = 2  # consumer warpgroups by default: FA3's 2 x 64 = 128 rows a program at D = 128
+BLOCK_M = NUM_CONSUMERS * SPLIT_M
 # a consumer is a warpgroup; the first is the default partition (the launch's num_warps)
 CONSUMER_WARPS = gl.constexpr(4)
 PRODUCER_WARPS = gl.constexpr(1)  # one warp issues every TMA load (one thread does, in fact)
-# setmaxnreg budgets, FA3's for 2 MMA warpgroups: 2 x 128 threads x 240 + the producer's warpgroup
-# x 24 <= 65,536 registers of an SM. A consumer's live set at D = 128, BLOCK_N = 128: S (64 fp32),
-# O (64 fp32), P in flight and the next P (2 x 32 packed halves), row statistics and addresses.
-CONSUMER_REGS = gl.constexpr(240)
+# setmaxnreg budgets, FA3's: 2 x 128 threads x 240 (3 x 128 x 160) + the producer's warpgroup x 24
+# <= 65,536 registers of an SM. A consumer's live set at D = 128, BLOCK_N = 128: S (64 fp32), O
+# (64 fp32), P in flight and the next P (2 x 32 packed halves), row statistics and addresses; at
+# D = 64 O and P halve, which three consumers' 160 registers leave room for (FA3's 192-row tile).
+CONSUMER_REGS = {2: 240, 3: 160}
 PRODUCER_REGS = gl.constexpr(24)
 
 
@@ -101,12 +105,14 @@ PINGPONG = False
 class Config(NamedTuple):
     """A launch's tile: BLOCK_N keys a step, NUM_STAGES K/V tiles in flight; pin_softmax keeps a
     block's exponentials under the previous block's PV product (see ``_attend_blocks``); pingpong
-    orders the consumers' products (``PINGPONG``)."""
+    orders the consumers' products (``PINGPONG``); consumers warpgroups of 64 query rows a program
+    (3 at D = 64 only: ``CONSUMER_REGS``)."""
 
     block_n: int
     num_stages: int
     pin_softmax: bool = True
     pingpong: bool = PINGPONG
+    consumers: int = NUM_CONSUMERS
 
 
 # Per head dim. The shared memory of a program is 2 x 64 x D for Q (reused for O) and NUM_STAGES x 2
@@ -121,9 +127,17 @@ CONFIGS = {
     128: Config(block_n=128, num_stages=2),
 }
 # What the benchmark compares per head dim (and the tests check): the default, the same tile with
-# ping-pong toggled and without PIN_SOFTMAX (what each is worth), a deeper ring at D = 128.
+# ping-pong toggled and without PIN_SOFTMAX (what each is worth), a deeper ring at D = 128, and at
+# D = 64 FA3's 192-row tile of three consumers (not yet run on the H200). Its steps take 64 keys: at
+# 128, S (64 fp32 registers), O (32) and two P tiles in flight (2 x 32) left ptxas 440 spilled values
+# at 160 registers; at 64 none, 75 KB of shared memory with three stages, so four.
 CANDIDATES = {
-    64: [CONFIGS[64], CONFIGS[64]._replace(pingpong=not PINGPONG), CONFIGS[64]._replace(pin_softmax=False)],
+    64: [
+        CONFIGS[64],
+        CONFIGS[64]._replace(pingpong=not PINGPONG),
+        CONFIGS[64]._replace(pin_softmax=False),
+        Config(block_n=64, num_stages=4, consumers=3),
+    ],
     128: [
         CONFIGS[128],
         CONFIGS[128]._replace(pingpong=not PINGPONG),
@@ -346,7 +360,7 @@ def _softmax_partition(
     # turns go round the consumers: each issues one step's products (both consumers walk the same
     # n_blocks + 1 steps), then hands the turn on
     my_turn = turn_smem.index(cid)
-    next_turn = turn_smem.index((cid + 1) % NUM_CONSUMERS)
+    next_turn = turn_smem.index((cid + 1) % turn_smem.type.shape[0])
     rows = start_m + cid * ROWS + gl.arange(0, ROWS, layout=row_s)
     o = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
     m_i = gl.full([ROWS], -float("inf"), gl.float32, row_s)
@@ -474,11 +488,13 @@ def _attn_fwd_sm90_kernel(
     NUM_STAGES: gl.constexpr,  # K/V tiles in flight
     PIN_SOFTMAX: gl.constexpr,  # keep the exponentials under the PV product (see _attend_blocks)
     PINGPONG: gl.constexpr,  # the consumers take turns to issue their products
+    CONSUMERS: gl.constexpr,  # consumer warpgroups of ROWS query rows
+    CONSUMER_REGS: gl.constexpr,  # their setmaxnreg budget
 ):
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
-    BLOCK: gl.constexpr = NUM_CONSUMERS * ROWS
+    BLOCK: gl.constexpr = CONSUMERS * ROWS
     dtype: gl.constexpr = q_desc.dtype
     gl.static_assert(ROWS == 64, "a consumer warpgroup's wgmma has 64 rows")
     gl.static_assert(k_desc.block_type.shape[3] == HEAD_DIM, "q and k share D")
@@ -512,19 +528,17 @@ def _attn_fwd_sm90_kernel(
 
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-    q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, ROWS, HEAD_DIM], q_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, HEAD_DIM], q_layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], kv_layout)
-    pin_smem = gl.allocate_shared_memory(
-        gl.float32, [NUM_CONSUMERS, ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0])
-    )
-    turn_smem = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    pin_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS, ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    turn_smem = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_CONSUMERS):
+    for i in gl.static_range(CONSUMERS):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(turn_smem.index(i), count=1)  # one arrive (one elected thread of a warpgroup) a turn
     if PINGPONG:
@@ -532,26 +546,43 @@ def _attn_fwd_sm90_kernel(
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=1)  # the producer's expect; the TMA's bytes complete it
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=NUM_CONSUMERS)  # a stage is free once both consumers release it
-        mbarrier.init(v_empty.index(i), count=NUM_CONSUMERS)
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)  # a stage is free once every consumer released it
+        mbarrier.init(v_empty.index(i), count=CONSUMERS)
 
     # (the partitions' arguments are spelled out: a tuple bound to a name turns its constexprs into
-    # tensors)
-    # the two consumers' argument lists side by side: the same but for the index
+    # tensors); the consumers' argument lists side by side: the same but for the index
     # fmt: off
-    gl.warp_specialize([
-        # the default partition (the launch's warps), the second consumer, the producer
-        (_softmax_partition, (0, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready,
-                              v_empty, pin_smem, turn_smem, batch, head, start_m, n_blocks, n_full, SEQ_Q,
-                              SEQ_K, UPPER_OFFSET, stride_lb, stride_lh, qk_scale, IS_CAUSAL, PIN_SOFTMAX,
-                              PINGPONG)),
-        (_softmax_partition, (1, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready,
-                              v_empty, pin_smem, turn_smem, batch, head, start_m, n_blocks, n_full, SEQ_Q,
-                              SEQ_K, UPPER_OFFSET, stride_lb, stride_lh, qk_scale, IS_CAUSAL, PIN_SOFTMAX,
-                              PINGPONG)),
-        (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready,
-                           v_empty, batch, head, kv_head, start_m, n_blocks)),
-    ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+    if CONSUMERS == 3:
+        gl.warp_specialize([
+            # the default partition (the launch's warps), the other consumers, the producer
+            (_softmax_partition, (0, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
+                                  v_ready, v_empty, pin_smem, turn_smem, batch, head, start_m, n_blocks,
+                                  n_full, SEQ_Q, SEQ_K, UPPER_OFFSET, stride_lb, stride_lh, qk_scale,
+                                  IS_CAUSAL, PIN_SOFTMAX, PINGPONG)),
+            (_softmax_partition, (1, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
+                                  v_ready, v_empty, pin_smem, turn_smem, batch, head, start_m, n_blocks,
+                                  n_full, SEQ_Q, SEQ_K, UPPER_OFFSET, stride_lb, stride_lh, qk_scale,
+                                  IS_CAUSAL, PIN_SOFTMAX, PINGPONG)),
+            (_softmax_partition, (2, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
+                                  v_ready, v_empty, pin_smem, turn_smem, batch, head, start_m, n_blocks,
+                                  n_full, SEQ_Q, SEQ_K, UPPER_OFFSET, stride_lb, stride_lh, qk_scale,
+                                  IS_CAUSAL, PIN_SOFTMAX, PINGPONG)),
+            (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
+                               v_ready, v_empty, batch, head, kv_head, start_m, n_blocks)),
+        ], [CONSUMER_WARPS, CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_softmax_partition, (0, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
+                                  v_ready, v_empty, pin_smem, turn_smem, batch, head, start_m, n_blocks,
+                                  n_full, SEQ_Q, SEQ_K, UPPER_OFFSET, stride_lb, stride_lh, qk_scale,
+                                  IS_CAUSAL, PIN_SOFTMAX, PINGPONG)),
+            (_softmax_partition, (1, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
+                                  v_ready, v_empty, pin_smem, turn_smem, batch, head, start_m, n_blocks,
+                                  n_full, SEQ_Q, SEQ_K, UPPER_OFFSET, stride_lb, stride_lh, qk_scale,
+                                  IS_CAUSAL, PIN_SOFTMAX, PINGPONG)),
+            (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
+                               v_ready, v_empty, batch, head, kv_head, start_m, n_blocks)),
+        ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     # fmt: on
 
 
@@ -735,6 +766,8 @@ def launches(q, k, v, o, lse, *, scale: float, causal: bool, config: Config | No
     group are neighbours, so their blocks share K and V in L2)."""
     (batch, heads_q, seq_q, head_dim), (_, heads_kv, seq_k, _) = q.shape, k.shape
     config = config or CONFIGS[head_dim]
+    if config.consumers not in CONSUMER_REGS or (config.consumers == 3 and head_dim != 64):
+        raise ValueError(f"{config.consumers} consumer warpgroups: 2, or 3 at D = 64, not at D = {head_dim}")
     args = (
         descriptor(q, SPLIT_M),
         descriptor(k, config.block_n),
@@ -757,7 +790,9 @@ def launches(q, k, v, o, lse, *, scale: float, causal: bool, config: Config | No
         "NUM_STAGES": config.num_stages,
         "PIN_SOFTMAX": config.pin_softmax,
         "PINGPONG": config.pingpong,
+        "CONSUMERS": config.consumers,
+        "CONSUMER_REGS": CONSUMER_REGS[config.consumers],
         "num_warps": CONSUMER_WARPS.value,
     }
-    grid = (cdiv(seq_q, BLOCK_M) * batch * heads_q,)
+    grid = (cdiv(seq_q, config.consumers * SPLIT_M) * batch * heads_q,)
     return [Launch("fwd sm90", _attn_fwd_sm90_kernel, args, meta, config._asdict(), grid)]
