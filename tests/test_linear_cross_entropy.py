@@ -102,11 +102,18 @@ def test_leading_dims_and_int32_targets(device):
     _check(x, w, target.to(torch.int32), b, reduction="none")
 
 
-def test_every_row_ignored_gives_torchs_nan_mean_and_zero_gradients(device):
+@pytest.mark.parametrize("tokens", [5, 0], ids=["all-ignored", "no-token"])
+@pytest.mark.parametrize("order", ["tokens", "vocab"])
+def test_every_row_ignored_or_none_gives_torchs_nan_mean_and_zero_gradients(
+    tokens, order, device, monkeypatch
+):
+    monkeypatch.setattr(lce, "ORDER", order)
     x, w, target, b, _ = _inputs((5, 16, 11), BF16, device, seed=4)
+    x, target = x[:tokens], target[:tokens]
     args = [t.requires_grad_(True) for t in (x, w, b)]
-    loss = tritonkit.linear_cross_entropy(x, w, torch.full_like(target, -100), b)
-    loss.backward()
+    with testing.poisoned_outputs():
+        loss = tritonkit.linear_cross_entropy(x, w, torch.full_like(target, -100), b)
+        loss.backward()
     assert loss.isnan() and all(torch.equal(t.grad, torch.zeros_like(t)) for t in args)
 
 

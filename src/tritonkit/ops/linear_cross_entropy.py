@@ -135,6 +135,10 @@ def _forward_with_grads(
         ce.sum_launch(
             class_weight, (ignore_index, "none", smoothing, z_loss, softcap), outputs, n, vocab
         ).run()
+    if n == 0:  # no token: dW and db sum over nothing
+        for grad_of_param in (dw, db):
+            if grad_of_param is not None:
+                grad_of_param.zero_()
     one = torch.ones(1, dtype=torch.float32, device=input.device)
     chunk = _span(vocab * input.element_size(), n)
     logits = empty_output((chunk, vocab), input.dtype, input.device)
