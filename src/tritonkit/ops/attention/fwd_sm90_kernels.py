@@ -1,0 +1,513 @@
+"""Attention forward for Hopper (sm_90) in Gluon, with FlashAttention-3's structure:
+``O = softmax(scale * Q K^T + mask) V`` and the log-sum-exp of each query row, never storing the
+Sq x Sk scores.
+
+Maths. For query row i and the keys j it may attend to, with scores s_ij = scale * q_i . k_j:
+    m_i = max_j s_ij,   l_i = sum_j exp(s_ij - m_i),   o_i = sum_j exp(s_ij - m_i) v_j / l_i,
+    lse_i = m_i + log l_i.
+The key blocks are walked once with the online softmax: when a block raises the running max from m
+to m', the running sum and the accumulator are rescaled by exp(m - m'). Exponentials are exp2 with
+scale * log2(e) folded into the scores: the exponent is one FFMA, s * qk_scale - m, per score.
+The backward is ``tritonkit``'s (it needs only O and the lse this writes).
+
+Masks (``flash_attention``'s conventions). Causal is aligned bottom-right: query i sees key j iff
+j <= i + Sk - Sq (the last query sees every key). A row that sees no key (causal with Sq > Sk)
+outputs 0 with lse -inf. Only the key blocks that a bound cuts are masked: the causal diagonal and
+the ragged end of the keys, both at the end of a program's key range; blocks past the diagonal are
+never loaded. GQA/MQA: query head h reads key/value head h // (Hq / Hkv).
+
+Work. 4 * B * Hq * Sq * Sk * D FLOPs (two matmuls; about half when causal with Sq = Sk); HBM bytes
+s * (|Q| + |K| + |V| + |O|) + 4 * B * Hq * Sq for the lse when K and V of a head stay in L2 while
+its query blocks pass. At (4, 32, 4096, 128) that is 1.10 TFLOP over 537 MB, about 2000 FLOP a
+byte, far above the H200's ~206 FLOP/byte ridge: compute-bound, the roofline is the tensor cores'
+dense peak (989 TFLOP/s bf16; ~790 measured for a cuBLAS GEMM on the H200: 1.39 ms there).
+
+Structure (one program = BLOCK_M = 128 query rows of one (batch, head); a one-dimensional grid in
+``order``'s order, the blocks of a causal head longest first):
+- a producer warp (24 registers) issues every TMA load: Q once (two 64-row tiles), then K and V
+  block by block into a NUM_STAGES-deep ring, each stage guarded by a ready and an empty mbarrier
+  (K and V have their own, so that Q K^T can start before V has landed);
+- two consumer warpgroups (240 registers each, ``setmaxnreg``) of SPLIT_M = 64 rows each (a wgmma
+  has M = 64 per warpgroup), sharing the K/V ring (its empty barriers count both). Each walks the
+  keys with FA3's intra-warpgroup overlap: issue S_j = Q K_j^T, issue O += P_{j-1} V_{j-1} (P from
+  registers), ``warpgroup_mma_wait(num_outstanding=1)`` (S_j done, PV may still run), release K_j,
+  softmax of block j under the PV product, ``wait(0)``, release V_{j-1}, rescale O. The exp2 work
+  of block j thus runs while the tensor cores do the PV product of block j - 1 (ptxas would hoist
+  the full wait above the exponentials; PIN_SOFTMAX keeps them under it, see ``_attend_blocks``),
+  and the two warpgroups' products and softmaxes interleave on the SM's tensor cores;
+- the epilogue divides by l, writes the lse with plain stores and O through shared memory (Q's
+  buffer, free by then) and a TMA store that clips the rows past Sq.
+Tensors are read through 4-D TMA descriptors over the (B, H, S, D) views, whose box of
+(1, 1, rows, D) is bounded by each head's own S: rows past it load as zeros (and are masked for K,
+harmless for Q and V) and are never stored, so ragged lengths need no padding.
+
+``Config.consumers`` = 3 (a candidate at D = 64, FA3's 192-row tile) adds a third consumer of 64
+rows at 160 registers each, with 64-key steps.
+
+Not here yet (later stages): sliding windows, soft-capping, packed variable-length batches, a
+persistent grid, D other than 64 and 128. Ping-pong between the consumer warpgroups is written
+(PINGPONG, through an mbarrier pair) but off: it measured no gain on the H200.
+
+References: Shah et al., "FlashAttention-3" (arXiv 2407.08608); Dao-AILab/flash-attention
+``hopper/mainloop_fwd_sm90_tma_gmma_ws.hpp``; Triton's Gluon tutorials (05-wgmma,
+08-warp-specialization).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from tritonkit.jit import LN2
+
+SPLIT_M = 64  # query rows a consumer warpgroup holds: a wgmma's M per warpgroup
+# a consumer is a warpgroup; the first is the default partition (the launch's num_warps)
+CONSUMER_WARPS = gl.constexpr(4)
+PRODUCER_WARPS = gl.constexpr(1)  # one warp issues every TMA load (one thread does, in fact)
+PRODUCER_REGS = gl.constexpr(24)  # its setmaxnreg budget (the consumers': fwd_sm90.CONSUMER_REGS)
+
+
+# ---------------------------------------------------------------- kernels
+
+
+@gluon.jit
+def _load_partition(
+    q_desc,
+    k_desc,
+    v_desc,  # TMA descriptors of q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D)
+    q_smem,  # (NUM_CONSUMERS, SPLIT_M, D): each consumer's query tile
+    k_smem,
+    v_smem,  # (NUM_STAGES, BLOCK_N, D): the K and V rings
+    q_ready,  # (NUM_CONSUMERS,) mbarriers: a consumer's Q tile landed
+    k_ready,
+    k_empty,
+    v_ready,
+    v_empty,  # (NUM_STAGES,) mbarriers: a ring stage landed / was released
+    batch,
+    head,
+    kv_head,  # this program's batch, query head and the key/value head it reads
+    start_m,  # its first query row
+    n_blocks,  # key blocks it reads
+):
+    CONSUMERS: gl.constexpr = q_smem.type.shape[0]
+    ROWS: gl.constexpr = q_smem.type.shape[1]
+    NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+    HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
+    # a program whose rows see no key loads nothing (its consumers wait on nothing)
+    if n_blocks > 0:
+        for c in gl.static_range(CONSUMERS):
+            mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(
+                q_desc,
+                [batch, head, start_m + c * ROWS, 0],
+                q_ready.index(c),
+                q_smem.index(c).reshape([1, 1, ROWS, HEAD_DIM]),
+            )
+    for j in range(n_blocks):
+        stage = j % NUM_STAGES
+        phase = (j // NUM_STAGES) & 1
+        # the first pass over the ring waits on the phase before init, which counts as complete
+        mbarrier.wait(k_empty.index(stage), phase ^ 1)
+        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(
+            k_desc,
+            [batch, kv_head, j * BLOCK_N, 0],
+            k_ready.index(stage),
+            k_smem.index(stage).reshape([1, 1, BLOCK_N, HEAD_DIM]),
+        )
+        mbarrier.wait(v_empty.index(stage), phase ^ 1)
+        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(
+            v_desc,
+            [batch, kv_head, j * BLOCK_N, 0],
+            v_ready.index(stage),
+            v_smem.index(stage).reshape([1, 1, BLOCK_N, HEAD_DIM]),
+        )
+
+
+@gluon.jit
+def _online_softmax(
+    s, m_i, l_i, rows, start_n, SEQ_K, UPPER_OFFSET, qk_scale, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr
+):
+    """One key block's step of the online softmax on its raw scores ``s`` = q . k: (p, m, l, alpha),
+    p = exp2(s * qk_scale - m) unnormalised, m the new running max in log2 units, l the new running
+    sum, alpha = exp2(m_old - m) the factor the accumulator takes. MASKED blocks hide keys past
+    SEQ_K and, causal, keys past each row's diagonal (j <= i + UPPER_OFFSET); a row that has seen no
+    key keeps m = -inf, and exp2 then takes 0 in its place so that -inf - -inf does not make NaN.
+    Unmasked blocks are seen whole by every row: the max is taken on the raw scores (qk_scale > 0)
+    and the exponent is a single FFMA."""
+    if MASKED:
+        BLOCK_N: gl.constexpr = s.type.shape[1]
+        cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+        if IS_CAUSAL:  # one compare a score: key j < min(i + UPPER_OFFSET + 1, SEQ_K)
+            bound = gl.minimum(rows + (UPPER_OFFSET + 1), SEQ_K)
+            visible = cols[None, :] < bound[:, None]
+        else:
+            visible = cols[None, :] < SEQ_K
+        s = gl.where(visible, s * qk_scale, -float("inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_exp = gl.where(m_new == -float("inf"), 0.0, m_new)
+        p = gl.exp2(s - m_exp[:, None])
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+        m_exp = m_new
+        p = gl.exp2(s * qk_scale - m_exp[:, None])
+    alpha = gl.exp2(m_i - m_exp)
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    return p, m_new, l_i, alpha
+
+
+@gluon.jit
+def _attend_blocks(
+    o,
+    p,
+    m_i,
+    l_i,
+    q,
+    k_smem,
+    v_smem,
+    k_ready,
+    k_empty,
+    v_ready,
+    v_empty,
+    pin,
+    my_turn,
+    next_turn,
+    rows,
+    first,
+    last,
+    SEQ_K,
+    UPPER_OFFSET,
+    qk_scale,
+    MASKED: gl.constexpr,
+    IS_CAUSAL: gl.constexpr,
+    PIN_SOFTMAX: gl.constexpr,
+    PINGPONG: gl.constexpr,
+):
+    """Key blocks [first, last) of a consumer, one block behind for PV: on entry ``p`` holds block
+    first - 1's probabilities (in the A-operand layout) whose PV product is still to do; on exit,
+    block last - 1's. Returns (o, p, m_i, l_i). ``pin``: this consumer's (SPLIT_M,) fp32 scratch in
+    shared memory, written and never read (PIN_SOFTMAX). ``my_turn``/``next_turn``: PINGPONG's
+    mbarriers; block j is this consumer's j-th turn (the prologue's S_0 its 0th)."""
+    NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    ROWS: gl.constexpr = q.type.shape[0]
+    zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o.type.layout)
+    for j in range(first, last):
+        stage = j % NUM_STAGES
+        prev = (j - 1) % NUM_STAGES
+        # S_j = Q K_j^T, then O += P_{j-1} V_{j-1}: two wgmma groups in flight
+        mbarrier.wait(k_ready.index(stage), (j // NUM_STAGES) & 1)
+        if PINGPONG:
+            mbarrier.wait(my_turn, j & 1)
+        s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_STAGES) & 1)
+        o = warpgroup_mma(p, v_smem.index(prev), o, is_async=True)
+        if PINGPONG:  # both products issued: the other consumer's turn
+            mbarrier.arrive(next_turn, count=1)
+        # the older group (S_j) done, PV_{j-1} may still run: block j's softmax overlaps it
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+        mbarrier.arrive(k_empty.index(stage), count=1)
+        p_j, m_i, l_i, alpha = _online_softmax(
+            s, m_i, l_i, rows, j * BLOCK_N, SEQ_K, UPPER_OFFSET, qk_scale, MASKED, IS_CAUSAL
+        )
+        p_next = gl.convert_layout(p_j.to(p.dtype), p.type.layout)
+        # P_{j-1} is read from registers by the product in flight: keep it alive until it is done
+        if PIN_SOFTMAX:
+            # ptxas schedules the full wait as early as it can, above this block's exponentials,
+            # which then wait for PV_{j-1} instead of running under it; a shared-memory store of l
+            # (which needs every exponential) stays above the wait and keeps them there
+            pin.store(l_i)
+        o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
+        mbarrier.arrive(v_empty.index(prev), count=1)
+        o = o * gl.convert_layout(alpha, row_o)[:, None]
+        p = p_next
+    return o, p, m_i, l_i
+
+
+@gluon.jit
+def _softmax_partition(
+    cid: gl.constexpr,  # which consumer warpgroup: rows start_m + cid * SPLIT_M, ...
+    o_desc,  # TMA descriptor of the output (B, Hq, Sq, D)
+    lse_ptr,  # fp32 log-sum-exp (natural log), (B, Hq, Sq), strides stride_lb, stride_lh, 1
+    q_smem,
+    k_smem,
+    v_smem,
+    q_ready,
+    k_ready,
+    k_empty,
+    v_ready,
+    v_empty,  # see _load_partition
+    pin_smem,  # (NUM_CONSUMERS, SPLIT_M) fp32 scratch: see _attend_blocks
+    turn_smem,  # (NUM_CONSUMERS,) mbarriers, PINGPONG: consumer c may issue its products
+    batch,
+    head,
+    start_m,  # this program's batch, query head and first query row
+    n_blocks,  # key blocks it reads
+    n_full,  # of which the first n_full every row of the program sees whole (no mask)
+    SEQ_Q,
+    SEQ_K,  # query rows and keys of a head
+    UPPER_OFFSET,  # causal: row i sees key j iff j <= i + UPPER_OFFSET (Sk - Sq, bottom-right)
+    stride_lb,
+    stride_lh,  # elements between batches and heads of the lse
+    qk_scale,  # scale * log2(e)
+    IS_CAUSAL: gl.constexpr,  # the causal mask
+    PIN_SOFTMAX: gl.constexpr,  # keep the exponentials between the two waits (see _attend_blocks)
+    PINGPONG: gl.constexpr,  # the consumers take turns to issue their products
+):
+    ROWS: gl.constexpr = q_smem.type.shape[1]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+    HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    # P feeds the PV wgmma from registers (its A operand): no trip through shared memory
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    q = q_smem.index(cid)
+    pin = pin_smem.index(cid)
+    # turns go round the consumers: each issues one step's products (both consumers walk the same
+    # n_blocks + 1 steps), then hands the turn on
+    my_turn = turn_smem.index(cid)
+    next_turn = turn_smem.index((cid + 1) % turn_smem.type.shape[0])
+    rows = start_m + cid * ROWS + gl.arange(0, ROWS, layout=row_s)
+    o = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+    m_i = gl.full([ROWS], -float("inf"), gl.float32, row_s)
+    l_i = gl.zeros([ROWS], gl.float32, row_s)
+    if n_blocks > 0:
+        mbarrier.wait(q_ready.index(cid), 0)
+        # block 0 alone (nothing to overlap yet), masked: cheap, and right whether or not a bound cuts it
+        mbarrier.wait(k_ready.index(0), 0)
+        if PINGPONG:
+            mbarrier.wait(my_turn, 0)
+        s = warpgroup_mma(
+            q,
+            k_smem.index(0).permute((1, 0)),
+            gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
+            use_acc=False,
+            is_async=True,
+        )
+        if PINGPONG:
+            mbarrier.arrive(next_turn, count=1)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        mbarrier.arrive(k_empty.index(0), count=1)
+        p, m_i, l_i, _ = _online_softmax(s, m_i, l_i, rows, 0, SEQ_K, UPPER_OFFSET, qk_scale, True, IS_CAUSAL)
+        p = gl.convert_layout(p.to(dtype), p_layout)
+        # the blocks every row sees whole, then those a bound cuts (the diagonal, the ragged end)
+        o, p, m_i, l_i = _attend_blocks(
+            o,
+            p,
+            m_i,
+            l_i,
+            q,
+            k_smem,
+            v_smem,
+            k_ready,
+            k_empty,
+            v_ready,
+            v_empty,
+            pin,
+            my_turn,
+            next_turn,
+            rows,
+            1,
+            n_full,
+            SEQ_K,
+            UPPER_OFFSET,
+            qk_scale,
+            False,
+            IS_CAUSAL,
+            PIN_SOFTMAX,
+            PINGPONG,
+        )
+        o, p, m_i, l_i = _attend_blocks(
+            o,
+            p,
+            m_i,
+            l_i,
+            q,
+            k_smem,
+            v_smem,
+            k_ready,
+            k_empty,
+            v_ready,
+            v_empty,
+            pin,
+            my_turn,
+            next_turn,
+            rows,
+            gl.maximum(n_full, 1),
+            n_blocks,
+            SEQ_K,
+            UPPER_OFFSET,
+            qk_scale,
+            True,
+            IS_CAUSAL,
+            PIN_SOFTMAX,
+            PINGPONG,
+        )
+        # the last block's PV product
+        NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
+        last = (n_blocks - 1) % NUM_STAGES
+        mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // NUM_STAGES) & 1)
+        if PINGPONG:
+            mbarrier.wait(my_turn, n_blocks & 1)
+        o = warpgroup_mma(p, v_smem.index(last), o, is_async=True)
+        if PINGPONG:  # the last consumer's last hand-on is never waited for: harmless
+            mbarrier.arrive(next_turn, count=1)
+        o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
+        mbarrier.arrive(v_empty.index(last), count=1)
+
+    # l = 0 only for a row that sees no key: its output is 0, its lse -inf
+    seen = l_i > 0.0
+    l_safe = gl.where(seen, l_i, 1.0)
+    o = o / gl.convert_layout(l_safe, row_o)[:, None]
+    lse = gl.where(seen, (m_i + gl.log2(l_safe)) * LN2, -float("inf"))
+    # int64: B * H * Sq may pass 2^31
+    lse_rows = lse_ptr + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
+    gl.store(lse_rows + rows, lse, mask=rows < SEQ_Q)
+    # O goes out through this consumer's Q buffer: every product that read it has been waited
+    out = q_smem.index(cid)
+    out.store(o.to(dtype))
+    fence_async_shared()  # the generic-proxy stores before the TMA engine reads them
+    tma.async_copy_shared_to_global(
+        o_desc, [batch, head, start_m + cid * ROWS, 0], out.reshape([1, 1, ROWS, HEAD_DIM])
+    )
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _attn_fwd_sm90_kernel(
+    q_desc,  # TMA descriptor of q, (B, Hq, Sq, D), box (1, 1, SPLIT_M, D)
+    k_desc,  # ... of k, (B, Hkv, Sk, D), box (1, 1, BLOCK_N, D)
+    v_desc,  # ... of v, like k
+    o_desc,  # ... of the output, like q
+    lse_ptr,  # fp32 out: log-sum-exp of each row's scores (natural log), (B, Hq, Sq), strides stride_l*, 1
+    stride_lb,
+    stride_lh,  # elements between batches and heads of the lse
+    HEADS,  # query heads
+    BATCH_HEADS,  # B * HEADS
+    HEADS_PER_GROUP,  # the order of programs (``order``): (batch, head)s whose blocks run together
+    GROUP,  # query heads per key/value head (1 without GQA)
+    SEQ_Q,  # query rows of a head
+    SEQ_K,  # keys of a head
+    UPPER_OFFSET,  # IS_CAUSAL: row i sees key j iff j <= i + UPPER_OFFSET
+    qk_scale,  # scale * log2(e): the exponent in log2 units is q . k * qk_scale
+    IS_CAUSAL: gl.constexpr,  # the causal mask
+    NUM_STAGES: gl.constexpr,  # K/V tiles in flight
+    PIN_SOFTMAX: gl.constexpr,  # keep the exponentials under the PV product (see _attend_blocks)
+    PINGPONG: gl.constexpr,  # the consumers take turns to issue their products
+    CONSUMERS: gl.constexpr,  # consumer warpgroups of ROWS query rows
+    CONSUMER_REGS: gl.constexpr,  # their setmaxnreg budget
+):
+    ROWS: gl.constexpr = q_desc.block_type.shape[2]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    BLOCK: gl.constexpr = CONSUMERS * ROWS
+    dtype: gl.constexpr = q_desc.dtype
+    gl.static_assert(ROWS == 64, "a consumer warpgroup's wgmma has 64 rows")
+    gl.static_assert(k_desc.block_type.shape[3] == HEAD_DIM, "q and k share D")
+
+    # One program a (query block, batch and head), launched group after group of HEADS_PER_GROUP
+    # (batch, head)s; in a group the query blocks are the slow axis and its heads the fast one,
+    # causal blocks longest (last) first, so that the short ones fill the tail
+    m_blocks = gl.cdiv(SEQ_Q, BLOCK)
+    pid = gl.program_id(0)
+    group_programs = HEADS_PER_GROUP * m_blocks
+    first = (pid // group_programs) * HEADS_PER_GROUP
+    group_heads = gl.minimum(HEADS_PER_GROUP, BATCH_HEADS - first)
+    pid_m = (pid % group_programs) // group_heads
+    if IS_CAUSAL:
+        pid_m = m_blocks - 1 - pid_m
+    bh = first + (pid % group_programs) % group_heads
+    head = bh % HEADS
+    batch = bh // HEADS
+    kv_head = head // GROUP
+    start_m = pid_m * BLOCK
+    # Keys [0, end) some row of the program sees, [0, full_end) every row sees: causal, the last
+    # real row's bound and the first row's (rows past SEQ_Q need no keys)
+    if IS_CAUSAL:
+        end = gl.maximum(gl.minimum(SEQ_K, gl.minimum(start_m + BLOCK, SEQ_Q) + UPPER_OFFSET), 0)
+        full_end = gl.maximum(gl.minimum(SEQ_K, start_m + 1 + UPPER_OFFSET), 0)
+    else:
+        end = SEQ_K
+        full_end = SEQ_K
+    n_blocks = gl.cdiv(end, BLOCK_N)
+    n_full = full_end // BLOCK_N
+
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, HEAD_DIM], q_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+    pin_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS, ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    turn_smem = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(CONSUMERS):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(turn_smem.index(i), count=1)  # one arrive (one elected thread of a warpgroup) a turn
+    if PINGPONG:
+        mbarrier.arrive(turn_smem.index(0), count=1)  # the first consumer has the first turn
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)  # the producer's expect; the TMA's bytes complete it
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)  # a stage is free once every consumer released it
+        mbarrier.init(v_empty.index(i), count=CONSUMERS)
+
+    # (the partitions' arguments are spelled out: a tuple bound to a name turns its constexprs into
+    # tensors); the consumers' argument lists side by side: the same but for the index
+    # fmt: off
+    if CONSUMERS == 3:
+        gl.warp_specialize([
+            # the default partition (the launch's warps), the other consumers, the producer
+            (_softmax_partition, (0, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
+                                  v_ready, v_empty, pin_smem, turn_smem, batch, head, start_m, n_blocks,
+                                  n_full, SEQ_Q, SEQ_K, UPPER_OFFSET, stride_lb, stride_lh, qk_scale,
+                                  IS_CAUSAL, PIN_SOFTMAX, PINGPONG)),
+            (_softmax_partition, (1, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
+                                  v_ready, v_empty, pin_smem, turn_smem, batch, head, start_m, n_blocks,
+                                  n_full, SEQ_Q, SEQ_K, UPPER_OFFSET, stride_lb, stride_lh, qk_scale,
+                                  IS_CAUSAL, PIN_SOFTMAX, PINGPONG)),
+            (_softmax_partition, (2, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
+                                  v_ready, v_empty, pin_smem, turn_smem, batch, head, start_m, n_blocks,
+                                  n_full, SEQ_Q, SEQ_K, UPPER_OFFSET, stride_lb, stride_lh, qk_scale,
+                                  IS_CAUSAL, PIN_SOFTMAX, PINGPONG)),
+            (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
+                               v_ready, v_empty, batch, head, kv_head, start_m, n_blocks)),
+        ], [CONSUMER_WARPS, CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_softmax_partition, (0, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
+                                  v_ready, v_empty, pin_smem, turn_smem, batch, head, start_m, n_blocks,
+                                  n_full, SEQ_Q, SEQ_K, UPPER_OFFSET, stride_lb, stride_lh, qk_scale,
+                                  IS_CAUSAL, PIN_SOFTMAX, PINGPONG)),
+            (_softmax_partition, (1, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
+                                  v_ready, v_empty, pin_smem, turn_smem, batch, head, start_m, n_blocks,
+                                  n_full, SEQ_Q, SEQ_K, UPPER_OFFSET, stride_lb, stride_lh, qk_scale,
+                                  IS_CAUSAL, PIN_SOFTMAX, PINGPONG)),
+            (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
+                               v_ready, v_empty, batch, head, kv_head, start_m, n_blocks)),
+        ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+    # fmt: on
