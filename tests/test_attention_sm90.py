@@ -34,11 +34,14 @@ def descriptor(dtype, rows, head_dim):
     layout = gl.NVMMASharedLayout.get_default_for(block, {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype])
     return f"tensordesc<{dtype}[{','.join(map(str, block))}],{layout!r}>"
 
-for dtype, head_dim, causal, consumers in (
-    ("bf16", 128, False, 2), ("bf16", 128, True, 2), ("fp16", 64, True, 2), ("bf16", 64, True, 3)
+for dtype, head_dim, causal, consumers, persistent in (
+    ("bf16", 128, False, 2, False), ("bf16", 128, True, 2, False), ("fp16", 64, True, 2, False),
+    ("bf16", 64, True, 3, False), ("bf16", 128, True, 2, True), ("fp16", 64, False, 2, True),
 ):
-    # the default tile, or the candidate of three consumers (D = 64)
-    config = fwd.CONFIGS[head_dim] if consumers == 2 else fwd.CANDIDATES[64][-1]
+    # the default tile, the candidate of three consumers (D = 64), or the default tile persistent
+    config = fwd.CONFIGS[head_dim]._replace(persistent=persistent)
+    if consumers == 3:
+        (config,) = [c for c in fwd.CANDIDATES[64] if c.consumers == 3]
     signature = {"q_desc": descriptor(dtype, fwd.SPLIT_M, head_dim),
                  "k_desc": descriptor(dtype, config.block_n, head_dim),
                  "v_desc": descriptor(dtype, config.block_n, head_dim),
@@ -47,10 +50,10 @@ for dtype, head_dim, causal, consumers in (
                  "GROUP": "i32", "SEQ_Q": "i32", "SEQ_K": "i32", "UPPER_OFFSET": "i32",
                  "qk_scale": "fp32", "IS_CAUSAL": "constexpr", "NUM_STAGES": "constexpr",
                  "PIN_SOFTMAX": "constexpr", "PINGPONG": "constexpr", "CONSUMERS": "constexpr",
-                 "CONSUMER_REGS": "constexpr"}
+                 "CONSUMER_REGS": "constexpr", "PERSISTENT": "constexpr"}
     constants = {"IS_CAUSAL": causal, "NUM_STAGES": config.num_stages, "PIN_SOFTMAX": config.pin_softmax,
                  "PINGPONG": config.pingpong, "CONSUMERS": consumers,
-                 "CONSUMER_REGS": fwd.CONSUMER_REGS[consumers]}
+                 "CONSUMER_REGS": fwd.CONSUMER_REGS[consumers], "PERSISTENT": persistent}
     kernel = triton.compile(GluonASTSource(fwd._attn_fwd_sm90_kernel, signature, constants),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": fwd.CONSUMER_WARPS.value})
     ptx, sass = kernel.asm["ptx"], _cuobjdump(kernel.asm["cubin"], "-sass")
@@ -64,7 +67,8 @@ for dtype, head_dim, causal, consumers in (
         elif "MUFU.EX2" in line and current is not None:
             current += 1
     print(json.dumps({
-        "case": f"{dtype} d{head_dim} {'causal' if causal else 'full'} x{consumers}",
+        "case": f"{dtype} d{head_dim} {'causal' if causal else 'full'} x{consumers}"
+                f"{' persistent' if persistent else ''}",
         "consumers": consumers, "warps": kernel.metadata.num_warps, "shared": kernel.metadata.shared,
         "waits": numbers(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx),
         "setmaxnreg": numbers(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx),
@@ -78,7 +82,7 @@ for dtype, head_dim, causal, consumers in (
 
 def test_the_kernel_compiles_for_hopper_warp_specialized_with_its_softmax_under_the_pv_product():
     rows = [json.loads(line) for line in sm90.run(_STATIC_CHECK)]
-    assert len(rows) == 4
+    assert len(rows) == 6
     for row in rows:
         # two (three) consumer warpgroups and the producer's warpgroup; budgets 240 (160) and 24 (and
         # Triton's steps)
@@ -87,7 +91,10 @@ def test_the_kernel_compiles_for_hopper_warp_specialized_with_its_softmax_under_
         assert row["warps"] == 4 * consumers + 4 and {budget, 24} <= set(row["setmaxnreg"]), row
         assert row["shared"] <= 227 * 1024, row
         assert row["waits"] == [0, 1], row  # the main loop waits for the older product only
-        assert row["hgmma"] > 0 and row["hmma"] == 0 and row["spills"] == 0 and row["tma_loads"] > 0, row
+        assert row["hgmma"] > 0 and row["hmma"] == 0 and row["tma_loads"] > 0, row
+        # no spills; persistent at D = 128, one value computed before the partitions start crosses
+        # the register reallocation on the stack (one store, one load a program)
+        assert row["spills"] <= (2 if "persistent" in row["case"] else 0), row
         # a block's exponentials (64 a thread at 128 keys) run while the previous PV product does
         assert row["exps_under_pv"] >= row["block_exps"], row
 

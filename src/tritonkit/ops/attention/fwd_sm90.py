@@ -15,6 +15,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from tritonkit._launch import TMA_ALIGN_BYTES, Launch, cdiv, tma_ready
+from tritonkit._runtime import sm_count
 from tritonkit.dtypes import HALVES
 from tritonkit.jit import LOG2E
 from tritonkit.ops.attention.fwd_sm90_kernels import CONSUMER_WARPS, SPLIT_M, _attn_fwd_sm90_kernel
@@ -45,13 +46,15 @@ class Config(NamedTuple):
     """A launch's tile: BLOCK_N keys a step, NUM_STAGES K/V tiles in flight; pin_softmax keeps a
     block's exponentials under the previous block's PV product (see ``_attend_blocks``); pingpong
     orders the consumers' products (``PINGPONG``); consumers warpgroups of 64 query rows a program
-    (3 at D = 64 only: ``CONSUMER_REGS``)."""
+    (3 at D = 64 only: ``CONSUMER_REGS``); persistent launches one program an SM, each walking
+    tiles one after another (two consumers, no ping-pong)."""
 
     block_n: int
     num_stages: int
     pin_softmax: bool = True
     pingpong: bool = PINGPONG
     consumers: int = NUM_CONSUMERS
+    persistent: bool = False
 
 
 # Per head dim. The shared memory of a program is 2 x 64 x D for Q (reused for O) and NUM_STAGES x 2
@@ -69,19 +72,22 @@ CONFIGS = {
 # ping-pong toggled and without PIN_SOFTMAX (what each is worth), a deeper ring at D = 128, and at
 # D = 64 FA3's 192-row tile of three consumers (not yet run on the H200). Its steps take 64 keys: at
 # 128, S (64 fp32 registers), O (32) and two P tiles in flight (2 x 32) left ptxas 440 spilled values
-# at 160 registers; at 64 none, 75 KB of shared memory with three stages, so four.
+# at 160 registers; at 64 none, 75 KB of shared memory with three stages, so four. And each head
+# dim's tile persistent (one program an SM walking tiles; not yet run on the H200).
 CANDIDATES = {
     64: [
         CONFIGS[64],
         CONFIGS[64]._replace(pingpong=not PINGPONG),
         CONFIGS[64]._replace(pin_softmax=False),
         Config(block_n=64, num_stages=4, consumers=3),
+        CONFIGS[64]._replace(persistent=True),
     ],
     128: [
         CONFIGS[128],
         CONFIGS[128]._replace(pingpong=not PINGPONG),
         CONFIGS[128]._replace(pin_softmax=False),
         CONFIGS[128]._replace(num_stages=3),
+        CONFIGS[128]._replace(persistent=True),
     ],
 }
 
@@ -268,6 +274,8 @@ def launches(q, k, v, o, lse, *, scale: float, causal: bool, config: Config | No
     config = config or CONFIGS[head_dim]
     if config.consumers not in CONSUMER_REGS or (config.consumers == 3 and head_dim != 64):
         raise ValueError(f"{config.consumers} consumer warpgroups: 2, or 3 at D = 64, not at D = {head_dim}")
+    if config.persistent and (config.consumers != 2 or config.pingpong):
+        raise ValueError("a persistent launch takes two consumers and no ping-pong")
     args = (
         descriptor(q, SPLIT_M),
         descriptor(k, config.block_n),
@@ -292,7 +300,9 @@ def launches(q, k, v, o, lse, *, scale: float, causal: bool, config: Config | No
         "PINGPONG": config.pingpong,
         "CONSUMERS": config.consumers,
         "CONSUMER_REGS": CONSUMER_REGS[config.consumers],
+        "PERSISTENT": config.persistent,
         "num_warps": CONSUMER_WARPS.value,
     }
-    grid = (cdiv(seq_q, config.consumers * SPLIT_M) * batch * heads_q,)
+    tiles = cdiv(seq_q, config.consumers * SPLIT_M) * batch * heads_q
+    grid = (min(tiles, sm_count(q.device)) if config.persistent else tiles,)
     return [Launch("fwd sm90", _attn_fwd_sm90_kernel, args, meta, config._asdict(), grid)]

@@ -44,8 +44,12 @@ harmless for Q and V) and are never stored, so ragged lengths need no padding.
 ``Config.consumers`` = 3 (a candidate at D = 64, FA3's 192-row tile) adds a third consumer of 64
 rows at 160 registers each, with 64-key steps.
 
-Not here yet (later stages): sliding windows, soft-capping, packed variable-length batches, a
-persistent grid, D other than 64 and 128. Ping-pong between the consumer warpgroups is written
+``Config.persistent`` (a candidate) launches one program an SM, each walking tiles program_id,
++ num_programs, ... (``_tile``'s numbering): the K/V ring runs on across tiles, and O leaves through
+buffers of its own so that the next tile's Q lands under the epilogue.
+
+Not here yet (later stages): sliding windows, soft-capping, packed variable-length batches, D other
+than 64 and 128. Ping-pong between the consumer warpgroups is written
 (PINGPONG, through an mbarrier pair) but off: it measured no gain on the H200.
 
 References: Shah et al., "FlashAttention-3" (arXiv 2407.08608); Dao-AILab/flash-attention
@@ -78,7 +82,49 @@ PRODUCER_REGS = gl.constexpr(24)  # its setmaxnreg budget (the consumers': fwd_s
 
 
 @gluon.jit
-def _load_partition(
+def _tile(
+    tile,
+    HEADS,
+    BATCH_HEADS,
+    HEADS_PER_GROUP,
+    GROUP,
+    SEQ_Q,
+    SEQ_K,
+    UPPER_OFFSET,
+    BLOCK: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    IS_CAUSAL: gl.constexpr,
+):
+    """(batch, head, kv_head, start_m, n_blocks, n_full) of a tile: BLOCK query rows of a (batch,
+    head), tiles numbered group after group of HEADS_PER_GROUP (batch, head)s, in a group the query
+    blocks the slow axis and its heads the fast one, causal blocks longest (last) first, so that the
+    short ones fill the tail. Its keys are [0, n_blocks * BLOCK_N), of which every row sees the first
+    n_full blocks whole."""
+    m_blocks = gl.cdiv(SEQ_Q, BLOCK)
+    group_programs = HEADS_PER_GROUP * m_blocks
+    first = (tile // group_programs) * HEADS_PER_GROUP
+    group_heads = gl.minimum(HEADS_PER_GROUP, BATCH_HEADS - first)
+    pid_m = (tile % group_programs) // group_heads
+    if IS_CAUSAL:
+        pid_m = m_blocks - 1 - pid_m
+    bh = first + (tile % group_programs) % group_heads
+    head = bh % HEADS
+    batch = bh // HEADS
+    kv_head = head // GROUP
+    start_m = pid_m * BLOCK
+    # Keys [0, end) some row of the tile sees, [0, full_end) every row sees: causal, the last real
+    # row's bound and the first row's (rows past SEQ_Q need no keys)
+    if IS_CAUSAL:
+        end = gl.maximum(gl.minimum(SEQ_K, gl.minimum(start_m + BLOCK, SEQ_Q) + UPPER_OFFSET), 0)
+        full_end = gl.maximum(gl.minimum(SEQ_K, start_m + 1 + UPPER_OFFSET), 0)
+    else:
+        end = SEQ_K
+        full_end = SEQ_K
+    return batch, head, kv_head, start_m, gl.cdiv(end, BLOCK_N), full_end // BLOCK_N
+
+
+@gluon.jit
+def _load_tile(
     q_desc,
     k_desc,
     v_desc,  # TMA descriptors of q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D)
@@ -86,24 +132,30 @@ def _load_partition(
     k_smem,
     v_smem,  # (NUM_STAGES, BLOCK_N, D): the K and V rings
     q_ready,  # (NUM_CONSUMERS,) mbarriers: a consumer's Q tile landed
+    q_free,  # PERSISTENT: (NUM_CONSUMERS,) mbarriers: a consumer is done with its Q tile
     k_ready,
     k_empty,
     v_ready,
     v_empty,  # (NUM_STAGES,) mbarriers: a ring stage landed / was released
     batch,
     head,
-    kv_head,  # this program's batch, query head and the key/value head it reads
+    kv_head,  # the tile's batch, query head and the key/value head it reads
     start_m,  # its first query row
     n_blocks,  # key blocks it reads
+    kv_base,  # the ring's blocks loaded before this tile (its first block's turn in the ring)
+    loads,  # the tiles whose Q was loaded before this one
+    PERSISTENT: gl.constexpr,  # tiles follow each other in one program
 ):
     CONSUMERS: gl.constexpr = q_smem.type.shape[0]
     ROWS: gl.constexpr = q_smem.type.shape[1]
     NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
-    # a program whose rows see no key loads nothing (its consumers wait on nothing)
+    # a tile whose rows see no key loads nothing (its consumers wait on nothing)
     if n_blocks > 0:
         for c in gl.static_range(CONSUMERS):
+            if PERSISTENT:  # the consumer's last tile is done reading its Q buffer
+                mbarrier.wait(q_free.index(c), (loads & 1) ^ 1)
             mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(
                 q_desc,
@@ -112,8 +164,8 @@ def _load_partition(
                 q_smem.index(c).reshape([1, 1, ROWS, HEAD_DIM]),
             )
     for j in range(n_blocks):
-        stage = j % NUM_STAGES
-        phase = (j // NUM_STAGES) & 1
+        stage = (kv_base + j) % NUM_STAGES
+        phase = ((kv_base + j) // NUM_STAGES) & 1
         # the first pass over the ring waits on the phase before init, which counts as complete
         mbarrier.wait(k_empty.index(stage), phase ^ 1)
         mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
@@ -131,6 +183,42 @@ def _load_partition(
             v_ready.index(stage),
             v_smem.index(stage).reshape([1, 1, BLOCK_N, HEAD_DIM]),
         )
+
+
+@gluon.jit
+def _load_partition(
+    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
+    batch, head, kv_head, start_m, n_blocks,
+):  # fmt: skip
+    """The producer of a program of one tile (``_load_tile``'s arguments)."""
+    _load_tile(
+        q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_ready, k_ready, k_empty, v_ready, v_empty,
+        batch, head, kv_head, start_m, n_blocks, 0, 0, False,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _load_partition_persistent(
+    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, k_empty, v_ready, v_empty,
+    HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, IS_CAUSAL: gl.constexpr,
+):  # fmt: skip
+    """The producer of a persistent program: tiles program_id, + num_programs, ... (``_tile``)."""
+    BLOCK: gl.constexpr = q_smem.type.shape[0] * q_smem.type.shape[1]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+    n_tiles = gl.cdiv(SEQ_Q, BLOCK) * BATCH_HEADS
+    kv_base = 0
+    loads = 0
+    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        batch, head, kv_head, start_m, n_blocks, _ = _tile(
+            tile, HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, BLOCK, BLOCK_N,
+            IS_CAUSAL,
+        )  # fmt: skip
+        _load_tile(
+            q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, k_empty, v_ready,
+            v_empty, batch, head, kv_head, start_m, n_blocks, kv_base, loads, True,
+        )  # fmt: skip
+        kv_base += n_blocks
+        loads += gl.where(n_blocks > 0, 1, 0)
 
 
 @gluon.jit
@@ -184,6 +272,7 @@ def _attend_blocks(
     rows,
     first,
     last,
+    kv_base,
     SEQ_K,
     UPPER_OFFSET,
     qk_scale,
@@ -192,11 +281,12 @@ def _attend_blocks(
     PIN_SOFTMAX: gl.constexpr,
     PINGPONG: gl.constexpr,
 ):
-    """Key blocks [first, last) of a consumer, one block behind for PV: on entry ``p`` holds block
-    first - 1's probabilities (in the A-operand layout) whose PV product is still to do; on exit,
-    block last - 1's. Returns (o, p, m_i, l_i). ``pin``: this consumer's (SPLIT_M,) fp32 scratch in
-    shared memory, written and never read (PIN_SOFTMAX). ``my_turn``/``next_turn``: PINGPONG's
-    mbarriers; block j is this consumer's j-th turn (the prologue's S_0 its 0th)."""
+    """Key blocks [first, last) of a consumer (the ring's blocks kv_base + first, ...), one block
+    behind for PV: on entry ``p`` holds block first - 1's probabilities (in the A-operand layout)
+    whose PV product is still to do; on exit, block last - 1's. Returns (o, p, m_i, l_i). ``pin``:
+    this consumer's (SPLIT_M,) fp32 scratch in shared memory, written and never read
+    (PIN_SOFTMAX). ``my_turn``/``next_turn``: PINGPONG's mbarriers; block j is this consumer's j-th
+    turn (the prologue's S_0 its 0th)."""
     NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -206,14 +296,14 @@ def _attend_blocks(
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o.type.layout)
     for j in range(first, last):
-        stage = j % NUM_STAGES
-        prev = (j - 1) % NUM_STAGES
+        stage = (kv_base + j) % NUM_STAGES
+        prev = (kv_base + j - 1) % NUM_STAGES
         # S_j = Q K_j^T, then O += P_{j-1} V_{j-1}: two wgmma groups in flight
-        mbarrier.wait(k_ready.index(stage), (j // NUM_STAGES) & 1)
+        mbarrier.wait(k_ready.index(stage), ((kv_base + j) // NUM_STAGES) & 1)
         if PINGPONG:
             mbarrier.wait(my_turn, j & 1)
         s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_STAGES) & 1)
+        mbarrier.wait(v_ready.index(prev), ((kv_base + j - 1) // NUM_STAGES) & 1)
         o = warpgroup_mma(p, v_smem.index(prev), o, is_async=True)
         if PINGPONG:  # both products issued: the other consumer's turn
             mbarrier.arrive(next_turn, count=1)
@@ -238,14 +328,16 @@ def _attend_blocks(
 
 
 @gluon.jit
-def _softmax_partition(
+def _consume_tile(
     cid: gl.constexpr,  # which consumer warpgroup: rows start_m + cid * SPLIT_M, ...
     o_desc,  # TMA descriptor of the output (B, Hq, Sq, D)
     lse_ptr,  # fp32 log-sum-exp (natural log), (B, Hq, Sq), strides stride_lb, stride_lh, 1
     q_smem,
+    o_smem,  # PERSISTENT: (NUM_CONSUMERS, SPLIT_M, D), the output tiles (else Q's buffers carry O)
     k_smem,
     v_smem,
     q_ready,
+    q_free,
     k_ready,
     k_empty,
     v_ready,
@@ -257,6 +349,8 @@ def _softmax_partition(
     start_m,  # this program's batch, query head and first query row
     n_blocks,  # key blocks it reads
     n_full,  # of which the first n_full every row of the program sees whole (no mask)
+    kv_base,  # the ring's blocks consumed before this tile
+    loads,  # the tiles whose Q was loaded before this one
     SEQ_Q,
     SEQ_K,  # query rows and keys of a head
     UPPER_OFFSET,  # causal: row i sees key j iff j <= i + UPPER_OFFSET (Sk - Sq, bottom-right)
@@ -266,8 +360,11 @@ def _softmax_partition(
     IS_CAUSAL: gl.constexpr,  # the causal mask
     PIN_SOFTMAX: gl.constexpr,  # keep the exponentials between the two waits (see _attend_blocks)
     PINGPONG: gl.constexpr,  # the consumers take turns to issue their products
+    PERSISTENT: gl.constexpr,  # tiles follow each other in one program
 ):
+    """One consumer's part of a tile: its 64 rows' output and lse."""
     ROWS: gl.constexpr = q_smem.type.shape[1]
+    NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
     dtype: gl.constexpr = q_smem.dtype
@@ -293,14 +390,15 @@ def _softmax_partition(
     m_i = gl.full([ROWS], -float("inf"), gl.float32, row_s)
     l_i = gl.zeros([ROWS], gl.float32, row_s)
     if n_blocks > 0:
-        mbarrier.wait(q_ready.index(cid), 0)
+        mbarrier.wait(q_ready.index(cid), loads & 1)
         # block 0 alone (nothing to overlap yet), masked: cheap, and right whether or not a bound cuts it
-        mbarrier.wait(k_ready.index(0), 0)
+        first = kv_base % NUM_STAGES
+        mbarrier.wait(k_ready.index(first), (kv_base // NUM_STAGES) & 1)
         if PINGPONG:
             mbarrier.wait(my_turn, 0)
         s = warpgroup_mma(
             q,
-            k_smem.index(0).permute((1, 0)),
+            k_smem.index(first).permute((1, 0)),
             gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
             use_acc=False,
             is_async=True,
@@ -308,7 +406,7 @@ def _softmax_partition(
         if PINGPONG:
             mbarrier.arrive(next_turn, count=1)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        mbarrier.arrive(k_empty.index(0), count=1)
+        mbarrier.arrive(k_empty.index(first), count=1)
         p, m_i, l_i, _ = _online_softmax(s, m_i, l_i, rows, 0, SEQ_K, UPPER_OFFSET, qk_scale, True, IS_CAUSAL)
         p = gl.convert_layout(p.to(dtype), p_layout)
         # the blocks every row sees whole, then those a bound cuts (the diagonal, the ragged end)
@@ -330,6 +428,7 @@ def _softmax_partition(
             rows,
             1,
             n_full,
+            kv_base,
             SEQ_K,
             UPPER_OFFSET,
             qk_scale,
@@ -356,6 +455,7 @@ def _softmax_partition(
             rows,
             gl.maximum(n_full, 1),
             n_blocks,
+            kv_base,
             SEQ_K,
             UPPER_OFFSET,
             qk_scale,
@@ -365,9 +465,8 @@ def _softmax_partition(
             PINGPONG,
         )
         # the last block's PV product
-        NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
-        last = (n_blocks - 1) % NUM_STAGES
-        mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // NUM_STAGES) & 1)
+        last = (kv_base + n_blocks - 1) % NUM_STAGES
+        mbarrier.wait(v_ready.index(last), ((kv_base + n_blocks - 1) // NUM_STAGES) & 1)
         if PINGPONG:
             mbarrier.wait(my_turn, n_blocks & 1)
         o = warpgroup_mma(p, v_smem.index(last), o, is_async=True)
@@ -375,6 +474,8 @@ def _softmax_partition(
             mbarrier.arrive(next_turn, count=1)
         o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
         mbarrier.arrive(v_empty.index(last), count=1)
+        if PERSISTENT:  # every product that read Q is done: the next tile's may land
+            mbarrier.arrive(q_free.index(cid), count=1)
 
     # l = 0 only for a row that sees no key: its output is 0, its lse -inf
     seen = l_i > 0.0
@@ -384,14 +485,62 @@ def _softmax_partition(
     # int64: B * H * Sq may pass 2^31
     lse_rows = lse_ptr + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
     gl.store(lse_rows + rows, lse, mask=rows < SEQ_Q)
-    # O goes out through this consumer's Q buffer: every product that read it has been waited
-    out = q_smem.index(cid)
+    if PERSISTENT:
+        # O goes out through its own buffer, once the last tile's store has read it; the store
+        # runs on under the next tile
+        out = o_smem.index(cid)
+        tma.store_wait(pendings=0)
+    else:
+        # O goes out through this consumer's Q buffer: every product that read it has been waited
+        out = q_smem.index(cid)
     out.store(o.to(dtype))
     fence_async_shared()  # the generic-proxy stores before the TMA engine reads them
     tma.async_copy_shared_to_global(
         o_desc, [batch, head, start_m + cid * ROWS, 0], out.reshape([1, 1, ROWS, HEAD_DIM])
     )
-    tma.store_wait(pendings=0)
+    if not PERSISTENT:
+        tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _softmax_partition(
+    cid: gl.constexpr, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
+    pin_smem, turn_smem, batch, head, start_m, n_blocks, n_full, SEQ_Q, SEQ_K, UPPER_OFFSET, stride_lb,
+    stride_lh, qk_scale, IS_CAUSAL: gl.constexpr, PIN_SOFTMAX: gl.constexpr, PINGPONG: gl.constexpr,
+):  # fmt: skip
+    """A consumer of a program of one tile (``_consume_tile``'s arguments)."""
+    _consume_tile(
+        cid, o_desc, lse_ptr, q_smem, q_smem, k_smem, v_smem, q_ready, q_ready, k_ready, k_empty, v_ready,
+        v_empty, pin_smem, turn_smem, batch, head, start_m, n_blocks, n_full, 0, 0, SEQ_Q, SEQ_K,
+        UPPER_OFFSET, stride_lb, stride_lh, qk_scale, IS_CAUSAL, PIN_SOFTMAX, PINGPONG, False,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _softmax_partition_persistent(
+    cid: gl.constexpr, o_desc, lse_ptr, q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, k_empty,
+    v_ready, v_empty, pin_smem, turn_smem, HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K,
+    UPPER_OFFSET, stride_lb, stride_lh, qk_scale, IS_CAUSAL: gl.constexpr, PIN_SOFTMAX: gl.constexpr,
+):  # fmt: skip
+    """A consumer of a persistent program: the producer's tiles, in its order."""
+    BLOCK: gl.constexpr = q_smem.type.shape[0] * q_smem.type.shape[1]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
+    n_tiles = gl.cdiv(SEQ_Q, BLOCK) * BATCH_HEADS
+    kv_base = 0
+    loads = 0
+    for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        batch, head, _, start_m, n_blocks, n_full = _tile(
+            tile, HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, BLOCK, BLOCK_N,
+            IS_CAUSAL,
+        )  # fmt: skip
+        _consume_tile(
+            cid, o_desc, lse_ptr, q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, k_empty,
+            v_ready, v_empty, pin_smem, turn_smem, batch, head, start_m, n_blocks, n_full, kv_base, loads,
+            SEQ_Q, SEQ_K, UPPER_OFFSET, stride_lb, stride_lh, qk_scale, IS_CAUSAL, PIN_SOFTMAX, False, True,
+        )  # fmt: skip
+        kv_base += n_blocks
+        loads += gl.where(n_blocks > 0, 1, 0)
+    tma.store_wait(pendings=0)  # the last tile's output written before the program ends
 
 
 @gluon.jit
@@ -417,6 +566,7 @@ def _attn_fwd_sm90_kernel(
     PINGPONG: gl.constexpr,  # the consumers take turns to issue their products
     CONSUMERS: gl.constexpr,  # consumer warpgroups of ROWS query rows
     CONSUMER_REGS: gl.constexpr,  # their setmaxnreg budget
+    PERSISTENT: gl.constexpr,  # a program walks tiles program_id, + num_programs, ... (two consumers)
 ):
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -426,32 +576,11 @@ def _attn_fwd_sm90_kernel(
     gl.static_assert(ROWS == 64, "a consumer warpgroup's wgmma has 64 rows")
     gl.static_assert(k_desc.block_type.shape[3] == HEAD_DIM, "q and k share D")
 
-    # One program a (query block, batch and head), launched group after group of HEADS_PER_GROUP
-    # (batch, head)s; in a group the query blocks are the slow axis and its heads the fast one,
-    # causal blocks longest (last) first, so that the short ones fill the tail
-    m_blocks = gl.cdiv(SEQ_Q, BLOCK)
-    pid = gl.program_id(0)
-    group_programs = HEADS_PER_GROUP * m_blocks
-    first = (pid // group_programs) * HEADS_PER_GROUP
-    group_heads = gl.minimum(HEADS_PER_GROUP, BATCH_HEADS - first)
-    pid_m = (pid % group_programs) // group_heads
-    if IS_CAUSAL:
-        pid_m = m_blocks - 1 - pid_m
-    bh = first + (pid % group_programs) % group_heads
-    head = bh % HEADS
-    batch = bh // HEADS
-    kv_head = head // GROUP
-    start_m = pid_m * BLOCK
-    # Keys [0, end) some row of the program sees, [0, full_end) every row sees: causal, the last
-    # real row's bound and the first row's (rows past SEQ_Q need no keys)
-    if IS_CAUSAL:
-        end = gl.maximum(gl.minimum(SEQ_K, gl.minimum(start_m + BLOCK, SEQ_Q) + UPPER_OFFSET), 0)
-        full_end = gl.maximum(gl.minimum(SEQ_K, start_m + 1 + UPPER_OFFSET), 0)
-    else:
-        end = SEQ_K
-        full_end = SEQ_K
-    n_blocks = gl.cdiv(end, BLOCK_N)
-    n_full = full_end // BLOCK_N
+    # One program a tile (``_tile``), or, PERSISTENT, a tile after another
+    batch, head, kv_head, start_m, n_blocks, n_full = _tile(
+        gl.program_id(0), HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, BLOCK,
+        BLOCK_N, IS_CAUSAL,
+    )  # fmt: skip
 
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
@@ -479,7 +608,30 @@ def _attn_fwd_sm90_kernel(
     # (the partitions' arguments are spelled out: a tuple bound to a name turns its constexprs into
     # tensors); the consumers' argument lists side by side: the same but for the index
     # fmt: off
-    if CONSUMERS == 3:
+    if PERSISTENT:
+        gl.static_assert(CONSUMERS == 2 and not PINGPONG, "persistent: two consumers, no ping-pong")
+        # O's own buffers (Q's take the next tile's rows while O leaves), and a barrier a consumer
+        # saying its Q buffer is free
+        o_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, HEAD_DIM], q_layout)
+        q_free = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(CONSUMERS):
+            mbarrier.init(q_free.index(i), count=1)
+        gl.warp_specialize([
+            (_softmax_partition_persistent, (0, o_desc, lse_ptr, q_smem, o_smem, k_smem, v_smem, q_ready,
+                                             q_free, k_ready, k_empty, v_ready, v_empty, pin_smem, turn_smem,
+                                             HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K,
+                                             UPPER_OFFSET, stride_lb, stride_lh, qk_scale, IS_CAUSAL,
+                                             PIN_SOFTMAX)),
+            (_softmax_partition_persistent, (1, o_desc, lse_ptr, q_smem, o_smem, k_smem, v_smem, q_ready,
+                                             q_free, k_ready, k_empty, v_ready, v_empty, pin_smem, turn_smem,
+                                             HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K,
+                                             UPPER_OFFSET, stride_lb, stride_lh, qk_scale, IS_CAUSAL,
+                                             PIN_SOFTMAX)),
+            (_load_partition_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free,
+                                          k_ready, k_empty, v_ready, v_empty, HEADS, BATCH_HEADS,
+                                          HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, IS_CAUSAL)),
+        ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+    elif CONSUMERS == 3:
         gl.warp_specialize([
             # the default partition (the launch's warps), the other consumers, the producer
             (_softmax_partition, (0, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
