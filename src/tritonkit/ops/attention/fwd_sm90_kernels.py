@@ -260,12 +260,7 @@ def _attend_blocks(
     m_i,
     l_i,
     q,
-    k_smem,
-    v_smem,
-    k_ready,
-    k_empty,
-    v_ready,
-    v_empty,
+    ring,  # (k_smem, v_smem, k_ready, k_empty, v_ready, v_empty): see _load_tile
     pin,
     my_turn,
     next_turn,
@@ -287,6 +282,7 @@ def _attend_blocks(
     this consumer's (SPLIT_M,) fp32 scratch in shared memory, written and never read
     (PIN_SOFTMAX). ``my_turn``/``next_turn``: PINGPONG's mbarriers; block j is this consumer's j-th
     turn (the prologue's S_0 its 0th)."""
+    k_smem, v_smem, k_ready, k_empty, v_ready, v_empty = ring
     NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -410,60 +406,15 @@ def _consume_tile(
         p, m_i, l_i, _ = _online_softmax(s, m_i, l_i, rows, 0, SEQ_K, UPPER_OFFSET, qk_scale, True, IS_CAUSAL)
         p = gl.convert_layout(p.to(dtype), p_layout)
         # the blocks every row sees whole, then those a bound cuts (the diagonal, the ragged end)
+        ring = (k_smem, v_smem, k_ready, k_empty, v_ready, v_empty)
+        # fmt: off
         o, p, m_i, l_i = _attend_blocks(
-            o,
-            p,
-            m_i,
-            l_i,
-            q,
-            k_smem,
-            v_smem,
-            k_ready,
-            k_empty,
-            v_ready,
-            v_empty,
-            pin,
-            my_turn,
-            next_turn,
-            rows,
-            1,
-            n_full,
-            kv_base,
-            SEQ_K,
-            UPPER_OFFSET,
-            qk_scale,
-            False,
-            IS_CAUSAL,
-            PIN_SOFTMAX,
-            PINGPONG,
-        )
+            o, p, m_i, l_i, q, ring, pin, my_turn, next_turn, rows, 1, n_full, kv_base, SEQ_K, UPPER_OFFSET,
+            qk_scale, False, IS_CAUSAL, PIN_SOFTMAX, PINGPONG)
         o, p, m_i, l_i = _attend_blocks(
-            o,
-            p,
-            m_i,
-            l_i,
-            q,
-            k_smem,
-            v_smem,
-            k_ready,
-            k_empty,
-            v_ready,
-            v_empty,
-            pin,
-            my_turn,
-            next_turn,
-            rows,
-            gl.maximum(n_full, 1),
-            n_blocks,
-            kv_base,
-            SEQ_K,
-            UPPER_OFFSET,
-            qk_scale,
-            True,
-            IS_CAUSAL,
-            PIN_SOFTMAX,
-            PINGPONG,
-        )
+            o, p, m_i, l_i, q, ring, pin, my_turn, next_turn, rows, gl.maximum(n_full, 1), n_blocks, kv_base,
+            SEQ_K, UPPER_OFFSET, qk_scale, True, IS_CAUSAL, PIN_SOFTMAX, PINGPONG)
+        # fmt: on
         # the last block's PV product
         last = (kv_base + n_blocks - 1) % NUM_STAGES
         mbarrier.wait(v_ready.index(last), ((kv_base + n_blocks - 1) // NUM_STAGES) & 1)
