@@ -419,12 +419,18 @@ def _validate(input, target, weight, reduction, label_smoothing, z_loss, softcap
         raise ValueError(f"target must have N = {input.shape[0]} entries, got {target.shape[0]}")
     if input.shape[1] == 0:
         raise ValueError("input must have at least one class")
+    validate_options(input, input.shape[1], weight, reduction, label_smoothing, z_loss, softcap)
+
+
+def validate_options(input, classes: int, weight, reduction, label_smoothing, z_loss, softcap) -> None:
+    """The checks of everything but the logits and targets: class ``weight`` (fp32 or ``input``'s
+    dtype, ``classes`` entries, on its device), the reduction and the numbers."""
     if weight is not None:
         check_tensor(
             "weight", weight, dtypes=(torch.float32, input.dtype), ndim=1, device_of=("input", input)
         )
-        if weight.shape[0] != input.shape[1]:
-            raise ValueError(f"weight must have C = {input.shape[1]} entries, got {weight.shape[0]}")
+        if weight.shape[0] != classes:
+            raise ValueError(f"weight must have C = {classes} entries, got {weight.shape[0]}")
         if weight.requires_grad:
             raise NotImplementedError("cross_entropy has no gradient for weight: pass weight.detach()")
     if reduction not in REDUCTIONS:

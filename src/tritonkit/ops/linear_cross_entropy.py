@@ -59,7 +59,7 @@ def _span(per_row_bytes: int, total: int) -> int:
 # ---------------------------------------------------------------- ops
 
 
-@op("linear_cross_entropy", mutates=("out", "rows", "lse", "row_weight", "totals"))
+@op("linear_cross_entropy", mutates=("out", "rows", "lse", "row_weight", "totals", "dx", "dw", "db"))
 def _forward(
     input: torch.Tensor,
     weight: torch.Tensor,
@@ -76,16 +76,34 @@ def _forward(
     lse: torch.Tensor,
     row_weight: torch.Tensor | None,
     totals: torch.Tensor | None,
+    dx: torch.Tensor | None,
+    dw: torch.Tensor | None,
+    db: torch.Tensor | None,
 ) -> None:
-    """The loss into ``out`` (and the rows' losses, lse and sums, as cross_entropy's forward)."""
+    """The loss into ``out`` (and the rows' losses, lse and sums, as cross_entropy's forward), a
+    chunk of tokens at a time. Where any of dx, dw and db is given (ORDER "tokens", a sum or mean),
+    by the same chunks the gradients of the rows' summed losses, which the backward scales by the
+    upstream gradient (and a mean's divisor): dx (input's dtype, each row by one matmul), dw and db
+    (fp32, summed over the chunks; dw by the matmul's residual epilogue)."""
     options = (ignore_index, reduction, smoothing, z_loss, softcap)
     (n, _), vocab = input.shape, weight.shape[0]
+    grads = dx is not None or dw is not None or db is not None
+    if grads:
+        summed = (ignore_index, "sum", smoothing, z_loss, softcap)  # dz of the rows' sum
+        one = torch.ones(1, dtype=torch.float32, device=input.device)
+        if class_weight is not None and smoothing > 0:  # the backward kernel's W = sum_c w_c, first
+            weights_only = (ignore_index, "none", smoothing, z_loss, softcap)
+            ce.sum_launch(class_weight, weights_only, (out, rows, lse, row_weight, totals), n, vocab).run()
+        if n == 0:  # no token: dW and db sum over nothing
+            for grad_of_param in (dw, db):
+                if grad_of_param is not None:
+                    grad_of_param.zero_()
     chunk = _span(vocab * input.element_size(), n)
     logits = empty_output((chunk, vocab), input.dtype, input.device)
     for start in range(0, n, chunk):
         end = min(start + chunk, n)
-        part = logits[: end - start]
-        matmul(input[start:end], weight, part, bias=bias)
+        dz = logits[: end - start]
+        matmul(input[start:end], weight, dz, bias=bias)
         sliced = (
             out[start:end] if reduction == "none" else out,
             None if rows is None else rows[start:end],
@@ -93,63 +111,11 @@ def _forward(
             None if row_weight is None else row_weight[start:end],
             None,  # the sums after every chunk
         )
-        for launch in ce._fwd_launches(part, target[start:end], class_weight, options, sliced):
-            launch.run()
-    if totals is not None:
-        ce.sum_launch(class_weight, options, (out, rows, lse, row_weight, totals), n, vocab).run()
-
-
-@op(
-    "linear_cross_entropy_with_grads",
-    mutates=("out", "rows", "lse", "row_weight", "totals", "dx", "dw", "db"),
-)
-def _forward_with_grads(
-    input: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    target: torch.Tensor,
-    class_weight: torch.Tensor | None,
-    ignore_index: int,
-    reduction: str,
-    smoothing: float,
-    z_loss: float,
-    softcap: float,
-    out: torch.Tensor,
-    rows: torch.Tensor,
-    lse: torch.Tensor,
-    row_weight: torch.Tensor | None,
-    totals: torch.Tensor,
-    dx: torch.Tensor | None,
-    dw: torch.Tensor | None,
-    db: torch.Tensor | None,
-) -> None:
-    """ORDER "tokens": the loss as ``_forward`` (a sum or mean), and by the same chunks the
-    gradients of the rows' summed losses, which the backward scales by the upstream gradient (and
-    a mean's divisor): dx (input's dtype, each row by one matmul), dw and db (fp32, summed over the
-    chunks; dw by the matmul's residual epilogue)."""
-    options = (ignore_index, reduction, smoothing, z_loss, softcap)
-    summed = (ignore_index, "sum", smoothing, z_loss, softcap)  # dz of the rows' sum
-    (n, _), vocab = input.shape, weight.shape[0]
-    outputs = (out, rows, lse, row_weight, totals)
-    if class_weight is not None and smoothing > 0:  # the backward kernel's W = sum_c w_c, first
-        ce.sum_launch(
-            class_weight, (ignore_index, "none", smoothing, z_loss, softcap), outputs, n, vocab
-        ).run()
-    if n == 0:  # no token: dW and db sum over nothing
-        for grad_of_param in (dw, db):
-            if grad_of_param is not None:
-                grad_of_param.zero_()
-    one = torch.ones(1, dtype=torch.float32, device=input.device)
-    chunk = _span(vocab * input.element_size(), n)
-    logits = empty_output((chunk, vocab), input.dtype, input.device)
-    for start in range(0, n, chunk):
-        end = min(start + chunk, n)
-        dz = logits[: end - start]
-        matmul(input[start:end], weight, dz, bias=bias)
-        sliced = (out, rows[start:end], lse[start:end], None if row_weight is None else row_weight[start:end])
         tokens = target[start:end]
-        for launch in ce._fwd_launches(dz, tokens, class_weight, options, (*sliced, None)):
+        for launch in ce._fwd_launches(dz, tokens, class_weight, options, sliced):
             launch.run()
+        if not grads:
+            continue
         for launch in ce._bwd_launches(
             one, None, dz, tokens, class_weight, lse[start:end], totals, summed, dz
         ):
@@ -161,7 +127,8 @@ def _forward_with_grads(
         if db is not None:
             part = dz.sum(0, dtype=torch.float32)
             db.copy_(part) if start == 0 else db.add_(part)
-    ce.sum_launch(class_weight, options, outputs, n, vocab).run()
+    if totals is not None:
+        ce.sum_launch(class_weight, options, (out, rows, lse, row_weight, totals), n, vocab).run()
 
 
 @op("linear_cross_entropy_backward", mutates=("dx", "dw", "db"))
@@ -232,10 +199,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 empty_output(weight.shape, torch.float32, weight.device) if needs[1] else None,
                 empty_output(bias.shape, torch.float32, bias.device) if needs[2] else None,
             )
-            _forward_with_grads(input, weight, bias, target, class_weight, *options, *outputs, *grads)
+            _forward(input, weight, bias, target, class_weight, *options, *outputs, *grads)
             ctx.save_for_backward(outputs[4], *grads)
         else:
-            _forward(input, weight, bias, target, class_weight, *options, *outputs)
+            _forward(input, weight, bias, target, class_weight, *options, *outputs, None, None, None)
             ctx.save_for_backward(input, weight, bias, target, class_weight, outputs[2], outputs[4])
         return outputs[0]
 
@@ -311,15 +278,14 @@ def linear_cross_entropy(
     _validate(input, weight, target, bias, class_weight)
     rows_in = input.reshape(-1, input.shape[-1])
     rows_target = target.reshape(-1)
-    logits_like = torch.empty((0, weight.shape[0]), dtype=input.dtype, device=input.device)
-    ce._validate(logits_like, rows_target[:0], class_weight, reduction, label_smoothing, z_loss, softcap)
+    ce.validate_options(input, weight.shape[0], class_weight, reduction, label_smoothing, z_loss, softcap)
     options = (int(ignore_index), reduction, label_smoothing, z_loss, float(softcap or 0.0))
     grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (input, weight, bias))
     if grads:
         loss = _LinearCrossEntropy.apply(rows_in, weight, bias, rows_target, class_weight, *options)
     else:
         outputs = ce._outputs(rows_in, reduction, ce._needs_sums(reduction, class_weight, label_smoothing))
-        _forward(rows_in, weight, bias, rows_target, class_weight, *options, *outputs)
+        _forward(rows_in, weight, bias, rows_target, class_weight, *options, *outputs, None, None, None)
         loss = outputs[0]
     return loss.view(target.shape) if reduction == "none" else loss
 

@@ -157,8 +157,8 @@ def descriptor(
 
 @functools.cache
 def _shared_layout(block: tuple, dtype: torch.dtype, swizzle: int | None) -> gl.NVMMASharedLayout:
-    """A box's shared-memory layout (immutable), computed once: 15 us of a call's host path for
-    each of the backward's seven descriptors, on the CPU that compiles the suite."""
+    """A box's shared-memory layout (immutable), computed once a box, dtype and swizzle: building it
+    is Python work that would otherwise recur for each of a call's descriptors (seven a backward)."""
     element = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[dtype]
     layout = gl.NVMMASharedLayout.get_default_for(list(block), element)
     if swizzle is not None:
