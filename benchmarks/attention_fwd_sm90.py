@@ -2,10 +2,12 @@
 process, bf16, with the causal order's group sizes beside the default.
 
     python benchmarks/attention_fwd_sm90.py OUT.json [--deadline SECONDS] [--candidates]
+        [--shape B,Hq,Hkv,S,D] [--full | --causal]
 
 Rows: the backward benchmark's shapes (``attention_bwd_sm90.SHAPES``), full and causal, then the
 decoder layer's attention (``tritonkit bench layer``'s 8b-4k: GQA 32/8, S = 4096, causal, q, k and v
-strided views of one QKV projection). A causal row also times the other group sizes of
+strided views of one QKV projection). ``--shape`` times the given shapes instead (repeatable; no layer
+row), ``--full`` or ``--causal`` one mask. A causal row also times the other group sizes of
 ``fwd_sm90.CAUSAL_HEADS_PER_GROUP`` (``GROUPS``); ``--candidates`` times every tile of
 ``fwd_sm90.CANDIDATES`` for the head dim instead. Each time is the median of
 ``triton.testing.do_bench`` over an eager call (the host path included), L2 flushed; TFLOP/s from
@@ -87,7 +89,10 @@ def main() -> None:
     out, stop = sys.argv[1], deadline()
     timing = "triton.testing.do_bench median (warmup 25 ms, rep 100 ms), L2 flushed, eager calls"
     result = result_header("attention_fwd", "attention_fwd_sm90.py", timing)
-    cases = [(LAYER, True, True)] + [(shape, causal, False) for shape in SHAPES for causal in (True, False)]
+    shapes = [tuple(int(n) for n in sys.argv[i + 1].split(",")) for i, a in enumerate(sys.argv) if a == "--shape"]
+    masks = [mask for mask, flag in ((True, "--causal"), (False, "--full")) if flag in sys.argv] or [True, False]
+    cases = [] if shapes or masks == [False] else [(LAYER, True, True)]
+    cases += [(shape, causal, False) for shape in shapes or SHAPES for causal in masks]
     for shape, causal, layer in cases:
         if time.time() > stop:
             break

@@ -34,14 +34,12 @@ def descriptor(dtype, rows, head_dim):
     layout = gl.NVMMASharedLayout.get_default_for(block, {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype])
     return f"tensordesc<{dtype}[{','.join(map(str, block))}],{layout!r}>"
 
-for dtype, head_dim, causal, consumers, persistent in (
-    ("bf16", 128, False, 2, False), ("bf16", 128, True, 2, False), ("fp16", 64, True, 2, False),
-    ("bf16", 64, True, 3, False), ("bf16", 128, True, 2, True), ("fp16", 64, False, 2, True),
+for dtype, head_dim, causal, persistent in (
+    ("bf16", 128, False, False), ("bf16", 128, True, False), ("fp16", 64, True, False),
+    ("bf16", 128, True, True), ("fp16", 64, False, True),
 ):
-    # the default tile, the candidate of three consumers (D = 64), or the default tile persistent
+    # the default tile, or the default tile persistent
     config = fwd.CONFIGS[head_dim]._replace(persistent=persistent)
-    if consumers == 3:
-        (config,) = [c for c in fwd.CANDIDATES[64] if c.consumers == 3]
     signature = {"q_desc": descriptor(dtype, fwd.SPLIT_M, head_dim),
                  "k_desc": descriptor(dtype, config.block_n, head_dim),
                  "v_desc": descriptor(dtype, config.block_n, head_dim),
@@ -52,8 +50,8 @@ for dtype, head_dim, causal, consumers, persistent in (
                  "PIN_SOFTMAX": "constexpr", "PINGPONG": "constexpr", "CONSUMERS": "constexpr",
                  "CONSUMER_REGS": "constexpr", "PERSISTENT": "constexpr"}
     constants = {"IS_CAUSAL": causal, "NUM_STAGES": config.num_stages, "PIN_SOFTMAX": config.pin_softmax,
-                 "PINGPONG": config.pingpong, "CONSUMERS": consumers,
-                 "CONSUMER_REGS": fwd.CONSUMER_REGS[consumers], "PERSISTENT": persistent}
+                 "PINGPONG": config.pingpong, "CONSUMERS": fwd.NUM_CONSUMERS,
+                 "CONSUMER_REGS": fwd.CONSUMER_REGS, "PERSISTENT": persistent}
     kernel = triton.compile(GluonASTSource(fwd._attn_fwd_sm90_kernel, signature, constants),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": fwd.CONSUMER_WARPS.value})
     ptx, sass = kernel.asm["ptx"], _cuobjdump(kernel.asm["cubin"], "-sass")
@@ -67,9 +65,8 @@ for dtype, head_dim, causal, consumers, persistent in (
         elif "MUFU.EX2" in line and current is not None:
             current += 1
     print(json.dumps({
-        "case": f"{dtype} d{head_dim} {'causal' if causal else 'full'} x{consumers}"
-                f"{' persistent' if persistent else ''}",
-        "consumers": consumers, "warps": kernel.metadata.num_warps, "shared": kernel.metadata.shared,
+        "case": f"{dtype} d{head_dim} {'causal' if causal else 'full'}{' persistent' if persistent else ''}",
+        "warps": kernel.metadata.num_warps, "shared": kernel.metadata.shared,
         "waits": numbers(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx),
         "setmaxnreg": numbers(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx),
         "hgmma": sass.count("HGMMA"), "hmma": sass.count(" HMMA"),
@@ -82,13 +79,10 @@ for dtype, head_dim, causal, consumers, persistent in (
 
 def test_the_kernel_compiles_for_hopper_warp_specialized_with_its_softmax_under_the_pv_product():
     rows = [json.loads(line) for line in sm90.run(_STATIC_CHECK)]
-    assert len(rows) == 6
+    assert len(rows) == 5
     for row in rows:
-        # two (three) consumer warpgroups and the producer's warpgroup; budgets 240 (160) and 24 (and
-        # Triton's steps)
-        consumers = row["consumers"]
-        budget = {2: 240, 3: 160}[consumers]
-        assert row["warps"] == 4 * consumers + 4 and {budget, 24} <= set(row["setmaxnreg"]), row
+        # two consumer warpgroups and the producer's warpgroup; budgets 240 and 24 (and Triton's steps)
+        assert row["warps"] == 12 and {240, 24} <= set(row["setmaxnreg"]), row
         assert row["shared"] <= 227 * 1024, row
         assert row["waits"] == [0, 1], row  # the main loop waits for the older product only
         assert row["hgmma"] > 0 and row["hmma"] == 0 and row["tma_loads"] > 0, row

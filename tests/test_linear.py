@@ -548,6 +548,44 @@ def test_tma_candidates_compile_for_hopper():
         assert row["tma"] > 0 and row["cp_async"] == 0 and row["hgmma"] > 0 and not row["spills"], row
 
 
+_SHARED_MEMORY_CHECK = r"""
+import json, torch
+from tritonkit.asm import compile_launch
+from tritonkit.ops.linear import kernels as kn, matmul as mm
+wide = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "TMA": True}
+for out_dtype in (torch.bfloat16, torch.float32):
+    for stages, persistent in ((4, {}), (3, {"PERSISTENT": 1}), (4, {"PERSISTENT": 1})):
+        config = wide | {"num_stages": stages} | persistent
+        a, b = torch.empty(8192, 16384, dtype=torch.bfloat16), torch.empty(4096, 16384, dtype=torch.bfloat16)
+        problem = mm.matmul_problem(a, b, torch.empty(8192, 4096, dtype=out_dtype))
+        r = compile_launch(mm.matmul_launches(problem, config)[0], "sm_90")
+        fits = kn._fits_shared_memory(config, mm.tuning_key(problem))
+        print(json.dumps({"out": str(out_dtype), "config": config, "shared": r.shared_bytes, "fits": fits}))
+"""
+
+
+def test_the_shared_memory_prune_agrees_with_the_compiler():
+    """The prune's shared memory against sm_90's compiled kernels on the wide TMA tile, one tile a
+    program and persistent, with bf16 and fp32 C (whose tile the persistent grid keeps apart from the
+    stages): a config the prune keeps compiles within the H200's 227 KB, one it drops does not."""
+    import sm90
+
+    rows = [json.loads(line) for line in sm90.run(_SHARED_MEMORY_CHECK)]
+    assert len(rows) == 6
+    for row in rows:
+        assert row["fits"] == (row["shared"] <= 227 * 1024), row
+    assert [row["fits"] for row in rows] == [True, True, True, True, False, False]
+
+
+def test_the_tuning_key_and_memo_tell_output_dtypes_apart():
+    """An fp32 C (an accumulator, as linear_cross_entropy's dx) is tuned and remembered apart from
+    the inputs' dtype: its tile takes more shared memory, so a 16-bit C's winner may not compile."""
+    a, b = torch.empty(64, 32, dtype=torch.bfloat16), torch.empty(48, 32, dtype=torch.bfloat16)
+    half, full = (mm.matmul_problem(a, b, torch.empty(64, 48, dtype=d)) for d in (torch.bfloat16, torch.float32))
+    assert (mm.tuning_key(half)["out"], mm.tuning_key(full)["out"]) == ("bf16", "fp32")
+    assert mm._signature(half) != mm._signature(full)
+
+
 _SHALLOW_SASS_CHECK = r"""
 import json, torch
 from tritonkit.asm import compile_launch

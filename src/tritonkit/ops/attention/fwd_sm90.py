@@ -26,11 +26,10 @@ SM90 = (9, 0)  # wgmma, setmaxnreg and the TMA engine: Hopper only (sm_90a)
 
 NUM_CONSUMERS = 2  # consumer warpgroups by default: FA3's 2 x 64 = 128 rows a program at D = 128
 BLOCK_M = NUM_CONSUMERS * SPLIT_M
-# setmaxnreg budgets, FA3's: 2 x 128 threads x 240 (3 x 128 x 160) + the producer's warpgroup x 24
-# <= 65,536 registers of an SM. A consumer's live set at D = 128, BLOCK_N = 128: S (64 fp32), O
-# (64 fp32), P in flight and the next P (2 x 32 packed halves), row statistics and addresses; at
-# D = 64 O and P halve, which three consumers' 160 registers leave room for (FA3's 192-row tile).
-CONSUMER_REGS = {2: 240, 3: 160}
+# setmaxnreg budgets, FA3's: 2 x 128 threads x 240 + the producer's warpgroup x 24 <= 65,536
+# registers of an SM. A consumer's live set at D = 128, BLOCK_N = 128: S (64 fp32), O (64 fp32), P in
+# flight and the next P (2 x 32 packed halves), row statistics and addresses.
+CONSUMER_REGS = 240
 
 
 # Ping-pong (FA3's warp-scheduler barrier): the consumer warpgroups take turns to issue their
@@ -45,15 +44,13 @@ PINGPONG = False
 class Config(NamedTuple):
     """A launch's tile: BLOCK_N keys a step, NUM_STAGES K/V tiles in flight; pin_softmax keeps a
     block's exponentials under the previous block's PV product (see ``_attend_blocks``); pingpong
-    orders the consumers' products (``PINGPONG``); consumers warpgroups of 64 query rows a program
-    (3 at D = 64 only: ``CONSUMER_REGS``); persistent launches one program an SM, each walking
-    tiles one after another (two consumers, no ping-pong)."""
+    orders the consumers' products (``PINGPONG``); persistent launches one program an SM, each
+    walking tiles one after another (no ping-pong)."""
 
     block_n: int
     num_stages: int
     pin_softmax: bool = True
     pingpong: bool = PINGPONG
-    consumers: int = NUM_CONSUMERS
     persistent: bool = False
 
 
@@ -79,7 +76,6 @@ CANDIDATES = {
         CONFIGS[64],
         CONFIGS[64]._replace(pingpong=not PINGPONG),
         CONFIGS[64]._replace(pin_softmax=False),
-        Config(block_n=64, num_stages=4, consumers=3),
         CONFIGS[64]._replace(persistent=True),
     ],
     128: [
@@ -272,10 +268,8 @@ def launches(q, k, v, o, lse, *, scale: float, causal: bool, config: Config | No
     group are neighbours, so their blocks share K and V in L2)."""
     (batch, heads_q, seq_q, head_dim), (_, heads_kv, seq_k, _) = q.shape, k.shape
     config = config or CONFIGS[head_dim]
-    if config.consumers not in CONSUMER_REGS or (config.consumers == 3 and head_dim != 64):
-        raise ValueError(f"{config.consumers} consumer warpgroups: 2, or 3 at D = 64, not at D = {head_dim}")
-    if config.persistent and (config.consumers != 2 or config.pingpong):
-        raise ValueError("a persistent launch takes two consumers and no ping-pong")
+    if config.persistent and config.pingpong:
+        raise ValueError("a persistent launch takes no ping-pong")
     args = (
         descriptor(q, SPLIT_M),
         descriptor(k, config.block_n),
@@ -298,11 +292,11 @@ def launches(q, k, v, o, lse, *, scale: float, causal: bool, config: Config | No
         "NUM_STAGES": config.num_stages,
         "PIN_SOFTMAX": config.pin_softmax,
         "PINGPONG": config.pingpong,
-        "CONSUMERS": config.consumers,
-        "CONSUMER_REGS": CONSUMER_REGS[config.consumers],
+        "CONSUMERS": NUM_CONSUMERS,
+        "CONSUMER_REGS": CONSUMER_REGS,
         "PERSISTENT": config.persistent,
         "num_warps": CONSUMER_WARPS.value,
     }
-    tiles = cdiv(seq_q, config.consumers * SPLIT_M) * batch * heads_q
+    tiles = cdiv(seq_q, BLOCK_M) * batch * heads_q
     grid = (min(tiles, sm_count(q.device)) if config.persistent else tiles,)
     return [Launch("fwd sm90", _attn_fwd_sm90_kernel, args, meta, config._asdict(), grid)]

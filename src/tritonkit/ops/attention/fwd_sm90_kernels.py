@@ -41,9 +41,6 @@ Tensors are read through 4-D TMA descriptors over the (B, H, S, D) views, whose 
 (1, 1, rows, D) is bounded by each head's own S: rows past it load as zeros (and are masked for K,
 harmless for Q and V) and are never stored, so ragged lengths need no padding.
 
-``Config.consumers`` = 3 (a candidate at D = 64, FA3's 192-row tile) adds a third consumer of 64
-rows at 160 registers each, with 64-key steps.
-
 ``Config.persistent`` (a candidate) launches one program an SM, each walking tiles program_id,
 + num_programs, ... (``_tile``'s numbering): the K/V ring runs on across tiles, and O leaves through
 buffers of its own so that the next tile's Q lands under the epilogue.

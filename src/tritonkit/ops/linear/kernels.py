@@ -283,12 +283,18 @@ def _accumulator_values(config: dict, key: dict) -> float:
 
 def _fits_shared_memory(config: dict, key: dict) -> bool:
     """Whether the stages of A and B tiles (two of A for the gated dx, two of B for both gated forms),
-    and C's tile where TMA_STORE stages it, fit in the shared memory a program may use."""
+    and C's tile where it takes shared memory of its own, fit in the shared memory a program may use.
+    C's tile is apart from the stages where TMA_STORE stages it, and where an fp32 C leaves a
+    persistent grid's accumulator: its layout change cannot reuse the stages' buffers, which already
+    hold the next tile's loads. sm_90, 128 x 256 on four TMA stages: 196640 bytes one tile a program,
+    229408 persistent with bf16 C (32 KB of scratch), 327712 with fp32 C (the tile's 128 KB)."""
     a_tiles = 2 if key["form"] == "gated dx" else 1
     b_tiles = 2 if key["form"] in ("gated fwd", "gated dx") else 1
     tile_rows = a_tiles * config["BLOCK_M"] + b_tiles * config["BLOCK_N"]  # of A and B, each BLOCK_K deep
-    c_staged = config["BLOCK_M"] * config["BLOCK_N"] * 2 if config.get("TMA_STORE") else 0  # C's tile
-    shared = config["num_stages"] * config["BLOCK_K"] * tile_rows * 2 + c_staged
+    fp32_c = key.get("out") == "fp32"
+    c_apart = config.get("TMA_STORE") or (config.get("PERSISTENT") and fp32_c)
+    c_tile = config["BLOCK_M"] * config["BLOCK_N"] * (4 if fp32_c else 2) if c_apart else 0
+    shared = config["num_stages"] * config["BLOCK_K"] * tile_rows * 2 + c_tile
     return shared <= shared_memory_bytes(current_device())
 
 

@@ -167,8 +167,8 @@ def _major(t: torch.Tensor, inner: str, outer: str) -> str:
 
 
 def tuning_key(problem: tuning.Problem) -> dict:
-    """What the fastest tile depends on: the kernel form, an epilogue, the dtype, the layouts of A
-    and B, and (M, N, K), each to the next power of two."""
+    """What the fastest tile depends on: the kernel form, an epilogue, the dtypes of A and C, the
+    layouts of A and B, and (M, N, K), each to the next power of two."""
     a, b = problem["a"], problem["b"]
     (m, k), n = a.shape, b.shape[0]
     pow2 = triton.next_power_of_2
@@ -179,6 +179,7 @@ def tuning_key(problem: tuning.Problem) -> dict:
         "form": FORMS[problem["gated"]],
         "epilogue": epilogue,
         "dtype": NAME_OF[a.dtype],
+        "out": NAME_OF[problem["out"].dtype],  # an fp32 C's tile takes twice the shared memory
         "m": pow2(m),
         "n": pow2(n),
         "k": pow2(max(k, 1)),
@@ -188,12 +189,12 @@ def tuning_key(problem: tuning.Problem) -> dict:
 
 
 def _signature(problem: tuning.Problem) -> tuple:
-    """What a call's tuning key follows from: the shapes, strides, dtype and device of A and B, the
-    strides of the operands present, and the codes. The memo of chosen configs is keyed by it."""
+    """What a call's tuning key follows from: the shapes, strides, dtype and device of A and B, C's
+    dtype, the strides of the operands present, and the codes. The memo of chosen configs is keyed by it."""
     a, b = problem["a"], problem["b"]
     present = tuple((name, problem[name].stride()) for name in OPERANDS if problem[name] is not None)
     codes = (problem["activation"], problem["gated"])
-    return (a.shape, a.stride(), b.shape, b.stride(), a.dtype, a.device, present, codes)
+    return (a.shape, a.stride(), b.shape, b.stride(), a.dtype, problem["out"].dtype, a.device, present, codes)
 
 
 def _calibration(problem: tuning.Problem, config: dict) -> tuning.Problem:
