@@ -53,8 +53,9 @@ def _row(shape, causal: bool, layer: bool) -> dict:
         fwd_sm90.attention_fwd_sm90(q, k, v, o, lse, scale=head_dim**-0.5, causal=causal)
 
     if "--candidates" in sys.argv:
+        tile = fwd_sm90.default_config(head_dim, causal, seq)
         for config in fwd_sm90.CANDIDATES[head_dim]:
-            name = "gluon" if config == fwd_sm90.CONFIGS[head_dim] else f"gluon_{_changes(config, head_dim)}"
+            name = "gluon" if config == tile else f"gluon_{_changes(config, tile)}"
 
             def candidate(config=config):
                 fwd_sm90.attention_fwd_sm90(
@@ -79,9 +80,9 @@ def _row(shape, causal: bool, layer: bool) -> dict:
     return row
 
 
-def _changes(config, head_dim: int) -> str:
-    """What a candidate changes of the head dim's default tile, as key=value words."""
-    default = fwd_sm90.CONFIGS[head_dim]._asdict()
+def _changes(config, tile) -> str:
+    """What a candidate changes of the row's default tile, as key=value words."""
+    default = tile._asdict()
     return "_".join(f"{key}={value}" for key, value in config._asdict().items() if value != default[key])
 
 
@@ -89,8 +90,13 @@ def main() -> None:
     out, stop = sys.argv[1], deadline()
     timing = "triton.testing.do_bench median (warmup 25 ms, rep 100 ms), L2 flushed, eager calls"
     result = result_header("attention_fwd", "attention_fwd_sm90.py", timing)
-    shapes = [tuple(int(n) for n in sys.argv[i + 1].split(",")) for i, a in enumerate(sys.argv) if a == "--shape"]
-    masks = [mask for mask, flag in ((True, "--causal"), (False, "--full")) if flag in sys.argv] or [True, False]
+    shapes = [
+        tuple(int(n) for n in sys.argv[i + 1].split(",")) for i, a in enumerate(sys.argv) if a == "--shape"
+    ]
+    masks = [mask for mask, flag in ((True, "--causal"), (False, "--full")) if flag in sys.argv] or [
+        True,
+        False,
+    ]
     cases = [] if shapes or masks == [False] else [(LAYER, True, True)]
     cases += [(shape, causal, False) for shape in shapes or SHAPES for causal in masks]
     for shape, causal, layer in cases:

@@ -93,6 +93,19 @@ def test_the_kernel_compiles_for_hopper_warp_specialized_with_its_softmax_under_
         assert row["exps_under_pv"] >= row["block_exps"], row
 
 
+def test_the_default_tile_is_persistent_for_a_full_mask_over_few_keys_at_d128():
+    from tritonkit.ops.attention import fwd_sm90 as fwd
+
+    most = fwd.PERSISTENT_MAX_KEYS
+    assert fwd.default_config(128, False, most) == fwd.CONFIGS[128]._replace(persistent=True)
+    assert fwd.default_config(128, False, most + 1) == fwd.CONFIGS[128]
+    assert fwd.default_config(128, True, 1024) == fwd.CONFIGS[128]
+    assert fwd.default_config(64, False, 1024) == fwd.CONFIGS[64]
+    assert all(
+        config in fwd.CANDIDATES[d] for d in (64, 128) for config in (fwd.default_config(d, False, 1),)
+    )
+
+
 # ---------------------------------------------------------------- on the H200
 
 

@@ -581,7 +581,9 @@ def test_the_tuning_key_and_memo_tell_output_dtypes_apart():
     """An fp32 C (an accumulator, as linear_cross_entropy's dx) is tuned and remembered apart from
     the inputs' dtype: its tile takes more shared memory, so a 16-bit C's winner may not compile."""
     a, b = torch.empty(64, 32, dtype=torch.bfloat16), torch.empty(48, 32, dtype=torch.bfloat16)
-    half, full = (mm.matmul_problem(a, b, torch.empty(64, 48, dtype=d)) for d in (torch.bfloat16, torch.float32))
+    half, full = (
+        mm.matmul_problem(a, b, torch.empty(64, 48, dtype=d)) for d in (torch.bfloat16, torch.float32)
+    )
     assert (mm.tuning_key(half)["out"], mm.tuning_key(full)["out"]) == ("bf16", "fp32")
     assert mm._signature(half) != mm._signature(full)
 

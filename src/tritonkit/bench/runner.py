@@ -143,16 +143,16 @@ def run_case(
 ) -> list[dict]:
     """One row per provider for the case (unavailable providers give a row with the reason). An
     error of tritonkit's raises, or with ``keep_going`` is a failed row saying what it was."""
-    if device == "cuda":
-        # the caching allocator's idle segments back to the device: a float64 reference of a large
-        # case (16 GB of logits at 8192 x 262144) ran out of memory beside 104 GB the earlier
-        # cases had left reserved
-        gc.collect()
-        torch.cuda.empty_cache()
     rows = []
     for provider in providers_for(case.workload):
         if provider_names and provider.name not in provider_names:
             continue
+        if device == "cuda":
+            # the caching allocator's idle segments back to the device before each provider: a
+            # float64 reference of a large case (8 GB of logits at 8192 x 128256) ran out of memory
+            # beside 104-122 GB that the earlier cases' and providers' graphs had left reserved
+            gc.collect()
+            torch.cuda.empty_cache()
         fn = provider.build(case.workload)
         row = _base_row(case, provider.name)
         if isinstance(fn, str):

@@ -65,6 +65,26 @@ CONFIGS = {
     64: Config(block_n=128, num_stages=3),
     128: Config(block_n=128, num_stages=2),
 }
+# A persistent grid (one program an SM walking tiles, the next tile's Q loading under the epilogue)
+# for a full mask at D = 128 over at most this many keys, where a tile's fixed cost weighs: on the
+# H200 (499beb9, x cuDNN, one run) 0.92 against 0.83 one tile a program at (16, 16, 1024, 128),
+# 1.04 against 1.03 and 1.01 against 0.98 in two runs at (4, 32, 4096, 128); 0.98 against 1.02 at
+# (2, 16, 16384, 128). Causal it lost (0.96 against 1.01 at (4, 32, 4096, 128), 0.79 against 0.96
+# in the layer: its static walk does not balance the tiles' lengths as the hardware's scheduling
+# of one tile a program does); at D = 64 it was level (0.93-0.95 against 0.93-0.97).
+PERSISTENT_MAX_KEYS = 4096
+
+
+def default_config(head_dim: int, causal: bool, seq_k: int) -> Config:
+    """The tile a launch takes unless told: CONFIGS', persistent where PERSISTENT_MAX_KEYS says."""
+    config = CONFIGS[head_dim]
+    return (
+        config._replace(persistent=True)
+        if head_dim == 128 and not causal and seq_k <= PERSISTENT_MAX_KEYS
+        else config
+    )
+
+
 # What the benchmark compares per head dim (and the tests check): the default, the same tile with
 # ping-pong toggled and without PIN_SOFTMAX (what each is worth), a deeper ring at D = 128, and at
 # D = 64 FA3's 192-row tile of three consumers (not yet run on the H200). Its steps take 64 keys: at
@@ -184,7 +204,7 @@ def attention_fwd_sm90(
     contiguous and their base and other strides are multiples of 16 bytes (TMA's rules); the lse's
     last dim contiguous. ``causal`` is aligned bottom-right (query i sees keys j <= i + Sk - Sq); a
     row that sees no key gets 0 and lse -inf. ``scale`` > 0 multiplies q . k. ``config`` overrides
-    the head dim's tile (``CONFIGS``). Windows, soft-capping and packed batches raise
+    the tile (``default_config``). Windows, soft-capping and packed batches raise
     NotImplementedError (a later stage); ``supports`` says which calls this takes."""
     if window is not None and tuple(window) != (-1, -1):
         raise NotImplementedError("attention_fwd_sm90: sliding windows (window) are not implemented yet")
@@ -267,7 +287,7 @@ def launches(q, k, v, o, lse, *, scale: float, causal: bool, config: Config | No
     query rows of a (batch, head), a one-dimensional grid in ``order``'s order (the heads of a GQA
     group are neighbours, so their blocks share K and V in L2)."""
     (batch, heads_q, seq_q, head_dim), (_, heads_kv, seq_k, _) = q.shape, k.shape
-    config = config or CONFIGS[head_dim]
+    config = config or default_config(head_dim, causal, seq_k)
     if config.persistent and config.pingpong:
         raise ValueError("a persistent launch takes no ping-pong")
     args = (
