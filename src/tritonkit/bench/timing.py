@@ -78,16 +78,12 @@ def capture(make_call: Callable[[], Callable[[], object]]) -> tuple[Callable[[],
         for _ in range(GRAPH_WARMUP_CALLS):
             call()
     torch.cuda.current_stream().wait_stream(side)
-    graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
+    graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(graph, pool=pool, stream=side):
+        with torch.cuda.graph(graph, stream=side):
             call()
     except RuntimeError as error:
         torch.cuda.synchronize()
-        # A graph gives its memory pool back only after a capture that ended: a failed one would
-        # keep what it allocated reserved for the process's life (122 GB after liger's failed
-        # captures at 8192 x 128256, so that a later case ran out of memory).
-        torch._C._cuda_releasePool(torch.cuda.current_device(), pool)
         return call, f"eager: capture failed ({str(error).splitlines()[0][:120]})"
     # The graph's kernels read tensors that only `call` holds (a backward's saved forward output and
     # its upstream gradient): the replay keeps `call` alive, or their memory would be reused while
