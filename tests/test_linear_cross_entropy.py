@@ -21,12 +21,13 @@ BF16, F16 = torch.bfloat16, torch.float16
 # (tokens, hidden, vocabulary), whether the logits go in chunks of ROW_ALIGN = 16 tokens and blocks
 # of 16 classes (three and five of them here) instead of at once, and the order of the gradients
 # (lce.ORDER: in the forward by chunks of tokens, or in the backward by blocks of the vocabulary;
-# reduction "none" takes the blocks either way)
+# reduction "none" takes the blocks either way). Chunked, the forward's order sums dW over chunks
+# only where the tokens' logits pass dW's fp32 size (tokens > 2 x hidden in 16 bits), as at 40 x 16.
 LAYOUTS = [
     ((7, 16, 3), False, "tokens"),
     ((7, 16, 3), False, "vocab"),
     ((33, 32, 70), False, "tokens"),
-    ((33, 32, 70), True, "tokens"),
+    ((40, 16, 70), True, "tokens"),
     ((33, 32, 70), True, "vocab"),
 ]
 # keyword arguments beyond the defaults; "class_weight" stands for random class weights
@@ -94,6 +95,18 @@ def test_matches_the_reference(features, layout, dtype, device, monkeypatch):
     if kwargs.pop("class_weight", False):
         kwargs["class_weight"] = class_weight
     _check(x, w, target, b if kwargs.pop("bias", True) else None, **kwargs)
+
+
+def test_the_forward_takes_every_token_at_once_where_that_costs_no_more_than_dws_fp32_sum():
+    """At Llama-3-8B's LM head and 8192 tokens the logits (2.1 GB) take less than dW's fp32 sum beside a
+    chunk (2.4 GB): one chunk, dW one product. Twice the tokens, or no dW asked (a frozen head), take
+    chunks of CHUNK_BYTES."""
+    one = lce._forward_chunk(8192, 128256, 4096, 2, sums_dw=True)
+    assert one == 8192
+    assert lce._forward_chunk(16384, 128256, 4096, 2, sums_dw=True) == 1024
+    assert lce._forward_chunk(8192, 128256, 4096, 2, sums_dw=False) == 1024
+    cost = lce.linear_cross_entropy_cost((8192, 4096, 128256), BF16, "bwd", reduction="mean")
+    assert cost.bytes < 4 * 128256 * 4096 * 4  # no fp32 sum read and written
 
 
 def test_leading_dims_and_int32_targets(device):
