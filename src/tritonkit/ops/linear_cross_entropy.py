@@ -43,8 +43,9 @@ DTYPES = HALVES  # the matmul kernels take fp16 and bf16 operands
 CHUNK_BYTES = 256 * 2**20  # logits a chunk (forward) or block (backward) may hold
 ROW_ALIGN = 64  # chunks and blocks a multiple of this many rows or classes (a matmul tile's)
 # How a sum or mean gets its gradients: "tokens" computes them in the forward, chunk by chunk
-# (three matmuls; dW summed over the chunks in fp32, unless one chunk takes every token), "vocab" recomputes the logits in the
-# backward a block of the vocabulary at a time (four matmuls; no accumulator of W's size).
+# (three matmuls; dW summed over the chunks in fp32, unless one chunk takes every token), "vocab"
+# recomputes the logits in the backward a block of the vocabulary at a time (four matmuls; no
+# accumulator of W's size).
 # reduction "none" always takes "vocab": its upstream gradients weigh each row of dW's sum.
 ORDER = "tokens"
 

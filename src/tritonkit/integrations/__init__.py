@@ -1,0 +1,1 @@
+"""tritonkit inside other libraries' models (each submodule imports its library only when used)."""

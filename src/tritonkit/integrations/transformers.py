@@ -1,0 +1,297 @@
+"""tritonkit inside a Hugging Face transformers model, one model instance at a time.
+
+``apply(model)`` patches one model in place and returns it; ``unapply(model)`` restores it. Nothing
+global changes: each patched module gets a ``forward`` of its own (an instance attribute, so that an
+unpatched model of the same class in the same process runs as before), and the attention goes
+through transformers' attention-function registry under the name ``"tritonkit"``, set on this
+model's config only, with the mask function registered beside it (so a causal model stays causal).
+Parameters, state_dict keys and ``save_pretrained`` are untouched.
+
+What is patched (each can be turned off):
+- ``rms_norm``: every RMSNorm module (``weight * x / rms(x)``, x normalized in fp32) runs
+  ``tritonkit.rms_norm``; Qwen3's per-head q/k norms included.
+- ``attention``: ``flash_attention``, causal as the module says, the sliding window and soft cap
+  transformers passes, padded batches through the packed (varlen) path. Generation with
+  transformers' KV cache attends the cached keys through the same kernels.
+- ``mlp``: the gated MLP (``down(act(gate(x)) * up(x))``) computes ``act(gate(x)) * up(x)`` in one
+  ``gated_linear`` kernel.
+- ``cross_entropy``: a causal LM's training forward (labels given, grad enabled, training mode)
+  takes its loss by ``linear_cross_entropy`` from the last hidden states, so the (tokens, vocab)
+  logits are never held; the output's ``logits`` is then None. Without labels, in eval mode or
+  under no_grad the logits are computed as before.
+
+A module replaced after ``apply`` (a PEFT/LoRA wrapper around a projection), or one whose weights
+or inputs are in a dtype its kernel does not take (fp32 for the gated MLP and the loss), is run
+as transformers wrote it: each patched forward checks its
+preconditions at every call and falls back to the module's own forward when one fails.
+
+Rotary embeddings are not patched yet: transformers applies them through a module-level function
+inside each attention's forward, which cannot be replaced for one model alone without taking over
+that forward. ``rope=True`` raises NotImplementedError until then.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+
+import torch
+
+import tritonkit
+
+NAME = "tritonkit"  # the attention implementation's name in transformers' registries
+# config.model_type -> what its modules look like: the Llama family, whose attention, gated MLP
+# and RMSNorm (weight * normalized x) are the same modules under other names
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+TESTED_VERSIONS = "5.17 (on the H200) and 5.24 (the CPU suite)"
+HALVES = (torch.float16, torch.bfloat16)  # what the attention, gated MLP and loss kernels take
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}
+_PATCHES = "_tritonkit_patches"  # the model's record of what apply() changed, for unapply()
+
+
+# ---------------------------------------------------------------- registration
+
+
+def register() -> None:
+    """Register ``"tritonkit"`` as an attention implementation (and its mask function) in
+    transformers' registries, so that ``from_pretrained(..., attn_implementation="tritonkit")`` and
+    ``model.set_attn_implementation("tritonkit")`` take it. Idempotent; ``apply`` calls it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    AttentionInterface.register(NAME, attention_forward)
+    # the kernels take a causal mask (and windows) as flags and padding as packed sequences:
+    # the 2D padding mask, or None where nothing is padded, as flash-attn's integration gets it
+    AttentionMaskInterface.register(NAME, flash_attention_mask)
+
+
+# ---------------------------------------------------------------- attention
+
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function interface: query (B, Hq, Sq, D), key and value (B, Hkv,
+    Sk, D), the attention mask from the registered mask function (None, or (B, Sk) with 1 for a
+    token and 0 for padding); returns the output as (B, Sq, Hq, D) and no attention weights."""
+    if dropout:
+        raise NotImplementedError(
+            f"tritonkit attention has no dropout (got {dropout}); set the config's attention_dropout to 0"
+        )
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError(
+            f"tritonkit attention takes a (batch, keys) padding mask, got shape "
+            f"{tuple(attention_mask.shape)}: register() its mask function, or set the implementation "
+            f"with model.set_attn_implementation"
+        )
+    if query.dtype not in HALVES:
+        raise TypeError(
+            f"tritonkit attention takes float16 or bfloat16, got {query.dtype}: cast the model "
+            f"(model.to(torch.bfloat16)) or apply with attention=False"
+        )
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    window = (sliding_window - 1, 0 if causal else sliding_window - 1) if sliding_window else (-1, -1)
+    options = {"causal": causal, "scale": scaling, "window": window, "softcap": float(softcap or 0.0)}
+    if attention_mask is None or bool(attention_mask.all()):
+        return tritonkit.flash_attention(query, key, value, **options).transpose(1, 2), None
+    return _padded_attention(query, key, value, attention_mask.bool(), options), None
+
+
+def _padded_attention(query, key, value, keep: torch.Tensor, options: dict) -> torch.Tensor:
+    """Attention over the tokens ``keep`` marks (B, Sk), each sequence packed apart (its queries are
+    its last Sq positions); padded query rows come out zero."""
+    batch, heads_q, seq_q, head_dim = query.shape
+    keep_q = keep[:, -seq_q:]
+    rows_k, rows_q = keep.flatten().nonzero().squeeze(1), keep_q.flatten().nonzero().squeeze(1)
+    k = key.transpose(1, 2).flatten(0, 1).index_select(0, rows_k)
+    v = value.transpose(1, 2).flatten(0, 1).index_select(0, rows_k)
+    q = query.transpose(1, 2).flatten(0, 1).index_select(0, rows_q)
+    zero = torch.zeros(1, dtype=torch.int32, device=query.device)
+    cu_k = torch.cat([zero, keep.sum(1).cumsum(0).to(torch.int32)])
+    cu_q = torch.cat([zero, keep_q.sum(1).cumsum(0).to(torch.int32)])
+    packed = tritonkit.flash_attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **options)
+    out = packed.new_zeros(batch * seq_q, heads_q, head_dim)
+    return out.index_copy(0, rows_q, packed).view(batch, seq_q, heads_q, head_dim)
+
+
+# ---------------------------------------------------------------- the modules' forwards
+
+
+def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    weight = self.weight
+    if hidden_states.dtype != weight.dtype or not _is_tensor(weight):
+        return type(self).forward(self, hidden_states)
+    return tritonkit.rms_norm(hidden_states, weight.shape, weight, self.variance_epsilon)
+
+
+def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    gate, up = self.gate_proj, self.up_proj
+    plain = all(_plain_linear(m) and m.bias is None for m in (gate, up))
+    if not plain or x.dtype not in HALVES or gate.weight.dtype != x.dtype or up.weight.dtype != x.dtype:
+        return type(self).forward(self, x)
+    return self.down_proj(tritonkit.gated_linear(x, gate.weight, up.weight, self._tritonkit_activation))
+
+
+def _causal_lm_forward(self, input_ids=None, *args, labels=None, **kwargs):
+    """The loss from the last hidden states by ``linear_cross_entropy``, as transformers'
+    ForCausalLMLoss defines it (labels shifted left, -100 ignored, a mean over the kept tokens, or a
+    sum over ``num_items_in_batch``), where it pays and applies; else the model's own forward."""
+    own = type(self).forward
+    fused = (
+        labels is not None
+        and not args
+        and self.training
+        and torch.is_grad_enabled()
+        and _plain_linear(self.lm_head)
+        and self.lm_head.bias is None
+        and self.lm_head.weight.dtype in HALVES
+        and kwargs.get("logits_to_keep", 0) == 0
+        and kwargs.get("return_dict", True) is not False
+        and kwargs.get("shift_labels") is None
+    )
+    if not fused:
+        return own(self, input_ids, *args, labels=labels, **kwargs)
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    num_items = kwargs.pop("num_items_in_batch", None)
+    ignore_index = kwargs.pop("ignore_index", -100)
+    kwargs.pop("logits_to_keep", None)
+    outputs = self.model(input_ids=input_ids, **kwargs)
+    hidden = outputs.last_hidden_state
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:].to(hidden.device)
+    reduction = "mean" if num_items is None else "sum"
+    loss = tritonkit.linear_cross_entropy(
+        hidden.reshape(-1, hidden.shape[-1]),
+        self.lm_head.weight,
+        shifted.reshape(-1),
+        ignore_index=ignore_index,
+        reduction=reduction,
+    )
+    if num_items is not None:
+        loss = loss / num_items
+    rest = {name: value for name, value in outputs.items() if name != "last_hidden_state"}
+    return CausalLMOutputWithPast(loss=loss, logits=None, **rest)
+
+
+def _plain_linear(module) -> bool:
+    """A torch.nn.Linear itself (not a subclass: a PEFT/LoRA layer adds to its output)."""
+    return type(module) is torch.nn.Linear
+
+
+def _is_tensor(weight) -> bool:
+    return type(weight) in (torch.Tensor, torch.nn.Parameter)
+
+
+# ---------------------------------------------------------------- apply, unapply
+
+
+def _is_rms_norm(module: torch.nn.Module) -> bool:
+    """transformers' Llama-family RMSNorm: weight * (x normalized in fp32, cast back)."""
+    name = type(module).__name__
+    return name.endswith("RMSNorm") and hasattr(module, "weight") and hasattr(module, "variance_epsilon")
+
+
+def _is_gated_mlp(module: torch.nn.Module) -> bool:
+    return all(hasattr(module, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+
+
+def _activation(model) -> str:
+    name = model.config.hidden_act
+    if name not in _ACTIVATIONS:
+        raise ValueError(
+            f"tritonkit's gated MLP takes the activations {sorted(_ACTIVATIONS)}, not {name!r}: "
+            f"pass mlp=False"
+        )
+    return _ACTIVATIONS[name]
+
+
+def _patch(record: list, module: torch.nn.Module, forward: Callable, **attributes) -> None:
+    if "forward" in vars(module):
+        raise ValueError(
+            f"{type(module).__name__} already has a forward of its own (another patch); tritonkit "
+            f"patches only modules that run their class's forward"
+        )
+    module.forward = types.MethodType(forward, module)
+    for name, value in attributes.items():
+        setattr(module, name, value)
+    record.append((module, ("forward", *attributes)))
+
+
+def apply(
+    model: torch.nn.Module,
+    *,
+    rms_norm: bool = True,
+    rope: bool = False,
+    attention: bool = True,
+    mlp: bool = True,
+    cross_entropy: bool = True,
+) -> torch.nn.Module:
+    """Patch one transformers model in place (see the module's docstring) and return it.
+
+    Models: Llama, Mistral, Qwen2, Qwen3 (``SUPPORTED``; transformers ``TESTED_VERSIONS``); any
+    other raises ValueError naming its model_type. A model patched already raises (``unapply`` it
+    first)."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED:
+        raise ValueError(
+            f"tritonkit.integrations.transformers supports the model types {SUPPORTED}, not "
+            f"{model_type!r} ({type(model).__name__})"
+        )
+    if hasattr(model, _PATCHES):
+        raise ValueError(f"{type(model).__name__} is patched already: unapply(model) first")
+    dtype = next(model.parameters()).dtype
+    if attention and dtype not in HALVES:
+        raise ValueError(
+            f"tritonkit attention takes float16 or bfloat16 and the model's parameters are {dtype}: "
+            f"cast it first (model.to(torch.bfloat16)) or pass attention=False"
+        )
+    if rope:
+        raise NotImplementedError(
+            "rope=True: rotary embeddings are not patched yet (transformers applies them inside each "
+            "attention's forward); pass rope=False"
+        )
+    record: list = []
+    activation = _activation(model) if mlp else None
+    for module in model.modules():
+        if rms_norm and _is_rms_norm(module):
+            _patch(record, module, _rms_norm_forward)
+        elif mlp and _is_gated_mlp(module):
+            _patch(record, module, _mlp_forward, _tritonkit_activation=activation)
+    if cross_entropy and hasattr(model, "lm_head") and hasattr(model, "model"):
+        _patch(record, model, _causal_lm_forward)
+    previous = config._attn_implementation
+    if attention:
+        register()
+        model.set_attn_implementation(NAME)
+    setattr(model, _PATCHES, (record, previous))
+    return model
+
+
+def unapply(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo ``apply``: every patched module runs its class's forward again, and the attention
+    implementation is the one the model had. Returns the model."""
+    if not hasattr(model, _PATCHES):
+        raise ValueError(f"{type(model).__name__} is not patched by tritonkit")
+    record, previous = getattr(model, _PATCHES)
+    delattr(model, _PATCHES)
+    for module, names in record:
+        for name in names:
+            delattr(module, name)
+    if model.config._attn_implementation != previous:
+        model.set_attn_implementation(previous)
+    return model
+
+
+def is_applied(model: torch.nn.Module) -> bool:
+    return hasattr(model, _PATCHES)

@@ -1,0 +1,214 @@
+"""tritonkit.integrations.transformers on tiny random models (no downloads): a patched model against
+the same model unpatched, with the oracle's rule (the unpatched model in float64 the reference, in
+bf16 torch's error); generation, padding, per-instance patching, unapply and the errors."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tritonkit.oracle import compare
+
+transformers = pytest.importorskip("transformers")
+from tritonkit.integrations import transformers as tk_hf  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+VOCAB, HIDDEN, HEADS, KV_HEADS, SEQ = 96, 64, 4, 2, 12
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(),
+    "mistral": lambda: transformers.MistralConfig(sliding_window=5),
+    "qwen2": lambda: transformers.Qwen2Config(),
+    "qwen3": lambda: transformers.Qwen3Config(head_dim=HIDDEN // HEADS),
+}
+
+
+def _model(kind: str, dtype=torch.bfloat16, seed: int = 0):
+    config = CONFIGS[kind]()
+    for name, value in {
+        "vocab_size": VOCAB,
+        "hidden_size": HIDDEN,
+        "intermediate_size": 2 * HIDDEN,
+        "num_hidden_layers": 2,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "max_position_embeddings": 64,
+        "tie_word_embeddings": False,
+    }.items():
+        setattr(config, name, value)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    for parameter in model.parameters():  # O(1) weights: the default init's 0.02 leaves logits ~0
+        parameter.data.normal_(0, 0.3 if parameter.dim() > 1 else 1.0)
+    return model.to(dtype)
+
+
+def _batch(seed: int = 1, batch: int = 2):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (batch, SEQ), generator=g)
+    labels = ids.clone()
+    labels[:, :3] = -100  # a prompt's tokens carry no loss
+    return ids, labels
+
+
+def _run(model, ids, labels, mask=None):
+    """(logits in eval mode, loss and every parameter's gradient in train mode)."""
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    model.train()
+    model.zero_grad()
+    loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    return logits, loss, grads
+
+
+def _check(kind: str, mask=None):
+    ids, labels = _batch()
+    if mask is not None:
+        labels = labels.masked_fill(mask == 0, -100)
+    reference = _model(kind)
+    exact = _run(copy.deepcopy(reference).double(), ids, labels, mask)
+    torch_bf16 = _run(copy.deepcopy(reference), ids, labels, mask)
+    ours = _run(tk_hf.apply(copy.deepcopy(reference)), ids, labels, mask)
+    if mask is not None:  # a padded position's logits are nobody's: compare the tokens'
+        exact, torch_bf16, ours = ((r[0][mask.bool()], *r[1:]) for r in (exact, torch_bf16, ours))
+    comparisons = [
+        compare("logits", ours[0], torch_bf16[0], exact[0], torch.bfloat16),
+        compare("loss", ours[1], torch_bf16[1], exact[1], torch.bfloat16),
+    ]
+    comparisons += [
+        compare(f"grad {name}", ours[2][name], torch_bf16[2][name], exact[2][name], torch.bfloat16)
+        for name in exact[2]
+    ]
+    failed = [c for c in comparisons if not c.passed]
+    assert not failed, failed
+
+
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+def test_a_patched_model_matches_the_unpatched_one(kind):
+    _check(kind)
+
+
+def test_padded_batches_take_the_packed_path():
+    """Right-padded rows (training batches): each sequence attends its own tokens only."""
+    mask = torch.ones(2, SEQ, dtype=torch.long)
+    mask[1, -4:] = 0
+    _check("llama", mask)
+
+
+def test_greedy_generation_gives_the_same_tokens_up_to_a_tie():
+    """Left-padded prompts, transformers' KV cache: the patched model picks the unpatched model's
+    tokens, except where two candidates' float64 logits are closer than bf16's own error (where
+    unpatched bf16 could pick either); the sequences are compared up to the first such step."""
+    model = _model("qwen2").eval()
+    exact = copy.deepcopy(model).double()
+    ids, _ = _batch(seed=2)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    settings = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    expected = model.generate(input_ids=ids, attention_mask=copy.copy(mask), **settings)
+    got = tk_hf.apply(copy.deepcopy(model)).generate(input_ids=ids, attention_mask=mask, **settings)
+    assert got.shape == expected.shape
+    full_mask = torch.cat([mask, torch.ones_like(got[:, ids.shape[1] :])], dim=1)
+    for row in range(got.shape[0]):
+        differ = (got[row] != expected[row]).nonzero()
+        if not len(differ):
+            continue
+        step = differ[0].item()
+        prefix = {"input_ids": got[row : row + 1, :step], "attention_mask": full_mask[row : row + 1, :step]}
+        with torch.no_grad():
+            reference = exact(**prefix).logits[0, -1]
+            bf16 = model(**prefix).logits[0, -1].double()
+        tie = 2 * (bf16 - reference).abs().max() + 2**-7
+        gap = (reference[expected[row, step]] - reference[got[row, step]]).abs()
+        assert gap <= tie, (row, step, float(gap), float(tie))
+
+
+def test_the_patch_is_per_instance_and_unapply_restores_the_bits():
+    ids, labels = _batch()
+    patched, sibling = _model("llama"), _model("llama")
+    before = sibling(input_ids=ids).logits
+    tk_hf.apply(patched)
+    assert tk_hf.is_applied(patched) and not tk_hf.is_applied(sibling)
+    assert sibling.config._attn_implementation == "sdpa"
+    assert not any("forward" in vars(m) for m in sibling.modules())
+    assert torch.equal(sibling(input_ids=ids).logits, before)
+    state = {name: t.clone() for name, t in patched.state_dict().items()}
+    unpatched = patched(input_ids=ids).logits
+    tk_hf.unapply(patched)
+    assert patched.config._attn_implementation == "sdpa"
+    assert not any("forward" in vars(m) for m in patched.modules())
+    assert torch.equal(patched(input_ids=ids).logits, before)  # same weights, same seed as sibling
+    assert not torch.equal(unpatched, before)  # the patched model ran other kernels
+    assert state.keys() == patched.state_dict().keys()
+
+
+def test_the_loss_without_logits_and_gradient_accumulations_sum():
+    """Training: no logits held, and ``num_items_in_batch`` (HF Trainer's gradient accumulation)
+    divides a sum, as transformers' loss does."""
+    model = tk_hf.apply(_model("llama")).train()
+    ids, labels = _batch()
+    out = model(input_ids=ids, labels=labels)
+    assert out.logits is None
+    summed = model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(7)).loss
+    kept = int((labels[:, 1:] != -100).sum())
+    torch.testing.assert_close(summed.float(), out.loss.float() * kept / 7, rtol=1e-2, atol=0)
+
+
+def test_the_attention_alone_by_its_registered_name():
+    """``register()`` then ``attn_implementation="tritonkit"``: transformers' own modules around
+    tritonkit's attention, the logits within the oracle of the sdpa model's."""
+    tk_hf.register()
+    ids, _ = _batch()
+    model = _model("llama").eval()
+    exact = copy.deepcopy(model).double()
+    model.set_attn_implementation("tritonkit")
+    assert model.config._attn_implementation == "tritonkit"
+    with torch.no_grad():
+        ours, reference = model(input_ids=ids).logits, exact(input_ids=ids).logits
+        model.set_attn_implementation("sdpa")
+        torch_bf16 = model(input_ids=ids).logits
+    assert compare("logits", ours, torch_bf16, reference, torch.bfloat16).passed
+
+
+def test_a_module_replaced_after_apply_runs_its_own_forward():
+    """A LoRA-style wrapper around the gate projection (a Linear subclass adding to its output): the
+    patched MLP sees it is no plain Linear and runs transformers' forward, so the adapter counts."""
+
+    class Adapter(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x) + 1.0
+
+    model = tk_hf.apply(_model("llama"))
+    mlp = model.model.layers[0].mlp
+    adapter = Adapter(HIDDEN, 2 * HIDDEN, bias=False, dtype=torch.bfloat16)
+    adapter.weight.data.copy_(mlp.gate_proj.weight)
+    mlp.gate_proj = adapter
+    x = torch.randn(3, HIDDEN, dtype=torch.bfloat16)
+    expected = mlp.down_proj(mlp.act_fn(adapter(x)) * mlp.up_proj(x))
+    assert torch.equal(mlp(x), expected)
+
+
+def test_bad_configurations_fail_clearly():
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2))
+    with pytest.raises(ValueError, match="'gpt2'"):
+        tk_hf.apply(gpt2)
+    model = _model("llama")
+    with pytest.raises(NotImplementedError, match="rope"):
+        tk_hf.apply(model, rope=True)
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        tk_hf.apply(_model("llama", dtype=torch.float32))
+    tk_hf.apply(model)
+    with pytest.raises(ValueError, match="patched already"):
+        tk_hf.apply(model)
+    with pytest.raises(ValueError, match="not patched"):
+        tk_hf.unapply(_model("llama"))
+    q = torch.randn(1, HEADS, 4, 16, dtype=torch.bfloat16)
+    kv = torch.randn(1, KV_HEADS, 4, 16, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        tk_hf.attention_forward(model.model.layers[0].self_attn, q, kv, kv, None, dropout=0.1)
