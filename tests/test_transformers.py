@@ -31,7 +31,7 @@ def _model(kind: str, dtype=torch.bfloat16, seed: int = 0):
         "vocab_size": VOCAB,
         "hidden_size": HIDDEN,
         "intermediate_size": 2 * HIDDEN,
-        "num_hidden_layers": 2,
+        "num_hidden_layers": 1,
         "num_attention_heads": HEADS,
         "num_key_value_heads": KV_HEADS,
         "max_position_embeddings": 64,
