@@ -101,15 +101,17 @@ def test_padded_batches_take_the_packed_path():
     _check("llama", mask)
 
 
-def test_greedy_generation_gives_the_same_tokens_up_to_a_tie():
-    """Left-padded prompts, transformers' KV cache: the patched model picks the unpatched model's
-    tokens, except where two candidates' float64 logits are closer than bf16's own error (where
-    unpatched bf16 could pick either); the sequences are compared up to the first such step."""
+@pytest.mark.parametrize("padded", [True, False], ids=["left-padded", "unpadded"])
+def test_greedy_generation_gives_the_same_tokens_up_to_a_tie(padded):
+    """transformers' KV cache, prompts left-padded (the packed path) or not (the decode kernel): the
+    patched model picks the unpatched model's tokens, except where two candidates' float64 logits
+    are closer than bf16's own error (where unpatched bf16 could pick either); the sequences are
+    compared up to the first such step."""
     model = _model("qwen2").eval()
     exact = copy.deepcopy(model).double()
     ids, _ = _batch(seed=2)
     mask = torch.ones_like(ids)
-    mask[0, :3] = 0
+    mask[0, :3] = 0 if padded else 1
     settings = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
     expected = model.generate(input_ids=ids, attention_mask=copy.copy(mask), **settings)
     got = tk_hf.apply(copy.deepcopy(model)).generate(input_ids=ids, attention_mask=mask, **settings)

@@ -12,7 +12,8 @@ What is patched (each can be turned off):
   ``tritonkit.rms_norm``; Qwen3's per-head q/k norms included.
 - ``attention``: ``flash_attention``, causal as the module says, the sliding window and soft cap
   transformers passes, padded batches through the packed (varlen) path. Generation with
-  transformers' KV cache attends the cached keys through the same kernels.
+  transformers' KV cache takes the decode kernel (``flash_attention_with_kvcache``) for its steps
+  where nothing is padded, the packed path where something is.
 - ``mlp``: the gated MLP (``down(act(gate(x)) * up(x))``) computes ``act(gate(x)) * up(x)`` in one
   ``gated_linear`` kernel.
 - ``cross_entropy``: a causal LM's training forward (labels given, grad enabled, training mode)
@@ -46,6 +47,9 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 TESTED_VERSIONS = "5.17 (on the H200) and 5.24 (the CPU suite)"
 HALVES = (torch.float16, torch.bfloat16)  # what the attention, gated MLP and loss kernels take
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}
+# new query tokens a call may have for the decode kernel (generation without padding, no gradient);
+# more take the prefill kernel
+DECODE_QUERIES = 16
 _PATCHES = "_tritonkit_patches"  # the model's record of what apply() changed, for unapply()
 
 
@@ -103,6 +107,10 @@ def attention_forward(
     window = (sliding_window - 1, 0 if causal else sliding_window - 1) if sliding_window else (-1, -1)
     options = {"causal": causal, "scale": scaling, "window": window, "softcap": float(softcap or 0.0)}
     if attention_mask is None or bool(attention_mask.all()):
+        decoding = query.shape[2] <= DECODE_QUERIES and not torch.is_grad_enabled()
+        if decoding:  # a few new tokens over the cache: the decode kernel, laid out as it takes them
+            q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+            return tritonkit.flash_attention_with_kvcache(q, k, v, **options), None
         return tritonkit.flash_attention(query, key, value, **options).transpose(1, 2), None
     return _padded_attention(query, key, value, attention_mask.bool(), options), None
 

@@ -1,0 +1,163 @@
+"""A Hugging Face Llama's training step and generation on the H200: transformers as it is (SDPA),
+under torch.compile, with liger-kernel and with tritonkit.integrations.transformers, in one run.
+
+    python benchmarks/transformers_step.py OUT.json [--layers N] [--batch B] [--seq S]
+        [--providers NAME ...] [--skip-generate]
+
+The model is Llama-3-8B's shapes (d 4096, 32 query / 8 KV heads of 128, FFN 14336, vocabulary
+128256) with ``--layers`` decoder layers (default 2: the LM head and embeddings stay whole), random
+weights, bf16, built from its config (no download). A step is the forward with labels and the
+backward (no optimizer), timed by CUDA events over ``STEPS`` steps after ``WARMUP``, median;
+tokens/s from B x S; peak memory over the step, from the allocator's high-water mark, less the
+parameters'. Each provider's first loss is compared with transformers' (the same weights and
+batch). Generation: greedy decoding of ``NEW_TOKENS`` tokens after a 512-token prompt at batch 8,
+tokens/s of the new tokens, transformers (SDPA) against tritonkit.
+
+liger-kernel patches classes and module functions globally (its ``apply_liger_kernel_to_llama``),
+so it runs last: every provider before it sees transformers unpatched.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import sys
+import time
+
+import torch
+from attention_bwd_sm90 import result_header
+
+PROVIDERS = ("transformers", "transformers+compile", "tritonkit", "liger")
+WARMUP, STEPS, NEW_TOKENS = 3, 10, 64
+
+
+def _argument(name: str, default):
+    return type(default)(sys.argv[sys.argv.index(name) + 1]) if name in sys.argv else default
+
+
+def _model(layers: int):
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    return model.train()
+
+
+def _prepare(provider: str, base):
+    model = copy.deepcopy(base)
+    if provider == "transformers+compile":
+        return torch.compile(model)
+    if provider == "tritonkit":
+        from tritonkit.integrations import transformers as tk_hf
+
+        return tk_hf.apply(model)
+    if provider == "liger":
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+        _apply_liger_kernel_to_instance(model=model)
+    return model
+
+
+def _step_row(provider: str, base, ids: torch.Tensor) -> dict:
+    model = _prepare(provider, base)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+
+    def step():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss
+
+    first = step().item()
+    for _ in range(WARMUP):
+        step()
+    model.zero_grad(set_to_none=False)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(STEPS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    peak = torch.cuda.max_memory_allocated() - 2 * params  # less the weights and their gradients
+    ms = statistics.median(times)
+    return {"ms": ms, "tokens_per_s": ids.numel() / ms * 1e3, "peak_gib": peak / 2**30, "loss": first}
+
+
+def _generate_row(provider: str, base) -> dict:
+    model = _prepare(provider, base).eval()
+    prompt = torch.randint(
+        0, 128256, (8, 512), device="cuda", generator=torch.Generator("cuda").manual_seed(1)
+    )
+    settings = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "do_sample": False}
+    with torch.no_grad():
+        model.generate(prompt, max_new_tokens=4, do_sample=False)  # compile, tune, allocate
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        tokens = model.generate(prompt, **settings)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    return {
+        "s": seconds,
+        "tokens_per_s": prompt.shape[0] * NEW_TOKENS / seconds,
+        "tokens": tokens[:, 512:].tolist(),
+    }
+
+
+def main() -> None:
+    import json
+
+    out = sys.argv[1]
+    layers, batch, seq = _argument("--layers", 2), _argument("--batch", 2), _argument("--seq", 4096)
+    named = (
+        [a for a in sys.argv[sys.argv.index("--providers") + 1 :] if not a.startswith("--")]
+        if ("--providers" in sys.argv)
+        else list(PROVIDERS)
+    )
+    timing = f"CUDA events, median of {STEPS} steps after {WARMUP}; forward with labels + backward"
+    result = result_header("transformers_step", "transformers_step.py", timing)
+    result |= {"layers": layers, "batch": batch, "seq": seq, "steps": {}, "generate": {}}
+    base = _model(layers)
+    ids = torch.randint(
+        0, 128256, (batch, seq), device="cuda", generator=torch.Generator("cuda").manual_seed(0)
+    )
+    for provider in [p for p in PROVIDERS if p in named]:  # liger last: its patches are global
+        row = _step_row(provider, base, ids)
+        torch.cuda.empty_cache()  # the provider's copy of the model is gone with its step
+        result["steps"][provider] = row
+        print(
+            f"step {provider}: {row['ms']:.2f} ms, {row['tokens_per_s']:.0f} tokens/s, "
+            f"{row['peak_gib']:.2f} GiB, loss {row['loss']:.4f}",
+            flush=True,
+        )
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+    for provider in () if "--skip-generate" in sys.argv else ("transformers", "tritonkit"):
+        if provider in named:
+            row = _generate_row(provider, base)
+            torch.cuda.empty_cache()
+            result["generate"][provider] = row
+            print(f"generate {provider}: {row['tokens_per_s']:.0f} tokens/s", flush=True)
+    if "transformers" in result["steps"]:
+        eager = result["steps"]["transformers"]["ms"]
+        result["step_speedup_vs_transformers"] = {p: eager / r["ms"] for p, r in result["steps"].items()}
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
