@@ -18,21 +18,24 @@ What is patched (each can be turned off):
   ``gated_linear`` kernel.
 - ``cross_entropy``: a causal LM's training forward (labels given, grad enabled, training mode)
   takes its loss by ``linear_cross_entropy`` from the last hidden states, so the (tokens, vocab)
-  logits are never held; the output's ``logits`` is then None. Without labels, in eval mode or
-  under no_grad the logits are computed as before.
+  logits are never held; the loss is fp32 as transformers' is, and the output's ``logits`` None.
+  Without labels, in eval mode or under no_grad the logits are computed as before.
+- ``rope``: transformers applies the rotation through a module-level function inside each
+  attention's forward, which cannot be replaced for one model alone, so the attention modules get
+  a forward of their own (``_attention_module_forward``): transformers' steps (projections, Qwen3's
+  per-head norms, the cache's update, the configured attention function, the output projection)
+  with q and k rotated by ``tritonkit.apply_rotary_pos_emb`` in one launch. Of the patches it is
+  the one that follows transformers' code most closely; written against 5.17's and 5.24's.
 
 A module replaced after ``apply`` (a PEFT/LoRA wrapper around a projection), or one whose weights
-or inputs are in a dtype its kernel does not take (fp32 for the gated MLP and the loss), is run
-as transformers wrote it: each patched forward checks its
-preconditions at every call and falls back to the module's own forward when one fails.
-
-Rotary embeddings are not patched yet: transformers applies them through a module-level function
-inside each attention's forward, which cannot be replaced for one model alone without taking over
-that forward. ``rope=True`` raises NotImplementedError until then.
+or inputs are in a dtype its kernel does not take (fp32 for the gated MLP and the loss), is run as
+transformers wrote it: each patched forward checks its preconditions at every call and falls back
+to the module's own forward when one fails.
 """
 
 from __future__ import annotations
 
+import sys
 import types
 from collections.abc import Callable
 
@@ -184,11 +187,57 @@ def _causal_lm_forward(self, input_ids=None, *args, labels=None, **kwargs):
         shifted.reshape(-1),
         ignore_index=ignore_index,
         reduction=reduction,
+        loss_dtype=torch.float32,  # transformers' loss upcasts the logits: an fp32 loss
     )
     if num_items is not None:
         loss = loss / num_items
     rest = {name: value for name, value in outputs.items() if name != "last_hidden_state"}
     return CausalLMOutputWithPast(loss=loss, logits=None, **rest)
+
+
+def _attention_module_forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+    """The Llama family's attention with the rotation by ``tritonkit.apply_rotary_pos_emb``: q, k and
+    v projected as transformers does (Qwen3's per-head norms first), q and k rotated in one launch
+    from the projections' (B, S, H, D) views, the cache updated, then the configured attention
+    function (tritonkit's where ``attention=True``) and the output projection. The cache comes as
+    ``cache`` (transformers 5.24) or ``past_key_values`` (5.17); its update takes the call's keywords
+    as 5.24 passes them (5.17's ignores them)."""
+    cos_sin_fit = position_embeddings is not None and position_embeddings[0].dtype == hidden_states.dtype
+    if not cos_sin_fit or hidden_states.dtype not in HALVES + (torch.float32,):
+        return type(self).forward(self, hidden_states, position_embeddings, attention_mask, **kwargs)
+    cache = kwargs.pop("cache", None) if "cache" in kwargs else kwargs.pop("past_key_values", None)
+    input_shape = hidden_states.shape[:-1]
+    heads = (*input_shape, -1, self.head_dim)
+    q, k = self.q_proj(hidden_states).view(heads), self.k_proj(hidden_states).view(heads)
+    if hasattr(self, "q_norm"):  # Qwen3: RMSNorm of each head before the rotation
+        q, k = self.q_norm(q), self.k_norm(k)
+    cos, sin = position_embeddings
+    q, k = (t.transpose(1, 2) for t in tritonkit.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2))
+    v = self.v_proj(hidden_states).view(heads).transpose(1, 2)
+    if cache is not None:
+        k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
+    model_module = sys.modules[type(self).__module__]
+    interface = model_module.ALL_ATTENTION_FUNCTIONS.get_interface(
+        self.config._attn_implementation, model_module.eager_attention_forward
+    )
+    # Mistral's window is its config's; Qwen2's and Qwen3's the layer's (None on full layers)
+    window = (
+        self.sliding_window
+        if hasattr(self, "sliding_window")
+        else getattr(self.config, "sliding_window", None)
+    )
+    out, weights = interface(
+        self,
+        q,
+        k,
+        v,
+        attention_mask,
+        dropout=self.attention_dropout if self.training else 0.0,
+        scaling=self.scaling,
+        sliding_window=window,
+        **kwargs,
+    )
+    return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
 
 
 def _plain_linear(module) -> bool:
@@ -207,6 +256,12 @@ def _is_rms_norm(module: torch.nn.Module) -> bool:
     """transformers' Llama-family RMSNorm: weight * (x normalized in fp32, cast back)."""
     name = type(module).__name__
     return name.endswith("RMSNorm") and hasattr(module, "weight") and hasattr(module, "variance_epsilon")
+
+
+def _is_attention(module: torch.nn.Module) -> bool:
+    """The Llama family's attention module: q/k/v/o projections, a head dim, a layer index."""
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "layer_idx", "scaling")
+    return type(module).__name__.endswith("Attention") and all(hasattr(module, n) for n in names)
 
 
 def _is_gated_mlp(module: torch.nn.Module) -> bool:
@@ -239,7 +294,7 @@ def apply(
     model: torch.nn.Module,
     *,
     rms_norm: bool = True,
-    rope: bool = False,
+    rope: bool = True,
     attention: bool = True,
     mlp: bool = True,
     cross_entropy: bool = True,
@@ -264,11 +319,6 @@ def apply(
             f"tritonkit attention takes float16 or bfloat16 and the model's parameters are {dtype}: "
             f"cast it first (model.to(torch.bfloat16)) or pass attention=False"
         )
-    if rope:
-        raise NotImplementedError(
-            "rope=True: rotary embeddings are not patched yet (transformers applies them inside each "
-            "attention's forward); pass rope=False"
-        )
     record: list = []
     activation = _activation(model) if mlp else None
     for module in model.modules():
@@ -276,6 +326,8 @@ def apply(
             _patch(record, module, _rms_norm_forward)
         elif mlp and _is_gated_mlp(module):
             _patch(record, module, _mlp_forward, _tritonkit_activation=activation)
+        elif rope and _is_attention(module):
+            _patch(record, module, _attention_module_forward)
     if cross_entropy and hasattr(model, "lm_head") and hasattr(model, "model"):
         _patch(record, model, _causal_lm_forward)
     previous = config._attn_implementation

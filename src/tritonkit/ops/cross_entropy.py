@@ -364,12 +364,14 @@ def _backward(
         launch.run()
 
 
-def _outputs(input: torch.Tensor, reduction: str, sums: bool) -> tuple[torch.Tensor | None, ...]:
-    """(out, rows, lse, row_weight, totals): the loss, the rows' fp32 losses a sum or mean reads, the
-    lse, a mean's per-row divisor terms, and (``sums``, :func:`_needs_sums`) the sums; None where
-    unused."""
+def _outputs(
+    input: torch.Tensor, reduction: str, sums: bool, dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor | None, ...]:
+    """(out, rows, lse, row_weight, totals): the loss (in ``dtype``, else input's), the rows' fp32
+    losses a sum or mean reads, the lse, a mean's per-row divisor terms, and (``sums``,
+    :func:`_needs_sums`) the sums; None where unused."""
     n, device = input.shape[0], input.device
-    out = empty_output((n,) if reduction == "none" else (), input.dtype, device)
+    out = empty_output((n,) if reduction == "none" else (), dtype or input.dtype, device)
     rows = empty_output((n,), torch.float32, device) if reduction != "none" else None
     row_weight = empty_output((n,), torch.float32, device) if reduction == "mean" else None
     totals = empty_output((3,), torch.float32, device) if sums else None

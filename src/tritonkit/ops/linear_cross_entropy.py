@@ -201,11 +201,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """One autograd function for eager calls and torch.compile (the ops skip the dispatcher eagerly)."""
 
     @staticmethod
-    def forward(ctx, input, weight, bias, target, class_weight, *options):
+    def forward(ctx, input, weight, bias, target, class_weight, loss_dtype, *options):
         reduction, smoothing = options[1], options[2]
         # cross_entropy's outputs: its _outputs reads only N, the dtype and the device of its input
-        outputs = ce._outputs(input, reduction, ce._needs_sums(reduction, class_weight, smoothing))
+        outputs = ce._outputs(
+            input, reduction, ce._needs_sums(reduction, class_weight, smoothing), loss_dtype
+        )
         ctx.options, ctx.in_forward = options, ORDER == "tokens" and reduction != "none"
+        ctx.grad_dtypes = (input.dtype, weight.dtype, None if bias is None else bias.dtype)
         if ctx.in_forward:
             needs = ctx.needs_input_grad[:3]
             (n, hidden), vocab = input.shape, weight.shape[0]
@@ -232,9 +235,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
             scale = grad.float()
             if ctx.options[1] == "mean":  # every row ignored: torch's zero gradients (the sums are 0)
                 scale = torch.where(totals[1] != 0, scale / totals[1], 0.0)
-            # in the loss's dtype, input's, which weight and bias share
-            scaled = [None if g is None else (g.float() * scale).to(grad.dtype) for g in grads]
-            return *scaled, None, None, None, None, None, None, None
+            scaled = [
+                None if g is None else (g.float() * scale).to(dtype)
+                for g, dtype in zip(grads, ctx.grad_dtypes, strict=True)
+            ]
+            return *scaled, None, None, None, None, None, None, None, None
         input, weight, bias, target, class_weight, lse, totals = ctx.saved_tensors
         needs_dx, needs_dw, needs_db = ctx.needs_input_grad[:3]
         grad = grad.expand(1) if grad.dim() == 0 else grad
@@ -242,7 +247,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         dw = empty_output(weight.shape, weight.dtype, weight.device) if needs_dw else None
         db = empty_output(bias.shape, bias.dtype, bias.device) if needs_db else None
         _backward(grad, input, weight, bias, target, class_weight, lse, totals, *ctx.options, dx, dw, db)
-        return dx, dw, db, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None
 
 
 def _validate(input, weight, target, bias, class_weight) -> None:
@@ -284,12 +289,14 @@ def linear_cross_entropy(
     class_weight: torch.Tensor | None = None,
     z_loss: float = 0.0,
     softcap: float | None = None,
+    loss_dtype: torch.dtype | None = None,
 ):
     """``F.cross_entropy(F.linear(input, weight, bias), target, class_weight, ignore_index=...,
     reduction=..., label_smoothing=...)`` without ever holding the (N, V) logits: ``input`` (..., H)
     fp16 or bf16, ``weight`` (V, H) and ``bias`` (V,) of its dtype, ``target`` of input's leading
     shape (int64 or int32 class indices). ``z_loss`` and ``softcap`` as :func:`tritonkit.cross_entropy`;
-    the loss has input's dtype, and with reduction "none" target's shape. Gradients for input,
+    the loss has input's dtype (or ``loss_dtype``: torch.float32 for the fp32 loss transformers'
+    models return), and with reduction "none" target's shape. Gradients for input,
     weight and bias. A target outside 0..V-1 other than ignore_index gives its row (and a sum or
     mean) NaN rather than an error, as cross_entropy."""
     label_smoothing, z_loss = float(label_smoothing), float(z_loss)
@@ -298,11 +305,16 @@ def linear_cross_entropy(
     rows_target = target.reshape(-1)
     ce.validate_options(input, weight.shape[0], class_weight, reduction, label_smoothing, z_loss, softcap)
     options = (int(ignore_index), reduction, label_smoothing, z_loss, float(softcap or 0.0))
+    if loss_dtype not in (None, input.dtype, torch.float32):
+        raise ValueError(f"loss_dtype must be None, input's dtype or torch.float32, got {loss_dtype}")
     grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (input, weight, bias))
     if grads:
-        loss = _LinearCrossEntropy.apply(rows_in, weight, bias, rows_target, class_weight, *options)
+        loss = _LinearCrossEntropy.apply(
+            rows_in, weight, bias, rows_target, class_weight, loss_dtype, *options
+        )
     else:
-        outputs = ce._outputs(rows_in, reduction, ce._needs_sums(reduction, class_weight, label_smoothing))
+        sums = ce._needs_sums(reduction, class_weight, label_smoothing)
+        outputs = ce._outputs(rows_in, reduction, sums, loss_dtype)
         _forward(rows_in, weight, bias, rows_target, class_weight, *options, *outputs, None, None, None)
         loss = outputs[0]
     return loss.view(target.shape) if reduction == "none" else loss
