@@ -160,6 +160,18 @@ def test_the_patch_is_per_instance_and_unapply_restores_the_bits():
     assert state.keys() == patched.state_dict().keys()
 
 
+def test_the_patched_modules_compile_without_a_graph_break():
+    """torch.compile(fullgraph=True) of the patched RMSNorm, gated MLP and attention (RoPE, the
+    registry's lookup, tritonkit's attention): the same bits as eager."""
+    model = tk_hf.apply(_model("llama", torch.float16)).train()
+    layer = model.model.layers[0]
+    x = torch.randn(2, SEQ, HIDDEN, dtype=torch.float16, requires_grad=True)
+    cos_sin = model.model.rotary_emb(x, torch.arange(SEQ)[None].expand(2, -1))
+    for module in (layer.input_layernorm, layer.mlp, lambda h: layer.self_attn(h, cos_sin, None)[0]):
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(module, fullgraph=True)(x), module(x))
+
+
 def test_each_patch_can_be_left_out():
     model = tk_hf.apply(_model("llama"), rope=False, mlp=False, cross_entropy=False)
     layer = model.model.layers[0]
