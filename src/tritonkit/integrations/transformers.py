@@ -8,8 +8,9 @@ model's config only, with the mask function registered beside it (so a causal mo
 Parameters, state_dict keys and ``save_pretrained`` are untouched.
 
 What is patched (each can be turned off):
-- ``rms_norm``: every RMSNorm module (``weight * x / rms(x)``, x normalized in fp32) runs
-  ``tritonkit.rms_norm``; Qwen3's per-head q/k norms included.
+- ``rms_norm``: every RMSNorm module (``weight * x / rms(x)``, x normalized in fp32; Gemma's
+  ``(1 + weight)`` form) runs ``tritonkit.rms_norm``; Qwen3's and Gemma 3's per-head q/k norms
+  included.
 - ``attention``: ``flash_attention``, causal as the module says, the sliding window and soft cap
   transformers passes, padded batches through the packed (varlen) path. Generation with
   transformers' KV cache takes the decode kernel (``flash_attention_with_kvcache``) for its steps
@@ -44,10 +45,12 @@ import torch
 import tritonkit
 
 NAME = "tritonkit"  # the attention implementation's name in transformers' registries
-# config.model_type -> what its modules look like: the Llama family, whose attention, gated MLP
-# and RMSNorm (weight * normalized x) are the same modules under other names
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
-TESTED_VERSIONS = "5.17 (on the H200) and 5.24 (the CPU suite)"
+# config.model_type: the Llama family, whose attention, gated MLP and RMSNorm (weight * normalized
+# x) are the same modules under other names, and Gemma 2 and 3 (text), whose RMSNorm is
+# (1 + weight) * x in fp32, whose attention soft-caps its scores (Gemma 2) and whose LM head caps
+# its logits (Gemma 2)
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+TESTED_VERSIONS = "5.17 and 5.24 (the CPU suite; the H200 has 5.17)"
 HALVES = (torch.float16, torch.bfloat16)  # what the attention, gated MLP and loss kernels take
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}
 # new query tokens a call may have for the decode kernel (generation without padding, no gradient);
@@ -138,6 +141,13 @@ def _padded_attention(query, key, value, keep: torch.Tensor, options: dict) -> t
 # ---------------------------------------------------------------- the modules' forwards
 
 
+def _gemma_rms_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """Gemma's RMSNorm: x normalized and scaled by (1 + weight) in fp32, rounded once."""
+    if not _is_tensor(self.weight):
+        return type(self).forward(self, x)
+    return tritonkit.rms_norm(x, self.weight.shape, 1.0 + self.weight.float(), self.eps)
+
+
 def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     weight = self.weight
     if hidden_states.dtype != weight.dtype or not _is_tensor(weight):
@@ -187,6 +197,7 @@ def _causal_lm_forward(self, input_ids=None, *args, labels=None, **kwargs):
         shifted.reshape(-1),
         ignore_index=ignore_index,
         reduction=reduction,
+        softcap=getattr(self.config, "final_logit_softcapping", None),  # Gemma 2's tanh cap
         loss_dtype=torch.float32,  # transformers' loss upcasts the logits: an fp32 loss
     )
     if num_items is not None:
@@ -220,12 +231,15 @@ def _attention_module_forward(self, hidden_states, position_embeddings=None, att
     interface = model_module.ALL_ATTENTION_FUNCTIONS.get_interface(
         self.config._attn_implementation, model_module.eager_attention_forward
     )
-    # Mistral's window is its config's; Qwen2's and Qwen3's the layer's (None on full layers)
+    # Mistral's window is its config's; Qwen2's, Qwen3's and Gemma's the layer's (None on full
+    # layers); Gemma 2 soft-caps its scores
     window = (
         self.sliding_window
         if hasattr(self, "sliding_window")
         else getattr(self.config, "sliding_window", None)
     )
+    if getattr(self, "attn_logit_softcapping", None) is not None:
+        kwargs["softcap"] = self.attn_logit_softcapping
     out, weights = interface(
         self,
         q,
@@ -252,10 +266,16 @@ def _is_tensor(weight) -> bool:
 # ---------------------------------------------------------------- apply, unapply
 
 
-def _is_rms_norm(module: torch.nn.Module) -> bool:
-    """transformers' Llama-family RMSNorm: weight * (x normalized in fp32, cast back)."""
+def _rms_norm_kind(module: torch.nn.Module) -> Callable | None:
+    """The forward for transformers' RMSNorm modules: the Llama family's (weight * (x normalized in
+    fp32, cast back); ``variance_epsilon``), Gemma's ((1 + weight) * x normalized, in fp32; ``eps``);
+    None for any other module."""
     name = type(module).__name__
-    return name.endswith("RMSNorm") and hasattr(module, "weight") and hasattr(module, "variance_epsilon")
+    if not (name.endswith("RMSNorm") and hasattr(module, "weight")):
+        return None
+    if hasattr(module, "variance_epsilon"):
+        return _rms_norm_forward
+    return _gemma_rms_norm_forward if name.startswith("Gemma") and hasattr(module, "eps") else None
 
 
 def _is_attention(module: torch.nn.Module) -> bool:
@@ -269,7 +289,7 @@ def _is_gated_mlp(module: torch.nn.Module) -> bool:
 
 
 def _activation(model) -> str:
-    name = model.config.hidden_act
+    name = getattr(model.config, "hidden_activation", None) or model.config.hidden_act  # Gemma's first
     if name not in _ACTIVATIONS:
         raise ValueError(
             f"tritonkit's gated MLP takes the activations {sorted(_ACTIVATIONS)}, not {name!r}: "
@@ -301,9 +321,9 @@ def apply(
 ) -> torch.nn.Module:
     """Patch one transformers model in place (see the module's docstring) and return it.
 
-    Models: Llama, Mistral, Qwen2, Qwen3 (``SUPPORTED``; transformers ``TESTED_VERSIONS``); any
-    other raises ValueError naming its model_type. A model patched already raises (``unapply`` it
-    first)."""
+    Models: Llama, Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3's text model (``SUPPORTED``;
+    transformers ``TESTED_VERSIONS``); any other raises ValueError naming its model_type. A model
+    patched already raises (``unapply`` it first)."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED:
@@ -322,8 +342,8 @@ def apply(
     record: list = []
     activation = _activation(model) if mlp else None
     for module in model.modules():
-        if rms_norm and _is_rms_norm(module):
-            _patch(record, module, _rms_norm_forward)
+        if rms_norm and (norm_forward := _rms_norm_kind(module)) is not None:
+            _patch(record, module, norm_forward)
         elif mlp and _is_gated_mlp(module):
             _patch(record, module, _mlp_forward, _tritonkit_activation=activation)
         elif rope and _is_attention(module):
