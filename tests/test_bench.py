@@ -398,6 +398,19 @@ def test_timing_protocol_on_gpu():
 
 
 @pytest.mark.gpu
+def test_extra_memory_counts_what_a_call_holds_beyond_its_gradients():
+    """softmax's backward on (4096, 4096) fp32 (64 MiB): the forward's saved output and the upstream
+    gradient are the backward's working memory (about 128 MiB), its returned dx is not counted."""
+    workload = get_workload("softmax")
+    fwd, bwd = (
+        run_case(Case(workload, (4096, 4096), torch.float32, mode), ["tritonkit"], "cuda")[0]
+        for mode in ("fwd", "bwd")
+    )
+    assert 48 <= fwd["peak_extra_mib"] <= 80  # the output
+    assert 96 <= bwd["peak_extra_mib"] <= 200
+
+
+@pytest.mark.gpu
 def test_captured_backward_keeps_what_its_graph_reads_alive():
     """A backward's graph reads the forward output and upstream gradient that only the call holds:
     once capture returns, the replay must keep them alive, or their memory is reused under it."""

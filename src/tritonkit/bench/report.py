@@ -25,6 +25,7 @@ TABLE_COLUMNS = [  # (header, row key, format)
     ("%roof(ds)", "pct_roofline_datasheet", "{:.1f}"),
     ("%copy@size", "pct_copy_same_bytes", "{:.1f}"),
     ("host us", "host_us", "{:.1f}"),
+    ("extra MiB", "peak_extra_mib", "{:.0f}"),
     ("vs best peer", "speedup_vs_best_peer", "{:.2f}x"),
     ("max err", "max_err", "{:.2e}"),
     ("check", "check", "{}"),

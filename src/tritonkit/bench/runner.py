@@ -172,6 +172,7 @@ def run_case(
             rows.append(row | {"unavailable": f"refused: {type(error).__name__}: {error}"[:200]})
             continue
         if device == "cuda":
+            row |= _peak_extra(fn, case, inputs)
             row |= _timings(fn, case, inputs) | _host_time(fn, case, provider.name)
         rows.append(row)
     return rows
@@ -209,6 +210,23 @@ def _copy_ms(total_bytes: int) -> float:
     dst = torch.empty_like(src)
     (_, median, _), _ = timing.kernel_ms([lambda: lambda: torch.neg(src, out=dst)])
     return median
+
+
+def _peak_extra(fn: Callable, case: Case, inputs: tuple) -> dict:
+    """The memory one call holds at its peak beyond its inputs and the gradients it returns (a
+    backward's forward included: what it saves counts), in MiB: the extra memory a user pays, as
+    the cross-entropy issue's bound on linear_cross_entropy counts it."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    result = _call(fn, case, inputs)()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    returned = 0
+    if case.mode != "fwd":  # the gradients are the call's results, not its overhead
+        returned = sum(inputs[i].numel() * inputs[i].element_size() for i in case.workload.op.grad_inputs)
+    del result
+    return {"peak_extra_mib": max(peak - returned, 0) / 2**20}
 
 
 def _timings(fn: Callable, case: Case, inputs: tuple) -> dict:
