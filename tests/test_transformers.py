@@ -5,9 +5,12 @@ bf16 torch's error); generation, padding, per-instance patching, unapply and the
 from __future__ import annotations
 
 import copy
+import datetime
+import os
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 from tritonkit.oracle import compare
 
@@ -258,3 +261,74 @@ def test_bad_configurations_fail_clearly():
     kv = torch.randn(1, KV_HEADS, 4, 16, dtype=torch.bfloat16)
     with pytest.raises(NotImplementedError, match="dropout"):
         tk_hf.attention_forward(model.model.layers[0].self_attn, q, kv, kv, None, dropout=0.1)
+
+
+# ---------------------------------------------------------------- FSDP2, two CPU processes on gloo
+
+
+def _fsdp_worker(rank: int, world: int, store: str, out_dir: str) -> None:
+    os.environ["TRITONKIT_INTERPRET"] = "1"  # CPU processes on gloo, on a GPU machine too
+    from tritonkit import _runtime
+
+    _runtime.interpret()  # before torch.distributed.fsdp imports triton
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    import fast_interpreter
+
+    fast_interpreter.install()
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    try:
+        model = tk_hf.apply(_model("llama", torch.float16)).train()
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        ids, labels = _batch(batch=world)
+        loss = model(input_ids=ids[rank : rank + 1], labels=labels[rank : rank + 1]).loss
+        loss.backward()
+        dist.all_reduce(loss)
+        grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}  # averaged over ranks
+        if rank == 0:
+            torch.save({"loss": loss / world, "grads": grads}, os.path.join(out_dir, "fsdp.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_trains_as_one_process(tmp_path):
+    """A patched model under fully_shard on two gloo processes, a sequence each: the loss and every
+    gradient (FSDP's average over the ranks) pass the oracle against the float64 model on the whole
+    batch, with the patched model on one process as the torch term (each row keeps as many tokens,
+    so the mean of the ranks' means is the whole batch's)."""
+    context = mp.start_processes(
+        _fsdp_worker,
+        args=(2, str(tmp_path / "store"), str(tmp_path)),
+        nprocs=2,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=240)
+    while not context.join(timeout=5):
+        if datetime.datetime.now() > deadline:
+            for process in context.processes:
+                process.terminate()
+            pytest.fail("FSDP2 on two processes did not finish in 240 s")
+    sharded = torch.load(tmp_path / "fsdp.pt")
+    ids, labels = _batch(batch=2)
+    reference = _model("llama", torch.float16)
+    exact = _run(copy.deepcopy(reference).double(), ids, labels)
+    one = _run(tk_hf.apply(copy.deepcopy(reference)), ids, labels)
+    comparisons = [compare("loss", sharded["loss"], one[1], exact[1], torch.float16)]
+    comparisons += [
+        compare(f"grad {name}", grad, one[2][name], exact[2][name], torch.float16)
+        for name, grad in sharded["grads"].items()
+    ]
+    assert len(comparisons) == 1 + len(exact[2])
+    failed = [c for c in comparisons if not c.passed]
+    assert not failed, failed
