@@ -263,6 +263,42 @@ def test_bad_configurations_fail_clearly():
         tk_hf.attention_forward(model.model.layers[0].self_attn, q, kv, kv, None, dropout=0.1)
 
 
+def _trainer_losses(model, out_dir) -> list[float]:
+    """Three optimizer steps of HF's Trainer (AdamW, two micro-batches of 2 accumulated a step, so
+    the loss takes ``num_items_in_batch``), the logged loss of each."""
+    ids, labels = _batch(batch=4)
+    rows = [{"input_ids": ids[i], "labels": labels[i]} for i in range(len(ids))]
+    args = transformers.TrainingArguments(
+        output_dir=str(out_dir),
+        max_steps=3,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
+    trainer.train()
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def test_hf_trainer_trains_the_patched_model_as_the_unpatched_one(tmp_path):
+    """Each step's loss under Trainer within the oracle's rule: the unpatched model trained in float64
+    the reference, in bf16 torch's term (bf16: pure fp16 weights under AdamW overflow)."""
+    pytest.importorskip("accelerate")
+    base = _model("llama", torch.bfloat16)
+    exact = _trainer_losses(copy.deepcopy(base).double(), tmp_path / "exact")
+    plain = _trainer_losses(copy.deepcopy(base), tmp_path / "plain")
+    ours = _trainer_losses(tk_hf.apply(copy.deepcopy(base)), tmp_path / "ours")
+    assert len(ours) == len(exact) == 3
+    for step, values in enumerate(zip(ours, plain, exact, strict=True)):
+        ours_loss, plain_loss, exact_loss = (torch.tensor(v, dtype=torch.float64) for v in values)
+        assert compare(f"loss {step}", ours_loss, plain_loss, exact_loss, torch.bfloat16).passed, values
+
+
 # ---------------------------------------------------------------- FSDP2, two CPU processes on gloo
 
 
