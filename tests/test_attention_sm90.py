@@ -36,7 +36,7 @@ def descriptor(dtype, rows, head_dim):
 
 for dtype, head_dim, causal, persistent in (
     ("bf16", 128, False, False), ("bf16", 128, True, False), ("fp16", 64, True, False),
-    ("bf16", 128, True, True), ("fp16", 64, False, True),
+    ("bf16", 128, True, True), ("fp16", 64, False, True), ("bf16", 128, False, True),
 ):
     # the default tile, or the default tile persistent
     config = fwd.CONFIGS[head_dim]._replace(persistent=persistent)
@@ -79,16 +79,14 @@ for dtype, head_dim, causal, persistent in (
 
 def test_the_kernel_compiles_for_hopper_warp_specialized_with_its_softmax_under_the_pv_product():
     rows = [json.loads(line) for line in sm90.run(_STATIC_CHECK)]
-    assert len(rows) == 5
+    assert len(rows) == 6
     for row in rows:
         # two consumer warpgroups and the producer's warpgroup; budgets 240 and 24 (and Triton's steps)
         assert row["warps"] == 12 and {240, 24} <= set(row["setmaxnreg"]), row
         assert row["shared"] <= 227 * 1024, row
         assert row["waits"] == [0, 1], row  # the main loop waits for the older product only
         assert row["hgmma"] > 0 and row["hmma"] == 0 and row["tma_loads"] > 0, row
-        # no spills; persistent at D = 128, one value computed before the partitions start crosses
-        # the register reallocation on the stack (one store, one load a program)
-        assert row["spills"] <= (2 if "persistent" in row["case"] else 0), row
+        assert row["spills"] == 0, row  # persistent too (the causal walk's 2 before its loop bounds)
         # a block's exponentials (64 a thread at 128 keys) run while the previous PV product does
         assert row["exps_under_pv"] >= row["block_exps"], row
 
