@@ -102,6 +102,9 @@ def test_the_default_tile_is_persistent_for_a_full_mask_over_few_keys_at_d128():
     assert all(
         config in fwd.CANDIDATES[d] for d in (64, 128) for config in (fwd.default_config(d, False, 1),)
     )
+    # a persistent causal launch numbers every head's blocks at once, longest first (its snake walk)
+    assert fwd.order(True, 64, persistent=True) == 64 and fwd.order(True, 64) == fwd.CAUSAL_HEADS_PER_GROUP
+    assert fwd.order(False, 64, persistent=True) == 1
 
 
 # ---------------------------------------------------------------- on the H200
