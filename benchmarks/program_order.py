@@ -9,7 +9,9 @@ forward one 128-key block against a program's 128 rows. Causal masks give progra
 walks, so the order decides how evenly the SMs finish: what ``bwd_sm90.FREE_CAUSAL_PAIRS_PER_GROUP``
 and ``fwd_sm90.CAUSAL_HEADS_PER_GROUP`` were chosen from (docs/perf-notes.md, "The order of the
 sm_90 programs"). Prints, per shape, the makespan in steps of each group size beside the even
-spread (the total work over the SMs).
+spread (the total work over the SMs); for the forward also a persistent grid's (one program an SM,
+its tiles fixed in advance): the stride walk (program p takes tiles p, p + 132, ...) by group size,
+and the snake walk over every head at once (``fwd_sm90_kernels._walk``).
 """
 
 from __future__ import annotations
@@ -49,6 +51,27 @@ def forward(batch: int, heads: int, seq: int) -> dict:
     return _row(batch * heads, blocks, lambda i: blocks - i, start=2)
 
 
+def persistent(walks: list[int], start: int, snake: bool) -> int:
+    """Steps until the busiest of SMS programs finishes its tiles: tile t of round t // SMS goes to
+    program t % SMS, or, ``snake``, to SMS - 1 - t % SMS in every other round."""
+    busy = [0] * SMS
+    for tile, walk in enumerate(walks):
+        lap, place = divmod(tile, SMS)
+        busy[SMS - 1 - place if snake and lap % 2 else place] += walk + start
+    return max(busy)
+
+
+def forward_persistent(batch: int, heads: int, seq: int) -> dict:
+    """``forward``'s tiles on a persistent grid: the stride walk by group size, the snake over all."""
+    blocks = seq // 128
+    units, walk = batch * heads, lambda i: blocks - i
+    row = {"even": sum(walk(b) + 2 for b in range(blocks)) * units / SMS}
+    for group in GROUPS:
+        row[group] = persistent(grouped(units, blocks, walk, group), 2, snake=False)
+    row["snake"] = persistent(grouped(units, blocks, walk, GROUPS[-1]), 2, snake=True)
+    return row
+
+
 def _row(units: int, blocks: int, walk, start: int) -> dict:
     work = sum(walk(b) + start for b in range(blocks)) * units
     row = {"even": work / SMS}
@@ -58,18 +81,19 @@ def _row(units: int, blocks: int, walk, start: int) -> dict:
 
 
 def main() -> None:
-    label = {g: ("all" if g == GROUPS[-1] else str(g)) for g in GROUPS}
+    label = {g: ("all" if g == GROUPS[-1] else str(g)) for g in GROUPS} | {"snake": "snake, all"}
+    forward_shapes = [(2, 32, 4096), (4, 32, 4096), (2, 16, 16384), (16, 16, 1024), (2, 32, 8192)]
     cases = [
         ("backward (B, Hkv, GQA group, S)", backward, [(2, 8, 4, 4096), (4, 32, 1, 4096), (2, 16, 1, 16384),
                                                        (16, 16, 1, 1024), (2, 8, 4, 8192)]),
-        ("forward (B, H, S)", forward, [(2, 32, 4096), (4, 32, 4096), (2, 16, 16384), (16, 16, 1024),
-                                        (2, 32, 8192)]),
+        ("forward (B, H, S)", forward, forward_shapes),
+        ("forward on a persistent grid (B, H, S)", forward_persistent, forward_shapes),
     ]  # fmt: skip
     for title, simulate, shapes in cases:
         print(f"{title}: makespan in steps, by group size (even: the work spread evenly)")
         for shape in shapes:
             row = simulate(*shape)
-            cells = "  ".join(f"{label[g]}: {row[g]}" for g in GROUPS)
+            cells = "  ".join(f"{label[g]}: {row[g]}" for g in row if g != "even")
             print(f"  {shape}  even: {row['even']:.0f}  {cells}")
 
 

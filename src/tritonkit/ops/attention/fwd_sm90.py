@@ -280,7 +280,8 @@ def order(causal: bool, batch_heads: int, persistent: bool = False) -> int:
     """HEADS_PER_GROUP for a launch over ``batch_heads`` (batch, head)s. A persistent causal launch
     numbers every head's blocks longest first at once: its programs' snake (``_walk``) balances
     them only over one longest-first sequence (in groups of 4 heads the busiest of 132 programs
-    would take 1.50x the mean at the layer's (2, 32, 4096, 128), simulated; at once 1.002x)."""
+    would take 1.48x the mean at the layer's (2, 32, 4096, 128); at once 1.003x:
+    benchmarks/program_order.py)."""
     if causal and persistent:
         return batch_heads
     return min(CAUSAL_HEADS_PER_GROUP if causal else 1, batch_heads)
