@@ -76,7 +76,7 @@ def _run(model, ids, labels, mask=None):
     return logits, loss, grads
 
 
-def _check(kind: str, mask=None, dtype=torch.float16, device="cpu", **patches):
+def _check(kind: str, mask=None, dtype=torch.float16, device="cpu", autocast=None, **patches):
     """The oracle's rule on logits, loss and every gradient. fp16 by default: the interpreter
     truncates fp32 to bf16 where the GPU rounds, a bias that a whole model's sums carry past the
     rule's one-ulp allowance (a k_proj gradient at 3.1x torch's bf16 error against 2x + an ulp);
@@ -87,8 +87,10 @@ def _check(kind: str, mask=None, dtype=torch.float16, device="cpu", **patches):
         labels = labels.masked_fill(mask == 0, -100)
     reference = _model(kind, dtype).to(device)
     exact = _run(copy.deepcopy(reference).double(), ids, labels, mask)
-    in_dtype = _run(copy.deepcopy(reference), ids, labels, mask)
-    ours = _run(tk_hf.apply(copy.deepcopy(reference), **patches), ids, labels, mask)
+    with torch.autocast(device, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        in_dtype = _run(copy.deepcopy(reference), ids, labels, mask)
+        ours = _run(tk_hf.apply(copy.deepcopy(reference), **patches), ids, labels, mask)
+    dtype = autocast or dtype
     if mask is not None:  # a padded position's logits are nobody's: compare the tokens'
         exact, in_dtype, ours = ((r[0][mask.bool()], *r[1:]) for r in (exact, in_dtype, ours))
     comparisons = [
@@ -111,6 +113,16 @@ def test_a_bf16_model_matches_the_unpatched_one():
     """bf16 but for the rotation, whose single rounding the interpreter's truncation biases in every
     q and k (the k_proj gradient then 2.6x torch's error); on the H200 below, all of it."""
     _check("llama", dtype=torch.bfloat16, rope=False)
+
+
+def test_mixed_precision_fp32_weights_under_autocast():
+    """fp32 parameters, fp16 autocast (AMP training): the matmuls' weights cast as autocast casts
+    them, the fused loss kept (no logits), fp32 gradients, within the oracle against float64."""
+    _check("llama", dtype=torch.float32, autocast=torch.float16)
+    model = tk_hf.apply(_model("llama", torch.float32)).train()
+    ids, labels = _batch()
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert model(input_ids=ids, labels=labels).logits is None
 
 
 @pytest.mark.gpu
@@ -250,8 +262,9 @@ def test_bad_configurations_fail_clearly():
     with pytest.raises(ValueError, match="'gpt2'"):
         tk_hf.apply(gpt2)
     model = _model("llama")
-    with pytest.raises(ValueError, match="float16 or bfloat16"):
-        tk_hf.apply(_model("llama", dtype=torch.float32))
+    fp32 = tk_hf.apply(_model("llama", dtype=torch.float32)).eval()  # fine under autocast, not without
+    with pytest.raises(TypeError, match="float16 or bfloat16 q, k and v.*autocast"):
+        fp32(input_ids=_batch()[0])
     tk_hf.apply(model)
     with pytest.raises(ValueError, match="patched already"):
         tk_hf.apply(model)

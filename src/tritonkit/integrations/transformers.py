@@ -28,10 +28,15 @@ What is patched (each can be turned off):
   with q and k rotated by ``tritonkit.apply_rotary_pos_emb`` in one launch. Of the patches it is
   the one that follows transformers' code most closely; written against 5.17's and 5.24's.
 
+Mixed precision: fp32 parameters under ``torch.autocast`` (fp16 or bf16) work as transformers'
+modules do there: the gated MLP's and the LM head's weights are cast to autocast's dtype for their
+products (as autocast casts a Linear's), the RMSNorms run in fp32, and gradients reach the fp32
+parameters. Without autocast an fp32 model's attention raises (the kernels take 16-bit q, k, v).
+
 A module replaced after ``apply`` (a PEFT/LoRA wrapper around a projection), or one whose weights
-or inputs are in a dtype its kernel does not take (fp32 for the gated MLP and the loss), is run as
-transformers wrote it: each patched forward checks its preconditions at every call and falls back
-to the module's own forward when one fails.
+or inputs are in a dtype its kernel does not take (fp32 for the gated MLP and the loss outside
+autocast), is run as transformers wrote it: each patched forward checks its preconditions at every
+call and falls back to the module's own forward when one fails.
 """
 
 from __future__ import annotations
@@ -106,8 +111,9 @@ def attention_forward(
         )
     if query.dtype not in HALVES:
         raise TypeError(
-            f"tritonkit attention takes float16 or bfloat16, got {query.dtype}: cast the model "
-            f"(model.to(torch.bfloat16)) or apply with attention=False"
+            f"tritonkit attention takes float16 or bfloat16 q, k and v, got {query.dtype}: cast the "
+            f"model (model.to(torch.bfloat16)), run it under torch.autocast(dtype=torch.bfloat16), or "
+            f"apply with attention=False"
         )
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     window = (sliding_window - 1, 0 if causal else sliding_window - 1) if sliding_window else (-1, -1)
@@ -158,9 +164,22 @@ def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     gate, up = self.gate_proj, self.up_proj
     plain = all(_plain_linear(m) and m.bias is None for m in (gate, up))
-    if not plain or x.dtype not in HALVES or gate.weight.dtype != x.dtype or up.weight.dtype != x.dtype:
+    dtype = _compute_dtype(x)
+    if (
+        not plain
+        or dtype not in HALVES
+        or not all(m.weight.dtype in (dtype, torch.float32) for m in (gate, up))
+    ):
         return type(self).forward(self, x)
-    return self.down_proj(tritonkit.gated_linear(x, gate.weight, up.weight, self._tritonkit_activation))
+    weights = (gate.weight.to(dtype), up.weight.to(dtype))  # autocast's casts of fp32 weights
+    return self.down_proj(tritonkit.gated_linear(x.to(dtype), *weights, self._tritonkit_activation))
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul of x (an activation or a weight) runs in: autocast's where it is on (fp32
+    weights, bf16 products), else x's."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
 def _causal_lm_forward(self, input_ids=None, *args, labels=None, **kwargs):
@@ -175,7 +194,7 @@ def _causal_lm_forward(self, input_ids=None, *args, labels=None, **kwargs):
         and torch.is_grad_enabled()
         and _plain_linear(self.lm_head)
         and self.lm_head.bias is None
-        and self.lm_head.weight.dtype in HALVES
+        and _compute_dtype(self.lm_head.weight) in HALVES
         and kwargs.get("logits_to_keep", 0) == 0
         and kwargs.get("return_dict", True) is not False
         and kwargs.get("shift_labels") is None
@@ -189,11 +208,13 @@ def _causal_lm_forward(self, input_ids=None, *args, labels=None, **kwargs):
     kwargs.pop("logits_to_keep", None)
     outputs = self.model(input_ids=input_ids, **kwargs)
     hidden = outputs.last_hidden_state
+    dtype = _compute_dtype(self.lm_head.weight)  # under autocast the head's product runs in its dtype
+    hidden, head = hidden.to(dtype), self.lm_head.weight.to(dtype)
     shifted = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:].to(hidden.device)
     reduction = "mean" if num_items is None else "sum"
     loss = tritonkit.linear_cross_entropy(
         hidden.reshape(-1, hidden.shape[-1]),
-        self.lm_head.weight,
+        head,
         shifted.reshape(-1),
         ignore_index=ignore_index,
         reduction=reduction,
@@ -333,12 +354,6 @@ def apply(
         )
     if hasattr(model, _PATCHES):
         raise ValueError(f"{type(model).__name__} is patched already: unapply(model) first")
-    dtype = next(model.parameters()).dtype
-    if attention and dtype not in HALVES:
-        raise ValueError(
-            f"tritonkit attention takes float16 or bfloat16 and the model's parameters are {dtype}: "
-            f"cast it first (model.to(torch.bfloat16)) or pass attention=False"
-        )
     record: list = []
     activation = _activation(model) if mlp else None
     for module in model.modules():
