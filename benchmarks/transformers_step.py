@@ -8,10 +8,11 @@ The model is Llama-3-8B's shapes (d 4096, 32 query / 8 KV heads of 128, FFN 1433
 128256) with ``--layers`` decoder layers (default 2: the LM head and embeddings stay whole), random
 weights, bf16, built from its config (no download). A step is the forward with labels and the
 backward (no optimizer), timed by CUDA events over ``STEPS`` steps after ``WARMUP``, median;
-tokens/s from B x S; peak memory over the step, from the allocator's high-water mark, less the
-parameters'. Each provider's first loss is compared with transformers' (the same weights and
-batch). Generation: greedy decoding of ``NEW_TOKENS`` tokens after a 512-token prompt at batch 8,
-tokens/s of the new tokens, transformers (SDPA) against tritonkit.
+tokens/s from B x S; peak memory over the step, from the allocator's high-water mark, over what
+was held before it (every model's weights and this one's gradients). Each provider's first loss
+is recorded (the same weights and batch for all: they should agree to bf16's rounding).
+Generation: greedy decoding of ``NEW_TOKENS`` tokens after a 512-token prompt at batch 8, tokens/s
+of the new tokens, transformers (SDPA) against tritonkit.
 
 liger-kernel patches classes and module functions globally (its ``apply_liger_kernel_to_llama``),
 so it runs last: every provider before it sees transformers unpatched.
@@ -72,7 +73,6 @@ def _prepare(provider: str, base):
 
 def _step_row(provider: str, base, ids: torch.Tensor) -> dict:
     model = _prepare(provider, base)
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
 
     def step():
         loss = model(input_ids=ids, labels=ids).loss
@@ -82,8 +82,9 @@ def _step_row(provider: str, base, ids: torch.Tensor) -> dict:
     first = step().item()
     for _ in range(WARMUP):
         step()
-    model.zero_grad(set_to_none=False)
+    model.zero_grad(set_to_none=False)  # the gradients stay allocated: held before the step
     torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(STEPS):
@@ -93,7 +94,7 @@ def _step_row(provider: str, base, ids: torch.Tensor) -> dict:
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
-    peak = torch.cuda.max_memory_allocated() - 2 * params  # less the weights and their gradients
+    peak = torch.cuda.max_memory_allocated() - held  # activations and workspace over the weights and grads
     ms = statistics.median(times)
     return {"ms": ms, "tokens_per_s": ids.numel() / ms * 1e3, "peak_gib": peak / 2**30, "loss": first}
 
