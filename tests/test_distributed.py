@@ -6,13 +6,13 @@ not divide into the shards are refused with the length to pad to (shard_sequence
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+import gloo
 
 pytestmark = pytest.mark.distributed
 
@@ -110,23 +110,9 @@ def _round_trip(group=None) -> bool:
 
 
 def _worker(rank: int, world: int, store: str, out_dir: str) -> None:
+    gloo.join_group(rank, world, store, TIMEOUT_S // 2)
     import torch.distributed as dist
 
-    os.environ["TRITONKIT_INTERPRET"] = "1"  # CPU processes on gloo, on a GPU machine too
-    from tritonkit import _runtime
-
-    if _runtime.interpret():  # the interpreter's speed-ups that conftest installs in the suite's processes
-        import fast_interpreter
-
-        fast_interpreter.install()
-
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=TIMEOUT_S // 2),
-    )
     try:
         pair = dist.new_group(PAIR)  # every process takes part in making it
         # Three ranks reach what two cannot: a ring whose next and previous ranks differ (blocks sent
@@ -170,19 +156,7 @@ def _all_finished(store: str, world: int) -> None:
 
 
 def _run(world: int, tmp_path) -> list[dict]:
-    context = mp.start_processes(
-        _worker,
-        args=(world, str(tmp_path / "store"), str(tmp_path)),
-        nprocs=world,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = datetime.datetime.now() + datetime.timedelta(seconds=TIMEOUT_S)
-    while not context.join(timeout=5):
-        if datetime.datetime.now() > deadline:
-            for process in context.processes:
-                process.terminate()
-            pytest.fail(f"ring attention on {world} processes did not finish in {TIMEOUT_S} s")
+    gloo.run(_worker, (world, str(tmp_path / "store"), str(tmp_path)), world, TIMEOUT_S, "ring attention")
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(world)]
 
 

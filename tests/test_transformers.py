@@ -5,13 +5,13 @@ bf16 torch's error); generation, padding, per-instance patching, unapply and the
 from __future__ import annotations
 
 import copy
-import datetime
 import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+import gloo
+import tritonkit
 from tritonkit.oracle import compare
 
 transformers = pytest.importorskip("transformers")
@@ -133,7 +133,7 @@ def test_padded_batches_take_the_packed_path():
 
 
 @pytest.mark.parametrize("padded", [True, False], ids=["left-padded", "unpadded"])
-def test_greedy_generation_gives_the_same_tokens_up_to_a_tie(padded):
+def test_greedy_generation_gives_the_same_tokens_up_to_a_tie(padded, monkeypatch):
     """transformers' KV cache, prompts left-padded (the packed path) or not (the decode kernel): the
     patched model picks the unpatched model's tokens, except where two candidates' float64 logits
     are closer than bf16's own error (where unpatched bf16 could pick either); the sequences are
@@ -145,7 +145,13 @@ def test_greedy_generation_gives_the_same_tokens_up_to_a_tie(padded):
     mask[0, :3] = 0 if padded else 1
     settings = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
     expected = model.generate(input_ids=ids, attention_mask=copy.copy(mask), **settings)
+    decode_calls = []
+    decode = tritonkit.flash_attention_with_kvcache
+    monkeypatch.setattr(
+        tritonkit, "flash_attention_with_kvcache", lambda *a, **k: decode_calls.append(1) or decode(*a, **k)
+    )
     got = tk_hf.apply(copy.deepcopy(model)).generate(input_ids=ids, attention_mask=mask, **settings)
+    assert bool(decode_calls) != padded  # the decode kernel for every step unpadded, never padded
     assert got.shape == expected.shape
     full_mask = torch.cat([mask, torch.ones_like(got[:, ids.shape[1] :])], dim=1)
     for row in range(got.shape[0]):
@@ -211,7 +217,7 @@ def test_the_loss_without_logits_and_gradient_accumulations_sum():
     model = tk_hf.apply(_model("llama")).train()
     ids, labels = _batch()
     out = model(input_ids=ids, labels=labels)
-    assert out.logits is None
+    assert out.logits is None and out.loss.dtype == torch.float32  # transformers' loss is fp32
     summed = model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(7)).loss
     kept = int((labels[:, 1:] != -100).sum())
     torch.testing.assert_close(summed.float(), out.loss.float() * kept / 7, rtol=1e-2, atol=0)
@@ -310,23 +316,10 @@ def test_hf_trainer_trains_the_patched_model_as_the_unpatched_one(tmp_path):
 
 
 def _fsdp_worker(rank: int, world: int, store: str, out_dir: str) -> None:
-    os.environ["TRITONKIT_INTERPRET"] = "1"  # CPU processes on gloo, on a GPU machine too
-    from tritonkit import _runtime
-
-    _runtime.interpret()  # before torch.distributed.fsdp imports triton
+    gloo.join_group(rank, world, store, 120)
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    import fast_interpreter
-
-    fast_interpreter.install()
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-    )
     try:
         model = tk_hf.apply(_model("llama", torch.float16)).train()
         for layer in model.model.layers:
@@ -349,19 +342,7 @@ def test_fsdp2_trains_as_one_process(tmp_path):
     gradient (FSDP's average over the ranks) pass the oracle against the float64 model on the whole
     batch, with the patched model on one process as the torch term (each row keeps as many tokens,
     so the mean of the ranks' means is the whole batch's)."""
-    context = mp.start_processes(
-        _fsdp_worker,
-        args=(2, str(tmp_path / "store"), str(tmp_path)),
-        nprocs=2,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = datetime.datetime.now() + datetime.timedelta(seconds=240)
-    while not context.join(timeout=5):
-        if datetime.datetime.now() > deadline:
-            for process in context.processes:
-                process.terminate()
-            pytest.fail("FSDP2 on two processes did not finish in 240 s")
+    gloo.run(_fsdp_worker, (2, str(tmp_path / "store"), str(tmp_path)), 2, 240, "FSDP2")
     sharded = torch.load(tmp_path / "fsdp.pt")
     ids, labels = _batch(batch=2)
     reference = _model("llama", torch.float16)

@@ -118,7 +118,7 @@ def attention_forward(
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     window = (sliding_window - 1, 0 if causal else sliding_window - 1) if sliding_window else (-1, -1)
     options = {"causal": causal, "scale": scaling, "window": window, "softcap": float(softcap or 0.0)}
-    if attention_mask is None or bool(attention_mask.all()):
+    if attention_mask is None:  # the mask function gives one only where something is padded
         decoding = query.shape[2] <= DECODE_QUERIES and not torch.is_grad_enabled()
         if decoding:  # a few new tokens over the cache: the decode kernel, laid out as it takes them
             q, k, v = (t.transpose(1, 2) for t in (query, key, value))

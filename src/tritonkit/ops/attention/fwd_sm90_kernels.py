@@ -196,13 +196,16 @@ def _load_partition(
 
 
 @gluon.jit
-def _walk(step):
-    """The tile a persistent program takes at its ``step``: rounds of num_programs tiles, each
+def _walk(step, IS_CAUSAL: gl.constexpr):
+    """The tile a persistent program takes at its loop's ``step`` (``_walk_range``): a full mask's
+    step is its tile. Causal: rounds of num_programs tiles, each
     program one a round, every other round in reverse (a snake), so that over the rounds of a
     longest-first numbering each program's long and short tiles pair up. Simulated on 132 SMs at the
     decoder layer's (2, 32, 4096, 128) causal, every head at once (benchmarks/program_order.py):
     288 steps against the even spread's 287, where one stride of num_programs took 304 (and 424 in
     groups of 4 heads)."""
+    if not IS_CAUSAL:
+        return step
     programs = gl.num_programs(0)
     lane = gl.program_id(0)
     return step * programs + gl.where(step % 2 == 0, lane, programs - 1 - lane)
@@ -246,10 +249,7 @@ def _load_partition_persistent(
     loads = 0
     first, last, stride = _walk_range(n_tiles, IS_CAUSAL)
     for step in range(first, last, stride):
-        if IS_CAUSAL:
-            tile = _walk(step)
-        else:
-            tile = step
+        tile = _walk(step, IS_CAUSAL)
         batch, head, kv_head, start_m, n_blocks, _ = _tile(
             tile, HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, BLOCK, BLOCK_N,
             IS_CAUSAL,
@@ -522,10 +522,7 @@ def _softmax_partition_persistent(
     loads = 0
     first, last, stride = _walk_range(n_tiles, IS_CAUSAL)
     for step in range(first, last, stride):
-        if IS_CAUSAL:
-            tile = _walk(step)
-        else:
-            tile = step
+        tile = _walk(step, IS_CAUSAL)
         batch, head, _, start_m, n_blocks, n_full = _tile(
             tile, HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, BLOCK, BLOCK_N,
             IS_CAUSAL,
