@@ -104,12 +104,13 @@ def _generate_row(provider: str, base) -> dict:
     prompt = torch.randint(
         0, 128256, (8, 512), device="cuda", generator=torch.Generator("cuda").manual_seed(1)
     )
-    settings = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "do_sample": False}
+    # no padding: the mask is all ones, said so that transformers does not warn or guess
+    settings = {"attention_mask": torch.ones_like(prompt), "pad_token_id": 0, "do_sample": False}
     with torch.no_grad():
-        model.generate(prompt, max_new_tokens=4, do_sample=False)  # compile, tune, allocate
+        model.generate(prompt, max_new_tokens=4, **settings)  # compile, tune, allocate
         torch.cuda.synchronize()
         start = time.perf_counter()
-        tokens = model.generate(prompt, **settings)
+        tokens = model.generate(prompt, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, **settings)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
     return {
