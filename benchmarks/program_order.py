@@ -11,7 +11,7 @@ and ``fwd_sm90.CAUSAL_HEADS_PER_GROUP`` were chosen from (docs/perf-notes.md, "T
 sm_90 programs"). Prints, per shape, the makespan in steps of each group size beside the even
 spread (the total work over the SMs); for the forward also a persistent grid's (one program an SM,
 its tiles fixed in advance): the stride walk (program p takes tiles p, p + 132, ...) by group size,
-and the snake walk over every head at once (``fwd_sm90_kernels._walk``).
+and the stride over pairs of a long and a short block (``fwd_sm90_kernels._walk``).
 """
 
 from __future__ import annotations
@@ -51,24 +51,33 @@ def forward(batch: int, heads: int, seq: int) -> dict:
     return _row(batch * heads, blocks, lambda i: blocks - i, start=2)
 
 
-def persistent(walks: list[int], start: int, snake: bool) -> int:
-    """Steps until the busiest of SMS programs finishes its tiles: tile t of round t // SMS goes to
-    program t % SMS, or, ``snake``, to SMS - 1 - t % SMS in every other round."""
+def persistent(walks: list[int], start: int) -> int:
+    """Steps until the busiest of SMS programs finishes its tiles: tile t to program t % SMS."""
     busy = [0] * SMS
     for tile, walk in enumerate(walks):
-        lap, place = divmod(tile, SMS)
-        busy[SMS - 1 - place if snake and lap % 2 else place] += walk + start
+        busy[tile % SMS] += walk + start
     return max(busy)
 
 
+def paired(units: int, blocks: int, walk, group: int) -> list[int]:
+    """Pairs in ``fwd_sm90_kernels._walk``'s order, each the walk of its long and short block:
+    groups of ``group`` units, in a group the pairs slow, units fast; an odd middle block twice."""
+    order = []
+    for first in range(0, units, group):
+        heads = min(group, units - first)
+        order += [walk(j) + walk(blocks - 1 - j) for j in range((blocks + 1) // 2) for _ in range(heads)]
+    return order
+
+
 def forward_persistent(batch: int, heads: int, seq: int) -> dict:
-    """``forward``'s tiles on a persistent grid: the stride walk by group size, the snake over all."""
+    """``forward``'s tiles on a persistent grid: single tiles in a stride by group size; the last
+    column, pairs of a long and a short block in groups of 4 (the kernel's causal walk)."""
     blocks = seq // 128
     units, walk = batch * heads, lambda i: blocks - i
     row = {"even": sum(walk(b) + 2 for b in range(blocks)) * units / SMS}
     for group in GROUPS:
-        row[group] = persistent(grouped(units, blocks, walk, group), 2, snake=False)
-    row["snake"] = persistent(grouped(units, blocks, walk, GROUPS[-1]), 2, snake=True)
+        row[group] = persistent(grouped(units, blocks, walk, group), 2)
+    row["pairs"] = persistent(paired(units, blocks, walk, 4), 4)
     return row
 
 
@@ -81,7 +90,7 @@ def _row(units: int, blocks: int, walk, start: int) -> dict:
 
 
 def main() -> None:
-    label = {g: ("all" if g == GROUPS[-1] else str(g)) for g in GROUPS} | {"snake": "snake, all"}
+    label = {g: ("all" if g == GROUPS[-1] else str(g)) for g in GROUPS} | {"pairs": "pairs, 4"}
     forward_shapes = [(2, 32, 4096), (4, 32, 4096), (2, 16, 16384), (16, 16, 1024), (2, 32, 8192)]
     cases = [
         ("backward (B, Hkv, GQA group, S)", backward, [(2, 8, 4, 4096), (4, 32, 1, 4096), (2, 16, 1, 16384),

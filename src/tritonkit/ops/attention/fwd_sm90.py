@@ -87,8 +87,8 @@ def default_config(head_dim: int, causal: bool, seq_k: int) -> Config:
 
 # What the benchmark compares per head dim (and the tests check): the default, the same tile with
 # ping-pong toggled and without PIN_SOFTMAX (what each is worth), a deeper ring at D = 128, and the
-# tile persistent (the default for a full mask over few keys at D = 128; causal, its snake walk over
-# every head at once, not yet run on the H200). FA3's three consumers at D = 64 (64-key steps, 160
+# tile persistent (the default for a full mask over few keys at D = 128; causal, its walk in pairs of
+# a long and a short block, fwd_sm90_kernels._walk). FA3's three consumers at D = 64 (64-key steps, 160
 # registers) ran 0.84-0.89x cuDNN against the default's 0.92-0.93 and were removed.
 CANDIDATES = {
     64: [
@@ -276,14 +276,9 @@ def attention_fwd_sm90(
 CAUSAL_HEADS_PER_GROUP = 4
 
 
-def order(causal: bool, batch_heads: int, persistent: bool = False) -> int:
-    """HEADS_PER_GROUP for a launch over ``batch_heads`` (batch, head)s. A persistent causal launch
-    numbers every head's blocks longest first at once: its programs' snake (``_walk``) balances
-    them only over one longest-first sequence (in groups of 4 heads the busiest of 132 programs
-    would take 1.48x the mean at the layer's (2, 32, 4096, 128); at once 1.003x:
-    benchmarks/program_order.py)."""
-    if causal and persistent:
-        return batch_heads
+def order(causal: bool, batch_heads: int) -> int:
+    """HEADS_PER_GROUP for a launch over ``batch_heads`` (batch, head)s: one tile a program and
+    persistent (``fwd_sm90_kernels._walk`` numbers its pairs of blocks in the same groups)."""
     return min(CAUSAL_HEADS_PER_GROUP if causal else 1, batch_heads)
 
 
@@ -305,7 +300,7 @@ def launches(q, k, v, o, lse, *, scale: float, causal: bool, config: Config | No
         lse.stride(1),
         heads_q,
         batch * heads_q,
-        order(causal, batch * heads_q, config.persistent),
+        order(causal, batch * heads_q),
         heads_q // heads_kv,
         seq_q,
         seq_k,

@@ -43,7 +43,7 @@ harmless for Q and V) and are never stored, so ragged lengths need no padding.
 
 ``Config.persistent`` (the default for a full mask at D = 128 over few keys; a candidate otherwise)
 launches one program an SM, each walking its tiles in ``_tile``'s numbering (causal: ``_walk``'s
-snake over every head's blocks longest first): the K/V ring runs on across tiles, and O leaves
+pairs of a long and a short block): the K/V ring runs on across tiles, and O leaves
 through buffers of its own so that the next tile's Q lands under the epilogue.
 
 Not here yet (later stages): sliding windows, soft-capping, packed variable-length batches, D other
@@ -54,8 +54,6 @@ References: Shah et al., "FlashAttention-3" (arXiv 2407.08608); Dao-AILab/flash-
 ``hopper/mainloop_fwd_sm90_tma_gmma_ws.hpp``; Triton's Gluon tutorials (05-wgmma,
 08-warp-specialization).
 """
-
-from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -196,44 +194,45 @@ def _load_partition(
 
 
 @gluon.jit
-def _walk(step, IS_CAUSAL: gl.constexpr):
-    """The tile a persistent program takes at its loop's ``step`` (``_walk_range``): a full mask's
-    step is its tile. Causal: rounds of num_programs tiles, each
-    program one a round, every other round in reverse (a snake), so that over the rounds of a
-    longest-first numbering each program's long and short tiles pair up. Simulated on 132 SMs at the
-    decoder layer's (2, 32, 4096, 128) causal, every head at once (benchmarks/program_order.py):
-    288 steps against the even spread's 287, where one stride of num_programs took 304 (and 424 in
-    groups of 4 heads)."""
+def _walk(step, m_blocks, BATCH_HEADS, HEADS_PER_GROUP, IS_CAUSAL: gl.constexpr):
+    """The tile (``_tile``'s numbering) a persistent program takes at its loop's ``step``
+    (``_walk_range``). A full mask's tiles are alike: the step is the tile. Causal, a program takes
+    pairs: query block j of a head and block m_blocks - 1 - j of the same head, whose walks add up to
+    the same number of key blocks in every pair (m_blocks + 1 with Sq = Sk), so that programs taking
+    pairs in a stride of num_programs finish together. Pairs are numbered as ``_tile`` numbers the
+    tiles, group after group of HEADS_PER_GROUP heads, so the programs running at once read the K
+    and V of a few heads, which stay in L2. With an odd m_blocks the middle block pairs with itself
+    and is computed twice (the same output written twice): its pair weighs as much as the others.
+    Simulated on 132 SMs at the decoder layer's (2, 32, 4096, 128) causal (benchmarks/
+    program_order.py): the busiest program 296 steps against the even spread's 287, where a stride
+    over single tiles took 424. A snake over every head's blocks at once (288) ran on the H200 at
+    0.77x cuDNN at (4, 32, 4096, 128) against one tile a program's 0.90x: 128 heads' K and V at once
+    do not fit in L2."""
     if not IS_CAUSAL:
         return step
-    programs = gl.num_programs(0)
-    lane = gl.program_id(0)
-    return step * programs + gl.where(step % 2 == 0, lane, programs - 1 - lane)
+    half = (m_blocks + 1) // 2
+    pair = (step // 2) * gl.num_programs(0) + gl.program_id(0)
+    first_head = (pair // (HEADS_PER_GROUP * half)) * HEADS_PER_GROUP
+    group_heads = gl.minimum(HEADS_PER_GROUP, BATCH_HEADS - first_head)
+    in_group = pair - first_head * half
+    j = in_group // group_heads
+    rank = gl.where(step % 2 == 0, j, m_blocks - 1 - j)  # longest first: the pair's long block
+    return first_head * m_blocks + rank * group_heads + in_group % group_heads
 
 
 @gluon.jit
-def _walk_range(n_tiles, IS_CAUSAL: gl.constexpr):
-    """The (first, last, stride) of a persistent program's loop: causal, its steps of ``_walk``'s
-    snake (tiles of many lengths); a full mask's tiles are all alike, and the loop runs over them
-    directly: program_id, + num_programs, ..."""
+def _walk_range(m_blocks, BATCH_HEADS, IS_CAUSAL: gl.constexpr):
+    """The (first, last, stride) of a persistent program's loop over ``_walk``'s steps: causal, two
+    steps a pair, its pairs program_id, + num_programs, ...; a full mask's tiles directly, in the
+    same stride."""
+    programs = gl.num_programs(0)
+    lane = gl.program_id(0)
     if IS_CAUSAL:
-        first, last, stride = 0, _steps(n_tiles), 1
+        pairs = (m_blocks + 1) // 2 * BATCH_HEADS
+        first, last, stride = 0, 2 * ((pairs - lane + programs - 1) // programs), 1
     else:
-        first, last, stride = gl.program_id(0), n_tiles, gl.num_programs(0)
+        first, last, stride = lane, m_blocks * BATCH_HEADS, programs
     return first, last, stride
-
-
-@gluon.jit
-def _steps(n_tiles):
-    """How many tiles a persistent program takes in ``_walk``'s order: one a full round, and one of
-    the last, partial round where its place in it holds a tile (the first ``n_tiles % num_programs``
-    places of a forward round, the last ones of a reversed one): the walk needs no bounds test."""
-    programs = gl.num_programs(0)
-    lane = gl.program_id(0)
-    rounds = n_tiles // programs
-    left = n_tiles - rounds * programs
-    place = gl.where(rounds % 2 == 0, lane, programs - 1 - lane)
-    return rounds + gl.where(place < left, 1, 0)
 
 
 @gluon.jit
@@ -244,12 +243,12 @@ def _load_partition_persistent(
     """The producer of a persistent program: its tiles in ``_walk_range``'s order."""
     BLOCK: gl.constexpr = q_smem.type.shape[0] * q_smem.type.shape[1]
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
-    n_tiles = gl.cdiv(SEQ_Q, BLOCK) * BATCH_HEADS
+    m_blocks = gl.cdiv(SEQ_Q, BLOCK)
     kv_base = 0
     loads = 0
-    first, last, stride = _walk_range(n_tiles, IS_CAUSAL)
+    first, last, stride = _walk_range(m_blocks, BATCH_HEADS, IS_CAUSAL)
     for step in range(first, last, stride):
-        tile = _walk(step, IS_CAUSAL)
+        tile = _walk(step, m_blocks, BATCH_HEADS, HEADS_PER_GROUP, IS_CAUSAL)
         batch, head, kv_head, start_m, n_blocks, _ = _tile(
             tile, HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, BLOCK, BLOCK_N,
             IS_CAUSAL,
@@ -474,8 +473,8 @@ def _consume_tile(
     l_safe = gl.where(seen, l_i, 1.0)
     o = o / gl.convert_layout(l_safe, row_o)[:, None]
     lse = gl.where(seen, (m_i + gl.log2(l_safe)) * LN2, -float("inf"))
-    # int64: B * H * Sq may pass 2^31
-    lse_rows = lse_ptr + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
+    # 64-bit (the strides are): B * H * Sq may pass 2^31
+    lse_rows = lse_ptr + batch * stride_lb + head * stride_lh
     gl.store(lse_rows + rows, lse, mask=rows < SEQ_Q)
     if PERSISTENT:
         # O goes out through its own buffer, once the last tile's store has read it; the store
@@ -517,12 +516,12 @@ def _softmax_partition_persistent(
     """A consumer of a persistent program: the producer's tiles, in its order."""
     BLOCK: gl.constexpr = q_smem.type.shape[0] * q_smem.type.shape[1]
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
-    n_tiles = gl.cdiv(SEQ_Q, BLOCK) * BATCH_HEADS
+    m_blocks = gl.cdiv(SEQ_Q, BLOCK)
     kv_base = 0
     loads = 0
-    first, last, stride = _walk_range(n_tiles, IS_CAUSAL)
+    first, last, stride = _walk_range(m_blocks, BATCH_HEADS, IS_CAUSAL)
     for step in range(first, last, stride):
-        tile = _walk(step, IS_CAUSAL)
+        tile = _walk(step, m_blocks, BATCH_HEADS, HEADS_PER_GROUP, IS_CAUSAL)
         batch, head, _, start_m, n_blocks, n_full = _tile(
             tile, HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, BLOCK, BLOCK_N,
             IS_CAUSAL,
@@ -545,8 +544,11 @@ def _attn_fwd_sm90_kernel(
     v_desc,  # ... of v, like k
     o_desc,  # ... of the output, like q
     lse_ptr,  # fp32 out: log-sum-exp of each row's scores (natural log), (B, Hq, Sq), strides stride_l*, 1
-    stride_lb,
-    stride_lh,  # elements between batches and heads of the lse
+    # elements between batches and heads of the lse; 64-bit, so that the row's offset needs no
+    # widening, which ptxas hoisted to the kernel's entry and spilled across the register
+    # reallocation (2 spills in the persistent causal walk)
+    stride_lb: gl.int64,
+    stride_lh: gl.int64,
     HEADS,  # query heads
     BATCH_HEADS,  # B * HEADS
     HEADS_PER_GROUP,  # the order of programs (``order``): (batch, head)s whose blocks run together
