@@ -14,8 +14,9 @@ is recorded (the same weights and batch for all: they should agree to bf16's rou
 Generation: greedy decoding of ``NEW_TOKENS`` tokens after a 512-token prompt at batch 8, tokens/s
 of the new tokens, transformers (SDPA) against tritonkit.
 
-liger-kernel patches classes and module functions globally (its ``apply_liger_kernel_to_llama``),
-so it runs last: every provider before it sees transformers unpatched.
+liger-kernel patches classes and module functions globally (its ``apply_liger_kernel_to_llama``
+replaces transformers' RoPE function and LlamaForCausalLM.forward), so its step runs last, after
+the generation rows: every other row sees transformers unpatched.
 """
 
 from __future__ import annotations
@@ -120,6 +121,24 @@ def _generate_row(provider: str, base) -> dict:
     }
 
 
+def _generation_rows(result: dict, base, providers: list[str]) -> None:
+    for provider in providers:
+        row = _generate_row(provider, base)
+        torch.cuda.empty_cache()
+        result["generate"][provider] = row
+        print(f"generate {provider}: {row['tokens_per_s']:.0f} tokens/s", flush=True)
+
+
+def _same_until(rows: dict) -> list[int]:
+    """Per sequence, the new tokens tritonkit's greedy decoding shares with transformers' before
+    the first that differs (random weights leave near-ties that bf16's rounding breaks either way)."""
+    same = []
+    for ours, theirs in zip(rows["tritonkit"]["tokens"], rows["transformers"]["tokens"], strict=True):
+        differ = [i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b]
+        same.append(differ[0] if differ else len(ours))
+    return same
+
+
 def main() -> None:
     import json
 
@@ -137,7 +156,10 @@ def main() -> None:
     ids = torch.randint(
         0, 128256, (batch, seq), device="cuda", generator=torch.Generator("cuda").manual_seed(0)
     )
-    for provider in [p for p in PROVIDERS if p in named]:  # liger last: its patches are global
+    generating = () if "--skip-generate" in sys.argv else ("transformers", "tritonkit")
+    for provider in [p for p in PROVIDERS if p in named]:
+        if provider == "liger":  # its patches are global: every generation row runs before it
+            _generation_rows(result, base, [p for p in generating if p in named])
         row = _step_row(provider, base, ids)
         torch.cuda.empty_cache()  # the provider's copy of the model is gone with its step
         result["steps"][provider] = row
@@ -148,12 +170,10 @@ def main() -> None:
         )
         with open(out, "w") as f:
             json.dump(result, f, indent=1)
-    for provider in () if "--skip-generate" in sys.argv else ("transformers", "tritonkit"):
-        if provider in named:
-            row = _generate_row(provider, base)
-            torch.cuda.empty_cache()
-            result["generate"][provider] = row
-            print(f"generate {provider}: {row['tokens_per_s']:.0f} tokens/s", flush=True)
+    if "liger" not in named:
+        _generation_rows(result, base, [p for p in generating if p in named])
+    if {"transformers", "tritonkit"} <= result["generate"].keys():
+        result["generate_same_until"] = _same_until(result["generate"])
     if "transformers" in result["steps"]:
         eager = result["steps"]["transformers"]["ms"]
         result["step_speedup_vs_transformers"] = {p: eager / r["ms"] for p, r in result["steps"].items()}
