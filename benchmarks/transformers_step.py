@@ -107,11 +107,14 @@ def _generate_row(provider: str, base) -> dict:
     )
     # no padding: the mask is all ones, said so that transformers does not warn or guess
     settings = {"attention_mask": torch.ones_like(prompt), "pad_token_id": 0, "do_sample": False}
+    settings |= {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS}
     with torch.no_grad():
-        model.generate(prompt, max_new_tokens=4, **settings)  # compile, tune, allocate
+        # the same call untimed first: whatever compiles, tunes or allocates for this length and
+        # these settings does it there
+        model.generate(prompt, **settings)
         torch.cuda.synchronize()
         start = time.perf_counter()
-        tokens = model.generate(prompt, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, **settings)
+        tokens = model.generate(prompt, **settings)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
     return {

@@ -86,24 +86,19 @@ def test_the_kernel_compiles_for_hopper_warp_specialized_with_its_softmax_under_
         assert row["shared"] <= 227 * 1024, row
         assert row["waits"] == [0, 1], row  # the main loop waits for the older product only
         assert row["hgmma"] > 0 and row["hmma"] == 0 and row["tma_loads"] > 0, row
-        assert row["spills"] == 0, (
-            row
-        )  # persistent too (the causal walk had 2: 32-bit lse strides)
+        assert row["spills"] == 0, row  # persistent too (the causal walk had 2: 32-bit lse strides)
         # a block's exponentials (64 a thread at 128 keys) run while the previous PV product does
         assert row["exps_under_pv"] >= row["block_exps"], row
 
 
-def test_the_default_tile_is_persistent_for_a_full_mask_over_few_keys_at_d128():
+def test_the_default_tile_is_persistent_over_few_keys_at_d128():
     from tritonkit.ops.attention import fwd_sm90 as fwd
 
     most = fwd.PERSISTENT_MAX_KEYS
-    assert fwd.default_config(128, False, most) == fwd.CONFIGS[128]._replace(persistent=True)
-    assert fwd.default_config(128, False, most + 1) == fwd.CONFIGS[128]
-    assert fwd.default_config(128, True, 1024) == fwd.CONFIGS[128]
-    assert fwd.default_config(64, False, 1024) == fwd.CONFIGS[64]
-    assert all(
-        config in fwd.CANDIDATES[d] for d in (64, 128) for config in (fwd.default_config(d, False, 1),)
-    )
+    assert fwd.default_config(128, most) == fwd.CONFIGS[128]._replace(persistent=True)
+    assert fwd.default_config(128, most + 1) == fwd.CONFIGS[128]
+    assert fwd.default_config(64, 1024) == fwd.CONFIGS[64]
+    assert all(config in fwd.CANDIDATES[d] for d in (64, 128) for config in (fwd.default_config(d, 1),))
     assert fwd.order(True, 64) == fwd.CAUSAL_HEADS_PER_GROUP and fwd.order(True, 2) == 2
     assert fwd.order(False, 64) == 1
 

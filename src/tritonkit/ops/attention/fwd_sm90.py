@@ -66,30 +66,28 @@ CONFIGS = {
     128: Config(block_n=128, num_stages=2),
 }
 # A persistent grid (one program an SM walking tiles, the next tile's Q loading under the epilogue)
-# for a full mask at D = 128 over at most this many keys, where a tile's fixed cost weighs: on the
-# H200 (499beb9, x cuDNN, one run) 0.92 against 0.83 one tile a program at (16, 16, 1024, 128),
-# 1.04 against 1.03 and 1.01 against 0.98 in two runs at (4, 32, 4096, 128); 0.98 against 1.02 at
-# (2, 16, 16384, 128). Causal it lost (0.96 against 1.01 at (4, 32, 4096, 128), 0.79 against 0.96
-# in the layer: its static walk does not balance the tiles' lengths as the hardware's scheduling
-# of one tile a program does); at D = 64 it was level (0.93-0.95 against 0.93-0.97).
-PERSISTENT_MAX_KEYS = 4096
+# at D = 128 over at most this many keys, where a tile's fixed cost weighs. On the H200, x cuDNN,
+# one run each: full masks (499beb9) 0.92 against 0.83 one tile a program at (16, 16, 1024, 128),
+# 1.04 against 1.03 and 1.01 against 0.98 in two runs at (4, 32, 4096, 128), 1.05 against 1.03 at
+# (2, 32/8, 8192, 128); causal, in pairs of a long and a short block (2a31eec): 0.92 against 0.81 at
+# (16, 16, 1024, 128), 1.06 against 1.02 at (4, 32, 4096, 128), 1.02 against 0.96 in the decoder
+# layer, 1.08 against 1.05 at (2, 32/8, 8192, 128). Over 16384 keys it lost: 0.98 against 1.02
+# full, 0.93 against 1.06 causal (not understood yet). At D = 64 level (0.93-0.95 against 0.92-0.97).
+PERSISTENT_MAX_KEYS = 8192
 
 
-def default_config(head_dim: int, causal: bool, seq_k: int) -> Config:
-    """The tile a launch takes unless told: CONFIGS', persistent where PERSISTENT_MAX_KEYS says."""
+def default_config(head_dim: int, seq_k: int) -> Config:
+    """The tile a launch takes unless told (either mask): CONFIGS', persistent where
+    PERSISTENT_MAX_KEYS says."""
     config = CONFIGS[head_dim]
-    return (
-        config._replace(persistent=True)
-        if head_dim == 128 and not causal and seq_k <= PERSISTENT_MAX_KEYS
-        else config
-    )
+    return config._replace(persistent=True) if head_dim == 128 and seq_k <= PERSISTENT_MAX_KEYS else config
 
 
 # What the benchmark compares per head dim (and the tests check): the default, the same tile with
 # ping-pong toggled and without PIN_SOFTMAX (what each is worth), a deeper ring at D = 128, and the
-# tile persistent (the default for a full mask over few keys at D = 128; causal, its walk in pairs of
-# a long and a short block, fwd_sm90_kernels._walk). FA3's three consumers at D = 64 (64-key steps, 160
-# registers) ran 0.84-0.89x cuDNN against the default's 0.92-0.93 and were removed.
+# tile persistent (the default over at most PERSISTENT_MAX_KEYS keys at D = 128; causal, its walk
+# in pairs of a long and a short block, fwd_sm90_kernels._walk). FA3's three consumers at D = 64
+# (64-key steps, 160 registers) ran 0.84-0.89x cuDNN against the default's 0.92-0.93: removed.
 CANDIDATES = {
     64: [
         CONFIGS[64],
@@ -287,7 +285,7 @@ def launches(q, k, v, o, lse, *, scale: float, causal: bool, config: Config | No
     query rows of a (batch, head), a one-dimensional grid in ``order``'s order (the heads of a GQA
     group are neighbours, so their blocks share K and V in L2)."""
     (batch, heads_q, seq_q, head_dim), (_, heads_kv, seq_k, _) = q.shape, k.shape
-    config = config or default_config(head_dim, causal, seq_k)
+    config = config or default_config(head_dim, seq_k)
     if config.persistent and config.pingpong:
         raise ValueError("a persistent launch takes no ping-pong")
     args = (
