@@ -69,7 +69,7 @@ CONFIGS = {
 # at D = 128 over at most this many keys, where a tile's fixed cost weighs. On the H200, x cuDNN,
 # one run each: full masks (499beb9) 0.92 against 0.83 one tile a program at (16, 16, 1024, 128),
 # 1.04 against 1.03 and 1.01 against 0.98 in two runs at (4, 32, 4096, 128), 1.05 against 1.03 at
-# (2, 32/8, 8192, 128); causal, in pairs of a long and a short block (2a31eec): 0.92 against 0.81 at
+# (2, 32/8, 8192, 128); causal, in pairs of a long and a short block (ec0160e): 0.92 against 0.81 at
 # (16, 16, 1024, 128), 1.06 against 1.02 at (4, 32, 4096, 128), 1.02 against 0.96 in the decoder
 # layer, 1.08 against 1.05 at (2, 32/8, 8192, 128). Over 16384 keys it lost: 0.98 against 1.02
 # full, 0.93 against 1.06 causal (not understood yet). At D = 64 level (0.93-0.95 against 0.92-0.97).
