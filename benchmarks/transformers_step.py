@@ -12,7 +12,10 @@ tokens/s from B x S; peak memory over the step, from the allocator's high-water 
 was held before it (every model's weights and this one's gradients). Each provider's first loss
 is recorded (the same weights and batch for all: they should agree to bf16's rounding).
 Generation: greedy decoding of ``NEW_TOKENS`` tokens after a 512-token prompt at batch 8, tokens/s
-of the new tokens, transformers (SDPA) against tritonkit.
+of the new tokens, transformers (SDPA) against tritonkit. Each row also has the layer benchmark's
+diagnostics (``tritonkit.bench.layer``): ``host_ms`` (the host's time to issue a step or a whole
+generate call) and a kernel profile (GPU time by kind, the longest kernels) after warm-up calls;
+a generate row's ``kernel_ms`` over its ``s`` is how busy the GPU was while decoding.
 
 liger-kernel patches classes and module functions globally (its ``apply_liger_kernel_to_llama``
 replaces transformers' RoPE function and LlamaForCausalLM.forward), so its step runs last, after
@@ -97,7 +100,21 @@ def _step_row(provider: str, base, ids: torch.Tensor) -> dict:
         times.append(start.elapsed_time(end))
     peak = torch.cuda.max_memory_allocated() - held  # activations and workspace over the weights and grads
     ms = statistics.median(times)
-    return {"ms": ms, "tokens_per_s": ids.numel() / ms * 1e3, "peak_gib": peak / 2**30, "loss": first}
+    row = {"ms": ms, "tokens_per_s": ids.numel() / ms * 1e3, "peak_gib": peak / 2**30, "loss": first}
+    return row | _profile(step, list(model.parameters()))
+
+
+def _profile(call, grads_to_none: list) -> dict:
+    """The layer benchmark's diagnostics of a call (``tritonkit.bench.layer``): the host's time to
+    issue it, and its GPU time by kernel kind with the longest kernels. A profile that fails leaves
+    the timing standing."""
+    from tritonkit.bench import layer
+
+    try:
+        return {"host_ms": layer.host_ms(call, grads_to_none)} | layer.kernel_profile(call, grads_to_none)
+    except Exception as error:  # a diagnostic
+        print(f"profile failed: {error}", flush=True)
+        return {}
 
 
 def _generate_row(provider: str, base) -> dict:
@@ -117,11 +134,12 @@ def _generate_row(provider: str, base) -> dict:
         tokens = model.generate(prompt, **settings)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
+        profile = _profile(lambda: model.generate(prompt, **settings), [])
     return {
         "s": seconds,
         "tokens_per_s": prompt.shape[0] * NEW_TOKENS / seconds,
         "tokens": tokens[:, 512:].tolist(),
-    }
+    } | profile
 
 
 def _generation_rows(result: dict, base, providers: list[str]) -> None:
@@ -129,7 +147,8 @@ def _generation_rows(result: dict, base, providers: list[str]) -> None:
         row = _generate_row(provider, base)
         torch.cuda.empty_cache()
         result["generate"][provider] = row
-        print(f"generate {provider}: {row['tokens_per_s']:.0f} tokens/s", flush=True)
+        gpu = f", GPU busy {row['kernel_ms'] / 1e3 / row['s']:.0%} of it" if "kernel_ms" in row else ""
+        print(f"generate {provider}: {row['tokens_per_s']:.0f} tokens/s{gpu}", flush=True)
 
 
 def _same_until(rows: dict) -> list[int]:
@@ -168,7 +187,7 @@ def main() -> None:
         result["steps"][provider] = row
         print(
             f"step {provider}: {row['ms']:.2f} ms, {row['tokens_per_s']:.0f} tokens/s, "
-            f"{row['peak_gib']:.2f} GiB, loss {row['loss']:.4f}",
+            f"{row['peak_gib']:.2f} GiB, loss {row['loss']:.4f}, by kind {row.get('kernel_ms_by_kind')}",
             flush=True,
         )
         with open(out, "w") as f:
