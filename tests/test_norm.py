@@ -344,6 +344,12 @@ BAD_ARGUMENTS = [  # (call on a (4, 8) fp32 input, exception, pattern of its mes
     ),
     pytest.param(lambda x: tritonkit.layer_norm(x, 7), ValueError, "^normalized_shape", id="wrong length"),
     pytest.param(
+        lambda x: tritonkit.add_rms_norm(x, None, x[0]),
+        TypeError,
+        "^normalized_shape must be an int",
+        id="weight for shape",
+    ),
+    pytest.param(
         lambda x: tritonkit.layer_norm(x, 8, x[0, :4]),
         ValueError,
         "^weight must have shape",

@@ -462,7 +462,13 @@ def _config(
 
 def _check_normalized_shape(input, normalized_shape, first: str) -> int:
     """N, the last dimension, which ``normalized_shape`` must name (the only form supported)."""
-    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    shape = (normalized_shape,) if isinstance(normalized_shape, (int, torch.SymInt)) else normalized_shape
+    if isinstance(shape, torch.Tensor) or not all(isinstance(d, (int, torch.SymInt)) for d in shape):
+        raise TypeError(
+            f"normalized_shape must be an int or a sequence of ints, as torch.nn.functional's norms "
+            f"take it (the weight comes after it), got {type(normalized_shape).__name__}"
+        )
+    shape = tuple(shape)
     if len(shape) != 1:
         raise NotImplementedError(f"normalized_shape over more than the last dimension: {shape}")
     n = input.shape[-1]
