@@ -18,6 +18,7 @@ import torch
 from tritonkit import __version__, roofline
 from tritonkit.asm import ARCHS, IRS  # stdlib and torch only: no kernel is defined here
 from tritonkit.bench.layer import CASES as LAYER_CASES  # likewise
+from tritonkit.bench.model import CASES as MODEL_CASES  # likewise
 from tritonkit.bench.sweep import WORKLOADS as SWEEP_WORKLOADS  # likewise
 from tritonkit.dtypes import DTYPE_OF
 from tritonkit.ops import MODES, get_op, get_workload, op_names, workload_names
@@ -134,6 +135,8 @@ def cmd_bench_layer(args) -> int:
 
     if args.ops != [layer.OP]:
         raise ValueError(f"layer is benchmarked on its own: `tritonkit bench layer`, not with {args.ops}")
+    if unknown := [c for c in args.case or [] if c not in layer.CASES]:
+        raise ValueError(f"bench layer's cases are {', '.join(layer.CASES)}, not {', '.join(unknown)}")
     modes = args.mode or list(layer.MODES)
     if "bwd" in modes:
         raise ValueError(f"the layer times {' and '.join(layer.MODES)} (a step and its forward), not bwd")
@@ -175,6 +178,48 @@ def cmd_bench_layer(args) -> int:
     return 1 if failed else 0
 
 
+def cmd_bench_model(args) -> int:
+    """``tritonkit bench model``: a transformers model's training step and generation (bench.model)."""
+    from tritonkit._runtime import interpret
+    from tritonkit.bench import model
+
+    if args.ops != [model.OP]:
+        raise ValueError(f"the model is benchmarked on its own: `tritonkit bench model`, not with {args.ops}")
+    if args.mode or args.dtype or args.shapes or args.time_limit is not None:
+        raise ValueError(
+            "bench model takes --case, --providers, --layers and --no-generate (bf16, its own modes)"
+        )
+    cases = args.case or list(model.CASES)
+    if unknown := [c for c in cases if c not in model.CASES]:
+        raise ValueError(f"bench model's cases are {', '.join(model.CASES)}, not {', '.join(unknown)}")
+    if interpret():
+        raise ValueError(
+            "bench model times a model on a CUDA GPU; on the CPU, tests/test_transformers.py checks the "
+            "patched models against the unpatched ones"
+        )
+    providers = args.providers or [p for p in model.PROVIDERS if model.available(p)]
+    if unknown := [p for p in providers if p not in model.PROVIDERS]:
+        raise ValueError(
+            f"bench model's providers are {', '.join(model.PROVIDERS)}, not {', '.join(unknown)}"
+        )
+    providers = [p for p in model.PROVIDERS if p in providers]  # liger last: its patches are global
+    command = "tritonkit " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    report = functools.partial(print, file=sys.stderr, flush=True)
+    rows = []
+    for case in cases:  # each case's rows written as it ends: a run stopped later keeps them
+        rows += [
+            row | {"command": command}
+            for row in model.run_case(
+                case, args.layers or model.LAYERS, providers, report, generate=not args.no_generate
+            )
+        ]
+        paths = model.write_results(rows, Path(args.out))
+    print(model.markdown_table(rows))
+    for path in paths:
+        print(f"wrote {path}")
+    return 0
+
+
 def cmd_bench(args) -> int:
     from tritonkit._runtime import interpret
     from tritonkit.bench import add_peer_ratios, format_table, run, write_results
@@ -184,9 +229,15 @@ def cmd_bench(args) -> int:
     from tritonkit.bench.runner import provenance
 
     if "layer" in args.ops:
+        if args.layers is not None or args.no_generate:
+            raise ValueError("--layers and --no-generate are the model benchmark's: `tritonkit bench model`")
         return cmd_bench_layer(args)
+    if "model" in args.ops:
+        return cmd_bench_model(args)
+    if args.layers is not None or args.no_generate:
+        raise ValueError("--layers and --no-generate are the model benchmark's: `tritonkit bench model`")
     if args.case or args.time_limit is not None:
-        raise ValueError("--case and --time-limit are the layer benchmark's: `tritonkit bench layer`")
+        raise ValueError("--case and --time-limit are the layer's and the model's: `tritonkit bench layer`")
     sweep = args.sweep is not None
     if sweep:
         if args.shapes is not None:
@@ -566,7 +617,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="*",
         metavar="OP",
         help=f"workloads (default all: {', '.join(workload_names())}), or `layer`: a decoder layer's "
-        "training step",
+        "training step, or `model`: a transformers model's training step and generation",
     )
     bench.add_argument(
         "--mode", nargs="+", choices=MODES, help="default: every mode (the layer: fwd+bwd, fwd)"
@@ -593,8 +644,16 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint (<out>/<gpu>/bench-checkpoint.jsonl) are not run again",
     )
     bench.add_argument(
-        "--case", nargs="+", choices=list(LAYER_CASES), help="with layer: the layer shapes (default all)"
+        "--case",
+        nargs="+",
+        choices=list(LAYER_CASES) + list(MODEL_CASES),
+        help=f"with layer: the layer shapes ({', '.join(LAYER_CASES)}); with model: the models "
+        f"({', '.join(MODEL_CASES)}); default all",
     )
+    bench.add_argument(
+        "--layers", type=int, metavar="N", help="with model: the decoder layers a model keeps (default 4)"
+    )
+    bench.add_argument("--no-generate", action="store_true", help="with model: the training step only")
     bench.add_argument(
         "--time-limit",
         type=float,
