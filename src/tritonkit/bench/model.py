@@ -22,7 +22,9 @@ kernel profile (``bench.layer``'s: GPU time by kernel kind, the longest kernels)
 Generation (GENERATE_PROVIDERS): greedy, GEN_BATCH sequences of GEN_PROMPT random tokens. The
 prefill is a generate of one new token, the decode the rest of a generate of GEN_NEW: decode
 tokens/s = GEN_BATCH x (GEN_NEW - 1) over the two calls' difference; each call timed after an
-untimed one of its own length (what compiles, tunes or allocates for a length does it there).
+untimed one of its own length (what compiles, tunes or allocates for a length does it there);
+``gpu_busy``, from one more generate under torch.profiler, is the share of its time the GPU ran
+kernels (far under 1: the host's issuing is the decode's time).
 """
 
 from __future__ import annotations
@@ -178,6 +180,7 @@ def generate_row(model: torch.nn.Module, prompt: torch.Tensor) -> dict:
     with torch.no_grad():
         prefill_s, _ = _timed_generate(model, prompt, 1)
         total_s, tokens = _timed_generate(model, prompt, GEN_NEW)
+        busy = _gpu_busy(lambda: _timed_generate(model, prompt, GEN_NEW))
     decode_s = max(total_s - prefill_s, 1e-9)
     return {
         "prefill_ms": prefill_s * 1e3,
@@ -185,7 +188,24 @@ def generate_row(model: torch.nn.Module, prompt: torch.Tensor) -> dict:
         "decode_tokens_per_s": prompt.shape[0] * (GEN_NEW - 1) / decode_s,
         "decode_ms_per_token": decode_s / (GEN_NEW - 1) * 1e3,
         "tokens": tokens.tolist(),
-    }
+    } | busy
+
+
+def _gpu_busy(call: Callable[[], tuple[float, torch.Tensor]]) -> dict:
+    """{"gpu_busy": the share of a timed call's time its kernels ran}, from one torch.profiler run of
+    it: far under 1, the host's issuing is the time; {} where the profiler sees no GPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            seconds, _ = call()
+    except Exception as error:  # a diagnostic
+        log.warning("tritonkit: bench model's generation profile failed: %s", error)
+        return {}
+    kernel_us = sum(
+        e.device_time_total for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    return {"gpu_busy": kernel_us / 1e6 / seconds}
 
 
 def same_until(tokens: list[list[int]], reference: list[list[int]]) -> list[int]:
@@ -278,16 +298,20 @@ def markdown_table(rows: list[dict]) -> str:
     if generated:
         lines += [
             "",
-            "| case | provider | prefill ms | decode tokens/s | ms a token | vs transformers |",
-            "| --- | --- | ---: | ---: | ---: | ---: |",
+            "| case | provider | prefill ms | decode tokens/s | ms a token | vs transformers | GPU busy |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
         ]
         for row in generated:
             lines.append(
                 f"| {_label(row)} | {row['provider']} | {row['prefill_ms']:.1f} | "
                 f"{row['decode_tokens_per_s']:,.0f} | {row['decode_ms_per_token']:.2f} | "
-                f"{_ratio(row, 'transformers')} |"
+                f"{_ratio(row, 'transformers')} | {_share(row.get('gpu_busy'))} |"
             )
     return "\n".join(lines)
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
 
 
 def _label(row: dict) -> str:
