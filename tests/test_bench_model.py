@@ -117,6 +117,19 @@ def test_ratios_and_token_agreement():
         {"case": "c", "kind": "generate", "provider": "tritonkit", "decode_tokens_per_s": 90.0,
          "tokens": [[1, 2, 9], [4, 5, 6]]},
     ]  # fmt: skip
+    rows.append({"case": "c", "kind": "step", "provider": "liger", "error": "OutOfMemoryError: ..."})
     model.add_ratios(rows)
     assert rows[1]["vs"] == {"transformers": 1.25} and rows[0]["vs"] == {"tritonkit": 0.8}
     assert rows[3]["vs"] == {"transformers": 0.9} and rows[3]["same_tokens_until"] == [2, 3]
+    assert "vs" not in rows[4]  # a failed provider's row: no ratio, to it or from it
+
+
+def test_a_provider_that_fails_is_a_row_that_says_so(tiny):
+    rows = model.run_case(
+        "tiny", 1, ["transformers", "liger"], lambda line: None, generate=False, device="cpu"
+    )
+    failed = rows[1]
+    assert failed["provider"] == "liger" and failed["error"].startswith(("ImportError", "ModuleNotFound"))
+    for row in rows:
+        row["model"], row["layers"] = "tiny", 1
+    assert "| tiny, 1 layers | liger | failed: " in model.markdown_table(rows)

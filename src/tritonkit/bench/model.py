@@ -245,10 +245,14 @@ def run_case(
 
     def add(provider: str, kind: str, measure: Callable[[torch.nn.Module], dict]) -> None:
         started = time.perf_counter()
-        fields = measure(prepare(provider, base))
+        try:
+            fields = measure(prepare(provider, base))
+        except Exception as error:  # a provider that fails (out of memory, an unsupported model)
+            fields = {"error": f"{type(error).__name__}: {error}"[:300]}  # is a row that says so
         torch.cuda.empty_cache()  # the provider's copy is gone with its row
         rows.append(common | {"provider": provider, "kind": kind} | fields)
-        report(f"bench model {name} {kind} {provider}: {time.perf_counter() - started:.1f} s")
+        outcome = f"FAILED, {fields['error']}" if "error" in fields else "done"
+        report(f"bench model {name} {kind} {provider}: {outcome} in {time.perf_counter() - started:.1f} s")
 
     for provider in providers:
         if provider == "liger" and generate:
@@ -266,8 +270,11 @@ def add_ratios(rows: list[dict]) -> None:
     """Each step row's speed over each other provider's in its case (``vs``: provider -> ratio of
     their times), each generate row's decode rate over transformers'; the generated tokens' agreement
     with transformers'."""
-    for row in rows:
-        peers = [r for r in rows if r["case"] == row["case"] and r["kind"] == row["kind"] and r is not row]
+    measured = [r for r in rows if "error" not in r]
+    for row in measured:
+        peers = [
+            r for r in measured if r["case"] == row["case"] and r["kind"] == row["kind"] and r is not row
+        ]
         if row["kind"] == "step":
             row["vs"] = {p["provider"]: p["ms"] / row["ms"] for p in peers}
         else:
@@ -289,6 +296,9 @@ def markdown_table(rows: list[dict]) -> str:
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in [r for r in rows if r["kind"] == "step"]:
+        if "error" in row:
+            lines.append(f"| {_label(row)} | {row['provider']} | failed: {row['error']} |||||||")
+            continue
         ratios = [_ratio(row, peer) for peer in ("transformers", "transformers+compile", "liger")]
         lines.append(
             f"| {_label(row)} | {row['provider']} | {row['ms']:.2f} | {row['tokens_per_s']:,.0f} | "
@@ -302,6 +312,9 @@ def markdown_table(rows: list[dict]) -> str:
             "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
         ]
         for row in generated:
+            if "error" in row:
+                lines.append(f"| {_label(row)} | {row['provider']} | failed: {row['error']} |||||")
+                continue
             lines.append(
                 f"| {_label(row)} | {row['provider']} | {row['prefill_ms']:.1f} | "
                 f"{row['decode_tokens_per_s']:,.0f} | {row['decode_ms_per_token']:.2f} | "
@@ -342,7 +355,11 @@ def plot(rows: list[dict], path: Path) -> None:
         for i, provider in enumerate(providers):
             values = [
                 next(
-                    (r[key] for r in rows if (r["case"], r["kind"], r["provider"]) == (c, kind, provider)),
+                    (
+                        r.get(key, 0.0)
+                        for r in rows
+                        if (r["case"], r["kind"], r["provider"]) == (c, kind, provider)
+                    ),
                     0.0,
                 )
                 for c in cases
