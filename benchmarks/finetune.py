@@ -1,0 +1,135 @@
+"""A small Llama trained from one seed twice, as transformers builds it and with
+tritonkit.integrations.transformers applied: the two loss curves, and each run's step time.
+
+    python benchmarks/finetune.py OUT.json [--steps N] [--plot OUT.png]
+
+The model: Llama's architecture at d 512, 8 layers, 8 query / 2 KV heads of 64, FFN 1536, a 32000-
+token vocabulary (57 M parameters), bf16 weights, AdamW (fused, lr 3e-4, 20 warm-up steps of a
+linear ramp). The task, synthetic and learnable (no download): each sequence of SEQ tokens is a
+random first half repeated, so that the second half can be predicted by copying (the loss falls as
+the model learns to look back). Both runs take the same initial weights and the same batches in the
+same order; the loss is transformers' mean over the sequence. Step time: CUDA events around each step
+(forward, backward, optimizer), the median over the steps after the first WARMUP; the first steps
+also compile and tune.
+
+The curves cannot agree exactly: bf16 rounds the two runs' sums differently, and training amplifies
+the differences step by step. What should hold is that they track: the mean loss over the last
+TAIL steps of each run within a few percent of the other's (``tail_loss``), and no step apart by
+more than the run-to-run noise of the batches.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+import torch
+from attention_bwd_sm90 import result_header
+
+STEPS, WARMUP, TAIL = 300, 10, 50
+BATCH, SEQ, VOCAB = 16, 512, 32000
+
+
+def _argument(name: str, default):
+    return type(default)(sys.argv[sys.argv.index(name) + 1]) if name in sys.argv else default
+
+
+def _model():
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return transformers.LlamaForCausalLM(config).to(torch.bfloat16).train()
+
+
+def _batches(steps: int) -> torch.Tensor:
+    """(steps, BATCH, SEQ) token ids: a random half, then the same half again."""
+    generator = torch.Generator("cuda").manual_seed(1)
+    half = torch.randint(0, VOCAB, (steps, BATCH, SEQ // 2), device="cuda", generator=generator)
+    return torch.cat([half, half], dim=-1)
+
+
+def _train(model, batches: torch.Tensor) -> dict:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+    ramp = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 20))
+    losses, times = [], []
+    for ids in batches:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        ramp.step()
+        end.record()
+        losses.append(loss.detach())
+        times.append((start, end))
+    torch.cuda.synchronize()
+    ms = [s.elapsed_time(e) for s, e in times]
+    return {"loss": [x.item() for x in losses], "step_ms": statistics.median(ms[WARMUP:]), "first_ms": ms[0]}
+
+
+def _plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (curves, gap) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=(3, 1))
+    for name, run in result["runs"].items():
+        curves.plot(run["loss"], label=f"{name} ({run['step_ms']:.1f} ms a step)", linewidth=1)
+    curves.set_ylabel("loss")
+    millions = result["parameters"] / 1e6
+    curves.set_title(f"a {millions:.0f} M-parameter Llama on the repeat task, one seed, bf16")
+    curves.legend()
+    ours, theirs = result["runs"]["tritonkit"]["loss"], result["runs"]["transformers"]["loss"]
+    gap.plot([a - b for a, b in zip(ours, theirs, strict=True)], linewidth=1, color="gray")
+    gap.axhline(0.0, color="black", linewidth=0.5)
+    gap.set_ylabel("tritonkit - transformers")
+    gap.set_xlabel("step")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def main() -> None:
+    from tritonkit.integrations import transformers as tk_hf
+
+    out, steps = sys.argv[1], _argument("--steps", STEPS)
+    timing = f"CUDA events a step (forward, backward, AdamW), median after {WARMUP}"
+    result = result_header("finetune", "finetune.py", timing) | {"steps": steps, "runs": {}}
+    batches = _batches(steps)
+    for name in ("transformers", "tritonkit"):
+        model = _model()  # the same seed: the same initial weights
+        result["parameters"] = sum(p.numel() for p in model.parameters())
+        if name == "tritonkit":
+            model = tk_hf.apply(model)
+        result["runs"][name] = run = _train(model, batches)
+        tail = statistics.mean(run["loss"][-TAIL:])
+        print(f"{name}: {run['step_ms']:.2f} ms a step, loss {run['loss'][0]:.3f} -> {tail:.3f}", flush=True)
+        del model
+        torch.cuda.empty_cache()
+    runs = result["runs"]
+    tails = {name: statistics.mean(run["loss"][-TAIL:]) for name, run in runs.items()}
+    result["tail_loss"] = tails
+    result["tail_loss_ratio"] = tails["tritonkit"] / tails["transformers"]
+    result["step_speedup"] = runs["transformers"]["step_ms"] / runs["tritonkit"]["step_ms"]
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    if "--plot" in sys.argv:
+        _plot(result, sys.argv[sys.argv.index("--plot") + 1])
+
+
+if __name__ == "__main__":
+    main()
