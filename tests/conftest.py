@@ -35,6 +35,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(needs_gpu)
+    # the slow tests first (a stable sort): started last, one would run alone while the other worker
+    # idles, and the suite would end that much later
+    items.sort(key=lambda item: "slow" not in item.keywords)
 
 
 @pytest.fixture(autouse=True)

@@ -203,6 +203,7 @@ def test_backward_gate_rejects_a_wrong_gradient(kernel, monkeypatch, device):
     assert ab._TUNED[other].admit(other_problem, config).passed
 
 
+@pytest.mark.slow
 def test_tuning_the_atomic_backward_leaves_dq_alone(monkeypatch, tmp_path, device):
     """deterministic=False while its dK/dV kernel is tuned: the candidates' timing runs (real runs,
     twice each, every one adding into the call's dq accumulator) must not reach the call's dq."""

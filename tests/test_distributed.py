@@ -160,6 +160,7 @@ def _run(world: int, tmp_path) -> list[dict]:
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(world)]
 
 
+@pytest.mark.slow
 def test_ring_attention_equals_one_process(tmp_path):
     """Every rank's gathered output, lse and gradients pass the oracle against flash_attention on
     the whole sequence: on three ranks causal (GQA: 2 query heads over 1); on two of them, whose

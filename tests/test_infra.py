@@ -348,6 +348,7 @@ def test_import_has_no_side_effects():
 INTERPRETER_LINE = "tritonkit: kernels run in Triton's interpreter on the CPU (no CUDA GPU found)"
 
 
+@pytest.mark.slow
 def test_torch_compile_as_the_first_use_finds_the_choice_made():
     """torch.compile imports triton itself before tracing the first op: on a CPU-only torch the
     import has chosen the interpreter already, and the traced op (its device check, which would

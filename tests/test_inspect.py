@@ -178,6 +178,7 @@ def test_every_family_has_workloads_inspected():
 
 
 # a test a family, so that the suite's workers share the compiles
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted({get_workload(name).op.family for name in _inspected()}))
 def test_every_default_config_compiles_for_hopper_without_spills_and_with_wide_accesses(family):
     """Each op's untuned configs at each benchmark shape, compiled for sm_90: no spills, and 128-bit

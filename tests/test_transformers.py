@@ -298,6 +298,7 @@ def _trainer_losses(model, out_dir) -> list[float]:
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
+@pytest.mark.slow
 def test_hf_trainer_trains_the_patched_model_as_the_unpatched_one(tmp_path):
     """Each step's loss under Trainer within the oracle's rule: the unpatched model trained in float64
     the reference, in bf16 torch's term (bf16: pure fp16 weights under AdamW overflow)."""
@@ -337,6 +338,7 @@ def _fsdp_worker(rank: int, world: int, store: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_fsdp2_trains_as_one_process(tmp_path):
     """A patched model under fully_shard on two gloo processes, a sequence each: the loss and every
     gradient (FSDP's average over the ranks) pass the oracle against the float64 model on the whole
