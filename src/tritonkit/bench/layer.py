@@ -707,11 +707,12 @@ def profile_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def provenance_line(rows: list[dict]) -> str:
+def provenance_line(rows: list[dict], command: str = "tritonkit bench layer") -> str:
+    """The GPU, the versions, the commit and the command (``command`` where the rows have none)."""
     first = rows[0]
     return (
         f"{first['gpu']}, torch {first['torch']}, triton {first['triton']}, at {first['git_sha']}: "
-        f"`{first.get('command', 'tritonkit bench layer')}`"
+        f"`{first.get('command', command)}`"
     )
 
 

@@ -377,6 +377,7 @@ def write_results(rows: list[dict], out_dir: Path) -> list[Path]:
     """``<out>/<gpu-slug>/model.json`` (the rows), ``model.md`` (their tables) and ``model.png``. The
     rows of other cases already in model.json at the same commit stay (a case can take a run of its
     own: each runs for minutes); rows of another commit go."""
+    from tritonkit.bench import layer
     from tritonkit.bench.report import gpu_slug
 
     folder = out_dir / gpu_slug(rows[0]["gpu"])
@@ -391,8 +392,7 @@ def write_results(rows: list[dict], out_dir: Path) -> list[Path]:
         ]
         rows = kept + rows
     paths[0].write_text(json.dumps(rows, indent=1) + "\n")
-    first = rows[0]
-    provenance = f"{first['gpu']}, torch {first['torch']}, triton {first['triton']}, at {first['git_sha']}"
-    paths[1].write_text(f"{provenance}: `{first.get('command', '')}`\n\n{markdown_table(rows)}\n")
+    provenance = layer.provenance_line(rows, "tritonkit bench model")
+    paths[1].write_text(f"{provenance}\n\n{markdown_table(rows)}\n")
     plot(rows, paths[2])
     return paths
