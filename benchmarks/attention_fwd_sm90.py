@@ -53,7 +53,7 @@ def _row(shape, causal: bool, layer: bool) -> dict:
         fwd_sm90.attention_fwd_sm90(q, k, v, o, lse, scale=head_dim**-0.5, causal=causal)
 
     if "--candidates" in sys.argv:
-        tile = fwd_sm90.default_config(head_dim, causal, seq, seq)
+        tile = fwd_sm90.default_config(head_dim, seq)
         for config in fwd_sm90.CANDIDATES[head_dim]:
             name = "gluon" if config == tile else f"gluon_{_changes(config, tile)}"
 

@@ -61,11 +61,15 @@ def persistent(walks: list[int], start: int) -> int:
 
 def paired(units: int, blocks: int, walk, group: int) -> list[int]:
     """Pairs in ``fwd_sm90_kernels._walk``'s order, each the walk of its long and short block:
-    groups of ``group`` units, in a group the pairs slow, units fast; an odd middle block twice."""
+    groups of ``group`` units, in a group the pairs slow, units fast; an odd middle block alone."""
     order = []
     for first in range(0, units, group):
         heads = min(group, units - first)
-        order += [walk(j) + walk(blocks - 1 - j) for j in range((blocks + 1) // 2) for _ in range(heads)]
+        pairs = [
+            walk(j) + walk(blocks - 1 - j) if 2 * j != blocks - 1 else walk(j)
+            for j in range((blocks + 1) // 2)
+        ]
+        order += [pair for pair in pairs for _ in range(heads)]
     return order
 
 

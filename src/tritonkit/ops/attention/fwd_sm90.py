@@ -76,18 +76,12 @@ CONFIGS = {
 PERSISTENT_MAX_KEYS = 8192
 
 
-def default_config(head_dim: int, causal: bool, seq_q: int, seq_k: int) -> Config:
-    """The tile a launch takes unless told: CONFIGS', persistent where PERSISTENT_MAX_KEYS says and,
-    causal, where a head's query blocks pair up: with an odd count the persistent walk
-    (``fwd_sm90_kernels._walk``) runs the middle block twice, 1/m of a head's work more for m
-    blocks (twice the work at 128 rows or fewer)."""
+def default_config(head_dim: int, seq_k: int) -> Config:
+    """The tile a launch takes unless told: CONFIGS', persistent at D = 128 over at most
+    PERSISTENT_MAX_KEYS keys, causal or not (the causal walk pairs a head's query blocks,
+    ``fwd_sm90_kernels._walk``)."""
     config = CONFIGS[head_dim]
-    pairs_up = not causal or cdiv(seq_q, BLOCK_M) % 2 == 0
-    return (
-        config._replace(persistent=True)
-        if head_dim == 128 and seq_k <= PERSISTENT_MAX_KEYS and pairs_up
-        else config
-    )
+    return config._replace(persistent=True) if head_dim == 128 and seq_k <= PERSISTENT_MAX_KEYS else config
 
 
 # What the benchmark compares per head dim (and the tests check): the default, the same tile with
@@ -292,7 +286,7 @@ def launches(q, k, v, o, lse, *, scale: float, causal: bool, config: Config | No
     query rows of a (batch, head), a one-dimensional grid in ``order``'s order (the heads of a GQA
     group are neighbours, so their blocks share K and V in L2)."""
     (batch, heads_q, seq_q, head_dim), (_, heads_kv, seq_k, _) = q.shape, k.shape
-    config = config or default_config(head_dim, causal, seq_q, seq_k)
+    config = config or default_config(head_dim, seq_k)
     if config.persistent and config.pingpong:
         raise ValueError("a persistent launch takes no ping-pong")
     args = (

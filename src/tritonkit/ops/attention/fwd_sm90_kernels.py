@@ -41,8 +41,7 @@ Tensors are read through 4-D TMA descriptors over the (B, H, S, D) views, whose 
 (1, 1, rows, D) is bounded by each head's own S: rows past it load as zeros (and are masked for K,
 harmless for Q and V) and are never stored, so ragged lengths need no padding.
 
-``Config.persistent`` (the default at D = 128 over at most 8192 keys, causal where a head's query
-blocks are even in number; a candidate otherwise)
+``Config.persistent`` (the default at D = 128 over at most 8192 keys; a candidate otherwise)
 launches one program an SM, each walking its tiles in ``_tile``'s numbering (causal: ``_walk``'s
 pairs of a long and a short block): the K/V ring runs on across tiles, and O leaves
 through buffers of its own so that the next tile's Q lands under the epilogue.
@@ -202,15 +201,15 @@ def _walk(step, m_blocks, BATCH_HEADS, HEADS_PER_GROUP, IS_CAUSAL: gl.constexpr)
     the same number of key blocks in every pair (m_blocks + 1 with Sq = Sk), so that programs taking
     pairs in a stride of num_programs finish together. Pairs are numbered as ``_tile`` numbers the
     tiles, group after group of HEADS_PER_GROUP heads, so the programs running at once read the K
-    and V of a few heads, which stay in L2. With an odd m_blocks the middle block pairs with itself
-    and is computed twice (the same output written twice): its pair weighs as much as the others.
+    and V of a few heads, which stay in L2. With an odd m_blocks the middle block pairs with itself:
+    its second turn is ``twin``, which ``_walk_tile`` makes a tile of no keys past the last row.
     Simulated on 132 SMs at the decoder layer's (2, 32, 4096, 128) causal (benchmarks/
     program_order.py): the busiest program 296 steps against the even spread's 287, where a stride
     over single tiles took 424. A snake over every head's blocks at once (288) ran on the H200 at
     0.77x cuDNN at (4, 32, 4096, 128) against one tile a program's 0.90x: 128 heads' K and V at once
     do not fit in L2."""
     if not IS_CAUSAL:
-        return step
+        return step, False
     half = (m_blocks + 1) // 2
     pair = (step // 2) * gl.num_programs(0) + gl.program_id(0)
     first_head = (pair // (HEADS_PER_GROUP * half)) * HEADS_PER_GROUP
@@ -218,7 +217,26 @@ def _walk(step, m_blocks, BATCH_HEADS, HEADS_PER_GROUP, IS_CAUSAL: gl.constexpr)
     in_group = pair - first_head * half
     j = in_group // group_heads
     rank = gl.where(step % 2 == 0, j, m_blocks - 1 - j)  # longest first: the pair's long block
-    return first_head * m_blocks + rank * group_heads + in_group % group_heads
+    twin = (step % 2 == 1) & (2 * j == m_blocks - 1)
+    return first_head * m_blocks + rank * group_heads + in_group % group_heads, twin
+
+
+@gluon.jit
+def _walk_tile(
+    step, HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, BLOCK: gl.constexpr,
+    BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr,
+):  # fmt: skip
+    """``_tile``'s tuple for a persistent program's ``step``: ``_walk``'s tile, or for the second turn
+    of a middle block paired with itself, a tile at row SEQ_Q with no keys: its producer loads
+    nothing, its consumers wait on nothing and their stores fall past the rows (TMA drops them)."""
+    tile, twin = _walk(step, gl.cdiv(SEQ_Q, BLOCK), BATCH_HEADS, HEADS_PER_GROUP, IS_CAUSAL)
+    batch, head, kv_head, start_m, n_blocks, n_full = _tile(
+        tile, HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, BLOCK, BLOCK_N,
+        IS_CAUSAL,
+    )  # fmt: skip
+    start_m = gl.where(twin, SEQ_Q, start_m)
+    n_blocks = gl.where(twin, 0, n_blocks)
+    return batch, head, kv_head, start_m, n_blocks, n_full
 
 
 @gluon.jit
@@ -249,9 +267,8 @@ def _load_partition_persistent(
     loads = 0
     first, last, stride = _walk_range(m_blocks, BATCH_HEADS, IS_CAUSAL)
     for step in range(first, last, stride):
-        tile = _walk(step, m_blocks, BATCH_HEADS, HEADS_PER_GROUP, IS_CAUSAL)
-        batch, head, kv_head, start_m, n_blocks, _ = _tile(
-            tile, HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, BLOCK, BLOCK_N,
+        batch, head, kv_head, start_m, n_blocks, _ = _walk_tile(
+            step, HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, BLOCK, BLOCK_N,
             IS_CAUSAL,
         )  # fmt: skip
         _load_tile(
@@ -522,9 +539,8 @@ def _softmax_partition_persistent(
     loads = 0
     first, last, stride = _walk_range(m_blocks, BATCH_HEADS, IS_CAUSAL)
     for step in range(first, last, stride):
-        tile = _walk(step, m_blocks, BATCH_HEADS, HEADS_PER_GROUP, IS_CAUSAL)
-        batch, head, _, start_m, n_blocks, n_full = _tile(
-            tile, HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, BLOCK, BLOCK_N,
+        batch, head, _, start_m, n_blocks, n_full = _walk_tile(
+            step, HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, BLOCK, BLOCK_N,
             IS_CAUSAL,
         )  # fmt: skip
         _consume_tile(
