@@ -4,13 +4,17 @@ tritonkit.integrations.transformers applied: the two loss curves, and each run's
     python benchmarks/finetune.py OUT.json [--steps N] [--plot OUT.png]
 
 The model: Llama's architecture at d 512, 8 layers, 8 query / 2 KV heads of 64, FFN 1536, a 32000-
-token vocabulary (57 M parameters), bf16 weights, AdamW (fused, lr 3e-4, 20 warm-up steps of a
-linear ramp). The task, synthetic and learnable (no download): each sequence of SEQ tokens is a
+token vocabulary (57 M parameters), mixed precision as people train: fp32 weights, the step under
+``torch.autocast`` to bf16, AdamW (fused, lr 1e-3, 50 warm-up steps of a linear ramp). (Weights in
+bf16 lose AdamW's updates to rounding: at 3e-4 the loss did not fall below a uniform guess's.)
+The task, synthetic and learnable (no download): each sequence of SEQ tokens is a
 random first half repeated, so that the second half can be predicted by copying (the loss falls as
 the model learns to look back). Both runs take the same initial weights and the same batches in the
 same order; the loss is transformers' mean over the sequence. Step time: CUDA events around each step
-(forward, backward, optimizer), the median over the steps after the first WARMUP; the first steps
-also compile and tune.
+(forward, backward, optimizer), the median over the steps after the first WARMUP; the first step
+also compiles and tunes (``first_ms``). After the run, where each step's time goes: the host's time
+to issue one (``host_ms``: at or above the step's time, the host is the bound) and a kernel profile
+(``bench.layer``'s).
 
 The curves cannot agree exactly: bf16 rounds the two runs' sums differently, and training amplifies
 the differences step by step. What should hold is that they track: the mean loss over the last
@@ -27,7 +31,8 @@ import sys
 import torch
 from attention_bwd_sm90 import result_header
 
-STEPS, WARMUP, TAIL = 300, 10, 50
+STEPS, WARMUP, TAIL = 500, 10, 50
+LR, RAMP = 1e-3, 50
 BATCH, SEQ, VOCAB = 16, 512, 32000
 
 
@@ -50,7 +55,7 @@ def _model():
     )
     torch.manual_seed(0)
     with torch.device("cuda"):
-        return transformers.LlamaForCausalLM(config).to(torch.bfloat16).train()
+        return transformers.LlamaForCausalLM(config).train()
 
 
 def _batches(steps: int) -> torch.Tensor:
@@ -61,23 +66,35 @@ def _batches(steps: int) -> torch.Tensor:
 
 
 def _train(model, batches: torch.Tensor) -> dict:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
-    ramp = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 20))
-    losses, times = [], []
-    for ids in batches:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        loss = model(input_ids=ids, labels=ids).loss
+    from tritonkit.bench import layer
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+    ramp = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / RAMP))
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         ramp.step()
+        return loss.detach()
+
+    losses, times = [], []
+    for ids in batches:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        losses.append(step(ids))
         end.record()
-        losses.append(loss.detach())
         times.append((start, end))
     torch.cuda.synchronize()
     ms = [s.elapsed_time(e) for s, e in times]
-    return {"loss": [x.item() for x in losses], "step_ms": statistics.median(ms[WARMUP:]), "first_ms": ms[0]}
+    run = {"loss": [x.item() for x in losses], "step_ms": statistics.median(ms[WARMUP:]), "first_ms": ms[0]}
+    return (
+        run
+        | {"host_ms": layer.host_ms(lambda: step(batches[-1]), [])}
+        | layer.kernel_profile(lambda: step(batches[-1]), [])
+    )
 
 
 def _plot(result: dict, path: str) -> None:
@@ -91,7 +108,7 @@ def _plot(result: dict, path: str) -> None:
         curves.plot(run["loss"], label=f"{name} ({run['step_ms']:.1f} ms a step)", linewidth=1)
     curves.set_ylabel("loss")
     millions = result["parameters"] / 1e6
-    curves.set_title(f"a {millions:.0f} M-parameter Llama on the repeat task, one seed, bf16")
+    curves.set_title(f"a {millions:.0f} M-parameter Llama on the repeat task, one seed, bf16 autocast")
     curves.legend()
     ours, theirs = result["runs"]["tritonkit"]["loss"], result["runs"]["transformers"]["loss"]
     gap.plot([a - b for a, b in zip(ours, theirs, strict=True)], linewidth=1, color="gray")
@@ -117,7 +134,14 @@ def main() -> None:
             model = tk_hf.apply(model)
         result["runs"][name] = run = _train(model, batches)
         tail = statistics.mean(run["loss"][-TAIL:])
-        print(f"{name}: {run['step_ms']:.2f} ms a step, loss {run['loss'][0]:.3f} -> {tail:.3f}", flush=True)
+        print(
+            f"{name}: {run['step_ms']:.2f} ms a step (host {run['host_ms']:.2f}, kernels "
+            f"{run.get('kernel_ms', float('nan')):.2f}), first {run['first_ms'] / 1e3:.1f} s, "
+            f"loss {run['loss'][0]:.3f} -> {tail:.3f}",
+            flush=True,
+        )
+        for kernel in run.get("kernels", [])[:8]:
+            print(f"  {kernel['ms']:.3f} ms  {kernel['calls']:.0f}x  {kernel['name'][:100]}", flush=True)
         del model
         torch.cuda.empty_cache()
     runs = result["runs"]

@@ -168,6 +168,18 @@ def test_greedy_generation_gives_the_same_tokens_up_to_a_tie(padded, monkeypatch
         assert gap <= tie, (row, step, float(gap), float(tie))
 
 
+def test_generation_asks_the_patched_model_for_the_last_logits_only():
+    """generate passes logits_to_keep=1 only to a forward whose signature names it: else a prefill
+    computes the LM head over every prompt token."""
+    model = tk_hf.apply(_model("llama")).eval()
+    assert model._supports_logits_to_keep()
+    ids, _ = _batch()
+    with torch.no_grad():
+        last = model(input_ids=ids, logits_to_keep=1).logits
+        every = model(input_ids=ids).logits
+    assert last.shape[1] == 1 and torch.equal(last[:, 0], every[:, -1])
+
+
 def test_the_patch_is_per_instance_and_unapply_restores_the_bits():
     ids, labels = _batch()
     patched, sibling = _model("llama"), _model("llama")

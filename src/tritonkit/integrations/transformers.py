@@ -182,10 +182,12 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
-def _causal_lm_forward(self, input_ids=None, *args, labels=None, **kwargs):
+def _causal_lm_forward(self, input_ids=None, *args, labels=None, logits_to_keep=0, **kwargs):
     """The loss from the last hidden states by ``linear_cross_entropy``, as transformers'
     ForCausalLMLoss defines it (labels shifted left, -100 ignored, a mean over the kept tokens, or a
-    sum over ``num_items_in_batch``), where it pays and applies; else the model's own forward."""
+    sum over ``num_items_in_batch``), where it pays and applies; else the model's own forward.
+    ``logits_to_keep`` is named so that generate sees it in the signature and asks for the last
+    position's logits only: without it, a prefill computes the LM head over every prompt token."""
     own = type(self).forward
     fused = (
         labels is not None
@@ -195,17 +197,17 @@ def _causal_lm_forward(self, input_ids=None, *args, labels=None, **kwargs):
         and _plain_linear(self.lm_head)
         and self.lm_head.bias is None
         and _compute_dtype(self.lm_head.weight) in HALVES
-        and kwargs.get("logits_to_keep", 0) == 0
+        and isinstance(logits_to_keep, int)
+        and logits_to_keep == 0
         and kwargs.get("return_dict", True) is not False
         and kwargs.get("shift_labels") is None
     )
     if not fused:
-        return own(self, input_ids, *args, labels=labels, **kwargs)
+        return own(self, input_ids, *args, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     num_items = kwargs.pop("num_items_in_batch", None)
     ignore_index = kwargs.pop("ignore_index", -100)
-    kwargs.pop("logits_to_keep", None)
     outputs = self.model(input_ids=input_ids, **kwargs)
     hidden = outputs.last_hidden_state
     dtype = _compute_dtype(self.lm_head.weight)  # under autocast the head's product runs in its dtype
