@@ -48,6 +48,11 @@ FAMILIES = {
         "ops": ("rotary_pos_emb",),
         "workloads": ("rotary_pos_emb",),
     },
+    "tritonkit.ops.quantize": {  # its op contract (a gradient-free op with fp8 outputs) is its tests'
+        "public": ("quantize_fp8",),
+        "ops": (),
+        "workloads": (),
+    },
     "tritonkit.ops.linear": {
         "public": ("linear", "gated_linear"),
         "ops": ("linear", "linear_bare", "gated_linear"),

@@ -1,0 +1,84 @@
+"""FP8 quantization on the H200: tritonkit.quantize_fp8 against its PyTorch reference eager and
+under torch.compile, in one process, bf16 in and e4m3 out, beside a copy of the same bytes.
+
+    python benchmarks/quantize_fp8.py OUT.json [--shape M,N ...] [--granularity G ...]
+
+Rows: each shape (default SHAPES) and granularity (default every one). Each time is the median of
+``triton.testing.do_bench`` over an eager call (L2 flushed); GB/s from the op's bytes
+(``quantize_fp8_cost``); ``copy`` is one ``torch.Tensor.copy_`` of half the op's bytes, so that
+it reads and writes as many bytes as the op moves (the bandwidth ceiling). Each
+row also says whether tritonkit's output equals the reference's bit for bit (NaN as NaN).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import triton.testing
+from attention_bwd_sm90 import result_header
+
+import tritonkit
+from tritonkit.ops import quantize as qz
+
+SHAPES = [(8192, 4096), (16384, 8192), (128, 4096)]
+
+
+def _bench(fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _same(ours: tuple, reference: tuple) -> bool:
+    (q, scale), (ref_q, ref_scale) = ours, reference
+    nan = ref_scale.isnan()
+    scales = torch.equal(scale.isnan(), nan) and torch.equal(scale[~nan], ref_scale[~nan])
+    values = torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+    return scales and values
+
+
+def _row(shape: tuple, granularity: str, compiled) -> dict:
+    x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    cost = qz.quantize_fp8_cost(shape, torch.bfloat16, granularity)
+    calls = {
+        "tritonkit": lambda: tritonkit.quantize_fp8(x, granularity),
+        "torch": lambda: qz.quantize_fp8_reference(x, granularity),
+        "torch.compile": lambda: compiled(x, granularity),
+    }
+    row = {"shape": list(shape), "granularity": granularity, "dtype": "bf16", "fp8": "e4m3fn"}
+    row["bit_exact"] = _same(calls["tritonkit"](), calls["torch"]())
+    row["ms"] = {name: _bench(call) for name, call in calls.items()}
+    source = torch.empty(int(cost.bytes) // 2, dtype=torch.uint8, device="cuda")
+    target = torch.empty_like(source)
+    row["ms"]["copy"] = _bench(lambda: target.copy_(source))  # reads and writes the op's bytes
+    row["gbps"] = {name: cost.bytes / ms / 1e6 for name, ms in row["ms"].items()}
+    row["vs_torch.compile"] = row["ms"]["torch.compile"] / row["ms"]["tritonkit"]
+    row["pct_copy"] = 100 * row["ms"]["copy"] / row["ms"]["tritonkit"]
+    return row
+
+
+def _arguments(flag: str, convert) -> list:
+    return [convert(sys.argv[i + 1]) for i, a in enumerate(sys.argv) if a == flag]
+
+
+def main() -> None:
+    out = sys.argv[1]
+    shapes = _arguments("--shape", lambda s: tuple(int(v) for v in s.split(","))) or SHAPES
+    granularities = _arguments("--granularity", str) or list(qz.GRANULARITIES)
+    timing = "do_bench median over eager calls, L2 flushed"
+    result = result_header("quantize_fp8", "quantize_fp8.py", timing)
+    compiled = torch.compile(qz.quantize_fp8_reference, dynamic=False)
+    for shape in shapes:
+        for granularity in granularities:
+            row = _row(shape, granularity, compiled)
+            result["rows"].append(row)
+            ms = "  ".join(f"{name} {gbps:.0f} GB/s" for name, gbps in row["gbps"].items())
+            print(f"{shape} {granularity}: {ms}  bit-exact {row['bit_exact']}", flush=True)
+            with open(out, "w") as f:
+                json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,485 @@
+"""FP8 quantization: ``quantize_fp8(x) -> (x_fp8, scale)`` with dequantized = x_fp8 * scale, the
+convention of ``torch._scaled_mm``'s scales.
+
+Maths. For each group of x (a row, a column, a 1 x block_size run along the last dimension, a
+block_size x block_size tile, or the whole tensor), with m the fp8 dtype's largest finite value
+(448 for e4m3fn, 57344 for e5m2):
+    amax  = max |x| over the group, raised to AMAX_FLOOR (a group of zeros keeps a finite scale)
+    scale = amax / m                         (round_scale_to_pow2: the power of two at or above it)
+    q     = fp8(clamp(x * inv, -m, m)),  inv = m / amax   (round_scale_to_pow2: 1 / scale, exact)
+every step in fp32, the divisions rounded to nearest (``div_rn``: Triton's ``/`` is an approximate
+division on the GPU), the cast to fp8 rounding to nearest even. The clamp saturates what rounding
+pushes past m; the cast never overflows. A NaN in a group makes its amax, scale and every q NaN
+(the reduction checks for it: ``max`` drops NaN on the GPU); an inf makes the amax inf, its own q
+NaN and the group's finite values 0. There is no gradient: quantization is not differentiable.
+
+Work. x is read once and q written once, scales beside: bytes s * N + N + 4 * groups for N
+elements of s bytes (the tensor granularity reads x twice: its amax is a pass of its own, an
+atomic max over programs, so that no host sync waits for it). A few FLOPs per element on CUDA
+cores: memory-bound, its roofline the copy bandwidth.
+
+Kernels. ``_quantize_tiles_kernel`` takes a tile of rows x columns and quantizes the groups
+inside it (row groups whose row fits a tile, blocks, 2-D blocks, or the whole tensor with its
+amax given); ``_quantize_lines_kernel`` walks lines too long for a tile twice, the amax then the
+quantization (long rows, and columns: the same walk with the strides swapped).
+
+References: DeepSeek-V3 technical report (arXiv 2412.19437), section 3.3 (1 x 128 activation and
+128 x 128 weight blocks); torch._scaled_mm's scale layouts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tritonkit._launch import Launch, cdiv, next_power_of_2
+from tritonkit._runtime import empty_output, interpret
+from tritonkit._triton import tl, triton
+from tritonkit.dtypes import FLOATS
+from tritonkit.opdef import check_tensor, op
+
+GRANULARITIES = ("tensor", "row", "column", "block", "block2d")
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+AMAX_FLOOR = 1e-12  # an all-zero group's amax: its scale stays finite and its q 0 (torchao's EPS)
+# A tile holds at most this many elements: 32 fp32 values a thread at 8 warps. A row longer than
+# this is walked in lines (two passes); a 2-D block must fit (block_size <= 128).
+TILE_ELEMENTS = 8192
+NUM_WARPS = 8
+LINE_CHUNK = 2048  # elements of a line a lines program takes a step
+AMAX_CHUNK = 8192  # elements a program of the tensor's amax pass reduces
+
+
+@triton.jit
+def _scales(amax, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
+    """(scale, inv) of a group's amax (module docstring): scale dequantizes, inv quantizes."""
+    amax = tl.where(amax < 1e-12, 1e-12, amax)  # (NaN compares false: it stays)
+    scale = tl.math.div_rn(amax, FP8_MAX)
+    if POW2:  # up to the power of two at or above: clear the mantissa, carry one if it was not 0
+        bits = scale.to(tl.int32, bitcast=True)
+        carry = ((bits & 0x7FFFFF) != 0).to(tl.int32)
+        pow2 = ((bits >> 23) + carry) << 23
+        scale = tl.where(scale == scale, pow2.to(tl.float32, bitcast=True), scale)
+        inv = tl.math.div_rn(1.0, scale)
+    else:
+        inv = tl.math.div_rn(FP8_MAX, amax)
+    return scale, inv
+
+
+@triton.jit
+def _saturate(x, inv, FP8_MAX: tl.constexpr):
+    """x * inv clamped to [-FP8_MAX, FP8_MAX]; NaN passes (where, not minimum: NaN compares false)."""
+    y = x * inv
+    y = tl.where(y > FP8_MAX, FP8_MAX, y)
+    return tl.where(y < -FP8_MAX, -FP8_MAX, y)
+
+
+@triton.jit
+def _to_fp8(y, dtype: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr, SOFT_CAST: tl.constexpr):
+    """y (fp32, within the fp8 range) as ``dtype`` rounded to nearest even: the GPU's cast, or
+    (SOFT_CAST, under the CPU interpreter, whose cast carries a rounding into the exponent wrongly
+    and loses -0 and NaN) the same value's bits, as uint8, built here."""
+    if SOFT_CAST:
+        q = _fp8_bits(y, MANTISSA, MIN_EXP)
+    else:
+        q = y.to(dtype)
+    return q
+
+
+@triton.jit
+def _fp8_bits(y, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr):
+    """The uint8 bits of fp32 y's nearest fp8 value (ties to even), y within the fp8 range."""
+    DROP: tl.constexpr = 23 - MANTISSA
+    REBIAS: tl.constexpr = (127 - (1 - MIN_EXP)) << MANTISSA  # fp32's exponent bias to fp8's
+    bits = y.to(tl.int32, bitcast=True)
+    magnitude = bits & 0x7FFFFFFF
+    # normal: the mantissa rounded on the bits (a carry runs into the exponent, as it should)
+    normal = ((magnitude + ((1 << (DROP - 1)) - 1) + ((magnitude >> DROP) & 1)) >> DROP) - REBIAS
+    # subnormal: steps of 2^(MIN_EXP - MANTISSA), rounded by adding a number whose fp32 step it is
+    small = tl.abs(y) < 2.0**MIN_EXP
+    MAGIC: tl.constexpr = 1.5 * 2.0 ** (23 + MIN_EXP - MANTISSA)
+    steps = ((tl.where(small, tl.abs(y), 0.0) + MAGIC) - MAGIC) * 2.0 ** (MANTISSA - MIN_EXP)
+    code = tl.where(small, steps.to(tl.int32), normal)
+    code = tl.where(y != y, 0x7F, code)  # NaN: every exponent and mantissa bit set
+    return (code | ((bits >> 24) & 0x80)).to(tl.uint8)
+
+
+@triton.jit
+def _abs_max(x, axis):
+    """max |x| along ``axis``, NaN where any element is NaN (the GPU's max would drop it)."""
+    amax = tl.max(tl.abs(x), axis=axis)
+    nans = tl.max((x != x).to(tl.int32), axis=axis)
+    return tl.where(nans > 0, float("nan"), amax)
+
+
+@triton.jit
+def _quantize_tiles_kernel(
+    x_ptr,  # input, (M, N), strides (stride_xm, stride_xn)
+    q_ptr,  # fp8 output (uint8 where SOFT_CAST), (M, N), contiguous
+    scale_ptr,  # fp32 scales, (cdiv(M, GROUP_M), cdiv(N, GROUP_N)), strides (stride_sm, stride_sn)
+    amax_bits_ptr,  # TENSOR: the tensor's amax, its fp32 bits as one int32 (else unused)
+    M,  # rows
+    N,  # columns
+    stride_xm,  # elements between rows of x
+    stride_xn,  # elements between columns of x
+    stride_sm,  # elements between rows of scales
+    stride_sn,  # elements between columns of scales
+    FP8: tl.constexpr,  # the fp8 dtype (q_ptr's, or uint8 where SOFT_CAST)
+    SOFT_CAST: tl.constexpr,  # the cast done on integers (see _to_fp8)
+    FP8_MAX: tl.constexpr,  # the fp8 dtype's largest finite value
+    MANTISSA: tl.constexpr,  # its mantissa bits
+    MIN_EXP: tl.constexpr,  # the exponent of its least normal value
+    POW2: tl.constexpr,  # scales rounded up to powers of two
+    TENSOR: tl.constexpr,  # one group, the whole tensor, whose amax the amax pass wrote
+    GROUP_M: tl.constexpr,  # rows of a group (a power of two, dividing BLOCK_M)
+    GROUP_N: tl.constexpr,  # columns of a group (a power of two, dividing BLOCK_N)
+    BLOCK_M: tl.constexpr,  # rows a program takes
+    BLOCK_N: tl.constexpr,  # columns a program takes
+):
+    tl.static_assert(BLOCK_M % GROUP_M == 0 and BLOCK_N % GROUP_N == 0)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # int64: M*N may pass 2^31
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn, mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    if TENSOR:
+        scale, inv = _scales(tl.load(amax_bits_ptr).to(tl.float32, bitcast=True), FP8_MAX, POW2)
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            tl.store(scale_ptr, scale)
+        y = _saturate(x, inv, FP8_MAX)
+    else:
+        # the tile as (row groups, GROUP_M, column groups, GROUP_N): a group's amax over axes 1 and 3
+        groups = tl.reshape(x, (BLOCK_M // GROUP_M, GROUP_M, BLOCK_N // GROUP_N, GROUP_N))
+        amax = _abs_max(_abs_max(groups, 3), 1)
+        scale, inv = _scales(amax, FP8_MAX, POW2)
+        y = tl.reshape(_saturate(groups, inv[:, None, :, None], FP8_MAX), (BLOCK_M, BLOCK_N))
+        group_rows = tl.program_id(0).to(tl.int64) * (BLOCK_M // GROUP_M) + tl.arange(0, BLOCK_M // GROUP_M)
+        group_cols = tl.program_id(1) * (BLOCK_N // GROUP_N) + tl.arange(0, BLOCK_N // GROUP_N)
+        scale_mask = (group_rows[:, None] < tl.cdiv(M, GROUP_M)) & (group_cols[None, :] < tl.cdiv(N, GROUP_N))
+        scale_at = scale_ptr + group_rows[:, None] * stride_sm + group_cols[None, :] * stride_sn
+        tl.store(scale_at, scale, mask=scale_mask)
+    q = _to_fp8(y, FP8, MANTISSA, MIN_EXP, SOFT_CAST)
+    tl.store(q_ptr + rows[:, None] * N + cols[None, :], q, mask=mask)
+
+
+@triton.jit
+def _quantize_lines_kernel(
+    x_ptr,  # input: LINES lines of LENGTH elements, strides (stride_xl, stride_xe)
+    q_ptr,  # fp8 output (uint8 where SOFT_CAST), the same lines, strides (stride_ql, stride_qe)
+    scale_ptr,  # fp32 scales, one a line, stride stride_s
+    LINES,  # lines (rows, or columns with the strides swapped)
+    LENGTH,  # elements a line
+    stride_xl,  # elements between lines of x
+    stride_xe,  # elements between a line's elements in x
+    stride_ql,  # ... of q
+    stride_qe,
+    stride_s,  # elements between scales
+    FP8: tl.constexpr,  # the fp8 dtype (q_ptr's, or uint8 where SOFT_CAST)
+    SOFT_CAST: tl.constexpr,  # the cast done on integers (see _to_fp8)
+    FP8_MAX: tl.constexpr,  # the fp8 dtype's largest finite value
+    MANTISSA: tl.constexpr,  # its mantissa bits
+    MIN_EXP: tl.constexpr,  # the exponent of its least normal value
+    POW2: tl.constexpr,  # scales rounded up to powers of two
+    BLOCK_L: tl.constexpr,  # lines a program takes
+    BLOCK_E: tl.constexpr,  # elements of each a step takes
+):
+    lines = tl.program_id(0).to(tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L)
+    line_mask = lines < LINES
+    amax = tl.zeros([BLOCK_L], dtype=tl.float32)
+    for start in range(0, LENGTH, BLOCK_E):  # the first pass: each line's amax
+        elements = start + tl.arange(0, BLOCK_E)
+        mask = line_mask[:, None] & (elements[None, :] < LENGTH)
+        at = x_ptr + lines[:, None] * stride_xl + elements[None, :] * stride_xe
+        x = tl.load(at, mask=mask, other=0.0).to(tl.float32)
+        step = _abs_max(x, 1)
+        amax = tl.where((step > amax) | (step != step), step, amax)  # NaN, once in, stays
+    scale, inv = _scales(amax, FP8_MAX, POW2)
+    tl.store(scale_ptr + lines * stride_s, scale, mask=line_mask)
+    for start in range(0, LENGTH, BLOCK_E):  # the second: the quantized values
+        elements = start + tl.arange(0, BLOCK_E)
+        mask = line_mask[:, None] & (elements[None, :] < LENGTH)
+        x = tl.load(x_ptr + lines[:, None] * stride_xl + elements[None, :] * stride_xe, mask=mask, other=0.0)
+        y = _saturate(x.to(tl.float32), inv[:, None], FP8_MAX)
+        at = q_ptr + lines[:, None] * stride_ql + elements[None, :] * stride_qe
+        tl.store(at, _to_fp8(y, FP8, MANTISSA, MIN_EXP, SOFT_CAST), mask=mask)
+
+
+@triton.jit
+def _amax_kernel(
+    x_ptr,  # input, (M, N), strides (stride_xm, stride_xn)
+    amax_bits_ptr,  # one int32: the fp32 bits of max |x|, raised by every program (atomic max)
+    M,  # rows
+    N,  # columns
+    stride_xm,  # elements between rows of x
+    stride_xn,  # elements between columns of x
+    BLOCK_M: tl.constexpr,  # rows a program takes
+    BLOCK_N: tl.constexpr,  # columns a program takes
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn, mask=mask, other=0.0)
+    amax = _abs_max(_abs_max(x.to(tl.float32), 1), 0)
+    # non-negative floats order as their bits do, and the NaN made above (0x7FC00000) tops inf
+    tl.atomic_max(amax_bits_ptr, amax.to(tl.int32, bitcast=True))
+
+
+# ---------------------------------------------------------------- launches
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).max)
+
+
+def _format(dtype: torch.dtype) -> dict:
+    """The fp8 dtype's constexprs: its largest value, mantissa bits and least normal exponent."""
+    info = torch.finfo(dtype)
+    mantissa = round(-math.log2(info.eps))  # eps = 2^-mantissa
+    least_normal_exponent = round(math.log2(info.tiny))
+    fp8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}[dtype]
+    return {
+        "FP8": fp8,
+        "SOFT_CAST": interpret(),
+        "FP8_MAX": float(info.max),
+        "MANTISSA": mantissa,
+        "MIN_EXP": least_normal_exponent,
+    }
+
+
+def _tile(group_m: int, group_n: int, n_cols: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N): whole groups, at most TILE_ELEMENTS, as wide as the row allows."""
+    block_n = max(group_n, min(next_power_of_2(n_cols), TILE_ELEMENTS // group_m))
+    return max(group_m, TILE_ELEMENTS // block_n // group_m * group_m), block_n
+
+
+def _tiles_launch(x, q, scale, amax_bits, group: tuple[int, int], dtype, pow2: bool) -> Launch:
+    m, n = x.shape
+    group_m, group_n = group
+    block_m, block_n = _tile(group_m, group_n, n)
+    tensor = amax_bits is not None
+    scale_strides = (0, 0) if tensor else (scale.stride(0), scale.stride(1))
+    meta = {
+        **_format(dtype),
+        "POW2": pow2,
+        "TENSOR": tensor,
+        "GROUP_M": group_m,
+        "GROUP_N": group_n,
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+        "num_warps": NUM_WARPS,
+    }
+    args = (x, q, scale, scale if amax_bits is None else amax_bits, m, n, x.stride(0), x.stride(1))
+    return Launch(
+        "tiles",
+        _quantize_tiles_kernel,
+        (*args, *scale_strides),
+        meta,
+        grid=(cdiv(m, block_m), cdiv(n, block_n)),
+    )
+
+
+def _lines_launch(x, q, scale, by_rows: bool, dtype, pow2: bool) -> Launch:
+    """Rows (by_rows) or columns of x, each walked twice."""
+    m, n = x.shape
+    lines, length = (m, n) if by_rows else (n, m)
+    x_strides = (x.stride(0), x.stride(1)) if by_rows else (x.stride(1), x.stride(0))
+    q_strides = (q.stride(0), q.stride(1)) if by_rows else (q.stride(1), q.stride(0))
+    block_e = min(LINE_CHUNK, next_power_of_2(length))
+    block_l = max(1, min(TILE_ELEMENTS // block_e, next_power_of_2(lines)))
+    meta = {
+        **_format(dtype),
+        "POW2": pow2,
+        "BLOCK_L": block_l,
+        "BLOCK_E": block_e,
+        "num_warps": NUM_WARPS,
+    }
+    args = (x, q, scale, lines, length, *x_strides, *q_strides, 1)
+    return Launch("lines", _quantize_lines_kernel, args, meta, grid=(cdiv(lines, block_l),))
+
+
+def _amax_launch(x, amax_bits) -> Launch:
+    m, n = x.shape
+    block_n = min(next_power_of_2(n), AMAX_CHUNK)
+    block_m = max(1, AMAX_CHUNK // block_n)
+    meta = {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": NUM_WARPS}
+    args = (x, amax_bits, m, n, x.stride(0), x.stride(1))
+    return Launch("amax", _amax_kernel, args, meta, grid=(cdiv(m, block_m), cdiv(n, block_n)))
+
+
+def _launches(x, q, scale, amax_bits, granularity: str, block_size: int, dtype, pow2: bool) -> list[Launch]:
+    """The launches that fill q and scale for a 2-D x (module docstring)."""
+    if granularity == "tensor":
+        return [_amax_launch(x, amax_bits), _tiles_launch(x, q, scale, amax_bits, (1, 1), dtype, pow2)]
+    if granularity == "row" and x.shape[1] > TILE_ELEMENTS or granularity == "column":
+        return [_lines_launch(x, q, scale, granularity == "row", dtype, pow2)]
+    group = {
+        "row": (1, next_power_of_2(x.shape[1])),
+        "block": (1, block_size),
+        "block2d": (block_size, block_size),
+    }[granularity]
+    return [_tiles_launch(x, q, scale, None, group, dtype, pow2)]
+
+
+def scale_shape(shape: tuple, granularity: str, block_size: int) -> tuple:
+    """The scales' shape for an input of ``shape``: () for the tensor, (..., 1) a row, (1, N) a column,
+    (..., cdiv(N, block_size)) a block, (cdiv(M, block_size), cdiv(N, block_size)) a 2-D block."""
+    if granularity == "tensor":
+        return ()
+    if granularity == "row":
+        return (*shape[:-1], 1)
+    if granularity == "column":
+        return (1, shape[1])
+    if granularity == "block":
+        return (*shape[:-1], cdiv(shape[-1], block_size))
+    return (cdiv(shape[0], block_size), cdiv(shape[1], block_size))
+
+
+def _validate(x, granularity: str, block_size: int, dtype, scale_dtype, transpose: bool) -> None:
+    check_tensor("x", x, dtypes=FLOATS, min_ndim=1)
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    if granularity in ("column", "block2d") and x.dim() != 2:
+        raise ValueError(f"granularity {granularity!r} takes a 2-D x, got shape {tuple(x.shape)}")
+    if dtype not in FP8_DTYPES:
+        raise TypeError(f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
+    if scale_dtype != torch.float32:
+        raise NotImplementedError(f"scale_dtype {scale_dtype}: only torch.float32 scales are implemented")
+    if transpose:
+        raise NotImplementedError(
+            "transpose=True (the transposed fp8 copy in the same pass) is not implemented yet"
+        )
+    if granularity in ("block", "block2d"):
+        largest = 128 if granularity == "block2d" else TILE_ELEMENTS
+        power_of_two = isinstance(block_size, int) and block_size > 0 and not block_size & (block_size - 1)
+        if not power_of_two or not 8 <= block_size <= largest:
+            raise ValueError(
+                f"block_size must be a power of two from 8 to {largest} for {granularity!r}, "
+                f"got {block_size!r}"
+            )
+
+
+# ---------------------------------------------------------------- op
+
+
+@op("quantize_fp8", mutates=("q_bits", "scale"))
+def _quantize(
+    x: torch.Tensor,
+    granularity: str,
+    block_size: int,
+    round_scale_to_pow2: bool,
+    dtype: torch.dtype,
+    q_bits: torch.Tensor,
+    scale: torch.Tensor,
+) -> None:
+    """Writes q (dtype, as its uint8 bits ``q_bits``: torch's CPU ops, which opcheck runs, do not
+    take fp8) and the scales."""
+    if x.numel() == 0:  # no program runs: each group's amax is that of nothing, 0
+        scale.copy_(_reference_scales(torch.zeros_like(scale), dtype, round_scale_to_pow2)[0])
+        return
+    x2 = x.reshape(-1, x.shape[-1])
+    q2 = q_bits.view(-1, x.shape[-1])
+    q2 = q2 if interpret() else q2.view(dtype)
+    scale2 = scale.view(-1, scale.shape[-1]) if scale.dim() else scale
+    amax_bits = torch.zeros(1, dtype=torch.int32, device=x.device) if granularity == "tensor" else None
+    for launch in _launches(x2, q2, scale2, amax_bits, granularity, block_size, dtype, round_scale_to_pow2):
+        launch.run()
+
+
+def quantize_fp8(
+    x: torch.Tensor,
+    granularity: str = "row",
+    *,
+    block_size: int = 128,
+    dtype: torch.dtype = torch.float8_e4m3fn,
+    scale_dtype: torch.dtype = torch.float32,
+    transpose: bool = False,
+    round_scale_to_pow2: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x_fp8, scale)`` with ``x_fp8 * scale`` (broadcast per group) approximating x: one scale for
+    the ``"tensor"``, each ``"row"`` (over the last dimension), each ``"column"`` (2-D x), each
+    ``"block"`` of ``block_size`` along the last dimension, or each ``"block2d"`` tile of
+    ``block_size`` x ``block_size`` (2-D x). Scales are fp32 in ``scale_shape``'s shape; the casts
+    saturate. See the module docstring for the exact arithmetic, zeros and non-finite values. No
+    gradient (raises if x requires one)."""
+    _validate(x, granularity, block_size, dtype, scale_dtype, transpose)
+    if torch.is_grad_enabled() and x.requires_grad:
+        raise RuntimeError("quantize_fp8 has no gradient: call it on x.detach(), or under torch.no_grad()")
+    q = torch.empty(x.shape, dtype=dtype, device=x.device)  # (fp8 cannot hold the NaN poison)
+    scale = empty_output(scale_shape(tuple(x.shape), granularity, block_size), torch.float32, x.device)
+    _quantize(x, granularity, block_size, round_scale_to_pow2, dtype, q.view(torch.uint8), scale)
+    return q, scale
+
+
+# ---------------------------------------------------------------- reference and cost
+
+
+def _reference_scales(
+    amax: torch.Tensor, dtype: torch.dtype, pow2: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, inv) of fp32 amaxes, as the kernels' ``_scales``."""
+    top = torch.tensor(fp8_max(dtype), dtype=torch.float32, device=amax.device)
+    amax = torch.where(
+        amax < AMAX_FLOOR, torch.tensor(AMAX_FLOOR, dtype=torch.float32, device=amax.device), amax
+    )
+    scale = amax / top
+    if not pow2:
+        return scale, top / amax
+    bits = scale.view(torch.int32)
+    up = ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    pow2_scale = (((bits >> 23) + up) << 23).view(torch.float32)
+    scale = torch.where(scale.isnan(), scale, pow2_scale)
+    return scale, 1.0 / scale
+
+
+def quantize_fp8_reference(
+    x: torch.Tensor,
+    granularity: str = "row",
+    *,
+    block_size: int = 128,
+    dtype: torch.dtype = torch.float8_e4m3fn,
+    round_scale_to_pow2: bool = False,
+    saturated: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain PyTorch, fp32 as the kernels: ``(x_fp8, scale)``; ``saturated=True`` returns the fp32
+    values before the cast instead of x_fp8 (what a test of the cast's rounding needs)."""
+    x32 = x.float()
+    n = x32.shape[-1]
+    rows = x32.reshape(math.prod(x32.shape[:-1]), n)
+    m = rows.shape[0]
+    group_m, group_n = {
+        "tensor": (max(m, 1), max(n, 1)),
+        "row": (1, max(n, 1)),
+        "column": (max(m, 1), 1),
+        "block": (1, block_size),
+        "block2d": (block_size, block_size),
+    }[granularity]
+    # a row of no elements still has a scale (so do a column and the tensor): at least one group
+    gm = max(cdiv(m, group_m), int(granularity in ("tensor", "column")))
+    gn = max(cdiv(n, group_n), int(granularity in ("tensor", "row")))
+    padded = torch.zeros(gm * group_m, gn * group_n, dtype=torch.float32, device=x.device)
+    padded[:m, :n] = rows
+    amax = padded.view(gm, group_m, gn, group_n).abs().amax(dim=(1, 3))
+    scale, inv = _reference_scales(amax, dtype, round_scale_to_pow2)
+    inv_each = inv.repeat_interleave(group_m, 0).repeat_interleave(group_n, 1)[:m, :n]
+    top = fp8_max(dtype)
+    values = (rows * inv_each).clamp(-top, top).reshape(x.shape)
+    scale = scale.reshape(scale_shape(tuple(x.shape), granularity, block_size))
+    return (values if saturated else values.to(dtype)), scale
+
+
+def quantize_fp8_cost(shape: tuple, dtype: torch.dtype, granularity: str = "row", block_size: int = 128):
+    """x read once (twice for the tensor's amax), the fp8 values and fp32 scales written; a few FLOPs
+    an element (abs, max, multiply, two compares)."""
+    from tritonkit.roofline import Cost
+
+    elements = math.prod(shape)
+    size = torch.finfo(dtype).bits // 8
+    scales = math.prod(scale_shape(tuple(shape), granularity, block_size))
+    reads = 2 if granularity == "tensor" else 1
+    return Cost(5 * elements, reads * size * elements + elements + 4 * scales)
+
+
+# No op contract (an op without a gradient, whose outputs are fp8, is held to its reference by
+# tests/test_quantize.py) and no workload yet (benchmarks/quantize_fp8.py times it)
+OPS: dict = {}
+WORKLOADS: dict = {}

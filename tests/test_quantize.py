@@ -1,0 +1,221 @@
+"""quantize_fp8 against its fp32 reference: the scales and the fp8 values bit for bit (NaN as NaN).
+
+Under the CPU interpreter the kernels build the fp8 bits themselves (its cast is wrong); the gpu
+tests hold the GPU's cast to the same bits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sm90
+import tritonkit
+from tritonkit._runtime import interpret
+from tritonkit.ops import quantize as qz
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _device() -> str:
+    return "cpu" if interpret() else "cuda"
+
+
+def _input(shape, dtype=torch.bfloat16, seed=0, spread=True):
+    """Random values whose rows span several orders of magnitude (so scales differ), never zeros."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    if spread:
+        x = x * torch.exp2(torch.randint(-6, 7, shape[:-1] + (1,), generator=g).float())
+    return x.to(dtype).to(_device())
+
+
+def _assert_cast(q: torch.Tensor, values: torch.Tensor) -> None:
+    """q is torch's cast of values (which rounds to nearest even), bit for bit; NaN where NaN."""
+    nan = values.isnan()
+    assert torch.equal(q.float().isnan(), nan), "NaN where the reference has none, or the reverse"
+    differ = q.view(torch.uint8)[~nan] != values[~nan].to(q.dtype).view(torch.uint8)
+    assert not differ.any(), f"{int(differ.sum())} of {q.numel()} values differ from torch's cast"
+
+
+def _check(x, granularity, *, dtype=E4M3, block_size=128, pow2=False):
+    q, scale = tritonkit.quantize_fp8(
+        x, granularity, block_size=block_size, dtype=dtype, round_scale_to_pow2=pow2
+    )
+    values, want_scale = qz.quantize_fp8_reference(
+        x, granularity, block_size=block_size, dtype=dtype, round_scale_to_pow2=pow2, saturated=True
+    )
+    assert q.shape == x.shape and q.dtype == dtype and scale.dtype == torch.float32
+    assert scale.shape == qz.scale_shape(tuple(x.shape), granularity, block_size)
+    nan = want_scale.isnan()
+    assert torch.equal(scale.isnan(), nan), (scale, want_scale)
+    assert torch.equal(scale[~nan].view(torch.int32), want_scale[~nan].view(torch.int32)), (scale, want_scale)
+    _assert_cast(q, values)
+    return q, scale
+
+
+# (granularity, shape, block_size): groups cut by the edges (partial blocks, odd rows)
+CASES = [
+    ("tensor", (37, 300), 128),
+    ("row", (37, 300), 128),
+    ("column", (37, 300), 128),
+    ("block", (37, 300), 128),
+    ("block", (5, 100), 32),
+    ("block2d", (37, 50), 16),
+]
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{'x'.join(map(str, c[1]))}-{c[2]}")
+def test_matches_the_reference(case, dtype):
+    granularity, shape, block_size = case
+    x = _input(shape, seed=CASES.index(case))
+    for pow2 in (False, True):
+        _check(x, granularity, dtype=dtype, block_size=block_size, pow2=pow2)
+
+
+@pytest.mark.parametrize("input_dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_every_input_dtype(input_dtype):
+    _check(_input((9, 70), input_dtype, seed=11), "row")
+    _check(_input((9, 70), input_dtype, seed=12), "tensor", dtype=E5M2)
+
+
+def test_dequantized_values_are_within_half_an_fp8_step():
+    """|q * scale - x| <= |x| 2^-(mantissa bits + 1) + scale * (half the smallest subnormal): what
+    rounding to the nearest fp8 value allows, no more."""
+    x = _input((16, 256), torch.float32, seed=3)
+    for dtype, mantissa, subnormal in ((E4M3, 3, 2.0**-9), (E5M2, 2, 2.0**-16)):
+        for granularity in ("row", "block", "tensor"):
+            q, scale = tritonkit.quantize_fp8(x, granularity, block_size=64, dtype=dtype)
+            each = scale if granularity != "block" else scale.repeat_interleave(64, dim=-1)
+            error = (q.float() * each - x).abs()
+            bound = x.abs() * 2.0 ** -(mantissa + 1) + each * subnormal / 2
+            assert (error <= bound * (1 + 2**-20)).all(), (dtype, granularity, (error - bound).max())
+
+
+def test_long_rows_columns_and_strided_inputs():
+    """Rows past a tile (the two-pass walk), a transposed (strided) x, and a 3-D x."""
+    _check(_input((3, qz.TILE_ELEMENTS + 77), seed=4), "row")
+    wide = _input((40, 24), seed=5)
+    _check(wide.t(), "row")
+    _check(wide.t(), "column")
+    _check(wide.t(), "block", block_size=8)
+    deep = _input((2, 3, 96), seed=6)
+    for granularity in ("row", "block", "tensor"):
+        _check(deep, granularity, block_size=32)
+
+
+def test_zero_groups_and_empty_inputs():
+    x = _input((4, 64), seed=7)
+    x[1] = 0
+    q, scale = _check(x, "row")
+    assert (q[1].float() == 0).all() and scale[1, 0] == torch.tensor(qz.AMAX_FLOOR) / qz.fp8_max(E4M3)
+    for granularity, shape in (("row", (0, 8)), ("row", (3, 0)), ("tensor", (0, 4)), ("column", (0, 5))):
+        q, scale = _check(torch.empty(shape, dtype=torch.bfloat16, device=_device()), granularity)
+        assert scale.numel() == 0 or torch.isfinite(scale).all()
+
+
+def test_non_finite_values():
+    """A NaN makes its group's scale and every value NaN; an inf makes the scale inf, its own value
+    NaN and the group's others 0."""
+    x = _input((4, 40), seed=8)
+    x[1, 3], x[2, 5] = float("nan"), float("inf")
+    for dtype in (E4M3, E5M2):
+        for granularity in ("row", "column", "block", "tensor"):
+            _check(x, granularity, dtype=dtype, block_size=8)
+    q, scale = tritonkit.quantize_fp8(x, "row")
+    assert scale[1].isnan().all() and q[1].float().isnan().all()
+    assert scale[2].isinf().all() and q[2, 5].float().isnan() and (q[2, :5].float() == 0).all()
+    assert torch.isfinite(scale[[0, 3]]).all()
+
+
+def test_torch_compile_and_opcheck():
+    from tritonkit.opdef import recording_calls
+
+    x = _input((8, 64), seed=9)
+    with recording_calls() as calls:
+        tritonkit.quantize_fp8(x, "block", block_size=32)
+    for custom, args in calls:
+        torch.library.opcheck(custom, args)
+    compiled = torch.compile(lambda t: tritonkit.quantize_fp8(t, "row"), fullgraph=True)
+    q, scale = compiled(x)
+    eager_q, eager_scale = tritonkit.quantize_fp8(x, "row")
+    assert torch.equal(q.view(torch.uint8), eager_q.view(torch.uint8)) and torch.equal(scale, eager_scale)
+
+
+def test_bad_arguments_fail_clearly():
+    x = _input((4, 64), seed=10)
+    with pytest.raises(ValueError, match="granularity"):
+        tritonkit.quantize_fp8(x, "channel")
+    with pytest.raises(ValueError, match="2-D"):
+        tritonkit.quantize_fp8(x[None], "column")
+    with pytest.raises(ValueError, match="block_size"):
+        tritonkit.quantize_fp8(x, "block", block_size=100)
+    with pytest.raises(ValueError, match="block_size"):
+        tritonkit.quantize_fp8(x, "block2d", block_size=256)
+    with pytest.raises(TypeError, match="dtype"):
+        tritonkit.quantize_fp8(x, dtype=torch.int8)
+    with pytest.raises(TypeError, match="x must be"):
+        tritonkit.quantize_fp8(x.to(torch.int32))
+    with pytest.raises(NotImplementedError, match="scale_dtype"):
+        tritonkit.quantize_fp8(x, scale_dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="transpose"):
+        tritonkit.quantize_fp8(x, transpose=True)
+    with pytest.raises(RuntimeError, match="no gradient"):
+        tritonkit.quantize_fp8(x.float().requires_grad_())
+
+
+# ---------------------------------------------------------------- compiles for Hopper, no GPU needed
+
+_HOPPER_CHECK = r"""
+import torch
+import tritonkit.ops.quantize as qz
+
+def show(name, report):
+    wide = {width for width in report.loads if width != 32}  # (32: the tensor's amax)
+    fp8_stores = {width for width in report.stores if width != 32}  # (32: the fp32 scales)
+    print(name, wide == {128}, fp8_stores == {128}, report.opcodes["F2FP"] > 0,
+          not report.spills, report.opcodes["ATOMG"] + report.opcodes["RED"])
+
+fmt = qz._format(torch.float8_e4m3fn) | {"SOFT_CAST": False}
+tiles = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "amax_bits_ptr": "*i32", "M": "i32",
+         "N": "i32", "stride_xm": "i32", "stride_xn": "constexpr", "stride_sm": "i32", "stride_sn": "i32"}
+for name, group in (("row", (1, 4096)), ("block", (1, 128)), ("block2d", (128, 128)), ("tensor", (1, 1))):
+    block_m, block_n = qz._tile(*group, 4096)
+    meta = fmt | {"POW2": False, "TENSOR": name == "tensor", "GROUP_M": group[0], "GROUP_N": group[1],
+                  "BLOCK_M": block_m, "BLOCK_N": block_n, "stride_xn": 1}
+    show(name, compile_kernel(qz._quantize_tiles_kernel, tiles, meta, qz.NUM_WARPS))
+lines = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "LINES": "i32", "LENGTH": "i32",
+         "stride_xl": "i32", "stride_xe": "constexpr", "stride_ql": "i32", "stride_qe": "constexpr",
+         "stride_s": "constexpr"}
+meta = fmt | {"POW2": True, "BLOCK_L": 4, "BLOCK_E": qz.LINE_CHUNK,
+              "stride_xe": 1, "stride_qe": 1, "stride_s": 1}
+show("lines", compile_kernel(qz._quantize_lines_kernel, lines, meta, qz.NUM_WARPS))
+amax = {"x_ptr": "*bf16", "amax_bits_ptr": "*i32", "M": "i32", "N": "i32", "stride_xm": "i32",
+        "stride_xn": "constexpr"}
+report = compile_kernel(qz._amax_kernel, amax, {"BLOCK_M": 2, "BLOCK_N": 4096, "stride_xn": 1}, qz.NUM_WARPS)
+print("amax", set(report.loads) == {128}, not report.spills, report.opcodes["ATOMG"] + report.opcodes["RED"])
+"""
+
+
+def test_kernels_compile_for_hopper_with_wide_accesses_the_hardware_cast_and_no_spills():
+    """Compiled for sm_90 with Triton's own ptxas (the interpreter never compiles): 16-byte loads of
+    x and stores of q, the fp8 cast in hardware (F2FP), no spills, and one atomic for the tensor's
+    amax a program."""
+    lines = sm90.run(_HOPPER_CHECK)
+    assert len(lines) == 6, lines
+    for line in lines[:5]:
+        assert line.endswith("True True True True 0"), line
+    assert lines[5] == "amax True True 1", lines[5]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("granularity", qz.GRANULARITIES)
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_gpu_large_shapes_bit_for_bit(granularity, dtype):
+    """At sizes the benchmarks run, every bit as torch's cast of the reference's values."""
+    shape = (4099, 4096) if granularity != "block2d" else (1000, 4104)
+    x = _input(shape, seed=13)
+    for pow2 in (False, True):
+        _check(x, granularity, dtype=dtype, pow2=pow2)
