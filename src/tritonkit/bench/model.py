@@ -367,7 +367,8 @@ def plot(rows: list[dict], path: Path) -> None:
             axis.bar([c + i * width for c in range(len(cases))], values, width, label=provider)
         axis.set_xticks([c + width * (len(providers) - 1) / 2 for c in range(len(cases))], cases)
         axis.set_title(title, fontsize=10)
-        axis.legend(fontsize=8)
+        # below the panel: inside it, the legend covered the tallest bars
+        axis.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=3, frameon=False)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)

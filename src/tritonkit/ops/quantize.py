@@ -29,6 +29,7 @@ References: DeepSeek-V3 technical report (arXiv 2412.19437), section 3.3 (1 x 12
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -231,6 +232,7 @@ def fp8_max(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max)
 
 
+@functools.cache  # (a call's host path would redo finfo and log2 each time)
 def _format(dtype: torch.dtype) -> dict:
     """The fp8 dtype's constexprs: its largest value, mantissa bits and least normal exponent."""
     info = torch.finfo(dtype)
@@ -246,6 +248,7 @@ def _format(dtype: torch.dtype) -> dict:
     }
 
 
+@functools.lru_cache(maxsize=1024)
 def _tile(group_m: int, group_n: int, n_cols: int) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N): whole groups, at most TILE_ELEMENTS, as wide as the row allows."""
     block_n = max(group_n, min(next_power_of_2(n_cols), TILE_ELEMENTS // group_m))
