@@ -191,6 +191,10 @@ lines = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "LINES": "
 meta = fmt | {"POW2": True, "BLOCK_L": 4, "BLOCK_E": qz.LINE_CHUNK,
               "stride_xe": 1, "stride_qe": 1, "stride_s": 1}
 show("lines", compile_kernel(qz._quantize_lines_kernel, lines, meta, qz.NUM_WARPS))
+columns = lines | {"stride_xl": "constexpr", "stride_xe": "i32", "stride_ql": "constexpr", "stride_qe": "i32"}
+meta = fmt | {"POW2": False, "BLOCK_L": qz.COLUMN_LINES, "BLOCK_E": qz.TILE_ELEMENTS // qz.COLUMN_LINES,
+              "stride_xl": 1, "stride_ql": 1, "stride_s": 1}
+show("columns", compile_kernel(qz._quantize_lines_kernel, columns, meta, qz.NUM_WARPS))
 amax = {"x_ptr": "*bf16", "amax_bits_ptr": "*i32", "M": "i32", "N": "i32", "stride_xm": "i32",
         "stride_xn": "constexpr"}
 report = compile_kernel(qz._amax_kernel, amax, {"BLOCK_M": 2, "BLOCK_N": 4096, "stride_xn": 1}, qz.NUM_WARPS)
@@ -203,10 +207,10 @@ def test_kernels_compile_for_hopper_with_wide_accesses_the_hardware_cast_and_no_
     x and stores of q, the fp8 cast in hardware (F2FP), no spills, and one atomic for the tensor's
     amax a program."""
     lines = sm90.run(_HOPPER_CHECK)
-    assert len(lines) == 6, lines
-    for line in lines[:5]:
+    assert len(lines) == 7, lines
+    for line in lines[:6]:
         assert line.endswith("True True True True 0"), line
-    assert lines[5] == "amax True True 1", lines[5]
+    assert lines[6] == "amax True True 1", lines[6]
 
 
 @pytest.mark.gpu

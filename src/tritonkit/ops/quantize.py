@@ -48,6 +48,7 @@ AMAX_FLOOR = 1e-12  # an all-zero group's amax: its scale stays finite and its q
 TILE_ELEMENTS = 8192
 NUM_WARPS = 8
 LINE_CHUNK = 2048  # elements of a line a lines program takes a step
+COLUMN_LINES = 256  # columns a program takes (a step reads 512 contiguous bytes of each bf16 row)
 AMAX_CHUNK = 8192  # elements a program of the tensor's amax pass reduces
 
 
@@ -287,8 +288,12 @@ def _lines_launch(x, q, scale, by_rows: bool, dtype, pow2: bool) -> Launch:
     lines, length = (m, n) if by_rows else (n, m)
     x_strides = (x.stride(0), x.stride(1)) if by_rows else (x.stride(1), x.stride(0))
     q_strides = (q.stride(0), q.stride(1)) if by_rows else (q.stride(1), q.stride(0))
-    block_e = min(LINE_CHUNK, next_power_of_2(length))
-    block_l = max(1, min(TILE_ELEMENTS // block_e, next_power_of_2(lines)))
+    if by_rows:  # a line's elements are contiguous: long steps along it
+        block_e = min(LINE_CHUNK, next_power_of_2(length))
+        block_l = max(1, min(TILE_ELEMENTS // block_e, next_power_of_2(lines)))
+    else:  # columns of a row-major x: many lines, so that a step reads long runs of each row
+        block_l = min(COLUMN_LINES, next_power_of_2(lines))
+        block_e = max(1, min(TILE_ELEMENTS // block_l, next_power_of_2(length)))
     meta = {
         **_format(dtype),
         "POW2": pow2,
