@@ -129,6 +129,21 @@ def test_non_finite_values():
     assert torch.isfinite(scale[[0, 3]]).all()
 
 
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_the_transposed_copy_is_the_transpose(dtype):
+    """transpose=True: x_fp8's transpose, contiguous, bit for bit, from the same pass; the scales of
+    the tensor as they are, the 2-D blocks' transposed."""
+    x = _input((37, 50), seed=14)
+    for granularity, block_size in (("tensor", 128), ("block2d", 16)):
+        q, scale = _check(x, granularity, dtype=dtype, block_size=block_size)
+        _, _, qt, scale_t = tritonkit.quantize_fp8(
+            x, granularity, dtype=dtype, block_size=block_size, transpose=True
+        )
+        assert qt.is_contiguous() and qt.dtype == dtype
+        assert torch.equal(qt.view(torch.uint8), q.t().contiguous().view(torch.uint8))
+        assert torch.equal(scale_t, scale.t() if scale.dim() else scale)
+
+
 def test_torch_compile_and_opcheck():
     from tritonkit.opdef import recording_calls
 
@@ -159,8 +174,10 @@ def test_bad_arguments_fail_clearly():
         tritonkit.quantize_fp8(x.to(torch.int32))
     with pytest.raises(NotImplementedError, match="scale_dtype"):
         tritonkit.quantize_fp8(x, scale_dtype=torch.bfloat16)
-    with pytest.raises(NotImplementedError, match="transpose"):
-        tritonkit.quantize_fp8(x, transpose=True)
+    with pytest.raises(ValueError, match="transpose=True keeps the groups"):
+        tritonkit.quantize_fp8(x, "row", transpose=True)
+    with pytest.raises(ValueError, match="2-D"):
+        tritonkit.quantize_fp8(x[None], "tensor", transpose=True)
     with pytest.raises(RuntimeError, match="no gradient"):
         tritonkit.quantize_fp8(x.float().requires_grad_())
 
@@ -178,12 +195,18 @@ def show(name, report):
           not report.spills, report.opcodes["ATOMG"] + report.opcodes["RED"])
 
 fmt = qz._format(torch.float8_e4m3fn) | {"SOFT_CAST": False}
-tiles = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "amax_bits_ptr": "*i32", "M": "i32",
-         "N": "i32", "stride_xm": "i32", "stride_xn": "constexpr", "stride_sm": "i32", "stride_sn": "i32"}
+tiles = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qt_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
+         "amax_bits_ptr": "*i32", "M": "i32", "N": "i32", "stride_xm": "i32", "stride_xn": "constexpr",
+         "stride_sm": "i32", "stride_sn": "i32"}
 for name, group in (("row", (1, 4096)), ("block", (1, 128)), ("block2d", (128, 128)), ("tensor", (1, 1))):
     block_m, block_n = qz._tile(*group, 4096)
-    meta = fmt | {"POW2": False, "TENSOR": name == "tensor", "GROUP_M": group[0], "GROUP_N": group[1],
-                  "BLOCK_M": block_m, "BLOCK_N": block_n, "stride_xn": 1}
+    meta = fmt | {"POW2": False, "TENSOR": name == "tensor", "TRANSPOSE": False, "GROUP_M": group[0],
+                  "GROUP_N": group[1], "BLOCK_M": block_m, "BLOCK_N": block_n, "stride_xn": 1}
+    show(name, compile_kernel(qz._quantize_tiles_kernel, tiles, meta, qz.NUM_WARPS))
+for name, group in (("block2d transposed", (128, 128)), ("tensor transposed", (1, 1))):
+    block_m, block_n = qz._tile(*group, 4096) if group[0] > 1 else qz.TRANSPOSED_TILE
+    meta = fmt | {"POW2": False, "TENSOR": group[0] == 1, "TRANSPOSE": True, "GROUP_M": group[0],
+                  "GROUP_N": group[1], "BLOCK_M": block_m, "BLOCK_N": block_n, "stride_xn": 1}
     show(name, compile_kernel(qz._quantize_tiles_kernel, tiles, meta, qz.NUM_WARPS))
 lines = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "LINES": "i32", "LENGTH": "i32",
          "stride_xl": "i32", "stride_xe": "constexpr", "stride_ql": "i32", "stride_qe": "constexpr",
@@ -204,13 +227,13 @@ print("amax", set(report.loads) == {128}, not report.spills, report.opcodes["ATO
 
 def test_kernels_compile_for_hopper_with_wide_accesses_the_hardware_cast_and_no_spills():
     """Compiled for sm_90 with Triton's own ptxas (the interpreter never compiles): 16-byte loads of
-    x and stores of q, the fp8 cast in hardware (F2FP), no spills, and one atomic for the tensor's
-    amax a program."""
+    x and stores of q (and of its transpose), the fp8 cast in hardware (F2FP), no spills, and one
+    atomic for the tensor's amax a program."""
     lines = sm90.run(_HOPPER_CHECK)
-    assert len(lines) == 7, lines
-    for line in lines[:6]:
+    assert len(lines) == 9, lines
+    for line in lines[:8]:
         assert line.endswith("True True True True 0"), line
-    assert lines[6] == "amax True True 1", lines[6]
+    assert lines[8] == "amax True True 1", lines[8]
 
 
 @pytest.mark.gpu
@@ -222,4 +245,7 @@ def test_gpu_large_shapes_bit_for_bit(granularity, dtype):
     shape = (4099, 4096) if granularity != "block2d" else (1000, 4104)
     x = _input(shape, seed=13)
     for pow2 in (False, True):
-        _check(x, granularity, dtype=dtype, pow2=pow2)
+        q, _ = _check(x, granularity, dtype=dtype, pow2=pow2)
+    if granularity in qz.TRANSPOSABLE:
+        qt = tritonkit.quantize_fp8(x, granularity, dtype=dtype, round_scale_to_pow2=True, transpose=True)[2]
+        assert torch.equal(qt.view(torch.uint8), q.t().contiguous().view(torch.uint8))

@@ -15,8 +15,8 @@ NaN and the group's finite values 0. There is no gradient: quantization is not d
 
 Work. x is read once and q written once, scales beside: bytes s * N + N + 4 * groups for N
 elements of s bytes (the tensor granularity reads x twice: its amax is a pass of its own, an
-atomic max over programs, so that no host sync waits for it). A few FLOPs per element on CUDA
-cores: memory-bound, its roofline the copy bandwidth.
+atomic max over programs, so that no host sync waits for it; ``transpose=True`` writes q twice).
+A few FLOPs per element on CUDA cores: memory-bound, its roofline the copy bandwidth.
 
 Kernels. ``_quantize_tiles_kernel`` takes a tile of rows x columns and quantizes the groups
 inside it (row groups whose row fits a tile, blocks, 2-D blocks, or the whole tensor with its
@@ -41,6 +41,7 @@ from tritonkit.dtypes import FLOATS
 from tritonkit.opdef import check_tensor, op
 
 GRANULARITIES = ("tensor", "row", "column", "block", "block2d")
+TRANSPOSABLE = ("tensor", "block2d")  # the groups a transpose keeps: transpose=True takes these
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 AMAX_FLOOR = 1e-12  # an all-zero group's amax: its scale stays finite and its q 0 (torchao's EPS)
 # A tile holds at most this many elements: 32 fp32 values a thread at 8 warps. A row longer than
@@ -48,6 +49,7 @@ AMAX_FLOOR = 1e-12  # an all-zero group's amax: its scale stays finite and its q
 TILE_ELEMENTS = 8192
 NUM_WARPS = 8
 LINE_CHUNK = 2048  # elements of a line a lines program takes a step
+TRANSPOSED_TILE = (64, 128)  # the tensor granularity's tile with transpose=True: 64-byte runs of q^T
 COLUMN_LINES = 256  # columns a program takes (a step reads 512 contiguous bytes of each bf16 row)
 AMAX_CHUNK = 8192  # elements a program of the tensor's amax pass reduces
 
@@ -118,6 +120,7 @@ def _abs_max(x, axis):
 def _quantize_tiles_kernel(
     x_ptr,  # input, (M, N), strides (stride_xm, stride_xn)
     q_ptr,  # fp8 output (uint8 where SOFT_CAST), (M, N), contiguous
+    qt_ptr,  # TRANSPOSE: q's transpose, (N, M), contiguous (else unused)
     scale_ptr,  # fp32 scales, (cdiv(M, GROUP_M), cdiv(N, GROUP_N)), strides (stride_sm, stride_sn)
     amax_bits_ptr,  # TENSOR: the tensor's amax, its fp32 bits as one int32 (else unused)
     M,  # rows
@@ -133,6 +136,7 @@ def _quantize_tiles_kernel(
     MIN_EXP: tl.constexpr,  # the exponent of its least normal value
     POW2: tl.constexpr,  # scales rounded up to powers of two
     TENSOR: tl.constexpr,  # one group, the whole tensor, whose amax the amax pass wrote
+    TRANSPOSE: tl.constexpr,  # also store q transposed
     GROUP_M: tl.constexpr,  # rows of a group (a power of two, dividing BLOCK_M)
     GROUP_N: tl.constexpr,  # columns of a group (a power of two, dividing BLOCK_N)
     BLOCK_M: tl.constexpr,  # rows a program takes
@@ -162,6 +166,8 @@ def _quantize_tiles_kernel(
         tl.store(scale_at, scale, mask=scale_mask)
     q = _to_fp8(y, FP8, MANTISSA, MIN_EXP, SOFT_CAST)
     tl.store(q_ptr + rows[:, None] * N + cols[None, :], q, mask=mask)
+    if TRANSPOSE:  # the same values from registers (the compiler routes them through shared memory)
+        tl.store(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], q, mask=mask)
 
 
 @triton.jit
@@ -256,23 +262,28 @@ def _tile(group_m: int, group_n: int, n_cols: int) -> tuple[int, int]:
     return max(group_m, TILE_ELEMENTS // block_n // group_m * group_m), block_n
 
 
-def _tiles_launch(x, q, scale, amax_bits, group: tuple[int, int], dtype, pow2: bool) -> Launch:
+def _tiles_launch(x, q, qt, scale, amax_bits, group: tuple[int, int], dtype, pow2: bool) -> Launch:
+    """Tiles of x (module docstring), writing q, the scales and, where ``qt`` is given, q's transpose."""
     m, n = x.shape
     group_m, group_n = group
-    block_m, block_n = _tile(group_m, group_n, n)
     tensor = amax_bits is not None
+    # the tensor's transpose from tiles as wide as they are tall: a flat tile's transposed rows are
+    # a few bytes each (two rows of 4096 stored 16-bit stores); 2-D blocks are square already
+    block_m, block_n = TRANSPOSED_TILE if tensor and qt is not None else _tile(group_m, group_n, n)
     scale_strides = (0, 0) if tensor else (scale.stride(0), scale.stride(1))
     meta = {
         **_format(dtype),
         "POW2": pow2,
         "TENSOR": tensor,
+        "TRANSPOSE": qt is not None,
         "GROUP_M": group_m,
         "GROUP_N": group_n,
         "BLOCK_M": block_m,
         "BLOCK_N": block_n,
         "num_warps": NUM_WARPS,
     }
-    args = (x, q, scale, scale if amax_bits is None else amax_bits, m, n, x.stride(0), x.stride(1))
+    args = (x, q, q if qt is None else qt, scale, scale if amax_bits is None else amax_bits, m, n)
+    args = (*args, x.stride(0), x.stride(1))
     return Launch(
         "tiles",
         _quantize_tiles_kernel,
@@ -314,10 +325,13 @@ def _amax_launch(x, amax_bits) -> Launch:
     return Launch("amax", _amax_kernel, args, meta, grid=(cdiv(m, block_m), cdiv(n, block_n)))
 
 
-def _launches(x, q, scale, amax_bits, granularity: str, block_size: int, dtype, pow2: bool) -> list[Launch]:
-    """The launches that fill q and scale for a 2-D x (module docstring)."""
+def _launches(
+    x, q, qt, scale, amax_bits, granularity: str, block_size: int, dtype, pow2: bool
+) -> list[Launch]:
+    """The launches that fill q, scale and (the tensor and 2-D blocks, where given) qt for a 2-D x
+    (module docstring)."""
     if granularity == "tensor":
-        return [_amax_launch(x, amax_bits), _tiles_launch(x, q, scale, amax_bits, (1, 1), dtype, pow2)]
+        return [_amax_launch(x, amax_bits), _tiles_launch(x, q, qt, scale, amax_bits, (1, 1), dtype, pow2)]
     if granularity == "row" and x.shape[1] > TILE_ELEMENTS or granularity == "column":
         return [_lines_launch(x, q, scale, granularity == "row", dtype, pow2)]
     group = {
@@ -325,7 +339,7 @@ def _launches(x, q, scale, amax_bits, granularity: str, block_size: int, dtype, 
         "block": (1, block_size),
         "block2d": (block_size, block_size),
     }[granularity]
-    return [_tiles_launch(x, q, scale, None, group, dtype, pow2)]
+    return [_tiles_launch(x, q, qt, scale, None, group, dtype, pow2)]
 
 
 def scale_shape(shape: tuple, granularity: str, block_size: int) -> tuple:
@@ -352,10 +366,13 @@ def _validate(x, granularity: str, block_size: int, dtype, scale_dtype, transpos
         raise TypeError(f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
     if scale_dtype != torch.float32:
         raise NotImplementedError(f"scale_dtype {scale_dtype}: only torch.float32 scales are implemented")
-    if transpose:
-        raise NotImplementedError(
-            "transpose=True (the transposed fp8 copy in the same pass) is not implemented yet"
+    if transpose and granularity not in TRANSPOSABLE:
+        raise ValueError(
+            f"transpose=True keeps the groups, which only {TRANSPOSABLE} keep under a transpose: the "
+            f"{granularity!r} scales of x's transpose are other groups (quantize x.t() for them)"
         )
+    if transpose and x.dim() != 2:
+        raise ValueError(f"transpose=True takes a 2-D x, got shape {tuple(x.shape)}")
     if granularity in ("block", "block2d"):
         largest = 128 if granularity == "block2d" else TILE_ELEMENTS
         power_of_two = isinstance(block_size, int) and block_size > 0 and not block_size & (block_size - 1)
@@ -369,7 +386,7 @@ def _validate(x, granularity: str, block_size: int, dtype, scale_dtype, transpos
 # ---------------------------------------------------------------- op
 
 
-@op("quantize_fp8", mutates=("q_bits", "scale"))
+@op("quantize_fp8", mutates=("q_bits", "qt_bits", "scale"))
 def _quantize(
     x: torch.Tensor,
     granularity: str,
@@ -377,19 +394,22 @@ def _quantize(
     round_scale_to_pow2: bool,
     dtype: torch.dtype,
     q_bits: torch.Tensor,
+    qt_bits: torch.Tensor,
     scale: torch.Tensor,
 ) -> None:
     """Writes q (dtype, as its uint8 bits ``q_bits``: torch's CPU ops, which opcheck runs, do not
-    take fp8) and the scales."""
+    take fp8), its transpose where ``qt_bits`` has elements, and the scales."""
     if x.numel() == 0:  # no program runs: each group's amax is that of nothing, 0
         scale.copy_(_reference_scales(torch.zeros_like(scale), dtype, round_scale_to_pow2)[0])
         return
     x2 = x.reshape(-1, x.shape[-1])
     q2 = q_bits.view(-1, x.shape[-1])
     q2 = q2 if interpret() else q2.view(dtype)
+    qt = (qt_bits if interpret() else qt_bits.view(dtype)) if qt_bits.numel() else None
     scale2 = scale.view(-1, scale.shape[-1]) if scale.dim() else scale
     amax_bits = torch.zeros(1, dtype=torch.int32, device=x.device) if granularity == "tensor" else None
-    for launch in _launches(x2, q2, scale2, amax_bits, granularity, block_size, dtype, round_scale_to_pow2):
+    pow2 = round_scale_to_pow2
+    for launch in _launches(x2, q2, qt, scale2, amax_bits, granularity, block_size, dtype, pow2):
         launch.run()
 
 
@@ -402,20 +422,37 @@ def quantize_fp8(
     scale_dtype: torch.dtype = torch.float32,
     transpose: bool = False,
     round_scale_to_pow2: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, ...]:
     """``(x_fp8, scale)`` with ``x_fp8 * scale`` (broadcast per group) approximating x: one scale for
     the ``"tensor"``, each ``"row"`` (over the last dimension), each ``"column"`` (2-D x), each
     ``"block"`` of ``block_size`` along the last dimension, or each ``"block2d"`` tile of
     ``block_size`` x ``block_size`` (2-D x). Scales are fp32 in ``scale_shape``'s shape; the casts
     saturate. See the module docstring for the exact arithmetic, zeros and non-finite values. No
-    gradient (raises if x requires one)."""
+    gradient (raises if x requires one).
+
+    ``transpose=True`` (the tensor and 2-D blocks, whose groups a transpose keeps) returns
+    ``(x_fp8, scale, xt_fp8, scale_t)``: also x_fp8's transpose, contiguous, written in the same pass
+    (what a backward's ``_scaled_mm`` takes), and its scales (the same scale, or the blocks'
+    transposed, a view)."""
     _validate(x, granularity, block_size, dtype, scale_dtype, transpose)
     if torch.is_grad_enabled() and x.requires_grad:
         raise RuntimeError("quantize_fp8 has no gradient: call it on x.detach(), or under torch.no_grad()")
     q = torch.empty(x.shape, dtype=dtype, device=x.device)  # (fp8 cannot hold the NaN poison)
     scale = empty_output(scale_shape(tuple(x.shape), granularity, block_size), torch.float32, x.device)
-    _quantize(x, granularity, block_size, round_scale_to_pow2, dtype, q.view(torch.uint8), scale)
-    return q, scale
+    qt = torch.empty(x.shape[::-1] if transpose else (0,), dtype=dtype, device=x.device)
+    _quantize(
+        x,
+        granularity,
+        block_size,
+        round_scale_to_pow2,
+        dtype,
+        q.view(torch.uint8),
+        qt.view(torch.uint8),
+        scale,
+    )
+    if not transpose:
+        return q, scale
+    return q, scale, qt, scale.t() if scale.dim() == 2 else scale
 
 
 # ---------------------------------------------------------------- reference and cost
