@@ -44,6 +44,7 @@ GRANULARITIES = ("tensor", "row", "column", "block", "block2d")
 TRANSPOSABLE = ("tensor", "block2d")  # the groups a transpose keeps: transpose=True takes these
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 AMAX_FLOOR = 1e-12  # an all-zero group's amax: its scale stays finite and its q 0 (torchao's EPS)
+_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)  # the same, as the kernels read it
 # A tile holds at most this many elements: 32 fp32 values a thread at 8 warps. A row longer than
 # this is walked in lines (two passes); a 2-D block must fit (block_size <= 128).
 TILE_ELEMENTS = 8192
@@ -57,7 +58,7 @@ AMAX_CHUNK = 8192  # elements a program of the tensor's amax pass reduces
 @triton.jit
 def _scales(amax, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
     """(scale, inv) of a group's amax (module docstring): scale dequantizes, inv quantizes."""
-    amax = tl.where(amax < 1e-12, 1e-12, amax)  # (NaN compares false: it stays)
+    amax = tl.where(amax < _AMAX_FLOOR, _AMAX_FLOOR, amax)  # (NaN compares false: it stays)
     scale = tl.math.div_rn(amax, FP8_MAX)
     if POW2:  # up to the power of two at or above: clear the mantissa, carry one if it was not 0
         bits = scale.to(tl.int32, bitcast=True)
