@@ -7,11 +7,12 @@ backward and tritonkit's Triton backward (both modes), in one process, bf16.
 ``--layer`` times the decoder layer's attention alone (``tritonkit bench layer``'s 8b-4k: GQA 32/8,
 S = 4096, causal), q, k and v strided views of one QKV projection's output and dO of the output
 projection's input, as the layer has them, with every Gluon candidate. ``--causal`` times the causal
-rows only. A causal row also times the free order's other group sizes (``FREE_CAUSAL_GROUPS``), and
-every row the deterministic order's (``DETERMINISTIC_GROUPS``). ``--candidates`` times, in place of the other
-orders, every Gluon candidate (``bwd_sm90.CANDIDATES``) in both modes (the deterministic ones unless
-``--skip-deterministic``); ``--defaults`` times each mode's default alone. ``--shape`` keeps the rows
-of one shape (repeatable).
+rows only. A causal row also times the free order's other group sizes (``FREE_CAUSAL_GROUPS``),
+and every row the deterministic order's (``DETERMINISTIC_GROUPS``); a GQA row also the
+deterministic mode with the other ``bwd_sm90.DETERMINISTIC_GQA_PER_QUERY_HEAD``. ``--candidates``
+times, in place of the other orders, every Gluon candidate (``bwd_sm90.CANDIDATES``) in both modes
+(the deterministic ones unless ``--skip-deterministic``); ``--defaults`` times each mode's default
+alone. ``--shape`` keeps the rows of one shape (repeatable).
 
 Each provider's time is the median of ``triton.testing.do_bench`` over a backward call (the delta
 pass and dq's conversion included; cuDNN's own preprocessing too), from saved forward outputs;
@@ -120,8 +121,11 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
 
     default_deterministic_group = bwd_sm90.DETERMINISTIC_PAIRS_PER_GROUP
 
-    def ours(deterministic: bool, gluon: bool, group: int | None):
-        """The backward in one mode, its program order's group size set for the mode."""
+    per_query_head = bwd_sm90.DETERMINISTIC_GQA_PER_QUERY_HEAD
+
+    def ours(deterministic: bool, gluon: bool, group: int | None, by_query_head: bool = per_query_head):
+        """The backward in one mode, its program order's group size set for the mode (and, with GQA,
+        whether a deterministic program takes a query head or the group)."""
         name = "DETERMINISTIC_PAIRS_PER_GROUP" if deterministic else "FREE_CAUSAL_PAIRS_PER_GROUP"
         default = default_deterministic_group if deterministic else default_group
 
@@ -129,10 +133,12 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
             bwd.SM90_BACKWARD = gluon
             bwd.SM90_BACKWARD_DETERMINISTIC = bwd.SM90_BACKWARD_DETERMINISTIC_GQA = (64, 128) if gluon else ()
             setattr(bwd_sm90, name, group)
+            bwd_sm90.DETERMINISTIC_GQA_PER_QUERY_HEAD = by_query_head
             try:
                 return bwd.attention_bwd(do, q, k, v, o, lse, None, scores, deterministic=deterministic)
             finally:
                 setattr(bwd_sm90, name, default)
+                bwd_sm90.DETERMINISTIC_GQA_PER_QUERY_HEAD = per_query_head
 
         return call
 
@@ -146,10 +152,24 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
             if causal and not (candidates_only or defaults_only)
             else []
         )
-        for name, deterministic, gluon, group in (
+        gqa = heads_q != heads_kv
+        for name, deterministic, gluon, group, *by_query_head in (
             ("gluon", False, True, default_group),
             *((f"gluon_pairs_per_group={g}", False, True, g) for g in groups),
             ("gluon_deterministic", True, True, default_deterministic_group),
+            *(
+                [
+                    (
+                        f"gluon_deterministic_per_query_head={not per_query_head}",
+                        True,
+                        True,
+                        default_deterministic_group,
+                        not per_query_head,
+                    )
+                ]
+                if gqa
+                else []
+            ),
             *(
                 (f"gluon_deterministic_pairs_per_group={g}", True, True, g)
                 for g in DETERMINISTIC_GROUPS
@@ -164,7 +184,7 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
                 continue
             if name.startswith("triton") and "--skip-triton" in sys.argv:
                 continue
-            fn = ours(deterministic, gluon, group)
+            fn = ours(deterministic, gluon, group, *by_query_head)
             grads = fn()
             row["ms"][name] = _bench(fn)
             if gluon:

@@ -51,10 +51,13 @@ for dtype, head_dim, causal, deterministic, shared_dq, _ in CASES:
     for name in ("stride_lb", "stride_lh", "stride_db", "stride_dh", "stride_sb", "stride_sh", "HEADS_KV",
                  "PAIRS", "PAIRS_PER_GROUP", "GROUP", "SEQ_Q", "SEQ_K", "UPPER_OFFSET"):
         signature[name] = "i32"
+    # KV_SHARE is 1 but per query head, and a launch specializes an int argument of 1 as a constant
+    signature |= {"KV_SHARE": "constexpr"}
     signature |= {"qk_scale": "fp32", "scale": "fp32", "IS_CAUSAL": "constexpr", "DETERMINISTIC": "constexpr",
                   "NUM_STAGES": "constexpr", "ROTATE": "constexpr",
                   "OVERLAP_SDP": "constexpr", "SHARED_DQ": "constexpr"}
-    constants = {"IS_CAUSAL": causal, "DETERMINISTIC": deterministic, "NUM_STAGES": config.num_stages,
+    constants = {"KV_SHARE": 1, "IS_CAUSAL": causal, "DETERMINISTIC": deterministic,
+                 "NUM_STAGES": config.num_stages,
                  "OVERLAP_SDP": config.overlap_sdp, "SHARED_DQ": config.shared_dq}
     constants["ROTATE"] = bwd.order(deterministic, causal, 64, 32, 132)[1]  # rotated where it may be
     kernel = triton.compile(GluonASTSource(bwd._attn_bwd_sm90_kernel, signature, constants),
@@ -314,24 +317,45 @@ def test_gpu_strided_layouts_and_scale(causal):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize(
-    "group, shared_dq",
-    [(None, False), (1, False), (3, False), (1, True), (3, True)],
-    ids=["turns-slow", "key-major", "groups-of-3", "key-major-shared-dq", "groups-of-3-shared-dq"],
+    "group, shared_dq, per_query_head",
+    [
+        (None, False, False),
+        (1, False, False),
+        (3, False, False),
+        (1, True, False),
+        (3, True, False),
+        (1, True, True),
+        (3, True, True),
+    ],
+    ids=[
+        "turns-slow",
+        "key-major",
+        "groups-of-3",
+        "key-major-shared-dq",
+        "groups-of-3-shared-dq",
+        "key-major-per-query-head",
+        "groups-of-3-per-query-head",
+    ],
 )
 @pytest.mark.parametrize("heads", [(8, 8), (8, 2)], ids=["mha", "gqa"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_gpu_deterministic_mode_gives_the_same_bits(causal, heads, group, shared_dq, monkeypatch):
+def test_gpu_deterministic_mode_gives_the_same_bits(
+    causal, heads, group, shared_dq, per_query_head, monkeypatch
+):
     """(2, H, 2048 + 77, 128) bf16, many key blocks adding into each dq block: the deterministic
     mode's three gradients are the same bits run after run, in every order of programs
     (``bwd_sm90.DETERMINISTIC_PAIRS_PER_GROUP``; 3 leaves a smaller last group, and all pairs at
-    once walks a full mask unrotated) and both dQ splits, which pass the oracle. dk and dv take no
-    atomics in either mode: the same bits as the free mode's, unless the full mask's walk is
-    rotated (their sums over the query blocks then start at another block)."""
+    once walks a full mask unrotated), both dQ splits and GQA's programs of a group or of a query
+    head, which pass the oracle. dk and dv take no atomics in either mode: the same bits as the
+    free mode's, unless the full mask's walk is rotated (their sums over the query blocks then
+    start at another block)."""
     from tritonkit._runtime import sm_count
     from tritonkit.ops.attention import bwd_sm90
 
+    if per_query_head and heads[0] == heads[1]:
+        pytest.skip("per_query_head is GQA's: without it the programs are a query head's already")
     monkeypatch.setattr(bwd_sm90, "DETERMINISTIC_PAIRS_PER_GROUP", group)
-    config = bwd_sm90.CONFIGS[128]._replace(shared_dq=shared_dq)
+    config = bwd_sm90.CONFIGS[128]._replace(shared_dq=shared_dq, per_query_head=per_query_head)
     q, k, v, do = _inputs(2, *heads, 2125, 2125, 128, torch.bfloat16, seed=2125 + causal)
     check(q, k, v, do, causal, deterministic=True, scale=0.1, config=config)
     o, lse = _forward(q, k, v, causal, 0.1, True)
@@ -339,7 +363,7 @@ def test_gpu_deterministic_mode_gives_the_same_bits(causal, heads, group, shared
     for other in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], other, strict=True))
     free = _run(q, k, v, do, o, lse, causal, 0.1, True, False, config=config)
-    pairs, blocks = 2 * heads[1], -(-2125 // bwd_sm90.BLOCK_N)
+    pairs, blocks = 2 * (heads[0] if per_query_head else heads[1]), -(-2125 // bwd_sm90.BLOCK_N)
     if not bwd_sm90.order(True, causal, pairs, blocks, sm_count(q.device))[1]:  # not rotated
         assert torch.equal(free[1], runs[0][1]) and torch.equal(free[2], runs[0][2])
     for a, b in zip(free, runs[0], strict=True):

@@ -181,6 +181,9 @@ def test_the_order_of_the_gradients_in_the_forward_passes_opcheck_and_compiles(d
         (c, a) for c, a in calls if c._name.endswith("linear_cross_entropy") and a[-1] is not None
     )
     torch.library.opcheck(custom, tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args))
+    # and the backward's, which scales those gradients by the upstream one in place
+    (custom, args) = next((c, a) for c, a in calls if c._name.endswith("linear_cross_entropy_scale"))
+    torch.library.opcheck(custom, tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args))
     torch._dynamo.reset()
     compiled = torch.compile(
         lambda x, w, t, b: tritonkit.linear_cross_entropy(x, w, t, b, label_smoothing=0.1), fullgraph=True
@@ -188,6 +191,18 @@ def test_the_order_of_the_gradients_in_the_forward_passes_opcheck_and_compiles(d
     loss = compiled(x, w, target, b)
     for got, want in zip((loss, *torch.autograd.grad(loss, leaves)), eager, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_second_backward_of_the_forwards_gradients_is_refused(device, monkeypatch):
+    """ORDER "tokens" scales the forward's gradients in place: a second backward through the same
+    graph (retain_graph=True) would scale them again, so it raises instead."""
+    monkeypatch.setattr(lce, "ORDER", "tokens")
+    x, w, target, b, _ = _inputs((9, 16, 30), BF16, device, seed=9)
+    leaves = [t.requires_grad_(True) for t in (x, w, b)]
+    loss = tritonkit.linear_cross_entropy(x, w, target, b)
+    torch.autograd.grad(loss, leaves, retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran already"):
+        torch.autograd.grad(loss, leaves)
 
 
 @pytest.mark.parametrize(

@@ -198,14 +198,18 @@ fmt = qz._format(torch.float8_e4m3fn) | {"SOFT_CAST": False}
 tiles = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qt_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
          "amax_bits_ptr": "*i32", "M": "i32", "N": "i32", "stride_xm": "i32", "stride_xn": "constexpr",
          "stride_sm": "i32", "stride_sn": "i32"}
-for name, group in (("row", (1, 4096)), ("block", (1, 128)), ("block2d", (128, 128)), ("tensor", (1, 1))):
+groups = (("row", (1, 4096)), ("block", (1, 128)), ("block2d", (128, 128)), ("tensor", (1, 1)),
+          ("column", (1, 1)))
+for name, group in groups:
     block_m, block_n = qz._tile(*group, 4096)
-    meta = fmt | {"POW2": False, "TENSOR": name == "tensor", "TRANSPOSE": False, "GROUP_M": group[0],
-                  "GROUP_N": group[1], "BLOCK_M": block_m, "BLOCK_N": block_n, "stride_xn": 1}
+    meta = fmt | {"POW2": False, "TENSOR": name == "tensor", "COLUMNS": name == "column",
+                  "TRANSPOSE": False, "GROUP_M": group[0], "GROUP_N": group[1], "BLOCK_M": block_m,
+                  "BLOCK_N": block_n, "stride_xn": 1}
     show(name, compile_kernel(qz._quantize_tiles_kernel, tiles, meta, qz.NUM_WARPS))
 for name, group in (("block2d transposed", (128, 128)), ("tensor transposed", (1, 1))):
     block_m, block_n = qz._tile(*group, 4096) if group[0] > 1 else qz.TRANSPOSED_TILE
-    meta = fmt | {"POW2": False, "TENSOR": group[0] == 1, "TRANSPOSE": True, "GROUP_M": group[0],
+    meta = fmt | {"POW2": False, "TENSOR": group[0] == 1, "COLUMNS": False, "TRANSPOSE": True,
+                  "GROUP_M": group[0],
                   "GROUP_N": group[1], "BLOCK_M": block_m, "BLOCK_N": block_n, "stride_xn": 1}
     show(name, compile_kernel(qz._quantize_tiles_kernel, tiles, meta, qz.NUM_WARPS))
 lines = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "LINES": "i32", "LENGTH": "i32",
@@ -214,26 +218,27 @@ lines = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "LINES": "
 meta = fmt | {"POW2": True, "BLOCK_L": 4, "BLOCK_E": qz.LINE_CHUNK,
               "stride_xe": 1, "stride_qe": 1, "stride_s": 1}
 show("lines", compile_kernel(qz._quantize_lines_kernel, lines, meta, qz.NUM_WARPS))
-columns = lines | {"stride_xl": "constexpr", "stride_xe": "i32", "stride_ql": "constexpr", "stride_qe": "i32"}
-meta = fmt | {"POW2": False, "BLOCK_L": qz.COLUMN_LINES, "BLOCK_E": qz.TILE_ELEMENTS // qz.COLUMN_LINES,
-              "stride_xl": 1, "stride_ql": 1, "stride_s": 1}
-show("columns", compile_kernel(qz._quantize_lines_kernel, columns, meta, qz.NUM_WARPS))
 amax = {"x_ptr": "*bf16", "amax_bits_ptr": "*i32", "M": "i32", "N": "i32", "stride_xm": "i32",
         "stride_xn": "constexpr"}
-report = compile_kernel(qz._amax_kernel, amax, {"BLOCK_M": 2, "BLOCK_N": 4096, "stride_xn": 1}, qz.NUM_WARPS)
-print("amax", set(report.loads) == {128}, not report.spills, report.opcodes["ATOMG"] + report.opcodes["RED"])
+for name, meta in (("amax", {"COLUMNS": False, "STEPS": 1, "BLOCK_M": 2, "BLOCK_N": 4096}),
+                   ("column amax", {"COLUMNS": True, "STEPS": 16, "BLOCK_M": 64, "BLOCK_N": 128})):
+    report = compile_kernel(qz._amax_kernel, amax, meta | {"stride_xn": 1}, qz.NUM_WARPS)
+    atomics = report.opcodes["ATOMG"] + report.opcodes["RED"]
+    print(name, set(report.loads) == {128}, not report.spills, atomics)
 """
 
 
 def test_kernels_compile_for_hopper_with_wide_accesses_the_hardware_cast_and_no_spills():
     """Compiled for sm_90 with Triton's own ptxas (the interpreter never compiles): 16-byte loads of
     x and stores of q (and of its transpose), the fp8 cast in hardware (F2FP), no spills, and one
-    atomic for the tensor's amax a program."""
+    atomic for the tensor's amax a program (the columns' pass: a few a thread, none in its loop)."""
     lines = sm90.run(_HOPPER_CHECK)
-    assert len(lines) == 9, lines
+    assert len(lines) == 10, lines
     for line in lines[:8]:
         assert line.endswith("True True True True 0"), line
     assert lines[8] == "amax True True 1", lines[8]
+    name, loads, no_spills, atomics = lines[9].rsplit(" ", 3)
+    assert (name, loads, no_spills) == ("column amax", "True", "True") and 0 < int(atomics) <= 4, lines[9]
 
 
 @pytest.mark.gpu

@@ -14,14 +14,16 @@ pushes past m; the cast never overflows. A NaN in a group makes its amax, scale 
 NaN and the group's finite values 0. There is no gradient: quantization is not differentiable.
 
 Work. x is read once and q written once, scales beside: bytes s * N + N + 4 * groups for N
-elements of s bytes (the tensor granularity reads x twice: its amax is a pass of its own, an
+elements of s bytes (the tensor and the columns read x twice: their amax is a pass of its own, an
 atomic max over programs, so that no host sync waits for it; ``transpose=True`` writes q twice).
 A few FLOPs per element on CUDA cores: memory-bound, its roofline the copy bandwidth.
 
 Kernels. ``_quantize_tiles_kernel`` takes a tile of rows x columns and quantizes the groups
-inside it (row groups whose row fits a tile, blocks, 2-D blocks, or the whole tensor with its
-amax given); ``_quantize_lines_kernel`` walks lines too long for a tile twice, the amax then the
-quantization (long rows, and columns: the same walk with the strides swapped).
+inside it (row groups whose row fits a tile, blocks, 2-D blocks, or the whole tensor and the
+columns with their amaxes given by ``_amax_kernel``, a pass of its own whose programs each reduce
+a strip and raise the result by an atomic max); ``_quantize_lines_kernel`` walks rows too long for
+a tile twice, the amax then the quantization. (Columns walked as lines, a program a strip of 256
+columns down every row, ran at 3% of the copy bandwidth on the H200: 32 programs at 16384 x 8192.)
 
 References: DeepSeek-V3 technical report (arXiv 2412.19437), section 3.3 (1 x 128 activation and
 128 x 128 weight blocks); torch._scaled_mm's scale layouts.
@@ -51,8 +53,9 @@ TILE_ELEMENTS = 8192
 NUM_WARPS = 8
 LINE_CHUNK = 2048  # elements of a line a lines program takes a step
 TRANSPOSED_TILE = (64, 128)  # the tensor granularity's tile with transpose=True: 64-byte runs of q^T
-COLUMN_LINES = 256  # columns a program takes (a step reads 512 contiguous bytes of each bf16 row)
-AMAX_CHUNK = 8192  # elements a program of the tensor's amax pass reduces
+AMAX_CHUNK = 8192  # elements a tile of the amax pass reduces
+AMAX_COLUMNS = 128  # columns a program of the columns' amax pass takes (256 bytes a bf16 row)
+AMAX_ROWS = 1024  # rows it walks before its atomic max: N x M / AMAX_ROWS atomics in all
 
 
 @triton.jit
@@ -123,7 +126,7 @@ def _quantize_tiles_kernel(
     q_ptr,  # fp8 output (uint8 where SOFT_CAST), (M, N), contiguous
     qt_ptr,  # TRANSPOSE: q's transpose, (N, M), contiguous (else unused)
     scale_ptr,  # fp32 scales, (cdiv(M, GROUP_M), cdiv(N, GROUP_N)), strides (stride_sm, stride_sn)
-    amax_bits_ptr,  # TENSOR: the tensor's amax, its fp32 bits as one int32 (else unused)
+    amax_bits_ptr,  # TENSOR: the tensor's amax, its fp32 bits as one int32; COLUMNS: N of them, a column's
     M,  # rows
     N,  # columns
     stride_xm,  # elements between rows of x
@@ -137,6 +140,7 @@ def _quantize_tiles_kernel(
     MIN_EXP: tl.constexpr,  # the exponent of its least normal value
     POW2: tl.constexpr,  # scales rounded up to powers of two
     TENSOR: tl.constexpr,  # one group, the whole tensor, whose amax the amax pass wrote
+    COLUMNS: tl.constexpr,  # a group a column, whose amaxes the amax pass wrote
     TRANSPOSE: tl.constexpr,  # also store q transposed
     GROUP_M: tl.constexpr,  # rows of a group (a power of two, dividing BLOCK_M)
     GROUP_N: tl.constexpr,  # columns of a group (a power of two, dividing BLOCK_N)
@@ -154,6 +158,12 @@ def _quantize_tiles_kernel(
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
             tl.store(scale_ptr, scale)
         y = _saturate(x, inv, FP8_MAX)
+    elif COLUMNS:
+        amax = tl.load(amax_bits_ptr + cols, mask=cols < N, other=0).to(tl.float32, bitcast=True)
+        scale, inv = _scales(amax, FP8_MAX, POW2)
+        if tl.program_id(0) == 0:
+            tl.store(scale_ptr + cols * stride_sn, scale, mask=cols < N)
+        y = _saturate(x, inv[None, :], FP8_MAX)
     else:
         # the tile as (row groups, GROUP_M, column groups, GROUP_N): a group's amax over axes 1 and 3
         groups = tl.reshape(x, (BLOCK_M // GROUP_M, GROUP_M, BLOCK_N // GROUP_N, GROUP_N))
@@ -176,7 +186,7 @@ def _quantize_lines_kernel(
     x_ptr,  # input: LINES lines of LENGTH elements, strides (stride_xl, stride_xe)
     q_ptr,  # fp8 output (uint8 where SOFT_CAST), the same lines, strides (stride_ql, stride_qe)
     scale_ptr,  # fp32 scales, one a line, stride stride_s
-    LINES,  # lines (rows, or columns with the strides swapped)
+    LINES,  # lines (rows of x)
     LENGTH,  # elements a line
     stride_xl,  # elements between lines of x
     stride_xe,  # elements between a line's elements in x
@@ -216,21 +226,29 @@ def _quantize_lines_kernel(
 @triton.jit
 def _amax_kernel(
     x_ptr,  # input, (M, N), strides (stride_xm, stride_xn)
-    amax_bits_ptr,  # one int32: the fp32 bits of max |x|, raised by every program (atomic max)
+    amax_bits_ptr,  # int32 fp32 bits of max |x|, raised by every program (atomic max): one, or N (COLUMNS)
     M,  # rows
     N,  # columns
     stride_xm,  # elements between rows of x
     stride_xn,  # elements between columns of x
-    BLOCK_M: tl.constexpr,  # rows a program takes
-    BLOCK_N: tl.constexpr,  # columns a program takes
+    COLUMNS: tl.constexpr,  # a maximum a column, else one for the tensor
+    STEPS: tl.constexpr,  # tiles a program reduces, down the rows, before its atomic max
+    BLOCK_M: tl.constexpr,  # rows a tile takes
+    BLOCK_N: tl.constexpr,  # columns a tile takes
 ):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows[:, None] < M) & (cols[None, :] < N)
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn, mask=mask, other=0.0)
-    amax = _abs_max(_abs_max(x.to(tl.float32), 1), 0)
+    amax = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for step in range(STEPS):
+        rows = (tl.program_id(0).to(tl.int64) * STEPS + step) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn, mask=mask, other=0.0)
+        tile = _abs_max(x.to(tl.float32), 0)
+        amax = tl.where((tile > amax) | (tile != tile), tile, amax)  # NaN, once in, stays
     # non-negative floats order as their bits do, and the NaN made above (0x7FC00000) tops inf
-    tl.atomic_max(amax_bits_ptr, amax.to(tl.int32, bitcast=True))
+    if COLUMNS:
+        tl.atomic_max(amax_bits_ptr + cols, amax.to(tl.int32, bitcast=True), mask=cols < N)
+    else:
+        tl.atomic_max(amax_bits_ptr, _abs_max(amax, 0).to(tl.int32, bitcast=True))
 
 
 # ---------------------------------------------------------------- launches
@@ -263,19 +281,21 @@ def _tile(group_m: int, group_n: int, n_cols: int) -> tuple[int, int]:
     return max(group_m, TILE_ELEMENTS // block_n // group_m * group_m), block_n
 
 
-def _tiles_launch(x, q, qt, scale, amax_bits, group: tuple[int, int], dtype, pow2: bool) -> Launch:
-    """Tiles of x (module docstring), writing q, the scales and, where ``qt`` is given, q's transpose."""
+def _tiles_launch(x, q, qt, scale, group: tuple[int, int], dtype, pow2: bool, amax=None) -> Launch:
+    """Tiles of x (module docstring), writing q, the scales and, where ``qt`` is given, q's transpose.
+    ``amax``: (the amax pass's bits, "tensor" or "column") where the groups' amaxes are given."""
     m, n = x.shape
     group_m, group_n = group
-    tensor = amax_bits is not None
+    amax_bits, given = amax or (None, None)
     # the tensor's transpose from tiles as wide as they are tall: a flat tile's transposed rows are
     # a few bytes each (two rows of 4096 stored 16-bit stores); 2-D blocks are square already
-    block_m, block_n = TRANSPOSED_TILE if tensor and qt is not None else _tile(group_m, group_n, n)
-    scale_strides = (0, 0) if tensor else (scale.stride(0), scale.stride(1))
+    block_m, block_n = TRANSPOSED_TILE if given == "tensor" and qt is not None else _tile(group_m, group_n, n)
+    scale_strides = (0, 0) if given == "tensor" else (scale.stride(0), scale.stride(1))
     meta = {
         **_format(dtype),
         "POW2": pow2,
-        "TENSOR": tensor,
+        "TENSOR": given == "tensor",
+        "COLUMNS": given == "column",
         "TRANSPOSE": qt is not None,
         "GROUP_M": group_m,
         "GROUP_N": group_n,
@@ -294,18 +314,11 @@ def _tiles_launch(x, q, qt, scale, amax_bits, group: tuple[int, int], dtype, pow
     )
 
 
-def _lines_launch(x, q, scale, by_rows: bool, dtype, pow2: bool) -> Launch:
-    """Rows (by_rows) or columns of x, each walked twice."""
-    m, n = x.shape
-    lines, length = (m, n) if by_rows else (n, m)
-    x_strides = (x.stride(0), x.stride(1)) if by_rows else (x.stride(1), x.stride(0))
-    q_strides = (q.stride(0), q.stride(1)) if by_rows else (q.stride(1), q.stride(0))
-    if by_rows:  # a line's elements are contiguous: long steps along it
-        block_e = min(LINE_CHUNK, next_power_of_2(length))
-        block_l = max(1, min(TILE_ELEMENTS // block_e, next_power_of_2(lines)))
-    else:  # columns of a row-major x: many lines, so that a step reads long runs of each row
-        block_l = min(COLUMN_LINES, next_power_of_2(lines))
-        block_e = max(1, min(TILE_ELEMENTS // block_l, next_power_of_2(length)))
+def _lines_launch(x, q, scale, dtype, pow2: bool) -> Launch:
+    """Rows of x too long for a tile, each walked twice, in long steps along it."""
+    lines, length = x.shape
+    block_e = min(LINE_CHUNK, next_power_of_2(length))
+    block_l = max(1, min(TILE_ELEMENTS // block_e, next_power_of_2(lines)))
     meta = {
         **_format(dtype),
         "POW2": pow2,
@@ -313,17 +326,31 @@ def _lines_launch(x, q, scale, by_rows: bool, dtype, pow2: bool) -> Launch:
         "BLOCK_E": block_e,
         "num_warps": NUM_WARPS,
     }
-    args = (x, q, scale, lines, length, *x_strides, *q_strides, 1)
+    args = (x, q, scale, lines, length, x.stride(0), x.stride(1), q.stride(0), q.stride(1), 1)
     return Launch("lines", _quantize_lines_kernel, args, meta, grid=(cdiv(lines, block_l),))
 
 
-def _amax_launch(x, amax_bits) -> Launch:
+def _amax_launch(x, amax_bits, columns: bool) -> Launch:
+    """The amax pass: the tensor's, or each column's (``columns``), into ``amax_bits``, zeros before.
+    A column's runs of AMAX_COLUMNS elements a row (256 contiguous bytes in 16 bits), each program
+    down AMAX_ROWS rows, so that the atomics are few; the tensor's in tiles of AMAX_CHUNK."""
     m, n = x.shape
-    block_n = min(next_power_of_2(n), AMAX_CHUNK)
-    block_m = max(1, AMAX_CHUNK // block_n)
-    meta = {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": NUM_WARPS}
+    if columns:
+        block_n = min(next_power_of_2(n), AMAX_COLUMNS)
+        block_m = max(1, min(AMAX_CHUNK // block_n, next_power_of_2(m)))
+        steps = max(1, min(AMAX_ROWS, next_power_of_2(m)) // block_m)
+    else:
+        block_n = min(next_power_of_2(n), AMAX_CHUNK)
+        block_m, steps = max(1, AMAX_CHUNK // block_n), 1
+    meta = {
+        "COLUMNS": columns,
+        "STEPS": steps,
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+        "num_warps": NUM_WARPS,
+    }
     args = (x, amax_bits, m, n, x.stride(0), x.stride(1))
-    return Launch("amax", _amax_kernel, args, meta, grid=(cdiv(m, block_m), cdiv(n, block_n)))
+    return Launch("amax", _amax_kernel, args, meta, grid=(cdiv(m, block_m * steps), cdiv(n, block_n)))
 
 
 def _launches(
@@ -331,16 +358,17 @@ def _launches(
 ) -> list[Launch]:
     """The launches that fill q, scale and (the tensor and 2-D blocks, where given) qt for a 2-D x
     (module docstring)."""
-    if granularity == "tensor":
-        return [_amax_launch(x, amax_bits), _tiles_launch(x, q, qt, scale, amax_bits, (1, 1), dtype, pow2)]
-    if granularity == "row" and x.shape[1] > TILE_ELEMENTS or granularity == "column":
-        return [_lines_launch(x, q, scale, granularity == "row", dtype, pow2)]
+    if granularity in ("tensor", "column"):  # the amaxes first, then every tile at once
+        tiles = _tiles_launch(x, q, qt, scale, (1, 1), dtype, pow2, amax=(amax_bits, granularity))
+        return [_amax_launch(x, amax_bits, granularity == "column"), tiles]
+    if granularity == "row" and x.shape[1] > TILE_ELEMENTS:
+        return [_lines_launch(x, q, scale, dtype, pow2)]
     group = {
         "row": (1, next_power_of_2(x.shape[1])),
         "block": (1, block_size),
         "block2d": (block_size, block_size),
     }[granularity]
-    return [_tiles_launch(x, q, qt, scale, None, group, dtype, pow2)]
+    return [_tiles_launch(x, q, qt, scale, group, dtype, pow2)]
 
 
 def scale_shape(shape: tuple, granularity: str, block_size: int) -> tuple:
@@ -408,7 +436,8 @@ def _quantize(
     q2 = q2 if interpret() else q2.view(dtype)
     qt = (qt_bits if interpret() else qt_bits.view(dtype)) if qt_bits.numel() else None
     scale2 = scale.view(-1, scale.shape[-1]) if scale.dim() else scale
-    amax_bits = torch.zeros(1, dtype=torch.int32, device=x.device) if granularity == "tensor" else None
+    amaxes = {"tensor": 1, "column": x.shape[-1]}.get(granularity)
+    amax_bits = torch.zeros(amaxes, dtype=torch.int32, device=x.device) if amaxes else None
     pow2 = round_scale_to_pow2
     for launch in _launches(x2, q2, qt, scale2, amax_bits, granularity, block_size, dtype, pow2):
         launch.run()
@@ -514,8 +543,9 @@ def quantize_fp8_reference(
 
 
 def quantize_fp8_cost(shape: tuple, dtype: torch.dtype, granularity: str = "row", block_size: int = 128):
-    """x read once (twice for the tensor's amax), the fp8 values and fp32 scales written; a few FLOPs
-    an element (abs, max, multiply, two compares)."""
+    """x read once (twice for the tensor's amax; the columns' amax pass reads it a second time too,
+    not counted, so that their GB/s is against the least a column's scales need), the fp8 values
+    and fp32 scales written; a few FLOPs an element (abs, max, multiply, two compares)."""
     from tritonkit.roofline import Cost
 
     elements = math.prod(shape)

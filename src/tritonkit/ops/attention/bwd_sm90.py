@@ -29,11 +29,17 @@ class Config(NamedTuple):
     """A launch's shape: NUM_STAGES Q/dO tiles in flight; overlap_sdp issues dP^T beside S^T (both
     64 x 64 fp32 accumulators live at the exponentials, 32 registers more a thread) instead of
     after P^T, beside dV; shared_dq adds one 64 x D dQ tile a step for the program, each
-    warpgroup its D / 2 columns over the 128 keys (FA3's split), instead of a 64-key partial each."""
+    warpgroup its D / 2 columns over the 128 keys (FA3's split), instead of a 64-key partial each.
+    per_query_head (GQA only): a program a key block of one query head, not of the group, its dK
+    and dV that head's share, in q's dtype, summed over the group afterwards (FlashAttention-2's
+    GQA backward): programs G times shorter, so that an ordered launch (a deterministic one, whose
+    programs start in turn order, the longest last) ends evenly, at 2 x B x Hq x Sk x D elements of
+    shares written and read once."""
 
     num_stages: int
     overlap_sdp: bool = False
     shared_dq: bool = False
+    per_query_head: bool = False
 
 
 # Shared memory a program at D = 128, 16-bit elements: K and V 2 x 32 KB, the Q/dO ring NUM_STAGES x
@@ -60,13 +66,23 @@ CANDIDATES = {
 }
 
 
-def default_config(head_dim: int, deterministic: bool) -> Config:
+def default_config(head_dim: int, deterministic: bool, gqa: bool = False) -> Config:
     """The launch's config where the caller names none: CONFIGS', with shared_dq where the mode is
     deterministic (one ticketed add a step instead of two in turn: at D = 64 on the H200, at
     6ea5362, 0.67-0.77x cuDNN against 0.51-0.58x; `python benchmarks/attention_bwd_sm90.py OUT.json
-    --candidates --skip-triton --shape 4,32,32,4096,64`)."""
+    --candidates --skip-triton --shape 4,32,32,4096,64`), and per_query_head where it is
+    deterministic with GQA (DETERMINISTIC_GQA_PER_QUERY_HEAD)."""
     config = CONFIGS[head_dim]
-    return config._replace(shared_dq=True) if deterministic else config
+    if not deterministic:
+        return config
+    return config._replace(shared_dq=True, per_query_head=gqa and DETERMINISTIC_GQA_PER_QUERY_HEAD)
+
+
+# Whether a deterministic GQA launch takes a program a query head (Config.per_query_head). Its
+# group's programs walk G query heads each, launched in turn order (shortest walk first): at the
+# Llama-3-8B decoder layer's attention (B = 2, GQA 32/8, causal, S = 4096: 512 programs of 4 to
+# 128 steps on 132 SMs) the longest start last and run on alone, 0.71x cuDNN at 6ea5362.
+DETERMINISTIC_GQA_PER_QUERY_HEAD = True
 
 
 # ---------------------------------------------------------------- launcher
@@ -79,8 +95,8 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     caller's to check (``bwd.sm90_takes``)."""
     if not sm90_dense_inputs(q, k, v):
         return False
-    (batch, heads_kv, seq_k, _) = k.shape
-    return batch * heads_kv * cdiv(seq_k, BLOCK_N) < MAX_GRID_X
+    (batch, heads_q, seq_k) = (*q.shape[:2], k.shape[2])
+    return batch * heads_q * cdiv(seq_k, BLOCK_N) < MAX_GRID_X  # (per query head: a program a q head)
 
 
 MAX_GRID_X = 2**31  # programs a launch may have along its x axis (CUDA's limit, and int32 ids)
@@ -124,11 +140,16 @@ def attention_bwd_sm90(
             grad.zero_()
         return
     do, q, k, v = (t if tma_ready(t) else t.contiguous() for t in (do, q, k, v))
-    outputs = [
-        g if tma_ready(g) else torch.empty_like(g, memory_format=torch.contiguous_format) for g in (dk, dv)
-    ]
+    config = config or default_config(q.shape[3], deterministic, q.shape[1] != k.shape[1])
+    shares = config.per_query_head and q.shape[1] != k.shape[1]
+    if shares:  # each query head's share of dK and dV, (B, Hq, Sk, D), summed below
+        outputs = [torch.empty((*q.shape[:2], *k.shape[2:]), dtype=k.dtype, device=k.device) for _ in "kv"]
+    else:
+        outputs = [
+            g if tma_ready(g) else torch.empty_like(g, memory_format=torch.contiguous_format)
+            for g in (dk, dv)
+        ]
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    config = config or default_config(q.shape[3], deterministic)
     # a ticket counter a query block: the key blocks' turns to add into it
     blocks_q = cdiv(q.shape[2], BLOCK_M)
     tickets = (
@@ -139,8 +160,11 @@ def attention_bwd_sm90(
         upper_offset=upper_offset, deterministic=deterministic, config=config,
     ):  # fmt: skip
         launch.run()
+    (batch, heads_kv, seq_k, head_dim) = k.shape
     for grad, out in zip((dk, dv), outputs, strict=True):
-        if out is not grad:
+        if shares:  # fp32 sums in a fixed order, rounded once
+            torch.sum(out.view(batch, heads_kv, -1, seq_k, head_dim), dim=2, out=grad)
+        elif out is not grad:
             grad.copy_(out)
     torch.mul(dq_acc, scale, out=dq)  # the conversion: dq = scale * dS K, in q's dtype
 
@@ -207,6 +231,10 @@ def launches(
     """The kernel's launch for checked, TMA-ready arguments (``attention_bwd_sm90``'s): one program
     per BLOCK_N keys of a (batch, key/value head), a one-dimensional grid in ``order``'s order."""
     (batch, heads_q, seq_q, head_dim), (_, heads_kv, seq_k, _) = q.shape, k.shape
+    # per query head (dk and dv the shares, (B, Hq, Sk, D)): the programs' heads are q's, each
+    # reading k's and v's head of its group
+    kv_share = heads_q // heads_kv if dk.shape[1] != heads_kv else 1
+    heads_kv = heads_kv * kv_share
     # shared_dq: each warpgroup adds D / 2 columns of a dq tile; at D = 64 K (and dK, which leaves
     # through K's buffer) takes a 64-byte swizzle, so that 32 columns of its tile slice
     k_swizzle = 64 if config.shared_dq and head_dim == 64 else None
@@ -234,6 +262,7 @@ def launches(
         pairs,
         pairs_per_group,
         heads_q // heads_kv,
+        kv_share,
         seq_q,
         seq_k,
         int(upper_offset),

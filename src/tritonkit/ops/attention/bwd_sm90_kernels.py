@@ -141,8 +141,9 @@ def _load_partition(
     qd_ready,
     qd_empty,  # (NUM_STAGES,) mbarriers: a ring stage landed / was released by both consumers
     batch,
-    kv_head,
-    start_n,  # this program's batch, key/value head and first key
+    kv_head,  # this program's batch and head (its query heads' group; its dK's and dV's head)
+    KV_SHARE,  # programs' heads a k/v head serves (per query head), else 1: k's and v's head
+    start_n,  # its first key
     GROUP,  # query heads of the group
     m_start,
     m_end,  # the query blocks it walks in each head: [m_start, m_end)
@@ -165,17 +166,18 @@ def _load_partition(
     BLOCK: gl.constexpr = q_smem.type.shape[1]
     n_tiles = m_end - m_start
     if n_tiles > 0:  # a key block that no row sees loads nothing (its consumers write zeros)
+        kv_row = kv_head // KV_SHARE
         for c in gl.static_range(CONSUMERS):
             mbarrier.expect(kv_ready.index(c), 2 * k_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(
                 k_desc,
-                [batch, kv_head, start_n + c * ROWS, 0],
+                [batch, kv_row, start_n + c * ROWS, 0],
                 kv_ready.index(c),
                 k_smem.index(c).reshape([1, 1, ROWS, HEAD_DIM]),
             )
             tma.async_copy_global_to_shared(
                 v_desc,
-                [batch, kv_head, start_n + c * ROWS, 0],
+                [batch, kv_row, start_n + c * ROWS, 0],
                 kv_ready.index(c),
                 v_smem.index(c).reshape([1, 1, ROWS, HEAD_DIM]),
             )
@@ -570,7 +572,7 @@ def _attn_bwd_sm90_kernel(
     k_desc,  # ... of k, (B, Hkv, Sk, D), box (1, 1, SPLIT_N, D)
     v_desc,  # ... of v, like k
     do_desc,  # ... of dO, like q
-    dk_desc,  # ... of dk, like k
+    dk_desc,  # ... of dk, like k (per query head: (B, Hq, Sk, D), a query head's share, summed after)
     dv_desc,  # ... of dv, like k
     dq_desc,  # ... of the fp32 dq accumulator (B, Hq, Sq, D), zeroed, box (1, 1, BLOCK_M, D)
     lse_ptr,  # fp32 forward log-sum-exp (natural log), (B, Hq, Sq), strides stride_lb, stride_lh, 1
@@ -586,6 +588,7 @@ def _attn_bwd_sm90_kernel(
     PAIRS,  # (batch, key/value head) pairs: B * HEADS_KV
     PAIRS_PER_GROUP,  # the order of programs (bwd_sm90.order): pairs a group of programs walks together
     GROUP,  # query heads per key/value head (1 without GQA)
+    KV_SHARE,  # per query head (bwd_sm90.Config.per_query_head): programs' heads a k/v head serves, else 1
     SEQ_Q,  # query rows of a head
     SEQ_K,  # keys of a head
     UPPER_OFFSET,  # IS_CAUSAL: row i sees key j iff j <= i + UPPER_OFFSET
@@ -699,7 +702,8 @@ def _attn_bwd_sm90_kernel(
                            dq_empty, batch, kv_head, start_n, GROUP, m_start, m_mid, m_end, rot, SEQ_K,
                            UPPER_OFFSET, qk_scale, scale, IS_CAUSAL, ROTATE, OVERLAP_SDP, SHARED_DQ)),
         (_load_partition, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, kv_ready,
-                           qd_ready, qd_empty, batch, kv_head, start_n, GROUP, m_start, m_end, rot,
+                           qd_ready, qd_empty, batch, kv_head, KV_SHARE, start_n, GROUP,
+                           m_start, m_end, rot,
                            lse_ptr, delta_ptr, lse_smem, delta_smem, SEQ_Q, stride_lb, stride_lh,
                            stride_db, stride_dh)),
         (_dq_partition, (dq_desc, dq_smem, dq_full, dq_empty, sem_ptr, batch, kv_head, start_n, GROUP,
