@@ -257,7 +257,7 @@ log = logging.getLogger("tritonkit")
 # GQA stays on the Triton kernels until the Gluon order wins there.
 SM90_BACKWARD = True
 SM90_BACKWARD_DETERMINISTIC: tuple[int, ...] = (128,)  # head dims, without GQA
-SM90_BACKWARD_DETERMINISTIC_GQA: tuple[int, ...] = ()
+SM90_BACKWARD_DETERMINISTIC_GQA: tuple[int, ...] = (128,)
 
 
 def sm90_takes(q, k, v, scores: Scores, packed: Packed | None, deterministic: bool = True) -> bool:
