@@ -201,7 +201,7 @@ tiles = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qt_ptr": "*fp8e4nv", "scale_ptr
 groups = (("row", (1, 4096)), ("block", (1, 128)), ("block2d", (128, 128)), ("tensor", (1, 1)),
           ("column", (1, 1)))
 for name, group in groups:
-    block_m, block_n = qz._tile(*group, 4096)
+    block_m, block_n = qz.COLUMN_TILE if name == "column" else qz._tile(*group, 4096)
     meta = fmt | {"POW2": False, "TENSOR": name == "tensor", "COLUMNS": name == "column",
                   "TRANSPOSE": False, "GROUP_M": group[0], "GROUP_N": group[1], "BLOCK_M": block_m,
                   "BLOCK_N": block_n, "stride_xn": 1}
