@@ -1,7 +1,7 @@
 """A small Llama trained from one seed twice, as transformers builds it and with
 tritonkit.integrations.transformers applied: the two loss curves, and each run's step time.
 
-    python benchmarks/finetune.py OUT.json [--steps N] [--plot OUT.png]
+    python benchmarks/finetune.py OUT.json [--steps N] [--plot OUT.png] [--control] [--parts]
 
 The model: Llama's architecture at d 512, 8 layers, 8 query / 2 KV heads of 64, FFN 1536, a 32000-
 token vocabulary (57 M parameters), mixed precision as people train: fp32 weights, the step under
@@ -21,13 +21,18 @@ to issue one (``host_ms``: at or above the step's time, the host is the bound) a
 (``bench.layer``'s).
 
 The curves cannot agree exactly: bf16 rounds the two runs' sums differently, and training amplifies
-the differences step by step. What should hold is that they track: the mean loss over the last
-TAIL steps of each run within a few percent of the other's (``tail_loss``), and no step apart by
-more than the run-to-run noise of the batches.
+the differences step by step. How much, the controls say (``--control``): transformers' model
+again, and with its eager attention in place of SDPA (numerics only: the same maths). On the H200
+(at ed5bb9e) the step where the loss leaves its plateau moves with any such difference, and the
+last TAIL steps' mean with it: 2.32 and 2.78 for transformers twice, 4.04 with eager attention, so
+one run's tail is no test of a patch; the curves' first 120 steps agree to the plot's width.
+``--parts`` trains the model patched one part at a time (each under ``tuning.disabled()``, as the
+controls): where a part's maths were wrong, its curve would part from the others from the start.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import sys
@@ -77,7 +82,7 @@ def _batches(steps: int, device="cuda") -> torch.Tensor:
     return torch.cat([half, half], dim=-1)
 
 
-def _train(model, batches: torch.Tensor) -> dict:
+def _train(model, batches: torch.Tensor, profile: bool = True) -> dict:
     from tritonkit.bench import layer
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
@@ -102,6 +107,8 @@ def _train(model, batches: torch.Tensor) -> dict:
     torch.cuda.synchronize()
     ms = [s.elapsed_time(e) for s, e in times]
     run = {"loss": [x.item() for x in losses], "step_ms": statistics.median(ms[WARMUP:]), "first_ms": ms[0]}
+    if not profile:
+        return run
     return (
         run
         | {"host_ms": layer.host_ms(lambda: step(batches[-1]), [])}
@@ -117,7 +124,9 @@ def _plot(result: dict, path: str) -> None:
 
     figure, (curves, gap) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=(3, 1))
     for name, run in result["runs"].items():
-        curves.plot(run["loss"], label=f"{name} ({run['step_ms']:.1f} ms a step)", linewidth=1)
+        timed = name in ("transformers", "tritonkit")  # the others' steps run untuned
+        label = f"{name} ({run['step_ms']:.1f} ms a step)" if timed else name
+        curves.plot(run["loss"], label=label, linewidth=1.5 if timed else 0.8)
     curves.set_ylabel("loss")
     millions = result["parameters"] / 1e6
     curves.set_title(f"a {millions:.0f} M-parameter Llama on the repeat task, one seed, bf16 autocast")
@@ -132,22 +141,51 @@ def _plot(result: dict, path: str) -> None:
     plt.close(figure)
 
 
-def main() -> None:
+PARTS = ("rms_norm", "rope", "attention", "mlp", "cross_entropy")  # apply()'s switches
+# --parts' runs: each part alone, but attention with rope (transformers' RoPE hands the attention
+# fp32 q and k under autocast, which tritonkit's attention refuses)
+PART_RUNS = {
+    "only rms_norm": ("rms_norm",),
+    "only mlp": ("mlp",),
+    "only cross_entropy": ("cross_entropy",),
+    "attention and rope": ("attention", "rope"),
+}
+
+
+def _runs() -> dict:
+    """The runs' names and how each builds its model from the seed's: transformers' and tritonkit's,
+    then the controls' and the parts' where asked."""
     from tritonkit.integrations import transformers as tk_hf
+
+    def eager_attention(model):
+        model.config._attn_implementation = "eager"
+        return model
+
+    runs = {"transformers": lambda m: m, "tritonkit": tk_hf.apply}
+    if "--control" in sys.argv:
+        runs |= {"transformers again": lambda m: m, "transformers, eager attention": eager_attention}
+    if "--parts" in sys.argv:
+        for name, parts in PART_RUNS.items():
+            runs[name] = lambda m, parts=parts: tk_hf.apply(m, **{p: p in parts for p in PARTS})
+    return runs
+
+
+def main() -> None:
+    from tritonkit import tuning
 
     out, steps = sys.argv[1], _argument("--steps", STEPS)
     timing = f"CUDA events a step (forward, backward, AdamW), median after {WARMUP}"
     result = result_header("finetune", "finetune.py", timing) | {"steps": steps, "runs": {}}
     batches = _batches(steps)
-    for name in ("transformers", "tritonkit"):
-        model = _model()  # the same seed: the same initial weights
+    for name, prepare in _runs().items():
+        model = prepare(_model())  # the same seed: the same initial weights
         result["parameters"] = sum(p.numel() for p in model.parameters())
-        if name == "tritonkit":
-            model = tk_hf.apply(model)
-        result["runs"][name] = run = _train(model, batches)
+        main_run = name in ("transformers", "tritonkit")
+        with contextlib.nullcontext() if main_run else tuning.disabled():
+            result["runs"][name] = run = _train(model, batches, profile=main_run)
         tail = statistics.mean(run["loss"][-TAIL:])
         print(
-            f"{name}: {run['step_ms']:.2f} ms a step (host {run['host_ms']:.2f}, kernels "
+            f"{name}: {run['step_ms']:.2f} ms a step (host {run.get('host_ms', float('nan')):.2f}, kernels "
             f"{run.get('kernel_ms', float('nan')):.2f}), first {run['first_ms'] / 1e3:.1f} s, "
             f"loss {run['loss'][0]:.3f} -> {tail:.3f}",
             flush=True,

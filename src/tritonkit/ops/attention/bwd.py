@@ -251,10 +251,13 @@ log = logging.getLogger("tritonkit")
 # --skip-triton`, docs/perf-notes.md), against cuDNN: free 0.80-0.96x, past this file's kernels at
 # every shape; deterministic 0.75-0.93x at D = 128, where the Triton kernels' table has 0.68-0.83x,
 # and 0.53-0.58x at D = 64 (0.67-0.77x with shared_dq, its default since) against their 0.81-0.83x.
-# With GQA the Gluon deterministic order was 0.71x cuDNN at the Llama-3-8B decoder layer's attention
-# (GQA 32/8, causal, S = 4096, B = 2; q, k and v strided views of one QKV projection) where the
-# tuned Triton kernels ran at 0.77-0.81x inside the layer (`tritonkit bench layer`, at 48877f9):
-# GQA stays on the Triton kernels until the Gluon order wins there.
+# With GQA, deterministic, a program a query head (bwd_sm90.Config.per_query_head): 0.85x cuDNN at
+# the Llama-3-8B decoder layer's attention (GQA 32/8, causal, S = 4096, B = 2; q, k and v strided
+# views of one QKV projection), 0.94x causal and 0.85x full at (2, 32/8, 8192, 128), where the
+# Triton kernels ran at 0.28-0.34x untuned (at af34fdd, `python benchmarks/attention_bwd_sm90.py
+# OUT.json --layer --defaults` and `... --defaults --shape 2,32,8,8192,128`), and tuned inside the
+# model step at 0.57x (2.8 ms a layer against cuDNN's 1.6, `tritonkit bench model`, at 9c8575e).
+# D = 64 with GQA stays on the Triton kernels: not measured there yet.
 SM90_BACKWARD = True
 SM90_BACKWARD_DETERMINISTIC: tuple[int, ...] = (128,)  # head dims, without GQA
 SM90_BACKWARD_DETERMINISTIC_GQA: tuple[int, ...] = (128,)

@@ -53,11 +53,13 @@ one that waits only waits on programs already running or done; the rotated walk'
 cyclic, so its launches must fit on the GPU at once (``bwd_sm90.order``).
 
 Measured on the H200 (bf16, at c3a4ea5; ``benchmarks/results/h200/attention{,_causal}.json``):
-0.86-1.04x cuDNN free; deterministic 0.81-0.91x at D = 128 without GQA (the default takes it
-there; elsewhere the Triton kernels). Short of FA3's design still: the causal GQA deterministic
-order waits most (0.71x at the Llama-3-8B layer's shape, at 6ea5362), at D = 64 the free mode ran
-0.89x causal against 0.95x before the dQ warp, the products of a step wait on each other more than
-FA3's, and at D = 128 ptxas keeps some values on the stack.
+0.86-1.04x cuDNN free; deterministic 0.81-0.91x at D = 128 without GQA, and with GQA by query
+head (``bwd_sm90.Config.per_query_head``: a program one query head's, reading its group's K and V,
+writing that head's share of dK and dV; at af34fdd) 0.85x at the Llama-3-8B layer's shape, 0.85-0.94x
+at (2, 32/8, 8192, 128) (the default takes D = 128; elsewhere the Triton kernels). Short of FA3's
+design still: at D = 64 the free mode ran 0.89x causal against 0.95x before the dQ warp, the
+products of a step wait on each other more than FA3's, and at D = 128 ptxas keeps some values on
+the stack.
 
 Work. 2.5 x 4 * B * Hq * Sq * Sk * D FLOPs (five matmuls; about half when causal with Sq = Sk);
 bytes: q, k, v, dO, o once (o by the delta kernel), each key block re-reading its head's Q and dO
