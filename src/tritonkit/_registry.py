@@ -53,6 +53,11 @@ FAMILIES = {
         "ops": (),
         "workloads": (),
     },
+    "tritonkit.ops.scaled_mm": {  # likewise (fp8 inputs, no gradient): tests/test_scaled_mm.py
+        "public": ("scaled_mm",),
+        "ops": (),
+        "workloads": (),
+    },
     "tritonkit.ops.linear": {
         "public": ("linear", "gated_linear"),
         "ops": ("linear", "linear_bare", "gated_linear"),

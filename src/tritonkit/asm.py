@@ -40,6 +40,8 @@ _TRITON_DTYPES = {
     torch.int64: "i64",
     torch.int8: "i8",
     torch.uint8: "u8",
+    torch.float8_e4m3fn: "fp8e4nv",
+    torch.float8_e5m2: "fp8e5",
     torch.bool: "i1",
 }
 # Per-SM limits for the occupancy estimate (CUDA occupancy rules: registers are allocated per warp

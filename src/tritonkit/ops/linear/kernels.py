@@ -22,6 +22,10 @@ NONE, GELU, GELU_TANH, SILU, RELU, RELU2 = (tl.constexpr(code) for code in ACTIV
 # dWu = du^T x are plain matmuls.
 NOT_GATED, GATED_FWD, GATED_DX = (tl.constexpr(code) for code in range(3))
 FORMS = ("linear", "gated fwd", "gated dx")  # the forms' names in tuning keys, by GATED code
+# scaled_mm's scales, applied to the fp32 product before the rest of the epilogue: none, one each
+# for A and B (tensorwise), or one a row of A and one a row of B (rowwise: C's rows and columns)
+SCALINGS = {None: 0, "tensor": 1, "row": 2}
+UNSCALED, SCALE_TENSOR, SCALE_ROWS = (tl.constexpr(code) for code in SCALINGS.values())
 
 
 @triton.jit
@@ -126,6 +130,8 @@ def _epilogue(
     residual_ptr,
     pre_ptr,
     pre2_ptr,
+    scale_a_ptr,
+    scale_b_ptr,
     M,
     N,
     stride_rm,
@@ -135,13 +141,20 @@ def _epilogue(
     HAS_RESIDUAL: tl.constexpr,
     STORE_PRE: tl.constexpr,
     GATED: tl.constexpr,
+    SCALING: tl.constexpr,
     C_TMA: tl.constexpr,
 ):
-    """C's tile (rows x cols, from (first_row, first_col)) from the accumulators: + bias, the
-    pre-activations stored, act, * the second product (GATED_FWD), + residual; C_TMA: C stored
-    through ``c_target``, a descriptor."""
+    """C's tile (rows x cols, from (first_row, first_col)) from the accumulators: * the scales, +
+    bias, the pre-activations stored, act, * the second product (GATED_FWD), + residual; C_TMA: C
+    stored through ``c_target``, a descriptor."""
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     out = rows[:, None] * N + cols[None, :]  # offsets in C and in the stored pre-activations
+    if SCALING == SCALE_TENSOR:
+        acc *= tl.load(scale_a_ptr) * tl.load(scale_b_ptr)
+    elif SCALING == SCALE_ROWS:
+        scale_a = tl.load(scale_a_ptr + rows, mask=rows < M, other=0.0)
+        scale_b = tl.load(scale_b_ptr + cols, mask=cols < N, other=0.0)
+        acc *= scale_a[:, None] * scale_b[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     if STORE_PRE:
@@ -367,6 +380,8 @@ def _linear_kernel(
     residual_ptr,  # HAS_RESIDUAL: (M, N), strides (stride_rm, stride_rn), added after the activation
     pre_ptr,  # STORE_PRE: the pre-activation out, (M, N), contiguous (gated: g)
     pre2_ptr,  # STORE_PRE and GATED_FWD: u out, (M, N), contiguous
+    scale_a_ptr,  # SCALING: fp32 scales of A, one (SCALE_TENSOR) or one a row (M,), contiguous
+    scale_b_ptr,  # ... of B: one, or one a row of B (N,)
     M,  # rows of A and C
     N,  # rows of B: columns of C
     K,  # the reduced dimension
@@ -381,6 +396,7 @@ def _linear_kernel(
     HAS_RESIDUAL: tl.constexpr,
     STORE_PRE: tl.constexpr,  # also store A B^T + bias, the pre-activation
     GATED: tl.constexpr,  # NOT_GATED, or a gated_linear product (GATED_FWD, GATED_DX; see above)
+    SCALING: tl.constexpr,  # UNSCALED, or scaled_mm's scales (SCALE_TENSOR, SCALE_ROWS; see above)
     EXACT_DOT_IN_FP32: tl.constexpr,  # multiply the 16-bit tiles as fp32 (the interpreter's path)
     TMA: tl.constexpr,  # load A and B through tensor descriptors (unit stride one way, 16-byte aligned)
     A_K_MAJOR: tl.constexpr,  # TMA: A's unit stride is along K (else along M)
@@ -432,6 +448,8 @@ def _linear_kernel(
                 residual_ptr,
                 pre_ptr,
                 pre2_ptr,
+                scale_a_ptr,
+                scale_b_ptr,
                 M,
                 N,
                 K,
@@ -448,6 +466,7 @@ def _linear_kernel(
                 HAS_RESIDUAL=HAS_RESIDUAL,
                 STORE_PRE=STORE_PRE,
                 GATED=GATED,
+                SCALING=SCALING,
                 EXACT_DOT_IN_FP32=EXACT_DOT_IN_FP32,
                 TMA=TMA,
                 A_K_MAJOR=A_K_MAJOR,
@@ -479,6 +498,8 @@ def _linear_kernel(
             residual_ptr,
             pre_ptr,
             pre2_ptr,
+            scale_a_ptr,
+            scale_b_ptr,
             M,
             N,
             K,
@@ -495,6 +516,7 @@ def _linear_kernel(
             HAS_RESIDUAL=HAS_RESIDUAL,
             STORE_PRE=STORE_PRE,
             GATED=GATED,
+            SCALING=SCALING,
             EXACT_DOT_IN_FP32=EXACT_DOT_IN_FP32,
             TMA=TMA,
             A_K_MAJOR=A_K_MAJOR,
@@ -522,6 +544,8 @@ def _linear_tile(
     residual_ptr,
     pre_ptr,
     pre2_ptr,
+    scale_a_ptr,
+    scale_b_ptr,
     M,
     N,
     K,
@@ -538,6 +562,7 @@ def _linear_tile(
     HAS_RESIDUAL: tl.constexpr,
     STORE_PRE: tl.constexpr,
     GATED: tl.constexpr,
+    SCALING: tl.constexpr,
     EXACT_DOT_IN_FP32: tl.constexpr,
     TMA: tl.constexpr,
     A_K_MAJOR: tl.constexpr,
@@ -594,6 +619,8 @@ def _linear_tile(
         residual_ptr,
         pre_ptr,
         pre2_ptr,
+        scale_a_ptr,
+        scale_b_ptr,
         M,
         N,
         stride_rm,
@@ -603,6 +630,7 @@ def _linear_tile(
         HAS_RESIDUAL=HAS_RESIDUAL,
         STORE_PRE=STORE_PRE,
         GATED=GATED,
+        SCALING=SCALING,
         C_TMA=C_TMA,
     )
 

@@ -38,11 +38,26 @@ C_ARG = _linear_kernel.arg_names.index("c_ptr")  # where C is among the kernel's
 
 
 def matmul_problem(
-    a, b, out, *, a2=None, b2=None, bias=None, residual=None, pre=None, pre2=None, activation=0, gated=0
+    a,
+    b,
+    out,
+    *,
+    a2=None,
+    b2=None,
+    bias=None,
+    residual=None,
+    pre=None,
+    pre2=None,
+    activation=0,
+    gated=0,
+    scale_a=None,
+    scale_b=None,
+    scaling=0,
 ) -> tuning.Problem:
     """The kernel's operands by name (see the module docstring); ``gated`` is NOT_GATED, GATED_FWD or
-    GATED_DX. Codes are kept as ints (a problem holds tensors and plain scalars)."""
-    return {
+    GATED_DX; ``scaling`` a SCALINGS code with its fp32 ``scale_a`` and ``scale_b`` (scaled_mm's).
+    Codes are kept as ints (a problem holds tensors and plain scalars)."""
+    problem = {
         "a": a,
         "b": b,
         "out": out,
@@ -55,6 +70,9 @@ def matmul_problem(
         "activation": _code(activation),
         "gated": _code(gated),
     }
+    if scaling:  # only scaled_mm's problems name them: the tuner's keys and calibration know none
+        problem |= {"scale_a": scale_a, "scale_b": scale_b, "scaling": _code(scaling)}
+    return problem
 
 
 def _code(value) -> int:
@@ -75,6 +93,7 @@ def matmul_launches(problem: tuning.Problem, config: dict) -> list[Launch]:
     a, b, out, a2, b2 = problem["a"], problem["b"], problem["out"], problem["a2"], problem["b2"]
     bias, residual, pre, pre2 = problem["bias"], problem["residual"], problem["pre"], problem["pre2"]
     activation, gated = problem["activation"], problem["gated"]
+    scaling = problem.get("scaling", 0)
     (M, K), N = a.shape, b.shape[0]
     for name, second, first in (("a2", a2, a), ("b2", b2, b)):
         if second is not None and second.stride() != first.stride():
@@ -82,10 +101,10 @@ def matmul_launches(problem: tuning.Problem, config: dict) -> list[Launch]:
     options = dict(config)
     per_sm, split_k = options.pop("PERSISTENT", 0), options.pop("SPLIT_K", 1)
     tma_store = options.pop("TMA_STORE", False)
-    epilogue = any(t is not None for t in (bias, residual, pre)) or activation or gated
+    epilogue = any(t is not None for t in (bias, residual, pre)) or activation or gated or scaling
     if (split_k > 1 or tma_store) and epilogue:
         raise ValueError(
-            "SPLIT_K and TMA_STORE are for plain matmuls: no bias, activation, residual or gated form"
+            "SPLIT_K and TMA_STORE are for plain matmuls: no bias, activation, residual, scales or gated form"
         )
     if split_k > 1 and tma_store:
         raise ValueError("TMA_STORE stores C itself, SPLIT_K fp32 partial products: not both")
@@ -104,6 +123,8 @@ def matmul_launches(problem: tuning.Problem, config: dict) -> list[Launch]:
         residual,
         pre,
         pre2,
+        problem.get("scale_a"),
+        problem.get("scale_b"),
         M,
         N,
         K,
@@ -117,6 +138,7 @@ def matmul_launches(problem: tuning.Problem, config: dict) -> list[Launch]:
         "HAS_RESIDUAL": residual is not None,
         "STORE_PRE": pre is not None,
         "GATED": gated,
+        "SCALING": scaling,
         "EXACT_DOT_IN_FP32": interpret(),
         "TMA": tma,
         "A_K_MAJOR": tma and a.stride(1) == 1,

@@ -1,0 +1,160 @@
+"""FP8 matmul with scales: ``scaled_mm(a, b, scale_a, scale_b, bias, out_dtype)`` computes
+``out = (a @ b) * scale_a * scale_b + bias`` from fp8 operands, ``torch._scaled_mm``'s call.
+
+Maths. a (M, K) and b (K, N) hold fp8 values (e4m3fn or e5m2; ``quantize_fp8`` makes them, with
+dequantized = fp8 * scale); their product is summed in fp32 on the tensor cores, then
+    out[i, j] = acc[i, j] * scale_a[i] * scale_b[j] + bias[j]
+in fp32, rounded once to ``out_dtype``. Scales: tensorwise (one each, shape () or (1, 1)) or
+rowwise (scale_a (M, 1), one a row of a; scale_b (1, N), one a column of b), fp32, as
+``torch._scaled_mm`` takes them. Layouts as ``torch._scaled_mm``'s too: a row-major, b
+column-major (b.t() contiguous), so that both operands run along K in memory, which Hopper's fp8
+tensor-core instructions (wgmma) require of both.
+
+Kernel. The linear family's matmul (``ops/linear/kernels.py``: TMA loads, the grouped tile order,
+its epilogues), with the scales applied to the fp32 accumulator in the epilogue (``SCALING``). A
+fixed tile for now (``TILE``: 128 x 128 outputs, 128 deep, a 128-byte row of fp8 a step) instead
+of the tuner's: fp8 keys are not in its table yet.
+
+Work. 2 M N K FLOPs; bytes M K + K N (one byte each) + M N x the output's size, + the scales.
+Hopper's fp8 rate is twice its bf16 rate: compute-bound from a few hundred rows on.
+
+References: torch._scaled_mm's scale conventions; DeepSeek-V3 technical report (arXiv 2412.19437)
+section 3.3 for the recipes that use them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tritonkit._runtime import empty_output, interpret
+from tritonkit.dtypes import FLOATS
+from tritonkit.opdef import check_tensor, op
+from tritonkit.ops.linear.kernels import INTERPRETER_CONFIG, SCALINGS
+from tritonkit.ops.linear.matmul import matmul_launches, matmul_problem
+from tritonkit.ops.quantize import FP8_DTYPES
+
+OUT_DTYPES = FLOATS
+# The GPU's tile: fp8 steps twice as deep as 16-bit ones for the same bytes a stage (128 x 128 x 128
+# on three stages: 96 KB of shared memory)
+TILE = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+
+
+def _config() -> dict:
+    """The launch's tile: the interpreter's small one (several programs and steps in a test), else
+    TILE through TMA where the operands allow it."""
+    return dict(INTERPRETER_CONFIG) if interpret() else TILE | {"TMA": True}
+
+
+@op("scaled_mm", mutates=("out",))
+def _scaled_mm(
+    a_bits: torch.Tensor,
+    b_bits: torch.Tensor,
+    a_dtype: torch.dtype,
+    b_dtype: torch.dtype,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    bias: torch.Tensor | None,
+    scaling: int,
+    out: torch.Tensor,
+) -> None:
+    """out = (a @ b) * scales + bias, a and b given as their uint8 bits (torch's CPU ops, which
+    opcheck runs on the arguments, take no fp8) and fp8 dtypes; b (K, N) column-major, read as
+    B = b^T (N, K)."""
+    a, b = a_bits.view(a_dtype), b_bits.view(b_dtype)
+    problem = matmul_problem(a, b.t(), out, bias=bias, scale_a=scale_a, scale_b=scale_b, scaling=scaling)
+    for launch in matmul_launches(problem, _config()):
+        launch.run()
+
+
+def _scaling(a, b, scale_a, scale_b) -> str:
+    """ "tensor" or "row" from the scales' shapes; anything else raises, naming what is taken."""
+    (m, _), n = a.shape, b.shape[1]
+    for name, scale in (("scale_a", scale_a), ("scale_b", scale_b)):
+        check_tensor(name, scale, dtypes=(torch.float32,), device_of=("a", a))
+    if scale_a.numel() == 1 and scale_b.numel() == 1 and scale_a.dim() <= 2 and scale_b.dim() <= 2:
+        return "tensor"
+    if tuple(scale_a.shape) == (m, 1) and tuple(scale_b.shape) == (1, n):
+        return "row"
+    blockwise = scale_a.dim() == 2 and scale_b.dim() == 2 and scale_a.shape[0] == m and scale_a.shape[1] > 1
+    if blockwise:
+        raise NotImplementedError(
+            "scaled_mm: blockwise scales (1 x 128 for a, 128 x 128 for b) are not implemented yet"
+        )
+    raise ValueError(
+        f"scaled_mm takes tensorwise scales (one element each) or rowwise ones (scale_a ({m}, 1), "
+        f"scale_b (1, {n})), got scale_a {tuple(scale_a.shape)} and scale_b {tuple(scale_b.shape)}"
+    )
+
+
+def _validate(a, b, bias, out_dtype) -> None:
+    for name, t in (("a", a), ("b", b)):
+        check_tensor(name, t, dtypes=FP8_DTYPES, ndim=2, device_of=("a", a))
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"a (M, K) and b (K, N) must share K, got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.stride(1) != 1 and a.shape[1] > 1:
+        raise ValueError(
+            f"a must be row-major (a unit stride along K), as torch._scaled_mm takes it: {a.stride()}"
+        )
+    if b.stride(0) != 1 and b.shape[0] > 1:
+        raise ValueError(
+            f"b must be column-major (b.t() contiguous: a unit stride along K), as torch._scaled_mm takes "
+            f"it: {b.stride()}"
+        )
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+    if bias is not None:
+        check_tensor("bias", bias, dtypes=FLOATS, ndim=1, device_of=("a", a))
+        if bias.shape[0] != b.shape[1]:
+            raise ValueError(f"bias must have N = {b.shape[1]} elements, got {bias.shape[0]}")
+
+
+def scaled_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """``(a @ b) * scale_a * scale_b + bias`` in ``out_dtype`` from fp8 ``a`` (M, K), row-major, and
+    ``b`` (K, N), column-major, with tensorwise or rowwise fp32 scales (the module docstring), as
+    ``torch._scaled_mm(a, b, scale_a, scale_b, bias, out_dtype=out_dtype)``. No gradient."""
+    _validate(a, b, bias, out_dtype)
+    scaling = _scaling(a, b, scale_a, scale_b)
+    if any(t is not None and t.requires_grad for t in (scale_a, scale_b, bias)):
+        raise RuntimeError("scaled_mm has no gradient: its operands are fp8")
+    (m, k), n = a.shape, b.shape[1]
+    out = empty_output((m, n), out_dtype, a.device)
+    if not (m and n):
+        return out
+    if k == 0:  # a sum over nothing: the bias alone (TMA takes no empty operand)
+        return out.copy_(torch.zeros(n, device=a.device) if bias is None else bias.expand(m, n))
+    flat = (scale_a.reshape(-1).contiguous(), scale_b.reshape(-1).contiguous())
+    bits = (a.view(torch.uint8), b.view(torch.uint8), a.dtype, b.dtype)
+    _scaled_mm(*bits, *flat, bias, SCALINGS[scaling], out)
+    return out
+
+
+def scaled_mm_reference(a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """The same in float64 (the oracle's exact reference), rounded to ``out_dtype``: each fp8 value is
+    exact in float64 and so are the products; only the sums and the scales round."""
+    acc = a.double() @ b.double()
+    out = acc * scale_a.double().reshape(-1, 1) * scale_b.double().reshape(1, -1)
+    if bias is not None:
+        out = out + bias.double()
+    return out.to(out_dtype)
+
+
+def scaled_mm_cost(shape: tuple, out_dtype: torch.dtype = torch.bfloat16):
+    """(M, K, N): 2 M N K FLOPs; the fp8 operands read once, the output written once."""
+    from tritonkit.roofline import Cost
+
+    m, k, n = shape
+    out_size = torch.finfo(out_dtype).bits // 8
+    return Cost(2 * m * n * k, m * k + k * n + out_size * m * n + 4 * (m + n))
+
+
+# No op contract (a gradient-free op with fp8 inputs is held to its reference by
+# tests/test_scaled_mm.py) and no workload yet
+OPS: dict = {}
+WORKLOADS: dict = {}

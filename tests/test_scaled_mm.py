@@ -1,0 +1,170 @@
+"""scaled_mm against the float64 reference with the oracle's rule (torch's error: the same maths in
+fp32, rounded to the output dtype): tensorwise and rowwise scales, with and without a bias, every
+output dtype, both fp8 types and a mixed pair, ragged shapes; opcheck and a fullgraph compile; empty
+and zero-depth inputs; bad input refused by name; and, compiled for sm_90, the fp8 wgmma fed by TMA
+without spills."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import sm90
+import tritonkit
+from tritonkit._runtime import interpret
+from tritonkit.ops import scaled_mm as sm
+from tritonkit.oracle import compare
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _device() -> str:
+    return "cpu" if interpret() else "cuda"
+
+
+def _operands(m, k, n, dtypes=(E4M3, E4M3), scaling="row", seed=0):
+    """fp8 a (M, K) row-major and b (K, N) column-major from random values spread over the fp8
+    range, and positive fp32 scales of the granularity."""
+    g = torch.Generator().manual_seed(seed)
+    a = (torch.randn(m, k, generator=g) * 8).to(dtypes[0])
+    b = (torch.randn(n, k, generator=g) * 8).to(dtypes[1]).t()
+    if scaling == "tensor":
+        scale_a, scale_b = torch.rand((), generator=g) + 0.01, torch.rand(1, 1, generator=g) + 0.01
+    else:
+        scale_a, scale_b = torch.rand(m, 1, generator=g) + 0.01, torch.rand(1, n, generator=g) + 0.01
+    return tuple(t.to(_device()) for t in (a, b, scale_a, scale_b))
+
+
+def _torch_fp32(a, b, scale_a, scale_b, bias, out_dtype):
+    """What an fp32 accumulation gives (torch._scaled_mm's arithmetic): the oracle's torch error."""
+    out = (a.float() @ b.float()) * scale_a.reshape(-1, 1) * scale_b.reshape(1, -1)
+    return (out if bias is None else out + bias.float()).to(out_dtype)
+
+
+def _check(a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16):
+    out = tritonkit.scaled_mm(a, b, scale_a, scale_b, bias, out_dtype)
+    assert out.shape == (a.shape[0], b.shape[1]) and out.dtype == out_dtype
+    exact = sm.scaled_mm_reference(a, b, scale_a, scale_b, bias, torch.float64)
+    comparison = compare("out", out, _torch_fp32(a, b, scale_a, scale_b, bias, out_dtype), exact, out_dtype)
+    assert comparison.passed, str(comparison)
+
+
+# (M, K, N): one row and column, K off the interpreter's 16-deep steps, several tiles each way
+SHAPES = [(1, 16, 1), (7, 33, 5), (37, 80, 45), (65, 130, 70)]
+FEATURES = [
+    {"scaling": "tensor", "bias": None, "out_dtype": torch.bfloat16, "dtypes": (E4M3, E4M3)},
+    {"scaling": "row", "bias": torch.bfloat16, "out_dtype": torch.bfloat16, "dtypes": (E4M3, E4M3)},
+    {"scaling": "row", "bias": None, "out_dtype": torch.float32, "dtypes": (E5M2, E5M2)},
+    {"scaling": "tensor", "bias": torch.float32, "out_dtype": torch.float16, "dtypes": (E4M3, E5M2)},
+]
+
+
+@pytest.mark.parametrize("features", FEATURES, ids=lambda f: f"{f['scaling']}-{f['out_dtype']}")
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_matches_the_reference(shape, features):
+    a, b, scale_a, scale_b = _operands(*shape, features["dtypes"], features["scaling"], seed=sum(shape))
+    bias = None
+    if features["bias"] is not None:
+        g = torch.Generator().manual_seed(7)
+        bias = torch.randn(shape[2], generator=g).to(features["bias"]).to(a.device)
+    _check(a, b, scale_a, scale_b, bias, features["out_dtype"])
+
+
+def test_empty_and_zero_depth():
+    """No rows or no columns: an empty output; K = 0: a sum over nothing, the bias alone."""
+    a, b, scale_a, scale_b = _operands(0, 32, 5, scaling="tensor")
+    assert tritonkit.scaled_mm(a, b, scale_a, scale_b).shape == (0, 5)
+    a, b, scale_a, scale_b = _operands(3, 0, 5, scaling="row")
+    bias = torch.arange(5, dtype=torch.float32, device=a.device)
+    out = tritonkit.scaled_mm(a, b, scale_a, scale_b, bias, torch.float32)
+    assert torch.equal(out, bias.expand(3, 5))
+
+
+def test_passes_opcheck_and_compiles():
+    """The custom op on a real call's arguments, and torch.compile's output bit for bit eager's."""
+    from tritonkit import opdef
+
+    a, b, scale_a, scale_b = _operands(37, 80, 45)
+    with opdef.recording_calls() as calls:
+        eager = tritonkit.scaled_mm(a, b, scale_a, scale_b)
+    (custom, args) = next((c, a) for c, a in calls if c._name.endswith("scaled_mm"))
+    torch.library.opcheck(custom, args)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *t: tritonkit.scaled_mm(*t), fullgraph=True)
+    assert torch.equal(compiled(a, b, scale_a, scale_b), eager)
+
+
+def test_bad_input_is_refused_by_name():
+    a, b, scale_a, scale_b = _operands(8, 32, 4)
+    with pytest.raises(TypeError, match="a must be one of"):
+        tritonkit.scaled_mm(a.float(), b, scale_a, scale_b)
+    with pytest.raises(ValueError, match="share K"):
+        tritonkit.scaled_mm(a[:, :16], b, scale_a, scale_b)
+    with pytest.raises(ValueError, match="a must be row-major"):
+        tritonkit.scaled_mm(a.t().contiguous().t(), b, scale_a, scale_b)
+    with pytest.raises(ValueError, match="b must be column-major"):
+        tritonkit.scaled_mm(a, b.contiguous(), scale_a, scale_b)
+    with pytest.raises(ValueError, match="tensorwise scales .* or rowwise"):
+        tritonkit.scaled_mm(a, b, scale_a[:4], scale_b)
+    with pytest.raises(NotImplementedError, match="blockwise"):
+        tritonkit.scaled_mm(a, b, scale_a.repeat(1, 2), scale_b)  # (8, K / 16): a's 1 x 16 blocks
+    with pytest.raises(TypeError, match="scale_a must be one of"):
+        tritonkit.scaled_mm(a, b, scale_a.double(), scale_b)
+    with pytest.raises(TypeError, match="out_dtype"):
+        tritonkit.scaled_mm(a, b, scale_a, scale_b, out_dtype=torch.int32)
+    with pytest.raises(ValueError, match="bias must have N = 4"):
+        tritonkit.scaled_mm(a, b, scale_a, scale_b, torch.zeros(5, device=a.device))
+    with pytest.raises(RuntimeError, match="no gradient"):
+        tritonkit.scaled_mm(a, b, scale_a.requires_grad_(), scale_b)
+
+
+_HOPPER_CHECK = r"""
+import json, torch
+from tritonkit.asm import compile_launch
+from tritonkit.ops import scaled_mm as sm
+from tritonkit.ops.linear import kernels as kn, matmul as mm
+for scaling in ("tensor", "row"):
+    a = torch.empty(8192, 4096, dtype=torch.float8_e4m3fn)
+    b = torch.empty(16384, 4096, dtype=torch.float8_e4m3fn)
+    scales = (1, 1) if scaling == "tensor" else (8192, 16384)
+    problem = mm.matmul_problem(a, b, torch.empty(8192, 16384, dtype=torch.bfloat16),
+                                scale_a=torch.empty(scales[0]), scale_b=torch.empty(scales[1]),
+                                scaling=kn.SCALINGS[scaling])
+    r = compile_launch(mm.matmul_launches(problem, sm._config())[0], "sm_90")
+    ptx = r.asm["ptx"]
+    print(json.dumps({"scaling": scaling, "fp8_wgmma": "e4m3.e4m3" in ptx and "wgmma" in ptx,
+                      "gmma": {op: n for op, n in r.opcodes.items() if "GMMA" in op},
+                      "tma": r.opcodes["UTMALDG"], "spills": r.spills,
+                      "shared": r.shared_bytes}))
+"""
+
+
+def test_the_kernel_compiles_for_hopper_to_fp8_wgmma_fed_by_tma():
+    """sm_90 at (8192, 4096) x (4096, 16384), both scalings: the tensor cores' fp8 instruction
+    (wgmma ... e4m3.e4m3, QGMMA in SASS, and no 16-bit one), A and B by TMA, no spills, within the
+    H200's shared memory."""
+    rows = [json.loads(line) for line in sm90.run(_HOPPER_CHECK)]
+    assert len(rows) == 2
+    for row in rows:
+        # QGMMA: the SASS of an fp8 wgmma (HGMMA is the 16-bit one's)
+        assert row["fp8_wgmma"] and set(row["gmma"]) == {"QGMMA"}, row
+        assert row["tma"] > 0 and not row["spills"], row
+        assert row["shared"] <= 227 * 1024, row
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("scaling", ["tensor", "row"])
+@pytest.mark.parametrize("shape", [(8192, 4096, 16384), (128, 4096, 14336), (4097, 4096, 1000)], ids=str)
+def test_gpu_large_shapes_against_torch_scaled_mm(shape, scaling):
+    """On the GPU's tile and TMA at the issue's shapes (and a ragged one): the oracle with torch's
+    error taken from torch._scaled_mm itself, bias and bf16 output."""
+    a, b, scale_a, scale_b = _operands(*shape, scaling=scaling, seed=3)
+    bias = torch.randn(shape[2], device="cuda").to(torch.bfloat16)
+    out = tritonkit.scaled_mm(a, b, scale_a, scale_b, bias)
+    theirs = torch._scaled_mm(a, b, scale_a, scale_b, bias=bias, out_dtype=torch.bfloat16)
+    exact = sm.scaled_mm_reference(a, b, scale_a, scale_b, bias, torch.float64)
+    comparison = compare("out", out, theirs, exact, torch.bfloat16)
+    assert comparison.passed, str(comparison)
