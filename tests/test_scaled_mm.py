@@ -1,5 +1,5 @@
 """scaled_mm against the float64 reference with the oracle's rule (torch's error: the same maths in
-fp32, rounded to the output dtype): tensorwise and rowwise scales, with and without a bias, every
+fp32, rounded to the output dtype): tensorwise, rowwise and blockwise scales, with and without a bias, every
 output dtype, both fp8 types and a mixed pair, ragged shapes; opcheck and a fullgraph compile; empty
 and zero-depth inputs; bad input refused by name; and, compiled for sm_90, the fp8 wgmma fed by TMA
 without spills."""
@@ -32,14 +32,25 @@ def _operands(m, k, n, dtypes=(E4M3, E4M3), scaling="row", seed=0):
     b = (torch.randn(n, k, generator=g) * 8).to(dtypes[1]).t()
     if scaling == "tensor":
         scale_a, scale_b = torch.rand((), generator=g) + 0.01, torch.rand(1, 1, generator=g) + 0.01
+    elif scaling == "block":
+        blocks_k, blocks_n = -(-k // 128), -(-n // 128)
+        scale_a = torch.rand(m, blocks_k, generator=g) + 0.01
+        scale_b = torch.rand(blocks_k, blocks_n, generator=g) + 0.01
     else:
         scale_a, scale_b = torch.rand(m, 1, generator=g) + 0.01, torch.rand(1, n, generator=g) + 0.01
     return tuple(t.to(_device()) for t in (a, b, scale_a, scale_b))
 
 
 def _torch_fp32(a, b, scale_a, scale_b, bias, out_dtype):
-    """What an fp32 accumulation gives (torch._scaled_mm's arithmetic): the oracle's torch error."""
-    out = (a.float() @ b.float()) * scale_a.reshape(-1, 1) * scale_b.reshape(1, -1)
+    """What an fp32 accumulation gives (torch._scaled_mm's arithmetic): the oracle's torch error.
+    Blockwise, the reference's arithmetic in fp32."""
+    if sm._scaling(a, b, scale_a, scale_b) == "block":
+        k, n = b.shape
+        rows_a = scale_a.repeat_interleave(128, dim=1)[:, :k]
+        blocks_b = scale_b.repeat_interleave(128, dim=0)[:k].repeat_interleave(128, dim=1)[:, :n]
+        out = (a.float() * rows_a) @ (b.float() * blocks_b)
+    else:
+        out = (a.float() @ b.float()) * scale_a.reshape(-1, 1) * scale_b.reshape(1, -1)
     return (out if bias is None else out + bias.float()).to(out_dtype)
 
 
@@ -53,11 +64,23 @@ def _check(a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16):
 
 # (M, K, N): one row and column, K off the interpreter's 16-deep steps, several tiles each way
 SHAPES = [(1, 16, 1), (7, 33, 5), (37, 80, 45), (65, 130, 70)]
+
+
+def test_blockwise_scales_over_several_blocks_each_way():
+    """Blockwise: K and N over several 128-blocks with ragged last ones, so that each step and
+    tile takes its own block's scales (a scale a block apart from its neighbours' by far)."""
+    a, b, scale_a, scale_b = _operands(33, 300, 270, scaling="block", seed=5)
+    scale_a = scale_a * torch.tensor([1.0, 64.0, 1 / 64], device=a.device)
+    scale_b = scale_b * torch.tensor([[1.0, 8.0, 1 / 8]], device=a.device).t()
+    _check(a, b, scale_a, scale_b, out_dtype=torch.float32)
+
+
 FEATURES = [
     {"scaling": "tensor", "bias": None, "out_dtype": torch.bfloat16, "dtypes": (E4M3, E4M3)},
     {"scaling": "row", "bias": torch.bfloat16, "out_dtype": torch.bfloat16, "dtypes": (E4M3, E4M3)},
     {"scaling": "row", "bias": None, "out_dtype": torch.float32, "dtypes": (E5M2, E5M2)},
     {"scaling": "tensor", "bias": torch.float32, "out_dtype": torch.float16, "dtypes": (E4M3, E5M2)},
+    {"scaling": "block", "bias": torch.bfloat16, "out_dtype": torch.bfloat16, "dtypes": (E4M3, E4M3)},
 ]
 
 
@@ -106,10 +129,10 @@ def test_bad_input_is_refused_by_name():
         tritonkit.scaled_mm(a.t().contiguous().t(), b, scale_a, scale_b)
     with pytest.raises(ValueError, match="b must be column-major"):
         tritonkit.scaled_mm(a, b.contiguous(), scale_a, scale_b)
-    with pytest.raises(ValueError, match="tensorwise scales .* or rowwise"):
+    with pytest.raises(ValueError, match="tensorwise scales .*, rowwise ones"):
         tritonkit.scaled_mm(a, b, scale_a[:4], scale_b)
-    with pytest.raises(NotImplementedError, match="blockwise"):
-        tritonkit.scaled_mm(a, b, scale_a.repeat(1, 2), scale_b)  # (8, K / 16): a's 1 x 16 blocks
+    with pytest.raises(ValueError, match="blockwise ones"):
+        tritonkit.scaled_mm(a, b, scale_a.repeat(1, 2), scale_b)  # (8, 2): not (8, cdiv(32, 128))
     with pytest.raises(TypeError, match="scale_a must be one of"):
         tritonkit.scaled_mm(a, b, scale_a.double(), scale_b)
     with pytest.raises(TypeError, match="out_dtype"):
@@ -125,10 +148,10 @@ import json, torch
 from tritonkit.asm import compile_launch
 from tritonkit.ops import scaled_mm as sm
 from tritonkit.ops.linear import kernels as kn, matmul as mm
-for scaling in ("tensor", "row"):
+for scaling in ("tensor", "row", "block"):
     a = torch.empty(8192, 4096, dtype=torch.float8_e4m3fn)
     b = torch.empty(16384, 4096, dtype=torch.float8_e4m3fn)
-    scales = (1, 1) if scaling == "tensor" else (8192, 16384)
+    scales = {"tensor": (1, 1), "row": (8192, 16384), "block": (8192 * 32, 32 * 128)}[scaling]
     problem = mm.matmul_problem(a, b, torch.empty(8192, 16384, dtype=torch.bfloat16),
                                 scale_a=torch.empty(scales[0]), scale_b=torch.empty(scales[1]),
                                 scaling=kn.SCALINGS[scaling])
@@ -142,11 +165,11 @@ for scaling in ("tensor", "row"):
 
 
 def test_the_kernel_compiles_for_hopper_to_fp8_wgmma_fed_by_tma():
-    """sm_90 at (8192, 4096) x (4096, 16384), both scalings: the tensor cores' fp8 instruction
+    """sm_90 at (8192, 4096) x (4096, 16384), every scaling: the tensor cores' fp8 instruction
     (wgmma ... e4m3.e4m3, QGMMA in SASS, and no 16-bit one), A and B by TMA, no spills, within the
     H200's shared memory."""
     rows = [json.loads(line) for line in sm90.run(_HOPPER_CHECK)]
-    assert len(rows) == 2
+    assert len(rows) == 3
     for row in rows:
         # QGMMA: the SASS of an fp8 wgmma (HGMMA is the 16-bit one's)
         assert row["fp8_wgmma"] and set(row["gmma"]) == {"QGMMA"}, row
@@ -160,7 +183,8 @@ def test_the_kernel_compiles_for_hopper_to_fp8_wgmma_fed_by_tma():
 @pytest.mark.parametrize("shape", [(8192, 4096, 16384), (128, 4096, 14336), (4097, 4096, 1000)], ids=str)
 def test_gpu_large_shapes_against_torch_scaled_mm(shape, scaling):
     """On the GPU's tile and TMA at the issue's shapes (and a ragged one): the oracle with torch's
-    error taken from torch._scaled_mm itself, bias and bf16 output."""
+    error taken from torch._scaled_mm itself, bias and bf16 output. (Blockwise scales are held to
+    the reference alone: ``test_gpu_blockwise_large_shapes``.)"""
     a, b, scale_a, scale_b = _operands(*shape, scaling=scaling, seed=3)
     bias = torch.randn(shape[2], device="cuda").to(torch.bfloat16)
     out = tritonkit.scaled_mm(a, b, scale_a, scale_b, bias)
@@ -168,3 +192,11 @@ def test_gpu_large_shapes_against_torch_scaled_mm(shape, scaling):
     exact = sm.scaled_mm_reference(a, b, scale_a, scale_b, bias, torch.float64)
     comparison = compare("out", out, theirs, exact, torch.bfloat16)
     assert comparison.passed, str(comparison)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_blockwise_large_shapes():
+    """Blockwise on the GPU's tile at a ragged large shape, against the float64 reference."""
+    a, b, scale_a, scale_b = _operands(4097, 4096 + 64, 1000, scaling="block", seed=4)
+    _check(a, b, scale_a, scale_b)

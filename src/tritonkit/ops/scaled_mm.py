@@ -6,12 +6,20 @@ dequantized = fp8 * scale); their product is summed in fp32 on the tensor cores,
     out[i, j] = acc[i, j] * scale_a[i] * scale_b[j] + bias[j]
 in fp32, rounded once to ``out_dtype``. Scales: tensorwise (one each, shape () or (1, 1)) or
 rowwise (scale_a (M, 1), one a row of a; scale_b (1, N), one a column of b), fp32, as
-``torch._scaled_mm`` takes them. Layouts as ``torch._scaled_mm``'s too: a row-major, b
-column-major (b.t() contiguous), so that both operands run along K in memory, which Hopper's fp8
-tensor-core instructions (wgmma) require of both.
+``torch._scaled_mm`` takes them; or blockwise (DeepSeek-V3's recipe): scale_a (M, cdiv(K, 128)),
+one a run of 128 along a row of a, as ``quantize_fp8(x, "block")`` makes them, and scale_b
+(cdiv(K, 128), cdiv(N, 128)), one a 128 x 128 block of b, the transpose of what
+``quantize_fp8(w, "block2d")`` makes for the weight w = b^T; then
+    out[i, j] = sum over the blocks kb of K of (sum over k in kb of a[i, k] b[k, j])
+                * scale_a[i, kb] * scale_b[kb, j // 128] + bias[j].
+Layouts as ``torch._scaled_mm``'s: a row-major, b column-major (b.t() contiguous), so that both
+operands run along K in memory, which Hopper's fp8 tensor-core instructions (wgmma) require of
+both.
 
 Kernel. The linear family's matmul (``ops/linear/kernels.py``: TMA loads, the grouped tile order,
-its epilogues), with the scales applied to the fp32 accumulator in the epilogue (``SCALING``). A
+its epilogues), with the scales applied to the fp32 accumulator in the epilogue (``SCALING``), or,
+blockwise, to each step's product before it is added (a step lies in one block of K: the tensor
+cores' sum restarts every step, as DeepSeek-V3's kernels promote it every 128 of K). A
 fixed tile for now (``TILE``: 128 x 128 outputs, 128 deep, a 128-byte row of fp8 a step) instead
 of the tuner's: fp8 keys are not in its table yet.
 
@@ -29,11 +37,12 @@ import torch
 from tritonkit._runtime import empty_output, interpret
 from tritonkit.dtypes import FLOATS
 from tritonkit.opdef import check_tensor, op
-from tritonkit.ops.linear.kernels import INTERPRETER_CONFIG, SCALINGS
+from tritonkit.ops.linear.kernels import INTERPRETER_CONFIG, SCALE_BLOCK, SCALINGS
 from tritonkit.ops.linear.matmul import matmul_launches, matmul_problem
 from tritonkit.ops.quantize import FP8_DTYPES
 
 OUT_DTYPES = FLOATS
+BLOCK = SCALE_BLOCK.value  # the blockwise scales' run of a's rows and block of b: 128
 # The GPU's tile: fp8 steps twice as deep as 16-bit ones for the same bytes a stage (128 x 128 x 128
 # on three stages: 96 KB of shared memory)
 TILE = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
@@ -75,14 +84,13 @@ def _scaling(a, b, scale_a, scale_b) -> str:
         return "tensor"
     if tuple(scale_a.shape) == (m, 1) and tuple(scale_b.shape) == (1, n):
         return "row"
-    blockwise = scale_a.dim() == 2 and scale_b.dim() == 2 and scale_a.shape[0] == m and scale_a.shape[1] > 1
-    if blockwise:
-        raise NotImplementedError(
-            "scaled_mm: blockwise scales (1 x 128 for a, 128 x 128 for b) are not implemented yet"
-        )
+    blocks_k, blocks_n = -(-a.shape[1] // BLOCK), -(-n // BLOCK)
+    if tuple(scale_a.shape) == (m, blocks_k) and tuple(scale_b.shape) == (blocks_k, blocks_n):
+        return "block"
     raise ValueError(
-        f"scaled_mm takes tensorwise scales (one element each) or rowwise ones (scale_a ({m}, 1), "
-        f"scale_b (1, {n})), got scale_a {tuple(scale_a.shape)} and scale_b {tuple(scale_b.shape)}"
+        f"scaled_mm takes tensorwise scales (one element each), rowwise ones (scale_a ({m}, 1), "
+        f"scale_b (1, {n})) or blockwise ones (scale_a ({m}, {blocks_k}), scale_b ({blocks_k}, "
+        f"{blocks_n})), got scale_a {tuple(scale_a.shape)} and scale_b {tuple(scale_b.shape)}"
     )
 
 
@@ -137,9 +145,17 @@ def scaled_mm(
 
 def scaled_mm_reference(a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16) -> torch.Tensor:
     """The same in float64 (the oracle's exact reference), rounded to ``out_dtype``: each fp8 value is
-    exact in float64 and so are the products; only the sums and the scales round."""
-    acc = a.double() @ b.double()
-    out = acc * scale_a.double().reshape(-1, 1) * scale_b.double().reshape(1, -1)
+    exact in float64 and so are the products; only the sums and the scales round. Blockwise, as
+    (a times its runs' scales) @ (b times its blocks' scales), which the kernel's per-block sums
+    equal in exact arithmetic."""
+    k, n = b.shape
+    if _scaling(a, b, scale_a, scale_b) == "block":  # each value times its run's or block's scale
+        rows_a = scale_a.double().repeat_interleave(BLOCK, dim=1)[:, :k]
+        blocks_b = scale_b.double().repeat_interleave(BLOCK, dim=0)[:k].repeat_interleave(BLOCK, dim=1)[:, :n]
+        out = (a.double() * rows_a) @ (b.double() * blocks_b)
+    else:
+        acc = a.double() @ b.double()
+        out = acc * scale_a.double().reshape(-1, 1) * scale_b.double().reshape(1, -1)
     if bias is not None:
         out = out + bias.double()
     return out.to(out_dtype)

@@ -22,10 +22,14 @@ NONE, GELU, GELU_TANH, SILU, RELU, RELU2 = (tl.constexpr(code) for code in ACTIV
 # dWu = du^T x are plain matmuls.
 NOT_GATED, GATED_FWD, GATED_DX = (tl.constexpr(code) for code in range(3))
 FORMS = ("linear", "gated fwd", "gated dx")  # the forms' names in tuning keys, by GATED code
-# scaled_mm's scales, applied to the fp32 product before the rest of the epilogue: none, one each
-# for A and B (tensorwise), or one a row of A and one a row of B (rowwise: C's rows and columns)
-SCALINGS = {None: 0, "tensor": 1, "row": 2}
-UNSCALED, SCALE_TENSOR, SCALE_ROWS = (tl.constexpr(code) for code in SCALINGS.values())
+# scaled_mm's scales: none; one each for A and B (tensorwise) or one a row of A and one a row of B
+# (rowwise: C's rows and columns), applied to the fp32 product before the rest of the epilogue; or
+# one a 1 x SCALE_BLOCK run of A's rows and one a SCALE_BLOCK x SCALE_BLOCK block of B (blockwise,
+# DeepSeek-V3's recipe), applied to each step's product before it is added (a step within one
+# block of K and a tile within one block of B's rows: SCALE_BLOCK a multiple of both)
+SCALINGS = {None: 0, "tensor": 1, "row": 2, "block": 3}
+UNSCALED, SCALE_TENSOR, SCALE_ROWS, SCALE_BLOCKS = (tl.constexpr(code) for code in SCALINGS.values())
+SCALE_BLOCK = tl.constexpr(128)
 
 
 @triton.jit
@@ -380,8 +384,9 @@ def _linear_kernel(
     residual_ptr,  # HAS_RESIDUAL: (M, N), strides (stride_rm, stride_rn), added after the activation
     pre_ptr,  # STORE_PRE: the pre-activation out, (M, N), contiguous (gated: g)
     pre2_ptr,  # STORE_PRE and GATED_FWD: u out, (M, N), contiguous
-    scale_a_ptr,  # SCALING: fp32 scales of A, one (SCALE_TENSOR) or one a row (M,), contiguous
-    scale_b_ptr,  # ... of B: one, or one a row of B (N,)
+    scale_a_ptr,  # SCALING: fp32 scales of A, one (SCALE_TENSOR), one a row (M,), or one a row's
+    # run of SCALE_BLOCK (M, cdiv(K, SCALE_BLOCK)) (SCALE_BLOCKS); contiguous
+    scale_b_ptr,  # ... of B: one, one a row of B (N,), or (cdiv(K, SCALE_BLOCK), cdiv(N, SCALE_BLOCK))
     M,  # rows of A and C
     N,  # rows of B: columns of C
     K,  # the reduced dimension
@@ -575,6 +580,8 @@ def _linear_tile(
 ):
     """C's tile-th tile (grouped order): the k-loop over A and B from k_start to k_end (pointers, or
     descriptors with TMA; see the kernel for the operands), then the epilogue."""
+    if SCALING == SCALE_BLOCKS:
+        tl.static_assert(SCALE_BLOCK % BLOCK_K == 0 and SCALE_BLOCK % BLOCK_N == 0)
     pid_m, pid_n = _tile_position(tile, tiles_m, tiles_n, GROUP_M=GROUP_M)
     rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # int64: M * K may pass 2^31
     cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -592,7 +599,17 @@ def _linear_tile(
             b_mask = (ks[:, None] < K) & (cols[None, :] < N)
             b_ptrs = cols[None, :] * stride_bn + ks[:, None] * stride_bk
             b = tl.load(b_source + b_ptrs, mask=b_mask, other=0.0)
-        acc += dot_fp32(a, b, EXACT_DOT_IN_FP32=EXACT_DOT_IN_FP32)
+        if SCALING == SCALE_BLOCKS:  # this step's product in its block of K, scaled, then added
+            block_k = k // SCALE_BLOCK
+            blocks_k = tl.cdiv(K, SCALE_BLOCK)
+            scale_a = tl.load(scale_a_ptr + rows * blocks_k + block_k, mask=rows < M, other=0.0)
+            scale_b = tl.load(
+                scale_b_ptr + block_k * tl.cdiv(N, SCALE_BLOCK) + pid_n * BLOCK_N // SCALE_BLOCK
+            )
+            part = dot_fp32(a, b, EXACT_DOT_IN_FP32=EXACT_DOT_IN_FP32)
+            acc += part * (scale_a * scale_b)[:, None]
+        else:
+            acc += dot_fp32(a, b, EXACT_DOT_IN_FP32=EXACT_DOT_IN_FP32)
         if GATED != NOT_GATED:
             if TMA:
                 b2 = _depth_by_rows(b2_source, pid_n * BLOCK_N, k, K_MAJOR=B_K_MAJOR)
