@@ -58,6 +58,11 @@ FAMILIES = {
         "ops": (),
         "workloads": (),
     },
+    "tritonkit.ops.float8_linear": {  # its recipes' tests: tests/test_float8_linear.py
+        "public": ("float8_linear",),
+        "ops": (),
+        "workloads": (),
+    },
     "tritonkit.ops.linear": {
         "public": ("linear", "gated_linear"),
         "ops": ("linear", "linear_bare", "gated_linear"),

@@ -59,3 +59,54 @@ class Linear(torch.nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, activation={self.activation!r}"
+
+
+class Float8Linear(torch.nn.Linear):
+    """``torch.nn.Linear`` (same parameters and state_dict) whose forward and backward matmuls run in
+    fp8 (``tritonkit.float8_linear``: e4m3 operands quantized on the fly with dynamic scales, the
+    weight and its gradient in their own dtype, so fp32 master weights stay fp32). ``recipe``:
+    "rowwise" (a scale a row of each operand along the product's K), "tensorwise" (one scale an
+    operand) or "blockwise" (1 x 128 runs and 128 x 128 blocks, DeepSeek-V3's)."""
+
+    def __init__(self, in_features, out_features, bias=True, recipe="rowwise", device=None, dtype=None):
+        from tritonkit.ops.float8_linear import RECIPES
+
+        if recipe not in RECIPES:
+            raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self.recipe = recipe
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, recipe: str = "rowwise") -> Float8Linear:
+        """A Float8Linear over ``linear``'s own parameters (shared, not copied)."""
+        with torch.device("meta"):
+            new = cls(linear.in_features, linear.out_features, linear.bias is not None, recipe)
+        new.weight, new.bias = linear.weight, linear.bias
+        return new
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        from tritonkit.ops.float8_linear import float8_linear
+
+        return float8_linear(input, self.weight, self.bias, self.recipe)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={self.recipe!r}"
+
+
+def convert_to_float8(model: torch.nn.Module, filter=None, recipe: str = "rowwise") -> torch.nn.Module:
+    """Swap ``model``'s ``torch.nn.Linear`` modules (exactly that class, not subclasses) for
+    Float8Linear over the same parameters, in place, where ``filter(name, module)`` is true (every
+    one without a filter); returns the model. Layers to keep in high precision (an LM head, small
+    projections) are the filter's to leave out."""
+    swaps = [
+        (name, module)
+        for name, module in model.named_modules()
+        if type(module) is torch.nn.Linear and (filter is None or filter(name, module))
+    ]
+    for name, module in swaps:
+        if not name:
+            raise ValueError("the model is itself a torch.nn.Linear: use Float8Linear.from_linear(model)")
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, Float8Linear.from_linear(module, recipe))
+    return model

@@ -143,21 +143,24 @@ def scaled_mm(
     return out
 
 
-def scaled_mm_reference(a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16) -> torch.Tensor:
+def scaled_mm_reference(
+    a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16, compute_dtype=torch.float64
+) -> torch.Tensor:
     """The same in float64 (the oracle's exact reference), rounded to ``out_dtype``: each fp8 value is
     exact in float64 and so are the products; only the sums and the scales round. Blockwise, as
     (a times its runs' scales) @ (b times its blocks' scales), which the kernel's per-block sums
-    equal in exact arithmetic."""
+    equal in exact arithmetic. ``compute_dtype`` float32: the same in fp32 (torch's arithmetic, the
+    oracle's torch error)."""
     k, n = b.shape
+    c = compute_dtype
     if _scaling(a, b, scale_a, scale_b) == "block":  # each value times its run's or block's scale
-        rows_a = scale_a.double().repeat_interleave(BLOCK, dim=1)[:, :k]
-        blocks_b = scale_b.double().repeat_interleave(BLOCK, dim=0)[:k].repeat_interleave(BLOCK, dim=1)[:, :n]
-        out = (a.double() * rows_a) @ (b.double() * blocks_b)
+        rows_a = scale_a.to(c).repeat_interleave(BLOCK, dim=1)[:, :k]
+        blocks_b = scale_b.to(c).repeat_interleave(BLOCK, dim=0)[:k].repeat_interleave(BLOCK, dim=1)[:, :n]
+        out = (a.to(c) * rows_a) @ (b.to(c) * blocks_b)
     else:
-        acc = a.double() @ b.double()
-        out = acc * scale_a.double().reshape(-1, 1) * scale_b.double().reshape(1, -1)
+        out = (a.to(c) @ b.to(c)) * scale_a.to(c).reshape(-1, 1) * scale_b.to(c).reshape(1, -1)
     if bias is not None:
-        out = out + bias.double()
+        out = out + bias.to(c)
     return out.to(out_dtype)
 
 

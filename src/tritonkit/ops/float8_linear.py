@@ -1,0 +1,136 @@
+"""A linear layer in fp8: ``float8_linear(x, weight, bias, recipe)`` is ``F.linear(x, weight, bias)``
+with each of its three matmuls (the forward's, dX's and dW's) run on fp8 operands quantized on the
+fly by ``quantize_fp8`` and multiplied by ``scaled_mm``, the weight kept in its own dtype (fp32
+master weights stay fp32; so do their gradients).
+
+Maths. y = x W^T + b, dX = dY W, dW = dY^T x, db = sum over rows of dY. Each product A B (A (M, K),
+B (K, N)) runs as scaled_mm(q(A), q(B), s(A), s(B)) with e4m3 values, the groups of each operand
+along the product's K (so that a scale factors out of each partial sum):
+- "rowwise" (torchao's rowwise recipe): a scale a row of A and a column of B. Forward: x's rows, W's
+  rows; dX: dY's rows, W's columns (W^T's rows); dW: dY's columns, x's columns.
+- "tensorwise": one scale an operand (the fastest to compute; an outlier sets the scale of all).
+- "blockwise" (DeepSeek-V3's recipe): A in 1 x 128 runs along K, B in 128 x 128 blocks.
+  Forward: x's runs along its rows, W's blocks; dX: dY's runs along its rows, W's blocks (the same
+  groups, transposed: ``quantize_fp8(w, "block2d", transpose=True)`` makes both); dW: dY^T's runs
+  along its rows (dY's columns), and x's blocks.
+The matmuls sum in fp32 and round once to the output's dtype (y and dX in x's, dW in W's).
+
+Work. Three matmuls of 2 M N K FLOPs at Hopper's fp8 rate (twice bf16's), plus six quantizing
+passes (x and W twice each, dY twice), each reading its operand once and writing it in one byte.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tritonkit.ops.quantize import quantize_fp8, quantize_fp8_reference
+from tritonkit.ops.scaled_mm import scaled_mm, scaled_mm_reference
+
+RECIPES = ("rowwise", "tensorwise", "blockwise")
+FP8 = torch.float8_e4m3fn
+
+
+def _rowwise(a: torch.Tensor, b_t: torch.Tensor, quantize, matmul, out_dtype, bias=None):
+    """a (M, K) @ b (K, N) (+ bias), given b^T (N, K): a's rows and b's columns scaled."""
+    qa, sa = quantize(a, "row")
+    qb, sb = quantize(b_t, "row")
+    return matmul(qa, qb.t(), sa, sb.t(), out_dtype, bias)
+
+
+def _tensorwise(a, b_t, quantize, matmul, out_dtype, bias=None):
+    qa, sa = quantize(a, "tensor")
+    qb, sb = quantize(b_t, "tensor")
+    return matmul(qa, qb.t(), sa, sb, out_dtype, bias)
+
+
+def _blockwise(a, b_t, quantize, matmul, out_dtype, bias=None):
+    """a in 1 x 128 runs along K, b in 128 x 128 blocks (quantized as b^T: the same blocks)."""
+    qa, sa = quantize(a, "block")
+    qb, sb = quantize(b_t, "block2d")
+    return matmul(qa, qb.t(), sa, sb.t(), out_dtype, bias)
+
+
+PRODUCTS = {"rowwise": _rowwise, "tensorwise": _tensorwise, "blockwise": _blockwise}
+
+
+def _quantize(x: torch.Tensor, granularity: str):
+    return quantize_fp8(x.detach(), granularity, dtype=FP8)
+
+
+def _matmul(qa, qb, sa, sb, out_dtype, bias):
+    return scaled_mm(qa, qb, sa, sb, bias, out_dtype=out_dtype)
+
+
+def _products(x2, w, bias, dy2, recipe: str, quantize, matmul) -> tuple:
+    """(y, dX, dW) of one recipe, on the given quantize and matmul (the kernels', or the
+    references'); dy2 None for the forward alone."""
+    product = PRODUCTS[recipe]
+    y = product(x2, w, quantize, matmul, x2.dtype, bias)
+    if dy2 is None:
+        return y, None, None
+    dx = product(dy2, w.t(), quantize, matmul, x2.dtype)  # dY (M, N) @ W (N, K): W^T's rows
+    dw = product(dy2.t(), x2.t(), quantize, matmul, w.dtype)  # dY^T (N, M) @ x (M, K): x^T's rows
+    return y, dx, dw
+
+
+class _Float8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, recipe):
+        x2 = x.reshape(-1, x.shape[-1])
+        y, _, _ = _products(
+            x2, weight, None if bias is None else bias.detach(), None, recipe, _quantize, _matmul
+        )
+        ctx.save_for_backward(x2, weight)
+        ctx.recipe, ctx.bias_dtype = recipe, None if bias is None else bias.dtype
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dx = dw = db = None
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+            _, dx, dw = _products(x2, weight, None, dy2, ctx.recipe, _quantize, _matmul)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            db = dy2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+        return dx.reshape(*dy.shape[:-1], x2.shape[1]) if dx is not None else None, dw, db, None
+
+
+def float8_linear(
+    input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, recipe: str = "rowwise"
+) -> torch.Tensor:
+    """``F.linear(input, weight, bias)`` with its forward and backward matmuls in fp8 (the module
+    docstring): input (..., K) in fp32, fp16 or bf16, weight (N, K) and bias (N,) in any float dtype;
+    the output in input's dtype, the gradients in their tensors' dtypes."""
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
+    if input.shape[-1] != weight.shape[1] or weight.dim() != 2:
+        raise ValueError(f"weight must be (N, {input.shape[-1]}), got {tuple(weight.shape)}")
+    return _Float8Linear.apply(input, weight, bias, recipe)
+
+
+def float8_linear_reference(
+    x, weight, bias=None, recipe="rowwise", dy=None, compute_dtype=torch.float64
+) -> tuple:
+    """(y, dX, dW, db) of the same recipe in plain PyTorch: ``quantize_fp8_reference``'s fp8 values
+    and scales, ``scaled_mm_reference``'s products in ``compute_dtype`` (float64: exact but for
+    the scales' roundings; float32: torch's arithmetic); dy None: the forward alone."""
+
+    def quantize(t, granularity):
+        return quantize_fp8_reference(t.detach(), granularity, dtype=FP8)
+
+    def matmul(qa, qb, sa, sb, out_dtype, bias):
+        return scaled_mm_reference(qa, qb, sa, sb, bias, compute_dtype, compute_dtype)
+
+    x2 = x.reshape(-1, x.shape[-1])
+    dy2 = None if dy is None else dy.reshape(-1, dy.shape[-1])
+    y, dx, dw = _products(x2, weight, bias, dy2, recipe, quantize, matmul)
+    db = None if dy2 is None or bias is None else dy2.to(compute_dtype).sum(0)
+    y = y.reshape(*x.shape[:-1], weight.shape[0])
+    return y, None if dx is None else dx.reshape(x.shape), dw, db
+
+
+# No op contract (its matmuls' and quantizers' own tests hold them; tests/test_float8_linear.py the
+# recipes) and no workload yet
+OPS: dict = {}
+WORKLOADS: dict = {}
