@@ -76,7 +76,8 @@ def _scaled_mm(
 
 
 def _scaling(a, b, scale_a, scale_b) -> str:
-    """ "tensor" or "row" from the scales' shapes; anything else raises, naming what is taken."""
+    """ "tensor", "row" or "block" from the scales' shapes; anything else raises, naming what is
+    taken."""
     (m, _), n = a.shape, b.shape[1]
     for name, scale in (("scale_a", scale_a), ("scale_b", scale_b)):
         check_tensor(name, scale, dtypes=(torch.float32,), device_of=("a", a))
@@ -125,8 +126,9 @@ def scaled_mm(
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """``(a @ b) * scale_a * scale_b + bias`` in ``out_dtype`` from fp8 ``a`` (M, K), row-major, and
-    ``b`` (K, N), column-major, with tensorwise or rowwise fp32 scales (the module docstring), as
-    ``torch._scaled_mm(a, b, scale_a, scale_b, bias, out_dtype=out_dtype)``. No gradient."""
+    ``b`` (K, N), column-major, with tensorwise, rowwise or blockwise fp32 scales (the module
+    docstring), as ``torch._scaled_mm(a, b, scale_a, scale_b, bias, out_dtype=out_dtype)`` for the
+    first two. No gradient."""
     _validate(a, b, bias, out_dtype)
     scaling = _scaling(a, b, scale_a, scale_b)
     if any(t is not None and t.requires_grad for t in (scale_a, scale_b, bias)):
