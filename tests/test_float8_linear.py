@@ -98,3 +98,16 @@ def test_the_module_over_a_linear_and_the_model_swap():
         tritonkit.float8_linear(x, linear.weight, recipe="columnwise")
     with pytest.raises(ValueError, match=r"weight must be \(N, 160\)"):
         tritonkit.float8_linear(x, linear.weight.t())
+
+
+def test_compiles_whole_with_the_same_bits():
+    """torch.compile(fullgraph=True) of the function, forward and backward: eager's bits (its
+    quantizers and matmuls are custom ops, so the graph does not break at them)."""
+    x, w, b, dy = _inputs(seed=3)
+    eager = _run(x, w, b, dy, "blockwise")
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *t: tritonkit.float8_linear(*t, recipe="blockwise"), fullgraph=True)
+    leaves = [t.detach().requires_grad_() for t in (x, w, b)]
+    y = compiled(*leaves)
+    for got, want in zip((y, *torch.autograd.grad(y, leaves, dy)), eager, strict=True):
+        assert torch.equal(got, want)
