@@ -225,6 +225,11 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
     return row
 
 
+def arguments(flag: str, convert) -> list:
+    """Every value given after ``flag`` on the command line (repeatable), converted."""
+    return [convert(sys.argv[i + 1]) for i, a in enumerate(sys.argv) if a == flag]
+
+
 def deadline() -> float:
     """When rows stop being timed: ``--deadline SECONDS`` from now, else never."""
     seconds = float(sys.argv[sys.argv.index("--deadline") + 1]) if "--deadline" in sys.argv else 1e9

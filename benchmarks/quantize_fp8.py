@@ -16,19 +16,12 @@ import json
 import sys
 
 import torch
-import triton.testing
-from attention_bwd_sm90 import result_header
+from attention_bwd_sm90 import _bench, arguments, result_header
 
 import tritonkit
 from tritonkit.ops import quantize as qz
 
 SHAPES = [(8192, 4096), (16384, 8192), (128, 4096)]
-
-
-def _bench(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def _same(ours: tuple, reference: tuple) -> bool:
@@ -73,14 +66,10 @@ def _row(shape: tuple, granularity: str) -> dict:
     return row
 
 
-def _arguments(flag: str, convert) -> list:
-    return [convert(sys.argv[i + 1]) for i, a in enumerate(sys.argv) if a == flag]
-
-
 def main() -> None:
     out = sys.argv[1]
-    shapes = _arguments("--shape", lambda s: tuple(int(v) for v in s.split(","))) or SHAPES
-    granularities = _arguments("--granularity", str) or list(qz.GRANULARITIES)
+    shapes = arguments("--shape", lambda s: tuple(int(v) for v in s.split(","))) or SHAPES
+    granularities = arguments("--granularity", str) or list(qz.GRANULARITIES)
     timing = "do_bench median over eager calls, L2 flushed"
     result = result_header("quantize_fp8", "quantize_fp8.py", timing)
     for shape in shapes:

@@ -17,8 +17,7 @@ import json
 import sys
 
 import torch
-import triton.testing
-from attention_bwd_sm90 import result_header
+from attention_bwd_sm90 import _bench, arguments, result_header
 
 import tritonkit
 from tritonkit import nn
@@ -27,12 +26,6 @@ from tritonkit.ops.float8_linear import RECIPES
 SHAPES = [(8192, 4096, 16384), (8192, 8192, 8192), (16384, 8192, 28672), (128, 4096, 14336)]
 LINEAR_SHAPES = [(8192, 4096, 14336)]
 E4M3 = torch.float8_e4m3fn
-
-
-def _bench(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def _operands(m, k, n, scaling):
@@ -88,14 +81,10 @@ def _linear_row(shape) -> dict:
     return row
 
 
-def _arguments(flag: str, convert) -> list:
-    return [convert(sys.argv[i + 1]) for i, a in enumerate(sys.argv) if a == flag]
-
-
 def main() -> None:
     out = sys.argv[1]
-    shapes = _arguments("--shape", lambda s: tuple(int(v) for v in s.split(","))) or SHAPES
-    scalings = _arguments("--scaling", str) or ["tensor", "row", "block"]
+    shapes = arguments("--shape", lambda s: tuple(int(v) for v in s.split(","))) or SHAPES
+    scalings = arguments("--scaling", str) or ["tensor", "row", "block"]
     result = result_header("scaled_mm", "scaled_mm.py", "do_bench median over eager calls, L2 flushed")
     for shape in shapes:
         for scaling in scalings:
