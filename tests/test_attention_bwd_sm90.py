@@ -314,30 +314,28 @@ def test_gpu_strided_layouts_and_scale(causal):
     assert all(torch.equal(a, b) for a, b in zip(grads, dense, strict=True))
 
 
+# (DETERMINISTIC_PAIRS_PER_GROUP, Config.shared_dq, Config.per_query_head), by name; a program a
+# query head is GQA's alone (without GQA a program takes one query head already)
+ORDERS = {
+    "turns-slow": (None, False, False),
+    "key-major": (1, False, False),
+    "groups-of-3": (3, False, False),
+    "key-major-shared-dq": (1, True, False),
+    "groups-of-3-shared-dq": (3, True, False),
+    "key-major-per-query-head": (1, True, True),
+    "groups-of-3-per-query-head": (3, True, True),
+}
+BITS_CASES = [
+    pytest.param(heads, *order, id=f"{kind}-{name}")
+    for kind, heads in (("mha", (8, 8)), ("gqa", (8, 2)))
+    for name, order in ORDERS.items()
+    if heads[0] != heads[1] or not order[2]
+]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
-@pytest.mark.parametrize(
-    "group, shared_dq, per_query_head",
-    [
-        (None, False, False),
-        (1, False, False),
-        (3, False, False),
-        (1, True, False),
-        (3, True, False),
-        (1, True, True),
-        (3, True, True),
-    ],
-    ids=[
-        "turns-slow",
-        "key-major",
-        "groups-of-3",
-        "key-major-shared-dq",
-        "groups-of-3-shared-dq",
-        "key-major-per-query-head",
-        "groups-of-3-per-query-head",
-    ],
-)
-@pytest.mark.parametrize("heads", [(8, 8), (8, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("heads, group, shared_dq, per_query_head", BITS_CASES)
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_deterministic_mode_gives_the_same_bits(
     causal, heads, group, shared_dq, per_query_head, monkeypatch
@@ -352,8 +350,6 @@ def test_gpu_deterministic_mode_gives_the_same_bits(
     from tritonkit._runtime import sm_count
     from tritonkit.ops.attention import bwd_sm90
 
-    if per_query_head and heads[0] == heads[1]:
-        pytest.skip("per_query_head is GQA's: without it the programs are a query head's already")
     monkeypatch.setattr(bwd_sm90, "DETERMINISTIC_PAIRS_PER_GROUP", group)
     config = bwd_sm90.CONFIGS[128]._replace(shared_dq=shared_dq, per_query_head=per_query_head)
     q, k, v, do = _inputs(2, *heads, 2125, 2125, 128, torch.bfloat16, seed=2125 + causal)
