@@ -132,3 +132,19 @@ def test_compiles_whole_with_the_same_bits():
     y = compiled(*leaves)
     for got, want in zip((y, *torch.autograd.grad(y, leaves, dy)), eager, strict=True):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen-weight"])
+def test_a_step_runs_one_matmul_a_product_it_needs(frozen):
+    """The forward's matmul once, then dX's, and dW's only where the weight takes a gradient: three
+    scaled_mm calls a training step, two with the weight frozen (the backward recomputes nothing)."""
+    from tritonkit import opdef
+
+    x, w, b, dy = _inputs(seed=4)
+    x = x.detach().requires_grad_()
+    w = w.detach().requires_grad_(not frozen)
+    with opdef.recording_calls() as calls:
+        tritonkit.float8_linear(x, w, b).backward(dy)
+    matmuls = [c for c, _ in calls if c._name.endswith("scaled_mm")]
+    assert len(matmuls) == (2 if frozen else 3)
+    assert x.grad is not None and (w.grad is None) == frozen

@@ -61,25 +61,26 @@ def _matmul(qa, qb, sa, sb, out_dtype, bias):
     return scaled_mm(qa, qb, sa, sb, bias, out_dtype=out_dtype)
 
 
-def _products(x2, w, bias, dy2, recipe: str, quantize, matmul) -> tuple:
-    """(y, dX, dW) of one recipe, on the given quantize and matmul (the kernels', or the
-    references'); dy2 None for the forward alone."""
+def _output(x2, w, bias, recipe: str, quantize, matmul) -> torch.Tensor:
+    """y = x W^T + b of one recipe, on the given quantize and matmul (the kernels', or the
+    references')."""
+    return PRODUCTS[recipe](x2, w, quantize, matmul, x2.dtype, bias)
+
+
+def _gradients(x2, w, dy2, recipe: str, quantize, matmul, needs=(True, True)) -> tuple:
+    """(dX, dW) of one recipe, each where ``needs`` asks for it (else None)."""
     product = PRODUCTS[recipe]
-    y = product(x2, w, quantize, matmul, x2.dtype, bias)
-    if dy2 is None:
-        return y, None, None
-    dx = product(dy2, w.t(), quantize, matmul, x2.dtype)  # dY (M, N) @ W (N, K): W^T's rows
-    dw = product(dy2.t(), x2.t(), quantize, matmul, w.dtype)  # dY^T (N, M) @ x (M, K): x^T's rows
-    return y, dx, dw
+    # dY (M, N) @ W (N, K): W^T's rows; dY^T (N, M) @ x (M, K): x^T's rows
+    dx = product(dy2, w.t(), quantize, matmul, x2.dtype) if needs[0] else None
+    dw = product(dy2.t(), x2.t(), quantize, matmul, w.dtype) if needs[1] else None
+    return dx, dw
 
 
 class _Float8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, recipe):
         x2 = x.reshape(-1, x.shape[-1])
-        y, _, _ = _products(
-            x2, weight, None if bias is None else bias.detach(), None, recipe, _quantize, _matmul
-        )
+        y = _output(x2, weight, None if bias is None else bias.detach(), recipe, _quantize, _matmul)
         ctx.save_for_backward(x2, weight)
         ctx.recipe, ctx.bias_dtype = recipe, None if bias is None else bias.dtype
         return y.reshape(*x.shape[:-1], weight.shape[0])
@@ -88,9 +89,8 @@ class _Float8Linear(torch.autograd.Function):
     def backward(ctx, dy):
         x2, weight = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
-        dx = dw = db = None
-        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            _, dx, dw = _products(x2, weight, None, dy2, ctx.recipe, _quantize, _matmul)
+        db = None
+        dx, dw = _gradients(x2, weight, dy2, ctx.recipe, _quantize, _matmul, ctx.needs_input_grad[:2])
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = dy2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
         return dx.reshape(*dy.shape[:-1], x2.shape[1]) if dx is not None else None, dw, db, None
@@ -124,7 +124,8 @@ def float8_linear_reference(
 
     x2 = x.reshape(-1, x.shape[-1])
     dy2 = None if dy is None else dy.reshape(-1, dy.shape[-1])
-    y, dx, dw = _products(x2, weight, bias, dy2, recipe, quantize, matmul)
+    y = _output(x2, weight, bias, recipe, quantize, matmul)
+    dx, dw = (None, None) if dy2 is None else _gradients(x2, weight, dy2, recipe, quantize, matmul)
     db = None if dy2 is None or bias is None else dy2.to(compute_dtype).sum(0)
     y = y.reshape(*x.shape[:-1], weight.shape[0])
     return y, None if dx is None else dx.reshape(x.shape), dw, db
