@@ -1,18 +1,24 @@
 """FP8 matmuls on the H200: tritonkit.scaled_mm against torch._scaled_mm (cuBLAS) and the bf16
 matmul, and nn.Float8Linear's training step against torch.nn.Linear in bf16, in one process.
 
-    python benchmarks/scaled_mm.py OUT.json [--shape M,K,N ...] [--scaling S ...] [--skip-linear]
+    python benchmarks/scaled_mm.py OUT.json [--shape M,K,N ...] [--scaling S ...] [--tiles]
+        [--skip-matmul] [--skip-linear]
 
 Rows: each shape (default SHAPES, (M, K, N), e4m3 operands, bf16 out) and scaling ("tensor", "row",
 "block"; torch._scaled_mm takes the first two here), then Float8Linear's forward + backward for
-each recipe at LINEAR_SHAPES (tokens, in, out: bf16 activations, fp32 master weights) beside
-torch.nn.Linear's on bf16 weights. Each time is the median of ``triton.testing.do_bench`` over an
-eager call (L2 flushed); TFLOP/s from 2 M N K a matmul (three a training step). Each scaled_mm row
-also gives the largest difference from torch._scaled_mm's output, relative to its largest value.
+each recipe at LINEAR_SHAPES (tokens, in, out: bf16 activations, fp32 master weights), eager and
+under torch.compile, beside torch.nn.Linear's and tritonkit.linear's on bf16 weights and, where
+torchao is installed, torchao's Float8Linear (rowwise, tensorwise) under torch.compile. Each time
+is the median of ``triton.testing.do_bench`` over an eager call (L2 flushed); TFLOP/s from 2 M N K
+a matmul (three a training step). Each scaled_mm row also gives the largest difference from
+torch._scaled_mm's output, relative to its largest value. ``--skip-matmul`` and ``--skip-linear``
+leave out those rows. ``--tiles`` adds, for each shape, scaled_mm rowwise on each candidate tile of
+TILES.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 
@@ -24,7 +30,27 @@ from tritonkit import nn
 from tritonkit.ops.float8_linear import RECIPES
 
 SHAPES = [(8192, 4096, 16384), (8192, 8192, 8192), (16384, 8192, 28672), (128, 4096, 14336)]
-LINEAR_SHAPES = [(8192, 4096, 14336)]
+# --tiles: scaled_mm's candidate tiles (ops/scaled_mm.py's TILE first), timed at rowwise scales
+
+
+def _tile(m, n, k, warps, stages, persistent=0) -> dict:
+    tile = {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "num_warps": warps, "num_stages": stages}
+    return tile | ({"PERSISTENT": persistent} if persistent else {})
+
+
+TILES = [
+    _tile(128, 128, 128, 8, 3),
+    _tile(128, 128, 128, 8, 4),
+    _tile(128, 256, 128, 8, 3),
+    _tile(128, 256, 128, 8, 4),
+    _tile(256, 128, 128, 8, 3),
+    _tile(128, 256, 128, 8, 3, persistent=1),
+    _tile(128, 128, 128, 8, 4, persistent=1),
+    _tile(128, 256, 64, 8, 5),
+    _tile(64, 128, 128, 4, 5),
+    _tile(64, 256, 128, 4, 4),
+]
+LINEAR_SHAPES = [(8192, 4096, 14336), (8192, 14336, 4096)]  # Llama-3-8B MLP: up (and gate), down
 E4M3 = torch.float8_e4m3fn
 
 
@@ -60,24 +86,85 @@ def _matmul_row(shape, scaling) -> dict:
     return row
 
 
+def _tiles_row(shape) -> dict:
+    """scaled_mm at rowwise scales on each of TILES (``ops/scaled_mm.TILE`` set for the call)."""
+    from tritonkit.ops import scaled_mm as module
+
+    m, k, n = shape
+    a, b, scale_a, scale_b = _operands(m, k, n, "row")
+    shipped = module.TILE
+    row = {"shape": list(shape), "scaling": "row", "kind": "tiles", "ms": {}}
+
+    def theirs():
+        return torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=torch.bfloat16)
+
+    row["ms"]["torch._scaled_mm"] = _bench(theirs)
+    reference = theirs().float()
+    for tile in TILES:
+        name = "x".join(str(tile[key]) for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+        name += f" w{tile['num_warps']} s{tile['num_stages']}"
+        name += " persistent" if tile.get("PERSISTENT") else ""
+        module.TILE = tile
+        try:
+            ours = tritonkit.scaled_mm(a, b, scale_a, scale_b).float()
+            difference = (ours - reference).abs().max() / reference.abs().max()
+            row[f"{name} max_rel_diff_vs_torch"] = difference.item()
+            row["ms"][name] = _bench(lambda: tritonkit.scaled_mm(a, b, scale_a, scale_b))
+        except Exception as error:  # a tile that does not fit (shared memory, registers): say so, go on
+            row[f"{name} error"] = f"{type(error).__name__}: {str(error)[:200]}"
+        finally:
+            module.TILE = shipped
+    row["tflops"] = {name: 2 * m * n * k / ms / 1e9 for name, ms in row["ms"].items()}
+    row["vs_torch._scaled_mm"] = {name: row["ms"]["torch._scaled_mm"] / ms for name, ms in row["ms"].items()}
+    return row
+
+
+def _torchao_linear(master: torch.nn.Linear, recipe: str):
+    """torchao's Float8Linear over a copy of ``master`` (its recipes "rowwise" and "tensorwise"),
+    or None where torchao is not installed."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError:
+        return None
+    layer = torch.nn.Sequential(copy.deepcopy(master))
+    return convert_to_float8_training(layer, config=Float8LinearConfig.from_recipe_name(recipe))
+
+
 def _linear_row(shape) -> dict:
+    """One training step (forward and backward) of each layer at ``shape``: the bf16 layers of
+    torch and tritonkit, Float8Linear of each recipe eager and compiled, torchao's compiled."""
     tokens, d_in, d_out = shape
     x = torch.randn(tokens, d_in, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(tokens, d_out, device="cuda", dtype=torch.bfloat16)
     bf16 = torch.nn.Linear(d_in, d_out, bias=False, device="cuda", dtype=torch.bfloat16)
     master = torch.nn.Linear(d_in, d_out, bias=False, device="cuda")  # fp32 master weights
 
-    def step(layer):
+    def step(layer, weight):
         def call():
             layer(x).backward(dy)
-            x.grad = layer.weight.grad = None
+            x.grad = weight.grad = None
 
         return call
 
-    row = {"shape": list(shape), "kind": "linear fwd+bwd", "ms": {"torch.nn.Linear bf16": _bench(step(bf16))}}
+    layers = {
+        "torch.nn.Linear bf16": (bf16, bf16.weight),
+        "tritonkit.linear bf16": (lambda t: tritonkit.linear(t, bf16.weight), bf16.weight),
+    }
     for recipe in RECIPES:
-        row["ms"][f"Float8Linear {recipe}"] = _bench(step(nn.Float8Linear.from_linear(master, recipe)))
+        ours = nn.Float8Linear.from_linear(master, recipe)
+        layers[f"Float8Linear {recipe}"] = (ours, master.weight)
+        layers[f"Float8Linear {recipe} compiled"] = (torch.compile(ours), master.weight)
+    for recipe in ("rowwise", "tensorwise"):
+        theirs = _torchao_linear(master, recipe)
+        if theirs is not None:
+            layers[f"torchao Float8Linear {recipe} compiled"] = (torch.compile(theirs), theirs[0].weight)
+    row = {"shape": list(shape), "kind": "linear fwd+bwd", "ms": {}}
+    for name, (layer, weight) in layers.items():
+        torch._dynamo.reset()  # each compiled layer its own graphs
+        row["ms"][name] = _bench(step(layer, weight))
     row["tflops"] = {name: 6 * tokens * d_in * d_out / ms / 1e9 for name, ms in row["ms"].items()}
+    bf16_ms = row["ms"]["tritonkit.linear bf16"]
+    row["vs_tritonkit.linear_bf16"] = {name: bf16_ms / ms for name, ms in row["ms"].items()}
     return row
 
 
@@ -86,12 +173,22 @@ def main() -> None:
     shapes = arguments("--shape", lambda s: tuple(int(v) for v in s.split(","))) or SHAPES
     scalings = arguments("--scaling", str) or ["tensor", "row", "block"]
     result = result_header("scaled_mm", "scaled_mm.py", "do_bench median over eager calls, L2 flushed")
-    for shape in shapes:
+    for shape in [] if "--skip-matmul" in sys.argv else shapes:
         for scaling in scalings:
             row = _matmul_row(shape, scaling)
             result["rows"].append(row)
             tflops = "  ".join(f"{name} {value:.0f}" for name, value in row["tflops"].items())
             print(f"{shape} {scaling}: TFLOP/s {tflops}", flush=True)
+            with open(out, "w") as f:
+                json.dump(result, f, indent=1)
+    if "--tiles" in sys.argv:
+        for shape in shapes:
+            row = _tiles_row(shape)
+            result["rows"].append(row)
+            ours = {name: value for name, value in row["tflops"].items() if name != "torch._scaled_mm"}
+            best = max(ours, key=ours.get)
+            theirs = row["tflops"]["torch._scaled_mm"]
+            print(f"{shape} tiles: torch._scaled_mm {theirs:.0f}, best {best} {ours[best]:.0f}", flush=True)
             with open(out, "w") as f:
                 json.dump(result, f, indent=1)
     if "--skip-linear" not in sys.argv:
