@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import tritonkit
+from fp8_peer import scaled_mm_peer
 from tritonkit import nn
 from tritonkit._runtime import interpret
 from tritonkit.ops import float8_linear as fl
@@ -38,14 +39,20 @@ def _run(x, w, b, dy, recipe):
     return (y, *torch.autograd.grad(y, leaves, dy))
 
 
+def _torch_matmul(qa, qb, sa, sb, out_dtype, bias, fast):
+    return scaled_mm_peer(qa, qb, sa, sb, bias, out_dtype, fast)
+
+
 @pytest.mark.parametrize("recipe", fl.RECIPES)
 def test_matches_the_recipe_in_plain_pytorch(recipe):
-    """The oracle, torch's error the recipe's own arithmetic in fp32 rounded to each output's dtype
-    (the fp8 operands are the same bits: only the sums and the roundings may differ)."""
+    """The oracle, torch's error the recipe's products by torch (``fp8_peer``: torch._scaled_mm on
+    the GPU, with the same fast accumulation in the forward; the maths in fp32 under the
+    interpreter), rounded to each output's dtype (the fp8 operands are the same bits: only the sums
+    and the roundings may differ)."""
     x, w, b, dy = _inputs()
     ours = _run(x, w, b, dy, recipe)
     exact = fl.float8_linear_reference(x, w, b, recipe, dy)
-    in_fp32 = fl.float8_linear_reference(x, w, b, recipe, dy, compute_dtype=torch.float32)
+    in_fp32 = fl.float8_linear_reference(x, w, b, recipe, dy, torch.float32, matmul=_torch_matmul)
     for name, got, want, theirs in zip(("y", "dx", "dw", "db"), ours, exact, in_fp32, strict=True):
         assert got.shape == want.shape, name
         comparison = compare(name, got, theirs.to(got.dtype), want, got.dtype)

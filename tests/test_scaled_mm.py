@@ -1,5 +1,6 @@
-"""scaled_mm against the float64 reference with the oracle's rule (torch's error: the same maths in
-fp32, rounded to the output dtype): tensorwise, rowwise and blockwise scales, with and without a bias, every
+"""scaled_mm against the float64 reference with the oracle's rule (torch's error: torch._scaled_mm's
+on the GPU, the same maths in fp32 under the interpreter; ``fp8_peer``), with and without
+use_fast_accum: tensorwise, rowwise and blockwise scales, with and without a bias, every
 output dtype, both fp8 types and a mixed pair, ragged shapes; opcheck and a fullgraph compile; empty
 and zero-depth inputs; bad input refused by name; and, compiled for sm_90, the fp8 wgmma fed by TMA
 without spills."""
@@ -13,6 +14,7 @@ import torch
 
 import sm90
 import tritonkit
+from fp8_peer import scaled_mm_peer
 from tritonkit._runtime import interpret
 from tritonkit.ops import scaled_mm as sm
 from tritonkit.oracle import compare
@@ -41,24 +43,12 @@ def _operands(m, k, n, dtypes=(E4M3, E4M3), scaling="row", seed=0):
     return tuple(t.to(_device()) for t in (a, b, scale_a, scale_b))
 
 
-def _torch_fp32(a, b, scale_a, scale_b, bias, out_dtype):
-    """What an fp32 accumulation gives (torch._scaled_mm's arithmetic): the oracle's torch error.
-    Blockwise, the reference's arithmetic in fp32."""
-    if sm._scaling(a, b, scale_a, scale_b) == "block":
-        k, n = b.shape
-        rows_a = scale_a.repeat_interleave(128, dim=1)[:, :k]
-        blocks_b = scale_b.repeat_interleave(128, dim=0)[:k].repeat_interleave(128, dim=1)[:, :n]
-        out = (a.float() * rows_a) @ (b.float() * blocks_b)
-    else:
-        out = (a.float() @ b.float()) * scale_a.reshape(-1, 1) * scale_b.reshape(1, -1)
-    return (out if bias is None else out + bias.float()).to(out_dtype)
-
-
-def _check(a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16):
-    out = tritonkit.scaled_mm(a, b, scale_a, scale_b, bias, out_dtype)
+def _check(a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16, fast=False):
+    out = tritonkit.scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum=fast)
     assert out.shape == (a.shape[0], b.shape[1]) and out.dtype == out_dtype
     exact = sm.scaled_mm_reference(a, b, scale_a, scale_b, bias, torch.float64)
-    comparison = compare("out", out, _torch_fp32(a, b, scale_a, scale_b, bias, out_dtype), exact, out_dtype)
+    theirs = scaled_mm_peer(a, b, scale_a, scale_b, bias, out_dtype, fast)
+    comparison = compare("out", out, theirs, exact, out_dtype)
     assert comparison.passed, str(comparison)
 
 
@@ -77,14 +67,19 @@ def test_blockwise_scales_over_several_blocks_each_way():
 
 FEATURES = [
     {"scaling": "tensor", "bias": None, "out_dtype": torch.bfloat16, "dtypes": (E4M3, E4M3)},
-    {"scaling": "row", "bias": torch.bfloat16, "out_dtype": torch.bfloat16, "dtypes": (E4M3, E4M3)},
-    {"scaling": "row", "bias": None, "out_dtype": torch.float32, "dtypes": (E5M2, E5M2)},
+    {"scaling": "row", "bias": torch.bfloat16, "out_dtype": torch.bfloat16, "dtypes": (E5M2, E5M2)},
+    {"scaling": "row", "bias": None, "out_dtype": torch.float32, "dtypes": (E5M2, E4M3)},
+    {"scaling": "row", "bias": None, "out_dtype": torch.float32, "dtypes": (E4M3, E4M3), "fast": True},
     {"scaling": "tensor", "bias": torch.float32, "out_dtype": torch.float16, "dtypes": (E4M3, E5M2)},
     {"scaling": "block", "bias": torch.bfloat16, "out_dtype": torch.bfloat16, "dtypes": (E4M3, E4M3)},
 ]
 
 
-@pytest.mark.parametrize("features", FEATURES, ids=lambda f: f"{f['scaling']}-{f['out_dtype']}")
+@pytest.mark.parametrize(
+    "features",
+    FEATURES,
+    ids=lambda f: f"{f['scaling']}-{f['out_dtype']}" + ("-fast" if f.get("fast") else ""),
+)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_matches_the_reference(shape, features):
     a, b, scale_a, scale_b = _operands(*shape, features["dtypes"], features["scaling"], seed=sum(shape))
@@ -92,7 +87,7 @@ def test_matches_the_reference(shape, features):
     if features["bias"] is not None:
         g = torch.Generator().manual_seed(7)
         bias = torch.randn(shape[2], generator=g).to(features["bias"]).to(a.device)
-    _check(a, b, scale_a, scale_b, bias, features["out_dtype"])
+    _check(a, b, scale_a, scale_b, bias, features["out_dtype"], features.get("fast", False))
 
 
 def test_empty_and_zero_depth():
@@ -141,6 +136,9 @@ def test_bad_input_is_refused_by_name():
         tritonkit.scaled_mm(a, b, scale_a, scale_b, torch.zeros(5, device=a.device))
     with pytest.raises(RuntimeError, match="no gradient"):
         tritonkit.scaled_mm(a, b, scale_a.requires_grad_(), scale_b)
+    a, b, scale_a, scale_b = _operands(8, 32, 4, scaling="block")
+    with pytest.raises(ValueError, match="use_fast_accum is for tensorwise and rowwise"):
+        tritonkit.scaled_mm(a, b, scale_a, scale_b, use_fast_accum=True)
 
 
 _HOPPER_CHECK = r"""
@@ -148,17 +146,20 @@ import json, torch
 from tritonkit.asm import compile_launch
 from tritonkit.ops import scaled_mm as sm
 from tritonkit.ops.linear import kernels as kn, matmul as mm
-for scaling in ("tensor", "row", "block"):
+for scaling, fast in (("tensor", False), ("row", False), ("block", False), ("row", True)):
     a = torch.empty(8192, 4096, dtype=torch.float8_e4m3fn)
     b = torch.empty(16384, 4096, dtype=torch.float8_e4m3fn)
     scales = {"tensor": (1, 1), "row": (8192, 16384), "block": (8192 * 32, 32 * 128)}[scaling]
     problem = mm.matmul_problem(a, b, torch.empty(8192, 16384, dtype=torch.bfloat16),
                                 scale_a=torch.empty(scales[0]), scale_b=torch.empty(scales[1]),
-                                scaling=kn.SCALINGS[scaling])
-    r = compile_launch(mm.matmul_launches(problem, sm._config())[0], "sm_90")
-    ptx = r.asm["ptx"]
-    print(json.dumps({"scaling": scaling, "fp8_wgmma": "e4m3.e4m3" in ptx and "wgmma" in ptx,
+                                scaling=kn.SCALINGS[scaling], fast_accum=fast)
+    r = compile_launch(mm.matmul_launches(problem, sm._config(fast))[0], "sm_90")
+    ptx, sass = r.asm["ptx"], r.asm["sass"]
+    print(json.dumps({"scaling": scaling, "fast": fast,
+                      "fp8_wgmma": "e4m3.e4m3" in ptx and "wgmma" in ptx,
                       "gmma": {op: n for op, n in r.opcodes.items() if "GMMA" in op},
+                      "fadd": r.opcodes.get("FADD", 0), "ffma": r.opcodes.get("FFMA", 0),
+                      "waits": sorted(set(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", sass))),
                       "tma": r.opcodes["UTMALDG"], "spills": r.spills,
                       "shared": r.shared_bytes}))
 """
@@ -167,31 +168,45 @@ for scaling in ("tensor", "row", "block"):
 def test_the_kernel_compiles_for_hopper_to_fp8_wgmma_fed_by_tma():
     """sm_90 at (8192, 4096) x (4096, 16384), every scaling: the tensor cores' fp8 instruction
     (wgmma ... e4m3.e4m3, QGMMA in SASS, and no 16-bit one), A and B by TMA, no spills, within the
-    H200's shared memory."""
+    H200's shared memory. The accumulation as designed: by default a step's product is waited for
+    (no wgmma left in flight) and added to the fp32 accumulator (an FADD an accumulator register,
+    64 a thread at 128 x 128 on 256 threads; blockwise an FFMA, times its scales); with
+    use_fast_accum the steps chain in the tensor cores' accumulator with the next step's wgmma in
+    flight (a wait for all but one), no FADD."""
     rows = [json.loads(line) for line in sm90.run(_HOPPER_CHECK)]
-    assert len(rows) == 3
+    assert len(rows) == 4
     for row in rows:
         # QGMMA: the SASS of an fp8 wgmma (HGMMA is the 16-bit one's)
         assert row["fp8_wgmma"] and set(row["gmma"]) == {"QGMMA"}, row
         assert row["tma"] > 0 and not row["spills"], row
         assert row["shared"] <= 227 * 1024, row
+        if row["fast"]:
+            assert row["fadd"] == 0 and "0x1" in row["waits"], row
+        else:
+            assert row["waits"] == ["0x0"] and row["fadd" if row["scaling"] != "block" else "ffma"] >= 64, row
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fast", [False, True], ids=["promoted", "fast"])
 @pytest.mark.parametrize("scaling", ["tensor", "row"])
-@pytest.mark.parametrize("shape", [(8192, 4096, 16384), (128, 4096, 14336), (4097, 4096, 1000)], ids=str)
-def test_gpu_large_shapes_against_torch_scaled_mm(shape, scaling):
+@pytest.mark.parametrize("shape", [(8192, 4096, 16384), (128, 4096, 14336), (4097, 4096, 1040)], ids=str)
+def test_gpu_large_shapes_against_torch_scaled_mm(shape, scaling, fast):
     """On the GPU's tile and TMA at the issue's shapes (and a ragged one): the oracle with torch's
-    error taken from torch._scaled_mm itself, bias and bf16 output. (Blockwise scales are held to
-    the reference alone: ``test_gpu_blockwise_large_shapes``.)"""
+    error taken from torch._scaled_mm itself at the same use_fast_accum, bias and bf16 output."""
     a, b, scale_a, scale_b = _operands(*shape, scaling=scaling, seed=3)
     bias = torch.randn(shape[2], device="cuda").to(torch.bfloat16)
-    out = tritonkit.scaled_mm(a, b, scale_a, scale_b, bias)
-    theirs = torch._scaled_mm(a, b, scale_a, scale_b, bias=bias, out_dtype=torch.bfloat16)
-    exact = sm.scaled_mm_reference(a, b, scale_a, scale_b, bias, torch.float64)
-    comparison = compare("out", out, theirs, exact, torch.bfloat16)
-    assert comparison.passed, str(comparison)
+    _check(a, b, scale_a, scale_b, bias, fast=fast)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fast", [False, True], ids=["promoted", "fast"])
+def test_gpu_fp32_output_has_torchs_error(fast):
+    """At an fp32 output nothing hides the fp8 sums' error: ours within the oracle's bound of
+    torch._scaled_mm's at a long K (the fast sums' error is 20x the promoted ones' on the H200)."""
+    a, b, scale_a, scale_b = _operands(1024, 16384, 1024, scaling="row", seed=6)
+    _check(a, b, scale_a, scale_b, out_dtype=torch.float32, fast=fast)
 
 
 @pytest.mark.gpu

@@ -13,7 +13,10 @@ along the product's K (so that a scale factors out of each partial sum):
   Forward: x's runs along its rows, W's blocks; dX: dY's runs along its rows, W's blocks (the same
   groups, transposed: ``quantize_fp8(w, "block2d", transpose=True)`` makes both); dW: dY^T's runs
   along its rows (dY's columns), and x's blocks.
-The matmuls sum in fp32 and round once to the output's dtype (y and dX in x's, dW in W's).
+The matmuls sum in fp32 and round once to the output's dtype (y and dX in x's, dW in W's). On
+Hopper the forward's product (rowwise, tensorwise) chains its steps in the tensor cores' fp8 sum
+(``scaled_mm``'s use_fast_accum) and the gradients' promote every 128 of K to fp32, as torchao's
+Float8Linear does by default (``FAST_FORWARD``).
 
 Work. Three matmuls of 2 M N K FLOPs at Hopper's fp8 rate (twice bf16's), plus six quantizing
 passes (x and W twice each, dY twice), each reading its operand once and writing it in one byte.
@@ -27,27 +30,33 @@ from tritonkit.ops.quantize import quantize_fp8, quantize_fp8_reference
 from tritonkit.ops.scaled_mm import scaled_mm, scaled_mm_reference
 
 RECIPES = ("rowwise", "tensorwise", "blockwise")
+# The forward's product sums its steps in the tensor cores' accumulator (scaled_mm's use_fast_accum),
+# the gradients' products promote each step, as torchao's Float8Linear does by default: y feeds the
+# next layer once, the gradients' sums run over many more terms (dW's over every token)
+FAST_FORWARD = True
 FP8 = torch.float8_e4m3fn
 
 
-def _rowwise(a: torch.Tensor, b_t: torch.Tensor, quantize, matmul, out_dtype, bias=None):
-    """a (M, K) @ b (K, N) (+ bias), given b^T (N, K): a's rows and b's columns scaled."""
+def _rowwise(a: torch.Tensor, b_t: torch.Tensor, quantize, matmul, out_dtype, bias=None, fast=False):
+    """a (M, K) @ b (K, N) (+ bias), given b^T (N, K): a's rows and b's columns scaled; ``fast``:
+    scaled_mm's use_fast_accum."""
     qa, sa = quantize(a, "row")
     qb, sb = quantize(b_t, "row")
-    return matmul(qa, qb.t(), sa, sb.t(), out_dtype, bias)
+    return matmul(qa, qb.t(), sa, sb.t(), out_dtype, bias, fast)
 
 
-def _tensorwise(a, b_t, quantize, matmul, out_dtype, bias=None):
+def _tensorwise(a, b_t, quantize, matmul, out_dtype, bias=None, fast=False):
     qa, sa = quantize(a, "tensor")
     qb, sb = quantize(b_t, "tensor")
-    return matmul(qa, qb.t(), sa, sb, out_dtype, bias)
+    return matmul(qa, qb.t(), sa, sb, out_dtype, bias, fast)
 
 
-def _blockwise(a, b_t, quantize, matmul, out_dtype, bias=None):
-    """a in 1 x 128 runs along K, b in 128 x 128 blocks (quantized as b^T: the same blocks)."""
+def _blockwise(a, b_t, quantize, matmul, out_dtype, bias=None, fast=False):
+    """a in 1 x 128 runs along K, b in 128 x 128 blocks (quantized as b^T: the same blocks). Its
+    products promote every block by the recipe (``fast`` is never given)."""
     qa, sa = quantize(a, "block")
     qb, sb = quantize(b_t, "block2d")
-    return matmul(qa, qb.t(), sa, sb.t(), out_dtype, bias)
+    return matmul(qa, qb.t(), sa, sb.t(), out_dtype, bias, False)
 
 
 PRODUCTS = {"rowwise": _rowwise, "tensorwise": _tensorwise, "blockwise": _blockwise}
@@ -57,14 +66,14 @@ def _quantize(x: torch.Tensor, granularity: str):
     return quantize_fp8(x.detach(), granularity, dtype=FP8)
 
 
-def _matmul(qa, qb, sa, sb, out_dtype, bias):
-    return scaled_mm(qa, qb, sa, sb, bias, out_dtype=out_dtype)
+def _matmul(qa, qb, sa, sb, out_dtype, bias, fast):
+    return scaled_mm(qa, qb, sa, sb, bias, out_dtype=out_dtype, use_fast_accum=fast)
 
 
 def _output(x2, w, bias, recipe: str, quantize, matmul) -> torch.Tensor:
     """y = x W^T + b of one recipe, on the given quantize and matmul (the kernels', or the
-    references')."""
-    return PRODUCTS[recipe](x2, w, quantize, matmul, x2.dtype, bias)
+    references'); its steps chained in the tensor cores' sum where the recipe allows it."""
+    return PRODUCTS[recipe](x2, w, quantize, matmul, x2.dtype, bias, fast=FAST_FORWARD)
 
 
 def _gradients(x2, w, dy2, recipe: str, quantize, matmul, needs=(True, True)) -> tuple:
@@ -110,17 +119,20 @@ def float8_linear(
 
 
 def float8_linear_reference(
-    x, weight, bias=None, recipe="rowwise", dy=None, compute_dtype=torch.float64
+    x, weight, bias=None, recipe="rowwise", dy=None, compute_dtype=torch.float64, matmul=None
 ) -> tuple:
     """(y, dX, dW, db) of the same recipe in plain PyTorch: ``quantize_fp8_reference``'s fp8 values
     and scales, ``scaled_mm_reference``'s products in ``compute_dtype`` (float64: exact but for
-    the scales' roundings; float32: torch's arithmetic); dy None: the forward alone."""
+    the scales' roundings; float32: torch's arithmetic), or ``matmul(qa, qb, sa, sb, out_dtype,
+    bias, fast)``'s where given (a peer's); dy None: the forward alone."""
 
     def quantize(t, granularity):
         return quantize_fp8_reference(t.detach(), granularity, dtype=FP8)
 
-    def matmul(qa, qb, sa, sb, out_dtype, bias):
+    def exact(qa, qb, sa, sb, out_dtype, bias, fast):
         return scaled_mm_reference(qa, qb, sa, sb, bias, compute_dtype, compute_dtype)
+
+    matmul = matmul or exact
 
     x2 = x.reshape(-1, x.shape[-1])
     dy2 = None if dy is None else dy.reshape(-1, dy.shape[-1])

@@ -240,13 +240,16 @@ def _amax_kernel(
     BLOCK_N: tl.constexpr,  # columns a tile takes
 ):
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    amax = tl.zeros([BLOCK_N], dtype=tl.float32)
+    # each thread keeps the largest |x| of its own elements over the steps, so that the loop only
+    # loads and compares; the one reduction across threads comes after it
+    amaxes = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for step in range(STEPS):
         rows = (tl.program_id(0).to(tl.int64) * STEPS + step) * BLOCK_M + tl.arange(0, BLOCK_M)
         mask = (rows[:, None] < M) & (cols[None, :] < N)
         x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn, mask=mask, other=0.0)
-        tile = _abs_max(x.to(tl.float32), 0)
-        amax = tl.where((tile > amax) | (tile != tile), tile, amax)  # NaN, once in, stays
+        x = tl.abs(x.to(tl.float32))
+        amaxes = tl.where((x > amaxes) | (x != x), x, amaxes)  # NaN, once in, stays
+    amax = _abs_max(amaxes, 0)
     # non-negative floats order as their bits do, and the NaN made above (0x7FC00000) tops inf
     if COLUMNS:
         tl.atomic_max(amax_bits_ptr + cols, amax.to(tl.int32, bitcast=True), mask=cols < N)

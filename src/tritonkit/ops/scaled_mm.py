@@ -20,8 +20,15 @@ Kernel. The linear family's matmul (``ops/linear/kernels.py``: TMA loads, the gr
 its epilogues), with the scales applied to the fp32 accumulator in the epilogue (``SCALING``), or,
 blockwise, to each step's product before it is added (a step lies in one block of K: the tensor
 cores' sum restarts every step, as DeepSeek-V3's kernels promote it every 128 of K). A
-fixed tile for now (``TILE``: 128 x 128 outputs, 128 deep, a 128-byte row of fp8 a step) instead
-of the tuner's: fp8 keys are not in its table yet.
+fixed tile for now (``TILE``, ``FAST_TILE``: 128 x 128 or 128 x 256 outputs, 128 deep, a 128-byte
+row of fp8 a step) instead of the tuner's: fp8 keys are not in its table yet.
+
+Accumulation. Hopper's fp8 tensor cores sum their products keeping about 14 bits. By default each
+128-deep step's product is added to the fp32 accumulator on its own (promoted), as
+``torch._scaled_mm`` does by default: on the H200 the two have the same error, and the step's wait
+for its product costs a fifth of the speed. ``use_fast_accum=True`` (torch's argument) chains the
+steps in the tensor cores' accumulator instead: torch's fast-accumulation error, and speed
+(measured in docs/perf-notes.md). Blockwise scales promote every step by their recipe.
 
 Work. 2 M N K FLOPs; bytes M K + K N (one byte each) + M N x the output's size, + the scales.
 Hopper's fp8 rate is twice its bf16 rate: compute-bound from a few hundred rows on.
@@ -43,15 +50,21 @@ from tritonkit.ops.quantize import FP8_DTYPES
 
 OUT_DTYPES = FLOATS
 BLOCK = SCALE_BLOCK.value  # the blockwise scales' run of a's rows and block of b: 128
-# The GPU's tile: fp8 steps twice as deep as 16-bit ones for the same bytes a stage (128 x 128 x 128
-# on three stages: 96 KB of shared memory)
-TILE = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+# The GPU's tiles: fp8 steps twice as deep as 16-bit ones for the same bytes a stage. A promoted
+# step holds its product beside the accumulator (twice the registers): 128 x 128 outputs on four
+# stages (128 KB of shared memory; at 128 x 256 the two spill). Steps chained in the tensor cores'
+# sum (use_fast_accum) keep one accumulator: 128 x 256 on three (144 KB). Each the best of ten tiles
+# timed at the issue's shapes (docs/perf-notes.md).
+TILE = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
+FAST_TILE = TILE | {"BLOCK_N": 256, "num_stages": 3}
 
 
-def _config() -> dict:
+def _config(fast_accum: bool) -> dict:
     """The launch's tile: the interpreter's small one (several programs and steps in a test), else
-    TILE through TMA where the operands allow it."""
-    return dict(INTERPRETER_CONFIG) if interpret() else TILE | {"TMA": True}
+    TILE (FAST_TILE with use_fast_accum) through TMA where the operands allow it."""
+    if interpret():
+        return dict(INTERPRETER_CONFIG)
+    return (FAST_TILE if fast_accum else TILE) | {"TMA": True}
 
 
 @op("scaled_mm", mutates=("out",))
@@ -64,14 +77,16 @@ def _scaled_mm(
     scale_b: torch.Tensor,
     bias: torch.Tensor | None,
     scaling: int,
+    fast_accum: bool,
     out: torch.Tensor,
 ) -> None:
     """out = (a @ b) * scales + bias, a and b given as their uint8 bits (torch's CPU ops, which
     opcheck runs on the arguments, take no fp8) and fp8 dtypes; b (K, N) column-major, read as
     B = b^T (N, K)."""
     a, b = a_bits.view(a_dtype), b_bits.view(b_dtype)
-    problem = matmul_problem(a, b.t(), out, bias=bias, scale_a=scale_a, scale_b=scale_b, scaling=scaling)
-    for launch in matmul_launches(problem, _config()):
+    scales = {"scale_a": scale_a, "scale_b": scale_b, "scaling": scaling, "fast_accum": fast_accum}
+    problem = matmul_problem(a, b.t(), out, bias=bias, **scales)
+    for launch in matmul_launches(problem, _config(fast_accum)):
         launch.run()
 
 
@@ -124,13 +139,20 @@ def scaled_mm(
     scale_b: torch.Tensor,
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
+    use_fast_accum: bool = False,
 ) -> torch.Tensor:
     """``(a @ b) * scale_a * scale_b + bias`` in ``out_dtype`` from fp8 ``a`` (M, K), row-major, and
     ``b`` (K, N), column-major, with tensorwise, rowwise or blockwise fp32 scales (the module
-    docstring), as ``torch._scaled_mm(a, b, scale_a, scale_b, bias, out_dtype=out_dtype)`` for the
-    first two. No gradient."""
+    docstring), as ``torch._scaled_mm(a, b, scale_a, scale_b, bias, out_dtype=out_dtype,
+    use_fast_accum=use_fast_accum)`` for the first two. ``use_fast_accum``: sum every step in the
+    tensor cores' accumulator (faster, less exact; the module docstring). No gradient."""
     _validate(a, b, bias, out_dtype)
     scaling = _scaling(a, b, scale_a, scale_b)
+    if use_fast_accum and scaling == "block":
+        raise ValueError(
+            "use_fast_accum is for tensorwise and rowwise scales: blockwise scales apply to each 128 of "
+            "K, whose products are summed apart by the recipe"
+        )
     if any(t is not None and t.requires_grad for t in (scale_a, scale_b, bias)):
         raise RuntimeError("scaled_mm has no gradient: its operands are fp8")
     (m, k), n = a.shape, b.shape[1]
@@ -141,7 +163,7 @@ def scaled_mm(
         return out.copy_(torch.zeros(n, device=a.device) if bias is None else bias.expand(m, n))
     flat = (scale_a.reshape(-1).contiguous(), scale_b.reshape(-1).contiguous())
     bits = (a.view(torch.uint8), b.view(torch.uint8), a.dtype, b.dtype)
-    _scaled_mm(*bits, *flat, bias, SCALINGS[scaling], out)
+    _scaled_mm(*bits, *flat, bias, SCALINGS[scaling], use_fast_accum, out)
     return out
 
 

@@ -402,6 +402,7 @@ def _linear_kernel(
     STORE_PRE: tl.constexpr,  # also store A B^T + bias, the pre-activation
     GATED: tl.constexpr,  # NOT_GATED, or a gated_linear product (GATED_FWD, GATED_DX; see above)
     SCALING: tl.constexpr,  # UNSCALED, or scaled_mm's scales (SCALE_TENSOR, SCALE_ROWS; see above)
+    FAST_ACCUM: tl.constexpr,  # fp8: the steps summed in the tensor cores' accumulator (see _linear_tile)
     EXACT_DOT_IN_FP32: tl.constexpr,  # multiply the 16-bit tiles as fp32 (the interpreter's path)
     TMA: tl.constexpr,  # load A and B through tensor descriptors (unit stride one way, 16-byte aligned)
     A_K_MAJOR: tl.constexpr,  # TMA: A's unit stride is along K (else along M)
@@ -472,6 +473,7 @@ def _linear_kernel(
                 STORE_PRE=STORE_PRE,
                 GATED=GATED,
                 SCALING=SCALING,
+                FAST_ACCUM=FAST_ACCUM,
                 EXACT_DOT_IN_FP32=EXACT_DOT_IN_FP32,
                 TMA=TMA,
                 A_K_MAJOR=A_K_MAJOR,
@@ -522,6 +524,7 @@ def _linear_kernel(
             STORE_PRE=STORE_PRE,
             GATED=GATED,
             SCALING=SCALING,
+            FAST_ACCUM=FAST_ACCUM,
             EXACT_DOT_IN_FP32=EXACT_DOT_IN_FP32,
             TMA=TMA,
             A_K_MAJOR=A_K_MAJOR,
@@ -568,6 +571,7 @@ def _linear_tile(
     STORE_PRE: tl.constexpr,
     GATED: tl.constexpr,
     SCALING: tl.constexpr,
+    FAST_ACCUM: tl.constexpr,
     EXACT_DOT_IN_FP32: tl.constexpr,
     TMA: tl.constexpr,
     A_K_MAJOR: tl.constexpr,
@@ -608,7 +612,13 @@ def _linear_tile(
             )
             part = dot_fp32(a, b, EXACT_DOT_IN_FP32=EXACT_DOT_IN_FP32)
             acc += part * (scale_a * scale_b)[:, None]
+        elif FAST_ACCUM and not EXACT_DOT_IN_FP32:  # fp8: every step chained in the tensor cores' sum
+            acc = tl.dot(a, b, acc)
         else:
+            # 16-bit: Triton chains the product into acc. fp8 on sm_90: Triton keeps each step's
+            # product apart (its default max_num_imprecise_acc) and adds it to acc in fp32 after the
+            # step: the tensor cores' fp8 sums keep about 14 bits, so K is summed exactly but within
+            # a step (torch._scaled_mm's default promotes every 128 of K alike: the same error)
             acc += dot_fp32(a, b, EXACT_DOT_IN_FP32=EXACT_DOT_IN_FP32)
         if GATED != NOT_GATED:
             if TMA:

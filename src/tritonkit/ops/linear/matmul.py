@@ -53,9 +53,11 @@ def matmul_problem(
     scale_a=None,
     scale_b=None,
     scaling=0,
+    fast_accum=False,
 ) -> tuning.Problem:
     """The kernel's operands by name (see the module docstring); ``gated`` is NOT_GATED, GATED_FWD or
-    GATED_DX; ``scaling`` a SCALINGS code with its fp32 ``scale_a`` and ``scale_b`` (scaled_mm's).
+    GATED_DX; ``scaling`` a SCALINGS code with its fp32 ``scale_a`` and ``scale_b`` (scaled_mm's),
+    ``fast_accum`` its fp8 steps summed in the tensor cores' accumulator (the kernel's FAST_ACCUM).
     Codes are kept as ints (a problem holds tensors and plain scalars)."""
     problem = {
         "a": a,
@@ -71,7 +73,12 @@ def matmul_problem(
         "gated": _code(gated),
     }
     if scaling:  # only scaled_mm's problems name them: the tuner's keys and calibration know none
-        problem |= {"scale_a": scale_a, "scale_b": scale_b, "scaling": _code(scaling)}
+        problem |= {
+            "scale_a": scale_a,
+            "scale_b": scale_b,
+            "scaling": _code(scaling),
+            "fast_accum": fast_accum,
+        }
     return problem
 
 
@@ -139,6 +146,7 @@ def matmul_launches(problem: tuning.Problem, config: dict) -> list[Launch]:
         "STORE_PRE": pre is not None,
         "GATED": gated,
         "SCALING": scaling,
+        "FAST_ACCUM": problem.get("fast_accum", False),
         "EXACT_DOT_IN_FP32": interpret(),
         "TMA": tma,
         "A_K_MAJOR": tma and a.stride(1) == 1,
