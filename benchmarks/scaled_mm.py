@@ -5,8 +5,9 @@ matmul, and nn.Float8Linear's training step against torch.nn.Linear in bf16, in 
         [--skip-matmul] [--skip-linear]
 
 Rows: each shape (default SHAPES, (M, K, N), e4m3 operands, bf16 out) and scaling ("tensor", "row",
-"block"; torch._scaled_mm takes the first two here), then Float8Linear's forward + backward for
-each recipe at LINEAR_SHAPES (tokens, in, out: bf16 activations, fp32 master weights), eager and
+"block"; torch._scaled_mm takes the first two here, each call by default and with use_fast_accum),
+then Float8Linear's forward + backward for each recipe at LINEAR_SHAPES (tokens, in, out: bf16
+activations, fp32 master weights), eager and
 under torch.compile, beside torch.nn.Linear's and tritonkit.linear's on bf16 weights and, where
 torchao is installed, torchao's Float8Linear (rowwise, tensorwise) under torch.compile. Each time
 is the median of ``triton.testing.do_bench`` over an eager call (L2 flushed); TFLOP/s from 2 M N K
@@ -19,6 +20,7 @@ TILES.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import sys
 
@@ -28,8 +30,15 @@ from attention_bwd_sm90 import _bench, arguments, result_header
 import tritonkit
 from tritonkit import nn
 from tritonkit.ops.float8_linear import RECIPES
+from tritonkit.ops.scaled_mm import scaled_mm_reference
 
-SHAPES = [(8192, 4096, 16384), (8192, 8192, 8192), (16384, 8192, 28672), (128, 4096, 14336)]
+SHAPES = [
+    (8192, 4096, 16384),
+    (8192, 8192, 8192),
+    (16384, 8192, 28672),
+    (128, 4096, 14336),
+    (1024, 16384, 1024),
+]
 # --tiles: scaled_mm's candidate tiles (ops/scaled_mm.py's TILE first), timed at rowwise scales
 
 
@@ -66,23 +75,45 @@ def _operands(m, k, n, scaling):
 
 
 def _matmul_row(shape, scaling) -> dict:
+    """scaled_mm, torch._scaled_mm (tensorwise and rowwise) each promoting every 128 of K (their
+    default) and with use_fast_accum, and the bf16 matmul of the same values. fp32 outputs' largest
+    error against float64, relative to the largest output, for each fp8 call (M N <= 2^24)."""
     m, k, n = shape
     a, b, scale_a, scale_b = _operands(m, k, n, scaling)
-    calls = {"tritonkit": lambda: tritonkit.scaled_mm(a, b, scale_a, scale_b)}
+
+    def ours(fast=False, out_dtype=torch.bfloat16):
+        return tritonkit.scaled_mm(a, b, scale_a, scale_b, out_dtype=out_dtype, use_fast_accum=fast)
+
+    def theirs(fast=False, out_dtype=torch.bfloat16):
+        return torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=out_dtype, use_fast_accum=fast)
+
+    calls = {"tritonkit": ours}
     if scaling != "block":
-        calls["torch._scaled_mm"] = lambda: torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=torch.bfloat16)
+        calls |= {
+            "tritonkit fast_accum": functools.partial(ours, True),
+            "torch._scaled_mm": theirs,
+            "torch._scaled_mm fast_accum": functools.partial(theirs, True),
+        }
     a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
-    calls["bf16 matmul"] = lambda: a16 @ b16
     row = {
         "shape": list(shape),
         "scaling": scaling,
         "ms": {name: _bench(call) for name, call in calls.items()},
     }
+    row["ms"]["bf16 matmul"] = _bench(lambda: a16 @ b16)
     row["tflops"] = {name: 2 * m * n * k / ms / 1e9 for name, ms in row["ms"].items()}
-    if "torch._scaled_mm" in calls:
-        ours, theirs = calls["tritonkit"]().float(), calls["torch._scaled_mm"]().float()
-        row["max_rel_diff_vs_torch"] = ((ours - theirs).abs().max() / theirs.abs().max()).item()
-        row["vs_torch._scaled_mm"] = row["ms"]["torch._scaled_mm"] / row["ms"]["tritonkit"]
+    if scaling != "block":
+        for mode in ("", " fast_accum"):
+            row[f"vs_torch._scaled_mm{mode}"] = (
+                row["ms"][f"torch._scaled_mm{mode}"] / row["ms"][f"tritonkit{mode}"]
+            )
+    if m * n <= 2**24:
+        exact = scaled_mm_reference(a, b, scale_a, scale_b, None, torch.float64, torch.float64)
+        largest = exact.abs().max()
+        row["fp32_out_max_rel_err"] = {
+            name: ((call(out_dtype=torch.float32).double() - exact).abs().max() / largest).item()
+            for name, call in calls.items()
+        }
     return row
 
 
