@@ -42,9 +42,11 @@ SHAPES = [
 # --tiles: scaled_mm's candidate tiles (ops/scaled_mm.py's TILE first), timed at rowwise scales
 
 
-def _tile(m, n, k, warps, stages, persistent=0) -> dict:
+def _tile(m, n, k, warps, stages, persistent=0, split=1) -> dict:
     tile = {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "num_warps": warps, "num_stages": stages}
-    return tile | ({"PERSISTENT": persistent} if persistent else {})
+    return (
+        tile | ({"PERSISTENT": persistent} if persistent else {}) | ({"SPLIT_K": split} if split > 1 else {})
+    )
 
 
 TILES = [
@@ -58,6 +60,12 @@ TILES = [
     _tile(128, 256, 64, 8, 5),
     _tile(64, 128, 128, 4, 5),
     _tile(64, 256, 128, 4, 4),
+    _tile(128, 128, 128, 8, 4, split=2),
+    _tile(128, 128, 128, 8, 4, split=4),
+    _tile(64, 128, 128, 4, 5, split=2),
+    _tile(64, 128, 128, 4, 5, split=4),
+    _tile(64, 64, 128, 4, 6),
+    _tile(64, 64, 128, 4, 6, split=2),
 ]
 LINEAR_SHAPES = [(8192, 4096, 14336), (8192, 14336, 4096)]  # Llama-3-8B MLP: up (and gate), down
 E4M3 = torch.float8_e4m3fn
@@ -135,6 +143,7 @@ def _tiles_row(shape) -> dict:
         name = "x".join(str(tile[key]) for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
         name += f" w{tile['num_warps']} s{tile['num_stages']}"
         name += " persistent" if tile.get("PERSISTENT") else ""
+        name += f" split {tile['SPLIT_K']}" if tile.get("SPLIT_K") else ""
         module.TILE = tile
         try:
             ours = tritonkit.scaled_mm(a, b, scale_a, scale_b).float()

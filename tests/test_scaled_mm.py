@@ -90,6 +90,27 @@ def test_matches_the_reference(shape, features):
     _check(a, b, scale_a, scale_b, bias, features["out_dtype"], features.get("fast", False))
 
 
+@pytest.mark.parametrize("scaling", ["tensor", "row", "block"])
+def test_split_k_takes_the_scales_in_each_share(scaling):
+    """SPLIT_K launches (K in three shares, each summed apart into fp32 partials and added in a
+    fixed order): each share's product takes the scales, as the whole would, so the sum is the
+    reference's (blockwise: each share starts on a block of K)."""
+    from tritonkit.ops.linear import kernels as kn
+    from tritonkit.ops.linear import matmul as mm
+
+    a, b, scale_a, scale_b = _operands(37, 700, 45, scaling=scaling, seed=11)
+    config = (kn.INTERPRETER_CONFIG if interpret() else sm.TILE | {"TMA": True}) | {"SPLIT_K": 3}
+    out = torch.full((37, 45), float("nan"), device=a.device)
+    scales = {"scale_a": scale_a.reshape(-1).contiguous(), "scale_b": scale_b.reshape(-1).contiguous()}
+    problem = mm.matmul_problem(a, b.t(), out, scaling=kn.SCALINGS[scaling], **scales)
+    for launch in mm.matmul_launches(problem, config):
+        launch.run()
+    exact = sm.scaled_mm_reference(a, b, scale_a, scale_b, None, torch.float64)
+    theirs = scaled_mm_peer(a, b, scale_a, scale_b, None, torch.float32)
+    comparison = compare("out", out, theirs, exact, torch.float32)
+    assert comparison.passed, str(comparison)
+
+
 def test_empty_and_zero_depth():
     """No rows or no columns: an empty output; K = 0: a sum over nothing, the bias alone."""
     a, b, scale_a, scale_b = _operands(0, 32, 5, scaling="tensor")

@@ -92,7 +92,7 @@ def matmul_launches(problem: tuning.Problem, config: dict) -> list[Launch]:
 
     A config's ``TMA`` loads A and B through tensor descriptors where they allow it (else pointers,
     as without); its ``PERSISTENT`` launches that many programs an SM, each walking tiles, instead of
-    one program a tile; its ``SPLIT_K`` (plain matmuls only) launches that many programs a tile, each
+    one program a tile; its ``SPLIT_K`` (plain and scaled matmuls) launches that many programs a tile, each
     over a share of K, into fp32 partial products that the launch's host step sums into out;
     its ``TMA_STORE`` (plain matmuls only: an epilogue's stores need shared memory of their own beside
     C's staged tile, which the tile's stages may leave none of) stores C through a tensor descriptor
@@ -108,10 +108,12 @@ def matmul_launches(problem: tuning.Problem, config: dict) -> list[Launch]:
     options = dict(config)
     per_sm, split_k = options.pop("PERSISTENT", 0), options.pop("SPLIT_K", 1)
     tma_store = options.pop("TMA_STORE", False)
-    epilogue = any(t is not None for t in (bias, residual, pre)) or activation or gated or scaling
-    if (split_k > 1 or tma_store) and epilogue:
+    epilogue = any(t is not None for t in (bias, residual, pre)) or activation or gated
+    # a split's partial product takes the scales as the whole would (they factor out of the sum)
+    if (split_k > 1 and epilogue) or (tma_store and (epilogue or scaling)):
         raise ValueError(
-            "SPLIT_K and TMA_STORE are for plain matmuls: no bias, activation, residual, scales or gated form"
+            "SPLIT_K and TMA_STORE are for plain matmuls (SPLIT_K for scaled ones too): no bias, "
+            "activation, residual or gated form"
         )
     if split_k > 1 and tma_store:
         raise ValueError("TMA_STORE stores C itself, SPLIT_K fp32 partial products: not both")
