@@ -132,9 +132,10 @@ def test_non_finite_values():
 @pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 def test_the_transposed_copy_is_the_transpose(dtype):
     """transpose=True: x_fp8's transpose, contiguous, bit for bit, from the same pass; the scales of
-    the tensor as they are, the 2-D blocks' transposed."""
+    the tensor as they are, the columns' and 2-D blocks' transposed (the columns': x^T's rowwise
+    scales, which quantizing x^T by rows gives too, bit for bit)."""
     x = _input((37, 50), seed=14)
-    for granularity, block_size in (("tensor", 128), ("block2d", 16)):
+    for granularity, block_size in (("tensor", 128), ("column", 128), ("block2d", 16)):
         q, scale = _check(x, granularity, dtype=dtype, block_size=block_size)
         _, _, qt, scale_t = tritonkit.quantize_fp8(
             x, granularity, dtype=dtype, block_size=block_size, transpose=True
@@ -142,6 +143,10 @@ def test_the_transposed_copy_is_the_transpose(dtype):
         assert qt.is_contiguous() and qt.dtype == dtype
         assert torch.equal(qt.view(torch.uint8), q.t().contiguous().view(torch.uint8))
         assert torch.equal(scale_t, scale.t() if scale.dim() else scale)
+        if granularity == "column":
+            q_rows, scale_rows = tritonkit.quantize_fp8(x.t().contiguous(), "row", dtype=dtype)
+            assert torch.equal(qt.view(torch.uint8), q_rows.view(torch.uint8))
+            assert torch.equal(scale_t, scale_rows)
 
 
 def test_torch_compile_and_opcheck():
@@ -206,9 +211,11 @@ for name, group in groups:
                   "TRANSPOSE": False, "GROUP_M": group[0], "GROUP_N": group[1], "BLOCK_M": block_m,
                   "BLOCK_N": block_n, "stride_xn": 1}
     show(name, compile_kernel(qz._quantize_tiles_kernel, tiles, meta, qz.NUM_WARPS))
-for name, group in (("block2d transposed", (128, 128)), ("tensor transposed", (1, 1))):
+for name, group in (("block2d transposed", (128, 128)), ("tensor transposed", (1, 1)),
+                    ("column transposed", (1, 1))):
     block_m, block_n = qz._tile(*group, 4096) if group[0] > 1 else qz.TRANSPOSED_TILE
-    meta = fmt | {"POW2": False, "TENSOR": group[0] == 1, "COLUMNS": False, "TRANSPOSE": True,
+    meta = fmt | {"POW2": False, "TENSOR": name.startswith("tensor"), "COLUMNS": name.startswith("column"),
+                  "TRANSPOSE": True,
                   "GROUP_M": group[0],
                   "GROUP_N": group[1], "BLOCK_M": block_m, "BLOCK_N": block_n, "stride_xn": 1}
     show(name, compile_kernel(qz._quantize_tiles_kernel, tiles, meta, qz.NUM_WARPS))
@@ -233,12 +240,12 @@ def test_kernels_compile_for_hopper_with_wide_accesses_the_hardware_cast_and_no_
     x and stores of q (and of its transpose), the fp8 cast in hardware (F2FP), no spills, and one
     atomic for the tensor's amax a program (the columns' pass: a few a thread, none in its loop)."""
     lines = sm90.run(_HOPPER_CHECK)
-    assert len(lines) == 10, lines
-    for line in lines[:8]:
+    assert len(lines) == 11, lines
+    for line in lines[:9]:
         assert line.endswith("True True True True 0"), line
-    assert lines[8] == "amax True True 1", lines[8]
-    name, loads, no_spills, atomics = lines[9].rsplit(" ", 3)
-    assert (name, loads, no_spills) == ("column amax", "True", "True") and 0 < int(atomics) <= 4, lines[9]
+    assert lines[9] == "amax True True 1", lines[9]
+    name, loads, no_spills, atomics = lines[10].rsplit(" ", 3)
+    assert (name, loads, no_spills) == ("column amax", "True", "True") and 0 < int(atomics) <= 4, lines[10]
 
 
 @pytest.mark.gpu

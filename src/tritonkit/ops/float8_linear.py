@@ -62,8 +62,21 @@ def _blockwise(a, b_t, quantize, matmul, out_dtype, bias=None, fast=False):
 PRODUCTS = {"rowwise": _rowwise, "tensorwise": _tensorwise, "blockwise": _blockwise}
 
 
+# A transposed operand's groups along K as its contiguous storage's groups, quantized with the
+# transposed copy written in the same pass: rows of x^T are columns of x, and a tensor is a tensor
+TRANSPOSED_GROUPS = {"row": "column", "tensor": "tensor"}
+
+
 def _quantize(x: torch.Tensor, granularity: str):
-    return quantize_fp8(x.detach(), granularity, dtype=FP8)
+    """x (R, K) in fp8, contiguous, with its groups along K. A transposed view (x^T of a contiguous
+    x: dW's and dX's operands) takes the transposed pass over its storage, which reads it along its
+    rows (a strided walk down its columns ran at a fraction of the bandwidth); the bits are the
+    same."""
+    x = x.detach()
+    if not x.is_contiguous() and x.t().is_contiguous() and granularity in TRANSPOSED_GROUPS:
+        _, _, qt, scale_t = quantize_fp8(x.t(), TRANSPOSED_GROUPS[granularity], dtype=FP8, transpose=True)
+        return qt, scale_t
+    return quantize_fp8(x, granularity, dtype=FP8)
 
 
 def _matmul(qa, qb, sa, sb, out_dtype, bias, fast):

@@ -43,7 +43,8 @@ from tritonkit.dtypes import FLOATS
 from tritonkit.opdef import check_tensor, op
 
 GRANULARITIES = ("tensor", "row", "column", "block", "block2d")
-TRANSPOSABLE = ("tensor", "block2d")  # the groups a transpose keeps: transpose=True takes these
+# the groups a transpose keeps (a column of x is a row of x^T): transpose=True takes these
+TRANSPOSABLE = ("tensor", "column", "block2d")
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 AMAX_FLOOR = 1e-12  # an all-zero group's amax: its scale stays finite and its q 0 (torchao's EPS)
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)  # the same, as the kernels read it
@@ -52,7 +53,7 @@ _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)  # the same, as the kernels read it
 TILE_ELEMENTS = 8192
 NUM_WARPS = 8
 LINE_CHUNK = 2048  # elements of a line a lines program takes a step
-TRANSPOSED_TILE = (64, 128)  # the tensor granularity's tile with transpose=True: 64-byte runs of q^T
+TRANSPOSED_TILE = (64, 128)  # the tensor's and columns' tile with transpose=True: 64-byte runs of q^T
 # The columns' tile: 512 bytes of each of 32 bf16 rows, and 256 amaxes to read beside them (a tile
 # one row of 8192 read 32 KB of amaxes a 16 KB row: 20% of the copy bandwidth on the H200)
 COLUMN_TILE = (32, 256)
@@ -293,12 +294,12 @@ def _tiles_launch(x, q, qt, scale, group: tuple[int, int], dtype, pow2: bool, am
     m, n = x.shape
     group_m, group_n = group
     amax_bits, given = amax or (None, None)
-    if given == "column":  # tall tiles: each reads its columns' amaxes, BLOCK_N of them a tile
-        block_m, block_n = COLUMN_TILE
-    elif given == "tensor" and qt is not None:
-        # the tensor's transpose from tiles as wide as they are tall: a flat tile's transposed rows
-        # are a few bytes each (two rows of 4096 stored 16-bit stores); 2-D blocks are square already
+    if given in ("tensor", "column") and qt is not None:
+        # the transpose from tiles as wide as they are tall: a flat tile's transposed rows are a few
+        # bytes each (two rows of 4096 stored 16-bit stores); 2-D blocks are square already
         block_m, block_n = TRANSPOSED_TILE
+    elif given == "column":  # tall tiles: each reads its columns' amaxes, BLOCK_N of them a tile
+        block_m, block_n = COLUMN_TILE
     else:
         block_m, block_n = _tile(group_m, group_n, n)
     scale_strides = (0, 0) if given == "tensor" else (scale.stride(0), scale.stride(1))
@@ -471,10 +472,10 @@ def quantize_fp8(
     saturate. See the module docstring for the exact arithmetic, zeros and non-finite values. No
     gradient (raises if x requires one).
 
-    ``transpose=True`` (the tensor and 2-D blocks, whose groups a transpose keeps) returns
-    ``(x_fp8, scale, xt_fp8, scale_t)``: also x_fp8's transpose, contiguous, written in the same pass
-    (what a backward's ``_scaled_mm`` takes), and its scales (the same scale, or the blocks'
-    transposed, a view)."""
+    ``transpose=True`` (the tensor, columns and 2-D blocks, whose groups a transpose keeps: a
+    column of x is a row of x^T) returns ``(x_fp8, scale, xt_fp8, scale_t)``: also x_fp8's
+    transpose, contiguous, written in the same pass (what a backward's ``_scaled_mm`` takes), and its
+    scales (the same scale, or the columns' or blocks' transposed, a view: x^T's rowwise scales)."""
     _validate(x, granularity, block_size, dtype, scale_dtype, transpose)
     if torch.is_grad_enabled() and x.requires_grad:
         raise RuntimeError("quantize_fp8 has no gradient: call it on x.detach(), or under torch.no_grad()")
