@@ -130,11 +130,14 @@ def test_non_finite_values():
 
 
 @pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
-def test_the_transposed_copy_is_the_transpose(dtype):
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape", [(37, 50), (64, 160)], ids=["ragged", "by-16"])
+def test_the_transposed_copy_is_the_transpose(dtype, x_dtype, shape):
     """transpose=True: x_fp8's transpose, contiguous, bit for bit, from the same pass; the scales of
     the tensor as they are, the columns' and 2-D blocks' transposed (the columns': x^T's rowwise
-    scales, which quantizing x^T by rows gives too, bit for bit)."""
-    x = _input((37, 50), seed=14)
+    scales, which quantizing x^T by rows gives too, bit for bit). Dimensions that divide by 16 and
+    fp32 input too (the case Triton miscompiled on the GPU: ``quantize.TRANSPOSE_IN_PASS``)."""
+    x = _input(shape, x_dtype, seed=14)
     for granularity, block_size in (("tensor", 128), ("column", 128), ("block2d", 16)):
         q, scale = _check(x, granularity, dtype=dtype, block_size=block_size)
         _, _, qt, scale_t = tritonkit.quantize_fp8(

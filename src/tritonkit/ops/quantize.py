@@ -53,6 +53,10 @@ _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)  # the same, as the kernels read it
 TILE_ELEMENTS = 8192
 NUM_WARPS = 8
 LINE_CHUNK = 2048  # elements of a line a lines program takes a step
+# fp32 input's transposed copy is a second pass (q copied): on the H200 Triton 3.6 compiled the
+# transposed store of values cast from fp32 to wrong bytes wherever M or N divided by 16 (any tile
+# from 32 x 32 up; 16-bit inputs and the interpreter right), found by Float8Linear's gpu test
+TRANSPOSE_IN_PASS = (torch.float16, torch.bfloat16)
 TRANSPOSED_TILE = (64, 128)  # the tensor's and columns' tile with transpose=True: 64-byte runs of q^T
 # The columns' tile: 512 bytes of each of 32 bf16 rows, and 256 amaxes to read beside them (a tile
 # one row of 8192 read 32 KB of amaxes a 16 KB row: 20% of the copy bandwidth on the H200)
@@ -451,8 +455,11 @@ def _quantize(
     amaxes = {"tensor": 1, "column": x.shape[-1]}.get(granularity)
     amax_bits = torch.zeros(amaxes, dtype=torch.int32, device=x.device) if amaxes else None
     pow2 = round_scale_to_pow2
-    for launch in _launches(x2, q2, qt, scale2, amax_bits, granularity, block_size, dtype, pow2):
+    in_pass = qt if x.dtype in TRANSPOSE_IN_PASS else None
+    for launch in _launches(x2, q2, in_pass, scale2, amax_bits, granularity, block_size, dtype, pow2):
         launch.run()
+    if qt is not None and in_pass is None:
+        qt.copy_(q2.t())
 
 
 def quantize_fp8(
