@@ -133,10 +133,11 @@ def test_non_finite_values():
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("shape", [(37, 50), (64, 160)], ids=["ragged", "by-16"])
 def test_the_transposed_copy_is_the_transpose(dtype, x_dtype, shape):
-    """transpose=True: x_fp8's transpose, contiguous, bit for bit, from the same pass; the scales of
+    """transpose=True: x_fp8's transpose, contiguous, bit for bit; the scales of
     the tensor as they are, the columns' and 2-D blocks' transposed (the columns': x^T's rowwise
     scales, which quantizing x^T by rows gives too, bit for bit). Dimensions that divide by 16 and
-    fp32 input too (the case Triton miscompiled on the GPU: ``quantize.TRANSPOSE_IN_PASS``)."""
+    fp32 input too (where the GPU's transposed store in the pass itself came out wrong: quantize.py's
+    Transposes)."""
     x = _input(shape, x_dtype, seed=14)
     for granularity, block_size in (("tensor", 128), ("column", 128), ("block2d", 16)):
         q, scale = _check(x, granularity, dtype=dtype, block_size=block_size)
@@ -203,7 +204,7 @@ def show(name, report):
           not report.spills, report.opcodes["ATOMG"] + report.opcodes["RED"])
 
 fmt = qz._format(torch.float8_e4m3fn) | {"SOFT_CAST": False}
-tiles = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qt_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
+tiles = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
          "amax_bits_ptr": "*i32", "M": "i32", "N": "i32", "stride_xm": "i32", "stride_xn": "constexpr",
          "stride_sm": "i32", "stride_sn": "i32"}
 groups = (("row", (1, 4096)), ("block", (1, 128)), ("block2d", (128, 128)), ("tensor", (1, 1)),
@@ -211,16 +212,8 @@ groups = (("row", (1, 4096)), ("block", (1, 128)), ("block2d", (128, 128)), ("te
 for name, group in groups:
     block_m, block_n = qz.COLUMN_TILE if name == "column" else qz._tile(*group, 4096)
     meta = fmt | {"POW2": False, "TENSOR": name == "tensor", "COLUMNS": name == "column",
-                  "TRANSPOSE": False, "GROUP_M": group[0], "GROUP_N": group[1], "BLOCK_M": block_m,
+                  "GROUP_M": group[0], "GROUP_N": group[1], "BLOCK_M": block_m,
                   "BLOCK_N": block_n, "stride_xn": 1}
-    show(name, compile_kernel(qz._quantize_tiles_kernel, tiles, meta, qz.NUM_WARPS))
-for name, group in (("block2d transposed", (128, 128)), ("tensor transposed", (1, 1)),
-                    ("column transposed", (1, 1))):
-    block_m, block_n = qz._tile(*group, 4096) if group[0] > 1 else qz.TRANSPOSED_TILE
-    meta = fmt | {"POW2": False, "TENSOR": name.startswith("tensor"), "COLUMNS": name.startswith("column"),
-                  "TRANSPOSE": True,
-                  "GROUP_M": group[0],
-                  "GROUP_N": group[1], "BLOCK_M": block_m, "BLOCK_N": block_n, "stride_xn": 1}
     show(name, compile_kernel(qz._quantize_tiles_kernel, tiles, meta, qz.NUM_WARPS))
 lines = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "LINES": "i32", "LENGTH": "i32",
          "stride_xl": "i32", "stride_xe": "constexpr", "stride_ql": "i32", "stride_qe": "constexpr",
@@ -240,15 +233,15 @@ for name, meta in (("amax", {"COLUMNS": False, "STEPS": 1, "BLOCK_M": 2, "BLOCK_
 
 def test_kernels_compile_for_hopper_with_wide_accesses_the_hardware_cast_and_no_spills():
     """Compiled for sm_90 with Triton's own ptxas (the interpreter never compiles): 16-byte loads of
-    x and stores of q (and of its transpose), the fp8 cast in hardware (F2FP), no spills, and one
+    x and stores of q, the fp8 cast in hardware (F2FP), no spills, and one
     atomic for the tensor's amax a program (the columns' pass: a few a thread, none in its loop)."""
     lines = sm90.run(_HOPPER_CHECK)
-    assert len(lines) == 11, lines
-    for line in lines[:9]:
+    assert len(lines) == 8, lines
+    for line in lines[:6]:
         assert line.endswith("True True True True 0"), line
-    assert lines[9] == "amax True True 1", lines[9]
-    name, loads, no_spills, atomics = lines[10].rsplit(" ", 3)
-    assert (name, loads, no_spills) == ("column amax", "True", "True") and 0 < int(atomics) <= 4, lines[10]
+    assert lines[6] == "amax True True 1", lines[6]
+    name, loads, no_spills, atomics = lines[7].rsplit(" ", 3)
+    assert (name, loads, no_spills) == ("column amax", "True", "True") and 0 < int(atomics) <= 4, lines[7]
 
 
 @pytest.mark.gpu

@@ -15,7 +15,8 @@ NaN and the group's finite values 0. There is no gradient: quantization is not d
 
 Work. x is read once and q written once, scales beside: bytes s * N + N + 4 * groups for N
 elements of s bytes (the tensor and the columns read x twice: their amax is a pass of its own, an
-atomic max over programs, so that no host sync waits for it; ``transpose=True`` writes q twice).
+atomic max over programs, so that no host sync waits for it; ``transpose=True`` copies q: 2 bytes
+an element more).
 A few FLOPs per element on CUDA cores: memory-bound, its roofline the copy bandwidth.
 
 Kernels. ``_quantize_tiles_kernel`` takes a tile of rows x columns and quantizes the groups
@@ -53,11 +54,11 @@ _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)  # the same, as the kernels read it
 TILE_ELEMENTS = 8192
 NUM_WARPS = 8
 LINE_CHUNK = 2048  # elements of a line a lines program takes a step
-# fp32 input's transposed copy is a second pass (q copied): on the H200 Triton 3.6 compiled the
-# transposed store of values cast from fp32 to wrong bytes wherever M or N divided by 16 (any tile
-# from 32 x 32 up; 16-bit inputs and the interpreter right), found by Float8Linear's gpu test
-TRANSPOSE_IN_PASS = (torch.float16, torch.bfloat16)
-TRANSPOSED_TILE = (64, 128)  # the tensor's and columns' tile with transpose=True: 64-byte runs of q^T
+# Transposes: transpose=True copies q transposed after the pass that writes it (a byte an element
+# read and written more). Stored from the pass's own registers, the transpose came out wrong on the
+# H200 wherever M or N divided by 16 (Triton 3.6; fp32 input at every tile from 32 x 32 up, bf16 at
+# 64 x 160 in 64 x 128 tiles; right in the interpreter and at ragged sizes): found by the gpu tests.
+
 # The columns' tile: 512 bytes of each of 32 bf16 rows, and 256 amaxes to read beside them (a tile
 # one row of 8192 read 32 KB of amaxes a 16 KB row: 20% of the copy bandwidth on the H200)
 COLUMN_TILE = (32, 256)
@@ -132,7 +133,6 @@ def _abs_max(x, axis):
 def _quantize_tiles_kernel(
     x_ptr,  # input, (M, N), strides (stride_xm, stride_xn)
     q_ptr,  # fp8 output (uint8 where SOFT_CAST), (M, N), contiguous
-    qt_ptr,  # TRANSPOSE: q's transpose, (N, M), contiguous (else unused)
     scale_ptr,  # fp32 scales, (cdiv(M, GROUP_M), cdiv(N, GROUP_N)), strides (stride_sm, stride_sn)
     amax_bits_ptr,  # TENSOR: the tensor's amax, its fp32 bits as one int32; COLUMNS: N of them, a column's
     M,  # rows
@@ -149,7 +149,6 @@ def _quantize_tiles_kernel(
     POW2: tl.constexpr,  # scales rounded up to powers of two
     TENSOR: tl.constexpr,  # one group, the whole tensor, whose amax the amax pass wrote
     COLUMNS: tl.constexpr,  # a group a column, whose amaxes the amax pass wrote
-    TRANSPOSE: tl.constexpr,  # also store q transposed
     GROUP_M: tl.constexpr,  # rows of a group (a power of two, dividing BLOCK_M)
     GROUP_N: tl.constexpr,  # columns of a group (a power of two, dividing BLOCK_N)
     BLOCK_M: tl.constexpr,  # rows a program takes
@@ -185,8 +184,6 @@ def _quantize_tiles_kernel(
         tl.store(scale_at, scale, mask=scale_mask)
     q = _to_fp8(y, FP8, MANTISSA, MIN_EXP, SOFT_CAST)
     tl.store(q_ptr + rows[:, None] * N + cols[None, :], q, mask=mask)
-    if TRANSPOSE:  # the same values from registers (the compiler routes them through shared memory)
-        tl.store(qt_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], q, mask=mask)
 
 
 @triton.jit
@@ -292,17 +289,13 @@ def _tile(group_m: int, group_n: int, n_cols: int) -> tuple[int, int]:
     return max(group_m, TILE_ELEMENTS // block_n // group_m * group_m), block_n
 
 
-def _tiles_launch(x, q, qt, scale, group: tuple[int, int], dtype, pow2: bool, amax=None) -> Launch:
-    """Tiles of x (module docstring), writing q, the scales and, where ``qt`` is given, q's transpose.
+def _tiles_launch(x, q, scale, group: tuple[int, int], dtype, pow2: bool, amax=None) -> Launch:
+    """Tiles of x (module docstring), writing q and the scales.
     ``amax``: (the amax pass's bits, "tensor" or "column") where the groups' amaxes are given."""
     m, n = x.shape
     group_m, group_n = group
     amax_bits, given = amax or (None, None)
-    if given in ("tensor", "column") and qt is not None:
-        # the transpose from tiles as wide as they are tall: a flat tile's transposed rows are a few
-        # bytes each (two rows of 4096 stored 16-bit stores); 2-D blocks are square already
-        block_m, block_n = TRANSPOSED_TILE
-    elif given == "column":  # tall tiles: each reads its columns' amaxes, BLOCK_N of them a tile
+    if given == "column":  # tall tiles: each reads its columns' amaxes, BLOCK_N of them a tile
         block_m, block_n = COLUMN_TILE
     else:
         block_m, block_n = _tile(group_m, group_n, n)
@@ -312,14 +305,13 @@ def _tiles_launch(x, q, qt, scale, group: tuple[int, int], dtype, pow2: bool, am
         "POW2": pow2,
         "TENSOR": given == "tensor",
         "COLUMNS": given == "column",
-        "TRANSPOSE": qt is not None,
         "GROUP_M": group_m,
         "GROUP_N": group_n,
         "BLOCK_M": block_m,
         "BLOCK_N": block_n,
         "num_warps": NUM_WARPS,
     }
-    args = (x, q, q if qt is None else qt, scale, scale if amax_bits is None else amax_bits, m, n)
+    args = (x, q, scale, scale if amax_bits is None else amax_bits, m, n)
     args = (*args, x.stride(0), x.stride(1))
     return Launch(
         "tiles",
@@ -369,13 +361,10 @@ def _amax_launch(x, amax_bits, columns: bool) -> Launch:
     return Launch("amax", _amax_kernel, args, meta, grid=(cdiv(m, block_m * steps), cdiv(n, block_n)))
 
 
-def _launches(
-    x, q, qt, scale, amax_bits, granularity: str, block_size: int, dtype, pow2: bool
-) -> list[Launch]:
-    """The launches that fill q, scale and (the tensor and 2-D blocks, where given) qt for a 2-D x
-    (module docstring)."""
+def _launches(x, q, scale, amax_bits, granularity: str, block_size: int, dtype, pow2: bool) -> list[Launch]:
+    """The launches that fill q and scale for a 2-D x (module docstring)."""
     if granularity in ("tensor", "column"):  # the amaxes first, then every tile at once
-        tiles = _tiles_launch(x, q, qt, scale, (1, 1), dtype, pow2, amax=(amax_bits, granularity))
+        tiles = _tiles_launch(x, q, scale, (1, 1), dtype, pow2, amax=(amax_bits, granularity))
         return [_amax_launch(x, amax_bits, granularity == "column"), tiles]
     if granularity == "row" and x.shape[1] > TILE_ELEMENTS:
         return [_lines_launch(x, q, scale, dtype, pow2)]
@@ -384,7 +373,7 @@ def _launches(
         "block": (1, block_size),
         "block2d": (block_size, block_size),
     }[granularity]
-    return [_tiles_launch(x, q, qt, scale, group, dtype, pow2)]
+    return [_tiles_launch(x, q, scale, group, dtype, pow2)]
 
 
 def scale_shape(shape: tuple, granularity: str, block_size: int) -> tuple:
@@ -455,10 +444,9 @@ def _quantize(
     amaxes = {"tensor": 1, "column": x.shape[-1]}.get(granularity)
     amax_bits = torch.zeros(amaxes, dtype=torch.int32, device=x.device) if amaxes else None
     pow2 = round_scale_to_pow2
-    in_pass = qt if x.dtype in TRANSPOSE_IN_PASS else None
-    for launch in _launches(x2, q2, in_pass, scale2, amax_bits, granularity, block_size, dtype, pow2):
+    for launch in _launches(x2, q2, scale2, amax_bits, granularity, block_size, dtype, pow2):
         launch.run()
-    if qt is not None and in_pass is None:
+    if qt is not None:  # a pass of its own (see Transposes, above)
         qt.copy_(q2.t())
 
 
@@ -481,8 +469,8 @@ def quantize_fp8(
 
     ``transpose=True`` (the tensor, columns and 2-D blocks, whose groups a transpose keeps: a
     column of x is a row of x^T) returns ``(x_fp8, scale, xt_fp8, scale_t)``: also x_fp8's
-    transpose, contiguous, written in the same pass (what a backward's ``_scaled_mm`` takes), and its
-    scales (the same scale, or the columns' or blocks' transposed, a view: x^T's rowwise scales)."""
+    transpose, contiguous (what a backward's ``_scaled_mm`` takes; copied from x_fp8 after its pass),
+    and its scales (the same scale, or the columns' or blocks' transposed, a view: x^T's rowwise scales)."""
     _validate(x, granularity, block_size, dtype, scale_dtype, transpose)
     if torch.is_grad_enabled() and x.requires_grad:
         raise RuntimeError("quantize_fp8 has no gradient: call it on x.detach(), or under torch.no_grad()")
