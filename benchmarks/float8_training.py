@@ -14,6 +14,8 @@ last 50 and the largest relative gap to bf16's among them) and OUT.png (the curv
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 
 import torch
@@ -112,6 +114,10 @@ def main() -> None:
         "command": "python benchmarks/float8_training.py " + " ".join(sys.argv[1:]),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
+        "git": os.environ.get("GIT_SHA")
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip(),
         "model": {"width": WIDTH, "depth": DEPTH, "batch": BATCH, "lr": LR, "steps": steps},
         "runs": {},
     }

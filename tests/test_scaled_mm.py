@@ -167,16 +167,20 @@ import json, torch
 from tritonkit.asm import compile_launch
 from tritonkit.ops import scaled_mm as sm
 from tritonkit.ops.linear import kernels as kn, matmul as mm
-for scaling, fast in (("tensor", False), ("row", False), ("block", False), ("row", True)):
-    a = torch.empty(8192, 4096, dtype=torch.float8_e4m3fn)
-    b = torch.empty(16384, 4096, dtype=torch.float8_e4m3fn)
-    scales = {"tensor": (1, 1), "row": (8192, 16384), "block": (8192 * 32, 32 * 128)}[scaling]
-    problem = mm.matmul_problem(a, b, torch.empty(8192, 16384, dtype=torch.bfloat16),
+big, small = (8192, 4096, 16384), (1024, 16384, 1024)  # (M, K, N)
+cases = [(big, "tensor", False), (big, "row", False), (big, "block", False), (big, "row", True),
+         (small, "row", True)]
+for (m, k, n), scaling, fast in cases:
+    a = torch.empty(m, k, dtype=torch.float8_e4m3fn)
+    b = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    scales = {"tensor": (1, 1), "row": (m, n), "block": (m * k // 128, k * n // 128 ** 2)}[scaling]
+    config, chained = sm._launch_choice(fast, m, n, "cpu")  # (the nominal SM count off a GPU)
+    problem = mm.matmul_problem(a, b, torch.empty(m, n, dtype=torch.bfloat16),
                                 scale_a=torch.empty(scales[0]), scale_b=torch.empty(scales[1]),
-                                scaling=kn.SCALINGS[scaling], fast_accum=fast)
-    r = compile_launch(mm.matmul_launches(problem, sm._config(fast))[0], "sm_90")
+                                scaling=kn.SCALINGS[scaling], fast_accum=chained)
+    r = compile_launch(mm.matmul_launches(problem, config)[0], "sm_90")
     ptx, sass = r.asm["ptx"], r.asm["sass"]
-    print(json.dumps({"scaling": scaling, "fast": fast,
+    print(json.dumps({"scaling": scaling, "fast": chained, "block_m": config["BLOCK_M"],
                       "fp8_wgmma": "e4m3.e4m3" in ptx and "wgmma" in ptx,
                       "gmma": {op: n for op, n in r.opcodes.items() if "GMMA" in op},
                       "fadd": r.opcodes.get("FADD", 0), "ffma": r.opcodes.get("FFMA", 0),
@@ -189,13 +193,14 @@ for scaling, fast in (("tensor", False), ("row", False), ("block", False), ("row
 def test_the_kernel_compiles_for_hopper_to_fp8_wgmma_fed_by_tma():
     """sm_90 at (8192, 4096) x (4096, 16384), every scaling: the tensor cores' fp8 instruction
     (wgmma ... e4m3.e4m3, QGMMA in SASS, and no 16-bit one), A and B by TMA, no spills, within the
-    H200's shared memory. The accumulation as designed: by default a step's product is waited for
+    H200's shared memory; at a short M and N (fewer tiles than SMs) the small tile, promoted. The
+    accumulation as designed: by default a step's product is waited for
     (no wgmma left in flight) and added to the fp32 accumulator (an FADD an accumulator register,
     64 a thread at 128 x 128 on 256 threads; blockwise an FFMA, times its scales); with
     use_fast_accum the steps chain in the tensor cores' accumulator with the next step's wgmma in
     flight (a wait for all but one), no FADD."""
     rows = [json.loads(line) for line in sm90.run(_HOPPER_CHECK)]
-    assert len(rows) == 4
+    assert len(rows) == 5 and rows[4]["block_m"] == 64 and not rows[4]["fast"]  # the small tile, promoted
     for row in rows:
         # QGMMA: the SASS of an fp8 wgmma (HGMMA is the 16-bit one's)
         assert row["fp8_wgmma"] and set(row["gmma"]) == {"QGMMA"}, row
