@@ -155,7 +155,9 @@ def scaled_mm(
     ``b`` (K, N), column-major, with tensorwise, rowwise or blockwise fp32 scales (the module
     docstring), as ``torch._scaled_mm(a, b, scale_a, scale_b, bias, out_dtype=out_dtype,
     use_fast_accum=use_fast_accum)`` for the first two. ``use_fast_accum``: sum every step in the
-    tensor cores' accumulator (faster, less exact; the module docstring). No gradient."""
+    tensor cores' accumulator (faster, less exact; the module docstring), where the output has at
+    least as many 128 x 128 tiles as the GPU has SMs (fewer: the promoted small tile, faster there
+    and exact to the step). No gradient."""
     _validate(a, b, bias, out_dtype)
     scaling = _scaling(a, b, scale_a, scale_b)
     if use_fast_accum and scaling == "block":
