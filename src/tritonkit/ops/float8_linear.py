@@ -62,16 +62,18 @@ def _blockwise(a, b_t, quantize, matmul, out_dtype, bias=None, fast=False):
 PRODUCTS = {"rowwise": _rowwise, "tensorwise": _tensorwise, "blockwise": _blockwise}
 
 
-# A transposed operand's groups along K as its contiguous storage's groups, quantized with the
-# transposed copy written in the same pass: rows of x^T are columns of x, and a tensor is a tensor
-TRANSPOSED_GROUPS = {"row": "column", "tensor": "tensor"}
+# A transposed operand (x^T of a contiguous x) quantized as its storage, q^T copied after: a tensor
+# is a tensor. On the H200 that took the tensorwise step from 5.63-5.99 ms to 4.71 (the strided
+# walk's amax pass was the cost), while the rowwise step, through x's columns, went from 4.28-4.37
+# ms to 4.48-4.60 (the copy costs more than the strided rows it saves): rows stay strided
+# (docs/perf-notes.md, "Float8Linear, measured")
+TRANSPOSED_GROUPS = {"tensor": "tensor"}
 
 
 def _quantize(x: torch.Tensor, granularity: str):
     """x (R, K) in fp8, contiguous, with its groups along K. A transposed view (x^T of a contiguous
-    x: dW's and dX's operands) takes the transposed pass over its storage, which reads it along its
-    rows (a strided walk down its columns ran at a fraction of the bandwidth); the bits are the
-    same."""
+    x: dW's and dX's operands) of one scale is quantized as its storage and copied transposed
+    (TRANSPOSED_GROUPS); the bits are the same."""
     x = x.detach()
     if not x.is_contiguous() and x.t().is_contiguous() and granularity in TRANSPOSED_GROUPS:
         _, _, qt, scale_t = quantize_fp8(x.t(), TRANSPOSED_GROUPS[granularity], dtype=FP8, transpose=True)
