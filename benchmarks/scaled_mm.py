@@ -1,7 +1,7 @@
 """FP8 matmuls on the H200: tritonkit.scaled_mm against torch._scaled_mm (cuBLAS) and the bf16
 matmul, and nn.Float8Linear's training step against torch.nn.Linear in bf16, in one process.
 
-    python benchmarks/scaled_mm.py OUT.json [--shape M,K,N ...] [--scaling S ...] [--tiles]
+    python benchmarks/scaled_mm.py OUT.json [--shape M,K,N ...] [--scaling S ...] [--tiles] [--gluon]
         [--skip-matmul] [--skip-linear]
 
 Rows: each shape (default SHAPES, (M, K, N), e4m3 operands, bf16 out) and scaling ("tensor", "row",
@@ -13,8 +13,8 @@ torchao is installed, torchao's Float8Linear (rowwise, tensorwise) under torch.c
 is the median of ``triton.testing.do_bench`` over an eager call (L2 flushed); TFLOP/s from 2 M N K
 a matmul (three a training step). Each scaled_mm row also gives the largest difference from
 torch._scaled_mm's output, relative to its largest value. ``--skip-matmul`` and ``--skip-linear``
-leave out those rows. ``--tiles`` adds, for each shape, scaled_mm rowwise on each candidate tile of
-TILES.
+leave out those rows; ``--gluon`` adds the sm_90 Gluon candidate (``scaled_mm.GLUON``) in both
+modes. ``--tiles`` adds, for each shape, scaled_mm rowwise on each candidate tile of TILES.
 """
 
 from __future__ import annotations
@@ -95,7 +95,18 @@ def _matmul_row(shape, scaling) -> dict:
     def theirs(fast=False, out_dtype=torch.bfloat16):
         return torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=out_dtype, use_fast_accum=fast)
 
+    def gluon(fast=False, out_dtype=torch.bfloat16):  # the sm_90 Gluon candidate (scaled_mm.GLUON)
+        from tritonkit.ops import scaled_mm as module
+
+        module.GLUON = True
+        try:
+            return ours(fast, out_dtype)
+        finally:
+            module.GLUON = False
+
     calls = {"tritonkit": ours}
+    if scaling != "block" and "--gluon" in sys.argv:
+        calls |= {"tritonkit gluon": gluon, "tritonkit gluon fast_accum": functools.partial(gluon, True)}
     if scaling != "block":
         calls |= {
             "tritonkit fast_accum": functools.partial(ours, True),

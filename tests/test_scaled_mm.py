@@ -241,3 +241,83 @@ def test_gpu_blockwise_large_shapes():
     """Blockwise on the GPU's tile at a ragged large shape, against the float64 reference."""
     a, b, scale_a, scale_b = _operands(4097, 4096 + 64, 1000, scaling="block", seed=4)
     _check(a, b, scale_a, scale_b)
+
+
+_GLUON_CHECK = r"""
+import json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from tritonkit.asm import _cuobjdump
+from tritonkit.ops.linear import scaled_mm_sm90 as host
+from tritonkit.ops.linear import scaled_mm_sm90_kernels as kern
+
+def numbers(pattern, text):
+    return sorted(set(int(n) for n in re.findall(pattern, text)))
+
+def descriptor(rows):
+    return f"tensordesc<fp8e4nv[{rows},{host.BLOCK_K}],{host._layout(rows, torch.float8_e4m3fn)!r}>"
+
+for chained in (False, True):
+    block_n, stages = host.TILES[chained]
+    signature = {"a_desc": descriptor(kern.ROWS.value), "b_desc": descriptor(block_n), "c_ptr": "*bf16",
+                 "scale_a_ptr": "*fp32", "scale_b_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
+                 "stride_cm": "i32", "SCALING": "constexpr", "CHAINED": "constexpr",
+                 "NUM_STAGES": "constexpr", "GROUP_M": "constexpr"}
+    constants = {"SCALING": 2, "CHAINED": chained, "NUM_STAGES": stages, "GROUP_M": host.GROUP_M}
+    source = GluonASTSource(kern._scaled_mm_sm90_kernel, signature, constants)
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": kern.CONSUMER_WARPS.value})
+    ptx, sass = kernel.asm["ptx"], _cuobjdump(kernel.asm["cubin"], "-sass")
+    # the longest run of QGMMA between two waits: a step's chain issued together, not serialized
+    run, longest = 0, 0
+    for line in sass.splitlines():
+        if "QGMMA" in line:
+            run += 1
+            longest = max(longest, run)
+        elif "WARPGROUP.DEPBAR" in line:
+            run = 0
+    print(json.dumps({
+        "chained": chained, "shared": kernel.metadata.shared, "warps": kernel.metadata.num_warps,
+        "waits": numbers(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx),
+        "setmaxnreg": numbers(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx),
+        "qgmma_run": longest, "hgmma": sass.count("HGMMA"), "fadd": sass.count("FADD"),
+        "spills": sass.count("STL") + sass.count("LDL"), "tma_loads": ptx.count("cp.async.bulk.tensor.2d"),
+    }))
+"""
+
+
+def test_the_gluon_candidate_compiles_for_hopper_warp_specialized():
+    """The sm_90 Gluon kernel (``scaled_mm.GLUON``, off): two consumer warpgroups and a producer warp
+    with their register budgets, TMA loads, no spills, each 128-deep step's four fp8 wgmma issued
+    together (ptxas serialized them when a product stayed in flight across steps); chained, the
+    main loop waits for the older step only; promoted, for its step's product, then adds it."""
+    rows = [json.loads(line) for line in sm90.run("import torch\n" + _GLUON_CHECK)]
+    assert len(rows) == 2
+    for row in rows:
+        assert row["warps"] == 12 and {240, 24} <= set(row["setmaxnreg"]), row
+        assert row["shared"] <= 227 * 1024 and not row["spills"] and row["tma_loads"] > 0, row
+        assert row["qgmma_run"] >= 4 and row["hgmma"] == 0, row
+        if row["chained"]:
+            assert row["waits"] == [0, 1] and row["fadd"] == 0, row
+        else:
+            assert row["waits"] == [0] and row["fadd"] >= 64, row
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+    reason="needs an sm_90 GPU",
+)
+@pytest.mark.parametrize("fast", [False, True], ids=["promoted", "fast"])
+@pytest.mark.parametrize("scaling", ["tensor", "row"])
+@pytest.mark.parametrize("shape", [(8192, 4096, 16384), (4097, 4096, 1040), (300, 256, 272)], ids=str)
+def test_gpu_the_gluon_candidate_has_torchs_error(shape, scaling, fast, monkeypatch):
+    """The Gluon kernel switched on, where it takes the call: the oracle with torch._scaled_mm's
+    error in the same mode, fp32 output (nothing hides the sums' error), ragged M and N."""
+    from tritonkit.ops.linear import scaled_mm_sm90
+
+    monkeypatch.setattr(sm, "GLUON", True)
+    a, b, scale_a, scale_b = _operands(*shape, scaling=scaling, seed=8)
+    assert scaled_mm_sm90.takes(a, b.t(), None, sm.SCALINGS[scaling], torch.empty(0, device="cuda"))
+    _check(a, b, scale_a, scale_b, out_dtype=torch.float32, fast=fast)

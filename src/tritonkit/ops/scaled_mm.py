@@ -45,6 +45,7 @@ from tritonkit._launch import cdiv
 from tritonkit._runtime import empty_output, interpret, sm_count
 from tritonkit.dtypes import FLOATS
 from tritonkit.opdef import check_tensor, op
+from tritonkit.ops.linear import scaled_mm_sm90
 from tritonkit.ops.linear.kernels import INTERPRETER_CONFIG, SCALE_BLOCK, SCALINGS
 from tritonkit.ops.linear.matmul import matmul_launches, matmul_problem
 from tritonkit.ops.quantize import FP8_DTYPES
@@ -63,6 +64,9 @@ FAST_TILE = TILE | {"BLOCK_N": 256, "num_stages": 3}
 # FAST_TILE; at (128, 4096, 14336) 253 against 231), taken whatever use_fast_accum says: it is
 # both the faster and the more exact there
 SMALL_TILE = TILE | {"BLOCK_M": 64, "num_warps": 4, "num_stages": 5}
+# Tensorwise and rowwise products without a bias on the warp-specialized Gluon kernel where it takes
+# them (ops/linear/scaled_mm_sm90.py): a candidate, off until it has run on the H200
+GLUON = False
 
 
 def _launch_choice(fast_accum: bool, m: int, n: int, device) -> tuple[dict, bool]:
@@ -94,6 +98,9 @@ def _scaled_mm(
     B = b^T (N, K)."""
     a, b = a_bits.view(a_dtype), b_bits.view(b_dtype)
     config, chained = _launch_choice(fast_accum, a.shape[0], b.shape[1], a.device)
+    if GLUON and scaled_mm_sm90.takes(a, b.t(), bias, scaling, out):
+        scaled_mm_sm90.launch(a, b.t(), scale_a, scale_b, scaling, chained, out).run()
+        return
     scales = {"scale_a": scale_a, "scale_b": scale_b, "scaling": scaling, "fast_accum": chained}
     problem = matmul_problem(a, b.t(), out, bias=bias, **scales)
     for launch in matmul_launches(problem, config):

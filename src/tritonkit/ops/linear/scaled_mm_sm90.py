@@ -1,0 +1,60 @@
+"""``scaled_mm`` on the sm_90 Gluon kernel (``scaled_mm_sm90_kernels``): which calls it takes, and
+their launch. A candidate, off (``scaled_mm.GLUON``): written and compiled for sm_90 (its SASS is
+checked in CI), not yet run on a GPU.
+
+It takes tensorwise and rowwise scales without a bias on an sm_90 GPU, A (M, K) and B^T (N, K)
+K-major and TMA-ready (K a multiple of 16), out contiguous; everything else stays on the linear
+family's Triton kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from tritonkit._launch import Launch, cdiv, tma_ready
+from tritonkit._runtime import interpret
+from tritonkit.ops.linear.kernels import SCALINGS
+
+BLOCK_M, BLOCK_K, GROUP_M = 128, 128, 8
+# (BLOCK_N, ring stages): promoted, the step's product beside the accumulator (two register sets);
+# chained, one accumulator of 128 x 256 (128 registers a thread)
+TILES = {False: (128, 4), True: (256, 3)}
+FP8 = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5}
+
+
+def takes(a: torch.Tensor, b_t: torch.Tensor, bias, scaling: int, out: torch.Tensor) -> bool:
+    """Whether the Gluon kernel computes this product (module docstring)."""
+    if interpret() or bias is not None or scaling not in (SCALINGS["tensor"], SCALINGS["row"]):
+        return False
+    if not (a.is_cuda and torch.cuda.get_device_capability(a.device) == (9, 0)):
+        return False
+    return a.stride(1) == 1 and b_t.stride(1) == 1 and out.is_contiguous() and tma_ready(a) and tma_ready(b_t)
+
+
+@functools.cache
+def _layout(rows: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    return gl.NVMMASharedLayout.get_default_for([rows, BLOCK_K], FP8[dtype])
+
+
+def launch(a, b_t, scale_a, scale_b, scaling: int, chained: bool, out) -> Launch:
+    """C = (A B^T) * scales into out: A (M, K), B^T (N, K), fp8, K-major; the scales flat fp32."""
+    from tritonkit.ops.linear.scaled_mm_sm90_kernels import CONSUMER_WARPS, ROWS, _scaled_mm_sm90_kernel
+
+    (m, k), n = a.shape, b_t.shape[0]
+    block_n, stages = TILES[chained]
+    a_desc = TensorDescriptor.from_tensor(a, [ROWS.value, BLOCK_K], _layout(ROWS.value, a.dtype))
+    b_desc = TensorDescriptor.from_tensor(b_t, [block_n, BLOCK_K], _layout(block_n, b_t.dtype))
+    args = (a_desc, b_desc, out, scale_a, scale_b, m, n, k, out.stride(0))
+    meta = {
+        "SCALING": scaling,
+        "CHAINED": chained,
+        "NUM_STAGES": stages,
+        "GROUP_M": GROUP_M,
+        "num_warps": CONSUMER_WARPS.value,
+    }
+    grid = (cdiv(m, BLOCK_M) * cdiv(n, block_n),)
+    return Launch("scaled_mm sm90", _scaled_mm_sm90_kernel, args, meta, {}, grid)
