@@ -99,6 +99,15 @@ NOMINAL_SMS = 132  # the H200's SMs: what grids are sized for where no GPU says 
 
 
 @functools.cache
+@functools.cache
+def capability(index: int) -> tuple[int, int]:
+    """(major, minor) compute capability of CUDA device ``index``, queried once (launch paths ask on
+    every call)."""
+    import torch
+
+    return torch.cuda.get_device_capability(index)
+
+
 def sm_count(device) -> int:
     """Streaming multiprocessors of a torch device; NOMINAL_SMS off CUDA."""
     import torch

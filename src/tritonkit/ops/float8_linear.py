@@ -67,7 +67,7 @@ PRODUCTS = {"rowwise": _rowwise, "tensorwise": _tensorwise, "blockwise": _blockw
 # walk's amax pass was the cost), while the rowwise step, through x's columns, went from 4.28-4.37
 # ms to 4.48-4.60 (the copy costs more than the strided rows it saves): rows stay strided
 # (docs/perf-notes.md, "Float8Linear, measured")
-TRANSPOSED_GROUPS = {"tensor": "tensor"}
+TRANSPOSED_GROUPS = ("tensor",)
 
 
 def _quantize(x: torch.Tensor, granularity: str):
@@ -76,7 +76,7 @@ def _quantize(x: torch.Tensor, granularity: str):
     (TRANSPOSED_GROUPS); the bits are the same."""
     x = x.detach()
     if not x.is_contiguous() and x.t().is_contiguous() and granularity in TRANSPOSED_GROUPS:
-        _, _, qt, scale_t = quantize_fp8(x.t(), TRANSPOSED_GROUPS[granularity], dtype=FP8, transpose=True)
+        _, _, qt, scale_t = quantize_fp8(x.t(), granularity, dtype=FP8, transpose=True)
         return qt, scale_t
     return quantize_fp8(x, granularity, dtype=FP8)
 

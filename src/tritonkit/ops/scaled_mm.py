@@ -24,9 +24,9 @@ fixed tile for now (``TILE``, ``FAST_TILE``: 128 x 128 or 128 x 256 outputs, 128
 row of fp8 a step) instead of the tuner's: fp8 keys are not in its table yet.
 
 Accumulation. Hopper's fp8 tensor cores sum their products keeping about 14 bits. By default each
-128-deep step's product is added to the fp32 accumulator on its own (promoted), as
-``torch._scaled_mm`` does by default: on the H200 the two have the same error, and the step's wait
-for its product costs a fifth of the speed. ``use_fast_accum=True`` (torch's argument) chains the
+128-deep step's product is added to the fp32 accumulator on its own (promoted): on the H200 its
+error is ``torch._scaled_mm``'s default one to three digits, and the step's wait for its product
+costs a fifth of the speed. ``use_fast_accum=True`` (torch's argument) chains the
 steps in the tensor cores' accumulator instead: torch's fast-accumulation error, and speed
 (measured in docs/perf-notes.md). Blockwise scales promote every step by their recipe.
 
@@ -38,6 +38,8 @@ section 3.3 for the recipes that use them.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -69,13 +71,16 @@ SMALL_TILE = TILE | {"BLOCK_M": 64, "num_warps": 4, "num_stages": 5}
 GLUON = False
 
 
+_sms = functools.cache(sm_count)  # (a launch path's query, once a device)
+
+
 def _launch_choice(fast_accum: bool, m: int, n: int, device) -> tuple[dict, bool]:
     """(the launch's tile, whether its steps chain in the tensor cores' sum): the interpreter's small
     tile (several programs and steps in a test), else TILE, FAST_TILE or SMALL_TILE (above) through
     TMA where the operands allow it."""
     if interpret():
         return dict(INTERPRETER_CONFIG), fast_accum
-    if cdiv(m, 128) * cdiv(n, 128) < sm_count(device):
+    if cdiv(m, 128) * cdiv(n, 128) < _sms(device):
         return SMALL_TILE | {"TMA": True}, False
     return (FAST_TILE if fast_accum else TILE) | {"TMA": True}, fast_accum
 

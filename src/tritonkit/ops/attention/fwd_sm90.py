@@ -15,7 +15,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from tritonkit._launch import TMA_ALIGN_BYTES, Launch, cdiv, tma_ready
-from tritonkit._runtime import sm_count
+from tritonkit._runtime import capability, sm_count
 from tritonkit.dtypes import HALVES
 from tritonkit.jit import LOG2E
 from tritonkit.ops.attention.fwd_sm90_kernels import CONSUMER_WARPS, SPLIT_M, _attn_fwd_sm90_kernel
@@ -109,11 +109,6 @@ CANDIDATES = {
 # ---------------------------------------------------------------- launcher
 
 
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
 def supports(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -151,7 +146,7 @@ def sm90_dense_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool
         return False
     if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return False
-    if k.device != q.device or v.device != q.device or _capability(q.device.index or 0) != SM90:
+    if k.device != q.device or v.device != q.device or capability(q.device.index or 0) != SM90:
         return False
     (batch, heads_q, _, head_dim), (batch_k, heads_kv, _, head_dim_k) = q.shape, k.shape
     if head_dim not in HEAD_DIMS or head_dim_k != head_dim or v.shape != k.shape or batch_k != batch:
@@ -221,9 +216,9 @@ def attention_fwd_sm90(
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if not t.is_cuda or t.device != q.device:
             raise ValueError(f"{name} must be on q's CUDA device, got {t.device}")
-    capability = _capability(q.device.index or 0)
-    if capability != SM90:
-        raise ValueError(f"attention_fwd_sm90 needs an sm_90 GPU, got capability {capability}")
+    device_capability = capability(q.device.index or 0)
+    if device_capability != SM90:
+        raise ValueError(f"attention_fwd_sm90 needs an sm_90 GPU, got capability {device_capability}")
     for name, t in (("q", q), ("k", k), ("v", v), ("o", o)):
         if t.dim() != 4:
             raise ValueError(

@@ -16,8 +16,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from tritonkit._launch import Launch, cdiv, tma_ready
-from tritonkit._runtime import interpret
+from tritonkit._runtime import capability, interpret
 from tritonkit.ops.linear.kernels import SCALINGS
+from tritonkit.ops.linear.scaled_mm_sm90_kernels import CONSUMER_WARPS, ROWS, _scaled_mm_sm90_kernel
 
 BLOCK_M, BLOCK_K, GROUP_M = 128, 128, 8
 # (BLOCK_N, ring stages): promoted, the step's product beside the accumulator (two register sets);
@@ -30,7 +31,7 @@ def takes(a: torch.Tensor, b_t: torch.Tensor, bias, scaling: int, out: torch.Ten
     """Whether the Gluon kernel computes this product (module docstring)."""
     if interpret() or bias is not None or scaling not in (SCALINGS["tensor"], SCALINGS["row"]):
         return False
-    if not (a.is_cuda and torch.cuda.get_device_capability(a.device) == (9, 0)):
+    if not (a.is_cuda and capability(a.device.index or 0) == (9, 0)):
         return False
     return a.stride(1) == 1 and b_t.stride(1) == 1 and out.is_contiguous() and tma_ready(a) and tma_ready(b_t)
 
@@ -42,8 +43,6 @@ def _layout(rows: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
 
 def launch(a, b_t, scale_a, scale_b, scaling: int, chained: bool, out) -> Launch:
     """C = (A B^T) * scales into out: A (M, K), B^T (N, K), fp8, K-major; the scales flat fp32."""
-    from tritonkit.ops.linear.scaled_mm_sm90_kernels import CONSUMER_WARPS, ROWS, _scaled_mm_sm90_kernel
-
     (m, k), n = a.shape, b_t.shape[0]
     block_n, stages = TILES[chained]
     a_desc = TensorDescriptor.from_tensor(a, [ROWS.value, BLOCK_K], _layout(ROWS.value, a.dtype))
