@@ -13,8 +13,9 @@ torchao is installed, torchao's Float8Linear (rowwise, tensorwise) under torch.c
 is the median of ``triton.testing.do_bench`` over an eager call (L2 flushed); TFLOP/s from 2 M N K
 a matmul (three a training step). Each scaled_mm row also gives the largest difference from
 torch._scaled_mm's output, relative to its largest value. ``--skip-matmul`` and ``--skip-linear``
-leave out those rows; ``--gluon`` adds the sm_90 Gluon candidate (``scaled_mm.GLUON``) in both
-modes. ``--tiles`` adds, for each shape, scaled_mm rowwise on each candidate tile of TILES.
+leave out those rows; ``--gluon`` adds scaled_mm made to run each call on the sm_90 Gluon kernel
+and on the Triton one (``scaled_mm.GLUON`` True and False; the plain rows take its measured rule),
+in both modes. ``--tiles`` adds, for each shape, scaled_mm rowwise on each candidate tile of TILES.
 """
 
 from __future__ import annotations
@@ -95,18 +96,22 @@ def _matmul_row(shape, scaling) -> dict:
     def theirs(fast=False, out_dtype=torch.bfloat16):
         return torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=out_dtype, use_fast_accum=fast)
 
-    def gluon(fast=False, out_dtype=torch.bfloat16):  # the sm_90 Gluon candidate (scaled_mm.GLUON)
+    def forced(gluon, fast=False, out_dtype=torch.bfloat16):  # one kernel whatever the rule says
         from tritonkit.ops import scaled_mm as module
 
-        module.GLUON = True
+        module.GLUON = gluon
         try:
             return ours(fast, out_dtype)
         finally:
-            module.GLUON = False
+            module.GLUON = None
 
     calls = {"tritonkit": ours}
     if scaling != "block" and "--gluon" in sys.argv:
-        calls |= {"tritonkit gluon": gluon, "tritonkit gluon fast_accum": functools.partial(gluon, True)}
+        for name, gluon in (("gluon", True), ("triton", False)):
+            calls |= {
+                f"tritonkit {name}": functools.partial(forced, gluon),
+                f"tritonkit {name} fast_accum": functools.partial(forced, gluon, True),
+            }
     if scaling != "block":
         calls |= {
             "tritonkit fast_accum": functools.partial(ours, True),

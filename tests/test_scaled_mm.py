@@ -287,8 +287,8 @@ for chained in (False, True):
 """
 
 
-def test_the_gluon_candidate_compiles_for_hopper_warp_specialized():
-    """The sm_90 Gluon kernel (``scaled_mm.GLUON``, off): two consumer warpgroups and a producer warp
+def test_the_gluon_kernel_compiles_for_hopper_warp_specialized():
+    """The sm_90 Gluon kernel (``ops/linear/scaled_mm_sm90.py``): two consumer warpgroups and a producer warp
     with their register budgets, TMA loads, no spills, each 128-deep step's four fp8 wgmma issued
     together (ptxas serialized them when a product stayed in flight across steps); chained, the
     main loop waits for the older step only; promoted, for its step's product, then adds it."""
@@ -312,12 +312,25 @@ def test_the_gluon_candidate_compiles_for_hopper_warp_specialized():
 @pytest.mark.parametrize("fast", [False, True], ids=["promoted", "fast"])
 @pytest.mark.parametrize("scaling", ["tensor", "row"])
 @pytest.mark.parametrize("shape", [(8192, 4096, 16384), (4097, 4096, 1040), (300, 256, 272)], ids=str)
-def test_gpu_the_gluon_candidate_has_torchs_error(shape, scaling, fast, monkeypatch):
-    """The Gluon kernel switched on, where it takes the call: the oracle with torch._scaled_mm's
-    error in the same mode, fp32 output (nothing hides the sums' error), ragged M and N."""
+def test_gpu_the_gluon_kernel_has_torchs_error(shape, scaling, fast, monkeypatch):
+    """The Gluon kernel made to take every call it can (``scaled_mm.GLUON = True``, the small and
+    ragged products included): the oracle with torch._scaled_mm's error in the same mode, fp32 output
+    (nothing hides the sums' error), ragged M and N; the Gluon launch is the one that ran."""
     from tritonkit.ops.linear import scaled_mm_sm90
 
+    launched, launch = [], scaled_mm_sm90.launch
     monkeypatch.setattr(sm, "GLUON", True)
+    monkeypatch.setattr(scaled_mm_sm90, "launch", lambda *args: launched.append(1) or launch(*args))
     a, b, scale_a, scale_b = _operands(*shape, scaling=scaling, seed=8)
-    assert scaled_mm_sm90.takes(a, b.t(), None, sm.SCALINGS[scaling], torch.empty(0, device="cuda"))
     _check(a, b, scale_a, scale_b, out_dtype=torch.float32, fast=fast)
+    assert launched
+
+
+def test_the_gluon_kernel_takes_the_products_it_measured_faster_on():
+    """The rule (``_gluon_pays``): promoted products of many tiles, and chained tensorwise ones;
+    not chained rowwise ones, nor products of fewer tiles than SMs (SMALL_TILE's)."""
+    tensor, row = sm.SCALINGS["tensor"], sm.SCALINGS["row"]
+    assert sm._gluon_pays(False, False, tensor) and sm._gluon_pays(False, False, row)
+    assert sm._gluon_pays(False, True, tensor) and not sm._gluon_pays(False, True, row)
+    assert not any(sm._gluon_pays(True, chained, s) for chained in (False, True) for s in (tensor, row))
+    assert sm._few_tiles(1024, 1024, "cpu") and not sm._few_tiles(8192, 16384, "cpu")

@@ -21,7 +21,10 @@ its epilogues), with the scales applied to the fp32 accumulator in the epilogue 
 blockwise, to each step's product before it is added (a step lies in one block of K: the tensor
 cores' sum restarts every step, as DeepSeek-V3's kernels promote it every 128 of K). A
 fixed tile for now (``TILE``, ``FAST_TILE``: 128 x 128 or 128 x 256 outputs, 128 deep, a 128-byte
-row of fp8 a step) instead of the tuner's: fp8 keys are not in its table yet.
+row of fp8 a step) instead of the tuner's: fp8 keys are not in its table yet. On sm_90 the large
+tensorwise and rowwise products without a bias run on a warp-specialized Gluon kernel instead
+(``ops/linear/scaled_mm_sm90.py``: a TMA producer warp and two consumer warpgroups), where it
+measured faster (``_gluon_pays``).
 
 Accumulation. Hopper's fp8 tensor cores sum their products keeping about 14 bits. By default each
 128-deep step's product is added to the fp32 accumulator on its own (promoted): on the H200 its
@@ -66,12 +69,18 @@ FAST_TILE = TILE | {"BLOCK_N": 256, "num_stages": 3}
 # FAST_TILE; at (128, 4096, 14336) 253 against 231), taken whatever use_fast_accum says: it is
 # both the faster and the more exact there
 SMALL_TILE = TILE | {"BLOCK_M": 64, "num_warps": 4, "num_stages": 5}
-# Tensorwise and rowwise products without a bias on the warp-specialized Gluon kernel where it takes
-# them (ops/linear/scaled_mm_sm90.py): a candidate, off until it has run on the H200
-GLUON = False
+# Which products the warp-specialized Gluon kernel (ops/linear/scaled_mm_sm90.py: tensorwise and
+# rowwise scales, no bias, sm_90) computes among those it can: None, the measured rule
+# (_gluon_pays); True, all of them; False, none (the switch the benchmark and the tests turn).
+GLUON: bool | None = None
 
 
 _sms = functools.cache(sm_count)  # (a launch path's query, once a device)
+
+
+def _few_tiles(m: int, n: int, device) -> bool:
+    """Fewer 128 x 128 output tiles than the GPU has SMs: SMALL_TILE's products."""
+    return cdiv(m, 128) * cdiv(n, 128) < _sms(device)
 
 
 def _launch_choice(fast_accum: bool, m: int, n: int, device) -> tuple[dict, bool]:
@@ -80,9 +89,17 @@ def _launch_choice(fast_accum: bool, m: int, n: int, device) -> tuple[dict, bool
     TMA where the operands allow it."""
     if interpret():
         return dict(INTERPRETER_CONFIG), fast_accum
-    if cdiv(m, 128) * cdiv(n, 128) < _sms(device):
+    if _few_tiles(m, n, device):
         return SMALL_TILE | {"TMA": True}, False
     return (FAST_TILE if fast_accum else TILE) | {"TMA": True}, fast_accum
+
+
+def _gluon_pays(few_tiles: bool, chained: bool, scaling: int) -> bool:
+    """Where the Gluon kernel measured faster than the Triton one (H200, one run at three large
+    shapes, docs/perf-notes.md): promoted, +3-10% at both scalings; chained tensorwise +11-13% at two
+    shapes, -1% at the third; chained rowwise -2 to -7%, so not there. Products of few tiles keep
+    SMALL_TILE (level with the Gluon kernel at (128, 4096, 14336), 9% ahead at (1024, 16384, 1024))."""
+    return not few_tiles and not (chained and scaling == SCALINGS["row"])
 
 
 @op("scaled_mm", mutates=("out",))
@@ -102,8 +119,10 @@ def _scaled_mm(
     opcheck runs on the arguments, take no fp8) and fp8 dtypes; b (K, N) column-major, read as
     B = b^T (N, K)."""
     a, b = a_bits.view(a_dtype), b_bits.view(b_dtype)
-    config, chained = _launch_choice(fast_accum, a.shape[0], b.shape[1], a.device)
-    if GLUON and scaled_mm_sm90.takes(a, b.t(), bias, scaling, out):
+    (m, _), n = a.shape, b.shape[1]
+    config, chained = _launch_choice(fast_accum, m, n, a.device)
+    gluon = GLUON if GLUON is not None else _gluon_pays(_few_tiles(m, n, a.device), chained, scaling)
+    if gluon and scaled_mm_sm90.takes(a, b.t(), bias, scaling, out):
         scaled_mm_sm90.launch(a, b.t(), scale_a, scale_b, scaling, chained, out).run()
         return
     scales = {"scale_a": scale_a, "scale_b": scale_b, "scaling": scaling, "fast_accum": chained}

@@ -1,6 +1,5 @@
 """``scaled_mm`` on the sm_90 Gluon kernel (``scaled_mm_sm90_kernels``): which calls it takes, and
-their launch. A candidate, off (``scaled_mm.GLUON``): written and compiled for sm_90 (its SASS is
-checked in CI), not yet run on a GPU.
+their launch. ``scaled_mm`` sends it the products where it measured faster (``scaled_mm._gluon_pays``).
 
 It takes tensorwise and rowwise scales without a bias on an sm_90 GPU, A (M, K) and B^T (N, K)
 K-major and TMA-ready (K a multiple of 16), out contiguous; everything else stays on the linear
