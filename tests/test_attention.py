@@ -108,6 +108,34 @@ def test_strided_inputs(device):
     check(q, k, v)
 
 
+def test_outputs_and_gradients_follow_the_inputs_layout(device):
+    """q, k and v split from one fused (B, S, (Hq + 2 Hkv) D) projection, as a decoder layer makes
+    them: the output lies as (B, S, Hq, D) (its transpose back to (B, S, Hq D) is a view of it), each
+    gradient lies as its input, and the projection's gradient matches the reference's; contiguous
+    inputs keep contiguous outputs."""
+    batch, seq, heads_q, heads_kv, head_dim = 2, 29, 4, 2, 32
+    g = testing.generator(7)
+    width = (heads_q + 2 * heads_kv) * head_dim
+    qkv_proj = testing.random_tensor((batch, seq, width), BF16, device, generator=g).requires_grad_()
+
+    def split(t):
+        q, k, v = t.view(batch, seq, -1, head_dim).split([heads_q, heads_kv, heads_kv], dim=2)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    q, k, v = split(qkv_proj)
+    o = tritonkit.flash_attention(q, k, v, causal=True)
+    assert o.transpose(1, 2).is_contiguous()
+    merged = o.transpose(1, 2).reshape(batch, seq, heads_q * head_dim)
+    assert merged.data_ptr() == o.data_ptr()  # a view, no copy
+    do = testing.random_tensor(merged.shape, BF16, device, generator=g)
+    grads = torch.autograd.grad(o, (q, k, v), do.view(batch, seq, heads_q, head_dim).transpose(1, 2))
+    for grad in grads:
+        assert grad.transpose(1, 2).is_contiguous(), grad.stride()
+    check(*split(qkv_proj.detach().requires_grad_()), causal=True)
+    contiguous = [t.contiguous() for t in split(qkv_proj.detach())]
+    assert tritonkit.flash_attention(*contiguous).is_contiguous()
+
+
 def test_large_scores_stay_finite(device):
     """Scores near 100 in magnitude: the running max keeps every exp2 at or below 1."""
     q, k, v = qkv(1, 2, 2, 40, 40, 64, torch.bfloat16, device, seed=2)

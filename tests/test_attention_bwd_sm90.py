@@ -172,6 +172,39 @@ def test_calls_the_gluon_backward_cannot_take_go_to_the_triton_kernels(device):
             assert not bwd.sm90_takes(q, k, k, Scores(0.125, causal=True), None, deterministic)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_finishing_passes_convert_dq_and_sum_the_shares_in_order(head_dim, device):
+    """dq = scale * its fp32 accumulator, and each group's dK and dV shares summed in fp32 and
+    rounded once, into gradients laid out as (B, S, H, D) memory (what a decoder layer's q, k and v
+    give), at a length that leaves the last program part-filled; against the same values in float64
+    to within the one rounding to bf16 (a unit in its last place: the interpreter truncates where
+    the GPU rounds to nearest)."""
+    from tritonkit import testing
+    from tritonkit.ops.attention import bwd_sm90 as bwd
+
+    batch, heads_q, heads_kv, seq = 2, 6, 2, bwd.FINISH_ROWS + 13
+    g = testing.generator(11)
+    acc = testing.random_tensor((batch, heads_q, seq, head_dim), torch.float32, device, generator=g)
+    shares = [
+        testing.random_tensor((batch, heads_q, seq, head_dim), torch.bfloat16, device, generator=g)
+        for _ in "kv"
+    ]
+
+    def laid_out(heads):
+        return torch.full(
+            (batch, seq, heads, head_dim), math.nan, dtype=torch.bfloat16, device=device
+        ).transpose(1, 2)
+
+    dq, grads = laid_out(heads_q), [laid_out(heads_kv) for _ in "kv"]
+    for launch in bwd.finish_launches(acc, dq, 0.3, grads, shares):
+        launch.run()
+    one_rounding = {"rtol": 2**-7, "atol": 0.0}
+    torch.testing.assert_close(dq.double(), acc.double() * 0.3, **one_rounding)
+    for grad, share in zip(grads, shares, strict=True):
+        summed = share.double().view(batch, heads_kv, -1, seq, head_dim).sum(2)
+        torch.testing.assert_close(grad.double(), summed, **one_rounding)
+
+
 # ---------------------------------------------------------------- on the H200
 
 

@@ -14,7 +14,6 @@ import math
 
 import torch
 
-from tritonkit._runtime import empty_output
 from tritonkit.opdef import first_derivative_only, op
 from tritonkit.ops import Op, Workload
 from tritonkit.ops.attention.bwd import _inspect_launches as _inspect_bwd_launches
@@ -25,6 +24,7 @@ from tritonkit.ops.attention.common import (
     Packed,
     Scores,
     attention_reference,
+    empty_in_layout,
     softmax_scale,
     validate_qkv,
 )
@@ -140,7 +140,7 @@ class _Attention(torch.autograd.Function):
         q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
         if do is None:  # only the lse was differentiated
             do = torch.zeros_like(o)
-        dq, dk, dv = (empty_output(t.shape, t.dtype, t.device) for t in (q, k, v))
+        dq, dk, dv = (empty_in_layout(t) for t in (q, k, v))  # each laid out as its input
         _backward(do, q, k, v, o, lse, dlse, cu_seqlens_q, cu_seqlens_k, *ctx.options, dq, dk, dv)
         return dq, dk, dv, *([None] * (2 + len(ctx.options)))
 

@@ -38,6 +38,7 @@ from tritonkit.ops.attention.common import (
     attention_reference,
     calibration_inputs,
     calibration_scores,
+    empty_in_layout,
     per_sequence,
     sequence_args,
     tuning_key,
@@ -371,7 +372,7 @@ def attention_bwd(
     deterministic: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of attention, allocated here (see :func:`attention_bwd_into`)."""
-    dq, dk, dv = (empty_output(t.shape, t.dtype, t.device) for t in (q, k, v))
+    dq, dk, dv = (empty_in_layout(t) for t in (q, k, v))
     attention_bwd_into(do, q, k, v, o, lse, dlse, dq, dk, dv, scores, packed, deterministic, config)
     return dq, dk, dv
 

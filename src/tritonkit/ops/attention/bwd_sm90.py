@@ -1,7 +1,8 @@
 """Attention backward for Hopper (sm_90) in Gluon, the host side: which calls it takes
 (``supports``), its tiles (``CONFIGS``), the order of its programs, and the launch
 (``attention_bwd_sm90``: the kernel of ``bwd_sm90_kernels``, whose docstring has the maths and the
-design, then dq's conversion from its fp32 accumulator).
+design), then the passes that finish it (``finish_launches``: dq's conversion from its fp32
+accumulator, and per query head the sums of the dK and dV shares).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from tritonkit._launch import Launch, cdiv, tma_ready
 from tritonkit._runtime import sm_count
+from tritonkit._triton import tl, triton
 from tritonkit.jit import LOG2E
 from tritonkit.ops.attention.bwd_sm90_kernels import (
     BLOCK_M,
@@ -163,13 +165,12 @@ def attention_bwd_sm90(
         upper_offset=upper_offset, deterministic=deterministic, config=config,
     ):  # fmt: skip
         launch.run()
-    (batch, heads_kv, seq_k, head_dim) = k.shape
-    for grad, out in zip((dk, dv), outputs, strict=True):
-        if shares:  # fp32 sums in a fixed order, rounded once
-            torch.sum(out.view(batch, heads_kv, -1, seq_k, head_dim), dim=2, out=grad)
-        elif out is not grad:
-            grad.copy_(out)
-    torch.mul(dq_acc, scale, out=dq)  # the conversion: dq = scale * dS K, in q's dtype
+    if not shares:
+        for grad, out in zip((dk, dv), outputs, strict=True):
+            if out is not grad:
+                grad.copy_(out)
+    for launch in finish_launches(dq_acc, dq, scale, (dk, dv) if shares else (), outputs if shares else ()):
+        launch.run()
 
 
 # The deterministic mode's order of programs. Programs launch in turn order within each pair (a
@@ -283,3 +284,68 @@ def launches(
     }
     grid = (blocks * pairs,)
     return [Launch("bwd sm90", _attn_bwd_sm90_kernel, args, meta, config._asdict(), grid)]
+
+
+# ---------------------------------------------------------------- the passes after the kernel
+
+FINISH_ROWS = 64  # (S rows of D) a program of the passes below: 16-32 KB in, 8-16 KB out
+
+
+@triton.jit
+def _dq_finish_kernel(
+    acc_ptr, dq_ptr, scale, stride_db, stride_dh, stride_ds, heads, seq,
+    HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    """dq = scale * acc in dq's dtype: acc (B, H, S, D) fp32 contiguous, dq any strides with a unit
+    last one. A program ROWS rows of one (batch, head), a (batch, head)'s programs neighbours."""
+    blocks = tl.cdiv(seq, ROWS)
+    pair = tl.program_id(0) // blocks
+    rows = (tl.program_id(0) % blocks) * ROWS + tl.arange(0, ROWS)[:, None]
+    cols = tl.arange(0, HEAD_DIM)[None, :]
+    inside = rows < seq
+    acc = tl.load(acc_ptr + pair.to(tl.int64) * seq * HEAD_DIM + rows * HEAD_DIM + cols, mask=inside)
+    batch, head = pair // heads, pair % heads
+    dq = dq_ptr + batch.to(tl.int64) * stride_db + head.to(tl.int64) * stride_dh + rows * stride_ds + cols
+    tl.store(dq, (acc * scale).to(dq_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _share_sum_kernel(
+    shares_ptr, out_ptr, stride_ob, stride_oh, stride_os, heads, seq,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    """out[b, h] = the sum of shares[b, h G + g] over g = 0 .. G - 1, in fp32 in that order, rounded
+    once: shares (B, H G, S, D) contiguous, out (B, H, S, D) any strides with a unit last one. A
+    program ROWS rows of one (batch, head)."""
+    blocks = tl.cdiv(seq, ROWS)
+    pair = tl.program_id(0) // blocks
+    rows = (tl.program_id(0) % blocks) * ROWS + tl.arange(0, ROWS)[:, None]
+    cols = tl.arange(0, HEAD_DIM)[None, :]
+    inside = rows < seq
+    first = shares_ptr + pair.to(tl.int64) * GROUP * seq * HEAD_DIM + rows * HEAD_DIM + cols
+    total = tl.zeros((ROWS, HEAD_DIM), tl.float32)
+    for share in tl.static_range(GROUP):
+        total += tl.load(first + share * seq * HEAD_DIM, mask=inside).to(tl.float32)
+    batch, head = pair // heads, pair % heads
+    out = out_ptr + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh + rows * stride_os + cols
+    tl.store(out, total.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+def finish_launches(dq_acc, dq, scale: float, grads=(), shares=()) -> list[Launch]:
+    """The passes after the kernel: dq = scale * dq_acc (the conversion from the fp32 accumulator,
+    (B, Hq, Sq, D) contiguous, into dq's dtype and strides), then, per query head, each of ``grads``
+    (dk, dv: (B, Hkv, Sk, D), any strides) the sum of its ``shares`` ((B, Hq, Sk, D) contiguous)
+    over each group of query heads, in a fixed order. Memory-bound: 6 bytes an element of dq, and
+    2 (G + 1) of dk's and dv's at 16 bits, a pass each over HBM."""
+    (batch, heads_q, seq_q, head_dim) = dq.shape
+    meta = {"HEAD_DIM": head_dim, "ROWS": FINISH_ROWS, "num_warps": 4}
+    grid = (cdiv(seq_q, FINISH_ROWS) * batch * heads_q,)
+    dq_args = (dq_acc, dq, float(scale), *dq.stride()[:3], heads_q, seq_q)
+    launches = [Launch("bwd sm90 dq", _dq_finish_kernel, dq_args, meta, {}, grid)]
+    for grad, share in zip(grads, shares, strict=True):
+        heads_kv, seq_k = grad.shape[1], grad.shape[2]
+        args = (share, grad, *grad.stride()[:3], heads_kv, seq_k)
+        grid = (cdiv(seq_k, FINISH_ROWS) * batch * heads_kv,)
+        group = {"GROUP": heads_q // heads_kv}
+        launches.append(Launch("bwd sm90 shares", _share_sum_kernel, args, meta | group, {}, grid))
+    return launches

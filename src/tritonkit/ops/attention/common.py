@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import torch
 
+from tritonkit._runtime import empty_output
 from tritonkit._triton import tl, triton
 from tritonkit.dtypes import DTYPE_OF, HALVES, NAME_OF
 from tritonkit.jit import LOG2E
@@ -98,6 +99,18 @@ def sequence_args(
 def softmax_scale(scale: float | None, head_dim: int) -> float:
     """``scale``, or 1/sqrt(D) where it is None (torch's and FlashAttention's default)."""
     return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
+def empty_in_layout(t: torch.Tensor) -> torch.Tensor:
+    """A new tensor of t's shape and dtype (an output, or a gradient of t), laid out as t is where t
+    is a (B, H, S, D) view of (B, S, H, D) memory (the heads inside each position: a projection's
+    output viewed as heads and transposed, as decoder layers and transformers' models pass q, k and
+    v), so that the caller's transpose back to (B, S, H D) is a view, not a copy, and a fused QKV
+    projection's gradient gathers rows, not transposed blocks; else contiguous."""
+    if t.dim() == 4 and t.stride(1) < t.stride(2):
+        batch, heads, seq, head_dim = t.shape
+        return empty_output((batch, seq, heads, head_dim), t.dtype, t.device).transpose(1, 2)
+    return empty_output(t.shape, t.dtype, t.device)
 
 
 def validate_qkv(q, k, v, names: tuple[str, str, str] = ("query", "key", "value")) -> None:

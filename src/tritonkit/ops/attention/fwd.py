@@ -52,6 +52,7 @@ from tritonkit.ops.attention.common import (
     attention_reference,
     calibration_inputs,
     calibration_scores,
+    empty_in_layout,
     per_sequence,
     sequence_args,
     tuning_key,
@@ -701,9 +702,10 @@ def attention_fwd_into(
 
 
 def fwd_outputs(q: torch.Tensor, packed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o, lse) allocated for a forward over ``q``: (B, H, S, D) and (B, H, S), or for a packed
-    batch's (T, H, D) q, (T, H, D) and (H, T)."""
-    o = empty_output(q.shape, q.dtype, q.device)
+    """(o, lse) allocated for a forward over ``q``: (B, H, S, D), laid out as q
+    (``common.empty_in_layout``), and (B, H, S), or for a packed batch's (T, H, D) q, (T, H, D) and
+    (H, T)."""
+    o = empty_in_layout(q)
     rows = (q.shape[1], q.shape[0]) if packed else q.shape[:3]
     return o, empty_output(rows, torch.float32, q.device)
 
