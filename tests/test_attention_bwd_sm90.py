@@ -180,6 +180,7 @@ def test_the_finishing_passes_convert_dq_and_sum_the_shares_in_order(head_dim, d
     to within the one rounding to bf16 (a unit in its last place: the interpreter truncates where
     the GPU rounds to nearest)."""
     from tritonkit import testing
+    from tritonkit._launch import LAUNCH_OPTIONS
     from tritonkit.ops.attention import bwd_sm90 as bwd
 
     batch, heads_q, heads_kv, seq = 2, 6, 2, bwd.FINISH_ROWS + 13
@@ -197,6 +198,9 @@ def test_the_finishing_passes_convert_dq_and_sum_the_shares_in_order(head_dim, d
 
     dq, grads = laid_out(heads_q), [laid_out(heads_kv) for _ in "kv"]
     for launch in bwd.finish_launches(acc, dq, 0.3, grads, shares):
+        # the GPU's lean launcher takes the constexprs as the kernel's trailing parameters, in order
+        constexprs = [name for name in launch.meta if name not in LAUNCH_OPTIONS]
+        assert constexprs == launch.kernel.arg_names[len(launch.args) :], launch.name
         launch.run()
     one_rounding = {"rtol": 2**-7, "atol": 0.0}
     torch.testing.assert_close(dq.double(), acc.double() * 0.3, **one_rounding)

@@ -346,6 +346,6 @@ def finish_launches(dq_acc, dq, scale: float, grads=(), shares=()) -> list[Launc
         heads_kv, seq_k = grad.shape[1], grad.shape[2]
         args = (share, grad, *grad.stride()[:3], heads_kv, seq_k)
         grid = (cdiv(seq_k, FINISH_ROWS) * batch * heads_kv,)
-        group = {"GROUP": heads_q // heads_kv}
-        launches.append(Launch("bwd sm90 shares", _share_sum_kernel, args, meta | group, {}, grid))
+        group = {"GROUP": heads_q // heads_kv} | meta  # (constexprs in the kernel's order)
+        launches.append(Launch("bwd sm90 shares", _share_sum_kernel, args, group, {}, grid))
     return launches
