@@ -1,0 +1,415 @@
+"""Where the decoder layer's training step (``tritonkit bench layer``'s 8b-4k) loses time beyond its
+kernels' profile, on the H200: four diagnostics, one a run.
+
+    python benchmarks/layer_diagnostics.py OUT.json protocols [PROVIDERS]
+    python benchmarks/layer_diagnostics.py OUT.json sustained [PROVIDERS]
+    python benchmarks/layer_diagnostics.py OUT.json matmuls
+    python benchmarks/layer_diagnostics.py OUT.json finish
+
+``protocols``: the step timed five ways (do_bench as the layer benchmark does, CUDA events with and
+without the L2 flush, a sync after each step, one loop of steps), the host's time to issue it, and
+under torch.profiler the runtime calls a step makes (a sync or a malloc would show) and the GPU's
+idle gaps. ``sustained``: the step's time right after three seconds idle (cool) and through 70
+steps back to back (hot: the H200 at its 700 W cap), with nvidia-smi's clock and power sampled
+beside it (OUT.json.PROVIDER.smi.csv); provider ``hybrid`` is tritonkit's norms and attention with
+cuBLAS's matmuls (F.linear). ``matmuls``: each of the layer's projections (fwd+bwd and fwd alone)
+on tritonkit.linear and on cuBLAS, cool and hot, and five tiles of the linear kernel hot at two of
+them. ``finish``: the sm_90 attention backward's finishing passes against the torch ops they
+replace, and the layer's gather of dq, dk, dv and merge of the output's heads, with the gradients
+and output contiguous and laid out as (B, S, H, D) memory. PROVIDERS: comma-separated, of
+``bench layer``'s providers (and ``hybrid``).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections import defaultdict
+
+import torch
+from attention_bwd_sm90 import result_header
+from torch.nn import functional
+from torch.profiler import ProfilerActivity, profile, schedule
+from triton.testing import do_bench
+
+import tritonkit
+from tritonkit.bench import layer
+
+SHAPE = layer.CASES["8b-4k"]
+
+
+def _layer_inputs():
+    x, g = layer.make_inputs(SHAPE, torch.bfloat16, "cuda")
+    w = layer.make_weights(SHAPE, torch.bfloat16, "cuda")
+    return x, g, w, [x, *w]
+
+
+def _clear(tensors):
+    for t in tensors:
+        t.grad = None
+
+
+def _hybrid_layer(x, w):
+    """tritonkit's norms and attention, cuBLAS's matmuls (F.linear), the residuals added apart."""
+    d = (SHAPE.dim,)
+    q, k, v = layer._split_heads(
+        functional.linear(tritonkit.rms_norm(x, d, w.attn_norm, layer.EPS), w.qkv), SHAPE
+    )
+    a = tritonkit.flash_attention(q, k, v, causal=True)
+    x2 = x + functional.linear(layer._merge_heads(a), w.out)
+    h2 = tritonkit.rms_norm(x2, d, w.mlp_norm, layer.EPS)
+    return x2 + functional.linear(
+        functional.silu(functional.linear(h2, w.gate)) * functional.linear(h2, w.up), w.down
+    )
+
+
+def _provider(name: str, backend):
+    return _hybrid_layer if name == "hybrid" else layer.build(name, SHAPE, backend)
+
+
+# ---------------------------------------------------------------- protocols
+
+
+def _events_median(call, tensors, n: int, flush: bool, sync_each: bool, cache) -> float:
+    times = []
+    torch.cuda.synchronize()
+    for _ in range(n):
+        _clear(tensors)
+        if flush:
+            cache.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        if sync_each:
+            torch.cuda.synchronize()
+        times.append((start, end))
+    torch.cuda.synchronize()
+    ms = sorted(s.elapsed_time(e) for s, e in times)
+    return ms[len(ms) // 2]
+
+
+def _loop_ms(call, tensors, n: int) -> float:
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        _clear(tensors)
+        call()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n
+
+
+def protocols(providers: list[str]) -> dict:
+    x, g, w, tensors = _layer_inputs()
+    backend = layer.sdpa_backend(SHAPE, torch.bfloat16, "cuda")
+    cache = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    result = {}
+    for provider in providers:
+        fn = _provider(provider, backend)
+
+        def call(fn=fn):
+            fn(x, w).backward(g)
+
+        started = time.time()
+        _clear(tensors)
+        call()
+        torch.cuda.synchronize()
+        row = {"first_step_s": time.time() - started}
+        for _ in range(5):
+            _clear(tensors)
+            call()
+        torch.cuda.synchronize()
+        row["do_bench_ms"] = layer.time_ms(call, tensors)[1]
+        row["events_flush_ms"] = _events_median(call, tensors, 20, True, False, cache)
+        row["events_noflush_ms"] = _events_median(call, tensors, 20, False, False, cache)
+        row["events_sync_each_ms"] = _events_median(call, tensors, 10, True, True, cache)
+        row["whole_loop_ms"] = _loop_ms(call, tensors, 20)
+        row["host_ms"] = layer.host_ms(call, tensors)
+        for _ in range(10):
+            _clear(tensors)
+            call()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                _clear(tensors)
+                call()
+            torch.cuda.synchronize()
+        api = defaultdict(lambda: [0, 0.0, 0.0])  # calls, ms, longest ms
+        kernels = []
+        for event in prof.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                kernels.append((event.time_range.start, event.time_range.end, event.name))
+            elif event.name.startswith(("cuda", "cu")) and not event.name.startswith("cudnn"):
+                entry, us = api[event.name], event.time_range.end - event.time_range.start
+                entry[0] += 1
+                entry[1] += us / 1e3
+                entry[2] = max(entry[2], us / 1e3)
+        row["api_per_step"] = {
+            k: [v[0] / 3, v[1] / 3, v[2]] for k, v in sorted(api.items(), key=lambda i: -i[1][1])
+        }
+        kernels.sort()
+        gaps = sorted(
+            (
+                (s1 - e0, n0[:70], n1[:70])
+                for (_, e0, n0), (s1, _, n1) in zip(kernels, kernels[1:], strict=False)
+                if s1 - e0 > 5
+            ),
+            reverse=True,
+        )
+        row |= {
+            "span_ms": (kernels[-1][1] - kernels[0][0]) / 3e3,
+            "busy_ms": sum(e - s for s, e, _ in kernels) / 3e3,
+            "kernels_per_step": len(kernels) / 3,
+            "gap_ms_over_5us": sum(gap[0] for gap in gaps) / 3e3,
+            "top_gaps": gaps[:25],
+        }
+        print(provider, {k: v for k, v in row.items() if k not in ("top_gaps", "api_per_step")}, flush=True)
+        result[provider] = row
+        del fn
+        torch.cuda.empty_cache()
+    return result
+
+
+# ---------------------------------------------------------------- sustained
+
+
+def _smi(path: str):
+    try:
+        query = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
+        command = ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader", "-lms", "50"]
+        return subprocess.Popen(command, stdout=open(path, "w"), stderr=subprocess.STDOUT)
+    except OSError as error:
+        print("no nvidia-smi:", error)
+        return None
+
+
+def _kernel_ms(prof, steps: int) -> dict:
+    totals = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time_total > 0:
+            entry = totals.setdefault(event.name[:90], [0.0, 0])
+            entry[0] += event.device_time_total / 1e3 / steps
+            entry[1] += 1
+    return dict(sorted(totals.items(), key=lambda i: -i[1][0]))
+
+
+def sustained(providers: list[str], out: str) -> dict:
+    x, g, w, tensors = _layer_inputs()
+    backend = layer.sdpa_backend(SHAPE, torch.bfloat16, "cuda")
+    result = {}
+    for provider in providers:
+        fn = _provider(provider, backend)
+
+        def call(fn=fn):
+            fn(x, w).backward(g)
+
+        for _ in range(4):
+            _clear(tensors)
+            call()
+        torch.cuda.synchronize()
+        smi = _smi(f"{out}.{provider}.smi.csv")
+        time.sleep(3.0)  # idle: the GPU cools below its power cap
+        steps = []
+
+        def timed_step(call=call, steps=steps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            _clear(tensors)
+            start.record()
+            call()
+            end.record()
+            steps.append((start, end))
+
+        with profile(
+            activities=[ProfilerActivity.CUDA], schedule=schedule(wait=2, warmup=1, active=3)
+        ) as cool:
+            for _ in range(6):
+                timed_step()
+                cool.step()
+            torch.cuda.synchronize()
+        with profile(
+            activities=[ProfilerActivity.CUDA], schedule=schedule(wait=60, warmup=2, active=4)
+        ) as hot:
+            for _ in range(70):
+                timed_step()
+                hot.step()
+            torch.cuda.synchronize()
+        if smi:
+            smi.terminate()
+        cool_kernels, hot_kernels = _kernel_ms(cool, 3), _kernel_ms(hot, 4)
+        result[provider] = {
+            "step_ms": [s.elapsed_time(e) for s, e in steps],
+            "cold_kernels": cool_kernels,
+            "hot_kernels": hot_kernels,
+        }
+        print(provider, [round(ms, 2) for ms in result[provider]["step_ms"][:6]], "...",
+              [round(ms, 2) for ms in result[provider]["step_ms"][-10:]], flush=True)  # fmt: skip
+        del fn
+        torch.cuda.empty_cache()
+    return result
+
+
+# ---------------------------------------------------------------- matmuls
+
+
+def _cool_and_hot(call, seconds_hot: float = 1.2, n: int = 30) -> tuple[float, float]:
+    """(the fastest of three calls after 1.5 s idle, the median of n after seconds_hot of calls)."""
+    torch.cuda.synchronize()
+    time.sleep(1.5)
+    cool = []
+    for _ in range(3):
+        start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+        start.record()
+        call()
+        end.record()
+        torch.cuda.synchronize()
+        cool.append(start.elapsed_time(end))
+    stop = time.time() + seconds_hot
+    while time.time() < stop:
+        for _ in range(5):
+            call()
+        torch.cuda.synchronize()
+    events = []
+    for _ in range(n):
+        start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+        start.record()
+        call()
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    hot = sorted(s.elapsed_time(e) for s, e in events)
+    return min(cool), hot[len(hot) // 2]
+
+
+TILES = {
+    f"{m}x{n} w{warps} s{stages}{' P' if persistent else ''}": {
+        "BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": warps, "num_stages": stages,
+        "TMA": True, **({"PERSISTENT": 1} if persistent else {}),
+    }
+    for m, n, warps, stages, persistent in (
+        (128, 256, 8, 3, True), (128, 256, 8, 4, True), (128, 256, 8, 3, False),
+        (128, 128, 8, 4, True), (128, 128, 4, 4, True),
+    )
+}  # fmt: skip
+
+
+def matmuls() -> dict:
+    from tritonkit.ops.linear import matmul as mm
+
+    tokens, d, ffn = SHAPE.batch * SHAPE.seq, SHAPE.dim, SHAPE.ffn
+    qkv = (SHAPE.heads + 2 * SHAPE.kv_heads) * SHAPE.head_dim
+    projections = {"qkv": (qkv, d), "out": (d, d), "gate": (ffn, d), "down": (d, ffn)}
+    result = {"linear_fwd_bwd": {}, "tiles": {}}
+    for name, (n, k) in projections.items():
+        x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        w = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5).requires_grad_()
+        g = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
+        row = {}
+        for provider, linear in (("tritonkit", tritonkit.linear), ("cublas", functional.linear)):
+
+            def step(linear=linear, x=x, w=w, g=g):
+                x.grad = w.grad = None
+                linear(x, w).backward(g)
+
+            def forward(linear=linear, x=x, w=w):
+                with torch.no_grad():
+                    linear(x, w)
+
+            step()
+            step()
+            row[provider] = _cool_and_hot(step)
+            row[provider + " fwd"] = _cool_and_hot(forward)
+        print(name, row, flush=True)
+        result["linear_fwd_bwd"][name] = row
+    for name in ("gate", "down"):
+        n, k = projections[name]
+        a = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        c = torch.empty(tokens, n, device="cuda", dtype=torch.bfloat16)
+        row = {"cublas": _cool_and_hot(lambda a=a, b=b, c=c: torch.mm(a, b.t(), out=c))}
+        for tile, config in TILES.items():
+            problem = mm.matmul_problem(a, b, c)
+            mm.MATMUL.run(problem, config)
+            row[tile] = _cool_and_hot(lambda problem=problem, config=config: mm.MATMUL.run(problem, config))
+        print(name, row, flush=True)
+        result["tiles"][name] = row
+    return result
+
+
+# ---------------------------------------------------------------- finish
+
+
+def finish() -> dict:
+    from tritonkit.ops.attention import bwd_sm90
+
+    batch, heads_q, heads_kv, seq, head_dim = (
+        SHAPE.batch,
+        SHAPE.heads,
+        SHAPE.kv_heads,
+        SHAPE.seq,
+        SHAPE.head_dim,
+    )
+    acc = torch.randn(batch, heads_q, seq, head_dim, device="cuda")
+    shares = [torch.randn(batch, heads_q, seq, head_dim, device="cuda", dtype=torch.bfloat16) for _ in "kv"]
+    result = {}
+
+    def timed(name, fn):
+        fn()
+        result[name] = do_bench(fn, warmup=100, rep=400)
+        print(f"{name:40s} {result[name] * 1e3:8.1f} us", flush=True)
+
+    for layout in ("contiguous", "layer"):
+
+        def empty(heads, layout=layout):
+            if layout == "contiguous":
+                return torch.empty(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16)
+            return torch.empty(batch, seq, heads, head_dim, device="cuda", dtype=torch.bfloat16).transpose(
+                1, 2
+            )
+
+        dq, dk, dv = empty(heads_q), empty(heads_kv), empty(heads_kv)
+
+        def torch_ops(dq=dq, dk=dk, dv=dv):
+            for grad, share in zip((dk, dv), shares, strict=True):
+                torch.sum(share.view(batch, heads_kv, -1, seq, head_dim), dim=2, out=grad)
+            torch.mul(acc, 0.088, out=dq)
+
+        launches = bwd_sm90.finish_launches(acc, dq, 0.088, (dk, dv), shares)
+        timed(f"{layout}: torch mul + 2 sums", torch_ops)
+        timed(f"{layout}: finish passes", lambda launches=launches: [launch.run() for launch in launches])
+        grads = (dq, dk, dv)
+        timed(
+            f"{layout}: cat of dq dk dv",
+            lambda grads=grads: torch.cat([t.transpose(1, 2) for t in grads], dim=2),
+        )
+        timed(
+            f"{layout}: merge heads of o",
+            lambda dq=dq: dq.transpose(1, 2).reshape(batch, seq, heads_q * head_dim),
+        )
+    return result
+
+
+def main() -> None:
+    out, mode = sys.argv[1], sys.argv[2]
+    providers = sys.argv[3].split(",") if len(sys.argv) > 3 else None
+    if mode == "protocols":
+        rows = protocols(providers or ["tritonkit", "torch.compile"])
+    elif mode == "sustained":
+        rows = sustained(providers or ["tritonkit", "torch.compile", "hybrid"], out)
+    elif mode == "matmuls":
+        rows = matmuls()
+    elif mode == "finish":
+        rows = finish()
+    else:
+        raise SystemExit(f"mode must be protocols, sustained, matmuls or finish, got {mode!r}")
+    timing = "CUDA events; do_bench medians where named (module docstring)"
+    with open(out, "w") as f:
+        json.dump(
+            result_header("layer", "layer_diagnostics.py", timing) | {"mode": mode, "rows": rows}, f, indent=1
+        )
+
+
+if __name__ == "__main__":
+    main()
