@@ -196,6 +196,19 @@ def _kernel_ms(prof, steps: int) -> dict:
     return dict(sorted(totals.items(), key=lambda i: -i[1][0]))
 
 
+def _profiled_steps(step, steps: int, wait: int, warmup: int, active: int) -> dict:
+    """Run ``step`` ``steps`` times under a profiler that records ``active`` of them after ``wait``
+    and ``warmup``; their kernels' ms a step (the profiler live throughout: no pause cools the GPU)."""
+    with profile(
+        activities=[ProfilerActivity.CUDA], schedule=schedule(wait=wait, warmup=warmup, active=active)
+    ) as prof:
+        for _ in range(steps):
+            step()
+            prof.step()
+        torch.cuda.synchronize()
+    return _kernel_ms(prof, active)
+
+
 def sustained(providers: list[str], out: str) -> dict:
     x, g, w, tensors = _layer_inputs()
     backend = layer.sdpa_backend(SHAPE, torch.bfloat16, "cuda")
@@ -222,23 +235,10 @@ def sustained(providers: list[str], out: str) -> dict:
             end.record()
             steps.append((start, end))
 
-        with profile(
-            activities=[ProfilerActivity.CUDA], schedule=schedule(wait=2, warmup=1, active=3)
-        ) as cool:
-            for _ in range(6):
-                timed_step()
-                cool.step()
-            torch.cuda.synchronize()
-        with profile(
-            activities=[ProfilerActivity.CUDA], schedule=schedule(wait=60, warmup=2, active=4)
-        ) as hot:
-            for _ in range(70):
-                timed_step()
-                hot.step()
-            torch.cuda.synchronize()
+        cool_kernels = _profiled_steps(timed_step, 6, wait=2, warmup=1, active=3)
+        hot_kernels = _profiled_steps(timed_step, 70, wait=60, warmup=2, active=4)
         if smi:
             smi.terminate()
-        cool_kernels, hot_kernels = _kernel_ms(cool, 3), _kernel_ms(hot, 4)
         result[provider] = {
             "step_ms": [s.elapsed_time(e) for s, e in steps],
             "cold_kernels": cool_kernels,
