@@ -303,10 +303,10 @@ def attention_bwd_into(
     """Write attention's gradients into ``dq``, ``dk`` and ``dv`` (q's, k's and v's shapes and dtype).
     ``o`` and ``lse`` are the forward's (o laid out as q, the lse contiguous), ``dlse`` the upstream
     gradient of the lse or None. Arguments are the forward's, already validated: (B, H, S, D)
-    tensors, or with ``packed`` (T, H, D) tensors and a (H, T) lse. ``config`` ({"dkdv": ..., "dq": ...}) overrides the tuned
-    launch configs. ``deterministic=False`` accumulates dq in the dK/dV kernel with fp32 atomics
-    instead of running the dQ kernel, which recomputes the scores and dP: two matmuls of five fewer,
-    and dq's last bits vary from run to run."""
+    tensors, or with ``packed`` (T, H, D) tensors and a (H, T) lse. ``config`` ({"dkdv": ...,
+    "dq": ...}) overrides the tuned launch configs. ``deterministic=False`` accumulates dq in the
+    dK/dV kernel with fp32 atomics instead of running the dQ kernel, which recomputes the scores
+    and dP: two matmuls of five fewer, and dq's last bits vary from run to run."""
     if k.numel() == 0 or q.numel() == 0:  # no keys (every row sees none), or no query rows
         for grad in (dq, dk, dv):
             grad.zero_()
