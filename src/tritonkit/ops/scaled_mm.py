@@ -95,10 +95,11 @@ def _launch_choice(fast_accum: bool, m: int, n: int, device) -> tuple[dict, bool
 
 
 def _gluon_pays(few_tiles: bool, chained: bool, scaling: int) -> bool:
-    """Where the Gluon kernel measured faster than the Triton one (H200, one run at three large
-    shapes, docs/perf-notes.md): promoted, +3-10% at both scalings; chained tensorwise +11-13% at two
-    shapes, -1% at the third; chained rowwise -2 to -7%, so not there. Products of few tiles keep
-    SMALL_TILE (level with the Gluon kernel at (128, 4096, 14336), 9% ahead at (1024, 16384, 1024))."""
+    """Where the Gluon kernel measured faster than the Triton one (H200, two runs at three large
+    shapes, docs/perf-notes.md): promoted, +3-17% at both scalings; chained tensorwise -1% to +28%
+    (ahead at five of six); chained rowwise -7% to +1% (behind at five of six), so not there.
+    Products of few tiles keep SMALL_TILE (level with the Gluon kernel at (128, 4096, 14336), 1-12%
+    ahead at (1024, 16384, 1024))."""
     return not few_tiles and not (chained and scaling == SCALINGS["row"])
 
 
