@@ -292,43 +292,27 @@ FINISH_ROWS = 64  # (S rows of D) a program of the passes below: 16-32 KB in, 8-
 
 
 @triton.jit
-def _dq_finish_kernel(
-    acc_ptr, dq_ptr, scale, stride_db, stride_dh, stride_ds, heads, seq,
-    HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
-):  # fmt: skip
-    """dq = scale * acc in dq's dtype: acc (B, H, S, D) fp32 contiguous, dq any strides with a unit
-    last one. A program ROWS rows of one (batch, head), a (batch, head)'s programs neighbours."""
-    blocks = tl.cdiv(seq, ROWS)
-    pair = tl.program_id(0) // blocks
-    rows = (tl.program_id(0) % blocks) * ROWS + tl.arange(0, ROWS)[:, None]
-    cols = tl.arange(0, HEAD_DIM)[None, :]
-    inside = rows < seq
-    acc = tl.load(acc_ptr + pair.to(tl.int64) * seq * HEAD_DIM + rows * HEAD_DIM + cols, mask=inside)
-    batch, head = pair // heads, pair % heads
-    dq = dq_ptr + batch.to(tl.int64) * stride_db + head.to(tl.int64) * stride_dh + rows * stride_ds + cols
-    tl.store(dq, (acc * scale).to(dq_ptr.dtype.element_ty), mask=inside)
-
-
-@triton.jit
-def _share_sum_kernel(
-    shares_ptr, out_ptr, stride_ob, stride_oh, stride_os, heads, seq,
+def _group_sum_kernel(
+    src_ptr, out_ptr, scale, stride_ob, stride_oh, stride_os, heads, seq,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
-    """out[b, h] = the sum of shares[b, h G + g] over g = 0 .. G - 1, in fp32 in that order, rounded
-    once: shares (B, H G, S, D) contiguous, out (B, H, S, D) any strides with a unit last one. A
-    program ROWS rows of one (batch, head)."""
+    """out[b, h] = scale * the sum of src[b, h G + g] over g = 0 .. G - 1, in fp32 in that order,
+    rounded once to out's dtype: src (B, H G, S, D) contiguous, out (B, H, S, D) any strides with a
+    unit last one. A program ROWS rows of one (batch, head), a (batch, head)'s programs neighbours.
+    dq's conversion is G = 1 (its fp32 accumulator times the softmax scale); the GQA shares' sums
+    are scale 1 (exact)."""
     blocks = tl.cdiv(seq, ROWS)
     pair = tl.program_id(0) // blocks
     rows = (tl.program_id(0) % blocks) * ROWS + tl.arange(0, ROWS)[:, None]
     cols = tl.arange(0, HEAD_DIM)[None, :]
     inside = rows < seq
-    first = shares_ptr + pair.to(tl.int64) * GROUP * seq * HEAD_DIM + rows * HEAD_DIM + cols
+    first = src_ptr + pair.to(tl.int64) * GROUP * seq * HEAD_DIM + rows * HEAD_DIM + cols
     total = tl.zeros((ROWS, HEAD_DIM), tl.float32)
-    for share in tl.static_range(GROUP):
-        total += tl.load(first + share * seq * HEAD_DIM, mask=inside).to(tl.float32)
+    for member in tl.static_range(GROUP):
+        total += tl.load(first + member * seq * HEAD_DIM, mask=inside).to(tl.float32)
     batch, head = pair // heads, pair % heads
     out = out_ptr + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh + rows * stride_os + cols
-    tl.store(out, total.to(out_ptr.dtype.element_ty), mask=inside)
+    tl.store(out, (total * scale).to(out_ptr.dtype.element_ty), mask=inside)
 
 
 def finish_launches(dq_acc, dq, scale: float, grads=(), shares=()) -> list[Launch]:
@@ -337,15 +321,16 @@ def finish_launches(dq_acc, dq, scale: float, grads=(), shares=()) -> list[Launc
     (dk, dv: (B, Hkv, Sk, D), any strides) the sum of its ``shares`` ((B, Hq, Sk, D) contiguous)
     over each group of query heads, in a fixed order. Memory-bound: 6 bytes an element of dq, and
     2 (G + 1) of dk's and dv's at 16 bits, a pass each over HBM."""
-    (batch, heads_q, seq_q, head_dim) = dq.shape
-    meta = {"HEAD_DIM": head_dim, "ROWS": FINISH_ROWS, "num_warps": 4}
-    grid = (cdiv(seq_q, FINISH_ROWS) * batch * heads_q,)
-    dq_args = (dq_acc, dq, float(scale), *dq.stride()[:3], heads_q, seq_q)
-    launches = [Launch("bwd sm90 dq", _dq_finish_kernel, dq_args, meta, {}, grid)]
-    for grad, share in zip(grads, shares, strict=True):
-        heads_kv, seq_k = grad.shape[1], grad.shape[2]
-        args = (share, grad, *grad.stride()[:3], heads_kv, seq_k)
-        grid = (cdiv(seq_k, FINISH_ROWS) * batch * heads_kv,)
-        group = {"GROUP": heads_q // heads_kv} | meta  # (constexprs in the kernel's order)
-        launches.append(Launch("bwd sm90 shares", _share_sum_kernel, args, group, {}, grid))
+    heads_q = dq.shape[1]
+    passes = [
+        (dq_acc, dq, float(scale)),
+        *((share, grad, 1.0) for grad, share in zip(grads, shares, strict=True)),
+    ]
+    launches = []
+    for src, out, factor in passes:
+        (batch, heads, seq, head_dim) = out.shape
+        args = (src, out, factor, *out.stride()[:3], heads, seq)
+        meta = {"GROUP": heads_q // heads, "HEAD_DIM": head_dim, "ROWS": FINISH_ROWS, "num_warps": 4}
+        grid = (cdiv(seq, FINISH_ROWS) * batch * heads,)
+        launches.append(Launch("bwd sm90 finish", _group_sum_kernel, args, meta, {}, grid))
     return launches
