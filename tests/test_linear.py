@@ -258,6 +258,23 @@ def test_gated_linear_without_rows_and_bad_input(device):
         tritonkit.gated_linear(x, w_gate, w_up, activation="swish")
 
 
+def test_gated_linear_backward_spends_its_products_and_a_second_backward_recomputes_them(device):
+    """The eager backward writes dg and du over the forward's saved g and u; a second backward
+    through retain_graph finds them spent and recomputes them: the same bits both times."""
+    x, w_gate, w_up, dy = _gated_inputs((33,), F16, device, seed=25)
+    for t in (x, w_gate, w_up):
+        t.requires_grad_()
+    y = tritonkit.gated_linear(x, w_gate, w_up)
+    first = torch.autograd.grad(y, (x, w_gate, w_up), dy, retain_graph=True)
+    _, g, u = y.grad_fn.saved_tensors[2:]
+    assert not torch.equal(g, torch.nn.functional.linear(x, w_gate).detach())  # g holds dg now
+    second = torch.autograd.grad(y, (x, w_gate, w_up), dy)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    again = tritonkit.gated_linear(x, w_gate, w_up)
+    third = torch.autograd.grad(again, (x, w_gate, w_up), dy)
+    assert all(torch.equal(a, b) for a, b in zip(first, third, strict=True))
+
+
 def test_gated_linear_opcheck_and_compile(device):
     x, w_gate, w_up, dy = _gated_inputs((6,), BF16, device, seed=24)
     for t in (x, w_gate, w_up):
@@ -270,6 +287,8 @@ def test_gated_linear_opcheck_and_compile(device):
     plain = [t.detach() for t in (dy, x, w_gate, w_up)]
     grads = (torch.empty_like(x), torch.empty_like(w_gate), torch.empty_like(w_up))
     torch.library.opcheck(torch.ops.tritonkit.gated_linear_backward.default, (*plain, g, u, "silu", *grads))
+    spending = torch.ops.tritonkit.gated_linear_backward_spending_products.default
+    torch.library.opcheck(spending, (*plain, g.clone(), u.clone(), "silu", *grads))
     torch._dynamo.reset()
     compiled = torch.compile(lambda *a: tritonkit.gated_linear(*a), fullgraph=True)
     y = compiled(x, w_gate, w_up)
@@ -636,6 +655,28 @@ def test_gpu_default_tiles_match_the_reference(activation, device):
     with tuning.disabled():
         _check(x, w, b, r, dy, activation)
         _check_gated(x, w, w_up, dy, activation or "silu")
+
+
+@pytest.mark.gpu
+def test_gpu_gated_linear_backward_allocates_only_its_gradients(device):
+    """The eager backward's dg and du take the saved products' memory: past what is live before it,
+    the backward allocates its three gradients (and a little), not two more (M, N) buffers."""
+    from tritonkit import tuning
+
+    g = generator(42)
+    x = random_tensor((4096, 512), BF16, device, generator=g).requires_grad_()
+    w_gate, w_up = (random_tensor((2048, 512), BF16, device, generator=g).requires_grad_() for _ in range(2))
+    dy = random_tensor((4096, 2048), BF16, device, generator=g)
+    with tuning.disabled():
+        torch.autograd.grad(tritonkit.gated_linear(x, w_gate, w_up), (x, w_gate, w_up), dy)  # compiles
+        y = tritonkit.gated_linear(x, w_gate, w_up)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        grads = torch.autograd.grad(y, (x, w_gate, w_up), dy)
+        extra = torch.cuda.max_memory_allocated() - before
+    needed = sum(t.numel() * t.element_size() for t in grads)  # 8 MiB; dg and du would add 32
+    assert extra <= needed + (4 << 20), (extra, needed)
 
 
 TMA_GPU_TILES = {
