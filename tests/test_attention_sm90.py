@@ -34,13 +34,13 @@ def descriptor(dtype, rows, head_dim):
     layout = gl.NVMMASharedLayout.get_default_for(block, {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype])
     return f"tensordesc<{dtype}[{','.join(map(str, block))}],{layout!r}>"
 
-for dtype, head_dim, causal, persistent, poly in (
-    ("bf16", 128, False, False, 0), ("bf16", 128, True, False, 0), ("fp16", 64, True, False, 0),
-    ("bf16", 128, True, True, 0), ("fp16", 64, False, True, 0), ("bf16", 128, False, True, 0),
-    ("bf16", 64, False, False, 2), ("bf16", 128, True, True, 4),
+for dtype, head_dim, causal, persistent, pingpong in (
+    ("bf16", 128, False, False, False), ("bf16", 128, True, False, False), ("fp16", 64, True, False, False),
+    ("bf16", 128, True, True, False), ("fp16", 64, False, True, False), ("bf16", 128, False, True, False),
+    ("bf16", 128, True, True, True),
 ):
-    # the default tile, persistent or not, some with a polynomial's share of the exponentials
-    config = fwd.CONFIGS[head_dim]._replace(persistent=persistent, poly_exp2=poly)
+    # the default tile, persistent or not, and the persistent one with ping-pong
+    config = fwd.CONFIGS[head_dim]._replace(persistent=persistent, pingpong=pingpong)
     signature = {"q_desc": descriptor(dtype, fwd.SPLIT_M, head_dim),
                  "k_desc": descriptor(dtype, config.block_n, head_dim),
                  "v_desc": descriptor(dtype, config.block_n, head_dim),
@@ -49,10 +49,10 @@ for dtype, head_dim, causal, persistent, poly in (
                  "GROUP": "i32", "SEQ_Q": "i32", "SEQ_K": "i32", "UPPER_OFFSET": "i32",
                  "qk_scale": "fp32", "IS_CAUSAL": "constexpr", "NUM_STAGES": "constexpr",
                  "PIN_SOFTMAX": "constexpr", "PINGPONG": "constexpr", "CONSUMERS": "constexpr",
-                 "CONSUMER_REGS": "constexpr", "PERSISTENT": "constexpr", "POLY_EXP2": "constexpr"}
+                 "CONSUMER_REGS": "constexpr", "PERSISTENT": "constexpr"}
     constants = {"IS_CAUSAL": causal, "NUM_STAGES": config.num_stages, "PIN_SOFTMAX": config.pin_softmax,
                  "PINGPONG": config.pingpong, "CONSUMERS": fwd.NUM_CONSUMERS,
-                 "CONSUMER_REGS": fwd.CONSUMER_REGS, "PERSISTENT": persistent, "POLY_EXP2": poly}
+                 "CONSUMER_REGS": fwd.CONSUMER_REGS, "PERSISTENT": persistent}
     kernel = triton.compile(GluonASTSource(fwd._attn_fwd_sm90_kernel, signature, constants),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": fwd.CONSUMER_WARPS.value})
     ptx, sass = kernel.asm["ptx"], _cuobjdump(kernel.asm["cubin"], "-sass")
@@ -67,21 +67,21 @@ for dtype, head_dim, causal, persistent, poly in (
             current += 1
     print(json.dumps({
         "case": f"{dtype} d{head_dim} {'causal' if causal else 'full'}{' persistent' if persistent else ''}"
-                f"{f' poly {poly}' if poly else ''}",
+                f"{' ping-pong' if pingpong else ''}",
         "warps": kernel.metadata.num_warps, "shared": kernel.metadata.shared,
         "waits": numbers(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx),
         "setmaxnreg": numbers(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx),
         "hgmma": sass.count("HGMMA"), "hmma": sass.count(" HMMA"),
         "spills": sass.count("STL") + sass.count("LDL"),
         "tma_loads": ptx.count("cp.async.bulk.tensor.4d.shared"), "exps_under_pv": max(under or [0]),
-        "block_exps": fwd.SPLIT_M * config.block_n // 128 * (poly - 1 if poly else 1) // (poly or 1),
+        "block_exps": fwd.SPLIT_M * config.block_n // 128,
     }))
 """
 
 
 def test_the_kernel_compiles_for_hopper_warp_specialized_with_its_softmax_under_the_pv_product():
     rows = [json.loads(line) for line in sm90.run(_STATIC_CHECK)]
-    assert len(rows) == 8
+    assert len(rows) == 7
     for row in rows:
         # two consumer warpgroups and the producer's warpgroup; budgets 240 and 24 (and Triton's steps)
         assert row["warps"] == 12 and {240, 24} <= set(row["setmaxnreg"]), row
@@ -226,40 +226,6 @@ def test_gpu_strided_layouts_and_scale(causal):
 def test_gpu_every_candidate_config(head_dim, causal):
     for i, config in enumerate(_fwd().CANDIDATES[head_dim]):
         check(*_inputs(2, 4, 2, 777, 901, head_dim, torch.bfloat16, seed=100 + i), causal, config=config)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("every", [2, 4])
-def test_gpu_the_polynomial_exponentials_are_within_their_bound(every):
-    """``_exp2`` with a polynomial's share (the unmasked blocks' p) against float64 2^x over the
-    exponents a block's softmax gives (x <= 0, past the -125 clamp), each element of a pack: within
-    7.5e-5 relative (the cubic's fitted bound) where 2^x is a normal fp32, and below 2^-124 past it."""
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-
-    from tritonkit.ops.attention import fwd_sm90_kernels as kernels
-
-    @gluon.jit
-    def exp2_kernel(x_ptr, y_ptr, EVERY: gl.constexpr, BLOCK: gl.constexpr):
-        layout: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
-        offsets = gl.program_id(0) * BLOCK + gl.arange(0, BLOCK, layout=layout)
-        gl.store(y_ptr + offsets, kernels._exp2(gl.load(x_ptr + offsets), EVERY))
-
-    g = torch.Generator(device="cuda").manual_seed(every)
-    x = torch.cat(
-        [
-            -torch.rand(1 << 20, device="cuda", generator=g) * 130,
-            torch.linspace(-1, 0, 1 << 12, device="cuda"),
-        ]
-    )
-    y = torch.full_like(x, math.nan)
-    exp2_kernel[(x.numel() // 512,)](x, y, every, 512, num_warps=4)
-    exact = torch.exp2(x.double())
-    normal = x > -125
-    relative = ((y.double() - exact) / exact)[normal].abs().max().item()
-    assert relative <= 7.6e-5, relative
-    assert (y[~normal] >= 0).all() and (y[~normal] < 2.0**-124).all()
 
 
 @pytest.mark.gpu

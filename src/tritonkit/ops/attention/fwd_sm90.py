@@ -45,16 +45,13 @@ class Config(NamedTuple):
     """A launch's tile: BLOCK_N keys a step, NUM_STAGES K/V tiles in flight; pin_softmax keeps a
     block's exponentials under the previous block's PV product (see ``_attend_blocks``); pingpong
     orders the consumers' products (``PINGPONG``); persistent launches one program an SM, each
-    walking tiles one after another (no ping-pong); poly_exp2 takes one exponential in every
-    poly_exp2 (2 or 4; 0: none) of the unmasked blocks off the MUFU onto the FMA pipes
-    (``fwd_sm90_kernels._exp2``)."""
+    walking tiles one after another (its turns, with ping-pong, running on across them)."""
 
     block_n: int
     num_stages: int
     pin_softmax: bool = True
     pingpong: bool = PINGPONG
     persistent: bool = False
-    poly_exp2: int = 0
 
 
 # Per head dim. The shared memory of a program is 2 x 64 x D for Q (reused for O) and NUM_STAGES x 2
@@ -98,8 +95,6 @@ CANDIDATES = {
         CONFIGS[64]._replace(pingpong=not PINGPONG),
         CONFIGS[64]._replace(pin_softmax=False),
         CONFIGS[64]._replace(persistent=True),
-        CONFIGS[64]._replace(poly_exp2=4),
-        CONFIGS[64]._replace(poly_exp2=2),
     ],
     128: [
         CONFIGS[128],
@@ -107,7 +102,7 @@ CANDIDATES = {
         CONFIGS[128]._replace(pin_softmax=False),
         CONFIGS[128]._replace(num_stages=3),
         CONFIGS[128]._replace(persistent=True),
-        CONFIGS[128]._replace(persistent=True, poly_exp2=4),
+        CONFIGS[128]._replace(persistent=True, pingpong=not PINGPONG),
     ],
 }
 
@@ -288,10 +283,6 @@ def launches(q, k, v, o, lse, *, scale: float, causal: bool, config: Config | No
     group are neighbours, so their blocks share K and V in L2)."""
     (batch, heads_q, seq_q, head_dim), (_, heads_kv, seq_k, _) = q.shape, k.shape
     config = config or default_config(head_dim, seq_k)
-    if config.persistent and config.pingpong:
-        raise ValueError("a persistent launch takes no ping-pong")
-    if config.poly_exp2 not in (0, 2, 4):
-        raise ValueError(f"poly_exp2 must be 0, 2 or 4, got {config.poly_exp2}")
     args = (
         descriptor(q, SPLIT_M),
         descriptor(k, config.block_n),
@@ -317,7 +308,6 @@ def launches(q, k, v, o, lse, *, scale: float, causal: bool, config: Config | No
         "CONSUMERS": NUM_CONSUMERS,
         "CONSUMER_REGS": CONSUMER_REGS,
         "PERSISTENT": config.persistent,
-        "POLY_EXP2": config.poly_exp2,
         "num_warps": CONSUMER_WARPS.value,
     }
     tiles = cdiv(seq_q, BLOCK_M) * batch * heads_q

@@ -279,62 +279,9 @@ def _load_partition_persistent(
         loads += gl.where(n_blocks > 0, 1, 0)
 
 
-def _exp2_split_asm(every: int) -> str:
-    """PTX for ``every`` exponentials 2^x at once (``inline_asm_elementwise``'s pack): the first
-    every - 1 on the MUFU (``ex2.approx``), the last on the FMA pipes. The MUFU does 16 exponentials
-    a clock an SM against 128 FMAs; a 64 x 128 block's softmax is 64 of them a thread (FA4's split).
-    The polynomial: x clamped to >= -125 (so that the result stays a normal number: rows see at
-    least one score of 2^0, so the clamp's 2^-125 is nothing against their sums), n = round(x) by
-    the 1.5 * 2^23 trick (the integer lands in the low mantissa bits, no conversion instruction), f
-    = x - n in [-1/2, 1/2], 2^f by a cubic fitted to the relative error (at most 7.5e-5 in fp32,
-    under a bf16/fp16 P's rounding), and n added to its exponent field by an integer add."""
-    n = every - 1
-    mufu = "".join(f"ex2.approx.ftz.f32 ${i}, ${every + i};\n" for i in range(n))
-    return (
-        "{\n.reg .f32 t, y, r, f, p;\n.reg .b32 yb, pb;\n"
-        + mufu
-        + f"max.ftz.f32 t, ${every + n}, 0fC2FA0000;\n"  # -125
-        "add.rn.ftz.f32 y, t, 0f4B400000;\n"  # 1.5 * 2^23: y's low bits hold round(t)
-        "sub.rn.ftz.f32 r, y, 0f4B400000;\n"
-        "sub.rn.ftz.f32 f, t, r;\n"
-        "fma.rn.ftz.f32 p, f, 0f3D61FB59, 0f3E786ED8;\n"  # 0.0551713, 0.2426103
-        "fma.rn.ftz.f32 p, p, f, 0f3F31798D;\n"  # 0.6932610
-        "fma.rn.ftz.f32 p, p, f, 0f3F7FFB4A;\n"  # 0.9999281
-        "mov.b32 yb, y;\nmov.b32 pb, p;\nshl.b32 yb, yb, 23;\nadd.s32 pb, pb, yb;\n"
-        f"mov.b32 ${n}, pb;\n}}"
-    )
-
-
-EXP2_SPLIT_2 = gl.constexpr(_exp2_split_asm(2))
-EXP2_SPLIT_4 = gl.constexpr(_exp2_split_asm(4))
-
-
-@gluon.jit
-def _exp2(x, POLY_EXP2: gl.constexpr):
-    """2^x of fp32 x <= 0 (finite), one element in every POLY_EXP2 by a polynomial on the FMA pipes
-    (0, 2 or 4; see ``_exp2_split_asm``), the rest on the MUFU."""
-    if POLY_EXP2 == 2:
-        return gl.inline_asm_elementwise(EXP2_SPLIT_2, "=f,=f,f,f", [x], gl.float32, True, 2)
-    elif POLY_EXP2 == 4:
-        return gl.inline_asm_elementwise(EXP2_SPLIT_4, "=f,=f,=f,=f,f,f,f,f", [x], gl.float32, True, 4)
-    else:
-        gl.static_assert(POLY_EXP2 == 0, "POLY_EXP2: 0, 2 or 4")
-        return gl.exp2(x)
-
-
 @gluon.jit
 def _online_softmax(
-    s,
-    m_i,
-    l_i,
-    rows,
-    start_n,
-    SEQ_K,
-    UPPER_OFFSET,
-    qk_scale,
-    MASKED: gl.constexpr,
-    IS_CAUSAL: gl.constexpr,
-    POLY_EXP2: gl.constexpr,
+    s, m_i, l_i, rows, start_n, SEQ_K, UPPER_OFFSET, qk_scale, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr
 ):
     """One key block's step of the online softmax on its raw scores ``s`` = q . k: (p, m, l, alpha),
     p = exp2(s * qk_scale - m) unnormalised, m the new running max in log2 units, l the new running
@@ -342,8 +289,7 @@ def _online_softmax(
     SEQ_K and, causal, keys past each row's diagonal (j <= i + UPPER_OFFSET); a row that has seen no
     key keeps m = -inf, and exp2 then takes 0 in its place so that -inf - -inf does not make NaN.
     Unmasked blocks are seen whole by every row: the max is taken on the raw scores (qk_scale > 0)
-    and the exponent is a single FFMA; one exponential in every POLY_EXP2 of theirs is a polynomial
-    (``_exp2``)."""
+    and the exponent is a single FFMA."""
     if MASKED:
         BLOCK_N: gl.constexpr = s.type.shape[1]
         cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
@@ -359,7 +305,7 @@ def _online_softmax(
     else:
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
         m_exp = m_new
-        p = _exp2(s * qk_scale - m_exp[:, None], POLY_EXP2)
+        p = gl.exp2(s * qk_scale - m_exp[:, None])
     alpha = gl.exp2(m_i - m_exp)
     l_i = l_i * alpha + gl.sum(p, axis=1)
     return p, m_new, l_i, alpha
@@ -376,6 +322,7 @@ def _attend_blocks(
     pin,
     my_turn,
     next_turn,
+    turn0,
     rows,
     first,
     last,
@@ -387,14 +334,13 @@ def _attend_blocks(
     IS_CAUSAL: gl.constexpr,
     PIN_SOFTMAX: gl.constexpr,
     PINGPONG: gl.constexpr,
-    POLY_EXP2: gl.constexpr,
 ):
     """Key blocks [first, last) of a consumer (the ring's blocks kv_base + first, ...), one block
     behind for PV: on entry ``p`` holds block first - 1's probabilities (in the A-operand layout)
     whose PV product is still to do; on exit, block last - 1's. Returns (o, p, m_i, l_i). ``pin``:
     this consumer's (SPLIT_M,) fp32 scratch in shared memory, written and never read
-    (PIN_SOFTMAX). ``my_turn``/``next_turn``: PINGPONG's mbarriers; block j is this consumer's j-th
-    turn (the prologue's S_0 its 0th)."""
+    (PIN_SOFTMAX). ``my_turn``/``next_turn``: PINGPONG's mbarriers; block j is this consumer's
+    (turn0 + j)-th turn (the tile's prologue, S_0, its turn0-th)."""
     k_smem, v_smem, k_ready, k_empty, v_ready, v_empty = ring
     NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
@@ -410,7 +356,7 @@ def _attend_blocks(
         # S_j = Q K_j^T, then O += P_{j-1} V_{j-1}: two wgmma groups in flight
         mbarrier.wait(k_ready.index(stage), ((kv_base + j) // NUM_STAGES) & 1)
         if PINGPONG:
-            mbarrier.wait(my_turn, j & 1)
+            mbarrier.wait(my_turn, (turn0 + j) & 1)
         s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         mbarrier.wait(v_ready.index(prev), ((kv_base + j - 1) // NUM_STAGES) & 1)
         o = warpgroup_mma(p, v_smem.index(prev), o, is_async=True)
@@ -420,7 +366,7 @@ def _attend_blocks(
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
         mbarrier.arrive(k_empty.index(stage), count=1)
         p_j, m_i, l_i, alpha = _online_softmax(
-            s, m_i, l_i, rows, j * BLOCK_N, SEQ_K, UPPER_OFFSET, qk_scale, MASKED, IS_CAUSAL, POLY_EXP2
+            s, m_i, l_i, rows, j * BLOCK_N, SEQ_K, UPPER_OFFSET, qk_scale, MASKED, IS_CAUSAL
         )
         p_next = gl.convert_layout(p_j.to(p.dtype), p.type.layout)
         # P_{j-1} is read from registers by the product in flight: keep it alive until it is done
@@ -470,7 +416,6 @@ def _consume_tile(
     PIN_SOFTMAX: gl.constexpr,  # keep the exponentials between the two waits (see _attend_blocks)
     PINGPONG: gl.constexpr,  # the consumers take turns to issue their products
     PERSISTENT: gl.constexpr,  # tiles follow each other in one program
-    POLY_EXP2: gl.constexpr,  # one exponential in every POLY_EXP2 a polynomial (0: none; see _exp2)
 ):
     """One consumer's part of a tile: its 64 rows' output and lse."""
     ROWS: gl.constexpr = q_smem.type.shape[1]
@@ -492,9 +437,10 @@ def _consume_tile(
     q = q_smem.index(cid)
     pin = pin_smem.index(cid)
     # turns go round the consumers: each issues one step's products (both consumers walk the same
-    # n_blocks + 1 steps), then hands the turn on
+    # n_blocks + 1 steps a tile), then hands the turn on; turn0 of them were taken by earlier tiles
     my_turn = turn_smem.index(cid)
     next_turn = turn_smem.index((cid + 1) % turn_smem.type.shape[0])
+    turn0 = kv_base + loads
     rows = start_m + cid * ROWS + gl.arange(0, ROWS, layout=row_s)
     o = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
     m_i = gl.full([ROWS], -float("inf"), gl.float32, row_s)
@@ -505,7 +451,7 @@ def _consume_tile(
         first = kv_base % NUM_STAGES
         mbarrier.wait(k_ready.index(first), (kv_base // NUM_STAGES) & 1)
         if PINGPONG:
-            mbarrier.wait(my_turn, 0)
+            mbarrier.wait(my_turn, turn0 & 1)
         s = warpgroup_mma(
             q,
             k_smem.index(first).permute((1, 0)),
@@ -517,27 +463,25 @@ def _consume_tile(
             mbarrier.arrive(next_turn, count=1)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         mbarrier.arrive(k_empty.index(first), count=1)
-        p, m_i, l_i, _ = _online_softmax(
-            s, m_i, l_i, rows, 0, SEQ_K, UPPER_OFFSET, qk_scale, True, IS_CAUSAL, POLY_EXP2
-        )
+        p, m_i, l_i, _ = _online_softmax(s, m_i, l_i, rows, 0, SEQ_K, UPPER_OFFSET, qk_scale, True, IS_CAUSAL)
         p = gl.convert_layout(p.to(dtype), p_layout)
         # the blocks every row sees whole, then those a bound cuts (the diagonal, the ragged end)
         ring = (k_smem, v_smem, k_ready, k_empty, v_ready, v_empty)
         # fmt: off
         o, p, m_i, l_i = _attend_blocks(
-            o, p, m_i, l_i, q, ring, pin, my_turn, next_turn, rows, 1, n_full, kv_base, SEQ_K, UPPER_OFFSET,
-            qk_scale, False, IS_CAUSAL, PIN_SOFTMAX, PINGPONG, POLY_EXP2)
+            o, p, m_i, l_i, q, ring, pin, my_turn, next_turn, turn0, rows, 1, n_full, kv_base, SEQ_K,
+            UPPER_OFFSET, qk_scale, False, IS_CAUSAL, PIN_SOFTMAX, PINGPONG)
         o, p, m_i, l_i = _attend_blocks(
-            o, p, m_i, l_i, q, ring, pin, my_turn, next_turn, rows, gl.maximum(n_full, 1), n_blocks, kv_base,
-            SEQ_K, UPPER_OFFSET, qk_scale, True, IS_CAUSAL, PIN_SOFTMAX, PINGPONG, POLY_EXP2)
+            o, p, m_i, l_i, q, ring, pin, my_turn, next_turn, turn0, rows, gl.maximum(n_full, 1), n_blocks,
+            kv_base, SEQ_K, UPPER_OFFSET, qk_scale, True, IS_CAUSAL, PIN_SOFTMAX, PINGPONG)
         # fmt: on
         # the last block's PV product
         last = (kv_base + n_blocks - 1) % NUM_STAGES
         mbarrier.wait(v_ready.index(last), ((kv_base + n_blocks - 1) // NUM_STAGES) & 1)
         if PINGPONG:
-            mbarrier.wait(my_turn, n_blocks & 1)
+            mbarrier.wait(my_turn, (turn0 + n_blocks) & 1)
         o = warpgroup_mma(p, v_smem.index(last), o, is_async=True)
-        if PINGPONG:  # the last consumer's last hand-on is never waited for: harmless
+        if PINGPONG:  # the second consumer's last hand-on opens the next tile (unwaited after the last)
             mbarrier.arrive(next_turn, count=1)
         o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
         mbarrier.arrive(v_empty.index(last), count=1)
@@ -574,13 +518,12 @@ def _softmax_partition(
     cid: gl.constexpr, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
     pin_smem, turn_smem, batch, head, start_m, n_blocks, n_full, SEQ_Q, SEQ_K, UPPER_OFFSET, stride_lb,
     stride_lh, qk_scale, IS_CAUSAL: gl.constexpr, PIN_SOFTMAX: gl.constexpr, PINGPONG: gl.constexpr,
-    POLY_EXP2: gl.constexpr,
 ):  # fmt: skip
     """A consumer of a program of one tile (``_consume_tile``'s arguments)."""
     _consume_tile(
         cid, o_desc, lse_ptr, q_smem, q_smem, k_smem, v_smem, q_ready, q_ready, k_ready, k_empty, v_ready,
         v_empty, pin_smem, turn_smem, batch, head, start_m, n_blocks, n_full, 0, 0, SEQ_Q, SEQ_K,
-        UPPER_OFFSET, stride_lb, stride_lh, qk_scale, IS_CAUSAL, PIN_SOFTMAX, PINGPONG, False, POLY_EXP2,
+        UPPER_OFFSET, stride_lb, stride_lh, qk_scale, IS_CAUSAL, PIN_SOFTMAX, PINGPONG, False,
     )  # fmt: skip
 
 
@@ -589,7 +532,7 @@ def _softmax_partition_persistent(
     cid: gl.constexpr, o_desc, lse_ptr, q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, k_empty,
     v_ready, v_empty, pin_smem, turn_smem, HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K,
     UPPER_OFFSET, stride_lb, stride_lh, qk_scale, IS_CAUSAL: gl.constexpr, PIN_SOFTMAX: gl.constexpr,
-    POLY_EXP2: gl.constexpr,
+    PINGPONG: gl.constexpr,
 ):  # fmt: skip
     """A consumer of a persistent program: the producer's tiles, in its order."""
     BLOCK: gl.constexpr = q_smem.type.shape[0] * q_smem.type.shape[1]
@@ -607,7 +550,7 @@ def _softmax_partition_persistent(
             cid, o_desc, lse_ptr, q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, k_empty,
             v_ready, v_empty, pin_smem, turn_smem, batch, head, start_m, n_blocks, n_full, kv_base,
             loads, SEQ_Q, SEQ_K, UPPER_OFFSET, stride_lb, stride_lh, qk_scale, IS_CAUSAL, PIN_SOFTMAX,
-            False, True, POLY_EXP2,
+            PINGPONG, True,
         )  # fmt: skip
         kv_base += n_blocks
         loads += gl.where(n_blocks > 0, 1, 0)
@@ -641,7 +584,6 @@ def _attn_fwd_sm90_kernel(
     CONSUMERS: gl.constexpr,  # consumer warpgroups of ROWS query rows
     CONSUMER_REGS: gl.constexpr,  # their setmaxnreg budget
     PERSISTENT: gl.constexpr,  # a program walks tiles in _walk_range's order (two consumers)
-    POLY_EXP2: gl.constexpr,  # one exponential in every POLY_EXP2 a polynomial (0: none; see _exp2)
 ):
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -685,7 +627,6 @@ def _attn_fwd_sm90_kernel(
     # fmt: off
     gl.static_assert(CONSUMERS == 2, "two consumer warpgroups (FA3's three at D = 64 measured slower)")
     if PERSISTENT:
-        gl.static_assert(not PINGPONG, "persistent: no ping-pong")
         # O's own buffers (Q's take the next tile's rows while O leaves), and a barrier a consumer
         # saying its Q buffer is free
         o_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, HEAD_DIM], q_layout)
@@ -697,12 +638,12 @@ def _attn_fwd_sm90_kernel(
                                              q_free, k_ready, k_empty, v_ready, v_empty, pin_smem, turn_smem,
                                              HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K,
                                              UPPER_OFFSET, stride_lb, stride_lh, qk_scale, IS_CAUSAL,
-                                             PIN_SOFTMAX, POLY_EXP2)),
+                                             PIN_SOFTMAX, PINGPONG)),
             (_softmax_partition_persistent, (1, o_desc, lse_ptr, q_smem, o_smem, k_smem, v_smem, q_ready,
                                              q_free, k_ready, k_empty, v_ready, v_empty, pin_smem, turn_smem,
                                              HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K,
                                              UPPER_OFFSET, stride_lb, stride_lh, qk_scale, IS_CAUSAL,
-                                             PIN_SOFTMAX, POLY_EXP2)),
+                                             PIN_SOFTMAX, PINGPONG)),
             (_load_partition_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free,
                                           k_ready, k_empty, v_ready, v_empty, HEADS, BATCH_HEADS,
                                           HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, IS_CAUSAL)),
@@ -712,11 +653,11 @@ def _attn_fwd_sm90_kernel(
             (_softmax_partition, (0, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
                                   v_ready, v_empty, pin_smem, turn_smem, batch, head, start_m, n_blocks,
                                   n_full, SEQ_Q, SEQ_K, UPPER_OFFSET, stride_lb, stride_lh, qk_scale,
-                                  IS_CAUSAL, PIN_SOFTMAX, PINGPONG, POLY_EXP2)),
+                                  IS_CAUSAL, PIN_SOFTMAX, PINGPONG)),
             (_softmax_partition, (1, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
                                   v_ready, v_empty, pin_smem, turn_smem, batch, head, start_m, n_blocks,
                                   n_full, SEQ_Q, SEQ_K, UPPER_OFFSET, stride_lb, stride_lh, qk_scale,
-                                  IS_CAUSAL, PIN_SOFTMAX, PINGPONG, POLY_EXP2)),
+                                  IS_CAUSAL, PIN_SOFTMAX, PINGPONG)),
             (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
                                v_ready, v_empty, batch, head, kv_head, start_m, n_blocks)),
         ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
