@@ -172,6 +172,10 @@ def test_opcheck(device):
         torch.ops.tritonkit.linear_backward.default,
         (dy, x.detach(), w.detach(), None, None, None, grads[1], None),
     )
+    torch.library.opcheck(
+        torch.ops.tritonkit.linear_backward_spending_pre.default,
+        (dy, x.detach(), w.detach(), pre.clone(), "gelu_tanh", *grads),
+    )
 
 
 def test_compile_fullgraph(device):
@@ -256,6 +260,23 @@ def test_gated_linear_without_rows_and_bad_input(device):
         tritonkit.gated_linear(x, w_gate, w_up.half())
     with pytest.raises(ValueError, match="activation must be one of"):
         tritonkit.gated_linear(x, w_gate, w_up, activation="swish")
+
+
+def test_linear_backward_spends_its_pre_activation_and_a_second_backward_recomputes_it(device):
+    """With an activation the eager backward writes dz over the forward's saved z; a second backward
+    through retain_graph finds it spent and recomputes it (bias included): the same bits both times."""
+    x, w, b, r, dy = _inputs((33,), F16, device, seed=26, residual=True)
+    for t in (x, w, b):
+        t.requires_grad_()
+    y = tritonkit.linear(x, w, b, activation="gelu_tanh", residual=r)
+    first = torch.autograd.grad(y, (x, w, b), dy, retain_graph=True)
+    pre = y.grad_fn.saved_tensors[3]
+    assert not torch.equal(pre, torch.nn.functional.linear(x, w, b).detach())  # pre holds dz now
+    second = torch.autograd.grad(y, (x, w, b), dy)
+    assert all(torch.equal(a, c) for a, c in zip(first, second, strict=True))
+    again = tritonkit.linear(x, w, b, activation="gelu_tanh", residual=r)
+    third = torch.autograd.grad(again, (x, w, b), dy)
+    assert all(torch.equal(a, c) for a, c in zip(first, third, strict=True))
 
 
 def test_gated_linear_backward_spends_its_products_and_a_second_backward_recomputes_them(device):

@@ -184,6 +184,21 @@ def _linear_forward(
     )
 
 
+def _linear_backward_pass(grad_output, input, weight, pre, activation, dx, dw, db, in_place):
+    """dx, dW and db of y = act(x W^T + b) + r, each into its tensor where given; ``pre`` is the
+    forward's z (None without an activation), dz written over it where ``in_place``."""
+    code = ACTIVATIONS[activation]
+    dz, _, db_sum = _activation_backward(
+        _rows(grad_output), _rows(pre) if code else None, code, sum_db=db is not None, in_place=in_place
+    )
+    if dx is not None:  # dx = dz W: A = dz (M, N), B = W^T, a (K, N) view
+        matmul(dz, weight.t(), _rows(dx))
+    if dw is not None:  # dW = dz^T x: A = dz^T (N, M), B = x^T (K, M)
+        matmul(dz.t(), _rows(input).t(), dw)
+    if db is not None:
+        db.copy_(db_sum)
+
+
 @op("linear_backward", mutates=("dx", "dw", "db"))
 def _linear_backward(
     grad_output: torch.Tensor,
@@ -195,18 +210,24 @@ def _linear_backward(
     dw: torch.Tensor | None,
     db: torch.Tensor | None,
 ) -> None:
-    """dx, dW and db of y = act(x W^T + b) + r, each into its tensor where given; ``pre`` is the
-    forward's z (None without an activation)."""
-    code = ACTIVATIONS[activation]
-    dz, _, db_sum = _activation_backward(
-        _rows(grad_output), _rows(pre) if code else None, code, sum_db=db is not None
-    )
-    if dx is not None:  # dx = dz W: A = dz (M, N), B = W^T, a (K, N) view
-        matmul(dz, weight.t(), _rows(dx))
-    if dw is not None:  # dW = dz^T x: A = dz^T (N, M), B = x^T (K, M)
-        matmul(dz.t(), _rows(input).t(), dw)
-    if db is not None:
-        db.copy_(db_sum)
+    """linear's backward (``_linear_backward_pass``), pre left as it is."""
+    _linear_backward_pass(grad_output, input, weight, pre, activation, dx, dw, db, False)
+
+
+@op("linear_backward_spending_pre", mutates=("pre", "dx", "dw", "db"))
+def _linear_backward_spending_pre(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    pre: torch.Tensor | None,
+    activation: str | None,
+    dx: torch.Tensor | None,
+    dw: torch.Tensor | None,
+    db: torch.Tensor | None,
+) -> None:
+    """linear's backward with dz written over the forward's saved pre-activation, which it leaves
+    holding it: the eager backward's with an activation (one fewer (M, N) buffer at its peak)."""
+    _linear_backward_pass(grad_output, input, weight, pre, activation, dx, dw, db, True)
 
 
 def _linear(input, weight, bias, residual, activation: str | None, keep_pre: bool):
@@ -228,19 +249,26 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, weight, bias, residual, activation):
         y, pre = _linear(input, weight, bias, residual, activation, keep_pre=True)
-        ctx.save_for_backward(input, weight, pre)
+        ctx.save_for_backward(input, weight, bias, pre)  # bias: a second backward's pre (below)
         ctx.activation = activation
         return y
 
     @staticmethod
     @first_derivative_only("linear")
     def backward(ctx, grad_output):
-        input, weight, pre = ctx.saved_tensors
+        input, weight, bias, pre = ctx.saved_tensors
         needs_dx, needs_dw, needs_db, needs_dr = ctx.needs_input_grad[:4]
         dx = empty_output(input.shape, input.dtype, input.device) if needs_dx else None
         dw = empty_output(weight.shape, weight.dtype, weight.device) if needs_dw else None
         db = empty_output(weight.shape[:1], weight.dtype, weight.device) if needs_db else None
-        _linear_backward(grad_output, input, weight, pre, ctx.activation, dx, dw, db)
+        if pre is None or torch.compiler.is_compiling():  # (compiled: the graph's buffers are its own)
+            _linear_backward(grad_output, input, weight, pre, ctx.activation, dx, dw, db)
+            return dx, dw, db, grad_output if needs_dr else None, None
+        if getattr(ctx, "pre_spent", False):
+            # a second backward (retain_graph): the first left its dz in pre
+            _, pre = _linear(input, weight, bias, None, ctx.activation, keep_pre=True)
+        ctx.pre_spent = True
+        _linear_backward_spending_pre(grad_output, input, weight, pre, ctx.activation, dx, dw, db)
         return dx, dw, db, grad_output if needs_dr else None, None
 
 
