@@ -38,6 +38,8 @@ CONSUMER_REGS = 240
 # bar.sync besides. Off: on the H200 (2026-12-01, docs/perf-notes.md) it was level at D = 128 full
 # (604 vs 601 TFLOP/s at (4, 32, 4096)), 4% slower causal (514 vs 534), 4-6% slower at D = 64 and
 # 5% slower at (16, 16, 1024, 128) full. The two warpgroups interleave well enough unordered here.
+# On the persistent grid (2c26f94, causal): level or 1-9% slower than the default but at
+# (16, 16, 1024, 128) (+1%).
 PINGPONG = False
 
 
