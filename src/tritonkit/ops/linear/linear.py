@@ -422,16 +422,14 @@ class _GatedLinear(torch.autograd.Function):
         dx = empty_output(input.shape, input.dtype, input.device) if needs_dx else None
         dwg = empty_output(weight_gate.shape, weight_gate.dtype, weight_gate.device) if needs_dwg else None
         dwu = empty_output(weight_up.shape, weight_up.dtype, weight_up.device) if needs_dwu else None
-        args = (grad_output, input, weight_gate, weight_up, g, u, ctx.activation, dx, dwg, dwu)
+        backward = _gated_backward_spending_products
         if torch.compiler.is_compiling():  # the graph's buffers are the compiler's to reuse
-            _gated_backward(*args)
-            return dx, dwg, dwu, None
-        if getattr(ctx, "products_spent", False):
+            backward = _gated_backward
+        elif getattr(ctx, "products_spent", False):
             # a second backward (retain_graph): the first left its gradients in g and u
             _, g, u = _gated_linear(input, weight_gate, weight_up, ctx.activation, keep_products=True)
-            args = (*args[:4], g, u, *args[6:])
         ctx.products_spent = True
-        _gated_backward_spending_products(*args)
+        backward(grad_output, input, weight_gate, weight_up, g, u, ctx.activation, dx, dwg, dwu)
         return dx, dwg, dwu, None
 
 
