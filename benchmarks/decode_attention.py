@@ -232,6 +232,9 @@ def _config_row(shape, seq_q: int, paged: bool, stop: float) -> dict:
             with timing.protocol(10, 40):
                 (_, median, _), _ = timing.kernel_ms([lambda: call(splits)])
             return median * 1e3
+        except Exception as error:  # a config the GPU cannot hold (shared memory): its reason, not a time
+            print(f"{config} {splits} splits: {type(error).__name__}: {str(error).splitlines()[0][:120]}")
+            return float("inf")
         finally:
             decode.BLOCK_N, decode.NUM_WARPS, decode.NUM_STAGES = default
 

@@ -119,6 +119,14 @@ def test_forced_splits_agree_with_one_split(device):
     torch.testing.assert_close(lse_three, lse_one, atol=1e-4, rtol=1e-5)
 
 
+def test_more_splits_than_the_combine_loads_at_once(device, monkeypatch):
+    """Seven splits folded two at a time (the combine's running max across its steps), the last
+    splits of the shorter sequence holding no key, against the reference."""
+    monkeypatch.setattr(decode, "COMBINE_SPLITS", 2)
+    args = _case(2, 1, 4, 2, 32, 200, [200, 70], device, seed=9)
+    _check(args, append=False, num_splits=7, scale=2.0)  # scores spread: the splits' lse far apart
+
+
 def test_a_chunk_of_new_tokens_over_several_row_blocks(device):
     """17 new tokens of a GQA group of 4: 68 rows, over two programs of MAX_ROWS, two key splits."""
     assert decode.MAX_ROWS < 4 * 17
@@ -247,7 +255,7 @@ def test_the_kernels_compile_for_hopper_to_tensor_cores_16_byte_loads_and_no_spi
     and without the append: no spills; both products on tensor cores (HMMA: 16 rows are under
     wgmma's 64); keys and values streamed into shared memory 16 bytes a copy (LDGSTS.128, the
     pipelined loop's loads); at least three programs an SM, whose loads overlap; the combine reads
-    and writes 16-byte vectors."""
+    16-byte vectors (it writes one 256-byte row a program, whose stores are narrower)."""
     import sm90
 
     rows = [json.loads(line) for line in sm90.run(_SASS_CHECK)]
@@ -255,7 +263,7 @@ def test_the_kernels_compile_for_hopper_to_tensor_cores_16_byte_loads_and_no_spi
     for row in rows:
         assert not row["spills"], row
         if row["launch"] == "decode combine":
-            assert 128 in row["loads"] and 128 in row["stores"], row
+            assert 128 in row["loads"], row
             continue
         assert row["hmma"] > 0 and row["async_128"] > 0 and 128 in row["stores"], row
         assert row["per_sm"] >= 3, row

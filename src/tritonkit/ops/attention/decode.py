@@ -44,6 +44,7 @@ MIN_ROWS = 16  # tl.dot's least M: a program's rows (GROUP x Sq) pad to this
 MAX_ROWS = 64  # rows a program at most: more (a long chunk of new tokens) take more programs
 MIN_SPLIT_KEYS = 256  # keys a split takes at least, where the rule splits
 MAX_SPLITS = 64
+COMBINE_SPLITS = 64  # splits the combine loads at once (a 64 x 128 fp32 tile: 64 registers a thread)
 DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -243,38 +244,43 @@ def _combine_kernel(
     SEQ_Q,
     HEAD_DIM,
     GROUP: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # splits a step: all of them at once up to COMBINE_SPLITS
     BLOCK_D: tl.constexpr,
 ):
-    """The splits of one (batch, key/value head, block of rows) folded by their lse: o = sum_s w_s
-    o_s / sum_s w_s with w_s = exp(lse_s - max lse), lse = max + log(sum w); a split that saw no key
-    weighs 0."""
-    pair = tl.program_id(0)
+    """The splits of one row (a query head's token) of one (batch, key/value head) folded by their
+    lse: o = sum_s w_s o_s / sum_s w_s with w_s = exp(lse_s - max lse), lse = max + log(sum w); a
+    split that saw no key weighs 0. Every split's partial is loaded at once (one round trip to
+    memory, not one a split: at B = 1 the splits are many and the rows few)."""
+    pair, row = tl.program_id(0), tl.program_id(1)
     batch, kv_head = pair // HEADS_KV, pair % HEADS_KV
-    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < GROUP * SEQ_Q
+    rows = GROUP * SEQ_Q
     dims = tl.arange(0, BLOCK_D)
-    mask = row_ok[:, None] & (dims[None, :] < HEAD_DIM)
-    top = tl.full([BLOCK_R], -float("inf"), tl.float32)
-    for s in range(SPLITS):  # the largest lse first, so that no weight overflows
-        part = (s * tl.num_programs(0) + pair).to(tl.int64) * (GROUP * SEQ_Q) + rows
-        top = tl.maximum(top, tl.load(part_lse_ptr + part, mask=row_ok, other=-float("inf")))
-    top_safe = tl.where(top == -float("inf"), 0.0, top)
-    total = tl.zeros([BLOCK_R], tl.float32)
-    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-    for s in range(SPLITS):
-        part = (s * tl.num_programs(0) + pair).to(tl.int64) * (GROUP * SEQ_Q) + rows
-        weight = tl.exp(tl.load(part_lse_ptr + part, mask=row_ok, other=-float("inf")) - top_safe)
-        o = tl.load(part_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=mask, other=0.0)
-        acc += weight[:, None] * o
-        total += weight
+    top = tl.full([], -float("inf"), tl.float32)
+    total = tl.zeros([], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for first in range(0, SPLITS, BLOCK_S):  # one step unless the splits outnumber BLOCK_S
+        splits = first + tl.arange(0, BLOCK_S)
+        part = (splits.to(tl.int64) * tl.num_programs(0) + pair) * rows + row
+        split_lse = tl.load(part_lse_ptr + part, mask=splits < SPLITS, other=-float("inf"))
+        top_new = tl.maximum(top, tl.max(split_lse, 0))
+        top_safe = tl.where(top_new == -float("inf"), 0.0, top_new)  # no split has seen a key yet
+        weight = tl.exp(split_lse - top_safe)
+        o = tl.load(
+            part_ptr + part[:, None] * HEAD_DIM + dims[None, :],
+            mask=(splits < SPLITS)[:, None] & (dims < HEAD_DIM)[None, :], other=0.0,
+        )  # fmt: skip
+        rescale = tl.exp(top - top_safe)  # the earlier steps' weights, to this step's max
+        acc = acc * rescale + tl.sum(weight[:, None] * o, 0)
+        total = total * rescale + tl.sum(weight, 0)
+        top = top_new
     seen = total > 0.0
-    token, head = rows % SEQ_Q, kv_head * GROUP + rows // SEQ_Q
-    o_rows = batch.to(tl.int64) * stride_ob + token.to(tl.int64) * stride_os + head.to(tl.int64) * stride_oh
-    o = acc / tl.where(seen, total, 1.0)[:, None]
-    tl.store(out_ptr + o_rows[:, None] + dims[None, :], o.to(out_ptr.dtype.element_ty), mask=mask)
+    top_safe = tl.where(top == -float("inf"), 0.0, top)
+    token, head = row % SEQ_Q, kv_head * GROUP + row // SEQ_Q
+    o_row = batch.to(tl.int64) * stride_ob + token.to(tl.int64) * stride_os + head.to(tl.int64) * stride_oh
+    o = acc / tl.where(seen, total, 1.0)
+    tl.store(out_ptr + o_row + dims, o.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
     lse = tl.where(seen, top_safe + tl.log(tl.where(seen, total, 1.0)), -float("inf"))
-    tl.store(lse_ptr + (batch * HEADS_KV * GROUP + head).to(tl.int64) * SEQ_Q + token, lse, mask=row_ok)
+    tl.store(lse_ptr + (batch * HEADS_KV * GROUP + head).to(tl.int64) * SEQ_Q + token, lse)
 
 
 # The registry's lists (tritonkit._registry): the op contract and the benchmark workloads are still
@@ -415,9 +421,10 @@ def launches(
                      grid=(splits, batch * heads_kv, row_blocks))]  # fmt: skip
     if not final:
         combine = (part, part_lse, out, lse, *out.stride()[:3], splits, heads_kv, seq_q, head_dim)
-        meta = dict(GROUP=group, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4)
+        meta = dict(GROUP=group, BLOCK_S=min(next_power_of_2(splits), COMBINE_SPLITS), BLOCK_D=block_d,
+                    num_warps=4)  # fmt: skip
         result.append(
-            Launch("decode combine", _combine_kernel, combine, meta, grid=(batch * heads_kv, row_blocks))
+            Launch("decode combine", _combine_kernel, combine, meta, grid=(batch * heads_kv, group * seq_q))
         )
     return result
 
