@@ -140,7 +140,9 @@ def _row(shape, seq_q: int, flex: bool) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     x = _inputs(shape, seq_q, g)
     kv_bytes = 2 * batch * heads_kv * seq * head_dim * 2
+    cost = decode.kvcache_cost(shape, torch.bfloat16, seq_q)
     row = {"shape": list(shape), "seq_q": seq_q, "dtype": "bf16", "kv_bytes": kv_bytes}
+    row["cost"] = {"flops": cost.flops, "bytes": cost.bytes}
     row |= {"graph_ms": {}, "eager_ms": {}, "tbps": {}, "errors": {}, "method": {}}
     outputs = {}
     for name, call in _providers(x, seq_q, flex).items():

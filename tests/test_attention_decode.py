@@ -119,6 +119,16 @@ def test_forced_splits_agree_with_one_split(device):
     torch.testing.assert_close(lse_three, lse_one, atol=1e-4, rtol=1e-5)
 
 
+def test_the_cost_model_counts_the_caches_once_for_the_group():
+    """The bytes are K and V once (not once a query head), q and the output; FLOPs two products."""
+    batch, heads_q, heads_kv, seq, head_dim, seq_q = 16, 32, 8, 8192, 128, 4
+    cache = torch.empty(batch, seq, heads_kv, head_dim, dtype=torch.bfloat16, device="meta")
+    q = torch.empty(batch, seq_q, heads_q, head_dim, dtype=torch.bfloat16, device="meta")
+    cost = decode.kvcache_cost((batch, heads_q, heads_kv, seq, head_dim), torch.bfloat16, seq_q)
+    assert cost.bytes == 2 * cache.nbytes + 2 * q.nbytes
+    assert cost.flops == 2 * (2 * batch * heads_q * seq_q * seq * head_dim)
+
+
 def test_more_splits_than_the_combine_loads_at_once(device, monkeypatch):
     """Seven splits folded two at a time (the combine's running max across its steps), the last
     splits of the shorter sequence holding no key, against the reference."""

@@ -28,7 +28,7 @@ FAMILIES = {
         "ops": ("flash_attention",),
         "workloads": ("attention", "attention_causal"),
     },
-    "tritonkit.ops.attention.decode": {  # its op contract and benchmark workloads are still to come
+    "tritonkit.ops.attention.decode": {  # no gradient, its own cases: tests/test_attention_decode.py
         "public": ("flash_attention_with_kvcache",),
         "ops": (),
         "workloads": (),

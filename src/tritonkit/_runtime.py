@@ -112,10 +112,19 @@ def sm_count(device) -> int:
     """Streaming multiprocessors of a torch device; NOMINAL_SMS off CUDA."""
     import torch
 
-    device = torch.device(device)
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
     if device.type != "cuda":
         return NOMINAL_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _cuda_sm_count(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    """Asked once a GPU: the properties' lookup costs microseconds that ops pay on every call."""
+    import torch
+
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 NOMINAL_SHARED_BYTES = 227 * 1024  # the H200's shared memory a program may opt into, where no GPU says

@@ -36,6 +36,7 @@ from tritonkit._triton import tl, triton
 from tritonkit.jit import LOG2E, dot_fp32
 from tritonkit.opdef import check_tensor, op
 from tritonkit.ops.attention.common import Scores, _exponent, _visible, attention_reference, softmax_scale
+from tritonkit.roofline import Cost
 
 BLOCK_N = 64  # keys a step
 NUM_WARPS = 4
@@ -283,10 +284,23 @@ def _combine_kernel(
     tl.store(lse_ptr + (batch * HEADS_KV * GROUP + head).to(tl.int64) * SEQ_Q + token, lse)
 
 
-# The registry's lists (tritonkit._registry): the op contract and the benchmark workloads are still
-# to come, with the GPU run that sizes them
+# The registry's lists (tritonkit._registry) stay empty: the op contract's tests check gradients and
+# one input layout, where decoding has no gradient and its own cases (tests/test_attention_decode.py);
+# its benchmark is benchmarks/decode_attention.py, its cost model kvcache_cost
 OPS: dict = {}
 WORKLOADS: dict = {}
+
+
+def kvcache_cost(shape: tuple, dtype: torch.dtype, seq_q: int = 1) -> Cost:
+    """FLOPs and minimal bytes of a call over full caches, shape (B, Hq, Hkv, S_cache, D): each
+    cached key and value read once (the GQA group's query heads share them), q read and the output
+    written once; 4 x B x Hq x Sq x S x D FLOPs (two products). Memory-bound: the K + V bytes are
+    what a call's time is measured against."""
+    batch, heads_q, heads_kv, seq, head_dim = shape
+    size = torch.finfo(dtype).bits // 8
+    kv_bytes = 2 * batch * heads_kv * seq * head_dim * size
+    q_bytes = batch * seq_q * heads_q * head_dim * size
+    return Cost(4 * batch * heads_q * seq_q * seq * head_dim, kv_bytes + 2 * q_bytes)
 
 
 def default_splits(batch: int, heads_kv: int, max_keys: int, device) -> int:
@@ -468,9 +482,9 @@ def flash_attention_with_kvcache(
     max_keys = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
     splits = num_splits or default_splits(batch, heads_kv, max_keys, q.device)
     out = empty_output(q.shape, q.dtype, q.device)
-    lse = empty_output((batch, heads_q, seq_q), torch.float32, q.device)
     rows = (heads_q // heads_kv) * seq_q
     shape = (splits, batch * heads_kv, rows) if splits > 1 else (1, 1, 1)
+    lse = empty_output((batch, heads_q, seq_q), torch.float32, q.device)
     part = empty_output((*shape, head_dim if splits > 1 else 1), torch.float32, q.device)
     part_lse = empty_output(shape, torch.float32, q.device)
     if out.numel():
