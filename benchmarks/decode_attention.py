@@ -2,7 +2,8 @@
 SDPA's cuDNN and flash backends (and, with ``--flex``, compiled FlexAttention), in one process, bf16.
 
     python benchmarks/decode_attention.py OUT.json [--deadline SECONDS] [--flex] [--skip-step]
-    python benchmarks/decode_attention.py OUT.json --configs [--deadline SECONDS]
+    python benchmarks/decode_attention.py OUT.json --configs [--paged] [--deadline SECONDS]
+    python benchmarks/decode_attention.py RESULT.json --markdown   (the README's table of a run)
 
 Rows: issue 28's shapes (B, Hq, Hkv, S_cache, D), one new query token (four at one shape), every
 sequence's cache full. tritonkit reads a contiguous cache (B, S, Hkv, D) and a paged one (blocks of
@@ -22,7 +23,7 @@ each layer its own cache, the step's token appended to it, replayed from one CUD
 same with cuDNN SDPA, the token written by ``index_copy_`` (and, beside it, SDPA without the write).
 
 ``--configs`` times tritonkit alone, at each shape with the contiguous cache (appending) and the
-paged one: every launch config of ``CONFIGS`` at the rule's split count, then the fastest config at
+paged one (``--paged``: the paged one only): every launch config of ``CONFIGS`` at the rule's split count, then the fastest config at
 the split counts of ``_split_counts`` (a short protocol: 10 ms warm-up, 40 ms of repetitions).
 """
 
@@ -261,7 +262,8 @@ def _config_row(shape, seq_q: int, paged: bool, stop: float) -> dict:
 def _configs(out: str, stop: float) -> None:
     method = "tritonkit.bench.timing.kernel_ms, warm-up 10 ms, repetitions 40 ms"
     result = result_header("decode_attention_configs", "decode_attention.py", method)
-    for (shape, seq_q), paged in itertools.product(SHAPES, (False, True)):
+    kinds = (True,) if "--paged" in sys.argv else (False, True)
+    for (shape, seq_q), paged in itertools.product(SHAPES, kinds):
         if time.time() > stop:
             break
         row = _config_row(shape, seq_q, paged, stop)
@@ -272,7 +274,33 @@ def _configs(out: str, stop: float) -> None:
         torch.cuda.empty_cache()
 
 
+def markdown(result: dict) -> str:
+    """The README's table of a run: graph-replayed us, TB/s and share of copy, the peers beside."""
+    lines = [
+        "| B, Hq, Hkv, S, new tokens | tritonkit us | +append us | TB/s | of copy | paged (block 64) us "
+        "| cuDNN us | flash us | x best peer | eager us (tritonkit, best peer) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for row in result["rows"]:
+        if "step" in row:
+            continue
+        us = {name: ms * 1e3 for name, ms in row["graph_ms"].items()}
+        eager = {name: ms * 1e3 for name, ms in row["eager_ms"].items()}
+        best_eager = min(ms for name, ms in eager.items() if not name.startswith("tritonkit"))
+        cells = [
+            ", ".join(map(str, [*row["shape"][:4], row["seq_q"]])),
+            f"{us['tritonkit']:.1f}", f"{us['tritonkit+append']:.1f}", f"{row['tbps']['tritonkit']:.2f}",
+            f"{row['of_copy']['tritonkit']:.2f}", f"{us['tritonkit-paged']:.1f}",
+            f"{us.get('sdpa-cudnn', float('nan')):.1f}", f"{us.get('sdpa-flash', float('nan')):.1f}",
+            f"{row['vs_best_peer']['tritonkit']:.2f}x", f"{eager['tritonkit']:.0f}, {best_eager:.0f}",
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
+    if "--markdown" in sys.argv:  # python benchmarks/decode_attention.py RESULT.json --markdown
+        return print(markdown(json.loads(Path(sys.argv[1]).read_text())))
     out, stop = sys.argv[1], deadline()
     if "--configs" in sys.argv:
         return _configs(out, stop)

@@ -144,6 +144,22 @@ def test_a_chunk_of_new_tokens_over_several_row_blocks(device):
     _check(args, causal=True, num_splits=2)
 
 
+@pytest.mark.parametrize("append", [False, True])
+def test_pages_read_a_few_table_entries_at_a_time(append, device, monkeypatch):
+    """Blocks a whole number of steps long take their table entries PAGES at a time: with two at a
+    time, three splits of 96 keys (the second starts mid-block) walk several such reads each."""
+    monkeypatch.setattr(decode, "PAGES", 2)
+    assert 64 % decode.BLOCK_N == 0  # a block is a whole number of steps (the kernel's PAGE_A_STEP)
+    args = _case(2, 1, 4, 2, 32, 288, [288 - append, 150], device, slots=64, seed=13)
+    _check(args, append=append, num_splits=3)
+    q, k_cache, v_cache, k, v, seqlens, table = args
+    table[1, 1] = -1  # a block the cache lacks, read in the step's table entries: NaN for that sequence
+    out = tritonkit.flash_attention_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table
+    )
+    assert out[1].isnan().all() and not out[0].isnan().any()
+
+
 def test_overrun_caches_and_missing_blocks_give_nan_without_a_sync(device):
     """Sequence 0's new tokens would run past its cache; sequence 1's table names a block the cache
     lacks: each gets NaN (outputs and lse), nothing is written past the cache or through the missing
@@ -239,6 +255,7 @@ from tritonkit.ops.attention import decode
 def meta(*shape, dtype=torch.bfloat16):
     return torch.empty(shape, dtype=dtype, device="meta")
 B, HQ, HKV, S, D = 32, 32, 8, 8192, 128
+WAIT = re.compile(r"ttg\.async_wait %[^{]*\{num = (\d+)")  # a loop's wait: how many loads stay in flight
 # the plain call, the paged one, and both kinds of cache with splits and the append
 for paged, splits, seq_q, append in [(False, 1, 1, False), (True, 1, 1, False), (False, 4, 1, True),
                                      (True, 3, 4, True)]:
@@ -256,7 +273,8 @@ for paged, splits, seq_q, append in [(False, 1, 1, False), (True, 1, 1, False), 
         print(json.dumps({"case": [paged, splits, seq_q, append], "launch": r.name, "spills": r.spills,
                           "hmma": r.opcodes["HMMA"], "registers": r.registers, "per_sm": r.occupancy[0],
                           "async_128": len(re.findall(r"LDGSTS\.E\.BYPASS\.128", r.asm["sass"])),
-                          "loads": sorted(r.loads), "stores": sorted(r.stores)}))
+                          "loads": sorted(r.loads), "stores": sorted(r.stores),
+                          "waits": [int(n) for n in WAIT.findall(r.asm["ttgir"])]}))
 """
 
 
@@ -264,8 +282,9 @@ def test_the_kernels_compile_for_hopper_to_tensor_cores_16_byte_loads_and_no_spi
     """At (32, 32/8, 8192, 128) bf16, contiguous and paged, one split and several, Sq 1 and 4, with
     and without the append: no spills; both products on tensor cores (HMMA: 16 rows are under
     wgmma's 64); keys and values streamed into shared memory 16 bytes a copy (LDGSTS.128, the
-    pipelined loop's loads); at least three programs an SM, whose loads overlap; the combine reads
-    16-byte vectors (it writes one 256-byte row a program, whose stores are narrower)."""
+    pipelined loop's loads), waiting for the oldest step only; at least three programs an SM, whose
+    loads overlap; the combine reads 16-byte vectors (it writes one 256-byte row a program, whose
+    stores are narrower)."""
     import sm90
 
     rows = [json.loads(line) for line in sm90.run(_SASS_CHECK)]
@@ -276,6 +295,9 @@ def test_the_kernels_compile_for_hopper_to_tensor_cores_16_byte_loads_and_no_spi
             assert 128 in row["loads"], row
             continue
         assert row["hmma"] > 0 and row["async_128"] > 0 and 128 in row["stores"], row
+        # each loop waits for its oldest step's loads only, the next NUM_STAGES - 1 steps' in flight
+        # (a paged cache's table entry loaded in the loop once made it wait for all of them)
+        assert row["waits"] and all(n == decode.NUM_STAGES - 1 for n in row["waits"]), row
         assert row["per_sm"] >= 3, row
 
 

@@ -38,11 +38,15 @@ from tritonkit.opdef import check_tensor, op
 from tritonkit.ops.attention.common import Scores, _exponent, _visible, attention_reference, softmax_scale
 from tritonkit.roofline import Cost
 
-BLOCK_N = 64  # keys a step
+# The launch, from a sweep of BLOCK_N 32-128, 2-8 warps and 2-4 stages at issue 28's six shapes on
+# the H200 (benchmarks/decode_attention.py --configs): 32-key steps on 4 warps, 3 stages came within
+# 3.3% of each shape's best with a contiguous cache (geometric mean 0.989), the best of the configs
+BLOCK_N = 32  # keys a step
 NUM_WARPS = 4
 NUM_STAGES = 3  # loads in flight a program: the key/value blocks ahead of the one in use
 MIN_ROWS = 16  # tl.dot's least M: a program's rows (GROUP x Sq) pad to this
 MAX_ROWS = 64  # rows a program at most: more (a long chunk of new tokens) take more programs
+PAGES = 32  # table entries a paged walk reads at once (PAGE_A_STEP)
 MIN_SPLIT_KEYS = 256  # keys a split takes at least, where the rule splits
 MAX_SPLITS = 64
 COMBINE_SPLITS = 64  # splits the combine loads at once (a 64 x 128 fp32 tile: 64 registers a thread)
@@ -70,20 +74,36 @@ def _attend(q, k, v, cols, bound, token, row_ok, m_i, l_i, acc, upper, lower, sc
 
 
 @triton.jit
-def _cache_slots(table_ptr, batch, n, cols, col_ok, stride_tb, SLOTS, NUM_BLOCKS, PAGED: tl.constexpr,
-                 PAGE_A_STEP: tl.constexpr):  # fmt: skip
+def _cache_slots(table_ptr, batch, cols, col_ok, stride_tb, SLOTS, NUM_BLOCKS, PAGED: tl.constexpr):
     """(block, slot, ok) of cache positions ``cols`` of sequence ``batch``: ok where the position is
-    wanted (``col_ok``) and its block exists. PAGE_A_STEP: ``cols`` lie in one page (block sizes a
-    multiple of BLOCK_N, ``n`` a multiple of it), whose table entry is read once."""
+    wanted (``col_ok``) and its block exists."""
     if PAGED:
         row = table_ptr + batch.to(tl.int64) * stride_tb
-        if PAGE_A_STEP:
-            block = tl.load(row + n // SLOTS) + cols * 0
-        else:
-            block = tl.load(row + cols // SLOTS, mask=col_ok, other=0)
+        block = tl.load(row + cols // SLOTS, mask=col_ok, other=0)
         return block, cols % SLOTS, col_ok & (block >= 0) & (block < NUM_BLOCKS)
     else:
         return batch + cols * 0, cols, col_ok
+
+
+@triton.jit
+def _attend_cached(q, k_ptr, v_ptr, block, slot, ok, cols, cached_end, kv_head, dims, dim_ok,
+                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, token, row_ok, m_i, l_i,
+                   acc, refused, upper, lower, score_scale, cap_log2, IS_CAUSAL: tl.constexpr,
+                   HAS_LOWER: tl.constexpr, SOFTCAP: tl.constexpr,
+                   EXACT_DOT_IN_FP32: tl.constexpr):  # fmt: skip
+    """Cache positions ``cols`` (at ``block``, ``slot``; ``ok`` where wanted and held) folded into the
+    running softmax; ``refused`` counts those wanted whose block the table does not hold."""
+    refused += tl.sum(((cols < cached_end) & ~ok).to(tl.int32))
+    mask = ok[:, None] & dim_ok[None, :]
+    k_rows = block.to(tl.int64) * stride_kb + slot.to(tl.int64) * stride_ks + kv_head * stride_kh
+    k = tl.load(k_ptr + k_rows[:, None] + dims[None, :], mask=mask, other=0.0)
+    v_rows = block.to(tl.int64) * stride_vb + slot.to(tl.int64) * stride_vs + kv_head * stride_vh
+    v = tl.load(v_ptr + v_rows[:, None] + dims[None, :], mask=mask, other=0.0)
+    m_i, l_i, acc = _attend(
+        q, k, v, cols, cached_end, token, row_ok, m_i, l_i, acc, upper, lower, score_scale, cap_log2,
+        IS_CAUSAL, HAS_LOWER, SOFTCAP, EXACT_DOT_IN_FP32,
+    )  # fmt: skip
+    return m_i, l_i, acc, refused
 
 
 @triton.jit
@@ -121,7 +141,8 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_NEW: tl.constexpr,  # new keys a step: a few, where Sq is (their tiles stay small)
     PAGED: tl.constexpr,
-    PAGE_A_STEP: tl.constexpr,  # PAGED with SLOTS a multiple of BLOCK_N
+    PAGE_A_STEP: tl.constexpr,  # PAGED with SLOTS a multiple of BLOCK_N: a step's keys in one page
+    PAGES: tl.constexpr,  # PAGE_A_STEP: table entries read at once
     HAS_SEQLENS: tl.constexpr,
     HAS_NEW: tl.constexpr,  # k and v appended: L_b = cached + Sq
     IS_CAUSAL: tl.constexpr,
@@ -161,21 +182,38 @@ def _decode_kernel(
     # the cached keys, from the cache (never past it, even where cache_seqlens says so)
     cached_end = tl.minimum(tl.minimum(end, cached), S_MAX)
     refused = tl.full([], 0, tl.int32)  # positions whose block the table does not hold
-    for n in range(start, cached_end, BLOCK_N):
-        cols = n + tl.arange(0, BLOCK_N)
-        block, slot, ok = _cache_slots(
-            table_ptr, batch, n, cols, cols < cached_end, stride_tb, SLOTS, NUM_BLOCKS, PAGED, PAGE_A_STEP
-        )
-        refused += tl.sum(((cols < cached_end) & ~ok).to(tl.int32))
-        mask = ok[:, None] & dim_ok[None, :]
-        k_rows = block.to(tl.int64) * stride_kb + slot.to(tl.int64) * stride_ks + kv_head * stride_kh
-        k = tl.load(k_ptr + k_rows[:, None] + dims[None, :], mask=mask, other=0.0)
-        v_rows = block.to(tl.int64) * stride_vb + slot.to(tl.int64) * stride_vs + kv_head * stride_vh
-        v = tl.load(v_ptr + v_rows[:, None] + dims[None, :], mask=mask, other=0.0)
-        m_i, l_i, acc = _attend(
-            q, k, v, cols, cached_end, token, row_ok, m_i, l_i, acc, upper, lower, score_scale, cap_log2,
-            IS_CAUSAL, HAS_LOWER, SOFTCAP, EXACT_DOT_IN_FP32,
-        )  # fmt: skip
+    if PAGE_A_STEP:
+        # PAGES table entries read at once, each step's picked from them in registers: a step's K
+        # and V addresses then hang on no load, so the loop's pipeline fetches them steps ahead (a
+        # table entry loaded in the loop joins the pipeline's loads, and its wait holds them all)
+        table_row = table_ptr + batch.to(tl.int64) * stride_tb
+        page_ids = tl.arange(0, PAGES)
+        for page0 in range(start // SLOTS, tl.cdiv(cached_end, SLOTS), PAGES):
+            pages = tl.load(
+                table_row + page0 + page_ids, mask=page0 + page_ids < tl.cdiv(cached_end, SLOTS), other=0
+            )  # fmt: skip
+            lo, hi = tl.maximum(start, page0 * SLOTS), tl.minimum((page0 + PAGES) * SLOTS, cached_end)
+            for n in range(lo, hi, BLOCK_N):
+                cols = n + tl.arange(0, BLOCK_N)
+                page = tl.sum(tl.where(page_ids == n // SLOTS - page0, pages, 0), 0)
+                ok = (cols < cached_end) & (page >= 0) & (page < NUM_BLOCKS)
+                m_i, l_i, acc, refused = _attend_cached(
+                    q, k_ptr, v_ptr, page + cols * 0, cols % SLOTS, ok, cols, cached_end, kv_head, dims,
+                    dim_ok, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, token, row_ok,
+                    m_i, l_i, acc, refused, upper, lower, score_scale, cap_log2, IS_CAUSAL, HAS_LOWER,
+                    SOFTCAP, EXACT_DOT_IN_FP32,
+                )  # fmt: skip
+    else:
+        for n in range(start, cached_end, BLOCK_N):
+            cols = n + tl.arange(0, BLOCK_N)
+            block, slot, ok = _cache_slots(
+                table_ptr, batch, cols, cols < cached_end, stride_tb, SLOTS, NUM_BLOCKS, PAGED
+            )  # fmt: skip
+            m_i, l_i, acc, refused = _attend_cached(
+                q, k_ptr, v_ptr, block, slot, ok, cols, cached_end, kv_head, dims, dim_ok, stride_kb,
+                stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, token, row_ok, m_i, l_i, acc, refused,
+                upper, lower, score_scale, cap_log2, IS_CAUSAL, HAS_LOWER, SOFTCAP, EXACT_DOT_IN_FP32,
+            )  # fmt: skip
     if HAS_NEW:  # the new keys, from k and v; the first block of rows also writes them to the cache
         for n in range(tl.maximum(start, cached), end, BLOCK_NEW):
             cols = n + tl.arange(0, BLOCK_NEW)
@@ -192,8 +230,7 @@ def _decode_kernel(
             )  # fmt: skip
             if tl.program_id(2) == 0:
                 block, slot, ok = _cache_slots(
-                    table_ptr, batch, n, cols, col_ok & (cols < S_MAX), stride_tb, SLOTS, NUM_BLOCKS, PAGED,
-                    False,
+                    table_ptr, batch, cols, col_ok & (cols < S_MAX), stride_tb, SLOTS, NUM_BLOCKS, PAGED
                 )  # fmt: skip
                 mask = ok[:, None] & dim_ok[None, :]
                 k_rows = block.to(tl.int64) * stride_kb + slot.to(tl.int64) * stride_ks + kv_head * stride_kh
@@ -426,7 +463,8 @@ def launches(
     meta = dict(
         GROUP=group, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=BLOCK_N,
         BLOCK_NEW=min(max(MIN_ROWS, next_power_of_2(seq_q)), BLOCK_N), PAGED=paged,
-        PAGE_A_STEP=paged and k_cache.shape[1] % BLOCK_N == 0, HAS_SEQLENS=cache_seqlens is not None,
+        PAGE_A_STEP=paged and k_cache.shape[1] % BLOCK_N == 0, PAGES=PAGES,
+        HAS_SEQLENS=cache_seqlens is not None,
         HAS_NEW=k is not None, IS_CAUSAL=flags["IS_CAUSAL"], HAS_LOWER=flags["HAS_LOWER"],
         SOFTCAP=flags["SOFTCAP"], FINAL=final, EXACT_DOT_IN_FP32=interpret(), num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
