@@ -23,8 +23,9 @@ each layer its own cache, the step's token appended to it, replayed from one CUD
 same with cuDNN SDPA, the token written by ``index_copy_`` (and, beside it, SDPA without the write).
 
 ``--configs`` times tritonkit alone, at each shape with the contiguous cache (appending) and the
-paged one (``--paged``: the paged one only): every launch config of ``CONFIGS`` at the rule's split count, then the fastest config at
-the split counts of ``_split_counts`` (a short protocol: 10 ms warm-up, 40 ms of repetitions).
+paged one (``--paged``: the paged one only): every launch config of ``CONFIGS`` at the rule's split
+count, then the fastest config at the split counts of ``_split_counts`` (a short protocol: 10 ms
+warm-up, 40 ms of repetitions).
 """
 
 from __future__ import annotations
