@@ -181,6 +181,12 @@ def test_ratios_tables_and_files(tmp_path):
     assert [p.relative_to(tmp_path).as_posix() for p in paths] == ["h200/layer.json", "h200/layer.md"]
     assert json.loads(paths[0].read_text()) == rows
     assert paths[1].read_text().startswith("NVIDIA H200, torch 2.9, triton 3.6, at abc1234")
+    # rows of two runs (a case measured later, at another commit) name both runs
+    later = [row | {"git_sha": "def5678", "command": "tritonkit bench layer --case 8b-16k"} for row in rows]
+    line = layer.provenance_line(rows + later).split(", ", 3)[3]
+    assert line.startswith("at abc1234: `") and line.endswith(
+        "; at def5678: `tritonkit bench layer --case 8b-16k`"
+    )
 
 
 def test_a_time_limit_starts_no_case_the_run_would_not_finish(monkeypatch):

@@ -708,11 +708,12 @@ def profile_table(rows: list[dict]) -> str:
 
 
 def provenance_line(rows: list[dict], command: str = "tritonkit bench layer") -> str:
-    """The GPU, the versions, the commit and the command (``command`` where the rows have none)."""
+    """The GPU, the versions, the commit and the command (``command`` where the rows have none); rows
+    from several runs (cases measured at different commits) name each run, in the rows' order."""
     first = rows[0]
-    return (
-        f"{first['gpu']}, torch {first['torch']}, triton {first['triton']}, at {first['git_sha']}: "
-        f"`{first.get('command', command)}`"
+    runs = dict.fromkeys((row["git_sha"], row.get("command", command)) for row in rows)
+    return f"{first['gpu']}, torch {first['torch']}, triton {first['triton']}, " + "; ".join(
+        f"at {sha}: `{run}`" for sha, run in runs
     )
 
 
