@@ -230,8 +230,10 @@ def _config_row(shape, seq_q: int, paged: bool, stop: float) -> dict:
             x["q"], x["k_cache"], x["v_cache"], *x["new"], cache_seqlens=x["before_new"], num_splits=splits
         )
 
+    kind = "PAGED_LAUNCH" if paged else "CONTIGUOUS_LAUNCH"
+
     def time_us(config, splits) -> float:
-        decode.BLOCK_N, decode.NUM_WARPS, decode.NUM_STAGES = config
+        setattr(decode, kind, config)
         try:
             with timing.protocol(10, 40):
                 (_, median, _), _ = timing.kernel_ms([lambda: call(splits)])
@@ -240,9 +242,9 @@ def _config_row(shape, seq_q: int, paged: bool, stop: float) -> dict:
             print(f"{config} {splits} splits: {type(error).__name__}: {str(error).splitlines()[0][:120]}")
             return float("inf")
         finally:
-            decode.BLOCK_N, decode.NUM_WARPS, decode.NUM_STAGES = default
+            setattr(decode, kind, default)
 
-    default = decode.BLOCK_N, decode.NUM_WARPS, decode.NUM_STAGES
+    default = getattr(decode, kind)
     us = {}
     for config in CONFIGS:
         if time.time() < stop:

@@ -144,6 +144,20 @@ def test_sass_parsing():
     assert asm._widths(full, "STG") == collections.Counter({64: 1, 32: 1})
 
 
+def test_spills_in_loops_count_the_local_accesses_a_backward_branch_repeats():
+    sass = """
+        /*0010*/                   STL [R1], R8 ;
+        /*0020*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0030*/                   LDL R9, [R1+0x4] ;
+        /*0040*/              @!P0 BRA 0x20 ;
+        /*0050*/                   LDL.LU R0, [R1] ;
+        /*0060*/                   EXIT ;
+    """
+    report = asm.Report("k", "k", "sm_90", {}, 4, 96, 8, 0, 0, collections.Counter(), collections.Counter(),
+                        collections.Counter(), (1, ""), {"sass": sass})  # fmt: skip
+    assert report.spills_in_loops == 1  # the load at 0x30, inside 0x20..0x40; not the entry's or the end's
+
+
 # ---------------------------------------------------------------- static checks on every op (CI)
 
 PER_ROW_STATISTICS = {"norm", "attention"}  # families that store or load an fp32 per row (32-bit accesses)

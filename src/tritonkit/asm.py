@@ -97,6 +97,26 @@ class Report:
         """Stack or local memory, or local loads/stores in the code: the register file overflowed."""
         return bool(self.stack_bytes or self.local_bytes or self.opcodes["LDL"] or self.opcodes["STL"])
 
+    @property
+    def spills_in_loops(self) -> int:
+        """Local loads and stores inside a loop of the SASS (between a backward branch's target and
+        the branch): the spills a loop pays every step, where a value stored once at the kernel's
+        entry and loaded once at its end costs nothing that matters."""
+        code = [
+            (int(a, 16), text) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", self.asm["sass"])
+        ]
+        loops = [
+            (int(target, 16), at)
+            for at, text in code
+            for target in re.findall(r"\bBRA (?:`\()?(0x[0-9a-f]+)", text)
+            if int(target, 16) < at
+        ]
+        return sum(
+            1
+            for at, text in code
+            if re.search(r"\b(LDL|STL)\b", text) and any(lo <= at <= hi for lo, hi in loops)
+        )
+
 
 def _arg_type(value) -> str:
     if isinstance(value, torch.Tensor):

@@ -38,12 +38,13 @@ from tritonkit.opdef import check_tensor, op
 from tritonkit.ops.attention.common import Scores, _exponent, _visible, attention_reference, softmax_scale
 from tritonkit.roofline import Cost
 
-# The launch, from a sweep of BLOCK_N 32-128, 2-8 warps and 2-4 stages at issue 28's six shapes on
-# the H200 (benchmarks/decode_attention.py --configs): 32-key steps on 4 warps, 3 stages came within
-# 3.3% of each shape's best with a contiguous cache (geometric mean 0.989), the best of the configs
-BLOCK_N = 32  # keys a step
-NUM_WARPS = 4
-NUM_STAGES = 3  # loads in flight a program: the key/value blocks ahead of the one in use
+# The launch (BLOCK_N keys a step, warps, stages: the loads in flight a program), by the cache's kind,
+# from sweeps of BLOCK_N 32-128, 2-8 warps and 2-4 stages at issue 28's six shapes on the H200
+# (benchmarks/decode_attention.py --configs; docs/perf-notes.md, "The launch sweep"): each within 5%
+# of every shape's best, 32-4-3 for contiguous caches (3.3%, the geometric mean of best/config
+# 0.989), 64-4-3 for paged ones (4.7%, 0.984; 32-key steps lost 19% at B = 32)
+CONTIGUOUS_LAUNCH = (32, 4, 3)
+PAGED_LAUNCH = (64, 4, 3)
 MIN_ROWS = 16  # tl.dot's least M: a program's rows (GROUP x Sq) pad to this
 MAX_ROWS = 64  # rows a program at most: more (a long chunk of new tokens) take more programs
 PAGES = 32  # table entries a paged walk reads at once (PAGE_A_STEP)
@@ -198,7 +199,7 @@ def _decode_kernel(
                 page = tl.sum(tl.where(page_ids == n // SLOTS - page0, pages, 0), 0)
                 ok = (cols < cached_end) & (page >= 0) & (page < NUM_BLOCKS)
                 m_i, l_i, acc, refused = _attend_cached(
-                    q, k_ptr, v_ptr, page + cols * 0, cols % SLOTS, ok, cols, cached_end, kv_head, dims,
+                    q, k_ptr, v_ptr, page, cols % SLOTS, ok, cols, cached_end, kv_head, dims,
                     dim_ok, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, token, row_ok,
                     m_i, l_i, acc, refused, upper, lower, score_scale, cap_log2, IS_CAUSAL, HAS_LOWER,
                     SOFTCAP, EXACT_DOT_IN_FP32,
@@ -442,7 +443,8 @@ def launches(
     group = heads_q // heads_kv
     paged = block_table is not None
     max_keys = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
-    split_keys = cdiv(cdiv(max_keys, splits), BLOCK_N) * BLOCK_N
+    block_n, num_warps, num_stages = PAGED_LAUNCH if paged else CONTIGUOUS_LAUNCH
+    split_keys = cdiv(cdiv(max_keys, splits), block_n) * block_n
     (_, _, score_scale, cap_log2), flags = Scores(scale, causal, True, (left, right), softcap).kernel_args(
         1, 1
     )
@@ -461,13 +463,13 @@ def launches(
         0 if causal else max(right, 0), max(left, 0), score_scale, cap_log2, head_dim,
     )  # fmt: skip
     meta = dict(
-        GROUP=group, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=BLOCK_N,
-        BLOCK_NEW=min(max(MIN_ROWS, next_power_of_2(seq_q)), BLOCK_N), PAGED=paged,
-        PAGE_A_STEP=paged and k_cache.shape[1] % BLOCK_N == 0, PAGES=PAGES,
+        GROUP=group, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=block_n,
+        BLOCK_NEW=min(max(MIN_ROWS, next_power_of_2(seq_q)), block_n), PAGED=paged,
+        PAGE_A_STEP=paged and k_cache.shape[1] % block_n == 0, PAGES=PAGES,
         HAS_SEQLENS=cache_seqlens is not None,
         HAS_NEW=k is not None, IS_CAUSAL=flags["IS_CAUSAL"], HAS_LOWER=flags["HAS_LOWER"],
-        SOFTCAP=flags["SOFTCAP"], FINAL=final, EXACT_DOT_IN_FP32=interpret(), num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES,
+        SOFTCAP=flags["SOFTCAP"], FINAL=final, EXACT_DOT_IN_FP32=interpret(), num_warps=num_warps,
+        num_stages=num_stages,
     )  # fmt: skip
     result = [Launch("decode" if final else "decode split", _decode_kernel, args, meta,
                      grid=(splits, batch * heads_kv, row_blocks))]  # fmt: skip
