@@ -3,7 +3,6 @@ SDPA's cuDNN and flash backends (and, with ``--flex``, compiled FlexAttention), 
 
     python benchmarks/decode_attention.py OUT.json [--deadline SECONDS] [--flex] [--skip-step]
     python benchmarks/decode_attention.py OUT.json --configs [--paged] [--deadline SECONDS]
-    python benchmarks/decode_attention.py OUT.json --tma [--deadline SECONDS]   (pointer loads against TMA)
     python benchmarks/decode_attention.py RESULT.json --markdown   (the README's table of a run)
 
 Rows: issue 28's shapes (B, Hq, Hkv, S_cache, D), one new query token (four at one shape), every
@@ -263,51 +262,6 @@ def _config_row(shape, seq_q: int, paged: bool, stop: float) -> dict:
     }  # fmt: skip
 
 
-def _tma_row(shape, seq_q: int, paged: bool) -> dict:
-    """Graph time in us of each (path, BLOCK_N-warps-stages) at the rule's split count, keyed
-    "tma 32-4-3": the kind's launch, 32-4-3 and 64-4-3, each through pointers and through TMA."""
-    x = _inputs(shape, seq_q, torch.Generator(device="cuda").manual_seed(0))
-    pk, pv, table = x["paged"]
-    kind = "PAGED_LAUNCH" if paged else "CONTIGUOUS_LAUNCH"
-    default, us = getattr(decode, kind), {}
-
-    def call():
-        if paged:
-            return tritonkit.flash_attention_with_kvcache(
-                x["q"], pk, pv, cache_seqlens=x["full"], block_table=table
-            )
-        return tritonkit.flash_attention_with_kvcache(
-            x["q"], x["k_cache"], x["v_cache"], *x["new"], cache_seqlens=x["before_new"]
-        )
-
-    for tma, config in itertools.product((False, True), dict.fromkeys([default, (32, 4, 3), (64, 4, 3)])):
-        decode.TMA = tma
-        setattr(decode, kind, config)
-        try:
-            with timing.protocol(10, 40):
-                (_, median, _), _ = timing.kernel_ms([lambda: call])
-            us[("tma " if tma else "pointers ") + "-".join(map(str, config))] = median * 1e3
-        finally:
-            decode.TMA = False
-            setattr(decode, kind, default)
-    return {"shape": list(shape), "seq_q": seq_q, "paged": paged, "us": us}
-
-
-def _tma_ab(out: str, stop: float) -> None:
-    """Pointer loads against TMA (``decode.TMA``) at each shape and cache kind (``_tma_row``)."""
-    method = "tritonkit.bench.timing.kernel_ms, warm-up 10 ms, repetitions 40 ms"
-    result = result_header("decode_attention_tma", "decode_attention.py", method)
-    for (shape, seq_q), paged in itertools.product(SHAPES, (False, True)):
-        if time.time() > stop:
-            break
-        row = _tma_row(shape, seq_q, paged)
-        result["rows"].append(row)
-        timings = "  ".join(f"{k} {v:.1f}" for k, v in row["us"].items())
-        print(f"{shape} Sq {seq_q} paged {paged}: {timings}", flush=True)
-        Path(out).write_text(json.dumps(result, indent=1))
-        torch.cuda.empty_cache()
-
-
 def _configs(out: str, stop: float) -> None:
     method = "tritonkit.bench.timing.kernel_ms, warm-up 10 ms, repetitions 40 ms"
     result = result_header("decode_attention_configs", "decode_attention.py", method)
@@ -353,8 +307,6 @@ def main() -> None:
     out, stop = sys.argv[1], deadline()
     if "--configs" in sys.argv:
         return _configs(out, stop)
-    if "--tma" in sys.argv:
-        return _tma_ab(out, stop)
     result = result_header(
         "decode_attention",
         "decode_attention.py",

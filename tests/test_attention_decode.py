@@ -110,26 +110,6 @@ def test_attending_the_cache_alone_windows_and_soft_caps(device):
     _check(args, append=False, causal=True, window=(20, -1), softcap=3.0)
 
 
-@pytest.mark.parametrize("slots", [None, 64], ids=["contiguous", "paged"])
-def test_the_tma_path_is_taken_where_the_caches_allow_and_matches(slots, device, monkeypatch):
-    """With TMA on, a contiguous cache and a paged one of 64-slot blocks launch the TMA path (a block
-    of 16 slots, smaller than a step, or a cache whose strides are not 16-byte multiples, does
-    not) and give the reference's output, appended tokens and splits included."""
-    monkeypatch.setattr(decode, "TMA", True)
-    args = _case(3, 2, 4, 2, 32, 256, [256 - 2, 0, 129], device, slots=slots, seed=21)
-    q, k_cache, v_cache, k, v, seqlens, table = args
-    part = torch.empty(2, 6, 4, 32, device=device)
-    call = (q, k_cache, v_cache, k, v, seqlens, table, q, part[0, 0, 0], part, part[..., 0])
-    assert decode.launches(*call, 0.1, True, -1, -1, 0.0)[0].meta["TMA"]
-    _check(args, num_splits=2)
-    _check(args)
-    for odd in (_case(1, 1, 2, 1, 28, 64, [64], device), _case(1, 1, 2, 1, 32, 64, [64], device, slots=16)):
-        # rows of 56 bytes (TMA's strides are 16-byte multiples); blocks of 16 slots, under a step
-        q, k_cache, v_cache, _, _, seqlens, table = odd
-        call = (q, k_cache, v_cache, None, None, seqlens, table, q, part[0, 0, 0], part, part[..., 0])
-        assert not decode.launches(*call, 0.1, True, -1, -1, 0.0)[0].meta["TMA"]
-
-
 def test_forced_splits_agree_with_one_split(device):
     """Three key splits folded by their lse give the single split's output and lse."""
     args = _case(2, 1, 4, 1, 32, 200, [200, 130], device, seed=7)
@@ -164,14 +144,11 @@ def test_a_chunk_of_new_tokens_over_several_row_blocks(device):
     _check(args, causal=True, num_splits=2)
 
 
-@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
 @pytest.mark.parametrize("append", [False, True])
-def test_pages_read_a_few_table_entries_at_a_time(append, tma, device, monkeypatch):
+def test_pages_read_a_few_table_entries_at_a_time(append, device, monkeypatch):
     """Blocks a whole number of steps long take their table entries PAGES at a time: with two at a
-    time, three splits of 96 keys (the second starts mid-block) walk several such reads each; the
-    slots past a sequence's keys hold NaN, which the TMA path's whole-block loads read and zero."""
+    time, three splits of 96 keys (the second starts mid-block) walk several such reads each."""
     monkeypatch.setattr(decode, "PAGES", 2)
-    monkeypatch.setattr(decode, "TMA", tma)
     assert 64 % decode.PAGED_LAUNCH[0] == 0  # a block a whole number of steps (the kernel's PAGE_A_STEP)
     args = _case(2, 1, 4, 2, 32, 288, [288 - append, 150], device, slots=64, seed=13)
     _check(args, append=append, num_splits=3)
@@ -343,13 +320,10 @@ def test_the_kernels_compile_for_hopper_to_tensor_cores_16_byte_loads_and_no_spi
         (3, 2, 16, 2, 64, 3001, 16, 5),  # D = 64, an odd cache, blocks of 16, five splits
     ],
 )
-@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
 def test_gpu_large_caches_match_the_reference(
-    batch, seq_q, heads_q, heads_kv, head_dim, cache, slots, splits, tma, device, monkeypatch
+    batch, seq_q, heads_q, heads_kv, head_dim, cache, slots, splits, device
 ):
-    """Ragged lengths from 0 to full, the new tokens appended, bf16 against float64; through
-    pointer loads and through TMA where the caches allow it."""
-    monkeypatch.setattr(decode, "TMA", tma)
+    """Ragged lengths from 0 to full, the new tokens appended, bf16 against float64."""
     lengths = [0, cache - seq_q, cache // 3][:batch] + [cache // 2 + 7] * max(0, batch - 3)
     args = _case(batch, seq_q, heads_q, heads_kv, head_dim, cache, lengths, device, slots=slots)
     _check(args, causal=True, num_splits=splits)

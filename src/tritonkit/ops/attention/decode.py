@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from tritonkit._launch import Launch, cdiv, ensure_allocator, next_power_of_2, tma_ready
+from tritonkit._launch import Launch, cdiv, next_power_of_2
 from tritonkit._runtime import empty_output, interpret, sm_count
 from tritonkit._triton import tl, triton
 from tritonkit.jit import LOG2E, dot_fp32
@@ -48,7 +48,6 @@ PAGED_LAUNCH = (64, 4, 3)
 MIN_ROWS = 16  # tl.dot's least M: a program's rows (GROUP x Sq) pad to this
 MAX_ROWS = 64  # rows a program at most: more (a long chunk of new tokens) take more programs
 PAGES = 32  # table entries a paged walk reads at once (PAGE_A_STEP)
-TMA = False  # the cached keys and values through TMA descriptors, where the caches allow
 MIN_SPLIT_KEYS = 256  # keys a split takes at least, where the rule splits
 MAX_SPLITS = 64
 COMBINE_SPLITS = 64  # splits the combine loads at once (a 64 x 128 fp32 tile: 64 registers a thread)
@@ -109,43 +108,6 @@ def _attend_cached(q, k_ptr, v_ptr, block, slot, ok, cols, cached_end, kv_head, 
 
 
 @triton.jit
-def _cache_descriptors(k_ptr, v_ptr, batch, kv_head, cached_end, stride_kb, stride_ks, stride_kh, stride_vb,
-                       stride_vs, stride_vh, SLOTS, NUM_BLOCKS, HEAD_DIM, BLOCK_N: tl.constexpr,
-                       BLOCK_D: tl.constexpr, PAGED: tl.constexpr):  # fmt: skip
-    """TMA descriptors of K's and V's rows of one key/value head: a paged cache's every slot (row
-    block x SLOTS + slot), or a contiguous cache's keys of sequence ``batch`` (rows past
-    ``cached_end`` load as zeros)."""
-    if PAGED:
-        rows = NUM_BLOCKS * SLOTS
-        k_base, v_base = k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh
-    else:
-        rows = tl.maximum(cached_end, 1)
-        k_base = k_ptr + batch.to(tl.int64) * stride_kb + kv_head * stride_kh
-        v_base = v_ptr + batch.to(tl.int64) * stride_vb + kv_head * stride_vh
-    k_desc = tl.make_tensor_descriptor(k_base, [rows, HEAD_DIM], [stride_ks, 1], [BLOCK_N, BLOCK_D])
-    v_desc = tl.make_tensor_descriptor(v_base, [rows, HEAD_DIM], [stride_vs, 1], [BLOCK_N, BLOCK_D])
-    return k_desc, v_desc
-
-
-@triton.jit
-def _attend_described(q, k_desc, v_desc, first_row, ok, cols, cached_end, token, row_ok, m_i, l_i, acc,
-                      refused, upper, lower, score_scale, cap_log2, IS_CAUSAL: tl.constexpr,
-                      HAS_LOWER: tl.constexpr, SOFTCAP: tl.constexpr,
-                      EXACT_DOT_IN_FP32: tl.constexpr):  # fmt: skip
-    """``_attend_cached`` through TMA: the BLOCK_N rows from ``first_row`` of the descriptors. A paged
-    block's slots past the keys hold whatever the cache holds (NaN, say): their scores are masked,
-    and their values zeroed, as a zero weight times NaN would still be NaN."""
-    refused += tl.sum(((cols < cached_end) & ~ok).to(tl.int32))
-    k = k_desc.load([first_row, 0])
-    v = tl.where(ok[:, None], v_desc.load([first_row, 0]), 0.0)
-    m_i, l_i, acc = _attend(
-        q, k, v, cols, cached_end, token, row_ok, m_i, l_i, acc, upper, lower, score_scale, cap_log2,
-        IS_CAUSAL, HAS_LOWER, SOFTCAP, EXACT_DOT_IN_FP32,
-    )  # fmt: skip
-    return m_i, l_i, acc, refused
-
-
-@triton.jit
 def _decode_kernel(
     q_ptr,  # (B, Sq, Hq, D)
     k_ptr,  # cache (blocks, slots, Hkv, D): (B, S_cache) contiguous, or paged
@@ -182,7 +144,6 @@ def _decode_kernel(
     PAGED: tl.constexpr,
     PAGE_A_STEP: tl.constexpr,  # PAGED with SLOTS a multiple of BLOCK_N: a step's keys in one page
     PAGES: tl.constexpr,  # PAGE_A_STEP: table entries read at once
-    TMA: tl.constexpr,  # the cached keys and values through TMA (contiguous, or PAGE_A_STEP)
     HAS_SEQLENS: tl.constexpr,
     HAS_NEW: tl.constexpr,  # k and v appended: L_b = cached + Sq
     IS_CAUSAL: tl.constexpr,
@@ -222,11 +183,6 @@ def _decode_kernel(
     # the cached keys, from the cache (never past it, even where cache_seqlens says so)
     cached_end = tl.minimum(tl.minimum(end, cached), S_MAX)
     refused = tl.full([], 0, tl.int32)  # positions whose block the table does not hold
-    if TMA:
-        k_desc, v_desc = _cache_descriptors(
-            k_ptr, v_ptr, batch, kv_head, cached_end, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
-            stride_vh, SLOTS, NUM_BLOCKS, HEAD_DIM, BLOCK_N, BLOCK_D, PAGED,
-        )  # fmt: skip
     if PAGE_A_STEP:
         # PAGES table entries read at once, each step's picked from them in registers: a step's K
         # and V addresses then hang on no load, so the loop's pipeline fetches them steps ahead (a
@@ -242,27 +198,12 @@ def _decode_kernel(
                 cols = n + tl.arange(0, BLOCK_N)
                 page = tl.sum(tl.where(page_ids == n // SLOTS - page0, pages, 0), 0)
                 ok = (cols < cached_end) & (page >= 0) & (page < NUM_BLOCKS)
-                if TMA:
-                    m_i, l_i, acc, refused = _attend_described(
-                        q, k_desc, v_desc, page * SLOTS + n % SLOTS, ok, cols, cached_end, token, row_ok, m_i,
-                        l_i, acc, refused, upper, lower, score_scale, cap_log2, IS_CAUSAL, HAS_LOWER, SOFTCAP,
-                        EXACT_DOT_IN_FP32,
-                    )  # fmt: skip
-                else:
-                    m_i, l_i, acc, refused = _attend_cached(
-                        q, k_ptr, v_ptr, page, cols % SLOTS, ok, cols, cached_end, kv_head, dims, dim_ok,
-                        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, token, row_ok, m_i,
-                        l_i, acc, refused, upper, lower, score_scale, cap_log2, IS_CAUSAL, HAS_LOWER, SOFTCAP,
-                        EXACT_DOT_IN_FP32,
-                    )  # fmt: skip
-    elif TMA:  # a contiguous cache
-        for n in range(start, cached_end, BLOCK_N):
-            cols = n + tl.arange(0, BLOCK_N)
-            m_i, l_i, acc, refused = _attend_described(
-                q, k_desc, v_desc, n, cols < cached_end, cols, cached_end, token, row_ok, m_i, l_i, acc,
-                refused, upper, lower, score_scale, cap_log2, IS_CAUSAL, HAS_LOWER, SOFTCAP,
-                EXACT_DOT_IN_FP32,
-            )  # fmt: skip
+                m_i, l_i, acc, refused = _attend_cached(
+                    q, k_ptr, v_ptr, page, cols % SLOTS, ok, cols, cached_end, kv_head, dims,
+                    dim_ok, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, token, row_ok,
+                    m_i, l_i, acc, refused, upper, lower, score_scale, cap_log2, IS_CAUSAL, HAS_LOWER,
+                    SOFTCAP, EXACT_DOT_IN_FP32,
+                )  # fmt: skip
     else:
         for n in range(start, cached_end, BLOCK_N):
             cols = n + tl.arange(0, BLOCK_N)
@@ -504,8 +445,6 @@ def launches(
     max_keys = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     block_n, num_warps, num_stages = PAGED_LAUNCH if paged else CONTIGUOUS_LAUNCH
     split_keys = cdiv(cdiv(max_keys, splits), block_n) * block_n
-    page_a_step = paged and k_cache.shape[1] % block_n == 0
-    tma = TMA and _tma_applies(k_cache, v_cache, paged, page_a_step)
     (_, _, score_scale, cap_log2), flags = Scores(scale, causal, True, (left, right), softcap).kernel_args(
         1, 1
     )
@@ -526,14 +465,12 @@ def launches(
     meta = dict(
         GROUP=group, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=block_n,
         BLOCK_NEW=min(max(MIN_ROWS, next_power_of_2(seq_q)), block_n), PAGED=paged,
-        PAGE_A_STEP=page_a_step, PAGES=PAGES, TMA=tma,
+        PAGE_A_STEP=paged and k_cache.shape[1] % block_n == 0, PAGES=PAGES,
         HAS_SEQLENS=cache_seqlens is not None,
         HAS_NEW=k is not None, IS_CAUSAL=flags["IS_CAUSAL"], HAS_LOWER=flags["HAS_LOWER"],
         SOFTCAP=flags["SOFTCAP"], FINAL=final, EXACT_DOT_IN_FP32=interpret(), num_warps=num_warps,
         num_stages=num_stages,
     )  # fmt: skip
-    if tma and q.device.type == "cuda":
-        ensure_allocator()  # the kernel builds its descriptors on the device
     result = [Launch("decode" if final else "decode split", _decode_kernel, args, meta,
                      grid=(splits, batch * heads_kv, row_blocks))]  # fmt: skip
     if not final:
@@ -544,22 +481,6 @@ def launches(
             Launch("decode combine", _combine_kernel, combine, meta, grid=(batch * heads_kv, group * seq_q))
         )
     return result
-
-
-def _tma_applies(k_cache, v_cache, paged: bool, page_a_step: bool) -> bool:
-    """Whether the caches can be read through TMA descriptors: 16-byte aligned bases and strides, a
-    paged cache's blocks one after another (its slots rows of one descriptor, fewer than 2^31) and
-    a step's keys in one block; a contiguous cache as it lies."""
-    if not (tma_ready(k_cache) and tma_ready(v_cache)):
-        return False
-    if not paged:
-        return True
-    blocks, slots = k_cache.shape[:2]
-    return (
-        page_a_step
-        and all(t.stride(0) == slots * t.stride(1) for t in (k_cache, v_cache))
-        and blocks * slots < 2**31
-    )
 
 
 def flash_attention_with_kvcache(
