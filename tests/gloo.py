@@ -41,3 +41,20 @@ def run(worker, args: tuple, world: int, timeout_s: float, what: str) -> None:
             for process in context.processes:
                 process.terminate()
             pytest.fail(f"{what} on {world} processes did not finish in {timeout_s} s")
+
+
+def all_finished(store: str, world: int, timeout_s: float) -> None:
+    """Wait until every rank has come back from the last collective, counted in a file store of its
+    own, not over gloo's connections: a rank that closed its group while another's gloo thread was
+    still finishing that collective aborted the other ("terminate called without an active
+    exception", seen under a loaded CI machine). Call it after the last collective, before closing
+    the group: no rank then closes its connections while another still uses them."""
+    import time
+
+    import torch.distributed as dist
+
+    finished = dist.FileStore(store + ".finished", world)
+    finished.add("finished", 1)
+    deadline = time.monotonic() + timeout_s
+    while finished.add("finished", 0) < world and time.monotonic() < deadline:
+        time.sleep(0.05)

@@ -134,25 +134,9 @@ def _worker(rank: int, world: int, store: str, out_dir: str) -> None:
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as out:
             json.dump(results, out)
         dist.barrier()
-        _all_finished(store, world)  # no rank closes its connections while another still uses them
+        gloo.all_finished(store, world, TIMEOUT_S // 2)
     finally:
         dist.destroy_process_group()
-
-
-def _all_finished(store: str, world: int) -> None:
-    """Wait until every rank has come back from the last collective, counted in a file store of its
-    own, not over gloo's connections: a rank that closed its group while another's gloo thread was
-    still finishing that collective aborted the other ("terminate called without an active
-    exception", seen under a loaded CI machine)."""
-    import time
-
-    import torch.distributed as dist
-
-    finished = dist.FileStore(store + ".finished", world)
-    finished.add("finished", 1)
-    deadline = time.monotonic() + TIMEOUT_S // 2
-    while finished.add("finished", 0) < world and time.monotonic() < deadline:
-        time.sleep(0.05)
 
 
 def _run(world: int, tmp_path) -> list[dict]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from tritonkit.distributed.groups import gather_facts, process_group, same_on_every_rank
 from tritonkit.opdef import first_derivative_only
 from tritonkit.ops.attention.bwd import attention_bwd
 from tritonkit.ops.attention.common import Scores, softmax_scale, validate_qkv
@@ -32,18 +33,6 @@ SUMS_TAG = 2  # point-to-point tags: a block's K and V take 0 and 1, its gradien
 
 
 # ---------------------------------------------------------------- groups, shards and the ring
-
-
-def _group(group):
-    """A process group from None (the default group), a group, or a one-dimensional DeviceMesh."""
-    if group is not None and hasattr(group, "get_group"):
-        if group.ndim != 1:
-            raise ValueError(
-                f"a DeviceMesh for ring attention must be one-dimensional, got {group.ndim} "
-                f"dimensions: pass mesh[name] for the context-parallel dimension"
-            )
-        return group.get_group()
-    return group if group is not None else dist.group.WORLD
 
 
 def _chunks(rank: int, world: int, causal: bool) -> list[int]:
@@ -61,7 +50,7 @@ def shard_sequence(x: torch.Tensor, dim: int, group=None, causal: bool = False) 
         raise ValueError(
             f"dim must be an int in [{-x.dim()}, {x.dim()}) for x of shape {tuple(x.shape)}, got {dim!r}"
         )
-    group = _group(group)
+    group = process_group(group, "ring attention")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     parts = 2 * world if causal else world
     length = x.shape[dim]
@@ -96,7 +85,7 @@ class _AllGather(torch.autograd.Function):
 def unshard_sequence(x: torch.Tensor, dim: int, group=None, causal: bool = False) -> torch.Tensor:
     """The whole sequence from every rank's shard along ``dim`` (the inverse of ``shard_sequence``,
     gathered on every rank); differentiable."""
-    group = _group(group)
+    group = process_group(group, "ring attention")
     world = dist.get_world_size(group)
     shards = _AllGather.apply(x.contiguous(), group)
     parts = 2 * world if causal else world
@@ -109,10 +98,7 @@ def unshard_sequence(x: torch.Tensor, dim: int, group=None, causal: bool = False
 
 
 def _check_across_ranks(q, k, v, causal: bool, group) -> None:
-    """Validate the shards locally, then agree across ranks: every rank raises the same error, so
-    none waits in a collective for a rank that has already raised. The ranks exchange a few
-    integers (one all_gather and a copy to the host; all_gather_object took 0.7-0.9 ms a call on
-    two H200); the messages of local errors travel only when some rank has one."""
+    """Validate the shards locally, then agree across ranks: every rank raises the same error."""
     try:
         validate_qkv(q, k, v)
         local_error = ""
@@ -120,24 +106,9 @@ def _check_across_ranks(q, k, v, causal: bool, group) -> None:
     except (TypeError, ValueError) as error:
         local_error = f"{type(error).__name__}: {error}"
         facts = [0] * 7
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
-    mine = torch.tensor([int(bool(local_error)), *facts], dtype=torch.int64, device=device)
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, mine, group=group)
-    rows = torch.stack(gathered).tolist()
-    if any(failed for failed, *_ in rows):
-        messages = [None] * len(rows)
-        dist.all_gather_object(messages, local_error, group=group)
-        errors = [f"rank {rank}: {message}" for rank, message in enumerate(messages) if message]
-        raise ValueError("ring_attention: bad input on " + "; ".join(errors))
+    rows = gather_facts(local_error, facts, "ring_attention", group)
     names = ("batch", "query heads", "sequence shard", "head dim", "key/value heads", "causal", "dtype size")
-    for index, name in enumerate(names):
-        values = [row[1 + index] for row in rows]
-        if len(set(values)) > 1:
-            raise ValueError(
-                f"ring_attention: ranks disagree on the {name}: {values} (rank by rank); every "
-                f"rank must hold an equal shard"
-            )
+    same_on_every_rank(rows, names, "ring_attention", "every rank must hold an equal shard")
     if causal and q.shape[2] % 2:
         raise ValueError(
             f"ring_attention: a causal shard holds two equal chunks (shard_sequence(..., "
@@ -292,7 +263,7 @@ def ring_attention(
     layout). GQA as in ``flash_attention``. Returns this rank's output shard (and its lse, (B, Hq,
     S_local), with ``return_lse``); differentiable in q, k and v. Every rank must call it with equal
     shards; bad input raises the same ValueError on every rank."""
-    group = _group(group)
+    group = process_group(group, "ring attention")
     _check_across_ranks(q, k, v, causal, group)
     o, lse = _RingAttention.apply(q, k, v, softmax_scale(scale, q.shape[-1]), bool(causal), _Ring(group))
     return (o, lse) if return_lse else o

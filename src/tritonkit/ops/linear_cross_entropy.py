@@ -214,8 +214,13 @@ def _backward(
     dx: torch.Tensor | None,
     dw: torch.Tensor | None,
     db: torch.Tensor | None,
+    first_class: int,
+    classes: int,
 ) -> None:
-    """dx, dW and db, each into its tensor where given, a block of the vocabulary at a time."""
+    """dx, dW and db, each into its tensor where given, a block of the vocabulary at a time. The
+    weight's rows are classes ``first_class`` on of ``classes`` (all of them, but for one shard of
+    a vocabulary split across ranks: ``tritonkit.distributed.vocab_parallel_linear_cross_entropy``),
+    and ``lse`` the rows' over every class."""
     options = (ignore_index, reduction, smoothing, z_loss, softcap)
     (n, hidden), vocab = input.shape, weight.shape[0]
     if n == 0:  # no token: no logits, and dW and db sum over nothing
@@ -232,8 +237,9 @@ def _backward(
         w_block = weight[start:end]
         matmul(input, w_block, dz, bias=None if bias is None else bias[start:end])
         for launch in ce._bwd_launches(
-            grad, None, dz, target, class_weight, lse, totals, options, dz, col0=start, classes=vocab
-        ):
+            grad, None, dz, target, class_weight, lse, totals, options, dz, col0=first_class + start,
+            classes=classes,
+        ):  # fmt: skip
             launch.run()
         if dw is not None:  # dW's rows of the block = dz^T x: A = dz^T (Vb, N), B = x^T (H, N)
             matmul(dz.t(), input.t(), dw[start:end])
@@ -290,7 +296,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         dx = empty_output(input.shape, input.dtype, input.device) if needs_dx else None
         dw = empty_output(weight.shape, weight.dtype, weight.device) if needs_dw else None
         db = empty_output(bias.shape, bias.dtype, bias.device) if needs_db else None
-        _backward(grad, input, weight, bias, target, class_weight, lse, totals, *ctx.options, dx, dw, db)
+        _backward(
+            grad, input, weight, bias, target, class_weight, lse, totals, *ctx.options, dx, dw, db, 0,
+            weight.shape[0],
+        )  # fmt: skip
         return dx, dw, db, None, None, None, None, None, None, None, None
 
 
