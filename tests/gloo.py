@@ -5,6 +5,7 @@ and wait, failing rather than hanging past a deadline."""
 from __future__ import annotations
 
 import datetime
+import json
 import os
 
 import pytest
@@ -58,3 +59,37 @@ def all_finished(store: str, world: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while finished.add("finished", 0) < world and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def run_ranks(results_of, world: int, timeout_s: float, tmp_path, what: str) -> list[dict]:
+    """Each of ``world`` spawned ranks joins the gloo group and writes ``results_of(rank)`` (a dict
+    of JSON values; every rank calls it, so it may make subgroups); the ranks' results, in rank
+    order."""
+    store, out_dir = str(tmp_path / "store"), str(tmp_path)
+    run(_rank, (results_of, world, store, out_dir, timeout_s), world, timeout_s, what)
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(world)]
+
+
+def _rank(rank: int, results_of, world: int, store: str, out_dir: str, timeout_s: float) -> None:
+    join_group(rank, world, store, timeout_s // 2)
+    import torch.distributed as dist
+
+    try:
+        results = results_of(rank)
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as out:
+            json.dump(results, out)
+        dist.barrier()
+        all_finished(store, world, timeout_s // 2)
+    finally:
+        dist.destroy_process_group()
+
+
+def assert_comparisons_passed(run: list[dict], counts) -> None:
+    """Each rank's results under each key of ``counts(rank)`` (a dict: key -> how many) hold that
+    many comparisons (``{"name", "passed", "text"}``), every one passed."""
+    for rank, results in enumerate(run):
+        for key, count in counts(rank).items():
+            comparisons = [r for r in results[key] if "name" in r]
+            assert len(comparisons) == count, (key, rank, results)
+            failing = [r["text"] for r in comparisons if not r["passed"]]
+            assert not failing, (key, rank, failing)

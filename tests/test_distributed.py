@@ -6,9 +6,6 @@ not divide into the shards are refused with the length to pad to (shard_sequence
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 import torch
 
@@ -109,39 +106,27 @@ def _round_trip(group=None) -> bool:
     return bool(ok)
 
 
-def _worker(rank: int, world: int, store: str, out_dir: str) -> None:
-    gloo.join_group(rank, world, store, TIMEOUT_S // 2)
+def _results(rank: int) -> dict:
     import torch.distributed as dist
 
-    try:
-        pair = dist.new_group(PAIR)  # every process takes part in making it
-        # Three ranks reach what two cannot: a ring whose next and previous ranks differ (blocks sent
-        # the wrong way round, or their owners counted so, pass on two), gradient sums received and
-        # sent on unfinished, and a rank that meets both lower and higher ranks' blocks. There the
-        # causal mask, whose load-balanced shards the full mask does not use, with one key head (on
-        # the CI machine's two cores, three processes). Two ranks, within the same processes (one
-        # start of Python and torch, not two): both masks, two key heads (GQA's mapping of query
-        # heads to key heads), and bad input.
-        results = {"three": _compare_with_one_process(True, heads_kv=1), "two": []}
-        results["three"].append({"round trip": _round_trip()})
-        if rank in PAIR:
-            results["two"] = [
-                *_compare_with_one_process(True, heads_kv=2, group=pair),
-                *_compare_with_one_process(False, heads_kv=2, group=pair),
-                {"round trip": _round_trip(pair)},
-                {"errors": _errors_on_every_rank(pair)},
-            ]
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as out:
-            json.dump(results, out)
-        dist.barrier()
-        gloo.all_finished(store, world, TIMEOUT_S // 2)
-    finally:
-        dist.destroy_process_group()
-
-
-def _run(world: int, tmp_path) -> list[dict]:
-    gloo.run(_worker, (world, str(tmp_path / "store"), str(tmp_path)), world, TIMEOUT_S, "ring attention")
-    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(world)]
+    pair = dist.new_group(PAIR)  # every process takes part in making it
+    # Three ranks reach what two cannot: a ring whose next and previous ranks differ (blocks sent
+    # the wrong way round, or their owners counted so, pass on two), gradient sums received and
+    # sent on unfinished, and a rank that meets both lower and higher ranks' blocks. There the
+    # causal mask, whose load-balanced shards the full mask does not use, with one key head (on
+    # the CI machine's two cores, three processes). Two ranks, within the same processes (one
+    # start of Python and torch, not two): both masks, two key heads (GQA's mapping of query
+    # heads to key heads), and bad input.
+    results = {"three": _compare_with_one_process(True, heads_kv=1), "two": []}
+    results["three"].append({"round trip": _round_trip()})
+    if rank in PAIR:
+        results["two"] = [
+            *_compare_with_one_process(True, heads_kv=2, group=pair),
+            *_compare_with_one_process(False, heads_kv=2, group=pair),
+            {"round trip": _round_trip(pair)},
+            {"errors": _errors_on_every_rank(pair)},
+        ]
+    return results
 
 
 @pytest.mark.slow
@@ -150,13 +135,9 @@ def test_ring_attention_equals_one_process(tmp_path):
     the whole sequence: on three ranks causal (GQA: 2 query heads over 1); on two of them, whose
     ranks in their group are not their own, causal and full (4 query heads over 2), bad input
     raising the same error on both."""
-    run = _run(WORLD, tmp_path)
+    run = gloo.run_ranks(_results, WORLD, TIMEOUT_S, tmp_path, "ring attention")
+    gloo.assert_comparisons_passed(run, lambda rank: {"three": 5, "two": 10 if rank in PAIR else 0})
     for rank, results in enumerate(run):
-        for ring, count in (("three", 5), ("two", 10 if rank in PAIR else 0)):
-            comparisons = [r for r in results[ring] if "name" in r]
-            assert len(comparisons) == count, (ring, results)
-            failing = [r["text"] for r in comparisons if not r["passed"]]
-            assert not failing, (ring, rank, failing)
         assert {"round trip": True} in results["three"]
         assert ({"round trip": True} in results["two"]) == (rank in PAIR)
     errors = [run[rank]["two"][-1]["errors"] for rank in PAIR]

@@ -6,9 +6,6 @@ rank."""
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 import torch
 
@@ -93,31 +90,18 @@ def _errors_on_every_rank(group) -> list[str]:
     return messages
 
 
-def _worker(rank: int, world: int, store: str, out_dir: str) -> None:
-    gloo.join_group(rank, world, store, TIMEOUT_S // 2)
+def _results(rank: int) -> dict:
     import torch.distributed as dist
 
-    try:
-        pair = dist.new_group(PAIR)  # every process takes part in making it
-        # Three ranks: every reduction, the third shard's classes last; two of them, whose ranks in
-        # their group are not their own: the mean and bad input.
-        results = {
-            "three": [
-                r for reduction in ("mean", "sum", "none") for r in _compare_with_one_process(reduction)
-            ]
-        }
-        results["two"] = []
-        if rank in PAIR:
-            results["two"] = [
-                *_compare_with_one_process("mean", pair),
-                {"errors": _errors_on_every_rank(pair)},
-            ]
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as out:
-            json.dump(results, out)
-        dist.barrier()
-        gloo.all_finished(store, world, TIMEOUT_S // 2)
-    finally:
-        dist.destroy_process_group()
+    pair = dist.new_group(PAIR)  # every process takes part in making it
+    # Three ranks: every reduction, the third shard's classes last; two of them, whose ranks in
+    # their group are not their own: the mean and bad input.
+    reductions = ("mean", "sum", "none")
+    results = {"three": [r for reduction in reductions for r in _compare_with_one_process(reduction)]}
+    results["two"] = []
+    if rank in PAIR:
+        results["two"] = [*_compare_with_one_process("mean", pair), {"errors": _errors_on_every_rank(pair)}]
+    return results
 
 
 @pytest.mark.slow
@@ -125,15 +109,7 @@ def test_the_vocabulary_split_across_ranks_equals_one_process(tmp_path):
     """Every rank's loss, dx and gathered dW pass the oracle against linear_cross_entropy over the
     whole weight: on three ranks with each reduction, on two of them with the mean, bad input
     raising the same error on both."""
-    gloo.run(
-        _worker, (WORLD, str(tmp_path / "store"), str(tmp_path)), WORLD, TIMEOUT_S, "vocab parallel loss"
-    )
-    run = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
-    for rank, results in enumerate(run):
-        for group, count in (("three", 9), ("two", 3 if rank in PAIR else 0)):
-            comparisons = [r for r in results[group] if "name" in r]
-            assert len(comparisons) == count, (group, results)
-            failing = [r["text"] for r in comparisons if not r["passed"]]
-            assert not failing, (group, rank, failing)
+    run = gloo.run_ranks(_results, WORLD, TIMEOUT_S, tmp_path, "vocab parallel loss")
+    gloo.assert_comparisons_passed(run, lambda rank: {"three": 9, "two": 3 if rank in PAIR else 0})
     errors = [run[rank]["two"][-1]["errors"] for rank in PAIR]
     assert errors[0] == errors[1]  # the same messages on both ranks
