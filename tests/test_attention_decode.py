@@ -227,6 +227,24 @@ def test_compiles_without_a_graph_break_and_matches_eager(device):
         assert torch.equal(_bits(a), _bits(b))  # NaN in the cache's unused slots included
 
 
+def test_a_call_like_a_checked_one_skips_the_check(device, monkeypatch):
+    """The check runs once a call signature (shapes, strides, dtypes, devices, options): again for a
+    new length of cache or a new window, not for new values; bad input is still refused after."""
+    q, k_cache, v_cache, k, v, seqlens, _ = _case(2, 1, 4, 2, 16, 32, [3, 4], device)
+    checks = []
+    monkeypatch.setattr(decode, "_check", lambda *args: checks.append(args[0].shape))
+    monkeypatch.setattr(decode, "_checked", {})
+    for _ in range(3):
+        tritonkit.flash_attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens + 1)
+    assert len(checks) == 1
+    tritonkit.flash_attention_with_kvcache(q, k_cache[:, :24], v_cache[:, :24], k, v, cache_seqlens=seqlens)
+    tritonkit.flash_attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, window=(8, 0))
+    assert len(checks) == 3
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="k must be"):
+        tritonkit.flash_attention_with_kvcache(q, k_cache, v_cache, k[:, :, :1], v, cache_seqlens=seqlens)
+
+
 @pytest.mark.parametrize(
     "change, message",
     [

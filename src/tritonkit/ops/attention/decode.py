@@ -351,6 +351,39 @@ def default_splits(batch: int, heads_kv: int, max_keys: int, device) -> int:
     return max(1, min(cdiv(2 * sms, programs), cdiv(max_keys, MIN_SPLIT_KEYS), MAX_SPLITS))
 
 
+MAX_CHECKED = 256  # call signatures kept whose checks passed: a decode loop's calls repeat a few
+_checked: dict[tuple, int] = {}  # a call's signature (what _check reads) -> its split count
+
+
+def _checked_splits(
+    q, k_cache, v_cache, k, v, cache_seqlens, block_table, window, softcap, num_splits
+) -> int:
+    """The call's key splits, once its input is checked; a call whose tensors have the shapes,
+    strides, dtypes and devices, and whose options the values, of one checked before skips the
+    check (about half of a call's Python on the host, where a decode step at B = 1 is host-bound).
+    Under torch.compile every call is checked (the trace runs once)."""
+    tensors = (q, k_cache, v_cache, k, v, cache_seqlens, block_table)
+    key = None
+    if not torch.compiler.is_compiling():
+        try:
+            key = (*((t.shape, t.stride(), t.dtype, t.device) if t is not None else None for t in tensors),
+                   window, softcap, num_splits)  # fmt: skip
+        except AttributeError:  # not a tensor: the check says which
+            key = None
+    splits = _checked.get(key) if key is not None else None
+    if splits is None:
+        _check(*tensors, window, softcap, num_splits)
+        pages = block_table.shape[1] if block_table is not None else 1
+        splits = num_splits or default_splits(
+            q.shape[0], k_cache.shape[2], pages * k_cache.shape[1], q.device
+        )
+        if key is not None:
+            if len(_checked) >= MAX_CHECKED:
+                _checked.clear()
+            _checked[key] = splits
+    return splits
+
+
 def _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, window, softcap, num_splits) -> None:
     """TypeError or ValueError naming what is wrong (nothing here reads a tensor's values)."""
     check_tensor("q", q, dtypes=DTYPES, ndim=4)
@@ -516,11 +549,11 @@ def flash_attention_with_kvcache(
     past its cache."""
     window = tuple(int(w) for w in window)
     num_splits, softcap = int(num_splits), float(softcap)
-    _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, window, softcap, num_splits)
+    splits = _checked_splits(
+        q, k_cache, v_cache, k, v, cache_seqlens, block_table, window, softcap, num_splits
+    )
     batch, seq_q, heads_q, head_dim = q.shape
     heads_kv = k_cache.shape[2]
-    max_keys = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
-    splits = num_splits or default_splits(batch, heads_kv, max_keys, q.device)
     out = empty_output(q.shape, q.dtype, q.device)
     rows = (heads_q // heads_kv) * seq_q
     shape = (splits, batch * heads_kv, rows) if splits > 1 else (1, 1, 1)
