@@ -1,8 +1,12 @@
-"""ring_attention on 3 CPU processes, and on a group of 2 of them (gloo, kernels in the
-interpreter): output, lse and gradients against single-process flash_attention on the whole
-sequence and the float64 reference, causal (load-balanced shards) and full, GQA; sharding round
-trips and their gradients; bad input raising the same error on every rank. Sequence lengths that do
-not divide into the shards are refused with the length to pad to (shard_sequence)."""
+"""The distributed ops on 3 CPU processes, and on a group of 2 of them (gloo, kernels in the
+interpreter), all in one start of the processes. ring_attention: output, lse and gradients against
+single-process flash_attention on the whole sequence and the float64 reference, causal
+(load-balanced shards) and full, GQA; sharding round trips and their gradients; sequence lengths
+that do not divide into the shards refused with the length to pad to (shard_sequence).
+vocab_parallel_linear_cross_entropy: the loss and its gradients (the input's, and the weight's
+shards gathered) against single-process linear_cross_entropy over the whole weight and the float64
+reference, every reduction, shards of unequal sizes, an ignored target. Bad input raising the same
+error on every rank, for both."""
 
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ pytestmark = pytest.mark.distributed
 
 TIMEOUT_S = 240  # the whole run of one world; a hang fails the test rather than the suite
 WORLD = 3
-PAIR = [1, 2]  # the two-rank ring: a group whose ranks (0 and 1) are not the processes' own
+PAIR = [1, 2]  # the two-rank group: its ranks (0 and 1) are not the processes' own
 
 
 def _whole(seq, seed, heads_kv=2):
@@ -106,6 +110,82 @@ def _round_trip(group=None) -> bool:
     return bool(ok)
 
 
+# ---------------------------------------------------------------- the vocabulary split
+
+SHARDS = [40, 24, 56]  # classes a rank holds (the pair's ranks hold the first two sizes)
+TOKENS, HIDDEN = (2, 7), 32
+
+
+def _head(classes: int, seed: int):
+    """input (2, 7, H), the whole weight (V, H), targets (2, 7) with one ignored, the same on every
+    rank."""
+    from tritonkit.testing import generator, random_tensor
+
+    g = generator(seed)
+    x = random_tensor((*TOKENS, HIDDEN), torch.bfloat16, "cpu", generator=g)
+    w = random_tensor((classes, HIDDEN), torch.bfloat16, "cpu", generator=g)
+    target = torch.randint(0, classes, TOKENS, generator=g)
+    target[0, 3] = -100
+    return x, w, target
+
+
+def _compare_vocab_split(reduction: str, group=None) -> list[dict]:
+    """The loss, dx and dW (each rank's shard gathered) over ``group`` (None: every process) against
+    linear_cross_entropy on one process (the oracle's torch term) and the float64 reference."""
+    import torch.distributed as dist
+
+    import tritonkit
+    from tritonkit.distributed import vocab_parallel_linear_cross_entropy
+    from tritonkit.ops.linear_cross_entropy import linear_cross_entropy_reference
+    from tritonkit.testing import compare, poisoned_outputs
+
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    sizes = SHARDS[:world]
+    x, w, target = _head(sum(sizes), seed=11 + world)
+    first = sum(sizes[:rank])
+    shard = w[first : first + sizes[rank]].clone().requires_grad_()
+    mine = x.clone().requires_grad_()
+    upstream = torch.randn(TOKENS if reduction == "none" else (), generator=torch.Generator().manual_seed(5))
+    with poisoned_outputs():
+        loss = vocab_parallel_linear_cross_entropy(mine, shard, target, group, reduction=reduction)
+        dx, dw_shard = torch.autograd.grad(loss, [mine, shard], upstream.to(loss.dtype))
+    shards = [None] * world  # of unequal sizes, which gloo's all_gather refuses
+    dist.all_gather_object(shards, dw_shard, group=group)
+    parallel = [loss, dx, torch.cat(shards)]
+    single_inputs = [t.clone().requires_grad_() for t in (x, w)]
+    single_loss = tritonkit.linear_cross_entropy(*single_inputs, target, reduction=reduction)
+    single = [single_loss, *torch.autograd.grad(single_loss, single_inputs, upstream.to(single_loss.dtype))]
+    exact_inputs = [t.double().requires_grad_() for t in (x, w)]
+    exact_loss = linear_cross_entropy_reference(*exact_inputs, target, reduction=reduction)
+    exact = [exact_loss, *torch.autograd.grad(exact_loss, exact_inputs, upstream.double())]
+    names = [f"{reduction} loss", f"{reduction} dx", f"{reduction} dW"]
+    comparisons = [
+        compare(name, got, torch_term, ref, torch.bfloat16)
+        for name, got, torch_term, ref in zip(names, parallel, single, exact, strict=True)
+    ]
+    return [{"name": c.name, "passed": c.passed, "text": str(c)} for c in comparisons]
+
+
+def _vocab_errors_on_every_rank(group) -> list[str]:
+    """Bad input on one rank (a reduction it alone gets wrong) and across the ranks (a hidden size
+    only one has): each raises on every rank, none hangs."""
+    import torch.distributed as dist
+
+    from tritonkit.distributed import vocab_parallel_linear_cross_entropy
+
+    rank = dist.get_rank(group)
+    x, w, target = _head(64, seed=3)
+    messages = []
+    with pytest.raises(ValueError, match="rank 0: ValueError: reduction must be one of") as error:
+        vocab_parallel_linear_cross_entropy(x, w, target, group, reduction="avg" if rank == 0 else "mean")
+    messages.append(str(error.value))
+    narrow = (x[..., :16], w[:, :16]) if rank == 1 else (x, w)
+    with pytest.raises(ValueError, match=r"ranks disagree on the hidden size: \[32, 16\]") as error:
+        vocab_parallel_linear_cross_entropy(*narrow, target, group)
+    messages.append(str(error.value))
+    return messages
+
+
 def _results(rank: int) -> dict:
     import torch.distributed as dist
 
@@ -126,19 +206,38 @@ def _results(rank: int) -> dict:
             {"round trip": _round_trip(pair)},
             {"errors": _errors_on_every_rank(pair)},
         ]
+    # The vocabulary split: on three ranks every reduction, the third shard's classes last; on the
+    # two, the mean and bad input.
+    reductions = ("mean", "sum", "none")
+    results["vocab three"] = [r for reduction in reductions for r in _compare_vocab_split(reduction)]
+    results["vocab two"] = []
+    if rank in PAIR:
+        results["vocab two"] = [
+            *_compare_vocab_split("mean", pair),
+            {"errors": _vocab_errors_on_every_rank(pair)},
+        ]
     return results
 
 
 @pytest.mark.slow
-def test_ring_attention_equals_one_process(tmp_path):
-    """Every rank's gathered output, lse and gradients pass the oracle against flash_attention on
-    the whole sequence: on three ranks causal (GQA: 2 query heads over 1); on two of them, whose
-    ranks in their group are not their own, causal and full (4 query heads over 2), bad input
-    raising the same error on both."""
-    run = gloo.run_ranks(_results, WORLD, TIMEOUT_S, tmp_path, "ring attention")
-    gloo.assert_comparisons_passed(run, lambda rank: {"three": 5, "two": 10 if rank in PAIR else 0})
+def test_ring_attention_and_the_vocabulary_split_equal_one_process(tmp_path):
+    """One start of the processes for both ops (a test each would start them twice, on two xdist
+    workers). Ring attention: every rank's gathered output, lse and gradients pass the oracle
+    against flash_attention on the whole sequence, on three ranks causal (GQA: 2 query heads over
+    1), on two of them, whose ranks in their group are not their own, causal and full (4 query heads
+    over 2). The vocabulary split: every rank's loss, dx and gathered dW pass the oracle against
+    linear_cross_entropy over the whole weight, on three ranks with each reduction, on two with the
+    mean. Bad input raises the same error on both ranks of the pair, for each op."""
+    run = gloo.run_ranks(_results, WORLD, TIMEOUT_S, tmp_path, "distributed ops")
+    counts = {"three": 5, "vocab three": 9}
+    gloo.assert_comparisons_passed(
+        run, lambda rank: counts | {"two": 10 if rank in PAIR else 0, "vocab two": 3 if rank in PAIR else 0}
+    )
     for rank, results in enumerate(run):
         assert {"round trip": True} in results["three"]
         assert ({"round trip": True} in results["two"]) == (rank in PAIR)
-    errors = [run[rank]["two"][-1]["errors"] for rank in PAIR]
-    assert errors[0][1:] == errors[1][1:]  # the same message on both ranks
+    ring_errors, vocab_errors = (
+        [run[rank][key][-1]["errors"] for rank in PAIR] for key in ("two", "vocab two")
+    )
+    assert ring_errors[0][1:] == ring_errors[1][1:]  # the same message on both ranks
+    assert vocab_errors[0] == vocab_errors[1]
