@@ -360,7 +360,8 @@ def _checked_splits(
 ) -> int:
     """The call's key splits, once its input is checked; a call whose tensors have the shapes,
     strides, dtypes and devices, and whose options the values, of one checked before skips the
-    check (about half of a call's Python on the host, where a decode step at B = 1 is host-bound).
+    check (its largest part by cProfile: 45-49 us of Python a call to 37-43 on the CPU, launches
+    stubbed; docs/perf-notes.md), where a decode step at B = 1 is host-bound.
     Under torch.compile every call is checked (the trace runs once)."""
     tensors = (q, k_cache, v_cache, k, v, cache_seqlens, block_table)
     key = None
@@ -373,15 +374,19 @@ def _checked_splits(
     splits = _checked.get(key) if key is not None else None
     if splits is None:
         _check(*tensors, window, softcap, num_splits)
-        pages = block_table.shape[1] if block_table is not None else 1
         splits = num_splits or default_splits(
-            q.shape[0], k_cache.shape[2], pages * k_cache.shape[1], q.device
+            q.shape[0], k_cache.shape[2], _max_keys(k_cache, block_table), q.device
         )
         if key is not None:
             if len(_checked) >= MAX_CHECKED:
                 _checked.clear()
             _checked[key] = splits
     return splits
+
+
+def _max_keys(k_cache, block_table) -> int:
+    """Keys a sequence may hold: a contiguous cache's slots, or a paged one's table width x block."""
+    return k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
 
 
 def _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, window, softcap, num_splits) -> None:
@@ -475,7 +480,7 @@ def launches(
     heads_kv, splits = k_cache.shape[2], part.shape[0]
     group = heads_q // heads_kv
     paged = block_table is not None
-    max_keys = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    max_keys = _max_keys(k_cache, block_table)
     block_n, num_warps, num_stages = PAGED_LAUNCH if paged else CONTIGUOUS_LAUNCH
     split_keys = cdiv(cdiv(max_keys, splits), block_n) * block_n
     (_, _, score_scale, cap_log2), flags = Scores(scale, causal, True, (left, right), softcap).kernel_args(
