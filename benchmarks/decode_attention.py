@@ -230,10 +230,12 @@ def _config_row(shape, seq_q: int, paged: bool, stop: float) -> dict:
             x["q"], x["k_cache"], x["v_cache"], *x["new"], cache_seqlens=x["before_new"], num_splits=splits
         )
 
-    kind = "PAGED_LAUNCH" if paged else "CONTIGUOUS_LAUNCH"
+    kinds = ("ONE_SPLIT_LAUNCH", "SPLIT_LAUNCH")  # the config forced whatever the split count
+    defaults = {kind: getattr(decode, kind) for kind in kinds}
 
     def time_us(config, splits) -> float:
-        setattr(decode, kind, config)
+        for kind in kinds:
+            setattr(decode, kind, config)
         try:
             with timing.protocol(10, 40):
                 (_, median, _), _ = timing.kernel_ms([lambda: call(splits)])
@@ -242,9 +244,9 @@ def _config_row(shape, seq_q: int, paged: bool, stop: float) -> dict:
             print(f"{config} {splits} splits: {type(error).__name__}: {str(error).splitlines()[0][:120]}")
             return float("inf")
         finally:
-            setattr(decode, kind, default)
+            for kind, launch in defaults.items():
+                setattr(decode, kind, launch)
 
-    default = getattr(decode, kind)
     us = {}
     for config in CONFIGS:
         if time.time() < stop:
@@ -256,6 +258,7 @@ def _config_row(shape, seq_q: int, paged: bool, stop: float) -> dict:
             us["-".join(map(str, (*config, splits)))] = time_us(config, splits)
     best = min(us, key=us.get)
     kv_bytes = 2 * batch * heads_kv * seq * shape[4] * 2
+    default = defaults[kinds[rule > 1]]
     return {
         "shape": list(shape), "seq_q": seq_q, "paged": paged, "rule_splits": rule, "us": us,
         "default": "-".join(map(str, (*default, rule))), "best": best, "best_tbps": kv_bytes / us[best] / 1e6,

@@ -4,7 +4,7 @@ kernels' profile, on the H200: four diagnostics, one a run.
     python benchmarks/layer_diagnostics.py OUT.json protocols [PROVIDERS]
     python benchmarks/layer_diagnostics.py OUT.json sustained [PROVIDERS]
     python benchmarks/layer_diagnostics.py OUT.json matmuls
-    python benchmarks/layer_diagnostics.py OUT.json finish
+    python benchmarks/layer_diagnostics.py OUT.json gated
 
 ``protocols``: the step timed five ways (do_bench as the layer benchmark does, CUDA events with and
 without the L2 flush, a sync after each step, one loop of steps), the host's time to issue it, and
@@ -14,9 +14,10 @@ steps back to back (hot: the H200 at its 700 W cap), with nvidia-smi's clock and
 beside it (OUT.json.PROVIDER.smi.csv); provider ``hybrid`` is tritonkit's norms and attention with
 cuBLAS's matmuls (F.linear). ``matmuls``: each of the layer's projections (fwd+bwd and fwd alone)
 on tritonkit.linear and on cuBLAS, cool and hot, and five tiles of the linear kernel hot at two of
-them. ``finish``: the sm_90 attention backward's finishing passes against the torch ops they
-replace, and the layer's gather of dq, dk, dv and merge of the output's heads, with the gradients
-and output contiguous and laid out as (B, S, H, D) memory. PROVIDERS: comma-separated, of
+them. ``gated``: gated_linear's forward at the three layers' MLP shapes, cool and hot, with its
+products stored by the one gated kernel or by two plain matmuls and an elementwise act(g) * u,
+against cuBLAS's matmuls and torch's SiLU and product (``finish`` at 0087522 timed the attention
+backward's finishing passes). PROVIDERS: comma-separated, of
 ``bench layer``'s providers (and ``hybrid``).
 """
 
@@ -32,7 +33,6 @@ import torch
 from attention_bwd_sm90 import result_header
 from torch.nn import functional
 from torch.profiler import ProfilerActivity, profile, schedule
-from triton.testing import do_bench
 
 import tritonkit
 from tritonkit.bench import layer
@@ -338,56 +338,57 @@ def matmuls() -> dict:
     return result
 
 
-# ---------------------------------------------------------------- finish
+# ---------------------------------------------------------------- gated
 
 
-def finish() -> dict:
-    from tritonkit.ops.attention import bwd_sm90
+def _gated_forms(x, wg, wu) -> dict:
+    """The MLP's gated forward, products kept (training) and y alone (inference), each way."""
+    from tritonkit.ops.linear import kernels as kn
+    from tritonkit.ops.linear import linear as ln
+    from tritonkit.ops.linear import matmul as mm
 
-    batch, heads_q, heads_kv, seq, head_dim = (
-        SHAPE.batch,
-        SHAPE.heads,
-        SHAPE.kv_heads,
-        SHAPE.seq,
-        SHAPE.head_dim,
-    )
-    acc = torch.randn(batch, heads_q, seq, head_dim, device="cuda")
-    shares = [torch.randn(batch, heads_q, seq, head_dim, device="cuda", dtype=torch.bfloat16) for _ in "kv"]
+    silu = kn.ACTIVATIONS["silu"]
+    m, n = x.shape[0], wg.shape[0]
+    y, g, u = (torch.empty(m, n, device="cuda", dtype=x.dtype) for _ in range(3))
+
+    def split(y, g, u):
+        mm.matmul(x, wg, g)
+        mm.matmul(x, wu, u)
+        ln._gated_activation_launch(g, u, y, silu).run()
+
+    def cublas(y, g, u):
+        torch.mm(x, wg.t(), out=g)
+        torch.mm(x, wu.t(), out=u)
+        torch.mul(functional.silu(g), u, out=y)
+
+    return {
+        "products: one kernel": lambda: mm.matmul(
+            x, wg, y, b2=wu, activation=silu, gated=kn.GATED_FWD, pre=g, pre2=u
+        ),
+        "products: two matmuls + act(g) * u": lambda: split(y, g, u),
+        "products: cuBLAS + torch silu * u": lambda: cublas(y, g, u),
+        "y: one kernel": lambda: mm.matmul(x, wg, y, b2=wu, activation=silu, gated=kn.GATED_FWD),
+        "act(g) * u alone": lambda: ln._gated_activation_launch(g, u, y, silu).run(),
+    }
+
+
+def gated() -> dict:
+    """gated_linear's forward at the layers' MLP shapes, cool and hot: the one kernel storing y, g
+    and u against two plain matmuls and the elementwise act(g) * u, and cuBLAS's matmuls."""
     result = {}
-
-    def timed(name, fn):
-        fn()
-        result[name] = do_bench(fn, warmup=100, rep=400)
-        print(f"{name:40s} {result[name] * 1e3:8.1f} us", flush=True)
-
-    for layout in ("contiguous", "layer"):
-
-        def empty(heads, layout=layout):
-            if layout == "contiguous":
-                return torch.empty(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16)
-            return torch.empty(batch, seq, heads, head_dim, device="cuda", dtype=torch.bfloat16).transpose(
-                1, 2
-            )
-
-        dq, dk, dv = empty(heads_q), empty(heads_kv), empty(heads_kv)
-
-        def torch_ops(dq=dq, dk=dk, dv=dv):
-            for grad, share in zip((dk, dv), shares, strict=True):
-                torch.sum(share.view(batch, heads_kv, -1, seq, head_dim), dim=2, out=grad)
-            torch.mul(acc, 0.088, out=dq)
-
-        launches = bwd_sm90.finish_launches(acc, dq, 0.088, (dk, dv), shares)
-        timed(f"{layout}: torch mul + 2 sums", torch_ops)
-        timed(f"{layout}: finish passes", lambda launches=launches: [launch.run() for launch in launches])
-        grads = (dq, dk, dv)
-        timed(
-            f"{layout}: cat of dq dk dv",
-            lambda grads=grads: torch.cat([t.transpose(1, 2) for t in grads], dim=2),
-        )
-        timed(
-            f"{layout}: merge heads of o",
-            lambda dq=dq: dq.transpose(1, 2).reshape(batch, seq, heads_q * head_dim),
-        )
+    for case in ("8b-4k", "d64-4k", "8b-16k"):
+        shape = layer.CASES[case]
+        tokens, d, ffn = shape.batch * shape.seq, shape.dim, shape.ffn
+        x = torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16)
+        wg, wu = (torch.randn(ffn, d, device="cuda", dtype=torch.bfloat16) / d**0.5 for _ in "gu")
+        row = {}
+        for name, call in _gated_forms(x, wg, wu).items():
+            call()  # a first call tunes an unshipped key
+            row[name] = _cool_and_hot(call)
+        print(case, {name: [round(ms, 3) for ms in times] for name, times in row.items()}, flush=True)
+        result[case] = row
+        del x, wg, wu
+        torch.cuda.empty_cache()
     return result
 
 
@@ -400,11 +401,11 @@ def main() -> None:
         rows = sustained(providers or ["tritonkit", "torch.compile", "hybrid"], out)
     elif mode == "matmuls":
         rows = matmuls()
-    elif mode == "finish":
-        rows = finish()
+    elif mode == "gated":
+        rows = gated()
     else:
-        raise SystemExit(f"mode must be protocols, sustained, matmuls or finish, got {mode!r}")
-    timing = "CUDA events; do_bench medians where named (module docstring)"
+        raise SystemExit(f"mode must be protocols, sustained, matmuls or gated, got {mode!r}")
+    timing = "CUDA events; do_bench (layer.time_ms) where named (module docstring)"
     with open(out, "w") as f:
         json.dump(
             result_header("layer", "layer_diagnostics.py", timing) | {"mode": mode, "rows": rows}, f, indent=1

@@ -149,7 +149,7 @@ def test_pages_read_a_few_table_entries_at_a_time(append, device, monkeypatch):
     """Blocks a whole number of steps long take their table entries PAGES at a time: with two at a
     time, three splits of 96 keys (the second starts mid-block) walk several such reads each."""
     monkeypatch.setattr(decode, "PAGES", 2)
-    assert 64 % decode.PAGED_LAUNCH[0] == 0  # a block a whole number of steps (the kernel's PAGE_A_STEP)
+    assert 64 % decode.SPLIT_LAUNCH[0] == 0  # a block a whole number of steps (the kernel's PAGE_A_STEP)
     args = _case(2, 1, 4, 2, 32, 288, [288 - append, 150], device, slots=64, seed=13)
     _check(args, append=append, num_splits=3)
     q, k_cache, v_cache, k, v, seqlens, table = args
@@ -319,7 +319,7 @@ def test_the_kernels_compile_for_hopper_to_tensor_cores_16_byte_loads_and_no_spi
         assert row["hmma"] > 0 and row["async_128"] > 0 and 128 in row["stores"], row
         # each loop waits for its oldest step's loads only, the next stages - 1 steps' in flight (a
         # paged cache's table entry loaded in the loop once made it wait for all of them)
-        stages = (decode.PAGED_LAUNCH if paged else decode.CONTIGUOUS_LAUNCH)[2]
+        stages = (decode.ONE_SPLIT_LAUNCH if row["case"][1] == 1 else decode.SPLIT_LAUNCH)[2]
         assert row["waits"] and all(n == stages - 1 for n in row["waits"]), row
         assert row["per_sm"] >= 3, row
 

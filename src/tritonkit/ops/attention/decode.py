@@ -38,13 +38,14 @@ from tritonkit.opdef import check_tensor, op
 from tritonkit.ops.attention.common import Scores, _exponent, _visible, attention_reference, softmax_scale
 from tritonkit.roofline import Cost
 
-# The launch (BLOCK_N keys a step, warps, stages: the loads in flight a program), by the cache's kind,
+# The launch (BLOCK_N keys a step, warps, stages: the loads in flight a program), by the split count,
 # from sweeps of BLOCK_N 32-128, 2-8 warps and 2-4 stages at issue 28's six shapes on the H200
-# (benchmarks/decode_attention.py --configs; docs/perf-notes.md, "The launch sweep"): each within 5%
-# of every shape's best, 32-4-3 for contiguous caches (3.3%, the geometric mean of best/config
-# 0.989), 64-4-3 for paged ones (4.7%, 0.984; 32-key steps lost 19% at B = 32)
-CONTIGUOUS_LAUNCH = (32, 4, 3)
-PAGED_LAUNCH = (64, 4, 3)
+# (benchmarks/decode_attention.py --configs; docs/perf-notes.md, "The launch sweep" and "The launch
+# by kind"): where one split leaves B x Hkv programs, two or so an SM, 64-key steps keep more bytes
+# in flight a program (paged at B = 32: 263 us against 324 at 32-key steps; contiguous 259 against
+# 263); where the keys are split, there are programs enough and 32-key steps were 1-5% faster
+ONE_SPLIT_LAUNCH = (64, 4, 3)
+SPLIT_LAUNCH = (32, 4, 3)
 MIN_ROWS = 16  # tl.dot's least M: a program's rows (GROUP x Sq) pad to this
 MAX_ROWS = 64  # rows a program at most: more (a long chunk of new tokens) take more programs
 PAGES = 32  # table entries a paged walk reads at once (PAGE_A_STEP)
@@ -481,7 +482,7 @@ def launches(
     group = heads_q // heads_kv
     paged = block_table is not None
     max_keys = _max_keys(k_cache, block_table)
-    block_n, num_warps, num_stages = PAGED_LAUNCH if paged else CONTIGUOUS_LAUNCH
+    block_n, num_warps, num_stages = ONE_SPLIT_LAUNCH if splits == 1 else SPLIT_LAUNCH
     split_keys = cdiv(cdiv(max_keys, splits), block_n) * block_n
     (_, _, score_scale, cap_log2), flags = Scores(scale, causal, True, (left, right), softcap).kernel_args(
         1, 1

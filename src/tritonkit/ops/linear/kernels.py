@@ -662,6 +662,26 @@ def _linear_tile(
     )
 
 
+# ---------------------------------------------------------------- the gated forward's elementwise step
+
+
+@triton.jit
+def _gated_activation_kernel(
+    g_ptr,  # the gate's product, (numel,) contiguous
+    u_ptr,  # the up product, (numel,) contiguous
+    y_ptr,  # act(g) * u out, (numel,) contiguous
+    numel,  # elements of each
+    ACTIVATION: tl.constexpr,  # an ACTIVATIONS code
+    BLOCK: tl.constexpr,  # elements a program
+):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # int64: numel may pass 2^31
+    mask = offsets < numel
+    g = tl.load(g_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    y = _activate(g, ACTIVATION=ACTIVATION, FAST=y_ptr.dtype.element_ty != tl.float32) * u
+    tl.store(y_ptr + offsets, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
 # ---------------------------------------------------------------- the backward's elementwise step
 
 

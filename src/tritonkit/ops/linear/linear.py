@@ -42,6 +42,7 @@ from tritonkit.ops.linear.kernels import (
     GATED_DX,
     GATED_FWD,
     _activation_backward_kernel,
+    _gated_activation_kernel,
     default_config,
 )
 from tritonkit.ops.linear.matmul import (
@@ -311,6 +312,18 @@ def _same_strides(weight_gate, weight_up):
     return weight_gate.contiguous(), weight_up.contiguous()
 
 
+GATED_BLOCK = 4096  # elements a program of the act(g) * u pass: 8 x 16 bytes a thread of 4 warps (16-bit)
+
+
+def _gated_activation_launch(g, u, y, activation: int) -> Launch:
+    """y = act(g) * u, element by element, over three contiguous tensors of one shape."""
+    numel = g.numel()
+    meta = {"ACTIVATION": activation, "BLOCK": GATED_BLOCK, "num_warps": NUM_WARPS}
+    grid = (cdiv(numel, GATED_BLOCK),)
+    args = (g, u, y, numel)
+    return Launch("gated fwd act(g) * u (elementwise)", _gated_activation_kernel, args, meta, grid=grid)
+
+
 @op("gated_linear", mutates=("y", "g", "u"))
 def _gated_forward(
     input: torch.Tensor,
@@ -322,18 +335,22 @@ def _gated_forward(
     u: torch.Tensor | None,
 ) -> None:
     """y = act(g) * u with g = input Wg^T and u = input Wu^T into ``y``, and g and u into theirs
-    where given (the backward reads them)."""
-    weight_gate, weight_up = _same_strides(weight_gate, weight_up)
-    matmul(
-        _rows(input),
-        weight_gate,
-        _rows(y),
-        b2=weight_up,
-        activation=ACTIVATIONS[activation],
-        gated=GATED_FWD,
-        pre=None if g is None else _rows(g),
-        pre2=None if u is None else _rows(u),
-    )
+    where given (the backward reads them).
+
+    y alone: one kernel, both products accumulated side by side and neither written. With g and u:
+    two plain matmuls and an elementwise pass. The one kernel storing all three measured slower on
+    the H200: its two accumulators and the activation's temporaries (255 registers a thread) leave
+    no room to overlap a tile's epilogue with the next tile's loads, which the plain matmul's
+    persistent tile does (docs/perf-notes.md)."""
+    x, code = _rows(input), ACTIVATIONS[activation]
+    if g is None:
+        weight_gate, weight_up = _same_strides(weight_gate, weight_up)
+        matmul(x, weight_gate, _rows(y), b2=weight_up, activation=code, gated=GATED_FWD)
+        return
+    matmul(x, weight_gate, _rows(g))
+    matmul(x, weight_up, _rows(u))
+    if g.numel():
+        _gated_activation_launch(g, u, y, code).run()
 
 
 def _gated_backward_pass(
@@ -436,9 +453,10 @@ class _GatedLinear(torch.autograd.Function):
 def gated_linear(
     input: torch.Tensor, weight_gate: torch.Tensor, weight_up: torch.Tensor, activation: str | None = "silu"
 ) -> torch.Tensor:
-    """``act(input Wg^T) * (input Wu^T)`` in one kernel (SwiGLU with "silu", GeGLU with "gelu" or
-    "gelu_tanh"): both products accumulate side by side and neither is written to memory, unless a
-    gradient is wanted (the backward reads them). Weights are (out_features, in_features)."""
+    """``act(input Wg^T) * (input Wu^T)`` (SwiGLU with "silu", GeGLU with "gelu" or "gelu_tanh"): in
+    one kernel, both products accumulated side by side and neither written to memory, unless a
+    gradient is wanted; then the products are two matmuls, kept for the backward, and act(g) * u
+    an elementwise pass. Weights are (out_features, in_features)."""
     _validate_gated(input, weight_gate, weight_up, activation)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (input, weight_gate, weight_up)):
         return _GatedLinear.apply(input, weight_gate, weight_up, activation)
@@ -500,8 +518,9 @@ def _inspect_launches(
 ) -> list[Launch]:
     """The launches of a training step at (M, K, N): linear's forward with bias, ``activation`` and a
     residual (storing z), its backward's elementwise pass (dz, db) and plain dx and dW matmuls
-    (without an activation: a bare matmul, dx and dW), then gated_linear's forward, elementwise
-    pass (dg, du) and dx (dW as linear's); ``forms`` picks which. ``config`` tiles the matmuls
+    (without an activation: a bare matmul, dx and dW), then gated_linear's forward of y alone, its
+    forward's act(g) * u pass (g and u by linear's matmuls), its backward's elementwise pass (dg,
+    du) and dx (dW as linear's); ``forms`` picks which. ``config`` tiles the matmuls
     (default: each form's untuned tile). What ``tritonkit inspect`` compiles."""
     m, k, n = shape
     code = ACTIVATIONS[activation]
@@ -515,7 +534,7 @@ def _inspect_launches(
             "bwd dw": matmul_problem(y.t(), x.t(), w),
         },
         "gated": {
-            "gated fwd": matmul_problem(x, w, y, b2=w, pre=y, pre2=y, activation=code, gated=GATED_FWD),
+            "gated fwd": matmul_problem(x, w, y, b2=w, activation=code, gated=GATED_FWD),
             "gated bwd dx": matmul_problem(y, w.t(), x, a2=y, b2=w.t(), gated=GATED_DX),
         },
     }
@@ -529,6 +548,8 @@ def _inspect_launches(
         for name, problem in matmuls[form].items():
             tile = config or default_config(FORMS[problem["gated"]])
             launches += [launch._replace(name=name) for launch in matmul_launches(problem, tile)]
+        if form == "gated":  # training's forward: g and u by linear's plain matmuls, then act(g) * u
+            launches.append(_gated_activation_launch(y, y, y, gate))
         if form == "linear" and not code:
             continue  # the bare matmul's backward has no elementwise pass (no bias: no db)
         launches += _elementwise_launches(*elementwise[form])
