@@ -64,6 +64,16 @@ def rotation_count(input_bytes: int) -> int:
     return min(MAX_ROTATION, math.ceil(2 * l2_bytes / input_bytes))
 
 
+@functools.cache
+def _graph_pool():
+    """One memory pool for every graph captured here. torch 2.11 never releases the private pool of a
+    capture that fails (pytorch/pytorch#190348): the cross-entropy table's peers that cannot be
+    captured left 104-135 GB reserved and idle after a few cases, and the next case's reference ran
+    out of memory. Sharing one pool keeps that to the largest capture's blocks, which later captures
+    reuse; the graphs sharing it replay one at a time on one stream, each its own temporaries."""
+    return torch.cuda.graph_pool_handle()
+
+
 def capture(make_call: Callable[[], Callable[[], object]]) -> tuple[Callable[[], object], str]:
     """(replay, "cuda-graph") of the call ``make_call`` builds, or (call, "eager: why") if capture fails.
 
@@ -80,7 +90,7 @@ def capture(make_call: Callable[[], Callable[[], object]]) -> tuple[Callable[[],
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(graph, stream=side):
+        with torch.cuda.graph(graph, pool=_graph_pool(), stream=side):
             call()
     except RuntimeError as error:
         torch.cuda.synchronize()
