@@ -344,8 +344,8 @@ def matmuls() -> dict:
 def _gated_forms(x, wg, wu) -> dict:
     """The MLP's gated forward, products kept (training) and y alone (inference), each way."""
     from tritonkit.ops.linear import kernels as kn
-    from tritonkit.ops.linear import linear as ln
     from tritonkit.ops.linear import matmul as mm
+    from tritonkit.ops.linear.linear import _gated_activation_launch
 
     silu = kn.ACTIVATIONS["silu"]
     m, n = x.shape[0], wg.shape[0]
@@ -354,7 +354,7 @@ def _gated_forms(x, wg, wu) -> dict:
     def split(y, g, u):
         mm.matmul(x, wg, g)
         mm.matmul(x, wu, u)
-        ln._gated_activation_launch(g, u, y, silu).run()
+        _gated_activation_launch(g, u, y, silu).run()
 
     def cublas(y, g, u):
         torch.mm(x, wg.t(), out=g)
@@ -368,7 +368,7 @@ def _gated_forms(x, wg, wu) -> dict:
         "products: two matmuls + act(g) * u": lambda: split(y, g, u),
         "products: cuBLAS + torch silu * u": lambda: cublas(y, g, u),
         "y: one kernel": lambda: mm.matmul(x, wg, y, b2=wu, activation=silu, gated=kn.GATED_FWD),
-        "act(g) * u alone": lambda: ln._gated_activation_launch(g, u, y, silu).run(),
+        "act(g) * u alone": lambda: _gated_activation_launch(g, u, y, silu).run(),
     }
 
 
