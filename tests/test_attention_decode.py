@@ -7,7 +7,9 @@ under the CPU interpreter."""
 from __future__ import annotations
 
 import functools
+import gc
 import json
+import weakref
 
 import pytest
 import torch
@@ -233,7 +235,7 @@ def test_a_call_like_a_checked_one_skips_the_check(device, monkeypatch):
     q, k_cache, v_cache, k, v, seqlens, _ = _case(2, 1, 4, 2, 16, 32, [3, 4], device)
     checks = []
     monkeypatch.setattr(decode, "_check", lambda *args: checks.append(args[0].shape))
-    monkeypatch.setattr(decode, "_checked", {})
+    monkeypatch.setattr(decode, "_plans", {})
     for _ in range(3):
         tritonkit.flash_attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens + 1)
     assert len(checks) == 1
@@ -383,6 +385,42 @@ def test_gpu_a_cuda_graph_replays_with_new_lengths_and_tables(slots, device):
         )
         expected = decode.kvcache_reference(q, *cache_before, k, v, seqlens, table)
         assert compare("out", out, expected, exact, BF16).passed, step
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("slots", [None, 64], ids=["contiguous", "paged"])
+def test_gpu_a_call_like_an_earlier_one_replays_its_launches(slots, device, monkeypatch):
+    """The first call of a signature records its launches (a Plan) and keeps none of its tensors;
+    a later call of it replays them (the launch builder not called) with the same bits as a call
+    launched anew; a q aligned otherwise is launched anew, with those bits too."""
+    monkeypatch.setattr(decode, "_plans", {})
+    q, k_cache, v_cache, k, v, seqlens, table = _case(2, 1, 8, 2, 128, 1024, [700, 1000], device, slots)
+    tritonkit.flash_attention_with_kvcache(q, k_cache, v_cache, k, v, seqlens, table)
+    ((_, plan),) = decode._plans.values()
+    assert plan is not None
+    first_cache = weakref.ref(k_cache)
+    del q, k_cache, v_cache, k, v, seqlens, table
+    gc.collect()
+    assert first_cache() is None
+    q, k_cache, v_cache, k, v, seqlens, table = _case(
+        2, 1, 8, 2, 128, 1024, [99, 1001], device, slots, seed=5
+    )
+    unaligned = torch.empty(q.numel() + 1, dtype=q.dtype, device=device)[1:].view(q.shape).copy_(q)
+    builds, build = [], decode.launches
+    monkeypatch.setattr(decode, "launches", lambda *args: builds.append(args) or build(*args))
+    results = {}
+    for name, query in (("planned", q), ("unaligned", unaligned), ("anew", q)):
+        if name == "anew":
+            monkeypatch.setattr(decode, "_plans", {})
+        caches = [c.clone() for c in (k_cache, v_cache)]
+        before = len(builds)
+        out, lse = tritonkit.flash_attention_with_kvcache(
+            query, *caches, k, v, seqlens, table, return_lse=True
+        )
+        assert (len(builds) > before) == (name != "planned"), name
+        results[name] = [_bits(t) for t in (out, lse, *caches)]
+    for name in ("planned", "unaligned"):
+        assert all(torch.equal(a, b) for a, b in zip(results[name], results["anew"], strict=True)), name
 
 
 @pytest.mark.gpu

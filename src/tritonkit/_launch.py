@@ -171,6 +171,14 @@ class Launcher:
             *constexpr_values,
         )
 
+    def entry(self, args: tuple, meta: dict) -> tuple | None:
+        """What a launch with these arguments runs through (see :class:`Plan`): None before their
+        first launch, or where they go through Triton's own launcher."""
+        first = args[0] if args[0] is not None else next(a for a in args if isinstance(a, torch.Tensor))
+        key = (first.get_device(), tuple(meta), *meta.values(), *specialization_key(args))
+        entry = self._compiled.get(key)
+        return None if entry is None or entry is _THROUGH_TRITON else entry
+
     def programs_per_sm(self, *args, **meta) -> int:
         """Programs of this launch that one SM holds at once: CUDA's occupancy of the kernel compiled
         for these arguments (compiled here if need be). A cooperative launch of more programs than
@@ -215,6 +223,81 @@ class Launcher:
             compiled.packed_metadata,
             constexpr_values,
         )
+
+
+@functools.cache
+def _launch_hooks() -> tuple:
+    from triton import knobs
+
+    return knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+
+
+class Plan:
+    """The launches of one call signature, replayed with each later call's tensors.
+
+    An op whose launches follow from its call's signature alone (shapes, strides, dtypes, devices and
+    options: every integer and float argument, every constexpr) records them after their first run;
+    a later call of the signature puts its tensors in the recorded places and calls each compiled
+    kernel's launcher at once, with no launch builder's Python and no Launcher key. Triton
+    specializes a pointer on its 16-byte alignment, which a signature does not fix: where a tensor
+    aligns otherwise than the recorded one, or a profiler listens, or another device is current,
+    :meth:`run` launches nothing and returns False, and the caller launches the ordinary way.
+    """
+
+    __slots__ = ("_alignments", "_device", "_steps")
+
+    def __init__(self, device: int, alignments: tuple, steps: tuple):
+        self._device, self._alignments, self._steps = device, alignments, steps
+
+    @staticmethod
+    def record(launches: Sequence[Launch], tensors: tuple) -> Plan | None:
+        """The plan of ``launches``, which have run, over the call's ``tensors`` (None where absent);
+        None where it cannot be one: under the interpreter, a tensor given twice, a launch with a
+        host step, one reading a tensor that is not among ``tensors`` (a copy its builder made), or
+        one that goes through Triton's own launcher. It holds no tensor."""
+        if interpret():
+            return None
+        index_of = {id(t): i for i, t in enumerate(tensors) if t is not None}
+        if len(index_of) < sum(t is not None for t in tensors):
+            return None  # one tensor in two places: a later call's two may differ
+        steps = []
+        for launch in launches:
+            entry = launcher_of(launch.kernel).entry(launch.args, launch.meta)
+            if launch.then is not None or entry is None:
+                return None
+            args, places = list(launch.args), []
+            for position, arg in enumerate(args):
+                if isinstance(arg, torch.Tensor):
+                    if id(arg) not in index_of:
+                        return None
+                    places.append((position, index_of[id(arg)]))
+                    args[position] = None
+            grid = (*launch.grid, 1, 1)[:3]
+            steps.append((entry, grid, tuple(args), tuple(places)))
+        present = [t for t in tensors if t is not None]
+        if not present:
+            return None
+        alignments = tuple((i, t.data_ptr() & 15) for i, t in enumerate(tensors) if t is not None)
+        return Plan(present[0].get_device(), alignments, tuple(steps))
+
+    def run(self, tensors: tuple) -> bool:
+        """Launch the recorded kernels over ``tensors`` (in the recorded order); False, launching
+        nothing, where they cannot be (the class's docstring says when)."""
+        device = self._device
+        enter, leave = _launch_hooks()
+        if enter.calls or leave.calls or torch._C._cuda_getDevice() != device:
+            return False
+        for i, alignment in self._alignments:
+            if tensors[i].data_ptr() & 15 != alignment:
+                return False
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        for (launch, function, cooperative, pdl, packed, constexprs), grid, recorded, places in self._steps:
+            args = list(recorded)
+            for position, i in places:
+                args[position] = tensors[i]
+            launch(*grid, stream, function, cooperative, pdl, None, None, packed, None, None, None, *args,
+                   *constexprs)  # fmt: skip
+        return True
 
 
 def _max_active_blocks(function: int, threads: int, shared_bytes: int) -> int:

@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from tritonkit._launch import Launch, cdiv, next_power_of_2
+from tritonkit._launch import Launch, Plan, cdiv, next_power_of_2
 from tritonkit._runtime import empty_output, interpret, sm_count
 from tritonkit._triton import tl, triton
 from tritonkit.jit import LOG2E, dot_fp32
@@ -352,37 +352,29 @@ def default_splits(batch: int, heads_kv: int, max_keys: int, device) -> int:
     return max(1, min(cdiv(2 * sms, programs), cdiv(max_keys, MIN_SPLIT_KEYS), MAX_SPLITS))
 
 
-MAX_CHECKED = 256  # call signatures kept whose checks passed: a decode loop's calls repeat a few
-_checked: dict[tuple, int] = {}  # a call's signature (what _check reads) -> its split count
+MAX_PLANS = 256  # call signatures kept: a decode loop's calls repeat a few
+# a call's signature -> its split count and its launches' Plan (None where they cannot be replayed)
+_plans: dict[tuple, tuple[int, Plan | None]] = {}
 
 
-def _checked_splits(
-    q, k_cache, v_cache, k, v, cache_seqlens, block_table, window, softcap, num_splits
-) -> int:
-    """The call's key splits, once its input is checked; a call whose tensors have the shapes,
-    strides, dtypes and devices, and whose options the values, of one checked before skips the
-    check (its largest part by cProfile: 45-49 us of Python a call to 37-43 on the CPU, launches
-    stubbed; docs/perf-notes.md), where a decode step at B = 1 is host-bound.
-    Under torch.compile every call is checked (the trace runs once)."""
-    tensors = (q, k_cache, v_cache, k, v, cache_seqlens, block_table)
-    key = None
-    if not torch.compiler.is_compiling():
-        try:
-            key = (*((t.shape, t.stride(), t.dtype, t.device) if t is not None else None for t in tensors),
-                   window, softcap, num_splits)  # fmt: skip
-        except AttributeError:  # not a tensor: the check says which
-            key = None
-    splits = _checked.get(key) if key is not None else None
-    if splits is None:
-        _check(*tensors, window, softcap, num_splits)
-        splits = num_splits or default_splits(
-            q.shape[0], k_cache.shape[2], _max_keys(k_cache, block_table), q.device
-        )
-        if key is not None:
-            if len(_checked) >= MAX_CHECKED:
-                _checked.clear()
-            _checked[key] = splits
-    return splits
+def _signature(tensors: tuple, window, softcap, num_splits, scale, causal) -> tuple | None:
+    """What the input check reads and the launches follow from: each tensor's shape, strides, dtype
+    and device, and the options; None under torch.compile (the trace runs once) or for an argument
+    that is not a tensor (the check says which)."""
+    if torch.compiler.is_compiling():
+        return None
+    try:
+        return (*((t.shape, t.stride(), t.dtype, t.device) if t is not None else None for t in tensors),
+                window, softcap, num_splits, scale, causal)  # fmt: skip
+    except AttributeError:
+        return None
+
+
+def _remember(key: tuple | None, splits: int, plan: Plan | None) -> None:
+    if key is not None:
+        if len(_plans) >= MAX_PLANS:
+            _plans.clear()
+        _plans[key] = (splits, plan)
 
 
 def _max_keys(k_cache, block_table) -> int:
@@ -555,9 +547,15 @@ def flash_attention_with_kvcache(
     past its cache."""
     window = tuple(int(w) for w in window)
     num_splits, softcap = int(num_splits), float(softcap)
-    splits = _checked_splits(
-        q, k_cache, v_cache, k, v, cache_seqlens, block_table, window, softcap, num_splits
-    )
+    inputs = (q, k_cache, v_cache, k, v, cache_seqlens, block_table)
+    key = _signature(inputs, window, softcap, num_splits, scale, causal)
+    splits, plan = _plans.get(key, (0, None)) if key is not None else (0, None)
+    known = splits > 0
+    if not known:  # the check once a signature: at B = 1 the call is host-bound (docs/perf-notes.md)
+        _check(*inputs, window, softcap, num_splits)
+        splits = num_splits or default_splits(
+            q.shape[0], k_cache.shape[2], _max_keys(k_cache, block_table), q.device
+        )
     batch, seq_q, heads_q, head_dim = q.shape
     heads_kv = k_cache.shape[2]
     out = empty_output(q.shape, q.dtype, q.device)
@@ -566,11 +564,14 @@ def flash_attention_with_kvcache(
     lse = empty_output((batch, heads_q, seq_q), torch.float32, q.device)
     part = empty_output((*shape, head_dim if splits > 1 else 1), torch.float32, q.device)
     part_lse = empty_output(shape, torch.float32, q.device)
-    if out.numel():
-        _decode(
-            q, k_cache, v_cache, k, v, cache_seqlens, block_table, out, lse, part, part_lse,
-            softmax_scale(scale, head_dim), bool(causal), window[0], window[1], softcap,
-        )  # fmt: skip
+    tensors = (*inputs, out, lse, part, part_lse)
+    if out.numel() and not (plan is not None and plan.run(tensors)):
+        options = (softmax_scale(scale, head_dim), bool(causal), window[0], window[1], softcap)
+        _decode(*tensors, *options)
+        if key is not None and not known:  # its launches, once run, replayed by later calls like it
+            plan = Plan.record(launches(*tensors, *options), tensors)
+    if not known:
+        _remember(key, splits, plan)
     wanting = [t for t in (q, k_cache, v_cache, k, v) if t is not None and t.requires_grad]
     if torch.is_grad_enabled() and wanting:
         out = _NoGradient.apply(out, wanting[0])
