@@ -64,16 +64,6 @@ def rotation_count(input_bytes: int) -> int:
     return min(MAX_ROTATION, math.ceil(2 * l2_bytes / input_bytes))
 
 
-@functools.cache
-def _graph_pool():
-    """One memory pool for every graph captured here. torch 2.11 never releases the private pool of a
-    capture that fails (pytorch/pytorch#190348): the cross-entropy table's peers that cannot be
-    captured left 104-135 GB reserved and idle after a few cases, and the next case's reference ran
-    out of memory. Sharing one pool keeps that to the largest capture's blocks, which later captures
-    reuse; the graphs sharing it replay one at a time on one stream, each its own temporaries."""
-    return torch.cuda.graph_pool_handle()
-
-
 def capture(make_call: Callable[[], Callable[[], object]]) -> tuple[Callable[[], object], str]:
     """(replay, "cuda-graph") of the call ``make_call`` builds, or (call, "eager: why") if capture fails.
 
@@ -90,7 +80,7 @@ def capture(make_call: Callable[[], Callable[[], object]]) -> tuple[Callable[[],
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(graph, pool=_graph_pool(), stream=side):
+        with torch.cuda.graph(graph, stream=side):
             call()
     except RuntimeError as error:
         torch.cuda.synchronize()
@@ -106,14 +96,18 @@ def _replay(graph: torch.cuda.CUDAGraph, call_kept_alive: Callable[[], object]) 
 
 
 def kernel_ms(
-    call_makers: Sequence[Callable[[], Callable[[], object]]],
+    call_makers: Sequence[Callable[[], Callable[[], object]]], eager_because: str | None = None
 ) -> tuple[tuple[float, float, float], str]:
     """((p20, median, p80) in ms, method) of the calls taken in turn, one input set each; the
-    method names a protocol other than WARMUP_MS and REP_MS (``protocol``)."""
+    method names a protocol other than WARMUP_MS and REP_MS (``protocol``). ``eager_because``: time
+    the calls eagerly, for this reason, without trying to capture them."""
     interpret()  # decide before triton is imported
     from triton.testing import do_bench
 
-    captured = [capture(make_call) for make_call in call_makers]
+    if eager_because is None:
+        captured = [capture(make_call) for make_call in call_makers]
+    else:
+        captured = [(make_call(), f"eager: {eager_because}") for make_call in call_makers]
     methods = {method for _, method in captured}
     method = methods.pop() if len(methods) == 1 else "mixed: " + "; ".join(sorted(methods))
     cycle = itertools.cycle([run for run, _ in captured])
