@@ -200,7 +200,10 @@ def _profiled_steps(step, steps: int, wait: int, warmup: int, active: int) -> di
     """Run ``step`` ``steps`` times under a profiler that records ``active`` of them after ``wait``
     and ``warmup``; their kernels' ms a step (the profiler live throughout: no pause cools the GPU)."""
     with profile(
-        activities=[ProfilerActivity.CUDA], schedule=schedule(wait=wait, warmup=warmup, active=active)
+        # one cycle: a second (past wait + warmup + active steps) added its steps to the first's, whose
+        # sums were then divided by ``active`` (the hot rows at c58ad14: 6 steps' kernels over 4)
+        activities=[ProfilerActivity.CUDA],
+        schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
     ) as prof:
         for _ in range(steps):
             step()
