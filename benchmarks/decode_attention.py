@@ -3,6 +3,7 @@ SDPA's cuDNN and flash backends (and, with ``--flex``, compiled FlexAttention), 
 
     python benchmarks/decode_attention.py OUT.json [--deadline SECONDS] [--flex] [--skip-step]
     python benchmarks/decode_attention.py OUT.json --configs [--paged] [--deadline SECONDS]
+    python benchmarks/decode_attention.py OUT.json --pages [--deadline SECONDS]
     python benchmarks/decode_attention.py RESULT.json --markdown   (the README's table of a run)
 
 Rows: issue 28's shapes (B, Hq, Hkv, S_cache, D), one new query token (four at one shape), every
@@ -30,7 +31,8 @@ same with cuDNN SDPA, the token written by ``index_copy_`` (and, beside it, SDPA
 ``--configs`` times tritonkit alone, at each shape with the contiguous cache (appending) and the
 paged one (``--paged``: the paged one only): every launch config of ``CONFIGS`` at the rule's split
 count, then the fastest config at the split counts of ``_split_counts`` (a short protocol: 10 ms
-warm-up, 40 ms of repetitions).
+warm-up, 40 ms of repetitions). ``--pages`` times the paged call with each of ``PAGE_READS`` table
+entries read at once (``decode.PAGES``), the contiguous call beside it.
 """
 
 from __future__ import annotations
@@ -269,6 +271,7 @@ def _config_row(shape, seq_q: int, paged: bool, stop: float) -> dict:
     def time_us(config, splits) -> float:
         for kind in kinds:
             setattr(decode, kind, config)
+        decode._plans.clear()  # a recorded launch holds the config it was built with
         try:
             with timing.protocol(10, 40):
                 (_, median, _), _ = timing.kernel_ms([lambda: call(splits)])
@@ -279,6 +282,7 @@ def _config_row(shape, seq_q: int, paged: bool, stop: float) -> dict:
         finally:
             for kind, launch in defaults.items():
                 setattr(decode, kind, launch)
+            decode._plans.clear()
 
     us = {}
     for config in CONFIGS:
@@ -313,6 +317,35 @@ def _configs(out: str, stop: float) -> None:
         torch.cuda.empty_cache()
 
 
+PAGE_READS = (8, 16, 32, 64, 128)  # --pages: table entries a paged walk reads at once
+
+
+def _pages(out: str, stop: float) -> None:
+    """Graph time in us of the paged call (appending) with each of PAGE_READS as ``decode.PAGES``,
+    the contiguous call's beside it: what the walk's outer loop (a vector of table entries, then an
+    inner pipelined loop over their steps, restarted each time) costs."""
+    method = "tritonkit.bench.timing.kernel_ms"
+    result = result_header("decode_attention_pages", "decode_attention.py", method)
+    default = decode.PAGES
+    for shape, seq_q in SHAPES:
+        if time.time() > stop:
+            break
+        calls = _providers(_inputs(shape, seq_q, torch.Generator(device="cuda").manual_seed(0)), seq_q, False)
+        row = {"shape": list(shape), "seq_q": seq_q, "us": {}}
+        for pages in PAGE_READS:
+            decode.PAGES = pages
+            decode._plans.clear()  # a recorded launch holds the PAGES it was built with
+            for name in ("tritonkit", "tritonkit-paged"):
+                if name == "tritonkit-paged" or pages == default:
+                    (_, median, _), _ = timing.kernel_ms([lambda call=calls[name]: call])
+                    row["us"][name if name == "tritonkit" else f"paged {pages}"] = median * 1e3
+        decode.PAGES = default
+        decode._plans.clear()
+        result["rows"].append(row)
+        print(shape, seq_q, {name: round(us, 1) for name, us in row["us"].items()}, flush=True)
+        Path(out).write_text(json.dumps(result, indent=1))
+
+
 def markdown(result: dict) -> str:
     """The README's table of a run: graph-replayed us, TB/s and share of copy, the peers beside."""
     lines = [
@@ -344,6 +377,8 @@ def main() -> None:
     out, stop = sys.argv[1], deadline()
     if "--configs" in sys.argv:
         return _configs(out, stop)
+    if "--pages" in sys.argv:
+        return _pages(out, stop)
     result = result_header(
         "decode_attention",
         "decode_attention.py",

@@ -238,6 +238,10 @@ def cmd_bench(args) -> int:
         raise ValueError("--layers and --no-generate are the model benchmark's: `tritonkit bench model`")
     if args.case or args.time_limit is not None:
         raise ValueError("--case and --time-limit are the layer's and the model's: `tritonkit bench layer`")
+    # Read by torch's CUDA allocator when it starts (nothing here has used CUDA yet). The float64
+    # reference of the 262144-class cross-entropy backward asked for 16 GB and ran out of memory
+    # beside 79 GB reserved in pieces too small for it, with the caching allocator's fixed segments.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     sweep = args.sweep is not None
     if sweep:
         if args.shapes is not None:
