@@ -313,6 +313,11 @@ def _same_strides(weight_gate, weight_up):
 
 
 GATED_BLOCK = 4096  # elements a program of the act(g) * u pass: 8 x 16 bytes a thread of 4 warps (16-bit)
+# Rows from which the forward is two plain matmuls and an elementwise act(g) * u, with or without a
+# gradient (the same values either way), rather than one kernel: measured faster at 8192 and 16384
+# rows of the layers' MLPs on the H200 (4-9%; docs/perf-notes.md, "The gated forward as two
+# matmuls"), not measured below. Without a gradient it holds g and u for the pass: 2 M N elements.
+SPLIT_ROWS = 8192
 
 
 def _gated_activation_launch(g, u, y, activation: int) -> Launch:
@@ -337,19 +342,21 @@ def _gated_forward(
     """y = act(g) * u with g = input Wg^T and u = input Wu^T into ``y``, and g and u into theirs
     where given (the backward reads them).
 
-    y alone: one kernel, both products accumulated side by side and neither written. With g and u:
-    two plain matmuls and an elementwise pass. The one kernel storing all three measured slower on
-    the H200: its two accumulators and the activation's temporaries (255 registers a thread) leave
-    no room to overlap a tile's epilogue with the next tile's loads, which the plain matmul's
-    persistent tile does (docs/perf-notes.md)."""
+    Below SPLIT_ROWS rows, one kernel: both products accumulated side by side, stored only where
+    given. From SPLIT_ROWS, two plain matmuls and an elementwise pass: the one kernel's two
+    accumulators and the activation's temporaries (255 registers a thread) leave no room to overlap a
+    tile's epilogue with the next tile's loads, which the plain matmul's persistent tile does."""
     x, code = _rows(input), ACTIVATIONS[activation]
-    if g is None:
+    if x.shape[0] < SPLIT_ROWS:
         weight_gate, weight_up = _same_strides(weight_gate, weight_up)
-        matmul(x, weight_gate, _rows(y), b2=weight_up, activation=code, gated=GATED_FWD)
+        pre, pre2 = (None, None) if g is None else (_rows(g), _rows(u))
+        matmul(x, weight_gate, _rows(y), b2=weight_up, activation=code, gated=GATED_FWD, pre=pre, pre2=pre2)
         return
+    if g is None:
+        g, u = (empty_output(y.shape, y.dtype, y.device) for _ in range(2))
     matmul(x, weight_gate, _rows(g))
     matmul(x, weight_up, _rows(u))
-    if g.numel():
+    if y.numel():
         _gated_activation_launch(g, u, y, code).run()
 
 
@@ -453,10 +460,10 @@ class _GatedLinear(torch.autograd.Function):
 def gated_linear(
     input: torch.Tensor, weight_gate: torch.Tensor, weight_up: torch.Tensor, activation: str | None = "silu"
 ) -> torch.Tensor:
-    """``act(input Wg^T) * (input Wu^T)`` (SwiGLU with "silu", GeGLU with "gelu" or "gelu_tanh"): in
-    one kernel, both products accumulated side by side and neither written to memory, unless a
-    gradient is wanted; then the products are two matmuls, kept for the backward, and act(g) * u
-    an elementwise pass. Weights are (out_features, in_features)."""
+    """``act(input Wg^T) * (input Wu^T)`` (SwiGLU with "silu", GeGLU with "gelu" or "gelu_tanh"):
+    below SPLIT_ROWS rows in one kernel, both products accumulated side by side and written to memory
+    only when a gradient is wanted (the backward reads them); from SPLIT_ROWS rows two matmuls and an
+    elementwise act(g) * u. Weights are (out_features, in_features)."""
     _validate_gated(input, weight_gate, weight_up, activation)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (input, weight_gate, weight_up)):
         return _GatedLinear.apply(input, weight_gate, weight_up, activation)
@@ -518,9 +525,9 @@ def _inspect_launches(
 ) -> list[Launch]:
     """The launches of a training step at (M, K, N): linear's forward with bias, ``activation`` and a
     residual (storing z), its backward's elementwise pass (dz, db) and plain dx and dW matmuls
-    (without an activation: a bare matmul, dx and dW), then gated_linear's forward of y alone, its
-    forward's act(g) * u pass (g and u by linear's matmuls), its backward's elementwise pass (dg,
-    du) and dx (dW as linear's); ``forms`` picks which. ``config`` tiles the matmuls
+    (without an activation: a bare matmul, dx and dW), then gated_linear's forward (one kernel
+    storing g and u; from SPLIT_ROWS rows linear's matmuls and the act(g) * u pass), its backward's
+    elementwise pass (dg, du) and dx (dW as linear's); ``forms`` picks which. ``config`` tiles the matmuls
     (default: each form's untuned tile). What ``tritonkit inspect`` compiles."""
     m, k, n = shape
     code = ACTIVATIONS[activation]
@@ -534,7 +541,7 @@ def _inspect_launches(
             "bwd dw": matmul_problem(y.t(), x.t(), w),
         },
         "gated": {
-            "gated fwd": matmul_problem(x, w, y, b2=w, activation=code, gated=GATED_FWD),
+            "gated fwd": matmul_problem(x, w, y, b2=w, pre=y, pre2=y, activation=code, gated=GATED_FWD),
             "gated bwd dx": matmul_problem(y, w.t(), x, a2=y, b2=w.t(), gated=GATED_DX),
         },
     }
@@ -548,7 +555,7 @@ def _inspect_launches(
         for name, problem in matmuls[form].items():
             tile = config or default_config(FORMS[problem["gated"]])
             launches += [launch._replace(name=name) for launch in matmul_launches(problem, tile)]
-        if form == "gated":  # training's forward: g and u by linear's plain matmuls, then act(g) * u
+        if form == "gated":  # from SPLIT_ROWS rows: g and u by linear's plain matmuls, then act(g) * u
             launches.append(_gated_activation_launch(y, y, y, gate))
         if form == "linear" and not code:
             continue  # the bare matmul's backward has no elementwise pass (no bias: no db)
