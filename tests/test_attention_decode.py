@@ -135,6 +135,7 @@ def test_more_splits_than_the_combine_loads_at_once(device, monkeypatch):
     """Seven splits folded two at a time (the combine's running max across its steps), the last
     splits of the shorter sequence holding no key, against the reference."""
     monkeypatch.setattr(decode, "COMBINE_SPLITS", 2)
+    monkeypatch.setattr(decode, "_plans", {})  # no launch recorded before the change
     args = _case(2, 1, 4, 2, 32, 200, [200, 70], device, seed=9)
     _check(args, append=False, num_splits=7, scale=2.0)  # scores spread: the splits' lse far apart
 
@@ -151,6 +152,7 @@ def test_pages_read_a_few_table_entries_at_a_time(append, device, monkeypatch):
     """Blocks a whole number of steps long take their table entries PAGES at a time: with two at a
     time, three splits of 96 keys (the second starts mid-block) walk several such reads each."""
     monkeypatch.setattr(decode, "PAGES", 2)
+    monkeypatch.setattr(decode, "_plans", {})  # no launch recorded before the change
     assert 64 % decode.SPLIT_LAUNCH[0] == 0  # a block a whole number of steps (the kernel's PAGE_A_STEP)
     args = _case(2, 1, 4, 2, 32, 288, [288 - append, 150], device, slots=64, seed=13)
     _check(args, append=append, num_splits=3)
