@@ -117,17 +117,12 @@ class Launcher:
         self.kernel = kernel
         self._compiled: dict[tuple, tuple | str] = {}
         self._occupancy: dict[tuple, int] = {}
-        self._hooks = None
 
     def __call__(self, grid: Sequence[int], *args, **meta) -> None:
         if interpret():
             self.kernel[grid](*args, **meta)
             return
-        if self._hooks is None:
-            from triton import knobs
-
-            self._hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
-        if self._hooks[0].calls or self._hooks[1].calls:  # a profiler listens: let Triton report
+        if _profiler_listens():  # let Triton report the launch
             self.kernel[grid](*args, **meta)
             return
         # a kernel over host TMA descriptors (the Gluon kernels take them first): Triton's launcher
@@ -140,7 +135,7 @@ class Launcher:
         if device != torch._C._cuda_getDevice():  # CUDA is initialised: args[0] lives there
             with torch.cuda.device(device):
                 return self(grid, *args, **meta)
-        key = (device, tuple(meta), *meta.values(), *specialization_key(args))
+        key = _launch_key(device, args, meta)
         entry = self._compiled.get(key)
         if entry is None:
             if len(self._compiled) >= MAX_KEYS:
@@ -150,33 +145,13 @@ class Launcher:
         if entry is _THROUGH_TRITON:
             self.kernel[grid](*args, **meta)
             return
-        launch, function, cooperative, pdl, packed_metadata, constexpr_values = entry
-        grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
-        stream = torch._C._cuda_getCurrentRawStream(device)
-        launch(
-            grid_x,
-            grid_y,
-            grid_z,
-            stream,
-            function,
-            cooperative,
-            pdl,
-            None,
-            None,
-            packed_metadata,
-            None,
-            None,
-            None,
-            *args,
-            *constexpr_values,
-        )
+        _run_entry(entry, (*grid, 1, 1)[:3], torch._C._cuda_getCurrentRawStream(device), args)
 
     def entry(self, args: tuple, meta: dict) -> tuple | None:
         """What a launch with these arguments runs through (see :class:`Plan`): None before their
         first launch, or where they go through Triton's own launcher."""
         first = args[0] if args[0] is not None else next(a for a in args if isinstance(a, torch.Tensor))
-        key = (first.get_device(), tuple(meta), *meta.values(), *specialization_key(args))
-        entry = self._compiled.get(key)
+        entry = self._compiled.get(_launch_key(first.get_device(), args, meta))
         return None if entry is None or entry is _THROUGH_TRITON else entry
 
     def programs_per_sm(self, *args, **meta) -> int:
@@ -187,7 +162,7 @@ class Launcher:
         if interpret() or not first.is_cuda:  # nothing runs (meta tensors: an inspection's launch)
             return 1 << 30
         device = first.get_device()
-        key = (device, tuple(meta), *meta.values(), *specialization_key(args))
+        key = _launch_key(device, args, meta)
         if key not in self._occupancy:
             with torch.cuda.device(device):
                 compiled = self.kernel.warmup(*args, grid=(1,), **meta)
@@ -230,6 +205,25 @@ def _launch_hooks() -> tuple:
     from triton import knobs
 
     return knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+
+
+def _profiler_listens() -> bool:
+    """Whether a launch hook is registered (a profiler): launches then go through Triton, which calls it."""
+    enter, leave = _launch_hooks()
+    return bool(enter.calls or leave.calls)
+
+
+def _launch_key(device: int, args: tuple, meta: dict) -> tuple:
+    """The Launcher's key of a launch: what its compiled kernel and launcher entry follow from."""
+    return (device, tuple(meta), *meta.values(), *specialization_key(args))
+
+
+def _run_entry(entry: tuple, grid: tuple, stream: int, args) -> None:
+    """Launch a compiled kernel through its cached entry (``Launcher._compile_and_launch``) on a grid
+    of three ints."""
+    launch, function, cooperative, pdl, packed_metadata, constexpr_values = entry
+    launch(*grid, stream, function, cooperative, pdl, None, None, packed_metadata, None, None, None, *args,
+           *constexpr_values)  # fmt: skip
 
 
 class Plan:
@@ -284,19 +278,17 @@ class Plan:
         """Launch the recorded kernels over ``tensors`` (in the recorded order); False, launching
         nothing, where they cannot be (the class's docstring says when)."""
         device = self._device
-        enter, leave = _launch_hooks()
-        if enter.calls or leave.calls or torch._C._cuda_getDevice() != device:
+        if _profiler_listens() or torch._C._cuda_getDevice() != device:
             return False
         for i, alignment in self._alignments:
             if tensors[i].data_ptr() & 15 != alignment:
                 return False
         stream = torch._C._cuda_getCurrentRawStream(device)
-        for (launch, function, cooperative, pdl, packed, constexprs), grid, recorded, places in self._steps:
+        for entry, grid, recorded, places in self._steps:
             args = list(recorded)
             for position, i in places:
                 args[position] = tensors[i]
-            launch(*grid, stream, function, cooperative, pdl, None, None, packed, None, None, None, *args,
-                   *constexprs)  # fmt: skip
+            _run_entry(entry, grid, stream, args)
         return True
 
 
