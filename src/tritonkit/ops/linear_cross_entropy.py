@@ -509,9 +509,10 @@ WORKLOADS = {
         name="linear_cross_entropy",
         op=OPS["linear_cross_entropy"],
         flop_unit="bf16",
-        # (tokens, hidden, vocabulary): Llama-3-8B's LM head at 8192 tokens, and smaller vocabularies
+        # (tokens, hidden, vocabulary): Llama-3-8B's LM head at 8192 tokens, a 2048-wide model's over
+        # a 256000-class vocabulary (Gemma's), and smaller vocabularies
         shapes={
-            "quick": [((8192, 4096, 128256), "bf16")],
+            "quick": [((8192, 4096, 128256), "bf16"), ((8192, 2048, 256000), "bf16")],
             "full": [((8192, 4096, v), "bf16") for v in (32000, 128256, 262144)],
         },
         tiny_shape=(4, 64, 256),
