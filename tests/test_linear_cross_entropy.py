@@ -89,6 +89,7 @@ def test_matches_the_reference(features, layout, dtype, device, monkeypatch):
     if chunked:
         monkeypatch.setattr(lce, "ROW_ALIGN", 16)
         monkeypatch.setattr(lce, "CHUNK_BYTES", 1)
+        monkeypatch.setattr(lce, "SUM_MIN_TOKENS", 1)
     kwargs = dict(features)
     x, w, target, b, class_weight = _inputs(
         size, dtype, device, ignore_index=kwargs.get("ignore_index", -100)
@@ -100,11 +101,14 @@ def test_matches_the_reference(features, layout, dtype, device, monkeypatch):
 
 def test_the_forward_takes_every_token_at_once_where_that_costs_no_more_than_dws_fp32_sum():
     """At Llama-3-8B's LM head and 8192 tokens the logits (2.1 GB) take less than dW's fp32 sum beside a
-    chunk (2.4 GB): one chunk, dW one product. Twice the tokens, or no dW asked (a frozen head), take
-    chunks of CHUNK_BYTES."""
+    chunk (2.4 GB): one chunk, dW one product. Twice the tokens sum dW over chunks of SUM_MIN_TOKENS
+    (each chunk reads and writes the sum), as even as the row alignment allows; no dW asked (a frozen
+    head) takes chunks of CHUNK_BYTES."""
     one = lce._forward_chunk(8192, 128256, 4096, 2, sums_dw=True)
     assert one == 8192
-    assert lce._forward_chunk(16384, 128256, 4096, 2, sums_dw=True) == 1024
+    assert lce._forward_chunk(16384, 128256, 4096, 2, sums_dw=True) == 4096
+    assert lce._forward_chunk(8192, 256000, 2048, 2, sums_dw=True) == 4096  # not 256 MB's 512
+    assert lce._forward_chunk(10000, 256000, 2048, 2, sums_dw=True) == 3392  # three, not 4096 twice and 1808
     assert lce._forward_chunk(8192, 128256, 4096, 2, sums_dw=False) == 1024
     cost = lce.linear_cross_entropy_cost((8192, 4096, 128256), BF16, "bwd", reduction="mean")
     assert cost.bytes < 4 * 128256 * 4096 * 4  # no fp32 sum read and written

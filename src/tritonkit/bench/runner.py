@@ -148,8 +148,10 @@ def run_case(
         if provider_names and provider.name not in provider_names:
             continue
         if device == "cuda":
-            # the float64 reference of a large case wants 8 GB of logits at 8192 x 128256
-            _free_idle_memory()
+            # the caching allocator's idle segments back to the device before each provider (the
+            # float64 reference of a large case wants 8 GB of logits at 8192 x 128256)
+            gc.collect()
+            torch.cuda.empty_cache()
         fn = provider.build(case.workload)
         row = _base_row(case, provider.name)
         if isinstance(fn, str):
@@ -170,20 +172,9 @@ def run_case(
             continue
         if device == "cuda":
             row |= _peak_extra(fn, case, inputs)
-            # what the check's float64 reference left cached: a CUDA graph captures into a pool of
-            # its own, and nothing is freed while it captures (the 262144-class cross-entropy
-            # backward's capture ran out of memory beside 125 GB so cached)
-            _free_idle_memory()
             row |= _timings(fn, case, inputs, provider.name) | _host_time(fn, case, provider.name)
         rows.append(row)
     return rows
-
-
-def _free_idle_memory() -> None:
-    """The caching allocator's idle segments back to the device (garbage first: a dropped graph or
-    tensor in a reference cycle holds its memory until collected)."""
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 def _base_row(case: Case, provider: str) -> dict:

@@ -59,14 +59,27 @@ def _span(per_row_bytes: int, total: int) -> int:
     return max(1, min(rows, total))
 
 
+# Tokens a chunk takes at least where the forward sums dW over chunks: each chunk reads and writes
+# the V x H fp32 sum (8 V H bytes) beside its three products (6 c H V FLOPs), so the sum's share of
+# the time is about 8 / 4.2 TB/s over 6 c / 700 TFLOP/s on the H200, 220 / c: 5% at 4096 tokens,
+# 43% at the 512 that 256 MB of 256000-class logits hold (measured at f8304a1: 75.8 ms at 8192 x
+# 2048 x 256000 against torch.compile's 46.0).
+SUM_MIN_TOKENS = 4096
+
+
 def _forward_chunk(n: int, vocab: int, hidden: int, size: int, sums_dw: bool) -> int:
     """Tokens a forward chunk takes: ``_span``'s, or every token where the forward computes dW
     (``sums_dw``) and their logits take no more memory than dW's fp32 sum beside a chunk would. Then
     dW is one product, rounded once to W's dtype, with no sum: the sum's traffic (a read and a write
-    of V x H fp32 a chunk, 31 GB at 8192 x 4096 x 128256) took about 7.5 of the H200's 50 ms."""
+    of V x H fp32 a chunk, 31 GB at 8192 x 4096 x 128256) took about 7.5 of the H200's 50 ms. Where
+    the sum stays, chunks of at least SUM_MIN_TOKENS, as even as ROW_ALIGN allows."""
     if sums_dw and n * vocab * size <= vocab * hidden * 4 + CHUNK_BYTES:
         return max(n, 1)
-    return _span(vocab * size, n)
+    chunk = _span(vocab * size, n)
+    if sums_dw and chunk < n:
+        chunks = cdiv(n, max(chunk, SUM_MIN_TOKENS))
+        chunk = min(n, cdiv(cdiv(n, chunks), ROW_ALIGN) * ROW_ALIGN)
+    return chunk
 
 
 # ---------------------------------------------------------------- the upstream gradient's scale
