@@ -29,7 +29,12 @@ from tritonkit.opdef import check_tensor, first_derivative_only, op
 from tritonkit.ops import Op, Workload
 
 DTYPES = FLOATS
-TILE_ELEMENTS = 4096  # a program's tile: tokens x heads x rotary dims (16 elements a thread at 8 warps)
+# A program's tile: tokens x heads x rotary pairs (64 pairs, 128 elements, a thread at 4 warps).
+# Swept on the H200 (benchmarks/rotary_tiles.py, results/h200/history/rotary-tiles-685feb1.json;
+# 2048-16384 at 4 and 8 warps, graph-replayed): 8192 at 4 warps led at both of the issue's shapes,
+# 89.2 us at (4, 32/8, 4096, 128) against 4096's 94.7 and torch.compile's 90.1, and 177.6 at
+# (1, 32/8, 32768, 128) against 187.1 and 218.8.
+TILE_ELEMENTS = 8192
 NUM_WARPS = 4
 NO_OFFSET, SCALAR_OFFSET, TENSOR_OFFSET = 0, 1, 2
 
