@@ -287,6 +287,16 @@ def test_cli_bench_correctness_run(capsys):
         assert "Correctness run" in out and "pass" in out and "FAIL" not in out
 
 
+def test_only_keeps_the_named_shapes_and_refuses_a_shape_the_list_lacks(workload):
+    from tritonkit.bench.runner import cases
+
+    shapes = [shape for shape, _ in workload.shape_list("interpreter")]
+    kept = cases(["bias_gelu"], "quick", [torch.float32], ["fwd", "bwd"], only=[shapes[-1]])
+    assert [(c.shape, c.mode) for c in kept] == [(shapes[-1], "fwd"), (shapes[-1], "bwd")]
+    with pytest.raises(ValueError, match=r"--only 3x5: not among the shapes of bias_gelu: "):
+        cases(["bias_gelu"], "quick", None, ["fwd"], only=[(3, 5)])
+
+
 def test_run_skips_cases_already_done_and_reports_each_case(workload):
     kwargs = {"dtypes": [torch.float32], "modes": ["fwd", "bwd"], "progress": False}
     finished, lines = [], []

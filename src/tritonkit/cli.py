@@ -244,8 +244,8 @@ def cmd_bench(args) -> int:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     sweep = args.sweep is not None
     if sweep:
-        if args.shapes is not None:
-            raise ValueError("--shapes does not apply to --sweep: it draws its own shapes")
+        if args.shapes is not None or args.only:
+            raise ValueError("--shapes and --only do not apply to --sweep: it draws its own shapes")
         names = bench_sweep.check_workloads(args.ops)
         draw = bench_sweep.interpreter_shapes if interpret() else bench_sweep.sample_shapes
         shapes = draw(args.sweep, args.seed)
@@ -296,6 +296,7 @@ def cmd_bench(args) -> int:
             report=functools.partial(print, file=sys.stderr, flush=True) if args.no_progress else None,
             compile_per_shape=not sweep,
             keep_going=sweep,
+            only=[_parse_shape([shape]) for shape in args.only] if args.only else None,
         )
     for row in rows:
         row["command"] = command
@@ -629,6 +630,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--dtype", nargs="+", choices=sorted(DTYPES))
     bench.add_argument(
         "--shapes", choices=("quick", "full"), help="the workloads' shape lists (default quick)"
+    )
+    bench.add_argument(
+        "--only",
+        nargs="+",
+        metavar="SHAPE",
+        help="run only the cases of these shapes of the shape list (AxB..., as the tables write "
+        "them: 8192x262144), e.g. a case to measure again in a process of its own",
     )
     bench.add_argument(
         "--sweep",

@@ -68,16 +68,22 @@ def cases(
     shapes: str | list[tuple[tuple, str | None]],
     dtypes: Iterable[torch.dtype] | None,
     modes: Iterable[str],
+    only: Iterable[tuple] | None = None,
 ) -> list[Case]:
     """The sweep over the named workloads: each one's "quick" or "full" shapes (on the interpreter
-    always the op's small 'interpreter' ones), or the given (shape, dtype name or None) list."""
-    out = []
+    always the op's small 'interpreter' ones), or the given (shape, dtype name or None) list;
+    ``only`` keeps the shapes it names (a ValueError where it names one that no workload has)."""
+    out, only = [], None if only is None else {tuple(shape) for shape in only}
+    seen = set()
     for name in names:
         workload = get_workload(name)
         if isinstance(shapes, str):
             shape_list = workload.shape_list("interpreter" if interpret() else shapes)
         else:
             shape_list = shapes
+        seen |= {tuple(shape) for shape, _ in shape_list}
+        if only is not None:
+            shape_list = [(shape, dtype_name) for shape, dtype_name in shape_list if tuple(shape) in only]
         for shape, dtype_name in shape_list:
             for dtype in (DTYPE_OF[dtype_name],) if dtype_name else workload.op.dtypes:
                 if dtypes and dtype not in dtypes:
@@ -86,7 +92,18 @@ def cases(
                     if mode not in MODES:
                         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
                     out.append(Case(workload, shape, dtype, mode))
+    missing = sorted(only - seen) if only is not None else []
+    if missing:
+        raise ValueError(
+            f"--only {' '.join(shape_name(m) for m in missing)}: not among the shapes of "
+            f"{', '.join(names)}: {' '.join(sorted(shape_name(s) for s in seen))}"
+        )
     return out
+
+
+def shape_name(shape: tuple) -> str:
+    """A shape as the tables and --only write it: 8192x32000."""
+    return "x".join(map(str, shape))
 
 
 def _inputs(case: Case, device: str, seed: int, requires_grad: bool) -> tuple:
@@ -306,6 +323,7 @@ def run(
     report: Callable[[str], None] | None = None,
     compile_per_shape: bool = True,
     keep_going: bool = False,
+    only: Iterable[tuple] | None = None,
 ) -> list[dict]:
     """Run the sweep over the named workloads and return its rows (each with provenance), in sweep order.
 
@@ -315,11 +333,12 @@ def run(
     ``compile_per_shape`` compiles torch.compile's peer afresh for each shape; without it, once a
     workload, which then serves the workload's later shapes as Dynamo's dynamic-shape graphs do.
     ``keep_going``: an error of tritonkit's on a case is a failed row, and the run goes on.
+    ``only``: the shapes to keep (``cases``).
     """
     from tqdm import tqdm
 
     device = "cpu" if interpret() else "cuda"
-    sweep = cases(names, shapes, dtypes, modes)
+    sweep = cases(names, shapes, dtypes, modes, only)
     order = {case_id(case): index for index, case in enumerate(sweep)}
     _host_times.clear()  # a new run measures host time afresh
     rows = [row for row in done if row_case_id(row) in order]
