@@ -118,7 +118,9 @@ def test_cli_sweep_under_the_interpreter(capsys):
         assert "Correctness run" in out and "pass" in out and "FAIL" not in out
         assert "tritonkit[" not in out
     assert main(["bench", "--sweep", "1", "--shapes", "full"]) != 0
-    assert "--shapes does not apply to --sweep" in capsys.readouterr().err
+    assert "--shapes and --only do not apply to --sweep" in capsys.readouterr().err
+    assert main(["bench", "--sweep", "1", "--only", "4x96"]) != 0
+    assert "--shapes and --only do not apply to --sweep" in capsys.readouterr().err
     assert main(["bench", "--sweep", "1", "attention"]) != 0
     assert "not ['attention']" in capsys.readouterr().err
 
