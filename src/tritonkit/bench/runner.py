@@ -73,8 +73,8 @@ def cases(
     """The sweep over the named workloads: each one's "quick" or "full" shapes (on the interpreter
     always the op's small 'interpreter' ones), or the given (shape, dtype name or None) list;
     ``only`` keeps the shapes it names (a ValueError where it names one that no workload has)."""
-    out, only = [], None if only is None else {tuple(shape) for shape in only}
-    seen = set()
+    names, out, seen = list(names), [], set()
+    only = None if only is None else {tuple(shape) for shape in only}
     for name in names:
         workload = get_workload(name)
         if isinstance(shapes, str):
