@@ -307,7 +307,7 @@ def row_case_id(row: dict) -> tuple:
 
 
 def case_label(case: Case) -> str:
-    return f"{case.workload.name} {case.mode} {'x'.join(map(str, case.shape))} {dtype_name(case.dtype)}"
+    return f"{case.workload.name} {case.mode} {shape_name(case.shape)} {dtype_name(case.dtype)}"
 
 
 def run(

@@ -20,7 +20,8 @@ one sum kernel reduces them at the end. The gradients go one of two ways (ORDER)
   for every token again (N x Vb), dz in place from the forward's lse, then dW's rows of the block
   = dz^T x (written once, in W's dtype), db's = the column sums, and dx += dz W_block into an fp32
   (N, H) accumulator (the matmul's residual epilogue from the second block on). Four matmuls.
-CHUNK_BYTES bounds what a chunk or block of logits takes.
+CHUNK_BYTES bounds what a chunk or block of logits takes, but where "tokens" sums dW over chunks:
+those take at least SUM_MIN_TOKENS tokens (``_forward_chunk``).
 
 Work. Three or four matmuls of 2 N V H FLOPs against three for torch (which keeps the logits).
 Bytes besides the matmuls': the logits written and read by the cross-entropy kernels (once a
