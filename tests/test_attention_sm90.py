@@ -106,17 +106,6 @@ def test_the_default_tile_is_persistent_over_few_keys_at_d128():
     assert fwd.order(False, 64) == 1
 
 
-def test_three_consumers_are_refused_persistent_or_in_ping_pong():
-    from tritonkit.ops.attention import fwd_sm90 as fwd
-
-    q = torch.randn(1, 2, 8, 64)
-    lse = torch.empty(1, 2, 8)
-    for change in ({"persistent": True}, {"pingpong": True}, {"consumers": 4}):
-        config = fwd.CONFIGS[64]._replace(**({"consumers": 3} | change))
-        with pytest.raises(ValueError, match="2 or 3 consumers"):
-            fwd.launches(q, q, q, q, lse, scale=0.125, causal=False, config=config)
-
-
 # ---------------------------------------------------------------- on the H200
 
 

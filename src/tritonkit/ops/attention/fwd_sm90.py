@@ -30,9 +30,6 @@ BLOCK_M = NUM_CONSUMERS * SPLIT_M
 # registers of an SM. A consumer's live set at D = 128, BLOCK_N = 128: S (64 fp32), O (64 fp32), P in
 # flight and the next P (2 x 32 packed halves), row statistics and addresses.
 CONSUMER_REGS = 240
-# Three consumers (192 rows, FA3's tile at D = 64) get 160: 3 x 128 x 160 + 128 x 24 <= 65,536. At
-# that budget P no longer fits beside S and O (358 spills at D = 64): it goes through shared memory.
-REGS_BY_CONSUMERS = {2: CONSUMER_REGS, 3: 160}
 
 
 # Ping-pong (FA3's warp-scheduler barrier): the consumer warpgroups take turns to issue their
@@ -50,18 +47,13 @@ class Config(NamedTuple):
     """A launch's tile: BLOCK_N keys a step, NUM_STAGES K/V tiles in flight; pin_softmax keeps a
     block's exponentials under the previous block's PV product (see ``_attend_blocks``); pingpong
     orders the consumers' products (``PINGPONG``); persistent launches one program an SM, each
-    walking tiles one after another (its turns, with ping-pong, running on across them); consumers
-    warpgroups of 64 rows a program (three: P through shared memory, neither persistent nor
-    ping-pong); joint_release frees a block's K with its V after the PV product, one mbarrier
-    arrive (and one warpgroup barrier) a step fewer, for a ring stage held a step longer."""
+    walking tiles one after another (its turns, with ping-pong, running on across them)."""
 
     block_n: int
     num_stages: int
     pin_softmax: bool = True
     pingpong: bool = PINGPONG
     persistent: bool = False
-    consumers: int = NUM_CONSUMERS
-    joint_release: bool = False
 
 
 # Per head dim. The shared memory of a program is 2 x 64 x D for Q (reused for O) and NUM_STAGES x 2
@@ -98,19 +90,13 @@ def default_config(head_dim: int, seq_k: int) -> Config:
 # ping-pong toggled and without PIN_SOFTMAX (what each is worth), a deeper ring at D = 128, and the
 # tile persistent (the default over at most PERSISTENT_MAX_KEYS keys at D = 128; causal, its walk
 # in pairs of a long and a short block, fwd_sm90_kernels._walk). FA3's three consumers at D = 64
-# (64-key steps, 160 registers, P in registers) ran 0.84-0.89x cuDNN against the default's
-# 0.92-0.93: removed. Three consumers of 128-key steps with P through shared memory (shared memory:
-# 3 x 8 KB of Q, 3 x 16 KB of P and 32 KB a stage) and joint release, a stage deeper to cover the
-# later refill, are candidates.
+# (64-key steps, 160 registers) ran 0.84-0.89x cuDNN against the default's 0.92-0.93: removed.
 CANDIDATES = {
     64: [
         CONFIGS[64],
         CONFIGS[64]._replace(pingpong=not PINGPONG),
         CONFIGS[64]._replace(pin_softmax=False),
         CONFIGS[64]._replace(persistent=True),
-        CONFIGS[64]._replace(consumers=3),
-        CONFIGS[64]._replace(joint_release=True, num_stages=4),
-        CONFIGS[64]._replace(consumers=3, joint_release=True, num_stages=4),
     ],
     128: [
         CONFIGS[128],
@@ -119,7 +105,6 @@ CANDIDATES = {
         CONFIGS[128]._replace(num_stages=3),
         CONFIGS[128]._replace(persistent=True),
         CONFIGS[128]._replace(persistent=True, pingpong=not PINGPONG),
-        CONFIGS[128]._replace(joint_release=True, num_stages=3),  # 225 KB: no room for O's buffers
     ],
 }
 
@@ -295,15 +280,11 @@ def order(causal: bool, batch_heads: int) -> int:
 
 
 def launches(q, k, v, o, lse, *, scale: float, causal: bool, config: Config | None = None) -> list[Launch]:
-    """The kernel's launch for checked arguments (``attention_fwd_sm90``'s): one program per 64 query
-    rows a consumer (128 by default) of a (batch, head), a one-dimensional grid in ``order``'s order
-    (the heads of a GQA group are neighbours, so their blocks share K and V in L2)."""
+    """The kernel's launch for checked arguments (``attention_fwd_sm90``'s): one program per 128
+    query rows of a (batch, head), a one-dimensional grid in ``order``'s order (the heads of a GQA
+    group are neighbours, so their blocks share K and V in L2)."""
     (batch, heads_q, seq_q, head_dim), (_, heads_kv, seq_k, _) = q.shape, k.shape
     config = config or default_config(head_dim, seq_k)
-    if config.consumers not in REGS_BY_CONSUMERS or (
-        config.consumers > 2 and (config.persistent or config.pingpong)
-    ):
-        raise ValueError(f"{config}: 2 or 3 consumers, three of one tile a program without ping-pong")
     args = (
         descriptor(q, SPLIT_M),
         descriptor(k, config.block_n),
@@ -326,12 +307,11 @@ def launches(q, k, v, o, lse, *, scale: float, causal: bool, config: Config | No
         "NUM_STAGES": config.num_stages,
         "PIN_SOFTMAX": config.pin_softmax,
         "PINGPONG": config.pingpong,
-        "CONSUMERS": config.consumers,
-        "CONSUMER_REGS": REGS_BY_CONSUMERS[config.consumers],
-        "JOINT_RELEASE": config.joint_release,
+        "CONSUMERS": NUM_CONSUMERS,
+        "CONSUMER_REGS": CONSUMER_REGS,
         "PERSISTENT": config.persistent,
         "num_warps": CONSUMER_WARPS.value,
     }
-    tiles = cdiv(seq_q, config.consumers * SPLIT_M) * batch * heads_q
+    tiles = cdiv(seq_q, BLOCK_M) * batch * heads_q
     grid = (min(tiles, sm_count(q.device)) if config.persistent else tiles,)
     return [Launch("fwd sm90", _attn_fwd_sm90_kernel, args, meta, config._asdict(), grid)]

@@ -320,7 +320,6 @@ def _attend_blocks(
     q,
     ring,  # (k_smem, v_smem, k_ready, k_empty, v_ready, v_empty): see _load_tile
     pin,
-    p_buf,
     my_turn,
     next_turn,
     turn0,
@@ -335,18 +334,13 @@ def _attend_blocks(
     IS_CAUSAL: gl.constexpr,
     PIN_SOFTMAX: gl.constexpr,
     PINGPONG: gl.constexpr,
-    JOINT_RELEASE: gl.constexpr,
-    P_SMEM: gl.constexpr,
 ):
     """Key blocks [first, last) of a consumer (the ring's blocks kv_base + first, ...), one block
     behind for PV: on entry ``p`` holds block first - 1's probabilities (in the A-operand layout)
     whose PV product is still to do; on exit, block last - 1's. Returns (o, p, m_i, l_i). ``pin``:
     this consumer's (SPLIT_M,) fp32 scratch in shared memory, written and never read
     (PIN_SOFTMAX). ``my_turn``/``next_turn``: PINGPONG's mbarriers; block j is this consumer's
-    (turn0 + j)-th turn (the tile's prologue, S_0, its turn0-th). JOINT_RELEASE: K_j is released
-    with V_j, by the arrive after PV_j (k_empty is v_empty), one arrive a step instead of two.
-    P_SMEM: the PV product reads P from ``p_buf`` (shared memory, this consumer's (SPLIT_M,
-    BLOCK_N) tile) instead of registers; ``p`` is then carried unchanged."""
+    (turn0 + j)-th turn (the tile's prologue, S_0, its turn0-th)."""
     k_smem, v_smem, k_ready, k_empty, v_ready, v_empty = ring
     NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
@@ -365,39 +359,26 @@ def _attend_blocks(
             mbarrier.wait(my_turn, (turn0 + j) & 1)
         s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         mbarrier.wait(v_ready.index(prev), ((kv_base + j - 1) // NUM_STAGES) & 1)
-        if P_SMEM:
-            o = warpgroup_mma(p_buf, v_smem.index(prev), o, is_async=True)
-        else:
-            o = warpgroup_mma(p, v_smem.index(prev), o, is_async=True)
+        o = warpgroup_mma(p, v_smem.index(prev), o, is_async=True)
         if PINGPONG:  # both products issued: the other consumer's turn
             mbarrier.arrive(next_turn, count=1)
         # the older group (S_j) done, PV_{j-1} may still run: block j's softmax overlaps it
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
-        if not JOINT_RELEASE:
-            mbarrier.arrive(k_empty.index(stage), count=1)
+        mbarrier.arrive(k_empty.index(stage), count=1)
         p_j, m_i, l_i, alpha = _online_softmax(
             s, m_i, l_i, rows, j * BLOCK_N, SEQ_K, UPPER_OFFSET, qk_scale, MASKED, IS_CAUSAL
         )
-        if P_SMEM:
-            p_next = p_j.to(p_buf.dtype)
-        else:
-            p_next = gl.convert_layout(p_j.to(p.dtype), p.type.layout)
+        p_next = gl.convert_layout(p_j.to(p.dtype), p.type.layout)
         # P_{j-1} is read from registers by the product in flight: keep it alive until it is done
         if PIN_SOFTMAX:
             # ptxas schedules the full wait as early as it can, above this block's exponentials,
             # which then wait for PV_{j-1} instead of running under it; a shared-memory store of l
             # (which needs every exponential) stays above the wait and keeps them there
             pin.store(l_i)
-        if P_SMEM:  # PV_{j-1} has read P_{j-1}: P_j takes its buffer, for the async proxy to read
-            o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
-            p_buf.store(p_next)
-            fence_async_shared()
-        else:
-            o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
-        mbarrier.arrive(v_empty.index(prev), count=1)  # (JOINT_RELEASE: and K_{j-1})
+        o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
+        mbarrier.arrive(v_empty.index(prev), count=1)
         o = o * gl.convert_layout(alpha, row_o)[:, None]
-        if not P_SMEM:
-            p = p_next
+        p = p_next
     return o, p, m_i, l_i
 
 
@@ -417,7 +398,6 @@ def _consume_tile(
     v_ready,
     v_empty,  # see _load_partition
     pin_smem,  # (NUM_CONSUMERS, SPLIT_M) fp32 scratch: see _attend_blocks
-    p_smem,  # three consumers: (NUM_CONSUMERS, SPLIT_M, BLOCK_N), each one's P (else unused)
     turn_smem,  # (NUM_CONSUMERS,) mbarriers, PINGPONG: consumer c may issue its products
     batch,
     head,
@@ -435,7 +415,6 @@ def _consume_tile(
     IS_CAUSAL: gl.constexpr,  # the causal mask
     PIN_SOFTMAX: gl.constexpr,  # keep the exponentials between the two waits (see _attend_blocks)
     PINGPONG: gl.constexpr,  # the consumers take turns to issue their products
-    JOINT_RELEASE: gl.constexpr,  # K and V of a block released together, after its PV product
     PERSISTENT: gl.constexpr,  # tiles follow each other in one program
 ):
     """One consumer's part of a tile: its 64 rows' output and lse."""
@@ -450,16 +429,13 @@ def _consume_tile(
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
     )
-    # P feeds the PV wgmma from registers (its A operand): no trip through shared memory. Three
-    # consumers (160 registers each) pass it through shared memory: in registers it spills
-    P_SMEM: gl.constexpr = q_smem.type.shape[0] > 2
+    # P feeds the PV wgmma from registers (its A operand): no trip through shared memory
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
     q = q_smem.index(cid)
     pin = pin_smem.index(cid)
-    p_buf = p_smem.index(cid)
     # turns go round the consumers: each issues one step's products (both consumers walk the same
     # n_blocks + 1 steps a tile), then hands the turn on; turn0 of them were taken by earlier tiles
     my_turn = turn_smem.index(cid)
@@ -486,41 +462,28 @@ def _consume_tile(
         if PINGPONG:
             mbarrier.arrive(next_turn, count=1)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        if not JOINT_RELEASE:
-            mbarrier.arrive(k_empty.index(first), count=1)
+        mbarrier.arrive(k_empty.index(first), count=1)
         p, m_i, l_i, _ = _online_softmax(s, m_i, l_i, rows, 0, SEQ_K, UPPER_OFFSET, qk_scale, True, IS_CAUSAL)
-        if P_SMEM:
-            p = p.to(dtype)
-            p_buf.store(p)
-            fence_async_shared()
-        else:
-            p = gl.convert_layout(p.to(dtype), p_layout)
+        p = gl.convert_layout(p.to(dtype), p_layout)
         # the blocks every row sees whole, then those a bound cuts (the diagonal, the ragged end)
         ring = (k_smem, v_smem, k_ready, k_empty, v_ready, v_empty)
         # fmt: off
         o, p, m_i, l_i = _attend_blocks(
-            o, p, m_i, l_i, q, ring, pin, p_buf, my_turn, next_turn, turn0, rows, 1, n_full, kv_base, SEQ_K,
-            UPPER_OFFSET, qk_scale, False, IS_CAUSAL, PIN_SOFTMAX, PINGPONG, JOINT_RELEASE, P_SMEM)
+            o, p, m_i, l_i, q, ring, pin, my_turn, next_turn, turn0, rows, 1, n_full, kv_base, SEQ_K,
+            UPPER_OFFSET, qk_scale, False, IS_CAUSAL, PIN_SOFTMAX, PINGPONG)
         o, p, m_i, l_i = _attend_blocks(
-            o, p, m_i, l_i, q, ring, pin, p_buf, my_turn, next_turn, turn0, rows, gl.maximum(n_full, 1),
-            n_blocks, kv_base, SEQ_K, UPPER_OFFSET, qk_scale, True, IS_CAUSAL, PIN_SOFTMAX, PINGPONG,
-            JOINT_RELEASE, P_SMEM)
+            o, p, m_i, l_i, q, ring, pin, my_turn, next_turn, turn0, rows, gl.maximum(n_full, 1), n_blocks,
+            kv_base, SEQ_K, UPPER_OFFSET, qk_scale, True, IS_CAUSAL, PIN_SOFTMAX, PINGPONG)
         # fmt: on
         # the last block's PV product
         last = (kv_base + n_blocks - 1) % NUM_STAGES
         mbarrier.wait(v_ready.index(last), ((kv_base + n_blocks - 1) // NUM_STAGES) & 1)
         if PINGPONG:
             mbarrier.wait(my_turn, (turn0 + n_blocks) & 1)
-        if P_SMEM:
-            o = warpgroup_mma(p_buf, v_smem.index(last), o, is_async=True)
-        else:
-            o = warpgroup_mma(p, v_smem.index(last), o, is_async=True)
+        o = warpgroup_mma(p, v_smem.index(last), o, is_async=True)
         if PINGPONG:  # the second consumer's last hand-on opens the next tile (unwaited after the last)
             mbarrier.arrive(next_turn, count=1)
-        if P_SMEM:
-            o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
-        else:
-            o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
+        o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
         mbarrier.arrive(v_empty.index(last), count=1)
         if PERSISTENT:  # every product that read Q is done: the next tile's may land
             mbarrier.arrive(q_free.index(cid), count=1)
@@ -553,24 +516,23 @@ def _consume_tile(
 @gluon.jit
 def _softmax_partition(
     cid: gl.constexpr, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
-    pin_smem, p_smem, turn_smem, batch, head, start_m, n_blocks, n_full, SEQ_Q, SEQ_K, UPPER_OFFSET,
-    stride_lb, stride_lh, qk_scale, IS_CAUSAL: gl.constexpr, PIN_SOFTMAX: gl.constexpr,
-    PINGPONG: gl.constexpr, JOINT_RELEASE: gl.constexpr,
+    pin_smem, turn_smem, batch, head, start_m, n_blocks, n_full, SEQ_Q, SEQ_K, UPPER_OFFSET, stride_lb,
+    stride_lh, qk_scale, IS_CAUSAL: gl.constexpr, PIN_SOFTMAX: gl.constexpr, PINGPONG: gl.constexpr,
 ):  # fmt: skip
     """A consumer of a program of one tile (``_consume_tile``'s arguments)."""
     _consume_tile(
         cid, o_desc, lse_ptr, q_smem, q_smem, k_smem, v_smem, q_ready, q_ready, k_ready, k_empty, v_ready,
-        v_empty, pin_smem, p_smem, turn_smem, batch, head, start_m, n_blocks, n_full, 0, 0, SEQ_Q, SEQ_K,
-        UPPER_OFFSET, stride_lb, stride_lh, qk_scale, IS_CAUSAL, PIN_SOFTMAX, PINGPONG, JOINT_RELEASE, False,
+        v_empty, pin_smem, turn_smem, batch, head, start_m, n_blocks, n_full, 0, 0, SEQ_Q, SEQ_K,
+        UPPER_OFFSET, stride_lb, stride_lh, qk_scale, IS_CAUSAL, PIN_SOFTMAX, PINGPONG, False,
     )  # fmt: skip
 
 
 @gluon.jit
 def _softmax_partition_persistent(
     cid: gl.constexpr, o_desc, lse_ptr, q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, k_empty,
-    v_ready, v_empty, pin_smem, p_smem, turn_smem, HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q,
-    SEQ_K, UPPER_OFFSET, stride_lb, stride_lh, qk_scale, IS_CAUSAL: gl.constexpr, PIN_SOFTMAX: gl.constexpr,
-    PINGPONG: gl.constexpr, JOINT_RELEASE: gl.constexpr,
+    v_ready, v_empty, pin_smem, turn_smem, HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K,
+    UPPER_OFFSET, stride_lb, stride_lh, qk_scale, IS_CAUSAL: gl.constexpr, PIN_SOFTMAX: gl.constexpr,
+    PINGPONG: gl.constexpr,
 ):  # fmt: skip
     """A consumer of a persistent program: the producer's tiles, in its order."""
     BLOCK: gl.constexpr = q_smem.type.shape[0] * q_smem.type.shape[1]
@@ -586,9 +548,9 @@ def _softmax_partition_persistent(
         )  # fmt: skip
         _consume_tile(
             cid, o_desc, lse_ptr, q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, k_empty,
-            v_ready, v_empty, pin_smem, p_smem, turn_smem, batch, head, start_m, n_blocks, n_full, kv_base,
+            v_ready, v_empty, pin_smem, turn_smem, batch, head, start_m, n_blocks, n_full, kv_base,
             loads, SEQ_Q, SEQ_K, UPPER_OFFSET, stride_lb, stride_lh, qk_scale, IS_CAUSAL, PIN_SOFTMAX,
-            PINGPONG, JOINT_RELEASE, True,
+            PINGPONG, True,
         )  # fmt: skip
         kv_base += n_blocks
         loads += gl.where(n_blocks > 0, 1, 0)
@@ -619,9 +581,8 @@ def _attn_fwd_sm90_kernel(
     NUM_STAGES: gl.constexpr,  # K/V tiles in flight
     PIN_SOFTMAX: gl.constexpr,  # keep the exponentials under the PV product (see _attend_blocks)
     PINGPONG: gl.constexpr,  # the consumers take turns to issue their products
-    CONSUMERS: gl.constexpr,  # consumer warpgroups of ROWS query rows: 2, or 3 (P in shared memory)
+    CONSUMERS: gl.constexpr,  # consumer warpgroups of ROWS query rows
     CONSUMER_REGS: gl.constexpr,  # their setmaxnreg budget
-    JOINT_RELEASE: gl.constexpr,  # K_j freed with V_j after PV_j: one arrive a step (see _attend_blocks)
     PERSISTENT: gl.constexpr,  # a program walks tiles in _walk_range's order (two consumers)
 ):
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
@@ -644,20 +605,12 @@ def _attn_fwd_sm90_kernel(
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], kv_layout)
     pin_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS, ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    if CONSUMERS > 2:  # each consumer's P, the PV product's A operand (_consume_tile's P_SMEM)
-        p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_N], dtype)
-        p_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, BLOCK_N], p_layout)
-    else:
-        p_smem = pin_smem  # never read
     turn_smem = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    if JOINT_RELEASE:  # one barrier frees a stage's K and V (the producer's second wait passes at once)
-        k_empty = v_empty
-    else:
-        k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(CONSUMERS):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(turn_smem.index(i), count=1)  # one arrive (one elected thread of a warpgroup) a turn
@@ -666,16 +619,13 @@ def _attn_fwd_sm90_kernel(
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=1)  # the producer's expect; the TMA's bytes complete it
         mbarrier.init(v_ready.index(i), count=1)
-        # a stage is free once every consumer released it
-        if not JOINT_RELEASE:
-            mbarrier.init(k_empty.index(i), count=CONSUMERS)
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)  # a stage is free once every consumer released it
         mbarrier.init(v_empty.index(i), count=CONSUMERS)
 
     # (the partitions' arguments are spelled out: a tuple bound to a name turns its constexprs into
     # tensors); the consumers' argument lists side by side: the same but for the index
     # fmt: off
-    gl.static_assert(CONSUMERS == 2 or (CONSUMERS == 3 and not PERSISTENT and not PINGPONG),
-                     "two consumer warpgroups, or three of one tile a program")
+    gl.static_assert(CONSUMERS == 2, "two consumer warpgroups (FA3's three at D = 64 measured slower)")
     if PERSISTENT:
         # O's own buffers (Q's take the next tile's rows while O leaves), and a barrier a consumer
         # saying its Q buffer is free
@@ -685,46 +635,29 @@ def _attn_fwd_sm90_kernel(
             mbarrier.init(q_free.index(i), count=1)
         gl.warp_specialize([
             (_softmax_partition_persistent, (0, o_desc, lse_ptr, q_smem, o_smem, k_smem, v_smem, q_ready,
-                                             q_free, k_ready, k_empty, v_ready, v_empty, pin_smem, p_smem,
-                                             turn_smem, HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q,
-                                             SEQ_K, UPPER_OFFSET, stride_lb, stride_lh, qk_scale, IS_CAUSAL,
-                                             PIN_SOFTMAX, PINGPONG, JOINT_RELEASE)),
+                                             q_free, k_ready, k_empty, v_ready, v_empty, pin_smem, turn_smem,
+                                             HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K,
+                                             UPPER_OFFSET, stride_lb, stride_lh, qk_scale, IS_CAUSAL,
+                                             PIN_SOFTMAX, PINGPONG)),
             (_softmax_partition_persistent, (1, o_desc, lse_ptr, q_smem, o_smem, k_smem, v_smem, q_ready,
-                                             q_free, k_ready, k_empty, v_ready, v_empty, pin_smem, p_smem,
-                                             turn_smem, HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q,
-                                             SEQ_K, UPPER_OFFSET, stride_lb, stride_lh, qk_scale, IS_CAUSAL,
-                                             PIN_SOFTMAX, PINGPONG, JOINT_RELEASE)),
+                                             q_free, k_ready, k_empty, v_ready, v_empty, pin_smem, turn_smem,
+                                             HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K,
+                                             UPPER_OFFSET, stride_lb, stride_lh, qk_scale, IS_CAUSAL,
+                                             PIN_SOFTMAX, PINGPONG)),
             (_load_partition_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free,
                                           k_ready, k_empty, v_ready, v_empty, HEADS, BATCH_HEADS,
                                           HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, IS_CAUSAL)),
         ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
-    elif CONSUMERS == 3:
-        gl.warp_specialize([
-            (_softmax_partition, (0, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
-                                  v_ready, v_empty, pin_smem, p_smem, turn_smem, batch, head, start_m,
-                                  n_blocks, n_full, SEQ_Q, SEQ_K, UPPER_OFFSET, stride_lb, stride_lh,
-                                  qk_scale, IS_CAUSAL, PIN_SOFTMAX, PINGPONG, JOINT_RELEASE)),
-            (_softmax_partition, (1, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
-                                  v_ready, v_empty, pin_smem, p_smem, turn_smem, batch, head, start_m,
-                                  n_blocks, n_full, SEQ_Q, SEQ_K, UPPER_OFFSET, stride_lb, stride_lh,
-                                  qk_scale, IS_CAUSAL, PIN_SOFTMAX, PINGPONG, JOINT_RELEASE)),
-            (_softmax_partition, (2, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
-                                  v_ready, v_empty, pin_smem, p_smem, turn_smem, batch, head, start_m,
-                                  n_blocks, n_full, SEQ_Q, SEQ_K, UPPER_OFFSET, stride_lb, stride_lh,
-                                  qk_scale, IS_CAUSAL, PIN_SOFTMAX, PINGPONG, JOINT_RELEASE)),
-            (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
-                               v_ready, v_empty, batch, head, kv_head, start_m, n_blocks)),
-        ], [CONSUMER_WARPS, CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_softmax_partition, (0, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
-                                  v_ready, v_empty, pin_smem, p_smem, turn_smem, batch, head, start_m,
-                                  n_blocks, n_full, SEQ_Q, SEQ_K, UPPER_OFFSET, stride_lb, stride_lh,
-                                  qk_scale, IS_CAUSAL, PIN_SOFTMAX, PINGPONG, JOINT_RELEASE)),
+                                  v_ready, v_empty, pin_smem, turn_smem, batch, head, start_m, n_blocks,
+                                  n_full, SEQ_Q, SEQ_K, UPPER_OFFSET, stride_lb, stride_lh, qk_scale,
+                                  IS_CAUSAL, PIN_SOFTMAX, PINGPONG)),
             (_softmax_partition, (1, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
-                                  v_ready, v_empty, pin_smem, p_smem, turn_smem, batch, head, start_m,
-                                  n_blocks, n_full, SEQ_Q, SEQ_K, UPPER_OFFSET, stride_lb, stride_lh,
-                                  qk_scale, IS_CAUSAL, PIN_SOFTMAX, PINGPONG, JOINT_RELEASE)),
+                                  v_ready, v_empty, pin_smem, turn_smem, batch, head, start_m, n_blocks,
+                                  n_full, SEQ_Q, SEQ_K, UPPER_OFFSET, stride_lb, stride_lh, qk_scale,
+                                  IS_CAUSAL, PIN_SOFTMAX, PINGPONG)),
             (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
                                v_ready, v_empty, batch, head, kv_head, start_m, n_blocks)),
         ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
