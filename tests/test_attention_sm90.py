@@ -93,14 +93,15 @@ def test_the_kernel_compiles_for_hopper_warp_specialized_with_its_softmax_under_
         assert row["exps_under_pv"] >= row["block_exps"], row
 
 
-def test_the_default_tile_is_persistent_over_few_keys_at_d128():
+def test_the_default_tile_is_persistent_over_few_keys():
     from tritonkit.ops.attention import fwd_sm90 as fwd
 
-    most, persistent = fwd.PERSISTENT_MAX_KEYS, fwd.CONFIGS[128]._replace(persistent=True)
-    assert fwd.default_config(128, most) == persistent
-    assert fwd.default_config(128, 1) == persistent
-    assert fwd.default_config(128, most + 1) == fwd.CONFIGS[128]
-    assert fwd.default_config(64, 1024) == fwd.CONFIGS[64]
+    most = fwd.PERSISTENT_MAX_KEYS
+    for head_dim in (64, 128):
+        persistent = fwd.CONFIGS[head_dim]._replace(persistent=True)
+        assert fwd.default_config(head_dim, most) == persistent
+        assert fwd.default_config(head_dim, 1) == persistent
+        assert fwd.default_config(head_dim, most + 1) == fwd.CONFIGS[head_dim]
     assert all(config in fwd.CANDIDATES[d] for d in (64, 128) for config in (fwd.default_config(d, 1),))
     assert fwd.order(True, 64) == fwd.CAUSAL_HEADS_PER_GROUP and fwd.order(True, 2) == 2
     assert fwd.order(False, 64) == 1

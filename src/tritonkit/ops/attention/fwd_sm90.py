@@ -68,29 +68,33 @@ CONFIGS = {
     128: Config(block_n=128, num_stages=2),
 }
 # A persistent grid (one program an SM walking tiles, the next tile's Q loading under the epilogue)
-# at D = 128 over at most this many keys, where a tile's fixed cost weighs. On the H200, x cuDNN,
+# over at most this many keys, where a tile's fixed cost weighs. On the H200, x cuDNN,
 # one run each: full masks (499beb9) 0.92 against 0.83 one tile a program at (16, 16, 1024, 128),
 # 1.04 against 1.03 and 1.01 against 0.98 in two runs at (4, 32, 4096, 128), 1.05 against 1.03 at
 # (2, 32/8, 8192, 128); causal, in pairs of a long and a short block (ec0160e): 0.92 against 0.81 at
 # (16, 16, 1024, 128), 1.06 against 1.02 at (4, 32, 4096, 128), 1.02 against 0.96 in the decoder
 # layer, 1.08 against 1.05 at (2, 32/8, 8192, 128). Over 16384 keys it lost: 0.98 against 1.02
-# full, 0.93 against 1.06 causal (not understood yet). At D = 64 level (0.93-0.95 against 0.92-0.97).
+# full, 0.93 against 1.06 causal (not understood yet). At D = 64 level in a first run (0.93-0.95
+# against 0.92-0.97), then (0bbcc80) 0.95 against 0.94 full and 0.89 against 0.88 causal at (4, 32,
+# 4096, 64), 0.89 against 0.76 full and 0.81 against 0.67 causal at (16, 16, 1024, 64).
 PERSISTENT_MAX_KEYS = 8192
 
 
 def default_config(head_dim: int, seq_k: int) -> Config:
-    """The tile a launch takes unless told: CONFIGS', persistent at D = 128 over at most
-    PERSISTENT_MAX_KEYS keys, causal or not (the causal walk pairs a head's query blocks,
-    ``fwd_sm90_kernels._walk``)."""
+    """The tile a launch takes unless told: CONFIGS', persistent over at most PERSISTENT_MAX_KEYS
+    keys, causal or not (the causal walk pairs a head's query blocks, ``fwd_sm90_kernels._walk``)."""
     config = CONFIGS[head_dim]
-    return config._replace(persistent=True) if head_dim == 128 and seq_k <= PERSISTENT_MAX_KEYS else config
+    return config._replace(persistent=True) if seq_k <= PERSISTENT_MAX_KEYS else config
 
 
 # What the benchmark compares per head dim (and the tests check): the default, the same tile with
 # ping-pong toggled and without PIN_SOFTMAX (what each is worth), a deeper ring at D = 128, and the
-# tile persistent (the default over at most PERSISTENT_MAX_KEYS keys at D = 128; causal, its walk
+# tile persistent (the default over at most PERSISTENT_MAX_KEYS keys; causal, its walk
 # in pairs of a long and a short block, fwd_sm90_kernels._walk). FA3's three consumers at D = 64
-# (64-key steps, 160 registers) ran 0.84-0.89x cuDNN against the default's 0.92-0.93: removed.
+# (64-key steps, 160 registers) ran 0.84-0.89x cuDNN against the default's 0.92-0.93: removed. So
+# were (0bbcc80, docs/perf-notes.md) three at 128-key steps with P through shared memory (0.47-0.95x
+# against one tile a program's 0.67-0.94x) and K released with V after the PV product, one arrive
+# and warpgroup barrier a step fewer (level: 0.67-0.93x at D = 64, 0.97-1.01x at D = 128).
 CANDIDATES = {
     64: [
         CONFIGS[64],

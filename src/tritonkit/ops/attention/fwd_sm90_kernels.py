@@ -41,7 +41,7 @@ Tensors are read through 4-D TMA descriptors over the (B, H, S, D) views, whose 
 (1, 1, rows, D) is bounded by each head's own S: rows past it load as zeros (and are masked for K,
 harmless for Q and V) and are never stored, so ragged lengths need no padding.
 
-``Config.persistent`` (the default at D = 128 over at most 8192 keys; a candidate otherwise)
+``Config.persistent`` (the default over at most 8192 keys; a candidate otherwise)
 launches one program an SM, each walking its tiles in ``_tile``'s numbering (causal: ``_walk``'s
 pairs of a long and a short block): the K/V ring runs on across tiles, and O leaves
 through buffers of its own so that the next tile's Q lands under the epilogue.
