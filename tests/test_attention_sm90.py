@@ -49,10 +49,10 @@ for dtype, head_dim, causal, persistent, pingpong in (
                  "GROUP": "i32", "SEQ_Q": "i32", "SEQ_K": "i32", "UPPER_OFFSET": "i32",
                  "qk_scale": "fp32", "IS_CAUSAL": "constexpr", "NUM_STAGES": "constexpr",
                  "PIN_SOFTMAX": "constexpr", "PINGPONG": "constexpr", "CONSUMERS": "constexpr",
-                 "CONSUMER_REGS": "constexpr", "PERSISTENT": "constexpr", "P_SMEM": "constexpr"}
+                 "CONSUMER_REGS": "constexpr", "PERSISTENT": "constexpr"}
     constants = {"IS_CAUSAL": causal, "NUM_STAGES": config.num_stages, "PIN_SOFTMAX": config.pin_softmax,
                  "PINGPONG": config.pingpong, "CONSUMERS": fwd.NUM_CONSUMERS,
-                 "CONSUMER_REGS": fwd.CONSUMER_REGS, "PERSISTENT": persistent, "P_SMEM": False}
+                 "CONSUMER_REGS": fwd.CONSUMER_REGS, "PERSISTENT": persistent}
     kernel = triton.compile(GluonASTSource(fwd._attn_fwd_sm90_kernel, signature, constants),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": fwd.CONSUMER_WARPS.value})
     ptx, sass = kernel.asm["ptx"], _cuobjdump(kernel.asm["cubin"], "-sass")

@@ -54,7 +54,6 @@ class Config(NamedTuple):
     pin_softmax: bool = True
     pingpong: bool = PINGPONG
     persistent: bool = False
-    p_smem: bool = False
 
 
 # Per head dim. The shared memory of a program is 2 x 64 x D for Q (reused for O) and NUM_STAGES x 2
@@ -102,8 +101,6 @@ CANDIDATES = {
         CONFIGS[64]._replace(pingpong=not PINGPONG),
         CONFIGS[64]._replace(pin_softmax=False),
         CONFIGS[64]._replace(persistent=True),
-        CONFIGS[64]._replace(p_smem=True),
-        CONFIGS[64]._replace(persistent=True, p_smem=True),
     ],
     128: [
         CONFIGS[128],
@@ -317,7 +314,6 @@ def launches(q, k, v, o, lse, *, scale: float, causal: bool, config: Config | No
         "CONSUMERS": NUM_CONSUMERS,
         "CONSUMER_REGS": CONSUMER_REGS,
         "PERSISTENT": config.persistent,
-        "P_SMEM": config.p_smem,
         "num_warps": CONSUMER_WARPS.value,
     }
     tiles = cdiv(seq_q, BLOCK_M) * batch * heads_q

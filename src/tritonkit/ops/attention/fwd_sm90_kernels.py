@@ -320,7 +320,6 @@ def _attend_blocks(
     q,
     ring,  # (k_smem, v_smem, k_ready, k_empty, v_ready, v_empty): see _load_tile
     pin,
-    p_base,  # P_SMEM: this consumer's first P tile in ``pin``
     my_turn,
     next_turn,
     turn0,
@@ -340,10 +339,8 @@ def _attend_blocks(
     behind for PV: on entry ``p`` holds block first - 1's probabilities (in the A-operand layout)
     whose PV product is still to do; on exit, block last - 1's. Returns (o, p, m_i, l_i). ``pin``:
     this consumer's (SPLIT_M,) fp32 scratch in shared memory, written and never read
-    (PIN_SOFTMAX), or with P_SMEM (a 3-D ``pin``: every consumer's two (SPLIT_M, BLOCK_N) tiles) the
-    buffers of P: block j's in tile p_base + j % 2, which the PV product reads from shared memory (``p`` is
-    then carried unchanged). ``my_turn``/``next_turn``: PINGPONG's mbarriers; block j is this
-    consumer's (turn0 + j)-th turn (the tile's prologue, S_0, its turn0-th)."""
+    (PIN_SOFTMAX). ``my_turn``/``next_turn``: PINGPONG's mbarriers; block j is this consumer's
+    (turn0 + j)-th turn (the tile's prologue, S_0, its turn0-th)."""
     k_smem, v_smem, k_ready, k_empty, v_ready, v_empty = ring
     NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
@@ -353,7 +350,6 @@ def _attend_blocks(
     ROWS: gl.constexpr = q.type.shape[0]
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o.type.layout)
-    P_SMEM: gl.constexpr = len(pin.type.shape) == 3
     for j in range(first, last):
         stage = (kv_base + j) % NUM_STAGES
         prev = (kv_base + j - 1) % NUM_STAGES
@@ -363,10 +359,7 @@ def _attend_blocks(
             mbarrier.wait(my_turn, (turn0 + j) & 1)
         s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         mbarrier.wait(v_ready.index(prev), ((kv_base + j - 1) // NUM_STAGES) & 1)
-        if P_SMEM:
-            o = warpgroup_mma(pin.index(p_base + (j - 1) % 2), v_smem.index(prev), o, is_async=True)
-        else:
-            o = warpgroup_mma(p, v_smem.index(prev), o, is_async=True)
+        o = warpgroup_mma(p, v_smem.index(prev), o, is_async=True)
         if PINGPONG:  # both products issued: the other consumer's turn
             mbarrier.arrive(next_turn, count=1)
         # the older group (S_j) done, PV_{j-1} may still run: block j's softmax overlaps it
@@ -375,22 +368,17 @@ def _attend_blocks(
         p_j, m_i, l_i, alpha = _online_softmax(
             s, m_i, l_i, rows, j * BLOCK_N, SEQ_K, UPPER_OFFSET, qk_scale, MASKED, IS_CAUSAL
         )
-        if P_SMEM:  # into the buffer PV_{j-1} does not read (PV_{j-2}'s, waited for); the store pins
-            pin.index(p_base + j % 2).store(p_j.to(pin.dtype))
-            fence_async_shared()
-            o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
-        else:
-            p_next = gl.convert_layout(p_j.to(p.dtype), p.type.layout)
-            # P_{j-1} is read from registers by the product in flight: keep it alive until it is done
-            if PIN_SOFTMAX:
-                # ptxas schedules the full wait as early as it can, above this block's exponentials,
-                # which then wait for PV_{j-1} instead of running under it; a shared-memory store of l
-                # (which needs every exponential) stays above the wait and keeps them there
-                pin.store(l_i)
-            o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
-            p = p_next
+        p_next = gl.convert_layout(p_j.to(p.dtype), p.type.layout)
+        # P_{j-1} is read from registers by the product in flight: keep it alive until it is done
+        if PIN_SOFTMAX:
+            # ptxas schedules the full wait as early as it can, above this block's exponentials,
+            # which then wait for PV_{j-1} instead of running under it; a shared-memory store of l
+            # (which needs every exponential) stays above the wait and keeps them there
+            pin.store(l_i)
+        o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
         mbarrier.arrive(v_empty.index(prev), count=1)
         o = o * gl.convert_layout(alpha, row_o)[:, None]
+        p = p_next
     return o, p, m_i, l_i
 
 
@@ -447,12 +435,7 @@ def _consume_tile(
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
     q = q_smem.index(cid)
-    # P_SMEM: pin_smem holds each consumer's two P tiles, (2 * NUM_CONSUMERS, SPLIT_M, BLOCK_N)
-    P_SMEM: gl.constexpr = len(pin_smem.type.shape) == 3
-    if P_SMEM:
-        pin = pin_smem
-    else:
-        pin = pin_smem.index(cid)
+    pin = pin_smem.index(cid)
     # turns go round the consumers: each issues one step's products (both consumers walk the same
     # n_blocks + 1 steps a tile), then hands the turn on; turn0 of them were taken by earlier tiles
     my_turn = turn_smem.index(cid)
@@ -481,37 +464,26 @@ def _consume_tile(
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         mbarrier.arrive(k_empty.index(first), count=1)
         p, m_i, l_i, _ = _online_softmax(s, m_i, l_i, rows, 0, SEQ_K, UPPER_OFFSET, qk_scale, True, IS_CAUSAL)
-        if P_SMEM:
-            pin.index(2 * cid).store(p.to(dtype))
-            fence_async_shared()
-            p = l_i  # (unused: carried through the loops as it is)
-        else:
-            p = gl.convert_layout(p.to(dtype), p_layout)
+        p = gl.convert_layout(p.to(dtype), p_layout)
         # the blocks every row sees whole, then those a bound cuts (the diagonal, the ragged end)
         ring = (k_smem, v_smem, k_ready, k_empty, v_ready, v_empty)
         # fmt: off
         o, p, m_i, l_i = _attend_blocks(
-            o, p, m_i, l_i, q, ring, pin, 2 * cid, my_turn, next_turn, turn0, rows, 1, n_full, kv_base, SEQ_K,
+            o, p, m_i, l_i, q, ring, pin, my_turn, next_turn, turn0, rows, 1, n_full, kv_base, SEQ_K,
             UPPER_OFFSET, qk_scale, False, IS_CAUSAL, PIN_SOFTMAX, PINGPONG)
         o, p, m_i, l_i = _attend_blocks(
-            o, p, m_i, l_i, q, ring, pin, 2 * cid, my_turn, next_turn, turn0, rows, gl.maximum(n_full, 1),
-            n_blocks, kv_base, SEQ_K, UPPER_OFFSET, qk_scale, True, IS_CAUSAL, PIN_SOFTMAX, PINGPONG)
+            o, p, m_i, l_i, q, ring, pin, my_turn, next_turn, turn0, rows, gl.maximum(n_full, 1), n_blocks,
+            kv_base, SEQ_K, UPPER_OFFSET, qk_scale, True, IS_CAUSAL, PIN_SOFTMAX, PINGPONG)
         # fmt: on
         # the last block's PV product
         last = (kv_base + n_blocks - 1) % NUM_STAGES
         mbarrier.wait(v_ready.index(last), ((kv_base + n_blocks - 1) // NUM_STAGES) & 1)
         if PINGPONG:
             mbarrier.wait(my_turn, (turn0 + n_blocks) & 1)
-        if P_SMEM:
-            o = warpgroup_mma(pin.index(2 * cid + (n_blocks - 1) % 2), v_smem.index(last), o, is_async=True)
-        else:
-            o = warpgroup_mma(p, v_smem.index(last), o, is_async=True)
+        o = warpgroup_mma(p, v_smem.index(last), o, is_async=True)
         if PINGPONG:  # the second consumer's last hand-on opens the next tile (unwaited after the last)
             mbarrier.arrive(next_turn, count=1)
-        if P_SMEM:
-            o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
-        else:
-            o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
+        o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
         mbarrier.arrive(v_empty.index(last), count=1)
         if PERSISTENT:  # every product that read Q is done: the next tile's may land
             mbarrier.arrive(q_free.index(cid), count=1)
@@ -612,7 +584,6 @@ def _attn_fwd_sm90_kernel(
     CONSUMERS: gl.constexpr,  # consumer warpgroups of ROWS query rows
     CONSUMER_REGS: gl.constexpr,  # their setmaxnreg budget
     PERSISTENT: gl.constexpr,  # a program walks tiles in _walk_range's order (two consumers)
-    P_SMEM: gl.constexpr,  # the PV product reads P from shared memory (two tiles a consumer)
 ):
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -633,12 +604,7 @@ def _attn_fwd_sm90_kernel(
     q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, ROWS, HEAD_DIM], q_layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], kv_layout)
-    if P_SMEM:
-        p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_N], dtype)
-        pin_smem = gl.allocate_shared_memory(dtype, [2 * CONSUMERS, ROWS, BLOCK_N], p_layout)
-    else:
-        pin_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-        pin_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS, ROWS], pin_layout)
+    pin_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS, ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     turn_smem = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
