@@ -1,18 +1,19 @@
-"""The attention forward's pipes on the H200: what share of its cycles the tensor cores, the MUFU (XU)
-and the FMA and ALU pipes are busy, ours beside cuDNN's, from Nsight Compute's counters.
+"""Attention's pipes on the H200: what share of its cycles the tensor cores, the MUFU (XU) and the
+FMA and ALU pipes are busy, ours beside cuDNN's, from Nsight Compute's counters.
 
     ncu --clock-control none --profile-from-start off --set full -o PROF \\
-        python benchmarks/attention_fwd_profile.py [--shape B,H,S,D ...] [--config JSON]
+        python benchmarks/attention_profile.py [--shape B,H,S,D ...] [--config JSON] [--backward]
     ncu --import PROF.ncu-rep --page raw --csv > RAW.csv
-    python benchmarks/attention_fwd_profile.py --read RAW.csv
+    python benchmarks/attention_profile.py --read RAW.csv
 
 The first form makes, per shape (default (4, 32, 4096, 64) and (4, 32, 4096, 128), bf16, full
 mask), one call of ``fwd_sm90.attention_fwd_sm90`` (its default tile, or ``--config``'s fields over
 it, e.g. '{"persistent": false}') and one of cuDNN's SDPA forward between cudaProfilerStart and
-Stop, after warm-up calls, so that ncu profiles those two kernels alone. The second prints a row a
-kernel from the raw page: duration, SM clock, cycles, and each pipe's active share. Where the
-tensor and MUFU shares add up to about 100%, the two never run at once (docs/perf-notes.md, "The
-forward's pipes, counted").
+Stop, after warm-up calls, so that ncu profiles those two kernels alone; ``--backward`` adds the
+backward of ``tritonkit.flash_attention`` (free, then deterministic) and of cuDNN's SDPA (every
+kernel each launches). The second prints a row a kernel from the raw page: duration, SM clock,
+cycles, and each pipe's active share. Where the tensor and MUFU shares add up to about 100%, the
+two never run at once (docs/perf-notes.md, "The forward's pipes, counted").
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def read(path: str) -> None:
         )
 
 
-def profile(shapes: list[tuple[int, ...]], config_fields: dict) -> None:
+def profile(shapes: list[tuple[int, ...]], config_fields: dict, backward: bool) -> None:
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -89,6 +90,8 @@ def profile(shapes: list[tuple[int, ...]], config_fields: dict) -> None:
                 torch.nn.functional.scaled_dot_product_attention(q, k, v)
 
         calls += [ours, cudnn]
+        if backward:
+            calls += _backward_calls((batch, heads, seq, head_dim))
     for call in calls * 3:
         call()
     torch.cuda.synchronize()
@@ -99,6 +102,22 @@ def profile(shapes: list[tuple[int, ...]], config_fields: dict) -> None:
     torch.cuda.profiler.stop()
 
 
+def _backward_calls(shape: tuple[int, ...]) -> list:
+    """Backward calls at ``shape``: ours free and deterministic, then cuDNN's (each output made once,
+    its graph kept for every call)."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import tritonkit
+
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    grad = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    outputs = [tritonkit.flash_attention(q, k, v, deterministic=d) for d in (False, True)]
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        outputs.append(torch.nn.functional.scaled_dot_product_attention(q, k, v))
+    return [lambda out=out: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True) for out in outputs]
+
+
 def main() -> None:
     args = sys.argv[1:]
     if "--read" in args:
@@ -106,7 +125,7 @@ def main() -> None:
         return
     shapes = [tuple(int(n) for n in args[i + 1].split(",")) for i, a in enumerate(args) if a == "--shape"]
     fields = json.loads(args[args.index("--config") + 1]) if "--config" in args else {}
-    profile(shapes or [(4, 32, 4096, 64), (4, 32, 4096, 128)], fields)
+    profile(shapes or [(4, 32, 4096, 64), (4, 32, 4096, 128)], fields, "--backward" in args)
 
 
 if __name__ == "__main__":
