@@ -48,10 +48,10 @@ for dtype, head_dim, causal, persistent, pingpong in (
                  "stride_lh": "i64", "HEADS": "i32", "BATCH_HEADS": "i32", "HEADS_PER_GROUP": "i32",
                  "GROUP": "i32", "SEQ_Q": "i32", "SEQ_K": "i32", "UPPER_OFFSET": "i32",
                  "qk_scale": "fp32", "IS_CAUSAL": "constexpr", "NUM_STAGES": "constexpr",
-                 "PIN_SOFTMAX": "constexpr", "PINGPONG": "constexpr", "LATE_PV": "constexpr",
-                 "CONSUMERS": "constexpr", "CONSUMER_REGS": "constexpr", "PERSISTENT": "constexpr"}
+                 "PIN_SOFTMAX": "constexpr", "PINGPONG": "constexpr", "CONSUMERS": "constexpr",
+                 "CONSUMER_REGS": "constexpr", "PERSISTENT": "constexpr"}
     constants = {"IS_CAUSAL": causal, "NUM_STAGES": config.num_stages, "PIN_SOFTMAX": config.pin_softmax,
-                 "PINGPONG": config.pingpong, "LATE_PV": False, "CONSUMERS": fwd.NUM_CONSUMERS,
+                 "PINGPONG": config.pingpong, "CONSUMERS": fwd.NUM_CONSUMERS,
                  "CONSUMER_REGS": fwd.CONSUMER_REGS, "PERSISTENT": persistent}
     kernel = triton.compile(GluonASTSource(fwd._attn_fwd_sm90_kernel, signature, constants),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": fwd.CONSUMER_WARPS.value})

@@ -47,16 +47,13 @@ class Config(NamedTuple):
     """A launch's tile: BLOCK_N keys a step, NUM_STAGES K/V tiles in flight; pin_softmax keeps a
     block's exponentials under the previous block's PV product (see ``_attend_blocks``); pingpong
     orders the consumers' products (``PINGPONG``); persistent launches one program an SM, each
-    walking tiles one after another (its turns, with ping-pong, running on across them); late_pv
-    issues a block's PV product after the next block's row max (``_attend_blocks_late_pv``; not
-    with ping-pong)."""
+    walking tiles one after another (its turns, with ping-pong, running on across them)."""
 
     block_n: int
     num_stages: int
     pin_softmax: bool = True
     pingpong: bool = PINGPONG
     persistent: bool = False
-    late_pv: bool = False
 
 
 # Per head dim. The shared memory of a program is 2 x 64 x D for Q (reused for O) and NUM_STAGES x 2
@@ -105,8 +102,6 @@ CANDIDATES = {
         CONFIGS[64]._replace(pingpong=not PINGPONG),
         CONFIGS[64]._replace(pin_softmax=False),
         CONFIGS[64]._replace(persistent=True),
-        CONFIGS[64]._replace(late_pv=True),
-        CONFIGS[64]._replace(persistent=True, late_pv=True),
     ],
     128: [
         CONFIGS[128],
@@ -115,8 +110,6 @@ CANDIDATES = {
         CONFIGS[128]._replace(num_stages=3),
         CONFIGS[128]._replace(persistent=True),
         CONFIGS[128]._replace(persistent=True, pingpong=not PINGPONG),
-        CONFIGS[128]._replace(late_pv=True),
-        CONFIGS[128]._replace(persistent=True, late_pv=True),
     ],
 }
 
@@ -297,8 +290,6 @@ def launches(q, k, v, o, lse, *, scale: float, causal: bool, config: Config | No
     group are neighbours, so their blocks share K and V in L2)."""
     (batch, heads_q, seq_q, head_dim), (_, heads_kv, seq_k, _) = q.shape, k.shape
     config = config or default_config(head_dim, seq_k)
-    if config.late_pv and config.pingpong:
-        raise ValueError(f"{config}: late_pv orders the products without ping-pong's turns")
     args = (
         descriptor(q, SPLIT_M),
         descriptor(k, config.block_n),
@@ -321,7 +312,6 @@ def launches(q, k, v, o, lse, *, scale: float, causal: bool, config: Config | No
         "NUM_STAGES": config.num_stages,
         "PIN_SOFTMAX": config.pin_softmax,
         "PINGPONG": config.pingpong,
-        "LATE_PV": config.late_pv,
         "CONSUMERS": NUM_CONSUMERS,
         "CONSUMER_REGS": CONSUMER_REGS,
         "PERSISTENT": config.persistent,

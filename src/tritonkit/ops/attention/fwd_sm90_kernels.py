@@ -285,23 +285,11 @@ def _online_softmax(
 ):
     """One key block's step of the online softmax on its raw scores ``s`` = q . k: (p, m, l, alpha),
     p = exp2(s * qk_scale - m) unnormalised, m the new running max in log2 units, l the new running
-    sum, alpha = exp2(m_old - m) the factor the accumulator takes: ``_row_max``, then
-    ``_exponentials``."""
-    s, m_new, m_exp = _row_max(s, m_i, rows, start_n, SEQ_K, UPPER_OFFSET, qk_scale, MASKED, IS_CAUSAL)
-    p, l_i, alpha = _exponentials(s, m_i, m_exp, l_i, qk_scale, MASKED)
-    return p, m_new, l_i, alpha
-
-
-@gluon.jit
-def _row_max(
-    s, m_i, rows, start_n, SEQ_K, UPPER_OFFSET, qk_scale, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr
-):
-    """(s, m_new, m_exp) of a key block: the new running max in log2 units and the one its
-    exponentials subtract. MASKED blocks hide keys past SEQ_K and, causal, keys past each row's
-    diagonal (j <= i + UPPER_OFFSET), and return their scores scaled with -inf where hidden; a row
-    that has seen no key keeps m = -inf, and m_exp is 0 in its place so that -inf - -inf does not
-    make NaN. Unmasked blocks are seen whole by every row: the max is taken on the raw scores
-    (qk_scale > 0), which are returned as they are."""
+    sum, alpha = exp2(m_old - m) the factor the accumulator takes. MASKED blocks hide keys past
+    SEQ_K and, causal, keys past each row's diagonal (j <= i + UPPER_OFFSET); a row that has seen no
+    key keeps m = -inf, and exp2 then takes 0 in its place so that -inf - -inf does not make NaN.
+    Unmasked blocks are seen whole by every row: the max is taken on the raw scores (qk_scale > 0)
+    and the exponent is a single FFMA."""
     if MASKED:
         BLOCK_N: gl.constexpr = s.type.shape[1]
         cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
@@ -313,23 +301,14 @@ def _row_max(
         s = gl.where(visible, s * qk_scale, -float("inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
         m_exp = gl.where(m_new == -float("inf"), 0.0, m_new)
+        p = gl.exp2(s - m_exp[:, None])
     else:
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
         m_exp = m_new
-    return s, m_new, m_exp
-
-
-@gluon.jit
-def _exponentials(s, m_i, m_exp, l_i, qk_scale, MASKED: gl.constexpr):
-    """(p, l, alpha) of a block whose ``_row_max`` gave ``s`` and ``m_exp``: unmasked, the exponent
-    is a single FFMA a score."""
-    if MASKED:
-        p = gl.exp2(s - m_exp[:, None])
-    else:
         p = gl.exp2(s * qk_scale - m_exp[:, None])
     alpha = gl.exp2(m_i - m_exp)
     l_i = l_i * alpha + gl.sum(p, axis=1)
-    return p, l_i, alpha
+    return p, m_new, l_i, alpha
 
 
 @gluon.jit
@@ -355,20 +334,13 @@ def _attend_blocks(
     IS_CAUSAL: gl.constexpr,
     PIN_SOFTMAX: gl.constexpr,
     PINGPONG: gl.constexpr,
-    LATE_PV: gl.constexpr,
 ):
     """Key blocks [first, last) of a consumer (the ring's blocks kv_base + first, ...), one block
     behind for PV: on entry ``p`` holds block first - 1's probabilities (in the A-operand layout)
     whose PV product is still to do; on exit, block last - 1's. Returns (o, p, m_i, l_i). ``pin``:
     this consumer's (SPLIT_M,) fp32 scratch in shared memory, written and never read
     (PIN_SOFTMAX). ``my_turn``/``next_turn``: PINGPONG's mbarriers; block j is this consumer's
-    (turn0 + j)-th turn (the tile's prologue, S_0, its turn0-th). LATE_PV: ``_attend_blocks_late_pv``'s
-    order instead."""
-    if LATE_PV:
-        return _attend_blocks_late_pv(
-            o, p, m_i, l_i, q, ring, pin, rows, first, last, kv_base, SEQ_K, UPPER_OFFSET, qk_scale, MASKED,
-            IS_CAUSAL, PIN_SOFTMAX,
-        )  # fmt: skip
+    (turn0 + j)-th turn (the tile's prologue, S_0, its turn0-th)."""
     k_smem, v_smem, k_ready, k_empty, v_ready, v_empty = ring
     NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
@@ -411,49 +383,6 @@ def _attend_blocks(
 
 
 @gluon.jit
-def _attend_blocks_late_pv(
-    o, p, m_i, l_i, q, ring, pin, rows, first, last, kv_base, SEQ_K, UPPER_OFFSET, qk_scale,
-    MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, PIN_SOFTMAX: gl.constexpr,
-):  # fmt: skip
-    """``_attend_blocks`` with PV_{j-1} issued after block j's row max, not beside S_j: S_j, its
-    wait, the row max, PV_{j-1}, the exponentials. The PV product then runs under the exponentials
-    (on the MUFU) rather than under the row max, which precedes them and ran the whole of PV_{j-1}
-    at D = 64 (Nsight Compute: the tensor and MUFU pipes busy in turn, docs/perf-notes.md)."""
-    k_smem, v_smem, k_ready, k_empty, v_ready, v_empty = ring
-    NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
-    BLOCK_N: gl.constexpr = k_smem.type.shape[1]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    ROWS: gl.constexpr = q.type.shape[0]
-    zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o.type.layout)
-    for j in range(first, last):
-        stage = (kv_base + j) % NUM_STAGES
-        prev = (kv_base + j - 1) % NUM_STAGES
-        mbarrier.wait(k_ready.index(stage), ((kv_base + j) // NUM_STAGES) & 1)
-        s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        mbarrier.arrive(k_empty.index(stage), count=1)
-        s, m_new, m_exp = _row_max(
-            s, m_i, rows, j * BLOCK_N, SEQ_K, UPPER_OFFSET, qk_scale, MASKED, IS_CAUSAL
-        )
-        # (in the SASS ptxas spreads the product's eight HGMMAs among the first exponentials)
-        mbarrier.wait(v_ready.index(prev), ((kv_base + j - 1) // NUM_STAGES) & 1)
-        o = warpgroup_mma(p, v_smem.index(prev), o, is_async=True)
-        p_j, l_i, alpha = _exponentials(s, m_i, m_exp, l_i, qk_scale, MASKED)
-        m_i = m_new
-        p_next = gl.convert_layout(p_j.to(p.dtype), p.type.layout)
-        if PIN_SOFTMAX:  # as in _attend_blocks: the exponentials stay above the wait for PV_{j-1}
-            pin.store(l_i)
-        o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
-        mbarrier.arrive(v_empty.index(prev), count=1)
-        o = o * gl.convert_layout(alpha, row_o)[:, None]
-        p = p_next
-    return o, p, m_i, l_i
-
-
-@gluon.jit
 def _consume_tile(
     cid: gl.constexpr,  # which consumer warpgroup: rows start_m + cid * SPLIT_M, ...
     o_desc,  # TMA descriptor of the output (B, Hq, Sq, D)
@@ -486,7 +415,6 @@ def _consume_tile(
     IS_CAUSAL: gl.constexpr,  # the causal mask
     PIN_SOFTMAX: gl.constexpr,  # keep the exponentials between the two waits (see _attend_blocks)
     PINGPONG: gl.constexpr,  # the consumers take turns to issue their products
-    LATE_PV: gl.constexpr,  # PV_{j-1} issued after block j's row max (_attend_blocks_late_pv)
     PERSISTENT: gl.constexpr,  # tiles follow each other in one program
 ):
     """One consumer's part of a tile: its 64 rows' output and lse."""
@@ -542,10 +470,10 @@ def _consume_tile(
         # fmt: off
         o, p, m_i, l_i = _attend_blocks(
             o, p, m_i, l_i, q, ring, pin, my_turn, next_turn, turn0, rows, 1, n_full, kv_base, SEQ_K,
-            UPPER_OFFSET, qk_scale, False, IS_CAUSAL, PIN_SOFTMAX, PINGPONG, LATE_PV)
+            UPPER_OFFSET, qk_scale, False, IS_CAUSAL, PIN_SOFTMAX, PINGPONG)
         o, p, m_i, l_i = _attend_blocks(
             o, p, m_i, l_i, q, ring, pin, my_turn, next_turn, turn0, rows, gl.maximum(n_full, 1), n_blocks,
-            kv_base, SEQ_K, UPPER_OFFSET, qk_scale, True, IS_CAUSAL, PIN_SOFTMAX, PINGPONG, LATE_PV)
+            kv_base, SEQ_K, UPPER_OFFSET, qk_scale, True, IS_CAUSAL, PIN_SOFTMAX, PINGPONG)
         # fmt: on
         # the last block's PV product
         last = (kv_base + n_blocks - 1) % NUM_STAGES
@@ -590,13 +518,12 @@ def _softmax_partition(
     cid: gl.constexpr, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
     pin_smem, turn_smem, batch, head, start_m, n_blocks, n_full, SEQ_Q, SEQ_K, UPPER_OFFSET, stride_lb,
     stride_lh, qk_scale, IS_CAUSAL: gl.constexpr, PIN_SOFTMAX: gl.constexpr, PINGPONG: gl.constexpr,
-    LATE_PV: gl.constexpr,
 ):  # fmt: skip
     """A consumer of a program of one tile (``_consume_tile``'s arguments)."""
     _consume_tile(
         cid, o_desc, lse_ptr, q_smem, q_smem, k_smem, v_smem, q_ready, q_ready, k_ready, k_empty, v_ready,
         v_empty, pin_smem, turn_smem, batch, head, start_m, n_blocks, n_full, 0, 0, SEQ_Q, SEQ_K,
-        UPPER_OFFSET, stride_lb, stride_lh, qk_scale, IS_CAUSAL, PIN_SOFTMAX, PINGPONG, LATE_PV, False,
+        UPPER_OFFSET, stride_lb, stride_lh, qk_scale, IS_CAUSAL, PIN_SOFTMAX, PINGPONG, False,
     )  # fmt: skip
 
 
@@ -605,7 +532,7 @@ def _softmax_partition_persistent(
     cid: gl.constexpr, o_desc, lse_ptr, q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, k_empty,
     v_ready, v_empty, pin_smem, turn_smem, HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K,
     UPPER_OFFSET, stride_lb, stride_lh, qk_scale, IS_CAUSAL: gl.constexpr, PIN_SOFTMAX: gl.constexpr,
-    PINGPONG: gl.constexpr, LATE_PV: gl.constexpr,
+    PINGPONG: gl.constexpr,
 ):  # fmt: skip
     """A consumer of a persistent program: the producer's tiles, in its order."""
     BLOCK: gl.constexpr = q_smem.type.shape[0] * q_smem.type.shape[1]
@@ -623,7 +550,7 @@ def _softmax_partition_persistent(
             cid, o_desc, lse_ptr, q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, k_empty,
             v_ready, v_empty, pin_smem, turn_smem, batch, head, start_m, n_blocks, n_full, kv_base,
             loads, SEQ_Q, SEQ_K, UPPER_OFFSET, stride_lb, stride_lh, qk_scale, IS_CAUSAL, PIN_SOFTMAX,
-            PINGPONG, LATE_PV, True,
+            PINGPONG, True,
         )  # fmt: skip
         kv_base += n_blocks
         loads += gl.where(n_blocks > 0, 1, 0)
@@ -654,7 +581,6 @@ def _attn_fwd_sm90_kernel(
     NUM_STAGES: gl.constexpr,  # K/V tiles in flight
     PIN_SOFTMAX: gl.constexpr,  # keep the exponentials under the PV product (see _attend_blocks)
     PINGPONG: gl.constexpr,  # the consumers take turns to issue their products
-    LATE_PV: gl.constexpr,  # PV_{j-1} issued after block j's row max (_attend_blocks_late_pv)
     CONSUMERS: gl.constexpr,  # consumer warpgroups of ROWS query rows
     CONSUMER_REGS: gl.constexpr,  # their setmaxnreg budget
     PERSISTENT: gl.constexpr,  # a program walks tiles in _walk_range's order (two consumers)
@@ -700,7 +626,6 @@ def _attn_fwd_sm90_kernel(
     # tensors); the consumers' argument lists side by side: the same but for the index
     # fmt: off
     gl.static_assert(CONSUMERS == 2, "two consumer warpgroups (FA3's three at D = 64 measured slower)")
-    gl.static_assert(not (LATE_PV and PINGPONG), "the turns order the two products issued together")
     if PERSISTENT:
         # O's own buffers (Q's take the next tile's rows while O leaves), and a barrier a consumer
         # saying its Q buffer is free
@@ -713,12 +638,12 @@ def _attn_fwd_sm90_kernel(
                                              q_free, k_ready, k_empty, v_ready, v_empty, pin_smem, turn_smem,
                                              HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K,
                                              UPPER_OFFSET, stride_lb, stride_lh, qk_scale, IS_CAUSAL,
-                                             PIN_SOFTMAX, PINGPONG, LATE_PV)),
+                                             PIN_SOFTMAX, PINGPONG)),
             (_softmax_partition_persistent, (1, o_desc, lse_ptr, q_smem, o_smem, k_smem, v_smem, q_ready,
                                              q_free, k_ready, k_empty, v_ready, v_empty, pin_smem, turn_smem,
                                              HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K,
                                              UPPER_OFFSET, stride_lb, stride_lh, qk_scale, IS_CAUSAL,
-                                             PIN_SOFTMAX, PINGPONG, LATE_PV)),
+                                             PIN_SOFTMAX, PINGPONG)),
             (_load_partition_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free,
                                           k_ready, k_empty, v_ready, v_empty, HEADS, BATCH_HEADS,
                                           HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, IS_CAUSAL)),
@@ -728,11 +653,11 @@ def _attn_fwd_sm90_kernel(
             (_softmax_partition, (0, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
                                   v_ready, v_empty, pin_smem, turn_smem, batch, head, start_m, n_blocks,
                                   n_full, SEQ_Q, SEQ_K, UPPER_OFFSET, stride_lb, stride_lh, qk_scale,
-                                  IS_CAUSAL, PIN_SOFTMAX, PINGPONG, LATE_PV)),
+                                  IS_CAUSAL, PIN_SOFTMAX, PINGPONG)),
             (_softmax_partition, (1, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
                                   v_ready, v_empty, pin_smem, turn_smem, batch, head, start_m, n_blocks,
                                   n_full, SEQ_Q, SEQ_K, UPPER_OFFSET, stride_lb, stride_lh, qk_scale,
-                                  IS_CAUSAL, PIN_SOFTMAX, PINGPONG, LATE_PV)),
+                                  IS_CAUSAL, PIN_SOFTMAX, PINGPONG)),
             (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
                                v_ready, v_empty, batch, head, kv_head, start_m, n_blocks)),
         ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
