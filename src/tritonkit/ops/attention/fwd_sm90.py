@@ -94,8 +94,9 @@ def default_config(head_dim: int, seq_k: int) -> Config:
 # (64-key steps, 160 registers) ran 0.84-0.89x cuDNN against the default's 0.92-0.93: removed. So
 # were (0bbcc80, docs/perf-notes.md) three at 128-key steps with P through shared memory (0.47-0.95x
 # against one tile a program's 0.67-0.94x) and K released with V after the PV product, one arrive
-# and warpgroup barrier a step fewer (level: 0.67-0.93x at D = 64, 0.97-1.01x at D = 128), and
-# (c8fc77b) P through shared memory, two tiles a consumer: +1-2% over 4096 keys, -3-4% at 1024.
+# and warpgroup barrier a step fewer (level: 0.67-0.93x at D = 64, 0.97-1.01x at D = 128),
+# (c8fc77b) P through shared memory, two tiles a consumer: +1-2% over 4096 keys, -3-4% at 1024,
+# and (6680c00) PV_{j-1} issued after block j's row max: -1-3% at D = 64, -8% at D = 128 persistent.
 CANDIDATES = {
     64: [
         CONFIGS[64],
