@@ -73,6 +73,7 @@ for dtype, head_dim, causal, persistent, pingpong in (
         "setmaxnreg": numbers(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx),
         "hgmma": sass.count("HGMMA"), "hmma": sass.count(" HMMA"),
         "spills": sass.count("STL") + sass.count("LDL"),
+        "single_conversions": sass.count("F2F.BF16.F32") + sass.count("F2F.F16.F32"),
         "tma_loads": ptx.count("cp.async.bulk.tensor.4d.shared"), "exps_under_pv": max(under or [0]),
         "block_exps": fwd.SPLIT_M * config.block_n // 128,
     }))
@@ -89,6 +90,9 @@ def test_the_kernel_compiles_for_hopper_warp_specialized_with_its_softmax_under_
         assert row["waits"] == [0, 1], row  # the main loop waits for the older product only
         assert row["hgmma"] > 0 and row["hmma"] == 0 and row["tma_loads"] > 0, row
         assert row["spills"] == 0, row  # persistent too (the causal walk had 2: 32-bit lse strides)
+        # P and O convert to 16 bits in pairs (F2FP, on the ALU): a conversion a value (F2F) runs on
+        # the MUFU's pipe, beside the exponentials (the backward's P did: docs/perf-notes.md)
+        assert row["single_conversions"] == 0, row
         # a block's exponentials (64 a thread at 128 keys) run while the previous PV product does
         assert row["exps_under_pv"] >= row["block_exps"], row
 
