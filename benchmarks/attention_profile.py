@@ -34,30 +34,24 @@ TIMES = {
     "GHz": "sm__cycles_elapsed.avg.per_second",
     "cycles": "sm__cycles_elapsed.avg",
 }
+# ncu picks each duration's and clock's unit by its size: the factors to us and GHz
+TO_US_AND_GHZ = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}
+TO_US_AND_GHZ |= {"Ghz": 1.0, "Mhz": 1e-3}
 
 
 def read(path: str) -> None:
+    """Print a row a kernel of ncu's raw page (its CSV: names, then units, then a row a kernel)."""
     with open(path) as f:
         rows = list(csv.reader(f))
     header, units, data = rows[0], rows[1], rows[2:]
     column = {name: i for i, name in enumerate(header)}
-    scale = {
-        "ns": 1e-3,
-        "us": 1.0,
-        "usecond": 1.0,
-        "ms": 1e3,
-        "msecond": 1e3,
-        "nsecond": 1e-3,
-        "Ghz": 1.0,
-        "Mhz": 1e-3,
-    }
     print(f"{'kernel':32} {'us':>8} {'GHz':>5} {'cycles':>10} " + " ".join(f"{p:>9}" for p in PIPES))
     for row in data:
         value = {}
         for key, metric in (TIMES | PIPES).items():
             if metric in column:
                 i = column[metric]
-                value[key] = float(row[i].replace(",", "")) * scale.get(units[i], 1.0)
+                value[key] = float(row[i].replace(",", "")) * TO_US_AND_GHZ.get(units[i], 1.0)
         print(
             f"{row[column['Kernel Name']][:32]:32} {value.get('us', 0):8.1f} {value.get('GHz', 0):5.2f} "
             f"{value.get('cycles', 0):10.0f} "
