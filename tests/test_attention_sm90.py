@@ -91,7 +91,7 @@ def test_the_kernel_compiles_for_hopper_warp_specialized_with_its_softmax_under_
         assert row["hgmma"] > 0 and row["hmma"] == 0 and row["tma_loads"] > 0, row
         assert row["spills"] == 0, row  # persistent too (the causal walk had 2: 32-bit lse strides)
         # P and O convert to 16 bits in pairs (F2FP, on the ALU): a conversion a value (F2F) runs on
-        # the MUFU's pipe, beside the exponentials (the backward's P did: docs/perf-notes.md)
+        # the MUFU's pipe, beside the exponentials (the backward's P does: docs/perf-notes.md)
         assert row["single_conversions"] == 0, row
         # a block's exponentials (64 a thread at 128 keys) run while the previous PV product does
         assert row["exps_under_pv"] >= row["block_exps"], row
