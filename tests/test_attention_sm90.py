@@ -74,6 +74,7 @@ for dtype, head_dim, causal, persistent, pingpong in (
         "hgmma": sass.count("HGMMA"), "hmma": sass.count(" HMMA"),
         "spills": sass.count("STL") + sass.count("LDL"),
         "single_conversions": sass.count("F2F.BF16.F32") + sass.count("F2F.F16.F32"),
+        "swaps": sass.count("PRMT"),
         "tma_loads": ptx.count("cp.async.bulk.tensor.4d.shared"), "exps_under_pv": max(under or [0]),
         "block_exps": fwd.SPLIT_M * config.block_n // 128,
     }))
@@ -93,6 +94,9 @@ def test_the_kernel_compiles_for_hopper_warp_specialized_with_its_softmax_under_
         # P and O convert to 16 bits in pairs (F2FP, on the ALU): a conversion a value (F2F) runs on
         # the MUFU's pipe, beside the exponentials (the backward's P does: docs/perf-notes.md)
         assert row["single_conversions"] == 0, row
+        # and in the order the PV product reads them: no PRMT swapping the halves of P's registers
+        # (256 when P converted by .to(); a causal kernel keeps 2 on integers, not P's)
+        assert row["swaps"] <= 2, row
         # a block's exponentials (64 a thread at 128 keys) run while the previous PV product does
         assert row["exps_under_pv"] >= row["block_exps"], row
 

@@ -85,6 +85,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from tritonkit.jit import LOG2E
+from tritonkit.ops.attention.fwd_sm90_kernels import to_pairs
 
 SPLIT_N = 64  # keys a consumer warpgroup holds: a wgmma's M per warpgroup
 NUM_CONSUMERS = gl.constexpr(2)  # FA3's 2 x 64 = 128 keys a program
@@ -421,15 +422,15 @@ def _grad_steps(
             p = gl.exp2(gl.where(visible, s * qk_scale - lse[None, :], -float("inf")))
         else:
             p = gl.exp2(s * qk_scale - lse[None, :])
-        # P^T in the input dtype only: the A operand of dV (the same registers as the accumulator's
-        # layout for 16-bit types) and dS's factor, which keeps 32 fp32 registers free at D = 128
-        p = p.to(dtype)
-        p_a = gl.convert_layout(p, a_layout)
+        # P^T in the input dtype, packed in pairs as dV's A operand (F2FP, two a conversion on the
+        # ALU). dS takes P's fp32 values: a 16-bit P that dS also reads compiled to one F2F a value,
+        # on the MUFU's pipe beside the exponentials (twice the pipe's work, docs/perf-notes.md)
+        p_a = gl.convert_layout(to_pairs(p, dtype), a_layout)
         if not OVERLAP_SDP:  # dP^T now, under P's conversion and dV
             dp = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         dv = warpgroup_mma(p_a, do, dv, is_async=True)
         dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp,))
-        ds = (p.to(gl.float32) * (dp - delta_smem.index(stage).load(col_s)[None, :])).to(dtype)
+        ds = to_pairs(p * (dp - delta_smem.index(stage).load(col_s)[None, :]), dtype)
         ds_a = gl.convert_layout(ds, a_layout)
         dk = warpgroup_mma(ds_a, q, dk, is_async=True)
         if SHARED_DQ:

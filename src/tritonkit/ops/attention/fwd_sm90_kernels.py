@@ -280,6 +280,22 @@ def _load_partition_persistent(
 
 
 @gluon.jit
+def to_pairs(x, dtype: gl.constexpr):
+    """``x`` (fp32) in ``dtype`` (bf16 or fp16), two values an instruction, element 0 in the low
+    half. ``x.to(dtype)`` emits one cvt a value; ptxas pairs them into F2FP in the other order and
+    swaps the halves of each register with a PRMT before a wgmma reads it (docs/perf-notes.md)."""
+    if dtype == gl.bfloat16:
+        pairs = gl.inline_asm_elementwise(
+            "cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.bfloat16, is_pure=True, pack=2
+        )
+    else:
+        pairs = gl.inline_asm_elementwise(
+            "cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.float16, is_pure=True, pack=2
+        )
+    return pairs
+
+
+@gluon.jit
 def _online_softmax(
     s, m_i, l_i, rows, start_n, SEQ_K, UPPER_OFFSET, qk_scale, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr
 ):
@@ -368,7 +384,7 @@ def _attend_blocks(
         p_j, m_i, l_i, alpha = _online_softmax(
             s, m_i, l_i, rows, j * BLOCK_N, SEQ_K, UPPER_OFFSET, qk_scale, MASKED, IS_CAUSAL
         )
-        p_next = gl.convert_layout(p_j.to(p.dtype), p.type.layout)
+        p_next = gl.convert_layout(to_pairs(p_j, p.dtype), p.type.layout)
         # P_{j-1} is read from registers by the product in flight: keep it alive until it is done
         if PIN_SOFTMAX:
             # ptxas schedules the full wait as early as it can, above this block's exponentials,
@@ -464,7 +480,7 @@ def _consume_tile(
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         mbarrier.arrive(k_empty.index(first), count=1)
         p, m_i, l_i, _ = _online_softmax(s, m_i, l_i, rows, 0, SEQ_K, UPPER_OFFSET, qk_scale, True, IS_CAUSAL)
-        p = gl.convert_layout(p.to(dtype), p_layout)
+        p = gl.convert_layout(to_pairs(p, dtype), p_layout)
         # the blocks every row sees whole, then those a bound cuts (the diagonal, the ragged end)
         ring = (k_smem, v_smem, k_ready, k_empty, v_ready, v_empty)
         # fmt: off
