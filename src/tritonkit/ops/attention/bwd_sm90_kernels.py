@@ -352,6 +352,7 @@ def _grad_steps(
     qk_scale,
     MASKED: gl.constexpr,
     IS_CAUSAL: gl.constexpr,
+    DETERMINISTIC: gl.constexpr,
     ROTATE: gl.constexpr,
     OVERLAP_SDP: gl.constexpr,
     SHARED_DQ: gl.constexpr,
@@ -423,14 +424,24 @@ def _grad_steps(
         else:
             p = gl.exp2(s * qk_scale - lse[None, :])
         # P^T in the input dtype, packed in pairs as dV's A operand (F2FP, two a conversion on the
-        # ALU). dS takes P's fp32 values: a 16-bit P that dS also reads compiled to one F2F a value,
-        # on the MUFU's pipe beside the exponentials (twice the pipe's work, docs/perf-notes.md)
-        p_a = gl.convert_layout(to_pairs(p, dtype), a_layout)
+        # ALU), and dS from P's fp32 values: a 16-bit P that dS also reads compiles to one F2F a
+        # value, on the MUFU's pipe beside the exponentials. The deterministic mode keeps that
+        # 16-bit P: it measured 4-8% faster with it at D = 128 (why is not established; the free
+        # mode gained 4-14%, docs/perf-notes.md)
+        if DETERMINISTIC:
+            p = p.to(dtype)
+            p_a = gl.convert_layout(p, a_layout)
+        else:
+            p_a = gl.convert_layout(to_pairs(p, dtype), a_layout)
         if not OVERLAP_SDP:  # dP^T now, under P's conversion and dV
             dp = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         dv = warpgroup_mma(p_a, do, dv, is_async=True)
         dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp,))
-        ds = to_pairs(p * (dp - delta_smem.index(stage).load(col_s)[None, :]), dtype)
+        ds = p.to(gl.float32) * (dp - delta_smem.index(stage).load(col_s)[None, :])
+        if DETERMINISTIC:
+            ds = ds.to(dtype)
+        else:
+            ds = to_pairs(ds, dtype)
         ds_a = gl.convert_layout(ds, a_layout)
         dk = warpgroup_mma(ds_a, q, dk, is_async=True)
         if SHARED_DQ:
@@ -518,6 +529,7 @@ def _grad_partition(
     qk_scale,
     scale,
     IS_CAUSAL: gl.constexpr,
+    DETERMINISTIC: gl.constexpr,
     ROTATE: gl.constexpr,
     OVERLAP_SDP: gl.constexpr,
     SHARED_DQ: gl.constexpr,
@@ -546,10 +558,10 @@ def _grad_partition(
                        dq_full, dq_empty, lse_smem, delta_smem)
             dk, dv = _grad_steps(
                 dk, dv, buffers, key_start, m_start, m_mid, g * n_tiles, rot, m_end, SEQ_K, UPPER_OFFSET,
-                qk_scale, True, IS_CAUSAL, ROTATE, OVERLAP_SDP, SHARED_DQ, cid)
+                qk_scale, True, IS_CAUSAL, DETERMINISTIC, ROTATE, OVERLAP_SDP, SHARED_DQ, cid)
             dk, dv = _grad_steps(
                 dk, dv, buffers, key_start, m_mid, m_end, g * n_tiles + m_mid - m_start, rot, m_end, SEQ_K,
-                UPPER_OFFSET, qk_scale, False, IS_CAUSAL, ROTATE, OVERLAP_SDP, SHARED_DQ, cid)
+                UPPER_OFFSET, qk_scale, False, IS_CAUSAL, DETERMINISTIC, ROTATE, OVERLAP_SDP, SHARED_DQ, cid)
             # fmt: on
     if SHARED_DQ and n_tiles > 0:
         # the other warpgroup's dQ columns read this one's K too: its products of the last step
@@ -699,11 +711,13 @@ def _attn_bwd_sm90_kernel(
         (_grad_partition, (0, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem,
                            v_smem, ds_smem, dq_smem, kv_ready, qd_ready, qd_empty, ds_ready, ds_free, dq_full,
                            dq_empty, batch, kv_head, start_n, GROUP, m_start, m_mid, m_end, rot, SEQ_K,
-                           UPPER_OFFSET, qk_scale, scale, IS_CAUSAL, ROTATE, OVERLAP_SDP, SHARED_DQ)),
+                           UPPER_OFFSET, qk_scale, scale, IS_CAUSAL, DETERMINISTIC, ROTATE, OVERLAP_SDP,
+                           SHARED_DQ)),
         (_grad_partition, (1, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem,
                            v_smem, ds_smem, dq_smem, kv_ready, qd_ready, qd_empty, ds_ready, ds_free, dq_full,
                            dq_empty, batch, kv_head, start_n, GROUP, m_start, m_mid, m_end, rot, SEQ_K,
-                           UPPER_OFFSET, qk_scale, scale, IS_CAUSAL, ROTATE, OVERLAP_SDP, SHARED_DQ)),
+                           UPPER_OFFSET, qk_scale, scale, IS_CAUSAL, DETERMINISTIC, ROTATE, OVERLAP_SDP,
+                           SHARED_DQ)),
         (_load_partition, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, kv_ready,
                            qd_ready, qd_empty, batch, kv_head, KV_SHARE, start_n, GROUP,
                            m_start, m_end, rot,
