@@ -390,10 +390,8 @@ def test_gpu_deterministic_mode_gives_the_same_bits(
     mode's three gradients are the same bits run after run, in every order of programs
     (``bwd_sm90.DETERMINISTIC_PAIRS_PER_GROUP``; 3 leaves a smaller last group, and all pairs at
     once walks a full mask unrotated), both dQ splits and GQA's programs of a group or of a query
-    head, which pass the oracle. dk and dv take no atomics in either mode: the same bits as the
-    free mode's, unless the full mask's walk is rotated (their sums over the query blocks then
-    start at another block)."""
-    from tritonkit._runtime import sm_count
+    head, which pass the oracle, and close to the free mode's (whose P reaches dS in fp32, where
+    the deterministic mode's is rounded to 16 bits first: not the same bits)."""
     from tritonkit.ops.attention import bwd_sm90
 
     monkeypatch.setattr(bwd_sm90, "DETERMINISTIC_PAIRS_PER_GROUP", group)
@@ -405,9 +403,6 @@ def test_gpu_deterministic_mode_gives_the_same_bits(
     for other in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], other, strict=True))
     free = _run(q, k, v, do, o, lse, causal, 0.1, True, False, config=config)
-    pairs, blocks = 2 * (heads[0] if per_query_head else heads[1]), -(-2125 // bwd_sm90.BLOCK_N)
-    if not bwd_sm90.order(True, causal, pairs, blocks, sm_count(q.device))[1]:  # not rotated
-        assert torch.equal(free[1], runs[0][1]) and torch.equal(free[2], runs[0][2])
     for a, b in zip(free, runs[0], strict=True):
         assert torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2)
 
