@@ -341,7 +341,7 @@ def test_checkpoint_keeps_rows_of_the_same_run_only(tmp_path):
         "triton": "3.6.0",
         "git_sha": "abc1234",
     }
-    path = tmp_path / "h200" / "bench-checkpoint.jsonl"
+    path = tmp_path / "h200" / "bench-checkpoint-x.jsonl"
     append_checkpoint(path, [same | {"op": "softmax", "n": 1}, same | {"op": "softmax", "n": 2}])
     append_checkpoint(
         path, [same | {"git_sha": "fff0000", "n": 3}, same | {"command": "tritonkit bench", "n": 4}]
@@ -354,11 +354,13 @@ def test_checkpoint_keeps_rows_of_the_same_run_only(tmp_path):
 
 
 def test_cli_bench_resumes_an_interrupted_gpu_run(tmp_path, monkeypatch, capsys):
-    """Stopped after its first case, the run resumes with --resume, runs only the rest, writes
-    every row and removes the checkpoint. (GPU runs; the sweep is faked here.)"""
+    """Stopped after its first case, the run resumes with --resume (another command run between
+    leaves its checkpoint alone), runs only the rest, writes every row and removes the
+    checkpoint. (GPU runs; the sweep is faked here.)"""
     import tritonkit._runtime
     import tritonkit.bench
     import tritonkit.bench.runner
+    from tritonkit.bench.report import checkpoint_path
 
     monkeypatch.setattr(tritonkit._runtime, "interpret", lambda: False)
     origin = {"gpu": "NVIDIA H200", "torch": "t", "triton": "3.6.0", "git_sha": "abc"}
@@ -368,33 +370,41 @@ def test_cli_bench_resumes_an_interrupted_gpu_run(tmp_path, monkeypatch, capsys)
     monkeypatch.setattr(tritonkit.bench, "write_results", lambda rows, out: written.append(rows) or [])
     case = {"op": "softmax", "mode": "fwd", "shape": [8, 8], "dtype": "bf16"}
     cases = [[case | origin | {"provider": p, "n": i} for p in ("tritonkit", "torch")] for i in range(3)]
-    runs = []
+    runs, stop = [], [True]
 
     def fake_run(names, *, done, on_case, **kwargs):
         runs.append(list(done))
         rest = cases[len(done) // 2 :]
         for rows in rest:
             on_case(rows)
-            if len(runs) == 1:
-                raise KeyboardInterrupt  # stopped after the first case
+            if stop:
+                stop.clear()
+                raise KeyboardInterrupt  # the first run stopped after its first case
         return list(done) + [dict(r) for rows in rest for r in rows]
 
     monkeypatch.setattr(tritonkit.bench, "run", fake_run)
     argv = ["bench", "softmax", "--out", str(tmp_path), "--no-progress"]
     monkeypatch.setattr("sys.argv", ["tritonkit", *argv])
-    checkpoint = tmp_path / "h200" / "bench-checkpoint.jsonl"
+    checkpoint = checkpoint_path(tmp_path, "NVIDIA H200", "tritonkit " + " ".join(argv))
     with pytest.raises(KeyboardInterrupt):
         main(argv)
     assert len(checkpoint.read_text().splitlines()) == 2
+    other = ["bench", "softmax", "--mode", "fwd", "--out", str(tmp_path), "--no-progress"]
+    monkeypatch.setattr("sys.argv", ["tritonkit", *other])
+    assert main(other) == 0  # another command, run through
+    assert not checkpoint_path(tmp_path, "NVIDIA H200", "tritonkit " + " ".join(other)).exists()
+    assert len(checkpoint.read_text().splitlines()) == 2
+    runs.clear()
+    written.clear()
     monkeypatch.setattr("sys.argv", ["tritonkit", *argv, "--resume"])
     assert main([*argv, "--resume"]) == 0
-    assert [r["n"] for r in runs[1]] == [0, 0] and "2 rows kept" in capsys.readouterr().out
+    assert [r["n"] for r in runs[0]] == [0, 0] and "2 rows kept" in capsys.readouterr().out
     [rows] = written
     assert [r["n"] for r in rows] == [0, 0, 1, 1, 2, 2]
     assert {r["command"] for r in rows} == {"tritonkit " + " ".join(argv)}  # --resume is not recorded
     assert not checkpoint.exists()
     main(argv)  # without --resume a run starts afresh
-    assert runs[2] == []
+    assert runs[1] == []
 
 
 @pytest.mark.gpu

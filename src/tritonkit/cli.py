@@ -225,7 +225,7 @@ def cmd_bench(args) -> int:
     from tritonkit.bench import add_peer_ratios, format_table, run, write_results
     from tritonkit.bench import sweep as bench_sweep
     from tritonkit.bench.providers import providers_for
-    from tritonkit.bench.report import CHECKPOINT, append_checkpoint, gpu_slug, read_checkpoint
+    from tritonkit.bench.report import append_checkpoint, checkpoint_path, read_checkpoint
     from tritonkit.bench.runner import provenance
 
     if "layer" in args.ops:
@@ -267,7 +267,7 @@ def cmd_bench(args) -> int:
         if args.resume:
             print("--resume does not apply: an interpreter run keeps no checkpoint")
     else:
-        checkpoint = Path(args.out) / gpu_slug(provenance()["gpu"]) / CHECKPOINT
+        checkpoint = checkpoint_path(Path(args.out), provenance()["gpu"], command)
         if args.resume:
             done, left_out = read_checkpoint(checkpoint, {"command": command, **provenance()})
             print(
@@ -653,7 +653,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume",
         action="store_true",
         help="go on with an interrupted GPU run of the same command: the cases in its "
-        "checkpoint (<out>/<gpu>/bench-checkpoint.jsonl) are not run again",
+        "checkpoint (<out>/<gpu>/bench-checkpoint-<hash of the command>.jsonl) are not run again",
     )
     bench.add_argument(
         "--case",

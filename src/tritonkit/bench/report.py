@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import math
 import os
@@ -126,8 +127,14 @@ def write_results(
     return written
 
 
-CHECKPOINT = "bench-checkpoint.jsonl"  # a GPU run's rows so far, beside its results
+CHECKPOINT = "bench-checkpoint-{}.jsonl"  # a GPU run's rows so far, beside its results
 PROVENANCE_FIELDS = ("command", "gpu", "torch", "triton", "git_sha")  # what a resumed run must share
+
+
+def checkpoint_path(out: Path, gpu: str, command: str) -> Path:
+    """Where a GPU run of ``command`` keeps its rows so far: one file a command (named by a hash
+    of it), so that starting one command does not discard another's stopped run."""
+    return out / gpu_slug(gpu) / CHECKPOINT.format(hashlib.sha1(command.encode()).hexdigest()[:10])
 
 
 def append_checkpoint(path: Path, rows: list[dict]) -> None:
