@@ -427,7 +427,7 @@ def _grad_steps(
         # ALU), and dS from P's fp32 values: a 16-bit P that dS also reads compiles to one F2F a
         # value, on the MUFU's pipe beside the exponentials. The deterministic mode keeps that
         # 16-bit P: it measured 4-8% faster with it at D = 128 (why is not established; the free
-        # mode gained 4-14%, docs/perf-notes.md)
+        # mode gained 1-12%, docs/perf-notes.md)
         if DETERMINISTIC:
             p = p.to(dtype)
             p_a = gl.convert_layout(p, a_layout)
