@@ -34,7 +34,8 @@ Structure (one program = BLOCK_M = 128 query rows of one (batch, head); a one-di
   softmax of block j under the PV product, ``wait(0)``, release V_{j-1}, rescale O. The exp2 work
   of block j thus runs while the tensor cores do the PV product of block j - 1 (ptxas would hoist
   the full wait above the exponentials; PIN_SOFTMAX keeps them under it, see ``_attend_blocks``),
-  and the two warpgroups' products and softmaxes interleave on the SM's tensor cores;
+  and the two warpgroups' products and softmaxes interleave on the SM's tensor cores. P goes to 16
+  bits two values an instruction in the order the PV product reads them (``to_pairs``);
 - the epilogue divides by l, writes the lse with plain stores and O through shared memory (Q's
   buffer, free by then) and a TMA store that clips the rows past Sq.
 Tensors are read through 4-D TMA descriptors over the (B, H, S, D) views, whose box of
