@@ -71,7 +71,8 @@ for dtype, head_dim, causal, deterministic, shared_dq, _ in CASES:
         "setmaxnreg": numbers(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx),
         "hgmma": sass.count("HGMMA"), "hmma": sass.count(" HMMA"),
         "spills": sass.count("STL") + sass.count("LDL"),
-        "f2f": len(re.findall(r"F2F\.(?:BF16|F16)\.F32", sass)), "swaps": sass.count("PRMT"),
+        "single_conversions": sass.count("F2F.BF16.F32") + sass.count("F2F.F16.F32"),
+        "swaps": sass.count("PRMT"),
         "reduces": sass.count("UTMAREDG"), "tma_loads": ptx.count("cp.async.bulk.tensor.4d.shared"),
         "tickets": ptx.count("ld.global.gpu.acquire"), "releases": ptx.count("atom.global.gpu.release.add"),
     }))
@@ -114,12 +115,12 @@ def test_the_kernel_compiles_for_hopper_warp_specialized_with_the_dq_reduce_off_
     assert (row["tickets"] > 0) == (row["releases"] > 0) == deterministic, row
     assert row["spills"] <= spills, row
     if deterministic:  # its 16-bit P, read twice, converts a value at a time (see _grad_steps)
-        assert row["f2f"] > 0, row
+        assert row["single_conversions"] > 0, row
     else:
         # P converted in pairs (F2FP, on the ALU) and dS formed from its fp32 values: no single
         # conversions on the MUFU's pipe, and 64 PRMT fewer (counted: 64 left at D = 64 and 128
         # at D = 128, beside dS^T's copies)
-        assert row["f2f"] == 0 and row["swaps"] <= head_dim, row
+        assert row["single_conversions"] == 0 and row["swaps"] <= head_dim, row
 
 
 # ---------------------------------------------------------------- the dispatch
