@@ -305,7 +305,7 @@ def _online_softmax(
     sum, alpha = exp2(m_old - m) the factor the accumulator takes. MASKED blocks hide keys past
     SEQ_K and, causal, keys past each row's diagonal (j <= i + UPPER_OFFSET); a row that has seen no
     key keeps m = -inf, and exp2 then takes 0 in its place so that -inf - -inf does not make NaN.
-    Unmasked blocks are seen whole by every row: the max is taken on the raw scores (qk_scale > 0)
+    The max is taken on the raw scores (qk_scale > 0: a hidden score, -inf raw, stays -inf scaled)
     and the exponent is a single FFMA."""
     if MASKED:
         BLOCK_N: gl.constexpr = s.type.shape[1]
@@ -315,14 +315,13 @@ def _online_softmax(
             visible = cols[None, :] < bound[:, None]
         else:
             visible = cols[None, :] < SEQ_K
-        s = gl.where(visible, s * qk_scale, -float("inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        s = gl.where(visible, s, -float("inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+    if MASKED:
         m_exp = gl.where(m_new == -float("inf"), 0.0, m_new)
-        p = gl.exp2(s - m_exp[:, None])
-    else:
-        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+    else:  # every row sees a key of an unmasked block
         m_exp = m_new
-        p = gl.exp2(s * qk_scale - m_exp[:, None])
+    p = gl.exp2(s * qk_scale - m_exp[:, None])
     alpha = gl.exp2(m_i - m_exp)
     l_i = l_i * alpha + gl.sum(p, axis=1)
     return p, m_new, l_i, alpha
