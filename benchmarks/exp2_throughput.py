@@ -28,13 +28,16 @@ BOOST_GHZ = 1.98
 
 
 @triton.jit
-def _ex2(x, PAIRS: tl.constexpr):
-    if PAIRS:
-        return tl.inline_asm_elementwise(
-            "ex2.approx.f16x2 $0, $1;", "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2
-        )
+def _ex2(x):
     return tl.inline_asm_elementwise(
         "ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+    )
+
+
+@triton.jit
+def _ex2_pairs(x):
+    return tl.inline_asm_elementwise(
+        "ex2.approx.f16x2 $0, $1;", "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2
     )
 
 
@@ -46,10 +49,10 @@ def _chains(x_ptr, y_ptr, ITERS: tl.constexpr, PAIRS: tl.constexpr, BLOCK: tl.co
         x = x.to(tl.float16)
     a, b, c, d = x, x + 1.0, x + 2.0, x + 3.0  # the values overflow to inf: the rate is the same
     for _ in range(ITERS):
-        a = _ex2(a, PAIRS)
-        b = _ex2(b, PAIRS)
-        c = _ex2(c, PAIRS)
-        d = _ex2(d, PAIRS)
+        if PAIRS:
+            a, b, c, d = _ex2_pairs(a), _ex2_pairs(b), _ex2_pairs(c), _ex2_pairs(d)
+        else:
+            a, b, c, d = _ex2(a), _ex2(b), _ex2(c), _ex2(d)
     tl.store(y_ptr + offs, (a + b + c + d).to(tl.float32))
 
 
