@@ -119,9 +119,11 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 def _bulk_wait_all(token):
     """Wait until this thread's bulk async groups (its TMA reduces) have completed, not merely read
     their shared memory (``tma.store_wait`` waits for that), and order their writes before what
-    follows in the generic proxy. ``token``: any int32 tensor (inline assembly needs an operand)."""
+    follows in the generic proxy (a releasing atomic after it publishes them: its release orders
+    them, so no full fence is needed here). ``token``: any int32 tensor (inline assembly needs an
+    operand)."""
     return gl.inline_asm_elementwise(
-        "cp.async.bulk.wait_group 0; fence.proxy.async.global; fence.acq_rel.gpu; mov.b32 $0, $1;",
+        "cp.async.bulk.wait_group 0; fence.proxy.async.global; mov.b32 $0, $1;",
         "=r,r",
         [token],
         dtype=gl.int32,
@@ -317,6 +319,11 @@ def _dq_partition(
         ticket = sem_ptr + (batch.to(gl.int64) * stride_sb + head.to(gl.int64) * stride_sh + m)
         if DETERMINISTIC:
             rank = _turn(m, key_block, rot, n_last, m_end, UPPER_OFFSET, BLOCK, KEYS, IS_CAUSAL, ROTATE)
+            # spin on relaxed reads, then acquire (a loop that runs once: nothing else moves the
+            # ticket before this program's release): an acquiring load carries an L1
+            # invalidation (CCTL.IVALL) on sm_90, which the spin need not repeat
+            while gl.load(ticket, volatile=True) != rank:
+                pass
             while gl.atomic_add(ticket, 0, sem="acquire", scope="gpu") != rank:
                 pass
         for c in gl.static_range(CONSUMERS):
