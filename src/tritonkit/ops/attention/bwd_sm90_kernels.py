@@ -384,6 +384,7 @@ def _grad_steps(
     ROWS: gl.constexpr = k.type.shape[0]
     DQ_BUFFERS: gl.constexpr = dq_smem.type.shape[0] // NUM_CONSUMERS
     dtype: gl.constexpr = q_smem.dtype
+    P16: gl.constexpr = DETERMINISTIC or dtype == gl.float16  # P read twice in 16 bits (below)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16]
     )
@@ -431,11 +432,12 @@ def _grad_steps(
         else:
             p = gl.exp2(s * qk_scale - lse[None, :])
         # P^T in the input dtype, packed in pairs as dV's A operand (F2FP, two a conversion on the
-        # ALU), and dS from P's fp32 values: a 16-bit P that dS also reads compiles to one F2F a
-        # value, on the MUFU's pipe beside the exponentials. The deterministic mode keeps that
-        # 16-bit P: it measured 4-8% faster with it at D = 128 (why is not established; the free
-        # mode gained 1-12%, docs/perf-notes.md)
-        if DETERMINISTIC:
+        # ALU), and dS from P's fp32 values: a 16-bit bf16 P that dS also reads compiles to one F2F
+        # a value, on the MUFU's pipe beside the exponentials. fp16's converts in pairs either way
+        # (and the fp32 P spills more), and the deterministic mode measured 4-8% faster with it at
+        # D = 128 (why is not established; the free mode gained 1-12%, docs/perf-notes.md): both
+        # keep the 16-bit P, read twice
+        if P16:
             p = p.to(dtype)
             p_a = gl.convert_layout(p, a_layout)
         else:
@@ -445,7 +447,7 @@ def _grad_steps(
         dv = warpgroup_mma(p_a, do, dv, is_async=True)
         dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp,))
         ds = p.to(gl.float32) * (dp - delta_smem.index(stage).load(col_s)[None, :])
-        if DETERMINISTIC:
+        if P16:
             ds = ds.to(dtype)
         else:
             ds = to_pairs(ds, dtype)
