@@ -19,8 +19,8 @@ atomics):
 - two consumer warpgroups (240 registers each) of SPLIT_N = 64 keys each. A step's products are
   computed transposed (FA3's swapAB), keys by queries, so that P^T and dS^T leave the first two
   products in registers ready to be the A operand of the next two: S^T = K Q^T, exponentiate;
-  issue dP^T = V dO^T and dV += P^T dO, wait for dP^T (dV runs on) and form dS^T (from P^T in the
-  input dtype); issue dK += dS^T Q, store dS^T in shared memory and issue the partial dQ = dS K of
+  issue dP^T = V dO^T and dV += P^T dO, wait for dP^T (dV runs on) and form dS^T (from P^T's fp32
+  values in the free bf16 mode, else from P^T in the input dtype); issue dK += dS^T Q, store dS^T in shared memory and issue the partial dQ = dS K of
   this warpgroup's 64 keys (at D = 128 in two 64-column halves: a whole 64 x 128 fp32 partial
   beside dK and dV does not fit in 240 registers); the partial goes to a shared-memory staging
   buffer (two a consumer in turn at D = 64, one at D = 128, where two do not fit), handed to the
