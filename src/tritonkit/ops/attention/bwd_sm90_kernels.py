@@ -20,9 +20,10 @@ atomics):
   computed transposed (FA3's swapAB), keys by queries, so that P^T and dS^T leave the first two
   products in registers ready to be the A operand of the next two: S^T = K Q^T, exponentiate;
   issue dP^T = V dO^T and dV += P^T dO, wait for dP^T (dV runs on) and form dS^T (from P^T's fp32
-  values in the free bf16 mode, else from P^T in the input dtype); issue dK += dS^T Q, store dS^T in shared memory and issue the partial dQ = dS K of
-  this warpgroup's 64 keys (at D = 128 in two 64-column halves: a whole 64 x 128 fp32 partial
-  beside dK and dV does not fit in 240 registers); the partial goes to a shared-memory staging
+  values in the free bf16 mode, else from P^T in the input dtype); issue dK += dS^T Q, store dS^T
+  in shared memory and issue the partial dQ = dS K of this warpgroup's 64 keys (at D = 128 in two
+  64-column halves: a whole 64 x 128 fp32 partial beside dK and dV does not fit in 240
+  registers); the partial goes to a shared-memory staging
   buffer (two a consumer in turn at D = 64, one at D = 128, where two do not fit), handed to the
   dQ warp by an mbarrier. (``bwd_sm90.Config``'s overlap_sdp issues dP^T beside S^T instead; its
   shared_dq adds one 64 x D tile a step for the program, each warpgroup D / 2 columns over both
