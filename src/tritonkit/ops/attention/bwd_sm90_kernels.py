@@ -686,7 +686,8 @@ def _attn_bwd_sm90_kernel(
     else:
         ds_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, ROWS, BLOCK], ds_layout)
     # the dQ staging a buffer a step in turn: two where they fit (D = 64), so that a consumer's store
-    # never waits for the reduce of the step before; one at D = 128 (two would take 230-278 KB)
+    # never waits for the reduce of the step before; one at D = 128 (with shared_dq two fit, 230,984
+    # of 232,448 bytes, but measured no faster in either mode: docs/perf-notes.md; without, 278 KB)
     DQ_BUFFERS: gl.constexpr = 2 if HEAD_DIM <= 64 else 1
     dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS * NUM_CONSUMERS, BLOCK, DQ_COLS], dq_layout)
     rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
