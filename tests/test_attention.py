@@ -233,8 +233,9 @@ def check_packed(q, k, v, seed=101, **kwargs):
 
 
 # sequences of (query rows, keys): ragged, Sq > Sk and Sq < Sk, one row, an empty query side, an
-# empty key side (its rows see nothing), and one longer than the interpreter's tiles
-LENGTHS = [(17, 17), (5, 30), (33, 9), (1, 1), (0, 7), (6, 0), (40, 45)]
+# empty key side (its rows see nothing), and ones longer than the interpreter's 16-row tiles (two
+# blocks each way, both ragged: the grid's query blocks follow the longest sequence's)
+LENGTHS = [(17, 17), (5, 30), (21, 9), (1, 1), (0, 7), (6, 0), (23, 26)]
 
 
 @pytest.mark.parametrize(

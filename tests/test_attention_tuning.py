@@ -209,7 +209,10 @@ def test_tuning_the_atomic_backward_leaves_dq_alone(monkeypatch, tmp_path, devic
     twice each, every one adding into the call's dq accumulator) must not reach the call's dq."""
     monkeypatch.setattr(tuning, "_single_config", lambda: False)
     monkeypatch.setenv("TRITONKIT_CACHE_DIR", str(tmp_path))
-    _fresh(monkeypatch, af._TUNED, [af.INTERPRETER_CONFIG], prune=None)
+    # the forward as if its tuning were cached (its interpreter tile): only dK/dV's tuning is under
+    # test, and the forward's own (a gate run and two timed runs) would add nothing to it
+    monkeypatch.setattr(af._TUNED, "_chosen", {})
+    monkeypatch.setattr(af._TUNED, "entry", lambda key, problem: {"config": dict(af.INTERPRETER_CONFIG)})
     small = [{"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": stages} for stages in (2, 3)]
     _fresh(monkeypatch, ab._TUNED["dkdv"], small)  # the kernel under test: two candidates timed
     _fresh(monkeypatch, ab._TUNED["dq"], small[:1])

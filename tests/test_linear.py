@@ -24,15 +24,19 @@ pytestmark = pytest.mark.linear
 
 BF16, F16 = torch.bfloat16, torch.float16
 K, N = 33, 257  # in and out features: neither a multiple of a tile
+# Out features for opcheck and compile, which check the ops' schemas, fake tensors, autograd
+# registration and graph breaks, none of which depends on the size: two of the interpreter's 32-wide
+# column tiles, the second ragged
+SMALL_N = 40
 
 
-def _inputs(leading, dtype, device, seed, bias=True, residual=False, noncontiguous=False):
+def _inputs(leading, dtype, device, seed, bias=True, residual=False, noncontiguous=False, n=N):
     g = generator(seed)
     x = random_tensor((*leading, K), dtype, device, generator=g, noncontiguous=noncontiguous)
-    w = random_tensor((N, K), dtype, device, generator=g, noncontiguous=noncontiguous)
-    b = random_tensor((N,), dtype, device, generator=g) if bias else None
-    r = random_tensor((*leading, N), dtype, device, generator=g) if residual else None
-    dy = random_tensor((*leading, N), dtype, device, generator=g, noncontiguous=noncontiguous)
+    w = random_tensor((n, K), dtype, device, generator=g, noncontiguous=noncontiguous)
+    b = random_tensor((n,), dtype, device, generator=g) if bias else None
+    r = random_tensor((*leading, n), dtype, device, generator=g) if residual else None
+    dy = random_tensor((*leading, n), dtype, device, generator=g, noncontiguous=noncontiguous)
     return x, w, b, r, dy
 
 
@@ -158,7 +162,7 @@ def test_bad_input_raises(case, error, match, device):
 
 
 def test_opcheck(device):
-    x, w, b, r, dy = _inputs((6,), BF16, device, seed=9, residual=True)
+    x, w, b, r, dy = _inputs((6,), BF16, device, seed=9, residual=True, n=SMALL_N)
     x.requires_grad_(), w.requires_grad_()
     y, pre = torch.empty_like(r), torch.empty_like(r)
     torch.library.opcheck(torch.ops.tritonkit.linear.default, (x, w, b, r, "gelu_tanh", y, pre))
@@ -181,7 +185,7 @@ def test_opcheck(device):
 def test_compile_fullgraph(device):
     torch._dynamo.reset()
     compiled = torch.compile(lambda *a: tritonkit.linear(*a), fullgraph=True)
-    x, w, b, r, dy = _inputs((5,), BF16, device, seed=10, residual=True)
+    x, w, b, r, dy = _inputs((5,), BF16, device, seed=10, residual=True, n=SMALL_N)
     for t in (x, w, b, r):
         t.requires_grad_()
     y = compiled(x, w, b, "silu", r)
@@ -209,11 +213,11 @@ def test_module_loads_torch_state_dict(device):
         tritonkit.nn.Linear(K, N, device=device)(x.float())
 
 
-def _gated_inputs(leading, dtype, device, seed):
+def _gated_inputs(leading, dtype, device, seed, n=N):
     g = generator(seed)
     x = random_tensor((*leading, K), dtype, device, generator=g)
-    w_gate, w_up = (random_tensor((N, K), dtype, device, generator=g) for _ in range(2))
-    return x, w_gate, w_up, random_tensor((*leading, N), dtype, device, generator=g)
+    w_gate, w_up = (random_tensor((n, K), dtype, device, generator=g) for _ in range(2))
+    return x, w_gate, w_up, random_tensor((*leading, n), dtype, device, generator=g)
 
 
 def _check_gated(x, w_gate, w_up, dy, activation, grad_inputs=(0, 1, 2)):
@@ -276,7 +280,7 @@ def test_gated_linear_without_rows_and_bad_input(device):
 
 
 def test_gated_linear_opcheck_and_compile(device):
-    x, w_gate, w_up, dy = _gated_inputs((6,), BF16, device, seed=24)
+    x, w_gate, w_up, dy = _gated_inputs((6,), BF16, device, seed=24, n=SMALL_N)
     for t in (x, w_gate, w_up):
         t.requires_grad_()
     y, g, u = (torch.empty_like(dy) for _ in range(3))

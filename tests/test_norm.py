@@ -307,8 +307,9 @@ def test_constant_rows_stay_finite(kind, device):
 
 
 def test_weight_gradients_are_deterministic(device):
-    """Two-stage sums, no atomics: the same inputs give bit-identical dw and db."""
-    kernel, _, inputs, _, grads = _case("layer_norm", (300, 64), BF16, device, seed=4)
+    """Two-stage sums, no atomics: the same inputs give bit-identical dw and db. 75 rows: untuned,
+    ten backward programs of 8 rows (the last one's ragged), whose partial sums the second stage adds."""
+    kernel, _, inputs, _, grads = _case("layer_norm", (75, 64), BF16, device, seed=4)
     runs = []
     for _ in range(2):
         args = [t.detach().clone().requires_grad_() for t in inputs]

@@ -346,6 +346,10 @@ def _parse_config(text: str | None, flag: str) -> dict | None:
 
 
 def cmd_inspect(args) -> int:
+    # malformed flags refused before the process is set up to compile (or imports Triton)
+    configs = [_parse_config(args.config, "--config")]
+    if args.diff:
+        configs.append(_parse_config(args.diff, "--diff"))
     _compile_natively()
     from tritonkit import asm
 
@@ -359,9 +363,6 @@ def cmd_inspect(args) -> int:
     default_shape, default_dtype = workload.shape_list("quick")[0]
     shape = _parse_shape(args.shape) if args.shape else default_shape
     dtype_name = args.dtype or default_dtype or "bf16"
-    configs = [_parse_config(args.config, "--config")]
-    if args.diff:
-        configs.append(_parse_config(args.diff, "--diff"))
     print(f"{args.op} {'x'.join(map(str, shape))} {dtype_name} compiled for {args.arch} (not launched)")
     reports = []
     for config in configs:

@@ -523,8 +523,10 @@ def _make_inputs(shape: tuple, dtype: torch.dtype, device, generator: torch.Gene
 def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None = None) -> list[Launch]:
     if config is not None:
         raise ValueError("rotary embeddings have no tuning configs: the tile follows from the shape")
-    q, k, cos, sin = (torch.empty(t.shape, dtype=dtype, device="meta") for t in _make_inputs(
-        shape, torch.float32, "cpu", torch.Generator().manual_seed(0)))  # fmt: skip
+    # _make_inputs' shapes, on the meta device: no benchmark-sized random tensors to make and drop
+    batch, heads_q, heads_kv, seq, head_dim = shape
+    q, k = (torch.empty((batch, h, seq, head_dim), dtype=dtype, device="meta") for h in (heads_q, heads_kv))
+    cos, sin = (torch.empty((seq, head_dim), dtype=dtype, device="meta") for _ in range(2))
     tables = Tables(cos, sin, True, False, 0, None, 0)
     views = [_heads_second(t, 1) for t in (q, q, k, k)]
     return [_launch(*views, tables, conjugate=False), _launch(*views, tables, conjugate=True)]
