@@ -98,3 +98,31 @@ def test_the_tuple_type_memo_answers_as_triton_does():
     for values in cases + cases:
         ours, theirs = fast_interpreter.tuple_type(list(values)), fast_interpreter._TUPLE_TYPE(list(values))
         assert ours.name == theirs.name and ours.types == theirs.types, values
+
+
+def test_the_block_type_memo_answers_as_triton_does_and_still_refuses_bad_shapes():
+    cases = [(tl.float32, [4, 8]), (tl.float32, [tl.constexpr(4), 8]), (tl.bfloat16, [4, 8]), (tl.int1, [1])]
+    cases += [(tl.pointer_type(tl.float16), [2, 16]), (tl.pointer_type(tl.float16, const=True), [2, 16])]
+    for element, shape in cases + cases:  # the second time from the memo
+        ours, theirs = tl.block_type(element, shape), tl.block_type.__new__(tl.block_type)
+        fast_interpreter._BLOCK_TYPE_INIT(theirs, element, shape)
+        assert (ours.shape, ours.numel, ours.name, ours.element_ty) == (
+            theirs.shape,
+            theirs.numel,
+            theirs.name,
+            theirs.element_ty,
+        )
+    bad = [([3, 4], ValueError), ([], TypeError), ([4.0], TypeError), ((4, 8), AssertionError)]
+    for shape, error in bad:  # (Triton's takes a list or a tl.tuple, not a Python tuple)
+        for _ in range(2):
+            with pytest.raises(error):
+                tl.block_type(tl.float32, shape)
+
+
+def test_tensors_of_one_shape_share_its_tuple_and_keep_theirs():
+    a, b = (tl.tensor(None, tl.block_type(tl.float32, [4, 8])) for _ in range(2))
+    c = tl.tensor(None, tl.block_type(tl.float16, [8]))
+    scalar = tl.tensor(None, tl.float32)
+    assert a.shape is b.shape and [d.value for d in a.shape] == [4, 8] and a.numel.value == 32
+    assert [d.value for d in c.shape] == [8] and c.numel.value == 8 and c.dtype == tl.float16
+    assert len(scalar.shape) == 0 and scalar.numel.value == 1 and scalar.type == tl.float32
