@@ -31,7 +31,7 @@ bench: $(STAMP)
 	$(VENV)/bin/tritonkit bench
 
 # Two pytest workers where pytest-xdist is installed (the dev extras): the interpreter runs one test
-# on one core: on a CI machine's two the suite takes under 5 minutes (288 s at 7139ef1). Work
+# on one core: on a CI machine's two the suite takes under 5 minutes (224 s at 992d2ed). Work
 # stealing: a worker that runs out takes tests queued on the other, so the run ends together.
 test: $(STAMP)
 	@start=$$(date +%s); \
