@@ -147,7 +147,6 @@ def tuple_type(values, fields=None):
     return found
 
 
-_TENSOR_INIT = tl.tensor.__init__
 _tensor_shapes: dict = {}
 
 

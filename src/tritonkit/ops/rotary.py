@@ -507,13 +507,21 @@ def rotary_cost(shape: tuple, dtype: torch.dtype, mode: str = "fwd"):
     return {"fwd": cost, "bwd": cost, "fwd+bwd": cost + cost}[mode]
 
 
+def _input_shapes(shape: tuple) -> tuple:
+    """The shapes of q (B, Hq, S, D), k (B, Hkv, S, D) and the cos and sin tables (S, D)."""
+    batch, heads_q, heads_kv, seq, head_dim = shape
+    table = (seq, head_dim)
+    return (batch, heads_q, seq, head_dim), (batch, heads_kv, seq, head_dim), table, table
+
+
 def _make_inputs(shape: tuple, dtype: torch.dtype, device, generator: torch.Generator) -> tuple:
-    """q (B, Hq, S, D), k (B, Hkv, S, D) and Llama's cos and sin tables (S, D) at base 10000."""
+    """q, k (``_input_shapes``) and Llama's cos and sin tables at base 10000."""
     from tritonkit.testing import random_tensor
 
-    batch, heads_q, heads_kv, seq, head_dim = shape
-    q = random_tensor((batch, heads_q, seq, head_dim), dtype, device, generator=generator)
-    k = random_tensor((batch, heads_kv, seq, head_dim), dtype, device, generator=generator)
+    q_shape, k_shape, _, _ = _input_shapes(shape)
+    q = random_tensor(q_shape, dtype, device, generator=generator)
+    k = random_tensor(k_shape, dtype, device, generator=generator)
+    *_, seq, head_dim = shape
     inverse = 1.0 / 10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     angles = torch.arange(seq, dtype=torch.float64)[:, None] * inverse[None, :]
     angles = torch.cat((angles, angles), dim=-1)
@@ -523,10 +531,8 @@ def _make_inputs(shape: tuple, dtype: torch.dtype, device, generator: torch.Gene
 def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None = None) -> list[Launch]:
     if config is not None:
         raise ValueError("rotary embeddings have no tuning configs: the tile follows from the shape")
-    # _make_inputs' shapes, on the meta device: no benchmark-sized random tensors to make and drop
-    batch, heads_q, heads_kv, seq, head_dim = shape
-    q, k = (torch.empty((batch, h, seq, head_dim), dtype=dtype, device="meta") for h in (heads_q, heads_kv))
-    cos, sin = (torch.empty((seq, head_dim), dtype=dtype, device="meta") for _ in range(2))
+    # the inputs' shapes on the meta device: no benchmark-sized random tensors to make and drop
+    q, k, cos, sin = (torch.empty(s, dtype=dtype, device="meta") for s in _input_shapes(shape))
     tables = Tables(cos, sin, True, False, 0, None, 0)
     views = [_heads_second(t, 1) for t in (q, q, k, k)]
     return [_launch(*views, tables, conjugate=False), _launch(*views, tables, conjugate=True)]
