@@ -1,9 +1,10 @@
 """Where the decoder layer's training step (``tritonkit bench layer``'s 8b-4k) loses time beyond its
-kernels' profile, on the H200: four diagnostics, one a run.
+kernels' profile, on the H200: five diagnostics, one a run.
 
     python benchmarks/layer_diagnostics.py OUT.json protocols [PROVIDERS]
     python benchmarks/layer_diagnostics.py OUT.json sustained [PROVIDERS]
     python benchmarks/layer_diagnostics.py OUT.json matmuls
+    python benchmarks/layer_diagnostics.py OUT.json backward
     python benchmarks/layer_diagnostics.py OUT.json gated
 
 ``protocols``: the step timed five ways (do_bench as the layer benchmark does, CUDA events with and
@@ -14,11 +15,13 @@ steps back to back (hot: the H200 at its 700 W cap), with nvidia-smi's clock and
 beside it (OUT.json.PROVIDER.smi.csv); provider ``hybrid`` is tritonkit's norms and attention with
 cuBLAS's matmuls (F.linear). ``matmuls``: each of the layer's projections (fwd+bwd and fwd alone)
 on tritonkit.linear and on cuBLAS, cool and hot, and five tiles of the linear kernel hot at two of
-them. ``gated``: gated_linear's forward at the three layers' MLP shapes, cool and hot, with its
-products stored by the one gated kernel or by two plain matmuls and an elementwise act(g) * u,
-against cuBLAS's matmuls and torch's SiLU and product (``finish`` at 0087522 timed the attention
-backward's finishing passes). PROVIDERS: comma-separated, of
-``bench layer``'s providers (and ``hybrid``).
+them. ``backward``: each of the backward's matmul products (dx and dW of three projections, the
+MLP's gated dx in one kernel and as two matmuls) hot, on cuBLAS, on the tile tritonkit runs and on
+four other tiles. ``gated``: gated_linear's forward at the three layers' MLP shapes, cool and hot,
+with its products stored by the one gated kernel or by two plain matmuls and an elementwise
+act(g) * u, against cuBLAS's matmuls and torch's SiLU and product (``finish`` at 0087522 timed the
+attention backward's finishing passes). PROVIDERS: comma-separated, of ``bench layer``'s providers
+(and ``hybrid``).
 """
 
 from __future__ import annotations
@@ -269,6 +272,11 @@ def _cool_and_hot(call, seconds_hot: float = 1.2, n: int = 30) -> tuple[float, f
         end.record()
         torch.cuda.synchronize()
         cool.append(start.elapsed_time(end))
+    return min(cool), _hot(call, seconds_hot, n)
+
+
+def _hot(call, seconds_hot: float = 1.2, n: int = 30) -> float:
+    """The median of n calls after seconds_hot of calls (the H200 at its power cap)."""
     stop = time.time() + seconds_hot
     while time.time() < stop:
         for _ in range(5):
@@ -283,19 +291,24 @@ def _cool_and_hot(call, seconds_hot: float = 1.2, n: int = 30) -> tuple[float, f
         events.append((start, end))
     torch.cuda.synchronize()
     hot = sorted(s.elapsed_time(e) for s, e in events)
-    return min(cool), hot[len(hot) // 2]
+    return hot[len(hot) // 2]
 
 
-TILES = {
-    f"{m}x{n} w{warps} s{stages}{' P' if persistent else ''}": {
-        "BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": warps, "num_stages": stages,
-        "TMA": True, **({"PERSISTENT": 1} if persistent else {}),
-    }
-    for m, n, warps, stages, persistent in (
-        (128, 256, 8, 3, True), (128, 256, 8, 4, True), (128, 256, 8, 3, False),
-        (128, 128, 8, 4, True), (128, 128, 4, 4, True),
-    )
-}  # fmt: skip
+def _tiles(specs) -> dict:
+    """The linear kernel's TMA tiles by name, from (rows, columns, warps, stages, persistent)."""
+    return {
+        f"{m}x{n} w{warps} s{stages}{' P' if persistent else ''}": {
+            "BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": warps,
+            "num_stages": stages, "TMA": True, **({"PERSISTENT": 1} if persistent else {}),
+        }
+        for m, n, warps, stages, persistent in specs
+    }  # fmt: skip
+
+
+TILES = _tiles(
+    ((128, 256, 8, 3, True), (128, 256, 8, 4, True), (128, 256, 8, 3, False), (128, 128, 8, 4, True),
+     (128, 128, 4, 4, True))
+)  # fmt: skip
 
 
 def matmuls() -> dict:
@@ -339,6 +352,71 @@ def matmuls() -> dict:
         print(name, row, flush=True)
         result["tiles"][name] = row
     return result
+
+
+# ---------------------------------------------------------------- backward
+
+
+BACKWARD_TILES = _tiles(
+    ((128, 256, 8, 4, True), (256, 128, 8, 3, True), (256, 128, 8, 4, True), (256, 128, 8, 3, False))
+)  # fmt: skip
+
+
+def _backward_products(tokens: int, d: int, ffn: int, qkv: int):
+    """(name, the kernel's problem or None, cuBLAS's call, tritonkit's call) for each backward product
+    of the layer's projections: dx = dz W and dW = dz^T x, and the MLP's gated dx = dg Wg + du Wu."""
+    from tritonkit.ops.linear import kernels as kn
+    from tritonkit.ops.linear import matmul as mm
+
+    bf16 = {"device": "cuda", "dtype": torch.bfloat16}
+    for name, (n, k) in {"gate": (ffn, d), "down": (d, ffn), "qkv": (qkv, d)}.items():
+        x, dz = torch.randn(tokens, k, **bf16), torch.randn(tokens, n, **bf16)
+        w = torch.randn(n, k, **bf16) / k**0.5
+        dx, dw = torch.empty(tokens, k, **bf16), torch.empty(n, k, **bf16)
+        for product, a, b, out in (("dx", dz, w.t(), dx), ("dw", dz.t(), x.t(), dw)):
+            problem = mm.matmul_problem(a, b, out)
+            yield (
+                f"{name} {product}",
+                problem,
+                lambda a=a, b=b, out=out: torch.mm(a, b.t(), out=out),
+                lambda a=a, b=b, out=out: mm.matmul(a, b, out),
+            )
+    wg, wu = (torch.randn(ffn, d, **bf16) / d**0.5 for _ in "gu")
+    dg, du = (torch.randn(tokens, ffn, **bf16) for _ in "gu")
+    dx = torch.empty(tokens, d, **bf16)
+
+    def cublas():
+        torch.mm(dg, wg, out=dx)
+        dx.addmm_(du, wu)
+
+    def one_kernel():
+        mm.matmul(dg, wg.t(), dx, a2=du, b2=wu.t(), gated=kn.GATED_DX)
+
+    def two_matmuls():  # as gated_linear's backward runs it from SPLIT_ROWS rows
+        mm.matmul(dg, wg.t(), dx)
+        mm.matmul(du, wu.t(), dx, residual=dx)
+
+    yield "gated dx (one kernel)", None, cublas, one_kernel
+    yield "gated dx (two matmuls, C read back as the residual)", None, cublas, two_matmuls
+
+
+def backward() -> dict:
+    """The backward's matmul products of the 8b-4k layer, hot: cuBLAS, the tuned tile tritonkit runs
+    and BACKWARD_TILES; the gated dx in one kernel and as two matmuls."""
+    from tritonkit.ops.linear import matmul as mm
+
+    qkv = (SHAPE.heads + 2 * SHAPE.kv_heads) * SHAPE.head_dim
+    rows = {}
+    for name, problem, cublas, ours in _backward_products(SHAPE.batch * SHAPE.seq, SHAPE.dim, SHAPE.ffn, qkv):
+        ours()  # a first call tunes an unshipped key
+        row = {"tritonkit": _hot(ours)}
+        if cublas is not None:
+            row["cublas"] = _hot(cublas)
+        for tile, config in BACKWARD_TILES.items() if problem is not None else ():
+            row[tile] = _hot(lambda problem=problem, config=config: mm.MATMUL.run(problem, config))
+        print(name, {key: round(ms, 3) for key, ms in row.items()}, flush=True)
+        rows[name] = row
+    return rows
 
 
 # ---------------------------------------------------------------- gated
@@ -406,8 +484,10 @@ def main() -> None:
         rows = matmuls()
     elif mode == "gated":
         rows = gated()
+    elif mode == "backward":
+        rows = backward()
     else:
-        raise SystemExit(f"mode must be protocols, sustained, matmuls or gated, got {mode!r}")
+        raise SystemExit(f"mode must be protocols, sustained, matmuls, backward or gated, got {mode!r}")
     timing = "CUDA events; do_bench (layer.time_ms) where named (module docstring)"
     with open(out, "w") as f:
         json.dump(

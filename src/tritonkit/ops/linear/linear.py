@@ -317,6 +317,11 @@ GATED_BLOCK = 4096  # elements a program of the act(g) * u pass: 8 x 16 bytes a 
 # gradient (the same values either way), rather than one kernel: measured faster at 8192 and 16384
 # rows of the layers' MLPs on the H200 (4-9%; docs/perf-notes.md, "The gated forward as two
 # matmuls"), not measured below. Without a gradient it holds g and u for the pass: 2 M N elements.
+# The backward's dx likewise: from SPLIT_ROWS rows dg Wg and du Wu by two plain matmuls, the second
+# adding the first's through its residual, rather than one kernel loading two A and two B tiles a
+# step (half the stages, no 128 x 256 tile): 3.45 ms against cuBLAS's 2.81 at 8192 rows of
+# Llama-3-8B's MLP on the H200, where one plain product takes 1.44-1.47 (docs/perf-notes.md, "The
+# gated backward's dx as two matmuls").
 SPLIT_ROWS = 8192
 
 
@@ -365,13 +370,18 @@ def _gated_backward_pass(
 ):
     """dx, dWg and dWu, each into its tensor where given: dg = dy * u * act'(g) and du = dy * act(g)
     in one elementwise pass (into g's and u's memory where ``in_place``), then dx = dg Wg + du Wu
-    (one kernel, one accumulator), dWg = dg^T x and dWu = du^T x."""
+    (below SPLIT_ROWS rows one kernel, one accumulator; from SPLIT_ROWS two matmuls), dWg = dg^T x
+    and dWu = du^T x."""
     dg, du, _ = _activation_backward(
         _rows(grad_output), _rows(g), ACTIVATIONS[activation], u=_rows(u), in_place=in_place
     )
-    if dx is not None:
+    if dx is not None and dg.shape[0] < SPLIT_ROWS:
         wg, wu = _same_strides(weight_gate, weight_up)
         matmul(dg, wg.t(), _rows(dx), a2=du, b2=wu.t(), gated=GATED_DX)
+    elif dx is not None:  # each product on the plain matmul's tile, the first's read back as the residual
+        dx_rows = _rows(dx)
+        matmul(dg, weight_gate.t(), dx_rows)
+        matmul(du, weight_up.t(), dx_rows, residual=dx_rows)
     x = _rows(input) if dwg is not None or dwu is not None else None  # a copy where no view will do
     if dwg is not None:
         matmul(dg.t(), x.t(), dwg)
@@ -527,7 +537,8 @@ def _inspect_launches(
     residual (storing z), its backward's elementwise pass (dz, db) and plain dx and dW matmuls
     (without an activation: a bare matmul, dx and dW), then gated_linear's forward (one kernel
     storing g and u; from SPLIT_ROWS rows linear's matmuls and the act(g) * u pass), its backward's
-    elementwise pass (dg, du) and dx (dW as linear's); ``forms`` picks which. ``config`` tiles the matmuls
+    elementwise pass (dg, du) and dx (one kernel; from SPLIT_ROWS rows two of linear's matmuls, the
+    second with a residual; dW as linear's); ``forms`` picks which. ``config`` tiles the matmuls
     (default: each form's untuned tile). What ``tritonkit inspect`` compiles."""
     m, k, n = shape
     code = ACTIVATIONS[activation]
