@@ -121,9 +121,11 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
 
     default_deterministic_group = bwd_sm90.DETERMINISTIC_PAIRS_PER_GROUP
 
-    per_query_head = bwd_sm90.DETERMINISTIC_GQA_PER_QUERY_HEAD
+    per_query_head = bwd_sm90.DETERMINISTIC_GQA_PER_QUERY_HEAD  # by mask (causal or not)
 
-    def ours(deterministic: bool, gluon: bool, group: int | None, by_query_head: bool = per_query_head):
+    def ours(
+        deterministic: bool, gluon: bool, group: int | None, by_query_head: bool = per_query_head[causal]
+    ):
         """The backward in one mode, its program order's group size set for the mode (and, with GQA,
         whether a deterministic program takes a query head or the group)."""
         name = "DETERMINISTIC_PAIRS_PER_GROUP" if deterministic else "FREE_CAUSAL_PAIRS_PER_GROUP"
@@ -133,7 +135,7 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
             bwd.SM90_BACKWARD = gluon
             bwd.SM90_BACKWARD_DETERMINISTIC = bwd.SM90_BACKWARD_DETERMINISTIC_GQA = (64, 128) if gluon else ()
             setattr(bwd_sm90, name, group)
-            bwd_sm90.DETERMINISTIC_GQA_PER_QUERY_HEAD = by_query_head
+            bwd_sm90.DETERMINISTIC_GQA_PER_QUERY_HEAD = {**per_query_head, causal: by_query_head}
             try:
                 return bwd.attention_bwd(do, q, k, v, o, lse, None, scores, deterministic=deterministic)
             finally:
@@ -160,11 +162,11 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
             *(
                 [
                     (
-                        f"gluon_deterministic_per_query_head={not per_query_head}",
+                        f"gluon_deterministic_per_query_head={not per_query_head[causal]}",
                         True,
                         True,
                         default_deterministic_group,
-                        not per_query_head,
+                        not per_query_head[causal],
                     )
                 ]
                 if gqa

@@ -163,6 +163,21 @@ def test_only_a_deterministic_full_mask_walks_rotated_and_only_where_a_group_run
     assert bwd_sm90.order(True, False, 4, 34, 132) == (4, False)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_default_config_by_mode_mask_and_grouping(head_dim):
+    """The free mode takes CONFIGS' tile as it is; the deterministic mode one ticketed add a step
+    (shared_dq), and with GQA a program a query head under a causal mask (its walks differ in
+    length) but the group's under a full one (they end together)."""
+    from tritonkit.ops.attention import bwd_sm90
+
+    tile = bwd_sm90.CONFIGS[head_dim]
+    for gqa in (False, True):
+        for causal in (False, True):
+            assert bwd_sm90.default_config(head_dim, False, gqa, causal) == tile
+            deterministic = bwd_sm90.default_config(head_dim, True, gqa, causal)
+            assert deterministic == tile._replace(shared_dq=True, per_query_head=gqa and causal)
+
+
 def test_calls_the_gluon_backward_cannot_take_go_to_the_triton_kernels(device):
     """Packed batches, windows and soft caps never take it; and nothing does under the interpreter
     or off an sm_90 GPU (Gluon kernels do not run there)."""

@@ -68,16 +68,16 @@ CANDIDATES = {
 }
 
 
-def default_config(head_dim: int, deterministic: bool, gqa: bool = False) -> Config:
+def default_config(head_dim: int, deterministic: bool, gqa: bool = False, causal: bool = True) -> Config:
     """The launch's config where the caller names none: CONFIGS', with shared_dq where the mode is
     deterministic (one ticketed add a step instead of two in turn: at D = 64 on the H200, at
     6ea5362, 0.67-0.77x cuDNN against 0.51-0.58x; `python benchmarks/attention_bwd_sm90.py OUT.json
     --candidates --skip-triton --shape 4,32,32,4096,64`), and per_query_head where it is
-    deterministic with GQA (DETERMINISTIC_GQA_PER_QUERY_HEAD)."""
+    deterministic with GQA and the mask wants it (DETERMINISTIC_GQA_PER_QUERY_HEAD)."""
     config = CONFIGS[head_dim]
     if not deterministic:
         return config
-    return config._replace(shared_dq=True, per_query_head=gqa and DETERMINISTIC_GQA_PER_QUERY_HEAD)
+    return config._replace(shared_dq=True, per_query_head=gqa and DETERMINISTIC_GQA_PER_QUERY_HEAD[causal])
 
 
 # Whether a deterministic GQA launch takes a program a query head (Config.per_query_head). A
@@ -86,8 +86,13 @@ def default_config(head_dim: int, deterministic: bool, gqa: bool = False) -> Con
 # 128 steps on 132 SMs) the longest start last and run on alone. On the H200 (at af34fdd,
 # `python benchmarks/attention_bwd_sm90.py OUT.json --layer --defaults` and `... --defaults --shape
 # 2,32,8,8192,128`), x cuDNN, a query head against the group: 0.85 against 0.72 at the layer's,
-# 0.94 against 0.84 causal at (2, 32/8, 8192, 128), 0.85 against 0.87 full there.
-DETERMINISTIC_GQA_PER_QUERY_HEAD = True
+# 0.94 against 0.84 causal at (2, 32/8, 8192, 128), 0.85 against 0.87 full there. A full mask's
+# walks are all as long, so the group's programs end together, and they read K and V once a group:
+# at (2, 32/8, 4096, 128) full (`... --defaults --skip-triton --shape 2,32,8,4096,128`), the group
+# 479 and 481 TFLOP/s against 463 and 464 a query head in two runs at 10242e8, and 475-495 against
+# 454-468 in four runs of two other builds (`history/attention-bwd-sm90-two-dq-warps-10242e8.json`,
+# `...-next-ticket-read-10242e8.json`). By mask, causal or not:
+DETERMINISTIC_GQA_PER_QUERY_HEAD = {True: True, False: False}
 
 
 # ---------------------------------------------------------------- launcher
@@ -145,7 +150,7 @@ def attention_bwd_sm90(
             grad.zero_()
         return
     do, q, k, v = (t if tma_ready(t) else t.contiguous() for t in (do, q, k, v))
-    config = config or default_config(q.shape[3], deterministic, q.shape[1] != k.shape[1])
+    config = config or default_config(q.shape[3], deterministic, q.shape[1] != k.shape[1], causal)
     shares = config.per_query_head and q.shape[1] != k.shape[1]
     if shares:  # each query head's share of dK and dV, (B, Hq, Sk, D), summed below
         outputs = [torch.empty((*q.shape[:2], *k.shape[2:]), dtype=k.dtype, device=k.device) for _ in "kv"]
