@@ -319,9 +319,9 @@ GATED_BLOCK = 4096  # elements a program of the act(g) * u pass: 8 x 16 bytes a 
 # matmuls"), not measured below. Without a gradient it holds g and u for the pass: 2 M N elements.
 # The backward's dx likewise: from SPLIT_ROWS rows dg Wg and du Wu by two plain matmuls, the second
 # adding the first's through its residual, rather than one kernel loading two A and two B tiles a
-# step (half the stages, no 128 x 256 tile): 3.45 ms against cuBLAS's 2.81 at 8192 rows of
-# Llama-3-8B's MLP on the H200, where one plain product takes 1.44-1.47 (docs/perf-notes.md, "The
-# gated backward's dx as two matmuls").
+# step (half the stages, no 128 x 256 tile): at 8192 rows of Llama-3-8B's MLP on the H200, hot, two
+# matmuls 3.08 ms, one kernel 3.43, cuBLAS's mm and addmm 2.80 (docs/perf-notes.md, "The gated
+# backward's dx as two matmuls").
 SPLIT_ROWS = 8192
 
 
