@@ -9,6 +9,7 @@ import random
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 import torch
@@ -575,6 +576,70 @@ def test_launcher_fast_path_matches_triton():
     torch.testing.assert_close(outputs[1], bias_gelu_reference(x, b, "tanh"))
     launcher((1, 1), *_fwd_arguments(x, b, outputs[3], 4, 64), **{**meta, "APPROX_TANH": False})
     torch.testing.assert_close(outputs[3], bias_gelu_reference(x, b, "none"))  # constexprs are keyed
+
+
+@pytest.mark.parametrize("scratch", [None, (256, 128)], ids=["no-scratch", "scratch"])
+def test_the_lean_launch_calls_the_c_launcher_as_tritons_launcher_does(scratch, monkeypatch):
+    """_run_entry against Triton's own CudaLauncher.__call__ on the same compiled launch (a fake C
+    entry point records its arguments): the same arguments in the same order, global scratch asked
+    of the same allocator for the same bytes (per program, over the grid) where the kernel has any."""
+    import triton
+    from triton.backends.nvidia.driver import CudaLauncher
+    from triton.runtime import _allocation
+
+    from tritonkit import _launch
+
+    asked, calls = [], []
+
+    def allocator(size, alignment, stream):
+        asked.append((size, alignment, stream))
+        return f"buffer of {size}"
+
+    def c_launch(*args):
+        calls.append(args)
+
+    previous = _allocation._allocator.get()
+    triton.set_allocator(allocator)
+    try:
+        per_program, alignment = scratch or (0, 1)
+        runner = types.SimpleNamespace(
+            launch=c_launch, num_ctas=1, global_scratch_size=per_program, global_scratch_align=alignment,
+            profile_scratch_size=0, profile_scratch_align=1, launch_cooperative_grid=False, launch_pdl=True,
+        )  # fmt: skip
+        grid, stream, args, constexprs = (3, 2, 1), 99, ("x", 5, None), (64,)
+        # Triton's launch of a compiled kernel: the metadata, no launch hooks, then the arguments
+        metadata_and_hooks = ("packed", None, None, None)
+        CudaLauncher.__call__(runner, *grid, stream, "function", *metadata_and_hooks, *args, *constexprs)
+        entry = (c_launch, "function", False, True, "packed", constexprs, scratch)
+        _launch._run_entry(entry, grid, stream, args)
+    finally:
+        triton.set_allocator(previous)
+    assert calls[0] == calls[1]
+    assert asked == ([(6 * 256, 128, 99)] * 2 if scratch else [])
+
+
+@pytest.mark.gpu
+def test_launcher_fast_path_allocates_global_scratch():
+    """A kernel that builds tensor descriptors on the device (the linear kernel's TMA tile) needs
+    global scratch memory: the fast path asks Triton's allocator for it, as Triton's launcher does,
+    and computes what Triton's own launch computes."""
+    from tritonkit._launch import launcher_of
+    from tritonkit.ops.linear import matmul as mm
+
+    g = generator(43)
+    a = random_tensor((300, 256), torch.bfloat16, "cuda", generator=g)
+    b = random_tensor((200, 256), torch.bfloat16, "cuda", generator=g)
+    config = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3,
+              "TMA": True, "PERSISTENT": 1}  # fmt: skip
+    outputs = [torch.full((300, 200), math.nan, dtype=torch.bfloat16, device="cuda") for _ in range(3)]
+    launches = [mm.matmul_launches(mm.matmul_problem(a, b, out), config)[0] for out in outputs]
+    launches[0].run()  # compiles through Triton (or finds the kernel a test before compiled)
+    launches[1].run()  # the cached fast path
+    entry = launcher_of(launches[1].kernel).entry(launches[1].args, launches[1].meta)
+    assert entry is not None and entry[-1] is not None  # launched directly, with its scratch
+    launches[2].kernel[launches[2].grid](*launches[2].args, **launches[2].meta)
+    assert torch.equal(outputs[0], outputs[2]) and torch.equal(outputs[1], outputs[2])
+    torch.testing.assert_close(outputs[1].float(), a.float() @ b.float().t(), atol=0.25, rtol=2**-7)
 
 
 def test_precompile_submits_every_call_to_a_thread_pool_and_survives_failures(monkeypatch, caplog):

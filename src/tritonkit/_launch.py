@@ -183,13 +183,11 @@ class Launcher:
                 f"kernel's trailing parameters {list(trailing)}, in order"
             )
         runner = compiled.run  # the module is loaded on this device and the C launcher built
-        if (
-            runner.global_scratch_size > 0
-            or runner.profile_scratch_size > 0
-            or getattr(compiled.metadata, "tensordesc_meta", None)
-        ):
-            return _THROUGH_TRITON  # scratch memory and tensor descriptors need Triton's wrapper
+        if runner.profile_scratch_size > 0 or getattr(compiled.metadata, "tensordesc_meta", None):
+            return _THROUGH_TRITON  # profiling scratch and host tensor descriptors need Triton's wrapper
         constexpr_values = tuple(meta[name] for name in constexpr_names)  # the same for the key
+        # global scratch (tensor descriptors built on the device): bytes a program, and alignment
+        scratch = (runner.global_scratch_size * runner.num_ctas, runner.global_scratch_align)
         return (
             runner.launch,
             compiled.function,
@@ -197,6 +195,7 @@ class Launcher:
             runner.launch_pdl,
             compiled.packed_metadata,
             constexpr_values,
+            scratch if runner.global_scratch_size > 0 else None,
         )
 
 
@@ -221,9 +220,21 @@ def _launch_key(device: int, args: tuple, meta: dict) -> tuple:
 def _run_entry(entry: tuple, grid: tuple, stream: int, args) -> None:
     """Launch a compiled kernel through its cached entry (``Launcher._compile_and_launch``) on a grid
     of three ints."""
-    launch, function, cooperative, pdl, packed_metadata, constexpr_values = entry
-    launch(*grid, stream, function, cooperative, pdl, None, None, packed_metadata, None, None, None, *args,
-           *constexpr_values)  # fmt: skip
+    launch, function, cooperative, pdl, packed_metadata, constexpr_values, scratch = entry
+    workspace = None
+    if scratch is not None:  # as Triton's launcher asks its allocator: per program, over the grid
+        per_program, alignment = scratch
+        workspace = _allocator().get()(grid[0] * grid[1] * grid[2] * per_program, alignment, stream)
+    launch(*grid, stream, function, cooperative, pdl, workspace, None, packed_metadata, None, None, None,
+           *args, *constexpr_values)  # fmt: skip
+
+
+@functools.cache
+def _allocator():
+    """Triton's allocator of global scratch (a context variable: :func:`ensure_allocator` sets it)."""
+    from triton.runtime import _allocation
+
+    return _allocation._allocator
 
 
 class Plan:
