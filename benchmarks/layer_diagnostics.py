@@ -1,11 +1,12 @@
 """Where the decoder layer's training step (``tritonkit bench layer``'s 8b-4k) loses time beyond its
-kernels' profile, on the H200: five diagnostics, one a run.
+kernels' profile, on the H200: six diagnostics, one a run.
 
     python benchmarks/layer_diagnostics.py OUT.json protocols [PROVIDERS]
     python benchmarks/layer_diagnostics.py OUT.json sustained [PROVIDERS]
     python benchmarks/layer_diagnostics.py OUT.json matmuls
     python benchmarks/layer_diagnostics.py OUT.json backward
     python benchmarks/layer_diagnostics.py OUT.json gated
+    python benchmarks/layer_diagnostics.py OUT.json host [CASES]
 
 ``protocols``: the step timed five ways (do_bench as the layer benchmark does, CUDA events with and
 without the L2 flush, a sync after each step, one loop of steps), the host's time to issue it, and
@@ -19,14 +20,19 @@ them. ``backward``: each of the backward's matmul products (dx and dW of three p
 MLP's gated dx in one kernel and as two matmuls) hot, on cuBLAS, on the tile tritonkit runs and on
 four other tiles. ``gated``: gated_linear's forward at the three layers' MLP shapes, cool and hot,
 with its products stored by the one gated kernel or by two plain matmuls and an elementwise
-act(g) * u, against cuBLAS's matmuls and torch's SiLU and product (``finish`` at 0087522 timed the
-attention backward's finishing passes). PROVIDERS: comma-separated, of ``bench layer``'s providers
-(and ``hybrid``).
+act(g) * u, against cuBLAS's matmuls and torch's SiLU and product. ``host``: tritonkit's layer at
+each of CASES (comma-separated, default 8b-4k,d64-4k), forward and step: the host's time to issue
+it, the GPU idle before each (HOST_REPEATS times, sorted), and under cProfile the Python calls a
+step makes and where its host time goes (``finish`` at 0087522 timed the attention backward's
+finishing passes). PROVIDERS: comma-separated, of ``bench layer``'s providers (and ``hybrid``).
 """
 
 from __future__ import annotations
 
+import cProfile
+import io
 import json
+import pstats
 import subprocess
 import sys
 import time
@@ -473,6 +479,65 @@ def gated() -> dict:
     return result
 
 
+# ---------------------------------------------------------------- host
+
+HOST_REPEATS = 10
+
+
+def _host_times(call, tensors) -> list[float]:
+    times = []
+    for _ in range(HOST_REPEATS):
+        _clear(tensors)
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - started) * 1e3)
+    torch.cuda.synchronize()
+    return sorted(times)
+
+
+def _python_profile(call, tensors) -> dict:
+    """cProfile over HOST_REPEATS steps: Python calls and seconds a step, the 25 costliest functions."""
+    profiler = cProfile.Profile()
+    for _ in range(HOST_REPEATS):
+        _clear(tensors)
+        torch.cuda.synchronize()
+        profiler.enable()
+        call()
+        profiler.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(profiler, stream=io.StringIO())
+    text = io.StringIO()
+    stats.stream = text
+    stats.sort_stats("tottime").print_stats(25)
+    return {
+        "python_calls_per_step": stats.total_calls / HOST_REPEATS,
+        "profiled_ms_per_step": stats.total_tt * 1e3 / HOST_REPEATS,
+        "by_own_time": text.getvalue(),
+    }
+
+
+def host(cases: list[str]) -> dict:
+    result = {}
+    for case in cases:
+        shape = layer.CASES[case]
+        x, g = layer.make_inputs(shape, torch.bfloat16, "cuda")
+        w = layer.make_weights(shape, torch.bfloat16, "cuda")
+        fn = layer.build("tritonkit", shape, None)
+        tensors = [x, *w]
+        for mode in ("fwd", "fwd+bwd"):
+            call = layer._mode_call(fn, mode, x, w, g)
+            for _ in range(5):
+                _clear(tensors)
+                call()
+            row = {"host_ms": _host_times(call, tensors)} | _python_profile(call, tensors)
+            print(case, mode, row["host_ms"][HOST_REPEATS // 2], row["python_calls_per_step"], flush=True)
+            result[f"{case} {mode}"] = row
+        del x, g, w, fn, tensors
+        torch.cuda.empty_cache()
+    return result
+
+
 def main() -> None:
     out, mode = sys.argv[1], sys.argv[2]
     providers = sys.argv[3].split(",") if len(sys.argv) > 3 else None
@@ -486,8 +551,10 @@ def main() -> None:
         rows = gated()
     elif mode == "backward":
         rows = backward()
+    elif mode == "host":
+        rows = host(providers or ["8b-4k", "d64-4k"])
     else:
-        raise SystemExit(f"mode must be protocols, sustained, matmuls, backward or gated, got {mode!r}")
+        raise SystemExit(f"mode must be protocols, sustained, matmuls, backward, gated or host, got {mode!r}")
     timing = "CUDA events; do_bench (layer.time_ms) where named (module docstring)"
     with open(out, "w") as f:
         json.dump(
