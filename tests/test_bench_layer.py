@@ -211,6 +211,9 @@ def test_cli_parses_bench_layer(capsys):
     assert "fwd+bwd and fwd" in capsys.readouterr().err
     assert main(["bench", "layer", "softmax"]) == 2
     assert main(["bench", "softmax", "--case", "8b-4k"]) == 2
+    assert "layer's and the model's" in capsys.readouterr().err
+    assert main(["bench", "softmax", "--time-limit", "60"]) == 2
+    assert "--time-limit is the layer's" in capsys.readouterr().err
     assert main(["bench", "layer", "--dtype", "fp32"]) == 2
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "layer", "--case", "70b"])

@@ -511,6 +511,36 @@ def test_specialization_key_keeps_positions_apart():
     assert specialization_key((0.5, t)) == specialization_key((2.5, t))  # floats: the type only
 
 
+def test_specialization_key_of_descriptors_refines_tritons():
+    """Host TMA descriptors that share a key share Triton's specialization (its argument type), and
+    descriptors of other addresses, shapes and strides do share keys: the launch passes those."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    from tritonkit.ops.attention.fwd_sm90 import descriptor
+
+    g = generator(44)
+    contiguous = random_tensor((2, 4, 256, 128), BF16, "cpu", generator=g)
+    tensors = [
+        contiguous,
+        contiguous[:, :, 64:],
+        random_tensor((2, 256, 4, 128), BF16, "cpu", generator=g).transpose(1, 2),
+        random_tensor((1, 2, 320, 128), F16, "cpu", generator=g),
+        random_tensor((2, 4, 256, 64), BF16, "cpu", generator=g),
+    ]
+    descriptors = [
+        descriptor(t, rows, swizzle=swizzle) for t in tensors for rows in (64, 128) for swizzle in (None, 64)
+    ]
+    types_by_key, tensors_by_key = {}, {}
+    for d in descriptors:
+        key = specialization_key((d,))
+        types_by_key.setdefault(key, set()).add(native_specialize_impl(CUDABackend, d, False, True, True)[0])
+        tensors_by_key.setdefault(key, set()).add((d.base.data_ptr(), tuple(d.shape), tuple(d.strides)))
+    assert all(len(types) == 1 for types in types_by_key.values()), types_by_key
+    assert len(types_by_key) == len({next(iter(types)) for types in types_by_key.values()})  # no finer
+    assert any(len(ts) > 1 for ts in tensors_by_key.values())  # different tensors did share keys
+
+
 @pytest.mark.parametrize("value", ["x", [1, 2], F32, object()], ids=lambda v: type(v).__name__)
 def test_specialization_key_rejects_unknown_types(value):
     with pytest.raises(TypeError, match=type(value).__name__):
@@ -579,15 +609,18 @@ def test_launcher_fast_path_matches_triton():
 
 
 @pytest.mark.parametrize("scratch", [None, (256, 128)], ids=["no-scratch", "scratch"])
-def test_the_lean_launch_calls_the_c_launcher_as_tritons_launcher_does(scratch, monkeypatch):
+@pytest.mark.parametrize("descriptors", [False, True], ids=["pointers", "descriptors"])
+def test_the_lean_launch_calls_the_c_launcher_as_tritons_launcher_does(scratch, descriptors, monkeypatch):
     """_run_entry against Triton's own CudaLauncher.__call__ on the same compiled launch (a fake C
     entry point records its arguments): the same arguments in the same order, global scratch asked
-    of the same allocator for the same bytes (per program, over the grid) where the kernel has any."""
+    of the same allocator for the same bytes (per program, over the grid) where the kernel has any,
+    and host TMA descriptors expanded by the C launcher's wrapper into the same arguments."""
     import triton
-    from triton.backends.nvidia.driver import CudaLauncher
+    from triton.backends.nvidia.driver import CudaLauncher, wrap_handle_tensordesc
     from triton.runtime import _allocation
 
     from tritonkit import _launch
+    from tritonkit.ops.attention.fwd_sm90 import descriptor
 
     asked, calls = [], []
 
@@ -598,23 +631,34 @@ def test_the_lean_launch_calls_the_c_launcher_as_tritons_launcher_does(scratch, 
     def c_launch(*args):
         calls.append(args)
 
+    args, launch = ("x", 5, None), c_launch
+    if descriptors:  # (desc, int, desc, constexpr): the wrapper Triton's CudaLauncher builds
+        tensor = random_tensor((1, 2, 64, 64), BF16, "cpu", generator=generator(45))
+        args = (descriptor(tensor, 64), 5, descriptor(tensor[:, :, 32:], 32))
+        signature = {"a": "tensordesc<bf16[1, 1, 64, 64]>", "n": "i32", "b": "tensordesc<bf16[1, 1, 32, 64]>",
+                     "BLOCK": "constexpr"}  # fmt: skip
+        launch = wrap_handle_tensordesc(c_launch, signature, None)
     previous = _allocation._allocator.get()
     triton.set_allocator(allocator)
     try:
         per_program, alignment = scratch or (0, 1)
         runner = types.SimpleNamespace(
-            launch=c_launch, num_ctas=1, global_scratch_size=per_program, global_scratch_align=alignment,
+            launch=launch, num_ctas=1, global_scratch_size=per_program, global_scratch_align=alignment,
             profile_scratch_size=0, profile_scratch_align=1, launch_cooperative_grid=False, launch_pdl=True,
         )  # fmt: skip
-        grid, stream, args, constexprs = (3, 2, 1), 99, ("x", 5, None), (64,)
+        grid, stream, constexprs = (3, 2, 1), 99, (64,)
         # Triton's launch of a compiled kernel: the metadata, no launch hooks, then the arguments
         metadata_and_hooks = ("packed", None, None, None)
         CudaLauncher.__call__(runner, *grid, stream, "function", *metadata_and_hooks, *args, *constexprs)
-        entry = (c_launch, "function", False, True, "packed", constexprs, scratch)
+        entry = (launch, "function", False, True, "packed", constexprs, scratch)
         _launch._run_entry(entry, grid, stream, args)
     finally:
         triton.set_allocator(previous)
-    assert calls[0] == calls[1]
+    assert len(calls) == 2 and all(
+        type(a) is type(b) and a is b or a == b for a, b in zip(*calls, strict=True)
+    )
+    if descriptors:  # each descriptor became its tensor, shape, strides and padding, twice
+        assert len(calls[0]) == 13 + 2 * (1 + 4 + 4 + 1 + 4 + 4) + 2
     assert asked == ([(6 * 256, 128, 99)] * 2 if scratch else [])
 
 
@@ -640,6 +684,32 @@ def test_launcher_fast_path_allocates_global_scratch():
     launches[2].kernel[launches[2].grid](*launches[2].args, **launches[2].meta)
     assert torch.equal(outputs[0], outputs[2]) and torch.equal(outputs[1], outputs[2])
     torch.testing.assert_close(outputs[1].float(), a.float() @ b.float().t(), atol=0.25, rtol=2**-7)
+
+
+@pytest.mark.gpu
+def test_launcher_fast_path_passes_host_tma_descriptors():
+    """A Gluon kernel over host TMA descriptors (the sm_90 attention forward) launches through the
+    lean path once compiled, and computes what Triton's own launch computes, bit for bit."""
+    from tritonkit._launch import launcher_of
+    from tritonkit.ops.attention import fwd_sm90
+    from tritonkit.ops.attention.common import attention_reference
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon attention forward needs an sm_90 GPU")
+    g = generator(46)
+    q, k, v = (random_tensor((2, 4, 200, 128), BF16, "cuda", generator=g) for _ in range(3))
+    outputs = [
+        (torch.full_like(q, math.nan), torch.full(q.shape[:3], math.nan, device="cuda")) for _ in range(3)
+    ]
+    launches = [fwd_sm90.launches(q, k, v, o, lse, scale=0.1, causal=True)[0] for o, lse in outputs]
+    launches[0].run()  # compiles through Triton (or finds the kernel a test before compiled)
+    launches[1].run()  # the cached fast path
+    assert launcher_of(launches[1].kernel).entry(launches[1].args, launches[1].meta) is not None
+    launches[2].kernel[launches[2].grid](*launches[2].args, **launches[2].meta)
+    for o, lse in outputs[:2]:
+        assert torch.equal(o, outputs[2][0]) and torch.equal(lse, outputs[2][1])
+    reference = attention_reference(q.double(), k.double(), v.double(), causal=True, scale=0.1)
+    torch.testing.assert_close(outputs[1][0].double(), reference, atol=2e-2, rtol=2e-2)
 
 
 def test_precompile_submits_every_call_to_a_thread_pool_and_survives_failures(monkeypatch, caplog):

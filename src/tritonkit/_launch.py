@@ -85,7 +85,9 @@ def specialization_key(args: tuple) -> tuple:
 
     Triton specializes a pointer on its dtype and 16-byte alignment, and an integer on being 1,
     being divisible by 16 and its width. Keying on each integer's value and each pointer's dtype
-    and address mod 16 refines that (never merges two specializations) and is cheap to build.
+    and address mod 16 refines that (never merges two specializations) and is cheap to build. A host
+    TMA descriptor is specialized on its element type, its box and (Gluon's) its shared layout, not
+    on its address, shape or strides, which the launch passes as values.
     """
     key = []
     for arg in args:
@@ -96,9 +98,21 @@ def specialization_key(args: tuple) -> tuple:
             key.append(arg.data_ptr() & 15)
         elif arg is None or type(arg) in (bool, float):
             key.append((type(arg), arg if arg is None else 0))  # specialized on type only
+        elif type(arg).__name__ == "TensorDescriptor":
+            key.append((arg.base.dtype, tuple(arg.block_shape), getattr(arg, "layout", None), arg.padding))
         else:
             raise TypeError(f"cannot launch with an argument of type {type(arg).__name__}")
     return tuple(key)
+
+
+def _device_tensor(args: tuple) -> torch.Tensor:
+    """The launch's first tensor: the first tensor argument or the first descriptor's base."""
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            return arg
+        if type(arg).__name__ == "TensorDescriptor":
+            return arg.base
+    raise TypeError("a launch needs a tensor or tensor descriptor argument")
 
 
 _THROUGH_TRITON = "through-triton"  # cache entry of kernels that need Triton's own launcher
@@ -108,8 +122,8 @@ class Launcher:
     """Launches one ``@triton.jit`` kernel; keyword arguments are constexprs and launch options.
 
     ``launcher(grid, *args, **meta)`` behaves like ``kernel[grid](*args, **meta)`` where ``grid``
-    is a tuple of up to three ints. The first tensor argument (the first argument unless that is an
-    absent pointer, None) is on the device to launch on.
+    is a tuple of up to three ints. The first tensor argument (or the first host TMA descriptor's
+    tensor) is on the device to launch on.
     Keyword constexprs must be the kernel's trailing parameters, in order (checked on first use).
     """
 
@@ -125,13 +139,7 @@ class Launcher:
         if _profiler_listens():  # let Triton report the launch
             self.kernel[grid](*args, **meta)
             return
-        # a kernel over host TMA descriptors (the Gluon kernels take them first): Triton's launcher
-        # turns them into the kernel's arguments, so every launch goes through it
-        if type(args[0]).__name__ == "TensorDescriptor":
-            self.kernel[grid](*args, **meta)
-            return
-        first = args[0] if args[0] is not None else next(a for a in args if isinstance(a, torch.Tensor))
-        device = first.get_device()
+        device = _device_tensor(args).get_device()
         if device != torch._C._cuda_getDevice():  # CUDA is initialised: args[0] lives there
             with torch.cuda.device(device):
                 return self(grid, *args, **meta)
@@ -150,8 +158,7 @@ class Launcher:
     def entry(self, args: tuple, meta: dict) -> tuple | None:
         """What a launch with these arguments runs through (see :class:`Plan`): None before their
         first launch, or where they go through Triton's own launcher."""
-        first = args[0] if args[0] is not None else next(a for a in args if isinstance(a, torch.Tensor))
-        entry = self._compiled.get(_launch_key(first.get_device(), args, meta))
+        entry = self._compiled.get(_launch_key(_device_tensor(args).get_device(), args, meta))
         return None if entry is None or entry is _THROUGH_TRITON else entry
 
     def programs_per_sm(self, *args, **meta) -> int:
@@ -183,8 +190,10 @@ class Launcher:
                 f"kernel's trailing parameters {list(trailing)}, in order"
             )
         runner = compiled.run  # the module is loaded on this device and the C launcher built
-        if runner.profile_scratch_size > 0 or getattr(compiled.metadata, "tensordesc_meta", None):
-            return _THROUGH_TRITON  # profiling scratch and host tensor descriptors need Triton's wrapper
+        if runner.profile_scratch_size > 0:
+            return _THROUGH_TRITON  # profiling scratch: Triton's wrapper asks its own allocator
+        # runner.launch is the C entry point, wrapped where the kernel takes host TMA descriptors:
+        # the wrapper turns each into the CUtensorMap, shape and strides the kernel takes
         constexpr_values = tuple(meta[name] for name in constexpr_names)  # the same for the key
         # global scratch (tensor descriptors built on the device): bytes a program, and alignment
         scratch = (runner.global_scratch_size * runner.num_ctas, runner.global_scratch_align)

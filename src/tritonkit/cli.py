@@ -236,8 +236,10 @@ def cmd_bench(args) -> int:
         return cmd_bench_model(args)
     if args.layers is not None or args.no_generate:
         raise ValueError("--layers and --no-generate are the model benchmark's: `tritonkit bench model`")
-    if args.case or args.time_limit is not None:
-        raise ValueError("--case and --time-limit are the layer's and the model's: `tritonkit bench layer`")
+    if args.case:
+        raise ValueError("--case is the layer's and the model's: `tritonkit bench layer` or `bench model`")
+    if args.time_limit is not None:
+        raise ValueError("--time-limit is the layer's: `tritonkit bench layer`")
     # Read by torch's CUDA allocator when it starts (nothing here has used CUDA yet). The float64
     # reference of the 262144-class cross-entropy backward asked for 16 GB and ran out of memory
     # beside 79 GB reserved in pieces too small for it, with the caching allocator's fixed segments.
