@@ -22,7 +22,8 @@ four other tiles. ``gated``: gated_linear's forward at the three layers' MLP sha
 with its products stored by the one gated kernel or by two plain matmuls and an elementwise
 act(g) * u, against cuBLAS's matmuls and torch's SiLU and product. ``host``: tritonkit's layer at
 each of CASES (comma-separated, default 8b-4k,d64-4k), forward and step: the host's time to issue
-it, the GPU idle before each (HOST_REPEATS times, sorted), and under cProfile the Python calls a
+it, the GPU idle before each (HOST_REPEATS times, sorted), through tritonkit's lean launch path
+and, alternating with it, through Triton's own launch, and under cProfile the Python calls a
 step makes and where its host time goes (``finish`` at 0087522 timed the attention backward's
 finishing passes). PROVIDERS: comma-separated, of ``bench layer``'s providers (and ``hybrid``).
 """
@@ -44,6 +45,7 @@ from torch.nn import functional
 from torch.profiler import ProfilerActivity, profile, schedule
 
 import tritonkit
+from tritonkit import _launch
 from tritonkit.bench import layer
 
 SHAPE = layer.CASES["8b-4k"]
@@ -484,16 +486,24 @@ def gated() -> dict:
 HOST_REPEATS = 10
 
 
-def _host_times(call, tensors) -> list[float]:
-    times = []
-    for _ in range(HOST_REPEATS):
-        _clear(tensors)
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        call()
-        times.append((time.perf_counter() - started) * 1e3)
+def _host_times(call, tensors) -> dict[str, list[float]]:
+    """The host's time to issue ``call``, HOST_REPEATS times each through tritonkit's lean launch
+    path and through Triton's own launch (``_launch.LEAN``), alternating, so that the host's drift
+    falls on both alike; sorted."""
+    times = {"lean": [], "triton": []}
+    try:
+        for _ in range(HOST_REPEATS):
+            for path in times:
+                _launch.LEAN = path == "lean"
+                _clear(tensors)
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+                call()
+                times[path].append((time.perf_counter() - started) * 1e3)
+    finally:
+        _launch.LEAN = True
     torch.cuda.synchronize()
-    return sorted(times)
+    return {path: sorted(t) for path, t in times.items()}
 
 
 def _python_profile(call, tensors) -> dict:
@@ -530,8 +540,11 @@ def host(cases: list[str]) -> dict:
             for _ in range(5):
                 _clear(tensors)
                 call()
-            row = {"host_ms": _host_times(call, tensors)} | _python_profile(call, tensors)
-            print(case, mode, row["host_ms"][HOST_REPEATS // 2], row["python_calls_per_step"], flush=True)
+            times = _host_times(call, tensors)
+            row = {"host_ms": times["lean"], "host_ms_through_triton": times["triton"]}
+            row |= _python_profile(call, tensors)
+            medians = [times[path][HOST_REPEATS // 2] for path in times]
+            print(case, mode, "host ms, lean and through Triton:", medians, flush=True)
             result[f"{case} {mode}"] = row
         del x, g, w, fn, tensors
         torch.cuda.empty_cache()

@@ -662,6 +662,24 @@ def test_the_lean_launch_calls_the_c_launcher_as_tritons_launcher_does(scratch, 
     assert asked == ([(6 * 256, 128, 99)] * 2 if scratch else [])
 
 
+def test_launcher_goes_through_triton_when_the_lean_path_is_off(monkeypatch):
+    """_launch.LEAN = False sends a launch through the kernel's own ``kernel[grid](...)``, keys and
+    caches untouched (the host benchmark's comparison, or a suspect ruled out)."""
+    from tritonkit import _launch
+
+    launched = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: launched.append((grid, args, meta))
+
+    monkeypatch.setattr(_launch, "interpret", lambda: False)
+    monkeypatch.setattr(_launch, "LEAN", False)
+    launcher = _launch.Launcher(Kernel())
+    launcher((4, 1), "x", 3, BLOCK=64)
+    assert launched == [((4, 1), ("x", 3), {"BLOCK": 64})] and not launcher._compiled
+
+
 @pytest.mark.gpu
 def test_launcher_fast_path_allocates_global_scratch():
     """A kernel that builds tensor descriptors on the device (the linear kernel's TMA tile) needs

@@ -29,6 +29,9 @@ from tritonkit._runtime import interpret
 LAUNCH_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg", "launch_cooperative_grid"})
 MAX_KEYS = 4096  # distinct specializations cached per kernel before the cache starts afresh
 MAX_COMPILE_THREADS = 16  # threads compiling a tuner's candidates together (see precompile)
+# False sends every launch through Triton's own ``kernel[grid](...)``: what the lean path saves,
+# measured in one process (benchmarks/layer_diagnostics.py's host mode), or a suspect ruled out
+LEAN = True
 
 log = logging.getLogger("tritonkit")
 
@@ -136,7 +139,7 @@ class Launcher:
         if interpret():
             self.kernel[grid](*args, **meta)
             return
-        if _profiler_listens():  # let Triton report the launch
+        if not LEAN or _profiler_listens():  # a profiler's hook: let Triton report the launch
             self.kernel[grid](*args, **meta)
             return
         device = _device_tensor(args).get_device()
