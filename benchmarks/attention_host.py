@@ -13,11 +13,9 @@ gets cProfile's view of the public forward and of a forward and backward.
 
 from __future__ import annotations
 
-import cProfile
-import io
 import json
-import pstats
 import sys
+from pathlib import Path
 
 import torch
 from torch.nn import functional
@@ -26,7 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import tritonkit
 from tritonkit import _launch
 from tritonkit.bench.runner import provenance
-from tritonkit.bench.timing import host_us
+from tritonkit.bench.timing import host_us, profile_calls
 from tritonkit.ops.attention import fwd_sm90
 from tritonkit.ops.attention.common import Scores
 from tritonkit.ops.attention.fwd import attention_fwd_into, fwd_outputs
@@ -98,22 +96,15 @@ def profile(path: str) -> None:
     """cProfile of 2000 public forwards and 500 forwards and backwards, top entries by own time."""
     q, k, v = _inputs(requires_grad=True)
     do = torch.randn_like(q)
-    out = io.StringIO()
-    for title, call, count in (
-        ("forward, gradient wanted", lambda: tritonkit.flash_attention(q, k, v, causal=True), 2000),
-        ("forward + backward", lambda: tritonkit.flash_attention(q, k, v, causal=True).backward(do), 500),
-    ):
-        call()
-        profiler = cProfile.Profile()
-        profiler.enable()
-        for _ in range(count):
-            call()
-        profiler.disable()
-        torch.cuda.synchronize()
-        out.write(f"==== {title}: {count} calls\n")
-        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(30)
+    text = profile_calls(
+        (
+            ("forward, gradient wanted", lambda: tritonkit.flash_attention(q, k, v, causal=True), 2000),
+            ("forward + backward", lambda: tritonkit.flash_attention(q, k, v, causal=True).backward(do), 500),
+        ),
+        top=30,
+    )
     with open(path, "w") as f:
-        f.write(out.getvalue())
+        f.write(text)
 
 
 def main() -> None:
@@ -126,8 +117,7 @@ def main() -> None:
         "host_us": measure(),
         "command": "PYTHONPATH=src python benchmarks/attention_host.py OUT.json",
     } | provenance()
-    with open(sys.argv[1], "w") as f:
-        json.dump(record, f, indent=1)
+    Path(sys.argv[1]).write_text(json.dumps(record, indent=1))
     if len(sys.argv) > 2:
         profile(sys.argv[2])
 

@@ -8,10 +8,7 @@ never waits for the GPU). PROFILE.txt gets cProfile's view of the eager forward 
 
 from __future__ import annotations
 
-import cProfile
-import io
 import json
-import pstats
 import sys
 
 import torch
@@ -19,7 +16,7 @@ import torch
 import tritonkit.ops.bias_gelu as bg
 from tritonkit._launch import cdiv, launcher_of
 from tritonkit.bench.runner import provenance
-from tritonkit.bench.timing import host_us
+from tritonkit.bench.timing import host_us, profile_calls
 
 SHAPE = (4, 256)
 
@@ -63,22 +60,14 @@ def profile(path: str) -> None:
     b = torch.randn(SHAPE[-1], device="cuda", dtype=torch.bfloat16)
     x_grad = x.clone().requires_grad_(True)
     dy = torch.randn_like(x)
-    out = io.StringIO()
-    for title, call, count in (
-        ("eager forward", lambda: bg.bias_gelu(x, b), 2000),
-        ("forward + backward", lambda: bg.bias_gelu(x_grad, b).backward(dy), 500),
-    ):
-        call()
-        profiler = cProfile.Profile()
-        profiler.enable()
-        for _ in range(count):
-            call()
-        profiler.disable()
-        torch.cuda.synchronize()
-        out.write(f"==== {title}: {count} calls\n")
-        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(25)
+    text = profile_calls(
+        (
+            ("eager forward", lambda: bg.bias_gelu(x, b), 2000),
+            ("forward + backward", lambda: bg.bias_gelu(x_grad, b).backward(dy), 500),
+        )
+    )
     with open(path, "w") as f:
-        f.write(out.getvalue())
+        f.write(text)
 
 
 def main() -> None:

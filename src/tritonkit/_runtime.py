@@ -99,7 +99,6 @@ NOMINAL_SMS = 132  # the H200's SMs: what grids are sized for where no GPU says 
 
 
 @functools.cache
-@functools.cache
 def capability(index: int) -> tuple[int, int]:
     """(major, minor) compute capability of CUDA device ``index``, queried once (launch paths ask on
     every call)."""

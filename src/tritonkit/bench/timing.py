@@ -17,9 +17,12 @@ host path alone (the eager cost a small shape pays).
 from __future__ import annotations
 
 import contextlib
+import cProfile
 import functools
+import io
 import itertools
 import math
+import pstats
 import time
 from collections.abc import Callable, Iterator, Sequence
 
@@ -132,3 +135,19 @@ def host_us(call: Callable[[], object]) -> float:
         samples.append((time.perf_counter() - start) / HOST_CALLS * 1e6)
         torch.cuda.synchronize()  # outside the timed burst: drain the queue before the next
     return sorted(samples)[len(samples) // 2]
+
+
+def profile_calls(calls: Sequence[tuple[str, Callable[[], object], int]], top: int = 25) -> str:
+    """cProfile of each (title, call, count): the call run count times, its top entries by own time."""
+    out = io.StringIO()
+    for title, call, count in calls:
+        call()  # compile and allocate outside the profile
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(count):
+            call()
+        profiler.disable()
+        torch.cuda.synchronize()
+        out.write(f"==== {title}: {count} calls\n")
+        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
