@@ -7,7 +7,8 @@ bursts of calls of the time to issue one (the bursts never fill the launch queue
 innermost layer out: the outputs' allocation, one TMA descriptor, the launch's build
 (``fwd_sm90.launches``), its launch through the lean path and through Triton's own (``_launch.LEAN``),
 ``attention_fwd_sm90`` (its checks, the build and the launch), ``attention_fwd_into`` (the dispatch
-too), the public call without and with a gradient wanted, and a forward and backward. PROFILE.txt
+too), the forward op as a call like one before replays it (``_launch.Plan``: none of the above but
+the launch), the public call without and with a gradient wanted, and a forward and backward. PROFILE.txt
 gets cProfile's view of the public forward and of a forward and backward.
 """
 
@@ -25,7 +26,7 @@ import tritonkit
 from tritonkit import _launch
 from tritonkit.bench.runner import provenance
 from tritonkit.bench.timing import host_us, profile_calls
-from tritonkit.ops.attention import fwd_sm90
+from tritonkit.ops.attention import attention, fwd_sm90
 from tritonkit.ops.attention.common import Scores
 from tritonkit.ops.attention.fwd import attention_fwd_into, fwd_outputs
 
@@ -76,6 +77,9 @@ def measure() -> dict[str, float]:
             q, k, v, o, lse, scale=SCALE, causal=True
         ),
         "attention_fwd_into (the dispatch too)": lambda: attention_fwd_into(q, k, v, o, lse, scores),
+        "the attention_fwd op, replayed (its Plan)": lambda: attention._forward(
+            q, k, v, None, None, 0, 0, SCALE, True, True, -1, -1, 0.0, o, lse
+        ),
         "tritonkit.flash_attention, no gradient": lambda: ours(q, k, v),
         "tritonkit.flash_attention, gradient wanted": lambda: ours(qg, kg, vg),
         "tritonkit forward + backward": lambda: ours(qg, kg, vg).backward(do),

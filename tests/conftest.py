@@ -49,6 +49,15 @@ def _gpu_memory_returned(request):
         torch.cuda.empty_cache()
 
 
+@pytest.fixture(autouse=True)
+def _fresh_plans():
+    """Each test's calls record their own plans (``opdef``'s replays), under the module settings the
+    test makes: a plan recorded by an earlier test would replay that test's launches."""
+    from tritonkit.opdef import forget_plans
+
+    forget_plans()
+
+
 # TRITONKIT_TEST_FAILURES=FILE: each failure's report appended to FILE as it happens, so that a run
 # stopped by a time limit (a GPU run's) keeps the messages pytest would print only at its end
 FAILURES_FILE = os.environ.get("TRITONKIT_TEST_FAILURES")

@@ -14,16 +14,17 @@ Under the interpreter, and whenever a profiler hook is registered, calls go thro
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 import torch
 
-from tritonkit._runtime import interpret
+from tritonkit._runtime import empty_output, interpret
 
 # keyword arguments of a launch that are compile options, not constexprs
 LAUNCH_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg", "launch_cooperative_grid"})
@@ -54,6 +55,8 @@ class Launch(NamedTuple):
     def run(self) -> None:
         """Launch it, through the kernel's lean :class:`Launcher`, then its host step if it has one."""
         launcher_of(self.kernel)(self.grid, *self.args, **self.meta)
+        for recording in _recordings:
+            recording.launches.append(self)
         if self.then is not None:
             self.then()
 
@@ -249,34 +252,128 @@ def _allocator():
     return _allocation._allocator
 
 
+class Recording(NamedTuple):
+    """What an op call did, for :meth:`Plan.record`: the launches it ran, in order; the workspace it
+    took from :func:`scratch` (a tensor's id -> whether it was zeroed); and the torch functions that
+    wrote into an existing tensor meanwhile (``zero_``, ``copy_``, ``out=``), which a plan would not
+    replay. The launches hold the tensors, so the ids stay theirs while the recording lives."""
+
+    launches: list
+    scratch: dict
+    writes: list
+
+
+_recordings: list[Recording] = []  # open recording_launches() blocks
+
+
+class _WriteWatch(torch.overrides.TorchFunctionMode):
+    """Notes each torch function that writes into a tensor it is given, while a recording is open."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _recordings:
+            name = getattr(func, "__name__", "")
+            if (name.endswith("_") and not name.endswith("__")) or name == "__setitem__" or "out" in kwargs:
+                for recording in _recordings:
+                    recording.writes.append(name)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def recording_launches() -> Iterator[Recording]:
+    """Within this block, each launch run, each :func:`scratch` tensor taken and each torch function
+    that writes into a tensor is recorded."""
+    recording = Recording([], {}, [])
+    _recordings.append(recording)
+    try:
+        with _WriteWatch():
+            yield recording
+    finally:
+        _recordings.remove(recording)
+
+
+@contextlib.contextmanager
+def unrecorded() -> Iterator[None]:
+    """Within this block nothing is recorded (a tuner's trial launches are no part of the call's)."""
+    kept = _recordings[:]
+    _recordings.clear()
+    try:
+        yield
+    finally:
+        _recordings[:] = kept
+
+
+def scratch(shape, dtype: torch.dtype, device, *, zeroed: bool = False) -> torch.Tensor:
+    """A launch's workspace, empty (NaN while tests poison outputs) or zeroed: a :class:`Plan` that
+    records it allocates its like afresh on each replay (an op's other allocations are no part of a
+    plan, which then cannot be)."""
+    with unrecorded():  # (the poisoning's fill is the allocation's, which a replay repeats)
+        t = torch.zeros(shape, dtype=dtype, device=device) if zeroed else empty_output(shape, dtype, device)
+    for recording in _recordings:
+        recording.scratch[id(t)] = zeroed
+    return t
+
+
+def call_signature(tensors: Sequence[torch.Tensor | None], *options) -> tuple | None:
+    """What a memo of calls (validated inputs, a :class:`Plan`) is keyed by: each tensor's shape,
+    strides, dtype and device (None where absent), then ``options``; None under torch.compile (the
+    trace runs once) or where an argument is not a tensor (the input check says which)."""
+    if torch.compiler.is_compiling():
+        return None
+    try:
+        geometry = tuple((t.shape, t.stride(), t.dtype, t.device) if t is not None else None for t in tensors)
+    except AttributeError:
+        return None
+    return (*geometry, *options)
+
+
+class HostDescriptor(NamedTuple):
+    """A host TMA descriptor over a whole tensor, as a replayed :class:`Plan` passes it: the fields
+    Triton's launcher reads to fill the CUtensorMap (the box and shared layout are compiled into the
+    kernel), without the Python checks of building Triton's own (about 2 us each)."""
+
+    base: torch.Tensor
+    shape: torch.Size
+    strides: tuple
+    padding: str
+
+
 class Plan:
     """The launches of one call signature, replayed with each later call's tensors.
 
     An op whose launches follow from its call's signature alone (shapes, strides, dtypes, devices and
     options: every integer and float argument, every constexpr) records them after their first run;
-    a later call of the signature puts its tensors in the recorded places and calls each compiled
-    kernel's launcher at once, with no launch builder's Python and no Launcher key. Triton
-    specializes a pointer on its 16-byte alignment, which a signature does not fix: where a tensor
-    aligns otherwise than the recorded one, or a profiler listens, or another device is current,
+    a later call of the signature puts its tensors' addresses in the recorded places (views of them
+    at the recorded offsets, host TMA descriptors over them, fresh :func:`scratch` workspace where
+    the call took some) and calls each compiled kernel's launcher at once, with no launch builder's
+    Python and no Launcher key. Triton specializes a pointer on its 16-byte alignment, which a
+    signature does not fix: where a tensor aligns otherwise than the recorded one, or a profiler
+    listens, or another device is current, or the lean path is off, or an op is recording its call,
     :meth:`run` launches nothing and returns False, and the caller launches the ordinary way.
     """
 
-    __slots__ = ("_alignments", "_device", "_steps")
+    __slots__ = ("_alignments", "_device", "_scratch", "_steps")
 
-    def __init__(self, device: int, alignments: tuple, steps: tuple):
-        self._device, self._alignments, self._steps = device, alignments, steps
+    def __init__(self, device: int, alignments: tuple, scratch: tuple, steps: tuple):
+        self._device, self._alignments, self._scratch, self._steps = device, alignments, scratch, steps
 
     @staticmethod
-    def record(launches: Sequence[Launch], tensors: tuple) -> Plan | None:
-        """The plan of ``launches``, which have run, over the call's ``tensors`` (None where absent);
-        None where it cannot be one: under the interpreter, a tensor given twice, a launch with a
-        host step, one reading a tensor that is not among ``tensors`` (a copy its builder made), or
-        one that goes through Triton's own launcher. It holds no tensor."""
-        if interpret():
+    def record(launches: Sequence[Launch], tensors: tuple, scratch: dict | None = None) -> Plan | None:
+        """The plan of ``launches``, which have run, over the call's ``tensors`` (entries that are
+        not tensors are skipped) and the ``scratch`` they took (a :class:`Recording`'s); None where
+        it cannot be one: no launch, under the interpreter, one tensor given twice or two sharing
+        memory where a launch reads a view of either, a launch with a host step, one reading a
+        tensor that is neither among ``tensors`` nor scratch nor a view of one (a copy its builder
+        made), a descriptor over part of one, or a launch through Triton's own launcher. It holds
+        no tensor."""
+        if interpret() or not launches:
             return None
-        index_of = {id(t): i for i, t in enumerate(tensors) if t is not None}
-        if len(index_of) < sum(t is not None for t in tensors):
+        given = {i: t for i, t in enumerate(tensors) if isinstance(t, torch.Tensor)}
+        if len({id(t) for t in given.values()}) < len(given) or not given:
             return None  # one tensor in two places: a later call's two may differ
+        work = {id(t): t for launch in launches for t in _tensors_of(launch) if id(t) in (scratch or {})}
+        bases = {**{id(t): i for i, t in given.items()}, **{k: len(tensors) + j for j, k in enumerate(work)}}
+        memory = _storages({**{i: t for i, t in given.items()}, **{bases[k]: t for k, t in work.items()}})
         steps = []
         for launch in launches:
             entry = launcher_of(launch.kernel).entry(launch.args, launch.meta)
@@ -284,35 +381,84 @@ class Plan:
                 return None
             args, places = list(launch.args), []
             for position, arg in enumerate(args):
-                if isinstance(arg, torch.Tensor):
-                    if id(arg) not in index_of:
-                        return None
-                    places.append((position, index_of[id(arg)]))
+                place = _place(arg, bases, memory, tensors, work)
+                if place is False:
+                    return None
+                if place is not None:
+                    places.append((position, *place))
                     args[position] = None
-            grid = (*launch.grid, 1, 1)[:3]
-            steps.append((entry, grid, tuple(args), tuple(places)))
-        present = [t for t in tensors if t is not None]
-        if not present:
-            return None
-        alignments = tuple((i, t.data_ptr() & 15) for i, t in enumerate(tensors) if t is not None)
-        return Plan(present[0].get_device(), alignments, tuple(steps))
+            steps.append((entry, (*launch.grid, 1, 1)[:3], tuple(args), tuple(places)))
+        alignments = tuple((i, t.data_ptr() & 15) for i, t in given.items())
+        workspace = tuple((tuple(t.shape), t.dtype, scratch[k]) for k, t in work.items())
+        return Plan(next(iter(given.values())).get_device(), alignments, workspace, tuple(steps))
 
     def run(self, tensors: tuple) -> bool:
         """Launch the recorded kernels over ``tensors`` (in the recorded order); False, launching
         nothing, where they cannot be (the class's docstring says when)."""
         device = self._device
-        if _profiler_listens() or torch._C._cuda_getDevice() != device:
-            return False
+        if _recordings or not LEAN or _profiler_listens() or torch._C._cuda_getDevice() != device:
+            return False  # (an op recording its call needs an inner op's launches run as launches)
         for i, alignment in self._alignments:
             if tensors[i].data_ptr() & 15 != alignment:
                 return False
+        if self._scratch:
+            home = tensors[self._alignments[0][0]].device  # (the device as torch names it)
+            work = (scratch(shape, dtype, home, zeroed=zeroed) for shape, dtype, zeroed in self._scratch)
+            tensors = (*tensors, *work)
         stream = torch._C._cuda_getCurrentRawStream(device)
         for entry, grid, recorded, places in self._steps:
             args = list(recorded)
-            for position, i in places:
-                args[position] = tensors[i]
+            for position, source, offset, padding in places:
+                t = tensors[source]
+                args[position] = (
+                    t.data_ptr() + offset
+                    if padding is None
+                    else HostDescriptor(t, t.shape, t.stride(), padding)
+                )
             _run_entry(entry, grid, stream, args)
         return True
+
+
+def _tensors_of(launch: Launch) -> Iterator[torch.Tensor]:
+    """The tensors a launch reads: its tensor arguments and its host descriptors' bases."""
+    for arg in launch.args:
+        if isinstance(arg, torch.Tensor):
+            yield arg
+        elif type(arg).__name__ == "TensorDescriptor":
+            yield arg.base
+
+
+def _storages(bases: dict) -> dict:
+    """Each memory's address -> the one base (a call tensor's index or a workspace's) on it, or None
+    where two share it (a view of either is then ambiguous)."""
+    memory: dict = {}
+    for source, t in bases.items():
+        address = t.untyped_storage().data_ptr()
+        memory[address] = None if address in memory else source
+    return memory
+
+
+def _place(arg, bases: dict, memory: dict, tensors: tuple, work: dict) -> tuple | bool | None:
+    """Where a recorded launch argument comes from in a later call: (source, byte offset, None) for
+    a pointer into a call tensor or a workspace (a view of it: its address at the offset), (source,
+    0, padding) for a host descriptor over the whole of one, None for a value kept as recorded,
+    False for what a plan cannot replay. Sources number the call's tensors, then the workspace."""
+    if isinstance(arg, torch.Tensor):
+        source = bases.get(id(arg))
+        if source is None:
+            source = memory.get(arg.untyped_storage().data_ptr())
+            if source is None:
+                return False  # a copy, or a view of memory two bases share
+        return source, arg.data_ptr() - _base(source, tensors, work).data_ptr(), None
+    if type(arg).__name__ != "TensorDescriptor":
+        return None
+    base, source = arg.base, bases.get(id(arg.base))
+    whole = tuple(arg.shape) == tuple(base.shape) and tuple(arg.strides) == base.stride()
+    return (source, 0, arg.padding) if whole and source is not None else False
+
+
+def _base(source: int, tensors: tuple, work: dict) -> torch.Tensor:
+    return tensors[source] if source < len(tensors) else list(work.values())[source - len(tensors)]
 
 
 def _max_active_blocks(function: int, threads: int, shared_bytes: int) -> int:

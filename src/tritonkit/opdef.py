@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from tritonkit import _launch, tuning
 from tritonkit._runtime import check_device
 from tritonkit.dtypes import NAME_OF
 
@@ -76,14 +77,29 @@ def recording_calls() -> Iterator[list[tuple[object, tuple]]]:
         _recorders.remove(calls)
 
 
-def op(name: str, *, mutates: Sequence[str]) -> Callable[[Callable], Callable]:
+def op(
+    name: str, *, mutates: Sequence[str], replay: bool | Callable[[], tuple] = False
+) -> Callable[[Callable], Callable]:
     """Register the decorated destination-passing function as the custom op ``tritonkit::name``,
     writing the arguments named in ``mutates``; its parameters need type annotations (the schema is
-    read from them). The returned callable has the custom op as ``.custom_op`` (for opcheck)."""
+    read from them). The returned callable has the custom op as ``.custom_op`` (for opcheck).
+
+    ``replay`` declares that what the function does is exactly the kernels it launches (over its
+    arguments, views of them and ``_launch.scratch`` workspace), and that they follow from its
+    arguments' shapes, strides, dtypes and devices and its other arguments' values, and from what
+    ``replay()`` returns where it is a function (the module switches the dispatch reads): an eager
+    call like one seen before then replays the first's launches (``_launch.Plan``), skipping the
+    function's Python (tens of microseconds of host time a call: its checks, its dispatch, its
+    launch building)."""
 
     def register(fn: Callable) -> Callable:
         custom = torch.library.custom_op(f"tritonkit::{name}", fn, mutates_args=tuple(mutates))
         custom.register_fake(_writes_outputs_only)
+        switches = replay if callable(replay) else tuple
+        plans: dict = {}
+        if replay:
+            tuning.CALL_MEMOS.append(plans)  # retuning forgets them with the configs they hold
+            _PLANS.append(plans)
 
         @functools.wraps(fn)
         def call(*args):
@@ -91,12 +107,53 @@ def op(name: str, *, mutates: Sequence[str]) -> Callable[[Callable], Callable]:
                 return custom(*args)
             for calls in _recorders:
                 calls.append((custom, args))
-            return fn(*args)
+            if not replay:
+                return fn(*args)
+            return _replayed_or_run(fn, plans, (*args, *switches()), args)
 
         call.custom_op = custom
+        call.plans = plans
         return call
 
     return register
+
+
+MAX_PLANS = 1024  # call signatures whose launches an op keeps
+_PLANS: list[dict] = []  # each replaying op's plans
+
+
+def forget_plans() -> None:
+    """Empty every op's plans: the next call of each signature runs (and records) afresh, seeing
+    module settings changed since (a test's)."""
+    for plans in _PLANS:
+        plans.clear()
+
+
+def _replayed_or_run(fn: Callable, plans: dict, fields: tuple, args: tuple) -> None:
+    """Replay the launches of a call like this one (``fields``: its arguments and switches), or run
+    ``fn`` on ``args``, recording its launches as the signature's plan the first time, where tuning
+    could run (a config chosen now is then final, not a stand-in until a tuning)."""
+    try:
+        key = tuple(
+            (a.shape, a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else a for a in fields
+        )
+        plan = plans.get(key, False)  # False: not seen; None: seen, and not replayable
+    except TypeError:  # an argument that cannot key a dict
+        return fn(*args)
+    if plan and plan.run(args):
+        return None
+    if plan is not False or not tuning.tuning_possible():
+        return fn(*args)
+    with _launch.recording_launches() as recording:
+        fn(*args)
+    # a tensor written by torch as well (a zeroed accumulator, a sum copied out): no plan
+    plan = None if recording.writes else _launch.Plan.record(recording.launches, args, recording.scratch)
+    tuning.remember(plans, key, plan, MAX_PLANS)
+    return None
+
+
+def _geometry(t: torch.Tensor) -> tuple:
+    return t.shape, t.stride(), t.dtype, t.device
 
 
 def _writes_outputs_only(*args, **kwargs) -> None:

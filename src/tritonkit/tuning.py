@@ -713,13 +713,17 @@ class Tuned:
         return config, final
 
     def entry(self, key: dict, problem: Problem) -> dict | None:
-        """The tuner's entry for ``key`` (see :meth:`Tuner.entry`), tuned on ``problem`` if need be."""
-        return self.tuner.entry(
-            key,
-            admit=functools.partial(self.admit, problem),
-            time_ms=functools.partial(self.time_ms, problem),
-            precompile=functools.partial(self.precompile, problem),
-        )
+        """The tuner's entry for ``key`` (see :meth:`Tuner.entry`), tuned on ``problem`` if need be
+        (the trial launches are no part of the call's recorded plan)."""
+        from tritonkit._launch import unrecorded
+
+        with unrecorded():
+            return self.tuner.entry(
+                key,
+                admit=functools.partial(self.admit, problem),
+                time_ms=functools.partial(self.time_ms, problem),
+                precompile=functools.partial(self.precompile, problem),
+            )
 
     def forget(self) -> None:
         self._chosen.clear()

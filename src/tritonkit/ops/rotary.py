@@ -240,7 +240,7 @@ def _launch(x, out_x, y, out_y, tables: Tables, conjugate: bool, inplace: bool =
 # ---------------------------------------------------------------- ops and autograd
 
 
-@op("rotary", mutates=("out_x", "out_y"))
+@op("rotary", mutates=("out_x", "out_y"), replay=True)
 def _rotary(
     x: torch.Tensor,
     out_x: torch.Tensor,
@@ -264,7 +264,7 @@ def _rotary(
         _launch(x, out_x, y, out_y, tables, conjugate).run()
 
 
-@op("rotary_inplace", mutates=("x",))
+@op("rotary_inplace", mutates=("x",), replay=True)
 def _rotary_inplace(
     x: torch.Tensor,
     cos: torch.Tensor,

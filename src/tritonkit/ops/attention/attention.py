@@ -16,6 +16,7 @@ import torch
 
 from tritonkit.opdef import first_derivative_only, op
 from tritonkit.ops import Op, Workload
+from tritonkit.ops.attention import bwd, fwd
 from tritonkit.ops.attention.bwd import _inspect_launches as _inspect_bwd_launches
 from tritonkit.ops.attention.bwd import attention_bwd_into
 from tritonkit.ops.attention.bwd_kernels import KERNELS
@@ -37,7 +38,7 @@ NAMES = ("q", "k", "v")  # flash_attention's names of its tensors, which its err
 # scalars); a dense call has no cu_seqlens.
 
 
-@op("attention_fwd", mutates=("o", "lse"))
+@op("attention_fwd", mutates=("o", "lse"), replay=lambda: (fwd.SM90_FORWARD,))
 def _forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -67,7 +68,11 @@ def _forward(
     )
 
 
-@op("attention_bwd", mutates=("dq", "dk", "dv"))
+@op(
+    "attention_bwd",
+    mutates=("dq", "dk", "dv"),
+    replay=lambda: (bwd.SM90_BACKWARD, bwd.SM90_BACKWARD_DETERMINISTIC, bwd.SM90_BACKWARD_DETERMINISTIC_GQA),
+)
 def _backward(
     do: torch.Tensor,
     q: torch.Tensor,

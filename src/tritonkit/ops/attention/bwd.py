@@ -18,8 +18,8 @@ import logging
 import torch
 
 from tritonkit import tuning
-from tritonkit._launch import Launch, cdiv, ensure_allocator
-from tritonkit._runtime import empty_output, interpret
+from tritonkit._launch import Launch, cdiv, ensure_allocator, scratch
+from tritonkit._runtime import interpret
 from tritonkit.ops.attention import fwd
 from tritonkit.ops.attention.bwd_kernels import (
     CONFIGS,
@@ -316,7 +316,7 @@ def attention_bwd_into(
     if packed is not None:  # the kernels take (1, H, T, D) views of (T, H, D) and (1, H, T) of (H, T)
         do, q, k, v, o, dq, dk, dv = (t.transpose(0, 1).unsqueeze(0) for t in (do, q, k, v, o, dq, dk, dv))
         lse, dlse = lse.unsqueeze(0), dlse if dlse is None else dlse.unsqueeze(0)
-    delta = empty_output(lse.shape, torch.float32, q.device)
+    delta = scratch(lse.shape, torch.float32, q.device)
     _delta_launch(o, do, lse, dlse, delta).run()
     if config is None and sm90_takes(q, k, v, scores, packed, deterministic):
         from tritonkit.ops.attention import bwd_sm90
@@ -335,7 +335,7 @@ def attention_bwd_into(
             "dq": _problem(q, k, v, do, lse, delta, scores, packed, dq=dq),
         }
     else:  # the accumulator is zeroed by each run of the dK/dV kernel (tuning runs too)
-        dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        dq_acc = scratch(q.shape, torch.float32, q.device)
         problems = {
             "dkdv": _problem(q, k, v, do, lse, delta, scores, packed, dk=dk, dv=dv, dq=dq, dq_acc=dq_acc)
         }

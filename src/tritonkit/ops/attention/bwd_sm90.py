@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from tritonkit._launch import Launch, cdiv, tma_ready
+from tritonkit._launch import Launch, cdiv, scratch, tma_ready
 from tritonkit._runtime import sm_count
 from tritonkit._triton import tl, triton
 from tritonkit.jit import LOG2E
@@ -153,17 +153,17 @@ def attention_bwd_sm90(
     config = config or default_config(q.shape[3], deterministic, q.shape[1] != k.shape[1], causal)
     shares = config.per_query_head and q.shape[1] != k.shape[1]
     if shares:  # each query head's share of dK and dV, (B, Hq, Sk, D), summed below
-        outputs = [torch.empty((*q.shape[:2], *k.shape[2:]), dtype=k.dtype, device=k.device) for _ in "kv"]
+        outputs = [scratch((*q.shape[:2], *k.shape[2:]), k.dtype, k.device) for _ in "kv"]
     else:
         outputs = [
             g if tma_ready(g) else torch.empty_like(g, memory_format=torch.contiguous_format)
             for g in (dk, dv)
         ]
-    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dq_acc = scratch(q.shape, torch.float32, q.device, zeroed=True)
     # a ticket counter a query block: the key blocks' turns to add into it
     blocks_q = cdiv(q.shape[2], BLOCK_M)
     tickets = (
-        torch.zeros((*q.shape[:2], blocks_q), dtype=torch.int32, device=q.device) if deterministic else dq_acc
+        scratch((*q.shape[:2], blocks_q), torch.int32, q.device, zeroed=True) if deterministic else dq_acc
     )
     for launch in launches(
         do, q, k, v, lse, delta, dq_acc, tickets, *outputs, scale=scale, causal=causal,

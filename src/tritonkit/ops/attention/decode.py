@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from tritonkit._launch import Launch, Plan, cdiv, next_power_of_2
+from tritonkit._launch import Launch, Plan, call_signature, cdiv, next_power_of_2
 from tritonkit._runtime import empty_output, interpret, sm_count
 from tritonkit._triton import tl, triton
 from tritonkit.jit import LOG2E, dot_fp32
@@ -357,19 +357,6 @@ MAX_PLANS = 256  # call signatures kept: a decode loop's calls repeat a few
 _plans: dict[tuple, tuple[int, Plan | None]] = {}
 
 
-def _signature(tensors: tuple, window, softcap, num_splits, scale, causal) -> tuple | None:
-    """What the input check reads and the launches follow from: each tensor's shape, strides, dtype
-    and device, and the options; None under torch.compile (the trace runs once) or for an argument
-    that is not a tensor (the check says which)."""
-    if torch.compiler.is_compiling():
-        return None
-    try:
-        return (*((t.shape, t.stride(), t.dtype, t.device) if t is not None else None for t in tensors),
-                window, softcap, num_splits, scale, causal)  # fmt: skip
-    except AttributeError:
-        return None
-
-
 def _remember(key: tuple | None, splits: int, plan: Plan | None) -> None:
     if key is not None:
         if len(_plans) >= MAX_PLANS:
@@ -548,7 +535,7 @@ def flash_attention_with_kvcache(
     window = tuple(int(w) for w in window)
     num_splits, softcap = int(num_splits), float(softcap)
     inputs = (q, k_cache, v_cache, k, v, cache_seqlens, block_table)
-    key = _signature(inputs, window, softcap, num_splits, scale, causal)
+    key = call_signature(inputs, window, softcap, num_splits, scale, causal)
     splits, plan = _plans.get(key, (0, None)) if key is not None else (0, None)
     known = splits > 0
     if not known:  # the check once a signature: at B = 1 the call is host-bound (docs/perf-notes.md)

@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from tritonkit._launch import Launch, cdiv
+from tritonkit._launch import Launch, cdiv, scratch
 from tritonkit._runtime import empty_output, sm_count
 from tritonkit.dtypes import HALVES
 from tritonkit.opdef import check_tensor, first_derivative_only, op
@@ -148,8 +148,8 @@ def _activation_backward(dy, z, activation: int, *, u=None, sum_db: bool = False
     du into u's (each element is read before it is written, by the same thread)."""
     gated, store = u is not None, bool(activation) or u is not None
     (m, n), device = dy.shape, dy.device
-    dz = (z if in_place else empty_output((m, n), dy.dtype, device)) if store else dy
-    du = (u if in_place else empty_output((m, n), dy.dtype, device)) if gated else None
+    dz = (z if in_place else scratch((m, n), dy.dtype, device)) if store else dy
+    du = (u if in_place else scratch((m, n), dy.dtype, device)) if gated else None
     if not (store or sum_db):
         return dz, du, None
     db_partial = _db_partial(dy) if sum_db else None
@@ -162,7 +162,7 @@ def _activation_backward(dy, z, activation: int, *, u=None, sum_db: bool = False
 # ---------------------------------------------------------------- ops and autograd: linear
 
 
-@op("linear", mutates=("y", "pre"))
+@op("linear", mutates=("y", "pre"), replay=True)
 def _linear_forward(
     input: torch.Tensor,
     weight: torch.Tensor,
@@ -334,7 +334,7 @@ def _gated_activation_launch(g, u, y, activation: int) -> Launch:
     return Launch("gated fwd act(g) * u (elementwise)", _gated_activation_kernel, args, meta, grid=grid)
 
 
-@op("gated_linear", mutates=("y", "g", "u"))
+@op("gated_linear", mutates=("y", "g", "u"), replay=True)
 def _gated_forward(
     input: torch.Tensor,
     weight_gate: torch.Tensor,
@@ -358,7 +358,7 @@ def _gated_forward(
         matmul(x, weight_gate, _rows(y), b2=weight_up, activation=code, gated=GATED_FWD, pre=pre, pre2=pre2)
         return
     if g is None:
-        g, u = (empty_output(y.shape, y.dtype, y.device) for _ in range(2))
+        g, u = (scratch(y.shape, y.dtype, y.device) for _ in range(2))
     matmul(x, weight_gate, _rows(g))
     matmul(x, weight_up, _rows(u))
     if y.numel():
@@ -389,7 +389,7 @@ def _gated_backward_pass(
         matmul(du.t(), x.t(), dwu)
 
 
-@op("gated_linear_backward", mutates=("dx", "dwg", "dwu"))
+@op("gated_linear_backward", mutates=("dx", "dwg", "dwu"), replay=True)
 def _gated_backward(
     grad_output: torch.Tensor,
     input: torch.Tensor,
@@ -406,7 +406,7 @@ def _gated_backward(
     _gated_backward_pass(grad_output, input, weight_gate, weight_up, g, u, activation, dx, dwg, dwu, False)
 
 
-@op("gated_linear_backward_spending_products", mutates=("g", "u", "dx", "dwg", "dwu"))
+@op("gated_linear_backward_spending_products", mutates=("g", "u", "dx", "dwg", "dwu"), replay=True)
 def _gated_backward_spending_products(
     grad_output: torch.Tensor,
     input: torch.Tensor,

@@ -35,7 +35,7 @@ from collections.abc import Callable
 import torch
 
 from tritonkit import tuning
-from tritonkit._launch import Launch, cdiv, next_power_of_2
+from tritonkit._launch import Launch, cdiv, next_power_of_2, scratch
 from tritonkit._runtime import empty_output, interpret, sm_count
 from tritonkit.dtypes import DTYPE_OF, FLOATS, NAME_OF
 from tritonkit.opdef import check_tensor, first_derivative_only, op
@@ -102,8 +102,8 @@ def _fwd_launches(
     looped = block_n > MAX_BLOCK_N["fwd"] or "BLOCK_N" in config  # looped configs name their chunk
     stats = rstd is not None
     if looped and not stats:
-        mean = None if rms else torch.empty(rows, dtype=torch.float32, device=input.device)
-        rstd = torch.empty(rows, dtype=torch.float32, device=input.device)
+        mean = None if rms else scratch((rows,), torch.float32, input.device)
+        rstd = scratch((rows,), torch.float32, input.device)
         stats = True
     x2 = _rows_2d(input, n)
     r2 = _rows_2d(residual, n) if residual is not None else None
@@ -169,11 +169,11 @@ def _bwd_launches(
     block_n = next_power_of_2(n)
     looped = block_n > MAX_BLOCK_N["bwd"]
     programs = cdiv(rows, config["ROWS"])
-    rstd = rstd if rstd is not None else torch.empty(rows, dtype=torch.float32, device=h.device)
+    rstd = rstd if rstd is not None else scratch((rows,), torch.float32, h.device)
     if mean is None and not rms:
-        mean = torch.empty(rows, dtype=torch.float32, device=h.device)
-    dw_partial = empty_output((programs, n), torch.float32, h.device) if weight is not None else None
-    db_partial = empty_output((programs, n), torch.float32, h.device) if bias is not None else None
+        mean = scratch((rows,), torch.float32, h.device)
+    dw_partial = scratch((programs, n), torch.float32, h.device) if weight is not None else None
+    db_partial = scratch((programs, n), torch.float32, h.device) if bias is not None else None
     h2, dy2 = _rows_2d(h, n), _rows_2d(grad_y.to(h.dtype), n)
     dh2 = _rows_2d(grad_h.to(h.dtype), n) if grad_h is not None else None
     stats = (_unit_stride(weight), mean, rstd)
@@ -199,7 +199,7 @@ def _bwd_launches(
     if block_m > 1 and looped or config["ROWS"] % block_m:
         raise ValueError(f"BLOCK_M must divide ROWS, and the looped backward takes rows singly: {config}")
     if looped:
-        sums = torch.empty((rows, 2), dtype=torch.float32, device=h.device)  # per-row scratch
+        sums = scratch((rows, 2), torch.float32, h.device)  # per-row scratch
         main = Launch(
             "bwd",
             _norm_bwd_looped_kernel,
@@ -513,7 +513,7 @@ def _forward_outputs(input, residual, rms: bool, stats: bool) -> tuple:
     return y, h, mean, rstd
 
 
-@op("norm", mutates=("y", "h", "mean", "rstd"))
+@op("norm", mutates=("y", "h", "mean", "rstd"), replay=True)
 def _forward(
     input: torch.Tensor,
     residual: torch.Tensor | None,
@@ -542,7 +542,7 @@ def _forward(
     _run(_fwd_launches(input, residual, weight, bias, eps, rms, y, h, mean, rstd, config))
 
 
-@op("norm_backward", mutates=("dx", "dw", "db"))
+@op("norm_backward", mutates=("dx", "dw", "db"), replay=True)
 def _backward(
     grad_y: torch.Tensor,
     grad_h: torch.Tensor | None,
