@@ -32,7 +32,6 @@ controls): where a part's maths were wrong, its curve would part from the others
 
 from __future__ import annotations
 
-import contextlib
 import json
 import statistics
 import sys
@@ -181,7 +180,7 @@ def main() -> None:
         model = prepare(_model())  # the same seed: the same initial weights
         result["parameters"] = sum(p.numel() for p in model.parameters())
         main_run = name in ("transformers", "tritonkit")
-        with contextlib.nullcontext() if main_run else tuning.disabled():
+        with tuning.enabled() if main_run else tuning.disabled():
             result["runs"][name] = run = _train(model, batches, profile=main_run)
         tail = statistics.mean(run["loss"][-TAIL:])
         print(

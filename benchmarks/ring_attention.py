@@ -268,4 +268,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("TRITONKIT_AUTOTUNE", "1")  # tritonkit as tuned, in every rank's process
     main()

@@ -29,7 +29,7 @@ import torch
 from attention_bwd_sm90 import _bench, arguments, result_header
 
 import tritonkit
-from tritonkit import nn
+from tritonkit import nn, tuning
 from tritonkit.ops.float8_linear import RECIPES
 from tritonkit.ops.scaled_mm import scaled_mm_reference
 
@@ -257,4 +257,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with tuning.enabled():  # tritonkit as tuned (where nothing is cached or shipped, tuned here)
+        main()

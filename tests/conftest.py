@@ -50,6 +50,16 @@ def _gpu_memory_returned(request):
 
 
 @pytest.fixture(autouse=True)
+def _autotune(request, monkeypatch):
+    """Tuning on first use, as the suite was written for (where tuning can run: never under the
+    interpreter). Users get it opt-in: tests marked ``tuning_default`` see the default, off."""
+    if "tuning_default" in request.keywords:
+        monkeypatch.delenv("TRITONKIT_AUTOTUNE", raising=False)
+    else:
+        monkeypatch.setenv("TRITONKIT_AUTOTUNE", "1")
+
+
+@pytest.fixture(autouse=True)
 def _fresh_plans():
     """Each test's calls record their own plans (``opdef``'s replays), under the module settings the
     test makes: a plan recorded by an earlier test would replay that test's launches."""

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tritonkit import tuning
+from tritonkit import kernel_sources, tuning
 
 pytestmark = pytest.mark.tuning
 
@@ -689,10 +689,10 @@ def test_a_tuners_hash_covers_every_jit_helper_its_kernels_call():
     from tritonkit.ops.attention import bwd as attention_bwd
     from tritonkit.ops.linear import kernels as linear_kernels
 
-    dq = tuning.jit_closure(attention_bwd._attn_bwd_dq_kernel)
+    dq = kernel_sources.jit_closure(attention_bwd._attn_bwd_dq_kernel)
     assert {"_attn_bwd_dq_kernel()", "_dq_steps()", "_sequence()", "_key_ranges()", "dot_fp32()"} <= set(dq)
     assert dq["LOG2E"] == repr(1.4426950408889634)
-    linear = tuning.jit_closure(linear_kernels._linear_kernel)
+    linear = kernel_sources.jit_closure(linear_kernels._linear_kernel)
     assert {"_activate()", "gelu()", "tanh_and_sech2()"} <= set(linear)  # through jit.gelu
     assert "tl" not in linear and not any(name.startswith("triton") for name in linear)
 
@@ -703,9 +703,9 @@ def test_editing_a_helper_deep_in_the_closure_changes_the_hash(monkeypatch):
     tuner = matmul.TUNER
     copy = lambda: tuning.Tuner("closure-copy", tuner.configs, sources=tuner.sources, default=tuner.default)  # noqa: E731
     before = copy().source_hash
-    real = tuning._source_text
+    real = kernel_sources.source_text
     edited = lambda s: real(s).replace("4.0 * e", "4.0000001 * e")  # noqa: E731  (in jit.tanh_and_sech2)
-    monkeypatch.setattr(tuning, "_source_text", lambda s: s if isinstance(s, str) else edited(s))
+    monkeypatch.setattr(kernel_sources, "source_text", lambda s: s if isinstance(s, str) else edited(s))
     after = copy().source_hash
     assert before != after
     tuning.TUNERS.pop("closure-copy", None)

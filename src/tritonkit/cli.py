@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from tritonkit import __version__, roofline
+from tritonkit import __version__, roofline, tuning
 from tritonkit.asm import ARCHS, IRS  # stdlib and torch only: no kernel is defined here
 from tritonkit.bench.layer import CASES as LAYER_CASES  # likewise
 from tritonkit.bench.model import CASES as MODEL_CASES  # likewise
@@ -52,9 +52,13 @@ def cmd_info(args) -> int:
         f"python {platform.python_version()}"
     )
     print(f"kernels: {'Triton interpreter on the CPU' if interpreted else 'compiled for the GPU'}")
-    from tritonkit import tuning
 
     print(f"tuning cache: {roofline.cache_dir() / tuning.SUBDIR} (TRITONKIT_CACHE_DIR moves it)")
+    print(
+        "tuning on a key's first call: "
+        + ("on" if tuning.autotune_on() else "off: cached, shipped or default configs")
+        + f" ({tuning.AUTOTUNE_VARIABLE}=1 or `tritonkit tune` tunes)"
+    )
     if not torch.cuda.is_available():
         print("device: no CUDA GPU")
         spec = roofline.device_spec(args.device or "h200")
@@ -154,16 +158,8 @@ def cmd_bench_layer(args) -> int:
         if not interpret():
             layer.write_results([row | {"command": command} for row in rows], out)
 
-    rows, not_run = layer.run(
-        args.case or list(layer.CASES),
-        dtype=DTYPES[dtypes[0]],
-        providers=args.providers or layer.PROVIDERS,
-        modes=modes,
-        progress=not args.no_progress,
-        report=functools.partial(print, file=sys.stderr, flush=True) if args.no_progress else None,
-        on_case=save,
-        time_limit=args.time_limit,
-    )
+    with tuning.enabled():  # tritonkit's rows with tuned configs, as the kernel tables'
+        rows, not_run = _run_layer(args, layer, modes, dtypes, save)
     rows = [row | {"command": command} for row in rows]
     if rows:
         print(layer.markdown_table(rows))
@@ -176,6 +172,19 @@ def cmd_bench_layer(args) -> int:
     if failed:
         print(f"{len(failed)} layer rows FAILED the check against torch", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _run_layer(args, layer, modes: list[str], dtypes: list[str], save) -> tuple[list[dict], list[str]]:
+    return layer.run(
+        args.case or list(layer.CASES),
+        dtype=DTYPES[dtypes[0]],
+        providers=args.providers or layer.PROVIDERS,
+        modes=modes,
+        progress=not args.no_progress,
+        report=functools.partial(print, file=sys.stderr, flush=True) if args.no_progress else None,
+        on_case=save,
+        time_limit=args.time_limit,
+    )
 
 
 def cmd_bench_model(args) -> int:
@@ -207,12 +216,13 @@ def cmd_bench_model(args) -> int:
     report = functools.partial(print, file=sys.stderr, flush=True)
     rows = []
     for case in cases:  # each case's rows written as it ends: a run stopped later keeps them
-        rows += [
-            row | {"command": command}
-            for row in model.run_case(
-                case, args.layers or model.LAYERS, providers, report, generate=not args.no_generate
-            )
-        ]
+        with tuning.enabled():  # tritonkit's rows with tuned configs, as the kernel tables'
+            rows += [
+                row | {"command": command}
+                for row in model.run_case(
+                    case, args.layers or model.LAYERS, providers, report, generate=not args.no_generate
+                )
+            ]
         paths = model.write_results(rows, Path(args.out))
     print(model.markdown_table(rows))
     for path in paths:
@@ -283,7 +293,9 @@ def cmd_bench(args) -> int:
         append_checkpoint(checkpoint, [row | {"command": command} for row in case_rows])
 
     with (
-        bench_sweep.untuned_calls() if sweep else contextlib.nullcontext(),
+        # the tables are of tuned configs (tuned here where nothing is cached or shipped); the sweep's
+        # of untuned calls, as a user's first call runs
+        bench_sweep.untuned_calls() if sweep else tuning.enabled(),
         bench_sweep.sweep_timing() if sweep else contextlib.nullcontext(),
     ):
         rows = run(
@@ -419,7 +431,6 @@ def _fingerprints(args) -> int:
 
 
 def cmd_tune(args) -> int:
-    from tritonkit import tuning
     from tritonkit._runtime import interpret
 
     if args.show is not None:
@@ -439,7 +450,7 @@ def cmd_tune(args) -> int:
         )
     if args.ops and interpret():
         raise ValueError("tune times kernels: it needs a CUDA GPU (this process interprets them)")
-    with tuning.retuning() if args.retune else contextlib.nullcontext():
+    with tuning.retuning() if args.retune else tuning.enabled():
         for name in args.ops:
             _tune(get_workload(name), args)
     if args.export_file:
@@ -492,7 +503,6 @@ def _tuner_identities_at(revision: str) -> dict:
 
 
 def _rekey(revision: str) -> int:
-    from tritonkit import tuning
 
     for name in op_names():
         get_op(name)  # defines every tuner
@@ -509,7 +519,6 @@ def _rekey(revision: str) -> int:
 
 def _show_tuning(args) -> int:
     """Print the entries of an export (or of the cache and the shipped exports) that the filters keep."""
-    from tritonkit import tuning
 
     wanted = {}
     for condition in args.where:
@@ -566,7 +575,7 @@ def _tune(workload, args) -> None:
 
     from tqdm import tqdm
 
-    from tritonkit import testing, tuning
+    from tritonkit import testing
 
     started = time.time()
     backward = "bwd" in args.mode

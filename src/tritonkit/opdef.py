@@ -131,8 +131,8 @@ def forget_plans() -> None:
 
 def _replayed_or_run(fn: Callable, plans: dict, fields: tuple, args: tuple) -> None:
     """Replay the launches of a call like this one (``fields``: its arguments and switches), or run
-    ``fn`` on ``args``, recording its launches as the signature's plan the first time, where tuning
-    could run (a config chosen now is then final, not a stand-in until a tuning)."""
+    ``fn`` on ``args``, recording its launches as the signature's plan the first time, where the
+    configs chosen now are final (not a stand-in until a tuning: ``tuning.choices_settled``)."""
     try:
         key = tuple(
             (a.shape, a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else a for a in fields
@@ -142,7 +142,7 @@ def _replayed_or_run(fn: Callable, plans: dict, fields: tuple, args: tuple) -> N
         return fn(*args)
     if plan and plan.run(args):
         return None
-    if plan is not False or not tuning.tuning_possible():
+    if plan is not False or not tuning.choices_settled():
         return fn(*args)
     with _launch.recording_launches() as recording:
         fn(*args)

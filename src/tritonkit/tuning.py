@@ -8,18 +8,22 @@ Triton version and kernel-source hash, so an edited kernel or a new Triton tunes
 exported from the H200 (``tritonkit tune --export``) ship with the package in ``tuned/*.json``:
 where this machine's cache has no entry, a shipped one for the same setting is used.
 
-Tuning launches and times kernels, which cannot happen under the interpreter (one config is then
-always used and the disk cache is left alone), while torch.compile traces, while a CUDA graph is
-being captured, or inside :func:`disabled`. In the last three a cached winner is still used.
+Tuning is opt-in: a key with no cached or shipped winner runs the tuner's default at once, unless
+tuning is turned on (the environment variable TRITONKIT_AUTOTUNE=1, :func:`enabled`, or
+``tritonkit tune``), when its first call tunes it. A tuning compiles every candidate (half a
+second to seconds each, on all cores) and times each: seconds to a minute a key, which a first call
+should not stall on, and no bound of a few hundred milliseconds would leave room to compare more
+than the default. Tuning launches and times kernels, which cannot happen under the interpreter (one
+config is then always used and the disk cache is left alone), while torch.compile traces, while a
+CUDA graph is being captured, or inside :func:`disabled`. In the last three a cached winner is
+still used.
 """
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import functools
 import hashlib
-import inspect
 import io
 import json
 import logging
@@ -28,12 +32,12 @@ import os
 import re
 import sys
 import tempfile
-import textwrap
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
 
+from tritonkit import kernel_sources
 from tritonkit._runtime import interpret
 from tritonkit.roofline import cache_dir
 
@@ -67,6 +71,8 @@ SUBDIR = "tuning"
 NAME_HASH_CHARS = 16  # 64 bits of sha256 in the file name: collisions are caught by the checks on read
 
 _disabled_depth = 0  # > 0 inside disabled(); a counter so that nested blocks restore correctly
+_enabled_depth = 0  # > 0 inside enabled()
+AUTOTUNE_VARIABLE = "TRITONKIT_AUTOTUNE"  # "1": a key's first call tunes it (as enabled())
 _unwritable_dirs: set[Path] = set()  # cache directories already warned about
 _retuning = False  # True inside retuning(): stored winners are not read
 
@@ -80,9 +86,22 @@ def _single_config() -> bool:
     return interpret()
 
 
+def autotune_on() -> bool:
+    """Whether a key with no winner is tuned on its first call: inside :func:`enabled` or
+    :func:`retuning`, or with TRITONKIT_AUTOTUNE set (to anything but 0)."""
+    return bool(_enabled_depth or _retuning) or os.environ.get(AUTOTUNE_VARIABLE, "0") not in ("", "0")
+
+
+def choices_settled() -> bool:
+    """Whether a config chosen now is what later calls of its key get: tuning is off (a default
+    stays until tuning is turned on, which forgets it), or it is on and can run now (a tuned or
+    cached winner), not paused by a trace, a capture or :func:`disabled`."""
+    return not autotune_on() or tuning_possible()
+
+
 def tuning_possible() -> bool:
     """Whether kernels may be launched and timed now to pick a config."""
-    if _single_config() or _disabled_depth:
+    if _single_config() or _disabled_depth or not autotune_on():
         return False
     # Tracing sees fake tensors, and a capturing stream records launches instead of running them.
     if torch.compiler.is_compiling():
@@ -99,6 +118,19 @@ def disabled() -> Iterator[None]:
         yield
     finally:
         _disabled_depth -= 1
+
+
+@contextlib.contextmanager
+def enabled() -> Iterator[None]:
+    """Within this block a key with no cached or shipped winner is tuned on its first call (and its
+    winner cached on disk). The configs chosen for calls before it are looked up again."""
+    global _enabled_depth
+    forget_chosen()  # a default chosen while tuning was off would otherwise stay
+    _enabled_depth += 1
+    try:
+        yield
+    finally:
+        _enabled_depth -= 1
 
 
 @contextlib.contextmanager
@@ -153,59 +185,6 @@ def _triton_version() -> str:
     return triton.__version__
 
 
-def _source_text(source) -> str:
-    """The text a tuner hashes: a triton JITFunction's ``src`` (dedented, from ``def``, no decorators);
-    any other function's the same way, so that the interpreter's hash equals the GPU's and a CPU run
-    can tell whether configs tuned on the GPU still describe these kernels."""
-    if isinstance(source, str):
-        return source
-    if isinstance(getattr(source, "src", None), str):  # triton JITFunction
-        return source.src
-    if hasattr(source, "fn"):  # the interpreter's InterpretedFunction, triton's Autotuner
-        return _source_text(source.fn)
-    text = textwrap.dedent(inspect.getsource(source))
-    start = re.search(r"^def\s+\w+\s*\(", text, re.MULTILINE)
-    return text[start.start() :] if start else text
-
-
-def _python_function(value):
-    """The plain function behind a ``@triton.jit`` kernel or helper (compiled or interpreted), else None."""
-    if type(value).__name__ not in ("JITFunction", "InterpretedFunction"):
-        return None
-    fn = value.fn
-    return fn if inspect.isfunction(fn) and fn.__module__.startswith("tritonkit") else None
-
-
-def jit_closure(kernel) -> dict[str, str]:
-    """The source of ``kernel`` and of every tritonkit ``@triton.jit`` helper it calls, directly or
-    through other helpers, plus the constexpr globals they read: name -> text. This is what a tuned
-    kernel compiles from, found the way Triton's own cache key finds a kernel's dependencies (the
-    names each body reads, looked up in its module's globals), so no list is kept by hand."""
-    texts: dict[str, str] = {}
-    pending = [kernel]
-    while pending:
-        fn = _python_function(pending.pop())
-        if fn is None or f"{fn.__name__}()" in texts:
-            continue
-        source = _source_text(fn)
-        texts[f"{fn.__name__}()"] = source
-        for node in ast.walk(ast.parse(source)):
-            if isinstance(node, ast.Name) and node.id in fn.__globals__:
-                value = fn.__globals__[node.id]
-                if _python_function(value) is not None:
-                    pending.append(value)
-                elif type(value).__name__ == "constexpr":
-                    texts[node.id] = repr(value.value)
-    return texts
-
-
-def _hashed_texts(source) -> list[str]:
-    """What a tuner hashes for one of its sources: a string as it is; a kernel with its jit closure."""
-    if isinstance(source, str) or _python_function(source) is None:
-        return [_source_text(source)]
-    return [f"{name}={text}" for name, text in sorted(jit_closure(source).items())]
-
-
 TUNERS: dict[str, Tuner] = {}  # the tuners defined so far, by name (each op module defines its own)
 
 
@@ -234,10 +213,10 @@ class Tuner:
 
     @functools.cached_property
     def source_hash(self) -> str:
-        """sha256 of the kernels with their jit closures (:func:`jit_closure`) and of the config list;
-        read lazily, only when the disk is used."""
+        """sha256 of the kernels with their jit closures (``kernel_sources.jit_closure``) and of the
+        config list; read lazily, only when the disk is used."""
         digest = hashlib.sha256()
-        texts = sorted({text for source in self.sources for text in _hashed_texts(source)})
+        texts = sorted({text for source in self.sources for text in kernel_sources.hashed_texts(source)})
         for text in texts + [_canonical(self.configs)]:
             digest.update(f"{len(text)}:{text}".encode())  # length prefix: no two splits hash alike
         return digest.hexdigest()
@@ -699,7 +678,7 @@ class Tuned:
             config = pick(entry)
         else:
             config = self.tuner.default(key) if entry is None else entry["config"]
-        final = entry is not None or _single_config()
+        final = entry is not None or _single_config() or not autotune_on()
         if final:
             remember(self._chosen, signature, config, MAX_CHOSEN)
         # once a signature (the memo answers the next calls): which config a new key's call runs
