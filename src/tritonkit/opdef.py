@@ -119,7 +119,6 @@ def op(
 
 
 MAX_PLANS = 1024  # call signatures whose launches an op keeps
-_PLAIN = frozenset({int, float, bool, str, type(None)})  # arguments a key holds as they are
 _PLANS: list[dict] = []  # each replaying op's plans
 
 
@@ -134,10 +133,12 @@ def _replayed_or_run(fn: Callable, plans: dict, fields: tuple, args: tuple) -> N
     """Replay the launches of a call like this one (``fields``: its arguments and switches), or run
     ``fn`` on ``args``, recording its launches as the signature's plan the first time, where the
     configs chosen now are final (not a stand-in until a tuning: ``tuning.choices_settled``)."""
-    try:  # (a list comprehension over exact types: half the time of a generator's isinstance)
-        key = tuple([a if type(a) in _PLAIN else (a.shape, a.stride(), a.dtype, a.device) for a in fields])
+    try:
+        key = tuple(
+            (a.shape, a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else a for a in fields
+        )
         plan = plans.get(key, False)  # False: not seen; None: seen, and not replayable
-    except (AttributeError, TypeError):  # an argument that is neither plain nor a tensor
+    except TypeError:  # an argument that cannot key a dict
         return fn(*args)
     if plan and plan.run(args):
         return None
@@ -149,6 +150,10 @@ def _replayed_or_run(fn: Callable, plans: dict, fields: tuple, args: tuple) -> N
     plan = None if recording.writes else _launch.Plan.record(recording.launches, args, recording.scratch)
     tuning.remember(plans, key, plan, MAX_PLANS)
     return None
+
+
+def _geometry(t: torch.Tensor) -> tuple:
+    return t.shape, t.stride(), t.dtype, t.device
 
 
 def _writes_outputs_only(*args, **kwargs) -> None:
