@@ -62,6 +62,10 @@ def test_an_op_replays_the_plan_its_first_call_of_a_signature_recorded(monkeypat
     call(lambda *a: bodies.append(a), y.t(), 2.0)  # other strides
     call(lambda *a: bodies.append(a), y, 2.0, switches=(False,))  # a module switch flipped
     assert len(bodies) == 4 and len(plans) == 4
+    switches = (True, (128,), (64, 128))  # as the attention backward's: tuples of head dims
+    call(lambda *a: bodies.append(a), y, 2.0, switches=switches)
+    call(lambda *a: bodies.append(a), x, 2.0, switches=switches)
+    assert len(bodies) == 5 and len(plans) == 5 and plan.replays[-1] == (x, 2.0)
 
 
 def test_a_plan_that_declines_falls_back_to_the_op_and_records_nothing_more(monkeypatch):

@@ -152,10 +152,6 @@ def _replayed_or_run(fn: Callable, plans: dict, fields: tuple, args: tuple) -> N
     return None
 
 
-def _geometry(t: torch.Tensor) -> tuple:
-    return t.shape, t.stride(), t.dtype, t.device
-
-
 def _writes_outputs_only(*args, **kwargs) -> None:
     """The fake of a destination-passing op: it returns nothing, and its outputs exist already."""
     return None
