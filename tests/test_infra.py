@@ -459,6 +459,7 @@ def test_the_registry_is_the_one_list_of_ops():
 def test_lazy_public_names():
     assert "bias_gelu" in dir(tritonkit) and "bias_gelu" in tritonkit.__all__
     assert tritonkit.bias_gelu is bias_gelu
+    assert tritonkit.tuning.enabled and "tuning" in dir(tritonkit)  # as the README's `tuning.enabled()`
     with pytest.raises(AttributeError, match="no_such_op"):
         _ = tritonkit.no_such_op
 

@@ -69,7 +69,8 @@ FAMILIES = {
         "workloads": ("linear", "linear_bare", "gated_linear"),
     },
 }
-SUBPACKAGES = ("nn", "distributed")  # public names that are modules: tritonkit.nn, tritonkit.distributed
+# public names that are modules: tritonkit.nn, tritonkit.distributed, tritonkit.tuning
+SUBPACKAGES = ("nn", "distributed", "tuning")
 
 PUBLIC = {name: module for module, family in FAMILIES.items() for name in family["public"]} | {
     name: f"tritonkit.{name}" for name in SUBPACKAGES
