@@ -49,7 +49,7 @@ import math
 import torch
 
 from tritonkit import tuning
-from tritonkit._launch import Launch, cdiv, launcher_of, next_power_of_2
+from tritonkit._launch import Launch, call_signature, cdiv, launcher_of, next_power_of_2
 from tritonkit._runtime import check_device, empty_output, interpret, sm_count
 from tritonkit.dtypes import FLOATS, NAME_OF
 from tritonkit.opdef import first_derivative_only, op
@@ -364,18 +364,10 @@ def _plan(key: tuple, config: dict, final: bool, tensors: tuple, views: tuple, o
         _plans[key] = (config, _geometry(views), out_dtype)
 
 
-def _signature(direction: str, tensors: tuple, *options) -> tuple | None:
-    """What a stored plan is keyed by: shapes, strides, dtypes and devices of the call's tensors."""
-    try:
-        return (direction, *((t.shape, t.stride(), t.dtype, t.device) for t in tensors), *options)
-    except AttributeError:  # not a tensor: validation says so
-        return None
-
-
 @op("softmax", mutates=("y",))
 def _forward(input: torch.Tensor, dim: int, log: bool, variant: str, y: torch.Tensor) -> None:
     """y = softmax(input) (or log_softmax) along ``dim``, into ``y`` (input's shape, contiguous)."""
-    key = _signature("fwd", (input,), dim, y.dtype, log, variant)
+    key = call_signature((input,), "fwd", dim, y.dtype, log, variant)
     plan = _plans.get(key)
     if plan is not None:
         config, geometry, _ = plan
@@ -396,7 +388,7 @@ def _backward(
     grad_output: torch.Tensor, output: torch.Tensor, dim: int, log: bool, variant: str, dx: torch.Tensor
 ) -> None:
     """dx, the input gradient of softmax (or log_softmax) from its output and grad_output, into ``dx``."""
-    key = _signature("bwd", (output, grad_output), dim, dx.dtype, log, variant)
+    key = call_signature((output, grad_output), "bwd", dim, dx.dtype, log, variant)
     plan = _plans.get(key)
     if plan is not None:
         config, geometry, _ = plan
@@ -421,7 +413,7 @@ def _softmax(input, dim, dtype, log: bool, variant: str) -> torch.Tensor:
     """The forward: validated unless a stored plan says a call like it was seen (about 10 us of
     host time a call), then one op. Plans are keyed by ``dim`` as given."""
     out_dtype = dtype or input.dtype
-    planned = _signature("fwd", (input,), dim, out_dtype, log, variant) in _plans
+    planned = call_signature((input,), "fwd", dim, out_dtype, log, variant) in _plans
     if torch.compiler.is_compiling() or not planned:
         _validate(input, dim, dtype, variant)
     y = empty_output(input.shape, out_dtype, input.device)
