@@ -10,13 +10,13 @@ where this machine's cache has no entry, a shipped one for the same setting is u
 
 Tuning is opt-in: a key with no cached or shipped winner runs the tuner's default at once, unless
 tuning is turned on (the environment variable TRITONKIT_AUTOTUNE=1, :func:`enabled`, or
-``tritonkit tune``), when its first call tunes it. A tuning compiles every candidate (half a
-second to seconds each, on all cores) and times each: seconds to a minute a key, which a first call
-should not stall on, and no bound of a few hundred milliseconds would leave room to compare more
-than the default. Tuning launches and times kernels, which cannot happen under the interpreter (one
-config is then always used and the disk cache is left alone), while torch.compile traces, while a
-CUDA graph is being captured, or inside :func:`disabled`. In the last three a cached winner is
-still used.
+``tritonkit tune``), when its first call tunes it. A tuning compiles every candidate (a tenth of
+a second to over a second each, on all cores) and times each: seconds to tens of seconds a key,
+which a first call should not stall on, and no bound of a few hundred milliseconds would leave
+room to compare more than the default. Tuning launches and times kernels, which cannot happen
+under the interpreter (one config is then always used and the disk cache is left alone), while
+torch.compile traces, while a CUDA graph is being captured, or inside :func:`disabled`. In the
+last three a cached winner is still used.
 """
 
 from __future__ import annotations
