@@ -2,8 +2,9 @@
 SDPA's cuDNN and flash backends (and, with ``--flex``, compiled FlexAttention), in one process, bf16.
 
     python benchmarks/decode_attention.py OUT.json [--deadline SECONDS] [--flex] [--skip-step]
-    python benchmarks/decode_attention.py OUT.json --configs [--paged] [--deadline SECONDS]
+    python benchmarks/decode_attention.py OUT.json --configs [--paged] [--batch B1,B2] [--deadline SECONDS]
     python benchmarks/decode_attention.py OUT.json --pages [--deadline SECONDS]
+    python benchmarks/decode_attention.py OUT.json --splits [--deadline SECONDS]
     python benchmarks/decode_attention.py RESULT.json --markdown   (the README's table of a run)
 
 Rows: issue 28's shapes (B, Hq, Hkv, S_cache, D), one new query token (four at one shape), every
@@ -32,7 +33,9 @@ same with cuDNN SDPA, the token written by ``index_copy_`` (and, beside it, SDPA
 paged one (``--paged``: the paged one only): every launch config of ``CONFIGS`` at the rule's split
 count, then the fastest config at the split counts of ``_split_counts`` (a short protocol: 10 ms
 warm-up, 40 ms of repetitions). ``--pages`` times the paged call with each of ``PAGE_READS`` table
-entries read at once (``decode.PAGES``), the contiguous call beside it.
+entries read at once (``decode.PAGES``), the contiguous call beside it. ``--batch`` keeps the shapes of
+those batch sizes. ``--splits`` times, where
+the rule splits the keys, a few launches at many split counts, cuDNN beside.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 import tritonkit
-from tritonkit.bench import runner, timing
+from tritonkit.bench import layer, runner, timing
 from tritonkit.ops.attention import decode
 
 SHAPES = [  # ((B, Hq, Hkv, S_cache, D), Sq)
@@ -249,64 +252,124 @@ def _split_counts(pairs: int, rule: int) -> list[int]:
     return sorted(c for c in {1, max(1, rule // 2), rule, 2 * rule, *waves} if c <= decode.MAX_SPLITS * 4)
 
 
+def _forced_call(x: dict, paged: bool, splits: int):
+    """A no-argument decode call over ``x`` with ``splits`` forced: paged (full caches) or contiguous
+    (appending the step's tokens)."""
+    if paged:
+        pk, pv, table = x["paged"]
+        return lambda: tritonkit.flash_attention_with_kvcache(
+            x["q"], pk, pv, cache_seqlens=x["full"], block_table=table, num_splits=splits
+        )
+    return lambda: tritonkit.flash_attention_with_kvcache(
+        x["q"], x["k_cache"], x["v_cache"], *x["new"], cache_seqlens=x["before_new"], num_splits=splits
+    )
+
+
+LAUNCH_KINDS = ("ONE_SPLIT_LAUNCH", "SPLIT_LAUNCH")  # decode's launches, forced to one config while timed
+
+
+def _config_us(call, config: tuple) -> float:
+    """Graph time in us of ``call`` with both of decode's launches forced to ``config`` (BLOCK_N,
+    warps, stages), or inf where the GPU cannot hold it (its reason printed)."""
+    defaults = {kind: getattr(decode, kind) for kind in LAUNCH_KINDS}
+    for kind in LAUNCH_KINDS:
+        setattr(decode, kind, config)
+    decode._plans.clear()  # a recorded launch holds the config it was built with
+    try:
+        with timing.protocol(10, 40):
+            (_, median, _), _ = timing.kernel_ms([lambda: call])
+        return median * 1e3
+    except Exception as error:  # a config the GPU cannot hold (shared memory): its reason, not a time
+        print(f"{config}: {type(error).__name__}: {str(error).splitlines()[0][:120]}")
+        return float("inf")
+    finally:
+        for kind, launch in defaults.items():
+            setattr(decode, kind, launch)
+        decode._plans.clear()
+
+
 def _config_row(shape, seq_q: int, paged: bool, stop: float) -> dict:
     """Graph time in us of each (BLOCK_N, warps, stages, splits) tried, keyed "64-4-3-5"."""
     batch, _, heads_kv, seq, _ = shape
     x = _inputs(shape, seq_q, torch.Generator(device="cuda").manual_seed(0))
     rule = decode.default_splits(batch, heads_kv, seq, "cuda")
-    pk, pv, table = x["paged"]
-
-    def call(splits):
-        if paged:
-            return lambda: tritonkit.flash_attention_with_kvcache(
-                x["q"], pk, pv, cache_seqlens=x["full"], block_table=table, num_splits=splits
-            )
-        return lambda: tritonkit.flash_attention_with_kvcache(
-            x["q"], x["k_cache"], x["v_cache"], *x["new"], cache_seqlens=x["before_new"], num_splits=splits
-        )
-
-    kinds = ("ONE_SPLIT_LAUNCH", "SPLIT_LAUNCH")  # the config forced whatever the split count
-    defaults = {kind: getattr(decode, kind) for kind in kinds}
-
-    def time_us(config, splits) -> float:
-        for kind in kinds:
-            setattr(decode, kind, config)
-        decode._plans.clear()  # a recorded launch holds the config it was built with
-        try:
-            with timing.protocol(10, 40):
-                (_, median, _), _ = timing.kernel_ms([lambda: call(splits)])
-            return median * 1e3
-        except Exception as error:  # a config the GPU cannot hold (shared memory): its reason, not a time
-            print(f"{config} {splits} splits: {type(error).__name__}: {str(error).splitlines()[0][:120]}")
-            return float("inf")
-        finally:
-            for kind, launch in defaults.items():
-                setattr(decode, kind, launch)
-            decode._plans.clear()
-
+    peer = _providers(x, seq_q, False)["sdpa-cudnn"]
+    (_, cudnn, _), _ = timing.kernel_ms([lambda: peer])
     us = {}
     for config in CONFIGS:
         if time.time() < stop:
-            us["-".join(map(str, (*config, rule)))] = time_us(config, rule)
+            us["-".join(map(str, (*config, rule)))] = _config_us(_forced_call(x, paged, rule), config)
     best = min(us, key=us.get)
     config = tuple(int(c) for c in best.split("-")[:3])
     for splits in _split_counts(batch * heads_kv, rule):
         if time.time() < stop:
-            us["-".join(map(str, (*config, splits)))] = time_us(config, splits)
+            us["-".join(map(str, (*config, splits)))] = _config_us(_forced_call(x, paged, splits), config)
     best = min(us, key=us.get)
     kv_bytes = 2 * batch * heads_kv * seq * shape[4] * 2
-    default = defaults[kinds[rule > 1]]
+    default = getattr(decode, LAUNCH_KINDS[rule > 1])
     return {
         "shape": list(shape), "seq_q": seq_q, "paged": paged, "rule_splits": rule, "us": us,
+        "cudnn_us": cudnn * 1e3,
         "default": "-".join(map(str, (*default, rule))), "best": best, "best_tbps": kv_bytes / us[best] / 1e6,
     }  # fmt: skip
+
+
+SPLIT_CONFIGS = ((32, 2, 3), (32, 4, 3), (64, 4, 2))  # --splits: the launches timed at every count
+SPLIT_COUNTS = (2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 32, 48, 64)
+
+
+def _splits(out: str, stop: float) -> None:
+    """--splits: at each shape where the rule splits the keys, graph time in us of each launch of
+    SPLIT_CONFIGS at each of SPLIT_COUNTS (splits of at least MIN_SPLIT_KEYS keys), contiguous
+    (appending) and paged, cuDNN's time beside: how the split count and the programs it makes (B x
+    Hkv x splits, against the SMs and the programs an SM holds) set the time; and the kernels of the
+    default call (contiguous, appending: the split kernel and the combine), each one's GPU time."""
+    method = "tritonkit.bench.timing.kernel_ms, warm-up 10 ms, repetitions 40 ms"
+    result = result_header("decode_attention_splits", "decode_attention.py", method)
+    for shape, seq_q in SHAPES:
+        batch, _, heads_kv, seq, _ = shape
+        rule = decode.default_splits(batch, heads_kv, seq, "cuda")
+        if rule == 1 or time.time() > stop:
+            continue
+        x = _inputs(shape, seq_q, torch.Generator(device="cuda").manual_seed(0))
+        peer = _providers(x, seq_q, False)["sdpa-cudnn"]
+        (_, cudnn, _), _ = timing.kernel_ms([lambda peer=peer: peer])
+        row = {"shape": list(shape), "seq_q": seq_q, "rule_splits": rule, "cudnn_us": cudnn * 1e3, "us": {}}
+        counts = [c for c in SPLIT_COUNTS if c * decode.MIN_SPLIT_KEYS <= seq]
+        for paged, config, splits in itertools.product((False, True), SPLIT_CONFIGS, counts):
+            if time.time() < stop:
+                key = "-".join(map(str, ("paged" if paged else "contiguous", *config, splits)))
+                row["us"][key] = _config_us(_forced_call(x, paged, splits), config)
+        row["kernels"] = layer.kernel_profile(_forced_call(x, False, 0), [])["kernels"]  # the rule's launches
+        result["rows"].append(row)
+        best = {
+            kind: min((k for k in row["us"] if k.startswith(kind)), key=row["us"].get)
+            for kind in ("contiguous", "paged")
+        }
+        print(
+            shape,
+            seq_q,
+            f"cuDNN {row['cudnn_us']:.1f}",
+            {k: round(row["us"][k], 1) for k in best.values()},
+            flush=True,
+        )
+        Path(out).write_text(json.dumps(result, indent=1))
+        torch.cuda.empty_cache()
+
+
+def _chosen_shapes() -> list:
+    """SHAPES, or those whose batch size ``--batch B1,B2`` names."""
+    if "--batch" not in sys.argv:
+        return SHAPES
+    batches = {int(b) for b in sys.argv[sys.argv.index("--batch") + 1].split(",")}
+    return [(shape, seq_q) for shape, seq_q in SHAPES if shape[0] in batches]
 
 
 def _configs(out: str, stop: float) -> None:
     method = "tritonkit.bench.timing.kernel_ms, warm-up 10 ms, repetitions 40 ms"
     result = result_header("decode_attention_configs", "decode_attention.py", method)
     kinds = (True,) if "--paged" in sys.argv else (False, True)
-    for (shape, seq_q), paged in itertools.product(SHAPES, kinds):
+    for (shape, seq_q), paged in itertools.product(_chosen_shapes(), kinds):
         if time.time() > stop:
             break
         row = _config_row(shape, seq_q, paged, stop)
@@ -379,6 +442,8 @@ def main() -> None:
         return _configs(out, stop)
     if "--pages" in sys.argv:
         return _pages(out, stop)
+    if "--splits" in sys.argv:
+        return _splits(out, stop)
     result = result_header(
         "decode_attention",
         "decode_attention.py",

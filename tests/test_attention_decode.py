@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import tritonkit
-from tritonkit import testing
+from tritonkit import _runtime, testing
 from tritonkit.opdef import recording_calls
 from tritonkit.ops.attention import decode
 from tritonkit.oracle import compare
@@ -187,7 +187,11 @@ def test_overrun_caches_and_missing_blocks_give_nan_without_a_sync(device):
 
 def test_the_split_rule_fills_the_sms_from_shapes_alone():
     assert decode.default_splits(64, 8, 8192, "cpu") == 1  # 512 programs: every SM busy
-    assert decode.default_splits(1, 8, 8192, "cpu") == 32  # 8 programs: about two an SM
+    assert decode.default_splits(1, 8, 8192, "cpu") == 32  # 8 programs: 256 keys a split at least
+    sms = _runtime.NOMINAL_SMS
+    # 8 x 8 programs: as many splits as keep them within three an SM (6 on the H200's 132)
+    assert decode.default_splits(8, 8, 32768, "cpu") == 3 * sms // 64
+    assert 8 * 8 * decode.default_splits(8, 8, 32768, "cpu") <= 3 * sms
     assert decode.default_splits(1, 8, 300, "cpu") == 2  # a short cache: 256 keys a split at least
     assert decode.default_splits(1, 1, 10**6, "cpu") == decode.MAX_SPLITS
 

@@ -50,6 +50,12 @@ MIN_ROWS = 16  # tl.dot's least M: a program's rows (GROUP x Sq) pad to this
 MAX_ROWS = 64  # rows a program at most: more (a long chunk of new tokens) take more programs
 PAGES = 32  # table entries a paged walk reads at once (PAGE_A_STEP)
 MIN_SPLIT_KEYS = 256  # keys a split takes at least, where the rule splits
+# Split programs an SM at most (B x Hkv x splits <= 3 x SMs), from a sweep of split counts at the
+# split shapes on the H200 (benchmarks/decode_attention.py --splits; docs/perf-notes.md, "The split
+# count"): the time follows the programs' spread over the SMs. At 8 x 8 pairs and 32768 keys, 6
+# splits (384 programs, just under 3 an SM) took 255 us, 5 and 7 (2.4 and 3.4 an SM) 266 and 270-273;
+# at 16 x 8 pairs 3 splits (384) were the best count; at B = 1 MIN_SPLIT_KEYS caps the count first
+SPLIT_PROGRAMS_PER_SM = 3
 MAX_SPLITS = 64
 COMBINE_SPLITS = 64  # splits the combine loads at once (a 64 x 128 fp32 tile: 64 registers a thread)
 DTYPES = (torch.float16, torch.bfloat16)
@@ -343,13 +349,14 @@ def kvcache_cost(shape: tuple, dtype: torch.dtype, seq_q: int = 1) -> Cost:
 
 
 def default_splits(batch: int, heads_kv: int, max_keys: int, device) -> int:
-    """Key splits where B x Hkv programs leave SMs idle (flash-decoding): about two programs an SM,
-    each split at least MIN_SPLIT_KEYS keys, at most MAX_SPLITS. From shapes alone: no host sync."""
+    """Key splits where B x Hkv programs leave SMs idle (flash-decoding): as many as keep the programs
+    within SPLIT_PROGRAMS_PER_SM an SM, each split at least MIN_SPLIT_KEYS keys, at most MAX_SPLITS.
+    From shapes alone: no host sync."""
     programs = batch * heads_kv
     sms = sm_count(device)
     if programs >= sms:
         return 1
-    return max(1, min(cdiv(2 * sms, programs), cdiv(max_keys, MIN_SPLIT_KEYS), MAX_SPLITS))
+    return max(1, min(SPLIT_PROGRAMS_PER_SM * sms // programs, cdiv(max_keys, MIN_SPLIT_KEYS), MAX_SPLITS))
 
 
 MAX_PLANS = 256  # call signatures kept: a decode loop's calls repeat a few
