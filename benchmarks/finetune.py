@@ -15,10 +15,15 @@ uniformly random tokens (an earlier version: bf16 weights at lr 3e-4 for 300 ste
 recipe for 500) the loss stayed at 10.38-10.41: nothing to learn but the copy, which did not form
 in time. Both runs take the same initial weights and the same batches in the
 same order; the loss is transformers' mean over the sequence. Step time: CUDA events around each step
-(forward, backward, optimizer), the median over the steps after the first WARMUP; the first step
-also compiles and tunes (``first_ms``). After the run, where each step's time goes: the host's time
-to issue one (``host_ms``: at or above the step's time, the host is the bound) and a kernel profile
-(``bench.layer``'s).
+(forward, backward, optimizer), the median over the steps after the first WARMUP (``step_ms``); the
+first step also compiles and tunes (``first_ms``). After the run, where each step's time goes: the
+host's time to issue one (``host_ms``: at or above the step's time, the host is the bound) and a
+kernel profile (``bench.layer``'s). The step is the host's at this size, and the host's speed drifts
+within a run (the same model's host time moved by 1.3x between two of its runs in one process on
+the H200), so the two runs timed one after the other do not compare: the speedup is taken after
+both have trained, their steps alternating (``alternating``: ROUNDS rounds, each a burst of BURST
+steps of one model then of the other, the first model swapped each round; CUDA events around a
+burst, and the host's time to issue one step after a sync).
 
 The curves cannot agree exactly: bf16 rounds the two runs' sums differently, and training amplifies
 the differences step by step. How much, the controls say (``--control``): transformers' model
@@ -35,11 +40,14 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+import time
+from collections.abc import Callable
 
 import torch
 from attention_bwd_sm90 import result_header
 
 STEPS, WARMUP, TAIL = 500, 10, 50
+ROUNDS, BURST = 20, 5  # the alternating timing: rounds, and steps of each model a round
 LR, RAMP = 1e-3, 50
 BATCH, SEQ, VOCAB = 16, 512, 32000
 CHAIN, BRANCH = 4096, 4  # the task's tokens (of VOCAB), successors a token
@@ -81,9 +89,8 @@ def _batches(steps: int, device="cuda") -> torch.Tensor:
     return torch.cat([half, half], dim=-1)
 
 
-def _train(model, batches: torch.Tensor, profile: bool = True) -> dict:
-    from tritonkit.bench import layer
-
+def _trainer(model) -> Callable[[torch.Tensor], torch.Tensor]:
+    """One training step of the model on a batch of ids (forward, backward, AdamW), returning the loss."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
     ramp = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / RAMP))
 
@@ -95,6 +102,12 @@ def _train(model, batches: torch.Tensor, profile: bool = True) -> dict:
         optimizer.zero_grad(set_to_none=True)
         ramp.step()
         return loss.detach()
+
+    return step
+
+
+def _train(step: Callable[[torch.Tensor], torch.Tensor], batches: torch.Tensor, profile: bool = True) -> dict:
+    from tritonkit.bench import layer
 
     losses, times = [], []
     for ids in batches:
@@ -115,6 +128,43 @@ def _train(model, batches: torch.Tensor, profile: bool = True) -> dict:
     )
 
 
+def _alternate(steps: dict[str, Callable[[torch.Tensor], torch.Tensor]], batches: torch.Tensor) -> dict:
+    """The trained models' steps alternating, ROUNDS rounds of a burst of BURST steps each (the first
+    model swapped each round): {name: {"step_ms", "host_ms"}: medians over the rounds} and
+    "speedup": the median over the rounds of the first model's burst time over the second's, with
+    its 20th and 80th percentiles."""
+    names = list(steps)
+    burst_ms: dict[str, list[float]] = {name: [] for name in names}
+    host_ms: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(ROUNDS):
+        for name in names if round_ % 2 == 0 else names[::-1]:
+            ids = batches[round_ % len(batches)]
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            steps[name](ids)
+            host_ms[name].append((time.perf_counter() - started) * 1e3)
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(BURST):
+                steps[name](ids)
+            end.record()
+            torch.cuda.synchronize()
+            burst_ms[name].append(start.elapsed_time(end) / BURST)
+    ratios = sorted(a / b for a, b in zip(burst_ms[names[0]], burst_ms[names[1]], strict=True))
+    result: dict = {
+        name: {"step_ms": statistics.median(burst_ms[name]), "host_ms": statistics.median(host_ms[name])}
+        for name in names
+    }
+    result["rounds"] = {"burst_ms": burst_ms, "host_ms": host_ms}
+    result["speedup"] = {
+        f"{names[0]} / {names[1]}": statistics.median(ratios),
+        "p20": ratios[len(ratios) // 5],
+        "p80": ratios[(4 * len(ratios)) // 5],
+    }
+    return result
+
+
 def _plot(result: dict, path: str) -> None:
     import matplotlib
 
@@ -123,8 +173,8 @@ def _plot(result: dict, path: str) -> None:
 
     figure, (curves, gap) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=(3, 1))
     for name, run in result["runs"].items():
-        timed = name in ("transformers", "tritonkit")  # the others' steps run untuned
-        label = f"{name} ({run['step_ms']:.1f} ms a step)" if timed else name
+        timed = name in result["alternating"]  # the others' steps run untuned
+        label = f"{name} ({result['alternating'][name]['step_ms']:.1f} ms a step)" if timed else name
         curves.plot(run["loss"], label=label, linewidth=1.5 if timed else 0.8)
     curves.set_ylabel("loss")
     millions = result["parameters"] / 1e6
@@ -176,12 +226,14 @@ def main() -> None:
     timing = f"CUDA events a step (forward, backward, AdamW), median after {WARMUP}"
     result = result_header("finetune", "finetune.py", timing) | {"steps": steps, "runs": {}}
     batches = _batches(steps)
+    timed = {}  # the main runs' trained steps, alternated after every run
     for name, prepare in _runs().items():
         model = prepare(_model())  # the same seed: the same initial weights
         result["parameters"] = sum(p.numel() for p in model.parameters())
         main_run = name in ("transformers", "tritonkit")
         with tuning.enabled() if main_run else tuning.disabled():
-            result["runs"][name] = run = _train(model, batches, profile=main_run)
+            step = _trainer(model)
+            result["runs"][name] = run = _train(step, batches, profile=main_run)
         tail = statistics.mean(run["loss"][-TAIL:])
         print(
             f"{name}: {run['step_ms']:.2f} ms a step (host {run.get('host_ms', float('nan')):.2f}, kernels "
@@ -191,13 +243,19 @@ def main() -> None:
         )
         for kernel in run.get("kernels", [])[:8]:
             print(f"  {kernel['ms']:.3f} ms  {kernel['calls']:.0f}x  {kernel['name'][:100]}", flush=True)
-        del model
+        if main_run:
+            timed[name] = step
+        del model, step
         torch.cuda.empty_cache()
+    with tuning.enabled():
+        result["alternating"] = alternating = _alternate(timed, batches[-ROUNDS:])
+    print(f"alternating: {alternating['speedup']}", flush=True)
     runs = result["runs"]
     tails = {name: statistics.mean(run["loss"][-TAIL:]) for name, run in runs.items()}
     result["tail_loss"] = tails
     result["tail_loss_ratio"] = tails["tritonkit"] / tails["transformers"]
-    result["step_speedup"] = runs["transformers"]["step_ms"] / runs["tritonkit"]["step_ms"]
+    # the speedup from the alternating steps; step_ms of each run is its own, timed while it trained
+    result["step_speedup"] = alternating["speedup"]["transformers / tritonkit"]
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     if "--plot" in sys.argv:
