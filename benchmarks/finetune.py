@@ -1,7 +1,7 @@
 """A small Llama trained from one seed twice, as transformers builds it and with
 tritonkit.integrations.transformers applied: the two loss curves, and each run's step time.
 
-    python benchmarks/finetune.py OUT.json [--steps N] [--plot OUT.png] [--control] [--parts]
+    python benchmarks/finetune.py OUT.json [--steps N] [--plot OUT.png] [--control] [--parts] [--seeds N]
 
 The model: Llama's architecture at d 512, 8 layers, 8 query / 2 KV heads of 64, FFN 1536, a 32000-
 token vocabulary (57 M parameters), mixed precision as people train: fp32 weights, the step under
@@ -31,6 +31,8 @@ again, and with its eager attention in place of SDPA (numerics only: the same ma
 (at ed5bb9e) the step where the loss leaves its plateau moves with any such difference, and the
 last TAIL steps' mean with it: 2.32 and 2.78 for transformers twice, 4.04 with eager attention, so
 one run's tail is no test of a patch; the curves' first 120 steps agree to the plot's width.
+``--seeds N`` trains both main runs again from N - 1 other seeds (initial weights and batches),
+their tails and curves only: how far apart one seed's tails lie, run to run.
 ``--parts`` trains the model patched one part at a time (each under ``tuning.disabled()``, as the
 controls): where a part's maths were wrong, its curve would part from the others from the start.
 """
@@ -57,7 +59,7 @@ def _argument(name: str, default):
     return type(default)(sys.argv[sys.argv.index(name) + 1]) if name in sys.argv else default
 
 
-def _model():
+def _model(seed: int = 0):
     import transformers
 
     config = transformers.LlamaConfig(
@@ -70,16 +72,16 @@ def _model():
         max_position_embeddings=SEQ,
         tie_word_embeddings=False,
     )
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     with torch.device("cuda"):
         return transformers.LlamaForCausalLM(config).train()
 
 
-def _batches(steps: int, device="cuda") -> torch.Tensor:
+def _batches(steps: int, seed: int = 0, device="cuda") -> torch.Tensor:
     """(steps, BATCH, SEQ) token ids: a first half walked on a random chain over the first CHAIN
     tokens (each followed by one of BRANCH successors of its own, fixed for the run, uniformly), then
     the same half again."""
-    generator = torch.Generator(device).manual_seed(1)
+    generator = torch.Generator(device).manual_seed(1 + seed)
     successors = torch.randint(0, CHAIN, (CHAIN, BRANCH), device=device, generator=generator)
     tokens = [torch.randint(0, CHAIN, (steps, BATCH), device=device, generator=generator)]
     for _ in range(SEQ // 2 - 1):
@@ -219,10 +221,28 @@ def _runs() -> dict:
     return runs
 
 
+def _other_seeds(seeds: int, steps: int) -> dict:
+    """The two main runs again from seeds 1 .. seeds - 1 (other initial weights, other batches):
+    {seed: {name: the last TAIL steps' mean loss}}, and each run's curve."""
+    from tritonkit import tuning
+    from tritonkit.integrations import transformers as tk_hf
+
+    result = {}
+    for seed in range(1, seeds):
+        batches, result[seed] = _batches(steps, seed), {}
+        for name, prepare in (("transformers", lambda m: m), ("tritonkit", tk_hf.apply)):
+            with tuning.enabled():
+                loss = _train(_trainer(prepare(_model(seed))), batches, profile=False)["loss"]
+            result[seed][name] = {"tail": statistics.mean(loss[-TAIL:]), "loss": loss}
+            print(f"seed {seed}, {name}: loss {loss[0]:.3f} -> {result[seed][name]['tail']:.3f}", flush=True)
+            torch.cuda.empty_cache()
+    return result
+
+
 def main() -> None:
     from tritonkit import tuning
 
-    out, steps = sys.argv[1], _argument("--steps", STEPS)
+    out, steps, seeds = sys.argv[1], _argument("--steps", STEPS), _argument("--seeds", 1)
     timing = f"CUDA events a step (forward, backward, AdamW), median after {WARMUP}"
     result = result_header("finetune", "finetune.py", timing) | {"steps": steps, "runs": {}}
     batches = _batches(steps)
@@ -250,6 +270,8 @@ def main() -> None:
     with tuning.enabled():
         result["alternating"] = alternating = _alternate(timed, batches[-ROUNDS:])
     print(f"alternating: {alternating['speedup']}", flush=True)
+    if seeds > 1:
+        result["seeds"] = _other_seeds(seeds, steps)
     runs = result["runs"]
     tails = {name: statistics.mean(run["loss"][-TAIL:]) for name, run in runs.items()}
     result["tail_loss"] = tails
