@@ -2,6 +2,7 @@
 tritonkit.integrations.transformers applied: the two loss curves, and each run's step time.
 
     python benchmarks/finetune.py OUT.json [--steps N] [--plot OUT.png] [--control] [--parts] [--seeds N]
+    python benchmarks/finetune.py OUT.json --blocks
 
 The model: Llama's architecture at d 512, 8 layers, 8 query / 2 KV heads of 64, FFN 1536, a 32000-
 token vocabulary (57 M parameters), mixed precision as people train: fp32 weights, the step under
@@ -31,6 +32,8 @@ again, and with its eager attention in place of SDPA (numerics only: the same ma
 (at ed5bb9e) the step where the loss leaves its plateau moves with any such difference, and the
 last TAIL steps' mean with it: 2.32 and 2.78 for transformers twice, 4.04 with eager attention, so
 one run's tail is no test of a patch; the curves' first 120 steps agree to the plot's width.
+``--blocks`` times transformers' model alone, beside the patched one and after it, in blocks of steps:
+whether tritonkit slows another model in the process.
 ``--seeds N`` trains both main runs again from N - 1 other seeds (initial weights and batches),
 their tails and curves only: how far apart one seed's tails lie, run to run.
 ``--parts`` trains the model patched one part at a time (each under ``tuning.disabled()``, as the
@@ -168,23 +171,37 @@ def _alternate(steps: dict[str, Callable[[torch.Tensor], torch.Tensor]], batches
 
 
 def _plot(result: dict, path: str) -> None:
+    """The loss curves (seed 0's runs, and the main runs of the other seeds thinner, in their run's
+    colour) over each seed's gap, tritonkit's loss less transformers'."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, (curves, gap) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=(3, 1))
+    colours = {}
     for name, run in result["runs"].items():
         timed = name in result["alternating"]  # the others' steps run untuned
         label = f"{name} ({result['alternating'][name]['step_ms']:.1f} ms a step)" if timed else name
-        curves.plot(run["loss"], label=label, linewidth=1.5 if timed else 0.8)
+        (line,) = curves.plot(run["loss"], label=label, linewidth=1.5 if timed else 0.8)
+        colours[name] = line.get_color()
+    seeds = {"0": result["runs"], **result.get("seeds", {})}  # (a JSON's keys: strings)
+    for seed, runs in seeds.items():
+        ours, theirs = runs["tritonkit"]["loss"], runs["transformers"]["loss"]
+        if seed != "0":
+            curves.plot(theirs, linewidth=0.6, alpha=0.6, color=colours["transformers"])
+            curves.plot(ours, linewidth=0.6, alpha=0.6, color=colours["tritonkit"])
+        difference = [a - b for a, b in zip(ours, theirs, strict=True)]
+        gap.plot(difference, linewidth=1 if seed == "0" else 0.6, label=f"seed {seed}")
     curves.set_ylabel("loss")
     millions = result["parameters"] / 1e6
-    curves.set_title(f"a {millions:.0f} M-parameter Llama on the repeat task, one seed, bf16 autocast")
+    more = f"; thin: {len(seeds) - 1} more seeds" if len(seeds) > 1 else ", one seed"
+    title = f"a {millions:.0f} M-parameter Llama on the repeat task{more}, bf16 autocast"
+    curves.set_title(title, fontsize=10)
     curves.legend()
-    ours, theirs = result["runs"]["tritonkit"]["loss"], result["runs"]["transformers"]["loss"]
-    gap.plot([a - b for a, b in zip(ours, theirs, strict=True)], linewidth=1, color="gray")
     gap.axhline(0.0, color="black", linewidth=0.5)
+    if len(seeds) > 1:
+        gap.legend(fontsize=7, ncol=len(seeds))
     gap.set_ylabel("tritonkit - transformers")
     gap.set_xlabel("step")
     figure.tight_layout()
@@ -239,9 +256,51 @@ def _other_seeds(seeds: int, steps: int) -> dict:
     return result
 
 
+BLOCK_STEPS = 30  # --blocks: steps a block
+
+
+def _blocks(out: str) -> None:
+    """--blocks: whether running the patched model slows transformers' in the same process. Blocks
+    of BLOCK_STEPS steps, each step's host time after a sync (the median a block): transformers'
+    model alone twice, then the patched model and transformers' in turn twice, then transformers'
+    once the patched model is deleted. Untuned (the defaults), so that no tuning runs between."""
+    from tritonkit.integrations import transformers as tk_hf
+
+    batches = _batches(WARMUP + BLOCK_STEPS)
+    result = result_header("finetune_blocks", "finetune.py", "host ms a step after a sync, median a block")
+    steps = {"transformers": _trainer(_model())}
+
+    def block(name: str, where: str) -> None:
+        for ids in batches[:WARMUP]:
+            steps[name](ids)  # (a block's first steps: nothing compiles or allocates in the timed ones)
+        host = []
+        for ids in batches[WARMUP:]:
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            steps[name](ids)
+            host.append((time.perf_counter() - started) * 1e3)
+        torch.cuda.synchronize()
+        result["rows"].append({"block": f"{name}, {where}", "host_ms": statistics.median(host)})
+        print(result["rows"][-1], flush=True)
+
+    block("transformers", "alone")
+    block("transformers", "alone")
+    steps["tritonkit"] = _trainer(tk_hf.apply(_model()))
+    for _ in range(2):
+        block("tritonkit", "beside transformers' model")
+        block("transformers", "beside the patched model")
+    del steps["tritonkit"]
+    torch.cuda.empty_cache()
+    block("transformers", "the patched model deleted")
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
 def main() -> None:
     from tritonkit import tuning
 
+    if "--blocks" in sys.argv:
+        return _blocks(sys.argv[1])
     out, steps, seeds = sys.argv[1], _argument("--steps", STEPS), _argument("--seeds", 1)
     timing = f"CUDA events a step (forward, backward, AdamW), median after {WARMUP}"
     result = result_header("finetune", "finetune.py", timing) | {"steps": steps, "runs": {}}
