@@ -262,8 +262,10 @@ BLOCK_STEPS = 30  # --blocks: steps a block
 def _blocks(out: str) -> None:
     """--blocks: whether running the patched model slows transformers' in the same process. Blocks
     of BLOCK_STEPS steps, each step's host time after a sync (the median a block): transformers'
-    model alone twice, then the patched model and transformers' in turn twice, then transformers'
-    once the patched model is deleted. Untuned (the defaults), so that no tuning runs between."""
+    model alone twice; then, the control, a second unpatched model and the first in turn twice, and
+    the first once the second is deleted; then the patched model and transformers' in turn twice,
+    and transformers' once the patched model is deleted. Untuned (the defaults), so that no tuning
+    runs between."""
     from tritonkit.integrations import transformers as tk_hf
 
     batches = _batches(WARMUP + BLOCK_STEPS)
@@ -285,6 +287,13 @@ def _blocks(out: str) -> None:
 
     block("transformers", "alone")
     block("transformers", "alone")
+    steps["transformers again"] = _trainer(_model())  # the control: a second model, unpatched
+    for _ in range(2):
+        block("transformers again", "beside the first")
+        block("transformers", "beside a second unpatched model")
+    del steps["transformers again"]
+    torch.cuda.empty_cache()
+    block("transformers", "the second model deleted")
     steps["tritonkit"] = _trainer(tk_hf.apply(_model()))
     for _ in range(2):
         block("tritonkit", "beside transformers' model")
