@@ -378,6 +378,24 @@ def test_bad_arguments(call, error, pattern, device):
         call(random_tensor((4, 8), F32, device, generator=generator(6)))
 
 
+def test_a_call_signature_that_passed_the_checks_is_not_checked_again(monkeypatch, device):
+    checked = []
+    validate = nm._validate
+    monkeypatch.setattr(nm, "_validate", lambda *args: checked.append(args) or validate(*args))
+    monkeypatch.setattr(nm, "_validated", {})
+    g = generator(8)
+    x, w = (random_tensor(shape, F32, device, generator=g) for shape in ((4, 8), (8,)))
+    for _ in range(3):
+        tritonkit.rms_norm(x, 8, w)
+    assert len(checked) == 1
+    tritonkit.rms_norm(x[:2], 8, w)  # another shape: checked
+    for _ in range(2):
+        tritonkit.rms_norm(x, [8], w)  # normalized_shape as a list keys nothing: checked each time
+    assert len(checked) == 4
+    with pytest.raises(ValueError, match="^weight must have shape"):
+        tritonkit.rms_norm(x, 8, w[:4])  # a bad call after good ones of its input still raises
+
+
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
 @pytest.mark.parametrize("residual", [False, True], ids=["", "residual"])
 def test_opcheck(rms, residual, device):

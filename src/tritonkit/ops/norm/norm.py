@@ -35,7 +35,7 @@ from collections.abc import Callable
 import torch
 
 from tritonkit import tuning
-from tritonkit._launch import Launch, cdiv, next_power_of_2, scratch
+from tritonkit._launch import Launch, call_signature, cdiv, next_power_of_2, scratch
 from tritonkit._runtime import empty_output, interpret, sm_count
 from tritonkit.dtypes import DTYPE_OF, FLOATS, NAME_OF
 from tritonkit.opdef import check_tensor, first_derivative_only, op
@@ -600,10 +600,31 @@ class _Norm(torch.autograd.Function):
         return dx, dx if ctx.has_residual else None, dw, db, None, None
 
 
+MAX_VALIDATED = 256  # call signatures _validate_once remembers
+_validated: dict[tuple, bool] = {}
+
+
+def _validate_once(input, normalized_shape, weight, bias, residual) -> None:
+    """:func:`_validate`, skipped where a call of the same signature (the tensors' shapes, strides,
+    dtypes and devices, and ``normalized_shape``) passed it before: a few microseconds of host time
+    a call of a training loop."""
+    key = call_signature((input, residual, weight, bias), normalized_shape)
+    try:
+        if key is not None and key in _validated:
+            return
+    except TypeError:  # normalized_shape given as a list: no key
+        key = None
+    _validate(input, normalized_shape, weight, bias, residual)
+    if key is not None:
+        if len(_validated) >= MAX_VALIDATED:
+            _validated.clear()
+        _validated[key] = True
+
+
 def _norm(input, residual, normalized_shape, weight, bias, eps, rms: bool):
     """The public functions' one body: y, or (y, h) with a residual (``eps`` None: RMSNorm's
     default for the dtype)."""
-    _validate(input, normalized_shape, weight, bias, residual)
+    _validate_once(input, normalized_shape, weight, bias, residual)
     if rms:
         eps = rms_eps(eps, input.dtype)
     _check_eps(eps, "rms_norm" if rms else "layer_norm")
