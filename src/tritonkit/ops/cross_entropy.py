@@ -328,7 +328,7 @@ def _bwd_launches(
 # ---------------------------------------------------------------- ops and autograd
 
 
-@op("cross_entropy", mutates=("out", "rows", "lse", "row_weight", "totals"))
+@op("cross_entropy", mutates=("out", "rows", "lse", "row_weight", "totals"), replay=True)
 def _forward(
     input: torch.Tensor,
     target: torch.Tensor,
@@ -349,7 +349,7 @@ def _forward(
         launch.run()
 
 
-@op("cross_entropy_backward", mutates=("dx",))
+@op("cross_entropy_backward", mutates=("dx",), replay=True)
 def _backward(
     grad: torch.Tensor,
     grad_lse: torch.Tensor | None,

@@ -364,7 +364,7 @@ def _plan(key: tuple, config: dict, final: bool, tensors: tuple, views: tuple, o
         _plans[key] = (config, _geometry(views), out_dtype)
 
 
-@op("softmax", mutates=("y",))
+@op("softmax", mutates=("y",), replay=True)
 def _forward(input: torch.Tensor, dim: int, log: bool, variant: str, y: torch.Tensor) -> None:
     """y = softmax(input) (or log_softmax) along ``dim``, into ``y`` (input's shape, contiguous)."""
     key = call_signature((input,), "fwd", dim, y.dtype, log, variant)
@@ -383,7 +383,7 @@ def _forward(input: torch.Tensor, dim: int, log: bool, variant: str, y: torch.Te
     _plan(key, config, final, (input, y), views, y.dtype)
 
 
-@op("softmax_backward", mutates=("dx",))
+@op("softmax_backward", mutates=("dx",), replay=True)
 def _backward(
     grad_output: torch.Tensor, output: torch.Tensor, dim: int, log: bool, variant: str, dx: torch.Tensor
 ) -> None:
