@@ -42,7 +42,7 @@ def _pairs() -> dict:
     def randn(*shape):
         return torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16)
 
-    x, w, wm = randn(ROWS, HIDDEN), randn(HIDDEN), randn(HIDDEN, HIDDEN) / HIDDEN**0.5
+    x, w, b, wm = randn(ROWS, HIDDEN), randn(HIDDEN), randn(HIDDEN), randn(HIDDEN, HIDDEN) / HIDDEN**0.5
     q, k, v = (randn(*ATTENTION) for _ in "qkv")
     target = torch.randint(0, HIDDEN, (ROWS,), generator=g, device="cuda")
     return {
@@ -53,7 +53,7 @@ def _pairs() -> dict:
             lambda x, w: functional.rms_norm(x, (HIDDEN,), w),
         ),
         "layer_norm": (
-            (x, w, w),
+            (x, w, b),  # (one tensor as both weight and bias would keep its launches from replaying)
             lambda x, w, b: tritonkit.layer_norm(x, HIDDEN, w, b),
             lambda x, w, b: functional.layer_norm(x, (HIDDEN,), w, b),
         ),
