@@ -23,8 +23,10 @@ kernel profile (``bench.layer``'s). The step is the host's at this size, and the
 within a run (the same model's host time moved by 1.3x between two of its runs in one process on
 the H200), so the two runs timed one after the other do not compare: the speedup is taken after
 both have trained, their steps alternating (``alternating``: ROUNDS rounds, each a burst of BURST
-steps of one model then of the other, the first model swapped each round; CUDA events around a
-burst, and the host's time to issue one step after a sync).
+steps of one model then of the other, the order reversed each round; CUDA events around a
+burst, and the host's time to issue one step after a sync). With ``--control`` transformers' second
+model alternates too: its ratio to the first should read 1.0, and what it reads is the protocol's
+bias.
 
 The curves cannot agree exactly: bf16 rounds the two runs' sums differently, and training amplifies
 the differences step by step. How much, the controls say (``--control``): transformers' model
@@ -134,10 +136,11 @@ def _train(step: Callable[[torch.Tensor], torch.Tensor], batches: torch.Tensor, 
 
 
 def _alternate(steps: dict[str, Callable[[torch.Tensor], torch.Tensor]], batches: torch.Tensor) -> dict:
-    """The trained models' steps alternating, ROUNDS rounds of a burst of BURST steps each (the first
-    model swapped each round): {name: {"step_ms", "host_ms"}: medians over the rounds} and
-    "speedup": the median over the rounds of the first model's burst time over the second's, with
-    its 20th and 80th percentiles."""
+    """The trained models' steps alternating, ROUNDS rounds of a burst of BURST steps each (the order
+    reversed each round): {name: {"step_ms", "host_ms"}: medians over the rounds}, "speedup": the
+    median over the rounds of the first model's burst time over the second's, with its 20th and
+    80th percentiles, and "speedup of NAME" the same for each further model (a control, where the
+    ratio should read 1.0: the protocol's own bias)."""
     names = list(steps)
     burst_ms: dict[str, list[float]] = {name: [] for name in names}
     host_ms: dict[str, list[float]] = {name: [] for name in names}
@@ -156,17 +159,18 @@ def _alternate(steps: dict[str, Callable[[torch.Tensor], torch.Tensor]], batches
             end.record()
             torch.cuda.synchronize()
             burst_ms[name].append(start.elapsed_time(end) / BURST)
-    ratios = sorted(a / b for a, b in zip(burst_ms[names[0]], burst_ms[names[1]], strict=True))
     result: dict = {
         name: {"step_ms": statistics.median(burst_ms[name]), "host_ms": statistics.median(host_ms[name])}
         for name in names
     }
     result["rounds"] = {"burst_ms": burst_ms, "host_ms": host_ms}
-    result["speedup"] = {
-        f"{names[0]} / {names[1]}": statistics.median(ratios),
-        "p20": ratios[len(ratios) // 5],
-        "p80": ratios[(4 * len(ratios)) // 5],
-    }
+    for other in names[1:]:  # the speedup of each other model over the first, and its spread
+        ratios = sorted(a / b for a, b in zip(burst_ms[names[0]], burst_ms[other], strict=True))
+        result["speedup" if other == names[1] else f"speedup of {other}"] = {
+            f"{names[0]} / {other}": statistics.median(ratios),
+            "p20": ratios[len(ratios) // 5],
+            "p80": ratios[(4 * len(ratios)) // 5],
+        }
     return result
 
 
@@ -331,13 +335,15 @@ def main() -> None:
         )
         for kernel in run.get("kernels", [])[:8]:
             print(f"  {kernel['ms']:.3f} ms  {kernel['calls']:.0f}x  {kernel['name'][:100]}", flush=True)
-        if main_run:
+        if main_run or name == "transformers again":  # (the control alternates too)
             timed[name] = step
         del model, step
         torch.cuda.empty_cache()
     with tuning.enabled():
         result["alternating"] = alternating = _alternate(timed, batches[-ROUNDS:])
-    print(f"alternating: {alternating['speedup']}", flush=True)
+    for key, speedup in alternating.items():
+        if key.startswith("speedup"):
+            print(f"alternating, {key}: {speedup}", flush=True)
     if seeds > 1:
         result["seeds"] = _other_seeds(seeds, steps)
     runs = result["runs"]
