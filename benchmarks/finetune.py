@@ -291,20 +291,18 @@ def _blocks(out: str) -> None:
 
     block("transformers", "alone")
     block("transformers", "alone")
-    steps["transformers again"] = _trainer(_model())  # the control: a second model, unpatched
-    for _ in range(2):
-        block("transformers again", "beside the first")
-        block("transformers", "beside a second unpatched model")
-    del steps["transformers again"]
-    torch.cuda.empty_cache()
-    block("transformers", "the second model deleted")
-    steps["tritonkit"] = _trainer(tk_hf.apply(_model()))
-    for _ in range(2):
-        block("tritonkit", "beside transformers' model")
-        block("transformers", "beside the patched model")
-    del steps["tritonkit"]
-    torch.cuda.empty_cache()
-    block("transformers", "the patched model deleted")
+    # the control, a second unpatched model, then the patched one: each beside the first, in turn
+    for other, prepare, what in (
+        ("transformers again", lambda m: m, "a second unpatched model"),
+        ("tritonkit", tk_hf.apply, "the patched model"),
+    ):
+        steps[other] = _trainer(prepare(_model()))
+        for _ in range(2):
+            block(other, "beside transformers' model")
+            block("transformers", f"beside {what}")
+        del steps[other]
+        torch.cuda.empty_cache()
+        block("transformers", f"{what} deleted")
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
 
