@@ -18,7 +18,6 @@ every rank's batch at once, which the sharded mean should match (each rank holds
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import statistics
@@ -27,6 +26,7 @@ import tempfile
 
 import torch
 import torch.multiprocessing as mp
+from ring_attention import join_group
 
 LAYERS = 4  # bench model's default: the step's memory and the run's time stay small
 DRY = {"batch": (1, 16), "warmup": 1, "steps": 2}  # --dry-run: tokens a rank, steps
@@ -62,13 +62,12 @@ def _batch(rank: int, shape: tuple, vocab: int, device: str) -> torch.Tensor:
 
 def _timed_steps(model: torch.nn.Module, ids: torch.Tensor, counts: tuple, grouped: bool) -> tuple:
     """(median ms of a step, the slowest rank's where ``grouped``; the first step's loss)."""
-    import time
-
     import torch.distributed as dist
 
+    from tritonkit.bench import timing
+
     warmup, steps = counts
-    cuda = ids.is_cuda
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=ids.is_cuda)
 
     def step() -> torch.Tensor:
         loss = model(input_ids=ids, labels=ids).loss
@@ -84,47 +83,15 @@ def _timed_steps(model: torch.nn.Module, ids: torch.Tensor, counts: tuple, group
     for _ in range(steps):
         if grouped:
             dist.barrier()
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            began = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - began) * 1e3)
+        times.append(timing.call_ms(step, ids.device))
     ms = torch.tensor([statistics.median(times)], device=ids.device)
     if grouped:
         dist.all_reduce(ms, op=dist.ReduceOp.MAX)
     return ms.item(), first
 
 
-def _join(rank: int, world: int, store: str, dry: bool) -> str:
-    """Join the group (gloo on the CPU for --dry-run, with the kernels in the interpreter, chosen
-    before FSDP's modules import triton); the rank's device."""
-    if dry:
-        os.environ["TRITONKIT_INTERPRET"] = "1"
-    from tritonkit import _runtime
-
-    _runtime.interpret()
-    import torch.distributed as dist
-
-    if not dry:
-        torch.cuda.set_device(rank)
-    dist.init_process_group(
-        "gloo" if dry else "nccl",
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=900),
-    )
-    return "cpu" if dry else "cuda"
-
-
 def _worker(rank: int, world: int, store: str, out_path: str, dry: bool, case: str, layers: int) -> None:
-    device = _join(rank, world, store, dry)
+    device = join_group(rank, world, store, dry, 900)
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 

@@ -41,24 +41,14 @@ WARMUP, ITERATIONS = 3, 10
 
 def _timed(fn, device) -> float:
     """Median ms of ``fn()`` on this rank, each call after a barrier; the slowest rank's."""
-    import time
+    from tritonkit.bench import timing
 
     for _ in range(WARMUP):
         fn()
     times = []
     for _ in range(ITERATIONS):
         dist.barrier()
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            began = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - began) * 1e3)
+        times.append(timing.call_ms(fn, device))
     slowest = torch.tensor([statistics.median(times)], device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return slowest.item()
@@ -99,10 +89,11 @@ def _exchanges(ring, block, backward: bool) -> None:
 
 
 def _diagnostic_rows(shards, grad, causal, device) -> dict:
-    from tritonkit.distributed.ring import _check_across_ranks, _group, _Ring, _RingAttention
+    from tritonkit.distributed.groups import process_group
+    from tritonkit.distributed.ring import _check_across_ranks, _Ring, _RingAttention
     from tritonkit.ops.attention.common import softmax_scale
 
-    group = _group(None)
+    group = process_group(None, "ring attention")
     ring, scale = _Ring(group), softmax_scale(None, shards[0].shape[-1])
     local = _NoExchangeRing(ring)
     out = _RingAttention.apply(*shards, scale, causal, local)[0]
@@ -183,8 +174,14 @@ def _context_parallel_rows(seq, causal, heads, head_dim, device) -> dict:
     return {"torch context_parallel (cuDNN)": sharded, "torch cuDNN one GPU": whole}
 
 
-def _worker(rank: int, world: int, store: str, out_path: str, dry: bool, cases: list) -> None:
-    device = "cpu" if dry else "cuda"
+def join_group(rank: int, world: int, store: str, dry: bool, timeout_s: float) -> str:
+    """Join the group: nccl on this rank's GPU, or for a dry run gloo on the CPU with the kernels in
+    the interpreter (chosen before anything imports triton: FSDP's modules do). The rank's device."""
+    if dry:
+        os.environ["TRITONKIT_INTERPRET"] = "1"
+    from tritonkit import _runtime
+
+    _runtime.interpret()
     if not dry:
         torch.cuda.set_device(rank)
     dist.init_process_group(
@@ -192,8 +189,13 @@ def _worker(rank: int, world: int, store: str, out_path: str, dry: bool, cases: 
         init_method=f"file://{store}",
         rank=rank,
         world_size=world,
-        timeout=datetime.timedelta(seconds=600),
+        timeout=datetime.timedelta(seconds=timeout_s),
     )
+    return "cpu" if dry else "cuda"
+
+
+def _worker(rank: int, world: int, store: str, out_path: str, dry: bool, cases: list) -> None:
+    device = join_group(rank, world, store, dry, 600)
     heads, head_dim = (4, 16) if dry else (HEADS, HEAD_DIM)
     import tritonkit.distributed  # noqa: F401  (it chooses GPU or interpreter before triton is imported)
 

@@ -128,7 +128,7 @@ def available(provider: str) -> bool:
 
 def step_row(model: torch.nn.Module, ids: torch.Tensor) -> dict:
     """The training step's fields (module docstring) for a prepared model."""
-    from tritonkit.bench import layer
+    from tritonkit.bench import layer, timing
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
 
@@ -145,14 +145,7 @@ def step_row(model: torch.nn.Module, ids: torch.Tensor) -> dict:
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(STEPS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+    times = [timing.call_ms(step, ids.device) for _ in range(STEPS)]
     peak = torch.cuda.max_memory_allocated() - held
     ms = statistics.median(times)
     row = {"ms": ms, "tokens_per_s": ids.numel() / ms * 1e3, "peak_gib": peak / 2**30, "loss": first}

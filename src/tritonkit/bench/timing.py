@@ -122,6 +122,21 @@ def kernel_ms(
     return (p20, median, p80), method
 
 
+def call_ms(call: Callable[[], object], device) -> float:
+    """Milliseconds of one call: CUDA events around it on a GPU (synchronized after), the host's
+    wall clock on the CPU (a distributed benchmark's dry run)."""
+    if torch.device(device).type != "cuda":
+        began = time.perf_counter()
+        call()
+        return (time.perf_counter() - began) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    call()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
 def host_us(call: Callable[[], object]) -> float:
     """Median host time to issue one call, in microseconds."""
     for _ in range(HOST_CALLS):  # compile, allocate and settle outside the timing
