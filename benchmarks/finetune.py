@@ -141,6 +141,8 @@ def _alternate(steps: dict[str, Callable[[torch.Tensor], torch.Tensor]], batches
     median over the rounds of the first model's burst time over the second's, with its 20th and
     80th percentiles, and "speedup of NAME" the same for each further model (a control, where the
     ratio should read 1.0: the protocol's own bias)."""
+    from tritonkit.bench import timing
+
     names = list(steps)
     burst_ms: dict[str, list[float]] = {name: [] for name in names}
     host_ms: dict[str, list[float]] = {name: [] for name in names}
@@ -152,13 +154,12 @@ def _alternate(steps: dict[str, Callable[[torch.Tensor], torch.Tensor]], batches
             steps[name](ids)
             host_ms[name].append((time.perf_counter() - started) * 1e3)
             torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(BURST):
-                steps[name](ids)
-            end.record()
-            torch.cuda.synchronize()
-            burst_ms[name].append(start.elapsed_time(end) / BURST)
+
+            def burst(step=steps[name], ids=ids):
+                for _ in range(BURST):
+                    step(ids)
+
+            burst_ms[name].append(timing.call_ms(burst, "cuda") / BURST)
     result: dict = {
         name: {"step_ms": statistics.median(burst_ms[name]), "host_ms": statistics.median(host_ms[name])}
         for name in names
