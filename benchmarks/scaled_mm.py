@@ -2,7 +2,7 @@
 matmul, and nn.Float8Linear's training step against torch.nn.Linear in bf16, in one process.
 
     python benchmarks/scaled_mm.py OUT.json [--shape M,K,N ...] [--scaling S ...] [--tiles] [--gluon]
-        [--skip-matmul] [--skip-linear]
+        [--skip-matmul] [--skip-linear] [--profile]
 
 Rows: each shape (default SHAPES, (M, K, N), e4m3 operands, bf16 out) and scaling ("tensor", "row",
 "block"; torch._scaled_mm takes the first two here, each call by default and with use_fast_accum),
@@ -15,7 +15,8 @@ a matmul (three a training step). Each scaled_mm row also gives the largest diff
 torch._scaled_mm's output, relative to its largest value. ``--skip-matmul`` and ``--skip-linear``
 leave out those rows; ``--gluon`` adds scaled_mm made to run each call on the sm_90 Gluon kernel
 and on the Triton one (``scaled_mm.GLUON`` True and False; the plain rows take its measured rule),
-in both modes. ``--tiles`` adds, for each shape, scaled_mm rowwise on each candidate tile of TILES.
+in both modes. ``--tiles`` adds, for each shape, scaled_mm rowwise on each candidate tile of TILES. ``--profile``
+adds to each linear row the kernels of each layer's step (torch.profiler: their GPU time a step).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from attention_bwd_sm90 import _bench, arguments, result_header
 
 import tritonkit
 from tritonkit import nn, tuning
+from tritonkit.bench import layer as bench_layer
 from tritonkit.ops.float8_linear import RECIPES
 from tritonkit.ops.scaled_mm import scaled_mm_reference
 
@@ -215,9 +217,14 @@ def _linear_row(shape) -> dict:
         if theirs is not None:
             layers[f"torchao Float8Linear {recipe} compiled"] = (torch.compile(theirs), theirs[0].weight)
     row = {"shape": list(shape), "kind": "linear fwd+bwd", "ms": {}}
+    if "--profile" in sys.argv:
+        row["kernels"] = {}
     for name, (layer, weight) in layers.items():
         torch._dynamo.reset()  # each compiled layer its own graphs
         row["ms"][name] = _bench(step(layer, weight))
+        if "--profile" in sys.argv:  # where the step's GPU time goes, kernel by kernel
+            profile = bench_layer.kernel_profile(step(layer, weight), [])
+            row["kernels"][name] = {key: profile[key] for key in ("kernel_ms", "profiled_span_ms", "kernels")}
     row["tflops"] = {name: 6 * tokens * d_in * d_out / ms / 1e9 for name, ms in row["ms"].items()}
     bf16_ms = row["ms"]["tritonkit.linear bf16"]
     row["vs_tritonkit.linear_bf16"] = {name: bf16_ms / ms for name, ms in row["ms"].items()}
