@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import subprocess
 import sys
 import time
 
@@ -36,6 +34,7 @@ import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tritonkit import tuning
+from tritonkit.bench import runner
 from tritonkit.ops.attention import bwd, fwd
 from tritonkit.ops.attention.common import Scores
 
@@ -239,14 +238,9 @@ def deadline() -> float:
 
 
 def result_header(op: str, script: str, timing: str) -> dict:
-    """A run's provenance: the command, the GPU, the versions and the commit (``GIT_SHA`` where
-    the tree is no repository)."""
-    sha = (
-        os.environ.get("GIT_SHA")
-        or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
-    )
+    """A run's provenance: the command, the GPU, the versions and the commit
+    (``TRITONKIT_GIT_SHA`` where the tree is no repository, as ``bench.runner.provenance``)."""
+    sha = runner.provenance()["git_sha"]
     return {
         "op": op,
         "command": f"python benchmarks/{script} " + " ".join(sys.argv[1:]),

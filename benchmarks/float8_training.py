@@ -14,13 +14,12 @@ last 50 and the largest relative gap to bf16's among them) and OUT.png (the curv
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 
 import torch
 
 from tritonkit import nn
+from tritonkit.bench import runner
 from tritonkit.ops.float8_linear import RECIPES
 
 WIDTH, DEPTH, BATCH, LR = 2048, 4, 4096, 3e-4
@@ -114,10 +113,7 @@ def main() -> None:
         "command": "python benchmarks/float8_training.py " + " ".join(sys.argv[1:]),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
-        "git": os.environ.get("GIT_SHA")
-        or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip(),
+        "git": runner.provenance()["git_sha"],
         "model": {"width": WIDTH, "depth": DEPTH, "batch": BATCH, "lr": LR, "steps": steps},
         "runs": {},
     }

@@ -15,8 +15,8 @@ a matmul (three a training step). Each scaled_mm row also gives the largest diff
 torch._scaled_mm's output, relative to its largest value. ``--skip-matmul`` and ``--skip-linear``
 leave out those rows; ``--gluon`` adds scaled_mm made to run each call on the sm_90 Gluon kernel
 and on the Triton one (``scaled_mm.GLUON`` True and False; the plain rows take its measured rule),
-in both modes. ``--tiles`` adds, for each shape, scaled_mm rowwise on each candidate tile of TILES. ``--profile``
-adds to each linear row the kernels of each layer's step (torch.profiler: their GPU time a step).
+in both modes. ``--tiles`` adds, for each shape, scaled_mm rowwise on each candidate tile of TILES.
+``--profile`` adds to each linear row each layer's kernels (torch.profiler: their GPU time a step).
 """
 
 from __future__ import annotations
