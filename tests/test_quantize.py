@@ -147,6 +147,9 @@ def test_the_transposed_copy_is_the_transpose(dtype, x_dtype, shape):
         assert qt.is_contiguous() and qt.dtype == dtype
         assert torch.equal(qt.view(torch.uint8), q.t().contiguous().view(torch.uint8))
         assert torch.equal(scale_t, scale.t() if scale.dim() else scale)
+        alone, alone_scale = qz.quantize_fp8_transposed(x, granularity, dtype=dtype, block_size=block_size)
+        assert torch.equal(alone.view(torch.uint8), qt.view(torch.uint8)) and alone.is_contiguous()
+        assert torch.equal(alone_scale, scale_t)
         if granularity == "column":
             q_rows, scale_rows = tritonkit.quantize_fp8(x.t().contiguous(), "row", dtype=dtype)
             assert torch.equal(qt.view(torch.uint8), q_rows.view(torch.uint8))
@@ -209,10 +212,12 @@ tiles = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
          "stride_sm": "i32", "stride_sn": "i32"}
 groups = (("row", (1, 4096)), ("block", (1, 128)), ("block2d", (128, 128)), ("tensor", (1, 1)),
           ("column", (1, 1)))
-for name, group in groups:
+for name, group in groups + (("tensor transposed", (1, 1)), ("column transposed", (1, 1))):
+    transposed = name.endswith("transposed")
     block_m, block_n = qz.COLUMN_TILE if name == "column" else qz._tile(*group, 4096)
-    meta = fmt | {"POW2": False, "TENSOR": name == "tensor", "COLUMNS": name == "column",
-                  "GROUP_M": group[0], "GROUP_N": group[1], "BLOCK_M": block_m,
+    block_m, block_n = qz.TRANSPOSED_TILE if transposed else (block_m, block_n)
+    meta = fmt | {"POW2": False, "TENSOR": name.startswith("tensor"), "COLUMNS": name.startswith("column"),
+                  "TRANSPOSED": transposed, "GROUP_M": group[0], "GROUP_N": group[1], "BLOCK_M": block_m,
                   "BLOCK_N": block_n, "stride_xn": 1}
     show(name, compile_kernel(qz._quantize_tiles_kernel, tiles, meta, qz.NUM_WARPS))
 lines = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "LINES": "i32", "LENGTH": "i32",
@@ -236,11 +241,11 @@ def test_kernels_compile_for_hopper_with_wide_accesses_the_hardware_cast_and_no_
     x and stores of q, the fp8 cast in hardware (F2FP), no spills, and one
     atomic for the tensor's amax a program (the columns' pass: a few a thread, none in its loop)."""
     lines = sm90.run(_HOPPER_CHECK)
-    assert len(lines) == 8, lines
-    for line in lines[:6]:
+    assert len(lines) == 10, lines
+    for line in lines[:8]:  # the tiles (the transposed passes' q^T stores 16 bytes wide too), the lines
         assert line.endswith("True True True True 0"), line
-    assert lines[6] == "amax True True 1", lines[6]
-    name, loads, no_spills, atomics = lines[7].rsplit(" ", 3)
+    assert lines[8] == "amax True True 1", lines[8]
+    name, loads, no_spills, atomics = lines[9].rsplit(" ", 3)
     assert (name, loads, no_spills) == ("column amax", "True", "True") and 0 < int(atomics) <= 4, lines[7]
 
 
@@ -257,3 +262,23 @@ def test_gpu_large_shapes_bit_for_bit(granularity, dtype):
     if granularity in qz.TRANSPOSABLE:
         qt = tritonkit.quantize_fp8(x, granularity, dtype=dtype, round_scale_to_pow2=True, transpose=True)[2]
         assert torch.equal(qt.view(torch.uint8), q.t().contiguous().view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape", [(4096, 4096), (8192, 1024), (64, 160), (4099, 4096), (48, 37)], ids=str)
+def test_gpu_the_transposed_pass_is_the_transpose(shape, x_dtype):
+    """The passes that store q^T (quantize.py's Transposes) bit for bit against q transposed, at
+    sizes that divide by 16 (where a pass storing both q and q^T came out wrong on the H200) and
+    ragged ones, both fp8 types, with and without q beside them (transpose=True)."""
+    x = _input(shape, x_dtype, seed=21)
+    for granularity in qz.TRANSPOSABLE:
+        for dtype in (E4M3, E5M2):
+            q, scale = tritonkit.quantize_fp8(x, granularity, dtype=dtype, block_size=64)
+            expected = q.t().contiguous().view(torch.uint8)
+            alone, scale_t = qz.quantize_fp8_transposed(x, granularity, dtype=dtype, block_size=64)
+            both = tritonkit.quantize_fp8(x, granularity, dtype=dtype, block_size=64, transpose=True)[2]
+            assert torch.equal(alone.view(torch.uint8), expected), (granularity, dtype)
+            assert torch.equal(both.view(torch.uint8), expected), (granularity, dtype)
+            assert torch.equal(scale_t, scale.t() if scale.dim() else scale)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from tritonkit.ops.quantize import quantize_fp8, quantize_fp8_reference
+from tritonkit.ops.quantize import quantize_fp8, quantize_fp8_reference, quantize_fp8_transposed
 from tritonkit.ops.scaled_mm import scaled_mm, scaled_mm_reference
 
 RECIPES = ("rowwise", "tensorwise", "blockwise")
@@ -62,22 +62,20 @@ def _blockwise(a, b_t, quantize, matmul, out_dtype, bias=None, fast=False):
 PRODUCTS = {"rowwise": _rowwise, "tensorwise": _tensorwise, "blockwise": _blockwise}
 
 
-# A transposed operand (x^T of a contiguous x) quantized as its storage, q^T copied after: a tensor
-# is a tensor. On the H200 that took the tensorwise step from 5.63-5.99 ms to 4.71 (the strided
-# walk's amax pass was the cost), while the rowwise step, through x's columns, went from 4.28-4.37
-# ms to 4.48-4.60 (the copy costs more than the strided rows it saves): rows stay strided
-# (docs/perf-notes.md, "Float8Linear, measured")
-TRANSPOSED_GROUPS = ("tensor",)
+# A transposed operand (x^T of a contiguous x: dX's W^T, dW's dY^T and x^T) is quantized from its
+# storage, read in its own order, by a pass that stores q^T (quantize_fp8_transposed): x^T's rows are
+# x's columns, its tensor x's. Quantizing the view itself walks x's columns with strided reads (the
+# rowwise step's transposed operands took most of its 1.55 ms of quantizing on the H200), and a copy
+# of q transposed by torch moved 0.34 TB/s (docs/perf-notes.md, "Float8Linear's quantizing passes")
+TRANSPOSED_GROUPS = {"tensor": "tensor", "row": "column"}
 
 
 def _quantize(x: torch.Tensor, granularity: str):
-    """x (R, K) in fp8, contiguous, with its groups along K. A transposed view (x^T of a contiguous
-    x: dW's and dX's operands) of one scale is quantized as its storage and copied transposed
-    (TRANSPOSED_GROUPS); the bits are the same."""
+    """x (R, K) in fp8, contiguous, with its groups along K; x^T of a contiguous x through
+    TRANSPOSED_GROUPS. The bits are the same either way."""
     x = x.detach()
     if not x.is_contiguous() and x.t().is_contiguous() and granularity in TRANSPOSED_GROUPS:
-        _, _, qt, scale_t = quantize_fp8(x.t(), granularity, dtype=FP8, transpose=True)
-        return qt, scale_t
+        return quantize_fp8_transposed(x.t(), TRANSPOSED_GROUPS[granularity], dtype=FP8)
     return quantize_fp8(x, granularity, dtype=FP8)
 
 

@@ -15,8 +15,8 @@ NaN and the group's finite values 0. There is no gradient: quantization is not d
 
 Work. x is read once and q written once, scales beside: bytes s * N + N + 4 * groups for N
 elements of s bytes (the tensor and the columns read x twice: their amax is a pass of its own, an
-atomic max over programs, so that no host sync waits for it; ``transpose=True`` copies q: 2 bytes
-an element more).
+atomic max over programs, so that no host sync waits for it; ``transpose=True`` writes q^T in a
+pass of its own, x read once more and a byte an element written).
 A few FLOPs per element on CUDA cores: memory-bound, its roofline the copy bandwidth.
 
 Kernels. ``_quantize_tiles_kernel`` takes a tile of rows x columns and quantizes the groups
@@ -54,10 +54,15 @@ _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)  # the same, as the kernels read it
 TILE_ELEMENTS = 8192
 NUM_WARPS = 8
 LINE_CHUNK = 2048  # elements of a line a lines program takes a step
-# Transposes: transpose=True copies q transposed after the pass that writes it (a byte an element
-# read and written more). Stored from the pass's own registers, the transpose came out wrong on the
-# H200 wherever M or N divided by 16 (Triton 3.6; fp32 input at every tile from 32 x 32 up, bf16 at
-# 64 x 160 in 64 x 128 tiles; right in the interpreter and at ragged sizes): found by the gpu tests.
+# Transposes: a pass that stores q^T alone (TRANSPOSED: x read in its own order, q^T stored through
+# the tile's transpose). A pass storing both q and q^T from its registers came out wrong on the H200
+# wherever M or N divided by 16 (Triton 3.6; fp32 input at every tile from 32 x 32 up, bf16 at 64 x
+# 160 in 64 x 128 tiles; right in the interpreter and at ragged sizes): found by the gpu tests, and
+# known upstream (triton-lang/triton#11111: the transposed store reads bytes the kernel never wrote,
+# with both stores in one kernel only; ptxas 12.9). torch's copy of q transposed, used instead until
+# then, moved 0.34 TB/s on the H200 (1.19 of Float8Linear's 4.40 ms tensorwise step at 8192 x 4096 x 14336).
+# A transposed pass's tile: 128 bytes of a bf16 row read, 128 bytes of a q^T row stored
+TRANSPOSED_TILE = (128, 64)
 
 # The columns' tile: 512 bytes of each of 32 bf16 rows, and 256 amaxes to read beside them (a tile
 # one row of 8192 read 32 KB of amaxes a 16 KB row: 20% of the copy bandwidth on the H200)
@@ -149,6 +154,7 @@ def _quantize_tiles_kernel(
     POW2: tl.constexpr,  # scales rounded up to powers of two
     TENSOR: tl.constexpr,  # one group, the whole tensor, whose amax the amax pass wrote
     COLUMNS: tl.constexpr,  # a group a column, whose amaxes the amax pass wrote
+    TRANSPOSED: tl.constexpr,  # q_ptr holds q^T, (N, M) contiguous (see Transposes), and nothing else
     GROUP_M: tl.constexpr,  # rows of a group (a power of two, dividing BLOCK_M)
     GROUP_N: tl.constexpr,  # columns of a group (a power of two, dividing BLOCK_N)
     BLOCK_M: tl.constexpr,  # rows a program takes
@@ -183,7 +189,10 @@ def _quantize_tiles_kernel(
         scale_at = scale_ptr + group_rows[:, None] * stride_sm + group_cols[None, :] * stride_sn
         tl.store(scale_at, scale, mask=scale_mask)
     q = _to_fp8(y, FP8, MANTISSA, MIN_EXP, SOFT_CAST)
-    tl.store(q_ptr + rows[:, None] * N + cols[None, :], q, mask=mask)
+    if TRANSPOSED:
+        tl.store(q_ptr + cols[None, :].to(tl.int64) * M + rows[:, None], q, mask=mask)
+    else:
+        tl.store(q_ptr + rows[:, None] * N + cols[None, :], q, mask=mask)
 
 
 @triton.jit
@@ -289,13 +298,17 @@ def _tile(group_m: int, group_n: int, n_cols: int) -> tuple[int, int]:
     return max(group_m, TILE_ELEMENTS // block_n // group_m * group_m), block_n
 
 
-def _tiles_launch(x, q, scale, group: tuple[int, int], dtype, pow2: bool, amax=None) -> Launch:
-    """Tiles of x (module docstring), writing q and the scales.
+def _tiles_launch(
+    x, q, scale, group: tuple[int, int], dtype, pow2: bool, amax=None, transposed: bool = False
+) -> Launch:
+    """Tiles of x (module docstring), writing q (``transposed``: q^T, (N, M)) and the scales.
     ``amax``: (the amax pass's bits, "tensor" or "column") where the groups' amaxes are given."""
     m, n = x.shape
     group_m, group_n = group
     amax_bits, given = amax or (None, None)
-    if given == "column":  # tall tiles: each reads its columns' amaxes, BLOCK_N of them a tile
+    if transposed and group == (1, 1):  # the tensor's or the columns': rows as long as columns
+        block_m, block_n = TRANSPOSED_TILE
+    elif given == "column":  # tall tiles: each reads its columns' amaxes, BLOCK_N of them a tile
         block_m, block_n = COLUMN_TILE
     else:
         block_m, block_n = _tile(group_m, group_n, n)
@@ -305,6 +318,7 @@ def _tiles_launch(x, q, scale, group: tuple[int, int], dtype, pow2: bool, amax=N
         "POW2": pow2,
         "TENSOR": given == "tensor",
         "COLUMNS": given == "column",
+        "TRANSPOSED": transposed,
         "GROUP_M": group_m,
         "GROUP_N": group_n,
         "BLOCK_M": block_m,
@@ -361,11 +375,16 @@ def _amax_launch(x, amax_bits, columns: bool) -> Launch:
     return Launch("amax", _amax_kernel, args, meta, grid=(cdiv(m, block_m * steps), cdiv(n, block_n)))
 
 
-def _launches(x, q, scale, amax_bits, granularity: str, block_size: int, dtype, pow2: bool) -> list[Launch]:
-    """The launches that fill q and scale for a 2-D x (module docstring)."""
+def _launches(
+    x, q, qt, scale, amax_bits, granularity: str, block_size: int, dtype, pow2: bool
+) -> list[Launch]:
+    """The launches that fill q, qt (where not None: q^T, by a pass of its own) and scale for a
+    2-D x (module docstring)."""
     if granularity in ("tensor", "column"):  # the amaxes first, then every tile at once
-        tiles = _tiles_launch(x, q, scale, (1, 1), dtype, pow2, amax=(amax_bits, granularity))
-        return [_amax_launch(x, amax_bits, granularity == "column"), tiles]
+        given = (amax_bits, granularity)
+        passes = [(out, out is qt) for out in (q, qt) if out is not None]
+        tiles = [_tiles_launch(x, out, scale, (1, 1), dtype, pow2, given, flip) for out, flip in passes]
+        return [_amax_launch(x, amax_bits, granularity == "column"), *tiles]
     if granularity == "row" and x.shape[1] > TILE_ELEMENTS:
         return [_lines_launch(x, q, scale, dtype, pow2)]
     group = {
@@ -373,7 +392,8 @@ def _launches(x, q, scale, amax_bits, granularity: str, block_size: int, dtype, 
         "block": (1, block_size),
         "block2d": (block_size, block_size),
     }[granularity]
-    return [_tiles_launch(x, q, scale, group, dtype, pow2)]
+    passes = [(out, out is qt) for out in (q, qt) if out is not None]
+    return [_tiles_launch(x, out, scale, group, dtype, pow2, transposed=flip) for out, flip in passes]
 
 
 def scale_shape(shape: tuple, granularity: str, block_size: int) -> tuple:
@@ -432,22 +452,21 @@ def _quantize(
     scale: torch.Tensor,
 ) -> None:
     """Writes q (dtype, as its uint8 bits ``q_bits``: torch's CPU ops, which opcheck runs, do not
-    take fp8), its transpose where ``qt_bits`` has elements, and the scales."""
+    take fp8) where ``q_bits`` has elements, its transpose where ``qt_bits`` has, and the scales."""
     if x.numel() == 0:  # no program runs: each group's amax is that of nothing, 0
         scale.copy_(_reference_scales(torch.zeros_like(scale), dtype, round_scale_to_pow2)[0])
         return
     x2 = x.reshape(-1, x.shape[-1])
-    q2 = q_bits.view(-1, x.shape[-1])
-    q2 = q2 if interpret() else q2.view(dtype)
-    qt = (qt_bits if interpret() else qt_bits.view(dtype)) if qt_bits.numel() else None
+    q2 = q_bits.view(-1, x.shape[-1]) if q_bits.numel() else None
+    qt = qt_bits if qt_bits.numel() else None
+    if not interpret():  # (the interpreter's kernels write the bits: _to_fp8's SOFT_CAST)
+        q2, qt = (None if out is None else out.view(dtype) for out in (q2, qt))
     scale2 = scale.view(-1, scale.shape[-1]) if scale.dim() else scale
     amaxes = {"tensor": 1, "column": x.shape[-1]}.get(granularity)
     amax_bits = torch.zeros(amaxes, dtype=torch.int32, device=x.device) if amaxes else None
     pow2 = round_scale_to_pow2
-    for launch in _launches(x2, q2, scale2, amax_bits, granularity, block_size, dtype, pow2):
+    for launch in _launches(x2, q2, qt, scale2, amax_bits, granularity, block_size, dtype, pow2):
         launch.run()
-    if qt is not None:  # a pass of its own (see Transposes, above)
-        qt.copy_(q2.t())
 
 
 def quantize_fp8(
@@ -469,8 +488,9 @@ def quantize_fp8(
 
     ``transpose=True`` (the tensor, columns and 2-D blocks, whose groups a transpose keeps: a
     column of x is a row of x^T) returns ``(x_fp8, scale, xt_fp8, scale_t)``: also x_fp8's
-    transpose, contiguous (what a backward's ``_scaled_mm`` takes; copied from x_fp8 after its pass),
-    and its scales (the same scale, or the columns' or blocks' transposed, a view: x^T's rowwise scales)."""
+    transpose, contiguous (what a backward's ``_scaled_mm`` takes; written by a pass of its own),
+    and its scales (the same scale, or the columns' or blocks' transposed, a view: x^T's rowwise
+    scales). ``quantize_fp8_transposed`` gives the transpose alone."""
     _validate(x, granularity, block_size, dtype, scale_dtype, transpose)
     if torch.is_grad_enabled() and x.requires_grad:
         raise RuntimeError("quantize_fp8 has no gradient: call it on x.detach(), or under torch.no_grad()")
@@ -490,6 +510,29 @@ def quantize_fp8(
     if not transpose:
         return q, scale
     return q, scale, qt, scale.t() if scale.dim() == 2 else scale
+
+
+def quantize_fp8_transposed(
+    x: torch.Tensor,
+    granularity: str = "column",
+    *,
+    block_size: int = 128,
+    dtype: torch.dtype = torch.float8_e4m3fn,
+    round_scale_to_pow2: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(xt_fp8, scale_t)``: ``quantize_fp8(x, granularity, transpose=True)``'s last two, x^T's fp8
+    values (contiguous) and its scales (x's columns' scales are x^T's rowwise ones), without x_fp8:
+    x read in its own order, x^T stored by the pass. What a backward's transposed operand needs
+    (x^T of a contiguous x), without the strided reads of quantizing the view x^T."""
+    _validate(x, granularity, block_size, dtype, torch.float32, True)
+    if torch.is_grad_enabled() and x.requires_grad:
+        raise RuntimeError("quantize_fp8 has no gradient: call it on x.detach(), or under torch.no_grad()")
+    scale = empty_output(scale_shape(tuple(x.shape), granularity, block_size), torch.float32, x.device)
+    qt = torch.empty(x.shape[::-1], dtype=dtype, device=x.device)
+    # (an empty q_bits: no q written, unless x itself is empty, where nothing is written at all)
+    none = torch.empty(0, dtype=torch.uint8, device=x.device)
+    _quantize(x, granularity, block_size, round_scale_to_pow2, dtype, none, qt.view(torch.uint8), scale)
+    return qt, scale.t() if scale.dim() == 2 else scale
 
 
 # ---------------------------------------------------------------- reference and cost
