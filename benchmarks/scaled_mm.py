@@ -2,7 +2,7 @@
 matmul, and nn.Float8Linear's training step against torch.nn.Linear in bf16, in one process.
 
     python benchmarks/scaled_mm.py OUT.json [--shape M,K,N ...] [--scaling S ...] [--tiles] [--gluon]
-        [--skip-matmul] [--skip-linear] [--profile]
+        [--skip-matmul] [--skip-linear] [--profile] [--gluon-tiles]
 
 Rows: each shape (default SHAPES, (M, K, N), e4m3 operands, bf16 out) and scaling ("tensor", "row",
 "block"; torch._scaled_mm takes the first two here, each call by default and with use_fast_accum),
@@ -17,6 +17,8 @@ leave out those rows; ``--gluon`` adds scaled_mm made to run each call on the sm
 and on the Triton one (``scaled_mm.GLUON`` True and False; the plain rows take its measured rule),
 in both modes. ``--tiles`` adds, for each shape, scaled_mm rowwise on each candidate tile of TILES.
 ``--profile`` adds to each linear row each layer's kernels (torch.profiler: their GPU time a step).
+``--gluon-tiles`` adds the promoted product forced onto the Gluon kernel on its tile and on each of
+``scaled_mm_sm90.CANDIDATES``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import tritonkit
 from tritonkit import nn, tuning
 from tritonkit.bench import layer as bench_layer
 from tritonkit.ops.float8_linear import RECIPES
+from tritonkit.ops.linear import scaled_mm_sm90 as sm90
 from tritonkit.ops.scaled_mm import scaled_mm_reference
 
 SHAPES = [
@@ -98,14 +101,15 @@ def _matmul_row(shape, scaling) -> dict:
     def theirs(fast=False, out_dtype=torch.bfloat16):
         return torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=out_dtype, use_fast_accum=fast)
 
-    def forced(gluon, fast=False, out_dtype=torch.bfloat16):  # one kernel whatever the rule says
+    def forced(gluon, fast=False, out_dtype=torch.bfloat16, tile=None):  # one kernel, whatever the rule
         from tritonkit.ops import scaled_mm as module
 
-        module.GLUON = gluon
+        module.GLUON, shipped = gluon, sm90.TILES[fast]
+        sm90.TILES[fast] = tile or shipped
         try:
             return ours(fast, out_dtype)
         finally:
-            module.GLUON = None
+            module.GLUON, sm90.TILES[fast] = None, shipped
 
     calls = {"tritonkit": ours}
     if scaling != "block" and "--gluon" in sys.argv:
@@ -114,6 +118,10 @@ def _matmul_row(shape, scaling) -> dict:
                 f"tritonkit {name}": functools.partial(forced, gluon),
                 f"tritonkit {name} fast_accum": functools.partial(forced, gluon, True),
             }
+    if scaling != "block" and "--gluon-tiles" in sys.argv:  # the promoted Gluon kernel on each tile
+        for tile in [sm90.TILES[False], *sm90.CANDIDATES]:
+            name = f"tritonkit gluon {64 * tile.consumers}x{tile.block_n} s{tile.stages}"
+            calls[name] = functools.partial(forced, True, tile=tile)
     if scaling != "block":
         calls |= {
             "tritonkit fast_accum": functools.partial(ours, True),

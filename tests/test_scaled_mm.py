@@ -17,6 +17,7 @@ import tritonkit
 from fp8_peer import scaled_mm_peer
 from tritonkit._runtime import interpret
 from tritonkit.ops import scaled_mm as sm
+from tritonkit.ops.linear import scaled_mm_sm90 as host
 from tritonkit.oracle import compare
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -166,6 +167,7 @@ _HOPPER_CHECK = r"""
 import json, torch
 from tritonkit.asm import compile_launch
 from tritonkit.ops import scaled_mm as sm
+from tritonkit.ops.linear import scaled_mm_sm90 as host
 from tritonkit.ops.linear import kernels as kn, matmul as mm
 big, small = (8192, 4096, 16384), (1024, 16384, 1024)  # (M, K, N)
 cases = [(big, "tensor", False), (big, "row", False), (big, "block", False), (big, "row", True),
@@ -258,13 +260,15 @@ def numbers(pattern, text):
 def descriptor(rows):
     return f"tensordesc<fp8e4nv[{rows},{host.BLOCK_K}],{host._layout(rows, torch.float8_e4m3fn)!r}>"
 
-for chained in (False, True):
-    block_n, stages = host.TILES[chained]
-    signature = {"a_desc": descriptor(kern.ROWS.value), "b_desc": descriptor(block_n), "c_ptr": "*bf16",
+tiles = [(False, host.TILES[False]), (True, host.TILES[True])] + [(False, t) for t in host.CANDIDATES]
+for chained, tile in tiles:
+    signature = {"a_desc": descriptor(kern.ROWS.value), "b_desc": descriptor(tile.block_n), "c_ptr": "*bf16",
                  "scale_a_ptr": "*fp32", "scale_b_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
                  "stride_cm": "i32", "SCALING": "constexpr", "CHAINED": "constexpr",
-                 "NUM_STAGES": "constexpr", "GROUP_M": "constexpr"}
-    constants = {"SCALING": 2, "CHAINED": chained, "NUM_STAGES": stages, "GROUP_M": host.GROUP_M}
+                 "NUM_STAGES": "constexpr", "GROUP_M": "constexpr", "CONSUMERS": "constexpr",
+                 "CONSUMER_REGS": "constexpr"}
+    constants = {"SCALING": 2, "CHAINED": chained, "NUM_STAGES": tile.stages, "GROUP_M": host.GROUP_M,
+                 "CONSUMERS": tile.consumers, "CONSUMER_REGS": tile.regs}
     source = GluonASTSource(kern._scaled_mm_sm90_kernel, signature, constants)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": kern.CONSUMER_WARPS.value})
@@ -278,7 +282,8 @@ for chained in (False, True):
         elif "WARPGROUP.DEPBAR" in line:
             run = 0
     print(json.dumps({
-        "chained": chained, "shared": kernel.metadata.shared, "warps": kernel.metadata.num_warps,
+        "chained": chained, "consumers": tile.consumers, "regs": tile.regs,
+        "shared": kernel.metadata.shared, "warps": kernel.metadata.num_warps,
         "waits": numbers(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx),
         "setmaxnreg": numbers(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx),
         "qgmma_run": longest, "hgmma": sass.count("HGMMA"), "fadd": sass.count("FADD"),
@@ -293,9 +298,10 @@ def test_the_gluon_kernel_compiles_for_hopper_warp_specialized():
     together (ptxas serialized them when a product stayed in flight across steps); chained, the
     main loop waits for the older step only; promoted, for its step's product, then adds it."""
     rows = [json.loads(line) for line in sm90.run("import torch\n" + _GLUON_CHECK)]
-    assert len(rows) == 2
+    assert len(rows) == 2 + len(host.CANDIDATES)
     for row in rows:
-        assert row["warps"] == 12 and {240, 24} <= set(row["setmaxnreg"]), row
+        warps = 4 * (row["consumers"] + 1)  # (the producer warp's warpgroup counts whole)
+        assert row["warps"] == warps and {row["regs"], 24} <= set(row["setmaxnreg"]), row
         assert row["shared"] <= 227 * 1024 and not row["spills"] and row["tma_loads"] > 0, row
         assert row["qgmma_run"] >= 4 and row["hgmma"] == 0, row
         if row["chained"]:
@@ -324,6 +330,23 @@ def test_gpu_the_gluon_kernel_has_torchs_error(shape, scaling, fast, monkeypatch
     a, b, scale_a, scale_b = _operands(*shape, scaling=scaling, seed=8)
     _check(a, b, scale_a, scale_b, out_dtype=torch.float32, fast=fast)
     assert launched
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+    reason="needs an sm_90 GPU",
+)
+@pytest.mark.parametrize("tile", host.CANDIDATES, ids=str)
+@pytest.mark.parametrize("scaling", ["tensor", "row"])
+def test_gpu_each_candidate_tile_has_torchs_error(tile, scaling, monkeypatch):
+    """The promoted product on each candidate tile (timed by benchmarks/scaled_mm.py --gluon-tiles),
+    ragged M and N (a partial tile of each consumer's rows): the oracle with torch's error."""
+    monkeypatch.setattr(sm, "GLUON", True)
+    monkeypatch.setitem(host.TILES, False, tile)
+    for shape in ((4097, 4096, 1040), (8192, 2048, 4096), (100, 384, 200)):
+        a, b, scale_a, scale_b = _operands(*shape, scaling=scaling, seed=9)
+        _check(a, b, scale_a, scale_b, out_dtype=torch.float32, fast=False)
 
 
 def test_the_gluon_kernel_takes_the_products_it_measured_faster_on():

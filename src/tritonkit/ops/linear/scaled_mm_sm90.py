@@ -9,6 +9,7 @@ family's Triton kernel.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 from triton.experimental.gluon import language as gl
@@ -19,10 +20,25 @@ from tritonkit._runtime import capability, interpret
 from tritonkit.ops.linear.kernels import SCALINGS
 from tritonkit.ops.linear.scaled_mm_sm90_kernels import CONSUMER_WARPS, ROWS, _scaled_mm_sm90_kernel
 
-BLOCK_M, BLOCK_K, GROUP_M = 128, 128, 8
-# (BLOCK_N, ring stages): promoted, the step's product beside the accumulator (two register sets);
-# chained, one accumulator of 128 x 256 (128 registers a thread)
-TILES = {False: (128, 4), True: (256, 3)}
+BLOCK_K, GROUP_M = 128, 8
+
+
+class Tile(NamedTuple):
+    """A launch's tile: ``consumers`` warpgroups of 64 rows (the tile's rows: 64 x consumers) at
+    ``regs`` registers a thread, ``block_n`` columns, a ring of ``stages`` K steps."""
+
+    consumers: int
+    block_n: int
+    stages: int
+    regs: int
+
+
+# promoted (False), the step's product beside the accumulator (two register sets of 64 x BLOCK_N a
+# warpgroup); chained (True), one accumulator of 64 x 256 (128 registers a thread)
+TILES = {False: Tile(2, 128, 4, 240), True: Tile(2, 256, 3, 240)}
+# timed beside TILES (benchmarks/scaled_mm.py --gluon-tiles): a third consumer, whose products
+# queue behind two others' while it promotes its own (the register file holds three at 160)
+CANDIDATES = [Tile(3, 128, 4, 160), Tile(3, 128, 5, 160)]
 FP8 = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5}
 
 
@@ -40,19 +56,22 @@ def _layout(rows: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
     return gl.NVMMASharedLayout.get_default_for([rows, BLOCK_K], FP8[dtype])
 
 
-def launch(a, b_t, scale_a, scale_b, scaling: int, chained: bool, out) -> Launch:
-    """C = (A B^T) * scales into out: A (M, K), B^T (N, K), fp8, K-major; the scales flat fp32."""
+def launch(a, b_t, scale_a, scale_b, scaling: int, chained: bool, out, tile: Tile | None = None) -> Launch:
+    """C = (A B^T) * scales into out: A (M, K), B^T (N, K), fp8, K-major; the scales flat fp32;
+    on ``tile`` (default TILES[chained])."""
     (m, k), n = a.shape, b_t.shape[0]
-    block_n, stages = TILES[chained]
+    tile = tile or TILES[chained]
     a_desc = TensorDescriptor.from_tensor(a, [ROWS.value, BLOCK_K], _layout(ROWS.value, a.dtype))
-    b_desc = TensorDescriptor.from_tensor(b_t, [block_n, BLOCK_K], _layout(block_n, b_t.dtype))
+    b_desc = TensorDescriptor.from_tensor(b_t, [tile.block_n, BLOCK_K], _layout(tile.block_n, b_t.dtype))
     args = (a_desc, b_desc, out, scale_a, scale_b, m, n, k, out.stride(0))
     meta = {
         "SCALING": scaling,
         "CHAINED": chained,
-        "NUM_STAGES": stages,
+        "NUM_STAGES": tile.stages,
         "GROUP_M": GROUP_M,
+        "CONSUMERS": tile.consumers,
+        "CONSUMER_REGS": tile.regs,
         "num_warps": CONSUMER_WARPS.value,
     }
-    grid = (cdiv(m, BLOCK_M) * cdiv(n, block_n),)
+    grid = (cdiv(m, ROWS.value * tile.consumers) * cdiv(n, tile.block_n),)
     return Launch("scaled_mm sm90", _scaled_mm_sm90_kernel, args, meta, {}, grid)

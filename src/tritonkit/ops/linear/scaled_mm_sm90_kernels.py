@@ -30,7 +30,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 ROWS = gl.constexpr(64)  # a consumer warpgroup's rows: a wgmma's M per warpgroup
-CONSUMER_REGS = gl.constexpr(240)  # the consumers' setmaxnreg budget (the producer's: PRODUCER_REGS)
 CONSUMER_WARPS = gl.constexpr(4)
 PRODUCER_WARPS = gl.constexpr(1)
 PRODUCER_REGS = gl.constexpr(24)
@@ -56,15 +55,19 @@ def _load_partition(a_desc, b_desc, a_smem, b_smem, ready, empty, M, N, K, GROUP
     NUM_STAGES: gl.constexpr = b_smem.type.shape[0]
     BLOCK_N: gl.constexpr = b_smem.type.shape[1]
     BLOCK_K: gl.constexpr = b_smem.type.shape[2]
-    off_m, off_n = _tile_position(M, N, 2 * ROWS, BLOCK_N, GROUP_M)
-    nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    CONSUMERS: gl.constexpr = a_smem.type.shape[0] // NUM_STAGES
+    off_m, off_n = _tile_position(M, N, CONSUMERS * ROWS, BLOCK_N, GROUP_M)
+    nbytes: gl.constexpr = CONSUMERS * a_desc.block_type.nbytes + b_desc.block_type.nbytes
     for ki in range(gl.cdiv(K, BLOCK_K)):
         stage = ki % NUM_STAGES
         mbarrier.wait(empty.index(stage), ((ki // NUM_STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(stage), nbytes)
-        for c in gl.static_range(2):
+        for c in gl.static_range(CONSUMERS):
             tma.async_copy_global_to_shared(
-                a_desc, [off_m + c * ROWS, ki * BLOCK_K], ready.index(stage), a_smem.index(2 * stage + c)
+                a_desc,
+                [off_m + c * ROWS, ki * BLOCK_K],
+                ready.index(stage),
+                a_smem.index(CONSUMERS * stage + c),
             )
         tma.async_copy_global_to_shared(
             b_desc, [off_n, ki * BLOCK_K], ready.index(stage), b_smem.index(stage)
@@ -94,7 +97,8 @@ def _mma_partition(
     NUM_STAGES: gl.constexpr = b_smem.type.shape[0]
     BLOCK_N: gl.constexpr = b_smem.type.shape[1]
     BLOCK_K: gl.constexpr = b_smem.type.shape[2]
-    off_m, off_n = _tile_position(M, N, 2 * ROWS, BLOCK_N, GROUP_M)
+    CONSUMERS: gl.constexpr = a_smem.type.shape[0] // NUM_STAGES
+    off_m, off_n = _tile_position(M, N, CONSUMERS * ROWS, BLOCK_N, GROUP_M)
     layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32]
     )
@@ -105,7 +109,7 @@ def _mma_partition(
             stage = ki % NUM_STAGES
             mbarrier.wait(ready.index(stage), (ki // NUM_STAGES) & 1)
             acc = warpgroup_mma(
-                a_smem.index(2 * stage + cid), b_smem.index(stage).permute((1, 0)), acc, is_async=True
+                a_smem.index(CONSUMERS * stage + cid), b_smem.index(stage).permute((1, 0)), acc, is_async=True
             )
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             if ki > 0:
@@ -119,7 +123,7 @@ def _mma_partition(
             stage = ki % NUM_STAGES
             mbarrier.wait(ready.index(stage), (ki // NUM_STAGES) & 1)
             part = warpgroup_mma(
-                a_smem.index(2 * stage + cid),
+                a_smem.index(CONSUMERS * stage + cid),
                 b_smem.index(stage).permute((1, 0)),
                 zero,
                 use_acc=False,
@@ -161,27 +165,41 @@ def _scaled_mm_sm90_kernel(
     CHAINED: gl.constexpr,
     NUM_STAGES: gl.constexpr,
     GROUP_M: gl.constexpr,
+    CONSUMERS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
 ):
     """(a_desc: A (M, K) fp8 in 64 x BLOCK_K boxes; b_desc: B (N, K) in BLOCK_N x BLOCK_K boxes; c_ptr:
     C (M, N), rows stride_cm apart; the scales: one each (SCALING 1) or M and N of them (2); CHAINED:
     the steps summed in the tensor cores' accumulator; NUM_STAGES: the ring's depth; GROUP_M: row
-    tiles a group walks before the next column of tiles.)"""
+    tiles a group walks before the next column of tiles; CONSUMERS: consumer warpgroups, 64 rows of
+    the tile each, at CONSUMER_REGS registers a thread.)"""
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     dtype: gl.constexpr = a_desc.dtype
-    a_smem = gl.allocate_shared_memory(dtype, [2 * NUM_STAGES, ROWS, BLOCK_K], a_desc.layout)
+    a_smem = gl.allocate_shared_memory(dtype, [CONSUMERS * NUM_STAGES, ROWS, BLOCK_K], a_desc.layout)
     b_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
+        mbarrier.init(empty.index(i), count=CONSUMERS)
     # fmt: off
-    gl.warp_specialize([
-        (_mma_partition, (0, a_smem, b_smem, ready, empty, c_ptr, scale_a_ptr, scale_b_ptr, M, N, K,
-                          stride_cm, SCALING, CHAINED, GROUP_M)),
-        (_mma_partition, (1, a_smem, b_smem, ready, empty, c_ptr, scale_a_ptr, scale_b_ptr, M, N, K,
-                          stride_cm, SCALING, CHAINED, GROUP_M)),
-        (_load_partition, (a_desc, b_desc, a_smem, b_smem, ready, empty, M, N, K, GROUP_M)),
-    ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+    if CONSUMERS == 3:
+        gl.warp_specialize([
+            (_mma_partition, (0, a_smem, b_smem, ready, empty, c_ptr, scale_a_ptr, scale_b_ptr, M, N, K,
+                              stride_cm, SCALING, CHAINED, GROUP_M)),
+            (_mma_partition, (1, a_smem, b_smem, ready, empty, c_ptr, scale_a_ptr, scale_b_ptr, M, N, K,
+                              stride_cm, SCALING, CHAINED, GROUP_M)),
+            (_mma_partition, (2, a_smem, b_smem, ready, empty, c_ptr, scale_a_ptr, scale_b_ptr, M, N, K,
+                              stride_cm, SCALING, CHAINED, GROUP_M)),
+            (_load_partition, (a_desc, b_desc, a_smem, b_smem, ready, empty, M, N, K, GROUP_M)),
+        ], [CONSUMER_WARPS, CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_mma_partition, (0, a_smem, b_smem, ready, empty, c_ptr, scale_a_ptr, scale_b_ptr, M, N, K,
+                              stride_cm, SCALING, CHAINED, GROUP_M)),
+            (_mma_partition, (1, a_smem, b_smem, ready, empty, c_ptr, scale_a_ptr, scale_b_ptr, M, N, K,
+                              stride_cm, SCALING, CHAINED, GROUP_M)),
+            (_load_partition, (a_desc, b_desc, a_smem, b_smem, ready, empty, M, N, K, GROUP_M)),
+        ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     # fmt: on
