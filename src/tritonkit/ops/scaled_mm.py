@@ -23,8 +23,8 @@ cores' sum restarts every step, as DeepSeek-V3's kernels promote it every 128 of
 fixed tile for now (``TILE``, ``FAST_TILE``: 128 x 128 or 128 x 256 outputs, 128 deep, a 128-byte
 row of fp8 a step) instead of the tuner's: fp8 keys are not in its table yet. On sm_90 the large
 tensorwise and rowwise products without a bias run on a warp-specialized Gluon kernel instead
-(``ops/linear/scaled_mm_sm90.py``: a TMA producer warp and two consumer warpgroups), where it
-measured faster (``_gluon_pays``).
+(``ops/linear/scaled_mm_sm90.py``: a TMA producer warp and two or three consumer warpgroups),
+where it measured faster (``_gluon_pays``).
 
 Accumulation. Hopper's fp8 tensor cores sum their products keeping about 14 bits. By default each
 128-deep step's product is added to the fp32 accumulator on its own (promoted): on the H200 its

@@ -33,12 +33,14 @@ class Tile(NamedTuple):
     regs: int
 
 
-# promoted (False), the step's product beside the accumulator (two register sets of 64 x BLOCK_N a
-# warpgroup); chained (True), one accumulator of 64 x 256 (128 registers a thread)
-TILES = {False: Tile(2, 128, 4, 240), True: Tile(2, 256, 3, 240)}
-# timed beside TILES (benchmarks/scaled_mm.py --gluon-tiles): a third consumer, whose products
-# queue behind two others' while it promotes its own (the register file holds three at 160)
-CANDIDATES = [Tile(3, 128, 4, 160), Tile(3, 128, 5, 160)]
+# Promoted (False): the step's product beside the accumulator (two register sets of 64 x BLOCK_N a
+# warpgroup), on three consumers, so that two others' products queue on the tensor cores while one
+# waits for its own and adds it (the register file holds three at 160): 986-1085 TFLOP/s on the
+# H200 against two consumers' 883-967 in the same run (docs/perf-notes.md, "scaled_mm's promoted
+# product on three consumers"). Chained (True): one accumulator of 64 x 256 (128 registers a thread).
+TILES = {False: Tile(3, 128, 5, 160), True: Tile(2, 256, 3, 240)}
+# timed beside TILES (benchmarks/scaled_mm.py --gluon-tiles)
+CANDIDATES = [Tile(2, 128, 4, 240), Tile(3, 128, 4, 160)]
 FP8 = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5}
 
 

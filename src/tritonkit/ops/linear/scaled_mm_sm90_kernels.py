@@ -8,17 +8,19 @@ either chained in the tensor cores' sum (CHAINED, ``use_fast_accum``) or promote
 added to an fp32 accumulator, as ``torch._scaled_mm`` does by default (``scaled_mm``'s module
 docstring has the numbers).
 
-Structure (one program a 128 x BLOCK_N tile of C, in the grouped order of the linear family):
-- a producer warp (24 registers) issues every TMA load, A's two 64-row halves and B's tile a step,
+Structure (one program a (64 x CONSUMERS) x BLOCK_N tile of C, in the grouped order of the linear
+family; ``scaled_mm_sm90.TILES`` has each mode's):
+- a producer warp (24 registers) issues every TMA load, A's 64-row slices and B's tile a step,
   into a NUM_STAGES-deep ring of ready and empty mbarriers;
-- two consumer warpgroups (240 registers) of 64 rows each. Chained, each issues a step's wgmma
-  chain and waits for the previous step's only (``warpgroup_mma_wait(1)``), so that the tensor
-  cores run on while it releases the stage. Promoted, each waits for its step's product and adds
-  it, as CUTLASS's fp8 promotion does: the other warpgroup's products run under the adds (the plain
-  Triton kernel's two warpgroups share one instruction stream and add at the same time). Carrying a
-  product in flight across steps, to add it under the next, made ptxas serialize every wgmma
-  ("non wgmma instructions reading accumulator registers ... between start and end of the
-  pipeline stage"), compiled ad hoc.
+- CONSUMERS warpgroups of 64 rows each (two at 240 registers, or three at 160). Chained, each
+  issues a step's wgmma chain and waits for the previous step's only (``warpgroup_mma_wait(1)``), so
+  that the tensor cores run on while it releases the stage. Promoted, each waits for its step's
+  product and adds it, as CUTLASS's fp8 promotion does: the other warpgroups' products run under
+  the adds (the plain Triton kernel's two warpgroups share one instruction stream and add at the
+  same time); with three, two products queue behind the one being added. Carrying a product in
+  flight across steps, to add it under the next, made ptxas serialize every wgmma ("non wgmma
+  instructions reading accumulator registers ... between start and end of the pipeline stage"),
+  compiled ad hoc.
 - the epilogue scales the fp32 accumulator and stores C from registers, masked at its edges.
 
 References: Triton's Gluon tutorials (05-wgmma, 08-warp-specialization); DeepSeek-V3's report,
