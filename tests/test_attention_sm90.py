@@ -34,9 +34,8 @@ def descriptor(dtype, rows, head_dim):
     layout = gl.NVMMASharedLayout.get_default_for(block, {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype])
     return f"tensordesc<{dtype}[{','.join(map(str, block))}],{layout!r}>"
 
-for dtype, head_dim, causal, persistent, turns in CASES:
-    config = fwd.CONFIGS[head_dim]._replace(
-        persistent=persistent, pingpong=turns == "ping-pong", softmax_turns=turns == "softmax turns")
+for dtype, head_dim, causal, persistent, pingpong in CASES:
+    config = fwd.CONFIGS[head_dim]._replace(persistent=persistent, pingpong=pingpong)
     signature = {"q_desc": descriptor(dtype, fwd.SPLIT_M, head_dim),
                  "k_desc": descriptor(dtype, config.block_n, head_dim),
                  "v_desc": descriptor(dtype, config.block_n, head_dim),
@@ -44,10 +43,10 @@ for dtype, head_dim, causal, persistent, turns in CASES:
                  "stride_lh": "i64", "HEADS": "i32", "BATCH_HEADS": "i32", "HEADS_PER_GROUP": "i32",
                  "GROUP": "i32", "SEQ_Q": "i32", "SEQ_K": "i32", "UPPER_OFFSET": "i32",
                  "qk_scale": "fp32", "IS_CAUSAL": "constexpr", "NUM_STAGES": "constexpr",
-                 "PIN_SOFTMAX": "constexpr", "TURNS": "constexpr", "CONSUMERS": "constexpr",
+                 "PIN_SOFTMAX": "constexpr", "PINGPONG": "constexpr", "CONSUMERS": "constexpr",
                  "CONSUMER_REGS": "constexpr", "PERSISTENT": "constexpr"}
     constants = {"IS_CAUSAL": causal, "NUM_STAGES": config.num_stages, "PIN_SOFTMAX": config.pin_softmax,
-                 "TURNS": fwd._turns(config), "CONSUMERS": fwd.NUM_CONSUMERS,
+                 "PINGPONG": config.pingpong, "CONSUMERS": fwd.NUM_CONSUMERS,
                  "CONSUMER_REGS": fwd.CONSUMER_REGS, "PERSISTENT": persistent}
     kernel = triton.compile(GluonASTSource(fwd._attn_fwd_sm90_kernel, signature, constants),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": fwd.CONSUMER_WARPS.value})
@@ -63,7 +62,7 @@ for dtype, head_dim, causal, persistent, turns in CASES:
             current += 1
     print(json.dumps({
         "case": f"{dtype} d{head_dim} {'causal' if causal else 'full'}{' persistent' if persistent else ''}"
-                f"{' ' + turns if turns else ''}",
+                f"{' ping-pong' if pingpong else ''}",
         "warps": kernel.metadata.num_warps, "shared": kernel.metadata.shared,
         "waits": numbers(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx),
         "setmaxnreg": numbers(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx),
@@ -77,18 +76,16 @@ for dtype, head_dim, causal, persistent, turns in CASES:
 """
 
 
-# (dtype, D, causal, persistent, turns): the default tile, persistent or not, and the persistent
-# one with turns at the products (ping-pong) and at the softmax
+# (dtype, D, causal, persistent, ping-pong): the default tile, persistent or not, and the persistent
+# one with ping-pong
 STATIC_CASES = [
-    ("bf16", 128, False, False, ""),
-    ("bf16", 128, True, False, ""),
-    ("fp16", 64, True, False, ""),
-    ("bf16", 128, True, True, ""),
-    ("fp16", 64, False, True, ""),
-    ("bf16", 128, False, True, ""),
-    ("bf16", 128, True, True, "ping-pong"),
-    ("bf16", 128, True, True, "softmax turns"),
-    ("bf16", 64, False, True, "softmax turns"),
+    ("bf16", 128, False, False, False),
+    ("bf16", 128, True, False, False),
+    ("fp16", 64, True, False, False),
+    ("bf16", 128, True, True, False),
+    ("fp16", 64, False, True, False),
+    ("bf16", 128, False, True, False),
+    ("bf16", 128, True, True, True),
 ]
 
 

@@ -18,13 +18,7 @@ from tritonkit._launch import TMA_ALIGN_BYTES, Launch, cdiv, tma_ready
 from tritonkit._runtime import capability, sm_count
 from tritonkit.dtypes import HALVES
 from tritonkit.jit import LOG2E
-from tritonkit.ops.attention.fwd_sm90_kernels import (
-    CONSUMER_WARPS,
-    SPLIT_M,
-    TURNS_PRODUCTS,
-    TURNS_SOFTMAX,
-    _attn_fwd_sm90_kernel,
-)
+from tritonkit.ops.attention.fwd_sm90_kernels import CONSUMER_WARPS, SPLIT_M, _attn_fwd_sm90_kernel
 
 DTYPES = HALVES
 HEAD_DIMS = (64, 128)
@@ -52,16 +46,14 @@ PINGPONG = False
 class Config(NamedTuple):
     """A launch's tile: BLOCK_N keys a step, NUM_STAGES K/V tiles in flight; pin_softmax keeps a
     block's exponentials under the previous block's PV product (see ``_attend_blocks``); pingpong
-    orders the consumers' products (``PINGPONG``), softmax_turns their softmaxes (one warpgroup's
-    exponentials at a time, as cuDNN's kernel orders them); persistent launches one program an SM,
-    each walking tiles one after another (its turns running on across them)."""
+    orders the consumers' products (``PINGPONG``); persistent launches one program an SM, each
+    walking tiles one after another (its turns, with ping-pong, running on across them)."""
 
     block_n: int
     num_stages: int
     pin_softmax: bool = True
     pingpong: bool = PINGPONG
     persistent: bool = False
-    softmax_turns: bool = False
 
 
 # Per head dim. The shared memory of a program is 2 x 64 x D for Q (reused for O) and NUM_STAGES x 2
@@ -111,7 +103,6 @@ CANDIDATES = {
         CONFIGS[64]._replace(pingpong=not PINGPONG),
         CONFIGS[64]._replace(pin_softmax=False),
         CONFIGS[64]._replace(persistent=True),
-        CONFIGS[64]._replace(persistent=True, softmax_turns=True),
     ],
     128: [
         CONFIGS[128],
@@ -120,22 +111,11 @@ CANDIDATES = {
         CONFIGS[128]._replace(num_stages=3),
         CONFIGS[128]._replace(persistent=True),
         CONFIGS[128]._replace(persistent=True, pingpong=not PINGPONG),
-        CONFIGS[128]._replace(persistent=True, softmax_turns=True),
-        CONFIGS[128]._replace(softmax_turns=True),
     ],
 }
 
 
 # ---------------------------------------------------------------- launcher
-
-
-def _turns(config: Config) -> int:
-    """The kernel's TURNS: what the consumers take in turn (``fwd_sm90_kernels.TURNS_*``), or 0."""
-    if config.pingpong and config.softmax_turns:
-        raise ValueError("a config takes turns at the products (pingpong) or at the softmax, not both")
-    if config.pingpong:
-        return TURNS_PRODUCTS.value
-    return TURNS_SOFTMAX.value if config.softmax_turns else 0
 
 
 def supports(
@@ -332,7 +312,7 @@ def launches(q, k, v, o, lse, *, scale: float, causal: bool, config: Config | No
         "IS_CAUSAL": bool(causal),
         "NUM_STAGES": config.num_stages,
         "PIN_SOFTMAX": config.pin_softmax,
-        "TURNS": _turns(config),
+        "PINGPONG": config.pingpong,
         "CONSUMERS": NUM_CONSUMERS,
         "CONSUMER_REGS": CONSUMER_REGS,
         "PERSISTENT": config.persistent,

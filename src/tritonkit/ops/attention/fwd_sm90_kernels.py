@@ -48,9 +48,8 @@ pairs of a long and a short block): the K/V ring runs on across tiles, and O lea
 through buffers of its own so that the next tile's Q lands under the epilogue.
 
 Not here yet (later stages): sliding windows, soft-capping, packed variable-length batches, D other
-than 64 and 128. Turns between the consumer warpgroups, through an mbarrier pair, are written but
-off: for the products (TURNS_PRODUCTS, FA3's ping-pong) they measured no gain on the H200; for the
-exponentials (TURNS_SOFTMAX, cuDNN's order: one warpgroup's softmax at a time) they are a candidate.
+than 64 and 128. Ping-pong between the consumer warpgroups is written
+(PINGPONG, through an mbarrier pair) but off: it measured no gain on the H200.
 
 References: Shah et al., "FlashAttention-3" (arXiv 2407.08608); Dao-AILab/flash-attention
 ``hopper/mainloop_fwd_sm90_tma_gmma_ws.hpp``; Triton's Gluon tutorials (05-wgmma,
@@ -74,10 +73,6 @@ SPLIT_M = 64  # query rows a consumer warpgroup holds: a wgmma's M per warpgroup
 CONSUMER_WARPS = gl.constexpr(4)
 PRODUCER_WARPS = gl.constexpr(1)  # one warp issues every TMA load (one thread does, in fact)
 PRODUCER_REGS = gl.constexpr(24)  # its setmaxnreg budget (the consumers': fwd_sm90.CONSUMER_REGS)
-# TURNS: what the consumers take in turn, one then the other: a step's products (issued together),
-# or a block's softmax (from S's wait to the hand-on after its exponentials)
-TURNS_PRODUCTS = gl.constexpr(1)
-TURNS_SOFTMAX = gl.constexpr(2)
 
 
 # ---------------------------------------------------------------- kernels
@@ -354,14 +349,14 @@ def _attend_blocks(
     MASKED: gl.constexpr,
     IS_CAUSAL: gl.constexpr,
     PIN_SOFTMAX: gl.constexpr,
-    TURNS: gl.constexpr,
+    PINGPONG: gl.constexpr,
 ):
     """Key blocks [first, last) of a consumer (the ring's blocks kv_base + first, ...), one block
     behind for PV: on entry ``p`` holds block first - 1's probabilities (in the A-operand layout)
     whose PV product is still to do; on exit, block last - 1's. Returns (o, p, m_i, l_i). ``pin``:
     this consumer's (SPLIT_M,) fp32 scratch in shared memory, written and never read
-    (PIN_SOFTMAX). ``my_turn``/``next_turn``: TURNS's mbarriers; block j is this consumer's
-    (turn0 + j)-th turn (the tile's prologue, block 0, its turn0-th)."""
+    (PIN_SOFTMAX). ``my_turn``/``next_turn``: PINGPONG's mbarriers; block j is this consumer's
+    (turn0 + j)-th turn (the tile's prologue, S_0, its turn0-th)."""
     k_smem, v_smem, k_ready, k_empty, v_ready, v_empty = ring
     NUM_STAGES: gl.constexpr = k_smem.type.shape[0]
     BLOCK_N: gl.constexpr = k_smem.type.shape[1]
@@ -376,18 +371,16 @@ def _attend_blocks(
         prev = (kv_base + j - 1) % NUM_STAGES
         # S_j = Q K_j^T, then O += P_{j-1} V_{j-1}: two wgmma groups in flight
         mbarrier.wait(k_ready.index(stage), ((kv_base + j) // NUM_STAGES) & 1)
-        if TURNS == TURNS_PRODUCTS:
+        if PINGPONG:
             mbarrier.wait(my_turn, (turn0 + j) & 1)
         s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         mbarrier.wait(v_ready.index(prev), ((kv_base + j - 1) // NUM_STAGES) & 1)
         o = warpgroup_mma(p, v_smem.index(prev), o, is_async=True)
-        if TURNS == TURNS_PRODUCTS:  # both products issued: the other consumer's turn
+        if PINGPONG:  # both products issued: the other consumer's turn
             mbarrier.arrive(next_turn, count=1)
         # the older group (S_j) done, PV_{j-1} may still run: block j's softmax overlaps it
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
         mbarrier.arrive(k_empty.index(stage), count=1)
-        if TURNS == TURNS_SOFTMAX:
-            mbarrier.wait(my_turn, (turn0 + j) & 1)
         p_j, m_i, l_i, alpha = _online_softmax(
             s, m_i, l_i, rows, j * BLOCK_N, SEQ_K, UPPER_OFFSET, qk_scale, MASKED, IS_CAUSAL
         )
@@ -398,8 +391,6 @@ def _attend_blocks(
             # which then wait for PV_{j-1} instead of running under it; a shared-memory store of l
             # (which needs every exponential) stays above the wait and keeps them there
             pin.store(l_i)
-        if TURNS == TURNS_SOFTMAX:  # the exponentials done (l needs them all): the other's turn
-            mbarrier.arrive(next_turn, count=1)
         o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
         mbarrier.arrive(v_empty.index(prev), count=1)
         o = o * gl.convert_layout(alpha, row_o)[:, None]
@@ -423,7 +414,7 @@ def _consume_tile(
     v_ready,
     v_empty,  # see _load_partition
     pin_smem,  # (NUM_CONSUMERS, SPLIT_M) fp32 scratch: see _attend_blocks
-    turn_smem,  # (NUM_CONSUMERS,) mbarriers, TURNS: consumer c has the turn
+    turn_smem,  # (NUM_CONSUMERS,) mbarriers, PINGPONG: consumer c may issue its products
     batch,
     head,
     start_m,  # this program's batch, query head and first query row
@@ -439,7 +430,7 @@ def _consume_tile(
     qk_scale,  # scale * log2(e)
     IS_CAUSAL: gl.constexpr,  # the causal mask
     PIN_SOFTMAX: gl.constexpr,  # keep the exponentials between the two waits (see _attend_blocks)
-    TURNS: gl.constexpr,  # the consumers take turns (TURNS_* below), or not (0)
+    PINGPONG: gl.constexpr,  # the consumers take turns to issue their products
     PERSISTENT: gl.constexpr,  # tiles follow each other in one program
 ):
     """One consumer's part of a tile: its 64 rows' output and lse."""
@@ -462,11 +453,10 @@ def _consume_tile(
     q = q_smem.index(cid)
     pin = pin_smem.index(cid)
     # turns go round the consumers: each issues one step's products (both consumers walk the same
-    # n_blocks + 1 steps a tile), or takes one block's softmax (n_blocks a tile), then hands the
-    # turn on; turn0 of them were taken by earlier tiles
+    # n_blocks + 1 steps a tile), then hands the turn on; turn0 of them were taken by earlier tiles
     my_turn = turn_smem.index(cid)
     next_turn = turn_smem.index((cid + 1) % turn_smem.type.shape[0])
-    turn0 = kv_base + loads if TURNS == TURNS_PRODUCTS else kv_base
+    turn0 = kv_base + loads
     rows = start_m + cid * ROWS + gl.arange(0, ROWS, layout=row_s)
     o = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
     m_i = gl.full([ROWS], -float("inf"), gl.float32, row_s)
@@ -476,7 +466,7 @@ def _consume_tile(
         # block 0 alone (nothing to overlap yet), masked: cheap, and right whether or not a bound cuts it
         first = kv_base % NUM_STAGES
         mbarrier.wait(k_ready.index(first), (kv_base // NUM_STAGES) & 1)
-        if TURNS == TURNS_PRODUCTS:
+        if PINGPONG:
             mbarrier.wait(my_turn, turn0 & 1)
         s = warpgroup_mma(
             q,
@@ -485,33 +475,29 @@ def _consume_tile(
             use_acc=False,
             is_async=True,
         )
-        if TURNS == TURNS_PRODUCTS:
+        if PINGPONG:
             mbarrier.arrive(next_turn, count=1)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         mbarrier.arrive(k_empty.index(first), count=1)
-        if TURNS == TURNS_SOFTMAX:
-            mbarrier.wait(my_turn, turn0 & 1)
         p, m_i, l_i, _ = _online_softmax(s, m_i, l_i, rows, 0, SEQ_K, UPPER_OFFSET, qk_scale, True, IS_CAUSAL)
-        if TURNS == TURNS_SOFTMAX:
-            mbarrier.arrive(next_turn, count=1)
         p = gl.convert_layout(to_pairs(p, dtype), p_layout)
         # the blocks every row sees whole, then those a bound cuts (the diagonal, the ragged end)
         ring = (k_smem, v_smem, k_ready, k_empty, v_ready, v_empty)
         # fmt: off
         o, p, m_i, l_i = _attend_blocks(
             o, p, m_i, l_i, q, ring, pin, my_turn, next_turn, turn0, rows, 1, n_full, kv_base, SEQ_K,
-            UPPER_OFFSET, qk_scale, False, IS_CAUSAL, PIN_SOFTMAX, TURNS)
+            UPPER_OFFSET, qk_scale, False, IS_CAUSAL, PIN_SOFTMAX, PINGPONG)
         o, p, m_i, l_i = _attend_blocks(
             o, p, m_i, l_i, q, ring, pin, my_turn, next_turn, turn0, rows, gl.maximum(n_full, 1), n_blocks,
-            kv_base, SEQ_K, UPPER_OFFSET, qk_scale, True, IS_CAUSAL, PIN_SOFTMAX, TURNS)
+            kv_base, SEQ_K, UPPER_OFFSET, qk_scale, True, IS_CAUSAL, PIN_SOFTMAX, PINGPONG)
         # fmt: on
         # the last block's PV product
         last = (kv_base + n_blocks - 1) % NUM_STAGES
         mbarrier.wait(v_ready.index(last), ((kv_base + n_blocks - 1) // NUM_STAGES) & 1)
-        if TURNS == TURNS_PRODUCTS:
+        if PINGPONG:
             mbarrier.wait(my_turn, (turn0 + n_blocks) & 1)
         o = warpgroup_mma(p, v_smem.index(last), o, is_async=True)
-        if TURNS == TURNS_PRODUCTS:  # the second consumer's last hand-on opens the next tile (unwaited after)
+        if PINGPONG:  # the second consumer's last hand-on opens the next tile (unwaited after the last)
             mbarrier.arrive(next_turn, count=1)
         o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
         mbarrier.arrive(v_empty.index(last), count=1)
@@ -547,13 +533,13 @@ def _consume_tile(
 def _softmax_partition(
     cid: gl.constexpr, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
     pin_smem, turn_smem, batch, head, start_m, n_blocks, n_full, SEQ_Q, SEQ_K, UPPER_OFFSET, stride_lb,
-    stride_lh, qk_scale, IS_CAUSAL: gl.constexpr, PIN_SOFTMAX: gl.constexpr, TURNS: gl.constexpr,
+    stride_lh, qk_scale, IS_CAUSAL: gl.constexpr, PIN_SOFTMAX: gl.constexpr, PINGPONG: gl.constexpr,
 ):  # fmt: skip
     """A consumer of a program of one tile (``_consume_tile``'s arguments)."""
     _consume_tile(
         cid, o_desc, lse_ptr, q_smem, q_smem, k_smem, v_smem, q_ready, q_ready, k_ready, k_empty, v_ready,
         v_empty, pin_smem, turn_smem, batch, head, start_m, n_blocks, n_full, 0, 0, SEQ_Q, SEQ_K,
-        UPPER_OFFSET, stride_lb, stride_lh, qk_scale, IS_CAUSAL, PIN_SOFTMAX, TURNS, False,
+        UPPER_OFFSET, stride_lb, stride_lh, qk_scale, IS_CAUSAL, PIN_SOFTMAX, PINGPONG, False,
     )  # fmt: skip
 
 
@@ -562,7 +548,7 @@ def _softmax_partition_persistent(
     cid: gl.constexpr, o_desc, lse_ptr, q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, k_empty,
     v_ready, v_empty, pin_smem, turn_smem, HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K,
     UPPER_OFFSET, stride_lb, stride_lh, qk_scale, IS_CAUSAL: gl.constexpr, PIN_SOFTMAX: gl.constexpr,
-    TURNS: gl.constexpr,
+    PINGPONG: gl.constexpr,
 ):  # fmt: skip
     """A consumer of a persistent program: the producer's tiles, in its order."""
     BLOCK: gl.constexpr = q_smem.type.shape[0] * q_smem.type.shape[1]
@@ -580,7 +566,7 @@ def _softmax_partition_persistent(
             cid, o_desc, lse_ptr, q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, k_empty,
             v_ready, v_empty, pin_smem, turn_smem, batch, head, start_m, n_blocks, n_full, kv_base,
             loads, SEQ_Q, SEQ_K, UPPER_OFFSET, stride_lb, stride_lh, qk_scale, IS_CAUSAL, PIN_SOFTMAX,
-            TURNS, True,
+            PINGPONG, True,
         )  # fmt: skip
         kv_base += n_blocks
         loads += gl.where(n_blocks > 0, 1, 0)
@@ -610,7 +596,7 @@ def _attn_fwd_sm90_kernel(
     IS_CAUSAL: gl.constexpr,  # the causal mask
     NUM_STAGES: gl.constexpr,  # K/V tiles in flight
     PIN_SOFTMAX: gl.constexpr,  # keep the exponentials under the PV product (see _attend_blocks)
-    TURNS: gl.constexpr,  # the consumers take turns (TURNS_* below), or not (0)
+    PINGPONG: gl.constexpr,  # the consumers take turns to issue their products
     CONSUMERS: gl.constexpr,  # consumer warpgroups of ROWS query rows
     CONSUMER_REGS: gl.constexpr,  # their setmaxnreg budget
     PERSISTENT: gl.constexpr,  # a program walks tiles in _walk_range's order (two consumers)
@@ -644,7 +630,7 @@ def _attn_fwd_sm90_kernel(
     for i in gl.static_range(CONSUMERS):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(turn_smem.index(i), count=1)  # one arrive (one elected thread of a warpgroup) a turn
-    if TURNS:
+    if PINGPONG:
         mbarrier.arrive(turn_smem.index(0), count=1)  # the first consumer has the first turn
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=1)  # the producer's expect; the TMA's bytes complete it
@@ -668,12 +654,12 @@ def _attn_fwd_sm90_kernel(
                                              q_free, k_ready, k_empty, v_ready, v_empty, pin_smem, turn_smem,
                                              HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K,
                                              UPPER_OFFSET, stride_lb, stride_lh, qk_scale, IS_CAUSAL,
-                                             PIN_SOFTMAX, TURNS)),
+                                             PIN_SOFTMAX, PINGPONG)),
             (_softmax_partition_persistent, (1, o_desc, lse_ptr, q_smem, o_smem, k_smem, v_smem, q_ready,
                                              q_free, k_ready, k_empty, v_ready, v_empty, pin_smem, turn_smem,
                                              HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K,
                                              UPPER_OFFSET, stride_lb, stride_lh, qk_scale, IS_CAUSAL,
-                                             PIN_SOFTMAX, TURNS)),
+                                             PIN_SOFTMAX, PINGPONG)),
             (_load_partition_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free,
                                           k_ready, k_empty, v_ready, v_empty, HEADS, BATCH_HEADS,
                                           HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, IS_CAUSAL)),
@@ -683,11 +669,11 @@ def _attn_fwd_sm90_kernel(
             (_softmax_partition, (0, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
                                   v_ready, v_empty, pin_smem, turn_smem, batch, head, start_m, n_blocks,
                                   n_full, SEQ_Q, SEQ_K, UPPER_OFFSET, stride_lb, stride_lh, qk_scale,
-                                  IS_CAUSAL, PIN_SOFTMAX, TURNS)),
+                                  IS_CAUSAL, PIN_SOFTMAX, PINGPONG)),
             (_softmax_partition, (1, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
                                   v_ready, v_empty, pin_smem, turn_smem, batch, head, start_m, n_blocks,
                                   n_full, SEQ_Q, SEQ_K, UPPER_OFFSET, stride_lb, stride_lh, qk_scale,
-                                  IS_CAUSAL, PIN_SOFTMAX, TURNS)),
+                                  IS_CAUSAL, PIN_SOFTMAX, PINGPONG)),
             (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
                                v_ready, v_empty, batch, head, kv_head, start_m, n_blocks)),
         ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
