@@ -17,7 +17,7 @@ leave out those rows; ``--gluon`` adds scaled_mm made to run each call on the sm
 and on the Triton one (``scaled_mm.GLUON`` True and False; the plain rows take its measured rule),
 in both modes. ``--tiles`` adds, for each shape, scaled_mm rowwise on each candidate tile of TILES.
 ``--profile`` adds to each linear row each layer's kernels (torch.profiler: their GPU time a step).
-``--gluon-tiles`` adds the promoted product forced onto the Gluon kernel on its tile and on each of
+``--gluon-tiles`` adds each mode's product forced onto the Gluon kernel on its tile and on each of
 ``scaled_mm_sm90.CANDIDATES``.
 """
 
@@ -118,10 +118,12 @@ def _matmul_row(shape, scaling) -> dict:
                 f"tritonkit {name}": functools.partial(forced, gluon),
                 f"tritonkit {name} fast_accum": functools.partial(forced, gluon, True),
             }
-    if scaling != "block" and "--gluon-tiles" in sys.argv:  # the promoted Gluon kernel on each tile
-        for tile in [sm90.TILES[False], *sm90.CANDIDATES]:
-            name = f"tritonkit gluon {64 * tile.consumers}x{tile.block_n} s{tile.stages}"
-            calls[name] = functools.partial(forced, True, tile=tile)
+    if scaling != "block" and "--gluon-tiles" in sys.argv:  # the Gluon kernel on each tile, each mode
+        for fast in (False, True):
+            for tile in [sm90.TILES[fast], *sm90.CANDIDATES[fast]]:
+                name = f"tritonkit gluon {64 * tile.consumers}x{tile.block_n} s{tile.stages}"
+                name += " fast_accum" if fast else ""
+                calls[name] = functools.partial(forced, True, fast, tile=tile)
     if scaling != "block":
         calls |= {
             "tritonkit fast_accum": functools.partial(ours, True),

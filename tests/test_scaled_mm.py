@@ -260,7 +260,7 @@ def numbers(pattern, text):
 def descriptor(rows):
     return f"tensordesc<fp8e4nv[{rows},{host.BLOCK_K}],{host._layout(rows, torch.float8_e4m3fn)!r}>"
 
-tiles = [(False, host.TILES[False]), (True, host.TILES[True])] + [(False, t) for t in host.CANDIDATES]
+tiles = [(mode, tile) for mode in (False, True) for tile in [host.TILES[mode], *host.CANDIDATES[mode]]]
 for chained, tile in tiles:
     signature = {"a_desc": descriptor(kern.ROWS.value), "b_desc": descriptor(tile.block_n), "c_ptr": "*bf16",
                  "scale_a_ptr": "*fp32", "scale_b_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
@@ -298,7 +298,7 @@ def test_the_gluon_kernel_compiles_for_hopper_warp_specialized():
     together (ptxas serialized them when a product stayed in flight across steps); chained, the
     main loop waits for the older step only; promoted, for its step's product, then adds it."""
     rows = [json.loads(line) for line in sm90.run("import torch\n" + _GLUON_CHECK)]
-    assert len(rows) == 2 + len(host.CANDIDATES)
+    assert len(rows) == 2 + len(host.CANDIDATES[False]) + len(host.CANDIDATES[True])
     for row in rows:
         warps = 4 * (row["consumers"] + 1)  # (the producer warp's warpgroup counts whole)
         assert row["warps"] == warps and {row["regs"], 24} <= set(row["setmaxnreg"]), row
@@ -337,16 +337,19 @@ def test_gpu_the_gluon_kernel_has_torchs_error(shape, scaling, fast, monkeypatch
     not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
     reason="needs an sm_90 GPU",
 )
-@pytest.mark.parametrize("tile", host.CANDIDATES, ids=str)
+@pytest.mark.parametrize(
+    "fast, tile", [(fast, tile) for fast in (False, True) for tile in host.CANDIDATES[fast]], ids=str
+)
 @pytest.mark.parametrize("scaling", ["tensor", "row"])
-def test_gpu_each_candidate_tile_has_torchs_error(tile, scaling, monkeypatch):
-    """The promoted product on each candidate tile (timed by benchmarks/scaled_mm.py --gluon-tiles),
-    ragged M and N (a partial tile of each consumer's rows): the oracle with torch's error."""
+def test_gpu_each_candidate_tile_has_torchs_error(fast, tile, scaling, monkeypatch):
+    """Each mode's product on each of its candidate tiles (timed by benchmarks/scaled_mm.py
+    --gluon-tiles), ragged M and N (a partial tile of each consumer's rows): the oracle with torch's
+    error in the same mode."""
     monkeypatch.setattr(sm, "GLUON", True)
-    monkeypatch.setitem(host.TILES, False, tile)
+    monkeypatch.setitem(host.TILES, fast, tile)
     for shape in ((4097, 4096, 1040), (8192, 2048, 4096), (100, 384, 200)):
         a, b, scale_a, scale_b = _operands(*shape, scaling=scaling, seed=9)
-        _check(a, b, scale_a, scale_b, out_dtype=torch.float32, fast=False)
+        _check(a, b, scale_a, scale_b, out_dtype=torch.float32, fast=fast)
 
 
 def test_the_gluon_kernel_takes_the_products_it_measured_faster_on():

@@ -39,8 +39,11 @@ class Tile(NamedTuple):
 # H200 against two consumers' 883-967 in the same run (docs/perf-notes.md, "scaled_mm's promoted
 # product on three consumers"). Chained (True): one accumulator of 64 x 256 (128 registers a thread).
 TILES = {False: Tile(3, 128, 5, 160), True: Tile(2, 256, 3, 240)}
-# timed beside TILES (benchmarks/scaled_mm.py --gluon-tiles)
-CANDIDATES = [Tile(2, 128, 4, 240), Tile(3, 128, 4, 160)]
+# each mode's tiles timed beside TILES' (benchmarks/scaled_mm.py --gluon-tiles)
+CANDIDATES = {
+    False: [Tile(2, 128, 4, 240), Tile(3, 128, 4, 160)],
+    True: [Tile(3, 128, 4, 160), Tile(3, 128, 5, 160)],
+}
 FP8 = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5}
 
 
