@@ -246,8 +246,34 @@ def _layer_norm_softmax_loss(x, w, b, dy):
     return [h, p, loss, x.grad, w.grad, b.grad]
 
 
+def _scaled_mm(*operands):
+    import tritonkit
+
+    outs = []
+    for a, b, scale_a, scale_b in zip(*[iter(operands)] * 4, strict=True):
+        outs.append(tritonkit.scaled_mm(a, b, scale_a, scale_b))  # promoted, bf16
+        outs.append(tritonkit.scaled_mm(a, b, scale_a, scale_b, None, torch.float32, use_fast_accum=True))
+    return outs
+
+
+def _fp8_operands(seed: int) -> list:
+    """Row-scaled e4m3 operands of a product the sm_90 Gluon kernel takes (many tiles) and of one the
+    Triton kernel's small tile takes."""
+    g, operands = generator(seed), []
+    for m, k, n in ((1536, 512, 2304), (96, 384, 200)):
+        a = random_tensor((m, k), BF16, "cuda", generator=g).to(torch.float8_e4m3fn)
+        b = random_tensor((n, k), BF16, "cuda", generator=g).to(torch.float8_e4m3fn).t()
+        scales = [
+            random_tensor(shape, torch.float32, "cuda", generator=g).abs() + 0.1 for shape in ((m, 1), (1, n))
+        ]
+        operands += [a, b, *scales]
+    return operands
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["attention", "norm, rope, mlp", "layer_norm, softmax, cross_entropy"])
+@pytest.mark.parametrize(
+    "family", ["attention", "norm, rope, mlp", "layer_norm, softmax, cross_entropy", "scaled_mm"]
+)
 def test_replayed_ops_give_the_bits_of_their_full_path(family):
     from tritonkit.ops import cross_entropy, rotary
     from tritonkit.ops.attention import attention
@@ -260,7 +286,11 @@ def test_replayed_ops_give_the_bits_of_their_full_path(family):
         tensors = [random_tensor(shape, BF16, "cuda", generator=g) for shape in shapes]
         return [t.requires_grad_() if i < grads else t for i, t in enumerate(tensors)]
 
-    if family == "attention":
+    if family == "scaled_mm":
+        from tritonkit.ops import scaled_mm
+
+        call, ops, make = _scaled_mm, (scaled_mm._scaled_mm,), _fp8_operands
+    elif family == "attention":
         call, ops = _attention, (attention._forward, attention._backward)
         shapes = [(2, 4, 300, 128), (2, 2, 300, 128), (2, 2, 300, 128), (2, 4, 300, 128)]
         make = lambda seed: leaves(seed, shapes, 3)  # noqa: E731

@@ -103,7 +103,11 @@ def _gluon_pays(few_tiles: bool, chained: bool, scaling: int) -> bool:
     return not few_tiles and not (chained and scaling == SCALINGS["row"])
 
 
-@op("scaled_mm", mutates=("out",))
+# what the dispatch reads besides the call: a replayed call (opdef's ``replay``) keys on them too
+_SWITCHES = lambda: (GLUON, scaled_mm_sm90.TILES[False], scaled_mm_sm90.TILES[True])  # noqa: E731
+
+
+@op("scaled_mm", mutates=("out",), replay=_SWITCHES)
 def _scaled_mm(
     a_bits: torch.Tensor,
     b_bits: torch.Tensor,
