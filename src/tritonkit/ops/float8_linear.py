@@ -65,8 +65,8 @@ PRODUCTS = {"rowwise": _rowwise, "tensorwise": _tensorwise, "blockwise": _blockw
 # A transposed operand (x^T of a contiguous x: dX's W^T, dW's dY^T and x^T) is quantized from its
 # storage, read in its own order, by a pass that stores q^T (quantize_fp8_transposed): x^T's rows are
 # x's columns, its tensor x's. Quantizing the view itself walks x's columns with strided reads (the
-# rowwise step's transposed operands took most of its 1.55 ms of quantizing on the H200), and a copy
-# of q transposed by torch moved 0.34 TB/s (docs/perf-notes.md, "Float8Linear's quantizing passes")
+# rowwise step quantized for 1.54 ms on the H200 that way, 0.65 this way), and a copy of q
+# transposed by torch moved 0.34 TB/s (docs/perf-notes.md, "Float8Linear's quantizing passes")
 TRANSPOSED_GROUPS = {"tensor": "tensor", "row": "column"}
 
 

@@ -103,11 +103,12 @@ def _gluon_pays(few_tiles: bool, chained: bool, scaling: int) -> bool:
     return not few_tiles and not (chained and scaling == SCALINGS["row"])
 
 
-# what the dispatch reads besides the call: a replayed call (opdef's ``replay``) keys on them too
-_SWITCHES = lambda: (GLUON, scaled_mm_sm90.TILES[False], scaled_mm_sm90.TILES[True])  # noqa: E731
+def _switches() -> tuple:
+    """What the dispatch reads besides the call: a replayed call (opdef's ``replay``) keys on it too."""
+    return GLUON, scaled_mm_sm90.TILES[False], scaled_mm_sm90.TILES[True]
 
 
-@op("scaled_mm", mutates=("out",), replay=_SWITCHES)
+@op("scaled_mm", mutates=("out",), replay=_switches)
 def _scaled_mm(
     a_bits: torch.Tensor,
     b_bits: torch.Tensor,

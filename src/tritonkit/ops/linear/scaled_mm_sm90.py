@@ -23,14 +23,22 @@ from tritonkit.ops.linear.scaled_mm_sm90_kernels import CONSUMER_WARPS, ROWS, _s
 BLOCK_K, GROUP_M = 128, 8
 
 
+# a consumer warpgroup's setmaxnreg budget by the consumers' count: what the register file holds
+# beside the producer's warpgroup at 24 (2 x 128 x 240 or 3 x 128 x 160, + 128 x 24 <= 65,536)
+CONSUMER_REGS = {2: 240, 3: 160}
+
+
 class Tile(NamedTuple):
-    """A launch's tile: ``consumers`` warpgroups of 64 rows (the tile's rows: 64 x consumers) at
-    ``regs`` registers a thread, ``block_n`` columns, a ring of ``stages`` K steps."""
+    """A launch's tile: ``consumers`` warpgroups of 64 rows (the tile's rows: 64 x consumers),
+    ``block_n`` columns, a ring of ``stages`` K steps."""
 
     consumers: int
     block_n: int
     stages: int
-    regs: int
+
+    @property
+    def regs(self) -> int:
+        return CONSUMER_REGS[self.consumers]
 
 
 # Promoted (False): the step's product beside the accumulator (two register sets of 64 x BLOCK_N a
@@ -38,11 +46,11 @@ class Tile(NamedTuple):
 # waits for its own and adds it (the register file holds three at 160): 986-1085 TFLOP/s on the
 # H200 against two consumers' 883-967 in the same run (docs/perf-notes.md, "scaled_mm's promoted
 # product on three consumers"). Chained (True): one accumulator of 64 x 256 (128 registers a thread).
-TILES = {False: Tile(3, 128, 5, 160), True: Tile(2, 256, 3, 240)}
+TILES = {False: Tile(3, 128, 5), True: Tile(2, 256, 3)}
 # each mode's tiles timed beside TILES' (benchmarks/scaled_mm.py --gluon-tiles)
 CANDIDATES = {
-    False: [Tile(2, 128, 4, 240), Tile(3, 128, 4, 160)],
-    True: [Tile(3, 128, 4, 160), Tile(3, 128, 5, 160)],
+    False: [Tile(2, 128, 4), Tile(3, 128, 4)],
+    True: [Tile(3, 128, 4), Tile(3, 128, 5)],
 }
 FP8 = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5}
 
@@ -61,11 +69,11 @@ def _layout(rows: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
     return gl.NVMMASharedLayout.get_default_for([rows, BLOCK_K], FP8[dtype])
 
 
-def launch(a, b_t, scale_a, scale_b, scaling: int, chained: bool, out, tile: Tile | None = None) -> Launch:
+def launch(a, b_t, scale_a, scale_b, scaling: int, chained: bool, out) -> Launch:
     """C = (A B^T) * scales into out: A (M, K), B^T (N, K), fp8, K-major; the scales flat fp32;
-    on ``tile`` (default TILES[chained])."""
+    on the mode's tile (TILES[chained])."""
     (m, k), n = a.shape, b_t.shape[0]
-    tile = tile or TILES[chained]
+    tile = TILES[chained]
     a_desc = TensorDescriptor.from_tensor(a, [ROWS.value, BLOCK_K], _layout(ROWS.value, a.dtype))
     b_desc = TensorDescriptor.from_tensor(b_t, [tile.block_n, BLOCK_K], _layout(tile.block_n, b_t.dtype))
     args = (a_desc, b_desc, out, scale_a, scale_b, m, n, k, out.stride(0))
