@@ -459,6 +459,26 @@ def test_captured_backward_keeps_what_its_graph_reads_alive():
     torch.cuda.synchronize()  # an illegal address would raise here
 
 
+@pytest.mark.gpu
+def test_a_call_that_syncs_is_timed_eagerly_without_a_capture():
+    """A call that waits on the host (liger-kernel's ``.item()``) is found before any capture begins:
+    a failed capture would leave torch 2.11's allocator unable to free its idle memory."""
+    from tritonkit.bench import timing
+
+    x = torch.randn(4096, device="cuda")
+    stream = torch.cuda.current_stream()
+    torch.cuda.empty_cache()
+    reserved = torch.cuda.memory_reserved()
+    call, method = timing.capture(lambda: lambda: (x * 2).sum().item())
+    assert method.startswith("eager: capture failed (synchronizes with the host")
+    assert torch.cuda.current_stream() == stream
+    assert isinstance(call(), float)
+    big = torch.empty(2**31, dtype=torch.uint8, device="cuda")
+    del big
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved() <= reserved + 2**25
+
+
 def test_cli_roofline_plot(tmp_path, capsys):
     """The device's roofline with the benchmarked points found under the results folder."""
     folder = tmp_path / "results" / "h200"
