@@ -246,10 +246,8 @@ def _peak_extra(fn: Callable, case: Case, inputs: tuple) -> dict:
 
 
 # (workload, provider) pairs whose call failed CUDA-graph capture in this run, and why: timed eagerly
-# from then on. torch 2.11 never releases the private memory pool of a failed capture
-# (pytorch/pytorch#190348): the likely reason why 104-135 GB stayed reserved and idle after a few
-# cases of the cross-entropy table, liger failing capture at each, and the next case's float64
-# reference ran out of memory.
+# from then on, never captured again (``timing.capture`` says why a failed capture costs the rest
+# of the process its freed memory).
 _uncapturable: dict[tuple[str, str], str] = {}
 
 

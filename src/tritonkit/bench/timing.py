@@ -24,6 +24,7 @@ import itertools
 import math
 import pstats
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -76,7 +77,8 @@ def capture(make_call: Callable[[], Callable[[], object]]) -> tuple[Callable[[],
     captured; its last warm-up runs under torch's sync debug mode, which raises at the sync, so
     that no capture is begun for it: in torch 2.11 a failed capture leaves the caching allocator
     believing a capture still runs, and from then on ``empty_cache`` frees nothing (the 125 GB the
-    cross-entropy table's sixth case found reserved and idle).
+    cross-entropy table's sixth case found reserved and idle), and the CUDA generator refuses to
+    draw outside a capture. A capture that fails for another reason still does that.
     """
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -89,12 +91,14 @@ def capture(make_call: Callable[[], Callable[[], object]]) -> tuple[Callable[[],
     if synced is not None:
         torch.cuda.synchronize()
         return call, f"eager: capture failed (synchronizes with the host: {synced})"
-    graph, pool, stream = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle(), torch.cuda.current_stream()
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.current_stream()
     try:
-        with torch.cuda.graph(graph, pool=pool, stream=side):
+        with torch.cuda.graph(graph, stream=side):
             call()
     except RuntimeError as error:
-        _after_failed_capture(stream, pool)
+        # torch.cuda.graph leaves the capture's stream current when its end raises
+        torch.cuda.set_stream(stream)
+        torch.cuda.synchronize()
         return call, f"eager: capture failed ({str(error).splitlines()[0][:120]})"
     # The graph's kernels read tensors that only `call` holds (a backward's saved forward output and
     # its upstream gradient): the replay keeps `call` alive, or their memory would be reused while
@@ -109,7 +113,9 @@ def _host_sync(call: Callable[[], object]) -> str | None:
     """Run ``call`` once with torch's synchronizing operations raising: None if none ran, else what
     torch said at the first. Any other error is the call's own, and raises."""
     previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
+    with warnings.catch_warnings():  # that the mode is a prototype, on every call
+        warnings.simplefilter("ignore", UserWarning)
+        torch.cuda.set_sync_debug_mode("error")
     try:
         call()
     except RuntimeError as error:
@@ -119,19 +125,6 @@ def _host_sync(call: Callable[[], object]) -> str | None:
     finally:
         torch.cuda.set_sync_debug_mode(previous)
     return None
-
-
-def _after_failed_capture(stream: torch.cuda.Stream, pool) -> None:
-    """Undo what a failed capture leaves behind in torch 2.11: ``torch.cuda.graph`` does not restore
-    the current stream when its capture's end raises, and the allocator still routes this thread's
-    allocations to the capture's pool (which also keeps ``empty_cache`` from freeing anything). A
-    torch that ends the pool itself raises here, which is fine."""
-    torch.cuda.set_stream(stream)
-    end_pool = getattr(torch._C, "_cuda_endAllocateToPool", None)
-    if end_pool is not None:
-        with contextlib.suppress(RuntimeError):
-            end_pool(torch.cuda.current_device(), pool)
-    torch.cuda.synchronize()
 
 
 def _replay(graph: torch.cuda.CUDAGraph, call_kept_alive: Callable[[], object]) -> None:
