@@ -1,20 +1,26 @@
-"""The rotary kernel's tile: ``rotary.TILE_ELEMENTS`` (tokens x heads x rotary pairs a program) and
-``rotary.NUM_WARPS`` swept at the issue's two shapes, Hugging Face's ``apply_rotary_pos_emb``
-forward (q and k in one launch), beside torch.compile of the reference.
+"""The rotary kernel's launch swept at the issue's two shapes, Hugging Face's
+``apply_rotary_pos_emb`` forward (q and k in one launch), beside torch.compile of the reference:
+the tile (``rotary.TILE_ELEMENTS``, tokens x heads x rotary pairs a program, and
+``rotary.NUM_WARPS``), or with ``--groups`` the programs' order (``rotary.TOKEN_GROUP``, token blocks
+a group, each group's head blocks one after another; a group as long as the sequence is the order
+before the groups: each head block over every token).
 
-    python benchmarks/rotary_tiles.py OUT.json
+    python benchmarks/rotary_tiles.py OUT.json [--groups 1 4 16 64 1073741824]
 
-Times are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, 200 ms), in us.
+Times are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, 200 ms), in us. Each variant's
+launch is built anew (``rotary._launch``), not replayed from an earlier call's plan, which would
+keep the first variant's.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 
 import torch
 import triton.testing
 
+from tritonkit.bench.runner import provenance
 from tritonkit.ops import rotary
 
 SHAPES = [(4, 32, 8, 4096, 128), (1, 32, 8, 32768, 128)]  # (B, Hq, Hkv, S, D), bf16
@@ -22,35 +28,64 @@ TILES = (2048, 4096, 8192, 16384)
 WARPS = (4, 8)
 
 
-def _us(fn, *args) -> float:
-    return triton.testing.do_bench_cudagraph(lambda: fn(*args), rep=200) * 1e3
+def _us(fn) -> float:
+    return triton.testing.do_bench_cudagraph(fn, rep=200) * 1e3
 
 
-def _row(batch: int, heads_q: int, heads_kv: int, seq: int, head_dim: int) -> dict:
-    """us of torch.compile and of each tile at one shape."""
+def _forward(q, k, cos, sin):
+    """The forward's launch with the module's current settings, and its outputs."""
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    views = [t.transpose(1, 2) for t in (q, q_out, k, k_out)]
+    launch = rotary._launch(*views, rotary.Tables(cos, sin, True, False, 0, None, 0), conjugate=False)
+    return launch, (q_out, k_out)
+
+
+def _row(variants: dict, batch: int, heads_q: int, heads_kv: int, seq: int, head_dim: int) -> dict:
+    """us of torch.compile and of each variant (name -> settings of the module) at one shape; each
+    variant's outputs equal to the compiled reference's."""
     g = torch.Generator(device="cuda").manual_seed(0)
     shapes = ((batch, heads_q, seq, head_dim), (batch, heads_kv, seq, head_dim), (batch, seq, head_dim))
     q, k, cos, sin = (
         torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g) for shape in (*shapes, shapes[2])
     )
-    us = {"torch.compile": _us(torch.compile(rotary.rotary_pos_emb_reference), q, k, cos, sin)}
-    default = rotary.TILE_ELEMENTS, rotary.NUM_WARPS
-    for tile in TILES:
-        for warps in WARPS:
-            rotary.TILE_ELEMENTS, rotary.NUM_WARPS = tile, warps
-            us[f"{tile}/{warps}"] = _us(rotary.apply_rotary_pos_emb, q, k, cos, sin)
-    rotary.TILE_ELEMENTS, rotary.NUM_WARPS = default
+    compiled = torch.compile(rotary.rotary_pos_emb_reference)
+    expected = compiled(q, k, cos, sin)
+    us = {"torch.compile": _us(lambda: compiled(q, k, cos, sin))}
+    for name, settings in variants.items():
+        default = {key: getattr(rotary, key) for key in settings}
+        for key, value in settings.items():
+            setattr(rotary, key, value)
+        launch, outputs = _forward(q, k, cos, sin)
+        for key, value in default.items():
+            setattr(rotary, key, value)
+        launch.run()
+        for got, want in zip(outputs, expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2, msg=f"{name}: wrong output")
+        us[name] = _us(launch.run)
     return us
 
 
 def main() -> None:
-    result = {"op": "rotary_tiles", "command": "python benchmarks/rotary_tiles.py OUT.json", "rows": []}
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out")
+    parser.add_argument("--groups", type=int, nargs="+", help="sweep the order at the default tile")
+    args = parser.parse_args()
+    if args.groups:
+        variants = {f"group {g}": {"TOKEN_GROUP": g} for g in args.groups}
+    else:
+        variants = {f"{t}/{w}": {"TILE_ELEMENTS": t, "NUM_WARPS": w} for t in TILES for w in WARPS}
+    command = "python benchmarks/rotary_tiles.py OUT.json" + (
+        " --groups " + " ".join(map(str, args.groups)) if args.groups else ""
+    )
+    result = {"op": "rotary_tiles", "command": command, "gpu": torch.cuda.get_device_name()}
+    result |= {"torch": torch.__version__, "triton": triton.__version__, "git": provenance()["git_sha"]}
+    result["rows"] = []
     for shape in SHAPES:
-        us = _row(*shape)
+        us = _row(variants, *shape)
         result["rows"].append({"shape": list(shape), "us": us})
-        print(shape, {name: round(t, 1) for name, t in us.items()})
-    with open(sys.argv[1], "w") as out:
-        json.dump(result, out, indent=1)
+        print(shape, {name: round(t, 1) for name, t in us.items()}, flush=True)
+        with open(args.out, "w") as out:
+            json.dump(result, out, indent=1)
 
 
 if __name__ == "__main__":

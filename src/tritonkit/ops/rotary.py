@@ -37,6 +37,7 @@ DTYPES = FLOATS
 TILE_ELEMENTS = 8192
 NUM_WARPS = 4
 NO_OFFSET, SCALAR_OFFSET, TENSOR_OFFSET = 0, 1, 2
+TOKEN_GROUP = 16  # token blocks a group of programs (the kernel's order)
 
 
 @triton.jit
@@ -138,6 +139,7 @@ def _rotary_kernel(
     ROTARY_DIM,
     HEAD_DIM,
     OFFSET,  # OFFSETS == 1: every sequence's first position
+    GROUP,  # token blocks a group (above)
     BLOCK_S: tl.constexpr,  # tokens a tile
     BLOCK_H: tl.constexpr,  # heads a tile
     BLOCK_K: tl.constexpr,  # pairs a tile (the rotary dim's half, to a power of two)
@@ -150,12 +152,16 @@ def _rotary_kernel(
     COPY_REST: tl.constexpr,  # write the dims past ROTARY_DIM too (out of place)
     HAS_Y: tl.constexpr,
 ):  # fmt: skip
-    # a token block's head blocks are neighbouring programs, so that its rows of the tables are read
-    # from DRAM once and by the other head blocks from L2 (with the head blocks outermost, each
-    # pass over the tokens read the tables again: 5 x 16.8 MB at (1, 32/8, 32768, 128))
+    # programs walk groups of GROUP token blocks, each group's head blocks one after another, so
+    # that the group's rows of the tables, read from DRAM by its first head block, are in L2 for
+    # the others, while each head block still reads GROUP token blocks in a row
     x_blocks = tl.cdiv(HEADS_X, BLOCK_H)
     h_blocks = x_blocks + tl.cdiv(HEADS_Y, BLOCK_H)
-    s_block, h_block, batch = tl.program_id(0) // h_blocks, tl.program_id(0) % h_blocks, tl.program_id(1)
+    pid, batch = tl.program_id(0), tl.program_id(1)
+    first = pid // (GROUP * h_blocks) * GROUP
+    size = tl.minimum(tl.cdiv(SEQ, BLOCK_S) - first, GROUP)
+    in_group = pid - first * h_blocks
+    s_block, h_block = first + in_group % size, in_group // size
     if h_block < x_blocks:
         _rotate_tile(
             x_ptr, out_x_ptr, cos_ptr, sin_ptr, offsets_ptr, cu_ptr,
@@ -220,7 +226,7 @@ def _launch(x, out_x, y, out_y, tables: Tables, conjugate: bool, inplace: bool =
         x, out_x, y, out_y, cos, sin, offsets if mode == TENSOR_OFFSET else None, tables.cu_seqlens,
         *_strides(x, varlen), *_strides(out_x, varlen), *_strides(y, varlen), *_strides(out_y, varlen),
         *cos_strides, seq, heads_x, heads_y, rotary_dim, head_dim,
-        int(offsets) if mode == SCALAR_OFFSET else 0,
+        int(offsets) if mode == SCALAR_OFFSET else 0, TOKEN_GROUP,
     )  # fmt: skip
     copy_rest = rotary_dim < head_dim and not inplace
     meta = {
