@@ -1,9 +1,9 @@
 """The rotary kernel's launch swept at the issue's two shapes, Hugging Face's
 ``apply_rotary_pos_emb`` forward (q and k in one launch), beside torch.compile of the reference:
 the tile (``rotary.TILE_ELEMENTS``, tokens x heads x rotary pairs a program, and
-``rotary.NUM_WARPS``), or with ``--groups`` the programs' order (``rotary.TOKEN_GROUP``, token blocks
-a group, each group's head blocks one after another; a group as long as the sequence is the order
-before the groups: each head block over every token).
+``rotary.NUM_WARPS``), or with ``--groups`` the programs' order (token blocks a group, each group's
+head blocks one after another; a group as long as the sequence has each head block walk every
+token), each size forced and then the size ``rotary._group`` picks.
 
     python benchmarks/rotary_tiles.py OUT.json [--groups 1 4 16 64 1073741824]
 
@@ -15,6 +15,7 @@ keep the first variant's.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
 import torch
@@ -30,6 +31,10 @@ WARPS = (4, 8)
 
 def _us(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=200) * 1e3
+
+
+def _fixed_group(group: int, *rule_args) -> int:
+    return group
 
 
 def _forward(q, k, cos, sin):
@@ -71,7 +76,9 @@ def main() -> None:
     parser.add_argument("--groups", type=int, nargs="+", help="sweep the order at the default tile")
     args = parser.parse_args()
     if args.groups:
-        variants = {f"group {g}": {"TOKEN_GROUP": g} for g in args.groups}
+        # each group size forced over the rule (rotary._group), and the rule's own choice
+        variants = {f"group {g}": {"_group": functools.partial(_fixed_group, g)} for g in args.groups}
+        variants["the rule"] = {}
     else:
         variants = {f"{t}/{w}": {"TILE_ELEMENTS": t, "NUM_WARPS": w} for t in TILES for w in WARPS}
     command = "python benchmarks/rotary_tiles.py OUT.json" + (

@@ -203,3 +203,10 @@ def test_gpu_tokens_past_2_to_the_31_elements(device):
         first = tokens.start + int(offsets[b])
         expected = rotary.rotary_emb_reference(part, cos.double(), sin.double(), seqlen_offsets=first)
         torch.testing.assert_close(out[b : b + 1, tokens].double(), expected, atol=2e-2, rtol=1e-2)
+
+
+def test_program_groups_follow_what_a_head_blocks_pass_moves():
+    """One group (each head block over every token) where a head block's pass fits in half the L2,
+    else TOKEN_GROUP token blocks a group: the two shapes the order was measured at."""
+    assert rotary._group(256, 18 * 2**20, "cpu") == 256  # (4, 32/8, 4096, 128)
+    assert rotary._group(2048, 144 * 2**20, "cpu") == rotary.TOKEN_GROUP  # (1, 32/8, 32768, 128)

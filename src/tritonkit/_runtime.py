@@ -96,6 +96,7 @@ def check_device(name: str, tensor) -> None:
 
 
 NOMINAL_SMS = 132  # the H200's SMs: what grids are sized for where no GPU says (interpreter, inspect)
+NOMINAL_L2_BYTES = 50 * 2**20  # the H200's L2, likewise
 
 
 @functools.cache
@@ -116,6 +117,24 @@ def sm_count(device) -> int:
     if device.type != "cuda":
         return NOMINAL_SMS
     return _cuda_sm_count(torch.cuda.current_device() if device.index is None else device.index)
+
+
+def l2_bytes(device) -> int:
+    """The L2 cache of a torch device, in bytes; NOMINAL_L2_BYTES off CUDA."""
+    import torch
+
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
+    if device.type != "cuda":
+        return NOMINAL_L2_BYTES
+    return _cuda_l2_bytes(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.cache
+def _cuda_l2_bytes(index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(index).L2_cache_size
 
 
 @functools.cache

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from tritonkit._launch import Launch, cdiv, next_power_of_2
-from tritonkit._runtime import empty_output
+from tritonkit._runtime import empty_output, l2_bytes
 from tritonkit._triton import tl, triton
 from tritonkit.dtypes import FLOATS
 from tritonkit.opdef import check_tensor, first_derivative_only, op
@@ -37,7 +37,16 @@ DTYPES = FLOATS
 TILE_ELEMENTS = 8192
 NUM_WARPS = 4
 NO_OFFSET, SCALAR_OFFSET, TENSOR_OFFSET = 0, 1, 2
-TOKEN_GROUP = 16  # token blocks a group of programs (the kernel's order)
+# The programs' order (the kernel's groups). A head block's pass over a sequence reads each row of
+# the tables; the next head block's pass reads them again from L2 only if what the first moved in
+# between (its reads and writes, and the tables) fits there. Where it does, each head block walks
+# all the sequence's tokens (one group: the longest runs of each head); where not, groups of
+# TOKEN_GROUP token blocks take their head blocks one after another, the group's tables' rows read
+# from DRAM once. Half the L2 is taken as the room (the H200's is two partitions). On the H200
+# (benchmarks/rotary_tiles.py --groups, results/h200/history/rotary-groups-916bb7f.json), us:
+# 85.7 one group against 88.0-88.2 for groups of 1-64 at (4, 32/8, 4096, 128), whose pass moves 19
+# MB; 186.0 against 177.5 for groups of 16 at (1, 32/8, 32768, 128), 151 MB.
+TOKEN_GROUP = 16
 
 
 @triton.jit
@@ -202,6 +211,12 @@ def _strides(t: torch.Tensor | None, varlen: bool) -> tuple[int, ...]:
     return (0, *t.stride()) if varlen else tuple(t.stride())
 
 
+def _group(seq_blocks: int, pass_bytes: int, device) -> int:
+    """Token blocks a group of the kernel's programs, from the bytes a head block's pass over the
+    sequence moves (TOKEN_GROUP's comment)."""
+    return max(seq_blocks, 1) if pass_bytes <= l2_bytes(device) // 2 else TOKEN_GROUP
+
+
 def _launch(x, out_x, y, out_y, tables: Tables, conjugate: bool, inplace: bool = False) -> Launch:
     """The rotation of x (and y) in (B, S, H, D) (packed: (total, H, D)) layout into the outputs
     (``inplace``: out_x is x, and the dims past the rotary ones are left as they are)."""
@@ -217,6 +232,9 @@ def _launch(x, out_x, y, out_y, tables: Tables, conjugate: bool, inplace: bool =
     )
     block_h = max(1, block_h)
     block_s = max(1, min(next_power_of_2(seq), TILE_ELEMENTS // (block_k * block_h)))
+    seq_blocks, head_blocks = cdiv(seq, block_s), cdiv(heads_x, block_h) + cdiv(heads_y, block_h)
+    table_row = (2 if tables.full else 1) * (rotary_dim // 2) * tables.cos.element_size() * 2  # cos, sin
+    pass_bytes = seq * (block_h * head_dim * x.element_size() * 2 + table_row)  # read, written, tables
     cos = tables.cos if tables.cos.dim() == 3 else tables.cos[None]
     sin = tables.sin if tables.sin.dim() == 3 else tables.sin[None]
     offsets = tables.offsets
@@ -226,7 +244,7 @@ def _launch(x, out_x, y, out_y, tables: Tables, conjugate: bool, inplace: bool =
         x, out_x, y, out_y, cos, sin, offsets if mode == TENSOR_OFFSET else None, tables.cu_seqlens,
         *_strides(x, varlen), *_strides(out_x, varlen), *_strides(y, varlen), *_strides(out_y, varlen),
         *cos_strides, seq, heads_x, heads_y, rotary_dim, head_dim,
-        int(offsets) if mode == SCALAR_OFFSET else 0, TOKEN_GROUP,
+        int(offsets) if mode == SCALAR_OFFSET else 0, _group(seq_blocks, pass_bytes, x.device),
     )  # fmt: skip
     copy_rest = rotary_dim < head_dim and not inplace
     meta = {
@@ -243,7 +261,7 @@ def _launch(x, out_x, y, out_y, tables: Tables, conjugate: bool, inplace: bool =
         "HAS_Y": y is not None,
         "num_warps": NUM_WARPS,
     }
-    grid = (cdiv(seq, block_s) * (cdiv(heads_x, block_h) + cdiv(heads_y, block_h)), batch)
+    grid = (seq_blocks * head_blocks, batch)
     return Launch("bwd" if conjugate else "fwd", _rotary_kernel, args, meta, grid=grid)
 
 
