@@ -44,7 +44,7 @@ NO_OFFSET, SCALAR_OFFSET, TENSOR_OFFSET = 0, 1, 2
 # TOKEN_GROUP token blocks take their head blocks one after another, the group's tables' rows read
 # from DRAM once. Half the L2 is taken as the room (the H200's is two partitions). On the H200
 # (benchmarks/rotary_tiles.py --groups, results/h200/history/rotary-groups-916bb7f.json), us:
-# 85.7 one group against 88.0-88.2 for groups of 1-64 at (4, 32/8, 4096, 128), whose pass moves 19
+# 85.7 one group against 87.8-88.2 for groups of 1-64 at (4, 32/8, 4096, 128), whose pass moves 19
 # MB; 186.0 against 177.5 for groups of 16 at (1, 32/8, 32768, 128), 151 MB.
 TOKEN_GROUP = 16
 
