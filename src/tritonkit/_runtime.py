@@ -110,39 +110,30 @@ def capability(index: int) -> tuple[int, int]:
 
 def sm_count(device) -> int:
     """Streaming multiprocessors of a torch device; NOMINAL_SMS off CUDA."""
-    import torch
-
-    if not isinstance(device, torch.device):
-        device = torch.device(device)
-    if device.type != "cuda":
-        return NOMINAL_SMS
-    return _cuda_sm_count(torch.cuda.current_device() if device.index is None else device.index)
+    return _device_property(device, "multi_processor_count", NOMINAL_SMS)
 
 
 def l2_bytes(device) -> int:
     """The L2 cache of a torch device, in bytes; NOMINAL_L2_BYTES off CUDA."""
+    return _device_property(device, "L2_cache_size", NOMINAL_L2_BYTES)
+
+
+def _device_property(device, name: str, nominal: int) -> int:
     import torch
 
     if not isinstance(device, torch.device):
         device = torch.device(device)
     if device.type != "cuda":
-        return NOMINAL_L2_BYTES
-    return _cuda_l2_bytes(torch.cuda.current_device() if device.index is None else device.index)
+        return nominal
+    return _cuda_property(torch.cuda.current_device() if device.index is None else device.index, name)
 
 
 @functools.cache
-def _cuda_l2_bytes(index: int) -> int:
-    import torch
-
-    return torch.cuda.get_device_properties(index).L2_cache_size
-
-
-@functools.cache
-def _cuda_sm_count(index: int) -> int:
+def _cuda_property(index: int, name: str) -> int:
     """Asked once a GPU: the properties' lookup costs microseconds that ops pay on every call."""
     import torch
 
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    return getattr(torch.cuda.get_device_properties(index), name)
 
 
 NOMINAL_SHARED_BYTES = 227 * 1024  # the H200's shared memory a program may opt into, where no GPU says
