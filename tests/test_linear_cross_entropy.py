@@ -197,6 +197,31 @@ def test_the_order_of_the_gradients_in_the_forward_passes_opcheck_and_compiles(d
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def test_a_calls_order_overrides_the_modules(device, monkeypatch):
+    """order= gives the bits of the module's ORDER set to it: "vocab" over ORDER "tokens" (its
+    backward's blocks: a second backward runs) and "tokens" over ORDER "vocab" (the forward's
+    chunks, scaled in place: a second backward is refused)."""
+    x, w, target, b, _ = _inputs((9, 16, 30), BF16, device, seed=9)
+    leaves = [t.requires_grad_(True) for t in (x, w, b)]
+
+    def loss_and_grads(**kwargs):
+        loss = tritonkit.linear_cross_entropy(x, w, target, b, **kwargs)
+        return loss, [loss.detach(), *torch.autograd.grad(loss, leaves, retain_graph=True)]
+
+    for module, call in (("tokens", "vocab"), ("vocab", "tokens")):
+        monkeypatch.setattr(lce, "ORDER", call)
+        _, want = loss_and_grads()
+        monkeypatch.setattr(lce, "ORDER", module)
+        loss, got = loss_and_grads(order=call)
+        for g, e in zip(got, want, strict=True):
+            torch.testing.assert_close(g, e, rtol=0, atol=0)
+        if call == "vocab":
+            torch.autograd.grad(loss, leaves)
+        else:
+            with pytest.raises(RuntimeError, match="backward ran already"):
+                torch.autograd.grad(loss, leaves)
+
+
 def test_a_second_backward_of_the_forwards_gradients_is_refused(device, monkeypatch):
     """ORDER "tokens" scales the forward's gradients in place: a second backward through the same
     graph (retain_graph=True) would scale them again, so it raises instead."""
@@ -222,6 +247,7 @@ def test_a_second_backward_of_the_forwards_gradients_is_refused(device, monkeypa
         (lambda a: a.update(label_smoothing=1.5), ValueError, "label_smoothing must be in"),
         (lambda a: a.update(softcap=0.0), ValueError, "softcap must be None or"),
         (lambda a: a.update(class_weight=torch.ones(6)), ValueError, "weight must have C = 5"),
+        (lambda a: a.update(order="classes"), ValueError, "order must be one of"),
     ],
 )
 def test_bad_input_is_refused_by_name(change, error, message, device):

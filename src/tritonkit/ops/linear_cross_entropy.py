@@ -49,7 +49,9 @@ ROW_ALIGN = 64  # chunks and blocks a multiple of this many rows or classes (a m
 # (three matmuls; dW summed over the chunks in fp32, unless one chunk takes every token), "vocab"
 # recomputes the logits in the backward a block of the vocabulary at a time (four matmuls; no
 # accumulator of W's size).
-# reduction "none" always takes "vocab": its upstream gradients weigh each row of dW's sum.
+# reduction "none" always takes "vocab": its upstream gradients weigh each row of dW's sum. A call's
+# ``order`` argument overrides it.
+ORDERS = ("tokens", "vocab")
 ORDER = "tokens"
 
 
@@ -272,13 +274,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """One autograd function for eager calls and torch.compile (the ops skip the dispatcher eagerly)."""
 
     @staticmethod
-    def forward(ctx, input, weight, bias, target, class_weight, loss_dtype, *options):
+    def forward(ctx, input, weight, bias, target, class_weight, loss_dtype, order, *options):
         reduction, smoothing = options[1], options[2]
         # cross_entropy's outputs: its _outputs reads only N, the dtype and the device of its input
         outputs = ce._outputs(
             input, reduction, ce._needs_sums(reduction, class_weight, smoothing), loss_dtype
         )
-        ctx.options, ctx.in_forward = options, ORDER == "tokens" and reduction != "none"
+        ctx.options, ctx.in_forward = options, order == "tokens" and reduction != "none"
         ctx.scaled = False
         ctx.grad_dtypes = (input.dtype, weight.dtype, None if bias is None else bias.dtype)
         if ctx.in_forward:
@@ -303,7 +305,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @first_derivative_only("linear_cross_entropy")
     def backward(ctx, grad):
         if ctx.in_forward:  # the forward's gradients of the summed losses, scaled
-            return *_scaled(ctx, grad), None, None, None, None, None, None, None, None
+            return *_scaled(ctx, grad), None, None, None, None, None, None, None, None, None
         input, weight, bias, target, class_weight, lse, totals = ctx.saved_tensors
         needs_dx, needs_dw, needs_db = ctx.needs_input_grad[:3]
         grad = grad.expand(1) if grad.dim() == 0 else grad
@@ -314,7 +316,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad, input, weight, bias, target, class_weight, lse, totals, *ctx.options, dx, dw, db, 0,
             weight.shape[0],
         )  # fmt: skip
-        return dx, dw, db, None, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None, None
 
 
 def _scaled(ctx, grad: torch.Tensor) -> list[torch.Tensor | None]:
@@ -379,6 +381,7 @@ def linear_cross_entropy(
     z_loss: float = 0.0,
     softcap: float | None = None,
     loss_dtype: torch.dtype | None = None,
+    order: str | None = None,
 ):
     """``F.cross_entropy(F.linear(input, weight, bias), target, class_weight, ignore_index=...,
     reduction=..., label_smoothing=...)`` without ever holding the (N, V) logits: ``input`` (..., H)
@@ -387,7 +390,11 @@ def linear_cross_entropy(
     the loss has input's dtype (or ``loss_dtype``: torch.float32 for the fp32 loss transformers'
     models return), and with reduction "none" target's shape. Gradients for input,
     weight and bias. A target outside 0..V-1 other than ignore_index gives its row (and a sum or
-    mean) NaN rather than an error, as cross_entropy."""
+    mean) NaN rather than an error, as cross_entropy. ``order`` picks how a sum's or mean's
+    gradients are computed (the module's ``ORDER`` where None): "tokens", in the forward a chunk of
+    tokens at a time (three matmuls; the logits of every token held where they are no larger than
+    dW in fp32), or "vocab", in the backward a block of the vocabulary at a time (four matmuls, a
+    fraction of the memory); reduction "none" always takes "vocab"."""
     label_smoothing, z_loss = float(label_smoothing), float(z_loss)
     _validate(input, weight, target, bias, class_weight)
     rows_in = input.reshape(-1, input.shape[-1])
@@ -396,10 +403,13 @@ def linear_cross_entropy(
     options = (int(ignore_index), reduction, label_smoothing, z_loss, float(softcap or 0.0))
     if loss_dtype not in (None, input.dtype, torch.float32):
         raise ValueError(f"loss_dtype must be None, input's dtype or torch.float32, got {loss_dtype}")
+    order = ORDER if order is None else order
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS} (or None for ORDER), got {order!r}")
     grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (input, weight, bias))
     if grads:
         loss = _LinearCrossEntropy.apply(
-            rows_in, weight, bias, rows_target, class_weight, loss_dtype, *options
+            rows_in, weight, bias, rows_target, class_weight, loss_dtype, order, *options
         )
     else:
         sums = ce._needs_sums(reduction, class_weight, label_smoothing)
@@ -487,16 +497,10 @@ def _liger(kwargs: dict):
 
 
 def _vocab_order(kwargs: dict):
-    """tritonkit with ORDER "vocab" for the call's forward (which picks the order its backward takes),
-    shown beside the default so that one run times both."""
+    """tritonkit with order "vocab", shown beside the default so that one run times both."""
 
     def run(*args):
-        global ORDER
-        default, ORDER = ORDER, "vocab"
-        try:
-            return linear_cross_entropy(*args, **kwargs)
-        finally:
-            ORDER = default
+        return linear_cross_entropy(*args, **kwargs, order="vocab")
 
     return run
 
