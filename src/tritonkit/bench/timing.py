@@ -75,10 +75,10 @@ def capture(make_call: Callable[[], Callable[[], object]]) -> tuple[Callable[[],
     stream: the autograd engine runs a backward on its forward's stream, which must be the one
     being captured. A call that synchronizes with the host (liger-kernel's ``.item()``) cannot be
     captured; its last warm-up runs under torch's sync debug mode, which raises at the sync, so
-    that no capture is begun for it: in torch 2.11 a failed capture leaves the caching allocator
-    believing a capture still runs, and from then on ``empty_cache`` frees nothing (the 125 GB the
-    cross-entropy table's sixth case found reserved and idle), and the CUDA generator refuses to
-    draw outside a capture. A capture that fails for another reason still does that.
+    that no capture is begun for it: by torch 2.11's source a failed capture leaves the caching
+    allocator believing a capture still runs, so that ``empty_cache`` frees nothing (the likely
+    cause of the 125 GB the cross-entropy table's sixth case found reserved and idle). A capture
+    that fails for another reason still can.
     """
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
