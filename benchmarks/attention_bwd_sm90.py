@@ -14,10 +14,12 @@ times, in place of the other orders, every Gluon candidate (``bwd_sm90.CANDIDATE
 (the deterministic ones unless ``--skip-deterministic``); ``--defaults`` times each mode's default
 alone. ``--shape`` keeps the rows of one shape (repeatable).
 
-Each provider's time is the median of ``triton.testing.do_bench`` over a backward call (the delta
-pass and dq's conversion included; cuDNN's own preprocessing too), from saved forward outputs;
-TFLOP/s from 2.5 x 4 * B * Hq * Sq * Sk * D (half of it causal). Each Gluon row also gives its
-largest gradient error against cuDNN's. Rows stop being timed at the deadline (the JSON holds what
+A row's providers take turns (``tritonkit.bench.timing.interleaved_ms``): each one's time is the
+median of its turns, each turn ``triton.testing.do_bench``'s median over a backward call (the
+delta pass and dq's conversion included; cuDNN's own preprocessing too), from saved forward
+outputs, and ``spread`` is the range of its turns over that median; TFLOP/s from 2.5 x 4 * B *
+Hq * Sq * Sk * D (half of it causal). Each Gluon row also gives its largest gradient error against
+cuDNN's. Rows stop being timed at the deadline (the JSON holds what
 was measured).
 """
 
@@ -34,7 +36,7 @@ import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tritonkit import tuning
-from tritonkit.bench import runner
+from tritonkit.bench import runner, timing
 from tritonkit.ops.attention import bwd, fwd
 from tritonkit.ops.attention.common import Scores
 
@@ -71,6 +73,18 @@ def _bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+INTERLEAVED = (
+    f"timing.interleaved_ms: {timing.ROUNDS} turns a provider, each triton.testing.do_bench's median "
+    f"(warmup {timing.ROUND_WARMUP_MS} ms, rep {timing.ROUND_REP_MS} ms), L2 flushed; the median turn"
+)
+
+
+def time_calls(row: dict, calls: dict) -> None:
+    """The row's ``ms`` and ``spread`` of ``calls`` taking turns (``timing.interleaved_ms``)."""
+    torch.cuda.synchronize()
+    row["ms"], row["spread"] = timing.interleaved_ms(calls)
+
+
 def inputs(shape, layer: bool) -> tuple:
     """q, k, v and dO, bf16, seeded: contiguous, or as the layer has them (``_layer_tensors``)."""
     batch, heads_q, heads_kv, seq, head_dim = shape
@@ -97,7 +111,6 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
         "causal": causal,
         "dtype": "bf16",
         "tflop": flops / 1e12,
-        "ms": {},
         "tflops": {},
     }
 
@@ -112,7 +125,7 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
             return torch.autograd.grad(out, leaves, do, retain_graph=True)
 
         reference = cudnn()
-        row["ms"]["cudnn"] = _bench(cudnn)
+    calls = {"cudnn": cudnn}
 
     from tritonkit.ops.attention import bwd_sm90
 
@@ -187,7 +200,7 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
                 continue
             fn = ours(deterministic, gluon, group, *by_query_head)
             grads = fn()
-            row["ms"][name] = _bench(fn)
+            calls[name] = fn
             if gluon:
                 row[f"{name}_max_err_vs_cudnn"] = max(
                     (a.float() - b.float()).abs().max().item() for a, b in zip(grads, reference, strict=True)
@@ -218,7 +231,8 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
                 row[f"{name}_max_err_vs_cudnn"] = max(
                     (a.float() - b.float()).abs().max().item() for a, b in zip(grads, reference, strict=True)
                 )
-                row["ms"][name] = _bench(candidate)
+                calls[name] = candidate
+        time_calls(row, calls)
     bwd.SM90_BACKWARD, bwd.SM90_BACKWARD_DETERMINISTIC, bwd.SM90_BACKWARD_DETERMINISTIC_GQA = switches
     for name, ms in row["ms"].items():
         row["tflops"][name] = flops / ms / 1e9
@@ -257,7 +271,8 @@ def record(result: dict, row: dict, label: str, out: str) -> None:
     """Add ``row`` to ``result``, print its rates against cuDNN and rewrite ``out``."""
     result["rows"].append(row)
     summary = "  ".join(f"{n} {t:.0f} ({row['vs_cudnn'][n]:.2f}x)" for n, t in row["tflops"].items())
-    print(f"{label}: {summary}", flush=True)
+    spread = f" [spread <= {max(row['spread'].values()):.1%}]" if "spread" in row else ""
+    print(f"{label}{spread}: {summary}", flush=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     torch.cuda.empty_cache()
@@ -265,8 +280,7 @@ def record(result: dict, row: dict, label: str, out: str) -> None:
 
 def main() -> None:
     out, stop = sys.argv[1], deadline()
-    timing = "triton.testing.do_bench median (warmup 25 ms, rep 100 ms), L2 flushed"
-    result = result_header("attention_bwd", "attention_bwd_sm90.py", timing)
+    result = result_header("attention_bwd", "attention_bwd_sm90.py", INTERLEAVED)
     layer = "--layer" in sys.argv
     masks = (True,) if "--causal" in sys.argv else (False, True)
     shapes = [

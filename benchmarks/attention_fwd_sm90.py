@@ -9,8 +9,10 @@ decoder layer's attention (``tritonkit bench layer``'s 8b-4k: GQA 32/8, S = 4096
 strided views of one QKV projection). ``--shape`` times the given shapes instead (repeatable; no layer
 row), ``--full`` or ``--causal`` one mask. A causal row also times the other group sizes of
 ``fwd_sm90.CAUSAL_HEADS_PER_GROUP`` (``GROUPS``); ``--candidates`` times every tile of
-``fwd_sm90.CANDIDATES`` for the head dim instead. Each time is the median of
-``triton.testing.do_bench`` over an eager call (the host path included), L2 flushed; TFLOP/s from
+``fwd_sm90.CANDIDATES`` for the head dim instead. A row's providers take turns
+(``tritonkit.bench.timing.interleaved_ms``): each time is the median of its turns, each turn
+``triton.testing.do_bench``'s median over an eager call (the host path included), L2 flushed, and
+``spread`` the range of its turns over that median; TFLOP/s from
 4 * B * Hq * Sq * Sk * D (half of it causal). Each row gives the largest difference from cuDNN's
 output. Rows stop being timed at the deadline (the JSON holds what was measured).
 """
@@ -21,7 +23,7 @@ import sys
 import time
 
 import torch
-from attention_bwd_sm90 import LAYER, SHAPES, _bench, deadline, inputs, record, result_header
+from attention_bwd_sm90 import INTERLEAVED, LAYER, SHAPES, deadline, inputs, record, result_header, time_calls
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tritonkit.ops.attention import fwd_sm90
@@ -33,48 +35,52 @@ def _row(shape, causal: bool, layer: bool) -> dict:
     batch, heads_q, heads_kv, seq, head_dim = shape
     q, k, v, _ = inputs(shape, layer)
     flops = 4 * batch * heads_q * seq * seq * head_dim * (0.5 if causal else 1.0)
-    row = {"shape": list(shape), "layer_layout": layer, "causal": causal, "dtype": "bf16", "ms": {}}
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        reference = torch.nn.functional.scaled_dot_product_attention(
+    row = {"shape": list(shape), "layer_layout": layer, "causal": causal, "dtype": "bf16"}
+
+    def cudnn():
+        return torch.nn.functional.scaled_dot_product_attention(
             q, k, v, is_causal=causal, enable_gqa=heads_q != heads_kv
         )
-        row["ms"]["cudnn"] = _bench(
-            lambda: torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, is_causal=causal, enable_gqa=heads_q != heads_kv
-            )
-        )
+
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        reference = cudnn()
     if not fwd_sm90.supports(q, k, v, causal=causal):
         raise ValueError(f"the sm_90 forward does not take {shape} (layer layout: {layer})")
     o = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
-    default = fwd_sm90.CAUSAL_HEADS_PER_GROUP
+    calls = {"cudnn": cudnn}
 
-    def ours():
-        fwd_sm90.attention_fwd_sm90(q, k, v, o, lse, scale=head_dim**-0.5, causal=causal)
+    def check(name: str, call) -> None:
+        """Run ``call`` once (compiling it), keep its error against cuDNN and add it to the row's calls."""
+        o.fill_(float("nan"))
+        call()
+        row[f"{name}_max_err_vs_cudnn"] = (o.float() - reference.float()).abs().max().item()
+        calls[name] = call
 
     if "--candidates" in sys.argv:
         tile = fwd_sm90.default_config(head_dim, seq)
         for config in fwd_sm90.CANDIDATES[head_dim]:
-            name = "gluon" if config == tile else f"gluon_{_changes(config, tile)}"
 
             def candidate(config=config):
                 fwd_sm90.attention_fwd_sm90(
                     q, k, v, o, lse, scale=head_dim**-0.5, causal=causal, config=config
                 )
 
-            candidate()
-            row[f"{name}_max_err_vs_cudnn"] = (o.float() - reference.float()).abs().max().item()
-            row["ms"][name] = _bench(candidate)
-    groups = (default, *(g for g in GROUPS if g != default)) if causal else (default,)
-    for group in () if "--candidates" in sys.argv else groups:
-        fwd_sm90.CAUSAL_HEADS_PER_GROUP = group
-        try:
-            name = "gluon" if group == default else f"gluon_heads_per_group={group}"
-            ours()
-            row[f"{name}_max_err_vs_cudnn"] = (o.float() - reference.float()).abs().max().item()
-            row["ms"][name] = _bench(ours)
-        finally:
-            fwd_sm90.CAUSAL_HEADS_PER_GROUP = default
+            check("gluon" if config == tile else f"gluon_{_changes(config, tile)}", candidate)
+    else:
+        default = fwd_sm90.CAUSAL_HEADS_PER_GROUP
+        for group in (default, *(g for g in GROUPS if g != default)) if causal else (default,):
+
+            def grouped(group=group):
+                fwd_sm90.CAUSAL_HEADS_PER_GROUP = group
+                try:
+                    fwd_sm90.attention_fwd_sm90(q, k, v, o, lse, scale=head_dim**-0.5, causal=causal)
+                finally:
+                    fwd_sm90.CAUSAL_HEADS_PER_GROUP = default
+
+            check("gluon" if group == default else f"gluon_heads_per_group={group}", grouped)
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        time_calls(row, calls)
     row["tflops"] = {name: flops / ms / 1e9 for name, ms in row["ms"].items()}
     row["vs_cudnn"] = {name: row["ms"]["cudnn"] / ms for name, ms in row["ms"].items()}
     return row
@@ -88,8 +94,7 @@ def _changes(config, tile) -> str:
 
 def main() -> None:
     out, stop = sys.argv[1], deadline()
-    timing = "triton.testing.do_bench median (warmup 25 ms, rep 100 ms), L2 flushed, eager calls"
-    result = result_header("attention_fwd", "attention_fwd_sm90.py", timing)
+    result = result_header("attention_fwd", "attention_fwd_sm90.py", INTERLEAVED + ", eager calls")
     shapes = [
         tuple(int(n) for n in sys.argv[i + 1].split(",")) for i, a in enumerate(sys.argv) if a == "--shape"
     ]

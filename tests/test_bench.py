@@ -408,6 +408,35 @@ def test_cli_bench_resumes_an_interrupted_gpu_run(tmp_path, monkeypatch, capsys)
     assert runs[1] == []
 
 
+def test_interleaved_calls_take_turns_in_a_rotated_order(monkeypatch):
+    """Every call is timed once a round after one warm-up of the first, the round's first call
+    moving a place each round; a call's time is its median round and its spread the rounds' range
+    over it, so a clock that drifts during the run falls on every call."""
+    import triton.testing
+
+    from tritonkit.bench import timing
+
+    order, clock = [], iter(range(100))
+
+    def fake_do_bench(fn, warmup, rep, return_mode="mean"):
+        name = fn()
+        order.append((name, warmup))
+        return {"a": 1.0, "b": 2.0, "c": 4.0}[name] * (1 + next(clock) / 100)  # a slowing clock
+
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    calls = {name: (lambda name=name: name) for name in "abc"}
+    medians, spreads = timing.interleaved_ms(calls, rounds=3)
+    assert order[0] == ("a", timing.WARMUP_MS)
+    rounds = [[name for name, _ in order[1 + 3 * r : 4 + 3 * r]] for r in range(3)]
+    assert rounds == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+    assert {warmup for _, warmup in order[1:]} == {timing.ROUND_WARMUP_MS}
+    # a's rounds ran at ticks 1, 6 and 8: its median is the middle one, its spread their range
+    assert medians["a"] == pytest.approx(1.06) and spreads["a"] == pytest.approx(0.07 / 1.06)
+    assert medians["c"] == pytest.approx(4 * 1.05)
+    with pytest.raises(ValueError, match="at least one round"):
+        timing.interleaved_ms(calls, rounds=0)
+
+
 @pytest.mark.gpu
 def test_timing_protocol_on_gpu():
     from tritonkit.bench import timing

@@ -155,6 +155,43 @@ def kernel_ms(
     return (p20, median, p80), method
 
 
+# Candidates compared in one process (``interleaved_ms``): each call takes ROUNDS turns of
+# ROUND_REP_MS, after ROUND_WARMUP_MS of warm-up a turn.
+ROUNDS = 5
+ROUND_WARMUP_MS, ROUND_REP_MS = 5, 25
+
+
+def interleaved_ms(
+    calls: dict[str, Callable[[], object]], rounds: int = ROUNDS
+) -> tuple[dict[str, float], dict[str, float]]:
+    """({name: median ms}, {name: spread}) of calls that take turns: WARMUP_MS of the first call
+    brings the GPU to the clock it sustains under its power limit, then every round times each call
+    (do_bench's median over ROUND_REP_MS, L2 flushed), the order rotated a place each round. A
+    call's time is the median of its rounds, its spread (slowest - fastest round) / median.
+
+    Timed one after another with 25 ms of warm-up each, the same attention kernel's median moved
+    by up to 10% between processes on the H200, more than its candidates differed; the likely
+    cause (inferred, not measured apart) is the clock's fall to its power-limited level part way
+    through a run (WARMUP_MS). Taking turns puts that drift on every call alike, and the spread
+    says how far apart two calls must be to differ."""
+    interpret()  # decide before triton is imported
+    from triton.testing import do_bench
+
+    if rounds < 1 or not calls:
+        raise ValueError(f"interleaved_ms needs calls and at least one round, got {len(calls)}, {rounds}")
+    names = list(calls)
+    do_bench(calls[names[0]], warmup=WARMUP_MS, rep=ROUND_REP_MS)
+    turns: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(rounds):
+        start = round_ % len(names)
+        for name in names[start:] + names[:start]:
+            ms = do_bench(calls[name], warmup=ROUND_WARMUP_MS, rep=ROUND_REP_MS, return_mode="median")
+            turns[name].append(ms)
+    medians = {name: sorted(ms)[len(ms) // 2] for name, ms in turns.items()}
+    spreads = {name: (max(ms) - min(ms)) / medians[name] for name, ms in turns.items()}
+    return medians, spreads
+
+
 def call_ms(call: Callable[[], object], device) -> float:
     """Milliseconds of one call: CUDA events around it on a GPU (synchronized after), the host's
     wall clock on the CPU (a distributed benchmark's dry run)."""
