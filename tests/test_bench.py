@@ -69,6 +69,8 @@ def test_correctness_run_rows(workload):
     assert len({tuple(r["shape"]) for r in ran}) == len(workload.op.shapes)
     for row in ran:
         assert row.keys() >= ROW_FIELDS
+        assert list(row["bench_s"]) == ["setup", "check"]  # the interpreter times nothing after
+        assert all(seconds >= 0 for seconds in row["bench_s"].values())
         assert row["check"] == "pass" and 0 < row["max_err"] < 1e-5
         assert all(isinstance(d, int) for d in row["shape"])
         cost = workload.cost(tuple(row["shape"]), torch.float32, row["mode"])
@@ -170,7 +172,14 @@ def test_peer_ratio_is_best_peer_over_tritonkit():
 
 def test_writers(tmp_path):
     rows = [
-        _timed_row("tritonkit", 0.05, check="pass", pct_roofline=62.1, pct_copy_same_bytes=70.2),
+        _timed_row(
+            "tritonkit",
+            0.05,
+            check="pass",
+            pct_roofline=62.1,
+            pct_copy_same_bytes=70.2,
+            bench_s={"check": 1.5},
+        ),
         _timed_row("torch", 0.13, check="pass"),
         _timed_row("tritonkit[online]", 0.04, check="FAIL"),
         {
@@ -195,6 +204,7 @@ def test_writers(tmp_path):
     assert json.loads((folder / "bias_gelu.json").read_text()) == rows
     csv_lines = (folder / "bias_gelu.csv").read_text().splitlines()
     assert len(csv_lines) == 5 and "8192x4096" in csv_lines[1]
+    assert "bench_s.check" in csv_lines[0].split(",") and "1.5" in csv_lines[1].split(",")  # a column a phase
     assert (folder / "bias_gelu.png").read_bytes()[:4] == b"\x89PNG"
     assert (folder / "bias_gelu-bandwidth.png").read_bytes()[:4] == b"\x89PNG"
     # the docs' table: GB/s per provider, a failed check marked, a refusal said, the ratio to the

@@ -255,12 +255,23 @@ def plot_bandwidth(rows: list[dict], path: Path, measured: roofline.DeviceSpec) 
 
 
 def _write_csv(rows: list[dict], path: Path) -> None:
-    keys = list(dict.fromkeys(key for row in rows for key in row))
+    flat = [_flat(row) for row in rows]
+    keys = list(dict.fromkeys(key for row in flat for key in row))
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=keys)
         writer.writeheader()
-        for row in rows:
-            writer.writerow({k: "x".join(map(str, v)) if k == "shape" else v for k, v in row.items()})
+        writer.writerows(flat)
+
+
+def _flat(row: dict) -> dict:
+    """A row as CSV cells: the shape as AxB, a dict's entries as columns of their own (bench_s.check)."""
+    cells = {}
+    for key, value in row.items():
+        if isinstance(value, dict):
+            cells |= {f"{key}.{inner}": v for inner, v in value.items()}
+        else:
+            cells[key] = "x".join(map(str, value)) if key == "shape" else value
+    return cells
 
 
 def plot_roofline(

@@ -164,6 +164,7 @@ def run_case(
     for provider in providers_for(case.workload):
         if provider_names and provider.name not in provider_names:
             continue
+        clock = _PhaseClock()
         if device == "cuda":
             # the caching allocator's idle segments back to the device before each provider (the
             # float64 reference of a large case wants 8 GB of logits at 8192 x 128256)
@@ -176,8 +177,10 @@ def run_case(
             continue
         needs_grad = case.mode != "fwd"
         inputs = _inputs(case, device, SEED, needs_grad)
+        clock.lap("setup")
         try:
             row |= _check(fn, case, inputs)
+            clock.lap("check")
         except (ValueError, RuntimeError, NotImplementedError) as error:
             if provider.name == "tritonkit":
                 if not keep_going:
@@ -189,9 +192,29 @@ def run_case(
             continue
         if device == "cuda":
             row |= _peak_extra(fn, case, inputs)
-            row |= _timings(fn, case, inputs, provider.name) | _host_time(fn, case, provider.name)
-        rows.append(row)
+            clock.lap("peak")
+            row |= _timings(fn, case, inputs, provider.name)
+            clock.lap("timing")
+            row |= _host_time(fn, case, provider.name)
+            clock.lap("host")
+        rows.append(row | {"bench_s": clock.laps})
     return rows
+
+
+class _PhaseClock:
+    """Wall seconds of a row's phases, where a long run's time goes: setup (the garbage collection
+    and the inputs), check (the first calls, so their compiles, and the float64 reference), peak
+    (one call under the memory counter), timing (capture, warm-up and repetitions; the copy's
+    ceiling the first time a size is seen) and host (the tiny shape's host time, once a key)."""
+
+    def __init__(self) -> None:
+        self.laps: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.laps[phase] = round(now - self._last, 3)
+        self._last = now
 
 
 def _base_row(case: Case, provider: str) -> dict:
