@@ -428,7 +428,7 @@ def test_interleaved_calls_take_turns_in_a_rotated_order(monkeypatch):
 
     order, clock = [], iter(range(100))
 
-    def fake_do_bench(fn, warmup, rep, return_mode="mean"):
+    def fake_do_bench(fn, warmup, rep, grad_to_none=None, return_mode="mean"):
         name = fn()
         order.append((name, warmup))
         return {"a": 1.0, "b": 2.0, "c": 4.0}[name] * (1 + next(clock) / 100)  # a slowing clock

@@ -92,10 +92,38 @@ def test_a_provider_that_raises_gives_rows_saying_so(monkeypatch):
     w = layer.make_weights(layer.TINY, torch.bfloat16, "cpu")
     inputs = (x, w, g, None)
     fn = broken("tritonkit", layer.TINY, None)
-    ours = layer._provider_rows("tritonkit", fn, "tiny", layer.TINY, inputs, [], ["fwd"])
+    ours = layer._checked_rows("tritonkit", fn, "tiny", layer.TINY, inputs, [], ["fwd"])
     assert ours[0]["check"] == "FAIL" and "kernel exploded" in ours[0]["error"]
-    peer = layer._provider_rows("torch.compile", fn, "tiny", layer.TINY, inputs, [], ["fwd"])
+    peer = layer._checked_rows("torch.compile", fn, "tiny", layer.TINY, inputs, [], ["fwd"])
     assert "kernel exploded" in peer[0]["unavailable"] and "check" not in peer[0]
+
+
+def test_the_providers_are_timed_in_turns_a_mode_at_a_time(monkeypatch):
+    """Every checked provider's step of a mode goes to one ``time_in_turns`` call with the others';
+    a provider left out of ``built`` (unavailable, or raised) is not timed."""
+    turns = []
+
+    def fake_turns(calls, tensors):
+        turns.append(sorted(calls))
+        return {name: 2.0 + i for i, name in enumerate(calls)}, dict.fromkeys(calls, 0.01)
+
+    monkeypatch.setattr(layer, "time_in_turns", fake_turns)
+    monkeypatch.setattr(layer, "measure", lambda call, tensors: {"peak_bytes": 1, "host_ms": 0.5})
+    rows = [
+        layer._base_row("tiny", layer.TINY, torch.bfloat16, provider, mode)
+        for provider in ("tritonkit", "torch", "liger")
+        for mode in layer.MODES
+    ]
+    x, g = layer.make_inputs(layer.TINY, torch.bfloat16, "cpu")
+    w = layer.make_weights(layer.TINY, torch.bfloat16, "cpu")
+    built = {name: layer.build(name, layer.TINY, None) for name in ("tritonkit", "torch")}
+    layer._time_rows(built, rows, (x, w, g))
+    assert turns == [["torch", "tritonkit"], ["torch", "tritonkit"]]  # fwd+bwd, then fwd
+    timed = {(r["provider"], r["mode"]): r for r in rows if "ms" in r}
+    assert set(timed) == {(p, m) for p in ("tritonkit", "torch") for m in layer.MODES}
+    ours = timed[("tritonkit", "fwd")]
+    assert ours["ms"] == 2.0 and ours["ms_spread"] == 0.01 and ours["host_ms"] == 0.5
+    assert ours["tflops"] == pytest.approx(ours["flops"] / 2e-3 / 1e12)
 
 
 @pytest.mark.parametrize("case", list(layer.CASES))

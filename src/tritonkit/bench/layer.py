@@ -27,8 +27,11 @@ the loss sum(out * g) for a fixed random g (``out.backward(g)``), giving the gra
 every weight; ``fwd`` is that step's forward alone, with autograd recording as in training. Each
 is timed eagerly, as a user runs a step: at these shapes a step keeps the GPU busy for milliseconds
 while the host issues a few hundred launches, so host time hides behind it (CUDA graphs, which the
-op benchmarks replay, would only hide it further). The median of ``triton.testing.do_bench`` over
-REP_MS after WARMUP_MS, L2 flushed between steps, gradients set to None before each.
+op benchmarks replay, would only hide it further). The providers' steps of a mode take turns, hot
+(``time_in_turns``: HEAT_MS of steps to the power limit, then timing.ROUNDS turns each, rotated): a row's
+``ms`` is the median of its turns, each ``triton.testing.do_bench``'s median over TURN_REP_MS after
+TURN_WARMUP_MS, L2 flushed between steps, gradients set to None before each; ``ms_spread`` is the
+range of its turns over that median.
 
 FLOPs (the TFLOP/s column), matmuls and attention only; norms, SiLU and the adds, memory-bound and
 under 1% of the work, are not counted. With M = B * S:
@@ -76,11 +79,18 @@ SEED = 0
 # to 3.0e-2 (each op within the oracle's 2x of torch, compounding over the layer's ten). A GELU where
 # the SiLU belongs gave 8e-2 to 0.18 against torch, attention without the causal mask 0.4 to 0.8.
 REL_TOLERANCE = 5e-2
-# A step takes 10-100 ms: do_bench's default 100 ms of repetitions would give a median of a few
-# steps, 500 ms gives 10-50. 250 ms of warm-up puts the timing past the H200's power-limit onset
-# (bench.timing).
+# ``time_ms`` (one call alone, for the diagnostics): a step takes 10-100 ms, so do_bench's default
+# 100 ms of repetitions would give a median of a few steps, 500 ms gives 10-50; 250 ms of warm-up
+# passes a single matmul's power-limit onset (bench.timing).
 WARMUP_MS, REP_MS = 250, 500
 WARMUP_STEPS = 2  # untimed steps first: torch.compile compiles and tritonkit tunes in the first
+# The providers' steps take turns (``time_in_turns``). The whole step reaches the H200's 700 W
+# limit within about a second and then runs 12-16% slower than cool (perf notes, "The layer's step
+# under sustained load": tritonkit 17.2-17.7 ms cool, 19.97 hot): HEAT_MS of steps first, so that
+# every turn is timed at the clock a training run sustains, then timing.ROUNDS turns a provider of
+# TURN_WARMUP_MS and TURN_REP_MS.
+HEAT_MS = 2000
+TURN_WARMUP_MS, TURN_REP_MS = 50, 250
 QUANTILES = (0.5, 0.2, 0.8)  # median first, then p20 and p80
 SDPA_PREFERENCE = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION")
 
@@ -329,7 +339,8 @@ def check(values: list[torch.Tensor], reference: list[torch.Tensor]) -> dict:
 
 
 def time_ms(call: Callable[[], object], grads_to_none: list[torch.Tensor]) -> tuple[float, float, float]:
-    """(p20, median, p80) ms of ``call`` (module docstring: the protocol)."""
+    """(p20, median, p80) ms of ``call`` alone, after WARMUP_MS: the diagnostics' protocol (the
+    benchmark's rows take turns, ``time_in_turns``)."""
     from triton.testing import do_bench
 
     for _ in range(WARMUP_STEPS):  # outside do_bench: its first calls size its repetitions
@@ -339,6 +350,18 @@ def time_ms(call: Callable[[], object], grads_to_none: list[torch.Tensor]) -> tu
         call, warmup=WARMUP_MS, rep=REP_MS, grad_to_none=grads_to_none, quantiles=list(QUANTILES)
     )
     return p20, median, p80
+
+
+def time_in_turns(
+    calls: dict[str, Callable[[], object]], grads_to_none: list[torch.Tensor]
+) -> tuple[dict, dict]:
+    """({provider: median ms}, {provider: spread}) of the providers' steps taking turns, hot (the
+    module docstring: the protocol)."""
+    from tritonkit.bench import timing
+
+    return timing.interleaved_ms(
+        calls, heat_ms=HEAT_MS, warmup_ms=TURN_WARMUP_MS, rep_ms=TURN_REP_MS, grad_to_none=grads_to_none
+    )
 
 
 def peak_bytes(call: Callable[[], object], grads_to_none: list[torch.Tensor]) -> int:
@@ -442,18 +465,16 @@ def host_ms(call: Callable[[], object], grads_to_none: list[torch.Tensor]) -> fl
     return sorted(times)[len(times) // 2]
 
 
-def measure(fn: Callable, mode: str, x: torch.Tensor, w: Weights, grad: torch.Tensor) -> dict:
-    """The timing, memory and kernel-profile fields of one provider's row in one mode."""
-    call, tensors = _mode_call(fn, mode, x, w, grad), [x, *w]
-    p20, median, p80 = time_ms(call, tensors)
+def measure(call: Callable[[], object], tensors: list[torch.Tensor]) -> dict:
+    """The memory, host and kernel-profile fields of one provider's row in one mode (its time comes
+    from ``time_in_turns``)."""
     peak = peak_bytes(call, tensors)
-    timed = {"ms_p20": p20, "ms": median, "ms_p80": p80, "peak_bytes": peak, "peak_gib": peak / 2**30}
-    timed["host_ms"] = host_ms(call, tensors)
+    measured = {"peak_bytes": peak, "peak_gib": peak / 2**30, "host_ms": host_ms(call, tensors)}
     try:
-        return timed | kernel_profile(call, tensors)
+        return measured | kernel_profile(call, tensors)
     except Exception as error:  # a diagnostic: the timing stands without it
         log.warning("tritonkit: bench layer's kernel profile failed: %s", error)
-        return timed
+        return measured
 
 
 # ---------------------------------------------------------------- one case, a run
@@ -485,17 +506,26 @@ def _attention_kernel(provider: str, backend: str | None) -> str:
     return f"sdpa {backend.removesuffix('_ATTENTION').lower()}" if backend else "sdpa (its own choice)"
 
 
-def _provider_rows(
+def _failed(provider: str, rows: list[dict], error: Exception) -> list[dict]:
+    """The rows of a provider that raised: tritonkit's FAIL, a peer's unavailable, saying why."""
+    why = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
+    if provider == "tritonkit":
+        return [row | {"check": "FAIL", "error": why} for row in rows]
+    return [row | {"unavailable": f"failed: {why}"} for row in rows]
+
+
+def _checked_rows(
     provider: str, fn: Callable | str, case: str, shape: LayerShape, inputs: tuple, reference: list, modes
 ) -> list[dict]:
-    """The provider's rows, one a mode: checked against torch's ``reference``, timed on a GPU. A peer
-    that fails says why in its rows; tritonkit failing is a FAIL."""
+    """The provider's rows, one a mode, checked against torch's ``reference``, and on a GPU warmed
+    up (WARMUP_STEPS a mode: compiles and tuning). A peer that fails says why in its rows; tritonkit
+    failing is a FAIL."""
     x, w, grad, backend = inputs
     modes = [mode for mode in modes if mode in PROVIDER_MODES.get(provider, MODES)]
     rows = [_base_row(case, shape, x.dtype, provider, mode) for mode in modes]
     if isinstance(fn, str):
         return [row | {"unavailable": fn} for row in rows]
-    attention = {"attention": _attention_kernel(provider, backend)}
+    rows = [row | {"attention": _attention_kernel(provider, backend)} for row in rows]
     try:
         verdict = (
             {"check": "reference", "max_rel_err": 0.0}
@@ -503,20 +533,32 @@ def _provider_rows(
             else check(outputs_and_grads(fn, x, w, grad), reference)
         )
         if x.is_cuda:
-            timed = [measure(fn, mode, x, w, grad) for mode in modes]
-        else:
-            timed = [{} for _ in modes]
+            for mode in modes:
+                call = _mode_call(fn, mode, x, w, grad)
+                for _ in range(WARMUP_STEPS):
+                    _clear_grads([x, *w])
+                    call()
+            torch.cuda.synchronize()
     except Exception as error:  # one provider failing must not lose a long GPU run's other rows
         log.exception("tritonkit: bench layer %s %s failed", case, provider)
-        why = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
-        if provider == "tritonkit":
-            return [row | attention | {"check": "FAIL", "error": why} for row in rows]
-        return [row | attention | {"unavailable": f"failed: {why}"} for row in rows]
-    rows = [row | attention | verdict | t for row, t in zip(rows, timed, strict=True)]
-    for row in rows:
-        if "ms" in row:
+        return _failed(provider, rows, error)
+    return [row | verdict for row in rows]
+
+
+def _time_rows(built: dict[str, Callable], rows: list[dict], inputs: tuple) -> None:
+    """Time the rows of the providers in ``built`` in place, a mode at a time: their steps in
+    turns, then each one's memory, host time and kernel profile."""
+    x, w, grad = inputs
+    tensors = [x, *w]
+    for mode in MODES:
+        timed = {row["provider"]: row for row in rows if row["mode"] == mode and row["provider"] in built}
+        if not timed:
+            continue
+        calls = {provider: _mode_call(built[provider], mode, x, w, grad) for provider in timed}
+        medians, spreads = time_in_turns(calls, tensors)
+        for provider, row in timed.items():
+            row.update(ms=medians[provider], ms_spread=spreads[provider], **measure(calls[provider], tensors))
             row["tflops"] = row["flops"] / (row["ms"] * 1e-3) / 1e12
-    return rows
 
 
 def run_case(
@@ -534,14 +576,22 @@ def run_case(
     w = make_weights(shape, dtype, device)
     backend = sdpa_backend(shape, dtype, device)
     reference = outputs_and_grads(build("torch", shape, backend), x, w, grad)
-    rows = []
+    rows, built = [], {}
     for provider in providers:
         started = time.perf_counter()
         fn = build(provider, shape, backend)
-        rows += _provider_rows(provider, fn, case, shape, (x, w, grad, backend), reference, list(modes))
+        checked = _checked_rows(provider, fn, case, shape, (x, w, grad, backend), reference, list(modes))
+        rows += checked
+        if all("unavailable" not in row and "error" not in row for row in checked):
+            built[provider] = fn  # timed below, in turns with the others
         if on_provider is not None:
             on_provider(provider, time.perf_counter() - started)
     del reference
+    if x.is_cuda:
+        started = time.perf_counter()
+        _time_rows(built, rows, (x, w, grad))
+        if on_provider is not None:
+            on_provider("timing, in turns", time.perf_counter() - started)
     add_ratios(rows)
     return rows
 

@@ -162,12 +162,19 @@ ROUND_WARMUP_MS, ROUND_REP_MS = 5, 25
 
 
 def interleaved_ms(
-    calls: dict[str, Callable[[], object]], rounds: int = ROUNDS
+    calls: dict[str, Callable[[], object]],
+    rounds: int = ROUNDS,
+    *,
+    heat_ms: float | None = None,
+    warmup_ms: float = ROUND_WARMUP_MS,
+    rep_ms: float = ROUND_REP_MS,
+    grad_to_none: list[torch.Tensor] | None = None,
 ) -> tuple[dict[str, float], dict[str, float]]:
-    """({name: median ms}, {name: spread}) of calls that take turns: WARMUP_MS of the first call
-    brings the GPU to the clock it sustains under its power limit, then every round times each call
-    (do_bench's median over ROUND_REP_MS, L2 flushed), the order rotated a place each round. A
-    call's time is the median of its rounds, its spread (slowest - fastest round) / median.
+    """({name: median ms}, {name: spread}) of calls that take turns: ``heat_ms`` (WARMUP_MS unless
+    given) of the first call brings the GPU to the clock it sustains under its power limit, then
+    every round times each call (do_bench's median over ``rep_ms`` after ``warmup_ms``, L2 flushed,
+    ``grad_to_none``'s gradients set to None before each call), the order rotated a place each
+    round. A call's time is the median of its rounds, its spread (slowest - fastest round) / median.
 
     Timed one after another with 25 ms of warm-up each, the same attention kernel's median moved
     by up to 10% between processes on the H200, more than its candidates differed; the likely
@@ -180,12 +187,15 @@ def interleaved_ms(
     if rounds < 1 or not calls:
         raise ValueError(f"interleaved_ms needs calls and at least one round, got {len(calls)}, {rounds}")
     names = list(calls)
-    do_bench(calls[names[0]], warmup=WARMUP_MS, rep=ROUND_REP_MS)
+    heat_ms = WARMUP_MS if heat_ms is None else heat_ms
+    do_bench(calls[names[0]], warmup=heat_ms, rep=rep_ms, grad_to_none=grad_to_none)
     turns: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(rounds):
         start = round_ % len(names)
         for name in names[start:] + names[:start]:
-            ms = do_bench(calls[name], warmup=ROUND_WARMUP_MS, rep=ROUND_REP_MS, return_mode="median")
+            ms = do_bench(
+                calls[name], warmup=warmup_ms, rep=rep_ms, grad_to_none=grad_to_none, return_mode="median"
+            )
             turns[name].append(ms)
     medians = {name: sorted(ms)[len(ms) // 2] for name, ms in turns.items()}
     spreads = {name: (max(ms) - min(ms)) / medians[name] for name, ms in turns.items()}
