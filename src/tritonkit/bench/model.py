@@ -14,10 +14,12 @@ bf16, built from a config (no download). Providers, in this order:
 
 A training step: the forward with labels, the backward, ``torch.optim.AdamW(fused=True).step()``
 and ``zero_grad``, on TRAIN_BATCH x TRAIN_SEQ random tokens; timed by CUDA events, the median of
-STEPS steps after WARMUP; tokens/s from the batch's tokens; peak memory over what was held before
-the step (the weights, their gradients and AdamW's state); the first step's loss (the same weights
-and batch for every provider: they agree to bf16's rounding); the host's time to issue a step and a
-kernel profile (``bench.layer``'s: GPU time by kernel kind, the longest kernels).
+STEPS steps after WARMUP steps and HEAT_S seconds of steps (hot: at the power limit a training run
+sustains, which the step reaches after about a second); tokens/s from the batch's tokens; peak
+memory over what was held before the step (the weights, their gradients and AdamW's state); the
+first step's loss (the same weights and batch for every provider: they agree to bf16's rounding);
+the host's time to issue a step and a kernel profile (``bench.layer``'s: GPU time by kernel
+kind, the longest kernels).
 
 Generation (GENERATE_PROVIDERS): greedy, GEN_BATCH sequences of GEN_PROMPT random tokens. The
 prefill is a generate of one new token, the decode the rest of a generate of GEN_NEW: decode
@@ -48,6 +50,10 @@ GENERATE_PROVIDERS = ("transformers", "tritonkit")
 TRAIN_BATCH, TRAIN_SEQ = 2, 4096
 GEN_BATCH, GEN_PROMPT, GEN_NEW = 16, 2048, 256
 WARMUP, STEPS = 3, 10
+# Seconds of steps before the timed ones, so that they run at the clock of the H200's 700 W limit: a
+# decoder layer's step reached it within about a second and ran 12-16% slower there than cool (perf
+# notes, "The layer's step under sustained load"); 3 warm-up steps of a ~90 ms step fell short of it.
+HEAT_S = 2.0
 LAYERS = 4  # of the 32 (Llama-3-8B) and 36 (Qwen3-8B): a step's memory and the run's time stay small
 
 
@@ -143,6 +149,10 @@ def step_row(model: torch.nn.Module, ids: torch.Tensor) -> dict:
     for _ in range(WARMUP):
         step()
     torch.cuda.synchronize()
+    heated = time.perf_counter()
+    while time.perf_counter() - heated < HEAT_S:
+        step()
+        torch.cuda.synchronize()
     held = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     times = [timing.call_ms(step, ids.device) for _ in range(STEPS)]
