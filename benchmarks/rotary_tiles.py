@@ -3,9 +3,10 @@
 the tile (``rotary.TILE_ELEMENTS``, tokens x heads x rotary pairs a program, and
 ``rotary.NUM_WARPS``), or with ``--groups`` the programs' order (token blocks a group, each group's
 head blocks one after another; a group as long as the sequence has each head block walk every
-token), each size forced and then the size ``rotary._group`` picks.
+token), each size forced and then the size ``rotary._group`` picks, or with ``--heads`` the heads a
+tile holds at most (``rotary.TILE_HEADS``) at the default tile: fewer heads, longer runs of tokens.
 
-    python benchmarks/rotary_tiles.py OUT.json [--groups 1 4 16 64 1073741824]
+    python benchmarks/rotary_tiles.py OUT.json [--groups 1 4 16 64 1073741824 | --heads 1 2 4 8]
 
 Times are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, 200 ms), in us. Each variant's
 launch is built anew (``rotary._launch``), not replayed from an earlier call's plan, which would
@@ -73,17 +74,21 @@ def _row(variants: dict, batch: int, heads_q: int, heads_kv: int, seq: int, head
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out")
-    parser.add_argument("--groups", type=int, nargs="+", help="sweep the order at the default tile")
+    sweep = parser.add_mutually_exclusive_group()
+    sweep.add_argument("--groups", type=int, nargs="+", help="sweep the order at the default tile")
+    sweep.add_argument("--heads", type=int, nargs="+", help="sweep the heads a tile at the default tile")
     args = parser.parse_args()
-    if args.groups:
+    if args.heads:
+        variants = {f"{h} heads": {"TILE_HEADS": h} for h in args.heads}
+    elif args.groups:
         # each group size forced over the rule (rotary._group), and the rule's own choice
         variants = {f"group {g}": {"_group": functools.partial(_fixed_group, g)} for g in args.groups}
         variants["the rule"] = {}
     else:
         variants = {f"{t}/{w}": {"TILE_ELEMENTS": t, "NUM_WARPS": w} for t in TILES for w in WARPS}
-    command = "python benchmarks/rotary_tiles.py OUT.json" + (
-        " --groups " + " ".join(map(str, args.groups)) if args.groups else ""
-    )
+    command = "python benchmarks/rotary_tiles.py OUT.json"
+    for flag, values in (("--groups", args.groups), ("--heads", args.heads)):
+        command += f" {flag} " + " ".join(map(str, values)) if values else ""
     result = {"op": "rotary_tiles", "command": command, "gpu": torch.cuda.get_device_name()}
     result |= {"torch": torch.__version__, "triton": triton.__version__, "git": provenance()["git_sha"]}
     result["rows"] = []

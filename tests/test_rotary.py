@@ -210,3 +210,20 @@ def test_program_groups_follow_what_a_head_blocks_pass_moves():
     else TOKEN_GROUP token blocks a group: the two shapes the order was measured at."""
     assert rotary._group(256, 18 * 2**20, "cpu") == 256  # (4, 32/8, 4096, 128)
     assert rotary._group(2048, 144 * 2**20, "cpu") == rotary.TOKEN_GROUP  # (1, 32/8, 32768, 128)
+
+
+def test_tile_heads_bounds_a_tiles_heads(monkeypatch, device):
+    """rotary.TILE_HEADS caps the heads a tile holds (the tile's other axes take the room): GQA 6/2
+    at the default, one head a tile at TILE_HEADS = 1, outputs equal to the reference either way
+    (two lengths, so that the second call cannot replay the first's launch on a GPU)."""
+    g = testing.generator(0)
+    for heads, block_h, seq in ((None, 2, 9), (1, 1, 10)):
+        monkeypatch.setattr(rotary, "TILE_HEADS", heads)
+        q = testing.random_tensor((2, 6, seq, 32), F32, device, generator=g)
+        k = testing.random_tensor((2, 2, seq, 32), F32, device, generator=g)
+        cos, sin = _tables(seq, 32, device)
+        [fwd, _] = rotary._inspect_launches((2, 6, 2, seq, 32), F32)
+        assert fwd.meta["BLOCK_H"] == block_h
+        got = tritonkit.apply_rotary_pos_emb(q, k, cos, sin)
+        for out, want in zip(got, rotary.rotary_pos_emb_reference(q, k, cos, sin), strict=True):
+            torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)

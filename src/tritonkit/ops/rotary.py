@@ -36,6 +36,9 @@ DTYPES = FLOATS
 # (1, 32/8, 32768, 128) against 187.1 and 218.8.
 TILE_ELEMENTS = 8192
 NUM_WARPS = 4
+# Heads a tile at most (None: as many as the tile holds, up to the fewer of q's and k's): a tile of
+# BLOCK_H heads reads BLOCK_H runs of its tokens, a head's S x D apart; one head reads one run.
+TILE_HEADS = None
 NO_OFFSET, SCALAR_OFFSET, TENSOR_OFFSET = 0, 1, 2
 # The programs' order (the kernel's groups). A head block's pass over a sequence reads each row of
 # the tables; the next head block's pass reads them again from L2 only if what the first moved in
@@ -228,7 +231,9 @@ def _launch(x, out_x, y, out_y, tables: Tables, conjugate: bool, inplace: bool =
     block_k = max(1, next_power_of_2(rotary_dim // 2))
     # heads a tile: no more than the fewer of x's and y's (GQA's k), which would leave lanes idle
     block_h = min(
-        next_power_of_2(min(heads_x, heads_y) if y is not None else heads_x), TILE_ELEMENTS // block_k
+        next_power_of_2(min(heads_x, heads_y) if y is not None else heads_x),
+        TILE_ELEMENTS // block_k,
+        TILE_HEADS or TILE_ELEMENTS,
     )
     block_h = max(1, block_h)
     block_s = max(1, min(next_power_of_2(seq), TILE_ELEMENTS // (block_k * block_h)))
