@@ -155,6 +155,7 @@ def _timed_row(provider: str, ms: float, **extra) -> dict:
         "ms": ms,
         "ms_p20": ms * 0.99,
         "ms_p80": ms * 1.01,
+        "eager_ms": ms * 1.25,
         "flops": cost.flops,
         "bytes": cost.bytes,
         "gbps": cost.bytes / ms / 1e6,
@@ -215,7 +216,7 @@ def test_writers(tmp_path):
     cells = line.strip("| ").split(" | ")
     assert cells[:3] == ["fwd", "8192x4096", "bf16"]
     assert cells[3:7] == ["2600", "1000", "3250 (FAIL)", "refused"]
-    assert cells[7:] == ["62.1", "70.2", f"{0.13 / 0.05:.2f}x"]
+    assert cells[7:] == ["62.1", "70.2", "0.0500", "0.0625", f"{0.13 / 0.05:.2f}x"]  # ms: replayed, eager
 
 
 def test_markdown_table_counts_flops_for_a_compute_bound_op():
@@ -243,9 +244,11 @@ def test_markdown_table_counts_flops_for_a_compute_bound_op():
         "tritonkit TFLOP/s",
         "sdpa-cudnn TFLOP/s",
         "tritonkit %peak",
+        "tritonkit ms",
+        "tritonkit eager ms",
         "vs best peer |",
     ]
-    assert line.strip("| ").split(" | ")[3:] == ["550", "440", "80.9", "1.25x"]
+    assert line.strip("| ").split(" | ")[3:] == ["550", "440", "80.9", "2.0000", "2.5000", "1.25x"]
     for row in rows:
         row["measured_peak"] = 1e15  # a ridge of 235 FLOPs a byte: still compute-bound
     assert "TFLOP/s" in markdown_table(rows)
@@ -455,6 +458,7 @@ def test_timing_protocol_on_gpu():
     (p20, median, p80), method = timing.kernel_ms([lambda: lambda: x * 2])
     assert method == "cuda-graph" and 0 < p20 <= median <= p80
     assert 0 < timing.host_us(lambda: x * 2) < 1000
+    assert 0.5 * median < timing.eager_ms(lambda: x * 2) < 100 * median  # its host path included
 
 
 @pytest.mark.gpu

@@ -20,6 +20,7 @@ TABLE_COLUMNS = [  # (header, row key, format)
     ("dtype", "dtype", "{}"),
     ("provider", "provider", "{}"),
     ("ms", "ms", "{:.4f}"),
+    ("eager ms", "eager_ms", "{:.4f}"),
     ("GB/s", "gbps", "{:.0f}"),
     ("TFLOP/s", "tflops", "{:.2f}"),
     ("%roof", "pct_roofline", "{:.1f}"),
@@ -192,7 +193,11 @@ def markdown_table(rows: list[dict]) -> str:
         if compute
         else [("tritonkit %copy", "pct_roofline"), ("tritonkit %copy@size", "pct_copy_same_bytes")]
     )
-    ours_columns.append(("vs best peer", "speedup_vs_best_peer"))
+    ours_columns += [
+        ("tritonkit ms", "ms"),
+        ("tritonkit eager ms", "eager_ms"),
+        ("vs best peer", "speedup_vs_best_peer"),
+    ]
     providers = list(dict.fromkeys(r["provider"] for r in rows if "gbps" in r or "unavailable" in r))
     cases = defaultdict(dict)
     for r in rows:
@@ -214,9 +219,15 @@ def markdown_table(rows: list[dict]) -> str:
             if value is None:
                 cells.append("-")
             else:
-                cells.append(f"{value:.2f}x" if key.startswith("speedup") else f"{value:.1f}")
+                cells.append(_ours_cell(key, value))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _ours_cell(key: str, value: float) -> str:
+    if key.startswith("speedup"):
+        return f"{value:.2f}x"
+    return f"{value:.4f}" if key.endswith("ms") else f"{value:.1f}"
 
 
 def _case_label(row: dict) -> str:

@@ -202,6 +202,17 @@ def interleaved_ms(
     return medians, spreads
 
 
+def eager_ms(call: Callable[[], object]) -> float:
+    """Median ms of ``call`` run eagerly, as a user calls it (the host's path included where it is
+    longer than the GPU's), L2 flushed between calls: the column beside the graph-replayed time. The
+    GPU is already at its sustained clock from the replays timed before it (``kernel_ms``), so a
+    short warm-up (ROUND_WARMUP_MS) suffices."""
+    interpret()  # decide before triton is imported
+    from triton.testing import do_bench
+
+    return do_bench(call, warmup=ROUND_WARMUP_MS, rep=REP_MS, return_mode="median")
+
+
 def call_ms(call: Callable[[], object], device) -> float:
     """Milliseconds of one call: CUDA events around it on a GPU (synchronized after), the host's
     wall clock on the CPU (a distributed benchmark's dry run)."""
