@@ -538,6 +538,7 @@ def _checked_rows(
                 for _ in range(WARMUP_STEPS):
                     _clear_grads([x, *w])
                     call()
+            _clear_grads([x, *w])  # no gradients held while the next provider is checked
             torch.cuda.synchronize()
     except Exception as error:  # one provider failing must not lose a long GPU run's other rows
         log.exception("tritonkit: bench layer %s %s failed", case, provider)
