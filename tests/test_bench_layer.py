@@ -126,6 +126,27 @@ def test_the_providers_are_timed_in_turns_a_mode_at_a_time(monkeypatch):
     assert ours["tflops"] == pytest.approx(ours["flops"] / 2e-3 / 1e12)
 
 
+def test_a_provider_failing_in_the_turns_loses_no_other_row(monkeypatch):
+    """Turns that raise (one provider out of memory) time each provider alone; the one that raises
+    alone has its rows marked, the others are timed."""
+
+    def fake_turns(calls, tensors):
+        if len(calls) > 1 or "torch" in calls:
+            raise RuntimeError("CUDA out of memory")
+        return dict.fromkeys(calls, 3.0), dict.fromkeys(calls, 0.02)
+
+    monkeypatch.setattr(layer, "time_in_turns", fake_turns)
+    monkeypatch.setattr(layer, "measure", lambda call, tensors: {"peak_bytes": 1})
+    rows = [layer._base_row("tiny", layer.TINY, torch.bfloat16, p, "fwd") for p in ("tritonkit", "torch")]
+    rows = [row | {"check": "pass"} for row in rows]
+    x, g = layer.make_inputs(layer.TINY, torch.bfloat16, "cpu")
+    w = layer.make_weights(layer.TINY, torch.bfloat16, "cpu")
+    built = {name: layer.build(name, layer.TINY, None) for name in ("tritonkit", "torch")}
+    layer._time_rows(built, rows, (x, w, g))
+    ours, theirs = rows
+    assert ours["ms"] == 3.0 and "ms" not in theirs and "out of memory" in theirs["unavailable"]
+
+
 @pytest.mark.parametrize("case", list(layer.CASES))
 def test_flops_match_torchs_flop_counter(case):
     """The counter's own count at the real sizes (meta tensors): its mm are the projections (forward

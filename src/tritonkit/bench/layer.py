@@ -79,10 +79,6 @@ SEED = 0
 # to 3.0e-2 (each op within the oracle's 2x of torch, compounding over the layer's ten). A GELU where
 # the SiLU belongs gave 8e-2 to 0.18 against torch, attention without the causal mask 0.4 to 0.8.
 REL_TOLERANCE = 5e-2
-# ``time_ms`` (one call alone, for the diagnostics): a step takes 10-100 ms, so do_bench's default
-# 100 ms of repetitions would give a median of a few steps, 500 ms gives 10-50; 250 ms of warm-up
-# passes a single matmul's power-limit onset (bench.timing).
-WARMUP_MS, REP_MS = 250, 500
 WARMUP_STEPS = 2  # untimed steps first: torch.compile compiles and tritonkit tunes in the first
 # The providers' steps take turns (``time_in_turns``). The whole step reaches the H200's 700 W
 # limit within about a second and then runs 12-16% slower than cool (perf notes, "The layer's step
@@ -91,7 +87,6 @@ WARMUP_STEPS = 2  # untimed steps first: torch.compile compiles and tritonkit tu
 # TURN_WARMUP_MS and TURN_REP_MS.
 HEAT_MS = 2000
 TURN_WARMUP_MS, TURN_REP_MS = 50, 250
-QUANTILES = (0.5, 0.2, 0.8)  # median first, then p20 and p80
 SDPA_PREFERENCE = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION")
 
 
@@ -338,20 +333,6 @@ def check(values: list[torch.Tensor], reference: list[torch.Tensor]) -> dict:
     return {"max_rel_err": errors[worst], "worst_tensor": worst, "check": "pass" if passed else "FAIL"}
 
 
-def time_ms(call: Callable[[], object], grads_to_none: list[torch.Tensor]) -> tuple[float, float, float]:
-    """(p20, median, p80) ms of ``call`` alone, after WARMUP_MS: the diagnostics' protocol (the
-    benchmark's rows take turns, ``time_in_turns``)."""
-    from triton.testing import do_bench
-
-    for _ in range(WARMUP_STEPS):  # outside do_bench: its first calls size its repetitions
-        call()
-    torch.cuda.synchronize()
-    median, p20, p80 = do_bench(
-        call, warmup=WARMUP_MS, rep=REP_MS, grad_to_none=grads_to_none, quantiles=list(QUANTILES)
-    )
-    return p20, median, p80
-
-
 def time_in_turns(
     calls: dict[str, Callable[[], object]], grads_to_none: list[torch.Tensor]
 ) -> tuple[dict, dict]:
@@ -556,10 +537,30 @@ def _time_rows(built: dict[str, Callable], rows: list[dict], inputs: tuple) -> N
         if not timed:
             continue
         calls = {provider: _mode_call(built[provider], mode, x, w, grad) for provider in timed}
-        medians, spreads = time_in_turns(calls, tensors)
+        try:
+            medians, spreads = time_in_turns(calls, tensors)
+        except Exception:  # one provider failing (out of memory) must not lose the others' rows
+            log.exception("tritonkit: bench layer's turns failed; each provider is timed alone")
+            medians, spreads = _alone(calls, tensors, timed)
         for provider, row in timed.items():
-            row.update(ms=medians[provider], ms_spread=spreads[provider], **measure(calls[provider], tensors))
-            row["tflops"] = row["flops"] / (row["ms"] * 1e-3) / 1e12
+            if provider in medians:
+                row.update(
+                    ms=medians[provider], ms_spread=spreads[provider], **measure(calls[provider], tensors)
+                )
+                row["tflops"] = row["flops"] / (row["ms"] * 1e-3) / 1e12
+
+
+def _alone(calls: dict, tensors: list[torch.Tensor], rows: dict[str, dict]) -> tuple[dict, dict]:
+    """Each provider's step in turns of its own; one that raises gets its row marked (``_failed``)."""
+    medians, spreads = {}, {}
+    for provider, call in calls.items():
+        try:
+            median, spread = time_in_turns({provider: call}, tensors)
+        except Exception as error:
+            rows[provider].update(_failed(provider, [{}], error)[0])
+            continue
+        medians[provider], spreads[provider] = median[provider], spread[provider]
+    return medians, spreads
 
 
 def run_case(
