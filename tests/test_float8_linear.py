@@ -155,3 +155,33 @@ def test_a_step_runs_one_matmul_a_product_it_needs(frozen):
     matmuls = [c for c, _ in calls if c._name.endswith("scaled_mm")]
     assert len(matmuls) == (2 if frozen else 3)
     assert x.grad is not None and (w.grad is None) == frozen
+
+
+@pytest.mark.parametrize("recipe", fl.RECIPES)
+def test_every_transposed_operand_is_quantized_from_its_storage(recipe, monkeypatch):
+    """A backward's transposed operands (dX's W^T, dW's dY^T and x^T) go through the pass that reads
+    their storage in its own order and stores q^T (``quantize_fp8_transposed``), in every recipe:
+    blockwise's x^T runs are x's runs down its columns ("column_block"), its blocks x's blocks.
+    Quantizing the strided view instead is no quantize_fp8 call on a non-contiguous tensor."""
+    transposed, strided = [], []
+    pass_t, plain = fl.quantize_fp8_transposed, fl.quantize_fp8
+
+    def through_storage(x, granularity, **kwargs):
+        transposed.append(granularity)
+        return pass_t(x, granularity, **kwargs)
+
+    def direct(x, granularity, **kwargs):
+        if not x.is_contiguous():
+            strided.append(granularity)
+        return plain(x, granularity, **kwargs)
+
+    monkeypatch.setattr(fl, "quantize_fp8_transposed", through_storage)
+    monkeypatch.setattr(fl, "quantize_fp8", direct)
+    x, w, b, dy = _inputs(seed=5)
+    _run(x, w.to(x.dtype), b, dy, recipe)
+    expected = {
+        "rowwise": ["column"] * 3,
+        "tensorwise": ["tensor"] * 3,
+        "blockwise": ["block2d", "column_block", "block2d"],
+    }[recipe]
+    assert sorted(transposed) == sorted(expected) and not strided

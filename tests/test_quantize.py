@@ -61,6 +61,8 @@ CASES = [
     ("column", (37, 300), 128),
     ("block", (37, 300), 128),
     ("block", (5, 100), 32),
+    ("column_block", (300, 37), 128),
+    ("column_block", (50, 5), 16),
     ("block2d", (37, 50), 16),
 ]
 
@@ -134,12 +136,13 @@ def test_non_finite_values():
 @pytest.mark.parametrize("shape", [(37, 50), (64, 160)], ids=["ragged", "by-16"])
 def test_the_transposed_copy_is_the_transpose(dtype, x_dtype, shape):
     """transpose=True: x_fp8's transpose, contiguous, bit for bit; the scales of
-    the tensor as they are, the columns' and 2-D blocks' transposed (the columns': x^T's rowwise
-    scales, which quantizing x^T by rows gives too, bit for bit). Dimensions that divide by 16 and
+    the tensor as they are, the columns', column blocks' and 2-D blocks' transposed (the columns':
+    x^T's rowwise scales, the column blocks' its block scales, which quantizing x^T by rows or by
+    blocks gives too, bit for bit). Dimensions that divide by 16 and
     fp32 input too (where the GPU's transposed store in the pass itself came out wrong: quantize.py's
     Transposes)."""
     x = _input(shape, x_dtype, seed=14)
-    for granularity, block_size in (("tensor", 128), ("column", 128), ("block2d", 16)):
+    for granularity, block_size in (("tensor", 128), ("column", 128), ("column_block", 16), ("block2d", 16)):
         q, scale = _check(x, granularity, dtype=dtype, block_size=block_size)
         _, _, qt, scale_t = tritonkit.quantize_fp8(
             x, granularity, dtype=dtype, block_size=block_size, transpose=True
@@ -150,8 +153,11 @@ def test_the_transposed_copy_is_the_transpose(dtype, x_dtype, shape):
         alone, alone_scale = qz.quantize_fp8_transposed(x, granularity, dtype=dtype, block_size=block_size)
         assert torch.equal(alone.view(torch.uint8), qt.view(torch.uint8)) and alone.is_contiguous()
         assert torch.equal(alone_scale, scale_t)
-        if granularity == "column":
-            q_rows, scale_rows = tritonkit.quantize_fp8(x.t().contiguous(), "row", dtype=dtype)
+        if granularity in ("column", "column_block"):  # x^T's rows' or blocks' quantization
+            of_rows = {"column": "row", "column_block": "block"}[granularity]
+            q_rows, scale_rows = tritonkit.quantize_fp8(
+                x.t().contiguous(), of_rows, dtype=dtype, block_size=block_size
+            )
             assert torch.equal(qt.view(torch.uint8), q_rows.view(torch.uint8))
             assert torch.equal(scale_t, scale_rows)
 
@@ -180,6 +186,10 @@ def test_bad_arguments_fail_clearly():
         tritonkit.quantize_fp8(x, "block", block_size=100)
     with pytest.raises(ValueError, match="block_size"):
         tritonkit.quantize_fp8(x, "block2d", block_size=256)
+    with pytest.raises(ValueError, match="block_size"):  # a tile holds whole runs, 64 columns wide
+        tritonkit.quantize_fp8(x, "column_block", block_size=256)
+    with pytest.raises(ValueError, match="2-D"):
+        tritonkit.quantize_fp8(x[None], "column_block")
     with pytest.raises(TypeError, match="dtype"):
         tritonkit.quantize_fp8(x, dtype=torch.int8)
     with pytest.raises(TypeError, match="x must be"):
@@ -210,13 +220,15 @@ fmt = qz._format(torch.float8_e4m3fn) | {"SOFT_CAST": False}
 tiles = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
          "amax_bits_ptr": "*i32", "M": "i32", "N": "i32", "stride_xm": "i32", "stride_xn": "constexpr",
          "stride_sm": "i32", "stride_sn": "i32"}
-groups = (("row", (1, 4096)), ("block", (1, 128)), ("block2d", (128, 128)), ("tensor", (1, 1)),
-          ("column", (1, 1)))
-for name, group in groups + (("tensor transposed", (1, 1)), ("column transposed", (1, 1))):
+groups = (("row", (1, 4096)), ("block", (1, 128)), ("column_block", (128, 1)), ("block2d", (128, 128)),
+          ("tensor", (1, 1)), ("column", (1, 1)))
+transposes = (("tensor transposed", (1, 1)), ("column transposed", (1, 1)),
+              ("column_block transposed", (128, 1)))
+for name, group in groups + transposes:
     transposed = name.endswith("transposed")
     block_m, block_n = qz.COLUMN_TILE if name == "column" else qz._tile(*group, 4096)
-    block_m, block_n = qz.TRANSPOSED_TILE if transposed else (block_m, block_n)
-    meta = fmt | {"POW2": False, "TENSOR": name.startswith("tensor"), "COLUMNS": name.startswith("column"),
+    block_m, block_n = qz.TRANSPOSED_TILE if transposed and group == (1, 1) else (block_m, block_n)
+    meta = fmt | {"POW2": False, "TENSOR": name.startswith("tensor"), "COLUMNS": name.split()[0] == "column",
                   "TRANSPOSED": transposed, "GROUP_M": group[0], "GROUP_N": group[1], "BLOCK_M": block_m,
                   "BLOCK_N": block_n, "stride_xn": 1}
     show(name, compile_kernel(qz._quantize_tiles_kernel, tiles, meta, qz.NUM_WARPS))
@@ -241,11 +253,11 @@ def test_kernels_compile_for_hopper_with_wide_accesses_the_hardware_cast_and_no_
     x and stores of q, the fp8 cast in hardware (F2FP), no spills, and one
     atomic for the tensor's amax a program (the columns' pass: a few a thread, none in its loop)."""
     lines = sm90.run(_HOPPER_CHECK)
-    assert len(lines) == 10, lines
-    for line in lines[:8]:  # the tiles (the transposed passes' q^T stores 16 bytes wide too), the lines
+    assert len(lines) == 12, lines
+    for line in lines[:10]:  # the tiles (the transposed passes' q^T stores 16 bytes wide too), the lines
         assert line.endswith("True True True True 0"), line
-    assert lines[8] == "amax True True 1", lines[8]
-    name, loads, no_spills, atomics = lines[9].rsplit(" ", 3)
+    assert lines[10] == "amax True True 1", lines[10]
+    name, loads, no_spills, atomics = lines[11].rsplit(" ", 3)
     assert (name, loads, no_spills) == ("column amax", "True", "True") and 0 < int(atomics) <= 4, lines[7]
 
 

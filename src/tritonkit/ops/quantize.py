@@ -2,8 +2,8 @@
 convention of ``torch._scaled_mm``'s scales.
 
 Maths. For each group of x (a row, a column, a 1 x block_size run along the last dimension, a
-block_size x block_size tile, or the whole tensor), with m the fp8 dtype's largest finite value
-(448 for e4m3fn, 57344 for e5m2):
+block_size x 1 run down a column, a block_size x block_size tile, or the whole tensor), with m the
+fp8 dtype's largest finite value (448 for e4m3fn, 57344 for e5m2):
     amax  = max |x| over the group, raised to AMAX_FLOOR (a group of zeros keeps a finite scale)
     scale = amax / m                         (round_scale_to_pow2: the power of two at or above it)
     q     = fp8(clamp(x * inv, -m, m)),  inv = m / amax   (round_scale_to_pow2: 1 / scale, exact)
@@ -43,9 +43,10 @@ from tritonkit._triton import tl, triton
 from tritonkit.dtypes import FLOATS
 from tritonkit.opdef import check_tensor, op
 
-GRANULARITIES = ("tensor", "row", "column", "block", "block2d")
-# the groups a transpose keeps (a column of x is a row of x^T): transpose=True takes these
-TRANSPOSABLE = ("tensor", "column", "block2d")
+GRANULARITIES = ("tensor", "row", "column", "block", "column_block", "block2d")
+# the groups that are a row's or a 1 x block_size run's of x^T, or stay what they are (a column of
+# x is a row of x^T, a run down a column a run along a row of x^T): transpose=True takes these
+TRANSPOSABLE = ("tensor", "column", "column_block", "block2d")
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 AMAX_FLOOR = 1e-12  # an all-zero group's amax: its scale stays finite and its q 0 (torchao's EPS)
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)  # the same, as the kernels read it
@@ -390,6 +391,7 @@ def _launches(
     group = {
         "row": (1, next_power_of_2(x.shape[1])),
         "block": (1, block_size),
+        "column_block": (block_size, 1),
         "block2d": (block_size, block_size),
     }[granularity]
     passes = [(out, out is qt) for out in (q, qt) if out is not None]
@@ -398,7 +400,8 @@ def _launches(
 
 def scale_shape(shape: tuple, granularity: str, block_size: int) -> tuple:
     """The scales' shape for an input of ``shape``: () for the tensor, (..., 1) a row, (1, N) a column,
-    (..., cdiv(N, block_size)) a block, (cdiv(M, block_size), cdiv(N, block_size)) a 2-D block."""
+    (..., cdiv(N, block_size)) a block, (cdiv(M, block_size), N) a column's block, (cdiv(M,
+    block_size), cdiv(N, block_size)) a 2-D block."""
     if granularity == "tensor":
         return ()
     if granularity == "row":
@@ -407,6 +410,8 @@ def scale_shape(shape: tuple, granularity: str, block_size: int) -> tuple:
         return (1, shape[1])
     if granularity == "block":
         return (*shape[:-1], cdiv(shape[-1], block_size))
+    if granularity == "column_block":
+        return (cdiv(shape[0], block_size), shape[1])
     return (cdiv(shape[0], block_size), cdiv(shape[1], block_size))
 
 
@@ -414,7 +419,7 @@ def _validate(x, granularity: str, block_size: int, dtype, scale_dtype, transpos
     check_tensor("x", x, dtypes=FLOATS, min_ndim=1)
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
-    if granularity in ("column", "block2d") and x.dim() != 2:
+    if granularity in ("column", "column_block", "block2d") and x.dim() != 2:
         raise ValueError(f"granularity {granularity!r} takes a 2-D x, got shape {tuple(x.shape)}")
     if dtype not in FP8_DTYPES:
         raise TypeError(f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
@@ -427,8 +432,9 @@ def _validate(x, granularity: str, block_size: int, dtype, scale_dtype, transpos
         )
     if transpose and x.dim() != 2:
         raise ValueError(f"transpose=True takes a 2-D x, got shape {tuple(x.shape)}")
-    if granularity in ("block", "block2d"):
-        largest = 128 if granularity == "block2d" else TILE_ELEMENTS
+    if granularity in ("block", "column_block", "block2d"):
+        # a tile holds whole groups: a run down a column at least 64 columns wide (128-byte rows)
+        largest = TILE_ELEMENTS if granularity == "block" else 128
         power_of_two = isinstance(block_size, int) and block_size > 0 and not block_size & (block_size - 1)
         if not power_of_two or not 8 <= block_size <= largest:
             raise ValueError(
@@ -481,16 +487,17 @@ def quantize_fp8(
 ) -> tuple[torch.Tensor, ...]:
     """``(x_fp8, scale)`` with ``x_fp8 * scale`` (broadcast per group) approximating x: one scale for
     the ``"tensor"``, each ``"row"`` (over the last dimension), each ``"column"`` (2-D x), each
-    ``"block"`` of ``block_size`` along the last dimension, or each ``"block2d"`` tile of
-    ``block_size`` x ``block_size`` (2-D x). Scales are fp32 in ``scale_shape``'s shape; the casts
+    ``"block"`` of ``block_size`` along the last dimension, each ``"column_block"`` of ``block_size``
+    down a column (2-D x: x^T's blocks), or each ``"block2d"`` tile of ``block_size`` x
+    ``block_size`` (2-D x). Scales are fp32 in ``scale_shape``'s shape; the casts
     saturate. See the module docstring for the exact arithmetic, zeros and non-finite values. No
     gradient (raises if x requires one).
 
-    ``transpose=True`` (the tensor, columns and 2-D blocks, whose groups a transpose keeps: a
-    column of x is a row of x^T) returns ``(x_fp8, scale, xt_fp8, scale_t)``: also x_fp8's
+    ``transpose=True`` (the tensor, columns, column blocks and 2-D blocks: a column of x is a row of
+    x^T, a column's block a block of x^T) returns ``(x_fp8, scale, xt_fp8, scale_t)``: also x_fp8's
     transpose, contiguous (what a backward's ``_scaled_mm`` takes; written by a pass of its own),
-    and its scales (the same scale, or the columns' or blocks' transposed, a view: x^T's rowwise
-    scales). ``quantize_fp8_transposed`` gives the transpose alone."""
+    and its scales (the same scale, or the columns', column blocks' or 2-D blocks' transposed, a
+    view: x^T's rowwise, block or 2-D block scales). ``quantize_fp8_transposed`` gives the transpose alone."""
     _validate(x, granularity, block_size, dtype, scale_dtype, transpose)
     if torch.is_grad_enabled() and x.requires_grad:
         raise RuntimeError("quantize_fp8 has no gradient: call it on x.detach(), or under torch.no_grad()")
@@ -576,6 +583,7 @@ def quantize_fp8_reference(
         "row": (1, max(n, 1)),
         "column": (max(m, 1), 1),
         "block": (1, block_size),
+        "column_block": (block_size, 1),
         "block2d": (block_size, block_size),
     }[granularity]
     # a row of no elements still has a scale (so do a column and the tensor): at least one group
