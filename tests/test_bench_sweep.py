@@ -155,3 +155,39 @@ def test_cli_sweep_on_a_gpu_writes_the_sweep_files_and_leaves_the_tables(tmp_pat
     assert written == ["sweep.json", "sweep.md", "sweep.png"]  # no <op>.json, no checkpoint left
     assert "| softmax | fwd | 1 |" in (tmp_path / "h200" / "sweep.md").read_text()
     assert math.isclose(sweep.copy_share(_ours((1, 1), 1.0, 4e9)), 1.0)
+
+
+def test_a_shard_takes_every_nth_shape():
+    shapes = sweep.sample_shapes(10, seed=1)
+    shards = [sweep.shard(shapes, f"{i}/3") for i in range(3)]
+    assert shards[1] == shapes[1::3] and sorted(sum(shards, [])) == sorted(shapes)
+    for bad in ("3/3", "-1/2", "1", "a/b"):
+        with pytest.raises(ValueError, match="--shard"):
+            sweep.shard(shapes, bad)
+
+
+def test_cli_merges_shards_into_one_sweep_and_refuses_a_stray(tmp_path, capsys):
+    """``--merge`` reads each shard's <gpu>/sweep.json and writes one sweep; shards of another GPU
+    model or another sweep (beyond --shard and --out) are refused."""
+    import json
+
+    def shard(name: str, rows: list[dict], index: int, sweep_args: str = "--sweep 9") -> str:
+        folder = tmp_path / name / "h200"
+        folder.mkdir(parents=True)
+        command = f"tritonkit bench {sweep_args} --shard {index}/2 --out {tmp_path / name}"
+        (folder / "sweep.json").write_text(json.dumps([row | {"command": command} for row in rows]))
+        return str(tmp_path / name)
+
+    a = shard("a", [_ours((8, 8), 1.2, 2**10)], 0)
+    b = shard("b", [_ours((9, 9), 0.9, 2**28)], 1)
+    out = tmp_path / "merged"
+    assert main(["bench", "--merge", a, b, "--out", str(out)]) == 0
+    rows = json.loads((out / "h200" / "sweep.json").read_text())
+    assert [r["shape"] for r in rows] == [[8, 8], [9, 9]]
+    assert "| softmax | fwd | 2 |" in (out / "h200" / "sweep.md").read_text()
+    other = shard("c", [_ours((7, 7), 1.0, 2**10)], 1, sweep_args="--sweep 5")
+    assert main(["bench", "--merge", a, other, "--out", str(out)]) != 0
+    assert "shards of one GPU model and sweep" in capsys.readouterr().err
+    assert main(["bench", "--merge", str(tmp_path / "nothing"), "--out", str(out)]) != 0
+    assert main(["bench", "--shard", "0/2", "softmax"]) != 0
+    assert "give --sweep N too" in capsys.readouterr().err

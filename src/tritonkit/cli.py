@@ -238,6 +238,16 @@ def cmd_bench(args) -> int:
     from tritonkit.bench.report import append_checkpoint, checkpoint_path, read_checkpoint
     from tritonkit.bench.runner import provenance
 
+    if args.merge:  # shards' sweeps as one: the rows are written as they are
+        rows = bench_sweep.merge([Path(folder) for folder in args.merge])
+        print(
+            bench_sweep.markdown(rows),
+            *(f"wrote {p}" for p in bench_sweep.write(rows, Path(args.out))),
+            sep="\n",
+        )
+        return 0
+    if args.shard and args.sweep is None:
+        raise ValueError("--shard splits a sweep's shapes: give --sweep N too")
     if "layer" in args.ops:
         if args.layers is not None or args.no_generate:
             raise ValueError("--layers and --no-generate are the model benchmark's: `tritonkit bench model`")
@@ -261,6 +271,7 @@ def cmd_bench(args) -> int:
         names = bench_sweep.check_workloads(args.ops)
         draw = bench_sweep.interpreter_shapes if interpret() else bench_sweep.sample_shapes
         shapes = draw(args.sweep, args.seed)
+        shapes = bench_sweep.shard(shapes, args.shard) if args.shard else shapes
     else:
         names, shapes = args.ops or workload_names(), args.shapes or "quick"
     known = {p.name for name in names for p in providers_for(get_workload(name))}  # unknown names fail here
@@ -658,6 +669,8 @@ def build_parser() -> argparse.ArgumentParser:
         "bwd, untuned as a first call runs; writes <out>/<gpu>/sweep.{json,md,png}",
     )
     bench.add_argument("--seed", type=int, default=0, help="with --sweep: the draw's seed")
+    bench.add_argument("--shard", metavar="I/N", help="with --sweep: its shapes I, I + N, ... (a GPU each)")
+    bench.add_argument("--merge", nargs="+", metavar="DIR", help="shards' --out folders: one sweep, to --out")
     bench.add_argument("--providers", nargs="+", help="providers to run (default: all available)")
     bench.add_argument("--out", default="benchmarks/results", help="results folder (GPU runs)")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar: a line per case instead")

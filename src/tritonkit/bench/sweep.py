@@ -68,6 +68,53 @@ def interpreter_shapes(count: int, seed: int = 0) -> list[tuple[tuple[int, int],
     return sample_shapes(count, seed, INTERPRETER_ROWS, INTERPRETER_LENGTH, INTERPRETER_MAX_ELEMENTS)
 
 
+def shard(shapes: list, spec: str) -> list:
+    """The shapes of shard ``"I/N"``: every N-th from the I-th (0 <= I < N), each with all its
+    families and modes, so that N processes (one a GPU) run the sweep between them and ``merge``
+    makes it one."""
+    try:
+        index, count = (int(part) for part in spec.split("/"))
+    except ValueError:
+        raise ValueError(f"--shard takes I/N (shard I of N, from 0), got {spec!r}") from None
+    if not 0 <= index < count:
+        raise ValueError(f"--shard I/N needs 0 <= I < N, got {spec!r}")
+    return shapes[index::count]
+
+
+def merge(folders: list[Path]) -> list[dict]:
+    """The rows of shards' sweeps (each folder's ``<gpu>/sweep.json``, one GPU model), as one sweep:
+    in the order of the draw when the shards are given in order. A folder without one, or shards of
+    different GPU models or commands (other than ``--shard``), are refused."""
+    import json
+
+    rows, commands = [], set()
+    for folder in folders:
+        found = sorted(Path(folder).glob("*/sweep.json"))
+        if len(found) != 1:
+            raise ValueError(f"{folder}: expected one <gpu>/sweep.json, found {len(found)}")
+        shard_rows = json.loads(found[0].read_text())
+        commands |= {_sweep_of(row.get("command", "")) for row in shard_rows}
+        rows += shard_rows
+    gpus = {row["gpu"] for row in rows}
+    if len(gpus) != 1 or len(commands) != 1:
+        raise ValueError(
+            f"shards of one GPU model and sweep are merged, got {sorted(gpus)} and {sorted(commands)}"
+        )
+    return rows
+
+
+SHARD_FLAGS = ("--shard", "--out")  # what tells the shards of one sweep apart
+
+
+def _sweep_of(command: str) -> str:
+    """A shard's command without its SHARD_FLAGS and their values: the sweep it is part of."""
+    words, kept = command.split(), []
+    for i, word in enumerate(words):
+        if word not in SHARD_FLAGS and (i == 0 or words[i - 1] not in SHARD_FLAGS):
+            kept.append(word)
+    return " ".join(kept)
+
+
 def check_workloads(names: list[str]) -> list[str]:
     """The sweep's workloads: ``names``, or all of WORKLOADS; one outside them is refused."""
     outside = [name for name in names if name not in WORKLOADS]
