@@ -117,6 +117,24 @@ def _geometry(views: tuple) -> tuple:
     return (*views[0].shape, tuple(s for v in views for s in v.stride()))
 
 
+def _align(tensors: tuple, geometry: tuple) -> int:
+    """The kernels' ALIGN (``kernels._aligned``): the largest power of two of entries, at most 16
+    bytes of the narrowest dtype, dividing N and every view's outer and row strides, where every
+    view's entries are contiguous; 1 where they are not, and where Triton knows as much already
+    (every one of those values a multiple of 16, which it specializes: the kernels compile as they
+    did without ALIGN)."""
+    _, _, n, strides = geometry
+    views = [strides[i : i + 3] for i in range(0, len(strides), 3)]
+    values = (n, *(stride for view in views for stride in view[:2]))
+    if any(view[2] != 1 for view in views) or all(value % 16 == 0 for value in values):
+        return 1
+    align = 16 // min(t.element_size() for t in tensors)
+    for value in values:
+        while value % align:
+            align //= 2
+    return align
+
+
 def _launch_args(
     direction: str, config: dict, log: bool, tensors: tuple, geometry: tuple, phase: int = 0
 ) -> tuple[tuple, tuple, dict]:
@@ -134,6 +152,7 @@ def _launch_args(
         "SUM_FP64": sum_fp64,
         "BLOCK_M": config["BLOCK_M"],
         "BLOCK_N": block_n,
+        "ALIGN": _align(tensors, geometry),
         "num_warps": config["num_warps"],
     }
     if config["variant"] == "online":
@@ -164,6 +183,7 @@ def _split_launch_args(
         "BLOCK_N": config["BLOCK_N"],
         "SEGMENTS": next_power_of_2(segments),
         "PHASE": phase,
+        "ALIGN": _align(tensors, geometry),
         "num_warps": config["num_warps"],
     }
     if phase == 0:
