@@ -81,6 +81,23 @@ def tma_ready(t: torch.Tensor) -> bool:
     )
 
 
+VECTOR_BYTES = 16  # the widest global access a thread makes
+
+
+def row_align(values: tuple, element_size: int) -> int:
+    """The ALIGN a row kernel takes (``tritonkit.jit.aligned``): the largest power of two of entries,
+    at most VECTOR_BYTES of ``element_size``, dividing every one of ``values`` (a row's length, its
+    tensors' row and outer strides); 1 where Triton knows as much already, every value a multiple
+    of 16 (which it specializes), so that such launches compile as they would without ALIGN."""
+    if all(value % 16 == 0 for value in values):
+        return 1
+    align = VECTOR_BYTES // element_size
+    for value in values:
+        while value % align:
+            align //= 2
+    return align
+
+
 def cdiv(a: int, b: int) -> int:
     """Ceiling division (``triton.cdiv`` costs microseconds from Python: it unwraps constexprs)."""
     return -(-a // b)

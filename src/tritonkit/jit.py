@@ -19,6 +19,15 @@ TANH_CUBIC = tl.constexpr(0.044715)  # coefficient of GELU's tanh approximation 
 
 
 @triton.jit
+def aligned(value, ALIGN: tl.constexpr):
+    """``value``, a multiple of ALIGN (the launch checked: ``_launch.row_align``), written so that
+    Triton knows it. Triton specializes integers only as multiples of 16, so a row of 2900 bf16
+    entries (or a row stride of 2904) loaded one 16-bit entry an instruction; knowing N and the row
+    strides multiples of 4 (or 8), it loads 8 (or 16) bytes at a time."""
+    return value // ALIGN * ALIGN
+
+
+@triton.jit
 def dot_fp32(a, b, EXACT_DOT_IN_FP32: tl.constexpr):
     """a @ b with an fp32 result: 16-bit tiles on tensor cores, or as fp32 under the interpreter,
     whose bf16 dot products Triton 3.6 gets wrong (the products of 16-bit values are exact in fp32)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 from tritonkit._launch import cdiv
 from tritonkit._runtime import current_device, sm_count
 from tritonkit._triton import tl, triton
+from tritonkit.jit import aligned
 
 # fp32 values a thread holds per tile, by looped or not (one-pass: the row tile, x or h and dy;
 # looped: a chunk): past 64 the one-pass kernels spill, under 8 a program moves too little at once (the
@@ -131,7 +132,11 @@ def _norm_fwd_kernel(
     EVICT_REREAD: tl.constexpr,  # ... of what every program reads again (w, b): "" or "evict_last"
     BLOCK_M: tl.constexpr,  # rows a program handles
     BLOCK_N: tl.constexpr,  # power of two >= N: the whole row is one tile
+    ALIGN: tl.constexpr,  # N and the row strides are multiples of it (jit.aligned)
 ):
+    N = aligned(N, ALIGN)
+    stride_xm = aligned(stride_xm, ALIGN)
+    stride_rm = aligned(stride_rm, ALIGN)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # int64: M*N may pass 2^31
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -282,7 +287,12 @@ def _norm_bwd_kernel(
     BLOCK_M: tl.constexpr,  # rows reduced together: one exchange between warps serves them all
     BLOCK_N: tl.constexpr,  # power of two >= N
     PREFETCH: tl.constexpr,  # load the next block (h, dy, mean, rstd) before this block is reduced
+    ALIGN: tl.constexpr,  # N and the row strides are multiples of it (jit.aligned)
 ):
+    N = aligned(N, ALIGN)
+    stride_dym = aligned(stride_dym, ALIGN)
+    stride_dhm = aligned(stride_dhm, ALIGN)
+    stride_hm = aligned(stride_hm, ALIGN)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
     block_rows = tl.arange(0, BLOCK_M)
@@ -434,11 +444,15 @@ def _norm_fwd_looped_kernel(
     BLOCK_N: tl.constexpr,  # entries per chunk of pass 1
     ROW_LENGTH: tl.constexpr,  # N when compiling for it (rows that fit in registers), else 0
     OUT_BLOCK_N: tl.constexpr,  # entries per chunk of pass 2 (at most BLOCK_N)
+    ALIGN: tl.constexpr,  # N and the row strides are multiples of it (jit.aligned)
 ):
     # A row length known when compiling fixes the trip count: the chunk loops unroll whole, and
     # pass 1 issues all its chunk loads before the first is summed. On the H200, rows of 4096-8192
     # entries with the eviction hints: 3-17% faster at the launches tried (some without the hints
     # ran slower; the tuner chooses). Long rows keep N a run-time value, one compilation for all.
+    N = aligned(N, ALIGN)
+    stride_xm = aligned(stride_xm, ALIGN)
+    stride_rm = aligned(stride_rm, ALIGN)
     if ROW_LENGTH > 0:
         n = ROW_LENGTH
     else:
@@ -618,7 +632,12 @@ def _norm_bwd_looped_kernel(
     HAS_BIAS: tl.constexpr,  # db is wanted
     ROWS: tl.constexpr,  # rows a program finishes
     BLOCK_N: tl.constexpr,  # entries per chunk
+    ALIGN: tl.constexpr,  # N and the row strides are multiples of it (jit.aligned)
 ):
+    N = aligned(N, ALIGN)
+    stride_dym = aligned(stride_dym, ALIGN)
+    stride_dhm = aligned(stride_dhm, ALIGN)
+    stride_hm = aligned(stride_hm, ALIGN)
     first = tl.program_id(0).to(tl.int64) * ROWS
     offsets = tl.arange(0, BLOCK_N)
     for i in range(ROWS):  # pass 1: each row's two sums, over all its chunks
@@ -691,11 +710,13 @@ def _sum_partials_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK_P: tl.constexpr,  # partial rows a step loads
     BLOCK_COLS: tl.constexpr,  # columns a program sums
+    ALIGN: tl.constexpr,  # N and the row strides are multiples of it (jit.aligned)
 ):
     """The backward's second stage: dw and db, each the column sums of its partials, in one launch
     that also casts them to the parameters' dtype. The steps add into a (BLOCK_P, BLOCK_COLS)
     accumulator, reduced across rows once at the end, so a step's loads wait on no reduction; the
     order of the additions is fixed, so the sums are the same bits on every run."""
+    N = aligned(N, ALIGN)
     cols = tl.program_id(0) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     col_mask = cols < N
     dw = tl.zeros([BLOCK_P, BLOCK_COLS], tl.float32)

@@ -35,7 +35,7 @@ from collections.abc import Callable
 import torch
 
 from tritonkit import tuning
-from tritonkit._launch import Launch, call_signature, cdiv, next_power_of_2, scratch
+from tritonkit._launch import Launch, call_signature, cdiv, next_power_of_2, row_align, scratch
 from tritonkit._runtime import empty_output, interpret, sm_count
 from tritonkit.dtypes import DTYPE_OF, FLOATS, NAME_OF
 from tritonkit.opdef import check_tensor, first_derivative_only, op
@@ -138,6 +138,7 @@ def _fwd_launches(
         "EVICT_READ_ONCE": "evict_first" if evict else "",
         "EVICT_REREAD": "evict_last" if evict else "",
     }
+    align = {"ALIGN": row_align((n, *args[10:12]), min(x2.element_size(), y.element_size()))}  # (last)
     if looped:
         # PER_SM: a persistent grid of that many programs an SM walks the rows
         programs = min(rows, config["PER_SM"] * sm_count(input.device)) if "PER_SM" in config else rows
@@ -151,9 +152,10 @@ def _fwd_launches(
                 "ROW_LENGTH": row_length,
                 "OUT_BLOCK_N": config.get("OUT_BLOCK_N", config["BLOCK_N"]),
             }
+            | align
         )
         return [Launch("fwd", _norm_fwd_looped_kernel, args, meta, config, (programs,))]
-    meta = flags | {"STATS": stats} | options | {"BLOCK_M": config["BLOCK_M"], "BLOCK_N": block_n}
+    meta = flags | {"STATS": stats} | options | {"BLOCK_M": config["BLOCK_M"], "BLOCK_N": block_n} | align
     return [Launch("fwd", _norm_fwd_kernel, args, meta, config, (cdiv(rows, config["BLOCK_M"]),))]
 
 
@@ -195,6 +197,7 @@ def _bwd_launches(
         "ROWS": config["ROWS"],
         "num_warps": config["num_warps"],
     }
+    align = {"ALIGN": row_align((n, *tail[-3:]), h.element_size())}  # the kernels' last constexpr
     block_m = config.get("BLOCK_M", 1)  # rows the one-pass backward reduces together
     if block_m > 1 and looped or config["ROWS"] % block_m:
         raise ValueError(f"BLOCK_M must divide ROWS, and the looped backward takes rows singly: {config}")
@@ -204,12 +207,12 @@ def _bwd_launches(
             "bwd",
             _norm_bwd_looped_kernel,
             (dy2, dh2, h2, *stats, sums, *tail),
-            meta | {"BLOCK_N": config["BLOCK_N"]},
+            meta | {"BLOCK_N": config["BLOCK_N"]} | align,
             config,
             (programs,),
         )
     else:
-        meta |= {"BLOCK_M": block_m, "BLOCK_N": block_n, "PREFETCH": config.get("PREFETCH", False)}
+        meta |= {"BLOCK_M": block_m, "BLOCK_N": block_n, "PREFETCH": config.get("PREFETCH", False)} | align
         main = Launch("bwd", _norm_bwd_kernel, (dy2, dh2, h2, *stats, *tail), meta, config, (programs,))
     if dw_partial is None and db_partial is None:
         return [main]
@@ -234,6 +237,7 @@ def _sum_partials_launch(dw_partial, db_partial, dw, db) -> Launch:
         "BLOCK_P": block_p,
         "BLOCK_COLS": block_cols,
         "num_warps": SUM_WARPS,
+        "ALIGN": row_align((n,), min(t.element_size() for t in (dw, db) if t is not None)),
     }
     return Launch("bwd partial sums", _sum_partials_kernel, args, meta, grid=(cdiv(n, block_cols),))
 

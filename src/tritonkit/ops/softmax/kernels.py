@@ -9,7 +9,7 @@ from __future__ import annotations
 from tritonkit._launch import next_power_of_2
 from tritonkit._runtime import current_device, sm_count
 from tritonkit._triton import tl, triton
-from tritonkit.jit import LN2, LOG2E
+from tritonkit.jit import LN2, LOG2E, aligned
 
 
 @triton.jit
@@ -28,15 +28,6 @@ def _row_offsets(R, row_blocks, stride_o, stride_r, BLOCK_M: tl.constexpr):
 def _tile(ptr, row_offsets, cols, stride_n):
     """Pointers to a (rows, cols) tile: each row's offset plus its entries', all in int64."""
     return ptr + row_offsets[:, None] + cols.to(tl.int64)[None, :] * stride_n
-
-
-@triton.jit
-def _aligned(value, ALIGN: tl.constexpr):
-    """``value``, a multiple of ALIGN (the launch checked: ``softmax._align``), written so that Triton
-    knows it: it specializes only multiples of 16, so a row of 2900 bf16 entries (or a row stride of
-    2904) loaded one 16-bit entry an instruction; knowing N and the row strides multiples of 4 (or 8),
-    it loads 8 (or 16) bytes at a time."""
-    return value // ALIGN * ALIGN
 
 
 @triton.jit
@@ -269,13 +260,13 @@ def _softmax_fwd_kernel(
     SUM_FP64: tl.constexpr,  # accumulate the row sum in fp64 (fp32 log_softmax: see _row_sum)
     BLOCK_M: tl.constexpr,  # rows a program handles
     BLOCK_N: tl.constexpr,  # power of two >= N: the whole row is one tile
-    ALIGN: tl.constexpr,  # N and the row and outer strides are multiples of it (_aligned)
+    ALIGN: tl.constexpr,  # N and the row and outer strides are multiples of it (jit.aligned)
 ):
-    N = _aligned(N, ALIGN)
-    stride_xo = _aligned(stride_xo, ALIGN)
-    stride_xr = _aligned(stride_xr, ALIGN)
-    stride_yo = _aligned(stride_yo, ALIGN)
-    stride_yr = _aligned(stride_yr, ALIGN)
+    N = aligned(N, ALIGN)
+    stride_xo = aligned(stride_xo, ALIGN)
+    stride_xr = aligned(stride_xr, ALIGN)
+    stride_yo = aligned(stride_yo, ALIGN)
+    stride_yr = aligned(stride_yr, ALIGN)
     x_rows, row_mask = _row_offsets(R, row_blocks, stride_xo, stride_xr, BLOCK_M=BLOCK_M)
     y_rows, _ = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M=BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -326,13 +317,13 @@ def _softmax_fwd_online_kernel(
     BLOCK_M: tl.constexpr,  # rows a program handles
     BLOCK_N: tl.constexpr,  # row entries per chunk
     PREFETCH: tl.constexpr,  # pass 1 loads the next chunk before it reduces this one
-    ALIGN: tl.constexpr,  # N and the row and outer strides are multiples of it (_aligned)
+    ALIGN: tl.constexpr,  # N and the row and outer strides are multiples of it (jit.aligned)
 ):
-    N = _aligned(N, ALIGN)
-    stride_xo = _aligned(stride_xo, ALIGN)
-    stride_xr = _aligned(stride_xr, ALIGN)
-    stride_yo = _aligned(stride_yo, ALIGN)
-    stride_yr = _aligned(stride_yr, ALIGN)
+    N = aligned(N, ALIGN)
+    stride_xo = aligned(stride_xo, ALIGN)
+    stride_xr = aligned(stride_xr, ALIGN)
+    stride_yo = aligned(stride_yo, ALIGN)
+    stride_yr = aligned(stride_yr, ALIGN)
     x_rows, row_mask = _row_offsets(R, row_blocks, stride_xo, stride_xr, BLOCK_M=BLOCK_M)
     y_rows, _ = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M=BLOCK_M)
     offsets = tl.arange(0, BLOCK_N)
@@ -431,15 +422,15 @@ def _softmax_bwd_kernel(
     SUM_FP64: tl.constexpr,  # accumulate the row sum in fp64 (fp32 log_softmax: see _row_sum)
     BLOCK_M: tl.constexpr,  # rows a program handles
     BLOCK_N: tl.constexpr,  # power of two >= N: the whole row is one tile
-    ALIGN: tl.constexpr,  # N and the row and outer strides are multiples of it (_aligned)
+    ALIGN: tl.constexpr,  # N and the row and outer strides are multiples of it (jit.aligned)
 ):
-    N = _aligned(N, ALIGN)
-    stride_yo = _aligned(stride_yo, ALIGN)
-    stride_yr = _aligned(stride_yr, ALIGN)
-    stride_dyo = _aligned(stride_dyo, ALIGN)
-    stride_dyr = _aligned(stride_dyr, ALIGN)
-    stride_dxo = _aligned(stride_dxo, ALIGN)
-    stride_dxr = _aligned(stride_dxr, ALIGN)
+    N = aligned(N, ALIGN)
+    stride_yo = aligned(stride_yo, ALIGN)
+    stride_yr = aligned(stride_yr, ALIGN)
+    stride_dyo = aligned(stride_dyo, ALIGN)
+    stride_dyr = aligned(stride_dyr, ALIGN)
+    stride_dxo = aligned(stride_dxo, ALIGN)
+    stride_dxr = aligned(stride_dxr, ALIGN)
     y_rows, row_mask = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M=BLOCK_M)
     dy_rows, _ = _row_offsets(R, row_blocks, stride_dyo, stride_dyr, BLOCK_M=BLOCK_M)
     dx_rows, _ = _row_offsets(R, row_blocks, stride_dxo, stride_dxr, BLOCK_M=BLOCK_M)
@@ -475,15 +466,15 @@ def _softmax_bwd_online_kernel(
     BLOCK_M: tl.constexpr,  # rows a program handles
     BLOCK_N: tl.constexpr,  # row entries per chunk
     PREFETCH: tl.constexpr,  # pass 1 loads the next chunk before it reduces this one
-    ALIGN: tl.constexpr,  # N and the row and outer strides are multiples of it (_aligned)
+    ALIGN: tl.constexpr,  # N and the row and outer strides are multiples of it (jit.aligned)
 ):
-    N = _aligned(N, ALIGN)
-    stride_yo = _aligned(stride_yo, ALIGN)
-    stride_yr = _aligned(stride_yr, ALIGN)
-    stride_dyo = _aligned(stride_dyo, ALIGN)
-    stride_dyr = _aligned(stride_dyr, ALIGN)
-    stride_dxo = _aligned(stride_dxo, ALIGN)
-    stride_dxr = _aligned(stride_dxr, ALIGN)
+    N = aligned(N, ALIGN)
+    stride_yo = aligned(stride_yo, ALIGN)
+    stride_yr = aligned(stride_yr, ALIGN)
+    stride_dyo = aligned(stride_dyo, ALIGN)
+    stride_dyr = aligned(stride_dyr, ALIGN)
+    stride_dxo = aligned(stride_dxo, ALIGN)
+    stride_dxr = aligned(stride_dxr, ALIGN)
     y_rows, row_mask = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M=BLOCK_M)
     dy_rows, _ = _row_offsets(R, row_blocks, stride_dyo, stride_dyr, BLOCK_M=BLOCK_M)
     dx_rows, _ = _row_offsets(R, row_blocks, stride_dxo, stride_dxr, BLOCK_M=BLOCK_M)
@@ -597,13 +588,13 @@ def _softmax_fwd_split_kernel(
     BLOCK_N: tl.constexpr,  # row entries per chunk
     SEGMENTS: tl.constexpr,  # power of two >= segments: the partials a program combines
     PHASE: tl.constexpr,  # 0: both passes, waiting between them; 1: pass 1 only; 2: pass 2 only
-    ALIGN: tl.constexpr,  # N and the row and outer strides are multiples of it (_aligned)
+    ALIGN: tl.constexpr,  # N and the row and outer strides are multiples of it (jit.aligned)
 ):
-    N = _aligned(N, ALIGN)
-    stride_xo = _aligned(stride_xo, ALIGN)
-    stride_xr = _aligned(stride_xr, ALIGN)
-    stride_yo = _aligned(stride_yo, ALIGN)
-    stride_yr = _aligned(stride_yr, ALIGN)
+    N = aligned(N, ALIGN)
+    stride_xo = aligned(stride_xo, ALIGN)
+    stride_xr = aligned(stride_xr, ALIGN)
+    stride_yo = aligned(stride_yo, ALIGN)
+    stride_yr = aligned(stride_yr, ALIGN)
     first_row, groups, segment, first, chunks = _segment_of_program(N, segments, SEGMENT, BLOCK_N=BLOCK_N)
     offsets = tl.arange(0, BLOCK_N)
     for row in range(first_row, rows, groups):
@@ -685,15 +676,15 @@ def _softmax_bwd_split_kernel(
     BLOCK_N: tl.constexpr,  # row entries per chunk
     SEGMENTS: tl.constexpr,  # power of two >= segments: the partials a program combines
     PHASE: tl.constexpr,  # 0: both passes, waiting between them; 1: pass 1 only; 2: pass 2 only
-    ALIGN: tl.constexpr,  # N and the row and outer strides are multiples of it (_aligned)
+    ALIGN: tl.constexpr,  # N and the row and outer strides are multiples of it (jit.aligned)
 ):
-    N = _aligned(N, ALIGN)
-    stride_yo = _aligned(stride_yo, ALIGN)
-    stride_yr = _aligned(stride_yr, ALIGN)
-    stride_dyo = _aligned(stride_dyo, ALIGN)
-    stride_dyr = _aligned(stride_dyr, ALIGN)
-    stride_dxo = _aligned(stride_dxo, ALIGN)
-    stride_dxr = _aligned(stride_dxr, ALIGN)
+    N = aligned(N, ALIGN)
+    stride_yo = aligned(stride_yo, ALIGN)
+    stride_yr = aligned(stride_yr, ALIGN)
+    stride_dyo = aligned(stride_dyo, ALIGN)
+    stride_dyr = aligned(stride_dyr, ALIGN)
+    stride_dxo = aligned(stride_dxo, ALIGN)
+    stride_dxr = aligned(stride_dxr, ALIGN)
     first_row, groups, segment, first, chunks = _segment_of_program(N, segments, SEGMENT, BLOCK_N=BLOCK_N)
     offsets = tl.arange(0, BLOCK_N)
     for row in range(first_row, rows, groups):

@@ -49,7 +49,7 @@ import math
 import torch
 
 from tritonkit import tuning
-from tritonkit._launch import Launch, call_signature, cdiv, launcher_of, next_power_of_2
+from tritonkit._launch import Launch, call_signature, cdiv, launcher_of, next_power_of_2, row_align
 from tritonkit._runtime import check_device, empty_output, interpret, sm_count
 from tritonkit.dtypes import FLOATS, NAME_OF
 from tritonkit.opdef import first_derivative_only, op
@@ -118,21 +118,14 @@ def _geometry(views: tuple) -> tuple:
 
 
 def _align(tensors: tuple, geometry: tuple) -> int:
-    """The kernels' ALIGN (``kernels._aligned``): the largest power of two of entries, at most 16
-    bytes of the narrowest dtype, dividing N and every view's outer and row strides, where every
-    view's entries are contiguous; 1 where they are not, and where Triton knows as much already
-    (every one of those values a multiple of 16, which it specializes: the kernels compile as they
-    did without ALIGN)."""
+    """The kernels' ALIGN (``_launch.row_align`` of N and every view's outer and row strides, in the
+    narrowest dtype's entries) where every view's entries are contiguous; else 1."""
     _, _, n, strides = geometry
     views = [strides[i : i + 3] for i in range(0, len(strides), 3)]
-    values = (n, *(stride for view in views for stride in view[:2]))
-    if any(view[2] != 1 for view in views) or all(value % 16 == 0 for value in values):
+    if any(view[2] != 1 for view in views):
         return 1
-    align = 16 // min(t.element_size() for t in tensors)
-    for value in values:
-        while value % align:
-            align //= 2
-    return align
+    values = (n, *(stride for view in views for stride in view[:2]))
+    return row_align(values, min(t.element_size() for t in tensors))
 
 
 def _launch_args(
@@ -152,11 +145,11 @@ def _launch_args(
         "SUM_FP64": sum_fp64,
         "BLOCK_M": config["BLOCK_M"],
         "BLOCK_N": block_n,
-        "ALIGN": _align(tensors, geometry),
         "num_warps": config["num_warps"],
     }
     if config["variant"] == "online":
         meta["PREFETCH"] = config.get("PREFETCH", False)
+    meta["ALIGN"] = _align(tensors, geometry)  # the kernels' last constexpr
     return (outer * row_blocks,), (*tensors, rows, n, row_blocks, *strides), meta
 
 
