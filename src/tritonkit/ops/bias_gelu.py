@@ -24,11 +24,11 @@ import math
 
 import torch
 
-from tritonkit._launch import Launch, cdiv
+from tritonkit._launch import Launch, cdiv, row_align
 from tritonkit._runtime import empty_output, sm_count
 from tritonkit._triton import tl, triton
 from tritonkit.dtypes import FLOATS
-from tritonkit.jit import gelu, gelu_grad
+from tritonkit.jit import aligned, gelu, gelu_grad
 from tritonkit.opdef import check_tensor, first_derivative_only, op
 from tritonkit.ops import Op, Workload
 
@@ -55,7 +55,10 @@ def _bias_gelu_fwd_kernel(
     APPROX_TANH: tl.constexpr,  # tanh approximation instead of erf
     BLOCK_M: tl.constexpr,  # rows a program handles
     BLOCK_N: tl.constexpr,  # columns a program handles
+    ALIGN: tl.constexpr,  # N and the row stride are multiples of it (jit.aligned)
 ):
+    N = aligned(N, ALIGN)
+    stride_xm = aligned(stride_xm, ALIGN)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # int64: M*N may pass 2^31
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
@@ -90,7 +93,11 @@ def _bias_gelu_bwd_kernel(
     BLOCK_M: tl.constexpr,  # rows of one tile
     BLOCK_N: tl.constexpr,  # columns a program handles
     ROW_TILES: tl.constexpr,  # tiles a program walks down its columns
+    ALIGN: tl.constexpr,  # N and the row strides are multiples of it (jit.aligned)
 ):
+    N = aligned(N, ALIGN)
+    stride_dym = aligned(stride_dym, ALIGN)
+    stride_xm = aligned(stride_xm, ALIGN)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     b = tl.load(b_ptr + cols * stride_bn, mask=col_mask).to(tl.float32)
@@ -147,6 +154,7 @@ def _fwd_launches(input, bias, y, approximate: str) -> list[Launch]:
         "APPROX_TANH": approximate == "tanh",
         "BLOCK_M": block_m,
         "BLOCK_N": block_n,
+        "ALIGN": _align(n_cols, x, bias),
         "num_warps": NUM_WARPS,
     }
     args = (x, bias, y, x.shape[0], n_cols, x.stride(0), x.stride(1), bias.stride(0))
@@ -155,6 +163,15 @@ def _fwd_launches(input, bias, y, approximate: str) -> list[Launch]:
             "fwd", _bias_gelu_fwd_kernel, args, meta, grid=(cdiv(x.shape[0], block_m), cdiv(n_cols, block_n))
         )
     ]
+
+
+def _align(n_cols: int, *tensors: torch.Tensor) -> int:
+    """The kernels' ALIGN (``_launch.row_align`` of the row length and the 2-D tensors' row
+    strides) where every tensor's entries are contiguous; else 1."""
+    if any(t.stride(-1) != 1 for t in tensors):
+        return 1
+    rows = [t.stride(0) for t in tensors if t.dim() == 2]
+    return row_align((n_cols, *rows), min(t.element_size() for t in tensors))
 
 
 def _bwd_launches(grad_output, input, bias, dx, db_partial, approximate: str) -> list[Launch]:
@@ -168,6 +185,7 @@ def _bwd_launches(grad_output, input, bias, dx, db_partial, approximate: str) ->
         "BLOCK_M": block_m,
         "BLOCK_N": block_n,
         "ROW_TILES": row_tiles,
+        "ALIGN": _align(n_cols, x, bias, dy),
         "num_warps": NUM_WARPS,
     }
     args = (
