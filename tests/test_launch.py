@@ -122,7 +122,7 @@ def test_specialization_key_refines_triton_binder():
     ]
     rng = random.Random(40)
     variants += [tuple(rng.choice(tensors if torch.is_tensor(a) else ints) for a in base) for _ in range(100)]
-    meta = {"APPROX_TANH": False, "BLOCK_M": 2, "BLOCK_N": 1024}
+    meta = {"APPROX_TANH": False, "BLOCK_M": 2, "BLOCK_N": 1024, "ALIGN": 1}
     specs, pointers = {}, {}
     for args in variants:
         key = specialization_key(args)
@@ -140,7 +140,7 @@ def test_launcher_fast_path_matches_triton():
     g = generator(41)
     x, b = random_tensor((4, 64), F32, "cuda", generator=g), random_tensor((64,), F32, "cuda", generator=g)
     outputs = [torch.full_like(x, math.nan) for _ in range(4)]
-    meta = {"APPROX_TANH": True, "BLOCK_M": 4, "BLOCK_N": 64}
+    meta = {"APPROX_TANH": True, "BLOCK_M": 4, "BLOCK_N": 64, "ALIGN": 1}
     launcher = Launcher(kernel)
     launcher((1, 1), *_fwd_arguments(x, b, outputs[0], 4, 64), **meta)  # compiles through Triton
     launcher((1, 1), *_fwd_arguments(x, b, outputs[1], 4, 64), **meta)  # the cached fast path
@@ -324,7 +324,11 @@ def test_precompile_fills_tritons_cache_before_the_first_launch():
     kernel = triton.jit(_bias_gelu_fwd_kernel.fn)  # a fresh JITFunction: its caches start empty
     g = generator(43)
     x, b = random_tensor((8, 64), F32, "cuda", generator=g), random_tensor((64,), F32, "cuda", generator=g)
-    metas = [{"APPROX_TANH": tanh, "BLOCK_M": m, "BLOCK_N": 64} for tanh in (True, False) for m in (4, 8)]
+    metas = [
+        {"APPROX_TANH": tanh, "BLOCK_M": m, "BLOCK_N": 64, "ALIGN": 1}
+        for tanh in (True, False)
+        for m in (4, 8)
+    ]
     launcher = Launcher(kernel)
     arguments = _fwd_arguments(x, b, torch.empty_like(x), 8, 64)
     precompile([Launch("fwd", kernel, arguments, m, grid=(2, 1)) for m in metas])
@@ -352,4 +356,5 @@ def test_launcher_rejects_constexprs_out_of_order():
             APPROX_TANH=False,
             BLOCK_N=64,
             BLOCK_M=4,
+            ALIGN=1,
         )

@@ -50,7 +50,7 @@ def check(layout, direction, n, variant, dtype, log):
     unit = "n" if layout == "rows" else "r"  # the stride that is 1, which Triton makes a constant
     constexprs = {a: 1 for a in kernel.arg_names if a.startswith("stride_") and a.endswith(unit)}
     constexprs |= {"LOG": log, "SUM_FP64": log and dtype == "fp32", "BLOCK_M": config["BLOCK_M"],
-                   "BLOCK_N": config.get("BLOCK_N", n)}
+                   "BLOCK_N": config.get("BLOCK_N", n), "ALIGN": 1}
     if config["variant"] == "online":
         constexprs["PREFETCH"] = config.get("PREFETCH", False)
     signature = {a: f"*{dtype}" if a.endswith("_ptr") else "i32"
@@ -98,7 +98,7 @@ def check(direction, dtype, log, config):
     kernel = sm._LAUNCHERS[direction, "online"].kernel
     constexprs = {a: 1 for a in kernel.arg_names if a.startswith("stride_") and a.endswith("n")}
     constexprs |= {"LOG": log, "SUM_FP64": log and dtype == "fp32", "BLOCK_M": 1,
-                   "BLOCK_N": config["BLOCK_N"], "PREFETCH": True}
+                   "BLOCK_N": config["BLOCK_N"], "PREFETCH": True, "ALIGN": 1}
     signature = {a: f"*{dtype}" if a.endswith("_ptr") else "i32" for a in kernel.arg_names
                  if a not in constexprs}
     report = compile_kernel(kernel, signature, constexprs, config["num_warps"])
@@ -136,7 +136,8 @@ def check(direction, dtype, log, config):
     kernel = sm._LAUNCHERS[direction, "split"].kernel
     sum_fp64 = log and dtype == "fp32"
     constexprs = {a: 1 for a in kernel.arg_names if a.startswith("stride_") and a.endswith("n")}
-    constexprs |= {"LOG": log, "SUM_FP64": sum_fp64, "BLOCK_N": config["BLOCK_N"], "SEGMENTS": 64, "PHASE": 0}
+    constexprs |= {"LOG": log, "SUM_FP64": sum_fp64, "BLOCK_N": config["BLOCK_N"], "SEGMENTS": 64,
+                   "PHASE": 0, "ALIGN": 1}
     workspace = {"max_ptr": "*fp32", "sum_ptr": "*fp64" if sum_fp64 else "*fp32",
                  "dot_ptr": "*fp64" if sum_fp64 else "*fp32", "arrived_ptr": "*i32"}
     signature = {a: workspace.get(a, f"*{dtype}") if a.endswith("_ptr") else "i32"

@@ -27,11 +27,11 @@ import math
 
 import torch
 
-from tritonkit._launch import Launch, next_power_of_2
+from tritonkit._launch import Launch, next_power_of_2, row_align
 from tritonkit._runtime import empty_output
 from tritonkit._triton import tl, triton
 from tritonkit.dtypes import FLOATS
-from tritonkit.jit import LOG2E, tanh_and_sech2
+from tritonkit.jit import LOG2E, aligned, tanh_and_sech2
 from tritonkit.opdef import check_tensor, first_derivative_only, op
 from tritonkit.ops import Op, Workload
 
@@ -75,7 +75,10 @@ def _cross_entropy_fwd_kernel(
     HAS_SOFTCAP: tl.constexpr,
     HAS_DIVISOR: tl.constexpr,
     BLOCK_C: tl.constexpr,  # logits a step
+    ALIGN: tl.constexpr,  # C and the row stride are multiples of it (jit.aligned)
 ):
+    C = aligned(C, ALIGN)
+    stride_xn = aligned(stride_xn, ALIGN)
     row = tl.program_id(0).to(tl.int64)  # int64: N * C may pass 2^31
     x_row = x_ptr + row * stride_xn
     m = -float("inf")  # running max
@@ -200,7 +203,11 @@ def _cross_entropy_bwd_kernel(
     HAS_SOFTCAP: tl.constexpr,
     HAS_LSE_GRAD: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    ALIGN: tl.constexpr,  # C, col0 and the row stride are multiples of it (jit.aligned)
 ):
+    C = aligned(C, ALIGN)
+    col0 = aligned(col0, ALIGN)
+    stride_xn = aligned(stride_xn, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xn
     target = tl.load(target_ptr + row * stride_t)
@@ -255,6 +262,14 @@ def _block_c(classes: int, element_size: int) -> int:
     return min(next_power_of_2(classes), BLOCK_BYTES // element_size)
 
 
+def _align(logits: torch.Tensor, *values: int) -> int:
+    """The kernels' ALIGN (``_launch.row_align`` of ``values`` and the logits' row stride) where the
+    logits' entries are contiguous; else 1."""
+    if logits.stride(1) != 1:
+        return 1
+    return row_align((*values, logits.stride(0)), logits.element_size())
+
+
 def _flags(weight, smoothing: float, z_loss: float, softcap: float) -> dict:
     return {
         "HAS_WEIGHT": weight is not None,
@@ -284,6 +299,7 @@ def _fwd_launches(input, target, weight, options: tuple, outputs: tuple) -> list
     )  # fmt: skip
     block_c = _block_c(classes, input.element_size())
     meta = _flags(weight, smoothing, z_loss, softcap) | {"HAS_DIVISOR": mean, "BLOCK_C": block_c}
+    meta["ALIGN"] = _align(input, classes)
     launches = [Launch("fwd", _cross_entropy_fwd_kernel, args, meta | {"num_warps": NUM_WARPS}, grid=(n,))]
     if totals is not None:
         launches.append(sum_launch(weight, options, (out, rows, lse, row_weight, totals), n, classes))
@@ -321,6 +337,7 @@ def _bwd_launches(
     )  # fmt: skip
     meta = {"MEAN": reduction == "mean"} | _flags(weight, smoothing, z_loss, softcap)
     meta |= {"HAS_LSE_GRAD": grad_lse is not None, "BLOCK_C": _block_c(width, input.element_size())}
+    meta["ALIGN"] = _align(input, width, col0)
     meta["num_warps"] = NUM_WARPS
     return [Launch("bwd", _cross_entropy_bwd_kernel, args, meta, grid=(n,))] if n else []
 
