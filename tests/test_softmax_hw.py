@@ -324,3 +324,46 @@ def test_tuned_winner_matches_reference(shape, tuning_afresh, launches, device):
         entry = json.loads(files[f"softmax_{direction}"].read_text())
         assert entry["ms"][tuning._canonical(entry["config"])] is not None
         assert [config for d, config in launches if d == direction][-1] == entry["config"]
+
+
+def test_the_launch_promises_the_alignment_its_rows_have():
+    """ALIGN (``softmax._align``): the largest power of two of entries, up to 16 bytes, dividing N
+    and every view's outer and row strides; 1 where a view's entries are not contiguous."""
+
+    def align(n, strides, dtype=torch.bfloat16):
+        tensors = (torch.empty(0, dtype=dtype),)
+        return sm._align(tensors, (1, 3, n, strides))
+
+    assert align(2904, (3 * 2904, 2904, 1)) == 8  # 16-byte rows: 8 bf16 entries
+    assert align(4096, (3 * 4096, 4096, 1)) == 1  # multiples of 16: Triton knows, the kernels as before
+    assert align(2900, (3 * 2900, 2900, 1)) == 4 and align(76, (228, 76, 1)) == 4
+    assert align(2900, (3 * 2904, 2904, 1)) == 4  # a view of wider rows: its length decides
+    assert align(4099, (3 * 4099, 4099, 1)) == 1
+    assert align(2904, (3 * 2904, 2904, 1), torch.float32) == 4  # 16 bytes of fp32
+    assert align(2904, (3 * 2904, 1, 3), torch.float32) == 1  # entries strided (a leading dim)
+    assert align(2904, (3 * 2904, 2904, 1, 3 * 2900, 2900, 1)) == 4  # a second view's stride too
+
+
+_WIDE_ACCESS_CHECK = r"""
+import json, torch
+from tritonkit import tuning
+from tritonkit.asm import compile_launch
+from tritonkit.ops import get_workload
+with tuning.disabled():
+    for n in (2900, 2904, 76):
+        for launch in get_workload("softmax").op.inspect((4096, n), torch.bfloat16, None):
+            r = compile_launch(launch, "sm_90")
+            widths = {"loads": sorted(r.loads), "stores": sorted(r.stores)}
+            print(json.dumps({"n": n, "launch": launch.name, **widths}))
+"""
+
+
+def test_rows_of_any_length_load_as_wide_as_their_alignment_allows():
+    """Compiled for sm_90: rows of 2900 and 76 bf16 entries (multiples of 4, not of 16) move in 8-byte
+    vectors, of 2904 (a multiple of 8) in 16-byte ones, forward and backward; Triton alone, which
+    specializes multiples of 16 only, loaded them an entry (2 bytes) at a time."""
+    rows = [json.loads(line) for line in sm90.run(_WIDE_ACCESS_CHECK)]
+    assert len(rows) == 6
+    for row in rows:
+        width = 128 if row["n"] == 2904 else 64
+        assert row["loads"] == [width] and row["stores"] == [width], row
