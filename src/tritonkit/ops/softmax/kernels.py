@@ -13,11 +13,12 @@ from tritonkit.jit import LN2, LOG2E, aligned
 
 
 @triton.jit
-def _row_offsets(R, row_blocks, stride_o, stride_r, BLOCK_M: tl.constexpr):
+def _row_offsets(R, row_blocks, stride_o, stride_r, BLOCK_M: tl.constexpr, ALIGN: tl.constexpr):
     """Element offsets of this program's BLOCK_M rows (int64: O*R*N may pass 2^31), and which exist.
 
     (_tile widens the row-entry offsets too: over a leading dim the entries of a row are R apart,
     so N * R passes 2^31 in a large tensor as well.)"""
+    stride_o, stride_r = aligned(stride_o, ALIGN), aligned(stride_r, ALIGN)
     pid = tl.program_id(0)
     outer = pid // row_blocks  # one grid axis for both: the second is limited to 65535 programs
     rows = (pid % row_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -263,12 +264,8 @@ def _softmax_fwd_kernel(
     ALIGN: tl.constexpr,  # N and the row and outer strides are multiples of it (jit.aligned)
 ):
     N = aligned(N, ALIGN)
-    stride_xo = aligned(stride_xo, ALIGN)
-    stride_xr = aligned(stride_xr, ALIGN)
-    stride_yo = aligned(stride_yo, ALIGN)
-    stride_yr = aligned(stride_yr, ALIGN)
-    x_rows, row_mask = _row_offsets(R, row_blocks, stride_xo, stride_xr, BLOCK_M=BLOCK_M)
-    y_rows, _ = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M=BLOCK_M)
+    x_rows, row_mask = _row_offsets(R, row_blocks, stride_xo, stride_xr, BLOCK_M=BLOCK_M, ALIGN=ALIGN)
+    y_rows, _ = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M=BLOCK_M, ALIGN=ALIGN)
     cols = tl.arange(0, BLOCK_N)
     mask = row_mask[:, None] & (cols < N)[None, :]
     x = tl.load(_tile(x_ptr, x_rows, cols, stride_xn), mask=mask, other=-float("inf"))
@@ -320,12 +317,8 @@ def _softmax_fwd_online_kernel(
     ALIGN: tl.constexpr,  # N and the row and outer strides are multiples of it (jit.aligned)
 ):
     N = aligned(N, ALIGN)
-    stride_xo = aligned(stride_xo, ALIGN)
-    stride_xr = aligned(stride_xr, ALIGN)
-    stride_yo = aligned(stride_yo, ALIGN)
-    stride_yr = aligned(stride_yr, ALIGN)
-    x_rows, row_mask = _row_offsets(R, row_blocks, stride_xo, stride_xr, BLOCK_M=BLOCK_M)
-    y_rows, _ = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M=BLOCK_M)
+    x_rows, row_mask = _row_offsets(R, row_blocks, stride_xo, stride_xr, BLOCK_M=BLOCK_M, ALIGN=ALIGN)
+    y_rows, _ = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M=BLOCK_M, ALIGN=ALIGN)
     offsets = tl.arange(0, BLOCK_N)
     m = tl.full([BLOCK_M], -float("inf"), tl.float32)  # running max
     s = tl.zeros([BLOCK_M], tl.float64 if SUM_FP64 else tl.float32)  # running sum of exp(x - m)
@@ -425,15 +418,9 @@ def _softmax_bwd_kernel(
     ALIGN: tl.constexpr,  # N and the row and outer strides are multiples of it (jit.aligned)
 ):
     N = aligned(N, ALIGN)
-    stride_yo = aligned(stride_yo, ALIGN)
-    stride_yr = aligned(stride_yr, ALIGN)
-    stride_dyo = aligned(stride_dyo, ALIGN)
-    stride_dyr = aligned(stride_dyr, ALIGN)
-    stride_dxo = aligned(stride_dxo, ALIGN)
-    stride_dxr = aligned(stride_dxr, ALIGN)
-    y_rows, row_mask = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M=BLOCK_M)
-    dy_rows, _ = _row_offsets(R, row_blocks, stride_dyo, stride_dyr, BLOCK_M=BLOCK_M)
-    dx_rows, _ = _row_offsets(R, row_blocks, stride_dxo, stride_dxr, BLOCK_M=BLOCK_M)
+    y_rows, row_mask = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M=BLOCK_M, ALIGN=ALIGN)
+    dy_rows, _ = _row_offsets(R, row_blocks, stride_dyo, stride_dyr, BLOCK_M=BLOCK_M, ALIGN=ALIGN)
+    dx_rows, _ = _row_offsets(R, row_blocks, stride_dxo, stride_dxr, BLOCK_M=BLOCK_M, ALIGN=ALIGN)
     cols = tl.arange(0, BLOCK_N)
     mask = row_mask[:, None] & (cols < N)[None, :]
     # kept as loaded: a 16-bit row takes half the registers of its fp32 widening
@@ -469,15 +456,9 @@ def _softmax_bwd_online_kernel(
     ALIGN: tl.constexpr,  # N and the row and outer strides are multiples of it (jit.aligned)
 ):
     N = aligned(N, ALIGN)
-    stride_yo = aligned(stride_yo, ALIGN)
-    stride_yr = aligned(stride_yr, ALIGN)
-    stride_dyo = aligned(stride_dyo, ALIGN)
-    stride_dyr = aligned(stride_dyr, ALIGN)
-    stride_dxo = aligned(stride_dxo, ALIGN)
-    stride_dxr = aligned(stride_dxr, ALIGN)
-    y_rows, row_mask = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M=BLOCK_M)
-    dy_rows, _ = _row_offsets(R, row_blocks, stride_dyo, stride_dyr, BLOCK_M=BLOCK_M)
-    dx_rows, _ = _row_offsets(R, row_blocks, stride_dxo, stride_dxr, BLOCK_M=BLOCK_M)
+    y_rows, row_mask = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M=BLOCK_M, ALIGN=ALIGN)
+    dy_rows, _ = _row_offsets(R, row_blocks, stride_dyo, stride_dyr, BLOCK_M=BLOCK_M, ALIGN=ALIGN)
+    dx_rows, _ = _row_offsets(R, row_blocks, stride_dxo, stride_dxr, BLOCK_M=BLOCK_M, ALIGN=ALIGN)
     offsets = tl.arange(0, BLOCK_N)
     dot = tl.zeros([BLOCK_M], tl.float64 if SUM_FP64 else tl.float32)
     if PREFETCH:
@@ -519,9 +500,10 @@ def _softmax_bwd_online_kernel(
 
 
 @triton.jit
-def _row_start(row, R, stride_o, stride_r):
+def _row_start(row, R, stride_o, stride_r, ALIGN: tl.constexpr):
     """Element offset of row ``row`` (counting across outer slices) of an (O, R, N) view, in int64,
     as a one-row tile's row offsets."""
+    stride_o, stride_r = aligned(stride_o, ALIGN), aligned(stride_r, ALIGN)
     outer = row // R
     start = outer.to(tl.int64) * stride_o + (row - outer * R).to(tl.int64) * stride_r
     return tl.full([1], 0, tl.int64) + start
@@ -591,14 +573,10 @@ def _softmax_fwd_split_kernel(
     ALIGN: tl.constexpr,  # N and the row and outer strides are multiples of it (jit.aligned)
 ):
     N = aligned(N, ALIGN)
-    stride_xo = aligned(stride_xo, ALIGN)
-    stride_xr = aligned(stride_xr, ALIGN)
-    stride_yo = aligned(stride_yo, ALIGN)
-    stride_yr = aligned(stride_yr, ALIGN)
     first_row, groups, segment, first, chunks = _segment_of_program(N, segments, SEGMENT, BLOCK_N=BLOCK_N)
     offsets = tl.arange(0, BLOCK_N)
     for row in range(first_row, rows, groups):
-        x_row = _row_start(row, R, stride_xo, stride_xr)
+        x_row = _row_start(row, R, stride_xo, stride_xr, ALIGN)
         if PHASE != 2:  # pass 1: the segment's running max and rescaled sum, as the online kernel
             m = tl.full([1], -float("inf"), tl.float32)
             s = tl.zeros([1], tl.float64 if SUM_FP64 else tl.float32)
@@ -629,7 +607,7 @@ def _softmax_fwd_split_kernel(
             m = tl.where(m == -float("inf"), 0.0, m)  # a row of all -inf: 0 / 0 = NaN, as torch
             s = tl.sum(sums * tl.exp2((maxima - m) * LOG2E).to(sums.dtype), axis=0)
             m = tl.full([1], 0.0, tl.float32) + m
-            y_row = _row_start(row, R, stride_yo, stride_yr)
+            y_row = _row_start(row, R, stride_yo, stride_yr, ALIGN)
             if LOG:
                 scale = tl.full([1], 0.0, tl.float32) + _log(s)
             else:
@@ -679,17 +657,11 @@ def _softmax_bwd_split_kernel(
     ALIGN: tl.constexpr,  # N and the row and outer strides are multiples of it (jit.aligned)
 ):
     N = aligned(N, ALIGN)
-    stride_yo = aligned(stride_yo, ALIGN)
-    stride_yr = aligned(stride_yr, ALIGN)
-    stride_dyo = aligned(stride_dyo, ALIGN)
-    stride_dyr = aligned(stride_dyr, ALIGN)
-    stride_dxo = aligned(stride_dxo, ALIGN)
-    stride_dxr = aligned(stride_dxr, ALIGN)
     first_row, groups, segment, first, chunks = _segment_of_program(N, segments, SEGMENT, BLOCK_N=BLOCK_N)
     offsets = tl.arange(0, BLOCK_N)
     for row in range(first_row, rows, groups):
-        y_row = _row_start(row, R, stride_yo, stride_yr)
-        dy_row = _row_start(row, R, stride_dyo, stride_dyr)
+        y_row = _row_start(row, R, stride_yo, stride_yr, ALIGN)
+        dy_row = _row_start(row, R, stride_dyo, stride_dyr, ALIGN)
         if PHASE != 2:
             dot = tl.zeros([1], tl.float64 if SUM_FP64 else tl.float32)
             for i in range(chunks):
@@ -714,7 +686,7 @@ def _softmax_bwd_split_kernel(
                 dot_ptr + row * segments + parts, mask=parts < segments, other=0.0, cache_modifier=".cg"
             )
             dot = tl.full([1], 0.0, tl.float32) + tl.sum(dots, axis=0).to(tl.float32)
-            dx_row = _row_start(row, R, stride_dxo, stride_dxr)
+            dx_row = _row_start(row, R, stride_dxo, stride_dxr, ALIGN)
             for i in range(chunks):
                 cols = first + (chunks - 1 - i) * BLOCK_N + offsets
                 mask = (cols < N)[None, :]
