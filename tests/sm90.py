@@ -71,3 +71,28 @@ def run(body: str, timeout: int = 600) -> list[str]:
     answer = json.loads(line)
     assert answer["ok"], answer["error"][-3000:]
     return answer["stdout"].splitlines()
+
+
+_WIDTHS = r"""
+import json, torch
+from tritonkit import tuning
+from tritonkit.asm import compile_launch
+from tritonkit.ops import get_workload
+with tuning.disabled():
+    for shape in SHAPES:
+        for launch in get_workload(NAME).op.inspect(tuple(shape), torch.bfloat16, None):
+            r = compile_launch(launch, "sm_90")
+            print(json.dumps({"shape": shape, "launch": launch.name,
+                              "loads": dict(r.loads), "stores": dict(r.stores)}))
+"""
+
+
+def access_widths(workload: str, shapes: list[tuple[int, ...]]) -> list[dict]:
+    """Each launch of ``workload``'s untuned bf16 calls at ``shapes``, compiled for sm_90: {"shape",
+    "launch", "loads", "stores"}, the last two {width in bits: instructions} of its global accesses."""
+    body = f"NAME = {workload!r}\nSHAPES = {[list(s) for s in shapes]!r}\n" + _WIDTHS
+    rows = [json.loads(line) for line in run(body)]
+    for row in rows:
+        for kind in ("loads", "stores"):
+            row[kind] = {int(width): count for width, count in row[kind].items()}
+    return rows

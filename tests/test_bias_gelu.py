@@ -400,26 +400,12 @@ def test_kernels_compile_for_hopper_with_wide_accesses_and_no_spills():
         assert line.endswith("True True True"), line
 
 
-_UNALIGNED_CHECK = r"""
-import json, torch
-from tritonkit.asm import compile_launch
-from tritonkit.ops import get_workload
-for n in (2900, 2904):
-    for launch in get_workload("bias_gelu").op.inspect((4096, n), torch.bfloat16, None):
-        r = compile_launch(launch, "sm_90")
-        widths = {"loads": sorted(r.loads), "stores": sorted(r.stores)}
-        print(json.dumps({"n": n, "launch": launch.name, **widths}))
-"""
-
-
 def test_rows_of_any_length_move_as_wide_as_their_alignment_allows():
     """Rows of 2900 bf16 entries (a multiple of 4, not of 16) move in 8-byte vectors, of 2904 in
     16-byte ones (``_launch.row_align``), where Triton alone moved them an entry at a time; the
     backward's fp32 db partials (4 entries of 2900: 16 bytes) beside."""
-    import json
-
-    rows = [json.loads(line) for line in sm90.run(_UNALIGNED_CHECK)]
+    rows = sm90.access_widths("bias_gelu", [(4096, 2900), (4096, 2904)])
     assert len(rows) == 4, rows
     for row in rows:
-        width = 128 if row["n"] == 2904 else 64
-        assert max(row["loads"]) == width and min(row["loads"] + row["stores"]) == width, row
+        width = 128 if row["shape"][1] == 2904 else 64
+        assert max(row["loads"]) == width and min([*row["loads"], *row["stores"]]) == width, row

@@ -494,34 +494,17 @@ def test_past_2_31_elements():
     torch.testing.assert_close(y[rows].double(), expected, rtol=2**-7, atol=2**-7)
 
 
-_WIDE_ACCESS_CHECK = r"""
-import json, torch
-from tritonkit import tuning
-from tritonkit.asm import compile_launch
-from tritonkit.ops import get_workload
-with tuning.disabled():
-    for name in ("rms_norm", "add_layer_norm"):
-        for n in (2900, 2904):
-            for launch in get_workload(name).op.inspect((4096, n), torch.bfloat16, None):
-                if launch.name == "bwd partial sums":
-                    continue
-                r = compile_launch(launch, "sm_90")
-                widths = {"loads": sorted(r.loads), "stores": sorted(r.stores)}
-                print(json.dumps({"op": name, "n": n, "launch": launch.name, **widths}))
-"""
-
-
 def test_rows_of_any_length_move_as_wide_as_their_alignment_allows():
     """Compiled for sm_90: rows of 2900 bf16 entries (a multiple of 4, not of 16) load in 8-byte
     vectors, of 2904 (a multiple of 8) in 16-byte ones, forward and backward, and nothing moves an
     entry at a time, as it did where Triton alone, which specializes multiples of 16 only, saw
     these rows (``_launch.row_align``)."""
-    import json
-
     import sm90
 
-    rows = [json.loads(line) for line in sm90.run(_WIDE_ACCESS_CHECK)]
+    shapes = [(4096, 2900), (4096, 2904)]
+    rows = [row for name in ("rms_norm", "add_layer_norm") for row in sm90.access_widths(name, shapes)]
+    rows = [row for row in rows if row["launch"] != "bwd partial sums"]
     assert len(rows) == 8, rows
     for row in rows:  # (32 bits: the fp32 statistics a row; 128 stored at 2900: the fp32 dw partials)
-        assert max(row["loads"]) == (128 if row["n"] == 2904 else 64), row
-        assert min(row["loads"] + row["stores"]) >= 32, row  # no entry moved alone
+        assert max(row["loads"]) == (128 if row["shape"][1] == 2904 else 64), row
+        assert min([*row["loads"], *row["stores"]]) >= 32, row  # no entry moved alone

@@ -344,26 +344,12 @@ def test_the_launch_promises_the_alignment_its_rows_have():
     assert align(2904, (3 * 2904, 2904, 1, 3 * 2900, 2900, 1)) == 4  # a second view's stride too
 
 
-_WIDE_ACCESS_CHECK = r"""
-import json, torch
-from tritonkit import tuning
-from tritonkit.asm import compile_launch
-from tritonkit.ops import get_workload
-with tuning.disabled():
-    for n in (2900, 2904, 76):
-        for launch in get_workload("softmax").op.inspect((4096, n), torch.bfloat16, None):
-            r = compile_launch(launch, "sm_90")
-            widths = {"loads": sorted(r.loads), "stores": sorted(r.stores)}
-            print(json.dumps({"n": n, "launch": launch.name, **widths}))
-"""
-
-
 def test_rows_of_any_length_load_as_wide_as_their_alignment_allows():
     """Compiled for sm_90: rows of 2900 and 76 bf16 entries (multiples of 4, not of 16) move in 8-byte
     vectors, of 2904 (a multiple of 8) in 16-byte ones, forward and backward; Triton alone, which
     specializes multiples of 16 only, loaded them an entry (2 bytes) at a time."""
-    rows = [json.loads(line) for line in sm90.run(_WIDE_ACCESS_CHECK)]
+    rows = sm90.access_widths("softmax", [(4096, 2900), (4096, 2904), (4096, 76)])
     assert len(rows) == 6
     for row in rows:
-        width = 128 if row["n"] == 2904 else 64
-        assert row["loads"] == [width] and row["stores"] == [width], row
+        width = 128 if row["shape"][1] == 2904 else 64
+        assert set(row["loads"]) == {width} and set(row["stores"]) == {width}, row
