@@ -53,14 +53,20 @@ def check(layout, direction, n, variant, dtype, log):
                    "BLOCK_N": config.get("BLOCK_N", n), "ALIGN": 1}
     if config["variant"] == "online":
         constexprs["PREFETCH"] = config.get("PREFETCH", False)
+    else:
+        constexprs["STAGES"] = config.get("STAGES", 0)
     signature = {a: f"*{dtype}" if a.endswith("_ptr") else "i32"
                  for a in kernel.arg_names if a not in constexprs}
     report = compile_kernel(kernel, signature, constexprs, config["num_warps"])
     sass = report.asm["sass"]
-    loads, stores = set(re.findall(r"LDG\.E[.\w]*", sass)), set(re.findall(r"STG\.E[.\w]*", sass))
-    wide_loads = bool(loads) and all(re.fullmatch(r"LDG\.E(\.E[LF])?\.128", x) for x in loads)
+    loads = set(re.findall(r"LDG(?:STS)?\.E[.\w]*", sass))
+    stores = set(re.findall(r"STG\.E[.\w]*", sass))
+    wide_loads = bool(loads) and all(re.fullmatch(r"LDG(STS)?\.E(\.E[LF]|\.BYPASS)?\.128", x) for x in loads)
     wide_stores = stores == {"STG.E.128"}
-    hints = loads == {"LDG.E.EL.128", "LDG.E.EF.128"} if variant == "online" else True
+    if variant == "online":  # eviction hints
+        hints = loads == {"LDG.E.EL.128", "LDG.E.EF.128"}
+    else:  # a persistent one-pass default copies its blocks to shared memory, the rest load them
+        hints = loads == ({"LDGSTS.E.BYPASS.128"} if config.get("STAGES") else {"LDG.E.128"})
     fp64 = ("DADD" in sass) == constexprs["SUM_FP64"]
     return (f"{kernel.__name__} {layout} {n} {dtype} {'log' if log else 'softmax'} {config} | "
             f"{config['variant'] == variant} {wide_loads} {wide_stores} {hints} {not report.spills} {fp64} | "
@@ -80,8 +86,9 @@ with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as pool:
 
 def test_kernels_compile_for_hopper_with_wide_accesses_and_no_spills():
     """Each kernel compiled for sm_90 at the config the tuner starts from (its default) for 8192
-    rows: only 16-byte global loads and stores (the online kernels' with their eviction hints), no
-    spills, and fp64 adds exactly where the fp32 log_softmax asks for an fp64 sum."""
+    rows: only 16-byte global loads and stores (the online kernels' with their eviction hints, the
+    persistent one-pass defaults' as asynchronous copies to shared memory), no spills, and fp64
+    adds exactly where the fp32 log_softmax asks for an fp64 sum."""
     lines = sm90.run(_HOPPER_CHECK)
     assert len(lines) == 6 * 4 + 4 * 2 + 2, lines
     for line in lines:

@@ -1,7 +1,8 @@
-"""The softmax family's Triton kernels (one-pass, online and split, forward and backward), their
-shared ``@triton.jit`` helpers, and the configs the tuner picks among, with the rules that prune and
-default them. ``softmax.py`` beside this holds the maths, the layout, the launches and the API.
-Every kernel views its tensors as (O, R, N) with a stride for each axis.
+"""The softmax family's one-pass and online Triton kernels (forward and backward), the ``@triton.jit``
+helpers every kernel shares, and the configs the tuner picks among (the split kernels' too, which
+are in ``split_kernels.py``), with the rules that prune and default them. ``softmax.py`` beside
+this holds the maths, the layout, the launches and the API. Every kernel views its tensors as
+(O, R, N) with a stride for each axis.
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ from tritonkit.jit import LN2, LOG2E, aligned
 
 
 @triton.jit
-def _row_offsets(R, row_blocks, stride_o, stride_r, BLOCK_M: tl.constexpr, ALIGN: tl.constexpr):
-    """Element offsets of this program's BLOCK_M rows (int64: O*R*N may pass 2^31), and which exist.
+def _row_offsets(R, row_blocks, stride_o, stride_r, BLOCK_M: tl.constexpr, ALIGN: tl.constexpr, block=None):
+    """Element offsets of the BLOCK_M rows of row block ``block`` (this program's where None; int64:
+    O*R*N may pass 2^31), and which exist.
 
     (_tile widens the row-entry offsets too: over a leading dim the entries of a row are R apart,
     so N * R passes 2^31 in a large tensor as well.)"""
     stride_o, stride_r = aligned(stride_o, ALIGN), aligned(stride_r, ALIGN)
-    pid = tl.program_id(0)
+    pid = tl.program_id(0) if block is None else block
     outer = pid // row_blocks  # one grid axis for both: the second is limited to 65535 programs
     rows = (pid % row_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
     return outer.to(tl.int64) * stride_o + rows.to(tl.int64) * stride_r, rows < R
@@ -99,6 +101,16 @@ CONFIGS = (
     ]
 )
 
+# Persistent one-pass configs (STAGES): as many programs as an SM holds walk the row blocks, and
+# Triton's pipeliner copies the next block into shared memory (cp.async) while this one is reduced
+# and stored. A one-pass program otherwise has no load in flight from its last load to its store,
+# and a long row's program is alone or one of two on its SM (at 16384 entries and up: 64-127
+# registers a thread of 16 warps), so nothing hides that gap. The untuned default (which the tuner
+# times beside the other candidates) takes it from PERSISTENT_MIN_ENTRIES of the tiles a program
+# holds, within STAGED_MAX_SHARED_BYTES of staged blocks (the H200's SM has 227 KB for a program).
+# Not yet measured: the candidates will follow the measurement (a new candidate list retunes).
+PERSISTENT_MIN_ENTRIES = 16384
+STAGED_MAX_SHARED_BYTES = 192 << 10
 # Split-row kernels: PER_SM programs an SM, each holding one SEGMENT of a row between its two
 # passes. Two budgets pull apart. What is between the passes must stay in L2 for pass 2 to hit it:
 # most of the H200's 50 MB (a row of 4M fp32 entries alone, y and dy, is 32 MB). And an SM needs
@@ -147,6 +159,13 @@ def _one_pass_fits(key: dict) -> bool:
     return key["block_n"] * _tiles(key) <= ONE_PASS_MAX_BLOCK_N * (2 if packed else 1)
 
 
+def _staged_fits(config: dict, key: dict) -> bool:
+    """A persistent one-pass config: rows layout, its staged blocks within STAGED_MAX_SHARED_BYTES."""
+    element_bytes = {"fp16": 2, "bf16": 2, "fp32": 4}[key["dtype"].split(">")[0]]
+    staged = config["BLOCK_M"] * key["block_n"] * element_bytes * _tiles(key) * (config["STAGES"] - 1)
+    return key["layout"] == "rows" and staged <= STAGED_MAX_SHARED_BYTES
+
+
 def _per_thread(config: dict, block_n: int) -> float:
     return config.get("BLOCK_M", 1) * config.get("BLOCK_N", block_n) / (32 * config["num_warps"])
 
@@ -183,7 +202,12 @@ def _default(key: dict) -> dict:
         if cols:  # entry offsets are runtime strides, held in int64: 32 values a thread at most
             block_m = max(block_m, min(rows, COLS_MIN_BLOCK_M))
             warps = min(16, max(4, block_m * block_n * _tiles(key) // 1024))
-        return {"variant": "one-pass", "BLOCK_M": block_m, "num_warps": warps}
+        config = {"variant": "one-pass", "BLOCK_M": block_m, "num_warps": warps}
+        if block_m * block_n * _tiles(key) >= PERSISTENT_MIN_ENTRIES and _staged_fits(
+            {**config, "STAGES": 2}, key
+        ):
+            config["STAGES"] = 2
+        return config
     if variant == "split" or (variant == "auto" and not cols and _split_by_default(key)):
         return _split_default(key)
     if cols:
@@ -250,22 +274,88 @@ def _softmax_fwd_kernel(
     y_ptr,  # output, same view, strides (stride_yo, stride_yr, stride_yn)
     R,  # rows in each outer slice
     N,  # row length: the softmax dimension
-    row_blocks,  # programs per outer slice, cdiv(R, BLOCK_M)
+    row_blocks,  # row blocks per outer slice, cdiv(R, BLOCK_M)
     stride_xo,
     stride_xr,
     stride_xn,  # elements between outer slices, rows and row entries of x
     stride_yo,
     stride_yr,
     stride_yn,  # the same for y
+    blocks,  # row blocks in all, O * row_blocks: the grid, or what persistent programs walk
     LOG: tl.constexpr,  # log_softmax instead of softmax
     SUM_FP64: tl.constexpr,  # accumulate the row sum in fp64 (fp32 log_softmax: see _row_sum)
     BLOCK_M: tl.constexpr,  # rows a program handles
     BLOCK_N: tl.constexpr,  # power of two >= N: the whole row is one tile
     ALIGN: tl.constexpr,  # N and the row and outer strides are multiples of it (jit.aligned)
+    STAGES: tl.constexpr,  # 0: a row block a program; else persistent, STAGES row blocks in flight
 ):
+    if STAGES == 0:
+        _softmax_fwd_block(
+            x_ptr,
+            y_ptr,
+            None,
+            R,
+            N,
+            row_blocks,
+            stride_xo,
+            stride_xr,
+            stride_xn,
+            stride_yo,
+            stride_yr,
+            stride_yn,
+            LOG,
+            SUM_FP64,
+            BLOCK_M,
+            BLOCK_N,
+            ALIGN,
+        )
+    else:  # the pipeliner loads the next block into shared memory while this one is reduced
+        for block in tl.range(tl.program_id(0), blocks, tl.num_programs(0), num_stages=STAGES):
+            _softmax_fwd_block(
+                x_ptr,
+                y_ptr,
+                block,
+                R,
+                N,
+                row_blocks,
+                stride_xo,
+                stride_xr,
+                stride_xn,
+                stride_yo,
+                stride_yr,
+                stride_yn,
+                LOG,
+                SUM_FP64,
+                BLOCK_M,
+                BLOCK_N,
+                ALIGN,
+            )
+
+
+@triton.jit
+def _softmax_fwd_block(
+    x_ptr,
+    y_ptr,
+    block,
+    R,
+    N,
+    row_blocks,
+    stride_xo,
+    stride_xr,
+    stride_xn,
+    stride_yo,
+    stride_yr,
+    stride_yn,
+    LOG: tl.constexpr,
+    SUM_FP64: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ALIGN: tl.constexpr,
+):
+    """The one-pass forward of row block ``block`` (this program's where None)."""
     N = aligned(N, ALIGN)
-    x_rows, row_mask = _row_offsets(R, row_blocks, stride_xo, stride_xr, BLOCK_M=BLOCK_M, ALIGN=ALIGN)
-    y_rows, _ = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M=BLOCK_M, ALIGN=ALIGN)
+    x_rows, row_mask = _row_offsets(R, row_blocks, stride_xo, stride_xr, BLOCK_M, ALIGN, block)
+    y_rows, _ = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M, ALIGN, block)
     cols = tl.arange(0, BLOCK_N)
     mask = row_mask[:, None] & (cols < N)[None, :]
     x = tl.load(_tile(x_ptr, x_rows, cols, stride_xn), mask=mask, other=-float("inf"))
@@ -401,7 +491,7 @@ def _softmax_bwd_kernel(
     dx_ptr,  # input gradient, same view, strides (stride_dxo, stride_dxr, stride_dxn)
     R,  # rows in each outer slice
     N,  # row length: the softmax dimension
-    row_blocks,  # programs per outer slice, cdiv(R, BLOCK_M)
+    row_blocks,  # row blocks per outer slice, cdiv(R, BLOCK_M)
     stride_yo,
     stride_yr,
     stride_yn,  # elements between outer slices, rows and row entries of y
@@ -411,16 +501,94 @@ def _softmax_bwd_kernel(
     stride_dxo,
     stride_dxr,
     stride_dxn,  # the same for dx
+    blocks,  # row blocks in all, O * row_blocks: the grid, or what persistent programs walk
     LOG: tl.constexpr,  # log_softmax instead of softmax
     SUM_FP64: tl.constexpr,  # accumulate the row sum in fp64 (fp32 log_softmax: see _row_sum)
     BLOCK_M: tl.constexpr,  # rows a program handles
     BLOCK_N: tl.constexpr,  # power of two >= N: the whole row is one tile
     ALIGN: tl.constexpr,  # N and the row and outer strides are multiples of it (jit.aligned)
+    STAGES: tl.constexpr,  # 0: a row block a program; else persistent, STAGES row blocks in flight
 ):
+    if STAGES == 0:
+        _softmax_bwd_block(
+            y_ptr,
+            dy_ptr,
+            dx_ptr,
+            None,
+            R,
+            N,
+            row_blocks,
+            stride_yo,
+            stride_yr,
+            stride_yn,
+            stride_dyo,
+            stride_dyr,
+            stride_dyn,
+            stride_dxo,
+            stride_dxr,
+            stride_dxn,
+            LOG,
+            SUM_FP64,
+            BLOCK_M,
+            BLOCK_N,
+            ALIGN,
+        )
+    else:  # as the forward's
+        for block in tl.range(tl.program_id(0), blocks, tl.num_programs(0), num_stages=STAGES):
+            _softmax_bwd_block(
+                y_ptr,
+                dy_ptr,
+                dx_ptr,
+                block,
+                R,
+                N,
+                row_blocks,
+                stride_yo,
+                stride_yr,
+                stride_yn,
+                stride_dyo,
+                stride_dyr,
+                stride_dyn,
+                stride_dxo,
+                stride_dxr,
+                stride_dxn,
+                LOG,
+                SUM_FP64,
+                BLOCK_M,
+                BLOCK_N,
+                ALIGN,
+            )
+
+
+@triton.jit
+def _softmax_bwd_block(
+    y_ptr,
+    dy_ptr,
+    dx_ptr,
+    block,
+    R,
+    N,
+    row_blocks,
+    stride_yo,
+    stride_yr,
+    stride_yn,
+    stride_dyo,
+    stride_dyr,
+    stride_dyn,
+    stride_dxo,
+    stride_dxr,
+    stride_dxn,
+    LOG: tl.constexpr,
+    SUM_FP64: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ALIGN: tl.constexpr,
+):
+    """The one-pass backward of row block ``block`` (this program's where None)."""
     N = aligned(N, ALIGN)
-    y_rows, row_mask = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M=BLOCK_M, ALIGN=ALIGN)
-    dy_rows, _ = _row_offsets(R, row_blocks, stride_dyo, stride_dyr, BLOCK_M=BLOCK_M, ALIGN=ALIGN)
-    dx_rows, _ = _row_offsets(R, row_blocks, stride_dxo, stride_dxr, BLOCK_M=BLOCK_M, ALIGN=ALIGN)
+    y_rows, row_mask = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M, ALIGN, block)
+    dy_rows, _ = _row_offsets(R, row_blocks, stride_dyo, stride_dyr, BLOCK_M, ALIGN, block)
+    dx_rows, _ = _row_offsets(R, row_blocks, stride_dxo, stride_dxr, BLOCK_M, ALIGN, block)
     cols = tl.arange(0, BLOCK_N)
     mask = row_mask[:, None] & (cols < N)[None, :]
     # kept as loaded: a 16-bit row takes half the registers of its fp32 widening
@@ -487,217 +655,3 @@ def _softmax_bwd_online_kernel(
         )
         dx = _input_grad(y.to(tl.float32), dy.to(tl.float32), dot.to(tl.float32), LOG=LOG)
         tl.store(_tile(dx_ptr, dx_rows, cols, stride_dxn), dx.to(dx_ptr.dtype.element_ty), mask=mask)
-
-
-# Split-row kernels, for rows far longer than registers hold. The programs of a row each take one
-# SEGMENT of it: pass 1 reduces the segment and publishes the partial result; once every segment of
-# the row has published (a per-row counter), each program combines the row's partials and makes
-# pass 2 over its own segment, which L2 still holds because the segments in flight together are
-# far smaller than L2. So x is read from memory once, where the online kernel's pass 2 misses L2
-# on such rows. The programs wait for each other: PHASE 0 (the GPU) needs them all resident at
-# once, a cooperative launch. PHASE 1 then PHASE 2, two launches, do the same work without waiting
-# (the interpreter runs programs one after another).
-
-
-@triton.jit
-def _row_start(row, R, stride_o, stride_r, ALIGN: tl.constexpr):
-    """Element offset of row ``row`` (counting across outer slices) of an (O, R, N) view, in int64,
-    as a one-row tile's row offsets."""
-    stride_o, stride_r = aligned(stride_o, ALIGN), aligned(stride_r, ALIGN)
-    outer = row // R
-    start = outer.to(tl.int64) * stride_o + (row - outer * R).to(tl.int64) * stride_r
-    return tl.full([1], 0, tl.int64) + start
-
-
-@triton.jit
-def _segment_of_program(N, segments, SEGMENT, BLOCK_N: tl.constexpr):
-    """This program's place: (its first row, rows in flight at once, its segment, the segment's first
-    entry, its chunks). A row's programs are adjacent; every program walks every groups-th row."""
-    pid = tl.program_id(0)
-    segment = pid % segments
-    first = segment * SEGMENT
-    return (
-        pid // segments,
-        tl.num_programs(0) // segments,
-        segment,
-        first,
-        tl.cdiv(tl.minimum(N - first, SEGMENT), BLOCK_N),
-    )
-
-
-@triton.jit
-def _publish_and_wait(arrived_ptr, row, segments):
-    """Count this program's segment of ``row`` as published, then wait until every segment is.
-
-    The barriers order every thread's partial-result stores before the count, and the loads of the
-    partials after it; the count is released and read with acquire at GPU scope."""
-    tl.debug_barrier()
-    count = tl.atomic_add(arrived_ptr + row, 1, sem="acq_rel", scope="gpu") + 1
-    while count < segments:
-        count = tl.atomic_add(arrived_ptr + row, 0, sem="acquire", scope="gpu")
-    tl.debug_barrier()
-
-
-@triton.jit
-def _normalized(x, m, scale, LOG: tl.constexpr):
-    """Softmax from the row's max m and scale (1 / sum), or log_softmax (scale = log(sum))."""
-    if LOG:
-        return (x - m[:, None]) - scale[:, None]
-    else:
-        return _exp_shifted(x, m) * scale[:, None]
-
-
-@triton.jit
-def _softmax_fwd_split_kernel(
-    x_ptr,  # input, viewed as (O, R, N) with strides (stride_xo, stride_xr, stride_xn)
-    y_ptr,  # output, same view, strides (stride_yo, stride_yr, stride_yn)
-    max_ptr,  # fp32 (O * R, segments): each segment's max
-    sum_ptr,  # fp32, or fp64 with SUM_FP64 (O * R, segments): each segment's sum of exp(x - its max)
-    arrived_ptr,  # int32 (O * R,): segments of each row through pass 1, zero at launch (PHASE 0)
-    R,  # rows in each outer slice
-    N,  # row length: the softmax dimension
-    rows,  # O * R: every row of every outer slice
-    segments,  # programs per row, cdiv(N, SEGMENT); the grid is a multiple of it
-    SEGMENT,  # row entries per program, a multiple of BLOCK_N
-    stride_xo,
-    stride_xr,
-    stride_xn,  # elements between outer slices, rows and row entries of x
-    stride_yo,
-    stride_yr,
-    stride_yn,  # the same for y
-    LOG: tl.constexpr,  # log_softmax instead of softmax
-    SUM_FP64: tl.constexpr,  # accumulate the sums in fp64 (fp32 log_softmax: see _row_sum)
-    BLOCK_N: tl.constexpr,  # row entries per chunk
-    SEGMENTS: tl.constexpr,  # power of two >= segments: the partials a program combines
-    PHASE: tl.constexpr,  # 0: both passes, waiting between them; 1: pass 1 only; 2: pass 2 only
-    ALIGN: tl.constexpr,  # N and the row and outer strides are multiples of it (jit.aligned)
-):
-    N = aligned(N, ALIGN)
-    first_row, groups, segment, first, chunks = _segment_of_program(N, segments, SEGMENT, BLOCK_N=BLOCK_N)
-    offsets = tl.arange(0, BLOCK_N)
-    for row in range(first_row, rows, groups):
-        x_row = _row_start(row, R, stride_xo, stride_xr, ALIGN)
-        if PHASE != 2:  # pass 1: the segment's running max and rescaled sum, as the online kernel
-            m = tl.full([1], -float("inf"), tl.float32)
-            s = tl.zeros([1], tl.float64 if SUM_FP64 else tl.float32)
-            for i in range(chunks):
-                cols = first + i * BLOCK_N + offsets
-                x = tl.load(
-                    _tile(x_ptr, x_row, cols, stride_xn),
-                    mask=(cols < N)[None, :],
-                    other=-float("inf"),
-                    eviction_policy="evict_last",
-                ).to(tl.float32)
-                m_new = tl.maximum(m, tl.max(x, axis=1))
-                shift = tl.where(m_new == -float("inf"), 0.0, m_new)
-                s = s * tl.exp2((m - shift) * LOG2E) + _row_sum(_exp_shifted(x, shift), SUM_FP64=SUM_FP64)
-                m = m_new
-            tl.store(max_ptr + row * segments + segment + tl.arange(0, 1), m)
-            tl.store(sum_ptr + row * segments + segment + tl.arange(0, 1), s)
-        if PHASE == 0:
-            _publish_and_wait(arrived_ptr, row, segments)
-        if PHASE != 1:  # combine the row's partials, then pass 2 over this segment
-            parts = tl.arange(0, SEGMENTS)
-            part_mask = parts < segments
-            maxima = tl.load(
-                max_ptr + row * segments + parts, mask=part_mask, other=-float("inf"), cache_modifier=".cg"
-            )  # written by other SMs: not from L1
-            sums = tl.load(sum_ptr + row * segments + parts, mask=part_mask, other=0.0, cache_modifier=".cg")
-            m = tl.max(maxima, axis=0)
-            m = tl.where(m == -float("inf"), 0.0, m)  # a row of all -inf: 0 / 0 = NaN, as torch
-            s = tl.sum(sums * tl.exp2((maxima - m) * LOG2E).to(sums.dtype), axis=0)
-            m = tl.full([1], 0.0, tl.float32) + m
-            y_row = _row_start(row, R, stride_yo, stride_yr, ALIGN)
-            if LOG:
-                scale = tl.full([1], 0.0, tl.float32) + _log(s)
-            else:
-                scale = tl.full([1], 0.0, tl.float32) + (1.0 / s).to(tl.float32)
-            for i in range(chunks):
-                cols = first + (chunks - 1 - i) * BLOCK_N + offsets  # last read first: in L2
-                mask = (cols < N)[None, :]
-                x = tl.load(
-                    _tile(x_ptr, x_row, cols, stride_xn),
-                    mask=mask,
-                    other=-float("inf"),
-                    eviction_policy="evict_first",
-                ).to(tl.float32)
-                tl.store(
-                    _tile(y_ptr, y_row, cols, stride_yn),
-                    _normalized(x, m, scale, LOG=LOG).to(y_ptr.dtype.element_ty),
-                    mask=mask,
-                )
-
-
-@triton.jit
-def _softmax_bwd_split_kernel(
-    y_ptr,  # forward output, viewed as (O, R, N) with strides (stride_yo, stride_yr, stride_yn)
-    dy_ptr,  # upstream gradient, same view, strides (stride_dyo, stride_dyr, stride_dyn)
-    dx_ptr,  # input gradient, same view, strides (stride_dxo, stride_dxr, stride_dxn)
-    dot_ptr,  # fp32, or fp64 with SUM_FP64 (O * R, segments): each segment's sum(y * dy) or sum(dy)
-    arrived_ptr,  # int32 (O * R,): segments of each row through pass 1, zero at launch (PHASE 0)
-    R,  # rows in each outer slice
-    N,  # row length: the softmax dimension
-    rows,  # O * R: every row of every outer slice
-    segments,  # programs per row, cdiv(N, SEGMENT); the grid is a multiple of it
-    SEGMENT,  # row entries per program, a multiple of BLOCK_N
-    stride_yo,
-    stride_yr,
-    stride_yn,  # elements between outer slices, rows and row entries of y
-    stride_dyo,
-    stride_dyr,
-    stride_dyn,  # the same for dy
-    stride_dxo,
-    stride_dxr,
-    stride_dxn,  # the same for dx
-    LOG: tl.constexpr,  # log_softmax instead of softmax
-    SUM_FP64: tl.constexpr,  # accumulate the sums in fp64 (fp32 log_softmax: see _row_sum)
-    BLOCK_N: tl.constexpr,  # row entries per chunk
-    SEGMENTS: tl.constexpr,  # power of two >= segments: the partials a program combines
-    PHASE: tl.constexpr,  # 0: both passes, waiting between them; 1: pass 1 only; 2: pass 2 only
-    ALIGN: tl.constexpr,  # N and the row and outer strides are multiples of it (jit.aligned)
-):
-    N = aligned(N, ALIGN)
-    first_row, groups, segment, first, chunks = _segment_of_program(N, segments, SEGMENT, BLOCK_N=BLOCK_N)
-    offsets = tl.arange(0, BLOCK_N)
-    for row in range(first_row, rows, groups):
-        y_row = _row_start(row, R, stride_yo, stride_yr, ALIGN)
-        dy_row = _row_start(row, R, stride_dyo, stride_dyr, ALIGN)
-        if PHASE != 2:
-            dot = tl.zeros([1], tl.float64 if SUM_FP64 else tl.float32)
-            for i in range(chunks):
-                cols = first + i * BLOCK_N + offsets
-                mask = (cols < N)[None, :]
-                y = tl.load(
-                    _tile(y_ptr, y_row, cols, stride_yn), mask=mask, other=0.0, eviction_policy="evict_last"
-                )
-                dy = tl.load(
-                    _tile(dy_ptr, dy_row, cols, stride_dyn),
-                    mask=mask,
-                    other=0.0,
-                    eviction_policy="evict_last",
-                )
-                dot += _row_dot(y.to(tl.float32), dy.to(tl.float32), LOG=LOG, SUM_FP64=SUM_FP64)
-            tl.store(dot_ptr + row * segments + segment + tl.arange(0, 1), dot)
-        if PHASE == 0:
-            _publish_and_wait(arrived_ptr, row, segments)
-        if PHASE != 1:
-            parts = tl.arange(0, SEGMENTS)
-            dots = tl.load(
-                dot_ptr + row * segments + parts, mask=parts < segments, other=0.0, cache_modifier=".cg"
-            )
-            dot = tl.full([1], 0.0, tl.float32) + tl.sum(dots, axis=0).to(tl.float32)
-            dx_row = _row_start(row, R, stride_dxo, stride_dxr, ALIGN)
-            for i in range(chunks):
-                cols = first + (chunks - 1 - i) * BLOCK_N + offsets
-                mask = (cols < N)[None, :]
-                y = tl.load(
-                    _tile(y_ptr, y_row, cols, stride_yn), mask=mask, other=0.0, eviction_policy="evict_first"
-                )
-                dy = tl.load(
-                    _tile(dy_ptr, dy_row, cols, stride_dyn),
-                    mask=mask,
-                    other=0.0,
-                    eviction_policy="evict_first",
-                )
-                dx = _input_grad(y.to(tl.float32), dy.to(tl.float32), dot, LOG=LOG)
-                tl.store(_tile(dx_ptr, dx_row, cols, stride_dxn), dx.to(dx_ptr.dtype.element_ty), mask=mask)

@@ -16,7 +16,9 @@ along whichever of its axes has stride 1.
 
 Kernels, selectable by name (``VARIANTS``):
   one-pass  the row lives in registers: read x once, write y once. Short rows share a program
-            (BLOCK_M > 1), so each program still moves a few kilobytes.
+            (BLOCK_M > 1), so each program still moves a few kilobytes. With STAGES, persistent:
+            as many programs as the SMs hold walk the row blocks, each block's load copied to
+            shared memory while the one before is reduced (the untuned default on long rows).
   online    rows too long for registers: pass 1 reads the row in chunks keeping a running max and
             rescaled sum (Milakov & Gimelshein, "Online normalizer calculation for softmax", 2018);
             pass 2 reads it again, backwards, and writes y. Walking backwards re-reads first the
@@ -61,11 +63,10 @@ from tritonkit.ops.softmax.kernels import (
     _prune,
     _softmax_bwd_kernel,
     _softmax_bwd_online_kernel,
-    _softmax_bwd_split_kernel,
     _softmax_fwd_kernel,
     _softmax_fwd_online_kernel,
-    _softmax_fwd_split_kernel,
 )
+from tritonkit.ops.softmax.split_kernels import _softmax_bwd_split_kernel, _softmax_fwd_split_kernel
 
 VARIANTS = ("auto", "one-pass", "online", "split")
 DTYPES = FLOATS
@@ -149,8 +150,16 @@ def _launch_args(
     }
     if config["variant"] == "online":
         meta["PREFETCH"] = config.get("PREFETCH", False)
-    meta["ALIGN"] = _align(tensors, geometry)  # the kernels' last constexpr
-    return (outer * row_blocks,), (*tensors, rows, n, row_blocks, *strides), meta
+    meta["ALIGN"] = _align(tensors, geometry)  # the online kernels' last constexpr
+    blocks = outer * row_blocks
+    if config["variant"] == "online":
+        return (blocks,), (*tensors, rows, n, row_blocks, *strides), meta
+    meta["STAGES"] = stages = config.get("STAGES", 0)
+    args = (*tensors, rows, n, row_blocks, *strides, blocks)
+    if not stages:
+        return (blocks,), args, meta
+    per_sm = _LAUNCHERS[direction, "one-pass"].programs_per_sm(*args, **meta)
+    return (min(blocks, per_sm * sm_count(tensors[0].device)),), args, meta
 
 
 def _split_launch_args(

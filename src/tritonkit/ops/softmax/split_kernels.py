@@ -1,0 +1,223 @@
+"""The softmax family's split-row kernels (forward and backward), for rows far longer than
+registers hold: a row's segments in programs side by side that wait for each other. Their configs
+and the rules that prune and default them are in ``kernels.py``, with the other kernels.
+"""
+
+from __future__ import annotations
+
+from tritonkit._triton import tl, triton
+from tritonkit.jit import LOG2E, aligned
+from tritonkit.ops.softmax.kernels import _exp_shifted, _input_grad, _log, _row_dot, _row_sum, _tile
+
+# Split-row kernels, for rows far longer than registers hold. The programs of a row each take one
+# SEGMENT of it: pass 1 reduces the segment and publishes the partial result; once every segment of
+# the row has published (a per-row counter), each program combines the row's partials and makes
+# pass 2 over its own segment, which L2 still holds because the segments in flight together are
+# far smaller than L2. So x is read from memory once, where the online kernel's pass 2 misses L2
+# on such rows. The programs wait for each other: PHASE 0 (the GPU) needs them all resident at
+# once, a cooperative launch. PHASE 1 then PHASE 2, two launches, do the same work without waiting
+# (the interpreter runs programs one after another).
+
+
+@triton.jit
+def _row_start(row, R, stride_o, stride_r, ALIGN: tl.constexpr):
+    """Element offset of row ``row`` (counting across outer slices) of an (O, R, N) view, in int64,
+    as a one-row tile's row offsets."""
+    stride_o, stride_r = aligned(stride_o, ALIGN), aligned(stride_r, ALIGN)
+    outer = row // R
+    start = outer.to(tl.int64) * stride_o + (row - outer * R).to(tl.int64) * stride_r
+    return tl.full([1], 0, tl.int64) + start
+
+
+@triton.jit
+def _segment_of_program(N, segments, SEGMENT, BLOCK_N: tl.constexpr):
+    """This program's place: (its first row, rows in flight at once, its segment, the segment's first
+    entry, its chunks). A row's programs are adjacent; every program walks every groups-th row."""
+    pid = tl.program_id(0)
+    segment = pid % segments
+    first = segment * SEGMENT
+    return (
+        pid // segments,
+        tl.num_programs(0) // segments,
+        segment,
+        first,
+        tl.cdiv(tl.minimum(N - first, SEGMENT), BLOCK_N),
+    )
+
+
+@triton.jit
+def _publish_and_wait(arrived_ptr, row, segments):
+    """Count this program's segment of ``row`` as published, then wait until every segment is.
+
+    The barriers order every thread's partial-result stores before the count, and the loads of the
+    partials after it; the count is released and read with acquire at GPU scope."""
+    tl.debug_barrier()
+    count = tl.atomic_add(arrived_ptr + row, 1, sem="acq_rel", scope="gpu") + 1
+    while count < segments:
+        count = tl.atomic_add(arrived_ptr + row, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _normalized(x, m, scale, LOG: tl.constexpr):
+    """Softmax from the row's max m and scale (1 / sum), or log_softmax (scale = log(sum))."""
+    if LOG:
+        return (x - m[:, None]) - scale[:, None]
+    else:
+        return _exp_shifted(x, m) * scale[:, None]
+
+
+@triton.jit
+def _softmax_fwd_split_kernel(
+    x_ptr,  # input, viewed as (O, R, N) with strides (stride_xo, stride_xr, stride_xn)
+    y_ptr,  # output, same view, strides (stride_yo, stride_yr, stride_yn)
+    max_ptr,  # fp32 (O * R, segments): each segment's max
+    sum_ptr,  # fp32, or fp64 with SUM_FP64 (O * R, segments): each segment's sum of exp(x - its max)
+    arrived_ptr,  # int32 (O * R,): segments of each row through pass 1, zero at launch (PHASE 0)
+    R,  # rows in each outer slice
+    N,  # row length: the softmax dimension
+    rows,  # O * R: every row of every outer slice
+    segments,  # programs per row, cdiv(N, SEGMENT); the grid is a multiple of it
+    SEGMENT,  # row entries per program, a multiple of BLOCK_N
+    stride_xo,
+    stride_xr,
+    stride_xn,  # elements between outer slices, rows and row entries of x
+    stride_yo,
+    stride_yr,
+    stride_yn,  # the same for y
+    LOG: tl.constexpr,  # log_softmax instead of softmax
+    SUM_FP64: tl.constexpr,  # accumulate the sums in fp64 (fp32 log_softmax: see _row_sum)
+    BLOCK_N: tl.constexpr,  # row entries per chunk
+    SEGMENTS: tl.constexpr,  # power of two >= segments: the partials a program combines
+    PHASE: tl.constexpr,  # 0: both passes, waiting between them; 1: pass 1 only; 2: pass 2 only
+    ALIGN: tl.constexpr,  # N and the row and outer strides are multiples of it (jit.aligned)
+):
+    N = aligned(N, ALIGN)
+    first_row, groups, segment, first, chunks = _segment_of_program(N, segments, SEGMENT, BLOCK_N=BLOCK_N)
+    offsets = tl.arange(0, BLOCK_N)
+    for row in range(first_row, rows, groups):
+        x_row = _row_start(row, R, stride_xo, stride_xr, ALIGN)
+        if PHASE != 2:  # pass 1: the segment's running max and rescaled sum, as the online kernel
+            m = tl.full([1], -float("inf"), tl.float32)
+            s = tl.zeros([1], tl.float64 if SUM_FP64 else tl.float32)
+            for i in range(chunks):
+                cols = first + i * BLOCK_N + offsets
+                x = tl.load(
+                    _tile(x_ptr, x_row, cols, stride_xn),
+                    mask=(cols < N)[None, :],
+                    other=-float("inf"),
+                    eviction_policy="evict_last",
+                ).to(tl.float32)
+                m_new = tl.maximum(m, tl.max(x, axis=1))
+                shift = tl.where(m_new == -float("inf"), 0.0, m_new)
+                s = s * tl.exp2((m - shift) * LOG2E) + _row_sum(_exp_shifted(x, shift), SUM_FP64=SUM_FP64)
+                m = m_new
+            tl.store(max_ptr + row * segments + segment + tl.arange(0, 1), m)
+            tl.store(sum_ptr + row * segments + segment + tl.arange(0, 1), s)
+        if PHASE == 0:
+            _publish_and_wait(arrived_ptr, row, segments)
+        if PHASE != 1:  # combine the row's partials, then pass 2 over this segment
+            parts = tl.arange(0, SEGMENTS)
+            part_mask = parts < segments
+            maxima = tl.load(
+                max_ptr + row * segments + parts, mask=part_mask, other=-float("inf"), cache_modifier=".cg"
+            )  # written by other SMs: not from L1
+            sums = tl.load(sum_ptr + row * segments + parts, mask=part_mask, other=0.0, cache_modifier=".cg")
+            m = tl.max(maxima, axis=0)
+            m = tl.where(m == -float("inf"), 0.0, m)  # a row of all -inf: 0 / 0 = NaN, as torch
+            s = tl.sum(sums * tl.exp2((maxima - m) * LOG2E).to(sums.dtype), axis=0)
+            m = tl.full([1], 0.0, tl.float32) + m
+            y_row = _row_start(row, R, stride_yo, stride_yr, ALIGN)
+            if LOG:
+                scale = tl.full([1], 0.0, tl.float32) + _log(s)
+            else:
+                scale = tl.full([1], 0.0, tl.float32) + (1.0 / s).to(tl.float32)
+            for i in range(chunks):
+                cols = first + (chunks - 1 - i) * BLOCK_N + offsets  # last read first: in L2
+                mask = (cols < N)[None, :]
+                x = tl.load(
+                    _tile(x_ptr, x_row, cols, stride_xn),
+                    mask=mask,
+                    other=-float("inf"),
+                    eviction_policy="evict_first",
+                ).to(tl.float32)
+                tl.store(
+                    _tile(y_ptr, y_row, cols, stride_yn),
+                    _normalized(x, m, scale, LOG=LOG).to(y_ptr.dtype.element_ty),
+                    mask=mask,
+                )
+
+
+@triton.jit
+def _softmax_bwd_split_kernel(
+    y_ptr,  # forward output, viewed as (O, R, N) with strides (stride_yo, stride_yr, stride_yn)
+    dy_ptr,  # upstream gradient, same view, strides (stride_dyo, stride_dyr, stride_dyn)
+    dx_ptr,  # input gradient, same view, strides (stride_dxo, stride_dxr, stride_dxn)
+    dot_ptr,  # fp32, or fp64 with SUM_FP64 (O * R, segments): each segment's sum(y * dy) or sum(dy)
+    arrived_ptr,  # int32 (O * R,): segments of each row through pass 1, zero at launch (PHASE 0)
+    R,  # rows in each outer slice
+    N,  # row length: the softmax dimension
+    rows,  # O * R: every row of every outer slice
+    segments,  # programs per row, cdiv(N, SEGMENT); the grid is a multiple of it
+    SEGMENT,  # row entries per program, a multiple of BLOCK_N
+    stride_yo,
+    stride_yr,
+    stride_yn,  # elements between outer slices, rows and row entries of y
+    stride_dyo,
+    stride_dyr,
+    stride_dyn,  # the same for dy
+    stride_dxo,
+    stride_dxr,
+    stride_dxn,  # the same for dx
+    LOG: tl.constexpr,  # log_softmax instead of softmax
+    SUM_FP64: tl.constexpr,  # accumulate the sums in fp64 (fp32 log_softmax: see _row_sum)
+    BLOCK_N: tl.constexpr,  # row entries per chunk
+    SEGMENTS: tl.constexpr,  # power of two >= segments: the partials a program combines
+    PHASE: tl.constexpr,  # 0: both passes, waiting between them; 1: pass 1 only; 2: pass 2 only
+    ALIGN: tl.constexpr,  # N and the row and outer strides are multiples of it (jit.aligned)
+):
+    N = aligned(N, ALIGN)
+    first_row, groups, segment, first, chunks = _segment_of_program(N, segments, SEGMENT, BLOCK_N=BLOCK_N)
+    offsets = tl.arange(0, BLOCK_N)
+    for row in range(first_row, rows, groups):
+        y_row = _row_start(row, R, stride_yo, stride_yr, ALIGN)
+        dy_row = _row_start(row, R, stride_dyo, stride_dyr, ALIGN)
+        if PHASE != 2:
+            dot = tl.zeros([1], tl.float64 if SUM_FP64 else tl.float32)
+            for i in range(chunks):
+                cols = first + i * BLOCK_N + offsets
+                mask = (cols < N)[None, :]
+                y = tl.load(
+                    _tile(y_ptr, y_row, cols, stride_yn), mask=mask, other=0.0, eviction_policy="evict_last"
+                )
+                dy = tl.load(
+                    _tile(dy_ptr, dy_row, cols, stride_dyn),
+                    mask=mask,
+                    other=0.0,
+                    eviction_policy="evict_last",
+                )
+                dot += _row_dot(y.to(tl.float32), dy.to(tl.float32), LOG=LOG, SUM_FP64=SUM_FP64)
+            tl.store(dot_ptr + row * segments + segment + tl.arange(0, 1), dot)
+        if PHASE == 0:
+            _publish_and_wait(arrived_ptr, row, segments)
+        if PHASE != 1:
+            parts = tl.arange(0, SEGMENTS)
+            dots = tl.load(
+                dot_ptr + row * segments + parts, mask=parts < segments, other=0.0, cache_modifier=".cg"
+            )
+            dot = tl.full([1], 0.0, tl.float32) + tl.sum(dots, axis=0).to(tl.float32)
+            dx_row = _row_start(row, R, stride_dxo, stride_dxr, ALIGN)
+            for i in range(chunks):
+                cols = first + (chunks - 1 - i) * BLOCK_N + offsets
+                mask = (cols < N)[None, :]
+                y = tl.load(
+                    _tile(y_ptr, y_row, cols, stride_yn), mask=mask, other=0.0, eviction_policy="evict_first"
+                )
+                dy = tl.load(
+                    _tile(dy_ptr, dy_row, cols, stride_dyn),
+                    mask=mask,
+                    other=0.0,
+                    eviction_policy="evict_first",
+                )
+                dx = _input_grad(y.to(tl.float32), dy.to(tl.float32), dot, LOG=LOG)
+                tl.store(_tile(dx_ptr, dx_row, cols, stride_dxn), dx.to(dx_ptr.dtype.element_ty), mask=mask)
