@@ -12,9 +12,21 @@ import tritonkit.ops.softmax.kernels as sk
 import tritonkit.ops.softmax.softmax as sm
 from grids import case_id, in_turn
 from test_softmax import BF16, F16, F32, _check, _inputs, _key
+from tritonkit import opdef, tuning
 
 pytestmark = pytest.mark.softmax
 launches = test_softmax.launches  # the fixture recording each launch, shared
+
+
+@pytest.fixture(autouse=True)
+def fresh_memos(monkeypatch):
+    """No config or plan chosen by an earlier test of the process stands in for this one's."""
+    monkeypatch.setattr(sm, "_plans", {})
+    for tuned in sm._TUNED.values():
+        monkeypatch.setattr(tuned, "_chosen", {})
+    opdef.forget_plans()  # (recorded launches replay on a GPU whatever the default says now)
+    yield
+    opdef.forget_plans()
 
 
 def test_the_default_persists_where_a_program_holds_a_long_row():
@@ -89,3 +101,28 @@ def test_persistent_grid_is_what_the_sms_hold(three_programs, device):
     assert grid == (3,) and args[-1] == 6 and meta["STAGES"] == 2
     grid, args, meta = sm._launch_args("fwd", {**config, "STAGES": 0}, False, views, sm._geometry(views))
     assert grid == (6,) and args[-1] == 6 and meta["STAGES"] == 0
+
+
+# On the GPU the pipeliner runs for real: the blocks' copies to shared memory a block ahead.
+GPU_WALKED = [((1000, 3000), BF16), ((37, 4097), F32), ((4099, 65), F16)]
+GPU_DEFAULTS = [((300, 20000), BF16), ((257, 9000), F32), ((64, 32768), F16)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, dtype", GPU_WALKED, ids=str)
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+def test_persistent_blocks_on_the_gpu(shape, dtype, log, three_programs, device):
+    """Three programs walk hundreds of row blocks, each block's copy issued while the last is reduced."""
+    with tuning.disabled():
+        _check(*_inputs(shape, dtype, device, seed=73), log=log)
+    assert {d for d, config in three_programs if config.get("STAGES")} == {"fwd", "bwd"}
+
+
+@pytest.mark.gpu
+@pytest.mark.hbm
+@pytest.mark.parametrize("shape, dtype", GPU_DEFAULTS, ids=str)
+def test_persistent_defaults_on_the_gpu(shape, dtype, launches, device):
+    """Untuned long rows: the default persists (as many programs as the SMs hold), both ways."""
+    with tuning.disabled():
+        _check(*_inputs(shape, dtype, device, seed=74))
+    assert {d for d, config in launches if config.get("STAGES")} == {"fwd", "bwd"}
