@@ -181,6 +181,7 @@ for name in json.loads(NAMES):
             r = compiled[key] = compiled.get(key) or compile_launch(launch, "sm_90")
             print(json.dumps({"op": name, "shape": shape, "dtype": dtype, "launch": r.name,
                               "spills": r.spills, "loads": sorted(r.loads), "stores": sorted(r.stores),
+                              "copies": sorted(r.copies),
                               "hgmma": r.opcodes["HGMMA"], "hmma": r.opcodes["HMMA"],
                               "f2f16": sum(r.asm["sass"].count(f"F2F.{t}.F32") for t in ("BF16", "F16"))}))
 """
@@ -203,8 +204,9 @@ def test_every_default_config_compiles_for_hopper_without_spills_and_with_wide_a
     """Each op's untuned configs at each benchmark shape, compiled for sm_90: no spills, and 128-bit
     global loads and stores (every benchmark shape is contiguous with 16-aligned rows), besides the
     norms' fp32 per-row statistics and the few values their second stage writes, and the matmuls'
-    operands, which cp.async stages; the matmuls' products are wgmma (HGMMA); 16-bit results convert
-    in pairs (F2FP, on the ALU), not a value at a time (F2F, on the MUFU's pipe at its rate)."""
+    operands and the persistent softmax rows, which cp.async stages (16 bytes a copy); the matmuls'
+    products are wgmma (HGMMA); 16-bit results convert in pairs (F2FP, on the ALU), not a value at
+    a time (F2F, on the MUFU's pipe at its rate)."""
     names = [name for name in _inspected() if get_workload(name).op.family == family]
     lines = sm90.run(f"NAMES = {json.dumps(json.dumps(names))}\n" + _STATIC_CHECKS)
     rows = [json.loads(line) for line in lines]
@@ -233,6 +235,9 @@ def test_every_default_config_compiles_for_hopper_without_spills_and_with_wide_a
             # (64-bit) accesses; the row itself moves in 16-byte vectors
             assert 128 in row["loads"] and 128 in row["stores"], row
             assert min(row["loads"] + row["stores"]) >= 32, row
+        elif get_workload(row["op"]).op.family == "softmax" and row["copies"]:
+            # a persistent one-pass default: its rows are staged by cp.async, a block ahead
+            assert row["copies"] == [128] and row["loads"] == [] and row["stores"] == [128], row
         elif get_workload(row["op"]).op.family == "cross_entropy":
             # the logits move in 16-byte vectors (and dx); a row's target (int64) and its logit, and
             # the statistics a row (fp32) and the reduced loss (one 16-bit value), are single values

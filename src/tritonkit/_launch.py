@@ -325,10 +325,14 @@ def scratch(shape, dtype: torch.dtype, device, *, zeroed: bool = False) -> torch
     records it allocates its like afresh on each replay (an op's other allocations are no part of a
     plan, which then cannot be)."""
     with unrecorded():  # (the poisoning's fill is the allocation's, which a replay repeats)
-        t = torch.zeros(shape, dtype=dtype, device=device) if zeroed else empty_output(shape, dtype, device)
+        t = _workspace(shape, dtype, device, zeroed)
     for recording in _recordings:
         recording.scratch[id(t)] = zeroed
     return t
+
+
+def _workspace(shape, dtype: torch.dtype, device, zeroed: bool) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype, device=device) if zeroed else empty_output(shape, dtype, device)
 
 
 def call_signature(tensors: Sequence[torch.Tensor | None], *options) -> tuple | None:
@@ -418,9 +422,9 @@ class Plan:
         for i, alignment in self._alignments:
             if tensors[i].data_ptr() & 15 != alignment:
                 return False
-        if self._scratch:
+        if self._scratch:  # (no recording is open: a replay's workspace is no launch's to record)
             home = tensors[self._alignments[0][0]].device  # (the device as torch names it)
-            work = (scratch(shape, dtype, home, zeroed=zeroed) for shape, dtype, zeroed in self._scratch)
+            work = (_workspace(shape, dtype, home, zeroed) for shape, dtype, zeroed in self._scratch)
             tensors = (*tensors, *work)
         stream = torch._C._cuda_getCurrentRawStream(device)
         for entry, grid, recorded, places in self._steps:

@@ -17,6 +17,7 @@ Compiling needs Triton's real JIT functions: the process must compile natively, 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import os
 import re
@@ -91,6 +92,8 @@ class Report:
     stores: collections.Counter  # global store width in bits -> count
     occupancy: tuple[int, str]  # programs an SM can hold, and what limits it
     asm: dict  # ir name -> text
+    # global-to-shared copy width in bits (cp.async, LDGSTS: loads Triton's pipeliner staged) -> count
+    copies: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
     @property
     def spills(self) -> bool:
@@ -272,6 +275,7 @@ def _compile(kernel, signature, constants, attrs, options, arch, name, config) -
         stores=_widths(full, "STG"),
         occupancy=occupancy(ARCHS[arch], num_warps, registers, shared),
         asm={ir: compiled.asm[ir] for ir in IRS if ir in compiled.asm} | {"sass": sass},
+        copies=_widths(full, "LDGSTS"),
     )
 
 
@@ -305,7 +309,8 @@ def format_reports(reports: list[Report]) -> str:
             f"spills {'YES' if r.spills else 'none'} (stack {r.stack_bytes} B, local {r.local_bytes} B, "
             f"LDL {r.opcodes['LDL']}, STL {r.opcodes['STL']})",
             f"  occupancy: {r.occupancy[0]} per SM (programs; limited by {r.occupancy[1]})",
-            f"  global loads {_widths_text(r.loads)}   stores {_widths_text(r.stores)}",
+            f"  global loads {_widths_text(r.loads)}   stores {_widths_text(r.stores)}"
+            f"   copies to shared {_widths_text(r.copies)}",
             f"  mix {mix}",
         ]
     return "\n".join(lines)
@@ -321,6 +326,7 @@ DIFF_FIELDS = [  # (label, value of a report)
     ("narrower loads", lambda r: sum(n for bits, n in r.loads.items() if bits < 128)),
     ("128-bit stores", lambda r: r.stores[128]),
     ("narrower stores", lambda r: sum(n for bits, n in r.stores.items() if bits < 128)),
+    ("copies to shared", lambda r: sum(r.copies.values())),
     ("instructions", lambda r: sum(r.opcodes.values())),
 ]
 

@@ -1,0 +1,142 @@
+"""The Python share of an eager call's host time, measured without a GPU: every kernel launch is made a
+no-op, while the ops' recorded launches (``_launch.Plan``) are recorded and replayed as on a GPU, so
+a call costs exactly its Python (checks, keys, allocations, autograd) and nothing of the driver's.
+
+    python benchmarks/host_python.py OUT.json
+
+Inputs as ``host_calls.py`` (4 x 256 bf16 rows), on the CPU. Beside the ops: an autograd.Function
+that only allocates its output and its inputs' gradients (what any op defined in Python pays
+before its own work, autograd's engine included), and ``torch.empty_like``. Each figure is the
+least per-call time over REPEATS bursts of CALLS calls; the leaves' gradients are set to None
+before each forward and backward (accumulating into them would time a CPU add). The outputs are
+garbage (nothing runs):
+times only. A CPU's speed is its own; the split between the rows is what carries to the H200's host
+(``host_calls.py`` times the whole call there).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import timeit
+
+os.environ["TRITONKIT_INTERPRET"] = "1"  # the ops take their CPU paths; launches are faked below
+
+import torch  # noqa: E402
+
+import tritonkit  # noqa: E402
+from tritonkit import _launch  # noqa: E402
+from tritonkit.bench.runner import provenance  # noqa: E402
+
+ROWS, HIDDEN = 4, 256
+CALLS, REPEATS = 2000, 7
+COMMAND = "python benchmarks/host_python.py OUT.json"
+_NO_LAUNCH = (lambda *args: None, 0, False, False, None, (), None)  # a Launcher entry launching nothing
+
+
+class _NoLauncher:
+    """Every kernel's Launcher: launches nothing, and gives plans an entry that launches nothing."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __call__(self, grid, *args, **meta) -> None:
+        return None
+
+    def entry(self, args, meta):
+        return _NO_LAUNCH
+
+    def programs_per_sm(self, *args, **meta) -> int:
+        return 1 << 30
+
+
+def _fake_gpu() -> None:
+    """Plans record and replay (``_launch`` sees a native process on device -1); launches do nothing."""
+    _launch.launcher_of = _NoLauncher
+    _launch.interpret = lambda: False
+    torch._C._cuda_getDevice = lambda: -1
+    torch._C._cuda_getCurrentRawStream = lambda device: 0
+
+
+class _Allocating(torch.autograd.Function):
+    """The least a Python-defined op with a backward does: allocate its output, then its gradients."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.b_shape = b.shape
+        return torch.empty_like(a)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.empty_like(grad), grad.new_empty(ctx.b_shape)
+
+
+def _pairs() -> dict:
+    g = torch.Generator().manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.bfloat16)
+
+    x, w, b, wm = randn(ROWS, HIDDEN), randn(HIDDEN), randn(HIDDEN), randn(HIDDEN, HIDDEN) / HIDDEN**0.5
+    target = torch.randint(0, HIDDEN, (ROWS,), generator=g)
+    return {
+        "softmax": ((x,), lambda x: tritonkit.softmax(x, -1)),
+        "rms_norm": ((x, w), lambda x, w: tritonkit.rms_norm(x, HIDDEN, w)),
+        "layer_norm": ((x, w, b), lambda x, w, b: tritonkit.layer_norm(x, HIDDEN, w, b)),
+        "linear": ((x, wm), tritonkit.linear),
+        "cross_entropy": ((x, target), tritonkit.cross_entropy),
+        "autograd.Function allocating only": ((x, w), _Allocating.apply),
+        "torch.empty_like (no backward)": ((x,), torch.empty_like),
+    }
+
+
+def _per_call_us(call) -> float:
+    return min(timeit.repeat(call, number=CALLS, repeat=REPEATS)) / CALLS * 1e6
+
+
+def _row(name: str, inputs: tuple, call) -> dict:
+    leaves = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in inputs)
+    row = {"op": name, "forward_us": None, "forward_backward_us": None}
+    for _ in range(3):  # the first call of a signature records its plan; later ones replay it
+        call(*inputs)
+    row["forward_us"] = _per_call_us(lambda: call(*inputs))
+    out = call(*leaves)
+    if out.requires_grad:
+        grad = torch.randn_like(out)
+
+        def forward_backward():
+            for leaf in leaves:  # (accumulating into .grad would time a CPU add kernel)
+                leaf.grad = None
+            call(*leaves).backward(grad)
+
+        for _ in range(3):
+            forward_backward()
+        row["forward_backward_us"] = _per_call_us(forward_backward)
+    return row
+
+
+def main() -> None:
+    out = sys.argv[1]
+    _fake_gpu()
+    rows = []
+    for name, (inputs, call) in _pairs().items():
+        rows.append(_row(name, inputs, call))
+        both = rows[-1]["forward_backward_us"]
+        print(f"{name:36s} forward {rows[-1]['forward_us']:6.1f} us  forward + backward "
+              + (f"{both:6.1f} us" if both is not None else "-"), flush=True)  # fmt: skip
+    result = {
+        "command": COMMAND,
+        "rows": rows,
+        "cpu": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "shape": [ROWS, HIDDEN],
+        **provenance(),
+    }
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
