@@ -1,14 +1,17 @@
-"""Softmax's one-pass kernel with a row block a program against the same config persistent
-(``STAGES`` 2: the next block copied to shared memory while this one is reduced), forward and
-backward, untuned configs as a first call runs them, beside torch and a copy of as many bytes.
+"""Softmax's one-pass kernel, untuned as a first call runs it, against itself with each of its two
+switches flipped: ``STAGES`` (persistent programs, the next row block copied to shared memory while
+this one is reduced) and windows (rows that start off their vectors' alignment read as 16-byte
+vectors from each row's rounded-down offset, ``softmax.WINDOWS``); forward and backward, beside
+torch and a copy of as many bytes.
 
     python benchmarks/softmax_persistent.py OUT.json
 
-Shapes: the first sweep's one-pass rows that moved at 50-57% of the copy (rows of 2900-26350
-entries), tuned table shapes of 4096-32768 entries, and short rows. The calls take turns
-(``timing.interleaved_ms``); "spread" is the range of a call's turns over its median. GB/s from
-the bytes the op must move (fwd x and y, bwd y, dy and dx); "of copy" against ``torch.neg`` into
-another buffer of as many bytes, timed in the same turns.
+Shapes: the first sweep's one-pass rows that moved at 34-57% of the copy (rows of 76-26350
+entries), odd lengths (every row on another alignment), and tuned table shapes of 1024-32768
+entries. Each call is captured in a CUDA graph and the replays take turns
+(``timing.interleaved_ms``); "spread" is the range of a call's turns over its median. GB/s from the
+bytes the op must move (fwd x and y, bwd y, dy and dx); "of_copy" against ``torch.neg`` into
+another buffer of as many bytes, replayed in the same turns.
 """
 
 from __future__ import annotations
@@ -20,65 +23,96 @@ import torch
 
 import tritonkit.ops.softmax.softmax as sm
 from tritonkit.bench.sweep import untuned_calls
-from tritonkit.bench.timing import interleaved_ms
+from tritonkit.bench.timing import capture, interleaved_ms
 from tritonkit.ops.softmax.kernels import _default
 
 SHAPES = [
     ((17944, 9018), torch.bfloat16),  # 50% of copy in the first sweep
     ((5814, 26350), torch.float16),  # 52%
     ((21061, 2900), torch.bfloat16),  # 54%
+    ((162064, 76), torch.bfloat16),  # 34%
+    ((17944, 9017), torch.bfloat16),  # odd lengths: a window's head on every row
+    ((21061, 2901), torch.bfloat16),
+    ((63687, 195), torch.float32),  # 79% in the first sweep
     ((8192, 32768), torch.bfloat16),  # tuned: online won, one-pass 7% behind
     ((16384, 16384), torch.bfloat16),
-    ((4096, 16384), torch.float32),
     ((32768, 4096), torch.bfloat16),  # tuned: one-pass at 95% of copy
     ((65536, 1024), torch.bfloat16),
-    ((162064, 76), torch.bfloat16),  # 34% of copy in the first sweep
 ]
 COMMAND = "python benchmarks/softmax_persistent.py OUT.json"
 
 
-def _row(shape, dtype, direction) -> dict:
+def _tensors(shape, dtype, direction) -> tuple:
     g = torch.Generator(device="cuda").manual_seed(shape[1])
     x = torch.randn(shape, device="cuda", dtype=dtype, generator=g)
-    tensors = (x, torch.empty_like(x))
-    if direction == "bwd":
-        tensors = (
-            torch.softmax(x, -1),
-            torch.randn(shape, device="cuda", dtype=dtype, generator=g),
-            tensors[1],
-        )
+    if direction == "fwd":
+        return x, torch.empty_like(x)
+    dy = torch.randn(shape, device="cuda", dtype=dtype, generator=g)
+    return torch.softmax(x, -1), dy, torch.empty_like(x)
+
+
+def _variants(default: dict, windowed: bool) -> dict:
+    """name -> (config, windows on): the default and each switch flipped (windows only where taken)."""
+    flipped = {k: v for k, v in default.items() if k != "STAGES"} | (
+        {} if default.get("STAGES") else {"STAGES": 2}
+    )
+    variants = {"default": (default, True), "STAGES flipped": (flipped, True)}
+    if windowed:
+        variants["no window"] = (default, False)
+    return variants
+
+
+def _launcher(direction: str, config: dict, windows: bool, tensors: tuple):
     views = tuple(sm._as_3d(t, 1) for t in tensors)
     geometry = sm._geometry(views)
+
+    def call():
+        sm.WINDOWS = windows
+        try:
+            sm._launch(direction, config, False, views, geometry)
+        finally:
+            sm.WINDOWS = True
+
+    return call
+
+
+def _row(shape, dtype, direction) -> dict:
+    tensors = _tensors(shape, dtype, direction)
+    views = tuple(sm._as_3d(t, 1) for t in tensors)
     default = _default(sm._tuning_key(direction, views))
     if default["variant"] != "one-pass":
         raise ValueError(f"{shape} {direction}: the default is {default}, not the one-pass kernel")
-    plain = {k: v for k, v in default.items() if k != "STAGES"}
-    configs = {"one-pass": plain, "persistent": {**plain, "STAGES": 2}}
-    moved = x.numel() * x.element_size() * len(tensors)
-    copy_src = torch.empty(moved // 8, dtype=torch.float32, device="cuda")  # read moved / 2, write as much
-    copy_dst = torch.empty_like(copy_src)
-    calls = {
-        name: (lambda c=config: sm._launch(direction, c, False, views, geometry))
-        for name, config in configs.items()
-    }
-    calls["torch"] = (
-        (lambda: torch.softmax(x, -1))
+    window = sm._launch_args(direction, default, False, views, sm._geometry(views))[2]["WINDOW"]
+    variants = _variants(default, bool(window))
+    out = tensors[-1]
+    if direction == "fwd":
+        expected = torch.softmax(tensors[0], -1).float()
+    else:
+        expected = torch._softmax_backward_data(tensors[1], tensors[0], -1, dtype).float()
+    calls, errors = {}, {}
+    for name, (config, windows) in variants.items():
+        run = _launcher(direction, config, windows, tensors)
+        out.fill_(float("nan"))
+        run()
+        errors[name] = (out.float() - expected).abs().max().item()  # against torch (tests hold the oracle)
+        calls[name] = capture(lambda run=run: run)[0]
+    moved = sum(t.numel() * t.element_size() for t in tensors)
+    source = torch.empty(moved // 8, dtype=torch.float32, device="cuda")  # read moved / 2, write as much
+    target = torch.empty_like(source)
+    torch_call = (
+        (lambda: torch.softmax(tensors[0], -1))
         if direction == "fwd"
         else (lambda: torch._softmax_backward_data(tensors[1], tensors[0], -1, dtype))
     )
-    calls["copy"] = lambda: torch.neg(copy_src, out=copy_dst)
-    errors = {}
-    for name in configs:  # each kernel's output against torch's, in fp32 (the tests hold the oracle)
-        views[-1].fill_(float("nan"))
-        calls[name]()
-        expected = calls["torch"]().float()
-        errors[name] = (tensors[-1].float() - expected).abs().max().item()
+    calls["torch"] = capture(lambda: torch_call)[0]
+    calls["copy"] = capture(lambda: lambda: torch.neg(source, out=target))[0]
     ms, spread = interleaved_ms(calls)
     return {
         "shape": list(shape),
         "dtype": str(dtype).removeprefix("torch."),
         "direction": direction,
-        "default": default,
+        "variants": {name: {"config": c, "windows": w} for name, (c, w) in variants.items()},
+        "window": window,
         "max_err_vs_torch": errors,
         "ms": ms,
         "spread": spread,

@@ -54,7 +54,7 @@ def check(layout, direction, n, variant, dtype, log):
     if config["variant"] == "online":
         constexprs["PREFETCH"] = config.get("PREFETCH", False)
     else:
-        constexprs["STAGES"] = config.get("STAGES", 0)
+        constexprs |= {"STAGES": config.get("STAGES", 0), "WINDOW": 0}  # (rows of whole vectors here)
     signature = {a: f"*{dtype}" if a.endswith("_ptr") else "i32"
                  for a in kernel.arg_names if a not in constexprs}
     report = compile_kernel(kernel, signature, constexprs, config["num_warps"])
@@ -352,11 +352,13 @@ def test_the_launch_promises_the_alignment_its_rows_have():
 
 
 def test_rows_of_any_length_load_as_wide_as_their_alignment_allows():
-    """Compiled for sm_90: rows of 2900 and 76 bf16 entries (multiples of 4, not of 16) move in 8-byte
-    vectors, of 2904 (a multiple of 8) in 16-byte ones, forward and backward; Triton alone, which
-    specializes multiples of 16 only, loaded them an entry (2 bytes) at a time."""
+    """Compiled for sm_90: rows of 2904 bf16 entries (a multiple of 8: 16-byte rows) move in 16-byte
+    vectors through ALIGN; rows of 2900 and 76 (multiples of 4, whose rows start off 16 bytes) in
+    16-byte vectors through windows (test_softmax_window.py), their first and last vectors' entries
+    alone; forward and backward. Triton alone, which specializes multiples of 16 only, loaded them
+    an entry (2 bytes) at a time."""
     rows = sm90.access_widths("softmax", [(4096, 2900), (4096, 2904), (4096, 76)])
     assert len(rows) == 6
     for row in rows:
-        width = 128 if row["shape"][1] == 2904 else 64
-        assert set(row["loads"]) == {width} and set(row["stores"]) == {width}, row
+        widths = {128} if row["shape"][1] == 2904 else {128, 16}
+        assert set(row["loads"]) == widths and set(row["stores"]) == widths, row

@@ -68,3 +68,45 @@ def gelu_grad(z, APPROX_TANH: tl.constexpr):
     else:
         cdf = 0.5 * (1.0 + tl.math.erf(z * SQRT_HALF))
         return cdf + z * INV_SQRT_2PI * tl.exp(-0.5 * z * z)
+
+
+# Rows that start off their vectors' alignment (an odd row length in 16 bits, say): a row kernel
+# reads a window from each row's offset rounded down to WINDOW entries (16 bytes of the narrowest
+# dtype), so that every vector wholly inside the row is a 16-byte access, and takes the row's
+# entries in its first and last vectors (at most 2 x WINDOW - 2) one at a time. The launch passes
+# WINDOW only where every tensor starts 16-byte aligned and the tensors' row offsets agree modulo
+# WINDOW, so that one head serves them all.
+
+
+@triton.jit
+def window_base(offsets, WINDOW: tl.constexpr):
+    """(base, head): each row's offset rounded down to a multiple of WINDOW (so written that Triton
+    knows it) and how far past the base the row starts (int32, below WINDOW)."""
+    base = offsets // WINDOW * WINDOW
+    return base, (offsets - base).to(tl.int32)
+
+
+@triton.jit
+def window_interior(head, N, row_mask, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr):
+    """Over a (rows, BLOCK_N) window from each row's base: the vectors of WINDOW entries wholly in the
+    row, as a mask constant along each vector (loads and stores under it stay vectors)."""
+    vector = tl.arange(0, BLOCK_N) // WINDOW * WINDOW
+    return (
+        row_mask[:, None]
+        & (vector[None, :] >= head[:, None])
+        & (vector[None, :] + WINDOW <= head[:, None] + N)
+    )
+
+
+@triton.jit
+def window_edges(head, N, row_mask, WINDOW: tl.constexpr):
+    """(positions, mask): the row's entries outside window_interior's vectors, which lie in its first
+    and last vectors: 2 x WINDOW positions from the base, and which are the row's (each entry once,
+    where the first vector is the last too)."""
+    e = tl.arange(0, 2 * WINDOW)[None, :]
+    last = ((head + N - 1) // WINDOW * WINDOW)[:, None]
+    positions = tl.where(e < WINDOW, e, last + e - WINDOW)
+    vector = positions // WINDOW * WINDOW
+    interior = (vector >= head[:, None]) & (vector + WINDOW <= head[:, None] + N)
+    in_row = (positions >= head[:, None]) & (positions < head[:, None] + N)
+    return positions, row_mask[:, None] & in_row & ~interior & ((e < WINDOW) | (last > 0))

@@ -10,7 +10,7 @@ from __future__ import annotations
 from tritonkit._launch import next_power_of_2
 from tritonkit._runtime import current_device, sm_count
 from tritonkit._triton import tl, triton
-from tritonkit.jit import LN2, LOG2E, aligned
+from tritonkit.jit import LN2, LOG2E, aligned, window_base, window_edges, window_interior
 
 
 @triton.jit
@@ -288,6 +288,7 @@ def _softmax_fwd_kernel(
     BLOCK_N: tl.constexpr,  # power of two >= N: the whole row is one tile
     ALIGN: tl.constexpr,  # N and the row and outer strides are multiples of it (jit.aligned)
     STAGES: tl.constexpr,  # 0: a row block a program; else persistent, STAGES row blocks in flight
+    WINDOW: tl.constexpr,  # 0, or rows read in windows of vectors of WINDOW entries (jit.window_base)
 ):
     if STAGES == 0:
         _softmax_fwd_block(
@@ -308,6 +309,7 @@ def _softmax_fwd_kernel(
             BLOCK_M,
             BLOCK_N,
             ALIGN,
+            WINDOW,
         )
     else:  # the pipeliner loads the next block into shared memory while this one is reduced
         for block in tl.range(tl.program_id(0), blocks, tl.num_programs(0), num_stages=STAGES):
@@ -329,6 +331,7 @@ def _softmax_fwd_kernel(
                 BLOCK_M,
                 BLOCK_N,
                 ALIGN,
+                WINDOW,
             )
 
 
@@ -351,23 +354,61 @@ def _softmax_fwd_block(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ALIGN: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     """The one-pass forward of row block ``block`` (this program's where None)."""
-    N = aligned(N, ALIGN)
-    x_rows, row_mask = _row_offsets(R, row_blocks, stride_xo, stride_xr, BLOCK_M, ALIGN, block)
-    y_rows, _ = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M, ALIGN, block)
-    cols = tl.arange(0, BLOCK_N)
-    mask = row_mask[:, None] & (cols < N)[None, :]
-    x = tl.load(_tile(x_ptr, x_rows, cols, stride_xn), mask=mask, other=-float("inf"))
-    x = x.to(tl.float32)
-    m = tl.max(x, axis=1)
-    e = _exp_shifted(x, m)
-    s = _row_sum(e, SUM_FP64=SUM_FP64)
-    if LOG:
-        y = (x - m[:, None]) - _log(s)[:, None]
+    if WINDOW > 0:
+        _softmax_fwd_window(
+            x_ptr, y_ptr, block, R, N, row_blocks, stride_xo, stride_xr, stride_yo, stride_yr,
+            LOG, SUM_FP64, BLOCK_M, BLOCK_N, WINDOW,
+        )  # fmt: skip
     else:
-        y = e * (1.0 / s)[:, None]
-    tl.store(_tile(y_ptr, y_rows, cols, stride_yn), y.to(y_ptr.dtype.element_ty), mask=mask)
+        N = aligned(N, ALIGN)
+        x_rows, row_mask = _row_offsets(R, row_blocks, stride_xo, stride_xr, BLOCK_M, ALIGN, block)
+        y_rows, _ = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M, ALIGN, block)
+        cols = tl.arange(0, BLOCK_N)
+        mask = row_mask[:, None] & (cols < N)[None, :]
+        x = tl.load(_tile(x_ptr, x_rows, cols, stride_xn), mask=mask, other=-float("inf"))
+        x = x.to(tl.float32)
+        m = tl.max(x, axis=1)
+        e = _exp_shifted(x, m)
+        s = _row_sum(e, SUM_FP64=SUM_FP64)
+        if LOG:
+            y = (x - m[:, None]) - _log(s)[:, None]
+        else:
+            y = e * (1.0 / s)[:, None]
+        tl.store(_tile(y_ptr, y_rows, cols, stride_yn), y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _softmax_fwd_window(
+    x_ptr, y_ptr, block, R, N, row_blocks, stride_xo, stride_xr, stride_yo, stride_yr,
+    LOG: tl.constexpr, SUM_FP64: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    WINDOW: tl.constexpr,
+):  # fmt: skip
+    """The one-pass forward over rows that start off their vectors' alignment (jit.window_base): the
+    vectors inside each row in 16-byte accesses, the entries of its first and last vectors alone,
+    reduced together. Entries are contiguous; x's and y's row offsets agree modulo WINDOW."""
+    x_rows, row_mask = _row_offsets(R, row_blocks, stride_xo, stride_xr, BLOCK_M, 1, block)
+    y_rows, _ = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M, 1, block)
+    x_base, head = window_base(x_rows, WINDOW)
+    y_base, _ = window_base(y_rows, WINDOW)
+    inner = window_interior(head, N, row_mask, BLOCK_N, WINDOW)
+    edges, on_edge = window_edges(head, N, row_mask, WINDOW)
+    cols = tl.arange(0, BLOCK_N)[None, :]
+    x = tl.load(x_ptr + x_base[:, None] + cols, mask=inner, other=-float("inf")).to(tl.float32)
+    x_edge = tl.load(x_ptr + x_base[:, None] + edges, mask=on_edge, other=-float("inf")).to(tl.float32)
+    m = tl.maximum(tl.max(x, axis=1), tl.max(x_edge, axis=1))
+    e, e_edge = _exp_shifted(x, m), _exp_shifted(x_edge, m)
+    s = _row_sum(e, SUM_FP64=SUM_FP64) + _row_sum(e_edge, SUM_FP64=SUM_FP64)
+    if LOG:
+        log_s = _log(s)[:, None]
+        y, y_edge = (x - m[:, None]) - log_s, (x_edge - m[:, None]) - log_s
+    else:
+        scale = (1.0 / s)[:, None]
+        y, y_edge = e * scale, e_edge * scale
+    tl.store(y_ptr + y_base[:, None] + cols, y.to(y_ptr.dtype.element_ty), mask=inner)
+    tl.store(y_ptr + y_base[:, None] + edges, y_edge.to(y_ptr.dtype.element_ty), mask=on_edge)
 
 
 # Online forward: BLOCK_N is a chunk of the row; each pass holds one chunk at a time.
@@ -508,6 +549,7 @@ def _softmax_bwd_kernel(
     BLOCK_N: tl.constexpr,  # power of two >= N: the whole row is one tile
     ALIGN: tl.constexpr,  # N and the row and outer strides are multiples of it (jit.aligned)
     STAGES: tl.constexpr,  # 0: a row block a program; else persistent, STAGES row blocks in flight
+    WINDOW: tl.constexpr,  # 0, or rows read in windows of vectors of WINDOW entries (jit.window_base)
 ):
     if STAGES == 0:
         _softmax_bwd_block(
@@ -532,6 +574,7 @@ def _softmax_bwd_kernel(
             BLOCK_M,
             BLOCK_N,
             ALIGN,
+            WINDOW,
         )
     else:  # as the forward's
         for block in tl.range(tl.program_id(0), blocks, tl.num_programs(0), num_stages=STAGES):
@@ -557,6 +600,7 @@ def _softmax_bwd_kernel(
                 BLOCK_M,
                 BLOCK_N,
                 ALIGN,
+                WINDOW,
             )
 
 
@@ -583,20 +627,56 @@ def _softmax_bwd_block(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ALIGN: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     """The one-pass backward of row block ``block`` (this program's where None)."""
-    N = aligned(N, ALIGN)
-    y_rows, row_mask = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M, ALIGN, block)
-    dy_rows, _ = _row_offsets(R, row_blocks, stride_dyo, stride_dyr, BLOCK_M, ALIGN, block)
-    dx_rows, _ = _row_offsets(R, row_blocks, stride_dxo, stride_dxr, BLOCK_M, ALIGN, block)
-    cols = tl.arange(0, BLOCK_N)
-    mask = row_mask[:, None] & (cols < N)[None, :]
-    # kept as loaded: a 16-bit row takes half the registers of its fp32 widening
-    y = tl.load(_tile(y_ptr, y_rows, cols, stride_yn), mask=mask, other=0.0)
-    dy = tl.load(_tile(dy_ptr, dy_rows, cols, stride_dyn), mask=mask, other=0.0)
-    dot = _row_dot(y.to(tl.float32), dy.to(tl.float32), LOG=LOG, SUM_FP64=SUM_FP64).to(tl.float32)
+    if WINDOW > 0:
+        _softmax_bwd_window(
+            y_ptr, dy_ptr, dx_ptr, block, R, N, row_blocks, stride_yo, stride_yr, stride_dyo, stride_dyr,
+            stride_dxo, stride_dxr, LOG, SUM_FP64, BLOCK_M, BLOCK_N, WINDOW,
+        )  # fmt: skip
+    else:
+        N = aligned(N, ALIGN)
+        y_rows, row_mask = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M, ALIGN, block)
+        dy_rows, _ = _row_offsets(R, row_blocks, stride_dyo, stride_dyr, BLOCK_M, ALIGN, block)
+        dx_rows, _ = _row_offsets(R, row_blocks, stride_dxo, stride_dxr, BLOCK_M, ALIGN, block)
+        cols = tl.arange(0, BLOCK_N)
+        mask = row_mask[:, None] & (cols < N)[None, :]
+        # kept as loaded: a 16-bit row takes half the registers of its fp32 widening
+        y = tl.load(_tile(y_ptr, y_rows, cols, stride_yn), mask=mask, other=0.0)
+        dy = tl.load(_tile(dy_ptr, dy_rows, cols, stride_dyn), mask=mask, other=0.0)
+        dot = _row_dot(y.to(tl.float32), dy.to(tl.float32), LOG=LOG, SUM_FP64=SUM_FP64).to(tl.float32)
+        dx = _input_grad(_widen_again(y), _widen_again(dy), dot, LOG=LOG)
+        tl.store(_tile(dx_ptr, dx_rows, cols, stride_dxn), dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _softmax_bwd_window(
+    y_ptr, dy_ptr, dx_ptr, block, R, N, row_blocks, stride_yo, stride_yr, stride_dyo, stride_dyr,
+    stride_dxo, stride_dxr, LOG: tl.constexpr, SUM_FP64: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
+):  # fmt: skip
+    """The one-pass backward in windows, as _softmax_fwd_window: y's, dy's and dx's row offsets agree
+    modulo WINDOW."""
+    y_rows, row_mask = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M, 1, block)
+    dy_rows, _ = _row_offsets(R, row_blocks, stride_dyo, stride_dyr, BLOCK_M, 1, block)
+    dx_rows, _ = _row_offsets(R, row_blocks, stride_dxo, stride_dxr, BLOCK_M, 1, block)
+    y_base, head = window_base(y_rows, WINDOW)
+    dy_base, _ = window_base(dy_rows, WINDOW)
+    dx_base, _ = window_base(dx_rows, WINDOW)
+    inner = window_interior(head, N, row_mask, BLOCK_N, WINDOW)
+    edges, on_edge = window_edges(head, N, row_mask, WINDOW)
+    cols = tl.arange(0, BLOCK_N)[None, :]
+    y = tl.load(y_ptr + y_base[:, None] + cols, mask=inner, other=0.0)  # 16-bit kept, as the plain kernel
+    dy = tl.load(dy_ptr + dy_base[:, None] + cols, mask=inner, other=0.0)
+    y_edge = tl.load(y_ptr + y_base[:, None] + edges, mask=on_edge, other=0.0).to(tl.float32)
+    dy_edge = tl.load(dy_ptr + dy_base[:, None] + edges, mask=on_edge, other=0.0).to(tl.float32)
+    dot = _row_dot(y.to(tl.float32), dy.to(tl.float32), LOG=LOG, SUM_FP64=SUM_FP64)
+    dot = (dot + _row_dot(y_edge, dy_edge, LOG=LOG, SUM_FP64=SUM_FP64)).to(tl.float32)
     dx = _input_grad(_widen_again(y), _widen_again(dy), dot, LOG=LOG)
-    tl.store(_tile(dx_ptr, dx_rows, cols, stride_dxn), dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    tl.store(dx_ptr + dx_base[:, None] + cols, dx.to(dx_ptr.dtype.element_ty), mask=inner)
+    dx_edge = _input_grad(y_edge, dy_edge, dot, LOG=LOG)
+    tl.store(dx_ptr + dx_base[:, None] + edges, dx_edge.to(dx_ptr.dtype.element_ty), mask=on_edge)
 
 
 @triton.jit

@@ -19,6 +19,9 @@ Kernels, selectable by name (``VARIANTS``):
             (BLOCK_M > 1), so each program still moves a few kilobytes. With STAGES, persistent:
             as many programs as the SMs hold walk the row blocks, each block's load copied to
             shared memory while the one before is reduced (the untuned default on long rows).
+            Rows that start off their 16-byte vectors (odd lengths) are read in windows from each
+            row's rounded-down offset: the vectors inside a row whole, its ends an entry at a time
+            (``WINDOWS``, ``_launch.row_window``).
   online    rows too long for registers: pass 1 reads the row in chunks keeping a running max and
             rescaled sum (Milakov & Gimelshein, "Online normalizer calculation for softmax", 2018);
             pass 2 reads it again, backwards, and writes y. Walking backwards re-reads first the
@@ -51,7 +54,15 @@ import math
 import torch
 
 from tritonkit import tuning
-from tritonkit._launch import Launch, call_signature, cdiv, launcher_of, next_power_of_2, row_align
+from tritonkit._launch import (
+    Launch,
+    call_signature,
+    cdiv,
+    launcher_of,
+    next_power_of_2,
+    row_align,
+    row_window,
+)
 from tritonkit._runtime import check_device, empty_output, interpret, sm_count
 from tritonkit.dtypes import FLOATS, NAME_OF
 from tritonkit.opdef import first_derivative_only, op
@@ -129,6 +140,21 @@ def _align(tensors: tuple, geometry: tuple) -> int:
     return row_align(values, min(t.element_size() for t in tensors))
 
 
+# Whether the one-pass kernels read rows that start off their vectors' alignment in windows
+# (``_window``); False keeps them on ALIGN's narrower accesses (what a test compares them with).
+WINDOWS = True
+
+
+def _window(tensors: tuple, geometry: tuple, block_n: int) -> int:
+    """The one-pass kernels' WINDOW (``_launch.row_window``) where every view's entries are contiguous
+    (rows layout); else 0. Over one outer slice the outer strides play no part."""
+    outer, _, n, strides = geometry
+    views = [strides[i : i + 3] for i in range(0, len(strides), 3)]
+    if not WINDOWS or any(view[2] != 1 for view in views):
+        return 0
+    return row_window(n, [(view[0] if outer > 1 else 0, view[1]) for view in views], tensors, block_n)
+
+
 def _launch_args(
     direction: str, config: dict, log: bool, tensors: tuple, geometry: tuple, phase: int = 0
 ) -> tuple[tuple, tuple, dict]:
@@ -155,6 +181,9 @@ def _launch_args(
     if config["variant"] == "online":
         return (blocks,), (*tensors, rows, n, row_blocks, *strides), meta
     meta["STAGES"] = stages = config.get("STAGES", 0)
+    meta["WINDOW"] = _window(tensors, geometry, block_n)
+    if meta["WINDOW"]:
+        meta["ALIGN"] = 1  # (the windows' bases carry the alignment)
     args = (*tensors, rows, n, row_blocks, *strides, blocks)
     if not stages:
         return (blocks,), args, meta
