@@ -12,7 +12,7 @@ import test_softmax
 import tritonkit.ops.softmax.softmax as sm
 from grids import case_id, in_turn
 from test_softmax import BF16, F16, F32, _check, _inputs
-from tritonkit import opdef
+from tritonkit import opdef, tuning
 from tritonkit._launch import row_window
 from tritonkit.testing import generator, random_tensor
 
@@ -103,3 +103,16 @@ def test_windows_compile_to_vectors_inside_rows_and_single_entries_at_their_ends
         assert set(row["loads"]) == {128, 16} and set(row["stores"]) == {128, 16}, row
         # the 16-bit accesses are the edges' (2 x 8 entries a row, y and dy backward): few instructions
         assert row["loads"][16] <= 2 * 8 * (1 if row["launch"].startswith("fwd") else 2), row
+
+
+GPU_WINDOWED = [((4099, 2901), BF16), ((1000, 9017), BF16), ((3, 16001), F32), ((50000, 77), F16)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, dtype", GPU_WINDOWED, ids=str)
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+def test_windows_on_the_gpu(shape, dtype, log, windows, device):
+    """Compiled: the vectors' masks, the ends' single entries, with STAGES where the default persists."""
+    with tuning.disabled():
+        _check(*_inputs(shape, dtype, device, seed=93), log=log)
+    assert {window for _, window in windows} == {4 if dtype == F32 else 8}, windows
