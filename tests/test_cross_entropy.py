@@ -162,6 +162,8 @@ def test_bad_input_is_refused_by_name(change, error, message, device):
         (512, 262144, BF16, {"label_smoothing": 0.1, "z_loss": 1e-4}),
         (2048, 50304, F16, {"softcap": 30.0, "reduction": "sum"}),
         (777, 151936, F32, {"weight": True, "reduction": "none"}),
+        (1024, 50257, BF16, {"label_smoothing": 0.1}),  # GPT-2's odd vocabulary: in windows
+        (333, 32001, F32, {"weight": True, "label_smoothing": 0.1, "reduction": "none"}),
     ],
 )
 def test_gpu_vocabulary_sized_rows_match_the_reference(rows, classes, dtype, features, device):
@@ -192,16 +194,35 @@ def test_gpu_logits_past_2_to_the_31_elements(device):
 
 
 def test_vocabularies_of_any_size_load_as_wide_as_their_alignment_allows():
-    """Logits of 32004 classes (a multiple of 4, not of 16) load in 8-byte vectors and their
-    gradient stores so, 32008 in 16-byte ones (``_launch.row_align``), where Triton alone moved them
-    an entry at a time; the target's logit, gathered alone, stays a single entry."""
+    """Logits of 32008 classes (a multiple of 8: 16-byte rows) load in 16-byte vectors and their
+    gradient stores so (``_launch.row_align``); of 32004 (rows off 16 bytes) in 16-byte vectors
+    through windows, the ends of each row an entry at a time (``_launch.row_window``). Triton alone
+    moved them an entry at a time. The target's logit, gathered alone, stays a single entry."""
     import sm90
 
     rows = sm90.access_widths("cross_entropy", [(512, 32004), (512, 32008)])
     for row in rows:
-        width = 128 if row["shape"][1] == 32008 else 64
-        if row["launch"] in ("fwd", "bwd"):  # one 16-bit load: the target's logit, gathered alone
-            assert width in row["loads"] and row["loads"].get(16, 0) == 1, row
+        windowed = row["shape"][1] == 32004
+        if row["launch"] in ("fwd", "bwd"):  # 16-bit: the target's logit (and the ends, in windows)
+            assert 128 in row["loads"] and (row["loads"].get(16, 0) > 1) == windowed, row
+            # between: a row's target (64 bits), its lse and upstream gradient (32): single values
+            assert {bits for bits in row["loads"] if 16 < bits < 128} <= {32, 64}, row
         if row["launch"] == "bwd":
-            assert set(row["stores"]) == {width}, row
+            assert set(row["stores"]) == ({128, 16} if windowed else {128}), row
     assert {row["launch"] for row in rows} >= {"fwd", "bwd"}
+
+
+# Vocabularies whose rows start off their vectors (odd: every row on another alignment), read in
+# windows and (WINDOWS off) an entry at a time, with the features that read class weights by class.
+ODD_FEATURES = [{}, {"weight": True, "label_smoothing": 0.2}, {"softcap": 3.0, "reduction": "none"}]
+ODD = in_turn([33, 8195, 50257], ODD_FEATURES, [True, False], last=[BF16, F32])
+
+
+@pytest.mark.parametrize("classes, features, windows, dtype", ODD, ids=map(case_id, ODD))
+def test_odd_vocabularies_in_windows_and_without(classes, features, windows, dtype, monkeypatch, device):
+    monkeypatch.setattr(ce, "WINDOWS", windows)
+    kwargs = dict(features)
+    x, target, weight = _inputs(5, classes, dtype, device, seed=classes)
+    _check(x, target, weight if kwargs.pop("weight", False) else None, **kwargs)
+    launch = ce._fwd_launches(x, target, None, (-100, "mean", 0.0, 0.0, 0.0), ce._outputs(x, "mean", True))[0]
+    assert launch.meta["WINDOW"] == ((4 if dtype == F32 else 8) if windows else 0)

@@ -87,26 +87,22 @@ def window_base(offsets, WINDOW: tl.constexpr):
 
 
 @triton.jit
-def window_interior(head, N, row_mask, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr):
-    """Over a (rows, BLOCK_N) window from each row's base: the vectors of WINDOW entries wholly in the
-    row, as a mask constant along each vector (loads and stores under it stay vectors)."""
-    vector = tl.arange(0, BLOCK_N) // WINDOW * WINDOW
-    return (
-        row_mask[:, None]
-        & (vector[None, :] >= head[:, None])
-        & (vector[None, :] + WINDOW <= head[:, None] + N)
-    )
+def window_interior(positions, head, N, WINDOW: tl.constexpr):
+    """Which ``positions`` (from a row's window base, ``head`` broadcasting against them) lie in
+    vectors of WINDOW entries wholly in the row: a mask constant along each vector, under which
+    loads and stores stay vectors."""
+    vector = positions // WINDOW * WINDOW
+    return (vector >= head) & (vector + WINDOW <= head + N)
 
 
 @triton.jit
-def window_edges(head, N, row_mask, WINDOW: tl.constexpr):
+def window_edges(head, N, WINDOW: tl.constexpr):
     """(positions, mask): the row's entries outside window_interior's vectors, which lie in its first
-    and last vectors: 2 x WINDOW positions from the base, and which are the row's (each entry once,
-    where the first vector is the last too)."""
-    e = tl.arange(0, 2 * WINDOW)[None, :]
-    last = ((head + N - 1) // WINDOW * WINDOW)[:, None]
+    and last vectors: 2 x WINDOW positions from the base (a scalar ``head``, or a (rows, 1) one for
+    a tile of rows), and which are the row's (each entry once, where the first vector is the last)."""
+    e = tl.arange(0, 2 * WINDOW)
+    last = (head + N - 1) // WINDOW * WINDOW
     positions = tl.where(e < WINDOW, e, last + e - WINDOW)
-    vector = positions // WINDOW * WINDOW
-    interior = (vector >= head[:, None]) & (vector + WINDOW <= head[:, None] + N)
-    in_row = (positions >= head[:, None]) & (positions < head[:, None] + N)
-    return positions, row_mask[:, None] & in_row & ~interior & ((e < WINDOW) | (last > 0))
+    in_row = (positions >= head) & (positions < head + N)
+    first_or_other = (e < WINDOW) | (last > 0)
+    return positions, in_row & ~window_interior(positions, head, N, WINDOW) & first_or_other

@@ -17,6 +17,10 @@ reads them again and writes their gradient (2 N C s). The least a fused step cou
 fewer: a forward that kept each row on chip until its gradient was written, which a row of 128K
 logits (256 KB in bf16) does not allow one program. A handful of FLOPs an element: memory-bound.
 
+Rows whose logits start off their 16-byte vectors (an odd vocabulary: GPT-2's 50257) are read in
+windows from each row's rounded-down offset, the vectors inside the row whole and its ends an
+entry at a time (``WINDOWS``, ``_launch.row_window``, ``jit.window_base``).
+
 A row's target outside 0..C-1 (other than ignore_index) is marked, not raised (raising would read
 the targets on the host): that row's loss, and so a sum or mean, is NaN, and so is its gradient.
 """
@@ -27,11 +31,11 @@ import math
 
 import torch
 
-from tritonkit._launch import Launch, next_power_of_2, row_align
+from tritonkit._launch import VECTOR_BYTES, Launch, next_power_of_2, row_align, row_window
 from tritonkit._runtime import empty_output
 from tritonkit._triton import tl, triton
 from tritonkit.dtypes import FLOATS
-from tritonkit.jit import LOG2E, aligned, tanh_and_sech2
+from tritonkit.jit import LOG2E, aligned, tanh_and_sech2, window_base, window_edges, window_interior
 from tritonkit.opdef import check_tensor, first_derivative_only, op
 from tritonkit.ops import Op, Workload
 
@@ -51,6 +55,81 @@ def _capped(x, softcap, HAS_SOFTCAP: tl.constexpr):
         return softcap * t
     else:
         return x
+
+
+@triton.jit
+def _row_sums(
+    x_row, weight_ptr, C, stride_xc, softcap, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """A row's (max, sum of exp(x - max), sum_c w_c x_c, sum_c w_c), the last two for smoothing."""
+    m = -float("inf")  # running max
+    s = 0.0  # running sum of exp(x - m)
+    sum_wx = 0.0  # HAS_SMOOTHING: sum_c w_c x_c
+    sum_w = 0.0  # HAS_SMOOTHING and HAS_WEIGHT: sum_c w_c
+    for start in range(0, C, BLOCK_C):
+        cols = start + tl.arange(0, BLOCK_C)
+        mask = cols < C
+        x = _capped(
+            tl.load(x_row + cols * stride_xc, mask=mask, other=0.0).to(tl.float32), softcap, HAS_SOFTCAP
+        )
+        x = tl.where(mask, x, -float("inf"))
+        m_new = tl.maximum(m, tl.max(x, 0))
+        s = s * tl.exp2((m - m_new) * LOG2E) + tl.sum(tl.exp2((x - m_new) * LOG2E), 0)
+        m = m_new
+        if HAS_SMOOTHING:
+            if HAS_WEIGHT:
+                w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                sum_wx += tl.sum(w * tl.where(mask, x, 0.0), 0)
+                sum_w += tl.sum(w, 0)
+            else:
+                sum_wx += tl.sum(tl.where(mask, x, 0.0), 0)
+    return m, s, sum_wx, sum_w
+
+
+@triton.jit
+def _window_sums(
+    x, classes, mask, weight_ptr, m, s, sum_wx, sum_w, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr
+):
+    """_row_sums' step over ``x`` (-inf where not the row's) at ``classes`` under ``mask``, where a
+    step may hold none of the row (a max of -inf shifts by 0)."""
+    m_new = tl.maximum(m, tl.max(x, 0))
+    shift = tl.where(m_new == -float("inf"), 0.0, m_new)
+    s = s * tl.exp2((m - shift) * LOG2E) + tl.sum(tl.exp2((x - shift) * LOG2E), 0)
+    if HAS_SMOOTHING:
+        if HAS_WEIGHT:
+            w = tl.load(weight_ptr + classes, mask=mask, other=0.0).to(tl.float32)
+            sum_wx += tl.sum(w * tl.where(mask, x, 0.0), 0)
+            sum_w += tl.sum(w, 0)
+        else:
+            sum_wx += tl.sum(tl.where(mask, x, 0.0), 0)
+    return m_new, s, sum_wx, sum_w
+
+
+@triton.jit
+def _row_sums_in_window(
+    x_ptr, weight_ptr, offset, C, softcap, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, BLOCK_C: tl.constexpr, WINDOW: tl.constexpr,
+):  # fmt: skip
+    """_row_sums of the row at ``offset`` (entries contiguous) read in a window: its vectors in
+    16-byte accesses, the entries of its first and last vectors alone (jit.window_edges)."""
+    base, head = window_base(offset, WINDOW)
+    x_window = x_ptr + base
+    edges, on_edge = window_edges(head, C, WINDOW)
+    x_edge = tl.load(x_window + edges, mask=on_edge, other=0.0).to(tl.float32)
+    x_edge = tl.where(on_edge, _capped(x_edge, softcap, HAS_SOFTCAP), -float("inf"))
+    m, s, sum_wx, sum_w = _window_sums(
+        x_edge, edges - head, on_edge, weight_ptr, -float("inf"), 0.0, 0.0, 0.0, HAS_WEIGHT, HAS_SMOOTHING
+    )
+    for start in range(0, head + C, BLOCK_C):
+        positions = start + tl.arange(0, BLOCK_C)
+        inner = window_interior(positions, head, C, WINDOW)
+        x = tl.load(x_window + positions, mask=inner, other=0.0).to(tl.float32)
+        x = tl.where(inner, _capped(x, softcap, HAS_SOFTCAP), -float("inf"))
+        m, s, sum_wx, sum_w = _window_sums(
+            x, positions - head, inner, weight_ptr, m, s, sum_wx, sum_w, HAS_WEIGHT, HAS_SMOOTHING
+        )
+    return m, s, sum_wx, sum_w
 
 
 @triton.jit
@@ -76,32 +155,21 @@ def _cross_entropy_fwd_kernel(
     HAS_DIVISOR: tl.constexpr,
     BLOCK_C: tl.constexpr,  # logits a step
     ALIGN: tl.constexpr,  # C and the row stride are multiples of it (jit.aligned)
+    WINDOW: tl.constexpr,  # 0, or the row read in windows of vectors of WINDOW entries (jit.window_base)
 ):
     C = aligned(C, ALIGN)
     stride_xn = aligned(stride_xn, ALIGN)
     row = tl.program_id(0).to(tl.int64)  # int64: N * C may pass 2^31
     x_row = x_ptr + row * stride_xn
-    m = -float("inf")  # running max
-    s = 0.0  # running sum of exp(x - m)
-    sum_wx = 0.0  # HAS_SMOOTHING: sum_c w_c x_c
-    sum_w = 0.0  # HAS_SMOOTHING and HAS_WEIGHT: sum_c w_c
-    for start in range(0, C, BLOCK_C):
-        cols = start + tl.arange(0, BLOCK_C)
-        mask = cols < C
-        x = _capped(
-            tl.load(x_row + cols * stride_xc, mask=mask, other=0.0).to(tl.float32), softcap, HAS_SOFTCAP
+    if WINDOW > 0:  # rows off their vectors' alignment: see jit.window_base
+        m, s, sum_wx, sum_w = _row_sums_in_window(
+            x_ptr, weight_ptr, row * stride_xn, C, softcap,
+            HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, BLOCK_C, WINDOW,
+        )  # fmt: skip
+    else:
+        m, s, sum_wx, sum_w = _row_sums(
+            x_row, weight_ptr, C, stride_xc, softcap, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, BLOCK_C
         )
-        x = tl.where(mask, x, -float("inf"))
-        m_new = tl.maximum(m, tl.max(x, 0))
-        s = s * tl.exp2((m - m_new) * LOG2E) + tl.sum(tl.exp2((x - m_new) * LOG2E), 0)
-        m = m_new
-        if HAS_SMOOTHING:
-            if HAS_WEIGHT:
-                w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-                sum_wx += tl.sum(w * tl.where(mask, x, 0.0), 0)
-                sum_w += tl.sum(w, 0)
-            else:
-                sum_wx += tl.sum(tl.where(mask, x, 0.0), 0)
     lse = m + tl.log(s)
 
     target = tl.load(target_ptr + row * stride_t)
@@ -204,6 +272,7 @@ def _cross_entropy_bwd_kernel(
     HAS_LSE_GRAD: tl.constexpr,
     BLOCK_C: tl.constexpr,
     ALIGN: tl.constexpr,  # C, col0 and the row stride are multiples of it (jit.aligned)
+    WINDOW: tl.constexpr,  # 0, or the row read in windows of vectors of WINDOW entries (jit.window_base)
 ):
     C = aligned(C, ALIGN)
     col0 = aligned(col0, ALIGN)
@@ -232,27 +301,108 @@ def _cross_entropy_bwd_kernel(
         coef += 2.0 * z_loss * lse
     if HAS_LSE_GRAD:
         h = tl.load(grad_lse_ptr + row * stride_gl)
-    for start in range(0, C, BLOCK_C):
-        cols = start + tl.arange(0, BLOCK_C)
-        mask = cols < C
-        x = tl.load(x_row + cols * stride_xc, mask=mask, other=0.0).to(tl.float32)
-        if HAS_SOFTCAP:
-            t, sech2 = tanh_and_sech2(x / softcap)
-            x = softcap * t
-        p = tl.exp2((x - lse) * LOG2E)
-        d = p * coef - tl.where(cols + col0 == target, (1.0 - smoothing) * w_t, 0.0)
-        if HAS_SMOOTHING:
-            if HAS_WEIGHT:
-                w = tl.load(weight_ptr + col0 + cols, mask=mask, other=0.0).to(tl.float32)
-                d -= smoothing / C_ALL * w
-            else:
-                d -= smoothing / C_ALL
-        d = g * d
-        if HAS_LSE_GRAD:
-            d += h * p
-        if HAS_SOFTCAP:
-            d *= sech2
-        tl.store(dx_ptr + row * C + cols, d.to(dx_ptr.dtype.element_ty), mask=mask)
+    if not HAS_LSE_GRAD:
+        h = 0.0
+    if WINDOW > 0:  # rows off their vectors' alignment (jit.window_base); x and dx share a head
+        x_base, head = window_base(row * stride_xn, WINDOW)
+        dx_base, _ = window_base(row * C, WINDOW)
+        edges, on_edge = window_edges(head, C, WINDOW)  # first: dx may be x, read before written
+        x_edge = tl.load(x_ptr + x_base + edges, mask=on_edge, other=0.0).to(tl.float32)
+        d_edge = _logit_grads(
+            x_edge,
+            edges - head + col0,
+            on_edge,
+            target,
+            weight_ptr,
+            lse,
+            coef,
+            w_t,
+            g,
+            h,
+            smoothing,
+            softcap,
+            C_ALL,
+            HAS_WEIGHT,
+            HAS_SMOOTHING,
+            HAS_SOFTCAP,
+            HAS_LSE_GRAD,
+        )
+        tl.store(dx_ptr + dx_base + edges, d_edge.to(dx_ptr.dtype.element_ty), mask=on_edge)
+        for start in range(0, head + C, BLOCK_C):
+            positions = start + tl.arange(0, BLOCK_C)
+            inner = window_interior(positions, head, C, WINDOW)
+            x = tl.load(x_ptr + x_base + positions, mask=inner, other=0.0).to(tl.float32)
+            d = _logit_grads(
+                x,
+                positions - head + col0,
+                inner,
+                target,
+                weight_ptr,
+                lse,
+                coef,
+                w_t,
+                g,
+                h,
+                smoothing,
+                softcap,
+                C_ALL,
+                HAS_WEIGHT,
+                HAS_SMOOTHING,
+                HAS_SOFTCAP,
+                HAS_LSE_GRAD,
+            )
+            tl.store(dx_ptr + dx_base + positions, d.to(dx_ptr.dtype.element_ty), mask=inner)
+    else:
+        for start in range(0, C, BLOCK_C):
+            cols = start + tl.arange(0, BLOCK_C)
+            mask = cols < C
+            x = tl.load(x_row + cols * stride_xc, mask=mask, other=0.0).to(tl.float32)
+            d = _logit_grads(
+                x,
+                cols + col0,
+                mask,
+                target,
+                weight_ptr,
+                lse,
+                coef,
+                w_t,
+                g,
+                h,
+                smoothing,
+                softcap,
+                C_ALL,
+                HAS_WEIGHT,
+                HAS_SMOOTHING,
+                HAS_SOFTCAP,
+                HAS_LSE_GRAD,
+            )
+            tl.store(dx_ptr + row * C + cols, d.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _logit_grads(
+    x, classes, mask, target, weight_ptr, lse, coef, w_t, g, h, smoothing, softcap, C_ALL,
+    HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_LSE_GRAD: tl.constexpr,
+):  # fmt: skip
+    """dx of the logits ``x`` of ``classes`` (the VJP in the module's docstring)."""
+    if HAS_SOFTCAP:
+        t, sech2 = tanh_and_sech2(x / softcap)
+        x = softcap * t
+    p = tl.exp2((x - lse) * LOG2E)
+    d = p * coef - tl.where(classes == target, (1.0 - smoothing) * w_t, 0.0)
+    if HAS_SMOOTHING:
+        if HAS_WEIGHT:
+            w = tl.load(weight_ptr + classes, mask=mask, other=0.0).to(tl.float32)
+            d -= smoothing / C_ALL * w
+        else:
+            d -= smoothing / C_ALL
+    d = g * d
+    if HAS_LSE_GRAD:
+        d += h * p
+    if HAS_SOFTCAP:
+        d *= sech2
+    return d
 
 
 # ---------------------------------------------------------------- launches
@@ -268,6 +418,20 @@ def _align(logits: torch.Tensor, *values: int) -> int:
     if logits.stride(1) != 1:
         return 1
     return row_align((*values, logits.stride(0)), logits.element_size())
+
+
+# Whether rows of logits that start off their vectors' alignment (an odd vocabulary: GPT-2's 50257)
+# are read in windows (``_window``); False keeps them on ALIGN's narrower accesses (for a test).
+WINDOWS = True
+
+
+def _window(classes: int, tensors: tuple, row_strides: tuple) -> int:
+    """The kernels' WINDOW (``_launch.row_window``) where the logits' entries are contiguous; else 0.
+    ``tensors`` are the logits (and dx, written at its own row stride); a row is read in chunks,
+    so no tile bounds its window."""
+    if not WINDOWS or tensors[0].stride(1) != 1:
+        return 0
+    return row_window(classes, [(0, stride) for stride in row_strides], tensors, classes + VECTOR_BYTES)
 
 
 def _flags(weight, smoothing: float, z_loss: float, softcap: float) -> dict:
@@ -300,6 +464,9 @@ def _fwd_launches(input, target, weight, options: tuple, outputs: tuple) -> list
     block_c = _block_c(classes, input.element_size())
     meta = _flags(weight, smoothing, z_loss, softcap) | {"HAS_DIVISOR": mean, "BLOCK_C": block_c}
     meta["ALIGN"] = _align(input, classes)
+    meta["WINDOW"] = _window(classes, (input,), (input.stride(0),))
+    if meta["WINDOW"]:
+        meta["ALIGN"] = 1  # (the windows' bases carry the alignment)
     launches = [Launch("fwd", _cross_entropy_fwd_kernel, args, meta | {"num_warps": NUM_WARPS}, grid=(n,))]
     if totals is not None:
         launches.append(sum_launch(weight, options, (out, rows, lse, row_weight, totals), n, classes))
@@ -338,6 +505,9 @@ def _bwd_launches(
     meta = {"MEAN": reduction == "mean"} | _flags(weight, smoothing, z_loss, softcap)
     meta |= {"HAS_LSE_GRAD": grad_lse is not None, "BLOCK_C": _block_c(width, input.element_size())}
     meta["ALIGN"] = _align(input, width, col0)
+    meta["WINDOW"] = _window(width, (input, dx), (input.stride(0), width))
+    if meta["WINDOW"]:
+        meta["ALIGN"] = 1
     meta["num_warps"] = NUM_WARPS
     return [Launch("bwd", _cross_entropy_bwd_kernel, args, meta, grid=(n,))] if n else []
 

@@ -393,9 +393,10 @@ def _softmax_fwd_window(
     y_rows, _ = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M, 1, block)
     x_base, head = window_base(x_rows, WINDOW)
     y_base, _ = window_base(y_rows, WINDOW)
-    inner = window_interior(head, N, row_mask, BLOCK_N, WINDOW)
-    edges, on_edge = window_edges(head, N, row_mask, WINDOW)
     cols = tl.arange(0, BLOCK_N)[None, :]
+    inner = row_mask[:, None] & window_interior(cols, head[:, None], N, WINDOW)
+    edges, on_edge = window_edges(head[:, None], N, WINDOW)
+    on_edge &= row_mask[:, None]
     x = tl.load(x_ptr + x_base[:, None] + cols, mask=inner, other=-float("inf")).to(tl.float32)
     x_edge = tl.load(x_ptr + x_base[:, None] + edges, mask=on_edge, other=-float("inf")).to(tl.float32)
     m = tl.maximum(tl.max(x, axis=1), tl.max(x_edge, axis=1))
@@ -664,9 +665,10 @@ def _softmax_bwd_window(
     y_base, head = window_base(y_rows, WINDOW)
     dy_base, _ = window_base(dy_rows, WINDOW)
     dx_base, _ = window_base(dx_rows, WINDOW)
-    inner = window_interior(head, N, row_mask, BLOCK_N, WINDOW)
-    edges, on_edge = window_edges(head, N, row_mask, WINDOW)
     cols = tl.arange(0, BLOCK_N)[None, :]
+    inner = row_mask[:, None] & window_interior(cols, head[:, None], N, WINDOW)
+    edges, on_edge = window_edges(head[:, None], N, WINDOW)
+    on_edge &= row_mask[:, None]
     y = tl.load(y_ptr + y_base[:, None] + cols, mask=inner, other=0.0)  # 16-bit kept, as the plain kernel
     dy = tl.load(dy_ptr + dy_base[:, None] + cols, mask=inner, other=0.0)
     y_edge = tl.load(y_ptr + y_base[:, None] + edges, mask=on_edge, other=0.0).to(tl.float32)
