@@ -415,7 +415,7 @@ def _plan(key: tuple, config: dict, final: bool, tensors: tuple, views: tuple, o
         _plans[key] = (config, _geometry(views), out_dtype)
 
 
-@op("softmax", mutates=("y",), replay=True)
+@op("softmax", mutates=("y",), replay=lambda: (WINDOWS,))
 def _forward(input: torch.Tensor, dim: int, log: bool, variant: str, y: torch.Tensor) -> None:
     """y = softmax(input) (or log_softmax) along ``dim``, into ``y`` (input's shape, contiguous)."""
     key = call_signature((input,), "fwd", dim, y.dtype, log, variant)
@@ -434,7 +434,7 @@ def _forward(input: torch.Tensor, dim: int, log: bool, variant: str, y: torch.Te
     _plan(key, config, final, (input, y), views, y.dtype)
 
 
-@op("softmax_backward", mutates=("dx",), replay=True)
+@op("softmax_backward", mutates=("dx",), replay=lambda: (WINDOWS,))
 def _backward(
     grad_output: torch.Tensor, output: torch.Tensor, dim: int, log: bool, variant: str, dx: torch.Tensor
 ) -> None:
