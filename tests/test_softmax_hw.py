@@ -144,7 +144,7 @@ def check(direction, dtype, log, config):
     sum_fp64 = log and dtype == "fp32"
     constexprs = {a: 1 for a in kernel.arg_names if a.startswith("stride_") and a.endswith("n")}
     constexprs |= {"LOG": log, "SUM_FP64": sum_fp64, "BLOCK_N": config["BLOCK_N"], "SEGMENTS": 64,
-                   "PHASE": 0, "ALIGN": 1}
+                   "PHASE": 0, "ALIGN": 1, "PREFETCH": config.get("PREFETCH", False)}
     workspace = {"max_ptr": "*fp32", "sum_ptr": "*fp64" if sum_fp64 else "*fp32",
                  "dot_ptr": "*fp64" if sum_fp64 else "*fp32", "arrived_ptr": "*i32"}
     signature = {a: workspace.get(a, f"*{dtype}") if a.endswith("_ptr") else "i32"
@@ -171,6 +171,11 @@ jobs = [(direction, dtype, log, config)
         for config in candidates("fwd", 1 << 20, "fp32")
         if config["SEGMENT"] == 16384 and config["PER_SM"] == 2
         for direction in ("fwd", "bwd") for dtype, log in (("bf16", False), ("fp32", True))]
+# and the untuned default, whose pass 1 holds two chunks (PREFETCH)
+default = {"direction": "fwd", "variant": "split", "layout": "rows", "block_n": 1 << 22, "rows": 64,
+           "dtype": "bf16>bf16"}
+jobs += [(direction, dtype, log, sm._default({**default, "dtype": f"{dtype}>{dtype}"}))
+         for direction in ("fwd", "bwd") for dtype, log in (("bf16", False), ("fp32", True))]
 with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as pool:
     for line in pool.map(lambda job: check(*job), jobs):
         print(line)
@@ -178,11 +183,13 @@ with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as pool:
 
 
 def test_split_kernels_compile_for_hopper():
-    """The split kernels for sm_90: the row's loads 16 bytes wide with their eviction hints (evict
-    last in pass 1, first in pass 2), 16-byte stores, the partials read past L1 (written by other
-    SMs), the per-row counter a GPU-scope atomic behind a fence, and no spills."""
+    """The split kernels for sm_90 (candidates, and the default with PREFETCH): the row's loads 16
+    bytes wide with their eviction hints (evict last in pass 1, first in pass 2), 16-byte stores,
+    the partials read past L1 (written by other SMs), the per-row counter a GPU-scope atomic behind
+    a fence, and no spills."""
     lines = sm90.run(_SPLIT_HOPPER_CHECK)
-    assert len(lines) == 3 * 4, lines  # (chunk, warps) x 4 flavours
+    assert len(lines) == 3 * 4 + 4, lines  # (chunk, warps) x 4 flavours, and the default's 4
+    assert sum("'PREFETCH': True" in line for line in lines) == 4, lines
     for line in lines:
         assert line.split("|")[1].split() == ["True"] * 4, line
         assert line.split("|")[2].strip() == "False", line

@@ -215,6 +215,7 @@ def _split_launch_args(
         "SEGMENTS": next_power_of_2(segments),
         "PHASE": phase,
         "ALIGN": _align(tensors, geometry),
+        "PREFETCH": config.get("PREFETCH", False),
         "num_warps": config["num_warps"],
     }
     if phase == 0:

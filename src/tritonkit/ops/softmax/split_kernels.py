@@ -59,6 +59,19 @@ def _publish_and_wait(arrived_ptr, row, segments):
 
 
 @triton.jit
+def _segment_chunk(ptr, row, first, i, chunks, offsets, stride_n, N, other, BLOCK_N: tl.constexpr):
+    """Pass 1's load of chunk ``i`` of the segment at ``first``, kept in L2 for pass 2 (masked wholly
+    for i = chunks, the chunk after the last that PREFETCH asks for: another program's)."""
+    cols = first + i * BLOCK_N + offsets
+    return tl.load(
+        _tile(ptr, row, cols, stride_n),
+        mask=((cols < N) & (i < chunks))[None, :],
+        other=other,
+        eviction_policy="evict_last",
+    )
+
+
+@triton.jit
 def _normalized(x, m, scale, LOG: tl.constexpr):
     """Softmax from the row's max m and scale (1 / sum), or log_softmax (scale = log(sum))."""
     if LOG:
@@ -91,6 +104,7 @@ def _softmax_fwd_split_kernel(
     SEGMENTS: tl.constexpr,  # power of two >= segments: the partials a program combines
     PHASE: tl.constexpr,  # 0: both passes, waiting between them; 1: pass 1 only; 2: pass 2 only
     ALIGN: tl.constexpr,  # N and the row and outer strides are multiples of it (jit.aligned)
+    PREFETCH: tl.constexpr,  # pass 1 loads the segment's next chunk before it reduces this one
 ):
     N = aligned(N, ALIGN)
     first_row, groups, segment, first, chunks = _segment_of_program(N, segments, SEGMENT, BLOCK_N=BLOCK_N)
@@ -100,14 +114,25 @@ def _softmax_fwd_split_kernel(
         if PHASE != 2:  # pass 1: the segment's running max and rescaled sum, as the online kernel
             m = tl.full([1], -float("inf"), tl.float32)
             s = tl.zeros([1], tl.float64 if SUM_FP64 else tl.float32)
+            if PREFETCH:
+                x_next = _segment_chunk(
+                    x_ptr, x_row, first, 0, chunks, offsets, stride_xn, N, -float("inf"), BLOCK_N
+                )
             for i in range(chunks):
-                cols = first + i * BLOCK_N + offsets
-                x = tl.load(
-                    _tile(x_ptr, x_row, cols, stride_xn),
-                    mask=(cols < N)[None, :],
-                    other=-float("inf"),
-                    eviction_policy="evict_last",
-                ).to(tl.float32)
+                if PREFETCH:  # two chunks in flight: the reductions' barriers no longer wait on this load
+                    x = x_next
+                    x_next = _segment_chunk(
+                        x_ptr, x_row, first, i + 1, chunks, offsets, stride_xn, N, -float("inf"), BLOCK_N
+                    )
+                else:
+                    cols = first + i * BLOCK_N + offsets
+                    x = tl.load(
+                        _tile(x_ptr, x_row, cols, stride_xn),
+                        mask=(cols < N)[None, :],
+                        other=-float("inf"),
+                        eviction_policy="evict_last",
+                    )
+                x = x.to(tl.float32)
                 m_new = tl.maximum(m, tl.max(x, axis=1))
                 shift = tl.where(m_new == -float("inf"), 0.0, m_new)
                 s = s * tl.exp2((m - shift) * LOG2E) + _row_sum(_exp_shifted(x, shift), SUM_FP64=SUM_FP64)
@@ -125,7 +150,10 @@ def _softmax_fwd_split_kernel(
             sums = tl.load(sum_ptr + row * segments + parts, mask=part_mask, other=0.0, cache_modifier=".cg")
             m = tl.max(maxima, axis=0)
             m = tl.where(m == -float("inf"), 0.0, m)  # a row of all -inf: 0 / 0 = NaN, as torch
-            s = tl.sum(sums * tl.exp2((maxima - m) * LOG2E).to(sums.dtype), axis=0)
+            # the partials' rescale in the sums' precision: in fp32 its error (an ulp of exp2's
+            # argument) reached fp32 log_softmax's outputs, and its backward amplified it past the
+            # oracle's bound (rows of several segments); fp64 keeps the sum as exact as it is summed
+            s = tl.sum(sums * tl.exp2((maxima.to(sums.dtype) - m.to(sums.dtype)) * LOG2E), axis=0)
             m = tl.full([1], 0.0, tl.float32) + m
             y_row = _row_start(row, R, stride_yo, stride_yr, ALIGN)
             if LOG:
@@ -175,6 +203,7 @@ def _softmax_bwd_split_kernel(
     SEGMENTS: tl.constexpr,  # power of two >= segments: the partials a program combines
     PHASE: tl.constexpr,  # 0: both passes, waiting between them; 1: pass 1 only; 2: pass 2 only
     ALIGN: tl.constexpr,  # N and the row and outer strides are multiples of it (jit.aligned)
+    PREFETCH: tl.constexpr,  # pass 1 loads the segment's next chunk before it reduces this one
 ):
     N = aligned(N, ALIGN)
     first_row, groups, segment, first, chunks = _segment_of_program(N, segments, SEGMENT, BLOCK_N=BLOCK_N)
@@ -184,18 +213,35 @@ def _softmax_bwd_split_kernel(
         dy_row = _row_start(row, R, stride_dyo, stride_dyr, ALIGN)
         if PHASE != 2:
             dot = tl.zeros([1], tl.float64 if SUM_FP64 else tl.float32)
+            if PREFETCH:
+                y_next = _segment_chunk(y_ptr, y_row, first, 0, chunks, offsets, stride_yn, N, 0.0, BLOCK_N)
+                dy_next = _segment_chunk(
+                    dy_ptr, dy_row, first, 0, chunks, offsets, stride_dyn, N, 0.0, BLOCK_N
+                )
             for i in range(chunks):
-                cols = first + i * BLOCK_N + offsets
-                mask = (cols < N)[None, :]
-                y = tl.load(
-                    _tile(y_ptr, y_row, cols, stride_yn), mask=mask, other=0.0, eviction_policy="evict_last"
-                )
-                dy = tl.load(
-                    _tile(dy_ptr, dy_row, cols, stride_dyn),
-                    mask=mask,
-                    other=0.0,
-                    eviction_policy="evict_last",
-                )
+                if PREFETCH:  # as in the forward
+                    y, dy = y_next, dy_next
+                    y_next = _segment_chunk(
+                        y_ptr, y_row, first, i + 1, chunks, offsets, stride_yn, N, 0.0, BLOCK_N
+                    )
+                    dy_next = _segment_chunk(
+                        dy_ptr, dy_row, first, i + 1, chunks, offsets, stride_dyn, N, 0.0, BLOCK_N
+                    )
+                else:
+                    cols = first + i * BLOCK_N + offsets
+                    mask = (cols < N)[None, :]
+                    y = tl.load(
+                        _tile(y_ptr, y_row, cols, stride_yn),
+                        mask=mask,
+                        other=0.0,
+                        eviction_policy="evict_last",
+                    )
+                    dy = tl.load(
+                        _tile(dy_ptr, dy_row, cols, stride_dyn),
+                        mask=mask,
+                        other=0.0,
+                        eviction_policy="evict_last",
+                    )
                 dot += _row_dot(y.to(tl.float32), dy.to(tl.float32), LOG=LOG, SUM_FP64=SUM_FP64)
             tl.store(dot_ptr + row * segments + segment + tl.arange(0, 1), dot)
         if PHASE == 0:
