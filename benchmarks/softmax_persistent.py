@@ -1,7 +1,8 @@
 """Softmax's one-pass kernel, untuned as a first call runs it, against itself with each of its two
 switches flipped: ``STAGES`` (persistent programs, the next row block copied to shared memory while
 this one is reduced) and windows (rows that start off their vectors' alignment read as 16-byte
-vectors from each row's rounded-down offset, ``softmax.WINDOWS``); forward and backward, beside
+vectors from each row's rounded-down offset, ``softmax.WINDOWS``); and the split kernel's default
+against it with PREFETCH flipped (pass 1 with two chunks in flight); forward and backward, beside
 torch and a copy of as many bytes.
 
     python benchmarks/softmax_persistent.py OUT.json
@@ -38,6 +39,10 @@ SHAPES = [
     ((16384, 16384), torch.bfloat16),
     ((32768, 4096), torch.bfloat16),  # tuned: one-pass at 95% of copy
     ((65536, 1024), torch.bfloat16),
+    ((32, 3738195), torch.bfloat16),  # split rows: 38% of copy in the first sweep
+    ((21, 800692), torch.bfloat16),  # 39-42%
+    ((100, 784772), torch.float32),  # 55-67%
+    ((2, 12291808), torch.float16),  # 50-53%
 ]
 COMMAND = "python benchmarks/softmax_persistent.py OUT.json"
 
@@ -51,12 +56,16 @@ def _tensors(shape, dtype, direction) -> tuple:
     return torch.softmax(x, -1), dy, torch.empty_like(x)
 
 
+def _flipped(config: dict, switch: str, on) -> dict:
+    return {k: v for k, v in config.items() if k != switch} | ({} if config.get(switch) else {switch: on})
+
+
 def _variants(default: dict, windowed: bool) -> dict:
-    """name -> (config, windows on): the default and each switch flipped (windows only where taken)."""
-    flipped = {k: v for k, v in default.items() if k != "STAGES"} | (
-        {} if default.get("STAGES") else {"STAGES": 2}
-    )
-    variants = {"default": (default, True), "STAGES flipped": (flipped, True)}
+    """name -> (config, windows on): the default and each switch flipped (windows only where taken;
+    a split default's switch is PREFETCH)."""
+    if default["variant"] == "split":
+        return {"default": (default, True), "PREFETCH flipped": (_flipped(default, "PREFETCH", True), True)}
+    variants = {"default": (default, True), "STAGES flipped": (_flipped(default, "STAGES", 2), True)}
     if windowed:
         variants["no window"] = (default, False)
     return variants
@@ -80,9 +89,9 @@ def _row(shape, dtype, direction) -> dict:
     tensors = _tensors(shape, dtype, direction)
     views = tuple(sm._as_3d(t, 1) for t in tensors)
     default = _default(sm._tuning_key(direction, views))
-    if default["variant"] != "one-pass":
-        raise ValueError(f"{shape} {direction}: the default is {default}, not the one-pass kernel")
-    window = sm._launch_args(direction, default, False, views, sm._geometry(views))[2]["WINDOW"]
+    if default["variant"] not in ("one-pass", "split"):
+        raise ValueError(f"{shape} {direction}: the default is {default}, neither one-pass nor split")
+    window = sm._launch_args(direction, default, False, views, sm._geometry(views))[2].get("WINDOW", 0)
     variants = _variants(default, bool(window))
     out = tensors[-1]
     if direction == "fwd":
