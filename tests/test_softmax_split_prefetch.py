@@ -7,21 +7,21 @@ from __future__ import annotations
 import pytest
 
 import test_softmax
+import test_softmax_persistent
 import tritonkit.ops.softmax.softmax as sm
 from grids import case_id, in_turn
 from test_softmax import BF16, F32, _check, _inputs, _variants, small_segments_config
-from tritonkit import opdef
 
 pytestmark = pytest.mark.softmax
 launches = test_softmax.launches  # the fixture recording each launch, shared
 
 
+fresh_memos = test_softmax_persistent.fresh_memos  # (autouse) no earlier test's config or plan
+
+
 @pytest.fixture(autouse=True)
-def prefetching_segments(monkeypatch):
-    """The split default becomes small segments (test_softmax's) with PREFETCH; fresh memos."""
-    monkeypatch.setattr(sm, "_plans", {})
-    for tuned in sm._TUNED.values():
-        monkeypatch.setattr(tuned, "_chosen", {})
+def prefetching_segments(monkeypatch, fresh_memos):
+    """The split default becomes small segments (test_softmax's) with PREFETCH."""
     for tuner in sm._TUNERS.values():
         default = tuner.default
         monkeypatch.setattr(
@@ -33,9 +33,6 @@ def prefetching_segments(monkeypatch):
                 else default(key)
             ),
         )
-    opdef.forget_plans()
-    yield
-    opdef.forget_plans()
 
 
 SHAPES = [(3, 64), (5, 200), (1, 129), (7, 130), (2, 4100)]

@@ -9,10 +9,11 @@ import torch
 
 import sm90
 import test_softmax
+import test_softmax_persistent
 import tritonkit.ops.softmax.softmax as sm
 from grids import case_id, in_turn
 from test_softmax import BF16, F16, F32, _check, _inputs
-from tritonkit import opdef, tuning
+from tritonkit import tuning
 from tritonkit._launch import row_window
 from tritonkit.testing import generator, random_tensor
 
@@ -20,15 +21,7 @@ pytestmark = pytest.mark.softmax
 launches = test_softmax.launches  # the fixture recording each launch, shared
 
 
-@pytest.fixture(autouse=True)
-def fresh_memos(monkeypatch):
-    """No config or plan chosen by an earlier test of the process stands in for this one's."""
-    monkeypatch.setattr(sm, "_plans", {})
-    for tuned in sm._TUNED.values():
-        monkeypatch.setattr(tuned, "_chosen", {})
-    opdef.forget_plans()
-    yield
-    opdef.forget_plans()
+fresh_memos = test_softmax_persistent.fresh_memos  # (autouse) no earlier test's config or plan
 
 
 def _tensor(numel: int, dtype=BF16, offset: int = 0) -> torch.Tensor:
