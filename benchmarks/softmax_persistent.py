@@ -25,7 +25,7 @@ import torch
 import tritonkit.ops.softmax.softmax as sm
 from tritonkit.bench.sweep import untuned_calls
 from tritonkit.bench.timing import capture, interleaved_ms
-from tritonkit.ops.softmax.kernels import _default
+from tritonkit.ops.softmax.configs import _default
 
 SHAPES = [
     ((17944, 9018), torch.bfloat16),  # 50% of copy in the first sweep

@@ -5,7 +5,7 @@ entries: the first `tritonkit bench --sweep` run on the H200), and at two tuned 
     python benchmarks/softmax_split_default.py OUT.json
 
 Every call runs untuned (``tritonkit.bench.sweep.untuned_calls``), as a first call does: "auto" is
-the default's choice (``ops/softmax/kernels._default``), "online" and "split" the named kernels at
+the default's choice (``ops/softmax/configs._default``), "online" and "split" the named kernels at
 their untuned configs. Times are CUDA-graph replays (``tritonkit.bench.timing.kernel_ms``, median);
 GB/s from the bytes the op must move (fwd x and y, bwd y, dy and dx).
 """
@@ -19,7 +19,7 @@ import torch
 
 from tritonkit.bench.sweep import untuned_calls
 from tritonkit.bench.timing import kernel_ms
-from tritonkit.ops.softmax.kernels import _default
+from tritonkit.ops.softmax.configs import _default
 from tritonkit.ops.softmax.softmax import _as_3d, _tuning_key, softmax_variant
 
 SHAPES = [

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import tritonkit
-import tritonkit.ops.softmax.kernels as sk
+import tritonkit.ops.softmax.configs as sk
 import tritonkit.ops.softmax.softmax as sm
 from grids import case_id, in_turn
 from tritonkit import tuning

@@ -28,7 +28,7 @@ launches = test_softmax.launches  # the fixture recording each launch, shared
 
 _HOPPER_CHECK = r"""
 import concurrent.futures
-import tritonkit.ops.softmax.kernels as sk
+import tritonkit.ops.softmax.configs as sk
 import tritonkit.ops.softmax.softmax as sm
 
 ROWS = 8192  # rows of the input whose default config is compiled
@@ -98,7 +98,7 @@ def test_kernels_compile_for_hopper_with_wide_accesses_and_no_spills():
 
 _PREFETCH_HOPPER_CHECK = r"""
 import concurrent.futures
-import tritonkit.ops.softmax.kernels as sk
+import tritonkit.ops.softmax.configs as sk
 import tritonkit.ops.softmax.softmax as sm
 
 def check(direction, dtype, log, config):
@@ -136,7 +136,7 @@ def test_prefetching_online_candidates_compile_for_hopper_without_spills():
 
 _SPLIT_HOPPER_CHECK = r"""
 import concurrent.futures
-import tritonkit.ops.softmax.kernels as sk
+import tritonkit.ops.softmax.configs as sk
 import tritonkit.ops.softmax.softmax as sm
 
 def check(direction, dtype, log, config):

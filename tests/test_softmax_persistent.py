@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import test_softmax
-import tritonkit.ops.softmax.kernels as sk
+import tritonkit.ops.softmax.configs as sk
 import tritonkit.ops.softmax.softmax as sm
 from grids import case_id, in_turn
 from test_softmax import BF16, F16, F32, _check, _inputs, _key

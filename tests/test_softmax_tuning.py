@@ -10,7 +10,7 @@ import json
 import pytest
 
 import test_softmax
-import tritonkit.ops.softmax.kernels as sk
+import tritonkit.ops.softmax.configs as sk
 import tritonkit.ops.softmax.softmax as sm
 from test_softmax import BF16, F32, LOGS, _check, _inputs, _key
 from tritonkit import tuning

@@ -67,11 +67,8 @@ from tritonkit._runtime import check_device, empty_output, interpret, sm_count
 from tritonkit.dtypes import FLOATS, NAME_OF
 from tritonkit.opdef import first_derivative_only, op
 from tritonkit.ops import Op, Workload
+from tritonkit.ops.softmax.configs import CONFIGS, _default, _one_pass_fits, _prune
 from tritonkit.ops.softmax.kernels import (
-    CONFIGS,
-    _default,
-    _one_pass_fits,
-    _prune,
     _softmax_bwd_kernel,
     _softmax_bwd_online_kernel,
     _softmax_fwd_kernel,

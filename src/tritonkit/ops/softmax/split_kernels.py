@@ -1,6 +1,6 @@
 """The softmax family's split-row kernels (forward and backward), for rows far longer than
 registers hold: a row's segments in programs side by side that wait for each other. Their configs
-and the rules that prune and default them are in ``kernels.py``, with the other kernels.
+and the rules that prune and default them are in ``configs.py``, with the other kernels'.
 """
 
 from __future__ import annotations
