@@ -52,9 +52,9 @@ def check(layout, direction, n, variant, dtype, log):
     constexprs |= {"LOG": log, "SUM_FP64": log and dtype == "fp32", "BLOCK_M": config["BLOCK_M"],
                    "BLOCK_N": config.get("BLOCK_N", n), "ALIGN": 1}
     if config["variant"] == "online":
-        constexprs["PREFETCH"] = config.get("PREFETCH", False)
+        constexprs |= {"PREFETCH": config.get("PREFETCH", False), "WINDOW": 0}  # (whole vectors here)
     else:
-        constexprs |= {"STAGES": config.get("STAGES", 0), "WINDOW": 0}  # (rows of whole vectors here)
+        constexprs |= {"STAGES": config.get("STAGES", 0), "WINDOW": 0}
     signature = {a: f"*{dtype}" if a.endswith("_ptr") else "i32"
                  for a in kernel.arg_names if a not in constexprs}
     report = compile_kernel(kernel, signature, constexprs, config["num_warps"])
@@ -105,7 +105,7 @@ def check(direction, dtype, log, config):
     kernel = sm._LAUNCHERS[direction, "online"].kernel
     constexprs = {a: 1 for a in kernel.arg_names if a.startswith("stride_") and a.endswith("n")}
     constexprs |= {"LOG": log, "SUM_FP64": log and dtype == "fp32", "BLOCK_M": 1,
-                   "BLOCK_N": config["BLOCK_N"], "PREFETCH": True, "ALIGN": 1}
+                   "BLOCK_N": config["BLOCK_N"], "PREFETCH": True, "ALIGN": 1, "WINDOW": 0}
     signature = {a: f"*{dtype}" if a.endswith("_ptr") else "i32" for a in kernel.arg_names
                  if a not in constexprs}
     report = compile_kernel(kernel, signature, constexprs, config["num_warps"])

@@ -12,7 +12,7 @@ import test_softmax
 import test_softmax_persistent
 import tritonkit.ops.softmax.softmax as sm
 from grids import case_id, in_turn
-from test_softmax import BF16, F16, F32, _check, _inputs
+from test_softmax import BF16, F16, F32, SMALL_CHUNKS, _check, _inputs
 from tritonkit import tuning
 from tritonkit._launch import row_window
 from tritonkit.testing import generator, random_tensor
@@ -57,6 +57,28 @@ def windows(monkeypatch):
     return seen
 
 
+@pytest.fixture
+def online_windows(monkeypatch):
+    """The online kernel's default in chunks of 64 (several a row), and the WINDOW of each of its
+    launches, as (direction, WINDOW)."""
+    for tuner in sm._TUNERS.values():
+        default = tuner.default
+        monkeypatch.setattr(
+            tuner,
+            "default",
+            lambda key, default=default: SMALL_CHUNKS if key.get("variant") == "online" else default(key),
+        )
+    build, seen = sm._launch_args, []
+
+    def recording(direction, config, *args, **kwargs):
+        grid, arguments, meta = build(direction, config, *args, **kwargs)
+        seen.append((direction, meta["WINDOW"]))
+        return grid, arguments, meta
+
+    monkeypatch.setattr(sm, "_launch_args", recording)
+    return seen
+
+
 # Row lengths whose rows start at every head; bf16/fp16 windows of 8 entries, fp32 of 4; rows of
 # several vectors, of one interior vector or none (9 bf16 entries: a head and a tail vector only).
 # Each also through the plain path (WINDOWS off), which odd rows took before.
@@ -89,16 +111,23 @@ def test_views_whose_heads_differ_take_the_plain_path(windows, device):
 def test_windows_compile_to_vectors_inside_rows_and_single_entries_at_their_ends():
     """Compiled for sm_90: rows of 2901 bf16 entries (odd: no two rows share an alignment) load and
     store 16 bytes at a time inside each row and 2 bytes at its first and last vectors, forward and
-    backward; without the window every entry moved alone."""
-    rows = sm90.access_widths("softmax", [(4096, 2901)])
-    assert len(rows) == 2
+    backward, and so do rows of 50257 through the online kernels' chunks; without the window every
+    entry moved alone."""
+    rows = sm90.access_widths("softmax", [(4096, 2901), (1024, 50257)])  # one-pass; online (chunks)
+    assert len(rows) == 4 and {row["launch"] for row in rows} >= {"fwd online", "bwd online"}, rows
     for row in rows:
         assert set(row["loads"]) == {128, 16} and set(row["stores"]) == {128, 16}, row
         # the 16-bit accesses are the edges' (2 x 8 entries a row, y and dy backward): few instructions
         assert row["loads"][16] <= 2 * 8 * (1 if row["launch"].startswith("fwd") else 2), row
 
 
-GPU_WINDOWED = [((4099, 2901), BF16), ((1000, 9017), BF16), ((3, 16001), F32), ((50000, 77), F16)]
+GPU_WINDOWED = [
+    ((4099, 2901), BF16),
+    ((1000, 9017), BF16),
+    ((3, 16001), F32),
+    ((50000, 77), F16),
+    ((512, 50257), BF16),
+]
 
 
 @pytest.mark.gpu
@@ -109,3 +138,19 @@ def test_windows_on_the_gpu(shape, dtype, log, windows, device):
     with tuning.disabled():
         _check(*_inputs(shape, dtype, device, seed=93), log=log)
     assert {window for _, window in windows} == {4 if dtype == F32 else 8}, windows
+
+
+# The online kernel over odd rows in chunks of 64: the edges, whole chunks, a ragged last one, rows
+# of no interior vector; each also plain (WINDOWS off).
+ONLINE_WINDOWED = in_turn(
+    [(5, 201), (3, 65), (4, 9), (2, 1001)], [BF16, F32], [True, False], last=[False, True]
+)
+
+
+@pytest.mark.parametrize("shape, dtype, on, log", ONLINE_WINDOWED, ids=map(case_id, ONLINE_WINDOWED))
+def test_online_windows_match_the_reference(shape, dtype, on, log, online_windows, monkeypatch, device):
+    monkeypatch.setattr(sm, "WINDOWS", on)
+    x, dy = _inputs(shape, dtype, device, seed=95 + shape[1])
+    _check(x, dy, log=log, variant="online")
+    expected = (8 if dtype != F32 else 4) if on else 0
+    assert {window for _, window in online_windows} == {expected}, online_windows

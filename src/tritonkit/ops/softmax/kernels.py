@@ -238,52 +238,59 @@ def _softmax_fwd_online_kernel(
     BLOCK_N: tl.constexpr,  # row entries per chunk
     PREFETCH: tl.constexpr,  # pass 1 loads the next chunk before it reduces this one
     ALIGN: tl.constexpr,  # N and the row and outer strides are multiples of it (jit.aligned)
+    WINDOW: tl.constexpr,  # 0, or rows read in windows of vectors of WINDOW entries (jit.window_base)
 ):
-    N = aligned(N, ALIGN)
-    x_rows, row_mask = _row_offsets(R, row_blocks, stride_xo, stride_xr, BLOCK_M=BLOCK_M, ALIGN=ALIGN)
-    y_rows, _ = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M=BLOCK_M, ALIGN=ALIGN)
-    offsets = tl.arange(0, BLOCK_N)
-    m = tl.full([BLOCK_M], -float("inf"), tl.float32)  # running max
-    s = tl.zeros([BLOCK_M], tl.float64 if SUM_FP64 else tl.float32)  # running sum of exp(x - m)
-    if PREFETCH:
-        x_next = _first_pass_chunk(x_ptr, x_rows, 0, offsets, stride_xn, row_mask, N, -float("inf"))
-    for start in range(0, N, BLOCK_N):
-        if PREFETCH:  # two chunks in flight: the reductions' barriers no longer wait on this load
-            x = x_next
-            x_next = _first_pass_chunk(
-                x_ptr, x_rows, start + BLOCK_N, offsets, stride_xn, row_mask, N, -float("inf")
-            )
-        else:
-            x = _first_pass_chunk(x_ptr, x_rows, start, offsets, stride_xn, row_mask, N, -float("inf"))
-        x = x.to(tl.float32)
-        m_new = tl.maximum(m, tl.max(x, axis=1))
-        # Until a row has seen a finite value its max is -inf and x - m would be -inf - -inf = NaN:
-        # shift by 0 instead (exp(-inf) = 0 and s stays 0).
-        shift = tl.where(m_new == -float("inf"), 0.0, m_new)
-        s = s * tl.exp2((m - shift) * LOG2E) + _row_sum(_exp_shifted(x, shift), SUM_FP64=SUM_FP64)
-        m = m_new
-    # A row of all -inf keeps m = -inf, s = 0 and ends with 0 / 0 = NaN, as torch gives.
-    m = tl.where(m == -float("inf"), 0.0, m)
-    if LOG:
-        log_s = _log(s)
+    if WINDOW > 0:
+        _softmax_fwd_online_window(
+            x_ptr, y_ptr, R, N, row_blocks, stride_xo, stride_xr, stride_yo, stride_yr,
+            LOG, SUM_FP64, BLOCK_M, BLOCK_N, WINDOW,
+        )  # fmt: skip
     else:
-        inv_s = 1.0 / s
-    chunks = tl.cdiv(N, BLOCK_N)
-    for i in range(chunks):
-        cols = (chunks - 1 - i) * BLOCK_N + offsets  # last chunk first: the one L2 holds most surely
-        mask = row_mask[:, None] & (cols < N)[None, :]
-        x = tl.load(
-            _tile(x_ptr, x_rows, cols, stride_xn),
-            mask=mask,
-            other=-float("inf"),
-            eviction_policy="evict_first",
-        )
-        x = x.to(tl.float32)
+        N = aligned(N, ALIGN)
+        x_rows, row_mask = _row_offsets(R, row_blocks, stride_xo, stride_xr, BLOCK_M=BLOCK_M, ALIGN=ALIGN)
+        y_rows, _ = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M=BLOCK_M, ALIGN=ALIGN)
+        offsets = tl.arange(0, BLOCK_N)
+        m = tl.full([BLOCK_M], -float("inf"), tl.float32)  # running max
+        s = tl.zeros([BLOCK_M], tl.float64 if SUM_FP64 else tl.float32)  # running sum of exp(x - m)
+        if PREFETCH:
+            x_next = _first_pass_chunk(x_ptr, x_rows, 0, offsets, stride_xn, row_mask, N, -float("inf"))
+        for start in range(0, N, BLOCK_N):
+            if PREFETCH:  # two chunks in flight: the reductions' barriers no longer wait on this load
+                x = x_next
+                x_next = _first_pass_chunk(
+                    x_ptr, x_rows, start + BLOCK_N, offsets, stride_xn, row_mask, N, -float("inf")
+                )
+            else:
+                x = _first_pass_chunk(x_ptr, x_rows, start, offsets, stride_xn, row_mask, N, -float("inf"))
+            x = x.to(tl.float32)
+            m_new = tl.maximum(m, tl.max(x, axis=1))
+            # Until a row has seen a finite value its max is -inf and x - m would be -inf - -inf = NaN:
+            # shift by 0 instead (exp(-inf) = 0 and s stays 0).
+            shift = tl.where(m_new == -float("inf"), 0.0, m_new)
+            s = s * tl.exp2((m - shift) * LOG2E) + _row_sum(_exp_shifted(x, shift), SUM_FP64=SUM_FP64)
+            m = m_new
+        # A row of all -inf keeps m = -inf, s = 0 and ends with 0 / 0 = NaN, as torch gives.
+        m = tl.where(m == -float("inf"), 0.0, m)
         if LOG:
-            y = (x - m[:, None]) - log_s[:, None]
+            log_s = _log(s)
         else:
-            y = _exp_shifted(x, m) * inv_s[:, None]
-        tl.store(_tile(y_ptr, y_rows, cols, stride_yn), y.to(y_ptr.dtype.element_ty), mask=mask)
+            inv_s = 1.0 / s
+        chunks = tl.cdiv(N, BLOCK_N)
+        for i in range(chunks):
+            cols = (chunks - 1 - i) * BLOCK_N + offsets  # last chunk first: the one L2 holds most surely
+            mask = row_mask[:, None] & (cols < N)[None, :]
+            x = tl.load(
+                _tile(x_ptr, x_rows, cols, stride_xn),
+                mask=mask,
+                other=-float("inf"),
+                eviction_policy="evict_first",
+            )
+            x = x.to(tl.float32)
+            if LOG:
+                y = (x - m[:, None]) - log_s[:, None]
+            else:
+                y = _exp_shifted(x, m) * inv_s[:, None]
+            tl.store(_tile(y_ptr, y_rows, cols, stride_yn), y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -495,36 +502,148 @@ def _softmax_bwd_online_kernel(
     BLOCK_N: tl.constexpr,  # row entries per chunk
     PREFETCH: tl.constexpr,  # pass 1 loads the next chunk before it reduces this one
     ALIGN: tl.constexpr,  # N and the row and outer strides are multiples of it (jit.aligned)
+    WINDOW: tl.constexpr,  # 0, or rows read in windows of vectors of WINDOW entries (jit.window_base)
 ):
-    N = aligned(N, ALIGN)
-    y_rows, row_mask = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M=BLOCK_M, ALIGN=ALIGN)
-    dy_rows, _ = _row_offsets(R, row_blocks, stride_dyo, stride_dyr, BLOCK_M=BLOCK_M, ALIGN=ALIGN)
-    dx_rows, _ = _row_offsets(R, row_blocks, stride_dxo, stride_dxr, BLOCK_M=BLOCK_M, ALIGN=ALIGN)
-    offsets = tl.arange(0, BLOCK_N)
-    dot = tl.zeros([BLOCK_M], tl.float64 if SUM_FP64 else tl.float32)
-    if PREFETCH:
-        y_next = _first_pass_chunk(y_ptr, y_rows, 0, offsets, stride_yn, row_mask, N, 0.0)
-        dy_next = _first_pass_chunk(dy_ptr, dy_rows, 0, offsets, stride_dyn, row_mask, N, 0.0)
-    for start in range(0, N, BLOCK_N):
-        if PREFETCH:  # as in the forward
-            y, dy = y_next, dy_next
-            y_next = _first_pass_chunk(y_ptr, y_rows, start + BLOCK_N, offsets, stride_yn, row_mask, N, 0.0)
-            dy_next = _first_pass_chunk(
-                dy_ptr, dy_rows, start + BLOCK_N, offsets, stride_dyn, row_mask, N, 0.0
+    if WINDOW > 0:
+        _softmax_bwd_online_window(
+            y_ptr, dy_ptr, dx_ptr, R, N, row_blocks, stride_yo, stride_yr, stride_dyo, stride_dyr,
+            stride_dxo, stride_dxr, LOG, SUM_FP64, BLOCK_M, BLOCK_N, WINDOW,
+        )  # fmt: skip
+    else:
+        N = aligned(N, ALIGN)
+        y_rows, row_mask = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M=BLOCK_M, ALIGN=ALIGN)
+        dy_rows, _ = _row_offsets(R, row_blocks, stride_dyo, stride_dyr, BLOCK_M=BLOCK_M, ALIGN=ALIGN)
+        dx_rows, _ = _row_offsets(R, row_blocks, stride_dxo, stride_dxr, BLOCK_M=BLOCK_M, ALIGN=ALIGN)
+        offsets = tl.arange(0, BLOCK_N)
+        dot = tl.zeros([BLOCK_M], tl.float64 if SUM_FP64 else tl.float32)
+        if PREFETCH:
+            y_next = _first_pass_chunk(y_ptr, y_rows, 0, offsets, stride_yn, row_mask, N, 0.0)
+            dy_next = _first_pass_chunk(dy_ptr, dy_rows, 0, offsets, stride_dyn, row_mask, N, 0.0)
+        for start in range(0, N, BLOCK_N):
+            if PREFETCH:  # as in the forward
+                y, dy = y_next, dy_next
+                y_next = _first_pass_chunk(
+                    y_ptr, y_rows, start + BLOCK_N, offsets, stride_yn, row_mask, N, 0.0
+                )
+                dy_next = _first_pass_chunk(
+                    dy_ptr, dy_rows, start + BLOCK_N, offsets, stride_dyn, row_mask, N, 0.0
+                )
+            else:
+                y = _first_pass_chunk(y_ptr, y_rows, start, offsets, stride_yn, row_mask, N, 0.0)
+                dy = _first_pass_chunk(dy_ptr, dy_rows, start, offsets, stride_dyn, row_mask, N, 0.0)
+            dot += _row_dot(y.to(tl.float32), dy.to(tl.float32), LOG=LOG, SUM_FP64=SUM_FP64)
+        chunks = tl.cdiv(N, BLOCK_N)
+        for i in range(chunks):
+            cols = (chunks - 1 - i) * BLOCK_N + offsets  # last chunk first, as in the forward
+            mask = row_mask[:, None] & (cols < N)[None, :]
+            y = tl.load(
+                _tile(y_ptr, y_rows, cols, stride_yn), mask=mask, other=0.0, eviction_policy="evict_first"
             )
-        else:
-            y = _first_pass_chunk(y_ptr, y_rows, start, offsets, stride_yn, row_mask, N, 0.0)
-            dy = _first_pass_chunk(dy_ptr, dy_rows, start, offsets, stride_dyn, row_mask, N, 0.0)
-        dot += _row_dot(y.to(tl.float32), dy.to(tl.float32), LOG=LOG, SUM_FP64=SUM_FP64)
-    chunks = tl.cdiv(N, BLOCK_N)
+            dy = tl.load(
+                _tile(dy_ptr, dy_rows, cols, stride_dyn), mask=mask, other=0.0, eviction_policy="evict_first"
+            )
+            dx = _input_grad(y.to(tl.float32), dy.to(tl.float32), dot.to(tl.float32), LOG=LOG)
+            tl.store(_tile(dx_ptr, dx_rows, cols, stride_dxn), dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+# Online kernels over rows that start off their vectors' alignment (jit.window_base): each chunk a
+# run of the row's window, its vectors inside the row in 16-byte accesses; the entries of the row's
+# first and last vectors loaded once, alone, and reduced before the chunks.
+
+
+@triton.jit
+def _softmax_fwd_online_window(
+    x_ptr, y_ptr, R, N, row_blocks, stride_xo, stride_xr, stride_yo, stride_yr, LOG: tl.constexpr,
+    SUM_FP64: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
+):  # fmt: skip
+    x_rows, row_mask = _row_offsets(R, row_blocks, stride_xo, stride_xr, BLOCK_M, 1)
+    y_rows, _ = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M, 1)
+    x_base, head = window_base(x_rows, WINDOW)
+    y_base, _ = window_base(y_rows, WINDOW)
+    edges, on_edge = window_edges(head[:, None], N, WINDOW)
+    on_edge &= row_mask[:, None]
+    x_edge = tl.load(x_ptr + x_base[:, None] + edges, mask=on_edge, other=-float("inf")).to(tl.float32)
+    m = tl.max(x_edge, axis=1)  # -inf where the row has no entry there
+    s = _row_sum(_exp_shifted(x_edge, tl.where(m == -float("inf"), 0.0, m)), SUM_FP64=SUM_FP64)
+    offsets = tl.arange(0, BLOCK_N)
+    span = N + WINDOW - 1  # the positions a row's window reaches
+    for start in range(0, span, BLOCK_N):
+        positions = (start + offsets)[None, :]
+        inner = row_mask[:, None] & window_interior(positions, head[:, None], N, WINDOW)
+        x = tl.load(
+            x_ptr + x_base[:, None] + positions, mask=inner, other=-float("inf"), eviction_policy="evict_last"
+        ).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=1))
+        shift = tl.where(m_new == -float("inf"), 0.0, m_new)  # as the plain kernel's
+        s = s * tl.exp2((m - shift) * LOG2E) + _row_sum(_exp_shifted(x, shift), SUM_FP64=SUM_FP64)
+        m = m_new
+    m = tl.where(m == -float("inf"), 0.0, m)
+    if LOG:
+        scale = _log(s)
+    else:
+        scale = 1.0 / s
+    chunks = tl.cdiv(span, BLOCK_N)
     for i in range(chunks):
-        cols = (chunks - 1 - i) * BLOCK_N + offsets  # last chunk first, as in the forward
-        mask = row_mask[:, None] & (cols < N)[None, :]
-        y = tl.load(
-            _tile(y_ptr, y_rows, cols, stride_yn), mask=mask, other=0.0, eviction_policy="evict_first"
-        )
+        positions = ((chunks - 1 - i) * BLOCK_N + offsets)[None, :]  # last first, as the plain kernel's
+        inner = row_mask[:, None] & window_interior(positions, head[:, None], N, WINDOW)
+        x = tl.load(
+            x_ptr + x_base[:, None] + positions,
+            mask=inner,
+            other=-float("inf"),
+            eviction_policy="evict_first",
+        ).to(tl.float32)
+        y = _scaled(x, m, scale, LOG)
+        tl.store(y_ptr + y_base[:, None] + positions, y.to(y_ptr.dtype.element_ty), mask=inner)
+    y_edge = _scaled(x_edge, m, scale, LOG)
+    tl.store(y_ptr + y_base[:, None] + edges, y_edge.to(y_ptr.dtype.element_ty), mask=on_edge)
+
+
+@triton.jit
+def _scaled(x, m, scale, LOG: tl.constexpr):
+    """Softmax from the row's max and 1 / sum, or log_softmax from its max and log(sum)."""
+    if LOG:
+        return (x - m[:, None]) - scale[:, None]
+    else:
+        return _exp_shifted(x, m) * scale[:, None]
+
+
+@triton.jit
+def _softmax_bwd_online_window(
+    y_ptr, dy_ptr, dx_ptr, R, N, row_blocks, stride_yo, stride_yr, stride_dyo, stride_dyr, stride_dxo,
+    stride_dxr, LOG: tl.constexpr, SUM_FP64: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    WINDOW: tl.constexpr,
+):  # fmt: skip
+    y_rows, row_mask = _row_offsets(R, row_blocks, stride_yo, stride_yr, BLOCK_M, 1)
+    dy_rows, _ = _row_offsets(R, row_blocks, stride_dyo, stride_dyr, BLOCK_M, 1)
+    dx_rows, _ = _row_offsets(R, row_blocks, stride_dxo, stride_dxr, BLOCK_M, 1)
+    y_base, head = window_base(y_rows, WINDOW)
+    dy_base, _ = window_base(dy_rows, WINDOW)
+    dx_base, _ = window_base(dx_rows, WINDOW)
+    edges, on_edge = window_edges(head[:, None], N, WINDOW)
+    on_edge &= row_mask[:, None]
+    y_edge = tl.load(y_ptr + y_base[:, None] + edges, mask=on_edge, other=0.0).to(tl.float32)
+    dy_edge = tl.load(dy_ptr + dy_base[:, None] + edges, mask=on_edge, other=0.0).to(tl.float32)
+    dot = _row_dot(y_edge, dy_edge, LOG=LOG, SUM_FP64=SUM_FP64)
+    offsets = tl.arange(0, BLOCK_N)
+    span = N + WINDOW - 1
+    for start in range(0, span, BLOCK_N):
+        positions = (start + offsets)[None, :]
+        inner = row_mask[:, None] & window_interior(positions, head[:, None], N, WINDOW)
+        y = tl.load(y_ptr + y_base[:, None] + positions, mask=inner, other=0.0, eviction_policy="evict_last")
         dy = tl.load(
-            _tile(dy_ptr, dy_rows, cols, stride_dyn), mask=mask, other=0.0, eviction_policy="evict_first"
+            dy_ptr + dy_base[:, None] + positions, mask=inner, other=0.0, eviction_policy="evict_last"
         )
-        dx = _input_grad(y.to(tl.float32), dy.to(tl.float32), dot.to(tl.float32), LOG=LOG)
-        tl.store(_tile(dx_ptr, dx_rows, cols, stride_dxn), dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dot += _row_dot(y.to(tl.float32), dy.to(tl.float32), LOG=LOG, SUM_FP64=SUM_FP64)
+    dot = dot.to(tl.float32)
+    chunks = tl.cdiv(span, BLOCK_N)
+    for i in range(chunks):
+        positions = ((chunks - 1 - i) * BLOCK_N + offsets)[None, :]
+        inner = row_mask[:, None] & window_interior(positions, head[:, None], N, WINDOW)
+        y = tl.load(y_ptr + y_base[:, None] + positions, mask=inner, other=0.0, eviction_policy="evict_first")
+        dy = tl.load(
+            dy_ptr + dy_base[:, None] + positions, mask=inner, other=0.0, eviction_policy="evict_first"
+        )
+        dx = _input_grad(y.to(tl.float32), dy.to(tl.float32), dot, LOG=LOG)
+        tl.store(dx_ptr + dx_base[:, None] + positions, dx.to(dx_ptr.dtype.element_ty), mask=inner)
+    dx_edge = _input_grad(y_edge, dy_edge, dot, LOG=LOG)
+    tl.store(dx_ptr + dx_base[:, None] + edges, dx_edge.to(dx_ptr.dtype.element_ty), mask=on_edge)

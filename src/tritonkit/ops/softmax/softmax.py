@@ -55,6 +55,7 @@ import torch
 
 from tritonkit import tuning
 from tritonkit._launch import (
+    VECTOR_BYTES,
     Launch,
     call_signature,
     cdiv,
@@ -173,9 +174,12 @@ def _launch_args(
     }
     if config["variant"] == "online":
         meta["PREFETCH"] = config.get("PREFETCH", False)
-    meta["ALIGN"] = _align(tensors, geometry)  # the online kernels' last constexpr
+    meta["ALIGN"] = _align(tensors, geometry)
     blocks = outer * row_blocks
-    if config["variant"] == "online":
+    if config["variant"] == "online":  # in chunks: no tile bounds a row's window; PREFETCH stays plain
+        meta["WINDOW"] = 0 if meta["PREFETCH"] else _window(tensors, geometry, n + VECTOR_BYTES)
+        if meta["WINDOW"]:
+            meta["ALIGN"] = 1
         return (blocks,), (*tensors, rows, n, row_blocks, *strides), meta
     meta["STAGES"] = stages = config.get("STAGES", 0)
     meta["WINDOW"] = _window(tensors, geometry, block_n)
