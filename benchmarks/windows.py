@@ -4,8 +4,9 @@ an entry at a time for odd lengths), beside torch; untuned, as a first call runs
 
     python benchmarks/windows.py OUT.json
 
-softmax forward and backward at odd row lengths held in registers, cross_entropy forward and
-backward at GPT-2's 50257 classes and another odd vocabulary. Each call is captured in a CUDA graph
+softmax forward and backward at odd row lengths held in registers and one over GPT-2's 50257
+classes (the online kernels, in chunks), cross_entropy forward and backward at 50257 classes and
+another odd vocabulary. Each call is captured in a CUDA graph
 and the replays take turns (``timing.interleaved_ms``); GB/s from the bytes each must move.
 """
 
@@ -24,8 +25,14 @@ from tritonkit.bench.sweep import untuned_calls
 from tritonkit.bench.timing import capture, interleaved_ms
 
 COMMAND = "python benchmarks/windows.py OUT.json"
-SOFTMAX = [((17944, 9017), torch.bfloat16), ((21061, 2901), torch.bfloat16), ((63687, 195), torch.float32),
-           ((162063, 77), torch.float16), ((4096, 16001), torch.float32)]  # fmt: skip
+SOFTMAX = [
+    ((17944, 9017), torch.bfloat16),
+    ((21061, 2901), torch.bfloat16),
+    ((63687, 195), torch.float32),
+    ((162063, 77), torch.float16),
+    ((4096, 16001), torch.float32),
+    ((2048, 50257), torch.bfloat16),
+]  # fmt: skip (the last through the online kernels)
 CROSS_ENTROPY = [((8192, 50257), torch.bfloat16), ((8192, 32001), torch.float32)]
 
 
