@@ -2,8 +2,9 @@
 switches flipped: ``STAGES`` (persistent programs, the next row block copied to shared memory while
 this one is reduced) and windows (rows that start off their vectors' alignment read as 16-byte
 vectors from each row's rounded-down offset, ``softmax.WINDOWS``); and the split kernel's default
-against it with PREFETCH flipped (pass 1 with two chunks in flight); forward and backward, beside
-torch and a copy of as many bytes.
+against it with PREFETCH flipped (pass 1 with two chunks in flight); and at tiny shapes the
+one-pass default against its rows spread over every SM; forward and backward, beside torch and a
+copy of as many bytes.
 
     python benchmarks/softmax_persistent.py OUT.json
 
@@ -43,7 +44,14 @@ SHAPES = [
     ((21, 800692), torch.bfloat16),  # 39-42%
     ((100, 784772), torch.float32),  # 55-67%
     ((2, 12291808), torch.float16),  # 50-53%
+    ((56, 23), torch.float32),  # tiny rows, 0.73-0.90x the best peer in the first sweep
+    ((340, 74), torch.bfloat16),
+    ((498, 4), torch.float16),
+    ((1385, 50), torch.float32),
+    ((883, 151), torch.float16),
+    ((227, 472), torch.float32),
 ]
+SMS = 132  # the H200's: where a default's programs are fewer, "spread" puts a row block on each
 COMMAND = "python benchmarks/softmax_persistent.py OUT.json"
 
 
@@ -60,14 +68,26 @@ def _flipped(config: dict, switch: str, on) -> dict:
     return {k: v for k, v in config.items() if k != switch} | ({} if config.get(switch) else {switch: on})
 
 
-def _variants(default: dict, windowed: bool) -> dict:
+def _spread(config: dict, rows: int) -> dict | None:
+    """The one-pass config with BLOCK_M cut to the largest power of two that still gives every SM a
+    row block, where the default's programs are fewer than the SMs: the question for latency-bound
+    shapes (the first sweep's tiny rows trailed the peers by 1-2 us). None where it does not apply."""
+    if -(-rows // config["BLOCK_M"]) >= SMS or config["BLOCK_M"] == 1:
+        return None
+    return {**config, "BLOCK_M": 1 << max(0, (rows // SMS).bit_length() - 1)}
+
+
+def _variants(default: dict, windowed: bool, rows: int) -> dict:
     """name -> (config, windows on): the default and each switch flipped (windows only where taken;
-    a split default's switch is PREFETCH)."""
+    a split default's switch is PREFETCH; rows spread over the SMs where the default's are not)."""
     if default["variant"] == "split":
         return {"default": (default, True), "PREFETCH flipped": (_flipped(default, "PREFETCH", True), True)}
     variants = {"default": (default, True), "STAGES flipped": (_flipped(default, "STAGES", 2), True)}
     if windowed:
         variants["no window"] = (default, False)
+    spread = _spread(default, rows)
+    if spread is not None:
+        variants["spread"] = (spread, True)
     return variants
 
 
@@ -92,7 +112,7 @@ def _row(shape, dtype, direction) -> dict:
     if default["variant"] not in ("one-pass", "split"):
         raise ValueError(f"{shape} {direction}: the default is {default}, neither one-pass nor split")
     window = sm._launch_args(direction, default, False, views, sm._geometry(views))[2].get("WINDOW", 0)
-    variants = _variants(default, bool(window))
+    variants = _variants(default, bool(window), tensors[0].shape[0])
     out = tensors[-1]
     if direction == "fwd":
         expected = torch.softmax(tensors[0], -1).float()
