@@ -251,7 +251,7 @@ def _softmax_bwd_split_kernel(
             dots = tl.load(
                 dot_ptr + row * segments + parts, mask=parts < segments, other=0.0, cache_modifier=".cg"
             )
-            dot = tl.full([1], 0.0, tl.float32) + tl.sum(dots, axis=0).to(tl.float32)
+            dot = tl.full([1], 0.0, dots.dtype) + tl.sum(dots, axis=0)  # fp64 kept: see _input_grad
             dx_row = _row_start(row, R, stride_dxo, stride_dxr, ALIGN)
             for i in range(chunks):
                 cols = first + (chunks - 1 - i) * BLOCK_N + offsets
