@@ -40,6 +40,7 @@ def test_the_window_is_taken_where_rows_start_off_their_vectors_and_one_head_ser
     assert row_window(2901, [(3, 2901), (5, 2901)], (x, y), 4096) == 0  # outer strides neither
     assert row_window(2901, [(0, 2901), (0, 2901)], (_tensor(2901, offset=1), y), 4096) == 0  # misaligned
     assert row_window(4093, [(0, 4093)], (x,), 4096) == 0  # the window (4093 + 7) would pass the tile
+    assert row_window(4093, [(0, 4093)], (x,)) == 8  # a kernel in chunks: no tile bounds it
 
 
 @pytest.fixture

@@ -99,16 +99,21 @@ def row_align(values: tuple, element_size: int) -> int:
 
 
 def row_window(
-    n: int, views: Sequence[tuple[int, int]], tensors: Sequence[torch.Tensor], block_n: int
+    n: int, views: Sequence[tuple[int, int]], tensors: Sequence[torch.Tensor], block_n: int | None = None
 ) -> int:
     """The WINDOW a row kernel takes (``jit.window_base``): VECTOR_BYTES of the narrowest dtype's
     entries, where rows of ``n`` contiguous entries with ``views``' (outer, row) strides do not all
     start on a vector (else 0: ALIGN's path has them whole), every tensor starts VECTOR_BYTES
     aligned, the views' strides agree modulo WINDOW (one head serves every tensor), and a row's
-    window, up to WINDOW - 1 entries before it, fits the ``block_n`` entries of its tile."""
+    window, up to WINDOW - 1 entries before it, fits the ``block_n`` entries of its tile (a kernel
+    that walks a row in chunks gives none)."""
     window = VECTOR_BYTES // min(t.element_size() for t in tensors)
     strides = [stride for view in views for stride in view]
-    if all(value % window == 0 for value in (n, *strides)) or n + window - 1 > block_n:
+    if (
+        all(value % window == 0 for value in (n, *strides))
+        or block_n is not None
+        and n + window - 1 > block_n
+    ):
         return 0
     if any(t.data_ptr() % VECTOR_BYTES for t in tensors):
         return 0

@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from tritonkit._launch import VECTOR_BYTES, Launch, next_power_of_2, row_align, row_window
+from tritonkit._launch import Launch, next_power_of_2, row_align, row_window
 from tritonkit._runtime import empty_output
 from tritonkit._triton import tl, triton
 from tritonkit.dtypes import FLOATS
@@ -431,7 +431,7 @@ def _window(classes: int, tensors: tuple, row_strides: tuple) -> int:
     so no tile bounds its window."""
     if not WINDOWS or tensors[0].stride(1) != 1:
         return 0
-    return row_window(classes, [(0, stride) for stride in row_strides], tensors, classes + VECTOR_BYTES)
+    return row_window(classes, [(0, stride) for stride in row_strides], tensors)
 
 
 def _flags(weight, smoothing: float, z_loss: float, softcap: float) -> dict:

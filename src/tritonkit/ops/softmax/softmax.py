@@ -55,7 +55,6 @@ import torch
 
 from tritonkit import tuning
 from tritonkit._launch import (
-    VECTOR_BYTES,
     Launch,
     call_signature,
     cdiv,
@@ -143,7 +142,7 @@ def _align(tensors: tuple, geometry: tuple) -> int:
 WINDOWS = True
 
 
-def _window(tensors: tuple, geometry: tuple, block_n: int) -> int:
+def _window(tensors: tuple, geometry: tuple, block_n: int | None) -> int:
     """The one-pass kernels' WINDOW (``_launch.row_window``) where every view's entries are contiguous
     (rows layout); else 0. Over one outer slice the outer strides play no part."""
     outer, _, n, strides = geometry
@@ -177,7 +176,7 @@ def _launch_args(
     meta["ALIGN"] = _align(tensors, geometry)
     blocks = outer * row_blocks
     if config["variant"] == "online":  # in chunks: no tile bounds a row's window; PREFETCH stays plain
-        meta["WINDOW"] = 0 if meta["PREFETCH"] else _window(tensors, geometry, n + VECTOR_BYTES)
+        meta["WINDOW"] = 0 if meta["PREFETCH"] else _window(tensors, geometry, None)
         if meta["WINDOW"]:
             meta["ALIGN"] = 1
         return (blocks,), (*tensors, rows, n, row_blocks, *strides), meta
