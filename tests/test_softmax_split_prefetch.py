@@ -17,22 +17,15 @@ launches = test_softmax.launches  # the fixture recording each launch, shared
 
 
 fresh_memos = test_softmax_persistent.fresh_memos  # (autouse) no earlier test's config or plan
+small_segments = test_softmax.small_segments  # (autouse) the split default in small segments
 
 
 @pytest.fixture(autouse=True)
-def prefetching_segments(monkeypatch, fresh_memos):
-    """The split default becomes small segments (test_softmax's) with PREFETCH."""
-    for tuner in sm._TUNERS.values():
-        default = tuner.default
-        monkeypatch.setattr(
-            tuner,
-            "default",
-            lambda key, default=default: (
-                small_segments_config(key) | {"PREFETCH": True}
-                if key.get("variant") == "split"
-                else default(key)
-            ),
-        )
+def prefetching(monkeypatch):
+    """test_softmax's small segments, with PREFETCH."""
+    monkeypatch.setattr(
+        test_softmax, "small_segments_config", lambda key: small_segments_config(key) | {"PREFETCH": True}
+    )
 
 
 SHAPES = [(3, 64), (5, 200), (1, 129), (7, 130), (2, 4100)]
