@@ -136,6 +136,46 @@ def test_outputs_and_gradients_follow_the_inputs_layout(device):
     assert tritonkit.flash_attention(*contiguous).is_contiguous()
 
 
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic-dq"])
+@pytest.mark.parametrize("strided", ["k", "v"])
+def test_k_and_v_in_different_layouts(strided, deterministic, device):
+    """One of k and v a (B, H, S, D) view of (B, S, H, D) memory, the other contiguous: each gradient
+    lies as its input and all match the reference (the dK/dV kernel writes both through one set of
+    strides, which once put dv's values at dk's places)."""
+    q, k, v = qkv(1, 2, 2, 40, 40, 32, BF16, device, seed=3)
+    k, v = (
+        t.transpose(1, 2).contiguous().transpose(1, 2) if name == strided else t
+        for name, t in zip("kv", (k, v), strict=True)
+    )
+    check(q, k, v, causal=True, deterministic=deterministic)
+    grads = torch.autograd.grad(
+        tritonkit.flash_attention(*(t.requires_grad_() for t in (q, k, v))).sum(), (k, v)
+    )
+    assert [g.stride() for g in grads] == [k.stride(), v.stride()]
+
+
+@pytest.mark.parametrize("window", [(2**31 - 1, -1), (-1, 2**31 - 1), (2**31 - 40, 2**31 - 13)])
+def test_window_sides_past_every_key_are_unbounded(window, device):
+    """A side no key lies beyond (here up to 2^31 - 1, which the kernels' 32-bit offsets once
+    overflowed by adding a row to) gives the unbounded window's bits, outputs and gradients."""
+    q, k, v = qkv(1, 2, 2, 40, 40, 32, BF16, device, seed=4)
+    do = testing.random_tensor(q.shape, BF16, device, generator=testing.generator(5))
+    results = []
+    for sides in (window, (-1, -1)):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        o = tritonkit.flash_attention(*leaves, window=sides)
+        results.append((o, *torch.autograd.grad(o, leaves, do)))
+    for got, want in zip(*results, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_scale_must_be_finite(device):
+    q, k, v = qkv(1, 1, 1, 4, 4, 16, BF16, device)
+    for scale in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="scale must be a finite number"):
+            tritonkit.flash_attention(q, k, v, scale=scale)
+
+
 def test_large_scores_stay_finite(device):
     """Scores near 100 in magnitude: the running max keeps every exp2 at or below 1."""
     q, k, v = qkv(1, 2, 2, 40, 40, 64, torch.bfloat16, device, seed=2)
@@ -197,6 +237,12 @@ def test_softcap_matches_the_reference(causal, device):
     check(q * 4, k * 4, v, causal=causal, softcap=10.0)
     q, k, v = qkv(1, 2, 2, 25, 19, 32, torch.float16, device, seed=34)
     check(q, k, v, causal=causal, softcap=0.5, window=(6, 4))
+
+
+def test_a_cap_far_above_the_scores(device):
+    """A cap of 1e7 over scores near 1: tanh of about 1e-7, whose 1 - 2 / (e^2x + 1) form kept only 6e-8
+    of absolute precision, 0.6 off once the cap multiplied it (outputs 0.7 off the reference)."""
+    check(*qkv(1, 2, 2, 33, 45, 32, BF16, device, seed=2), causal=True, softcap=1e7)
 
 
 # ---------------------------------------------------------------- packed variable-length batches
@@ -282,6 +328,19 @@ def test_packed_batch_equals_each_sequence_alone(device):
             rows = ((q0, q1), (k0, k1), (k0, k1))
             for packed_grad, grad_b, (a, b) in zip(grads, grads_b, rows, strict=True):
                 assert torch.equal(packed_grad[a:b], grad_b[0].transpose(0, 1))
+
+
+def test_packed_bounds_read_through_strided_views(device):
+    """cu_seqlens given as every other entry of a longer tensor (filled with out-of-range values in
+    between): the call reads their values, and gives the contiguous bounds' bits."""
+    q, k, v, cu = packed([(4, 5), (3, 1), (3, 6)], 2, 1, 32, torch.bfloat16, device, seed=52)
+    strided = {}
+    for name, bounds in cu.items():
+        spaced = torch.full((2 * bounds.shape[0],), 999, dtype=torch.int32, device=device)
+        spaced[::2] = bounds
+        strided[name] = spaced[::2]
+    want = tritonkit.flash_attention(q, k, v, causal=True, **cu)
+    assert torch.equal(tritonkit.flash_attention(q, k, v, causal=True, **strided), want)
 
 
 def test_bad_packed_input_is_named(device):

@@ -185,6 +185,52 @@ def test_overrun_caches_and_missing_blocks_give_nan_without_a_sync(device):
     assert torch.equal(k_cache[unchanged].view(torch.int16), before[unchanged].view(torch.int16))
 
 
+def test_negative_lengths_give_nan_and_write_nothing(device):
+    """A cache_seqlens entry below 0 (no sync checks it): that sequence's outputs and lse are NaN and
+    its new tokens go nowhere (they once landed at slots 0...); the other sequence is unharmed."""
+    q, k_cache, v_cache, k, v, seqlens, _ = _case(2, 3, 2, 1, 16, 32, [5, 9], device, seed=13)
+    seqlens[0] = -2
+    before = k_cache.clone()
+    out, lse = tritonkit.flash_attention_with_kvcache(q, k_cache, v_cache, k, v, seqlens, return_lse=True)
+    assert out[0].isnan().all() and lse[0].isnan().all()
+    assert not out[1].isnan().any() and not lse[1].isnan().any()
+    assert torch.equal(k_cache[0].view(torch.int16), before[0].view(torch.int16))
+
+
+def test_lengths_and_tables_read_through_strided_views(device):
+    """cache_seqlens as every other entry of a longer tensor and a column-major block table: the
+    call reads their values, and gives the contiguous ones' bits (appending the same slots)."""
+    q, k_cache, v_cache, k, v, seqlens, table = _case(
+        3, 2, 4, 2, 16, 64, [10, 40, 61], device, slots=16, seed=14
+    )
+    spaced = torch.full((6,), 1000, dtype=torch.int32, device=device)
+    spaced[::2] = seqlens
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
+    got = tritonkit.flash_attention_with_kvcache(q, *caches[0], k, v, spaced[::2], table.t().contiguous().t())
+    want = tritonkit.flash_attention_with_kvcache(q, *caches[1], k, v, seqlens, table)
+    for a, b in zip((got, *caches[0]), (want, *caches[1]), strict=True):
+        assert torch.equal(_bits(a), _bits(b))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_window_sides_past_every_key_are_unbounded(causal, device):
+    """Sides up to 2^31 - 1, which the kernel's 32-bit offset + RIGHT once overflowed: the unbounded
+    window's bits."""
+    q, k_cache, v_cache, _, _, seqlens, _ = _case(2, 3, 2, 1, 16, 32, [5, 30], device, seed=15)
+    want = tritonkit.flash_attention_with_kvcache(q, k_cache, v_cache, None, None, seqlens, causal=causal)
+    for window in ((2**31 - 1, -1), (-1, 2**31 - 1), (2**31 - 1, 2**31 - 1)):
+        got = tritonkit.flash_attention_with_kvcache(
+            q, k_cache, v_cache, None, None, seqlens, causal=causal, window=window
+        )
+        assert torch.equal(_bits(got), _bits(want)), window
+
+
+def test_an_empty_batch(device):
+    q, k_cache, v_cache, _, _, seqlens, _ = _case(1, 1, 4, 2, 16, 32, [3], device)
+    out = tritonkit.flash_attention_with_kvcache(q[:0], k_cache[:0], v_cache[:0], cache_seqlens=seqlens[:0])
+    assert out.shape == (0, 1, 4, 16)
+
+
 def test_the_split_rule_fills_the_sms_from_shapes_alone():
     assert decode.default_splits(64, 8, 8192, "cpu") == 1  # 512 programs: every SM busy
     assert decode.default_splits(1, 8, 8192, "cpu") == 32  # 8 programs: 256 keys a split at least
@@ -202,6 +248,9 @@ def test_the_custom_op_and_a_gradient(device):
     out = tritonkit.flash_attention_with_kvcache(q, k_cache, v_cache, k, v, seqlens)
     with pytest.raises(RuntimeError, match="has no backward: decoding needs none"):
         out.sum().backward()
+    _, lse = tritonkit.flash_attention_with_kvcache(q, k_cache, v_cache, k, v, seqlens, return_lse=True)
+    with pytest.raises(RuntimeError, match="has no backward: decoding needs none"):
+        lse.sum().backward()
     schema = str(decode._decode.custom_op._opoverload._schema)  # it names what it writes
     for written in ("k_cache", "v_cache", "out", "lse"):
         assert f"!) {written}" in schema, schema
@@ -253,6 +302,13 @@ def test_a_call_like_a_checked_one_skips_the_check(device, monkeypatch):
         tritonkit.flash_attention_with_kvcache(q, k_cache, v_cache, k[:, :, :1], v, cache_seqlens=seqlens)
 
 
+def _every_other_dim(t: torch.Tensor) -> torch.Tensor:
+    """t's values as every other element of a tensor twice as wide in its last dim."""
+    wide = torch.zeros((*t.shape[:-1], 2 * t.shape[-1]), dtype=t.dtype, device=t.device)
+    wide[..., ::2] = t
+    return wide[..., ::2]
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
@@ -261,8 +317,12 @@ def test_a_call_like_a_checked_one_skips_the_check(device, monkeypatch):
         (lambda a: a.update(v=None), "give both or neither"),
         (lambda a: a.update(cache_seqlens=None), "needs cache_seqlens"),
         (lambda a: a.update(cache_seqlens=a["cache_seqlens"].long()), "cache_seqlens must be one of"),
-        (lambda a: a.update(window=(-2, 0)), "window must be"),
-        (lambda a: a.update(num_splits=-1), "num_splits must be >= 0"),
+        (lambda a: a.update(window=(-2, 0)), "window's left side must be an int >= -1"),
+        (lambda a: a.update(window=(2.7, 0)), "window's left side must be an int >= -1"),
+        (lambda a: a.update(num_splits=-1), "num_splits must be an int >= 0"),
+        (lambda a: a.update(num_splits=2.5), "num_splits must be an int >= 0"),
+        (lambda a: a.update(scale=float("nan")), "scale must be a finite number"),
+        (lambda a: a.update(k_cache=_every_other_dim(a["k_cache"])), "k_cache must have a unit stride"),
         (lambda a: a.update(k=a["k"][:, :, :1]), "k must be \\(B, Sq, Hkv, D\\)"),
     ],
 )

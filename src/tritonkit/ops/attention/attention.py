@@ -25,6 +25,7 @@ from tritonkit.ops.attention.common import (
     Packed,
     Scores,
     attention_reference,
+    check_window,
     empty_in_layout,
     softmax_scale,
     validate_qkv,
@@ -156,6 +157,7 @@ def _call(
     """(o, lse) of validated inputs: through the autograd function where a gradient is wanted,
     else the forward op alone."""
     cu_q, cu_k, _, max_q, max_k = packed or (None, None, 0, 0, 0)
+    scores = scores.within(*((max_q, max_k) if packed else (q.shape[2], k.shape[2])))
     fields = (max_q, max_k, scores.scale, scores.causal, scores.bottom_right, *scores.window, scores.softcap)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _Attention.apply(q, k, v, cu_q, cu_k, *fields, bool(deterministic))
@@ -197,7 +199,7 @@ def flash_attention(
     is deterministic (the same inputs give the same bits); ``deterministic=False`` accumulates dq
     with fp32 atomics in the dK/dV kernel instead of a dQ kernel that recomputes the scores (two
     matmuls of seven fewer), and dq's last bits then vary from run to run."""
-    window = _window(window)
+    window = check_window(window)
     softcap = float(softcap)
     if not math.isfinite(softcap) or softcap < 0:
         raise ValueError(f"softcap must be a finite number >= 0 (0: no cap), got {softcap}")
@@ -260,19 +262,9 @@ def _validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < found):
             raise ValueError(f"{name} must be an int >= the longest sequence ({found}), got {given!r}")
         longest.append(found if given is None else given)
+    # the kernels read a sequence's bounds at cu + b: entries one after another
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     return Packed(cu_seqlens_q, cu_seqlens_k, cu_seqlens_q.shape[0] - 1, *longest)
-
-
-def _window(window) -> tuple[int, int]:
-    """``window`` as (left, right) ints >= -1, or ValueError naming what is wrong."""
-    try:
-        left, right = window
-    except (TypeError, ValueError):
-        raise ValueError(f"window must be a pair (left, right), got {window!r}") from None
-    for side, value in (("left", left), ("right", right)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < -1:
-            raise ValueError(f"window's {side} side must be an int >= -1 (-1: unbounded), got {value!r}")
-    return left, right
 
 
 def scaled_dot_product_attention(

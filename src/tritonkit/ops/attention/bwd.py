@@ -329,6 +329,11 @@ def attention_bwd_into(
         )  # fmt: skip
         return
     log.debug("tritonkit: attention backward %s on the Triton kernels", tuple(q.shape))
+    # the dK/dV kernel writes dk and dv through one set of strides, dk's: a dv laid out otherwise (k
+    # and v in different layouts) is written in dk's layout first, then copied
+    given_dv = dv
+    if dv.stride() != dk.stride():
+        dv = torch.empty_strided(dk.shape, dk.stride(), dtype=dv.dtype, device=dv.device)
     if deterministic:
         problems = {
             "dkdv": _problem(q, k, v, do, lse, delta, scores, packed, dk=dk, dv=dv),
@@ -342,6 +347,8 @@ def attention_bwd_into(
     configs = config or _configs(problems, q, k, scores, packed)
     for kernel, problem in problems.items():
         _TUNED[kernel].run(problem, configs[kernel])
+    if dv is not given_dv:
+        given_dv.copy_(dv)
 
 
 def _configs(problems: dict, q, k, scores: Scores, packed: Packed | None) -> dict:

@@ -38,6 +38,13 @@ class Scores(NamedTuple):
     window: tuple[int, int] = (-1, -1)
     softcap: float = 0.0
 
+    def within(self, seq_q: int, seq_k: int) -> Scores:
+        """These scores with each window side that cuts no key of a (seq_q, seq_k) attention, either
+        alignment (a side of max(seq_q, seq_k) or more), made unbounded: the same mask, and offsets
+        that the kernels' 32-bit index arithmetic holds however wide a side was given."""
+        reach = max(seq_q, seq_k)
+        return self._replace(window=tuple(-1 if side >= reach else side for side in self.window))
+
     def kernel_args(self, seq_q: int, seq_k: int) -> tuple[tuple, dict]:
         """The kernels' (UPPER_OFFSET, LOWER_OFFSET, score_scale, cap_log2) and their constexprs
         (IS_CAUSAL: any upper bound, HAS_LOWER, SOFTCAP): row i sees key j iff j <= i + UPPER_OFFSET
@@ -97,8 +104,26 @@ def sequence_args(
 
 
 def softmax_scale(scale: float | None, head_dim: int) -> float:
-    """``scale``, or 1/sqrt(D) where it is None (torch's and FlashAttention's default)."""
-    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    """``scale``, or 1/sqrt(D) where it is None (torch's and FlashAttention's default); ValueError
+    where it is not a finite number (a NaN or infinite scale would only give NaN outputs)."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number (None: 1/sqrt(head dim)), got {scale}")
+    return scale
+
+
+def check_window(window) -> tuple[int, int]:
+    """``window`` as (left, right) ints >= -1, or ValueError naming what is wrong."""
+    try:
+        left, right = window
+    except (TypeError, ValueError):
+        raise ValueError(f"window must be a pair (left, right), got {window!r}") from None
+    for side, value in (("left", left), ("right", right)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+            raise ValueError(f"window's {side} side must be an int >= -1 (-1: unbounded), got {value!r}")
+    return left, right
 
 
 def empty_in_layout(t: torch.Tensor) -> torch.Tensor:
@@ -150,9 +175,14 @@ def validate_qkv(q, k, v, names: tuple[str, str, str] = ("query", "key", "value"
 @triton.jit
 def _exponent(dot, score_scale, cap_log2, SOFTCAP: tl.constexpr):
     """(the scores in log2 units, tanh of the capped score or 0): dot * score_scale, or with SOFTCAP
-    tanh(dot * score_scale) * cap_log2; tanh as 1 - 2 / (e^2x + 1), which saturates to +-1 cleanly."""
+    tanh(dot * score_scale) * cap_log2; tanh as 1 - 2 / (e^2x + 1), which saturates to +-1 cleanly,
+    and near 0 as its series: there 1 - 2 / (e^2x + 1) keeps only 1's absolute precision (6e-8),
+    which cap_log2 multiplies (a cap of 1e7 put its scores 0.6 off)."""
     if SOFTCAP:
-        t = 1.0 - 2.0 / (tl.math.exp2(dot * (2.0 * LOG2E * score_scale)) + 1.0)
+        x = dot * score_scale
+        t = 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
+        x2 = x * x  # x - x^3 / 3 + 2 x^5 / 15: within 3e-9 of tanh x, relatively, where |x| < 1/16
+        t = tl.where(tl.abs(x) < 0.0625, x + x * x2 * (x2 * (2.0 / 15.0) - 1.0 / 3.0), t)
         return t * cap_log2, t
     else:  # the else keeps Triton from compiling both returns (their types differ)
         return dot * score_scale, 0.0

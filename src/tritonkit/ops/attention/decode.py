@@ -35,7 +35,14 @@ from tritonkit._runtime import empty_output, interpret, sm_count
 from tritonkit._triton import tl, triton
 from tritonkit.jit import LOG2E, dot_fp32
 from tritonkit.opdef import check_tensor, op
-from tritonkit.ops.attention.common import Scores, _exponent, _visible, attention_reference, softmax_scale
+from tritonkit.ops.attention.common import (
+    Scores,
+    _exponent,
+    _visible,
+    attention_reference,
+    check_window,
+    softmax_scale,
+)
 from tritonkit.roofline import Cost
 
 # The launch (BLOCK_N keys a step, warps, stages: the loads in flight a program), by the split count,
@@ -237,8 +244,9 @@ def _decode_kernel(
                 mask=col_ok[:, None] & dim_ok[None, :], other=0.0,
             )  # fmt: skip
             if tl.program_id(2) == 0:
+                writable = col_ok & (cols < S_MAX) & (cached >= 0)  # (a negative length writes nothing)
                 block, slot, ok = _cache_slots(
-                    table_ptr, batch, cols, col_ok & (cols < S_MAX), stride_tb, SLOTS, NUM_BLOCKS, PAGED
+                    table_ptr, batch, cols, writable, stride_tb, SLOTS, NUM_BLOCKS, PAGED
                 )  # fmt: skip
                 mask = ok[:, None] & dim_ok[None, :]
                 k_rows = block.to(tl.int64) * stride_kb + slot.to(tl.int64) * stride_ks + kv_head * stride_kh
@@ -250,9 +258,9 @@ def _decode_kernel(
                 IS_CAUSAL, HAS_LOWER, SOFTCAP, EXACT_DOT_IN_FP32,
             )  # fmt: skip
 
-    # A sequence whose keys overrun the cache, or whose table names a block the cache lacks, gets NaN:
-    # checking its lengths or table on the host would cost a sync a call
-    broken = (keys > S_MAX) | (refused > 0)
+    # A sequence whose keys overrun the cache, whose cached length is negative, or whose table names a
+    # block the cache lacks, gets NaN: checking its lengths or table on the host would cost a sync a call
+    broken = (keys > S_MAX) | (refused > 0) | (cached < 0)
     seen = l_i > 0.0
     o = tl.where(broken, float("nan"), acc / tl.where(seen, l_i, 1.0)[:, None])
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) / LOG2E, -float("inf"))
@@ -354,7 +362,7 @@ def default_splits(batch: int, heads_kv: int, max_keys: int, device) -> int:
     From shapes alone: no host sync."""
     programs = batch * heads_kv
     sms = sm_count(device)
-    if programs >= sms:
+    if programs == 0 or programs >= sms:
         return 1
     return max(1, min(SPLIT_PROGRAMS_PER_SM * sms // programs, cdiv(max_keys, MIN_SPLIT_KEYS), MAX_SPLITS))
 
@@ -376,7 +384,7 @@ def _max_keys(k_cache, block_table) -> int:
     return k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
 
 
-def _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, window, softcap, num_splits) -> None:
+def _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softcap) -> None:
     """TypeError or ValueError naming what is wrong (nothing here reads a tensor's values)."""
     check_tensor("q", q, dtypes=DTYPES, ndim=4)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -419,12 +427,11 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, window, softca
             )
     elif k_cache.shape[0] != batch:
         raise ValueError(f"a contiguous cache must have B = {batch} sequences, got {k_cache.shape[0]}")
-    if len(window) != 2 or any(int(w) < -1 for w in window):
-        raise ValueError(f"window must be (left, right), each -1 (unbounded) or >= 0, got {window}")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.stride(-1) != 1:  # written in place, so never through a copy
+            raise ValueError(f"{name} must have a unit stride in its last dim, got strides {cache.stride()}")
     if not (math.isfinite(softcap) and softcap >= 0):
         raise ValueError(f"softcap must be a finite number >= 0, got {softcap}")
-    if num_splits < 0:
-        raise ValueError(f"num_splits must be >= 0 (0: by the rule), got {num_splits}")
 
 
 @op("decode_attention", mutates=("k_cache", "v_cache", "out", "lse", "part", "part_lse"))
@@ -470,6 +477,11 @@ def launches(
     max_keys = _max_keys(k_cache, block_table)
     block_n, num_warps, num_stages = ONE_SPLIT_LAUNCH if splits == 1 else SPLIT_LAUNCH
     split_keys = cdiv(cdiv(max_keys, splits), block_n) * block_n
+    # a side that cuts no key (row i of Sq sees keys up to cached + i + right, from cached + i - left)
+    # is unbounded: the kernel's 32-bit offset + RIGHT and offset - LEFT then hold for any side given
+    left, right = (
+        -1 if side >= reach else side for side, reach in ((left, max_keys + seq_q), (right, seq_q))
+    )
     (_, _, score_scale, cap_log2), flags = Scores(scale, causal, True, (left, right), softcap).kernel_args(
         1, 1
     )
@@ -536,17 +548,21 @@ def flash_attention_with_kvcache(
 
     No host sync and no allocation that depends on the lengths: a CUDA graph replays a call with
     new ``cache_seqlens`` and ``block_table`` contents. So what only their values show is not
-    raised but marked: a sequence whose keys (cached plus appended) would overrun its cache, or
-    whose table names a block outside the cache, gets NaN outputs and lse, and nothing is written
-    past its cache."""
-    window = tuple(int(w) for w in window)
-    num_splits, softcap = int(num_splits), float(softcap)
+    raised but marked: a sequence whose keys (cached plus appended) would overrun its cache, whose
+    ``cache_seqlens`` entry is negative, or whose table names a block outside the cache, gets NaN
+    outputs and lse, and nothing is written past its cache (nothing at all for a negative length)."""
+    window = check_window(window)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0: by the rule), got {num_splits!r}")
+    softcap = float(softcap)
+    # the kernel reads an entry of each at the row's index (a table row's at its column)
+    cache_seqlens, block_table = (t if t is None else t.contiguous() for t in (cache_seqlens, block_table))
     inputs = (q, k_cache, v_cache, k, v, cache_seqlens, block_table)
     key = call_signature(inputs, window, softcap, num_splits, scale, causal)
     splits, plan = _plans.get(key, (0, None)) if key is not None else (0, None)
     known = splits > 0
     if not known:  # the check once a signature: at B = 1 the call is host-bound (docs/perf-notes.md)
-        _check(*inputs, window, softcap, num_splits)
+        _check(*inputs, softcap)
         splits = num_splits or default_splits(
             q.shape[0], k_cache.shape[2], _max_keys(k_cache, block_table), q.device
         )
@@ -568,7 +584,7 @@ def flash_attention_with_kvcache(
         _remember(key, splits, plan)
     wanting = [t for t in (q, k_cache, v_cache, k, v) if t is not None and t.requires_grad]
     if torch.is_grad_enabled() and wanting:
-        out = _NoGradient.apply(out, wanting[0])
+        out, lse = (_NoGradient.apply(t, wanting[0]) for t in (out, lse))
     return (out, lse) if return_lse else out
 
 
