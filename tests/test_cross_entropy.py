@@ -126,6 +126,21 @@ def test_strided_logits_and_int32_targets(device):
     _check(x, target, None, label_smoothing=0.1)
 
 
+@pytest.mark.parametrize("view", ["strided", "expanded"])
+def test_class_weights_as_views(view, device):
+    """Class weights as every other entry of a longer tensor, or one value expanded over the classes
+    (stride 0): the kernels once read them as contiguous (the expanded one past its storage)."""
+    x, target, weight = _inputs(6, 37, F32, device, seed=8)
+    if view == "strided":
+        wide = torch.zeros(74, device=device)
+        wide[::2] = weight
+        weight = wide[::2]
+    else:
+        weight = torch.tensor([2.0], device=device).expand(37)
+    _check(x, target, weight, label_smoothing=0.1)
+    _check(x, target, weight, reduction="none")
+
+
 @pytest.mark.parametrize(
     "change, error, message",
     [
@@ -142,6 +157,7 @@ def test_strided_logits_and_int32_targets(device):
         (lambda a: a.update(label_smoothing=1.5), ValueError, "label_smoothing must be in"),
         (lambda a: a.update(softcap=0.0), ValueError, "softcap must be None or"),
         (lambda a: a.update(z_loss=-1.0), ValueError, "z_loss must be"),
+        (lambda a: a.update(ignore_index=1.5), TypeError, "ignore_index must be an int"),
     ],
 )
 def test_bad_input_is_refused_by_name(change, error, message, device):

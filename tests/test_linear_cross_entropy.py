@@ -99,6 +99,14 @@ def test_matches_the_reference(features, layout, dtype, device, monkeypatch):
     _check(x, w, target, b if kwargs.pop("bias", True) else None, **kwargs)
 
 
+def test_class_weights_every_other_entry_of_a_longer_tensor(device):
+    """Class weights of column stride 2, which the kernels once read as contiguous."""
+    x, w, target, b, class_weight = _inputs((10, 24, 37), BF16, device, seed=3)
+    spaced = torch.zeros(2 * class_weight.shape[0], device=device)
+    spaced[::2] = class_weight
+    _check(x, w, target, b, class_weight=spaced[::2], label_smoothing=0.1)
+
+
 def test_the_forward_takes_every_token_at_once_where_that_costs_no_more_than_dws_fp32_sum():
     """At Llama-3-8B's LM head and 8192 tokens the logits (2.1 GB) take less than dW's fp32 sum beside a
     chunk (2.4 GB): one chunk, dW one product. Twice the tokens sum dW over chunks of SUM_MIN_TOKENS

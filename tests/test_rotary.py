@@ -162,6 +162,16 @@ def _flash(q, c, **kwargs):
             ValueError,
             "max_s",
         ),
+        (
+            lambda q, k, c: _flash(q, c[:, :2], seqlen_offsets=-1),
+            ValueError,
+            "seqlen_offsets must be an int >= 0",
+        ),
+        (
+            lambda q, k, c: _flash(q, c[:, :2], seqlen_offsets=1.5),
+            ValueError,
+            "seqlen_offsets must be an int >= 0",
+        ),
     ],
 )
 def test_bad_input_is_refused_by_name(call, error, message, device):
@@ -169,6 +179,51 @@ def test_bad_input_is_refused_by_name(call, error, message, device):
     k = torch.randn(1, 1, 5, 8, device=device)
     with pytest.raises(error, match=message):
         call(q, k, torch.randn(5, 8, device=device))
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_positions_outside_the_tables_give_nan_and_read_nothing(packed, device):
+    """Per-sequence offsets that put tokens below 0 or past the tables' 8 rows (which no host check
+    reads): those tokens' outputs are NaN (they once read memory outside the tables), every other
+    token's are what tables of 16 rows (the same first 8) give."""
+    g = testing.generator(6)
+    offsets = torch.tensor([0, -3, 6], dtype=torch.int32, device=device)  # 4 tokens each
+    x = testing.random_tensor((3, 4, 2, 16), BF16, device, generator=g)
+    kwargs = {"seqlen_offsets": offsets}
+    if packed:
+        x = x.flatten(0, 1)
+        kwargs |= {
+            "cu_seqlens": torch.tensor([0, 4, 8, 12], dtype=torch.int32, device=device),
+            "max_seqlen": 4,
+        }
+    short, long = _tables(8, 8, device), _tables(16, 8, device)
+    assert torch.equal(long[0][:8], short[0])
+    out, wide = (
+        tritonkit.apply_rotary_emb(x, *tables, **kwargs).view(3, 4, 2, 16) for tables in (short, long)
+    )
+    positions = offsets[:, None] + torch.arange(4, device=device)
+    outside = (positions < 0) | (positions >= 8)
+    assert torch.equal(out.isnan().all(-1).all(-1), outside) and not out[~outside].isnan().any()
+    assert torch.equal(out[~outside], wide[~outside])
+
+
+def test_offsets_and_bounds_read_through_strided_views(device):
+    """seqlen_offsets and cu_seqlens as every other entry of longer tensors: their values are read
+    (the kernel once read them as contiguous), the contiguous ones' bits."""
+    g = testing.generator(7)
+    x = testing.random_tensor((12, 2, 16), BF16, device, generator=g)
+    cos, sin = _tables(16, 8, device)
+    given = {
+        "cu_seqlens": torch.tensor([0, 5, 7, 12], dtype=torch.int32, device=device),
+        "seqlen_offsets": torch.tensor([3, 0, 9], dtype=torch.int32, device=device),
+    }
+    strided = {}
+    for name, values in given.items():
+        spaced = torch.full((2 * values.shape[0],), 1000, dtype=torch.int32, device=device)
+        spaced[::2] = values
+        strided[name] = spaced[::2]
+    want = tritonkit.apply_rotary_emb(x, cos, sin, max_seqlen=5, **given)
+    assert torch.equal(tritonkit.apply_rotary_emb(x, cos, sin, max_seqlen=5, **strided), want)
 
 
 # ---------------------------------------------------------------- on the H200

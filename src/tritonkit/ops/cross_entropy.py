@@ -28,6 +28,7 @@ the targets on the host): that row's loss, and so a sum or mean, is NaN, and so 
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 
@@ -638,6 +639,20 @@ def validate_options(input, classes: int, weight, reduction, label_smoothing, z_
         raise ValueError(f"softcap must be None or a finite number > 0, got {softcap}")
 
 
+def class_weights(weight: torch.Tensor | None) -> torch.Tensor | None:
+    """The class weights as the kernels read them, entry c at weight_ptr + c (a (C,) view of any
+    stride, an expanded one included, copied once)."""
+    return weight if weight is None else weight.contiguous()
+
+
+def class_index(ignore_index) -> int:
+    """``ignore_index`` as an int, or TypeError (a float was once truncated to the class below it)."""
+    try:
+        return operator.index(ignore_index)
+    except TypeError:
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}") from None
+
+
 def cross_entropy(
     input: torch.Tensor,
     target: torch.Tensor,
@@ -660,7 +675,8 @@ def cross_entropy(
     than an error: checking would read the targets on the host."""
     label_smoothing, z_loss = float(label_smoothing), float(z_loss)
     _validate(input, target, weight, reduction, label_smoothing, z_loss, softcap)
-    options = (int(ignore_index), reduction, label_smoothing, z_loss, float(softcap or 0.0))
+    weight = class_weights(weight)
+    options = (class_index(ignore_index), reduction, label_smoothing, z_loss, float(softcap or 0.0))
     if torch.is_grad_enabled() and input.requires_grad:
         loss, lse = _CrossEntropy.apply(input, target, weight, *options)
     else:

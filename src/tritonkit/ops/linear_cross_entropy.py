@@ -400,7 +400,8 @@ def linear_cross_entropy(
     rows_in = input.reshape(-1, input.shape[-1])
     rows_target = target.reshape(-1)
     ce.validate_options(input, weight.shape[0], class_weight, reduction, label_smoothing, z_loss, softcap)
-    options = (int(ignore_index), reduction, label_smoothing, z_loss, float(softcap or 0.0))
+    class_weight = ce.class_weights(class_weight)
+    options = (ce.class_index(ignore_index), reduction, label_smoothing, z_loss, float(softcap or 0.0))
     if loss_dtype not in (None, input.dtype, torch.float32):
         raise ValueError(f"loss_dtype must be None, input's dtype or torch.float32, got {loss_dtype}")
     order = ORDER if order is None else order

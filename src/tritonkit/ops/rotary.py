@@ -19,6 +19,8 @@ tables' rows, which the heads of a token share (in L2). Six FLOPs a pair: memory
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from tritonkit._launch import Launch, cdiv, next_power_of_2
@@ -56,7 +58,7 @@ TOKEN_GROUP = 16
 def _rotate_tile(
     in_ptr, out_ptr, cos_ptr, sin_ptr, offsets_ptr, cu_ptr,
     sib, sis, sih, sid, sob, sos, soh, sod, scb, scs, scd,
-    batch, s_block, h_block, seq, heads, rotary_dim, head_dim, offset,
+    batch, s_block, h_block, seq, heads, rotary_dim, head_dim, offset, table_rows,
     BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_REST: tl.constexpr,
     INTERLEAVED: tl.constexpr, FULL_TABLE: tl.constexpr, CONJUGATE: tl.constexpr, OFFSETS: tl.constexpr,
     VARLEN: tl.constexpr, COPY_REST: tl.constexpr,
@@ -92,6 +94,11 @@ def _rotate_tile(
     # the tables' rows, (BLOCK_S, BLOCK_K) each, shared by the tile's heads
     table = (b64 * scb + position.to(tl.int64) * scs)[:, None]
     table_mask = (s < seq)[:, None] & (k < half)[None, :]
+    # positions that no host check bounds (offsets read on the GPU, packed lengths): one outside the
+    # tables reads nothing, and its token's outputs are NaN
+    if OFFSETS == 2 or VARLEN:
+        outside = (position < 0) | (position >= table_rows)
+        table_mask &= ~outside[:, None]
     if FULL_TABLE:  # a column for every rotary dim: each half its own
         c1 = tl.load(cos_ptr + table + d1[None, :] * scd, mask=table_mask, other=0.0).to(tl.float32)[
             :, None, :
@@ -119,6 +126,9 @@ def _rotate_tile(
     else:
         o1 = x1 * c1 - x2 * s1
         o2 = x2 * c2 + x1 * s2
+    if OFFSETS == 2 or VARLEN:
+        o1 = tl.where(outside[:, None, None], float("nan"), o1)
+        o2 = tl.where(outside[:, None, None], float("nan"), o2)
     dtype = out_ptr.dtype.element_ty
     tl.store(out_rows[:, :, None] + d1[None, None, :] * sod, o1.to(dtype), mask=mask)
     tl.store(out_rows[:, :, None] + d2[None, None, :] * sod, o2.to(dtype), mask=mask)
@@ -151,6 +161,7 @@ def _rotary_kernel(
     ROTARY_DIM,
     HEAD_DIM,
     OFFSET,  # OFFSETS == 1: every sequence's first position
+    TABLE_ROWS,  # the tables' positions (OFFSETS == 2 or VARLEN: a position past them is marked)
     GROUP,  # token blocks a group (above)
     BLOCK_S: tl.constexpr,  # tokens a tile
     BLOCK_H: tl.constexpr,  # heads a tile
@@ -178,7 +189,7 @@ def _rotary_kernel(
         _rotate_tile(
             x_ptr, out_x_ptr, cos_ptr, sin_ptr, offsets_ptr, cu_ptr,
             sxb, sxs, sxh, sxd, soxb, soxs, soxh, soxd, scb, scs, scd,
-            batch, s_block, h_block, SEQ, HEADS_X, ROTARY_DIM, HEAD_DIM, OFFSET,
+            batch, s_block, h_block, SEQ, HEADS_X, ROTARY_DIM, HEAD_DIM, OFFSET, TABLE_ROWS,
             BLOCK_S, BLOCK_H, BLOCK_K, BLOCK_REST, INTERLEAVED, FULL_TABLE, CONJUGATE, OFFSETS, VARLEN,
             COPY_REST,
         )  # fmt: skip
@@ -186,7 +197,7 @@ def _rotary_kernel(
         _rotate_tile(
             y_ptr, out_y_ptr, cos_ptr, sin_ptr, offsets_ptr, cu_ptr,
             syb, sys, syh, syd, soyb, soys, soyh, soyd, scb, scs, scd,
-            batch, s_block, h_block - x_blocks, SEQ, HEADS_Y, ROTARY_DIM, HEAD_DIM, OFFSET,
+            batch, s_block, h_block - x_blocks, SEQ, HEADS_Y, ROTARY_DIM, HEAD_DIM, OFFSET, TABLE_ROWS,
             BLOCK_S, BLOCK_H, BLOCK_K, BLOCK_REST, INTERLEAVED, FULL_TABLE, CONJUGATE, OFFSETS, VARLEN,
             COPY_REST,
         )  # fmt: skip
@@ -249,7 +260,7 @@ def _launch(x, out_x, y, out_y, tables: Tables, conjugate: bool, inplace: bool =
         x, out_x, y, out_y, cos, sin, offsets if mode == TENSOR_OFFSET else None, tables.cu_seqlens,
         *_strides(x, varlen), *_strides(out_x, varlen), *_strides(y, varlen), *_strides(out_y, varlen),
         *cos_strides, seq, heads_x, heads_y, rotary_dim, head_dim,
-        int(offsets) if mode == SCALAR_OFFSET else 0, _group(seq_blocks, pass_bytes, x.device),
+        int(offsets) if mode == SCALAR_OFFSET else 0, cos.shape[1], _group(seq_blocks, pass_bytes, x.device),
     )  # fmt: skip
     copy_rest = rotary_dim < head_dim and not inplace
     meta = {
@@ -427,9 +438,17 @@ def apply_rotary_emb(
     """flash-attn's ``apply_rotary_emb``: x (B, S, H, D), or packed (total, H, D) with int32
     ``cu_seqlens`` (B + 1,) and ``max_seqlen``; cos and sin (S_table, rotary_dim / 2), rotary_dim <=
     D, the dims past it passed through. ``interleaved`` rotates pairs (2i, 2i + 1), else the rotary
-    dims' halves (GPT-NeoX). Token s of sequence b sits at position s + seqlen_offsets (an int, or
-    an int32 (B,) tensor: decoding). ``inplace`` writes x itself. Positions past the tables are not
-    checked (that would read the offsets on the host): keep S_table >= the last position + 1."""
+    dims' halves (GPT-NeoX). Token s of sequence b sits at position s + seqlen_offsets (an int >= 0,
+    or an int32 (B,) tensor: decoding). ``inplace`` writes x itself. ``max_seqlen`` must be at least
+    the longest sequence: tokens past it are not written. Positions outside the tables raise where
+    the host knows them (an int offset, no packing); otherwise (that would read the offsets or the
+    lengths on the host) such a token's outputs are NaN and nothing past the tables is read."""
+    if isinstance(seqlen_offsets, torch.Tensor):  # the kernel reads entry b at offsets + b
+        seqlen_offsets = seqlen_offsets.contiguous()
+    elif _whole(seqlen_offsets) is None:
+        raise ValueError(f"seqlen_offsets must be an int >= 0 or an int32 tensor, got {seqlen_offsets!r}")
+    if isinstance(cu_seqlens, torch.Tensor):
+        cu_seqlens = cu_seqlens.contiguous()
     _validate_flash(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen)
     if cos.requires_grad or sin.requires_grad:
         raise NotImplementedError("apply_rotary_emb has no gradient for cos and sin: pass them detached")
@@ -452,6 +471,17 @@ def _flash_rotate(x, cos, sin, interleaved, inplace, offsets, offset, cu_seqlens
     return out
 
 
+def _whole(value) -> int | None:
+    """``value`` as an int >= 0 (an int, or a numpy or torch integer), or None where it is not one."""
+    if isinstance(value, bool):
+        return None
+    try:
+        number = operator.index(value)
+    except TypeError:
+        return None
+    return number if number >= 0 else None
+
+
 def _validate_flash(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen) -> None:
     check_tensor("x", x, dtypes=DTYPES, ndim=3 if cu_seqlens is not None else 4)
     head_dim = x.shape[-1]
@@ -467,8 +497,11 @@ def _validate_flash(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen) -> None
         )
     if cu_seqlens is not None:
         check_tensor("cu_seqlens", cu_seqlens, dtypes=(torch.int32,), ndim=1, device_of=("x", x))
-        if max_seqlen is None:
-            raise ValueError("packed sequences (cu_seqlens) need max_seqlen: the grid is sized from it")
+        if _whole(max_seqlen) is None:
+            raise ValueError(
+                "packed sequences (cu_seqlens) need max_seqlen, an int >= the longest sequence (the grid "
+                f"is sized from it), got {max_seqlen!r}"
+            )
         batch = cu_seqlens.shape[0] - 1
     else:
         batch = x.shape[0]
