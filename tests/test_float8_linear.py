@@ -118,6 +118,9 @@ def test_the_module_over_a_linear_and_the_model_swap():
     model = torch.nn.Sequential(torch.nn.Linear(160, 70), torch.nn.ReLU(), torch.nn.Linear(70, 10))
     nn.convert_to_float8(model, filter=lambda name, module: module.out_features > 10)
     assert [type(m).__name__ for m in model] == ["Float8Linear", "ReLU", "Linear"]
+    shared = torch.nn.Linear(8, 8)  # one module in two places: both swapped, still one module
+    model = nn.convert_to_float8(torch.nn.Sequential(shared, torch.nn.ReLU(), shared))
+    assert type(model[0]) is nn.Float8Linear and model[2] is model[0]
     with pytest.raises(ValueError, match="is itself a torch.nn.Linear"):
         nn.convert_to_float8(torch.nn.Linear(4, 4))
     with pytest.raises(ValueError, match="recipe must be one of"):
@@ -126,6 +129,10 @@ def test_the_module_over_a_linear_and_the_model_swap():
         tritonkit.float8_linear(x, linear.weight, recipe="columnwise")
     with pytest.raises(ValueError, match=r"weight must be \(N, 160\)"):
         tritonkit.float8_linear(x, linear.weight.t())
+    with pytest.raises(ValueError, match="weight must have 2 dimensions"):
+        tritonkit.float8_linear(x, linear.weight[0])
+    with pytest.raises(TypeError, match="input must be one of"):
+        tritonkit.float8_linear(x.double(), linear.weight)
 
 
 def test_compiles_whole_with_the_same_bits():

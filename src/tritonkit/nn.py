@@ -98,15 +98,18 @@ def convert_to_float8(model: torch.nn.Module, filter=None, recipe: str = "rowwis
     Float8Linear over the same parameters, in place, where ``filter(name, module)`` is true (every
     one without a filter); returns the model. Layers to keep in high precision (an LM head, small
     projections) are the filter's to leave out."""
-    swaps = [
+    swaps = [  # every place a module sits (one shared by two places is named twice)
         (name, module)
-        for name, module in model.named_modules()
+        for name, module in model.named_modules(remove_duplicate=False)
         if type(module) is torch.nn.Linear and (filter is None or filter(name, module))
     ]
+    converted: dict[int, Float8Linear] = {}  # a shared Linear stays one shared module
     for name, module in swaps:
         if not name:
             raise ValueError("the model is itself a torch.nn.Linear: use Float8Linear.from_linear(model)")
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Float8Linear.from_linear(module, recipe))
+        if id(module) not in converted:
+            converted[id(module)] = Float8Linear.from_linear(module, recipe)
+        setattr(parent, child, converted[id(module)])
     return model

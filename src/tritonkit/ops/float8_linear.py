@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from tritonkit.dtypes import FLOATS
+from tritonkit.opdef import check_tensor
 from tritonkit.ops.quantize import quantize_fp8, quantize_fp8_reference, quantize_fp8_transposed
 from tritonkit.ops.scaled_mm import scaled_mm, scaled_mm_reference
 
@@ -123,11 +125,13 @@ def float8_linear(
     input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, recipe: str = "rowwise"
 ) -> torch.Tensor:
     """``F.linear(input, weight, bias)`` with its forward and backward matmuls in fp8 (the module
-    docstring): input (..., K) in fp32, fp16 or bf16, weight (N, K) and bias (N,) in any float dtype;
+    docstring): input (..., K), weight (N, K) and bias (N,), each fp32, fp16 or bf16 (their own);
     the output in input's dtype, the gradients in their tensors' dtypes."""
     if recipe not in RECIPES:
         raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
-    if input.shape[-1] != weight.shape[1] or weight.dim() != 2:
+    check_tensor("input", input, dtypes=FLOATS, min_ndim=1)
+    check_tensor("weight", weight, dtypes=FLOATS, ndim=2, device_of=("input", input))
+    if input.shape[-1] != weight.shape[1]:
         raise ValueError(f"weight must be (N, {input.shape[-1]}), got {tuple(weight.shape)}")
     return _Float8Linear.apply(input, weight, bias, recipe)
 

@@ -40,7 +40,7 @@ from tritonkit.dtypes import HALVES
 from tritonkit.opdef import check_tensor, first_derivative_only, op
 from tritonkit.ops import Op, Workload
 from tritonkit.ops import cross_entropy as ce
-from tritonkit.ops.linear.matmul import matmul
+from tritonkit.ops.linear.matmul import matmul, unit_stride_bias
 
 DTYPES = HALVES  # the matmul kernels take fp16 and bf16 operands
 CHUNK_BYTES = 256 * 2**20  # logits a chunk (forward) or block (backward) may hold
@@ -397,6 +397,7 @@ def linear_cross_entropy(
     fraction of the memory); reduction "none" always takes "vocab"."""
     label_smoothing, z_loss = float(label_smoothing), float(z_loss)
     _validate(input, weight, target, bias, class_weight)
+    bias = unit_stride_bias(bias)
     rows_in = input.reshape(-1, input.shape[-1])
     rows_target = target.reshape(-1)
     ce.validate_options(input, weight.shape[0], class_weight, reduction, label_smoothing, z_loss, softcap)

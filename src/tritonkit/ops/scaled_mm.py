@@ -52,7 +52,7 @@ from tritonkit.dtypes import FLOATS
 from tritonkit.opdef import check_tensor, op
 from tritonkit.ops.linear import scaled_mm_sm90
 from tritonkit.ops.linear.kernels import INTERPRETER_CONFIG, SCALE_BLOCK, SCALINGS
-from tritonkit.ops.linear.matmul import matmul_launches, matmul_problem
+from tritonkit.ops.linear.matmul import matmul_launches, matmul_problem, unit_stride_bias
 from tritonkit.ops.quantize import FP8_DTYPES
 
 OUT_DTYPES = FLOATS
@@ -196,6 +196,7 @@ def scaled_mm(
     least as many 128 x 128 tiles as the GPU has SMs (fewer: the promoted small tile, faster there
     and exact to the step). No gradient."""
     _validate(a, b, bias, out_dtype)
+    bias = unit_stride_bias(bias)
     scaling = _scaling(a, b, scale_a, scale_b)
     if use_fast_accum and scaling == "block":
         raise ValueError(

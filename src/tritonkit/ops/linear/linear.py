@@ -50,6 +50,7 @@ from tritonkit.ops.linear.matmul import (
     matmul,
     matmul_launches,
     matmul_problem,
+    unit_stride_bias,
 )
 from tritonkit.roofline import Cost
 
@@ -285,6 +286,7 @@ def linear(
     activation is one of None, "gelu", "gelu_tanh", "silu", "relu", "relu2" (squared ReLU), and
     the residual, of the output's shape, is added after it. fp16 or bf16; fp32 accumulation."""
     _validate(input, {"weight": weight}, activation, bias, residual)
+    bias = unit_stride_bias(bias)
     tensors = (input, weight, bias, residual)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         return _Linear.apply(input, weight, bias, residual, activation)

@@ -37,6 +37,12 @@ OPERANDS = ("a2", "b2", "bias", "residual", "pre", "pre2")
 C_ARG = _linear_kernel.arg_names.index("c_ptr")  # where C is among the kernel's arguments
 
 
+def unit_stride_bias(bias: torch.Tensor | None) -> torch.Tensor | None:
+    """A bias as the kernel's epilogue reads it, entry j at bias + j: a strided or expanded (N,)
+    view copied once (read as it lies, it gave other columns' entries, or read past its storage)."""
+    return bias if bias is None or bias.stride(0) == 1 else bias.contiguous()
+
+
 def matmul_problem(
     a,
     b,
@@ -59,6 +65,8 @@ def matmul_problem(
     GATED_DX; ``scaling`` a SCALINGS code with its fp32 ``scale_a`` and ``scale_b`` (scaled_mm's),
     ``fast_accum`` its fp8 steps summed in the tensor cores' accumulator (the kernel's FAST_ACCUM).
     Codes are kept as ints (a problem holds tensors and plain scalars)."""
+    if bias is not None and bias.numel() > 1 and bias.stride(0) != 1:
+        raise ValueError(f"the matmul's bias needs a unit stride (unit_stride_bias), got {bias.stride()}")
     problem = {
         "a": a,
         "b": b,
