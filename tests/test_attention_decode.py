@@ -225,6 +225,16 @@ def test_window_sides_past_every_key_are_unbounded(causal, device):
         assert torch.equal(_bits(got), _bits(want)), window
 
 
+def test_one_int_length_for_every_sequence(device):
+    """cache_seqlens as an int (flash-attn takes one): every sequence's length, as a tensor of it."""
+    q, k_cache, v_cache, k, v, seqlens, _ = _case(2, 1, 4, 2, 16, 32, [7, 7], device, seed=16)
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
+    got = tritonkit.flash_attention_with_kvcache(q, *caches[0], k, v, cache_seqlens=7)
+    want = tritonkit.flash_attention_with_kvcache(q, *caches[1], k, v, cache_seqlens=seqlens)
+    for a, b in zip((got, *caches[0]), (want, *caches[1]), strict=True):
+        assert torch.equal(_bits(a), _bits(b))
+
+
 def test_an_empty_batch(device):
     q, k_cache, v_cache, _, _, seqlens, _ = _case(1, 1, 4, 2, 16, 32, [3], device)
     out = tritonkit.flash_attention_with_kvcache(q[:0], k_cache[:0], v_cache[:0], cache_seqlens=seqlens[:0])

@@ -141,18 +141,20 @@ def test_padded_batches_take_the_packed_path():
     _check("llama", mask)
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("padded", [True, False], ids=["left-padded", "unpadded"])
-def test_greedy_generation_gives_the_same_tokens_up_to_a_tie(padded, monkeypatch):
-    """transformers' KV cache, prompts left-padded (the packed path) or not (the decode kernel): the
-    patched model picks the unpatched model's tokens, except where two candidates' float64 logits
-    are closer than bf16's own error (where unpatched bf16 could pick either); the sequences are
-    compared up to the first such step."""
+def test_greedy_generation_gives_the_same_tokens_up_to_a_tie(padded, cache, monkeypatch):
+    """transformers' KV cache, dynamic or static (buffers of the longest length, slots past the
+    tokens so far unwritten, which the attention once read), prompts left-padded (the packed path)
+    or not (the decode kernel): the patched model picks the unpatched model's tokens, except where
+    two candidates' float64 logits are closer than bf16's own error (where unpatched bf16 could
+    pick either); the sequences are compared up to the first such step."""
     model = _model("qwen2").eval()
     exact = copy.deepcopy(model).double()
     ids, _ = _batch(seed=2)
     mask = torch.ones_like(ids)
     mask[0, :3] = 0 if padded else 1
-    settings = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    settings = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0, "cache_implementation": cache}
     expected = model.generate(input_ids=ids, attention_mask=copy.copy(mask), **settings)
     decode_calls = []
     decode = tritonkit.flash_attention_with_kvcache

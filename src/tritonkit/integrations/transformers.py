@@ -14,7 +14,9 @@ What is patched (each can be turned off):
 - ``attention``: ``flash_attention``, causal as the module says, the sliding window and soft cap
   transformers passes, padded batches through the packed (varlen) path. Generation with
   transformers' KV cache takes the decode kernel (``flash_attention_with_kvcache``) for its steps
-  where nothing is padded, the packed path where something is.
+  where nothing is padded, the packed path where something is. A static cache's buffers are longer
+  than the tokens so far: the decode kernel reads each sequence's keys up to its queries' last
+  position (``position_ids``), the packed path up to the padding mask's length.
 - ``mlp``: the gated MLP (``down(act(gate(x)) * up(x))``) computes ``act(gate(x)) * up(x)`` in one
   ``gated_linear`` kernel.
 - ``cross_entropy``: a causal LM's training forward (labels given, grad enabled, training mode)
@@ -119,18 +121,34 @@ def attention_forward(
     window = (sliding_window - 1, 0 if causal else sliding_window - 1) if sliding_window else (-1, -1)
     options = {"causal": causal, "scale": scaling, "window": window, "softcap": float(softcap or 0.0)}
     if attention_mask is None:  # the mask function gives one only where something is padded
-        decoding = query.shape[2] <= DECODE_QUERIES and not torch.is_grad_enabled()
-        if decoding:  # a few new tokens over the cache: the decode kernel, laid out as it takes them
+        seq_q, seq_k = query.shape[2], key.shape[2]
+        # a few new tokens over the cache, or queries over a cache longer than them (a static cache's
+        # buffers hold slots not yet written): the decode kernel, which reads each sequence's keys
+        # up to its queries' last position only, laid out as it takes them
+        if not torch.is_grad_enabled() and (seq_q <= DECODE_QUERIES or seq_k > seq_q):
             q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-            return tritonkit.flash_attention_with_kvcache(q, k, v, **options), None
+            lengths = _key_lengths(kwargs.get("position_ids"), query.shape[0], seq_k)
+            return tritonkit.flash_attention_with_kvcache(q, k, v, cache_seqlens=lengths, **options), None
         return tritonkit.flash_attention(query, key, value, **options).transpose(1, 2), None
     return _padded_attention(query, key, value, attention_mask.bool(), options), None
+
+
+def _key_lengths(position_ids, batch: int, seq_k: int) -> torch.Tensor | None:
+    """Each sequence's keys in the cache, (B,) int32, from its queries' last position (no host sync):
+    at most the keys given (a sliding window's cache holds fewer than the positions); None (every
+    key) where transformers passed no positions."""
+    if not isinstance(position_ids, torch.Tensor):
+        return None
+    last = position_ids.reshape(-1, position_ids.shape[-1])[:, -1]
+    return (last + 1).clamp(max=seq_k).to(torch.int32).expand(batch).contiguous()
 
 
 def _padded_attention(query, key, value, keep: torch.Tensor, options: dict) -> torch.Tensor:
     """Attention over the tokens ``keep`` marks (B, Sk), each sequence packed apart (its queries are
     its last Sq positions); padded query rows come out zero."""
     batch, heads_q, seq_q, head_dim = query.shape
+    if key.shape[2] > keep.shape[1]:  # a static cache's buffers: the slots past the mask hold nothing yet
+        key, value = key[:, :, : keep.shape[1]], value[:, :, : keep.shape[1]]
     keep_q = keep[:, -seq_q:]
     rows_k, rows_q = keep.flatten().nonzero().squeeze(1), keep_q.flatten().nonzero().squeeze(1)
     k = key.transpose(1, 2).flatten(0, 1).index_select(0, rows_k)

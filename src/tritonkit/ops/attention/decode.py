@@ -539,12 +539,13 @@ def flash_attention_with_kvcache(
 
     q (B, Sq, Hq, D) fp16/bf16; ``k_cache``, ``v_cache`` (B, S_cache, Hkv, D), or paged
     (num_blocks, block_size, Hkv, D) with ``block_table`` (B, blocks a sequence) int32;
-    ``cache_seqlens`` (B,) int32, the tokens already cached (None: every sequence full). ``k``, ``v``
-    (B, Sq, Hkv, D), when given, are written into the cache at positions cache_seqlens[b]... in
-    place and attended to with the rest (the caller advances cache_seqlens). Causal masks align
-    bottom-right; ``window`` and ``softcap`` as ``flash_attention``'s. ``num_splits``: key splits
-    (0: by ``default_splits``). Returns the output (B, Sq, Hq, D), and with ``return_lse`` the
-    fp32 lse (B, Hq, Sq). Forward only: decoding needs no gradient, and asking for one raises.
+    ``cache_seqlens`` (B,) int32, or an int for every sequence, the tokens already cached (None: every
+    sequence full). ``k``, ``v`` (B, Sq, Hkv, D), when given, are written into the cache at positions
+    cache_seqlens[b]... in place and attended to with the rest (the caller advances cache_seqlens).
+    Causal masks align bottom-right; ``window`` and ``softcap`` as ``flash_attention``'s.
+    ``num_splits``: key splits (0: by ``default_splits``). Returns the output (B, Sq, Hq, D), and
+    with ``return_lse`` the fp32 lse (B, Hq, Sq). Forward only: decoding needs no gradient, and
+    asking for one raises.
 
     No host sync and no allocation that depends on the lengths: a CUDA graph replays a call with
     new ``cache_seqlens`` and ``block_table`` contents. So what only their values show is not
@@ -555,8 +556,12 @@ def flash_attention_with_kvcache(
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0: by the rule), got {num_splits!r}")
     softcap = float(softcap)
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool) and isinstance(q, torch.Tensor):
+        cache_seqlens = q.new_full((q.shape[0],), cache_seqlens, dtype=torch.int32)  # flash-attn takes one
     # the kernel reads an entry of each at the row's index (a table row's at its column)
-    cache_seqlens, block_table = (t if t is None else t.contiguous() for t in (cache_seqlens, block_table))
+    cache_seqlens, block_table = (
+        t.contiguous() if isinstance(t, torch.Tensor) else t for t in (cache_seqlens, block_table)
+    )
     inputs = (q, k_cache, v_cache, k, v, cache_seqlens, block_table)
     key = call_signature(inputs, window, softcap, num_splits, scale, causal)
     splits, plan = _plans.get(key, (0, None)) if key is not None else (0, None)
