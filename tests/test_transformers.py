@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import os
+import types
 
 import pytest
 import torch
@@ -293,6 +294,12 @@ def test_bad_configurations_fail_clearly():
         tk_hf.apply(model)
     with pytest.raises(ValueError, match="not patched"):
         tk_hf.unapply(_model("llama"))
+    hooked = _model("llama")  # a module with a forward of its own (a hook's) late in the model: refused,
+    hooked.model.norm.forward = types.MethodType(type(hooked.model.norm).forward, hooked.model.norm)
+    with pytest.raises(ValueError, match="RMSNorm already has a forward of its own.*left the model as it"):
+        tk_hf.apply(hooked)
+    patched = [m for m in hooked.modules() if "forward" in vars(m)]  # and nothing else patched
+    assert patched == [hooked.model.norm] and not tk_hf.is_applied(hooked)
     q = torch.randn(1, HEADS, 4, 16, dtype=torch.bfloat16)
     kv = torch.randn(1, KV_HEADS, 4, 16, dtype=torch.bfloat16)
     with pytest.raises(NotImplementedError, match="dropout"):

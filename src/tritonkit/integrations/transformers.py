@@ -341,14 +341,22 @@ def _activation(model) -> str:
 
 def _patch(record: list, module: torch.nn.Module, forward: Callable, **attributes) -> None:
     if "forward" in vars(module):
+        hooked = hasattr(module, "_hf_hook") * " (an accelerate hook: a model dispatched across devices)"
         raise ValueError(
-            f"{type(module).__name__} already has a forward of its own (another patch); tritonkit "
-            f"patches only modules that run their class's forward"
+            f"{type(module).__name__} already has a forward of its own{hooked}; tritonkit patches "
+            f"only modules that run their class's forward, and left the model as it was"
         )
     module.forward = types.MethodType(forward, module)
     for name, value in attributes.items():
         setattr(module, name, value)
     record.append((module, ("forward", *attributes)))
+
+
+def _undo(record: list) -> None:
+    """Remove what ``_patch`` set on each module of ``record``."""
+    for module, names in record:
+        for name in names:
+            delattr(module, name)
 
 
 def apply(
@@ -376,15 +384,19 @@ def apply(
         raise ValueError(f"{type(model).__name__} is patched already: unapply(model) first")
     record: list = []
     activation = _activation(model) if mlp else None
-    for module in model.modules():
-        if rms_norm and (norm_forward := _rms_norm_kind(module)) is not None:
-            _patch(record, module, norm_forward)
-        elif mlp and _is_gated_mlp(module):
-            _patch(record, module, _mlp_forward, _tritonkit_activation=activation)
-        elif rope and _is_attention(module):
-            _patch(record, module, _attention_module_forward)
-    if cross_entropy and hasattr(model, "lm_head") and hasattr(model, "model"):
-        _patch(record, model, _causal_lm_forward)
+    try:
+        for module in model.modules():
+            if rms_norm and (norm_forward := _rms_norm_kind(module)) is not None:
+                _patch(record, module, norm_forward)
+            elif mlp and _is_gated_mlp(module):
+                _patch(record, module, _mlp_forward, _tritonkit_activation=activation)
+            elif rope and _is_attention(module):
+                _patch(record, module, _attention_module_forward)
+        if cross_entropy and hasattr(model, "lm_head") and hasattr(model, "model"):
+            _patch(record, model, _causal_lm_forward)
+    except Exception:  # all or nothing: the modules patched before the one that failed run as before
+        _undo(record)
+        raise
     previous = config._attn_implementation
     if attention:
         register()
@@ -400,9 +412,7 @@ def unapply(model: torch.nn.Module) -> torch.nn.Module:
         raise ValueError(f"{type(model).__name__} is not patched by tritonkit")
     record, previous = getattr(model, _PATCHES)
     delattr(model, _PATCHES)
-    for module, names in record:
-        for name in names:
-            delattr(module, name)
+    _undo(record)
     if model.config._attn_implementation != previous:
         model.set_attn_implementation(previous)
     return model
