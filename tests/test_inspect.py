@@ -25,8 +25,9 @@ from tritonkit.ops import get_op, get_workload, workload_names
 pytestmark = pytest.mark.infra
 
 
-def _cli(*args: str, interpret: str = "0") -> subprocess.CompletedProcess:
-    env = os.environ | {"TRITONKIT_INTERPRET": interpret}
+def _cli(*args: str, interpret: str | None = "0") -> subprocess.CompletedProcess:
+    env = {name: value for name, value in os.environ.items() if name != "TRITONKIT_INTERPRET"}
+    env |= {} if interpret is None else {"TRITONKIT_INTERPRET": interpret}
     return subprocess.run(
         [sys.executable, "-m", "tritonkit.cli", "inspect", *args],
         capture_output=True,
@@ -81,6 +82,23 @@ def test_cli_writes_the_irs(tmp_path):
     assert names == sorted(f"bias_gelu-{d}-sm_80.{ir}" for d in ("fwd", "bwd") for ir in asm.IRS)
     assert ".target sm_80" in (tmp_path / "bias_gelu-fwd-sm_80.ptx").read_text()
     assert "HMMA" not in (tmp_path / "bias_gelu-fwd-sm_80.sass").read_text()  # elementwise: no matmul
+
+
+def test_cli_compiles_without_being_told_not_to_interpret(tmp_path):
+    """No TRITONKIT_INTERPRET: ``import tritonkit`` chooses the interpreter on a torch built without a
+    GPU backend, and inspect once refused to run unless told =0; it compiles now. Its file errors and
+    bad shapes are one line each, no traceback."""
+    result = _cli("bias_gelu", "--shape", "64x256", "--dtype", "fp16", interpret=None)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "spills none" in result.stdout
+    for args, message in [
+        (("bias_gelu", "--shape", "0x96"), "needs dimensions >= 1"),
+        (("attention", "--shape", "1x2x128x64"), "takes shapes of 5 dimensions, like"),
+        (("softmax", "--shape", "4x96", "--config", '{"BLOCK_M": 4}'), "the config lacks 'variant'"),
+        (("bias_gelu", "--fingerprints", str(tmp_path / "a"), "--against", "missing"), "no such file"),
+    ]:
+        result = _cli(*args)
+        assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, args
 
 
 def test_cli_refuses_to_inspect_interpreted_kernels():

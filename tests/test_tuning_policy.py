@@ -68,6 +68,12 @@ def test_the_environment_variable_turns_tuning_on(tuned, monkeypatch):
     assert tuned.choose(KEY, {}) == ({"BLOCK": 8}, True)
     monkeypatch.setenv(tuning.AUTOTUNE_VARIABLE, "0")
     assert not tuning.autotune_on()
+    for off in ("false", "Off", "no", ""):  # "false" once counted as on: anything but "" and "0" did
+        monkeypatch.setenv(tuning.AUTOTUNE_VARIABLE, off)
+        assert not tuning.autotune_on()
+    monkeypatch.setenv(tuning.AUTOTUNE_VARIABLE, "ture")
+    with pytest.raises(ValueError, match="TRITONKIT_AUTOTUNE must be 1 or 0"):
+        tuning.autotune_on()
 
 
 def test_a_paused_tuning_chooses_a_stand_in_not_a_final_config(tuned, monkeypatch):

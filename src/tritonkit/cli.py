@@ -36,6 +36,21 @@ def _parse_shape(parts: list[str]) -> tuple[int, ...]:
     return dims
 
 
+def _workload_shape(workload, parts: list[str], command: str) -> tuple[int, ...]:
+    """--shape for ``workload``: as many dimensions as its benchmark shapes have, each >= 1 (an empty
+    tensor moves nothing and launches nothing), or ValueError giving one of its shapes."""
+    shape, given = _parse_shape(parts), " ".join(parts)
+    example = workload.shape_list("quick")[0][0]
+    if len(shape) != len(example):
+        raise ValueError(
+            f"{command} {workload.name} takes shapes of {len(example)} dimensions, like "
+            f"{'x'.join(map(str, example))}; got {given}"
+        )
+    if 0 in shape:
+        raise ValueError(f"{command} needs dimensions >= 1 (an empty tensor moves nothing), got {given}")
+    return shape
+
+
 def _spec_lines(spec: roofline.DeviceSpec) -> list[str]:
     peaks = ", ".join(f"{unit} {value / 1e12:.1f}" for unit, value in spec.peak_flops.items())
     return [f"  bandwidth: {spec.bandwidth / 1e12:.2f} TB/s", f"  peak TFLOP/s: {peaks}"]
@@ -107,11 +122,7 @@ def cmd_roofline(args) -> int:
     if not (args.op and args.shape):
         raise ValueError("roofline needs an OP and --shape (or --plot alone)")
     workload = get_workload(args.op)
-    shape = _parse_shape(args.shape)
-    if 0 in shape:
-        raise ValueError(
-            f"roofline needs dimensions >= 1 (an empty tensor moves nothing), got {' '.join(args.shape)}"
-        )
+    shape = _workload_shape(workload, args.shape, "roofline")
     dtype = DTYPES[args.dtype]
     cost = workload.cost(shape, dtype, args.mode)
     device = roofline.device_spec(args.device)
@@ -347,12 +358,15 @@ def _compile_natively() -> None:
     """inspect compiles real kernels: choose native compilation before anything imports triton."""
     from tritonkit import _runtime
 
-    if _runtime.interpret.cache_info().currsize == 0 and _runtime.OVERRIDE_ENV not in os.environ:
-        os.environ[_runtime.OVERRIDE_ENV] = "0"  # compiling needs no GPU, only Triton's compiler
+    if _runtime.OVERRIDE_ENV not in os.environ and "triton" not in sys.modules:
+        # compiling needs no GPU, only Triton's compiler; ``import tritonkit`` chose the interpreter
+        # on a torch without a GPU backend, a choice nothing has acted on until triton is imported
+        os.environ[_runtime.OVERRIDE_ENV] = "0"
+        _runtime.interpret.cache_clear()
     if _runtime.interpret():
         raise ValueError(
-            f"inspect compiles kernels, which {_runtime.OVERRIDE_ENV}=1 forbids: it makes "
-            "this process interpret them"
+            f"inspect compiles kernels, which {_runtime.OVERRIDE_ENV}=1 (or triton imported for the "
+            "interpreter) forbids: run it in a process of its own, without TRITONKIT_INTERPRET=1"
         )
 
 
@@ -386,12 +400,17 @@ def cmd_inspect(args) -> int:
     if workload.op.inspect is None:
         raise ValueError(f"{args.op} does not describe its launches for inspect")
     default_shape, default_dtype = workload.shape_list("quick")[0]
-    shape = _parse_shape(args.shape) if args.shape else default_shape
+    shape = _workload_shape(workload, args.shape, "inspect") if args.shape else default_shape
     dtype_name = args.dtype or default_dtype or "bf16"
     print(f"{args.op} {'x'.join(map(str, shape))} {dtype_name} compiled for {args.arch} (not launched)")
     reports = []
     for config in configs:
-        launches = workload.launches(shape, DTYPES[dtype_name], config)
+        try:
+            launches = workload.launches(shape, DTYPES[dtype_name], config)
+        except KeyError as missing:
+            raise ValueError(
+                f"the config lacks {missing}: give a whole config (`tritonkit tune --show` lists tuned ones)"
+            ) from None
         reports.append([asm.compile_launch(launch, args.arch) for launch in launches])
         print(asm.format_reports(reports[-1]))
     if args.diff:
@@ -416,6 +435,8 @@ def _fingerprints(args) -> int:
     every kernel, so its shipped tunings still describe them (tune --rekey)."""
     from tritonkit import asm
 
+    if args.against and not Path(args.against).is_file():  # before the compiles, not after
+        raise ValueError(f"--against {args.against}: no such file (an earlier --fingerprints file)")
     names = [args.op] if args.op else [n for n in workload_names() if get_workload(n).op.inspect is not None]
     prints = {}
     for name in names:
@@ -425,6 +446,7 @@ def _fingerprints(args) -> int:
                 report = asm.compile_launch(launch, args.arch)
                 label = f"{name} {'x'.join(map(str, shape))} {dtype or 'bf16'} {report.name}"
                 prints[label] = {"sass": asm.fingerprint(report.asm["sass"]), "registers": report.registers}
+    Path(args.fingerprints).parent.mkdir(parents=True, exist_ok=True)
     Path(args.fingerprints).write_text(json.dumps(prints, indent=1, sort_keys=True) + "\n")
     print(f"wrote {len(prints)} launch fingerprints ({args.arch}) to {args.fingerprints}")
     if not args.against:
@@ -455,6 +477,8 @@ def cmd_tune(args) -> int:
             raise ValueError("--rekey rewrites the shipped configs; it takes no ops, --import or --export")
         return _rekey(args.rekey)
     if args.import_file:
+        if not Path(args.import_file).is_file():
+            raise ValueError(f"--import {args.import_file}: no such file (a `tritonkit tune --export` file)")
         print(
             f"imported {tuning.import_cache(Path(args.import_file))} tuned configs into "
             f"{roofline.cache_dir() / tuning.SUBDIR}"
@@ -491,11 +515,10 @@ def _tuner_identities_at(revision: str) -> dict:
     import subprocess
     import tempfile
 
-    root = Path(
-        subprocess.run(
-            ["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    )
+    found = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True)
+    if found.returncode:
+        raise ValueError("--rekey reads the earlier kernels from git: run it inside a checkout of tritonkit")
+    root = Path(found.stdout.strip())
     with tempfile.TemporaryDirectory() as scratch:
         tree = Path(scratch) / "tree"
         subprocess.run(
@@ -789,7 +812,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
         return args.func(args)
-    except ValueError as error:
+    except (ValueError, OSError) as error:  # bad input, or a file that cannot be read or written
         print(f"tritonkit: {error}", file=sys.stderr)
         return 2
 

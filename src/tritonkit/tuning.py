@@ -88,8 +88,20 @@ def _single_config() -> bool:
 
 def autotune_on() -> bool:
     """Whether a key with no winner is tuned on its first call: inside :func:`enabled` or
-    :func:`retuning`, or with TRITONKIT_AUTOTUNE set (to anything but 0)."""
-    return bool(_enabled_depth or _retuning) or os.environ.get(AUTOTUNE_VARIABLE, "0") not in ("", "0")
+    :func:`retuning`, or with TRITONKIT_AUTOTUNE on (1, true, on or yes; 0, false, off, no or empty:
+    off; anything else raises, rather than count as on)."""
+    return bool(_enabled_depth or _retuning) or _switch(AUTOTUNE_VARIABLE)
+
+
+_ON, _OFF = ("1", "true", "on", "yes"), ("", "0", "false", "off", "no")
+
+
+def _switch(variable: str) -> bool:
+    """An on/off environment variable's value (unset: off); ValueError naming it where it is neither."""
+    given = os.environ.get(variable, "")
+    if given.strip().lower() not in _ON + _OFF:
+        raise ValueError(f"{variable} must be 1 or 0 (true/false, on/off, yes/no), got {given!r}")
+    return given.strip().lower() in _ON
 
 
 def choices_settled() -> bool:
