@@ -110,6 +110,7 @@ def test_the_module_over_a_linear_and_the_model_swap():
     linear = torch.nn.Linear(160, 70, device=_device())
     layer = nn.Float8Linear.from_linear(linear, recipe="tensorwise")
     assert layer.weight is linear.weight and layer.bias is linear.bias
+    assert not nn.Float8Linear.from_linear(linear.eval()).training and layer.training
     assert layer.state_dict().keys() == linear.state_dict().keys()
     assert "recipe='tensorwise'" in repr(layer)
     x = torch.randn(4, 160, device=_device())

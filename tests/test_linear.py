@@ -199,7 +199,7 @@ def test_compile_fullgraph(device):
 
 def test_module_loads_torch_state_dict(device):
     torch_layer = torch.nn.Linear(K, N, dtype=BF16, device=device)
-    layer = tritonkit.nn.Linear(K, N, activation="relu2", dtype=BF16, device=device)
+    layer = tritonkit.nn.Linear(K, N, True, device, BF16, activation="relu2")  # torch.nn.Linear's order
     layer.load_state_dict(torch_layer.state_dict())
     x = random_tensor((3, K), BF16, device, generator=generator(11))
     with poisoned_outputs():

@@ -36,6 +36,10 @@ def _parse_shape(parts: list[str]) -> tuple[int, ...]:
     return dims
 
 
+# what README's "Install, versions, support" says the suite and the benchmarks ran on
+TESTED = "CI with Python 3.11, torch 2.13 (CPU build), Triton 3.6.0; the H200 with torch 2.11, Triton 3.6.0"
+
+
 def _workload_shape(workload, parts: list[str], command: str) -> tuple[int, ...]:
     """--shape for ``workload``: as many dimensions as its benchmark shapes have, each >= 1 (an empty
     tensor moves nothing and launches nothing), or ValueError giving one of its shapes."""
@@ -67,6 +71,9 @@ def cmd_info(args) -> int:
         f"python {platform.python_version()}"
     )
     print(f"kernels: {'Triton interpreter on the CPU' if interpreted else 'compiled for the GPU'}")
+    from tritonkit.integrations.transformers import TESTED_VERSIONS
+
+    print(f"tested: {TESTED}; transformers {TESTED_VERSIONS}")
 
     print(f"tuning cache: {roofline.cache_dir() / tuning.SUBDIR} (TRITONKIT_CACHE_DIR moves it)")
     print(

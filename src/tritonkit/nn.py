@@ -28,16 +28,18 @@ class RMSNorm(torch.nn.RMSNorm):
 class Linear(torch.nn.Linear):
     """``torch.nn.Linear`` (same parameters and state_dict) with an activation applied in the
     matmul's epilogue, computed by ``tritonkit.linear``: in fp16 or bf16 (``dtype=``; its forward
-    refuses fp32 weights, torch.nn.Linear's default, by name)."""
+    refuses fp32 weights, torch.nn.Linear's default, by name). Its arguments are torch.nn.Linear's,
+    in their order, and ``activation`` by keyword."""
 
     def __init__(
         self,
         in_features: int,
         out_features: int,
         bias: bool = True,
-        activation: str | None = None,
         device=None,
         dtype=None,
+        *,
+        activation: str | None = None,
     ):
         from tritonkit.ops.linear import ACTIVATIONS
 
@@ -66,9 +68,10 @@ class Float8Linear(torch.nn.Linear):
     fp8 (``tritonkit.float8_linear``: e4m3 operands quantized on the fly with dynamic scales, the
     weight and its gradient in their own dtype, so fp32 master weights stay fp32). ``recipe``:
     "rowwise" (a scale a row of each operand along the product's K), "tensorwise" (one scale an
-    operand) or "blockwise" (1 x 128 runs and 128 x 128 blocks, DeepSeek-V3's)."""
+    operand) or "blockwise" (1 x 128 runs and 128 x 128 blocks, DeepSeek-V3's). Its arguments are
+    torch.nn.Linear's, in their order, and ``recipe`` by keyword."""
 
-    def __init__(self, in_features, out_features, bias=True, recipe="rowwise", device=None, dtype=None):
+    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *, recipe="rowwise"):
         from tritonkit.ops.float8_linear import RECIPES
 
         if recipe not in RECIPES:
@@ -78,11 +81,11 @@ class Float8Linear(torch.nn.Linear):
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, recipe: str = "rowwise") -> Float8Linear:
-        """A Float8Linear over ``linear``'s own parameters (shared, not copied)."""
+        """A Float8Linear over ``linear``'s own parameters (shared, not copied), in its training mode."""
         with torch.device("meta"):
-            new = cls(linear.in_features, linear.out_features, linear.bias is not None, recipe)
+            new = cls(linear.in_features, linear.out_features, linear.bias is not None, recipe=recipe)
         new.weight, new.bias = linear.weight, linear.bias
-        return new
+        return new.train(linear.training)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         from tritonkit.ops.float8_linear import float8_linear
