@@ -498,7 +498,7 @@ def test_import_refuses_what_is_not_an_export(tmp_path, content):
 
 
 def test_entry_keeps_the_errors_a_comparison_reports_and_tune_prints_them(tuning_on):
-    from tritonkit.cli import format_tuning
+    from tritonkit.cli_tune import format_tuning
     from tritonkit.testing import Comparison
 
     fake = FakeKernel()
