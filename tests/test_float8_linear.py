@@ -106,6 +106,17 @@ def test_gradients_keep_their_tensors_dtypes():
     )
 
 
+def test_a_second_derivative_raises_naming_the_op():
+    """Its backward quantizes detached operands, so its gradients carry no graph of their own: under
+    create_graph=True a gradient penalty through them once read as zero; now it raises."""
+    x, w, b, dy = _inputs(seed=3)
+    leaves = [t.detach().requires_grad_() for t in (x, w)]
+    y = tritonkit.float8_linear(*leaves, b)
+    (gx,) = torch.autograd.grad((y * dy).sum(), leaves[0], create_graph=True)
+    with pytest.raises(RuntimeError, match="float8_linear has no second derivative"):
+        torch.autograd.grad(gx.float().square().sum(), leaves[1])
+
+
 def test_the_module_over_a_linear_and_the_model_swap():
     linear = torch.nn.Linear(160, 70, device=_device())
     layer = nn.Float8Linear.from_linear(linear, recipe="tensorwise")

@@ -45,16 +45,40 @@ def first_derivative_only(name: str) -> Callable[[Callable], Callable]:
                 return outputs
             many = isinstance(outputs, tuple)
             outputs = outputs if many else (outputs,)
-            raising = torch._C._functions.DelayedError(message, len(outputs))
-            marked = raising(*(_requiring_grad(t) for t in outputs))
-            marked = marked if isinstance(marked, tuple) else (marked,)
-            # gradients of inputs that need none stay None
-            marked = tuple(m if t is not None else None for m, t in zip(marked, outputs, strict=True))
+            given = [t for t in outputs if t is not None]
+            # what the gradients depend on: the saved tensors (the inputs, or outputs computed from
+            # them) and the incoming gradients, where they carry a graph. A node fed by them, not by
+            # fresh leaves, lies on every path from the gradients to the inputs, so that
+            # autograd.grad(..., inputs), jvp and hvp raise too, rather than prune it and read zero
+            anchors = [
+                t for t in (*ctx.saved_tensors, *grads) if isinstance(t, torch.Tensor) and t.requires_grad
+            ]
+            if anchors:
+                marked = iter(_NoSecondDerivative.apply(message.decode(), given, *anchors))
+            else:
+                raising = torch._C._functions.DelayedError(message, len(given))
+                delayed = raising(*(_requiring_grad(t) for t in given))
+                marked = iter(delayed if isinstance(delayed, tuple) else (delayed,))
+            marked = tuple(next(marked) if t is not None else None for t in outputs)  # Nones stay None
             return marked if many else marked[0]
 
         return wrapper
 
     return decorate
+
+
+class _NoSecondDerivative(torch.autograd.Function):
+    """Passes a backward's gradients on as functions of ``anchors`` (what they depend on), and
+    raises ``message`` where anything differentiates through them."""
+
+    @staticmethod
+    def forward(ctx, message: str, gradients: list, *anchors):
+        ctx.message = message
+        return tuple(gradients)
+
+    @staticmethod
+    def backward(ctx, *unused):
+        raise RuntimeError(ctx.message)
 
 
 def _requiring_grad(t):

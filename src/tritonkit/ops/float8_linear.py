@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from tritonkit.dtypes import FLOATS
-from tritonkit.opdef import check_tensor
+from tritonkit.opdef import check_tensor, first_derivative_only
 from tritonkit.ops.quantize import quantize_fp8, quantize_fp8_reference, quantize_fp8_transposed
 from tritonkit.ops.scaled_mm import scaled_mm, scaled_mm_reference
 
@@ -111,6 +111,7 @@ class _Float8Linear(torch.autograd.Function):
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
+    @first_derivative_only("float8_linear")
     def backward(ctx, dy):
         x2, weight = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
