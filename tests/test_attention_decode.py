@@ -235,6 +235,20 @@ def test_one_int_length_for_every_sequence(device):
         assert torch.equal(_bits(a), _bits(b))
 
 
+def test_appending_marks_the_caches_written(device):
+    """The append writes the caches in place: their version counters move, so a product autograd
+    saved them for raises at its backward rather than read the new tokens."""
+    q, k_cache, v_cache, k, v, seqlens, _ = _case(1, 1, 2, 1, 16, 32, [5], device, seed=17)
+    k_cache = torch.nan_to_num(k_cache)
+    w = torch.ones_like(k_cache, requires_grad=True)
+    saved = w * k_cache
+    versions = k_cache._version, v_cache._version
+    tritonkit.flash_attention_with_kvcache(q, k_cache, v_cache, k, v, seqlens)
+    assert k_cache._version > versions[0] and v_cache._version > versions[1]
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.sum().backward()
+
+
 def test_an_empty_batch(device):
     q, k_cache, v_cache, _, _, seqlens, _ = _case(1, 1, 4, 2, 16, 32, [3], device)
     out = tritonkit.flash_attention_with_kvcache(q[:0], k_cache[:0], v_cache[:0], cache_seqlens=seqlens[:0])

@@ -117,6 +117,16 @@ def test_a_second_derivative_raises_naming_the_op():
         torch.autograd.grad(gx.float().square().sum(), leaves[1])
 
 
+def test_a_converted_model_with_an_in_place_activation_trains():
+    """ReLU(inplace=True) after a swapped layer, 2-D and 3-D rows: its output was a view made inside
+    the autograd function, which autograd refuses to let anything write."""
+    model = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.ReLU(inplace=True), torch.nn.Linear(16, 8))
+    nn.convert_to_float8(model.to(_device()))
+    for shape in ((4, 32), (2, 3, 32)):
+        model(torch.randn(shape, device=_device())).sum().backward()
+    assert model[0].weight.grad is not None
+
+
 def test_the_module_over_a_linear_and_the_model_swap():
     linear = torch.nn.Linear(160, 70, device=_device())
     layer = nn.Float8Linear.from_linear(linear, recipe="tensorwise")

@@ -114,6 +114,21 @@ def test_in_place_writes_x_and_leaves_the_other_dims(device):
     assert torch.equal(leaf.grad, plain.grad)
 
 
+def test_an_in_place_rotation_of_a_saved_tensor_fails_its_backward(device):
+    """x rotated in place after autograd saved it (y = w * x): the backward raises, as after any
+    in-place op (the eager call once skipped the version counter, and w's gradient read the rotated
+    x)."""
+    g = testing.generator(8)
+    w = testing.random_tensor((1, 4, 2, 8), F32, device, generator=g).requires_grad_()
+    x = testing.random_tensor((1, 4, 2, 8), F32, device, generator=g)
+    y = w * x
+    version = x._version
+    tritonkit.apply_rotary_emb(x, *_tables(6, 4, device), inplace=True)
+    assert x._version > version
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
 @pytest.mark.parametrize("inplace", [False, True], ids=["out-of-place", "in-place"])
 def test_the_flash_attn_form_passes_opcheck_and_compiles_without_a_graph_break(inplace, device):
     """The contract's checks for the form it does not cover: opcheck on real arguments (packed,

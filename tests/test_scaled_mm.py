@@ -158,6 +158,8 @@ def test_bad_input_is_refused_by_name():
         tritonkit.scaled_mm(a, b, scale_a, scale_b, torch.zeros(5, device=a.device))
     with pytest.raises(RuntimeError, match="no gradient"):
         tritonkit.scaled_mm(a, b, scale_a.requires_grad_(), scale_b)
+    with pytest.raises(RuntimeError, match="no gradient"):  # an fp8 operand that asks for one (was silent)
+        tritonkit.scaled_mm(a.detach().requires_grad_(), b, scale_a.detach(), scale_b)
     a, b, scale_a, scale_b = _operands(8, 32, 4, scaling="block")
     with pytest.raises(ValueError, match="use_fast_accum is for tensorwise and rowwise"):
         tritonkit.scaled_mm(a, b, scale_a, scale_b, use_fast_accum=True)

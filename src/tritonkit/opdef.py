@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -102,11 +103,19 @@ def recording_calls() -> Iterator[list[tuple[object, tuple]]]:
 
 
 def op(
-    name: str, *, mutates: Sequence[str], replay: bool | Callable[[], tuple] = False
+    name: str,
+    *,
+    mutates: Sequence[str],
+    replay: bool | Callable[[], tuple] = False,
+    in_place: Sequence[str] = (),
 ) -> Callable[[Callable], Callable]:
     """Register the decorated destination-passing function as the custom op ``tritonkit::name``,
     writing the arguments named in ``mutates``; its parameters need type annotations (the schema is
     read from them). The returned callable has the custom op as ``.custom_op`` (for opcheck).
+
+    ``in_place``: those of ``mutates`` that are the caller's own tensors (not outputs allocated for
+    the call), whose version counters an eager call increments, as the dispatcher would: a tensor
+    autograd saved before the write then raises at the backward rather than read the new values.
 
     ``replay`` declares that what the function does is exactly the kernels it launches (over its
     arguments, views of them and ``_launch.scratch`` workspace), and that they follow from its
@@ -118,6 +127,8 @@ def op(
 
     def register(fn: Callable) -> Callable:
         custom = torch.library.custom_op(f"tritonkit::{name}", fn, mutates_args=tuple(mutates))
+        parameters = list(inspect.signature(fn).parameters)
+        written = tuple(parameters.index(name) for name in in_place)
         custom.register_fake(_writes_outputs_only)
         switches = replay if callable(replay) else tuple
         plans: dict = {}
@@ -132,8 +143,12 @@ def op(
             for calls in _recorders:
                 calls.append((custom, args))
             if not replay:
-                return fn(*args)
-            return _replayed_or_run(fn, plans, (*args, *switches()), args)
+                fn(*args)
+            else:
+                _replayed_or_run(fn, plans, (*args, *switches()), args)
+            for position in written:
+                if args[position] is not None:
+                    torch.autograd.graph.increment_version(args[position])
 
         call.custom_op = custom
         call.plans = plans
@@ -179,6 +194,12 @@ def _replayed_or_run(fn: Callable, plans: dict, fields: tuple, args: tuple) -> N
 def _writes_outputs_only(*args, **kwargs) -> None:
     """The fake of a destination-passing op: it returns nothing, and its outputs exist already."""
     return None
+
+
+def finite(value) -> bool:
+    """Whether a number is finite: ``math.isfinite``'s answer, in a form torch.compile can trace
+    where it makes the number symbolic (``dynamic=True``), which math.isfinite breaks the graph on."""
+    return value - value == 0  # NaN - NaN and inf - inf are NaN
 
 
 def check_tensor(

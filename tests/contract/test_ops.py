@@ -134,6 +134,27 @@ def test_compiles_without_a_graph_break_and_matches_eager(name, device):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def test_float_options_compile_with_dynamic_shapes(device):
+    """torch.compile(dynamic=True) makes float arguments symbolic, which math.isfinite in the ops'
+    checks broke the graph on (a default eps, a z_loss, a scale and a soft cap): they compile now,
+    and give eager's values."""
+    import tritonkit
+
+    g = generator(3)
+    x = torch.randn(3, 16, generator=g).to(device)
+    q = torch.randn(1, 1, 3, 16, generator=g).to(device, torch.bfloat16)
+    target = torch.tensor([1, 2, 3], device=device)
+    calls = [
+        lambda: tritonkit.layer_norm(x, (16,)),
+        lambda: tritonkit.cross_entropy(x, target, z_loss=1e-3),
+        lambda: tritonkit.flash_attention(q, q, q, scale=0.3, softcap=5.0),
+    ]
+    for call in calls:
+        torch._dynamo.reset()
+        compiled = torch.compile(call, fullgraph=True, dynamic=True)
+        torch.testing.assert_close(compiled(), call(), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("name", OPS)
 def test_poisoning_catches_launches_that_write_nothing(name, device, monkeypatch):
     """With every launch skipped, each output and gradient of a poisoned call is NaN: outputs are

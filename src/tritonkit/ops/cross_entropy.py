@@ -27,7 +27,6 @@ the targets on the host): that row's loss, and so a sum or mean, is NaN, and so 
 
 from __future__ import annotations
 
-import math
 import operator
 
 import torch
@@ -37,7 +36,7 @@ from tritonkit._runtime import empty_output
 from tritonkit._triton import tl, triton
 from tritonkit.dtypes import FLOATS
 from tritonkit.jit import LOG2E, aligned, tanh_and_sech2, window_base, window_edges, window_interior
-from tritonkit.opdef import check_tensor, first_derivative_only, op
+from tritonkit.opdef import check_tensor, finite, first_derivative_only, op
 from tritonkit.ops import Op, Workload
 
 DTYPES = FLOATS
@@ -633,9 +632,9 @@ def validate_options(input, classes: int, weight, reduction, label_smoothing, z_
         raise ValueError(f"reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if not (math.isfinite(z_loss) and z_loss >= 0):
+    if not (finite(z_loss) and z_loss >= 0):
         raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss}")
-    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
+    if softcap is not None and not (finite(softcap) and softcap > 0):
         raise ValueError(f"softcap must be None or a finite number > 0, got {softcap}")
 
 

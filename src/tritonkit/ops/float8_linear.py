@@ -102,24 +102,25 @@ def _gradients(x2, w, dy2, recipe: str, quantize, matmul, needs=(True, True)) ->
 
 
 class _Float8Linear(torch.autograd.Function):
+    """Over 2-D rows: the caller reshapes, so that the output is no view made inside the function
+    (which autograd would refuse to let a ReLU(inplace=True) after it write)."""
+
     @staticmethod
-    def forward(ctx, x, weight, bias, recipe):
-        x2 = x.reshape(-1, x.shape[-1])
+    def forward(ctx, x2, weight, bias, recipe):
         y = _output(x2, weight, None if bias is None else bias.detach(), recipe, _quantize, _matmul)
         ctx.save_for_backward(x2, weight)
         ctx.recipe, ctx.bias_dtype = recipe, None if bias is None else bias.dtype
-        return y.reshape(*x.shape[:-1], weight.shape[0])
+        return y
 
     @staticmethod
     @first_derivative_only("float8_linear")
-    def backward(ctx, dy):
+    def backward(ctx, dy2):
         x2, weight = ctx.saved_tensors
-        dy2 = dy.reshape(-1, dy.shape[-1])
         db = None
         dx, dw = _gradients(x2, weight, dy2, ctx.recipe, _quantize, _matmul, ctx.needs_input_grad[:2])
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = dy2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return dx.reshape(*dy.shape[:-1], x2.shape[1]) if dx is not None else None, dw, db, None
+        return dx, dw, db, None
 
 
 def float8_linear(
@@ -134,7 +135,8 @@ def float8_linear(
     check_tensor("weight", weight, dtypes=FLOATS, ndim=2, device_of=("input", input))
     if input.shape[-1] != weight.shape[1]:
         raise ValueError(f"weight must be (N, {input.shape[-1]}), got {tuple(weight.shape)}")
-    return _Float8Linear.apply(input, weight, bias, recipe)
+    y2 = _Float8Linear.apply(input.reshape(-1, input.shape[-1]), weight, bias, recipe)
+    return y2.view(*input.shape[:-1], weight.shape[0])
 
 
 def float8_linear_reference(

@@ -308,7 +308,7 @@ def _rotary(
         _launch(x, out_x, y, out_y, tables, conjugate).run()
 
 
-@op("rotary_inplace", mutates=("x",), replay=True)
+@op("rotary_inplace", mutates=("x",), replay=True, in_place=("x",))
 def _rotary_inplace(
     x: torch.Tensor,
     cos: torch.Tensor,

@@ -203,8 +203,9 @@ def scaled_mm(
             "use_fast_accum is for tensorwise and rowwise scales: blockwise scales apply to each 128 of "
             "K, whose products are summed apart by the recipe"
         )
-    if any(t is not None and t.requires_grad for t in (scale_a, scale_b, bias)):
-        raise RuntimeError("scaled_mm has no gradient: its operands are fp8")
+    wanting = [t for t in (a, b, scale_a, scale_b, bias) if t is not None and t.requires_grad]
+    if wanting and torch.is_grad_enabled():
+        raise RuntimeError("scaled_mm has no gradient: its operands are fp8 (pass them detached)")
     (m, k), n = a.shape, b.shape[1]
     out = empty_output((m, n), out_dtype, a.device)
     if not (m and n):

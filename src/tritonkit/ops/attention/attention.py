@@ -10,11 +10,10 @@ cap, the dense checks, the reference) is in ``common``.
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
-from tritonkit.opdef import first_derivative_only, op
+from tritonkit.opdef import finite, first_derivative_only, op
 from tritonkit.ops import Op, Workload
 from tritonkit.ops.attention import bwd, fwd
 from tritonkit.ops.attention.bwd import _inspect_launches as _inspect_bwd_launches
@@ -201,7 +200,7 @@ def flash_attention(
     matmuls of seven fewer), and dq's last bits then vary from run to run."""
     window = check_window(window)
     softcap = float(softcap)
-    if not math.isfinite(softcap) or softcap < 0:
+    if not finite(softcap) or softcap < 0:
         raise ValueError(f"softcap must be a finite number >= 0 (0: no cap), got {softcap}")
     if cu_seqlens_q is None and cu_seqlens_k is None:
         for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):

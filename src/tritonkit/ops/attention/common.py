@@ -20,7 +20,7 @@ from tritonkit._runtime import empty_output
 from tritonkit._triton import tl, triton
 from tritonkit.dtypes import DTYPE_OF, HALVES, NAME_OF
 from tritonkit.jit import LOG2E
-from tritonkit.opdef import check_tensor
+from tritonkit.opdef import check_tensor, finite
 
 DTYPES = HALVES  # the dtypes attention takes
 MAX_HEAD_DIM = 256  # a (BLOCK_M, 256) fp32 accumulator is already 128 registers a thread at 8 warps
@@ -109,7 +109,7 @@ def softmax_scale(scale: float | None, head_dim: int) -> float:
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
     scale = float(scale)
-    if not math.isfinite(scale):
+    if not finite(scale):
         raise ValueError(f"scale must be a finite number (None: 1/sqrt(head dim)), got {scale}")
     return scale
 

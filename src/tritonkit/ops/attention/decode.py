@@ -26,15 +26,13 @@ Work. Memory-bound: the cache's K and V of the L_b keys, 2 x B x Hkv x L x D x s
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from tritonkit._launch import Launch, Plan, call_signature, cdiv, next_power_of_2
 from tritonkit._runtime import empty_output, interpret, sm_count
 from tritonkit._triton import tl, triton
 from tritonkit.jit import LOG2E, dot_fp32
-from tritonkit.opdef import check_tensor, op
+from tritonkit.opdef import check_tensor, finite, op
 from tritonkit.ops.attention.common import (
     Scores,
     _exponent,
@@ -430,11 +428,15 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softcap) -> No
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if cache.stride(-1) != 1:  # written in place, so never through a copy
             raise ValueError(f"{name} must have a unit stride in its last dim, got strides {cache.stride()}")
-    if not (math.isfinite(softcap) and softcap >= 0):
+    if not (finite(softcap) and softcap >= 0):
         raise ValueError(f"softcap must be a finite number >= 0, got {softcap}")
 
 
-@op("decode_attention", mutates=("k_cache", "v_cache", "out", "lse", "part", "part_lse"))
+@op(
+    "decode_attention",
+    mutates=("k_cache", "v_cache", "out", "lse", "part", "part_lse"),
+    in_place=("k_cache", "v_cache"),
+)
 def _decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,

@@ -38,7 +38,7 @@ from tritonkit import tuning
 from tritonkit._launch import Launch, call_signature, cdiv, next_power_of_2, row_align, scratch
 from tritonkit._runtime import empty_output, interpret, sm_count
 from tritonkit.dtypes import DTYPE_OF, FLOATS, NAME_OF
-from tritonkit.opdef import check_tensor, first_derivative_only, op
+from tritonkit.opdef import check_tensor, finite, first_derivative_only, op
 from tritonkit.ops.norm.kernels import (
     BWD_CONFIGS,
     BWD_LOOPED_CONFIGS,
@@ -647,7 +647,7 @@ def _check_eps(eps, name: str) -> None:
     for None, as F.layer_norm has none)."""
     if isinstance(eps, bool) or not isinstance(eps, (int, float)):
         raise TypeError(f"{name}: eps must be a real number >= 0, got {eps!r}")
-    if not (math.isfinite(eps) and eps >= 0):
+    if not (finite(eps) and eps >= 0):
         raise ValueError(f"{name}: eps must be a finite number >= 0, got {eps!r}")
 
 
