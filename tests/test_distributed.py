@@ -87,6 +87,30 @@ def _errors_on_every_rank(group) -> list[str]:
     with pytest.raises(ValueError, match="rank 0: ValueError: query heads") as error:
         ring_attention(*heads, group=group)
     messages.append(str(error.value))
+    # what once passed the check: bf16 against fp16 (one size), and keys longer on one rank alone
+    # (gloo aborted a process); causal keys longer than the queries (a wrong mask)
+    mixed = [t.half() if rank == 1 else t for t in shards]
+    with pytest.raises(ValueError, match=r"ranks disagree on the dtype: \[1, 0\]") as error:
+        ring_attention(*mixed, group=group)
+    messages.append(str(error.value))
+    keys = [shards[0], *(torch.cat([t, t[:, :, :4]], 2) if rank == 1 else t for t in shards[1:])]
+    with pytest.raises(ValueError, match="ranks disagree on the key/value shard") as error:
+        ring_attention(*keys, group=group)
+    messages.append(str(error.value))
+    longer_keys = [shards[0], *(torch.cat([t, t], 2) for t in shards[1:])]
+    with pytest.raises(ValueError, match="causal shards of q and k must be as long") as error:
+        ring_attention(*longer_keys, group=group, causal=True)
+    messages.append(str(error.value))
+    # keys laid out (B, S, H, D) on one rank alone: sent as their values (they were sent as they lie,
+    # which gloo refused on that rank while the other waited)
+    strided = [
+        t.transpose(1, 2).contiguous().transpose(1, 2) if rank == 1 and i else t for i, t in enumerate(shards)
+    ]
+    assert torch.equal(ring_attention(*strided, group=group), ring_attention(*shards, group=group))
+    leaves = [t.clone().requires_grad_() for t in shards]
+    _, lse = ring_attention(*leaves, group=group, return_lse=True)
+    with pytest.raises(NotImplementedError, match="no gradient through its lse"):  # was dropped silently
+        lse.sum().backward()
     return messages
 
 
@@ -183,6 +207,17 @@ def _vocab_errors_on_every_rank(group) -> list[str]:
     with pytest.raises(ValueError, match=r"ranks disagree on the hidden size: \[32, 16\]") as error:
         vocab_parallel_linear_cross_entropy(*narrow, target, group)
     messages.append(str(error.value))
+    mixed = (x.half(), w.half()) if rank == 1 else (x, w)  # one size, two dtypes: once accepted
+    with pytest.raises(ValueError, match=r"ranks disagree on the dtype: \[1, 0\]") as error:
+        vocab_parallel_linear_cross_entropy(*mixed, target, group)
+    messages.append(str(error.value))
+    # a column-major shard (its values the same): its dW was written as if row-major, scrambled
+    grads = []
+    for shard in (w, w.t().contiguous().t()):
+        leaf = shard.detach().requires_grad_()
+        vocab_parallel_linear_cross_entropy(x, leaf, target, group).backward()
+        grads.append(leaf.grad)
+    assert torch.equal(grads[0], grads[1])
     return messages
 
 

@@ -39,6 +39,14 @@ def gather_facts(local_error: str, facts: list[int], what: str, group) -> list[l
     return [row[1:] for row in rows]
 
 
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """A dtype as an integer the ranks can compare (its size alone does not tell bf16 from fp16)."""
+    return _DTYPES.index(dtype) if dtype in _DTYPES else -1
+
+
 def same_on_every_rank(rows: list[list[int]], names: tuple[str, ...], what: str, advice: str) -> None:
     """Raise (on every rank alike: ``rows`` are every rank's) where the ranks' first len(names)
     facts differ, naming the fact and each rank's value."""

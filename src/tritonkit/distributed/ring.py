@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tritonkit.distributed.groups import gather_facts, process_group, same_on_every_rank
+from tritonkit.distributed.groups import dtype_code, gather_facts, process_group, same_on_every_rank
 from tritonkit.opdef import first_derivative_only
 from tritonkit.ops.attention.bwd import attention_bwd
 from tritonkit.ops.attention.common import Scores, softmax_scale, validate_qkv
@@ -102,13 +102,20 @@ def _check_across_ranks(q, k, v, causal: bool, group) -> None:
     try:
         validate_qkv(q, k, v)
         local_error = ""
-        facts = [*q.shape, k.shape[1], int(causal), q.dtype.itemsize]
+        facts = [*q.shape, k.shape[1], k.shape[2], int(causal), dtype_code(q.dtype)]
     except (TypeError, ValueError) as error:
         local_error = f"{type(error).__name__}: {error}"
-        facts = [0] * 7
+        facts = [0] * 8
     rows = gather_facts(local_error, facts, "ring_attention", group)
-    names = ("batch", "query heads", "sequence shard", "head dim", "key/value heads", "causal", "dtype size")
+    names = (
+        "batch", "query heads", "sequence shard", "head dim", "key/value heads", "key/value shard",
+        "causal", "dtype",
+    )  # fmt: skip
     same_on_every_rank(rows, names, "ring_attention", "every rank must hold an equal shard")
+    if causal and k.shape[2] != q.shape[2]:  # (the causal chunks of keys are q's chunks' positions)
+        raise ValueError(
+            f"ring_attention: causal shards of q and k must be as long, got {q.shape[2]} and {k.shape[2]}"
+        )
     if causal and q.shape[2] % 2:
         raise ValueError(
             f"ring_attention: a causal shard holds two equal chunks (shard_sequence(..., "
@@ -237,12 +244,14 @@ class _RingAttention(torch.autograd.Function):
         o, lse = _ring_forward(q, k, v, scale, causal, ring)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.scale, ctx.causal, ctx.ring = scale, causal, ring
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # an unused lse's gradient stays None
         return o, lse
 
     @staticmethod
     @first_derivative_only("ring_attention")
-    def backward(ctx, do, _dlse):
+    def backward(ctx, do, dlse):
+        if dlse is not None or do is None:  # (was dropped without a word: lse non-differentiable)
+            raise NotImplementedError("ring_attention has no gradient through its lse: use its output alone")
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = _ring_backward(do.contiguous(), q, k, v, o, lse, ctx.scale, ctx.causal, ctx.ring)
         return dq, dk, dv, None, None, None
@@ -261,9 +270,11 @@ def ring_attention(
     one-dimensional DeviceMesh, or None for the default group): q, k and v are this rank's shards,
     (B, H, S_local, D), as ``shard_sequence`` makes them (with ``causal``, its load-balanced
     layout). GQA as in ``flash_attention``. Returns this rank's output shard (and its lse, (B, Hq,
-    S_local), with ``return_lse``); differentiable in q, k and v. Every rank must call it with equal
-    shards; bad input raises the same ValueError on every rank."""
+    S_local), with ``return_lse``); differentiable in q, k and v (a gradient through the lse raises).
+    Causal shards of q and k are as long. Every rank must call it with equal shards; bad input
+    raises the same ValueError on every rank."""
     group = process_group(group, "ring attention")
     _check_across_ranks(q, k, v, causal, group)
+    k, v = k.contiguous(), v.contiguous()  # (their blocks are sent as they lie)
     o, lse = _RingAttention.apply(q, k, v, softmax_scale(scale, q.shape[-1]), bool(causal), _Ring(group))
     return (o, lse) if return_lse else o

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tritonkit.distributed.groups import gather_facts, process_group, same_on_every_rank
+from tritonkit.distributed.groups import dtype_code, gather_facts, process_group, same_on_every_rank
 from tritonkit.opdef import first_derivative_only
 from tritonkit.ops import cross_entropy as ce
 from tritonkit.ops import linear_cross_entropy as lce
@@ -72,7 +72,8 @@ class _VocabParallel(torch.autograd.Function):
             grad = grad / counted
         rows = grad.reshape(-1) if ctx.reduction == "none" else grad.reshape(1).expand(input.shape[0])
         dx = torch.empty(input.shape, dtype=torch.float32, device=input.device) if needs_dx else None
-        dw = torch.empty_like(weight) if needs_dw else None
+        # written as a contiguous (V_shard, H) matrix, whatever the shard's layout
+        dw = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if needs_dw else None
         options = (ignore_index, "none", 0.0, 0.0, 0.0)
         lce._backward(
             rows, input, weight, None, target, None, lse, None, *options, dx, dw, None, first_class, classes
@@ -112,13 +113,13 @@ def vocab_parallel_linear_cross_entropy(
     try:
         _local_check(input, weight, target, int(ignore_index), reduction)
         local_error = ""
-        facts = [input.numel() // max(input.shape[-1], 1), input.shape[-1], input.dtype.itemsize,
+        facts = [input.numel() // max(input.shape[-1], 1), input.shape[-1], dtype_code(input.dtype),
                  REDUCTIONS.index(reduction), int(ignore_index), weight.shape[0]]  # fmt: skip
     except (TypeError, ValueError, NotImplementedError) as error:
         local_error = f"{type(error).__name__}: {error}"
         facts = [0] * 6
     rows = gather_facts(local_error, facts, WHAT, group)
-    names = ("tokens", "hidden size", "dtype size", "reduction", "ignore_index")
+    names = ("tokens", "hidden size", "dtype", "reduction", "ignore_index")
     same_on_every_rank(rows, names, WHAT, "every rank must pass the same input and targets")
     shard_sizes = [row[5] for row in rows]
     rank = dist.get_rank(group)

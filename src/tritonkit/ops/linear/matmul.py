@@ -67,6 +67,11 @@ def matmul_problem(
     Codes are kept as ints (a problem holds tensors and plain scalars)."""
     if bias is not None and bias.numel() > 1 and bias.stride(0) != 1:
         raise ValueError(f"the matmul's bias needs a unit stride (unit_stride_bias), got {bias.stride()}")
+    for name, t in (("out", out), ("pre", pre), ("pre2", pre2)):  # written at row * N + column
+        if t is not None and t.numel() and not t.is_contiguous():
+            raise ValueError(
+                f"the matmul writes {name} as a contiguous (M, N) tensor, got strides {t.stride()}"
+            )
     problem = {
         "a": a,
         "b": b,
