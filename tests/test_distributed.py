@@ -67,7 +67,7 @@ def _errors_on_every_rank(group) -> list[str]:
     hangs."""
     import torch.distributed as dist
 
-    from tritonkit.distributed import ring_attention, shard_sequence
+    from tritonkit.distributed import ring_attention, shard_sequence, unshard_sequence
 
     rank = dist.get_rank(group)
     q, k, v, _ = _whole(24, seed=3)
@@ -107,6 +107,9 @@ def _errors_on_every_rank(group) -> list[str]:
         t.transpose(1, 2).contiguous().transpose(1, 2) if rank == 1 and i else t for i, t in enumerate(shards)
     ]
     assert torch.equal(ring_attention(*strided, group=group), ring_attention(*shards, group=group))
+    with pytest.raises(ValueError, match="unshard_sequence: ranks disagree on the size of dim 2") as error:
+        unshard_sequence(longer[0], 2, group)  # gloo aborted a process on it
+    messages.append(str(error.value))
     leaves = [t.clone().requires_grad_() for t in shards]
     _, lse = ring_attention(*leaves, group=group, return_lse=True)
     with pytest.raises(NotImplementedError, match="no gradient through its lse"):  # was dropped silently

@@ -30,6 +30,7 @@ from tritonkit.ops.attention.fwd import attention_fwd
 from tritonkit.ops.attention.merge import merge_attention
 
 SUMS_TAG = 2  # point-to-point tags: a block's K and V take 0 and 1, its gradient sums 2 and 3
+MAX_DIMS = 8  # of a shard whose shape unshard_sequence compares across ranks
 
 
 # ---------------------------------------------------------------- groups, shards and the ring
@@ -84,9 +85,14 @@ class _AllGather(torch.autograd.Function):
 
 def unshard_sequence(x: torch.Tensor, dim: int, group=None, causal: bool = False) -> torch.Tensor:
     """The whole sequence from every rank's shard along ``dim`` (the inverse of ``shard_sequence``,
-    gathered on every rank); differentiable."""
+    gathered on every rank); differentiable. Shards of other shapes or dtypes on other ranks raise
+    the same ValueError on every rank (gloo aborted a process on them)."""
     group = process_group(group, "ring attention")
     world = dist.get_world_size(group)
+    shape = [*x.shape, *[0] * (MAX_DIMS - x.dim())][:MAX_DIMS]
+    rows = gather_facts("", [x.dim(), dtype_code(x.dtype), *shape], "unshard_sequence", group)
+    names = ("number of dims", "dtype", *(f"size of dim {d}" for d in range(MAX_DIMS)))
+    same_on_every_rank(rows, names, "unshard_sequence", "every rank must hold an equal shard")
     shards = _AllGather.apply(x.contiguous(), group)
     parts = 2 * world if causal else world
     ordered = [None] * parts
