@@ -235,18 +235,35 @@ def test_one_int_length_for_every_sequence(device):
         assert torch.equal(_bits(a), _bits(b))
 
 
-def test_appending_marks_the_caches_written(device):
-    """The append writes the caches in place: their version counters move, so a product autograd
-    saved them for raises at its backward rather than read the new tokens."""
+class _Replaying:
+    """A stand-in for a GPU's recorded plan (the interpreter records none): runs the recorded
+    launches again, as a replay does, without the op's call."""
+
+    def __init__(self, launches, tensors):
+        self.launches = launches
+
+    def run(self, tensors) -> bool:
+        for launch in self.launches:
+            launch.run()
+        return True
+
+
+def test_appending_marks_the_caches_written(device, monkeypatch):
+    """The append writes the caches in place: their version counters move, at the first call and at
+    a replayed one (whose launches skip the op), so a product autograd saved them for raises at
+    its backward rather than read the new tokens."""
+    monkeypatch.setattr(decode, "_plans", {})
+    monkeypatch.setattr(decode.Plan, "record", _Replaying)
     q, k_cache, v_cache, k, v, seqlens, _ = _case(1, 1, 2, 1, 16, 32, [5], device, seed=17)
     k_cache = torch.nan_to_num(k_cache)
-    w = torch.ones_like(k_cache, requires_grad=True)
-    saved = w * k_cache
-    versions = k_cache._version, v_cache._version
-    tritonkit.flash_attention_with_kvcache(q, k_cache, v_cache, k, v, seqlens)
-    assert k_cache._version > versions[0] and v_cache._version > versions[1]
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        saved.sum().backward()
+    for _ in range(2):  # recorded, then replayed
+        w = torch.ones_like(k_cache, requires_grad=True)
+        saved = w * k_cache
+        versions = k_cache._version, v_cache._version
+        tritonkit.flash_attention_with_kvcache(q, k_cache, v_cache, k, v, seqlens)
+        assert k_cache._version > versions[0] and v_cache._version > versions[1]
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            saved.sum().backward()
 
 
 def test_an_empty_batch(device):

@@ -197,6 +197,15 @@ def test_compile_fullgraph(device):
     )
 
 
+def test_a_gradient_graph_leaves_the_callers_upstream_gradient_alone(device):
+    """The residual's gradient is the upstream gradient itself: marking it for create_graph=True
+    once set a graph on the caller's tensor, whose later use then raised."""
+    x, w, _, r, dy = _inputs((4,), BF16, device, seed=12, bias=False, residual=True)
+    leaves = [t.requires_grad_() for t in (x, w, r)]
+    torch.autograd.grad(tritonkit.linear(x, w, residual=r), leaves, dy, create_graph=True)
+    assert not dy.requires_grad and dy.grad_fn is None
+
+
 def test_module_loads_torch_state_dict(device):
     torch_layer = torch.nn.Linear(K, N, dtype=BF16, device=device)
     layer = tritonkit.nn.Linear(K, N, True, device, BF16, activation="relu2")  # torch.nn.Linear's order

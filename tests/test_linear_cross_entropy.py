@@ -99,6 +99,18 @@ def test_matches_the_reference(features, layout, dtype, device, monkeypatch):
     _check(x, w, target, b if kwargs.pop("bias", True) else None, **kwargs)
 
 
+@pytest.mark.parametrize("order", ["tokens", "vocab"])
+def test_a_second_derivative_of_a_mean_raises(order, device, monkeypatch):
+    """The tokens order's gradients come from the forward, whose saved tensors once carried no
+    graph: a gradient penalty through dx asked for W's gradient read None, silently."""
+    monkeypatch.setattr(lce, "ORDER", order)
+    x, w, target, _, _ = _inputs((10, 24, 37), BF16, device, seed=4)
+    x, w = x.requires_grad_(), w.requires_grad_()
+    (dx,) = torch.autograd.grad(tritonkit.linear_cross_entropy(x, w, target), [x], create_graph=True)
+    with pytest.raises(RuntimeError, match="linear_cross_entropy has no second derivative"):
+        torch.autograd.grad(dx.float().square().sum(), [w], allow_unused=True)
+
+
 def test_class_weights_every_other_entry_of_a_longer_tensor(device):
     """Class weights of column stride 2, which the kernels once read as contiguous."""
     x, w, target, b, class_weight = _inputs((10, 24, 37), BF16, device, seed=3)

@@ -54,8 +54,9 @@ def first_derivative_only(name: str) -> Callable[[Callable], Callable]:
             anchors = [
                 t for t in (*ctx.saved_tensors, *grads) if isinstance(t, torch.Tensor) and t.requires_grad
             ]
-            if anchors:
-                marked = iter(_NoSecondDerivative.apply(message.decode(), given, *anchors))
+            if anchors:  # (detached: a gradient passed on as it came is the caller's, not ours to mark)
+                detached = [t.detach() for t in given]
+                marked = iter(_NoSecondDerivative.apply(message.decode(), detached, *anchors))
             else:
                 raising = torch._C._functions.DelayedError(message, len(given))
                 delayed = raising(*(_requiring_grad(t) for t in given))

@@ -108,6 +108,7 @@ def test_a_second_derivative_raises_naming_the_op(name, device):
     upstream = [torch.randn(o.shape, generator=g).to(o) for o in outputs]  # constants: no grad
     grads = torch.autograd.grad(outputs, [args[i] for i in op.grad_inputs], upstream, create_graph=True)
     assert all(grad.requires_grad for grad in grads), name
+    assert not any(u.requires_grad for u in upstream), name  # the caller's gradients are not marked
     penalty = sum(grad.float().square().sum() for grad in grads)
     with pytest.raises(RuntimeError, match="has no second derivative"):
         penalty.backward(retain_graph=True)
@@ -144,15 +145,16 @@ def test_float_options_compile_with_dynamic_shapes(device):
     x = torch.randn(3, 16, generator=g).to(device)
     q = torch.randn(1, 1, 3, 16, generator=g).to(device, torch.bfloat16)
     target = torch.tensor([1, 2, 3], device=device)
-    calls = [
-        lambda: tritonkit.layer_norm(x, (16,)),
-        lambda: tritonkit.cross_entropy(x, target, z_loss=1e-3),
-        lambda: tritonkit.flash_attention(q, q, q, scale=0.3, softcap=5.0),
+    calls = [  # each float an argument of the compiled function (a constant in it is not symbolic)
+        (tritonkit.nn.LayerNorm(16).to(device), (x,)),  # its eps, a module attribute
+        (lambda eps: tritonkit.layer_norm(x, (16,), eps=eps), (1e-5,)),
+        (lambda z: tritonkit.cross_entropy(x, target, z_loss=z), (1e-3,)),
+        (lambda scale, cap: tritonkit.flash_attention(q, q, q, scale=scale, softcap=cap), (0.3, 5.0)),
     ]
-    for call in calls:
+    for call, args in calls:
         torch._dynamo.reset()
         compiled = torch.compile(call, fullgraph=True, dynamic=True)
-        torch.testing.assert_close(compiled(), call(), rtol=0, atol=0)
+        torch.testing.assert_close(compiled(*args), call(*args), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("name", OPS)

@@ -295,7 +295,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 empty_output(bias.shape, torch.float32, bias.device) if needs[2] else None,
             )
             _forward(input, weight, bias, target, class_weight, *options, *outputs, *grads)
-            ctx.save_for_backward(outputs[4], *grads)
+            # the inputs too, unread: what the gradients depend on (a second derivative then raises
+            # however it is asked for) and version-checked at the backward
+            ctx.save_for_backward(outputs[4], *grads, input, weight, bias)
         else:
             _forward(input, weight, bias, target, class_weight, *options, *outputs, None, None, None)
             ctx.save_for_backward(input, weight, bias, target, class_weight, outputs[2], outputs[4])
@@ -330,7 +332,7 @@ def _scaled(ctx, grad: torch.Tensor) -> list[torch.Tensor | None]:
             "were scaled in place (a second backward through retain_graph=True is not supported)"
         )
     ctx.scaled = True
-    totals, *sums = ctx.saved_tensors
+    totals, *sums = ctx.saved_tensors[:4]
     outs, other_dtype = [], []
     for g, dtype in zip(sums, ctx.grad_dtypes, strict=True):
         in_place = g is None or g.dtype == dtype

@@ -42,6 +42,8 @@ class Scores(NamedTuple):
         """These scores with each window side that cuts no key of a (seq_q, seq_k) attention, either
         alignment (a side of max(seq_q, seq_k) or more), made unbounded: the same mask, and offsets
         that the kernels' 32-bit index arithmetic holds however wide a side was given."""
+        if self.window == (-1, -1):  # (the usual call: no new tuple, 1 us of host time)
+            return self
         reach = max(seq_q, seq_k)
         return self._replace(window=tuple(-1 if side >= reach else side for side in self.window))
 

@@ -582,7 +582,11 @@ def flash_attention_with_kvcache(
     part = empty_output((*shape, head_dim if splits > 1 else 1), torch.float32, q.device)
     part_lse = empty_output(shape, torch.float32, q.device)
     tensors = (*inputs, out, lse, part, part_lse)
-    if out.numel() and not (plan is not None and plan.run(tensors)):
+    replayed = bool(out.numel()) and plan is not None and plan.run(tensors)
+    if replayed:  # the op's own call moves the written caches' version counters (in_place); a replay
+        for cache in (k_cache, v_cache) if k is not None else ():
+            torch.autograd.graph.increment_version(cache)
+    elif out.numel():
         options = (softmax_scale(scale, head_dim), bool(causal), window[0], window[1], softcap)
         _decode(*tensors, *options)
         if key is not None and not known:  # its launches, once run, replayed by later calls like it
