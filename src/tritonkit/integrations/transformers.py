@@ -15,8 +15,10 @@ What is patched (each can be turned off):
   transformers passes, padded batches through the packed (varlen) path. Generation with
   transformers' KV cache takes the decode kernel (``flash_attention_with_kvcache``) for its steps
   where nothing is padded, the packed path where something is. A static cache's buffers are longer
-  than the tokens so far: the decode kernel reads each sequence's keys up to its queries' last
-  position (``position_ids``), the packed path up to the padding mask's length.
+  than the tokens so far: the packed path reads them up to the padding mask's length (transformers
+  passes a mask whenever one is given to generate); without a mask the decode kernel reads each
+  sequence's keys up to its queries' last position (``position_ids``), its prefill included where
+  the ``rope`` patch tells it the cache is static (``register()`` alone cannot: pass a mask).
 - ``mlp``: the gated MLP (``down(act(gate(x)) * up(x))``) computes ``act(gate(x)) * up(x)`` in one
   ``gated_linear`` kernel.
 - ``cross_entropy``: a causal LM's training forward (labels given, grad enabled, training mode)
@@ -63,6 +65,9 @@ _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_t
 # new query tokens a call may have for the decode kernel (generation without padding, no gradient);
 # more take the prefill kernel
 DECODE_QUERIES = 16
+# the keyword by which the attention modules' forward tells attention_forward that the cache is a
+# static one (transformers' is_compileable): its buffers hold slots not yet written
+STATIC_CACHE = "_tritonkit_static_cache"
 _PATCHES = "_tritonkit_patches"  # the model's record of what apply() changed, for unapply()
 
 
@@ -120,14 +125,17 @@ def attention_forward(
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     window = (sliding_window - 1, 0 if causal else sliding_window - 1) if sliding_window else (-1, -1)
     options = {"causal": causal, "scale": scaling, "window": window, "softcap": float(softcap or 0.0)}
+    static = kwargs.pop(STATIC_CACHE, False)
     if attention_mask is None:  # the mask function gives one only where something is padded
         seq_q, seq_k = query.shape[2], key.shape[2]
-        # a few new tokens over the cache, or queries over a cache longer than them (a static cache's
-        # buffers hold slots not yet written): the decode kernel, which reads each sequence's keys
-        # up to its queries' last position only, laid out as it takes them
-        if not torch.is_grad_enabled() and (seq_q <= DECODE_QUERIES or seq_k > seq_q):
+        # a few new tokens over the cache, or a static cache's prefill (its buffers hold slots not
+        # yet written): the decode kernel, which reads each sequence's keys up to its queries' last
+        # position only, laid out as it takes them
+        if not torch.is_grad_enabled() and (seq_q <= DECODE_QUERIES or (static and seq_k > seq_q)):
             q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-            lengths = _key_lengths(kwargs.get("position_ids"), query.shape[0], seq_k)
+            lengths = (
+                _key_lengths(kwargs.get("position_ids"), query.shape[0], seq_k) if seq_k > seq_q else None
+            )
             return tritonkit.flash_attention_with_kvcache(q, k, v, cache_seqlens=lengths, **options), None
         return tritonkit.flash_attention(query, key, value, **options).transpose(1, 2), None
     return _padded_attention(query, key, value, attention_mask.bool(), options), None
@@ -268,6 +276,8 @@ def _attention_module_forward(self, hidden_states, position_embeddings=None, att
     v = self.v_proj(hidden_states).view(heads).transpose(1, 2)
     if cache is not None:
         k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
+        if self.config._attn_implementation == NAME and getattr(cache, "is_compileable", False):
+            kwargs[STATIC_CACHE] = True  # buffers longer than the tokens so far (attention_forward)
     model_module = sys.modules[type(self).__module__]
     interface = model_module.ALL_ATTENTION_FUNCTIONS.get_interface(
         self.config._attn_implementation, model_module.eager_attention_forward
