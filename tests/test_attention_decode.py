@@ -266,6 +266,20 @@ def test_appending_marks_the_caches_written(device, monkeypatch):
             saved.sum().backward()
 
 
+def test_numpy_integers_for_the_window_and_splits(device):
+    """Sides and a split count as numpy integers (int() once took them, and floats too): as ints."""
+    import numpy as np
+
+    q, k_cache, v_cache, _, _, seqlens, _ = _case(1, 1, 2, 1, 16, 32, [9], device, seed=18)
+    want = tritonkit.flash_attention_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=seqlens, window=(4, 0), num_splits=2
+    )
+    got = tritonkit.flash_attention_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=seqlens, window=(np.int64(4), np.int32(0)), num_splits=np.int64(2)
+    )
+    assert torch.equal(_bits(got), _bits(want))
+
+
 def test_an_empty_batch(device):
     q, k_cache, v_cache, _, _, seqlens, _ = _case(1, 1, 4, 2, 16, 32, [3], device)
     out = tritonkit.flash_attention_with_kvcache(q[:0], k_cache[:0], v_cache[:0], cache_seqlens=seqlens[:0])

@@ -20,7 +20,7 @@ from tritonkit.asm import ARCHS, IRS  # stdlib and torch only: no kernel is defi
 from tritonkit.bench.layer import CASES as LAYER_CASES  # likewise
 from tritonkit.bench.model import CASES as MODEL_CASES  # likewise
 from tritonkit.bench.sweep import WORKLOADS as SWEEP_WORKLOADS  # likewise
-from tritonkit.cli_args import parse_shape
+from tritonkit.cli_args import parse_shape, workload_shape
 from tritonkit.cli_tune import cmd_tune
 from tritonkit.dtypes import DTYPE_OF
 from tritonkit.ops import MODES, get_workload, workload_names
@@ -30,21 +30,6 @@ DTYPES = DTYPE_OF
 
 # what README's "Install, versions, support" says the suite and the benchmarks ran on
 TESTED = "CI with Python 3.11, torch 2.13 (CPU build), Triton 3.6.0; the H200 with torch 2.11, Triton 3.6.0"
-
-
-def _workload_shape(workload, parts: list[str], command: str) -> tuple[int, ...]:
-    """--shape for ``workload``: as many dimensions as its benchmark shapes have, each >= 1 (an empty
-    tensor moves nothing and launches nothing), or ValueError giving one of its shapes."""
-    shape, given = parse_shape(parts), " ".join(parts)
-    example = workload.shape_list("quick")[0][0]
-    if len(shape) != len(example):
-        raise ValueError(
-            f"{command} {workload.name} takes shapes of {len(example)} dimensions, like "
-            f"{'x'.join(map(str, example))}; got {given}"
-        )
-    if 0 in shape:
-        raise ValueError(f"{command} needs dimensions >= 1 (an empty tensor moves nothing), got {given}")
-    return shape
 
 
 def _spec_lines(spec: roofline.DeviceSpec) -> list[str]:
@@ -121,7 +106,7 @@ def cmd_roofline(args) -> int:
     if not (args.op and args.shape):
         raise ValueError("roofline needs an OP and --shape (or --plot alone)")
     workload = get_workload(args.op)
-    shape = _workload_shape(workload, args.shape, "roofline")
+    shape = workload_shape(workload, args.shape, "roofline")
     dtype = DTYPES[args.dtype]
     cost = workload.cost(shape, dtype, args.mode)
     device = roofline.device_spec(args.device)
@@ -399,7 +384,7 @@ def cmd_inspect(args) -> int:
     if workload.op.inspect is None:
         raise ValueError(f"{args.op} does not describe its launches for inspect")
     default_shape, default_dtype = workload.shape_list("quick")[0]
-    shape = _workload_shape(workload, args.shape, "inspect") if args.shape else default_shape
+    shape = workload_shape(workload, args.shape, "inspect") if args.shape else default_shape
     dtype_name = args.dtype or default_dtype or "bf16"
     print(f"{args.op} {'x'.join(map(str, shape))} {dtype_name} compiled for {args.arch} (not launched)")
     reports = []

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from tritonkit import roofline, tuning
-from tritonkit.cli_args import parse_shape
+from tritonkit.cli_args import workload_shape
 from tritonkit.dtypes import DTYPE_OF as DTYPES
 from tritonkit.ops import get_op, get_workload, op_names
 
@@ -167,7 +167,11 @@ def _tune(workload, args) -> None:
     started = time.time()
     backward = "bwd" in args.mode
     op = workload.op
-    shapes = [(parse_shape([s]), None) for s in args.shape] if args.shape else workload.shape_list("quick")
+    shapes = (
+        [(workload_shape(workload, [s], "tune"), None) for s in args.shape]
+        if args.shape
+        else workload.shape_list("quick")
+    )
     for shape, dtype_name in tqdm(shapes, desc=f"tune {workload.name}", unit="shape"):
         dtype = DTYPES[args.dtype or dtype_name or "bf16"]
         inputs = op.make_inputs(shape, dtype, "cuda", testing.generator(0))

@@ -111,10 +111,10 @@ def vocab_parallel_linear_cross_entropy(
     integers a call)."""
     group = process_group(group, WHAT)
     try:
-        _local_check(input, weight, target, int(ignore_index), reduction)
+        _local_check(input, weight, target, ce.class_index(ignore_index), reduction)
         local_error = ""
         facts = [input.numel() // max(input.shape[-1], 1), input.shape[-1], dtype_code(input.dtype),
-                 REDUCTIONS.index(reduction), int(ignore_index), weight.shape[0]]  # fmt: skip
+                 REDUCTIONS.index(reduction), ce.class_index(ignore_index), weight.shape[0]]  # fmt: skip
     except (TypeError, ValueError, NotImplementedError) as error:
         local_error = f"{type(error).__name__}: {error}"
         facts = [0] * 6
@@ -125,6 +125,6 @@ def vocab_parallel_linear_cross_entropy(
     rank = dist.get_rank(group)
     loss = _VocabParallel.apply(
         input.reshape(-1, input.shape[-1]), weight, target.reshape(-1), sum(shard_sizes[:rank]),
-        sum(shard_sizes), int(ignore_index), reduction, group,
+        sum(shard_sizes), ce.class_index(ignore_index), reduction, group,
     )  # fmt: skip
     return loss.view(target.shape) if reduction == "none" else loss

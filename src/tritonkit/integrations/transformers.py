@@ -404,13 +404,13 @@ def apply(
                 _patch(record, module, _attention_module_forward)
         if cross_entropy and hasattr(model, "lm_head") and hasattr(model, "model"):
             _patch(record, model, _causal_lm_forward)
+        previous = config._attn_implementation
+        if attention:
+            register()
+            model.set_attn_implementation(NAME)
     except Exception:  # all or nothing: the modules patched before the one that failed run as before
         _undo(record)
         raise
-    previous = config._attn_implementation
-    if attention:
-        register()
-        model.set_attn_implementation(NAME)
     setattr(model, _PATCHES, (record, previous))
     return model
 

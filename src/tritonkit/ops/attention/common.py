@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from typing import NamedTuple
 
 import torch
@@ -122,10 +123,16 @@ def check_window(window) -> tuple[int, int]:
         left, right = window
     except (TypeError, ValueError):
         raise ValueError(f"window must be a pair (left, right), got {window!r}") from None
+    sides = []
     for side, value in (("left", left), ("right", right)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+        try:  # an int, or a numpy or torch integer
+            number = None if isinstance(value, bool) else operator.index(value)
+        except TypeError:
+            number = None
+        if number is None or number < -1:
             raise ValueError(f"window's {side} side must be an int >= -1 (-1: unbounded), got {value!r}")
-    return left, right
+        sides.append(number)
+    return tuple(sides)
 
 
 def empty_in_layout(t: torch.Tensor) -> torch.Tensor:

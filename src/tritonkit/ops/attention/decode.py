@@ -26,6 +26,8 @@ Work. Memory-bound: the cache's K and V of the L_b keys, 2 x B x Hkv x L x D x s
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from tritonkit._launch import Launch, Plan, call_signature, cdiv, next_power_of_2
@@ -382,6 +384,16 @@ def _max_keys(k_cache, block_table) -> int:
     return k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
 
 
+def _count(value) -> int | None:
+    """``value`` as an int (an int, or a numpy or torch integer), or None where it is not one."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softcap) -> None:
     """TypeError or ValueError naming what is wrong (nothing here reads a tensor's values)."""
     check_tensor("q", q, dtypes=DTYPES, ndim=4)
@@ -555,8 +567,10 @@ def flash_attention_with_kvcache(
     ``cache_seqlens`` entry is negative, or whose table names a block outside the cache, gets NaN
     outputs and lse, and nothing is written past its cache (nothing at all for a negative length)."""
     window = check_window(window)
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+    splits = _count(num_splits)
+    if splits is None or splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0: by the rule), got {num_splits!r}")
+    num_splits = splits
     softcap = float(softcap)
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool) and isinstance(q, torch.Tensor):
         cache_seqlens = q.new_full((q.shape[0],), cache_seqlens, dtype=torch.int32)  # flash-attn takes one
