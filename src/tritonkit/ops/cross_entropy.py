@@ -35,14 +35,7 @@ from tritonkit._launch import Launch, next_power_of_2, row_align, row_window
 from tritonkit._runtime import empty_output
 from tritonkit._triton import tl, triton
 from tritonkit.dtypes import FLOATS
-from tritonkit.jit import (
-    LOG2E,
-    aligned,
-    tanh_and_sech2_near_zero_too,
-    window_base,
-    window_edges,
-    window_interior,
-)
+from tritonkit.jit import LOG2E, aligned, softcap_tanh_and_sech2, window_base, window_edges, window_interior
 from tritonkit.opdef import check_tensor, finite, first_derivative_only, op
 from tritonkit.ops import Op, Workload
 
@@ -58,7 +51,7 @@ SUM_BLOCK = 1024  # rows the reduction adds a step (one program: a fixed order, 
 def _capped(x, softcap, HAS_SOFTCAP: tl.constexpr):
     """cap * tanh(x / cap), or x."""
     if HAS_SOFTCAP:
-        t, _ = tanh_and_sech2_near_zero_too(x / softcap)
+        t, _ = softcap_tanh_and_sech2(x / softcap)
         return softcap * t
     else:
         return x
@@ -394,7 +387,7 @@ def _logit_grads(
 ):  # fmt: skip
     """dx of the logits ``x`` of ``classes`` (the VJP in the module's docstring)."""
     if HAS_SOFTCAP:
-        t, sech2 = tanh_and_sech2_near_zero_too(x / softcap)
+        t, sech2 = softcap_tanh_and_sech2(x / softcap)
         x = softcap * t
     p = tl.exp2((x - lse) * LOG2E)
     d = p * coef - tl.where(classes == target, (1.0 - smoothing) * w_t, 0.0)
