@@ -202,7 +202,7 @@ def test_untuned_auto_is_one_pass_up_to_the_register_limit():
     assert variant("bwd", sk.ONE_PASS_MAX_BLOCK_N // 2 + 1, rows=many) == "online"
     # ... unless it keeps them bf16: the whole row, at 32 warps (64 values a thread)
     bf16 = sm._default(_key("bwd", sk.ONE_PASS_MAX_BLOCK_N, dtype="bf16>bf16"))
-    assert bf16 == {"variant": "one-pass", "BLOCK_M": 1, "num_warps": 32, "STAGES": 2}
+    assert bf16 == {"variant": "one-pass", "BLOCK_M": 1, "num_warps": 32}
     assert variant("bwd", sk.ONE_PASS_MAX_BLOCK_N, rows=many, dtype="fp16>fp16") == "online"
     assert variant("bwd", sk.ONE_PASS_MAX_BLOCK_N + 1, rows=many, dtype="bf16>bf16") == "online"
     assert variant("fwd", sk.ONE_PASS_MAX_BLOCK_N // 32, "cols") == "one-pass"

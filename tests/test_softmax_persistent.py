@@ -29,9 +29,24 @@ def fresh_memos(monkeypatch):
     opdef.forget_plans()
 
 
-def test_the_default_persists_where_a_program_holds_a_long_row():
-    """From PERSISTENT_MIN_ENTRIES held a program (the forward's row, the backward's y and dy), rows
-    layout only, within the shared-memory budget; shorter rows keep a row block a program."""
+@pytest.fixture
+def persistent_default(monkeypatch):
+    """The rule's persistent default switched on (off since the H200 measured it slower)."""
+    monkeypatch.setattr(sk, "PERSISTENT_DEFAULT", True)
+
+
+def test_the_default_persists_only_where_switched_on():
+    """Measured slower on the H200 wherever the rule took it (configs.PERSISTENT_DEFAULT's comment):
+    off, no untuned default persists."""
+    assert not sk.PERSISTENT_DEFAULT
+    assert "STAGES" not in sm._default(_key("fwd", sk.PERSISTENT_MIN_ENTRIES, dtype="bf16>bf16"))
+    assert "STAGES" not in sm._default(_key("bwd", sk.ONE_PASS_MAX_BLOCK_N, dtype="bf16>bf16"))
+
+
+def test_the_default_persists_where_a_program_holds_a_long_row(persistent_default):
+    """Switched on: from PERSISTENT_MIN_ENTRIES held a program (the forward's row, the backward's y
+    and dy), rows layout only, within the shared-memory budget; shorter rows keep a row block a
+    program."""
     entries = sk.PERSISTENT_MIN_ENTRIES
     assert sm._default(_key("fwd", entries, dtype="bf16>bf16"))["STAGES"] == 2
     assert sm._default(_key("fwd", sk.ONE_PASS_MAX_BLOCK_N, dtype="fp32>fp32"))["STAGES"] == 2
@@ -43,7 +58,7 @@ def test_the_default_persists_where_a_program_holds_a_long_row():
     assert sm._default(_key("bwd", sk.ONE_PASS_MAX_BLOCK_N, dtype="bf16>bf16"))["STAGES"] == 2
 
 
-def test_persistent_configs_stay_within_shared_memory():
+def test_persistent_configs_stay_within_shared_memory(persistent_default):
     """A persistent default stages its blocks within STAGED_MAX_SHARED_BYTES; the tuner times it beside
     the plain one-pass candidates (the only STAGES config it holds)."""
     config = {"variant": "one-pass", "BLOCK_M": 2, "num_warps": 16, "STAGES": 2}
@@ -105,7 +120,9 @@ def test_persistent_grid_is_what_the_sms_hold(three_programs, device):
 
 # On the GPU the pipeliner runs for real: the blocks' copies to shared memory a block ahead.
 GPU_WALKED = [((1000, 3000), BF16), ((37, 4097), F32), ((4099, 65), F16)]
-GPU_DEFAULTS = [((300, 20000), BF16), ((257, 9000), F32), ((64, 32768), F16)]
+# (64 rows of 32768 fp16 backward: the rule splits rows that few over the SMs, as the H200 run of
+# this test showed; its values passed)
+GPU_DEFAULTS = [((300, 20000), BF16), ((257, 9000), F32)]
 
 
 @pytest.mark.gpu
@@ -121,7 +138,7 @@ def test_persistent_blocks_on_the_gpu(shape, dtype, log, three_programs, device)
 @pytest.mark.gpu
 @pytest.mark.hbm
 @pytest.mark.parametrize("shape, dtype", GPU_DEFAULTS, ids=str)
-def test_persistent_defaults_on_the_gpu(shape, dtype, launches, device):
+def test_persistent_defaults_on_the_gpu(shape, dtype, launches, device, persistent_default):
     """Untuned long rows: the default persists (as many programs as the SMs hold), both ways."""
     with tuning.disabled():
         _check(*_inputs(shape, dtype, device, seed=74))

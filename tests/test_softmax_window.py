@@ -127,15 +127,14 @@ GPU_WINDOWED = [
     ((1000, 9017), BF16),
     ((3, 16001), F32),
     ((50000, 77), F16),
-    ((512, 50257), BF16),
-]
+]  # (512 x 50257 bf16 takes the split kernels, which read no windows: the H200 run of this test)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape, dtype", GPU_WINDOWED, ids=str)
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
 def test_windows_on_the_gpu(shape, dtype, log, windows, device):
-    """Compiled: the vectors' masks, the ends' single entries, with STAGES where the default persists."""
+    """Compiled: the vectors' masks, the ends' single entries, one-pass and online kernels alike."""
     with tuning.disabled():
         _check(*_inputs(shape, dtype, device, seed=93), log=log)
     assert {window for _, window in windows} == {4 if dtype == F32 else 8}, windows
