@@ -481,3 +481,12 @@ def test_worst_is_the_comparison_nearest_its_bound():
     assert worst([far_but_loose, close]) is close  # 90% of its bound against 50%
     broken = Comparison("dx", err_kernel=math.nan, err_torch=1e-3, tolerance=1e-3)
     assert worst([close, broken, far_but_loose]) is broken and not broken.passed
+
+
+def test_as_int_takes_integers_of_any_kind_and_refuses_the_rest():
+    import numpy as np
+
+    from tritonkit.opdef import as_int
+
+    assert [as_int(v) for v in (3, -2, np.int64(7), torch.tensor(5))] == [3, -2, 7, 5]
+    assert [as_int(v) for v in (True, 2.0, "3", None, torch.tensor(1.5))] == [None] * 5

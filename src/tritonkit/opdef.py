@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import operator
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -201,6 +202,17 @@ def finite(value) -> bool:
     """Whether a number is finite: ``math.isfinite``'s answer, in a form torch.compile can trace
     where it makes the number symbolic (``dynamic=True``), which math.isfinite breaks the graph on."""
     return value - value == 0  # NaN - NaN and inf - inf are NaN
+
+
+def as_int(value) -> int | None:
+    """``value`` as an int where it is an integer (an int, or a numpy or torch integer), else None:
+    ``operator.index``'s answer, a float (which ``int`` would truncate) and a bool refused."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def check_tensor(

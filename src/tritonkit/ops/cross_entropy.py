@@ -27,8 +27,6 @@ the targets on the host): that row's loss, and so a sum or mean, is NaN, and so 
 
 from __future__ import annotations
 
-import operator
-
 import torch
 
 from tritonkit._launch import Launch, next_power_of_2, row_align, row_window
@@ -36,7 +34,7 @@ from tritonkit._runtime import empty_output
 from tritonkit._triton import tl, triton
 from tritonkit.dtypes import FLOATS
 from tritonkit.jit import LOG2E, aligned, softcap_tanh_and_sech2, window_base, window_edges, window_interior
-from tritonkit.opdef import check_tensor, finite, first_derivative_only, op
+from tritonkit.opdef import as_int, check_tensor, finite, first_derivative_only, op
 from tritonkit.ops import Op, Workload
 
 DTYPES = FLOATS
@@ -646,10 +644,10 @@ def class_weights(weight: torch.Tensor | None) -> torch.Tensor | None:
 
 def class_index(ignore_index) -> int:
     """``ignore_index`` as an int, or TypeError (a float was once truncated to the class below it)."""
-    try:
-        return operator.index(ignore_index)
-    except TypeError:
-        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}") from None
+    index = as_int(ignore_index)
+    if index is None:
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    return index
 
 
 def cross_entropy(

@@ -19,15 +19,13 @@ tables' rows, which the heads of a token share (in L2). Six FLOPs a pair: memory
 
 from __future__ import annotations
 
-import operator
-
 import torch
 
 from tritonkit._launch import Launch, cdiv, next_power_of_2
 from tritonkit._runtime import empty_output, l2_bytes
 from tritonkit._triton import tl, triton
 from tritonkit.dtypes import FLOATS
-from tritonkit.opdef import check_tensor, first_derivative_only, op
+from tritonkit.opdef import as_int, check_tensor, first_derivative_only, op
 from tritonkit.ops import Op, Workload
 
 DTYPES = FLOATS
@@ -473,13 +471,8 @@ def _flash_rotate(x, cos, sin, interleaved, inplace, offsets, offset, cu_seqlens
 
 def _whole(value) -> int | None:
     """``value`` as an int >= 0 (an int, or a numpy or torch integer), or None where it is not one."""
-    if isinstance(value, bool):
-        return None
-    try:
-        number = operator.index(value)
-    except TypeError:
-        return None
-    return number if number >= 0 else None
+    number = as_int(value)
+    return number if number is not None and number >= 0 else None
 
 
 def _validate_flash(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import math
-import operator
 from typing import NamedTuple
 
 import torch
@@ -21,7 +20,7 @@ from tritonkit._runtime import empty_output
 from tritonkit._triton import tl, triton
 from tritonkit.dtypes import DTYPE_OF, HALVES, NAME_OF
 from tritonkit.jit import LOG2E
-from tritonkit.opdef import check_tensor, finite
+from tritonkit.opdef import as_int, check_tensor, finite
 
 DTYPES = HALVES  # the dtypes attention takes
 MAX_HEAD_DIM = 256  # a (BLOCK_M, 256) fp32 accumulator is already 128 registers a thread at 8 warps
@@ -125,10 +124,7 @@ def check_window(window) -> tuple[int, int]:
         raise ValueError(f"window must be a pair (left, right), got {window!r}") from None
     sides = []
     for side, value in (("left", left), ("right", right)):
-        try:  # an int, or a numpy or torch integer
-            number = None if isinstance(value, bool) else operator.index(value)
-        except TypeError:
-            number = None
+        number = as_int(value)
         if number is None or number < -1:
             raise ValueError(f"window's {side} side must be an int >= -1 (-1: unbounded), got {value!r}")
         sides.append(number)

@@ -26,15 +26,13 @@ Work. Memory-bound: the cache's K and V of the L_b keys, 2 x B x Hkv x L x D x s
 
 from __future__ import annotations
 
-import operator
-
 import torch
 
 from tritonkit._launch import Launch, Plan, call_signature, cdiv, next_power_of_2
 from tritonkit._runtime import empty_output, interpret, sm_count
 from tritonkit._triton import tl, triton
 from tritonkit.jit import LOG2E, dot_fp32
-from tritonkit.opdef import check_tensor, finite, op
+from tritonkit.opdef import as_int, check_tensor, finite, op
 from tritonkit.ops.attention.common import (
     Scores,
     _exponent,
@@ -384,16 +382,6 @@ def _max_keys(k_cache, block_table) -> int:
     return k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
 
 
-def _count(value) -> int | None:
-    """``value`` as an int (an int, or a numpy or torch integer), or None where it is not one."""
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
-
-
 def _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softcap) -> None:
     """TypeError or ValueError naming what is wrong (nothing here reads a tensor's values)."""
     check_tensor("q", q, dtypes=DTYPES, ndim=4)
@@ -567,7 +555,7 @@ def flash_attention_with_kvcache(
     ``cache_seqlens`` entry is negative, or whose table names a block outside the cache, gets NaN
     outputs and lse, and nothing is written past its cache (nothing at all for a negative length)."""
     window = check_window(window)
-    splits = _count(num_splits)
+    splits = as_int(num_splits)
     if splits is None or splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0: by the rule), got {num_splits!r}")
     num_splits = splits
