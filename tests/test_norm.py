@@ -306,6 +306,25 @@ def test_constant_rows_stay_finite(kind, device):
     torch.testing.assert_close(y, getattr(nm, f"{kind}_reference")(x.detach(), (128,)))
 
 
+@pytest.mark.parametrize("kind", ["add_layer_norm", "add_rms_norm"])
+@pytest.mark.parametrize("used", ["y", "h"])
+def test_an_unused_output_gets_torchs_gradients(kind, used, device):
+    """Only one of (y, h) reaching the loss: the gradients torch's composition gives, None for the
+    weight and bias where only the sum h is used (an optimizer skips a None; zeros it would decay)."""
+    kernel, reference, inputs, _, _ = _case(kind, (5, 48), F32, device, seed=6)
+    results = []
+    for fn in (kernel, reference):
+        args = [t.detach().clone().requires_grad_() for t in inputs]
+        y, h = fn(*args)
+        (y if used == "y" else h).square().sum().backward()
+        results.append([a.grad for a in args])
+    for got, expected in zip(*results, strict=True):
+        if expected is None:
+            assert got is None
+        else:
+            torch.testing.assert_close(got, expected.to(got.dtype), rtol=1e-4, atol=1e-4)
+
+
 def test_weight_gradients_are_deterministic(device):
     """Two-stage sums, no atomics: the same inputs give bit-identical dw and db. 75 rows: untuned,
     ten backward programs of 8 rows (the last one's ragged), whose partial sums the second stage adds."""

@@ -592,11 +592,15 @@ class _Norm(torch.autograd.Function):
         _forward(input, residual, weight, bias, eps, rms, y, h, mean, rstd)
         ctx.save_for_backward(h if residual is not None else input, weight, bias, mean, rstd)
         ctx.rms, ctx.has_residual = rms, residual is not None
+        ctx.set_materialize_grads(False)  # an unused y passes None, not zeros: see backward
         return (y, h) if residual is not None else y
 
     @staticmethod
     @first_derivative_only("layer_norm / rms_norm")
     def backward(ctx, grad_y, grad_h=None):
+        if grad_y is None:  # only the sum h was used: nothing reached the norm, so its weight
+            # and bias get None, as in torch's composition (an optimizer skips them; zeros it would not)
+            return grad_h, grad_h, None, None, None, None
         h, weight, bias, mean, rstd = ctx.saved_tensors
         dx = empty_output(h.shape, h.dtype, h.device)
         dw, db = (empty_output(t.shape, t.dtype, t.device) if t is not None else None for t in (weight, bias))
