@@ -280,6 +280,15 @@ def test_cli_roofline_bad_shape(capsys):
         main(["roofline", "bias_gelu", "--shape", "8192xabc"])
     assert main(["roofline", "bias_gelu", "--shape", "4096x0"]) == 2  # nothing to divide by
     assert "dimensions >= 1" in capsys.readouterr().err
+    assert main(["roofline", "attention", "--shape", "1x2x2x64x64", "--dtype", "fp32"]) == 2
+    assert "attention takes fp16, bf16, not fp32" in capsys.readouterr().err
+
+
+def test_cli_bench_dtype_no_workload_takes(capsys):
+    assert main(["bench", "attention", "--dtype", "fp32", "--no-progress"]) == 2
+    assert "no case in fp32: attention (takes fp16, bf16)" in capsys.readouterr().err
+    assert main(["bench", "attention", "bias_gelu", "--dtype", "fp32", "--mode", "fwd", "--no-progress"]) == 0
+    assert "left out, no kernel in fp32: attention (takes fp16, bf16)" in capsys.readouterr().err
 
 
 def test_cli_info(capsys):
@@ -291,6 +300,12 @@ def test_cli_info(capsys):
         assert "measured ceilings" in out and "copy bandwidth" in out and "bf16 matmul" in out
     else:
         assert "interpreter" in out and "no CUDA GPU" in out and "4.80 TB/s" in out
+
+
+def test_cli_info_unknown_device_is_the_error_alone(capsys):
+    assert main(["info", "--device", "b200"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "no datasheet for device 'b200'" in err
 
 
 def test_cli_bench_correctness_run(capsys):

@@ -22,7 +22,7 @@ from tritonkit.bench.model import CASES as MODEL_CASES  # likewise
 from tritonkit.bench.sweep import WORKLOADS as SWEEP_WORKLOADS  # likewise
 from tritonkit.cli_args import parse_shape, workload_shape
 from tritonkit.cli_tune import cmd_tune
-from tritonkit.dtypes import DTYPE_OF
+from tritonkit.dtypes import DTYPE_OF, NAME_OF
 from tritonkit.ops import MODES, get_workload, workload_names
 
 DTYPES = DTYPE_OF
@@ -41,6 +41,7 @@ def cmd_info(args) -> int:
     from tritonkit._runtime import interpret
 
     interpreted = interpret()
+    named = roofline.device_spec(args.device) if args.device else None  # a bad name: the error alone
     import triton
 
     print(
@@ -60,7 +61,7 @@ def cmd_info(args) -> int:
     )
     if not torch.cuda.is_available():
         print("device: no CUDA GPU")
-        spec = roofline.device_spec(args.device or "h200")
+        spec = named or roofline.device_spec("h200")
         print(f"datasheet ceilings of {spec.name} (dense, for `tritonkit roofline`):")
         print("\n".join(_spec_lines(spec)))
         return 0
@@ -69,7 +70,7 @@ def cmd_info(args) -> int:
         f"device: {props.name}, {props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB, "
         f"L2 {props.L2_cache_size / 2**20:.0f} MiB, CUDA {torch.version.cuda}"
     )
-    datasheet = roofline.device_spec(args.device or props.name)
+    datasheet = named or roofline.device_spec(props.name)
     print(f"datasheet ceilings ({datasheet.name}, dense):")
     print("\n".join(_spec_lines(datasheet)))
     measured = roofline.measured_ceilings(refresh=args.refresh)
@@ -108,6 +109,9 @@ def cmd_roofline(args) -> int:
     workload = get_workload(args.op)
     shape = workload_shape(workload, args.shape, "roofline")
     dtype = DTYPES[args.dtype]
+    if dtype not in workload.op.dtypes:
+        supported = ", ".join(NAME_OF[d] for d in workload.op.dtypes)
+        raise ValueError(f"{args.op} takes {supported}, not {args.dtype}")
     cost = workload.cost(shape, dtype, args.mode)
     device = roofline.device_spec(args.device)
     unit = workload.flop_unit

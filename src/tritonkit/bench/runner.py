@@ -11,6 +11,7 @@ import functools
 import gc
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -75,8 +76,11 @@ def cases(
     ``only`` keeps the shapes it names (a ValueError where it names one that no workload has)."""
     names, out, seen = list(names), [], set()
     only = None if only is None else {tuple(shape) for shape in only}
+    dtypes = list(dtypes) if dtypes else None
     for name in names:
         workload = get_workload(name)
+        if dtypes and not set(dtypes) & set(workload.op.dtypes):
+            continue  # named below
         if isinstance(shapes, str):
             shape_list = workload.shape_list("interpreter" if interpret() else shapes)
         else:
@@ -98,7 +102,24 @@ def cases(
             f"--only {' '.join(shape_name(m) for m in missing)}: not among the shapes of "
             f"{', '.join(names)}: {' '.join(sorted(shape_name(s) for s in seen))}"
         )
+    _say_which_take_no_dtype(names, dtypes, out)
     return out
+
+
+def _say_which_take_no_dtype(names: list[str], dtypes: list[torch.dtype] | None, made: list) -> None:
+    """A ValueError where no workload takes the asked dtypes; else one line naming those left out."""
+    if not dtypes:
+        return
+    asked = ", ".join(NAME_OF[d] for d in dtypes)
+    left_out = [
+        f"{name} (takes {', '.join(NAME_OF[d] for d in get_workload(name).op.dtypes)})"
+        for name in names
+        if not set(dtypes) & set(get_workload(name).op.dtypes)
+    ]
+    if left_out and not made:
+        raise ValueError(f"no case in {asked}: {'; '.join(left_out)}")
+    if left_out:
+        print(f"left out, no kernel in {asked}: {', '.join(left_out)}", file=sys.stderr)
 
 
 def shape_name(shape: tuple) -> str:
