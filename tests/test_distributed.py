@@ -214,6 +214,12 @@ def _vocab_errors_on_every_rank(group) -> list[str]:
     with pytest.raises(ValueError, match=r"ranks disagree on the dtype: \[1, 0\]") as error:
         vocab_parallel_linear_cross_entropy(*mixed, target, group)
     messages.append(str(error.value))
+    # input requiring grad on one rank only: its backward's all-reduce of dx would wait forever
+    one_sided = x.detach().requires_grad_(rank == 0)
+    with pytest.raises(
+        ValueError, match=r"ranks disagree on the input's gradient \(requires_grad\): \[1, 0\]"
+    ):
+        vocab_parallel_linear_cross_entropy(one_sided, w, target, group)
     # a column-major shard (its values the same): its dW was written as if row-major, scrambled
     grads = []
     for shard in (w, w.t().contiguous().t()):

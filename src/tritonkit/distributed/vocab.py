@@ -106,22 +106,32 @@ def vocab_parallel_linear_cross_entropy(
     every rank, as a tensor-parallel LM head has them. Returns the whole loss on every rank, in
     input's dtype (with reduction "none", target's shape); gradients for input (the same on every
     rank) and this rank's weight shard. A target outside the vocabulary other than ignore_index
-    gives its row NaN. Every rank must call it; bad input raises the same ValueError on every
-    rank. The targets' values are not compared across ranks (that would cost an exchange of N
-    integers a call)."""
+    gives its row NaN. Every rank must call it, and backward through it where any rank does (input's
+    gradient is an all-reduce); bad input, or input requiring grad on some ranks only, raises the
+    same ValueError on every rank. The targets' values are not compared across ranks (that would
+    cost an exchange of N integers a call)."""
     group = process_group(group, WHAT)
     try:
         _local_check(input, weight, target, ce.class_index(ignore_index), reduction)
         local_error = ""
+        input_grad = int(torch.is_grad_enabled() and input.requires_grad)  # dx: an all-reduce
         facts = [input.numel() // max(input.shape[-1], 1), input.shape[-1], dtype_code(input.dtype),
-                 REDUCTIONS.index(reduction), ce.class_index(ignore_index), weight.shape[0]]  # fmt: skip
+                 REDUCTIONS.index(reduction), ce.class_index(ignore_index), input_grad,
+                 weight.shape[0]]  # fmt: skip
     except (TypeError, ValueError, NotImplementedError) as error:
         local_error = f"{type(error).__name__}: {error}"
-        facts = [0] * 6
+        facts = [0] * 7
     rows = gather_facts(local_error, facts, WHAT, group)
-    names = ("tokens", "hidden size", "dtype", "reduction", "ignore_index")
+    names = (
+        "tokens",
+        "hidden size",
+        "dtype",
+        "reduction",
+        "ignore_index",
+        "input's gradient (requires_grad)",
+    )
     same_on_every_rank(rows, names, WHAT, "every rank must pass the same input and targets")
-    shard_sizes = [row[5] for row in rows]
+    shard_sizes = [row[6] for row in rows]
     rank = dist.get_rank(group)
     loss = _VocabParallel.apply(
         input.reshape(-1, input.shape[-1]), weight, target.reshape(-1), sum(shard_sizes[:rank]),
