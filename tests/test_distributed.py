@@ -110,6 +110,12 @@ def _errors_on_every_rank(group) -> list[str]:
     with pytest.raises(ValueError, match="unshard_sequence: ranks disagree on the size of dim 2") as error:
         unshard_sequence(longer[0], 2, group)  # gloo aborted a process on it
     messages.append(str(error.value))
+    # requiring grad on one rank only: that rank's backward would wait on the other's exchanges
+    one_sided = [shards[0].detach().requires_grad_(rank == 1), *shards[1:]]
+    with pytest.raises(ValueError, match=r"ranks disagree on the gradient \(any of q, k, v requiring grad\)"):
+        ring_attention(*one_sided, group=group)
+    with pytest.raises(ValueError, match=r"unshard_sequence: ranks disagree on the gradient"):
+        unshard_sequence(one_sided[0], 2, group)
     leaves = [t.clone().requires_grad_() for t in shards]
     _, lse = ring_attention(*leaves, group=group, return_lse=True)
     with pytest.raises(NotImplementedError, match="no gradient through its lse"):  # was dropped silently

@@ -90,8 +90,14 @@ def unshard_sequence(x: torch.Tensor, dim: int, group=None, causal: bool = False
     group = process_group(group, "ring attention")
     world = dist.get_world_size(group)
     shape = [*x.shape, *[0] * (MAX_DIMS - x.dim())][:MAX_DIMS]
-    rows = gather_facts("", [x.dim(), dtype_code(x.dtype), *shape], "unshard_sequence", group)
-    names = ("number of dims", "dtype", *(f"size of dim {d}" for d in range(MAX_DIMS)))
+    facts = [x.dim(), dtype_code(x.dtype), _backward_follows(x), *shape]
+    rows = gather_facts("", facts, "unshard_sequence", group)
+    names = (
+        "number of dims",
+        "dtype",
+        "gradient (requires_grad)",
+        *(f"size of dim {d}" for d in range(MAX_DIMS)),
+    )
     same_on_every_rank(rows, names, "unshard_sequence", "every rank must hold an equal shard")
     shards = _AllGather.apply(x.contiguous(), group)
     parts = 2 * world if causal else world
@@ -103,19 +109,32 @@ def unshard_sequence(x: torch.Tensor, dim: int, group=None, causal: bool = False
     return torch.cat(ordered, dim)
 
 
+def _backward_follows(*tensors) -> int:
+    """1 where autograd records the call: its backward exchanges gradients, so every rank must run
+    one or none (a rank alone in a collective waits forever)."""
+    return int(torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
 def _check_across_ranks(q, k, v, causal: bool, group) -> None:
     """Validate the shards locally, then agree across ranks: every rank raises the same error."""
     try:
         validate_qkv(q, k, v)
         local_error = ""
-        facts = [*q.shape, k.shape[1], k.shape[2], int(causal), dtype_code(q.dtype)]
+        facts = [
+            *q.shape,
+            k.shape[1],
+            k.shape[2],
+            int(causal),
+            dtype_code(q.dtype),
+            _backward_follows(q, k, v),
+        ]
     except (TypeError, ValueError) as error:
         local_error = f"{type(error).__name__}: {error}"
-        facts = [0] * 8
+        facts = [0] * 9
     rows = gather_facts(local_error, facts, "ring_attention", group)
     names = (
         "batch", "query heads", "sequence shard", "head dim", "key/value heads", "key/value shard",
-        "causal", "dtype",
+        "causal", "dtype", "gradient (any of q, k, v requiring grad)",
     )  # fmt: skip
     same_on_every_rank(rows, names, "ring_attention", "every rank must hold an equal shard")
     if causal and k.shape[2] != q.shape[2]:  # (the causal chunks of keys are q's chunks' positions)
@@ -277,8 +296,8 @@ def ring_attention(
     (B, H, S_local, D), as ``shard_sequence`` makes them (with ``causal``, its load-balanced
     layout). GQA as in ``flash_attention``. Returns this rank's output shard (and its lse, (B, Hq,
     S_local), with ``return_lse``); differentiable in q, k and v (a gradient through the lse raises).
-    Causal shards of q and k are as long. Every rank must call it with equal shards; bad input
-    raises the same ValueError on every rank."""
+    Causal shards of q and k are as long. Every rank must call it with equal shards, requiring grad
+    on every rank or on none; bad input raises the same ValueError on every rank."""
     group = process_group(group, "ring attention")
     _check_across_ranks(q, k, v, causal, group)
     k, v = k.contiguous(), v.contiguous()  # (their blocks are sent as they lie)
