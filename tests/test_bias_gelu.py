@@ -106,6 +106,56 @@ def test_matches_reference(shape, dtype, approximate, device):
     assert [c.name for c in comparisons] == ["output[0]", "grad input[0]", "grad input[1]"]
 
 
+def _backward_both_ways(x, b, dy, monkeypatch):
+    """(dx, db) from the window backward and from the plain one (``WINDOWS`` off), outputs poisoned."""
+    results = []
+    for windows in (True, False):
+        monkeypatch.setattr(bg, "WINDOWS", windows)
+        dx, db = torch.full_like(x, float("nan")), torch.full_like(b, float("nan"))
+        torch.ops.tritonkit.bias_gelu_backward(dy, x, b, "none", dx, db)
+        results.append((dx, db))
+    return results
+
+
+@pytest.mark.parametrize(
+    "shape, dtype",
+    [((67, 27), BF16), ((45, 131), F16), ((29, 301), F32), ((40, 1), BF16), ((9, 2 * 128 + 3), F32)],
+    ids=str,
+)
+def test_window_backward_equals_the_plain_one(shape, dtype, device, monkeypatch):
+    """Rows off their vectors, in windows: dx the plain kernel's bits (the same arithmetic an entry),
+    db its sums in another order; several row tiles a program (one SM), several column blocks, rows
+    of one entry; and against the float64 reference."""
+    x, b, dy = _inputs(shape, dtype, device, seed=shape[1])
+    (dx, db), (plain_dx, plain_db) = _backward_both_ways(x, b, dy, monkeypatch)
+    monkeypatch.setattr(bg, "WINDOWS", True)
+    (launch,) = bg._bwd_launches(dy, x, b, dx, bg._db_partial(x, dy, dx), "none")
+    assert launch.meta["WINDOW"] == 16 // dtype.itemsize and launch.meta["ROW_TILES"] > 1
+    assert torch.equal(dx, plain_dx)
+    torch.testing.assert_close(db, plain_db, rtol=1e-5 if dtype == F32 else 1e-2, atol=1e-5)
+    assert all(c.passed for c in _check(x, b, dy)), [str(c) for c in _check(x, b, dy)]
+
+
+def test_which_backward_calls_take_windows(device):
+    """Windows where rows start off their 16-byte vectors and every tensor's entries are contiguous
+    from a 16-byte aligned start; not for aligned rows, strided entries or an offset start."""
+    x, b, dy = _inputs((8, 27), BF16, device, seed=3)
+
+    def window(x, dy):
+        dx = torch.empty_like(x)
+        (launch,) = bg._bwd_launches(dy, x, b, dx, bg._db_partial(x, dy, dx), "none")
+        return launch.meta["WINDOW"]
+
+    assert window(x, dy) == 8
+    assert window(x.float(), dy.float()) == 4
+    wide = _inputs((8, 32), BF16, device, seed=4)
+    assert window(wide[0], wide[2]) == 0  # every row on its vectors: the plain kernel's 16 bytes
+    columns = torch.randn(27, 8, device=device).to(BF16).t()  # entries 8 apart
+    assert window(columns, dy) == 0
+    shifted = torch.randn(8 * 27 + 1, device=device).to(BF16)[1:].view(8, 27)  # 2 bytes past 16
+    assert window(shifted, dy) == 0
+
+
 @pytest.mark.parametrize("shape", OP.shapes, ids=str)
 def test_op_inputs_match_reference(shape, device):
     g = generator(7)
@@ -383,7 +433,8 @@ for dtype in ("bf16", "fp32"):
                "stride_bn": "constexpr"}
         meta = {"APPROX_TANH": tanh, "BLOCK_M": block_m, "BLOCK_N": block_n, "ALIGN": 1}
         for kernel, signature, extra in ((bg._bias_gelu_fwd_kernel, fwd, {}),
-                                         (bg._bias_gelu_bwd_kernel, bwd, {"ROW_TILES": bg.MAX_ROW_TILES})):
+                                         (bg._bias_gelu_bwd_kernel, bwd, {"ROW_TILES": bg.MAX_ROW_TILES,
+                                                                          "WINDOW": 0})):
             constexprs = {n: 1 for n, t in signature.items() if t == "constexpr"} | meta | extra
             report = compile_kernel(kernel, signature, constexprs, bg.NUM_WARPS)
             print(kernel.__name__, dtype, tanh, set(report.loads) == {128}, set(report.stores) == {128},
@@ -401,11 +452,45 @@ def test_kernels_compile_for_hopper_with_wide_accesses_and_no_spills():
 
 
 def test_rows_of_any_length_move_as_wide_as_their_alignment_allows():
-    """Rows of 2900 bf16 entries (a multiple of 4, not of 16) move in 8-byte vectors, of 2904 in
-    16-byte ones (``_launch.row_align``), where Triton alone moved them an entry at a time; the
-    backward's fp32 db partials (4 entries of 2900: 16 bytes) beside."""
-    rows = sm90.access_widths("bias_gelu", [(4096, 2900), (4096, 2904)])
-    assert len(rows) == 4, rows
+    """Rows of 2900 bf16 entries (a multiple of 4, not of 16) move forward in 8-byte vectors, of 2904
+    in 16-byte ones (``_launch.row_align``), where Triton alone moved them an entry at a time; the
+    backward takes rows off their 16-byte vectors (2900, and 3027, odd) in windows: 16-byte vectors
+    but for the rows' first and last entries (an entry at a time) and its fp32 db partials."""
+    rows = sm90.access_widths("bias_gelu", [(4096, 2900), (4096, 2904), (4096, 3027)])
+    assert len(rows) == 6, rows
     for row in rows:
-        width = 128 if row["shape"][1] == 2904 else 64
-        assert max(row["loads"]) == width and min([*row["loads"], *row["stores"]]) == width, row
+        n, backward = row["shape"][1], row["launch"] == "bwd"
+        if n == 2904:
+            assert set(row["loads"]) == set(row["stores"]) == {128}, row
+        elif backward:
+            assert max(row["loads"]) == max(row["stores"]) == 128, row
+            assert row["loads"][128] == 4 and row["stores"][128] == 1, row  # x, dy (two tiles); dx
+        else:
+            width = 64 if n == 2900 else 16
+            assert set(row["loads"]) == set(row["stores"]) == {width}, row
+
+
+_WINDOW_CHECK = r"""
+import torch
+import tritonkit.ops.bias_gelu as bg
+from tritonkit.asm import compile_launch
+
+for dtype, n in ((torch.bfloat16, 3027), (torch.float32, 195), (torch.bfloat16, 2900)):
+    x = torch.empty((38788, n), dtype=dtype, device="meta")
+    b = torch.empty((n,), dtype=dtype, device="meta")
+    (launch,) = bg._bwd_launches(x, x, b, x, bg._db_partial(x, x, x), "none")
+    report = compile_launch(launch)
+    print(launch.meta["WINDOW"], report.registers, report.occupancy[0], not report.spills)
+"""
+
+
+def test_the_window_backward_keeps_registers_for_two_tiles_in_flight():
+    """The window backward's sm_90 compile at the sweep's worst rows: 64-72 registers a thread, at
+    least 7 programs an SM (each with this tile's and the next one's loads in flight), no spills.
+    (The plain kernel at 38788 x 3027 bf16 held 168 registers, 3 programs an SM, and its 16-bit
+    loads a few at a time: 13% of the copy bandwidth on the H200.)"""
+    lines = sm90.run(_WINDOW_CHECK)
+    assert [line.split()[0] for line in lines] == ["8", "4", "8"], lines
+    for line in lines:
+        _, registers, programs, no_spills = line.split()
+        assert int(registers) <= 80 and int(programs) >= 7 and no_spills == "True", line
