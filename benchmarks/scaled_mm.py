@@ -7,18 +7,19 @@ matmul, and nn.Float8Linear's training step against torch.nn.Linear in bf16, in 
 Rows: each shape (default SHAPES, (M, K, N), e4m3 operands, bf16 out) and scaling ("tensor", "row",
 "block"; torch._scaled_mm takes the first two here, each call by default and with use_fast_accum),
 then Float8Linear's forward + backward for each recipe at LINEAR_SHAPES (tokens, in, out: bf16
-activations, fp32 master weights), eager and
-under torch.compile, beside torch.nn.Linear's and tritonkit.linear's on bf16 weights and, where
-torchao is installed, torchao's Float8Linear (rowwise, tensorwise) under torch.compile. Each time
-is the median of ``triton.testing.do_bench`` over an eager call (L2 flushed); TFLOP/s from 2 M N K
-a matmul (three a training step). Each scaled_mm row also gives the largest difference from
-torch._scaled_mm's output, relative to its largest value. ``--skip-matmul`` and ``--skip-linear``
-leave out those rows; ``--gluon`` adds scaled_mm made to run each call on the sm_90 Gluon kernel
-and on the Triton one (``scaled_mm.GLUON`` True and False; the plain rows take its measured rule),
-in both modes. ``--tiles`` adds, for each shape, scaled_mm rowwise on each candidate tile of TILES.
-``--profile`` adds to each linear row each layer's kernels (torch.profiler: their GPU time a step).
-``--gluon-tiles`` adds each mode's product forced onto the Gluon kernel on its tile and on each of
-``scaled_mm_sm90.CANDIDATES``.
+activations, fp32 master weights), eager and under torch.compile, beside torch.nn.Linear's and
+tritonkit.linear's on bf16 weights and, where torchao is installed, torchao's Float8Linear
+(rowwise, tensorwise) under torch.compile. A matmul row's calls take turns
+(``tritonkit.bench.timing.interleaved_ms``: each one's median turn, and its ``spread``); the other
+rows' time is the median of ``triton.testing.do_bench`` over an eager call; L2 flushed; TFLOP/s
+from 2 M N K a matmul (three a training step). Each scaled_mm row also gives the largest difference
+from torch._scaled_mm's output, relative to its largest value. ``--skip-matmul`` and
+``--skip-linear`` leave out those rows; ``--gluon`` adds scaled_mm made to run each call on the
+sm_90 Gluon kernel and on the Triton one (``scaled_mm.GLUON`` True and False; the plain rows take
+its measured rule), in both modes (blockwise: promoted only). ``--tiles`` adds, for each shape,
+scaled_mm rowwise on each candidate tile of TILES. ``--profile`` adds to each linear row each
+layer's kernels (torch.profiler: their GPU time a step). ``--gluon-tiles`` adds each mode's product
+forced onto the Gluon kernel on its tile and on each of ``scaled_mm_sm90.CANDIDATES``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from attention_bwd_sm90 import _bench, arguments, result_header
 import tritonkit
 from tritonkit import nn, tuning
 from tritonkit.bench import layer as bench_layer
+from tritonkit.bench import timing
 from tritonkit.ops.float8_linear import RECIPES
 from tritonkit.ops.linear import scaled_mm_sm90 as sm90
 from tritonkit.ops.scaled_mm import scaled_mm_reference
@@ -112,15 +114,17 @@ def _matmul_row(shape, scaling) -> dict:
             module.GLUON, sm90.TILES[fast] = None, shipped
 
     calls = {"tritonkit": ours}
-    if scaling != "block" and "--gluon" in sys.argv:
+    modes = (False,) if scaling == "block" else (False, True)  # blockwise: promoted only
+    if "--gluon" in sys.argv:
         for name, gluon in (("gluon", True), ("triton", False)):
-            calls |= {
-                f"tritonkit {name}": functools.partial(forced, gluon),
-                f"tritonkit {name} fast_accum": functools.partial(forced, gluon, True),
-            }
-    if scaling != "block" and "--gluon-tiles" in sys.argv:  # the Gluon kernel on each tile, each mode
-        for fast in (False, True):
+            for fast in modes:
+                label = f"tritonkit {name}" + (" fast_accum" if fast else "")
+                calls[label] = functools.partial(forced, gluon, fast)
+    if "--gluon-tiles" in sys.argv:  # the Gluon kernel on each tile, each mode
+        for fast in modes:
             for tile in [sm90.TILES[fast], *sm90.CANDIDATES[fast]]:
+                if scaling == "block" and tile.block_n != 128:  # a tile one block of N: not taken
+                    continue
                 name = f"tritonkit gluon {64 * tile.consumers}x{tile.block_n} s{tile.stages}"
                 name += " fast_accum" if fast else ""
                 calls[name] = functools.partial(forced, True, fast, tile=tile)
@@ -131,12 +135,12 @@ def _matmul_row(shape, scaling) -> dict:
             "torch._scaled_mm fast_accum": functools.partial(theirs, True),
         }
     a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
-    row = {
-        "shape": list(shape),
-        "scaling": scaling,
-        "ms": {name: _bench(call) for name, call in calls.items()},
-    }
-    row["ms"]["bf16 matmul"] = _bench(lambda: a16 @ b16)
+    timed = calls | {"bf16 matmul": lambda: a16 @ b16}
+    for call in timed.values():  # compiled outside the timing
+        call()
+    torch.cuda.synchronize()
+    row = {"shape": list(shape), "scaling": scaling}
+    row["ms"], row["spread"] = timing.interleaved_ms(timed)
     row["tflops"] = {name: 2 * m * n * k / ms / 1e9 for name, ms in row["ms"].items()}
     if scaling != "block":
         for mode in ("", " fast_accum"):
@@ -245,7 +249,12 @@ def main() -> None:
     out = sys.argv[1]
     shapes = arguments("--shape", lambda s: tuple(int(v) for v in s.split(","))) or SHAPES
     scalings = arguments("--scaling", str) or ["tensor", "row", "block"]
-    result = result_header("scaled_mm", "scaled_mm.py", "do_bench median over eager calls, L2 flushed")
+    result = result_header(
+        "scaled_mm",
+        "scaled_mm.py",
+        "eager calls, L2 flushed: a matmul row's calls in turns (timing.interleaved_ms, its median turn);"
+        " the tiles' and linear rows' do_bench median a call",
+    )
     for shape in [] if "--skip-matmul" in sys.argv else shapes:
         for scaling in scalings:
             row = _matmul_row(shape, scaling)

@@ -263,13 +263,16 @@ def descriptor(rows):
     return f"tensordesc<fp8e4nv[{rows},{host.BLOCK_K}],{host._layout(rows, torch.float8_e4m3fn)!r}>"
 
 tiles = [(mode, tile) for mode in (False, True) for tile in [host.TILES[mode], *host.CANDIDATES[mode]]]
-for chained, tile in tiles:
+# rowwise on every tile; blockwise promoted, on the tiles of 128 columns it takes
+cases = [(chained, tile, 2) for chained, tile in tiles]
+cases += [(False, tile, 3) for chained, tile in tiles if not chained and tile.block_n == 128]
+for chained, tile, scaling in cases:
     signature = {"a_desc": descriptor(kern.ROWS.value), "b_desc": descriptor(tile.block_n), "c_ptr": "*bf16",
                  "scale_a_ptr": "*fp32", "scale_b_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
                  "stride_cm": "i32", "SCALING": "constexpr", "CHAINED": "constexpr",
                  "NUM_STAGES": "constexpr", "GROUP_M": "constexpr", "CONSUMERS": "constexpr",
                  "CONSUMER_REGS": "constexpr"}
-    constants = {"SCALING": 2, "CHAINED": chained, "NUM_STAGES": tile.stages, "GROUP_M": host.GROUP_M,
+    constants = {"SCALING": scaling, "CHAINED": chained, "NUM_STAGES": tile.stages, "GROUP_M": host.GROUP_M,
                  "CONSUMERS": tile.consumers, "CONSUMER_REGS": tile.regs}
     source = GluonASTSource(kern._scaled_mm_sm90_kernel, signature, constants)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
@@ -284,11 +287,12 @@ for chained, tile in tiles:
         elif "WARPGROUP.DEPBAR" in line:
             run = 0
     print(json.dumps({
-        "chained": chained, "consumers": tile.consumers, "regs": tile.regs,
+        "chained": chained, "scaling": scaling, "consumers": tile.consumers, "regs": tile.regs,
         "shared": kernel.metadata.shared, "warps": kernel.metadata.num_warps,
         "waits": numbers(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx),
         "setmaxnreg": numbers(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx),
         "qgmma_run": longest, "hgmma": sass.count("HGMMA"), "fadd": sass.count("FADD"),
+        "ffma": sass.count("FFMA"),
         "spills": sass.count("STL") + sass.count("LDL"), "tma_loads": ptx.count("cp.async.bulk.tensor.2d"),
     }))
 """
@@ -298,9 +302,12 @@ def test_the_gluon_kernel_compiles_for_hopper_warp_specialized():
     """The sm_90 Gluon kernel (``ops/linear/scaled_mm_sm90.py``): two consumer warpgroups and a producer warp
     with their register budgets, TMA loads, no spills, each 128-deep step's four fp8 wgmma issued
     together (ptxas serialized them when a product stayed in flight across steps); chained, the
-    main loop waits for the older step only; promoted, for its step's product, then adds it."""
+    main loop waits for the older step only; promoted, for its step's product, then adds it
+    (blockwise: times its step's scales, an FFMA an accumulator register)."""
     rows = [json.loads(line) for line in sm90.run("import torch\n" + _GLUON_CHECK)]
-    assert len(rows) == 2 + len(host.CANDIDATES[False]) + len(host.CANDIDATES[True])
+    promoted = [host.TILES[False], *host.CANDIDATES[False]]
+    blockwise = sum(tile.block_n == 128 for tile in promoted)
+    assert blockwise and len(rows) == len(promoted) + 1 + len(host.CANDIDATES[True]) + blockwise
     for row in rows:
         warps = 4 * (row["consumers"] + 1)  # (the producer warp's warpgroup counts whole)
         assert row["warps"] == warps and {row["regs"], 24} <= set(row["setmaxnreg"]), row
@@ -308,6 +315,8 @@ def test_the_gluon_kernel_compiles_for_hopper_warp_specialized():
         assert row["qgmma_run"] >= 4 and row["hgmma"] == 0, row
         if row["chained"]:
             assert row["waits"] == [0, 1] and row["fadd"] == 0, row
+        elif row["scaling"] == 3:
+            assert row["waits"] == [0] and row["ffma"] >= 64, row
         else:
             assert row["waits"] == [0] and row["fadd"] >= 64, row
 
@@ -354,10 +363,37 @@ def test_gpu_each_candidate_tile_has_torchs_error(fast, tile, scaling, monkeypat
         _check(a, b, scale_a, scale_b, out_dtype=torch.float32, fast=fast)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+    reason="needs an sm_90 GPU",
+)
+@pytest.mark.parametrize("tile", [host.TILES[False], *host.CANDIDATES[False]], ids=str)
+def test_gpu_the_gluon_kernels_blockwise_product(tile, monkeypatch):
+    """Blockwise scales on the Gluon kernel (``GLUON = True``; not the default until timed), each
+    promoted tile, ragged M, N and K (scales a block apart by 64x: a step or tile that took its
+    neighbour's fails): the float64 reference with the oracle's rule; the Gluon launch ran."""
+    from tritonkit.ops.linear import scaled_mm_sm90
+
+    launched, launch = [], scaled_mm_sm90.launch
+    monkeypatch.setattr(sm, "GLUON", True)
+    monkeypatch.setitem(host.TILES, False, tile)
+    monkeypatch.setattr(scaled_mm_sm90, "launch", lambda *args: launched.append(1) or launch(*args))
+    for shape in ((4097, 4096 + 64, 1000), (8192, 2048, 4096), (100, 384, 200)):
+        a, b, scale_a, scale_b = _operands(*shape, scaling="block", seed=10)
+        spread = torch.tensor([1.0, 64.0, 1 / 64], device=a.device)  # by block of K, cycling
+        scale_a = scale_a * spread.repeat(scale_a.shape[1])[: scale_a.shape[1]]
+        scale_b = scale_b * spread.repeat(scale_b.shape[1])[: scale_b.shape[1]]  # by block of N
+        _check(a, b, scale_a, scale_b, out_dtype=torch.float32)
+    assert launched if tile.block_n == 128 else not launched
+
+
 def test_the_gluon_kernel_takes_the_products_it_measured_faster_on():
     """The rule (``_gluon_pays``): promoted products of many tiles, and chained tensorwise ones;
-    not chained rowwise ones, nor products of fewer tiles than SMs (SMALL_TILE's)."""
+    not chained rowwise ones, nor products of fewer tiles than SMs (SMALL_TILE's), nor blockwise
+    ones (not yet timed on the H200)."""
     tensor, row = sm.SCALINGS["tensor"], sm.SCALINGS["row"]
+    assert not sm._gluon_pays(False, False, sm.SCALINGS["block"])
     assert sm._gluon_pays(False, False, tensor) and sm._gluon_pays(False, False, row)
     assert sm._gluon_pays(False, True, tensor) and not sm._gluon_pays(False, True, row)
     assert not any(sm._gluon_pays(True, chained, s) for chained in (False, True) for s in (tensor, row))

@@ -99,8 +99,9 @@ def _gluon_pays(few_tiles: bool, chained: bool, scaling: int) -> bool:
     shapes, docs/perf-notes.md): promoted, +3-17% at both scalings; chained tensorwise -1% to +28%
     (ahead at five of six); chained rowwise -7% to +1% (behind at five of six), so not there.
     Products of few tiles keep SMALL_TILE (level with the Gluon kernel at (128, 4096, 14336), 1-12%
-    ahead at (1024, 16384, 1024))."""
-    return not few_tiles and not (chained and scaling == SCALINGS["row"])
+    ahead at (1024, 16384, 1024)). Blockwise products stay on the Triton kernel until the Gluon
+    kernel's blockwise product is timed on the H200 (``GLUON = True`` forces it)."""
+    return not few_tiles and not (chained and scaling == SCALINGS["row"]) and scaling != SCALINGS["block"]
 
 
 def _switches() -> tuple:

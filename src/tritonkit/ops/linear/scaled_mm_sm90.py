@@ -1,9 +1,9 @@
 """``scaled_mm`` on the sm_90 Gluon kernel (``scaled_mm_sm90_kernels``): which calls it takes, and
 their launch. ``scaled_mm`` sends it the products where it measured faster (``scaled_mm._gluon_pays``).
 
-It takes tensorwise and rowwise scales without a bias on an sm_90 GPU, A (M, K) and B^T (N, K)
-K-major and TMA-ready (K a multiple of 16), out contiguous; everything else stays on the linear
-family's Triton kernel.
+It takes tensorwise, rowwise and (promoted, on a 128-column tile) blockwise scales without a bias
+on an sm_90 GPU, A (M, K) and B^T (N, K) K-major and TMA-ready (K a multiple of 16), out
+contiguous; everything else stays on the linear family's Triton kernel.
 """
 
 from __future__ import annotations
@@ -57,7 +57,9 @@ FP8 = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5}
 
 def takes(a: torch.Tensor, b_t: torch.Tensor, bias, scaling: int, out: torch.Tensor) -> bool:
     """Whether the Gluon kernel computes this product (module docstring)."""
-    if interpret() or bias is not None or scaling not in (SCALINGS["tensor"], SCALINGS["row"]):
+    if interpret() or bias is not None or scaling not in SCALINGS.values() or scaling == SCALINGS[None]:
+        return False
+    if scaling == SCALINGS["block"] and TILES[False].block_n != BLOCK_K:  # a tile one block of N
         return False
     if not (a.is_cuda and capability(a.device.index or 0) == (9, 0)):
         return False

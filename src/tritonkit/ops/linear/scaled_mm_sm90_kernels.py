@@ -2,11 +2,13 @@
 rowwise products where ``scaled_mm`` measured it faster than the linear family's Triton kernel
 (``scaled_mm._gluon_pays``).
 
-Maths: C = (A B^T) * scales, A (M, K) and B (N, K) fp8, K-major, the scales one each (SCALING 1)
-or one a row of A and one a row of B (SCALING 2), C in its dtype. Each 128-deep step's product is
-either chained in the tensor cores' sum (CHAINED, ``use_fast_accum``) or promoted: waited for and
-added to an fp32 accumulator, as ``torch._scaled_mm`` does by default (``scaled_mm``'s module
-docstring has the numbers).
+Maths: C = (A B^T) * scales, A (M, K) and B (N, K) fp8, K-major, the scales one each (SCALING 1),
+one a row of A and one a row of B (SCALING 2), or blockwise (SCALING 3: one a 128-run of a row of
+A, (M, cdiv(K, 128)), and one a 128 x 128 block of B, (cdiv(K, 128), cdiv(N, 128))), C in its dtype.
+Each 128-deep step's product is either chained in the tensor cores' sum (CHAINED, ``use_fast_accum``)
+or promoted: waited for and added to an fp32 accumulator, as ``torch._scaled_mm`` does by default
+(``scaled_mm``'s module docstring has the numbers); blockwise, promoted times its step's scales (a
+step is one block of K, a 128-column tile one block of N).
 
 Structure (one program a (64 x CONSUMERS) x BLOCK_N tile of C, in the grouped order of the linear
 family; ``scaled_mm_sm90.TILES`` has each mode's):
@@ -106,6 +108,11 @@ def _mma_partition(
     )
     acc = gl.zeros([ROWS, BLOCK_N], gl.float32, layout)
     steps = gl.cdiv(K, BLOCK_K)
+    rows = off_m + cid * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    if SCALING == 3:  # a step's scales: its block of K's, of the tile's rows and its block of N
+        gl.static_assert(BLOCK_K == 128 and BLOCK_N == 128, "blockwise: a step one block of K, a tile of N")
+        scale_rows = scale_a_ptr + rows.to(gl.int64) * steps
+        scale_block = scale_b_ptr + off_n // BLOCK_N
     if CHAINED:
         for ki in range(steps):
             stage = ki % NUM_STAGES
@@ -131,13 +138,18 @@ def _mma_partition(
                 use_acc=False,
                 is_async=True,
             )
+            if SCALING == 3:  # loaded while the product runs
+                scale = gl.load(scale_rows + ki, mask=rows < M, other=0.0)
+                scale = scale * gl.load(scale_block + ki * gl.cdiv(N, BLOCK_N))
             part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
             if ki > 0:
                 mbarrier.arrive(empty.index((ki - 1) % NUM_STAGES), count=1)
-            acc += part
+            if SCALING == 3:
+                acc += part * scale[:, None]
+            else:
+                acc += part
     mbarrier.arrive(empty.index((steps - 1) % NUM_STAGES), count=1)
-    rows = off_m + cid * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-    cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))  # (after the loop: registers)
     if SCALING == 1:
         acc = acc * (gl.load(scale_a_ptr) * gl.load(scale_b_ptr))
     elif SCALING == 2:
@@ -171,10 +183,10 @@ def _scaled_mm_sm90_kernel(
     CONSUMER_REGS: gl.constexpr,
 ):
     """(a_desc: A (M, K) fp8 in 64 x BLOCK_K boxes; b_desc: B (N, K) in BLOCK_N x BLOCK_K boxes; c_ptr:
-    C (M, N), rows stride_cm apart; the scales: one each (SCALING 1) or M and N of them (2); CHAINED:
-    the steps summed in the tensor cores' accumulator; NUM_STAGES: the ring's depth; GROUP_M: row
-    tiles a group walks before the next column of tiles; CONSUMERS: consumer warpgroups, 64 rows of
-    the tile each, at CONSUMER_REGS registers a thread.)"""
+    C (M, N), rows stride_cm apart; the scales: one each (SCALING 1), M and N of them (2) or
+    blockwise (3); CHAINED: the steps summed in the tensor cores' accumulator; NUM_STAGES: the
+    ring's depth; GROUP_M: row tiles a group walks before the next column of tiles; CONSUMERS:
+    consumer warpgroups, 64 rows of the tile each, at CONSUMER_REGS registers a thread.)"""
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     dtype: gl.constexpr = a_desc.dtype
