@@ -126,6 +126,7 @@ def _matmul_row(shape, scaling) -> dict:
                 if scaling == "block" and tile.block_n != 128:  # a tile one block of N: not taken
                     continue
                 name = f"tritonkit gluon {64 * tile.consumers}x{tile.block_n} s{tile.stages}"
+                name += " persistent" if tile.persistent else ""
                 name += " fast_accum" if fast else ""
                 calls[name] = functools.partial(forced, True, fast, tile=tile)
     if scaling != "block":

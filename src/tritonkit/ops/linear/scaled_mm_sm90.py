@@ -16,7 +16,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from tritonkit._launch import Launch, cdiv, tma_ready
-from tritonkit._runtime import capability, interpret
+from tritonkit._runtime import capability, interpret, sm_count
 from tritonkit.ops.linear.kernels import SCALINGS
 from tritonkit.ops.linear.scaled_mm_sm90_kernels import CONSUMER_WARPS, ROWS, _scaled_mm_sm90_kernel
 
@@ -30,11 +30,13 @@ CONSUMER_REGS = {2: 240, 3: 160}
 
 class Tile(NamedTuple):
     """A launch's tile: ``consumers`` warpgroups of 64 rows (the tile's rows: 64 x consumers),
-    ``block_n`` columns, a ring of ``stages`` K steps."""
+    ``block_n`` columns, a ring of ``stages`` K steps; ``persistent``: a program an SM walking
+    tiles, the next tile's steps loading under this one's epilogue (else a program a tile)."""
 
     consumers: int
     block_n: int
     stages: int
+    persistent: bool = False
 
     @property
     def regs(self) -> int:
@@ -49,8 +51,8 @@ class Tile(NamedTuple):
 TILES = {False: Tile(3, 128, 5), True: Tile(2, 256, 3)}
 # each mode's tiles timed beside TILES' (benchmarks/scaled_mm.py --gluon-tiles)
 CANDIDATES = {
-    False: [Tile(2, 128, 4), Tile(3, 128, 4)],
-    True: [Tile(3, 128, 4), Tile(3, 128, 5)],
+    False: [Tile(2, 128, 4), Tile(3, 128, 4), TILES[False]._replace(persistent=True)],
+    True: [Tile(3, 128, 4), Tile(3, 128, 5), TILES[True]._replace(persistent=True)],
 }
 FP8 = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5}
 
@@ -88,5 +90,6 @@ def launch(a, b_t, scale_a, scale_b, scaling: int, chained: bool, out) -> Launch
         "CONSUMER_REGS": tile.regs,
         "num_warps": CONSUMER_WARPS.value,
     }
-    grid = (cdiv(m, ROWS.value * tile.consumers) * cdiv(n, tile.block_n),)
+    tiles = cdiv(m, ROWS.value * tile.consumers) * cdiv(n, tile.block_n)
+    grid = (min(tiles, sm_count(a.device)) if tile.persistent else tiles,)
     return Launch("scaled_mm sm90", _scaled_mm_sm90_kernel, args, meta, {}, grid)

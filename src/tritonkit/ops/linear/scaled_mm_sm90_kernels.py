@@ -10,8 +10,9 @@ or promoted: waited for and added to an fp32 accumulator, as ``torch._scaled_mm`
 (``scaled_mm``'s module docstring has the numbers); blockwise, promoted times its step's scales (a
 step is one block of K, a 128-column tile one block of N).
 
-Structure (one program a (64 x CONSUMERS) x BLOCK_N tile of C, in the grouped order of the linear
-family; ``scaled_mm_sm90.TILES`` has each mode's):
+Structure (a program a (64 x CONSUMERS) x BLOCK_N tile of C, in the grouped order of the linear
+family, or on a persistent grid one program an SM walking tiles pid, pid + programs, ..., its
+ring running on from one tile to the next; ``scaled_mm_sm90.TILES`` has each mode's):
 - a producer warp (24 registers) issues every TMA load, A's 64-row slices and B's tile a step,
   into a NUM_STAGES-deep ring of ready and empty mbarriers;
 - CONSUMERS warpgroups of 64 rows each (two at 240 registers, or three at 160). Chained, each
@@ -40,11 +41,10 @@ PRODUCER_REGS = gl.constexpr(24)
 
 
 @gluon.jit
-def _tile_position(M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
-    """(first row, first column) of the program's tile in the grouped order (kernels._tile_position's)."""
+def _tile_position(tile, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
+    """(first row, first column) of a tile in the grouped order (kernels._tile_position's)."""
     tiles_m = gl.cdiv(M, BLOCK_M)
     tiles_n = gl.cdiv(N, BLOCK_N)
-    tile = gl.program_id(0)
     in_group = GROUP_M * tiles_n
     first_m = (tile // in_group) * GROUP_M
     group_rows = gl.minimum(tiles_m - first_m, GROUP_M)
@@ -54,28 +54,41 @@ def _tile_position(M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: 
 
 
 @gluon.jit
+def _tiles(M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(C's tiles, the stride between a program's tiles): one tile a program (grid = tiles), or a
+    persistent grid's programs walking tile pid, pid + programs, ...; one loop serves both."""
+    return gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N), gl.num_programs(0)
+
+
+@gluon.jit
 def _load_partition(a_desc, b_desc, a_smem, b_smem, ready, empty, M, N, K, GROUP_M: gl.constexpr):
-    """The producer: every TMA load of the tile's steps into the ring."""
+    """The producer: every TMA load of the program's tiles' steps into the ring, which runs on from
+    one tile to the next (so a persistent program's next tile loads under this one's epilogue)."""
     NUM_STAGES: gl.constexpr = b_smem.type.shape[0]
     BLOCK_N: gl.constexpr = b_smem.type.shape[1]
     BLOCK_K: gl.constexpr = b_smem.type.shape[2]
     CONSUMERS: gl.constexpr = a_smem.type.shape[0] // NUM_STAGES
-    off_m, off_n = _tile_position(M, N, CONSUMERS * ROWS, BLOCK_N, GROUP_M)
     nbytes: gl.constexpr = CONSUMERS * a_desc.block_type.nbytes + b_desc.block_type.nbytes
-    for ki in range(gl.cdiv(K, BLOCK_K)):
-        stage = ki % NUM_STAGES
-        mbarrier.wait(empty.index(stage), ((ki // NUM_STAGES) & 1) ^ 1)
-        mbarrier.expect(ready.index(stage), nbytes)
-        for c in gl.static_range(CONSUMERS):
+    tiles, stride = _tiles(M, N, CONSUMERS * ROWS, BLOCK_N)
+    steps = gl.cdiv(K, BLOCK_K)
+    done = 0  # the ring's steps before this tile's
+    for tile in range(gl.program_id(0), tiles, stride):
+        off_m, off_n = _tile_position(tile, M, N, CONSUMERS * ROWS, BLOCK_N, GROUP_M)
+        for ki in range(steps):
+            stage = (done + ki) % NUM_STAGES
+            mbarrier.wait(empty.index(stage), (((done + ki) // NUM_STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(stage), nbytes)
+            for c in gl.static_range(CONSUMERS):
+                tma.async_copy_global_to_shared(
+                    a_desc,
+                    [off_m + c * ROWS, ki * BLOCK_K],
+                    ready.index(stage),
+                    a_smem.index(CONSUMERS * stage + c),
+                )
             tma.async_copy_global_to_shared(
-                a_desc,
-                [off_m + c * ROWS, ki * BLOCK_K],
-                ready.index(stage),
-                a_smem.index(CONSUMERS * stage + c),
+                b_desc, [off_n, ki * BLOCK_K], ready.index(stage), b_smem.index(stage)
             )
-        tma.async_copy_global_to_shared(
-            b_desc, [off_n, ki * BLOCK_K], ready.index(stage), b_smem.index(stage)
-        )
+        done += steps
 
 
 @gluon.jit
@@ -96,13 +109,47 @@ def _mma_partition(
     CHAINED: gl.constexpr,
     GROUP_M: gl.constexpr,
 ):
-    """A consumer warpgroup: rows cid * 64, ... of the tile, every step's product (chained or
-    promoted: the module docstring), then the scaled epilogue."""
+    """A consumer warpgroup: rows cid * 64, ... of each of the program's tiles, every step's product
+    (chained or promoted: the module docstring), then the scaled epilogue."""
+    NUM_STAGES: gl.constexpr = b_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = b_smem.type.shape[1]
+    CONSUMERS: gl.constexpr = a_smem.type.shape[0] // NUM_STAGES
+    tiles, stride = _tiles(M, N, CONSUMERS * ROWS, BLOCK_N)
+    done = 0  # the ring's steps before this tile's (the producer's count)
+    for tile in range(gl.program_id(0), tiles, stride):
+        off_m, off_n = _tile_position(tile, M, N, CONSUMERS * ROWS, BLOCK_N, GROUP_M)
+        done = _consume_tile(
+            cid, a_smem, b_smem, ready, empty, c_ptr, scale_a_ptr, scale_b_ptr, off_m, off_n, done, M, N, K,
+            stride_cm, SCALING, CHAINED,
+        )  # fmt: skip
+
+
+@gluon.jit
+def _consume_tile(
+    cid: gl.constexpr,
+    a_smem,
+    b_smem,
+    ready,
+    empty,
+    c_ptr,
+    scale_a_ptr,
+    scale_b_ptr,
+    off_m,
+    off_n,
+    done,
+    M,
+    N,
+    K,
+    stride_cm,
+    SCALING: gl.constexpr,
+    CHAINED: gl.constexpr,
+):
+    """One tile's products and epilogue, its steps the ring's done, done + 1, ...; the ring's count
+    after them."""
     NUM_STAGES: gl.constexpr = b_smem.type.shape[0]
     BLOCK_N: gl.constexpr = b_smem.type.shape[1]
     BLOCK_K: gl.constexpr = b_smem.type.shape[2]
     CONSUMERS: gl.constexpr = a_smem.type.shape[0] // NUM_STAGES
-    off_m, off_n = _tile_position(M, N, CONSUMERS * ROWS, BLOCK_N, GROUP_M)
     layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32]
     )
@@ -115,22 +162,22 @@ def _mma_partition(
         scale_block = scale_b_ptr + off_n // BLOCK_N
     if CHAINED:
         for ki in range(steps):
-            stage = ki % NUM_STAGES
-            mbarrier.wait(ready.index(stage), (ki // NUM_STAGES) & 1)
+            stage = (done + ki) % NUM_STAGES
+            mbarrier.wait(ready.index(stage), ((done + ki) // NUM_STAGES) & 1)
             acc = warpgroup_mma(
                 a_smem.index(CONSUMERS * stage + cid), b_smem.index(stage).permute((1, 0)), acc, is_async=True
             )
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             if ki > 0:
-                mbarrier.arrive(empty.index((ki - 1) % NUM_STAGES), count=1)
+                mbarrier.arrive(empty.index((done + ki - 1) % NUM_STAGES), count=1)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     else:
         # each step's product waited for and promoted (CUTLASS's fp8 promotion does the same):
         # the other consumer warpgroup's products run on the tensor cores under this one's adds
         zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout)
         for ki in range(steps):
-            stage = ki % NUM_STAGES
-            mbarrier.wait(ready.index(stage), (ki // NUM_STAGES) & 1)
+            stage = (done + ki) % NUM_STAGES
+            mbarrier.wait(ready.index(stage), ((done + ki) // NUM_STAGES) & 1)
             part = warpgroup_mma(
                 a_smem.index(CONSUMERS * stage + cid),
                 b_smem.index(stage).permute((1, 0)),
@@ -143,12 +190,12 @@ def _mma_partition(
                 scale = scale * gl.load(scale_block + ki * gl.cdiv(N, BLOCK_N))
             part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
             if ki > 0:
-                mbarrier.arrive(empty.index((ki - 1) % NUM_STAGES), count=1)
+                mbarrier.arrive(empty.index((done + ki - 1) % NUM_STAGES), count=1)
             if SCALING == 3:
                 acc += part * scale[:, None]
             else:
                 acc += part
-    mbarrier.arrive(empty.index((steps - 1) % NUM_STAGES), count=1)
+    mbarrier.arrive(empty.index((done + steps - 1) % NUM_STAGES), count=1)
     cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))  # (after the loop: registers)
     if SCALING == 1:
         acc = acc * (gl.load(scale_a_ptr) * gl.load(scale_b_ptr))
@@ -162,6 +209,7 @@ def _mma_partition(
         acc.to(c_ptr.dtype.element_ty),
         mask=mask,
     )
+    return done + steps
 
 
 @gluon.jit
