@@ -370,7 +370,7 @@ def test_gpu_each_candidate_tile_has_torchs_error(fast, tile, scaling, monkeypat
 )
 @pytest.mark.parametrize("tile", [host.TILES[False], *host.CANDIDATES[False]], ids=str)
 def test_gpu_the_gluon_kernels_blockwise_product(tile, monkeypatch):
-    """Blockwise scales on the Gluon kernel (``GLUON = True``; not the default until timed), each
+    """Blockwise scales on the Gluon kernel (``GLUON = True``; the default from many tiles on), each
     promoted tile, ragged M, N and K (scales a block apart by 64x: a step or tile that took its
     neighbour's fails): the float64 reference with the oracle's rule; the Gluon launch ran."""
     from tritonkit.ops.linear import scaled_mm_sm90
@@ -389,11 +389,11 @@ def test_gpu_the_gluon_kernels_blockwise_product(tile, monkeypatch):
 
 
 def test_the_gluon_kernel_takes_the_products_it_measured_faster_on():
-    """The rule (``_gluon_pays``): promoted products of many tiles, and chained tensorwise ones;
-    not chained rowwise ones, nor products of fewer tiles than SMs (SMALL_TILE's), nor blockwise
-    ones (not yet timed on the H200)."""
-    tensor, row = sm.SCALINGS["tensor"], sm.SCALINGS["row"]
-    assert not sm._gluon_pays(False, False, sm.SCALINGS["block"])
+    """The rule (``_gluon_pays``): promoted products of many tiles (blockwise ones included), and
+    chained tensorwise ones; not chained rowwise ones, nor products of fewer tiles than SMs
+    (SMALL_TILE's)."""
+    tensor, row, block = sm.SCALINGS["tensor"], sm.SCALINGS["row"], sm.SCALINGS["block"]
+    assert sm._gluon_pays(False, False, block) and not sm._gluon_pays(True, False, block)
     assert sm._gluon_pays(False, False, tensor) and sm._gluon_pays(False, False, row)
     assert sm._gluon_pays(False, True, tensor) and not sm._gluon_pays(False, True, row)
     assert not any(sm._gluon_pays(True, chained, s) for chained in (False, True) for s in (tensor, row))
