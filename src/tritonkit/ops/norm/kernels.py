@@ -22,7 +22,11 @@ from tritonkit.jit import aligned
 PER_THREAD_RANGE = {False: (8, 64), True: (8, 64)}
 PREFETCH_MAX_PER_THREAD = 32  # a PREFETCH backward holds the next row's h and dy too: at most 32 a row
 LOOPED_MIN_PER_THREAD = 4  # looped forward on rows that fit: torch.compile's 2048-entry chunks, 16 warps
-ROW_ELEMENTS = 8192  # default: elements a forward program takes at a time (rows of 1024 go 8 to one)
+# default: elements a forward program takes at a time (rows of 1024 go 2 to one, at 4 warps). In
+# the H200's shipped tuning records (tuned/h200.json) 8192 (16 warps) ran up to 17% behind each key's
+# fastest config (65536 rows of 1024 bf16); 2048 is within 10% at every key of 8192 rows or more,
+# 2.3% faster than 8192 on average and never 0.6% slower (tests/test_norm_tuning.py)
+ROW_ELEMENTS = 2048
 PER_THREAD = 16  # default: values a thread holds per row tile, four 16-byte fp32 vectors in flight
 # Rows each backward program walks, by looped or not, summing its dw and db partials in registers (a
 # power of two in this range; looped: finishing them chunk by chunk). Fewer rows a program cost
@@ -206,11 +210,25 @@ FP32_SUM_CHAIN_MAX = 32
 
 def _bwd_default(key: dict) -> dict:
     """BWD_PROGRAMS_PER_SM programs an SM, each holding h and dy at PER_THREAD values a thread (fp32
-    inputs: FP32_SUM_CHAIN_MAX rows at most)."""
+    inputs: FP32_SUM_CHAIN_MAX rows at most); in 16 bits with the next row's loads in flight
+    (PREFETCH), at PER_THREAD values a thread a row however few the warps (BWD_PREFETCH_DEFAULT)."""
     rows = _bwd_rows_per_program(key["rows"], current_device(), False)
     if key["dtype"] == "fp32":
         rows = min(rows, FP32_SUM_CHAIN_MAX)
-    return {"ROWS": rows, "num_warps": _warps(key["block_n"])}
+    config = {"ROWS": rows, "num_warps": _warps(key["block_n"])}
+    if BWD_PREFETCH_DEFAULT and key["dtype"] != "fp32":
+        warps = min(16, max(2, key["block_n"] // (32 * PER_THREAD)))
+        prefetch = {"ROWS": rows, "num_warps": warps, "PREFETCH": True}
+        return config if _bwd_prune(prefetch, key) else prefetch
+    return config
+
+
+# Whether the 16-bit backward's default loads the next row ahead (PREFETCH, at block_n / 512 warps,
+# 2 for rows of 1024). In the H200's shipped tuning records (tuned/h200.json), at the ten 16-bit
+# keys of 8192 rows or more, the plain default ran 5-48% behind each key's fastest config (1.48x at
+# 65536 rows of 1024, layer_norm); this one 0-8% (tests/test_norm_tuning.py). In fp32 PREFETCH lost
+# (4-8% behind the plain default at 8192 rows of 4096), so fp32 keeps it.
+BWD_PREFETCH_DEFAULT = True
 
 
 def _bwd_prune(config: dict, key: dict) -> bool:
