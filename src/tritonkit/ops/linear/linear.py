@@ -38,19 +38,19 @@ from tritonkit.ops import Op, Workload
 from tritonkit.ops.bias_gelu import NUM_WARPS, row_tiles_per_program, tile_shape
 from tritonkit.ops.linear.kernels import (
     ACTIVATIONS,
-    FORMS,
     GATED_DX,
     GATED_FWD,
     _activation_backward_kernel,
     _gated_activation_kernel,
-    default_config,
 )
 from tritonkit.ops.linear.matmul import (
     REFERENCE_ACTIVATIONS,
     matmul,
     matmul_launches,
     matmul_problem,
+    tuning_key,
     unit_stride_bias,
+    untuned_tile,
 )
 from tritonkit.roofline import Cost
 
@@ -566,7 +566,7 @@ def _inspect_launches(
     launches = []
     for form in forms:
         for name, problem in matmuls[form].items():
-            tile = config or default_config(FORMS[problem["gated"]])
+            tile = config or untuned_tile(tuning_key(problem))
             launches += [launch._replace(name=name) for launch in matmul_launches(problem, tile)]
         if form == "gated":  # from SPLIT_ROWS rows: g and u by linear's plain matmuls, then act(g) * u
             launches.append(_gated_activation_launch(y, y, y, gate))

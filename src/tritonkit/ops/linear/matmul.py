@@ -23,6 +23,7 @@ from tritonkit.dtypes import NAME_OF
 from tritonkit.ops.linear.kernels import (
     ACTIVATIONS,
     CONFIGS,
+    DECODE_ROWS,
     FORMS,
     GATED_DX,
     GATED_FWD,
@@ -313,10 +314,52 @@ def matmul_reference(a, b, **operands) -> torch.Tensor:
     return _reference_outputs(matmul_problem(a, b, None, **operands))["out"]
 
 
+# The untuned tile of a key (a call's first on a shape no tuning covers), by the H200's shipped
+# tuning records (tuned/h200.json: every candidate timed at 45 keys). The fixed 128 x 128 tile ran
+# 1.10-1.69x each large key's fastest (27 keys of M >= 4096, N and K >= 1024; 1.31x on average)
+# and up to 3.0x at decode-like ones (M <= DECODE_ROWS). These tiles: large plain products
+# 1.00-1.13x (1.03x on average), with an epilogue 1.05-1.25x (the plain products' persistent 128 x
+# 256 tile, 1.05x there, spills 30 values in the activation's epilogue: not a default), gated
+# 1.00-1.03x; decode-like 1.00-1.79x (tests/test_linear_defaults.py holds them to the records).
+LARGE_TILES = {
+    "linear": {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "PERSISTENT": 1, "TMA": True,
+               "num_warps": 8, "num_stages": 4},
+    "gated fwd": {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "TMA": True, "num_warps": 8,
+                  "num_stages": 4},
+    "gated dx": {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "TMA": True, "num_warps": 4,
+                 "num_stages": 3},
+}  # fmt: skip
+LARGE_EPILOGUE_TILE = {
+    "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "TMA": True, "num_warps": 8, "num_stages": 4
+}  # fmt: skip
+DECODE_TILES = {
+    "linear": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 4},
+    "gated fwd": {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4,
+                  "num_stages": 4},
+    "gated dx": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 4},
+}  # fmt: skip
+LARGE_M, LARGE_NK = 4096, 1024  # (the keys' M, N and K are powers of two)
+
+
+def untuned_tile(key: dict) -> dict:
+    """The tile a key runs untuned: LARGE_TILES from M = LARGE_M rows (N and K at least LARGE_NK),
+    DECODE_TILES up to DECODE_ROWS rows (K at least LARGE_NK), else (and where the key's prune
+    rejects those) the form's fixed default; the interpreter's small tile under the interpreter."""
+    form, fixed = key["form"], default_config(key["form"])
+    if interpret():
+        return fixed
+    tile = None
+    if key["m"] >= LARGE_M and min(key["n"], key["k"]) >= LARGE_NK:
+        tile = LARGE_EPILOGUE_TILE if form == "linear" and key["epilogue"] else LARGE_TILES[form]
+    elif key["m"] <= DECODE_ROWS and key["k"] >= LARGE_NK:
+        tile = DECODE_TILES[form]
+    return dict(tile) if tile is not None and not _prune(tile, key) else fixed
+
+
 TUNER = tuning.Tuner(
     "linear",
     CONFIGS,
-    default=lambda key: default_config(key["form"]),
+    default=untuned_tile,
     prune=_prune,
     sources=(_linear_kernel,),
 )
