@@ -29,7 +29,7 @@ for head_dim in (64, 128, 256):
         # deterministic=False: the dK/dV kernel with dq accumulated by atomics, on its default tile
         q = torch.empty((4, 32, 4096, head_dim), dtype=torch.bfloat16, device="meta")
         rows = torch.empty((4, 32, 4096), dtype=torch.float32, device="meta")
-        config = ab.default_config(head_dim)["dkdv"]
+        config = ab.default_config(head_dim, atomic_dq=True)["dkdv"]
         problem = ab._problem(q, q, q, q, rows, rows, ac.Scores(head_dim**-0.5, causal), dk=q, dv=q, dq=q,
                               dq_acc=q.float())
         (launch,) = ab._main_launches("dkdv", problem, config)
@@ -38,8 +38,8 @@ for head_dim in (64, 128, 256):
             r = compile_launch(launch, "sm_90")
             print(json.dumps({"head_dim": head_dim, "causal": causal, "launch": r.name,
                               "hgmma": r.opcodes["HGMMA"], "hmma": r.opcodes["HMMA"],
-                              "red": r.opcodes["REDG"], "spills": r.spills, "loads": sorted(r.loads),
-                              "stores": sorted(r.stores)}))
+                              "red": r.opcodes["REDG"] + r.opcodes["UTMAREDG"], "spills": r.spills,
+                              "loads": sorted(r.loads), "stores": sorted(r.stores)}))
 """
 
 
@@ -47,7 +47,8 @@ def test_default_configs_compile_for_hopper_to_wgmma_without_spills():
     """The default tiles at the benchmark's head dims, compiled for sm_90: every matmul of the
     forward and of the backward's two main kernels is HGMMA (wgmma), not the Ampere HMMA path, but
     the backward's at D = 256 (no wgmma tile of it fits without spilling: see attention.bwd) and
-    the atomic-dq kernel's dq product (a 16-32-row matmul), whose adds are REDG; no spills; tiles
+    the atomic-dq kernel's dq product (a 16-32-row matmul), whose adds are REDG or, where its tile
+    takes TMA_DQ, the bulk reduction's UTMAREDG; no spills; tiles
     read and written in 16-byte vectors, per-row statistics one fp32 each."""
     import sm90
 

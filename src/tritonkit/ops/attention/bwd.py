@@ -224,7 +224,9 @@ _TUNERS = {
     kernel: tuning.Tuner(
         f"attention_bwd_{kernel}",
         CONFIGS[kernel],
-        default=lambda key, kernel=kernel: default_config(key["head_dim"])[kernel],
+        default=lambda key, kernel=kernel: default_config(
+            key["head_dim"], key.get("dq") == "atomic", key.get("window") == "none" and not key.get("softcap")
+        )[kernel],
         prune=lambda config, key, kernel=kernel: _prune(kernel, config, key),
         sources=(_attn_bwd_dkdv_kernel if kernel == "dkdv" else _attn_bwd_dq_kernel,),
     )

@@ -237,29 +237,57 @@ HELD = {"dkdv": "BLOCK_N", "dq": "BLOCK_M"}  # the tile a program holds; the oth
 MAX_TILE_VALUES = {"dkdv": 160, "dq": 192}
 
 
-def default_config(head_dim: int) -> dict:
-    """The backward's launch configs before tuning. Picked from a scan of sm_90 builds (`tritonkit
-    inspect attention --config ...`) among the tiles whose matmuls are all HGMMA with no spills,
-    preferring more rows held (fewer re-reads of the other operand) below ~200 registers. At D = 256
-    every wgmma tile of dK/dV spilled (two fp32 accumulators of BLOCK_N x 256, and the masked and
-    unmasked loops each hold their tiles), so 32 keys by 16-row steps at 4 warps there, which
-    compile to mma.sync (HMMA) in 241 registers."""
-    if interpret():
-        return {kernel: dict(INTERPRETER_CONFIG) for kernel in KERNELS}
-    if head_dim <= 64:
-        return {
-            "dkdv": {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
-            "dq": {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
-        }
-    if head_dim <= 128:
-        return {
-            "dkdv": {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
-            "dq": {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
-        }
-    return {
+# The untuned tiles at D <= 64 and D <= 128 of a mask without a window or soft cap (what the records
+# hold), from the H200's shipped tuning records (tuned/h200.json: each key's candidates timed): of
+# the tiles that compile for sm_90 to wgmma without spills, the nearest to every record's fastest.
+# FIXED's tiles (32 x 64-128 keys by 2 stages at 8 warps for dK/dV, 128 rows by 32-key steps for
+# dQ) ran 1.6-2.6x each record's fastest on average (up to 3.1x). These, on average and at worst:
+# dK/dV with dq by atomics 1.03x and 1.07x at D = 128 (dq added through TMA), 1.19x and 1.29x at
+# D = 64; dQ 1.00x and 1.04x, 1.01x and 1.05x (tests/test_attention_tuning.py). The deterministic
+# dK/dV keeps FIXED's tile: every faster one spills with a window, soft cap or GQA, or compiles to
+# mma.sync. Windowed or soft-capped keys keep FIXED's (the TMA-dq tile spills there, packed).
+FIXED = {
+    64: {
+        "dkdv": {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
+        "dq": {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
+    },
+    128: {
+        "dkdv": {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
+        "dq": {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
+    },
+    256: {
         "dkdv": {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
         "dq": {"BLOCK_M": 64, "BLOCK_N": 16, "num_warps": 8, "num_stages": 2},
-    }
+    },
+}
+UNTUNED = {
+    64: {
+        "dkdv atomic-dq": {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+        "dq": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+    },
+    128: {
+        "dkdv atomic-dq": {"BLOCK_M": 32, "BLOCK_N": 128, "TMA_DQ": True, "num_warps": 8, "num_stages": 3},
+        "dq": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
+    },
+}
+
+
+def default_config(head_dim: int, atomic_dq: bool = False, plain: bool = True) -> dict:
+    """The backward's launch configs before tuning (``atomic_dq``: the dK/dV kernel's for
+    deterministic=False, which also adds dq; ``plain``: no window or soft cap): FIXED's, with
+    UNTUNED's over them for plain masks up to D = 128. At D = 256 every wgmma tile of dK/dV spilled
+    (two fp32 accumulators of BLOCK_N x 256, and the masked and unmasked loops each hold their
+    tiles), so 32 keys by 16-row steps at 4 warps there, which compile to mma.sync (HMMA) in 241
+    registers."""
+    if interpret():
+        return {kernel: dict(INTERPRETER_CONFIG) for kernel in KERNELS}
+    size = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+    tiles = {kernel: dict(tile) for kernel, tile in FIXED[size].items()}
+    if plain and size in UNTUNED:
+        tiles["dq"] = dict(UNTUNED[size]["dq"])
+        if atomic_dq:
+            tiles["dkdv"] = dict(UNTUNED[size]["dkdv atomic-dq"])
+    return tiles
 
 
 def _prune(kernel: str, config: dict, key: dict) -> bool:
