@@ -294,8 +294,6 @@ def test_untuned_tiles_are_near_each_records_fastest(monkeypatch):
     tuning records (every candidate timed at each key): each record's default was timed and lies
     within its group's bound of the fastest; on average they beat the fixed tiles they replaced
     (1.6-2.6x the fastest on average in the backward) by more than 1.3x at D = 128."""
-    import json
-
     for module in (af, abk):
         monkeypatch.setattr(module, "interpret", lambda: False)
     fixed = {  # the fixed tiles replaced: 128 x 64 at 8 warps, and the backward's 2-stage tiles
@@ -303,24 +301,21 @@ def test_untuned_tiles_are_near_each_records_fastest(monkeypatch):
         "attention_bwd_dkdv": {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
         "attention_bwd_dq": {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
     }
-    canonical = lambda config: json.dumps(config, sort_keys=True, separators=(",", ":"))  # noqa: E731
     gains, groups = [], set()
-    for path in sorted(tuning.SHIPPED_DIR.glob("*.json")):
-        for entry in json.loads(path.read_text())["entries"]:
-            tuner, key = entry["tuner"], entry["key"]
-            if not tuner.startswith("attention") or key["head_dim"] not in (64, 128):
+    for tuner in fixed:
+        for entry in tuning.shipped_records(tuner):
+            key = entry["key"]
+            if key["head_dim"] not in (64, 128):
                 continue
             atomic = key.get("dq") == "atomic"
             if tuner == "attention_fwd":
                 tile = af._default(key)
             else:
                 tile = abk.default_config(key["head_dim"], atomic)[tuner.rsplit("_", 1)[1]]
-            times = entry["ms"]
-            fastest = min(t for t in times.values() if t)
-            ratio = times[canonical(tile)] / fastest
+            ratio = tuning.time_over_fastest(entry, tile)
             group = (tuner, key["head_dim"], atomic)
             groups.add(group)
             assert ratio <= RECORD_BOUNDS[group], (key, tile, ratio)
-            if key["head_dim"] == 128 and canonical(fixed[tuner]) in times:
-                gains.append(times[canonical(fixed[tuner])] / times[canonical(tile)])
+            if key["head_dim"] == 128 and (before := tuning.time_over_fastest(entry, fixed[tuner])):
+                gains.append(before / ratio)
     assert groups == set(RECORD_BOUNDS) and sum(gains) / len(gains) > 1.3

@@ -3,8 +3,6 @@ time at each tuned key): what a first call on a shape no tuning covers runs."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from tritonkit import tuning
@@ -12,24 +10,6 @@ from tritonkit.ops.linear import kernels as lk
 from tritonkit.ops.linear import matmul as mm
 
 pytestmark = pytest.mark.linear
-
-
-def _records() -> list[dict]:
-    return [
-        entry
-        for path in sorted(tuning.SHIPPED_DIR.glob("*.json"))
-        for entry in json.loads(path.read_text())["entries"]
-        if entry["tuner"] == "linear"
-    ]
-
-
-def _canonical(config: dict) -> str:
-    return json.dumps(config, sort_keys=True, separators=(",", ":"))
-
-
-def _ratio(entry: dict, config: dict) -> float:
-    times = [t for t in entry["ms"].values() if t]
-    return entry["ms"][_canonical(config)] / min(times)
 
 
 # the most each group's untuned tile may run over the key's fastest, and how far the fixed tile ran
@@ -53,14 +33,15 @@ def test_untuned_tiles_are_near_each_records_fastest(monkeypatch):
     monkeypatch.setattr(mm, "interpret", lambda: False)
     monkeypatch.setattr(lk, "interpret", lambda: False)
     checked, gained = 0, []
-    for entry in _records():
+    for entry in tuning.shipped_records("linear"):
         key = entry["key"]
         large = key["m"] >= mm.LARGE_M and min(key["n"], key["k"]) >= mm.LARGE_NK
         if not (large or (key["m"] <= lk.DECODE_ROWS and key["k"] >= mm.LARGE_NK)):
             continue
         tile = mm.untuned_tile(key)
-        assert _ratio(entry, tile) <= GROUPS[key["form"], large, key["epilogue"]], (key, tile)
-        gained.append(_ratio(entry, lk.DEFAULT_CONFIGS[key["form"]]) / _ratio(entry, tile))
+        ratio = tuning.time_over_fastest(entry, tile)
+        assert ratio <= GROUPS[key["form"], large, key["epilogue"]], (key, tile)
+        gained.append(tuning.time_over_fastest(entry, lk.DEFAULT_CONFIGS[key["form"]]) / ratio)
         checked += 1
     assert checked >= 35 and sum(gained) / len(gained) > 1.2
 

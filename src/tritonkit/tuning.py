@@ -566,6 +566,19 @@ def shipped_exports() -> dict[str, list[dict]]:
     return exports
 
 
+def shipped_records(tuner: str) -> list[dict]:
+    """The shipped entries of ``tuner``: each holds every candidate's time at its key, a record of
+    how far any config (a default rule's, say) ran from that key's fastest."""
+    return [e for entries in shipped_exports().values() for e in entries if e["tuner"] == tuner]
+
+
+def time_over_fastest(entry: dict, config: dict) -> float | None:
+    """``config``'s time in a tuning entry over the entry's fastest config; None where it was not timed."""
+    times = [t for t in entry["ms"].values() if t]
+    timed = entry["ms"].get(_canonical(config))
+    return timed / min(times) if timed and times else None
+
+
 def import_cache(path: Path) -> int:
     """Add the winners exported to ``path`` to this machine's cache; the number added. Entries keep
     their device, Triton version and kernel-source hash: they are used only where all three match."""
