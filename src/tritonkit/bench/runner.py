@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import functools
 import gc
+import logging
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -27,6 +27,8 @@ from tritonkit.dtypes import DTYPE_OF, NAME_OF
 from tritonkit.ops import MODES, Workload, get_workload
 
 SEED = 0
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -119,7 +121,7 @@ def _say_which_take_no_dtype(names: list[str], dtypes: list[torch.dtype] | None,
     if left_out and not made:
         raise ValueError(f"no case in {asked}: {'; '.join(left_out)}")
     if left_out:
-        print(f"left out, no kernel in {asked}: {', '.join(left_out)}", file=sys.stderr)
+        log.warning("left out, no kernel in %s: %s", asked, ", ".join(left_out))
 
 
 def shape_name(shape: tuple) -> str:
