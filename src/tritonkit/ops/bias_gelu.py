@@ -281,12 +281,17 @@ def _align(n_cols: int, *tensors: torch.Tensor) -> int:
     return row_align((n_cols, *rows), min(t.element_size() for t in tensors))
 
 
-def _bwd_launches(grad_output, input, bias, dx, db_partial, approximate: str) -> list[Launch]:
-    """The backward kernel's launch, writing dx and db's fp32 partial sums (allocated by
-    :func:`_db_partial`)."""
+def _bwd_launches(grad_output, input, bias, dx, approximate: str) -> tuple[list[Launch], torch.Tensor]:
+    """(the backward kernel's launch, the workspace of db's fp32 partial sums it writes): one row
+    a program's ROW_TILES tiles of rows, or in windows one per row of its tiles
+    (``_bias_gelu_bwd_window``)."""
     n_cols = input.shape[-1]
     x, dy = input.reshape(-1, n_cols), grad_output.reshape(-1, n_cols)
     block_m, block_n, row_tiles, window = _bwd_tiles(x, dy, dx.reshape(-1, n_cols))
+    # in windows, enough column blocks that every row's columns, shifted by up to WINDOW - 1 from
+    # its window's start, are covered
+    grid = (cdiv(x.shape[0], block_m * row_tiles), cdiv(n_cols + max(window - 1, 0), block_n))
+    db_partial = empty_output((grid[0] * (block_m if window else 1), n_cols), torch.float32, input.device)
     meta = {
         "APPROX_TANH": approximate == "tanh",
         "BLOCK_M": block_m,
@@ -310,16 +315,7 @@ def _bwd_launches(grad_output, input, bias, dx, db_partial, approximate: str) ->
         x.stride(1),
         bias.stride(0),
     )
-    row_programs = cdiv(x.shape[0], block_m * row_tiles)
-    return [
-        Launch("bwd", _bias_gelu_bwd_kernel, args, meta, grid=(row_programs, _column_blocks(n_cols, meta)))
-    ]
-
-
-def _column_blocks(n_cols: int, meta: dict) -> int:
-    """The backward's programs across a row: in windows, enough that every row's columns, shifted
-    by up to WINDOW - 1 from its window's start, are covered."""
-    return cdiv(n_cols + max(meta["WINDOW"] - 1, 0), meta["BLOCK_N"])
+    return [Launch("bwd", _bias_gelu_bwd_kernel, args, meta, grid=grid)], db_partial
 
 
 def _bwd_tiles(x: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor) -> tuple[int, int, int, int]:
@@ -338,16 +334,6 @@ def _bwd_tiles(x: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor) -> tuple[int
     columns = cdiv(n_cols + max(window - 1, 0), block_n)
     row_tiles = row_tiles_per_program(cdiv(n_rows, block_m), columns, sm_count(x.device))
     return block_m, block_n, row_tiles, window
-
-
-def _db_partial(input: torch.Tensor, grad_output: torch.Tensor, dx: torch.Tensor) -> torch.Tensor:
-    """db's fp32 partial sums: one row per ROW_TILES tiles of rows, or in windows one per row of
-    each such group's tiles (``_bias_gelu_bwd_window``)."""
-    n_cols = input.shape[-1]
-    x, dy = input.reshape(-1, n_cols), grad_output.reshape(-1, n_cols)
-    block_m, _, row_tiles, window = _bwd_tiles(x, dy, dx.reshape(-1, n_cols))
-    rows = cdiv(x.shape[0], block_m * row_tiles) * (block_m if window else 1)
-    return empty_output((rows, n_cols), torch.float32, input.device)
 
 
 # ---------------------------------------------------------------- ops and autograd
@@ -377,8 +363,8 @@ def _backward(
     if input.numel() == 0:  # before the reshape, which cannot infer -1 when the last dim is 0
         db.zero_()
         return
-    db_partial = _db_partial(input, grad_output, dx)
-    for launch in _bwd_launches(grad_output, input, bias, dx, db_partial, approximate):
+    launches, db_partial = _bwd_launches(grad_output, input, bias, dx, approximate)
+    for launch in launches:
         launch.run()
     db.copy_(db_partial.sum(0))
 
@@ -451,7 +437,7 @@ def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None = No
     if config is not None:
         raise ValueError("bias_gelu has no tuning configs: its tile follows from the row length and dtype")
     x, b = torch.empty(shape, dtype=dtype, device="meta"), torch.empty(shape[-1:], dtype=dtype, device="meta")
-    return [*_fwd_launches(x, b, x, "none"), *_bwd_launches(x, x, b, x, _db_partial(x, x, x), "none")]
+    return [*_fwd_launches(x, b, x, "none"), *_bwd_launches(x, x, b, x, "none")[0]]
 
 
 def _make_inputs(shape: tuple, dtype: torch.dtype, device, generator: torch.Generator) -> tuple:
