@@ -123,6 +123,31 @@ def test_windows_soft_caps_and_packed_batches_compile_for_hopper():
         assert (row["tma_reduce"] > 0) == (row["launch"] == "dkdv tma-dq"), row
 
 
+_SMALL_HEADS_CHECK = r"""
+import json, torch
+from tritonkit.asm import compile_launch
+from tritonkit.ops.attention import common as ac, fwd as af
+for head_dim in (16, 32):
+    q = torch.empty((1, 4, 200, head_dim), dtype=torch.bfloat16, device="meta")
+    kv = torch.empty((1, 2, 200, head_dim), dtype=torch.bfloat16, device="meta")
+    rows = torch.empty((1, 4, 200), dtype=torch.float32, device="meta")
+    for causal in (False, True):
+        (launch,) = af._fwd_launches(af._problem(q, kv, kv, q, rows, ac.Scores(0.1, causal)), None)
+        r = compile_launch(launch, "sm_90")
+        print(json.dumps({"head_dim": head_dim, "causal": causal, "hgmma": r.opcodes["HGMMA"],
+                          "spills": r.spills}))
+"""
+
+
+def test_the_forward_compiles_for_hopper_at_small_head_dims():
+    """The forward's untuned tile below D = 64, compiled for sm_90: ptxas (Triton 3.6's) segfaults
+    on the causal loop at D = 16 and 32 in two stages, the tile the records favour at D = 64."""
+    import sm90
+
+    rows = [json.loads(line) for line in sm90.run(_SMALL_HEADS_CHECK)]
+    assert len(rows) == 4 and all(row["hgmma"] > 0 and not row["spills"] for row in rows), rows
+
+
 _OVERLAP_CHECK = r"""
 import json, torch
 from tritonkit.asm import compile_launch

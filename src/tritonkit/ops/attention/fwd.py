@@ -297,13 +297,14 @@ def _default(key: dict) -> dict:
     to every record's fastest among those that compile for sm_90 without spills: at D = 128 64
     query rows by 64-key steps (1.03x the fastest on average, 1.12x at worst, where
     Triton's tutorial tile, 128 rows at 8 warps, ran 1.08x and 1.15x), at D = 64 64 rows by
-    32-key steps (1.22x and 1.36x, against 1.39x and 2.60x; tests/test_attention_tuning.py). At
-    D = 256, 64 rows at 8 warps (sm_90: 128 rows at 8 warps, or 64 at 4, spill; this compiles to
-    222 registers and none). The interpreter's small tiles under the interpreter."""
+    32-key steps in three stages (1.13x and 1.37x, against 1.39x and 2.60x; in two stages 1.22x
+    and 1.36x, but those segfault ptxas causal at D = 16 and 32; tests/test_attention_tuning.py).
+    At D = 256, 64 rows at 8 warps (sm_90: 128 rows at 8 warps, or 64 at 4, spill; this compiles
+    to 222 registers and none). The interpreter's small tiles under the interpreter."""
     if interpret():
         return dict(INTERPRETER_CONFIG)
     if key["head_dim"] <= 64:
-        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3}
     if key["head_dim"] <= 128:
         return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
     return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
