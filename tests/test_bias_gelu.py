@@ -119,7 +119,7 @@ def _backward_both_ways(x, b, dy, monkeypatch):
 
 @pytest.mark.parametrize(
     "shape, dtype",
-    [((67, 27), BF16), ((45, 131), F16), ((29, 301), F32), ((40, 1), BF16), ((9, 2 * 128 + 3), F32)],
+    [((133, 27), BF16), ((45, 131), F16), ((29, 301), F32), ((4099, 1), BF16), ((9, 2 * 128 + 3), F32)],
     ids=str,
 )
 def test_window_backward_equals_the_plain_one(shape, dtype, device, monkeypatch):
@@ -129,31 +129,49 @@ def test_window_backward_equals_the_plain_one(shape, dtype, device, monkeypatch)
     x, b, dy = _inputs(shape, dtype, device, seed=shape[1])
     (dx, db), (plain_dx, plain_db) = _backward_both_ways(x, b, dy, monkeypatch)
     monkeypatch.setattr(bg, "WINDOWS", True)
-    (launch,) = bg._bwd_launches(dy, x, b, dx, "none")[0]
+    (launch,) = bg._bwd_launches(dy, x, b, dx, torch.empty_like(b), "none")[0]
     assert launch.meta["WINDOW"] == 16 // dtype.itemsize and launch.meta["ROW_TILES"] > 1
     assert torch.equal(dx, plain_dx)
     torch.testing.assert_close(db, plain_db, rtol=1e-5 if dtype == F32 else 1e-2, atol=1e-5)
     assert all(c.passed for c in _check(x, b, dy)), [str(c) for c in _check(x, b, dy)]
 
 
+@pytest.mark.parametrize("shape", [(21, 10), (2, 1), (64, 27)], ids=str)
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
+def test_a_tiny_backward_is_one_launch(shape, dtype, device, monkeypatch):
+    """An input of one plain tile of rows (rows off their vectors too) is one program, which
+    writes db itself, cast as it stores it: no torch sum or copy after the kernel (three launches
+    at 21 x 10, where torch.compile's backward is one kernel). The gradients match."""
+    x, b, dy = _inputs(shape, dtype, device, seed=shape[0])
+    db = torch.full_like(b, float("nan"))
+    (launch,), db_partial = bg._bwd_launches(dy, x, b, torch.empty_like(x), db, "none")
+    assert launch.grid[0] == 1 and launch.meta["WINDOW"] == 0 and db_partial is db
+    sums = []
+    monkeypatch.setattr(torch.Tensor, "sum", lambda *a, **k: sums.append(a) or torch.sum(*a, **k))
+    assert all(c.passed for c in _check(x, b, dy)), [str(c) for c in _check(x, b, dy)]
+    assert not sums
+
+
 def test_which_backward_calls_take_windows(device):
     """Windows where rows start off their 16-byte vectors and every tensor's entries are contiguous
-    from a 16-byte aligned start; not for aligned rows, strided entries or an offset start."""
-    x, b, dy = _inputs((8, 27), BF16, device, seed=3)
+    from a 16-byte aligned start, past one plain tile of rows; not for aligned rows, strided
+    entries, an offset start or rows that fit one tile (one program, no sum of db after it)."""
+    x, b, dy = _inputs((133, 27), BF16, device, seed=3)
 
     def window(x, dy):
         dx = torch.empty_like(x)
-        (launch,) = bg._bwd_launches(dy, x, b, dx, "none")[0]
+        (launch,) = bg._bwd_launches(dy, x, b, dx, torch.empty_like(b), "none")[0]
         return launch.meta["WINDOW"]
 
     assert window(x, dy) == 8
     assert window(x.float(), dy.float()) == 4
-    wide = _inputs((8, 32), BF16, device, seed=4)
+    wide = _inputs((133, 32), BF16, device, seed=4)
     assert window(wide[0], wide[2]) == 0  # every row on its vectors: the plain kernel's 16 bytes
-    columns = torch.randn(27, 8, device=device).to(BF16).t()  # entries 8 apart
+    columns = torch.randn(27, 133, device=device).to(BF16).t()  # entries 133 apart
     assert window(columns, dy) == 0
-    shifted = torch.randn(8 * 27 + 1, device=device).to(BF16)[1:].view(8, 27)  # 2 bytes past 16
+    shifted = torch.randn(133 * 27 + 1, device=device).to(BF16)[1:].view(133, 27)  # 2 bytes past 16
     assert window(shifted, dy) == 0
+    assert window(x[:128], dy[:128]) == 0  # 128 rows of 27: one plain tile of 32-entry rows
 
 
 @pytest.mark.parametrize("shape", OP.shapes, ids=str)
@@ -478,7 +496,7 @@ from tritonkit.asm import compile_launch
 for dtype, n in ((torch.bfloat16, 3027), (torch.float32, 195), (torch.bfloat16, 2900)):
     x = torch.empty((38788, n), dtype=dtype, device="meta")
     b = torch.empty((n,), dtype=dtype, device="meta")
-    (launch,) = bg._bwd_launches(x, x, b, x, "none")[0]
+    (launch,) = bg._bwd_launches(x, x, b, x, torch.empty_like(b), "none")[0]
     report = compile_launch(launch)
     print(launch.meta["WINDOW"], report.registers, report.occupancy[0], not report.spills)
 """

@@ -212,6 +212,25 @@ def test_backward_rows_reduced_in_blocks(kind, prefetch, monkeypatch, device):
     assert launches and all(grid == (2,) and meta["BLOCK_M"] == 4 for grid, meta in launches), launches
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
+def test_a_tiny_backward_is_one_launch(kind, dtype, monkeypatch, device):
+    """21 rows of 10 untuned: one program reduces them as one block and writes dw and db itself
+    (cast to the parameters' dtype as it stores them), no second launch; every gradient matches."""
+    monkeypatch.setattr(nm._TUNED["bwd", False], "_chosen", {})
+    launches, run = [], nm._run
+
+    def recording(calls):
+        launches.append([(c.name, c.grid, c.meta.get("BLOCK_M")) for c in calls])
+        run(calls)
+
+    monkeypatch.setattr(nm, "_run", recording)
+    with tuning.disabled():
+        kernel, reference, inputs, grad_inputs, grads = _case(kind, (21, 10), dtype, device, seed=21)
+        check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
+    assert [("bwd", (1,), 32)] in launches and not any("bwd partial sums" in str(c) for c in launches)
+
+
 def test_backward_blocks_must_divide_the_rows_a_program():
     """A BLOCK_M that does not divide ROWS, or one given to the looped backward, is refused."""
     for n, config in [

@@ -281,17 +281,21 @@ def _align(n_cols: int, *tensors: torch.Tensor) -> int:
     return row_align((n_cols, *rows), min(t.element_size() for t in tensors))
 
 
-def _bwd_launches(grad_output, input, bias, dx, approximate: str) -> tuple[list[Launch], torch.Tensor]:
-    """(the backward kernel's launch, the workspace of db's fp32 partial sums it writes): one row
-    a program's ROW_TILES tiles of rows, or in windows one per row of its tiles
-    (``_bias_gelu_bwd_window``)."""
+def _bwd_launches(grad_output, input, bias, dx, db, approximate: str) -> tuple[list[Launch], torch.Tensor]:
+    """(the backward kernel's launch, where it writes db's fp32 partial sums): one row a program's
+    ROW_TILES tiles of rows, or in windows one per row of its tiles (``_bias_gelu_bwd_window``);
+    ``db`` itself where that makes one row (a tiny input: no sum after the kernel)."""
     n_cols = input.shape[-1]
     x, dy = input.reshape(-1, n_cols), grad_output.reshape(-1, n_cols)
     block_m, block_n, row_tiles, window = _bwd_tiles(x, dy, dx.reshape(-1, n_cols))
     # in windows, enough column blocks that every row's columns, shifted by up to WINDOW - 1 from
     # its window's start, are covered
     grid = (cdiv(x.shape[0], block_m * row_tiles), cdiv(n_cols + max(window - 1, 0), block_n))
-    db_partial = empty_output((grid[0] * (block_m if window else 1), n_cols), torch.float32, input.device)
+    partial_rows = grid[0] * (block_m if window else 1)
+    if partial_rows == 1 and db.is_contiguous():  # one row of partials: db itself, cast as stored
+        db_partial = db
+    else:
+        db_partial = empty_output((partial_rows, n_cols), torch.float32, input.device)
     meta = {
         "APPROX_TANH": approximate == "tanh",
         "BLOCK_M": block_m,
@@ -323,7 +327,9 @@ def _bwd_tiles(x: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor) -> tuple[int
     windows (``_launch.row_window``: rows off their vectors, entries contiguous), else tile_shape's."""
     n_rows, n_cols = x.shape
     window = 0
-    if WINDOWS and x.stride(1) == 1 and dy.stride(1) == 1:
+    # (an input of one plain tile of rows takes it whole: one program, whose db needs no sum after)
+    one_tile = n_rows <= tile_shape(n_cols, x.element_size())[0]
+    if WINDOWS and x.stride(1) == 1 and dy.stride(1) == 1 and not one_tile:
         views = [(0, x.stride(0)), (0, dy.stride(0)), (0, n_cols)]
         window = row_window(n_cols, views, (x, dy, dx))
     if window:  # (a smaller tile: its db sums are kept per row, and the next tile is in flight)
@@ -363,10 +369,11 @@ def _backward(
     if input.numel() == 0:  # before the reshape, which cannot infer -1 when the last dim is 0
         db.zero_()
         return
-    launches, db_partial = _bwd_launches(grad_output, input, bias, dx, approximate)
+    launches, db_partial = _bwd_launches(grad_output, input, bias, dx, db, approximate)
     for launch in launches:
         launch.run()
-    db.copy_(db_partial.sum(0))
+    if db_partial is not db:
+        db.copy_(db_partial.sum(0))
 
 
 class _BiasGelu(torch.autograd.Function):
@@ -437,7 +444,7 @@ def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None = No
     if config is not None:
         raise ValueError("bias_gelu has no tuning configs: its tile follows from the row length and dtype")
     x, b = torch.empty(shape, dtype=dtype, device="meta"), torch.empty(shape[-1:], dtype=dtype, device="meta")
-    return [*_fwd_launches(x, b, x, "none"), *_bwd_launches(x, x, b, x, "none")[0]]
+    return [*_fwd_launches(x, b, x, "none"), *_bwd_launches(x, x, b, x, torch.empty_like(b), "none")[0]]
 
 
 def _make_inputs(shape: tuple, dtype: torch.dtype, device, generator: torch.Generator) -> tuple:

@@ -164,18 +164,21 @@ def _bwd_launches(
 ) -> list[Launch]:
     """The backward's launches for a non-empty ``h``: the main kernel, writing dx and each program's
     fp32 partial sums of dw and db (workspace allocated here), then, with a weight or a bias, the
-    second stage that sums the partials into ``dw`` and ``db``. Absent statistics are stood in for
-    by empty ones (for inspect); absent tensors go as None (the kernels' flags leave them unread)."""
+    second stage that sums the partials into ``dw`` and ``db``; a launch of one program writes
+    ``dw`` and ``db`` itself (its sums cast as it stores them), with no second stage. Absent
+    statistics are stood in for by empty ones (for inspect); absent tensors go as None (the
+    kernels' flags leave them unread)."""
     n = h.shape[-1]
     rows = h.numel() // n
     block_n = next_power_of_2(n)
     looped = block_n > MAX_BLOCK_N["bwd"]
     programs = cdiv(rows, config["ROWS"])
+    alone = programs == 1 and all(g is None or g.is_contiguous() for g in (dw, db))
     rstd = rstd if rstd is not None else scratch((rows,), torch.float32, h.device)
     if mean is None and not rms:
         mean = scratch((rows,), torch.float32, h.device)
-    dw_partial = scratch((programs, n), torch.float32, h.device) if weight is not None else None
-    db_partial = scratch((programs, n), torch.float32, h.device) if bias is not None else None
+    dw_partial = _partials(weight, dw, programs, alone)
+    db_partial = _partials(bias, db, programs, alone)
     h2, dy2 = _rows_2d(h, n), _rows_2d(grad_y.to(h.dtype), n)
     dh2 = _rows_2d(grad_h.to(h.dtype), n) if grad_h is not None else None
     stats = (_unit_stride(weight), mean, rstd)
@@ -214,9 +217,20 @@ def _bwd_launches(
     else:
         meta |= {"BLOCK_M": block_m, "BLOCK_N": block_n, "PREFETCH": config.get("PREFETCH", False)} | align
         main = Launch("bwd", _norm_bwd_kernel, (dy2, dh2, h2, *stats, *tail), meta, config, (programs,))
-    if dw_partial is None and db_partial is None:
+    if alone or dw_partial is None and db_partial is None:
         return [main]
     return [main, _sum_partials_launch(dw_partial, db_partial, dw, db)]
+
+
+def _partials(param, grad, programs: int, alone: bool) -> torch.Tensor | None:
+    """Where the backward's programs store their sums of ``param``'s gradient: None without the
+    parameter, ``grad`` itself from a launch of one program (``alone``), else a (programs, N) fp32
+    workspace."""
+    if param is None:
+        return None
+    if alone and grad is not None:
+        return grad
+    return scratch((programs, param.shape[-1]), torch.float32, param.device)
 
 
 def _sum_partials_launch(dw_partial, db_partial, dw, db) -> Launch:
