@@ -1,6 +1,7 @@
 """The untuned tiles on the H200: what a first call on a shape outside the shipped tuning table runs,
-against the fixed tiles they replaced (``docs/perf-notes.md``, "... against the shipped tuning
-records") and against the library the op stands beside.
+against the fixed tiles they replaced (``docs/perf-notes/``: norms.md, linear.md and
+attention-backward.md, "... against the shipped tuning records") and against the library the op
+stands beside.
 
     python benchmarks/untuned_defaults.py OUT.json
 

@@ -86,7 +86,7 @@ for dtype, head_dim, causal, deterministic, shared_dq, _ in CASES:
 # causal walk's bounds more; the tickets are the dQ warp's. The free mode's P, held in fp32 until dS,
 # adds some where dQ is not split (27, from 6; the default at D = 128 splits it and stays at 52).
 # fp16 keeps the 16-bit P (it converts in pairs either way): 13 at D = 128 causal, where the fp32 P
-# spilled 52. Fewer is a next step (docs/perf-notes.md).
+# spilled 52. Fewer is a next step (docs/perf-notes/attention-backward.md).
 STATIC_CASES = [
     ("bf16", 128, False, False, False, 27),
     ("bf16", 128, True, True, False, 71),

@@ -382,7 +382,7 @@ def kernel_kind(name: str) -> str:
 PROFILE_STEPS = 3  # steps the kernel profile averages over
 # Steps run first, unprofiled: the H200 reaches its power cap after ~150 ms of a large step's
 # work and then lowers its clock, so a profile of a cold GPU times every kernel ~10% short of the
-# step's measured time (docs/perf-notes.md, "the power limit")
+# step's measured time (docs/perf-notes/linear.md, "the power limit")
 PROFILE_WARMUP_STEPS = 15
 PROFILE_TOP = 12  # kernels a row lists, by GPU time
 

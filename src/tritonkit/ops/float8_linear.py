@@ -68,7 +68,7 @@ PRODUCTS = {"rowwise": _rowwise, "tensorwise": _tensorwise, "blockwise": _blockw
 # storage, read in its own order, by a pass that stores q^T (quantize_fp8_transposed): x^T's rows are
 # x's columns, its tensor x's. Quantizing the view itself walks x's columns with strided reads (the
 # rowwise step quantized for 1.54 ms on the H200 that way, 0.65 this way), and a copy of q
-# transposed by torch moved 0.34 TB/s (docs/perf-notes.md, "Float8Linear's quantizing passes"). x^T's
+# transposed by torch moved 0.34 TB/s (docs/perf-notes/fp8.md, "Float8Linear's quantizing passes"). x^T's
 # 1 x 128 runs are x's runs of 128 down a column, its 128 x 128 blocks x's blocks.
 TRANSPOSED_GROUPS = {"tensor": "tensor", "row": "column", "block": "column_block", "block2d": "block2d"}
 

@@ -31,7 +31,7 @@ Accumulation. Hopper's fp8 tensor cores sum their products keeping about 14 bits
 error is ``torch._scaled_mm``'s default one to three digits, and the step's wait for its product
 costs a fifth of the speed. ``use_fast_accum=True`` (torch's argument) chains the
 steps in the tensor cores' accumulator instead: torch's fast-accumulation error, and speed
-(measured in docs/perf-notes.md). Blockwise scales promote every step by their recipe.
+(measured in docs/perf-notes/fp8.md). Blockwise scales promote every step by their recipe.
 
 Work. 2 M N K FLOPs; bytes M K + K N (one byte each) + M N x the output's size, + the scales.
 Hopper's fp8 rate is twice its bf16 rate: compute-bound from a few hundred rows on.
@@ -61,7 +61,7 @@ BLOCK = SCALE_BLOCK.value  # the blockwise scales' run of a's rows and block of 
 # step holds its product beside the accumulator (twice the registers): 128 x 128 outputs on four
 # stages (128 KB of shared memory; at 128 x 256 the two spill). Steps chained in the tensor cores'
 # sum (use_fast_accum) keep one accumulator: 128 x 256 on three (144 KB). Each the best of ten tiles
-# timed at the issue's shapes (docs/perf-notes.md).
+# timed at the issue's shapes (docs/perf-notes/fp8.md).
 TILE = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
 FAST_TILE = TILE | {"BLOCK_N": 256, "num_stages": 3}
 # Outputs of fewer 128 x 128 tiles than the GPU has SMs (short M, N): 64 x 128 on four warps and five
@@ -96,7 +96,7 @@ def _launch_choice(fast_accum: bool, m: int, n: int, device) -> tuple[dict, bool
 
 def _gluon_pays(few_tiles: bool, chained: bool, scaling: int) -> bool:
     """Where the Gluon kernel measured faster than the Triton one (H200, two runs at three large
-    shapes, docs/perf-notes.md): promoted, +3-17% at both scalings; chained tensorwise -1% to +28%
+    shapes, docs/perf-notes/fp8.md): promoted, +3-17% at both scalings; chained tensorwise -1% to +28%
     (ahead at five of six); chained rowwise -7% to +1% (behind at five of six), so not there.
     Products of few tiles keep SMALL_TILE (level with the Gluon kernel at (128, 4096, 14336), 1-12%
     ahead at (1024, 16384, 1024)). Blockwise (always promoted): 885-960 TFLOP/s against the Triton

@@ -436,8 +436,8 @@ def _grad_steps(
         # ALU), and dS from P's fp32 values: a 16-bit bf16 P that dS also reads compiles to one F2F
         # a value, on the MUFU's pipe beside the exponentials. fp16's converts in pairs either way
         # (and the fp32 P spills more), and the deterministic mode measured 4-8% faster with it at
-        # D = 128 (why is not established; the free mode gained 1-12%, docs/perf-notes.md): both
-        # keep the 16-bit P, read twice
+        # D = 128 (why is not established; the free mode gained 1-12%,
+        # docs/perf-notes/attention-backward-determinism.md): both keep the 16-bit P, read twice
         if P16:
             p = p.to(dtype)
             p_a = gl.convert_layout(p, a_layout)
@@ -687,7 +687,8 @@ def _attn_bwd_sm90_kernel(
         ds_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, ROWS, BLOCK], ds_layout)
     # the dQ staging a buffer a step in turn: two where they fit (D = 64), so that a consumer's store
     # never waits for the reduce of the step before; one at D = 128 (with shared_dq two fit, 230,984
-    # of 232,448 bytes, but measured no faster in either mode: docs/perf-notes.md; without, 278 KB)
+    # of 232,448 bytes, but measured no faster in either mode:
+    # docs/perf-notes/attention-backward-determinism.md; without, 278 KB)
     DQ_BUFFERS: gl.constexpr = 2 if HEAD_DIM <= 64 else 1
     dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS * NUM_CONSUMERS, BLOCK, DQ_COLS], dq_layout)
     rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])

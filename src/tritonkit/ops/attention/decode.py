@@ -43,23 +43,23 @@ from tritonkit.ops.attention.common import (
 )
 from tritonkit.roofline import Cost
 
-# The launch (BLOCK_N keys a step, warps, stages: the loads in flight a program), by the split count,
-# from sweeps of BLOCK_N 32-128, 2-8 warps and 2-4 stages at issue 28's six shapes on the H200
-# (benchmarks/decode_attention.py --configs; docs/perf-notes.md, "The launch sweep" and "The launch
-# by kind"): where one split leaves B x Hkv programs, two or so an SM, 64-key steps keep more bytes
-# in flight a program (paged at B = 32: 263 us against 324 at 32-key steps; contiguous 259 against
-# 263); where the keys are split, there are programs enough and 32-key steps were 1-5% faster
+# The launch (BLOCK_N keys a step, warps, stages: the loads in flight a program), by the split count, from
+# sweeps of BLOCK_N 32-128, 2-8 warps and 2-4 stages at issue 28's six shapes on the H200
+# (benchmarks/decode_attention.py --configs; docs/perf-notes/decode-and-ring.md, "The launch sweep" and "The
+# launch by kind"): where one split leaves B x Hkv programs, two or so an SM, 64-key steps keep more bytes in
+# flight a program (paged at B = 32: 263 us against 324 at 32-key steps; contiguous 259 against 263); where
+# the keys are split, there are programs enough and 32-key steps were 1-5% faster
 ONE_SPLIT_LAUNCH = (64, 4, 3)
 SPLIT_LAUNCH = (32, 4, 3)
 MIN_ROWS = 16  # tl.dot's least M: a program's rows (GROUP x Sq) pad to this
 MAX_ROWS = 64  # rows a program at most: more (a long chunk of new tokens) take more programs
 PAGES = 32  # table entries a paged walk reads at once (PAGE_A_STEP)
 MIN_SPLIT_KEYS = 256  # keys a split takes at least, where the rule splits
-# Split programs an SM at most (B x Hkv x splits <= 3 x SMs), from a sweep of split counts at the
-# split shapes on the H200 (benchmarks/decode_attention.py --splits; docs/perf-notes.md, "The split
-# count"): the time follows the programs' spread over the SMs. At 8 x 8 pairs and 32768 keys, 6
-# splits (384 programs, just under 3 an SM) took 255 us, 5 and 7 (2.4 and 3.4 an SM) 266 and 270-273;
-# at 16 x 8 pairs 3 splits (384) were the best count; at B = 1 MIN_SPLIT_KEYS caps the count first
+# Split programs an SM at most (B x Hkv x splits <= 3 x SMs), from a sweep of split counts at the split shapes
+# on the H200 (benchmarks/decode_attention.py --splits; docs/perf-notes/decode-and-ring.md, "The split
+# count"): the time follows the programs' spread over the SMs. At 8 x 8 pairs and 32768 keys, 6 splits (384
+# programs, just under 3 an SM) took 255 us, 5 and 7 (2.4 and 3.4 an SM) 266 and 270-273; at 16 x 8 pairs 3
+# splits (384) were the best count; at B = 1 MIN_SPLIT_KEYS caps the count first
 SPLIT_PROGRAMS_PER_SM = 3
 MAX_SPLITS = 64
 COMBINE_SPLITS = 64  # splits the combine loads at once (a 64 x 128 fp32 tile: 64 registers a thread)
@@ -570,7 +570,8 @@ def flash_attention_with_kvcache(
     key = call_signature(inputs, window, softcap, num_splits, scale, causal)
     splits, plan = _plans.get(key, (0, None)) if key is not None else (0, None)
     known = splits > 0
-    if not known:  # the check once a signature: at B = 1 the call is host-bound (docs/perf-notes.md)
+    # the check once a signature: at B = 1 the call is host-bound (docs/perf-notes/decode-and-ring.md)
+    if not known:
         _check(*inputs, softcap)
         splits = num_splits or default_splits(
             q.shape[0], k_cache.shape[2], _max_keys(k_cache, block_table), q.device

@@ -652,8 +652,8 @@ _TUNED = _ForwardTuned(
 log = logging.getLogger("tritonkit")
 
 # Whether a forward the sm_90 Gluon kernel takes (``fwd_sm90.supports``) runs there: on the H200 it
-# ran at 1.01-1.08x cuDNN at D = 128 and 0.89-0.96x at D = 64 and 1024 tokens (docs/perf-notes.md),
-# past this Triton kernel's 0.76-0.88x at every shape measured.
+# ran at 1.01-1.08x cuDNN at D = 128 and 0.89-0.96x at D = 64 and 1024 tokens
+# (docs/perf-notes/attention-forward.md), past this Triton kernel's 0.76-0.88x at every shape measured.
 SM90_FORWARD = True
 
 

@@ -32,14 +32,13 @@ BLOCK_M = NUM_CONSUMERS * SPLIT_M
 CONSUMER_REGS = 240
 
 
-# Ping-pong (FA3's warp-scheduler barrier): the consumer warpgroups take turns to issue their
-# products, so that one's softmax runs while the other's products hold the tensor cores. Gluon 3.6
-# has no named barriers, so the turn is an mbarrier pair, and each hand-on costs a warpgroup
-# bar.sync besides. Off: on the H200 (2026-12-01, docs/perf-notes.md) it was level at D = 128 full
-# (604 vs 601 TFLOP/s at (4, 32, 4096)), 4% slower causal (514 vs 534), 4-6% slower at D = 64 and
-# 5% slower at (16, 16, 1024, 128) full. The two warpgroups interleave well enough unordered here.
-# On the persistent grid (2c26f94, causal): level or 1-9% slower than the default but at
-# (16, 16, 1024, 128) (+1%).
+# Ping-pong (FA3's warp-scheduler barrier): the consumer warpgroups take turns to issue their products, so
+# that one's softmax runs while the other's products hold the tensor cores. Gluon 3.6 has no named barriers,
+# so the turn is an mbarrier pair, and each hand-on costs a warpgroup bar.sync besides. Off: on the H200
+# (2026-12-01, docs/perf-notes/attention-forward.md) it was level at D = 128 full (604 vs 601 TFLOP/s at (4,
+# 32, 4096)), 4% slower causal (514 vs 534), 4-6% slower at D = 64 and 5% slower at (16, 16, 1024, 128) full.
+# The two warpgroups interleave well enough unordered here. On the persistent grid (2c26f94, causal): level or
+# 1-9% slower than the default but at (16, 16, 1024, 128) (+1%).
 PINGPONG = False
 
 
@@ -87,16 +86,16 @@ def default_config(head_dim: int, seq_k: int) -> Config:
     return config._replace(persistent=True) if seq_k <= PERSISTENT_MAX_KEYS else config
 
 
-# What the benchmark compares per head dim (and the tests check): the default, the same tile with
-# ping-pong toggled and without PIN_SOFTMAX (what each is worth), a deeper ring at D = 128, and the
-# tile persistent (the default over at most PERSISTENT_MAX_KEYS keys; causal, its walk
-# in pairs of a long and a short block, fwd_sm90_kernels._walk). FA3's three consumers at D = 64
-# (64-key steps, 160 registers) ran 0.84-0.89x cuDNN against the default's 0.92-0.93: removed. So
-# were (0bbcc80, docs/perf-notes.md) three at 128-key steps with P through shared memory (0.47-0.95x
-# against one tile a program's 0.67-0.94x) and K released with V after the PV product, one arrive
-# and warpgroup barrier a step fewer (level: 0.67-0.93x at D = 64, 0.97-1.01x at D = 128),
-# (c8fc77b) P through shared memory, two tiles a consumer: +1-2% over 4096 keys, -3-4% at 1024,
-# and (6680c00) PV_{j-1} issued after block j's row max: -1-3% at D = 64, -8% at D = 128 persistent.
+# What the benchmark compares per head dim (and the tests check): the default, the same tile with ping-pong
+# toggled and without PIN_SOFTMAX (what each is worth), a deeper ring at D = 128, and the tile persistent (the
+# default over at most PERSISTENT_MAX_KEYS keys; causal, its walk in pairs of a long and a short block,
+# fwd_sm90_kernels._walk). FA3's three consumers at D = 64 (64-key steps, 160 registers) ran 0.84-0.89x cuDNN
+# against the default's 0.92-0.93: removed. So were (0bbcc80, docs/perf-notes/attention-forward.md) three at
+# 128-key steps with P through shared memory (0.47-0.95x against one tile a program's 0.67-0.94x) and K
+# released with V after the PV product, one arrive and warpgroup barrier a step fewer (level: 0.67-0.93x at D
+# = 64, 0.97-1.01x at D = 128), (c8fc77b) P through shared memory, two tiles a consumer: +1-2% over 4096 keys,
+# -3-4% at 1024, and (6680c00) PV_{j-1} issued after block j's row max: -1-3% at D = 64, -8% at D = 128
+# persistent.
 CANDIDATES = {
     64: [
         CONFIGS[64],

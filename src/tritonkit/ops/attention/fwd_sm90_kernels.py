@@ -284,7 +284,8 @@ def _load_partition_persistent(
 def to_pairs(x, dtype: gl.constexpr):
     """``x`` (fp32) in ``dtype`` (bf16 or fp16), two values an instruction, element 0 in the low
     half. ``x.to(dtype)`` emits one cvt a value; ptxas pairs them into F2FP in the other order and
-    swaps the halves of each register with a PRMT before a wgmma reads it (docs/perf-notes.md)."""
+    swaps the halves of each register with a PRMT before a wgmma reads it
+    (docs/perf-notes/attention-forward.md)."""
     if dtype == gl.bfloat16:
         pairs = gl.inline_asm_elementwise(
             "cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.bfloat16, is_pure=True, pack=2

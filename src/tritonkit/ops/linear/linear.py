@@ -11,7 +11,7 @@ makes dz in one memory-bound pass (read dy and z, write dz, sum db: 3 M N elemen
 two plain matmuls on it, as torch does. Applying act'(z) in the matmuls' prologues instead, so that
 dz is never written, measured 2.8-3.0x (dx) and 7.6x (dW) slower on the H200: the elementwise work on
 the loaded tiles stalled the pipelined loads of every k-step, and each dz entry was recomputed by
-every tile that reads it (docs/perf-notes.md).
+every tile that reads it (docs/perf-notes/linear.md).
 
 One kernel serves all the products: C = epilogue(A B^T) with A (M, K) and B (N, K) of any
 strides. dx takes A = dz (M, N) and B = W^T (a (K, N) view); dW takes A = dz^T and B = x^T.
@@ -317,12 +317,12 @@ def _same_strides(weight_gate, weight_up):
 GATED_BLOCK = 4096  # elements a program of the act(g) * u pass: 8 x 16 bytes a thread of 4 warps (16-bit)
 # Rows from which the forward is two plain matmuls and an elementwise act(g) * u, with or without a
 # gradient (the same values either way), rather than one kernel: measured faster at 8192 and 16384
-# rows of the layers' MLPs on the H200 (4-9%; docs/perf-notes.md, "The gated forward as two
+# rows of the layers' MLPs on the H200 (4-9%; docs/perf-notes/linear.md, "The gated forward as two
 # matmuls"), not measured below. Without a gradient it holds g and u for the pass: 2 M N elements.
 # The backward's dx likewise: from SPLIT_ROWS rows dg Wg and du Wu by two plain matmuls, the second
 # adding the first's through its residual, rather than one kernel loading two A and two B tiles a
 # step (half the stages, no 128 x 256 tile): at 8192 rows of Llama-3-8B's MLP on the H200, hot, two
-# matmuls 3.08 ms, one kernel 3.43, cuBLAS's mm and addmm 2.80 (docs/perf-notes.md, "The gated
+# matmuls 3.08 ms, one kernel 3.43, cuBLAS's mm and addmm 2.80 (docs/perf-notes/linear.md, "The gated
 # backward's dx as two matmuls").
 SPLIT_ROWS = 8192
 

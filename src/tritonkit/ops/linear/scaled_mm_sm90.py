@@ -46,7 +46,7 @@ class Tile(NamedTuple):
 # Promoted (False): the step's product beside the accumulator (two register sets of 64 x BLOCK_N a
 # warpgroup), on three consumers, so that two others' products queue on the tensor cores while one
 # waits for its own and adds it (the register file holds three at 160): 986-1085 TFLOP/s on the
-# H200 against two consumers' 883-967 in the same run (docs/perf-notes.md, "scaled_mm's promoted
+# H200 against two consumers' 883-967 in the same run (docs/perf-notes/fp8.md, "scaled_mm's promoted
 # product on three consumers"). Chained (True): one accumulator of 64 x 256 (128 registers a thread).
 TILES = {False: Tile(3, 128, 5), True: Tile(2, 256, 3)}
 # each mode's tiles timed beside TILES' (benchmarks/scaled_mm.py --gluon-tiles)

@@ -187,7 +187,7 @@ def _split_default(key: dict) -> dict:
     twice from memory, as the online kernel reads it); up to 4 programs an SM take rows side by side.
     PREFETCH: pass 1 holds two chunks in flight. With one (8 KB a program, 32 KB an SM) the first
     sweep's split rows moved at 38-55% of the copy (tuned: 61-75%), where an SM wants about 36-55 KB
-    in flight (the persistent one-pass note in docs/perf-notes.md); not yet measured."""
+    in flight (the persistent one-pass note in docs/perf-notes/softmax.md); not yet measured."""
     chunk = 2048 if key["dtype"].startswith("fp32") else 4096  # 8 or 16 values a thread
     programs = SPLIT_DEFAULT_SEGMENTS_PER_SM * sm_count(current_device())
     segment = max(4 * chunk, next_power_of_2(-(-key["block_n"] // programs)))
