@@ -208,8 +208,8 @@ BWD_CONFIGS = (
 FP32_SUM_CHAIN_MAX = 32
 
 
-# A backward whose rows make at most this many elements (and 64 rows) runs as one program that
-# reduces them all at once (BLOCK_M = ROWS): one load of the tile, and dw and db written by the
+# A backward of 9 to 64 rows making at most this many elements runs as one program that reduces
+# them all at once (BLOCK_M = ROWS): one load of the tile, and dw and db written by the
 # program itself (norm._bwd_launches), where the rule below walks 8 rows a program, a row at a
 # time, and sums the programs' partials in a second launch: two launches' latency for a tiny input
 # (21 x 10 fp32 on the H200: 9.5 us against torch.compile's one kernel's 7.1).
@@ -222,7 +222,8 @@ def _bwd_default(key: dict) -> dict:
     (PREFETCH), at PER_THREAD values a thread a row however few the warps (BWD_PREFETCH_DEFAULT).
     A tiny input (BWD_ONE_PROGRAM_ELEMENTS) is one program's tile."""
     elements = key["rows"] * key["block_n"]
-    if 1 < key["rows"] <= BWD_ROWS_RANGE[False][1] and elements <= BWD_ONE_PROGRAM_ELEMENTS:
+    low, high = BWD_ROWS_RANGE[False]  # (up to ``low`` rows the rule below is one program already)
+    if low < key["rows"] <= high and elements <= BWD_ONE_PROGRAM_ELEMENTS:
         return {"ROWS": key["rows"], "BLOCK_M": key["rows"], "num_warps": _warps(elements)}
     rows = _bwd_rows_per_program(key["rows"], current_device(), False)
     if key["dtype"] == "fp32":
