@@ -142,9 +142,10 @@ def test_strided_weight_and_bias(kind, dtype, device):
 @pytest.fixture
 def looped(monkeypatch):
     """Rows longer than 64 entries go through the looped kernels, in chunks of 32 (the few rows of
-    these tests make backward programs of 4 rows: 9 rows end in a partial group)."""
+    these tests make backward programs of 4 rows, not one a program: 9 rows end in a partial group)."""
     monkeypatch.setattr(nm, "MAX_BLOCK_N", {"fwd": 64, "bwd": 64})
     monkeypatch.setattr(nk, "LOOP_BLOCK_N", 32)
+    monkeypatch.setattr(nk, "BWD_LOOPED_ROW_A_PROGRAM", 0)
     for tuned in nm._TUNED.values():
         monkeypatch.setattr(tuned, "_chosen", {})  # configs chosen under the usual limits
     seen, run = [], nm._run
@@ -266,6 +267,25 @@ def test_a_chunk_past_8192_with_a_smaller_second_pass(kind, n, out_block, looped
     inputs[0] += 1000.0
     check_against_reference(kernel, reference, inputs)
     assert launches and all(m["BLOCK_N"] == 16384 and m["OUT_BLOCK_N"] == out_block for _, m in launches)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_few_long_rows_go_one_a_program_backward(kind, looped, monkeypatch, device):
+    """Up to BWD_LOOPED_ROW_A_PROGRAM long rows, the looped backward's default takes one a program
+    (ten rows: ten programs, where four a program made three); the gradients match."""
+    monkeypatch.setattr(nk, "BWD_LOOPED_ROW_A_PROGRAM", 32)
+    launches = []
+    run = nm._run
+
+    def recording(calls):
+        launches.extend((c.grid, c.meta["ROWS"]) for c in calls if c.kernel is nk._norm_bwd_looped_kernel)
+        run(calls)
+
+    monkeypatch.setattr(nm, "_run", recording)
+    with tuning.disabled():
+        kernel, reference, inputs, grad_inputs, grads = _case(kind, (10, 97), F32, device, seed=10)
+        check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
+    assert launches and all(launch == ((10,), 1) for launch in launches), launches
 
 
 def test_backward_rows_per_program_keep_every_sm_busy():

@@ -625,13 +625,21 @@ BWD_LOOPED_CONFIGS = [
 ]
 
 
+# Long rows this few (the key's power of two) take one a program: at 4 a program (BWD_ROWS_RANGE's
+# least) 10 rows of 72384 fp32 made 3 programs for 132 SMs (123 us on the H200, torch 111), each
+# walking 4 rows in turn. One a program moves each program's h, dy and dx once and its partials of
+# dw and db (8 N bytes a row more): 20 N bytes a program in fp32 where four rows were 56 N.
+BWD_LOOPED_ROW_A_PROGRAM = 32
+
+
 def _bwd_looped_default(key: dict) -> dict:
-    """BWD_PROGRAMS_PER_SM programs an SM in LOOP_BLOCK_N chunks at LOOP_WARPS."""
-    return {
-        "ROWS": _bwd_rows_per_program(key["rows"], current_device(), True),
-        "BLOCK_N": LOOP_BLOCK_N,
-        "num_warps": LOOP_WARPS,
-    }
+    """BWD_PROGRAMS_PER_SM programs an SM in LOOP_BLOCK_N chunks at LOOP_WARPS; a row a program up
+    to BWD_LOOPED_ROW_A_PROGRAM rows."""
+    if key["rows"] <= BWD_LOOPED_ROW_A_PROGRAM:
+        rows = 1
+    else:
+        rows = _bwd_rows_per_program(key["rows"], current_device(), True)
+    return {"ROWS": rows, "BLOCK_N": LOOP_BLOCK_N, "num_warps": LOOP_WARPS}
 
 
 def _bwd_looped_prune(config: dict, key: dict) -> bool:
