@@ -5,7 +5,7 @@ SDPA's cuDNN and flash backends (and, with ``--flex``, compiled FlexAttention), 
     python benchmarks/decode_attention.py OUT.json --configs [--paged] [--batch B1,B2] [--deadline SECONDS]
     python benchmarks/decode_attention.py OUT.json --pages [--deadline SECONDS]
     python benchmarks/decode_attention.py OUT.json --splits [--deadline SECONDS]
-    python benchmarks/decode_attention.py RESULT.json --markdown   (the README's table of a run)
+    python benchmarks/decode_attention.py RESULT.json --markdown   (the table in docs/ops/decode.md)
 
 Rows: issue 28's shapes (B, Hq, Hkv, S_cache, D), one new query token (four at one shape), every
 sequence's cache full. tritonkit reads a contiguous cache (B, S, Hkv, D) and a paged one (blocks of
@@ -410,7 +410,7 @@ def _pages(out: str, stop: float) -> None:
 
 
 def markdown(result: dict) -> str:
-    """The README's table of a run: graph-replayed us, TB/s and share of copy, the peers beside."""
+    """docs/ops/decode.md's table of a run: graph-replayed us, TB/s and share of copy, the peers beside."""
     lines = [
         "| B, Hq, Hkv, S, new tokens | tritonkit us | +append us | TB/s | of copy | paged (block 64) us "
         "| cuDNN us | flash us | x best peer | eager loop us a call (tritonkit, best peer) |",

@@ -693,9 +693,9 @@ def _check_cell(row: dict | None) -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """The README's table: per case and mode, and for each tritonkit provider that ran it, each
-    provider's step time, TFLOP/s and peak memory (torch / torch.compile / tritonkit), tritonkit's
-    time ratios (above 1: faster) and its check."""
+    """The table of docs/layer.md and the README: per case and mode, and for each tritonkit provider
+    that ran it, each provider's step time, TFLOP/s and peak memory (torch / torch.compile /
+    tritonkit), tritonkit's time ratios (above 1: faster) and its check."""
     groups: dict[tuple, dict] = {}
     for row in rows:
         groups.setdefault((_case_label(row), row["mode"], row["dtype"]), {})[row["provider"]] = row
