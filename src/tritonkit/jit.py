@@ -80,6 +80,21 @@ def gelu_grad(z, APPROX_TANH: tl.constexpr):
         return cdf + z * INV_SQRT_2PI * tl.exp(-0.5 * z * z)
 
 
+@triton.jit
+def reciprocal_at_least_one(d):
+    """1 / d of fp32 ``d`` >= 1 (+inf gives 0) as rsqrt(d)^2: MUFU.RSQ and an FMUL, where fp32
+    division (``div.full``) compiles to eight instructions with its range checks, which d >= 1
+    never needs; within a few ulps (rsqrt.approx's error, doubled)."""
+    r = tl.math.rsqrt(d)
+    return r * r
+
+
+# GELU's tanh form as z sigmoid(2u) = z / (1 + 2^E), E = z (GELU_EXP2_LINEAR + GELU_EXP2_CUBIC z^2)
+# (u = sqrt(2 / pi) (z + 0.044715 z^3)): one MUFU.EX2 and a reciprocal
+GELU_EXP2_LINEAR = tl.constexpr(-2.0 * SQRT_2_OVER_PI.value * LOG2E.value)
+GELU_EXP2_CUBIC = tl.constexpr(-2.0 * SQRT_2_OVER_PI.value * LOG2E.value * TANH_CUBIC.value)
+
+
 # Phi(z) = erfc(x) / 2 with x = -z / sqrt(2), from erfc(x) = t exp(-x^2 + P(t)) for x >= 0, t = 1 /
 # (1 + x / 2), P of degree 9: Numerical Recipes' erfcc (Press et al., 2nd ed., 6.2), a Chebyshev
 # fit whose fractional error is under 1.2e-7 for every x >= 0. Its coefficients, lowest first:
@@ -100,10 +115,7 @@ def normal_cdf(z):
     An exact GELU through it compiles to 25 sm_90 instructions a value where libdevice's erf
     (about twenty FMAs of its own) gave 38; and where 0.5 (1 + erf) cancels to 0, below about
     -5.5, h keeps its relative precision: Phi(-8) is 6.2e-16, not 0."""
-    # t = 1 / d as rsqrt(d)^2: MUFU.RSQ and an FMUL, where fp32 division (div.full) adds six
-    # instructions of range checks; d >= 1, and rsqrt's error (2 ulp) is far inside ERFC_P's
-    t = tl.math.rsqrt(1.0 + tl.abs(z) * (0.5 * SQRT_HALF))
-    t = t * t
+    t = reciprocal_at_least_one(1.0 + tl.abs(z) * (0.5 * SQRT_HALF))
     q = ERFC_Q8 + t * ERFC_Q9
     q = ERFC_Q7 + t * q
     q = ERFC_Q6 + t * q

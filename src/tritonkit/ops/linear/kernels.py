@@ -9,19 +9,14 @@ from __future__ import annotations
 from tritonkit._runtime import current_device, interpret, shared_memory_bytes
 from tritonkit._triton import tl, triton
 from tritonkit.jit import (
-    LOG2E,
-    SQRT_2_OVER_PI,
-    TANH_CUBIC,
+    GELU_EXP2_CUBIC,
+    GELU_EXP2_LINEAR,
     dot_fp32,
     gelu,
     gelu_grad,
     normal_cdf,
     normal_pdf,
 )
-
-# -2 sqrt(2/pi) log2(e) and that times 0.044715: GELU (tanh) as z / (1 + 2^(z (a + b z^2)))
-GELU_EXP2_LINEAR = tl.constexpr(-2.0 * SQRT_2_OVER_PI.value * LOG2E.value)
-GELU_EXP2_CUBIC = tl.constexpr(-2.0 * SQRT_2_OVER_PI.value * LOG2E.value * TANH_CUBIC.value)
 
 # activation name -> the kernel's ACTIVATION code (constexprs: kernels read globals only as such)
 ACTIVATIONS = {None: 0, "gelu": 1, "gelu_tanh": 2, "silu": 3, "relu": 4, "relu2": 5}
