@@ -135,6 +135,44 @@ def normal_pdf(z):
     return INV_SQRT_2PI * tl.exp2(z * (z * (-0.5 * LOG2E)))
 
 
+@triton.jit
+def gelu_lean(z, APPROX_TANH: tl.constexpr, FAST: tl.constexpr):
+    """gelu(z) of fp32 ``z`` in few instructions, for the memory-bound passes (bias_gelu, the linear
+    family's elementwise backward), which libdevice's erf held below the memory's rate in 16 bits:
+    exact as z Phi(z) through normal_cdf (one exponential and ten FMAs where erf takes about
+    twenty), or the tanh form: FAST, for outputs rounded to 16 bits, as z sigmoid(2u) (one exp2 and
+    a reciprocal, as the matmul epilogue's); else as gelu (tanh from exp(-2|u|), twice the
+    instructions, fp32's precision near +-1). The tuned matmul's epilogue keeps gelu until its
+    tunings are refreshed (a helper's text is part of their source hash)."""
+    if APPROX_TANH:
+        if FAST:
+            e = tl.exp2(z * (GELU_EXP2_LINEAR + GELU_EXP2_CUBIC * (z * z)))
+            return z * reciprocal_at_least_one(1.0 + e)
+        else:
+            return gelu(z, APPROX_TANH=True)
+    else:
+        return z * normal_cdf(z)
+
+
+# d/dz of z s, s = 1 / (1 + 2^E): s - z s (1 - s) ln2 E'(z), E'(z) = GELU_EXP2_LINEAR + 3
+# GELU_EXP2_CUBIC z^2, with ln2 folded in
+TANH_SLOPE_LINEAR = tl.constexpr(LN2.value * GELU_EXP2_LINEAR.value)
+TANH_SLOPE_CUBIC = tl.constexpr(3.0 * LN2.value * GELU_EXP2_CUBIC.value)
+
+
+@triton.jit
+def gelu_lean_grad(z, APPROX_TANH: tl.constexpr, FAST: tl.constexpr):
+    """gelu'(z) of fp32 ``z`` in :func:`gelu_lean`'s form: Phi(z) + z phi(z), or the tanh form's."""
+    if APPROX_TANH:
+        if FAST:
+            s = reciprocal_at_least_one(1.0 + tl.exp2(z * (GELU_EXP2_LINEAR + GELU_EXP2_CUBIC * (z * z))))
+            return s - z * s * (1.0 - s) * (TANH_SLOPE_LINEAR + TANH_SLOPE_CUBIC * (z * z))
+        else:
+            return gelu_grad(z, APPROX_TANH=True)
+    else:
+        return normal_cdf(z) + z * normal_pdf(z)
+
+
 # Rows that start off their vectors' alignment (an odd row length in 16 bits, say): a row kernel
 # reads a window from each row's offset rounded down to WINDOW entries (16 bytes of the narrowest
 # dtype), so that every vector wholly inside the row is a 16-byte access, and takes the row's

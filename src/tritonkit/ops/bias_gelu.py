@@ -30,15 +30,9 @@ from tritonkit._runtime import empty_output, sm_count
 from tritonkit._triton import tl, triton
 from tritonkit.dtypes import FLOATS
 from tritonkit.jit import (
-    GELU_EXP2_CUBIC,
-    GELU_EXP2_LINEAR,
-    LN2,
     aligned,
-    gelu,
-    gelu_grad,
-    normal_cdf,
-    normal_pdf,
-    reciprocal_at_least_one,
+    gelu_lean,
+    gelu_lean_grad,
     window_base,
     window_edges,
     window_interior,
@@ -60,42 +54,6 @@ WINDOWS = True
 # A window tile's bytes of each input: at 2 KB (8 x 128 in 16 bits, 4 x 128 in fp32) the sm_90
 # compile holds 64 registers a thread, 8 programs an SM, two tiles' loads in flight
 WINDOW_TILE_BYTES = 2048
-
-
-@triton.jit
-def _gelu(z, APPROX_TANH: tl.constexpr, FAST: tl.constexpr):
-    """gelu(z) of fp32 ``z``: exact as z Phi(z) through jit.normal_cdf (one exponential and ten FMAs
-    where libdevice's erf, jit.gelu's, takes about twenty FMAs: 38 instructions a value bound the
-    16-bit passes on the H200, below the memory's rate), or the tanh form: FAST, for outputs
-    rounded to 16 bits, as z sigmoid(2u) (one exp2 and a reciprocal, as the matmul epilogue's);
-    else as jit.gelu (tanh from exp(-2|u|), twice the instructions, fp32's precision)."""
-    if APPROX_TANH:
-        if FAST:
-            e = tl.exp2(z * (GELU_EXP2_LINEAR + GELU_EXP2_CUBIC * (z * z)))
-            return z * reciprocal_at_least_one(1.0 + e)
-        else:
-            return gelu(z, APPROX_TANH=True)
-    else:
-        return z * normal_cdf(z)
-
-
-# d/dz of z s, s = 1 / (1 + 2^E): s - z s (1 - s) ln2 E'(z), E'(z) = GELU_EXP2_LINEAR + 3
-# GELU_EXP2_CUBIC z^2, with ln2 folded in
-TANH_SLOPE_LINEAR = tl.constexpr(LN2.value * GELU_EXP2_LINEAR.value)
-TANH_SLOPE_CUBIC = tl.constexpr(3.0 * LN2.value * GELU_EXP2_CUBIC.value)
-
-
-@triton.jit
-def _gelu_grad(z, APPROX_TANH: tl.constexpr, FAST: tl.constexpr):
-    """gelu'(z) of fp32 ``z`` in :func:`_gelu`'s form: Phi(z) + z phi(z), or the tanh form's."""
-    if APPROX_TANH:
-        if FAST:
-            s = reciprocal_at_least_one(1.0 + tl.exp2(z * (GELU_EXP2_LINEAR + GELU_EXP2_CUBIC * (z * z))))
-            return s - z * s * (1.0 - s) * (TANH_SLOPE_LINEAR + TANH_SLOPE_CUBIC * (z * z))
-        else:
-            return gelu_grad(z, APPROX_TANH=True)
-    else:
-        return normal_cdf(z) + z * normal_pdf(z)
 
 
 @triton.jit
@@ -121,7 +79,7 @@ def _bias_gelu_fwd_kernel(
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn, mask=mask)
     b = tl.load(b_ptr + cols * stride_bn, mask=cols < N)
     z = x.to(tl.float32) + b.to(tl.float32)[None, :]
-    y = _gelu(z, APPROX_TANH=APPROX_TANH, FAST=y_ptr.dtype.element_ty != tl.float32)
+    y = gelu_lean(z, APPROX_TANH=APPROX_TANH, FAST=y_ptr.dtype.element_ty != tl.float32)
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -185,7 +143,7 @@ def _bias_gelu_bwd_tiles(
         mask = (rows[:, None] < M) & col_mask[None, :]
         x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn, mask=mask)
         dy = tl.load(dy_ptr + rows[:, None] * stride_dym + cols[None, :] * stride_dyn, mask=mask)
-        dz = dy.to(tl.float32) * _gelu_grad(
+        dz = dy.to(tl.float32) * gelu_lean_grad(
             x.to(tl.float32) + b[None, :], APPROX_TANH=APPROX_TANH, FAST=dx_ptr.dtype.element_ty != tl.float32
         )
         tl.store(dx_ptr + rows[:, None] * N + cols[None, :], dz.to(dx_ptr.dtype.element_ty), mask=mask)
@@ -249,7 +207,7 @@ def _bias_gelu_bwd_window(
         dy_base = window_base(rows * stride_dym, WINDOW)[0]
         dx_base = window_base(rows * N, WINDOW)[0]
         mask = inner & in_rows
-        dz = dy.to(tl.float32) * _gelu_grad(
+        dz = dy.to(tl.float32) * gelu_lean_grad(
             x.to(tl.float32) + b, APPROX_TANH=APPROX_TANH, FAST=dx_ptr.dtype.element_ty != tl.float32
         )
         tl.store(dx_ptr + dx_base[:, None] + positions, dz.to(dx_ptr.dtype.element_ty), mask=mask)
@@ -258,7 +216,7 @@ def _bias_gelu_bwd_window(
             edge = on_edge & in_rows
             x_edge = tl.load(x_ptr + x_base[:, None] + edges, mask=edge).to(tl.float32)
             dy_edge = tl.load(dy_ptr + dy_base[:, None] + edges, mask=edge).to(tl.float32)
-            dz_edge = dy_edge * _gelu_grad(
+            dz_edge = dy_edge * gelu_lean_grad(
                 x_edge + b_edge, APPROX_TANH=APPROX_TANH, FAST=dx_ptr.dtype.element_ty != tl.float32
             )
             tl.store(dx_ptr + dx_base[:, None] + edges, dz_edge.to(dx_ptr.dtype.element_ty), mask=edge)

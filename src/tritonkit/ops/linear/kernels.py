@@ -13,9 +13,7 @@ from tritonkit.jit import (
     GELU_EXP2_LINEAR,
     dot_fp32,
     gelu,
-    gelu_grad,
-    normal_cdf,
-    normal_pdf,
+    gelu_lean_grad,
 )
 
 # activation name -> the kernel's ACTIVATION code (constexprs: kernels read globals only as such)
@@ -61,14 +59,15 @@ def _activate(z, ACTIVATION: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
-def _activation_grad(z, ACTIVATION: tl.constexpr):
-    """act'(z) in fp32. GELU's is Phi(z) + z phi(z) through jit.normal_cdf, as bias_gelu's backward
-    (fewer instructions than libdevice's erf, in a pass bound by them in 16 bits); the tuned
-    matmul's epilogue, _activate, keeps jit.gelu until its tunings are next refreshed."""
+def _activation_grad(z, ACTIVATION: tl.constexpr, FAST: tl.constexpr):
+    """act'(z) in fp32. GELU's in jit.gelu_lean_grad's few instructions (FAST: the tanh form's for a
+    gradient rounded to 16 bits), as bias_gelu's backward: this pass is bound by them in 16 bits
+    with libdevice's erf. The tuned matmul's epilogue, _activate, keeps jit.gelu until its tunings
+    are next refreshed."""
     if ACTIVATION == GELU:
-        g = normal_cdf(z) + z * normal_pdf(z)
+        g = gelu_lean_grad(z, APPROX_TANH=False, FAST=FAST)
     elif ACTIVATION == GELU_TANH:
-        g = gelu_grad(z, APPROX_TANH=True)
+        g = gelu_lean_grad(z, APPROX_TANH=True, FAST=FAST)
     elif ACTIVATION == SILU:
         sigmoid = 1.0 / (1.0 + tl.exp(-z))
         g = sigmoid * (1.0 + z * (1.0 - sigmoid))
@@ -722,16 +721,21 @@ def _activation_backward_kernel(
         if GATED:
             g = tl.load(z_ptr + out, mask=mask, other=0.0).to(tl.float32)
             u = tl.load(u_ptr + out, mask=mask, other=0.0).to(tl.float32)
-            dg = dy.to(tl.float32) * u * _activation_grad(g, ACTIVATION=ACTIVATION)
+            dg = (
+                dy.to(tl.float32)
+                * u
+                * _activation_grad(g, ACTIVATION, FAST=dz_ptr.dtype.element_ty != tl.float32)
+            )
             tl.store(dz_ptr + out, dg.to(dz_ptr.dtype.element_ty), mask=mask)
             act = _activate(g, ACTIVATION=ACTIVATION, FAST=du_ptr.dtype.element_ty != tl.float32)
             tl.store(du_ptr + out, (dy.to(tl.float32) * act).to(du_ptr.dtype.element_ty), mask=mask)
         else:
             if STORE_DZ:
                 z = tl.load(z_ptr + out, mask=mask, other=0.0).to(tl.float32)
-                dz = (dy.to(tl.float32) * _activation_grad(z, ACTIVATION=ACTIVATION)).to(
-                    dz_ptr.dtype.element_ty
-                )
+                dz = (
+                    dy.to(tl.float32)
+                    * _activation_grad(z, ACTIVATION, FAST=dz_ptr.dtype.element_ty != tl.float32)
+                ).to(dz_ptr.dtype.element_ty)
                 tl.store(dz_ptr + out, dz, mask=mask)
             else:
                 dz = dy
