@@ -232,6 +232,18 @@ def test_a_tiny_backward_is_one_launch(kind, dtype, monkeypatch, device):
     assert [("bwd", (1,), 32)] in launches and not any("bwd partial sums" in str(c) for c in launches)
 
 
+@pytest.mark.parametrize(
+    "kind, seed", [("rms_norm", 8), ("rms_norm", 10), ("layer_norm", 5), ("layer_norm", 18)]
+)
+def test_fp32_weight_gradients_of_a_tiny_input_stay_within_the_oracle(kind, seed, monkeypatch, device):
+    """64 rows of 64 fp32 untuned: one program summing dw down all 64 rows erred past the oracle's
+    bound at these seeds (a chain past FP32_SUM_CHAIN_MAX); fp32 tiles stop at 32 rows."""
+    monkeypatch.setattr(nm._TUNED["bwd", False], "_chosen", {})
+    with tuning.disabled():
+        kernel, reference, inputs, grad_inputs, grads = _case(kind, (64, 64), F32, device, seed=seed)
+        check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
+
+
 def test_backward_blocks_must_divide_the_rows_a_program():
     """A BLOCK_M that does not divide ROWS, or one given to the looped backward, is refused."""
     for n, config in [
@@ -433,6 +445,15 @@ BAD_ARGUMENTS = [  # (call on a (4, 8) fp32 input, exception, pattern of its mes
         TypeError,
         "^bias must be",
         id="bias dtype",
+    ),
+    pytest.param(  # (an fp32 input takes 16-bit parameters, but no other dtype: was a KeyError)
+        lambda x: tritonkit.layer_norm(x, 8, x[0].double()),
+        TypeError,
+        "^weight must be one of float16, bfloat16, float32 for input in torch.float32, got torch.float64",
+        id="fp32 input, float64 weight",
+    ),
+    pytest.param(
+        lambda x: tritonkit.add_rms_norm(x, x, 8, x[0].long()), TypeError, "^weight must be", id="int weight"
     ),
     pytest.param(
         lambda x: tritonkit.add_rms_norm(x, x[:2], 8), ValueError, "^residual must match", id="residual shape"

@@ -220,10 +220,12 @@ def _bwd_default(key: dict) -> dict:
     """BWD_PROGRAMS_PER_SM programs an SM, each holding h and dy at PER_THREAD values a thread (fp32
     inputs: FP32_SUM_CHAIN_MAX rows at most); in 16 bits with the next row's loads in flight
     (PREFETCH), at PER_THREAD values a thread a row however few the warps (BWD_PREFETCH_DEFAULT).
-    A tiny input (BWD_ONE_PROGRAM_ELEMENTS) is one program's tile."""
+    A tiny input (BWD_ONE_PROGRAM_ELEMENTS) is one program's tile (fp32: FP32_SUM_CHAIN_MAX rows at
+    most, its dw and db sums a chain down the rows: 64 rows of 64 erred past the oracle's bound)."""
     elements = key["rows"] * key["block_n"]
     low, high = BWD_ROWS_RANGE[False]  # (up to ``low`` rows the rule below is one program already)
-    if low < key["rows"] <= high and elements <= BWD_ONE_PROGRAM_ELEMENTS:
+    chain_ok = key["dtype"] != "fp32" or key["rows"] <= FP32_SUM_CHAIN_MAX
+    if low < key["rows"] <= high and elements <= BWD_ONE_PROGRAM_ELEMENTS and chain_ok:
         return {"ROWS": key["rows"], "BLOCK_M": key["rows"], "num_warps": _warps(elements)}
     rows = _bwd_rows_per_program(key["rows"], current_device(), False)
     if key["dtype"] == "fp32":

@@ -508,9 +508,11 @@ def _validate(input, normalized_shape, weight, bias, residual) -> None:
         check_tensor(name, param, device_of=(first, input))
         if param.shape != (n,):
             raise ValueError(f"{name} must have shape ({n},), got {tuple(param.shape)}")
-        if param.dtype not in (input.dtype, torch.float32) and input.dtype != torch.float32:
-            # (an fp32 input takes 16-bit parameters: torch's result is fp32 then too)
-            raise TypeError(f"{name} must be float32 or {first}'s dtype {input.dtype}, got {param.dtype}")
+        # (an fp32 input takes 16-bit parameters: torch's result is fp32 then too)
+        allowed = DTYPES if input.dtype == torch.float32 else (input.dtype, torch.float32)
+        if param.dtype not in allowed:
+            names = ", ".join(str(dtype).removeprefix("torch.") for dtype in allowed)
+            raise TypeError(f"{name} must be one of {names} for {first} in {input.dtype}, got {param.dtype}")
     if residual is not None:
         check_tensor("residual", residual, device_of=(first, input))
         if residual.shape != input.shape or residual.dtype != input.dtype:
