@@ -45,6 +45,7 @@ call and falls back to the module's own forward when one fails.
 
 from __future__ import annotations
 
+import functools
 import sys
 import types
 from collections.abc import Callable
@@ -349,6 +350,19 @@ def _activation(model) -> str:
     return _ACTIVATIONS[name]
 
 
+def _with_signature_of(own: Callable, forward: Callable) -> Callable:
+    """``forward`` presenting ``own``'s signature (``inspect.signature`` follows ``__wrapped__``):
+    transformers' generate reads the model's forward signature to decide what to pass it (without
+    ``attention_mask`` there it builds no padding mask, and a prompt holding the pad token attends
+    to it) and which logits to ask for (``logits_to_keep``)."""
+
+    @functools.wraps(own)
+    def patched(self, *args, **kwargs):
+        return forward(self, *args, **kwargs)
+
+    return patched
+
+
 def _patch(record: list, module: torch.nn.Module, forward: Callable, **attributes) -> None:
     if "forward" in vars(module):
         hooked = hasattr(module, "_hf_hook") * " (an accelerate hook: a model dispatched across devices)"
@@ -356,7 +370,7 @@ def _patch(record: list, module: torch.nn.Module, forward: Callable, **attribute
             f"{type(module).__name__} already has a forward of its own{hooked}; tritonkit patches "
             f"only modules that run their class's forward, and left the model as it was"
         )
-    module.forward = types.MethodType(forward, module)
+    module.forward = types.MethodType(_with_signature_of(type(module).forward, forward), module)
     for name, value in attributes.items():
         setattr(module, name, value)
     record.append((module, ("forward", *attributes)))
