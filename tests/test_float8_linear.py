@@ -214,3 +214,17 @@ def test_every_transposed_operand_is_quantized_from_its_storage(recipe, monkeypa
         "blockwise": ["block2d", "column_block", "block2d"],
     }[recipe]
     assert sorted(transposed) == sorted(expected) and not strided
+
+
+@pytest.mark.parametrize("recipe", fl.RECIPES)
+def test_no_input_features_give_the_bias(recipe, device):
+    """in_features 0: F.linear gives the bias broadcast over the rows (the product of nothing is 0);
+    the rows' reshape(-1, 0) raised (its -1 ambiguous)."""
+    x = torch.randn(2, 3, 0, device=device, requires_grad=True)
+    weight = torch.randn(12, 0, device=device, requires_grad=True)
+    bias = torch.randn(12, device=device, requires_grad=True)
+    y = tritonkit.float8_linear(x, weight, bias, recipe)
+    assert y.shape == (2, 3, 12) and torch.equal(y, bias.detach().expand(2, 3, 12))
+    y.sum().backward()
+    assert x.grad.shape == x.shape and weight.grad.shape == weight.shape
+    assert torch.equal(bias.grad, torch.full_like(bias, 6.0))

@@ -84,6 +84,9 @@ def test_cli_writes_the_irs(tmp_path):
     assert "HMMA" not in (tmp_path / "bias_gelu-fwd-sm_80.sass").read_text()  # elementwise: no matmul
 
 
+BAD_WARPS = '{"variant": "one-pass", "BLOCK_M": 1, "num_warps": 3}'
+
+
 def test_cli_compiles_without_being_told_not_to_interpret(tmp_path):
     """No TRITONKIT_INTERPRET: ``import tritonkit`` chooses the interpreter on a torch built without a
     GPU backend, and inspect once refused to run unless told =0; it compiles now. Its file errors and
@@ -96,6 +99,20 @@ def test_cli_compiles_without_being_told_not_to_interpret(tmp_path):
         (("attention", "--shape", "1x2x128x64"), "takes shapes of 5 dimensions, like"),
         (("softmax", "--shape", "4x96", "--config", '{"BLOCK_M": 4}'), "the config lacks 'variant'"),
         (("bias_gelu", "--fingerprints", str(tmp_path / "a"), "--against", "missing"), "no such file"),
+        # each of these was a traceback, or a compile of a launch the op never makes
+        (
+            ("softmax", "--shape", "64x128", "--config", BAD_WARPS),
+            "does not compile for sm_90: num_warps must",
+        ),
+        (
+            ("rms_norm", "--shape", "4x100", "--config", '{"BLOCK_M": "4", "num_warps": 4}'),
+            "not one the kernels",
+        ),
+        (("linear", "--shape", "16x16x16", "--dtype", "fp32"), "linear takes fp16, bf16, not fp32"),
+        (
+            ("attention", "--shape", "1x4x3x128x64"),
+            "query heads (4) must be a multiple of key/value heads (3)",
+        ),
     ]:
         result = _cli(*args)
         assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, args

@@ -298,3 +298,15 @@ def test_gpu_vocabulary_sized_heads_match_the_reference(size, dtype, features, d
     """Chunks and blocks as the shapes make them (several of each at 128256 classes)."""
     x, w, target, b, _ = _inputs(size, dtype, device, seed=11)
     _check(x, w, target, b, **features)
+
+
+def test_no_hidden_features_give_uniform_logits(device):
+    """A hidden size of 0: every logit is 0, so the loss is log(V) (F.cross_entropy of F.linear's
+    zeros); the rows' reshape(-1, 0) raised (its -1 ambiguous)."""
+    hidden = torch.randn(3, 4, 0, dtype=torch.bfloat16, device=device, requires_grad=True)
+    weight = torch.randn(12, 0, dtype=torch.bfloat16, device=device, requires_grad=True)
+    target = torch.randint(0, 12, (3, 4), device=device)
+    loss = tritonkit.linear_cross_entropy(hidden, weight, target, loss_dtype=torch.float32)
+    torch.testing.assert_close(loss, torch.tensor(12.0, device=device).log())
+    loss.backward()
+    assert hidden.grad.shape == hidden.shape and weight.grad.shape == weight.shape

@@ -497,6 +497,28 @@ def test_import_refuses_what_is_not_an_export(tmp_path, content):
     assert not (tmp_path / "cache" / "tuning").exists()  # nothing half-imported
 
 
+@pytest.mark.parametrize(
+    "spoil",
+    [
+        lambda e: e.pop("ms"),
+        lambda e: e.update(ms={"{}": "fast"}),
+        lambda e: e.update(key="x"),
+        lambda e: e.update(rejected=[]),
+        lambda e: e.update(error={"{}": None}),
+    ],
+    ids=["no ms", "a time as text", "a key as text", "rejected a list", "an error of None"],
+)
+def test_import_refuses_an_entry_tune_show_could_not_print(tmp_path, spoil):
+    """An imported entry lacking what the tuner writes (every config's time, rejection and error)
+    was written into the cache, and every later ``tune --show`` ended in a traceback."""
+    entry = dict(tuning.shipped_exports()["h200.json"][0])
+    spoil(entry)
+    bundle = tmp_path / "bundle.json"
+    bundle.write_text(json.dumps({"format": tuning.FORMAT, "entries": [entry]}))
+    with pytest.raises(ValueError, match="entry 0 is not a format-1 tuning entry"):
+        tuning.import_cache(bundle)
+
+
 def test_entry_keeps_the_errors_a_comparison_reports_and_tune_prints_them(tuning_on):
     from tritonkit.cli_tune import format_tuning
     from tritonkit.testing import Comparison

@@ -20,9 +20,9 @@ from tritonkit.asm import ARCHS, IRS  # stdlib and torch only: no kernel is defi
 from tritonkit.bench.layer import CASES as LAYER_CASES  # likewise
 from tritonkit.bench.model import CASES as MODEL_CASES  # likewise
 from tritonkit.bench.sweep import WORKLOADS as SWEEP_WORKLOADS  # likewise
-from tritonkit.cli_args import parse_shape, workload_shape
+from tritonkit.cli_args import parse_shape, workload_dtype, workload_shape
 from tritonkit.cli_tune import cmd_tune
-from tritonkit.dtypes import DTYPE_OF, NAME_OF
+from tritonkit.dtypes import DTYPE_OF
 from tritonkit.ops import MODES, get_workload, workload_names
 
 DTYPES = DTYPE_OF
@@ -108,10 +108,7 @@ def cmd_roofline(args) -> int:
         raise ValueError("roofline needs an OP and --shape (or --plot alone)")
     workload = get_workload(args.op)
     shape = workload_shape(workload, args.shape, "roofline")
-    dtype = DTYPES[args.dtype]
-    if dtype not in workload.op.dtypes:
-        supported = ", ".join(NAME_OF[d] for d in workload.op.dtypes)
-        raise ValueError(f"{args.op} takes {supported}, not {args.dtype}")
+    dtype = workload_dtype(workload, args.dtype)
     cost = workload.cost(shape, dtype, args.mode)
     device = roofline.device_spec(args.device)
     unit = workload.flop_unit
@@ -320,7 +317,7 @@ def cmd_bench(args) -> int:
             report=functools.partial(print, file=sys.stderr, flush=True) if args.no_progress else None,
             compile_per_shape=not sweep,
             keep_going=sweep,
-            only=[parse_shape([shape]) for shape in args.only] if args.only else None,
+            only=[parse_shape([shape], "--only") for shape in args.only] if args.only else None,
         )
     for row in rows:
         row["command"] = command
@@ -390,16 +387,22 @@ def cmd_inspect(args) -> int:
     default_shape, default_dtype = workload.shape_list("quick")[0]
     shape = workload_shape(workload, args.shape, "inspect") if args.shape else default_shape
     dtype_name = args.dtype or default_dtype or "bf16"
+    dtype = workload_dtype(workload, dtype_name)
     print(f"{args.op} {'x'.join(map(str, shape))} {dtype_name} compiled for {args.arch} (not launched)")
     reports = []
     for config in configs:
         try:
-            launches = workload.launches(shape, DTYPES[dtype_name], config)
+            launches = workload.launches(shape, dtype, config)
         except KeyError as missing:
             raise ValueError(
                 f"the config lacks {missing}: give a whole config (`tritonkit tune --show` lists tuned ones)"
             ) from None
-        reports.append([asm.compile_launch(launch, args.arch) for launch in launches])
+        except TypeError as error:  # a value of the wrong type (a tile size as a string)
+            if config is None:
+                raise
+            given = json.dumps(config)
+            raise ValueError(f"the config {given} is not one the kernels take: {error}") from None
+        reports.append([_compile(asm, launch, args.arch, config) for launch in launches])
         print(asm.format_reports(reports[-1]))
     if args.diff:
         print(asm.format_diff(reports[0], reports[1]))
@@ -414,6 +417,18 @@ def cmd_inspect(args) -> int:
             else:
                 print(f"---- {report.name}: {ir} ----\n{report.asm[ir]}")
     return 0
+
+
+def _compile(asm, launch, arch: str, config: dict | None):
+    """``launch`` compiled for ``arch``; a config the command line gave that Triton cannot compile
+    (a num_warps not a power of two, a tile of a string) is one line of error, not a traceback."""
+    if config is None:
+        return asm.compile_launch(launch, arch)
+    try:
+        return asm.compile_launch(launch, arch)
+    except Exception as error:  # Triton's compiler raises assertions, type and compilation errors
+        first = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+        raise ValueError(f"the config {json.dumps(config)} does not compile for {arch}: {first}") from None
 
 
 def _fingerprints(args) -> int:

@@ -4,15 +4,18 @@ checked against an op's."""
 from __future__ import annotations
 
 
-def parse_shape(parts: list[str]) -> tuple[int, ...]:
-    """``--shape``'s words (``8192x4096``, or ``8192 4096``) as a tuple of ints >= 0; a message and
-    exit where they are not (argparse's way with a malformed flag)."""
+def parse_shape(parts: list[str], flag: str = "--shape") -> tuple[int, ...]:
+    """``flag``'s words (``8192x4096``, or ``8192 4096``) as a tuple of ints >= 0, else ValueError
+    naming the flag (the CLI prints it as one line)."""
+    given = " ".join(parts)
     try:
         dims = tuple(int(d) for part in parts for d in part.lower().split("x") if d)
     except ValueError:
-        raise SystemExit(f"--shape takes integers like 8192x4096, got {' '.join(parts)}") from None
-    if not dims or any(d < 0 for d in dims):
-        raise SystemExit(f"--shape needs non-negative dimensions, got {' '.join(parts)}")
+        dims = ()
+    if not dims:
+        raise ValueError(f"{flag} takes integers like 8192x4096, got {given}")
+    if any(d < 0 for d in dims):
+        raise ValueError(f"{flag} needs non-negative dimensions, got {given}")
     return dims
 
 
@@ -29,3 +32,15 @@ def workload_shape(workload, parts: list[str], command: str) -> tuple[int, ...]:
     if 0 in shape:
         raise ValueError(f"{command} needs dimensions >= 1 (an empty tensor moves nothing), got {given}")
     return shape
+
+
+def workload_dtype(workload, name: str):
+    """The torch dtype ``name`` (fp32, fp16, bf16) if ``workload``'s op has kernels for it, else
+    ValueError naming those it has."""
+    from tritonkit.dtypes import DTYPE_OF, NAME_OF
+
+    dtype = DTYPE_OF[name]
+    if dtype not in workload.op.dtypes:
+        supported = ", ".join(NAME_OF[d] for d in workload.op.dtypes)
+        raise ValueError(f"{workload.name} takes {supported}, not {name}")
+    return dtype

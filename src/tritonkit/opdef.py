@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import math
 import operator
 from collections.abc import Callable, Iterator, Sequence
 
@@ -213,6 +214,13 @@ def as_int(value) -> int | None:
         return operator.index(value)
     except TypeError:
         return None
+
+
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """(rows, last dim) view of t (a copy only where the strides allow no view); no -1, which a
+    last dim of 0 leaves ambiguous (a reshape(-1, 0) raises). A 2-d tensor is its own: reshape
+    would cost ~2 us of host time for the same view."""
+    return t if t.dim() == 2 else t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
 def check_tensor(

@@ -509,10 +509,26 @@ def _write_atomically(path: Path, entry: dict) -> None:
 
 
 def _is_entry(entry) -> bool:
+    """A whole current-format entry: its identity, its winner, and every config's time (or None),
+    rejection reason and error, as the tuner writes them (what ``tune --show`` prints; an imported
+    entry lacking them broke every later --show)."""
+
+    def table(name: str, values: tuple[type, ...]) -> bool:
+        field = entry.get(name, {})
+        return isinstance(field, dict) and all(
+            isinstance(c, str) and isinstance(v, values) and not isinstance(v, bool) for c, v in field.items()
+        )
+
     return (
         isinstance(entry, dict)
         and entry.get("format") == FORMAT
-        and all(f in entry for f in (*IDENTITY_FIELDS, "config"))
+        and all(isinstance(entry.get(f), str) for f in IDENTITY_FIELDS if f != "key")
+        and isinstance(entry.get("key"), dict)
+        and isinstance(entry.get("config"), dict)
+        and all(f in entry for f in ("ms", "rejected"))
+        and table("ms", (int, float, type(None)))
+        and table("rejected", (str,))
+        and table("error", (int, float))
     )
 
 

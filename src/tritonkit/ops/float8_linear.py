@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from tritonkit.dtypes import FLOATS
-from tritonkit.opdef import check_tensor, first_derivative_only
+from tritonkit.opdef import as_rows, check_tensor, first_derivative_only
 from tritonkit.ops.quantize import quantize_fp8, quantize_fp8_reference, quantize_fp8_transposed
 from tritonkit.ops.scaled_mm import scaled_mm, scaled_mm_reference
 
@@ -135,7 +135,7 @@ def float8_linear(
     check_tensor("weight", weight, dtypes=FLOATS, ndim=2, device_of=("input", input))
     if input.shape[-1] != weight.shape[1]:
         raise ValueError(f"weight must be (N, {input.shape[-1]}), got {tuple(weight.shape)}")
-    y2 = _Float8Linear.apply(input.reshape(-1, input.shape[-1]), weight, bias, recipe)
+    y2 = _Float8Linear.apply(as_rows(input), weight, bias, recipe)
     return y2.view(*input.shape[:-1], weight.shape[0])
 
 
@@ -155,8 +155,8 @@ def float8_linear_reference(
 
     matmul = matmul or exact
 
-    x2 = x.reshape(-1, x.shape[-1])
-    dy2 = None if dy is None else dy.reshape(-1, dy.shape[-1])
+    x2 = as_rows(x)
+    dy2 = None if dy is None else as_rows(dy)
     y = _output(x2, weight, bias, recipe, quantize, matmul)
     dx, dw = (None, None) if dy2 is None else _gradients(x2, weight, dy2, recipe, quantize, matmul)
     db = None if dy2 is None or bias is None else dy2.to(compute_dtype).sum(0)

@@ -37,7 +37,7 @@ from tritonkit._launch import Launch, cdiv
 from tritonkit._runtime import empty_output
 from tritonkit._triton import tl, triton
 from tritonkit.dtypes import HALVES
-from tritonkit.opdef import check_tensor, first_derivative_only, op
+from tritonkit.opdef import as_rows, check_tensor, first_derivative_only, op
 from tritonkit.ops import Op, Workload
 from tritonkit.ops import cross_entropy as ce
 from tritonkit.ops.linear.matmul import matmul, unit_stride_bias
@@ -400,7 +400,7 @@ def linear_cross_entropy(
     label_smoothing, z_loss = float(label_smoothing), float(z_loss)
     _validate(input, weight, target, bias, class_weight)
     bias = unit_stride_bias(bias)
-    rows_in = input.reshape(-1, input.shape[-1])
+    rows_in = as_rows(input)
     rows_target = target.reshape(-1)
     ce.validate_options(input, weight.shape[0], class_weight, reduction, label_smoothing, z_loss, softcap)
     class_weight = ce.class_weights(class_weight)

@@ -24,6 +24,7 @@ from tritonkit.ops.attention.common import (
     Packed,
     Scores,
     attention_reference,
+    benchmark_shape,
     check_window,
     empty_in_layout,
     softmax_scale,
@@ -307,7 +308,7 @@ def attention_cost(shape: tuple, dtype: torch.dtype, mode: str = "fwd", causal: 
     once and writes o and the lse, the backward also reads o, dO and the lse and writes dq, dk, dv."""
     from tritonkit.roofline import Cost
 
-    batch, heads_q, heads_kv, seq, head_dim = shape
+    batch, heads_q, heads_kv, seq, head_dim = benchmark_shape(shape)
     size = torch.finfo(dtype).bits // 8
     flops = 4 * batch * heads_q * seq * seq * head_dim / (2 if causal else 1)
     q_bytes, kv_bytes = batch * heads_q * seq * head_dim * size, batch * heads_kv * seq * head_dim * size
@@ -323,7 +324,7 @@ def _inspect_launches(
     """The forward's launch and the backward's three for a benchmark shape (B, Hq, Hkv, S, D): what
     ``tritonkit inspect`` compiles. A ``config`` sets the forward's tile, and under "dkdv" and "dq"
     the backward kernels' (over their defaults)."""
-    batch, heads_q, heads_kv, seq, head_dim = shape
+    batch, heads_q, heads_kv, seq, head_dim = benchmark_shape(shape)
     q = torch.empty((batch, heads_q, seq, head_dim), dtype=dtype, device="meta")
     kv = torch.empty((batch, heads_kv, seq, head_dim), dtype=dtype, device="meta")
     lse = torch.empty((batch, heads_q, seq), dtype=torch.float32, device="meta")

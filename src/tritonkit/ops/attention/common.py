@@ -168,10 +168,22 @@ def validate_qkv(q, k, v, names: tuple[str, str, str] = ("query", "key", "value"
         raise ValueError(f"{k_name} and {v_name} must have {q_name}'s batch size {batch}, got {batch_k}")
     if head_dim_k != head_dim:
         raise ValueError(f"{k_name} and {v_name} must have {q_name}'s head dim {head_dim}, got {head_dim_k}")
+    _check_heads(heads_q, heads_kv, head_dim)
+
+
+def _check_heads(heads_q: int, heads_kv: int, head_dim: int) -> None:
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"head dim must be 1 to {MAX_HEAD_DIM}, got {head_dim}")
     if heads_kv == 0 or heads_q % heads_kv:
         raise ValueError(f"query heads ({heads_q}) must be a multiple of key/value heads ({heads_kv})")
+
+
+def benchmark_shape(shape: tuple) -> tuple[int, int, int, int, int]:
+    """A benchmark shape (B, Hq, Hkv, S, D) as its five sizes, refused (ValueError) where the op
+    refuses such tensors: what ``tritonkit roofline`` and ``inspect`` read a --shape through."""
+    batch, heads_q, heads_kv, seq, head_dim = shape
+    _check_heads(heads_q, heads_kv, head_dim)
+    return batch, heads_q, heads_kv, seq, head_dim
 
 
 # ---------------------------------------------------------------- jit helpers of both kernels

@@ -26,14 +26,13 @@ byte, past the ridge: compute-bound, so the roofline is the tensor cores' peak.
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
 from tritonkit._launch import Launch, cdiv, scratch
 from tritonkit._runtime import empty_output, sm_count
 from tritonkit.dtypes import HALVES
-from tritonkit.opdef import check_tensor, first_derivative_only, op
+from tritonkit.opdef import as_rows, check_tensor, first_derivative_only, op
 from tritonkit.ops import Op, Workload
 from tritonkit.ops.bias_gelu import NUM_WARPS, row_tiles_per_program, tile_shape
 from tritonkit.ops.linear.kernels import (
@@ -91,13 +90,6 @@ def _check_operand(name: str, value, input: torch.Tensor) -> None:
     check_tensor(name, value, device_of=("input", input))
     if value.dtype != input.dtype:
         raise TypeError(f"{name} must have input's dtype {input.dtype}, got {value.dtype}")
-
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """(rows, last dim) view of t (a copy only where the strides allow no view); no -1, which a
-    last dim of 0 leaves ambiguous. A 2-d tensor is its own: reshape would cost ~2 us of host time
-    for the same view."""
-    return t if t.dim() == 2 else t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
 # ---------------------------------------------------------------- the backward's elementwise step
@@ -176,12 +168,12 @@ def _linear_forward(
     """y = act(input weight^T + bias) + residual into ``y`` (the output's shape, contiguous), and the
     pre-activation z = input weight^T + bias into ``pre`` where given (the backward reads it)."""
     matmul(
-        _rows(input),
+        as_rows(input),
         weight,
-        _rows(y),
+        as_rows(y),
         bias=bias,
-        residual=None if residual is None else _rows(residual),
-        pre=None if pre is None else _rows(pre),
+        residual=None if residual is None else as_rows(residual),
+        pre=None if pre is None else as_rows(pre),
         activation=ACTIVATIONS[activation],
     )
 
@@ -191,12 +183,12 @@ def _linear_backward_pass(grad_output, input, weight, pre, activation, dx, dw, d
     forward's z (None without an activation), dz written over it where ``in_place``."""
     code = ACTIVATIONS[activation]
     dz, _, db_sum = _activation_backward(
-        _rows(grad_output), _rows(pre) if code else None, code, sum_db=db is not None, in_place=in_place
+        as_rows(grad_output), as_rows(pre) if code else None, code, sum_db=db is not None, in_place=in_place
     )
     if dx is not None:  # dx = dz W: A = dz (M, N), B = W^T, a (K, N) view
-        matmul(dz, weight.t(), _rows(dx))
+        matmul(dz, weight.t(), as_rows(dx))
     if dw is not None:  # dW = dz^T x: A = dz^T (N, M), B = x^T (K, M)
-        matmul(dz.t(), _rows(input).t(), dw)
+        matmul(dz.t(), as_rows(input).t(), dw)
     if db is not None:
         db.copy_(db_sum)
 
@@ -353,16 +345,16 @@ def _gated_forward(
     given. From SPLIT_ROWS, two plain matmuls and an elementwise pass: the one kernel's two
     accumulators and the activation's temporaries (255 registers a thread) leave no room to overlap a
     tile's epilogue with the next tile's loads, which the plain matmul's persistent tile does."""
-    x, code = _rows(input), ACTIVATIONS[activation]
+    x, code = as_rows(input), ACTIVATIONS[activation]
     if x.shape[0] < SPLIT_ROWS:
         weight_gate, weight_up = _same_strides(weight_gate, weight_up)
-        pre, pre2 = (None, None) if g is None else (_rows(g), _rows(u))
-        matmul(x, weight_gate, _rows(y), b2=weight_up, activation=code, gated=GATED_FWD, pre=pre, pre2=pre2)
+        pre, pre2 = (None, None) if g is None else (as_rows(g), as_rows(u))
+        matmul(x, weight_gate, as_rows(y), b2=weight_up, activation=code, gated=GATED_FWD, pre=pre, pre2=pre2)
         return
     if g is None:
         g, u = (scratch(y.shape, y.dtype, y.device) for _ in range(2))
-    matmul(x, weight_gate, _rows(g))
-    matmul(x, weight_up, _rows(u))
+    matmul(x, weight_gate, as_rows(g))
+    matmul(x, weight_up, as_rows(u))
     if y.numel():
         _gated_activation_launch(g, u, y, code).run()
 
@@ -375,16 +367,16 @@ def _gated_backward_pass(
     (below SPLIT_ROWS rows one kernel, one accumulator; from SPLIT_ROWS two matmuls), dWg = dg^T x
     and dWu = du^T x."""
     dg, du, _ = _activation_backward(
-        _rows(grad_output), _rows(g), ACTIVATIONS[activation], u=_rows(u), in_place=in_place
+        as_rows(grad_output), as_rows(g), ACTIVATIONS[activation], u=as_rows(u), in_place=in_place
     )
     if dx is not None and dg.shape[0] < SPLIT_ROWS:
         wg, wu = _same_strides(weight_gate, weight_up)
-        matmul(dg, wg.t(), _rows(dx), a2=du, b2=wu.t(), gated=GATED_DX)
+        matmul(dg, wg.t(), as_rows(dx), a2=du, b2=wu.t(), gated=GATED_DX)
     elif dx is not None:  # each product on the plain matmul's tile, the first's read back as the residual
-        dx_rows = _rows(dx)
+        dx_rows = as_rows(dx)
         matmul(dg, weight_gate.t(), dx_rows)
         matmul(du, weight_up.t(), dx_rows, residual=dx_rows)
-    x = _rows(input) if dwg is not None or dwu is not None else None  # a copy where no view will do
+    x = as_rows(input) if dwg is not None or dwu is not None else None  # a copy where no view will do
     if dwg is not None:
         matmul(dg.t(), x.t(), dwg)
     if dwu is not None:
