@@ -185,6 +185,39 @@ def test_overrun_caches_and_missing_blocks_give_nan_without_a_sync(device):
     assert torch.equal(k_cache[unchanged].view(torch.int16), before[unchanged].view(torch.int16))
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_a_new_tokens_missing_block_gives_nan_and_writes_nothing(splits, device):
+    """Sequence 0's new tokens fall in a block its table lacks (-1, then one past the last): NaN
+    outputs and lse (the append was lost silently, with finite outputs), nothing written anywhere;
+    sequence 1 is unharmed, split or not."""
+    for missing in (-1, None):
+        q, k_cache, v_cache, k, v, seqlens, table = _case(2, 2, 2, 1, 16, 48, [16, 20], device, slots=16)
+        table[0, 1] = k_cache.shape[0] if missing is None else missing  # the block of positions 16-31
+        before = k_cache.clone()
+        out, lse = tritonkit.flash_attention_with_kvcache(
+            q, k_cache, v_cache, k, v, seqlens, table, return_lse=True, num_splits=splits
+        )
+        assert out[0].isnan().all() and lse[0].isnan().all(), (missing, lse[0])
+        assert not out[1].isnan().any() and not lse[1].isnan().any()
+        unchanged = torch.ones(k_cache.shape[:2], dtype=torch.bool, device=device)
+        unchanged[table[1, 1], 4:6] = False  # sequence 1's new tokens
+        assert torch.equal(k_cache[unchanged].view(torch.int16), before[unchanged].view(torch.int16))
+
+
+@pytest.mark.parametrize("length", [-2, 1025])
+def test_a_broken_sequence_of_split_keys_gives_nan_lse(length, device):
+    """A negative length or one past the cache, its keys split over programs (the default's split
+    at 1024 keys, and four): NaN lse as well as outputs; the combine read the splits' NaN lse as
+    'no key seen' and gave -inf, which a merge by lse takes for an empty sequence."""
+    q, k_cache, v_cache, _, _, _, _ = _case(1, 1, 2, 1, 16, 1024, [1024], device, seed=3)
+    seqlens = torch.tensor([length], dtype=torch.int32, device=device)
+    for splits in (0, 4):
+        out, lse = tritonkit.flash_attention_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=seqlens, return_lse=True, num_splits=splits
+        )
+        assert out.isnan().all() and lse.isnan().all(), (splits, lse)
+
+
 def test_negative_lengths_give_nan_and_write_nothing(device):
     """A cache_seqlens entry below 0 (no sync checks it): that sequence's outputs and lse are NaN and
     its new tokens go nowhere (they once landed at slots 0...); the other sequence is unharmed."""

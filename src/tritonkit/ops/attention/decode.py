@@ -241,11 +241,12 @@ def _decode_kernel(
                 v_new_ptr + (new + kv_head * stride_nvh)[:, None] + dims[None, :],
                 mask=col_ok[:, None] & dim_ok[None, :], other=0.0,
             )  # fmt: skip
+            writable = col_ok & (cols < S_MAX) & (cached >= 0)  # (a negative length writes nothing)
+            block, slot, ok = _cache_slots(
+                table_ptr, batch, cols, writable, stride_tb, SLOTS, NUM_BLOCKS, PAGED
+            )
+            refused += tl.sum((writable & ~ok).to(tl.int32))  # a new token's block the table lacks
             if tl.program_id(2) == 0:
-                writable = col_ok & (cols < S_MAX) & (cached >= 0)  # (a negative length writes nothing)
-                block, slot, ok = _cache_slots(
-                    table_ptr, batch, cols, writable, stride_tb, SLOTS, NUM_BLOCKS, PAGED
-                )  # fmt: skip
                 mask = ok[:, None] & dim_ok[None, :]
                 k_rows = block.to(tl.int64) * stride_kb + slot.to(tl.int64) * stride_ks + kv_head * stride_kh
                 tl.store(k_ptr + k_rows[:, None] + dims[None, :], k, mask=mask)
@@ -301,7 +302,8 @@ def _combine_kernel(
 ):
     """The splits of one row (a query head's token) of one (batch, key/value head) folded by their
     lse: o = sum_s w_s o_s / sum_s w_s with w_s = exp(lse_s - max lse), lse = max + log(sum w); a
-    split that saw no key weighs 0. Every split's partial is loaded at once (one round trip to
+    split that saw no key weighs 0, and a split's NaN lse (a broken sequence: its length or table)
+    makes the row's o and lse NaN. Every split's partial is loaded at once (one round trip to
     memory, not one a split: at B = 1 the splits are many and the rows few)."""
     pair, row = tl.program_id(0), tl.program_id(1)
     batch, kv_head = pair // HEADS_KV, pair % HEADS_KV
@@ -310,10 +312,12 @@ def _combine_kernel(
     top = tl.full([], -float("inf"), tl.float32)
     total = tl.zeros([], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
+    broken = tl.zeros([], tl.int32)
     for first in range(0, SPLITS, BLOCK_S):  # one step unless the splits outnumber BLOCK_S
         splits = first + tl.arange(0, BLOCK_S)
         part = (splits.to(tl.int64) * tl.num_programs(0) + pair) * rows + row
         split_lse = tl.load(part_lse_ptr + part, mask=splits < SPLITS, other=-float("inf"))
+        broken += tl.sum((split_lse != split_lse).to(tl.int32))  # NaN: the sequence's split was broken
         top_new = tl.maximum(top, tl.max(split_lse, 0))
         top_safe = tl.where(top_new == -float("inf"), 0.0, top_new)  # no split has seen a key yet
         weight = tl.exp(split_lse - top_safe)
@@ -329,9 +333,10 @@ def _combine_kernel(
     top_safe = tl.where(top == -float("inf"), 0.0, top)
     token, head = row % SEQ_Q, kv_head * GROUP + row // SEQ_Q
     o_row = batch.to(tl.int64) * stride_ob + token.to(tl.int64) * stride_os + head.to(tl.int64) * stride_oh
-    o = acc / tl.where(seen, total, 1.0)
+    o = tl.where(broken > 0, float("nan"), acc / tl.where(seen, total, 1.0))
     tl.store(out_ptr + o_row + dims, o.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
     lse = tl.where(seen, top_safe + tl.log(tl.where(seen, total, 1.0)), -float("inf"))
+    lse = tl.where(broken > 0, float("nan"), lse)
     tl.store(lse_ptr + (batch * HEADS_KV * GROUP + head).to(tl.int64) * SEQ_Q + token, lse)
 
 
