@@ -104,7 +104,7 @@ def _diagnostic_rows(shards, grad, causal, device) -> dict:
         _timed(lambda: _exchanges(ring, block, False), device),
         _timed(lambda: _exchanges(ring, block, True), device),
     )
-    check = _timed(lambda: _check_across_ranks(*shards, causal, group), device)
+    check = _timed(lambda: _check_across_ranks(*shards, causal, None, group), device)
     return {
         "tritonkit ring, compute only": (fwd, bwd),
         "ring exchanges only": exchange,

@@ -90,7 +90,9 @@ def _errors_on_every_rank(group) -> list[str]:
     # what once passed the check: bf16 against fp16 (one size), and keys longer on one rank alone
     # (gloo aborted a process); causal keys longer than the queries (a wrong mask)
     mixed = [t.half() if rank == 1 else t for t in shards]
-    with pytest.raises(ValueError, match=r"ranks disagree on the dtype: \[1, 0\]") as error:
+    with pytest.raises(
+        ValueError, match=r"disagree on the dtype: \['torch.bfloat16', 'torch.float16'\]"
+    ) as error:
         ring_attention(*mixed, group=group)
     messages.append(str(error.value))
     keys = [shards[0], *(torch.cat([t, t[:, :, :4]], 2) if rank == 1 else t for t in shards[1:])]
@@ -110,6 +112,24 @@ def _errors_on_every_rank(group) -> list[str]:
     with pytest.raises(ValueError, match="unshard_sequence: ranks disagree on the size of dim 2") as error:
         unshard_sequence(longer[0], 2, group)  # gloo aborted a process on it
     messages.append(str(error.value))
+    # each of these raised on one rank alone (the other waited, or gathered garbage), or not at all
+    with pytest.raises(ValueError, match="rank 0: ValueError: scale must be a finite number") as error:
+        ring_attention(*shards, group=group, scale=float("nan") if rank == 0 else None)
+    messages.append(str(error.value))
+    with pytest.raises(ValueError, match="ranks disagree on the softmax scale") as error:
+        ring_attention(*shards, group=group, scale=0.1 if rank == 0 else None)  # (each used its own)
+    messages.append(str(error.value))
+    counts = torch.arange(4).reshape(1, 4)
+    nine_dims = counts.reshape([1] * 7 + [2, 2]) if rank == 0 else counts.reshape([1] * 8 + [4])
+    for local, dim, pattern in [
+        (counts.to(torch.int32 if rank == 0 else torch.int64), 1, r"dtype: \['torch.int32', 'torch.int64'\]"),
+        (counts.tolist() if rank == 0 else counts, 1, "rank 0: TypeError: x must be a torch.Tensor"),
+        (nine_dims, 8, "x must have at most 8 dims"),
+        (counts, 5 if rank == 0 else 1, r"rank 0: ValueError: dim must be an int in \[-2, 2\)"),
+    ]:
+        with pytest.raises(ValueError, match=pattern) as error:
+            unshard_sequence(local, dim, group)
+        messages.append(str(error.value))
     # requiring grad on one rank only: that rank's backward would wait on the other's exchanges
     one_sided = [shards[0].detach().requires_grad_(rank == 1), *shards[1:]]
     with pytest.raises(ValueError, match=r"ranks disagree on the gradient \(any of q, k, v requiring grad\)"):
@@ -217,7 +237,9 @@ def _vocab_errors_on_every_rank(group) -> list[str]:
         vocab_parallel_linear_cross_entropy(*narrow, target, group)
     messages.append(str(error.value))
     mixed = (x.half(), w.half()) if rank == 1 else (x, w)  # one size, two dtypes: once accepted
-    with pytest.raises(ValueError, match=r"ranks disagree on the dtype: \[1, 0\]") as error:
+    with pytest.raises(
+        ValueError, match=r"disagree on the dtype: \['torch.bfloat16', 'torch.float16'\]"
+    ) as error:
         vocab_parallel_linear_cross_entropy(*mixed, target, group)
     messages.append(str(error.value))
     # input requiring grad on one rank only: its backward's all-reduce of dx would wait forever

@@ -4,6 +4,9 @@ collective for a rank that has already raised)."""
 
 from __future__ import annotations
 
+import struct
+import zlib
+
 import torch
 import torch.distributed as dist
 
@@ -39,12 +42,19 @@ def gather_facts(local_error: str, facts: list[int], what: str, group) -> list[l
     return [row[1:] for row in rows]
 
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
 def dtype_code(dtype: torch.dtype) -> int:
-    """A dtype as an integer the ranks can compare (its size alone does not tell bf16 from fp16)."""
-    return _DTYPES.index(dtype) if dtype in _DTYPES else -1
+    """A dtype as an integer the ranks can compare, one for each dtype (its size alone does not tell
+    bf16 from fp16; a code for the floats alone let int32 meet int64, and gloo abort a process)."""
+    return zlib.crc32(str(dtype).encode())
+
+
+# each dtype torch names, by its code: what a disagreement on the dtype prints
+_DTYPE_OF_CODE = {dtype_code(v): str(v) for v in vars(torch).values() if isinstance(v, torch.dtype)}
+
+
+def float_code(value: float) -> int:
+    """A float as the int64 of its bits, which the ranks compare exactly (a scale, say)."""
+    return struct.unpack("<q", struct.pack("<d", float(value)))[0]
 
 
 def same_on_every_rank(rows: list[list[int]], names: tuple[str, ...], what: str, advice: str) -> None:
@@ -52,5 +62,7 @@ def same_on_every_rank(rows: list[list[int]], names: tuple[str, ...], what: str,
     facts differ, naming the fact and each rank's value."""
     for index, name in enumerate(names):
         values = [row[index] for row in rows]
+        if len(set(values)) > 1 and name == "dtype":
+            values = [_DTYPE_OF_CODE.get(value, value) for value in values]
         if len(set(values)) > 1:
             raise ValueError(f"{what}: ranks disagree on the {name}: {values} (rank by rank); {advice}")

@@ -22,7 +22,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tritonkit.distributed.groups import dtype_code, gather_facts, process_group, same_on_every_rank
+from tritonkit.distributed.groups import (
+    dtype_code,
+    float_code,
+    gather_facts,
+    process_group,
+    same_on_every_rank,
+)
 from tritonkit.opdef import first_derivative_only
 from tritonkit.ops.attention.bwd import attention_bwd
 from tritonkit.ops.attention.common import Scores, softmax_scale, validate_qkv
@@ -45,12 +51,7 @@ def shard_sequence(x: torch.Tensor, dim: int, group=None, causal: bool = False) 
     """This rank's shard of ``x`` along ``dim`` (contiguous): chunk r of W, or with ``causal``
     chunks r and 2W - 1 - r of 2W, the load-balanced layout ``ring_attention`` expects. The length
     must be a multiple of W (2W causal): pad the sequence first (and mask the padding) otherwise."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
-        raise ValueError(
-            f"dim must be an int in [{-x.dim()}, {x.dim()}) for x of shape {tuple(x.shape)}, got {dim!r}"
-        )
+    _check_dim(x, dim)
     group = process_group(group, "ring attention")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     parts = 2 * world if causal else world
@@ -63,6 +64,16 @@ def shard_sequence(x: torch.Tensor, dim: int, group=None, causal: bool = False) 
         )
     pieces = x.chunk(parts, dim)
     return torch.cat([pieces[i] for i in _chunks(rank, world, causal)], dim).contiguous()
+
+
+def _check_dim(x, dim) -> None:
+    """x a tensor and dim one of its dims (negative from the end), else TypeError or ValueError."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise ValueError(
+            f"dim must be an int in [{-x.dim()}, {x.dim()}) for x of shape {tuple(x.shape)}, got {dim!r}"
+        )
 
 
 class _AllGather(torch.autograd.Function):
@@ -89,11 +100,26 @@ def unshard_sequence(x: torch.Tensor, dim: int, group=None, causal: bool = False
     the same ValueError on every rank (gloo aborted a process on them)."""
     group = process_group(group, "ring attention")
     world = dist.get_world_size(group)
-    shape = [*x.shape, *[0] * (MAX_DIMS - x.dim())][:MAX_DIMS]
-    facts = [x.dim(), dtype_code(x.dtype), _backward_follows(x), *shape]
-    rows = gather_facts("", facts, "unshard_sequence", group)
+    try:  # (an error on one rank alone would leave the others waiting in the exchange)
+        _check_dim(x, dim)
+        if x.dim() > MAX_DIMS:
+            raise ValueError(f"x must have at most {MAX_DIMS} dims, got {x.dim()}")
+        dim %= x.dim()
+        local_error = ""
+        facts = [
+            x.dim(),
+            dim,
+            dtype_code(x.dtype),
+            _backward_follows(x),
+            *x.shape,
+            *[0] * (MAX_DIMS - x.dim()),
+        ]
+    except (TypeError, ValueError) as error:
+        local_error, facts = f"{type(error).__name__}: {error}", [0] * (4 + MAX_DIMS)
+    rows = gather_facts(local_error, facts, "unshard_sequence", group)
     names = (
         "number of dims",
+        "dim",
         "dtype",
         "gradient (requires_grad)",
         *(f"size of dim {d}" for d in range(MAX_DIMS)),
@@ -115,10 +141,13 @@ def _backward_follows(*tensors) -> int:
     return int(torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
-def _check_across_ranks(q, k, v, causal: bool, group) -> None:
-    """Validate the shards locally, then agree across ranks: every rank raises the same error."""
+def _check_across_ranks(q, k, v, causal: bool, scale, group) -> float:
+    """Validate the shards and the scale locally, then agree across ranks: every rank raises the
+    same error. The softmax scale to use (the same on every rank: a scale given on one rank alone
+    was used there alone)."""
     try:
         validate_qkv(q, k, v)
+        scale = softmax_scale(scale, q.shape[-1])
         local_error = ""
         facts = [
             *q.shape,
@@ -127,14 +156,15 @@ def _check_across_ranks(q, k, v, causal: bool, group) -> None:
             int(causal),
             dtype_code(q.dtype),
             _backward_follows(q, k, v),
+            float_code(scale),
         ]
     except (TypeError, ValueError) as error:
         local_error = f"{type(error).__name__}: {error}"
-        facts = [0] * 9
+        facts = [0] * 10
     rows = gather_facts(local_error, facts, "ring_attention", group)
     names = (
         "batch", "query heads", "sequence shard", "head dim", "key/value heads", "key/value shard",
-        "causal", "dtype", "gradient (any of q, k, v requiring grad)",
+        "causal", "dtype", "gradient (any of q, k, v requiring grad)", "softmax scale (its bits)",
     )  # fmt: skip
     same_on_every_rank(rows, names, "ring_attention", "every rank must hold an equal shard")
     if causal and k.shape[2] != q.shape[2]:  # (the causal chunks of keys are q's chunks' positions)
@@ -146,6 +176,7 @@ def _check_across_ranks(q, k, v, causal: bool, group) -> None:
             f"ring_attention: a causal shard holds two equal chunks (shard_sequence(..., "
             f"causal=True)); its length {q.shape[2]} is odd"
         )
+    return scale
 
 
 class _Ring:
@@ -299,7 +330,7 @@ def ring_attention(
     Causal shards of q and k are as long. Every rank must call it with equal shards, requiring grad
     on every rank or on none; bad input raises the same ValueError on every rank."""
     group = process_group(group, "ring attention")
-    _check_across_ranks(q, k, v, causal, group)
+    scale = _check_across_ranks(q, k, v, causal, scale, group)
     k, v = k.contiguous(), v.contiguous()  # (their blocks are sent as they lie)
-    o, lse = _RingAttention.apply(q, k, v, softmax_scale(scale, q.shape[-1]), bool(causal), _Ring(group))
+    o, lse = _RingAttention.apply(q, k, v, scale, bool(causal), _Ring(group))
     return (o, lse) if return_lse else o
