@@ -509,27 +509,23 @@ def _write_atomically(path: Path, entry: dict) -> None:
 
 
 def _is_entry(entry) -> bool:
-    """A whole current-format entry: its identity, its winner, and every config's time (or None),
-    rejection reason and error, as the tuner writes them (what ``tune --show`` prints; an imported
-    entry lacking them broke every later --show)."""
+    """A whole current-format entry, as the tuner writes it: identity, winner, and every config's
+    time (or None), rejection and error (an import lacking them broke every later tune --show)."""
 
-    def table(name: str, values: tuple[type, ...]) -> bool:
+    def table(name: str, *types: type) -> bool:  # (type(v) in types: a bool is no time)
         field = entry.get(name, {})
         return isinstance(field, dict) and all(
-            isinstance(c, str) and isinstance(v, values) and not isinstance(v, bool) for c, v in field.items()
+            isinstance(c, str) and type(v) in types for c, v in field.items()
         )
 
     return (
         isinstance(entry, dict)
         and entry.get("format") == FORMAT
         and all(isinstance(entry.get(f), str) for f in IDENTITY_FIELDS if f != "key")
-        and isinstance(entry.get("key"), dict)
-        and isinstance(entry.get("config"), dict)
-        and all(f in entry for f in ("ms", "rejected"))
-        and table("ms", (int, float, type(None)))
-        and table("rejected", (str,))
-        and table("error", (int, float))
-    )
+        and isinstance(entry.get("key"), dict) and isinstance(entry.get("config"), dict)
+        and "ms" in entry and "rejected" in entry
+        and table("ms", int, float, type(None)) and table("rejected", str) and table("error", int, float)
+    )  # fmt: skip
 
 
 def cached_entries(since: float | None = None) -> list[dict]:
