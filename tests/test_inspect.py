@@ -102,7 +102,7 @@ def test_cli_compiles_without_being_told_not_to_interpret(tmp_path):
         # each of these was a traceback, or a compile of a launch the op never makes
         (
             ("softmax", "--shape", "64x128", "--config", BAD_WARPS),
-            "does not compile for sm_90: num_warps must",
+            "for sm_90 failed: num_warps must",
         ),
         (
             ("rms_norm", "--shape", "4x100", "--config", '{"BLOCK_M": "4", "num_warps": 4}'),

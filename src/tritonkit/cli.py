@@ -428,7 +428,7 @@ def _compile(asm, launch, arch: str, config: dict | None):
         return asm.compile_launch(launch, arch)
     except Exception as error:  # Triton's compiler raises assertions, type and compilation errors
         first = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
-        raise ValueError(f"the config {json.dumps(config)} does not compile for {arch}: {first}") from None
+        raise ValueError(f"compiling the config {json.dumps(config)} for {arch} failed: {first}") from None
 
 
 def _fingerprints(args) -> int:

@@ -110,8 +110,8 @@ ERFC_Q0, ERFC_Q1, ERFC_Q2, ERFC_Q3, ERFC_Q4, ERFC_Q5, ERFC_Q6, ERFC_Q7, ERFC_Q8,
 
 @triton.jit
 def normal_cdf(z):
-    """Phi(z), the standard normal CDF, of fp32 ``z`` in two MUFU operations and about fifteen
-    FMAs: the lower tail h = erfc(|z| / sqrt(2)) / 2 (ERFC_P), Phi = h below 0 and 1 - h above.
+    """Phi(z), the standard normal CDF, of fp32 ``z`` in two MUFU operations, Horner's nine FMAs and
+    a few more: the lower tail h = erfc(|z| / sqrt(2)) / 2 (ERFC_P), Phi = h below 0 and 1 - h above.
     An exact GELU through it compiles to 25 sm_90 instructions a value where libdevice's erf
     (about twenty FMAs of its own) gave 38; and where 0.5 (1 + erf) cancels to 0, below about
     -5.5, h keeps its relative precision: Phi(-8) is 6.2e-16, not 0."""
@@ -139,11 +139,11 @@ def normal_pdf(z):
 def gelu_lean(z, APPROX_TANH: tl.constexpr, FAST: tl.constexpr):
     """gelu(z) of fp32 ``z`` in few instructions, for the memory-bound passes (bias_gelu, the linear
     family's elementwise backward), which libdevice's erf held below the memory's rate in 16 bits:
-    exact as z Phi(z) through normal_cdf (one exponential and ten FMAs where erf takes about
-    twenty), or the tanh form: FAST, for outputs rounded to 16 bits, as z sigmoid(2u) (one exp2 and
-    a reciprocal, as the matmul epilogue's); else as gelu (tanh from exp(-2|u|), twice the
-    instructions, fp32's precision near +-1). The tuned matmul's epilogue keeps gelu until its
-    tunings are refreshed (a helper's text is part of their source hash)."""
+    exact as z Phi(z) through normal_cdf (an exponential, a reciprocal and about a dozen FMAs where
+    erf takes about twenty FMAs), or the tanh form: FAST, for outputs rounded to 16 bits, as z
+    sigmoid(2u) (one exp2 and a reciprocal, as the matmul epilogue's); else as gelu (tanh from
+    exp(-2|u|), twice the instructions, fp32's precision near +-1). The tuned matmul's epilogue
+    keeps gelu until its tunings are refreshed (a helper's text is part of their source hash)."""
     if APPROX_TANH:
         if FAST:
             e = tl.exp2(z * (GELU_EXP2_LINEAR + GELU_EXP2_CUBIC * (z * z)))

@@ -64,5 +64,7 @@ def same_on_every_rank(rows: list[list[int]], names: tuple[str, ...], what: str,
         values = [row[index] for row in rows]
         if len(set(values)) > 1 and name == "dtype":
             values = [_DTYPE_OF_CODE.get(value, value) for value in values]
+        elif len(set(values)) > 1 and name == "softmax scale":
+            values = [struct.unpack("<d", struct.pack("<q", value))[0] for value in values]
         if len(set(values)) > 1:
             raise ValueError(f"{what}: ranks disagree on the {name}: {values} (rank by rank); {advice}")

@@ -164,7 +164,7 @@ def _check_across_ranks(q, k, v, causal: bool, scale, group) -> float:
     rows = gather_facts(local_error, facts, "ring_attention", group)
     names = (
         "batch", "query heads", "sequence shard", "head dim", "key/value heads", "key/value shard",
-        "causal", "dtype", "gradient (any of q, k, v requiring grad)", "softmax scale (its bits)",
+        "causal", "dtype", "gradient (any of q, k, v requiring grad)", "softmax scale",
     )  # fmt: skip
     same_on_every_rank(rows, names, "ring_attention", "every rank must hold an equal shard")
     if causal and k.shape[2] != q.shape[2]:  # (the causal chunks of keys are q's chunks' positions)

@@ -212,9 +212,9 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 def _causal_lm_forward(self, input_ids=None, *args, labels=None, logits_to_keep=0, **kwargs):
     """The loss from the last hidden states by ``linear_cross_entropy``, as transformers'
     ForCausalLMLoss defines it (labels shifted left, -100 ignored, a mean over the kept tokens, or a
-    sum over ``num_items_in_batch``), where it pays and applies; else the model's own forward.
-    ``logits_to_keep`` is named so that generate sees it in the signature and asks for the last
-    position's logits only: without it, a prefill computes the LM head over every prompt token."""
+    sum over ``num_items_in_batch``), where it pays and applies; else the model's own forward. It
+    is installed showing the class forward's signature (_with_signature_of), which generate reads:
+    ``logits_to_keep`` there makes a prefill compute the LM head at the last position only."""
     own = type(self).forward
     fused = (
         labels is not None

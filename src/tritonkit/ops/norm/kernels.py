@@ -208,7 +208,7 @@ BWD_CONFIGS = (
 FP32_SUM_CHAIN_MAX = 32
 
 
-# A backward of 9 to 64 rows making at most this many elements runs as one program that reduces
+# A backward of 9 to 64 rows (fp32: to 32) making at most this many elements runs as one program that reduces
 # them all at once (BLOCK_M = ROWS): one load of the tile, and dw and db written by the
 # program itself (norm._bwd_launches), where the rule below walks 8 rows a program, a row at a
 # time, and sums the programs' partials in a second launch: two launches' latency for a tiny input
@@ -220,8 +220,11 @@ def _bwd_default(key: dict) -> dict:
     """BWD_PROGRAMS_PER_SM programs an SM, each holding h and dy at PER_THREAD values a thread (fp32
     inputs: FP32_SUM_CHAIN_MAX rows at most); in 16 bits with the next row's loads in flight
     (PREFETCH), at PER_THREAD values a thread a row however few the warps (BWD_PREFETCH_DEFAULT).
-    A tiny input (BWD_ONE_PROGRAM_ELEMENTS) is one program's tile (fp32: FP32_SUM_CHAIN_MAX rows at
-    most, its dw and db sums a chain down the rows: 64 rows of 64 erred past the oracle's bound)."""
+    A tiny input (BWD_ONE_PROGRAM_ELEMENTS) is one program's tile; in fp32 FP32_SUM_CHAIN_MAX rows
+    at most: the interpreter sums a tile's rows in order (numpy down axis 0), and at 64 rows of 64
+    dw erred past the oracle's bound at 4 seeds of 40, where the CPU suite checks these kernels
+    (on sm_90 the tile's layout holds two rows a thread and sums the rest as a tree; the cost is
+    a second launch for fp32 inputs of 33-64 rows)."""
     elements = key["rows"] * key["block_n"]
     low, high = BWD_ROWS_RANGE[False]  # (up to ``low`` rows the rule below is one program already)
     chain_ok = key["dtype"] != "fp32" or key["rows"] <= FP32_SUM_CHAIN_MAX
