@@ -266,6 +266,16 @@ def test_cli_parses_bench_layer(capsys):
     assert main(["bench", "layer", "--dtype", "fp32"]) == 2
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "layer", "--case", "70b"])
+    # the op tables' options were ignored by the layer (a stopped run given --resume started over)
+    assert main(["bench", "layer", "--resume", "--only", "9x9"]) == 2
+    assert (
+        "--resume, --only: the op tables' options, not `tritonkit bench layer`'s" in capsys.readouterr().err
+    )
+    assert main(["bench", "layer", "--sweep", "3"]) == 2
+    assert main(["bench", "softmax", "--seed", "7"]) == 2  # (ignored without --sweep)
+    assert "give --sweep N too" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # no abbreviations: --resum once ran a stopped run from the start
+        build_parser().parse_args(["bench", "softmax", "--resum"])
 
 
 def test_the_roofline_plot_passes_over_the_layer_rows(tmp_path, capsys):

@@ -191,3 +191,26 @@ def test_cli_merges_shards_into_one_sweep_and_refuses_a_stray(tmp_path, capsys):
     assert main(["bench", "--merge", str(tmp_path / "nothing"), "--out", str(out)]) != 0
     assert main(["bench", "--shard", "0/2", "softmax"]) != 0
     assert "give --sweep N too" in capsys.readouterr().err
+    # each of these merged, counting shapes twice or passing part of the sweep for all of it
+    third = shard("d", [_ours((6, 6), 1.0, 2**10)], 1)
+    for folders, given in [([a, a], "0/2, 0/2"), ([a], "0/2"), ([a, b, third], "0/2, 1/2, 1/2")]:
+        assert main(["bench", "--merge", *folders, "--out", str(out)]) == 2
+        assert f"every shard I/N of one sweep once (I = 0 .. N - 1), got {given}" in capsys.readouterr().err
+    # shards run as --shard=I/N --out=DIR are one sweep too (they were refused as two)
+    e = tmp_path / "e" / "h200"
+    e.mkdir(parents=True)
+    command = f"tritonkit bench --sweep 9 --shard=1/2 --out={tmp_path / 'e'}"
+    (e / "sweep.json").write_text(json.dumps([_ours((9, 9), 0.9, 2**28) | {"command": command}]))
+    assert main(["bench", "--merge", a, str(tmp_path / "e"), "--out", str(out)]) == 0
+
+
+def test_a_sweep_with_nothing_to_run_or_no_ratio_says_so(tmp_path, capsys):
+    """A shard past the shapes drawn is a one-line error (was an empty run); writing no rows is
+    refused (was an IndexError); rows without a ratio to a peer write no plot (plotting raised)."""
+    assert main(["bench", "softmax", "--sweep", "1", "--shard", "1/2", "--no-progress"]) == 2
+    assert "shard 1/2 of a sweep of 1 shapes has no shapes" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="ran no case"):
+        sweep.write([], tmp_path)
+    alone = {k: v for k, v in _ours((8, 8), 1.2, 2**10).items() if k != "speedup_vs_best_peer"}
+    written = sweep.write([alone], tmp_path)
+    assert [p.name for p in written] == ["sweep.json", "sweep.md"]

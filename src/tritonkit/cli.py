@@ -56,7 +56,13 @@ def cmd_info(args) -> int:
     print(f"tuning cache: {roofline.cache_dir() / tuning.SUBDIR} (TRITONKIT_CACHE_DIR moves it)")
     print(
         "tuning on a key's first call: "
-        + ("on" if tuning.autotune_on() else "off: cached, shipped or default configs")
+        + (
+            "off: the interpreter runs each kernel's default config"
+            if interpreted
+            else "on"
+            if tuning.autotune_on()
+            else "off: cached, shipped or default configs"
+        )
         + f" ({tuning.AUTOTUNE_VARIABLE}=1 or `tritonkit tune` tunes)"
     )
     if not torch.cuda.is_available():
@@ -226,6 +232,21 @@ def cmd_bench_model(args) -> int:
     return 0
 
 
+# the op tables' options (bench OP ...), by the attribute each sets: the layer's and the model's
+# runs take none (a stopped layer run given --resume started over, silently)
+_OP_TABLE_FLAGS = {"--resume": "resume", "--only": "only", "--shapes": "shapes", "--sweep": "sweep"}
+
+
+def _refuse_op_table_flags(args, what: str) -> None:
+    given = [
+        flag
+        for flag, attribute in _OP_TABLE_FLAGS.items()
+        if getattr(args, attribute) not in (None, False, [])
+    ]
+    if given:
+        raise ValueError(f"{', '.join(given)}: the op tables' options, not `tritonkit bench {what}`'s")
+
+
 def cmd_bench(args) -> int:
     from tritonkit._runtime import interpret
     from tritonkit.bench import add_peer_ratios, format_table, run, write_results
@@ -242,13 +263,15 @@ def cmd_bench(args) -> int:
             sep="\n",
         )
         return 0
-    if args.shard and args.sweep is None:
-        raise ValueError("--shard splits a sweep's shapes: give --sweep N too")
+    if (args.shard or args.seed is not None) and args.sweep is None:
+        raise ValueError("--shard and --seed are a sweep's (its shapes' split and draw): give --sweep N too")
     if "layer" in args.ops:
         if args.layers is not None or args.no_generate:
             raise ValueError("--layers and --no-generate are the model benchmark's: `tritonkit bench model`")
+        _refuse_op_table_flags(args, "layer")
         return cmd_bench_layer(args)
     if "model" in args.ops:
+        _refuse_op_table_flags(args, "model")
         return cmd_bench_model(args)
     if args.layers is not None or args.no_generate:
         raise ValueError("--layers and --no-generate are the model benchmark's: `tritonkit bench model`")
@@ -266,8 +289,10 @@ def cmd_bench(args) -> int:
             raise ValueError("--shapes and --only do not apply to --sweep: it draws its own shapes")
         names = bench_sweep.check_workloads(args.ops)
         draw = bench_sweep.interpreter_shapes if interpret() else bench_sweep.sample_shapes
-        shapes = draw(args.sweep, args.seed)
+        shapes = draw(args.sweep, args.seed or 0)
         shapes = bench_sweep.shard(shapes, args.shard) if args.shard else shapes
+        if not shapes:
+            raise ValueError(f"shard {args.shard} of a sweep of {args.sweep} shapes has no shapes")
     else:
         names, shapes = args.ops or workload_names(), args.shapes or "quick"
     known = {p.name for name in names for p in providers_for(get_workload(name))}  # unknown names fail here
@@ -467,16 +492,16 @@ def _fingerprints(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tritonkit", description=__doc__)
+    parser = argparse.ArgumentParser(prog="tritonkit", description=__doc__, allow_abbrev=False)
     parser.add_argument("-v", "--verbose", action="store_true", help="log what tritonkit decides")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    info = sub.add_parser("info", help="device, versions, ceilings and interpreter mode")
+    info = sub.add_parser("info", allow_abbrev=False, help="device, versions, ceilings and interpreter mode")
     info.add_argument("--device", help="datasheet to show (h200, h100, a100); default: this GPU")
     info.add_argument("--refresh", action="store_true", help="measure the ceilings again")
     info.set_defaults(func=cmd_info)
 
-    bench = sub.add_parser("bench", help="check and time ops against their peers")
+    bench = sub.add_parser("bench", allow_abbrev=False, help="check and time ops against their peers")
     bench.add_argument(
         "ops",
         nargs="*",
@@ -505,7 +530,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"N shapes drawn log-uniformly for each of {', '.join(SWEEP_WORKLOADS)}, fwd and "
         "bwd, untuned as a first call runs; writes <out>/<gpu>/sweep.{json,md,png}",
     )
-    bench.add_argument("--seed", type=int, default=0, help="with --sweep: the draw's seed")
+    bench.add_argument("--seed", type=int, help="with --sweep: the draw's seed (default 0)")
     bench.add_argument("--shard", metavar="I/N", help="with --sweep: its shapes I, I + N, ... (a GPU each)")
     bench.add_argument("--merge", nargs="+", metavar="DIR", help="shards' --out folders: one sweep, to --out")
     bench.add_argument("--providers", nargs="+", help="providers to run (default: all available)")
@@ -537,7 +562,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.set_defaults(func=cmd_bench)
 
-    roof = sub.add_parser("roofline", help="analytic roofline prediction for one op and shape")
+    roof = sub.add_parser(
+        "roofline", allow_abbrev=False, help="analytic roofline prediction for one op and shape"
+    )
     roof.add_argument("op", nargs="?", choices=workload_names())
     roof.add_argument("--shape", nargs="+", help="e.g. 8192x4096 or 8192 4096")
     roof.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
@@ -553,6 +580,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     insp = sub.add_parser(
         "inspect",
+        allow_abbrev=False,
         help="compile an op's kernels for a GPU without one: registers, spills, "
         "access widths, instruction mix, IR",
     )
@@ -573,7 +601,9 @@ def build_parser() -> argparse.ArgumentParser:
     insp.set_defaults(func=cmd_inspect)
 
     tune = sub.add_parser(
-        "tune", help="tune ops on this GPU (accuracy-gated); move the cache between machines of one GPU model"
+        "tune",
+        allow_abbrev=False,
+        help="tune ops on this GPU (accuracy-gated); move the cache between machines of one GPU model",
     )
     tune.add_argument(
         "ops", nargs="*", metavar="OP", help=f"ops to tune, by workload ({', '.join(workload_names())})"

@@ -82,37 +82,63 @@ def shard(shapes: list, spec: str) -> list:
 
 
 def merge(folders: list[Path]) -> list[dict]:
-    """The rows of shards' sweeps (each folder's ``<gpu>/sweep.json``, one GPU model), as one sweep:
-    in the order of the draw when the shards are given in order. A folder without one, or shards of
-    different GPU models or commands (other than ``--shard``), are refused."""
+    """The rows of shards' sweeps (each folder's ``<gpu>/sweep.json``, one GPU model), as one sweep,
+    shard after shard. Refused: a folder without one, shards of different GPU models or commands
+    (other than ``--shard`` and ``--out``), and any set of shards but every shard I/N of one N once
+    (a shard given twice counted its shapes twice; a missing one passed for the whole sweep)."""
     import json
 
-    rows, commands = [], set()
+    rows, commands, shards = [], set(), []
     for folder in folders:
         found = sorted(Path(folder).glob("*/sweep.json"))
         if len(found) != 1:
             raise ValueError(f"{folder}: expected one <gpu>/sweep.json, found {len(found)}")
         shard_rows = json.loads(found[0].read_text())
         commands |= {_sweep_of(row.get("command", "")) for row in shard_rows}
+        shards += sorted({_shard_of(row.get("command", "")) for row in shard_rows}, key=str)
         rows += shard_rows
     gpus = {row["gpu"] for row in rows}
     if len(gpus) != 1 or len(commands) != 1:
         raise ValueError(
             f"shards of one GPU model and sweep are merged, got {sorted(gpus)} and {sorted(commands)}"
         )
+    counts = {spec[1] if spec else None for spec in shards}
+    whole = len(counts) == 1 and None not in counts and sorted(i for i, _ in shards) == list(range(*counts))
+    if not whole:
+        given = ", ".join("unsharded" if spec is None else "/".join(map(str, spec)) for spec in shards)
+        raise ValueError(f"--merge takes every shard I/N of one sweep once (I = 0 .. N - 1), got {given}")
     return rows
 
 
 SHARD_FLAGS = ("--shard", "--out")  # what tells the shards of one sweep apart
 
 
+def _flag_values(command: str) -> tuple[list[str], dict[str, str]]:
+    """A command's words but SHARD_FLAGS, and their values (``--flag value`` or ``--flag=value``)."""
+    words, kept, values = command.split(), [], {}
+    pending = None
+    for word in words:
+        name, equals, value = word.partition("=")
+        if pending is not None:
+            values[pending], pending = word, None
+        elif word in SHARD_FLAGS:
+            pending = word
+        elif equals and name in SHARD_FLAGS:
+            values[name] = value
+        else:
+            kept.append(word)
+    return kept, values
+
+
 def _sweep_of(command: str) -> str:
     """A shard's command without its SHARD_FLAGS and their values: the sweep it is part of."""
-    words, kept = command.split(), []
-    for i, word in enumerate(words):
-        if word not in SHARD_FLAGS and (i == 0 or words[i - 1] not in SHARD_FLAGS):
-            kept.append(word)
-    return " ".join(kept)
+    return " ".join(_flag_values(command)[0])
+
+
+def _shard_of(command: str) -> tuple[int, int] | None:
+    """(I, N) of a command's ``--shard I/N``; None for an unsharded sweep."""
+    spec = _flag_values(command)[1].get("--shard")
+    return None if spec is None else tuple(int(part) for part in spec.split("/"))
 
 
 def check_workloads(names: list[str]) -> list[str]:
@@ -249,13 +275,15 @@ def write(rows: list[dict], out_dir: Path) -> list[Path]:
 
     from tritonkit.bench.report import gpu_slug
 
+    if not rows:
+        raise ValueError("the sweep ran no case: nothing to write")
     folder = out_dir / gpu_slug(rows[0]["gpu"])
     folder.mkdir(parents=True, exist_ok=True)
     paths = [folder / f"sweep.{ext}" for ext in ("json", "md", "png")]
     paths[0].write_text(json.dumps(rows, indent=1) + "\n")
     paths[1].write_text(markdown(rows) + "\n")
     plot(rows, paths[2])
-    return paths
+    return [path for path in paths if path.exists()]
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -269,6 +297,9 @@ def plot(rows: list[dict], path: Path) -> None:
     ours = [r for r in rows if r["provider"] == "tritonkit" and "speedup_vs_best_peer" in r]
     ops = list(dict.fromkeys(r["op"] for r in ours))
     modes = list(dict.fromkeys(r["mode"] for r in ours))
+    if not ours:  # (tritonkit or its peers alone: no ratio to plot)
+        path.unlink(missing_ok=True)
+        return
     fig, axes = plt.subplots(len(ops), len(modes), figsize=(5 * len(modes), 3 * len(ops)), squeeze=False)
     for (i, op), (j, mode) in ((a, b) for a in enumerate(ops) for b in enumerate(modes)):
         ax = axes[i, j]
