@@ -223,7 +223,7 @@ def _bwd_default(key: dict) -> dict:
     A tiny input (BWD_ONE_PROGRAM_ELEMENTS) is one program's tile; in fp32 FP32_SUM_CHAIN_MAX rows
     at most: the interpreter sums a tile's rows in order (numpy down axis 0), and at 64 rows of 64
     dw erred past the oracle's bound at 4 seeds of 40, where the CPU suite checks these kernels
-    (on sm_90 the tile's layout holds two rows a thread and sums the rest as a tree; the cost is
+    (on sm_90 the fp32 tile's layout holds four rows a thread and sums the rest as a tree; the cost is
     a second launch for fp32 inputs of 33-64 rows)."""
     elements = key["rows"] * key["block_n"]
     low, high = BWD_ROWS_RANGE[False]  # (up to ``low`` rows the rule below is one program already)
