@@ -2,7 +2,8 @@
 backward and tritonkit's Triton backward (both modes), in one process, bf16.
 
     python benchmarks/attention_bwd_sm90.py OUT.json [--deadline SECONDS] [--skip-triton]
-        [--skip-deterministic] [--layer] [--causal] [--candidates | --defaults] [--shape B,Hq,Hkv,S,D]
+        [--skip-deterministic] [--layer] [--causal] [--candidates | --defaults] [--acquire-first]
+        [--shape B,Hq,Hkv,S,D]
 
 ``--layer`` times the decoder layer's attention alone (``tritonkit bench layer``'s 8b-4k: GQA 32/8,
 S = 4096, causal), q, k and v strided views of one QKV projection's output and dO of the output
@@ -12,7 +13,9 @@ and every row the deterministic order's (``DETERMINISTIC_GROUPS``); a GQA row al
 deterministic mode with the other ``bwd_sm90.DETERMINISTIC_GQA_PER_QUERY_HEAD``. ``--candidates``
 times, in place of the other orders, every Gluon candidate (``bwd_sm90.CANDIDATES``) in both modes
 (the deterministic ones unless ``--skip-deterministic``); ``--defaults`` times each mode's default
-alone. ``--shape`` keeps the rows of one shape (repeatable).
+alone. ``--acquire-first`` times the deterministic default with the other ``Config.acquire_first``
+too, and says whether its gradients are the default's bits. ``--shape`` keeps the rows of one
+shape (repeatable).
 
 A row's providers take turns (``tritonkit.bench.timing.interleaved_ms``): each one's time is the
 median of its turns, each turn ``triton.testing.do_bench``'s median over a backward call (the
@@ -135,24 +138,36 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
 
     per_query_head = bwd_sm90.DETERMINISTIC_GQA_PER_QUERY_HEAD  # by mask (causal or not)
 
+    default_config = bwd_sm90.default_config
+
     def ours(
-        deterministic: bool, gluon: bool, group: int | None, by_query_head: bool = per_query_head[causal]
+        deterministic: bool,
+        gluon: bool,
+        group: int | None,
+        by_query_head: bool = per_query_head[causal],
+        switches: dict | None = None,
     ):
         """The backward in one mode, its program order's group size set for the mode (and, with GQA,
-        whether a deterministic program takes a query head or the group)."""
+        whether a deterministic program takes a query head or the group; ``switches``: fields of
+        the default config replaced)."""
         name = "DETERMINISTIC_PAIRS_PER_GROUP" if deterministic else "FREE_CAUSAL_PAIRS_PER_GROUP"
         default = default_deterministic_group if deterministic else default_group
+
+        def switched_config(*args, **kwargs):
+            return default_config(*args, **kwargs)._replace(**switches)
 
         def call():
             bwd.SM90_BACKWARD = gluon
             bwd.SM90_BACKWARD_DETERMINISTIC = bwd.SM90_BACKWARD_DETERMINISTIC_GQA = (64, 128) if gluon else ()
             setattr(bwd_sm90, name, group)
             bwd_sm90.DETERMINISTIC_GQA_PER_QUERY_HEAD = {**per_query_head, causal: by_query_head}
+            bwd_sm90.default_config = switched_config if switches else default_config
             try:
                 return bwd.attention_bwd(do, q, k, v, o, lse, None, scores, deterministic=deterministic)
             finally:
                 setattr(bwd_sm90, name, default)
                 bwd_sm90.DETERMINISTIC_GQA_PER_QUERY_HEAD = per_query_head
+                bwd_sm90.default_config = default_config
 
         return call
 
@@ -167,10 +182,27 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
             else []
         )
         gqa = heads_q != heads_kv
+        # --acquire-first: the deterministic default with the dQ warp's other way to poll its turn
+        polls = not default_config(head_dim, True, gqa, causal).acquire_first
+        deterministic_grads = {}
         for name, deterministic, gluon, group, *by_query_head in (
             ("gluon", False, True, default_group),
             *((f"gluon_pairs_per_group={g}", False, True, g) for g in groups),
             ("gluon_deterministic", True, True, default_deterministic_group),
+            *(
+                [
+                    (
+                        f"gluon_deterministic_acquire_first={polls}",
+                        True,
+                        True,
+                        default_deterministic_group,
+                        per_query_head[causal],
+                        {"acquire_first": polls},
+                    )
+                ]
+                if "--acquire-first" in sys.argv
+                else []
+            ),
             *(
                 [
                     (
@@ -201,10 +233,16 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
             fn = ours(deterministic, gluon, group, *by_query_head)
             grads = fn()
             calls[name] = fn
+            if name == "gluon_deterministic" or "acquire_first" in name:  # (their bits compared below)
+                deterministic_grads[name] = grads
             if gluon:
                 row[f"{name}_max_err_vs_cudnn"] = max(
                     (a.float() - b.float()).abs().max().item() for a, b in zip(grads, reference, strict=True)
                 )
+        # the way the dQ warp polls moves no add: the default's bits
+        plain = deterministic_grads.pop("gluon_deterministic", None)
+        for name, grads in deterministic_grads.items():
+            row[f"{name}_same_bits"] = all(torch.equal(a, b) for a, b in zip(plain, grads, strict=True))
         if not defaults_only and (heads_q == heads_kv or layer or candidates_only):  # the other tiles
             delta = torch.empty(lse.shape, dtype=torch.float32, device="cuda")
             grads = tuple(torch.empty_like(t) for t in (q, k, v))

@@ -55,10 +55,11 @@ for dtype, head_dim, causal, deterministic, shared_dq, _ in CASES:
     signature |= {"KV_SHARE": "constexpr"}
     signature |= {"qk_scale": "fp32", "scale": "fp32", "IS_CAUSAL": "constexpr", "DETERMINISTIC": "constexpr",
                   "NUM_STAGES": "constexpr", "ROTATE": "constexpr",
-                  "OVERLAP_SDP": "constexpr", "SHARED_DQ": "constexpr"}
+                  "OVERLAP_SDP": "constexpr", "SHARED_DQ": "constexpr", "ACQUIRE_FIRST": "constexpr"}
     constants = {"KV_SHARE": 1, "IS_CAUSAL": causal, "DETERMINISTIC": deterministic,
                  "NUM_STAGES": config.num_stages,
-                 "OVERLAP_SDP": config.overlap_sdp, "SHARED_DQ": config.shared_dq}
+                 "OVERLAP_SDP": config.overlap_sdp, "SHARED_DQ": config.shared_dq,
+                 "ACQUIRE_FIRST": bwd.default_config(head_dim, deterministic).acquire_first}
     constants["ROTATE"] = bwd.order(deterministic, causal, 64, 32, 132)[1]  # rotated where it may be
     kernel = triton.compile(GluonASTSource(bwd._attn_bwd_sm90_kernel, signature, constants),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": bwd.CONSUMER_WARPS.value})
@@ -175,7 +176,9 @@ def test_the_default_config_by_mode_mask_and_grouping(head_dim):
         for causal in (False, True):
             assert bwd_sm90.default_config(head_dim, False, gqa, causal) == tile
             deterministic = bwd_sm90.default_config(head_dim, True, gqa, causal)
-            assert deterministic == tile._replace(shared_dq=True, per_query_head=gqa and causal)
+            assert deterministic == tile._replace(
+                shared_dq=True, per_query_head=gqa and causal, acquire_first=True
+            )
 
 
 def test_calls_the_gluon_backward_cannot_take_go_to_the_triton_kernels(device):
@@ -413,7 +416,9 @@ def test_gpu_deterministic_mode_gives_the_same_bits(
     from tritonkit.ops.attention import bwd_sm90
 
     monkeypatch.setattr(bwd_sm90, "DETERMINISTIC_PAIRS_PER_GROUP", group)
-    config = bwd_sm90.CONFIGS[128]._replace(shared_dq=shared_dq, per_query_head=per_query_head)
+    config = bwd_sm90.CONFIGS[128]._replace(
+        shared_dq=shared_dq, per_query_head=per_query_head, acquire_first=True
+    )
     q, k, v, do = _inputs(2, *heads, 2125, 2125, 128, torch.bfloat16, seed=2125 + causal)
     check(q, k, v, do, causal, deterministic=True, scale=0.1, config=config)
     o, lse = _forward(q, k, v, causal, 0.1, True)
@@ -423,6 +428,26 @@ def test_gpu_deterministic_mode_gives_the_same_bits(
     free = _run(q, k, v, do, o, lse, causal, 0.1, True, False, config=config)
     for a, b in zip(free, runs[0], strict=True):
         assert torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_polling_acquiring_first_keeps_the_deterministic_bits(causal, heads, head_dim):
+    """``Config.acquire_first`` changes how the dQ warp polls its turn, not the order of the adds:
+    the deterministic gradients are the same bits with it and without, and pass the oracle."""
+    from tritonkit.ops.attention import bwd_sm90
+
+    q, k, v, do = _inputs(2, *heads, 1500, 1500, head_dim, torch.bfloat16, seed=1500 + causal)
+    o, lse = _forward(q, k, v, causal, 0.1, True)
+    shipped = bwd_sm90.default_config(head_dim, True, heads[0] != heads[1], causal)
+    assert shipped.acquire_first
+    plain = shipped._replace(acquire_first=False)
+    runs = [_run(q, k, v, do, o, lse, causal, 0.1, True, True, config=c) for c in (shipped, plain)]
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+    check(q, k, v, do, causal, deterministic=True, scale=0.1, config=shipped)
 
 
 @pytest.mark.gpu

@@ -36,12 +36,15 @@ class Config(NamedTuple):
     and dV that head's share, in q's dtype, summed over the group afterwards (FlashAttention-2's
     GQA backward): programs G times shorter, so that an ordered launch (a deterministic one, whose
     programs start in turn order, the longest last) ends evenly, at 2 x B x Hq x Sk x D elements of
-    shares written and read once."""
+    shares written and read once. acquire_first (deterministic): the dQ warp polls its turn by an
+    acquiring load first, one L2 round trip where the turn is already reached, where a relaxed spin
+    and then the acquire took two."""
 
     num_stages: int
     overlap_sdp: bool = False
     shared_dq: bool = False
     per_query_head: bool = False
+    acquire_first: bool = False
 
 
 # Shared memory a program at D = 128, 16-bit elements: K and V 2 x 32 KB, the Q/dO ring NUM_STAGES x
@@ -77,7 +80,9 @@ def default_config(head_dim: int, deterministic: bool, gqa: bool = False, causal
     config = CONFIGS[head_dim]
     if not deterministic:
         return config
-    return config._replace(shared_dq=True, per_query_head=gqa and DETERMINISTIC_GQA_PER_QUERY_HEAD[causal])
+    return config._replace(
+        shared_dq=True, per_query_head=gqa and DETERMINISTIC_GQA_PER_QUERY_HEAD[causal], acquire_first=True
+    )
 
 
 # Whether a deterministic GQA launch takes a program a query head (Config.per_query_head). A
@@ -285,6 +290,7 @@ def launches(
         "ROTATE": rotate,
         "OVERLAP_SDP": config.overlap_sdp,
         "SHARED_DQ": config.shared_dq,
+        "ACQUIRE_FIRST": config.acquire_first and deterministic,
         "num_warps": CONSUMER_WARPS.value,
     }
     grid = (blocks * pairs,)

@@ -296,6 +296,7 @@ def _dq_partition(
     DETERMINISTIC: gl.constexpr,
     ROTATE: gl.constexpr,
     SHARED_DQ: gl.constexpr,
+    ACQUIRE_FIRST: gl.constexpr,
 ):
     """The dQ warp: adds each step's dQ columns of both consumers into the fp32 accumulator by TMA
     reduce-add, walking the query blocks as the consumers do, the step's reduces issued together
@@ -322,11 +323,16 @@ def _dq_partition(
             rank = _turn(m, key_block, rot, n_last, m_end, UPPER_OFFSET, BLOCK, KEYS, IS_CAUSAL, ROTATE)
             # spin on relaxed reads, then acquire (a loop that runs once: nothing else moves the
             # ticket before this program's release): an acquiring load carries an L1
-            # invalidation (CCTL.IVALL) on sm_90, which the spin need not repeat
-            while gl.load(ticket, volatile=True) != rank:
-                pass
-            while gl.atomic_add(ticket, 0, sem="acquire", scope="gpu") != rank:
-                pass
+            # invalidation (CCTL.IVALL) on sm_90, which the spin need not repeat. ACQUIRE_FIRST
+            # tries the acquiring load first: a turn already reached costs one round trip, not two
+            reached = False
+            if ACQUIRE_FIRST:
+                reached = gl.atomic_add(ticket, 0, sem="acquire", scope="gpu") == rank
+            if not reached:
+                while gl.load(ticket, volatile=True) != rank:
+                    pass
+                while gl.atomic_add(ticket, 0, sem="acquire", scope="gpu") != rank:
+                    pass
         for c in gl.static_range(CONSUMERS):
             mbarrier.wait(dq_full.index(step % BUFFERS * CONSUMERS + c), (step // BUFFERS) & 1)
             if DETERMINISTIC and not SHARED_DQ and c > 0:
@@ -625,6 +631,7 @@ def _attn_bwd_sm90_kernel(
     ROTATE: gl.constexpr,  # DETERMINISTIC, full mask: key block n walks the query blocks from n * Mb / Nb
     OVERLAP_SDP: gl.constexpr,  # dP^T issued beside S^T (Config.overlap_sdp)
     SHARED_DQ: gl.constexpr,  # one dQ tile a step for both warpgroups (Config.shared_dq)
+    ACQUIRE_FIRST: gl.constexpr,  # DETERMINISTIC: the turn polled acquiring first (Config.acquire_first)
 ):
     BLOCK: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -737,6 +744,6 @@ def _attn_bwd_sm90_kernel(
                            stride_db, stride_dh)),
         (_dq_partition, (dq_desc, dq_smem, dq_full, dq_empty, sem_ptr, batch, kv_head, start_n, GROUP,
                          m_start, m_end, n_blocks - 1, rot, UPPER_OFFSET, stride_sb, stride_sh, KEYS,
-                         IS_CAUSAL, DETERMINISTIC, ROTATE, SHARED_DQ)),
+                         IS_CAUSAL, DETERMINISTIC, ROTATE, SHARED_DQ, ACQUIRE_FIRST)),
     ], [CONSUMER_WARPS, PRODUCER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
     # fmt: on
