@@ -59,7 +59,7 @@ for dtype, head_dim, causal, deterministic, shared_dq, _ in CASES:
     constants = {"KV_SHARE": 1, "IS_CAUSAL": causal, "DETERMINISTIC": deterministic,
                  "NUM_STAGES": config.num_stages,
                  "OVERLAP_SDP": config.overlap_sdp, "SHARED_DQ": config.shared_dq,
-                 "ACQUIRE_FIRST": bwd.default_config(head_dim, deterministic).acquire_first}
+                 "ACQUIRE_FIRST": bwd.default_config(head_dim, deterministic, False, causal).acquire_first}
     constants["ROTATE"] = bwd.order(deterministic, causal, 64, 32, 132)[1]  # rotated where it may be
     kernel = triton.compile(GluonASTSource(bwd._attn_bwd_sm90_kernel, signature, constants),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": bwd.CONSUMER_WARPS.value})
@@ -177,7 +177,7 @@ def test_the_default_config_by_mode_mask_and_grouping(head_dim):
             assert bwd_sm90.default_config(head_dim, False, gqa, causal) == tile
             deterministic = bwd_sm90.default_config(head_dim, True, gqa, causal)
             assert deterministic == tile._replace(
-                shared_dq=True, per_query_head=gqa and causal, acquire_first=True
+                shared_dq=True, per_query_head=gqa and causal, acquire_first=not causal
             )
 
 
@@ -443,11 +443,11 @@ def test_gpu_polling_acquiring_first_keeps_the_deterministic_bits(causal, heads,
     q, k, v, do = _inputs(2, *heads, 1500, 1500, head_dim, torch.bfloat16, seed=1500 + causal)
     o, lse = _forward(q, k, v, causal, 0.1, True)
     shipped = bwd_sm90.default_config(head_dim, True, heads[0] != heads[1], causal)
-    assert shipped.acquire_first
     plain = shipped._replace(acquire_first=False)
-    runs = [_run(q, k, v, do, o, lse, causal, 0.1, True, True, config=c) for c in (shipped, plain)]
+    polled = plain._replace(acquire_first=True)
+    runs = [_run(q, k, v, do, o, lse, causal, 0.1, True, True, config=c) for c in (polled, plain)]
     assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
-    check(q, k, v, do, causal, deterministic=True, scale=0.1, config=shipped)
+    check(q, k, v, do, causal, deterministic=True, scale=0.1, config=polled)
 
 
 @pytest.mark.gpu
