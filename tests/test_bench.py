@@ -219,6 +219,35 @@ def test_writers(tmp_path):
     assert cells[7:] == ["62.1", "70.2", "0.0500", "0.0625", f"{0.13 / 0.05:.2f}x"]  # ms: replayed, eager
 
 
+def test_a_run_of_some_shapes_keeps_the_tables_other_shapes(tmp_path):
+    """``--only``'s write (``merge``): the new rows take their case's place in the table already
+    there, its other cases stay, a case it lacks goes last, and the .md says the rows come from
+    two commits; without ``merge`` the table is the run's rows alone."""
+    datasheet = roofline.device_spec("h200")
+    ceilings = (datasheet, dataclasses.replace(datasheet, bandwidth=4.25e12, source="measured"))
+
+    def case(shape, provider, sha):
+        return _timed_row(provider, 0.05, shape=shape, git_sha=sha)
+
+    shapes = ([8192, 4096], [4096, 16384], [1024, 1024])
+    table = [case(shape, p, "aaaaaaa") for shape in shapes[:2] for p in ("tritonkit", "torch")]
+    write_results(table, tmp_path, ceilings)
+    rerun = [case(shape, p, "bbbbbbb") for shape in (shapes[2], shapes[0]) for p in ("tritonkit", "torch")]
+    write_results(rerun, tmp_path, ceilings, merge=True)
+    rows = json.loads((tmp_path / "h200" / "bias_gelu.json").read_text())
+    assert [(r["shape"], r["git_sha"]) for r in rows[::2]] == [
+        (shapes[0], "bbbbbbb"),
+        (shapes[1], "aaaaaaa"),
+        (shapes[2], "bbbbbbb"),
+    ]
+    assert [r["provider"] for r in rows] == ["tritonkit", "torch"] * 3
+    md = tmp_path / "h200" / "bias_gelu.md"
+    assert "more than one run: bbbbbbb (4 rows), aaaaaaa (2 rows)" in md.read_text()
+    write_results(rerun, tmp_path, ceilings)
+    assert len(json.loads((tmp_path / "h200" / "bias_gelu.json").read_text())) == 4
+    assert "more than one run" not in md.read_text()
+
+
 def test_markdown_table_counts_flops_for_a_compute_bound_op():
     """Attention-like rows (FLOPs a byte past the measured ridge) are shown in TFLOP/s against the
     peak, with no copy columns; the same rows under a ridge they do not pass stay in GB/s."""
@@ -403,7 +432,7 @@ def test_cli_bench_resumes_an_interrupted_gpu_run(tmp_path, monkeypatch, capsys)
     monkeypatch.setattr(tritonkit.bench.runner, "provenance", lambda: origin)
     monkeypatch.setattr(tritonkit.bench, "add_peer_ratios", lambda rows: None)
     written = []
-    monkeypatch.setattr(tritonkit.bench, "write_results", lambda rows, out: written.append(rows) or [])
+    monkeypatch.setattr(tritonkit.bench, "write_results", lambda rows, out, **kw: written.append(rows) or [])
     case = {"op": "softmax", "mode": "fwd", "shape": [8, 8], "dtype": "bf16"}
     cases = [[case | origin | {"provider": p, "n": i} for p in ("tritonkit", "torch")] for i in range(3)]
     runs, stop = [], [True]

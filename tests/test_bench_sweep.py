@@ -135,7 +135,9 @@ def test_cli_sweep_on_a_gpu_writes_the_sweep_files_and_leaves_the_tables(tmp_pat
     monkeypatch.setattr(tritonkit._runtime, "interpret", lambda: False)
     origin = {"gpu": "NVIDIA H200", "torch": "t", "triton": "3.6.0", "git_sha": "abc"}
     monkeypatch.setattr(tritonkit.bench.runner, "provenance", lambda: origin)
-    monkeypatch.setattr(tritonkit.bench, "write_results", lambda rows, out: pytest.fail("tables written"))
+    monkeypatch.setattr(
+        tritonkit.bench, "write_results", lambda rows, out, **kw: pytest.fail("tables written")
+    )
     seen = {}
 
     def fake_run(names, **kwargs):

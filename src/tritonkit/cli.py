@@ -356,8 +356,12 @@ def cmd_bench(args) -> int:
     else:
         add_peer_ratios(rows)
         print(bench_sweep.markdown(rows) if sweep else format_table(rows))
-        for path in (bench_sweep.write if sweep else write_results)(rows, Path(args.out)):
-            print(f"wrote {path}")
+        if sweep:
+            paths = bench_sweep.write(rows, Path(args.out))
+        else:  # some shapes of a table (--only): their rows replace theirs, the table's others stay
+            paths = write_results(rows, Path(args.out), merge=bool(args.only))
+        for path in paths:
+            print(f"wrote {path}" + (" (the table's other shapes kept)" if args.only else ""))
         checkpoint.unlink(missing_ok=True)  # the results hold every row now
     if failed:
         print(f"{len(failed)} rows FAILED the error check", file=sys.stderr)
@@ -521,7 +525,8 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         metavar="SHAPE",
         help="run only the cases of these shapes of the shape list (AxB..., as the tables write "
-        "them: 8192x262144), e.g. a case to measure again in a process of its own",
+        "them: 8192x262144), e.g. a case to measure again in a process of its own; their rows "
+        "replace those cases' rows in the table already in --out, whose other shapes stay",
     )
     bench.add_argument(
         "--sweep",

@@ -8,7 +8,7 @@ import json
 import math
 import os
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 from tritonkit import roofline
@@ -96,11 +96,16 @@ def gpu_slug(gpu_name: str) -> str:
 
 
 def write_results(
-    rows: list[dict], out_dir: Path, ceilings: tuple[roofline.DeviceSpec, roofline.DeviceSpec] | None = None
+    rows: list[dict],
+    out_dir: Path,
+    ceilings: tuple[roofline.DeviceSpec, roofline.DeviceSpec] | None = None,
+    merge: bool = False,
 ) -> list[Path]:
     """``<out>/<gpu-slug>/<op>.json`` (and .csv, .png) for each op in the rows.
 
-    ``ceilings`` (datasheet, measured) for the plot default to this GPU's.
+    ``ceilings`` (datasheet, measured) for the plot default to this GPU's. ``merge`` (a run of
+    some of a table's shapes, ``--only``): the rows replace their cases' rows in the table already
+    there, whose other cases stay; the .md says so where the rows come from more than one commit.
     """
     written = []
     by_op = defaultdict(list)
@@ -112,9 +117,11 @@ def write_results(
         json_path, csv_path, md_path, png_path = (
             folder / f"{op}.{ext}" for ext in ("json", "csv", "md", "png")
         )
+        if merge and json_path.exists():
+            op_rows = merged_rows(json.loads(json_path.read_text()), op_rows)
         json_path.write_text(json.dumps(op_rows, indent=1) + "\n")
         _write_csv(op_rows, csv_path)
-        md_path.write_text(markdown_table(op_rows) + "\n")
+        md_path.write_text(markdown_table(op_rows) + "\n" + _commits_line(op_rows))
         written += [json_path, csv_path, md_path]
         if any("tflops" in r for r in op_rows):
             datasheet, measured = ceilings or (
@@ -126,6 +133,37 @@ def write_results(
             plot_bandwidth(op_rows, bandwidth_path, measured)
             written += [png_path, bandwidth_path]
     return written
+
+
+def _case(row: dict) -> tuple:
+    return row["mode"], tuple(row["shape"]), row["dtype"]
+
+
+def merged_rows(table: list[dict], rows: list[dict]) -> list[dict]:
+    """``table`` with ``rows`` in place of the rows of their cases (mode, shape, dtype), where the
+    first of them stood; cases the table lacks go at its end."""
+    fresh = defaultdict(list)
+    for row in rows:
+        fresh[_case(row)].append(row)
+    merged = []
+    for row in table:
+        case = _case(row)
+        if case not in fresh:
+            merged.append(row)
+        elif fresh[case]:  # the first of the case's old rows: all its new ones, once
+            merged += fresh[case]
+            fresh[case] = []
+    return merged + [row for case_rows in fresh.values() for row in case_rows]
+
+
+def _commits_line(rows: list[dict]) -> str:
+    """Below a table whose rows come from more than one commit, which and how many (each row's
+    JSON has its command); else nothing."""
+    commits = Counter(str(r.get("git_sha", "?"))[:7] for r in rows)
+    if len(commits) < 2:
+        return ""
+    runs = ", ".join(f"{sha} ({n} rows)" for sha, n in commits.items())
+    return f"\nRows from more than one run: {runs}.\n"
 
 
 CHECKPOINT = "bench-checkpoint-{}.jsonl"  # a GPU run's rows so far, beside its results
