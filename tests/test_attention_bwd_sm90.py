@@ -177,7 +177,7 @@ def test_the_default_config_by_mode_mask_and_grouping(head_dim):
             assert bwd_sm90.default_config(head_dim, False, gqa, causal) == tile
             deterministic = bwd_sm90.default_config(head_dim, True, gqa, causal)
             assert deterministic == tile._replace(
-                shared_dq=True, per_query_head=gqa and causal, acquire_first=not causal
+                shared_dq=True, per_query_head=gqa and causal, acquire_first=True
             )
 
 

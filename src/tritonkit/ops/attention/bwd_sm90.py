@@ -77,15 +77,13 @@ def default_config(head_dim: int, deterministic: bool, gqa: bool = False, causal
     6ea5362, 0.67-0.77x cuDNN against 0.51-0.58x; `python benchmarks/attention_bwd_sm90.py OUT.json
     --candidates --skip-triton --shape 4,32,32,4096,64`), and per_query_head where it is
     deterministic with GQA and the mask wants it (DETERMINISTIC_GQA_PER_QUERY_HEAD), and
-    acquire_first where it was measured to pay: a full mask's walk (+12-13% at D = 64 on an H100,
-    `docs/perf-notes/attention-backward-determinism.md`; a causal walk's is not yet timed)."""
+    acquire_first (on an H100: +12-13% at D = 64 under a full mask, +3% causal, level to +5% at
+    D = 128; `docs/perf-notes/attention-backward-determinism.md`)."""
     config = CONFIGS[head_dim]
     if not deterministic:
         return config
     return config._replace(
-        shared_dq=True,
-        per_query_head=gqa and DETERMINISTIC_GQA_PER_QUERY_HEAD[causal],
-        acquire_first=not causal,
+        shared_dq=True, per_query_head=gqa and DETERMINISTIC_GQA_PER_QUERY_HEAD[causal], acquire_first=True
     )
 
 
