@@ -129,11 +129,51 @@ def test_window_backward_equals_the_plain_one(shape, dtype, device, monkeypatch)
     x, b, dy = _inputs(shape, dtype, device, seed=shape[1])
     (dx, db), (plain_dx, plain_db) = _backward_both_ways(x, b, dy, monkeypatch)
     monkeypatch.setattr(bg, "WINDOWS", True)
-    (launch,) = bg._bwd_launches(dy, x, b, dx, torch.empty_like(b), "none")[0]
+    launch = bg._bwd_launches(dy, x, b, dx, torch.empty_like(b), "none")[0]
     assert launch.meta["WINDOW"] == 16 // dtype.itemsize and launch.meta["ROW_TILES"] > 1
     assert torch.equal(dx, plain_dx)
     torch.testing.assert_close(db, plain_db, rtol=1e-5 if dtype == F32 else 1e-2, atol=1e-5)
     assert all(c.passed for c in _check(x, b, dy)), [str(c) for c in _check(x, b, dy)]
+
+
+class _NoLaunch:
+    """A kernel's launcher that launches nothing and gives a plan an entry that launches nothing."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __call__(self, grid, *args, **meta):
+        return None
+
+    def entry(self, args, meta):
+        return (lambda *args: None, 0, False, False, None, (), None)
+
+
+@pytest.mark.parametrize("shape", [(96, 500), (8, 256)], ids=str)
+def test_a_call_like_one_before_replays_its_launches(shape, monkeypatch):
+    """Forward and backward declare ``replay``: with launches faked as a GPU's (nothing runs), a
+    second call of a signature replays the first's plan. The backward's db is the norms' second
+    stage, a launch, where a torch sum and copy after the kernel kept it from having a plan
+    (96 x 500: the kernel then the sum; 8 x 256: one program writing db itself)."""
+    from tritonkit import _launch, opdef, tuning
+
+    monkeypatch.setattr(_launch, "launcher_of", _NoLaunch)
+    monkeypatch.setattr(_launch, "interpret", lambda: False)
+    monkeypatch.setattr(tuning, "tuning_possible", lambda: True)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: -1, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)
+    opdef.forget_plans()
+    try:
+        for seed in (1, 2):
+            x, b, dy = _inputs(shape, BF16, "cpu", seed=seed)
+            bias_gelu(x.requires_grad_(), b.requires_grad_()).backward(dy)
+        for op in (bg._forward, bg._backward):
+            (plan,) = op.plans.values()
+            assert plan is not None, op.__name__
+        (plan,) = bg._backward.plans.values()
+        assert len(plan._steps) == (2 if shape == (96, 500) else 1)
+    finally:
+        opdef.forget_plans()
 
 
 @pytest.mark.parametrize("shape", [(21, 10), (2, 1), (64, 27)], ids=str)
@@ -144,8 +184,8 @@ def test_a_tiny_backward_is_one_launch(shape, dtype, device, monkeypatch):
     at 21 x 10, where torch.compile's backward is one kernel). The gradients match."""
     x, b, dy = _inputs(shape, dtype, device, seed=shape[0])
     db = torch.full_like(b, float("nan"))
-    (launch,), db_partial = bg._bwd_launches(dy, x, b, torch.empty_like(x), db, "none")
-    assert launch.grid[0] == 1 and launch.meta["WINDOW"] == 0 and db_partial is db
+    (launch,) = bg._bwd_launches(dy, x, b, torch.empty_like(x), db, "none")
+    assert launch.grid[0] == 1 and launch.meta["WINDOW"] == 0 and launch.args[4] is db
     sums = []
     monkeypatch.setattr(torch.Tensor, "sum", lambda *a, **k: sums.append(a) or torch.sum(*a, **k))
     assert all(c.passed for c in _check(x, b, dy)), [str(c) for c in _check(x, b, dy)]
@@ -160,7 +200,7 @@ def test_which_backward_calls_take_windows(device):
 
     def window(x, dy):
         dx = torch.empty_like(x)
-        (launch,) = bg._bwd_launches(dy, x, b, dx, torch.empty_like(b), "none")[0]
+        launch = bg._bwd_launches(dy, x, b, dx, torch.empty_like(b), "none")[0]
         return launch.meta["WINDOW"]
 
     assert window(x, dy) == 8
@@ -508,8 +548,12 @@ def test_rows_of_any_length_move_as_wide_as_their_alignment_allows():
     """Rows of 2900 bf16 entries (a multiple of 4, not of 16) move forward in 8-byte vectors, of 2904
     in 16-byte ones (``_launch.row_align``), where Triton alone moved them an entry at a time; the
     backward takes rows off their 16-byte vectors (2900, and 3027, odd) in windows: 16-byte vectors
-    but for the rows' first and last entries (an entry at a time) and its fp32 db partials."""
+    but for the rows' first and last entries (an entry at a time) and its fp32 db partials, which
+    the norms' second stage sums in loads as wide as their fp32 rows allow (16 bytes, 4 at 3027)."""
     rows = sm90.access_widths("bias_gelu", [(4096, 2900), (4096, 2904), (4096, 3027)])
+    sums = [row for row in rows if row["launch"] == "bwd partial sums"]
+    assert [set(row["loads"]) for row in sums] == [{128}, {128}, {32}], sums
+    rows = [row for row in rows if row not in sums]
     assert len(rows) == 6, rows
     for row in rows:
         n, backward = row["shape"][1], row["launch"] == "bwd"
@@ -531,7 +575,7 @@ from tritonkit.asm import compile_launch
 for dtype, n in ((torch.bfloat16, 3027), (torch.float32, 195), (torch.bfloat16, 2900)):
     x = torch.empty((38788, n), dtype=dtype, device="meta")
     b = torch.empty((n,), dtype=dtype, device="meta")
-    (launch,) = bg._bwd_launches(x, x, b, x, torch.empty_like(b), "none")[0]
+    launch = bg._bwd_launches(x, x, b, x, torch.empty_like(b), "none")[0]
     report = compile_launch(launch)
     print(launch.meta["WINDOW"], report.registers, report.occupancy[0], not report.spills)
 """

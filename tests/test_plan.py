@@ -235,11 +235,11 @@ def _norm_mlp_rope(x, w, wg, wu, cos, sin, dy):
     return [h, q, y, x.grad, w.grad, wg.grad, wu.grad]
 
 
-def _layer_norm_softmax_loss(x, w, b, dy):
+def _layer_norm_gelu_softmax_loss(x, w, b, dy):
     import tritonkit
 
     h = tritonkit.layer_norm(x, x.shape[-1], w, b)
-    p = tritonkit.softmax(h, -1)
+    p = tritonkit.softmax(tritonkit.bias_gelu(h, b), -1)
     target = torch.arange(x.shape[0], device=x.device) % x.shape[-1]
     loss = tritonkit.cross_entropy(h, target)
     (loss + (p * dy).sum()).backward()
@@ -272,7 +272,7 @@ def _fp8_operands(seed: int) -> list:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "family", ["attention", "norm, rope, mlp", "layer_norm, softmax, cross_entropy", "scaled_mm"]
+    "family", ["attention", "norm, rope, mlp", "layer_norm, bias_gelu, softmax, cross_entropy", "scaled_mm"]
 )
 def test_replayed_ops_give_the_bits_of_their_full_path(family):
     from tritonkit.ops import cross_entropy, rotary
@@ -294,11 +294,13 @@ def test_replayed_ops_give_the_bits_of_their_full_path(family):
         call, ops = _attention, (attention._forward, attention._backward)
         shapes = [(2, 4, 300, 128), (2, 2, 300, 128), (2, 2, 300, 128), (2, 4, 300, 128)]
         make = lambda seed: leaves(seed, shapes, 3)  # noqa: E731
-    elif family == "layer_norm, softmax, cross_entropy":
+    elif family == "layer_norm, bias_gelu, softmax, cross_entropy":
         softmax = importlib.import_module("tritonkit.ops.softmax.softmax")
-        call = _layer_norm_softmax_loss
+        call = _layer_norm_gelu_softmax_loss
+        bias_gelu = importlib.import_module("tritonkit.ops.bias_gelu")
         ops = (norm._forward, norm._backward, softmax._forward, softmax._backward,
-               cross_entropy._forward, cross_entropy._backward)  # fmt: skip
+               cross_entropy._forward, cross_entropy._backward, bias_gelu._forward,
+               bias_gelu._backward)  # fmt: skip
         make = lambda seed: leaves(seed, [(96, 500), (500,), (500,), (96, 500)], 3)  # noqa: E731
     else:
         call = _norm_mlp_rope

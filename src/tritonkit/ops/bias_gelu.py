@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from tritonkit._launch import Launch, cdiv, row_align, row_window
+from tritonkit._launch import Launch, cdiv, row_align, row_window, scratch
 from tritonkit._runtime import empty_output, sm_count
 from tritonkit._triton import tl, triton
 from tritonkit.dtypes import FLOATS
@@ -39,6 +39,7 @@ from tritonkit.jit import (
 )
 from tritonkit.opdef import check_tensor, first_derivative_only, op
 from tritonkit.ops import Op, Workload
+from tritonkit.ops.norm.norm import _sum_partials_launch
 
 APPROXIMATIONS = ("none", "tanh")
 DTYPES = FLOATS
@@ -295,10 +296,11 @@ def _align(n_cols: int, *tensors: torch.Tensor) -> int:
     return row_align((n_cols, *rows), min(t.element_size() for t in tensors))
 
 
-def _bwd_launches(grad_output, input, bias, dx, db, approximate: str) -> tuple[list[Launch], torch.Tensor]:
-    """(the backward kernel's launch, where it writes db's fp32 partial sums): one row a program's
-    ROW_TILES tiles of rows, or in windows one per row of its tiles (``_bias_gelu_bwd_window``);
-    ``db`` itself where that makes one row (a tiny input: no sum after the kernel)."""
+def _bwd_launches(grad_output, input, bias, dx, db, approximate: str) -> list[Launch]:
+    """The backward kernel's launch, then the sum of db's fp32 partials (the norms' second stage,
+    which casts as it stores): one partial row a program's ROW_TILES tiles of rows, or in windows
+    one per row of its tiles (``_bias_gelu_bwd_window``); ``db`` itself where that makes one row
+    (a tiny input: no sum after the kernel)."""
     n_cols = input.shape[-1]
     x, dy = input.reshape(-1, n_cols), grad_output.reshape(-1, n_cols)
     block_m, block_n, row_tiles, window = _bwd_tiles(x, dy, dx.reshape(-1, n_cols))
@@ -309,7 +311,7 @@ def _bwd_launches(grad_output, input, bias, dx, db, approximate: str) -> tuple[l
     if partial_rows == 1 and db.is_contiguous():  # one row of partials: db itself, cast as stored
         db_partial = db
     else:
-        db_partial = empty_output((partial_rows, n_cols), torch.float32, input.device)
+        db_partial = scratch((partial_rows, n_cols), torch.float32, input.device)
     meta = {
         "APPROX_TANH": approximate == "tanh",
         "BLOCK_M": block_m,
@@ -333,7 +335,8 @@ def _bwd_launches(grad_output, input, bias, dx, db, approximate: str) -> tuple[l
         x.stride(1),
         bias.stride(0),
     )
-    return [Launch("bwd", _bias_gelu_bwd_kernel, args, meta, grid=grid)], db_partial
+    main = Launch("bwd", _bias_gelu_bwd_kernel, args, meta, grid=grid)
+    return [main] if db_partial is db else [main, _sum_partials_launch(None, db_partial, None, db)]
 
 
 def _bwd_tiles(x: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor) -> tuple[int, int, int, int]:
@@ -359,14 +362,14 @@ def _bwd_tiles(x: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor) -> tuple[int
 # ---------------------------------------------------------------- ops and autograd
 
 
-@op("bias_gelu", mutates=("y",))
+@op("bias_gelu", mutates=("y",), replay=True)
 def _forward(input: torch.Tensor, bias: torch.Tensor, approximate: str, y: torch.Tensor) -> None:
     if y.numel():
         for launch in _fwd_launches(input, bias, y, approximate):
             launch.run()
 
 
-@op("bias_gelu_backward", mutates=("dx", "db"))
+@op("bias_gelu_backward", mutates=("dx", "db"), replay=lambda: (WINDOWS,))
 def _backward(
     grad_output: torch.Tensor,
     input: torch.Tensor,
@@ -383,11 +386,8 @@ def _backward(
     if input.numel() == 0:  # before the reshape, which cannot infer -1 when the last dim is 0
         db.zero_()
         return
-    launches, db_partial = _bwd_launches(grad_output, input, bias, dx, db, approximate)
-    for launch in launches:
+    for launch in _bwd_launches(grad_output, input, bias, dx, db, approximate):
         launch.run()
-    if db_partial is not db:
-        db.copy_(db_partial.sum(0))
 
 
 class _BiasGelu(torch.autograd.Function):
@@ -458,7 +458,7 @@ def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None = No
     if config is not None:
         raise ValueError("bias_gelu has no tuning configs: its tile follows from the row length and dtype")
     x, b = torch.empty(shape, dtype=dtype, device="meta"), torch.empty(shape[-1:], dtype=dtype, device="meta")
-    return [*_fwd_launches(x, b, x, "none"), *_bwd_launches(x, x, b, x, torch.empty_like(b), "none")[0]]
+    return [*_fwd_launches(x, b, x, "none"), *_bwd_launches(x, x, b, x, torch.empty_like(b), "none")]
 
 
 def _make_inputs(shape: tuple, dtype: torch.dtype, device, generator: torch.Generator) -> tuple:
