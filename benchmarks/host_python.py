@@ -87,6 +87,7 @@ def _pairs() -> dict:
         "layer_norm": ((x, w, b), lambda x, w, b: tritonkit.layer_norm(x, HIDDEN, w, b)),
         "linear": ((x, wm), tritonkit.linear),
         "cross_entropy": ((x, target), tritonkit.cross_entropy),
+        "bias_gelu": ((x, b), tritonkit.bias_gelu),
         "autograd.Function allocating only": ((x, w), _Allocating.apply),
         "torch.empty_like (no backward)": ((x,), torch.empty_like),
     }
