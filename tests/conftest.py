@@ -23,6 +23,31 @@ def device() -> str:
     return "cpu" if _runtime.interpret() else "cuda"
 
 
+class _NoLaunch:
+    """A kernel's launcher that launches nothing, and gives a plan an entry that launches nothing."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __call__(self, grid, *args, **meta):
+        return None
+
+    def entry(self, args, meta):
+        return (lambda *args: None, 0, False, False, None, (), None)
+
+
+@pytest.fixture
+def launches_faked(monkeypatch):
+    """Ops on CPU tensors as on a GPU, every launch doing nothing: their plans record and replay
+    (what a call launches, not what it computes; outputs are garbage)."""
+    from tritonkit import _launch
+
+    monkeypatch.setattr(_launch, "launcher_of", _NoLaunch)
+    monkeypatch.setattr(_launch, "interpret", lambda: False)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: -1, raising=False)  # (CPU builds lack them)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         # one worker runs the tests that hold gigabytes, in turn (with `--dist loadgroup`, as

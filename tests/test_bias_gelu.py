@@ -136,44 +136,21 @@ def test_window_backward_equals_the_plain_one(shape, dtype, device, monkeypatch)
     assert all(c.passed for c in _check(x, b, dy)), [str(c) for c in _check(x, b, dy)]
 
 
-class _NoLaunch:
-    """A kernel's launcher that launches nothing and gives a plan an entry that launches nothing."""
-
-    def __init__(self, kernel):
-        self.kernel = kernel
-
-    def __call__(self, grid, *args, **meta):
-        return None
-
-    def entry(self, args, meta):
-        return (lambda *args: None, 0, False, False, None, (), None)
-
-
+@pytest.mark.tuning_default  # (the default, tuning off: the configs chosen are final, so plans record)
 @pytest.mark.parametrize("shape", [(96, 500), (8, 256)], ids=str)
-def test_a_call_like_one_before_replays_its_launches(shape, monkeypatch):
+def test_a_call_like_one_before_replays_its_launches(shape, launches_faked):
     """Forward and backward declare ``replay``: with launches faked as a GPU's (nothing runs), a
     second call of a signature replays the first's plan. The backward's db is the norms' second
     stage, a launch, where a torch sum and copy after the kernel kept it from having a plan
     (96 x 500: the kernel then the sum; 8 x 256: one program writing db itself)."""
-    from tritonkit import _launch, opdef, tuning
-
-    monkeypatch.setattr(_launch, "launcher_of", _NoLaunch)
-    monkeypatch.setattr(_launch, "interpret", lambda: False)
-    monkeypatch.setattr(tuning, "tuning_possible", lambda: True)
-    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: -1, raising=False)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)
-    opdef.forget_plans()
-    try:
-        for seed in (1, 2):
-            x, b, dy = _inputs(shape, BF16, "cpu", seed=seed)
-            bias_gelu(x.requires_grad_(), b.requires_grad_()).backward(dy)
-        for op in (bg._forward, bg._backward):
-            (plan,) = op.plans.values()
-            assert plan is not None, op.__name__
-        (plan,) = bg._backward.plans.values()
-        assert len(plan._steps) == (2 if shape == (96, 500) else 1)
-    finally:
-        opdef.forget_plans()
+    for seed in (1, 2):
+        x, b, dy = _inputs(shape, BF16, "cpu", seed=seed)
+        bias_gelu(x.requires_grad_(), b.requires_grad_()).backward(dy)
+    for op in (bg._forward, bg._backward):
+        (plan,) = op.plans.values()
+        assert plan is not None, op.__name__
+    (plan,) = bg._backward.plans.values()
+    assert len(plan._steps) == (2 if shape == (96, 500) else 1)
 
 
 @pytest.mark.parametrize("shape", [(21, 10), (2, 1), (64, 27)], ids=str)

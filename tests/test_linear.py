@@ -506,23 +506,47 @@ def test_activation_backward_pass(sms, monkeypatch, device):
     slope = torch.autograd.functional.vjp(
         lambda t: mm.REFERENCE_ACTIVATIONS["silu"](t), z.double(), torch.ones_like(z, dtype=torch.float64)
     )[1]
+
+    def unset_db():
+        return torch.full((257,), float("nan"), dtype=torch.float32, device=device)
+
     with poisoned_outputs():
-        dz, du, db = op_module._activation_backward(dy, z, ACTIVATIONS["silu"], sum_db=True)
+        db = unset_db()
+        dz, du = op_module._activation_backward(dy, z, ACTIVATIONS["silu"], db=db)
     assert du is None
     expected = (dy.double() * slope).to(F16)
     assert (dz.double() - expected.double()).abs().max() <= 1e-3 * expected.double().abs().max()
     assert torch.allclose(db.double(), dz.double().sum(0), rtol=1e-5, atol=1e-3)
     with poisoned_outputs():
-        dg, du, none = op_module._activation_backward(dy, z, ACTIVATIONS["silu"], u=u)
-    assert none is None
+        dg, du = op_module._activation_backward(dy, z, ACTIVATIONS["silu"], u=u)
     torch.testing.assert_close(dg.double(), dy.double() * u.double() * slope, rtol=2e-3, atol=2e-3)
     torch.testing.assert_close(
         du.double(), dy.double() * mm.REFERENCE_ACTIVATIONS["silu"](z.double()), rtol=2e-3, atol=2e-3
     )
-    plain, _, db = op_module._activation_backward(dy, None, 0, sum_db=True)  # no activation: dz is dy
+    db = unset_db()
+    plain, _ = op_module._activation_backward(dy, None, 0, db=db)  # no activation: dz is dy
     assert plain is dy and torch.allclose(db.double(), dy.double().sum(0), rtol=1e-5, atol=1e-3)
-    _, _, zeros = op_module._activation_backward(dy[:0], None, 0, sum_db=True)
+    zeros = unset_db()
+    op_module._activation_backward(dy[:0], None, 0, db=zeros)
     assert torch.equal(zeros, torch.zeros(257, dtype=torch.float32, device=device))
+
+
+@pytest.mark.tuning_default  # (the default, tuning off: the configs chosen are final, so plans record)
+@pytest.mark.parametrize("activation", [None, "gelu"])
+def test_a_backward_like_one_before_replays_its_launches(activation, launches_faked):
+    """linear's backward declares ``replay``: with launches faked as a GPU's (nothing runs), a second
+    call of a signature replays the first's plan, a bias's db included (summed by the norms' second
+    stage, a launch, where a torch sum and copy kept the op from having a plan)."""
+    for seed in (1, 2):
+        g = generator(seed)
+        x, w, b = (
+            random_tensor(shape, BF16, "cpu", generator=g).requires_grad_()
+            for shape in ((96, 64), (80, 64), (80,))
+        )
+        tritonkit.linear(x, w, b, activation).backward(random_tensor((96, 80), BF16, "cpu", generator=g))
+    backward = op_module._linear_backward_spending_pre if activation else op_module._linear_backward
+    (plan,) = backward.plans.values()
+    assert plan is not None
 
 
 @pytest.mark.parametrize("name", ["gelu_tanh"])

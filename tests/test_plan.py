@@ -225,14 +225,15 @@ def _attention(q, k, v, do):
     return [out, q.grad, k.grad, v.grad]
 
 
-def _norm_mlp_rope(x, w, wg, wu, cos, sin, dy):
+def _norm_mlp_rope(x, w, wg, wu, wd, bd, cos, sin, dy):
     import tritonkit
 
     h = tritonkit.rms_norm(x, (x.shape[-1],), w, eps=1e-6)
     q, k = tritonkit.apply_rotary_pos_emb(h[:, None], h[:, None], cos, sin)
     y = tritonkit.gated_linear(q[:, 0] + k[:, 0], wg, wu)
-    y.backward(dy)
-    return [h, q, y, x.grad, w.grad, wg.grad, wu.grad]
+    out = tritonkit.linear(y, wd, bd, "gelu")
+    out.backward(dy)
+    return [h, q, y, out, x.grad, w.grad, wg.grad, wu.grad, wd.grad, bd.grad]
 
 
 def _layer_norm_gelu_softmax_loss(x, w, b, dy):
@@ -272,7 +273,8 @@ def _fp8_operands(seed: int) -> list:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "family", ["attention", "norm, rope, mlp", "layer_norm, bias_gelu, softmax, cross_entropy", "scaled_mm"]
+    "family",
+    ["attention", "norm, rope, mlp, linear", "layer_norm, bias_gelu, softmax, cross_entropy", "scaled_mm"],
 )
 def test_replayed_ops_give_the_bits_of_their_full_path(family):
     from tritonkit.ops import cross_entropy, rotary
@@ -305,9 +307,10 @@ def test_replayed_ops_give_the_bits_of_their_full_path(family):
     else:
         call = _norm_mlp_rope
         ops = (norm._forward, norm._backward, rotary._rotary, linear._gated_forward,
-               linear._gated_backward_spending_products)  # fmt: skip
-        shapes = [(2, 96, 512), (512,), (384, 512), (384, 512), (96, 512), (96, 512), (2, 96, 384)]
-        make = lambda seed: leaves(seed, shapes, 4)  # noqa: E731
+               linear._gated_backward_spending_products, linear._linear_forward,
+               linear._linear_backward_spending_pre)  # fmt: skip
+        shapes = [(2, 96, 512), (512,), (384, 512), (384, 512), (512, 384), (512,), (96, 512), (96, 512)]
+        make = lambda seed: leaves(seed, [*shapes, (2, 96, 512)], 6)  # noqa: E731
     recorded, replayed, full = _twice(call, make)
     for op in ops:
         assert any(plan is not None for plan in op.plans.values()), op.__name__

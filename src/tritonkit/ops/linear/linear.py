@@ -51,6 +51,7 @@ from tritonkit.ops.linear.matmul import (
     unit_stride_bias,
     untuned_tile,
 )
+from tritonkit.ops.norm.norm import _sum_partials_launch
 from tritonkit.roofline import Cost
 
 DTYPES = HALVES
@@ -108,7 +109,7 @@ def _db_partial(dy: torch.Tensor) -> torch.Tensor:
     """db's fp32 partial sums: one row a program of the elementwise backward on dy's rows."""
     (m, n), device = dy.shape, dy.device
     block_m, _, row_tiles = _elementwise_tiles(m, n, dy.element_size(), sm_count(device))
-    return empty_output((cdiv(m, block_m * row_tiles), n), torch.float32, device)
+    return scratch((cdiv(m, block_m * row_tiles), n), torch.float32, device)
 
 
 def _elementwise_launches(dy, z, u, dz, du, db_partial, activation: int) -> list[Launch]:
@@ -134,22 +135,25 @@ def _elementwise_launches(dy, z, u, dz, du, db_partial, activation: int) -> list
     return [Launch(name, _activation_backward_kernel, args, meta, grid=grid)]
 
 
-def _activation_backward(dy, z, activation: int, *, u=None, sum_db: bool = False, in_place: bool = False):
-    """(dz, du, db) of the rows (M, N) of dy: dz = dy * act'(z), or dy itself when there is no
-    activation; gated (u given), dz = dg = dy * u * act'(z) and du = dy * act(z); db, the sums of
-    dz over the rows in fp32, when ``sum_db`` (else None). ``in_place``: dz (dg) into z's memory and
-    du into u's (each element is read before it is written, by the same thread)."""
+def _activation_backward(dy, z, activation: int, *, u=None, db=None, in_place: bool = False):
+    """(dz, du) of the rows (M, N) of dy: dz = dy * act'(z), or dy itself when there is no
+    activation; gated (u given), dz = dg = dy * u * act'(z) and du = dy * act(z); into ``db`` where
+    given, the sums of dz over the rows (fp32 partials a program, then the norms' second stage,
+    which casts as it stores: launches alone, so that the op replays). ``in_place``: dz (dg) into
+    z's memory and du into u's (each element is read before it is written, by the same thread)."""
     gated, store = u is not None, bool(activation) or u is not None
     (m, n), device = dy.shape, dy.device
     dz = (z if in_place else scratch((m, n), dy.dtype, device)) if store else dy
     du = (u if in_place else scratch((m, n), dy.dtype, device)) if gated else None
-    if not (store or sum_db):
-        return dz, du, None
-    db_partial = _db_partial(dy) if sum_db else None
+    if not (store or db is not None):
+        return dz, du
+    db_partial = _db_partial(dy) if db is not None else None
     if m and n:
         for launch in _elementwise_launches(dy, z, u, dz if store else None, du, db_partial, activation):
             launch.run()
-    return dz, du, db_partial.sum(0) if sum_db else None  # no rows: a sum over none, zeros
+    if db is not None and n:  # (no rows: no partials, and the sum stores zeros)
+        _sum_partials_launch(None, db_partial, None, db).run()
+    return dz, du
 
 
 # ---------------------------------------------------------------- ops and autograd: linear
@@ -182,18 +186,16 @@ def _linear_backward_pass(grad_output, input, weight, pre, activation, dx, dw, d
     """dx, dW and db of y = act(x W^T + b) + r, each into its tensor where given; ``pre`` is the
     forward's z (None without an activation), dz written over it where ``in_place``."""
     code = ACTIVATIONS[activation]
-    dz, _, db_sum = _activation_backward(
-        as_rows(grad_output), as_rows(pre) if code else None, code, sum_db=db is not None, in_place=in_place
+    dz, _ = _activation_backward(
+        as_rows(grad_output), as_rows(pre) if code else None, code, db=db, in_place=in_place
     )
     if dx is not None:  # dx = dz W: A = dz (M, N), B = W^T, a (K, N) view
         matmul(dz, weight.t(), as_rows(dx))
     if dw is not None:  # dW = dz^T x: A = dz^T (N, M), B = x^T (K, M)
         matmul(dz.t(), as_rows(input).t(), dw)
-    if db is not None:
-        db.copy_(db_sum)
 
 
-@op("linear_backward", mutates=("dx", "dw", "db"))
+@op("linear_backward", mutates=("dx", "dw", "db"), replay=True)
 def _linear_backward(
     grad_output: torch.Tensor,
     input: torch.Tensor,
@@ -208,7 +210,7 @@ def _linear_backward(
     _linear_backward_pass(grad_output, input, weight, pre, activation, dx, dw, db, False)
 
 
-@op("linear_backward_spending_pre", mutates=("pre", "dx", "dw", "db"))
+@op("linear_backward_spending_pre", mutates=("pre", "dx", "dw", "db"), replay=True)
 def _linear_backward_spending_pre(
     grad_output: torch.Tensor,
     input: torch.Tensor,
@@ -366,7 +368,7 @@ def _gated_backward_pass(
     in one elementwise pass (into g's and u's memory where ``in_place``), then dx = dg Wg + du Wu
     (below SPLIT_ROWS rows one kernel, one accumulator; from SPLIT_ROWS two matmuls), dWg = dg^T x
     and dWu = du^T x."""
-    dg, du, _ = _activation_backward(
+    dg, du = _activation_backward(
         as_rows(grad_output), as_rows(g), ACTIVATIONS[activation], u=as_rows(u), in_place=in_place
     )
     if dx is not None and dg.shape[0] < SPLIT_ROWS:
