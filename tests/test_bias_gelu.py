@@ -136,23 +136,6 @@ def test_window_backward_equals_the_plain_one(shape, dtype, device, monkeypatch)
     assert all(c.passed for c in _check(x, b, dy)), [str(c) for c in _check(x, b, dy)]
 
 
-@pytest.mark.tuning_default  # (the default, tuning off: the configs chosen are final, so plans record)
-@pytest.mark.parametrize("shape", [(96, 500), (8, 256)], ids=str)
-def test_a_call_like_one_before_replays_its_launches(shape, launches_faked):
-    """Forward and backward declare ``replay``: with launches faked as a GPU's (nothing runs), a
-    second call of a signature replays the first's plan. The backward's db is the norms' second
-    stage, a launch, where a torch sum and copy after the kernel kept it from having a plan
-    (96 x 500: the kernel then the sum; 8 x 256: one program writing db itself)."""
-    for seed in (1, 2):
-        x, b, dy = _inputs(shape, BF16, "cpu", seed=seed)
-        bias_gelu(x.requires_grad_(), b.requires_grad_()).backward(dy)
-    for op in (bg._forward, bg._backward):
-        (plan,) = op.plans.values()
-        assert plan is not None, op.__name__
-    (plan,) = bg._backward.plans.values()
-    assert len(plan._steps) == (2 if shape == (96, 500) else 1)
-
-
 @pytest.mark.parametrize("shape", [(21, 10), (2, 1), (64, 27)], ids=str)
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
 def test_a_tiny_backward_is_one_launch(shape, dtype, device, monkeypatch):

@@ -48,10 +48,11 @@ def test_fingerprints_tell_which_launches_compile_differently(tmp_path):
     result = _cli("bias_gelu", "--fingerprints", str(out), "--against", str(tmp_path / "earlier.json"))
     assert result.returncode == 1, result.stderr
     prints = json.loads(out.read_text())
-    assert "bias_gelu 8192x4096 bf16 bwd" in prints and len(prints) == 4  # two shapes, fwd and bwd
+    # two shapes, fwd, bwd and the sum of db's partials
+    assert "bias_gelu 8192x4096 bf16 bwd" in prints and len(prints) == 6
     assert all(len(p["sass"]) == 16 and p["registers"] > 0 for p in prints.values())
     assert "differs: bias_gelu 8192x4096 bf16 fwd" in result.stdout
-    assert "0 of 4 launches compile as in" in result.stdout and "1 differ, 3 not there" in result.stdout
+    assert "0 of 6 launches compile as in" in result.stdout and "1 differ, 5 not there" in result.stdout
 
 
 def test_cli_reports_each_launch():
@@ -79,7 +80,8 @@ def test_cli_writes_the_irs(tmp_path):
     result = _cli("bias_gelu", "--shape", "64x256", "--dtype", "fp16", "--arch", "sm_80", "-o", str(tmp_path))
     assert result.returncode == 0, result.stderr[-2000:]
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == sorted(f"bias_gelu-{d}-sm_80.{ir}" for d in ("fwd", "bwd") for ir in asm.IRS)
+    launches = ("fwd", "bwd", "bwd-partial-sums")
+    assert names == sorted(f"bias_gelu-{d}-sm_80.{ir}" for d in launches for ir in asm.IRS)
     assert ".target sm_80" in (tmp_path / "bias_gelu-fwd-sm_80.ptx").read_text()
     assert "HMMA" not in (tmp_path / "bias_gelu-fwd-sm_80.sass").read_text()  # elementwise: no matmul
 

@@ -531,24 +531,6 @@ def test_activation_backward_pass(sms, monkeypatch, device):
     assert torch.equal(zeros, torch.zeros(257, dtype=torch.float32, device=device))
 
 
-@pytest.mark.tuning_default  # (the default, tuning off: the configs chosen are final, so plans record)
-@pytest.mark.parametrize("activation", [None, "gelu"])
-def test_a_backward_like_one_before_replays_its_launches(activation, launches_faked):
-    """linear's backward declares ``replay``: with launches faked as a GPU's (nothing runs), a second
-    call of a signature replays the first's plan, a bias's db included (summed by the norms' second
-    stage, a launch, where a torch sum and copy kept the op from having a plan)."""
-    for seed in (1, 2):
-        g = generator(seed)
-        x, w, b = (
-            random_tensor(shape, BF16, "cpu", generator=g).requires_grad_()
-            for shape in ((96, 64), (80, 64), (80,))
-        )
-        tritonkit.linear(x, w, b, activation).backward(random_tensor((96, 80), BF16, "cpu", generator=g))
-    backward = op_module._linear_backward_spending_pre if activation else op_module._linear_backward
-    (plan,) = backward.plans.values()
-    assert plan is not None
-
-
 @pytest.mark.parametrize("name", ["gelu_tanh"])
 def test_fast_activation_forms_equal_the_exact_ones(name, monkeypatch, device):
     """The epilogue's GELU (tanh) for 16-bit outputs (z sigmoid(2u): one exp2 and a division)

@@ -199,6 +199,51 @@ def test_a_plan_is_not_recorded_where_a_replay_could_not_reproduce_the_call(fake
     assert _launch.Plan.record(launches, tensors) is None
 
 
+def _bias_gelu_call(seed: int, shape: tuple) -> None:
+    import tritonkit
+
+    g = generator(seed)
+    x, b, dy = (random_tensor(s, BF16, "cpu", generator=g) for s in (shape, shape[-1:], shape))
+    tritonkit.bias_gelu(x.requires_grad_(), b.requires_grad_()).backward(dy)
+
+
+def _linear_call(seed: int, activation: str | None) -> None:
+    import tritonkit
+
+    g = generator(seed)
+    x, w, b = (
+        random_tensor(s, BF16, "cpu", generator=g).requires_grad_() for s in ((96, 64), (80, 64), (80,))
+    )
+    tritonkit.linear(x, w, b, activation).backward(random_tensor((96, 80), BF16, "cpu", generator=g))
+
+
+@pytest.mark.tuning_default  # (the default, tuning off: the configs chosen are final, so plans record)
+@pytest.mark.parametrize(
+    "case", ["bias_gelu 96x500", "bias_gelu 8x256", "linear, bias", "linear, bias, gelu"]
+)
+def test_ops_whose_db_is_a_launch_record_and_replay_their_calls(case, launches_faked):
+    """With launches faked as a GPU's (nothing runs), a second call of a signature replays the
+    first's plan, forward and backward. bias_gelu's and linear's db is the norms' second stage (a
+    launch), where a torch sum and copy after the kernel kept each backward from having a plan
+    (bias_gelu at 96 x 500 the kernel then the sum, at 8 x 256 one program writing db itself)."""
+    bias_gelu = importlib.import_module("tritonkit.ops.bias_gelu")
+    linear = importlib.import_module("tritonkit.ops.linear.linear")
+    for seed in (1, 2):
+        if case.startswith("bias_gelu"):
+            _bias_gelu_call(seed, tuple(int(n) for n in case.split()[1].split("x")))
+        else:
+            _linear_call(seed, "gelu" if case.endswith("gelu") else None)
+    if case.startswith("bias_gelu"):
+        ops, steps = (bias_gelu._forward, bias_gelu._backward), (2 if "96x500" in case else 1)
+    else:
+        backward = linear._linear_backward_spending_pre if case.endswith("gelu") else linear._linear_backward
+        ops, steps = (linear._linear_forward, backward), None
+    for op in ops:
+        (plan,) = op.plans.values()
+        assert plan is not None, op.__name__
+    assert steps is None or len(plan._steps) == steps
+
+
 # ---------------------------------------------------------------- on the GPU: the full path's bits
 
 

@@ -39,7 +39,7 @@ from tritonkit.jit import (
 )
 from tritonkit.opdef import check_tensor, first_derivative_only, op
 from tritonkit.ops import Op, Workload
-from tritonkit.ops.norm.norm import _sum_partials_launch
+from tritonkit.ops.norm.norm import sum_partials_launch
 
 APPROXIMATIONS = ("none", "tanh")
 DTYPES = FLOATS
@@ -336,7 +336,7 @@ def _bwd_launches(grad_output, input, bias, dx, db, approximate: str) -> list[La
         bias.stride(0),
     )
     main = Launch("bwd", _bias_gelu_bwd_kernel, args, meta, grid=grid)
-    return [main] if db_partial is db else [main, _sum_partials_launch(None, db_partial, None, db)]
+    return [main] if db_partial is db else [main, sum_partials_launch(None, db_partial, None, db)]
 
 
 def _bwd_tiles(x: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor) -> tuple[int, int, int, int]:

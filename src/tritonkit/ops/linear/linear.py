@@ -51,7 +51,7 @@ from tritonkit.ops.linear.matmul import (
     unit_stride_bias,
     untuned_tile,
 )
-from tritonkit.ops.norm.norm import _sum_partials_launch
+from tritonkit.ops.norm.norm import sum_partials_launch
 from tritonkit.roofline import Cost
 
 DTYPES = HALVES
@@ -152,7 +152,7 @@ def _activation_backward(dy, z, activation: int, *, u=None, db=None, in_place: b
         for launch in _elementwise_launches(dy, z, u, dz if store else None, du, db_partial, activation):
             launch.run()
     if db is not None and n:  # (no rows: no partials, and the sum stores zeros)
-        _sum_partials_launch(None, db_partial, None, db).run()
+        sum_partials_launch(None, db_partial, None, db).run()
     return dz, du
 
 
