@@ -472,6 +472,10 @@ def test_split_k_matches_the_reference(form, monkeypatch, device):
     assert _admit(a, b, operands, kn.INTERPRETER_CONFIG | {"SPLIT_K": 4}).passed
     (_, split), _ = launched[0]
     assert split == 4
+    # the partials summed by a second launch, not by torch after it (so that the op replays)
+    problem = mm.matmul_problem(a, b, torch.empty((a.shape[0], b.shape[0]), dtype=F16, device=device))
+    summed = mm.matmul_launches(problem, kn.INTERPRETER_CONFIG | {"SPLIT_K": 4})
+    assert [launch.name for launch in summed] == ["matmul", "split-K sum"]
     with pytest.raises(ValueError, match="plain matmuls"):
         mm.matmul_launches(
             mm.matmul_problem(x, w, torch.empty_like(dy), activation=ACTIVATIONS["silu"]),

@@ -179,12 +179,12 @@ def test_a_plan_declines_a_call_whose_tensors_align_otherwise(fake_gpu):
     assert plan.run((x, y)) and len(fake_gpu) == 1
 
 
-@pytest.mark.parametrize("case", ["copy", "twice", "shared-view", "partial-descriptor", "host-step", "none"])
+@pytest.mark.parametrize("case", ["copy", "twice", "shared-view", "partial-descriptor", "none"])
 def test_a_plan_is_not_recorded_where_a_replay_could_not_reproduce_the_call(fake_gpu, case):
     from tritonkit.ops.attention.fwd_sm90 import descriptor
 
     x, y = _calls_tensors(4)
-    tensors, args, then = (x, y), (x, y), None
+    tensors, args = (x, y), (x, y)
     if case == "copy":  # a tensor the launch builder made: a later call's would differ
         args = (x, y.clone())
     elif case == "twice":  # one tensor in two places: a later call's two may differ
@@ -193,9 +193,7 @@ def test_a_plan_is_not_recorded_where_a_replay_could_not_reproduce_the_call(fake
         tensors, args = (y[:4], y[4:]), (y[1:3],)
     elif case == "partial-descriptor":
         args = (descriptor(x[:, :, :8], 8), y)
-    elif case == "host-step":
-        then = lambda: None  # noqa: E731
-    launches = [] if case == "none" else [_launch.Launch("a", "k", args, {}, grid=(1,), then=then)]
+    launches = [] if case == "none" else [_launch.Launch("a", "k", args, {}, grid=(1,))]
     assert _launch.Plan.record(launches, tensors) is None
 
 

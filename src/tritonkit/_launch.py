@@ -19,7 +19,7 @@ import ctypes
 import functools
 import logging
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -48,17 +48,12 @@ class Launch(NamedTuple):
     meta: dict  # constexpr arguments and launch options (num_warps, num_stages)
     config: dict = {}  # the tuning config behind it, for display (never mutated)
     grid: tuple = ()  # programs along each axis, where the launch is to run (empty for inspection only)
-    # a host step the launch's result needs before anyone reads it (split-K's sum of partial
-    # products into the output), run right after the kernel is launched
-    then: Callable[[], object] | None = None
 
     def run(self) -> None:
-        """Launch it, through the kernel's lean :class:`Launcher`, then its host step if it has one."""
+        """Launch it, through the kernel's lean :class:`Launcher`."""
         launcher_of(self.kernel)(self.grid, *self.args, **self.meta)
         for recording in _recordings:
             recording.launches.append(self)
-        if self.then is not None:
-            self.then()
 
 
 def next_power_of_2(n: int) -> int:
@@ -408,7 +403,7 @@ class Plan:
         """The plan of ``launches``, which have run, over the call's ``tensors`` (entries that are
         not tensors are skipped) and the ``scratch`` they took (a :class:`Recording`'s); None where
         it cannot be one: no launch, under the interpreter, one tensor given twice or two sharing
-        memory where a launch reads a view of either, a launch with a host step, one reading a
+        memory where a launch reads a view of either, a launch reading a
         tensor that is neither among ``tensors`` nor scratch nor a view of one (a copy its builder
         made), a descriptor over part of one, or a launch through Triton's own launcher. It holds
         no tensor."""
@@ -423,7 +418,7 @@ class Plan:
         steps = []
         for launch in launches:
             entry = launcher_of(launch.kernel).entry(launch.args, launch.meta)
-            if launch.then is not None or entry is None:
+            if entry is None:
                 return None
             args, places = list(launch.args), []
             for position, arg in enumerate(args):

@@ -16,8 +16,8 @@ import functools
 import torch
 
 from tritonkit import tuning
-from tritonkit._launch import Launch, cdiv, ensure_allocator
-from tritonkit._runtime import empty_output, interpret
+from tritonkit._launch import Launch, cdiv, ensure_allocator, scratch
+from tritonkit._runtime import interpret
 from tritonkit._triton import tl, triton
 from tritonkit.dtypes import NAME_OF
 from tritonkit.ops.linear.kernels import (
@@ -31,6 +31,7 @@ from tritonkit.ops.linear.kernels import (
     _prune,
     default_config,
 )
+from tritonkit.ops.norm.norm import sum_partials_launch
 
 TILE_NAMES = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")  # the kernel's tile constexprs, in its order
 # A problem's optional tensors, in the order its calibration draws them (the op's calls name them so)
@@ -107,7 +108,8 @@ def matmul_launches(problem: tuning.Problem, config: dict) -> list[Launch]:
     A config's ``TMA`` loads A and B through tensor descriptors where they allow it (else pointers,
     as without); its ``PERSISTENT`` launches that many programs an SM, each walking tiles, instead of
     one program a tile; its ``SPLIT_K`` (plain and scaled matmuls) launches that many programs a tile, each
-    over a share of K, into fp32 partial products that the launch's host step sums into out;
+    over a share of K, into fp32 partial products that a second launch (the norms' sum of partials)
+    sums into out, casting as it stores;
     its ``TMA_STORE`` (plain matmuls only: an epilogue's stores need shared memory of their own beside
     C's staged tile, which the tile's stages may leave none of) stores C through a tensor descriptor
     where out's rows are 16-byte aligned (else from registers, as without)."""
@@ -132,7 +134,7 @@ def matmul_launches(problem: tuning.Problem, config: dict) -> list[Launch]:
     if split_k > 1 and tma_store:
         raise ValueError("TMA_STORE stores C itself, SPLIT_K fp32 partial products: not both")
     c_tma = tma_store and out.is_contiguous() and _tma_ready(out)
-    c = empty_output((split_k, M, N), torch.float32, a.device) if split_k > 1 else out
+    c = scratch((split_k, M, N), torch.float32, a.device) if split_k > 1 else out
     tma = options.pop("TMA", False) and all(_tma_ready(t) for t in (a, a2, b, b2) if t is not None)
     # absent operands go as None: the kernel's flags (HAS_BIAS, HAS_RESIDUAL, STORE_PRE, GATED)
     # leave them unread
@@ -179,10 +181,13 @@ def matmul_launches(problem: tuning.Problem, config: dict) -> list[Launch]:
     # K = 0: the loop takes no step and the epilogue still runs
     programs = min(tiles, per_sm * _sm_count(a.device)) if per_sm else tiles
     if split_k > 1:
-        # the kernel writes fp32 partial products (its C), summed into out in a fixed order (deterministic)
-        partials = args[C_ARG]
-        summed = functools.partial(_sum_into, out, partials)
-        return [Launch("matmul", _linear_kernel, args, meta, config, (programs, split_k), then=summed)]
+        # the kernel writes fp32 partial products (its C), summed into out (contiguous) in a fixed
+        # order, deterministic, by a launch: no host step, so that the op replays
+        product = Launch("matmul", _linear_kernel, args, meta, config, (programs, split_k))
+        if not out.numel():
+            return [product]
+        flat = args[C_ARG].view(split_k, M * N)
+        return [product, sum_partials_launch(None, flat, None, out.view(M * N), "split-K sum")]
     return [Launch("matmul", _linear_kernel, args, meta, config, (programs,))]
 
 
@@ -382,7 +387,3 @@ def matmul(a, b, out, **operands) -> None:
     # the tuning key costs more than the rest of the host path: built only when the memo does not answer
     config, _ = MATMUL.choose(lambda: tuning_key(problem), problem, signature=signature)
     MATMUL.run(problem, config)
-
-
-def _sum_into(out: torch.Tensor, partials: torch.Tensor) -> None:
-    out.copy_(partials.sum(0))

@@ -233,7 +233,7 @@ def _partials(param, grad, programs: int, alone: bool) -> torch.Tensor | None:
     return scratch((programs, param.shape[-1]), torch.float32, param.device)
 
 
-def sum_partials_launch(dw_partial, db_partial, dw, db) -> Launch:
+def sum_partials_launch(dw_partial, db_partial, dw, db, name: str = "bwd partial sums") -> Launch:
     """The backward's second stage: it sums the (programs, N) fp32 partials of dw and db (each None
     where its output is) into ``dw`` and ``db``, in their dtypes. One launch for both: as two torch
     sums, two casts and a memset it took 23 of the 234 us of LayerNorm's backward at 32768x4096
@@ -253,7 +253,7 @@ def sum_partials_launch(dw_partial, db_partial, dw, db) -> Launch:
         "num_warps": SUM_WARPS,
         "ALIGN": row_align((n,), min(t.element_size() for t in (dw, db) if t is not None)),
     }
-    return Launch("bwd partial sums", _sum_partials_kernel, args, meta, grid=(cdiv(n, block_cols),))
+    return Launch(name, _sum_partials_kernel, args, meta, grid=(cdiv(n, block_cols),))
 
 
 def _run(launches: list[Launch]) -> None:
