@@ -88,6 +88,11 @@ def _pairs() -> dict:
         "linear": ((x, wm), tritonkit.linear),
         "cross_entropy": ((x, target), tritonkit.cross_entropy),
         "bias_gelu": ((x, b), tritonkit.bias_gelu),
+        # (no gradient: its input detached, the row times the forward alone)
+        "quantize_fp8 tensorwise, transposed": (
+            (x,),
+            lambda x: tritonkit.quantize_fp8(x.detach(), "tensor", transpose=True)[0],
+        ),
         "autograd.Function allocating only": ((x, w), _Allocating.apply),
         "torch.empty_like (no backward)": ((x,), torch.empty_like),
     }

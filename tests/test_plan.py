@@ -215,24 +215,45 @@ def _linear_call(seed: int, activation: str | None) -> None:
     tritonkit.linear(x, w, b, activation).backward(random_tensor((96, 80), BF16, "cpu", generator=g))
 
 
+def _quantize_call(seed: int, granularity: str) -> None:
+    import tritonkit
+
+    x = random_tensor((96, 256), BF16, "cpu", generator=generator(seed))
+    tritonkit.quantize_fp8(x, granularity, transpose=granularity != "row")
+
+
 @pytest.mark.tuning_default  # (the default, tuning off: the configs chosen are final, so plans record)
 @pytest.mark.parametrize(
-    "case", ["bias_gelu 96x500", "bias_gelu 8x256", "linear, bias", "linear, bias, gelu"]
+    "case",
+    [
+        "bias_gelu 96x500",
+        "bias_gelu 8x256",
+        "linear, bias",
+        "linear, bias, gelu",
+        "quantize tensor",
+        "quantize row",
+    ],
 )
-def test_ops_whose_db_is_a_launch_record_and_replay_their_calls(case, launches_faked):
+def test_ops_made_of_launches_alone_record_and_replay_their_calls(case, launches_faked):
     """With launches faked as a GPU's (nothing runs), a second call of a signature replays the
-    first's plan, forward and backward. bias_gelu's and linear's db is the norms' second stage (a
-    launch), where a torch sum and copy after the kernel kept each backward from having a plan
-    (bias_gelu at 96 x 500 the kernel then the sum, at 8 x 256 one program writing db itself)."""
+    first's plan. bias_gelu's and linear's db is the norms' second stage (a launch), where a torch
+    sum and copy after the kernel kept each backward from having a plan (bias_gelu at 96 x 500 the
+    kernel then the sum, at 8 x 256 one program writing db itself); quantize_fp8's amax buffer is
+    zeroed scratch, where a torch allocation the launches read kept it from one."""
     bias_gelu = importlib.import_module("tritonkit.ops.bias_gelu")
     linear = importlib.import_module("tritonkit.ops.linear.linear")
+    quantize = importlib.import_module("tritonkit.ops.quantize")
     for seed in (1, 2):
         if case.startswith("bias_gelu"):
             _bias_gelu_call(seed, tuple(int(n) for n in case.split()[1].split("x")))
+        elif case.startswith("quantize"):
+            _quantize_call(seed, case.split()[1])
         else:
             _linear_call(seed, "gelu" if case.endswith("gelu") else None)
     if case.startswith("bias_gelu"):
         ops, steps = (bias_gelu._forward, bias_gelu._backward), (2 if "96x500" in case else 1)
+    elif case.startswith("quantize"):  # tensorwise: the amax pass, then q's and q^T's
+        ops, steps = (quantize._quantize,), (3 if case.endswith("tensor") else 1)
     else:
         backward = linear._linear_backward_spending_pre if case.endswith("gelu") else linear._linear_backward
         ops, steps = (linear._linear_forward, backward), None
@@ -300,6 +321,16 @@ def _scaled_mm(*operands):
     return outs
 
 
+def _quantized(x):
+    import tritonkit
+
+    outs = []
+    for granularity in ("tensor", "row", "column", "block2d"):
+        for t in tritonkit.quantize_fp8(x, granularity, transpose=granularity != "row"):
+            outs.append(t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t)
+    return outs
+
+
 def _fp8_operands(seed: int) -> list:
     """Row-scaled e4m3 operands of a product the sm_90 Gluon kernel takes (many tiles) and of one the
     Triton kernel's small tile takes."""
@@ -317,7 +348,13 @@ def _fp8_operands(seed: int) -> list:
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "family",
-    ["attention", "norm, rope, mlp, linear", "layer_norm, bias_gelu, softmax, cross_entropy", "scaled_mm"],
+    [
+        "attention",
+        "norm, rope, mlp, linear",
+        "layer_norm, bias_gelu, softmax, cross_entropy",
+        "scaled_mm",
+        "quantize_fp8",
+    ],
 )
 def test_replayed_ops_give_the_bits_of_their_full_path(family):
     from tritonkit.ops import cross_entropy, rotary
@@ -335,6 +372,10 @@ def test_replayed_ops_give_the_bits_of_their_full_path(family):
         from tritonkit.ops import scaled_mm
 
         call, ops, make = _scaled_mm, (scaled_mm._scaled_mm,), _fp8_operands
+    elif family == "quantize_fp8":
+        quantize = importlib.import_module("tritonkit.ops.quantize")
+        call, ops = _quantized, (quantize._quantize,)
+        make = lambda seed: [random_tensor((384, 512), BF16, "cuda", generator=generator(seed))]  # noqa: E731
     elif family == "attention":
         call, ops = _attention, (attention._forward, attention._backward)
         shapes = [(2, 4, 300, 128), (2, 2, 300, 128), (2, 2, 300, 128), (2, 4, 300, 128)]

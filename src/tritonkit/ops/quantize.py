@@ -37,7 +37,7 @@ import math
 
 import torch
 
-from tritonkit._launch import Launch, cdiv, next_power_of_2
+from tritonkit._launch import Launch, cdiv, next_power_of_2, scratch
 from tritonkit._runtime import empty_output, interpret
 from tritonkit._triton import tl, triton
 from tritonkit.dtypes import FLOATS
@@ -446,7 +446,7 @@ def _validate(x, granularity: str, block_size: int, dtype, scale_dtype, transpos
 # ---------------------------------------------------------------- op
 
 
-@op("quantize_fp8", mutates=("q_bits", "qt_bits", "scale"))
+@op("quantize_fp8", mutates=("q_bits", "qt_bits", "scale"), replay=True)
 def _quantize(
     x: torch.Tensor,
     granularity: str,
@@ -469,7 +469,8 @@ def _quantize(
         q2, qt = (None if out is None else out.view(dtype) for out in (q2, qt))
     scale2 = scale.view(-1, scale.shape[-1]) if scale.dim() else scale
     amaxes = {"tensor": 1, "column": x.shape[-1]}.get(granularity)
-    amax_bits = torch.zeros(amaxes, dtype=torch.int32, device=x.device) if amaxes else None
+    # (zeroed workspace, which a replay allocates afresh: the op's launches are all it does)
+    amax_bits = scratch((amaxes,), torch.int32, x.device, zeroed=True) if amaxes else None
     pow2 = round_scale_to_pow2
     for launch in _launches(x2, q2, qt, scale2, amax_bits, granularity, block_size, dtype, pow2):
         launch.run()
