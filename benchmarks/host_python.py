@@ -27,37 +27,12 @@ os.environ["TRITONKIT_INTERPRET"] = "1"  # the ops take their CPU paths; launche
 import torch  # noqa: E402
 
 import tritonkit  # noqa: E402
-from tritonkit import _launch  # noqa: E402
 from tritonkit.bench.runner import provenance  # noqa: E402
+from tritonkit.testing import launches_faked  # noqa: E402
 
 ROWS, HIDDEN = 4, 256
 CALLS, REPEATS = 2000, 7
 COMMAND = "python benchmarks/host_python.py OUT.json"
-_NO_LAUNCH = (lambda *args: None, 0, False, False, None, (), None)  # a Launcher entry launching nothing
-
-
-class _NoLauncher:
-    """Every kernel's Launcher: launches nothing, and gives plans an entry that launches nothing."""
-
-    def __init__(self, kernel):
-        self.kernel = kernel
-
-    def __call__(self, grid, *args, **meta) -> None:
-        return None
-
-    def entry(self, args, meta):
-        return _NO_LAUNCH
-
-    def programs_per_sm(self, *args, **meta) -> int:
-        return 1 << 30
-
-
-def _fake_gpu() -> None:
-    """Plans record and replay (``_launch`` sees a native process on device -1); launches do nothing."""
-    _launch.launcher_of = _NoLauncher
-    _launch.interpret = lambda: False
-    torch._C._cuda_getDevice = lambda: -1
-    torch._C._cuda_getCurrentRawStream = lambda device: 0
 
 
 class _Allocating(torch.autograd.Function):
@@ -125,13 +100,13 @@ def _row(name: str, inputs: tuple, call) -> dict:
 
 def main() -> None:
     out = sys.argv[1]
-    _fake_gpu()
     rows = []
-    for name, (inputs, call) in _pairs().items():
-        rows.append(_row(name, inputs, call))
-        both = rows[-1]["forward_backward_us"]
-        print(f"{name:36s} forward {rows[-1]['forward_us']:6.1f} us  forward + backward "
-              + (f"{both:6.1f} us" if both is not None else "-"), flush=True)  # fmt: skip
+    with launches_faked():
+        for name, (inputs, call) in _pairs().items():
+            rows.append(_row(name, inputs, call))
+            both = rows[-1]["forward_backward_us"]
+            print(f"{name:36s} forward {rows[-1]['forward_us']:6.1f} us  forward + backward "
+                  + (f"{both:6.1f} us" if both is not None else "-"), flush=True)  # fmt: skip
     result = {
         "command": COMMAND,
         "rows": rows,

@@ -23,29 +23,13 @@ def device() -> str:
     return "cpu" if _runtime.interpret() else "cuda"
 
 
-class _NoLaunch:
-    """A kernel's launcher that launches nothing, and gives a plan an entry that launches nothing."""
-
-    def __init__(self, kernel):
-        self.kernel = kernel
-
-    def __call__(self, grid, *args, **meta):
-        return None
-
-    def entry(self, args, meta):
-        return (lambda *args: None, 0, False, False, None, (), None)
-
-
 @pytest.fixture
-def launches_faked(monkeypatch):
-    """Ops on CPU tensors as on a GPU, every launch doing nothing: their plans record and replay
-    (what a call launches, not what it computes; outputs are garbage)."""
-    from tritonkit import _launch
+def launches_faked():
+    """Ops on CPU tensors as on a GPU, every launch doing nothing (``testing.launches_faked``)."""
+    from tritonkit.testing import launches_faked
 
-    monkeypatch.setattr(_launch, "launcher_of", _NoLaunch)
-    monkeypatch.setattr(_launch, "interpret", lambda: False)
-    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: -1, raising=False)  # (CPU builds lack them)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)
+    with launches_faked():
+        yield
 
 
 def pytest_collection_modifyitems(config, items):

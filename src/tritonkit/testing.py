@@ -31,6 +31,52 @@ def poisoned_outputs() -> Iterator[None]:
         _runtime.poison_outputs = previous
 
 
+_NO_LAUNCH = (lambda *args: None, 0, False, False, None, (), None)  # a Launcher entry launching nothing
+
+
+class _NoLauncher:
+    """Every kernel's Launcher under :func:`launches_faked`: launches nothing, and gives plans an
+    entry that launches nothing."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __call__(self, grid, *args, **meta) -> None:
+        return None
+
+    def entry(self, args, meta):
+        return _NO_LAUNCH
+
+    def programs_per_sm(self, *args, **meta) -> int:
+        return 1 << 30
+
+
+@contextlib.contextmanager
+def launches_faked() -> Iterator[None]:
+    """Within this block ops run on CPU tensors as on a GPU (``_launch`` sees a native process on
+    device -1) and every launch does nothing: their plans record and replay, so a call costs its
+    Python alone (what it launches, not what it computes: the outputs are garbage)."""
+    from tritonkit import _launch
+
+    saved = [
+        (_launch, "launcher_of", _NoLauncher),
+        (_launch, "interpret", lambda: False),
+        (torch._C, "_cuda_getDevice", lambda: -1),  # (CPU builds of torch lack these two)
+        (torch._C, "_cuda_getCurrentRawStream", lambda device: 0),
+    ]
+    saved = [(owner, name, getattr(owner, name, None), fake) for owner, name, fake in saved]
+    for owner, name, _, fake in saved:
+        setattr(owner, name, fake)
+    try:
+        yield
+    finally:
+        for owner, name, previous, _ in saved:
+            if previous is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, previous)
+
+
 def random_tensor(
     shape: Sequence[int],
     dtype: torch.dtype,

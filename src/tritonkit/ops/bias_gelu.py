@@ -39,7 +39,7 @@ from tritonkit.jit import (
 )
 from tritonkit.opdef import check_tensor, first_derivative_only, op
 from tritonkit.ops import Op, Workload
-from tritonkit.ops.norm.norm import sum_partials_launch
+from tritonkit.partial_sums import sum_partials_launch
 
 APPROXIMATIONS = ("none", "tanh")
 DTYPES = FLOATS

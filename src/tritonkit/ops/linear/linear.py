@@ -51,7 +51,7 @@ from tritonkit.ops.linear.matmul import (
     unit_stride_bias,
     untuned_tile,
 )
-from tritonkit.ops.norm.norm import sum_partials_launch
+from tritonkit.partial_sums import sum_partials_launch
 from tritonkit.roofline import Cost
 
 DTYPES = HALVES

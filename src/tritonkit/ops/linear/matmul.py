@@ -31,7 +31,7 @@ from tritonkit.ops.linear.kernels import (
     _prune,
     default_config,
 )
-from tritonkit.ops.norm.norm import sum_partials_launch
+from tritonkit.partial_sums import sum_partials_launch
 
 TILE_NAMES = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")  # the kernel's tile constexprs, in its order
 # A problem's optional tensors, in the order its calibration draws them (the op's calls name them so)

@@ -36,7 +36,7 @@ import torch
 
 from tritonkit import tuning
 from tritonkit._launch import Launch, call_signature, cdiv, next_power_of_2, row_align, scratch
-from tritonkit._runtime import empty_output, interpret, sm_count
+from tritonkit._runtime import empty_output, sm_count
 from tritonkit.dtypes import DTYPE_OF, FLOATS, NAME_OF
 from tritonkit.opdef import check_tensor, finite, first_derivative_only, op
 from tritonkit.ops.norm.kernels import (
@@ -44,9 +44,6 @@ from tritonkit.ops.norm.kernels import (
     BWD_LOOPED_CONFIGS,
     FWD_CONFIGS,
     FWD_LOOPED_CONFIGS,
-    SUM_PROGRAMS,
-    SUM_TILE,
-    SUM_WARPS,
     _bwd_default,
     _bwd_looped_default,
     _bwd_looped_prune,
@@ -59,8 +56,8 @@ from tritonkit.ops.norm.kernels import (
     _norm_bwd_looped_kernel,
     _norm_fwd_kernel,
     _norm_fwd_looped_kernel,
-    _sum_partials_kernel,
 )
+from tritonkit.partial_sums import _sum_partials_kernel, sum_partials_launch
 from tritonkit.roofline import Cost
 
 DTYPES = FLOATS
@@ -73,8 +70,6 @@ BWD_CALIBRATION_EPS = 1e-5  # the backward's calibration forward (the backward i
 # triton.next_power_of_2, memoized: it unwraps constexprs, microseconds from Python (as triton.cdiv
 # does, which _launch.cdiv stands in for), and the launches below take it on every call
 
-
-INTERPRETER_SUM_COLUMNS = 1024  # the second stage's columns a program under the interpreter
 
 # ---------------------------------------------------------------- launches
 
@@ -231,29 +226,6 @@ def _partials(param, grad, programs: int, alone: bool) -> torch.Tensor | None:
     if alone and grad is not None:
         return grad
     return scratch((programs, param.shape[-1]), torch.float32, param.device)
-
-
-def sum_partials_launch(dw_partial, db_partial, dw, db, name: str = "bwd partial sums") -> Launch:
-    """The backward's second stage: it sums the (programs, N) fp32 partials of dw and db (each None
-    where its output is) into ``dw`` and ``db``, in their dtypes. One launch for both: as two torch
-    sums, two casts and a memset it took 23 of the 234 us of LayerNorm's backward at 32768x4096
-    bf16 on the H200."""
-    partials = dw_partial if dw_partial is not None else db_partial
-    programs, n = partials.shape
-    block_cols = min(64, max(8, 1 << max(0, (n // SUM_PROGRAMS).bit_length() - 1)))
-    if interpret():  # a program costs the interpreter milliseconds whatever its width: 16x fewer
-        block_cols = INTERPRETER_SUM_COLUMNS
-    block_p = min(SUM_TILE // block_cols, next_power_of_2(programs))
-    args = (dw_partial, db_partial, dw, db, programs, n)  # None where absent (HAS_* leave them)
-    meta = {
-        "HAS_WEIGHT": dw is not None,
-        "HAS_BIAS": db is not None,
-        "BLOCK_P": block_p,
-        "BLOCK_COLS": block_cols,
-        "num_warps": SUM_WARPS,
-        "ALIGN": row_align((n,), min(t.element_size() for t in (dw, db) if t is not None)),
-    }
-    return Launch(name, _sum_partials_kernel, args, meta, grid=(cdiv(n, block_cols),))
 
 
 def _run(launches: list[Launch]) -> None:
