@@ -2,14 +2,15 @@
 issue 27's host goals (softmax <= 10 us, rms_norm <= 25 us, linear <= 1.5x F.linear, attention
 forward <= 30 us, each at most 1.5x torch's op, the backward likewise).
 
-Run on a GPU:  PYTHONPATH=src python benchmarks/host_calls.py OUT.json
+Run on a GPU:  PYTHONPATH=src python benchmarks/host_calls.py OUT.json [PROFILE.txt]
 Each figure is tritonkit.bench.timing.host_us: the median over bursts of calls of the time to issue
 one (the bursts never fill the launch queue, so the host never waits for the GPU). "forward" calls
 the op on inputs that want no gradient; "forward + backward" calls it on leaves that want one and
 backpropagates a fixed upstream gradient (torch's autograd engine included). A call after the first
 of a signature replays its recorded launches (``_launch.Plan``), as a training loop's calls do.
 The host's speed moves between runs and machines (by 2x on the H200's hosts): the ratios are what a
-run says, the microseconds only of that host.
+run says, the microseconds only of that host. PROFILE.txt gets cProfile's view of each of our ops'
+forward (its top entries by own time: the launchers' and torch's C calls among them).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import tritonkit
 from tritonkit.bench.runner import provenance
-from tritonkit.bench.timing import host_us
+from tritonkit.bench.timing import host_us, profile_calls
 
 ROWS, HIDDEN = 4, 256  # the tiny input: (ROWS, HIDDEN) bf16
 ATTENTION = (1, 1, 128, 64)  # (B, H, S, D), causal
@@ -95,6 +96,11 @@ def main() -> None:
         print(op, {mode: f"{ours[mode]:.1f} vs {theirs[mode]:.1f} us" for mode in row["ratio"]}, flush=True)
     with open(sys.argv[1], "w") as f:
         json.dump(result, f, indent=1)
+    if len(sys.argv) > 2:
+        calls = [(f"{op} forward", lambda ours=ours, inputs=inputs: ours(*inputs), 2000)
+                 for op, (inputs, ours, _) in _pairs().items()]  # fmt: skip
+        with open(sys.argv[2], "w") as f:
+            f.write(profile_calls(calls))
 
 
 if __name__ == "__main__":
