@@ -117,8 +117,8 @@ def test_the_kernel_compiles_for_hopper_warp_specialized_with_the_dq_reduce_off_
     # the deterministic mode waits for its turn (an acquiring load) and publishes its adds
     assert (row["tickets"] > 0) == (row["releases"] > 0) == deterministic, row
     assert row["spills"] <= spills, row
-    if deterministic:  # its 16-bit P, read twice, converts a value at a time (see _grad_steps)
-        assert row["single_conversions"] > 0, row
+    if deterministic and head_dim > 64:  # its 16-bit P, read twice, converts a value at a time
+        assert row["single_conversions"] > 0, row  # (see _grad_steps)
     else:
         # P converted in pairs (F2FP, on the ALU; bf16's dS formed from P's fp32 values, fp16's
         # 16-bit P converting in pairs anyway): no single conversions on the MUFU's pipe, and 64

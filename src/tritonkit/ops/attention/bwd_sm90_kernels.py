@@ -391,7 +391,8 @@ def _grad_steps(
     ROWS: gl.constexpr = k.type.shape[0]
     DQ_BUFFERS: gl.constexpr = dq_smem.type.shape[0] // NUM_CONSUMERS
     dtype: gl.constexpr = q_smem.dtype
-    P16: gl.constexpr = DETERMINISTIC or dtype == gl.float16  # P read twice in 16 bits (below)
+    # P read twice in 16 bits (below): fp16, and the deterministic mode at D = 128
+    P16: gl.constexpr = (DETERMINISTIC and HEAD_DIM > 64) or dtype == gl.float16
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16]
     )
@@ -443,7 +444,9 @@ def _grad_steps(
         # a value, on the MUFU's pipe beside the exponentials. fp16's converts in pairs either way
         # (and the fp32 P spills more), and the deterministic mode measured 4-8% faster with it at
         # D = 128 (why is not established; the free mode gained 1-12%,
-        # docs/perf-notes/attention-backward-determinism.md): both keep the 16-bit P, read twice
+        # docs/perf-notes/attention-backward-determinism.md): both keep the 16-bit P, read twice.
+        # At D = 64 the 16-bit P cost the free mode 3-15% on the H200, and the deterministic one
+        # takes the fp32 P there too: +11-12% causal, level full
         if P16:
             p = p.to(dtype)
             p_a = gl.convert_layout(p, a_layout)
