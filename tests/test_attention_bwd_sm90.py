@@ -453,16 +453,16 @@ def test_gpu_polling_acquiring_first_keeps_the_deterministic_bits(causal, heads,
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("deterministic", [False, True], ids=["any-order", "deterministic"])
-def test_gpu_flash_attention_backward_runs_the_gluon_kernel(deterministic, caplog, monkeypatch):
-    """Through the public function, the Gluon backward switched on for the mode: the debug line
-    names it, and its gradients pass the oracle (GQA, causal, Sq != Sk)."""
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2)], ids=["mha", "gqa"])
+def test_gpu_flash_attention_backward_runs_the_gluon_kernel(heads, deterministic, caplog):
+    """Through the public function with the shipped switches, D = 64 takes the Gluon backward in
+    both modes, with GQA and without: the debug line names it, and its gradients pass the oracle
+    (causal, Sq != Sk)."""
     import tritonkit
     from tritonkit.ops.attention import bwd
     from tritonkit.ops.attention.common import Scores
 
-    monkeypatch.setattr(bwd, "SM90_BACKWARD", True)
-    monkeypatch.setattr(bwd, "SM90_BACKWARD_DETERMINISTIC_GQA", (64,))
-    q, k, v, do = _inputs(2, 8, 2, 300, 450, 64, torch.bfloat16, seed=7)
+    q, k, v, do = _inputs(2, *heads, 300, 450, 64, torch.bfloat16, seed=7)
     assert bwd.sm90_takes(q, k, v, Scores(64**-0.5, True), None, deterministic)
     inputs = [t.detach().requires_grad_() for t in (q, k, v)]
     with caplog.at_level(logging.DEBUG, logger="tritonkit"):

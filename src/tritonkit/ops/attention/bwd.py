@@ -263,7 +263,7 @@ log = logging.getLogger("tritonkit")
 # At D = 64 with GQA (2, 32/8, 4096, 64): 0.71x full and 0.77x causal, against the Triton kernels'
 # 0.44x and 0.50x in the same run (`... --defaults --shape 2,32,8,4096,64`, at 347c830).
 SM90_BACKWARD = True
-SM90_BACKWARD_DETERMINISTIC: tuple[int, ...] = (128,)  # head dims, without GQA
+SM90_BACKWARD_DETERMINISTIC: tuple[int, ...] = (64, 128)  # head dims, without GQA
 SM90_BACKWARD_DETERMINISTIC_GQA: tuple[int, ...] = (64, 128)
 
 
