@@ -3,7 +3,7 @@ backward and tritonkit's Triton backward (both modes), in one process, bf16.
 
     python benchmarks/attention_bwd_sm90.py OUT.json [--deadline SECONDS] [--skip-triton]
         [--skip-deterministic] [--layer] [--causal] [--candidates | --defaults] [--acquire-first]
-        [--shape B,Hq,Hkv,S,D]
+        [--turn-blocks N] [--shape B,Hq,Hkv,S,D]
 
 ``--layer`` times the decoder layer's attention alone (``tritonkit bench layer``'s 8b-4k: GQA 32/8,
 S = 4096, causal), q, k and v strided views of one QKV projection's output and dO of the output
@@ -14,8 +14,9 @@ deterministic mode with the other ``bwd_sm90.DETERMINISTIC_GQA_PER_QUERY_HEAD``.
 times, in place of the other orders, every Gluon candidate (``bwd_sm90.CANDIDATES``) in both modes
 (the deterministic ones unless ``--skip-deterministic``); ``--defaults`` times each mode's default
 alone. ``--acquire-first`` times the deterministic default with the other ``Config.acquire_first``
-too, and says whether its gradients are the default's bits. ``--shape`` keeps the rows of one
-shape (repeatable).
+too, and says whether its gradients are the default's bits; ``--turn-blocks N`` likewise with
+``Config.turn_blocks`` = N (repeatable; the same bits where Sq = Sk). ``--shape`` keeps the rows of
+one shape (repeatable).
 
 A row's providers take turns (``tritonkit.bench.timing.interleaved_ms``): each one's time is the
 median of its turns, each turn ``triton.testing.do_bench``'s median over a backward call (the
@@ -183,7 +184,10 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
         )
         gqa = heads_q != heads_kv
         # --acquire-first: the deterministic default with the dQ warp's other way to poll its turn
-        polls = not default_config(head_dim, True, gqa, causal).acquire_first
+        shipped = default_config(head_dim, True, gqa, causal)
+        polls = not shipped.acquire_first
+        # --turn-blocks N: the deterministic default with a turn of the dQ warp over N query blocks
+        turns = [n for n in arguments("--turn-blocks", int) if n != shipped.turn_blocks]
         deterministic_grads = {}
         for name, deterministic, gluon, group, *by_query_head in (
             ("gluon", False, True, default_group),
@@ -202,6 +206,17 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
                 ]
                 if "--acquire-first" in sys.argv
                 else []
+            ),
+            *(
+                (
+                    f"gluon_deterministic_turn_blocks={n}",
+                    True,
+                    True,
+                    default_deterministic_group,
+                    per_query_head[causal],
+                    {"turn_blocks": n},
+                )
+                for n in turns
             ),
             *(
                 [
@@ -233,13 +248,14 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
             fn = ours(deterministic, gluon, group, *by_query_head)
             grads = fn()
             calls[name] = fn
-            if name == "gluon_deterministic" or "acquire_first" in name:  # (their bits compared below)
-                deterministic_grads[name] = grads
+            if name == "gluon_deterministic" or "acquire_first" in name or "turn_blocks" in name:
+                deterministic_grads[name] = grads  # (their bits compared below)
             if gluon:
                 row[f"{name}_max_err_vs_cudnn"] = max(
                     (a.float() - b.float()).abs().max().item() for a, b in zip(grads, reference, strict=True)
                 )
-        # the way the dQ warp polls moves no add: the default's bits
+        # the way the dQ warp polls moves no add, nor do turns over groups of blocks at Sq = Sk: the
+        # default's bits
         plain = deterministic_grads.pop("gluon_deterministic", None)
         for name, grads in deterministic_grads.items():
             row[f"{name}_same_bits"] = all(torch.equal(a, b) for a, b in zip(plain, grads, strict=True))

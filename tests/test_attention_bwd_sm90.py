@@ -55,11 +55,13 @@ for dtype, head_dim, causal, deterministic, shared_dq, _ in CASES:
     signature |= {"KV_SHARE": "constexpr"}
     signature |= {"qk_scale": "fp32", "scale": "fp32", "IS_CAUSAL": "constexpr", "DETERMINISTIC": "constexpr",
                   "NUM_STAGES": "constexpr", "ROTATE": "constexpr",
-                  "OVERLAP_SDP": "constexpr", "SHARED_DQ": "constexpr", "ACQUIRE_FIRST": "constexpr"}
+                  "OVERLAP_SDP": "constexpr", "SHARED_DQ": "constexpr", "ACQUIRE_FIRST": "constexpr",
+                  "TURN_BLOCKS": "constexpr"}
     constants = {"KV_SHARE": 1, "IS_CAUSAL": causal, "DETERMINISTIC": deterministic,
                  "NUM_STAGES": config.num_stages,
                  "OVERLAP_SDP": config.overlap_sdp, "SHARED_DQ": config.shared_dq,
-                 "ACQUIRE_FIRST": bwd.default_config(head_dim, deterministic, False, causal).acquire_first}
+                 "ACQUIRE_FIRST": bwd.default_config(head_dim, deterministic, False, causal).acquire_first,
+                 "TURN_BLOCKS": bwd.default_config(head_dim, deterministic, False, causal).turn_blocks}
     constants["ROTATE"] = bwd.order(deterministic, causal, 64, 32, 132)[1]  # rotated where it may be
     kernel = triton.compile(GluonASTSource(bwd._attn_bwd_sm90_kernel, signature, constants),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": bwd.CONSUMER_WARPS.value})
@@ -80,14 +82,15 @@ for dtype, head_dim, causal, deterministic, shared_dq, _ in CASES:
 """
 
 # (dtype, D, causal, deterministic, Config.shared_dq, spills): both head dims, both masks, both
-# modes, both dQ splits (the order of programs is a runtime argument: one compile serves all; a
-# deterministic full mask compiles the rotated walk), and the local loads and stores in the SASS,
-# which may not grow. At D = 128 a consumer's accumulators (dK and dV: 128 registers a thread, S^T
-# and dP^T 64 more) leave ptxas short of 240 for the rest: it keeps some values on the stack, a
-# causal walk's bounds more; the tickets are the dQ warp's. The free mode's P, held in fp32 until dS,
-# adds some where dQ is not split (27, from 6; the default at D = 128 splits it and stays at 52).
-# fp16 keeps the 16-bit P (it converts in pairs either way): 13 at D = 128 causal, where the fp32 P
-# spilled 52. Fewer is a next step (docs/perf-notes/attention-backward.md).
+# modes, both dQ splits, each with its default turns (the order of programs is a runtime argument:
+# one compile serves all; a deterministic full mask compiles the rotated walk), and the local loads
+# and stores in the SASS, which may not grow. At D = 128 a consumer's accumulators (dK and dV: 128
+# registers a thread, S^T and dP^T 64 more) leave ptxas short of 240 for the rest: it keeps some
+# values on the stack, a causal walk's bounds more; the tickets are the dQ warp's. The free mode's
+# P, held in fp32 until dS, adds some where dQ is not split (27, from 6; the default at D = 128
+# splits it and stays at 52). fp16 keeps the 16-bit P (it converts in pairs either way): 13 at
+# D = 128 causal, where the fp32 P spilled 52. Fewer is a next step
+# (docs/perf-notes/attention-backward.md).
 STATIC_CASES = [
     ("bf16", 128, False, False, False, 27),
     ("bf16", 128, True, True, False, 71),
@@ -168,7 +171,8 @@ def test_only_a_deterministic_full_mask_walks_rotated_and_only_where_a_group_run
 def test_the_default_config_by_mode_mask_and_grouping(head_dim):
     """The free mode takes CONFIGS' tile as it is; the deterministic mode one ticketed add a step
     (shared_dq), and with GQA a program a query head under a causal mask (its walks differ in
-    length) but the group's under a full one (they end together)."""
+    length) but the group's under a full one (they end together), and at D = 64 a turn over two
+    query blocks."""
     from tritonkit.ops.attention import bwd_sm90
 
     tile = bwd_sm90.CONFIGS[head_dim]
@@ -177,7 +181,10 @@ def test_the_default_config_by_mode_mask_and_grouping(head_dim):
             assert bwd_sm90.default_config(head_dim, False, gqa, causal) == tile
             deterministic = bwd_sm90.default_config(head_dim, True, gqa, causal)
             assert deterministic == tile._replace(
-                shared_dq=True, per_query_head=gqa and causal, acquire_first=True
+                shared_dq=True,
+                per_query_head=gqa and causal,
+                acquire_first=True,
+                turn_blocks=2 if head_dim == 64 else 1,
             )
 
 
@@ -448,6 +455,42 @@ def test_gpu_polling_acquiring_first_keeps_the_deterministic_bits(causal, heads,
     runs = [_run(q, k, v, do, o, lse, causal, 0.1, True, True, config=c) for c in (polled, plain)]
     assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
     check(q, k, v, do, causal, deterministic=True, scale=0.1, config=polled)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(
+    "heads, rotate", [((4, 4), True), ((8, 2), True), ((4, 4), False)], ids=["mha", "gqa", "unrotated"]
+)
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_turns_of_two_query_blocks_keep_the_order_of_the_adds(
+    causal, heads, rotate, head_dim, monkeypatch
+):
+    """``Config.turn_blocks`` = 2 (a turn of the dQ warp held over two query blocks): where the
+    groups of query blocks leave the order of the adds as it was (a causal mask always, descending
+    key blocks; a full mask's rotated walk where its starts fall on groups, as at Sq = Sk; its
+    unrotated walk, ascending, always) the gradients are the one-block turns' bits; where they do
+    not (a rotated walk at Sq = 1400, Sk = 1500: two key blocks start on one group, the second
+    waiting on the first's two blocks), the same bits call after call; and both pass the oracle, at
+    lengths that leave the last group one block and a causal walk starting inside a group (Sk - Sq
+    not a multiple of two blocks)."""
+    from tritonkit.ops.attention import bwd_sm90
+
+    if not rotate:  # a full mask's walk from query block 0 for every key block
+        order = bwd_sm90.order
+        monkeypatch.setattr(bwd_sm90, "order", lambda *args: (order(*args)[0], False))
+    shipped = bwd_sm90.default_config(head_dim, True, heads[0] != heads[1], causal)
+    single, paired = shipped._replace(turn_blocks=1), shipped._replace(turn_blocks=2)
+    for seq_q, seq_k in ((1500, 1500), (100, 100), (1400, 1500), (1500, 1400)):
+        q, k, v, do = _inputs(2, *heads, seq_q, seq_k, head_dim, torch.bfloat16, seed=seq_q + causal)
+        check(q, k, v, do, causal, deterministic=True, scale=0.1, config=paired)
+        o, lse = _forward(q, k, v, causal, 0.1, True)
+        runs = [_run(q, k, v, do, o, lse, causal, 0.1, True, True, config=paired) for _ in range(2)]
+        assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+        if causal or seq_q == seq_k or not rotate:
+            runs.append(_run(q, k, v, do, o, lse, causal, 0.1, True, True, config=single))
+            assert all(torch.equal(a, b) for a, b in zip(runs[0], runs[-1], strict=True))
 
 
 @pytest.mark.gpu

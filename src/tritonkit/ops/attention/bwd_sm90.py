@@ -38,13 +38,16 @@ class Config(NamedTuple):
     programs start in turn order, the longest last) ends evenly, at 2 x B x Hq x Sk x D elements of
     shares written and read once. acquire_first (deterministic): the dQ warp polls its turn by an
     acquiring load first, one L2 round trip where the turn is already reached, where a relaxed spin
-    and then the acquire took two."""
+    and then the acquire took two. turn_blocks (deterministic): the query blocks one turn of the
+    dQ warp covers (a ticket counter each group of them), so that a turn's round trips, the read
+    and the completion before the release, are paid once a group instead of once a step."""
 
     num_stages: int
     overlap_sdp: bool = False
     shared_dq: bool = False
     per_query_head: bool = False
     acquire_first: bool = False
+    turn_blocks: int = 1
 
 
 # Shared memory a program at D = 128, 16-bit elements: K and V 2 x 32 KB, the Q/dO ring NUM_STAGES x
@@ -78,13 +81,26 @@ def default_config(head_dim: int, deterministic: bool, gqa: bool = False, causal
     --candidates --skip-triton --shape 4,32,32,4096,64`), and per_query_head where it is
     deterministic with GQA and the mask wants it (DETERMINISTIC_GQA_PER_QUERY_HEAD), and
     acquire_first (on an H100: +12-13% at D = 64 under a full mask, +3% causal, level to +5% at
-    D = 128; `docs/perf-notes/attention-backward-determinism.md`)."""
+    D = 128; `docs/perf-notes/attention-backward-determinism.md`), and DETERMINISTIC_TURN_BLOCKS."""
     config = CONFIGS[head_dim]
     if not deterministic:
         return config
     return config._replace(
-        shared_dq=True, per_query_head=gqa and DETERMINISTIC_GQA_PER_QUERY_HEAD[causal], acquire_first=True
+        shared_dq=True,
+        per_query_head=gqa and DETERMINISTIC_GQA_PER_QUERY_HEAD[causal],
+        acquire_first=True,
+        turn_blocks=DETERMINISTIC_TURN_BLOCKS[head_dim],
     )
+
+
+# The query blocks a deterministic turn covers (Config.turn_blocks), by head dim. At D = 64, with
+# the fp32 P, turns of two blocks ran 0.90x cuDNN full and 0.96-0.97x causal against one block's
+# 0.74x and 0.87-0.88x, four blocks 0.68x and 0.80x (on an H100, at (4, 32, 4096, 64) and
+# (2, 32/8, 4096, 64); `python benchmarks/attention_bwd_sm90.py OUT.json --turn-blocks 2
+# --turn-blocks 4 --defaults --skip-triton --shape ...`). At D = 128 two blocks were level (+1-2%)
+# and ptxas keeps twice the values on the stack under a causal mask (106 local loads and stores
+# against 52).
+DETERMINISTIC_TURN_BLOCKS = {64: 2, 128: 1}
 
 
 # Whether a deterministic GQA launch takes a program a query head (Config.per_query_head). A
@@ -158,6 +174,8 @@ def attention_bwd_sm90(
         return
     do, q, k, v = (t if tma_ready(t) else t.contiguous() for t in (do, q, k, v))
     config = config or default_config(q.shape[3], deterministic, q.shape[1] != k.shape[1], causal)
+    if not (isinstance(config.turn_blocks, int) and config.turn_blocks >= 1):
+        raise ValueError(f"Config.turn_blocks must be an int >= 1, got {config.turn_blocks!r}")
     shares = config.per_query_head and q.shape[1] != k.shape[1]
     if shares:  # each query head's share of dK and dV, (B, Hq, Sk, D), summed below
         outputs = [scratch((*q.shape[:2], *k.shape[2:]), k.dtype, k.device) for _ in "kv"]
@@ -167,8 +185,8 @@ def attention_bwd_sm90(
             for g in (dk, dv)
         ]
     dq_acc = scratch(q.shape, torch.float32, q.device, zeroed=True)
-    # a ticket counter a query block: the key blocks' turns to add into it
-    blocks_q = cdiv(q.shape[2], BLOCK_M)
+    # a ticket counter a turn's group of query blocks: the key blocks' turns to add into it
+    blocks_q = cdiv(q.shape[2], BLOCK_M * config.turn_blocks)
     tickets = (
         scratch((*q.shape[:2], blocks_q), torch.int32, q.device, zeroed=True) if deterministic else dq_acc
     )
@@ -293,6 +311,7 @@ def launches(
         "OVERLAP_SDP": config.overlap_sdp,
         "SHARED_DQ": config.shared_dq,
         "ACQUIRE_FIRST": config.acquire_first and deterministic,
+        "TURN_BLOCKS": config.turn_blocks if deterministic else 1,
         "num_warps": CONSUMER_WARPS.value,
     }
     grid = (blocks * pairs,)

@@ -228,18 +228,19 @@ def _load_partition(
 
 @gluon.jit
 def _starts_up_to(x, blocks, m_count):
-    """How many of ``blocks`` key blocks start their walk (ROTATE) at a query block <= x (>= -1):
-    block n starts at n * m_count // blocks."""
+    """How many of ``blocks`` key blocks start their walk (ROTATE) at a group of query blocks <= x
+    (>= -1), of ``m_count``: block n starts at n * m_count // blocks."""
     return gl.minimum(blocks, gl.cdiv((x + 1) * blocks, m_count))
 
 
 @gluon.jit
 def _turn(
-    m,
+    g,
+    g_last_block,
     key_block,
-    rot,
+    rot_g,
     n_last,
-    m_count,
+    g_count,
     UPPER_OFFSET,
     BLOCK: gl.constexpr,
     KEYS: gl.constexpr,
@@ -247,27 +248,29 @@ def _turn(
     ROTATE: gl.constexpr,
 ):
     """Deterministic mode: the rank of key block ``key_block`` among the key blocks that add into
-    query block ``m`` (0: the first to add). Key blocks ascending for a full mask; causal,
-    descending from the last one the block sees (FA3's shortest-first order), the order in which
-    a lockstep walk of ascending query blocks reaches it; ROTATE, the order of arrival."""
+    group ``g`` of query blocks (a turn's blocks, ``Config.turn_blocks``; ``g_last_block`` its last,
+    ``g_count`` the groups; 0: the first to add). Key blocks ascending for a full mask; causal,
+    descending from the last one the group sees (FA3's shortest-first order), the order in which a
+    lockstep walk of ascending query blocks reaches it; ROTATE, the order of arrival."""
     if ROTATE:
-        # key block n starts its walk at block rot = n * m_count // (n_last + 1), so it reaches
-        # block m at step t = (m - rot) mod m_count; turns in the order of arrival, ties (equal
-        # starts) by key block: the rank counts the key blocks that start in the t blocks up to
-        # m, and those of equal start before n
+        # key block n starts its walk at group rot_g = n * g_count // (n_last + 1), so it reaches
+        # group g at step t = (g - rot_g) mod g_count; turns in the order of arrival, ties (equal
+        # starts) by key block: the rank counts the key blocks that start in the t groups up to g,
+        # and those of equal start before n (starts ascend with n, so each set is a range of key
+        # blocks)
         blocks = n_last + 1
-        t = (m - rot + m_count) % m_count
-        low = m - t + 1
-        before = _starts_up_to(m, blocks, m_count)
+        t = (g - rot_g + g_count) % g_count
+        low = g - t + 1
+        before = _starts_up_to(g, blocks, g_count)
         if low >= 0:
-            before -= _starts_up_to(low - 1, blocks, m_count)
+            before -= _starts_up_to(low - 1, blocks, g_count)
         else:
-            before += blocks - _starts_up_to(m_count + low - 1, blocks, m_count)
-        rank = before + key_block - _starts_up_to(rot - 1, blocks, m_count)
+            before += blocks - _starts_up_to(g_count + low - 1, blocks, g_count)
+        rank = before + key_block - _starts_up_to(rot_g - 1, blocks, g_count)
     elif IS_CAUSAL:
-        # (the block's last row counted as m * BLOCK + BLOCK - 1 even past Sq: the launcher's
-        # m_start counts it so)
-        rank = gl.minimum((m * BLOCK + BLOCK - 1 + UPPER_OFFSET) // KEYS, n_last) - key_block
+        # (the group's last block's last row counted as m * BLOCK + BLOCK - 1 even past Sq: the
+        # launcher's m_start counts it so)
+        rank = gl.minimum((g_last_block * BLOCK + BLOCK - 1 + UPPER_OFFSET) // KEYS, n_last) - key_block
     else:
         rank = key_block
     return rank
@@ -297,6 +300,7 @@ def _dq_partition(
     ROTATE: gl.constexpr,
     SHARED_DQ: gl.constexpr,
     ACQUIRE_FIRST: gl.constexpr,
+    TURN_BLOCKS: gl.constexpr,
 ):
     """The dQ warp: adds each step's dQ columns of both consumers into the fp32 accumulator by TMA
     reduce-add, walking the query blocks as the consumers do, the step's reduces issued together
@@ -304,8 +308,11 @@ def _dq_partition(
     the key block's turn at the query block's ticket counter (``_turn``; polled before the
     consumers are done, so that a turn already reached costs no round trip after them) and, once
     they have completed, advance it; without SHARED_DQ both partials add the same columns, the
-    second once the first has completed. The consumers never wait on a ticket: only on their
-    staging buffer."""
+    second once the first has completed. A turn covers TURN_BLOCKS query blocks (a ticket counter
+    a group of them): taken at the walk's first block of the group, held while each block's adds
+    are issued as its partials come, passed on once the last block's have completed, so that the
+    turn's two round trips are paid once a group. The consumers never wait on a ticket: only on
+    their staging buffer."""
     CONSUMERS: gl.constexpr = NUM_CONSUMERS
     BUFFERS: gl.constexpr = dq_smem.type.shape[0] // CONSUMERS
     BLOCK: gl.constexpr = dq_smem.type.shape[1]
@@ -315,24 +322,22 @@ def _dq_partition(
     token = gl.full([1], 0, gl.int32, gl.BlockedLayout([1], [32], [1], [0]))
     for step in range(GROUP * n_tiles):
         head = kv_head * GROUP + step // n_tiles
-        m = m_start + step % n_tiles
+        idx = step % n_tiles
+        m = m_start + idx
         if ROTATE:
             m = (m + rot) % m_end
-        ticket = sem_ptr + (batch.to(gl.int64) * stride_sb + head.to(gl.int64) * stride_sh + m)
-        if DETERMINISTIC:
-            rank = _turn(m, key_block, rot, n_last, m_end, UPPER_OFFSET, BLOCK, KEYS, IS_CAUSAL, ROTATE)
-            # spin on relaxed reads, then acquire (a loop that runs once: nothing else moves the
-            # ticket before this program's release): an acquiring load carries an L1
-            # invalidation (CCTL.IVALL) on sm_90, which the spin need not repeat. ACQUIRE_FIRST
-            # tries the acquiring load first: a turn already reached costs one round trip, not two
-            reached = False
-            if ACQUIRE_FIRST:
-                reached = gl.atomic_add(ticket, 0, sem="acquire", scope="gpu") == rank
-            if not reached:
-                while gl.load(ticket, volatile=True) != rank:
-                    pass
-                while gl.atomic_add(ticket, 0, sem="acquire", scope="gpu") != rank:
-                    pass
+        g = m // TURN_BLOCKS  # the turn's group of query blocks
+        ticket = sem_ptr + (batch.to(gl.int64) * stride_sb + head.to(gl.int64) * stride_sh + g)
+        # a walk enters a group at its first block (a rotated walk starts on one) or where it starts
+        # (a causal walk may start inside one), and leaves it at its last block or where it ends
+        if DETERMINISTIC and ((idx == 0) | (m % TURN_BLOCKS == 0)):
+            g_last_block = gl.minimum(g * TURN_BLOCKS + TURN_BLOCKS, m_end) - 1
+            g_count = gl.cdiv(m_end, TURN_BLOCKS)
+            rank = _turn(
+                g, g_last_block, key_block, rot // TURN_BLOCKS, n_last, g_count, UPPER_OFFSET, BLOCK,
+                KEYS, IS_CAUSAL, ROTATE,
+            )  # fmt: skip
+            _take_turn(ticket, rank, ACQUIRE_FIRST)
         for c in gl.static_range(CONSUMERS):
             mbarrier.wait(dq_full.index(step % BUFFERS * CONSUMERS + c), (step // BUFFERS) & 1)
             if DETERMINISTIC and not SHARED_DQ and c > 0:
@@ -345,9 +350,27 @@ def _dq_partition(
         tma.store_wait(pendings=0)  # the reduces have read the columns: the consumers may store
         for c in gl.static_range(CONSUMERS):
             mbarrier.arrive(dq_empty.index(step % BUFFERS * CONSUMERS + c), count=1)
-        if DETERMINISTIC:
+        last = (idx == n_tiles - 1) | (m % TURN_BLOCKS == TURN_BLOCKS - 1) | (m == m_end - 1)
+        if DETERMINISTIC and last:
             _bulk_wait_all(token)  # added, not only read: the next turn may start
             gl.atomic_add(ticket, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def _take_turn(ticket, rank, ACQUIRE_FIRST: gl.constexpr):
+    """Wait until the ticket counter reads ``rank``. Spin on relaxed reads, then acquire (a loop
+    that runs once: nothing else moves the ticket before this program's release): an acquiring
+    load carries an L1 invalidation (CCTL.IVALL) on sm_90, which the spin need not repeat.
+    ACQUIRE_FIRST tries the acquiring load first: a turn already reached costs one round trip, not
+    two."""
+    reached = False
+    if ACQUIRE_FIRST:
+        reached = gl.atomic_add(ticket, 0, sem="acquire", scope="gpu") == rank
+    if not reached:
+        while gl.load(ticket, volatile=True) != rank:
+            pass
+        while gl.atomic_add(ticket, 0, sem="acquire", scope="gpu") != rank:
+            pass
 
 
 @gluon.jit
@@ -611,7 +634,7 @@ def _attn_bwd_sm90_kernel(
     dq_desc,  # ... of the fp32 dq accumulator (B, Hq, Sq, D), zeroed, box (1, 1, BLOCK_M, D)
     lse_ptr,  # fp32 forward log-sum-exp (natural log), (B, Hq, Sq), strides stride_lb, stride_lh, 1
     delta_ptr,  # fp32 rowsum(dO * O) - dlse, (B, Hq, Sq), strides stride_db, stride_dh, 1
-    sem_ptr,  # DETERMINISTIC: zeroed int32 counters (B, Hq, cdiv(Sq, BLOCK_M)), strides stride_s*, 1
+    sem_ptr,  # DETERMINISTIC: zeroed int32 counters (B, Hq, cdiv(Sq, BLOCK_M x TURN_BLOCKS)), stride_s*, 1
     stride_lb,
     stride_lh,
     stride_db,
@@ -631,10 +654,11 @@ def _attn_bwd_sm90_kernel(
     IS_CAUSAL: gl.constexpr,  # the causal mask
     DETERMINISTIC: gl.constexpr,  # dq's partials added in a fixed order (ticket counters)
     NUM_STAGES: gl.constexpr,  # Q/dO tiles in flight
-    ROTATE: gl.constexpr,  # DETERMINISTIC, full mask: key block n walks the query blocks from n * Mb / Nb
+    ROTATE: gl.constexpr,  # DETERMINISTIC, full mask: key block n walks the turns' groups from n * Gb / Nb
     OVERLAP_SDP: gl.constexpr,  # dP^T issued beside S^T (Config.overlap_sdp)
     SHARED_DQ: gl.constexpr,  # one dQ tile a step for both warpgroups (Config.shared_dq)
     ACQUIRE_FIRST: gl.constexpr,  # DETERMINISTIC: the turn polled acquiring first (Config.acquire_first)
+    TURN_BLOCKS: gl.constexpr,  # DETERMINISTIC: query blocks a turn covers (Config.turn_blocks; else 1)
 ):
     BLOCK: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -675,7 +699,7 @@ def _attn_bwd_sm90_kernel(
         m_mid = m_end
     rot = pid_n * 0
     if ROTATE:
-        rot = (pid_n * m_end) // n_blocks
+        rot = (pid_n * gl.cdiv(m_end, TURN_BLOCKS)) // n_blocks * TURN_BLOCKS  # a turn's first block
 
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, HEAD_DIM], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
@@ -747,6 +771,6 @@ def _attn_bwd_sm90_kernel(
                            stride_db, stride_dh)),
         (_dq_partition, (dq_desc, dq_smem, dq_full, dq_empty, sem_ptr, batch, kv_head, start_n, GROUP,
                          m_start, m_end, n_blocks - 1, rot, UPPER_OFFSET, stride_sb, stride_sh, KEYS,
-                         IS_CAUSAL, DETERMINISTIC, ROTATE, SHARED_DQ, ACQUIRE_FIRST)),
+                         IS_CAUSAL, DETERMINISTIC, ROTATE, SHARED_DQ, ACQUIRE_FIRST, TURN_BLOCKS)),
     ], [CONSUMER_WARPS, PRODUCER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
     # fmt: on
