@@ -93,13 +93,15 @@ def default_config(head_dim: int, deterministic: bool, gqa: bool = False, causal
     )
 
 
-# The query blocks a deterministic turn covers (Config.turn_blocks), by head dim. At D = 64, with
-# the fp32 P, turns of two blocks ran 0.90x cuDNN full and 0.96-0.97x causal against one block's
-# 0.74x and 0.87-0.88x, four blocks 0.68x and 0.80x (on an H100, at (4, 32, 4096, 64) and
-# (2, 32/8, 4096, 64); `python benchmarks/attention_bwd_sm90.py OUT.json --turn-blocks 2
-# --turn-blocks 4 --defaults --skip-triton --shape ...`). At D = 128 two blocks were level (+1-2%)
-# and ptxas keeps twice the values on the stack under a causal mask (106 local loads and stores
-# against 52).
+# The query blocks a deterministic turn covers (Config.turn_blocks), by head dim: the dQ warp's
+# serial step (the turn's read, the adds, their completion, the release) holds the deterministic
+# mode at D = 64, where a consumer step is short. There, with the fp32 P, turns of two blocks ran
+# 0.90x cuDNN full and 0.96-0.97x causal against one block's 0.74x and 0.87-0.88x, four blocks 0.68x
+# and 0.80x (on an H100, at (4, 32, 4096, 64) and (2, 32/8, 4096, 64); `python
+# benchmarks/attention_bwd_sm90.py OUT.json --turn-blocks 2 --turn-blocks 4 --defaults --skip-triton
+# --shape ...`; docs/perf-notes/attention-backward-determinism.md). At D = 128 two blocks were level
+# (+1-2%) and ptxas keeps twice the values on the stack under a causal mask (106 local loads and
+# stores against 52).
 DETERMINISTIC_TURN_BLOCKS = {64: 2, 128: 1}
 
 
