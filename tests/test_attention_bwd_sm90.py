@@ -100,6 +100,7 @@ STATIC_CASES = [
     ("bf16", 128, True, False, True, 52),
     ("bf16", 128, True, True, True, 52),
     ("fp16", 64, False, False, True, 0),
+    ("bf16", 64, False, False, True, 0),
     ("fp16", 128, True, False, True, 13),
 ]
 

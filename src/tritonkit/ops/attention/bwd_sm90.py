@@ -56,10 +56,12 @@ class Config(NamedTuple):
 # consumer): 145 KB with two stages, 129 KB with shared_dq.
 # The free mode's defaults: at D = 128 one dQ tile a step (on the H200 with 11871ed's kernel, nine
 # shapes: 0.83-0.94x cuDNN against 0.78-0.90x, behind only at (2, 32/8, 8192, 128) full, 0.87
-# against 0.90; overlap_sdp led at the causal MHA shapes, 0.85-0.92x, and trailed with GQA), at
-# D = 64 neither switch (each cost 1-6% there at 6ea5362). Deterministic launches take shared_dq
-# (``default_config``).
-CONFIGS = {64: Config(num_stages=2), 128: Config(num_stages=2, shared_dq=True)}
+# against 0.90; overlap_sdp led at the causal MHA shapes, 0.85-0.92x, and trailed with GQA), and at
+# D = 64 too since the free mode forms dS from P's fp32 values (each switch cost 1-6% there at
+# 6ea5362; one dQ tile a step gained 1-5% at (4, 32, 4096, 64) and (2, 32/8, 4096, 64), both
+# masks, on the H200 at a8ec601 and on an H100 at fe8dea5: docs/perf-notes/attention-backward-determinism.md).
+# Deterministic launches take shared_dq (``default_config``).
+CONFIGS = {64: Config(num_stages=2, shared_dq=True), 128: Config(num_stages=2, shared_dq=True)}
 # What the benchmark compares (and the tests check): the default first, then the other settings of
 # its two switches (dP^T beside S^T, one dQ tile a step)
 CANDIDATES = {
