@@ -59,7 +59,9 @@ class Config(NamedTuple):
 # against 0.90; overlap_sdp led at the causal MHA shapes, 0.85-0.92x, and trailed with GQA), and at
 # D = 64 too since the free mode forms dS from P's fp32 values (each switch cost 1-6% there at
 # 6ea5362; one dQ tile a step gained 1-5% at (4, 32, 4096, 64) and (2, 32/8, 4096, 64), both
-# masks, on the H200 at a8ec601 and on an H100 at fe8dea5: docs/perf-notes/attention-backward-determinism.md).
+# masks, on the H200 at a8ec601 and on an H100 at fe8dea5, and -2% to +4% on an H100 at b9ac710:
+# `python benchmarks/attention_bwd_sm90.py OUT.json --candidates --skip-triton --shape
+# 4,32,32,4096,64 --shape 2,32,8,4096,64`; docs/perf-notes/attention-backward-determinism.md).
 # Deterministic launches take shared_dq (``default_config``).
 CONFIGS = {64: Config(num_stages=2, shared_dq=True), 128: Config(num_stages=2, shared_dq=True)}
 # What the benchmark compares (and the tests check): the default first, then the other settings of
