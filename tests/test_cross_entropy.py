@@ -248,5 +248,8 @@ def test_odd_vocabularies_in_windows_and_without(classes, features, windows, dty
     kwargs = dict(features)
     x, target, weight = _inputs(5, classes, dtype, device, seed=classes)
     _check(x, target, weight if kwargs.pop("weight", False) else None, **kwargs)
-    launch = ce._fwd_launches(x, target, None, (-100, "mean", 0.0, 0.0, 0.0), ce._outputs(x, "mean", True))[0]
+    out, lse, work = ce._forward_outputs(x, "mean", True)
+    rows, row_weight, totals = ce._work_parts(work, x.shape[0], "mean")
+    outputs = (out, rows, lse, row_weight, totals)
+    launch = ce._fwd_launches(x, target, None, (-100, "mean", 0.0, 0.0, 0.0), outputs)[0]
     assert launch.meta["WINDOW"] == ((4 if dtype == F32 else 8) if windows else 0)

@@ -205,6 +205,16 @@ def _bias_gelu_call(seed: int, shape: tuple) -> None:
     tritonkit.bias_gelu(x.requires_grad_(), b.requires_grad_()).backward(dy)
 
 
+def _cross_entropy_call(seed: int, reduction: str) -> None:
+    import tritonkit
+
+    g = generator(seed)
+    x = random_tensor((37, 300), BF16, "cpu", generator=g).requires_grad_()
+    target = torch.randint(0, 300, (37,), generator=g)
+    loss = tritonkit.cross_entropy(x, target, reduction=reduction)
+    loss.backward(torch.ones_like(loss))
+
+
 def _linear_call(seed: int, activation: str | None) -> None:
     import tritonkit
 
@@ -232,6 +242,8 @@ def _quantize_call(seed: int, granularity: str) -> None:
         "linear, bias, gelu",
         "quantize tensor",
         "quantize row",
+        "cross_entropy mean",
+        "cross_entropy none",
     ],
 )
 def test_ops_made_of_launches_alone_record_and_replay_their_calls(case, launches_faked):
@@ -239,21 +251,28 @@ def test_ops_made_of_launches_alone_record_and_replay_their_calls(case, launches
     first's plan. bias_gelu's and linear's db is the norms' second stage (a launch), where a torch
     sum and copy after the kernel kept each backward from having a plan (bias_gelu at 96 x 500 the
     kernel then the sum, at 8 x 256 one program writing db itself); quantize_fp8's amax buffer is
-    zeroed scratch, where a torch allocation the launches read kept it from one."""
+    zeroed scratch, where a torch allocation the launches read kept it from one; cross_entropy's
+    kernels read views of one workspace, the op's one argument (a mean's forward: the rows, then
+    their sum)."""
     bias_gelu = importlib.import_module("tritonkit.ops.bias_gelu")
     linear = importlib.import_module("tritonkit.ops.linear.linear")
     quantize = importlib.import_module("tritonkit.ops.quantize")
+    cross_entropy = importlib.import_module("tritonkit.ops.cross_entropy")
     for seed in (1, 2):
         if case.startswith("bias_gelu"):
             _bias_gelu_call(seed, tuple(int(n) for n in case.split()[1].split("x")))
         elif case.startswith("quantize"):
             _quantize_call(seed, case.split()[1])
+        elif case.startswith("cross_entropy"):
+            _cross_entropy_call(seed, case.split()[1])
         else:
             _linear_call(seed, "gelu" if case.endswith("gelu") else None)
     if case.startswith("bias_gelu"):
         ops, steps = (bias_gelu._forward, bias_gelu._backward), (2 if "96x500" in case else 1)
     elif case.startswith("quantize"):  # tensorwise: the amax pass, then q's and q^T's
         ops, steps = (quantize._quantize,), (3 if case.endswith("tensor") else 1)
+    elif case.startswith("cross_entropy"):  # the forward's plan (the backward's is one launch)
+        ops, steps = (cross_entropy._backward, cross_entropy._forward), (2 if case.endswith("mean") else 1)
     else:
         backward = linear._linear_backward_spending_pre if case.endswith("gelu") else linear._linear_backward
         ops, steps = (linear._linear_forward, backward), None

@@ -212,12 +212,13 @@ def test_inputs_on_the_meta_device_are_refused_by_name(name, device):
 
 
 def _bytes_touched(launches: list[Launch]) -> int:
-    """Bytes of the distinct tensors the launches pass (each storage once, at its largest view)."""
+    """Bytes of the distinct tensors the launches pass (each address once, at its largest view: the
+    parts of one workspace at their own offsets count apart)."""
     sizes: dict[int, int] = {}
     for launch in launches:
         for arg in launch.args:
             if isinstance(arg, torch.Tensor):
-                key = arg.untyped_storage().data_ptr()
+                key = arg.data_ptr()
                 sizes[key] = max(sizes.get(key, 0), arg.numel() * arg.element_size())
     return sum(sizes.values())
 

@@ -39,7 +39,7 @@ class _VocabParallel(torch.autograd.Function):
     def forward(ctx, input, weight, target, first_class, classes, ignore_index, reduction, group):
         shard = (target >= first_class) & (target < first_class + weight.shape[0])
         local = torch.where(shard, target - first_class, OUTSIDE)
-        out, rows, lse_r, row_weight, _ = ce._outputs(input, "sum", False)
+        out, rows, lse_r, row_weight, _ = lce._outputs(input, "sum", False)
         options = (OUTSIDE, "sum", 0.0, 0.0, 0.0)
         outputs = (out, rows, lse_r, row_weight, None, None, None, None)  # no gradients in the forward
         lce._forward(input, weight, None, local, None, *options, *outputs)

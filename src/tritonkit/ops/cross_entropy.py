@@ -513,7 +513,7 @@ def _bwd_launches(
 # ---------------------------------------------------------------- ops and autograd
 
 
-@op("cross_entropy", mutates=("out", "rows", "lse", "row_weight", "totals"), replay=lambda: (WINDOWS,))
+@op("cross_entropy", mutates=("out", "lse", "work"), replay=lambda: (WINDOWS,))
 def _forward(
     input: torch.Tensor,
     target: torch.Tensor,
@@ -524,12 +524,11 @@ def _forward(
     z_loss: float,
     softcap: float,
     out: torch.Tensor,
-    rows: torch.Tensor | None,
     lse: torch.Tensor,
-    row_weight: torch.Tensor | None,
-    totals: torch.Tensor | None,
+    work: torch.Tensor | None,
 ) -> None:
     options = (ignore_index, reduction, smoothing, z_loss, softcap)
+    rows, row_weight, totals = _work_parts(work, input.shape[0], reduction)
     for launch in _fwd_launches(input, target, weight, options, (out, rows, lse, row_weight, totals)):
         launch.run()
 
@@ -542,7 +541,7 @@ def _backward(
     target: torch.Tensor,
     weight: torch.Tensor | None,
     lse: torch.Tensor,
-    totals: torch.Tensor | None,
+    work: torch.Tensor | None,
     ignore_index: int,
     reduction: str,
     smoothing: float,
@@ -551,22 +550,32 @@ def _backward(
     dx: torch.Tensor,
 ) -> None:
     options = (ignore_index, reduction, smoothing, z_loss, softcap)
+    totals = _work_parts(work, input.shape[0], reduction)[2]
     for launch in _bwd_launches(grad, grad_lse, input, target, weight, lse, totals, options, dx):
         launch.run()
 
 
-def _outputs(
-    input: torch.Tensor, reduction: str, sums: bool, dtype: torch.dtype | None = None
-) -> tuple[torch.Tensor | None, ...]:
-    """(out, rows, lse, row_weight, totals): the loss (in ``dtype``, else input's), the rows' fp32
-    losses a sum or mean reads, the lse, a mean's per-row divisor terms, and (``sums``,
-    :func:`_needs_sums`) the sums; None where unused."""
+def _forward_outputs(input: torch.Tensor, reduction: str, sums: bool) -> tuple[torch.Tensor, ...]:
+    """(out, lse, work): the loss (input's dtype), the fp32 lse, and one fp32 workspace for the rest
+    where there are sums (``sums``, :func:`_needs_sums`; else None), :func:`_work_parts`: one
+    allocation for three, each costing a GPU's host about a launch's Python (docs/perf-notes/host.md)."""
     n, device = input.shape[0], input.device
-    out = empty_output((n,) if reduction == "none" else (), dtype or input.dtype, device)
-    rows = empty_output((n,), torch.float32, device) if reduction != "none" else None
-    row_weight = empty_output((n,), torch.float32, device) if reduction == "mean" else None
-    totals = empty_output((3,), torch.float32, device) if sums else None
-    return out, rows, empty_output((n,), torch.float32, device), row_weight, totals
+    out = empty_output((n,) if reduction == "none" else (), input.dtype, device)
+    lse = empty_output((n,), torch.float32, device)
+    if not sums:
+        return out, lse, None
+    size = 4 + (4 * ((n + 3) // 4) if reduction != "none" else 0) + (n if reduction == "mean" else 0)
+    return out, lse, empty_output((size,), torch.float32, device)
+
+
+def _work_parts(work: torch.Tensor | None, n: int, reduction: str) -> tuple[torch.Tensor | None, ...]:
+    """(rows, row_weight, totals), views of :func:`_forward_outputs`' workspace: the totals (3 of 4
+    entries), the rows' losses (a sum or mean), a mean's divisor terms, each on 16 bytes, or None."""
+    if work is None:
+        return None, None, None
+    rows = work[4 : 4 + n] if reduction != "none" else None
+    after = 4 + 4 * ((n + 3) // 4)
+    return rows, work[after : after + n] if reduction == "mean" else None, work[:3]
 
 
 class _CrossEntropy(torch.autograd.Function):
@@ -575,24 +584,22 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, target, weight, *options):
         ctx.set_materialize_grads(False)  # an unused lse's gradient stays None: no kernel reads zeros
-        out, rows, lse, row_weight, totals = _outputs(
-            input, options[1], _needs_sums(options[1], weight, options[2])
-        )
-        _forward(input, target, weight, *options, out, rows, lse, row_weight, totals)
-        ctx.save_for_backward(input, target, weight, lse, totals)
+        out, lse, work = _forward_outputs(input, options[1], _needs_sums(options[1], weight, options[2]))
+        _forward(input, target, weight, *options, out, lse, work)
+        ctx.save_for_backward(input, target, weight, lse, work)
         ctx.options = options
         return out, lse
 
     @staticmethod
     @first_derivative_only("cross_entropy")
     def backward(ctx, grad, grad_lse):
-        input, target, weight, lse, totals = ctx.saved_tensors
+        input, target, weight, lse, work = ctx.saved_tensors
         reduction = ctx.options[1]
         if grad is None:  # only the lse is used: its gradient alone, the loss's upstream zero
             grad = torch.zeros((input.shape[0],) if reduction == "none" else (), device=input.device)
         grad = grad.expand(1) if grad.dim() == 0 else grad
         dx = empty_output(input.shape, input.dtype, input.device)
-        _backward(grad, grad_lse, input, target, weight, lse, totals, *ctx.options, dx)
+        _backward(grad, grad_lse, input, target, weight, lse, work, *ctx.options, dx)
         return dx, None, None, None, None, None, None, None
 
 
@@ -677,10 +684,8 @@ def cross_entropy(
     if torch.is_grad_enabled() and input.requires_grad:
         loss, lse = _CrossEntropy.apply(input, target, weight, *options)
     else:
-        out, rows, lse, row_weight, totals = _outputs(
-            input, reduction, _needs_sums(reduction, weight, label_smoothing)
-        )
-        _forward(input, target, weight, *options, out, rows, lse, row_weight, totals)
+        out, lse, work = _forward_outputs(input, reduction, _needs_sums(reduction, weight, label_smoothing))
+        _forward(input, target, weight, *options, out, lse, work)
         loss = out
     return (loss, lse) if return_lse else loss
 
@@ -736,12 +741,10 @@ def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None = No
         raise ValueError("cross_entropy has no tuning configs: its block follows from the classes and dtype")
     x = torch.empty(shape, dtype=dtype, device="meta")
     target = torch.empty(shape[:1], dtype=torch.int64, device="meta")
-    outputs, options = (
-        _outputs(x, reduction, _needs_sums(reduction, None, 0.0)),
-        (-100, reduction, 0.0, 0.0, 0.0),
-    )
+    out, lse, work = _forward_outputs(x, reduction, _needs_sums(reduction, None, 0.0))
+    rows, row_weight, totals = _work_parts(work, shape[0], reduction)
+    outputs, options = (out, rows, lse, row_weight, totals), (-100, reduction, 0.0, 0.0, 0.0)
     grad = torch.empty(shape[:1] if reduction == "none" else (1,), dtype=dtype, device="meta")
-    lse, totals = outputs[2], outputs[4]
     return [
         *_fwd_launches(x, target, None, options, outputs),
         *_bwd_launches(grad, None, x, target, None, lse, totals, options, x),

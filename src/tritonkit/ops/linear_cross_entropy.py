@@ -270,16 +270,28 @@ def _backward(
 # ---------------------------------------------------------------- autograd and API
 
 
+def _outputs(
+    input: torch.Tensor, reduction: str, sums: bool, dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor | None, ...]:
+    """(out, rows, lse, row_weight, totals), cross_entropy's kernels' outputs as separate tensors:
+    the loss (in ``dtype``, else input's), the rows' fp32 losses a sum or mean reads, the lse, a
+    mean's per-row divisor terms, and (``sums``, ``cross_entropy._needs_sums``) the totals; None
+    where unused. (cross_entropy's own forward holds the fp32 ones but the lse in one workspace.)"""
+    n, device = input.shape[0], input.device
+    out = empty_output((n,) if reduction == "none" else (), dtype or input.dtype, device)
+    rows = empty_output((n,), torch.float32, device) if reduction != "none" else None
+    row_weight = empty_output((n,), torch.float32, device) if reduction == "mean" else None
+    totals = empty_output((3,), torch.float32, device) if sums else None
+    return out, rows, empty_output((n,), torch.float32, device), row_weight, totals
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """One autograd function for eager calls and torch.compile (the ops skip the dispatcher eagerly)."""
 
     @staticmethod
     def forward(ctx, input, weight, bias, target, class_weight, loss_dtype, order, *options):
         reduction, smoothing = options[1], options[2]
-        # cross_entropy's outputs: its _outputs reads only N, the dtype and the device of its input
-        outputs = ce._outputs(
-            input, reduction, ce._needs_sums(reduction, class_weight, smoothing), loss_dtype
-        )
+        outputs = _outputs(input, reduction, ce._needs_sums(reduction, class_weight, smoothing), loss_dtype)
         ctx.options, ctx.in_forward = options, order == "tokens" and reduction != "none"
         ctx.scaled = False
         ctx.grad_dtypes = (input.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -417,7 +429,7 @@ def linear_cross_entropy(
         )
     else:
         sums = ce._needs_sums(reduction, class_weight, label_smoothing)
-        outputs = ce._outputs(rows_in, reduction, sums, loss_dtype)
+        outputs = _outputs(rows_in, reduction, sums, loss_dtype)
         _forward(rows_in, weight, bias, rows_target, class_weight, *options, *outputs, None, None, None)
         loss = outputs[0]
     return loss.view(target.shape) if reduction == "none" else loss
