@@ -3,7 +3,7 @@ backward and tritonkit's Triton backward (both modes), in one process, bf16.
 
     python benchmarks/attention_bwd_sm90.py OUT.json [--deadline SECONDS] [--skip-triton]
         [--skip-deterministic] [--layer] [--causal] [--candidates | --defaults] [--acquire-first]
-        [--turn-blocks N] [--shape B,Hq,Hkv,S,D]
+        [--turn-blocks N] [--config MODE:FIELD=VALUE[,FIELD=VALUE]] [--shape B,Hq,Hkv,S,D]
 
 ``--layer`` times the decoder layer's attention alone (``tritonkit bench layer``'s 8b-4k: GQA 32/8,
 S = 4096, causal), q, k and v strided views of one QKV projection's output and dO of the output
@@ -15,8 +15,10 @@ times, in place of the other orders, every Gluon candidate (``bwd_sm90.CANDIDATE
 (the deterministic ones unless ``--skip-deterministic``); ``--defaults`` times each mode's default
 alone. ``--acquire-first`` times the deterministic default with the other ``Config.acquire_first``
 too, and says whether its gradients are the default's bits; ``--turn-blocks N`` likewise with
-``Config.turn_blocks`` = N (repeatable; the same bits where Sq = Sk). ``--shape`` keeps the rows of
-one shape (repeatable).
+``Config.turn_blocks`` = N (repeatable; the same bits where Sq = Sk). ``--config
+det:num_stages=3,acquire_first=False`` times a mode's default (``free`` or ``det``) with those
+``bwd_sm90.Config`` fields replaced (repeatable; a deterministic one says whether its gradients are
+the default's bits). ``--shape`` keeps the rows of one shape (repeatable).
 
 A row's providers take turns (``tritonkit.bench.timing.interleaved_ms``): each one's time is the
 median of its turns, each turn ``triton.testing.do_bench``'s median over a backward call (the
@@ -29,6 +31,7 @@ was measured).
 
 from __future__ import annotations
 
+import ast
 import itertools
 import json
 import sys
@@ -188,6 +191,10 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
         polls = not shipped.acquire_first
         # --turn-blocks N: the deterministic default with a turn of the dQ warp over N query blocks
         turns = [n for n in arguments("--turn-blocks", int) if n != shipped.turn_blocks]
+        configs = [  # --config MODE:FIELD=VALUE,...: a mode's default with those fields replaced
+            (("gluon_deterministic_" if mode == "det" else "gluon_") + fields, mode == "det", switches)
+            for mode, fields, switches in config_arguments()
+        ]
         deterministic_grads = {}
         for name, deterministic, gluon, group, *by_query_head in (
             ("gluon", False, True, default_group),
@@ -219,6 +226,17 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
                 for n in turns
             ),
             *(
+                (
+                    name,
+                    det,
+                    True,
+                    default_deterministic_group if det else default_group,
+                    per_query_head[causal],
+                    switches,
+                )
+                for name, det, switches in configs
+            ),
+            *(
                 [
                     (
                         f"gluon_deterministic_per_query_head={not per_query_head[causal]}",
@@ -248,7 +266,12 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
             fn = ours(deterministic, gluon, group, *by_query_head)
             grads = fn()
             calls[name] = fn
-            if name == "gluon_deterministic" or "acquire_first" in name or "turn_blocks" in name:
+            if (
+                name == "gluon_deterministic"
+                or "acquire_first" in name
+                or "turn_blocks" in name
+                or (name.startswith("gluon_deterministic_") and name in {c[0] for c in configs})
+            ):
                 deterministic_grads[name] = grads  # (their bits compared below)
             if gluon:
                 row[f"{name}_max_err_vs_cudnn"] = max(
@@ -299,6 +322,26 @@ def arguments(flag: str, convert) -> list:
     return [convert(sys.argv[i + 1]) for i, a in enumerate(sys.argv) if a == flag]
 
 
+def config_arguments() -> list[tuple[str, str, dict]]:
+    """Each ``--config MODE:FIELD=VALUE[,FIELD=VALUE]`` as (mode, its fields as given, {field: value}),
+    the values Python literals; SystemExit naming what is wrong."""
+    from tritonkit.ops.attention.bwd_sm90 import Config
+
+    parsed = []
+    for spec in arguments("--config", str):
+        mode, _, fields = spec.partition(":")
+        try:
+            switches = {k: ast.literal_eval(v) for k, v in (f.split("=", 1) for f in fields.split(","))}
+        except (ValueError, SyntaxError):
+            raise SystemExit(f"--config takes MODE:FIELD=VALUE[,FIELD=VALUE], got {spec!r}") from None
+        if mode not in ("free", "det") or not set(switches) <= set(Config._fields):
+            raise SystemExit(
+                f"--config: MODE is free or det and the fields are of {Config._fields}, got {spec!r}"
+            )
+        parsed.append((mode, fields, switches))
+    return parsed
+
+
 def deadline() -> float:
     """When rows stop being timed: ``--deadline SECONDS`` from now, else never."""
     seconds = float(sys.argv[sys.argv.index("--deadline") + 1]) if "--deadline" in sys.argv else 1e9
@@ -334,6 +377,7 @@ def record(result: dict, row: dict, label: str, out: str) -> None:
 
 def main() -> None:
     out, stop = sys.argv[1], deadline()
+    config_arguments()  # (a malformed --config stops here, before any GPU work)
     result = result_header("attention_bwd", "attention_bwd_sm90.py", INTERLEAVED)
     layer = "--layer" in sys.argv
     masks = (True,) if "--causal" in sys.argv else (False, True)
