@@ -26,7 +26,7 @@ import math
 import torch
 
 from tritonkit._launch import Launch, cdiv, row_align, row_window, scratch
-from tritonkit._runtime import empty_output, sm_count
+from tritonkit._runtime import empty_output_like, sm_count
 from tritonkit._triton import tl, triton
 from tritonkit.dtypes import FLOATS
 from tritonkit.jit import (
@@ -401,7 +401,7 @@ class _BiasGelu(torch.autograd.Function):
     def forward(ctx, input, bias, approximate):
         ctx.save_for_backward(input, bias)
         ctx.approximate = approximate
-        y = empty_output(input.shape, input.dtype, input.device)
+        y = empty_output_like(input)
         _forward(input, bias, approximate, y)
         return y
 
@@ -409,8 +409,8 @@ class _BiasGelu(torch.autograd.Function):
     @first_derivative_only("bias_gelu")
     def backward(ctx, grad_output):
         input, bias = ctx.saved_tensors
-        dx = empty_output(input.shape, input.dtype, input.device)
-        db = empty_output(bias.shape, bias.dtype, bias.device)
+        dx = empty_output_like(input)
+        db = empty_output_like(bias)
         _backward(grad_output, input, bias, ctx.approximate, dx, db)
         return dx, db, None
 
@@ -423,7 +423,7 @@ def bias_gelu(input: torch.Tensor, bias: torch.Tensor, approximate: str = "none"
     _validate(input, bias, approximate)
     if torch.is_grad_enabled() and (input.requires_grad or bias.requires_grad):
         return _BiasGelu.apply(input, bias, approximate)
-    y = empty_output(input.shape, input.dtype, input.device)
+    y = empty_output_like(input)
     _forward(input, bias, approximate, y)
     return y
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from tritonkit._launch import Launch, next_power_of_2, row_align, row_window
-from tritonkit._runtime import empty_output
+from tritonkit._runtime import empty_output, empty_output_like
 from tritonkit._triton import tl, triton
 from tritonkit.dtypes import FLOATS
 from tritonkit.jit import LOG2E, aligned, softcap_tanh_and_sech2, window_base, window_edges, window_interior
@@ -598,7 +598,7 @@ class _CrossEntropy(torch.autograd.Function):
         if grad is None:  # only the lse is used: its gradient alone, the loss's upstream zero
             grad = torch.zeros((input.shape[0],) if reduction == "none" else (), device=input.device)
         grad = grad.expand(1) if grad.dim() == 0 else grad
-        dx = empty_output(input.shape, input.dtype, input.device)
+        dx = empty_output_like(input)
         _backward(grad, grad_lse, input, target, weight, lse, work, *ctx.options, dx)
         return dx, None, None, None, None, None, None, None
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from tritonkit._launch import Launch, cdiv
-from tritonkit._runtime import empty_output
+from tritonkit._runtime import empty_output, empty_output_like
 from tritonkit._triton import tl, triton
 from tritonkit.dtypes import HALVES
 from tritonkit.opdef import as_rows, check_tensor, first_derivative_only, op
@@ -300,11 +300,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             (n, hidden), vocab = input.shape, weight.shape[0]
             one_chunk = _forward_chunk(n, vocab, hidden, input.element_size(), needs[1]) >= n
             grads = (
-                empty_output(input.shape, input.dtype, input.device) if needs[0] else None,
-                empty_output(weight.shape, weight.dtype if one_chunk else torch.float32, weight.device)
-                if needs[1]
-                else None,
-                empty_output(bias.shape, torch.float32, bias.device) if needs[2] else None,
+                empty_output_like(input) if needs[0] else None,
+                empty_output_like(weight, weight.dtype if one_chunk else torch.float32) if needs[1] else None,
+                empty_output_like(bias, torch.float32) if needs[2] else None,
             )
             _forward(input, weight, bias, target, class_weight, *options, *outputs, *grads)
             # the inputs too, unread: what the gradients depend on (a second derivative then raises
@@ -323,9 +321,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         input, weight, bias, target, class_weight, lse, totals = ctx.saved_tensors
         needs_dx, needs_dw, needs_db = ctx.needs_input_grad[:3]
         grad = grad.expand(1) if grad.dim() == 0 else grad
-        dx = empty_output(input.shape, input.dtype, input.device) if needs_dx else None
-        dw = empty_output(weight.shape, weight.dtype, weight.device) if needs_dw else None
-        db = empty_output(bias.shape, bias.dtype, bias.device) if needs_db else None
+        dx = empty_output_like(input) if needs_dx else None
+        dw = empty_output_like(weight) if needs_dw else None
+        db = empty_output_like(bias) if needs_db else None
         _backward(
             grad, input, weight, bias, target, class_weight, lse, totals, *ctx.options, dx, dw, db, 0,
             weight.shape[0],

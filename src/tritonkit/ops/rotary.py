@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from tritonkit._launch import Launch, cdiv, next_power_of_2
-from tritonkit._runtime import empty_output, l2_bytes
+from tritonkit._runtime import empty_output_like, l2_bytes
 from tritonkit._triton import tl, triton
 from tritonkit.dtypes import FLOATS
 from tritonkit.opdef import as_int, check_tensor, first_derivative_only, op
@@ -349,8 +349,8 @@ class _RotaryPosEmb(torch.autograd.Function):
 
 
 def _hf_rotate(q, k, cos, sin, unsqueeze_dim: int, conjugate: bool):
-    q_out = empty_output(q.shape, q.dtype, q.device)
-    k_out = empty_output(k.shape, k.dtype, k.device)
+    q_out = empty_output_like(q)
+    k_out = empty_output_like(k)
     views = [_heads_second(t, unsqueeze_dim) for t in (q, q_out, k, k_out)]
     _rotary(*views, cos, sin, None, 0, None, 0, True, False, conjugate)
     return q_out, k_out
@@ -422,7 +422,7 @@ class _RotaryEmb(torch.autograd.Function):
     def backward(ctx, grad):
         cos, sin, offsets, cu_seqlens = ctx.saved_tensors
         interleaved, offset, max_seqlen = ctx.options
-        dx = empty_output(grad.shape, grad.dtype, grad.device)
+        dx = empty_output_like(grad)
         _rotary(
             grad, dx, None, None, cos, sin, offsets, offset, cu_seqlens, max_seqlen, False, interleaved, True
         )
@@ -464,7 +464,7 @@ def _flash_rotate(x, cos, sin, interleaved, inplace, offsets, offset, cu_seqlens
     if inplace:
         _rotary_inplace(x, cos, sin, offsets, offset, cu_seqlens, max_seqlen, interleaved, False)
         return x
-    out = empty_output(x.shape, x.dtype, x.device)
+    out = empty_output_like(x)
     _rotary(x, out, None, None, cos, sin, offsets, offset, cu_seqlens, max_seqlen, False, interleaved, False)
     return out
 

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from tritonkit._runtime import empty_output
+from tritonkit._runtime import empty_output, empty_output_like
 from tritonkit._triton import tl, triton
 from tritonkit.dtypes import DTYPE_OF, HALVES, NAME_OF
 from tritonkit.jit import LOG2E
@@ -140,7 +140,7 @@ def empty_in_layout(t: torch.Tensor) -> torch.Tensor:
     if t.dim() == 4 and t.stride(1) < t.stride(2):
         batch, heads, seq, head_dim = t.shape
         return empty_output((batch, seq, heads, head_dim), t.dtype, t.device).transpose(1, 2)
-    return empty_output(t.shape, t.dtype, t.device)
+    return empty_output_like(t)
 
 
 def validate_qkv(q, k, v, names: tuple[str, str, str] = ("query", "key", "value")) -> None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from tritonkit._launch import Launch, Plan, call_signature, cdiv, next_power_of_2
-from tritonkit._runtime import empty_output, interpret, sm_count
+from tritonkit._runtime import empty_output, empty_output_like, interpret, sm_count
 from tritonkit._triton import tl, triton
 from tritonkit.jit import LOG2E, dot_fp32
 from tritonkit.opdef import as_int, check_tensor, finite, op
@@ -583,7 +583,7 @@ def flash_attention_with_kvcache(
         )
     batch, seq_q, heads_q, head_dim = q.shape
     heads_kv = k_cache.shape[2]
-    out = empty_output(q.shape, q.dtype, q.device)
+    out = empty_output_like(q)
     rows = (heads_q // heads_kv) * seq_q
     shape = (splits, batch * heads_kv, rows) if splits > 1 else (1, 1, 1)
     lse = empty_output((batch, heads_q, seq_q), torch.float32, q.device)

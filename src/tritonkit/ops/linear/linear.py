@@ -30,7 +30,7 @@ import functools
 import torch
 
 from tritonkit._launch import Launch, cdiv, scratch
-from tritonkit._runtime import empty_output, sm_count
+from tritonkit._runtime import empty_output, empty_output_like, sm_count
 from tritonkit.dtypes import HALVES
 from tritonkit.opdef import as_rows, check_tensor, first_derivative_only, op
 from tritonkit.ops import Op, Workload
@@ -254,8 +254,8 @@ class _Linear(torch.autograd.Function):
     def backward(ctx, grad_output):
         input, weight, bias, pre = ctx.saved_tensors
         needs_dx, needs_dw, needs_db, needs_dr = ctx.needs_input_grad[:4]
-        dx = empty_output(input.shape, input.dtype, input.device) if needs_dx else None
-        dw = empty_output(weight.shape, weight.dtype, weight.device) if needs_dw else None
+        dx = empty_output_like(input) if needs_dx else None
+        dw = empty_output_like(weight) if needs_dw else None
         db = empty_output(weight.shape[:1], weight.dtype, weight.device) if needs_db else None
         if pre is None or torch.compiler.is_compiling():  # (compiled: the graph's buffers are its own)
             _linear_backward(grad_output, input, weight, pre, ctx.activation, dx, dw, db)
@@ -449,9 +449,9 @@ class _GatedLinear(torch.autograd.Function):
     def backward(ctx, grad_output):
         input, weight_gate, weight_up, g, u = ctx.saved_tensors
         needs_dx, needs_dwg, needs_dwu = ctx.needs_input_grad[:3]
-        dx = empty_output(input.shape, input.dtype, input.device) if needs_dx else None
-        dwg = empty_output(weight_gate.shape, weight_gate.dtype, weight_gate.device) if needs_dwg else None
-        dwu = empty_output(weight_up.shape, weight_up.dtype, weight_up.device) if needs_dwu else None
+        dx = empty_output_like(input) if needs_dx else None
+        dwg = empty_output_like(weight_gate) if needs_dwg else None
+        dwu = empty_output_like(weight_up) if needs_dwu else None
         backward = _gated_backward_spending_products
         if torch.compiler.is_compiling():  # the graph's buffers are the compiler's to reuse
             backward = _gated_backward

@@ -36,7 +36,7 @@ import torch
 
 from tritonkit import tuning
 from tritonkit._launch import Launch, call_signature, cdiv, next_power_of_2, row_align, scratch
-from tritonkit._runtime import empty_output, sm_count
+from tritonkit._runtime import empty_output, empty_output_like, sm_count
 from tritonkit.dtypes import DTYPE_OF, FLOATS, NAME_OF
 from tritonkit.opdef import check_tensor, finite, first_derivative_only, op
 from tritonkit.ops.norm.kernels import (
@@ -342,8 +342,8 @@ def _bwd_calibration(problem: dict, config: dict) -> dict:
     ):
         launch.run()
     h = h if h is not None else x
-    dx = empty_output(h.shape, h.dtype, h.device)
-    dw, db = (empty_output(t.shape, t.dtype, t.device) if t is not None else None for t in (weight, bias))
+    dx = empty_output_like(h)
+    dw, db = (empty_output_like(t) if t is not None else None for t in (weight, bias))
     backward = _problem(
         _BWD_NAMES, cal["grad_y"], cal["grad_h"], h, weight, bias, mean, rstd, rms, dx, dw, db
     )
@@ -499,8 +499,8 @@ def _forward_outputs(input, residual, rms: bool, stats: bool) -> tuple:
     one a row) only with ``stats``, for a backward, and mean only for LayerNorm."""
     n = input.shape[-1]
     rows = input.numel() // n if n else 0
-    y = empty_output(input.shape, input.dtype, input.device)
-    h = empty_output(input.shape, input.dtype, input.device) if residual is not None else None
+    y = empty_output_like(input)
+    h = empty_output_like(input) if residual is not None else None
     mean = empty_output((rows,), torch.float32, input.device) if stats and not rms else None
     rstd = empty_output((rows,), torch.float32, input.device) if stats else None
     return y, h, mean, rstd
@@ -591,8 +591,8 @@ class _Norm(torch.autograd.Function):
             # and bias get None, as in torch's composition (an optimizer skips them; zeros it would not)
             return grad_h, grad_h, None, None, None, None
         h, weight, bias, mean, rstd = ctx.saved_tensors
-        dx = empty_output(h.shape, h.dtype, h.device)
-        dw, db = (empty_output(t.shape, t.dtype, t.device) if t is not None else None for t in (weight, bias))
+        dx = empty_output_like(h)
+        dw, db = (empty_output_like(t) if t is not None else None for t in (weight, bias))
         _backward(grad_y, grad_h, h, weight, bias, mean, rstd, ctx.rms, dx, dw, db)
         return dx, dx if ctx.has_residual else None, dw, db, None, None
 

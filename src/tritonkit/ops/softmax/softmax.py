@@ -63,7 +63,7 @@ from tritonkit._launch import (
     row_align,
     row_window,
 )
-from tritonkit._runtime import check_device, empty_output, interpret, sm_count
+from tritonkit._runtime import check_device, empty_output_like, interpret, sm_count
 from tritonkit.dtypes import FLOATS, NAME_OF
 from tritonkit.opdef import first_derivative_only, op
 from tritonkit.ops import Op, Workload
@@ -468,7 +468,7 @@ def _softmax(input, dim, dtype, log: bool, variant: str) -> torch.Tensor:
     planned = call_signature((input,), "fwd", dim, out_dtype, log, variant) in _plans
     if torch.compiler.is_compiling() or not planned:
         _validate(input, dim, dtype, variant)
-    y = empty_output(input.shape, out_dtype, input.device)
+    y = empty_output_like(input, out_dtype)
     _forward(input, dim, log, variant, y)
     return y
 
@@ -490,7 +490,7 @@ class _Softmax(torch.autograd.Function):
     @first_derivative_only("softmax / log_softmax")
     def backward(ctx, grad_output):
         (output,) = ctx.saved_tensors
-        dx = empty_output(output.shape, ctx.input_dtype, output.device)
+        dx = empty_output_like(output, ctx.input_dtype)
         _backward(grad_output, output, ctx.dim, ctx.log, ctx.variant, dx)
         return dx, None, None, None, None
 
