@@ -186,45 +186,32 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
             else []
         )
         gqa = heads_q != heads_kv
-        # --acquire-first: the deterministic default with the dQ warp's other way to poll its turn
+        # --config MODE:FIELD=VALUE,...: a mode's default with those fields replaced; --acquire-first
+        # (the dQ warp's other way to poll its turn) and --turn-blocks N name deterministic ones
         shipped = default_config(head_dim, True, gqa, causal)
         polls = not shipped.acquire_first
-        # --turn-blocks N: the deterministic default with a turn of the dQ warp over N query blocks
-        turns = [n for n in arguments("--turn-blocks", int) if n != shipped.turn_blocks]
-        configs = [  # --config MODE:FIELD=VALUE,...: a mode's default with those fields replaced
+        switched = [
+            *config_arguments(),
+            *(
+                [("det", f"acquire_first={polls}", {"acquire_first": polls})]
+                if "--acquire-first" in sys.argv
+                else []
+            ),
+            *(
+                ("det", f"turn_blocks={n}", {"turn_blocks": n})
+                for n in arguments("--turn-blocks", int)
+                if n != shipped.turn_blocks
+            ),
+        ]
+        configs = [
             (("gluon_deterministic_" if mode == "det" else "gluon_") + fields, mode == "det", switches)
-            for mode, fields, switches in config_arguments()
+            for mode, fields, switches in switched
         ]
         deterministic_grads = {}
         for name, deterministic, gluon, group, *by_query_head in (
             ("gluon", False, True, default_group),
             *((f"gluon_pairs_per_group={g}", False, True, g) for g in groups),
             ("gluon_deterministic", True, True, default_deterministic_group),
-            *(
-                [
-                    (
-                        f"gluon_deterministic_acquire_first={polls}",
-                        True,
-                        True,
-                        default_deterministic_group,
-                        per_query_head[causal],
-                        {"acquire_first": polls},
-                    )
-                ]
-                if "--acquire-first" in sys.argv
-                else []
-            ),
-            *(
-                (
-                    f"gluon_deterministic_turn_blocks={n}",
-                    True,
-                    True,
-                    default_deterministic_group,
-                    per_query_head[causal],
-                    {"turn_blocks": n},
-                )
-                for n in turns
-            ),
             *(
                 (
                     name,
@@ -266,12 +253,7 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
             fn = ours(deterministic, gluon, group, *by_query_head)
             grads = fn()
             calls[name] = fn
-            if (
-                name == "gluon_deterministic"
-                or "acquire_first" in name
-                or "turn_blocks" in name
-                or (name.startswith("gluon_deterministic_") and name in {c[0] for c in configs})
-            ):
+            if name == "gluon_deterministic" or any(name == c[0] and c[1] for c in configs):
                 deterministic_grads[name] = grads  # (their bits compared below)
             if gluon:
                 row[f"{name}_max_err_vs_cudnn"] = max(
