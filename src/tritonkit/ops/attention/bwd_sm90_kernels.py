@@ -28,10 +28,11 @@ atomics):
   dQ warp by an mbarrier. (``bwd_sm90.Config``'s overlap_sdp issues dP^T beside S^T instead; its
   shared_dq adds one 64 x D tile a step for the program, each warpgroup D / 2 columns over both
   warpgroups' dS^T, as FA3 does.)
-- a dQ warp (24 registers) adds each step's partials to an fp32 accumulator in global memory with
-  TMA reduce-adds (``cp.reduce.async.bulk.tensor ... add``) under the next step's products, and
-  frees the staging buffers once the reduces have read them; in the deterministic mode it also
-  waits for the turns and publishes them (below), so that the consumers never do;
+- a dQ warp (24 registers; ``bwd_sm90_dq``) adds each step's partials to an fp32 accumulator in
+  global memory with TMA reduce-adds (``cp.reduce.async.bulk.tensor ... add``) under the next
+  step's products, and frees the staging buffers once the reduces have read them; in the
+  deterministic mode it also waits for the turns and publishes them (below), so that the consumers
+  never do;
 - the epilogue scales dK, writes dK and dV through the K and V buffers with TMA stores, which clip
   the rows past Sk; a conversion afterwards writes dq = scale * accumulator in q's dtype.
 Masks only where a bound cuts a step: the causal diagonal (the first query blocks a key block sees)
@@ -73,10 +74,8 @@ Dao-AILab/flash-attention ``hopper/mainloop_bwd_sm90_tma_gmma_ws.hpp``; Triton's
 
 from __future__ import annotations
 
-from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -86,6 +85,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from tritonkit.jit import LOG2E
+from tritonkit.ops.attention.bwd_sm90_dq import _dq_partition
 from tritonkit.ops.attention.fwd_sm90_kernels import to_pairs
 
 SPLIT_N = 64  # keys a consumer warpgroup holds: a wgmma's M per warpgroup
@@ -102,35 +102,6 @@ PRODUCER_REGS = gl.constexpr(24)
 
 
 # ---------------------------------------------------------------- kernels
-
-
-@builtin
-def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
-    """Add the shared-memory tile ``src`` into the global tensor of ``tensor_desc`` at ``coord``
-    with one bulk TMA reduction (``cp.reduce.async.bulk.tensor ... .add``); like
-    ``tma.async_copy_shared_to_global`` it clips at the tensor's bounds and ``tma.store_wait``
-    waits for it. Gluon 3.6 has the op in its builder but no wrapper."""
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(
-        ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle
-    )
-
-
-@gluon.jit
-def _bulk_wait_all(token):
-    """Wait until this thread's bulk async groups (its TMA reduces) have completed, not merely read
-    their shared memory (``tma.store_wait`` waits for that), and order their writes before what
-    follows in the generic proxy (a releasing atomic after it publishes them: its release orders
-    them, so no full fence is needed here). ``token``: any int32 tensor (inline assembly needs an
-    operand)."""
-    return gl.inline_asm_elementwise(
-        "cp.async.bulk.wait_group 0; fence.proxy.async.global; mov.b32 $0, $1;",
-        "=r,r",
-        [token],
-        dtype=gl.int32,
-        is_pure=False,
-        pack=1,
-    )
 
 
 @gluon.jit
@@ -227,153 +198,6 @@ def _load_partition(
 
 
 @gluon.jit
-def _starts_up_to(x, blocks, m_count):
-    """How many of ``blocks`` key blocks start their walk (ROTATE) at a group of query blocks <= x
-    (>= -1), of ``m_count``: block n starts at n * m_count // blocks."""
-    return gl.minimum(blocks, gl.cdiv((x + 1) * blocks, m_count))
-
-
-@gluon.jit
-def _turn(
-    g,
-    g_last_block,
-    key_block,
-    rot_g,
-    n_last,
-    g_count,
-    UPPER_OFFSET,
-    BLOCK: gl.constexpr,
-    KEYS: gl.constexpr,
-    IS_CAUSAL: gl.constexpr,
-    ROTATE: gl.constexpr,
-):
-    """Deterministic mode: the rank of key block ``key_block`` among the key blocks that add into
-    group ``g`` of query blocks (a turn's blocks, ``Config.turn_blocks``; ``g_last_block`` its last,
-    ``g_count`` the groups; 0: the first to add). Key blocks ascending for a full mask; causal,
-    descending from the last one the group sees (FA3's shortest-first order), the order in which a
-    lockstep walk of ascending query blocks reaches it; ROTATE, the order of arrival."""
-    if ROTATE:
-        # key block n starts its walk at group rot_g = n * g_count // (n_last + 1), so it reaches
-        # group g at step t = (g - rot_g) mod g_count; turns in the order of arrival, ties (equal
-        # starts) by key block: the rank counts the key blocks that start in the t groups up to g,
-        # and those of equal start before n (starts ascend with n, so each set is a range of key
-        # blocks)
-        blocks = n_last + 1
-        t = (g - rot_g + g_count) % g_count
-        low = g - t + 1
-        before = _starts_up_to(g, blocks, g_count)
-        if low >= 0:
-            before -= _starts_up_to(low - 1, blocks, g_count)
-        else:
-            before += blocks - _starts_up_to(g_count + low - 1, blocks, g_count)
-        rank = before + key_block - _starts_up_to(rot_g - 1, blocks, g_count)
-    elif IS_CAUSAL:
-        # (the group's last block's last row counted as m * BLOCK + BLOCK - 1 even past Sq: the
-        # launcher's m_start counts it so)
-        rank = gl.minimum((g_last_block * BLOCK + BLOCK - 1 + UPPER_OFFSET) // KEYS, n_last) - key_block
-    else:
-        rank = key_block
-    return rank
-
-
-@gluon.jit
-def _dq_partition(
-    dq_desc,  # TMA descriptor of the fp32 dq accumulator (B, Hq, Sq, D), box (1, 1, BLOCK_M, DQ_COLS)
-    dq_smem,  # (DQ_BUFFERS x NUM_CONSUMERS, BLOCK_M, DQ_COLS) fp32: each consumer's dQ columns of a step
-    dq_full,
-    dq_empty,  # (DQ_BUFFERS x NUM_CONSUMERS,) mbarriers: a consumer's columns stored / read by the reduce
-    sem_ptr,
-    batch,
-    kv_head,
-    start_n,
-    GROUP,
-    m_start,
-    m_end,
-    n_last,
-    rot,
-    UPPER_OFFSET,
-    stride_sb,
-    stride_sh,
-    KEYS: gl.constexpr,  # keys a program
-    IS_CAUSAL: gl.constexpr,
-    DETERMINISTIC: gl.constexpr,
-    ROTATE: gl.constexpr,
-    SHARED_DQ: gl.constexpr,
-    ACQUIRE_FIRST: gl.constexpr,
-    TURN_BLOCKS: gl.constexpr,
-):
-    """The dQ warp: adds each step's dQ columns of both consumers into the fp32 accumulator by TMA
-    reduce-add, walking the query blocks as the consumers do, the step's reduces issued together
-    (one wait for their reads frees both staging buffers). DETERMINISTIC: a step's adds wait for
-    the key block's turn at the query block's ticket counter (``_turn``; polled before the
-    consumers are done, so that a turn already reached costs no round trip after them) and, once
-    they have completed, advance it; without SHARED_DQ both partials add the same columns, the
-    second once the first has completed. A turn covers TURN_BLOCKS query blocks (a ticket counter
-    a group of them): taken at the walk's first block of the group, held while each block's adds
-    are issued as its partials come, passed on once the last block's have completed, so that the
-    turn's two round trips are paid once a group. The consumers never wait on a ticket: only on
-    their staging buffer."""
-    CONSUMERS: gl.constexpr = NUM_CONSUMERS
-    BUFFERS: gl.constexpr = dq_smem.type.shape[0] // CONSUMERS
-    BLOCK: gl.constexpr = dq_smem.type.shape[1]
-    DQ_COLS: gl.constexpr = dq_smem.type.shape[2]
-    n_tiles = m_end - m_start
-    key_block = start_n // KEYS
-    token = gl.full([1], 0, gl.int32, gl.BlockedLayout([1], [32], [1], [0]))
-    for step in range(GROUP * n_tiles):
-        head = kv_head * GROUP + step // n_tiles
-        idx = step % n_tiles
-        m = m_start + idx
-        if ROTATE:
-            m = (m + rot) % m_end
-        g = m // TURN_BLOCKS  # the turn's group of query blocks
-        ticket = sem_ptr + (batch.to(gl.int64) * stride_sb + head.to(gl.int64) * stride_sh + g)
-        # a walk enters a group at its first block (a rotated walk starts on one) or where it starts
-        # (a causal walk may start inside one), and leaves it at its last block or where it ends
-        if DETERMINISTIC and ((idx == 0) | (m % TURN_BLOCKS == 0)):
-            g_last_block = gl.minimum(g * TURN_BLOCKS + TURN_BLOCKS, m_end) - 1
-            g_count = gl.cdiv(m_end, TURN_BLOCKS)
-            rank = _turn(
-                g, g_last_block, key_block, rot // TURN_BLOCKS, n_last, g_count, UPPER_OFFSET, BLOCK,
-                KEYS, IS_CAUSAL, ROTATE,
-            )  # fmt: skip
-            _take_turn(ticket, rank, ACQUIRE_FIRST)
-        for c in gl.static_range(CONSUMERS):
-            mbarrier.wait(dq_full.index(step % BUFFERS * CONSUMERS + c), (step // BUFFERS) & 1)
-            if DETERMINISTIC and not SHARED_DQ and c > 0:
-                _bulk_wait_all(token)  # the first partial added before the second adds the same columns
-            _tma_reduce_add(
-                dq_desc,
-                [batch, head, m * BLOCK, c * DQ_COLS if SHARED_DQ else 0],
-                dq_smem.index(step % BUFFERS * CONSUMERS + c).reshape([1, 1, BLOCK, DQ_COLS]),
-            )
-        tma.store_wait(pendings=0)  # the reduces have read the columns: the consumers may store
-        for c in gl.static_range(CONSUMERS):
-            mbarrier.arrive(dq_empty.index(step % BUFFERS * CONSUMERS + c), count=1)
-        last = (idx == n_tiles - 1) | (m % TURN_BLOCKS == TURN_BLOCKS - 1) | (m == m_end - 1)
-        if DETERMINISTIC and last:
-            _bulk_wait_all(token)  # added, not only read: the next turn may start
-            gl.atomic_add(ticket, 1, sem="release", scope="gpu")
-
-
-@gluon.jit
-def _take_turn(ticket, rank, ACQUIRE_FIRST: gl.constexpr):
-    """Wait until the ticket counter reads ``rank``. Spin on relaxed reads, then acquire (a loop
-    that runs once: nothing else moves the ticket before this program's release): an acquiring
-    load carries an L1 invalidation (CCTL.IVALL) on sm_90, which the spin need not repeat.
-    ACQUIRE_FIRST tries the acquiring load first: a turn already reached costs one round trip, not
-    two."""
-    reached = False
-    if ACQUIRE_FIRST:
-        reached = gl.atomic_add(ticket, 0, sem="acquire", scope="gpu") == rank
-    if not reached:
-        while gl.load(ticket, volatile=True) != rank:
-            pass
-        while gl.atomic_add(ticket, 0, sem="acquire", scope="gpu") != rank:
-            pass
-
-
-@gluon.jit
 def _grad_steps(
     dk,
     dv,
@@ -401,140 +225,174 @@ def _grad_steps(
     steps hide keys past SEQ_K and, causal, those past each row's diagonal (key j <= row i +
     UPPER_OFFSET). Each step's dQ columns go to this warpgroup's tile of ``dq_smem``, a buffer a
     step in turn (free once its ``dq_empty`` completes, handed over by its ``dq_full``), for the dQ
-    warp to add. SHARED_DQ: ``ds_smem`` holds both
-    warpgroups' dS^T (2 steps x 2 warpgroups, step-major, guarded by ``ds_ready`` and ``ds_free``)
-    and this one computes the D / 2 columns of dQ from CID * D / 2 over all 128 keys
-    (``k_smem``); otherwise ``ds_smem`` is this warpgroup's own and it computes a whole partial
-    over its 64 keys."""
+    warp to add. SHARED_DQ: ``ds_smem`` holds both warpgroups' dS^T (2 steps x 2 warpgroups,
+    step-major, guarded by ``ds_ready`` and ``ds_free``) and this one computes the D / 2 columns
+    of dQ from CID * D / 2 over all 128 keys (``k_smem``) at the step's end; otherwise ``ds_smem``
+    is this warpgroup's own and it computes a whole partial over its 64 keys."""
     (k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem, qd_ready, qd_empty, ds_ready, ds_free, dq_full,
      dq_empty, lse_smem, delta_smem) = buffers  # fmt: skip
-    NUM_STAGES: gl.constexpr = q_smem.type.shape[0]
     BLOCK: gl.constexpr = q_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
     ROWS: gl.constexpr = k.type.shape[0]
-    DQ_BUFFERS: gl.constexpr = dq_smem.type.shape[0] // NUM_CONSUMERS
-    dtype: gl.constexpr = q_smem.dtype
-    # P read twice in 16 bits (below): fp16, and the deterministic mode at D = 128
-    P16: gl.constexpr = (DETERMINISTIC and HEAD_DIM > 64) or dtype == gl.float16
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16]
     )
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
-    )
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)  # along the query rows (S^T's columns)
     zero_s = gl.zeros([ROWS, BLOCK], gl.float32, s_layout)
-    if SHARED_DQ:
-        DQ_COLS: gl.constexpr = HEAD_DIM // 2
-        DQ_SPLIT: gl.constexpr = 1
-    else:
-        DQ_COLS: gl.constexpr = 64 if HEAD_DIM > 64 else HEAD_DIM
-        DQ_SPLIT: gl.constexpr = HEAD_DIM // DQ_COLS
+    DQ_COLS: gl.constexpr = HEAD_DIM // 2 if SHARED_DQ else (64 if HEAD_DIM > 64 else HEAD_DIM)
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQ_COLS, 16]
     )
     zero_dq = gl.zeros([BLOCK, DQ_COLS], gl.float32, dq_layout)
     keys = key_start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+    walk = (buffers, keys, zero_s, zero_dq, first, step0, rot, m_count, SEQ_K, UPPER_OFFSET, qk_scale)
     for i in range(first, last):
-        step = step0 + i - first
-        m = i
-        if ROTATE:
-            m = (i + rot) % m_count
-        stage = step % NUM_STAGES
-        dq_slot = step % DQ_BUFFERS * NUM_CONSUMERS + CID
-        dq_phase = (step // DQ_BUFFERS) & 1
-        q = q_smem.index(stage)
-        do = do_smem.index(stage)
-        mbarrier.wait(qd_ready.index(stage), (step // NUM_STAGES) & 1)
-        s = warpgroup_mma(k, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        if OVERLAP_SDP:
-            dp = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
-        else:
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        lse = lse_smem.index(stage).load(col_s)
-        if MASKED:
-            rows = m * BLOCK + gl.arange(0, BLOCK, layout=col_s)
-            visible = keys[:, None] < SEQ_K
-            if IS_CAUSAL:
-                visible = visible & (keys[:, None] <= rows[None, :] + UPPER_OFFSET)
-            p = gl.exp2(gl.where(visible, s * qk_scale - lse[None, :], -float("inf")))
-        else:
-            p = gl.exp2(s * qk_scale - lse[None, :])
-        # P^T in the input dtype, packed in pairs as dV's A operand (F2FP, two a conversion on the
-        # ALU), and dS from P's fp32 values: a 16-bit bf16 P that dS also reads compiles to one F2F
-        # a value, on the MUFU's pipe beside the exponentials. fp16's converts in pairs either way
-        # (and the fp32 P spills more), and the deterministic mode measured 4-8% faster with it at
-        # D = 128 (why is not established; the free mode gained 1-12%,
-        # docs/perf-notes/attention-backward-determinism.md): both keep the 16-bit P, read twice.
-        # At D = 64 the 16-bit P cost the free mode 3-15% on the H200, and the deterministic one
-        # takes the fp32 P there too: +11-12% causal, level full
-        if P16:
-            p = p.to(dtype)
-            p_a = gl.convert_layout(p, a_layout)
-        else:
-            p_a = gl.convert_layout(to_pairs(p, dtype), a_layout)
-        if not OVERLAP_SDP:  # dP^T now, under P's conversion and dV
-            dp = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        dv = warpgroup_mma(p_a, do, dv, is_async=True)
-        dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp,))
-        ds = p.to(gl.float32) * (dp - delta_smem.index(stage).load(col_s)[None, :])
-        if P16:
-            ds = ds.to(dtype)
-        else:
-            ds = to_pairs(ds, dtype)
-        ds_a = gl.convert_layout(ds, a_layout)
-        dk = warpgroup_mma(ds_a, q, dk, is_async=True)
-        if SHARED_DQ:
-            # both warpgroups' dS^T of this step in one buffer of two (free once both products
-            # of two steps ago that read it are done), then this warpgroup's columns of dQ over
-            # all 128 keys: one 64 x D tile a step for the two, half the reduce traffic
-            ds_stage = step % 2
-            ds_phase = (step // 2) & 1
-            mbarrier.wait(ds_free.index(ds_stage), ds_phase ^ 1)
-            ds_smem.index(2 * ds_stage + CID).store(ds)
-            fence_async_shared()  # the generic-proxy store before either warpgroup's wgmma reads it
-            mbarrier.arrive(ds_ready.index(ds_stage), count=1)
-            dv, dk, p_a = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dk, p_a))
-            mbarrier.wait(ds_ready.index(ds_stage), ds_phase)
+        dk, dv = _grad_step(
+            dk, dv, i, walk, MASKED, IS_CAUSAL, DETERMINISTIC, ROTATE, OVERLAP_SDP, SHARED_DQ, CID
+        )
+    return dk, dv
+
+
+@gluon.jit
+def _shared_dq(ds_smem, k_smem, ds_ready, step, zero_dq, CID: gl.constexpr):
+    """SHARED_DQ: issue this warpgroup's dQ columns of ``step`` over both warpgroups' dS^T (two
+    products, asynchronous) once both have stored theirs."""
+    DQ_COLS: gl.constexpr = zero_dq.type.shape[1]
+    ds_stage = step % 2
+    mbarrier.wait(ds_ready.index(ds_stage), (step // 2) & 1)
+    dq = warpgroup_mma(
+        ds_smem.index(2 * ds_stage).permute((1, 0)),
+        k_smem.index(0).slice(CID * DQ_COLS, DQ_COLS, dim=1),
+        zero_dq,
+        use_acc=False,
+        is_async=True,
+    )
+    return warpgroup_mma(
+        ds_smem.index(2 * ds_stage + 1).permute((1, 0)),
+        k_smem.index(1).slice(CID * DQ_COLS, DQ_COLS, dim=1),
+        dq,
+        is_async=True,
+    )
+
+
+@gluon.jit
+def _grad_step(
+    dk,
+    dv,
+    i,
+    walk,  # (buffers, keys, zero_s, zero_dq, first, step0, rot, m_count, SEQ_K, UPPER_OFFSET, qk_scale)
+    MASKED: gl.constexpr,
+    IS_CAUSAL: gl.constexpr,
+    DETERMINISTIC: gl.constexpr,
+    ROTATE: gl.constexpr,
+    OVERLAP_SDP: gl.constexpr,
+    SHARED_DQ: gl.constexpr,
+    CID: gl.constexpr,
+):
+    """Query block i's step of ``_grad_steps``' walk: S^T, P^T, dP^T, dS^T and the products into dV
+    and dK, and its dQ columns. Returns (dk, dv)."""
+    buffers, keys, zero_s, zero_dq, first, step0, rot, m_count, SEQ_K, UPPER_OFFSET, qk_scale = walk
+    (k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem, qd_ready, qd_empty, ds_ready, ds_free, dq_full,
+     dq_empty, lse_smem, delta_smem) = buffers  # fmt: skip
+    NUM_STAGES: gl.constexpr = q_smem.type.shape[0]
+    BLOCK: gl.constexpr = q_smem.type.shape[1]
+    HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
+    DQ_BUFFERS: gl.constexpr = dq_smem.type.shape[0] // NUM_CONSUMERS
+    DQ_COLS: gl.constexpr = zero_dq.type.shape[1]
+    DQ_SPLIT: gl.constexpr = 1 if SHARED_DQ else HEAD_DIM // DQ_COLS
+    dtype: gl.constexpr = q_smem.dtype
+    # P read twice in 16 bits (below): fp16, and the deterministic mode at D = 128
+    P16: gl.constexpr = (DETERMINISTIC and HEAD_DIM > 64) or dtype == gl.float16
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    col_s: gl.constexpr = gl.SliceLayout(0, zero_s.type.layout)  # along the query rows (S^T's columns)
+    step = step0 + i - first
+    m = i
+    if ROTATE:
+        m = (i + rot) % m_count
+    stage = step % NUM_STAGES
+    dq_slot = step % DQ_BUFFERS * NUM_CONSUMERS + CID
+    dq_phase = (step // DQ_BUFFERS) & 1
+    q = q_smem.index(stage)
+    do = do_smem.index(stage)
+    mbarrier.wait(qd_ready.index(stage), (step // NUM_STAGES) & 1)
+    s = warpgroup_mma(k, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    if OVERLAP_SDP:
+        dp = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+    else:
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    lse = lse_smem.index(stage).load(col_s)
+    if MASKED:
+        rows = m * BLOCK + gl.arange(0, BLOCK, layout=col_s)
+        visible = keys[:, None] < SEQ_K
+        if IS_CAUSAL:
+            visible = visible & (keys[:, None] <= rows[None, :] + UPPER_OFFSET)
+        p = gl.exp2(gl.where(visible, s * qk_scale - lse[None, :], -float("inf")))
+    else:
+        p = gl.exp2(s * qk_scale - lse[None, :])
+    # P^T in the input dtype, packed in pairs as dV's A operand (F2FP, two a conversion on the
+    # ALU), and dS from P's fp32 values: a 16-bit bf16 P that dS also reads compiles to one F2F
+    # a value, on the MUFU's pipe beside the exponentials. fp16's converts in pairs either way
+    # (and the fp32 P spills more), and the deterministic mode measured 4-8% faster with it at
+    # D = 128 (why is not established; the free mode gained 1-12%,
+    # docs/perf-notes/attention-backward-determinism.md): both keep the 16-bit P, read twice.
+    # At D = 64 the 16-bit P cost the free mode 3-15% on the H200, and the deterministic one
+    # takes the fp32 P there too: +11-12% causal, level full
+    if P16:
+        p = p.to(dtype)
+        p_a = gl.convert_layout(p, a_layout)
+    else:
+        p_a = gl.convert_layout(to_pairs(p, dtype), a_layout)
+    if not OVERLAP_SDP:  # dP^T now, under P's conversion and dV
+        dp = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    dv = warpgroup_mma(p_a, do, dv, is_async=True)
+    dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp,))
+    ds = p.to(gl.float32) * (dp - delta_smem.index(stage).load(col_s)[None, :])
+    if P16:
+        ds = ds.to(dtype)
+    else:
+        ds = to_pairs(ds, dtype)
+    ds_a = gl.convert_layout(ds, a_layout)
+    dk = warpgroup_mma(ds_a, q, dk, is_async=True)
+    if SHARED_DQ:
+        # both warpgroups' dS^T of this step in one buffer of two (free once both products
+        # of two steps ago that read it are done), then this warpgroup's columns of dQ over
+        # all 128 keys: one 64 x D tile a step for the two, half the reduce traffic
+        ds_stage = step % 2
+        ds_phase = (step // 2) & 1
+        mbarrier.wait(ds_free.index(ds_stage), ds_phase ^ 1)
+        ds_smem.index(2 * ds_stage + CID).store(ds)
+        fence_async_shared()  # the generic-proxy store before either warpgroup's wgmma reads it
+        mbarrier.arrive(ds_ready.index(ds_stage), count=1)
+    if SHARED_DQ:
+        dv, dk, p_a = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dk, p_a))
+        dq = _shared_dq(ds_smem, k_smem, ds_ready, step, zero_dq, CID)
+        dq, dk, ds_a = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, ds_a))
+        mbarrier.arrive(ds_free.index(ds_stage), count=1)
+        mbarrier.wait(dq_empty.index(dq_slot), dq_phase ^ 1)  # the reduce of its last use has read it
+        dq_smem.index(dq_slot).store(dq)
+    else:
+        ds_smem.store(ds)
+        fence_async_shared()  # the generic-proxy store before the wgmma reads it
+        # dQ = dS K in DQ_SPLIT column slices of DQ_COLS (at D = 128 a whole 64 x 128 fp32
+        # partial beside dK and dV does not fit in 240 registers)
+        dv, dk, p_a = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dk, p_a))
+        mbarrier.wait(dq_empty.index(dq_slot), dq_phase ^ 1)  # the reduce of its last use has read it
+        for half in gl.static_range(DQ_SPLIT):
             dq = warpgroup_mma(
-                ds_smem.index(2 * ds_stage).permute((1, 0)),
-                k_smem.index(0).slice(CID * DQ_COLS, DQ_COLS, dim=1),
+                ds_smem.permute((1, 0)),
+                k.slice(half * DQ_COLS, DQ_COLS, dim=1),
                 zero_dq,
                 use_acc=False,
                 is_async=True,
             )
-            dq = warpgroup_mma(
-                ds_smem.index(2 * ds_stage + 1).permute((1, 0)),
-                k_smem.index(1).slice(CID * DQ_COLS, DQ_COLS, dim=1),
-                dq,
-                is_async=True,
-            )
             dq, dk, ds_a = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, ds_a))
-            mbarrier.arrive(ds_free.index(ds_stage), count=1)
-            mbarrier.wait(dq_empty.index(dq_slot), dq_phase ^ 1)  # the reduce of its last use has read it
-            dq_smem.index(dq_slot).store(dq)
-        else:
-            ds_smem.store(ds)
-            fence_async_shared()  # the generic-proxy store before the wgmma reads it
-            # dQ = dS K in DQ_SPLIT column slices of DQ_COLS (at D = 128 a whole 64 x 128 fp32
-            # partial beside dK and dV does not fit in 240 registers)
-            dv, dk, p_a = warpgroup_mma_wait(num_outstanding=1, deps=(dv, dk, p_a))
-            mbarrier.wait(dq_empty.index(dq_slot), dq_phase ^ 1)  # the reduce of its last use has read it
-            for half in gl.static_range(DQ_SPLIT):
-                dq = warpgroup_mma(
-                    ds_smem.permute((1, 0)),
-                    k.slice(half * DQ_COLS, DQ_COLS, dim=1),
-                    zero_dq,
-                    use_acc=False,
-                    is_async=True,
-                )
-                dq, dk, ds_a = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, ds_a))
-                dq_smem.index(dq_slot).slice(half * DQ_COLS, DQ_COLS, dim=1).store(dq)
-        mbarrier.arrive(qd_empty.index(stage), count=1)
-        fence_async_shared()  # the dQ columns' generic-proxy stores before the reduce reads them
-        mbarrier.arrive(dq_full.index(dq_slot), count=1)
+            dq_smem.index(dq_slot).slice(half * DQ_COLS, DQ_COLS, dim=1).store(dq)
+    mbarrier.arrive(qd_empty.index(stage), count=1)
+    fence_async_shared()  # the dQ columns' generic-proxy stores before the reduce reads them
+    mbarrier.arrive(dq_full.index(dq_slot), count=1)
     return dk, dv
 
 
@@ -771,6 +629,7 @@ def _attn_bwd_sm90_kernel(
                            stride_db, stride_dh)),
         (_dq_partition, (dq_desc, dq_smem, dq_full, dq_empty, sem_ptr, batch, kv_head, start_n, GROUP,
                          m_start, m_end, n_blocks - 1, rot, UPPER_OFFSET, stride_sb, stride_sh, KEYS,
-                         IS_CAUSAL, DETERMINISTIC, ROTATE, SHARED_DQ, ACQUIRE_FIRST, TURN_BLOCKS)),
+                         IS_CAUSAL, DETERMINISTIC, ROTATE, SHARED_DQ, ACQUIRE_FIRST, TURN_BLOCKS,
+                         NUM_CONSUMERS)),
     ], [CONSUMER_WARPS, PRODUCER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
     # fmt: on
