@@ -40,9 +40,7 @@ def descriptor(dtype, rows, cols, swizzle=None):  # as bwd_sm90._descriptor make
     return f"tensordesc<{dtype}[{','.join(map(str, block))}],{layout!r}>"
 
 for dtype, head_dim, causal, deterministic, shared_dq, _ in CASES:
-    config = bwd.default_config(head_dim, deterministic, False, causal)
-    if shared_dq != config.shared_dq:  # the other dQ split, as a candidate runs it
-        config = bwd.CONFIGS[head_dim]._replace(shared_dq=shared_dq)
+    config = bwd.CONFIGS[head_dim]._replace(shared_dq=shared_dq)
     k_swizzle = 64 if shared_dq and head_dim == 64 else None
     rows = {"q_desc": bwd.BLOCK_M, "k_desc": bwd.SPLIT_N, "v_desc": bwd.SPLIT_N, "do_desc": bwd.BLOCK_M,
             "dk_desc": bwd.SPLIT_N, "dv_desc": bwd.SPLIT_N}
@@ -84,15 +82,14 @@ for dtype, head_dim, causal, deterministic, shared_dq, _ in CASES:
 """
 
 # (dtype, D, causal, deterministic, Config.shared_dq, spills): both head dims, both masks, both
-# modes, both dQ splits, each with its default ring and turns (the other split with CONFIGS' ring,
-# as a candidate; the order of programs is a runtime argument: one compile serves all; a
-# deterministic full mask compiles the rotated walk), and the local loads and stores in the SASS,
-# which may not grow. At D = 128 a consumer's accumulators (dK and dV: 128 registers a thread, S^T
-# and dP^T 64 more) leave ptxas short of 240 for the rest: it keeps some values on the stack, a
-# causal walk's bounds more; the tickets are the dQ warp's. The free mode's P, held in fp32 until
-# dS, adds some where dQ is not split (27, from 6; the default at D = 128 splits it and stays at 52
-# causal, 9 full with its three stages). fp16 keeps the 16-bit P (it converts in pairs either way):
-# 13 at D = 128 causal, where the fp32 P spilled 52. Fewer is a next step
+# modes, both dQ splits, each with its default turns (the order of programs is a runtime argument:
+# one compile serves all; a deterministic full mask compiles the rotated walk), and the local loads
+# and stores in the SASS, which may not grow. At D = 128 a consumer's accumulators (dK and dV: 128
+# registers a thread, S^T and dP^T 64 more) leave ptxas short of 240 for the rest: it keeps some
+# values on the stack, a causal walk's bounds more; the tickets are the dQ warp's. The free mode's
+# P, held in fp32 until dS, adds some where dQ is not split (27, from 6; the default at D = 128
+# splits it and stays at 52). fp16 keeps the 16-bit P (it converts in pairs either way): 13 at
+# D = 128 causal, where the fp32 P spilled 52. Fewer is a next step
 # (docs/perf-notes/attention-backward.md).
 STATIC_CASES = [
     ("bf16", 128, False, False, False, 27),
@@ -105,7 +102,6 @@ STATIC_CASES = [
     ("fp16", 64, False, False, True, 0),
     ("bf16", 64, False, False, True, 0),
     ("fp16", 128, True, False, True, 13),
-    ("bf16", 128, False, False, True, 9),
 ]
 
 
@@ -174,8 +170,7 @@ def test_only_a_deterministic_full_mask_walks_rotated_and_only_where_a_group_run
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_the_default_config_by_mode_mask_and_grouping(head_dim):
-    """The free mode takes CONFIGS' tile as it is under a causal mask and a deeper ring of Q and dO
-    under a full one; the deterministic mode one ticketed add a step
+    """The free mode takes CONFIGS' tile as it is; the deterministic mode one ticketed add a step
     (shared_dq), and with GQA a program a query head under a causal mask (its walks differ in
     length) but the group's under a full one (they end together), and at D = 64 a turn over two
     query blocks."""
@@ -184,8 +179,7 @@ def test_the_default_config_by_mode_mask_and_grouping(head_dim):
     tile = bwd_sm90.CONFIGS[head_dim]
     for gqa in (False, True):
         for causal in (False, True):
-            free = bwd_sm90.default_config(head_dim, False, gqa, causal)
-            assert free == (tile if causal else tile._replace(num_stages=3))
+            assert bwd_sm90.default_config(head_dim, False, gqa, causal) == tile
             deterministic = bwd_sm90.default_config(head_dim, True, gqa, causal)
             assert deterministic == tile._replace(
                 shared_dq=True,

@@ -85,28 +85,16 @@ def default_config(head_dim: int, deterministic: bool, gqa: bool = False, causal
     --candidates --skip-triton --shape 4,32,32,4096,64`), and per_query_head where it is
     deterministic with GQA and the mask wants it (DETERMINISTIC_GQA_PER_QUERY_HEAD), and
     acquire_first (on an H100: +12-13% at D = 64 under a full mask, +3% causal, level to +5% at
-    D = 128; `docs/perf-notes/attention-backward-determinism.md`), and DETERMINISTIC_TURN_BLOCKS;
-    in the free mode under a full mask, FREE_FULL_MASK_STAGES."""
+    D = 128; `docs/perf-notes/attention-backward-determinism.md`), and DETERMINISTIC_TURN_BLOCKS."""
     config = CONFIGS[head_dim]
     if not deterministic:
-        return config if causal else config._replace(num_stages=FREE_FULL_MASK_STAGES)
+        return config
     return config._replace(
         shared_dq=True,
         per_query_head=gqa and DETERMINISTIC_GQA_PER_QUERY_HEAD[causal],
         acquire_first=True,
         turn_blocks=DETERMINISTIC_TURN_BLOCKS[head_dim],
     )
-
-
-# The Q/dO ring's depth in the free mode under a full mask. On an H100 at 27ecd97, x the default's
-# two stages in two runs (`python benchmarks/attention_bwd_sm90.py OUT.json --defaults --skip-triton
-# --config free:num_stages=3 --config det:num_stages=3 --shape ...`): full, +2% to +7% at
-# (4, 32, 4096, 64), +3% at (2, 32/8, 4096, 64), +4% to +6% at (4, 32, 4096, 128), +7% at
-# (16, 16, 1024, 128), -1% to +3% at (2, 32/8, 4096, 128); causal -3% to +4% (kept at two), and
-# the deterministic mode -3% to +4% (kept). A full walk's steps are alike, so a deeper ring only
-# lets the loads run further ahead; a causal walk's first steps are the masked ones.
-# Shared memory at D = 128 with shared_dq: 226 KB of 227 (docs/perf-notes/attention-backward.md).
-FREE_FULL_MASK_STAGES = 3
 
 
 # The query blocks a deterministic turn covers (Config.turn_blocks), by head dim: the dQ warp's
