@@ -39,14 +39,15 @@ def descriptor(dtype, rows, cols, swizzle=None):  # as bwd_sm90._descriptor make
         layout = gl.NVMMASharedLayout(swizzle, layout.element_bitwidth, rank=4)
     return f"tensordesc<{dtype}[{','.join(map(str, block))}],{layout!r}>"
 
-for dtype, head_dim, causal, deterministic, shared_dq, _ in CASES:
-    config = bwd.CONFIGS[head_dim]._replace(shared_dq=shared_dq)
+for dtype, head_dim, causal, deterministic, shared_dq, _, *block in CASES:
+    config = bwd.CONFIGS[head_dim]._replace(shared_dq=shared_dq, block_m=block[0] if block else bwd.BLOCK_M)
+    shipped = bwd.default_config(head_dim, deterministic, False, causal)
     k_swizzle = 64 if shared_dq and head_dim == 64 else None
-    rows = {"q_desc": bwd.BLOCK_M, "k_desc": bwd.SPLIT_N, "v_desc": bwd.SPLIT_N, "do_desc": bwd.BLOCK_M,
+    rows = {"q_desc": config.block_m, "k_desc": bwd.SPLIT_N, "v_desc": bwd.SPLIT_N, "do_desc": config.block_m,
             "dk_desc": bwd.SPLIT_N, "dv_desc": bwd.SPLIT_N}
     signature = {name: descriptor(dtype, n, head_dim, k_swizzle if name in ("k_desc", "dk_desc") else None)
                  for name, n in rows.items()}
-    signature |= {"dq_desc": descriptor("fp32", bwd.BLOCK_M, head_dim // 2 if shared_dq else head_dim),
+    signature |= {"dq_desc": descriptor("fp32", config.block_m, head_dim // 2 if shared_dq else head_dim),
                   "lse_ptr": "*fp32", "delta_ptr": "*fp32", "sem_ptr": "*i32"}
     for name in ("stride_lb", "stride_lh", "stride_db", "stride_dh", "stride_sb", "stride_sh", "HEADS_KV",
                  "PAIRS", "PAIRS_PER_GROUP", "GROUP", "SEQ_Q", "SEQ_K", "UPPER_OFFSET"):
@@ -60,15 +61,15 @@ for dtype, head_dim, causal, deterministic, shared_dq, _ in CASES:
     constants = {"KV_SHARE": 1, "IS_CAUSAL": causal, "DETERMINISTIC": deterministic,
                  "NUM_STAGES": config.num_stages,
                  "OVERLAP_SDP": config.overlap_sdp, "SHARED_DQ": config.shared_dq,
-                 "ACQUIRE_FIRST": bwd.default_config(head_dim, deterministic, False, causal).acquire_first,
-                 "TURN_BLOCKS": bwd.default_config(head_dim, deterministic, False, causal).turn_blocks}
+                 "ACQUIRE_FIRST": shipped.acquire_first,
+                 "TURN_BLOCKS": 1 if block else shipped.turn_blocks}
     constants["ROTATE"] = bwd.order(deterministic, causal, 64, 32, 132)[1]  # rotated where it may be
     kernel = triton.compile(GluonASTSource(bwd._attn_bwd_sm90_kernel, signature, constants),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": bwd.CONSUMER_WARPS.value})
     ptx, sass = kernel.asm["ptx"], _cuobjdump(kernel.asm["cubin"], "-sass")
     print(json.dumps({
         "case": f"{dtype} d{head_dim} causal={causal} deterministic={deterministic} "
-                f"shared_dq={shared_dq}",
+                f"shared_dq={shared_dq} block_m={config.block_m}",
         "warps": kernel.metadata.num_warps, "shared": kernel.metadata.shared,
         "waits": numbers(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx),
         "setmaxnreg": numbers(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx),
@@ -81,16 +82,17 @@ for dtype, head_dim, causal, deterministic, shared_dq, _ in CASES:
     }))
 """
 
-# (dtype, D, causal, deterministic, Config.shared_dq, spills): both head dims, both masks, both
-# modes, both dQ splits, each with its default turns (the order of programs is a runtime argument:
-# one compile serves all; a deterministic full mask compiles the rotated walk), and the local loads
-# and stores in the SASS, which may not grow. At D = 128 a consumer's accumulators (dK and dV: 128
-# registers a thread, S^T and dP^T 64 more) leave ptxas short of 240 for the rest: it keeps some
-# values on the stack, a causal walk's bounds more; the tickets are the dQ warp's. The free mode's
-# P, held in fp32 until dS, adds some where dQ is not split (27, from 6; the default at D = 128
-# splits it and stays at 52). fp16 keeps the 16-bit P (it converts in pairs either way): 13 at
-# D = 128 causal, where the fp32 P spilled 52. Fewer is a next step
-# (docs/perf-notes/attention-backward.md).
+# (dtype, D, causal, deterministic, Config.shared_dq, spills[, Config.block_m]): both head dims,
+# both masks, both modes, both dQ splits, each with its default turns (the order of programs is a
+# runtime argument: one compile serves all; a deterministic full mask compiles the rotated walk),
+# and the local loads and stores in the SASS, which may not grow. At D = 128 a consumer's
+# accumulators (dK and dV: 128 registers a thread, S^T and dP^T 64 more) leave ptxas short of 240
+# for the rest: it keeps some values on the stack, a causal walk's bounds more; the tickets are the
+# dQ warp's. The free mode's P, held in fp32 until dS, adds some where dQ is not split (27, from 6;
+# the default at D = 128 splits it and stays at 52). fp16 keeps the 16-bit P (it converts in pairs
+# either way): 13 at D = 128 causal, where the fp32 P spilled 52. Fewer is a next step
+# (docs/perf-notes/attention-backward.md). Steps of 128 query rows at D = 64 (a turn one step): the
+# 16-bit P, 13-14 free (an fp32 P kept 118-226 values on the stack), 13 deterministic causal.
 STATIC_CASES = [
     ("bf16", 128, False, False, False, 27),
     ("bf16", 128, True, True, False, 71),
@@ -102,14 +104,16 @@ STATIC_CASES = [
     ("fp16", 64, False, False, True, 0),
     ("bf16", 64, False, False, True, 0),
     ("fp16", 128, True, False, True, 13),
+    ("bf16", 64, False, False, True, 14, 128),
+    ("bf16", 64, True, True, True, 13, 128),
 ]
 
 
 # one case a test, so that the suite's workers share the compiles
-@pytest.mark.parametrize("case", STATIC_CASES, ids=lambda case: "-".join(map(str, case[:5])))
+@pytest.mark.parametrize("case", STATIC_CASES, ids=lambda case: "-".join(map(str, case[:5] + case[6:])))
 def test_the_kernel_compiles_for_hopper_warp_specialized_with_the_dq_reduce_off_the_registers(case):
     (row,) = [json.loads(line) for line in sm90.run(f"CASES = {[case]!r}\n{_STATIC_CHECK}")]
-    _, head_dim, _, deterministic, _, spills = case
+    _, head_dim, _, deterministic, _, spills, *block = case
     # two consumer warpgroups, the producer's warp and the dQ warp; budgets 240 and 24 (and
     # Triton's steps)
     assert row["warps"] == 12 and {240, 24} <= set(row["setmaxnreg"]), row
@@ -123,6 +127,8 @@ def test_the_kernel_compiles_for_hopper_warp_specialized_with_the_dq_reduce_off_
     assert row["spills"] <= spills, row
     if deterministic and head_dim > 64:  # its 16-bit P, read twice, converts a value at a time
         assert row["single_conversions"] > 0, row  # (see _grad_steps)
+    elif block:  # the 16-bit P in pairs, unpacked for dS (320-322 PRMT counted)
+        assert row["single_conversions"] == 0, row
     else:
         # P converted in pairs (F2FP, on the ALU; bf16's dS formed from P's fp32 values, fp16's
         # 16-bit P converting in pairs anyway): no single conversions on the MUFU's pipe, and 64
@@ -366,6 +372,59 @@ def test_gpu_every_candidate_config(causal, head_dim):
         for deterministic in (False, True):
             inputs = _inputs(2, 4, 2, 777, 901, head_dim, torch.bfloat16, seed=100 + i)
             check(*inputs, causal, deterministic=deterministic, config=config)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("deterministic", [False, True], ids=["any-order", "deterministic"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_gpu_steps_of_128_query_rows_match_the_reference(case, dtype, deterministic):
+    """``Config.block_m = 128`` at D = 64 (a step's S^T 64 x 128 a warpgroup, the 16-bit P), every
+    case of the reference grid in both modes; deterministic, the same bits twice."""
+    from tritonkit.ops.attention import bwd_sm90
+
+    batch, heads_q, heads_kv, seq_q, seq_k, causal, bottom_right = case
+    config = bwd_sm90.default_config(64, deterministic, heads_q != heads_kv, causal)._replace(
+        block_m=128, turn_blocks=1
+    )
+    inputs = _inputs(batch, heads_q, heads_kv, seq_q, seq_k, 64, dtype, seed=128 + CASES.index(case))
+    check(*inputs, causal, deterministic=deterministic, bottom_right=bottom_right, config=config)
+    if deterministic:
+        q, k, v, do = inputs
+        scale = 1 / math.sqrt(64)
+        o, lse = _forward(q, k, v, causal, scale, bottom_right)
+        runs = [_run(q, k, v, do, o, lse, causal, scale, bottom_right, True, config=config) for _ in "ab"]
+        assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
+def test_steps_of_128_query_rows_only_where_they_fit():
+    """block_m = 128 takes D = 64 with shared_dq and without overlap_sdp; anything else raises
+    before a launch (it would need more shared memory or registers than a program has)."""
+    from tritonkit.ops.attention import bwd_sm90
+
+    base = bwd_sm90.CONFIGS[64]._replace(block_m=128)
+    bwd_sm90.check_config(base, 64)
+    refused = [(128, bwd_sm90.CONFIGS[128]._replace(block_m=128)), (64, base._replace(shared_dq=False)),
+               (64, base._replace(overlap_sdp=True)), (64, base._replace(block_m=96))]  # fmt: skip
+    for head_dim, config in refused:
+        q, k, v, do = (torch.randn(1, 1, 8, head_dim) for _ in range(4))
+        with pytest.raises(ValueError, match="block_m"):
+            bwd_sm90.attention_bwd_sm90(
+                do,
+                q,
+                k,
+                v,
+                torch.zeros(1, 1, 8),
+                torch.zeros(1, 1, 8),
+                q,
+                k,
+                v,
+                scale=0.1,
+                causal=False,
+                upper_offset=0,
+                config=config,
+            )
 
 
 @pytest.mark.gpu

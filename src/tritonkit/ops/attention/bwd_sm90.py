@@ -40,7 +40,10 @@ class Config(NamedTuple):
     acquiring load first, one L2 round trip where the turn is already reached, where a relaxed spin
     and then the acquire took two. turn_blocks (deterministic): the query blocks one turn of the
     dQ warp covers (a ticket counter each group of them), so that a turn's round trips, the read
-    and the completion before the release, are paid once a group instead of once a step."""
+    and the completion before the release, are paid once a group instead of once a step.
+    block_m: the query rows a step (BLOCK_M or 128; FA3's at D = 64): a step's S^T and dP^T are
+    64 keys x block_m a warpgroup, so that its fixed costs (the barriers, the dQ hand-over, the dQ
+    warp's reduce and, deterministic, its turn) are paid once for twice the products."""
 
     num_stages: int
     overlap_sdp: bool = False
@@ -48,6 +51,7 @@ class Config(NamedTuple):
     per_query_head: bool = False
     acquire_first: bool = False
     turn_blocks: int = 1
+    block_m: int = BLOCK_M
 
 
 # Shared memory a program at D = 128, 16-bit elements: K and V 2 x 32 KB, the Q/dO ring NUM_STAGES x
@@ -65,7 +69,7 @@ class Config(NamedTuple):
 # Deterministic launches take shared_dq (``default_config``).
 CONFIGS = {64: Config(num_stages=2, shared_dq=True), 128: Config(num_stages=2, shared_dq=True)}
 # What the benchmark compares (and the tests check): the default first, then the other settings of
-# its two switches (dP^T beside S^T, one dQ tile a step)
+# its two switches (dP^T beside S^T, one dQ tile a step), then at D = 64 steps of 128 query rows
 CANDIDATES = {
     d: [
         config._replace(overlap_sdp=overlap, shared_dq=shared)
@@ -74,6 +78,7 @@ CANDIDATES = {
             key=lambda switches: switches != (config.overlap_sdp, config.shared_dq),
         )
     ]
+    + [config._replace(overlap_sdp=False, shared_dq=True, block_m=128)] * (d == 64)
     for d, config in CONFIGS.items()
 }
 
@@ -169,6 +174,8 @@ def attention_bwd_sm90(
     scale = float(scale)
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be a finite number > 0, got {scale}")
+    if config is not None:
+        check_config(config, q.shape[-1])
     if not supports(q, k, v):
         raise ValueError("attention_bwd_sm90 does not take these inputs (see supports)")
     for name, t in (("lse", lse), ("delta", delta)):
@@ -180,8 +187,6 @@ def attention_bwd_sm90(
         return
     do, q, k, v = (t if tma_ready(t) else t.contiguous() for t in (do, q, k, v))
     config = config or default_config(q.shape[3], deterministic, q.shape[1] != k.shape[1], causal)
-    if not (isinstance(config.turn_blocks, int) and config.turn_blocks >= 1):
-        raise ValueError(f"Config.turn_blocks must be an int >= 1, got {config.turn_blocks!r}")
     shares = config.per_query_head and q.shape[1] != k.shape[1]
     if shares:  # each query head's share of dK and dV, (B, Hq, Sk, D), summed below
         outputs = [scratch((*q.shape[:2], *k.shape[2:]), k.dtype, k.device) for _ in "kv"]
@@ -192,7 +197,7 @@ def attention_bwd_sm90(
         ]
     dq_acc = scratch(q.shape, torch.float32, q.device, zeroed=True)
     # a ticket counter a turn's group of query blocks: the key blocks' turns to add into it
-    blocks_q = cdiv(q.shape[2], BLOCK_M * config.turn_blocks)
+    blocks_q = cdiv(q.shape[2], config.block_m * config.turn_blocks)
     tickets = (
         scratch((*q.shape[:2], blocks_q), torch.int32, q.device, zeroed=True) if deterministic else dq_acc
     )
@@ -207,6 +212,18 @@ def attention_bwd_sm90(
                 grad.copy_(out)
     for launch in finish_launches(dq_acc, dq, scale, (dk, dv) if shares else (), outputs if shares else ()):
         launch.run()
+
+
+def check_config(config: Config, head_dim: int) -> None:
+    """Raise ValueError unless ``config`` is one the kernel runs at ``head_dim``: turn_blocks an int
+    >= 1; block_m BLOCK_M, or 128 at D = 64 with shared_dq and without overlap_sdp (anything else
+    needs more than a program's 227 KB of shared memory or 240 registers a thread)."""
+    if not (isinstance(config.turn_blocks, int) and config.turn_blocks >= 1):
+        raise ValueError(f"Config.turn_blocks must be an int >= 1, got {config.turn_blocks!r}")
+    if config.block_m != BLOCK_M and (
+        config.block_m != 128 or head_dim != 64 or not config.shared_dq or config.overlap_sdp
+    ):
+        raise ValueError(f"Config.block_m is {BLOCK_M}, or 128 at D = 64 with shared_dq alone; got {config}")
 
 
 # The deterministic mode's order of programs. Programs launch in turn order within each pair (a
@@ -282,13 +299,13 @@ def launches(
     # one program an SM: its shared memory (112-214 KB) leaves room for no second
     pairs_per_group, rotate = order(deterministic, causal, pairs, blocks, sm_count(q.device))
     args = (
-        descriptor(q, BLOCK_M),
+        descriptor(q, config.block_m),
         descriptor(k, SPLIT_N, swizzle=k_swizzle),
         descriptor(v, SPLIT_N),
-        descriptor(do, BLOCK_M),
+        descriptor(do, config.block_m),
         descriptor(dk, SPLIT_N, swizzle=k_swizzle),
         descriptor(dv, SPLIT_N),
-        descriptor(dq_acc, BLOCK_M, head_dim // 2 if config.shared_dq else None),
+        descriptor(dq_acc, config.block_m, head_dim // 2 if config.shared_dq else None),
         lse,
         delta,
         tickets,

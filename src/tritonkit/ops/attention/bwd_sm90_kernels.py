@@ -301,7 +301,7 @@ def _grad_step(
     DQ_SPLIT: gl.constexpr = 1 if SHARED_DQ else HEAD_DIM // DQ_COLS
     dtype: gl.constexpr = q_smem.dtype
     # P read twice in 16 bits (below): fp16, and the deterministic mode at D = 128
-    P16: gl.constexpr = (DETERMINISTIC and HEAD_DIM > 64) or dtype == gl.float16
+    P16: gl.constexpr = (DETERMINISTIC and HEAD_DIM > 64) or dtype == gl.float16 or BLOCK > 64
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
     )
@@ -340,7 +340,10 @@ def _grad_step(
     # docs/perf-notes/attention-backward-determinism.md): both keep the 16-bit P, read twice.
     # At D = 64 the 16-bit P cost the free mode 3-15% on the H200, and the deterministic one
     # takes the fp32 P there too: +11-12% causal, level full
-    if P16:
+    if P16 and BLOCK > 64:  # (an fp32 P of 128 rows spills: 16 bits, converted in pairs on the ALU)
+        p = to_pairs(p, dtype)
+        p_a = gl.convert_layout(p, a_layout)
+    elif P16:
         p = p.to(dtype)
         p_a = gl.convert_layout(p, a_layout)
     else:
@@ -350,7 +353,7 @@ def _grad_step(
     dv = warpgroup_mma(p_a, do, dv, is_async=True)
     dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp,))
     ds = p.to(gl.float32) * (dp - delta_smem.index(stage).load(col_s)[None, :])
-    if P16:
+    if P16 and BLOCK == 64:
         ds = ds.to(dtype)
     else:
         ds = to_pairs(ds, dtype)
