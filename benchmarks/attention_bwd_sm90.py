@@ -3,7 +3,7 @@ backward and tritonkit's Triton backward (both modes), in one process, bf16.
 
     python benchmarks/attention_bwd_sm90.py OUT.json [--deadline SECONDS] [--skip-triton]
         [--skip-deterministic] [--layer] [--causal] [--candidates | --defaults] [--acquire-first]
-        [--turn-blocks N] [--config MODE:FIELD=VALUE[,FIELD=VALUE]] [--shape B,Hq,Hkv,S,D]
+        [--turn-blocks N] [--config MODE:FIELD=VALUE[,FIELD=VALUE]] [--shape B,Hq,Hkv,S,D] [--rounds N]
 
 ``--layer`` times the decoder layer's attention alone (``tritonkit bench layer``'s 8b-4k: GQA 32/8,
 S = 4096, causal), q, k and v strided views of one QKV projection's output and dO of the output
@@ -20,10 +20,13 @@ det:num_stages=3,acquire_first=False`` times a mode's default (``free`` or ``det
 ``bwd_sm90.Config`` fields replaced (repeatable; a deterministic one says whether its gradients are
 the default's bits). ``--shape`` keeps the rows of one shape (repeatable).
 
-A row's providers take turns (``tritonkit.bench.timing.interleaved_ms``): each one's time is the
-median of its turns, each turn ``triton.testing.do_bench``'s median over a backward call (the
-delta pass and dq's conversion included; cuDNN's own preprocessing too), from saved forward
-outputs, and ``spread`` is the range of its turns over that median; TFLOP/s from 2.5 x 4 * B *
+A row's providers take turns, ``--rounds`` of them (``tritonkit.bench.timing.interleaved_turns``;
+each one's ``turns`` are in the JSON): its time is the median of its turns, each turn
+``triton.testing.do_bench``'s median over a backward call (the delta pass and dq's conversion
+included; cuDNN's own preprocessing too), from saved forward outputs, and ``spread`` is the range
+of its turns over that median. The ratio printed is ``vs_cudnn_paired``: the median over rounds of
+cuDNN's turn over the provider's in the same round (a clock that drifts between rounds moves both
+alike), ``paired_spread`` its range over that median; TFLOP/s from 2.5 x 4 * B *
 Hq * Sq * Sk * D (half of it causal). Each Gluon row also gives its largest gradient error against
 cuDNN's. Rows stop being timed at the deadline (the JSON holds what
 was measured).
@@ -80,16 +83,33 @@ def _bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-INTERLEAVED = (
-    f"timing.interleaved_ms: {timing.ROUNDS} turns a provider, each triton.testing.do_bench's median "
-    f"(warmup {timing.ROUND_WARMUP_MS} ms, rep {timing.ROUND_REP_MS} ms), L2 flushed; the median turn"
-)
+def rounds() -> int:
+    """``--rounds N``'s turns a provider (timing.ROUNDS unless given)."""
+    (n,) = arguments("--rounds", int) or [timing.ROUNDS]
+    return n
+
+
+def interleaved() -> str:
+    return (
+        f"timing.interleaved_turns: {rounds()} turns a provider, each triton.testing.do_bench's median "
+        f"(warmup {timing.ROUND_WARMUP_MS} ms, rep {timing.ROUND_REP_MS} ms), L2 flushed; the median "
+        "turn; vs_cudnn_paired the median over rounds of cuDNN's turn over the provider's in the same round"
+    )
 
 
 def time_calls(row: dict, calls: dict) -> None:
-    """The row's ``ms`` and ``spread`` of ``calls`` taking turns (``timing.interleaved_ms``)."""
+    """The row's ``turns`` of ``calls`` taking turns (``timing.interleaved_turns``), their median
+    ``ms`` and ``spread``, and each call's ratio to cuDNN round by round: its median
+    (``vs_cudnn_paired``) and spread (``paired_spread``, the range over that median)."""
     torch.cuda.synchronize()
-    row["ms"], row["spread"] = timing.interleaved_ms(calls)
+    row["turns"] = timing.interleaved_turns(calls, rounds())
+    row["ms"] = {name: timing.median_of(ms) for name, ms in row["turns"].items()}
+    row["spread"] = {name: (max(ms) - min(ms)) / row["ms"][name] for name, ms in row["turns"].items()}
+    ratios = timing.round_ratios(row["turns"], "cudnn")
+    row["vs_cudnn_paired"] = {name: timing.median_of(r) for name, r in ratios.items()}
+    row["paired_spread"] = {
+        name: (max(r) - min(r)) / row["vs_cudnn_paired"][name] for name, r in ratios.items()
+    }
 
 
 def inputs(shape, layer: bool) -> tuple:
@@ -349,8 +369,13 @@ def result_header(op: str, script: str, timing: str) -> dict:
 def record(result: dict, row: dict, label: str, out: str) -> None:
     """Add ``row`` to ``result``, print its rates against cuDNN and rewrite ``out``."""
     result["rows"].append(row)
-    summary = "  ".join(f"{n} {t:.0f} ({row['vs_cudnn'][n]:.2f}x)" for n, t in row["tflops"].items())
-    spread = f" [spread <= {max(row['spread'].values()):.1%}]" if "spread" in row else ""
+    paired = row.get("vs_cudnn_paired", row["vs_cudnn"])
+    summary = "  ".join(f"{n} {t:.0f} ({paired[n]:.2f}x)" for n, t in row["tflops"].items())
+    spread = f" [spread <= {max(row['spread'].values()):.1%}" if "spread" in row else ""
+    if "paired_spread" in row:
+        spread += f", of the ratios {max(row['paired_spread'].values()):.1%}]"
+    elif spread:
+        spread += "]"
     print(f"{label}{spread}: {summary}", flush=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
@@ -360,7 +385,7 @@ def record(result: dict, row: dict, label: str, out: str) -> None:
 def main() -> None:
     out, stop = sys.argv[1], deadline()
     config_arguments()  # (a malformed --config stops here, before any GPU work)
-    result = result_header("attention_bwd", "attention_bwd_sm90.py", INTERLEAVED)
+    result = result_header("attention_bwd", "attention_bwd_sm90.py", interleaved())
     layer = "--layer" in sys.argv
     masks = (True,) if "--causal" in sys.argv else (False, True)
     shapes = [

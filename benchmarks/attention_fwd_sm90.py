@@ -2,17 +2,18 @@
 process, bf16, with the causal order's group sizes beside the default.
 
     python benchmarks/attention_fwd_sm90.py OUT.json [--deadline SECONDS] [--candidates]
-        [--shape B,Hq,Hkv,S,D] [--full | --causal]
+        [--shape B,Hq,Hkv,S,D] [--full | --causal] [--rounds N]
 
 Rows: the backward benchmark's shapes (``attention_bwd_sm90.SHAPES``), full and causal, then the
 decoder layer's attention (``tritonkit bench layer``'s 8b-4k: GQA 32/8, S = 4096, causal, q, k and v
 strided views of one QKV projection). ``--shape`` times the given shapes instead (repeatable; no layer
 row), ``--full`` or ``--causal`` one mask. A causal row also times the other group sizes of
 ``fwd_sm90.CAUSAL_HEADS_PER_GROUP`` (``GROUPS``); ``--candidates`` times every tile of
-``fwd_sm90.CANDIDATES`` for the head dim instead. A row's providers take turns
-(``tritonkit.bench.timing.interleaved_ms``): each time is the median of its turns, each turn
-``triton.testing.do_bench``'s median over an eager call (the host path included), L2 flushed, and
-``spread`` the range of its turns over that median; TFLOP/s from
+``fwd_sm90.CANDIDATES`` for the head dim instead. A row's providers take turns, ``--rounds`` of
+them, as the backward benchmark's (``tritonkit.bench.timing.interleaved_turns``; the turns, the
+median turn, its spread and the paired ratio to cuDNN, which is what is printed), each turn
+``triton.testing.do_bench``'s median over an eager call (the host path included), L2 flushed;
+TFLOP/s from
 4 * B * Hq * Sq * Sk * D (half of it causal). Each row gives the largest difference from cuDNN's
 output. Rows stop being timed at the deadline (the JSON holds what was measured).
 """
@@ -23,7 +24,7 @@ import sys
 import time
 
 import torch
-from attention_bwd_sm90 import INTERLEAVED, LAYER, SHAPES, deadline, inputs, record, result_header, time_calls
+from attention_bwd_sm90 import LAYER, SHAPES, deadline, inputs, interleaved, record, result_header, time_calls
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tritonkit.ops.attention import fwd_sm90
@@ -94,7 +95,7 @@ def _changes(config, tile) -> str:
 
 def main() -> None:
     out, stop = sys.argv[1], deadline()
-    result = result_header("attention_fwd", "attention_fwd_sm90.py", INTERLEAVED + ", eager calls")
+    result = result_header("attention_fwd", "attention_fwd_sm90.py", interleaved() + ", eager calls")
     shapes = [
         tuple(int(n) for n in sys.argv[i + 1].split(",")) for i, a in enumerate(sys.argv) if a == "--shape"
     ]

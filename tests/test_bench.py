@@ -501,6 +501,21 @@ def test_interleaved_calls_take_turns_in_a_rotated_order(monkeypatch):
         timing.interleaved_ms(calls, rounds=0)
 
 
+def test_round_ratios_pair_each_call_with_the_reference_in_the_same_round():
+    """A clock that halves the speed of one round moves both sides of that round's ratios: the
+    paired ratio stays the calls' true 2x and 0.5x, while the ratio of medians moves with where the
+    slow round falls in each call's turns."""
+    from tritonkit.bench import timing
+
+    turns = {"ref": [1.0, 1.0, 2.0], "fast": [0.5, 1.0, 1.0], "slow": [2.0, 2.0, 4.0]}
+    ratios = timing.round_ratios(turns, "ref")
+    assert ratios == {"ref": [1.0, 1.0, 1.0], "fast": [2.0, 1.0, 2.0], "slow": [0.5, 0.5, 0.5]}
+    assert {name: timing.median_of(r) for name, r in ratios.items()} == {"ref": 1.0, "fast": 2.0, "slow": 0.5}
+    assert timing.median_of(turns["ref"]) / timing.median_of(turns["fast"]) == 1.0  # medians: no gain seen
+    with pytest.raises(ValueError):  # (rounds of unequal counts are no pairs)
+        timing.round_ratios({"ref": [1.0, 2.0], "other": [1.0]}, "ref")
+
+
 @pytest.mark.gpu
 def test_timing_protocol_on_gpu():
     from tritonkit.bench import timing

@@ -170,11 +170,45 @@ def interleaved_ms(
     rep_ms: float = ROUND_REP_MS,
     grad_to_none: list[torch.Tensor] | None = None,
 ) -> tuple[dict[str, float], dict[str, float]]:
-    """({name: median ms}, {name: spread}) of calls that take turns: ``heat_ms`` (WARMUP_MS unless
-    given) of the first call brings the GPU to the clock it sustains under its power limit, then
-    every round times each call (do_bench's median over ``rep_ms`` after ``warmup_ms``, L2 flushed,
+    """({name: median ms}, {name: spread}) of calls that take turns (``interleaved_turns``): a
+    call's time is the median of its rounds, its spread (slowest - fastest round) / median."""
+    turns = interleaved_turns(
+        calls, rounds, heat_ms=heat_ms, warmup_ms=warmup_ms, rep_ms=rep_ms, grad_to_none=grad_to_none
+    )
+    medians = {name: median_of(ms) for name, ms in turns.items()}
+    spreads = {name: (max(ms) - min(ms)) / medians[name] for name, ms in turns.items()}
+    return medians, spreads
+
+
+def median_of(values: Sequence[float]) -> float:
+    """The middle value (of an even count, the upper of the two middle ones)."""
+    return sorted(values)[len(values) // 2]
+
+
+def round_ratios(turns: dict[str, list[float]], reference: str) -> dict[str, list[float]]:
+    """{name: reference's ms / name's ms, round by round} of ``interleaved_turns``' turns: each
+    call's speed against ``reference``'s, the two timed within a second of each other in each round,
+    so that a clock that drifts between rounds moves both sides of a ratio alike."""
+    return {
+        name: [ref / ms for ref, ms in zip(turns[reference], times, strict=True)]
+        for name, times in turns.items()
+    }
+
+
+def interleaved_turns(
+    calls: dict[str, Callable[[], object]],
+    rounds: int = ROUNDS,
+    *,
+    heat_ms: float | None = None,
+    warmup_ms: float = ROUND_WARMUP_MS,
+    rep_ms: float = ROUND_REP_MS,
+    grad_to_none: list[torch.Tensor] | None = None,
+) -> dict[str, list[float]]:
+    """{name: its ms in each round} of calls that take turns: ``heat_ms`` (WARMUP_MS unless given)
+    of the first call brings the GPU to the clock it sustains under its power limit, then every
+    round times each call (do_bench's median over ``rep_ms`` after ``warmup_ms``, L2 flushed,
     ``grad_to_none``'s gradients set to None before each call), the order rotated a place each
-    round. A call's time is the median of its rounds, its spread (slowest - fastest round) / median.
+    round.
 
     Timed one after another with 25 ms of warm-up each, the same attention kernel's median moved
     by up to 10% between processes on the H200, more than its candidates differed; the likely
@@ -185,7 +219,7 @@ def interleaved_ms(
     from triton.testing import do_bench
 
     if rounds < 1 or not calls:
-        raise ValueError(f"interleaved_ms needs calls and at least one round, got {len(calls)}, {rounds}")
+        raise ValueError(f"interleaved_turns needs calls and at least one round, got {len(calls)}, {rounds}")
     names = list(calls)
     heat_ms = WARMUP_MS if heat_ms is None else heat_ms
     do_bench(calls[names[0]], warmup=heat_ms, rep=rep_ms, grad_to_none=grad_to_none)
@@ -197,9 +231,7 @@ def interleaved_ms(
                 calls[name], warmup=warmup_ms, rep=rep_ms, grad_to_none=grad_to_none, return_mode="median"
             )
             turns[name].append(ms)
-    medians = {name: sorted(ms)[len(ms) // 2] for name, ms in turns.items()}
-    spreads = {name: (max(ms) - min(ms)) / medians[name] for name, ms in turns.items()}
-    return medians, spreads
+    return turns
 
 
 def eager_ms(call: Callable[[], object]) -> float:
