@@ -177,8 +177,10 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
         name = "DETERMINISTIC_PAIRS_PER_GROUP" if deterministic else "FREE_CAUSAL_PAIRS_PER_GROUP"
         default = default_deterministic_group if deterministic else default_group
 
-        def switched_config(*args, **kwargs):
-            return default_config(*args, **kwargs)._replace(**switches)
+        def switched_config(head_dim, *args, **kwargs):
+            config = default_config(head_dim, *args, **kwargs)._replace(**switches)
+            bwd_sm90.check_config(config, head_dim)  # (the launch checks only a config it is given)
+            return config
 
         def call():
             bwd.SM90_BACKWARD = gluon
