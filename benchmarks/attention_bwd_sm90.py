@@ -104,12 +104,10 @@ def time_calls(row: dict, calls: dict) -> None:
     torch.cuda.synchronize()
     row["turns"] = timing.interleaved_turns(calls, rounds())
     row["ms"] = {name: timing.median_of(ms) for name, ms in row["turns"].items()}
-    row["spread"] = {name: (max(ms) - min(ms)) / row["ms"][name] for name, ms in row["turns"].items()}
+    row["spread"] = {name: timing.spread_of(ms) for name, ms in row["turns"].items()}
     ratios = timing.round_ratios(row["turns"], "cudnn")
     row["vs_cudnn_paired"] = {name: timing.median_of(r) for name, r in ratios.items()}
-    row["paired_spread"] = {
-        name: (max(r) - min(r)) / row["vs_cudnn_paired"][name] for name, r in ratios.items()
-    }
+    row["paired_spread"] = {name: timing.spread_of(r) for name, r in ratios.items()}
 
 
 def inputs(shape, layer: bool) -> tuple:

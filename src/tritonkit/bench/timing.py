@@ -162,27 +162,25 @@ ROUND_WARMUP_MS, ROUND_REP_MS = 5, 25
 
 
 def interleaved_ms(
-    calls: dict[str, Callable[[], object]],
-    rounds: int = ROUNDS,
-    *,
-    heat_ms: float | None = None,
-    warmup_ms: float = ROUND_WARMUP_MS,
-    rep_ms: float = ROUND_REP_MS,
-    grad_to_none: list[torch.Tensor] | None = None,
+    calls: dict[str, Callable[[], object]], rounds: int = ROUNDS, **options
 ) -> tuple[dict[str, float], dict[str, float]]:
-    """({name: median ms}, {name: spread}) of calls that take turns (``interleaved_turns``): a
-    call's time is the median of its rounds, its spread (slowest - fastest round) / median."""
-    turns = interleaved_turns(
-        calls, rounds, heat_ms=heat_ms, warmup_ms=warmup_ms, rep_ms=rep_ms, grad_to_none=grad_to_none
-    )
-    medians = {name: median_of(ms) for name, ms in turns.items()}
-    spreads = {name: (max(ms) - min(ms)) / medians[name] for name, ms in turns.items()}
-    return medians, spreads
+    """({name: median ms}, {name: spread}) of calls that take turns (``interleaved_turns``, which
+    takes ``options``): a call's time is the median of its rounds (``median_of``), its spread
+    their range over it (``spread_of``)."""
+    turns = interleaved_turns(calls, rounds, **options)
+    return {name: median_of(ms) for name, ms in turns.items()}, {
+        name: spread_of(ms) for name, ms in turns.items()
+    }
 
 
 def median_of(values: Sequence[float]) -> float:
     """The middle value (of an even count, the upper of the two middle ones)."""
     return sorted(values)[len(values) // 2]
+
+
+def spread_of(values: Sequence[float]) -> float:
+    """(largest - smallest) / ``median_of``: how far apart two measurements must be to differ."""
+    return (max(values) - min(values)) / median_of(values)
 
 
 def round_ratios(turns: dict[str, list[float]], reference: str) -> dict[str, list[float]]:
