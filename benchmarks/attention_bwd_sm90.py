@@ -26,7 +26,8 @@ each one's ``turns`` are in the JSON): its time is the median of its turns, each
 included; cuDNN's own preprocessing too), from saved forward outputs, and ``spread`` is the range
 of its turns over that median. The ratio printed is ``vs_cudnn_paired``: the median over rounds of
 cuDNN's turn over the provider's in the same round (a clock that drifts between rounds moves both
-alike), ``paired_spread`` its range over that median; TFLOP/s from 2.5 x 4 * B *
+alike), ``paired_spread`` its range over that median; a second line (``vs_default_paired``, and
+its spread) has each Gluon variant so against its mode's default. TFLOP/s from 2.5 x 4 * B *
 Hq * Sq * Sk * D (half of it causal). Each Gluon row also gives its largest gradient error against
 cuDNN's. Rows stop being timed at the deadline (the JSON holds what
 was measured).
@@ -108,6 +109,22 @@ def time_calls(row: dict, calls: dict) -> None:
     ratios = timing.round_ratios(row["turns"], "cudnn")
     row["vs_cudnn_paired"] = {name: timing.median_of(r) for name, r in ratios.items()}
     row["paired_spread"] = {name: timing.spread_of(r) for name, r in ratios.items()}
+    # each variant against its mode's default, round by round: what a change of config is worth
+    against = {}
+    for name in row["turns"]:
+        default = mode_default(name)
+        if default in row["turns"] and default != name:
+            against[name] = timing.round_ratios(row["turns"], default)[name]
+    row["vs_default_paired"] = {name: timing.median_of(r) for name, r in against.items()}
+    row["vs_default_spread"] = {name: timing.spread_of(r) for name, r in against.items()}
+
+
+def mode_default(name: str) -> str | None:
+    """The provider a Gluon variant is a change of: its mode's default (``gluon`` or
+    ``gluon_deterministic``); None for the others."""
+    if not name.startswith("gluon"):
+        return None
+    return "gluon_deterministic" if name.startswith("gluon_deterministic") else "gluon"
 
 
 def inputs(shape, layer: bool) -> tuple:
@@ -377,6 +394,12 @@ def record(result: dict, row: dict, label: str, out: str) -> None:
     elif spread:
         spread += "]"
     print(f"{label}{spread}: {summary}", flush=True)
+    if row.get("vs_default_paired"):
+        changes = "  ".join(
+            f"{n} {x:.3f}x [rounds' range {row['vs_default_spread'][n]:.1%}]"
+            for n, x in row["vs_default_paired"].items()
+        )
+        print(f"    against the mode's default, round by round: {changes}", flush=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     torch.cuda.empty_cache()
