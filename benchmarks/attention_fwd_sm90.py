@@ -11,7 +11,8 @@ row), ``--full`` or ``--causal`` one mask. A causal row also times the other gro
 ``fwd_sm90.CAUSAL_HEADS_PER_GROUP`` (``GROUPS``); ``--candidates`` times every tile of
 ``fwd_sm90.CANDIDATES`` for the head dim instead. A row's providers take turns, ``--rounds`` of
 them, as the backward benchmark's (``tritonkit.bench.timing.interleaved_turns``; the turns, the
-median turn, its spread and the paired ratio to cuDNN, which is what is printed), each turn
+median turn, its spread and the paired ratios to cuDNN and of each variant to the default, which
+are what is printed), each turn
 ``triton.testing.do_bench``'s median over an eager call (the host path included), L2 flushed;
 TFLOP/s from
 4 * B * Hq * Sq * Sk * D (half of it causal). Each row gives the largest difference from cuDNN's
