@@ -17,6 +17,7 @@ from tritonkit.ops import get_op
 from tritonkit.ops.norm import OPS
 from tritonkit.ops.norm import kernels as nk
 from tritonkit.ops.norm import norm as nm
+from tritonkit.oracle import compare
 from tritonkit.testing import check_against_reference, generator, poisoned_outputs, random_tensor
 
 pytestmark = pytest.mark.norm
@@ -416,6 +417,41 @@ def test_add_forms_return_the_sum(dtype, device):
         y, h = fn(x, None, 40)
         assert h is x
         torch.testing.assert_close(y, plain(x, 40), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("used", ["both", "sum only", "norm only"])
+@pytest.mark.parametrize("kind", ["add_layer_norm", "add_rms_norm"])
+def test_without_a_residual_the_sums_gradient_joins_the_norms_backward(kind, used, device):
+    """With autograd recording, ``add_*_norm(x, None)``'s sum is a view of x whose gradient (a
+    residual's, downstream) the norm's backward adds to x's in its own pass: one node for both
+    outputs, so autograd sums nothing apart, and x's and the weight's gradients pass the oracle
+    against the float64 reference of norm(x) and x used as the outputs are."""
+    fn, reference = getattr(tritonkit, kind), getattr(nm, f"{kind}_reference")
+    x = random_tensor((5, 40), F32, device, generator=generator(11)).requires_grad_()
+    w = random_tensor((40,), F32, device, generator=generator(12)).requires_grad_()
+    g_y, g_h = (random_tensor((5, 40), F32, device, generator=generator(13 + i)) for i in range(2))
+    y, h = fn(x, None, 40, w)
+    assert h.grad_fn is y.grad_fn and h.data_ptr() == x.data_ptr() and h is not x
+    weights = {"both": (1, 1), "sum only": (0, 1), "norm only": (1, 0)}[used]
+
+    def loss(y, h):
+        return sum(c * (out * g).sum() for c, out, g in zip(weights, (y, h), (g_y, g_h), strict=True) if c)
+
+    grads = torch.autograd.grad(loss(y, h), (x, w), allow_unused=True)
+    wide = [t.detach().double().requires_grad_() for t in (x, w)]
+    exact = torch.autograd.grad(loss(*reference(wide[0], torch.zeros_like(wide[0]), (40,), wide[1])), wide,
+                                allow_unused=True)  # fmt: skip
+    same_dtype = [t.detach().clone().requires_grad_() for t in (x, w)]
+    in_dtype = torch.autograd.grad(
+        loss(*reference(same_dtype[0], torch.zeros_like(same_dtype[0]), (40,), same_dtype[1])), same_dtype,
+        allow_unused=True,
+    )  # fmt: skip
+    for name, grad, torch_grad, exact_grad in zip(("dx", "dw"), grads, in_dtype, exact, strict=True):
+        if exact_grad is None:  # the sum alone: the weight gets None, as in torch's composition
+            assert grad is None, name
+            continue
+        result = compare(name, grad, torch_grad, exact_grad, F32)
+        assert result.passed, str(result)
 
 
 BAD_ARGUMENTS = [  # (call on a (4, 8) fp32 input, exception, pattern of its message)

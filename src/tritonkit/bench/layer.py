@@ -13,8 +13,10 @@ Three providers compute it with the same weights:
   ``flash_attention`` (causal, GQA), ``linear`` with its residual epilogue for the output and down
   projections (the residual add is never a pass of its own), ``gated_linear`` for SwiGLU (gate,
   up and the SiLU product in one kernel). The add of the usual add-RMSNorm is thus the output
-  projection's epilogue, and the norm after it is a plain ``rms_norm`` of the sum (``add_rms_norm``
-  would read the sum's two terms again instead). What tritonkit lacks is composed: the heads are
+  projection's epilogue, and the norm after it is ``add_rms_norm`` of the sum alone (a residual's
+  terms would be read again): its second output, the sum itself as a view, carries the residual
+  stream, whose gradient its backward adds to the norm's in one pass (autograd would sum the two in
+  a pass of its own, as it does in the torch layer). What tritonkit lacks is composed: the heads are
   strided views of the QKV output, and the attention output, (B, Hq, S, D), is copied to (B, S, Hq D)
   for the output projection (a kernel writing that layout would save the copy).
 - ``torch``: the same layer in plain PyTorch eager, attention by ``scaled_dot_product_attention``
@@ -209,10 +211,12 @@ def tritonkit_layer(
     import tritonkit
 
     d = (shape.dim,)
-    q, k, v = _split_heads(tritonkit.linear(tritonkit.rms_norm(x, d, w.attn_norm, EPS), w.qkv), shape)
+    # (the residual stream through the norm's pair: its gradient joins the norm's backward pass)
+    h, x = tritonkit.add_rms_norm(x, None, d, w.attn_norm, EPS)
+    q, k, v = _split_heads(tritonkit.linear(h, w.qkv), shape)
     a = tritonkit.flash_attention(q, k, v, causal=True, deterministic=deterministic)
     x2 = tritonkit.linear(_merge_heads(a), w.out, residual=x)
-    h2 = tritonkit.rms_norm(x2, d, w.mlp_norm, EPS)
+    h2, x2 = tritonkit.add_rms_norm(x2, None, d, w.mlp_norm, EPS)
     return tritonkit.linear(tritonkit.gated_linear(h2, w.gate, w.up, "silu"), w.down, residual=x2)
 
 

@@ -576,25 +576,29 @@ class _Norm(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, input, residual, weight, bias, eps, rms):
+    def forward(ctx, input, residual, weight, bias, eps, rms, pair):
         y, h, mean, rstd = _forward_outputs(input, residual, rms, stats=True)
         _forward(input, residual, weight, bias, eps, rms, y, h, mean, rstd)
         ctx.save_for_backward(h if residual is not None else input, weight, bias, mean, rstd)
         ctx.rms, ctx.has_residual = rms, residual is not None
         ctx.set_materialize_grads(False)  # an unused y passes None, not zeros: see backward
-        return (y, h) if residual is not None else y
+        if residual is None:
+            # pair: the sum is x itself, handed on as a view whose gradient (x's other uses', a
+            # residual's) comes back here and is added in the norm's backward pass, not by autograd
+            return (y, input.view_as(input)) if pair else y
+        return y, h
 
     @staticmethod
     @first_derivative_only("layer_norm / rms_norm")
     def backward(ctx, grad_y, grad_h=None):
         if grad_y is None:  # only the sum h was used: nothing reached the norm, so its weight
             # and bias get None, as in torch's composition (an optimizer skips them; zeros it would not)
-            return grad_h, grad_h, None, None, None, None
+            return grad_h, grad_h if ctx.has_residual else None, None, None, None, None, None
         h, weight, bias, mean, rstd = ctx.saved_tensors
         dx = empty_output_like(h)
         dw, db = (empty_output_like(t) if t is not None else None for t in (weight, bias))
         _backward(grad_y, grad_h, h, weight, bias, mean, rstd, ctx.rms, dx, dw, db)
-        return dx, dx if ctx.has_residual else None, dw, db, None, None
+        return dx, dx if ctx.has_residual else None, dw, db, None, None, None
 
 
 MAX_VALIDATED = 256  # call signatures _validate_once remembers
@@ -618,9 +622,9 @@ def _validate_once(input, normalized_shape, weight, bias, residual) -> None:
         _validated[key] = True
 
 
-def _norm(input, residual, normalized_shape, weight, bias, eps, rms: bool):
-    """The public functions' one body: y, or (y, h) with a residual (``eps`` None: RMSNorm's
-    default for the dtype)."""
+def _norm(input, residual, normalized_shape, weight, bias, eps, rms: bool, pair: bool = False):
+    """The public functions' one body: y, or (y, h) with a residual or ``pair`` (``eps`` None:
+    RMSNorm's default for the dtype)."""
     _validate_once(input, normalized_shape, weight, bias, residual)
     if rms:
         eps = rms_eps(eps, input.dtype)
@@ -628,11 +632,13 @@ def _norm(input, residual, normalized_shape, weight, bias, eps, rms: bool):
     if torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (input, residual, weight, bias)
     ):
-        return _Norm.apply(input, residual, weight, bias, eps, rms)
+        return _Norm.apply(input, residual, weight, bias, eps, rms, pair)
     # no backward will follow: the statistics are not stored
     y, h, _, _ = _forward_outputs(input, residual, rms, stats=False)
     _forward(input, residual, weight, bias, eps, rms, y, h, None, None)
-    return (y, h) if residual is not None else y
+    if residual is None:
+        return (y, input) if pair else y
+    return y, h
 
 
 def _check_eps(eps, name: str) -> None:
@@ -677,10 +683,9 @@ def add_layer_norm(
     eps: float = 1e-5,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(layer_norm(x + residual), x + residual)`` in one pass; with ``residual`` None (a first
-    layer's), ``(layer_norm(x), x)``, x itself as the sum."""
-    if residual is None:
-        return _norm(x, None, normalized_shape, weight, bias, eps, rms=False), x
-    return _norm(x, residual, normalized_shape, weight, bias, eps, rms=False)
+    layer's), ``(layer_norm(x), x)``: x itself, or where autograd records, a view of x whose
+    gradient the norm's backward adds to x's in its own pass (autograd would sum the two apart)."""
+    return _norm(x, residual, normalized_shape, weight, bias, eps, rms=False, pair=True)
 
 
 def add_rms_norm(
@@ -691,10 +696,9 @@ def add_rms_norm(
     eps: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual), x + residual)`` in one pass; with ``residual`` None (a first
-    layer's), ``(rms_norm(x), x)``, x itself as the sum."""
-    if residual is None:
-        return _norm(x, None, normalized_shape, weight, None, eps, rms=True), x
-    return _norm(x, residual, normalized_shape, weight, None, eps, rms=True)
+    layer's), ``(rms_norm(x), x)``: x itself, or where autograd records, a view of x whose
+    gradient the norm's backward adds to x's in its own pass (autograd would sum the two apart)."""
+    return _norm(x, residual, normalized_shape, weight, None, eps, rms=True, pair=True)
 
 
 # ---------------------------------------------------------------- reference and cost
