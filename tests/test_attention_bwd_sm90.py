@@ -39,8 +39,8 @@ def descriptor(dtype, rows, cols, swizzle=None):  # as bwd_sm90._descriptor make
         layout = gl.NVMMASharedLayout(swizzle, layout.element_bitwidth, rank=4)
     return f"tensordesc<{dtype}[{','.join(map(str, block))}],{layout!r}>"
 
-for dtype, head_dim, causal, deterministic, shared_dq, _, *block in CASES:
-    config = bwd.CONFIGS[head_dim]._replace(shared_dq=shared_dq, block_m=block[0] if block else bwd.BLOCK_M)
+for dtype, head_dim, causal, deterministic, shared_dq, _, *fields in CASES:
+    config = bwd.CONFIGS[head_dim]._replace(shared_dq=shared_dq, **(fields[0] if fields else {}))
     shipped = bwd.default_config(head_dim, deterministic, False, causal)
     k_swizzle = 64 if shared_dq and head_dim == 64 else None
     rows = {"q_desc": config.block_m, "k_desc": bwd.SPLIT_N, "v_desc": bwd.SPLIT_N, "do_desc": config.block_m,
@@ -57,19 +57,20 @@ for dtype, head_dim, causal, deterministic, shared_dq, _, *block in CASES:
     signature |= {"qk_scale": "fp32", "scale": "fp32", "IS_CAUSAL": "constexpr", "DETERMINISTIC": "constexpr",
                   "NUM_STAGES": "constexpr", "ROTATE": "constexpr",
                   "OVERLAP_SDP": "constexpr", "SHARED_DQ": "constexpr", "ACQUIRE_FIRST": "constexpr",
-                  "TURN_BLOCKS": "constexpr"}
+                  "TURN_BLOCKS": "constexpr", "P_PAIRS": "constexpr"}
     constants = {"KV_SHARE": 1, "IS_CAUSAL": causal, "DETERMINISTIC": deterministic,
                  "NUM_STAGES": config.num_stages,
                  "OVERLAP_SDP": config.overlap_sdp, "SHARED_DQ": config.shared_dq,
                  "ACQUIRE_FIRST": shipped.acquire_first,
-                 "TURN_BLOCKS": 1 if block else shipped.turn_blocks}
+                 "TURN_BLOCKS": 1 if config.block_m > bwd.BLOCK_M else shipped.turn_blocks,
+                 "P_PAIRS": config.p_in_pairs}
     constants["ROTATE"] = bwd.order(deterministic, causal, 64, 32, 132)[1]  # rotated where it may be
     kernel = triton.compile(GluonASTSource(bwd._attn_bwd_sm90_kernel, signature, constants),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": bwd.CONSUMER_WARPS.value})
     ptx, sass = kernel.asm["ptx"], _cuobjdump(kernel.asm["cubin"], "-sass")
     print(json.dumps({
         "case": f"{dtype} d{head_dim} causal={causal} deterministic={deterministic} "
-                f"shared_dq={shared_dq} block_m={config.block_m}",
+                f"shared_dq={shared_dq} {fields[0] if fields else ''}",
         "warps": kernel.metadata.num_warps, "shared": kernel.metadata.shared,
         "waits": numbers(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx),
         "setmaxnreg": numbers(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx),
@@ -104,16 +105,22 @@ STATIC_CASES = [
     ("fp16", 64, False, False, True, 0),
     ("bf16", 64, False, False, True, 0),
     ("fp16", 128, True, False, True, 13),
-    ("bf16", 64, False, False, True, 14, 128),
-    ("bf16", 64, True, True, True, 13, 128),
+    ("bf16", 64, False, False, True, 14, {"block_m": 128}),
+    ("bf16", 64, True, True, True, 13, {"block_m": 128}),
+    ("bf16", 128, True, True, True, 11, {"p_in_pairs": True}),
+    ("bf16", 128, False, True, True, 72, {"p_in_pairs": True}),
 ]
 
 
 # one case a test, so that the suite's workers share the compiles
-@pytest.mark.parametrize("case", STATIC_CASES, ids=lambda case: "-".join(map(str, case[:5] + case[6:])))
+@pytest.mark.parametrize(
+    "case",
+    STATIC_CASES,
+    ids=lambda case: "-".join([*map(str, case[:5]), *(f"{k}={v}" for c in case[6:] for k, v in c.items())]),
+)
 def test_the_kernel_compiles_for_hopper_warp_specialized_with_the_dq_reduce_off_the_registers(case):
     (row,) = [json.loads(line) for line in sm90.run(f"CASES = {[case]!r}\n{_STATIC_CHECK}")]
-    _, head_dim, _, deterministic, _, spills, *block = case
+    _, head_dim, _, deterministic, _, spills, *fields = case
     # two consumer warpgroups, the producer's warp and the dQ warp; budgets 240 and 24 (and
     # Triton's steps)
     assert row["warps"] == 12 and {240, 24} <= set(row["setmaxnreg"]), row
@@ -125,10 +132,10 @@ def test_the_kernel_compiles_for_hopper_warp_specialized_with_the_dq_reduce_off_
     # the deterministic mode waits for its turn (an acquiring load) and publishes its adds
     assert (row["tickets"] > 0) == (row["releases"] > 0) == deterministic, row
     assert row["spills"] <= spills, row
-    if deterministic and head_dim > 64:  # its 16-bit P, read twice, converts a value at a time
-        assert row["single_conversions"] > 0, row  # (see _grad_steps)
-    elif block:  # the 16-bit P in pairs, unpacked for dS (320-322 PRMT counted)
+    if fields:  # the 16-bit P in pairs, unpacked for dS (256-322 PRMT counted)
         assert row["single_conversions"] == 0, row
+    elif deterministic and head_dim > 64:  # its 16-bit P, read twice, converts a value at a time
+        assert row["single_conversions"] > 0, row  # (see _grad_steps)
     else:
         # P converted in pairs (F2FP, on the ALU; bf16's dS formed from P's fp32 values, fp16's
         # 16-bit P converting in pairs anyway): no single conversions on the MUFU's pipe, and 64
@@ -425,6 +432,25 @@ def test_steps_of_128_query_rows_only_where_they_fit():
                 upper_offset=0,
                 config=config,
             )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_a_16_bit_p_converted_in_pairs_gives_the_same_bits(causal, heads):
+    """``Config.p_in_pairs``: the deterministic mode's 16-bit P and dS at D = 128 converted two values
+    an instruction rather than one, both rounding to nearest even: the same gradients, bit for bit,
+    which pass the oracle."""
+    from tritonkit.ops.attention import bwd_sm90
+
+    q, k, v, do = _inputs(2, *heads, 1500, 1400, 128, torch.bfloat16, seed=1400 + causal)
+    o, lse = _forward(q, k, v, causal, 0.1, True)
+    shipped = bwd_sm90.default_config(128, True, heads[0] != heads[1], causal)
+    paired = shipped._replace(p_in_pairs=True)
+    runs = [_run(q, k, v, do, o, lse, causal, 0.1, True, True, config=c) for c in (paired, shipped)]
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+    check(q, k, v, do, causal, deterministic=True, scale=0.1, config=paired)
 
 
 @pytest.mark.gpu

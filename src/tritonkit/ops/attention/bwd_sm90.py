@@ -43,7 +43,10 @@ class Config(NamedTuple):
     and the completion before the release, are paid once a group instead of once a step.
     block_m: the query rows a step (BLOCK_M or 128; FA3's at D = 64): a step's S^T and dP^T are
     64 keys x block_m a warpgroup, so that its fixed costs (the barriers, the dQ hand-over, the dQ
-    warp's reduce and, deterministic, its turn) are paid once for twice the products."""
+    warp's reduce and, deterministic, its turn) are paid once for twice the products. p_in_pairs:
+    where P reaches dS in 16 bits (the deterministic mode at D = 128, fp16), P and dS converted two
+    values an instruction on the ALU (F2FP) instead of one on the MUFU's pipe beside the
+    exponentials (F2F), P unpacked for dS."""
 
     num_stages: int
     overlap_sdp: bool = False
@@ -52,6 +55,7 @@ class Config(NamedTuple):
     acquire_first: bool = False
     turn_blocks: int = 1
     block_m: int = BLOCK_M
+    p_in_pairs: bool = False
 
 
 # Shared memory a program at D = 128, 16-bit elements: K and V 2 x 32 KB, the Q/dO ring NUM_STAGES x
@@ -69,7 +73,9 @@ class Config(NamedTuple):
 # Deterministic launches take shared_dq (``default_config``).
 CONFIGS = {64: Config(num_stages=2, shared_dq=True), 128: Config(num_stages=2, shared_dq=True)}
 # What the benchmark compares (and the tests check): the default first, then the other settings of
-# its two switches (dP^T beside S^T, one dQ tile a step), then at D = 64 steps of 128 query rows
+# its two switches (dP^T beside S^T, one dQ tile a step), then at D = 128 the 16-bit P in pairs
+# (what the deterministic mode reads; 11 values on the stack causal against 52, 72 full against
+# 56-62), and at D = 64 steps of 128 query rows
 # (on an H100 at 548605e, x the default in one run: +7% free and +3-4% deterministic under a full
 # mask, level to +5% causal; docs/perf-notes/attention-backward.md)
 CANDIDATES = {
@@ -81,6 +87,7 @@ CANDIDATES = {
         )
     ]
     + [config._replace(overlap_sdp=False, shared_dq=True, block_m=128)] * (d == 64)
+    + [config._replace(p_in_pairs=True)] * (d == 128)
     for d, config in CONFIGS.items()
 }
 
@@ -337,6 +344,7 @@ def launches(
         "SHARED_DQ": config.shared_dq,
         "ACQUIRE_FIRST": config.acquire_first and deterministic,
         "TURN_BLOCKS": config.turn_blocks if deterministic else 1,
+        "P_PAIRS": config.p_in_pairs,
         "num_warps": CONSUMER_WARPS.value,
     }
     grid = (blocks * pairs,)

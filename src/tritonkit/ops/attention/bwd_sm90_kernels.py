@@ -217,6 +217,7 @@ def _grad_steps(
     ROTATE: gl.constexpr,
     OVERLAP_SDP: gl.constexpr,
     SHARED_DQ: gl.constexpr,
+    P_PAIRS: gl.constexpr,
     CID: gl.constexpr,
 ):
     """Query blocks [first, last) of one query head against this warpgroup's keys (from
@@ -247,7 +248,7 @@ def _grad_steps(
     walk = (buffers, keys, zero_s, zero_dq, first, step0, rot, m_count, SEQ_K, UPPER_OFFSET, qk_scale)
     for i in range(first, last):
         dk, dv = _grad_step(
-            dk, dv, i, walk, MASKED, IS_CAUSAL, DETERMINISTIC, ROTATE, OVERLAP_SDP, SHARED_DQ, CID
+            dk, dv, i, walk, MASKED, IS_CAUSAL, DETERMINISTIC, ROTATE, OVERLAP_SDP, SHARED_DQ, P_PAIRS, CID
         )
     return dk, dv
 
@@ -286,6 +287,7 @@ def _grad_step(
     ROTATE: gl.constexpr,
     OVERLAP_SDP: gl.constexpr,
     SHARED_DQ: gl.constexpr,
+    P_PAIRS: gl.constexpr,
     CID: gl.constexpr,
 ):
     """Query block i's step of ``_grad_steps``' walk: S^T, P^T, dP^T, dS^T and the products into dV
@@ -340,7 +342,8 @@ def _grad_step(
     # docs/perf-notes/attention-backward-determinism.md): both keep the 16-bit P, read twice.
     # At D = 64 the 16-bit P cost the free mode 3-15% on the H200, and the deterministic one
     # takes the fp32 P there too: +11-12% causal, level full
-    if P16 and BLOCK > 64:  # (an fp32 P of 128 rows spills: 16 bits, converted in pairs on the ALU)
+    P16_PAIRS: gl.constexpr = P_PAIRS or BLOCK > 64  # (an fp32 P of 128 rows spills: 16 bits, in pairs)
+    if P16 and P16_PAIRS:  # converted in pairs on the ALU (F2FP), unpacked for dS
         p = to_pairs(p, dtype)
         p_a = gl.convert_layout(p, a_layout)
     elif P16:
@@ -353,7 +356,7 @@ def _grad_step(
     dv = warpgroup_mma(p_a, do, dv, is_async=True)
     dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp,))
     ds = p.to(gl.float32) * (dp - delta_smem.index(stage).load(col_s)[None, :])
-    if P16 and BLOCK == 64:
+    if P16 and not P16_PAIRS:
         ds = ds.to(dtype)
     else:
         ds = to_pairs(ds, dtype)
@@ -436,6 +439,7 @@ def _grad_partition(
     ROTATE: gl.constexpr,
     OVERLAP_SDP: gl.constexpr,
     SHARED_DQ: gl.constexpr,
+    P_PAIRS: gl.constexpr,
 ):
     ROWS: gl.constexpr = k_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
@@ -461,10 +465,11 @@ def _grad_partition(
                        dq_full, dq_empty, lse_smem, delta_smem)
             dk, dv = _grad_steps(
                 dk, dv, buffers, key_start, m_start, m_mid, g * n_tiles, rot, m_end, SEQ_K, UPPER_OFFSET,
-                qk_scale, True, IS_CAUSAL, DETERMINISTIC, ROTATE, OVERLAP_SDP, SHARED_DQ, cid)
+                qk_scale, True, IS_CAUSAL, DETERMINISTIC, ROTATE, OVERLAP_SDP, SHARED_DQ, P_PAIRS, cid)
             dk, dv = _grad_steps(
                 dk, dv, buffers, key_start, m_mid, m_end, g * n_tiles + m_mid - m_start, rot, m_end, SEQ_K,
-                UPPER_OFFSET, qk_scale, False, IS_CAUSAL, DETERMINISTIC, ROTATE, OVERLAP_SDP, SHARED_DQ, cid)
+                UPPER_OFFSET, qk_scale, False, IS_CAUSAL, DETERMINISTIC, ROTATE, OVERLAP_SDP, SHARED_DQ,
+                P_PAIRS, cid)
             # fmt: on
     if SHARED_DQ and n_tiles > 0:
         # the other warpgroup's dQ columns read this one's K too: its products of the last step
@@ -518,6 +523,7 @@ def _attn_bwd_sm90_kernel(
     ROTATE: gl.constexpr,  # DETERMINISTIC, full mask: key block n walks the turns' groups from n * Gb / Nb
     OVERLAP_SDP: gl.constexpr,  # dP^T issued beside S^T (Config.overlap_sdp)
     SHARED_DQ: gl.constexpr,  # one dQ tile a step for both warpgroups (Config.shared_dq)
+    P_PAIRS: gl.constexpr,  # a 16-bit P and dS converted two values an instruction (Config.p_in_pairs)
     ACQUIRE_FIRST: gl.constexpr,  # DETERMINISTIC: the turn polled acquiring first (Config.acquire_first)
     TURN_BLOCKS: gl.constexpr,  # DETERMINISTIC: query blocks a turn covers (Config.turn_blocks; else 1)
 ):
@@ -619,12 +625,12 @@ def _attn_bwd_sm90_kernel(
                            v_smem, ds_smem, dq_smem, kv_ready, qd_ready, qd_empty, ds_ready, ds_free, dq_full,
                            dq_empty, batch, kv_head, start_n, GROUP, m_start, m_mid, m_end, rot, SEQ_K,
                            UPPER_OFFSET, qk_scale, scale, IS_CAUSAL, DETERMINISTIC, ROTATE, OVERLAP_SDP,
-                           SHARED_DQ)),
+                           SHARED_DQ, P_PAIRS)),
         (_grad_partition, (1, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem,
                            v_smem, ds_smem, dq_smem, kv_ready, qd_ready, qd_empty, ds_ready, ds_free, dq_full,
                            dq_empty, batch, kv_head, start_n, GROUP, m_start, m_mid, m_end, rot, SEQ_K,
                            UPPER_OFFSET, qk_scale, scale, IS_CAUSAL, DETERMINISTIC, ROTATE, OVERLAP_SDP,
-                           SHARED_DQ)),
+                           SHARED_DQ, P_PAIRS)),
         (_load_partition, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, kv_ready,
                            qd_ready, qd_empty, batch, kv_head, KV_SHARE, start_n, GROUP,
                            m_start, m_end, rot,
