@@ -40,7 +40,8 @@ def descriptor(dtype, rows, cols, swizzle=None):  # as bwd_sm90._descriptor make
     return f"tensordesc<{dtype}[{','.join(map(str, block))}],{layout!r}>"
 
 for dtype, head_dim, causal, deterministic, shared_dq, _, *fields in CASES:
-    config = bwd.CONFIGS[head_dim]._replace(shared_dq=shared_dq, **(fields[0] if fields else {}))
+    # (a case without fields: a 64-row step, the D = 128 default and the 64-row candidates at D = 64)
+    config = bwd.CONFIGS[head_dim]._replace(shared_dq=shared_dq, **({"block_m": bwd.BLOCK_M} | dict(*fields)))
     shipped = bwd.default_config(head_dim, deterministic, False, causal)
     k_swizzle = 64 if shared_dq and head_dim == 64 else None
     rows = {"q_desc": config.block_m, "k_desc": bwd.SPLIT_N, "v_desc": bwd.SPLIT_N, "do_desc": config.block_m,
@@ -62,7 +63,7 @@ for dtype, head_dim, causal, deterministic, shared_dq, _, *fields in CASES:
                  "NUM_STAGES": config.num_stages,
                  "OVERLAP_SDP": config.overlap_sdp, "SHARED_DQ": config.shared_dq,
                  "ACQUIRE_FIRST": shipped.acquire_first,
-                 "TURN_BLOCKS": 1 if config.block_m > bwd.BLOCK_M else shipped.turn_blocks,
+                 "TURN_BLOCKS": shipped.turn_blocks,
                  "P_PAIRS": config.p_in_pairs}
     constants["ROTATE"] = bwd.order(deterministic, causal, 64, 32, 132)[1]  # rotated where it may be
     kernel = triton.compile(GluonASTSource(bwd._attn_bwd_sm90_kernel, signature, constants),
@@ -92,8 +93,9 @@ for dtype, head_dim, causal, deterministic, shared_dq, _, *fields in CASES:
 # dQ warp's. The free mode's P, held in fp32 until dS, adds some where dQ is not split (27, from 6;
 # the default at D = 128 splits it and stays at 52). fp16 keeps the 16-bit P (it converts in pairs
 # either way): 13 at D = 128 causal, where the fp32 P spilled 52. Fewer is a next step
-# (docs/perf-notes/attention-backward.md). Steps of 128 query rows at D = 64 (a turn one step): the
-# 16-bit P, 13-14 free (an fp32 P kept 118-226 values on the stack), 13 deterministic causal.
+# (docs/perf-notes/attention-backward.md). Steps of 128 query rows at D = 64 (the default; a turn one
+# step): the 16-bit P, 13-14 free (an fp32 P kept 118-226 values on the stack), 13 deterministic
+# causal, 42 on the full mask's rotated walk. The other cases at D = 64 are 64-row candidates.
 STATIC_CASES = [
     ("bf16", 128, False, False, False, 27),
     ("bf16", 128, True, True, False, 71),
@@ -107,6 +109,8 @@ STATIC_CASES = [
     ("fp16", 128, True, False, True, 13),
     ("bf16", 64, False, False, True, 14, {"block_m": 128}),
     ("bf16", 64, True, True, True, 13, {"block_m": 128}),
+    ("bf16", 64, False, True, True, 42, {"block_m": 128}),
+    ("fp16", 64, True, False, True, 13, {"block_m": 128}),
     ("bf16", 128, True, True, True, 11, {"p_in_pairs": True}),
     ("bf16", 128, False, True, True, 72, {"p_in_pairs": True}),
 ]
@@ -185,11 +189,15 @@ def test_only_a_deterministic_full_mask_walks_rotated_and_only_where_a_group_run
 def test_the_default_config_by_mode_mask_and_grouping(head_dim):
     """The free mode takes CONFIGS' tile as it is; the deterministic mode one ticketed add a step
     (shared_dq), and with GQA a program a query head under a causal mask (its walks differ in
-    length) but the group's under a full one (they end together), and at D = 64 a turn over two
-    query blocks."""
+    length) but the group's under a full one (they end together); at D = 64 steps of 128 query rows
+    (a turn of the dQ warp one step), at D = 128 of 64. Every candidate is one the kernel takes."""
     from tritonkit.ops.attention import bwd_sm90
 
     tile = bwd_sm90.CONFIGS[head_dim]
+    assert tile.block_m == (128 if head_dim == 64 else 64) and tile.turn_blocks == 1
+    for config in bwd_sm90.CANDIDATES[head_dim]:
+        bwd_sm90.check_config(config, head_dim)
+    assert len(set(bwd_sm90.CANDIDATES[head_dim])) == len(bwd_sm90.CANDIDATES[head_dim]) > 3
     for gqa in (False, True):
         for causal in (False, True):
             assert bwd_sm90.default_config(head_dim, False, gqa, causal) == tile
@@ -198,7 +206,6 @@ def test_the_default_config_by_mode_mask_and_grouping(head_dim):
                 shared_dq=True,
                 per_query_head=gqa and causal,
                 acquire_first=True,
-                turn_blocks=2 if head_dim == 64 else 1,
             )
 
 

@@ -262,10 +262,10 @@ log = logging.getLogger("tritonkit")
 # model step at 0.57x (2.8 ms a layer against cuDNN's 1.6, `tritonkit bench model`, at 9c8575e).
 # At D = 64 with GQA (2, 32/8, 4096, 64): 0.71x full and 0.77x causal, against the Triton kernels'
 # 0.44x and 0.50x in the same run (`... --defaults --shape 2,32,8,4096,64`, at 347c830). Since the fp32 P
-# and turns of two query blocks at D = 64 (bwd_sm90.DETERMINISTIC_TURN_BLOCKS) without GQA too: on an
-# H100 at ac90bf1, 0.88x full and 0.96x causal at (4, 32, 4096, 64), 0.93x and 0.96x at (2, 32/8,
-# 4096, 64) (`... --defaults --shape 4,32,32,4096,64 --shape 2,32,8,4096,64`), where the Triton kernels'
-# tuned table on the H200 has 0.82x both masks.
+# and turns of two query blocks at D = 64 without GQA too: on an H100 at ac90bf1, 0.88x full and 0.96x
+# causal at (4, 32, 4096, 64), 0.93x and 0.96x at (2, 32/8, 4096, 64) (`... --defaults --shape
+# 4,32,32,4096,64 --shape 2,32,8,4096,64`), where the Triton kernels' tuned table on the H200 has 0.82x
+# both masks; with 128-row steps (bwd_sm90.CONFIGS) 0.94x and 0.97x full, 0.97x causal (at 548605e).
 SM90_BACKWARD = True
 SM90_BACKWARD_DETERMINISTIC: tuple[int, ...] = (64, 128)  # head dims, without GQA
 SM90_BACKWARD_DETERMINISTIC_GQA: tuple[int, ...] = (64, 128)

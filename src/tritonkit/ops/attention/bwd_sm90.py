@@ -70,23 +70,32 @@ class Config(NamedTuple):
 # masks, on the H200 at a8ec601 and on an H100 at fe8dea5, and -2% to +4% on an H100 at b9ac710:
 # `python benchmarks/attention_bwd_sm90.py OUT.json --candidates --skip-triton --shape
 # 4,32,32,4096,64 --shape 2,32,8,4096,64`; docs/perf-notes/attention-backward-determinism.md).
-# Deterministic launches take shared_dq (``default_config``).
-CONFIGS = {64: Config(num_stages=2, shared_dq=True), 128: Config(num_stages=2, shared_dq=True)}
-# What the benchmark compares (and the tests check): the default first, then the other settings of
-# its two switches (dP^T beside S^T, one dQ tile a step), then at D = 128 the 16-bit P in pairs
-# (what the deterministic mode reads; 11 values on the stack causal against 52, 72 full against
-# 56-62), and at D = 64 steps of 128 query rows
-# (on an H100 at 548605e, x the default in one run: +7% free and +3-4% deterministic under a full
-# mask, level to +5% causal; docs/perf-notes/attention-backward.md)
+# Deterministic launches take shared_dq (``default_config``). At D = 64 a step is 128 query rows
+# (FA3's tile there): on an H100 at 548605e, x the 64-row step in the same run, +7% free and +3-4%
+# deterministic under a full mask, level to +5% causal, ahead or level at every cell (the
+# deterministic 128-row step one turn a step, against 64-row steps in turns of two, which had
+# measured 0.90x cuDNN full and 0.96-0.97x causal against one block's 0.74x and 0.87-0.88x; `python
+# benchmarks/attention_bwd_sm90.py OUT.json --defaults --skip-triton --config free:block_m=128
+# --config det:block_m=128,turn_blocks=1 --shape 4,32,32,4096,64 --shape 2,32,8,4096,64`;
+# docs/perf-notes/attention-backward.md).
+CONFIGS = {
+    64: Config(num_stages=2, shared_dq=True, block_m=128),
+    128: Config(num_stages=2, shared_dq=True),
+}
+# What the benchmark compares (and the tests check): the default first, then each setting of its
+# two switches (dP^T beside S^T, one dQ tile a step) at 64-row steps (at D = 64, the 128-row step
+# takes only shared_dq: ``check_config``), then at D = 128 the 16-bit P in pairs (what the
+# deterministic mode reads; 11 values on the stack causal against 52, 72 full against 56-62)
 CANDIDATES = {
-    d: [
-        config._replace(overlap_sdp=overlap, shared_dq=shared)
-        for overlap, shared in sorted(
-            itertools.product((False, True), repeat=2),
-            key=lambda switches: switches != (config.overlap_sdp, config.shared_dq),
+    d: list(
+        dict.fromkeys(
+            [config]
+            + [
+                config._replace(overlap_sdp=overlap, shared_dq=shared, block_m=BLOCK_M)
+                for overlap, shared in itertools.product((False, True), repeat=2)
+            ]
         )
-    ]
-    + [config._replace(overlap_sdp=False, shared_dq=True, block_m=128)] * (d == 64)
+    )
     + [config._replace(p_in_pairs=True)] * (d == 128)
     for d, config in CONFIGS.items()
 }
@@ -99,7 +108,7 @@ def default_config(head_dim: int, deterministic: bool, gqa: bool = False, causal
     --candidates --skip-triton --shape 4,32,32,4096,64`), and per_query_head where it is
     deterministic with GQA and the mask wants it (DETERMINISTIC_GQA_PER_QUERY_HEAD), and
     acquire_first (on an H100: +12-13% at D = 64 under a full mask, +3% causal, level to +5% at
-    D = 128; `docs/perf-notes/attention-backward-determinism.md`), and DETERMINISTIC_TURN_BLOCKS."""
+    D = 128; `docs/perf-notes/attention-backward-determinism.md`); a turn of the dQ warp a step."""
     config = CONFIGS[head_dim]
     if not deterministic:
         return config
@@ -107,20 +116,7 @@ def default_config(head_dim: int, deterministic: bool, gqa: bool = False, causal
         shared_dq=True,
         per_query_head=gqa and DETERMINISTIC_GQA_PER_QUERY_HEAD[causal],
         acquire_first=True,
-        turn_blocks=DETERMINISTIC_TURN_BLOCKS[head_dim],
     )
-
-
-# The query blocks a deterministic turn covers (Config.turn_blocks), by head dim: the dQ warp's
-# serial step (the turn's read, the adds, their completion, the release) holds the deterministic
-# mode at D = 64, where a consumer step is short. There, with the fp32 P, turns of two blocks ran
-# 0.90x cuDNN full and 0.96-0.97x causal against one block's 0.74x and 0.87-0.88x, four blocks 0.68x
-# and 0.80x (on an H100, at (4, 32, 4096, 64) and (2, 32/8, 4096, 64); `python
-# benchmarks/attention_bwd_sm90.py OUT.json --turn-blocks 2 --turn-blocks 4 --defaults --skip-triton
-# --shape ...`; docs/perf-notes/attention-backward-determinism.md). At D = 128 two blocks were level
-# (+1-2%) and ptxas keeps twice the values on the stack under a causal mask (106 local loads and
-# stores against 52).
-DETERMINISTIC_TURN_BLOCKS = {64: 2, 128: 1}
 
 
 # Whether a deterministic GQA launch takes a program a query head (Config.per_query_head). A
