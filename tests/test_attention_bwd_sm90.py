@@ -40,7 +40,8 @@ def descriptor(dtype, rows, cols, swizzle=None):  # as bwd_sm90._descriptor make
     return f"tensordesc<{dtype}[{','.join(map(str, block))}],{layout!r}>"
 
 for dtype, head_dim, causal, deterministic, shared_dq, _, *fields in CASES:
-    # (a case without fields: a 64-row step, the D = 128 default and the 64-row candidates at D = 64)
+    # (a case without fields: a 64-row step, one value converted an instruction: the D = 128 free
+    # default and deterministic candidate, the 64-row candidates at D = 64)
     config = bwd.CONFIGS[head_dim]._replace(shared_dq=shared_dq, **({"block_m": bwd.BLOCK_M} | dict(*fields)))
     shipped = bwd.default_config(head_dim, deterministic, False, causal)
     k_swizzle = 64 if shared_dq and head_dim == 64 else None
@@ -95,7 +96,8 @@ for dtype, head_dim, causal, deterministic, shared_dq, _, *fields in CASES:
 # either way): 13 at D = 128 causal, where the fp32 P spilled 52. Fewer is a next step
 # (docs/perf-notes/attention-backward.md). Steps of 128 query rows at D = 64 (the default; a turn one
 # step): the 16-bit P, 13-14 free (an fp32 P kept 118-226 values on the stack), 13 deterministic
-# causal, 42 on the full mask's rotated walk. The other cases at D = 64 are 64-row candidates.
+# causal, 42 on the full mask's rotated walk. The other cases at D = 64 are 64-row candidates. The
+# deterministic D = 128 default converts its 16-bit P in pairs (the cases with p_in_pairs).
 STATIC_CASES = [
     ("bf16", 128, False, False, False, 27),
     ("bf16", 128, True, True, False, 71),
@@ -190,7 +192,8 @@ def test_the_default_config_by_mode_mask_and_grouping(head_dim):
     """The free mode takes CONFIGS' tile as it is; the deterministic mode one ticketed add a step
     (shared_dq), and with GQA a program a query head under a causal mask (its walks differ in
     length) but the group's under a full one (they end together); at D = 64 steps of 128 query rows
-    (a turn of the dQ warp one step), at D = 128 of 64. Every candidate is one the kernel takes."""
+    (a turn of the dQ warp one step), at D = 128 of 64, its 16-bit P converted in pairs. Every
+    candidate is one the kernel takes."""
     from tritonkit.ops.attention import bwd_sm90
 
     tile = bwd_sm90.CONFIGS[head_dim]
@@ -206,6 +209,7 @@ def test_the_default_config_by_mode_mask_and_grouping(head_dim):
                 shared_dq=True,
                 per_query_head=gqa and causal,
                 acquire_first=True,
+                p_in_pairs=True,
             )
 
 
@@ -453,9 +457,10 @@ def test_gpu_a_16_bit_p_converted_in_pairs_gives_the_same_bits(causal, heads):
 
     q, k, v, do = _inputs(2, *heads, 1500, 1400, 128, torch.bfloat16, seed=1400 + causal)
     o, lse = _forward(q, k, v, causal, 0.1, True)
-    shipped = bwd_sm90.default_config(128, True, heads[0] != heads[1], causal)
-    paired = shipped._replace(p_in_pairs=True)
-    runs = [_run(q, k, v, do, o, lse, causal, 0.1, True, True, config=c) for c in (paired, shipped)]
+    paired = bwd_sm90.default_config(128, True, heads[0] != heads[1], causal)
+    assert paired.p_in_pairs  # the deterministic default, against one value an instruction
+    single = paired._replace(p_in_pairs=False)
+    runs = [_run(q, k, v, do, o, lse, causal, 0.1, True, True, config=c) for c in (paired, single)]
     assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
     check(q, k, v, do, causal, deterministic=True, scale=0.1, config=paired)
 
@@ -581,7 +586,9 @@ def test_gpu_turns_of_two_query_blocks_keep_the_order_of_the_adds(
         o, lse = _forward(q, k, v, causal, 0.1, True)
         runs = [_run(q, k, v, do, o, lse, causal, 0.1, True, True, config=paired) for _ in range(2)]
         assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
-        if causal or seq_q == seq_k or not rotate:
+        # at Sq = Sk a key block of BLOCK_N keys starts its rotated walk on a group of two 64-row
+        # query blocks; a block of 128 rows, BLOCK_N's own, starts one block on (a group split)
+        if causal or not rotate or (seq_q == seq_k and shipped.block_m * 2 == bwd_sm90.BLOCK_N):
             runs.append(_run(q, k, v, do, o, lse, causal, 0.1, True, True, config=single))
             assert all(torch.equal(a, b) for a, b in zip(runs[0], runs[-1], strict=True))
 
