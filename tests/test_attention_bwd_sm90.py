@@ -173,6 +173,19 @@ def test_the_cached_shared_layouts_give_the_descriptors_built_afresh(cols, swizz
         assert descriptor(t, 64, cols, swizzle) == TensorDescriptor.from_tensor(t, block, layout)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_the_launch_names_the_kernels_constexprs_in_its_order(deterministic):
+    """The launcher passes the constexprs as the kernel's trailing parameters, by position: their
+    names must be those parameters, in order, for every candidate."""
+    from tritonkit.ops.attention import bwd_sm90
+
+    for head_dim, candidates in bwd_sm90.CANDIDATES.items():
+        for config in candidates + [bwd_sm90.default_config(head_dim, deterministic)]:
+            meta = bwd_sm90.kernel_meta(config, True, deterministic, False)
+            names = [name for name in meta if name != "num_warps"]
+            assert bwd_sm90._attn_bwd_sm90_kernel.arg_names[-len(names) :] == names
+
+
 def test_only_a_deterministic_full_mask_walks_rotated_and_only_where_a_group_runs_at_once(monkeypatch):
     """The rotated walk's turns are cyclic (a key block waits on blocks launched after it), so it is
     taken only where a group's programs all fit on the GPU at once; never causal, never free."""

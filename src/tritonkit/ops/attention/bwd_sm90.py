@@ -337,7 +337,15 @@ def launches(
         scale * LOG2E.value,
         scale,
     )
-    meta = {
+    meta = kernel_meta(config, causal, deterministic, rotate)
+    grid = (blocks * pairs,)
+    return [Launch("bwd sm90", _attn_bwd_sm90_kernel, args, meta, config._asdict(), grid)]
+
+
+def kernel_meta(config: Config, causal: bool, deterministic: bool, rotate: bool) -> dict:
+    """The kernel's constexpr arguments, in its order (the launcher takes them as its trailing
+    parameters), and its warps."""
+    return {
         "IS_CAUSAL": bool(causal),
         "DETERMINISTIC": bool(deterministic),
         "NUM_STAGES": config.num_stages,
@@ -349,8 +357,6 @@ def launches(
         "TURN_BLOCKS": config.turn_blocks if deterministic else 1,
         "num_warps": CONSUMER_WARPS.value,
     }
-    grid = (blocks * pairs,)
-    return [Launch("bwd sm90", _attn_bwd_sm90_kernel, args, meta, config._asdict(), grid)]
 
 
 # ---------------------------------------------------------------- the passes after the kernel
