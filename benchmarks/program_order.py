@@ -7,11 +7,11 @@ SMs free up (a greedy list schedule), each taking the steps of its walk plus a f
 backward a step is one 64-row query block of one query head against a program's 128 keys; for the
 forward one 128-key block against a program's 128 rows. Causal masks give programs of unequal walks, so the
 order decides how evenly the SMs finish: what ``bwd_sm90.FREE_CAUSAL_PAIRS_PER_GROUP`` and
-``fwd_sm90.CAUSAL_HEADS_PER_GROUP`` were chosen from (docs/perf-notes/attention-backward.md, "The order of the
-sm_90 programs"). Prints, per shape, the makespan in steps of each group size beside the even spread (the
-total work over the SMs); for the forward also a persistent grid's (one program an SM, its tiles fixed in
-advance): the stride walk (program p takes tiles p, p + 132, ...) by group size, and the stride over pairs of
-a long and a short block (``fwd_sm90_kernels._walk``).
+``fwd_sm90.CAUSAL_HEADS_PER_GROUP`` were chosen from (docs/perf-notes/attention-backward-sm90.md, "The order
+of the sm_90 programs"). Prints, per shape, the makespan in steps of each group size beside the even spread
+(the total work over the SMs); for the forward also a persistent grid's (one program an SM, its tiles fixed
+in advance): the stride walk (program p takes tiles p, p + 132, ...) by group size, and the stride over
+pairs of a long and a short block (``fwd_sm90_kernels._walk``).
 """
 
 from __future__ import annotations

@@ -94,7 +94,7 @@ for dtype, head_dim, causal, deterministic, shared_dq, _, *fields in CASES:
 # dQ warp's. The free mode's P, held in fp32 until dS, adds some where dQ is not split (27, from 6;
 # the default at D = 128 splits it and stays at 52). fp16 keeps the 16-bit P (it converts in pairs
 # either way): 13 at D = 128 causal, where the fp32 P spilled 52. Fewer is a next step
-# (docs/perf-notes/attention-backward.md). Steps of 128 query rows at D = 64 (the default; a turn one
+# (docs/perf-notes/attention-backward-sm90.md). Steps of 128 query rows at D = 64 (the default; a turn one
 # step): the 16-bit P, 13-14 free (an fp32 P kept 118-226 values on the stack), 13 deterministic
 # causal, 42 on the full mask's rotated walk. The other cases at D = 64 are 64-row candidates. The
 # deterministic D = 128 default converts its 16-bit P in pairs (the cases with p_in_pairs).

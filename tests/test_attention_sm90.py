@@ -103,7 +103,7 @@ def test_the_kernel_compiles_for_hopper_warp_specialized_with_its_softmax_under_
         assert row["spills"] == 0, row  # persistent too (the causal walk had 2: 32-bit lse strides)
         # P and O convert to 16 bits in pairs (F2FP, on the ALU): a conversion a value (F2F) runs on
         # the MUFU's pipe, beside the exponentials (the backward's P does:
-        # docs/perf-notes/attention-backward.md)
+        # docs/perf-notes/attention-backward-sm90.md)
         assert row["single_conversions"] == 0, row
         # and in the order the PV product reads them: no PRMT swapping the halves of P's registers
         # (256 when P converted by .to(); a causal kernel keeps 2 on integers, not P's)

@@ -254,7 +254,7 @@ def test_every_default_config_compiles_for_hopper_without_spills_and_with_wide_a
         # activation backward's db sums dz as rounded (torch's db): 32 F2F a tile beside its 64 MUFU,
         # by the count under its memory time (3 such ops an element at 16 a clock an SM: about half
         # of it at 8192 x 16384; not measured). Any other is new (the sm_90 Gluon attention
-        # backward's P does it: docs/perf-notes/attention-backward.md).
+        # backward's P does it: docs/perf-notes/attention-backward-sm90.md).
         assert not row["f2f16"] or row["launch"] == "bwd dz (elementwise)", row
         if row["launch"] == "bwd partial sums":
             # the norms' second stage reads (programs, N) fp32 partials and writes N values a call,

@@ -250,10 +250,10 @@ log = logging.getLogger("tritonkit")
 
 # Whether a backward the sm_90 Gluon kernel takes (``bwd_sm90.supports``) runs there: with
 # ``deterministic=False`` always; deterministic, at the head dims named, without GQA and with it. On the H200
-# (bf16, at 6ea5362, `python benchmarks/attention_bwd_sm90.py OUT.json --defaults --skip-triton`,
-# docs/perf-notes/attention-backward.md), against cuDNN: free 0.80-0.96x, past this file's kernels at every
-# shape; deterministic 0.75-0.93x at D = 128, where the Triton kernels' table has 0.68-0.83x, and 0.53-0.58x
-# at D = 64 (0.67-0.77x with shared_dq, its default since) against their 0.81-0.83x.
+# (bf16, at 6ea5362, `python benchmarks/attention_bwd_sm90.py OUT.json --defaults --skip-triton`;
+# docs/perf-notes/attention-backward-sm90.md), against cuDNN: free 0.80-0.96x, past this file's kernels
+# at every shape; deterministic 0.75-0.93x at D = 128, where the Triton kernels' table has 0.68-0.83x,
+# and 0.53-0.58x at D = 64 (0.67-0.77x with shared_dq, its default since) against their 0.81-0.83x.
 # With GQA, deterministic, a program a query head (bwd_sm90.Config.per_query_head): 0.85x cuDNN at
 # the Llama-3-8B decoder layer's attention (GQA 32/8, causal, S = 4096, B = 2; q, k and v strided
 # views of one QKV projection), 0.94x causal and 0.85x full at (2, 32/8, 8192, 128), where the

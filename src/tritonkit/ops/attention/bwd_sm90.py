@@ -77,7 +77,7 @@ class Config(NamedTuple):
 # measured 0.90x cuDNN full and 0.96-0.97x causal against one block's 0.74x and 0.87-0.88x; `python
 # benchmarks/attention_bwd_sm90.py OUT.json --defaults --skip-triton --config free:block_m=128
 # --config det:block_m=128,turn_blocks=1 --shape 4,32,32,4096,64 --shape 2,32,8,4096,64`;
-# docs/perf-notes/attention-backward.md). A second run (9b33d42, H100, --rounds 9, x the 64-row step
+# docs/perf-notes/attention-backward-sm90.md). A second run (9b33d42, H100, --rounds 9, x the 64-row step
 # round by round): +1-5% full in both modes, +5% GQA causal free, -1-3% at the MHA causal shapes.
 CONFIGS = {
     64: Config(num_stages=2, shared_dq=True, block_m=128),
@@ -112,7 +112,7 @@ def default_config(head_dim: int, deterministic: bool, gqa: bool = False, causal
     D = 128; `docs/perf-notes/attention-backward-determinism.md`), and p_in_pairs (its 16-bit P: on
     an H100 at 9b33d42, x the one-value conversion in the same run, +9-14% causal and level to +2%
     full at D = 128; `python benchmarks/attention_bwd_sm90.py OUT.json --defaults --skip-triton
-    --config det:p_in_pairs=True --shape 4,32,32,4096,128`; docs/perf-notes/attention-backward.md);
+    --config det:p_in_pairs=True --shape 4,32,32,4096,128`; docs/perf-notes/attention-backward-sm90.md);
     a turn of the dQ warp a step."""
     config = CONFIGS[head_dim]
     if not deterministic:
