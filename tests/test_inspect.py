@@ -199,6 +199,30 @@ def test_spills_in_loops_count_the_local_accesses_a_backward_branch_repeats():
     assert report.spills_in_loops == 1  # the load at 0x30, inside 0x20..0x40; not the entry's or the end's
 
 
+def test_the_innermost_loops_are_reported_with_their_mix_and_spills():
+    """An outer loop around an inner one reports the inner alone; a wait's spin of two instructions is
+    no loop worth a line; a loop's local accesses are counted."""
+    body = "\n".join(f"        /*{0x100 + 16 * i:04x}*/  FFMA R{i}, R1, R2, R{i} ;" for i in range(20))
+    sass = f"""
+        /*0010*/                   STL [R1], R8 ;
+        /*0020*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R2 ;
+        /*0030*/              @!P0 BRA 0x20 ;
+        /*00f0*/                   LDL R9, [R1+0x4] ;
+{body}
+        /*0300*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24 ;
+        /*0310*/              @!P1 BRA 0xf0 ;
+        /*0320*/                   FADD R0, R0, R1 ;
+        /*0330*/              @!P2 BRA 0x10 ;
+        /*0340*/                   EXIT ;
+    """
+    report = asm.Report("k", "k", "sm_90", {}, 4, 96, 8, 0, 0, collections.Counter(), collections.Counter(),
+                        collections.Counter(), (1, ""), {"sass": sass})  # fmt: skip
+    (loop,) = report.loops
+    assert (loop.start, loop.end, loop.instructions, loop.local_accesses) == (0xF0, 0x310, 23, 1)
+    assert loop.mix == collections.Counter({"FFMA": 20, "LDL": 1, "HGMMA": 1, "BRA": 1})
+    assert loop.summary().startswith("loop 0xf0-0x310: 23 instructions a step, LDL/STL 1: FFMA 20")
+
+
 # ---------------------------------------------------------------- static checks on every op (CI)
 
 PER_ROW_STATISTICS = {"norm", "attention"}  # families that store or load an fp32 per row (32-bit accesses)

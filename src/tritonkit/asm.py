@@ -105,20 +105,72 @@ class Report:
         """Local loads and stores inside a loop of the SASS (between a backward branch's target and
         the branch): the spills a loop pays every step, where a value stored once at the kernel's
         entry and loaded once at its end costs nothing that matters."""
-        code = [
-            (int(a, 16), text) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", self.asm["sass"])
+        code = _code(self.asm["sass"])
+        loops = _backward_ranges(code)
+        return sum(1 for at, text in code if _LOCAL.search(text) and any(lo <= at <= hi for lo, hi in loops))
+
+    @property
+    def loops(self) -> list[Loop]:
+        """The innermost loops of the SASS (a backward branch's range that holds no other) of at
+        least LOOP_MIN_INSTRUCTIONS: what a kernel runs a step of its main loops, opcode by opcode
+        (a wait's retry, a branch back to a spin of a few instructions, is left out)."""
+        code = _code(self.asm["sass"])
+        ranges = _backward_ranges(code)
+        innermost = [
+            (lo, hi)
+            for lo, hi in ranges
+            if not any((lo, hi) != inner and lo <= inner[0] and inner[1] <= hi for inner in ranges)
         ]
-        loops = [
-            (int(target, 16), at)
-            for at, text in code
-            for target in re.findall(r"\bBRA (?:`\()?(0x[0-9a-f]+)", text)
-            if int(target, 16) < at
-        ]
-        return sum(
-            1
-            for at, text in code
-            if re.search(r"\b(LDL|STL)\b", text) and any(lo <= at <= hi for lo, hi in loops)
+        loops = []
+        for lo, hi in sorted(set(innermost)):
+            body = [text for at, text in code if lo <= at <= hi]
+            if len(body) >= LOOP_MIN_INSTRUCTIONS:
+                mix = collections.Counter(_opcode(text) for text in body)
+                loops.append(Loop(lo, hi, len(body), mix, sum(1 for text in body if _LOCAL.search(text))))
+        return loops
+
+
+LOOP_MIN_INSTRUCTIONS = 16  # shorter innermost loops are waits' spins
+_LOCAL = re.compile(r"\b(LDL|STL)\b")
+
+
+@dataclass(frozen=True)
+class Loop:
+    """An innermost loop of a kernel's SASS: its first and last instruction's offsets, instructions
+    a step, the opcodes' counts, and its local loads and stores (spills paid every step)."""
+
+    start: int
+    end: int
+    instructions: int
+    mix: collections.Counter
+    local_accesses: int
+
+    def summary(self, top: int = 10) -> str:
+        ops = " ".join(f"{op} {n}" for op, n in self.mix.most_common(top))
+        return (
+            f"loop {self.start:#x}-{self.end:#x}: {self.instructions} instructions a step, "
+            f"LDL/STL {self.local_accesses}: {ops}"
         )
+
+
+def _code(sass: str) -> list[tuple[int, str]]:
+    """(offset, instruction) of each SASS line."""
+    return [(int(a, 16), text) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+
+
+def _backward_ranges(code: list[tuple[int, str]]) -> list[tuple[int, int]]:
+    """(target, offset) of every branch to an earlier instruction: the loops."""
+    return [
+        (int(target, 16), at)
+        for at, text in code
+        for target in re.findall(r"\bBRA (?:`\()?(0x[0-9a-f]+)", text)
+        if int(target, 16) < at
+    ]
+
+
+def _opcode(text: str) -> str:
+    """An instruction's opcode without its predicate and modifiers."""
+    return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
 
 
 def _arg_type(value) -> str:
@@ -312,6 +364,7 @@ def format_reports(reports: list[Report]) -> str:
             f"  global loads {_widths_text(r.loads)}   stores {_widths_text(r.stores)}"
             f"   copies to shared {_widths_text(r.copies)}",
             f"  mix {mix}",
+            *(f"  {loop.summary()}" for loop in r.loops),
         ]
     return "\n".join(lines)
 
