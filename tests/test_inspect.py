@@ -201,13 +201,16 @@ def test_spills_in_loops_count_the_local_accesses_a_backward_branch_repeats():
 
 def test_the_innermost_loops_are_reported_with_their_mix_and_spills():
     """An outer loop around an inner one reports the inner alone; a wait's spin of two instructions is
-    no loop worth a line; a loop's local accesses are counted."""
+    no loop worth a line, and a spin inside a loop leaves that loop reported; a loop's local accesses
+    are counted."""
     body = "\n".join(f"        /*{0x100 + 16 * i:04x}*/  FFMA R{i}, R1, R2, R{i} ;" for i in range(20))
     sass = f"""
         /*0010*/                   STL [R1], R8 ;
         /*0020*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R2 ;
         /*0030*/              @!P0 BRA 0x20 ;
         /*00f0*/                   LDL R9, [R1+0x4] ;
+        /*00f8*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P3, [UR4], R2 ;
+        /*00fc*/              @!P3 BRA 0xf8 ;
 {body}
         /*0300*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24 ;
         /*0310*/              @!P1 BRA 0xf0 ;
@@ -218,9 +221,9 @@ def test_the_innermost_loops_are_reported_with_their_mix_and_spills():
     report = asm.Report("k", "k", "sm_90", {}, 4, 96, 8, 0, 0, collections.Counter(), collections.Counter(),
                         collections.Counter(), (1, ""), {"sass": sass})  # fmt: skip
     (loop,) = report.loops
-    assert (loop.start, loop.end, loop.instructions, loop.local_accesses) == (0xF0, 0x310, 23, 1)
-    assert loop.mix == collections.Counter({"FFMA": 20, "LDL": 1, "HGMMA": 1, "BRA": 1})
-    assert loop.summary().startswith("loop 0xf0-0x310: 23 instructions a step, LDL/STL 1: FFMA 20")
+    assert (loop.start, loop.end, loop.instructions, loop.local_accesses) == (0xF0, 0x310, 25, 1)
+    assert loop.mix == collections.Counter({"FFMA": 20, "LDL": 1, "HGMMA": 1, "BRA": 2, "SYNCS": 1})
+    assert loop.summary().startswith("loop 0xf0-0x310: 25 instructions, LDL/STL 1: FFMA 20")
 
 
 # ---------------------------------------------------------------- static checks on every op (CI)

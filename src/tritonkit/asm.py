@@ -16,6 +16,7 @@ Compiling needs Triton's real JIT functions: the process must compile natively, 
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import hashlib
@@ -111,33 +112,48 @@ class Report:
 
     @property
     def loops(self) -> list[Loop]:
-        """The innermost loops of the SASS (a backward branch's range that holds no other) of at
-        least LOOP_MIN_INSTRUCTIONS: what a kernel runs a step of its main loops, opcode by opcode
-        (a wait's retry, a branch back to a spin of a few instructions, is left out)."""
-        code = _code(self.asm["sass"])
-        ranges = _backward_ranges(code)
-        innermost = [
-            (lo, hi)
-            for lo, hi in ranges
-            if not any((lo, hi) != inner and lo <= inner[0] and inner[1] <= hi for inner in ranges)
-        ]
-        loops = []
-        for lo, hi in sorted(set(innermost)):
-            body = [text for at, text in code if lo <= at <= hi]
-            if len(body) >= LOOP_MIN_INSTRUCTIONS:
-                mix = collections.Counter(_opcode(text) for text in body)
-                loops.append(Loop(lo, hi, len(body), mix, sum(1 for text in body if _LOCAL.search(text))))
-        return loops
+        """``innermost_loops`` of the kernel's SASS."""
+        return innermost_loops(self.asm["sass"])
 
 
 LOOP_MIN_INSTRUCTIONS = 16  # shorter innermost loops are waits' spins
+
+
+def innermost_loops(sass: str) -> list[Loop]:
+    """The innermost loops of a SASS listing of at least LOOP_MIN_INSTRUCTIONS (a backward branch's
+    range that holds no other such range): what a kernel runs a step of its main loops, opcode by
+    opcode. A wait's spin, a branch back over a few instructions, is no loop here, and does not
+    hide the loop around it."""
+    code = _code(sass)
+    offsets = [at for at, _ in code]
+    # (a wait's spin inside a loop does not hide the loop: spins are dropped before nesting counts)
+    ranges = [
+        (lo, hi)
+        for lo, hi in _backward_ranges(code)
+        if bisect.bisect_right(offsets, hi) - bisect.bisect_left(offsets, lo) >= LOOP_MIN_INSTRUCTIONS
+    ]
+    innermost = [
+        (lo, hi)
+        for lo, hi in ranges
+        if not any((lo, hi) != inner and lo <= inner[0] and inner[1] <= hi for inner in ranges)
+    ]
+    loops = []
+    for lo, hi in sorted(set(innermost)):
+        body = [text for at, text in code if lo <= at <= hi]
+        mix = collections.Counter(_opcode(text) for text in body)
+        loops.append(Loop(lo, hi, len(body), mix, sum(1 for text in body if _LOCAL.search(text))))
+    return loops
+
+
 _LOCAL = re.compile(r"\b(LDL|STL)\b")
 
 
 @dataclass(frozen=True)
 class Loop:
-    """An innermost loop of a kernel's SASS: its first and last instruction's offsets, instructions
-    a step, the opcodes' counts, and its local loads and stores (spills paid every step)."""
+    """An innermost loop of a kernel's SASS: its first and last instruction's offsets, the
+    instructions between them and their opcodes' counts (a step's, where the loop holds no branch
+    around part of its body: a flattened loop's epilogue, run every few steps, counts too), and its
+    local loads and stores (spills paid every step)."""
 
     start: int
     end: int
@@ -148,7 +164,7 @@ class Loop:
     def summary(self, top: int = 10) -> str:
         ops = " ".join(f"{op} {n}" for op, n in self.mix.most_common(top))
         return (
-            f"loop {self.start:#x}-{self.end:#x}: {self.instructions} instructions a step, "
+            f"loop {self.start:#x}-{self.end:#x}: {self.instructions} instructions, "
             f"LDL/STL {self.local_accesses}: {ops}"
         )
 
