@@ -201,8 +201,8 @@ def test_spills_in_loops_count_the_local_accesses_a_backward_branch_repeats():
 
 def test_the_innermost_loops_are_reported_with_their_mix_and_spills():
     """An outer loop around an inner one reports the inner alone; a wait's spin of two instructions is
-    no loop worth a line, and a spin inside a loop leaves that loop reported; a loop's local accesses
-    are counted."""
+    no loop worth a line, and a spin inside a loop leaves that loop reported; a wait's retry past the
+    last EXIT, branching back into the body, is no loop; a loop's local accesses are counted."""
     body = "\n".join(f"        /*{0x100 + 16 * i:04x}*/  FFMA R{i}, R1, R2, R{i} ;" for i in range(20))
     sass = f"""
         /*0010*/                   STL [R1], R8 ;
@@ -217,6 +217,8 @@ def test_the_innermost_loops_are_reported_with_their_mix_and_spills():
         /*0320*/                   FADD R0, R0, R1 ;
         /*0330*/              @!P2 BRA 0x10 ;
         /*0340*/                   EXIT ;
+        /*0350*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P4, [UR4], R2 ;
+        /*0360*/                   BRA 0x200 ;
     """
     report = asm.Report("k", "k", "sm_90", {}, 4, 96, 8, 0, 0, collections.Counter(), collections.Counter(),
                         collections.Counter(), (1, ""), {"sass": sass})  # fmt: skip

@@ -175,12 +175,16 @@ def _code(sass: str) -> list[tuple[int, str]]:
 
 
 def _backward_ranges(code: list[tuple[int, str]]) -> list[tuple[int, int]]:
-    """(target, offset) of every branch to an earlier instruction: the loops."""
+    """(target, offset) of every branch to an earlier instruction: the loops. Not those past the
+    kernel's last EXIT: ptxas places a wait's retry there, a branch out of the body to a spin and
+    back in, which would read as a loop around whatever lies between."""
+    exits = [at for at, text in code if re.match(r"(@!?U?P\w+\s+)?EXIT\b", text)]
+    last_exit = max(exits, default=max((at for at, _ in code), default=0))
     return [
         (int(target, 16), at)
         for at, text in code
         for target in re.findall(r"\bBRA (?:`\()?(0x[0-9a-f]+)", text)
-        if int(target, 16) < at
+        if int(target, 16) < at <= last_exit
     ]
 
 
