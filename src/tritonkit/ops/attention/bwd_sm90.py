@@ -86,7 +86,7 @@ CONFIGS = {
 # What the benchmark compares (and the tests check): the default first, then each setting of its
 # two switches (dP^T beside S^T, one dQ tile a step) at 64-row steps (at D = 64, the 128-row step
 # takes only shared_dq: ``check_config``), then at D = 128 the 16-bit P in pairs (what the
-# deterministic mode reads; 11 values on the stack causal against 52, 72 full against 56-62)
+# deterministic mode reads; 11 values on the stack causal against 52, 9 full against 56-62)
 CANDIDATES = {
     d: list(
         dict.fromkeys(

@@ -57,11 +57,21 @@ def _starts_up_to(x, blocks, m_count):
 
 
 @gluon.jit
+def _rotated_rank_base(key_block, rot_g, blocks, g_count):
+    """ROTATE: the part of ``_turn``'s rank that is the same at every group (once a program: the
+    divisions in the turns' branch stay there, a division being no instruction to run ahead of its
+    condition, and their values held across the consumers' code cost those 60-odd values on the
+    stack)."""
+    return key_block - _starts_up_to(rot_g, blocks, g_count) - _starts_up_to(rot_g - 1, blocks, g_count)
+
+
+@gluon.jit
 def _turn(
     g,
     g_last_block,
     key_block,
     rot_g,
+    rank_base,
     n_last,
     g_count,
     UPPER_OFFSET,
@@ -80,16 +90,10 @@ def _turn(
         # group g at step t = (g - rot_g) mod g_count; turns in the order of arrival, ties (equal
         # starts) by key block: the rank counts the key blocks that start in the t groups up to g,
         # and those of equal start before n (starts ascend with n, so each set is a range of key
-        # blocks)
-        blocks = n_last + 1
-        t = (g - rot_g + g_count) % g_count
-        low = g - t + 1
-        before = _starts_up_to(g, blocks, g_count)
-        if low >= 0:
-            before -= _starts_up_to(low - 1, blocks, g_count)
-        else:
-            before += blocks - _starts_up_to(g_count + low - 1, blocks, g_count)
-        rank = before + key_block - _starts_up_to(rot_g - 1, blocks, g_count)
+        # blocks). Those of the groups up to g, S(g) - S(rot_g), plus, where the walk wrapped (g <
+        # rot_g), every block; those of equal start before n, n - S(rot_g - 1) (S:
+        # ``_starts_up_to``): all but S(g) and the wrap are ``rank_base``
+        rank = _starts_up_to(g, n_last + 1, g_count) + gl.where(g < rot_g, n_last + 1, 0) + rank_base
     elif IS_CAUSAL:
         # (the group's last block's last row counted as m * BLOCK + BLOCK - 1 even past Sq: the
         # launcher's m_start counts it so)
@@ -142,23 +146,28 @@ def _dq_partition(
     DQ_COLS: gl.constexpr = dq_smem.type.shape[2]
     n_tiles = m_end - m_start
     key_block = start_n // KEYS
+    g_count = gl.cdiv(m_end, TURN_BLOCKS)
+    rot_g = rot // TURN_BLOCKS
+    rank_base = key_block * 0
+    if DETERMINISTIC and ROTATE:
+        rank_base = _rotated_rank_base(key_block, rot_g, n_last + 1, g_count)
     token = gl.full([1], 0, gl.int32, gl.BlockedLayout([1], [32], [1], [0]))
     for step in range(GROUP * n_tiles):
         head = kv_head * GROUP + step // n_tiles
         idx = step % n_tiles
         m = m_start + idx
-        if ROTATE:
-            m = (m + rot) % m_end
+        if ROTATE:  # (m + rot) % m_end without a division: m and rot are below m_end
+            m = m + rot
+            m = gl.where(m >= m_end, m - m_end, m)
         g = m // TURN_BLOCKS  # the turn's group of query blocks
         ticket = sem_ptr + (batch.to(gl.int64) * stride_sb + head.to(gl.int64) * stride_sh + g)
         # a walk enters a group at its first block (a rotated walk starts on one) or where it starts
         # (a causal walk may start inside one), and leaves it at its last block or where it ends
         if DETERMINISTIC and ((idx == 0) | (m % TURN_BLOCKS == 0)):
             g_last_block = gl.minimum(g * TURN_BLOCKS + TURN_BLOCKS, m_end) - 1
-            g_count = gl.cdiv(m_end, TURN_BLOCKS)
             rank = _turn(
-                g, g_last_block, key_block, rot // TURN_BLOCKS, n_last, g_count, UPPER_OFFSET, BLOCK,
-                KEYS, IS_CAUSAL, ROTATE,
+                g, g_last_block, key_block, rot_g, rank_base, n_last, g_count, UPPER_OFFSET, BLOCK, KEYS,
+                IS_CAUSAL, ROTATE,
             )  # fmt: skip
             _take_turn(ticket, rank, ACQUIRE_FIRST)
         for c in gl.static_range(CONSUMERS):
