@@ -2,23 +2,23 @@
 backward and tritonkit's Triton backward (both modes), in one process, bf16.
 
     python benchmarks/attention_bwd_sm90.py OUT.json [--deadline SECONDS] [--skip-triton]
-        [--skip-deterministic] [--layer] [--causal] [--candidates | --defaults] [--acquire-first]
+        [--skip-deterministic] [--layer] [--full | --causal] [--candidates | --defaults] [--acquire-first]
         [--turn-blocks N] [--config MODE:FIELD=VALUE[,FIELD=VALUE]] [--shape B,Hq,Hkv,S,D] [--rounds N]
 
-``--layer`` times the decoder layer's attention alone (``tritonkit bench layer``'s 8b-4k: GQA 32/8,
-S = 4096, causal), q, k and v strided views of one QKV projection's output and dO of the output
-projection's input, as the layer has them, with every Gluon candidate. ``--causal`` times the causal
-rows only. A causal row also times the free order's other group sizes (``FREE_CAUSAL_GROUPS``),
-and every row the deterministic order's (``DETERMINISTIC_GROUPS``); a GQA row also the
-deterministic mode with the other ``bwd_sm90.DETERMINISTIC_GQA_PER_QUERY_HEAD``. ``--candidates``
-times, in place of the other orders, every Gluon candidate (``bwd_sm90.CANDIDATES``) in both modes
-(the deterministic ones unless ``--skip-deterministic``); ``--defaults`` times each mode's default
-alone. ``--acquire-first`` times the deterministic default with the other ``Config.acquire_first``
-too, and says whether its gradients are the default's bits; ``--turn-blocks N`` likewise with
-``Config.turn_blocks`` = N (repeatable; the same bits where Sq = Sk). ``--config
-det:num_stages=3,acquire_first=False`` times a mode's default (``free`` or ``det``) with those
-``bwd_sm90.Config`` fields replaced (repeatable; a deterministic one says whether its gradients are
-the default's bits). ``--shape`` keeps the rows of one shape (repeatable).
+``--layer`` times the decoder layer's attention alone (``tritonkit bench layer``'s 8b-4k: GQA 32/8, S =
+4096, causal), q, k and v strided views of one QKV projection's output and dO of the output projection's
+input, as the layer has them, with every Gluon candidate. ``--full`` or ``--causal`` times one mask's
+rows only. A causal row also times the free order's other group sizes (``FREE_CAUSAL_GROUPS``), and
+every row the deterministic order's (``DETERMINISTIC_GROUPS``); a GQA row also the deterministic mode
+with the other ``bwd_sm90.DETERMINISTIC_GQA_PER_QUERY_HEAD``. ``--candidates`` times, in place of the
+other orders, every Gluon candidate (``bwd_sm90.CANDIDATES``) in both modes (the deterministic ones
+unless ``--skip-deterministic``); ``--defaults`` times each mode's default alone. ``--acquire-first``
+times the deterministic default with the other ``Config.acquire_first`` too, and says whether its
+gradients are the default's bits; ``--turn-blocks N`` likewise with ``Config.turn_blocks`` = N
+(repeatable; the same bits where Sq = Sk). ``--config det:num_stages=3,acquire_first=False`` times a
+mode's default (``free`` or ``det``) with those ``bwd_sm90.Config`` fields replaced (repeatable; a
+deterministic one says whether its gradients are the default's bits). ``--shape`` keeps the rows of one
+shape (repeatable).
 
 A row's providers take turns, ``--rounds`` of them (``tritonkit.bench.timing.interleaved_turns``;
 each one's ``turns`` are in the JSON): its time is the median of its turns, each turn
@@ -410,7 +410,8 @@ def main() -> None:
     config_arguments()  # (a malformed --config stops here, before any GPU work)
     result = result_header("attention_bwd", "attention_bwd_sm90.py", interleaved())
     layer = "--layer" in sys.argv
-    masks = (True,) if "--causal" in sys.argv else (False, True)
+    flags = ((False, "--full"), (True, "--causal"))
+    masks = [mask for mask, flag in flags if flag in sys.argv] or [False, True]
     shapes = [
         tuple(int(n) for n in sys.argv[i + 1].split(",")) for i, a in enumerate(sys.argv) if a == "--shape"
     ]
