@@ -86,7 +86,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from tritonkit.jit import LOG2E
 from tritonkit.ops.attention.bwd_sm90_dq import _dq_partition
-from tritonkit.ops.attention.fwd_sm90_kernels import to_pairs
+from tritonkit.ops.attention.fwd_sm90_kernels import from_pairs, to_pairs
 
 SPLIT_N = 64  # keys a consumer warpgroup holds: a wgmma's M per warpgroup
 NUM_CONSUMERS = gl.constexpr(2)  # FA3's 2 x 64 = 128 keys a program
@@ -355,7 +355,11 @@ def _grad_step(
         dp = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
     dv = warpgroup_mma(p_a, do, dv, is_async=True)
     dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp,))
-    ds = p.to(gl.float32) * (dp - delta_smem.index(stage).load(col_s)[None, :])
+    if P16 and dtype == gl.bfloat16:  # (an fp16 P converts: its exponent is not an fp32's)
+        p_wide = from_pairs(p)
+    else:
+        p_wide = p.to(gl.float32)
+    ds = p_wide * (dp - delta_smem.index(stage).load(col_s)[None, :])
     if P16 and not P16_PAIRS:
         ds = ds.to(dtype)
     else:

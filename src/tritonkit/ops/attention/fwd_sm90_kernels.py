@@ -298,6 +298,21 @@ def to_pairs(x, dtype: gl.constexpr):
 
 
 @gluon.jit
+def from_pairs(x):
+    """``x`` (bf16) in fp32, a pair a register: a bf16 is the top half of its fp32, so element 0 (the
+    low half) shifts up and element 1 keeps its half, two instructions a pair. ``x.to()`` compiled
+    to two PRMT and two shifts a pair in the backward's dS (docs/perf-notes/attention-backward-sm90.md)."""
+    return gl.inline_asm_elementwise(
+        "{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xffff0000; }",
+        "=r,=r,r",
+        [x],
+        dtype=gl.float32,
+        is_pure=True,
+        pack=2,
+    )
+
+
+@gluon.jit
 def _online_softmax(
     s, m_i, l_i, rows, start_n, SEQ_K, UPPER_OFFSET, qk_scale, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr
 ):
