@@ -313,6 +313,24 @@ def from_pairs(x):
 
 
 @gluon.jit
+def hide_past(s, index, bound):
+    """``s`` where ``index`` < ``bound`` (int32, broadcast to s's shape), -inf elsewhere: a compare
+    and a select an element in one asm block, so that the compare, which reads ``s``, comes after
+    the product's wait and its predicate lives one instruction. As ``gl.where`` of a mask, the 64
+    compares a thread ran ahead of the wait and outlived the seven predicate registers: ptxas packed
+    them into bits and unpacked them, about 230 instructions a masked block
+    (docs/perf-notes/attention-forward.md)."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.lt.s32 p, $2, $3; selp.f32 $0, $1, 0fFF800000, p; }",
+        "=r,r,r,r",
+        [s, index, bound],
+        dtype=gl.float32,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@gluon.jit
 def _online_softmax(
     s, m_i, l_i, rows, start_n, SEQ_K, UPPER_OFFSET, qk_scale, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr
 ):
@@ -325,13 +343,13 @@ def _online_softmax(
     and the exponent is a single FFMA."""
     if MASKED:
         BLOCK_N: gl.constexpr = s.type.shape[1]
+        # (the keys' indices from the block's start: computed a block, not held across the loop)
         cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
         if IS_CAUSAL:  # one compare a score: key j < min(i + UPPER_OFFSET + 1, SEQ_K)
             bound = gl.minimum(rows + (UPPER_OFFSET + 1), SEQ_K)
-            visible = cols[None, :] < bound[:, None]
         else:
-            visible = cols[None, :] < SEQ_K
-        s = gl.where(visible, s, -float("inf"))
+            bound = rows * 0 + SEQ_K
+        s = hide_past(s, cols[None, :], bound[:, None])
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
     if MASKED:
         m_exp = gl.where(m_new == -float("inf"), 0.0, m_new)
