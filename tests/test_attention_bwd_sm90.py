@@ -25,7 +25,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
-from tritonkit.asm import _cuobjdump
+from tritonkit.asm import _cuobjdump, innermost_loops
 from tritonkit.ops.attention import bwd_sm90 as bwd
 
 def numbers(pattern, text):
@@ -78,6 +78,8 @@ for dtype, head_dim, causal, deterministic, shared_dq, _, *fields in CASES:
         "setmaxnreg": numbers(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx),
         "hgmma": sass.count("HGMMA"), "hmma": sass.count(" HMMA"),
         "spills": sass.count("STL") + sass.count("LDL"),
+        # the local loads and stores a step of an innermost loop repeats (the others run once a walk)
+        "loop_spills": sum(loop.local_accesses for loop in innermost_loops(sass)),
         "single_conversions": sass.count("F2F.BF16.F32") + sass.count("F2F.F16.F32"),
         "swaps": sass.count("PRMT"),
         "reduces": sass.count("UTMAREDG"), "tma_loads": ptx.count("cp.async.bulk.tensor.4d.shared"),
@@ -141,6 +143,10 @@ def test_the_kernel_compiles_for_hopper_warp_specialized_with_the_dq_reduce_off_
     # the deterministic mode waits for its turn (an acquiring load) and publishes its adds
     assert (row["tickets"] > 0) == (row["releases"] > 0) == deterministic, row
     assert row["spills"] <= spills, row
+    # none a step in the step loops at D = 64; at D = 128 two or three, in the masked (causal
+    # diagonal) step or the 64-key dQ partials' (the rotated rank's divisions had put 24 a step in
+    # the deterministic full mask's loop: bwd_sm90_dq._rotated_rank_base)
+    assert row["loop_spills"] <= (3 if head_dim == 128 else 0), row
     # P converted in pairs (F2FP, on the ALU: a conversion a value, F2F, runs on the MUFU's pipe
     # beside the exponentials), whether dS reads it in fp32 or in 16 bits, which ``from_pairs``
     # unpacks two instructions a pair (with ``.to()`` it took two PRMT and two shifts, and bf16's
