@@ -20,6 +20,7 @@ import heapq
 
 SMS = 132
 GROUPS = (1, 2, 4, 8, 1 << 20)  # units (pairs or heads) a group; the last: all at once
+PAIR_GROUPS = (2, 4)  # the persistent causal forward's heads a group of pairs
 
 
 def makespan(walks: list[int], start: int) -> int:
@@ -75,13 +76,15 @@ def paired(units: int, blocks: int, walk, group: int) -> list[int]:
 
 def forward_persistent(batch: int, heads: int, seq: int) -> dict:
     """``forward``'s tiles on a persistent grid: single tiles in a stride by group size; the last
-    column, pairs of a long and a short block in groups of 4 (the kernel's causal walk)."""
+    columns, pairs of a long and a short block (the kernel's causal walk) in groups of 2 (the
+    default, ``fwd_sm90.CAUSAL_HEADS_PER_GROUP``) and of 4."""
     blocks = seq // 128
     units, walk = batch * heads, lambda i: blocks - i
     row = {"even": sum(walk(b) + 2 for b in range(blocks)) * units / SMS}
     for group in GROUPS:
         row[group] = persistent(grouped(units, blocks, walk, group), 2)
-    row["pairs"] = persistent(paired(units, blocks, walk, 4), 4)
+    for group in PAIR_GROUPS:
+        row[f"pairs, {group}"] = persistent(paired(units, blocks, walk, group), 4)
     return row
 
 
@@ -94,7 +97,9 @@ def _row(units: int, blocks: int, walk, start: int) -> dict:
 
 
 def main() -> None:
-    label = {g: ("all" if g == GROUPS[-1] else str(g)) for g in GROUPS} | {"pairs": "pairs, 4"}
+    label = {g: ("all" if g == GROUPS[-1] else str(g)) for g in GROUPS} | {
+        f"pairs, {g}": f"pairs, {g}" for g in PAIR_GROUPS
+    }
     forward_shapes = [(2, 32, 4096), (4, 32, 4096), (2, 16, 16384), (16, 16, 1024), (2, 32, 8192)]
     cases = [
         ("backward (B, Hkv, GQA group, S)", backward, [(2, 8, 4, 4096), (4, 32, 1, 4096), (2, 16, 1, 16384),
