@@ -274,10 +274,10 @@ def attention_fwd_sm90(
 # SMs, benchmarks/program_order.py, at the layer's (2, 32, 4096, 128): 306 block-steps against 288
 # in groups of 4, 287 spread evenly; 593 against 576 at (4, 32, 4096, 128)). Measured on the H200
 # at 48877f9: level with groups of 1 (within 2%, either way by shape); every head at once 2-27%
-# slower. Groups of 2 (measured at f976360): groups of 4 ran 3-7% behind 1, 2 and 8 at (4, 32, 4096, 64) in
-# three runs on an H100, and 2 ran 3% ahead of 4 at (16, 16, 1024, 128) in two on the H200; level
-# (within 2%, either way) at the other shapes timed (docs/perf-notes/attention-forward.md, "The
-# causal order's groups"). The backward orders its pairs by its own rule (bwd_sm90).
+# slower. Groups of 2 (measured at f976360): groups of 4 ran 3-7% behind 1, 2 and 8 at (4, 32,
+# 4096, 64) in three runs on an H100, and 2 ran 3% ahead of 4 at (16, 16, 1024, 128) in two on the
+# H200; level (within 2%, either way) at the other shapes timed (docs/perf-notes/attention-forward.md,
+# "The causal order's groups"). The backward orders its pairs by its own rule (bwd_sm90).
 CAUSAL_HEADS_PER_GROUP = 2
 
 
