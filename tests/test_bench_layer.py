@@ -219,6 +219,9 @@ def test_ratios_tables_and_files(tmp_path):
         "| 8b-4k | fwd+bwd | tritonkit | 20.00 | 7.25 | 4.00 | 14.00 | 1.50 | 1.00 |"
         in layer.profile_table(rows)
     )
+    # the second profile, in the reverse order, beside the first's kernel time
+    rows[-1]["kernel_ms_reversed"] = 19.25
+    assert "| 1.50 | 1.00 | 19.50 / 19.25 |" in layer.profile_table(rows)
     assert [
         layer.kernel_kind(n) for n in ("_attn_fwd_sm90_kernel", "nvjet_tst_128x256", "_norm_fwd_kernel")
     ] == [
@@ -287,3 +290,32 @@ def test_the_roofline_plot_passes_over_the_layer_rows(tmp_path, capsys):
     png = tmp_path / "roofline.png"
     assert main(["roofline", "--plot", str(png), "--results", str(tmp_path / "results")]) == 0
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_second_profile_runs_the_providers_in_the_reverse_order(monkeypatch):
+    """``_profile_reversed`` profiles each provider again, last timed first, and keeps its kernel time
+    beside the first pass's; a failing profile leaves the rows as they were."""
+    from tritonkit.bench import layer
+
+    seen = []
+
+    def fake_profile(call, tensors):
+        seen.append(call())
+        return {"kernel_ms": 10.0 + len(seen), "kernel_ms_by_kind": {"other": 1.0}}
+
+    monkeypatch.setattr(layer, "kernel_profile", fake_profile)
+    rows = {"a": {}, "b": {}}
+    layer._profile_reversed({"b": lambda: "b", "a": lambda: "a"}, rows, [])
+    assert seen == ["b", "a"]
+    assert rows == {
+        "a": {"kernel_ms_reversed": 12.0, "kernel_ms_by_kind_reversed": {"other": 1.0}},
+        "b": {"kernel_ms_reversed": 11.0, "kernel_ms_by_kind_reversed": {"other": 1.0}},
+    }
+
+    def failing(call, tensors):
+        raise RuntimeError("no profiler")
+
+    monkeypatch.setattr(layer, "kernel_profile", failing)
+    untouched = {"a": {}}
+    layer._profile_reversed({"a": lambda: "a"}, untouched, [])
+    assert untouched == {"a": {}}

@@ -65,6 +65,16 @@ from typing import NamedTuple
 import torch
 from torch.nn import functional
 
+# (layer.kernel_profile, layer.host_ms and layer.kernel_kind are what the benchmark scripts call)
+from tritonkit.bench.step_profile import (  # noqa: F401
+    KERNEL_KINDS,
+    PROFILE_STEPS,
+    host_ms,
+    kernel_kind,
+    kernel_profile,
+)
+from tritonkit.bench.step_profile import clear_grads as _clear_grads
+
 log = logging.getLogger("tritonkit")
 
 OP = "layer"  # the rows' op name and the results' file name
@@ -306,11 +316,6 @@ def build(provider: str, shape: LayerShape, backend: str | None) -> Callable | s
 TENSOR_NAMES = ("output", "x.grad", *(f"{name}.grad" for name in Weights._fields))
 
 
-def _clear_grads(tensors: Iterable[torch.Tensor]) -> None:
-    for t in tensors:
-        t.grad = None
-
-
 def outputs_and_grads(fn: Callable, x: torch.Tensor, w: Weights, grad: torch.Tensor) -> list[torch.Tensor]:
     """[output, x.grad, each weight's grad] of one step (TENSOR_NAMES' order)."""
     _clear_grads((x, *w))
@@ -366,93 +371,6 @@ def _mode_call(fn: Callable, mode: str, x: torch.Tensor, w: Weights, grad: torch
     if mode == "fwd":
         return lambda: fn(x, w)
     return lambda: fn(x, w).backward(grad)
-
-
-# A kernel's kind, by the first pattern its lower-cased name contains (cuDNN's SDPA kernels, FA2's,
-# tritonkit's attention kernels; cuBLAS's (nvjet, sm90_xmma), CUTLASS's, tritonkit's linear ones)
-KERNEL_KINDS = {
-    "attention": ("attn", "flash", "fmha", "sdpa", "cudnn"),
-    "matmul": ("nvjet", "gemm", "xmma", "cutlass", "linear", "matmul", "mm_"),
-    "other": ("",),
-}
-
-
-def kernel_kind(name: str) -> str:
-    """Which of KERNEL_KINDS a GPU kernel of this name is."""
-    lowered = name.lower()
-    return next(kind for kind, patterns in KERNEL_KINDS.items() if any(p in lowered for p in patterns))
-
-
-PROFILE_STEPS = 3  # steps the kernel profile averages over
-# Steps run first, unprofiled: the H200 reaches its power cap after ~150 ms of a large step's
-# work and then lowers its clock, so a profile of a cold GPU times every kernel ~10% short of the
-# step's measured time (docs/perf-notes/linear.md, "the power limit")
-PROFILE_WARMUP_STEPS = 15
-PROFILE_TOP = 12  # kernels a row lists, by GPU time
-
-
-def kernel_profile(call: Callable[[], object], grads_to_none: list[torch.Tensor]) -> dict:
-    """Where a step's GPU time goes, from torch.profiler over PROFILE_STEPS steps: {"kernel_ms": the
-    step's kernel time, summed, "profiled_span_ms": the steps' span on the GPU, "kernel_ms_by_kind",
-    "kernels": the PROFILE_TOP longest kernels as {"name", "ms", "calls"} a step}. The span above
-    kernel_ms is time the GPU waited (on the host, or between the steps)."""
-    from torch.profiler import ProfilerActivity, profile, schedule
-
-    for _ in range(PROFILE_WARMUP_STEPS):  # back at the power cap the timing ran under
-        _clear_grads(grads_to_none)
-        call()
-    # a step profiled and dropped first: a process's first profiled step leaves the GPU idle while
-    # the profiler starts (1.2-1.5 ms in the d64 layer's first profiled row, 0.05 in the rows after)
-    steps = schedule(wait=0, warmup=1, active=PROFILE_STEPS, repeat=1)
-    with profile(activities=[ProfilerActivity.CUDA], schedule=steps) as prof:
-        for step in range(1 + PROFILE_STEPS):
-            _clear_grads(grads_to_none)
-            call()
-            if step in (0, PROFILE_STEPS):  # the dropped step's kernels and the last kept ones done
-                torch.cuda.synchronize()
-            prof.step()
-    _clear_grads(grads_to_none)
-    totals: dict[str, list] = {}
-    starts, ends = [], []
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time_total > 0:
-            total = totals.setdefault(event.name, [0.0, 0])
-            total[0] += event.device_time_total / 1e3 / PROFILE_STEPS
-            total[1] += 1
-            starts.append(event.time_range.start)
-            ends.append(event.time_range.end)
-    ranked = sorted(totals.items(), key=lambda item: -item[1][0])
-    kinds = dict.fromkeys(KERNEL_KINDS, 0.0)
-    for name, (ms, _) in totals.items():
-        kinds[kernel_kind(name)] += ms
-    return {
-        "kernel_ms": sum(ms for ms, _ in totals.values()),
-        # first kernel's start to last one's end, a step: above kernel_ms by the GPU's idle time
-        "profiled_span_ms": (max(ends) - min(starts)) / 1e3 / PROFILE_STEPS if starts else 0.0,
-        "kernel_ms_by_kind": kinds,
-        "kernels": [
-            {"name": name[:160], "ms": ms, "calls": calls / PROFILE_STEPS}
-            for name, (ms, calls) in ranked[:PROFILE_TOP]
-        ],
-    }
-
-
-HOST_STEPS = 5  # steps host_ms is the median of
-
-
-def host_ms(call: Callable[[], object], grads_to_none: list[torch.Tensor]) -> float:
-    """The host's time to issue one step (the call returning, the GPU idle before it): at or above
-    the step's time, the step is bound by the host. The median of HOST_STEPS."""
-    times = []
-    for _ in range(HOST_STEPS):
-        _clear_grads(grads_to_none)
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        call()
-        times.append((time.perf_counter() - started) * 1e3)
-    torch.cuda.synchronize()
-    _clear_grads(grads_to_none)
-    return sorted(times)[len(times) // 2]
 
 
 def measure(call: Callable[[], object], tensors: list[torch.Tensor]) -> dict:
@@ -557,6 +475,22 @@ def _time_rows(built: dict[str, Callable], rows: list[dict], inputs: tuple) -> N
                     ms=medians[provider], ms_spread=spreads[provider], **measure(calls[provider], tensors)
                 )
                 row["tflops"] = row["flops"] / (row["ms"] * 1e-3) / 1e12
+        _profile_reversed({p: calls[p] for p in reversed(timed) if p in medians}, timed, tensors)
+
+
+def _profile_reversed(calls: dict[str, Callable], rows: dict[str, dict], tensors: list[torch.Tensor]) -> None:
+    """Each provider's kernels profiled again, in the reverse order: ``kernel_ms_reversed`` and
+    ``kernel_ms_by_kind_reversed``. The first provider profiled has read its kernels faster than the
+    same kernels profiled later (docs/perf-notes/layer-and-model.md): a second pass in the other
+    order tells the profile's order from the provider."""
+    for provider, call in calls.items():
+        try:
+            again = kernel_profile(call, tensors)
+        except Exception as error:  # a diagnostic: the rows stand without it
+            log.warning("tritonkit: bench layer's second kernel profile failed: %s", error)
+            return
+        rows[provider]["kernel_ms_reversed"] = again["kernel_ms"]
+        rows[provider]["kernel_ms_by_kind_reversed"] = again["kernel_ms_by_kind"]
 
 
 def _alone(calls: dict, tensors: list[torch.Tensor], rows: dict[str, dict]) -> tuple[dict, dict]:
@@ -758,12 +692,18 @@ def profile_table(rows: list[dict]) -> str:
         *(f"{kind} ms" for kind in KERNEL_KINDS),
         "GPU idle ms",
     ]
+    reversed_pass = any("kernel_ms_reversed" in r for r in profiled)
+    if reversed_pass:  # (``_profile_reversed``)
+        header.append("kernels ms: first pass / reversed")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in profiled:
         kinds = [f"{row['kernel_ms_by_kind'][kind]:.2f}" for kind in KERNEL_KINDS]
         idle = f"{max(row['profiled_span_ms'] - row['kernel_ms'], 0.0):.2f}"
         host = f"{row['host_ms']:.2f}" if "host_ms" in row else "-"
         cells = [row["case"], row["mode"], row["provider"], f"{row['ms']:.2f}", host, *kinds, idle]
+        if reversed_pass:
+            again = f"{row['kernel_ms_reversed']:.2f}" if "kernel_ms_reversed" in row else "-"
+            cells.append(f"{row['kernel_ms']:.2f} / {again}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
