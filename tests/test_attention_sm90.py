@@ -253,6 +253,54 @@ def test_gpu_every_candidate_config(head_dim, causal):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_causal_aligned_top_left(head_dim, caplog):
+    """``bottom_right=False``: query i sees keys j <= i (torch's ``is_causal``), one tile a program and
+    persistent, Sq < Sk (keys past Sq never seen) and Sq > Sk (rows from Sk on see every key), lengths
+    off the blocks; and scaled_dot_product_attention's is_causal, top-left, takes it."""
+    import logging
+
+    from tritonkit.ops.attention.common import attention_reference
+    from tritonkit.oracle import compare
+
+    fwd = _fwd()
+    for seq_q, seq_k in ((200, 700), (700, 200), (1, 300), (300, 1)):
+        q, k, v = _inputs(2, 4, 2, seq_q, seq_k, head_dim, torch.bfloat16, seed=seq_q * 7 + seq_k)
+        scale = head_dim**-0.5
+        exact_o, exact_lse = attention_reference(
+            q.double(), k.double(), v.double(), True, scale, bottom_right=False, return_lse=True
+        )
+        torch_o, torch_lse = attention_reference(q, k, v, True, scale, bottom_right=False, return_lse=True)
+        for persistent in (False, True):
+            o = torch.full_like(q, math.nan)
+            lse = torch.full(q.shape[:3], math.nan, device="cuda", dtype=torch.float32)
+            config = fwd.CONFIGS[head_dim]._replace(persistent=persistent)
+            fwd.attention_fwd_sm90(
+                q, k, v, o, lse, scale=scale, causal=True, bottom_right=False, config=config
+            )
+            comparisons = [
+                compare("output", o, torch_o, exact_o, q.dtype),
+                compare("lse", lse, torch_lse.float(), exact_lse, q.dtype),
+            ]
+            assert all(c.passed for c in comparisons), (
+                seq_q,
+                seq_k,
+                persistent,
+                [str(c) for c in comparisons],
+            )
+    import tritonkit
+
+    q, k, v = _inputs(1, 4, 4, 256, 640, head_dim, torch.bfloat16, seed=5)
+    with caplog.at_level(logging.DEBUG, logger="tritonkit"):
+        out = tritonkit.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert f"attention forward {tuple(q.shape)} on the sm_90 Gluon kernel" in caplog.text
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    exact = sdpa(q.double(), k.double(), v.double(), is_causal=True)
+    assert compare("sdpa output", out, sdpa(q, k, v, is_causal=True), exact, q.dtype).passed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
 def test_gpu_empty_keyless_and_refusals():
     fwd = _fwd()
     o, lse = _run(*_inputs(1, 2, 2, 0, 5, 64, torch.bfloat16, seed=1), 0.125, True)
@@ -277,7 +325,7 @@ def test_gpu_empty_keyless_and_refusals():
 
 
 def test_calls_the_gluon_forward_cannot_take_go_to_the_triton_kernel(device):
-    """Packed batches, windows, soft caps and top-left causal masks with Sq != Sk never take it;
+    """Packed batches, windows and soft caps never take it (causal masks of either alignment do);
     and nothing does under the interpreter (Gluon kernels do not run there)."""
     from tritonkit.ops.attention import fwd
     from tritonkit.ops.attention.common import Packed, Scores
@@ -289,11 +337,10 @@ def test_calls_the_gluon_forward_cannot_take_go_to_the_triton_kernel(device):
         (Scores(0.125), packed),
         (Scores(0.125, window=(4, 0)), None),
         (Scores(0.125, softcap=30.0), None),
-        (Scores(0.125, causal=True, bottom_right=False), None),
     ]:
         assert not fwd.sm90_takes(q, k, k, scores, pack), scores
-    if not _sm90():
-        assert not fwd.sm90_takes(q, k, k, Scores(0.125, causal=True), None)
+    for scores in (Scores(0.125, causal=True), Scores(0.125, causal=True, bottom_right=False)):
+        assert fwd.sm90_takes(q, k, k, scores, None) == _sm90(), scores
 
 
 @pytest.mark.gpu

@@ -659,11 +659,9 @@ SM90_FORWARD = True
 
 def sm90_takes(q, k, v, scores: Scores, packed: Packed | None) -> bool:
     """Whether the sm_90 Gluon forward (``fwd_sm90``) computes this call: natively compiled, on an
-    sm_90 GPU, within what it supports; causal aligned top-left only where Sq = Sk (it aligns
-    bottom-right, as flash_attention does). Everything else takes the Triton kernel below."""
+    sm_90 GPU, within what it supports (causal either alignment). Everything else takes the Triton
+    kernel below."""
     if not SM90_FORWARD or interpret() or not q.is_cuda or packed is not None:
-        return False
-    if scores.causal and not scores.bottom_right and q.shape[2] != k.shape[2]:
         return False
     from tritonkit.ops.attention import fwd_sm90
 
@@ -693,7 +691,9 @@ def attention_fwd_into(
         from tritonkit.ops.attention import fwd_sm90
 
         log.debug("tritonkit: attention forward %s on the sm_90 Gluon kernel", tuple(q.shape))
-        fwd_sm90.attention_fwd_sm90(q, k, v, o, lse, scale=scores.scale, causal=scores.causal)
+        fwd_sm90.attention_fwd_sm90(
+            q, k, v, o, lse, scale=scores.scale, causal=scores.causal, bottom_right=scores.bottom_right
+        )
         return
     log.debug("tritonkit: attention forward %s on the Triton kernel", tuple(q.shape))
     if packed is not None:  # the kernel takes (1, H, T, D) views of (T, H, D) and (1, H, T) of (H, T)

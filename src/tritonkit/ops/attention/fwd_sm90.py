@@ -192,6 +192,7 @@ def attention_fwd_sm90(
     *,
     scale: float,
     causal: bool,
+    bottom_right: bool = True,
     window: tuple[int, int] | None = (-1, -1),
     softcap: float = 0.0,
     cu_seqlens_q=None,
@@ -203,8 +204,9 @@ def attention_fwd_sm90(
     q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D), o like q, lse (B, Hq, Sq) fp32; fp16 or bf16, D 64 or
     128, Hq a multiple of Hkv (GQA/MQA). Strides: any, as long as the last dim of q, k, v and o is
     contiguous and their base and other strides are multiples of 16 bytes (TMA's rules); the lse's
-    last dim contiguous. ``causal`` is aligned bottom-right (query i sees keys j <= i + Sk - Sq); a
-    row that sees no key gets 0 and lse -inf. ``scale`` > 0 multiplies q . k. ``config`` overrides
+    last dim contiguous. ``causal`` is aligned bottom-right (query i sees keys j <= i + Sk - Sq), or
+    with ``bottom_right=False`` top-left (j <= i, torch's ``is_causal``); a row that sees no key gets
+    0 and lse -inf. ``scale`` > 0 multiplies q . k. ``config`` overrides
     the tile (``default_config``). Windows, soft-capping and packed batches raise
     NotImplementedError (a later stage); ``supports`` says which calls this takes."""
     if window is not None and tuple(window) != (-1, -1):
@@ -263,7 +265,10 @@ def attention_fwd_sm90(
         o.zero_()
         lse.fill_(-math.inf)
         return
-    for launch in launches(q, k, v, o, lse, scale=scale, causal=causal, config=config):
+    upper_offset = seq_k - seq_q if bottom_right else 0
+    for launch in launches(
+        q, k, v, o, lse, scale=scale, causal=causal, upper_offset=upper_offset, config=config
+    ):
         launch.run()
 
 
@@ -287,8 +292,20 @@ def order(causal: bool, batch_heads: int) -> int:
     return min(CAUSAL_HEADS_PER_GROUP if causal else 1, batch_heads)
 
 
-def launches(q, k, v, o, lse, *, scale: float, causal: bool, config: Config | None = None) -> list[Launch]:
-    """The kernel's launch for checked arguments (``attention_fwd_sm90``'s): one program per 128
+def launches(
+    q,
+    k,
+    v,
+    o,
+    lse,
+    *,
+    scale: float,
+    causal: bool,
+    upper_offset: int | None = None,
+    config: Config | None = None,
+) -> list[Launch]:
+    """The kernel's launch for checked arguments (``attention_fwd_sm90``'s; ``upper_offset``: causal,
+    row i sees key j iff j <= i + upper_offset, Sk - Sq unless given): one program per 128
     query rows of a (batch, head), a one-dimensional grid in ``order``'s order (the heads of a GQA
     group are neighbours, so their blocks share K and V in L2)."""
     (batch, heads_q, seq_q, head_dim), (_, heads_kv, seq_k, _) = q.shape, k.shape
@@ -307,7 +324,7 @@ def launches(q, k, v, o, lse, *, scale: float, causal: bool, config: Config | No
         heads_q // heads_kv,
         seq_q,
         seq_k,
-        seq_k - seq_q,
+        seq_k - seq_q if upper_offset is None else upper_offset,
         scale * LOG2E.value,
     )
     meta = {
