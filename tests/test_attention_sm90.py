@@ -34,7 +34,8 @@ def descriptor(dtype, rows, head_dim):
     layout = gl.NVMMASharedLayout.get_default_for(block, {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype])
     return f"tensordesc<{dtype}[{','.join(map(str, block))}],{layout!r}>"
 
-for dtype, head_dim, causal, persistent, pingpong in CASES:
+for dtype, head_dim, causal, persistent, pingpong, *capped in CASES:
+    softcap = bool(capped and capped[0])
     config = fwd.CONFIGS[head_dim]._replace(persistent=persistent, pingpong=pingpong)
     signature = {"q_desc": descriptor(dtype, fwd.SPLIT_M, head_dim),
                  "k_desc": descriptor(dtype, config.block_n, head_dim),
@@ -42,12 +43,12 @@ for dtype, head_dim, causal, persistent, pingpong in CASES:
                  "o_desc": descriptor(dtype, fwd.SPLIT_M, head_dim), "lse_ptr": "*fp32", "stride_lb": "i64",
                  "stride_lh": "i64", "HEADS": "i32", "BATCH_HEADS": "i32", "HEADS_PER_GROUP": "i32",
                  "GROUP": "i32", "SEQ_Q": "i32", "SEQ_K": "i32", "UPPER_OFFSET": "i32",
-                 "qk_scale": "fp32", "IS_CAUSAL": "constexpr", "NUM_STAGES": "constexpr",
+                 "qk_scale": "fp32", "cap_log2": "fp32", "IS_CAUSAL": "constexpr", "NUM_STAGES": "constexpr",
                  "PIN_SOFTMAX": "constexpr", "PINGPONG": "constexpr", "CONSUMERS": "constexpr",
-                 "CONSUMER_REGS": "constexpr", "PERSISTENT": "constexpr"}
+                 "CONSUMER_REGS": "constexpr", "PERSISTENT": "constexpr", "SOFTCAP": "constexpr"}
     constants = {"IS_CAUSAL": causal, "NUM_STAGES": config.num_stages, "PIN_SOFTMAX": config.pin_softmax,
                  "PINGPONG": config.pingpong, "CONSUMERS": fwd.NUM_CONSUMERS,
-                 "CONSUMER_REGS": fwd.CONSUMER_REGS, "PERSISTENT": persistent}
+                 "CONSUMER_REGS": fwd.CONSUMER_REGS, "PERSISTENT": persistent, "SOFTCAP": softcap}
     kernel = triton.compile(GluonASTSource(fwd._attn_fwd_sm90_kernel, signature, constants),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": fwd.CONSUMER_WARPS.value})
     ptx, sass = kernel.asm["ptx"], _cuobjdump(kernel.asm["cubin"], "-sass")
@@ -62,7 +63,7 @@ for dtype, head_dim, causal, persistent, pingpong in CASES:
             current += 1
     print(json.dumps({
         "case": f"{dtype} d{head_dim} {'causal' if causal else 'full'}{' persistent' if persistent else ''}"
-                f"{' ping-pong' if pingpong else ''}",
+                f"{' ping-pong' if pingpong else ''}{' softcap' if softcap else ''}",
         "warps": kernel.metadata.num_warps, "shared": kernel.metadata.shared,
         "waits": numbers(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx),
         "setmaxnreg": numbers(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx),
@@ -78,8 +79,8 @@ for dtype, head_dim, causal, persistent, pingpong in CASES:
 """
 
 
-# (dtype, D, causal, persistent, ping-pong): the default tile, persistent or not, and the persistent
-# one with ping-pong
+# (dtype, D, causal, persistent, ping-pong[, softcap]): the default tile, persistent or not, the
+# persistent one with ping-pong, and with soft-capped scores
 STATIC_CASES = [
     ("bf16", 128, False, False, False),
     ("bf16", 128, True, False, False),
@@ -88,6 +89,8 @@ STATIC_CASES = [
     ("fp16", 64, False, True, False),
     ("bf16", 128, False, True, False),
     ("bf16", 128, True, True, True),
+    ("bf16", 128, True, True, False, True),
+    ("bf16", 64, False, True, False, True),
 ]
 
 
@@ -301,6 +304,58 @@ def test_gpu_causal_aligned_top_left(head_dim, caplog):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_soft_capped_scores(head_dim, causal, caplog):
+    """``softcap``: each score s becomes softcap * tanh(s / softcap) before the masks and the softmax:
+    a cap that bites (30 at a scale that spreads the scores past it, and 0.5, where every tanh
+    saturates), and one that barely does (1e7: the tanh's series near 0 carries the scores), one tile
+    a program and persistent, Sq != Sk both ways (causal rows that see no key: 0, lse -inf), fp16 too;
+    and flash_attention's soft cap takes this forward."""
+    import logging
+
+    from tritonkit.ops.attention.common import attention_reference
+    from tritonkit.oracle import compare
+
+    fwd = _fwd()
+    for seq_q, seq_k, cap, scale, dtype in (
+        (300, 300, 30.0, 4.0, torch.bfloat16),
+        (200, 520, 0.5, head_dim**-0.5, torch.bfloat16),
+        (520, 200, 1e7, head_dim**-0.5, torch.float16),
+    ):
+        q, k, v = _inputs(2, 4, 2, seq_q, seq_k, head_dim, dtype, seed=seq_q + seq_k + causal)
+        exact_o, exact_lse = attention_reference(
+            q.double(), k.double(), v.double(), causal, scale, return_lse=True, softcap=cap
+        )
+        torch_o, torch_lse = attention_reference(q, k, v, causal, scale, return_lse=True, softcap=cap)
+        seen = torch.isfinite(exact_lse)
+        for persistent in (False, True):
+            o = torch.full_like(q, math.nan)
+            lse = torch.full(q.shape[:3], math.nan, device="cuda", dtype=torch.float32)
+            config = fwd.CONFIGS[head_dim]._replace(persistent=persistent)
+            fwd.attention_fwd_sm90(q, k, v, o, lse, scale=scale, causal=causal, softcap=cap, config=config)
+            assert torch.equal(torch.isneginf(lse), ~seen) and (o[~seen] == 0).all()
+            comparisons = [
+                compare("output", o, torch_o, exact_o, dtype),
+                compare("lse", lse[seen], torch_lse.float()[seen], exact_lse[seen], dtype),
+            ]
+            assert all(c.passed for c in comparisons), (
+                seq_q,
+                seq_k,
+                cap,
+                persistent,
+                [str(c) for c in comparisons],
+            )
+    import tritonkit
+
+    q, k, v = _inputs(1, 4, 4, 256, 256, head_dim, torch.bfloat16, seed=9)
+    with caplog.at_level(logging.DEBUG, logger="tritonkit"):
+        tritonkit.flash_attention(q, k, v, causal=causal, softcap=50.0)
+    assert f"attention forward {tuple(q.shape)} on the sm_90 Gluon kernel" in caplog.text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
 def test_gpu_empty_keyless_and_refusals():
     fwd = _fwd()
     o, lse = _run(*_inputs(1, 2, 2, 0, 5, 64, torch.bfloat16, seed=1), 0.125, True)
@@ -311,21 +366,24 @@ def test_gpu_empty_keyless_and_refusals():
     o, lse = torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
     assert fwd.supports(q, k, v, causal=True)
     assert not fwd.supports(q, k, v, causal=False, window=(4, 0))
-    assert not fwd.supports(q, k, v, causal=False, softcap=30.0)
+    assert fwd.supports(q, k, v, causal=False, softcap=30.0)
+    assert not fwd.supports(q, k, v, causal=False, softcap=-1.0)
+    assert not fwd.supports(q, k, v, causal=False, softcap=math.inf)
     assert not fwd.supports(q, k, v, causal=False, packed=True)
     assert not fwd.supports(q.float(), k.float(), v.float(), causal=False)
     assert not fwd.supports(*_inputs(1, 2, 2, 16, 16, 96, torch.bfloat16, seed=4), causal=False)
     with pytest.raises(NotImplementedError, match="window"):
         fwd.attention_fwd_sm90(q, k, v, o, lse, scale=0.1, causal=False, window=(4, 0))
-    with pytest.raises(NotImplementedError, match="softcap"):
-        fwd.attention_fwd_sm90(q, k, v, o, lse, scale=0.1, causal=False, softcap=30.0)
+    for cap in (-1.0, math.nan):
+        with pytest.raises(ValueError, match="softcap"):
+            fwd.attention_fwd_sm90(q, k, v, o, lse, scale=0.1, causal=False, softcap=cap)
 
 
 # ---------------------------------------------------------------- the dispatch
 
 
 def test_calls_the_gluon_forward_cannot_take_go_to_the_triton_kernel(device):
-    """Packed batches, windows and soft caps never take it (causal masks of either alignment do);
+    """Packed batches and windows never take it (soft caps and causal masks of either alignment do);
     and nothing does under the interpreter (Gluon kernels do not run there)."""
     from tritonkit.ops.attention import fwd
     from tritonkit.ops.attention.common import Packed, Scores
@@ -336,10 +394,13 @@ def test_calls_the_gluon_forward_cannot_take_go_to_the_triton_kernel(device):
     for scores, pack in [
         (Scores(0.125), packed),
         (Scores(0.125, window=(4, 0)), None),
-        (Scores(0.125, softcap=30.0), None),
     ]:
         assert not fwd.sm90_takes(q, k, k, scores, pack), scores
-    for scores in (Scores(0.125, causal=True), Scores(0.125, causal=True, bottom_right=False)):
+    for scores in (
+        Scores(0.125, causal=True),
+        Scores(0.125, causal=True, bottom_right=False),
+        Scores(0.125, softcap=30.0),
+    ):
         assert fwd.sm90_takes(q, k, k, scores, None) == _sm90(), scores
 
 

@@ -692,7 +692,15 @@ def attention_fwd_into(
 
         log.debug("tritonkit: attention forward %s on the sm_90 Gluon kernel", tuple(q.shape))
         fwd_sm90.attention_fwd_sm90(
-            q, k, v, o, lse, scale=scores.scale, causal=scores.causal, bottom_right=scores.bottom_right
+            q,
+            k,
+            v,
+            o,
+            lse,
+            scale=scores.scale,
+            causal=scores.causal,
+            bottom_right=scores.bottom_right,
+            softcap=scores.softcap,
         )
         return
     log.debug("tritonkit: attention forward %s on the Triton kernel", tuple(q.shape))

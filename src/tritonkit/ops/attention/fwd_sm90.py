@@ -130,10 +130,12 @@ def supports(
 ) -> bool:
     """Whether ``attention_fwd_sm90`` takes this call: (B, H, S, D) fp16/bf16 tensors of one dtype
     on an sm_90 GPU, D 64 or 128, Hq a multiple of Hkv, TMA-ready (unit last stride; base and other
-    strides 16-byte aligned), no window, no soft cap, not packed, scale > 0 (the default 1/sqrt(D)
-    is). ``causal`` either way."""
+    strides 16-byte aligned), no window, not packed, scale > 0 (the default 1/sqrt(D) is), a soft
+    cap finite and >= 0 (0: none). ``causal`` either way."""
     del causal  # both masks are taken
-    if packed or (window is not None and tuple(window) != (-1, -1)) or softcap:
+    if packed or (window is not None and tuple(window) != (-1, -1)):
+        return False
+    if not (math.isfinite(softcap) and softcap >= 0):
         return False
     if scale is not None and not (math.isfinite(scale) and scale > 0):
         return False
@@ -206,21 +208,22 @@ def attention_fwd_sm90(
     contiguous and their base and other strides are multiples of 16 bytes (TMA's rules); the lse's
     last dim contiguous. ``causal`` is aligned bottom-right (query i sees keys j <= i + Sk - Sq), or
     with ``bottom_right=False`` top-left (j <= i, torch's ``is_causal``); a row that sees no key gets
-    0 and lse -inf. ``scale`` > 0 multiplies q . k. ``config`` overrides
-    the tile (``default_config``). Windows, soft-capping and packed batches raise
-    NotImplementedError (a later stage); ``supports`` says which calls this takes."""
+    0 and lse -inf. ``scale`` > 0 multiplies q . k; ``softcap`` > 0 then caps each score s to
+    softcap * tanh(s / softcap) (0: no cap). ``config`` overrides the tile (``default_config``).
+    Windows and packed batches raise NotImplementedError (a later stage); ``supports`` says which
+    calls this takes."""
     if window is not None and tuple(window) != (-1, -1):
         raise NotImplementedError("attention_fwd_sm90: sliding windows (window) are not implemented yet")
-    if softcap:
-        raise NotImplementedError("attention_fwd_sm90: soft-capping (softcap) is not implemented yet")
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         raise NotImplementedError(
             "attention_fwd_sm90: packed variable-length batches (cu_seqlens_q, "
             "cu_seqlens_k) are not implemented yet"
         )
-    scale = float(scale)
+    scale, softcap = float(scale), float(softcap)
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be a finite number > 0, got {scale}")
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap must be a finite number >= 0 (0: no cap), got {softcap}")
     for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -267,7 +270,7 @@ def attention_fwd_sm90(
         return
     upper_offset = seq_k - seq_q if bottom_right else 0
     for launch in launches(
-        q, k, v, o, lse, scale=scale, causal=causal, upper_offset=upper_offset, config=config
+        q, k, v, o, lse, scale=scale, causal=causal, upper_offset=upper_offset, softcap=softcap, config=config
     ):
         launch.run()
 
@@ -302,10 +305,12 @@ def launches(
     scale: float,
     causal: bool,
     upper_offset: int | None = None,
+    softcap: float = 0.0,
     config: Config | None = None,
 ) -> list[Launch]:
     """The kernel's launch for checked arguments (``attention_fwd_sm90``'s; ``upper_offset``: causal,
-    row i sees key j iff j <= i + upper_offset, Sk - Sq unless given): one program per 128
+    row i sees key j iff j <= i + upper_offset, Sk - Sq unless given; ``softcap`` > 0 caps the
+    scores): one program per 128
     query rows of a (batch, head), a one-dimensional grid in ``order``'s order (the heads of a GQA
     group are neighbours, so their blocks share K and V in L2)."""
     (batch, heads_q, seq_q, head_dim), (_, heads_kv, seq_k, _) = q.shape, k.shape
@@ -325,7 +330,9 @@ def launches(
         seq_q,
         seq_k,
         seq_k - seq_q if upper_offset is None else upper_offset,
-        scale * LOG2E.value,
+        # the exponent's factors: q . k * scale * log2(e), or capped cap_log2 * tanh(q . k * scale / cap)
+        scale / softcap if softcap else scale * LOG2E.value,
+        softcap * LOG2E.value if softcap else 1.0,
     )
     meta = {
         "IS_CAUSAL": bool(causal),
@@ -335,6 +342,7 @@ def launches(
         "CONSUMERS": NUM_CONSUMERS,
         "CONSUMER_REGS": CONSUMER_REGS,
         "PERSISTENT": config.persistent,
+        "SOFTCAP": bool(softcap),
         "num_warps": CONSUMER_WARPS.value,
     }
     tiles = cdiv(seq_q, BLOCK_M) * batch * heads_q

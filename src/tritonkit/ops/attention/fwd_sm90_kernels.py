@@ -47,8 +47,9 @@ launches one program an SM, each walking its tiles in ``_tile``'s numbering (cau
 pairs of a long and a short block): the K/V ring runs on across tiles, and O leaves
 through buffers of its own so that the next tile's Q lands under the epilogue.
 
-Not here yet (later stages): sliding windows, soft-capping, packed variable-length batches, D other
-than 64 and 128. Ping-pong between the consumer warpgroups is written
+Soft-capping (SOFTCAP) replaces each score by softcap * tanh(scale * q . k / softcap) before the
+masks and the softmax (``softcapped_tanh``). Not here yet (later stages): sliding windows, packed
+variable-length batches, D other than 64 and 128. Ping-pong between the consumer warpgroups is written
 (PINGPONG, through an mbarrier pair) but off: it measured no gain on the H200.
 
 References: Shah et al., "FlashAttention-3" (arXiv 2407.08608); Dao-AILab/flash-attention
@@ -66,7 +67,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from tritonkit.jit import LN2
+from tritonkit.jit import LN2, LOG2E
 
 SPLIT_M = 64  # query rows a consumer warpgroup holds: a wgmma's M per warpgroup
 # a consumer is a warpgroup; the first is the default partition (the launch's num_warps)
@@ -331,16 +332,60 @@ def hide_past(s, index, bound):
 
 
 @gluon.jit
+def softcapped_tanh(s, arg_scale, exp_scale):
+    """tanh(s * arg_scale) of raw scores (arg_scale = scale / softcap; exp_scale = 2 log2(e) arg_scale),
+    as the Triton kernels' ``common._exponent``: 1 - 2 / (e^2x + 1), which saturates to +-1 cleanly
+    (e^2x + 1 >= 1, and 1 / inf = 0, so ``rcp.approx`` serves), and near 0 (|x| < 1/16) x - x^3 / 3 +
+    2 x^5 / 15, where the first keeps only 1's absolute precision (6e-8), which the cap multiplies.
+    One asm block an element, so that each compare feeds its select at once: as ``gl.where``, ptxas
+    held the block's 64 predicates in packed bits (LOP3, SHF and SEL, as the masks did before
+    ``hide_past``). Per score two MUFU operations (an exponential, a reciprocal) beside the softmax's
+    exponential, and ten on the FMA and ALU pipes."""
+    return gl.inline_asm_elementwise(
+        """{
+        .reg .f32 x, e, r, x2, q, t;
+        .reg .pred small;
+        mul.f32 x, $1, $2;
+        mul.f32 e, $1, $3;
+        ex2.approx.ftz.f32 e, e;
+        add.f32 e, e, 0f3F800000;
+        rcp.approx.ftz.f32 r, e;
+        fma.rn.f32 t, r, 0fC0000000, 0f3F800000;
+        mul.f32 x2, x, x;
+        fma.rn.f32 q, x2, 0f3E088889, 0fBEAAAAAB;
+        mul.f32 q, q, x2;
+        fma.rn.f32 q, q, x, x;
+        abs.f32 e, x;
+        setp.lt.f32 small, e, 0f3D800000;
+        selp.f32 $0, q, t, small;
+        }""",
+        "=r,r,r,r",
+        [s, arg_scale, exp_scale],
+        dtype=gl.float32,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@gluon.jit
 def _online_softmax(
-    s, m_i, l_i, rows, start_n, SEQ_K, UPPER_OFFSET, qk_scale, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr
-):
+    s, m_i, l_i, rows, start_n, SEQ_K, UPPER_OFFSET, qk_scale, cap_log2, MASKED: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr,
+):  # fmt: skip
     """One key block's step of the online softmax on its raw scores ``s`` = q . k: (p, m, l, alpha),
     p = exp2(s * qk_scale - m) unnormalised, m the new running max in log2 units, l the new running
     sum, alpha = exp2(m_old - m) the factor the accumulator takes. MASKED blocks hide keys past
     SEQ_K and, causal, keys past each row's diagonal (j <= i + UPPER_OFFSET); a row that has seen no
     key keeps m = -inf, and exp2 then takes 0 in its place so that -inf - -inf does not make NaN.
     The max is taken on the raw scores (qk_scale > 0: a hidden score, -inf raw, stays -inf scaled)
-    and the exponent is a single FFMA."""
+    and the exponent is a single FFMA. SOFTCAP: the scores in log2 units are cap_log2 * tanh(s *
+    qk_scale) (``softcapped_tanh``), hidden after the tanh (which takes -inf to -1), and the max
+    taken on the tanh (cap_log2 > 0)."""
+    if SOFTCAP:  # the exponent is tanh(s * qk_scale) * cap_log2: the factor's place is qk_scale's
+        s = softcapped_tanh(s, qk_scale, qk_scale * (2.0 * LOG2E))
+        unit = cap_log2
+    else:
+        unit = qk_scale
     if MASKED:
         BLOCK_N: gl.constexpr = s.type.shape[1]
         # (the keys' indices from the block's start: computed a block, not held across the loop)
@@ -350,12 +395,12 @@ def _online_softmax(
         else:
             bound = rows * 0 + SEQ_K
         s = hide_past(s, cols[None, :], bound[:, None])
-    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * unit)
     if MASKED:
         m_exp = gl.where(m_new == -float("inf"), 0.0, m_new)
     else:  # every row sees a key of an unmasked block
         m_exp = m_new
-    p = gl.exp2(s * qk_scale - m_exp[:, None])
+    p = gl.exp2(s * unit - m_exp[:, None])
     alpha = gl.exp2(m_i - m_exp)
     l_i = l_i * alpha + gl.sum(p, axis=1)
     return p, m_new, l_i, alpha
@@ -380,10 +425,12 @@ def _attend_blocks(
     SEQ_K,
     UPPER_OFFSET,
     qk_scale,
+    cap_log2,
     MASKED: gl.constexpr,
     IS_CAUSAL: gl.constexpr,
     PIN_SOFTMAX: gl.constexpr,
     PINGPONG: gl.constexpr,
+    SOFTCAP: gl.constexpr,
 ):
     """Key blocks [first, last) of a consumer (the ring's blocks kv_base + first, ...), one block
     behind for PV: on entry ``p`` holds block first - 1's probabilities (in the A-operand layout)
@@ -416,7 +463,18 @@ def _attend_blocks(
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
         mbarrier.arrive(k_empty.index(stage), count=1)
         p_j, m_i, l_i, alpha = _online_softmax(
-            s, m_i, l_i, rows, j * BLOCK_N, SEQ_K, UPPER_OFFSET, qk_scale, MASKED, IS_CAUSAL
+            s,
+            m_i,
+            l_i,
+            rows,
+            j * BLOCK_N,
+            SEQ_K,
+            UPPER_OFFSET,
+            qk_scale,
+            cap_log2,
+            MASKED,
+            IS_CAUSAL,
+            SOFTCAP,
         )
         p_next = gl.convert_layout(to_pairs(p_j, p.dtype), p.type.layout)
         # P_{j-1} is read from registers by the product in flight: keep it alive until it is done
@@ -461,11 +519,13 @@ def _consume_tile(
     UPPER_OFFSET,  # causal: row i sees key j iff j <= i + UPPER_OFFSET (Sk - Sq, bottom-right)
     stride_lb,
     stride_lh,  # elements between batches and heads of the lse
-    qk_scale,  # scale * log2(e)
+    qk_scale,  # scale * log2(e); SOFTCAP: scale / softcap, the tanh's argument a unit of q . k
+    cap_log2,  # SOFTCAP: softcap * log2(e) (``softcapped_tanh``)
     IS_CAUSAL: gl.constexpr,  # the causal mask
     PIN_SOFTMAX: gl.constexpr,  # keep the exponentials between the two waits (see _attend_blocks)
     PINGPONG: gl.constexpr,  # the consumers take turns to issue their products
     PERSISTENT: gl.constexpr,  # tiles follow each other in one program
+    SOFTCAP: gl.constexpr,  # the scores are soft-capped
 ):
     """One consumer's part of a tile: its 64 rows' output and lse."""
     ROWS: gl.constexpr = q_smem.type.shape[1]
@@ -513,17 +573,19 @@ def _consume_tile(
             mbarrier.arrive(next_turn, count=1)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         mbarrier.arrive(k_empty.index(first), count=1)
-        p, m_i, l_i, _ = _online_softmax(s, m_i, l_i, rows, 0, SEQ_K, UPPER_OFFSET, qk_scale, True, IS_CAUSAL)
+        p, m_i, l_i, _ = _online_softmax(
+            s, m_i, l_i, rows, 0, SEQ_K, UPPER_OFFSET, qk_scale, cap_log2, True, IS_CAUSAL, SOFTCAP
+        )
         p = gl.convert_layout(to_pairs(p, dtype), p_layout)
         # the blocks every row sees whole, then those a bound cuts (the diagonal, the ragged end)
         ring = (k_smem, v_smem, k_ready, k_empty, v_ready, v_empty)
         # fmt: off
         o, p, m_i, l_i = _attend_blocks(
             o, p, m_i, l_i, q, ring, pin, my_turn, next_turn, turn0, rows, 1, n_full, kv_base, SEQ_K,
-            UPPER_OFFSET, qk_scale, False, IS_CAUSAL, PIN_SOFTMAX, PINGPONG)
+            UPPER_OFFSET, qk_scale, cap_log2, False, IS_CAUSAL, PIN_SOFTMAX, PINGPONG, SOFTCAP)
         o, p, m_i, l_i = _attend_blocks(
             o, p, m_i, l_i, q, ring, pin, my_turn, next_turn, turn0, rows, gl.maximum(n_full, 1), n_blocks,
-            kv_base, SEQ_K, UPPER_OFFSET, qk_scale, True, IS_CAUSAL, PIN_SOFTMAX, PINGPONG)
+            kv_base, SEQ_K, UPPER_OFFSET, qk_scale, cap_log2, True, IS_CAUSAL, PIN_SOFTMAX, PINGPONG, SOFTCAP)
         # fmt: on
         # the last block's PV product
         last = (kv_base + n_blocks - 1) % NUM_STAGES
@@ -567,13 +629,15 @@ def _consume_tile(
 def _softmax_partition(
     cid: gl.constexpr, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
     pin_smem, turn_smem, batch, head, start_m, n_blocks, n_full, SEQ_Q, SEQ_K, UPPER_OFFSET, stride_lb,
-    stride_lh, qk_scale, IS_CAUSAL: gl.constexpr, PIN_SOFTMAX: gl.constexpr, PINGPONG: gl.constexpr,
+    stride_lh, qk_scale, cap_log2, IS_CAUSAL: gl.constexpr, PIN_SOFTMAX: gl.constexpr,
+    PINGPONG: gl.constexpr, SOFTCAP: gl.constexpr,
 ):  # fmt: skip
     """A consumer of a program of one tile (``_consume_tile``'s arguments)."""
     _consume_tile(
         cid, o_desc, lse_ptr, q_smem, q_smem, k_smem, v_smem, q_ready, q_ready, k_ready, k_empty, v_ready,
         v_empty, pin_smem, turn_smem, batch, head, start_m, n_blocks, n_full, 0, 0, SEQ_Q, SEQ_K,
-        UPPER_OFFSET, stride_lb, stride_lh, qk_scale, IS_CAUSAL, PIN_SOFTMAX, PINGPONG, False,
+        UPPER_OFFSET, stride_lb, stride_lh, qk_scale, cap_log2, IS_CAUSAL, PIN_SOFTMAX, PINGPONG, False,
+        SOFTCAP,
     )  # fmt: skip
 
 
@@ -581,8 +645,8 @@ def _softmax_partition(
 def _softmax_partition_persistent(
     cid: gl.constexpr, o_desc, lse_ptr, q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, k_empty,
     v_ready, v_empty, pin_smem, turn_smem, HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K,
-    UPPER_OFFSET, stride_lb, stride_lh, qk_scale, IS_CAUSAL: gl.constexpr, PIN_SOFTMAX: gl.constexpr,
-    PINGPONG: gl.constexpr,
+    UPPER_OFFSET, stride_lb, stride_lh, qk_scale, cap_log2, IS_CAUSAL: gl.constexpr,
+    PIN_SOFTMAX: gl.constexpr, PINGPONG: gl.constexpr, SOFTCAP: gl.constexpr,
 ):  # fmt: skip
     """A consumer of a persistent program: the producer's tiles, in its order."""
     BLOCK: gl.constexpr = q_smem.type.shape[0] * q_smem.type.shape[1]
@@ -599,8 +663,8 @@ def _softmax_partition_persistent(
         _consume_tile(
             cid, o_desc, lse_ptr, q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, k_empty,
             v_ready, v_empty, pin_smem, turn_smem, batch, head, start_m, n_blocks, n_full, kv_base,
-            loads, SEQ_Q, SEQ_K, UPPER_OFFSET, stride_lb, stride_lh, qk_scale, IS_CAUSAL, PIN_SOFTMAX,
-            PINGPONG, True,
+            loads, SEQ_Q, SEQ_K, UPPER_OFFSET, stride_lb, stride_lh, qk_scale, cap_log2, IS_CAUSAL,
+            PIN_SOFTMAX, PINGPONG, True, SOFTCAP,
         )  # fmt: skip
         kv_base += n_blocks
         loads += gl.where(n_blocks > 0, 1, 0)
@@ -626,7 +690,8 @@ def _attn_fwd_sm90_kernel(
     SEQ_Q,  # query rows of a head
     SEQ_K,  # keys of a head
     UPPER_OFFSET,  # IS_CAUSAL: row i sees key j iff j <= i + UPPER_OFFSET
-    qk_scale,  # scale * log2(e): the exponent in log2 units is q . k * qk_scale
+    qk_scale,  # scale * log2(e): the exponent in log2 units is q . k * qk_scale (SOFTCAP: scale / softcap)
+    cap_log2,  # SOFTCAP: softcap * log2(e); the exponent is cap_log2 * tanh(q . k * qk_scale)
     IS_CAUSAL: gl.constexpr,  # the causal mask
     NUM_STAGES: gl.constexpr,  # K/V tiles in flight
     PIN_SOFTMAX: gl.constexpr,  # keep the exponentials under the PV product (see _attend_blocks)
@@ -634,6 +699,7 @@ def _attn_fwd_sm90_kernel(
     CONSUMERS: gl.constexpr,  # consumer warpgroups of ROWS query rows
     CONSUMER_REGS: gl.constexpr,  # their setmaxnreg budget
     PERSISTENT: gl.constexpr,  # a program walks tiles in _walk_range's order (two consumers)
+    SOFTCAP: gl.constexpr,  # the scores are soft-capped (``softcapped_tanh``)
 ):
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -687,13 +753,13 @@ def _attn_fwd_sm90_kernel(
             (_softmax_partition_persistent, (0, o_desc, lse_ptr, q_smem, o_smem, k_smem, v_smem, q_ready,
                                              q_free, k_ready, k_empty, v_ready, v_empty, pin_smem, turn_smem,
                                              HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K,
-                                             UPPER_OFFSET, stride_lb, stride_lh, qk_scale, IS_CAUSAL,
-                                             PIN_SOFTMAX, PINGPONG)),
+                                             UPPER_OFFSET, stride_lb, stride_lh, qk_scale, cap_log2,
+                                             IS_CAUSAL, PIN_SOFTMAX, PINGPONG, SOFTCAP)),
             (_softmax_partition_persistent, (1, o_desc, lse_ptr, q_smem, o_smem, k_smem, v_smem, q_ready,
                                              q_free, k_ready, k_empty, v_ready, v_empty, pin_smem, turn_smem,
                                              HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K,
-                                             UPPER_OFFSET, stride_lb, stride_lh, qk_scale, IS_CAUSAL,
-                                             PIN_SOFTMAX, PINGPONG)),
+                                             UPPER_OFFSET, stride_lb, stride_lh, qk_scale, cap_log2,
+                                             IS_CAUSAL, PIN_SOFTMAX, PINGPONG, SOFTCAP)),
             (_load_partition_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free,
                                           k_ready, k_empty, v_ready, v_empty, HEADS, BATCH_HEADS,
                                           HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, IS_CAUSAL)),
@@ -703,11 +769,11 @@ def _attn_fwd_sm90_kernel(
             (_softmax_partition, (0, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
                                   v_ready, v_empty, pin_smem, turn_smem, batch, head, start_m, n_blocks,
                                   n_full, SEQ_Q, SEQ_K, UPPER_OFFSET, stride_lb, stride_lh, qk_scale,
-                                  IS_CAUSAL, PIN_SOFTMAX, PINGPONG)),
+                                  cap_log2, IS_CAUSAL, PIN_SOFTMAX, PINGPONG, SOFTCAP)),
             (_softmax_partition, (1, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
                                   v_ready, v_empty, pin_smem, turn_smem, batch, head, start_m, n_blocks,
                                   n_full, SEQ_Q, SEQ_K, UPPER_OFFSET, stride_lb, stride_lh, qk_scale,
-                                  IS_CAUSAL, PIN_SOFTMAX, PINGPONG)),
+                                  cap_log2, IS_CAUSAL, PIN_SOFTMAX, PINGPONG, SOFTCAP)),
             (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
                                v_ready, v_empty, batch, head, kv_head, start_m, n_blocks)),
         ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
