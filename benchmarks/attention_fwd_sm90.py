@@ -2,7 +2,7 @@
 process, bf16, with the causal order's group sizes beside the default.
 
     python benchmarks/attention_fwd_sm90.py OUT.json [--deadline SECONDS] [--candidates]
-        [--shape B,Hq,Hkv,S,D] [--full | --causal] [--rounds N]
+        [--shape B,Hq,Hkv,S,D] [--full | --causal] [--rounds N] [--softcap CAP]
 
 Rows: the backward benchmark's shapes (``attention_bwd_sm90.SHAPES``), full and causal, then the
 decoder layer's attention (``tritonkit bench layer``'s 8b-4k: GQA 32/8, S = 4096, causal, q, k and v
@@ -17,6 +17,11 @@ are what is printed), each turn
 TFLOP/s from
 4 * B * Hq * Sq * Sk * D (half of it causal). Each row gives the largest difference from cuDNN's
 output. Rows stop being timed at the deadline (the JSON holds what was measured).
+
+``--softcap CAP`` times soft-capped scores (``flash_attention``'s ``softcap``), which cuDNN does not
+take: the Gluon forward and the Triton kernel (``fwd.SM90_FORWARD`` off) on the capped scores, beside
+cuDNN's uncapped forward as the rate to reach (``vs_cudnn`` then compares unlike work); the
+differences are from the capped fp32 reference (``common.attention_reference``).
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ import torch
 from attention_bwd_sm90 import LAYER, SHAPES, deadline, inputs, interleaved, record, result_header, time_calls
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from tritonkit.ops.attention import fwd_sm90
+from tritonkit.ops.attention import fwd, fwd_sm90
+from tritonkit.ops.attention.common import Scores, attention_reference
 
 GROUPS = (1, 2, 4, 8, 1 << 20)  # heads a group of the causal order; the last: every head at once
 
@@ -46,6 +52,10 @@ def _row(shape, causal: bool, layer: bool) -> dict:
 
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         reference = cudnn()
+    if "--softcap" in sys.argv:
+        return _capped_row(
+            row, (q, k, v), causal, float(sys.argv[sys.argv.index("--softcap") + 1]), cudnn, flops
+        )
     if not fwd_sm90.supports(q, k, v, causal=causal):
         raise ValueError(f"the sm_90 forward does not take {shape} (layer layout: {layer})")
     o = torch.empty_like(q)
@@ -83,6 +93,38 @@ def _row(shape, causal: bool, layer: bool) -> dict:
             check("gluon" if group == default else f"gluon_heads_per_group={group}", grouped)
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         time_calls(row, calls)
+    row["tflops"] = {name: flops / ms / 1e9 for name, ms in row["ms"].items()}
+    row["vs_cudnn"] = {name: row["ms"]["cudnn"] / ms for name, ms in row["ms"].items()}
+    return row
+
+
+def _capped_row(row: dict, qkv: tuple, causal: bool, cap: float, cudnn, flops: float) -> dict:
+    """``row`` timed with soft-capped scores: the Gluon forward and the Triton kernel's, cuDNN's
+    uncapped forward beside them (see the module docstring)."""
+    q, k, v = qkv
+    scale = q.shape[-1] ** -0.5
+    scores = Scores(scale, causal, softcap=cap)
+    reference = attention_reference(q.float(), k.float(), v.float(), causal, scale, softcap=cap)
+    o = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
+
+    def gluon():
+        fwd_sm90.attention_fwd_sm90(q, k, v, o, lse, scale=scale, causal=causal, softcap=cap)
+
+    def triton():
+        fwd.SM90_FORWARD = False
+        try:
+            fwd.attention_fwd_into(q, k, v, o, lse, scores)
+        finally:
+            fwd.SM90_FORWARD = True
+
+    row["softcap"] = cap
+    for name, call in (("gluon", gluon), ("triton", triton)):
+        o.fill_(float("nan"))
+        call()
+        row[f"{name}_max_err_vs_reference"] = (o.float() - reference).abs().max().item()
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        time_calls(row, {"cudnn": cudnn, "gluon": gluon, "triton": triton})
     row["tflops"] = {name: flops / ms / 1e9 for name, ms in row["ms"].items()}
     row["vs_cudnn"] = {name: row["ms"]["cudnn"] / ms for name, ms in row["ms"].items()}
     return row
