@@ -2,7 +2,7 @@
 process, bf16, with the causal order's group sizes beside the default.
 
     python benchmarks/attention_fwd_sm90.py OUT.json [--deadline SECONDS] [--candidates]
-        [--shape B,Hq,Hkv,S,D] [--full | --causal] [--rounds N] [--softcap CAP]
+        [--shape B,Hq,Hkv,S,D] [--full | --causal] [--rounds N] [--softcap CAP] [--window LEFT,RIGHT]
 
 Rows: the backward benchmark's shapes (``attention_bwd_sm90.SHAPES``), full and causal, then the
 decoder layer's attention (``tritonkit bench layer``'s 8b-4k: GQA 32/8, S = 4096, causal, q, k and v
@@ -18,10 +18,11 @@ TFLOP/s from
 4 * B * Hq * Sq * Sk * D (half of it causal). Each row gives the largest difference from cuDNN's
 output. Rows stop being timed at the deadline (the JSON holds what was measured).
 
-``--softcap CAP`` times soft-capped scores (``flash_attention``'s ``softcap``), which cuDNN does not
-take: the Gluon forward and the Triton kernel (``fwd.SM90_FORWARD`` off) on the capped scores, beside
-cuDNN's uncapped forward as the rate to reach (``vs_cudnn`` then compares unlike work); the
-differences are from the capped fp32 reference (``common.attention_reference``).
+``--softcap CAP`` and ``--window LEFT,RIGHT`` time soft-capped scores and sliding windows
+(``flash_attention``'s), which cuDNN does not take: the Gluon forward and the Triton kernel
+(``fwd.SM90_FORWARD`` off) on those scores, beside cuDNN's forward without them as the rate to reach
+(``vs_cudnn`` then compares unlike work: a window does less); the differences are from the fp32
+reference of those scores (``common.attention_reference``).
 """
 
 from __future__ import annotations
@@ -52,10 +53,8 @@ def _row(shape, causal: bool, layer: bool) -> dict:
 
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         reference = cudnn()
-    if "--softcap" in sys.argv:
-        return _capped_row(
-            row, (q, k, v), causal, float(sys.argv[sys.argv.index("--softcap") + 1]), cudnn, flops
-        )
+    if "--softcap" in sys.argv or "--window" in sys.argv:
+        return _scores_row(row, (q, k, v), causal, cudnn, flops)
     if not fwd_sm90.supports(q, k, v, causal=causal):
         raise ValueError(f"the sm_90 forward does not take {shape} (layer layout: {layer})")
     o = torch.empty_like(q)
@@ -98,18 +97,24 @@ def _row(shape, causal: bool, layer: bool) -> dict:
     return row
 
 
-def _capped_row(row: dict, qkv: tuple, causal: bool, cap: float, cudnn, flops: float) -> dict:
-    """``row`` timed with soft-capped scores: the Gluon forward and the Triton kernel's, cuDNN's
-    uncapped forward beside them (see the module docstring)."""
+def _scores_row(row: dict, qkv: tuple, causal: bool, cudnn, flops: float) -> dict:
+    """``row`` timed with ``--softcap``'s and ``--window``'s scores: the Gluon forward and the Triton
+    kernel's, cuDNN's forward without them beside (see the module docstring)."""
     q, k, v = qkv
     scale = q.shape[-1] ** -0.5
-    scores = Scores(scale, causal, softcap=cap)
-    reference = attention_reference(q.float(), k.float(), v.float(), causal, scale, softcap=cap)
+    cap = float(sys.argv[sys.argv.index("--softcap") + 1]) if "--softcap" in sys.argv else 0.0
+    window = (-1, -1)
+    if "--window" in sys.argv:
+        window = tuple(int(n) for n in sys.argv[sys.argv.index("--window") + 1].split(","))
+    scores = Scores(scale, causal, window=window, softcap=cap)
+    reference = attention_reference(
+        q.float(), k.float(), v.float(), causal, scale, window=window, softcap=cap
+    )
     o = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
 
     def gluon():
-        fwd_sm90.attention_fwd_sm90(q, k, v, o, lse, scale=scale, causal=causal, softcap=cap)
+        fwd_sm90.attention_fwd_sm90(q, k, v, o, lse, scale=scale, causal=causal, window=window, softcap=cap)
 
     def triton():
         fwd.SM90_FORWARD = False
@@ -118,7 +123,7 @@ def _capped_row(row: dict, qkv: tuple, causal: bool, cap: float, cudnn, flops: f
         finally:
             fwd.SM90_FORWARD = True
 
-    row["softcap"] = cap
+    row["softcap"], row["window"] = cap, list(window)
     for name, call in (("gluon", gluon), ("triton", triton)):
         o.fill_(float("nan"))
         call()

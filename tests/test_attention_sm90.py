@@ -34,21 +34,23 @@ def descriptor(dtype, rows, head_dim):
     layout = gl.NVMMASharedLayout.get_default_for(block, {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype])
     return f"tensordesc<{dtype}[{','.join(map(str, block))}],{layout!r}>"
 
-for dtype, head_dim, causal, persistent, pingpong, *capped in CASES:
-    softcap = bool(capped and capped[0])
+for dtype, head_dim, causal, persistent, pingpong, *switches in CASES:
+    softcap, window = (bool(switches[i]) if len(switches) > i else False for i in range(2))
     config = fwd.CONFIGS[head_dim]._replace(persistent=persistent, pingpong=pingpong)
     signature = {"q_desc": descriptor(dtype, fwd.SPLIT_M, head_dim),
                  "k_desc": descriptor(dtype, config.block_n, head_dim),
                  "v_desc": descriptor(dtype, config.block_n, head_dim),
                  "o_desc": descriptor(dtype, fwd.SPLIT_M, head_dim), "lse_ptr": "*fp32", "stride_lb": "i64",
                  "stride_lh": "i64", "HEADS": "i32", "BATCH_HEADS": "i32", "HEADS_PER_GROUP": "i32",
-                 "GROUP": "i32", "SEQ_Q": "i32", "SEQ_K": "i32", "UPPER_OFFSET": "i32",
+                 "GROUP": "i32", "SEQ_Q": "i32", "SEQ_K": "i32", "UPPER_OFFSET": "i32", "LOWER_OFFSET": "i32",
                  "qk_scale": "fp32", "cap_log2": "fp32", "IS_CAUSAL": "constexpr", "NUM_STAGES": "constexpr",
                  "PIN_SOFTMAX": "constexpr", "PINGPONG": "constexpr", "CONSUMERS": "constexpr",
-                 "CONSUMER_REGS": "constexpr", "PERSISTENT": "constexpr", "SOFTCAP": "constexpr"}
+                 "CONSUMER_REGS": "constexpr", "PERSISTENT": "constexpr", "SOFTCAP": "constexpr",
+                 "HAS_LOWER": "constexpr"}
     constants = {"IS_CAUSAL": causal, "NUM_STAGES": config.num_stages, "PIN_SOFTMAX": config.pin_softmax,
                  "PINGPONG": config.pingpong, "CONSUMERS": fwd.NUM_CONSUMERS,
-                 "CONSUMER_REGS": fwd.CONSUMER_REGS, "PERSISTENT": persistent, "SOFTCAP": softcap}
+                 "CONSUMER_REGS": fwd.CONSUMER_REGS, "PERSISTENT": persistent, "SOFTCAP": softcap,
+                 "HAS_LOWER": window}
     kernel = triton.compile(GluonASTSource(fwd._attn_fwd_sm90_kernel, signature, constants),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": fwd.CONSUMER_WARPS.value})
     ptx, sass = kernel.asm["ptx"], _cuobjdump(kernel.asm["cubin"], "-sass")
@@ -63,7 +65,8 @@ for dtype, head_dim, causal, persistent, pingpong, *capped in CASES:
             current += 1
     print(json.dumps({
         "case": f"{dtype} d{head_dim} {'causal' if causal else 'full'}{' persistent' if persistent else ''}"
-                f"{' ping-pong' if pingpong else ''}{' softcap' if softcap else ''}",
+                f"{' ping-pong' if pingpong else ''}{' softcap' if softcap else ''}"
+                f"{' window' if window else ''}",
         "warps": kernel.metadata.num_warps, "shared": kernel.metadata.shared,
         "waits": numbers(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx),
         "setmaxnreg": numbers(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx),
@@ -79,8 +82,8 @@ for dtype, head_dim, causal, persistent, pingpong, *capped in CASES:
 """
 
 
-# (dtype, D, causal, persistent, ping-pong[, softcap]): the default tile, persistent or not, the
-# persistent one with ping-pong, and with soft-capped scores
+# (dtype, D, causal, persistent, ping-pong[, softcap[, window]]): the default tile, persistent or not,
+# the persistent one with ping-pong, with soft-capped scores, and with a window's lower bound
 STATIC_CASES = [
     ("bf16", 128, False, False, False),
     ("bf16", 128, True, False, False),
@@ -91,6 +94,8 @@ STATIC_CASES = [
     ("bf16", 128, True, True, True),
     ("bf16", 128, True, True, False, True),
     ("bf16", 64, False, True, False, True),
+    ("bf16", 128, True, True, False, False, True),
+    ("fp16", 64, False, False, False, False, True),
 ]
 
 
@@ -356,6 +361,54 @@ def test_gpu_soft_capped_scores(head_dim, causal, caplog):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_sliding_windows(head_dim):
+    """``window`` = (left, right): a left side (a lower bound, the blocks before it never loaded, those
+    it cuts masked), a right side without causal, both with causal (Mistral's local attention), a
+    window narrower than a block, one wider than the keys, both alignments, Sq != Sk both ways (rows
+    that see no key: 0, lse -inf), with a soft cap (Gemma 2's local layers), one tile a program and
+    persistent."""
+    from tritonkit.ops.attention.common import attention_reference
+    from tritonkit.oracle import compare
+
+    fwd = _fwd()
+    cases = [  # (Sq, Sk, causal, bottom_right, window, softcap)
+        (700, 700, True, True, (64, 0), 0.0),
+        (700, 700, True, True, (300, 0), 0.0),
+        (700, 700, False, True, (100, 37), 0.0),
+        (300, 900, False, True, (200, -1), 0.0),
+        (900, 300, False, True, (-1, 50), 0.0),
+        (900, 300, True, True, (130, 0), 0.0),
+        (300, 900, True, False, (129, 0), 0.0),
+        (520, 520, False, True, (0, 0), 0.0),
+        (520, 520, True, True, (5000, 0), 0.0),
+        (640, 640, True, True, (256, 0), 30.0),
+    ]
+    for seq_q, seq_k, causal, bottom_right, window, cap in cases:
+        q, k, v = _inputs(2, 4, 2, seq_q, seq_k, head_dim, torch.bfloat16, seed=seq_q + window[0])
+        scale = head_dim**-0.5
+        mask = {"bottom_right": bottom_right, "window": window, "softcap": cap}
+        exact_o, exact_lse = attention_reference(
+            q.double(), k.double(), v.double(), causal, scale, return_lse=True, **mask
+        )
+        torch_o, torch_lse = attention_reference(q, k, v, causal, scale, return_lse=True, **mask)
+        seen = torch.isfinite(exact_lse)
+        for persistent in (False, True):
+            o = torch.full_like(q, math.nan)
+            lse = torch.full(q.shape[:3], math.nan, device="cuda", dtype=torch.float32)
+            config = fwd.CONFIGS[head_dim]._replace(persistent=persistent)
+            fwd.attention_fwd_sm90(q, k, v, o, lse, scale=scale, causal=causal, config=config, **mask)
+            case = (seq_q, seq_k, causal, bottom_right, window, cap, persistent)
+            assert torch.equal(torch.isneginf(lse), ~seen) and (o[~seen] == 0).all(), case
+            comparisons = [
+                compare("output", o, torch_o, exact_o, q.dtype),
+                compare("lse", lse[seen], torch_lse.float()[seen], exact_lse[seen], q.dtype),
+            ]
+            assert all(c.passed for c in comparisons), (case, [str(c) for c in comparisons])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
 def test_gpu_empty_keyless_and_refusals():
     fwd = _fwd()
     o, lse = _run(*_inputs(1, 2, 2, 0, 5, 64, torch.bfloat16, seed=1), 0.125, True)
@@ -365,15 +418,16 @@ def test_gpu_empty_keyless_and_refusals():
     q, k, v = _inputs(1, 2, 2, 16, 16, 128, torch.bfloat16, seed=3)
     o, lse = torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
     assert fwd.supports(q, k, v, causal=True)
-    assert not fwd.supports(q, k, v, causal=False, window=(4, 0))
+    assert fwd.supports(q, k, v, causal=False, window=(4, 0))
     assert fwd.supports(q, k, v, causal=False, softcap=30.0)
     assert not fwd.supports(q, k, v, causal=False, softcap=-1.0)
     assert not fwd.supports(q, k, v, causal=False, softcap=math.inf)
     assert not fwd.supports(q, k, v, causal=False, packed=True)
     assert not fwd.supports(q.float(), k.float(), v.float(), causal=False)
     assert not fwd.supports(*_inputs(1, 2, 2, 16, 16, 96, torch.bfloat16, seed=4), causal=False)
-    with pytest.raises(NotImplementedError, match="window"):
-        fwd.attention_fwd_sm90(q, k, v, o, lse, scale=0.1, causal=False, window=(4, 0))
+    for window in ((-2, 0), (4,), (1.5, 0)):
+        with pytest.raises(ValueError, match="window"):
+            fwd.attention_fwd_sm90(q, k, v, o, lse, scale=0.1, causal=False, window=window)
     for cap in (-1.0, math.nan):
         with pytest.raises(ValueError, match="softcap"):
             fwd.attention_fwd_sm90(q, k, v, o, lse, scale=0.1, causal=False, softcap=cap)
@@ -383,8 +437,8 @@ def test_gpu_empty_keyless_and_refusals():
 
 
 def test_calls_the_gluon_forward_cannot_take_go_to_the_triton_kernel(device):
-    """Packed batches and windows never take it (soft caps and causal masks of either alignment do);
-    and nothing does under the interpreter (Gluon kernels do not run there)."""
+    """Packed batches never take it (windows, soft caps and causal masks of either alignment do); and
+    nothing does under the interpreter (Gluon kernels do not run there)."""
     from tritonkit.ops.attention import fwd
     from tritonkit.ops.attention.common import Packed, Scores
 
@@ -393,13 +447,13 @@ def test_calls_the_gluon_forward_cannot_take_go_to_the_triton_kernel(device):
     packed = Packed(torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), 1, 16, 24)
     for scores, pack in [
         (Scores(0.125), packed),
-        (Scores(0.125, window=(4, 0)), None),
     ]:
         assert not fwd.sm90_takes(q, k, k, scores, pack), scores
     for scores in (
         Scores(0.125, causal=True),
         Scores(0.125, causal=True, bottom_right=False),
         Scores(0.125, softcap=30.0),
+        Scores(0.125, window=(4, 0)),
     ):
         assert fwd.sm90_takes(q, k, k, scores, None) == _sm90(), scores
 
@@ -437,4 +491,9 @@ def test_gpu_flash_attention_runs_the_gluon_forward_where_it_applies(caplog):
     caplog.clear()
     with caplog.at_level(logging.DEBUG, logger="tritonkit"):
         tritonkit.flash_attention(q, k, v, causal=True, window=(64, 0))
-    assert f"{forward} on the Triton kernel" in caplog.text
+    assert f"{forward} on the sm_90 Gluon kernel" in caplog.text
+    caplog.clear()
+    q96, k96, v96 = _inputs(2, 4, 2, 300, 500, 96, torch.bfloat16, seed=22)
+    with caplog.at_level(logging.DEBUG, logger="tritonkit"):
+        tritonkit.flash_attention(q96, k96, v96, causal=True)
+    assert f"attention forward {tuple(q96.shape)} on the Triton kernel" in caplog.text

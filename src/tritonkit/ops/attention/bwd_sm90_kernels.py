@@ -86,7 +86,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from tritonkit.jit import LOG2E
 from tritonkit.ops.attention.bwd_sm90_dq import _dq_partition
-from tritonkit.ops.attention.fwd_sm90_kernels import from_pairs, to_pairs
+from tritonkit.ops.attention.sm90_elementwise import from_pairs, to_pairs
 
 SPLIT_N = 64  # keys a consumer warpgroup holds: a wgmma's M per warpgroup
 NUM_CONSUMERS = gl.constexpr(2)  # FA3's 2 x 64 = 128 keys a program

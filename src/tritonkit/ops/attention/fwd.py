@@ -700,6 +700,7 @@ def attention_fwd_into(
             scale=scores.scale,
             causal=scores.causal,
             bottom_right=scores.bottom_right,
+            window=scores.window,
             softcap=scores.softcap,
         )
         return

@@ -130,10 +130,10 @@ def supports(
 ) -> bool:
     """Whether ``attention_fwd_sm90`` takes this call: (B, H, S, D) fp16/bf16 tensors of one dtype
     on an sm_90 GPU, D 64 or 128, Hq a multiple of Hkv, TMA-ready (unit last stride; base and other
-    strides 16-byte aligned), no window, not packed, scale > 0 (the default 1/sqrt(D) is), a soft
-    cap finite and >= 0 (0: none). ``causal`` either way."""
-    del causal  # both masks are taken
-    if packed or (window is not None and tuple(window) != (-1, -1)):
+    strides 16-byte aligned), not packed, scale > 0 (the default 1/sqrt(D) is), a soft cap finite
+    and >= 0 (0: none). ``causal`` either way, windows too."""
+    del causal, window  # every mask is taken
+    if packed:
         return False
     if not (math.isfinite(softcap) and softcap >= 0):
         return False
@@ -209,11 +209,14 @@ def attention_fwd_sm90(
     last dim contiguous. ``causal`` is aligned bottom-right (query i sees keys j <= i + Sk - Sq), or
     with ``bottom_right=False`` top-left (j <= i, torch's ``is_causal``); a row that sees no key gets
     0 and lse -inf. ``scale`` > 0 multiplies q . k; ``softcap`` > 0 then caps each score s to
-    softcap * tanh(s / softcap) (0: no cap). ``config`` overrides the tile (``default_config``).
-    Windows and packed batches raise NotImplementedError (a later stage); ``supports`` says which
-    calls this takes."""
-    if window is not None and tuple(window) != (-1, -1):
-        raise NotImplementedError("attention_fwd_sm90: sliding windows (window) are not implemented yet")
+    softcap * tanh(s / softcap) (0: no cap). ``window`` = (left, right): query i sees keys j with
+    i + offset - left <= j <= i + offset + right (offset as the causal mask's alignment; -1 leaves a
+    side unbounded; causal with a window: right 0), as ``flash_attention``'s. ``config`` overrides
+    the tile (``default_config``). Packed batches raise NotImplementedError (a later stage);
+    ``supports`` says which calls this takes."""
+    window = (-1, -1) if window is None else tuple(window)
+    if len(window) != 2 or not all(isinstance(side, int) and side >= -1 for side in window):
+        raise ValueError(f"window must be (left, right), each an int >= -1 (-1: unbounded), got {window}")
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         raise NotImplementedError(
             "attention_fwd_sm90: packed variable-length batches (cu_seqlens_q, "
@@ -268,10 +271,17 @@ def attention_fwd_sm90(
         o.zero_()
         lse.fill_(-math.inf)
         return
-    upper_offset = seq_k - seq_q if bottom_right else 0
+    upper_offset, lower_offset = seq_k - seq_q if bottom_right else 0, None
+    if window != (-1, -1):  # the bounds as every kernel takes them (Scores, which drops sides past the keys)
+        from tritonkit.ops.attention.common import Scores
+
+        scores = Scores(scale, causal, bottom_right, window, softcap).within(seq_q, seq_k)
+        (upper_offset, lower_offset, *_), flags = scores.kernel_args(seq_q, seq_k)
+        causal, lower_offset = flags["IS_CAUSAL"], lower_offset if flags["HAS_LOWER"] else None
     for launch in launches(
-        q, k, v, o, lse, scale=scale, causal=causal, upper_offset=upper_offset, softcap=softcap, config=config
-    ):
+        q, k, v, o, lse, scale=scale, causal=causal, upper_offset=upper_offset, lower_offset=lower_offset,
+        softcap=softcap, config=config,
+    ):  # fmt: skip
         launch.run()
 
 
@@ -305,12 +315,14 @@ def launches(
     scale: float,
     causal: bool,
     upper_offset: int | None = None,
+    lower_offset: int | None = None,
     softcap: float = 0.0,
     config: Config | None = None,
 ) -> list[Launch]:
-    """The kernel's launch for checked arguments (``attention_fwd_sm90``'s; ``upper_offset``: causal,
-    row i sees key j iff j <= i + upper_offset, Sk - Sq unless given; ``softcap`` > 0 caps the
-    scores): one program per 128
+    """The kernel's launch for checked arguments (``attention_fwd_sm90``'s; ``causal``: an upper
+    bound, row i sees key j iff j <= i + upper_offset, Sk - Sq unless given; ``lower_offset``: a
+    lower bound, j >= i + lower_offset, none if None; ``softcap`` > 0 caps the scores): one program
+    per 128
     query rows of a (batch, head), a one-dimensional grid in ``order``'s order (the heads of a GQA
     group are neighbours, so their blocks share K and V in L2)."""
     (batch, heads_q, seq_q, head_dim), (_, heads_kv, seq_k, _) = q.shape, k.shape
@@ -330,6 +342,7 @@ def launches(
         seq_q,
         seq_k,
         seq_k - seq_q if upper_offset is None else upper_offset,
+        0 if lower_offset is None else lower_offset,
         # the exponent's factors: q . k * scale * log2(e), or capped cap_log2 * tanh(q . k * scale / cap)
         scale / softcap if softcap else scale * LOG2E.value,
         softcap * LOG2E.value if softcap else 1.0,
@@ -343,6 +356,7 @@ def launches(
         "CONSUMER_REGS": CONSUMER_REGS,
         "PERSISTENT": config.persistent,
         "SOFTCAP": bool(softcap),
+        "HAS_LOWER": lower_offset is not None,
         "num_warps": CONSUMER_WARPS.value,
     }
     tiles = cdiv(seq_q, BLOCK_M) * batch * heads_q

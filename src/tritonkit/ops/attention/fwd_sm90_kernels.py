@@ -48,9 +48,12 @@ pairs of a long and a short block): the K/V ring runs on across tiles, and O lea
 through buffers of its own so that the next tile's Q lands under the epilogue.
 
 Soft-capping (SOFTCAP) replaces each score by softcap * tanh(scale * q . k / softcap) before the
-masks and the softmax (``softcapped_tanh``). Not here yet (later stages): sliding windows, packed
-variable-length batches, D other than 64 and 128. Ping-pong between the consumer warpgroups is written
-(PINGPONG, through an mbarrier pair) but off: it measured no gain on the H200.
+masks and the softmax (``softcapped_tanh``). Sliding windows: a right side is an upper bound as the
+causal mask's (IS_CAUSAL, UPPER_OFFSET), a left side a lower bound (HAS_LOWER, LOWER_OFFSET); a tile
+walks only the key blocks its rows' window reaches, and masks the blocks either bound cuts. Not here
+yet (later stages): packed variable-length batches, D other than 64 and 128. Ping-pong between the
+consumer warpgroups is written (PINGPONG, through an mbarrier pair) but off: it measured no gain on
+the H200.
 
 References: Shah et al., "FlashAttention-3" (arXiv 2407.08608); Dao-AILab/flash-attention
 ``hopper/mainloop_fwd_sm90_tma_gmma_ws.hpp``; Triton's Gluon tutorials (05-wgmma,
@@ -68,6 +71,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from tritonkit.jit import LN2, LOG2E
+from tritonkit.ops.attention.sm90_elementwise import hide_outside, hide_past, softcapped_tanh, to_pairs
 
 SPLIT_M = 64  # query rows a consumer warpgroup holds: a wgmma's M per warpgroup
 # a consumer is a warpgroup; the first is the default partition (the launch's num_warps)
@@ -89,15 +93,18 @@ def _tile(
     SEQ_Q,
     SEQ_K,
     UPPER_OFFSET,
+    LOWER_OFFSET,
     BLOCK: gl.constexpr,
     BLOCK_N: gl.constexpr,
     IS_CAUSAL: gl.constexpr,
+    HAS_LOWER: gl.constexpr,
 ):
-    """(batch, head, kv_head, start_m, n_blocks, n_full) of a tile: BLOCK query rows of a (batch,
-    head), tiles numbered group after group of HEADS_PER_GROUP (batch, head)s, in a group the query
-    blocks the slow axis and its heads the fast one, causal blocks longest (last) first, so that the
-    short ones fill the tail. Its keys are [0, n_blocks * BLOCK_N), of which every row sees the first
-    n_full blocks whole."""
+    """(batch, head, kv_head, start_m, first_block, n_blocks, n_lead, n_full) of a tile: BLOCK query
+    rows of a (batch, head), tiles numbered group after group of HEADS_PER_GROUP (batch, head)s, in a
+    group the query blocks the slow axis and its heads the fast one, causal blocks longest (last)
+    first, so that the short ones fill the tail. Its keys are the n_blocks blocks from first_block
+    (blocks of BLOCK_N keys); of those, the ones from n_lead (a window's lower bound cuts the blocks
+    before it) to n_full (an upper bound cuts the blocks from it) every row sees whole."""
     m_blocks = gl.cdiv(SEQ_Q, BLOCK)
     group_programs = HEADS_PER_GROUP * m_blocks
     first = (tile // group_programs) * HEADS_PER_GROUP
@@ -118,7 +125,17 @@ def _tile(
     else:
         end = SEQ_K
         full_end = SEQ_K
-    return batch, head, kv_head, start_m, gl.cdiv(end, BLOCK_N), full_end // BLOCK_N
+    # A window's lower bound (key j >= i + LOWER_OFFSET): the first row's is the least, from which
+    # the blocks start; the last real row's the greatest, below which the blocks are cut
+    if HAS_LOWER:
+        first_block = gl.minimum(gl.maximum(start_m + LOWER_OFFSET, 0), end) // BLOCK_N
+        last_row = gl.minimum(start_m + BLOCK, SEQ_Q) - 1
+        n_lead = gl.cdiv(gl.maximum(last_row + LOWER_OFFSET, 0), BLOCK_N) - first_block
+    else:
+        first_block = 0
+        n_lead = 0
+    n_blocks = gl.maximum(gl.cdiv(end, BLOCK_N) - first_block, 0)
+    return batch, head, kv_head, start_m, first_block, n_blocks, n_lead, full_end // BLOCK_N - first_block
 
 
 @gluon.jit
@@ -139,6 +156,7 @@ def _load_tile(
     head,
     kv_head,  # the tile's batch, query head and the key/value head it reads
     start_m,  # its first query row
+    first_block,  # the first key block it reads
     n_blocks,  # key blocks it reads
     kv_base,  # the ring's blocks loaded before this tile (its first block's turn in the ring)
     loads,  # the tiles whose Q was loaded before this one
@@ -169,7 +187,7 @@ def _load_tile(
         mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(
             k_desc,
-            [batch, kv_head, j * BLOCK_N, 0],
+            [batch, kv_head, (first_block + j) * BLOCK_N, 0],
             k_ready.index(stage),
             k_smem.index(stage).reshape([1, 1, BLOCK_N, HEAD_DIM]),
         )
@@ -177,7 +195,7 @@ def _load_tile(
         mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(
             v_desc,
-            [batch, kv_head, j * BLOCK_N, 0],
+            [batch, kv_head, (first_block + j) * BLOCK_N, 0],
             v_ready.index(stage),
             v_smem.index(stage).reshape([1, 1, BLOCK_N, HEAD_DIM]),
         )
@@ -186,12 +204,12 @@ def _load_tile(
 @gluon.jit
 def _load_partition(
     q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
-    batch, head, kv_head, start_m, n_blocks,
+    batch, head, kv_head, start_m, first_block, n_blocks,
 ):  # fmt: skip
     """The producer of a program of one tile (``_load_tile``'s arguments)."""
     _load_tile(
         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_ready, k_ready, k_empty, v_ready, v_empty,
-        batch, head, kv_head, start_m, n_blocks, 0, 0, False,
+        batch, head, kv_head, start_m, first_block, n_blocks, 0, 0, False,
     )  # fmt: skip
 
 
@@ -225,20 +243,20 @@ def _walk(step, m_blocks, BATCH_HEADS, HEADS_PER_GROUP, IS_CAUSAL: gl.constexpr)
 
 @gluon.jit
 def _walk_tile(
-    step, HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, BLOCK: gl.constexpr,
-    BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr,
+    step, HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
+    BLOCK: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_LOWER: gl.constexpr,
 ):  # fmt: skip
     """``_tile``'s tuple for a persistent program's ``step``: ``_walk``'s tile, or for the second turn
     of a middle block paired with itself, a tile at row SEQ_Q with no keys: its producer loads
     nothing, its consumers wait on nothing and their stores fall past the rows (TMA drops them)."""
     tile, twin = _walk(step, gl.cdiv(SEQ_Q, BLOCK), BATCH_HEADS, HEADS_PER_GROUP, IS_CAUSAL)
-    batch, head, kv_head, start_m, n_blocks, n_full = _tile(
-        tile, HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, BLOCK, BLOCK_N,
-        IS_CAUSAL,
+    batch, head, kv_head, start_m, first_block, n_blocks, n_lead, n_full = _tile(
+        tile, HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, BLOCK,
+        BLOCK_N, IS_CAUSAL, HAS_LOWER,
     )  # fmt: skip
     start_m = gl.where(twin, SEQ_Q, start_m)
     n_blocks = gl.where(twin, 0, n_blocks)
-    return batch, head, kv_head, start_m, n_blocks, n_full
+    return batch, head, kv_head, start_m, first_block, n_blocks, n_lead, n_full
 
 
 @gluon.jit
@@ -259,7 +277,8 @@ def _walk_range(m_blocks, BATCH_HEADS, IS_CAUSAL: gl.constexpr):
 @gluon.jit
 def _load_partition_persistent(
     q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, k_empty, v_ready, v_empty,
-    HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, IS_CAUSAL: gl.constexpr,
+    HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
+    IS_CAUSAL: gl.constexpr, HAS_LOWER: gl.constexpr,
 ):  # fmt: skip
     """The producer of a persistent program: its tiles in ``_walk_range``'s order."""
     BLOCK: gl.constexpr = q_smem.type.shape[0] * q_smem.type.shape[1]
@@ -269,113 +288,28 @@ def _load_partition_persistent(
     loads = 0
     first, last, stride = _walk_range(m_blocks, BATCH_HEADS, IS_CAUSAL)
     for step in range(first, last, stride):
-        batch, head, kv_head, start_m, n_blocks, _ = _walk_tile(
-            step, HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, BLOCK, BLOCK_N,
-            IS_CAUSAL,
+        batch, head, kv_head, start_m, first_block, n_blocks, _lead, _full = _walk_tile(
+            step, HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, BLOCK,
+            BLOCK_N, IS_CAUSAL, HAS_LOWER,
         )  # fmt: skip
         _load_tile(
             q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, k_empty, v_ready,
-            v_empty, batch, head, kv_head, start_m, n_blocks, kv_base, loads, True,
+            v_empty, batch, head, kv_head, start_m, first_block, n_blocks, kv_base, loads, True,
         )  # fmt: skip
         kv_base += n_blocks
         loads += gl.where(n_blocks > 0, 1, 0)
 
 
 @gluon.jit
-def to_pairs(x, dtype: gl.constexpr):
-    """``x`` (fp32) in ``dtype`` (bf16 or fp16), two values an instruction, element 0 in the low
-    half. ``x.to(dtype)`` emits one cvt a value; ptxas pairs them into F2FP in the other order and
-    swaps the halves of each register with a PRMT before a wgmma reads it
-    (docs/perf-notes/attention-forward.md)."""
-    if dtype == gl.bfloat16:
-        pairs = gl.inline_asm_elementwise(
-            "cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.bfloat16, is_pure=True, pack=2
-        )
-    else:
-        pairs = gl.inline_asm_elementwise(
-            "cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.float16, is_pure=True, pack=2
-        )
-    return pairs
-
-
-@gluon.jit
-def from_pairs(x):
-    """``x`` (bf16) in fp32, a pair a register: a bf16 is the top half of its fp32, so element 0 (the
-    low half) shifts up and element 1 keeps its half, two instructions a pair. ``x.to()`` compiled
-    to two PRMT and two shifts a pair in the backward's dS (docs/perf-notes/attention-backward-sm90.md)."""
-    return gl.inline_asm_elementwise(
-        "{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xffff0000; }",
-        "=r,=r,r",
-        [x],
-        dtype=gl.float32,
-        is_pure=True,
-        pack=2,
-    )
-
-
-@gluon.jit
-def hide_past(s, index, bound):
-    """``s`` where ``index`` < ``bound`` (int32, broadcast to s's shape), -inf elsewhere: a compare
-    and a select an element in one asm block, so that the compare, which reads ``s``, comes after
-    the product's wait and its predicate lives one instruction. As ``gl.where`` of a mask, the 64
-    compares a thread ran ahead of the wait and outlived the seven predicate registers: ptxas packed
-    them into bits and unpacked them, about 230 instructions a masked block
-    (docs/perf-notes/attention-forward.md)."""
-    return gl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.lt.s32 p, $2, $3; selp.f32 $0, $1, 0fFF800000, p; }",
-        "=r,r,r,r",
-        [s, index, bound],
-        dtype=gl.float32,
-        is_pure=True,
-        pack=1,
-    )
-
-
-@gluon.jit
-def softcapped_tanh(s, arg_scale, exp_scale):
-    """tanh(s * arg_scale) of raw scores (arg_scale = scale / softcap; exp_scale = 2 log2(e) arg_scale),
-    as the Triton kernels' ``common._exponent``: 1 - 2 / (e^2x + 1), which saturates to +-1 cleanly
-    (e^2x + 1 >= 1, and 1 / inf = 0, so ``rcp.approx`` serves), and near 0 (|x| < 1/16) x - x^3 / 3 +
-    2 x^5 / 15, where the first keeps only 1's absolute precision (6e-8), which the cap multiplies.
-    One asm block an element, so that each compare feeds its select at once: as ``gl.where``, ptxas
-    held the block's 64 predicates in packed bits (LOP3, SHF and SEL, as the masks did before
-    ``hide_past``). Per score two MUFU operations (an exponential, a reciprocal) beside the softmax's
-    exponential, and ten on the FMA and ALU pipes."""
-    return gl.inline_asm_elementwise(
-        """{
-        .reg .f32 x, e, r, x2, q, t;
-        .reg .pred small;
-        mul.f32 x, $1, $2;
-        mul.f32 e, $1, $3;
-        ex2.approx.ftz.f32 e, e;
-        add.f32 e, e, 0f3F800000;
-        rcp.approx.ftz.f32 r, e;
-        fma.rn.f32 t, r, 0fC0000000, 0f3F800000;
-        mul.f32 x2, x, x;
-        fma.rn.f32 q, x2, 0f3E088889, 0fBEAAAAAB;
-        mul.f32 q, q, x2;
-        fma.rn.f32 q, q, x, x;
-        abs.f32 e, x;
-        setp.lt.f32 small, e, 0f3D800000;
-        selp.f32 $0, q, t, small;
-        }""",
-        "=r,r,r,r",
-        [s, arg_scale, exp_scale],
-        dtype=gl.float32,
-        is_pure=True,
-        pack=1,
-    )
-
-
-@gluon.jit
 def _online_softmax(
-    s, m_i, l_i, rows, start_n, SEQ_K, UPPER_OFFSET, qk_scale, cap_log2, MASKED: gl.constexpr,
-    IS_CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr,
+    s, m_i, l_i, rows, start_n, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale, cap_log2, MASKED: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, HAS_LOWER: gl.constexpr, SOFTCAP: gl.constexpr,
 ):  # fmt: skip
     """One key block's step of the online softmax on its raw scores ``s`` = q . k: (p, m, l, alpha),
     p = exp2(s * qk_scale - m) unnormalised, m the new running max in log2 units, l the new running
     sum, alpha = exp2(m_old - m) the factor the accumulator takes. MASKED blocks hide keys past
-    SEQ_K and, causal, keys past each row's diagonal (j <= i + UPPER_OFFSET); a row that has seen no
+    SEQ_K and, causal, keys past each row's diagonal (j <= i + UPPER_OFFSET), and HAS_LOWER those
+    below a window's lower bound (j >= i + LOWER_OFFSET); a row that has seen no
     key keeps m = -inf, and exp2 then takes 0 in its place so that -inf - -inf does not make NaN.
     The max is taken on the raw scores (qk_scale > 0: a hidden score, -inf raw, stays -inf scaled)
     and the exponent is a single FFMA. SOFTCAP: the scores in log2 units are cap_log2 * tanh(s *
@@ -394,7 +328,10 @@ def _online_softmax(
             bound = gl.minimum(rows + (UPPER_OFFSET + 1), SEQ_K)
         else:
             bound = rows * 0 + SEQ_K
-        s = hide_past(s, cols[None, :], bound[:, None])
+        if HAS_LOWER:
+            s = hide_outside(s, cols[None, :], (rows + LOWER_OFFSET)[:, None], bound[:, None])
+        else:
+            s = hide_past(s, cols[None, :], bound[:, None])
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * unit)
     if MASKED:
         m_exp = gl.where(m_new == -float("inf"), 0.0, m_new)
@@ -422,17 +359,21 @@ def _attend_blocks(
     first,
     last,
     kv_base,
+    first_block,
     SEQ_K,
     UPPER_OFFSET,
+    LOWER_OFFSET,
     qk_scale,
     cap_log2,
     MASKED: gl.constexpr,
     IS_CAUSAL: gl.constexpr,
+    HAS_LOWER: gl.constexpr,
     PIN_SOFTMAX: gl.constexpr,
     PINGPONG: gl.constexpr,
     SOFTCAP: gl.constexpr,
 ):
-    """Key blocks [first, last) of a consumer (the ring's blocks kv_base + first, ...), one block
+    """Key blocks [first, last) of a consumer's tile, whose block 0 is the keys' block first_block (the
+    ring's blocks kv_base + first, ...), one block
     behind for PV: on entry ``p`` holds block first - 1's probabilities (in the A-operand layout)
     whose PV product is still to do; on exit, block last - 1's. Returns (o, p, m_i, l_i). ``pin``:
     this consumer's (SPLIT_M,) fp32 scratch in shared memory, written and never read
@@ -463,19 +404,9 @@ def _attend_blocks(
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
         mbarrier.arrive(k_empty.index(stage), count=1)
         p_j, m_i, l_i, alpha = _online_softmax(
-            s,
-            m_i,
-            l_i,
-            rows,
-            j * BLOCK_N,
-            SEQ_K,
-            UPPER_OFFSET,
-            qk_scale,
-            cap_log2,
-            MASKED,
-            IS_CAUSAL,
-            SOFTCAP,
-        )
+            s, m_i, l_i, rows, (first_block + j) * BLOCK_N, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale,
+            cap_log2, MASKED, IS_CAUSAL, HAS_LOWER, SOFTCAP,
+        )  # fmt: skip
         p_next = gl.convert_layout(to_pairs(p_j, p.dtype), p.type.layout)
         # P_{j-1} is read from registers by the product in flight: keep it alive until it is done
         if PIN_SOFTMAX:
@@ -510,22 +441,26 @@ def _consume_tile(
     batch,
     head,
     start_m,  # this program's batch, query head and first query row
+    first_block,  # the first key block it reads
     n_blocks,  # key blocks it reads
-    n_full,  # of which the first n_full every row of the program sees whole (no mask)
+    n_lead,  # HAS_LOWER: its blocks before the n_lead-th are cut by the window's lower bound
+    n_full,  # its blocks from the n_full-th are cut by an upper bound (the others every row sees whole)
     kv_base,  # the ring's blocks consumed before this tile
     loads,  # the tiles whose Q was loaded before this one
     SEQ_Q,
     SEQ_K,  # query rows and keys of a head
-    UPPER_OFFSET,  # causal: row i sees key j iff j <= i + UPPER_OFFSET (Sk - Sq, bottom-right)
+    UPPER_OFFSET,  # IS_CAUSAL: row i sees key j iff j <= i + UPPER_OFFSET (Sk - Sq, bottom-right)
+    LOWER_OFFSET,  # HAS_LOWER: ... and j >= i + LOWER_OFFSET (a window's lower bound)
     stride_lb,
     stride_lh,  # elements between batches and heads of the lse
     qk_scale,  # scale * log2(e); SOFTCAP: scale / softcap, the tanh's argument a unit of q . k
     cap_log2,  # SOFTCAP: softcap * log2(e) (``softcapped_tanh``)
-    IS_CAUSAL: gl.constexpr,  # the causal mask
+    IS_CAUSAL: gl.constexpr,  # an upper bound: the causal mask, or a window's right side
     PIN_SOFTMAX: gl.constexpr,  # keep the exponentials between the two waits (see _attend_blocks)
     PINGPONG: gl.constexpr,  # the consumers take turns to issue their products
     PERSISTENT: gl.constexpr,  # tiles follow each other in one program
     SOFTCAP: gl.constexpr,  # the scores are soft-capped
+    HAS_LOWER: gl.constexpr,  # a window's lower bound
 ):
     """One consumer's part of a tile: its 64 rows' output and lse."""
     ROWS: gl.constexpr = q_smem.type.shape[1]
@@ -574,18 +509,35 @@ def _consume_tile(
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         mbarrier.arrive(k_empty.index(first), count=1)
         p, m_i, l_i, _ = _online_softmax(
-            s, m_i, l_i, rows, 0, SEQ_K, UPPER_OFFSET, qk_scale, cap_log2, True, IS_CAUSAL, SOFTCAP
-        )
+            s, m_i, l_i, rows, first_block * BLOCK_N, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale, cap_log2,
+            True, IS_CAUSAL, HAS_LOWER, SOFTCAP,
+        )  # fmt: skip
         p = gl.convert_layout(to_pairs(p, dtype), p_layout)
-        # the blocks every row sees whole, then those a bound cuts (the diagonal, the ragged end)
+        # the blocks every row sees whole, then those a bound cuts (the diagonal, the ragged end);
+        # with a window's lower bound, the blocks it cuts first
         ring = (k_smem, v_smem, k_ready, k_empty, v_ready, v_empty)
         # fmt: off
+        if HAS_LOWER:
+            lead_end = gl.minimum(gl.maximum(n_lead, 1), n_blocks)
+            o, p, m_i, l_i = _attend_blocks(
+                o, p, m_i, l_i, q, ring, pin, my_turn, next_turn, turn0, rows, 1, lead_end, kv_base,
+                first_block, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale, cap_log2, True, IS_CAUSAL,
+                HAS_LOWER, PIN_SOFTMAX, PINGPONG, SOFTCAP)
+            full_end = gl.minimum(gl.maximum(n_full, lead_end), n_blocks)
+            o, p, m_i, l_i = _attend_blocks(
+                o, p, m_i, l_i, q, ring, pin, my_turn, next_turn, turn0, rows, lead_end, full_end, kv_base,
+                first_block, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale, cap_log2, False, IS_CAUSAL,
+                HAS_LOWER, PIN_SOFTMAX, PINGPONG, SOFTCAP)
+        else:
+            o, p, m_i, l_i = _attend_blocks(
+                o, p, m_i, l_i, q, ring, pin, my_turn, next_turn, turn0, rows, 1, n_full, kv_base,
+                first_block, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale, cap_log2, False, IS_CAUSAL,
+                HAS_LOWER, PIN_SOFTMAX, PINGPONG, SOFTCAP)
+            full_end = gl.maximum(n_full, 1)
         o, p, m_i, l_i = _attend_blocks(
-            o, p, m_i, l_i, q, ring, pin, my_turn, next_turn, turn0, rows, 1, n_full, kv_base, SEQ_K,
-            UPPER_OFFSET, qk_scale, cap_log2, False, IS_CAUSAL, PIN_SOFTMAX, PINGPONG, SOFTCAP)
-        o, p, m_i, l_i = _attend_blocks(
-            o, p, m_i, l_i, q, ring, pin, my_turn, next_turn, turn0, rows, gl.maximum(n_full, 1), n_blocks,
-            kv_base, SEQ_K, UPPER_OFFSET, qk_scale, cap_log2, True, IS_CAUSAL, PIN_SOFTMAX, PINGPONG, SOFTCAP)
+            o, p, m_i, l_i, q, ring, pin, my_turn, next_turn, turn0, rows, full_end, n_blocks, kv_base,
+            first_block, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale, cap_log2, True, IS_CAUSAL, HAS_LOWER,
+            PIN_SOFTMAX, PINGPONG, SOFTCAP)
         # fmt: on
         # the last block's PV product
         last = (kv_base + n_blocks - 1) % NUM_STAGES
@@ -628,16 +580,16 @@ def _consume_tile(
 @gluon.jit
 def _softmax_partition(
     cid: gl.constexpr, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
-    pin_smem, turn_smem, batch, head, start_m, n_blocks, n_full, SEQ_Q, SEQ_K, UPPER_OFFSET, stride_lb,
-    stride_lh, qk_scale, cap_log2, IS_CAUSAL: gl.constexpr, PIN_SOFTMAX: gl.constexpr,
-    PINGPONG: gl.constexpr, SOFTCAP: gl.constexpr,
+    pin_smem, turn_smem, batch, head, start_m, first_block, n_blocks, n_lead, n_full, SEQ_Q, SEQ_K,
+    UPPER_OFFSET, LOWER_OFFSET, stride_lb, stride_lh, qk_scale, cap_log2, IS_CAUSAL: gl.constexpr,
+    PIN_SOFTMAX: gl.constexpr, PINGPONG: gl.constexpr, SOFTCAP: gl.constexpr, HAS_LOWER: gl.constexpr,
 ):  # fmt: skip
     """A consumer of a program of one tile (``_consume_tile``'s arguments)."""
     _consume_tile(
         cid, o_desc, lse_ptr, q_smem, q_smem, k_smem, v_smem, q_ready, q_ready, k_ready, k_empty, v_ready,
-        v_empty, pin_smem, turn_smem, batch, head, start_m, n_blocks, n_full, 0, 0, SEQ_Q, SEQ_K,
-        UPPER_OFFSET, stride_lb, stride_lh, qk_scale, cap_log2, IS_CAUSAL, PIN_SOFTMAX, PINGPONG, False,
-        SOFTCAP,
+        v_empty, pin_smem, turn_smem, batch, head, start_m, first_block, n_blocks, n_lead, n_full, 0, 0,
+        SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, stride_lb, stride_lh, qk_scale, cap_log2, IS_CAUSAL,
+        PIN_SOFTMAX, PINGPONG, False, SOFTCAP, HAS_LOWER,
     )  # fmt: skip
 
 
@@ -645,8 +597,8 @@ def _softmax_partition(
 def _softmax_partition_persistent(
     cid: gl.constexpr, o_desc, lse_ptr, q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, k_empty,
     v_ready, v_empty, pin_smem, turn_smem, HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K,
-    UPPER_OFFSET, stride_lb, stride_lh, qk_scale, cap_log2, IS_CAUSAL: gl.constexpr,
-    PIN_SOFTMAX: gl.constexpr, PINGPONG: gl.constexpr, SOFTCAP: gl.constexpr,
+    UPPER_OFFSET, LOWER_OFFSET, stride_lb, stride_lh, qk_scale, cap_log2, IS_CAUSAL: gl.constexpr,
+    PIN_SOFTMAX: gl.constexpr, PINGPONG: gl.constexpr, SOFTCAP: gl.constexpr, HAS_LOWER: gl.constexpr,
 ):  # fmt: skip
     """A consumer of a persistent program: the producer's tiles, in its order."""
     BLOCK: gl.constexpr = q_smem.type.shape[0] * q_smem.type.shape[1]
@@ -656,15 +608,15 @@ def _softmax_partition_persistent(
     loads = 0
     first, last, stride = _walk_range(m_blocks, BATCH_HEADS, IS_CAUSAL)
     for step in range(first, last, stride):
-        batch, head, _, start_m, n_blocks, n_full = _walk_tile(
-            step, HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, BLOCK, BLOCK_N,
-            IS_CAUSAL,
+        batch, head, _kv_head, start_m, first_block, n_blocks, n_lead, n_full = _walk_tile(
+            step, HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, BLOCK,
+            BLOCK_N, IS_CAUSAL, HAS_LOWER,
         )  # fmt: skip
         _consume_tile(
             cid, o_desc, lse_ptr, q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, k_empty,
-            v_ready, v_empty, pin_smem, turn_smem, batch, head, start_m, n_blocks, n_full, kv_base,
-            loads, SEQ_Q, SEQ_K, UPPER_OFFSET, stride_lb, stride_lh, qk_scale, cap_log2, IS_CAUSAL,
-            PIN_SOFTMAX, PINGPONG, True, SOFTCAP,
+            v_ready, v_empty, pin_smem, turn_smem, batch, head, start_m, first_block, n_blocks, n_lead,
+            n_full, kv_base, loads, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, stride_lb, stride_lh, qk_scale,
+            cap_log2, IS_CAUSAL, PIN_SOFTMAX, PINGPONG, True, SOFTCAP, HAS_LOWER,
         )  # fmt: skip
         kv_base += n_blocks
         loads += gl.where(n_blocks > 0, 1, 0)
@@ -690,9 +642,10 @@ def _attn_fwd_sm90_kernel(
     SEQ_Q,  # query rows of a head
     SEQ_K,  # keys of a head
     UPPER_OFFSET,  # IS_CAUSAL: row i sees key j iff j <= i + UPPER_OFFSET
+    LOWER_OFFSET,  # HAS_LOWER: ... and j >= i + LOWER_OFFSET
     qk_scale,  # scale * log2(e): the exponent in log2 units is q . k * qk_scale (SOFTCAP: scale / softcap)
     cap_log2,  # SOFTCAP: softcap * log2(e); the exponent is cap_log2 * tanh(q . k * qk_scale)
-    IS_CAUSAL: gl.constexpr,  # the causal mask
+    IS_CAUSAL: gl.constexpr,  # an upper bound: the causal mask, or a window's right side
     NUM_STAGES: gl.constexpr,  # K/V tiles in flight
     PIN_SOFTMAX: gl.constexpr,  # keep the exponentials under the PV product (see _attend_blocks)
     PINGPONG: gl.constexpr,  # the consumers take turns to issue their products
@@ -700,6 +653,7 @@ def _attn_fwd_sm90_kernel(
     CONSUMER_REGS: gl.constexpr,  # their setmaxnreg budget
     PERSISTENT: gl.constexpr,  # a program walks tiles in _walk_range's order (two consumers)
     SOFTCAP: gl.constexpr,  # the scores are soft-capped (``softcapped_tanh``)
+    HAS_LOWER: gl.constexpr,  # a window's lower bound
 ):
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -710,9 +664,9 @@ def _attn_fwd_sm90_kernel(
     gl.static_assert(k_desc.block_type.shape[3] == HEAD_DIM, "q and k share D")
 
     # One program a tile (``_tile``), or, PERSISTENT, a tile after another
-    batch, head, kv_head, start_m, n_blocks, n_full = _tile(
-        gl.program_id(0), HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, BLOCK,
-        BLOCK_N, IS_CAUSAL,
+    batch, head, kv_head, start_m, first_block, n_blocks, n_lead, n_full = _tile(
+        gl.program_id(0), HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET,
+        LOWER_OFFSET, BLOCK, BLOCK_N, IS_CAUSAL, HAS_LOWER,
     )  # fmt: skip
 
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
@@ -753,28 +707,33 @@ def _attn_fwd_sm90_kernel(
             (_softmax_partition_persistent, (0, o_desc, lse_ptr, q_smem, o_smem, k_smem, v_smem, q_ready,
                                              q_free, k_ready, k_empty, v_ready, v_empty, pin_smem, turn_smem,
                                              HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K,
-                                             UPPER_OFFSET, stride_lb, stride_lh, qk_scale, cap_log2,
-                                             IS_CAUSAL, PIN_SOFTMAX, PINGPONG, SOFTCAP)),
+                                             UPPER_OFFSET, LOWER_OFFSET, stride_lb, stride_lh, qk_scale,
+                                             cap_log2, IS_CAUSAL, PIN_SOFTMAX, PINGPONG, SOFTCAP,
+                                             HAS_LOWER)),
             (_softmax_partition_persistent, (1, o_desc, lse_ptr, q_smem, o_smem, k_smem, v_smem, q_ready,
                                              q_free, k_ready, k_empty, v_ready, v_empty, pin_smem, turn_smem,
                                              HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K,
-                                             UPPER_OFFSET, stride_lb, stride_lh, qk_scale, cap_log2,
-                                             IS_CAUSAL, PIN_SOFTMAX, PINGPONG, SOFTCAP)),
+                                             UPPER_OFFSET, LOWER_OFFSET, stride_lb, stride_lh, qk_scale,
+                                             cap_log2, IS_CAUSAL, PIN_SOFTMAX, PINGPONG, SOFTCAP,
+                                             HAS_LOWER)),
             (_load_partition_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free,
                                           k_ready, k_empty, v_ready, v_empty, HEADS, BATCH_HEADS,
-                                          HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, IS_CAUSAL)),
+                                          HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
+                                          IS_CAUSAL, HAS_LOWER)),
         ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_softmax_partition, (0, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
-                                  v_ready, v_empty, pin_smem, turn_smem, batch, head, start_m, n_blocks,
-                                  n_full, SEQ_Q, SEQ_K, UPPER_OFFSET, stride_lb, stride_lh, qk_scale,
-                                  cap_log2, IS_CAUSAL, PIN_SOFTMAX, PINGPONG, SOFTCAP)),
+                                  v_ready, v_empty, pin_smem, turn_smem, batch, head, start_m, first_block,
+                                  n_blocks, n_lead, n_full, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
+                                  stride_lb, stride_lh, qk_scale, cap_log2, IS_CAUSAL, PIN_SOFTMAX, PINGPONG,
+                                  SOFTCAP, HAS_LOWER)),
             (_softmax_partition, (1, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
-                                  v_ready, v_empty, pin_smem, turn_smem, batch, head, start_m, n_blocks,
-                                  n_full, SEQ_Q, SEQ_K, UPPER_OFFSET, stride_lb, stride_lh, qk_scale,
-                                  cap_log2, IS_CAUSAL, PIN_SOFTMAX, PINGPONG, SOFTCAP)),
+                                  v_ready, v_empty, pin_smem, turn_smem, batch, head, start_m, first_block,
+                                  n_blocks, n_lead, n_full, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
+                                  stride_lb, stride_lh, qk_scale, cap_log2, IS_CAUSAL, PIN_SOFTMAX, PINGPONG,
+                                  SOFTCAP, HAS_LOWER)),
             (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
-                               v_ready, v_empty, batch, head, kv_head, start_m, n_blocks)),
+                               v_ready, v_empty, batch, head, kv_head, start_m, first_block, n_blocks)),
         ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     # fmt: on
