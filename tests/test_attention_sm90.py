@@ -83,7 +83,7 @@ for dtype, head_dim, causal, persistent, pingpong, *switches in CASES:
 
 
 # (dtype, D, causal, persistent, ping-pong[, softcap[, window]]): the default tile, persistent or not,
-# the persistent one with ping-pong, with soft-capped scores, and with a window's lower bound
+# the persistent one with ping-pong, with soft-capped scores, with a window's lower bound, and D = 256
 STATIC_CASES = [
     ("bf16", 128, False, False, False),
     ("bf16", 128, True, False, False),
@@ -96,6 +96,8 @@ STATIC_CASES = [
     ("bf16", 64, False, True, False, True),
     ("bf16", 128, True, True, False, False, True),
     ("fp16", 64, False, False, False, False, True),
+    ("bf16", 256, True, False, False),
+    ("fp16", 256, False, False, False, True, True),
 ]
 
 
@@ -132,7 +134,14 @@ def test_the_default_tile_is_persistent_over_few_keys():
         assert fwd.default_config(head_dim, most) == persistent
         assert fwd.default_config(head_dim, 1) == persistent
         assert fwd.default_config(head_dim, most + 1) == fwd.CONFIGS[head_dim]
-    assert all(config in fwd.CANDIDATES[d] for d in (64, 128) for config in (fwd.default_config(d, 1),))
+    assert all(config in fwd.CANDIDATES[d] for d in fwd.HEAD_DIMS for config in (fwd.default_config(d, 1),))
+    # D = 256: one tile a program (the persistent tile's O buffers do not fit), and a persistent one refused
+    assert fwd.default_config(256, 1) == fwd.default_config(256, most + 1) == fwd.CONFIGS[256]
+    q = torch.empty(1, 2, 16, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="persistent"):
+        fwd.launches(
+            q, q, q, q, q[..., 0], scale=0.1, causal=True, config=fwd.CONFIGS[256]._replace(persistent=True)
+        )
     assert fwd.order(True, 64) == fwd.CAUSAL_HEADS_PER_GROUP and fwd.order(True, 2) == 2
     assert fwd.order(False, 64) == 1
 
@@ -154,6 +163,11 @@ def _inputs(batch, heads_q, heads_kv, seq_q, seq_k, head_dim, dtype, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
     shapes = ((batch, heads_q, seq_q, head_dim), *((batch, heads_kv, seq_k, head_dim),) * 2)
     return tuple(torch.randn(shape, device="cuda", dtype=dtype, generator=g) for shape in shapes)
+
+
+def _persistence(fwd, head_dim: int) -> tuple:
+    """The tiles' ``persistent`` settings a head dim has (D = 256: one tile a program only)."""
+    return (False, True) if head_dim in fwd.PERSISTENT_HEAD_DIMS else (False,)
 
 
 def _run(q, k, v, scale, causal, config=None):
@@ -212,7 +226,7 @@ CASES = [
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:5])) + ("-causal" if c[5] else ""))
 def test_gpu_matches_the_reference(case, head_dim, dtype):
     batch, heads_q, heads_kv, seq_q, seq_k, causal = case
@@ -252,7 +266,7 @@ def test_gpu_strided_layouts_and_scale(causal):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_every_candidate_config(head_dim, causal):
     for i, config in enumerate(_fwd().CANDIDATES[head_dim]):
@@ -261,7 +275,7 @@ def test_gpu_every_candidate_config(head_dim, causal):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_gpu_causal_aligned_top_left(head_dim, caplog):
     """``bottom_right=False``: query i sees keys j <= i (torch's ``is_causal``), one tile a program and
     persistent, Sq < Sk (keys past Sq never seen) and Sq > Sk (rows from Sk on see every key), lengths
@@ -279,7 +293,7 @@ def test_gpu_causal_aligned_top_left(head_dim, caplog):
             q.double(), k.double(), v.double(), True, scale, bottom_right=False, return_lse=True
         )
         torch_o, torch_lse = attention_reference(q, k, v, True, scale, bottom_right=False, return_lse=True)
-        for persistent in (False, True):
+        for persistent in _persistence(fwd, head_dim):
             o = torch.full_like(q, math.nan)
             lse = torch.full(q.shape[:3], math.nan, device="cuda", dtype=torch.float32)
             config = fwd.CONFIGS[head_dim]._replace(persistent=persistent)
@@ -309,7 +323,7 @@ def test_gpu_causal_aligned_top_left(head_dim, caplog):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_soft_capped_scores(head_dim, causal, caplog):
     """``softcap``: each score s becomes softcap * tanh(s / softcap) before the masks and the softmax:
@@ -334,7 +348,7 @@ def test_gpu_soft_capped_scores(head_dim, causal, caplog):
         )
         torch_o, torch_lse = attention_reference(q, k, v, causal, scale, return_lse=True, softcap=cap)
         seen = torch.isfinite(exact_lse)
-        for persistent in (False, True):
+        for persistent in _persistence(fwd, head_dim):
             o = torch.full_like(q, math.nan)
             lse = torch.full(q.shape[:3], math.nan, device="cuda", dtype=torch.float32)
             config = fwd.CONFIGS[head_dim]._replace(persistent=persistent)
@@ -361,7 +375,7 @@ def test_gpu_soft_capped_scores(head_dim, causal, caplog):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_gpu_sliding_windows(head_dim):
     """``window`` = (left, right): a left side (a lower bound, the blocks before it never loaded, those
     it cuts masked), a right side without causal, both with causal (Mistral's local attention), a
@@ -393,7 +407,7 @@ def test_gpu_sliding_windows(head_dim):
         )
         torch_o, torch_lse = attention_reference(q, k, v, causal, scale, return_lse=True, **mask)
         seen = torch.isfinite(exact_lse)
-        for persistent in (False, True):
+        for persistent in _persistence(fwd, head_dim):
             o = torch.full_like(q, math.nan)
             lse = torch.full(q.shape[:3], math.nan, device="cuda", dtype=torch.float32)
             config = fwd.CONFIGS[head_dim]._replace(persistent=persistent)

@@ -24,7 +24,7 @@ from tritonkit.ops.attention.bwd_sm90_kernels import (
     SPLIT_N,
     _attn_bwd_sm90_kernel,
 )
-from tritonkit.ops.attention.fwd_sm90 import descriptor, sm90_dense_inputs
+from tritonkit.ops.attention.fwd_sm90 import BACKWARD_HEAD_DIMS, descriptor, sm90_dense_inputs
 
 
 class Config(NamedTuple):
@@ -148,7 +148,7 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     on an sm_90 GPU, D 64 or 128, Hq a multiple of Hkv, within the grid's bounds. Strides are free
     (tensors that TMA cannot read as they are are copied first). Masks, windows and the rest are the
     caller's to check (``bwd.sm90_takes``)."""
-    if not sm90_dense_inputs(q, k, v):
+    if not sm90_dense_inputs(q, k, v, BACKWARD_HEAD_DIMS):
         return False
     (batch, heads_q, seq_k) = (*q.shape[:2], k.shape[2])
     return batch * heads_q * cdiv(seq_k, BLOCK_N) < MAX_GRID_X  # (per query head: a program a q head)

@@ -21,7 +21,8 @@ from tritonkit.jit import LOG2E
 from tritonkit.ops.attention.fwd_sm90_kernels import CONSUMER_WARPS, SPLIT_M, _attn_fwd_sm90_kernel
 
 DTYPES = HALVES
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)  # this forward's; the backward's are BACKWARD_HEAD_DIMS
+BACKWARD_HEAD_DIMS = (64, 128)
 SM90 = (9, 0)  # wgmma, setmaxnreg and the TMA engine: Hopper only (sm_90a)
 
 NUM_CONSUMERS = 2  # consumer warpgroups by default: FA3's 2 x 64 = 128 rows a program at D = 128
@@ -62,10 +63,15 @@ class Config(NamedTuple):
 #   reuses Q's buffer, but timed level with two on the H200 (within the ~2% run-to-run spread).
 # - D = 64: 128-key steps (256 would hold a 64 x 256 fp32 S, 128 registers, beside P: spills), three
 #   stages (112 KB); two and four timed the same (the loop is softmax-bound at D = 64).
+# - D = 256: 64-key steps, two stages (Q 64 KB, the ring 128 KB: 193 KB), one tile a program (the
+#   persistent tile's own O buffers, 64 KB more, do not fit). A consumer holds O (128 fp32), S (32)
+#   and P: no values on the stack compiled for sm_90; not yet timed.
 CONFIGS = {
     64: Config(block_n=128, num_stages=3),
     128: Config(block_n=128, num_stages=2),
+    256: Config(block_n=64, num_stages=2),
 }
+PERSISTENT_HEAD_DIMS = (64, 128)  # where the persistent tile fits in shared memory
 # A persistent grid (one program an SM walking tiles, the next tile's Q loading under the epilogue)
 # over at most this many keys, where a tile's fixed cost weighs. On the H200, x cuDNN,
 # one run each: full masks (499beb9) 0.92 against 0.83 one tile a program at (16, 16, 1024, 128),
@@ -81,9 +87,11 @@ PERSISTENT_MAX_KEYS = 8192
 
 def default_config(head_dim: int, seq_k: int) -> Config:
     """The tile a launch takes unless told: CONFIGS', persistent over at most PERSISTENT_MAX_KEYS
-    keys, causal or not (the causal walk pairs a head's query blocks, ``fwd_sm90_kernels._walk``)."""
+    keys, causal or not (the causal walk pairs a head's query blocks, ``fwd_sm90_kernels._walk``),
+    where it fits (PERSISTENT_HEAD_DIMS)."""
     config = CONFIGS[head_dim]
-    return config._replace(persistent=True) if seq_k <= PERSISTENT_MAX_KEYS else config
+    persistent = head_dim in PERSISTENT_HEAD_DIMS and seq_k <= PERSISTENT_MAX_KEYS
+    return config._replace(persistent=True) if persistent else config
 
 
 # What the benchmark compares per head dim (and the tests check): the default, the same tile with ping-pong
@@ -111,6 +119,11 @@ CANDIDATES = {
         CONFIGS[128]._replace(persistent=True),
         CONFIGS[128]._replace(persistent=True, pingpong=not PINGPONG),
     ],
+    256: [
+        CONFIGS[256],
+        CONFIGS[256]._replace(pingpong=not PINGPONG),
+        CONFIGS[256]._replace(pin_softmax=False),
+    ],
 }
 
 
@@ -129,7 +142,7 @@ def supports(
     scale: float | None = None,
 ) -> bool:
     """Whether ``attention_fwd_sm90`` takes this call: (B, H, S, D) fp16/bf16 tensors of one dtype
-    on an sm_90 GPU, D 64 or 128, Hq a multiple of Hkv, TMA-ready (unit last stride; base and other
+    on an sm_90 GPU, D 64, 128 or 256, Hq a multiple of Hkv, TMA-ready (unit last stride; base and other
     strides 16-byte aligned), not packed, scale > 0 (the default 1/sqrt(D) is), a soft cap finite
     and >= 0 (0: none). ``causal`` either way, windows too."""
     del causal, window  # every mask is taken
@@ -148,9 +161,9 @@ def supports(
 MAX_GRID_X = 2**31  # programs a launch may have along its x axis (CUDA's limit, and int32 ids)
 
 
-def sm90_dense_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+def sm90_dense_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dims=HEAD_DIMS) -> bool:
     """What both sm_90 Gluon kernels (this forward and ``bwd_sm90``) need of their inputs: (B, H, S,
-    D) fp16/bf16 tensors of one dtype on one sm_90 GPU, D 64 or 128, Hq a multiple of Hkv."""
+    D) fp16/bf16 tensors of one dtype on one sm_90 GPU, D one of ``head_dims``, Hq a multiple of Hkv."""
     tensors = (q, k, v)
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_cuda for t in tensors):
         return False
@@ -159,7 +172,7 @@ def sm90_dense_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool
     if k.device != q.device or v.device != q.device or capability(q.device.index or 0) != SM90:
         return False
     (batch, heads_q, _, head_dim), (batch_k, heads_kv, _, head_dim_k) = q.shape, k.shape
-    if head_dim not in HEAD_DIMS or head_dim_k != head_dim or v.shape != k.shape or batch_k != batch:
+    if head_dim not in head_dims or head_dim_k != head_dim or v.shape != k.shape or batch_k != batch:
         return False
     return heads_kv > 0 and heads_q % heads_kv == 0
 
@@ -203,8 +216,8 @@ def attention_fwd_sm90(
 ) -> None:
     """Write attention's output into ``o`` and the fp32 log-sum-exp (natural log) into ``lse``.
 
-    q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D), o like q, lse (B, Hq, Sq) fp32; fp16 or bf16, D 64 or
-    128, Hq a multiple of Hkv (GQA/MQA). Strides: any, as long as the last dim of q, k, v and o is
+    q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D), o like q, lse (B, Hq, Sq) fp32; fp16 or bf16, D 64,
+    128 or 256, Hq a multiple of Hkv (GQA/MQA). Strides: any, as long as the last dim of q, k, v and o is
     contiguous and their base and other strides are multiples of 16 bytes (TMA's rules); the lse's
     last dim contiguous. ``causal`` is aligned bottom-right (query i sees keys j <= i + Sk - Sq), or
     with ``bottom_right=False`` top-left (j <= i, torch's ``is_causal``); a row that sees no key gets
@@ -327,6 +340,8 @@ def launches(
     group are neighbours, so their blocks share K and V in L2)."""
     (batch, heads_q, seq_q, head_dim), (_, heads_kv, seq_k, _) = q.shape, k.shape
     config = config or default_config(head_dim, seq_k)
+    if config.persistent and head_dim not in PERSISTENT_HEAD_DIMS:
+        raise ValueError(f"a persistent tile does not fit in shared memory at D = {head_dim}: {config}")
     args = (
         descriptor(q, SPLIT_M),
         descriptor(k, config.block_n),
