@@ -423,6 +423,29 @@ def test_gpu_sliding_windows(head_dim):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("head_dim", [8, 40, 96, 192, 248])
+def test_gpu_head_dims_between_the_kernels(head_dim):
+    """A head dim that is a multiple of 8 but not 64, 128 or 256 runs the next kernel up, its boxes
+    past D: the oracle on full and causal masks, Sq != Sk, both tiles where both fit, GQA, fp16 too,
+    and the output's columns past D untouched (o is a view of a wider buffer)."""
+    fwd = _fwd()
+    for causal, dtype in ((False, torch.bfloat16), (True, torch.float16)):
+        q, k, v = _inputs(2, 4, 2, 333, 517, head_dim, dtype, seed=head_dim + causal)
+        for persistent in _persistence(fwd, fwd.kernel_head_dim(head_dim)):
+            config = fwd.CONFIGS[fwd.kernel_head_dim(head_dim)]._replace(persistent=persistent)
+            check(q, k, v, causal, config=config)
+    # the output's rows are 16-byte aligned views into a wider buffer: the store drops the box's
+    # columns past D, so the buffer's other columns keep their values
+    q, k, v = _inputs(1, 2, 2, 100, 100, head_dim, torch.bfloat16, seed=3)
+    wide = torch.full((1, 2, 100, head_dim + 8), 7.0, device="cuda", dtype=torch.bfloat16)
+    o = wide[..., :head_dim]
+    lse = torch.empty(1, 2, 100, device="cuda", dtype=torch.float32)
+    fwd.attention_fwd_sm90(q, k, v, o, lse, scale=head_dim**-0.5, causal=True)
+    assert (wide[..., head_dim:] == 7.0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
 def test_gpu_empty_keyless_and_refusals():
     fwd = _fwd()
     o, lse = _run(*_inputs(1, 2, 2, 0, 5, 64, torch.bfloat16, seed=1), 0.125, True)

@@ -21,8 +21,20 @@ from tritonkit.jit import LOG2E
 from tritonkit.ops.attention.fwd_sm90_kernels import CONSUMER_WARPS, SPLIT_M, _attn_fwd_sm90_kernel
 
 DTYPES = HALVES
-HEAD_DIMS = (64, 128, 256)  # this forward's; the backward's are BACKWARD_HEAD_DIMS
+HEAD_DIMS = (64, 128, 256)  # the forward kernel's; the backward's are BACKWARD_HEAD_DIMS
 BACKWARD_HEAD_DIMS = (64, 128)
+# The head dims this forward takes: a multiple of 8 (a row's bytes a multiple of TMA's 16) up to 256,
+# run by the kernel of the next head dim of HEAD_DIMS up, whose TMA boxes reach past the tensor's D:
+# the loads fill the columns past it with zeros (they add nothing to q . k, and O's come out 0) and
+# the stores drop them. D = 96 thus runs the D = 128 kernel, a quarter of its products on zeros.
+PADDED_HEAD_DIMS = tuple(range(8, HEAD_DIMS[-1] + 1, 8))
+
+
+def kernel_head_dim(head_dim: int) -> int:
+    """The head dim of the kernel that runs ``head_dim`` (one of PADDED_HEAD_DIMS)."""
+    return next(d for d in HEAD_DIMS if d >= head_dim)
+
+
 SM90 = (9, 0)  # wgmma, setmaxnreg and the TMA engine: Hopper only (sm_90a)
 
 NUM_CONSUMERS = 2  # consumer warpgroups by default: FA3's 2 x 64 = 128 rows a program at D = 128
@@ -142,9 +154,9 @@ def supports(
     scale: float | None = None,
 ) -> bool:
     """Whether ``attention_fwd_sm90`` takes this call: (B, H, S, D) fp16/bf16 tensors of one dtype
-    on an sm_90 GPU, D 64, 128 or 256, Hq a multiple of Hkv, TMA-ready (unit last stride; base and other
-    strides 16-byte aligned), not packed, scale > 0 (the default 1/sqrt(D) is), a soft cap finite
-    and >= 0 (0: none). ``causal`` either way, windows too."""
+    on an sm_90 GPU, D a multiple of 8 up to 256 (PADDED_HEAD_DIMS), Hq a multiple of Hkv, TMA-ready
+    (unit last stride; base and other strides 16-byte aligned), not packed, scale > 0 (the default
+    1/sqrt(D) is), a soft cap finite and >= 0 (0: none). ``causal`` either way, windows too."""
     del causal, window  # every mask is taken
     if packed:
         return False
@@ -161,7 +173,7 @@ def supports(
 MAX_GRID_X = 2**31  # programs a launch may have along its x axis (CUDA's limit, and int32 ids)
 
 
-def sm90_dense_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dims=HEAD_DIMS) -> bool:
+def sm90_dense_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dims=PADDED_HEAD_DIMS) -> bool:
     """What both sm_90 Gluon kernels (this forward and ``bwd_sm90``) need of their inputs: (B, H, S,
     D) fp16/bf16 tensors of one dtype on one sm_90 GPU, D one of ``head_dims``, Hq a multiple of Hkv."""
     tensors = (q, k, v)
@@ -216,9 +228,11 @@ def attention_fwd_sm90(
 ) -> None:
     """Write attention's output into ``o`` and the fp32 log-sum-exp (natural log) into ``lse``.
 
-    q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D), o like q, lse (B, Hq, Sq) fp32; fp16 or bf16, D 64,
-    128 or 256, Hq a multiple of Hkv (GQA/MQA). Strides: any, as long as the last dim of q, k, v and o is
-    contiguous and their base and other strides are multiples of 16 bytes (TMA's rules); the lse's
+    q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D), o like q, lse (B, Hq, Sq) fp32; fp16 or bf16, D a
+    multiple of 8 up to 256 (64, 128 and 256 natively, the others on the next one's kernel:
+    PADDED_HEAD_DIMS), Hq a multiple of Hkv (GQA/MQA). Strides: any, as long as the last dim of q, k,
+    v and o is contiguous and their base and other strides are multiples of 16 bytes (TMA's rules);
+    the lse's
     last dim contiguous. ``causal`` is aligned bottom-right (query i sees keys j <= i + Sk - Sq), or
     with ``bottom_right=False`` top-left (j <= i, torch's ``is_causal``); a row that sees no key gets
     0 and lse -inf. ``scale`` > 0 multiplies q . k; ``softcap`` > 0 then caps each score s to
@@ -256,8 +270,8 @@ def attention_fwd_sm90(
         if t.dtype != q.dtype or q.dtype not in DTYPES:
             raise TypeError(f"{name} must be float16 or bfloat16 like q, got {t.dtype}")
     (batch, heads_q, seq_q, head_dim), (_, heads_kv, seq_k, _) = q.shape, k.shape
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"head dim must be one of {HEAD_DIMS}, got {head_dim}")
+    if head_dim not in PADDED_HEAD_DIMS:
+        raise ValueError(f"head dim must be a multiple of 8 up to {PADDED_HEAD_DIMS[-1]}, got {head_dim}")
     if k.shape[0] != batch or k.shape[3] != head_dim or v.shape != k.shape:
         raise ValueError(
             f"k and v must be (B, Hkv, Sk, D) = ({batch}, Hkv, Sk, {head_dim}), got "
@@ -339,14 +353,15 @@ def launches(
     query rows of a (batch, head), a one-dimensional grid in ``order``'s order (the heads of a GQA
     group are neighbours, so their blocks share K and V in L2)."""
     (batch, heads_q, seq_q, head_dim), (_, heads_kv, seq_k, _) = q.shape, k.shape
-    config = config or default_config(head_dim, seq_k)
-    if config.persistent and head_dim not in PERSISTENT_HEAD_DIMS:
-        raise ValueError(f"a persistent tile does not fit in shared memory at D = {head_dim}: {config}")
+    kernel_dim = kernel_head_dim(head_dim)
+    config = config or default_config(kernel_dim, seq_k)
+    if config.persistent and kernel_dim not in PERSISTENT_HEAD_DIMS:
+        raise ValueError(f"a persistent tile does not fit in shared memory at D = {kernel_dim}: {config}")
     args = (
-        descriptor(q, SPLIT_M),
-        descriptor(k, config.block_n),
-        descriptor(v, config.block_n),
-        descriptor(o, SPLIT_M),
+        descriptor(q, SPLIT_M, kernel_dim),
+        descriptor(k, config.block_n, kernel_dim),
+        descriptor(v, config.block_n, kernel_dim),
+        descriptor(o, SPLIT_M, kernel_dim),
         lse,
         lse.stride(0),
         lse.stride(1),
