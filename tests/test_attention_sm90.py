@@ -7,6 +7,7 @@ Gluon kernels do not run in Triton's interpreter, so nothing here runs on the CP
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
@@ -35,22 +36,24 @@ def descriptor(dtype, rows, head_dim):
     return f"tensordesc<{dtype}[{','.join(map(str, block))}],{layout!r}>"
 
 for dtype, head_dim, causal, persistent, pingpong, *switches in CASES:
-    softcap, window = (bool(switches[i]) if len(switches) > i else False for i in range(2))
+    softcap, window, varlen = (bool(switches[i]) if len(switches) > i else False for i in range(3))
     config = fwd.CONFIGS[head_dim]._replace(persistent=persistent, pingpong=pingpong)
     signature = {"q_desc": descriptor(dtype, fwd.SPLIT_M, head_dim),
                  "k_desc": descriptor(dtype, config.block_n, head_dim),
                  "v_desc": descriptor(dtype, config.block_n, head_dim),
-                 "o_desc": descriptor(dtype, fwd.SPLIT_M, head_dim), "lse_ptr": "*fp32", "stride_lb": "i64",
+                 "o_desc": descriptor(dtype, fwd.SPLIT_M, head_dim), "o_ptr": f"*{dtype}",
+                 "stride_oh": "i64", "stride_os": "i64", "lse_ptr": "*fp32", "stride_lb": "i64",
                  "stride_lh": "i64", "HEADS": "i32", "BATCH_HEADS": "i32", "HEADS_PER_GROUP": "i32",
                  "GROUP": "i32", "SEQ_Q": "i32", "SEQ_K": "i32", "UPPER_OFFSET": "i32", "LOWER_OFFSET": "i32",
+                 "cu_q_ptr": "*i32", "cu_k_ptr": "*i32",
                  "qk_scale": "fp32", "cap_log2": "fp32", "IS_CAUSAL": "constexpr", "NUM_STAGES": "constexpr",
                  "PIN_SOFTMAX": "constexpr", "PINGPONG": "constexpr", "CONSUMERS": "constexpr",
                  "CONSUMER_REGS": "constexpr", "PERSISTENT": "constexpr", "SOFTCAP": "constexpr",
-                 "HAS_LOWER": "constexpr"}
+                 "HAS_LOWER": "constexpr", "VARLEN": "constexpr"}
     constants = {"IS_CAUSAL": causal, "NUM_STAGES": config.num_stages, "PIN_SOFTMAX": config.pin_softmax,
                  "PINGPONG": config.pingpong, "CONSUMERS": fwd.NUM_CONSUMERS,
                  "CONSUMER_REGS": fwd.CONSUMER_REGS, "PERSISTENT": persistent, "SOFTCAP": softcap,
-                 "HAS_LOWER": window}
+                 "HAS_LOWER": window, "VARLEN": varlen}
     kernel = triton.compile(GluonASTSource(fwd._attn_fwd_sm90_kernel, signature, constants),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": fwd.CONSUMER_WARPS.value})
     ptx, sass = kernel.asm["ptx"], _cuobjdump(kernel.asm["cubin"], "-sass")
@@ -66,7 +69,7 @@ for dtype, head_dim, causal, persistent, pingpong, *switches in CASES:
     print(json.dumps({
         "case": f"{dtype} d{head_dim} {'causal' if causal else 'full'}{' persistent' if persistent else ''}"
                 f"{' ping-pong' if pingpong else ''}{' softcap' if softcap else ''}"
-                f"{' window' if window else ''}",
+                f"{' window' if window else ''}{' packed' if varlen else ''}",
         "warps": kernel.metadata.num_warps, "shared": kernel.metadata.shared,
         "waits": numbers(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx),
         "setmaxnreg": numbers(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx),
@@ -82,8 +85,9 @@ for dtype, head_dim, causal, persistent, pingpong, *switches in CASES:
 """
 
 
-# (dtype, D, causal, persistent, ping-pong[, softcap[, window]]): the default tile, persistent or not,
-# the persistent one with ping-pong, with soft-capped scores, with a window's lower bound, and D = 256
+# (dtype, D, causal, persistent, ping-pong[, softcap[, window[, packed]]]): the default tile, persistent
+# or not, the persistent one with ping-pong, with soft-capped scores, with a window's lower bound, D =
+# 256, and a packed batch
 STATIC_CASES = [
     ("bf16", 128, False, False, False),
     ("bf16", 128, True, False, False),
@@ -98,6 +102,8 @@ STATIC_CASES = [
     ("fp16", 64, False, False, False, False, True),
     ("bf16", 256, True, False, False),
     ("fp16", 256, False, False, False, True, True),
+    ("bf16", 128, True, True, False, False, False, True),
+    ("fp16", 64, False, True, False, False, True, True),
 ]
 
 
@@ -119,8 +125,10 @@ def test_the_kernel_compiles_for_hopper_warp_specialized_with_its_softmax_under_
         # docs/perf-notes/attention-backward-sm90.md)
         assert row["single_conversions"] == 0, row
         # and in the order the PV product reads them: no PRMT swapping the halves of P's registers
-        # (256 when P converted by .to(); a causal kernel keeps 2 on integers, not P's)
-        assert row["swaps"] <= 2, row
+        # (256 when P converted by .to(); a causal kernel keeps 2 on integers, not P's; a packed
+        # batch's masked row stores of O take one a pair of columns, once a tile)
+        head_dim = case[1]
+        assert row["swaps"] <= 2 + (head_dim // 2 if "packed" in row["case"] else 0), row
         # a block's exponentials (64 a thread at 128 keys) run while the previous PV product does
         assert row["exps_under_pv"] >= row["block_exps"], row
 
@@ -442,6 +450,74 @@ def test_gpu_head_dims_between_the_kernels(head_dim):
     lse = torch.empty(1, 2, 100, device="cuda", dtype=torch.float32)
     fwd.attention_fwd_sm90(q, k, v, o, lse, scale=head_dim**-0.5, causal=True)
     assert (wide[..., head_dim:] == 7.0).all()
+
+
+# a packed batch's (query rows, keys): one row, several blocks both ways and ragged, Sq > Sk and Sq < Sk,
+# an empty query side and an empty key side (its rows see nothing)
+PACKED_LENGTHS = [(1, 1), (130, 130), (700, 300), (64, 900), (0, 7), (6, 0), (257, 257)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_packed_batches(head_dim, caplog):
+    """A packed batch (``common.Packed``): each sequence's rows attend to its own keys, causal and
+    windows aligned bottom-right for its lengths, GQA; rows past the last sequence are never written
+    (O leaves by masked stores: a tile's box would reach the next sequence's rows); and
+    flash_attention's cu_seqlens take this forward."""
+    import logging
+
+    import tritonkit
+    from tritonkit.ops.attention.common import Packed, attention_reference
+    from tritonkit.oracle import compare
+
+    fwd = _fwd()
+    g = torch.Generator(device="cuda").manual_seed(head_dim)
+    cu_q, cu_k = (
+        torch.tensor([0, *itertools.accumulate(n[i] for n in PACKED_LENGTHS)], dtype=torch.int32)
+        for i in (0, 1)
+    )
+    spare = 5  # rows past the last sequence
+    total_q, total_k = int(cu_q[-1]) + spare, int(cu_k[-1])
+    q = torch.randn(total_q, 4, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (
+        torch.randn(total_k, 2, head_dim, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2)
+    )
+    packed = Packed(cu_q.cuda(), cu_k.cuda(), len(PACKED_LENGTHS), max(n for n, _ in PACKED_LENGTHS),
+                    max(n for _, n in PACKED_LENGTHS))  # fmt: skip
+    for causal, window, cap in (
+        (False, (-1, -1), 0.0),
+        (True, (-1, -1), 0.0),
+        (True, (100, 0), 0.0),
+        (False, (50, 20), 30.0),
+    ):
+        mask = {"window": window, "softcap": cap, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}
+        real = q[:-spare]
+        exact_o, exact_lse = attention_reference(
+            real.double(), k.double(), v.double(), causal, return_lse=True, **mask
+        )
+        torch_o, torch_lse = attention_reference(real, k, v, causal, return_lse=True, **mask)
+        o = torch.full_like(q, math.nan)
+        lse = torch.full((4, total_q), math.nan, device="cuda", dtype=torch.float32)
+        views = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v, o)]
+        fwd.attention_fwd_sm90(*views, lse.unsqueeze(0), scale=head_dim**-0.5, causal=causal, window=window,
+                               softcap=cap, packed=packed)  # fmt: skip
+        case = (causal, window, cap)
+        assert o[-spare:].isnan().all() and lse[:, -spare:].isnan().all(), case
+        seen = torch.isfinite(exact_lse)
+        assert torch.equal(torch.isneginf(lse[:, :-spare]), ~seen), case
+        comparisons = [
+            compare("output", o[:-spare], torch_o, exact_o, q.dtype),
+            compare("lse", lse[:, :-spare][seen], torch_lse.float()[seen], exact_lse[seen], q.dtype),
+        ]
+        assert all(c.passed for c in comparisons), (case, [str(c) for c in comparisons])
+    real = q[:-spare].contiguous()
+    with caplog.at_level(logging.DEBUG, logger="tritonkit"):
+        tritonkit.flash_attention(
+            real, k, v, causal=True, cu_seqlens_q=cu_q.cuda(), cu_seqlens_k=cu_k.cuda(),
+            max_seqlen_q=packed.max_q, max_seqlen_k=packed.max_k,
+        )  # fmt: skip
+    assert f"attention forward {tuple(real.shape)} on the sm_90 Gluon kernel" in caplog.text
 
 
 @pytest.mark.gpu

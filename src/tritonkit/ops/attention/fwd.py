@@ -658,10 +658,10 @@ SM90_FORWARD = True
 
 
 def sm90_takes(q, k, v, scores: Scores, packed: Packed | None) -> bool:
-    """Whether the sm_90 Gluon forward (``fwd_sm90``) computes this call: natively compiled, on an
-    sm_90 GPU, within what it supports (causal either alignment). Everything else takes the Triton
-    kernel below."""
-    if not SM90_FORWARD or interpret() or not q.is_cuda or packed is not None:
+    """Whether the sm_90 Gluon forward (``fwd_sm90``) computes this call (a packed batch's as (1, H, T,
+    D) views): natively compiled, on an sm_90 GPU, within what it supports. Everything else takes the
+    Triton kernel below."""
+    if not SM90_FORWARD or interpret() or not q.is_cuda:
         return False
     from tritonkit.ops.attention import fwd_sm90
 
@@ -672,7 +672,7 @@ def sm90_takes(q, k, v, scores: Scores, packed: Packed | None) -> bool:
         causal=scores.causal,
         window=scores.window,
         softcap=scores.softcap,
-        packed=False,
+        packed=packed is not None,
         scale=scores.scale,
     )
 
@@ -687,10 +687,14 @@ def attention_fwd_into(
     (:func:`sm90_takes`); a debug log line says which kernel ran."""
     if o.numel() == 0:
         return
+    shape = tuple(q.shape)
+    if packed is not None:  # the kernels take (1, H, T, D) views of (T, H, D) and (1, H, T) of (H, T)
+        q, k, v, o = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v, o))
+        lse = lse.unsqueeze(0)
     if config is None and sm90_takes(q, k, v, scores, packed):
         from tritonkit.ops.attention import fwd_sm90
 
-        log.debug("tritonkit: attention forward %s on the sm_90 Gluon kernel", tuple(q.shape))
+        log.debug("tritonkit: attention forward %s on the sm_90 Gluon kernel", shape)
         fwd_sm90.attention_fwd_sm90(
             q,
             k,
@@ -702,12 +706,10 @@ def attention_fwd_into(
             bottom_right=scores.bottom_right,
             window=scores.window,
             softcap=scores.softcap,
+            packed=packed,
         )
         return
-    log.debug("tritonkit: attention forward %s on the Triton kernel", tuple(q.shape))
-    if packed is not None:  # the kernel takes (1, H, T, D) views of (T, H, D) and (1, H, T) of (H, T)
-        q, k, v, o = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v, o))
-        lse = lse.unsqueeze(0)
+    log.debug("tritonkit: attention forward %s on the Triton kernel", shape)
     problem = _problem(q, k, v, o, lse, scores, packed)
     if config is None:
         signature = (q.shape, k.shape, q.dtype, q.device, scores, packed and packed[2:])

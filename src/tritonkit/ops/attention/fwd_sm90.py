@@ -99,7 +99,7 @@ PERSISTENT_MAX_KEYS = 8192
 
 def default_config(head_dim: int, seq_k: int) -> Config:
     """The tile a launch takes unless told: CONFIGS', persistent over at most PERSISTENT_MAX_KEYS
-    keys, causal or not (the causal walk pairs a head's query blocks, ``fwd_sm90_kernels._walk``),
+    keys, causal or not (the causal walk pairs a head's query blocks, ``fwd_sm90_tiles._walk``),
     where it fits (PERSISTENT_HEAD_DIMS)."""
     config = CONFIGS[head_dim]
     persistent = head_dim in PERSISTENT_HEAD_DIMS and seq_k <= PERSISTENT_MAX_KEYS
@@ -109,7 +109,7 @@ def default_config(head_dim: int, seq_k: int) -> Config:
 # What the benchmark compares per head dim (and the tests check): the default, the same tile with ping-pong
 # toggled and without PIN_SOFTMAX (what each is worth), a deeper ring at D = 128, and the tile persistent (the
 # default over at most PERSISTENT_MAX_KEYS keys; causal, its walk in pairs of a long and a short block,
-# fwd_sm90_kernels._walk). FA3's three consumers at D = 64 (64-key steps, 160 registers) ran 0.84-0.89x cuDNN
+# fwd_sm90_tiles._walk). FA3's three consumers at D = 64 (64-key steps, 160 registers) ran 0.84-0.89x cuDNN
 # against the default's 0.92-0.93: removed. So were (0bbcc80, docs/perf-notes/attention-forward.md) three at
 # 128-key steps with P through shared memory (0.47-0.95x against one tile a program's 0.67-0.94x) and K
 # released with V after the PV product, one arrive and warpgroup barrier a step fewer (level: 0.67-0.93x at D
@@ -155,10 +155,11 @@ def supports(
 ) -> bool:
     """Whether ``attention_fwd_sm90`` takes this call: (B, H, S, D) fp16/bf16 tensors of one dtype
     on an sm_90 GPU, D a multiple of 8 up to 256 (PADDED_HEAD_DIMS), Hq a multiple of Hkv, TMA-ready
-    (unit last stride; base and other strides 16-byte aligned), not packed, scale > 0 (the default
-    1/sqrt(D) is), a soft cap finite and >= 0 (0: none). ``causal`` either way, windows too."""
+    (unit last stride; base and other strides 16-byte aligned), scale > 0 (the default 1/sqrt(D) is),
+    a soft cap finite and >= 0 (0: none). ``causal`` either way, windows too. ``packed``: a packed
+    batch's (1, H, T, D) views, at D 64 or 128 (the persistent tile's)."""
     del causal, window  # every mask is taken
-    if packed:
+    if packed and not (q.dim() == 4 and q.shape[3] in PERSISTENT_HEAD_DIMS):
         return False
     if not (math.isfinite(softcap) and softcap >= 0):
         return False
@@ -222,8 +223,7 @@ def attention_fwd_sm90(
     bottom_right: bool = True,
     window: tuple[int, int] | None = (-1, -1),
     softcap: float = 0.0,
-    cu_seqlens_q=None,
-    cu_seqlens_k=None,
+    packed=None,
     config: Config | None = None,
 ) -> None:
     """Write attention's output into ``o`` and the fp32 log-sum-exp (natural log) into ``lse``.
@@ -239,16 +239,13 @@ def attention_fwd_sm90(
     softcap * tanh(s / softcap) (0: no cap). ``window`` = (left, right): query i sees keys j with
     i + offset - left <= j <= i + offset + right (offset as the causal mask's alignment; -1 leaves a
     side unbounded; causal with a window: right 0), as ``flash_attention``'s. ``config`` overrides
-    the tile (``default_config``). Packed batches raise NotImplementedError (a later stage);
-    ``supports`` says which calls this takes."""
+    the tile (``default_config``). ``packed`` (``common.Packed``): q, k, v and o are a packed batch's
+    (1, H, T, D) views and lse (1, H, T), sequence b's rows cu_q[b]:cu_q[b + 1] (keys likewise), each
+    causal mask and window aligned bottom-right for its sequence's lengths, as the Triton kernels'; D
+    64 or 128, the persistent tile. ``supports`` says which calls this takes."""
     window = (-1, -1) if window is None else tuple(window)
     if len(window) != 2 or not all(isinstance(side, int) and side >= -1 for side in window):
         raise ValueError(f"window must be (left, right), each an int >= -1 (-1: unbounded), got {window}")
-    if cu_seqlens_q is not None or cu_seqlens_k is not None:
-        raise NotImplementedError(
-            "attention_fwd_sm90: packed variable-length batches (cu_seqlens_q, "
-            "cu_seqlens_k) are not implemented yet"
-        )
     scale, softcap = float(scale), float(softcap)
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be a finite number > 0, got {scale}")
@@ -292,6 +289,8 @@ def attention_fwd_sm90(
                 f"{name} must have a unit last stride and a base and other strides that are "
                 f"multiples of {TMA_ALIGN_BYTES} bytes (TMA), got strides {t.stride()}"
             )
+    if packed is not None:
+        _check_packed(q, k, packed, config)
     if o.numel() == 0:
         return
     if seq_k == 0:  # no keys: every row sees none
@@ -299,17 +298,36 @@ def attention_fwd_sm90(
         lse.fill_(-math.inf)
         return
     upper_offset, lower_offset = seq_k - seq_q if bottom_right else 0, None
-    if window != (-1, -1):  # the bounds as every kernel takes them (Scores, which drops sides past the keys)
+    if window != (-1, -1) or packed is not None:
+        # the bounds as every kernel takes them (Scores, which drops sides past the keys); a packed
+        # batch's hold the window's sides, to which each sequence adds its alignment
         from tritonkit.ops.attention.common import Scores
 
-        scores = Scores(scale, causal, bottom_right, window, softcap).within(seq_q, seq_k)
-        (upper_offset, lower_offset, *_), flags = scores.kernel_args(seq_q, seq_k)
+        lengths = (packed.max_q, packed.max_k) if packed is not None else (seq_q, seq_k)
+        scores = Scores(scale, causal, bottom_right, window, softcap).within(*lengths)
+        (upper_offset, lower_offset, *_), flags = scores.kernel_args(*(lengths if packed is None else (0, 0)))
         causal, lower_offset = flags["IS_CAUSAL"], lower_offset if flags["HAS_LOWER"] else None
     for launch in launches(
         q, k, v, o, lse, scale=scale, causal=causal, upper_offset=upper_offset, lower_offset=lower_offset,
-        softcap=softcap, config=config,
+        softcap=softcap, packed=packed, config=config,
     ):  # fmt: skip
         launch.run()
+
+
+def _check_packed(q: torch.Tensor, k: torch.Tensor, packed, config: Config | None) -> None:
+    """ValueError or NotImplementedError where a packed batch's call is not one this kernel takes."""
+    if q.shape[0] != 1 or k.shape[0] != 1:
+        raise ValueError(f"a packed batch's q, k and v are (1, H, T, D) views, got {tuple(q.shape)}")
+    if q.shape[3] not in PERSISTENT_HEAD_DIMS:
+        raise NotImplementedError(f"packed batches take D {PERSISTENT_HEAD_DIMS}, got {q.shape[3]}")
+    if config is not None and not config.persistent:
+        raise ValueError(f"a packed batch takes the persistent tile, got {config}")
+    for name, cu in (("cu_q", packed.cu_q), ("cu_k", packed.cu_k)):
+        if cu.dtype != torch.int32 or cu.device != q.device or cu.shape != (packed.sequences + 1,):
+            raise ValueError(
+                f"{name} must be int32 ({packed.sequences + 1},) on q's device, got {cu.dtype} "
+                f"{tuple(cu.shape)} on {cu.device}"
+            )
 
 
 # The order of programs. A full mask's query blocks all walk every key: a head's blocks together
@@ -328,7 +346,7 @@ CAUSAL_HEADS_PER_GROUP = 2
 
 def order(causal: bool, batch_heads: int) -> int:
     """HEADS_PER_GROUP for a launch over ``batch_heads`` (batch, head)s: one tile a program and
-    persistent (``fwd_sm90_kernels._walk`` numbers its pairs of blocks in the same groups)."""
+    persistent (``fwd_sm90_tiles._walk`` numbers its pairs of blocks in the same groups)."""
     return min(CAUSAL_HEADS_PER_GROUP if causal else 1, batch_heads)
 
 
@@ -344,17 +362,20 @@ def launches(
     upper_offset: int | None = None,
     lower_offset: int | None = None,
     softcap: float = 0.0,
+    packed=None,
     config: Config | None = None,
 ) -> list[Launch]:
     """The kernel's launch for checked arguments (``attention_fwd_sm90``'s; ``causal``: an upper
     bound, row i sees key j iff j <= i + upper_offset, Sk - Sq unless given; ``lower_offset``: a
-    lower bound, j >= i + lower_offset, none if None; ``softcap`` > 0 caps the scores): one program
-    per 128
-    query rows of a (batch, head), a one-dimensional grid in ``order``'s order (the heads of a GQA
-    group are neighbours, so their blocks share K and V in L2)."""
+    lower bound, j >= i + lower_offset, none if None; ``softcap`` > 0 caps the scores; ``packed``: a
+    packed batch, its offsets the window's sides): one program per 128 query rows of a (batch, head),
+    or persistent, a one-dimensional grid in ``order``'s order (the heads of a GQA group are
+    neighbours, so their blocks share K and V in L2)."""
     (batch, heads_q, seq_q, head_dim), (_, heads_kv, seq_k, _) = q.shape, k.shape
+    if packed is not None:  # the grid of the sequences and their longest lengths
+        batch, seq_q, seq_k = packed.sequences, packed.max_q, packed.max_k
     kernel_dim = kernel_head_dim(head_dim)
-    config = config or default_config(kernel_dim, seq_k)
+    config = config or default_config(kernel_dim, seq_k if packed is None else 0)
     if config.persistent and kernel_dim not in PERSISTENT_HEAD_DIMS:
         raise ValueError(f"a persistent tile does not fit in shared memory at D = {kernel_dim}: {config}")
     args = (
@@ -362,6 +383,9 @@ def launches(
         descriptor(k, config.block_n, kernel_dim),
         descriptor(v, config.block_n, kernel_dim),
         descriptor(o, SPLIT_M, kernel_dim),
+        o,  # (packed: stored row by row, masked)
+        o.stride(1),
+        o.stride(2),
         lse,
         lse.stride(0),
         lse.stride(1),
@@ -373,6 +397,8 @@ def launches(
         seq_k,
         seq_k - seq_q if upper_offset is None else upper_offset,
         0 if lower_offset is None else lower_offset,
+        lse if packed is None else packed.cu_q,  # (unused but packed)
+        lse if packed is None else packed.cu_k,
         # the exponent's factors: q . k * scale * log2(e), or capped cap_log2 * tanh(q . k * scale / cap)
         scale / softcap if softcap else scale * LOG2E.value,
         softcap * LOG2E.value if softcap else 1.0,
@@ -387,6 +413,7 @@ def launches(
         "PERSISTENT": config.persistent,
         "SOFTCAP": bool(softcap),
         "HAS_LOWER": lower_offset is not None,
+        "VARLEN": packed is not None,
         "num_warps": CONSUMER_WARPS.value,
     }
     tiles = cdiv(seq_q, BLOCK_M) * batch * heads_q

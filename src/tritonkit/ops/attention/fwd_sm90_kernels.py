@@ -71,6 +71,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from tritonkit.jit import LN2, LOG2E
+from tritonkit.ops.attention.fwd_sm90_tiles import _tile, _walk_range, _walk_tile
 from tritonkit.ops.attention.sm90_elementwise import hide_outside, hide_past, softcapped_tanh, to_pairs
 
 SPLIT_M = 64  # query rows a consumer warpgroup holds: a wgmma's M per warpgroup
@@ -81,61 +82,6 @@ PRODUCER_REGS = gl.constexpr(24)  # its setmaxnreg budget (the consumers': fwd_s
 
 
 # ---------------------------------------------------------------- kernels
-
-
-@gluon.jit
-def _tile(
-    tile,
-    HEADS,
-    BATCH_HEADS,
-    HEADS_PER_GROUP,
-    GROUP,
-    SEQ_Q,
-    SEQ_K,
-    UPPER_OFFSET,
-    LOWER_OFFSET,
-    BLOCK: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    IS_CAUSAL: gl.constexpr,
-    HAS_LOWER: gl.constexpr,
-):
-    """(batch, head, kv_head, start_m, first_block, n_blocks, n_lead, n_full) of a tile: BLOCK query
-    rows of a (batch, head), tiles numbered group after group of HEADS_PER_GROUP (batch, head)s, in a
-    group the query blocks the slow axis and its heads the fast one, causal blocks longest (last)
-    first, so that the short ones fill the tail. Its keys are the n_blocks blocks from first_block
-    (blocks of BLOCK_N keys); of those, the ones from n_lead (a window's lower bound cuts the blocks
-    before it) to n_full (an upper bound cuts the blocks from it) every row sees whole."""
-    m_blocks = gl.cdiv(SEQ_Q, BLOCK)
-    group_programs = HEADS_PER_GROUP * m_blocks
-    first = (tile // group_programs) * HEADS_PER_GROUP
-    group_heads = gl.minimum(HEADS_PER_GROUP, BATCH_HEADS - first)
-    pid_m = (tile % group_programs) // group_heads
-    if IS_CAUSAL:
-        pid_m = m_blocks - 1 - pid_m
-    bh = first + (tile % group_programs) % group_heads
-    head = bh % HEADS
-    batch = bh // HEADS
-    kv_head = head // GROUP
-    start_m = pid_m * BLOCK
-    # Keys [0, end) some row of the tile sees, [0, full_end) every row sees: causal, the last real
-    # row's bound and the first row's (rows past SEQ_Q need no keys)
-    if IS_CAUSAL:
-        end = gl.maximum(gl.minimum(SEQ_K, gl.minimum(start_m + BLOCK, SEQ_Q) + UPPER_OFFSET), 0)
-        full_end = gl.maximum(gl.minimum(SEQ_K, start_m + 1 + UPPER_OFFSET), 0)
-    else:
-        end = SEQ_K
-        full_end = SEQ_K
-    # A window's lower bound (key j >= i + LOWER_OFFSET): the first row's is the least, from which
-    # the blocks start; the last real row's the greatest, below which the blocks are cut
-    if HAS_LOWER:
-        first_block = gl.minimum(gl.maximum(start_m + LOWER_OFFSET, 0), end) // BLOCK_N
-        last_row = gl.minimum(start_m + BLOCK, SEQ_Q) - 1
-        n_lead = gl.cdiv(gl.maximum(last_row + LOWER_OFFSET, 0), BLOCK_N) - first_block
-    else:
-        first_block = 0
-        n_lead = 0
-    n_blocks = gl.maximum(gl.cdiv(end, BLOCK_N) - first_block, 0)
-    return batch, head, kv_head, start_m, first_block, n_blocks, n_lead, full_end // BLOCK_N - first_block
 
 
 @gluon.jit
@@ -158,6 +104,8 @@ def _load_tile(
     start_m,  # its first query row
     first_block,  # the first key block it reads
     n_blocks,  # key blocks it reads
+    q_row0,
+    k_row0,  # its sequence's first query row and first key in the tensors (0 but packed)
     kv_base,  # the ring's blocks loaded before this tile (its first block's turn in the ring)
     loads,  # the tiles whose Q was loaded before this one
     PERSISTENT: gl.constexpr,  # tiles follow each other in one program
@@ -175,7 +123,7 @@ def _load_tile(
             mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(
                 q_desc,
-                [batch, head, start_m + c * ROWS, 0],
+                [batch, head, q_row0 + start_m + c * ROWS, 0],
                 q_ready.index(c),
                 q_smem.index(c).reshape([1, 1, ROWS, HEAD_DIM]),
             )
@@ -187,7 +135,7 @@ def _load_tile(
         mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(
             k_desc,
-            [batch, kv_head, (first_block + j) * BLOCK_N, 0],
+            [batch, kv_head, k_row0 + (first_block + j) * BLOCK_N, 0],
             k_ready.index(stage),
             k_smem.index(stage).reshape([1, 1, BLOCK_N, HEAD_DIM]),
         )
@@ -195,7 +143,7 @@ def _load_tile(
         mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(
             v_desc,
-            [batch, kv_head, (first_block + j) * BLOCK_N, 0],
+            [batch, kv_head, k_row0 + (first_block + j) * BLOCK_N, 0],
             v_ready.index(stage),
             v_smem.index(stage).reshape([1, 1, BLOCK_N, HEAD_DIM]),
         )
@@ -209,76 +157,15 @@ def _load_partition(
     """The producer of a program of one tile (``_load_tile``'s arguments)."""
     _load_tile(
         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_ready, k_ready, k_empty, v_ready, v_empty,
-        batch, head, kv_head, start_m, first_block, n_blocks, 0, 0, False,
+        batch, head, kv_head, start_m, first_block, n_blocks, 0, 0, 0, 0, False,
     )  # fmt: skip
-
-
-@gluon.jit
-def _walk(step, m_blocks, BATCH_HEADS, HEADS_PER_GROUP, IS_CAUSAL: gl.constexpr):
-    """The tile (``_tile``'s numbering) a persistent program takes at its loop's ``step``
-    (``_walk_range``). A full mask's tiles are alike: the step is the tile. Causal, a program takes
-    pairs: query block j of a head and block m_blocks - 1 - j of the same head, whose walks add up to
-    the same number of key blocks in every pair (m_blocks + 1 with Sq = Sk), so that programs taking
-    pairs in a stride of num_programs finish together. Pairs are numbered as ``_tile`` numbers the
-    tiles, group after group of HEADS_PER_GROUP heads, so the programs running at once read the K
-    and V of a few heads, which stay in L2. With an odd m_blocks the middle block pairs with itself:
-    its second turn is ``twin``, which ``_walk_tile`` makes a tile of no keys past the last row.
-    Simulated on 132 SMs at the decoder layer's (2, 32, 4096, 128) causal (benchmarks/
-    program_order.py): the busiest program 296 steps against the even spread's 287, where a stride
-    over single tiles took 424. A snake over every head's blocks at once (288) ran on the H200 at
-    0.77x cuDNN at (4, 32, 4096, 128) against one tile a program's 0.90x: 128 heads' K and V at once
-    do not fit in L2."""
-    if not IS_CAUSAL:
-        return step, False
-    half = (m_blocks + 1) // 2
-    pair = (step // 2) * gl.num_programs(0) + gl.program_id(0)
-    first_head = (pair // (HEADS_PER_GROUP * half)) * HEADS_PER_GROUP
-    group_heads = gl.minimum(HEADS_PER_GROUP, BATCH_HEADS - first_head)
-    in_group = pair - first_head * half
-    j = in_group // group_heads
-    rank = gl.where(step % 2 == 0, j, m_blocks - 1 - j)  # longest first: the pair's long block
-    twin = (step % 2 == 1) & (2 * j == m_blocks - 1)
-    return first_head * m_blocks + rank * group_heads + in_group % group_heads, twin
-
-
-@gluon.jit
-def _walk_tile(
-    step, HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
-    BLOCK: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_LOWER: gl.constexpr,
-):  # fmt: skip
-    """``_tile``'s tuple for a persistent program's ``step``: ``_walk``'s tile, or for the second turn
-    of a middle block paired with itself, a tile at row SEQ_Q with no keys: its producer loads
-    nothing, its consumers wait on nothing and their stores fall past the rows (TMA drops them)."""
-    tile, twin = _walk(step, gl.cdiv(SEQ_Q, BLOCK), BATCH_HEADS, HEADS_PER_GROUP, IS_CAUSAL)
-    batch, head, kv_head, start_m, first_block, n_blocks, n_lead, n_full = _tile(
-        tile, HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, BLOCK,
-        BLOCK_N, IS_CAUSAL, HAS_LOWER,
-    )  # fmt: skip
-    start_m = gl.where(twin, SEQ_Q, start_m)
-    n_blocks = gl.where(twin, 0, n_blocks)
-    return batch, head, kv_head, start_m, first_block, n_blocks, n_lead, n_full
-
-
-@gluon.jit
-def _walk_range(m_blocks, BATCH_HEADS, IS_CAUSAL: gl.constexpr):
-    """The (first, last, stride) of a persistent program's loop over ``_walk``'s steps: causal, two
-    steps a pair, its pairs program_id, + num_programs, ...; a full mask's tiles directly, in the
-    same stride."""
-    programs = gl.num_programs(0)
-    lane = gl.program_id(0)
-    if IS_CAUSAL:
-        pairs = (m_blocks + 1) // 2 * BATCH_HEADS
-        first, last, stride = 0, 2 * ((pairs - lane + programs - 1) // programs), 1
-    else:
-        first, last, stride = lane, m_blocks * BATCH_HEADS, programs
-    return first, last, stride
 
 
 @gluon.jit
 def _load_partition_persistent(
     q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, k_empty, v_ready, v_empty,
-    HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
-    IS_CAUSAL: gl.constexpr, HAS_LOWER: gl.constexpr,
+    HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, cu_q_ptr, cu_k_ptr,
+    IS_CAUSAL: gl.constexpr, HAS_LOWER: gl.constexpr, VARLEN: gl.constexpr,
 ):  # fmt: skip
     """The producer of a persistent program: its tiles in ``_walk_range``'s order."""
     BLOCK: gl.constexpr = q_smem.type.shape[0] * q_smem.type.shape[1]
@@ -288,13 +175,15 @@ def _load_partition_persistent(
     loads = 0
     first, last, stride = _walk_range(m_blocks, BATCH_HEADS, IS_CAUSAL)
     for step in range(first, last, stride):
-        batch, head, kv_head, start_m, first_block, n_blocks, _lead, _full = _walk_tile(
-            step, HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, BLOCK,
-            BLOCK_N, IS_CAUSAL, HAS_LOWER,
+        batch, head, kv_head, start_m, first_block, n_blocks, _lead, _full, seq = _walk_tile(
+            step, HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
+            cu_q_ptr, cu_k_ptr, BLOCK, BLOCK_N, IS_CAUSAL, HAS_LOWER, VARLEN,
         )  # fmt: skip
+        q_row0, k_row0, _seq_q, _seq_k, _upper, _lower = seq
         _load_tile(
             q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, k_empty, v_ready,
-            v_empty, batch, head, kv_head, start_m, first_block, n_blocks, kv_base, loads, True,
+            v_empty, batch, head, kv_head, start_m, first_block, n_blocks, q_row0, k_row0, kv_base, loads,
+            True,
         )  # fmt: skip
         kv_base += n_blocks
         loads += gl.where(n_blocks > 0, 1, 0)
@@ -447,8 +336,12 @@ def _consume_tile(
     n_full,  # its blocks from the n_full-th are cut by an upper bound (the others every row sees whole)
     kv_base,  # the ring's blocks consumed before this tile
     loads,  # the tiles whose Q was loaded before this one
+    q_row0,  # its sequence's first query row in the tensors (0 but packed)
+    o_ptr,
+    stride_oh,
+    stride_os,  # VARLEN: the output (1, Hq, T, D) and its strides, for masked stores
     SEQ_Q,
-    SEQ_K,  # query rows and keys of a head
+    SEQ_K,  # query rows and keys of a head (of the tile's sequence)
     UPPER_OFFSET,  # IS_CAUSAL: row i sees key j iff j <= i + UPPER_OFFSET (Sk - Sq, bottom-right)
     LOWER_OFFSET,  # HAS_LOWER: ... and j >= i + LOWER_OFFSET (a window's lower bound)
     stride_lb,
@@ -461,6 +354,8 @@ def _consume_tile(
     PERSISTENT: gl.constexpr,  # tiles follow each other in one program
     SOFTCAP: gl.constexpr,  # the scores are soft-capped
     HAS_LOWER: gl.constexpr,  # a window's lower bound
+    VARLEN: gl.constexpr,  # a packed batch: O leaves by masked stores (a box past the sequence's rows
+    # would write the next sequence's)
 ):
     """One consumer's part of a tile: its 64 rows' output and lse."""
     ROWS: gl.constexpr = q_smem.type.shape[1]
@@ -558,28 +453,35 @@ def _consume_tile(
     o = o / gl.convert_layout(l_safe, row_o)[:, None]
     lse = gl.where(seen, (m_i + gl.log2(l_safe)) * LN2, -float("inf"))
     # 64-bit (the strides are): B * H * Sq may pass 2^31
-    lse_rows = lse_ptr + batch * stride_lb + head * stride_lh
+    lse_rows = lse_ptr + batch * stride_lb + head * stride_lh + q_row0
     gl.store(lse_rows + rows, lse, mask=rows < SEQ_Q)
-    if PERSISTENT:
-        # O goes out through its own buffer, once the last tile's store has read it; the store
-        # runs on under the next tile
-        out = o_smem.index(cid)
-        tma.store_wait(pendings=0)
+    if VARLEN:  # (the tensors' D is the kernel's: packed batches take no padded head dims)
+        o_rows = gl.convert_layout(rows, row_o)
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        o_ptrs = o_ptr + head * stride_oh + (q_row0 + o_rows)[:, None] * stride_os + cols[None, :]
+        gl.store(o_ptrs, o.to(dtype), mask=(o_rows < SEQ_Q)[:, None])
     else:
-        # O goes out through this consumer's Q buffer: every product that read it has been waited
-        out = q_smem.index(cid)
-    out.store(o.to(dtype))
-    fence_async_shared()  # the generic-proxy stores before the TMA engine reads them
-    tma.async_copy_shared_to_global(
-        o_desc, [batch, head, start_m + cid * ROWS, 0], out.reshape([1, 1, ROWS, HEAD_DIM])
-    )
-    if not PERSISTENT:
-        tma.store_wait(pendings=0)
+        if PERSISTENT:
+            # O goes out through its own buffer, once the last tile's store has read it; the store
+            # runs on under the next tile
+            out = o_smem.index(cid)
+            tma.store_wait(pendings=0)
+        else:
+            # O goes out through this consumer's Q buffer: every product that read it has been waited
+            out = q_smem.index(cid)
+        out.store(o.to(dtype))
+        fence_async_shared()  # the generic-proxy stores before the TMA engine reads them
+        tma.async_copy_shared_to_global(
+            o_desc, [batch, head, start_m + cid * ROWS, 0], out.reshape([1, 1, ROWS, HEAD_DIM])
+        )
+        if not PERSISTENT:
+            tma.store_wait(pendings=0)
 
 
 @gluon.jit
 def _softmax_partition(
-    cid: gl.constexpr, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
+    cid: gl.constexpr, o_desc, o_ptr, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready,
+    v_empty,
     pin_smem, turn_smem, batch, head, start_m, first_block, n_blocks, n_lead, n_full, SEQ_Q, SEQ_K,
     UPPER_OFFSET, LOWER_OFFSET, stride_lb, stride_lh, qk_scale, cap_log2, IS_CAUSAL: gl.constexpr,
     PIN_SOFTMAX: gl.constexpr, PINGPONG: gl.constexpr, SOFTCAP: gl.constexpr, HAS_LOWER: gl.constexpr,
@@ -587,18 +489,19 @@ def _softmax_partition(
     """A consumer of a program of one tile (``_consume_tile``'s arguments)."""
     _consume_tile(
         cid, o_desc, lse_ptr, q_smem, q_smem, k_smem, v_smem, q_ready, q_ready, k_ready, k_empty, v_ready,
-        v_empty, pin_smem, turn_smem, batch, head, start_m, first_block, n_blocks, n_lead, n_full, 0, 0,
-        SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, stride_lb, stride_lh, qk_scale, cap_log2, IS_CAUSAL,
-        PIN_SOFTMAX, PINGPONG, False, SOFTCAP, HAS_LOWER,
+        v_empty, pin_smem, turn_smem, batch, head, start_m, first_block, n_blocks, n_lead, n_full, 0, 0, 0,
+        o_ptr, 0, 0, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, stride_lb, stride_lh, qk_scale, cap_log2,
+        IS_CAUSAL, PIN_SOFTMAX, PINGPONG, False, SOFTCAP, HAS_LOWER, False,
     )  # fmt: skip
 
 
 @gluon.jit
 def _softmax_partition_persistent(
-    cid: gl.constexpr, o_desc, lse_ptr, q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, k_empty,
-    v_ready, v_empty, pin_smem, turn_smem, HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K,
-    UPPER_OFFSET, LOWER_OFFSET, stride_lb, stride_lh, qk_scale, cap_log2, IS_CAUSAL: gl.constexpr,
-    PIN_SOFTMAX: gl.constexpr, PINGPONG: gl.constexpr, SOFTCAP: gl.constexpr, HAS_LOWER: gl.constexpr,
+    cid: gl.constexpr, o_desc, o_ptr, stride_oh, stride_os, lse_ptr, q_smem, o_smem, k_smem, v_smem, q_ready,
+    q_free, k_ready, k_empty, v_ready, v_empty, pin_smem, turn_smem, HEADS, BATCH_HEADS, HEADS_PER_GROUP,
+    GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, cu_q_ptr, cu_k_ptr, stride_lb, stride_lh, qk_scale,
+    cap_log2, IS_CAUSAL: gl.constexpr, PIN_SOFTMAX: gl.constexpr, PINGPONG: gl.constexpr,
+    SOFTCAP: gl.constexpr, HAS_LOWER: gl.constexpr, VARLEN: gl.constexpr,
 ):  # fmt: skip
     """A consumer of a persistent program: the producer's tiles, in its order."""
     BLOCK: gl.constexpr = q_smem.type.shape[0] * q_smem.type.shape[1]
@@ -608,15 +511,17 @@ def _softmax_partition_persistent(
     loads = 0
     first, last, stride = _walk_range(m_blocks, BATCH_HEADS, IS_CAUSAL)
     for step in range(first, last, stride):
-        batch, head, _kv_head, start_m, first_block, n_blocks, n_lead, n_full = _walk_tile(
-            step, HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, BLOCK,
-            BLOCK_N, IS_CAUSAL, HAS_LOWER,
+        batch, head, _kv_head, start_m, first_block, n_blocks, n_lead, n_full, seq = _walk_tile(
+            step, HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
+            cu_q_ptr, cu_k_ptr, BLOCK, BLOCK_N, IS_CAUSAL, HAS_LOWER, VARLEN,
         )  # fmt: skip
+        q_row0, _k_row0, seq_q, seq_k, upper, lower = seq
         _consume_tile(
             cid, o_desc, lse_ptr, q_smem, o_smem, k_smem, v_smem, q_ready, q_free, k_ready, k_empty,
             v_ready, v_empty, pin_smem, turn_smem, batch, head, start_m, first_block, n_blocks, n_lead,
-            n_full, kv_base, loads, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, stride_lb, stride_lh, qk_scale,
-            cap_log2, IS_CAUSAL, PIN_SOFTMAX, PINGPONG, True, SOFTCAP, HAS_LOWER,
+            n_full, kv_base, loads, q_row0, o_ptr, stride_oh, stride_os, seq_q, seq_k, upper, lower,
+            stride_lb, stride_lh, qk_scale, cap_log2, IS_CAUSAL, PIN_SOFTMAX, PINGPONG, True, SOFTCAP,
+            HAS_LOWER, VARLEN,
         )  # fmt: skip
         kv_base += n_blocks
         loads += gl.where(n_blocks > 0, 1, 0)
@@ -629,6 +534,9 @@ def _attn_fwd_sm90_kernel(
     k_desc,  # ... of k, (B, Hkv, Sk, D), box (1, 1, BLOCK_N, D)
     v_desc,  # ... of v, like k
     o_desc,  # ... of the output, like q
+    o_ptr,  # VARLEN: the output (1, Hq, T, D), its strides between heads and rows (masked stores)
+    stride_oh: gl.int64,
+    stride_os: gl.int64,
     lse_ptr,  # fp32 out: log-sum-exp of each row's scores (natural log), (B, Hq, Sq), strides stride_l*, 1
     # elements between batches and heads of the lse; 64-bit, so that the row's offset needs no
     # widening, which ptxas hoisted to the kernel's entry and spilled across the register
@@ -639,10 +547,12 @@ def _attn_fwd_sm90_kernel(
     BATCH_HEADS,  # B * HEADS
     HEADS_PER_GROUP,  # the order of programs (``order``): (batch, head)s whose blocks run together
     GROUP,  # query heads per key/value head (1 without GQA)
-    SEQ_Q,  # query rows of a head
-    SEQ_K,  # keys of a head
-    UPPER_OFFSET,  # IS_CAUSAL: row i sees key j iff j <= i + UPPER_OFFSET
-    LOWER_OFFSET,  # HAS_LOWER: ... and j >= i + LOWER_OFFSET
+    SEQ_Q,  # query rows of a head (VARLEN: the longest sequence's)
+    SEQ_K,  # keys of a head (VARLEN: the longest sequence's)
+    UPPER_OFFSET,  # IS_CAUSAL: row i sees key j iff j <= i + UPPER_OFFSET (VARLEN: a window's side)
+    LOWER_OFFSET,  # HAS_LOWER: ... and j >= i + LOWER_OFFSET (VARLEN: a window's side)
+    cu_q_ptr,  # VARLEN: int32 (B + 1,) cu_seqlens of the queries: sequence b's rows cu_q[b]:cu_q[b + 1]
+    cu_k_ptr,  # ... of the keys
     qk_scale,  # scale * log2(e): the exponent in log2 units is q . k * qk_scale (SOFTCAP: scale / softcap)
     cap_log2,  # SOFTCAP: softcap * log2(e); the exponent is cap_log2 * tanh(q . k * qk_scale)
     IS_CAUSAL: gl.constexpr,  # an upper bound: the causal mask, or a window's right side
@@ -654,6 +564,7 @@ def _attn_fwd_sm90_kernel(
     PERSISTENT: gl.constexpr,  # a program walks tiles in _walk_range's order (two consumers)
     SOFTCAP: gl.constexpr,  # the scores are soft-capped (``softcapped_tanh``)
     HAS_LOWER: gl.constexpr,  # a window's lower bound
+    VARLEN: gl.constexpr,  # a packed batch of B sequences (persistent only): tensors (1, H, T, D)
 ):
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -664,9 +575,10 @@ def _attn_fwd_sm90_kernel(
     gl.static_assert(k_desc.block_type.shape[3] == HEAD_DIM, "q and k share D")
 
     # One program a tile (``_tile``), or, PERSISTENT, a tile after another
-    batch, head, kv_head, start_m, first_block, n_blocks, n_lead, n_full = _tile(
+    gl.static_assert(PERSISTENT or not VARLEN, "a packed batch takes the persistent tile")
+    batch, head, kv_head, start_m, first_block, n_blocks, n_lead, n_full, _seq = _tile(
         gl.program_id(0), HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET,
-        LOWER_OFFSET, BLOCK, BLOCK_N, IS_CAUSAL, HAS_LOWER,
+        LOWER_OFFSET, cu_q_ptr, cu_k_ptr, BLOCK, BLOCK_N, IS_CAUSAL, HAS_LOWER, False,
     )  # fmt: skip
 
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
@@ -704,35 +616,35 @@ def _attn_fwd_sm90_kernel(
         for i in gl.static_range(CONSUMERS):
             mbarrier.init(q_free.index(i), count=1)
         gl.warp_specialize([
-            (_softmax_partition_persistent, (0, o_desc, lse_ptr, q_smem, o_smem, k_smem, v_smem, q_ready,
-                                             q_free, k_ready, k_empty, v_ready, v_empty, pin_smem, turn_smem,
-                                             HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K,
-                                             UPPER_OFFSET, LOWER_OFFSET, stride_lb, stride_lh, qk_scale,
-                                             cap_log2, IS_CAUSAL, PIN_SOFTMAX, PINGPONG, SOFTCAP,
-                                             HAS_LOWER)),
-            (_softmax_partition_persistent, (1, o_desc, lse_ptr, q_smem, o_smem, k_smem, v_smem, q_ready,
-                                             q_free, k_ready, k_empty, v_ready, v_empty, pin_smem, turn_smem,
-                                             HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K,
-                                             UPPER_OFFSET, LOWER_OFFSET, stride_lb, stride_lh, qk_scale,
-                                             cap_log2, IS_CAUSAL, PIN_SOFTMAX, PINGPONG, SOFTCAP,
-                                             HAS_LOWER)),
+            (_softmax_partition_persistent, (0, o_desc, o_ptr, stride_oh, stride_os, lse_ptr, q_smem, o_smem,
+                                             k_smem, v_smem, q_ready, q_free, k_ready, k_empty, v_ready,
+                                             v_empty, pin_smem, turn_smem, HEADS, BATCH_HEADS,
+                                             HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
+                                             cu_q_ptr, cu_k_ptr, stride_lb, stride_lh, qk_scale, cap_log2,
+                                             IS_CAUSAL, PIN_SOFTMAX, PINGPONG, SOFTCAP, HAS_LOWER, VARLEN)),
+            (_softmax_partition_persistent, (1, o_desc, o_ptr, stride_oh, stride_os, lse_ptr, q_smem, o_smem,
+                                             k_smem, v_smem, q_ready, q_free, k_ready, k_empty, v_ready,
+                                             v_empty, pin_smem, turn_smem, HEADS, BATCH_HEADS,
+                                             HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
+                                             cu_q_ptr, cu_k_ptr, stride_lb, stride_lh, qk_scale, cap_log2,
+                                             IS_CAUSAL, PIN_SOFTMAX, PINGPONG, SOFTCAP, HAS_LOWER, VARLEN)),
             (_load_partition_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free,
                                           k_ready, k_empty, v_ready, v_empty, HEADS, BATCH_HEADS,
                                           HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
-                                          IS_CAUSAL, HAS_LOWER)),
+                                          cu_q_ptr, cu_k_ptr, IS_CAUSAL, HAS_LOWER, VARLEN)),
         ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_softmax_partition, (0, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
-                                  v_ready, v_empty, pin_smem, turn_smem, batch, head, start_m, first_block,
-                                  n_blocks, n_lead, n_full, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
-                                  stride_lb, stride_lh, qk_scale, cap_log2, IS_CAUSAL, PIN_SOFTMAX, PINGPONG,
-                                  SOFTCAP, HAS_LOWER)),
-            (_softmax_partition, (1, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
-                                  v_ready, v_empty, pin_smem, turn_smem, batch, head, start_m, first_block,
-                                  n_blocks, n_lead, n_full, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
-                                  stride_lb, stride_lh, qk_scale, cap_log2, IS_CAUSAL, PIN_SOFTMAX, PINGPONG,
-                                  SOFTCAP, HAS_LOWER)),
+            (_softmax_partition, (0, o_desc, o_ptr, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready,
+                                  k_empty, v_ready, v_empty, pin_smem, turn_smem, batch, head, start_m,
+                                  first_block, n_blocks, n_lead, n_full, SEQ_Q, SEQ_K, UPPER_OFFSET,
+                                  LOWER_OFFSET, stride_lb, stride_lh, qk_scale, cap_log2, IS_CAUSAL,
+                                  PIN_SOFTMAX, PINGPONG, SOFTCAP, HAS_LOWER)),
+            (_softmax_partition, (1, o_desc, o_ptr, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready,
+                                  k_empty, v_ready, v_empty, pin_smem, turn_smem, batch, head, start_m,
+                                  first_block, n_blocks, n_lead, n_full, SEQ_Q, SEQ_K, UPPER_OFFSET,
+                                  LOWER_OFFSET, stride_lb, stride_lh, qk_scale, cap_log2, IS_CAUSAL,
+                                  PIN_SOFTMAX, PINGPONG, SOFTCAP, HAS_LOWER)),
             (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
                                v_ready, v_empty, batch, head, kv_head, start_m, first_block, n_blocks)),
         ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
