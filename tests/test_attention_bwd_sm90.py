@@ -42,7 +42,9 @@ def descriptor(dtype, rows, cols, swizzle=None):  # as bwd_sm90._descriptor make
 for dtype, head_dim, causal, deterministic, shared_dq, _, *fields in CASES:
     # (a case without fields: a 64-row step, one value converted an instruction: the D = 128 free
     # default and deterministic candidate, the 64-row candidates at D = 64)
-    config = bwd.CONFIGS[head_dim]._replace(shared_dq=shared_dq, **({"block_m": bwd.BLOCK_M} | dict(*fields)))
+    fields = dict(*fields)
+    softcap = fields.pop("softcap", False)  # (the kernel's SOFTCAP, not a Config field)
+    config = bwd.CONFIGS[head_dim]._replace(shared_dq=shared_dq, **({"block_m": bwd.BLOCK_M} | fields))
     shipped = bwd.default_config(head_dim, deterministic, False, causal)
     k_swizzle = 64 if shared_dq and head_dim == 64 else None
     rows = {"q_desc": config.block_m, "k_desc": bwd.SPLIT_N, "v_desc": bwd.SPLIT_N, "do_desc": config.block_m,
@@ -56,23 +58,23 @@ for dtype, head_dim, causal, deterministic, shared_dq, _, *fields in CASES:
         signature[name] = "i32"
     # KV_SHARE is 1 but per query head, and a launch specializes an int argument of 1 as a constant
     signature |= {"KV_SHARE": "constexpr"}
-    signature |= {"qk_scale": "fp32", "scale": "fp32", "IS_CAUSAL": "constexpr", "DETERMINISTIC": "constexpr",
-                  "NUM_STAGES": "constexpr", "ROTATE": "constexpr",
+    signature |= {"qk_scale": "fp32", "cap_log2": "fp32", "scale": "fp32", "IS_CAUSAL": "constexpr",
+                  "DETERMINISTIC": "constexpr", "NUM_STAGES": "constexpr", "ROTATE": "constexpr",
                   "OVERLAP_SDP": "constexpr", "SHARED_DQ": "constexpr", "ACQUIRE_FIRST": "constexpr",
-                  "TURN_BLOCKS": "constexpr", "P_PAIRS": "constexpr"}
+                  "TURN_BLOCKS": "constexpr", "P_PAIRS": "constexpr", "SOFTCAP": "constexpr"}
     constants = {"KV_SHARE": 1, "IS_CAUSAL": causal, "DETERMINISTIC": deterministic,
                  "NUM_STAGES": config.num_stages,
                  "OVERLAP_SDP": config.overlap_sdp, "SHARED_DQ": config.shared_dq,
                  "ACQUIRE_FIRST": shipped.acquire_first,
                  "TURN_BLOCKS": shipped.turn_blocks,
-                 "P_PAIRS": config.p_in_pairs}
+                 "P_PAIRS": config.p_in_pairs, "SOFTCAP": softcap}
     constants["ROTATE"] = bwd.order(deterministic, causal, 64, 32, 132)[1]  # rotated where it may be
     kernel = triton.compile(GluonASTSource(bwd._attn_bwd_sm90_kernel, signature, constants),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": bwd.CONSUMER_WARPS.value})
     ptx, sass = kernel.asm["ptx"], _cuobjdump(kernel.asm["cubin"], "-sass")
     print(json.dumps({
         "case": f"{dtype} d{head_dim} causal={causal} deterministic={deterministic} "
-                f"shared_dq={shared_dq} {fields[0] if fields else ''}",
+                f"shared_dq={shared_dq} {fields or ''}{' softcap' if softcap else ''}",
         "warps": kernel.metadata.num_warps, "shared": kernel.metadata.shared,
         "waits": numbers(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx),
         "setmaxnreg": numbers(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx),
@@ -87,7 +89,7 @@ for dtype, head_dim, causal, deterministic, shared_dq, _, *fields in CASES:
     }))
 """
 
-# (dtype, D, causal, deterministic, Config.shared_dq, spills[, Config.block_m]): both head dims,
+# (dtype, D, causal, deterministic, Config.shared_dq, spills[, Config fields]): both head dims,
 # both masks, both modes, both dQ splits, each with its default turns (the order of programs is a
 # runtime argument: one compile serves all; a deterministic full mask compiles the rotated walk),
 # and the local loads and stores in the SASS, which may not grow. At D = 128 a consumer's
@@ -102,7 +104,9 @@ for dtype, head_dim, causal, deterministic, shared_dq, _, *fields in CASES:
 # fixed part at each turn: bwd_sm90_dq._rotated_rank_base). The other cases at D = 64 are 64-row
 # candidates. The deterministic D = 128 default converts its 16-bit P in pairs (the cases with
 # p_in_pairs): 13 causal, 9 on the rotated walk (72 before _rotated_rank_base); with from_pairs's
-# unpacking the one-value cases compile to pairs too (13, from 52-68).
+# unpacking the one-value cases compile to pairs too (13, from 52-68). A soft cap (the field
+# "softcap", the kernel's SOFTCAP): dS reads P (1 - tanh^2) made with P, in P's form; 28 and 52 at
+# D = 128 causal, none a step; D = 64 takes 64-row steps with it (bwd_sm90.default_config).
 STATIC_CASES = [
     ("bf16", 128, False, False, False, 27),
     ("bf16", 128, True, True, False, 13),
@@ -120,6 +124,10 @@ STATIC_CASES = [
     ("fp16", 64, True, False, True, 13, {"block_m": 128}),
     ("bf16", 128, True, True, True, 13, {"p_in_pairs": True}),
     ("bf16", 128, False, True, True, 9, {"p_in_pairs": True}),
+    ("bf16", 128, True, True, True, 28, {"p_in_pairs": True, "softcap": True}),
+    ("bf16", 128, True, False, True, 52, {"softcap": True}),
+    ("bf16", 64, False, False, True, 0, {"softcap": True}),
+    ("bf16", 64, True, True, True, 13, {"turn_blocks": 2, "softcap": True}),
 ]
 
 
@@ -306,17 +314,20 @@ def _inputs(batch, heads_q, heads_kv, seq_q, seq_k, head_dim, dtype, seed):
     return tuple(torch.randn(shape, device="cuda", dtype=dtype, generator=g) for shape in shapes)
 
 
-def _forward(q, k, v, causal, scale, bottom_right):
+def _forward(q, k, v, causal, scale, bottom_right, softcap=0.0):
     """o (in q's dtype) and the fp32 lse, from the float64 reference."""
     from tritonkit.ops.attention.common import attention_reference
 
     o, lse = attention_reference(
-        q.double(), k.double(), v.double(), causal, scale, bottom_right=bottom_right, return_lse=True
-    )
+        q.double(), k.double(), v.double(), causal, scale, bottom_right=bottom_right, return_lse=True,
+        softcap=softcap,
+    )  # fmt: skip
     return o.to(q.dtype), lse.float()
 
 
-def _run(q, k, v, do, o, lse, causal, scale, bottom_right, deterministic, grads=None, config=None):
+def _run(
+    q, k, v, do, o, lse, causal, scale, bottom_right, deterministic, grads=None, config=None, softcap=0.0
+):
     """The kernel's (dq, dk, dv), written into NaN-filled buffers (or into ``grads``)."""
     from tritonkit.ops.attention import bwd, bwd_sm90
 
@@ -326,24 +337,27 @@ def _run(q, k, v, do, o, lse, causal, scale, bottom_right, deterministic, grads=
     offset = q.shape[2] - k.shape[2]
     bwd_sm90.attention_bwd_sm90(
         do, q, k, v, lse, delta, dq, dk, dv, scale=scale, causal=causal,
-        upper_offset=-offset if bottom_right else 0, deterministic=deterministic, config=config,
+        upper_offset=-offset if bottom_right else 0, softcap=softcap, deterministic=deterministic,
+        config=config,
     )  # fmt: skip
     return dq, dk, dv
 
 
-def check(q, k, v, do, causal, *, deterministic, scale=None, bottom_right=True, config=None):
+def check(q, k, v, do, causal, *, deterministic, scale=None, bottom_right=True, config=None, softcap=0.0):
     """The oracle on dq, dk and dv against autograd through the reference in float64, torch's error
     from the same reference run in the inputs' dtype."""
     from tritonkit.ops.attention.common import attention_reference
     from tritonkit.oracle import compare
 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    o, lse = _forward(q, k, v, causal, scale, bottom_right)
-    grads = _run(q, k, v, do, o, lse, causal, scale, bottom_right, deterministic, config=config)
+    o, lse = _forward(q, k, v, causal, scale, bottom_right, softcap)
+    grads = _run(
+        q, k, v, do, o, lse, causal, scale, bottom_right, deterministic, config=config, softcap=softcap
+    )
 
     def reference(dtype):
         inputs = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-        out = attention_reference(*inputs, causal, scale, bottom_right=bottom_right)
+        out = attention_reference(*inputs, causal, scale, bottom_right=bottom_right, softcap=softcap)
         return torch.autograd.grad(out, inputs, do.to(dtype))
 
     exact, in_dtype = reference(torch.float64), reference(q.dtype)
@@ -396,6 +410,36 @@ def test_gpu_matches_the_reference(case, head_dim, dtype, deterministic):
     seed = 8 * CASES.index(case) + 4 * (head_dim == 128) + 2 * (dtype == torch.float16) + deterministic
     inputs = _inputs(batch, heads_q, heads_kv, seq_q, seq_k, head_dim, dtype, seed)
     check(*inputs, causal, deterministic=deterministic, bottom_right=bottom_right)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("deterministic", [False, True], ids=["any-order", "deterministic"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_soft_capped_scores(causal, head_dim, deterministic, caplog):
+    """``softcap``: the gradients through softcap * tanh(s / softcap) (dS times 1 - tanh^2): a cap
+    that bites (10, on scores spread past it), one where every tanh saturates (0.5), and one that
+    barely does (1e7: the tanh's series near 0), GQA, ragged, Sq != Sk, fp16 too; and
+    flash_attention's softcap takes this backward."""
+    import logging
+
+    import tritonkit
+
+    for cap, spread, dtype in (
+        (10.0, 4.0, torch.bfloat16),
+        (0.5, 1.0, torch.bfloat16),
+        (1e7, 1.0, torch.float16),
+    ):
+        q, k, v, do = _inputs(2, 4, 2, 333, 517, head_dim, dtype, seed=int(cap) % 97 + head_dim + causal)
+        check(q * spread, k, v, do, causal, deterministic=deterministic, softcap=cap)
+    q, k, v, _ = _inputs(1, 4, 4, 256, 256, head_dim, torch.bfloat16, seed=7)
+    q.requires_grad_()
+    with caplog.at_level(logging.DEBUG, logger="tritonkit"):
+        tritonkit.flash_attention(
+            q, k, v, causal=causal, softcap=30.0, deterministic=deterministic
+        ).sum().backward()
+    assert f"attention backward {tuple(q.shape)} on the sm_90 Gluon kernel" in caplog.text
 
 
 @pytest.mark.gpu

@@ -283,7 +283,7 @@ def sm90_takes(q, k, v, scores: Scores, packed: Packed | None, deterministic: bo
         switch = SM90_BACKWARD
     if not switch or interpret() or not q.is_cuda or packed is not None:
         return False
-    if tuple(scores.window) != (-1, -1) or scores.softcap or not scores.scale > 0:
+    if tuple(scores.window) != (-1, -1) or not scores.scale > 0:
         return False
     from tritonkit.ops.attention import bwd_sm90
 
@@ -331,7 +331,7 @@ def attention_bwd_into(
         (upper_offset, *_), _ = scores.kernel_args(q.shape[2], k.shape[2])
         bwd_sm90.attention_bwd_sm90(
             do, q, k, v, lse, delta, dq, dk, dv, scale=scores.scale, causal=scores.causal,
-            upper_offset=upper_offset, deterministic=deterministic,
+            upper_offset=upper_offset, softcap=scores.softcap, deterministic=deterministic,
         )  # fmt: skip
         return
     log.debug("tritonkit: attention backward %s on the Triton kernels", tuple(q.shape))

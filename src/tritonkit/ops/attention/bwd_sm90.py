@@ -102,7 +102,9 @@ CANDIDATES = {
 }
 
 
-def default_config(head_dim: int, deterministic: bool, gqa: bool = False, causal: bool = True) -> Config:
+def default_config(
+    head_dim: int, deterministic: bool, gqa: bool = False, causal: bool = True, softcap: bool = False
+) -> Config:
     """The launch's config where the caller names none: CONFIGS', with shared_dq where the mode is
     deterministic (one ticketed add a step instead of two in turn: at D = 64 on the H200, at
     6ea5362, 0.67-0.77x cuDNN against 0.51-0.58x; `python benchmarks/attention_bwd_sm90.py OUT.json
@@ -113,8 +115,12 @@ def default_config(head_dim: int, deterministic: bool, gqa: bool = False, causal
     an H100 at 9b33d42, x the one-value conversion in the same run, +9-14% causal and level to +2%
     full at D = 128; `python benchmarks/attention_bwd_sm90.py OUT.json --defaults --skip-triton
     --config det:p_in_pairs=True --shape 4,32,32,4096,128`; docs/perf-notes/attention-backward-sm90.md);
-    a turn of the dQ warp a step."""
+    a turn of the dQ warp a step. With a soft cap at D = 64, 64-row steps (a turn two of them): the
+    128-row step's P (1 - tanh^2) beside P kept 7 values a step on the stack in the bf16 free mode
+    (compiled for sm_90; none with 64 rows)."""
     config = CONFIGS[head_dim]
+    if softcap and head_dim == 64:
+        config = config._replace(block_m=BLOCK_M, turn_blocks=2 if deterministic else 1)
     if not deterministic:
         return config
     return config._replace(
@@ -171,6 +177,7 @@ def attention_bwd_sm90(
     scale: float,
     causal: bool,
     upper_offset: int,
+    softcap: float = 0.0,
     deterministic: bool = True,
     config: Config | None = None,
 ) -> None:
@@ -179,12 +186,15 @@ def attention_bwd_sm90(
     q and do (B, Hq, Sq, D), k and v (B, Hkv, Sk, D); ``lse`` the forward's fp32 log-sum-exp
     (B, Hq, Sq) with a contiguous last dim (-inf where a row sees no key), ``delta`` (B, Hq, Sq) fp32
     from the delta kernel, likewise. ``causal``: row i sees key j iff j <= i + ``upper_offset``
-    (Sk - Sq aligned bottom-right, 0 top-left). ``scale`` > 0 multiplies q . k. ``deterministic``
+    (Sk - Sq aligned bottom-right, 0 top-left). ``scale`` > 0 multiplies q . k; ``softcap`` > 0 caps
+    the scaled scores to softcap * tanh(s / softcap), as the forward did (0: no cap). ``deterministic``
     orders the additions into dq (the same bits every run). The caller has checked ``supports``;
     tensors TMA cannot take as they are are copied (gradients written back)."""
-    scale = float(scale)
+    scale, softcap = float(scale), float(softcap)
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be a finite number > 0, got {scale}")
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap must be a finite number >= 0 (0: no cap), got {softcap}")
     if config is not None:
         check_config(config, q.shape[-1])
     if not supports(q, k, v):
@@ -197,7 +207,9 @@ def attention_bwd_sm90(
             grad.zero_()
         return
     do, q, k, v = (t if tma_ready(t) else t.contiguous() for t in (do, q, k, v))
-    config = config or default_config(q.shape[3], deterministic, q.shape[1] != k.shape[1], causal)
+    config = config or default_config(
+        q.shape[3], deterministic, q.shape[1] != k.shape[1], causal, bool(softcap)
+    )
     shares = config.per_query_head and q.shape[1] != k.shape[1]
     if shares:  # each query head's share of dK and dV, (B, Hq, Sk, D), summed below
         outputs = [scratch((*q.shape[:2], *k.shape[2:]), k.dtype, k.device) for _ in "kv"]
@@ -214,7 +226,7 @@ def attention_bwd_sm90(
     )
     for launch in launches(
         do, q, k, v, lse, delta, dq_acc, tickets, *outputs, scale=scale, causal=causal,
-        upper_offset=upper_offset, deterministic=deterministic, config=config,
+        upper_offset=upper_offset, softcap=softcap, deterministic=deterministic, config=config,
     ):  # fmt: skip
         launch.run()
     if not shares:
@@ -295,6 +307,7 @@ def launches(
     upper_offset,
     deterministic,
     config,
+    softcap=0.0,
 ) -> list[Launch]:
     """The kernel's launch for checked, TMA-ready arguments (``attention_bwd_sm90``'s): one program
     per BLOCK_N keys of a (batch, key/value head), a one-dimensional grid in ``order``'s order."""
@@ -334,15 +347,19 @@ def launches(
         seq_q,
         seq_k,
         int(upper_offset),
-        scale * LOG2E.value,
+        # the exponent's factors: q . k * scale * log2(e), or capped cap_log2 * tanh(q . k * scale / cap)
+        scale / softcap if softcap else scale * LOG2E.value,
+        softcap * LOG2E.value if softcap else 1.0,
         scale,
     )
-    meta = kernel_meta(config, causal, deterministic, rotate)
+    meta = kernel_meta(config, causal, deterministic, rotate, bool(softcap))
     grid = (blocks * pairs,)
     return [Launch("bwd sm90", _attn_bwd_sm90_kernel, args, meta, config._asdict(), grid)]
 
 
-def kernel_meta(config: Config, causal: bool, deterministic: bool, rotate: bool) -> dict:
+def kernel_meta(
+    config: Config, causal: bool, deterministic: bool, rotate: bool, softcap: bool = False
+) -> dict:
     """The kernel's constexpr arguments, in its order (the launcher takes them as its trailing
     parameters), and its warps."""
     return {
@@ -355,6 +372,7 @@ def kernel_meta(config: Config, causal: bool, deterministic: bool, rotate: bool)
         "P_PAIRS": config.p_in_pairs,
         "ACQUIRE_FIRST": config.acquire_first and deterministic,
         "TURN_BLOCKS": config.turn_blocks if deterministic else 1,
+        "SOFTCAP": softcap,
         "num_warps": CONSUMER_WARPS.value,
     }
 

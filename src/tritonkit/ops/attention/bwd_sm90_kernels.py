@@ -86,7 +86,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from tritonkit.jit import LOG2E
 from tritonkit.ops.attention.bwd_sm90_dq import _dq_partition
-from tritonkit.ops.attention.sm90_elementwise import from_pairs, to_pairs
+from tritonkit.ops.attention.sm90_elementwise import from_pairs, softcapped_tanh, to_pairs
 
 SPLIT_N = 64  # keys a consumer warpgroup holds: a wgmma's M per warpgroup
 NUM_CONSUMERS = gl.constexpr(2)  # FA3's 2 x 64 = 128 keys a program
@@ -211,6 +211,7 @@ def _grad_steps(
     SEQ_K,
     UPPER_OFFSET,
     qk_scale,
+    cap_log2,
     MASKED: gl.constexpr,
     IS_CAUSAL: gl.constexpr,
     DETERMINISTIC: gl.constexpr,
@@ -219,6 +220,7 @@ def _grad_steps(
     SHARED_DQ: gl.constexpr,
     P_PAIRS: gl.constexpr,
     CID: gl.constexpr,
+    SOFTCAP: gl.constexpr,
 ):
     """Query blocks [first, last) of one query head against this warpgroup's keys (from
     ``key_start``): step step0 + (m - first) of the ring for block m (with ROTATE, block
@@ -245,10 +247,35 @@ def _grad_steps(
     )
     zero_dq = gl.zeros([BLOCK, DQ_COLS], gl.float32, dq_layout)
     keys = key_start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-    walk = (buffers, keys, zero_s, zero_dq, first, step0, rot, m_count, SEQ_K, UPPER_OFFSET, qk_scale)
+    walk = (
+        buffers,
+        keys,
+        zero_s,
+        zero_dq,
+        first,
+        step0,
+        rot,
+        m_count,
+        SEQ_K,
+        UPPER_OFFSET,
+        qk_scale,
+        cap_log2,
+    )
     for i in range(first, last):
         dk, dv = _grad_step(
-            dk, dv, i, walk, MASKED, IS_CAUSAL, DETERMINISTIC, ROTATE, OVERLAP_SDP, SHARED_DQ, P_PAIRS, CID
+            dk,
+            dv,
+            i,
+            walk,
+            MASKED,
+            IS_CAUSAL,
+            DETERMINISTIC,
+            ROTATE,
+            OVERLAP_SDP,
+            SHARED_DQ,
+            P_PAIRS,
+            CID,
+            SOFTCAP,
         )
     return dk, dv
 
@@ -280,7 +307,8 @@ def _grad_step(
     dk,
     dv,
     i,
-    walk,  # (buffers, keys, zero_s, zero_dq, first, step0, rot, m_count, SEQ_K, UPPER_OFFSET, qk_scale)
+    walk,  # (buffers, keys, zero_s, zero_dq, first, step0, rot, m_count, SEQ_K, UPPER_OFFSET, qk_scale,
+    # cap_log2)
     MASKED: gl.constexpr,
     IS_CAUSAL: gl.constexpr,
     DETERMINISTIC: gl.constexpr,
@@ -289,10 +317,13 @@ def _grad_step(
     SHARED_DQ: gl.constexpr,
     P_PAIRS: gl.constexpr,
     CID: gl.constexpr,
+    SOFTCAP: gl.constexpr,
 ):
     """Query block i's step of ``_grad_steps``' walk: S^T, P^T, dP^T, dS^T and the products into dV
-    and dK, and its dQ columns. Returns (dk, dv)."""
-    buffers, keys, zero_s, zero_dq, first, step0, rot, m_count, SEQ_K, UPPER_OFFSET, qk_scale = walk
+    and dK, and its dQ columns. Returns (dk, dv). SOFTCAP: the exponent is cap_log2 * tanh(s *
+    qk_scale) (the forward's ``softcapped_tanh``), and dS^T takes the tanh's derivative, 1 - tanh^2
+    (the scale comes after, as without the cap)."""
+    buffers, keys, zero_s, zero_dq, first, step0, rot, m_count, SEQ_K, UPPER_OFFSET, qk_scale, cap_log2 = walk
     (k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem, qd_ready, qd_empty, ds_ready, ds_free, dq_full,
      dq_empty, lse_smem, delta_smem) = buffers  # fmt: skip
     NUM_STAGES: gl.constexpr = q_smem.type.shape[0]
@@ -326,14 +357,19 @@ def _grad_step(
     else:
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
     lse = lse_smem.index(stage).load(col_s)
+    if SOFTCAP:  # the exponent's factor is cap_log2 on the tanh, in qk_scale's place
+        s = softcapped_tanh(s, qk_scale, qk_scale * (2.0 * LOG2E))
+        factor = cap_log2
+    else:
+        factor = qk_scale
     if MASKED:
         rows = m * BLOCK + gl.arange(0, BLOCK, layout=col_s)
         visible = keys[:, None] < SEQ_K
         if IS_CAUSAL:
             visible = visible & (keys[:, None] <= rows[None, :] + UPPER_OFFSET)
-        p = gl.exp2(gl.where(visible, s * qk_scale - lse[None, :], -float("inf")))
+        p = gl.exp2(gl.where(visible, s * factor - lse[None, :], -float("inf")))
     else:
-        p = gl.exp2(s * qk_scale - lse[None, :])
+        p = gl.exp2(s * factor - lse[None, :])
     # P^T in the input dtype, packed in pairs as dV's A operand (F2FP, two a conversion on the
     # ALU), and dS from P's fp32 values: a 16-bit bf16 P that dS also reads compiles to one F2F
     # a value, on the MUFU's pipe beside the exponentials. fp16's converts in pairs either way
@@ -343,12 +379,26 @@ def _grad_step(
     # At D = 64 the 16-bit P cost the free mode 3-15% on the H200, and the deterministic one
     # takes the fp32 P there too: +11-12% causal, level full
     P16_PAIRS: gl.constexpr = P_PAIRS or BLOCK > 64  # (an fp32 P of 128 rows spills: 16 bits, in pairs)
+    # dS reads p_ds: P, or SOFTCAP P (1 - tanh^2), the cap's derivative folded in where P is made
+    # (the tanh is not held until dP: the free D = 128 mode's fp32 P and tanh spilled 250 values a
+    # step), in the form dS reads P in; P itself feeds dV
+    p_ds = p
+    if SOFTCAP:
+        p_ds = p * (1.0 - s * s)
     if P16 and P16_PAIRS:  # converted in pairs on the ALU (F2FP), unpacked for dS
         p = to_pairs(p, dtype)
         p_a = gl.convert_layout(p, a_layout)
+        if SOFTCAP:
+            p_ds = to_pairs(p_ds, dtype)
+        else:
+            p_ds = p
     elif P16:
         p = p.to(dtype)
         p_a = gl.convert_layout(p, a_layout)
+        if SOFTCAP:
+            p_ds = p_ds.to(dtype)
+        else:
+            p_ds = p
     else:
         p_a = gl.convert_layout(to_pairs(p, dtype), a_layout)
     if not OVERLAP_SDP:  # dP^T now, under P's conversion and dV
@@ -356,9 +406,9 @@ def _grad_step(
     dv = warpgroup_mma(p_a, do, dv, is_async=True)
     dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp,))
     if P16 and dtype == gl.bfloat16:  # (an fp16 P converts: its exponent is not an fp32's)
-        p_wide = from_pairs(p)
+        p_wide = from_pairs(p_ds)
     else:
-        p_wide = p.to(gl.float32)
+        p_wide = p_ds.to(gl.float32)
     ds = p_wide * (dp - delta_smem.index(stage).load(col_s)[None, :])
     if P16 and not P16_PAIRS:
         ds = ds.to(dtype)
@@ -437,6 +487,7 @@ def _grad_partition(
     SEQ_K,
     UPPER_OFFSET,
     qk_scale,
+    cap_log2,
     scale,
     IS_CAUSAL: gl.constexpr,
     DETERMINISTIC: gl.constexpr,
@@ -444,6 +495,7 @@ def _grad_partition(
     OVERLAP_SDP: gl.constexpr,
     SHARED_DQ: gl.constexpr,
     P_PAIRS: gl.constexpr,
+    SOFTCAP: gl.constexpr,
 ):
     ROWS: gl.constexpr = k_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
@@ -469,11 +521,12 @@ def _grad_partition(
                        dq_full, dq_empty, lse_smem, delta_smem)
             dk, dv = _grad_steps(
                 dk, dv, buffers, key_start, m_start, m_mid, g * n_tiles, rot, m_end, SEQ_K, UPPER_OFFSET,
-                qk_scale, True, IS_CAUSAL, DETERMINISTIC, ROTATE, OVERLAP_SDP, SHARED_DQ, P_PAIRS, cid)
+                qk_scale, cap_log2, True, IS_CAUSAL, DETERMINISTIC, ROTATE, OVERLAP_SDP, SHARED_DQ, P_PAIRS,
+                cid, SOFTCAP)
             dk, dv = _grad_steps(
                 dk, dv, buffers, key_start, m_mid, m_end, g * n_tiles + m_mid - m_start, rot, m_end, SEQ_K,
-                UPPER_OFFSET, qk_scale, False, IS_CAUSAL, DETERMINISTIC, ROTATE, OVERLAP_SDP, SHARED_DQ,
-                P_PAIRS, cid)
+                UPPER_OFFSET, qk_scale, cap_log2, False, IS_CAUSAL, DETERMINISTIC, ROTATE, OVERLAP_SDP,
+                SHARED_DQ, P_PAIRS, cid, SOFTCAP)
             # fmt: on
     if SHARED_DQ and n_tiles > 0:
         # the other warpgroup's dQ columns read this one's K too: its products of the last step
@@ -519,7 +572,8 @@ def _attn_bwd_sm90_kernel(
     SEQ_Q,  # query rows of a head
     SEQ_K,  # keys of a head
     UPPER_OFFSET,  # IS_CAUSAL: row i sees key j iff j <= i + UPPER_OFFSET
-    qk_scale,  # scale * log2(e)
+    qk_scale,  # scale * log2(e) (SOFTCAP: scale / softcap, the tanh's argument a unit of q . k)
+    cap_log2,  # SOFTCAP: softcap * log2(e), the exponent's factor on the tanh
     scale,  # the scores' scale (dK's factor)
     IS_CAUSAL: gl.constexpr,  # the causal mask
     DETERMINISTIC: gl.constexpr,  # dq's partials added in a fixed order (ticket counters)
@@ -530,6 +584,7 @@ def _attn_bwd_sm90_kernel(
     P_PAIRS: gl.constexpr,  # a 16-bit P and dS converted two values an instruction (Config.p_in_pairs)
     ACQUIRE_FIRST: gl.constexpr,  # DETERMINISTIC: the turn polled acquiring first (Config.acquire_first)
     TURN_BLOCKS: gl.constexpr,  # DETERMINISTIC: query blocks a turn covers (Config.turn_blocks; else 1)
+    SOFTCAP: gl.constexpr,  # the scores soft-capped (the forward's ``softcapped_tanh``)
 ):
     BLOCK: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -628,13 +683,13 @@ def _attn_bwd_sm90_kernel(
         (_grad_partition, (0, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem,
                            v_smem, ds_smem, dq_smem, kv_ready, qd_ready, qd_empty, ds_ready, ds_free, dq_full,
                            dq_empty, batch, kv_head, start_n, GROUP, m_start, m_mid, m_end, rot, SEQ_K,
-                           UPPER_OFFSET, qk_scale, scale, IS_CAUSAL, DETERMINISTIC, ROTATE, OVERLAP_SDP,
-                           SHARED_DQ, P_PAIRS)),
+                           UPPER_OFFSET, qk_scale, cap_log2, scale, IS_CAUSAL, DETERMINISTIC, ROTATE,
+                           OVERLAP_SDP, SHARED_DQ, P_PAIRS, SOFTCAP)),
         (_grad_partition, (1, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem,
                            v_smem, ds_smem, dq_smem, kv_ready, qd_ready, qd_empty, ds_ready, ds_free, dq_full,
                            dq_empty, batch, kv_head, start_n, GROUP, m_start, m_mid, m_end, rot, SEQ_K,
-                           UPPER_OFFSET, qk_scale, scale, IS_CAUSAL, DETERMINISTIC, ROTATE, OVERLAP_SDP,
-                           SHARED_DQ, P_PAIRS)),
+                           UPPER_OFFSET, qk_scale, cap_log2, scale, IS_CAUSAL, DETERMINISTIC, ROTATE,
+                           OVERLAP_SDP, SHARED_DQ, P_PAIRS, SOFTCAP)),
         (_load_partition, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, kv_ready,
                            qd_ready, qd_empty, batch, kv_head, KV_SHARE, start_n, GROUP,
                            m_start, m_end, rot,
