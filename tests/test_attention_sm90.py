@@ -178,26 +178,27 @@ def _persistence(fwd, head_dim: int) -> tuple:
     return (False, True) if head_dim in fwd.PERSISTENT_HEAD_DIMS else (False,)
 
 
-def _run(q, k, v, scale, causal, config=None):
-    """The kernel's (output, lse), written into NaN-filled buffers."""
+def _run(q, k, v, scale, causal, config=None, **mask):
+    """The kernel's (output, lse), written into NaN-filled buffers; ``mask``: bottom_right, window,
+    softcap."""
     o = torch.full_like(q, math.nan)
     lse = torch.full(q.shape[:3], math.nan, device=q.device, dtype=torch.float32)
-    _fwd().attention_fwd_sm90(q, k, v, o, lse, scale=scale, causal=causal, config=config)
+    _fwd().attention_fwd_sm90(q, k, v, o, lse, scale=scale, causal=causal, config=config, **mask)
     return o, lse
 
 
-def check(q, k, v, causal: bool, scale: float | None = None, config=None):
+def check(q, k, v, causal: bool, scale: float | None = None, config=None, **mask):
     """The oracle on the output and the lse of the rows that see a key; those that see none give
-    exactly 0 and lse -inf."""
+    exactly 0 and lse -inf. ``mask``: bottom_right, window, softcap, as flash_attention's."""
     from tritonkit.ops.attention.common import attention_reference
     from tritonkit.oracle import compare
 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    o, lse = _run(q, k, v, scale, causal, config)
+    o, lse = _run(q, k, v, scale, causal, config, **mask)
     exact_o, exact_lse = attention_reference(
-        q.double(), k.double(), v.double(), causal, scale, return_lse=True
+        q.double(), k.double(), v.double(), causal, scale, return_lse=True, **mask
     )
-    torch_o, torch_lse = attention_reference(q, k, v, causal, scale, return_lse=True)
+    torch_o, torch_lse = attention_reference(q, k, v, causal, scale, return_lse=True, **mask)
     seen = torch.isfinite(exact_lse)
     assert torch.equal(torch.isneginf(lse), ~seen) and (o[~seen] == 0).all()
     comparisons = [
@@ -290,36 +291,15 @@ def test_gpu_causal_aligned_top_left(head_dim, caplog):
     off the blocks; and scaled_dot_product_attention's is_causal, top-left, takes it."""
     import logging
 
-    from tritonkit.ops.attention.common import attention_reference
+    import tritonkit
     from tritonkit.oracle import compare
 
     fwd = _fwd()
     for seq_q, seq_k in ((200, 700), (700, 200), (1, 300), (300, 1)):
         q, k, v = _inputs(2, 4, 2, seq_q, seq_k, head_dim, torch.bfloat16, seed=seq_q * 7 + seq_k)
-        scale = head_dim**-0.5
-        exact_o, exact_lse = attention_reference(
-            q.double(), k.double(), v.double(), True, scale, bottom_right=False, return_lse=True
-        )
-        torch_o, torch_lse = attention_reference(q, k, v, True, scale, bottom_right=False, return_lse=True)
         for persistent in _persistence(fwd, head_dim):
-            o = torch.full_like(q, math.nan)
-            lse = torch.full(q.shape[:3], math.nan, device="cuda", dtype=torch.float32)
             config = fwd.CONFIGS[head_dim]._replace(persistent=persistent)
-            fwd.attention_fwd_sm90(
-                q, k, v, o, lse, scale=scale, causal=True, bottom_right=False, config=config
-            )
-            comparisons = [
-                compare("output", o, torch_o, exact_o, q.dtype),
-                compare("lse", lse, torch_lse.float(), exact_lse, q.dtype),
-            ]
-            assert all(c.passed for c in comparisons), (
-                seq_q,
-                seq_k,
-                persistent,
-                [str(c) for c in comparisons],
-            )
-    import tritonkit
-
+            check(q, k, v, True, config=config, bottom_right=False)
     q, k, v = _inputs(1, 4, 4, 256, 640, head_dim, torch.bfloat16, seed=5)
     with caplog.at_level(logging.DEBUG, logger="tritonkit"):
         out = tritonkit.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -341,8 +321,7 @@ def test_gpu_soft_capped_scores(head_dim, causal, caplog):
     and flash_attention's soft cap takes this forward."""
     import logging
 
-    from tritonkit.ops.attention.common import attention_reference
-    from tritonkit.oracle import compare
+    import tritonkit
 
     fwd = _fwd()
     for seq_q, seq_k, cap, scale, dtype in (
@@ -351,30 +330,9 @@ def test_gpu_soft_capped_scores(head_dim, causal, caplog):
         (520, 200, 1e7, head_dim**-0.5, torch.float16),
     ):
         q, k, v = _inputs(2, 4, 2, seq_q, seq_k, head_dim, dtype, seed=seq_q + seq_k + causal)
-        exact_o, exact_lse = attention_reference(
-            q.double(), k.double(), v.double(), causal, scale, return_lse=True, softcap=cap
-        )
-        torch_o, torch_lse = attention_reference(q, k, v, causal, scale, return_lse=True, softcap=cap)
-        seen = torch.isfinite(exact_lse)
         for persistent in _persistence(fwd, head_dim):
-            o = torch.full_like(q, math.nan)
-            lse = torch.full(q.shape[:3], math.nan, device="cuda", dtype=torch.float32)
             config = fwd.CONFIGS[head_dim]._replace(persistent=persistent)
-            fwd.attention_fwd_sm90(q, k, v, o, lse, scale=scale, causal=causal, softcap=cap, config=config)
-            assert torch.equal(torch.isneginf(lse), ~seen) and (o[~seen] == 0).all()
-            comparisons = [
-                compare("output", o, torch_o, exact_o, dtype),
-                compare("lse", lse[seen], torch_lse.float()[seen], exact_lse[seen], dtype),
-            ]
-            assert all(c.passed for c in comparisons), (
-                seq_q,
-                seq_k,
-                cap,
-                persistent,
-                [str(c) for c in comparisons],
-            )
-    import tritonkit
-
+            check(q, k, v, causal, scale, config, softcap=cap)
     q, k, v = _inputs(1, 4, 4, 256, 256, head_dim, torch.bfloat16, seed=9)
     with caplog.at_level(logging.DEBUG, logger="tritonkit"):
         tritonkit.flash_attention(q, k, v, causal=causal, softcap=50.0)
@@ -390,9 +348,6 @@ def test_gpu_sliding_windows(head_dim):
     window narrower than a block, one wider than the keys, both alignments, Sq != Sk both ways (rows
     that see no key: 0, lse -inf), with a soft cap (Gemma 2's local layers), one tile a program and
     persistent."""
-    from tritonkit.ops.attention.common import attention_reference
-    from tritonkit.oracle import compare
-
     fwd = _fwd()
     cases = [  # (Sq, Sk, causal, bottom_right, window, softcap)
         (700, 700, True, True, (64, 0), 0.0),
@@ -408,25 +363,9 @@ def test_gpu_sliding_windows(head_dim):
     ]
     for seq_q, seq_k, causal, bottom_right, window, cap in cases:
         q, k, v = _inputs(2, 4, 2, seq_q, seq_k, head_dim, torch.bfloat16, seed=seq_q + window[0])
-        scale = head_dim**-0.5
-        mask = {"bottom_right": bottom_right, "window": window, "softcap": cap}
-        exact_o, exact_lse = attention_reference(
-            q.double(), k.double(), v.double(), causal, scale, return_lse=True, **mask
-        )
-        torch_o, torch_lse = attention_reference(q, k, v, causal, scale, return_lse=True, **mask)
-        seen = torch.isfinite(exact_lse)
         for persistent in _persistence(fwd, head_dim):
-            o = torch.full_like(q, math.nan)
-            lse = torch.full(q.shape[:3], math.nan, device="cuda", dtype=torch.float32)
             config = fwd.CONFIGS[head_dim]._replace(persistent=persistent)
-            fwd.attention_fwd_sm90(q, k, v, o, lse, scale=scale, causal=causal, config=config, **mask)
-            case = (seq_q, seq_k, causal, bottom_right, window, cap, persistent)
-            assert torch.equal(torch.isneginf(lse), ~seen) and (o[~seen] == 0).all(), case
-            comparisons = [
-                compare("output", o, torch_o, exact_o, q.dtype),
-                compare("lse", lse[seen], torch_lse.float()[seen], exact_lse[seen], q.dtype),
-            ]
-            assert all(c.passed for c in comparisons), (case, [str(c) for c in comparisons])
+            check(q, k, v, causal, config=config, bottom_right=bottom_right, window=window, softcap=cap)
 
 
 @pytest.mark.gpu
