@@ -50,10 +50,11 @@ through buffers of its own so that the next tile's Q lands under the epilogue.
 Soft-capping (SOFTCAP) replaces each score by softcap * tanh(scale * q . k / softcap) before the
 masks and the softmax (``softcapped_tanh``). Sliding windows: a right side is an upper bound as the
 causal mask's (IS_CAUSAL, UPPER_OFFSET), a left side a lower bound (HAS_LOWER, LOWER_OFFSET); a tile
-walks only the key blocks its rows' window reaches, and masks the blocks either bound cuts. Not here
-yet (later stages): packed variable-length batches, D other than 64 and 128. Ping-pong between the
-consumer warpgroups is written (PINGPONG, through an mbarrier pair) but off: it measured no gain on
-the H200.
+walks only the key blocks its rows' window reaches, and masks the blocks either bound cuts. Packed
+batches (VARLEN, persistent): each tile's sequence from cu_seqlens (``fwd_sm90_tiles._tile``), O
+stored row by row, masked. Head dims: kernels of 64, 128 and 256; others run on the next one's with
+TMA boxes past D (``fwd_sm90.PADDED_HEAD_DIMS``). Ping-pong between the consumer warpgroups is
+written (PINGPONG, through an mbarrier pair) but off: it measured no gain on the H200.
 
 References: Shah et al., "FlashAttention-3" (arXiv 2407.08608); Dao-AILab/flash-attention
 ``hopper/mainloop_fwd_sm90_tma_gmma_ws.hpp``; Triton's Gluon tutorials (05-wgmma,
