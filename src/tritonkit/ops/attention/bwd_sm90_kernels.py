@@ -247,36 +247,14 @@ def _grad_steps(
     )
     zero_dq = gl.zeros([BLOCK, DQ_COLS], gl.float32, dq_layout)
     keys = key_start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-    walk = (
-        buffers,
-        keys,
-        zero_s,
-        zero_dq,
-        first,
-        step0,
-        rot,
-        m_count,
-        SEQ_K,
-        UPPER_OFFSET,
-        qk_scale,
-        cap_log2,
-    )
+    # fmt: off
+    walk = (buffers, keys, zero_s, zero_dq, first, step0, rot, m_count, SEQ_K, UPPER_OFFSET, qk_scale,
+            cap_log2)
     for i in range(first, last):
         dk, dv = _grad_step(
-            dk,
-            dv,
-            i,
-            walk,
-            MASKED,
-            IS_CAUSAL,
-            DETERMINISTIC,
-            ROTATE,
-            OVERLAP_SDP,
-            SHARED_DQ,
-            P_PAIRS,
-            CID,
-            SOFTCAP,
-        )
+            dk, dv, i, walk, MASKED, IS_CAUSAL, DETERMINISTIC, ROTATE, OVERLAP_SDP, SHARED_DQ, P_PAIRS, CID,
+            SOFTCAP)
+    # fmt: on
     return dk, dv
 
 
