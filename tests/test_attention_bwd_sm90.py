@@ -201,6 +201,32 @@ def test_the_launch_names_the_kernels_constexprs_in_its_order(deterministic):
             assert bwd_sm90._attn_bwd_sm90_kernel.arg_names[-len(names) :] == names
 
 
+def test_the_launch_passes_the_kernels_runtime_arguments_in_order(monkeypatch):
+    """The runtime arguments go by position, before the constexprs: as many as the kernel's leading
+    parameters, with and without a soft cap (only a GPU run would otherwise tell)."""
+    from tritonkit.ops.attention import bwd_sm90
+
+    monkeypatch.setattr(bwd_sm90, "sm_count", lambda device: 132)
+    q, k = (
+        torch.empty(1, 4, 256, 128, dtype=torch.bfloat16),
+        torch.empty(1, 2, 256, 128, dtype=torch.bfloat16),
+    )
+    lse, acc, tickets = (
+        torch.empty(1, 4, 256),
+        torch.empty(1, 4, 256, 128),
+        torch.empty(1, 4, 4, dtype=torch.int32),
+    )
+    names = bwd_sm90._attn_bwd_sm90_kernel.arg_names
+    for softcap in (0.0, 30.0):
+        config = bwd_sm90.default_config(128, True, True, True, bool(softcap))
+        (launch,) = bwd_sm90.launches(
+            q, q, k, k, lse, lse, acc, tickets, k, k, scale=0.1, causal=True, upper_offset=0,
+            deterministic=True, config=config, softcap=softcap,
+        )  # fmt: skip
+        constexprs = [name for name in launch.meta if name != "num_warps"]
+        assert names[len(launch.args) :] == constexprs and launch.meta["SOFTCAP"] == bool(softcap)
+
+
 def test_only_a_deterministic_full_mask_walks_rotated_and_only_where_a_group_runs_at_once(monkeypatch):
     """The rotated walk's turns are cyclic (a key block waits on blocks launched after it), so it is
     taken only where a group's programs all fit on the GPU at once; never causal, never free."""

@@ -154,6 +154,32 @@ def test_the_default_tile_is_persistent_over_few_keys():
     assert fwd.order(False, 64) == 1
 
 
+def test_the_launch_passes_the_kernels_parameters_in_order(monkeypatch):
+    """The launcher passes runtime arguments by position and the constexprs as the kernel's trailing
+    parameters: their counts and names must be the kernel's, dense, windowed and packed (which only
+    a GPU run would otherwise tell)."""
+    from tritonkit.ops.attention import fwd_sm90 as fwd
+    from tritonkit.ops.attention.common import Packed
+
+    monkeypatch.setattr(fwd, "sm_count", lambda device: 132)
+    q = torch.empty(1, 4, 256, 128, dtype=torch.bfloat16)
+    k = torch.empty(1, 2, 256, 128, dtype=torch.bfloat16)
+    lse = torch.empty(1, 4, 256)
+    cu = torch.zeros(3, dtype=torch.int32)
+    names = fwd._attn_fwd_sm90_kernel.arg_names
+    for kwargs in (
+        {"causal": True},
+        {"causal": False, "lower_offset": -64, "softcap": 30.0},
+        {"causal": True, "upper_offset": 0, "packed": Packed(cu, cu, 2, 200, 200)},
+    ):
+        (launch,) = fwd.launches(q, k, k, q, lse, scale=0.1, **kwargs)
+        constexprs = [name for name in launch.meta if name != "num_warps"]
+        assert names[len(launch.args) :] == constexprs, kwargs
+        assert launch.meta["VARLEN"] == ("packed" in kwargs) and launch.meta["HAS_LOWER"] == (
+            "lower_offset" in kwargs
+        )
+
+
 # ---------------------------------------------------------------- on the H200
 
 
