@@ -500,9 +500,12 @@ def test_gpu_empty_keyless_and_refusals():
     assert fwd.supports(q, k, v, causal=False, softcap=30.0)
     assert not fwd.supports(q, k, v, causal=False, softcap=-1.0)
     assert not fwd.supports(q, k, v, causal=False, softcap=math.inf)
-    assert not fwd.supports(q, k, v, causal=False, packed=True)
+    assert fwd.supports(q, k, v, causal=False, packed=True)
     assert not fwd.supports(q.float(), k.float(), v.float(), causal=False)
-    assert not fwd.supports(*_inputs(1, 2, 2, 16, 16, 96, torch.bfloat16, seed=4), causal=False)
+    q96, k96, v96 = _inputs(1, 2, 2, 16, 16, 96, torch.bfloat16, seed=4)
+    assert fwd.supports(q96, k96, v96, causal=False)
+    assert not fwd.supports(q96, k96, v96, causal=False, packed=True)  # packed: D 64 and 128 only
+    assert not fwd.supports(*_inputs(1, 2, 2, 16, 16, 264, torch.bfloat16, seed=5), causal=False)
     for window in ((-2, 0), (4,), (1.5, 0)):
         with pytest.raises(ValueError, match="window"):
             fwd.attention_fwd_sm90(q, k, v, o, lse, scale=0.1, causal=False, window=window)
@@ -515,18 +518,22 @@ def test_gpu_empty_keyless_and_refusals():
 
 
 def test_calls_the_gluon_forward_cannot_take_go_to_the_triton_kernel(device):
-    """Packed batches never take it (windows, soft caps and causal masks of either alignment do); and
-    nothing does under the interpreter (Gluon kernels do not run there)."""
+    """Packed batches at head dims other than 64 and 128 never take it (windows, soft caps, causal
+    masks of either alignment, head dims between the kernels' and packed batches at 64 and 128 do);
+    and nothing does under the interpreter (Gluon kernels do not run there)."""
     from tritonkit.ops.attention import fwd
     from tritonkit.ops.attention.common import Packed, Scores
 
-    q = torch.randn(1, 2, 16, 64, device=device, dtype=torch.bfloat16)
-    k = torch.randn(1, 2, 24, 64, device=device, dtype=torch.bfloat16)
-    packed = Packed(torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), 1, 16, 24)
-    for scores, pack in [
-        (Scores(0.125), packed),
-    ]:
-        assert not fwd.sm90_takes(q, k, k, scores, pack), scores
+    def views(head_dim):  # a packed batch's (1, H, T, D) views, as attention_fwd_into makes them
+        q = torch.randn(1, 2, 16, head_dim, device=device, dtype=torch.bfloat16)
+        return q, torch.randn(1, 2, 24, head_dim, device=device, dtype=torch.bfloat16)
+
+    cu = torch.tensor([0, 16], dtype=torch.int32, device=device)
+    packed = Packed(cu, cu, 1, 16, 24)
+    q, k = views(96)
+    assert not fwd.sm90_takes(q, k, k, Scores(0.125), packed)
+    q, k = views(64)
+    assert fwd.sm90_takes(q, k, k, Scores(0.125), packed) == _sm90()
     for scores in (
         Scores(0.125, causal=True),
         Scores(0.125, causal=True, bottom_right=False),
@@ -534,6 +541,8 @@ def test_calls_the_gluon_forward_cannot_take_go_to_the_triton_kernel(device):
         Scores(0.125, window=(4, 0)),
     ):
         assert fwd.sm90_takes(q, k, k, scores, None) == _sm90(), scores
+    q, k = views(96)
+    assert fwd.sm90_takes(q, k, k, Scores(0.125), None) == _sm90()
 
 
 @pytest.mark.gpu
@@ -541,7 +550,7 @@ def test_calls_the_gluon_forward_cannot_take_go_to_the_triton_kernel(device):
 def test_gpu_flash_attention_runs_the_gluon_forward_where_it_applies(caplog):
     """flash_attention on sm_90 takes the Gluon forward (the log says so) and matches the reference
     with its gradients, which the Triton backward computes from the Gluon forward's lse; a window
-    keeps the Triton forward."""
+    and a head dim between the kernels' (96) take it too."""
     import logging
 
     import tritonkit
@@ -574,4 +583,4 @@ def test_gpu_flash_attention_runs_the_gluon_forward_where_it_applies(caplog):
     q96, k96, v96 = _inputs(2, 4, 2, 300, 500, 96, torch.bfloat16, seed=22)
     with caplog.at_level(logging.DEBUG, logger="tritonkit"):
         tritonkit.flash_attention(q96, k96, v96, causal=True)
-    assert f"attention forward {tuple(q96.shape)} on the Triton kernel" in caplog.text
+    assert f"attention forward {tuple(q96.shape)} on the sm_90 Gluon kernel" in caplog.text
