@@ -232,6 +232,16 @@ def test_ratios_tables_and_files(tmp_path):
     paths = layer.write_results(rows, tmp_path)
     assert [p.relative_to(tmp_path).as_posix() for p in paths] == ["h200/layer.json", "h200/layer.md"]
     assert json.loads(paths[0].read_text()) == rows
+    # another case's run into the same folder keeps these rows (same commit), a rerun replaces them
+    other = [row | {"case": "d64-4k"} for row in rows]
+    layer.write_results(other, tmp_path)
+    assert json.loads(paths[0].read_text()) == rows + other
+    layer.write_results(rows, tmp_path)
+    assert json.loads(paths[0].read_text()) == other + rows
+    # rows of another commit go
+    layer.write_results([row | {"git_sha": "0000000"} for row in rows], tmp_path)
+    assert {row["git_sha"] for row in json.loads(paths[0].read_text())} == {"0000000"}
+    layer.write_results(rows, tmp_path)
     assert paths[1].read_text().startswith("NVIDIA H200, torch 2.9, triton 3.6, at abc1234")
     # rows of two runs (a case measured later, at another commit) name both runs
     later = [row | {"git_sha": "def5678", "command": "tritonkit bench layer --case 8b-16k"} for row in rows]

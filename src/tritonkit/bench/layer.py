@@ -718,13 +718,29 @@ def provenance_line(rows: list[dict], command: str = "tritonkit bench layer") ->
     )
 
 
+def with_other_cases(json_path: Path, rows: list[dict]) -> list[dict]:
+    """``rows`` after the rows of other cases already in ``json_path`` at the same commit: a case can
+    take a run of its own (each runs for minutes) into the same folder; rows of another commit go."""
+    if not json_path.exists():
+        return rows
+    cases = {row["case"] for row in rows}
+    kept = [
+        row
+        for row in json.loads(json_path.read_text())
+        if row["case"] not in cases and row.get("git_sha") == rows[0]["git_sha"]
+    ]
+    return kept + rows
+
+
 def write_results(rows: list[dict], out_dir: Path) -> list[Path]:
-    """``<out>/<gpu-slug>/layer.json`` (the rows) and ``layer.md`` (their table, under its provenance)."""
+    """``<out>/<gpu-slug>/layer.json`` (the rows, after ``with_other_cases``) and ``layer.md`` (their
+    table, under its provenance)."""
     from tritonkit.bench.report import gpu_slug
 
     folder = out_dir / gpu_slug(rows[0]["gpu"])
     folder.mkdir(parents=True, exist_ok=True)
     json_path, md_path = folder / f"{OP}.json", folder / f"{OP}.md"
+    rows = with_other_cases(json_path, rows)
     json_path.write_text(json.dumps(rows, indent=1) + "\n")
     profile = profile_table(rows)
     profile = (

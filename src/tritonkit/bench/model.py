@@ -378,23 +378,15 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def write_results(rows: list[dict], out_dir: Path) -> list[Path]:
-    """``<out>/<gpu-slug>/model.json`` (the rows), ``model.md`` (their tables) and ``model.png``. The
-    rows of other cases already in model.json at the same commit stay (a case can take a run of its
-    own: each runs for minutes); rows of another commit go."""
+    """``<out>/<gpu-slug>/model.json`` (the rows, after those of other cases already there at the same
+    commit: ``layer.with_other_cases``), ``model.md`` (their tables) and ``model.png``."""
     from tritonkit.bench import layer
     from tritonkit.bench.report import gpu_slug
 
     folder = out_dir / gpu_slug(rows[0]["gpu"])
     folder.mkdir(parents=True, exist_ok=True)
     paths = [folder / f"{OP}.json", folder / f"{OP}.md", folder / f"{OP}.png"]
-    if paths[0].exists():
-        cases = {r["case"] for r in rows}
-        kept = [
-            r
-            for r in json.loads(paths[0].read_text())
-            if r["case"] not in cases and r.get("git_sha") == rows[0]["git_sha"]
-        ]
-        rows = kept + rows
+    rows = layer.with_other_cases(paths[0], rows)
     paths[0].write_text(json.dumps(rows, indent=1) + "\n")
     provenance = layer.provenance_line(rows, "tritonkit bench model")
     paths[1].write_text(f"{provenance}\n\n{markdown_table(rows)}\n")
