@@ -518,9 +518,10 @@ def test_gpu_empty_keyless_and_refusals():
 
 
 def test_calls_the_gluon_forward_cannot_take_go_to_the_triton_kernel(device):
-    """Packed batches at head dims other than 64 and 128 never take it (windows, soft caps, causal
-    masks of either alignment, head dims between the kernels' and packed batches at 64 and 128 do);
-    and nothing does under the interpreter (Gluon kernels do not run there)."""
+    """Packed batches at head dims other than 64 and 128 and windows of at most NARROW_WINDOW_KEYS
+    keys never take it (wider windows, soft caps, causal masks of either alignment, head dims between
+    the kernels' and packed batches at 64 and 128 do); and nothing does under the interpreter (Gluon
+    kernels do not run there)."""
     from tritonkit.ops.attention import fwd
     from tritonkit.ops.attention.common import Packed, Scores
 
@@ -538,19 +539,37 @@ def test_calls_the_gluon_forward_cannot_take_go_to_the_triton_kernel(device):
         Scores(0.125, causal=True),
         Scores(0.125, causal=True, bottom_right=False),
         Scores(0.125, softcap=30.0),
-        Scores(0.125, window=(4, 0)),
     ):
         assert fwd.sm90_takes(q, k, k, scores, None) == _sm90(), scores
+    keys = torch.randn(1, 2, 2048, 64, device=device, dtype=torch.bfloat16)
+    assert fwd.sm90_takes(q, keys, keys, Scores(0.125, window=(1000, 0)), None) == _sm90()
+    assert not fwd.sm90_takes(q, keys, keys, Scores(0.125, window=(500, 11)), None)  # 512 keys: narrow
     q, k = views(96)
     assert fwd.sm90_takes(q, k, k, Scores(0.125), None) == _sm90()
+
+
+def test_narrow_windows_keep_the_triton_forward():
+    """A window's span in keys (``fwd.window_keys``), which sends windows of at most
+    NARROW_WINDOW_KEYS keys to the Triton forward (``sm90_takes``)."""
+    from tritonkit.ops.attention import fwd
+    from tritonkit.ops.attention.common import Scores
+
+    assert fwd.window_keys(Scores(0.1, causal=True, window=(255, 0)), 4096, 4096) == 256
+    assert fwd.window_keys(Scores(0.1, causal=True, window=(255, -1)), 4096, 4096) == 256  # causal: right 0
+    assert fwd.window_keys(Scores(0.1, window=(100, 27)), 300, 4096) == 128
+    assert fwd.window_keys(Scores(0.1, window=(255, -1)), 4096, 4096) is None  # no right side
+    assert fwd.window_keys(Scores(0.1, causal=True), 4096, 4096) is None
+    assert fwd.window_keys(Scores(0.1, causal=True, window=(4096, 0)), 4096, 4096) is None  # cuts nothing
+    assert fwd.window_keys(Scores(0.1, causal=True, window=(1024, 0)), 4096, 4096) > fwd.NARROW_WINDOW_KEYS
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
 def test_gpu_flash_attention_runs_the_gluon_forward_where_it_applies(caplog):
     """flash_attention on sm_90 takes the Gluon forward (the log says so) and matches the reference
-    with its gradients, which the Triton backward computes from the Gluon forward's lse; a window
-    and a head dim between the kernels' (96) take it too."""
+    with its gradients, which the Triton backward computes from the Gluon forward's lse; a window of
+    more than NARROW_WINDOW_KEYS keys and a head dim between the kernels' (96) take it too, a
+    narrower window the Triton forward."""
     import logging
 
     import tritonkit
@@ -578,7 +597,12 @@ def test_gpu_flash_attention_runs_the_gluon_forward_where_it_applies(caplog):
     caplog.clear()
     with caplog.at_level(logging.DEBUG, logger="tritonkit"):
         tritonkit.flash_attention(q, k, v, causal=True, window=(64, 0))
-    assert f"{forward} on the sm_90 Gluon kernel" in caplog.text
+    assert f"{forward} on the Triton kernel" in caplog.text
+    caplog.clear()
+    q_long, k_long, v_long = _inputs(1, 2, 2, 1200, 1200, 128, torch.bfloat16, seed=23)
+    with caplog.at_level(logging.DEBUG, logger="tritonkit"):
+        tritonkit.flash_attention(q_long, k_long, v_long, causal=True, window=(600, 0))
+    assert f"attention forward {tuple(q_long.shape)} on the sm_90 Gluon kernel" in caplog.text
     caplog.clear()
     q96, k96, v96 = _inputs(2, 4, 2, 300, 500, 96, torch.bfloat16, seed=22)
     with caplog.at_level(logging.DEBUG, logger="tritonkit"):

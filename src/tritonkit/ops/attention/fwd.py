@@ -656,12 +656,32 @@ log = logging.getLogger("tritonkit")
 # (docs/perf-notes/attention-forward.md), past this Triton kernel's 0.76-0.88x at every shape measured.
 SM90_FORWARD = True
 
+# A window whose rows see at most this many keys runs this Triton kernel: a Gluon tile there walks 2
+# to 5 key blocks and pays its first block, three loops' code and its epilogue for each. Measured on
+# an H100 at 6e9ec9c (docs/perf-notes/attention-forward-sm90-features.md), causal at 4096 keys: a
+# window of 256 keys (capped at 30) ran on the Gluon kernel at 0.70x the Triton kernel's rate at D =
+# 128 and 0.48x at D = 64, one of 1025 keys at 1.60x and 1.09x. Not measured between: the bound is
+# the middle.
+NARROW_WINDOW_KEYS = 512
+
+
+def window_keys(scores: Scores, seq_q: int, seq_k: int) -> int | None:
+    """The keys a row's window spans (left + right + 1; causal, right 0) for (seq_q, seq_k) lengths, or
+    None where a side cuts nothing (``Scores.within``)."""
+    left, right = scores.within(seq_q, seq_k).window
+    right = 0 if scores.causal else right
+    return None if left < 0 or right < 0 else left + right + 1
+
 
 def sm90_takes(q, k, v, scores: Scores, packed: Packed | None) -> bool:
     """Whether the sm_90 Gluon forward (``fwd_sm90``) computes this call (a packed batch's as (1, H, T,
-    D) views): natively compiled, on an sm_90 GPU, within what it supports. Everything else takes the
-    Triton kernel below."""
+    D) views): natively compiled, on an sm_90 GPU, within what it supports, and no window of at most
+    NARROW_WINDOW_KEYS keys. Everything else takes the Triton kernel below."""
     if not SM90_FORWARD or interpret() or not q.is_cuda:
+        return False
+    lengths = (packed.max_q, packed.max_k) if packed is not None else (q.shape[2], k.shape[2])
+    span = window_keys(scores, *lengths)
+    if span is not None and span <= NARROW_WINDOW_KEYS:
         return False
     from tritonkit.ops.attention import fwd_sm90
 
