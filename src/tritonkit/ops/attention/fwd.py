@@ -657,7 +657,7 @@ log = logging.getLogger("tritonkit")
 SM90_FORWARD = True
 
 # A window whose rows see at most this many keys runs this Triton kernel: a Gluon tile there walks 2
-# to 5 key blocks and pays its first block, three loops' code and its epilogue for each. Measured on
+# to 5 key blocks (the suspect, not measured: the fetch of three loops' code a tile). Measured on
 # an H100 at 6e9ec9c (docs/perf-notes/attention-forward-sm90-features.md), causal at 4096 keys: a
 # window of 256 keys (capped at 30) ran on the Gluon kernel at 0.70x the Triton kernel's rate at D =
 # 128 and 0.48x at D = 64, one of 1025 keys at 1.60x and 1.09x. Not measured between: the bound is
