@@ -1,7 +1,9 @@
 # The README's two set-up commands: `make bench` and `make test`. Each creates .venv and installs
 # tritonkit on first use. On a machine that already has torch and triton (a GPU image), the venv
 # sees them (--system-site-packages) and nothing replaces them; elsewhere the CPU build of torch
-# and the Triton version the GPU image runs are installed, so CI tests the same compiler.
+# and the Triton version the GPU image runs are installed, so CI tests the same compiler. The check
+# asks the new venv, not $(PYTHON): a venv made from inside another venv sees the base interpreter's
+# packages, not the outer venv's, so torch found by an activated venv's python may not be there.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -14,13 +16,12 @@ TRITON_PIN := triton==3.6.0
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
-	@if $(PYTHON) -c "import torch, triton" >/dev/null 2>&1; then \
+	@if $(PYTHON) -m venv --system-site-packages $(VENV) && $(PY) -c "import torch, triton" >/dev/null 2>&1; then \
 		echo "setup: torch and triton are installed here; using them"; \
-		$(PYTHON) -m venv --system-site-packages $(VENV) && \
 		$(PY) -m pip install -q --no-deps --no-build-isolation -e . ; \
 	else \
 		echo "setup: installing $(TORCH_CPU) (CPU build), $(TRITON_PIN) and tritonkit into $(VENV)"; \
-		$(PYTHON) -m venv $(VENV) && \
+		rm -rf $(VENV) && $(PYTHON) -m venv $(VENV) && \
 		$(PY) -m pip install -q --upgrade pip && \
 		$(PY) -m pip install -q $(TORCH_CPU) $(TRITON_PIN) && \
 		$(PY) -m pip install -q -e '.[dev]' ; \
