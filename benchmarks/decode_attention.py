@@ -5,6 +5,7 @@ SDPA's cuDNN and flash backends (and, with ``--flex``, compiled FlexAttention), 
     python benchmarks/decode_attention.py OUT.json --configs [--paged] [--batch B1,B2] [--deadline SECONDS]
     python benchmarks/decode_attention.py OUT.json --pages [--deadline SECONDS]
     python benchmarks/decode_attention.py OUT.json --splits [--deadline SECONDS]
+    python benchmarks/decode_attention.py OUT.json --layouts [--batch B1,B2] [--deadline SECONDS]
     python benchmarks/decode_attention.py RESULT.json --markdown   (the table in docs/ops/decode.md)
 
 Rows: issue 28's shapes (B, Hq, Hkv, S_cache, D), one new query token (four at one shape), every
@@ -35,7 +36,9 @@ count, then the fastest config at the split counts of ``_split_counts`` (a short
 warm-up, 40 ms of repetitions). ``--pages`` times the paged call with each of ``PAGE_READS`` table
 entries read at once (``decode.PAGES``), the contiguous call beside it. ``--batch`` keeps the shapes of
 those batch sizes. ``--splits`` times, where
-the rule splits the keys, a few launches at many split counts, cuDNN beside.
+the rule splits the keys, a few launches at many split counts, cuDNN beside. ``--layouts`` times
+tritonkit's call on its own cache layout (B, S, Hkv, D) and on the peers' (B, Hkv, S, D), read
+through a transposed view, cuDNN beside, in turns: what the layout alone costs.
 """
 
 from __future__ import annotations
@@ -409,6 +412,49 @@ def _pages(out: str, stop: float) -> None:
         Path(out).write_text(json.dumps(result, indent=1))
 
 
+LAYOUT_ROUNDS = 3  # --layouts: turns of the three calls, so that a drift falls on all alike
+
+
+def _layout_calls(x: dict, seq_q: int) -> dict:
+    """--layouts' calls: ours on each cache layout, cuDNN on its own."""
+    q, lengths, heads_major = x["q"], x["full"], [t.transpose(1, 2) for t in x["peer"][1:]]
+    return {
+        "keys-major": lambda: tritonkit.flash_attention_with_kvcache(
+            q, x["k_cache"], x["v_cache"], cache_seqlens=lengths
+        ),
+        "heads-major": lambda: tritonkit.flash_attention_with_kvcache(q, *heads_major, cache_seqlens=lengths),
+        "sdpa-cudnn": _providers(x, seq_q, False)["sdpa-cudnn"],
+    }
+
+
+def _layouts(out: str, stop: float) -> None:
+    """Graph time in us of tritonkit's call on the (B, S, Hkv, D) cache ("keys-major": a key's heads
+    side by side, a head's keys 2 KB apart at Hkv 8) and on the peers' (B, Hkv, S, D) cache through a
+    transposed view ("heads-major": a head's keys one run), cuDNN on the latter, one new token: how
+    much of the gap to cuDNN the layout makes. Both of ours must give the same output."""
+    method = f"tritonkit.bench.timing.kernel_ms, {LAYOUT_ROUNDS} rounds in turns"
+    result = result_header("decode_attention_layouts", "decode_attention.py", method)
+    for shape, seq_q in _chosen_shapes():
+        if seq_q != 1 or time.time() > stop:
+            continue
+        x = _inputs(shape, seq_q, torch.Generator(device="cuda").manual_seed(0))
+        calls = _layout_calls(x, seq_q)
+        outputs = {name: call().float() for name, call in calls.items()}
+        row = {"shape": list(shape), "seq_q": seq_q, "us": {name: [] for name in calls}}
+        reference = outputs["sdpa-cudnn"]
+        row["max_err_vs_cudnn"] = {n: (o - reference).abs().max().item() for n, o in outputs.items()}
+        row["layouts_differ_by"] = (outputs["keys-major"] - outputs["heads-major"]).abs().max().item()
+        for _ in range(LAYOUT_ROUNDS):
+            for name, call in calls.items():
+                (_, median, _), _ = timing.kernel_ms([lambda call=call: call])
+                row["us"][name].append(median * 1e3)
+        row["median_us"] = {name: sorted(us)[len(us) // 2] for name, us in row["us"].items()}
+        result["rows"].append(row)
+        print(shape, {name: round(us, 1) for name, us in row["median_us"].items()}, flush=True)
+        Path(out).write_text(json.dumps(result, indent=1))
+        torch.cuda.empty_cache()
+
+
 def markdown(result: dict) -> str:
     """docs/ops/decode.md's table of a run: graph-replayed us, TB/s and share of copy, the peers beside."""
     lines = [
@@ -444,6 +490,8 @@ def main() -> None:
         return _pages(out, stop)
     if "--splits" in sys.argv:
         return _splits(out, stop)
+    if "--layouts" in sys.argv:
+        return _layouts(out, stop)
     result = result_header(
         "decode_attention",
         "decode_attention.py",
