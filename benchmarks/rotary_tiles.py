@@ -6,9 +6,11 @@ head blocks one after another; a group as long as the sequence has each head blo
 token), each size forced and then the size ``rotary._group`` picks, or with ``--heads`` the heads a
 tile holds at most (``rotary.TILE_HEADS``) at the default tile: fewer heads, longer runs of tokens.
 
-    python benchmarks/rotary_tiles.py OUT.json [--groups 1 4 16 64 1073741824 | --heads 1 2 4 8]
+    python benchmarks/rotary_tiles.py OUT.json [--groups 1 4 16 64 1073741824 | --heads 1 2 4 8] [--flushed]
 
-Times are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, 200 ms), in us. Each variant's
+Times are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, 200 ms), in us, the L2 kept
+warm from one replay to the next; with ``--flushed``, the benchmark tables' protocol
+(``tritonkit.bench.timing.kernel_ms``: the L2 flushed before each call). Each variant's
 launch is built anew (``rotary._launch``), not replayed from an earlier call's plan, which would
 keep the first variant's.
 """
@@ -22,6 +24,7 @@ import json
 import torch
 import triton.testing
 
+from tritonkit.bench import timing
 from tritonkit.bench.runner import provenance
 from tritonkit.ops import rotary
 
@@ -30,7 +33,13 @@ TILES = (2048, 4096, 8192, 16384)
 WARPS = (4, 8)
 
 
+FLUSHED = False  # --flushed: time as the tables do
+
+
 def _us(fn) -> float:
+    if FLUSHED:
+        (_, median, _), _ = timing.kernel_ms([lambda: fn])
+        return median * 1e3
     return triton.testing.do_bench_cudagraph(fn, rep=200) * 1e3
 
 
@@ -77,7 +86,10 @@ def main() -> None:
     sweep = parser.add_mutually_exclusive_group()
     sweep.add_argument("--groups", type=int, nargs="+", help="sweep the order at the default tile")
     sweep.add_argument("--heads", type=int, nargs="+", help="sweep the heads a tile at the default tile")
+    parser.add_argument("--flushed", action="store_true", help="flush the L2 before each call, as the tables")
     args = parser.parse_args()
+    global FLUSHED
+    FLUSHED = args.flushed
     if args.heads:
         variants = {f"{h} heads": {"TILE_HEADS": h} for h in args.heads}
     elif args.groups:
@@ -89,7 +101,9 @@ def main() -> None:
     command = "python benchmarks/rotary_tiles.py OUT.json"
     for flag, values in (("--groups", args.groups), ("--heads", args.heads)):
         command += f" {flag} " + " ".join(map(str, values)) if values else ""
+    command += " --flushed" if args.flushed else ""
     result = {"op": "rotary_tiles", "command": command, "gpu": torch.cuda.get_device_name()}
+    result["method"] = "timing.kernel_ms (L2 flushed)" if args.flushed else "do_bench_cudagraph, 200 ms"
     result |= {"torch": torch.__version__, "triton": triton.__version__, "git": provenance()["git_sha"]}
     result["rows"] = []
     for shape in SHAPES:
