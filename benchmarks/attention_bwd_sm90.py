@@ -4,6 +4,7 @@ backward and tritonkit's Triton backward (both modes), in one process, bf16.
     python benchmarks/attention_bwd_sm90.py OUT.json [--deadline SECONDS] [--skip-triton]
         [--skip-deterministic] [--layer] [--full | --causal] [--candidates | --defaults] [--acquire-first]
         [--turn-blocks N] [--config MODE:FIELD=VALUE[,FIELD=VALUE]] [--shape B,Hq,Hkv,S,D] [--rounds N]
+        [--window LEFT,RIGHT]
 
 ``--layer`` times the decoder layer's attention alone (``tritonkit bench layer``'s 8b-4k: GQA 32/8, S =
 4096, causal), q, k and v strided views of one QKV projection's output and dO of the output projection's
@@ -18,7 +19,9 @@ gradients are the default's bits; ``--turn-blocks N`` likewise with ``Config.tur
 (repeatable; the same bits where Sq = Sk). ``--config det:num_stages=3,acquire_first=False`` times a
 mode's default (``free`` or ``det``) with those ``bwd_sm90.Config`` fields replaced (repeatable; a
 deterministic one says whether its gradients are the default's bits). ``--shape`` keeps the rows of one
-shape (repeatable).
+shape (repeatable). ``--window LEFT,RIGHT`` gives every row that sliding window (``flash_attention``'s),
+which cuDNN does not take: cuDNN's backward without it is the rate to reach, the errors are against the
+Triton kernels' deterministic gradients, and TFLOP/s count the pairs the window leaves.
 
 A row's providers take turns, ``--rounds`` of them (``tritonkit.bench.timing.interleaved_turns``;
 each one's ``turns`` are in the JSON): its time is the median of its turns, each turn
@@ -141,17 +144,34 @@ def inputs(shape, layer: bool) -> tuple:
     return q, k, v, torch.randn_like(q)
 
 
+def _window() -> tuple[int, int]:
+    """``--window LEFT,RIGHT``, else (-1, -1)."""
+    given = arguments("--window", lambda text: tuple(int(n) for n in text.split(",")))
+    return given[-1] if given else (-1, -1)
+
+
+def _pairs(seq: int, causal: bool, window: tuple[int, int]) -> int:
+    """The (query, key) pairs a head of ``seq`` rows and keys computes under the mask."""
+    left, right = window
+    rows = torch.arange(seq)
+    last = rows if causal else (rows + right if right >= 0 else torch.full_like(rows, seq - 1))
+    first = rows - left if left >= 0 else torch.zeros_like(rows)
+    return int((last.clamp(max=seq - 1) - first.clamp(min=0) + 1).clamp(min=0).sum())
+
+
 def _row(shape, causal: bool, layer: bool = False) -> dict:
     batch, heads_q, heads_kv, seq, head_dim = shape
     q, k, v, do = inputs(shape, layer)
-    scores = Scores(head_dim**-0.5, causal)
+    window = _window()
+    scores = Scores(head_dim**-0.5, causal, window=window)
     o, lse = fwd.attention_fwd(q, k, v, scores)
-    flops = 2.5 * 4 * batch * heads_q * seq * seq * head_dim * (0.5 if causal else 1.0)
+    flops = 2.5 * 4 * batch * heads_q * _pairs(seq, causal, window) * head_dim
     row = {
         "shape": list(shape),
         "layer_layout": layer,
         "causal": causal,
         "dtype": "bf16",
+        "window": list(window),
         "tflop": flops / 1e12,
         "tflops": {},
     }
@@ -245,6 +265,9 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
             for mode, fields, switches in switched
         ]
         deterministic_grads = {}
+        if window != (-1, -1):  # cuDNN's gradients are of other scores: the errors are against Triton's
+            reference = ours(True, False, None)()
+            row["errors_against"] = "triton_deterministic"
         for name, deterministic, gluon, group, *by_query_head in (
             ("gluon", False, True, default_group),
             *((f"gluon_pairs_per_group={g}", False, True, g) for g in groups),

@@ -44,6 +44,7 @@ for dtype, head_dim, causal, deterministic, shared_dq, _, *fields in CASES:
     # default and deterministic candidate, the 64-row candidates at D = 64)
     fields = dict(*fields)
     softcap = fields.pop("softcap", False)  # (the kernel's SOFTCAP, not a Config field)
+    window = fields.pop("window", False)  # (the kernel's HAS_LOWER: a window's left side, under causal)
     config = bwd.CONFIGS[head_dim]._replace(shared_dq=shared_dq, **({"block_m": bwd.BLOCK_M} | fields))
     shipped = bwd.default_config(head_dim, deterministic, False, causal)
     k_swizzle = 64 if shared_dq and head_dim == 64 else None
@@ -54,27 +55,29 @@ for dtype, head_dim, causal, deterministic, shared_dq, _, *fields in CASES:
     signature |= {"dq_desc": descriptor("fp32", config.block_m, head_dim // 2 if shared_dq else head_dim),
                   "lse_ptr": "*fp32", "delta_ptr": "*fp32", "sem_ptr": "*i32"}
     for name in ("stride_lb", "stride_lh", "stride_db", "stride_dh", "stride_sb", "stride_sh", "HEADS_KV",
-                 "PAIRS", "PAIRS_PER_GROUP", "GROUP", "SEQ_Q", "SEQ_K", "UPPER_OFFSET"):
+                 "PAIRS", "PAIRS_PER_GROUP", "GROUP", "SEQ_Q", "SEQ_K", "UPPER_OFFSET", "LOWER_OFFSET"):
         signature[name] = "i32"
     # KV_SHARE is 1 but per query head, and a launch specializes an int argument of 1 as a constant
     signature |= {"KV_SHARE": "constexpr"}
     signature |= {"qk_scale": "fp32", "cap_log2": "fp32", "scale": "fp32", "IS_CAUSAL": "constexpr",
                   "DETERMINISTIC": "constexpr", "NUM_STAGES": "constexpr", "ROTATE": "constexpr",
                   "OVERLAP_SDP": "constexpr", "SHARED_DQ": "constexpr", "ACQUIRE_FIRST": "constexpr",
-                  "TURN_BLOCKS": "constexpr", "P_PAIRS": "constexpr", "SOFTCAP": "constexpr"}
+                  "TURN_BLOCKS": "constexpr", "P_PAIRS": "constexpr", "SOFTCAP": "constexpr",
+                  "HAS_LOWER": "constexpr"}
     constants = {"KV_SHARE": 1, "IS_CAUSAL": causal, "DETERMINISTIC": deterministic,
                  "NUM_STAGES": config.num_stages,
                  "OVERLAP_SDP": config.overlap_sdp, "SHARED_DQ": config.shared_dq,
                  "ACQUIRE_FIRST": shipped.acquire_first,
                  "TURN_BLOCKS": shipped.turn_blocks,
-                 "P_PAIRS": config.p_in_pairs, "SOFTCAP": softcap}
+                 "P_PAIRS": config.p_in_pairs, "SOFTCAP": softcap, "HAS_LOWER": window}
     constants["ROTATE"] = bwd.order(deterministic, causal, 64, 32, 132)[1]  # rotated where it may be
     kernel = triton.compile(GluonASTSource(bwd._attn_bwd_sm90_kernel, signature, constants),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": bwd.CONSUMER_WARPS.value})
     ptx, sass = kernel.asm["ptx"], _cuobjdump(kernel.asm["cubin"], "-sass")
     print(json.dumps({
         "case": f"{dtype} d{head_dim} causal={causal} deterministic={deterministic} "
-                f"shared_dq={shared_dq} {fields or ''}{' softcap' if softcap else ''}",
+                f"shared_dq={shared_dq} {fields or ''}{' softcap' if softcap else ''}"
+                f"{' window' if window else ''}",
         "warps": kernel.metadata.num_warps, "shared": kernel.metadata.shared,
         "waits": numbers(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx),
         "setmaxnreg": numbers(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx),
@@ -106,7 +109,11 @@ for dtype, head_dim, causal, deterministic, shared_dq, _, *fields in CASES:
 # p_in_pairs): 13 causal, 9 on the rotated walk (72 before _rotated_rank_base); with from_pairs's
 # unpacking the one-value cases compile to pairs too (13, from 52-68). A soft cap (the field
 # "softcap", the kernel's SOFTCAP): dS reads P (1 - tanh^2) made with P, in P's form; 28 and 52 at
-# D = 128 causal, none a step; D = 64 takes 64-row steps with it (bwd_sm90.default_config).
+# D = 128 causal, none a step; D = 64 takes 64-row steps with it (bwd_sm90.default_config). A
+# window's left side (the field "window", the kernel's HAS_LOWER, under the causal bound): a third,
+# masked loop for the rows past a key block's first key's reach (79 free at D = 128, one a step;
+# 30-31 at D = 64, none a step), but in the deterministic mode at D = 128, where that loop put 45
+# values a step on the stack, the window's rows masked in the second loop (21, none a step).
 STATIC_CASES = [
     ("bf16", 128, False, False, False, 27),
     ("bf16", 128, True, True, False, 13),
@@ -128,6 +135,11 @@ STATIC_CASES = [
     ("bf16", 128, True, False, True, 52, {"softcap": True}),
     ("bf16", 64, False, False, True, 0, {"softcap": True}),
     ("bf16", 64, True, True, True, 13, {"turn_blocks": 2, "softcap": True}),
+    ("bf16", 128, True, True, True, 21, {"p_in_pairs": True, "window": True}),
+    ("bf16", 128, True, False, True, 79, {"window": True}),
+    ("bf16", 64, True, True, True, 30, {"block_m": 128, "window": True}),
+    ("bf16", 64, True, False, True, 31, {"block_m": 128, "window": True}),
+    ("bf16", 128, True, True, True, 23, {"p_in_pairs": True, "softcap": True, "window": True}),
 ]
 
 
@@ -140,6 +152,7 @@ STATIC_CASES = [
 def test_the_kernel_compiles_for_hopper_warp_specialized_with_the_dq_reduce_off_the_registers(case):
     (row,) = [json.loads(line) for line in sm90.run(f"CASES = {[case]!r}\n{_STATIC_CHECK}")]
     _, head_dim, _, deterministic, _, spills, *fields = case
+    window = any(field.get("window") for field in fields)
     # two consumer warpgroups, the producer's warp and the dQ warp; budgets 240 and 24 (and
     # Triton's steps)
     assert row["warps"] == 12 and {240, 24} <= set(row["setmaxnreg"]), row
@@ -160,8 +173,8 @@ def test_the_kernel_compiles_for_hopper_warp_specialized_with_the_dq_reduce_off_
     # unpacks two instructions a pair (with ``.to()`` it took two PRMT and two shifts, and bf16's
     # ``.to()`` of a P read twice converted a value an instruction): no single conversions, and at
     # most 64 PRMT at D = 64 and 128 at D = 128 (beside dS^T's copies; 256-322 before; a causal
-    # kernel may keep 2 more, on integers)
-    assert row["single_conversions"] == 0 and row["swaps"] <= head_dim + 2, row
+    # kernel may keep 2 more, on integers, a windowed one 4)
+    assert row["single_conversions"] == 0 and row["swaps"] <= head_dim + (4 if window else 2), row
 
 
 # ---------------------------------------------------------------- the dispatch
@@ -268,8 +281,8 @@ def test_the_default_config_by_mode_mask_and_grouping(head_dim):
 
 
 def test_calls_the_gluon_backward_cannot_take_go_to_the_triton_kernels(device):
-    """Packed batches, windows and soft caps never take it; and nothing does under the interpreter
-    or off an sm_90 GPU (Gluon kernels do not run there)."""
+    """Packed batches never take it, nor narrow windows (``bwd.sm90_window``); and nothing does under
+    the interpreter or off an sm_90 GPU (Gluon kernels do not run there)."""
     from tritonkit.ops.attention import bwd
     from tritonkit.ops.attention.common import Packed, Scores
 
@@ -279,7 +292,6 @@ def test_calls_the_gluon_backward_cannot_take_go_to_the_triton_kernels(device):
     for scores, pack in [
         (Scores(0.125), packed),
         (Scores(0.125, window=(4, 0)), None),
-        (Scores(0.125, softcap=30.0), None),
     ]:
         for deterministic in (False, True):
             assert not bwd.sm90_takes(q, k, k, scores, pack, deterministic), scores

@@ -271,11 +271,22 @@ SM90_BACKWARD_DETERMINISTIC: tuple[int, ...] = (64, 128)  # head dims, without G
 SM90_BACKWARD_DETERMINISTIC_GQA: tuple[int, ...] = (64, 128)
 
 
+def sm90_window(scores: Scores, seq_q: int, seq_k: int) -> bool:
+    """Whether the sm_90 Gluon backward takes these scores' window: none, or one with an upper bound
+    (causal, or a right side: the deterministic mode's turns descend from the last key block a query
+    block sees) spanning more than ``fwd.NARROW_WINDOW_KEYS`` keys, as the forward's rule."""
+    if tuple(scores.window) == (-1, -1):
+        return True
+    _, flags = scores.within(seq_q, seq_k).kernel_args(seq_q, seq_k)
+    span = fwd.window_keys(scores, seq_q, seq_k)
+    return (flags["IS_CAUSAL"] or not flags["HAS_LOWER"]) and (span is None or span > fwd.NARROW_WINDOW_KEYS)
+
+
 def sm90_takes(q, k, v, scores: Scores, packed: Packed | None, deterministic: bool = True) -> bool:
     """Whether the sm_90 Gluon backward (``bwd_sm90``) computes this call: switched on for its mode
     (and, deterministic, for the head dim, with GQA or not), natively compiled, on an sm_90 GPU,
-    dense, no window, no soft cap, within what it supports (either causal alignment). Everything
-    else takes the Triton kernels."""
+    dense, within what it supports (either causal alignment, soft caps, the windows ``sm90_window``
+    takes). Everything else takes the Triton kernels."""
     if deterministic:
         dims = SM90_BACKWARD_DETERMINISTIC_GQA if q.shape[1] != k.shape[1] else SM90_BACKWARD_DETERMINISTIC
         switch = q.shape[3] in dims
@@ -283,7 +294,9 @@ def sm90_takes(q, k, v, scores: Scores, packed: Packed | None, deterministic: bo
         switch = SM90_BACKWARD
     if not switch or interpret() or not q.is_cuda or packed is not None:
         return False
-    if tuple(scores.window) != (-1, -1) or not scores.scale > 0:
+    if not scores.scale > 0:
+        return False
+    if not sm90_window(scores, q.shape[2], k.shape[2]):
         return False
     from tritonkit.ops.attention import bwd_sm90
 
@@ -328,10 +341,13 @@ def attention_bwd_into(
         from tritonkit.ops.attention import bwd_sm90
 
         log.debug("tritonkit: attention backward %s on the sm_90 Gluon kernel", tuple(q.shape))
-        (upper_offset, *_), _ = scores.kernel_args(q.shape[2], k.shape[2])
+        (upper_offset, lower_offset, *_), flags = scores.within(q.shape[2], k.shape[2]).kernel_args(
+            q.shape[2], k.shape[2]
+        )
         bwd_sm90.attention_bwd_sm90(
-            do, q, k, v, lse, delta, dq, dk, dv, scale=scores.scale, causal=scores.causal,
-            upper_offset=upper_offset, softcap=scores.softcap, deterministic=deterministic,
+            do, q, k, v, lse, delta, dq, dk, dv, scale=scores.scale, causal=flags["IS_CAUSAL"],
+            upper_offset=upper_offset, lower_offset=lower_offset if flags["HAS_LOWER"] else None,
+            softcap=scores.softcap, deterministic=deterministic,
         )  # fmt: skip
         return
     log.debug("tritonkit: attention backward %s on the Triton kernels", tuple(q.shape))

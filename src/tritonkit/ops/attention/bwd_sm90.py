@@ -177,6 +177,7 @@ def attention_bwd_sm90(
     scale: float,
     causal: bool,
     upper_offset: int,
+    lower_offset: int | None = None,
     softcap: float = 0.0,
     deterministic: bool = True,
     config: Config | None = None,
@@ -186,7 +187,9 @@ def attention_bwd_sm90(
     q and do (B, Hq, Sq, D), k and v (B, Hkv, Sk, D); ``lse`` the forward's fp32 log-sum-exp
     (B, Hq, Sq) with a contiguous last dim (-inf where a row sees no key), ``delta`` (B, Hq, Sq) fp32
     from the delta kernel, likewise. ``causal``: row i sees key j iff j <= i + ``upper_offset``
-    (Sk - Sq aligned bottom-right, 0 top-left). ``scale`` > 0 multiplies q . k; ``softcap`` > 0 caps
+    (Sk - Sq aligned bottom-right, 0 top-left; a window's right side adds to it). ``lower_offset``: a
+    window's left side, row i sees key j only if j >= i + lower_offset (none if None; only with
+    ``causal``, the upper bound). ``scale`` > 0 multiplies q . k; ``softcap`` > 0 caps
     the scaled scores to softcap * tanh(s / softcap), as the forward did (0: no cap). ``deterministic``
     orders the additions into dq (the same bits every run). The caller has checked ``supports``;
     tensors TMA cannot take as they are are copied (gradients written back)."""
@@ -199,6 +202,10 @@ def attention_bwd_sm90(
         check_config(config, q.shape[-1])
     if not supports(q, k, v):
         raise ValueError("attention_bwd_sm90 does not take these inputs (see supports)")
+    if lower_offset is not None and not causal:
+        raise ValueError(
+            "attention_bwd_sm90 takes a window's left side (lower_offset) only with an upper bound"
+        )
     for name, t in (("lse", lse), ("delta", delta)):
         if t.shape != q.shape[:3] or t.dtype != torch.float32 or (q.shape[2] > 1 and t.stride(2) != 1):
             raise ValueError(f"{name} must be float32 {tuple(q.shape[:3])} with a contiguous last dim")
@@ -226,7 +233,8 @@ def attention_bwd_sm90(
     )
     for launch in launches(
         do, q, k, v, lse, delta, dq_acc, tickets, *outputs, scale=scale, causal=causal,
-        upper_offset=upper_offset, softcap=softcap, deterministic=deterministic, config=config,
+        upper_offset=upper_offset, lower_offset=lower_offset, softcap=softcap, deterministic=deterministic,
+        config=config,
     ):  # fmt: skip
         launch.run()
     if not shares:
@@ -308,6 +316,7 @@ def launches(
     deterministic,
     config,
     softcap=0.0,
+    lower_offset=None,
 ) -> list[Launch]:
     """The kernel's launch for checked, TMA-ready arguments (``attention_bwd_sm90``'s): one program
     per BLOCK_N keys of a (batch, key/value head), a one-dimensional grid in ``order``'s order."""
@@ -347,18 +356,24 @@ def launches(
         seq_q,
         seq_k,
         int(upper_offset),
+        0 if lower_offset is None else int(lower_offset),
         # the exponent's factors: q . k * scale * log2(e), or capped cap_log2 * tanh(q . k * scale / cap)
         scale / softcap if softcap else scale * LOG2E.value,
         softcap * LOG2E.value if softcap else 1.0,
         scale,
     )
-    meta = kernel_meta(config, causal, deterministic, rotate, bool(softcap))
+    meta = kernel_meta(config, causal, deterministic, rotate, bool(softcap), lower_offset is not None)
     grid = (blocks * pairs,)
     return [Launch("bwd sm90", _attn_bwd_sm90_kernel, args, meta, config._asdict(), grid)]
 
 
 def kernel_meta(
-    config: Config, causal: bool, deterministic: bool, rotate: bool, softcap: bool = False
+    config: Config,
+    causal: bool,
+    deterministic: bool,
+    rotate: bool,
+    softcap: bool = False,
+    lower: bool = False,
 ) -> dict:
     """The kernel's constexpr arguments, in its order (the launcher takes them as its trailing
     parameters), and its warps."""
@@ -373,6 +388,7 @@ def kernel_meta(
         "ACQUIRE_FIRST": config.acquire_first and deterministic,
         "TURN_BLOCKS": config.turn_blocks if deterministic else 1,
         "SOFTCAP": softcap,
+        "HAS_LOWER": lower,
         "num_warps": CONSUMER_WARPS.value,
     }
 

@@ -35,9 +35,11 @@ atomics):
   never do;
 - the epilogue scales dK, writes dK and dV through the K and V buffers with TMA stores, which clip
   the rows past Sk; a conversion afterwards writes dq = scale * accumulator in q's dtype.
-Masks only where a bound cuts a step: the causal diagonal (the first query blocks a key block sees)
+Masks only where a bound cuts a step: the causal diagonal (the first query blocks a key block sees),
+a window's left edge (the last ones: a key block walks only the query blocks whose rows reach it)
 and the ragged end of the keys (every step of the last key block: a key past Sk loads as zero and
-would otherwise get exp2(-lse)). Rows past Sq need none: their lse reads as +inf, so P = 0.
+would otherwise get exp2(-lse)). Rows past Sq need none: their lse reads as +inf, so P = 0. A
+window has an upper bound (causal, or a right side), so its turns are the causal order's.
 
 Determinism. Without it (``deterministic=False``) the key blocks of a head add their partials in
 whatever order they finish, so dq's last bits vary. With it, every (batch, query head, query block)
@@ -210,6 +212,7 @@ def _grad_steps(
     m_count,
     SEQ_K,
     UPPER_OFFSET,
+    LOWER_OFFSET,
     qk_scale,
     cap_log2,
     MASKED: gl.constexpr,
@@ -221,12 +224,14 @@ def _grad_steps(
     P_PAIRS: gl.constexpr,
     CID: gl.constexpr,
     SOFTCAP: gl.constexpr,
+    HAS_LOWER: gl.constexpr,
 ):
     """Query blocks [first, last) of one query head against this warpgroup's keys (from
     ``key_start``): step step0 + (m - first) of the ring for block m (with ROTATE, block
     (m + rot) % m_count: a full mask's walk starting at block ``rot``). Returns (dk, dv). MASKED
     steps hide keys past SEQ_K and, causal, those past each row's diagonal (key j <= row i +
-    UPPER_OFFSET). Each step's dQ columns go to this warpgroup's tile of ``dq_smem``, a buffer a
+    UPPER_OFFSET), and with HAS_LOWER those before a window's left edge (key j >= row i +
+    LOWER_OFFSET). Each step's dQ columns go to this warpgroup's tile of ``dq_smem``, a buffer a
     step in turn (free once its ``dq_empty`` completes, handed over by its ``dq_full``), for the dQ
     warp to add. SHARED_DQ: ``ds_smem`` holds both warpgroups' dS^T (2 steps x 2 warpgroups,
     step-major, guarded by ``ds_ready`` and ``ds_free``) and this one computes the D / 2 columns
@@ -248,12 +253,12 @@ def _grad_steps(
     zero_dq = gl.zeros([BLOCK, DQ_COLS], gl.float32, dq_layout)
     keys = key_start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     # fmt: off
-    walk = (buffers, keys, zero_s, zero_dq, first, step0, rot, m_count, SEQ_K, UPPER_OFFSET, qk_scale,
-            cap_log2)
+    walk = (buffers, keys, zero_s, zero_dq, first, step0, rot, m_count, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
+            qk_scale, cap_log2)
     for i in range(first, last):
         dk, dv = _grad_step(
             dk, dv, i, walk, MASKED, IS_CAUSAL, DETERMINISTIC, ROTATE, OVERLAP_SDP, SHARED_DQ, P_PAIRS, CID,
-            SOFTCAP)
+            SOFTCAP, HAS_LOWER)
     # fmt: on
     return dk, dv
 
@@ -285,8 +290,8 @@ def _grad_step(
     dk,
     dv,
     i,
-    walk,  # (buffers, keys, zero_s, zero_dq, first, step0, rot, m_count, SEQ_K, UPPER_OFFSET, qk_scale,
-    # cap_log2)
+    walk,  # (buffers, keys, zero_s, zero_dq, first, step0, rot, m_count, SEQ_K, UPPER_OFFSET,
+    # LOWER_OFFSET, qk_scale, cap_log2)
     MASKED: gl.constexpr,
     IS_CAUSAL: gl.constexpr,
     DETERMINISTIC: gl.constexpr,
@@ -296,12 +301,14 @@ def _grad_step(
     P_PAIRS: gl.constexpr,
     CID: gl.constexpr,
     SOFTCAP: gl.constexpr,
+    HAS_LOWER: gl.constexpr,
 ):
     """Query block i's step of ``_grad_steps``' walk: S^T, P^T, dP^T, dS^T and the products into dV
     and dK, and its dQ columns. Returns (dk, dv). SOFTCAP: the exponent is cap_log2 * tanh(s *
     qk_scale) (the forward's ``softcapped_tanh``), and dS^T takes the tanh's derivative, 1 - tanh^2
     (the scale comes after, as without the cap)."""
-    buffers, keys, zero_s, zero_dq, first, step0, rot, m_count, SEQ_K, UPPER_OFFSET, qk_scale, cap_log2 = walk
+    (buffers, keys, zero_s, zero_dq, first, step0, rot, m_count, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale,
+     cap_log2) = walk  # fmt: skip
     (k, v, k_smem, q_smem, do_smem, ds_smem, dq_smem, qd_ready, qd_empty, ds_ready, ds_free, dq_full,
      dq_empty, lse_smem, delta_smem) = buffers  # fmt: skip
     NUM_STAGES: gl.constexpr = q_smem.type.shape[0]
@@ -345,6 +352,8 @@ def _grad_step(
         visible = keys[:, None] < SEQ_K
         if IS_CAUSAL:
             visible = visible & (keys[:, None] <= rows[None, :] + UPPER_OFFSET)
+        if HAS_LOWER:
+            visible = visible & (keys[:, None] >= rows[None, :] + LOWER_OFFSET)
         p = gl.exp2(gl.where(visible, s * factor - lse[None, :], -float("inf")))
     else:
         p = gl.exp2(s * factor - lse[None, :])
@@ -460,10 +469,12 @@ def _grad_partition(
     GROUP,
     m_start,
     m_mid,
-    m_end,  # per head: blocks [m_start, m_mid) masked, [m_mid, m_end) not
+    m_tail,
+    m_end,  # per head: blocks [m_start, m_mid) masked, [m_mid, m_tail) not, [m_tail, m_end) masked
     rot,  # ROTATE: the walk of each head starts at this block
     SEQ_K,
     UPPER_OFFSET,
+    LOWER_OFFSET,
     qk_scale,
     cap_log2,
     scale,
@@ -474,6 +485,7 @@ def _grad_partition(
     SHARED_DQ: gl.constexpr,
     P_PAIRS: gl.constexpr,
     SOFTCAP: gl.constexpr,
+    HAS_LOWER: gl.constexpr,
 ):
     ROWS: gl.constexpr = k_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
@@ -491,6 +503,15 @@ def _grad_partition(
     dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
     dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, acc_layout)
     n_tiles = m_end - m_start
+    # a window's left side: its rows past the key block's first key's reach in a masked loop of
+    # their own, or, where a third loop's code leaves the registers short (the deterministic mode at
+    # D = 128: 45 values a step on the stack against 2), masked in the second loop
+    SPLIT_TAIL: gl.constexpr = HAS_LOWER and not (DETERMINISTIC and HEAD_DIM > 64)
+    MIDDLE_MASKED: gl.constexpr = HAS_LOWER and not SPLIT_TAIL
+    if SPLIT_TAIL:
+        middle_end = m_tail
+    else:
+        middle_end = m_end
     if n_tiles > 0:
         mbarrier.wait(kv_ready.index(cid), 0)
         for g in range(GROUP):
@@ -499,12 +520,17 @@ def _grad_partition(
                        dq_full, dq_empty, lse_smem, delta_smem)
             dk, dv = _grad_steps(
                 dk, dv, buffers, key_start, m_start, m_mid, g * n_tiles, rot, m_end, SEQ_K, UPPER_OFFSET,
-                qk_scale, cap_log2, True, IS_CAUSAL, DETERMINISTIC, ROTATE, OVERLAP_SDP, SHARED_DQ, P_PAIRS,
-                cid, SOFTCAP)
+                LOWER_OFFSET, qk_scale, cap_log2, True, IS_CAUSAL, DETERMINISTIC, ROTATE, OVERLAP_SDP,
+                SHARED_DQ, P_PAIRS, cid, SOFTCAP, HAS_LOWER)
             dk, dv = _grad_steps(
-                dk, dv, buffers, key_start, m_mid, m_end, g * n_tiles + m_mid - m_start, rot, m_end, SEQ_K,
-                UPPER_OFFSET, qk_scale, cap_log2, False, IS_CAUSAL, DETERMINISTIC, ROTATE, OVERLAP_SDP,
-                SHARED_DQ, P_PAIRS, cid, SOFTCAP)
+                dk, dv, buffers, key_start, m_mid, middle_end, g * n_tiles + m_mid - m_start, rot, m_end,
+                SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale, cap_log2, MIDDLE_MASKED, IS_CAUSAL,
+                DETERMINISTIC, ROTATE, OVERLAP_SDP, SHARED_DQ, P_PAIRS, cid, SOFTCAP, HAS_LOWER)
+            if SPLIT_TAIL:
+                dk, dv = _grad_steps(
+                    dk, dv, buffers, key_start, m_tail, m_end, g * n_tiles + m_tail - m_start, rot, m_end,
+                    SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale, cap_log2, True, IS_CAUSAL, DETERMINISTIC,
+                    ROTATE, OVERLAP_SDP, SHARED_DQ, P_PAIRS, cid, SOFTCAP, HAS_LOWER)
             # fmt: on
     if SHARED_DQ and n_tiles > 0:
         # the other warpgroup's dQ columns read this one's K too: its products of the last step
@@ -550,6 +576,7 @@ def _attn_bwd_sm90_kernel(
     SEQ_Q,  # query rows of a head
     SEQ_K,  # keys of a head
     UPPER_OFFSET,  # IS_CAUSAL: row i sees key j iff j <= i + UPPER_OFFSET
+    LOWER_OFFSET,  # HAS_LOWER: ... and j >= i + LOWER_OFFSET (a window's left side)
     qk_scale,  # scale * log2(e) (SOFTCAP: scale / softcap, the tanh's argument a unit of q . k)
     cap_log2,  # SOFTCAP: softcap * log2(e), the exponent's factor on the tanh
     scale,  # the scores' scale (dK's factor)
@@ -563,6 +590,7 @@ def _attn_bwd_sm90_kernel(
     ACQUIRE_FIRST: gl.constexpr,  # DETERMINISTIC: the turn polled acquiring first (Config.acquire_first)
     TURN_BLOCKS: gl.constexpr,  # DETERMINISTIC: query blocks a turn covers (Config.turn_blocks; else 1)
     SOFTCAP: gl.constexpr,  # the scores soft-capped (the forward's ``softcapped_tanh``)
+    HAS_LOWER: gl.constexpr,  # a window's left side (LOWER_OFFSET); only under an upper bound (IS_CAUSAL)
 ):
     BLOCK: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -571,6 +599,8 @@ def _attn_bwd_sm90_kernel(
     dtype: gl.constexpr = q_desc.dtype
     gl.static_assert(ROWS == 64, "a consumer warpgroup's wgmma has 64 rows")
     gl.static_assert(k_desc.block_type.shape[3] == HEAD_DIM, "q and k share D")
+    # (the dQ warp's turns descend from the last key block a query block sees: an upper bound's)
+    gl.static_assert(IS_CAUSAL or not HAS_LOWER, "a window's left side comes with an upper bound")
 
     n_blocks = gl.cdiv(SEQ_K, KEYS)
     # One program a (key block, pair), launched group after group of PAIRS_PER_GROUP pairs; in a
@@ -599,8 +629,20 @@ def _attn_bwd_sm90_kernel(
     else:
         m_start = 0
         m_mid = 0
+    m_tail = m_end
+    if HAS_LOWER:
+        # the block past the last with a row that sees the program's last key (row i sees key j
+        # only if i <= j - LOWER_OFFSET), and the first with a row that does not see its first key
+        last_key = gl.minimum(start_n + KEYS, SEQ_K) - 1
+        m_end = gl.maximum(
+            gl.minimum(gl.cdiv(gl.maximum(last_key - LOWER_OFFSET + 1, 0), BLOCK), m_end), m_start
+        )
+        m_tail = gl.minimum(gl.maximum(start_n - LOWER_OFFSET + 1, 0) // BLOCK, m_end)
     if start_n + KEYS > SEQ_K:  # the ragged last block: every step masks the keys past Sk
         m_mid = m_end
+    if HAS_LOWER:  # (a short walk: the masked head may reach past the window's end)
+        m_mid = gl.minimum(m_mid, m_end)
+        m_tail = gl.maximum(m_tail, m_mid)
     rot = pid_n * 0
     if ROTATE:
         rot = (pid_n * gl.cdiv(m_end, TURN_BLOCKS)) // n_blocks * TURN_BLOCKS  # a turn's first block
@@ -660,14 +702,14 @@ def _attn_bwd_sm90_kernel(
         # the default partition (the launch's warps), the second consumer, the producer, the dQ warp
         (_grad_partition, (0, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem,
                            v_smem, ds_smem, dq_smem, kv_ready, qd_ready, qd_empty, ds_ready, ds_free, dq_full,
-                           dq_empty, batch, kv_head, start_n, GROUP, m_start, m_mid, m_end, rot, SEQ_K,
-                           UPPER_OFFSET, qk_scale, cap_log2, scale, IS_CAUSAL, DETERMINISTIC, ROTATE,
-                           OVERLAP_SDP, SHARED_DQ, P_PAIRS, SOFTCAP)),
+                           dq_empty, batch, kv_head, start_n, GROUP, m_start, m_mid, m_tail, m_end, rot,
+                           SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale, cap_log2, scale, IS_CAUSAL,
+                           DETERMINISTIC, ROTATE, OVERLAP_SDP, SHARED_DQ, P_PAIRS, SOFTCAP, HAS_LOWER)),
         (_grad_partition, (1, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem,
                            v_smem, ds_smem, dq_smem, kv_ready, qd_ready, qd_empty, ds_ready, ds_free, dq_full,
-                           dq_empty, batch, kv_head, start_n, GROUP, m_start, m_mid, m_end, rot, SEQ_K,
-                           UPPER_OFFSET, qk_scale, cap_log2, scale, IS_CAUSAL, DETERMINISTIC, ROTATE,
-                           OVERLAP_SDP, SHARED_DQ, P_PAIRS, SOFTCAP)),
+                           dq_empty, batch, kv_head, start_n, GROUP, m_start, m_mid, m_tail, m_end, rot,
+                           SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale, cap_log2, scale, IS_CAUSAL,
+                           DETERMINISTIC, ROTATE, OVERLAP_SDP, SHARED_DQ, P_PAIRS, SOFTCAP, HAS_LOWER)),
         (_load_partition, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, kv_ready,
                            qd_ready, qd_empty, batch, kv_head, KV_SHARE, start_n, GROUP,
                            m_start, m_end, rot,

@@ -1,0 +1,153 @@
+"""Sliding windows on the sm_90 Gluon attention backward (``ops/attention/bwd_sm90.py``): which
+windows it takes (``bwd.sm90_window``, on the CPU), and on the H200 (``gpu``) dq, dk and dv against
+the float64 reference gradients with the oracle's rule, for causal windows and two-sided ones, both
+alignments of Sq != Sk, ragged lengths, GQA, D 64 and 128, both modes, the deterministic mode's bits
+run to run, and ``flash_attention``'s backward taking this kernel. The kernel's compile for sm_90
+with a window is among test_attention_bwd_sm90's static cases."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+from test_attention_bwd_sm90 import _inputs, _sm90
+
+pytestmark = pytest.mark.attention
+
+
+def test_the_gluon_backward_takes_windows_with_an_upper_bound_past_the_narrow_bound():
+    """Causal windows and two-sided ones wider than fwd.NARROW_WINDOW_KEYS, and right sides alone;
+    not a left side alone (no upper bound: the deterministic turns descend from one), nor a narrow
+    window (the forward's rule); a side that cuts nothing is no side."""
+    from tritonkit.ops.attention import bwd, fwd
+    from tritonkit.ops.attention.common import Scores
+
+    narrow = fwd.NARROW_WINDOW_KEYS
+    takes = [
+        (Scores(0.1), 4096, 4096),
+        (Scores(0.1, causal=True, window=(1024, 0)), 4096, 4096),
+        (Scores(0.1, causal=True, window=(narrow, 0)), 4096, 4096),  # narrow + 1 keys
+        (Scores(0.1, window=(600, 600)), 4096, 4096),
+        (Scores(0.1, window=(-1, 600)), 4096, 4096),
+        (Scores(0.1, window=(5000, -1)), 4096, 4096),  # cuts nothing: a full mask
+        (Scores(0.1, causal=True, window=(100, 0)), 50, 50),  # cuts nothing at 50 keys
+    ]
+    refuses = [
+        (Scores(0.1, causal=True, window=(narrow - 1, 0)), 4096, 4096),
+        (Scores(0.1, causal=True, window=(64, 0)), 4096, 4096),
+        (Scores(0.1, window=(1024, -1)), 4096, 4096),
+        (Scores(0.1, window=(200, 200)), 4096, 4096),
+    ]
+    for scores, seq_q, seq_k in takes:
+        assert bwd.sm90_window(scores, seq_q, seq_k), scores
+    for scores, seq_q, seq_k in refuses:
+        assert not bwd.sm90_window(scores, seq_q, seq_k), scores
+
+
+def _check_window(q, k, v, do, scores, deterministic: bool) -> tuple:
+    """The kernel's (dq, dk, dv) for ``scores`` (written into NaN-filled buffers), held by the oracle
+    to autograd through the reference in float64, torch's error from the reference run in the
+    inputs' dtype; returned for the bits' check."""
+    from tritonkit.ops.attention import bwd, bwd_sm90
+    from tritonkit.ops.attention.common import attention_reference
+    from tritonkit.oracle import compare
+
+    seq_q, seq_k = q.shape[2], k.shape[2]
+    options = {"causal": scores.causal, "bottom_right": scores.bottom_right, "window": scores.window}
+    options["softcap"] = scores.softcap
+    o, lse = attention_reference(
+        q.double(), k.double(), v.double(), scale=scores.scale, return_lse=True, **options
+    )
+    o, lse = o.to(q.dtype), lse.float()
+    delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
+    bwd._delta_launch(o, do, lse, None, delta).run()
+    (upper, lower, *_), flags = scores.within(seq_q, seq_k).kernel_args(seq_q, seq_k)
+    dq, dk, dv = (torch.full_like(t, math.nan) for t in (q, k, v))
+    bwd_sm90.attention_bwd_sm90(
+        do, q, k, v, lse, delta, dq, dk, dv, scale=scores.scale, causal=flags["IS_CAUSAL"],
+        upper_offset=upper, lower_offset=lower if flags["HAS_LOWER"] else None, softcap=scores.softcap,
+        deterministic=deterministic,
+    )  # fmt: skip
+
+    def reference(dtype):
+        inputs = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        out = attention_reference(*inputs, scale=scores.scale, **options)
+        return torch.autograd.grad(out, inputs, do.to(dtype))
+
+    exact, in_dtype = reference(torch.float64), reference(q.dtype)
+    grads = (dq, dk, dv)
+    comparisons = [
+        compare(name, grad, torch_grad, exact_grad, q.dtype)
+        for name, grad, torch_grad, exact_grad in zip(("dq", "dk", "dv"), grads, in_dtype, exact, strict=True)
+    ]
+    assert all(c.passed for c in comparisons), [str(c) for c in comparisons]
+    return grads
+
+
+# (B, Hq, Hkv, Sq, Sk, causal, bottom_right, window): causal windows whose left edge falls on and off
+# the 64-row and 128-key blocks, wider and narrower than a key block's walk, Sq != Sk both ways and
+# both alignments (rows that see no key), two-sided windows and a right side alone, GQA and MQA, a
+# soft cap beside a window (an optional ninth field)
+CASES = [
+    (1, 2, 2, 1000, 1000, True, True, (600, 0)),
+    (1, 2, 2, 1000, 1000, True, True, (639, 0)),
+    (2, 3, 3, 777, 777, True, True, (700, 0)),
+    (1, 4, 2, 2048, 2048, True, True, (1023, 0)),
+    (1, 2, 2, 300, 1500, True, True, (700, 0)),
+    (1, 2, 2, 1500, 300, True, True, (700, 0)),
+    (1, 2, 2, 1500, 900, True, False, (700, 0)),
+    (1, 2, 2, 1000, 1000, False, True, (400, 300)),
+    (1, 2, 2, 700, 1300, False, False, (300, 500)),
+    (1, 2, 2, 1000, 1000, False, True, (-1, 600)),
+    (1, 8, 1, 1200, 1200, True, True, (777, 0)),
+    (2, 4, 2, 900, 1100, True, True, (650, 0), 20.0),
+]
+
+
+def _case_id(case) -> str:
+    shape = "x".join(map(str, case[:5]))
+    mask = ("causal" if case[5] else "full") + ("" if case[6] else "-topleft")
+    return f"{shape}-{mask}-window{case[7][0]},{case[7][1]}" + (
+        f"-softcap{case[8]:g}" if len(case) > 8 else ""
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("deterministic", [False, True], ids=["any-order", "deterministic"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_gpu_windows_match_the_reference(case, head_dim, deterministic):
+    from tritonkit.ops.attention.common import Scores
+
+    batch, heads_q, heads_kv, seq_q, seq_k, causal, bottom_right, window, *cap = case
+    dtype = torch.float16 if CASES.index(case) % 3 == 2 else torch.bfloat16
+    seed = 4 * CASES.index(case) + 2 * (head_dim == 128) + deterministic
+    q, k, v, do = _inputs(batch, heads_q, heads_kv, seq_q, seq_k, head_dim, dtype, seed)
+    scores = Scores(head_dim**-0.5, causal, bottom_right, window, *cap)
+    grads = _check_window(q, k, v, do, scores, deterministic)
+    if deterministic:  # the same bits again
+        again = _check_window(q, k, v, do, scores, deterministic)
+        assert all(torch.equal(a, b) for a, b in zip(grads, again, strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_gpu_flash_attention_backward_takes_the_gluon_kernel_with_a_window(deterministic, caplog):
+    """A causal window past the narrow bound goes to this kernel, a narrow one to the Triton kernels."""
+    import tritonkit
+    from tritonkit.ops.attention import fwd
+
+    q, k, v, _ = _inputs(1, 4, 4, 1024, 1024, 128, torch.bfloat16, seed=11)
+    for left, kernel in ((fwd.NARROW_WINDOW_KEYS + 100, "sm_90 Gluon kernel"), (64, "Triton kernels")):
+        caplog.clear()
+        x = q.detach().clone().requires_grad_()
+        with caplog.at_level(logging.DEBUG, logger="tritonkit"):
+            tritonkit.flash_attention(
+                x, k, v, causal=True, window=(left, 0), deterministic=deterministic
+            ).sum().backward()
+        assert f"attention backward {tuple(q.shape)} on the {kernel}" in caplog.text, (left, caplog.text)
