@@ -37,8 +37,12 @@ DTYPES = FLOATS
 TILE_ELEMENTS = 8192
 NUM_WARPS = 4
 # Heads a tile at most (None: as many as the tile holds, up to the fewer of q's and k's): a tile of
-# BLOCK_H heads reads BLOCK_H runs of its tokens, a head's S x D apart; one head reads one run.
-TILE_HEADS = None
+# BLOCK_H heads reads BLOCK_H runs of its tokens, a head's S x D apart; one head reads one run, but
+# loads a table row a token where BLOCK_H heads share it. Two, from eight: on an H100 (L2 flushed,
+# `benchmarks/rotary_tiles.py OUT.json --heads 2 8 --flushed`, three processes,
+# results/h100/history/rotary-heads-flushed-*.json) 122.4-122.5 us against 124.2-124.4 at (4, 32/8,
+# 4096, 128), torch.compile 123.8-124.0; 247.9-248.1 against 252.4-252.6 at (1, 32/8, 32768, 128).
+TILE_HEADS = 2
 NO_OFFSET, SCALAR_OFFSET, TENSOR_OFFSET = 0, 1, 2
 # The programs' order (the kernel's groups). A head block's pass over a sequence reads each row of
 # the tables; the next head block's pass reads them again from L2 only if what the first moved in
