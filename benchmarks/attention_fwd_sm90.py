@@ -7,8 +7,8 @@ process, bf16, with the causal order's group sizes beside the default.
 Rows: the backward benchmark's shapes (``attention_bwd_sm90.SHAPES``), full and causal, then the
 decoder layer's attention (``tritonkit bench layer``'s 8b-4k: GQA 32/8, S = 4096, causal, q, k and v
 strided views of one QKV projection). ``--shape`` times the given shapes instead (repeatable; no layer
-row), ``--full`` or ``--causal`` one mask. A causal row also times the other group sizes of
-``fwd_sm90.CAUSAL_HEADS_PER_GROUP`` (``GROUPS``); ``--candidates`` times every tile of
+row), ``--full`` or ``--causal`` one mask. A causal row also times the causal order's other group
+sizes (``fwd_sm90.order``; ``GROUPS``); ``--candidates`` times every tile of
 ``fwd_sm90.CANDIDATES`` for the head dim instead. A row's providers take turns, ``--rounds`` of
 them, as the backward benchmark's (``tritonkit.bench.timing.interleaved_turns``; the turns, the
 median turn, its spread and the paired ratios to cuDNN and of each variant to the default, which
@@ -79,15 +79,16 @@ def _row(shape, causal: bool, layer: bool) -> dict:
 
             check("gluon" if config == tile else f"gluon_{_changes(config, tile)}", candidate)
     else:
-        default = fwd_sm90.CAUSAL_HEADS_PER_GROUP
+        default = fwd_sm90.order(True, 1 << 30, fwd_sm90.kernel_head_dim(head_dim))  # the rule's, at this D
+        rules = fwd_sm90.CAUSAL_HEADS_PER_GROUP, fwd_sm90.WIDE_CAUSAL_HEADS_PER_GROUP
         for group in (default, *(g for g in GROUPS if g != default)) if causal else (default,):
 
             def grouped(group=group):
-                fwd_sm90.CAUSAL_HEADS_PER_GROUP = group
+                fwd_sm90.CAUSAL_HEADS_PER_GROUP = fwd_sm90.WIDE_CAUSAL_HEADS_PER_GROUP = group
                 try:
                     fwd_sm90.attention_fwd_sm90(q, k, v, o, lse, scale=head_dim**-0.5, causal=causal)
                 finally:
-                    fwd_sm90.CAUSAL_HEADS_PER_GROUP = default
+                    fwd_sm90.CAUSAL_HEADS_PER_GROUP, fwd_sm90.WIDE_CAUSAL_HEADS_PER_GROUP = rules
 
             check("gluon" if group == default else f"gluon_heads_per_group={group}", grouped)
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):

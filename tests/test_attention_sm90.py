@@ -151,7 +151,8 @@ def test_the_default_tile_is_persistent_over_few_keys():
             q, q, q, q, q[..., 0], scale=0.1, causal=True, config=fwd.CONFIGS[256]._replace(persistent=True)
         )
     assert fwd.order(True, 64) == fwd.CAUSAL_HEADS_PER_GROUP and fwd.order(True, 2) == 2
-    assert fwd.order(False, 64) == 1
+    assert fwd.order(True, 64, 256) == fwd.WIDE_CAUSAL_HEADS_PER_GROUP and fwd.order(True, 3, 256) == 3
+    assert fwd.order(False, 64) == fwd.order(False, 64, 256) == 1
 
 
 def test_the_launch_passes_the_kernels_parameters_in_order(monkeypatch):

@@ -342,12 +342,19 @@ def _check_packed(q: torch.Tensor, k: torch.Tensor, packed, config: Config | Non
 # H200; level (within 2%, either way) at the other shapes timed (docs/perf-notes/attention-forward.md,
 # "The causal order's groups"). The backward orders its pairs by its own rule (bwd_sm90).
 CAUSAL_HEADS_PER_GROUP = 2
+# At D = 256 (one tile a program), groups of 4: on an H100, 1.19x cuDNN against 2's 1.08x at (2, 16/8,
+# 4096, 256) causal, 1.21x against 1.10x in an earlier run, level (1.12x) at (1, 32/8, 8192, 256)
+# (results/h100/history/attention-fwd-sm90-d256-groups-6343cea.json, ...-d256-6e9ec9c.json)
+WIDE_CAUSAL_HEADS_PER_GROUP = 4
 
 
-def order(causal: bool, batch_heads: int) -> int:
-    """HEADS_PER_GROUP for a launch over ``batch_heads`` (batch, head)s: one tile a program and
-    persistent (``fwd_sm90_tiles._walk`` numbers its pairs of blocks in the same groups)."""
-    return min(CAUSAL_HEADS_PER_GROUP if causal else 1, batch_heads)
+def order(causal: bool, batch_heads: int, head_dim: int = 128) -> int:
+    """HEADS_PER_GROUP for a launch over ``batch_heads`` (batch, head)s of the kernel's ``head_dim``:
+    one tile a program and persistent (``fwd_sm90_tiles._walk`` numbers its pairs of blocks in the
+    same groups)."""
+    if not causal:
+        return 1
+    return min(WIDE_CAUSAL_HEADS_PER_GROUP if head_dim > 128 else CAUSAL_HEADS_PER_GROUP, batch_heads)
 
 
 def launches(
@@ -391,7 +398,7 @@ def launches(
         lse.stride(1),
         heads_q,
         batch * heads_q,
-        order(causal, batch * heads_q),
+        order(causal, batch * heads_q, kernel_dim),
         heads_q // heads_kv,
         seq_q,
         seq_k,
