@@ -361,12 +361,27 @@ def test_bad_packed_input_is_named(device):
         fa(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=torch.tensor([0, 6], dtype=torch.int32, device=device))
     with pytest.raises(ValueError, match="max_seqlen_q must be an int >= the longest sequence \\(5\\)"):
         fa(q, k, v, max_seqlen_q=4, **cu)
+    with pytest.raises(ValueError, match="max_seqlen_k must be an int"):
+        fa(q, k, v, max_seqlen_k=4.0, **cu)
     with pytest.raises(ValueError, match="max_seqlen_k is for packed batches"):
         fa(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), max_seqlen_k=4)
     with pytest.raises(ValueError, match="a packed k must be 3-D"):
         fa(q, k.unsqueeze(0), v, **cu)
     with pytest.raises(ValueError, match="multiple of key/value heads"):
         fa(q[:, :1].expand(-1, 3, -1), k, v, **cu)
+
+
+def test_packed_longest_lengths_as_numpy_integers(device):
+    """max_seqlen_q and max_seqlen_k as numpy integers (what a data loader's arrays hold) are taken
+    as ints: the same output as without them."""
+    import numpy as np
+
+    q, k, v, cu = packed([(3, 4), (5, 2)], 2, 2, 32, torch.bfloat16, device)
+    want = tritonkit.flash_attention(q, k, v, causal=True, **cu)
+    got = tritonkit.flash_attention(
+        q, k, v, causal=True, max_seqlen_q=np.int64(5), max_seqlen_k=np.int32(4), **cu
+    )
+    assert torch.equal(got, want)
 
 
 def test_lse_merges_attention_over_two_halves_of_the_keys(device):

@@ -259,13 +259,18 @@ def test_window_sides_past_every_key_are_unbounded(causal, device):
 
 
 def test_one_int_length_for_every_sequence(device):
-    """cache_seqlens as an int (flash-attn takes one): every sequence's length, as a tensor of it."""
+    """cache_seqlens as an int (flash-attn takes one), a numpy integer too: every sequence's length,
+    as a tensor of it."""
+    import numpy as np
+
     q, k_cache, v_cache, k, v, seqlens, _ = _case(2, 1, 4, 2, 16, 32, [7, 7], device, seed=16)
-    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
-    got = tritonkit.flash_attention_with_kvcache(q, *caches[0], k, v, cache_seqlens=7)
-    want = tritonkit.flash_attention_with_kvcache(q, *caches[1], k, v, cache_seqlens=seqlens)
-    for a, b in zip((got, *caches[0]), (want, *caches[1]), strict=True):
-        assert torch.equal(_bits(a), _bits(b))
+    want_caches = (k_cache.clone(), v_cache.clone())
+    want = tritonkit.flash_attention_with_kvcache(q, *want_caches, k, v, cache_seqlens=seqlens)
+    for length in (7, np.int32(7)):
+        caches = (k_cache.clone(), v_cache.clone())
+        got = tritonkit.flash_attention_with_kvcache(q, *caches, k, v, cache_seqlens=length)
+        for a, b in zip((got, *caches), (want, *want_caches), strict=True):
+            assert torch.equal(_bits(a), _bits(b)), type(length)
 
 
 class _Replaying:

@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from tritonkit.opdef import finite, first_derivative_only, op
+from tritonkit.opdef import as_int, finite, first_derivative_only, op
 from tritonkit.ops import Op, Workload
 from tritonkit.ops.attention import bwd, fwd
 from tritonkit.ops.attention.bwd import _inspect_launches as _inspect_bwd_launches
@@ -259,9 +259,10 @@ def _validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         ("max_seqlen_q", max_seqlen_q, lengths["cu_seqlens_q"]),
         ("max_seqlen_k", max_seqlen_k, lengths["cu_seqlens_k"]),
     ):
-        if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < found):
+        length = as_int(given)  # (a numpy or torch integer too)
+        if given is not None and (length is None or length < found):
             raise ValueError(f"{name} must be an int >= the longest sequence ({found}), got {given!r}")
-        longest.append(found if given is None else given)
+        longest.append(found if given is None else length)
     # the kernels read a sequence's bounds at cu + b: entries one after another
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     return Packed(cu_seqlens_q, cu_seqlens_k, cu_seqlens_q.shape[0] - 1, *longest)

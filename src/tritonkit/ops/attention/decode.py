@@ -565,8 +565,9 @@ def flash_attention_with_kvcache(
         raise ValueError(f"num_splits must be an int >= 0 (0: by the rule), got {num_splits!r}")
     num_splits = splits
     softcap = float(softcap)
-    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool) and isinstance(q, torch.Tensor):
-        cache_seqlens = q.new_full((q.shape[0],), cache_seqlens, dtype=torch.int32)  # flash-attn takes one
+    one_length = None if isinstance(cache_seqlens, torch.Tensor) else as_int(cache_seqlens)  # numpy's too
+    if one_length is not None and isinstance(q, torch.Tensor):
+        cache_seqlens = q.new_full((q.shape[0],), one_length, dtype=torch.int32)  # flash-attn takes one
     # the kernel reads an entry of each at the row's index (a table row's at its column)
     cache_seqlens, block_table = (
         t.contiguous() if isinstance(t, torch.Tensor) else t for t in (cache_seqlens, block_table)
