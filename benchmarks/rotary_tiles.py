@@ -7,10 +7,13 @@ token), each size forced and then the size ``rotary._group`` picks, or with ``--
 tile holds at most (``rotary.TILE_HEADS``) at the default tile: fewer heads, longer runs of tokens.
 
     python benchmarks/rotary_tiles.py OUT.json [--groups 1 4 16 64 1073741824 | --heads 1 2 4 8] [--flushed]
+        [--shared-tables]
 
 Times are CUDA-graph replays (``triton.testing.do_bench_cudagraph``, 200 ms), in us, the L2 kept
 warm from one replay to the next; with ``--flushed``, the benchmark tables' protocol
-(``tritonkit.bench.timing.kernel_ms``: the L2 flushed before each call). Each variant's
+(``tritonkit.bench.timing.kernel_ms``: the L2 flushed before each call). The cos and sin tables are
+(B, S, D), Hugging Face's (a row a token of each sequence), or with ``--shared-tables`` (S, D), one
+for every sequence, as the benchmark tables' inputs (``rotary._make_inputs``). Each variant's
 launch is built anew (``rotary._launch``), not replayed from an earlier call's plan, which would
 keep the first variant's.
 """
@@ -34,6 +37,7 @@ WARPS = (4, 8)
 
 
 FLUSHED = False  # --flushed: time as the tables do
+SHARED_TABLES = False  # --shared-tables: (S, D) tables, as the tables' inputs
 
 
 def _us(fn) -> float:
@@ -59,7 +63,8 @@ def _row(variants: dict, batch: int, heads_q: int, heads_kv: int, seq: int, head
     """us of torch.compile and of each variant (name -> settings of the module) at one shape; each
     variant's outputs equal to the compiled reference's."""
     g = torch.Generator(device="cuda").manual_seed(0)
-    shapes = ((batch, heads_q, seq, head_dim), (batch, heads_kv, seq, head_dim), (batch, seq, head_dim))
+    table = (seq, head_dim) if SHARED_TABLES else (batch, seq, head_dim)
+    shapes = ((batch, heads_q, seq, head_dim), (batch, heads_kv, seq, head_dim), table)
     q, k, cos, sin = (
         torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g) for shape in (*shapes, shapes[2])
     )
@@ -87,9 +92,10 @@ def main() -> None:
     sweep.add_argument("--groups", type=int, nargs="+", help="sweep the order at the default tile")
     sweep.add_argument("--heads", type=int, nargs="+", help="sweep the heads a tile at the default tile")
     parser.add_argument("--flushed", action="store_true", help="flush the L2 before each call, as the tables")
+    parser.add_argument("--shared-tables", action="store_true", help="(S, D) tables, as the tables' inputs")
     args = parser.parse_args()
-    global FLUSHED
-    FLUSHED = args.flushed
+    global FLUSHED, SHARED_TABLES
+    FLUSHED, SHARED_TABLES = args.flushed, args.shared_tables
     if args.heads:
         variants = {f"{h} heads": {"TILE_HEADS": h} for h in args.heads}
     elif args.groups:
@@ -102,6 +108,7 @@ def main() -> None:
     for flag, values in (("--groups", args.groups), ("--heads", args.heads)):
         command += f" {flag} " + " ".join(map(str, values)) if values else ""
     command += " --flushed" if args.flushed else ""
+    command += " --shared-tables" if args.shared_tables else ""
     result = {"op": "rotary_tiles", "command": command, "gpu": torch.cuda.get_device_name()}
     result["method"] = "timing.kernel_ms (L2 flushed)" if args.flushed else "do_bench_cudagraph, 200 ms"
     result |= {"torch": torch.__version__, "triton": triton.__version__, "git": provenance()["git_sha"]}
