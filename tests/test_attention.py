@@ -491,8 +491,10 @@ def test_bad_input_is_named(device):
         tritonkit.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool))
     with pytest.raises(NotImplementedError, match="dropout_p"):
         tritonkit.scaled_dot_product_attention(q, k, v, dropout_p=0.1, enable_gqa=True)
-    with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\], got -0.1"):
+    with pytest.raises(ValueError, match=r"dropout_p must be a number in \[0, 1\], got -0.1"):
         tritonkit.scaled_dot_product_attention(q, k, v, dropout_p=-0.1, enable_gqa=True)
+    with pytest.raises(ValueError, match=r"dropout_p must be a number in \[0, 1\], got tensor"):
+        tritonkit.scaled_dot_product_attention(q, k, v, dropout_p=torch.tensor(0.0), enable_gqa=True)
 
 
 def test_opcheck(device):

@@ -10,6 +10,7 @@ cap, the dense checks, the reference) is in ``common``.
 from __future__ import annotations
 
 import functools
+import numbers
 
 import torch
 
@@ -286,8 +287,12 @@ def scaled_dot_product_attention(
             "scaled_dot_product_attention: attn_mask is not supported (use is_causal, "
             "or flash_attention's window)"
         )
-    if not (isinstance(dropout_p, (int, float)) and 0 <= dropout_p <= 1):
-        raise ValueError(f"scaled_dot_product_attention: dropout_p must be in [0, 1], got {dropout_p!r}")
+    if not (
+        isinstance(dropout_p, numbers.Real) and 0 <= dropout_p <= 1
+    ):  # (numpy's floats too; as torch's, no tensor)
+        raise ValueError(
+            f"scaled_dot_product_attention: dropout_p must be a number in [0, 1], got {dropout_p!r}"
+        )
     if dropout_p:
         raise NotImplementedError("scaled_dot_product_attention: dropout_p > 0 is not supported")
     validate_qkv(query, key, value)
