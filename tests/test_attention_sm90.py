@@ -519,8 +519,8 @@ def test_gpu_empty_keyless_and_refusals():
 
 
 def test_calls_the_gluon_forward_cannot_take_go_to_the_triton_kernel(device):
-    """Packed batches at head dims other than 64 and 128 and windows of at most NARROW_WINDOW_KEYS
-    keys never take it (wider windows, soft caps, causal masks of either alignment, head dims between
+    """Packed batches at head dims other than 64 and 128 and narrow windows (``fwd.narrow_window_keys``)
+    never take it (wider windows, soft caps, causal masks of either alignment, head dims between
     the kernels' and packed batches at 64 and 128 do); and nothing does under the interpreter (Gluon
     kernels do not run there)."""
     from tritonkit.ops.attention import fwd
@@ -562,6 +562,18 @@ def test_narrow_windows_keep_the_triton_forward():
     assert fwd.window_keys(Scores(0.1, causal=True), 4096, 4096) is None
     assert fwd.window_keys(Scores(0.1, causal=True, window=(4096, 0)), 4096, 4096) is None  # cuts nothing
     assert fwd.window_keys(Scores(0.1, causal=True, window=(1024, 0)), 4096, 4096) > fwd.NARROW_WINDOW_KEYS
+    # uncapped at the D = 128 kernel, a lower bound: a 256-key window takes the Gluon kernel there
+    uncapped, capped = (
+        Scores(0.1, causal=True, window=(255, 0)),
+        Scores(0.1, causal=True, window=(255, 0), softcap=30.0),
+    )
+    assert fwd.narrow_window_keys(uncapped, 128) == fwd.narrow_window_keys(uncapped, 72) == 255 < 256
+    assert (
+        fwd.narrow_window_keys(uncapped, 64)
+        == fwd.narrow_window_keys(uncapped, 256)
+        == fwd.NARROW_WINDOW_KEYS
+    )
+    assert fwd.narrow_window_keys(capped, 128) == fwd.NARROW_WINDOW_KEYS
 
 
 @pytest.mark.gpu

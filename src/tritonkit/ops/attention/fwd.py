@@ -657,12 +657,23 @@ log = logging.getLogger("tritonkit")
 SM90_FORWARD = True
 
 # A window whose rows see at most this many keys runs this Triton kernel: a Gluon tile there walks 2
-# to 5 key blocks (the suspect, not measured: the fetch of three loops' code a tile). Measured on
-# an H100 at 6e9ec9c (docs/perf-notes/attention-forward-sm90-features.md), causal at 4096 keys: a
-# window of 256 keys (capped at 30) ran on the Gluon kernel at 0.70x the Triton kernel's rate at D =
-# 128 and 0.48x at D = 64, one of 1025 keys at 1.60x and 1.09x. Not measured between: the bound is
-# the middle.
+# to 5 key blocks (why they cost is not established: walking them in one loop, less code, ran no
+# faster). Measured on an H100 at 6e9ec9c (docs/perf-notes/attention-forward-sm90-features.md),
+# causal at 4096 keys: a window of 256 keys (capped at 30) ran on the Gluon kernel at 0.70x the
+# Triton kernel's rate at D = 128 and 0.48x at D = 64, one of 1025 keys at 1.60x and 1.09x. Not
+# measured between: the bound is the middle.
 NARROW_WINDOW_KEYS = 512
+# Uncapped at the D = 128 kernel (head dims 72 to 128) the bound is lower: there a 256-key window ran
+# 1.35x the Triton kernel (0.76x at D = 64; an H100 at 3688ffe, "A tile of few blocks in one masked
+# loop" in the same notes), so the cap, not the window, made the capped row lose. Narrower windows
+# are not measured: they keep the Triton kernel.
+NARROW_UNCAPPED_WINDOW_KEYS = 255
+
+
+def narrow_window_keys(scores: Scores, head_dim: int) -> int:
+    """The widest window, in keys a row sees, that takes the Triton forward for these scores."""
+    uncapped_128 = not scores.softcap and 64 < head_dim <= 128
+    return NARROW_UNCAPPED_WINDOW_KEYS if uncapped_128 else NARROW_WINDOW_KEYS
 
 
 def window_keys(scores: Scores, seq_q: int, seq_k: int) -> int | None:
@@ -676,12 +687,12 @@ def window_keys(scores: Scores, seq_q: int, seq_k: int) -> int | None:
 def sm90_takes(q, k, v, scores: Scores, packed: Packed | None) -> bool:
     """Whether the sm_90 Gluon forward (``fwd_sm90``) computes this call (a packed batch's as (1, H, T,
     D) views): natively compiled, on an sm_90 GPU, within what it supports, and no window of at most
-    NARROW_WINDOW_KEYS keys. Everything else takes the Triton kernel below."""
+    ``narrow_window_keys`` keys. Everything else takes the Triton kernel below."""
     if not SM90_FORWARD or interpret() or not q.is_cuda:
         return False
     lengths = (packed.max_q, packed.max_k) if packed is not None else (q.shape[2], k.shape[2])
     span = window_keys(scores, *lengths)
-    if span is not None and span <= NARROW_WINDOW_KEYS:
+    if span is not None and span <= narrow_window_keys(scores, q.shape[3]):
         return False
     from tritonkit.ops.attention import fwd_sm90
 
