@@ -19,10 +19,10 @@ TFLOP/s from
 output. Rows stop being timed at the deadline (the JSON holds what was measured).
 
 ``--softcap CAP`` and ``--window LEFT,RIGHT`` time soft-capped scores and sliding windows
-(``flash_attention``'s), which cuDNN does not take: the Gluon forward and the Triton kernel
-(``fwd.SM90_FORWARD`` off) on those scores, beside cuDNN's forward without them as the rate to reach
-(``vs_cudnn`` then compares unlike work: a window does less); the differences are from the fp32
-reference of those scores (``common.attention_reference``).
+(``flash_attention``'s), which cuDNN does not take: the Gluon forward (with ``--candidates`` its
+other tiles too) and the Triton kernel (``fwd.SM90_FORWARD`` off) on those scores, beside cuDNN's
+forward without them as the rate to reach (``vs_cudnn`` then compares unlike work: a window does
+less); the differences are from the fp32 reference of those scores (``common.attention_reference``).
 """
 
 from __future__ import annotations
@@ -125,12 +125,24 @@ def _scores_row(row: dict, qkv: tuple, causal: bool, cudnn, flops: float) -> dic
             fwd.SM90_FORWARD = True
 
     row["softcap"], row["window"] = cap, list(window)
-    for name, call in (("gluon", gluon), ("triton", triton)):
+    calls = {"gluon": gluon, "triton": triton}
+    if "--candidates" in sys.argv:  # the Gluon forward's other tiles on these scores
+        tile = fwd_sm90.default_config(fwd_sm90.kernel_head_dim(q.shape[-1]), k.shape[2])
+        for config in fwd_sm90.CANDIDATES[fwd_sm90.kernel_head_dim(q.shape[-1])]:
+            if config != tile:
+
+                def candidate(config=config):
+                    fwd_sm90.attention_fwd_sm90(
+                        q, k, v, o, lse, scale=scale, causal=causal, window=window, softcap=cap, config=config
+                    )
+
+                calls[f"gluon_{_changes(config, tile)}"] = candidate
+    for name, call in calls.items():
         o.fill_(float("nan"))
         call()
         row[f"{name}_max_err_vs_reference"] = (o.float() - reference).abs().max().item()
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        time_calls(row, {"cudnn": cudnn, "gluon": gluon, "triton": triton})
+        time_calls(row, {"cudnn": cudnn, **calls})
     row["tflops"] = {name: flops / ms / 1e9 for name, ms in row["ms"].items()}
     row["vs_cudnn"] = {name: row["ms"]["cudnn"] / ms for name, ms in row["ms"].items()}
     return row
