@@ -40,7 +40,7 @@ NUM_WARPS = 4
 # BLOCK_H heads reads BLOCK_H runs of its tokens, a head's S x D apart; one head reads one run, but
 # loads a table row a token where BLOCK_H heads share it. Two, from eight: on an H100 (L2 flushed,
 # `benchmarks/rotary_tiles.py OUT.json --heads 2 8 --flushed`, three processes,
-# results/h100/history/rotary-heads-flushed-*.json) 122.4-122.5 us against 124.2-124.4 at (4, 32/8,
+# results/h100/history/rotary-heads-*-6343cea.json) 122.4-122.5 us against 124.2-124.4 at (4, 32/8,
 # 4096, 128), torch.compile 123.8-124.0; 247.9-248.1 against 252.4-252.6 at (1, 32/8, 32768, 128).
 TILE_HEADS = 2
 NO_OFFSET, SCALAR_OFFSET, TENSOR_OFFSET = 0, 1, 2
