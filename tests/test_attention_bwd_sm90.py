@@ -45,6 +45,7 @@ for dtype, head_dim, causal, deterministic, shared_dq, _, *fields in CASES:
     fields = dict(*fields)
     softcap = fields.pop("softcap", False)  # (the kernel's SOFTCAP, not a Config field)
     window = fields.pop("window", False)  # (the kernel's HAS_LOWER: a window's left side, under causal)
+    varlen = fields.pop("varlen", False)  # (the kernel's VARLEN: a packed batch)
     config = bwd.CONFIGS[head_dim]._replace(shared_dq=shared_dq, **({"block_m": bwd.BLOCK_M} | fields))
     shipped = bwd.default_config(head_dim, deterministic, False, causal)
     k_swizzle = 64 if shared_dq and head_dim == 64 else None
@@ -53,9 +54,11 @@ for dtype, head_dim, causal, deterministic, shared_dq, _, *fields in CASES:
     signature = {name: descriptor(dtype, n, head_dim, k_swizzle if name in ("k_desc", "dk_desc") else None)
                  for name, n in rows.items()}
     signature |= {"dq_desc": descriptor("fp32", config.block_m, head_dim // 2 if shared_dq else head_dim),
-                  "lse_ptr": "*fp32", "delta_ptr": "*fp32", "sem_ptr": "*i32"}
-    for name in ("stride_lb", "stride_lh", "stride_db", "stride_dh", "stride_sb", "stride_sh", "HEADS_KV",
-                 "PAIRS", "PAIRS_PER_GROUP", "GROUP", "SEQ_Q", "SEQ_K", "UPPER_OFFSET", "LOWER_OFFSET"):
+                  "lse_ptr": "*fp32", "delta_ptr": "*fp32", "sem_ptr": "*i32", "dk_ptr": f"*{dtype}",
+                  "dv_ptr": f"*{dtype}", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32"}
+    for name in ("stride_lb", "stride_lh", "stride_db", "stride_dh", "stride_sb", "stride_sh", "stride_dkh",
+                 "stride_dks", "stride_dvh", "stride_dvs", "HEADS_KV", "PAIRS", "PAIRS_PER_GROUP", "GROUP",
+                 "SEQ_Q", "SEQ_K", "UPPER_OFFSET", "LOWER_OFFSET"):
         signature[name] = "i32"
     # KV_SHARE is 1 but per query head, and a launch specializes an int argument of 1 as a constant
     signature |= {"KV_SHARE": "constexpr"}
@@ -63,13 +66,13 @@ for dtype, head_dim, causal, deterministic, shared_dq, _, *fields in CASES:
                   "DETERMINISTIC": "constexpr", "NUM_STAGES": "constexpr", "ROTATE": "constexpr",
                   "OVERLAP_SDP": "constexpr", "SHARED_DQ": "constexpr", "ACQUIRE_FIRST": "constexpr",
                   "TURN_BLOCKS": "constexpr", "P_PAIRS": "constexpr", "SOFTCAP": "constexpr",
-                  "HAS_LOWER": "constexpr"}
+                  "HAS_LOWER": "constexpr", "VARLEN": "constexpr"}
     constants = {"KV_SHARE": 1, "IS_CAUSAL": causal, "DETERMINISTIC": deterministic,
                  "NUM_STAGES": config.num_stages,
                  "OVERLAP_SDP": config.overlap_sdp, "SHARED_DQ": config.shared_dq,
                  "ACQUIRE_FIRST": shipped.acquire_first,
                  "TURN_BLOCKS": shipped.turn_blocks,
-                 "P_PAIRS": config.p_in_pairs, "SOFTCAP": softcap, "HAS_LOWER": window}
+                 "P_PAIRS": config.p_in_pairs, "SOFTCAP": softcap, "HAS_LOWER": window, "VARLEN": varlen}
     constants["ROTATE"] = bwd.order(deterministic, causal, 64, 32, 132)[1]  # rotated where it may be
     kernel = triton.compile(GluonASTSource(bwd._attn_bwd_sm90_kernel, signature, constants),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": bwd.CONSUMER_WARPS.value})
@@ -77,7 +80,7 @@ for dtype, head_dim, causal, deterministic, shared_dq, _, *fields in CASES:
     print(json.dumps({
         "case": f"{dtype} d{head_dim} causal={causal} deterministic={deterministic} "
                 f"shared_dq={shared_dq} {fields or ''}{' softcap' if softcap else ''}"
-                f"{' window' if window else ''}",
+                f"{' window' if window else ''}{' packed' if varlen else ''}",
         "warps": kernel.metadata.num_warps, "shared": kernel.metadata.shared,
         "waits": numbers(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx),
         "setmaxnreg": numbers(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx),
@@ -113,7 +116,11 @@ for dtype, head_dim, causal, deterministic, shared_dq, _, *fields in CASES:
 # window's left side (the field "window", the kernel's HAS_LOWER, under the causal bound): a third,
 # masked loop for the rows past a key block's first key's reach (79 free at D = 128, one a step;
 # 30-31 at D = 64, none a step), but in the deterministic mode at D = 128, where that loop put 45
-# values a step on the stack, the window's rows masked in the second loop (21, none a step).
+# values a step on the stack, the window's rows masked in the second loop (21, none a step). A packed
+# batch (the field "varlen", the kernel's VARLEN): dK and dV stored row by row, masked (a head dim's
+# PRMT more), and the masks counting keys from the sequence's end (``_grad_partition``), with no
+# more values a step on the stack than the dense kernel (3-10 a step at D = 128 with the sequence's
+# length held in a register).
 STATIC_CASES = [
     ("bf16", 128, False, False, False, 27),
     ("bf16", 128, True, True, False, 13),
@@ -140,6 +147,13 @@ STATIC_CASES = [
     ("bf16", 64, True, True, True, 30, {"block_m": 128, "window": True}),
     ("bf16", 64, True, False, True, 31, {"block_m": 128, "window": True}),
     ("bf16", 128, True, True, True, 23, {"p_in_pairs": True, "softcap": True, "window": True}),
+    ("bf16", 128, True, False, True, 47, {"varlen": True}),
+    ("bf16", 128, False, False, True, 18, {"varlen": True}),
+    ("bf16", 128, True, True, True, 14, {"p_in_pairs": True, "varlen": True}),
+    ("bf16", 128, False, True, True, 7, {"p_in_pairs": True, "varlen": True}),
+    ("bf16", 64, True, True, True, 14, {"block_m": 128, "varlen": True}),
+    ("bf16", 64, False, False, True, 3, {"block_m": 128, "varlen": True}),
+    ("bf16", 128, True, True, True, 26, {"p_in_pairs": True, "window": True, "varlen": True}),
 ]
 
 
@@ -153,6 +167,7 @@ def test_the_kernel_compiles_for_hopper_warp_specialized_with_the_dq_reduce_off_
     (row,) = [json.loads(line) for line in sm90.run(f"CASES = {[case]!r}\n{_STATIC_CHECK}")]
     _, head_dim, _, deterministic, _, spills, *fields = case
     window = any(field.get("window") for field in fields)
+    varlen = any(field.get("varlen") for field in fields)
     # two consumer warpgroups, the producer's warp and the dQ warp; budgets 240 and 24 (and
     # Triton's steps)
     assert row["warps"] == 12 and {240, 24} <= set(row["setmaxnreg"]), row
@@ -173,8 +188,10 @@ def test_the_kernel_compiles_for_hopper_warp_specialized_with_the_dq_reduce_off_
     # unpacks two instructions a pair (with ``.to()`` it took two PRMT and two shifts, and bf16's
     # ``.to()`` of a P read twice converted a value an instruction): no single conversions, and at
     # most 64 PRMT at D = 64 and 128 at D = 128 (beside dS^T's copies; 256-322 before; a causal
-    # kernel may keep 2 more, on integers, a windowed one 4)
-    assert row["single_conversions"] == 0 and row["swaps"] <= head_dim + (4 if window else 2), row
+    # kernel may keep 2 more, on integers, a windowed one 4; a packed one's masked stores of dK
+    # and dV a head dim more)
+    swaps = head_dim + (4 if window else 2) + (head_dim if varlen else 0)
+    assert row["single_conversions"] == 0 and row["swaps"] <= swaps, row
 
 
 # ---------------------------------------------------------------- the dispatch
@@ -216,8 +233,9 @@ def test_the_launch_names_the_kernels_constexprs_in_its_order(deterministic):
 
 def test_the_launch_passes_the_kernels_runtime_arguments_in_order(monkeypatch):
     """The runtime arguments go by position, before the constexprs: as many as the kernel's leading
-    parameters, with and without a soft cap (only a GPU run would otherwise tell)."""
+    parameters, with and without a soft cap, dense and packed (only a GPU run would otherwise tell)."""
     from tritonkit.ops.attention import bwd_sm90
+    from tritonkit.ops.attention.common import Packed
 
     monkeypatch.setattr(bwd_sm90, "sm_count", lambda device: 132)
     q, k = (
@@ -230,14 +248,18 @@ def test_the_launch_passes_the_kernels_runtime_arguments_in_order(monkeypatch):
         torch.empty(1, 4, 4, dtype=torch.int32),
     )
     names = bwd_sm90._attn_bwd_sm90_kernel.arg_names
-    for softcap in (0.0, 30.0):
+    cu = torch.tensor([0, 100, 256], dtype=torch.int32)
+    for softcap, packed in ((0.0, None), (30.0, None), (0.0, Packed(cu, cu, 2, 156, 156))):
         config = bwd_sm90.default_config(128, True, True, True, bool(softcap))
         (launch,) = bwd_sm90.launches(
             q, q, k, k, lse, lse, acc, tickets, k, k, scale=0.1, causal=True, upper_offset=0,
-            deterministic=True, config=config, softcap=softcap,
+            deterministic=True, config=config, softcap=softcap, packed=packed,
         )  # fmt: skip
         constexprs = [name for name in launch.meta if name != "num_warps"]
         assert names[len(launch.args) :] == constexprs and launch.meta["SOFTCAP"] == bool(softcap)
+        assert launch.meta["VARLEN"] == (packed is not None)
+        # a program a key block of a (batch or sequence, key/value head), over the longest keys
+        assert launch.grid == ((2 * 2 * 2,) if packed else (1 * 2 * 2,)), launch.grid
 
 
 def test_only_a_deterministic_full_mask_walks_rotated_and_only_where_a_group_runs_at_once(monkeypatch):
@@ -281,23 +303,25 @@ def test_the_default_config_by_mode_mask_and_grouping(head_dim):
 
 
 def test_calls_the_gluon_backward_cannot_take_go_to_the_triton_kernels(device):
-    """Packed batches never take it, nor narrow windows (``bwd.sm90_window``); and nothing does under
-    the interpreter or off an sm_90 GPU (Gluon kernels do not run there)."""
+    """Narrow windows never take it (``bwd.sm90_window``), over a packed batch's longest lengths too;
+    and nothing does under the interpreter or off an sm_90 GPU (Gluon kernels do not run there)."""
     from tritonkit.ops.attention import bwd
     from tritonkit.ops.attention.common import Packed, Scores
 
     q = torch.randn(1, 2, 16, 64, device=device, dtype=torch.bfloat16)
     k = torch.randn(1, 2, 24, 64, device=device, dtype=torch.bfloat16)
-    packed = Packed(torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), 1, 16, 24)
+    cu = torch.tensor([0, 16], dtype=torch.int32, device=device)
+    packed = Packed(cu, cu, 1, 16, 24)
     for scores, pack in [
-        (Scores(0.125), packed),
         (Scores(0.125, window=(4, 0)), None),
+        (Scores(0.125, window=(4, 0)), packed),
     ]:
         for deterministic in (False, True):
             assert not bwd.sm90_takes(q, k, k, scores, pack, deterministic), scores
-    if not _sm90():
+    for pack in (None, packed):
         for deterministic in (False, True):
-            assert not bwd.sm90_takes(q, k, k, Scores(0.125, causal=True), None, deterministic)
+            takes = bwd.sm90_takes(q, k, k, Scores(0.125, causal=True), pack, deterministic)
+            assert takes == _sm90(), (pack, deterministic)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

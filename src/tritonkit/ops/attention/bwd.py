@@ -269,6 +269,9 @@ log = logging.getLogger("tritonkit")
 SM90_BACKWARD = True
 SM90_BACKWARD_DETERMINISTIC: tuple[int, ...] = (64, 128)  # head dims, without GQA
 SM90_BACKWARD_DETERMINISTIC_GQA: tuple[int, ...] = (64, 128)
+# Packed batches (``bwd_sm90``'s VARLEN: each sequence's key blocks over the longest one's grid, dK and
+# dV stored row by row) on the Gluon kernel too, in both modes.
+SM90_BACKWARD_PACKED = True
 
 
 def sm90_window(scores: Scores, seq_q: int, seq_k: int) -> bool:
@@ -283,24 +286,26 @@ def sm90_window(scores: Scores, seq_q: int, seq_k: int) -> bool:
 
 
 def sm90_takes(q, k, v, scores: Scores, packed: Packed | None, deterministic: bool = True) -> bool:
-    """Whether the sm_90 Gluon backward (``bwd_sm90``) computes this call: switched on for its mode
-    (and, deterministic, for the head dim, with GQA or not), natively compiled, on an sm_90 GPU,
-    dense, within what it supports (either causal alignment, soft caps, the windows ``sm90_window``
-    takes). Everything else takes the Triton kernels."""
+    """Whether the sm_90 Gluon backward (``bwd_sm90``) computes this call (a packed batch's as (1, H,
+    T, D) views): switched on for its mode (and, deterministic, for the head dim, with GQA or not;
+    packed, SM90_BACKWARD_PACKED), natively compiled, on an sm_90 GPU, within what it supports
+    (either causal alignment, soft caps, the windows ``sm90_window`` takes over the longest
+    sequence's lengths). Everything else takes the Triton kernels."""
     if deterministic:
         dims = SM90_BACKWARD_DETERMINISTIC_GQA if q.shape[1] != k.shape[1] else SM90_BACKWARD_DETERMINISTIC
         switch = q.shape[3] in dims
     else:
         switch = SM90_BACKWARD
-    if not switch or interpret() or not q.is_cuda or packed is not None:
+    if not switch or interpret() or not q.is_cuda or (packed is not None and not SM90_BACKWARD_PACKED):
         return False
     if not scores.scale > 0:
         return False
-    if not sm90_window(scores, q.shape[2], k.shape[2]):
+    lengths = (packed.max_q, packed.max_k) if packed is not None else (q.shape[2], k.shape[2])
+    if not sm90_window(scores, *lengths):
         return False
     from tritonkit.ops.attention import bwd_sm90
 
-    return bwd_sm90.supports(q, k, v)
+    return bwd_sm90.supports(q, k, v, packed)
 
 
 def attention_bwd_into(
@@ -332,6 +337,7 @@ def attention_bwd_into(
         return
     if dlse is not None:
         dlse = dlse.contiguous()  # the delta kernel reads it by row index (a sum's gradient is expanded)
+    shape = tuple(q.shape)
     if packed is not None:  # the kernels take (1, H, T, D) views of (T, H, D) and (1, H, T) of (H, T)
         do, q, k, v, o, dq, dk, dv = (t.transpose(0, 1).unsqueeze(0) for t in (do, q, k, v, o, dq, dk, dv))
         lse, dlse = lse.unsqueeze(0), dlse if dlse is None else dlse.unsqueeze(0)
@@ -340,17 +346,19 @@ def attention_bwd_into(
     if config is None and sm90_takes(q, k, v, scores, packed, deterministic):
         from tritonkit.ops.attention import bwd_sm90
 
-        log.debug("tritonkit: attention backward %s on the sm_90 Gluon kernel", tuple(q.shape))
-        (upper_offset, lower_offset, *_), flags = scores.within(q.shape[2], k.shape[2]).kernel_args(
-            q.shape[2], k.shape[2]
+        log.debug("tritonkit: attention backward %s on the sm_90 Gluon kernel", shape)
+        # a packed batch's offsets are the window's sides: each sequence adds its own alignment
+        lengths = (packed.max_q, packed.max_k) if packed is not None else (q.shape[2], k.shape[2])
+        (upper_offset, lower_offset, *_), flags = scores.within(*lengths).kernel_args(
+            *(lengths if packed is None else (0, 0))
         )
         bwd_sm90.attention_bwd_sm90(
             do, q, k, v, lse, delta, dq, dk, dv, scale=scores.scale, causal=flags["IS_CAUSAL"],
             upper_offset=upper_offset, lower_offset=lower_offset if flags["HAS_LOWER"] else None,
-            softcap=scores.softcap, deterministic=deterministic,
+            softcap=scores.softcap, deterministic=deterministic, packed=packed,
         )  # fmt: skip
         return
-    log.debug("tritonkit: attention backward %s on the Triton kernels", tuple(q.shape))
+    log.debug("tritonkit: attention backward %s on the Triton kernels", shape)
     # the dK/dV kernel writes dk and dv through one set of strides, dk's: a dv laid out otherwise (k
     # and v in different layouts) is written in dk's layout first, then copied
     given_dv = dv

@@ -24,6 +24,7 @@ from tritonkit.ops.attention.bwd_sm90_kernels import (
     SPLIT_N,
     _attn_bwd_sm90_kernel,
 )
+from tritonkit.ops.attention.common import Packed
 from tritonkit.ops.attention.fwd_sm90 import BACKWARD_HEAD_DIMS, descriptor, sm90_dense_inputs
 
 
@@ -149,14 +150,17 @@ DETERMINISTIC_GQA_PER_QUERY_HEAD = {True: True, False: False}
 # ---------------------------------------------------------------- launcher
 
 
-def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: Packed | None = None) -> bool:
     """Whether ``attention_bwd_sm90`` takes these inputs: (B, H, S, D) fp16/bf16 tensors of one dtype
-    on an sm_90 GPU, D 64 or 128, Hq a multiple of Hkv, within the grid's bounds. Strides are free
-    (tensors that TMA cannot read as they are are copied first). Masks, windows and the rest are the
-    caller's to check (``bwd.sm90_takes``)."""
+    on an sm_90 GPU (with ``packed``, a packed batch's (1, H, T, D) views), D 64 or 128, Hq a
+    multiple of Hkv, within the grid's bounds. Strides are free (tensors that TMA cannot read as they
+    are are copied first). Masks, windows and the rest are the caller's to check
+    (``bwd.sm90_takes``)."""
     if not sm90_dense_inputs(q, k, v, BACKWARD_HEAD_DIMS):
         return False
     (batch, heads_q, seq_k) = (*q.shape[:2], k.shape[2])
+    if packed is not None:
+        batch, seq_k = packed.sequences, packed.max_k
     return batch * heads_q * cdiv(seq_k, BLOCK_N) < MAX_GRID_X  # (per query head: a program a q head)
 
 
@@ -181,6 +185,7 @@ def attention_bwd_sm90(
     softcap: float = 0.0,
     deterministic: bool = True,
     config: Config | None = None,
+    packed: Packed | None = None,
 ) -> None:
     """Write attention's gradients into ``dq``, ``dk`` and ``dv`` (q's, k's, v's shapes and dtype).
 
@@ -191,8 +196,11 @@ def attention_bwd_sm90(
     window's left side, row i sees key j only if j >= i + lower_offset (none if None; only with
     ``causal``, the upper bound). ``scale`` > 0 multiplies q . k; ``softcap`` > 0 caps
     the scaled scores to softcap * tanh(s / softcap), as the forward did (0: no cap). ``deterministic``
-    orders the additions into dq (the same bits every run). The caller has checked ``supports``;
-    tensors TMA cannot take as they are are copied (gradients written back)."""
+    orders the additions into dq (the same bits every run). ``packed`` (``common.Packed``): the
+    tensors are a packed batch's (1, H, T, D) views and lse and delta (1, H, T), sequence b's rows
+    cu_q[b]:cu_q[b + 1] (keys likewise), the offsets then the window's sides alone, to which each
+    sequence adds its alignment (Sk - Sq of its own lengths), as the forward's. The caller has
+    checked ``supports``; tensors TMA cannot take as they are are copied (gradients written back)."""
     scale, softcap = float(scale), float(softcap)
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be a finite number > 0, got {scale}")
@@ -200,8 +208,10 @@ def attention_bwd_sm90(
         raise ValueError(f"softcap must be a finite number >= 0 (0: no cap), got {softcap}")
     if config is not None:
         check_config(config, q.shape[-1])
-    if not supports(q, k, v):
+    if not supports(q, k, v, packed):
         raise ValueError("attention_bwd_sm90 does not take these inputs (see supports)")
+    if packed is not None:
+        _check_packed(q, k, packed)
     if lower_offset is not None and not causal:
         raise ValueError(
             "attention_bwd_sm90 takes a window's left side (lower_offset) only with an upper bound"
@@ -230,15 +240,17 @@ def attention_bwd_sm90(
             for g in (dk, dv)
         ]
     dq_acc = scratch(q.shape, torch.float32, q.device, zeroed=True)
-    # a ticket counter a turn's group of query blocks: the key blocks' turns to add into it
-    blocks_q = cdiv(q.shape[2], config.block_m * config.turn_blocks)
-    tickets = (
-        scratch((*q.shape[:2], blocks_q), torch.int32, q.device, zeroed=True) if deterministic else dq_acc
-    )
+    # a ticket counter a turn's group of query blocks (of a batch's, or a packed sequence's, head): the
+    # key blocks' turns to add into it
+    batch, seq_q = (q.shape[0], q.shape[2]) if packed is None else (packed.sequences, packed.max_q)
+    blocks_q = cdiv(seq_q, config.block_m * config.turn_blocks)
+    tickets = dq_acc  # (unused but deterministic)
+    if deterministic:
+        tickets = scratch((batch, q.shape[1], blocks_q), torch.int32, q.device, zeroed=True)
     for launch in launches(
         do, q, k, v, lse, delta, dq_acc, tickets, *outputs, scale=scale, causal=causal,
         upper_offset=upper_offset, lower_offset=lower_offset, softcap=softcap, deterministic=deterministic,
-        config=config,
+        config=config, packed=packed,
     ):  # fmt: skip
         launch.run()
     if not shares:
@@ -247,6 +259,18 @@ def attention_bwd_sm90(
                 grad.copy_(out)
     for launch in finish_launches(dq_acc, dq, scale, (dk, dv) if shares else (), outputs if shares else ()):
         launch.run()
+
+
+def _check_packed(q: torch.Tensor, k: torch.Tensor, packed: Packed) -> None:
+    """ValueError where a packed batch's call is not one the kernel takes."""
+    if q.shape[0] != 1 or k.shape[0] != 1:
+        raise ValueError(f"a packed batch's tensors are (1, H, T, D) views, got {tuple(q.shape)}")
+    for name, cu in (("cu_q", packed.cu_q), ("cu_k", packed.cu_k)):
+        if cu.dtype != torch.int32 or cu.device != q.device or cu.shape != (packed.sequences + 1,):
+            raise ValueError(
+                f"{name} must be int32 ({packed.sequences + 1},) on q's device, got {cu.dtype} "
+                f"{tuple(cu.shape)} on {cu.device}"
+            )
 
 
 def check_config(config: Config, head_dim: int) -> None:
@@ -321,10 +345,14 @@ def launches(
     config,
     softcap=0.0,
     lower_offset=None,
+    packed=None,
 ) -> list[Launch]:
     """The kernel's launch for checked, TMA-ready arguments (``attention_bwd_sm90``'s): one program
-    per BLOCK_N keys of a (batch, key/value head), a one-dimensional grid in ``order``'s order."""
+    per BLOCK_N keys of a (batch, key/value head), a one-dimensional grid in ``order``'s order (a
+    packed batch's: its sequences' over the longest one's key blocks)."""
     (batch, heads_q, seq_q, head_dim), (_, heads_kv, seq_k, _) = q.shape, k.shape
+    if packed is not None:  # the grid of the sequences and their longest lengths
+        batch, seq_q, seq_k = packed.sequences, packed.max_q, packed.max_k
     # per query head (dk and dv the shares, (B, Hq, Sk, D)): the programs' heads are q's, each
     # reading k's and v's head of its group
     kv_share = heads_q // heads_kv if dk.shape[1] != heads_kv else 1
@@ -346,12 +374,20 @@ def launches(
         lse,
         delta,
         tickets,
+        dk,  # (packed: stored row by row, masked)
+        dv,
+        lse if packed is None else packed.cu_q,  # (unused but packed)
+        lse if packed is None else packed.cu_k,
         lse.stride(0),
         lse.stride(1),
         delta.stride(0),
         delta.stride(1),
         tickets.stride(0),
         tickets.stride(1),
+        dk.stride(1),
+        dk.stride(2),
+        dv.stride(1),
+        dv.stride(2),
         heads_kv,
         pairs,
         pairs_per_group,
@@ -366,7 +402,9 @@ def launches(
         softcap * LOG2E.value if softcap else 1.0,
         scale,
     )
-    meta = kernel_meta(config, causal, deterministic, rotate, bool(softcap), lower_offset is not None)
+    meta = kernel_meta(
+        config, causal, deterministic, rotate, bool(softcap), lower_offset is not None, packed is not None
+    )
     grid = (blocks * pairs,)
     return [Launch("bwd sm90", _attn_bwd_sm90_kernel, args, meta, config._asdict(), grid)]
 
@@ -378,6 +416,7 @@ def kernel_meta(
     rotate: bool,
     softcap: bool = False,
     lower: bool = False,
+    varlen: bool = False,
 ) -> dict:
     """The kernel's constexpr arguments, in its order (the launcher takes them as its trailing
     parameters), and its warps."""
@@ -393,6 +432,7 @@ def kernel_meta(
         "TURN_BLOCKS": config.turn_blocks if deterministic else 1,
         "SOFTCAP": softcap,
         "HAS_LOWER": lower,
+        "VARLEN": varlen,
         "num_warps": CONSUMER_WARPS.value,
     }
 

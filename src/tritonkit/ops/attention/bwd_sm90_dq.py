@@ -110,7 +110,9 @@ def _dq_partition(
     dq_full,
     dq_empty,  # (DQ_BUFFERS x CONSUMERS,) mbarriers: a consumer's columns stored / read by the reduce
     sem_ptr,
-    batch,
+    batch,  # the tensors' batch (0 but packed)
+    sequence,  # the tickets' (the batch, or the packed sequence)
+    q_row0,  # the sequence's first query row in the tensors (0 but packed)
     kv_head,
     start_n,
     GROUP,
@@ -160,7 +162,7 @@ def _dq_partition(
             m = m + rot
             m = gl.where(m >= m_end, m - m_end, m)
         g = m // TURN_BLOCKS  # the turn's group of query blocks
-        ticket = sem_ptr + (batch.to(gl.int64) * stride_sb + head.to(gl.int64) * stride_sh + g)
+        ticket = sem_ptr + (sequence.to(gl.int64) * stride_sb + head.to(gl.int64) * stride_sh + g)
         # a walk enters a group at its first block (a rotated walk starts on one) or where it starts
         # (a causal walk may start inside one), and leaves it at its last block or where it ends
         if DETERMINISTIC and ((idx == 0) | (m % TURN_BLOCKS == 0)):
@@ -176,7 +178,7 @@ def _dq_partition(
                 _bulk_wait_all(token)  # the first partial added before the second adds the same columns
             _tma_reduce_add(
                 dq_desc,
-                [batch, head, m * BLOCK, c * DQ_COLS if SHARED_DQ else 0],
+                [batch, head, q_row0 + m * BLOCK, c * DQ_COLS if SHARED_DQ else 0],
                 dq_smem.index(step % BUFFERS * CONSUMERS + c).reshape([1, 1, BLOCK, DQ_COLS]),
             )
         tma.store_wait(pendings=0)  # the reduces have read the columns: the consumers may store

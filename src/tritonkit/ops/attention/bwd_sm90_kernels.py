@@ -41,6 +41,17 @@ and the ragged end of the keys (every step of the last key block: a key past Sk 
 would otherwise get exp2(-lse)). Rows past Sq need none: their lse reads as +inf, so P = 0. A
 window has an upper bound (causal, or a right side), so its turns are the causal order's.
 
+Packed batches (VARLEN): the tensors are (1, H, T, D) views of (T, H, D) ones, sequence b's rows
+cu_q[b]:cu_q[b + 1] (its keys likewise); the grid is the sequences' key blocks over the longest
+sequence's, a program past its sequence's keys doing nothing. Its boxes start at the sequence's
+first row, so those that reach past its end read the next sequence's rows: its keys are masked as
+the ragged end's are (the last key block's every step), its query rows get P = 0 from their lse
+(+inf: the producer reads lse and delta masked by the sequence's rows), and dQ's reduce-add over
+them adds zeros (dS = P (dP - delta) = 0 there; such rows must hold finite values, as a sequence's
+own do). dK and dV cannot leave by a TMA store (a box past the sequence's keys would overwrite the
+next sequence's): packed programs store them row by row, masked, from the registers, as the
+forward stores O.
+
 Determinism. Without it (``deterministic=False``) the key blocks of a head add their partials in
 whatever order they finish, so dq's last bits vary. With it, every (batch, query head, query block)
 has a ticket counter in global memory: the dQ warp adds a step's partials only when the counter
@@ -121,6 +132,8 @@ def _load_partition(
     qd_empty,  # (NUM_STAGES,) mbarriers: a ring stage landed / was released by both consumers
     batch,
     kv_head,  # this program's batch and head (its query heads' group; its dK's and dV's head)
+    q_row0,
+    k_row0,  # its sequence's first query row and first key in the tensors (0 but packed)
     KV_SHARE,  # programs' heads a k/v head serves (per query head), else 1: k's and v's head
     start_n,  # its first key
     GROUP,  # query heads of the group
@@ -150,13 +163,13 @@ def _load_partition(
             mbarrier.expect(kv_ready.index(c), 2 * k_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(
                 k_desc,
-                [batch, kv_row, start_n + c * ROWS, 0],
+                [batch, kv_row, k_row0 + start_n + c * ROWS, 0],
                 kv_ready.index(c),
                 k_smem.index(c).reshape([1, 1, ROWS, HEAD_DIM]),
             )
             tma.async_copy_global_to_shared(
                 v_desc,
-                [batch, kv_row, start_n + c * ROWS, 0],
+                [batch, kv_row, k_row0 + start_n + c * ROWS, 0],
                 kv_ready.index(c),
                 v_smem.index(c).reshape([1, 1, ROWS, HEAD_DIM]),
             )
@@ -169,13 +182,13 @@ def _load_partition(
             rows = start_m + gl.arange(0, BLOCK, layout=row_layout)
             in_rows = rows < SEQ_Q
             lse = gl.load(
-                lse_ptr + (batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh) + rows,
+                lse_ptr + (batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh + q_row0) + rows,
                 mask=in_rows,
                 other=-float("inf"),
             )
             lse = gl.where(lse == -float("inf"), float("inf"), lse * LOG2E)
             delta = gl.load(
-                delta_ptr + (batch.to(gl.int64) * stride_db + head.to(gl.int64) * stride_dh) + rows,
+                delta_ptr + (batch.to(gl.int64) * stride_db + head.to(gl.int64) * stride_dh + q_row0) + rows,
                 mask=in_rows,
                 other=0.0,
             )
@@ -187,13 +200,13 @@ def _load_partition(
             mbarrier.expect(qd_ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(
                 q_desc,
-                [batch, head, start_m, 0],
+                [batch, head, q_row0 + start_m, 0],
                 qd_ready.index(stage),
                 q_smem.index(stage).reshape([1, 1, BLOCK, HEAD_DIM]),
             )
             tma.async_copy_global_to_shared(
                 do_desc,
-                [batch, head, start_m, 0],
+                [batch, head, q_row0 + start_m, 0],
                 qd_ready.index(stage),
                 do_smem.index(stage).reshape([1, 1, BLOCK, HEAD_DIM]),
             )
@@ -448,6 +461,12 @@ def _grad_partition(
     cid: gl.constexpr,  # which consumer warpgroup: keys start_n + cid * SPLIT_N, ...
     dk_desc,
     dv_desc,  # TMA descriptors of dk and dv (B, Hkv, Sk, D), like k's
+    dk_ptr,
+    dv_ptr,  # VARLEN: dk and dv, stored row by row (strides of a head and a key: stride_dkh, ...)
+    stride_dkh,
+    stride_dks,
+    stride_dvh,
+    stride_dvs,
     q_smem,
     do_smem,
     lse_smem,
@@ -466,6 +485,8 @@ def _grad_partition(
     batch,
     kv_head,
     start_n,
+    sequence,  # VARLEN: the packed sequence (its keys cu_k_ptr[sequence]:cu_k_ptr[sequence + 1])
+    cu_k_ptr,
     GROUP,
     m_start,
     m_mid,
@@ -486,6 +507,7 @@ def _grad_partition(
     P_PAIRS: gl.constexpr,
     SOFTCAP: gl.constexpr,
     HAS_LOWER: gl.constexpr,
+    VARLEN: gl.constexpr,
 ):
     ROWS: gl.constexpr = k_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
@@ -512,6 +534,19 @@ def _grad_partition(
         middle_end = m_tail
     else:
         middle_end = m_end
+    if VARLEN:
+        # the masks count keys from the sequence's end, so that no register holds its length across
+        # the walk (the dense kernel reads SEQ_K and the offsets as constants; with them in registers
+        # ptxas put 3-10 values a step on the stack at D = 128); the epilogue reads the length again
+        walk_keys = key_start - SEQ_K
+        walk_end = 0
+        upper = UPPER_OFFSET - SEQ_K
+        lower = LOWER_OFFSET - SEQ_K
+    else:
+        walk_keys = key_start
+        walk_end = SEQ_K
+        upper = UPPER_OFFSET
+        lower = LOWER_OFFSET
     if n_tiles > 0:
         mbarrier.wait(kv_ready.index(cid), 0)
         for g in range(GROUP):
@@ -519,35 +554,45 @@ def _grad_partition(
             buffers = (k, v, k_smem, q_smem, do_smem, ds_buf, dq_smem, qd_ready, qd_empty, ds_ready, ds_free,
                        dq_full, dq_empty, lse_smem, delta_smem)
             dk, dv = _grad_steps(
-                dk, dv, buffers, key_start, m_start, m_mid, g * n_tiles, rot, m_end, SEQ_K, UPPER_OFFSET,
-                LOWER_OFFSET, qk_scale, cap_log2, True, IS_CAUSAL, DETERMINISTIC, ROTATE, OVERLAP_SDP,
-                SHARED_DQ, P_PAIRS, cid, SOFTCAP, HAS_LOWER)
+                dk, dv, buffers, walk_keys, m_start, m_mid, g * n_tiles, rot, m_end, walk_end, upper, lower,
+                qk_scale, cap_log2, True, IS_CAUSAL, DETERMINISTIC, ROTATE, OVERLAP_SDP, SHARED_DQ, P_PAIRS,
+                cid, SOFTCAP, HAS_LOWER)
             dk, dv = _grad_steps(
-                dk, dv, buffers, key_start, m_mid, middle_end, g * n_tiles + m_mid - m_start, rot, m_end,
-                SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale, cap_log2, MIDDLE_MASKED, IS_CAUSAL,
-                DETERMINISTIC, ROTATE, OVERLAP_SDP, SHARED_DQ, P_PAIRS, cid, SOFTCAP, HAS_LOWER)
+                dk, dv, buffers, walk_keys, m_mid, middle_end, g * n_tiles + m_mid - m_start, rot, m_end,
+                walk_end, upper, lower, qk_scale, cap_log2, MIDDLE_MASKED, IS_CAUSAL, DETERMINISTIC, ROTATE,
+                OVERLAP_SDP, SHARED_DQ, P_PAIRS, cid, SOFTCAP, HAS_LOWER)
             if SPLIT_TAIL:
                 dk, dv = _grad_steps(
-                    dk, dv, buffers, key_start, m_tail, m_end, g * n_tiles + m_tail - m_start, rot, m_end,
-                    SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale, cap_log2, True, IS_CAUSAL, DETERMINISTIC,
-                    ROTATE, OVERLAP_SDP, SHARED_DQ, P_PAIRS, cid, SOFTCAP, HAS_LOWER)
+                    dk, dv, buffers, walk_keys, m_tail, m_end, g * n_tiles + m_tail - m_start, rot, m_end,
+                    walk_end, upper, lower, qk_scale, cap_log2, True, IS_CAUSAL, DETERMINISTIC, ROTATE,
+                    OVERLAP_SDP, SHARED_DQ, P_PAIRS, cid, SOFTCAP, HAS_LOWER)
             # fmt: on
     if SHARED_DQ and n_tiles > 0:
         # the other warpgroup's dQ columns read this one's K too: its products of the last step
         # must be done before dK overwrites K (both arrive at that step's ds_free once they are)
         last = GROUP * n_tiles - 1
         mbarrier.wait(ds_free.index(last % 2), (last // 2) & 1)
-    # dK and dV leave through this warpgroup's K and V buffers: every product that read them is done
-    k.store((dk * scale).to(dtype))
-    v.store(dv.to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(
-        dk_desc, [batch, kv_head, key_start, 0], k.reshape([1, 1, ROWS, HEAD_DIM])
-    )
-    tma.async_copy_shared_to_global(
-        dv_desc, [batch, kv_head, key_start, 0], v.reshape([1, 1, ROWS, HEAD_DIM])
-    )
-    tma.store_wait(pendings=0)
+    if VARLEN:  # row by row, masked: a box past the sequence's keys would overwrite the next one's
+        k_row0 = gl.load(cu_k_ptr + sequence)
+        keys = key_start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))[None, :]
+        at = (k_row0 + keys).to(gl.int64)[:, None]
+        inside = (keys < gl.load(cu_k_ptr + sequence + 1) - k_row0)[:, None]
+        head = kv_head.to(gl.int64)
+        gl.store(dk_ptr + head * stride_dkh + at * stride_dks + cols, (dk * scale).to(dtype), mask=inside)
+        gl.store(dv_ptr + head * stride_dvh + at * stride_dvs + cols, dv.to(dtype), mask=inside)
+    else:
+        # dK and dV leave through this warpgroup's K and V buffers: every product that read them is done
+        k.store((dk * scale).to(dtype))
+        v.store(dv.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(
+            dk_desc, [batch, kv_head, key_start, 0], k.reshape([1, 1, ROWS, HEAD_DIM])
+        )
+        tma.async_copy_shared_to_global(
+            dv_desc, [batch, kv_head, key_start, 0], v.reshape([1, 1, ROWS, HEAD_DIM])
+        )
+        tma.store_wait(pendings=0)
 
 
 @gluon.jit
@@ -562,21 +607,29 @@ def _attn_bwd_sm90_kernel(
     lse_ptr,  # fp32 forward log-sum-exp (natural log), (B, Hq, Sq), strides stride_lb, stride_lh, 1
     delta_ptr,  # fp32 rowsum(dO * O) - dlse, (B, Hq, Sq), strides stride_db, stride_dh, 1
     sem_ptr,  # DETERMINISTIC: zeroed int32 counters (B, Hq, cdiv(Sq, BLOCK_M x TURN_BLOCKS)), stride_s*, 1
+    dk_ptr,  # VARLEN: dk (1, Hkv, T, D) (per query head: the shares, (1, Hq, T, D)), stored row by row
+    dv_ptr,  # VARLEN: dv, like dk
+    cu_q_ptr,  # VARLEN: int32 (B + 1,) cu_seqlens of the queries: sequence b's rows cu_q[b]:cu_q[b + 1]
+    cu_k_ptr,  # VARLEN: ... of the keys
     stride_lb,
     stride_lh,
     stride_db,
     stride_dh,
     stride_sb,
     stride_sh,
+    stride_dkh,
+    stride_dks,  # dk's strides of a head and of a key (VARLEN)
+    stride_dvh,
+    stride_dvs,
     HEADS_KV,  # key/value heads
-    PAIRS,  # (batch, key/value head) pairs: B * HEADS_KV
+    PAIRS,  # (batch, key/value head) pairs: B * HEADS_KV (VARLEN: sequences * HEADS_KV)
     PAIRS_PER_GROUP,  # the order of programs (bwd_sm90.order): pairs a group of programs walks together
     GROUP,  # query heads per key/value head (1 without GQA)
     KV_SHARE,  # per query head (bwd_sm90.Config.per_query_head): programs' heads a k/v head serves, else 1
-    SEQ_Q,  # query rows of a head
-    SEQ_K,  # keys of a head
-    UPPER_OFFSET,  # IS_CAUSAL: row i sees key j iff j <= i + UPPER_OFFSET
-    LOWER_OFFSET,  # HAS_LOWER: ... and j >= i + LOWER_OFFSET (a window's left side)
+    SEQ_Q,  # query rows of a head (VARLEN: the longest sequence's)
+    SEQ_K,  # keys of a head (VARLEN: the longest sequence's)
+    UPPER_OFFSET,  # IS_CAUSAL: row i sees key j iff j <= i + UPPER_OFFSET (VARLEN: a sequence adds Sk - Sq)
+    LOWER_OFFSET,  # HAS_LOWER: ... and j >= i + LOWER_OFFSET (a window's left side; likewise)
     qk_scale,  # scale * log2(e) (SOFTCAP: scale / softcap, the tanh's argument a unit of q . k)
     cap_log2,  # SOFTCAP: softcap * log2(e), the exponent's factor on the tanh
     scale,  # the scores' scale (dK's factor)
@@ -591,6 +644,7 @@ def _attn_bwd_sm90_kernel(
     TURN_BLOCKS: gl.constexpr,  # DETERMINISTIC: query blocks a turn covers (Config.turn_blocks; else 1)
     SOFTCAP: gl.constexpr,  # the scores soft-capped (the forward's ``softcapped_tanh``)
     HAS_LOWER: gl.constexpr,  # a window's left side (LOWER_OFFSET); only under an upper bound (IS_CAUSAL)
+    VARLEN: gl.constexpr,  # a packed batch of B sequences: tensors (1, H, T, D), a program's batch a sequence
 ):
     BLOCK: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -602,23 +656,38 @@ def _attn_bwd_sm90_kernel(
     # (the dQ warp's turns descend from the last key block a query block sees: an upper bound's)
     gl.static_assert(IS_CAUSAL or not HAS_LOWER, "a window's left side comes with an upper bound")
 
-    n_blocks = gl.cdiv(SEQ_K, KEYS)
+    grid_blocks = gl.cdiv(SEQ_K, KEYS)
     # One program a (key block, pair), launched group after group of PAIRS_PER_GROUP pairs; in a
     # group the key blocks are the slow axis and its pairs the fast one. 1: a head's key blocks
     # together, first to last (they share its Q, dO and dq in L2); PAIRS: key block n of every
     # pair before block n + 1 of any.
     pid = gl.program_id(0)
-    group_programs = PAIRS_PER_GROUP * n_blocks
+    group_programs = PAIRS_PER_GROUP * grid_blocks
     first_pair = (pid // group_programs) * PAIRS_PER_GROUP
     group_pairs = gl.minimum(PAIRS_PER_GROUP, PAIRS - first_pair)
     pid_n = (pid % group_programs) // group_pairs
     bh = first_pair + (pid % group_programs) % group_pairs
     if DETERMINISTIC and IS_CAUSAL:  # in turn order: the last key block first
-        pid_n = n_blocks - 1 - pid_n
+        pid_n = grid_blocks - 1 - pid_n
     batch = bh // HEADS_KV
     kv_head = bh % HEADS_KV
     start_n = pid_n * KEYS
+    sequence = batch  # (the tickets' index)
+    if VARLEN:  # the sequence's rows in the tensors, its lengths, its bounds aligned bottom-right
+        q_row0 = gl.load(cu_q_ptr + sequence)
+        k_row0 = gl.load(cu_k_ptr + sequence)
+        SEQ_Q = gl.load(cu_q_ptr + sequence + 1) - q_row0
+        SEQ_K = gl.load(cu_k_ptr + sequence + 1) - k_row0
+        UPPER_OFFSET = UPPER_OFFSET + SEQ_K - SEQ_Q
+        LOWER_OFFSET = LOWER_OFFSET + SEQ_K - SEQ_Q
+        batch = batch * 0
+    else:  # (tensors, not constants: the partitions take them as arguments)
+        q_row0 = start_n * 0
+        k_row0 = start_n * 0
+    n_blocks = gl.cdiv(SEQ_K, KEYS)
     m_end = gl.cdiv(SEQ_Q, BLOCK)
+    if VARLEN:  # a key block past its sequence's keys (the longest's grid): no walk, nothing stored
+        m_end = gl.where(start_n < SEQ_K, m_end, 0)
     if IS_CAUSAL:
         # the first block with a row that sees key start_n, the first whose every row sees the
         # program's last key
@@ -700,24 +769,28 @@ def _attn_bwd_sm90_kernel(
     # fmt: off
     gl.warp_specialize([
         # the default partition (the launch's warps), the second consumer, the producer, the dQ warp
-        (_grad_partition, (0, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem,
+        (_grad_partition, (0, dk_desc, dv_desc, dk_ptr, dv_ptr, stride_dkh, stride_dks, stride_dvh,
+                           stride_dvs, q_smem, do_smem, lse_smem, delta_smem, k_smem,
                            v_smem, ds_smem, dq_smem, kv_ready, qd_ready, qd_empty, ds_ready, ds_free, dq_full,
-                           dq_empty, batch, kv_head, start_n, GROUP, m_start, m_mid, m_tail, m_end, rot,
-                           SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale, cap_log2, scale, IS_CAUSAL,
-                           DETERMINISTIC, ROTATE, OVERLAP_SDP, SHARED_DQ, P_PAIRS, SOFTCAP, HAS_LOWER)),
-        (_grad_partition, (1, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem,
+                           dq_empty, batch, kv_head, start_n, sequence, cu_k_ptr, GROUP, m_start, m_mid,
+                           m_tail, m_end, rot, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale, cap_log2, scale,
+                           IS_CAUSAL, DETERMINISTIC, ROTATE, OVERLAP_SDP, SHARED_DQ, P_PAIRS, SOFTCAP,
+                           HAS_LOWER, VARLEN)),
+        (_grad_partition, (1, dk_desc, dv_desc, dk_ptr, dv_ptr, stride_dkh, stride_dks, stride_dvh,
+                           stride_dvs, q_smem, do_smem, lse_smem, delta_smem, k_smem,
                            v_smem, ds_smem, dq_smem, kv_ready, qd_ready, qd_empty, ds_ready, ds_free, dq_full,
-                           dq_empty, batch, kv_head, start_n, GROUP, m_start, m_mid, m_tail, m_end, rot,
-                           SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale, cap_log2, scale, IS_CAUSAL,
-                           DETERMINISTIC, ROTATE, OVERLAP_SDP, SHARED_DQ, P_PAIRS, SOFTCAP, HAS_LOWER)),
+                           dq_empty, batch, kv_head, start_n, sequence, cu_k_ptr, GROUP, m_start, m_mid,
+                           m_tail, m_end, rot, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale, cap_log2, scale,
+                           IS_CAUSAL, DETERMINISTIC, ROTATE, OVERLAP_SDP, SHARED_DQ, P_PAIRS, SOFTCAP,
+                           HAS_LOWER, VARLEN)),
         (_load_partition, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, kv_ready,
-                           qd_ready, qd_empty, batch, kv_head, KV_SHARE, start_n, GROUP,
+                           qd_ready, qd_empty, batch, kv_head, q_row0, k_row0, KV_SHARE, start_n, GROUP,
                            m_start, m_end, rot,
                            lse_ptr, delta_ptr, lse_smem, delta_smem, SEQ_Q, stride_lb, stride_lh,
                            stride_db, stride_dh)),
-        (_dq_partition, (dq_desc, dq_smem, dq_full, dq_empty, sem_ptr, batch, kv_head, start_n, GROUP,
-                         m_start, m_end, n_blocks - 1, rot, UPPER_OFFSET, stride_sb, stride_sh, KEYS,
-                         IS_CAUSAL, DETERMINISTIC, ROTATE, SHARED_DQ, ACQUIRE_FIRST, TURN_BLOCKS,
-                         NUM_CONSUMERS)),
+        (_dq_partition, (dq_desc, dq_smem, dq_full, dq_empty, sem_ptr, batch, sequence, q_row0, kv_head,
+                         start_n, GROUP, m_start, m_end, n_blocks - 1, rot, UPPER_OFFSET, stride_sb,
+                         stride_sh, KEYS, IS_CAUSAL, DETERMINISTIC, ROTATE, SHARED_DQ, ACQUIRE_FIRST,
+                         TURN_BLOCKS, NUM_CONSUMERS)),
     ], [CONSUMER_WARPS, PRODUCER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
     # fmt: on
