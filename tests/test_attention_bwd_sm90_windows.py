@@ -18,28 +18,27 @@ from test_attention_bwd_sm90 import _inputs, _sm90
 pytestmark = pytest.mark.attention
 
 
-def test_the_gluon_backward_takes_windows_with_an_upper_bound_past_the_narrow_bound():
-    """Causal windows and two-sided ones wider than fwd.NARROW_WINDOW_KEYS, and right sides alone;
-    not a left side alone (no upper bound: the deterministic turns descend from one), nor a narrow
-    window (the forward's rule); a side that cuts nothing is no side."""
-    from tritonkit.ops.attention import bwd, fwd
+def test_the_gluon_backward_takes_windows_with_an_upper_bound():
+    """Causal windows and two-sided ones of any width (narrow ones too, unlike the forward), and
+    right sides alone; not a left side alone (no upper bound: the deterministic turns descend from
+    one); a side that cuts nothing is no side."""
+    from tritonkit.ops.attention import bwd
     from tritonkit.ops.attention.common import Scores
 
-    narrow = fwd.NARROW_WINDOW_KEYS
     takes = [
         (Scores(0.1), 4096, 4096),
         (Scores(0.1, causal=True, window=(1024, 0)), 4096, 4096),
-        (Scores(0.1, causal=True, window=(narrow, 0)), 4096, 4096),  # narrow + 1 keys
+        (Scores(0.1, causal=True, window=(64, 0)), 4096, 4096),
+        (Scores(0.1, causal=True, window=(0, 0)), 4096, 4096),  # the diagonal alone
         (Scores(0.1, window=(600, 600)), 4096, 4096),
+        (Scores(0.1, window=(200, 200)), 4096, 4096),
         (Scores(0.1, window=(-1, 600)), 4096, 4096),
         (Scores(0.1, window=(5000, -1)), 4096, 4096),  # cuts nothing: a full mask
-        (Scores(0.1, causal=True, window=(100, 0)), 50, 50),  # cuts nothing at 50 keys
+        (Scores(0.1, window=(100, -1)), 50, 50),  # cuts nothing at 50 keys
     ]
     refuses = [
-        (Scores(0.1, causal=True, window=(narrow - 1, 0)), 4096, 4096),
-        (Scores(0.1, causal=True, window=(64, 0)), 4096, 4096),
         (Scores(0.1, window=(1024, -1)), 4096, 4096),
-        (Scores(0.1, window=(200, 200)), 4096, 4096),
+        (Scores(0.1, window=(20, -1)), 4096, 4096),
     ]
     for scores, seq_q, seq_k in takes:
         assert bwd.sm90_window(scores, seq_q, seq_k), scores
@@ -90,7 +89,8 @@ def _check_window(q, k, v, do, scores, deterministic: bool) -> tuple:
 # (B, Hq, Hkv, Sq, Sk, causal, bottom_right, window): causal windows whose left edge falls on and off
 # the 64-row and 128-key blocks, wider and narrower than a key block's walk, Sq != Sk both ways and
 # both alignments (rows that see no key), two-sided windows and a right side alone, GQA and MQA, a
-# soft cap beside a window (an optional ninth field)
+# soft cap beside a window (an optional ninth field); narrow windows (a key block's walk of one or two
+# query blocks, masked at both ends), causal and two-sided
 CASES = [
     (1, 2, 2, 1000, 1000, True, True, (600, 0)),
     (1, 2, 2, 1000, 1000, True, True, (639, 0)),
@@ -104,6 +104,12 @@ CASES = [
     (1, 2, 2, 1000, 1000, False, True, (-1, 600)),
     (1, 8, 1, 1200, 1200, True, True, (777, 0)),
     (2, 4, 2, 900, 1100, True, True, (650, 0), 20.0),
+    (1, 2, 2, 1000, 1000, True, True, (31, 0)),
+    (1, 4, 2, 1000, 1000, True, True, (127, 0)),
+    (2, 3, 3, 500, 700, True, True, (200, 0)),
+    (1, 2, 2, 600, 400, True, False, (64, 0)),
+    (1, 2, 2, 1000, 1000, False, True, (100, 50)),
+    (1, 2, 2, 777, 777, True, True, (0, 0), 15.0),
 ]
 
 
@@ -138,16 +144,19 @@ def test_gpu_windows_match_the_reference(case, head_dim, deterministic):
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_gpu_flash_attention_backward_takes_the_gluon_kernel_with_a_window(deterministic, caplog):
-    """A causal window past the narrow bound goes to this kernel, a narrow one to the Triton kernels."""
+    """A causal window goes to this kernel, wide or narrow; a left side alone to the Triton kernels."""
     import tritonkit
-    from tritonkit.ops.attention import fwd
 
     q, k, v, _ = _inputs(1, 4, 4, 1024, 1024, 128, torch.bfloat16, seed=11)
-    for left, kernel in ((fwd.NARROW_WINDOW_KEYS + 100, "sm_90 Gluon kernel"), (64, "Triton kernels")):
+    for causal, window, kernel in (
+        (True, (700, 0), "sm_90 Gluon kernel"),
+        (True, (64, 0), "sm_90 Gluon kernel"),
+        (False, (64, -1), "Triton kernels"),
+    ):
         caplog.clear()
         x = q.detach().clone().requires_grad_()
         with caplog.at_level(logging.DEBUG, logger="tritonkit"):
             tritonkit.flash_attention(
-                x, k, v, causal=True, window=(left, 0), deterministic=deterministic
+                x, k, v, causal=causal, window=window, deterministic=deterministic
             ).sum().backward()
-        assert f"attention backward {tuple(q.shape)} on the {kernel}" in caplog.text, (left, caplog.text)
+        assert f"attention backward {tuple(q.shape)} on the {kernel}" in caplog.text, (window, caplog.text)

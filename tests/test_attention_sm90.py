@@ -562,12 +562,12 @@ def test_narrow_windows_keep_the_triton_forward():
     assert fwd.window_keys(Scores(0.1, causal=True), 4096, 4096) is None
     assert fwd.window_keys(Scores(0.1, causal=True, window=(4096, 0)), 4096, 4096) is None  # cuts nothing
     assert fwd.window_keys(Scores(0.1, causal=True, window=(1024, 0)), 4096, 4096) > fwd.NARROW_WINDOW_KEYS
-    # uncapped at the D = 128 kernel, a lower bound: a 256-key window takes the Gluon kernel there
+    # uncapped at the D = 128 kernel, no bound: every window takes the Gluon kernel there
     uncapped, capped = (
         Scores(0.1, causal=True, window=(255, 0)),
         Scores(0.1, causal=True, window=(255, 0), softcap=30.0),
     )
-    assert fwd.narrow_window_keys(uncapped, 128) == fwd.narrow_window_keys(uncapped, 72) == 255 < 256
+    assert fwd.narrow_window_keys(uncapped, 128) == fwd.narrow_window_keys(uncapped, 72) == 0  # none
     assert (
         fwd.narrow_window_keys(uncapped, 64)
         == fwd.narrow_window_keys(uncapped, 256)
@@ -581,8 +581,8 @@ def test_narrow_windows_keep_the_triton_forward():
 def test_gpu_flash_attention_runs_the_gluon_forward_where_it_applies(caplog):
     """flash_attention on sm_90 takes the Gluon forward (the log says so) and matches the reference
     with its gradients, which the Triton backward computes from the Gluon forward's lse; a window of
-    more than NARROW_WINDOW_KEYS keys and a head dim between the kernels' (96) take it too, a
-    narrower window the Triton forward."""
+    more than NARROW_WINDOW_KEYS keys, an uncapped narrow one at D = 128 and a head dim between the
+    kernels' (96) take it too, a capped narrow window the Triton forward."""
     import logging
 
     import tritonkit
@@ -609,8 +609,12 @@ def test_gpu_flash_attention_runs_the_gluon_forward_where_it_applies(caplog):
     assert f"{forward} on the Triton kernel" not in caplog.text
     caplog.clear()
     with caplog.at_level(logging.DEBUG, logger="tritonkit"):
-        tritonkit.flash_attention(q, k, v, causal=True, window=(64, 0))
+        tritonkit.flash_attention(q, k, v, causal=True, window=(64, 0), softcap=30.0)
     assert f"{forward} on the Triton kernel" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="tritonkit"):
+        tritonkit.flash_attention(q, k, v, causal=True, window=(64, 0))
+    assert f"{forward} on the sm_90 Gluon kernel" in caplog.text
     caplog.clear()
     q_long, k_long, v_long = _inputs(1, 2, 2, 1200, 1200, 128, torch.bfloat16, seed=23)
     with caplog.at_level(logging.DEBUG, logger="tritonkit"):

@@ -663,11 +663,13 @@ SM90_FORWARD = True
 # Triton kernel's rate at D = 128 and 0.48x at D = 64, one of 1025 keys at 1.60x and 1.09x. Not
 # measured between: the bound is the middle.
 NARROW_WINDOW_KEYS = 512
-# Uncapped at the D = 128 kernel (head dims 72 to 128) the bound is lower: there a 256-key window ran
-# 1.35x the Triton kernel (0.76x at D = 64; an H100 at 3688ffe, "A tile of few blocks in one masked
-# loop" in the same notes), so the cap, not the window, made the capped row lose. Narrower windows
-# are not measured: they keep the Triton kernel.
-NARROW_UNCAPPED_WINDOW_KEYS = 255
+# Uncapped at the D = 128 kernel (head dims 72 to 128) there is none: there a 256-key window ran 1.35x
+# the Triton kernel (0.76x at D = 64; an H100 at 3688ffe, "A tile of few blocks in one masked loop" in
+# the same notes), so the cap, not the window, made the capped row lose; and at (2, 32/8, 4096, 128)
+# causal a 128-key window 1.30x, 64 keys 1.15x, 32 keys 1.12x (an H100 at c4c0611, one run each, the
+# ratios' spread 9-12%; at D = 64 a 128-key window 0.79x; `results/h100/history/
+# attention-fwd-sm90-narrow-windows-c4c0611.json`).
+NARROW_UNCAPPED_WINDOW_KEYS = 0
 
 
 def narrow_window_keys(scores: Scores, head_dim: int) -> int:
