@@ -18,27 +18,28 @@ from test_attention_bwd_sm90 import _inputs, _sm90
 pytestmark = pytest.mark.attention
 
 
-def test_the_gluon_backward_takes_windows_with_an_upper_bound():
-    """Causal windows and two-sided ones of any width (narrow ones too, unlike the forward), and
-    right sides alone; not a left side alone (no upper bound: the deterministic turns descend from
-    one); a side that cuts nothing is no side."""
+def test_the_gluon_backward_takes_windows_with_an_upper_bound_past_the_narrow_bound():
+    """Causal windows and two-sided ones wider than bwd.NARROW_WINDOW_KEYS, and right sides alone;
+    not a left side alone (no upper bound: the deterministic turns descend from one), nor a narrow
+    window (until its gpu cases have run); a side that cuts nothing is no side."""
     from tritonkit.ops.attention import bwd
     from tritonkit.ops.attention.common import Scores
 
+    narrow = bwd.NARROW_WINDOW_KEYS
     takes = [
         (Scores(0.1), 4096, 4096),
         (Scores(0.1, causal=True, window=(1024, 0)), 4096, 4096),
-        (Scores(0.1, causal=True, window=(64, 0)), 4096, 4096),
-        (Scores(0.1, causal=True, window=(0, 0)), 4096, 4096),  # the diagonal alone
+        (Scores(0.1, causal=True, window=(narrow, 0)), 4096, 4096),  # narrow + 1 keys
         (Scores(0.1, window=(600, 600)), 4096, 4096),
-        (Scores(0.1, window=(200, 200)), 4096, 4096),
         (Scores(0.1, window=(-1, 600)), 4096, 4096),
         (Scores(0.1, window=(5000, -1)), 4096, 4096),  # cuts nothing: a full mask
-        (Scores(0.1, window=(100, -1)), 50, 50),  # cuts nothing at 50 keys
+        (Scores(0.1, causal=True, window=(100, 0)), 50, 50),  # cuts nothing at 50 keys
     ]
     refuses = [
+        (Scores(0.1, causal=True, window=(narrow - 1, 0)), 4096, 4096),
+        (Scores(0.1, causal=True, window=(64, 0)), 4096, 4096),
         (Scores(0.1, window=(1024, -1)), 4096, 4096),
-        (Scores(0.1, window=(20, -1)), 4096, 4096),
+        (Scores(0.1, window=(200, 200)), 4096, 4096),
     ]
     for scores, seq_q, seq_k in takes:
         assert bwd.sm90_window(scores, seq_q, seq_k), scores
@@ -144,14 +145,15 @@ def test_gpu_windows_match_the_reference(case, head_dim, deterministic):
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_gpu_flash_attention_backward_takes_the_gluon_kernel_with_a_window(deterministic, caplog):
-    """A causal window goes to this kernel, wide or narrow; a left side alone to the Triton kernels."""
+    """A causal window past the narrow bound goes to this kernel; a narrow one, and a left side alone,
+    to the Triton kernels."""
     import tritonkit
 
     q, k, v, _ = _inputs(1, 4, 4, 1024, 1024, 128, torch.bfloat16, seed=11)
     for causal, window, kernel in (
         (True, (700, 0), "sm_90 Gluon kernel"),
-        (True, (64, 0), "sm_90 Gluon kernel"),
-        (False, (64, -1), "Triton kernels"),
+        (True, (64, 0), "Triton kernels"),
+        (False, (700, -1), "Triton kernels"),
     ):
         caplog.clear()
         x = q.detach().clone().requires_grad_()

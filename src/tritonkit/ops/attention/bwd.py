@@ -277,15 +277,23 @@ SM90_BACKWARD_PACKED = True
 def sm90_window(scores: Scores, seq_q: int, seq_k: int) -> bool:
     """Whether the sm_90 Gluon backward takes these scores' window: none, or one with an upper bound
     (causal, or a right side: the deterministic mode's turns descend from the last key block a query
-    block sees), of any width. Narrow ones too, unlike the forward: on an H100 (at c4c0611, causal,
-    `benchmarks/attention_bwd_sm90.py --window W,0 --defaults` with the bound off), x the Triton
-    kernels, free / deterministic: 1.49x / 1.24x at 32 keys and 1.98x / 1.64x at 128 at (2, 32/8,
-    4096, 128), 2.37x / 1.91x at 256; 1.53x / 1.26x at 128 and 1.54x / 1.24x at 256 at (4, 32, 4096,
-    64) (results/h100/history/attention-bwd-sm90-narrow-windows-c4c0611.json)."""
+    block sees) spanning more than NARROW_WINDOW_KEYS keys."""
     if tuple(scores.window) == (-1, -1):
         return True
     _, flags = scores.within(seq_q, seq_k).kernel_args(seq_q, seq_k)
-    return flags["IS_CAUSAL"] or not flags["HAS_LOWER"]
+    span = fwd.window_keys(scores, seq_q, seq_k)
+    return (flags["IS_CAUSAL"] or not flags["HAS_LOWER"]) and (span is None or span > NARROW_WINDOW_KEYS)
+
+
+# The narrowest windows the Gluon backward takes are wider than this, for now: with the bound off it
+# ran faster than the Triton kernels at every narrow window timed, on an H100 (at c4c0611, causal,
+# `benchmarks/attention_bwd_sm90.py --window W,0 --defaults`), free / deterministic: 1.49x / 1.24x at
+# 32 keys, 1.98x / 1.64x at 128 and 2.37x / 1.91x at 256 at (2, 32/8, 4096, 128), 1.53x / 1.26x at
+# 128 and 1.54x / 1.24x at 256 at (4, 32, 4096, 64), its gradients within 0.03 of theirs
+# (results/h100/history/attention-bwd-sm90-narrow-windows-c4c0611.json). The bound goes to 0 once the
+# narrow windows' gpu cases (tests/test_attention_bwd_sm90_windows.py: two-sided, top-left, ragged,
+# a soft cap) have passed: only causal windows of 4096 keys were timed.
+NARROW_WINDOW_KEYS = fwd.NARROW_WINDOW_KEYS
 
 
 def sm90_takes(q, k, v, scores: Scores, packed: Packed | None, deterministic: bool = True) -> bool:
