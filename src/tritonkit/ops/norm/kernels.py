@@ -113,14 +113,6 @@ def _fwd_prune(config: dict, key: dict) -> bool:
 
 
 @triton.jit
-def _mean(total, count):
-    """``total / count`` correctly rounded (div.rn; Triton's fp32 ``/`` is div.full, within 2 ulp). A
-    row of one entry then has that entry for its mean exactly: x - mean is 0, not an ulp that rstd
-    (316 at eps 1e-5) carries into y, dx and dw."""
-    return tl.math.div_rn(total, count * 1.0)
-
-
-@triton.jit
 def _norm_fwd_kernel(
     x_ptr,  # input, (M, N), row stride stride_xm, unit column stride
     r_ptr,  # residual, (M, N), row stride stride_rm (unused without HAS_RESIDUAL)
@@ -172,11 +164,11 @@ def _norm_fwd_kernel(
     if RMS:
         centred = h
     else:
-        mean = _mean(tl.sum(h, axis=1), N)
+        mean = tl.sum(h, axis=1) / N
         centred = tl.where(mask, h - mean[:, None], 0.0)  # padding must not enter the variance
         if STATS:
             tl.store(mean_ptr + rows, mean, mask=rows < M)
-    rstd = 1.0 / tl.sqrt(_mean(tl.sum(centred * centred, axis=1), N) + eps)
+    rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) / N + eps)
     if STATS:
         tl.store(rstd_ptr + rows, rstd, mask=rows < M)
     y = centred * rstd[:, None]
@@ -393,10 +385,10 @@ def _norm_bwd_kernel(
             xhat = tl.where(mask, (h - mean[:, None]) * rstd, 0.0)
         g = dy * w if HAS_WEIGHT else dy
         if RMS:
-            dh = (g - xhat * _mean(tl.sum(g * xhat, axis=1), N)[:, None]) * rstd
+            dh = (g - xhat * (tl.sum(g * xhat, axis=1) / N)[:, None]) * rstd
         else:  # both sums in one reduction: one exchange between warps instead of two
             sum_g_xhat, sum_g = tl.reduce((g * xhat, g), 1, _add_pairs)
-            dh = (g - xhat * _mean(sum_g_xhat, N)[:, None] - _mean(sum_g, N)[:, None]) * rstd
+            dh = (g - xhat * (sum_g_xhat / N)[:, None] - (sum_g / N)[:, None]) * rstd
         if HAS_DH:
             dh += tl.load(dh_ptr + rows[:, None] * stride_dhm + cols[None, :], mask=mask, other=0.0).to(
                 tl.float32
@@ -609,11 +601,11 @@ def _norm_fwd_looped_row(
         squares = tl.sum(squares, axis=0)
     if RMS:
         mean = 0.0
-        rstd = 1.0 / tl.sqrt(_mean(squares, N) + eps)
+        rstd = 1.0 / tl.sqrt(squares / N + eps)
     else:
-        offset = _mean(total, N)  # the mean is shift + offset, the variance E[(h - shift)^2] - offset^2
+        offset = total / N  # the mean is shift + offset, the variance E[(h - shift)^2] - offset^2
         mean = shift + offset
-        rstd = 1.0 / tl.sqrt(tl.maximum(_mean(squares, N) - offset * offset, 0.0) + eps)
+        rstd = 1.0 / tl.sqrt(tl.maximum(squares / N - offset * offset, 0.0) + eps)
         tl.store(mean_ptr + row, mean)
     tl.store(rstd_ptr + row, rstd)
     source_ptr = h_ptr + row * N if HAS_RESIDUAL else x_ptr + row * stride_xm
@@ -708,8 +700,8 @@ def _norm_bwd_looped_kernel(
                     g *= tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
                 gx += g * tl.where(mask, (h - shift) * rstd, 0.0)
                 g_sum += g
-            tl.store(sums_ptr + row * 2, _mean(tl.sum(gx, axis=0), N))
-            tl.store(sums_ptr + row * 2 + 1, _mean(tl.sum(g_sum, axis=0), N))
+            tl.store(sums_ptr + row * 2, tl.sum(gx, axis=0) / N)
+            tl.store(sums_ptr + row * 2 + 1, tl.sum(g_sum, axis=0) / N)
     for start in range(0, N, BLOCK_N):  # pass 2: chunk by chunk over the program's rows
         cols = start + offsets
         mask = cols < N
