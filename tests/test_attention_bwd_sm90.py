@@ -405,11 +405,23 @@ def _run(
     return dq, dk, dv
 
 
+def assert_oracle_passes(grads, reference, dtype) -> None:
+    """The oracle on (dq, dk, dv): against ``reference(torch.float64)``'s gradients, torch's error from
+    ``reference(dtype)``'s."""
+    from tritonkit.oracle import compare
+
+    exact, in_dtype = reference(torch.float64), reference(dtype)
+    comparisons = [
+        compare(name, grad, torch_grad, exact_grad, dtype)
+        for name, grad, torch_grad, exact_grad in zip(("dq", "dk", "dv"), grads, in_dtype, exact, strict=True)
+    ]
+    assert all(c.passed for c in comparisons), [str(c) for c in comparisons]
+
+
 def check(q, k, v, do, causal, *, deterministic, scale=None, bottom_right=True, config=None, softcap=0.0):
     """The oracle on dq, dk and dv against autograd through the reference in float64, torch's error
     from the same reference run in the inputs' dtype."""
     from tritonkit.ops.attention.common import attention_reference
-    from tritonkit.oracle import compare
 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     o, lse = _forward(q, k, v, causal, scale, bottom_right, softcap)
@@ -422,12 +434,7 @@ def check(q, k, v, do, causal, *, deterministic, scale=None, bottom_right=True, 
         out = attention_reference(*inputs, causal, scale, bottom_right=bottom_right, softcap=softcap)
         return torch.autograd.grad(out, inputs, do.to(dtype))
 
-    exact, in_dtype = reference(torch.float64), reference(q.dtype)
-    comparisons = [
-        compare(name, grad, torch_grad, exact_grad, q.dtype)
-        for name, grad, torch_grad, exact_grad in zip(("dq", "dk", "dv"), grads, in_dtype, exact, strict=True)
-    ]
-    assert all(c.passed for c in comparisons), [str(c) for c in comparisons]
+    assert_oracle_passes(grads, reference, q.dtype)
 
 
 # (B, Hq, Hkv, Sq, Sk, causal, bottom_right): single rows and keys, lengths off the 64-row and

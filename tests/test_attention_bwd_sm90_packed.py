@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from test_attention_bwd_sm90 import _sm90
+from test_attention_bwd_sm90 import _sm90, assert_oracle_passes
 
 pytestmark = pytest.mark.attention
 
@@ -48,7 +48,6 @@ def _check_packed(q, k, v, do, packed, scores, deterministic: bool) -> tuple:
     the reference run in the inputs' dtype; returned for the bits' check."""
     from tritonkit.ops.attention import bwd, bwd_sm90
     from tritonkit.ops.attention.common import attention_reference
-    from tritonkit.oracle import compare
 
     options = {"window": scores.window, "softcap": scores.softcap}
     options |= {"cu_seqlens_q": packed.cu_q.cpu(), "cu_seqlens_k": packed.cu_k.cpu()}
@@ -74,12 +73,7 @@ def _check_packed(q, k, v, do, packed, scores, deterministic: bool) -> tuple:
         out = attention_reference(*inputs, scores.causal, scores.scale, **options)
         return torch.autograd.grad(out, inputs, do.to(dtype))
 
-    exact, in_dtype = reference(torch.float64), reference(q.dtype)
-    comparisons = [
-        compare(name, grad, torch_grad, exact_grad, q.dtype)
-        for name, grad, torch_grad, exact_grad in zip(("dq", "dk", "dv"), grads, in_dtype, exact, strict=True)
-    ]
-    assert all(c.passed for c in comparisons), [str(c) for c in comparisons]
+    assert_oracle_passes(grads, reference, q.dtype)
     return grads
 
 
@@ -133,32 +127,22 @@ def test_gpu_a_packed_call_checks_its_views_and_cu_seqlens():
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_gpu_flash_attention_backward_takes_the_gluon_kernel_packed(deterministic, caplog):
-    """flash_attention's cu_seqlens go to this kernel (its debug line), and give the gradients the
-    Triton kernels give, within the oracle's rule against float64."""
+    """flash_attention's cu_seqlens go to this kernel in the backward (its debug line), its gradients
+    within the oracle's rule against float64."""
     import tritonkit
-    from tritonkit.ops.attention import bwd
-    from tritonkit.oracle import compare
+    from tritonkit.ops.attention.common import attention_reference
 
     q, k, v, do, packed = _packed_inputs(128, torch.bfloat16, seed=9)
     call = {"cu_seqlens_q": packed.cu_q, "cu_seqlens_k": packed.cu_k, "causal": True}
     call |= {"max_seqlen_q": packed.max_q, "max_seqlen_k": packed.max_k, "deterministic": deterministic}
-
-    def gradients(dtype=None):
-        inputs = [t.detach().to(dtype or t.dtype).requires_grad_() for t in (q, k, v)]
-        if dtype is None:
-            out = tritonkit.flash_attention(*inputs, **call)
-        else:  # the reference
-            from tritonkit.ops.attention.common import attention_reference
-
-            options = {"cu_seqlens_q": packed.cu_q.cpu(), "cu_seqlens_k": packed.cu_k.cpu()}
-            out = attention_reference(*inputs, True, 128**-0.5, **options)
-        return torch.autograd.grad(out, inputs, do.to(out.dtype))
-
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     with caplog.at_level(logging.DEBUG, logger="tritonkit"):
-        ours = gradients()
+        grads = torch.autograd.grad(tritonkit.flash_attention(*leaves, **call), leaves, do)
     assert f"attention backward {tuple(q.shape)} on the sm_90 Gluon kernel" in caplog.text, caplog.text
-    exact, in_dtype = gradients(torch.float64), gradients(torch.bfloat16)
-    for name, grad, torch_grad, exact_grad in zip(("dq", "dk", "dv"), ours, in_dtype, exact, strict=True):
-        comparison = compare(name, grad, torch_grad, exact_grad, q.dtype)
-        assert comparison.passed, str(comparison)
-    assert bwd.SM90_BACKWARD_PACKED
+
+    def reference(dtype):
+        inputs = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        options = {"cu_seqlens_q": packed.cu_q.cpu(), "cu_seqlens_k": packed.cu_k.cpu()}
+        return torch.autograd.grad(attention_reference(*inputs, True, **options), inputs, do.to(dtype))
+
+    assert_oracle_passes(grads, reference, q.dtype)

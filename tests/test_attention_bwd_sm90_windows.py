@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from test_attention_bwd_sm90 import _inputs, _sm90
+from test_attention_bwd_sm90 import _inputs, _sm90, assert_oracle_passes
 
 pytestmark = pytest.mark.attention
 
@@ -53,7 +53,6 @@ def _check_window(q, k, v, do, scores, deterministic: bool) -> tuple:
     inputs' dtype; returned for the bits' check."""
     from tritonkit.ops.attention import bwd, bwd_sm90
     from tritonkit.ops.attention.common import attention_reference
-    from tritonkit.oracle import compare
 
     seq_q, seq_k = q.shape[2], k.shape[2]
     options = {"causal": scores.causal, "bottom_right": scores.bottom_right, "window": scores.window}
@@ -77,13 +76,8 @@ def _check_window(q, k, v, do, scores, deterministic: bool) -> tuple:
         out = attention_reference(*inputs, scale=scores.scale, **options)
         return torch.autograd.grad(out, inputs, do.to(dtype))
 
-    exact, in_dtype = reference(torch.float64), reference(q.dtype)
     grads = (dq, dk, dv)
-    comparisons = [
-        compare(name, grad, torch_grad, exact_grad, q.dtype)
-        for name, grad, torch_grad, exact_grad in zip(("dq", "dk", "dv"), grads, in_dtype, exact, strict=True)
-    ]
-    assert all(c.passed for c in comparisons), [str(c) for c in comparisons]
+    assert_oracle_passes(grads, reference, q.dtype)
     return grads
 
 

@@ -25,7 +25,12 @@ from tritonkit.ops.attention.bwd_sm90_kernels import (
     _attn_bwd_sm90_kernel,
 )
 from tritonkit.ops.attention.common import Packed
-from tritonkit.ops.attention.fwd_sm90 import BACKWARD_HEAD_DIMS, descriptor, sm90_dense_inputs
+from tritonkit.ops.attention.fwd_sm90 import (
+    BACKWARD_HEAD_DIMS,
+    check_packed_views,
+    descriptor,
+    sm90_dense_inputs,
+)
 
 
 class Config(NamedTuple):
@@ -211,7 +216,7 @@ def attention_bwd_sm90(
     if not supports(q, k, v, packed):
         raise ValueError("attention_bwd_sm90 does not take these inputs (see supports)")
     if packed is not None:
-        _check_packed(q, k, packed)
+        check_packed_views(q, k, packed)
     if lower_offset is not None and not causal:
         raise ValueError(
             "attention_bwd_sm90 takes a window's left side (lower_offset) only with an upper bound"
@@ -259,18 +264,6 @@ def attention_bwd_sm90(
                 grad.copy_(out)
     for launch in finish_launches(dq_acc, dq, scale, (dk, dv) if shares else (), outputs if shares else ()):
         launch.run()
-
-
-def _check_packed(q: torch.Tensor, k: torch.Tensor, packed: Packed) -> None:
-    """ValueError where a packed batch's call is not one the kernel takes."""
-    if q.shape[0] != 1 or k.shape[0] != 1:
-        raise ValueError(f"a packed batch's tensors are (1, H, T, D) views, got {tuple(q.shape)}")
-    for name, cu in (("cu_q", packed.cu_q), ("cu_k", packed.cu_k)):
-        if cu.dtype != torch.int32 or cu.device != q.device or cu.shape != (packed.sequences + 1,):
-            raise ValueError(
-                f"{name} must be int32 ({packed.sequences + 1},) on q's device, got {cu.dtype} "
-                f"{tuple(cu.shape)} on {cu.device}"
-            )
 
 
 def check_config(config: Config, head_dim: int) -> None:

@@ -99,6 +99,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from tritonkit.jit import LOG2E
 from tritonkit.ops.attention.bwd_sm90_dq import _dq_partition
+from tritonkit.ops.attention.fwd_sm90_tiles import _sequence
 from tritonkit.ops.attention.sm90_elementwise import from_pairs, softcapped_tanh, to_pairs
 
 SPLIT_N = 64  # keys a consumer warpgroup holds: a wgmma's M per warpgroup
@@ -674,12 +675,9 @@ def _attn_bwd_sm90_kernel(
     start_n = pid_n * KEYS
     sequence = batch  # (the tickets' index)
     if VARLEN:  # the sequence's rows in the tensors, its lengths, its bounds aligned bottom-right
-        q_row0 = gl.load(cu_q_ptr + sequence)
-        k_row0 = gl.load(cu_k_ptr + sequence)
-        SEQ_Q = gl.load(cu_q_ptr + sequence + 1) - q_row0
-        SEQ_K = gl.load(cu_k_ptr + sequence + 1) - k_row0
-        UPPER_OFFSET = UPPER_OFFSET + SEQ_K - SEQ_Q
-        LOWER_OFFSET = LOWER_OFFSET + SEQ_K - SEQ_Q
+        q_row0, k_row0, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET = _sequence(
+            sequence, cu_q_ptr, cu_k_ptr, UPPER_OFFSET, LOWER_OFFSET
+        )
         batch = batch * 0
     else:  # (tensors, not constants: the partitions take them as arguments)
         q_row0 = start_n * 0

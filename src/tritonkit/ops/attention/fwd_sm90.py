@@ -316,12 +316,18 @@ def attention_fwd_sm90(
 
 def _check_packed(q: torch.Tensor, k: torch.Tensor, packed, config: Config | None) -> None:
     """ValueError or NotImplementedError where a packed batch's call is not one this kernel takes."""
-    if q.shape[0] != 1 or k.shape[0] != 1:
-        raise ValueError(f"a packed batch's q, k and v are (1, H, T, D) views, got {tuple(q.shape)}")
+    check_packed_views(q, k, packed)
     if q.shape[3] not in PERSISTENT_HEAD_DIMS:
         raise NotImplementedError(f"packed batches take D {PERSISTENT_HEAD_DIMS}, got {q.shape[3]}")
     if config is not None and not config.persistent:
         raise ValueError(f"a packed batch takes the persistent tile, got {config}")
+
+
+def check_packed_views(q: torch.Tensor, k: torch.Tensor, packed) -> None:
+    """ValueError unless q and k are a packed batch's (1, H, T, D) views and its cu_seqlens are int32,
+    one entry a sequence and one more, on q's device (what both sm_90 kernels read)."""
+    if q.shape[0] != 1 or k.shape[0] != 1:
+        raise ValueError(f"a packed batch's q, k and v are (1, H, T, D) views, got {tuple(q.shape)}")
     for name, cu in (("cu_q", packed.cu_q), ("cu_k", packed.cu_k)):
         if cu.dtype != torch.int32 or cu.device != q.device or cu.shape != (packed.sequences + 1,):
             raise ValueError(

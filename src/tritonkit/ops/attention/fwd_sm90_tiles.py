@@ -8,6 +8,18 @@ from triton.experimental.gluon import language as gl
 
 
 @gluon.jit
+def _sequence(b, cu_q_ptr, cu_k_ptr, UPPER_OFFSET, LOWER_OFFSET):
+    """A packed batch's sequence ``b`` (both sm_90 kernels'): its first query row and first key in the
+    tensors, its query rows and keys (cu_seqlens' differences), and the bounds' offsets, which hold
+    the window's sides alone, aligned bottom-right for its lengths."""
+    q_row0 = gl.load(cu_q_ptr + b)
+    k_row0 = gl.load(cu_k_ptr + b)
+    seq_q = gl.load(cu_q_ptr + b + 1) - q_row0
+    seq_k = gl.load(cu_k_ptr + b + 1) - k_row0
+    return q_row0, k_row0, seq_q, seq_k, UPPER_OFFSET + seq_k - seq_q, LOWER_OFFSET + seq_k - seq_q
+
+
+@gluon.jit
 def _tile(
     tile,
     HEADS,
@@ -50,12 +62,9 @@ def _tile(
     kv_head = head // GROUP
     start_m = pid_m * BLOCK
     if VARLEN:
-        q_row0 = gl.load(cu_q_ptr + batch)
-        k_row0 = gl.load(cu_k_ptr + batch)
-        SEQ_Q = gl.load(cu_q_ptr + batch + 1) - q_row0
-        SEQ_K = gl.load(cu_k_ptr + batch + 1) - k_row0
-        UPPER_OFFSET = UPPER_OFFSET + SEQ_K - SEQ_Q
-        LOWER_OFFSET = LOWER_OFFSET + SEQ_K - SEQ_Q
+        q_row0, k_row0, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET = _sequence(
+            batch, cu_q_ptr, cu_k_ptr, UPPER_OFFSET, LOWER_OFFSET
+        )
         batch = batch * 0
     else:
         q_row0 = 0
