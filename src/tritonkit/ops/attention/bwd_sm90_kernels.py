@@ -711,7 +711,7 @@ def _attn_bwd_sm90_kernel(
         m_mid = gl.minimum(m_mid, m_end)
         m_tail = gl.maximum(m_tail, m_mid)
     rot = pid_n * 0
-    if ROTATE:
+    if ROTATE:  # (a packed sequence without keys divides by n_blocks = 0: an unspecified rot, unused)
         rot = (pid_n * gl.cdiv(m_end, TURN_BLOCKS)) // n_blocks * TURN_BLOCKS  # a turn's first block
 
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, HEAD_DIM], dtype)
