@@ -371,6 +371,41 @@ def test_bad_packed_input_is_named(device):
         fa(q[:, :1].expand(-1, 3, -1), k, v, **cu)
 
 
+def test_a_packed_call_given_both_longest_lengths_reads_no_bounds_on_the_host(device, monkeypatch):
+    """Given max_seqlen_q and max_seqlen_k, the validation reads nothing of the cu_seqlens on the host
+    (a sync that would keep the call out of a CUDA graph): their metadata is still checked, their
+    values are the caller's; the same output as the checked call. Without both, it reads them."""
+    from tritonkit.ops.attention import attention
+
+    q, k, v, cu = packed([(3, 4), (5, 2)], 2, 2, 32, torch.bfloat16, device)
+    want = tritonkit.flash_attention(q, k, v, causal=True, **cu)
+    reads = []
+
+    def refuse(name):
+        def read(tensor, *args, **kwargs):
+            reads.append(name)
+            raise AssertionError(f"{name} read on the host")
+
+        return read
+
+    with monkeypatch.context() as patched:
+        for name in ("cpu", "tolist", "item", "__int__", "__bool__", "numpy"):
+            patched.setattr(torch.Tensor, name, refuse(name))
+        got = attention._validate_packed(q, k, v, *cu.values(), 5, 4)
+        with pytest.raises(AssertionError, match="read on the host"):
+            attention._validate_packed(q, k, v, *cu.values(), 5, None)
+    assert got.max_q == 5 and got.max_k == 4 and reads == ["cpu"]
+    given = tritonkit.flash_attention(q, k, v, causal=True, max_seqlen_q=5, max_seqlen_k=4, **cu)
+    assert torch.equal(given, want)
+    with pytest.raises(ValueError, match="max_seqlen_k must be an int >= 0"):
+        tritonkit.flash_attention(q, k, v, max_seqlen_q=5, max_seqlen_k=-1, **cu)
+    with pytest.raises(ValueError, match="one entry a sequence each"):
+        tritonkit.flash_attention(
+            q, k, v, cu_seqlens_q=cu["cu_seqlens_q"], cu_seqlens_k=cu["cu_seqlens_k"][:2], max_seqlen_q=5,
+            max_seqlen_k=4,
+        )  # fmt: skip
+
+
 def test_packed_longest_lengths_as_numpy_integers(device):
     """max_seqlen_q and max_seqlen_k as numpy integers (what a data loader's arrays hold) are taken
     as ints: the same output as without them."""

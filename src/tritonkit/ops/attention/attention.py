@@ -194,7 +194,11 @@ def flash_attention(
     ``cu_seqlens_q`` and ``cu_seqlens_k`` of B + 1 entries (sequence b is rows cu[b]:cu[b + 1];
     empty sequences allowed), masks aligned per sequence; the output is (total_q, Hq, D) and the lse
     (Hq, total_q). ``max_seqlen_q``/``max_seqlen_k`` (the longest sequences) are read from the
-    cu_seqlens when not given, which waits for the GPU; the cu_seqlens are checked on the host.
+    cu_seqlens when not given, which waits for the GPU, and the cu_seqlens are then checked on the
+    host (0 first, non-decreasing, the last the packed tensor's rows). Given both, nothing is read on
+    the host (no sync: the call can be captured in a CUDA graph), and the cu_seqlens' values are the
+    caller's to keep valid, as flash-attn's: a sequence longer than its max_seqlen has rows never
+    computed, and bounds past the packed tensors' rows read and write past them.
 
     Differentiable in q, k, v (GQA gradients summed over each group) and in the lse. The backward
     is deterministic (the same inputs give the same bits); ``deterministic=False`` accumulates dq
@@ -229,8 +233,7 @@ def _validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         *(t.transpose(0, 1).unsqueeze(0) if isinstance(t, torch.Tensor) else t for t in (q, k, v)),
         names=NAMES,
     )
-    lengths = {}
-    for name, cu, tensor in (("cu_seqlens_q", cu_seqlens_q, q), ("cu_seqlens_k", cu_seqlens_k, k)):
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(cu, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor (pass both cu_seqlens), got {type(cu).__name__}")
         if cu.dtype != torch.int32:
@@ -239,6 +242,40 @@ def _validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             raise ValueError(f"{name} must be 1-D with B + 1 entries, got shape {tuple(cu.shape)}")
         if cu.device != q.device:
             raise ValueError(f"{name} must be on the tensors' device {q.device}, got {cu.device}")
+    if max_seqlen_q is not None and max_seqlen_k is not None:  # the cu_seqlens' values not read: no sync
+        _check_one_entry_a_sequence_each(cu_seqlens_q, cu_seqlens_k)
+        longest = _given_longest(max_seqlen_q, max_seqlen_k)
+    else:
+        longest = _longest_on_the_host(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    # the kernels read a sequence's bounds at cu + b: entries one after another
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    return Packed(cu_seqlens_q, cu_seqlens_k, cu_seqlens_q.shape[0] - 1, *longest)
+
+
+def _check_one_entry_a_sequence_each(cu_seqlens_q, cu_seqlens_k) -> None:
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must have one entry a sequence each, got "
+            f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}"
+        )
+
+
+def _given_longest(max_seqlen_q, max_seqlen_k) -> list[int]:
+    """The given longest lengths as ints (numpy's and torch's integers too), or ValueError."""
+    longest = []
+    for name, given in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        length = as_int(given)
+        if length is None or length < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {given!r}")
+        longest.append(length)
+    return longest
+
+
+def _longest_on_the_host(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> list[int]:
+    """The longest lengths, the cu_seqlens read on the host (a sync) and checked there: 0 first,
+    non-decreasing, the last the packed tensor's rows, no sequence longer than a given max_seqlen."""
+    lengths = {}
+    for name, cu, tensor in (("cu_seqlens_q", cu_seqlens_q, q), ("cu_seqlens_k", cu_seqlens_k, k)):
         host = cu.cpu()
         if host[0] != 0:
             raise ValueError(f"{name} must start at 0, got {int(host[0])}")
@@ -250,11 +287,7 @@ def _validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                 f"{name} must end at the packed tensor's {tensor.shape[0]} rows, got {int(host[-1])}"
             )
         lengths[name] = int(steps.max()) if steps.numel() else 0
-    if cu_seqlens_q.shape != cu_seqlens_k.shape:
-        raise ValueError(
-            f"cu_seqlens_q and cu_seqlens_k must have one entry a sequence each, got "
-            f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}"
-        )
+    _check_one_entry_a_sequence_each(cu_seqlens_q, cu_seqlens_k)
     longest = []
     for name, given, found in (
         ("max_seqlen_q", max_seqlen_q, lengths["cu_seqlens_q"]),
@@ -264,9 +297,7 @@ def _validate_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         if given is not None and (length is None or length < found):
             raise ValueError(f"{name} must be an int >= the longest sequence ({found}), got {given!r}")
         longest.append(found if given is None else length)
-    # the kernels read a sequence's bounds at cu + b: entries one after another
-    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
-    return Packed(cu_seqlens_q, cu_seqlens_k, cu_seqlens_q.shape[0] - 1, *longest)
+    return longest
 
 
 def scaled_dot_product_attention(
