@@ -39,6 +39,7 @@ from tritonkit.ops.attention.common import (
     calibration_inputs,
     calibration_scores,
     empty_in_layout,
+    grid_lengths,
     per_sequence,
     sequence_args,
     tuning_key,
@@ -311,8 +312,7 @@ def sm90_takes(q, k, v, scores: Scores, packed: Packed | None, deterministic: bo
         return False
     if not scores.scale > 0:
         return False
-    lengths = (packed.max_q, packed.max_k) if packed is not None else (q.shape[2], k.shape[2])
-    if not sm90_window(scores, *lengths):
+    if not sm90_window(scores, *grid_lengths(q, k, packed)):
         return False
     from tritonkit.ops.attention import bwd_sm90
 
@@ -359,7 +359,7 @@ def attention_bwd_into(
 
         log.debug("tritonkit: attention backward %s on the sm_90 Gluon kernel", shape)
         # a packed batch's offsets are the window's sides: each sequence adds its own alignment
-        lengths = (packed.max_q, packed.max_k) if packed is not None else (q.shape[2], k.shape[2])
+        lengths = grid_lengths(q, k, packed)
         (upper_offset, lower_offset, *_), flags = scores.within(*lengths).kernel_args(
             *(lengths if packed is None else (0, 0))
         )

@@ -78,6 +78,12 @@ class Packed(NamedTuple):
     max_k: int
 
 
+def grid_lengths(q: torch.Tensor, k: torch.Tensor, packed: Packed | None) -> tuple[int, int]:
+    """The (query rows, keys) a call's grid covers: a (B, H, S, D) batch's, or a packed batch's
+    longest sequence's (q and k its (1, H, T, D) views)."""
+    return (packed.max_q, packed.max_k) if packed is not None else (q.shape[2], k.shape[2])
+
+
 def per_sequence(strides: tuple, packed: Packed | None) -> tuple:
     """A tensor's strides as a kernel takes them: in a packed batch the leading (batch) stride is 0,
     since a program's "batch" index is its sequence, found by its first row instead."""

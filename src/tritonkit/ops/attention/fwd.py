@@ -53,6 +53,7 @@ from tritonkit.ops.attention.common import (
     calibration_inputs,
     calibration_scores,
     empty_in_layout,
+    grid_lengths,
     per_sequence,
     sequence_args,
     tuning_key,
@@ -692,8 +693,7 @@ def sm90_takes(q, k, v, scores: Scores, packed: Packed | None) -> bool:
     ``narrow_window_keys`` keys. Everything else takes the Triton kernel below."""
     if not SM90_FORWARD or interpret() or not q.is_cuda:
         return False
-    lengths = (packed.max_q, packed.max_k) if packed is not None else (q.shape[2], k.shape[2])
-    span = window_keys(scores, *lengths)
+    span = window_keys(scores, *grid_lengths(q, k, packed))
     if span is not None and span <= narrow_window_keys(scores, q.shape[3]):
         return False
     from tritonkit.ops.attention import fwd_sm90
