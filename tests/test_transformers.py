@@ -5,6 +5,7 @@ bf16 torch's error); generation, padding, per-instance patching, unapply and the
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import os
 import types
@@ -389,26 +390,25 @@ def test_hf_trainer_trains_the_patched_model_as_the_unpatched_one(tmp_path):
 # ---------------------------------------------------------------- FSDP2, two CPU processes on gloo
 
 
-def _fsdp_worker(rank: int, world: int, store: str, out_dir: str) -> None:
-    gloo.join_group(rank, world, store, 120)
+def _fsdp_results(out_dir: str, rank: int) -> dict:
+    """A rank's step under fully_shard; rank 0 saves the loss and the gradients (averaged over the
+    ranks) for the parent, which compares tensors, not JSON."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    try:
-        model = tk_hf.apply(_model("llama", torch.float16)).train()
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-        ids, labels = _batch(batch=world)
-        loss = model(input_ids=ids[rank : rank + 1], labels=labels[rank : rank + 1]).loss
-        loss.backward()
-        dist.all_reduce(loss)
-        grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}  # averaged over ranks
-        if rank == 0:
-            torch.save({"loss": loss / world, "grads": grads}, os.path.join(out_dir, "fsdp.pt"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    world = dist.get_world_size()
+    model = tk_hf.apply(_model("llama", torch.float16)).train()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    ids, labels = _batch(batch=world)
+    loss = model(input_ids=ids[rank : rank + 1], labels=labels[rank : rank + 1]).loss
+    loss.backward()
+    dist.all_reduce(loss)
+    grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}  # averaged over ranks
+    if rank == 0:
+        torch.save({"loss": loss / world, "grads": grads}, os.path.join(out_dir, "fsdp.pt"))
+    return {}
 
 
 @pytest.mark.slow
@@ -417,7 +417,7 @@ def test_fsdp2_trains_as_one_process(tmp_path):
     gradient (FSDP's average over the ranks) pass the oracle against the float64 model on the whole
     batch, with the patched model on one process as the torch term (each row keeps as many tokens,
     so the mean of the ranks' means is the whole batch's)."""
-    gloo.run(_fsdp_worker, (2, str(tmp_path / "store"), str(tmp_path)), 2, 240, "FSDP2")
+    gloo.run_ranks(functools.partial(_fsdp_results, str(tmp_path)), 2, 240, tmp_path, "FSDP2")
     sharded = torch.load(tmp_path / "fsdp.pt")
     ids, labels = _batch(batch=2)
     reference = _model("llama", torch.float16)
