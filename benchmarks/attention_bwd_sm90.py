@@ -21,7 +21,9 @@ mode's default (``free`` or ``det``) with those ``bwd_sm90.Config`` fields repla
 deterministic one says whether its gradients are the default's bits). ``--shape`` keeps the rows of one
 shape (repeatable). ``--window LEFT,RIGHT`` gives every row that sliding window (``flash_attention``'s),
 which cuDNN does not take: cuDNN's backward without it is the rate to reach, the errors are against the
-Triton kernels' deterministic gradients, and TFLOP/s count the pairs the window leaves.
+Triton kernels' deterministic gradients, and TFLOP/s count the pairs the window leaves. A head dim
+between the kernel's own (``--shape 2,32,8,4096,96``) runs the Gluon rows on the kernel of the next one
+up (``bwd.SM90_BACKWARD_PADDED``), TFLOP/s counted at the tensors' D.
 
 A row's providers take turns, ``--rounds`` of them (``tritonkit.bench.timing.interleaved_turns``;
 each one's ``turns`` are in the JSON): its time is the median of its turns, each turn
@@ -219,6 +221,7 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
 
         def call():
             bwd.SM90_BACKWARD = gluon
+            bwd.SM90_BACKWARD_PADDED = bwd_sm90.PADDED_HEAD_DIMS if gluon else ()
             bwd.SM90_BACKWARD_DETERMINISTIC = bwd.SM90_BACKWARD_DETERMINISTIC_GQA = (64, 128) if gluon else ()
             setattr(bwd_sm90, name, group)
             bwd_sm90.DETERMINISTIC_GQA_PER_QUERY_HEAD = {**per_query_head, causal: by_query_head}
@@ -245,7 +248,8 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
         gqa = heads_q != heads_kv
         # --config MODE:FIELD=VALUE,...: a mode's default with those fields replaced; --acquire-first
         # (the dQ warp's other way to poll its turn) and --turn-blocks N name deterministic ones
-        shipped = default_config(head_dim, True, gqa, causal)
+        kernel_dim = bwd_sm90.kernel_head_dim(head_dim)  # (a padded head dim's)
+        shipped = default_config(kernel_dim, True, gqa, causal)
         polls = not shipped.acquire_first
         switched = [
             *config_arguments(),
@@ -329,8 +333,8 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
             delta = torch.empty(lse.shape, dtype=torch.float32, device="cuda")
             grads = tuple(torch.empty_like(t) for t in (q, k, v))
             modes = (False,) if "--skip-deterministic" in sys.argv else (False, True)
-            for deterministic, config in itertools.product(modes, bwd_sm90.CANDIDATES[head_dim]):
-                default = bwd_sm90.default_config(head_dim, deterministic)
+            for deterministic, config in itertools.product(modes, bwd_sm90.CANDIDATES[kernel_dim]):
+                default = bwd_sm90.default_config(kernel_dim, deterministic)
                 if config == default:  # timed above, as gluon or gluon_deterministic
                     continue
 

@@ -268,11 +268,17 @@ log = logging.getLogger("tritonkit")
 # 4,32,32,4096,64 --shape 2,32,8,4096,64`), where the Triton kernels' tuned table on the H200 has 0.82x
 # both masks; with 128-row steps (bwd_sm90.CONFIGS) 0.94x and 0.97x full, 0.97x causal (at 548605e).
 SM90_BACKWARD = True
-SM90_BACKWARD_DETERMINISTIC: tuple[int, ...] = (64, 128)  # head dims, without GQA
+SM90_BACKWARD_DETERMINISTIC: tuple[int, ...] = (64, 128)  # kernel head dims, without GQA
 SM90_BACKWARD_DETERMINISTIC_GQA: tuple[int, ...] = (64, 128)
 # Packed batches (``bwd_sm90``'s VARLEN: each sequence's key blocks over the longest one's grid, dK and
 # dV stored row by row) on the Gluon kernel too, in both modes.
 SM90_BACKWARD_PACKED = True
+# The head dims other than the kernel's own (of ``bwd_sm90.PADDED_HEAD_DIMS``: a multiple of 8 up to
+# 128) that take the Gluon kernel of the next one up, its boxes padded with zeros, as the forward runs
+# them: none until its gpu cases (tests/test_attention_bwd_sm90_padded.py) have passed and it is timed
+# against the Triton kernels, which run them today (at D = 96 the D = 128 kernel's products are a
+# quarter zeros, at D = 32 the D = 64 kernel's half).
+SM90_BACKWARD_PADDED: tuple[int, ...] = ()
 
 
 def sm90_window(scores: Scores, seq_q: int, seq_k: int) -> bool:
@@ -299,16 +305,12 @@ NARROW_WINDOW_KEYS = fwd.NARROW_WINDOW_KEYS
 
 def sm90_takes(q, k, v, scores: Scores, packed: Packed | None, deterministic: bool = True) -> bool:
     """Whether the sm_90 Gluon backward (``bwd_sm90``) computes this call (a packed batch's as (1, H,
-    T, D) views): switched on for its mode (and, deterministic, for the head dim, with GQA or not;
-    packed, SM90_BACKWARD_PACKED), natively compiled, on an sm_90 GPU, within what it supports
-    (either causal alignment, soft caps, the windows ``sm90_window`` takes over the longest
-    sequence's lengths). Everything else takes the Triton kernels."""
-    if deterministic:
-        dims = SM90_BACKWARD_DETERMINISTIC_GQA if q.shape[1] != k.shape[1] else SM90_BACKWARD_DETERMINISTIC
-        switch = q.shape[3] in dims
-    else:
-        switch = SM90_BACKWARD
-    if not switch or interpret() or not q.is_cuda or (packed is not None and not SM90_BACKWARD_PACKED):
+    T, D) views): natively compiled, on an sm_90 GPU, within what it supports (either causal
+    alignment, soft caps, the windows ``sm90_window`` takes over the longest sequence's lengths, the
+    padded head dims SM90_BACKWARD_PADDED names), and switched on for its mode (and, deterministic,
+    for its kernel's head dim, with GQA or not; packed, SM90_BACKWARD_PACKED). Everything else takes
+    the Triton kernels."""
+    if interpret() or not q.is_cuda or (packed is not None and not SM90_BACKWARD_PACKED):
         return False
     if not scores.scale > 0:
         return False
@@ -316,7 +318,15 @@ def sm90_takes(q, k, v, scores: Scores, packed: Packed | None, deterministic: bo
         return False
     from tritonkit.ops.attention import bwd_sm90
 
-    return bwd_sm90.supports(q, k, v, packed)
+    if not bwd_sm90.supports(q, k, v, packed):
+        return False
+    kernel_dim = bwd_sm90.kernel_head_dim(q.shape[3])
+    if kernel_dim != q.shape[3] and q.shape[3] not in SM90_BACKWARD_PADDED:
+        return False
+    if deterministic:
+        dims = SM90_BACKWARD_DETERMINISTIC_GQA if q.shape[1] != k.shape[1] else SM90_BACKWARD_DETERMINISTIC
+        return kernel_dim in dims
+    return SM90_BACKWARD
 
 
 def attention_bwd_into(

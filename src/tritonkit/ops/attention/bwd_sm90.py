@@ -29,8 +29,17 @@ from tritonkit.ops.attention.fwd_sm90 import (
     BACKWARD_HEAD_DIMS,
     check_packed_views,
     descriptor,
+    kernel_head_dim,
     sm90_dense_inputs,
 )
+
+# The head dims the kernel takes: a multiple of 8 (a row's bytes a multiple of TMA's 16) up to 128,
+# run by the kernel of the next head dim of BACKWARD_HEAD_DIMS up, as the forward's (``fwd_sm90.
+# PADDED_HEAD_DIMS``): its TMA boxes reach past the tensors' D, the loads fill the columns past it
+# with zeros (they add nothing to S or dP, and dQ's, dK's and dV's come out 0) and the stores and
+# dQ's reduce-adds drop them. A packed batch's dK and dV leave row by row from the registers, masked
+# by rows only: packed calls take the kernels' own head dims.
+PADDED_HEAD_DIMS = tuple(range(8, BACKWARD_HEAD_DIMS[-1] + 1, 8))
 
 
 class Config(NamedTuple):
@@ -157,11 +166,11 @@ DETERMINISTIC_GQA_PER_QUERY_HEAD = {True: True, False: False}
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: Packed | None = None) -> bool:
     """Whether ``attention_bwd_sm90`` takes these inputs: (B, H, S, D) fp16/bf16 tensors of one dtype
-    on an sm_90 GPU (with ``packed``, a packed batch's (1, H, T, D) views), D 64 or 128, Hq a
-    multiple of Hkv, within the grid's bounds. Strides are free (tensors that TMA cannot read as they
-    are are copied first). Masks, windows and the rest are the caller's to check
-    (``bwd.sm90_takes``)."""
-    if not sm90_dense_inputs(q, k, v, BACKWARD_HEAD_DIMS):
+    on an sm_90 GPU, D a multiple of 8 up to 128 (PADDED_HEAD_DIMS; with ``packed``, a packed batch's
+    (1, H, T, D) views, D 64 or 128), Hq a multiple of Hkv, within the grid's bounds. Strides are
+    free (tensors that TMA cannot read as they are are copied first). Masks, windows and the rest
+    are the caller's to check (``bwd.sm90_takes``)."""
+    if not sm90_dense_inputs(q, k, v, PADDED_HEAD_DIMS if packed is None else BACKWARD_HEAD_DIMS):
         return False
     (batch, heads_q, seq_k) = (*q.shape[:2], k.shape[2])
     if packed is not None:
@@ -228,13 +237,14 @@ def attention_bwd_sm90(
         for grad in (dq, dk, dv):
             grad.zero_()
         return
+    kernel_dim = kernel_head_dim(q.shape[3])
     do, q, k, v = (t if tma_ready(t) else t.contiguous() for t in (do, q, k, v))
     # a window's walks are all about as long, as a full mask's: its GQA programs take the group (on
     # an H100, 1.78 against 2.03 ms deterministic at (2, 32/8, 8192, 128) with a 1024-key window;
     # results/h100/history/attention-bwd-sm90-window-1023-6343cea.json)
     even_walks = not causal or lower_offset is not None
     config = config or default_config(
-        q.shape[3], deterministic, q.shape[1] != k.shape[1], not even_walks, bool(softcap)
+        kernel_dim, deterministic, q.shape[1] != k.shape[1], not even_walks, bool(softcap)
     )
     shares = config.per_query_head and q.shape[1] != k.shape[1]
     if shares:  # each query head's share of dK and dV, (B, Hq, Sk, D), summed below
@@ -268,12 +278,13 @@ def attention_bwd_sm90(
 
 def check_config(config: Config, head_dim: int) -> None:
     """Raise ValueError unless ``config`` is one the kernel runs at ``head_dim``: turn_blocks an int
-    >= 1; block_m BLOCK_M, or 128 at D = 64 with shared_dq and without overlap_sdp (anything else
-    needs more than a program's 227 KB of shared memory or 240 registers a thread)."""
+    >= 1; block_m BLOCK_M, or 128 on the D = 64 kernel (D <= 64) with shared_dq and without
+    overlap_sdp (anything else needs more than a program's 227 KB of shared memory or 240 registers
+    a thread)."""
     if not (isinstance(config.turn_blocks, int) and config.turn_blocks >= 1):
         raise ValueError(f"Config.turn_blocks must be an int >= 1, got {config.turn_blocks!r}")
     if config.block_m != BLOCK_M and (
-        config.block_m != 128 or head_dim != 64 or not config.shared_dq or config.overlap_sdp
+        config.block_m != 128 or head_dim > 64 or not config.shared_dq or config.overlap_sdp
     ):
         raise ValueError(f"Config.block_m is {BLOCK_M}, or 128 at D = 64 with shared_dq alone; got {config}")
 
@@ -344,6 +355,7 @@ def launches(
     per BLOCK_N keys of a (batch, key/value head), a one-dimensional grid in ``order``'s order (a
     packed batch's: its sequences' over the longest one's key blocks)."""
     (batch, heads_q, seq_q, head_dim), (_, heads_kv, seq_k, _) = q.shape, k.shape
+    head_dim = kernel_head_dim(head_dim)  # the boxes' columns (PADDED_HEAD_DIMS)
     if packed is not None:  # the grid of the sequences and their longest lengths
         batch, seq_q, seq_k = packed.sequences, packed.max_q, packed.max_k
     # per query head (dk and dv the shares, (B, Hq, Sk, D)): the programs' heads are q's, each
@@ -357,13 +369,13 @@ def launches(
     # one program an SM: its shared memory (112-214 KB) leaves room for no second
     pairs_per_group, rotate = order(deterministic, causal, pairs, blocks, sm_count(q.device))
     args = (
-        descriptor(q, config.block_m),
-        descriptor(k, SPLIT_N, swizzle=k_swizzle),
-        descriptor(v, SPLIT_N),
-        descriptor(do, config.block_m),
-        descriptor(dk, SPLIT_N, swizzle=k_swizzle),
-        descriptor(dv, SPLIT_N),
-        descriptor(dq_acc, config.block_m, head_dim // 2 if config.shared_dq else None),
+        descriptor(q, config.block_m, head_dim),
+        descriptor(k, SPLIT_N, head_dim, swizzle=k_swizzle),
+        descriptor(v, SPLIT_N, head_dim),
+        descriptor(do, config.block_m, head_dim),
+        descriptor(dk, SPLIT_N, head_dim, swizzle=k_swizzle),
+        descriptor(dv, SPLIT_N, head_dim),
+        descriptor(dq_acc, config.block_m, head_dim // 2 if config.shared_dq else head_dim),
         lse,
         delta,
         tickets,

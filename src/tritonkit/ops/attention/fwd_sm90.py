@@ -22,7 +22,7 @@ from tritonkit.ops.attention.fwd_sm90_kernels import CONSUMER_WARPS, SPLIT_M, _a
 
 DTYPES = HALVES
 HEAD_DIMS = (64, 128, 256)  # the forward kernel's; the backward's are BACKWARD_HEAD_DIMS
-BACKWARD_HEAD_DIMS = (64, 128)
+BACKWARD_HEAD_DIMS = (64, 128)  # the backward kernel's (bwd_sm90.PADDED_HEAD_DIMS: those it takes)
 # The head dims this forward takes: a multiple of 8 (a row's bytes a multiple of TMA's 16) up to 256,
 # run by the kernel of the next head dim of HEAD_DIMS up, whose TMA boxes reach past the tensor's D:
 # the loads fill the columns past it with zeros (they add nothing to q . k, and O's come out 0) and
