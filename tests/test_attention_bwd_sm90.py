@@ -324,11 +324,12 @@ def test_calls_the_gluon_backward_cannot_take_go_to_the_triton_kernels(device):
             assert takes == _sm90(), (pack, deterministic)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [40, 64, 96, 128])
 def test_the_finishing_passes_convert_dq_and_sum_the_shares_in_order(head_dim, device):
     """dq = scale * its fp32 accumulator, and each group's dK and dV shares summed in fp32 and
     rounded once, into gradients laid out as (B, S, H, D) memory (what a decoder layer's q, k and v
-    give), at a length that leaves the last program part-filled; against the same values in float64
+    give; at padded head dims a head's columns end where the next head's begin), at a length that
+    leaves the last program part-filled; against the same values in float64
     to within the one rounding to bf16 (a unit in its last place: the interpreter truncates where
     the GPU rounds to nearest)."""
     from tritonkit import testing

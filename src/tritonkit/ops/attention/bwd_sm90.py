@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from tritonkit._launch import Launch, cdiv, scratch, tma_ready
+from tritonkit._launch import Launch, cdiv, next_power_of_2, scratch, tma_ready
 from tritonkit._runtime import sm_count
 from tritonkit._triton import tl, triton
 from tritonkit.jit import LOG2E
@@ -450,20 +450,22 @@ FINISH_ROWS = 64  # (S rows of D) a program of the passes below: 16-32 KB in, 8-
 @triton.jit
 def _group_sum_kernel(
     src_ptr, out_ptr, scale, stride_ob, stride_oh, stride_os, heads, seq,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
     """out[b, h] = scale * the sum of src[b, h G + g] over g = 0 .. G - 1, in fp32 in that order,
     rounded once to out's dtype: src (B, H G, S, D) contiguous, out (B, H, S, D) any strides with a
-    unit last one. A program ROWS rows of one (batch, head), a (batch, head)'s programs neighbours.
-    dq's conversion is G = 1 (its fp32 accumulator times the softmax scale); the GQA shares' sums
-    are scale 1 (exact)."""
+    unit last one. A program ROWS rows of one (batch, head), a (batch, head)'s programs neighbours,
+    BLOCK_D (D's power of two) columns, those past D masked. dq's conversion is G = 1 (its fp32
+    accumulator times the softmax scale); the GQA shares' sums are scale 1 (exact)."""
     blocks = tl.cdiv(seq, ROWS)
     pair = tl.program_id(0) // blocks
     rows = (tl.program_id(0) % blocks) * ROWS + tl.arange(0, ROWS)[:, None]
-    cols = tl.arange(0, HEAD_DIM)[None, :]
+    cols = tl.arange(0, BLOCK_D)[None, :]
     inside = rows < seq
+    if BLOCK_D != HEAD_DIM:  # a padded head dim (PADDED_HEAD_DIMS)
+        inside = inside & (cols < HEAD_DIM)
     first = src_ptr + pair.to(tl.int64) * GROUP * seq * HEAD_DIM + rows * HEAD_DIM + cols
-    total = tl.zeros((ROWS, HEAD_DIM), tl.float32)
+    total = tl.zeros((ROWS, BLOCK_D), tl.float32)
     for member in tl.static_range(GROUP):
         total += tl.load(first + member * seq * HEAD_DIM, mask=inside).to(tl.float32)
     batch, head = pair // heads, pair % heads
@@ -486,7 +488,8 @@ def finish_launches(dq_acc, dq, scale: float, grads=(), shares=()) -> list[Launc
     for src, out, factor in passes:
         (batch, heads, seq, head_dim) = out.shape
         args = (src, out, factor, *out.stride()[:3], heads, seq)
-        meta = {"GROUP": heads_q // heads, "HEAD_DIM": head_dim, "ROWS": FINISH_ROWS, "num_warps": 4}
+        meta = {"GROUP": heads_q // heads, "HEAD_DIM": head_dim, "BLOCK_D": next_power_of_2(head_dim)}
+        meta |= {"ROWS": FINISH_ROWS, "num_warps": 4}
         grid = (cdiv(seq, FINISH_ROWS) * batch * heads,)
         launches.append(Launch("bwd sm90 finish", _group_sum_kernel, args, meta, {}, grid))
     return launches
