@@ -476,8 +476,13 @@ def _case_id(case) -> str:
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_gpu_matches_the_reference(case, head_dim, dtype, deterministic):
-    batch, heads_q, heads_kv, seq_q, seq_k, causal, bottom_right = case
     seed = 8 * CASES.index(case) + 4 * (head_dim == 128) + 2 * (dtype == torch.float16) + deterministic
+    check_case(case, head_dim, dtype, deterministic, seed)
+
+
+def check_case(case, head_dim: int, dtype, deterministic: bool, seed: int) -> None:
+    """``check`` at one of CASES' shapes and masks, the inputs at ``head_dim`` seeded."""
+    batch, heads_q, heads_kv, seq_q, seq_k, causal, bottom_right = case
     inputs = _inputs(batch, heads_q, heads_kv, seq_q, seq_k, head_dim, dtype, seed)
     check(*inputs, causal, deterministic=deterministic, bottom_right=bottom_right)
 

@@ -14,7 +14,7 @@ import logging
 import pytest
 import torch
 
-from test_attention_bwd_sm90 import CASES, _case_id, _inputs, _sm90, check
+from test_attention_bwd_sm90 import CASES, _case_id, _inputs, _sm90, check, check_case
 
 pytestmark = pytest.mark.attention
 
@@ -99,11 +99,9 @@ PADDED_CASES = [CASES[i] for i in (0, 4, 7, 10, 11, 13, 14)]
 @pytest.mark.parametrize("head_dim", PADDED)
 @pytest.mark.parametrize("case", PADDED_CASES, ids=_case_id)
 def test_gpu_padded_head_dims_match_the_reference(case, head_dim, deterministic):
-    batch, heads_q, heads_kv, seq_q, seq_k, causal, bottom_right = case
     dtype = torch.float16 if head_dim == 96 else torch.bfloat16
     seed = 100 + 16 * PADDED_CASES.index(case) + 2 * PADDED.index(head_dim) + deterministic
-    inputs = _inputs(batch, heads_q, heads_kv, seq_q, seq_k, head_dim, dtype, seed)
-    check(*inputs, causal, deterministic=deterministic, bottom_right=bottom_right)
+    check_case(case, head_dim, dtype, deterministic, seed)
 
 
 @pytest.mark.gpu
