@@ -23,7 +23,8 @@ shape (repeatable). ``--window LEFT,RIGHT`` gives every row that sliding window 
 which cuDNN does not take: cuDNN's backward without it is the rate to reach, the errors are against the
 Triton kernels' deterministic gradients, and TFLOP/s count the pairs the window leaves. A head dim
 between the kernel's own (``--shape 2,32,8,4096,96``) runs the Gluon rows on the kernel of the next one
-up (``bwd.SM90_BACKWARD_PADDED``), TFLOP/s counted at the tensors' D.
+up (``bwd.SM90_BACKWARD_PADDED``), TFLOP/s counted at the tensors' D; one it does not take (D = 256)
+times cuDNN and the Triton kernels alone.
 
 A row's providers take turns, ``--rounds`` of them (``tritonkit.bench.timing.interleaved_turns``;
 each one's ``turns`` are in the JSON): its time is the median of its turns, each turn
@@ -178,7 +179,12 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
         "tflops": {},
     }
 
-    switches = bwd.SM90_BACKWARD, bwd.SM90_BACKWARD_DETERMINISTIC, bwd.SM90_BACKWARD_DETERMINISTIC_GQA
+    switches = (
+        bwd.SM90_BACKWARD,
+        bwd.SM90_BACKWARD_DETERMINISTIC,
+        bwd.SM90_BACKWARD_DETERMINISTIC_GQA,
+        bwd.SM90_BACKWARD_PADDED,
+    )
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         out = torch.nn.functional.scaled_dot_product_attention(
@@ -248,8 +254,10 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
         gqa = heads_q != heads_kv
         # --config MODE:FIELD=VALUE,...: a mode's default with those fields replaced; --acquire-first
         # (the dQ warp's other way to poll its turn) and --turn-blocks N name deterministic ones
+        # a head dim the Gluon kernel does not take (D = 256) times cuDNN and the Triton rows alone
+        takes = head_dim in bwd_sm90.PADDED_HEAD_DIMS
         kernel_dim = bwd_sm90.kernel_head_dim(head_dim)  # (a padded head dim's)
-        shipped = default_config(kernel_dim, True, gqa, causal)
+        shipped = default_config(kernel_dim, True, gqa, causal) if takes else bwd_sm90.CONFIGS[128]
         polls = not shipped.acquire_first
         switched = [
             *config_arguments(),
@@ -315,6 +323,8 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
                 continue
             if name.startswith("triton") and "--skip-triton" in sys.argv:
                 continue
+            if name.startswith("gluon") and not takes:
+                continue
             fn = ours(deterministic, gluon, group, *by_query_head)
             grads = fn()
             calls[name] = fn
@@ -329,7 +339,7 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
         plain = deterministic_grads.pop("gluon_deterministic", None)
         for name, grads in deterministic_grads.items():
             row[f"{name}_same_bits"] = all(torch.equal(a, b) for a, b in zip(plain, grads, strict=True))
-        if not defaults_only and (heads_q == heads_kv or layer or candidates_only):  # the other tiles
+        if takes and not defaults_only and (heads_q == heads_kv or layer or candidates_only):  # other tiles
             delta = torch.empty(lse.shape, dtype=torch.float32, device="cuda")
             grads = tuple(torch.empty_like(t) for t in (q, k, v))
             modes = (False,) if "--skip-deterministic" in sys.argv else (False, True)
@@ -357,7 +367,12 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
                 )
                 calls[name] = candidate
         time_calls(row, calls)
-    bwd.SM90_BACKWARD, bwd.SM90_BACKWARD_DETERMINISTIC, bwd.SM90_BACKWARD_DETERMINISTIC_GQA = switches
+    (
+        bwd.SM90_BACKWARD,
+        bwd.SM90_BACKWARD_DETERMINISTIC,
+        bwd.SM90_BACKWARD_DETERMINISTIC_GQA,
+        bwd.SM90_BACKWARD_PADDED,
+    ) = switches
     for name, ms in row["ms"].items():
         row["tflops"][name] = flops / ms / 1e9
     row["vs_cudnn"] = {name: row["ms"]["cudnn"] / ms for name, ms in row["ms"].items()}
