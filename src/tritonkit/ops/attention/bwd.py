@@ -279,6 +279,11 @@ SM90_BACKWARD_PACKED = True
 # against the Triton kernels, which run them today (at D = 96 the D = 128 kernel's products are a
 # quarter zeros, at D = 32 the D = 64 kernel's half).
 SM90_BACKWARD_PADDED: tuple[int, ...] = ()
+# D = 256 on the Gluon kernel whose two warpgroups split a step's products (``bwd_sm90_wide``), in both
+# modes, without soft caps or a window's left side: off until its gpu cases
+# (tests/test_attention_bwd_sm90_wide.py) have passed and it is timed against the Triton kernels and
+# cuDNN (``benchmarks/attention_bwd_sm90.py --shape 2,16,8,4096,256``).
+SM90_BACKWARD_WIDE = False
 
 
 def sm90_window(scores: Scores, seq_q: int, seq_k: int) -> bool:
@@ -323,6 +328,8 @@ def sm90_takes(q, k, v, scores: Scores, packed: Packed | None, deterministic: bo
     kernel_dim = bwd_sm90.kernel_head_dim(q.shape[3])
     if kernel_dim != q.shape[3] and q.shape[3] not in SM90_BACKWARD_PADDED:
         return False
+    if kernel_dim == 256:  # the wide kernel (bwd_sm90_wide), both modes: no soft cap, no left side
+        return SM90_BACKWARD_WIDE and not scores.softcap > 0 and scores.window[0] < 0
     if deterministic:
         dims = SM90_BACKWARD_DETERMINISTIC_GQA if q.shape[1] != k.shape[1] else SM90_BACKWARD_DETERMINISTIC
         return kernel_dim in dims
