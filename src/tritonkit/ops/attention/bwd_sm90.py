@@ -39,7 +39,7 @@ from tritonkit.ops.attention.fwd_sm90 import (
 # PADDED_HEAD_DIMS``): its TMA boxes reach past the tensors' D, the loads fill the columns past it
 # with zeros (they add nothing to S or dP, and dQ's, dK's and dV's come out 0) and the stores and
 # dQ's reduce-adds drop them. A packed batch's dK and dV leave row by row from the registers, masked
-# by rows only: packed calls take the kernels' own head dims.
+# by rows and by the tensors' columns (the kernel's TENSOR_D).
 PADDED_HEAD_DIMS = tuple(range(8, BACKWARD_HEAD_DIMS[-1] + 1, 8))
 # D = 256, and the head dims it pads (136-248): ``bwd_sm90_wide``'s kernel, its two warpgroups splitting
 # a step's products (dK and dV of 64 keys at D = 256 do not fit one warpgroup's registers); dense
@@ -174,11 +174,12 @@ DETERMINISTIC_GQA_PER_QUERY_HEAD = {True: True, False: False}
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: Packed | None = None) -> bool:
     """Whether ``attention_bwd_sm90`` takes these inputs: (B, H, S, D) fp16/bf16 tensors of one dtype
-    on an sm_90 GPU, D a multiple of 8 up to 128 (PADDED_HEAD_DIMS; with ``packed``, a packed batch's
-    (1, H, T, D) views, D 64 or 128), Hq a multiple of Hkv, within the grid's bounds. Strides are
+    on an sm_90 GPU (with ``packed``, a packed batch's (1, H, T, D) views), D a multiple of 8 up to
+    256 (PADDED_HEAD_DIMS; past 128 WIDE_HEAD_DIMS, not packed), Hq a multiple of Hkv, within the
+    grid's bounds. Strides are
     free (tensors that TMA cannot read as they are are copied first). Masks, windows and the rest
     are the caller's to check (``bwd.sm90_takes``)."""
-    head_dims = PADDED_HEAD_DIMS + WIDE_HEAD_DIMS if packed is None else BACKWARD_HEAD_DIMS
+    head_dims = PADDED_HEAD_DIMS + WIDE_HEAD_DIMS if packed is None else PADDED_HEAD_DIMS
     if not sm90_dense_inputs(q, k, v, head_dims):
         return False
     (batch, heads_q, seq_k) = (*q.shape[:2], k.shape[2])
@@ -427,8 +428,9 @@ def launches(
         scale,
     )
     meta = kernel_meta(
-        config, causal, deterministic, rotate, bool(softcap), lower_offset is not None, packed is not None
-    )
+        config, causal, deterministic, rotate, bool(softcap), lower_offset is not None,
+        packed is not None, q.shape[3] if packed is not None else 0,
+    )  # fmt: skip
     grid = (blocks * pairs,)
     return [Launch("bwd sm90", _attn_bwd_sm90_kernel, args, meta, config._asdict(), grid)]
 
@@ -505,9 +507,12 @@ def kernel_meta(
     softcap: bool = False,
     lower: bool = False,
     varlen: bool = False,
+    tensor_d: int = 0,
 ) -> dict:
     """The kernel's constexpr arguments, in its order (the launcher takes them as its trailing
-    parameters), and its warps."""
+    parameters), and its warps. ``tensor_d``: a packed batch's D, to which dK's and dV's masked row
+    stores keep (a padded head dim's is under the kernel's); 0 for a dense batch (unused), so that
+    a padded head dim's launch is the next one's up, compiled once."""
     return {
         "IS_CAUSAL": bool(causal),
         "DETERMINISTIC": bool(deterministic),
@@ -521,6 +526,7 @@ def kernel_meta(
         "SOFTCAP": softcap,
         "HAS_LOWER": lower,
         "VARLEN": varlen,
+        "TENSOR_D": tensor_d,
         "num_warps": CONSUMER_WARPS.value,
     }
 

@@ -510,6 +510,7 @@ def _grad_partition(
     SOFTCAP: gl.constexpr,
     HAS_LOWER: gl.constexpr,
     VARLEN: gl.constexpr,
+    TENSOR_D: gl.constexpr,
 ):
     ROWS: gl.constexpr = k_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
@@ -580,6 +581,8 @@ def _grad_partition(
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))[None, :]
         at = (k_row0 + keys).to(gl.int64)[:, None]
         inside = (keys < gl.load(cu_k_ptr + sequence + 1) - k_row0)[:, None]
+        if TENSOR_D < HEAD_DIM:  # a padded head dim: the columns past the tensors' are the next head's
+            inside = inside & (cols < TENSOR_D)
         head = kv_head.to(gl.int64)
         gl.store(dk_ptr + head * stride_dkh + at * stride_dks + cols, (dk * scale).to(dtype), mask=inside)
         gl.store(dv_ptr + head * stride_dvh + at * stride_dvs + cols, dv.to(dtype), mask=inside)
@@ -647,6 +650,7 @@ def _attn_bwd_sm90_kernel(
     SOFTCAP: gl.constexpr,  # the scores soft-capped (the forward's ``softcapped_tanh``)
     HAS_LOWER: gl.constexpr,  # a window's left side (LOWER_OFFSET); only under an upper bound (IS_CAUSAL)
     VARLEN: gl.constexpr,  # a packed batch of B sequences: tensors (1, H, T, D), a program's batch a sequence
+    TENSOR_D: gl.constexpr,  # VARLEN: the tensors' D, the boxes' (HEAD_DIM) or fewer (a padded head dim)
 ):
     BLOCK: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -735,14 +739,14 @@ def _attn_bwd_sm90_kernel(
                            dq_empty, batch, kv_head, start_n, sequence, cu_k_ptr, GROUP, m_start, m_mid,
                            m_tail, m_end, rot, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale, cap_log2, scale,
                            IS_CAUSAL, DETERMINISTIC, ROTATE, OVERLAP_SDP, SHARED_DQ, P_PAIRS, SOFTCAP,
-                           HAS_LOWER, VARLEN)),
+                           HAS_LOWER, VARLEN, TENSOR_D)),
         (_grad_partition, (1, dk_desc, dv_desc, dk_ptr, dv_ptr, stride_dkh, stride_dks, stride_dvh,
                            stride_dvs, q_smem, do_smem, lse_smem, delta_smem, k_smem,
                            v_smem, ds_smem, dq_smem, kv_ready, qd_ready, qd_empty, ds_ready, ds_free, dq_full,
                            dq_empty, batch, kv_head, start_n, sequence, cu_k_ptr, GROUP, m_start, m_mid,
                            m_tail, m_end, rot, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale, cap_log2, scale,
                            IS_CAUSAL, DETERMINISTIC, ROTATE, OVERLAP_SDP, SHARED_DQ, P_PAIRS, SOFTCAP,
-                           HAS_LOWER, VARLEN)),
+                           HAS_LOWER, VARLEN, TENSOR_D)),
         (_load_partition, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, kv_ready,
                            qd_ready, qd_empty, batch, kv_head, q_row0, k_row0, KV_SHARE, start_n, GROUP,
                            m_start, m_end, rot,
