@@ -9,6 +9,7 @@ masks, Sq != Sk, GQA, a soft cap, strided (B, S, H, D) views, every column of ev
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -111,6 +112,35 @@ def test_a_packed_launch_names_its_tensors_head_dim(monkeypatch):
             )
             expected = head_dim if packed else 0
             assert backward.meta["TENSOR_D"] == forward.meta["TENSOR_D"] == expected, (head_dim, packed)
+
+
+_FINISH_WIDTHS = r"""
+import json, torch
+from tritonkit.asm import compile_launch
+from tritonkit.ops.attention import bwd_sm90
+
+for head_dim in HEAD_DIMS:  # dq and, per query head, dK's and dV's shares over a group of 4 heads
+    acc, shares = torch.empty(2, 8, 300, head_dim), [torch.empty(2, 8, 300, head_dim, dtype=torch.bfloat16)]
+    dq = torch.empty(2, 300, 8, head_dim, dtype=torch.bfloat16).transpose(1, 2)  # (B, S, H, D) memory
+    grads = [torch.empty(2, 300, 2, head_dim, dtype=torch.bfloat16).transpose(1, 2)]
+    for launch in bwd_sm90.finish_launches(acc, dq, 0.5, grads, shares):
+        r = compile_launch(launch, "sm_90")
+        print(json.dumps({"group": launch.meta["GROUP"], "spills": r.spills, "loads": dict(r.loads),
+                          "stores": dict(r.stores)}))
+"""
+
+
+def test_the_finishing_passes_at_a_padded_head_dim_compile_without_spills_to_16_byte_accesses():
+    """The passes after the kernel at D = 96 (a 128-column tile, the last 32 masked), compiled for
+    sm_90: no spills, and every global load and store 16 bytes wide (a row of D = 96 in (B, S, H, D)
+    memory starts on 16 bytes)."""
+    import sm90
+
+    rows = [json.loads(line) for line in sm90.run(f"HEAD_DIMS = [96]\n{_FINISH_WIDTHS}")]
+    assert sorted(row["group"] for row in rows) == [1, 4]
+    for row in rows:
+        assert not row["spills"], row
+        assert set(row["loads"]) == set(row["stores"]) == {"128"}, row
 
 
 # ---------------------------------------------------------------- on the H200
