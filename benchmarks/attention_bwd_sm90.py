@@ -23,8 +23,9 @@ shape (repeatable). ``--window LEFT,RIGHT`` gives every row that sliding window 
 which cuDNN does not take: cuDNN's backward without it is the rate to reach, the errors are against the
 Triton kernels' deterministic gradients, and TFLOP/s count the pairs the window leaves. A head dim
 between the kernel's own (``--shape 2,32,8,4096,96``) runs the Gluon rows on the kernel of the next one
-up (``bwd.SM90_BACKWARD_PADDED``), TFLOP/s counted at the tensors' D; one it does not take (D = 256)
-times cuDNN and the Triton kernels alone.
+up (``bwd.SM90_BACKWARD_PADDED``), TFLOP/s counted at the tensors' D; D = 256 (and 136-248) the Gluon
+rows on ``bwd_sm90_wide``'s kernel (``bwd.SM90_BACKWARD_WIDE``); a row the Gluon kernels do not take
+(a window's left side at D = 256) times cuDNN and the Triton kernels alone.
 
 A row's providers take turns, ``--rounds`` of them (``tritonkit.bench.timing.interleaved_turns``;
 each one's ``turns`` are in the JSON): its time is the median of its turns, each turn
@@ -184,6 +185,7 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
         bwd.SM90_BACKWARD_DETERMINISTIC,
         bwd.SM90_BACKWARD_DETERMINISTIC_GQA,
         bwd.SM90_BACKWARD_PADDED,
+        bwd.SM90_BACKWARD_WIDE,
     )
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -227,7 +229,8 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
 
         def call():
             bwd.SM90_BACKWARD = gluon
-            bwd.SM90_BACKWARD_PADDED = bwd_sm90.PADDED_HEAD_DIMS if gluon else ()
+            bwd.SM90_BACKWARD_PADDED = bwd_sm90.PADDED_HEAD_DIMS + bwd_sm90.WIDE_HEAD_DIMS if gluon else ()
+            bwd.SM90_BACKWARD_WIDE = gluon
             bwd.SM90_BACKWARD_DETERMINISTIC = bwd.SM90_BACKWARD_DETERMINISTIC_GQA = (64, 128) if gluon else ()
             setattr(bwd_sm90, name, group)
             bwd_sm90.DETERMINISTIC_GQA_PER_QUERY_HEAD = {**per_query_head, causal: by_query_head}
@@ -254,8 +257,8 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
         gqa = heads_q != heads_kv
         # --config MODE:FIELD=VALUE,...: a mode's default with those fields replaced; --acquire-first
         # (the dQ warp's other way to poll its turn) and --turn-blocks N name deterministic ones
-        # a head dim the Gluon kernel does not take (D = 256) times cuDNN and the Triton rows alone
-        takes = head_dim in bwd_sm90.PADDED_HEAD_DIMS
+        # a head dim the Gluon kernels do not take times cuDNN and the Triton rows alone
+        takes = head_dim in bwd_sm90.PADDED_HEAD_DIMS + bwd_sm90.WIDE_HEAD_DIMS and window[0] < 0
         kernel_dim = bwd_sm90.kernel_head_dim(head_dim)  # (a padded head dim's)
         shipped = default_config(kernel_dim, True, gqa, causal) if takes else bwd_sm90.CONFIGS[128]
         polls = not shipped.acquire_first
@@ -339,7 +342,8 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
         plain = deterministic_grads.pop("gluon_deterministic", None)
         for name, grads in deterministic_grads.items():
             row[f"{name}_same_bits"] = all(torch.equal(a, b) for a, b in zip(plain, grads, strict=True))
-        if takes and not defaults_only and (heads_q == heads_kv or layer or candidates_only):  # other tiles
+        others = takes and kernel_dim in bwd_sm90.CANDIDATES and not defaults_only  # the other tiles
+        if others and (heads_q == heads_kv or layer or candidates_only):
             delta = torch.empty(lse.shape, dtype=torch.float32, device="cuda")
             grads = tuple(torch.empty_like(t) for t in (q, k, v))
             modes = (False,) if "--skip-deterministic" in sys.argv else (False, True)
@@ -372,6 +376,7 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
         bwd.SM90_BACKWARD_DETERMINISTIC,
         bwd.SM90_BACKWARD_DETERMINISTIC_GQA,
         bwd.SM90_BACKWARD_PADDED,
+        bwd.SM90_BACKWARD_WIDE,
     ) = switches
     for name, ms in row["ms"].items():
         row["tflops"][name] = flops / ms / 1e9

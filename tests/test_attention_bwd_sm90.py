@@ -46,6 +46,7 @@ for dtype, head_dim, causal, deterministic, shared_dq, _, *fields in CASES:
     softcap = fields.pop("softcap", False)  # (the kernel's SOFTCAP, not a Config field)
     window = fields.pop("window", False)  # (the kernel's HAS_LOWER: a window's left side, under causal)
     varlen = fields.pop("varlen", False)  # (the kernel's VARLEN: a packed batch)
+    tensor_d = fields.pop("tensor_d", head_dim) if varlen else 0  # (its TENSOR_D: a padded head dim's)
     config = bwd.CONFIGS[head_dim]._replace(shared_dq=shared_dq, **({"block_m": bwd.BLOCK_M} | fields))
     shipped = bwd.default_config(head_dim, deterministic, False, causal)
     k_swizzle = 64 if shared_dq and head_dim == 64 else None
@@ -66,13 +67,14 @@ for dtype, head_dim, causal, deterministic, shared_dq, _, *fields in CASES:
                   "DETERMINISTIC": "constexpr", "NUM_STAGES": "constexpr", "ROTATE": "constexpr",
                   "OVERLAP_SDP": "constexpr", "SHARED_DQ": "constexpr", "ACQUIRE_FIRST": "constexpr",
                   "TURN_BLOCKS": "constexpr", "P_PAIRS": "constexpr", "SOFTCAP": "constexpr",
-                  "HAS_LOWER": "constexpr", "VARLEN": "constexpr"}
+                  "HAS_LOWER": "constexpr", "VARLEN": "constexpr", "TENSOR_D": "constexpr"}
     constants = {"KV_SHARE": 1, "IS_CAUSAL": causal, "DETERMINISTIC": deterministic,
                  "NUM_STAGES": config.num_stages,
                  "OVERLAP_SDP": config.overlap_sdp, "SHARED_DQ": config.shared_dq,
                  "ACQUIRE_FIRST": shipped.acquire_first,
                  "TURN_BLOCKS": shipped.turn_blocks,
-                 "P_PAIRS": config.p_in_pairs, "SOFTCAP": softcap, "HAS_LOWER": window, "VARLEN": varlen}
+                 "P_PAIRS": config.p_in_pairs, "SOFTCAP": softcap, "HAS_LOWER": window, "VARLEN": varlen,
+                 "TENSOR_D": tensor_d}
     constants["ROTATE"] = bwd.order(deterministic, causal, 64, 32, 132)[1]  # rotated where it may be
     kernel = triton.compile(GluonASTSource(bwd._attn_bwd_sm90_kernel, signature, constants),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": bwd.CONSUMER_WARPS.value})
@@ -120,7 +122,8 @@ for dtype, head_dim, causal, deterministic, shared_dq, _, *fields in CASES:
 # batch (the field "varlen", the kernel's VARLEN): dK and dV stored row by row, masked (a head dim's
 # PRMT more), and the masks counting keys from the sequence's end (``_grad_partition``), with no
 # more values a step on the stack than the dense kernel (3-10 a step at D = 128 with the sequence's
-# length held in a register).
+# length held in a register); at a padded head dim (the field "tensor_d") those stores masked by column
+# too.
 STATIC_CASES = [
     ("bf16", 128, False, False, False, 27),
     ("bf16", 128, True, True, False, 13),
@@ -154,6 +157,8 @@ STATIC_CASES = [
     ("bf16", 64, True, True, True, 14, {"block_m": 128, "varlen": True}),
     ("bf16", 64, False, False, True, 3, {"block_m": 128, "varlen": True}),
     ("bf16", 128, True, True, True, 26, {"p_in_pairs": True, "window": True, "varlen": True}),
+    ("bf16", 128, True, False, True, 47, {"varlen": True, "tensor_d": 96}),
+    ("bf16", 64, False, True, True, 3, {"block_m": 128, "varlen": True, "tensor_d": 40}),
 ]
 
 

@@ -2,8 +2,9 @@
 H200 (``gpu``) dq, dk and dv against the float64 reference gradients with the oracle's rule, each
 sequence attending to its own keys (one row, ragged lengths, Sq > Sk and Sq < Sk, a sequence without
 queries and one without keys), full and causal masks and a causal window aligned bottom-right for each
-sequence's lengths, a soft cap, GQA, D 64 and 128, both modes, the deterministic mode's bits run to run,
-every row of every gradient written (the buffers are NaN before) and ``flash_attention``'s backward
+sequence's lengths, a soft cap, GQA, D 64 and 128 and the padded 40 and 96, both modes, the
+deterministic mode's bits run to run, every row (and at a padded head dim every column) of every
+gradient written (the buffers are NaN before) and ``flash_attention``'s backward
 taking this kernel. The dispatch rule and the launch are tested on the CPU in test_attention_bwd_sm90,
 and the kernel's compile for sm_90 with VARLEN is among its static cases."""
 
@@ -84,7 +85,7 @@ MASKS = [(False, (-1, -1), 0.0), (True, (-1, -1), 0.0), (True, (200, 0), 0.0), (
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("deterministic", [False, True], ids=["any-order", "deterministic"])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 40, 96])  # (40 and 96: padded, dK and dV masked by column)
 @pytest.mark.parametrize("mask", MASKS, ids=lambda m: f"causal={m[0]}-window{m[1][0]},{m[1][1]}-cap{m[2]:g}")
 def test_gpu_packed_batches_match_the_reference(mask, head_dim, deterministic):
     from tritonkit.ops.attention.common import Scores

@@ -15,7 +15,7 @@ import logging
 import pytest
 import torch
 
-from test_attention_bwd_sm90 import CASES, _case_id, _inputs, _sm90, check, check_case
+from test_attention_bwd_sm90 import CASES, _case_id, _inputs, _sm90, assert_oracle_passes, check, check_case
 
 pytestmark = pytest.mark.attention
 
@@ -64,9 +64,10 @@ def test_a_padded_head_dim_launches_the_next_kernel_up(head_dim, deterministic, 
         assert [arg.block_shape[3] for arg in padded.args[:7]] == [kernel_dim] * 6 + [dq_cols]
 
 
-def test_the_kernel_takes_padded_head_dims_dense_and_its_own_packed(monkeypatch):
-    """``supports``: D a multiple of 8 up to 128 dense, 64 or 128 packed (dK and dV leave a packed
-    program row by row, masked by rows only); nothing else."""
+def test_the_kernel_takes_padded_head_dims_dense_and_packed(monkeypatch):
+    """``supports``: D a multiple of 8 up to 256 dense (past 128 the wide kernel's, ``bwd_sm90_wide``),
+    up to 128 packed (dK and dV leave a packed program row by row, masked by the tensors' columns
+    too); nothing else."""
     from tritonkit.ops.attention import bwd_sm90, fwd_sm90
     from tritonkit.ops.attention.common import Packed
 
@@ -80,10 +81,37 @@ def test_the_kernel_takes_padded_head_dims_dense_and_its_own_packed(monkeypatch)
 
     cu = torch.tensor([0, 16], dtype=torch.int32)
     packed = Packed(cu, cu, 1, 16, 16)
-    for head_dim in (4, 8, 60, 64, 96, 100, 128, 136, 256):
-        dense = head_dim % 8 == 0 and head_dim <= 128
+    for head_dim in (4, 8, 60, 64, 96, 100, 128, 136, 250, 256, 264):
+        dense = head_dim % 8 == 0 and head_dim <= 256
         assert bwd_sm90.supports(*tensors(head_dim)) == dense, head_dim
-        assert bwd_sm90.supports(*tensors(head_dim), packed) == (head_dim in (64, 128)), head_dim
+        assert bwd_sm90.supports(*tensors(head_dim), packed) == (dense and head_dim <= 128), head_dim
+
+
+def test_a_packed_launch_names_its_tensors_head_dim(monkeypatch):
+    """A packed batch's row stores (the forward's O, the backward's dK and dV) keep to the tensors' D,
+    the kernels' TENSOR_D, under the boxes' columns at a padded head dim; a dense launch passes 0
+    (unused there), so that a padded head dim's is the next one's up, compiled once."""
+    from tritonkit.ops.attention import bwd_sm90, fwd_sm90
+    from tritonkit.ops.attention.common import Packed
+
+    monkeypatch.setattr(bwd_sm90, "sm_count", lambda device: 132)
+    monkeypatch.setattr(fwd_sm90, "sm_count", lambda device: 132)
+    cu = torch.tensor([0, 100, 256], dtype=torch.int32)
+    for head_dim in (40, 64, 96, 128):
+        q = torch.empty(1, 4, 256, head_dim, dtype=torch.bfloat16)
+        lse, acc = torch.empty(1, 4, 256), torch.empty(1, 4, 256, head_dim)
+        tickets = torch.empty(1, 4, 4, dtype=torch.int32)
+        config = bwd_sm90.default_config(bwd_sm90.kernel_head_dim(head_dim), True)
+        for packed in (None, Packed(cu, cu, 2, 156, 156)):
+            (backward,) = bwd_sm90.launches(
+                q, q, q, q, lse, lse, acc, tickets, q, q, scale=0.1, causal=True, upper_offset=0,
+                deterministic=True, config=config, packed=packed,
+            )  # fmt: skip
+            (forward,) = fwd_sm90.launches(
+                q, q, q, q, lse, scale=0.1, causal=True, upper_offset=0, packed=packed
+            )
+            expected = head_dim if packed else 0
+            assert backward.meta["TENSOR_D"] == forward.meta["TENSOR_D"] == expected, (head_dim, packed)
 
 
 _FINISH_WIDTHS = r"""
@@ -170,7 +198,6 @@ def test_gpu_flash_attention_takes_the_gluon_backward_at_a_padded_head_dim(
     import tritonkit
     from tritonkit.ops.attention import bwd
     from tritonkit.ops.attention.common import attention_reference
-    from tritonkit.oracle import compare
 
     monkeypatch.setattr(bwd, "SM90_BACKWARD_PADDED", (96,))
     q, k, v, do = _inputs(2, 8, 2, 700, 700, 96, torch.bfloat16, 400 + deterministic)
@@ -184,9 +211,4 @@ def test_gpu_flash_attention_takes_the_gluon_backward_at_a_padded_head_dim(
         inputs = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
         return torch.autograd.grad(attention_reference(*inputs, True, 96**-0.5), inputs, do.to(dtype))
 
-    exact, in_dtype = reference(torch.float64), reference(torch.bfloat16)
-    comparisons = [
-        compare(f"d{name}", *tensors, torch.bfloat16)
-        for name, *tensors in zip("qkv", grads, in_dtype, exact, strict=True)
-    ]
-    assert all(c.passed for c in comparisons), [str(c) for c in comparisons]
+    assert_oracle_passes(grads, reference, torch.bfloat16)

@@ -19,9 +19,8 @@ pytestmark = pytest.mark.attention
 
 
 def test_the_gluon_backward_takes_windows_with_an_upper_bound_past_the_narrow_bound():
-    """Causal windows and two-sided ones wider than bwd.NARROW_WINDOW_KEYS, and right sides alone;
-    not a left side alone (no upper bound: the deterministic turns descend from one), nor a narrow
-    window (until its gpu cases have run); a side that cuts nothing is no side."""
+    """Causal windows and two-sided ones wider than bwd.NARROW_WINDOW_KEYS, and either side alone;
+    not a narrow window (until its gpu cases have run); a side that cuts nothing is no side."""
     from tritonkit.ops.attention import bwd
     from tritonkit.ops.attention.common import Scores
 
@@ -34,11 +33,12 @@ def test_the_gluon_backward_takes_windows_with_an_upper_bound_past_the_narrow_bo
         (Scores(0.1, window=(-1, 600)), 4096, 4096),
         (Scores(0.1, window=(5000, -1)), 4096, 4096),  # cuts nothing: a full mask
         (Scores(0.1, causal=True, window=(100, 0)), 50, 50),  # cuts nothing at 50 keys
+        (Scores(0.1, window=(1024, -1)), 4096, 4096),
+        (Scores(0.1, window=(16, -1)), 4096, 4096),  # a left side alone is never narrow
     ]
     refuses = [
         (Scores(0.1, causal=True, window=(narrow - 1, 0)), 4096, 4096),
         (Scores(0.1, causal=True, window=(64, 0)), 4096, 4096),
-        (Scores(0.1, window=(1024, -1)), 4096, 4096),
         (Scores(0.1, window=(200, 200)), 4096, 4096),
     ]
     for scores, seq_q, seq_k in takes:
@@ -63,7 +63,7 @@ def _check_window(q, k, v, do, scores, deterministic: bool) -> tuple:
     o, lse = o.to(q.dtype), lse.float()
     delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
     bwd._delta_launch(o, do, lse, None, delta).run()
-    (upper, lower, *_), flags = scores.within(seq_q, seq_k).kernel_args(seq_q, seq_k)
+    (upper, lower, *_), flags = bwd.sm90_scores(scores, seq_q, seq_k).kernel_args(seq_q, seq_k)
     dq, dk, dv = (torch.full_like(t, math.nan) for t in (q, k, v))
     bwd_sm90.attention_bwd_sm90(
         do, q, k, v, lse, delta, dq, dk, dv, scale=scores.scale, causal=flags["IS_CAUSAL"],
@@ -83,7 +83,7 @@ def _check_window(q, k, v, do, scores, deterministic: bool) -> tuple:
 
 # (B, Hq, Hkv, Sq, Sk, causal, bottom_right, window): causal windows whose left edge falls on and off
 # the 64-row and 128-key blocks, wider and narrower than a key block's walk, Sq != Sk both ways and
-# both alignments (rows that see no key), two-sided windows and a right side alone, GQA and MQA, a
+# both alignments (rows that see no key), two-sided windows and either side alone, GQA and MQA, a
 # soft cap beside a window (an optional ninth field); narrow windows (a key block's walk of one or two
 # query blocks, masked at both ends), causal and two-sided
 CASES = [
@@ -97,6 +97,9 @@ CASES = [
     (1, 2, 2, 1000, 1000, False, True, (400, 300)),
     (1, 2, 2, 700, 1300, False, False, (300, 500)),
     (1, 2, 2, 1000, 1000, False, True, (-1, 600)),
+    (1, 2, 2, 1000, 1000, False, True, (600, -1)),
+    (1, 4, 2, 700, 1300, False, False, (300, -1)),
+    (1, 2, 2, 1300, 700, False, True, (100, -1)),
     (1, 8, 1, 1200, 1200, True, True, (777, 0)),
     (2, 4, 2, 900, 1100, True, True, (650, 0), 20.0),
     (1, 2, 2, 1000, 1000, True, True, (31, 0)),
@@ -139,15 +142,15 @@ def test_gpu_windows_match_the_reference(case, head_dim, deterministic):
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_gpu_flash_attention_backward_takes_the_gluon_kernel_with_a_window(deterministic, caplog):
-    """A causal window past the narrow bound goes to this kernel; a narrow one, and a left side alone,
-    to the Triton kernels."""
+    """A causal window past the narrow bound, and a left side alone, go to this kernel; a narrow one to
+    the Triton kernels."""
     import tritonkit
 
     q, k, v, _ = _inputs(1, 4, 4, 1024, 1024, 128, torch.bfloat16, seed=11)
     for causal, window, kernel in (
         (True, (700, 0), "sm_90 Gluon kernel"),
         (True, (64, 0), "Triton kernels"),
-        (False, (700, -1), "Triton kernels"),
+        (False, (700, -1), "sm_90 Gluon kernel"),
     ):
         caplog.clear()
         x = q.detach().clone().requires_grad_()

@@ -37,6 +37,7 @@ def descriptor(dtype, rows, head_dim):
 
 for dtype, head_dim, causal, persistent, pingpong, *switches in CASES:
     softcap, window, varlen = (bool(switches[i]) if len(switches) > i else False for i in range(3))
+    tensor_d = switches[3] if len(switches) > 3 else head_dim  # packed: the tensors' D, padded below
     config = fwd.CONFIGS[head_dim]._replace(persistent=persistent, pingpong=pingpong)
     signature = {"q_desc": descriptor(dtype, fwd.SPLIT_M, head_dim),
                  "k_desc": descriptor(dtype, config.block_n, head_dim),
@@ -49,11 +50,11 @@ for dtype, head_dim, causal, persistent, pingpong, *switches in CASES:
                  "qk_scale": "fp32", "cap_log2": "fp32", "IS_CAUSAL": "constexpr", "NUM_STAGES": "constexpr",
                  "PIN_SOFTMAX": "constexpr", "PINGPONG": "constexpr", "CONSUMERS": "constexpr",
                  "CONSUMER_REGS": "constexpr", "PERSISTENT": "constexpr", "SOFTCAP": "constexpr",
-                 "HAS_LOWER": "constexpr", "VARLEN": "constexpr"}
+                 "HAS_LOWER": "constexpr", "VARLEN": "constexpr", "TENSOR_D": "constexpr"}
     constants = {"IS_CAUSAL": causal, "NUM_STAGES": config.num_stages, "PIN_SOFTMAX": config.pin_softmax,
                  "PINGPONG": config.pingpong, "CONSUMERS": fwd.NUM_CONSUMERS,
                  "CONSUMER_REGS": fwd.CONSUMER_REGS, "PERSISTENT": persistent, "SOFTCAP": softcap,
-                 "HAS_LOWER": window, "VARLEN": varlen}
+                 "HAS_LOWER": window, "VARLEN": varlen, "TENSOR_D": tensor_d}
     kernel = triton.compile(GluonASTSource(fwd._attn_fwd_sm90_kernel, signature, constants),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": fwd.CONSUMER_WARPS.value})
     ptx, sass = kernel.asm["ptx"], _cuobjdump(kernel.asm["cubin"], "-sass")
@@ -69,7 +70,8 @@ for dtype, head_dim, causal, persistent, pingpong, *switches in CASES:
     print(json.dumps({
         "case": f"{dtype} d{head_dim} {'causal' if causal else 'full'}{' persistent' if persistent else ''}"
                 f"{' ping-pong' if pingpong else ''}{' softcap' if softcap else ''}"
-                f"{' window' if window else ''}{' packed' if varlen else ''}",
+                f"{' window' if window else ''}{' packed' if varlen else ''}"
+                f"{f' of D {tensor_d}' if tensor_d != head_dim else ''}",
         "warps": kernel.metadata.num_warps, "shared": kernel.metadata.shared,
         "waits": numbers(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx),
         "setmaxnreg": numbers(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx),
@@ -85,9 +87,9 @@ for dtype, head_dim, causal, persistent, pingpong, *switches in CASES:
 """
 
 
-# (dtype, D, causal, persistent, ping-pong[, softcap[, window[, packed]]]): the default tile, persistent
-# or not, the persistent one with ping-pong, with soft-capped scores, with a window's lower bound, D =
-# 256, and a packed batch
+# (dtype, D, causal, persistent, ping-pong[, softcap[, window[, packed[, the tensors' D]]]]): the default
+# tile, persistent or not, the persistent one with ping-pong, with soft-capped scores, with a window's
+# lower bound, D = 256, and a packed batch, at a padded head dim too
 STATIC_CASES = [
     ("bf16", 128, False, False, False),
     ("bf16", 128, True, False, False),
@@ -104,6 +106,7 @@ STATIC_CASES = [
     ("fp16", 256, False, False, False, True, True),
     ("bf16", 128, True, True, False, False, False, True),
     ("fp16", 64, False, True, False, False, True, True),
+    ("bf16", 128, True, True, False, False, False, True, 96),
 ]
 
 
@@ -425,12 +428,12 @@ PACKED_LENGTHS = [(1, 1), (130, 130), (700, 300), (64, 900), (0, 7), (6, 0), (25
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 40, 96])
 def test_gpu_packed_batches(head_dim, caplog):
     """A packed batch (``common.Packed``): each sequence's rows attend to its own keys, causal and
     windows aligned bottom-right for its lengths, GQA; rows past the last sequence are never written
-    (O leaves by masked stores: a tile's box would reach the next sequence's rows); and
-    flash_attention's cu_seqlens take this forward."""
+    (O leaves by masked stores: a tile's box would reach the next sequence's rows), nor at a padded
+    head dim the next head's columns; and flash_attention's cu_seqlens take this forward."""
     import logging
 
     import tritonkit
@@ -505,7 +508,9 @@ def test_gpu_empty_keyless_and_refusals():
     assert not fwd.supports(q.float(), k.float(), v.float(), causal=False)
     q96, k96, v96 = _inputs(1, 2, 2, 16, 16, 96, torch.bfloat16, seed=4)
     assert fwd.supports(q96, k96, v96, causal=False)
-    assert not fwd.supports(q96, k96, v96, causal=False, packed=True)  # packed: D 64 and 128 only
+    assert fwd.supports(q96, k96, v96, causal=False, packed=True)  # packed: D up to 128
+    q136 = _inputs(1, 2, 2, 16, 16, 136, torch.bfloat16, seed=6)
+    assert not fwd.supports(*q136, causal=False, packed=True)  # (the D = 256 tile is not persistent)
     assert not fwd.supports(*_inputs(1, 2, 2, 16, 16, 264, torch.bfloat16, seed=5), causal=False)
     for window in ((-2, 0), (4,), (1.5, 0)):
         with pytest.raises(ValueError, match="window"):
@@ -519,10 +524,10 @@ def test_gpu_empty_keyless_and_refusals():
 
 
 def test_calls_the_gluon_forward_cannot_take_go_to_the_triton_kernel(device):
-    """Packed batches at head dims other than 64 and 128 and narrow windows (``fwd.narrow_window_keys``)
-    never take it (wider windows, soft caps, causal masks of either alignment, head dims between
-    the kernels' and packed batches at 64 and 128 do); and nothing does under the interpreter (Gluon
-    kernels do not run there)."""
+    """Packed batches at head dims past 128 (the D = 256 tile is not persistent) and narrow windows
+    (``fwd.narrow_window_keys``) never take it (wider windows, soft caps, causal masks of either
+    alignment, head dims between the kernels' and packed batches up to 128 do); and nothing does
+    under the interpreter (Gluon kernels do not run there)."""
     from tritonkit.ops.attention import fwd
     from tritonkit.ops.attention.common import Packed, Scores
 
@@ -532,10 +537,11 @@ def test_calls_the_gluon_forward_cannot_take_go_to_the_triton_kernel(device):
 
     cu = torch.tensor([0, 16], dtype=torch.int32, device=device)
     packed = Packed(cu, cu, 1, 16, 24)
-    q, k = views(96)
+    q, k = views(136)
     assert not fwd.sm90_takes(q, k, k, Scores(0.125), packed)
-    q, k = views(64)
-    assert fwd.sm90_takes(q, k, k, Scores(0.125), packed) == _sm90()
+    for head_dim in (96, 64):
+        q, k = views(head_dim)
+        assert fwd.sm90_takes(q, k, k, Scores(0.125), packed) == _sm90()
     for scores in (
         Scores(0.125, causal=True),
         Scores(0.125, causal=True, bottom_right=False),

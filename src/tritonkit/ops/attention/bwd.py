@@ -279,17 +279,32 @@ SM90_BACKWARD_PACKED = True
 # against the Triton kernels, which run them today (at D = 96 the D = 128 kernel's products are a
 # quarter zeros, at D = 32 the D = 64 kernel's half).
 SM90_BACKWARD_PADDED: tuple[int, ...] = ()
+# D = 256 on the Gluon kernel whose two warpgroups split a step's products (``bwd_sm90_wide``), in both
+# modes, without soft caps or a window's left side: off until its gpu cases
+# (tests/test_attention_bwd_sm90_wide.py) have passed and it is timed against the Triton kernels and
+# cuDNN (``benchmarks/attention_bwd_sm90.py --shape 2,16,8,4096,256``).
+SM90_BACKWARD_WIDE = False
+
+
+def sm90_scores(scores: Scores, seq_q: int, seq_k: int) -> Scores:
+    """The scores the sm_90 Gluon backward runs for ``scores`` over (seq_q, seq_k) lengths (a packed
+    batch's longest): its sides that cut nothing dropped (``Scores.within``), and a window's left
+    side alone given a right side that cuts nothing either (max(seq_q, seq_k) - 1 keys past the
+    diagonal, either alignment), since the kernel's lower bound comes with an upper one: the
+    deterministic mode's turns descend from the last key block a query block sees."""
+    scores = scores.within(seq_q, seq_k)
+    left, right = scores.window
+    if left >= 0 and right < 0 and not scores.causal:
+        return scores._replace(window=(left, max(seq_q, seq_k) - 1))
+    return scores
 
 
 def sm90_window(scores: Scores, seq_q: int, seq_k: int) -> bool:
-    """Whether the sm_90 Gluon backward takes these scores' window: none, or one with an upper bound
-    (causal, or a right side: the deterministic mode's turns descend from the last key block a query
-    block sees) spanning more than NARROW_WINDOW_KEYS keys."""
-    if tuple(scores.window) == (-1, -1):
-        return True
-    _, flags = scores.within(seq_q, seq_k).kernel_args(seq_q, seq_k)
+    """Whether the sm_90 Gluon backward takes these scores' window: any but one spanning at most
+    NARROW_WINDOW_KEYS keys (a left side alone runs with a right side that cuts nothing,
+    ``sm90_scores``)."""
     span = fwd.window_keys(scores, seq_q, seq_k)
-    return (flags["IS_CAUSAL"] or not flags["HAS_LOWER"]) and (span is None or span > NARROW_WINDOW_KEYS)
+    return span is None or span > NARROW_WINDOW_KEYS
 
 
 # The narrowest windows the Gluon backward takes are wider than this, for now: with the bound off it
@@ -314,7 +329,8 @@ def sm90_takes(q, k, v, scores: Scores, packed: Packed | None, deterministic: bo
         return False
     if not scores.scale > 0:
         return False
-    if not sm90_window(scores, *grid_lengths(q, k, packed)):
+    lengths = grid_lengths(q, k, packed)
+    if not sm90_window(scores, *lengths):
         return False
     from tritonkit.ops.attention import bwd_sm90
 
@@ -323,6 +339,8 @@ def sm90_takes(q, k, v, scores: Scores, packed: Packed | None, deterministic: bo
     kernel_dim = bwd_sm90.kernel_head_dim(q.shape[3])
     if kernel_dim != q.shape[3] and q.shape[3] not in SM90_BACKWARD_PADDED:
         return False
+    if kernel_dim == 256:  # the wide kernel (bwd_sm90_wide), both modes: no soft cap, no left side
+        return SM90_BACKWARD_WIDE and not scores.softcap > 0 and scores.within(*lengths).window[0] < 0
     if deterministic:
         dims = SM90_BACKWARD_DETERMINISTIC_GQA if q.shape[1] != k.shape[1] else SM90_BACKWARD_DETERMINISTIC
         return kernel_dim in dims
@@ -370,7 +388,7 @@ def attention_bwd_into(
         log.debug("tritonkit: attention backward %s on the sm_90 Gluon kernel", shape)
         # a packed batch's offsets are the window's sides: each sequence adds its own alignment
         lengths = grid_lengths(q, k, packed)
-        (upper_offset, lower_offset, *_), flags = scores.within(*lengths).kernel_args(
+        (upper_offset, lower_offset, *_), flags = sm90_scores(scores, *lengths).kernel_args(
             *(lengths if packed is None else (0, 0))
         )
         bwd_sm90.attention_bwd_sm90(

@@ -17,6 +17,7 @@ from tritonkit._launch import Launch, cdiv, next_power_of_2, scratch, tma_ready
 from tritonkit._runtime import sm_count
 from tritonkit._triton import tl, triton
 from tritonkit.jit import LOG2E
+from tritonkit.ops.attention import bwd_sm90_wide as wide
 from tritonkit.ops.attention.bwd_sm90_kernels import (
     BLOCK_M,
     BLOCK_N,
@@ -38,8 +39,12 @@ from tritonkit.ops.attention.fwd_sm90 import (
 # PADDED_HEAD_DIMS``): its TMA boxes reach past the tensors' D, the loads fill the columns past it
 # with zeros (they add nothing to S or dP, and dQ's, dK's and dV's come out 0) and the stores and
 # dQ's reduce-adds drop them. A packed batch's dK and dV leave row by row from the registers, masked
-# by rows only: packed calls take the kernels' own head dims.
+# by rows and by the tensors' columns (the kernel's TENSOR_D).
 PADDED_HEAD_DIMS = tuple(range(8, BACKWARD_HEAD_DIMS[-1] + 1, 8))
+# D = 256, and the head dims it pads (136-248): ``bwd_sm90_wide``'s kernel, its two warpgroups splitting
+# a step's products (dK and dV of 64 keys at D = 256 do not fit one warpgroup's registers); dense
+# batches without windows or soft caps
+WIDE_HEAD_DIMS = tuple(range(BACKWARD_HEAD_DIMS[-1] + 8, 257, 8))
 
 
 class Config(NamedTuple):
@@ -98,6 +103,9 @@ CONFIGS = {
     64: Config(num_stages=2, shared_dq=True, block_m=128),
     128: Config(num_stages=2, shared_dq=True),
 }
+# D = 256: steps of 32 query rows, one dQ tile a step in two warpgroups' halves; two stages of Q and dO
+# (181 KB of shared memory; three, 214 KB, are ``num_stages=3``)
+WIDE_CONFIG = Config(num_stages=2, shared_dq=True, block_m=wide.BLOCK_M)
 # What the benchmark compares (and the tests check): the default first, then each setting of its
 # two switches (dP^T beside S^T, one dQ tile a step) at 64-row steps (at D = 64, the 128-row step
 # takes only shared_dq: ``check_config``), then at D = 128 the 16-bit P in pairs (what the
@@ -133,7 +141,7 @@ def default_config(
     a turn of the dQ warp a step. With a soft cap at D = 64, 64-row steps (a turn two of them): the
     128-row step's P (1 - tanh^2) beside P kept 7 values a step on the stack in the bf16 free mode
     (compiled for sm_90; none with 64 rows)."""
-    config = CONFIGS[head_dim]
+    config = WIDE_CONFIG if head_dim == 256 else CONFIGS[head_dim]
     if softcap and head_dim == 64:
         config = config._replace(block_m=BLOCK_M, turn_blocks=2 if deterministic else 1)
     if not deterministic:
@@ -166,11 +174,13 @@ DETERMINISTIC_GQA_PER_QUERY_HEAD = {True: True, False: False}
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: Packed | None = None) -> bool:
     """Whether ``attention_bwd_sm90`` takes these inputs: (B, H, S, D) fp16/bf16 tensors of one dtype
-    on an sm_90 GPU, D a multiple of 8 up to 128 (PADDED_HEAD_DIMS; with ``packed``, a packed batch's
-    (1, H, T, D) views, D 64 or 128), Hq a multiple of Hkv, within the grid's bounds. Strides are
+    on an sm_90 GPU (with ``packed``, a packed batch's (1, H, T, D) views), D a multiple of 8 up to
+    256 (PADDED_HEAD_DIMS; past 128 WIDE_HEAD_DIMS, not packed), Hq a multiple of Hkv, within the
+    grid's bounds. Strides are
     free (tensors that TMA cannot read as they are are copied first). Masks, windows and the rest
     are the caller's to check (``bwd.sm90_takes``)."""
-    if not sm90_dense_inputs(q, k, v, PADDED_HEAD_DIMS if packed is None else BACKWARD_HEAD_DIMS):
+    head_dims = PADDED_HEAD_DIMS + WIDE_HEAD_DIMS if packed is None else PADDED_HEAD_DIMS
+    if not sm90_dense_inputs(q, k, v, head_dims):
         return False
     (batch, heads_q, seq_k) = (*q.shape[:2], k.shape[2])
     if packed is not None:
@@ -238,6 +248,8 @@ def attention_bwd_sm90(
             grad.zero_()
         return
     kernel_dim = kernel_head_dim(q.shape[3])
+    if kernel_dim == 256 and (softcap or lower_offset is not None):
+        raise NotImplementedError("attention_bwd_sm90 at D = 256 takes no soft cap or window's left side")
     do, q, k, v = (t if tma_ready(t) else t.contiguous() for t in (do, q, k, v))
     # a window's walks are all about as long, as a full mask's: its GQA programs take the group (on
     # an H100, 1.78 against 2.03 ms deterministic at (2, 32/8, 8192, 128) with a 1024-key window;
@@ -283,6 +295,14 @@ def check_config(config: Config, head_dim: int) -> None:
     a thread)."""
     if not (isinstance(config.turn_blocks, int) and config.turn_blocks >= 1):
         raise ValueError(f"Config.turn_blocks must be an int >= 1, got {config.turn_blocks!r}")
+    if head_dim > BACKWARD_HEAD_DIMS[-1]:  # the wide kernel's: its step, one dQ tile, 2 or 3 stages
+        if (config.block_m, config.shared_dq, config.overlap_sdp) != (wide.BLOCK_M, True, False) or not (
+            2 <= config.num_stages <= 3
+        ):
+            raise ValueError(
+                f"at D = 256 Config takes block_m {wide.BLOCK_M}, shared_dq, 2-3 stages; got {config}"
+            )
+        return
     if config.block_m != BLOCK_M and (
         config.block_m != 128 or head_dim > 64 or not config.shared_dq or config.overlap_sdp
     ):
@@ -356,18 +376,18 @@ def launches(
     packed batch's: its sequences' over the longest one's key blocks)."""
     (batch, heads_q, seq_q, head_dim), (_, heads_kv, seq_k, _) = q.shape, k.shape
     head_dim = kernel_head_dim(head_dim)  # the boxes' columns (PADDED_HEAD_DIMS)
+    if head_dim == 256:  # (bwd_sm90_wide)
+        tensors = (do, q, k, v, lse, delta, dq_acc, tickets, dk, dv)
+        mask = {"scale": scale, "causal": causal, "upper_offset": upper_offset}
+        return [_wide_launch(*tensors, **mask, deterministic=deterministic, config=config)]
     if packed is not None:  # the grid of the sequences and their longest lengths
         batch, seq_q, seq_k = packed.sequences, packed.max_q, packed.max_k
-    # per query head (dk and dv the shares, (B, Hq, Sk, D)): the programs' heads are q's, each
-    # reading k's and v's head of its group
-    kv_share = heads_q // heads_kv if dk.shape[1] != heads_kv else 1
-    heads_kv = heads_kv * kv_share
+    kv_share, heads_kv, blocks, pairs, pairs_per_group, rotate = _grid(
+        q, k, dk, batch, seq_k, BLOCK_N, deterministic, causal
+    )
     # shared_dq: each warpgroup adds D / 2 columns of a dq tile; at D = 64 K (and dK, which leaves
     # through K's buffer) takes a 64-byte swizzle, so that 32 columns of its tile slice
     k_swizzle = 64 if config.shared_dq and head_dim == 64 else None
-    blocks, pairs = cdiv(seq_k, BLOCK_N), batch * heads_kv
-    # one program an SM: its shared memory (112-214 KB) leaves room for no second
-    pairs_per_group, rotate = order(deterministic, causal, pairs, blocks, sm_count(q.device))
     args = (
         descriptor(q, config.block_m, head_dim),
         descriptor(k, SPLIT_N, head_dim, swizzle=k_swizzle),
@@ -408,10 +428,75 @@ def launches(
         scale,
     )
     meta = kernel_meta(
-        config, causal, deterministic, rotate, bool(softcap), lower_offset is not None, packed is not None
-    )
+        config, causal, deterministic, rotate, bool(softcap), lower_offset is not None,
+        packed is not None, q.shape[3] if packed is not None else 0,
+    )  # fmt: skip
     grid = (blocks * pairs,)
     return [Launch("bwd sm90", _attn_bwd_sm90_kernel, args, meta, config._asdict(), grid)]
+
+
+def _grid(q, k, dk, batch: int, seq_k: int, keys: int, deterministic: bool, causal: bool) -> tuple:
+    """(kv_share, heads_kv, blocks, pairs, pairs_per_group, rotate) of a launch of programs of ``keys``
+    keys: per query head (dk and dv the shares, (B, Hq, Sk, D)) the programs' heads are q's, each
+    reading k's and v's head of its group (kv_share of them); a program an SM (its shared memory
+    leaves room for no second), in ``order``'s order."""
+    heads_q, heads_kv = q.shape[1], k.shape[1]
+    kv_share = heads_q // heads_kv if dk.shape[1] != heads_kv else 1
+    heads_kv = heads_kv * kv_share
+    blocks, pairs = cdiv(seq_k, keys), batch * heads_kv
+    pairs_per_group, rotate = order(deterministic, causal, pairs, blocks, sm_count(q.device))
+    return kv_share, heads_kv, blocks, pairs, pairs_per_group, rotate
+
+
+def _wide_launch(
+    do, q, k, v, lse, delta, dq_acc, tickets, dk, dv, *, scale, causal, upper_offset, deterministic, config
+) -> Launch:
+    """The D = 256 kernel's launch (``bwd_sm90_wide``): one program per 64 keys of a (batch, key/value
+    head), in ``order``'s order, 32 query rows a step."""
+    (batch, heads_q, seq_q, _), seq_k = q.shape, k.shape[2]
+    keys, rows = wide.KEYS.value, wide.BLOCK_M
+    kv_share, heads_kv, blocks, pairs, pairs_per_group, rotate = _grid(
+        q, k, dk, batch, seq_k, keys, deterministic, causal
+    )
+    args = (
+        descriptor(q, rows, 256),
+        descriptor(k, keys, 256),
+        descriptor(v, keys, 256),
+        descriptor(do, rows, 256),
+        descriptor(dk, keys, 256),
+        descriptor(dv, keys, 256),
+        descriptor(dq_acc, rows, wide.DQ_COLS.value),
+        lse,
+        delta,
+        tickets,
+        lse.stride(0),
+        lse.stride(1),
+        delta.stride(0),
+        delta.stride(1),
+        tickets.stride(0),
+        tickets.stride(1),
+        heads_kv,
+        pairs,
+        pairs_per_group,
+        heads_q // heads_kv,
+        kv_share,
+        seq_q,
+        seq_k,
+        int(upper_offset),
+        scale * LOG2E.value,
+        scale,
+    )
+    meta = {
+        "IS_CAUSAL": bool(causal),
+        "DETERMINISTIC": bool(deterministic),
+        "NUM_STAGES": config.num_stages,
+        "ROTATE": rotate,
+        "ACQUIRE_FIRST": config.acquire_first and deterministic,
+        "TURN_BLOCKS": config.turn_blocks if deterministic else 1,
+        "num_warps": CONSUMER_WARPS.value,
+    }
+    grid = (blocks * pairs,)
+    return Launch("bwd sm90 wide", wide._attn_bwd_sm90_wide_kernel, args, meta, config._asdict(), grid)
 
 
 def kernel_meta(
@@ -422,9 +507,12 @@ def kernel_meta(
     softcap: bool = False,
     lower: bool = False,
     varlen: bool = False,
+    tensor_d: int = 0,
 ) -> dict:
     """The kernel's constexpr arguments, in its order (the launcher takes them as its trailing
-    parameters), and its warps."""
+    parameters), and its warps. ``tensor_d``: a packed batch's D, to which dK's and dV's masked row
+    stores keep (a padded head dim's is under the kernel's); 0 for a dense batch (unused), so that
+    a padded head dim's launch is the next one's up, compiled once."""
     return {
         "IS_CAUSAL": bool(causal),
         "DETERMINISTIC": bool(deterministic),
@@ -438,6 +526,7 @@ def kernel_meta(
         "SOFTCAP": softcap,
         "HAS_LOWER": lower,
         "VARLEN": varlen,
+        "TENSOR_D": tensor_d,
         "num_warps": CONSUMER_WARPS.value,
     }
 

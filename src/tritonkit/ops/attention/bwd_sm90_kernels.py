@@ -99,6 +99,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from tritonkit.jit import LOG2E
 from tritonkit.ops.attention.bwd_sm90_dq import _dq_partition
+from tritonkit.ops.attention.bwd_sm90_walk import _pair, _walk
 from tritonkit.ops.attention.fwd_sm90_tiles import _sequence
 from tritonkit.ops.attention.sm90_elementwise import from_pairs, softcapped_tanh, to_pairs
 
@@ -509,6 +510,7 @@ def _grad_partition(
     SOFTCAP: gl.constexpr,
     HAS_LOWER: gl.constexpr,
     VARLEN: gl.constexpr,
+    TENSOR_D: gl.constexpr,
 ):
     ROWS: gl.constexpr = k_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
@@ -579,6 +581,8 @@ def _grad_partition(
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))[None, :]
         at = (k_row0 + keys).to(gl.int64)[:, None]
         inside = (keys < gl.load(cu_k_ptr + sequence + 1) - k_row0)[:, None]
+        if TENSOR_D < HEAD_DIM:  # a padded head dim: the columns past the tensors' are the next head's
+            inside = inside & (cols < TENSOR_D)
         head = kv_head.to(gl.int64)
         gl.store(dk_ptr + head * stride_dkh + at * stride_dks + cols, (dk * scale).to(dtype), mask=inside)
         gl.store(dv_ptr + head * stride_dvh + at * stride_dvs + cols, dv.to(dtype), mask=inside)
@@ -646,6 +650,7 @@ def _attn_bwd_sm90_kernel(
     SOFTCAP: gl.constexpr,  # the scores soft-capped (the forward's ``softcapped_tanh``)
     HAS_LOWER: gl.constexpr,  # a window's left side (LOWER_OFFSET); only under an upper bound (IS_CAUSAL)
     VARLEN: gl.constexpr,  # a packed batch of B sequences: tensors (1, H, T, D), a program's batch a sequence
+    TENSOR_D: gl.constexpr,  # VARLEN: the tensors' D, the boxes' (HEAD_DIM) or fewer (a padded head dim)
 ):
     BLOCK: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -657,21 +662,9 @@ def _attn_bwd_sm90_kernel(
     # (the dQ warp's turns descend from the last key block a query block sees: an upper bound's)
     gl.static_assert(IS_CAUSAL or not HAS_LOWER, "a window's left side comes with an upper bound")
 
-    grid_blocks = gl.cdiv(SEQ_K, KEYS)
-    # One program a (key block, pair), launched group after group of PAIRS_PER_GROUP pairs; in a
-    # group the key blocks are the slow axis and its pairs the fast one. 1: a head's key blocks
-    # together, first to last (they share its Q, dO and dq in L2); PAIRS: key block n of every
-    # pair before block n + 1 of any.
-    pid = gl.program_id(0)
-    group_programs = PAIRS_PER_GROUP * grid_blocks
-    first_pair = (pid // group_programs) * PAIRS_PER_GROUP
-    group_pairs = gl.minimum(PAIRS_PER_GROUP, PAIRS - first_pair)
-    pid_n = (pid % group_programs) // group_pairs
-    bh = first_pair + (pid % group_programs) % group_pairs
-    if DETERMINISTIC and IS_CAUSAL:  # in turn order: the last key block first
-        pid_n = grid_blocks - 1 - pid_n
-    batch = bh // HEADS_KV
-    kv_head = bh % HEADS_KV
+    batch, kv_head, pid_n = _pair(
+        gl.program_id(0), PAIRS, PAIRS_PER_GROUP, HEADS_KV, SEQ_K, KEYS, DETERMINISTIC and IS_CAUSAL
+    )
     start_n = pid_n * KEYS
     sequence = batch  # (the tickets' index)
     if VARLEN:  # the sequence's rows in the tensors, its lengths, its bounds aligned bottom-right
@@ -682,37 +675,10 @@ def _attn_bwd_sm90_kernel(
     else:  # (tensors, not constants: the partitions take them as arguments)
         q_row0 = start_n * 0
         k_row0 = start_n * 0
-    n_blocks = gl.cdiv(SEQ_K, KEYS)
-    m_end = gl.cdiv(SEQ_Q, BLOCK)
-    if VARLEN:  # a key block past its sequence's keys (the longest's grid): no walk, nothing stored
-        m_end = gl.where(start_n < SEQ_K, m_end, 0)
-    if IS_CAUSAL:
-        # the first block with a row that sees key start_n, the first whose every row sees the
-        # program's last key
-        m_start = gl.minimum(gl.maximum(start_n - UPPER_OFFSET, 0) // BLOCK, m_end)
-        m_mid = gl.minimum(
-            gl.maximum(gl.cdiv(gl.maximum(start_n + KEYS - 1 - UPPER_OFFSET, 0), BLOCK), m_start), m_end
-        )
-    else:
-        m_start = 0
-        m_mid = 0
-    m_tail = m_end
-    if HAS_LOWER:
-        # the block past the last with a row that sees the program's last key (row i sees key j
-        # only if i <= j - LOWER_OFFSET), and the first with a row that does not see its first key
-        last_key = gl.minimum(start_n + KEYS, SEQ_K) - 1
-        m_end = gl.maximum(
-            gl.minimum(gl.cdiv(gl.maximum(last_key - LOWER_OFFSET + 1, 0), BLOCK), m_end), m_start
-        )
-        m_tail = gl.minimum(gl.maximum(start_n - LOWER_OFFSET + 1, 0) // BLOCK, m_end)
-    if start_n + KEYS > SEQ_K:  # the ragged last block: every step masks the keys past Sk
-        m_mid = m_end
-    if HAS_LOWER:  # (a short walk: the masked head may reach past the window's end)
-        m_mid = gl.minimum(m_mid, m_end)
-        m_tail = gl.maximum(m_tail, m_mid)
-    rot = pid_n * 0
-    if ROTATE:  # (a packed sequence without keys divides by n_blocks = 0: an unspecified rot, unused)
-        rot = (pid_n * gl.cdiv(m_end, TURN_BLOCKS)) // n_blocks * TURN_BLOCKS  # a turn's first block
+    n_blocks, m_start, m_mid, m_tail, m_end, rot = _walk(
+        pid_n, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, BLOCK, KEYS, TURN_BLOCKS, IS_CAUSAL, ROTATE,
+        HAS_LOWER, VARLEN,
+    )  # fmt: skip
 
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, HEAD_DIM], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
@@ -773,14 +739,14 @@ def _attn_bwd_sm90_kernel(
                            dq_empty, batch, kv_head, start_n, sequence, cu_k_ptr, GROUP, m_start, m_mid,
                            m_tail, m_end, rot, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale, cap_log2, scale,
                            IS_CAUSAL, DETERMINISTIC, ROTATE, OVERLAP_SDP, SHARED_DQ, P_PAIRS, SOFTCAP,
-                           HAS_LOWER, VARLEN)),
+                           HAS_LOWER, VARLEN, TENSOR_D)),
         (_grad_partition, (1, dk_desc, dv_desc, dk_ptr, dv_ptr, stride_dkh, stride_dks, stride_dvh,
                            stride_dvs, q_smem, do_smem, lse_smem, delta_smem, k_smem,
                            v_smem, ds_smem, dq_smem, kv_ready, qd_ready, qd_empty, ds_ready, ds_free, dq_full,
                            dq_empty, batch, kv_head, start_n, sequence, cu_k_ptr, GROUP, m_start, m_mid,
                            m_tail, m_end, rot, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale, cap_log2, scale,
                            IS_CAUSAL, DETERMINISTIC, ROTATE, OVERLAP_SDP, SHARED_DQ, P_PAIRS, SOFTCAP,
-                           HAS_LOWER, VARLEN)),
+                           HAS_LOWER, VARLEN, TENSOR_D)),
         (_load_partition, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, kv_ready,
                            qd_ready, qd_empty, batch, kv_head, q_row0, k_row0, KV_SHARE, start_n, GROUP,
                            m_start, m_end, rot,

@@ -84,6 +84,9 @@ CONFIGS = {
     256: Config(block_n=64, num_stages=2),
 }
 PERSISTENT_HEAD_DIMS = (64, 128)  # where the persistent tile fits in shared memory
+# A packed batch's head dims: the persistent tile's, and those its kernels pad (O's rows stored masked
+# by column too, past the tensors' D)
+PACKED_HEAD_DIMS = tuple(d for d in PADDED_HEAD_DIMS if kernel_head_dim(d) in PERSISTENT_HEAD_DIMS)
 # A persistent grid (one program an SM walking tiles, the next tile's Q loading under the epilogue)
 # over at most this many keys, where a tile's fixed cost weighs. On the H200, x cuDNN,
 # one run each: full masks (499beb9) 0.92 against 0.83 one tile a program at (16, 16, 1024, 128),
@@ -157,9 +160,9 @@ def supports(
     on an sm_90 GPU, D a multiple of 8 up to 256 (PADDED_HEAD_DIMS), Hq a multiple of Hkv, TMA-ready
     (unit last stride; base and other strides 16-byte aligned), scale > 0 (the default 1/sqrt(D) is),
     a soft cap finite and >= 0 (0: none). ``causal`` either way, windows too. ``packed``: a packed
-    batch's (1, H, T, D) views, at D 64 or 128 (the persistent tile's)."""
+    batch's (1, H, T, D) views, D up to 128 (PACKED_HEAD_DIMS: the persistent tile's)."""
     del causal, window  # every mask is taken
-    if packed and not (q.dim() == 4 and q.shape[3] in PERSISTENT_HEAD_DIMS):
+    if packed and not (q.dim() == 4 and q.shape[3] in PACKED_HEAD_DIMS):
         return False
     if not (math.isfinite(softcap) and softcap >= 0):
         return False
@@ -317,8 +320,10 @@ def attention_fwd_sm90(
 def _check_packed(q: torch.Tensor, k: torch.Tensor, packed, config: Config | None) -> None:
     """ValueError or NotImplementedError where a packed batch's call is not one this kernel takes."""
     check_packed_views(q, k, packed)
-    if q.shape[3] not in PERSISTENT_HEAD_DIMS:
-        raise NotImplementedError(f"packed batches take D {PERSISTENT_HEAD_DIMS}, got {q.shape[3]}")
+    if q.shape[3] not in PACKED_HEAD_DIMS:
+        raise NotImplementedError(
+            f"packed batches take D a multiple of 8 up to {PACKED_HEAD_DIMS[-1]}, got {q.shape[3]}"
+        )
     if config is not None and not config.persistent:
         raise ValueError(f"a packed batch takes the persistent tile, got {config}")
 
@@ -427,6 +432,9 @@ def launches(
         "SOFTCAP": bool(softcap),
         "HAS_LOWER": lower_offset is not None,
         "VARLEN": packed is not None,
+        # packed: the tensors' D, to which O's masked row stores keep; dense: 0 (unused), so that a
+        # padded head dim's launch is the next one's up, compiled once
+        "TENSOR_D": head_dim if packed is not None else 0,
         "num_warps": CONSUMER_WARPS.value,
     }
     tiles = cdiv(seq_q, BLOCK_M) * batch * heads_q

@@ -357,6 +357,7 @@ def _consume_tile(
     HAS_LOWER: gl.constexpr,  # a window's lower bound
     VARLEN: gl.constexpr,  # a packed batch: O leaves by masked stores (a box past the sequence's rows
     # would write the next sequence's)
+    TENSOR_D: gl.constexpr,  # VARLEN: O's head dim, HEAD_DIM or fewer (a padded one: its columns masked)
 ):
     """One consumer's part of a tile: its 64 rows' output and lse."""
     ROWS: gl.constexpr = q_smem.type.shape[1]
@@ -456,11 +457,14 @@ def _consume_tile(
     # 64-bit (the strides are): B * H * Sq may pass 2^31
     lse_rows = lse_ptr + batch * stride_lb + head * stride_lh + q_row0
     gl.store(lse_rows + rows, lse, mask=rows < SEQ_Q)
-    if VARLEN:  # (the tensors' D is the kernel's: packed batches take no padded head dims)
+    if VARLEN:
         o_rows = gl.convert_layout(rows, row_o)
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
         o_ptrs = o_ptr + head * stride_oh + (q_row0 + o_rows)[:, None] * stride_os + cols[None, :]
-        gl.store(o_ptrs, o.to(dtype), mask=(o_rows < SEQ_Q)[:, None])
+        inside = (o_rows < SEQ_Q)[:, None]
+        if TENSOR_D < HEAD_DIM:  # a padded head dim: the columns past O's own are the next head's
+            inside = inside & (cols < TENSOR_D)[None, :]
+        gl.store(o_ptrs, o.to(dtype), mask=inside)
     else:
         if PERSISTENT:
             # O goes out through its own buffer, once the last tile's store has read it; the store
@@ -492,7 +496,7 @@ def _softmax_partition(
         cid, o_desc, lse_ptr, q_smem, q_smem, k_smem, v_smem, q_ready, q_ready, k_ready, k_empty, v_ready,
         v_empty, pin_smem, turn_smem, batch, head, start_m, first_block, n_blocks, n_lead, n_full, 0, 0, 0,
         o_ptr, 0, 0, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, stride_lb, stride_lh, qk_scale, cap_log2,
-        IS_CAUSAL, PIN_SOFTMAX, PINGPONG, False, SOFTCAP, HAS_LOWER, False,
+        IS_CAUSAL, PIN_SOFTMAX, PINGPONG, False, SOFTCAP, HAS_LOWER, False, 0,
     )  # fmt: skip
 
 
@@ -502,7 +506,7 @@ def _softmax_partition_persistent(
     q_free, k_ready, k_empty, v_ready, v_empty, pin_smem, turn_smem, HEADS, BATCH_HEADS, HEADS_PER_GROUP,
     GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, cu_q_ptr, cu_k_ptr, stride_lb, stride_lh, qk_scale,
     cap_log2, IS_CAUSAL: gl.constexpr, PIN_SOFTMAX: gl.constexpr, PINGPONG: gl.constexpr,
-    SOFTCAP: gl.constexpr, HAS_LOWER: gl.constexpr, VARLEN: gl.constexpr,
+    SOFTCAP: gl.constexpr, HAS_LOWER: gl.constexpr, VARLEN: gl.constexpr, TENSOR_D: gl.constexpr,
 ):  # fmt: skip
     """A consumer of a persistent program: the producer's tiles, in its order."""
     BLOCK: gl.constexpr = q_smem.type.shape[0] * q_smem.type.shape[1]
@@ -522,7 +526,7 @@ def _softmax_partition_persistent(
             v_ready, v_empty, pin_smem, turn_smem, batch, head, start_m, first_block, n_blocks, n_lead,
             n_full, kv_base, loads, q_row0, o_ptr, stride_oh, stride_os, seq_q, seq_k, upper, lower,
             stride_lb, stride_lh, qk_scale, cap_log2, IS_CAUSAL, PIN_SOFTMAX, PINGPONG, True, SOFTCAP,
-            HAS_LOWER, VARLEN,
+            HAS_LOWER, VARLEN, TENSOR_D,
         )  # fmt: skip
         kv_base += n_blocks
         loads += gl.where(n_blocks > 0, 1, 0)
@@ -566,6 +570,7 @@ def _attn_fwd_sm90_kernel(
     SOFTCAP: gl.constexpr,  # the scores are soft-capped (``softcapped_tanh``)
     HAS_LOWER: gl.constexpr,  # a window's lower bound
     VARLEN: gl.constexpr,  # a packed batch of B sequences (persistent only): tensors (1, H, T, D)
+    TENSOR_D: gl.constexpr,  # VARLEN: the tensors' D, the boxes' (HEAD_DIM) or fewer (a padded head dim)
 ):
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -622,13 +627,15 @@ def _attn_fwd_sm90_kernel(
                                              v_empty, pin_smem, turn_smem, HEADS, BATCH_HEADS,
                                              HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
                                              cu_q_ptr, cu_k_ptr, stride_lb, stride_lh, qk_scale, cap_log2,
-                                             IS_CAUSAL, PIN_SOFTMAX, PINGPONG, SOFTCAP, HAS_LOWER, VARLEN)),
+                                             IS_CAUSAL, PIN_SOFTMAX, PINGPONG, SOFTCAP, HAS_LOWER, VARLEN,
+                                             TENSOR_D)),
             (_softmax_partition_persistent, (1, o_desc, o_ptr, stride_oh, stride_os, lse_ptr, q_smem, o_smem,
                                              k_smem, v_smem, q_ready, q_free, k_ready, k_empty, v_ready,
                                              v_empty, pin_smem, turn_smem, HEADS, BATCH_HEADS,
                                              HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
                                              cu_q_ptr, cu_k_ptr, stride_lb, stride_lh, qk_scale, cap_log2,
-                                             IS_CAUSAL, PIN_SOFTMAX, PINGPONG, SOFTCAP, HAS_LOWER, VARLEN)),
+                                             IS_CAUSAL, PIN_SOFTMAX, PINGPONG, SOFTCAP, HAS_LOWER, VARLEN,
+                                             TENSOR_D)),
             (_load_partition_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free,
                                           k_ready, k_empty, v_ready, v_empty, HEADS, BATCH_HEADS,
                                           HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,

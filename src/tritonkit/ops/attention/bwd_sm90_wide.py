@@ -1,0 +1,307 @@
+"""Attention backward for Hopper (sm_90) in Gluon at D = 256 (launched by ``bwd_sm90``): the kernel of
+``bwd_sm90_kernels`` holds a key's dK and dV rows in one warpgroup's registers, 2 x 64 x 256 fp32 at
+this head dim, 256 registers a thread of its 240; this one splits the products between its two
+consumer warpgroups instead of the keys.
+
+Structure (one program = KEYS = 64 keys of one (batch, key/value head), walking every query block of
+every query head of its group, BLOCK_M = 32 rows a step; the producer warp and the dQ warp are
+``bwd_sm90_kernels``' and ``bwd_sm90_dq``'s):
+- warpgroup 0: S^T = K Q^T (64 keys x 32 rows), the exponentials (masked where a bound cuts the
+  step), P^T to shared memory for the other, and dV += P^T dO from its registers;
+- warpgroup 1: dP^T = V dO^T, P^T from shared memory, dS^T = P^T (dP^T - delta) to shared memory,
+  and dK += dS^T Q from its registers;
+- each then its 128 columns of the step's dQ partial, transposed (dQ^T = K^T dS^T: a product's 64
+  rows are dQ's columns, the step's 32 rows too few for one), in two 64-column products, into its
+  staging tile for the dQ warp's reduce-add (``bwd_sm90.Config.shared_dq``'s hand-over: a tile a
+  warpgroup, at its column offset).
+Registers a thread: dV or dK 128, S^T or dP^T 16, a dQ^T product 16, P^T or dS^T in 16 bits 8.
+Tensor-core work a step: S^T, dP^T, dV and dK 0.5M multiply-adds each and dQ 0.5M, 1.25M a
+warpgroup. Shared memory: K and V 64 KB, the Q and dO ring 32 KB a stage, P^T and dS^T two buffers
+of 4 KB each, dQ's staging 32 KB. Two hand-overs a step, each an mbarrier: P^T to warpgroup 1, dS^T
+to both (each warpgroup's dQ columns read it).
+
+The walk, the masks (the causal diagonal and the ragged end of the keys; rows past Sq get P = 0 from
+their +inf lse), the program order and, deterministic, the turns are ``bwd_sm90_kernels``'; no
+windows, soft caps or packed batches (those run the Triton kernels at D = 256).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from tritonkit.ops.attention.bwd_sm90_dq import _dq_partition
+from tritonkit.ops.attention.bwd_sm90_kernels import (
+    CONSUMER_REGS,
+    CONSUMER_WARPS,
+    PRODUCER_REGS,
+    PRODUCER_WARPS,
+    _load_partition,
+)
+from tritonkit.ops.attention.bwd_sm90_walk import _pair, _walk
+from tritonkit.ops.attention.sm90_elementwise import to_pairs
+
+KEYS = gl.constexpr(64)  # keys a program: one K and V tile, which both warpgroups read
+BLOCK_M = 32  # query rows a step
+DQ_COLS = gl.constexpr(128)  # the dQ columns a warpgroup adds a step
+DQ_PRODUCT = gl.constexpr(64)  # ... in products of this many (a wgmma's M)
+
+
+@gluon.jit
+def _wide_step(
+    acc, i, walk, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, ROTATE: gl.constexpr, CID: gl.constexpr
+):
+    """Query block i's step of the walk for warpgroup CID (0: S^T, P^T and dV; 1: dP^T, dS^T and
+    dK), then its dQ columns; ``acc`` is its dV or dK. MASKED steps hide keys past SEQ_K and,
+    causal, those past each row's diagonal (key j <= row i + UPPER_OFFSET)."""
+    (buffers, keys, zero_s, first, step0, rot, m_count, SEQ_K, UPPER_OFFSET, qk_scale) = walk
+    (k, v, q_smem, do_smem, pt_smem, ds_smem, dq_smem, qd_ready, qd_empty, pt_ready, pt_free, ds_ready,
+     ds_free, dq_full, dq_empty, lse_smem, delta_smem) = buffers  # fmt: skip
+    NUM_STAGES: gl.constexpr = q_smem.type.shape[0]
+    BLOCK: gl.constexpr = q_smem.type.shape[1]
+    HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
+    dtype: gl.constexpr = q_smem.dtype
+    acc_layout: gl.constexpr = acc.type.layout
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    col_s: gl.constexpr = gl.SliceLayout(0, zero_s.type.layout)  # along the query rows (S^T's columns)
+    step = step0 + i - first
+    m = i
+    if ROTATE:
+        m = (i + rot) % m_count
+    stage = step % NUM_STAGES
+    x = step % 2  # the P^T and dS^T buffers, and their phases
+    x_phase = (step // 2) & 1
+    q = q_smem.index(stage)
+    do = do_smem.index(stage)
+    mbarrier.wait(qd_ready.index(stage), (step // NUM_STAGES) & 1)
+    if CID == 0:
+        s = warpgroup_mma(k, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        lse = lse_smem.index(stage).load(col_s)
+        if MASKED:
+            rows = m * BLOCK + gl.arange(0, BLOCK, layout=col_s)
+            visible = keys[:, None] < SEQ_K
+            if IS_CAUSAL:
+                visible = visible & (keys[:, None] <= rows[None, :] + UPPER_OFFSET)
+            p = gl.exp2(gl.where(visible, s * qk_scale - lse[None, :], -float("inf")))
+        else:
+            p = gl.exp2(s * qk_scale - lse[None, :])
+        p = to_pairs(p, dtype)
+        mbarrier.wait(pt_free.index(x), x_phase ^ 1)  # warpgroup 1 has read it two steps ago
+        pt_smem.index(x).store(p)
+        fence_async_shared()  # the generic-proxy store before the other warpgroup reads it
+        mbarrier.arrive(pt_ready.index(x), count=1)
+        operand = gl.convert_layout(p, a_layout)
+        acc = warpgroup_mma(operand, do, acc, is_async=True)  # dV += P^T dO
+    else:
+        dp = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
+        mbarrier.wait(pt_ready.index(x), x_phase)
+        p = pt_smem.index(x).load(zero_s.type.layout).to(gl.float32)
+        mbarrier.arrive(pt_free.index(x), count=1)
+        ds = to_pairs(p * (dp - delta_smem.index(stage).load(col_s)[None, :]), dtype)
+        mbarrier.wait(ds_free.index(x), x_phase ^ 1)  # both warpgroups' dQ products of two steps ago
+        ds_smem.index(x).store(ds)
+        fence_async_shared()
+        mbarrier.arrive(ds_ready.index(x), count=1)
+        operand = gl.convert_layout(ds, a_layout)
+        acc = warpgroup_mma(operand, q, acc, is_async=True)  # dK += dS^T Q
+    # this warpgroup's dQ columns, transposed: dQ^T = K^T dS^T, DQ_PRODUCT columns a product
+    mbarrier.wait(ds_ready.index(x), x_phase)
+    mbarrier.wait(dq_empty.index(CID), (step & 1) ^ 1)  # the reduce of the step before has read it
+    for part in gl.static_range(DQ_COLS // DQ_PRODUCT):
+        dq = warpgroup_mma(
+            k.slice(CID * DQ_COLS + part * DQ_PRODUCT, DQ_PRODUCT, dim=1).permute((1, 0)),
+            ds_smem.index(x),
+            zero_s,
+            use_acc=False,
+            is_async=True,
+        )
+        dq, acc, operand = warpgroup_mma_wait(num_outstanding=0, deps=(dq, acc, operand))
+        dq_smem.index(CID).slice(part * DQ_PRODUCT, DQ_PRODUCT, dim=1).store(gl.permute(dq, (1, 0)))
+    gl.static_assert(HEAD_DIM == 2 * DQ_COLS, "two warpgroups of DQ_COLS columns")
+    mbarrier.arrive(ds_free.index(x), count=1)
+    mbarrier.arrive(qd_empty.index(stage), count=1)
+    fence_async_shared()  # the dQ columns' generic-proxy stores before the reduce reads them
+    mbarrier.arrive(dq_full.index(CID), count=1)
+    return acc
+
+
+@gluon.jit
+def _wide_steps(
+    acc, buffers, key_start, first, last, step0, rot, m_count, SEQ_K, UPPER_OFFSET, qk_scale,
+    MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, ROTATE: gl.constexpr, CID: gl.constexpr,
+):  # fmt: skip
+    """Query blocks [first, last) of one query head: step step0 + (m - first) of the ring for block
+    m (ROTATE: block (m + rot) % m_count). Returns ``acc``."""
+    q_smem = buffers[2]
+    BLOCK: gl.constexpr = q_smem.type.shape[1]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16]
+    )
+    zero_s = gl.zeros([KEYS, BLOCK], gl.float32, s_layout)
+    keys = key_start + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
+    walk = (buffers, keys, zero_s, first, step0, rot, m_count, SEQ_K, UPPER_OFFSET, qk_scale)
+    for i in range(first, last):
+        acc = _wide_step(acc, i, walk, MASKED, IS_CAUSAL, ROTATE, CID)
+    return acc
+
+
+@gluon.jit
+def _wide_partition(
+    cid: gl.constexpr, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, pt_smem,
+    ds_smem, dq_smem, kv_ready, qd_ready, qd_empty, pt_ready, pt_free, ds_ready, ds_free, dq_full, dq_empty,
+    batch, kv_head, start_n, GROUP, m_start, m_mid, m_end, rot, SEQ_K, UPPER_OFFSET, qk_scale, scale,
+    IS_CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
+):  # fmt: skip
+    """A consumer warpgroup (0: dV, 1: dK) over its program's walk, then its gradient out through
+    its K or V buffer (once both warpgroups' last products have read them) by a TMA store, which
+    clips the keys past Sk."""
+    HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
+    dtype: gl.constexpr = k_smem.dtype
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    acc = gl.zeros([KEYS, HEAD_DIM], gl.float32, acc_layout)
+    k = k_smem.index(0)
+    v = v_smem.index(0)
+    n_tiles = m_end - m_start
+    if n_tiles > 0:
+        mbarrier.wait(kv_ready.index(0), 0)
+        buffers = (k, v, q_smem, do_smem, pt_smem, ds_smem, dq_smem, qd_ready, qd_empty, pt_ready, pt_free,
+                   ds_ready, ds_free, dq_full, dq_empty, lse_smem, delta_smem)  # fmt: skip
+        for g in range(GROUP):
+            # fmt: off
+            acc = _wide_steps(acc, buffers, start_n, m_start, m_mid, g * n_tiles, rot, m_end, SEQ_K,
+                              UPPER_OFFSET, qk_scale, True, IS_CAUSAL, ROTATE, cid)
+            acc = _wide_steps(acc, buffers, start_n, m_mid, m_end, g * n_tiles + m_mid - m_start, rot, m_end,
+                              SEQ_K, UPPER_OFFSET, qk_scale, False, IS_CAUSAL, ROTATE, cid)
+            # fmt: on
+        # K and V are free once both warpgroups' last dQ products (and warpgroup 1's dP^T) are done
+        last = GROUP * n_tiles - 1
+        mbarrier.wait(ds_free.index(last % 2), (last // 2) & 1)
+    if cid == 0:
+        v.store(acc.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(
+            dv_desc, [batch, kv_head, start_n, 0], v.reshape([1, 1, KEYS, HEAD_DIM])
+        )
+    else:
+        k.store((acc * scale).to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(
+            dk_desc, [batch, kv_head, start_n, 0], k.reshape([1, 1, KEYS, HEAD_DIM])
+        )
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _attn_bwd_sm90_wide_kernel(
+    q_desc,  # TMA descriptor of q, (B, Hq, Sq, D), box (1, 1, BLOCK_M, D)
+    k_desc,  # ... of k, (B, Hkv, Sk, D), box (1, 1, KEYS, D)
+    v_desc,  # ... of v, like k
+    do_desc,  # ... of dO, like q
+    dk_desc,  # ... of dk, like k (per query head: (B, Hq, Sk, D), a query head's share, summed after)
+    dv_desc,  # ... of dv, like k
+    dq_desc,  # ... of the fp32 dq accumulator (B, Hq, Sq, D), zeroed, box (1, 1, BLOCK_M, DQ_COLS)
+    lse_ptr,  # fp32 forward log-sum-exp (natural log), (B, Hq, Sq), strides stride_lb, stride_lh, 1
+    delta_ptr,  # fp32 rowsum(dO * O) - dlse, (B, Hq, Sq), strides stride_db, stride_dh, 1
+    sem_ptr,  # DETERMINISTIC: zeroed int32 counters (B, Hq, cdiv(Sq, BLOCK_M x TURN_BLOCKS)), stride_s*, 1
+    stride_lb,
+    stride_lh,
+    stride_db,
+    stride_dh,
+    stride_sb,
+    stride_sh,
+    HEADS_KV,  # key/value heads (per query head: query heads)
+    PAIRS,  # (batch, key/value head) pairs: B * HEADS_KV
+    PAIRS_PER_GROUP,  # the order of programs (bwd_sm90.order)
+    GROUP,  # query heads a program walks (1 per query head)
+    KV_SHARE,  # per query head: programs' heads a k/v head serves, else 1
+    SEQ_Q,
+    SEQ_K,  # query rows and keys of a head
+    UPPER_OFFSET,  # IS_CAUSAL: row i sees key j iff j <= i + UPPER_OFFSET (Sk - Sq, bottom-right)
+    qk_scale,  # scale * log2(e)
+    scale,  # the scores' scale (dK's factor)
+    IS_CAUSAL: gl.constexpr,
+    DETERMINISTIC: gl.constexpr,  # dq's partials added in a fixed order (ticket counters)
+    NUM_STAGES: gl.constexpr,  # Q/dO tiles in flight
+    ROTATE: gl.constexpr,  # DETERMINISTIC, full mask: the rotated walk (bwd_sm90.order)
+    ACQUIRE_FIRST: gl.constexpr,
+    TURN_BLOCKS: gl.constexpr,
+):
+    BLOCK: gl.constexpr = q_desc.block_type.shape[2]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    dtype: gl.constexpr = q_desc.dtype
+    gl.static_assert(k_desc.block_type.shape[2] == KEYS, "a program's keys are one K tile")
+    gl.static_assert(HEAD_DIM == 2 * DQ_COLS, "each warpgroup adds half of dQ's columns")
+    batch, kv_head, pid_n = _pair(
+        gl.program_id(0), PAIRS, PAIRS_PER_GROUP, HEADS_KV, SEQ_K, KEYS, DETERMINISTIC and IS_CAUSAL
+    )
+    start_n = pid_n * KEYS
+    zero = start_n * 0  # (the rows' offsets of a dense batch: tensors, as the partitions take them)
+    n_blocks, m_start, m_mid, _m_tail, m_end, rot = _walk(
+        pid_n, SEQ_Q, SEQ_K, UPPER_OFFSET, 0, BLOCK, KEYS, TURN_BLOCKS, IS_CAUSAL, ROTATE, False, False
+    )
+
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, HEAD_DIM], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, HEAD_DIM], dtype)
+    s_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, BLOCK], dtype)
+    dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, DQ_COLS], gl.float32)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK, HEAD_DIM], q_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK, HEAD_DIM], q_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [1, KEYS, HEAD_DIM], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [1, KEYS, HEAD_DIM], kv_layout)
+    pt_smem = gl.allocate_shared_memory(dtype, [2, KEYS, BLOCK], s_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, KEYS, BLOCK], s_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK, DQ_COLS], dq_layout)
+    rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK], rows_layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK], rows_layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    qd_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    qd_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    pt_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    pt_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready.index(0), count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(qd_ready.index(i), count=1)  # the producer's expect; the TMA's bytes complete it
+        mbarrier.init(qd_empty.index(i), count=2)  # free once both warpgroups release it
+    for i in gl.static_range(2):
+        mbarrier.init(pt_ready.index(i), count=1)  # warpgroup 0's P^T stored
+        mbarrier.init(pt_free.index(i), count=1)  # ... and read by warpgroup 1
+        mbarrier.init(ds_ready.index(i), count=1)  # warpgroup 1's dS^T stored
+        mbarrier.init(ds_free.index(i), count=2)  # ... and both warpgroups' dQ products done with it
+        mbarrier.init(dq_full.index(i), count=1)  # a warpgroup's dQ columns stored
+        mbarrier.init(dq_empty.index(i), count=1)  # ... and read by the dQ warp's reduce
+
+    # fmt: off
+    gl.warp_specialize([
+        (_wide_partition, (0, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
+                           pt_smem, ds_smem, dq_smem, kv_ready, qd_ready, qd_empty, pt_ready, pt_free,
+                           ds_ready, ds_free, dq_full, dq_empty, batch, kv_head, start_n, GROUP, m_start,
+                           m_mid, m_end, rot, SEQ_K, UPPER_OFFSET, qk_scale, scale, IS_CAUSAL, ROTATE)),
+        (_wide_partition, (1, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
+                           pt_smem, ds_smem, dq_smem, kv_ready, qd_ready, qd_empty, pt_ready, pt_free,
+                           ds_ready, ds_free, dq_full, dq_empty, batch, kv_head, start_n, GROUP, m_start,
+                           m_mid, m_end, rot, SEQ_K, UPPER_OFFSET, qk_scale, scale, IS_CAUSAL, ROTATE)),
+        (_load_partition, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, kv_ready,
+                           qd_ready, qd_empty, batch, kv_head, zero, zero, KV_SHARE, start_n, GROUP,
+                           m_start, m_end, rot, lse_ptr, delta_ptr, lse_smem, delta_smem, SEQ_Q, stride_lb,
+                           stride_lh, stride_db, stride_dh)),
+        (_dq_partition, (dq_desc, dq_smem, dq_full, dq_empty, sem_ptr, batch, batch, zero, kv_head, start_n,
+                         GROUP, m_start, m_end, n_blocks - 1, rot, UPPER_OFFSET, stride_sb, stride_sh, KEYS,
+                         IS_CAUSAL, DETERMINISTIC, ROTATE, True, ACQUIRE_FIRST, TURN_BLOCKS, 2)),
+    ], [CONSUMER_WARPS, PRODUCER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
+    # fmt: on

@@ -1,0 +1,208 @@
+"""The sm_90 Gluon attention backward at D = 256 (``ops/attention/bwd_sm90_wide.py``: two warpgroups
+splitting a step's products). On the CPU: it compiles for sm_90 warp-specialized (no values on the
+stack, the dQ partials out by bulk reduce-add, the deterministic mode's tickets), its launch passes
+the kernel's parameters in order, its configs and what the dispatch gives it. On the H200 (``gpu``):
+dq, dk and dv against the float64 reference gradients with the oracle's rule (full and causal masks
+of both alignments, Sq != Sk, single rows, GQA and MQA, the padded D = 200, fp16 and bf16, both
+modes, GQA a program a query head), the deterministic mode's bits run to run, and
+``flash_attention`` on it once ``bwd.SM90_BACKWARD_WIDE`` is on."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+import sm90
+from test_attention_bwd_sm90 import (
+    CASES,
+    _case_id,
+    _forward,
+    _inputs,
+    _run,
+    _sm90,
+    assert_oracle_passes,
+    check,
+    check_case,
+)
+
+pytestmark = pytest.mark.attention
+
+_STATIC_CHECK = r"""
+import json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+from tritonkit.asm import _cuobjdump, innermost_loops
+from tritonkit.ops.attention import bwd_sm90_wide as wide
+
+def descriptor(dtype, rows, cols):
+    block = [1, 1, rows, cols]
+    element = {"bf16": gl.bfloat16, "fp16": gl.float16, "fp32": gl.float32}[dtype]
+    layout = gl.NVMMASharedLayout.get_default_for(block, element)
+    return f"tensordesc<{dtype}[{','.join(map(str, block))}],{layout!r}>"
+
+for dtype, causal, deterministic, stages in CASES:
+    keys = wide.KEYS.value
+    rows = {"q_desc": wide.BLOCK_M, "k_desc": keys, "v_desc": keys, "do_desc": wide.BLOCK_M, "dk_desc": keys,
+            "dv_desc": keys}
+    signature = {name: descriptor(dtype, n, 256) for name, n in rows.items()}
+    signature |= {"dq_desc": descriptor("fp32", wide.BLOCK_M, wide.DQ_COLS.value), "lse_ptr": "*fp32",
+                  "delta_ptr": "*fp32", "sem_ptr": "*i32"}
+    for name in ("stride_lb", "stride_lh", "stride_db", "stride_dh", "stride_sb", "stride_sh", "HEADS_KV",
+                 "PAIRS", "PAIRS_PER_GROUP", "GROUP", "SEQ_Q", "SEQ_K", "UPPER_OFFSET"):
+        signature[name] = "i32"
+    signature |= {"KV_SHARE": "constexpr", "qk_scale": "fp32", "scale": "fp32"}
+    constants = {"KV_SHARE": 1, "IS_CAUSAL": causal, "DETERMINISTIC": deterministic, "NUM_STAGES": stages,
+                 "ROTATE": deterministic and not causal, "ACQUIRE_FIRST": deterministic, "TURN_BLOCKS": 1}
+    signature |= {name: "constexpr" for name in constants}
+    kernel = triton.compile(GluonASTSource(wide._attn_bwd_sm90_wide_kernel, signature, constants),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    ptx, sass = kernel.asm["ptx"], _cuobjdump(kernel.asm["cubin"], "-sass")
+    budgets = r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)"
+    print(json.dumps({
+        "warps": kernel.metadata.num_warps, "shared": kernel.metadata.shared,
+        "setmaxnreg": sorted({int(n) for n in re.findall(budgets, ptx)}),
+        "hgmma": sass.count("HGMMA"), "hmma": sass.count(" HMMA"),
+        "spills": sass.count("STL") + sass.count("LDL"),
+        "single_conversions": sass.count("F2F.BF16.F32") + sass.count("F2F.F16.F32"),
+        "reduces": sass.count("UTMAREDG"), "tma_loads": ptx.count("cp.async.bulk.tensor.4d.shared"),
+        "tickets": ptx.count("ld.global.gpu.acquire"), "releases": ptx.count("atom.global.gpu.release.add"),
+    }))
+"""
+
+# (dtype, causal, deterministic, stages): both masks, both modes (a deterministic full mask compiles
+# the rotated walk), fp16, and three stages of Q and dO
+STATIC_CASES = [
+    ("bf16", True, False, 2),
+    ("bf16", False, True, 2),
+    ("fp16", True, True, 2),
+    ("bf16", False, False, 3),
+]
+
+
+@pytest.mark.parametrize("case", STATIC_CASES, ids=lambda case: "-".join(map(str, case)))
+def test_the_kernel_compiles_for_hopper_warp_specialized_without_spills(case):
+    (row,) = [json.loads(line) for line in sm90.run(f"CASES = {[case]!r}\n{_STATIC_CHECK}")]
+    deterministic = case[2]
+    # two consumer warpgroups, the producer's warp and the dQ warp; budgets 240 and 24 (and Triton's)
+    assert row["warps"] == 12 and {240, 24} <= set(row["setmaxnreg"]), row
+    assert row["shared"] <= 227 * 1024, row
+    assert row["hgmma"] > 0 and row["hmma"] == 0 and row["tma_loads"] > 0, row
+    assert row["reduces"] > 0, row  # dQ's partials go out by bulk reduce-add
+    assert (row["tickets"] > 0) == (row["releases"] > 0) == deterministic, row
+    # dK or dV (128 registers a thread) and a step's 64 x 32 products: nothing on the stack
+    assert row["spills"] == 0, row
+    assert row["single_conversions"] == 0, row  # P and dS converted in pairs (F2FP)
+
+
+def test_the_launch_passes_the_kernels_parameters_in_order(monkeypatch):
+    """Runtime arguments by position, then the constexprs as the kernel's trailing parameters (only
+    a GPU run would otherwise tell); a program a 64-key block of a (batch, key/value head), its boxes
+    of 32 query rows, 64 keys and dQ's 128 columns a warpgroup."""
+    from tritonkit.ops.attention import bwd_sm90
+
+    monkeypatch.setattr(bwd_sm90, "sm_count", lambda device: 132)
+    for heads_kv, deterministic in ((2, False), (4, True)):
+        q = torch.empty(1, 4, 300, 256, dtype=torch.bfloat16)
+        k = torch.empty(1, heads_kv, 300, 256, dtype=torch.bfloat16)
+        lse, acc, tickets = torch.empty(1, 4, 300), torch.empty(1, 4, 300, 256), torch.empty(1, 4, 10)
+        config = bwd_sm90.default_config(256, deterministic, heads_kv != 4, True)
+        (launch,) = bwd_sm90.launches(
+            q, q, k, k, lse, lse, acc, tickets.int(), k, k, scale=0.1, causal=True, upper_offset=0,
+            deterministic=deterministic, config=config,
+        )  # fmt: skip
+        names = launch.kernel.arg_names
+        constexprs = [name for name in launch.meta if name != "num_warps"]
+        assert names[len(launch.args) :] == constexprs, names
+        assert [arg.block_shape[2:] for arg in launch.args[:7]] == [[32, 256]] + [[64, 256]] * 2 + [
+            [32, 256]
+        ] + [[64, 256]] * 2 + [[32, 128]]
+        assert launch.grid == (5 * 1 * heads_kv,) and launch.meta["DETERMINISTIC"] == deterministic
+
+
+def test_the_wide_configs_and_what_they_refuse():
+    """D = 256 takes 32-row steps, one dQ tile a step and 2 or 3 stages (the deterministic mode its
+    usual switches); anything else is refused before a launch, as is a soft cap or a window's left
+    side on the kernel itself."""
+    from tritonkit.ops.attention import bwd_sm90
+
+    free = bwd_sm90.default_config(256, False)
+    assert free == bwd_sm90.WIDE_CONFIG and free.block_m == 32 and free.shared_dq
+    bwd_sm90.check_config(bwd_sm90.default_config(256, True, True, True), 256)
+    bwd_sm90.check_config(free._replace(num_stages=3), 256)
+    for bad in (free._replace(num_stages=4), free._replace(block_m=64), free._replace(overlap_sdp=True)):
+        with pytest.raises(ValueError, match="D = 256"):
+            bwd_sm90.check_config(bad, 256)
+    assert tuple(range(136, 257, 8)) == bwd_sm90.WIDE_HEAD_DIMS
+
+
+# ---------------------------------------------------------------- on the H200
+
+WIDE_CASES = [CASES[i] for i in (0, 1, 4, 6, 9, 10, 11, 12, 13, 14)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("deterministic", [False, True], ids=["any-order", "deterministic"])
+@pytest.mark.parametrize("head_dim", [256, 200])
+@pytest.mark.parametrize("case", WIDE_CASES, ids=_case_id)
+def test_gpu_matches_the_reference(case, head_dim, deterministic):
+    dtype = torch.float16 if WIDE_CASES.index(case) % 3 == 2 else torch.bfloat16
+    seed = 300 + 4 * WIDE_CASES.index(case) + 2 * (head_dim == 200) + deterministic
+    check_case(case, head_dim, dtype, deterministic, seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_deterministic_bits_and_three_stages(causal):
+    """(2, 8/2, 1500, 256): the deterministic gradients (a program a query head under a causal mask)
+    the same bits three runs over and with three stages of Q and dO, passing the oracle, close to
+    the free mode's."""
+    from tritonkit.ops.attention import bwd_sm90
+
+    q, k, v, do = _inputs(2, 8, 2, 1500, 1500, 256, torch.bfloat16, seed=1500 + causal)
+    o, lse = _forward(q, k, v, causal, 0.1, True)
+    config = bwd_sm90.default_config(256, True, True, causal)
+    runs = [_run(q, k, v, do, o, lse, causal, 0.1, True, True, config=config) for _ in range(3)]
+    runs.append(_run(q, k, v, do, o, lse, causal, 0.1, True, True, config=config._replace(num_stages=3)))
+    for other in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other, strict=True))
+    check(q, k, v, do, causal, deterministic=True, scale=0.1, config=config)
+    free = _run(q, k, v, do, o, lse, causal, 0.1, True, False)
+    for a, b in zip(free, runs[0], strict=True):
+        assert torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("deterministic", [False, True], ids=["any-order", "deterministic"])
+def test_gpu_flash_attention_takes_the_wide_backward(deterministic, monkeypatch, caplog):
+    """With ``bwd.SM90_BACKWARD_WIDE`` on, ``flash_attention``'s backward at D = 256 runs this kernel
+    (its debug line says so) and its gradients pass the oracle; a soft cap keeps the Triton kernels."""
+    import tritonkit
+    from tritonkit.ops.attention import bwd
+    from tritonkit.ops.attention.common import attention_reference
+
+    monkeypatch.setattr(bwd, "SM90_BACKWARD_WIDE", True)
+    q, k, v, do = _inputs(2, 8, 4, 700, 700, 256, torch.bfloat16, 500 + deterministic)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    with caplog.at_level(logging.DEBUG, logger="tritonkit"):
+        grads = torch.autograd.grad(
+            tritonkit.flash_attention(*leaves, causal=True, deterministic=deterministic), leaves, do
+        )
+        assert "backward (2, 8, 700, 256) on the sm_90 Gluon kernel" in caplog.text, caplog.text
+        caplog.clear()
+        out = tritonkit.flash_attention(*leaves, causal=True, softcap=30.0, deterministic=deterministic)
+        torch.autograd.grad(out, leaves, do)
+        assert "backward (2, 8, 700, 256) on the Triton kernels" in caplog.text, caplog.text
+
+    def reference(dtype):
+        inputs = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        return torch.autograd.grad(attention_reference(*inputs, True, 256**-0.5), inputs, do.to(dtype))
+
+    assert_oracle_passes(grads, reference, torch.bfloat16)
