@@ -307,9 +307,10 @@ def test_the_default_config_by_mode_mask_and_grouping(head_dim):
             )
 
 
-def test_calls_the_gluon_backward_cannot_take_go_to_the_triton_kernels(device):
-    """Narrow windows never take it (``bwd.sm90_window``), over a packed batch's longest lengths too;
-    and nothing does under the interpreter or off an sm_90 GPU (Gluon kernels do not run there)."""
+def test_the_gluon_backward_takes_every_window_on_sm90_alone(device):
+    """A causal mask and windows of any width (narrow ones, a left side alone), over a packed batch's
+    longest lengths too, take it on an sm_90 GPU; nothing does under the interpreter or off an sm_90
+    GPU (Gluon kernels do not run there)."""
     from tritonkit.ops.attention import bwd
     from tritonkit.ops.attention.common import Packed, Scores
 
@@ -317,16 +318,11 @@ def test_calls_the_gluon_backward_cannot_take_go_to_the_triton_kernels(device):
     k = torch.randn(1, 2, 24, 64, device=device, dtype=torch.bfloat16)
     cu = torch.tensor([0, 16], dtype=torch.int32, device=device)
     packed = Packed(cu, cu, 1, 16, 24)
-    for scores, pack in [
-        (Scores(0.125, window=(4, 0)), None),
-        (Scores(0.125, window=(4, 0)), packed),
-    ]:
-        for deterministic in (False, True):
-            assert not bwd.sm90_takes(q, k, k, scores, pack, deterministic), scores
-    for pack in (None, packed):
-        for deterministic in (False, True):
-            takes = bwd.sm90_takes(q, k, k, Scores(0.125, causal=True), pack, deterministic)
-            assert takes == _sm90(), (pack, deterministic)
+    for scores in (Scores(0.125, causal=True), Scores(0.125, window=(4, 0)), Scores(0.125, window=(3, -1))):
+        for pack in (None, packed):
+            for deterministic in (False, True):
+                takes = bwd.sm90_takes(q, k, k, scores, pack, deterministic)
+                assert takes == _sm90(), (scores, pack, deterministic)
 
 
 @pytest.mark.parametrize("head_dim", [40, 64, 96, 128])

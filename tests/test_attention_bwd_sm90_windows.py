@@ -1,9 +1,9 @@
-"""Sliding windows on the sm_90 Gluon attention backward (``ops/attention/bwd_sm90.py``): which
-windows it takes (``bwd.sm90_window``, on the CPU), and on the H200 (``gpu``) dq, dk and dv against
-the float64 reference gradients with the oracle's rule, for causal windows and two-sided ones, both
-alignments of Sq != Sk, ragged lengths, GQA, D 64 and 128, both modes, the deterministic mode's bits
-run to run, and ``flash_attention``'s backward taking this kernel. The kernel's compile for sm_90
-with a window is among test_attention_bwd_sm90's static cases."""
+"""Sliding windows on the sm_90 Gluon attention backward (``ops/attention/bwd_sm90.py``): the
+scores it runs for a left side alone (``bwd.sm90_scores``, on the CPU), and on the H200 (``gpu``) dq,
+dk and dv against the float64 reference gradients with the oracle's rule, for causal windows,
+two-sided ones and either side alone, both alignments of Sq != Sk, ragged lengths, GQA, D 64 and 128,
+both modes, the deterministic mode's bits run to run, and ``flash_attention``'s backward taking this
+kernel. The kernel's compile for sm_90 with a window is among test_attention_bwd_sm90's static cases."""
 
 from __future__ import annotations
 
@@ -18,33 +18,29 @@ from test_attention_bwd_sm90 import _inputs, _sm90, assert_oracle_passes
 pytestmark = pytest.mark.attention
 
 
-def test_the_gluon_backward_takes_windows_with_an_upper_bound_past_the_narrow_bound():
-    """Causal windows and two-sided ones wider than bwd.NARROW_WINDOW_KEYS, and either side alone;
-    not a narrow window (until its gpu cases have run); a side that cuts nothing is no side."""
+def test_a_left_side_alone_runs_with_a_right_side_that_cuts_nothing():
+    """``bwd.sm90_scores``: a window's left side alone gains a right side of max(Sq, Sk) - 1 keys, which
+    cuts no key of either alignment (the kernel's lower bound comes with an upper one); a side that
+    cuts nothing is no side; every other window is the scores' own."""
     from tritonkit.ops.attention import bwd
     from tritonkit.ops.attention.common import Scores
 
-    narrow = bwd.NARROW_WINDOW_KEYS
-    takes = [
-        (Scores(0.1), 4096, 4096),
-        (Scores(0.1, causal=True, window=(1024, 0)), 4096, 4096),
-        (Scores(0.1, causal=True, window=(narrow, 0)), 4096, 4096),  # narrow + 1 keys
-        (Scores(0.1, window=(600, 600)), 4096, 4096),
-        (Scores(0.1, window=(-1, 600)), 4096, 4096),
-        (Scores(0.1, window=(5000, -1)), 4096, 4096),  # cuts nothing: a full mask
-        (Scores(0.1, causal=True, window=(100, 0)), 50, 50),  # cuts nothing at 50 keys
-        (Scores(0.1, window=(1024, -1)), 4096, 4096),
-        (Scores(0.1, window=(16, -1)), 4096, 4096),  # a left side alone is never narrow
-    ]
-    refuses = [
-        (Scores(0.1, causal=True, window=(narrow - 1, 0)), 4096, 4096),
-        (Scores(0.1, causal=True, window=(64, 0)), 4096, 4096),
-        (Scores(0.1, window=(200, 200)), 4096, 4096),
-    ]
-    for scores, seq_q, seq_k in takes:
-        assert bwd.sm90_window(scores, seq_q, seq_k), scores
-    for scores, seq_q, seq_k in refuses:
-        assert not bwd.sm90_window(scores, seq_q, seq_k), scores
+    for scores, seq_q, seq_k, window in [
+        (Scores(0.1, window=(1024, -1)), 4096, 4096, (1024, 4095)),
+        (Scores(0.1, window=(16, -1), bottom_right=False), 700, 1300, (16, 1299)),
+        (Scores(0.1, window=(100, -1)), 1300, 700, (100, 1299)),
+        (Scores(0.1, window=(5000, -1)), 4096, 4096, (-1, -1)),  # cuts nothing: a full mask
+        (Scores(0.1, causal=True, window=(100, 0)), 50, 50, (-1, 0)),  # cuts nothing at 50 keys
+        (Scores(0.1, causal=True, window=(64, 0)), 4096, 4096, (64, 0)),
+        (Scores(0.1, window=(200, 200)), 4096, 4096, (200, 200)),
+        (Scores(0.1, window=(-1, 600)), 4096, 4096, (-1, 600)),
+    ]:
+        runs = bwd.sm90_scores(scores, seq_q, seq_k)
+        assert runs.window == window, (scores, runs)
+        assert runs._replace(window=scores.window) == scores
+        (upper, lower, *_), flags = runs.kernel_args(seq_q, seq_k)
+        if scores.window[1] < 0 and not scores.causal and window[0] >= 0:  # every row sees the last key
+            assert flags["IS_CAUSAL"] and flags["HAS_LOWER"] and upper >= seq_k - 1
 
 
 def _check_window(q, k, v, do, scores, deterministic: bool) -> tuple:
@@ -142,14 +138,13 @@ def test_gpu_windows_match_the_reference(case, head_dim, deterministic):
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_gpu_flash_attention_backward_takes_the_gluon_kernel_with_a_window(deterministic, caplog):
-    """A causal window past the narrow bound, and a left side alone, go to this kernel; a narrow one to
-    the Triton kernels."""
+    """A causal window, a narrow one and a left side alone go to this kernel."""
     import tritonkit
 
     q, k, v, _ = _inputs(1, 4, 4, 1024, 1024, 128, torch.bfloat16, seed=11)
     for causal, window, kernel in (
         (True, (700, 0), "sm_90 Gluon kernel"),
-        (True, (64, 0), "Triton kernels"),
+        (True, (64, 0), "sm_90 Gluon kernel"),
         (False, (700, -1), "sm_90 Gluon kernel"),
     ):
         caplog.clear()

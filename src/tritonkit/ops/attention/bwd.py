@@ -273,17 +273,23 @@ SM90_BACKWARD_DETERMINISTIC_GQA: tuple[int, ...] = (64, 128)
 # Packed batches (``bwd_sm90``'s VARLEN: each sequence's key blocks over the longest one's grid, dK and
 # dV stored row by row) on the Gluon kernel too, in both modes.
 SM90_BACKWARD_PACKED = True
-# The head dims other than the kernel's own (of ``bwd_sm90.PADDED_HEAD_DIMS``: a multiple of 8 up to
-# 128) that take the Gluon kernel of the next one up, its boxes padded with zeros, as the forward runs
-# them: none until its gpu cases (tests/test_attention_bwd_sm90_padded.py) have passed and it is timed
-# against the Triton kernels, which run them today (at D = 96 the D = 128 kernel's products are a
-# quarter zeros, at D = 32 the D = 64 kernel's half).
-SM90_BACKWARD_PADDED: tuple[int, ...] = ()
+# The head dims other than a kernel's own that take the Gluon kernel of the next one up, its boxes
+# padded with zeros, as the forward runs them (``bwd_sm90.PADDED_HEAD_DIMS``, multiples of 8 up to
+# 128, on the D = 64 and 128 kernels; ``bwd_sm90.WIDE_HEAD_DIMS``, 136-248, on D = 256's): every
+# multiple of 8. On an H100 at ca940e0 (`python benchmarks/attention_bwd_sm90.py OUT.json --defaults
+# --shape 2,32,8,4096,96 --shape 4,32,32,4096,80 --shape 4,32,32,4096,32`; results/h100/history/
+# attention-bwd-sm90-padded-ca940e0.json), against cuDNN, full / causal, free and deterministic: D = 96
+# (GQA 32/8) 1.05x / 1.13x and 1.03x / 1.00x, where the Triton kernels ran 0.47x / 0.43x and 0.29x /
+# 0.33x; D = 80 0.94x / 1.03x and 0.99x / 0.98x (Triton 0.48x / 0.48x, 0.31x / 0.33x); D = 32, half
+# the D = 64 kernel's products zeros, 0.94x / 1.02x and 0.95x / 0.97x (Triton 0.86x / 0.91x, 0.89x /
+# 0.72x). Their gpu cases (tests/test_attention_bwd_sm90_padded.py) passed on that H100.
+SM90_BACKWARD_PADDED: tuple[int, ...] = tuple(range(8, 257, 8))
 # D = 256 on the Gluon kernel whose two warpgroups split a step's products (``bwd_sm90_wide``), in both
-# modes, without soft caps or a window's left side: off until its gpu cases
-# (tests/test_attention_bwd_sm90_wide.py) have passed and it is timed against the Triton kernels and
-# cuDNN (``benchmarks/attention_bwd_sm90.py --shape 2,16,8,4096,256``).
-SM90_BACKWARD_WIDE = False
+# modes, without soft caps or a window's left side. On the same H100 (`... --defaults --shape
+# 2,16,8,4096,256 --shape 8,16,16,1024,256`, results/h100/history/attention-bwd-sm90-d256-ca940e0.json),
+# full / causal: free 1.06x / 1.08x cuDNN at (2, 16/8, 4096) and 1.08x / 1.02x at (8, 16, 1024),
+# deterministic 0.73x / 0.73x and 0.82x / 0.80x, where the Triton kernels ran 0.24-0.38x.
+SM90_BACKWARD_WIDE = True
 
 
 def sm90_scores(scores: Scores, seq_q: int, seq_k: int) -> Scores:
@@ -299,38 +305,23 @@ def sm90_scores(scores: Scores, seq_q: int, seq_k: int) -> Scores:
     return scores
 
 
-def sm90_window(scores: Scores, seq_q: int, seq_k: int) -> bool:
-    """Whether the sm_90 Gluon backward takes these scores' window: any but one spanning at most
-    NARROW_WINDOW_KEYS keys (a left side alone runs with a right side that cuts nothing,
-    ``sm90_scores``)."""
-    span = fwd.window_keys(scores, seq_q, seq_k)
-    return span is None or span > NARROW_WINDOW_KEYS
-
-
-# The narrowest windows the Gluon backward takes are wider than this, for now: with the bound off it
-# ran faster than the Triton kernels at every narrow window timed, on an H100 (at c4c0611, causal,
-# `benchmarks/attention_bwd_sm90.py --window W,0 --defaults`), free / deterministic: 1.49x / 1.24x at
-# 32 keys, 1.98x / 1.64x at 128 and 2.37x / 1.91x at 256 at (2, 32/8, 4096, 128), 1.53x / 1.26x at
-# 128 and 1.54x / 1.24x at 256 at (4, 32, 4096, 64), its gradients within 0.03 of theirs
-# (results/h100/history/attention-bwd-sm90-narrow-windows-c4c0611.json). The bound goes to 0 once the
-# narrow windows' gpu cases (tests/test_attention_bwd_sm90_windows.py: two-sided, top-left, ragged,
-# a soft cap) have passed: only causal windows of 4096 keys were timed.
-NARROW_WINDOW_KEYS = fwd.NARROW_WINDOW_KEYS
-
-
+# Windows of any width take the Gluon backward: the narrow ones ran faster than the Triton kernels at
+# every width timed, on an H100 (at c4c0611, causal, `benchmarks/attention_bwd_sm90.py --window W,0
+# --defaults`), free / deterministic: 1.49x / 1.24x at 32 keys, 1.98x / 1.64x at 128 and 2.37x /
+# 1.91x at 256 at (2, 32/8, 4096, 128), 1.53x / 1.26x at 128 and 1.54x / 1.24x at 256 at (4, 32, 4096,
+# 64) (results/h100/history/attention-bwd-sm90-narrow-windows-c4c0611.json), and their gpu cases
+# (tests/test_attention_bwd_sm90_windows.py: two-sided, top-left, ragged, a soft cap) passed on an
+# H100 at ca940e0.
 def sm90_takes(q, k, v, scores: Scores, packed: Packed | None, deterministic: bool = True) -> bool:
     """Whether the sm_90 Gluon backward (``bwd_sm90``) computes this call (a packed batch's as (1, H,
     T, D) views): natively compiled, on an sm_90 GPU, within what it supports (either causal
-    alignment, soft caps, the windows ``sm90_window`` takes over the longest sequence's lengths, the
-    padded head dims SM90_BACKWARD_PADDED names), and switched on for its mode (and, deterministic,
+    alignment, soft caps, windows of any width, ``sm90_scores``, the padded head dims
+    SM90_BACKWARD_PADDED names), and switched on for its mode (and, deterministic,
     for its kernel's head dim, with GQA or not; packed, SM90_BACKWARD_PACKED). Everything else takes
     the Triton kernels."""
     if interpret() or not q.is_cuda or (packed is not None and not SM90_BACKWARD_PACKED):
         return False
     if not scores.scale > 0:
-        return False
-    lengths = grid_lengths(q, k, packed)
-    if not sm90_window(scores, *lengths):
         return False
     from tritonkit.ops.attention import bwd_sm90
 
@@ -340,7 +331,8 @@ def sm90_takes(q, k, v, scores: Scores, packed: Packed | None, deterministic: bo
     if kernel_dim != q.shape[3] and q.shape[3] not in SM90_BACKWARD_PADDED:
         return False
     if kernel_dim == 256:  # the wide kernel (bwd_sm90_wide), both modes: no soft cap, no left side
-        return SM90_BACKWARD_WIDE and not scores.softcap > 0 and scores.within(*lengths).window[0] < 0
+        left = scores.within(*grid_lengths(q, k, packed)).window[0]
+        return SM90_BACKWARD_WIDE and not scores.softcap > 0 and left < 0
     if deterministic:
         dims = SM90_BACKWARD_DETERMINISTIC_GQA if q.shape[1] != k.shape[1] else SM90_BACKWARD_DETERMINISTIC
         return kernel_dim in dims
