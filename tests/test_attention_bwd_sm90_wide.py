@@ -4,8 +4,8 @@ stack, the dQ partials out by bulk reduce-add, the deterministic mode's tickets)
 the kernel's parameters in order, its configs and what the dispatch gives it. On the H200 (``gpu``):
 dq, dk and dv against the float64 reference gradients with the oracle's rule (full and causal masks
 of both alignments, Sq != Sk, single rows, GQA and MQA, the padded D = 200, fp16 and bf16, both
-modes, GQA a program a query head), the deterministic mode's bits run to run, and
-``flash_attention`` on it once ``bwd.SM90_BACKWARD_WIDE`` is on."""
+modes, GQA a program a query head), the deterministic mode's bits run to run (turns of several query
+blocks too), and ``flash_attention`` on it once ``bwd.SM90_BACKWARD_WIDE`` is on."""
 
 from __future__ import annotations
 
@@ -176,6 +176,31 @@ def test_gpu_deterministic_bits_and_three_stages(causal):
     free = _run(q, k, v, do, o, lse, causal, 0.1, True, False)
     for a, b in zip(free, runs[0], strict=True):
         assert torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("turn_blocks", [2, 4])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_turns_of_several_query_blocks(causal, turn_blocks):
+    """``Config.turn_blocks`` > 1 on the wide kernel (a turn of the dQ warp held over several 32-row
+    query blocks): the gradients pass the oracle and are the same bits call after call; under a
+    causal mask (key blocks descending from the group's last) they are the one-block turns' bits.
+    Lengths that leave the last group short and start a causal walk inside a group, with GQA."""
+    from tritonkit.ops.attention import bwd_sm90
+
+    shipped = bwd_sm90.default_config(256, True, True, causal)
+    single, grouped = shipped._replace(turn_blocks=1), shipped._replace(turn_blocks=turn_blocks)
+    for seq_q, seq_k in ((1000, 1000), (900, 1000)):
+        seed = seq_q + 2 * causal + turn_blocks
+        q, k, v, do = _inputs(1, 4, 2, seq_q, seq_k, 256, torch.bfloat16, seed=seed)
+        check(q, k, v, do, causal, deterministic=True, scale=0.1, config=grouped)
+        o, lse = _forward(q, k, v, causal, 0.1, True)
+        runs = [_run(q, k, v, do, o, lse, causal, 0.1, True, True, config=grouped) for _ in range(2)]
+        if causal:
+            runs.append(_run(q, k, v, do, o, lse, causal, 0.1, True, True, config=single))
+        for other in runs[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(runs[0], other, strict=True))
 
 
 @pytest.mark.gpu
