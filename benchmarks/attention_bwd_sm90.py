@@ -257,8 +257,10 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
         gqa = heads_q != heads_kv
         # --config MODE:FIELD=VALUE,...: a mode's default with those fields replaced; --acquire-first
         # (the dQ warp's other way to poll its turn) and --turn-blocks N name deterministic ones
-        # a head dim the Gluon kernels do not take times cuDNN and the Triton rows alone
-        takes = head_dim in bwd_sm90.PADDED_HEAD_DIMS + bwd_sm90.WIDE_HEAD_DIMS and window[0] < 0
+        # a row the Gluon kernels do not take (a head dim past them, a left side at D = 256) times cuDNN
+        # and the Triton rows alone
+        wide = head_dim in bwd_sm90.WIDE_HEAD_DIMS
+        takes = head_dim in bwd_sm90.PADDED_HEAD_DIMS or (wide and window[0] < 0)
         kernel_dim = bwd_sm90.kernel_head_dim(head_dim)  # (a padded head dim's)
         shipped = default_config(kernel_dim, True, gqa, causal) if takes else bwd_sm90.CONFIGS[128]
         polls = not shipped.acquire_first
