@@ -51,6 +51,7 @@ from tritonkit.ops.linear.matmul import (
     unit_stride_bias,
     untuned_tile,
 )
+from tritonkit.ops.norm import normed
 from tritonkit.partial_sums import sum_partials_launch
 from tritonkit.roofline import Cost
 
@@ -236,6 +237,20 @@ def _linear(input, weight, bias, residual, activation: str | None, keep_pre: boo
     return y, pre
 
 
+def _saved_input(ctx, input) -> tuple:
+    """What a projection's forward saves for its input: the input, or where it is a tritonkit norm's
+    output, how to make it again (``normed.recipe``: the norm's own saved input, weight and bias),
+    so that the caller's dropping it frees it; eager calls only."""
+    made = None if torch.compiler.is_compiling() else normed.recipe(input)
+    ctx.normed = made and (made.eps, made.rms)
+    return (input,) if made is None else made.tensors()
+
+
+def _input_again(ctx, saved: tuple) -> torch.Tensor:
+    """The projection's input in its backward, from what ``_saved_input`` saved."""
+    return saved[0] if ctx.normed is None else normed.renormed(*saved, *ctx.normed)
+
+
 class _Linear(torch.autograd.Function):
     """One autograd function for eager calls and torch.compile (the ops skip the dispatcher eagerly).
 
@@ -245,14 +260,16 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, weight, bias, residual, activation):
         y, pre = _linear(input, weight, bias, residual, activation, keep_pre=True)
-        ctx.save_for_backward(input, weight, bias, pre)  # bias: a second backward's pre (below)
+        # bias: a second backward's pre (below); a norm's output, how to make it again (normed.py)
+        ctx.save_for_backward(*_saved_input(ctx, input), weight, bias, pre)
         ctx.activation = activation
         return y
 
     @staticmethod
     @first_derivative_only("linear")
     def backward(ctx, grad_output):
-        input, weight, bias, pre = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        input, (weight, bias, pre) = _input_again(ctx, saved[:-3]), saved[-3:]
         needs_dx, needs_dw, needs_db, needs_dr = ctx.needs_input_grad[:4]
         dx = empty_output_like(input) if needs_dx else None
         dw = empty_output_like(weight) if needs_dw else None
@@ -440,14 +457,15 @@ class _GatedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, weight_gate, weight_up, activation):
         y, g, u = _gated_linear(input, weight_gate, weight_up, activation, keep_products=True)
-        ctx.save_for_backward(input, weight_gate, weight_up, g, u)
+        ctx.save_for_backward(*_saved_input(ctx, input), weight_gate, weight_up, g, u)
         ctx.activation = activation
         return y
 
     @staticmethod
     @first_derivative_only("gated_linear")
     def backward(ctx, grad_output):
-        input, weight_gate, weight_up, g, u = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        input, (weight_gate, weight_up, g, u) = _input_again(ctx, saved[:-4]), saved[-4:]
         needs_dx, needs_dwg, needs_dwu = ctx.needs_input_grad[:3]
         dx = empty_output_like(input) if needs_dx else None
         dwg = empty_output_like(weight_gate) if needs_dwg else None

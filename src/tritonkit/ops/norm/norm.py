@@ -39,6 +39,7 @@ from tritonkit._launch import Launch, call_signature, cdiv, next_power_of_2, row
 from tritonkit._runtime import empty_output, empty_output_like, sm_count
 from tritonkit.dtypes import DTYPE_OF, FLOATS, NAME_OF
 from tritonkit.opdef import check_tensor, finite, first_derivative_only, op
+from tritonkit.ops.norm import normed
 from tritonkit.ops.norm.kernels import (
     BWD_CONFIGS,
     BWD_LOOPED_CONFIGS,
@@ -583,6 +584,8 @@ class _Norm(torch.autograd.Function):
         ctx.rms, ctx.has_residual = rms, residual is not None
         ctx.set_materialize_grads(False)  # an unused y passes None, not zeros: see backward
         if residual is None:
+            if not torch.compiler.is_compiling():  # a projection of y may save this in y's place
+                normed.mark(y, input, weight, bias, eps, rms)
             # pair: the sum is x itself, handed on as a view whose gradient (x's other uses', a
             # residual's) comes back here and is added in the norm's backward pass, not by autograd
             return (y, input.view_as(input)) if pair else y
