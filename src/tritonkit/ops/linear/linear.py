@@ -52,6 +52,7 @@ from tritonkit.ops.linear.matmul import (
     untuned_tile,
 )
 from tritonkit.ops.norm import normed
+from tritonkit.ops.norm.norm import renormed
 from tritonkit.partial_sums import sum_partials_launch
 from tritonkit.roofline import Cost
 
@@ -248,7 +249,7 @@ def _saved_input(ctx, input) -> tuple:
 
 def _input_again(ctx, saved: tuple) -> torch.Tensor:
     """The projection's input in its backward, from what ``_saved_input`` saved."""
-    return saved[0] if ctx.normed is None else normed.renormed(*saved, *ctx.normed)
+    return saved[0] if ctx.normed is None else renormed(*saved, *ctx.normed)
 
 
 class _Linear(torch.autograd.Function):

@@ -569,6 +569,14 @@ def _backward(
     _run(_bwd_launches(grad_y, grad_h, h, weight, bias, mean, rstd, rms, dx, dw, db, config))
 
 
+def renormed(source: torch.Tensor, weight, bias, eps: float, rms: bool) -> torch.Tensor:
+    """A norm's output again (``normed``): its forward's launch, statistics included, so that the
+    config and the bits are the forward's, over the same ``source``."""
+    y, _, mean, rstd = _forward_outputs(source, None, rms, stats=True)
+    _forward(source, None, weight, bias, eps, rms, y, None, mean, rstd)
+    return y
+
+
 class _Norm(torch.autograd.Function):
     """One autograd function for eager calls and torch.compile (the ops skip the dispatcher eagerly);
     returns y, or (y, h) with a residual.

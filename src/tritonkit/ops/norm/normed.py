@@ -6,8 +6,8 @@ In a decoder layer each norm's output y feeds one projection (``linear``: the fu
 beside the norm's own input, which the norm's backward saves anyway. torch.compile's partitioner
 saves the input alone and recomputes y in the backward. The eager ops do the same here: the norm
 marks its output with how it was made (``mark``), and a projection given such an output saves that
-recipe in its place (``recipe``) and makes y again in its backward (``renormed``), bit for bit: the
-forward's own launch over the same input. The cost is one more pass of the norm a projection's
+recipe in its place (``recipe``) and makes y again in its backward (``norm.renormed``), bit for bit:
+the forward's own launch over the same input. The cost is one more pass of the norm a projection's
 backward (it reads x and writes y: a few tens of microseconds at those sizes).
 """
 
@@ -37,7 +37,7 @@ class Normed(NamedTuple):
     versions: tuple[int, int]
 
     def tensors(self) -> tuple:
-        """What a projection saves in the output's place (its backward's ``renormed`` arguments)."""
+        """What a projection saves in the output's place (its backward's ``norm.renormed`` arguments)."""
         return self.source, self.weight, self.bias
 
 
@@ -54,13 +54,3 @@ def recipe(t: torch.Tensor) -> Normed | None:
     if not RECOMPUTE or made is None or (made.source._version, t._version) != made.versions:
         return None
     return made
-
-
-def renormed(source: torch.Tensor, weight, bias, eps: float, rms: bool) -> torch.Tensor:
-    """The norm's output again: its forward's launch (statistics included, so that the config and
-    the bits are the forward's) over the same ``source``."""
-    from tritonkit.ops.norm.norm import _forward, _forward_outputs
-
-    y, _, mean, rstd = _forward_outputs(source, None, rms, stats=True)
-    _forward(source, None, weight, bias, eps, rms, y, None, mean, rstd)
-    return y
