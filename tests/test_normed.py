@@ -5,6 +5,8 @@ retain_graph too; an output written in place since, or what it was made from, is
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -105,3 +107,25 @@ def test_a_norm_with_a_residual_or_without_a_gradient_leaves_no_recipe(device):
     assert normed.recipe(y) is None
     with torch.no_grad():
         assert normed.recipe(tritonkit.rms_norm(x, (D,), norm_weight)) is None
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case[0] for case in CASES])
+def test_the_inputs_gradient_takes_the_remade_inputs_memory(case, device, monkeypatch):
+    """dx is written over the input the backward made again (its weights' gradients, which read it,
+    come first): the gradient reaching the norm's output is that tensor's memory."""
+    projections = importlib.import_module("tritonkit.ops.linear.linear")  # (the package's `linear` is the op)
+    name, norm, project = case
+    remade = []
+    renormed = projections.renormed
+
+    def recording(*args):
+        remade.append(renormed(*args))
+        return remade[-1]
+
+    monkeypatch.setattr(projections, "renormed", recording)
+    (x, norm_weight, *weights), dy = _inputs(device, seed=10, gated="gated" in name)
+    h = norm(x, norm_weight)
+    reached = []
+    h.register_hook(lambda grad: reached.append(grad.data_ptr()))
+    torch.autograd.grad(project(h, weights), (x, norm_weight, *weights), dy)
+    assert len(remade) == 1 and reached == [remade[0].data_ptr()]

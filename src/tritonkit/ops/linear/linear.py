@@ -186,15 +186,16 @@ def _linear_forward(
 
 def _linear_backward_pass(grad_output, input, weight, pre, activation, dx, dw, db, in_place):
     """dx, dW and db of y = act(x W^T + b) + r, each into its tensor where given; ``pre`` is the
-    forward's z (None without an activation), dz written over it where ``in_place``."""
+    forward's z (None without an activation), dz written over it where ``in_place``. dW before dx,
+    which reads no x: dx may be x's own memory (a norm's output made again, ``_input_again``)."""
     code = ACTIVATIONS[activation]
     dz, _ = _activation_backward(
         as_rows(grad_output), as_rows(pre) if code else None, code, db=db, in_place=in_place
     )
-    if dx is not None:  # dx = dz W: A = dz (M, N), B = W^T, a (K, N) view
-        matmul(dz, weight.t(), as_rows(dx))
     if dw is not None:  # dW = dz^T x: A = dz^T (N, M), B = x^T (K, M)
         matmul(dz.t(), as_rows(input).t(), dw)
+    if dx is not None:  # dx = dz W: A = dz (M, N), B = W^T, a (K, N) view
+        matmul(dz, weight.t(), as_rows(dx))
 
 
 @op("linear_backward", mutates=("dx", "dw", "db"), replay=True)
@@ -252,6 +253,15 @@ def _input_again(ctx, saved: tuple) -> torch.Tensor:
     return saved[0] if ctx.normed is None else renormed(*saved, *ctx.normed)
 
 
+def _dx_for(ctx, input: torch.Tensor, needs_dx: bool) -> torch.Tensor | None:
+    """The input's gradient's tensor: where the input was made again for this backward, its own
+    memory (the passes compute the weights' gradients, the only readers of x, before dx), so that
+    the remade input costs the backward's peak nothing; else a new one."""
+    if not needs_dx:
+        return None
+    return input if ctx.normed is not None else empty_output_like(input)
+
+
 class _Linear(torch.autograd.Function):
     """One autograd function for eager calls and torch.compile (the ops skip the dispatcher eagerly).
 
@@ -272,7 +282,7 @@ class _Linear(torch.autograd.Function):
         saved = ctx.saved_tensors
         input, (weight, bias, pre) = _input_again(ctx, saved[:-3]), saved[-3:]
         needs_dx, needs_dw, needs_db, needs_dr = ctx.needs_input_grad[:4]
-        dx = empty_output_like(input) if needs_dx else None
+        dx = _dx_for(ctx, input, needs_dx)
         dw = empty_output_like(weight) if needs_dw else None
         db = empty_output(weight.shape[:1], weight.dtype, weight.device) if needs_db else None
         if pre is None or torch.compiler.is_compiling():  # (compiled: the graph's buffers are its own)
@@ -385,10 +395,16 @@ def _gated_backward_pass(
     """dx, dWg and dWu, each into its tensor where given: dg = dy * u * act'(g) and du = dy * act(g)
     in one elementwise pass (into g's and u's memory where ``in_place``), then dx = dg Wg + du Wu
     (below SPLIT_ROWS rows one kernel, one accumulator; from SPLIT_ROWS two matmuls), dWg = dg^T x
-    and dWu = du^T x."""
+    and dWu = du^T x. The weights' before dx, which reads no x: dx may be x's own memory (a norm's
+    output made again, ``_input_again``)."""
     dg, du = _activation_backward(
         as_rows(grad_output), as_rows(g), ACTIVATIONS[activation], u=as_rows(u), in_place=in_place
     )
+    x = as_rows(input) if dwg is not None or dwu is not None else None  # a copy where no view will do
+    if dwg is not None:
+        matmul(dg.t(), x.t(), dwg)
+    if dwu is not None:
+        matmul(du.t(), x.t(), dwu)
     if dx is not None and dg.shape[0] < SPLIT_ROWS:
         wg, wu = _same_strides(weight_gate, weight_up)
         matmul(dg, wg.t(), as_rows(dx), a2=du, b2=wu.t(), gated=GATED_DX)
@@ -396,11 +412,6 @@ def _gated_backward_pass(
         dx_rows = as_rows(dx)
         matmul(dg, weight_gate.t(), dx_rows)
         matmul(du, weight_up.t(), dx_rows, residual=dx_rows)
-    x = as_rows(input) if dwg is not None or dwu is not None else None  # a copy where no view will do
-    if dwg is not None:
-        matmul(dg.t(), x.t(), dwg)
-    if dwu is not None:
-        matmul(du.t(), x.t(), dwu)
 
 
 @op("gated_linear_backward", mutates=("dx", "dwg", "dwu"), replay=True)
@@ -468,7 +479,7 @@ class _GatedLinear(torch.autograd.Function):
         saved = ctx.saved_tensors
         input, (weight_gate, weight_up, g, u) = _input_again(ctx, saved[:-4]), saved[-4:]
         needs_dx, needs_dwg, needs_dwu = ctx.needs_input_grad[:3]
-        dx = empty_output_like(input) if needs_dx else None
+        dx = _dx_for(ctx, input, needs_dx)
         dwg = empty_output_like(weight_gate) if needs_dwg else None
         dwu = empty_output_like(weight_up) if needs_dwu else None
         backward = _gated_backward_spending_products
