@@ -1,7 +1,8 @@
 """A norm's output made again in its projection's backward (``ops/norm/normed.py``): ``linear`` and
 ``gated_linear`` given a tritonkit norm's output save the norm's input in its place, their
 gradients (and the norm's) the same bits as with the output saved, a second backward through
-retain_graph too; an output written in place since, or what it was made from, is saved as before."""
+retain_graph too, dx written over the remade input; an output written in place since, or what it was
+made from, is saved as before; the benchmark's decoder layer holds two activations fewer."""
 
 from __future__ import annotations
 
@@ -129,3 +130,28 @@ def test_the_inputs_gradient_takes_the_remade_inputs_memory(case, device, monkey
     h.register_hook(lambda grad: reached.append(grad.data_ptr()))
     torch.autograd.grad(project(h, weights), (x, norm_weight, *weights), dy)
     assert len(remade) == 1 and reached == [remade[0].data_ptr()]
+
+
+def test_the_layers_forward_holds_two_activations_fewer(device, monkeypatch):
+    """``tritonkit bench layer``'s tritonkit layer (at ``layer.TINY``): its forward saves two d-wide
+    activations fewer with the recompute on (the two norms' outputs), counted as the unique storages
+    autograd saved."""
+    from tritonkit.bench import layer
+
+    shape = layer.TINY
+    weights = layer.make_weights(shape, torch.bfloat16, device)
+    x = layer.make_inputs(shape, torch.bfloat16, device)[0]
+    saved = {}
+    for recompute in (False, True):
+        monkeypatch.setattr(normed, "RECOMPUTE", recompute)
+        storages = {}
+
+        def pack(t, storages=storages):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            layer.tritonkit_layer(x, weights, shape)
+        saved[recompute] = sum(storages.values())
+    activation = shape.batch * shape.seq * shape.dim * 2  # bf16
+    assert saved[False] - saved[True] == 2 * activation, saved
