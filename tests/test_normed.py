@@ -155,3 +155,27 @@ def test_the_layers_forward_holds_two_activations_fewer(device, monkeypatch):
         saved[recompute] = sum(storages.values())
     activation = shape.batch * shape.seq * shape.dim * 2  # bf16
     assert saved[False] - saved[True] == 2 * activation, saved
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_activation_checkpointing_gives_the_same_bits(reentrant, device):
+    """Under ``torch.utils.checkpoint`` (the forward first without a gradient, so nothing is marked,
+    then again in the backward, where the projection saves the recipe) the gradients are the plain
+    call's bits."""
+    from torch.utils.checkpoint import checkpoint
+
+    grads = []
+    for checkpointed in (False, True):
+        (x, norm_weight, w), dy = _inputs(device, seed=11)
+
+        def layer(x, norm_weight, w):
+            return tritonkit.linear(tritonkit.rms_norm(x, (D,), norm_weight), w)
+
+        y = (
+            checkpoint(layer, x, norm_weight, w, use_reentrant=reentrant)
+            if checkpointed
+            else layer(x, norm_weight, w)
+        )
+        y.backward(dy)  # (reentrant checkpointing takes no torch.autograd.grad)
+        grads.append([t.grad for t in (x, norm_weight, w)])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
