@@ -83,10 +83,15 @@ def test_the_projection_saves_the_norms_input_and_its_gradients_keep_their_bits(
 
 
 def test_an_output_written_in_place_or_a_changed_input_is_saved_itself(device):
-    """The recipe holds only while the output and what it was made from are unchanged."""
+    """The recipe holds only while the output and what it was made from are unchanged, and on the
+    output itself: a view of it is saved as it is (as docs/ops/norms.md says)."""
     (x, norm_weight, w), _ = _inputs(device, seed=8)
     h = tritonkit.rms_norm(x, (D,), norm_weight)
     assert normed.recipe(h) is not None
+    view = h.view(35, D)
+    assert normed.recipe(view) is None
+    y, pointers = _saved_pointers(lambda: tritonkit.linear(view, w))
+    assert view.data_ptr() in pointers and y.shape == (35, N)
     h2 = tritonkit.rms_norm(x, (D,), norm_weight)
     with torch.no_grad():
         h2.mul_(2)
