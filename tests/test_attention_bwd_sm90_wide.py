@@ -3,7 +3,7 @@ splitting a step's products). On the CPU: it compiles for sm_90 warp-specialized
 stack, the dQ partials out by bulk reduce-add, the deterministic mode's tickets), its launch passes
 the kernel's parameters in order, its configs and what the dispatch gives it. On the H200 (``gpu``):
 dq, dk and dv against the float64 reference gradients with the oracle's rule (full and causal masks
-of both alignments, Sq != Sk, single rows, GQA and MQA, the padded D = 200, fp16 and bf16, both
+of both alignments, Sq != Sk, single rows, GQA and MQA, the padded D = 200, fp16 and bf16, windows, both
 modes, GQA a program a query head), the deterministic mode's bits run to run (turns of several query
 blocks too), and ``flash_attention`` on it once ``bwd.SM90_BACKWARD_WIDE`` is on."""
 
@@ -27,6 +27,9 @@ from test_attention_bwd_sm90 import (
     check,
     check_case,
 )
+from test_attention_bwd_sm90_windows import CASES as WINDOW_CASES
+from test_attention_bwd_sm90_windows import _case_id as _window_case_id
+from test_attention_bwd_sm90_windows import _check_window
 
 pytestmark = pytest.mark.attention
 
@@ -45,7 +48,7 @@ def descriptor(dtype, rows, cols):
     layout = gl.NVMMASharedLayout.get_default_for(block, element)
     return f"tensordesc<{dtype}[{','.join(map(str, block))}],{layout!r}>"
 
-for dtype, causal, deterministic, stages in CASES:
+for dtype, causal, deterministic, stages, lower in CASES:
     keys = wide.KEYS.value
     rows = {"q_desc": wide.BLOCK_M, "k_desc": keys, "v_desc": keys, "do_desc": wide.BLOCK_M, "dk_desc": keys,
             "dv_desc": keys}
@@ -53,11 +56,12 @@ for dtype, causal, deterministic, stages in CASES:
     signature |= {"dq_desc": descriptor("fp32", wide.BLOCK_M, wide.DQ_COLS.value), "lse_ptr": "*fp32",
                   "delta_ptr": "*fp32", "sem_ptr": "*i32"}
     for name in ("stride_lb", "stride_lh", "stride_db", "stride_dh", "stride_sb", "stride_sh", "HEADS_KV",
-                 "PAIRS", "PAIRS_PER_GROUP", "GROUP", "SEQ_Q", "SEQ_K", "UPPER_OFFSET"):
+                 "PAIRS", "PAIRS_PER_GROUP", "GROUP", "SEQ_Q", "SEQ_K", "UPPER_OFFSET", "LOWER_OFFSET"):
         signature[name] = "i32"
     signature |= {"KV_SHARE": "constexpr", "qk_scale": "fp32", "scale": "fp32"}
     constants = {"KV_SHARE": 1, "IS_CAUSAL": causal, "DETERMINISTIC": deterministic, "NUM_STAGES": stages,
-                 "ROTATE": deterministic and not causal, "ACQUIRE_FIRST": deterministic, "TURN_BLOCKS": 1}
+                 "ROTATE": deterministic and not causal, "ACQUIRE_FIRST": deterministic, "TURN_BLOCKS": 1,
+                 "HAS_LOWER": lower}
     signature |= {name: "constexpr" for name in constants}
     kernel = triton.compile(GluonASTSource(wide._attn_bwd_sm90_wide_kernel, signature, constants),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
@@ -74,13 +78,16 @@ for dtype, causal, deterministic, stages in CASES:
     }))
 """
 
-# (dtype, causal, deterministic, stages): both masks, both modes (a deterministic full mask compiles
-# the rotated walk), fp16, and three stages of Q and dO
+# (dtype, causal, deterministic, stages, lower): both masks, both modes (a deterministic full mask
+# compiles the rotated walk), fp16, three stages of Q and dO, and a window's left side (a third,
+# masked loop) in both modes
 STATIC_CASES = [
-    ("bf16", True, False, 2),
-    ("bf16", False, True, 2),
-    ("fp16", True, True, 2),
-    ("bf16", False, False, 3),
+    ("bf16", True, False, 2, False),
+    ("bf16", False, True, 2, False),
+    ("fp16", True, True, 2, False),
+    ("bf16", False, False, 3, False),
+    ("bf16", True, False, 2, True),
+    ("bf16", True, True, 2, True),
 ]
 
 
@@ -106,14 +113,14 @@ def test_the_launch_passes_the_kernels_parameters_in_order(monkeypatch):
     from tritonkit.ops.attention import bwd_sm90
 
     monkeypatch.setattr(bwd_sm90, "sm_count", lambda device: 132)
-    for heads_kv, deterministic in ((2, False), (4, True)):
+    for heads_kv, deterministic, lower in ((2, False, None), (4, True, -100)):
         q = torch.empty(1, 4, 300, 256, dtype=torch.bfloat16)
         k = torch.empty(1, heads_kv, 300, 256, dtype=torch.bfloat16)
         lse, acc, tickets = torch.empty(1, 4, 300), torch.empty(1, 4, 300, 256), torch.empty(1, 4, 10)
         config = bwd_sm90.default_config(256, deterministic, heads_kv != 4, True)
         (launch,) = bwd_sm90.launches(
             q, q, k, k, lse, lse, acc, tickets.int(), k, k, scale=0.1, causal=True, upper_offset=0,
-            deterministic=deterministic, config=config,
+            lower_offset=lower, deterministic=deterministic, config=config,
         )  # fmt: skip
         names = launch.kernel.arg_names
         constexprs = [name for name in launch.meta if name != "num_warps"]
@@ -122,12 +129,13 @@ def test_the_launch_passes_the_kernels_parameters_in_order(monkeypatch):
             [32, 256]
         ] + [[64, 256]] * 2 + [[32, 128]]
         assert launch.grid == (5 * 1 * heads_kv,) and launch.meta["DETERMINISTIC"] == deterministic
+        assert launch.meta["HAS_LOWER"] == (lower is not None)
+        assert launch.args[names.index("LOWER_OFFSET")] == (lower or 0)
 
 
 def test_the_wide_configs_and_what_they_refuse():
     """D = 256 takes 32-row steps, one dQ tile a step and 2 or 3 stages (the deterministic mode its
-    usual switches); anything else is refused before a launch, as is a soft cap or a window's left
-    side on the kernel itself."""
+    usual switches); anything else is refused before a launch."""
     from tritonkit.ops.attention import bwd_sm90
 
     free = bwd_sm90.default_config(256, False)
@@ -154,6 +162,31 @@ def test_gpu_matches_the_reference(case, head_dim, deterministic):
     dtype = torch.float16 if WIDE_CASES.index(case) % 3 == 2 else torch.bfloat16
     seed = 300 + 4 * WIDE_CASES.index(case) + 2 * (head_dim == 200) + deterministic
     check_case(case, head_dim, dtype, deterministic, seed)
+
+
+# the windows' cases without a soft cap (which D = 256 leaves to the Triton kernels): causal windows
+# on and off the blocks' edges, two-sided ones, either side alone, narrow ones, both alignments, GQA
+WIDE_WINDOW_CASES = [case for case in WINDOW_CASES if len(case) == 8]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("deterministic", [False, True], ids=["any-order", "deterministic"])
+@pytest.mark.parametrize("case", WIDE_WINDOW_CASES, ids=_window_case_id)
+def test_gpu_windows_match_the_reference(case, deterministic):
+    """A window's left side (the third, masked loop) and its right side at D = 256, against the float64
+    reference; the deterministic mode's bits again."""
+    from tritonkit.ops.attention.common import Scores
+
+    batch, heads_q, heads_kv, seq_q, seq_k, causal, bottom_right, window = case
+    dtype = torch.float16 if WIDE_WINDOW_CASES.index(case) % 3 == 1 else torch.bfloat16
+    seed = 700 + 2 * WIDE_WINDOW_CASES.index(case) + deterministic
+    q, k, v, do = _inputs(batch, heads_q, heads_kv, seq_q, seq_k, 256, dtype, seed)
+    scores = Scores(256**-0.5, causal, bottom_right, window)
+    grads = _check_window(q, k, v, do, scores, deterministic)
+    if deterministic:
+        again = _check_window(q, k, v, do, scores, deterministic)
+        assert all(torch.equal(a, b) for a, b in zip(grads, again, strict=True))
 
 
 @pytest.mark.gpu
@@ -208,7 +241,8 @@ def test_gpu_turns_of_several_query_blocks(causal, turn_blocks):
 @pytest.mark.parametrize("deterministic", [False, True], ids=["any-order", "deterministic"])
 def test_gpu_flash_attention_takes_the_wide_backward(deterministic, monkeypatch, caplog):
     """With ``bwd.SM90_BACKWARD_WIDE`` on, ``flash_attention``'s backward at D = 256 runs this kernel
-    (its debug line says so) and its gradients pass the oracle; a soft cap keeps the Triton kernels."""
+    (its debug line says so) and its gradients pass the oracle, a window's too; a soft cap keeps the
+    Triton kernels."""
     import tritonkit
     from tritonkit.ops.attention import bwd
     from tritonkit.ops.attention.common import attention_reference
@@ -225,6 +259,10 @@ def test_gpu_flash_attention_takes_the_wide_backward(deterministic, monkeypatch,
         out = tritonkit.flash_attention(*leaves, causal=True, softcap=30.0, deterministic=deterministic)
         torch.autograd.grad(out, leaves, do)
         assert "backward (2, 8, 700, 256) on the Triton kernels" in caplog.text, caplog.text
+        caplog.clear()
+        out = tritonkit.flash_attention(*leaves, causal=True, window=(300, 0), deterministic=deterministic)
+        torch.autograd.grad(out, leaves, do)
+        assert "backward (2, 8, 700, 256) on the sm_90 Gluon kernel" in caplog.text, caplog.text
 
     def reference(dtype):
         inputs = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]

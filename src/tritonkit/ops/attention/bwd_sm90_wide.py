@@ -20,9 +20,10 @@ warpgroup. Shared memory: K and V 64 KB, the Q and dO ring 32 KB a stage, P^T an
 of 4 KB each, dQ's staging 32 KB. Two hand-overs a step, each an mbarrier: P^T to warpgroup 1, dS^T
 to both (each warpgroup's dQ columns read it).
 
-The walk, the masks (the causal diagonal and the ragged end of the keys; rows past Sq get P = 0 from
-their +inf lse), the program order and, deterministic, the turns are ``bwd_sm90_kernels``'; no
-windows, soft caps or packed batches (those run the Triton kernels at D = 256).
+The walk, the masks (the causal diagonal, a window's left edge and the ragged end of the keys; rows
+past Sq get P = 0 from their +inf lse), the program order and, deterministic, the turns are
+``bwd_sm90_kernels``'; no soft caps or packed batches (those run the Triton kernels at D = 256).
+Warpgroup 0 alone masks: warpgroup 1's dS^T is P^T (dP^T - delta), zero where P^T is.
 """
 
 from __future__ import annotations
@@ -56,12 +57,20 @@ DQ_PRODUCT = gl.constexpr(64)  # ... in products of this many (a wgmma's M)
 
 @gluon.jit
 def _wide_step(
-    acc, i, walk, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, ROTATE: gl.constexpr, CID: gl.constexpr
+    acc,
+    i,
+    walk,
+    MASKED: gl.constexpr,
+    IS_CAUSAL: gl.constexpr,
+    ROTATE: gl.constexpr,
+    CID: gl.constexpr,
+    HAS_LOWER: gl.constexpr,
 ):
     """Query block i's step of the walk for warpgroup CID (0: S^T, P^T and dV; 1: dP^T, dS^T and
     dK), then its dQ columns; ``acc`` is its dV or dK. MASKED steps hide keys past SEQ_K and,
-    causal, those past each row's diagonal (key j <= row i + UPPER_OFFSET)."""
-    (buffers, keys, zero_s, first, step0, rot, m_count, SEQ_K, UPPER_OFFSET, qk_scale) = walk
+    causal, those past each row's diagonal (key j <= row i + UPPER_OFFSET); with HAS_LOWER those
+    before its window's left edge too (key j >= row i + LOWER_OFFSET)."""
+    (buffers, keys, zero_s, first, step0, rot, m_count, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale) = walk
     (k, v, q_smem, do_smem, pt_smem, ds_smem, dq_smem, qd_ready, qd_empty, pt_ready, pt_free, ds_ready,
      ds_free, dq_full, dq_empty, lse_smem, delta_smem) = buffers  # fmt: skip
     NUM_STAGES: gl.constexpr = q_smem.type.shape[0]
@@ -90,6 +99,8 @@ def _wide_step(
             visible = keys[:, None] < SEQ_K
             if IS_CAUSAL:
                 visible = visible & (keys[:, None] <= rows[None, :] + UPPER_OFFSET)
+            if HAS_LOWER:
+                visible = visible & (keys[:, None] >= rows[None, :] + LOWER_OFFSET)
             p = gl.exp2(gl.where(visible, s * qk_scale - lse[None, :], -float("inf")))
         else:
             p = gl.exp2(s * qk_scale - lse[None, :])
@@ -136,8 +147,9 @@ def _wide_step(
 
 @gluon.jit
 def _wide_steps(
-    acc, buffers, key_start, first, last, step0, rot, m_count, SEQ_K, UPPER_OFFSET, qk_scale,
+    acc, buffers, key_start, first, last, step0, rot, m_count, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale,
     MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, ROTATE: gl.constexpr, CID: gl.constexpr,
+    HAS_LOWER: gl.constexpr,
 ):  # fmt: skip
     """Query blocks [first, last) of one query head: step step0 + (m - first) of the ring for block
     m (ROTATE: block (m + rot) % m_count). Returns ``acc``."""
@@ -148,9 +160,9 @@ def _wide_steps(
     )
     zero_s = gl.zeros([KEYS, BLOCK], gl.float32, s_layout)
     keys = key_start + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
-    walk = (buffers, keys, zero_s, first, step0, rot, m_count, SEQ_K, UPPER_OFFSET, qk_scale)
+    walk = (buffers, keys, zero_s, first, step0, rot, m_count, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale)
     for i in range(first, last):
-        acc = _wide_step(acc, i, walk, MASKED, IS_CAUSAL, ROTATE, CID)
+        acc = _wide_step(acc, i, walk, MASKED, IS_CAUSAL, ROTATE, CID, HAS_LOWER)
     return acc
 
 
@@ -158,12 +170,13 @@ def _wide_steps(
 def _wide_partition(
     cid: gl.constexpr, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, pt_smem,
     ds_smem, dq_smem, kv_ready, qd_ready, qd_empty, pt_ready, pt_free, ds_ready, ds_free, dq_full, dq_empty,
-    batch, kv_head, start_n, GROUP, m_start, m_mid, m_end, rot, SEQ_K, UPPER_OFFSET, qk_scale, scale,
-    IS_CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
+    batch, kv_head, start_n, GROUP, m_start, m_mid, m_tail, m_end, rot, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
+    qk_scale, scale, IS_CAUSAL: gl.constexpr, ROTATE: gl.constexpr, HAS_LOWER: gl.constexpr,
 ):  # fmt: skip
-    """A consumer warpgroup (0: dV, 1: dK) over its program's walk, then its gradient out through
-    its K or V buffer (once both warpgroups' last products have read them) by a TMA store, which
-    clips the keys past Sk."""
+    """A consumer warpgroup (0: dV, 1: dK) over its program's walk (masked, unmasked, and with
+    HAS_LOWER masked again past the key block's first key's reach: ``_walk``), then its gradient out
+    through its K or V buffer (once both warpgroups' last products have read them) by a TMA store,
+    which clips the keys past Sk."""
     HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
     dtype: gl.constexpr = k_smem.dtype
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -180,9 +193,14 @@ def _wide_partition(
         for g in range(GROUP):
             # fmt: off
             acc = _wide_steps(acc, buffers, start_n, m_start, m_mid, g * n_tiles, rot, m_end, SEQ_K,
-                              UPPER_OFFSET, qk_scale, True, IS_CAUSAL, ROTATE, cid)
-            acc = _wide_steps(acc, buffers, start_n, m_mid, m_end, g * n_tiles + m_mid - m_start, rot, m_end,
-                              SEQ_K, UPPER_OFFSET, qk_scale, False, IS_CAUSAL, ROTATE, cid)
+                              UPPER_OFFSET, LOWER_OFFSET, qk_scale, True, IS_CAUSAL, ROTATE, cid, HAS_LOWER)
+            acc = _wide_steps(acc, buffers, start_n, m_mid, m_tail, g * n_tiles + m_mid - m_start, rot, m_end,
+                              SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale, False, IS_CAUSAL, ROTATE, cid,
+                              HAS_LOWER)
+            if HAS_LOWER:
+                acc = _wide_steps(acc, buffers, start_n, m_tail, m_end, g * n_tiles + m_tail - m_start, rot,
+                                  m_end, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale, True, IS_CAUSAL, ROTATE,
+                                  cid, HAS_LOWER)
             # fmt: on
         # K and V are free once both warpgroups' last dQ products (and warpgroup 1's dP^T) are done
         last = GROUP * n_tiles - 1
@@ -228,6 +246,7 @@ def _attn_bwd_sm90_wide_kernel(
     SEQ_Q,
     SEQ_K,  # query rows and keys of a head
     UPPER_OFFSET,  # IS_CAUSAL: row i sees key j iff j <= i + UPPER_OFFSET (Sk - Sq, bottom-right)
+    LOWER_OFFSET,  # HAS_LOWER: ... and j >= i + LOWER_OFFSET (a window's left side)
     qk_scale,  # scale * log2(e)
     scale,  # the scores' scale (dK's factor)
     IS_CAUSAL: gl.constexpr,
@@ -236,20 +255,23 @@ def _attn_bwd_sm90_wide_kernel(
     ROTATE: gl.constexpr,  # DETERMINISTIC, full mask: the rotated walk (bwd_sm90.order)
     ACQUIRE_FIRST: gl.constexpr,
     TURN_BLOCKS: gl.constexpr,
+    HAS_LOWER: gl.constexpr,  # a window's left side (LOWER_OFFSET); only under an upper bound (IS_CAUSAL)
 ):
     BLOCK: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     dtype: gl.constexpr = q_desc.dtype
     gl.static_assert(k_desc.block_type.shape[2] == KEYS, "a program's keys are one K tile")
     gl.static_assert(HEAD_DIM == 2 * DQ_COLS, "each warpgroup adds half of dQ's columns")
+    gl.static_assert(IS_CAUSAL or not HAS_LOWER, "a window's left side comes with an upper bound")
     batch, kv_head, pid_n = _pair(
         gl.program_id(0), PAIRS, PAIRS_PER_GROUP, HEADS_KV, SEQ_K, KEYS, DETERMINISTIC and IS_CAUSAL
     )
     start_n = pid_n * KEYS
     zero = start_n * 0  # (the rows' offsets of a dense batch: tensors, as the partitions take them)
-    n_blocks, m_start, m_mid, _m_tail, m_end, rot = _walk(
-        pid_n, SEQ_Q, SEQ_K, UPPER_OFFSET, 0, BLOCK, KEYS, TURN_BLOCKS, IS_CAUSAL, ROTATE, False, False
-    )
+    n_blocks, m_start, m_mid, m_tail, m_end, rot = _walk(
+        pid_n, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, BLOCK, KEYS, TURN_BLOCKS, IS_CAUSAL, ROTATE,
+        HAS_LOWER, False,
+    )  # fmt: skip
 
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, HEAD_DIM], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, HEAD_DIM], dtype)
@@ -291,11 +313,13 @@ def _attn_bwd_sm90_wide_kernel(
         (_wide_partition, (0, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
                            pt_smem, ds_smem, dq_smem, kv_ready, qd_ready, qd_empty, pt_ready, pt_free,
                            ds_ready, ds_free, dq_full, dq_empty, batch, kv_head, start_n, GROUP, m_start,
-                           m_mid, m_end, rot, SEQ_K, UPPER_OFFSET, qk_scale, scale, IS_CAUSAL, ROTATE)),
+                           m_mid, m_tail, m_end, rot, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale, scale,
+                           IS_CAUSAL, ROTATE, HAS_LOWER)),
         (_wide_partition, (1, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
                            pt_smem, ds_smem, dq_smem, kv_ready, qd_ready, qd_empty, pt_ready, pt_free,
                            ds_ready, ds_free, dq_full, dq_empty, batch, kv_head, start_n, GROUP, m_start,
-                           m_mid, m_end, rot, SEQ_K, UPPER_OFFSET, qk_scale, scale, IS_CAUSAL, ROTATE)),
+                           m_mid, m_tail, m_end, rot, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale, scale,
+                           IS_CAUSAL, ROTATE, HAS_LOWER)),
         (_load_partition, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, kv_ready,
                            qd_ready, qd_empty, batch, kv_head, zero, zero, KV_SHARE, start_n, GROUP,
                            m_start, m_end, rot, lse_ptr, delta_ptr, lse_smem, delta_smem, SEQ_Q, stride_lb,
