@@ -24,8 +24,8 @@ which cuDNN does not take: cuDNN's backward without it is the rate to reach, the
 Triton kernels' deterministic gradients, and TFLOP/s count the pairs the window leaves. A head dim
 between the kernel's own (``--shape 2,32,8,4096,96``) runs the Gluon rows on the kernel of the next one
 up (``bwd.SM90_BACKWARD_PADDED``), TFLOP/s counted at the tensors' D; D = 256 (and 136-248) the Gluon
-rows on ``bwd_sm90_wide``'s kernel (``bwd.SM90_BACKWARD_WIDE``); a row the Gluon kernels do not take
-(a window's left side at D = 256) times cuDNN and the Triton kernels alone.
+rows on ``bwd_sm90_wide``'s kernel (``bwd.SM90_BACKWARD_WIDE``); a head dim the Gluon kernels do not
+take times cuDNN and the Triton kernels alone.
 
 A row's providers take turns, ``--rounds`` of them (``tritonkit.bench.timing.interleaved_turns``;
 each one's ``turns`` are in the JSON): its time is the median of its turns, each turn
@@ -257,10 +257,8 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
         gqa = heads_q != heads_kv
         # --config MODE:FIELD=VALUE,...: a mode's default with those fields replaced; --acquire-first
         # (the dQ warp's other way to poll its turn) and --turn-blocks N name deterministic ones
-        # a row the Gluon kernels do not take (a head dim past them, a left side at D = 256) times cuDNN
-        # and the Triton rows alone
-        wide = head_dim in bwd_sm90.WIDE_HEAD_DIMS
-        takes = head_dim in bwd_sm90.PADDED_HEAD_DIMS or (wide and window[0] < 0)
+        # a head dim the Gluon kernels do not take times cuDNN and the Triton rows alone
+        takes = head_dim in bwd_sm90.PADDED_HEAD_DIMS + bwd_sm90.WIDE_HEAD_DIMS
         kernel_dim = bwd_sm90.kernel_head_dim(head_dim)  # (a padded head dim's)
         shipped = default_config(kernel_dim, True, gqa, causal) if takes else bwd_sm90.CONFIGS[128]
         polls = not shipped.acquire_first
