@@ -4,7 +4,7 @@ backward and tritonkit's Triton backward (both modes), in one process, bf16.
     python benchmarks/attention_bwd_sm90.py OUT.json [--deadline SECONDS] [--skip-triton]
         [--skip-deterministic] [--layer] [--full | --causal] [--candidates | --defaults] [--acquire-first]
         [--turn-blocks N] [--config MODE:FIELD=VALUE[,FIELD=VALUE]] [--shape B,Hq,Hkv,S,D] [--rounds N]
-        [--window LEFT,RIGHT]
+        [--window LEFT,RIGHT] [--softcap CAP]
 
 ``--layer`` times the decoder layer's attention alone (``tritonkit bench layer``'s 8b-4k: GQA 32/8, S =
 4096, causal), q, k and v strided views of one QKV projection's output and dO of the output projection's
@@ -21,7 +21,8 @@ mode's default (``free`` or ``det``) with those ``bwd_sm90.Config`` fields repla
 deterministic one says whether its gradients are the default's bits). ``--shape`` keeps the rows of one
 shape (repeatable). ``--window LEFT,RIGHT`` gives every row that sliding window (``flash_attention``'s),
 which cuDNN does not take: cuDNN's backward without it is the rate to reach, the errors are against the
-Triton kernels' deterministic gradients, and TFLOP/s count the pairs the window leaves. A head dim
+Triton kernels' deterministic gradients, and TFLOP/s count the pairs the window leaves; ``--softcap
+CAP`` caps every row's scores likewise (cuDNN's backward uncapped the rate to reach). A head dim
 between the kernel's own (``--shape 2,32,8,4096,96``) runs the Gluon rows on the kernel of the next one
 up (``bwd.SM90_BACKWARD_PADDED``), TFLOP/s counted at the tensors' D; D = 256 (and 136-248) the Gluon
 rows on ``bwd_sm90_wide``'s kernel (``bwd.SM90_BACKWARD_WIDE``); a head dim the Gluon kernels do not
@@ -154,6 +155,12 @@ def _window() -> tuple[int, int]:
     return given[-1] if given else (-1, -1)
 
 
+def _softcap() -> float:
+    """``--softcap CAP``, else 0 (no cap)."""
+    given = arguments("--softcap", float)
+    return given[-1] if given else 0.0
+
+
 def _pairs(seq: int, causal: bool, window: tuple[int, int]) -> int:
     """The (query, key) pairs a head of ``seq`` rows and keys computes under the mask."""
     left, right = window
@@ -166,8 +173,8 @@ def _pairs(seq: int, causal: bool, window: tuple[int, int]) -> int:
 def _row(shape, causal: bool, layer: bool = False) -> dict:
     batch, heads_q, heads_kv, seq, head_dim = shape
     q, k, v, do = inputs(shape, layer)
-    window = _window()
-    scores = Scores(head_dim**-0.5, causal, window=window)
+    window, cap = _window(), _softcap()
+    scores = Scores(head_dim**-0.5, causal, window=window, softcap=cap)
     o, lse = fwd.attention_fwd(q, k, v, scores)
     flops = 2.5 * 4 * batch * heads_q * _pairs(seq, causal, window) * head_dim
     row = {
@@ -176,6 +183,7 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
         "causal": causal,
         "dtype": "bf16",
         "window": list(window),
+        "softcap": cap,
         "tflop": flops / 1e12,
         "tflops": {},
     }
@@ -281,7 +289,7 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
         ]
         deterministic_grads = {}
         against = "cudnn"  # whose gradients the errors are taken against
-        if window != (-1, -1):  # cuDNN's gradients are of other scores: the errors are against Triton's
+        if window != (-1, -1) or cap:  # cuDNN's gradients are of other scores: the errors against Triton's
             reference = ours(True, False, None)()
             against = "triton_deterministic"
         for name, deterministic, gluon, group, *by_query_head in (

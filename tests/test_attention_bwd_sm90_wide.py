@@ -3,9 +3,9 @@ splitting a step's products). On the CPU: it compiles for sm_90 warp-specialized
 stack, the dQ partials out by bulk reduce-add, the deterministic mode's tickets), its launch passes
 the kernel's parameters in order, its configs and what the dispatch gives it. On the H200 (``gpu``):
 dq, dk and dv against the float64 reference gradients with the oracle's rule (full and causal masks
-of both alignments, Sq != Sk, single rows, GQA and MQA, the padded D = 200, fp16 and bf16, windows, both
-modes, GQA a program a query head), the deterministic mode's bits run to run (turns of several query
-blocks too), and ``flash_attention`` on it once ``bwd.SM90_BACKWARD_WIDE`` is on."""
+of both alignments, Sq != Sk, single rows, GQA and MQA, the padded D = 200, fp16 and bf16, windows and
+soft caps, both modes, GQA a program a query head), the deterministic mode's bits run to run (turns of
+several query blocks too), and ``flash_attention`` on it."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def descriptor(dtype, rows, cols):
     layout = gl.NVMMASharedLayout.get_default_for(block, element)
     return f"tensordesc<{dtype}[{','.join(map(str, block))}],{layout!r}>"
 
-for dtype, causal, deterministic, stages, lower in CASES:
+for dtype, causal, deterministic, stages, lower, softcap in CASES:
     keys = wide.KEYS.value
     rows = {"q_desc": wide.BLOCK_M, "k_desc": keys, "v_desc": keys, "do_desc": wide.BLOCK_M, "dk_desc": keys,
             "dv_desc": keys}
@@ -58,10 +58,10 @@ for dtype, causal, deterministic, stages, lower in CASES:
     for name in ("stride_lb", "stride_lh", "stride_db", "stride_dh", "stride_sb", "stride_sh", "HEADS_KV",
                  "PAIRS", "PAIRS_PER_GROUP", "GROUP", "SEQ_Q", "SEQ_K", "UPPER_OFFSET", "LOWER_OFFSET"):
         signature[name] = "i32"
-    signature |= {"KV_SHARE": "constexpr", "qk_scale": "fp32", "scale": "fp32"}
+    signature |= {"KV_SHARE": "constexpr", "qk_scale": "fp32", "cap_log2": "fp32", "scale": "fp32"}
     constants = {"KV_SHARE": 1, "IS_CAUSAL": causal, "DETERMINISTIC": deterministic, "NUM_STAGES": stages,
                  "ROTATE": deterministic and not causal, "ACQUIRE_FIRST": deterministic, "TURN_BLOCKS": 1,
-                 "HAS_LOWER": lower}
+                 "HAS_LOWER": lower, "SOFTCAP": softcap}
     signature |= {name: "constexpr" for name in constants}
     kernel = triton.compile(GluonASTSource(wide._attn_bwd_sm90_wide_kernel, signature, constants),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
@@ -78,16 +78,18 @@ for dtype, causal, deterministic, stages, lower in CASES:
     }))
 """
 
-# (dtype, causal, deterministic, stages, lower): both masks, both modes (a deterministic full mask
-# compiles the rotated walk), fp16, three stages of Q and dO, and a window's left side (a third,
-# masked loop) in both modes
+# (dtype, causal, deterministic, stages, lower, softcap): both masks, both modes (a deterministic full
+# mask compiles the rotated walk), fp16, three stages of Q and dO, a window's left side (a third,
+# masked loop) in both modes, and soft caps (warpgroup 0's tanh), with a window too
 STATIC_CASES = [
-    ("bf16", True, False, 2, False),
-    ("bf16", False, True, 2, False),
-    ("fp16", True, True, 2, False),
-    ("bf16", False, False, 3, False),
-    ("bf16", True, False, 2, True),
-    ("bf16", True, True, 2, True),
+    ("bf16", True, False, 2, False, False),
+    ("bf16", False, True, 2, False, False),
+    ("fp16", True, True, 2, False, False),
+    ("bf16", False, False, 3, False, False),
+    ("bf16", True, False, 2, True, False),
+    ("bf16", True, True, 2, True, False),
+    ("bf16", False, False, 2, False, True),
+    ("fp16", True, True, 2, True, True),
 ]
 
 
@@ -113,14 +115,14 @@ def test_the_launch_passes_the_kernels_parameters_in_order(monkeypatch):
     from tritonkit.ops.attention import bwd_sm90
 
     monkeypatch.setattr(bwd_sm90, "sm_count", lambda device: 132)
-    for heads_kv, deterministic, lower in ((2, False, None), (4, True, -100)):
+    for heads_kv, deterministic, lower, softcap in ((2, False, None, 0.0), (4, True, -100, 30.0)):
         q = torch.empty(1, 4, 300, 256, dtype=torch.bfloat16)
         k = torch.empty(1, heads_kv, 300, 256, dtype=torch.bfloat16)
         lse, acc, tickets = torch.empty(1, 4, 300), torch.empty(1, 4, 300, 256), torch.empty(1, 4, 10)
         config = bwd_sm90.default_config(256, deterministic, heads_kv != 4, True)
         (launch,) = bwd_sm90.launches(
             q, q, k, k, lse, lse, acc, tickets.int(), k, k, scale=0.1, causal=True, upper_offset=0,
-            lower_offset=lower, deterministic=deterministic, config=config,
+            lower_offset=lower, softcap=softcap, deterministic=deterministic, config=config,
         )  # fmt: skip
         names = launch.kernel.arg_names
         constexprs = [name for name in launch.meta if name != "num_warps"]
@@ -131,6 +133,13 @@ def test_the_launch_passes_the_kernels_parameters_in_order(monkeypatch):
         assert launch.grid == (5 * 1 * heads_kv,) and launch.meta["DETERMINISTIC"] == deterministic
         assert launch.meta["HAS_LOWER"] == (lower is not None)
         assert launch.args[names.index("LOWER_OFFSET")] == (lower or 0)
+        assert launch.meta["SOFTCAP"] == bool(softcap)
+        qk_scale, cap_log2 = launch.args[names.index("qk_scale")], launch.args[names.index("cap_log2")]
+        log2e = 1.4426950408889634
+        if softcap:
+            assert qk_scale == pytest.approx(0.1 / 30.0) and cap_log2 == pytest.approx(30.0 * log2e)
+        else:
+            assert qk_scale == pytest.approx(0.1 * log2e) and cap_log2 == 1.0
 
 
 def test_the_wide_configs_and_what_they_refuse():
@@ -164,9 +173,23 @@ def test_gpu_matches_the_reference(case, head_dim, deterministic):
     check_case(case, head_dim, dtype, deterministic, seed)
 
 
-# the windows' cases without a soft cap (which D = 256 leaves to the Triton kernels): causal windows
-# on and off the blocks' edges, two-sided ones, either side alone, narrow ones, both alignments, GQA
-WIDE_WINDOW_CASES = [case for case in WINDOW_CASES if len(case) == 8]
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("deterministic", [False, True], ids=["any-order", "deterministic"])
+@pytest.mark.parametrize("head_dim", [256, 200])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_soft_capped_scores(causal, head_dim, deterministic):
+    """Soft caps at D = 256 and the padded 200 (warpgroup 0's tanh, P^T (1 - tanh^2) handed over),
+    GQA and Sq != Sk, a cap of 30 and one of 5 that bends most scores, against the float64 reference."""
+    for cap, (seq_q, seq_k) in ((30.0, (700, 900)), (5.0, (333, 333))):
+        seed = 900 + seq_q + 2 * causal + deterministic + (head_dim == 200)
+        q, k, v, do = _inputs(2, 4, 2, seq_q, seq_k, head_dim, torch.bfloat16, seed=seed)
+        check(q, k, v, do, causal, deterministic=deterministic, scale=head_dim**-0.5, softcap=cap)
+
+
+# the windows' cases: causal windows on and off the blocks' edges, two-sided ones, either side alone,
+# narrow ones, both alignments, GQA and MQA, soft caps beside a window
+WIDE_WINDOW_CASES = WINDOW_CASES
 
 
 @pytest.mark.gpu
@@ -174,15 +197,15 @@ WIDE_WINDOW_CASES = [case for case in WINDOW_CASES if len(case) == 8]
 @pytest.mark.parametrize("deterministic", [False, True], ids=["any-order", "deterministic"])
 @pytest.mark.parametrize("case", WIDE_WINDOW_CASES, ids=_window_case_id)
 def test_gpu_windows_match_the_reference(case, deterministic):
-    """A window's left side (the third, masked loop) and its right side at D = 256, against the float64
-    reference; the deterministic mode's bits again."""
+    """A window's left side (the third, masked loop) and its right side at D = 256, soft caps beside
+    some, against the float64 reference; the deterministic mode's bits again."""
     from tritonkit.ops.attention.common import Scores
 
-    batch, heads_q, heads_kv, seq_q, seq_k, causal, bottom_right, window = case
+    batch, heads_q, heads_kv, seq_q, seq_k, causal, bottom_right, window, *cap = case
     dtype = torch.float16 if WIDE_WINDOW_CASES.index(case) % 3 == 1 else torch.bfloat16
     seed = 700 + 2 * WIDE_WINDOW_CASES.index(case) + deterministic
     q, k, v, do = _inputs(batch, heads_q, heads_kv, seq_q, seq_k, 256, dtype, seed)
-    scores = Scores(256**-0.5, causal, bottom_right, window)
+    scores = Scores(256**-0.5, causal, bottom_right, window, *cap)
     grads = _check_window(q, k, v, do, scores, deterministic)
     if deterministic:
         again = _check_window(q, k, v, do, scores, deterministic)
@@ -241,8 +264,7 @@ def test_gpu_turns_of_several_query_blocks(causal, turn_blocks):
 @pytest.mark.parametrize("deterministic", [False, True], ids=["any-order", "deterministic"])
 def test_gpu_flash_attention_takes_the_wide_backward(deterministic, monkeypatch, caplog):
     """With ``bwd.SM90_BACKWARD_WIDE`` on, ``flash_attention``'s backward at D = 256 runs this kernel
-    (its debug line says so) and its gradients pass the oracle, a window's too; a soft cap keeps the
-    Triton kernels."""
+    (its debug line says so) and its gradients pass the oracle; a soft cap and a window take it too."""
     import tritonkit
     from tritonkit.ops.attention import bwd
     from tritonkit.ops.attention.common import attention_reference
@@ -256,13 +278,11 @@ def test_gpu_flash_attention_takes_the_wide_backward(deterministic, monkeypatch,
         )
         assert "backward (2, 8, 700, 256) on the sm_90 Gluon kernel" in caplog.text, caplog.text
         caplog.clear()
-        out = tritonkit.flash_attention(*leaves, causal=True, softcap=30.0, deterministic=deterministic)
-        torch.autograd.grad(out, leaves, do)
-        assert "backward (2, 8, 700, 256) on the Triton kernels" in caplog.text, caplog.text
-        caplog.clear()
-        out = tritonkit.flash_attention(*leaves, causal=True, window=(300, 0), deterministic=deterministic)
-        torch.autograd.grad(out, leaves, do)
-        assert "backward (2, 8, 700, 256) on the sm_90 Gluon kernel" in caplog.text, caplog.text
+        for options in ({"softcap": 30.0}, {"window": (300, 0)}):
+            caplog.clear()
+            out = tritonkit.flash_attention(*leaves, causal=True, deterministic=deterministic, **options)
+            torch.autograd.grad(out, leaves, do)
+            assert "backward (2, 8, 700, 256) on the sm_90 Gluon kernel" in caplog.text, options
 
     def reference(dtype):
         inputs = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]

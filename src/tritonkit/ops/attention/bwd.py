@@ -285,7 +285,7 @@ SM90_BACKWARD_PACKED = True
 # 0.72x). Their gpu cases (tests/test_attention_bwd_sm90_padded.py) passed on that H100.
 SM90_BACKWARD_PADDED: tuple[int, ...] = tuple(range(8, 257, 8))
 # D = 256 on the Gluon kernel whose two warpgroups split a step's products (``bwd_sm90_wide``), in both
-# modes, without soft caps. On the same H100 (`... --defaults --shape
+# modes. On the same H100 (`... --defaults --shape
 # 2,16,8,4096,256 --shape 8,16,16,1024,256`, results/h100/history/attention-bwd-sm90-d256-ca940e0.json),
 # full / causal: free 1.06x / 1.08x cuDNN at (2, 16/8, 4096) and 1.08x / 1.02x at (8, 16, 1024),
 # deterministic 0.73x / 0.73x and 0.82x / 0.80x, where the Triton kernels ran 0.24-0.38x.
@@ -330,8 +330,8 @@ def sm90_takes(q, k, v, scores: Scores, packed: Packed | None, deterministic: bo
     kernel_dim = bwd_sm90.kernel_head_dim(q.shape[3])
     if kernel_dim != q.shape[3] and q.shape[3] not in SM90_BACKWARD_PADDED:
         return False
-    if kernel_dim == 256:  # the wide kernel (bwd_sm90_wide), both modes: no soft cap
-        return SM90_BACKWARD_WIDE and not scores.softcap > 0
+    if kernel_dim == 256:  # the wide kernel (bwd_sm90_wide), both modes
+        return SM90_BACKWARD_WIDE
     if deterministic:
         dims = SM90_BACKWARD_DETERMINISTIC_GQA if q.shape[1] != k.shape[1] else SM90_BACKWARD_DETERMINISTIC
         return kernel_dim in dims

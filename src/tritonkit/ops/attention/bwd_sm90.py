@@ -43,7 +43,7 @@ from tritonkit.ops.attention.fwd_sm90 import (
 PADDED_HEAD_DIMS = tuple(range(8, BACKWARD_HEAD_DIMS[-1] + 1, 8))
 # D = 256, and the head dims it pads (136-248): ``bwd_sm90_wide``'s kernel, its two warpgroups splitting
 # a step's products (dK and dV of 64 keys at D = 256 do not fit one warpgroup's registers); dense
-# batches without soft caps
+# batches
 WIDE_HEAD_DIMS = tuple(range(BACKWARD_HEAD_DIMS[-1] + 8, 257, 8))
 
 
@@ -248,8 +248,6 @@ def attention_bwd_sm90(
             grad.zero_()
         return
     kernel_dim = kernel_head_dim(q.shape[3])
-    if kernel_dim == 256 and softcap:
-        raise NotImplementedError("attention_bwd_sm90 at D = 256 takes no soft cap")
     do, q, k, v = (t if tma_ready(t) else t.contiguous() for t in (do, q, k, v))
     # a window's walks are all about as long, as a full mask's: its GQA programs take the group (on
     # an H100, 1.78 against 2.03 ms deterministic at (2, 32/8, 8192, 128) with a 1024-key window;
@@ -378,8 +376,9 @@ def launches(
     head_dim = kernel_head_dim(head_dim)  # the boxes' columns (PADDED_HEAD_DIMS)
     if head_dim == 256:  # (bwd_sm90_wide)
         tensors = (do, q, k, v, lse, delta, dq_acc, tickets, dk, dv)
-        mask = {"scale": scale, "causal": causal, "upper_offset": upper_offset, "lower_offset": lower_offset}
-        return [_wide_launch(*tensors, **mask, deterministic=deterministic, config=config)]
+        mask = {"causal": causal, "upper_offset": upper_offset, "lower_offset": lower_offset}
+        scores = {"scale": scale, "softcap": softcap}
+        return [_wide_launch(*tensors, **mask, **scores, deterministic=deterministic, config=config)]
     if packed is not None:  # the grid of the sequences and their longest lengths
         batch, seq_q, seq_k = packed.sequences, packed.max_q, packed.max_k
     kv_share, heads_kv, blocks, pairs, pairs_per_group, rotate = _grid(
@@ -449,7 +448,7 @@ def _grid(q, k, dk, batch: int, seq_k: int, keys: int, deterministic: bool, caus
 
 
 def _wide_launch(
-    do, q, k, v, lse, delta, dq_acc, tickets, dk, dv, *, scale, causal, upper_offset, lower_offset,
+    do, q, k, v, lse, delta, dq_acc, tickets, dk, dv, *, scale, softcap, causal, upper_offset, lower_offset,
     deterministic, config,
 ) -> Launch:  # fmt: skip
     """The D = 256 kernel's launch (``bwd_sm90_wide``): one program per 64 keys of a (batch, key/value
@@ -485,7 +484,8 @@ def _wide_launch(
         seq_k,
         int(upper_offset),
         0 if lower_offset is None else int(lower_offset),
-        scale * LOG2E.value,
+        scale / softcap if softcap else scale * LOG2E.value,
+        softcap * LOG2E.value if softcap else 1.0,
         scale,
     )
     meta = {
@@ -496,6 +496,7 @@ def _wide_launch(
         "ACQUIRE_FIRST": config.acquire_first and deterministic,
         "TURN_BLOCKS": config.turn_blocks if deterministic else 1,
         "HAS_LOWER": lower_offset is not None,
+        "SOFTCAP": bool(softcap),
         "num_warps": CONSUMER_WARPS.value,
     }
     grid = (blocks * pairs,)

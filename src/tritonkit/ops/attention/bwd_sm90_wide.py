@@ -22,8 +22,10 @@ to both (each warpgroup's dQ columns read it).
 
 The walk, the masks (the causal diagonal, a window's left edge and the ragged end of the keys; rows
 past Sq get P = 0 from their +inf lse), the program order and, deterministic, the turns are
-``bwd_sm90_kernels``'; no soft caps or packed batches (those run the Triton kernels at D = 256).
-Warpgroup 0 alone masks: warpgroup 1's dS^T is P^T (dP^T - delta), zero where P^T is.
+``bwd_sm90_kernels``'; no packed batches (those run the Triton kernels at D = 256). Warpgroup 0 alone
+masks: warpgroup 1's dS^T is P^T (dP^T - delta), zero where P^T is. With a soft cap warpgroup 0 alone
+takes the tanh, and hands over P^T (1 - tanh^2) (the cap's derivative folded in where P is made, as
+``bwd_sm90_kernels`` does) in P^T's place: dS^T reads nothing else of P.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from tritonkit.jit import LOG2E
 from tritonkit.ops.attention.bwd_sm90_dq import _dq_partition
 from tritonkit.ops.attention.bwd_sm90_kernels import (
     CONSUMER_REGS,
@@ -47,7 +50,7 @@ from tritonkit.ops.attention.bwd_sm90_kernels import (
     _load_partition,
 )
 from tritonkit.ops.attention.bwd_sm90_walk import _pair, _walk
-from tritonkit.ops.attention.sm90_elementwise import to_pairs
+from tritonkit.ops.attention.sm90_elementwise import softcapped_tanh, to_pairs
 
 KEYS = gl.constexpr(64)  # keys a program: one K and V tile, which both warpgroups read
 BLOCK_M = 32  # query rows a step
@@ -65,12 +68,15 @@ def _wide_step(
     ROTATE: gl.constexpr,
     CID: gl.constexpr,
     HAS_LOWER: gl.constexpr,
+    SOFTCAP: gl.constexpr,
 ):
     """Query block i's step of the walk for warpgroup CID (0: S^T, P^T and dV; 1: dP^T, dS^T and
     dK), then its dQ columns; ``acc`` is its dV or dK. MASKED steps hide keys past SEQ_K and,
     causal, those past each row's diagonal (key j <= row i + UPPER_OFFSET); with HAS_LOWER those
-    before its window's left edge too (key j >= row i + LOWER_OFFSET)."""
-    (buffers, keys, zero_s, first, step0, rot, m_count, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale) = walk
+    before its window's left edge too (key j >= row i + LOWER_OFFSET). SOFTCAP: the exponent is
+    cap_log2 * tanh(s * qk_scale) (the forward's ``softcapped_tanh``)."""
+    (buffers, keys, zero_s, first, step0, rot, m_count, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale,
+     cap_log2) = walk  # fmt: skip
     (k, v, q_smem, do_smem, pt_smem, ds_smem, dq_smem, qd_ready, qd_empty, pt_ready, pt_free, ds_ready,
      ds_free, dq_full, dq_empty, lse_smem, delta_smem) = buffers  # fmt: skip
     NUM_STAGES: gl.constexpr = q_smem.type.shape[0]
@@ -94,6 +100,11 @@ def _wide_step(
         s = warpgroup_mma(k, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         lse = lse_smem.index(stage).load(col_s)
+        if SOFTCAP:  # the exponent's factor is cap_log2 on the tanh, in qk_scale's place
+            s = softcapped_tanh(s, qk_scale, qk_scale * (2.0 * LOG2E))
+            factor = cap_log2
+        else:
+            factor = qk_scale
         if MASKED:
             rows = m * BLOCK + gl.arange(0, BLOCK, layout=col_s)
             visible = keys[:, None] < SEQ_K
@@ -101,12 +112,17 @@ def _wide_step(
                 visible = visible & (keys[:, None] <= rows[None, :] + UPPER_OFFSET)
             if HAS_LOWER:
                 visible = visible & (keys[:, None] >= rows[None, :] + LOWER_OFFSET)
-            p = gl.exp2(gl.where(visible, s * qk_scale - lse[None, :], -float("inf")))
+            p = gl.exp2(gl.where(visible, s * factor - lse[None, :], -float("inf")))
         else:
-            p = gl.exp2(s * qk_scale - lse[None, :])
-        p = to_pairs(p, dtype)
+            p = gl.exp2(s * factor - lse[None, :])
+        if SOFTCAP:  # what dS^T reads: P^T (1 - tanh^2)
+            handed = to_pairs(p * (1.0 - s * s), dtype)
+            p = to_pairs(p, dtype)
+        else:
+            p = to_pairs(p, dtype)
+            handed = p
         mbarrier.wait(pt_free.index(x), x_phase ^ 1)  # warpgroup 1 has read it two steps ago
-        pt_smem.index(x).store(p)
+        pt_smem.index(x).store(handed)
         fence_async_shared()  # the generic-proxy store before the other warpgroup reads it
         mbarrier.arrive(pt_ready.index(x), count=1)
         operand = gl.convert_layout(p, a_layout)
@@ -148,8 +164,8 @@ def _wide_step(
 @gluon.jit
 def _wide_steps(
     acc, buffers, key_start, first, last, step0, rot, m_count, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale,
-    MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, ROTATE: gl.constexpr, CID: gl.constexpr,
-    HAS_LOWER: gl.constexpr,
+    cap_log2, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, ROTATE: gl.constexpr, CID: gl.constexpr,
+    HAS_LOWER: gl.constexpr, SOFTCAP: gl.constexpr,
 ):  # fmt: skip
     """Query blocks [first, last) of one query head: step step0 + (m - first) of the ring for block
     m (ROTATE: block (m + rot) % m_count). Returns ``acc``."""
@@ -160,9 +176,10 @@ def _wide_steps(
     )
     zero_s = gl.zeros([KEYS, BLOCK], gl.float32, s_layout)
     keys = key_start + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
-    walk = (buffers, keys, zero_s, first, step0, rot, m_count, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale)
+    walk = (buffers, keys, zero_s, first, step0, rot, m_count, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale,
+            cap_log2)  # fmt: skip
     for i in range(first, last):
-        acc = _wide_step(acc, i, walk, MASKED, IS_CAUSAL, ROTATE, CID, HAS_LOWER)
+        acc = _wide_step(acc, i, walk, MASKED, IS_CAUSAL, ROTATE, CID, HAS_LOWER, SOFTCAP)
     return acc
 
 
@@ -171,7 +188,8 @@ def _wide_partition(
     cid: gl.constexpr, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, pt_smem,
     ds_smem, dq_smem, kv_ready, qd_ready, qd_empty, pt_ready, pt_free, ds_ready, ds_free, dq_full, dq_empty,
     batch, kv_head, start_n, GROUP, m_start, m_mid, m_tail, m_end, rot, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
-    qk_scale, scale, IS_CAUSAL: gl.constexpr, ROTATE: gl.constexpr, HAS_LOWER: gl.constexpr,
+    qk_scale, cap_log2, scale, IS_CAUSAL: gl.constexpr, ROTATE: gl.constexpr, HAS_LOWER: gl.constexpr,
+    SOFTCAP: gl.constexpr,
 ):  # fmt: skip
     """A consumer warpgroup (0: dV, 1: dK) over its program's walk (masked, unmasked, and with
     HAS_LOWER masked again past the key block's first key's reach: ``_walk``), then its gradient out
@@ -193,14 +211,15 @@ def _wide_partition(
         for g in range(GROUP):
             # fmt: off
             acc = _wide_steps(acc, buffers, start_n, m_start, m_mid, g * n_tiles, rot, m_end, SEQ_K,
-                              UPPER_OFFSET, LOWER_OFFSET, qk_scale, True, IS_CAUSAL, ROTATE, cid, HAS_LOWER)
+                              UPPER_OFFSET, LOWER_OFFSET, qk_scale, cap_log2, True, IS_CAUSAL, ROTATE, cid,
+                              HAS_LOWER, SOFTCAP)
             acc = _wide_steps(acc, buffers, start_n, m_mid, m_tail, g * n_tiles + m_mid - m_start, rot, m_end,
-                              SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale, False, IS_CAUSAL, ROTATE, cid,
-                              HAS_LOWER)
+                              SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale, cap_log2, False, IS_CAUSAL, ROTATE,
+                              cid, HAS_LOWER, SOFTCAP)
             if HAS_LOWER:
                 acc = _wide_steps(acc, buffers, start_n, m_tail, m_end, g * n_tiles + m_tail - m_start, rot,
-                                  m_end, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale, True, IS_CAUSAL, ROTATE,
-                                  cid, HAS_LOWER)
+                                  m_end, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale, cap_log2, True,
+                                  IS_CAUSAL, ROTATE, cid, HAS_LOWER, SOFTCAP)
             # fmt: on
         # K and V are free once both warpgroups' last dQ products (and warpgroup 1's dP^T) are done
         last = GROUP * n_tiles - 1
@@ -247,7 +266,8 @@ def _attn_bwd_sm90_wide_kernel(
     SEQ_K,  # query rows and keys of a head
     UPPER_OFFSET,  # IS_CAUSAL: row i sees key j iff j <= i + UPPER_OFFSET (Sk - Sq, bottom-right)
     LOWER_OFFSET,  # HAS_LOWER: ... and j >= i + LOWER_OFFSET (a window's left side)
-    qk_scale,  # scale * log2(e)
+    qk_scale,  # scale * log2(e); SOFTCAP: scale / softcap, the tanh's argument's factor
+    cap_log2,  # SOFTCAP: softcap * log2(e), the exponent's factor on the tanh (else unused)
     scale,  # the scores' scale (dK's factor)
     IS_CAUSAL: gl.constexpr,
     DETERMINISTIC: gl.constexpr,  # dq's partials added in a fixed order (ticket counters)
@@ -256,6 +276,7 @@ def _attn_bwd_sm90_wide_kernel(
     ACQUIRE_FIRST: gl.constexpr,
     TURN_BLOCKS: gl.constexpr,
     HAS_LOWER: gl.constexpr,  # a window's left side (LOWER_OFFSET); only under an upper bound (IS_CAUSAL)
+    SOFTCAP: gl.constexpr,  # capped scores: softcap * tanh(s * scale / softcap)
 ):
     BLOCK: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -313,13 +334,13 @@ def _attn_bwd_sm90_wide_kernel(
         (_wide_partition, (0, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
                            pt_smem, ds_smem, dq_smem, kv_ready, qd_ready, qd_empty, pt_ready, pt_free,
                            ds_ready, ds_free, dq_full, dq_empty, batch, kv_head, start_n, GROUP, m_start,
-                           m_mid, m_tail, m_end, rot, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale, scale,
-                           IS_CAUSAL, ROTATE, HAS_LOWER)),
+                           m_mid, m_tail, m_end, rot, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale, cap_log2,
+                           scale, IS_CAUSAL, ROTATE, HAS_LOWER, SOFTCAP)),
         (_wide_partition, (1, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
                            pt_smem, ds_smem, dq_smem, kv_ready, qd_ready, qd_empty, pt_ready, pt_free,
                            ds_ready, ds_free, dq_full, dq_empty, batch, kv_head, start_n, GROUP, m_start,
-                           m_mid, m_tail, m_end, rot, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale, scale,
-                           IS_CAUSAL, ROTATE, HAS_LOWER)),
+                           m_mid, m_tail, m_end, rot, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale, cap_log2,
+                           scale, IS_CAUSAL, ROTATE, HAS_LOWER, SOFTCAP)),
         (_load_partition, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, kv_ready,
                            qd_ready, qd_empty, batch, kv_head, zero, zero, KV_SHARE, start_n, GROUP,
                            m_start, m_end, rot, lse_ptr, delta_ptr, lse_smem, delta_smem, SEQ_Q, stride_lb,
