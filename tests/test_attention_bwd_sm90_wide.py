@@ -48,7 +48,7 @@ def descriptor(dtype, rows, cols):
     layout = gl.NVMMASharedLayout.get_default_for(block, element)
     return f"tensordesc<{dtype}[{','.join(map(str, block))}],{layout!r}>"
 
-for dtype, causal, deterministic, stages, lower, softcap in CASES:
+for dtype, causal, deterministic, stages, lower, softcap, *dq_buffers in CASES:
     keys = wide.KEYS.value
     rows = {"q_desc": wide.BLOCK_M, "k_desc": keys, "v_desc": keys, "do_desc": wide.BLOCK_M, "dk_desc": keys,
             "dv_desc": keys}
@@ -61,7 +61,7 @@ for dtype, causal, deterministic, stages, lower, softcap in CASES:
     signature |= {"KV_SHARE": "constexpr", "qk_scale": "fp32", "cap_log2": "fp32", "scale": "fp32"}
     constants = {"KV_SHARE": 1, "IS_CAUSAL": causal, "DETERMINISTIC": deterministic, "NUM_STAGES": stages,
                  "ROTATE": deterministic and not causal, "ACQUIRE_FIRST": deterministic, "TURN_BLOCKS": 1,
-                 "HAS_LOWER": lower, "SOFTCAP": softcap}
+                 "HAS_LOWER": lower, "SOFTCAP": softcap, "DQ_BUFFERS": dq_buffers[0] if dq_buffers else 1}
     signature |= {name: "constexpr" for name in constants}
     kernel = triton.compile(GluonASTSource(wide._attn_bwd_sm90_wide_kernel, signature, constants),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
@@ -78,9 +78,10 @@ for dtype, causal, deterministic, stages, lower, softcap in CASES:
     }))
 """
 
-# (dtype, causal, deterministic, stages, lower, softcap): both masks, both modes (a deterministic full
-# mask compiles the rotated walk), fp16, three stages of Q and dO, a window's left side (a third,
-# masked loop) in both modes, and soft caps (warpgroup 0's tanh), with a window too
+# (dtype, causal, deterministic, stages, lower, softcap[, dq_buffers]): both masks, both modes (a
+# deterministic full mask compiles the rotated walk), fp16, three stages of Q and dO, a window's left
+# side (a third, masked loop) in both modes, soft caps (warpgroup 0's tanh), with a window too, and
+# two dQ staging tiles a warpgroup
 STATIC_CASES = [
     ("bf16", True, False, 2, False, False),
     ("bf16", False, True, 2, False, False),
@@ -90,6 +91,7 @@ STATIC_CASES = [
     ("bf16", True, True, 2, True, False),
     ("bf16", False, False, 2, False, True),
     ("fp16", True, True, 2, True, True),
+    ("bf16", True, True, 2, False, False, 2),
 ]
 
 
@@ -144,16 +146,26 @@ def test_the_launch_passes_the_kernels_parameters_in_order(monkeypatch):
 
 def test_the_wide_configs_and_what_they_refuse():
     """D = 256 takes 32-row steps, one dQ tile a step and 2 or 3 stages (the deterministic mode its
-    usual switches); anything else is refused before a launch."""
+    usual switches), two dQ staging tiles a warpgroup at two stages; anything else is refused before a
+    launch, as are two dQ tiles below D = 256."""
     from tritonkit.ops.attention import bwd_sm90
 
     free = bwd_sm90.default_config(256, False)
     assert free == bwd_sm90.WIDE_CONFIG and free.block_m == 32 and free.shared_dq
     bwd_sm90.check_config(bwd_sm90.default_config(256, True, True, True), 256)
     bwd_sm90.check_config(free._replace(num_stages=3), 256)
-    for bad in (free._replace(num_stages=4), free._replace(block_m=64), free._replace(overlap_sdp=True)):
+    bwd_sm90.check_config(free._replace(dq_buffers=2), 256)
+    for bad in (
+        free._replace(num_stages=4),
+        free._replace(block_m=64),
+        free._replace(overlap_sdp=True),
+        free._replace(num_stages=3, dq_buffers=2),  # 246 KB of shared memory
+        free._replace(dq_buffers=3),
+    ):
         with pytest.raises(ValueError, match="D = 256"):
             bwd_sm90.check_config(bad, 256)
+    with pytest.raises(ValueError, match="dq_buffers"):
+        bwd_sm90.check_config(bwd_sm90.CONFIGS[128]._replace(dq_buffers=2), 128)
     assert tuple(range(136, 257, 8)) == bwd_sm90.WIDE_HEAD_DIMS
 
 
@@ -217,8 +229,8 @@ def test_gpu_windows_match_the_reference(case, deterministic):
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_deterministic_bits_and_three_stages(causal):
     """(2, 8/2, 1500, 256): the deterministic gradients (a program a query head under a causal mask)
-    the same bits three runs over and with three stages of Q and dO, passing the oracle, close to
-    the free mode's."""
+    the same bits three runs over, with three stages of Q and dO and with two dQ staging tiles a
+    warpgroup, passing the oracle, close to the free mode's."""
     from tritonkit.ops.attention import bwd_sm90
 
     q, k, v, do = _inputs(2, 8, 2, 1500, 1500, 256, torch.bfloat16, seed=1500 + causal)
@@ -226,6 +238,7 @@ def test_gpu_deterministic_bits_and_three_stages(causal):
     config = bwd_sm90.default_config(256, True, True, causal)
     runs = [_run(q, k, v, do, o, lse, causal, 0.1, True, True, config=config) for _ in range(3)]
     runs.append(_run(q, k, v, do, o, lse, causal, 0.1, True, True, config=config._replace(num_stages=3)))
+    runs.append(_run(q, k, v, do, o, lse, causal, 0.1, True, True, config=config._replace(dq_buffers=2)))
     for other in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], other, strict=True))
     check(q, k, v, do, causal, deterministic=True, scale=0.1, config=config)

@@ -66,7 +66,9 @@ class Config(NamedTuple):
     warp's reduce and, deterministic, its turn) are paid once for twice the products. p_in_pairs:
     where P reaches dS in 16 bits (the deterministic mode at D = 128, fp16), P and dS converted two
     values an instruction on the ALU (F2FP) instead of one on the MUFU's pipe beside the
-    exponentials (F2F), P unpacked for dS."""
+    exponentials (F2F), P unpacked for dS. dq_buffers (D = 256's kernel alone, ``bwd_sm90_wide``): its
+    dQ staging tiles a warpgroup, 2 so that a step's store waits on the reduce of two steps before
+    rather than one (the dQ warp's turn between them), 32 KB more shared memory."""
 
     num_stages: int
     overlap_sdp: bool = False
@@ -76,6 +78,7 @@ class Config(NamedTuple):
     turn_blocks: int = 1
     block_m: int = BLOCK_M
     p_in_pairs: bool = False
+    dq_buffers: int = 1
 
 
 # Shared memory a program at D = 128, 16-bit elements: K and V 2 x 32 KB, the Q/dO ring NUM_STAGES x
@@ -294,13 +297,17 @@ def check_config(config: Config, head_dim: int) -> None:
     if not (isinstance(config.turn_blocks, int) and config.turn_blocks >= 1):
         raise ValueError(f"Config.turn_blocks must be an int >= 1, got {config.turn_blocks!r}")
     if head_dim > BACKWARD_HEAD_DIMS[-1]:  # the wide kernel's: its step, one dQ tile, 2 or 3 stages
-        if (config.block_m, config.shared_dq, config.overlap_sdp) != (wide.BLOCK_M, True, False) or not (
-            2 <= config.num_stages <= 3
-        ):
+        # (two stages with two dQ staging tiles a warpgroup: three would need 246 KB)
+        shape = (config.block_m, config.shared_dq, config.overlap_sdp)
+        stages = (2, 3) if config.dq_buffers == 1 else (2,) if config.dq_buffers == 2 else ()
+        if shape != (wide.BLOCK_M, True, False) or config.num_stages not in stages:
             raise ValueError(
-                f"at D = 256 Config takes block_m {wide.BLOCK_M}, shared_dq, 2-3 stages; got {config}"
+                f"at D = 256 Config takes block_m {wide.BLOCK_M}, shared_dq, 2-3 stages (2 with two dQ "
+                f"buffers); got {config}"
             )
         return
+    if config.dq_buffers != 1:
+        raise ValueError(f"Config.dq_buffers is D = 256's alone (1 below it); got {config}")
     if config.block_m != BLOCK_M and (
         config.block_m != 128 or head_dim > 64 or not config.shared_dq or config.overlap_sdp
     ):
@@ -497,6 +504,7 @@ def _wide_launch(
         "TURN_BLOCKS": config.turn_blocks if deterministic else 1,
         "HAS_LOWER": lower_offset is not None,
         "SOFTCAP": bool(softcap),
+        "DQ_BUFFERS": config.dq_buffers,
         "num_warps": CONSUMER_WARPS.value,
     }
     grid = (blocks * pairs,)

@@ -17,8 +17,8 @@ every query head of its group, BLOCK_M = 32 rows a step; the producer warp and t
 Registers a thread: dV or dK 128, S^T or dP^T 16, a dQ^T product 16, P^T or dS^T in 16 bits 8.
 Tensor-core work a step: S^T, dP^T, dV and dK 0.5M multiply-adds each and dQ 0.5M, 1.25M a
 warpgroup. Shared memory: K and V 64 KB, the Q and dO ring 32 KB a stage, P^T and dS^T two buffers
-of 4 KB each, dQ's staging 32 KB. Two hand-overs a step, each an mbarrier: P^T to warpgroup 1, dS^T
-to both (each warpgroup's dQ columns read it).
+of 4 KB each, dQ's staging 32 KB (64 KB with two tiles a warpgroup, ``Config.dq_buffers``). Two
+hand-overs a step, each an mbarrier: P^T to warpgroup 1, dS^T to both (each warpgroup's dQ columns read it).
 
 The walk, the masks (the causal diagonal, a window's left edge and the ragged end of the keys; rows
 past Sq get P = 0 from their +inf lse), the program order and, deterministic, the turns are
@@ -142,7 +142,10 @@ def _wide_step(
         acc = warpgroup_mma(operand, q, acc, is_async=True)  # dK += dS^T Q
     # this warpgroup's dQ columns, transposed: dQ^T = K^T dS^T, DQ_PRODUCT columns a product
     mbarrier.wait(ds_ready.index(x), x_phase)
-    mbarrier.wait(dq_empty.index(CID), (step & 1) ^ 1)  # the reduce of the step before has read it
+    DQ_BUFFERS: gl.constexpr = dq_smem.type.shape[0] // 2  # staging tiles a warpgroup
+    dq_slot = step % DQ_BUFFERS * 2 + CID
+    # the reduce DQ_BUFFERS steps before has read it
+    mbarrier.wait(dq_empty.index(dq_slot), ((step // DQ_BUFFERS) & 1) ^ 1)
     for part in gl.static_range(DQ_COLS // DQ_PRODUCT):
         dq = warpgroup_mma(
             k.slice(CID * DQ_COLS + part * DQ_PRODUCT, DQ_PRODUCT, dim=1).permute((1, 0)),
@@ -152,12 +155,12 @@ def _wide_step(
             is_async=True,
         )
         dq, acc, operand = warpgroup_mma_wait(num_outstanding=0, deps=(dq, acc, operand))
-        dq_smem.index(CID).slice(part * DQ_PRODUCT, DQ_PRODUCT, dim=1).store(gl.permute(dq, (1, 0)))
+        dq_smem.index(dq_slot).slice(part * DQ_PRODUCT, DQ_PRODUCT, dim=1).store(gl.permute(dq, (1, 0)))
     gl.static_assert(HEAD_DIM == 2 * DQ_COLS, "two warpgroups of DQ_COLS columns")
     mbarrier.arrive(ds_free.index(x), count=1)
     mbarrier.arrive(qd_empty.index(stage), count=1)
     fence_async_shared()  # the dQ columns' generic-proxy stores before the reduce reads them
-    mbarrier.arrive(dq_full.index(CID), count=1)
+    mbarrier.arrive(dq_full.index(dq_slot), count=1)
     return acc
 
 
@@ -277,6 +280,7 @@ def _attn_bwd_sm90_wide_kernel(
     TURN_BLOCKS: gl.constexpr,
     HAS_LOWER: gl.constexpr,  # a window's left side (LOWER_OFFSET); only under an upper bound (IS_CAUSAL)
     SOFTCAP: gl.constexpr,  # capped scores: softcap * tanh(s * scale / softcap)
+    DQ_BUFFERS: gl.constexpr,  # dQ staging tiles a warpgroup (2: a store waits on the reduce two steps back)
 ):
     BLOCK: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -304,7 +308,7 @@ def _attn_bwd_sm90_wide_kernel(
     v_smem = gl.allocate_shared_memory(dtype, [1, KEYS, HEAD_DIM], kv_layout)
     pt_smem = gl.allocate_shared_memory(dtype, [2, KEYS, BLOCK], s_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [2, KEYS, BLOCK], s_layout)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK, DQ_COLS], dq_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2 * DQ_BUFFERS, BLOCK, DQ_COLS], dq_layout)
     rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK], rows_layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK], rows_layout)
@@ -315,8 +319,8 @@ def _attn_bwd_sm90_wide_kernel(
     pt_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [2 * DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [2 * DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready.index(0), count=1)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(qd_ready.index(i), count=1)  # the producer's expect; the TMA's bytes complete it
@@ -326,6 +330,7 @@ def _attn_bwd_sm90_wide_kernel(
         mbarrier.init(pt_free.index(i), count=1)  # ... and read by warpgroup 1
         mbarrier.init(ds_ready.index(i), count=1)  # warpgroup 1's dS^T stored
         mbarrier.init(ds_free.index(i), count=2)  # ... and both warpgroups' dQ products done with it
+    for i in gl.static_range(2 * DQ_BUFFERS):
         mbarrier.init(dq_full.index(i), count=1)  # a warpgroup's dQ columns stored
         mbarrier.init(dq_empty.index(i), count=1)  # ... and read by the dQ warp's reduce
 
