@@ -2,7 +2,7 @@
 H200 (``gpu``) dq, dk and dv against the float64 reference gradients with the oracle's rule, each
 sequence attending to its own keys (one row, ragged lengths, Sq > Sk and Sq < Sk, a sequence without
 queries and one without keys), full and causal masks and a causal window aligned bottom-right for each
-sequence's lengths, a soft cap, GQA, D 64 and 128 and the padded 40 and 96, both modes, the
+sequence's lengths, a soft cap, GQA, D 64, 128 and 256 and the padded 40, 96 and 200, both modes, the
 deterministic mode's bits run to run, every row (and at a padded head dim every column) of every
 gradient written (the buffers are NaN before) and ``flash_attention``'s backward
 taking this kernel. The dispatch rule and the launch are tested on the CPU in test_attention_bwd_sm90,
@@ -85,7 +85,8 @@ MASKS = [(False, (-1, -1), 0.0), (True, (-1, -1), 0.0), (True, (200, 0), 0.0), (
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("deterministic", [False, True], ids=["any-order", "deterministic"])
-@pytest.mark.parametrize("head_dim", [64, 128, 40, 96])  # (40 and 96: padded, dK and dV masked by column)
+# (40, 96 and 200: padded, dK and dV masked by column; 256 and 200 the wide kernel's, bwd_sm90_wide)
+@pytest.mark.parametrize("head_dim", [64, 128, 40, 96, 256, 200])
 @pytest.mark.parametrize("mask", MASKS, ids=lambda m: f"causal={m[0]}-window{m[1][0]},{m[1][1]}-cap{m[2]:g}")
 def test_gpu_packed_batches_match_the_reference(mask, head_dim, deterministic):
     from tritonkit.ops.attention.common import Scores
@@ -126,14 +127,15 @@ def test_gpu_a_packed_call_checks_its_views_and_cu_seqlens():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("head_dim", [128, 256])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_gpu_flash_attention_backward_takes_the_gluon_kernel_packed(deterministic, caplog):
+def test_gpu_flash_attention_backward_takes_the_gluon_kernel_packed(deterministic, head_dim, caplog):
     """flash_attention's cu_seqlens go to this kernel in the backward (its debug line), its gradients
     within the oracle's rule against float64."""
     import tritonkit
     from tritonkit.ops.attention.common import attention_reference
 
-    q, k, v, do, packed = _packed_inputs(128, torch.bfloat16, seed=9)
+    q, k, v, do, packed = _packed_inputs(head_dim, torch.bfloat16, seed=9)
     call = {"cu_seqlens_q": packed.cu_q, "cu_seqlens_k": packed.cu_k, "causal": True}
     call |= {"max_seqlen_q": packed.max_q, "max_seqlen_k": packed.max_k, "deterministic": deterministic}
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]

@@ -48,20 +48,24 @@ def descriptor(dtype, rows, cols):
     layout = gl.NVMMASharedLayout.get_default_for(block, element)
     return f"tensordesc<{dtype}[{','.join(map(str, block))}],{layout!r}>"
 
-for dtype, causal, deterministic, stages, lower, softcap, *dq_buffers in CASES:
+for dtype, causal, deterministic, stages, lower, softcap, *extra in CASES:
+    extra = extra[0] if extra else {}
     keys = wide.KEYS.value
     rows = {"q_desc": wide.BLOCK_M, "k_desc": keys, "v_desc": keys, "do_desc": wide.BLOCK_M, "dk_desc": keys,
             "dv_desc": keys}
     signature = {name: descriptor(dtype, n, 256) for name, n in rows.items()}
     signature |= {"dq_desc": descriptor("fp32", wide.BLOCK_M, wide.DQ_COLS.value), "lse_ptr": "*fp32",
-                  "delta_ptr": "*fp32", "sem_ptr": "*i32"}
-    for name in ("stride_lb", "stride_lh", "stride_db", "stride_dh", "stride_sb", "stride_sh", "HEADS_KV",
-                 "PAIRS", "PAIRS_PER_GROUP", "GROUP", "SEQ_Q", "SEQ_K", "UPPER_OFFSET", "LOWER_OFFSET"):
+                  "delta_ptr": "*fp32", "sem_ptr": "*i32", "dk_ptr": f"*{dtype}", "dv_ptr": f"*{dtype}",
+                  "cu_q_ptr": "*i32", "cu_k_ptr": "*i32"}
+    for name in ("stride_lb", "stride_lh", "stride_db", "stride_dh", "stride_sb", "stride_sh", "stride_dkh",
+                 "stride_dks", "stride_dvh", "stride_dvs", "HEADS_KV", "PAIRS", "PAIRS_PER_GROUP", "GROUP",
+                 "SEQ_Q", "SEQ_K", "UPPER_OFFSET", "LOWER_OFFSET"):
         signature[name] = "i32"
     signature |= {"KV_SHARE": "constexpr", "qk_scale": "fp32", "cap_log2": "fp32", "scale": "fp32"}
     constants = {"KV_SHARE": 1, "IS_CAUSAL": causal, "DETERMINISTIC": deterministic, "NUM_STAGES": stages,
                  "ROTATE": deterministic and not causal, "ACQUIRE_FIRST": deterministic, "TURN_BLOCKS": 1,
-                 "HAS_LOWER": lower, "SOFTCAP": softcap, "DQ_BUFFERS": dq_buffers[0] if dq_buffers else 1}
+                 "HAS_LOWER": lower, "SOFTCAP": softcap, "DQ_BUFFERS": extra.get("dq_buffers", 1),
+                 "VARLEN": extra.get("varlen", False), "TENSOR_D": extra.get("tensor_d", 0)}
     signature |= {name: "constexpr" for name in constants}
     kernel = triton.compile(GluonASTSource(wide._attn_bwd_sm90_wide_kernel, signature, constants),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
@@ -78,10 +82,11 @@ for dtype, causal, deterministic, stages, lower, softcap, *dq_buffers in CASES:
     }))
 """
 
-# (dtype, causal, deterministic, stages, lower, softcap[, dq_buffers]): both masks, both modes (a
-# deterministic full mask compiles the rotated walk), fp16, three stages of Q and dO, a window's left
-# side (a third, masked loop) in both modes, soft caps (warpgroup 0's tanh), with a window too, and
-# two dQ staging tiles a warpgroup
+# (dtype, causal, deterministic, stages, lower, softcap[, {dq_buffers, varlen, tensor_d}]): both
+# masks, both modes (a deterministic full mask compiles the rotated walk), fp16, three stages of Q and
+# dO, a window's left side (a third, masked loop) in both modes, soft caps (warpgroup 0's tanh), with
+# a window too, two dQ staging tiles a warpgroup, and packed batches (dK and dV stored row by row;
+# at the padded D = 200 masked by column too)
 STATIC_CASES = [
     ("bf16", True, False, 2, False, False),
     ("bf16", False, True, 2, False, False),
@@ -91,7 +96,9 @@ STATIC_CASES = [
     ("bf16", True, True, 2, True, False),
     ("bf16", False, False, 2, False, True),
     ("fp16", True, True, 2, True, True),
-    ("bf16", True, True, 2, False, False, 2),
+    ("bf16", True, True, 2, False, False, {"dq_buffers": 2}),
+    ("bf16", True, False, 2, False, False, {"varlen": True, "tensor_d": 256}),
+    ("fp16", True, True, 2, True, True, {"varlen": True, "tensor_d": 200}),
 ]
 
 
@@ -113,18 +120,26 @@ def test_the_kernel_compiles_for_hopper_warp_specialized_without_spills(case):
 def test_the_launch_passes_the_kernels_parameters_in_order(monkeypatch):
     """Runtime arguments by position, then the constexprs as the kernel's trailing parameters (only
     a GPU run would otherwise tell); a program a 64-key block of a (batch, key/value head), its boxes
-    of 32 query rows, 64 keys and dQ's 128 columns a warpgroup."""
+    of 32 query rows, 64 keys and dQ's 128 columns a warpgroup; a packed batch's grid over its
+    sequences and the longest one's key blocks, its cu_seqlens and dK's pointer passed."""
     from tritonkit.ops.attention import bwd_sm90
+    from tritonkit.ops.attention.common import Packed
 
     monkeypatch.setattr(bwd_sm90, "sm_count", lambda device: 132)
-    for heads_kv, deterministic, lower, softcap in ((2, False, None, 0.0), (4, True, -100, 30.0)):
+    cu = torch.tensor([0, 100, 300], dtype=torch.int32)
+    packed = Packed(cu, cu, 2, 200, 200)
+    for heads_kv, deterministic, lower, softcap, pack in (
+        (2, False, None, 0.0, None),
+        (4, True, -100, 30.0, None),
+        (2, True, None, 0.0, packed),
+    ):
         q = torch.empty(1, 4, 300, 256, dtype=torch.bfloat16)
         k = torch.empty(1, heads_kv, 300, 256, dtype=torch.bfloat16)
         lse, acc, tickets = torch.empty(1, 4, 300), torch.empty(1, 4, 300, 256), torch.empty(1, 4, 10)
         config = bwd_sm90.default_config(256, deterministic, heads_kv != 4, True)
         (launch,) = bwd_sm90.launches(
             q, q, k, k, lse, lse, acc, tickets.int(), k, k, scale=0.1, causal=True, upper_offset=0,
-            lower_offset=lower, softcap=softcap, deterministic=deterministic, config=config,
+            lower_offset=lower, softcap=softcap, deterministic=deterministic, config=config, packed=pack,
         )  # fmt: skip
         names = launch.kernel.arg_names
         constexprs = [name for name in launch.meta if name != "num_warps"]
@@ -132,7 +147,13 @@ def test_the_launch_passes_the_kernels_parameters_in_order(monkeypatch):
         assert [arg.block_shape[2:] for arg in launch.args[:7]] == [[32, 256]] + [[64, 256]] * 2 + [
             [32, 256]
         ] + [[64, 256]] * 2 + [[32, 128]]
-        assert launch.grid == (5 * 1 * heads_kv,) and launch.meta["DETERMINISTIC"] == deterministic
+        # 5 key blocks of 64 over 300 keys, or over the longest sequence's 200 keys 4, a sequence each
+        blocks = 5 if pack is None else 4 * 2
+        assert launch.grid == (blocks * heads_kv,) and launch.meta["DETERMINISTIC"] == deterministic
+        assert launch.meta["VARLEN"] == (pack is not None)
+        assert launch.meta["TENSOR_D"] == (0 if pack is None else 256)
+        if pack is not None:
+            assert launch.args[names.index("cu_q_ptr")] is cu and launch.args[names.index("dk_ptr")] is k
         assert launch.meta["HAS_LOWER"] == (lower is not None)
         assert launch.args[names.index("LOWER_OFFSET")] == (lower or 0)
         assert launch.meta["SOFTCAP"] == bool(softcap)

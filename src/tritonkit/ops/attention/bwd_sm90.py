@@ -178,17 +178,16 @@ DETERMINISTIC_GQA_PER_QUERY_HEAD = {True: True, False: False}
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: Packed | None = None) -> bool:
     """Whether ``attention_bwd_sm90`` takes these inputs: (B, H, S, D) fp16/bf16 tensors of one dtype
     on an sm_90 GPU (with ``packed``, a packed batch's (1, H, T, D) views), D a multiple of 8 up to
-    256 (PADDED_HEAD_DIMS; past 128 WIDE_HEAD_DIMS, not packed), Hq a multiple of Hkv, within the
-    grid's bounds. Strides are
-    free (tensors that TMA cannot read as they are are copied first). Masks, windows and the rest
-    are the caller's to check (``bwd.sm90_takes``)."""
-    head_dims = PADDED_HEAD_DIMS + WIDE_HEAD_DIMS if packed is None else PADDED_HEAD_DIMS
-    if not sm90_dense_inputs(q, k, v, head_dims):
+    256 (PADDED_HEAD_DIMS; past 128 WIDE_HEAD_DIMS), Hq a multiple of Hkv, within the grid's bounds.
+    Strides are free (tensors that TMA cannot read as they are are copied first). Masks, windows and
+    the rest are the caller's to check (``bwd.sm90_takes``)."""
+    if not sm90_dense_inputs(q, k, v, PADDED_HEAD_DIMS + WIDE_HEAD_DIMS):
         return False
     (batch, heads_q, seq_k) = (*q.shape[:2], k.shape[2])
     if packed is not None:
         batch, seq_k = packed.sequences, packed.max_k
-    return batch * heads_q * cdiv(seq_k, BLOCK_N) < MAX_GRID_X  # (per query head: a program a q head)
+    keys = wide.KEYS.value if q.shape[3] in WIDE_HEAD_DIMS else BLOCK_N  # a program's
+    return batch * heads_q * cdiv(seq_k, keys) < MAX_GRID_X  # (per query head: a program a q head)
 
 
 MAX_GRID_X = 2**31  # programs a launch may have along its x axis (CUDA's limit, and int32 ids)
@@ -385,7 +384,11 @@ def launches(
         tensors = (do, q, k, v, lse, delta, dq_acc, tickets, dk, dv)
         mask = {"causal": causal, "upper_offset": upper_offset, "lower_offset": lower_offset}
         scores = {"scale": scale, "softcap": softcap}
-        return [_wide_launch(*tensors, **mask, **scores, deterministic=deterministic, config=config)]
+        return [
+            _wide_launch(
+                *tensors, **mask, **scores, deterministic=deterministic, config=config, packed=packed
+            )
+        ]
     if packed is not None:  # the grid of the sequences and their longest lengths
         batch, seq_q, seq_k = packed.sequences, packed.max_q, packed.max_k
     kv_share, heads_kv, blocks, pairs, pairs_per_group, rotate = _grid(
@@ -456,11 +459,14 @@ def _grid(q, k, dk, batch: int, seq_k: int, keys: int, deterministic: bool, caus
 
 def _wide_launch(
     do, q, k, v, lse, delta, dq_acc, tickets, dk, dv, *, scale, softcap, causal, upper_offset, lower_offset,
-    deterministic, config,
+    deterministic, config, packed=None,
 ) -> Launch:  # fmt: skip
     """The D = 256 kernel's launch (``bwd_sm90_wide``): one program per 64 keys of a (batch, key/value
-    head), in ``order``'s order, 32 query rows a step."""
+    head), in ``order``'s order, 32 query rows a step (a packed batch's: its sequences' over the
+    longest one's key blocks, dK and dV stored row by row)."""
     (batch, heads_q, seq_q, _), seq_k = q.shape, k.shape[2]
+    if packed is not None:  # the grid of the sequences and their longest lengths
+        batch, seq_q, seq_k = packed.sequences, packed.max_q, packed.max_k
     keys, rows = wide.KEYS.value, wide.BLOCK_M
     kv_share, heads_kv, blocks, pairs, pairs_per_group, rotate = _grid(
         q, k, dk, batch, seq_k, keys, deterministic, causal
@@ -476,12 +482,20 @@ def _wide_launch(
         lse,
         delta,
         tickets,
+        dk,  # (packed: stored row by row, masked)
+        dv,
+        lse if packed is None else packed.cu_q,  # (unused but packed)
+        lse if packed is None else packed.cu_k,
         lse.stride(0),
         lse.stride(1),
         delta.stride(0),
         delta.stride(1),
         tickets.stride(0),
         tickets.stride(1),
+        dk.stride(1),
+        dk.stride(2),
+        dv.stride(1),
+        dv.stride(2),
         heads_kv,
         pairs,
         pairs_per_group,
@@ -505,6 +519,8 @@ def _wide_launch(
         "HAS_LOWER": lower_offset is not None,
         "SOFTCAP": bool(softcap),
         "DQ_BUFFERS": config.dq_buffers,
+        "VARLEN": packed is not None,
+        "TENSOR_D": q.shape[3] if packed is not None else 0,
         "num_warps": CONSUMER_WARPS.value,
     }
     grid = (blocks * pairs,)

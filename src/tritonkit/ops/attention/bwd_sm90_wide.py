@@ -22,7 +22,8 @@ hand-overs a step, each an mbarrier: P^T to warpgroup 1, dS^T to both (each warp
 
 The walk, the masks (the causal diagonal, a window's left edge and the ragged end of the keys; rows
 past Sq get P = 0 from their +inf lse), the program order and, deterministic, the turns are
-``bwd_sm90_kernels``'; no packed batches (those run the Triton kernels at D = 256). Warpgroup 0 alone
+``bwd_sm90_kernels``', packed batches' too (VARLEN: dK and dV stored row by row from the registers,
+masked by the sequence's keys and by TENSOR_D's columns, ``_store_rows``). Warpgroup 0 alone
 masks: warpgroup 1's dS^T is P^T (dP^T - delta), zero where P^T is. With a soft cap warpgroup 0 alone
 takes the tanh, and hands over P^T (1 - tanh^2) (the cap's derivative folded in where P is made, as
 ``bwd_sm90_kernels`` does) in P^T's place: dS^T reads nothing else of P.
@@ -50,6 +51,7 @@ from tritonkit.ops.attention.bwd_sm90_kernels import (
     _load_partition,
 )
 from tritonkit.ops.attention.bwd_sm90_walk import _pair, _walk
+from tritonkit.ops.attention.fwd_sm90_tiles import _sequence
 from tritonkit.ops.attention.sm90_elementwise import softcapped_tanh, to_pairs
 
 KEYS = gl.constexpr(64)  # keys a program: one K and V tile, which both warpgroups read
@@ -188,16 +190,17 @@ def _wide_steps(
 
 @gluon.jit
 def _wide_partition(
-    cid: gl.constexpr, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, pt_smem,
-    ds_smem, dq_smem, kv_ready, qd_ready, qd_empty, pt_ready, pt_free, ds_ready, ds_free, dq_full, dq_empty,
-    batch, kv_head, start_n, GROUP, m_start, m_mid, m_tail, m_end, rot, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
-    qk_scale, cap_log2, scale, IS_CAUSAL: gl.constexpr, ROTATE: gl.constexpr, HAS_LOWER: gl.constexpr,
-    SOFTCAP: gl.constexpr,
+    cid: gl.constexpr, dk_desc, dv_desc, dk_ptr, dv_ptr, stride_dkh, stride_dks, stride_dvh, stride_dvs,
+    q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, pt_smem, ds_smem, dq_smem, kv_ready, qd_ready,
+    qd_empty, pt_ready, pt_free, ds_ready, ds_free, dq_full, dq_empty, batch, kv_head, start_n, k_row0, GROUP,
+    m_start, m_mid, m_tail, m_end, rot, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale, cap_log2, scale,
+    IS_CAUSAL: gl.constexpr, ROTATE: gl.constexpr, HAS_LOWER: gl.constexpr, SOFTCAP: gl.constexpr,
+    VARLEN: gl.constexpr, TENSOR_D: gl.constexpr,
 ):  # fmt: skip
     """A consumer warpgroup (0: dV, 1: dK) over its program's walk (masked, unmasked, and with
-    HAS_LOWER masked again past the key block's first key's reach: ``_walk``), then its gradient out
+    HAS_LOWER masked again past the key block's first key's reach: ``_walk``), then its gradient out:
     through its K or V buffer (once both warpgroups' last products have read them) by a TMA store,
-    which clips the keys past Sk."""
+    or VARLEN row by row from its registers (``_store_rows``)."""
     HEAD_DIM: gl.constexpr = k_smem.type.shape[2]
     dtype: gl.constexpr = k_smem.dtype
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -224,22 +227,49 @@ def _wide_partition(
                                   m_end, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale, cap_log2, True,
                                   IS_CAUSAL, ROTATE, cid, HAS_LOWER, SOFTCAP)
             # fmt: on
-        # K and V are free once both warpgroups' last dQ products (and warpgroup 1's dP^T) are done
-        last = GROUP * n_tiles - 1
-        mbarrier.wait(ds_free.index(last % 2), (last // 2) & 1)
-    if cid == 0:
-        v.store(acc.to(dtype))
+        if not VARLEN:
+            # K and V are free once both warpgroups' last dQ products (and warpgroup 1's dP^T) are done
+            last = GROUP * n_tiles - 1
+            mbarrier.wait(ds_free.index(last % 2), (last // 2) & 1)
+    if cid == 1:
+        acc = acc * scale
+    if VARLEN:  # row by row, masked: a box past the sequence's keys would overwrite the next one's
+        if cid == 0:
+            _store_rows(
+                acc.to(dtype), dv_ptr, stride_dvh, stride_dvs, kv_head, k_row0, start_n, SEQ_K, TENSOR_D
+            )
+        else:
+            _store_rows(
+                acc.to(dtype), dk_ptr, stride_dkh, stride_dks, kv_head, k_row0, start_n, SEQ_K, TENSOR_D
+            )
+    else:  # through this warpgroup's K or V buffer, by a TMA store, which clips the keys past Sk
+        if cid == 0:
+            buffer = v
+            desc = dv_desc
+        else:
+            buffer = k
+            desc = dk_desc
+        buffer.store(acc.to(dtype))
         fence_async_shared()
         tma.async_copy_shared_to_global(
-            dv_desc, [batch, kv_head, start_n, 0], v.reshape([1, 1, KEYS, HEAD_DIM])
+            desc, [batch, kv_head, start_n, 0], buffer.reshape([1, 1, KEYS, HEAD_DIM])
         )
-    else:
-        k.store((acc * scale).to(dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(
-            dk_desc, [batch, kv_head, start_n, 0], k.reshape([1, 1, KEYS, HEAD_DIM])
-        )
-    tma.store_wait(pendings=0)
+        tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _store_rows(grad, ptr, stride_h, stride_s, kv_head, k_row0, start_n, SEQ_K, TENSOR_D: gl.constexpr):
+    """A packed batch's dK or dV rows of the program's keys, those past the sequence's keys masked
+    (and at a padded head dim the columns past TENSOR_D, the next head's in memory)."""
+    HEAD_DIM: gl.constexpr = grad.type.shape[1]
+    layout: gl.constexpr = grad.type.layout
+    keys = start_n + gl.arange(0, KEYS, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))[None, :]
+    inside = (keys < SEQ_K)[:, None]
+    if TENSOR_D < HEAD_DIM:
+        inside = inside & (cols < TENSOR_D)
+    at = (k_row0 + keys).to(gl.int64)[:, None]
+    gl.store(ptr + kv_head.to(gl.int64) * stride_h + at * stride_s + cols, grad, mask=inside)
 
 
 @gluon.jit
@@ -254,21 +284,29 @@ def _attn_bwd_sm90_wide_kernel(
     lse_ptr,  # fp32 forward log-sum-exp (natural log), (B, Hq, Sq), strides stride_lb, stride_lh, 1
     delta_ptr,  # fp32 rowsum(dO * O) - dlse, (B, Hq, Sq), strides stride_db, stride_dh, 1
     sem_ptr,  # DETERMINISTIC: zeroed int32 counters (B, Hq, cdiv(Sq, BLOCK_M x TURN_BLOCKS)), stride_s*, 1
+    dk_ptr,  # VARLEN: dk (1, Hkv, T, D) (per query head: the shares, (1, Hq, T, D)), stored row by row
+    dv_ptr,  # VARLEN: dv, like dk
+    cu_q_ptr,  # VARLEN: int32 (B + 1,) cu_seqlens of the queries: sequence b's rows cu_q[b]:cu_q[b + 1]
+    cu_k_ptr,  # VARLEN: ... of the keys
     stride_lb,
     stride_lh,
     stride_db,
     stride_dh,
     stride_sb,
     stride_sh,
+    stride_dkh,
+    stride_dks,  # dk's strides of a head and of a key (VARLEN)
+    stride_dvh,
+    stride_dvs,
     HEADS_KV,  # key/value heads (per query head: query heads)
-    PAIRS,  # (batch, key/value head) pairs: B * HEADS_KV
+    PAIRS,  # (batch, key/value head) pairs: B * HEADS_KV (VARLEN: sequences * HEADS_KV)
     PAIRS_PER_GROUP,  # the order of programs (bwd_sm90.order)
     GROUP,  # query heads a program walks (1 per query head)
     KV_SHARE,  # per query head: programs' heads a k/v head serves, else 1
     SEQ_Q,
-    SEQ_K,  # query rows and keys of a head
-    UPPER_OFFSET,  # IS_CAUSAL: row i sees key j iff j <= i + UPPER_OFFSET (Sk - Sq, bottom-right)
-    LOWER_OFFSET,  # HAS_LOWER: ... and j >= i + LOWER_OFFSET (a window's left side)
+    SEQ_K,  # query rows and keys of a head (VARLEN: the longest sequence's)
+    UPPER_OFFSET,  # IS_CAUSAL: row i sees key j iff j <= i + UPPER_OFFSET (VARLEN: a sequence adds Sk - Sq)
+    LOWER_OFFSET,  # HAS_LOWER: ... and j >= i + LOWER_OFFSET (a window's left side; likewise)
     qk_scale,  # scale * log2(e); SOFTCAP: scale / softcap, the tanh's argument's factor
     cap_log2,  # SOFTCAP: softcap * log2(e), the exponent's factor on the tanh (else unused)
     scale,  # the scores' scale (dK's factor)
@@ -281,6 +319,8 @@ def _attn_bwd_sm90_wide_kernel(
     HAS_LOWER: gl.constexpr,  # a window's left side (LOWER_OFFSET); only under an upper bound (IS_CAUSAL)
     SOFTCAP: gl.constexpr,  # capped scores: softcap * tanh(s * scale / softcap)
     DQ_BUFFERS: gl.constexpr,  # dQ staging tiles a warpgroup (2: a store waits on the reduce two steps back)
+    VARLEN: gl.constexpr,  # a packed batch of B sequences: tensors (1, H, T, D), a program's batch a sequence
+    TENSOR_D: gl.constexpr,  # VARLEN: the tensors' D, the boxes' (HEAD_DIM) or fewer (a padded head dim)
 ):
     BLOCK: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -292,10 +332,18 @@ def _attn_bwd_sm90_wide_kernel(
         gl.program_id(0), PAIRS, PAIRS_PER_GROUP, HEADS_KV, SEQ_K, KEYS, DETERMINISTIC and IS_CAUSAL
     )
     start_n = pid_n * KEYS
-    zero = start_n * 0  # (the rows' offsets of a dense batch: tensors, as the partitions take them)
+    sequence = batch  # (the tickets' index)
+    if VARLEN:  # the sequence's rows in the tensors, its lengths, its bounds aligned bottom-right
+        q_row0, k_row0, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET = _sequence(
+            sequence, cu_q_ptr, cu_k_ptr, UPPER_OFFSET, LOWER_OFFSET
+        )
+        batch = batch * 0
+    else:  # (tensors, not constants: the partitions take them as arguments)
+        q_row0 = start_n * 0
+        k_row0 = start_n * 0
     n_blocks, m_start, m_mid, m_tail, m_end, rot = _walk(
         pid_n, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, BLOCK, KEYS, TURN_BLOCKS, IS_CAUSAL, ROTATE,
-        HAS_LOWER, False,
+        HAS_LOWER, VARLEN,
     )  # fmt: skip
 
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, HEAD_DIM], dtype)
@@ -336,22 +384,25 @@ def _attn_bwd_sm90_wide_kernel(
 
     # fmt: off
     gl.warp_specialize([
-        (_wide_partition, (0, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
-                           pt_smem, ds_smem, dq_smem, kv_ready, qd_ready, qd_empty, pt_ready, pt_free,
-                           ds_ready, ds_free, dq_full, dq_empty, batch, kv_head, start_n, GROUP, m_start,
+        (_wide_partition, (0, dk_desc, dv_desc, dk_ptr, dv_ptr, stride_dkh, stride_dks, stride_dvh,
+                           stride_dvs, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, pt_smem,
+                           ds_smem, dq_smem, kv_ready, qd_ready, qd_empty, pt_ready, pt_free, ds_ready,
+                           ds_free, dq_full, dq_empty, batch, kv_head, start_n, k_row0, GROUP, m_start,
                            m_mid, m_tail, m_end, rot, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale, cap_log2,
-                           scale, IS_CAUSAL, ROTATE, HAS_LOWER, SOFTCAP)),
-        (_wide_partition, (1, dk_desc, dv_desc, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
-                           pt_smem, ds_smem, dq_smem, kv_ready, qd_ready, qd_empty, pt_ready, pt_free,
-                           ds_ready, ds_free, dq_full, dq_empty, batch, kv_head, start_n, GROUP, m_start,
+                           scale, IS_CAUSAL, ROTATE, HAS_LOWER, SOFTCAP, VARLEN, TENSOR_D)),
+        (_wide_partition, (1, dk_desc, dv_desc, dk_ptr, dv_ptr, stride_dkh, stride_dks, stride_dvh,
+                           stride_dvs, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, pt_smem,
+                           ds_smem, dq_smem, kv_ready, qd_ready, qd_empty, pt_ready, pt_free, ds_ready,
+                           ds_free, dq_full, dq_empty, batch, kv_head, start_n, k_row0, GROUP, m_start,
                            m_mid, m_tail, m_end, rot, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale, cap_log2,
-                           scale, IS_CAUSAL, ROTATE, HAS_LOWER, SOFTCAP)),
+                           scale, IS_CAUSAL, ROTATE, HAS_LOWER, SOFTCAP, VARLEN, TENSOR_D)),
         (_load_partition, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, kv_ready,
-                           qd_ready, qd_empty, batch, kv_head, zero, zero, KV_SHARE, start_n, GROUP,
+                           qd_ready, qd_empty, batch, kv_head, q_row0, k_row0, KV_SHARE, start_n, GROUP,
                            m_start, m_end, rot, lse_ptr, delta_ptr, lse_smem, delta_smem, SEQ_Q, stride_lb,
                            stride_lh, stride_db, stride_dh)),
-        (_dq_partition, (dq_desc, dq_smem, dq_full, dq_empty, sem_ptr, batch, batch, zero, kv_head, start_n,
-                         GROUP, m_start, m_end, n_blocks - 1, rot, UPPER_OFFSET, stride_sb, stride_sh, KEYS,
-                         IS_CAUSAL, DETERMINISTIC, ROTATE, True, ACQUIRE_FIRST, TURN_BLOCKS, 2)),
+        (_dq_partition, (dq_desc, dq_smem, dq_full, dq_empty, sem_ptr, batch, sequence, q_row0, kv_head,
+                         start_n, GROUP, m_start, m_end, n_blocks - 1, rot, UPPER_OFFSET, stride_sb,
+                         stride_sh, KEYS, IS_CAUSAL, DETERMINISTIC, ROTATE, True, ACQUIRE_FIRST, TURN_BLOCKS,
+                         2)),
     ], [CONSUMER_WARPS, PRODUCER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
     # fmt: on
