@@ -65,8 +65,8 @@ def test_a_padded_head_dim_launches_the_next_kernel_up(head_dim, deterministic, 
 
 
 def test_the_kernel_takes_padded_head_dims_dense_and_packed(monkeypatch):
-    """``supports``: D a multiple of 8 up to 256 dense (past 128 the wide kernel's, ``bwd_sm90_wide``),
-    up to 128 packed (dK and dV leave a packed program row by row, masked by the tensors' columns
+    """``supports``: D a multiple of 8 up to 256 (past 128 the wide kernel's, ``bwd_sm90_wide``),
+    dense and packed (dK and dV leave a packed program row by row, masked by the tensors' columns
     too); nothing else."""
     from tritonkit.ops.attention import bwd_sm90, fwd_sm90
     from tritonkit.ops.attention.common import Packed
@@ -84,7 +84,7 @@ def test_the_kernel_takes_padded_head_dims_dense_and_packed(monkeypatch):
     for head_dim in (4, 8, 60, 64, 96, 100, 128, 136, 250, 256, 264):
         dense = head_dim % 8 == 0 and head_dim <= 256
         assert bwd_sm90.supports(*tensors(head_dim)) == dense, head_dim
-        assert bwd_sm90.supports(*tensors(head_dim), packed) == (dense and head_dim <= 128), head_dim
+        assert bwd_sm90.supports(*tensors(head_dim), packed) == dense, head_dim
 
 
 def test_a_packed_launch_names_its_tensors_head_dim(monkeypatch):
