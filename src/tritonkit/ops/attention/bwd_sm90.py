@@ -394,6 +394,7 @@ def launches(
     kv_share, heads_kv, blocks, pairs, pairs_per_group, rotate = _grid(
         q, k, dk, batch, seq_k, BLOCK_N, deterministic, causal
     )
+    walk = (heads_kv, pairs, pairs_per_group, heads_q // heads_kv, kv_share, seq_q, seq_k)
     # shared_dq: each warpgroup adds D / 2 columns of a dq tile; at D = 64 K (and dK, which leaves
     # through K's buffer) takes a 64-byte swizzle, so that 32 columns of its tile slice
     k_swizzle = 64 if config.shared_dq and head_dim == 64 else None
@@ -405,6 +406,25 @@ def launches(
         descriptor(dk, SPLIT_N, head_dim, swizzle=k_swizzle),
         descriptor(dv, SPLIT_N, head_dim),
         descriptor(dq_acc, config.block_m, head_dim // 2 if config.shared_dq else head_dim),
+        *_after_boxes(lse, delta, tickets, dk, dv, packed, walk, upper_offset, lower_offset, scale, softcap),
+    )
+    meta = kernel_meta(
+        config, causal, deterministic, rotate, bool(softcap), lower_offset is not None,
+        packed is not None, q.shape[3] if packed is not None else 0,
+    )  # fmt: skip
+    grid = (blocks * pairs,)
+    return [Launch("bwd sm90", _attn_bwd_sm90_kernel, args, meta, config._asdict(), grid)]
+
+
+def _after_boxes(
+    lse, delta, tickets, dk, dv, packed, walk: tuple, upper_offset, lower_offset, scale, softcap
+) -> tuple:
+    """Both kernels' runtime arguments after their TMA descriptors, in their order: the row statistics
+    and tickets, dk and dv and the cu_seqlens (a packed batch's; else unused), their strides, the
+    walk's sizes (``walk``: heads, pairs, pairs a group, query heads a key/value head, the share,
+    Sq, Sk), the bounds' offsets, and the exponent's factors: q . k * scale * log2(e), or capped
+    cap_log2 * tanh(q . k * scale / cap)."""
+    return (
         lse,
         delta,
         tickets,
@@ -422,26 +442,13 @@ def launches(
         dk.stride(2),
         dv.stride(1),
         dv.stride(2),
-        heads_kv,
-        pairs,
-        pairs_per_group,
-        heads_q // heads_kv,
-        kv_share,
-        seq_q,
-        seq_k,
+        *walk,
         int(upper_offset),
         0 if lower_offset is None else int(lower_offset),
-        # the exponent's factors: q . k * scale * log2(e), or capped cap_log2 * tanh(q . k * scale / cap)
         scale / softcap if softcap else scale * LOG2E.value,
         softcap * LOG2E.value if softcap else 1.0,
         scale,
     )
-    meta = kernel_meta(
-        config, causal, deterministic, rotate, bool(softcap), lower_offset is not None,
-        packed is not None, q.shape[3] if packed is not None else 0,
-    )  # fmt: skip
-    grid = (blocks * pairs,)
-    return [Launch("bwd sm90", _attn_bwd_sm90_kernel, args, meta, config._asdict(), grid)]
 
 
 def _grid(q, k, dk, batch: int, seq_k: int, keys: int, deterministic: bool, causal: bool) -> tuple:
@@ -471,6 +478,7 @@ def _wide_launch(
     kv_share, heads_kv, blocks, pairs, pairs_per_group, rotate = _grid(
         q, k, dk, batch, seq_k, keys, deterministic, causal
     )
+    walk = (heads_kv, pairs, pairs_per_group, heads_q // heads_kv, kv_share, seq_q, seq_k)
     args = (
         descriptor(q, rows, 256),
         descriptor(k, keys, 256),
@@ -479,35 +487,7 @@ def _wide_launch(
         descriptor(dk, keys, 256),
         descriptor(dv, keys, 256),
         descriptor(dq_acc, rows, wide.DQ_COLS.value),
-        lse,
-        delta,
-        tickets,
-        dk,  # (packed: stored row by row, masked)
-        dv,
-        lse if packed is None else packed.cu_q,  # (unused but packed)
-        lse if packed is None else packed.cu_k,
-        lse.stride(0),
-        lse.stride(1),
-        delta.stride(0),
-        delta.stride(1),
-        tickets.stride(0),
-        tickets.stride(1),
-        dk.stride(1),
-        dk.stride(2),
-        dv.stride(1),
-        dv.stride(2),
-        heads_kv,
-        pairs,
-        pairs_per_group,
-        heads_q // heads_kv,
-        kv_share,
-        seq_q,
-        seq_k,
-        int(upper_offset),
-        0 if lower_offset is None else int(lower_offset),
-        scale / softcap if softcap else scale * LOG2E.value,
-        softcap * LOG2E.value if softcap else 1.0,
-        scale,
+        *_after_boxes(lse, delta, tickets, dk, dv, packed, walk, upper_offset, lower_offset, scale, softcap),
     )
     meta = {
         "IS_CAUSAL": bool(causal),
