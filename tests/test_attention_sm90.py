@@ -89,7 +89,8 @@ for dtype, head_dim, causal, persistent, pingpong, *switches in CASES:
 
 # (dtype, D, causal, persistent, ping-pong[, softcap[, window[, packed[, the tensors' D]]]]): the default
 # tile, persistent or not, the persistent one with ping-pong, with soft-capped scores, with a window's
-# lower bound, D = 256, and a packed batch, at a padded head dim too
+# lower bound, D = 256, and a packed batch, at a padded head dim too, persistent and one tile a program
+# (D = 256)
 STATIC_CASES = [
     ("bf16", 128, False, False, False),
     ("bf16", 128, True, False, False),
@@ -107,6 +108,8 @@ STATIC_CASES = [
     ("bf16", 128, True, True, False, False, False, True),
     ("fp16", 64, False, True, False, False, True, True),
     ("bf16", 128, True, True, False, False, False, True, 96),
+    ("bf16", 256, True, False, False, False, False, True),
+    ("fp16", 256, True, False, False, True, True, True, 200),
 ]
 
 
@@ -428,7 +431,7 @@ PACKED_LENGTHS = [(1, 1), (130, 130), (700, 300), (64, 900), (0, 7), (6, 0), (25
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("head_dim", [64, 128, 40, 96])
+@pytest.mark.parametrize("head_dim", [64, 128, 40, 96, 256, 200])
 def test_gpu_packed_batches(head_dim, caplog):
     """A packed batch (``common.Packed``): each sequence's rows attend to its own keys, causal and
     windows aligned bottom-right for its lengths, GQA; rows past the last sequence are never written
@@ -508,9 +511,9 @@ def test_gpu_empty_keyless_and_refusals():
     assert not fwd.supports(q.float(), k.float(), v.float(), causal=False)
     q96, k96, v96 = _inputs(1, 2, 2, 16, 16, 96, torch.bfloat16, seed=4)
     assert fwd.supports(q96, k96, v96, causal=False)
-    assert fwd.supports(q96, k96, v96, causal=False, packed=True)  # packed: D up to 128
+    assert fwd.supports(q96, k96, v96, causal=False, packed=True)
     q136 = _inputs(1, 2, 2, 16, 16, 136, torch.bfloat16, seed=6)
-    assert not fwd.supports(*q136, causal=False, packed=True)  # (the D = 256 tile is not persistent)
+    assert fwd.supports(*q136, causal=False, packed=True)  # (the D = 256 tile, one a program)
     assert not fwd.supports(*_inputs(1, 2, 2, 16, 16, 264, torch.bfloat16, seed=5), causal=False)
     for window in ((-2, 0), (4,), (1.5, 0)):
         with pytest.raises(ValueError, match="window"):
@@ -524,10 +527,9 @@ def test_gpu_empty_keyless_and_refusals():
 
 
 def test_calls_the_gluon_forward_cannot_take_go_to_the_triton_kernel(device):
-    """Packed batches at head dims past 128 (the D = 256 tile is not persistent) and narrow windows
-    (``fwd.narrow_window_keys``) never take it (wider windows, soft caps, causal masks of either
-    alignment, head dims between the kernels' and packed batches up to 128 do); and nothing does
-    under the interpreter (Gluon kernels do not run there)."""
+    """Narrow windows (``fwd.narrow_window_keys``) never take it (wider windows, soft caps, causal
+    masks of either alignment, head dims between the kernels' and packed batches do); and nothing
+    does under the interpreter (Gluon kernels do not run there)."""
     from tritonkit.ops.attention import fwd
     from tritonkit.ops.attention.common import Packed, Scores
 
@@ -537,9 +539,7 @@ def test_calls_the_gluon_forward_cannot_take_go_to_the_triton_kernel(device):
 
     cu = torch.tensor([0, 16], dtype=torch.int32, device=device)
     packed = Packed(cu, cu, 1, 16, 24)
-    q, k = views(136)
-    assert not fwd.sm90_takes(q, k, k, Scores(0.125), packed)
-    for head_dim in (96, 64):
+    for head_dim in (136, 256, 96, 64):
         q, k = views(head_dim)
         assert fwd.sm90_takes(q, k, k, Scores(0.125), packed) == _sm90()
     for scores in (

@@ -84,9 +84,6 @@ CONFIGS = {
     256: Config(block_n=64, num_stages=2),
 }
 PERSISTENT_HEAD_DIMS = (64, 128)  # where the persistent tile fits in shared memory
-# A packed batch's head dims: the persistent tile's, and those its kernels pad (O's rows stored masked
-# by column too, past the tensors' D)
-PACKED_HEAD_DIMS = tuple(d for d in PADDED_HEAD_DIMS if kernel_head_dim(d) in PERSISTENT_HEAD_DIMS)
 # A persistent grid (one program an SM walking tiles, the next tile's Q loading under the epilogue)
 # over at most this many keys, where a tile's fixed cost weighs. On the H200, x cuDNN,
 # one run each: full masks (499beb9) 0.92 against 0.83 one tile a program at (16, 16, 1024, 128),
@@ -160,10 +157,8 @@ def supports(
     on an sm_90 GPU, D a multiple of 8 up to 256 (PADDED_HEAD_DIMS), Hq a multiple of Hkv, TMA-ready
     (unit last stride; base and other strides 16-byte aligned), scale > 0 (the default 1/sqrt(D) is),
     a soft cap finite and >= 0 (0: none). ``causal`` either way, windows too. ``packed``: a packed
-    batch's (1, H, T, D) views, D up to 128 (PACKED_HEAD_DIMS: the persistent tile's)."""
-    del causal, window  # every mask is taken
-    if packed and not (q.dim() == 4 and q.shape[3] in PACKED_HEAD_DIMS):
-        return False
+    batch's (1, H, T, D) views (O's rows stored masked by row, and by column past a padded D)."""
+    del causal, window, packed  # every mask is taken, and packed batches at every head dim
     if not (math.isfinite(softcap) and softcap >= 0):
         return False
     if scale is not None and not (math.isfinite(scale) and scale > 0):
@@ -244,8 +239,8 @@ def attention_fwd_sm90(
     side unbounded; causal with a window: right 0), as ``flash_attention``'s. ``config`` overrides
     the tile (``default_config``). ``packed`` (``common.Packed``): q, k, v and o are a packed batch's
     (1, H, T, D) views and lse (1, H, T), sequence b's rows cu_q[b]:cu_q[b + 1] (keys likewise), each
-    causal mask and window aligned bottom-right for its sequence's lengths, as the Triton kernels'; D
-    64 or 128, the persistent tile. ``supports`` says which calls this takes."""
+    causal mask and window aligned bottom-right for its sequence's lengths, as the Triton kernels'
+    (O's rows stored masked, by column too past a padded D). ``supports`` says which calls this takes."""
     window = (-1, -1) if window is None else tuple(window)
     if len(window) != 2 or not all(isinstance(side, int) and side >= -1 for side in window):
         raise ValueError(f"window must be (left, right), each an int >= -1 (-1: unbounded), got {window}")
@@ -293,7 +288,7 @@ def attention_fwd_sm90(
                 f"multiples of {TMA_ALIGN_BYTES} bytes (TMA), got strides {t.stride()}"
             )
     if packed is not None:
-        _check_packed(q, k, packed, config)
+        check_packed_views(q, k, packed)
     if o.numel() == 0:
         return
     if seq_k == 0:  # no keys: every row sees none
@@ -315,17 +310,6 @@ def attention_fwd_sm90(
         softcap=softcap, packed=packed, config=config,
     ):  # fmt: skip
         launch.run()
-
-
-def _check_packed(q: torch.Tensor, k: torch.Tensor, packed, config: Config | None) -> None:
-    """ValueError or NotImplementedError where a packed batch's call is not one this kernel takes."""
-    check_packed_views(q, k, packed)
-    if q.shape[3] not in PACKED_HEAD_DIMS:
-        raise NotImplementedError(
-            f"packed batches take D a multiple of 8 up to {PACKED_HEAD_DIMS[-1]}, got {q.shape[3]}"
-        )
-    if config is not None and not config.persistent:
-        raise ValueError(f"a packed batch takes the persistent tile, got {config}")
 
 
 def check_packed_views(q: torch.Tensor, k: torch.Tensor, packed) -> None:

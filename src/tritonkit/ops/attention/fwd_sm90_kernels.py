@@ -153,12 +153,12 @@ def _load_tile(
 @gluon.jit
 def _load_partition(
     q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
-    batch, head, kv_head, start_m, first_block, n_blocks,
+    batch, head, kv_head, start_m, first_block, n_blocks, q_row0, k_row0,
 ):  # fmt: skip
     """The producer of a program of one tile (``_load_tile``'s arguments)."""
     _load_tile(
         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_ready, k_ready, k_empty, v_ready, v_empty,
-        batch, head, kv_head, start_m, first_block, n_blocks, 0, 0, 0, 0, False,
+        batch, head, kv_head, start_m, first_block, n_blocks, q_row0, k_row0, 0, 0, False,
     )  # fmt: skip
 
 
@@ -485,18 +485,19 @@ def _consume_tile(
 
 @gluon.jit
 def _softmax_partition(
-    cid: gl.constexpr, o_desc, o_ptr, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready,
-    v_empty,
-    pin_smem, turn_smem, batch, head, start_m, first_block, n_blocks, n_lead, n_full, SEQ_Q, SEQ_K,
-    UPPER_OFFSET, LOWER_OFFSET, stride_lb, stride_lh, qk_scale, cap_log2, IS_CAUSAL: gl.constexpr,
-    PIN_SOFTMAX: gl.constexpr, PINGPONG: gl.constexpr, SOFTCAP: gl.constexpr, HAS_LOWER: gl.constexpr,
+    cid: gl.constexpr, o_desc, o_ptr, stride_oh, stride_os, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready,
+    k_empty, v_ready, v_empty, pin_smem, turn_smem, batch, head, start_m, first_block, n_blocks, n_lead,
+    n_full, q_row0, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, stride_lb, stride_lh, qk_scale, cap_log2,
+    IS_CAUSAL: gl.constexpr, PIN_SOFTMAX: gl.constexpr, PINGPONG: gl.constexpr, SOFTCAP: gl.constexpr,
+    HAS_LOWER: gl.constexpr, VARLEN: gl.constexpr, TENSOR_D: gl.constexpr,
 ):  # fmt: skip
-    """A consumer of a program of one tile (``_consume_tile``'s arguments)."""
+    """A consumer of a program of one tile (``_consume_tile``'s arguments; VARLEN, the tile's
+    sequence's rows, lengths and bounds)."""
     _consume_tile(
         cid, o_desc, lse_ptr, q_smem, q_smem, k_smem, v_smem, q_ready, q_ready, k_ready, k_empty, v_ready,
-        v_empty, pin_smem, turn_smem, batch, head, start_m, first_block, n_blocks, n_lead, n_full, 0, 0, 0,
-        o_ptr, 0, 0, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, stride_lb, stride_lh, qk_scale, cap_log2,
-        IS_CAUSAL, PIN_SOFTMAX, PINGPONG, False, SOFTCAP, HAS_LOWER, False, 0,
+        v_empty, pin_smem, turn_smem, batch, head, start_m, first_block, n_blocks, n_lead, n_full, 0, 0,
+        q_row0, o_ptr, stride_oh, stride_os, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, stride_lb, stride_lh,
+        qk_scale, cap_log2, IS_CAUSAL, PIN_SOFTMAX, PINGPONG, False, SOFTCAP, HAS_LOWER, VARLEN, TENSOR_D,
     )  # fmt: skip
 
 
@@ -580,12 +581,13 @@ def _attn_fwd_sm90_kernel(
     gl.static_assert(ROWS == 64, "a consumer warpgroup's wgmma has 64 rows")
     gl.static_assert(k_desc.block_type.shape[3] == HEAD_DIM, "q and k share D")
 
-    # One program a tile (``_tile``), or, PERSISTENT, a tile after another
-    gl.static_assert(PERSISTENT or not VARLEN, "a packed batch takes the persistent tile")
-    batch, head, kv_head, start_m, first_block, n_blocks, n_lead, n_full, _seq = _tile(
+    # One program a tile (``_tile``; VARLEN, the tile's sequence's rows, lengths and bounds), or,
+    # PERSISTENT, a tile after another
+    batch, head, kv_head, start_m, first_block, n_blocks, n_lead, n_full, seq = _tile(
         gl.program_id(0), HEADS, BATCH_HEADS, HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET,
-        LOWER_OFFSET, cu_q_ptr, cu_k_ptr, BLOCK, BLOCK_N, IS_CAUSAL, HAS_LOWER, False,
+        LOWER_OFFSET, cu_q_ptr, cu_k_ptr, BLOCK, BLOCK_N, IS_CAUSAL, HAS_LOWER, VARLEN and not PERSISTENT,
     )  # fmt: skip
+    q_row0, k_row0, seq_q, seq_k, upper, lower = seq
 
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
@@ -643,17 +645,18 @@ def _attn_fwd_sm90_kernel(
         ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_softmax_partition, (0, o_desc, o_ptr, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready,
-                                  k_empty, v_ready, v_empty, pin_smem, turn_smem, batch, head, start_m,
-                                  first_block, n_blocks, n_lead, n_full, SEQ_Q, SEQ_K, UPPER_OFFSET,
-                                  LOWER_OFFSET, stride_lb, stride_lh, qk_scale, cap_log2, IS_CAUSAL,
-                                  PIN_SOFTMAX, PINGPONG, SOFTCAP, HAS_LOWER)),
-            (_softmax_partition, (1, o_desc, o_ptr, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready,
-                                  k_empty, v_ready, v_empty, pin_smem, turn_smem, batch, head, start_m,
-                                  first_block, n_blocks, n_lead, n_full, SEQ_Q, SEQ_K, UPPER_OFFSET,
-                                  LOWER_OFFSET, stride_lb, stride_lh, qk_scale, cap_log2, IS_CAUSAL,
-                                  PIN_SOFTMAX, PINGPONG, SOFTCAP, HAS_LOWER)),
+            (_softmax_partition, (0, o_desc, o_ptr, stride_oh, stride_os, lse_ptr, q_smem, k_smem, v_smem,
+                                  q_ready, k_ready, k_empty, v_ready, v_empty, pin_smem, turn_smem, batch,
+                                  head, start_m, first_block, n_blocks, n_lead, n_full, q_row0, seq_q, seq_k,
+                                  upper, lower, stride_lb, stride_lh, qk_scale, cap_log2, IS_CAUSAL,
+                                  PIN_SOFTMAX, PINGPONG, SOFTCAP, HAS_LOWER, VARLEN, TENSOR_D)),
+            (_softmax_partition, (1, o_desc, o_ptr, stride_oh, stride_os, lse_ptr, q_smem, k_smem, v_smem,
+                                  q_ready, k_ready, k_empty, v_ready, v_empty, pin_smem, turn_smem, batch,
+                                  head, start_m, first_block, n_blocks, n_lead, n_full, q_row0, seq_q, seq_k,
+                                  upper, lower, stride_lb, stride_lh, qk_scale, cap_log2, IS_CAUSAL,
+                                  PIN_SOFTMAX, PINGPONG, SOFTCAP, HAS_LOWER, VARLEN, TENSOR_D)),
             (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
-                               v_ready, v_empty, batch, head, kv_head, start_m, first_block, n_blocks)),
+                               v_ready, v_empty, batch, head, kv_head, start_m, first_block, n_blocks, q_row0,
+                               k_row0)),
         ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     # fmt: on
