@@ -98,7 +98,10 @@ def test_cli_compiles_without_being_told_not_to_interpret(tmp_path):
     assert "spills none" in result.stdout
     for args, message in [
         (("bias_gelu", "--shape", "0x96"), "needs dimensions >= 1"),
-        (("attention", "--shape", "1x2x128x64"), "takes shapes of 5 dimensions, like"),
+        (
+            ("attention", "--shape", "1x2x128x64"),
+            "5 dimensions (batch x query heads x key/value heads x sequence x head dim), like",
+        ),
         (("softmax", "--shape", "4x96", "--config", '{"BLOCK_M": 4}'), "the config lacks 'variant'"),
         (("bias_gelu", "--fingerprints", str(tmp_path / "a"), "--against", "missing"), "no such file"),
         # each of these was a traceback, or a compile of a launch the op never makes

@@ -29,7 +29,10 @@ DTYPES = DTYPE_OF
 
 
 # what README's "Install, versions, support" says the suite and the benchmarks ran on
-TESTED = "CI with Python 3.11, torch 2.13 (CPU build), Triton 3.6.0; the H200 with torch 2.11, Triton 3.6.0"
+TESTED = (
+    "CI with Python 3.11, torch 2.13 (CPU build), Triton 3.6.0; "
+    "an H200 or an H100 (sm_90) with torch 2.11, Triton 3.6.0"
+)
 
 
 def _spec_lines(spec: roofline.DeviceSpec) -> list[str]:
@@ -496,7 +499,11 @@ def _fingerprints(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tritonkit", description=__doc__, allow_abbrev=False)
+    description = (
+        "tritonkit's kernels from the command line: check and time them, their rooflines, their "
+        "compiled code, their tuning. `tritonkit COMMAND --help` says more."
+    )
+    parser = argparse.ArgumentParser(prog="tritonkit", description=description, allow_abbrev=False)
     parser.add_argument("-v", "--verbose", action="store_true", help="log what tritonkit decides")
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -26,8 +26,8 @@ def workload_shape(workload, parts: list[str], command: str) -> tuple[int, ...]:
     example = workload.shape_list("quick")[0][0]
     if len(shape) != len(example):
         raise ValueError(
-            f"{command} {workload.name} takes shapes of {len(example)} dimensions, like "
-            f"{'x'.join(map(str, example))}; got {given}"
+            f"{command} {workload.name} takes shapes of {len(example)} dimensions "
+            f"({' x '.join(workload.op.dims)}), like {'x'.join(map(str, example))}; got {given}"
         )
     if 0 in shape:
         raise ValueError(f"{command} needs dimensions >= 1 (an empty tensor moves nothing), got {given}")

@@ -77,6 +77,20 @@ def _forward_and_backward(op, inputs, seed: int = 1):
 
 
 @pytest.mark.parametrize("name", OPS)
+def test_the_shapes_dimensions_are_named_once_each(name):
+    """``Op.dims`` names every dimension of the op's shapes and of each of its workloads' (the
+    commands' shape errors say them), one distinct name each."""
+    from tritonkit.ops import get_workload, workload_names
+
+    op = get_op(name)
+    workloads = [get_workload(w) for w in workload_names() if get_workload(w).op is op]
+    shapes = [shape for shape, _ in op.shape_list()]
+    shapes += [shape for w in workloads for kind in w.shapes for shape, _ in w.shape_list(kind)]
+    assert workloads and len(set(op.dims)) == len(op.dims) > 0, op.dims
+    assert all(len(shape) == len(op.dims) for shape in shapes), (op.dims, shapes)
+
+
+@pytest.mark.parametrize("name", OPS)
 def test_custom_ops_pass_opcheck_on_real_arguments(name, device):
     op, inputs, _, _ = _problem(name, device, last_dim=NARROW_OUT_FEATURES.get(name))
     with opdef.recording_calls() as calls:

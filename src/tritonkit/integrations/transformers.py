@@ -59,7 +59,7 @@ NAME = "tritonkit"  # the attention implementation's name in transformers' regis
 # (1 + weight) * x in fp32, whose attention soft-caps its scores (Gemma 2) and whose LM head caps
 # its logits (Gemma 2)
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
-TESTED_VERSIONS = "5.17, 5.24 and 5.25 (the CPU suite; the H200 has 5.17)"
+TESTED_VERSIONS = "5.17, 5.24 and 5.25 (the CPU suite; the GPU machines have 5.17)"
 HALVES = (torch.float16, torch.bfloat16)  # what the attention, gated MLP and loss kernels take
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}
 # new query tokens a call may have for the decode kernel (generation without padding, no gradient);

@@ -50,6 +50,7 @@ class Op:
     # the interpreter's shapes (the contract tests', a CPU benchmark run's), each a shape (run in
     # every dtype) or a (shape, dtype name) pair: a shape checked in one dtype only
     shapes: list[tuple]
+    dims: tuple[str, ...]  # what each dimension of those shapes is (the CLI's --shape, in its errors)
     dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
     kwargs: dict = field(default_factory=dict)  # the variant's keyword arguments to fn and reference
     # (shape, dtype, config or None, **a workload's kwargs) -> the Launch records the op makes

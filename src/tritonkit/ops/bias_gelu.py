@@ -480,6 +480,7 @@ OPS = {
         make_inputs=_make_inputs,
         grad_inputs=(0, 1),
         shapes=[(4, 96), (33, 257)],
+        dims=("rows", "columns"),
         inspect=_inspect_launches,
     )
 }

@@ -780,6 +780,7 @@ OPS = {
         make_inputs=_make_inputs,
         grad_inputs=(0,),
         shapes=[((9, 37), "bf16"), ((5, 300), "fp32")],
+        dims=("tokens", "classes"),
         inspect=_inspect_launches,
     )
 }

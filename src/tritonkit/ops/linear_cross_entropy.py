@@ -530,6 +530,7 @@ OPS = {
         grad_inputs=(0, 1, 3),
         # (N, H, V)
         shapes=[((9, 32, 70), "bf16"), ((5, 16, 40), "fp16")],
+        dims=("tokens", "hidden size", "vocabulary"),
         dtypes=DTYPES,
         # the variant whose gradients the backward's launches compute (ORDER "vocab"), so that the
         # contract's cost check sees them; the benchmark's workload takes the mean

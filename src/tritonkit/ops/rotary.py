@@ -617,6 +617,7 @@ OPS = {
         make_inputs=_make_inputs,
         grad_inputs=(0, 1),
         shapes=[((2, 4, 2, 9, 16), "bf16"), ((1, 2, 1, 5, 32), "fp32")],
+        dims=("batch", "query heads", "key heads", "sequence", "head dim"),
         inspect=_inspect_launches,
     )
 }

@@ -442,6 +442,7 @@ OPS = {
         grad_inputs=(0, 1, 2),
         # (B, Hq, Hkv, S, D)
         shapes=[((1, 2, 1, 40, 64), "bf16"), ((1, 2, 2, 33, 32), "fp16")],
+        dims=("batch", "query heads", "key/value heads", "sequence", "head dim"),
         dtypes=DTYPES,
         inspect=_inspect_launches,
     )

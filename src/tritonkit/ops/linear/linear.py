@@ -650,6 +650,7 @@ def _op(name: str) -> Op:
         make_inputs=functools.partial(_make_inputs, operands="gated" if gated else 2 if bare else 3),
         grad_inputs=(0, 1) if bare else (0, 1, 2),
         shapes=[((17, 33, 257), "fp16")],
+        dims=("rows M", "in features K", "out features N"),
         dtypes=DTYPES,
         kwargs={"activation": activation},
         inspect=functools.partial(

@@ -130,6 +130,7 @@ def _op(name: str) -> Op:
         grad_inputs=(0, 1, *(p + 1 for p in params)) if residual else (0, *params),
         # the last: a row past MAX_BLOCK_N, which the looped kernels take (and their tuners)
         shapes=[(4, 96), (9, 1000), (1, 33000)],
+        dims=("rows", "hidden size"),
         inspect=functools.partial(_inspect_launches, residual, rms, bias),
     )
 

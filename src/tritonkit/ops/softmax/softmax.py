@@ -614,6 +614,7 @@ OPS = {
         make_inputs=_make_inputs,
         grad_inputs=(0,),
         shapes=[(4, 96), (37, 1823)],
+        dims=("rows", "row length"),
         inspect=functools.partial(_inspect_launches, name == "log_softmax"),
     )
     for name, fn, reference in (
