@@ -1,12 +1,63 @@
 """Attention backward for Hopper (sm_90) in Gluon: which key block of which (batch, key/value head) a
 program of the backward kernels (``bwd_sm90_kernels``, ``bwd_sm90_wide``) takes (``_pair``), and the
-query blocks it walks, by mask (``_walk``).
+query blocks it walks, by mask (``_walk``); both, and a packed sequence's rows, at a program's entry
+(``_program``).
 """
 
 from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+
+from tritonkit.ops.attention.fwd_sm90_tiles import _sequence
+
+
+@gluon.jit
+def _program(
+    PAIRS,
+    PAIRS_PER_GROUP,
+    HEADS_KV,
+    SEQ_Q,
+    SEQ_K,  # (VARLEN: the longest sequence's, the grid's)
+    UPPER_OFFSET,
+    LOWER_OFFSET,
+    cu_q_ptr,
+    cu_k_ptr,
+    BLOCK: gl.constexpr,
+    KEYS: gl.constexpr,
+    TURN_BLOCKS: gl.constexpr,
+    DETERMINISTIC: gl.constexpr,
+    IS_CAUSAL: gl.constexpr,
+    ROTATE: gl.constexpr,
+    HAS_LOWER: gl.constexpr,
+    VARLEN: gl.constexpr,
+):
+    """This program's (batch, kv_head, pid_n, start_n, sequence, q_row0, k_row0, SEQ_Q, SEQ_K,
+    UPPER_OFFSET, LOWER_OFFSET, n_blocks, m_start, m_mid, m_tail, m_end, rot): its pair and key
+    block (``_pair``; the deterministic causal mask's in turn order), the tickets' index
+    (``sequence``), and VARLEN its sequence's first rows in the tensors, lengths and bounds aligned
+    bottom-right (the tensors' batch then 0), and its walk (``_walk``)."""
+    batch, kv_head, pid_n = _pair(
+        gl.program_id(0), PAIRS, PAIRS_PER_GROUP, HEADS_KV, SEQ_K, KEYS, DETERMINISTIC and IS_CAUSAL
+    )
+    start_n = pid_n * KEYS
+    sequence = batch  # (the tickets' index)
+    if VARLEN:  # the sequence's rows in the tensors, its lengths, its bounds aligned bottom-right
+        q_row0, k_row0, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET = _sequence(
+            sequence, cu_q_ptr, cu_k_ptr, UPPER_OFFSET, LOWER_OFFSET
+        )
+        batch = batch * 0
+    else:  # (tensors, not constants: the partitions take them as arguments)
+        q_row0 = start_n * 0
+        k_row0 = start_n * 0
+    n_blocks, m_start, m_mid, m_tail, m_end, rot = _walk(
+        pid_n, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, BLOCK, KEYS, TURN_BLOCKS, IS_CAUSAL, ROTATE,
+        HAS_LOWER, VARLEN,
+    )  # fmt: skip
+    return (
+        batch, kv_head, pid_n, start_n, sequence, q_row0, k_row0, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
+        n_blocks, m_start, m_mid, m_tail, m_end, rot,
+    )  # fmt: skip
 
 
 @gluon.jit

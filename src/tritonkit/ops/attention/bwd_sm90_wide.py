@@ -50,8 +50,7 @@ from tritonkit.ops.attention.bwd_sm90_kernels import (
     PRODUCER_WARPS,
     _load_partition,
 )
-from tritonkit.ops.attention.bwd_sm90_walk import _pair, _walk
-from tritonkit.ops.attention.fwd_sm90_tiles import _sequence
+from tritonkit.ops.attention.bwd_sm90_walk import _program
 from tritonkit.ops.attention.sm90_elementwise import softcapped_tanh, to_pairs
 
 KEYS = gl.constexpr(64)  # keys a program: one K and V tile, which both warpgroups read
@@ -328,22 +327,10 @@ def _attn_bwd_sm90_wide_kernel(
     gl.static_assert(k_desc.block_type.shape[2] == KEYS, "a program's keys are one K tile")
     gl.static_assert(HEAD_DIM == 2 * DQ_COLS, "each warpgroup adds half of dQ's columns")
     gl.static_assert(IS_CAUSAL or not HAS_LOWER, "a window's left side comes with an upper bound")
-    batch, kv_head, pid_n = _pair(
-        gl.program_id(0), PAIRS, PAIRS_PER_GROUP, HEADS_KV, SEQ_K, KEYS, DETERMINISTIC and IS_CAUSAL
-    )
-    start_n = pid_n * KEYS
-    sequence = batch  # (the tickets' index)
-    if VARLEN:  # the sequence's rows in the tensors, its lengths, its bounds aligned bottom-right
-        q_row0, k_row0, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET = _sequence(
-            sequence, cu_q_ptr, cu_k_ptr, UPPER_OFFSET, LOWER_OFFSET
-        )
-        batch = batch * 0
-    else:  # (tensors, not constants: the partitions take them as arguments)
-        q_row0 = start_n * 0
-        k_row0 = start_n * 0
-    n_blocks, m_start, m_mid, m_tail, m_end, rot = _walk(
-        pid_n, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, BLOCK, KEYS, TURN_BLOCKS, IS_CAUSAL, ROTATE,
-        HAS_LOWER, VARLEN,
+    (batch, kv_head, pid_n, start_n, sequence, q_row0, k_row0, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
+     n_blocks, m_start, m_mid, m_tail, m_end, rot) = _program(
+        PAIRS, PAIRS_PER_GROUP, HEADS_KV, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, cu_q_ptr, cu_k_ptr, BLOCK,
+        KEYS, TURN_BLOCKS, DETERMINISTIC, IS_CAUSAL, ROTATE, HAS_LOWER, VARLEN,
     )  # fmt: skip
 
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, HEAD_DIM], dtype)
