@@ -17,9 +17,10 @@ from torch._scaled_mm's output, relative to its largest value. ``--skip-matmul``
 ``--skip-linear`` leave out those rows; ``--gluon`` adds scaled_mm made to run each call on the
 sm_90 Gluon kernel and on the Triton one (``scaled_mm.GLUON`` True and False; the plain rows take
 its measured rule), in both modes (blockwise: promoted only). ``--tiles`` adds, for each shape,
-scaled_mm rowwise on each candidate tile of TILES. ``--profile`` adds to each linear row each
-layer's kernels (torch.profiler: their GPU time a step). ``--gluon-tiles`` adds each mode's product
-forced onto the Gluon kernel on its tile and on each of ``scaled_mm_sm90.CANDIDATES``.
+scaled_mm rowwise on each candidate tile of TILES (on the Triton kernel, whatever the shape).
+``--profile`` adds to each linear row each layer's kernels (torch.profiler: their GPU time a step).
+``--gluon-tiles`` adds each mode's product forced onto the Gluon kernel on its tile and on each of
+``scaled_mm_sm90.CANDIDATES``.
 """
 
 from __future__ import annotations
@@ -159,12 +160,14 @@ def _matmul_row(shape, scaling) -> dict:
 
 
 def _tiles_row(shape) -> dict:
-    """scaled_mm at rowwise scales on each of TILES (``ops/scaled_mm.TILE`` set for the call)."""
+    """scaled_mm at rowwise scales on each of TILES (``ops/scaled_mm.TILE`` and ``SMALL_TILE``, the tile
+    of products of few tiles, set for the call: each tile whatever the shape), on the Triton kernel
+    (``GLUON`` False: its rule sends the large promoted products to the Gluon kernel)."""
     from tritonkit.ops import scaled_mm as module
 
     m, k, n = shape
     a, b, scale_a, scale_b = _operands(m, k, n, "row")
-    shipped = module.TILE
+    shipped = module.TILE, module.SMALL_TILE, module.GLUON
     row = {"shape": list(shape), "scaling": "row", "kind": "tiles", "ms": {}}
 
     def theirs():
@@ -177,7 +180,8 @@ def _tiles_row(shape) -> dict:
         name += f" w{tile['num_warps']} s{tile['num_stages']}"
         name += " persistent" if tile.get("PERSISTENT") else ""
         name += f" split {tile['SPLIT_K']}" if tile.get("SPLIT_K") else ""
-        module.TILE = tile
+        module.TILE = module.SMALL_TILE = tile
+        module.GLUON = False
         try:
             ours = tritonkit.scaled_mm(a, b, scale_a, scale_b).float()
             difference = (ours - reference).abs().max() / reference.abs().max()
@@ -186,7 +190,7 @@ def _tiles_row(shape) -> dict:
         except Exception as error:  # a tile that does not fit (shared memory, registers): say so, go on
             row[f"{name} error"] = f"{type(error).__name__}: {str(error)[:200]}"
         finally:
-            module.TILE = shipped
+            module.TILE, module.SMALL_TILE, module.GLUON = shipped
     row["tflops"] = {name: 2 * m * n * k / ms / 1e9 for name, ms in row["ms"].items()}
     row["vs_torch._scaled_mm"] = {name: row["ms"]["torch._scaled_mm"] / ms for name, ms in row["ms"].items()}
     return row

@@ -112,6 +112,18 @@ def test_split_k_takes_the_scales_in_each_share(scaling):
     assert comparison.passed, str(comparison)
 
 
+def test_a_replayed_call_keys_on_the_tiles(monkeypatch):
+    """A call like one before replays its launches only while the dispatch's switches are the same:
+    the Triton kernel's tiles among them (a benchmark setting ``TILE`` or ``SMALL_TILE`` between calls
+    times that tile, not the first call's recorded launch), and the key hashes."""
+    before = sm._switches()
+    hash(before)
+    for name in ("TILE", "FAST_TILE", "SMALL_TILE"):
+        monkeypatch.setattr(sm, name, getattr(sm, name) | {"num_stages": 2})
+        assert sm._switches() != before, name
+        before = sm._switches()
+
+
 def test_empty_and_zero_depth():
     """No rows or no columns: an empty output; K = 0: a sum over nothing, the bias alone."""
     a, b, scale_a, scale_b = _operands(0, 32, 5, scaling="tensor")

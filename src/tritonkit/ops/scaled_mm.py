@@ -105,9 +105,24 @@ def _gluon_pays(few_tiles: bool, chained: bool, scaling: int) -> bool:
     return not few_tiles and not (chained and scaling == SCALINGS["row"])
 
 
+_tile_keys: dict[int, tuple] = {}  # id(tile) -> (tile, its items): a tile's key made once
+
+
+def _tile_key(tile: dict) -> tuple:
+    """``tile``'s items, a key's part (a dict does not hash), made once a tile object (the module's
+    tiles are set by assignment, not changed in place)."""
+    known = _tile_keys.get(id(tile))
+    if known is None or known[0] is not tile:
+        known = _tile_keys[id(tile)] = (tile, tuple(sorted(tile.items())))
+    return known[1]
+
+
 def _switches() -> tuple:
-    """What the dispatch reads besides the call: a replayed call (opdef's ``replay``) keys on it too."""
-    return GLUON, scaled_mm_sm90.TILES[False], scaled_mm_sm90.TILES[True]
+    """What the dispatch reads besides the call: a replayed call (opdef's ``replay``) keys on it too,
+    the Triton kernel's tiles among it (a tile set for a benchmark's call, not the first call's
+    recorded launch)."""
+    tiles = _tile_key(TILE), _tile_key(FAST_TILE), _tile_key(SMALL_TILE)
+    return GLUON, scaled_mm_sm90.TILES[False], scaled_mm_sm90.TILES[True], *tiles
 
 
 @op("scaled_mm", mutates=("out",), replay=_switches)
