@@ -112,16 +112,33 @@ def test_split_k_takes_the_scales_in_each_share(scaling):
     assert comparison.passed, str(comparison)
 
 
-def test_a_replayed_call_keys_on_the_tiles(monkeypatch):
+@pytest.mark.tuning_default  # (tuning off: the configs chosen are final, so plans record)
+def test_a_replayed_call_keys_on_the_tiles(monkeypatch, launches_faked):
     """A call like one before replays its launches only while the dispatch's switches are the same:
-    the Triton kernel's tiles among them (a benchmark setting ``TILE`` or ``SMALL_TILE`` between calls
-    times that tile, not the first call's recorded launch), and the key hashes."""
-    before = sm._switches()
-    hash(before)
-    for name in ("TILE", "FAST_TILE", "SMALL_TILE"):
-        monkeypatch.setattr(sm, name, getattr(sm, name) | {"num_stages": 2})
-        assert sm._switches() != before, name
-        before = sm._switches()
+    the Triton kernel's tiles among them, so that a tile set between calls (a benchmark's sweep of
+    tiles) is the one launched, not the first call's recording. Launches faked on the CPU, the GPU's
+    dispatch (132 SMs: a product of few tiles, ``SMALL_TILE``'s), each fresh launch's stages logged."""
+    from tritonkit import opdef, testing
+
+    launched = []
+    monkeypatch.setattr(testing._NoLauncher, "__call__", lambda self, grid, *a, **meta: launched.append(meta))
+    monkeypatch.setattr(sm, "interpret", lambda: False)
+    monkeypatch.setattr(sm, "_sms", lambda device: 132)
+    monkeypatch.setattr(sm, "GLUON", False)
+    a, b, scale_a, scale_b = _operands(128, 256, 512, scaling="row", seed=5)
+    a, b, scale_a, scale_b = (t.cpu() for t in (a, b, scale_a, scale_b))
+    shipped, other = sm.SMALL_TILE, sm.SMALL_TILE | {"num_stages": 3}
+    fresh = []
+    try:
+        for tile in (shipped, shipped, other, other):
+            monkeypatch.setattr(sm, "SMALL_TILE", tile)
+            launched.clear()
+            tritonkit.scaled_mm(a, b, scale_a, scale_b)
+            fresh.append([meta["num_stages"] for meta in launched])
+    finally:
+        opdef.forget_plans()
+    # the first call of each tile launches it; its second replays it
+    assert fresh == [[shipped["num_stages"]], [], [3], []], fresh
 
 
 def test_empty_and_zero_depth():
