@@ -62,6 +62,24 @@ def test_unknown_workload_is_refused():
         get_workload("nope")
 
 
+def test_a_row_collects_garbage_only_where_the_device_may_lack_room(workload, monkeypatch):
+    """``runner._make_room``: the collection and the allocator's release run before a row only where
+    ROOM_FACTOR times the case's bytes passes the device's free memory (a collection took a third
+    of each row's time in a sweep)."""
+    from tritonkit.bench import runner
+
+    collected = []
+    monkeypatch.setattr(runner.gc, "collect", lambda: collected.append("gc"))
+    monkeypatch.setattr(runner.torch.cuda, "empty_cache", lambda: collected.append("empty"))
+    case = Case(workload, (8192, 4096), torch.bfloat16, "bwd")
+    need = runner.ROOM_FACTOR * workload.cost(case.shape, case.dtype, case.mode).bytes
+    for free, expected in ((need + 1, []), (need - 1, ["gc", "empty"])):
+        monkeypatch.setattr(runner.torch.cuda, "mem_get_info", lambda free=free: (free, 2 * need))
+        collected.clear()
+        runner._make_room(case)
+        assert collected == expected, free
+
+
 def test_correctness_run_rows(workload):
     rows = run(["bias_gelu"], dtypes=[torch.float32], modes=["fwd", "bwd"], progress=False)
     ran = [r for r in rows if "unavailable" not in r]
@@ -625,3 +643,17 @@ def test_python_dash_m_is_the_command():
         [sys.executable, "-m", "tritonkit", "roofline", "no_such_op"], capture_output=True, text=True
     )
     assert run.returncode == 2 and "no_such_op" in run.stderr
+
+
+@pytest.mark.gpu
+def test_gpu_a_cases_inputs_are_drawn_on_the_device(workload):
+    """``runner._inputs`` on a GPU draws with a seeded generator of the GPU (a large case's inputs
+    drawn on the CPU and copied took a second a row): bias_gelu's x is that generator's first draw,
+    and the same seed gives the same values."""
+    from tritonkit.bench import runner
+
+    case = Case(workload, (64, 256), torch.float32, "fwd")
+    x, bias = runner._inputs(case, "cuda", 7, False)
+    expected = torch.randn(64, 256, generator=torch.Generator(device="cuda").manual_seed(7), device="cuda")
+    assert x.is_cuda and bias.is_cuda and torch.equal(x, expected)
+    assert torch.equal(runner._inputs(case, "cuda", 7, False)[0], x)

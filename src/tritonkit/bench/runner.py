@@ -130,7 +130,10 @@ def shape_name(shape: tuple) -> str:
 
 
 def _inputs(case: Case, device: str, seed: int, requires_grad: bool) -> tuple:
-    inputs = case.workload.op.make_inputs(case.shape, case.dtype, device, testing.generator(seed))
+    """The case's inputs, drawn on ``device`` by its own seeded generator (on a GPU a large case's
+    took a second or more drawn on the CPU and copied: the sweep's rows of 100 MB to 1 GB spent a
+    median 1.1 s in setup at 6d3bd5f, against 0.4 s for the small ones)."""
+    inputs = case.workload.op.make_inputs(case.shape, case.dtype, device, testing.generator(seed, device))
     if requires_grad:
         for i in case.workload.op.grad_inputs:
             inputs[i].requires_grad_(True)
@@ -151,7 +154,7 @@ def _call(fn: Callable, case: Case, inputs: tuple) -> Callable[[], object]:
 
 def _grad_outputs(outputs: tuple) -> list:
     """Random upstream gradients, one per output (add_rms_norm returns two), the same every run."""
-    generator = testing.generator(SEED + 1)
+    generator = testing.generator(SEED + 1, outputs[0].device)  # (drawn where the outputs are)
     return [testing.random_tensor(o.shape, o.dtype, o.device, generator=generator) for o in outputs]
 
 
@@ -189,10 +192,7 @@ def run_case(
             continue
         clock = _PhaseClock()
         if device == "cuda":
-            # the caching allocator's idle segments back to the device before each provider (the
-            # float64 reference of a large case wants 8 GB of logits at 8192 x 128256)
-            gc.collect()
-            torch.cuda.empty_cache()
+            _make_room(case)
         fn = provider.build(case.workload)
         row = _base_row(case, provider.name)
         if isinstance(fn, str):
@@ -222,6 +222,25 @@ def run_case(
             clock.lap("host")
         rows.append(row | {"bench_s": clock.laps})
     return rows
+
+
+# A row's device memory at most, in its op's bytes (Cost.bytes: inputs and outputs in their dtype):
+# the float64 reference's copies of inputs, outputs and gradients at up to 4x their bytes each, the
+# provider's own, and a second set of inputs for the timing's rotation
+ROOM_FACTOR = 16
+
+
+def _make_room(case: Case) -> None:
+    """Before a provider's row: collect the garbage and give the caching allocator's idle segments
+    back to the device, where the case could need more than the device has free (the float64
+    reference of a large case wants 8 GB of logits at 8192 x 128256). Only there: a collection took
+    0.45-0.56 s of each row's setup in a sweep on the H200 (its phase clock at 6d3bd5f and 3b3a420,
+    a third of the row), and the allocator frees its idle segments itself before an allocation
+    fails."""
+    need = ROOM_FACTOR * case.workload.cost(case.shape, case.dtype, case.mode).bytes
+    if need > torch.cuda.mem_get_info()[0]:
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 class _PhaseClock:

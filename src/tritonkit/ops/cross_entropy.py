@@ -756,7 +756,7 @@ def _make_inputs(shape: tuple, dtype: torch.dtype, device, generator: torch.Gene
     from tritonkit.testing import random_tensor
 
     n, classes = shape
-    target = torch.randint(0, classes, (n,), generator=generator).to(device)
+    target = torch.randint(0, classes, (n,), generator=generator, device=generator.device).to(device)
     target[::8] = -100
     return random_tensor(shape, dtype, device, generator=generator), target
 

@@ -492,7 +492,7 @@ def _make_inputs(shape: tuple, dtype: torch.dtype, device, generator: torch.Gene
     from tritonkit.testing import random_tensor
 
     n, hidden, vocab = shape
-    target = torch.randint(0, vocab, (n,), generator=generator).to(device)
+    target = torch.randint(0, vocab, (n,), generator=generator, device=generator.device).to(device)
     target[::8] = -100
     x = random_tensor((n, hidden), dtype, device, generator=generator)
     w = random_tensor((vocab, hidden), dtype, device, generator=generator) * hidden**-0.5
