@@ -1,14 +1,16 @@
 """The sm_90 Gluon attention backward at D = 256 (``ops/attention/bwd_sm90_wide.py``: two warpgroups
 splitting a step's products). On the CPU: it compiles for sm_90 warp-specialized (no values on the
-stack, the dQ partials out by bulk reduce-add, the deterministic mode's tickets), its launch passes
-the kernel's parameters in order, its configs and what the dispatch gives it. On the H200 (``gpu``):
-dq, dk and dv against the float64 reference gradients with the oracle's rule (full and causal masks
-of both alignments, Sq != Sk, single rows, GQA and MQA, the padded D = 200, fp16 and bf16, windows and
-soft caps, both modes, GQA a program a query head), the deterministic mode's bits run to run (turns of
-several query blocks too), and ``flash_attention`` on it."""
+stack in the consumers' loops, a few of the dQ warp's with turns of two blocks, the dQ partials out
+by bulk reduce-add, the deterministic mode's tickets), its launch passes the kernel's parameters in
+order, its configs and what the dispatch gives it. On the H200 (``gpu``): dq, dk and dv against the
+float64 reference gradients with the oracle's rule (full and causal masks of both alignments, Sq !=
+Sk, single rows, GQA and MQA, the padded D = 200, fp16 and bf16, windows and soft caps, both modes,
+GQA a program a query head), the deterministic mode's bits run to run (turns of several query blocks
+too), and ``flash_attention`` on it."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 
@@ -63,7 +65,8 @@ for dtype, causal, deterministic, stages, lower, softcap, *extra in CASES:
         signature[name] = "i32"
     signature |= {"KV_SHARE": "constexpr", "qk_scale": "fp32", "cap_log2": "fp32", "scale": "fp32"}
     constants = {"KV_SHARE": 1, "IS_CAUSAL": causal, "DETERMINISTIC": deterministic, "NUM_STAGES": stages,
-                 "ROTATE": deterministic and not causal, "ACQUIRE_FIRST": deterministic, "TURN_BLOCKS": 1,
+                 "ROTATE": deterministic and not causal, "ACQUIRE_FIRST": deterministic,
+                 "TURN_BLOCKS": extra.get("turn_blocks", 1),
                  "HAS_LOWER": lower, "SOFTCAP": softcap, "DQ_BUFFERS": extra.get("dq_buffers", 1),
                  "VARLEN": extra.get("varlen", False), "TENSOR_D": extra.get("tensor_d", 0)}
     signature |= {name: "constexpr" for name in constants}
@@ -76,6 +79,7 @@ for dtype, causal, deterministic, stages, lower, softcap, *extra in CASES:
         "setmaxnreg": sorted({int(n) for n in re.findall(budgets, ptx)}),
         "hgmma": sass.count("HGMMA"), "hmma": sass.count(" HMMA"),
         "spills": sass.count("STL") + sass.count("LDL"),
+        "loops": [[loop.mix["HGMMA"], loop.local_accesses] for loop in innermost_loops(sass)],
         "single_conversions": sass.count("F2F.BF16.F32") + sass.count("F2F.F16.F32"),
         "reduces": sass.count("UTMAREDG"), "tma_loads": ptx.count("cp.async.bulk.tensor.4d.shared"),
         "tickets": ptx.count("ld.global.gpu.acquire"), "releases": ptx.count("atom.global.gpu.release.add"),
@@ -97,6 +101,8 @@ STATIC_CASES = [
     ("bf16", False, False, 2, False, True),
     ("fp16", True, True, 2, True, True),
     ("bf16", True, True, 2, False, False, {"dq_buffers": 2}),
+    ("bf16", False, True, 2, False, False, {"turn_blocks": 2}),
+    ("bf16", True, True, 2, False, False, {"turn_blocks": 2}),
     ("bf16", True, False, 2, False, False, {"varlen": True, "tensor_d": 256}),
     ("fp16", True, True, 2, True, True, {"varlen": True, "tensor_d": 200}),
 ]
@@ -112,8 +118,15 @@ def test_the_kernel_compiles_for_hopper_warp_specialized_without_spills(case):
     assert row["hgmma"] > 0 and row["hmma"] == 0 and row["tma_loads"] > 0, row
     assert row["reduces"] > 0, row  # dQ's partials go out by bulk reduce-add
     assert (row["tickets"] > 0) == (row["releases"] > 0) == deterministic, row
-    # dK or dV (128 registers a thread) and a step's 64 x 32 products: nothing on the stack
-    assert row["spills"] == 0, row
+    # dK or dV (128 registers a thread) and a step's 64 x 32 products: nothing on the stack in the
+    # consumers' loops (those of the HGMMAs)
+    assert all(local == 0 for hgmma, local in row["loops"] if hgmma), row
+    if case[6:] and case[6].get("turn_blocks", 1) > 1:
+        # the dQ warp (24 registers) holding a turn over several blocks keeps a few values on the
+        # stack: 19 full, 10 causal at two blocks, 4 of them loaded in its loop, a reduce's wait each
+        assert row["spills"] <= 20 and all(local <= 4 for hgmma, local in row["loops"] if not hgmma), row
+    else:
+        assert row["spills"] == 0, row
     assert row["single_conversions"] == 0, row  # P and dS converted in pairs (F2FP)
 
 
@@ -173,6 +186,10 @@ def test_the_wide_configs_and_what_they_refuse():
 
     free = bwd_sm90.default_config(256, False)
     assert free == bwd_sm90.WIDE_CONFIG and free.block_m == 32 and free.shared_dq
+    # the deterministic mode's turn covers two blocks (WIDE_TURN_BLOCKS), a mask and GQA or not
+    for gqa, causal in itertools.product((False, True), repeat=2):
+        assert bwd_sm90.default_config(256, True, gqa, causal).turn_blocks == 2
+    assert bwd_sm90.default_config(128, True).turn_blocks == 1
     bwd_sm90.check_config(bwd_sm90.default_config(256, True, True, True), 256)
     bwd_sm90.check_config(free._replace(num_stages=3), 256)
     bwd_sm90.check_config(free._replace(dq_buffers=2), 256)

@@ -109,6 +109,12 @@ CONFIGS = {
 # D = 256: steps of 32 query rows, one dQ tile a step in two warpgroups' halves; two stages of Q and dO
 # (181 KB of shared memory; three, 214 KB, are ``num_stages=3``)
 WIDE_CONFIG = Config(num_stages=2, shared_dq=True, block_m=wide.BLOCK_M)
+# D = 256 deterministic: a turn of the dQ warp covers two 32-row steps. On an H100 at ed982f2, x cuDNN
+# (`python benchmarks/attention_bwd_sm90.py OUT.json --defaults --skip-triton --config
+# det:turn_blocks=2 --config det:turn_blocks=4 --shape 2,16,8,4096,256 --shape 8,16,16,1024,256`):
+# 0.82-0.90 against one block's 0.73-0.82, both masks; four blocks 0.51-0.66 (a program trails the one
+# before it by a whole group, which one staging tile a warpgroup cannot hide)
+WIDE_TURN_BLOCKS = 2
 # What the benchmark compares (and the tests check): the default first, then each setting of its
 # two switches (dP^T beside S^T, one dQ tile a step) at 64-row steps (at D = 64, the 128-row step
 # takes only shared_dq: ``check_config``), then at D = 128 the 16-bit P in pairs (what the
@@ -140,15 +146,18 @@ def default_config(
     D = 128; `docs/perf-notes/attention-backward-determinism.md`), and p_in_pairs (its 16-bit P: on
     an H100 at 9b33d42, x the one-value conversion in the same run, +9-14% causal and level to +2%
     full at D = 128; `python benchmarks/attention_bwd_sm90.py OUT.json --defaults --skip-triton
-    --config det:p_in_pairs=True --shape 4,32,32,4096,128`; docs/perf-notes/attention-backward-sm90.md);
-    a turn of the dQ warp a step. With a soft cap at D = 64, 64-row steps (a turn two of them): the
-    128-row step's P (1 - tanh^2) beside P kept 7 values a step on the stack in the bf16 free mode
-    (compiled for sm_90; none with 64 rows)."""
+    --config det:p_in_pairs=True --shape 4,32,32,4096,128`;
+    docs/perf-notes/attention-backward-sm90.md); a turn of the dQ warp a step (at D = 256 two:
+    WIDE_TURN_BLOCKS). With a soft cap at D = 64, 64-row steps (a turn two of them): the 128-row
+    step's P (1 - tanh^2) beside P kept 7 values a step on the stack in the bf16 free mode (compiled
+    for sm_90; none with 64 rows)."""
     config = WIDE_CONFIG if head_dim == 256 else CONFIGS[head_dim]
     if softcap and head_dim == 64:
         config = config._replace(block_m=BLOCK_M, turn_blocks=2 if deterministic else 1)
     if not deterministic:
         return config
+    if head_dim == 256:
+        config = config._replace(turn_blocks=WIDE_TURN_BLOCKS)
     return config._replace(
         shared_dq=True,
         per_query_head=gqa and DETERMINISTIC_GQA_PER_QUERY_HEAD[causal],
