@@ -75,7 +75,7 @@ for dtype, head_dim, causal, deterministic, shared_dq, _, *fields in CASES:
                  "TURN_BLOCKS": shipped.turn_blocks,
                  "P_PAIRS": config.p_in_pairs, "SOFTCAP": softcap, "HAS_LOWER": window, "VARLEN": varlen,
                  "TENSOR_D": tensor_d}
-    constants["ROTATE"] = bwd.order(deterministic, causal, 64, 32, 132)[1]  # rotated where it may be
+    constants["ROTATE"] = bwd.order(deterministic, causal, 64, 32, 132, config.rotate)[1]  # where it may be
     kernel = triton.compile(GluonASTSource(bwd._attn_bwd_sm90_kernel, signature, constants),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": bwd.CONSUMER_WARPS.value})
     ptx, sass = kernel.asm["ptx"], _cuobjdump(kernel.asm["cubin"], "-sass")
@@ -123,7 +123,9 @@ for dtype, head_dim, causal, deterministic, shared_dq, _, *fields in CASES:
 # PRMT more), and the masks counting keys from the sequence's end (``_grad_partition``), with no
 # more values a step on the stack than the dense kernel (3-10 a step at D = 128 with the sequence's
 # length held in a register); at a padded head dim (the field "tensor_d") those stores masked by column
-# too.
+# too. The free mode's candidates (the fields "rotate", the full mask's rotated walk: 11 at both head
+# dims; "p_in_pairs" at D = 128, the deterministic mode's 16-bit P: 9 full, 13 causal against the fp32
+# P's 48).
 STATIC_CASES = [
     ("bf16", 128, False, False, False, 27),
     ("bf16", 128, True, True, False, 13),
@@ -159,6 +161,11 @@ STATIC_CASES = [
     ("bf16", 128, True, True, True, 26, {"p_in_pairs": True, "window": True, "varlen": True}),
     ("bf16", 128, True, False, True, 47, {"varlen": True, "tensor_d": 96}),
     ("bf16", 64, False, True, True, 3, {"block_m": 128, "varlen": True, "tensor_d": 40}),
+    ("bf16", 128, False, False, True, 11, {"rotate": True}),
+    ("bf16", 64, False, False, True, 11, {"block_m": 128, "rotate": True}),
+    ("bf16", 128, False, False, True, 9, {"p_in_pairs": True}),
+    ("bf16", 128, True, False, True, 13, {"p_in_pairs": True}),
+    ("bf16", 128, False, False, True, 7, {"p_in_pairs": True, "rotate": True, "varlen": True}),
 ]
 
 
@@ -267,15 +274,19 @@ def test_the_launch_passes_the_kernels_runtime_arguments_in_order(monkeypatch):
         assert launch.grid == ((2 * 2 * 2,) if packed else (1 * 2 * 2,)), launch.grid
 
 
-def test_only_a_deterministic_full_mask_walks_rotated_and_only_where_a_group_runs_at_once(monkeypatch):
-    """The rotated walk's turns are cyclic (a key block waits on blocks launched after it), so it is
-    taken only where a group's programs all fit on the GPU at once; never causal, never free."""
+def test_a_full_mask_walks_rotated_deterministic_where_a_group_runs_at_once_free_where_asked(monkeypatch):
+    """The rotated walk's turns are cyclic (a key block waits on blocks launched after it), so the
+    deterministic mode takes it only where a group's programs all fit on the GPU at once; the free
+    mode where Config.rotate asks, whatever the grid; never causal."""
     from tritonkit.ops.attention import bwd_sm90
 
     assert bwd_sm90.order(True, False, 64, 132, 132) == (1, True)
     assert bwd_sm90.order(True, False, 64, 133, 132) == (1, False)
     assert not bwd_sm90.order(True, True, 64, 32, 132)[1]
     assert not bwd_sm90.order(False, False, 64, 32, 132)[1]
+    assert bwd_sm90.order(False, False, 64, 500, 132, True) == (1, True)
+    assert bwd_sm90.order(False, True, 64, 32, 132, True) == (4, False)
+    assert bwd_sm90.order(True, False, 64, 133, 132, True) == (1, False)
     monkeypatch.setattr(bwd_sm90, "DETERMINISTIC_PAIRS_PER_GROUP", None)  # every pair at once
     assert bwd_sm90.order(True, False, 4, 33, 132) == (4, True)
     assert bwd_sm90.order(True, False, 4, 34, 132) == (4, False)
@@ -717,7 +728,7 @@ def test_gpu_turns_of_two_query_blocks_keep_the_order_of_the_adds(
 
     if not rotate:  # a full mask's walk from query block 0 for every key block
         order = bwd_sm90.order
-        monkeypatch.setattr(bwd_sm90, "order", lambda *args: (order(*args)[0], False))
+        monkeypatch.setattr(bwd_sm90, "order", lambda *args, **kwargs: (order(*args, **kwargs)[0], False))
     shipped = bwd_sm90.default_config(head_dim, True, heads[0] != heads[1], causal)
     single, paired = shipped._replace(turn_blocks=1), shipped._replace(turn_blocks=2)
     for seq_q, seq_k in ((1500, 1500), (100, 100), (1400, 1500), (1500, 1400)):

@@ -43,10 +43,11 @@ def _packed_inputs(head_dim: int, dtype, seed: int):
     return q, k, v, do, Packed(cu_q, cu_k, len(LENGTHS), *longest)
 
 
-def _check_packed(q, k, v, do, packed, scores, deterministic: bool) -> tuple:
+def _check_packed(q, k, v, do, packed, scores, deterministic: bool, config=None) -> tuple:
     """The kernel's (dq, dk, dv) for ``scores`` over the packed batch (written into NaN-filled
-    buffers), held by the oracle to autograd through the reference in float64, torch's error from
-    the reference run in the inputs' dtype; returned for the bits' check."""
+    buffers; ``config`` the launch's, None for the default), held by the oracle to autograd through
+    the reference in float64, torch's error from the reference run in the inputs' dtype; returned
+    for the bits' check."""
     from tritonkit.ops.attention import bwd, bwd_sm90
     from tritonkit.ops.attention.common import attention_reference
 
@@ -66,7 +67,7 @@ def _check_packed(q, k, v, do, packed, scores, deterministic: bool) -> tuple:
     bwd_sm90.attention_bwd_sm90(
         *views[:4], lse, delta, *(t.transpose(0, 1).unsqueeze(0) for t in grads), scale=scores.scale,
         causal=flags["IS_CAUSAL"], upper_offset=upper, lower_offset=lower if flags["HAS_LOWER"] else None,
-        softcap=scores.softcap, deterministic=deterministic, packed=packed,
+        softcap=scores.softcap, deterministic=deterministic, packed=packed, config=config,
     )  # fmt: skip
 
     def reference(dtype):
@@ -99,6 +100,20 @@ def test_gpu_packed_batches_match_the_reference(mask, head_dim, deterministic):
     if deterministic:  # the same bits again
         again = _check_packed(q, k, v, do, packed, scores, deterministic)
         assert all(torch.equal(a, b) for a, b in zip(grads, again, strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_a_rotated_free_walk_over_packed_sequences(head_dim):
+    """``Config.rotate`` in the free mode (each sequence's key block n starting at its query block
+    n * Mb / Nb, wrapping), with the 16-bit P at D = 128: a full mask over the ragged sequences."""
+    from tritonkit.ops.attention import bwd_sm90
+    from tritonkit.ops.attention.common import Scores
+
+    config = bwd_sm90.default_config(head_dim, False)._replace(rotate=True, p_in_pairs=head_dim == 128)
+    q, k, v, do, packed = _packed_inputs(head_dim, torch.bfloat16, seed=50 + head_dim)
+    _check_packed(q, k, v, do, packed, Scores(head_dim**-0.5, False, True, (-1, -1), 0.0), False, config)
 
 
 @pytest.mark.gpu

@@ -199,6 +199,7 @@ def test_the_wide_configs_and_what_they_refuse():
         free._replace(overlap_sdp=True),
         free._replace(num_stages=3, dq_buffers=2),  # 246 KB of shared memory
         free._replace(dq_buffers=3),
+        free._replace(rotate=True),  # (the free mode's rotated walk is the D <= 128 kernel's)
     ):
         with pytest.raises(ValueError, match="D = 256"):
             bwd_sm90.check_config(bad, 256)

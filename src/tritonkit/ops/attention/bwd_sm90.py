@@ -68,7 +68,11 @@ class Config(NamedTuple):
     values an instruction on the ALU (F2FP) instead of one on the MUFU's pipe beside the
     exponentials (F2F), P unpacked for dS. dq_buffers (D = 256's kernel alone, ``bwd_sm90_wide``): its
     dQ staging tiles a warpgroup, 2 so that a step's store waits on the reduce of two steps before
-    rather than one (the dQ warp's turn between them), 32 KB more shared memory."""
+    rather than one (the dQ warp's turn between them), 32 KB more shared memory. rotate (the free
+    mode's full mask, D <= 128): key block n walks the query blocks from n * Mb / Nb on, as the
+    deterministic mode's full mask does, so that a head's key blocks add their dQ partials to
+    different tiles at a time rather than all to the same one; in the free mode at D = 128,
+    p_in_pairs takes the deterministic mode's 16-bit P too."""
 
     num_stages: int
     overlap_sdp: bool = False
@@ -79,6 +83,7 @@ class Config(NamedTuple):
     block_m: int = BLOCK_M
     p_in_pairs: bool = False
     dq_buffers: int = 1
+    rotate: bool = False
 
 
 # Shared memory a program at D = 128, 16-bit elements: K and V 2 x 32 KB, the Q/dO ring NUM_STAGES x
@@ -118,7 +123,8 @@ WIDE_TURN_BLOCKS = 2
 # What the benchmark compares (and the tests check): the default first, then each setting of its
 # two switches (dP^T beside S^T, one dQ tile a step) at 64-row steps (at D = 64, the 128-row step
 # takes only shared_dq: ``check_config``), then at D = 128 the 16-bit P in pairs (what the
-# deterministic mode reads; 11 values on the stack causal against 52, 9 full against 56-62)
+# deterministic mode reads; 11 values on the stack causal against 52, 9 full against 56-62), and the
+# rotated walk of a full mask in the free mode
 CANDIDATES = {
     d: list(
         dict.fromkeys(
@@ -130,6 +136,7 @@ CANDIDATES = {
         )
     )
     + [config._replace(p_in_pairs=True)] * (d == 128)
+    + [config._replace(rotate=True)]
     for d, config in CONFIGS.items()
 }
 
@@ -308,10 +315,10 @@ def check_config(config: Config, head_dim: int) -> None:
         # (two stages with two dQ staging tiles a warpgroup: three would need 246 KB)
         shape = (config.block_m, config.shared_dq, config.overlap_sdp)
         stages = (2, 3) if config.dq_buffers == 1 else (2,) if config.dq_buffers == 2 else ()
-        if shape != (wide.BLOCK_M, True, False) or config.num_stages not in stages:
+        if shape != (wide.BLOCK_M, True, False) or config.num_stages not in stages or config.rotate:
             raise ValueError(
                 f"at D = 256 Config takes block_m {wide.BLOCK_M}, shared_dq, 2-3 stages (2 with two dQ "
-                f"buffers); got {config}"
+                f"buffers), no rotate; got {config}"
             )
         return
     if config.dq_buffers != 1:
@@ -342,7 +349,9 @@ DETERMINISTIC_PAIRS_PER_GROUP: int | None = 1
 FREE_CAUSAL_PAIRS_PER_GROUP = 4
 
 
-def order(deterministic: bool, causal: bool, pairs: int, blocks: int, resident: int) -> tuple[int, bool]:
+def order(
+    deterministic: bool, causal: bool, pairs: int, blocks: int, resident: int, rotate_free: bool = False
+) -> tuple[int, bool]:
     """(PAIRS_PER_GROUP, ROTATE) for a launch of ``pairs`` (batch, head) pairs of ``blocks`` key
     blocks each, ``resident`` programs running at once: the free order a head's key blocks
     together for a full mask (their walks are all as long) and groups of
@@ -355,12 +364,15 @@ def order(deterministic: bool, causal: bool, pairs: int, blocks: int, resident: 
     n's adds wait for n - 1's: block n starts n adds' latency late, idle meanwhile. The order of
     arrival is cyclic (key block n waits on n + 1, n + 2, ..., launched after it, and past its
     walk's wrap on 0, 1, ...), so a head's key blocks must all run at once: rotated only where a
-    group's programs (launched together, key blocks on the slow axis) fit in ``resident``."""
+    group's programs (launched together, key blocks on the slow axis) fit in ``resident``. The free
+    mode's full mask rotates where ``rotate_free`` asks (Config.rotate): it waits on no one."""
     group = FREE_CAUSAL_PAIRS_PER_GROUP if causal else 1
     if deterministic:
         group = DETERMINISTIC_PAIRS_PER_GROUP or pairs
     group = min(group, pairs)
-    return group, deterministic and not causal and group * blocks <= resident
+    if not deterministic:
+        return group, rotate_free and not causal
+    return group, not causal and group * blocks <= resident
 
 
 def launches(
@@ -401,7 +413,7 @@ def launches(
     if packed is not None:  # the grid of the sequences and their longest lengths
         batch, seq_q, seq_k = packed.sequences, packed.max_q, packed.max_k
     kv_share, heads_kv, blocks, pairs, pairs_per_group, rotate = _grid(
-        q, k, dk, batch, seq_k, BLOCK_N, deterministic, causal
+        q, k, dk, batch, seq_k, BLOCK_N, deterministic, causal, config.rotate
     )
     walk = (heads_kv, pairs, pairs_per_group, heads_q // heads_kv, kv_share, seq_q, seq_k)
     # shared_dq: each warpgroup adds D / 2 columns of a dq tile; at D = 64 K (and dK, which leaves
@@ -460,7 +472,9 @@ def _after_boxes(
     )
 
 
-def _grid(q, k, dk, batch: int, seq_k: int, keys: int, deterministic: bool, causal: bool) -> tuple:
+def _grid(
+    q, k, dk, batch: int, seq_k: int, keys: int, deterministic: bool, causal: bool, rotate: bool = False
+) -> tuple:
     """(kv_share, heads_kv, blocks, pairs, pairs_per_group, rotate) of a launch of programs of ``keys``
     keys: per query head (dk and dv the shares, (B, Hq, Sk, D)) the programs' heads are q's, each
     reading k's and v's head of its group (kv_share of them); a program an SM (its shared memory
@@ -469,7 +483,7 @@ def _grid(q, k, dk, batch: int, seq_k: int, keys: int, deterministic: bool, caus
     kv_share = heads_q // heads_kv if dk.shape[1] != heads_kv else 1
     heads_kv = heads_kv * kv_share
     blocks, pairs = cdiv(seq_k, keys), batch * heads_kv
-    pairs_per_group, rotate = order(deterministic, causal, pairs, blocks, sm_count(q.device))
+    pairs_per_group, rotate = order(deterministic, causal, pairs, blocks, sm_count(q.device), rotate)
     return kv_share, heads_kv, blocks, pairs, pairs_per_group, rotate
 
 

@@ -332,8 +332,8 @@ def _grad_step(
     DQ_COLS: gl.constexpr = zero_dq.type.shape[1]
     DQ_SPLIT: gl.constexpr = 1 if SHARED_DQ else HEAD_DIM // DQ_COLS
     dtype: gl.constexpr = q_smem.dtype
-    # P read twice in 16 bits (below): fp16, and the deterministic mode at D = 128
-    P16: gl.constexpr = (DETERMINISTIC and HEAD_DIM > 64) or dtype == gl.float16 or BLOCK > 64
+    # P read twice in 16 bits (below): fp16, and the deterministic mode (or P_PAIRS) at D = 128
+    P16: gl.constexpr = ((DETERMINISTIC or P_PAIRS) and HEAD_DIM > 64) or dtype == gl.float16 or BLOCK > 64
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
     )
