@@ -123,7 +123,7 @@ def test_the_kernel_compiles_for_hopper_warp_specialized_without_spills(case):
     assert all(local == 0 for hgmma, local in row["loops"] if hgmma), row
     if case[6:] and case[6].get("turn_blocks", 1) > 1:
         # the dQ warp (24 registers) holding a turn over several blocks keeps a few values on the
-        # stack: 19 full, 10 causal at two blocks, 4 of them loaded in its loop, a reduce's wait each
+        # stack: 19 full, 10 causal at two blocks, at most 4 of them in a loop without HGMMAs
         assert row["spills"] <= 20 and all(local <= 4 for hgmma, local in row["loops"] if not hgmma), row
     else:
         assert row["spills"] == 0, row
