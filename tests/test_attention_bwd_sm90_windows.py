@@ -43,10 +43,10 @@ def test_a_left_side_alone_runs_with_a_right_side_that_cuts_nothing():
             assert flags["IS_CAUSAL"] and flags["HAS_LOWER"] and upper >= seq_k - 1
 
 
-def _check_window(q, k, v, do, scores, deterministic: bool) -> tuple:
-    """The kernel's (dq, dk, dv) for ``scores`` (written into NaN-filled buffers), held by the oracle
-    to autograd through the reference in float64, torch's error from the reference run in the
-    inputs' dtype; returned for the bits' check."""
+def _check_window(q, k, v, do, scores, deterministic: bool, config=None) -> tuple:
+    """The kernel's (dq, dk, dv) for ``scores`` (written into NaN-filled buffers; ``config`` the
+    kernel's, None its default), held by the oracle to autograd through the reference in float64,
+    torch's error from the reference run in the inputs' dtype; returned for the bits' check."""
     from tritonkit.ops.attention import bwd, bwd_sm90
     from tritonkit.ops.attention.common import attention_reference
 
@@ -64,7 +64,7 @@ def _check_window(q, k, v, do, scores, deterministic: bool) -> tuple:
     bwd_sm90.attention_bwd_sm90(
         do, q, k, v, lse, delta, dq, dk, dv, scale=scores.scale, causal=flags["IS_CAUSAL"],
         upper_offset=upper, lower_offset=lower if flags["HAS_LOWER"] else None, softcap=scores.softcap,
-        deterministic=deterministic,
+        deterministic=deterministic, config=config,
     )  # fmt: skip
 
     def reference(dtype):
@@ -132,6 +132,40 @@ def test_gpu_windows_match_the_reference(case, head_dim, deterministic):
     if deterministic:  # the same bits again
         again = _check_window(q, k, v, do, scores, deterministic)
         assert all(torch.equal(a, b) for a, b in zip(grads, again, strict=True))
+
+
+# windows whose walks end at different query blocks inside one turn's group (a left side): before
+# the turns' ranks counted the head's query blocks rather than each walk's own end, two key blocks
+# took the same rank in some group at one of these geometries and the dQ warps waited forever
+TURN_CASES = [
+    (1, 2, 2, 300, 1500, True, True, (700, 0)),
+    (1, 2, 2, 1000, 1000, False, True, (400, 300)),
+    (2, 4, 2, 900, 1100, True, True, (650, 0), 20.0),
+    (1, 2, 2, 1500, 900, True, False, (700, 0)),
+    (1, 4, 2, 1000, 1000, True, True, (127, 0)),
+    (1, 2, 2, 700, 1300, False, False, (300, 500)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("turn_blocks", [2, 3])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_windowed_turns_of_several_query_blocks(head_dim, turn_blocks):
+    """Deterministic turns over several query blocks (``Config.turn_blocks``) under windows, at both
+    step heights of D = 64 (128 rows, 64 with a soft cap) and D = 128's 64: the gradients pass the
+    oracle and are the one-block turns' bits (a causal walk's adds come in the same order)."""
+    from tritonkit.ops.attention import bwd_sm90
+    from tritonkit.ops.attention.common import Scores
+
+    for case in TURN_CASES:
+        batch, heads_q, heads_kv, seq_q, seq_k, causal, bottom_right, window, *cap = case
+        scores = Scores(head_dim**-0.5, causal, bottom_right, window, *cap)
+        shipped = bwd_sm90.default_config(head_dim, True, heads_q != heads_kv, True, bool(cap))
+        q, k, v, do = _inputs(batch, heads_q, heads_kv, seq_q, seq_k, head_dim, torch.bfloat16, seed=seq_q)
+        grouped = _check_window(q, k, v, do, scores, True, shipped._replace(turn_blocks=turn_blocks))
+        single = _check_window(q, k, v, do, scores, True, shipped._replace(turn_blocks=1))
+        assert all(torch.equal(a, b) for a, b in zip(grouped, single, strict=True)), case
 
 
 @pytest.mark.gpu

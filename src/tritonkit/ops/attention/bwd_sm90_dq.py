@@ -118,6 +118,7 @@ def _dq_partition(
     GROUP,
     m_start,
     m_end,
+    q_blocks,  # the head's query blocks (of its sequence, packed), a window's trim of m_end aside
     n_last,
     rot,
     UPPER_OFFSET,
@@ -166,7 +167,11 @@ def _dq_partition(
         # a walk enters a group at its first block (a rotated walk starts on one) or where it starts
         # (a causal walk may start inside one), and leaves it at its last block or where it ends
         if DETERMINISTIC and ((idx == 0) | (m % TURN_BLOCKS == 0)):
-            g_last_block = gl.minimum(g * TURN_BLOCKS + TURN_BLOCKS, m_end) - 1
+            if TURN_BLOCKS == 1:
+                g_last_block = m
+            else:  # the head's last block, not the walk's: a window's left side ends the walks at
+                # different blocks, and every key block that adds into g must rank it alike
+                g_last_block = gl.minimum(g * TURN_BLOCKS + TURN_BLOCKS, q_blocks) - 1
             rank = _turn(
                 g, g_last_block, key_block, rot_g, rank_base, n_last, g_count, UPPER_OFFSET, BLOCK, KEYS,
                 IS_CAUSAL, ROTATE,

@@ -740,8 +740,8 @@ def _attn_bwd_sm90_kernel(
                            lse_ptr, delta_ptr, lse_smem, delta_smem, SEQ_Q, stride_lb, stride_lh,
                            stride_db, stride_dh)),
         (_dq_partition, (dq_desc, dq_smem, dq_full, dq_empty, sem_ptr, batch, sequence, q_row0, kv_head,
-                         start_n, GROUP, m_start, m_end, n_blocks - 1, rot, UPPER_OFFSET, stride_sb,
-                         stride_sh, KEYS, IS_CAUSAL, DETERMINISTIC, ROTATE, SHARED_DQ, ACQUIRE_FIRST,
-                         TURN_BLOCKS, NUM_CONSUMERS)),
+                         start_n, GROUP, m_start, m_end, gl.cdiv(SEQ_Q, BLOCK), n_blocks - 1, rot,
+                         UPPER_OFFSET, stride_sb, stride_sh, KEYS, IS_CAUSAL, DETERMINISTIC, ROTATE,
+                         SHARED_DQ, ACQUIRE_FIRST, TURN_BLOCKS, NUM_CONSUMERS)),
     ], [CONSUMER_WARPS, PRODUCER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
     # fmt: on
