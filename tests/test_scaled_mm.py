@@ -427,3 +427,17 @@ def test_the_gluon_kernel_takes_the_products_it_measured_faster_on():
     assert sm._gluon_pays(False, True, tensor) and not sm._gluon_pays(False, True, row)
     assert not any(sm._gluon_pays(True, chained, s) for chained in (False, True) for s in (tensor, row))
     assert sm._few_tiles(1024, 1024, "cpu") and not sm._few_tiles(8192, 16384, "cpu")
+
+
+def test_products_of_few_tiles_take_one_wave_of_promoted_tiles(monkeypatch):
+    """Fewer 128 x 128 output tiles than SMs: 64 x 128 tiles (SMALL_TILE) where they too are one wave,
+    else 128 x 128 ones (TILE: at (128, 4096, 14336) 224 tiles of 64 rows are two waves on 132 SMs),
+    promoted whatever use_fast_accum says; more tiles than SMs: TILE, or FAST_TILE chained."""
+    monkeypatch.setattr(sm, "interpret", lambda: False)
+    monkeypatch.setattr(sm, "_sms", lambda device: 132)
+    few = [((128, 14336), sm.TILE), ((128, 4096), sm.SMALL_TILE), ((64, 14336), sm.SMALL_TILE)]
+    for fast in (False, True):
+        for (m, n), tile in few:
+            assert sm._launch_choice(fast, m, n, "cuda") == (tile | {"TMA": True}, False), (m, n, fast)
+        large = sm.FAST_TILE if fast else sm.TILE
+        assert sm._launch_choice(fast, 8192, 16384, "cuda") == (large | {"TMA": True}, fast)

@@ -65,9 +65,13 @@ BLOCK = SCALE_BLOCK.value  # the blockwise scales' run of a's rows and block of 
 TILE = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
 FAST_TILE = TILE | {"BLOCK_N": 256, "num_stages": 3}
 # Outputs of fewer 128 x 128 tiles than the GPU has SMs (short M, N): 64 x 128 on four warps and five
-# stages, promoted (at (1024, 16384, 1024) 698 TFLOP/s against 509 on TILE and 314-412 chained on
-# FAST_TILE; at (128, 4096, 14336) 253 against 231), taken whatever use_fast_accum says: it is
-# both the faster and the more exact there
+# stages, promoted, where its tiles too are one wave; else TILE's one wave (_launch_choice). Taken
+# whatever use_fast_accum says: promoted is the more exact, and chained 128 x 256 tiles are half as
+# many programs. On the H200 at c1360a6, graph replays (`python benchmarks/scaled_mm.py OUT.json
+# --tiles --skip-linear --shape 128,4096,14336 --shape 1024,16384,1024`,
+# results/h200/history/scaled-mm-tiles-c1360a6.json): at (128, 4096, 14336), 112 tiles of 128 x 128
+# and 224 of 64 x 128, TILE 454 TFLOP/s against SMALL_TILE's 382 (cuBLAS 570); at (1024, 16384,
+# 1024) 64 x 128 691 against TILE's 501 (its products, of many tiles, take the Gluon kernel)
 SMALL_TILE = TILE | {"BLOCK_M": 64, "num_warps": 4, "num_stages": 5}
 # Which products the warp-specialized Gluon kernel (ops/linear/scaled_mm_sm90.py: tensorwise and
 # rowwise scales, no bias, sm_90) computes among those it can: None, the measured rule
@@ -79,7 +83,8 @@ _sms = functools.cache(sm_count)  # (a launch path's query, once a device)
 
 
 def _few_tiles(m: int, n: int, device) -> bool:
-    """Fewer 128 x 128 output tiles than the GPU has SMs: SMALL_TILE's products."""
+    """Fewer 128 x 128 output tiles than the GPU has SMs: one wave of promoted tiles (SMALL_TILE's or
+    TILE's, ``_launch_choice``)."""
     return cdiv(m, 128) * cdiv(n, 128) < _sms(device)
 
 
@@ -89,8 +94,9 @@ def _launch_choice(fast_accum: bool, m: int, n: int, device) -> tuple[dict, bool
     TMA where the operands allow it."""
     if interpret():
         return dict(INTERPRETER_CONFIG), fast_accum
-    if _few_tiles(m, n, device):
-        return SMALL_TILE | {"TMA": True}, False
+    if _few_tiles(m, n, device):  # one wave: SMALL_TILE's where its tiles are one too
+        one_wave = cdiv(m, SMALL_TILE["BLOCK_M"]) * cdiv(n, SMALL_TILE["BLOCK_N"]) <= _sms(device)
+        return (SMALL_TILE if one_wave else TILE) | {"TMA": True}, False
     return (FAST_TILE if fast_accum else TILE) | {"TMA": True}, fast_accum
 
 
