@@ -113,6 +113,8 @@ def test_check_fails_a_wrong_kernel(workload):
     broken = _with_fn(workload, off_by_a_percent)
     rows = run_case(Case(broken, (7, 33), torch.float32, "fwd"), ["tritonkit"], "cpu")
     assert [r["check"] for r in rows] == ["FAIL"]
+    # the row names the tensor that failed, its error and the bound it missed
+    assert rows[0]["error"].startswith("wrong output: output[0]: err ") and "vs bound" in rows[0]["error"]
 
 
 def test_ops_with_several_outputs_and_non_tensor_inputs_are_checked_in_every_mode():

@@ -175,10 +175,11 @@ def _check(fn: Callable, case: Case, inputs: tuple) -> dict:
     )
     if case.mode == "bwd":
         comparisons = [c for c in comparisons if c.name.startswith("grad")]
-    return {
-        "max_err": max(c.err_kernel for c in comparisons),
-        "check": "pass" if all(c.passed for c in comparisons) else "FAIL",
-    }
+    failed = [c for c in comparisons if not c.passed]
+    verdict = {"max_err": max(c.err_kernel for c in comparisons), "check": "FAIL" if failed else "pass"}
+    if failed:  # which tensors, by how much, against what bound: what a reader of the row needs next
+        verdict["error"] = "wrong output: " + "; ".join(map(str, failed))
+    return verdict
 
 
 def run_case(
