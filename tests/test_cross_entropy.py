@@ -236,6 +236,21 @@ def test_vocabularies_of_any_size_load_as_wide_as_their_alignment_allows():
     assert {row["launch"] for row in rows} >= {"fwd", "bwd"}
 
 
+def test_short_rows_take_fewer_warps():
+    """A program holds four 16-byte loads a thread a step: 8 warps at a full step (8192 16-bit or
+    4096 fp32 logits), fewer for a shorter row's (195 classes: 1), both kernels alike."""
+    assert ce._num_warps(8192, 2) == ce._num_warps(4096, 4) == 8
+    assert ce._num_warps(4096, 2) == 4 and ce._num_warps(256, 4) == 1 and ce._num_warps(1, 2) == 1
+    for classes, warps in ((195, 1), (3027, 4), (32000, 8)):
+        logits, target = torch.randn(3, classes, dtype=torch.bfloat16), torch.randint(0, classes, (3,))
+        options = (-100, "mean", 0.0, 0.0, 0.0)
+        out, lse, work = ce._forward_outputs(logits, "mean", True)
+        rows, row_weight, totals = ce._work_parts(work, 3, "mean")
+        (fwd, *_) = ce._fwd_launches(logits, target, None, options, (out, rows, lse, row_weight, totals))
+        (bwd,) = ce._bwd_launches(torch.ones(()), None, logits, target, None, lse, totals, options, logits)
+        assert fwd.meta["num_warps"] == bwd.meta["num_warps"] == warps, classes
+
+
 # Vocabularies whose rows start off their vectors (odd: every row on another alignment), read in
 # windows and (WINDOWS off) an entry at a time, with the features that read class weights by class.
 ODD_FEATURES = [{}, {"weight": True, "label_smoothing": 0.2}, {"softcap": 3.0, "reduction": "none"}]

@@ -41,7 +41,7 @@ DTYPES = FLOATS
 REDUCTIONS = ("none", "sum", "mean")
 TARGET_DTYPES = (torch.int64, torch.int32)
 BLOCK_BYTES = 16384  # logits a program holds a step: 8192 in 16-bit dtypes, four 16-byte loads a thread
-NUM_WARPS = 8
+WARP_BYTES = 2048  # logits a warp holds a step: four 16-byte loads a thread (8 warps at BLOCK_BYTES)
 SUM_BLOCK = 1024  # rows the reduction adds a step (one program: a fixed order, the same bits each call)
 
 
@@ -410,6 +410,12 @@ def _block_c(classes: int, element_size: int) -> int:
     return min(next_power_of_2(classes), BLOCK_BYTES // element_size)
 
 
+def _num_warps(block_c: int, element_size: int) -> int:
+    """8 warps a program at a full step, fewer for a short row's (1 at 195 fp32 classes: 32 programs
+    an SM can be resident where 8 warps allowed 8, and the row's sums stay in one warp)."""
+    return max(1, min(8, block_c * element_size // WARP_BYTES))
+
+
 def _align(logits: torch.Tensor, *values: int) -> int:
     """The kernels' ALIGN (``_launch.row_align`` of ``values`` and the logits' row stride) where the
     logits' entries are contiguous; else 1."""
@@ -465,7 +471,8 @@ def _fwd_launches(input, target, weight, options: tuple, outputs: tuple) -> list
     meta["WINDOW"] = _window(classes, (input,), (input.stride(0),))
     if meta["WINDOW"]:
         meta["ALIGN"] = 1  # (the windows' bases carry the alignment)
-    launches = [Launch("fwd", _cross_entropy_fwd_kernel, args, meta | {"num_warps": NUM_WARPS}, grid=(n,))]
+    meta["num_warps"] = _num_warps(block_c, input.element_size())
+    launches = [Launch("fwd", _cross_entropy_fwd_kernel, args, meta, grid=(n,))]
     if totals is not None:
         launches.append(sum_launch(weight, options, (out, rows, lse, row_weight, totals), n, classes))
     return launches if n else launches[1:]
@@ -506,7 +513,7 @@ def _bwd_launches(
     meta["WINDOW"] = _window(width, (input, dx), (input.stride(0), width))
     if meta["WINDOW"]:
         meta["ALIGN"] = 1
-    meta["num_warps"] = NUM_WARPS
+    meta["num_warps"] = _num_warps(meta["BLOCK_C"], input.element_size())
     return [Launch("bwd", _cross_entropy_bwd_kernel, args, meta, grid=(n,))] if n else []
 
 
