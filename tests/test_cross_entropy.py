@@ -239,8 +239,9 @@ def test_vocabularies_of_any_size_load_as_wide_as_their_alignment_allows():
 def test_short_rows_take_fewer_warps():
     """A program holds four 16-byte loads a thread a step: 8 warps at a full step (8192 16-bit or
     4096 fp32 logits), fewer for a shorter row's (195 classes: 1), both kernels alike."""
-    assert ce._num_warps(8192, 2) == ce._num_warps(4096, 4) == 8
-    assert ce._num_warps(4096, 2) == 4 and ce._num_warps(256, 4) == 1 and ce._num_warps(1, 2) == 1
+    warps = lambda classes, size: ce._step(classes, size)[1]  # noqa: E731
+    assert warps(32000, 2) == warps(8192, 2) == warps(4096, 4) == 8 and warps(3027, 2) == 4
+    assert warps(195, 4) == warps(1, 2) == 1 and ce._step(195, 4)[0] == 256
     for classes, warps in ((195, 1), (3027, 4), (32000, 8)):
         logits, target = torch.randn(3, classes, dtype=torch.bfloat16), torch.randint(0, classes, (3,))
         options = (-100, "mean", 0.0, 0.0, 0.0)

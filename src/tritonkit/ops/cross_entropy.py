@@ -406,14 +406,10 @@ def _logit_grads(
 # ---------------------------------------------------------------- launches
 
 
-def _block_c(classes: int, element_size: int) -> int:
-    return min(next_power_of_2(classes), BLOCK_BYTES // element_size)
-
-
-def _num_warps(block_c: int, element_size: int) -> int:
-    """8 warps a program at a full step, fewer for a short row's (1 at 195 fp32 classes: 32 programs
-    an SM can be resident where 8 warps allowed 8, and the row's sums stay in one warp)."""
-    return max(1, min(8, block_c * element_size // WARP_BYTES))
+def _step(classes: int, element_size: int) -> tuple[int, int]:
+    """(BLOCK_C, num_warps): a row's logits a step, and the warps that fill it (WARP_BYTES a warp)."""
+    block_c = min(next_power_of_2(classes), BLOCK_BYTES // element_size)
+    return block_c, max(1, min(8, block_c * element_size // WARP_BYTES))
 
 
 def _align(logits: torch.Tensor, *values: int) -> int:
@@ -439,12 +435,8 @@ def _window(classes: int, tensors: tuple, row_strides: tuple) -> int:
 
 
 def _flags(weight, smoothing: float, z_loss: float, softcap: float) -> dict:
-    return {
-        "HAS_WEIGHT": weight is not None,
-        "HAS_SMOOTHING": smoothing > 0,
-        "HAS_Z_LOSS": z_loss > 0,
-        "HAS_SOFTCAP": softcap > 0,
-    }
+    values = (weight is not None, smoothing > 0, z_loss > 0, softcap > 0)
+    return dict(zip(("HAS_WEIGHT", "HAS_SMOOTHING", "HAS_Z_LOSS", "HAS_SOFTCAP"), values, strict=True))
 
 
 def _needs_sums(reduction: str, weight, smoothing: float) -> bool:
@@ -465,13 +457,13 @@ def _fwd_launches(input, target, weight, options: tuple, outputs: tuple) -> list
         input, target, weight, losses, lse, row_weight, classes,
         input.stride(0), input.stride(1), target.stride(0), ignore_index, smoothing, z_loss, softcap,
     )  # fmt: skip
-    block_c = _block_c(classes, input.element_size())
+    block_c, warps = _step(classes, input.element_size())
     meta = _flags(weight, smoothing, z_loss, softcap) | {"HAS_DIVISOR": mean, "BLOCK_C": block_c}
     meta["ALIGN"] = _align(input, classes)
     meta["WINDOW"] = _window(classes, (input,), (input.stride(0),))
     if meta["WINDOW"]:
         meta["ALIGN"] = 1  # (the windows' bases carry the alignment)
-    meta["num_warps"] = _num_warps(block_c, input.element_size())
+    meta["num_warps"] = warps
     launches = [Launch("fwd", _cross_entropy_fwd_kernel, args, meta, grid=(n,))]
     if totals is not None:
         launches.append(sum_launch(weight, options, (out, rows, lse, row_weight, totals), n, classes))
@@ -508,12 +500,13 @@ def _bwd_launches(
         grad_lse.stride(0) if grad_lse is not None else 0, ignore_index, smoothing, z_loss, softcap,
     )  # fmt: skip
     meta = {"MEAN": reduction == "mean"} | _flags(weight, smoothing, z_loss, softcap)
-    meta |= {"HAS_LSE_GRAD": grad_lse is not None, "BLOCK_C": _block_c(width, input.element_size())}
+    block_c, warps = _step(width, input.element_size())
+    meta |= {"HAS_LSE_GRAD": grad_lse is not None, "BLOCK_C": block_c}
     meta["ALIGN"] = _align(input, width, col0)
     meta["WINDOW"] = _window(width, (input, dx), (input.stride(0), width))
     if meta["WINDOW"]:
         meta["ALIGN"] = 1
-    meta["num_warps"] = _num_warps(meta["BLOCK_C"], input.element_size())
+    meta["num_warps"] = warps
     return [Launch("bwd", _cross_entropy_bwd_kernel, args, meta, grid=(n,))] if n else []
 
 
