@@ -37,16 +37,19 @@ CASES = [(32768, True), (65536, True), (32768, False)]  # (S, causal)
 DRY_CASES = [(16, True), (16, False)]
 HEADS, HEAD_DIM = 32, 128
 WARMUP, ITERATIONS = 3, 10
+DRY_ROUNDS = (1, 1)  # --dry-run's warm-up and timed calls: its times mean nothing, its values are checked
+_rounds = (WARMUP, ITERATIONS)  # this process's (_worker sets a dry run's)
 
 
 def _timed(fn, device) -> float:
     """Median ms of ``fn()`` on this rank, each call after a barrier; the slowest rank's."""
     from tritonkit.bench import timing
 
-    for _ in range(WARMUP):
+    warmup, iterations = _rounds
+    for _ in range(warmup):
         fn()
     times = []
-    for _ in range(ITERATIONS):
+    for _ in range(iterations):
         dist.barrier()
         times.append(timing.call_ms(fn, device))
     slowest = torch.tensor([statistics.median(times)], device=device)
@@ -195,7 +198,9 @@ def join_group(rank: int, world: int, store: str, dry: bool, timeout_s: float) -
 
 
 def _worker(rank: int, world: int, store: str, out_path: str, dry: bool, cases: list) -> None:
+    global _rounds
     device = join_group(rank, world, store, dry, 600)
+    _rounds = DRY_ROUNDS if dry else _rounds
     heads, head_dim = (4, 16) if dry else (HEADS, HEAD_DIM)
     import tritonkit.distributed  # noqa: F401  (it chooses GPU or interpreter before triton is imported)
 
