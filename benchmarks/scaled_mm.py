@@ -75,6 +75,13 @@ TILES = [
     _tile(64, 128, 128, 4, 5, split=4),
     _tile(64, 64, 128, 4, 6),
     _tile(64, 64, 128, 4, 6, split=2),
+    # deeper rings (more of B in flight an SM, where M = 128 streams B at 1.8 TB/s on TILE's 4 stages):
+    # 160-197 KB of shared memory, compiled for sm_90 without spills
+    _tile(128, 128, 128, 8, 5),
+    _tile(128, 128, 128, 8, 6),
+    _tile(128, 128, 256, 8, 3),
+    _tile(128, 64, 256, 4, 4),
+    _tile(64, 128, 256, 4, 4),
 ]
 LINEAR_SHAPES = [(8192, 4096, 14336), (8192, 14336, 4096)]  # Llama-3-8B MLP: up (and gate), down
 E4M3 = torch.float8_e4m3fn
