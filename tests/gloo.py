@@ -66,8 +66,16 @@ def run_ranks(results_of, world: int, timeout_s: float, tmp_path, what: str) -> 
     of JSON values; every rank calls it, so it may make subgroups); the ranks' results, in rank
     order."""
     store, out_dir = str(tmp_path / "store"), str(tmp_path)
-    run(_rank, (results_of, world, store, out_dir, timeout_s), world, timeout_s, what)
-    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(world)]
+    files = [tmp_path / f"rank{rank}.json" for rank in range(world)]
+    try:
+        run(_rank, (results_of, world, store, out_dir, timeout_s), world, timeout_s, what)
+    except mp.ProcessExitedException as error:
+        # every rank wrote its results before the last barrier, so an abort after it is the teardown's:
+        # gloo's "terminate called without an active exception" as a rank exits, still seen now and
+        # then on a loaded machine after all_finished. Its results stand; any other failure fails.
+        if error.signal_name != "SIGABRT" or not all(f.exists() for f in files):
+            raise
+    return [json.loads(f.read_text()) for f in files]
 
 
 def _rank(rank: int, results_of, world: int, store: str, out_dir: str, timeout_s: float) -> None:

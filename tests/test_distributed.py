@@ -358,3 +358,29 @@ def test_the_ring_attention_benchmark_runs(tmp_path):
     providers = {row["provider"] for row in rows}
     assert {"tritonkit ring", "tritonkit one GPU", "ring exchanges only", "ring input check"} <= providers
     assert all(row["max_err_vs_one_gpu"] <= 2.0**-5 for row in rows if row["provider"] == "tritonkit ring")
+
+
+def _aborts_at_exit(rank: int, when: str) -> dict:
+    """A rank's results, and an abort of rank 0 as its process exits ("exit": after every rank's
+    results are written, as gloo's teardown once aborted one) or before its results ("early")."""
+    import atexit
+    import os
+
+    if rank == 0 and when == "early":
+        os.abort()
+    if rank == 0:
+        atexit.register(os.abort)
+    return {"rank": rank}
+
+
+def test_an_abort_as_a_rank_exits_keeps_the_results_one_before_them_fails(tmp_path):
+    """``gloo.run_ranks``: a SIGABRT after every rank wrote its results (the teardown's) leaves them
+    standing; one before a rank's results fails the test."""
+    import functools
+
+    ranks = gloo.run_ranks(functools.partial(_aborts_at_exit, when="exit"), 2, TIMEOUT_S, tmp_path, "exit")
+    assert ranks == [{"rank": 0}, {"rank": 1}]
+    early = tmp_path / "early"
+    early.mkdir()
+    with pytest.raises(torch.multiprocessing.ProcessExitedException, match="SIGABRT"):
+        gloo.run_ranks(functools.partial(_aborts_at_exit, when="early"), 2, TIMEOUT_S, early, "early")
