@@ -127,16 +127,17 @@ def rms_norm_grouped(
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.rms_norm(x.double(), (x.shape[1],), w.double(), EPS)
+    from tritonkit.ops.norm.norm import rms_norm_reference
 
-
-def _error(value: torch.Tensor, reference: torch.Tensor) -> float:
-    return (value.double() - reference).abs().max().item()
+    return rms_norm_reference(x.double(), (x.shape[1],), w.double(), EPS)
 
 
 def check(device: str = "cpu") -> list[dict]:
-    """The prototype against the float64 reference beside torch in the inputs' dtype, at shapes that
-    leave a tail of rows, span several rows a chunk and split rows across chunks."""
+    """The prototype against the float64 reference by the oracle's rule (``oracle.compare``: torch in
+    the inputs' dtype sets the bound), its output NaN-filled first, at shapes that leave a tail of
+    rows, span several rows a chunk and split rows across chunks."""
+    from tritonkit import oracle
+
     rows = []
     cases = [((37, 27), torch.bfloat16, 64), ((21, 13), torch.float32, 32), ((9, 300), torch.bfloat16, 128),
              ((19, 195), torch.float32, 256)]  # fmt: skip
@@ -147,20 +148,9 @@ def check(device: str = "cpu") -> list[dict]:
         poisoned = torch.full_like(x, math.nan)
         ours = rms_norm_grouped(x, w, block=block, warps=4, least_bytes=64, y=poisoned)
         theirs = torch.nn.functional.rms_norm(x, (n,), w, EPS)
-        reference = _reference(x, w)
-        rows.append(
-            {
-                "shape": [m, n],
-                "dtype": str(dtype),
-                "block": block,
-                "group": group_rows(n, dtype, 64),
-                "err": _error(ours, reference),
-                "torch_err": _error(theirs, reference),
-            }  # fmt: skip
-        )
-        assert rows[-1]["err"] <= 2 * rows[-1]["torch_err"] + 1e-2 * (dtype == torch.bfloat16) + 1e-5, rows[
-            -1
-        ]
+        comparison = oracle.compare(f"{m}x{n} {dtype}", ours, theirs, _reference(x, w), dtype)
+        rows.append({"block": block, "group": group_rows(n, dtype, 64), "check": str(comparison)})
+        assert comparison.passed, comparison
     return rows
 
 
@@ -168,6 +158,7 @@ def _row(shape: tuple, dtype: torch.dtype) -> dict:
     import tritonkit
     from tritonkit.bench.sweep import untuned_calls
     from tritonkit.bench.timing import kernel_ms
+    from tritonkit.oracle import max_abs_error
 
     m, n = shape
     g = torch.Generator(device="cuda").manual_seed(n)
@@ -180,7 +171,7 @@ def _row(shape: tuple, dtype: torch.dtype) -> dict:
         "grouped": lambda: lambda: rms_norm_grouped(x, w),
     }
     reference = _reference(x, w)
-    errors = {name: _error(make()(), reference) for name, make in calls.items() if name != "copy"}
+    errors = {name: max_abs_error(make()(), reference) for name, make in calls.items() if name != "copy"}
     gigabytes = 2 * x.numel() * x.element_size() / 1e9
     ms = {}
     with untuned_calls():
