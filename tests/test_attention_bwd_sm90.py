@@ -47,7 +47,9 @@ for dtype, head_dim, causal, deterministic, shared_dq, _, *fields in CASES:
     window = fields.pop("window", False)  # (the kernel's HAS_LOWER: a window's left side, under causal)
     varlen = fields.pop("varlen", False)  # (the kernel's VARLEN: a packed batch)
     tensor_d = fields.pop("tensor_d", head_dim) if varlen else 0  # (its TENSOR_D: a padded head dim's)
-    config = bwd.CONFIGS[head_dim]._replace(shared_dq=shared_dq, **({"block_m": bwd.BLOCK_M} | fields))
+    config = bwd.CONFIGS[head_dim]._replace(
+        shared_dq=shared_dq, **({"block_m": bwd.BLOCK_M, "p_in_pairs": False} | fields)
+    )
     shipped = bwd.default_config(head_dim, deterministic, False, causal)
     k_swizzle = 64 if shared_dq and head_dim == 64 else None
     rows = {"q_desc": config.block_m, "k_desc": bwd.SPLIT_N, "v_desc": bwd.SPLIT_N, "do_desc": config.block_m,

@@ -72,7 +72,7 @@ class Config(NamedTuple):
     mode's full mask, D <= 128): key block n walks the query blocks from n * Mb / Nb on, as the
     deterministic mode's full mask does, so that a head's key blocks add their dQ partials to
     different tiles at a time rather than all to the same one; in the free mode at D = 128,
-    p_in_pairs takes the deterministic mode's 16-bit P too."""
+    p_in_pairs takes the deterministic mode's 16-bit P too (the default: ``CONFIGS``)."""
 
     num_stages: int
     overlap_sdp: bool = False
@@ -107,9 +107,15 @@ class Config(NamedTuple):
 # --config det:block_m=128,turn_blocks=1 --shape 4,32,32,4096,64 --shape 2,32,8,4096,64`;
 # docs/perf-notes/attention-backward-sm90.md). A second run (9b33d42, H100, --rounds 9, x the 64-row step
 # round by round): +1-5% full in both modes, +5% GQA causal free, -1-3% at the MHA causal shapes.
+# At D = 128 the free mode converts its 16-bit P in pairs too (p_in_pairs, the deterministic mode's):
+# on the H200 at c1360a6, x the fp32 P round by round, +7% at (4, 32, 4096, 128) and (8, 16, 1024,
+# 128) full, level at (2, 32/8, 4096, 128) full (a noisy 0.99x) and level causal (0.99-1.00x); `python
+# benchmarks/attention_bwd_sm90.py OUT.json --full --skip-triton --skip-deterministic --defaults
+# --config free:p_in_pairs=True --shape 4,32,32,4096,128 ...`, results/h200/history/
+# attention-bwd-free-candidates-c1360a6.json; docs/perf-notes/attention-backward-determinism.md).
 CONFIGS = {
     64: Config(num_stages=2, shared_dq=True, block_m=128),
-    128: Config(num_stages=2, shared_dq=True),
+    128: Config(num_stages=2, shared_dq=True, p_in_pairs=True),
 }
 # D = 256: steps of 32 query rows, one dQ tile a step in two warpgroups' halves; two stages of Q and dO
 # (181 KB of shared memory; three, 214 KB, are ``num_stages=3``)
@@ -122,9 +128,9 @@ WIDE_CONFIG = Config(num_stages=2, shared_dq=True, block_m=wide.BLOCK_M)
 WIDE_TURN_BLOCKS = 2
 # What the benchmark compares (and the tests check): the default first, then each setting of its
 # two switches (dP^T beside S^T, one dQ tile a step) at 64-row steps (at D = 64, the 128-row step
-# takes only shared_dq: ``check_config``), then at D = 128 the 16-bit P in pairs (what the
-# deterministic mode reads; 11 values on the stack causal against 52, 9 full against 56-62), and the
-# rotated walk of a full mask in the free mode
+# takes only shared_dq: ``check_config``), then at D = 128 the fp32 P converted a value an
+# instruction (the free default before c1360a6's run; 52 values on the stack causal against the 16-bit
+# P's 13), and the rotated walk of a full mask in the free mode
 CANDIDATES = {
     d: list(
         dict.fromkeys(
@@ -135,7 +141,7 @@ CANDIDATES = {
             ]
         )
     )
-    + [config._replace(p_in_pairs=True)] * (d == 128)
+    + [config._replace(p_in_pairs=False)] * (d == 128)
     + [config._replace(rotate=True)]
     for d, config in CONFIGS.items()
 }
