@@ -186,9 +186,11 @@ def test_the_wide_configs_and_what_they_refuse():
 
     free = bwd_sm90.default_config(256, False)
     assert free == bwd_sm90.WIDE_CONFIG and free.block_m == 32 and free.shared_dq
-    # the deterministic mode's turn covers two blocks (WIDE_TURN_BLOCKS), a mask and GQA or not
+    # the deterministic mode's turn covers two blocks (WIDE_TURN_BLOCKS), a mask and GQA or not; with
+    # GQA a program a query head under either mask
     for gqa, causal in itertools.product((False, True), repeat=2):
-        assert bwd_sm90.default_config(256, True, gqa, causal).turn_blocks == 2
+        config = bwd_sm90.default_config(256, True, gqa, causal)
+        assert config.turn_blocks == 2 and config.per_query_head == gqa
     assert bwd_sm90.default_config(128, True).turn_blocks == 1
     bwd_sm90.check_config(bwd_sm90.default_config(256, True, True, True), 256)
     bwd_sm90.check_config(free._replace(num_stages=3), 256)

@@ -173,7 +173,7 @@ def default_config(
         config = config._replace(turn_blocks=WIDE_TURN_BLOCKS)
     return config._replace(
         shared_dq=True,
-        per_query_head=gqa and DETERMINISTIC_GQA_PER_QUERY_HEAD[causal],
+        per_query_head=gqa and (DETERMINISTIC_GQA_PER_QUERY_HEAD[causal] or head_dim == 256),
         acquire_first=True,
         p_in_pairs=True,
     )
@@ -192,6 +192,9 @@ def default_config(
 # 454-468 in four runs of two other builds (`history/attention-bwd-sm90-two-dq-warps-10242e8.json`,
 # `...-next-ticket-read-10242e8.json`). By mask, causal or not:
 DETERMINISTIC_GQA_PER_QUERY_HEAD = {True: True, False: False}
+# D = 256 takes a program a query head under either mask: at (2, 16/8, 4096, 256) full on the H200 at
+# c1360a6, 337 TFLOP/s against the group's 318, round by round 1.059x, the rounds' range 1.7%
+# (results/h200/history/attention-bwd-d256-turns-c1360a6.json; causal, the group 0.906x a query head)
 
 
 # ---------------------------------------------------------------- launcher
