@@ -59,6 +59,7 @@ CASES = [
     ("tensor", (37, 300), 128),
     ("row", (37, 300), 128),
     ("column", (37, 300), 128),
+    ("column", (300, 37), 128),
     ("block", (37, 300), 128),
     ("block", (5, 100), 32),
     ("column_block", (300, 37), 128),
@@ -93,6 +94,15 @@ def test_dequantized_values_are_within_half_an_fp8_step():
             error = (q.float() * each - x).abs()
             bound = x.abs() * 2.0 ** -(mantissa + 1) + each * subnormal / 2
             assert (error <= bound * (1 + 2**-20)).all(), (dtype, granularity, (error - bound).max())
+
+
+def test_short_columns_take_one_pass_and_long_ones_an_amax_pass_first():
+    """Columns that fit a tile are quantized as one column block each, in one pass; longer ones by
+    the amax pass and then the tiles. Both are held to the reference by the cases above."""
+    assert qz._as_launched("column", 128, qz.SHORT_COLUMNS) == ("column_block", qz.SHORT_COLUMNS)
+    assert qz._as_launched("column", 128, 37) == ("column_block", 64)
+    assert qz._as_launched("column", 128, qz.SHORT_COLUMNS + 1) == ("column", 128)
+    assert qz._as_launched("column_block", 16, 37) == ("column_block", 16)
 
 
 def test_long_rows_columns_and_strided_inputs():
@@ -273,6 +283,18 @@ def test_gpu_large_shapes_bit_for_bit(granularity, dtype):
         q, _ = _check(x, granularity, dtype=dtype, pow2=pow2)
     if granularity in qz.TRANSPOSABLE:
         qt = tritonkit.quantize_fp8(x, granularity, dtype=dtype, round_scale_to_pow2=True, transpose=True)[2]
+        assert torch.equal(qt.view(torch.uint8), q.t().contiguous().view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shape", [(128, 4096), (37, 4104), (1, 8192)], ids=str)
+def test_gpu_short_columns_bit_for_bit(shape):
+    """Columns of one pass (SHORT_COLUMNS rows at most), q and q^T, as the reference's values cast."""
+    x = _input(shape, seed=22)
+    for dtype in (E4M3, E5M2):
+        q, _ = _check(x, "column", dtype=dtype)
+        qt = tritonkit.quantize_fp8(x, "column", dtype=dtype, transpose=True)[2]
         assert torch.equal(qt.view(torch.uint8), q.t().contiguous().view(torch.uint8))
 
 

@@ -15,7 +15,8 @@ NaN and the group's finite values 0. There is no gradient: quantization is not d
 
 Work. x is read once and q written once, scales beside: bytes s * N + N + 4 * groups for N
 elements of s bytes (the tensor and the columns read x twice: their amax is a pass of its own, an
-atomic max over programs, so that no host sync waits for it; ``transpose=True`` writes q^T in a
+atomic max over programs, so that no host sync waits for it; columns of SHORT_COLUMNS rows or fewer
+fit a tile and take one pass; ``transpose=True`` writes q^T in a
 pass of its own, x read once more and a byte an element written).
 A few FLOPs per element on CUDA cores: memory-bound, its roofline the copy bandwidth.
 
@@ -71,6 +72,10 @@ COLUMN_TILE = (32, 256)
 AMAX_CHUNK = 8192  # elements a tile of the amax pass reduces
 AMAX_COLUMNS = 128  # columns a program of the columns' amax pass takes (256 bytes a bf16 row)
 AMAX_ROWS = 1024  # rows it walks before its atomic max: N x M / AMAX_ROWS atomics in all
+# Columns this short are column blocks of one block, quantized in one pass (a tile holds whole columns, 64
+# or more wide), not an amax pass and then the tiles: at 128 x 4096 the two passes and the amaxes' zeroed
+# workspace took 13 us replayed, 0.42x torch.compile's one kernel (benchmarks/quantize_fp8.py on the H200)
+SHORT_COLUMNS = 128
 
 
 @triton.jit
@@ -398,6 +403,14 @@ def _launches(
     return [_tiles_launch(x, out, scale, group, dtype, pow2, transposed=flip) for out, flip in passes]
 
 
+def _as_launched(granularity: str, block_size: int, rows: int) -> tuple[str, int]:
+    """The groups the launches take: short columns (SHORT_COLUMNS rows at most) as column blocks, a
+    block a column, whose scales are the columns' (1, N)."""
+    if granularity == "column" and next_power_of_2(rows) <= SHORT_COLUMNS:
+        return "column_block", next_power_of_2(rows)
+    return granularity, block_size
+
+
 def scale_shape(shape: tuple, granularity: str, block_size: int) -> tuple:
     """The scales' shape for an input of ``shape``: () for the tensor, (..., 1) a row, (1, N) a column,
     (..., cdiv(N, block_size)) a block, (cdiv(M, block_size), N) a column's block, (cdiv(M,
@@ -468,6 +481,7 @@ def _quantize(
     if not interpret():  # (the interpreter's kernels write the bits: _to_fp8's SOFT_CAST)
         q2, qt = (None if out is None else out.view(dtype) for out in (q2, qt))
     scale2 = scale.view(-1, scale.shape[-1]) if scale.dim() else scale
+    granularity, block_size = _as_launched(granularity, block_size, x2.shape[0])
     amaxes = {"tensor": 1, "column": x.shape[-1]}.get(granularity)
     # (zeroed workspace, which a replay allocates afresh: the op's launches are all it does)
     amax_bits = scratch((amaxes,), torch.int32, x.device, zeroed=True) if amaxes else None
