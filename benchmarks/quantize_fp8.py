@@ -1,11 +1,12 @@
 """FP8 quantization on the H200: tritonkit.quantize_fp8 against its PyTorch reference eager and
 under torch.compile, in one process, bf16 in and e4m3 out, beside a copy of the same bytes.
 
-    python benchmarks/quantize_fp8.py OUT.json [--shape M,N ...] [--granularity G ...]
+    python benchmarks/quantize_fp8.py OUT.json [--shape M,N ...] [--granularity G ...] [--warps W ...]
 
-Rows: each shape (default SHAPES) and granularity (default every one). Each time is the median of
-``triton.testing.do_bench`` over an eager call (L2 flushed); GB/s from the op's bytes
-(``quantize_fp8_cost``); ``copy`` is one ``torch.Tensor.copy_`` of half the op's bytes, so that
+Rows: each shape (default SHAPES) and granularity (default every one), and with ``--warps`` each
+warp count of the tiles' and lines' programs (``quantize.NUM_WARPS``, forced for the row) in turn.
+Each time is the median of ``triton.testing.do_bench`` over an eager call (L2 flushed); GB/s from
+the op's bytes (``quantize_fp8_cost``); ``copy`` is one ``torch.Tensor.copy_`` of half the op's bytes, so that
 it reads and writes as many bytes as the op moves (the bandwidth ceiling). Each
 row also says whether tritonkit's output equals the reference's bit for bit (NaN as NaN).
 """
@@ -19,7 +20,7 @@ import torch
 from attention_bwd_sm90 import _bench, arguments, result_header
 
 import tritonkit
-from tritonkit import tuning
+from tritonkit import opdef, tuning
 from tritonkit.ops import quantize as qz
 
 SHAPES = [(8192, 4096), (16384, 8192), (128, 4096)]
@@ -44,7 +45,10 @@ def _bench_graph(fn) -> float:
     return _bench(graph.replay)
 
 
-def _row(shape: tuple, granularity: str) -> dict:
+def _row(shape: tuple, granularity: str, warps: int | None) -> dict:
+    if warps is not None:
+        qz.NUM_WARPS = warps
+        opdef.forget_plans()  # (a replayed call would keep the launches recorded before)
     x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     torch._dynamo.reset()  # a compile of its own: the rows' recompiles would pass dynamo's limit
     compiled = torch.compile(qz.quantize_fp8_reference, dynamic=False)
@@ -55,6 +59,7 @@ def _row(shape: tuple, granularity: str) -> dict:
         "torch.compile": lambda: compiled(x, granularity),
     }
     row = {"shape": list(shape), "granularity": granularity, "dtype": "bf16", "fp8": "e4m3fn"}
+    row["num_warps"] = qz.NUM_WARPS
     row["bit_exact"] = _same(calls["tritonkit"](), calls["torch"]())
     row["ms"] = {name: _bench(call) for name, call in calls.items()}
     row["ms"]["tritonkit (graph)"] = _bench_graph(calls["tritonkit"])
@@ -71,14 +76,17 @@ def main() -> None:
     out = sys.argv[1]
     shapes = arguments("--shape", lambda s: tuple(int(v) for v in s.split(","))) or SHAPES
     granularities = arguments("--granularity", str) or list(qz.GRANULARITIES)
+    warp_counts = arguments("--warps", int) or [None]
     timing = "do_bench median over eager calls, L2 flushed"
     result = result_header("quantize_fp8", "quantize_fp8.py", timing)
     for shape in shapes:
         for granularity in granularities:
-            row = _row(shape, granularity)
-            result["rows"].append(row)
-            ms = "  ".join(f"{name} {gbps:.0f} GB/s" for name, gbps in row["gbps"].items())
-            print(f"{shape} {granularity}: {ms}  bit-exact {row['bit_exact']}", flush=True)
+            for warps in warp_counts:
+                row = _row(shape, granularity, warps)
+                result["rows"].append(row)
+                ms = "  ".join(f"{name} {gbps:.0f} GB/s" for name, gbps in row["gbps"].items())
+                label = f"{shape} {granularity} {row['num_warps']} warps"
+                print(f"{label}: {ms}  bit-exact {row['bit_exact']}", flush=True)
             with open(out, "w") as f:
                 json.dump(result, f, indent=1)
 
