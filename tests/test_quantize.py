@@ -96,6 +96,17 @@ def test_dequantized_values_are_within_half_an_fp8_step():
             assert (error <= bound * (1 + 2**-20)).all(), (dtype, granularity, (error - bound).max())
 
 
+def test_tiles_shrink_until_their_programs_fill_the_sms():
+    """A small input's tile halves, rows first, then columns (whole groups, 32 columns at least), until
+    its programs are at least the SMs; a large one's stays as _tile made it."""
+    assert qz._fill(*qz._tile(1, 4096, 4096), (128, 4096), (1, 4096), 132) == (1, 4096)  # 128 programs
+    assert qz._fill(*qz._tile(128, 1, 4096), (128, 4096), (128, 1), 132) == (128, 32)  # 128 programs
+    assert qz._fill(*qz._tile(64, 1, 8192), (64, 8192), (64, 1), 132) == (64, 32)  # 256 programs
+    assert qz._fill(*qz._tile(1, 128, 4096), (128, 4096), (1, 128), 132) == (1, 2048)  # 256 programs
+    assert qz._fill(*qz._tile(128, 128, 4096), (128, 4096), (128, 128), 132) == (128, 128)  # whole blocks
+    assert qz._fill(*qz._tile(1, 4096, 4096), (8192, 4096), (1, 4096), 132) == qz._tile(1, 4096, 4096)
+
+
 def test_short_columns_take_one_pass_and_long_ones_an_amax_pass_first():
     """Columns that fit a tile are quantized as one column block each, in one pass; longer ones by
     the amax pass and then the tiles. Both are held to the reference by the cases above."""
@@ -242,6 +253,11 @@ for name, group in groups + transposes:
                   "TRANSPOSED": transposed, "GROUP_M": group[0], "GROUP_N": group[1], "BLOCK_M": block_m,
                   "BLOCK_N": block_n, "stride_xn": 1}
     show(name, compile_kernel(qz._quantize_tiles_kernel, tiles, meta, qz.NUM_WARPS))
+for name, group in (("row, filled", (1, 4096)), ("column_block, filled", (128, 1))):  # at 128 x 4096
+    block_m, block_n = qz._fill(*qz._tile(*group, 4096), (128, 4096), group, 132)
+    meta = fmt | {"POW2": False, "TENSOR": False, "COLUMNS": False, "TRANSPOSED": False, "GROUP_M": group[0],
+                  "GROUP_N": group[1], "BLOCK_M": block_m, "BLOCK_N": block_n, "stride_xn": 1}
+    show(name, compile_kernel(qz._quantize_tiles_kernel, tiles, meta, qz.NUM_WARPS))
 lines = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "LINES": "i32", "LENGTH": "i32",
          "stride_xl": "i32", "stride_xe": "constexpr", "stride_ql": "i32", "stride_qe": "constexpr",
          "stride_s": "constexpr"}
@@ -263,11 +279,13 @@ def test_kernels_compile_for_hopper_with_wide_accesses_the_hardware_cast_and_no_
     x and stores of q, the fp8 cast in hardware (F2FP), no spills, and one
     atomic for the tensor's amax a program (the columns' pass: a few a thread, none in its loop)."""
     lines = sm90.run(_HOPPER_CHECK)
-    assert len(lines) == 12, lines
-    for line in lines[:10]:  # the tiles (the transposed passes' q^T stores 16 bytes wide too), the lines
+    assert len(lines) == 14, lines
+    # the tiles (the transposed passes' q^T stores 16 bytes wide too, the tiles shrunk to fill the SMs
+    # too), the lines
+    for line in lines[:12]:
         assert line.endswith("True True True True 0"), line
-    assert lines[10] == "amax True True 1", lines[10]
-    name, loads, no_spills, atomics = lines[11].rsplit(" ", 3)
+    assert lines[12] == "amax True True 1", lines[12]
+    name, loads, no_spills, atomics = lines[13].rsplit(" ", 3)
     assert (name, loads, no_spills) == ("column amax", "True", "True") and 0 < int(atomics) <= 4, lines[7]
 
 

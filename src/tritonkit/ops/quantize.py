@@ -39,7 +39,7 @@ import math
 import torch
 
 from tritonkit._launch import Launch, cdiv, next_power_of_2, scratch
-from tritonkit._runtime import empty_output, interpret
+from tritonkit._runtime import empty_output, interpret, sm_count
 from tritonkit._triton import tl, triton
 from tritonkit.dtypes import FLOATS
 from tritonkit.opdef import check_tensor, op
@@ -51,6 +51,7 @@ TRANSPOSABLE = ("tensor", "column", "column_block", "block2d")
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 AMAX_FLOOR = 1e-12  # an all-zero group's amax: its scale stays finite and its q 0 (torchao's EPS)
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)  # the same, as the kernels read it
+MIN_FILL_COLUMNS = 32  # a tile shrunk to fill the SMs keeps 64 bytes of a 16-bit row (two sectors)
 # A tile holds at most this many elements: 32 fp32 values a thread at 8 warps. A row longer than
 # this is walked in lines (two passes); a 2-D block must fit (block_size <= 128).
 TILE_ELEMENTS = 8192
@@ -304,6 +305,24 @@ def _tile(group_m: int, group_n: int, n_cols: int) -> tuple[int, int]:
     return max(group_m, TILE_ELEMENTS // block_n // group_m * group_m), block_n
 
 
+def _fill(
+    block_m: int, block_n: int, shape: tuple[int, int], group: tuple[int, int], sms: int
+) -> tuple[int, int]:
+    """The tile halved (its rows first, then its columns, whole groups kept and columns down to
+    MIN_FILL_COLUMNS) while its programs leave SMs idle: a small input is one round trip to memory a
+    program, so its time is that of its busiest SM (at 128 x 4096 the row-wise tile of 2 x 4096 made
+    64 programs, the columns' 128 x 64 as many, for the H200's 132 SMs)."""
+    (m, n), (group_m, group_n) = shape, group
+    while cdiv(m, block_m) * cdiv(n, block_n) < sms:
+        if block_m // 2 >= group_m:
+            block_m //= 2
+        elif block_n // 2 >= max(group_n, MIN_FILL_COLUMNS):
+            block_n //= 2
+        else:
+            break
+    return block_m, block_n
+
+
 def _tiles_launch(
     x, q, scale, group: tuple[int, int], dtype, pow2: bool, amax=None, transposed: bool = False
 ) -> Launch:
@@ -318,6 +337,8 @@ def _tiles_launch(
         block_m, block_n = COLUMN_TILE
     else:
         block_m, block_n = _tile(group_m, group_n, n)
+    if not transposed:  # (a transposed pass's rows are q^T's stores: kept 128 bytes long)
+        block_m, block_n = _fill(block_m, block_n, (m, n), group, sm_count(x.device))
     scale_strides = (0, 0) if given == "tensor" else (scale.stride(0), scale.stride(1))
     meta = {
         **_format(dtype),
