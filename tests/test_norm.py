@@ -245,6 +245,18 @@ def test_fp32_weight_gradients_of_a_tiny_input_stay_within_the_oracle(kind, seed
         check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_rows_of_one_entry_go_backward_in_blocks_of_two(kind, monkeypatch, device):
+    """A row of one entry goes backward as a block of two, the second masked: a block of one let the
+    GPU's compiler cancel mean(dy * w) against an unrounded dy * w (dx 2.8e-6, not 0, at fp32 on an
+    H100; the interpreter computes 0 either way, so `test_gpu_rows_of_one_entry` checks the values)."""
+    launches = _force(monkeypatch, {"ROWS": 8, "num_warps": 4}, "bwd", looped=False)
+    kernel, reference, inputs, grad_inputs, grads = _case(kind, (9, 1), F32, device, seed=9)
+    check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
+    blocks = [meta["BLOCK_N"] for _, meta in launches]
+    assert blocks and all(block == nm.ROW_BLOCK_MIN == 2 for block in blocks), launches
+
+
 def test_backward_blocks_must_divide_the_rows_a_program():
     """A BLOCK_M that does not divide ROWS, or one given to the looped backward, is refused."""
     for n, config in [
@@ -606,6 +618,17 @@ def test_cost(device):
 
 
 # ---------------------------------------------------------------- the H200
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape", [(2, 1), (9, 1), (3, 3)], ids=str)
+def test_gpu_rows_of_one_entry(kind, shape):
+    """Rows of one entry in fp32 on the GPU: xhat is 0, so LayerNorm's dx is exactly 0 (it was 2.8e-6
+    at eps 1e-5 on an H100 with a row block of one, where torch's error is 0)."""
+    kernel, reference, inputs, grad_inputs, grads = _case(kind, shape, F32, "cuda", seed=sum(shape))
+    check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
 
 
 @pytest.mark.gpu

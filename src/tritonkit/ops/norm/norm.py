@@ -66,6 +66,7 @@ DTYPES = FLOATS
 # backward holds h and dy at once, hence half. Powers of two: a row is longer than one exactly when
 # its power-of-two block is (which the tuning key's "looped" says).
 MAX_BLOCK_N = {"fwd": 32768, "bwd": 16384}
+ROW_BLOCK_MIN = 2  # the one-pass backward's least row block (_bwd_launches says why)
 CALIBRATION_ELEMENTS = 1 << 21  # cap on a calibration problem: its float64 reference stays small
 BWD_CALIBRATION_EPS = 1e-5  # the backward's calibration forward (the backward is not given the op's eps)
 # triton.next_power_of_2, memoized: it unwraps constexprs, microseconds from Python (as triton.cdiv
@@ -166,7 +167,10 @@ def _bwd_launches(
     kernels' flags leave them unread)."""
     n = h.shape[-1]
     rows = h.numel() // n
-    block_n = next_power_of_2(n)
+    # At least two entries a row block: with one, Triton folds a row's sums to the entry itself, and
+    # the GPU's compiler fuses dy * w into dx's subtraction of mean(dy * w), leaving the product's
+    # rounding error where LayerNorm's dx is exactly 0 (rstd times it: 2.8e-6 at eps 1e-5)
+    block_n = max(ROW_BLOCK_MIN, next_power_of_2(n))
     looped = block_n > MAX_BLOCK_N["bwd"]
     programs = cdiv(rows, config["ROWS"])
     alone = programs == 1 and all(g is None or g.is_contiguous() for g in (dw, db))
