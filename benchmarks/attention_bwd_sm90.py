@@ -393,8 +393,15 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
 
 
 def arguments(flag: str, convert) -> list:
-    """Every value given after ``flag`` on the command line (repeatable), converted."""
-    return [convert(sys.argv[i + 1]) for i, a in enumerate(sys.argv) if a == flag]
+    """Every value given after ``flag`` up to the next option, converted: ``--shape A --shape B`` and
+    ``--shape A B`` alike (the second form once took A alone and dropped B without a word)."""
+    values, taking = [], False
+    for a in sys.argv[1:]:
+        if a.startswith("--"):
+            taking = a == flag
+        elif taking:
+            values.append(convert(a))
+    return values
 
 
 def config_arguments() -> list[tuple[str, str, dict]]:
