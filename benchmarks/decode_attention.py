@@ -268,7 +268,8 @@ def _forced_call(x: dict, paged: bool, splits: int):
     )
 
 
-LAUNCH_KINDS = ("ONE_SPLIT_LAUNCH", "SPLIT_LAUNCH")  # decode's launches, forced to one config while timed
+# decode's launches, forced to one config while timed
+LAUNCH_KINDS = ("ONE_SPLIT_LAUNCH", "SPLIT_LAUNCH", "ALONE_LAUNCH")
 
 
 def _config_us(call, config: tuple) -> float:
@@ -295,7 +296,7 @@ def _config_row(shape, seq_q: int, paged: bool, stop: float) -> dict:
     """Graph time in us of each (BLOCK_N, warps, stages, splits) tried, keyed "64-4-3-5"."""
     batch, _, heads_kv, seq, _ = shape
     x = _inputs(shape, seq_q, torch.Generator(device="cuda").manual_seed(0))
-    rule = decode.default_splits(batch, heads_kv, seq, "cuda")
+    rule = decode.default_splits(batch, heads_kv, seq, "cuda", paged)
     peer = _providers(x, seq_q, False)["sdpa-cudnn"]
     (_, cudnn, _), _ = timing.kernel_ms([lambda: peer])
     us = {}
@@ -309,7 +310,8 @@ def _config_row(shape, seq_q: int, paged: bool, stop: float) -> dict:
             us["-".join(map(str, (*config, splits)))] = _config_us(_forced_call(x, paged, splits), config)
     best = min(us, key=us.get)
     kv_bytes = 2 * batch * heads_kv * seq * shape[4] * 2
-    default = getattr(decode, LAUNCH_KINDS[rule > 1])
+    row_blocks = decode.cdiv(shape[1] // heads_kv * seq_q, decode.MAX_ROWS)
+    default = decode._launch_config(batch * heads_kv * rule * row_blocks, paged, rule, shape[4], 2, "cuda")
     return {
         "shape": list(shape), "seq_q": seq_q, "paged": paged, "rule_splits": rule, "us": us,
         "cudnn_us": cudnn * 1e3,

@@ -328,11 +328,40 @@ def test_the_split_rule_fills_the_sms_from_shapes_alone():
     assert decode.default_splits(64, 8, 8192, "cpu") == 1  # 512 programs: every SM busy
     assert decode.default_splits(1, 8, 8192, "cpu") == 32  # 8 programs: 256 keys a split at least
     sms = _runtime.NOMINAL_SMS
-    # 8 x 8 programs: as many splits as keep them within three an SM (6 on the H200's 132)
-    assert decode.default_splits(8, 8, 32768, "cpu") == 3 * sms // 64
-    assert 8 * 8 * decode.default_splits(8, 8, 32768, "cpu") <= 3 * sms
+    # more than a third as many pairs as SMs: one wave of programs alone on their SMs, contiguous
+    assert decode.default_splits(16, 8, 8192, "cpu") == 1  # 128 programs
+    assert decode.default_splits(8, 8, 32768, "cpu") == sms // 64 == 2
+    assert decode.default_splits(5, 8, 32768, "cpu") == 3 * sms // 40  # 40 pairs: three an SM at most
+    # paged, as many splits as keep the programs within three an SM (6 on the H200's 132)
+    assert decode.default_splits(8, 8, 32768, "cpu", paged=True) == 3 * sms // 64
+    assert 8 * 8 * decode.default_splits(8, 8, 32768, "cpu", paged=True) <= 3 * sms
+    assert decode.default_splits(16, 8, 8192, "cpu", paged=True) == 3
     assert decode.default_splits(1, 8, 300, "cpu") == 2  # a short cache: 256 keys a split at least
     assert decode.default_splits(1, 1, 10**6, "cpu") == decode.MAX_SPLITS
+
+
+@pytest.mark.parametrize("head_dim, block_n", [(64, 128), (128, 128), (256, 64)])
+def test_programs_alone_on_their_sms_take_deep_steps(head_dim, block_n):
+    """A contiguous cache's programs, one an SM at most, step ALONE_STEP_BYTES of keys and values (192 KB
+    in flight at three stages, whatever the head dim); more programs, or a paged cache, keep the launches
+    by split count."""
+    sms = _runtime.NOMINAL_SMS
+    alone = decode._launch_config(sms, False, 1, head_dim, 2, "cpu")
+    assert alone == (block_n, *decode.ALONE_LAUNCH[1:])
+    assert 3 * alone[0] * head_dim * 2 * 2 <= 192 * 1024
+    assert decode._launch_config(sms + 1, False, 1, head_dim, 2, "cpu") == decode.ONE_SPLIT_LAUNCH
+    assert decode._launch_config(sms + 1, False, 3, head_dim, 2, "cpu") == decode.SPLIT_LAUNCH
+    assert decode._launch_config(sms, True, 3, head_dim, 2, "cpu") == decode.SPLIT_LAUNCH
+
+
+@pytest.mark.parametrize("sms", [1, _runtime.NOMINAL_SMS], ids=["sms-shared", "alone"])
+def test_both_contiguous_launches_match_the_reference(sms, device, monkeypatch):
+    """The same call with its programs sharing SMs (the launches by split count) and alone on them
+    (ALONE_LAUNCH's 128-key steps): three splits of 300 keys, ragged lengths, the append."""
+    monkeypatch.setattr(decode, "sm_count", lambda device: sms)
+    monkeypatch.setattr(decode, "_plans", {})  # no launch recorded before the change
+    args = _case(2, 1, 4, 2, 32, 300, [299, 170], device, seed=17)
+    _check(args, num_splits=3)
 
 
 def test_the_custom_op_and_a_gradient(device):
@@ -433,11 +462,13 @@ from tritonkit.asm import compile_launch
 from tritonkit.ops.attention import decode
 def meta(*shape, dtype=torch.bfloat16):
     return torch.empty(shape, dtype=dtype, device="meta")
-B, HQ, HKV, S, D = 32, 32, 8, 8192, 128
+HQ, HKV, S, D = 32, 8, 8192, 128
 WAIT = re.compile(r"ttg\.async_wait %[^{]*\{num = (\d+)")  # a loop's wait: how many loads stay in flight
-# the plain call, the paged one, and both kinds of cache with splits and the append
-for paged, splits, seq_q, append in [(False, 1, 1, False), (True, 1, 1, False), (False, 4, 1, True),
-                                     (True, 3, 4, True)]:
+# at B = 32 the plain call, the paged one, and both kinds of cache with splits and the append; at B = 16
+# a program alone on its SM
+CASES = [(32, False, 1, 1, False), (32, True, 1, 1, False), (32, False, 4, 1, True), (32, True, 3, 4, True),
+         (16, False, 1, 1, True)]
+for B, paged, splits, seq_q, append in CASES:
     q = meta(B, seq_q, HQ, D)
     cache = meta(B * S // 64, 64, HKV, D) if paged else meta(B, S, HKV, D)
     new = meta(B, seq_q, HKV, D) if append else None
@@ -449,7 +480,7 @@ for paged, splits, seq_q, append in [(False, 1, 1, False), (True, 1, 1, False), 
         True, -1, -1, 0.0,
     ):
         r = compile_launch(launch, "sm_90")
-        print(json.dumps({"case": [paged, splits, seq_q, append], "launch": r.name, "spills": r.spills,
+        print(json.dumps({"case": [paged, splits, seq_q, append, B], "launch": r.name, "spills": r.spills,
                           "spills_in_loops": r.spills_in_loops,
                           "hmma": r.opcodes["HMMA"], "registers": r.registers, "per_sm": r.occupancy[0],
                           "async_128": len(re.findall(r"LDGSTS\.E\.BYPASS\.128", r.asm["sass"])),
@@ -460,17 +491,18 @@ for paged, splits, seq_q, append in [(False, 1, 1, False), (True, 1, 1, False), 
 
 def test_the_kernels_compile_for_hopper_to_tensor_cores_16_byte_loads_and_no_spills():
     """At (32, 32/8, 8192, 128) bf16, contiguous and paged, one split and several, Sq 1 and 4, with
-    and without the append: no spills in a loop; both products on tensor cores (HMMA: 16 rows are under
-    wgmma's 64); keys and values streamed into shared memory 16 bytes a copy (LDGSTS.128, the
-    pipelined loop's loads), waiting for the oldest step only; at least three programs an SM, whose
-    loads overlap; the combine reads 16-byte vectors (it writes one 256-byte row a program, whose
-    stores are narrower)."""
+    and without the append, and at B = 16 a program alone on its SM: no spills in a loop; both
+    products on tensor cores (HMMA: 16 rows are under wgmma's 64); keys and values streamed into
+    shared memory 16 bytes a copy (LDGSTS.128, the pipelined loop's loads), waiting for the oldest
+    step only; at least three programs an SM, whose loads overlap, or one alone with its deep steps;
+    the combine reads 16-byte vectors (it writes one 256-byte row a program, whose stores are
+    narrower)."""
     import sm90
 
     rows = [json.loads(line) for line in sm90.run(_SASS_CHECK)]
-    assert len(rows) == 4 + 2
+    assert len(rows) == 5 + 2
     for row in rows:
-        paged = row["case"][0]
+        paged, alone = row["case"][0], row["case"][4] == 16
         # none at all, but for the paged call of one split: one value stored at the kernel's entry and
         # loaded at its end (64-key steps at 168 registers, the most that keep three programs an SM)
         assert row["spills_in_loops"] == 0 and (paged or not row["spills"]), row
@@ -480,9 +512,10 @@ def test_the_kernels_compile_for_hopper_to_tensor_cores_16_byte_loads_and_no_spi
         assert row["hmma"] > 0 and row["async_128"] > 0 and 128 in row["stores"], row
         # each loop waits for its oldest step's loads only, the next stages - 1 steps' in flight (a
         # paged cache's table entry loaded in the loop once made it wait for all of them)
-        stages = (decode.ONE_SPLIT_LAUNCH if row["case"][1] == 1 else decode.SPLIT_LAUNCH)[2]
+        by_splits = decode.ONE_SPLIT_LAUNCH if row["case"][1] == 1 else decode.SPLIT_LAUNCH
+        stages = (decode.ALONE_LAUNCH if alone else by_splits)[2]
         assert row["waits"] and all(n == stages - 1 for n in row["waits"]), row
-        assert row["per_sm"] >= 3, row
+        assert row["per_sm"] >= (1 if alone else 3), row
 
 
 # ---------------------------------------------------------------- on the H200
@@ -493,6 +526,7 @@ def test_the_kernels_compile_for_hopper_to_tensor_cores_16_byte_loads_and_no_spi
     "batch, seq_q, heads_q, heads_kv, head_dim, cache, slots, splits",
     [
         (4, 1, 32, 8, 128, 8192, None, 0),  # one split a program at B x Hkv = 32: the rule's splits
+        (16, 1, 32, 8, 128, 8192, None, 0),  # 128 programs alone on their SMs, 128-key steps
         (4, 4, 32, 8, 128, 8192, 64, 0),  # speculative tokens, paged
         (2, 1, 32, 32, 128, 2048, 256, 1),  # MHA, blocks of 256, forced to one split
         (1, 1, 32, 8, 128, 32768, None, 0),  # B = 1: the rule's 32 splits

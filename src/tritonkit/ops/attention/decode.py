@@ -51,6 +51,14 @@ from tritonkit.roofline import Cost
 # the keys are split, there are programs enough and 32-key steps were 1-5% faster
 ONE_SPLIT_LAUNCH = (64, 4, 3)
 SPLIT_LAUNCH = (32, 4, 3)
+# A program alone on its SM (a contiguous cache, B x Hkv x splits programs within one an SM): steps of
+# ALONE_STEP_BYTES of keys and values (128 keys at D = 128), three in flight, 192 KB of shared memory, as
+# many bytes as two or three programs of the launches above hold between them. On an H100 at 5393a53
+# (results/h100/history/decode-alone-5393a53.json, graph replays, two rounds): (16, 32/8, 8192, 128) at one
+# split 187.0 us against the rule's three splits of 32-key steps 191.4 (cuDNN 186.2), four new tokens 188.4
+# against 196.7; (8, 32/8, 32768, 128) at two splits 357.0 against six 361.2 (cuDNN 354.7)
+ALONE_LAUNCH = (128, 4, 3)
+ALONE_STEP_BYTES = 65536
 MIN_ROWS = 16  # tl.dot's least M: a program's rows (GROUP x Sq) pad to this
 MAX_ROWS = 64  # rows a program at most: more (a long chunk of new tokens) take more programs
 PAGES = 32  # table entries a paged walk reads at once (PAGE_A_STEP)
@@ -359,15 +367,29 @@ def kvcache_cost(shape: tuple, dtype: torch.dtype, seq_q: int = 1) -> Cost:
     return Cost(4 * batch * heads_q * seq_q * seq * head_dim, kv_bytes + 2 * q_bytes)
 
 
-def default_splits(batch: int, heads_kv: int, max_keys: int, device) -> int:
-    """Key splits where B x Hkv programs leave SMs idle (flash-decoding): as many as keep the programs
-    within SPLIT_PROGRAMS_PER_SM an SM, each split at least MIN_SPLIT_KEYS keys, at most MAX_SPLITS.
-    From shapes alone: no host sync."""
+def default_splits(batch: int, heads_kv: int, max_keys: int, device, paged: bool = False) -> int:
+    """Key splits where B x Hkv programs leave SMs idle (flash-decoding). A contiguous cache of more
+    than a third as many programs as SMs takes the one or two splits that make one wave of programs
+    alone on their SMs (ALONE_LAUNCH's deep steps; measured at 64 and 128 programs); else as many as
+    keep the programs within SPLIT_PROGRAMS_PER_SM an SM, each split at least MIN_SPLIT_KEYS keys, at
+    most MAX_SPLITS. From shapes alone: no host sync."""
     programs = batch * heads_kv
     sms = sm_count(device)
     if programs == 0 or programs >= sms:
         return 1
+    if not paged and 3 * programs > sms:
+        return sms // programs
     return max(1, min(SPLIT_PROGRAMS_PER_SM * sms // programs, cdiv(max_keys, MIN_SPLIT_KEYS), MAX_SPLITS))
+
+
+def _launch_config(programs: int, paged: bool, splits: int, block_d: int, element_size: int, device) -> tuple:
+    """(BLOCK_N, warps, stages): ALONE_LAUNCH's where a contiguous cache's programs are one an SM at
+    most, its steps ALONE_STEP_BYTES of keys and values (fewer keys at D = 256); else ONE_SPLIT_LAUNCH
+    or SPLIT_LAUNCH, by the split count."""
+    if not paged and programs <= sm_count(device):
+        block_n, num_warps, num_stages = ALONE_LAUNCH
+        return min(block_n, ALONE_STEP_BYTES // (2 * block_d * element_size)), num_warps, num_stages
+    return ONE_SPLIT_LAUNCH if splits == 1 else SPLIT_LAUNCH
 
 
 MAX_PLANS = 256  # call signatures kept: a decode loop's calls repeat a few
@@ -482,7 +504,13 @@ def launches(
     group = heads_q // heads_kv
     paged = block_table is not None
     max_keys = _max_keys(k_cache, block_table)
-    block_n, num_warps, num_stages = ONE_SPLIT_LAUNCH if splits == 1 else SPLIT_LAUNCH
+    block_r = min(max(MIN_ROWS, next_power_of_2(group * seq_q)), MAX_ROWS)
+    row_blocks = cdiv(group * seq_q, block_r)
+    block_d = max(16, next_power_of_2(head_dim))
+    programs = splits * batch * heads_kv * row_blocks
+    block_n, num_warps, num_stages = _launch_config(
+        programs, paged, splits, block_d, k_cache.element_size(), q.device
+    )
     split_keys = cdiv(cdiv(max_keys, splits), block_n) * block_n
     # a side that cuts no key (row i of Sq sees keys up to cached + i + right, from cached + i - left)
     # is unbounded: the kernel's 32-bit offset + RIGHT and offset - LEFT then hold for any side given
@@ -492,9 +520,6 @@ def launches(
     (_, _, score_scale, cap_log2), flags = Scores(scale, causal, True, (left, right), softcap).kernel_args(
         1, 1
     )
-    block_r = min(max(MIN_ROWS, next_power_of_2(group * seq_q)), MAX_ROWS)
-    row_blocks = cdiv(group * seq_q, block_r)
-    block_d = max(16, next_power_of_2(head_dim))
     final = splits == 1
     q, k, v = (t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     new_strides = (*k.stride()[:3], *v.stride()[:3]) if k is not None else (0,) * 6
@@ -580,7 +605,7 @@ def flash_attention_with_kvcache(
     if not known:
         _check(*inputs, softcap)
         splits = num_splits or default_splits(
-            q.shape[0], k_cache.shape[2], _max_keys(k_cache, block_table), q.device
+            q.shape[0], k_cache.shape[2], _max_keys(k_cache, block_table), q.device, block_table is not None
         )
     batch, seq_q, heads_q, head_dim = q.shape
     heads_kv = k_cache.shape[2]
