@@ -310,7 +310,8 @@ def _config_row(shape, seq_q: int, paged: bool, stop: float) -> dict:
             us["-".join(map(str, (*config, splits)))] = _config_us(_forced_call(x, paged, splits), config)
     best = min(us, key=us.get)
     kv_bytes = 2 * batch * heads_kv * seq * shape[4] * 2
-    row_blocks = decode.cdiv(shape[1] // heads_kv * seq_q, decode.MAX_ROWS)
+    rows = shape[1] // heads_kv * seq_q
+    row_blocks = decode.cdiv(rows, decode.row_block(rows))
     default = decode._launch_config(batch * heads_kv * rule * row_blocks, paged, rule, shape[4], 2, "cuda")
     return {
         "shape": list(shape), "seq_q": seq_q, "paged": paged, "rule_splits": rule, "us": us,

@@ -2,11 +2,10 @@
 
 The interpreter casts fp32 to bf16 by dropping the low 16 bits of each value (``_convert_float``
 shifts the significand: rounding toward zero), where the GPU rounds to nearest even
-(``cvt.rn.bf16.f32``). A kernel's bf16 result written from fp32 then erred by up to a whole bf16 ulp
-in the interpreter alone, where the oracle's bound, from torch's own error, allows about half of
-one: a fuzz of softmax with bf16 input and ``dtype=torch.float32`` missed it in 137 of 5,694 cases
-on the input's gradient, none with this cast. torch's own conversion rounds to nearest even, with
-NaN and infinities as the GPU has them.
+(``cvt.rn.bf16.f32``). A kernel's bf16 result written from fp32 then errs by up to a whole bf16 ulp
+in the interpreter alone, where the oracle's bound, from torch's own rounded error, allows about
+half of one. torch's own conversion rounds to nearest even, with NaN and infinities as the GPU has
+them (``test_interpreter_rounding`` holds the two casts to each other).
 """
 
 from __future__ import annotations

@@ -462,13 +462,13 @@ from tritonkit.asm import compile_launch
 from tritonkit.ops.attention import decode
 def meta(*shape, dtype=torch.bfloat16):
     return torch.empty(shape, dtype=dtype, device="meta")
-HQ, HKV, S, D = 32, 8, 8192, 128
+HQ, HKV, S = 32, 8, 8192
 WAIT = re.compile(r"ttg\.async_wait %[^{]*\{num = (\d+)")  # a loop's wait: how many loads stay in flight
 # at B = 32 the plain call, the paged one, and both kinds of cache with splits and the append; at B = 16
-# a program alone on its SM
-CASES = [(32, False, 1, 1, False), (32, True, 1, 1, False), (32, False, 4, 1, True), (32, True, 3, 4, True),
-         (16, False, 1, 1, True)]
-for B, paged, splits, seq_q, append in CASES:
+# a program alone on its SM, at D = 128 and at D = 256 (64-key steps)
+CASES = [(32, False, 1, 1, False, 128), (32, True, 1, 1, False, 128), (32, False, 4, 1, True, 128),
+         (32, True, 3, 4, True, 128), (16, False, 1, 1, True, 128), (16, False, 1, 1, True, 256)]
+for B, paged, splits, seq_q, append, D in CASES:
     q = meta(B, seq_q, HQ, D)
     cache = meta(B * S // 64, 64, HKV, D) if paged else meta(B, S, HKV, D)
     new = meta(B, seq_q, HKV, D) if append else None
@@ -480,7 +480,7 @@ for B, paged, splits, seq_q, append in CASES:
         True, -1, -1, 0.0,
     ):
         r = compile_launch(launch, "sm_90")
-        print(json.dumps({"case": [paged, splits, seq_q, append, B], "launch": r.name, "spills": r.spills,
+        print(json.dumps({"case": [paged, splits, seq_q, append, B, D], "launch": r.name, "spills": r.spills,
                           "spills_in_loops": r.spills_in_loops,
                           "hmma": r.opcodes["HMMA"], "registers": r.registers, "per_sm": r.occupancy[0],
                           "async_128": len(re.findall(r"LDGSTS\.E\.BYPASS\.128", r.asm["sass"])),
@@ -491,7 +491,7 @@ for B, paged, splits, seq_q, append in CASES:
 
 def test_the_kernels_compile_for_hopper_to_tensor_cores_16_byte_loads_and_no_spills():
     """At (32, 32/8, 8192, 128) bf16, contiguous and paged, one split and several, Sq 1 and 4, with
-    and without the append, and at B = 16 a program alone on its SM: no spills in a loop; both
+    and without the append, and at B = 16 a program alone on its SM (D = 128 and 256): no spills; both
     products on tensor cores (HMMA: 16 rows are under wgmma's 64); keys and values streamed into
     shared memory 16 bytes a copy (LDGSTS.128, the pipelined loop's loads), waiting for the oldest
     step only; at least three programs an SM, whose loads overlap, or one alone with its deep steps;
@@ -500,7 +500,7 @@ def test_the_kernels_compile_for_hopper_to_tensor_cores_16_byte_loads_and_no_spi
     import sm90
 
     rows = [json.loads(line) for line in sm90.run(_SASS_CHECK)]
-    assert len(rows) == 5 + 2
+    assert len(rows) == 6 + 2
     for row in rows:
         paged, alone = row["case"][0], row["case"][4] == 16
         # none at all, but for the paged call of one split: one value stored at the kernel's entry and

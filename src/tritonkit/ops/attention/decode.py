@@ -382,6 +382,12 @@ def default_splits(batch: int, heads_kv: int, max_keys: int, device, paged: bool
     return max(1, min(SPLIT_PROGRAMS_PER_SM * sms // programs, cdiv(max_keys, MIN_SPLIT_KEYS), MAX_SPLITS))
 
 
+def row_block(rows: int) -> int:
+    """A program's rows (the GQA group times Sq), padded to tl.dot's least M, at most MAX_ROWS: more
+    rows take more programs."""
+    return min(max(MIN_ROWS, next_power_of_2(rows)), MAX_ROWS)
+
+
 def _launch_config(programs: int, paged: bool, splits: int, block_d: int, element_size: int, device) -> tuple:
     """(BLOCK_N, warps, stages): ALONE_LAUNCH's where a contiguous cache's programs are one an SM at
     most, its steps ALONE_STEP_BYTES of keys and values (fewer keys at D = 256); else ONE_SPLIT_LAUNCH
@@ -504,7 +510,7 @@ def launches(
     group = heads_q // heads_kv
     paged = block_table is not None
     max_keys = _max_keys(k_cache, block_table)
-    block_r = min(max(MIN_ROWS, next_power_of_2(group * seq_q)), MAX_ROWS)
+    block_r = row_block(group * seq_q)
     row_blocks = cdiv(group * seq_q, block_r)
     block_d = max(16, next_power_of_2(head_dim))
     programs = splits * batch * heads_kv * row_blocks
