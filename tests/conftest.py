@@ -11,12 +11,10 @@ _runtime.interpret()
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-if _runtime.interpret():  # Triton's interpreter made faster, and rounding as the GPU (their docstrings)
+if _runtime.interpret():  # Triton's interpreter made faster (its docstring); tritonkit rounds its casts
     import fast_interpreter  # noqa: E402
-    import interpreter_rounding  # noqa: E402
 
     fast_interpreter.install()
-    interpreter_rounding.install()
 
 
 @pytest.fixture

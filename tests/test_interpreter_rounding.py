@@ -1,6 +1,6 @@
-"""The interpreter's fp32 to bf16 cast as the suite installs it (``interpreter_rounding``): rounded to
-nearest even as the GPU rounds, ties, NaN, infinities, subnormals and overflow as torch has them,
-where Triton's own cast drops the low bits."""
+"""The interpreter's fp32 to bf16 cast as tritonkit installs it (``_interpreter_rounding``) when it
+chooses the interpreter: rounded to nearest even as the GPU rounds, ties, NaN, infinities,
+subnormals and overflow as torch has them, where Triton's own cast drops the low bits."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 from triton.runtime import interpreter
 
-import interpreter_rounding
+from tritonkit import _interpreter_rounding
 from tritonkit._runtime import interpret
 
 pytestmark = pytest.mark.skipif(not interpret(), reason="checks Triton's interpreter")
@@ -50,6 +50,16 @@ def test_random_values_round_as_torch_does():
 
 def test_tritons_own_cast_truncates(monkeypatch):
     """Why the cast is installed: without it 1 + 3 x 2^-8 (a tie, to even: up) comes out 1 + 2^-7."""
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "cast_impl", interpreter_rounding._interpreted_cast)
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "cast_impl", _interpreter_rounding._interpreted_cast)
     value = torch.tensor([1 + 3 * 2**-8], dtype=torch.float32)
     assert _cast(value).item() == 1 + 2**-7 != value.to(torch.bfloat16).item()
+
+
+def test_choosing_the_interpreter_installs_the_cast_once():
+    """tritonkit's choice of the interpreter put the cast in (the suite installs nothing of it), and
+    installing again keeps Triton's own cast as the one it falls back to."""
+    assert interpreter.InterpreterBuilder.cast_impl is _interpreter_rounding._cast_impl
+    own = _interpreter_rounding._interpreted_cast
+    _interpreter_rounding.install()
+    assert interpreter.InterpreterBuilder.cast_impl is _interpreter_rounding._cast_impl
+    assert _interpreter_rounding._interpreted_cast is own is not _interpreter_rounding._cast_impl

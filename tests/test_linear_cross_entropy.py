@@ -136,12 +136,11 @@ def test_the_forward_takes_every_token_at_once_where_that_costs_no_more_than_dws
 
 @pytest.mark.parametrize("order", ["tokens", "vocab"])
 def test_an_fp32_loss_is_the_same_sum_unrounded(order, device, monkeypatch):
-    """``loss_dtype=torch.float32`` (transformers' upcast loss): the sum the fp16 loss rounds (the
-    same bits once rounded), as close to float64 as transformers' loss from fp16 logits upcast, and
-    gradients in the parameters' dtypes equal to the fp16 loss's. (fp16: the interpreter truncates
-    fp32 to bf16, which biases every logit, where the GPU rounds.)"""
+    """``loss_dtype=torch.float32`` (transformers' upcast loss): the sum the bf16 loss rounds (the
+    same bits once rounded), as close to float64 as transformers' loss from bf16 logits upcast, and
+    gradients in the parameters' dtypes equal to the bf16 loss's."""
     monkeypatch.setattr(lce, "ORDER", order)
-    x, w, target, b, _ = _inputs((21, 16, 40), F16, device, seed=9)
+    x, w, target, b, _ = _inputs((21, 16, 40), BF16, device, seed=9)
     exact = lce.linear_cross_entropy_reference(x.double(), w.double(), target, b.double())
     upcast = torch.nn.functional.cross_entropy(torch.nn.functional.linear(x, w, b).float(), target)
     losses, grads = [], []
@@ -151,12 +150,12 @@ def test_an_fp32_loss_is_the_same_sum_unrounded(order, device, monkeypatch):
         losses[-1].backward()
         grads.append([t.grad for t in args])
     plain, full = losses
-    assert full.dtype == torch.float32 and torch.equal(full.to(F16), plain)
+    assert full.dtype == torch.float32 and torch.equal(full.to(BF16), plain)
     assert compare("loss", full, upcast, exact, torch.float32).passed
     for rounded, unrounded in zip(*grads, strict=True):
-        assert unrounded.dtype == F16 and torch.equal(rounded, unrounded)
+        assert unrounded.dtype == BF16 and torch.equal(rounded, unrounded)
     with pytest.raises(ValueError, match="loss_dtype"):
-        tritonkit.linear_cross_entropy(x, w, target, loss_dtype=torch.bfloat16)
+        tritonkit.linear_cross_entropy(x, w, target, loss_dtype=torch.float16)
 
 
 def test_leading_dims_and_int32_targets(device):
