@@ -32,7 +32,8 @@ same with cuDNN SDPA, the token written by ``index_copy_`` (and, beside it, SDPA
 
 ``--configs`` times tritonkit alone, at each shape with the contiguous cache (appending) and the
 paged one (``--paged``: the paged one only): every launch config of ``CONFIGS`` at the rule's split
-count, then the fastest config at the split counts of ``_split_counts`` (a short protocol: 10 ms
+count and at one wave's (SMs // (B x Hkv)), then the fastest config at the split counts of
+``_split_counts`` (a short protocol: 10 ms
 warm-up, 40 ms of repetitions). ``--pages`` times the paged call with each of ``PAGE_READS`` table
 entries read at once (``decode.PAGES``), the contiguous call beside it. ``--batch`` keeps the shapes of
 those batch sizes. ``--splits`` times, where
@@ -300,9 +301,13 @@ def _config_row(shape, seq_q: int, paged: bool, stop: float) -> dict:
     peer = _providers(x, seq_q, False)["sdpa-cudnn"]
     (_, cudnn, _), _ = timing.kernel_ms([lambda: peer])
     us = {}
-    for config in CONFIGS:
-        if time.time() < stop:
-            us["-".join(map(str, (*config, rule)))] = _config_us(_forced_call(x, paged, rule), config)
+    # every config at the rule's split count and at one wave's (one program an SM at most, where deep
+    # rings pay: decode-and-ring.md, "Programs alone on their SMs")
+    one_wave = max(1, decode.sm_count("cuda") // (batch * heads_kv))
+    for splits in dict.fromkeys((one_wave, rule)):
+        for config in CONFIGS:
+            if time.time() < stop:
+                us["-".join(map(str, (*config, splits)))] = _config_us(_forced_call(x, paged, splits), config)
     best = min(us, key=us.get)
     config = tuple(int(c) for c in best.split("-")[:3])
     for splits in _split_counts(batch * heads_kv, rule):

@@ -137,6 +137,10 @@ def _align(tensors: tuple, geometry: tuple) -> int:
     return row_align(values, min(t.element_size() for t in tensors))
 
 
+# Whether fp32 log_softmax sums its rows in fp64 (``kernels._row_sum`` says why); False sums them in
+# fp32, as softmax does (what a benchmark compares the two with).
+LOG_SUM_FP64 = True
+
 # Whether the one-pass kernels read rows that start off their vectors' alignment in windows
 # (``_window``); False keeps them on ALIGN's narrower accesses (what a test compares them with).
 WINDOWS = True
@@ -159,7 +163,7 @@ def _launch_args(
     (y, dy, dx) backward (or anything with their data pointers), ``geometry`` their (O, R, N) views'.
     ``phase`` is the split kernels' PHASE."""
     outer, rows, n, strides = geometry
-    sum_fp64 = log and tensors[0 if direction == "fwd" else 1].dtype == torch.float32
+    sum_fp64 = LOG_SUM_FP64 and log and tensors[0 if direction == "fwd" else 1].dtype == torch.float32
     if config["variant"] == "split":
         return _split_launch_args(direction, config, log, sum_fp64, tensors, geometry, phase)
     block_n = config.get("BLOCK_N", next_power_of_2(n))
