@@ -11,8 +11,9 @@ _runtime.interpret()
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-if _runtime.interpret():  # Triton's interpreter made faster (its docstring); tritonkit rounds its casts
+if _runtime.interpret():  # Triton's interpreter made faster (its docstring); its casts rounded as the GPU's
     import fast_interpreter  # noqa: E402
+    import tritonkit._triton  # noqa: E402, F401  (as a kernel module imports triton: installs the rounding)
 
     fast_interpreter.install()
 

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 from triton.runtime import interpreter
 
 from tritonkit import _interpreter_rounding
 from tritonkit._runtime import interpret
+from tritonkit._triton import tl, triton  # as every kernel module imports triton: this installs the cast
 
 pytestmark = pytest.mark.skipif(not interpret(), reason="checks Triton's interpreter")
 
