@@ -147,18 +147,6 @@ def test_nan_never_passes():
     assert not Comparison("y", err_kernel=math.nan, err_torch=0.0, tolerance=math.inf).passed
 
 
-def test_the_bound_is_the_same_under_the_interpreter(monkeypatch):
-    """The interpreter's casts round as the GPU's (``_interpreter_rounding``): no dtype's bound widens."""
-    reference, torch_value = _reference_and_torch()
-    bounds = {}
-    for interpreting in (False, True):
-        monkeypatch.setattr(_runtime, "interpret", lambda interpreting=interpreting: interpreting)
-        bounds[interpreting] = [
-            compare("y", reference, torch_value, reference, dtype).tolerance for dtype in (BF16, F16)
-        ]
-    assert bounds[True] == bounds[False]
-
-
 def test_max_abs_error():
     g = generator(31)
     value = random_tensor((3, 4), F32, "cpu", generator=g)

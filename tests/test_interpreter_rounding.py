@@ -55,7 +55,7 @@ def test_tritons_own_cast_truncates(monkeypatch):
 
 
 def test_choosing_the_interpreter_installs_the_cast_once():
-    """tritonkit's choice of the interpreter put the cast in (the suite installs nothing of it), and
+    """Importing triton as tritonkit's kernel modules do (``tritonkit._triton``) put the cast in, and
     installing again keeps Triton's own cast as the one it falls back to."""
     assert interpreter.InterpreterBuilder.cast_impl is _interpreter_rounding._cast_impl
     own = _interpreter_rounding._interpreted_cast

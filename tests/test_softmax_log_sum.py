@@ -1,6 +1,5 @@
 """fp32 log_softmax's row sum: in fp64 by default (``softmax/kernels._row_sum`` says why), in fp32 with
-``softmax.LOG_SUM_FP64`` off, the switch that times the two against each other; both against the float64
-reference."""
+``softmax.LOG_SUM_FP64`` off; both against the float64 reference."""
 
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ pytestmark = pytest.mark.softmax
 @pytest.mark.parametrize("fp64", [True, False], ids=["fp64-sum", "fp32-sum"])
 def test_fp32_log_softmax_row_sums_either_way(fp64, monkeypatch, device):
     """fp32 log_softmax sums its rows in fp64 (``kernels._row_sum``), or in fp32 with
-    ``LOG_SUM_FP64`` off (what a benchmark compares its time with): both within the oracle's rule,
+    ``LOG_SUM_FP64`` off (a switch to time the two against each other): both within the oracle's rule,
     forward and backward, over one-pass, online and split rows, and the switch reaches the launch."""
     monkeypatch.setattr(sm, "LOG_SUM_FP64", fp64)
     forget_plans()
