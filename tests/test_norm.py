@@ -216,9 +216,11 @@ def test_backward_rows_reduced_in_blocks(kind, prefetch, monkeypatch, device):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
-def test_a_tiny_backward_is_one_launch(kind, dtype, monkeypatch, device):
-    """21 rows of 10 untuned: one program reduces them as one block and writes dw and db itself
-    (cast to the parameters' dtype as it stores them), no second launch; every gradient matches."""
+@pytest.mark.parametrize("shape", [(21, 10), (29, 224)], ids=str)
+def test_a_tiny_backward_is_one_launch(kind, dtype, shape, monkeypatch, device):
+    """21 rows of 10, and 29 of 224 (a tile of 32 x 256: BWD_ONE_PROGRAM_ELEMENTS), untuned: one
+    program reduces them as one block and writes dw and db itself (cast to the parameters' dtype as
+    it stores them), no second launch; every gradient matches."""
     monkeypatch.setattr(nm._TUNED["bwd", False], "_chosen", {})
     launches, run = [], nm._run
 
@@ -228,7 +230,7 @@ def test_a_tiny_backward_is_one_launch(kind, dtype, monkeypatch, device):
 
     monkeypatch.setattr(nm, "_run", recording)
     with tuning.disabled():
-        kernel, reference, inputs, grad_inputs, grads = _case(kind, (21, 10), dtype, device, seed=21)
+        kernel, reference, inputs, grad_inputs, grads = _case(kind, shape, dtype, device, seed=21)
         check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
     assert [("bwd", (1,), 32)] in launches and not any("bwd partial sums" in str(c) for c in launches)
 
