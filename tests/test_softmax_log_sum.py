@@ -1,5 +1,5 @@
-"""fp32 log_softmax's row sum: in fp64 by default (``softmax/kernels._row_sum`` says why), in fp32 with
-``softmax.LOG_SUM_FP64`` off; both against the float64 reference."""
+"""fp32 log_softmax's row sum: in fp32 by default, in fp64 with ``softmax.LOG_SUM_FP64`` on
+(``softmax/kernels._row_sum`` says why); both against the float64 reference."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ pytestmark = pytest.mark.softmax
 
 @pytest.mark.parametrize("fp64", [True, False], ids=["fp64-sum", "fp32-sum"])
 def test_fp32_log_softmax_row_sums_either_way(fp64, monkeypatch, device):
-    """fp32 log_softmax sums its rows in fp64 (``kernels._row_sum``), or in fp32 with
-    ``LOG_SUM_FP64`` off (a switch to time the two against each other): both within the oracle's rule,
+    """fp32 log_softmax sums its rows in fp32, or in fp64 with ``LOG_SUM_FP64`` on
+    (``kernels._row_sum``): both within the oracle's rule,
     forward and backward, over one-pass, online and split rows, and the switch reaches the launch."""
     monkeypatch.setattr(sm, "LOG_SUM_FP64", fp64)
     forget_plans()

@@ -137,10 +137,11 @@ def _align(tensors: tuple, geometry: tuple) -> int:
     return row_align(values, min(t.element_size() for t in tensors))
 
 
-# Whether fp32 log_softmax sums its rows in fp64 (``kernels._row_sum`` says why); False sums them in
-# fp32, as softmax does: a switch to time the two against each other (the sweep's short fp32 rows ran
-# log_softmax 25% behind softmax; docs/perf-notes/sweep.md), both held to the oracle by the tests.
-LOG_SUM_FP64 = True
+# Whether fp32 log_softmax sums its rows in fp64 (``kernels._row_sum`` says why) or in fp32, as softmax
+# does. fp32: on an H100 (docs/perf-notes/sweep.md, "The fp32 row sum, measured") 45.9 us against 54.6 at
+# 63687 x 195 (torch 39.2), level or up to 6% faster at longer rows, its errors 1.0-1.1x torch's forward
+# and 0.2-1.4x backward (fp64: 0.9-1.1x and 0.2-0.6x); both held to the oracle by the tests.
+LOG_SUM_FP64 = False
 
 # Whether the one-pass kernels read rows that start off their vectors' alignment in windows
 # (``_window``); False keeps them on ALIGN's narrower accesses (what a test compares them with).
