@@ -5,11 +5,13 @@ the modules' state_dict, and on the H200 a tensor past 2^31 elements."""
 from __future__ import annotations
 
 import itertools
+import json
 import math
 
 import pytest
 import torch
 
+import sm90
 import tritonkit
 from tritonkit import tuning
 from tritonkit._runtime import current_device, sm_count
@@ -662,3 +664,29 @@ def test_rows_of_any_length_move_as_wide_as_their_alignment_allows():
     for row in rows:  # (32 bits: the fp32 statistics a row; 128 stored at 2900: the fp32 dw partials)
         assert max(row["loads"]) == (128 if row["shape"][1] == 2904 else 64), row
         assert min([*row["loads"], *row["stores"]]) >= 32, row  # no entry moved alone
+
+
+_LONG_ROW_BACKWARDS = r"""
+import json, torch
+from tritonkit.asm import compile_launch
+from tritonkit.ops import get_workload
+for name in ("layer_norm", "rms_norm"):
+    for dtype in (torch.float32, torch.bfloat16):
+        for shape in ((8192, 8192), (14, 12592)):
+            for launch in get_workload(name).launches(shape, dtype, None):
+                if launch.name == "bwd":
+                    spills = compile_launch(launch, "sm_90").spills
+                    case = f"{name} {shape} {dtype}"
+                    print(json.dumps({"case": case, "kernel": launch.kernel.__name__, "spills": spills}))
+"""
+
+
+@pytest.mark.slow
+def test_backwards_of_long_rows_compile_for_hopper_without_spills():
+    """The untuned backward at the last one-pass row block (8192) and past it (12592 entries, the
+    looped kernel since 16384-entry rows spilled one-pass), compiled for sm_90: no values spilled."""
+    rows = [json.loads(line) for line in sm90.run(_LONG_ROW_BACKWARDS)]
+    assert len(rows) == 8, rows
+    for row in rows:
+        assert not row["spills"], row
+        assert ("looped" in row["kernel"]) == ("12592" in row["case"]), row
