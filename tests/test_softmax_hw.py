@@ -49,7 +49,7 @@ def check(layout, direction, n, variant, dtype, log):
     kernel = sm._LAUNCHERS[direction, config["variant"]].kernel
     unit = "n" if layout == "rows" else "r"  # the stride that is 1, which Triton makes a constant
     constexprs = {a: 1 for a in kernel.arg_names if a.startswith("stride_") and a.endswith(unit)}
-    sum_fp64 = log and dtype == "fp32" and sm.LOG_SUM_FP64  # (fp32 log_softmax's row sum, by the switch)
+    sum_fp64 = log and dtype == "fp32" and (sm.LOG_SUM_FP64 or direction == "bwd")  # (softmax._launch_args)
     constexprs |= {"LOG": log, "SUM_FP64": sum_fp64, "BLOCK_M": config["BLOCK_M"],
                    "BLOCK_N": config.get("BLOCK_N", n), "ALIGN": 1}
     if config["variant"] == "online":

@@ -137,10 +137,11 @@ def _align(tensors: tuple, geometry: tuple) -> int:
     return row_align(values, min(t.element_size() for t in tensors))
 
 
-# Whether fp32 log_softmax sums its rows in fp64 (``kernels._row_sum`` says why) or in fp32, as softmax
-# does. fp32: on an H100 (docs/perf-notes/sweep.md, "The fp32 row sum, measured") 45.9 us against 54.6 at
-# 63687 x 195 (torch 39.2), level or up to 6% faster at longer rows, its errors 1.0-1.1x torch's forward
-# and 0.2-1.4x backward (fp64: 0.9-1.1x and 0.2-0.6x); both held to the oracle by the tests.
+# Whether fp32 log_softmax's forward sums its rows in fp64 (``kernels._row_sum`` says why) or in fp32, as
+# softmax does. fp32: on an H100 (docs/perf-notes/sweep.md, "The fp32 row sum, measured") 45.9 us against
+# 54.6 at 63687 x 195 (torch 39.2), level or up to 6% faster at longer rows, its errors 1.0-1.1x torch's
+# (fp64: 0.9-1.1x); both held to the oracle by the tests. The backward's sum of dy stays fp64: in fp32 it
+# erred past the oracle over split rows of 130 in the interpreter (1.7e-6 against a bound of 1.5e-6).
 LOG_SUM_FP64 = False
 
 # Whether the one-pass kernels read rows that start off their vectors' alignment in windows
@@ -165,7 +166,8 @@ def _launch_args(
     (y, dy, dx) backward (or anything with their data pointers), ``geometry`` their (O, R, N) views'.
     ``phase`` is the split kernels' PHASE."""
     outer, rows, n, strides = geometry
-    sum_fp64 = LOG_SUM_FP64 and log and tensors[0 if direction == "fwd" else 1].dtype == torch.float32
+    fp32 = tensors[0 if direction == "fwd" else 1].dtype == torch.float32
+    sum_fp64 = log and fp32 and (LOG_SUM_FP64 or direction == "bwd")
     if config["variant"] == "split":
         return _split_launch_args(direction, config, log, sum_fp64, tensors, geometry, phase)
     block_n = config.get("BLOCK_N", next_power_of_2(n))
