@@ -28,6 +28,7 @@ launches = test_softmax.launches  # the fixture recording each launch, shared
 
 _HOPPER_CHECK = r"""
 import concurrent.futures
+import torch
 import tritonkit.ops.softmax.configs as sk
 import tritonkit.ops.softmax.softmax as sm
 
@@ -49,7 +50,7 @@ def check(layout, direction, n, variant, dtype, log):
     kernel = sm._LAUNCHERS[direction, config["variant"]].kernel
     unit = "n" if layout == "rows" else "r"  # the stride that is 1, which Triton makes a constant
     constexprs = {a: 1 for a in kernel.arg_names if a.startswith("stride_") and a.endswith(unit)}
-    sum_fp64 = log and dtype == "fp32" and (sm.LOG_SUM_FP64 or direction == "bwd")  # (softmax._launch_args)
+    sum_fp64 = sm.sums_in_fp64(direction, log, {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
     constexprs |= {"LOG": log, "SUM_FP64": sum_fp64, "BLOCK_M": config["BLOCK_M"],
                    "BLOCK_N": config.get("BLOCK_N", n), "ALIGN": 1}
     if config["variant"] == "online":
@@ -99,6 +100,7 @@ def test_kernels_compile_for_hopper_with_wide_accesses_and_no_spills():
 
 _PREFETCH_HOPPER_CHECK = r"""
 import concurrent.futures
+import torch
 import tritonkit.ops.softmax.configs as sk
 import tritonkit.ops.softmax.softmax as sm
 
@@ -137,6 +139,7 @@ def test_prefetching_online_candidates_compile_for_hopper_without_spills():
 
 _SPLIT_HOPPER_CHECK = r"""
 import concurrent.futures
+import torch
 import tritonkit.ops.softmax.configs as sk
 import tritonkit.ops.softmax.softmax as sm
 

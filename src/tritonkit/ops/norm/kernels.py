@@ -17,7 +17,8 @@ from tritonkit._triton import tl, triton
 from tritonkit.jit import aligned
 
 # fp32 values a thread holds per tile, by looped or not (one-pass: the row tile, x or h and dy;
-# looped: a chunk): past 64 the one-pass kernels spill, under 8 a program moves too little at once (the
+# looped: a chunk): past 64 the one-pass kernels spill (the backward at 64 too where it also sums dw: at
+# 16384 entries, hence norm.MAX_BLOCK_N), under 8 a program moves too little at once (the
 # looped forward's pass 1 holds a chunk of 64 a thread at 32 warps in 64 registers, no spill on sm_90)
 PER_THREAD_RANGE = {False: (8, 64), True: (8, 64)}
 PREFETCH_MAX_PER_THREAD = 32  # a PREFETCH backward holds the next row's h and dy too: at most 32 a row

@@ -140,9 +140,17 @@ def _align(tensors: tuple, geometry: tuple) -> int:
 # Whether fp32 log_softmax's forward sums its rows in fp64 (``kernels._row_sum`` says why) or in fp32, as
 # softmax does. fp32: on an H100 (docs/perf-notes/sweep.md, "The fp32 row sum, measured") 45.9 us against
 # 54.6 at 63687 x 195 (torch 39.2), level or up to 6% faster at longer rows, its errors 1.0-1.1x torch's
-# (fp64: 0.9-1.1x); both held to the oracle by the tests. The backward's sum of dy stays fp64: in fp32 it
-# erred past the oracle over split rows of 130 in the interpreter (1.7e-6 against a bound of 1.5e-6).
-LOG_SUM_FP64 = False
+# (fp64: 0.9-1.1x); both held to the oracle by the tests. The backward's sum of dy is fp64 regardless
+# (``sums_in_fp64``).
+LOG_FWD_SUM_FP64 = False
+
+
+def sums_in_fp64(direction: str, log: bool, dtype: torch.dtype) -> bool:
+    """Whether a launch sums its rows in fp64: fp32 log_softmax's backward always (in fp32 its gradient
+    erred past the oracle over split rows of 130 in the interpreter: 1.7e-6 against a bound of 1.5e-6),
+    its forward by LOG_FWD_SUM_FP64; softmax and 16-bit inputs never."""
+    return log and dtype == torch.float32 and (direction == "bwd" or LOG_FWD_SUM_FP64)
+
 
 # Whether the one-pass kernels read rows that start off their vectors' alignment in windows
 # (``_window``); False keeps them on ALIGN's narrower accesses (what a test compares them with).
@@ -166,8 +174,7 @@ def _launch_args(
     (y, dy, dx) backward (or anything with their data pointers), ``geometry`` their (O, R, N) views'.
     ``phase`` is the split kernels' PHASE."""
     outer, rows, n, strides = geometry
-    fp32 = tensors[0 if direction == "fwd" else 1].dtype == torch.float32
-    sum_fp64 = log and fp32 and (LOG_SUM_FP64 or direction == "bwd")
+    sum_fp64 = sums_in_fp64(direction, log, tensors[0 if direction == "fwd" else 1].dtype)
     if config["variant"] == "split":
         return _split_launch_args(direction, config, log, sum_fp64, tensors, geometry, phase)
     block_n = config.get("BLOCK_N", next_power_of_2(n))
