@@ -19,6 +19,7 @@ from tritonkit.ops import get_op
 from tritonkit.ops.norm import OPS
 from tritonkit.ops.norm import kernels as nk
 from tritonkit.ops.norm import norm as nm
+from tritonkit.ops.norm import split as ns
 from tritonkit.oracle import compare
 from tritonkit.testing import check_against_reference, generator, poisoned_outputs, random_tensor
 
@@ -148,6 +149,7 @@ def looped(monkeypatch):
     these tests make backward programs of 4 rows, not one a program: 9 rows end in a partial group)."""
     monkeypatch.setattr(nm, "MAX_BLOCK_N", {"fwd": 64, "bwd": 64})
     monkeypatch.setattr(nk, "LOOP_BLOCK_N", 32)
+    monkeypatch.setattr(ns, "SPLIT_PER_SM", 0)  # few rows stay a program each (test_norm_split.py: split)
     monkeypatch.setattr(nk, "BWD_LOOPED_ROW_A_PROGRAM", 0)
     for tuned in nm._TUNED.values():
         monkeypatch.setattr(tuned, "_chosen", {})  # configs chosen under the usual limits
@@ -672,9 +674,9 @@ from tritonkit.asm import compile_launch
 from tritonkit.ops import get_workload
 for name in ("layer_norm", "rms_norm"):
     for dtype in (torch.float32, torch.bfloat16):
-        for shape in ((8192, 8192), (14, 12592)):
+        for shape in ((8192, 8192), (8192, 12592), (14, 12592)):
             for launch in get_workload(name).launches(shape, dtype, None):
-                if launch.name == "bwd":
+                if launch.name in ("bwd", "bwd split"):
                     spills = compile_launch(launch, "sm_90").spills
                     case = f"{name} {shape} {dtype}"
                     print(json.dumps({"case": case, "kernel": launch.kernel.__name__, "spills": spills}))
@@ -683,10 +685,13 @@ for name in ("layer_norm", "rms_norm"):
 
 @pytest.mark.slow
 def test_backwards_of_long_rows_compile_for_hopper_without_spills():
-    """The untuned backward at the last one-pass row block (8192) and past it (12592 entries, the
-    looped kernel since 16384-entry rows spilled one-pass), compiled for sm_90: no values spilled."""
+    """The untuned backward at the last one-pass row block (8192) and past it (12592 entries: the
+    looped kernel since 16384-entry rows spilled one-pass, or over 14 rows the split one), compiled
+    for sm_90: no values spilled."""
     rows = [json.loads(line) for line in sm90.run(_LONG_ROW_BACKWARDS)]
-    assert len(rows) == 8, rows
+    assert len(rows) == 12, rows
+    expected = {"(8192, 8192)": "_norm_bwd_kernel", "(8192, 12592)": "looped", "(14, 12592)": "split"}
     for row in rows:
         assert not row["spills"], row
-        assert ("looped" in row["kernel"]) == ("12592" in row["case"]), row
+        shape = row["case"].split(" torch")[0].split(" ", 1)[1]
+        assert expected[shape] in row["kernel"], row

@@ -1,7 +1,8 @@
 """LayerNorm and RMSNorm, with the residual add fused in: ``kernels.py`` holds the Triton kernels with
-the configs each is tuned over, ``norm.py`` their launches, tuning, autograd, public functions,
-references and costs, ``spec.py`` the registry's ops and workloads, ``normed.py`` how a projection
-makes a norm's output again in its backward rather than saving it."""
+the configs each is tuned over, ``split.py`` the kernels and rule for few long rows, ``norm.py``
+their launches, tuning, autograd, public functions, references and costs, ``spec.py`` the registry's
+ops and workloads, ``normed.py`` how a projection makes a norm's output again in its backward rather
+than saving it."""
 
 from tritonkit.ops.norm.norm import (
     add_layer_norm,

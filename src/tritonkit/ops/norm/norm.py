@@ -17,8 +17,10 @@ and the fp32 partial sums of dw and db. A handful of FLOPs an element: memory-bo
 dw and db are reduced in two stages, never with float atomics, so results are deterministic: each
 backward program sums its rows into fp32 partials, and a second pass sums the partials.
 A row lives in registers up to ``MAX_BLOCK_N`` entries; longer rows go through looped kernels
-that read each row twice (``kernels.py``). Rows a program, chunk sizes and warps come from
-accuracy-gated tuning (``tritonkit.tuning``), each kernel with its own tuner and configs.
+that read each row twice (``kernels.py``), or, where too few to fill the SMs a row a program, through
+split kernels that spread each row over programs side by side (``split.py``, untuned). Rows a
+program, chunk sizes and warps come from accuracy-gated tuning (``tritonkit.tuning``), each kernel
+with its own tuner and configs.
 h = x + residual is added in fp32 and rounded to the input dtype before it is normalised, as
 ``norm(x + residual)`` is in PyTorch: the backward then recomputes xhat from the stored h exactly.
 
@@ -58,6 +60,7 @@ from tritonkit.ops.norm.kernels import (
     _norm_fwd_kernel,
     _norm_fwd_looped_kernel,
 )
+from tritonkit.ops.norm.split import bwd_split_launches, fwd_split_launches, split_config
 from tritonkit.partial_sums import _sum_partials_kernel, sum_partials_launch
 from tritonkit.roofline import Cost
 
@@ -108,6 +111,8 @@ def _fwd_launches(
     x2 = _rows_2d(input, n)
     r2 = _rows_2d(residual, n) if residual is not None else None
     weight, bias = _unit_stride(weight), _unit_stride(bias)
+    if "SEGMENT" in config:  # few long rows, each across programs side by side
+        return fwd_split_launches(x2, r2, h, y, weight, bias, mean, rstd, eps, rms, config)
     # absent tensors go as None (the kernels' HAS_* and STATS flags leave them unread)
     args = (
         x2,
@@ -175,15 +180,21 @@ def _bwd_launches(
     # rounding error where LayerNorm's dx is exactly 0 (rstd times it: 2.8e-6 at eps 1e-5)
     block_n = max(ROW_BLOCK_MIN, next_power_of_2(n))
     looped = block_n > MAX_BLOCK_N["bwd"]
-    programs = cdiv(rows, config["ROWS"])
-    alone = programs == 1 and all(g is None or g.is_contiguous() for g in (dw, db))
     rstd = rstd if rstd is not None else scratch((rows,), torch.float32, h.device)
     if mean is None and not rms:
         mean = scratch((rows,), torch.float32, h.device)
-    dw_partial = _partials(weight, dw, programs, alone)
-    db_partial = _partials(bias, db, programs, alone)
     h2, dy2 = _rows_2d(h, n), _rows_2d(grad_y.to(h.dtype), n)
     dh2 = _rows_2d(grad_h.to(h.dtype), n) if grad_h is not None else None
+    if "SEGMENT" in config:  # few long rows, each across programs side by side
+        split = bwd_split_launches(dy2, dh2, h2, _unit_stride(weight), bias, mean, rstd, rms, dx, config)
+        launches, dw_partial, db_partial = split
+        if dw_partial is None and db_partial is None:
+            return launches
+        return [*launches, sum_partials_launch(dw_partial, db_partial, dw, db)]
+    programs = cdiv(rows, config["ROWS"])
+    alone = programs == 1 and all(g is None or g.is_contiguous() for g in (dw, db))
+    dw_partial = _partials(weight, dw, programs, alone)
+    db_partial = _partials(bias, db, programs, alone)
     stats = (_unit_stride(weight), mean, rstd)
     tail = (
         dx,
@@ -452,6 +463,9 @@ def _config(
             direction, n, h.numel() // n, h.dtype, _params_key(has_residual, weight, bias, rms)
         )
 
+    split = split_config(direction, h.numel() // n, n, h.element_size(), h.device, MAX_BLOCK_N[direction])
+    if split is not None:  # untuned: the rule in split.py
+        return split
     return _TUNED[direction, n > MAX_BLOCK_N[direction]].choose(key, problem, signature=signature)[0]
 
 

@@ -75,6 +75,7 @@ from tritonkit.ops.softmax.kernels import (
     _softmax_fwd_online_kernel,
 )
 from tritonkit.ops.softmax.split_kernels import _softmax_bwd_split_kernel, _softmax_fwd_split_kernel
+from tritonkit.split_rows import cooperative_programs
 
 VARIANTS = ("auto", "one-pass", "online", "split")
 DTYPES = FLOATS
@@ -236,10 +237,7 @@ def _split_launch_args(
     if phase == 0:
         meta["launch_cooperative_grid"] = True  # the launch fails, not hangs, if they cannot all run
     args = (*tensors, *workspace, rows, n, total, segments, segment, *strides)
-    per_sm = config["PER_SM"]
-    if phase == 0:  # every program at once: as many as the compiled kernel lets an SM hold
-        per_sm = min(per_sm, _LAUNCHERS[direction, "split"].programs_per_sm(*args, **meta))
-    programs = per_sm * sm_count(device)
+    programs = cooperative_programs(_LAUNCHERS[direction, "split"], config["PER_SM"], args, meta, device)
     _check_segments(n, segment, segments, programs)
     groups = max(1, min(total, programs // segments))
     return (groups * segments,), args, meta

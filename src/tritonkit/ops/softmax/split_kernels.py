@@ -8,15 +8,9 @@ from __future__ import annotations
 from tritonkit._triton import tl, triton
 from tritonkit.jit import LOG2E, aligned
 from tritonkit.ops.softmax.kernels import _exp_shifted, _input_grad, _log, _row_dot, _row_sum, _tile
+from tritonkit.split_rows import _publish_and_wait, _segment_of_program
 
-# Split-row kernels, for rows far longer than registers hold. The programs of a row each take one
-# SEGMENT of it: pass 1 reduces the segment and publishes the partial result; once every segment of
-# the row has published (a per-row counter), each program combines the row's partials and makes
-# pass 2 over its own segment, which L2 still holds because the segments in flight together are
-# far smaller than L2. So x is read from memory once, where the online kernel's pass 2 misses L2
-# on such rows. The programs wait for each other: PHASE 0 (the GPU) needs them all resident at
-# once, a cooperative launch. PHASE 1 then PHASE 2, two launches, do the same work without waiting
-# (the interpreter runs programs one after another).
+# How the programs of a row share it, wait for each other and launch: ``tritonkit.split_rows``.
 
 
 @triton.jit
@@ -27,35 +21,6 @@ def _row_start(row, R, stride_o, stride_r, ALIGN: tl.constexpr):
     outer = row // R
     start = outer.to(tl.int64) * stride_o + (row - outer * R).to(tl.int64) * stride_r
     return tl.full([1], 0, tl.int64) + start
-
-
-@triton.jit
-def _segment_of_program(N, segments, SEGMENT, BLOCK_N: tl.constexpr):
-    """This program's place: (its first row, rows in flight at once, its segment, the segment's first
-    entry, its chunks). A row's programs are adjacent; every program walks every groups-th row."""
-    pid = tl.program_id(0)
-    segment = pid % segments
-    first = segment * SEGMENT
-    return (
-        pid // segments,
-        tl.num_programs(0) // segments,
-        segment,
-        first,
-        tl.cdiv(tl.minimum(N - first, SEGMENT), BLOCK_N),
-    )
-
-
-@triton.jit
-def _publish_and_wait(arrived_ptr, row, segments):
-    """Count this program's segment of ``row`` as published, then wait until every segment is.
-
-    The barriers order every thread's partial-result stores before the count, and the loads of the
-    partials after it; the count is released and read with acquire at GPU scope."""
-    tl.debug_barrier()
-    count = tl.atomic_add(arrived_ptr + row, 1, sem="acq_rel", scope="gpu") + 1
-    while count < segments:
-        count = tl.atomic_add(arrived_ptr + row, 0, sem="acquire", scope="gpu")
-    tl.debug_barrier()
 
 
 @triton.jit

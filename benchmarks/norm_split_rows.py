@@ -1,0 +1,86 @@
+"""The norms over few long rows: each row split across programs side by side (ops/norm/split.py)
+against one program a row (the looped kernels, the split turned off), beside the peers, in one run.
+
+    python benchmarks/norm_split_rows.py OUT.json [--ops layer_norm rms_norm] [--deadline S]
+
+The shapes are the sweep's few-long-rows cliffs (the norms at 1-20% of the copy rate there). For
+each op, shape and mode (fwd, bwd), the benchmark runner's rows (``tritonkit.bench.runner``: the
+error check against float64, CUDA-graph-replayed median ms, eager ms, share of a copy of the same
+bytes) for every provider, then tritonkit again with ``split.SPLIT_PER_SM = 0`` as
+"tritonkit[unsplit]" (its replay plans forgotten first: a call signature replays what it recorded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from tritonkit import opdef
+from tritonkit.bench import runner
+from tritonkit.ops.norm import split
+
+SHAPES = [
+    ((2, 12291808), "fp16"),
+    ((32, 3738195), "bf16"),
+    ((100, 784772), "fp32"),
+    ((1, 83572), "bf16"),
+    ((74, 187426), "bf16"),
+    ((10, 72384), "fp32"),
+    ((97, 11079), "fp16"),
+    ((14, 12592), "fp32"),
+]
+COMMAND = "python benchmarks/norm_split_rows.py OUT.json"
+
+
+def _unsplit(case) -> list[dict]:
+    """tritonkit's rows for ``case`` with the split turned off."""
+    per_sm = split.SPLIT_PER_SM
+    split.SPLIT_PER_SM = 0
+    opdef.forget_plans()
+    try:
+        rows = runner.run_case(case, ["tritonkit"], "cuda", keep_going=True)
+    finally:
+        split.SPLIT_PER_SM = per_sm
+        opdef.forget_plans()
+    return [row | {"provider": "tritonkit[unsplit]"} for row in rows]
+
+
+def _line(case, rows: list[dict]) -> str:
+    us = {r["provider"]: r["ms"] * 1e3 for r in rows if r.get("ms")}
+    ours = us.get("tritonkit")
+    peers = [v for k, v in us.items() if not k.startswith("tritonkit")]
+    copy = next((r.get("pct_copy_same_bytes") for r in rows if r["provider"] == "tritonkit"), None)
+    failed = [r["provider"] for r in rows if r.get("check") == "FAIL"]
+    return " ".join(
+        [
+            f"{case.workload.name} {'x'.join(map(str, case.shape))} {case.mode}:",
+            ", ".join(f"{k} {v:.1f}" for k, v in us.items()),
+            f"us; x best peer {min(peers) / ours:.2f}" if ours and peers else "",
+            f"x unsplit {us['tritonkit[unsplit]'] / ours:.2f}" if ours and "tritonkit[unsplit]" in us else "",
+            f"{copy:.0f}% of copy" if copy else "",
+            f"FAILED {failed}" if failed else "",
+        ]
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out")
+    parser.add_argument("--ops", nargs="+", default=["layer_norm", "rms_norm", "add_rms_norm"])
+    parser.add_argument("--deadline", type=float, default=None, help="start no case after S seconds")
+    args = parser.parse_args()
+    start, rows = time.time(), []
+    for case in runner.cases(args.ops, SHAPES, None, ["fwd", "bwd"]):
+        if args.deadline is not None and time.time() - start > args.deadline:
+            print(f"deadline: {case.workload.name} {case.shape} {case.mode} and later cases not run")
+            break
+        got = runner.run_case(case, None, "cuda", keep_going=True) + _unsplit(case)
+        rows += got
+        print(_line(case, got), flush=True)
+        with open(args.out, "w") as f:
+            json.dump({"command": COMMAND, "rows": rows}, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

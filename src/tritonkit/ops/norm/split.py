@@ -1,0 +1,382 @@
+"""The norms over few long rows: each row split across programs side by side (``tritonkit.split_rows``).
+
+The looped kernels take a row a program (the backward 4-16 rows a program past 32 rows): 2 rows of
+12M entries are 2 programs on 132 SMs, 100 rows of 784772 fp32 25 backward programs. Here every row
+of a launch is cut into segments, a program each, so that rows x segments fill the SMs; a segment's
+partial statistics are combined by every program of its row between the two passes.
+
+Forward, per segment of c entries: LayerNorm publishes its own mean and sum of squared deviations
+from it (``_segment_moments``; combined by Chan's parallel rule, no cancellation between a large mean
+and a small variance), RMSNorm its sum of squares. Backward: the segment's sums of g * xhat and g.
+dw and db: a program takes the same segment of every row it walks, so it sums its rows' dy * xhat
+and dy into its own (groups, N) fp32 slice, which L2 holds between rows (N * 4 bytes a launch), and
+the partial-sum stage adds the groups, as in the other backward kernels.
+
+The rule (``split_config``) is untuned: splitting applies to rows longer than one program holds
+(the looped kernels' rows) and too few to give every SM ``SPLIT_PER_SM`` programs a row a program.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tritonkit._launch import Launch, cdiv, launcher_of, next_power_of_2, row_align, scratch
+from tritonkit._runtime import interpret, l2_bytes, sm_count
+from tritonkit._triton import tl, triton
+from tritonkit.jit import aligned
+from tritonkit.split_rows import _publish_and_wait, _segment_of_program, cooperative_programs
+
+SPLIT_PER_SM = 2  # programs an SM the split launches aim for
+# a segment is at least this many chunks: 97 rows of 11079 fp16 split in two segments of 2 chunks
+SPLIT_CHUNKS_MIN = 2
+SPLIT_WARPS = 8
+SPLIT_L2_SHARE = 0.5  # of L2, what the rows in flight may hold between their two passes
+# a chunk: 8 fp32 values a thread at 8 warps in fp32, 16 in 16 bits (16-byte loads either way); the
+# backward holds h, dy, w and its two sums of a chunk at once
+SPLIT_BLOCK_N = {4: 2048, 2: 4096}
+
+
+def split_config(direction: str, rows: int, n: int, size: int, device, max_block_n: int) -> dict | None:
+    """The split launch's config for ``rows`` rows of ``n`` entries of ``size`` bytes, or None where
+    the looped or one-pass kernels keep the call: rows of at most ``max_block_n`` entries (what the
+    direction's registers hold), rows enough for SPLIT_PER_SM programs an SM, or rows too short for
+    two segments of SPLIT_CHUNKS_MIN chunks. Run on every call: its first test answers nearly all.
+
+    As many rows at once as keep what pass 2 reads again within SPLIT_L2_SHARE of L2 (the forward
+    its x or h; the backward h, dy and the dw and db slices it adds to), each in as many segments as
+    the programs allow: one row at a time on the SMs makes every program wait at every row."""
+    if next_power_of_2(n) <= max_block_n:
+        return None
+    programs = SPLIT_PER_SM * sm_count(device)
+    if rows >= programs:
+        return None
+    block_n = SPLIT_BLOCK_N.get(size, SPLIT_BLOCK_N[4])
+    reread = n * (size if direction == "fwd" else 2 * size + 8)  # bytes of a row pass 2 finds in L2
+    at_once = max(1, min(rows, int(SPLIT_L2_SHARE * l2_bytes(device)) // reread))
+    segments = min(max(2, programs // at_once), cdiv(n, SPLIT_CHUNKS_MIN * block_n))
+    if segments < 2:
+        return None
+    segment = cdiv(cdiv(n, segments), block_n) * block_n
+    return {"SEGMENT": segment, "BLOCK_N": block_n, "num_warps": SPLIT_WARPS, "PER_SM": SPLIT_PER_SM}
+
+
+# fp32 inputs: rows a program adds into its dw and db slice one after another, at most (a chain of 50
+# erred past the oracle's bound on db at 100 x 784772 on an H100; kernels.FP32_SUM_CHAIN_MAX says why)
+FP32_CHAIN_MAX = 32
+
+
+def _fitted(kernel, config: dict, rows: int, n: int, probe: tuple, meta: dict, device, chain: int) -> tuple:
+    """(SEGMENT, segments, groups) of a launch: the config's SEGMENT, lengthened where its segments
+    and ``rows`` / ``chain`` rows at once (the least groups) would take more programs than run at once
+    (the compiled kernel's occupancy: registers decide it); as many rows at once as the rest allow.
+    ``probe`` holds the launch's arguments with stand-ins for the workspace, which is sized after."""
+    programs = cooperative_programs(launcher_of(kernel), config["PER_SM"], probe, meta, device)
+    most = max(1, programs // cdiv(rows, chain))
+    segment = config["SEGMENT"]
+    if cdiv(n, segment) > most:
+        segment = cdiv(cdiv(n, most), config["BLOCK_N"]) * config["BLOCK_N"]
+    segments = cdiv(n, segment)
+    return segment, segments, max(1, min(rows, programs // segments))
+
+
+def _phases(name: str, kernel, args: tuple, meta: dict, config: dict, grid: tuple) -> list[Launch]:
+    """One PHASE 0 launch on the GPU, cooperative: it fails, not hangs, where its programs cannot all
+    run at once. Under the interpreter PHASE 1 then PHASE 2, which never wait."""
+    if interpret():
+        first = meta | {"PHASE": 1}
+        return [
+            Launch(name, kernel, args, first, config, grid),
+            Launch(name, kernel, args, first | {"PHASE": 2}, config, grid),
+        ]
+    return [Launch(name, kernel, args, meta | {"launch_cooperative_grid": True}, config, grid)]
+
+
+def _meta(config: dict, flags: dict, align: int) -> dict:
+    """The constexprs and options of either split kernel but SEGMENTS, which the fit decides."""
+    phase = 1 if interpret() else 0
+    return (
+        flags
+        | {"BLOCK_N": config["BLOCK_N"], "SEGMENTS": 0, "PHASE": phase, "ALIGN": align}
+        | {"num_warps": config["num_warps"]}
+    )
+
+
+def _stand_in(t, device) -> torch.Tensor | None:
+    """A one-entry tensor where ``t`` is a workspace the fit sizes later (None stays None)."""
+    return None if t is None else torch.empty(1, dtype=t, device=device)
+
+
+def fwd_split_launches(
+    x2, r2, h, y, weight, bias, mean, rstd, eps: float, rms: bool, config: dict
+) -> list[Launch]:
+    """The split forward of (rows, n) ``x2`` (and ``r2``): y, h and the row statistics, which it
+    always stores (``mean`` LayerNorm's)."""
+    rows, n = x2.shape
+    flags = {"RMS": rms, "HAS_RESIDUAL": r2 is not None, "HAS_WEIGHT": weight is not None}
+    strides = (x2.stride(0), r2.stride(0) if r2 is not None else 0)
+    align = row_align((n, *strides), min(x2.element_size(), y.element_size()))
+    meta = _meta(config, flags | {"HAS_BIAS": bias is not None}, align)
+
+    def args(partials, arrived, segments, segment):
+        head = (x2, r2, h, y, weight, bias, mean, rstd, partials, arrived, rows, n, segments, segment)
+        return (*head, *strides, float(eps))
+
+    kernel, device = _norm_fwd_split_kernel, x2.device
+    provisional = cdiv(n, config["SEGMENT"])
+    stand_ins = (_stand_in(torch.float32, device), _stand_in(torch.int32, device))
+    probe = args(*stand_ins, provisional, config["SEGMENT"])
+    meta["SEGMENTS"] = next_power_of_2(provisional)
+    segment, segments, groups = _fitted(kernel, config, rows, n, probe, meta, device, rows)
+    partials = scratch((rows, segments, 2), torch.float32, device)
+    arrived = scratch((rows,), torch.int32, device, zeroed=True)
+    meta["SEGMENTS"] = next_power_of_2(segments)
+    launch_args = args(partials, arrived, segments, segment)
+    return _phases("fwd split", kernel, launch_args, meta, config, (groups * segments,))
+
+
+def bwd_split_launches(dy2, dh2, h2, weight, bias, mean, rstd, rms: bool, dx, config: dict) -> tuple:
+    """The split backward's launch(es) and its (groups, n) fp32 partials of dw and db (None where
+    absent), which the caller sums into dw and db."""
+    rows, n = h2.shape
+    flags = {"RMS": rms, "HAS_DH": dh2 is not None, "HAS_WEIGHT": weight is not None}
+    strides = (dy2.stride(0), dh2.stride(0) if dh2 is not None else 0, h2.stride(0))
+    meta = _meta(config, flags | {"HAS_BIAS": bias is not None}, row_align((n, *strides), h2.element_size()))
+
+    def args(partials, arrived, dw_partial, db_partial, segments, segment):
+        head = (dy2, dh2, h2, weight, mean, rstd, partials, arrived, dx, dw_partial, db_partial)
+        return (*head, rows, n, segments, segment, *strides)
+
+    kernel, device = _norm_bwd_split_kernel, h2.device
+    provisional = cdiv(n, config["SEGMENT"])
+    stand_ins = [_stand_in(dtype, device) for dtype in (torch.float32, torch.int32)]
+    stand_ins += [_stand_in(torch.float32 if p is not None else None, device) for p in (weight, bias)]
+    meta["SEGMENTS"] = next_power_of_2(provisional)
+    chain = FP32_CHAIN_MAX if h2.dtype == torch.float32 else rows
+    segment, segments, groups = _fitted(
+        kernel, config, rows, n, args(*stand_ins, provisional, config["SEGMENT"]), meta, device, chain
+    )
+    partials = scratch((rows, segments, 2), torch.float32, device)
+    arrived = scratch((rows,), torch.int32, device, zeroed=True)
+    dw_partial, db_partial = (
+        scratch((groups, n), torch.float32, device) if p is not None else None for p in (weight, bias)
+    )
+    meta["SEGMENTS"] = next_power_of_2(segments)
+    launch_args = args(partials, arrived, dw_partial, db_partial, segments, segment)
+    launches = _phases("bwd split", kernel, launch_args, meta, config, (groups * segments,))
+    return launches, dw_partial, db_partial
+
+
+@triton.jit
+def _segment_moments(total, squares, count, shift, RMS: tl.constexpr):
+    """A segment's published pair: RMSNorm (sum h^2, 0); LayerNorm (its mean, its sum of squared
+    deviations from that mean), from its sums of h - shift and (h - shift)^2 over ``count`` entries."""
+    if RMS:
+        return squares, 0.0
+    offset = total / count
+    return shift + offset, tl.maximum(squares - total * offset, 0.0)
+
+
+@triton.jit
+def _row_moments(partials_ptr, row, N, segments, SEGMENT, RMS: tl.constexpr, SEGMENTS: tl.constexpr):
+    """(mean, variance) of the row from its segments' pairs (RMSNorm: 0 and the mean square); a
+    LayerNorm row combines them by Chan's rule, M2 = sum(M2_s + c_s * (mean_s - mean)^2)."""
+    parts = tl.arange(0, SEGMENTS)
+    exists = parts < segments
+    first = tl.load(partials_ptr + (row * segments + parts) * 2, mask=exists, other=0.0, cache_modifier=".cg")
+    second = tl.load(
+        partials_ptr + (row * segments + parts) * 2 + 1, mask=exists, other=0.0, cache_modifier=".cg"
+    )
+    if RMS:
+        return 0.0, tl.sum(first, axis=0) / N
+    counts = tl.where(exists, tl.minimum(N - parts * SEGMENT, SEGMENT), 0).to(tl.float32)
+    # about the first segment's mean: a sum of the means themselves would round at their magnitude
+    ref = tl.sum(tl.where(parts == 0, first, 0.0), axis=0)
+    offsets = tl.where(exists, first - ref, 0.0)
+    offset = tl.sum(counts * offsets, axis=0) / N
+    deviation = offsets - offset
+    return ref + offset, tl.sum(second + counts * deviation * deviation, axis=0) / N
+
+
+@triton.jit
+def _norm_fwd_split_kernel(
+    x_ptr,  # input, (M, N), row stride stride_xm, unit column stride
+    r_ptr,  # residual, (M, N), row stride stride_rm (unused without HAS_RESIDUAL)
+    h_ptr,  # x + residual out, (M, N), contiguous (unused without HAS_RESIDUAL)
+    y_ptr,  # normalised output, (M, N), contiguous
+    w_ptr,  # weight, (N,) (unused without HAS_WEIGHT)
+    b_ptr,  # bias, (N,) (unused without HAS_BIAS)
+    mean_ptr,  # fp32 row means, (M,) (LayerNorm only)
+    rstd_ptr,  # fp32 reciprocal standard deviations (or RMS), (M,)
+    partials_ptr,  # fp32 (M, segments, 2): each segment's pair (_segment_moments)
+    arrived_ptr,  # int32 (M,): segments of each row through pass 1, zero at launch (PHASE 0)
+    M,  # rows
+    N,  # row length
+    segments,  # programs a row, cdiv(N, SEGMENT); the grid is a multiple of it
+    SEGMENT,  # row entries a program, a multiple of BLOCK_N
+    stride_xm,  # elements between rows of x
+    stride_rm,  # elements between rows of the residual
+    eps,  # added to the variance (mean square) before the square root
+    RMS: tl.constexpr,  # RMSNorm instead of LayerNorm
+    HAS_RESIDUAL: tl.constexpr,  # add the residual first and store the sum
+    HAS_WEIGHT: tl.constexpr,  # scale by w
+    HAS_BIAS: tl.constexpr,  # shift by b
+    BLOCK_N: tl.constexpr,  # entries a chunk
+    SEGMENTS: tl.constexpr,  # power of two >= segments: the pairs a program combines
+    PHASE: tl.constexpr,  # 0: both passes, waiting between them; 1: pass 1 only; 2: pass 2 only
+    ALIGN: tl.constexpr,  # N and the row strides are multiples of it (jit.aligned)
+):
+    N = aligned(N, ALIGN)
+    stride_xm = aligned(stride_xm, ALIGN)
+    stride_rm = aligned(stride_rm, ALIGN)
+    first_row, groups, segment, first, chunks = _segment_of_program(N, segments, SEGMENT, BLOCK_N=BLOCK_N)
+    offsets = tl.arange(0, BLOCK_N)
+    count = tl.minimum(N - first, SEGMENT).to(tl.float32)
+    for row in range(first_row, M, groups):
+        row64 = tl.cast(row, tl.int64)  # M * N may pass 2^31
+        x_row = x_ptr + row64 * stride_xm
+        if PHASE != 2:  # pass 1: the segment's sums about the mean of its first chunk (LayerNorm)
+            shift = 0.0
+            total = tl.zeros([BLOCK_N], tl.float32)
+            squares = tl.zeros([BLOCK_N], tl.float32)
+            for i in range(chunks):
+                cols = first + i * BLOCK_N + offsets
+                mask = cols < N
+                h = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                if HAS_RESIDUAL:  # h, stored here, is what pass 2 reads (from L2)
+                    r = tl.load(
+                        r_ptr + row64 * stride_rm + cols,
+                        mask=mask,
+                        other=0.0,
+                        eviction_policy="evict_first",
+                    )
+                    h = (h + r.to(tl.float32)).to(h_ptr.dtype.element_ty)
+                    tl.store(h_ptr + row64 * N + cols, h, mask=mask, eviction_policy="evict_last")
+                    h = h.to(tl.float32)
+                if not RMS:
+                    if i == 0:
+                        shift = tl.sum(h, axis=0) / tl.minimum(count, BLOCK_N)
+                    h = tl.where(mask, h - shift, 0.0)
+                total += h
+                squares += h * h
+            pair_first, pair_second = _segment_moments(
+                tl.sum(total, axis=0), tl.sum(squares, axis=0), count, shift, RMS=RMS
+            )
+            tl.store(partials_ptr + (row * segments + segment) * 2, pair_first)
+            tl.store(partials_ptr + (row * segments + segment) * 2 + 1, pair_second)
+        if PHASE == 0:
+            _publish_and_wait(arrived_ptr, row, segments)
+        if PHASE != 1:  # pass 2: the row's statistics, then this segment's output, last-read chunk first
+            mean, variance = _row_moments(partials_ptr, row, N, segments, SEGMENT, RMS=RMS, SEGMENTS=SEGMENTS)
+            rstd = 1.0 / tl.sqrt(variance + eps)
+            if segment == 0:
+                tl.store(rstd_ptr + row, rstd)
+                if not RMS:
+                    tl.store(mean_ptr + row, mean)
+            if HAS_RESIDUAL:
+                source_row = h_ptr + row64 * N
+            else:
+                source_row = x_row
+            y_row = y_ptr + row64 * N
+            for i in range(chunks):
+                cols = first + (chunks - 1 - i) * BLOCK_N + offsets
+                mask = cols < N
+                h = tl.load(source_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(
+                    tl.float32
+                )
+                y = (h - mean) * rstd
+                if HAS_WEIGHT:
+                    y *= tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                if HAS_BIAS:
+                    y += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                tl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_bwd_split_kernel(
+    dy_ptr,  # upstream gradient of y, (M, N), row stride stride_dym, unit column stride
+    dh_ptr,  # upstream gradient of h (add_ forms), (M, N), row stride stride_dhm
+    h_ptr,  # the forward's normalised input, (M, N), row stride stride_hm
+    w_ptr,  # weight, (N,) (unused without HAS_WEIGHT)
+    mean_ptr,  # fp32 row means from the forward, (M,) (LayerNorm only)
+    rstd_ptr,  # fp32 reciprocal standard deviations from the forward, (M,)
+    partials_ptr,  # fp32 (M, segments, 2): each segment's sums of g * xhat and g
+    arrived_ptr,  # int32 (M,): segments of each row through pass 1, zero at launch (PHASE 0)
+    dx_ptr,  # gradient of x (and of the residual), (M, N), contiguous
+    dw_partial_ptr,  # fp32 (groups, N): each group's sums of dy * xhat over its rows (HAS_WEIGHT)
+    db_partial_ptr,  # fp32 (groups, N): ... of dy (HAS_BIAS)
+    M,  # rows
+    N,  # row length
+    segments,  # programs a row, cdiv(N, SEGMENT); the grid is groups x segments
+    SEGMENT,  # row entries a program, a multiple of BLOCK_N
+    stride_dym,  # elements between rows of dy
+    stride_dhm,  # elements between rows of dh
+    stride_hm,  # elements between rows of h
+    RMS: tl.constexpr,  # RMSNorm instead of LayerNorm
+    HAS_DH: tl.constexpr,  # add the gradient of h (add_ forms)
+    HAS_WEIGHT: tl.constexpr,  # the forward scaled by w
+    HAS_BIAS: tl.constexpr,  # db is wanted
+    BLOCK_N: tl.constexpr,  # entries a chunk
+    SEGMENTS: tl.constexpr,  # power of two >= segments: the sums a program combines
+    PHASE: tl.constexpr,  # 0: both passes, waiting between them; 1: pass 1 only; 2: pass 2 only
+    ALIGN: tl.constexpr,  # N and the row strides are multiples of it (jit.aligned)
+):
+    N = aligned(N, ALIGN)
+    stride_dym = aligned(stride_dym, ALIGN)
+    stride_dhm = aligned(stride_dhm, ALIGN)
+    stride_hm = aligned(stride_hm, ALIGN)
+    first_row, groups, segment, first, chunks = _segment_of_program(N, segments, SEGMENT, BLOCK_N=BLOCK_N)
+    offsets = tl.arange(0, BLOCK_N)
+    for row in range(first_row, M, groups):
+        row64 = tl.cast(row, tl.int64)  # M * N may pass 2^31
+        h_row = h_ptr + row64 * stride_hm
+        dy_row = dy_ptr + row64 * stride_dym
+        rstd = tl.load(rstd_ptr + row)
+        shift = 0.0 if RMS else tl.load(mean_ptr + row)
+        if PHASE != 2:  # pass 1: the segment's sums of g * xhat and g
+            gx = tl.zeros([BLOCK_N], tl.float32)
+            g_sum = tl.zeros([BLOCK_N], tl.float32)
+            for i in range(chunks):
+                cols = first + i * BLOCK_N + offsets
+                mask = cols < N
+                h = tl.load(h_row + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                g = tl.load(dy_row + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                if HAS_WEIGHT:
+                    g *= tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                gx += g * tl.where(mask, (h - shift) * rstd, 0.0)
+                g_sum += g
+            tl.store(partials_ptr + (row * segments + segment) * 2, tl.sum(gx, axis=0))
+            tl.store(partials_ptr + (row * segments + segment) * 2 + 1, tl.sum(g_sum, axis=0))
+        if PHASE == 0:
+            _publish_and_wait(arrived_ptr, row, segments)
+        if PHASE != 1:  # pass 2: dx of this segment, and its rows' dw and db into the group's slice
+            parts = tl.arange(0, SEGMENTS)
+            exists = parts < segments
+            sums_at = partials_ptr + (row * segments + parts) * 2
+            c1 = tl.sum(tl.load(sums_at, mask=exists, other=0.0, cache_modifier=".cg"), axis=0) / N
+            c2 = tl.sum(tl.load(sums_at + 1, mask=exists, other=0.0, cache_modifier=".cg"), axis=0) / N
+            later = row != first_row  # the group's first row stores its slice, later rows add to it
+            for i in range(chunks):
+                cols = first + (chunks - 1 - i) * BLOCK_N + offsets
+                mask = cols < N
+                h = tl.load(h_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+                dy = tl.load(dy_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(
+                    tl.float32
+                )
+                xhat = tl.where(mask, (h - shift) * rstd, 0.0)
+                g = dy * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) if HAS_WEIGHT else dy
+                dh = (g - xhat * c1) * rstd if RMS else (g - xhat * c1 - c2) * rstd
+                if HAS_DH:
+                    dh += tl.load(
+                        dh_ptr + row64 * stride_dhm + cols,
+                        mask=mask,
+                        other=0.0,
+                        eviction_policy="evict_first",
+                    ).to(tl.float32)
+                tl.store(dx_ptr + row64 * N + cols, dh.to(dx_ptr.dtype.element_ty), mask=mask)
+                # this program's group's slice: its earlier rows' sums, in L2
+                if HAS_WEIGHT:
+                    dw_at = dw_partial_ptr + tl.cast(first_row, tl.int64) * N + cols
+                    tl.store(dw_at, dy * xhat + tl.load(dw_at, mask=mask & later, other=0.0), mask=mask)
+                if HAS_BIAS:
+                    db_at = db_partial_ptr + tl.cast(first_row, tl.int64) * N + cols
+                    tl.store(db_at, dy + tl.load(db_at, mask=mask & later, other=0.0), mask=mask)

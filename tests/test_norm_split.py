@@ -1,0 +1,182 @@
+"""The norms over few long rows, each row split across programs side by side (ops/norm/split.py):
+outputs and every gradient against the float64 reference, a program walking several rows (its dw and
+db slice added to row after row), LayerNorm rows far from zero, the rule, and its launches."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import sm90
+from test_norm import KINDS, _case
+from tritonkit import split_rows
+from tritonkit.ops.norm import norm as nm
+from tritonkit.ops.norm import split as ns
+from tritonkit.testing import check_against_reference
+
+pytestmark = pytest.mark.norm
+
+F32, BF16 = torch.float32, torch.bfloat16
+SPLIT_KERNELS = {ns._norm_fwd_split_kernel: "fwd", ns._norm_bwd_split_kernel: "bwd"}
+
+
+def _recording(monkeypatch) -> list:
+    """Each split launch of the calls that follow, as (direction, grid, PHASE)."""
+    seen, run = [], nm._run
+
+    def recording(launches):
+        seen.extend(
+            (SPLIT_KERNELS[c.kernel], c.grid, c.meta["PHASE"]) for c in launches if c.kernel in SPLIT_KERNELS
+        )
+        run(launches)
+
+    monkeypatch.setattr(nm, "_run", recording)
+    return seen
+
+
+@pytest.fixture
+def split(monkeypatch):
+    """Rows past 64 entries are long, chunks of 32 (fp32) or 64 (16-bit) entries: the few rows of
+    these tests split into several segments each. The returned list records the split launches."""
+    monkeypatch.setattr(nm, "MAX_BLOCK_N", {"fwd": 64, "bwd": 64})
+    monkeypatch.setattr(ns, "SPLIT_BLOCK_N", {4: 32, 2: 64})
+    return _recording(monkeypatch)
+
+
+def _phases_seen(seen: list, direction: str) -> set:
+    return {phase for d, _, phase in seen if d == direction}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape", [(3, 300), (1, 1000), (5, 257)], ids=str)  # 257: rows one entry off
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+def test_few_long_rows_split_and_match_the_reference(kind, shape, dtype, split, device):
+    kernel, reference, inputs, grad_inputs, grads = _case(kind, shape, dtype, device, seed=sum(shape) + 3)
+    check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
+    # one waiting launch each way on the GPU; pass 1 then pass 2 under the interpreter
+    phases = {0} if device == "cuda" else {1, 2}
+    assert _phases_seen(split, "fwd") == phases and _phases_seen(split, "bwd") == phases, split
+    segments = -(-shape[1] // ns.split_config("fwd", *shape, dtype.itemsize, device, 64)["SEGMENT"])
+    assert segments >= 2 and all(grid[0] % segments == 0 for d, grid, _ in split if d == "fwd"), split
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("per_sm", [1, 2])
+def test_a_program_walks_several_rows(kind, per_sm, monkeypatch, device):
+    """Two segments a row on two programs (per_sm 1) or four: each program walks every row (or every
+    other) of its segment, and the dw and db of its rows add up in its group's slice."""
+    config = {"SEGMENT": 64, "BLOCK_N": 32, "num_warps": 4, "PER_SM": per_sm}
+    monkeypatch.setattr(nm, "split_config", lambda *args: dict(config))
+    monkeypatch.setattr(split_rows, "sm_count", lambda device: 2)
+    seen = _recording(monkeypatch)
+    kernel, reference, inputs, grad_inputs, grads = _case(kind, (5, 120), F32, device, seed=7 + per_sm)
+    check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
+    assert {grid for _, grid, _ in seen} == {(2 * per_sm,)}, seen
+
+
+def test_layer_norm_rows_far_from_zero_keep_their_variance(split, device):
+    """Segments' means combined about the first segment's: rows at 1000 + N(0, 4) keep the variance
+    that a sum of the means at their own magnitude (or of h^2) rounds away."""
+    kernel, reference, inputs, grad_inputs, grads = _case("add_layer_norm", (3, 300), F32, device, seed=4)
+    inputs[0] += 1000.0
+    check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
+    assert split
+
+
+def test_the_rule_fills_the_sms_and_keeps_the_rows_in_flight_within_l2():
+    """For the nominal H200 (132 SMs, 50 MB of L2): no split for rows that fit in registers or rows
+    enough for two programs an SM; else segments of SPLIT_CHUNKS_MIN chunks or more, two or more a
+    row, as many rows at once as L2's share holds, and never more programs than two an SM."""
+    programs = ns.SPLIT_PER_SM * 132
+    budget = ns.SPLIT_L2_SHARE * 50 * 2**20
+    assert ns.split_config("fwd", 4, 32768, 2, "cpu", 32768) is None  # one program holds the row
+    assert ns.split_config("bwd", programs, 1 << 20, 2, "cpu", 8192) is None  # rows enough
+    for direction, rows, n, size in [
+        ("fwd", 2, 12291808, 2),
+        ("bwd", 2, 12291808, 2),
+        ("fwd", 32, 3738195, 2),
+        ("bwd", 32, 3738195, 2),
+        ("fwd", 100, 784772, 4),
+        ("bwd", 100, 784772, 4),
+        ("bwd", 1, 83572, 2),
+        ("bwd", 97, 11079, 2),
+        ("bwd", 14, 12592, 4),
+    ]:
+        config = ns.split_config(direction, rows, n, size, "cpu", nm.MAX_BLOCK_N[direction])
+        segments = -(-n // config["SEGMENT"])
+        at_once = min(rows, programs // segments)
+        reread = n * (size if direction == "fwd" else 2 * size + 8)
+        case = (direction, rows, n, size, config)
+        assert config["SEGMENT"] % config["BLOCK_N"] == 0 and segments >= 2, case
+        assert config["SEGMENT"] >= ns.SPLIT_CHUNKS_MIN * config["BLOCK_N"], case
+        assert at_once * segments <= programs, case
+        assert at_once == 1 or at_once * reread <= budget, case
+    # 32 rows of 3738195 bf16 forward: three rows at once (7.5 MB each), 83 segments of 45056
+    assert ns.split_config("fwd", 32, 3738195, 2, "cpu", 32768)["SEGMENT"] == 45056
+
+
+@pytest.mark.parametrize("kind", ["layer_norm", "add_rms_norm"])
+def test_segments_lengthen_where_fewer_programs_run(kind, monkeypatch, device):
+    """A SEGMENT that would cut a row into more segments than programs run at once (they would wait
+    for each other forever) is lengthened at the launch: 257 entries in segments of 32 on 4
+    programs run as 3 segments of 96 (whole chunks of 32), one row at a time."""
+    config = {"SEGMENT": 32, "BLOCK_N": 32, "num_warps": 4, "PER_SM": 2}
+    monkeypatch.setattr(nm, "split_config", lambda *args: dict(config))
+    monkeypatch.setattr(split_rows, "sm_count", lambda device: 2)
+    seen = _recording(monkeypatch)
+    kernel, reference, inputs, grad_inputs, grads = _case(kind, (3, 257), F32, device, seed=12)
+    check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
+    assert seen and {grid for _, grid, _ in seen} == {(3,)}, seen
+
+
+def test_fp32_backward_rows_a_program_stay_within_the_sum_chain(monkeypatch, device):
+    """fp32 dw and db: a program adds at most FP32_CHAIN_MAX rows into its slice; 5 rows at a chain of
+    2 take 3 groups of programs, the segments lengthened to make room (12 programs: 4 a row)."""
+    config = {"SEGMENT": 32, "BLOCK_N": 32, "num_warps": 4, "PER_SM": 2}
+    monkeypatch.setattr(nm, "split_config", lambda *args: dict(config))
+    monkeypatch.setattr(split_rows, "sm_count", lambda device: 6)
+    monkeypatch.setattr(ns, "FP32_CHAIN_MAX", 2)
+    seen = _recording(monkeypatch)
+    kernel, reference, inputs, grad_inputs, grads = _case("layer_norm", (5, 300), F32, device, seed=13)
+    check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
+    assert {grid for d, grid, _ in seen if d == "bwd"} == {(12,)}, seen
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape, dtype", [((3, 300007), BF16), ((2, 1 << 20), F32), ((40, 40000), BF16)])
+def test_gpu_split_rows_at_the_real_chunk_sizes(kind, shape, dtype, monkeypatch):
+    """The untuned rule's split launches, cooperative and waiting, on the GPU."""
+    seen = _recording(monkeypatch)
+    kernel, reference, inputs, grad_inputs, grads = _case(kind, shape, dtype, "cuda", seed=shape[0])
+    check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
+    assert {d for d, _, phase in seen if phase == 0} == {"fwd", "bwd"}, seen
+
+
+_SPLIT_COMPILES = r"""
+import json, torch
+from tritonkit.asm import compile_launch
+from tritonkit.ops import get_workload
+for name in ("layer_norm", "add_rms_norm"):
+    for shape, dtype in (((32, 3738112), torch.bfloat16), ((100, 784768), torch.float32)):
+        for launch in get_workload(name).op.inspect(shape, dtype, None):
+            if "split" in launch.name:
+                r = compile_launch(launch, "sm_90")
+                case = f"{name} {shape} {dtype} {launch.name}"
+                widths = {"loads": dict(r.loads), "stores": dict(r.stores)}
+                print(json.dumps({"case": case, "spills": r.spills, **widths}))
+"""
+
+
+@pytest.mark.slow
+def test_split_kernels_compile_for_hopper_without_spills_in_16_byte_accesses():
+    """Both split kernels of LayerNorm and add_rms_norm at the sweep's few long rows (made multiples
+    of 16 entries), compiled for sm_90: no spills, rows read and written 16 bytes at a time."""
+    rows = [json.loads(line) for line in sm90.run(_SPLIT_COMPILES)]
+    assert len(rows) == 8, rows
+    for row in rows:  # (widths as JSON keys: strings)
+        assert not row["spills"], row
+        assert max(map(int, row["loads"])) == 128 and max(map(int, row["stores"])) == 128, row
