@@ -216,3 +216,19 @@ def test_a_sweep_with_nothing_to_run_or_no_ratio_says_so(tmp_path, capsys):
     alone = {k: v for k, v in _ours((8, 8), 1.2, 2**10).items() if k != "speedup_vs_best_peer"}
     written = sweep.write([alone], tmp_path)
     assert [p.name for p in written] == ["sweep.json", "sweep.md"]
+
+
+def test_a_single_row_of_cross_entropy_is_checked_like_any_other():
+    """The workload's targets ignore every eighth row from the eighth: a lone row (the sweep draws
+    1 x C) keeps its loss, where ignoring row 0 made the mean 0 / 0 and every provider's check fail."""
+    from tritonkit.testing import generator
+
+    make = get_workload("cross_entropy").op.make_inputs
+    _, target = make((1, 50), torch.float32, "cpu", generator(0))
+    assert target.tolist() != [-100]
+    _, target = make((16, 50), torch.float32, "cpu", generator(0))
+    assert (target == -100).nonzero().flatten().tolist() == [7, 15]
+    rows = run_case(
+        Case(get_workload("cross_entropy"), (1, 50), torch.float32, "fwd"), ["tritonkit", "torch"], "cpu"
+    )
+    assert rows and all(row["check"] == "pass" for row in rows), rows
