@@ -12,6 +12,7 @@ import torch
 import sm90
 from test_norm import KINDS, _case
 from tritonkit import split_rows
+from tritonkit.ops.norm import kernels as nk
 from tritonkit.ops.norm import norm as nm
 from tritonkit.ops.norm import split as ns
 from tritonkit.testing import check_against_reference
@@ -23,13 +24,17 @@ SPLIT_KERNELS = {ns._norm_fwd_split_kernel: "fwd", ns._norm_bwd_split_kernel: "b
 
 
 def _recording(monkeypatch) -> list:
-    """Each split launch of the calls that follow, as (direction, grid, PHASE)."""
+    """Each split launch of the calls that follow, as (direction, grid, PHASE, segments a row); the
+    tuners' memos of earlier calls are dropped, so that the calls take the settings a test makes."""
+    for tuned in nm._TUNED.values():
+        monkeypatch.setattr(tuned, "_chosen", {})
     seen, run = [], nm._run
 
     def recording(launches):
-        seen.extend(
-            (SPLIT_KERNELS[c.kernel], c.grid, c.meta["PHASE"]) for c in launches if c.kernel in SPLIT_KERNELS
-        )
+        for c in launches:
+            if c.kernel in SPLIT_KERNELS:
+                segments = c.args[c.kernel.arg_names.index("segments")]
+                seen.append((SPLIT_KERNELS[c.kernel], c.grid, c.meta["PHASE"], segments))
         run(launches)
 
     monkeypatch.setattr(nm, "_run", recording)
@@ -45,8 +50,17 @@ def split(monkeypatch):
     return _recording(monkeypatch)
 
 
+def _forced(monkeypatch, config: dict, sms: int) -> list:
+    """Long rows past 64 entries split with ``config`` (their default) on ``sms`` SMs; the
+    returned list records the split launches."""
+    monkeypatch.setattr(nm, "MAX_BLOCK_N", {"fwd": 64, "bwd": 64})
+    monkeypatch.setattr(nk, "split_default", lambda key: {"SPLIT": True, **config})
+    monkeypatch.setattr(split_rows, "sm_count", lambda device: sms)
+    return _recording(monkeypatch)
+
+
 def _phases_seen(seen: list, direction: str) -> set:
-    return {phase for d, _, phase in seen if d == direction}
+    return {phase for d, _, phase, _ in seen if d == direction}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -58,8 +72,7 @@ def test_few_long_rows_split_and_match_the_reference(kind, shape, dtype, split, 
     # one waiting launch each way on the GPU; pass 1 then pass 2 under the interpreter
     phases = {0} if device == "cuda" else {1, 2}
     assert _phases_seen(split, "fwd") == phases and _phases_seen(split, "bwd") == phases, split
-    segments = -(-shape[1] // ns.split_config("fwd", *shape, dtype.itemsize, device, 64)["SEGMENT"])
-    assert segments >= 2 and all(grid[0] % segments == 0 for d, grid, _ in split if d == "fwd"), split
+    assert all(segments >= 2 and grid[0] % segments == 0 for _, grid, _, segments in split), split
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -68,12 +81,10 @@ def test_a_program_walks_several_rows(kind, per_sm, monkeypatch, device):
     """Two segments a row on two programs (per_sm 1) or four: each program walks every row (or every
     other) of its segment, and the dw and db of its rows add up in its group's slice."""
     config = {"SEGMENT": 64, "BLOCK_N": 32, "num_warps": 4, "PER_SM": per_sm}
-    monkeypatch.setattr(nm, "split_config", lambda *args: dict(config))
-    monkeypatch.setattr(split_rows, "sm_count", lambda device: 2)
-    seen = _recording(monkeypatch)
+    seen = _forced(monkeypatch, config, sms=2)
     kernel, reference, inputs, grad_inputs, grads = _case(kind, (5, 120), F32, device, seed=7 + per_sm)
     check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
-    assert {grid for _, grid, _ in seen} == {(2 * per_sm,)}, seen
+    assert {grid for _, grid, _, _ in seen} == {(2 * per_sm,)}, seen
 
 
 def test_layer_norm_rows_far_from_zero_keep_their_variance(split, device):
@@ -86,35 +97,44 @@ def test_layer_norm_rows_far_from_zero_keep_their_variance(split, device):
 
 
 def test_the_rule_fills_the_sms_and_keeps_the_rows_in_flight_within_l2():
-    """For the nominal H200 (132 SMs, 50 MB of L2): no split for rows that fit in registers or rows
-    enough for two programs an SM; else segments of SPLIT_CHUNKS_MIN chunks or more, two or more a
-    row, as many rows at once as L2's share holds, and never more programs than two an SM."""
-    programs = ns.SPLIT_PER_SM * 132
+    """For the nominal H200 (132 SMs, 50 MB of L2): the looped kernels' default splits rows of 256
+    and fewer (a power-of-two bucket under two programs an SM); a split row's segments are of
+    SPLIT_CHUNKS_MIN chunks or more, two or more a row, as many rows at once as L2's share holds,
+    and never more programs than two an SM."""
     budget = ns.SPLIT_L2_SHARE * 50 * 2**20
-    assert ns.split_config("fwd", 4, 32768, 2, "cpu", 32768) is None  # one program holds the row
-    assert ns.split_config("bwd", programs, 1 << 20, 2, "cpu", 8192) is None  # rows enough
-    for direction, rows, n, size in [
-        ("fwd", 2, 12291808, 2),
-        ("bwd", 2, 12291808, 2),
-        ("fwd", 32, 3738195, 2),
-        ("bwd", 32, 3738195, 2),
-        ("fwd", 100, 784772, 4),
-        ("bwd", 100, 784772, 4),
-        ("bwd", 1, 83572, 2),
-        ("bwd", 97, 11079, 2),
-        ("bwd", 14, 12592, 4),
+
+    def default(direction, rows, n, dtype):
+        return nm._default(nm._tuning_key(direction, n, rows, dtype, nm._params_key(False, None, None, True)))
+
+    assert "SPLIT" not in default("bwd", 257, 1 << 20, torch.bfloat16)  # the bucket of 512 rows
+    assert "SPLIT" not in default("fwd", 4, 32768, torch.bfloat16)  # one program holds the row
+    for direction, rows, n, dtype in [
+        ("fwd", 2, 12291808, torch.float16),
+        ("bwd", 2, 12291808, torch.float16),
+        ("fwd", 32, 3738195, BF16),
+        ("bwd", 32, 3738195, BF16),
+        ("fwd", 100, 784772, F32),
+        ("bwd", 100, 784772, F32),
+        ("bwd", 1, 83572, BF16),
+        ("bwd", 97, 11079, torch.float16),
+        ("bwd", 14, 12592, F32),
+        ("bwd", 256, 9000, F32),
     ]:
-        config = ns.split_config(direction, rows, n, size, "cpu", nm.MAX_BLOCK_N[direction])
-        segments = -(-n // config["SEGMENT"])
+        config = default(direction, rows, n, dtype)
+        size = dtype.itemsize
+        segment = ns.split_segment(direction, rows, n, size, "cpu", config)
+        segments = -(-n // segment)
+        programs = config["PER_SM"] * 132
         at_once = min(rows, programs // segments)
         reread = n * (size if direction == "fwd" else 2 * size + 8)
-        case = (direction, rows, n, size, config)
-        assert config["SEGMENT"] % config["BLOCK_N"] == 0 and segments >= 2, case
-        assert config["SEGMENT"] >= ns.SPLIT_CHUNKS_MIN * config["BLOCK_N"], case
+        case = (direction, rows, n, dtype, config, segment)
+        assert config["SPLIT"] and config["BLOCK_N"] == ns.SPLIT_BLOCK_N[size], case
+        assert segment % config["BLOCK_N"] == 0 and segments >= 2, case
+        assert segment >= ns.SPLIT_CHUNKS_MIN * config["BLOCK_N"], case
         assert at_once * segments <= programs, case
         assert at_once == 1 or at_once * reread <= budget, case
     # 32 rows of 3738195 bf16 forward: three rows at once (7.5 MB each), 83 segments of 45056
-    assert ns.split_config("fwd", 32, 3738195, 2, "cpu", 32768)["SEGMENT"] == 45056
+    assert ns.split_segment("fwd", 32, 3738195, 2, "cpu", default("fwd", 32, 3738195, BF16)) == 45056
 
 
 @pytest.mark.parametrize("kind", ["layer_norm", "add_rms_norm"])
@@ -122,26 +142,20 @@ def test_segments_lengthen_where_fewer_programs_run(kind, monkeypatch, device):
     """A SEGMENT that would cut a row into more segments than programs run at once (they would wait
     for each other forever) is lengthened at the launch: 257 entries in segments of 32 on 4
     programs run as 3 segments of 96 (whole chunks of 32), one row at a time."""
-    config = {"SEGMENT": 32, "BLOCK_N": 32, "num_warps": 4, "PER_SM": 2}
-    monkeypatch.setattr(nm, "split_config", lambda *args: dict(config))
-    monkeypatch.setattr(split_rows, "sm_count", lambda device: 2)
-    seen = _recording(monkeypatch)
+    seen = _forced(monkeypatch, {"SEGMENT": 32, "BLOCK_N": 32, "num_warps": 4, "PER_SM": 2}, sms=2)
     kernel, reference, inputs, grad_inputs, grads = _case(kind, (3, 257), F32, device, seed=12)
     check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
-    assert seen and {grid for _, grid, _ in seen} == {(3,)}, seen
+    assert seen and {(grid, segments) for _, grid, _, segments in seen} == {((3,), 3)}, seen
 
 
 def test_fp32_backward_rows_a_program_stay_within_the_sum_chain(monkeypatch, device):
     """fp32 dw and db: a program adds at most FP32_CHAIN_MAX rows into its slice; 5 rows at a chain of
     2 take 3 groups of programs, the segments lengthened to make room (12 programs: 4 a row)."""
-    config = {"SEGMENT": 32, "BLOCK_N": 32, "num_warps": 4, "PER_SM": 2}
-    monkeypatch.setattr(nm, "split_config", lambda *args: dict(config))
-    monkeypatch.setattr(split_rows, "sm_count", lambda device: 6)
     monkeypatch.setattr(ns, "FP32_CHAIN_MAX", 2)
-    seen = _recording(monkeypatch)
+    seen = _forced(monkeypatch, {"SEGMENT": 32, "BLOCK_N": 32, "num_warps": 4, "PER_SM": 2}, sms=6)
     kernel, reference, inputs, grad_inputs, grads = _case("layer_norm", (5, 300), F32, device, seed=13)
     check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
-    assert {grid for d, grid, _ in seen if d == "bwd"} == {(12,)}, seen
+    assert {(grid, segments) for d, grid, _, segments in seen if d == "bwd"} == {((12,), 4)}, seen
 
 
 @pytest.mark.gpu
@@ -153,7 +167,7 @@ def test_gpu_split_rows_at_the_real_chunk_sizes(kind, shape, dtype, monkeypatch)
     seen = _recording(monkeypatch)
     kernel, reference, inputs, grad_inputs, grads = _case(kind, shape, dtype, "cuda", seed=shape[0])
     check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
-    assert {d for d, _, phase in seen if phase == 0} == {"fwd", "bwd"}, seen
+    assert {d for d, _, phase, _ in seen if phase == 0} == {"fwd", "bwd"}, seen
 
 
 _SPLIT_COMPILES = r"""

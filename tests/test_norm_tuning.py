@@ -272,3 +272,26 @@ def test_the_untuned_backward_default_is_near_the_shipped_winners():
     (16 bits: PREFETCH at block_n / 512 warps; without it 5-48% behind)."""
     ratios = [tuning.time_over_fastest(e, nm._default(e["key"])) for e in _large_one_pass("norm_bwd")]
     assert len(ratios) >= 12 and None not in ratios and max(ratios) <= 1.10, ratios
+
+
+_REFERENCE_PROBLEM: dict = {}
+
+
+@torch.library.custom_op("tritonkit_tests::norm_bwd_reference", mutates_args=())
+def _reference_dx(x: torch.Tensor) -> torch.Tensor:
+    """The backward gate's reference dx of the problem set aside, computed inside a custom op."""
+    return nm._bwd_problem_reference(_REFERENCE_PROBLEM["problem"])["dx"]
+
+
+def test_the_backward_gates_reference_takes_gradients_inside_a_custom_op(device):
+    """The backward's tuning gate runs inside the op, and a call through ``torch.ops`` (torch.compile's
+    graphs, opcheck) runs it where the dispatcher has turned autograd off: the reference's gradients
+    (``with_autograd``) come out there as they do outside, where autograd inside failed (on an H100:
+    'element 0 of tensors does not require grad', every candidate rejected)."""
+    key = {"rows": 8, "dtype": "fp32", "residual": True, "weight": "fp32", "bias": "fp32"}
+    inputs = nm._calibration_inputs(key, 50, {"ROWS": 8}, device, grads=True)
+    _REFERENCE_PROBLEM["problem"] = problem = inputs | {"eps": 1e-5, "rms": False}
+    inside = torch.ops.tritonkit_tests.norm_bwd_reference(problem["input"])
+    outside = nm._bwd_problem_reference(problem)
+    assert torch.equal(inside, outside["dx"])
+    assert outside["dw"] is not None and outside["db"] is not None

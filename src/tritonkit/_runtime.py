@@ -184,3 +184,26 @@ def empty_output_like(t, dtype=None):
     if poison_outputs:
         out.fill_(float("nan"))
     return out
+
+
+def with_autograd(fn, *args):
+    """``fn(*args)`` where autograd records. A tuner's reference takes its gradients by autograd, and
+    inside a torch.library custom op's kernel (a call through ``torch.ops``: torch.compile's graphs,
+    opcheck) the dispatcher has turned autograd off for the thread, which ``torch.enable_grad`` does
+    not undo: outputs come out with no grad_fn. A thread of its own starts with the dispatcher's
+    defaults; it runs on the caller's CUDA stream, to read what that stream wrote."""
+    import concurrent.futures
+    import contextlib
+
+    import torch
+
+    on_cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    stream = torch.cuda.current_stream() if on_cuda else None
+
+    def run():
+        caller_stream = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        with caller_stream, torch.enable_grad():
+            return fn(*args)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(run).result()

@@ -15,6 +15,7 @@ from tritonkit._launch import cdiv
 from tritonkit._runtime import current_device, sm_count
 from tritonkit._triton import tl, triton
 from tritonkit.jit import aligned
+from tritonkit.ops.norm.split import split_default
 
 # fp32 values a thread holds per tile, by looped or not (one-pass: the row tile, x or h and dy;
 # looped: a chunk): past 64 the one-pass kernels spill (the backward at 64 too where it also sums dw: at
@@ -450,8 +451,9 @@ FWD_LOOPED_CONFIGS = (
 
 
 def _fwd_looped_default(key: dict) -> dict:
-    """LOOP_BLOCK_N entries a chunk at LOOP_WARPS."""
-    return {"BLOCK_N": LOOP_BLOCK_N, "num_warps": LOOP_WARPS}
+    """Few rows: each split across programs (``split.split_default``); else LOOP_BLOCK_N entries a
+    chunk at LOOP_WARPS."""
+    return split_default(key) or {"BLOCK_N": LOOP_BLOCK_N, "num_warps": LOOP_WARPS}
 
 
 def _fwd_looped_prune(config: dict, key: dict) -> bool:
@@ -641,8 +643,12 @@ BWD_LOOPED_ROW_A_PROGRAM = 32
 
 
 def _bwd_looped_default(key: dict) -> dict:
-    """BWD_PROGRAMS_PER_SM programs an SM in LOOP_BLOCK_N chunks at LOOP_WARPS; a row a program up
-    to BWD_LOOPED_ROW_A_PROGRAM rows."""
+    """Few rows: each split across programs (``split.split_default``); else BWD_PROGRAMS_PER_SM
+    programs an SM in LOOP_BLOCK_N chunks at LOOP_WARPS, a row a program up to
+    BWD_LOOPED_ROW_A_PROGRAM rows."""
+    split = split_default(key)
+    if split is not None:
+        return split
     if key["rows"] <= BWD_LOOPED_ROW_A_PROGRAM:
         rows = 1
     else:

@@ -38,7 +38,7 @@ import torch
 
 from tritonkit import tuning
 from tritonkit._launch import Launch, call_signature, cdiv, next_power_of_2, row_align, scratch
-from tritonkit._runtime import empty_output, empty_output_like, sm_count
+from tritonkit._runtime import empty_output, empty_output_like, sm_count, with_autograd
 from tritonkit.dtypes import DTYPE_OF, FLOATS, NAME_OF
 from tritonkit.opdef import check_tensor, finite, first_derivative_only, op
 from tritonkit.ops.norm import normed
@@ -60,7 +60,12 @@ from tritonkit.ops.norm.kernels import (
     _norm_fwd_kernel,
     _norm_fwd_looped_kernel,
 )
-from tritonkit.ops.norm.split import bwd_split_launches, fwd_split_launches, split_config
+from tritonkit.ops.norm.split import (
+    _norm_bwd_split_kernel,
+    _norm_fwd_split_kernel,
+    bwd_split_launches,
+    fwd_split_launches,
+)
 from tritonkit.partial_sums import _sum_partials_kernel, sum_partials_launch
 from tritonkit.roofline import Cost
 
@@ -111,7 +116,7 @@ def _fwd_launches(
     x2 = _rows_2d(input, n)
     r2 = _rows_2d(residual, n) if residual is not None else None
     weight, bias = _unit_stride(weight), _unit_stride(bias)
-    if "SEGMENT" in config:  # few long rows, each across programs side by side
+    if config.get("SPLIT"):  # few long rows, each across programs side by side
         return fwd_split_launches(x2, r2, h, y, weight, bias, mean, rstd, eps, rms, config)
     # absent tensors go as None (the kernels' HAS_* and STATS flags leave them unread)
     args = (
@@ -185,7 +190,7 @@ def _bwd_launches(
         mean = scratch((rows,), torch.float32, h.device)
     h2, dy2 = _rows_2d(h, n), _rows_2d(grad_y.to(h.dtype), n)
     dh2 = _rows_2d(grad_h.to(h.dtype), n) if grad_h is not None else None
-    if "SEGMENT" in config:  # few long rows, each across programs side by side
+    if config.get("SPLIT"):  # few long rows, each across programs side by side
         split = bwd_split_launches(dy2, dh2, h2, _unit_stride(weight), bias, mean, rstd, rms, dx, config)
         launches, dw_partial, db_partial = split
         if dw_partial is None and db_partial is None:
@@ -390,18 +395,21 @@ def _fwd_problem_reference(problem: dict) -> dict:
 
 def _bwd_problem_reference(problem: dict) -> dict:
     """dx, dw and db by autograd through the forward's reference, whatever the caller's grad mode
-    (the gate runs inside the backward op, where autograd records nothing)."""
+    (the gate runs inside the backward op, where autograd records nothing: ``with_autograd``)."""
+    return with_autograd(_bwd_gradients, problem)
+
+
+def _bwd_gradients(problem: dict) -> dict:
     leaf = lambda t, grad: t.detach().requires_grad_(grad) if t is not None else None  # noqa: E731
-    with torch.enable_grad():
-        # the residual's gradient is x's, dx
-        x, residual = leaf(problem["input"], True), leaf(problem["residual"], False)
-        weight, bias = leaf(problem["weight"], True), leaf(problem["bias"], True)
-        y, h = _forward_reference(x, residual, weight, bias, problem["eps"], problem["rms"])
-        outputs, upstream = (
-            ([y, h], [problem["grad_y"], problem["grad_h"]]) if h is not None else ([y], [problem["grad_y"]])
-        )
-        wanted = [t for t in (x, weight, bias) if t is not None]
-        grads = iter(torch.autograd.grad(outputs, wanted, upstream))
+    # the residual's gradient is x's, dx
+    x, residual = leaf(problem["input"], True), leaf(problem["residual"], False)
+    weight, bias = leaf(problem["weight"], True), leaf(problem["bias"], True)
+    y, h = _forward_reference(x, residual, weight, bias, problem["eps"], problem["rms"])
+    outputs, upstream = (
+        ([y, h], [problem["grad_y"], problem["grad_h"]]) if h is not None else ([y], [problem["grad_y"]])
+    )
+    wanted = [t for t in (x, weight, bias) if t is not None]
+    grads = iter(torch.autograd.grad(outputs, wanted, upstream))
     return {
         "dx": next(grads),
         "dw": next(grads) if weight is not None else None,
@@ -431,10 +439,16 @@ _TUNED = {
     ("fwd", False): _tuned(
         "fwd", False, FWD_CONFIGS, _fwd_prune, (_norm_fwd_kernel, _norm_fwd_looped_kernel)
     ),
-    ("fwd", True): _tuned("fwd", True, FWD_LOOPED_CONFIGS, _fwd_looped_prune, (_norm_fwd_looped_kernel,)),
+    ("fwd", True): _tuned(
+        "fwd", True, FWD_LOOPED_CONFIGS, _fwd_looped_prune, (_norm_fwd_looped_kernel, _norm_fwd_split_kernel)
+    ),
     ("bwd", False): _tuned("bwd", False, BWD_CONFIGS, _bwd_prune, (_norm_bwd_kernel, _sum_partials_kernel)),
     ("bwd", True): _tuned(
-        "bwd", True, BWD_LOOPED_CONFIGS, _bwd_looped_prune, (_norm_bwd_looped_kernel, _sum_partials_kernel)
+        "bwd",
+        True,
+        BWD_LOOPED_CONFIGS,
+        _bwd_looped_prune,
+        (_norm_bwd_looped_kernel, _norm_bwd_split_kernel, _sum_partials_kernel),
     ),
 }
 
@@ -463,9 +477,6 @@ def _config(
             direction, n, h.numel() // n, h.dtype, _params_key(has_residual, weight, bias, rms)
         )
 
-    split = split_config(direction, h.numel() // n, n, h.element_size(), h.device, MAX_BLOCK_N[direction])
-    if split is not None:  # untuned: the rule in split.py
-        return split
     return _TUNED[direction, n > MAX_BLOCK_N[direction]].choose(key, problem, signature=signature)[0]
 
 

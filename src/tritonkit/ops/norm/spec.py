@@ -12,7 +12,6 @@ import torch
 from tritonkit._launch import Launch
 from tritonkit.ops import Op, Workload
 from tritonkit.ops.norm.norm import (
-    MAX_BLOCK_N,
     _bwd_launches,
     _default,
     _forward_outputs,
@@ -30,7 +29,6 @@ from tritonkit.ops.norm.norm import (
     rms_norm,
     rms_norm_reference,
 )
-from tritonkit.ops.norm.split import split_config
 
 
 def _make_inputs(residual: bool, bias: bool):
@@ -72,19 +70,15 @@ def _liger(rms: bool, residual: bool):
 # (BLOCK_N, given for a row that fits in registers, sends the forward through the looped kernel)
 _INSPECT_EXTRAS = {
     ("fwd", False): ("EVICT", "BLOCK_N", "OUT_BLOCK_N", "PER_SM"),
-    ("fwd", True): ("EVICT", "BLOCK_N", "OUT_BLOCK_N", "PER_SM"),
+    ("fwd", True): ("EVICT", "BLOCK_N", "OUT_BLOCK_N", "PER_SM", "SEGMENT"),
     ("bwd", False): ("PREFETCH", "BLOCK_M"),
-    ("bwd", True): ("PREFETCH",),
+    ("bwd", True): ("PREFETCH", "SEGMENT"),
 }
 
 
-def _inspected(key: dict, config: dict | None, rows: int, n: int, dtype: torch.dtype) -> dict:
-    """The config inspect compiles the key's kernel with: its default (few long rows: the split
-    kernel's, for the nominal H200's SMs), with what ``config`` sets of the default's keys and of
-    _INSPECT_EXTRAS."""
-    split = split_config(key["direction"], rows, n, dtype.itemsize, "meta", MAX_BLOCK_N[key["direction"]])
-    if split is not None:
-        return split | {k: v for k, v in (config or {}).items() if k in split}
+def _inspected(key: dict, config: dict | None) -> dict:
+    """The config inspect compiles the key's kernel with: its default, with what ``config`` sets of
+    the default's keys and of _INSPECT_EXTRAS."""
     default = _default(key)
     extras = _INSPECT_EXTRAS[key["direction"], key["looped"]]
     chosen = default | {k: v for k, v in (config or {}).items() if k in default or k in extras}
@@ -104,9 +98,7 @@ def _inspect_launches(
     r, b = x if residual else None, w if bias else None
     n, rows = shape[-1], math.prod(shape[:-1])
     params = _params_key(residual, w, b, rms)
-    fwd, bwd = (
-        _inspected(_tuning_key(d, n, rows, dtype, params), config, rows, n, dtype) for d in ("fwd", "bwd")
-    )
+    fwd, bwd = (_inspected(_tuning_key(d, n, rows, dtype, params), config) for d in ("fwd", "bwd"))
     y, h, mean, rstd = _forward_outputs(x, r, rms, stats=True)
     dw, db = torch.empty_like(w), torch.empty_like(w) if bias else None
     return [

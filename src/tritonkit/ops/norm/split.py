@@ -12,8 +12,8 @@ dw and db: a program takes the same segment of every row it walks, so it sums it
 and dy into its own (groups, N) fp32 slice, which L2 holds between rows (N * 4 bytes a launch), and
 the partial-sum stage adds the groups, as in the other backward kernels.
 
-The rule (``split_config``) is untuned: splitting applies to rows longer than one program holds
-(the looped kernels' rows) and too few to give every SM ``SPLIT_PER_SM`` programs a row a program.
+The split launch is the looped kernels' untuned default (``split_default``) for rows too few to
+give every SM ``SPLIT_PER_SM`` programs a row a program; tuning times it beside their candidates.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from __future__ import annotations
 import torch
 
 from tritonkit._launch import Launch, cdiv, launcher_of, next_power_of_2, row_align, scratch
-from tritonkit._runtime import interpret, l2_bytes, sm_count
+from tritonkit._runtime import current_device, interpret, l2_bytes, sm_count
 from tritonkit._triton import tl, triton
+from tritonkit.dtypes import DTYPE_OF
 from tritonkit.jit import aligned
 from tritonkit.split_rows import _publish_and_wait, _segment_of_program, cooperative_programs
 
@@ -36,28 +37,30 @@ SPLIT_L2_SHARE = 0.5  # of L2, what the rows in flight may hold between their tw
 SPLIT_BLOCK_N = {4: 2048, 2: 4096}
 
 
-def split_config(direction: str, rows: int, n: int, size: int, device, max_block_n: int) -> dict | None:
-    """The split launch's config for ``rows`` rows of ``n`` entries of ``size`` bytes, or None where
-    the looped or one-pass kernels keep the call: rows of at most ``max_block_n`` entries (what the
-    direction's registers hold), rows enough for SPLIT_PER_SM programs an SM, or rows too short for
-    two segments of SPLIT_CHUNKS_MIN chunks. Run on every call: its first test answers nearly all.
+def split_default(key: dict) -> dict | None:
+    """The looped kernels' untuned config where the key's rows (a power of two) are fewer than
+    SPLIT_PER_SM programs an SM (the H200: 256 rows and fewer): the split launch, its segments made
+    at the launch from the rows and their length (``split_segment``); else None."""
+    if key["rows"] >= SPLIT_PER_SM * sm_count(current_device()):
+        return None
+    block_n = SPLIT_BLOCK_N[DTYPE_OF[key["dtype"]].itemsize]
+    return {"SPLIT": True, "BLOCK_N": block_n, "num_warps": SPLIT_WARPS, "PER_SM": SPLIT_PER_SM}
 
-    As many rows at once as keep what pass 2 reads again within SPLIT_L2_SHARE of L2 (the forward
-    its x or h; the backward h, dy and the dw and db slices it adds to), each in as many segments as
-    the programs allow: one row at a time on the SMs makes every program wait at every row."""
-    if next_power_of_2(n) <= max_block_n:
-        return None
-    programs = SPLIT_PER_SM * sm_count(device)
-    if rows >= programs:
-        return None
-    block_n = SPLIT_BLOCK_N.get(size, SPLIT_BLOCK_N[4])
+
+def split_segment(direction: str, rows: int, n: int, size: int, device, config: dict) -> int:
+    """Entries a segment (a multiple of the config's BLOCK_N) for ``rows`` rows of ``n`` entries of
+    ``size`` bytes, unless the config names one (SEGMENT): as many rows at once as keep what pass 2
+    reads again within SPLIT_L2_SHARE of L2 (the forward its x or h; the backward h, dy and the dw
+    and db slices it adds to), each in as many segments (SPLIT_CHUNKS_MIN chunks at least) as the
+    config's programs an SM allow: one row at a time on the SMs makes every program wait at every
+    row. The launch lengthens them where fewer programs run at once (``_fitted``)."""
+    if "SEGMENT" in config:
+        return config["SEGMENT"]
+    block_n, programs = config["BLOCK_N"], config["PER_SM"] * sm_count(device)
     reread = n * (size if direction == "fwd" else 2 * size + 8)  # bytes of a row pass 2 finds in L2
     at_once = max(1, min(rows, int(SPLIT_L2_SHARE * l2_bytes(device)) // reread))
-    segments = min(max(2, programs // at_once), cdiv(n, SPLIT_CHUNKS_MIN * block_n))
-    if segments < 2:
-        return None
-    segment = cdiv(cdiv(n, segments), block_n) * block_n
-    return {"SEGMENT": segment, "BLOCK_N": block_n, "num_warps": SPLIT_WARPS, "PER_SM": SPLIT_PER_SM}
+    segments = max(1, min(max(2, programs // at_once), cdiv(n, SPLIT_CHUNKS_MIN * block_n)))
+    return cdiv(cdiv(n, segments), block_n) * block_n
 
 
 # fp32 inputs: rows a program adds into its dw and db slice one after another, at most (a chain of 50
@@ -65,14 +68,15 @@ def split_config(direction: str, rows: int, n: int, size: int, device, max_block
 FP32_CHAIN_MAX = 32
 
 
-def _fitted(kernel, config: dict, rows: int, n: int, probe: tuple, meta: dict, device, chain: int) -> tuple:
-    """(SEGMENT, segments, groups) of a launch: the config's SEGMENT, lengthened where its segments
+def _fitted(
+    kernel, config: dict, segment: int, rows: int, n: int, probe: tuple, meta: dict, device, chain: int
+) -> tuple:
+    """(SEGMENT, segments, groups) of a launch: ``segment``, lengthened where its segments
     and ``rows`` / ``chain`` rows at once (the least groups) would take more programs than run at once
     (the compiled kernel's occupancy: registers decide it); as many rows at once as the rest allow.
     ``probe`` holds the launch's arguments with stand-ins for the workspace, which is sized after."""
     programs = cooperative_programs(launcher_of(kernel), config["PER_SM"], probe, meta, device)
     most = max(1, programs // cdiv(rows, chain))
-    segment = config["SEGMENT"]
     if cdiv(n, segment) > most:
         segment = cdiv(cdiv(n, most), config["BLOCK_N"]) * config["BLOCK_N"]
     segments = cdiv(n, segment)
@@ -122,11 +126,12 @@ def fwd_split_launches(
         return (*head, *strides, float(eps))
 
     kernel, device = _norm_fwd_split_kernel, x2.device
-    provisional = cdiv(n, config["SEGMENT"])
+    wanted = split_segment("fwd", rows, n, x2.element_size(), device, config)
+    provisional = cdiv(n, wanted)
     stand_ins = (_stand_in(torch.float32, device), _stand_in(torch.int32, device))
-    probe = args(*stand_ins, provisional, config["SEGMENT"])
+    probe = args(*stand_ins, provisional, wanted)
     meta["SEGMENTS"] = next_power_of_2(provisional)
-    segment, segments, groups = _fitted(kernel, config, rows, n, probe, meta, device, rows)
+    segment, segments, groups = _fitted(kernel, config, wanted, rows, n, probe, meta, device, rows)
     partials = scratch((rows, segments, 2), torch.float32, device)
     arrived = scratch((rows,), torch.int32, device, zeroed=True)
     meta["SEGMENTS"] = next_power_of_2(segments)
@@ -147,13 +152,14 @@ def bwd_split_launches(dy2, dh2, h2, weight, bias, mean, rstd, rms: bool, dx, co
         return (*head, rows, n, segments, segment, *strides)
 
     kernel, device = _norm_bwd_split_kernel, h2.device
-    provisional = cdiv(n, config["SEGMENT"])
+    wanted = split_segment("bwd", rows, n, h2.element_size(), device, config)
+    provisional = cdiv(n, wanted)
     stand_ins = [_stand_in(dtype, device) for dtype in (torch.float32, torch.int32)]
     stand_ins += [_stand_in(torch.float32 if p is not None else None, device) for p in (weight, bias)]
     meta["SEGMENTS"] = next_power_of_2(provisional)
     chain = FP32_CHAIN_MAX if h2.dtype == torch.float32 else rows
     segment, segments, groups = _fitted(
-        kernel, config, rows, n, args(*stand_ins, provisional, config["SEGMENT"]), meta, device, chain
+        kernel, config, wanted, rows, n, args(*stand_ins, provisional, wanted), meta, device, chain
     )
     partials = scratch((rows, segments, 2), torch.float32, device)
     arrived = scratch((rows,), torch.int32, device, zeroed=True)
