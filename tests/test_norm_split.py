@@ -11,7 +11,7 @@ import torch
 
 import sm90
 from test_norm import KINDS, _case
-from tritonkit import split_rows
+from tritonkit import split_rows, tuning
 from tritonkit.ops.norm import kernels as nk
 from tritonkit.ops.norm import norm as nm
 from tritonkit.ops.norm import split as ns
@@ -166,7 +166,8 @@ def test_gpu_split_rows_at_the_real_chunk_sizes(kind, shape, dtype, monkeypatch)
     """The untuned rule's split launches, cooperative and waiting, on the GPU."""
     seen = _recording(monkeypatch)
     kernel, reference, inputs, grad_inputs, grads = _case(kind, shape, dtype, "cuda", seed=shape[0])
-    check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
+    with tuning.disabled():  # the default, which tuning might replace by a looped config
+        check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
     assert {d for d, _, phase, _ in seen if phase == 0} == {"fwd", "bwd"}, seen
 
 
