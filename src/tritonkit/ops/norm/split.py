@@ -9,8 +9,9 @@ Forward, per segment of c entries: LayerNorm publishes its own mean and sum of s
 from it (``_segment_moments``; combined by Chan's parallel rule, no cancellation between a large mean
 and a small variance), RMSNorm its sum of squares. Backward: the segment's sums of g * xhat and g.
 dw and db: a program takes the same segment of every row it walks, so it sums its rows' dy * xhat
-and dy into its own (groups, N) fp32 slice, which L2 holds between rows (N * 4 bytes a launch), and
-the partial-sum stage adds the groups, as in the other backward kernels.
+and dy into its group's row of a (groups, N) fp32 slice, which L2 holds between rows where it fits
+(N * 4 bytes a group and parameter), and the partial-sum stage adds the groups, as in the other
+backward kernels.
 
 The split launch is the looped kernels' untuned default (``split_default``) for rows too few to
 give every SM ``SPLIT_PER_SM`` programs a row a program; tuning times it beside their candidates.
@@ -105,9 +106,9 @@ def _meta(config: dict, flags: dict, align: int) -> dict:
     )
 
 
-def _stand_in(t, device) -> torch.Tensor | None:
-    """A one-entry tensor where ``t`` is a workspace the fit sizes later (None stays None)."""
-    return None if t is None else torch.empty(1, dtype=t, device=device)
+def _stand_in(dtype, device) -> torch.Tensor | None:
+    """A one-entry tensor of ``dtype`` in place of a workspace the fit sizes later (None: absent)."""
+    return None if dtype is None else torch.empty(1, dtype=dtype, device=device)
 
 
 def fwd_split_launches(
