@@ -17,7 +17,7 @@ from tritonkit.dtypes import DTYPE_OF
 from tritonkit.ops.norm import kernels as nk
 from tritonkit.ops.norm import norm as nm
 from tritonkit.ops.norm import spec as ns
-from tritonkit.testing import check_against_reference
+from tritonkit.testing import check_against_reference, generator, random_tensor
 
 pytestmark = pytest.mark.norm
 looped = test_norm.looped  # the fixture sending rows past 64 entries through the looped kernels
@@ -274,24 +274,25 @@ def test_the_untuned_backward_default_is_near_the_shipped_winners():
     assert len(ratios) >= 12 and None not in ratios and max(ratios) <= 1.10, ratios
 
 
-_REFERENCE_PROBLEM: dict = {}
+_GATED: dict = {}
 
 
-@torch.library.custom_op("tritonkit_tests::norm_bwd_reference", mutates_args=())
-def _reference_dx(x: torch.Tensor) -> torch.Tensor:
-    """The backward gate's reference dx of the problem set aside, computed inside a custom op."""
-    return nm._bwd_problem_reference(_REFERENCE_PROBLEM["problem"])["dx"]
+@torch.library.custom_op("tritonkit_tests::norm_bwd_gate", mutates_args=())
+def _gate_inside_an_op(x: torch.Tensor) -> torch.Tensor:
+    """Whether the backward's gate admits the config set aside, asked inside a custom op's kernel."""
+    verdict = nm._TUNED["bwd", False].admit(_GATED["problem"], _GATED["config"])
+    return torch.tensor(verdict.passed)
 
 
-def test_the_backward_gates_reference_takes_gradients_inside_a_custom_op(device):
+def test_the_backward_gate_takes_its_references_gradients_inside_a_custom_op(device):
     """The backward's tuning gate runs inside the op, and a call through ``torch.ops`` (torch.compile's
-    graphs, opcheck) runs it where the dispatcher has turned autograd off: the reference's gradients
-    (``with_autograd``) come out there as they do outside, where autograd inside failed (on an H100:
+    graphs, opcheck) runs it where the dispatcher has turned autograd off: its reference's gradients
+    (``_runtime.with_autograd``) come out there as outside, where inside they failed (on an H100:
     'element 0 of tensors does not require grad', every candidate rejected)."""
-    key = {"rows": 8, "dtype": "fp32", "residual": True, "weight": "fp32", "bias": "fp32"}
-    inputs = nm._calibration_inputs(key, 50, {"ROWS": 8}, device, grads=True)
-    _REFERENCE_PROBLEM["problem"] = problem = inputs | {"eps": 1e-5, "rms": False}
-    inside = torch.ops.tritonkit_tests.norm_bwd_reference(problem["input"])
-    outside = nm._bwd_problem_reference(problem)
-    assert torch.equal(inside, outside["dx"])
-    assert outside["dw"] is not None and outside["db"] is not None
+    g = generator(3)
+    x = random_tensor((9, 50), F32, device, generator=g)
+    w, b = (random_tensor((50,), F32, device, generator=g) for _ in range(2))
+    problem = {"h": x, "grad_h": None, "weight": w, "bias": b, "rms": False}
+    _GATED.update(problem=problem, config={"ROWS": 8, "num_warps": 4})
+    assert nm._TUNED["bwd", False].admit(problem, _GATED["config"]).passed
+    assert torch.ops.tritonkit_tests.norm_bwd_gate(x).item()

@@ -19,7 +19,7 @@ import torch
 
 from tritonkit import tuning
 from tritonkit._launch import Launch, cdiv, ensure_allocator, scratch
-from tritonkit._runtime import interpret, with_autograd
+from tritonkit._runtime import interpret
 from tritonkit.ops.attention import fwd
 from tritonkit.ops.attention.bwd_kernels import (
     CONFIGS,
@@ -196,17 +196,13 @@ def _calibration(kernel: str, problem: dict, config: dict) -> dict:
 
 def _gradients_reference(problem: dict) -> dict:
     """dq, dk and dv of a dense problem: autograd's through the plain-PyTorch reference, with dO as
-    the output's upstream gradient (the gate runs inside the backward, where autograd is off:
-    ``with_autograd``)."""
+    the output's upstream gradient (the gate runs inside the backward, where autograd is off)."""
     if problem["packed"] is not None:
         raise ValueError("the backward's problem reference takes dense problems (calibration problems are)")
-    return with_autograd(_dense_gradients, problem)
-
-
-def _dense_gradients(problem: dict) -> dict:
-    inputs = [problem[name].detach().requires_grad_() for name in ("q", "k", "v")]
-    o = attention_reference(*inputs, **problem["scores"]._asdict())
-    dq, dk, dv = torch.autograd.grad(o, inputs, problem["do"])
+    with torch.enable_grad():
+        inputs = [problem[name].detach().requires_grad_() for name in ("q", "k", "v")]
+        o = attention_reference(*inputs, **problem["scores"]._asdict())
+        dq, dk, dv = torch.autograd.grad(o, inputs, problem["do"])
     return {"dq": dq, "dk": dk, "dv": dv}
 
 

@@ -38,7 +38,7 @@ import torch
 
 from tritonkit import tuning
 from tritonkit._launch import Launch, call_signature, cdiv, next_power_of_2, row_align, scratch
-from tritonkit._runtime import empty_output, empty_output_like, sm_count, with_autograd
+from tritonkit._runtime import empty_output, empty_output_like, sm_count
 from tritonkit.dtypes import DTYPE_OF, FLOATS, NAME_OF
 from tritonkit.opdef import check_tensor, finite, first_derivative_only, op
 from tritonkit.ops.norm import normed
@@ -395,21 +395,18 @@ def _fwd_problem_reference(problem: dict) -> dict:
 
 def _bwd_problem_reference(problem: dict) -> dict:
     """dx, dw and db by autograd through the forward's reference, whatever the caller's grad mode
-    (the gate runs inside the backward op, where autograd records nothing: ``with_autograd``)."""
-    return with_autograd(_bwd_gradients, problem)
-
-
-def _bwd_gradients(problem: dict) -> dict:
+    (the gate runs inside the backward op, where autograd records nothing)."""
     leaf = lambda t, grad: t.detach().requires_grad_(grad) if t is not None else None  # noqa: E731
-    # the residual's gradient is x's, dx
-    x, residual = leaf(problem["input"], True), leaf(problem["residual"], False)
-    weight, bias = leaf(problem["weight"], True), leaf(problem["bias"], True)
-    y, h = _forward_reference(x, residual, weight, bias, problem["eps"], problem["rms"])
-    outputs, upstream = (
-        ([y, h], [problem["grad_y"], problem["grad_h"]]) if h is not None else ([y], [problem["grad_y"]])
-    )
-    wanted = [t for t in (x, weight, bias) if t is not None]
-    grads = iter(torch.autograd.grad(outputs, wanted, upstream))
+    with torch.enable_grad():
+        # the residual's gradient is x's, dx
+        x, residual = leaf(problem["input"], True), leaf(problem["residual"], False)
+        weight, bias = leaf(problem["weight"], True), leaf(problem["bias"], True)
+        y, h = _forward_reference(x, residual, weight, bias, problem["eps"], problem["rms"])
+        outputs, upstream = (
+            ([y, h], [problem["grad_y"], problem["grad_h"]]) if h is not None else ([y], [problem["grad_y"]])
+        )
+        wanted = [t for t in (x, weight, bias) if t is not None]
+        grads = iter(torch.autograd.grad(outputs, wanted, upstream))
     return {
         "dx": next(grads),
         "dw": next(grads) if weight is not None else None,
