@@ -18,9 +18,9 @@ dw and db are reduced in two stages, never with float atomics, so results are de
 backward program sums its rows into fp32 partials, and a second pass sums the partials.
 A row lives in registers up to ``MAX_BLOCK_N`` entries; longer rows go through looped kernels
 that read each row twice (``kernels.py``), or, where too few to fill the SMs a row a program, through
-split kernels that spread each row over programs side by side (``split.py``, untuned). Rows a
-program, chunk sizes and warps come from accuracy-gated tuning (``tritonkit.tuning``), each kernel
-with its own tuner and configs.
+split kernels that spread each row over programs side by side (``split.py``: the looped tuners'
+default there). Rows a program, chunk sizes and warps come from accuracy-gated tuning
+(``tritonkit.tuning``), each kernel with its own tuner and configs.
 h = x + residual is added in fp32 and rounded to the input dtype before it is normalised, as
 ``norm(x + residual)`` is in PyTorch: the backward then recomputes xhat from the stored h exactly.
 
