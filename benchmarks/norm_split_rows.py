@@ -2,18 +2,22 @@
 against one program a row (the looped kernels, the split turned off), beside the peers, in one run.
 
     python benchmarks/norm_split_rows.py OUT.json [--ops layer_norm rms_norm] [--deadline S]
+        [--shape ROWSxN:DTYPE ...] [--per-sm K] [--modes fwd bwd]
 
-The shapes are the sweep's few-long-rows cliffs (the norms at 1-20% of the copy rate there). For
-each op, shape and mode (fwd, bwd), the benchmark runner's rows (``tritonkit.bench.runner``: the
-error check against float64, CUDA-graph-replayed median ms, eager ms, share of a copy of the same
-bytes) for every provider, then tritonkit again with ``split.SPLIT_PER_SM = 0`` as
-"tritonkit[unsplit]" (its replay plans forgotten first: a call signature replays what it recorded).
+The shapes are the sweep's few-long-rows cliffs (the norms at 1-20% of the copy rate there), or
+those given. For each op, shape and mode (fwd, bwd), the benchmark runner's rows
+(``tritonkit.bench.runner``: the error check against float64, CUDA-graph-replayed median ms, eager
+ms, share of a copy of the same bytes) for every provider, then tritonkit again with
+``split.SPLIT_PER_SM = 0`` as "tritonkit[unsplit]" (its replay plans forgotten first: a call
+signature replays what it recorded), and with ``--per-sm K`` once more at ``SPLIT_PER_SM = K`` as
+"tritonkit[split<K]": the split taken up to K programs an SM's rows.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 from tritonkit import opdef
@@ -33,17 +37,24 @@ SHAPES = [
 COMMAND = "python benchmarks/norm_split_rows.py OUT.json"
 
 
-def _unsplit(case) -> list[dict]:
-    """tritonkit's rows for ``case`` with the split turned off."""
-    per_sm = split.SPLIT_PER_SM
-    split.SPLIT_PER_SM = 0
+def _at_per_sm(case, per_sm: int, label: str) -> list[dict]:
+    """tritonkit's rows for ``case`` with ``split.SPLIT_PER_SM = per_sm`` (0: the split off), as
+    provider ``label``."""
+    default = split.SPLIT_PER_SM
+    split.SPLIT_PER_SM = per_sm
     opdef.forget_plans()
     try:
         rows = runner.run_case(case, ["tritonkit"], "cuda", keep_going=True)
     finally:
-        split.SPLIT_PER_SM = per_sm
+        split.SPLIT_PER_SM = default
         opdef.forget_plans()
-    return [row | {"provider": "tritonkit[unsplit]"} for row in rows]
+    return [row | {"provider": label} for row in rows]
+
+
+def _shape(text: str) -> tuple[tuple, str]:
+    """A shape given as ROWSxN:DTYPE, as runner.cases takes one."""
+    dims, dtype = text.split(":")
+    return tuple(int(d) for d in dims.split("x")), dtype
 
 
 def _line(case, rows: list[dict]) -> str:
@@ -57,7 +68,7 @@ def _line(case, rows: list[dict]) -> str:
             f"{case.workload.name} {'x'.join(map(str, case.shape))} {case.mode}:",
             ", ".join(f"{k} {v:.1f}" for k, v in us.items()),
             f"us; x best peer {min(peers) / ours:.2f}" if ours and peers else "",
-            f"x unsplit {us['tritonkit[unsplit]'] / ours:.2f}" if ours and "tritonkit[unsplit]" in us else "",
+            *(f"x {k[10:-1]} {v / ours:.2f}" for k, v in us.items() if ours and k.startswith("tritonkit[")),
             f"{copy:.0f}% of copy" if copy else "",
             f"FAILED {failed}" if failed else "",
         ]
@@ -69,17 +80,22 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--ops", nargs="+", default=["layer_norm", "rms_norm", "add_rms_norm"])
     parser.add_argument("--deadline", type=float, default=None, help="start no case after S seconds")
+    parser.add_argument("--shape", type=_shape, action="append", help="ROWSxN:DTYPE (repeatable)")
+    parser.add_argument("--per-sm", type=int, default=None, help="also time SPLIT_PER_SM = K")
+    parser.add_argument("--modes", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
     args = parser.parse_args()
     start, rows = time.time(), []
-    for case in runner.cases(args.ops, SHAPES, None, ["fwd", "bwd"]):
+    for case in runner.cases(args.ops, args.shape or SHAPES, None, args.modes):
         if args.deadline is not None and time.time() - start > args.deadline:
             print(f"deadline: {case.workload.name} {case.shape} {case.mode} and later cases not run")
             break
-        got = runner.run_case(case, None, "cuda", keep_going=True) + _unsplit(case)
+        got = runner.run_case(case, None, "cuda", keep_going=True) + _at_per_sm(case, 0, "tritonkit[unsplit]")
+        if args.per_sm is not None:
+            got += _at_per_sm(case, args.per_sm, f"tritonkit[split<{args.per_sm}]")
         rows += got
         print(_line(case, got), flush=True)
         with open(args.out, "w") as f:
-            json.dump({"command": COMMAND, "rows": rows}, f, indent=1, default=str)
+            json.dump({"command": " ".join([COMMAND, *sys.argv[2:]]), "rows": rows}, f, indent=1, default=str)
 
 
 if __name__ == "__main__":
