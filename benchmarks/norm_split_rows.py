@@ -8,9 +8,10 @@ The shapes are the sweep's few-long-rows cliffs (the norms at 1-20% of the copy 
 those given. For each op, shape and mode (fwd, bwd), the benchmark runner's rows
 (``tritonkit.bench.runner``: the error check against float64, CUDA-graph-replayed median ms, eager
 ms, share of a copy of the same bytes) for every provider, then tritonkit again with
-``split.SPLIT_PER_SM = 0`` as "tritonkit[unsplit]" (its replay plans forgotten first: a call
-signature replays what it recorded), and with ``--per-sm K`` once more at ``SPLIT_PER_SM = K`` as
-"tritonkit[split<K]": the split taken up to K programs an SM's rows.
+``split.SPLIT_PER_SM = 0`` as "tritonkit[unsplit]", and with ``--per-sm K`` once more at
+``SPLIT_PER_SM = K`` as "tritonkit[split<K]": the split taken up to K programs an SM's rows. Before
+each, the replay plans and the configs chosen per call signature are forgotten (a signature replays
+what it recorded, and keeps the config chosen at its first call).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import json
 import sys
 import time
 
-from tritonkit import opdef
+from tritonkit import opdef, tuning
 from tritonkit.bench import runner
 from tritonkit.ops.norm import split
 
@@ -37,17 +38,24 @@ SHAPES = [
 COMMAND = "python benchmarks/norm_split_rows.py OUT.json"
 
 
+def _forget() -> None:
+    """Forget the replay plans and the configs chosen per call signature: the next call chooses its
+    config again, under the module's settings of now."""
+    opdef.forget_plans()
+    tuning.forget_chosen()
+
+
 def _at_per_sm(case, per_sm: int, label: str) -> list[dict]:
     """tritonkit's rows for ``case`` with ``split.SPLIT_PER_SM = per_sm`` (0: the split off), as
     provider ``label``."""
     default = split.SPLIT_PER_SM
     split.SPLIT_PER_SM = per_sm
-    opdef.forget_plans()
+    _forget()
     try:
         rows = runner.run_case(case, ["tritonkit"], "cuda", keep_going=True)
     finally:
         split.SPLIT_PER_SM = default
-        opdef.forget_plans()
+        _forget()
     return [row | {"provider": label} for row in rows]
 
 

@@ -2,11 +2,14 @@
 gradient: vocabularies from 1 to 32000 and odd sizes, every reduction, class weights, label
 smoothing with ignored rows, the z-loss, the soft cap, the returned lse and its own gradient, every
 row ignored (torch's NaN mean), targets out of range (NaN, no sync), strided logits and int32
-targets, and bad input refused by name. The contract tests (tests/contract) add opcheck, compile,
+targets, and bad input refused by name; short rows both packed (many rows a program, the default)
+and a row a program. The contract tests (tests/contract) add opcheck, compile,
 poisoning, empty input and the cost model, and tests/test_inspect.py the sm_90 compile at the
 benchmark's vocabularies (no spills, the logits and dx in 16-byte vectors)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ import tritonkit
 from grids import case_id, in_turn, pairs_not_met
 from tritonkit import testing
 from tritonkit.ops import cross_entropy as ce
+from tritonkit.ops import cross_entropy_packed as packed
 
 pytestmark = pytest.mark.cross_entropy
 
@@ -72,6 +76,102 @@ def test_matches_the_reference(features, size, dtype, device):
     kwargs = dict(features)
     x, target, weight = _inputs(*size, dtype, device, ignore_index=kwargs.get("ignore_index", -100))
     _check(x, target, weight if kwargs.pop("weight", False) else None, **kwargs)
+
+
+# Rows short enough to pack (SIZES' first three) through the row-a-program kernels too
+ROW_KERNELS_GRID = in_turn(FEATURES, SIZES[:3], last=[F32, BF16, F16])
+
+
+@pytest.mark.parametrize(
+    "features, size, dtype",
+    ROW_KERNELS_GRID,
+    ids=[case_id((i, *c[1:])) for i, c in enumerate(ROW_KERNELS_GRID)],
+)
+def test_short_rows_match_the_reference_a_program_a_row_too(features, size, dtype, monkeypatch, device):
+    monkeypatch.setattr(packed, "PACK_ROW_BYTES", 0)
+    kwargs = dict(features)
+    x, target, weight = _inputs(*size, dtype, device, ignore_index=kwargs.get("ignore_index", -100))
+    _check(x, target, weight if kwargs.pop("weight", False) else None, **kwargs)
+
+
+def _launches(x, target, weight=None, reduction="mean"):
+    """The forward's and backward's launches for ``x`` and ``target`` (no smoothing, z-loss or cap)."""
+    options = (-100, reduction, 0.0, 0.0, 0.0)
+    out, lse, work = ce._forward_outputs(x, reduction, ce._needs_sums(reduction, weight, 0.0))
+    rows, row_weight, totals = ce._work_parts(work, x.shape[0], reduction)
+    fwd = ce._fwd_launches(x, target, weight, options, (out, rows, lse, row_weight, totals))
+    grad = torch.ones((x.shape[0],) if reduction == "none" else (1,), dtype=x.dtype, device=x.device)
+    return fwd, ce._bwd_launches(grad, None, x, target, weight, lse, totals, options, x)
+
+
+@pytest.mark.parametrize(
+    "features",
+    [{}, {"weight": True, "label_smoothing": 0.1, "reduction": "none"}, {"z_loss": 1e-3, "softcap": 4.0}],
+    ids=["mean", "weights-smoothing-none", "z_loss-softcap"],
+)
+def test_many_short_rows_pack_into_each_program(features, device):
+    """300 rows of 76 bf16 classes (the sweep's 162064 x 76, shortened): 64 rows a program, 5
+    programs, the last one partial, one launch a direction; its lse and the lse's gradient too."""
+    kwargs = dict(features)
+    x, target, weight = _inputs(300, 76, BF16, device, seed=76)
+    weight = weight if kwargs.pop("weight", False) else None
+    (fwd, *_), (bwd,) = _launches(x, target, weight, kwargs.get("reduction", "mean"))
+    for launch in (fwd, bwd):
+        assert launch.kernel in (
+            packed._cross_entropy_fwd_packed_kernel,
+            packed._cross_entropy_bwd_packed_kernel,
+        )
+        assert (launch.meta["ROWS"], launch.meta["BLOCK_C"], launch.meta["num_warps"], launch.grid) == (
+            64,
+            128,
+            8,
+            (5,),
+        )
+    _check(x, target, weight, **kwargs)
+    testing.check_against_reference(
+        lambda x, t: tritonkit.cross_entropy(x, t, return_lse=True, **kwargs)[1],
+        lambda x, t: ce.cross_entropy_reference(x, t, return_lse=True, **kwargs)[1],
+        (x, target),
+        grad_inputs=(0,),
+        grad_outputs=[torch.randn(300, generator=testing.generator(3), device=device)],
+    )
+
+
+def test_rows_pack_up_to_a_block_of_4096_bytes():
+    """ROWS: TILE_BYTES of logits a program, rows of at most PACK_ROW_BYTES, no more than the rows."""
+    assert packed.packed_rows(162064, 76, 2) == 64 and packed.packed_rows(8192, 1000, 4) == 4
+    assert packed.packed_rows(8192, 1024, 2) == 8 and packed.packed_rows(8192, 2049, 2) == 0
+    assert packed.packed_rows(3, 7, 4) == 4 and packed.packed_rows(8192, 1025, 4) == 0
+
+
+_PACKED_SASS = r"""
+import json, torch
+from tritonkit.asm import compile_launch
+from tritonkit.ops import cross_entropy as ce
+for n, classes in ((4096, 1024), (162064, 76)):
+    for launch in ce._inspect_launches((n, classes), torch.bfloat16):
+        r = compile_launch(launch, "sm_90")
+        print(json.dumps({"classes": classes, "launch": launch.name, "kernel": launch.kernel.__name__,
+                          "spills": r.spills, "loads": sorted(r.loads), "stores": sorted(r.stores)}))
+"""
+
+
+def test_packed_rows_compile_for_hopper_without_spills_and_as_wide_as_their_rows_allow():
+    """Rows of 1024 bf16 logits (16-byte rows) move in 16-byte vectors, rows of 76 (8-byte rows) in
+    8-byte ones; a row's target, lse and upstream gradient are single values, as in the row kernels."""
+    import sm90
+
+    rows = [json.loads(line) for line in sm90.run(_PACKED_SASS)]
+    assert {(row["classes"], row["launch"]) for row in rows} >= {
+        (c, d) for c in (1024, 76) for d in ("fwd", "bwd")
+    }
+    for row in rows:
+        assert not row["spills"], row
+        if row["launch"] in ("fwd", "bwd"):
+            assert "packed" in row["kernel"], row
+            widest = 128 if row["classes"] == 1024 else 64
+            assert max(row["loads"]) == widest, row
+            assert row["stores"] == [widest] if row["launch"] == "bwd" else max(row["stores"]) <= 32, row
 
 
 def test_the_lse_and_its_gradient_with_the_loss(device):
@@ -236,24 +336,23 @@ def test_vocabularies_of_any_size_load_as_wide_as_their_alignment_allows():
     assert {row["launch"] for row in rows} >= {"fwd", "bwd"}
 
 
-def test_short_rows_take_fewer_warps():
+def test_short_rows_take_fewer_warps(monkeypatch):
     """A program holds four 16-byte loads a thread a step: 8 warps at a full step (8192 16-bit or
-    4096 fp32 logits), fewer for a shorter row's (195 classes: 1), both kernels alike."""
+    4096 fp32 logits), fewer for a shorter row's (195 classes: 1), both row kernels alike (packing
+    off: test_many_short_rows_pack_into_each_program has the packed kernels' warps)."""
+    monkeypatch.setattr(packed, "PACK_ROW_BYTES", 0)
     warps = lambda classes, size: ce._step(classes, size)[1]  # noqa: E731
     assert warps(32000, 2) == warps(8192, 2) == warps(4096, 4) == 8 and warps(3027, 2) == 4
     assert warps(195, 4) == warps(1, 2) == 1 and ce._step(195, 4)[0] == 256
     for classes, warps in ((195, 1), (3027, 4), (32000, 8)):
         logits, target = torch.randn(3, classes, dtype=torch.bfloat16), torch.randint(0, classes, (3,))
-        options = (-100, "mean", 0.0, 0.0, 0.0)
-        out, lse, work = ce._forward_outputs(logits, "mean", True)
-        rows, row_weight, totals = ce._work_parts(work, 3, "mean")
-        (fwd, *_) = ce._fwd_launches(logits, target, None, options, (out, rows, lse, row_weight, totals))
-        (bwd,) = ce._bwd_launches(torch.ones(()), None, logits, target, None, lse, totals, options, logits)
+        (fwd, *_), (bwd,) = _launches(logits, target)
         assert fwd.meta["num_warps"] == bwd.meta["num_warps"] == warps, classes
 
 
 # Vocabularies whose rows start off their vectors (odd: every row on another alignment), read in
-# windows and (WINDOWS off) an entry at a time, with the features that read class weights by class.
+# windows and (WINDOWS off) an entry at a time, with the features that read class weights by class;
+# through the row kernels (packing off: 33 classes would pack, and the packed kernels have no windows).
 ODD_FEATURES = [{}, {"weight": True, "label_smoothing": 0.2}, {"softcap": 3.0, "reduction": "none"}]
 ODD = in_turn([33, 8195, 50257], ODD_FEATURES, [True, False], last=[BF16, F32])
 
@@ -261,6 +360,7 @@ ODD = in_turn([33, 8195, 50257], ODD_FEATURES, [True, False], last=[BF16, F32])
 @pytest.mark.parametrize("classes, features, windows, dtype", ODD, ids=map(case_id, ODD))
 def test_odd_vocabularies_in_windows_and_without(classes, features, windows, dtype, monkeypatch, device):
     monkeypatch.setattr(ce, "WINDOWS", windows)
+    monkeypatch.setattr(packed, "PACK_ROW_BYTES", 0)
     kwargs = dict(features)
     x, target, weight = _inputs(5, classes, dtype, device, seed=classes)
     _check(x, target, weight if kwargs.pop("weight", False) else None, **kwargs)

@@ -33,26 +33,20 @@ from tritonkit._launch import Launch, next_power_of_2, row_align, row_window
 from tritonkit._runtime import empty_output, empty_output_like
 from tritonkit._triton import tl, triton
 from tritonkit.dtypes import FLOATS
-from tritonkit.jit import LOG2E, aligned, softcap_tanh_and_sech2, window_base, window_edges, window_interior
+from tritonkit.jit import LOG2E, aligned, window_base, window_edges, window_interior
 from tritonkit.opdef import as_int, check_tensor, finite, first_derivative_only, op
 from tritonkit.ops import Op, Workload
+from tritonkit.ops import cross_entropy_packed as packed
+from tritonkit.ops.cross_entropy_math import capped, grad_coefficients, logit_grads, row_loss
 
 DTYPES = FLOATS
 REDUCTIONS = ("none", "sum", "mean")
 TARGET_DTYPES = (torch.int64, torch.int32)
 BLOCK_BYTES = 16384  # logits a program holds a step: 8192 in 16-bit dtypes, four 16-byte loads a thread
 WARP_BYTES = 2048  # logits a warp holds a step: four 16-byte loads a thread (8 warps at BLOCK_BYTES)
-SUM_BLOCK = 1024  # rows the reduction adds a step (one program: a fixed order, the same bits each call)
-
-
-@triton.jit
-def _capped(x, softcap, HAS_SOFTCAP: tl.constexpr):
-    """cap * tanh(x / cap), or x."""
-    if HAS_SOFTCAP:
-        t, _ = softcap_tanh_and_sech2(x / softcap)
-        return softcap * t
-    else:
-        return x
+# rows the reduction adds a step (one program: a fixed order, the same bits each call): 64 KB of
+# losses and divisor terms in flight a step, so that 100K rows and more are a few steps of one SM
+SUM_BLOCK = 8192
 
 
 @triton.jit
@@ -68,7 +62,7 @@ def _row_sums(
     for start in range(0, C, BLOCK_C):
         cols = start + tl.arange(0, BLOCK_C)
         mask = cols < C
-        x = _capped(
+        x = capped(
             tl.load(x_row + cols * stride_xc, mask=mask, other=0.0).to(tl.float32), softcap, HAS_SOFTCAP
         )
         x = tl.where(mask, x, -float("inf"))
@@ -115,7 +109,7 @@ def _row_sums_in_window(
     x_window = x_ptr + base
     edges, on_edge = window_edges(head, C, WINDOW)
     x_edge = tl.load(x_window + edges, mask=on_edge, other=0.0).to(tl.float32)
-    x_edge = tl.where(on_edge, _capped(x_edge, softcap, HAS_SOFTCAP), -float("inf"))
+    x_edge = tl.where(on_edge, capped(x_edge, softcap, HAS_SOFTCAP), -float("inf"))
     m, s, sum_wx, sum_w = _window_sums(
         x_edge, edges - head, on_edge, weight_ptr, -float("inf"), 0.0, 0.0, 0.0, HAS_WEIGHT, HAS_SMOOTHING
     )
@@ -123,7 +117,7 @@ def _row_sums_in_window(
         positions = start + tl.arange(0, BLOCK_C)
         inner = window_interior(positions, head, C, WINDOW)
         x = tl.load(x_window + positions, mask=inner, other=0.0).to(tl.float32)
-        x = tl.where(inner, _capped(x, softcap, HAS_SOFTCAP), -float("inf"))
+        x = tl.where(inner, capped(x, softcap, HAS_SOFTCAP), -float("inf"))
         m, s, sum_wx, sum_w = _window_sums(
             x, positions - head, inner, weight_ptr, m, s, sum_wx, sum_w, HAS_WEIGHT, HAS_SMOOTHING
         )
@@ -171,32 +165,20 @@ def _cross_entropy_fwd_kernel(
     lse = m + tl.log(s)
 
     target = tl.load(target_ptr + row * stride_t)
-    ignored = target == ignore_index
-    valid = (target >= 0) & (target < C)
-    safe = tl.where(valid, target, 0).to(tl.int64)
-    x_t = _capped(tl.load(x_row + safe * stride_xc).to(tl.float32), softcap, HAS_SOFTCAP)
+    safe = tl.where((target >= 0) & (target < C), target, 0).to(tl.int64)
+    x_t = capped(tl.load(x_row + safe * stride_xc).to(tl.float32), softcap, HAS_SOFTCAP)
     if HAS_WEIGHT:
         w_t = tl.load(weight_ptr + safe).to(tl.float32)
     else:
         w_t = 1.0
-    # (1 - e) w_t (lse - x_t) + e / C (W lse - sum_c w_c x_c), gathered as a lse - b: a product and
-    # a difference round at the loss's magnitude, where three rounded terms added up to 1-2 of its
-    # ulps in fp32 (past the oracle's bound at a loss of 16, where torch's fp32 happened to be close)
-    a = (1.0 - smoothing) * w_t
-    b = a * x_t
-    if HAS_SMOOTHING:
-        if not HAS_WEIGHT:
-            sum_w = C * 1.0
-        a += smoothing / C * sum_w
-        b += smoothing / C * sum_wx
-    loss = a * lse - b
-    if HAS_Z_LOSS:
-        loss += z_loss * lse * lse
-    loss = tl.where(ignored, 0.0, tl.where(valid, loss, float("nan")))
+    loss, counted = row_loss(
+        lse, target, x_t, w_t, sum_wx, sum_w, C, ignore_index, smoothing, z_loss,
+        HAS_WEIGHT, HAS_SMOOTHING, HAS_Z_LOSS,
+    )  # fmt: skip
     tl.store(loss_ptr + row, loss.to(loss_ptr.dtype.element_ty))
     tl.store(lse_ptr + row, lse)
     if HAS_DIVISOR:
-        tl.store(row_weight_ptr + row, tl.where(ignored, 0.0, tl.where(valid, w_t, float("nan"))))
+        tl.store(row_weight_ptr + row, counted)
 
 
 @triton.jit
@@ -278,25 +260,16 @@ def _cross_entropy_bwd_kernel(
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xn
     target = tl.load(target_ptr + row * stride_t)
-    ignored = target == ignore_index
-    valid = (target >= 0) & (target < C_ALL)
     lse = tl.load(lse_ptr + row)
-    g = tl.load(grad_ptr + row * stride_g).to(tl.float32)
-    if MEAN:
-        g = g / tl.load(totals_ptr + 1)
-    g = tl.where(ignored, 0.0, tl.where(valid, g, float("nan")))
     if HAS_WEIGHT:
+        valid = (target >= 0) & (target < C_ALL)
         w_t = tl.load(weight_ptr + tl.where(valid, target, 0).to(tl.int64)).to(tl.float32)
     else:
         w_t = 1.0
-    coef = (1.0 - smoothing) * w_t  # of p_c in the loss's gradient
-    if HAS_SMOOTHING:
-        if HAS_WEIGHT:
-            coef += smoothing / C_ALL * tl.load(totals_ptr + 2)
-        else:
-            coef += smoothing
-    if HAS_Z_LOSS:
-        coef += 2.0 * z_loss * lse
+    g, coef = grad_coefficients(
+        target, lse, tl.load(grad_ptr + row * stride_g).to(tl.float32), w_t, totals_ptr, ignore_index,
+        smoothing, z_loss, C_ALL, MEAN, HAS_WEIGHT, HAS_SMOOTHING, HAS_Z_LOSS,
+    )  # fmt: skip
     if HAS_LSE_GRAD:
         h = tl.load(grad_lse_ptr + row * stride_gl)
     if not HAS_LSE_GRAD:
@@ -306,7 +279,7 @@ def _cross_entropy_bwd_kernel(
         dx_base, _ = window_base(row * C, WINDOW)
         edges, on_edge = window_edges(head, C, WINDOW)  # first: dx may be x, read before written
         x_edge = tl.load(x_ptr + x_base + edges, mask=on_edge, other=0.0).to(tl.float32)
-        d_edge = _logit_grads(
+        d_edge = logit_grads(
             x_edge,
             edges - head + col0,
             on_edge,
@@ -330,7 +303,7 @@ def _cross_entropy_bwd_kernel(
             positions = start + tl.arange(0, BLOCK_C)
             inner = window_interior(positions, head, C, WINDOW)
             x = tl.load(x_ptr + x_base + positions, mask=inner, other=0.0).to(tl.float32)
-            d = _logit_grads(
+            d = logit_grads(
                 x,
                 positions - head + col0,
                 inner,
@@ -355,7 +328,7 @@ def _cross_entropy_bwd_kernel(
             cols = start + tl.arange(0, BLOCK_C)
             mask = cols < C
             x = tl.load(x_row + cols * stride_xc, mask=mask, other=0.0).to(tl.float32)
-            d = _logit_grads(
+            d = logit_grads(
                 x,
                 cols + col0,
                 mask,
@@ -375,32 +348,6 @@ def _cross_entropy_bwd_kernel(
                 HAS_LSE_GRAD,
             )
             tl.store(dx_ptr + row * C + cols, d.to(dx_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _logit_grads(
-    x, classes, mask, target, weight_ptr, lse, coef, w_t, g, h, smoothing, softcap, C_ALL,
-    HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_LSE_GRAD: tl.constexpr,
-):  # fmt: skip
-    """dx of the logits ``x`` of ``classes`` (the VJP in the module's docstring)."""
-    if HAS_SOFTCAP:
-        t, sech2 = softcap_tanh_and_sech2(x / softcap)
-        x = softcap * t
-    p = tl.exp2((x - lse) * LOG2E)
-    d = p * coef - tl.where(classes == target, (1.0 - smoothing) * w_t, 0.0)
-    if HAS_SMOOTHING:
-        if HAS_WEIGHT:
-            w = tl.load(weight_ptr + classes, mask=mask, other=0.0).to(tl.float32)
-            d -= smoothing / C_ALL * w
-        else:
-            d -= smoothing / C_ALL
-    d = g * d
-    if HAS_LSE_GRAD:
-        d += h * p
-    if HAS_SOFTCAP:
-        d *= sech2
-    return d
 
 
 # ---------------------------------------------------------------- launches
@@ -457,14 +404,17 @@ def _fwd_launches(input, target, weight, options: tuple, outputs: tuple) -> list
         input, target, weight, losses, lse, row_weight, classes,
         input.stride(0), input.stride(1), target.stride(0), ignore_index, smoothing, z_loss, softcap,
     )  # fmt: skip
-    block_c, warps = _step(classes, input.element_size())
-    meta = _flags(weight, smoothing, z_loss, softcap) | {"HAS_DIVISOR": mean, "BLOCK_C": block_c}
-    meta["ALIGN"] = _align(input, classes)
-    meta["WINDOW"] = _window(classes, (input,), (input.stride(0),))
-    if meta["WINDOW"]:
-        meta["ALIGN"] = 1  # (the windows' bases carry the alignment)
-    meta["num_warps"] = warps
-    launches = [Launch("fwd", _cross_entropy_fwd_kernel, args, meta, grid=(n,))]
+    meta = _flags(weight, smoothing, z_loss, softcap) | {"HAS_DIVISOR": mean}  # in the kernels' order
+    size = input.element_size()
+    if rows_a_program := packed.packed_rows(n, classes, size):  # many short rows
+        meta |= packed.packed_meta(n, classes, size, rows_a_program, _align(input, classes))
+        launches = [packed.fwd_launch(args, meta, n)]
+    else:
+        block_c, warps = _step(classes, size)
+        window = _window(classes, (input,), (input.stride(0),))
+        # (the windows' bases carry the alignment)
+        meta |= {"BLOCK_C": block_c, "ALIGN": 1 if window else _align(input, classes), "WINDOW": window}
+        launches = [Launch("fwd", _cross_entropy_fwd_kernel, args, meta | {"num_warps": warps}, grid=(n,))]
     if totals is not None:
         launches.append(sum_launch(weight, options, (out, rows, lse, row_weight, totals), n, classes))
     return launches if n else launches[1:]
@@ -481,7 +431,7 @@ def sum_launch(weight, options: tuple, outputs: tuple, n: int, classes: int) -> 
         "MEAN": reduction == "mean",
         "HAS_WEIGHT_SUM": weight is not None and smoothing > 0,
         "BLOCK": SUM_BLOCK,
-        "num_warps": 4,
+        "num_warps": 8,
     }
     return Launch("fwd sum", _cross_entropy_sum_kernel, sums, meta, grid=(1,))
 
@@ -499,15 +449,17 @@ def _bwd_launches(
         target.stride(0), grad.stride(0) if reduction == "none" else 0,
         grad_lse.stride(0) if grad_lse is not None else 0, ignore_index, smoothing, z_loss, softcap,
     )  # fmt: skip
-    meta = {"MEAN": reduction == "mean"} | _flags(weight, smoothing, z_loss, softcap)
-    block_c, warps = _step(width, input.element_size())
-    meta |= {"HAS_LSE_GRAD": grad_lse is not None, "BLOCK_C": block_c}
-    meta["ALIGN"] = _align(input, width, col0)
-    meta["WINDOW"] = _window(width, (input, dx), (input.stride(0), width))
-    if meta["WINDOW"]:
-        meta["ALIGN"] = 1
-    meta["num_warps"] = warps
-    return [Launch("bwd", _cross_entropy_bwd_kernel, args, meta, grid=(n,))] if n else []
+    meta = {"MEAN": reduction == "mean"} | _flags(weight, smoothing, z_loss, softcap)  # in the kernels' order
+    meta["HAS_LSE_GRAD"] = grad_lse is not None
+    size, align = input.element_size(), _align(input, width, col0)
+    if not n:
+        return []
+    if rows_a_program := packed.packed_rows(n, width, size):  # many short rows
+        return [packed.bwd_launch(args, meta | packed.packed_meta(n, width, size, rows_a_program, align), n)]
+    block_c, warps = _step(width, size)
+    window = _window(width, (input, dx), (input.stride(0), width))
+    meta |= {"BLOCK_C": block_c, "ALIGN": 1 if window else align, "WINDOW": window, "num_warps": warps}
+    return [Launch("bwd", _cross_entropy_bwd_kernel, args, meta, grid=(n,))]
 
 
 # ---------------------------------------------------------------- ops and autograd

@@ -1,0 +1,99 @@
+"""cross_entropy over many short rows: packed, many rows a program (ops/cross_entropy_packed.py, the
+default), against a row a program (``PACK_ROW_BYTES = 0``) and against the mean's sum taken 1024
+rows a step (``SUM_BLOCK = 1024``, the step before 8192), beside the peers, in one run.
+
+    python benchmarks/cross_entropy_rows.py OUT.json [--shape ROWSxC:DTYPE ...] [--deadline S]
+
+For each shape and mode (fwd, bwd), the benchmark runner's rows (``tritonkit.bench.runner``: the
+error check against float64, CUDA-graph-replayed median ms, eager ms, share of a copy of the same
+bytes) for every provider, then tritonkit again under each setting as "tritonkit[rows]" and
+"tritonkit[sum1024]", the replay plans forgotten before and after (a call signature replays the
+launches it recorded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from tritonkit import opdef
+from tritonkit.bench import runner
+from tritonkit.ops import cross_entropy as ce
+from tritonkit.ops import cross_entropy_packed as packed
+
+SHAPES = [
+    ((162064, 76), "bf16"),  # the sweep's 0.26x
+    ((65536, 10), "fp32"),
+    ((8192, 1000), "fp32"),
+    ((100000, 300), "bf16"),
+    ((32768, 1024), "bf16"),
+    ((8192, 32000), "bf16"),  # a vocabulary: not packed, the control
+]
+SETTINGS = {"tritonkit[rows]": (packed, "PACK_ROW_BYTES", 0), "tritonkit[sum1024]": (ce, "SUM_BLOCK", 1024)}
+COMMAND = "python benchmarks/cross_entropy_rows.py OUT.json"
+
+
+def _under(case, label: str) -> list[dict]:
+    """tritonkit's rows for ``case`` with SETTINGS[label] in force, as provider ``label``."""
+    module, name, value = SETTINGS[label]
+    default = getattr(module, name)
+    setattr(module, name, value)
+    opdef.forget_plans()
+    try:
+        rows = runner.run_case(case, ["tritonkit"], "cuda", keep_going=True)
+    finally:
+        setattr(module, name, default)
+        opdef.forget_plans()
+    return [row | {"provider": label} for row in rows]
+
+
+def _shape(text: str) -> tuple[tuple, str]:
+    """A shape given as ROWSxC:DTYPE, as runner.cases takes one."""
+    dims, dtype = text.split(":")
+    return tuple(int(d) for d in dims.split("x")), dtype
+
+
+def _line(case, rows: list[dict]) -> str:
+    us = {r["provider"]: r["ms"] * 1e3 for r in rows if r.get("ms")}
+    eager = {r["provider"]: r["eager_ms"] * 1e3 for r in rows if r.get("eager_ms")}
+    ours = us.get("tritonkit")
+    peers = [v for k, v in us.items() if not k.startswith("tritonkit")]
+    copy = next((r.get("pct_copy_same_bytes") for r in rows if r["provider"] == "tritonkit"), None)
+    failed = [r["provider"] for r in rows if r.get("check") == "FAIL"]
+    return " ".join(
+        [
+            f"{'x'.join(map(str, case.shape))} {runner.dtype_name(case.dtype)} {case.mode}:",
+            ", ".join(f"{k} {v:.1f}" for k, v in us.items()),
+            f"us (eager: {', '.join(f'{k} {v:.1f}' for k, v in eager.items())});",
+            f"x best peer {min(peers) / ours:.2f}" if ours and peers else "",
+            *(f"x {k[10:-1]} {v / ours:.2f}" for k, v in us.items() if ours and k.startswith("tritonkit[")),
+            f"{copy:.0f}% of copy" if copy else "",
+            f"FAILED {failed}" if failed else "",
+        ]
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out")
+    parser.add_argument("--shape", type=_shape, action="append", help="ROWSxC:DTYPE (repeatable)")
+    parser.add_argument("--deadline", type=float, default=None, help="start no case after S seconds")
+    args = parser.parse_args()
+    start, rows = time.time(), []
+    for case in runner.cases(["cross_entropy"], args.shape or SHAPES, None, ["fwd", "bwd"]):
+        if args.deadline is not None and time.time() - start > args.deadline:
+            print(f"deadline: {case.shape} {case.mode} and later cases not run")
+            break
+        got = runner.run_case(case, None, "cuda", keep_going=True)
+        for label in SETTINGS:
+            got += _under(case, label)
+        rows += got
+        print(_line(case, got), flush=True)
+        with open(args.out, "w") as f:
+            json.dump({"command": " ".join([COMMAND, *sys.argv[2:]]), "rows": rows}, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

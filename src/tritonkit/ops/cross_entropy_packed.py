@@ -1,0 +1,182 @@
+"""Cross-entropy over many short rows: ROWS rows of logits a program, held as one (ROWS, BLOCK_C) tile.
+
+The row-a-program kernels (cross_entropy.py) give a row of C logits one program whose warps fill
+its block (C rounded up to a power of two): one warp for rows of at most WARP_BYTES. At 162064 rows
+of 76 bf16 classes each of 162064 one-warp programs moved 152 bytes, and the forward ran at 4% of
+the copy bandwidth (0.26x the best peer; the sweep, docs/perf-notes/cross-entropy.md). Rows whose
+block is at most PACK_ROW_BYTES go here instead: a program loads TILE_BYTES of logits, ROWS rows of
+BLOCK_C, and reduces along the tile's second axis; a row's targets, sums and gradient coefficients
+are (ROWS, 1) columns, the maths the row kernels' (cross_entropy_math.py). No windows: the tile's
+rows are read at the accesses their alignment allows (``ALIGN``)."""
+
+from __future__ import annotations
+
+from tritonkit._launch import Launch, next_power_of_2
+from tritonkit._triton import tl, triton
+from tritonkit.jit import LOG2E, aligned
+from tritonkit.ops.cross_entropy_math import capped, grad_coefficients, logit_grads, row_loss
+
+PACK_ROW_BYTES = 4096  # rows whose block is at most this are packed, 4 rows a program at least
+TILE_BYTES = 16384  # logits a program holds: the row kernels' BLOCK_BYTES
+WARP_BYTES = 2048  # logits a warp holds: four 16-byte loads a thread
+
+
+def packed_rows(n: int, classes: int, element_size: int) -> int:
+    """ROWS for ``n`` rows of ``classes`` logits of ``element_size`` bytes, or 0 where their rows
+    are too long to pack (they take the row kernels)."""
+    block = next_power_of_2(classes) * element_size
+    if block > PACK_ROW_BYTES:
+        return 0
+    return min(TILE_BYTES // block, next_power_of_2(n))
+
+
+def packed_meta(n: int, classes: int, element_size: int, rows: int, align: int) -> dict:
+    """The packed kernels' ROWS, BLOCK_C, ALIGN (``align``) and num_warps (WARP_BYTES of the tile a
+    warp), in the kernels' order."""
+    block_c = next_power_of_2(classes)
+    warps = max(1, min(8, rows * block_c * element_size // WARP_BYTES))
+    return {"ROWS": rows, "BLOCK_C": block_c, "ALIGN": align, "num_warps": warps}
+
+
+@triton.jit
+def _tile(x_ptr, rows, row_in, C, stride_xn, stride_xc, BLOCK_C: tl.constexpr):
+    """The (ROWS, BLOCK_C) tile of logits of ``rows`` (a (ROWS, 1) column) in fp32, its mask and
+    its classes."""
+    cols = tl.arange(0, BLOCK_C)[None, :]
+    mask = row_in & (cols < C)
+    x = tl.load(x_ptr + rows * stride_xn + cols * stride_xc, mask=mask, other=0.0).to(tl.float32)
+    return x, mask, cols
+
+
+@triton.jit
+def _cross_entropy_fwd_packed_kernel(
+    x_ptr,  # logits (N, C), strides (stride_xn, stride_xc)
+    target_ptr,  # (N,) int64 or int32, stride stride_t
+    weight_ptr,  # HAS_WEIGHT: class weights (C,), contiguous
+    loss_ptr,  # (N,): each row's loss (the output itself, in its dtype, for reduction "none")
+    lse_ptr,  # fp32 (N,)
+    row_weight_ptr,  # HAS_DIVISOR: fp32 (N,), w_t of each row counted (0 ignored): the mean's divisor
+    N,
+    C,
+    stride_xn,
+    stride_xc,
+    stride_t,
+    ignore_index,
+    smoothing,
+    z_loss,
+    softcap,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_DIVISOR: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_C: tl.constexpr,  # C rounded up to a power of two: a row in one step
+    ALIGN: tl.constexpr,  # C and the row stride are multiples of it (jit.aligned)
+):
+    C = aligned(C, ALIGN)
+    stride_xn = aligned(stride_xn, ALIGN)
+    rows = (tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS))[:, None]  # int64: N C may pass 2^31
+    row_in = rows < N
+    x, mask, cols = _tile(x_ptr, rows, row_in, C, stride_xn, stride_xc, BLOCK_C)
+    x = tl.where(mask, capped(x, softcap, HAS_SOFTCAP), -float("inf"))
+    m = tl.where(row_in, tl.max(x, 1, keep_dims=True), 0.0)  # rows past N: all -inf, shifted by 0
+    lse = m + tl.log(tl.sum(tl.exp2((x - m) * LOG2E), 1, keep_dims=True))
+    target = tl.load(target_ptr + rows * stride_t, mask=row_in, other=ignore_index)
+    safe = tl.where((target >= 0) & (target < C), target, 0)
+    x_t = tl.sum(tl.where(cols == safe, x, 0.0), 1, keep_dims=True)  # the target's logit, from the tile
+    if HAS_WEIGHT:
+        w = tl.load(weight_ptr + cols, mask=cols < C, other=0.0).to(tl.float32)
+        w_t = tl.load(weight_ptr + safe, mask=row_in, other=0.0).to(tl.float32)
+    else:
+        w = 1.0
+        w_t = 1.0
+    sum_wx = 0.0
+    sum_w = 0.0
+    if HAS_SMOOTHING:
+        sum_wx = tl.sum(w * tl.where(mask, x, 0.0), 1, keep_dims=True)
+        if HAS_WEIGHT:
+            sum_w = tl.sum(w, 1, keep_dims=True)
+    loss, counted = row_loss(
+        lse, target, x_t, w_t, sum_wx, sum_w, C, ignore_index, smoothing, z_loss,
+        HAS_WEIGHT, HAS_SMOOTHING, HAS_Z_LOSS,
+    )  # fmt: skip
+    tl.store(loss_ptr + rows, loss.to(loss_ptr.dtype.element_ty), mask=row_in)
+    tl.store(lse_ptr + rows, lse, mask=row_in)
+    if HAS_DIVISOR:
+        tl.store(row_weight_ptr + rows, counted, mask=row_in)
+
+
+@triton.jit
+def _cross_entropy_bwd_packed_kernel(
+    x_ptr,  # logits (N, C), strides (stride_xn, stride_xc)
+    target_ptr,  # (N,), stride stride_t
+    weight_ptr,  # HAS_WEIGHT: (C,)
+    lse_ptr,  # fp32 (N,): the forward's
+    grad_ptr,  # the loss's upstream gradient: (N,) with stride stride_g ("none"), or one element (stride 0)
+    totals_ptr,  # fp32 (3,), or None: the forward's sums (MEAN reads the divisor, smoothing with weights W)
+    grad_lse_ptr,  # HAS_LSE_GRAD: the lse's upstream gradient (N,), stride stride_gl
+    dx_ptr,  # (N, C) contiguous, the logits' dtype (it may be x itself: the tile is read, then written)
+    N,
+    C,  # the classes x holds: classes col0 .. col0 + C - 1 of C_ALL
+    col0,
+    C_ALL,
+    stride_xn,
+    stride_xc,
+    stride_t,
+    stride_g,
+    stride_gl,
+    ignore_index,
+    smoothing,
+    z_loss,
+    softcap,
+    MEAN: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_LSE_GRAD: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    ALIGN: tl.constexpr,  # C, col0 and the row stride are multiples of it (jit.aligned)
+):
+    C = aligned(C, ALIGN)
+    col0 = aligned(col0, ALIGN)
+    stride_xn = aligned(stride_xn, ALIGN)
+    rows = (tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS))[:, None]
+    row_in = rows < N
+    target = tl.load(target_ptr + rows * stride_t, mask=row_in, other=ignore_index)
+    lse = tl.load(lse_ptr + rows, mask=row_in, other=0.0)
+    if HAS_WEIGHT:
+        valid = (target >= 0) & (target < C_ALL)
+        w_t = tl.load(weight_ptr + tl.where(valid, target, 0), mask=row_in, other=0.0).to(tl.float32)
+    else:
+        w_t = 1.0
+    g = tl.load(grad_ptr + rows * stride_g, mask=row_in, other=0.0).to(tl.float32)
+    g, coef = grad_coefficients(
+        target, lse, g, w_t, totals_ptr, ignore_index, smoothing, z_loss, C_ALL,
+        MEAN, HAS_WEIGHT, HAS_SMOOTHING, HAS_Z_LOSS,
+    )  # fmt: skip
+    if HAS_LSE_GRAD:
+        h = tl.load(grad_lse_ptr + rows * stride_gl, mask=row_in, other=0.0)
+    else:
+        h = 0.0
+    x, mask, cols = _tile(x_ptr, rows, row_in, C, stride_xn, stride_xc, BLOCK_C)
+    d = logit_grads(
+        x, cols + col0, mask, target, weight_ptr, lse, coef, w_t, g, h, smoothing, softcap, C_ALL,
+        HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, HAS_LSE_GRAD,
+    )  # fmt: skip
+    tl.store(dx_ptr + rows * C + cols, d.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+def fwd_launch(args: tuple, meta: dict, n: int) -> Launch:
+    """The packed forward over ``n`` rows: ``args`` and ``meta`` those of the row kernel
+    (cross_entropy._fwd_launches) but for N before C, and ROWS, BLOCK_C and num_warps."""
+    grid = (-(-n // meta["ROWS"]),)
+    return Launch("fwd", _cross_entropy_fwd_packed_kernel, (*args[:6], n, *args[6:]), meta, grid=grid)
+
+
+def bwd_launch(args: tuple, meta: dict, n: int) -> Launch:
+    """The packed backward over ``n`` rows, likewise (cross_entropy._bwd_launches' args, N before C)."""
+    grid = (-(-n // meta["ROWS"]),)
+    return Launch("bwd", _cross_entropy_bwd_packed_kernel, (*args[:8], n, *args[8:]), meta, grid=grid)
