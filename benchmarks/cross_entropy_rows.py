@@ -1,13 +1,13 @@
 """cross_entropy over many short rows: packed, many rows a program (ops/cross_entropy_packed.py, the
-default), against a row a program (``PACK_ROW_BYTES = 0``) and against the mean's sum taken 1024
-rows a step (``SUM_BLOCK = 1024``, the step before 8192), beside the peers, in one run.
+default), against a row a program (``PACKED = False``) and against the mean's sum in one program
+(``SUM_SPAN = 0``: no spans summed first), beside the peers, in one run.
 
     python benchmarks/cross_entropy_rows.py OUT.json [--shape ROWSxC:DTYPE ...] [--deadline S]
 
 For each shape and mode (fwd, bwd), the benchmark runner's rows (``tritonkit.bench.runner``: the
 error check against float64, CUDA-graph-replayed median ms, eager ms, share of a copy of the same
 bytes) for every provider, then tritonkit again under each setting as "tritonkit[rows]" and
-"tritonkit[sum1024]", the replay plans forgotten before and after (a call signature replays the
+"tritonkit[one-sum]", the replay plans forgotten before and after (a call signature replays the
 launches it recorded).
 """
 
@@ -29,9 +29,10 @@ SHAPES = [
     ((8192, 1000), "fp32"),
     ((100000, 300), "bf16"),
     ((32768, 1024), "bf16"),
-    ((8192, 32000), "bf16"),  # a vocabulary: not packed, the control
+    ((8192, 32000), "bf16"),  # a vocabulary: not packed, its sum one program's: the control
+    ((16384, 32000), "bf16"),  # its sum over spans
 ]
-SETTINGS = {"tritonkit[rows]": (packed, "PACK_ROW_BYTES", 0), "tritonkit[sum1024]": (ce, "SUM_BLOCK", 1024)}
+SETTINGS = {"tritonkit[rows]": (packed, "PACKED", False), "tritonkit[one-sum]": (ce, "SUM_SPAN", 0)}
 COMMAND = "python benchmarks/cross_entropy_rows.py OUT.json"
 
 

@@ -88,7 +88,7 @@ ROW_KERNELS_GRID = in_turn(FEATURES, SIZES[:3], last=[F32, BF16, F16])
     ids=[case_id((i, *c[1:])) for i, c in enumerate(ROW_KERNELS_GRID)],
 )
 def test_short_rows_match_the_reference_a_program_a_row_too(features, size, dtype, monkeypatch, device):
-    monkeypatch.setattr(packed, "PACK_ROW_BYTES", 0)
+    monkeypatch.setattr(packed, "PACKED", False)
     kwargs = dict(features)
     x, target, weight = _inputs(*size, dtype, device, ignore_index=kwargs.get("ignore_index", -100))
     _check(x, target, weight if kwargs.pop("weight", False) else None, **kwargs)
@@ -133,22 +133,40 @@ def test_many_short_rows_pack_into_each_program(features, device):
         lambda x, t: ce.cross_entropy_reference(x, t, return_lse=True, **kwargs)[1],
         (x, target),
         grad_inputs=(0,),
-        grad_outputs=[torch.randn(300, generator=testing.generator(3), device=device)],
+        grad_outputs=[torch.randn(300, generator=torch.Generator().manual_seed(3)).to(device)],
     )
 
 
-def test_rows_pack_up_to_a_block_of_4096_bytes():
-    """ROWS: TILE_BYTES of logits a program, rows of at most PACK_ROW_BYTES, no more than the rows."""
-    assert packed.packed_rows(162064, 76, 2) == 64 and packed.packed_rows(8192, 1000, 4) == 4
-    assert packed.packed_rows(8192, 1024, 2) == 8 and packed.packed_rows(8192, 2049, 2) == 0
-    assert packed.packed_rows(3, 7, 4) == 4 and packed.packed_rows(8192, 1025, 4) == 0
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_many_rows_are_summed_a_span_a_program_first(reduction, monkeypatch, device):
+    """Over more than SUM_BLOCK rows the sum kernel adds the fp64 sums of spans of SUM_SPAN rows
+    (here 16 and 8: 300 rows, 38 spans, the last partial); the same bits on a second call."""
+    monkeypatch.setattr(ce, "SUM_BLOCK", 16)
+    monkeypatch.setattr(ce, "SUM_SPAN", 8)
+    x, target, weight = _inputs(300, 76, BF16, device, seed=5)
+    fwd, _ = _launches(x, target, weight, reduction)
+    assert [(launch.name, launch.grid) for launch in fwd[1:]] == [("fwd sum spans", (38,)), ("fwd sum", (1,))]
+    _check(x, target, weight, reduction=reduction)
+    first, second = (tritonkit.cross_entropy(x, target, weight, reduction=reduction) for _ in range(2))
+    assert torch.equal(first, second)
+
+
+def test_rows_pack_where_one_warp_spans_them():
+    """ROWS: TILE_BYTES of logits a program, for rows whose block 32 threads' vectors of the rows'
+    alignment (16 bytes at most) span; no more rows than there are."""
+    assert [packed.vector_entries(torch.empty(2, c, dtype=BF16), c) for c in (256, 76, 37)] == [8, 4, 1]
+    assert packed.vector_entries(torch.empty(2, 64)[:, :60], 60) == 4  # the row stride (64) too
+    assert packed.packed_rows(162064, 76, 2, 4) == 64 and packed.packed_rows(8192, 256, 2, 8) == 32
+    assert packed.packed_rows(8192, 100, 4, 4) == 32 and packed.packed_rows(8192, 129, 4, 1) == 0
+    assert packed.packed_rows(8192, 300, 2, 4) == 0 and packed.packed_rows(8192, 1000, 4, 8) == 0
+    assert packed.packed_rows(3, 7, 4, 1) == 4 and packed.packed_rows(9, 37, 2, 1) == 0
 
 
 _PACKED_SASS = r"""
 import json, torch
 from tritonkit.asm import compile_launch
 from tritonkit.ops import cross_entropy as ce
-for n, classes in ((4096, 1024), (162064, 76)):
+for n, classes in ((4096, 256), (162064, 76)):
     for launch in ce._inspect_launches((n, classes), torch.bfloat16):
         r = compile_launch(launch, "sm_90")
         print(json.dumps({"classes": classes, "launch": launch.name, "kernel": launch.kernel.__name__,
@@ -157,21 +175,24 @@ for n, classes in ((4096, 1024), (162064, 76)):
 
 
 def test_packed_rows_compile_for_hopper_without_spills_and_as_wide_as_their_rows_allow():
-    """Rows of 1024 bf16 logits (16-byte rows) move in 16-byte vectors, rows of 76 (8-byte rows) in
-    8-byte ones; a row's target, lse and upstream gradient are single values, as in the row kernels."""
+    """Rows of 256 bf16 logits (16-byte rows) move in 16-byte vectors, rows of 76 (8-byte rows) in
+    8-byte ones; a row's target, lse and upstream gradient are single values, as in the row kernels.
+    The sum's spans (162064 rows) read the rows' losses in 16-byte vectors and write an fp64 each."""
     import sm90
 
     rows = [json.loads(line) for line in sm90.run(_PACKED_SASS)]
     assert {(row["classes"], row["launch"]) for row in rows} >= {
-        (c, d) for c in (1024, 76) for d in ("fwd", "bwd")
-    }
+        (c, d) for c in (256, 76) for d in ("fwd", "bwd")
+    } | {(76, "fwd sum spans")}
     for row in rows:
         assert not row["spills"], row
         if row["launch"] in ("fwd", "bwd"):
             assert "packed" in row["kernel"], row
-            widest = 128 if row["classes"] == 1024 else 64
+            widest = 128 if row["classes"] == 256 else 64
             assert max(row["loads"]) == widest, row
             assert row["stores"] == [widest] if row["launch"] == "bwd" else max(row["stores"]) <= 32, row
+        elif row["launch"] == "fwd sum spans":
+            assert row["loads"] == [128] and row["stores"] == [64], row
 
 
 def test_the_lse_and_its_gradient_with_the_loss(device):
@@ -186,7 +207,7 @@ def test_the_lse_and_its_gradient_with_the_loss(device):
 
         return call
 
-    upstream = [torch.randn(10, generator=torch.Generator().manual_seed(s)) for s in (2, 3)]
+    upstream = [torch.randn(10, generator=torch.Generator().manual_seed(s)).to(device) for s in (2, 3)]
     testing.check_against_reference(
         loss_and_lse(tritonkit.cross_entropy), loss_and_lse(ce.cross_entropy_reference), (x, target, None),
         grad_inputs=(0,), grad_outputs=upstream, dtype=F32,
@@ -340,7 +361,7 @@ def test_short_rows_take_fewer_warps(monkeypatch):
     """A program holds four 16-byte loads a thread a step: 8 warps at a full step (8192 16-bit or
     4096 fp32 logits), fewer for a shorter row's (195 classes: 1), both row kernels alike (packing
     off: test_many_short_rows_pack_into_each_program has the packed kernels' warps)."""
-    monkeypatch.setattr(packed, "PACK_ROW_BYTES", 0)
+    monkeypatch.setattr(packed, "PACKED", False)
     warps = lambda classes, size: ce._step(classes, size)[1]  # noqa: E731
     assert warps(32000, 2) == warps(8192, 2) == warps(4096, 4) == 8 and warps(3027, 2) == 4
     assert warps(195, 4) == warps(1, 2) == 1 and ce._step(195, 4)[0] == 256
@@ -360,7 +381,7 @@ ODD = in_turn([33, 8195, 50257], ODD_FEATURES, [True, False], last=[BF16, F32])
 @pytest.mark.parametrize("classes, features, windows, dtype", ODD, ids=map(case_id, ODD))
 def test_odd_vocabularies_in_windows_and_without(classes, features, windows, dtype, monkeypatch, device):
     monkeypatch.setattr(ce, "WINDOWS", windows)
-    monkeypatch.setattr(packed, "PACK_ROW_BYTES", 0)
+    monkeypatch.setattr(packed, "PACKED", False)
     kwargs = dict(features)
     x, target, weight = _inputs(5, classes, dtype, device, seed=classes)
     _check(x, target, weight if kwargs.pop("weight", False) else None, **kwargs)

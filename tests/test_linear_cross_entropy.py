@@ -265,7 +265,11 @@ def test_a_second_backward_of_the_forwards_gradients_is_refused(device, monkeypa
         (lambda a: a.update(reduction="avg"), ValueError, "reduction must be"),
         (lambda a: a.update(label_smoothing=1.5), ValueError, "label_smoothing must be in"),
         (lambda a: a.update(softcap=0.0), ValueError, "softcap must be None or"),
-        (lambda a: a.update(class_weight=torch.ones(6)), ValueError, "weight must have C = 5"),
+        (
+            lambda a: a.update(class_weight=torch.ones(6, device=a["input"].device)),
+            ValueError,
+            "weight must have C = 5",
+        ),
         (lambda a: a.update(order="classes"), ValueError, "order must be one of"),
     ],
 )

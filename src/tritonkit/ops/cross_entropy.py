@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from tritonkit._launch import Launch, next_power_of_2, row_align, row_window
+from tritonkit._launch import Launch, cdiv, next_power_of_2, row_align, row_window, scratch
 from tritonkit._runtime import empty_output, empty_output_like
 from tritonkit._triton import tl, triton
 from tritonkit.dtypes import FLOATS
@@ -45,8 +45,10 @@ TARGET_DTYPES = (torch.int64, torch.int32)
 BLOCK_BYTES = 16384  # logits a program holds a step: 8192 in 16-bit dtypes, four 16-byte loads a thread
 WARP_BYTES = 2048  # logits a warp holds a step: four 16-byte loads a thread (8 warps at BLOCK_BYTES)
 # rows the reduction adds a step (one program: a fixed order, the same bits each call): 64 KB of
-# losses and divisor terms in flight a step, so that 100K rows and more are a few steps of one SM
+# losses and divisor terms in flight a step. Over more rows, programs of SUM_SPAN rows sum theirs
+# first (a launch more, the SMs' bandwidth instead of one's), and the one program sums their sums.
 SUM_BLOCK = 8192
+SUM_SPAN = 2048  # (0: one program sums every row, for a benchmark's comparison)
 
 
 @triton.jit
@@ -220,6 +222,28 @@ def _cross_entropy_sum_kernel(
             cols = start + tl.arange(0, BLOCK)
             w_sum += tl.load(weight_ptr + cols, mask=cols < C, other=0.0).to(tl.float32)
         tl.store(totals_ptr + 2, tl.sum(w_sum, 0))
+
+
+@triton.jit
+def _cross_entropy_span_sums_kernel(
+    loss_ptr,  # fp32 (N,), the rows' losses
+    row_weight_ptr,  # MEAN: fp32 (N,)
+    partials_ptr,  # fp64 (2, P): each span's sum of losses, then (MEAN) of divisor terms
+    N,
+    P,  # spans
+    MEAN: tl.constexpr,
+    SPAN: tl.constexpr,  # rows a program
+):
+    """The sum kernel's first stage over many rows: program p sums rows p SPAN .. (p + 1) SPAN - 1 in
+    fp64 (exactly, as the one-program sum), in a fixed order."""
+    rows = tl.program_id(0) * SPAN + tl.arange(0, SPAN)
+    tl.store(
+        partials_ptr + tl.program_id(0),
+        tl.sum(tl.load(loss_ptr + rows, mask=rows < N, other=0.0).to(tl.float64), 0),
+    )
+    if MEAN:
+        terms = tl.load(row_weight_ptr + rows, mask=rows < N, other=0.0).to(tl.float64)
+        tl.store(partials_ptr + P + tl.program_id(0), tl.sum(terms, 0))
 
 
 @triton.jit
@@ -405,35 +429,38 @@ def _fwd_launches(input, target, weight, options: tuple, outputs: tuple) -> list
         input.stride(0), input.stride(1), target.stride(0), ignore_index, smoothing, z_loss, softcap,
     )  # fmt: skip
     meta = _flags(weight, smoothing, z_loss, softcap) | {"HAS_DIVISOR": mean}  # in the kernels' order
-    size = input.element_size()
-    if rows_a_program := packed.packed_rows(n, classes, size):  # many short rows
-        meta |= packed.packed_meta(n, classes, size, rows_a_program, _align(input, classes))
+    size, align = input.element_size(), _align(input, classes)
+    if rows_a_program := packed.packed_rows(n, classes, size, packed.vector_entries(input, classes)):
+        meta |= packed.packed_meta(n, classes, size, rows_a_program, align)
         launches = [packed.fwd_launch(args, meta, n)]
     else:
         block_c, warps = _step(classes, size)
         window = _window(classes, (input,), (input.stride(0),))
         # (the windows' bases carry the alignment)
-        meta |= {"BLOCK_C": block_c, "ALIGN": 1 if window else _align(input, classes), "WINDOW": window}
+        meta |= {"BLOCK_C": block_c, "ALIGN": 1 if window else align, "WINDOW": window}
         launches = [Launch("fwd", _cross_entropy_fwd_kernel, args, meta | {"num_warps": warps}, grid=(n,))]
     if totals is not None:
-        launches.append(sum_launch(weight, options, (out, rows, lse, row_weight, totals), n, classes))
+        launches += sum_launches(weight, options, (out, rows, lse, row_weight, totals), n, classes)
     return launches if n else launches[1:]
 
 
-def sum_launch(weight, options: tuple, outputs: tuple, n: int, classes: int) -> Launch:
-    """The sum kernel over ``n`` rows' losses (:func:`_fwd_launches`' second launch)."""
+def sum_launches(weight, options: tuple, outputs: tuple, n: int, classes: int) -> list[Launch]:
+    """The sum kernel over ``n`` rows' losses (:func:`_fwd_launches`' last launch); over more than
+    SUM_BLOCK rows, after programs of SUM_SPAN rows each have summed theirs (fp64 partials)."""
     _, reduction, smoothing, _, _ = options
     out, rows, _, row_weight, totals = outputs
-    reduce = reduction != "none"
+    reduce, mean = reduction != "none", reduction == "mean"
+    launches = []
+    if reduce and SUM_SPAN and n > SUM_BLOCK:  # the rows' losses (and divisor terms) a span a program first
+        partials = scratch((2, cdiv(n, SUM_SPAN)), torch.float64, rows.device)
+        meta = {"MEAN": mean, "SPAN": SUM_SPAN, "num_warps": 4}
+        args = (rows, row_weight, partials, n, partials.shape[1])
+        launches.append(Launch("fwd sum spans", _cross_entropy_span_sums_kernel, args, meta, grid=args[-1:]))
+        rows, row_weight, n = partials[0], partials[1], partials.shape[1]
     sums = (rows, row_weight, weight, out if reduce else None, totals, n, classes)
-    meta = {
-        "REDUCE": reduce,
-        "MEAN": reduction == "mean",
-        "HAS_WEIGHT_SUM": weight is not None and smoothing > 0,
-        "BLOCK": SUM_BLOCK,
-        "num_warps": 8,
-    }
-    return Launch("fwd sum", _cross_entropy_sum_kernel, sums, meta, grid=(1,))
+    meta = {"REDUCE": reduce, "MEAN": mean, "HAS_WEIGHT_SUM": weight is not None and smoothing > 0}
+    meta |= {"BLOCK": SUM_BLOCK, "num_warps": 8}
+    return [*launches, Launch("fwd sum", _cross_entropy_sum_kernel, sums, meta, grid=(1,))]
 
 
 def _bwd_launches(
@@ -454,7 +481,7 @@ def _bwd_launches(
     size, align = input.element_size(), _align(input, width, col0)
     if not n:
         return []
-    if rows_a_program := packed.packed_rows(n, width, size):  # many short rows
+    if rows_a_program := packed.packed_rows(n, width, size, packed.vector_entries(input, width, col0)):
         return [packed.bwd_launch(args, meta | packed.packed_meta(n, width, size, rows_a_program, align), n)]
     block_c, warps = _step(width, size)
     window = _window(width, (input, dx), (input.stride(0), width))

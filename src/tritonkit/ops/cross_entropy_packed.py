@@ -4,10 +4,11 @@ The row-a-program kernels (cross_entropy.py) give a row of C logits one program 
 its block (C rounded up to a power of two): one warp for rows of at most WARP_BYTES. At 162064 rows
 of 76 bf16 classes each of 162064 one-warp programs moved 152 bytes, and the forward ran at 4% of
 the copy bandwidth (0.26x the best peer; the sweep, docs/perf-notes/cross-entropy.md). Rows whose
-block is at most PACK_ROW_BYTES go here instead: a program loads TILE_BYTES of logits, ROWS rows of
-BLOCK_C, and reduces along the tile's second axis; a row's targets, sums and gradient coefficients
-are (ROWS, 1) columns, the maths the row kernels' (cross_entropy_math.py). No windows: the tile's
-rows are read at the accesses their alignment allows (``ALIGN``)."""
+block one warp's vectors span (``packed_rows``) go here instead: a program loads TILE_BYTES of
+logits, ROWS rows of BLOCK_C, and reduces along the tile's second axis, within each warp; a row's
+targets, sums and gradient coefficients are (ROWS, 1) columns, the maths the row kernels'
+(cross_entropy_math.py). No windows: the tile's rows are read at the accesses their alignment
+allows (``ALIGN``)."""
 
 from __future__ import annotations
 
@@ -16,18 +17,36 @@ from tritonkit._triton import tl, triton
 from tritonkit.jit import LOG2E, aligned
 from tritonkit.ops.cross_entropy_math import capped, grad_coefficients, logit_grads, row_loss
 
-PACK_ROW_BYTES = 4096  # rows whose block is at most this are packed, 4 rows a program at least
+# False keeps every row on the row kernels (a test's, a benchmark's comparison)
+PACKED = True
 TILE_BYTES = 16384  # logits a program holds: the row kernels' BLOCK_BYTES
 WARP_BYTES = 2048  # logits a warp holds: four 16-byte loads a thread
+VECTOR_BYTES = 16
 
 
-def packed_rows(n: int, classes: int, element_size: int) -> int:
-    """ROWS for ``n`` rows of ``classes`` logits of ``element_size`` bytes, or 0 where their rows
-    are too long to pack (they take the row kernels)."""
-    block = next_power_of_2(classes) * element_size
-    if block > PACK_ROW_BYTES:
+def packed_rows(n: int, classes: int, element_size: int, vector: int) -> int:
+    """ROWS for ``n`` rows of ``classes`` logits of ``element_size`` bytes read ``vector`` entries an
+    access (:func:`vector_entries`), or 0 where they are too long to pack and take the row kernels:
+    rows whose block spans more than one warp's vectors were slower packed, their max and sums
+    reduced across warps through shared memory (300 bf16 classes: the forward 0.69x the row
+    kernel's; docs/perf-notes/cross-entropy.md)."""
+    block_c = next_power_of_2(classes)
+    if not PACKED or block_c > 32 * vector:
         return 0
-    return min(TILE_BYTES // block, next_power_of_2(n))
+    return min(TILE_BYTES // (block_c * element_size), next_power_of_2(n))
+
+
+def vector_entries(logits, *values: int) -> int:
+    """Entries an access of the logits' rows takes: the largest power of two, at most VECTOR_BYTES,
+    dividing every one of ``values`` (the row's length and its strides), where the entries are
+    contiguous; else 1."""
+    if logits.stride(1) != 1:
+        return 1
+    vector = VECTOR_BYTES // logits.element_size()
+    for value in (*values, logits.stride(0)):
+        while value % vector:
+            vector //= 2
+    return vector
 
 
 def packed_meta(n: int, classes: int, element_size: int, rows: int, align: int) -> dict:

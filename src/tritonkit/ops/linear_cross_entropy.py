@@ -172,7 +172,10 @@ def _forward(
         one = torch.ones(1, dtype=torch.float32, device=input.device)
         if class_weight is not None and smoothing > 0:  # the backward kernel's W = sum_c w_c, first
             weights_only = (ignore_index, "none", smoothing, z_loss, softcap)
-            ce.sum_launch(class_weight, weights_only, (out, rows, lse, row_weight, totals), n, vocab).run()
+            for launch in ce.sum_launches(
+                class_weight, weights_only, (out, rows, lse, row_weight, totals), n, vocab
+            ):
+                launch.run()
         if n == 0:  # no token: dW and db sum over nothing
             for grad_of_param in (dw, db):
                 if grad_of_param is not None:
@@ -209,7 +212,8 @@ def _forward(
             part = dz.sum(0, dtype=torch.float32)
             db.copy_(part) if start == 0 else db.add_(part)
     if totals is not None:
-        ce.sum_launch(class_weight, options, (out, rows, lse, row_weight, totals), n, vocab).run()
+        for launch in ce.sum_launches(class_weight, options, (out, rows, lse, row_weight, totals), n, vocab):
+            launch.run()
 
 
 @op("linear_cross_entropy_backward", mutates=("dx", "dw", "db"))
