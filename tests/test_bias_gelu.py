@@ -136,6 +136,20 @@ def test_window_backward_equals_the_plain_one(shape, dtype, device, monkeypatch)
     assert all(c.passed for c in _check(x, b, dy)), [str(c) for c in _check(x, b, dy)]
 
 
+def test_grids_are_flat_so_long_rows_launch():
+    """A grid's second dimension holds at most 65535 programs: a row of 13795015 fp32 entries was
+    107774 column blocks of the backward and failed to launch (the sweep). Every grid is one
+    dimension, row tiles fastest (``_tile_of_program``)."""
+    for shape, dtype in (((4, 13795015), F32), ((3, 1 << 27), BF16), ((38788, 3027), BF16)):
+        x = torch.empty(shape, dtype=dtype, device="meta")
+        b, dy = torch.empty(shape[1:], dtype=dtype, device="meta"), torch.empty_like(x)
+        launches = bg._fwd_launches(x, b, torch.empty_like(x), "none")
+        launches += bg._bwd_launches(dy, x, b, torch.empty_like(x), torch.empty_like(b), "none")
+        for launch in launches:
+            assert len(launch.grid) == 1 and launch.grid[0] < 2**31, (shape, launch.name, launch.grid)
+    assert [launch.grid for launch in launches[:2]] == [(29091,), (7296,)]  # 38788 x 3027: as before
+
+
 @pytest.mark.parametrize("shape", [(21, 10), (2, 1), (64, 27)], ids=str)
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
 def test_a_tiny_backward_is_one_launch(shape, dtype, device, monkeypatch):

@@ -58,6 +58,15 @@ WINDOW_TILE_BYTES = 2048
 
 
 @triton.jit
+def _tile_of_program(M, ROWS: tl.constexpr):
+    """(row tile, column tile) of this program: the grid is flat, row tiles of ROWS rows fastest (a
+    grid's second and third dimensions hold at most 65535 programs: a row of 13795015 fp32 entries
+    is 107774 column blocks of the backward's 128)."""
+    row_tiles = tl.cdiv(M, ROWS)
+    return (tl.program_id(0) % row_tiles).to(tl.int64), tl.program_id(0) // row_tiles
+
+
+@triton.jit
 def _bias_gelu_fwd_kernel(
     x_ptr,  # input, (M, N), strides (stride_xm, stride_xn)
     b_ptr,  # bias, (N,), stride stride_bn
@@ -74,8 +83,9 @@ def _bias_gelu_fwd_kernel(
 ):
     N = aligned(N, ALIGN)
     stride_xm = aligned(stride_xm, ALIGN)
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # int64: M*N may pass 2^31
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_tile, col_tile = _tile_of_program(M, BLOCK_M)
+    rows = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # int64: M*N may pass 2^31
+    cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn, mask=mask)
     b = tl.load(b_ptr + cols * stride_bn, mask=cols < N)
@@ -134,11 +144,12 @@ def _bias_gelu_bwd_tiles(
     N = aligned(N, ALIGN)
     stride_dym = aligned(stride_dym, ALIGN)
     stride_xm = aligned(stride_xm, ALIGN)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_tile, col_tile = _tile_of_program(M, BLOCK_M * ROW_TILES)
+    cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     b = tl.load(b_ptr + cols * stride_bn, mask=col_mask).to(tl.float32)
     db = tl.zeros([BLOCK_N], dtype=tl.float32)
-    first_row = tl.program_id(0).to(tl.int64) * (BLOCK_M * ROW_TILES)
+    first_row = row_tile * (BLOCK_M * ROW_TILES)
     for tile in range(ROW_TILES):
         rows = first_row + tile * BLOCK_M + tl.arange(0, BLOCK_M)
         mask = (rows[:, None] < M) & col_mask[None, :]
@@ -149,7 +160,7 @@ def _bias_gelu_bwd_tiles(
         )
         tl.store(dx_ptr + rows[:, None] * N + cols[None, :], dz.to(dx_ptr.dtype.element_ty), mask=mask)
         db += tl.sum(tl.where(mask, dz, 0.0), axis=0)
-    tl.store(db_partial_ptr + tl.program_id(0) * N + cols, db, mask=col_mask)
+    tl.store(db_partial_ptr + row_tile * N + cols, db, mask=col_mask)
 
 
 # Rows that start off their vectors (an odd row length in 16 bits): read 2 bytes at a time, the
@@ -172,8 +183,8 @@ def _bias_gelu_bwd_window(
 ):  # fmt: skip
     """The backward in windows (above): BLOCK_M is WINDOW; x's, dy's and dx's row strides agree
     modulo WINDOW and their entries are contiguous."""
-    block = tl.program_id(1)
-    first_row = tl.program_id(0).to(tl.int64) * (BLOCK_M * ROW_TILES)
+    row_tile, block = _tile_of_program(M, BLOCK_M * ROW_TILES)
+    first_row = row_tile * (BLOCK_M * ROW_TILES)
     place = tl.arange(0, BLOCK_M)
     head = window_base((first_row + place) * stride_xm, WINDOW)[1]  # (the same in every tile)
     positions = block * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -222,7 +233,7 @@ def _bias_gelu_bwd_window(
             )
             tl.store(dx_ptr + dx_base[:, None] + edges, dz_edge.to(dx_ptr.dtype.element_ty), mask=edge)
             db_edge += tl.where(edge, dz_edge, 0.0)
-    partial = db_partial_ptr + (tl.program_id(0) * BLOCK_M + place)[:, None].to(tl.int64) * N
+    partial = db_partial_ptr + (row_tile * BLOCK_M + place)[:, None] * N
     tl.store(partial + cols, db, mask=inner)  # (rows past M: zeros, so that every entry is written)
     tl.store(partial + edge_cols, db_edge, mask=on_edge)
 
@@ -282,7 +293,11 @@ def _fwd_launches(input, bias, y, approximate: str) -> list[Launch]:
     args = (x, bias, y, x.shape[0], n_cols, x.stride(0), x.stride(1), bias.stride(0))
     return [
         Launch(
-            "fwd", _bias_gelu_fwd_kernel, args, meta, grid=(cdiv(x.shape[0], block_m), cdiv(n_cols, block_n))
+            "fwd",
+            _bias_gelu_fwd_kernel,
+            args,
+            meta,
+            grid=(cdiv(x.shape[0], block_m) * cdiv(n_cols, block_n),),
         )
     ]
 
@@ -306,8 +321,9 @@ def _bwd_launches(grad_output, input, bias, dx, db, approximate: str) -> list[La
     block_m, block_n, row_tiles, window = _bwd_tiles(x, dy, dx.reshape(-1, n_cols))
     # in windows, enough column blocks that every row's columns, shifted by up to WINDOW - 1 from
     # its window's start, are covered
-    grid = (cdiv(x.shape[0], block_m * row_tiles), cdiv(n_cols + max(window - 1, 0), block_n))
-    partial_rows = grid[0] * (block_m if window else 1)
+    row_programs = cdiv(x.shape[0], block_m * row_tiles)
+    grid = (row_programs * cdiv(n_cols + max(window - 1, 0), block_n),)  # flat: _tile_of_program
+    partial_rows = row_programs * (block_m if window else 1)
     if partial_rows == 1 and db.is_contiguous():  # one row of partials: db itself, cast as stored
         db_partial = db
     else:
