@@ -15,7 +15,7 @@ import tritonkit
 import tritonkit.ops.softmax.configs as sk
 import tritonkit.ops.softmax.softmax as sm
 from grids import case_id, in_turn
-from tritonkit import tuning
+from tritonkit import opdef, tuning
 from tritonkit._launch import next_power_of_2
 from tritonkit._runtime import interpret, sm_count
 from tritonkit.ops.softmax.softmax import (
@@ -631,11 +631,15 @@ POISONING = in_turn(["fwd", "bwd"], KERNELS, last=[False, True])  # each directi
 
 
 @pytest.mark.parametrize("direction, variant, log", POISONING, ids=map(case_id, POISONING))
-def test_poisoning_catches_an_unwritten_row(direction, log, variant, monkeypatch, device):
+def test_poisoning_catches_an_unwritten_row(direction, log, variant, monkeypatch, request, device):
     x, dy = _inputs((5, 40), F32, device, seed=43)
     _check(x, dy, log=log, variant=variant)  # passes with the real launch
     monkeypatch.setattr(tuning, "_single_config", lambda: True)  # no tuning with the broken launch
     monkeypatch.setattr(sm, "_launch", _skip_last_row(direction))
+    # a GPU call of a signature seen before replays its recorded launches, not _launch: record afresh,
+    # and leave none of the broken launches' plans to later tests
+    opdef.forget_plans()
+    request.addfinalizer(opdef.forget_plans)
     comparisons = compare_with_reference(
         _kernel(log, variant), _reference(log), [x], grad_inputs=(0,), grad_outputs=[dy]
     )
@@ -767,6 +771,23 @@ def test_compile_fullgraph(device):
     check_against_reference(
         lambda t: compiled(t)[0], softmax_reference, [x.detach()], grad_inputs=(0,), grad_outputs=[dys[0]]
     )
+
+
+def test_poisoning_is_no_part_of_a_compiled_graph(device):
+    """The tests' output poisoning fills eager calls' outputs only: a graph traced while it is on is
+    the one users get, and turning it on compiles no second graph (on the GPU the poisoned graph's
+    gradient was wrong: test_compile_fullgraph's 0.43 against a bound of 0.0098)."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(lambda t: tritonkit.softmax(t, -1), backend=counter, fullgraph=True)
+    x = random_tensor((6, 40), BF16, device, generator=generator(52))
+    plain = compiled(x)
+    with poisoned_outputs():
+        poisoned = compiled(x)
+    assert counter.frame_count == 1  # (2 where the flag was traced: a second graph, with the fills)
+    torch.testing.assert_close(poisoned, plain, rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------- registry, cost model, harness shapes

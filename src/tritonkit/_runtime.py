@@ -161,16 +161,26 @@ def current_device():
 
 
 # Set only by tritonkit.testing.poisoned_outputs(): outputs start as NaN so that an element the
-# kernel forgets to write fails the comparison instead of passing on leftover memory.
+# kernel forgets to write fails the comparison instead of passing on leftover memory. Eager calls
+# only (``_poisoning``): under torch.compile the flag would be traced into the graph, a second graph
+# compiled for it, and that graph is not the one users run. On the GPU it was wrong besides: the
+# fill on the outputs of the softmax ops' autograd function had AOTAutograd trace their backward
+# into the forward graph with zero tangents (docs/perf-notes/softmax.md).
 poison_outputs = False
 
 
+def _poisoning() -> bool:
+    import torch
+
+    return not torch.compiler.is_compiling() and poison_outputs
+
+
 def empty_output(shape, dtype, device):
-    """Allocate a kernel's output (NaN-filled while tests poison outputs)."""
+    """Allocate a kernel's output (NaN-filled while tests poison eager calls' outputs)."""
     import torch
 
     out = torch.empty(shape, dtype=dtype, device=device)
-    if poison_outputs:
+    if _poisoning():
         out.fill_(float("nan"))
     return out
 
@@ -181,7 +191,7 @@ def empty_output_like(t, dtype=None):
     import torch
 
     out = torch.empty_like(t, dtype=dtype, memory_format=torch.contiguous_format)
-    if poison_outputs:
+    if _poisoning():
         out.fill_(float("nan"))
     return out
 
