@@ -98,15 +98,19 @@ def test_layer_norm_rows_far_from_zero_keep_their_variance(split, device):
 
 def test_the_rule_fills_the_sms_and_keeps_the_rows_in_flight_within_l2():
     """For the nominal H200 (132 SMs, 50 MB of L2): the looped kernels' default splits rows of 256
-    and fewer (a power-of-two bucket under two programs an SM); a split row's segments are of
-    SPLIT_CHUNKS_MIN chunks or more, two or more a row, as many rows at once as L2's share holds,
-    and never more programs than two an SM."""
+    and fewer (a power-of-two bucket under two programs an SM), RMSNorm's backward 1024 and fewer
+    (under eight, at eight programs an SM); a split row's segments are of SPLIT_CHUNKS_MIN chunks
+    or more, two or more a row, as many rows at once as L2's share holds, and never more programs
+    than the config's an SM."""
     budget = ns.SPLIT_L2_SHARE * 50 * 2**20
 
-    def default(direction, rows, n, dtype):
-        return nm._default(nm._tuning_key(direction, n, rows, dtype, nm._params_key(False, None, None, True)))
+    def default(direction, rows, n, dtype, rms=True):
+        return nm._default(nm._tuning_key(direction, n, rows, dtype, nm._params_key(False, None, None, rms)))
 
-    assert "SPLIT" not in default("bwd", 257, 1 << 20, torch.bfloat16)  # the bucket of 512 rows
+    assert "SPLIT" not in default("bwd", 257, 1 << 20, torch.bfloat16, rms=False)  # the bucket of 512 rows
+    assert "SPLIT" not in default("fwd", 257, 1 << 20, torch.bfloat16)
+    assert default("bwd", 1024, 1 << 20, torch.bfloat16)["PER_SM"] == 8  # RMSNorm's backward
+    assert "SPLIT" not in default("bwd", 1025, 1 << 20, torch.bfloat16)  # the bucket of 2048 rows
     assert "SPLIT" not in default("fwd", 4, 32768, torch.bfloat16)  # one program holds the row
     for direction, rows, n, dtype in [
         ("fwd", 2, 12291808, torch.float16),
@@ -133,6 +137,14 @@ def test_the_rule_fills_the_sms_and_keeps_the_rows_in_flight_within_l2():
         assert segment >= ns.SPLIT_CHUNKS_MIN * config["BLOCK_N"], case
         assert at_once * segments <= programs, case
         assert at_once == 1 or at_once * reread <= budget, case
+    # RMSNorm's backward over a few hundred rows: segments of the chunks' floor, more rows in flight
+    # than L2's share (as timed: the programs all run at once)
+    for rows, n, dtype, expected in ((411, 25911, F32, 4096), (1024, 16384, BF16, 8192)):
+        config = default("bwd", rows, n, dtype)
+        assert (
+            config["PER_SM"] == 8
+            and ns.split_segment("bwd", rows, n, dtype.itemsize, "cpu", config) == expected
+        )
     # 32 rows of 3738195 bf16 forward: three rows at once (7.5 MB each), 83 segments of 45056
     assert ns.split_segment("fwd", 32, 3738195, 2, "cpu", default("fwd", 32, 3738195, BF16)) == 45056
 

@@ -29,6 +29,10 @@ from tritonkit.jit import aligned
 from tritonkit.split_rows import _publish_and_wait, _segment_of_program, cooperative_programs
 
 SPLIT_PER_SM = 2  # programs an SM the split launches aim for
+# RMSNorm's backward (one dw slice, no db) takes the split up to this many programs an SM's rows
+# too, at that many programs an SM: 1.14-1.79x at 411 x 25911 fp32 and 512 and 1024 x 16384 bf16
+# on an H100 (docs/perf-notes/norms.md); LayerNorm's (two slices) lost at 16384 bf16 (0.78-0.87x)
+SPLIT_PER_SM_RMS_BWD = 8
 # a segment is at least this many chunks: 97 rows of 11079 fp16 split in two segments of 2 chunks
 SPLIT_CHUNKS_MIN = 2
 SPLIT_WARPS = 8
@@ -40,12 +44,17 @@ SPLIT_BLOCK_N = {4: 2048, 2: 4096}
 
 def split_default(key: dict) -> dict | None:
     """The looped kernels' untuned config where the key's rows (a power of two) are fewer than
-    SPLIT_PER_SM programs an SM (the H200: 256 rows and fewer): the split launch, its segments made
-    at the launch from the rows and their length (``split_segment``); else None."""
-    if key["rows"] >= SPLIT_PER_SM * sm_count(current_device()):
-        return None
+    SPLIT_PER_SM programs an SM (the H200: 256 rows and fewer; RMSNorm's backward: fewer than
+    SPLIT_PER_SM_RMS_BWD programs an SM, 1024 rows and fewer): the split launch, its segments made at
+    the launch from the rows and their length (``split_segment``); else None."""
+    per_sm, sms = SPLIT_PER_SM, sm_count(current_device())
+    if key["rows"] >= per_sm * sms:  # (SPLIT_PER_SM = 0: no split at all)
+        rms_bwd = key["direction"] == "bwd" and key["rms"] and key["rows"] < SPLIT_PER_SM_RMS_BWD * sms
+        if not (per_sm and rms_bwd):
+            return None
+        per_sm = SPLIT_PER_SM_RMS_BWD
     block_n = SPLIT_BLOCK_N[DTYPE_OF[key["dtype"]].itemsize]
-    return {"SPLIT": True, "BLOCK_N": block_n, "num_warps": SPLIT_WARPS, "PER_SM": SPLIT_PER_SM}
+    return {"SPLIT": True, "BLOCK_N": block_n, "num_warps": SPLIT_WARPS, "PER_SM": per_sm}
 
 
 def split_segment(direction: str, rows: int, n: int, size: int, device, config: dict) -> int:
