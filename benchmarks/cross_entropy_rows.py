@@ -1,14 +1,15 @@
-"""cross_entropy over many short rows: packed, many rows a program (ops/cross_entropy_packed.py, the
-default), against a row a program (``PACKED = False``) and against the mean's sum in one program
-(``SUM_SPAN = 0``: no spans summed first), beside the peers, in one run.
+"""cross_entropy's row layouts: many short rows packed a program (ops/cross_entropy_packed.py), few
+long rows split into segments (ops/cross_entropy_split.py), the mean's sum in spans, each the
+default where it applies, against the same call without it (``PACKED = False``, ``SPLIT_PER_SM =
+0``, ``SUM_SPAN = 0``), beside the peers, in one run.
 
     python benchmarks/cross_entropy_rows.py OUT.json [--shape ROWSxC:DTYPE ...] [--deadline S]
 
 For each shape and mode (fwd, bwd), the benchmark runner's rows (``tritonkit.bench.runner``: the
 error check against float64, CUDA-graph-replayed median ms, eager ms, share of a copy of the same
-bytes) for every provider, then tritonkit again under each setting as "tritonkit[rows]" and
-"tritonkit[one-sum]", the replay plans forgotten before and after (a call signature replays the
-launches it recorded).
+bytes) for every provider, then tritonkit again under each setting as "tritonkit[rows]",
+"tritonkit[one-sum]" and "tritonkit[unsplit]", the replay plans forgotten before and after (a
+call signature replays the launches it recorded).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from tritonkit import opdef
 from tritonkit.bench import runner
 from tritonkit.ops import cross_entropy as ce
 from tritonkit.ops import cross_entropy_packed as packed
+from tritonkit.ops import cross_entropy_split as split
 
 SHAPES = [
     ((162064, 76), "bf16"),  # the sweep's 0.26x
@@ -32,7 +34,11 @@ SHAPES = [
     ((8192, 32000), "bf16"),  # a vocabulary: not packed, its sum one program's: the control
     ((16384, 32000), "bf16"),  # its sum over spans
 ]
-SETTINGS = {"tritonkit[rows]": (packed, "PACKED", False), "tritonkit[one-sum]": (ce, "SUM_SPAN", 0)}
+SETTINGS = {
+    "tritonkit[rows]": (packed, "PACKED", False),
+    "tritonkit[one-sum]": (ce, "SUM_SPAN", 0),
+    "tritonkit[unsplit]": (split, "SPLIT_PER_SM", 0),
+}
 COMMAND = "python benchmarks/cross_entropy_rows.py OUT.json"
 
 

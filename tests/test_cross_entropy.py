@@ -19,6 +19,7 @@ from grids import case_id, in_turn, pairs_not_met
 from tritonkit import testing
 from tritonkit.ops import cross_entropy as ce
 from tritonkit.ops import cross_entropy_packed as packed
+from tritonkit.ops import cross_entropy_split as split
 
 pytestmark = pytest.mark.cross_entropy
 
@@ -151,6 +152,53 @@ def test_many_rows_are_summed_a_span_a_program_first(reduction, monkeypatch, dev
     assert torch.equal(first, second)
 
 
+# Few long rows split into segments (SPLIT_MIN_ROW_BYTES and the blocks made small): rows on their
+# vectors and off them (1003 16-bit: the forward's segments in windows), the features that read the
+# class weights by class and the smoothing sums
+SPLIT_FEATURES = [
+    {},
+    {"weight": True, "label_smoothing": 0.1, "reduction": "none"},
+    {"z_loss": 1e-3, "softcap": 4.0, "reduction": "sum"},
+]
+SPLIT_CASES = in_turn([(3, 1000), (2, 1003)], SPLIT_FEATURES, last=[F32, BF16])
+
+
+@pytest.mark.parametrize("size, features, dtype", SPLIT_CASES, ids=map(case_id, SPLIT_CASES))
+def test_few_long_rows_split_into_segments(size, features, dtype, monkeypatch, device):
+    """A row's segments a program each: the forward's partials combined a program a row, the
+    backward's segments written side by side; the loss, its lse and their gradients match the
+    reference, the same bits on a second call."""
+    monkeypatch.setattr(split, "SPLIT_MIN_ROW_BYTES", 0)
+    monkeypatch.setattr(ce, "BLOCK_BYTES", 256)  # blocks of 64 (fp32) or 128 logits: several a segment
+    kwargs = dict(features)
+    x, target, weight = _inputs(*size, dtype, device, seed=size[1])
+    weight = weight if kwargs.pop("weight", False) else None
+    fwd, (bwd,) = _launches(x, target, weight, kwargs.get("reduction", "mean"))
+    assert [launch.name for launch in fwd[:2]] == ["fwd segments", "fwd"]
+    segments = fwd[0].grid[0] // size[0]
+    assert bwd.kernel is split._cross_entropy_bwd_segments_kernel and bwd.grid == fwd[0].grid
+    assert segments == -(-size[1] // (64 if dtype == F32 else 128)), segments  # 88 wanted: one block each
+    _check(x, target, weight, **kwargs)
+    testing.check_against_reference(
+        lambda x, t: tritonkit.cross_entropy(x, t, return_lse=True, **kwargs)[1],
+        lambda x, t: ce.cross_entropy_reference(x, t, return_lse=True, **kwargs)[1],
+        (x, target),
+        grad_inputs=(0,),
+        grad_outputs=[torch.randn(size[0], generator=torch.Generator().manual_seed(4)).to(device)],
+    )
+    first, second = (tritonkit.cross_entropy(x, target, weight, **kwargs) for _ in range(2))
+    assert torch.equal(first, second)
+
+
+def test_the_split_takes_few_rows_of_a_megabyte():
+    """Rows fewer than the SMs (132 nominal) of SPLIT_MIN_ROW_BYTES or more: segments of whole
+    blocks, about SPLIT_PER_SM programs an SM in all."""
+    assert split.split_segment(2, 12291808, 2, 8192, "cpu") == 98304  # 126 segments a row
+    assert split.split_segment(4, 13795015, 4, 4096, "cpu") == 212992  # 65 a row
+    assert split.split_segment(132, 13795015, 4, 4096, "cpu") == 0  # as many rows as SMs
+    assert split.split_segment(8, 128256, 2, 8192, "cpu") == 0  # 256 KB rows
+
+
 def test_rows_pack_where_one_warp_spans_them():
     """ROWS: TILE_BYTES of logits a program, for rows whose block 32 threads' vectors of the rows'
     alignment (16 bytes at most) span; no more rows than there are."""
@@ -166,7 +214,7 @@ _PACKED_SASS = r"""
 import json, torch
 from tritonkit.asm import compile_launch
 from tritonkit.ops import cross_entropy as ce
-for n, classes in ((4096, 256), (162064, 76)):
+for n, classes in ((4096, 256), (162064, 76), (2, 12291808)):
     for launch in ce._inspect_launches((n, classes), torch.bfloat16):
         r = compile_launch(launch, "sm_90")
         print(json.dumps({"classes": classes, "launch": launch.name, "kernel": launch.kernel.__name__,
@@ -174,19 +222,23 @@ for n, classes in ((4096, 256), (162064, 76)):
 """
 
 
-def test_packed_rows_compile_for_hopper_without_spills_and_as_wide_as_their_rows_allow():
-    """Rows of 256 bf16 logits (16-byte rows) move in 16-byte vectors, rows of 76 (8-byte rows) in
-    8-byte ones; a row's target, lse and upstream gradient are single values, as in the row kernels.
-    The sum's spans (162064 rows) read the rows' losses in 16-byte vectors and write an fp64 each."""
+def test_packed_and_split_rows_compile_for_hopper_without_spills_and_as_wide_as_their_rows_allow():
+    """Packed rows of 256 bf16 logits (16-byte rows) move in 16-byte vectors, rows of 76 (8-byte
+    rows) in 8-byte ones; a row's target, lse and upstream gradient are single values, as in the
+    row kernels. The sum's spans (162064 rows) read the rows' losses in 16-byte vectors and write an
+    fp64 each. Split rows (2 x 12291808) move in 16-byte vectors both ways, a segment's partials
+    fp64 values."""
     import sm90
 
     rows = [json.loads(line) for line in sm90.run(_PACKED_SASS)]
-    assert {(row["classes"], row["launch"]) for row in rows} >= {
-        (c, d) for c in (256, 76) for d in ("fwd", "bwd")
-    } | {(76, "fwd sum spans")}
+    expected = {(c, d) for c in (256, 76) for d in ("fwd", "bwd")} | {(76, "fwd sum spans")}
+    assert {(row["classes"], row["launch"]) for row in rows} >= expected | {(12291808, "fwd segments")}
     for row in rows:
         assert not row["spills"], row
-        if row["launch"] in ("fwd", "bwd"):
+        if row["classes"] == 12291808 and row["launch"] in ("fwd segments", "bwd"):
+            assert "segments" in row["kernel"] and 128 in row["loads"], row
+            assert row["stores"] == ([128] if row["launch"] == "bwd" else [64]), row
+        elif row["launch"] in ("fwd", "bwd") and row["classes"] != 12291808:
             assert "packed" in row["kernel"], row
             widest = 128 if row["classes"] == 256 else 64
             assert max(row["loads"]) == widest, row

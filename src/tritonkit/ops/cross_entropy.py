@@ -33,11 +33,19 @@ from tritonkit._launch import Launch, cdiv, next_power_of_2, row_align, row_wind
 from tritonkit._runtime import empty_output, empty_output_like
 from tritonkit._triton import tl, triton
 from tritonkit.dtypes import FLOATS
-from tritonkit.jit import LOG2E, aligned, window_base, window_edges, window_interior
+from tritonkit.jit import aligned, window_base, window_edges, window_interior
 from tritonkit.opdef import as_int, check_tensor, finite, first_derivative_only, op
 from tritonkit.ops import Op, Workload
 from tritonkit.ops import cross_entropy_packed as packed
-from tritonkit.ops.cross_entropy_math import capped, grad_coefficients, logit_grads, row_loss
+from tritonkit.ops import cross_entropy_split as split
+from tritonkit.ops.cross_entropy_math import (
+    capped,
+    grad_coefficients,
+    logit_grads,
+    row_loss,
+    row_sums,
+    row_sums_in_window,
+)
 
 DTYPES = FLOATS
 REDUCTIONS = ("none", "sum", "mean")
@@ -49,85 +57,6 @@ WARP_BYTES = 2048  # logits a warp holds a step: four 16-byte loads a thread (8 
 # first (a launch more, the SMs' bandwidth instead of one's), and the one program sums their sums.
 SUM_BLOCK = 8192
 SUM_SPAN = 2048  # (0: one program sums every row, for a benchmark's comparison)
-
-
-@triton.jit
-def _row_sums(
-    x_row, weight_ptr, C, stride_xc, softcap, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, BLOCK_C: tl.constexpr,
-):  # fmt: skip
-    """A row's (max, sum of exp(x - max), sum_c w_c x_c, sum_c w_c), the last two for smoothing. The
-    sum of exponentials runs on in fp64 from step to step (each step's own sum in fp32): in fp32 a
-    chain of 3368 steps (4 x 13795015 fp32) put the loss 1.6e-6 off, past the oracle's 1.5e-6."""
-    m = -float("inf")  # running max
-    s = tl.full((), 0.0, tl.float64)  # running sum of exp(x - m)
-    sum_wx = 0.0  # HAS_SMOOTHING: sum_c w_c x_c
-    sum_w = 0.0  # HAS_SMOOTHING and HAS_WEIGHT: sum_c w_c
-    for start in range(0, C, BLOCK_C):
-        cols = start + tl.arange(0, BLOCK_C)
-        mask = cols < C
-        x = capped(
-            tl.load(x_row + cols * stride_xc, mask=mask, other=0.0).to(tl.float32), softcap, HAS_SOFTCAP
-        )
-        x = tl.where(mask, x, -float("inf"))
-        m_new = tl.maximum(m, tl.max(x, 0))
-        step = tl.sum(tl.exp2((x - m_new) * LOG2E), 0)
-        s = s * tl.exp2((m - m_new) * LOG2E).to(tl.float64) + step.to(tl.float64)
-        m = m_new
-        if HAS_SMOOTHING:
-            if HAS_WEIGHT:
-                w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-                sum_wx += tl.sum(w * tl.where(mask, x, 0.0), 0)
-                sum_w += tl.sum(w, 0)
-            else:
-                sum_wx += tl.sum(tl.where(mask, x, 0.0), 0)
-    return m, s, sum_wx, sum_w
-
-
-@triton.jit
-def _window_sums(
-    x, classes, mask, weight_ptr, m, s, sum_wx, sum_w, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr
-):
-    """_row_sums' step over ``x`` (-inf where not the row's) at ``classes`` under ``mask``, where a
-    step may hold none of the row (a max of -inf shifts by 0)."""
-    m_new = tl.maximum(m, tl.max(x, 0))
-    shift = tl.where(m_new == -float("inf"), 0.0, m_new)
-    step = tl.sum(tl.exp2((x - shift) * LOG2E), 0)
-    s = s * tl.exp2((m - shift) * LOG2E).to(tl.float64) + step.to(tl.float64)  # (fp64: _row_sums)
-    if HAS_SMOOTHING:
-        if HAS_WEIGHT:
-            w = tl.load(weight_ptr + classes, mask=mask, other=0.0).to(tl.float32)
-            sum_wx += tl.sum(w * tl.where(mask, x, 0.0), 0)
-            sum_w += tl.sum(w, 0)
-        else:
-            sum_wx += tl.sum(tl.where(mask, x, 0.0), 0)
-    return m_new, s, sum_wx, sum_w
-
-
-@triton.jit
-def _row_sums_in_window(
-    x_ptr, weight_ptr, offset, C, softcap, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, BLOCK_C: tl.constexpr, WINDOW: tl.constexpr,
-):  # fmt: skip
-    """_row_sums of the row at ``offset`` (entries contiguous) read in a window: its vectors in
-    16-byte accesses, the entries of its first and last vectors alone (jit.window_edges)."""
-    base, head = window_base(offset, WINDOW)
-    x_window = x_ptr + base
-    edges, on_edge = window_edges(head, C, WINDOW)
-    x_edge = tl.load(x_window + edges, mask=on_edge, other=0.0).to(tl.float32)
-    x_edge = tl.where(on_edge, capped(x_edge, softcap, HAS_SOFTCAP), -float("inf"))
-    m, s, sum_wx, sum_w = _window_sums(
-        x_edge, edges - head, on_edge, weight_ptr, -float("inf"), 0.0, 0.0, 0.0, HAS_WEIGHT, HAS_SMOOTHING
-    )
-    for start in range(0, head + C, BLOCK_C):
-        positions = start + tl.arange(0, BLOCK_C)
-        inner = window_interior(positions, head, C, WINDOW)
-        x = tl.load(x_window + positions, mask=inner, other=0.0).to(tl.float32)
-        x = tl.where(inner, capped(x, softcap, HAS_SOFTCAP), -float("inf"))
-        m, s, sum_wx, sum_w = _window_sums(
-            x, positions - head, inner, weight_ptr, m, s, sum_wx, sum_w, HAS_WEIGHT, HAS_SMOOTHING
-        )
-    return m, s, sum_wx, sum_w
 
 
 @triton.jit
@@ -160,12 +89,12 @@ def _cross_entropy_fwd_kernel(
     row = tl.program_id(0).to(tl.int64)  # int64: N * C may pass 2^31
     x_row = x_ptr + row * stride_xn
     if WINDOW > 0:  # rows off their vectors' alignment: see jit.window_base
-        m, s, sum_wx, sum_w = _row_sums_in_window(
+        m, s, sum_wx, sum_w = row_sums_in_window(
             x_ptr, weight_ptr, row * stride_xn, C, softcap,
             HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, BLOCK_C, WINDOW,
         )  # fmt: skip
     else:
-        m, s, sum_wx, sum_w = _row_sums(
+        m, s, sum_wx, sum_w = row_sums(
             x_row, weight_ptr, C, stride_xc, softcap, HAS_WEIGHT, HAS_SMOOTHING, HAS_SOFTCAP, BLOCK_C
         )
     lse = m + tl.log(s.to(tl.float32))
@@ -434,15 +363,18 @@ def _fwd_launches(input, target, weight, options: tuple, outputs: tuple) -> list
     )  # fmt: skip
     meta = _flags(weight, smoothing, z_loss, softcap) | {"HAS_DIVISOR": mean}  # in the kernels' order
     size, align = input.element_size(), _align(input, classes)
+    block_c, warps = _step(classes, size)
     if rows_a_program := packed.packed_rows(n, classes, size, packed.vector_entries(input, classes)):
         meta |= packed.packed_meta(n, classes, size, rows_a_program, align)
         launches = [packed.fwd_launch(args, meta, n)]
     else:
-        block_c, warps = _step(classes, size)
         window = _window(classes, (input,), (input.stride(0),))
         # (the windows' bases carry the alignment)
-        meta |= {"BLOCK_C": block_c, "ALIGN": 1 if window else align, "WINDOW": window}
-        launches = [Launch("fwd", _cross_entropy_fwd_kernel, args, meta | {"num_warps": warps}, grid=(n,))]
+        row_meta = {"BLOCK_C": block_c, "ALIGN": 1 if window else align, "WINDOW": window, "num_warps": warps}
+        if segment := split.split_segment(n, classes, size, block_c, input.device):  # few long rows
+            launches = split.fwd_launches(args, meta, row_meta, n, segment)
+        else:
+            launches = [Launch("fwd", _cross_entropy_fwd_kernel, args, meta | row_meta, grid=(n,))]
     if totals is not None:
         launches += sum_launches(weight, options, (out, rows, lse, row_weight, totals), n, classes)
     return launches if n else launches[1:]
@@ -488,6 +420,9 @@ def _bwd_launches(
     if rows_a_program := packed.packed_rows(n, width, size, packed.vector_entries(input, width, col0)):
         return [packed.bwd_launch(args, meta | packed.packed_meta(n, width, size, rows_a_program, align), n)]
     block_c, warps = _step(width, size)
+    if segment := split.split_segment(n, width, size, block_c, input.device):  # few long rows
+        meta |= {"BLOCK_C": block_c, "ALIGN": align, "num_warps": warps}
+        return [split.bwd_launch(args, meta, n, segment)]
     window = _window(width, (input, dx), (input.stride(0), width))
     meta |= {"BLOCK_C": block_c, "ALIGN": 1 if window else align, "WINDOW": window, "num_warps": warps}
     return [Launch("bwd", _cross_entropy_bwd_kernel, args, meta, grid=(n,))]
