@@ -40,7 +40,7 @@ from tritonkit.ops import cross_entropy_packed as packed
 from tritonkit.ops import cross_entropy_split as split
 from tritonkit.ops.cross_entropy_math import (
     capped,
-    grad_coefficients,
+    grad_terms,
     logit_grads,
     row_loss,
     row_sums,
@@ -216,21 +216,11 @@ def _cross_entropy_bwd_kernel(
     stride_xn = aligned(stride_xn, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xn
-    target = tl.load(target_ptr + row * stride_t)
-    lse = tl.load(lse_ptr + row)
-    if HAS_WEIGHT:
-        valid = (target >= 0) & (target < C_ALL)
-        w_t = tl.load(weight_ptr + tl.where(valid, target, 0).to(tl.int64)).to(tl.float32)
-    else:
-        w_t = 1.0
-    g, coef = grad_coefficients(
-        target, lse, tl.load(grad_ptr + row * stride_g).to(tl.float32), w_t, totals_ptr, ignore_index,
-        smoothing, z_loss, C_ALL, MEAN, HAS_WEIGHT, HAS_SMOOTHING, HAS_Z_LOSS,
+    target, lse, w_t, g, coef, h = grad_terms(
+        row, True, target_ptr, weight_ptr, lse_ptr, grad_ptr, totals_ptr, grad_lse_ptr, stride_t, stride_g,
+        stride_gl, ignore_index, smoothing, z_loss, C_ALL, MEAN, HAS_WEIGHT, HAS_SMOOTHING, HAS_Z_LOSS,
+        HAS_LSE_GRAD,
     )  # fmt: skip
-    if HAS_LSE_GRAD:
-        h = tl.load(grad_lse_ptr + row * stride_gl)
-    if not HAS_LSE_GRAD:
-        h = 0.0
     if WINDOW > 0:  # rows off their vectors' alignment (jit.window_base); x and dx share a head
         x_base, head = window_base(row * stride_xn, WINDOW)
         dx_base, _ = window_base(row * C, WINDOW)

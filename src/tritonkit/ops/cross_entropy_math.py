@@ -75,15 +75,26 @@ def logit_grads(
 
 
 @triton.jit
-def grad_coefficients(
-    target, lse, g, w_t, totals_ptr, ignore_index, smoothing, z_loss, C_ALL,
-    MEAN: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
+def grad_terms(
+    rows, row_in, target_ptr, weight_ptr, lse_ptr, grad_ptr, totals_ptr, grad_lse_ptr, stride_t, stride_g,
+    stride_gl, ignore_index, smoothing, z_loss, C_ALL, MEAN: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr, HAS_LSE_GRAD: tl.constexpr,
 ):  # fmt: skip
-    """(g, coef) of a row: its loss's upstream gradient ``g`` as the gradient takes it (over the
-    mean's divisor; 0 where ignored, NaN where the target is outside 0..C_ALL-1), and the
-    coefficient of p_c in d loss / d x_c."""
+    """(target, lse, w_t, g, coef, h) of ``rows`` (a row, or a (ROWS, 1) column of them, under
+    ``row_in``), what the logits' gradient takes besides the logits: the target, the row's lse and
+    target class weight, its loss's upstream gradient as the gradient takes it (over the mean's
+    divisor; 0 where ignored, NaN where the target is outside 0..C_ALL-1), the coefficient of p_c in
+    d loss / d x_c, and the lse's upstream gradient (0 without)."""
+    target = tl.load(target_ptr + rows * stride_t, mask=row_in, other=ignore_index)
+    lse = tl.load(lse_ptr + rows, mask=row_in, other=0.0)
     ignored = target == ignore_index
     valid = (target >= 0) & (target < C_ALL)
+    if HAS_WEIGHT:
+        safe = tl.where(valid, target, 0).to(tl.int64)
+        w_t = tl.load(weight_ptr + safe, mask=row_in, other=0.0).to(tl.float32)
+    else:
+        w_t = 1.0
+    g = tl.load(grad_ptr + rows * stride_g, mask=row_in, other=0.0).to(tl.float32)
     if MEAN:
         g = g / tl.load(totals_ptr + 1)
     g = tl.where(ignored, 0.0, tl.where(valid, g, float("nan")))
@@ -95,7 +106,11 @@ def grad_coefficients(
             coef += smoothing
     if HAS_Z_LOSS:
         coef += 2.0 * z_loss * lse
-    return g, coef
+    if HAS_LSE_GRAD:
+        h = tl.load(grad_lse_ptr + rows * stride_gl, mask=row_in, other=0.0)
+    else:
+        h = 0.0
+    return target, lse, w_t, g, coef, h
 
 
 @triton.jit

@@ -15,7 +15,7 @@ from __future__ import annotations
 from tritonkit._launch import Launch, next_power_of_2
 from tritonkit._triton import tl, triton
 from tritonkit.jit import LOG2E, aligned
-from tritonkit.ops.cross_entropy_math import capped, grad_coefficients, logit_grads, row_loss
+from tritonkit.ops.cross_entropy_math import capped, grad_terms, logit_grads, row_loss
 
 # False keeps every row on the row kernels (a test's, a benchmark's comparison)
 PACKED = True
@@ -164,22 +164,11 @@ def _cross_entropy_bwd_packed_kernel(
     stride_xn = aligned(stride_xn, ALIGN)
     rows = (tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS))[:, None]
     row_in = rows < N
-    target = tl.load(target_ptr + rows * stride_t, mask=row_in, other=ignore_index)
-    lse = tl.load(lse_ptr + rows, mask=row_in, other=0.0)
-    if HAS_WEIGHT:
-        valid = (target >= 0) & (target < C_ALL)
-        w_t = tl.load(weight_ptr + tl.where(valid, target, 0), mask=row_in, other=0.0).to(tl.float32)
-    else:
-        w_t = 1.0
-    g = tl.load(grad_ptr + rows * stride_g, mask=row_in, other=0.0).to(tl.float32)
-    g, coef = grad_coefficients(
-        target, lse, g, w_t, totals_ptr, ignore_index, smoothing, z_loss, C_ALL,
-        MEAN, HAS_WEIGHT, HAS_SMOOTHING, HAS_Z_LOSS,
+    target, lse, w_t, g, coef, h = grad_terms(
+        rows, row_in, target_ptr, weight_ptr, lse_ptr, grad_ptr, totals_ptr, grad_lse_ptr, stride_t,
+        stride_g, stride_gl, ignore_index, smoothing, z_loss, C_ALL, MEAN, HAS_WEIGHT, HAS_SMOOTHING,
+        HAS_Z_LOSS, HAS_LSE_GRAD,
     )  # fmt: skip
-    if HAS_LSE_GRAD:
-        h = tl.load(grad_lse_ptr + rows * stride_gl, mask=row_in, other=0.0)
-    else:
-        h = 0.0
     x, mask, cols = _tile(x_ptr, rows, row_in, C, stride_xn, stride_xc, BLOCK_C)
     d = logit_grads(
         x, cols + col0, mask, target, weight_ptr, lse, coef, w_t, g, h, smoothing, softcap, C_ALL,
