@@ -630,15 +630,14 @@ POISONING = in_turn(["fwd", "bwd"], KERNELS, last=[False, True])  # each directi
 
 
 @pytest.mark.parametrize("direction, variant, log", POISONING, ids=map(case_id, POISONING))
-def test_poisoning_catches_an_unwritten_row(direction, log, variant, monkeypatch, request, device):
+def test_poisoning_catches_an_unwritten_row(direction, log, variant, monkeypatch, device):
     x, dy = _inputs((5, 40), F32, device, seed=43)
     _check(x, dy, log=log, variant=variant)  # passes with the real launch
     monkeypatch.setattr(tuning, "_single_config", lambda: True)  # no tuning with the broken launch
     monkeypatch.setattr(sm, "_launch", _skip_last_row(direction))
-    # a GPU call of a signature seen before replays its recorded launches, not _launch: record afresh,
-    # and leave none of the broken launches' plans to later tests
+    # a GPU call of a signature seen before replays its recorded launches, not _launch: record afresh
+    # (conftest's _fresh_plans forgets the broken launches' plans before the next test)
     opdef.forget_plans()
-    request.addfinalizer(opdef.forget_plans)
     comparisons = compare_with_reference(
         _kernel(log, variant), _reference(log), [x], grad_inputs=(0,), grad_outputs=[dy]
     )
