@@ -239,6 +239,26 @@ def test_a_tiny_backward_is_one_launch(kind, dtype, shape, monkeypatch, device):
     assert [("bwd", (1,), 32)] in launches and not any("bwd partial sums" in str(c) for c in launches)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
+def test_many_tiny_rows_go_backward_many_to_a_tile(kind, dtype, monkeypatch, device):
+    """4100 rows of 5 untuned (the bucket of 8192: 16 rows or more a program on 132 SMs): tiles of
+    16 rows, a tile a program (257), where a program walked its 16 rows one at a time; every
+    gradient matches."""
+    monkeypatch.setattr(nm._TUNED["bwd", False], "_chosen", {})
+    launches, run = [], nm._run
+
+    def recording(calls):
+        launches.extend((c.name, c.grid, c.meta.get("ROWS"), c.meta.get("BLOCK_M")) for c in calls)
+        run(calls)
+
+    monkeypatch.setattr(nm, "_run", recording)
+    with tuning.disabled():
+        kernel, reference, inputs, grad_inputs, grads = _case(kind, (4100, 5), dtype, device, seed=41)
+        check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
+    assert ("bwd", (257,), 16, 16) in launches, launches
+
+
 @pytest.mark.parametrize(
     "kind, seed", [("rms_norm", 8), ("rms_norm", 10), ("layer_norm", 5), ("layer_norm", 18)]
 )

@@ -234,6 +234,8 @@ def _bwd_default(key: dict) -> dict:
     chain_ok = key["dtype"] != "fp32" or key["rows"] <= FP32_SUM_CHAIN_MAX
     if low < key["rows"] <= high and elements <= BWD_ONE_PROGRAM_ELEMENTS and chain_ok:
         return {"ROWS": key["rows"], "BLOCK_M": key["rows"], "num_warps": _warps(elements)}
+    if key["block_n"] <= BWD_TINY_BLOCK_N and (tiny := _bwd_tiny_default(key)):
+        return tiny
     rows = _bwd_rows_per_program(key["rows"], current_device(), False)
     if key["dtype"] == "fp32":
         rows = min(rows, FP32_SUM_CHAIN_MAX)
@@ -243,6 +245,29 @@ def _bwd_default(key: dict) -> dict:
         prefetch = {"ROWS": rows, "num_warps": warps, "PREFETCH": True}
         return config if _bwd_prune(prefetch, key) else prefetch
     return config
+
+
+# Rows of at most this many entries (a block) are many to a tile in the backward's default: a tile of
+# one row leaves a thread a value or two (the configs' BLOCK_M 4 at 4 warps: 4 values at 64), and
+# the default walked 64 rows a program one at a time (327218 x 5 fp16: LayerNorm's backward 0.67x
+# the best peer, add_rms_norm's 0.27x; the sweep's shard 7, docs/perf-notes/norms.md).
+BWD_TINY_BLOCK_N = 64
+
+
+def _bwd_tiny_default(key: dict) -> dict | None:
+    """Where the row-at-a-time rule would walk 16 rows a program or more: tiles of BLOCK_M rows
+    holding PER_THREAD values a thread of h and dy together at 4 warps (fp32: FP32_SUM_CHAIN_MAX rows
+    at most, the interpreter's order of a tile's sum; fewer where BWD_PROGRAMS_PER_SM programs an SM
+    need it), and as many tiles a program (at most 16) as leave every SM that many; else None."""
+    programs = BWD_PROGRAMS_PER_SM * sm_count(current_device())
+    if key["rows"] < 16 * programs:
+        return None
+    most = key["rows"] // programs  # (16 or more)
+    block_m = min(32 * 4 * PER_THREAD // (2 * key["block_n"]), 1 << (most.bit_length() - 1))
+    if key["dtype"] == "fp32":
+        block_m = min(block_m, FP32_SUM_CHAIN_MAX)
+    tiles = key["rows"] // (block_m * programs)
+    return {"ROWS": block_m * min(16, 1 << (tiles.bit_length() - 1)), "BLOCK_M": block_m, "num_warps": 4}
 
 
 # Whether the 16-bit backward's default loads the next row ahead (PREFETCH, at block_n / 512 warps,
