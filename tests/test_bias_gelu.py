@@ -119,13 +119,13 @@ def _backward_both_ways(x, b, dy, monkeypatch):
 
 @pytest.mark.parametrize(
     "shape, dtype",
-    [((133, 27), BF16), ((45, 131), F16), ((29, 301), F32), ((4099, 1), BF16), ((9, 2 * 128 + 3), F32)],
+    [((133, 27), BF16), ((45, 131), F16), ((29, 301), F32), ((8195, 17), BF16), ((9, 2 * 128 + 3), F32)],
     ids=str,
 )
 def test_window_backward_equals_the_plain_one(shape, dtype, device, monkeypatch):
     """Rows off their vectors, in windows: dx the plain kernel's bits (the same arithmetic an entry),
     db its sums in another order; several row tiles a program (one SM), several column blocks, rows
-    of one entry; and against the float64 reference."""
+    of barely two vectors; and against the float64 reference."""
     x, b, dy = _inputs(shape, dtype, device, seed=shape[1])
     (dx, db), (plain_dx, plain_db) = _backward_both_ways(x, b, dy, monkeypatch)
     monkeypatch.setattr(bg, "WINDOWS", True)
@@ -134,6 +134,20 @@ def test_window_backward_equals_the_plain_one(shape, dtype, device, monkeypatch)
     assert torch.equal(dx, plain_dx)
     torch.testing.assert_close(db, plain_db, rtol=1e-5 if dtype == F32 else 1e-2, atol=1e-5)
     assert all(c.passed for c in _check(x, b, dy)), [str(c) for c in _check(x, b, dy)]
+
+
+def test_rows_shorter_than_two_vectors_take_no_windows():
+    """A row shorter than two vectors (16 bytes each) holds no whole vector wherever it starts, or
+    one at most: windows bought it only small tiles (327218 x 5 fp16: 2557 programs of 16 tiles of
+    8 rows, 0.28x the best peer in the sweep; now 640 tiles of 512 rows)."""
+    for n, window in ((1, 0), (5, 0), (15, 0), (16, 0), (17, 8), (27, 8)):
+        x = torch.empty((4099, n), dtype=BF16)
+        assert bg._bwd_tiles(x, torch.empty_like(x), torch.empty_like(x))[3] == window, n
+    x = torch.empty((327218, 5), dtype=F16, device="meta")
+    (bwd, _) = bg._bwd_launches(
+        torch.empty_like(x), x, torch.empty(5, dtype=F16, device="meta"), x, x[0], "none"
+    )
+    assert (bwd.meta["BLOCK_M"], bwd.meta["WINDOW"], bwd.grid[0] * bwd.meta["ROW_TILES"]) == (512, 0, 640)
 
 
 def test_grids_are_flat_so_long_rows_launch():
