@@ -8,8 +8,8 @@ default where it applies, against the same call without it (``PACKED = False``, 
 For each shape and mode (fwd, bwd), the benchmark runner's rows (``tritonkit.bench.runner``: the
 error check against float64, CUDA-graph-replayed median ms, eager ms, share of a copy of the same
 bytes) for every provider, then tritonkit again under each setting as "tritonkit[rows]",
-"tritonkit[one-sum]" and "tritonkit[unsplit]", the replay plans forgotten before and after (a
-call signature replays the launches it recorded).
+"tritonkit[one-sum]" and "tritonkit[unsplit]" (``tritonkit.bench.settings``: the replay plans
+forgotten before and after, since a call signature replays the launches it recorded).
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ import json
 import sys
 import time
 
-from tritonkit import opdef
-from tritonkit.bench import runner
+from tritonkit.bench import runner, settings
 from tritonkit.ops import cross_entropy as ce
 from tritonkit.ops import cross_entropy_packed as packed
 from tritonkit.ops import cross_entropy_split as split
@@ -35,57 +34,18 @@ SHAPES = [
     ((16384, 32000), "bf16"),  # its sum over spans
 ]
 SETTINGS = {
-    "tritonkit[rows]": (packed, "PACKED", False),
-    "tritonkit[one-sum]": (ce, "SUM_SPAN", 0),
-    "tritonkit[unsplit]": (split, "SPLIT_PER_SM", 0),
+    "rows": (packed, "PACKED", False),
+    "one-sum": (ce, "SUM_SPAN", 0),
+    "unsplit": (split, "SPLIT_PER_SM", 0),
 }
 COMMAND = "python benchmarks/cross_entropy_rows.py OUT.json"
-
-
-def _under(case, label: str) -> list[dict]:
-    """tritonkit's rows for ``case`` with SETTINGS[label] in force, as provider ``label``."""
-    module, name, value = SETTINGS[label]
-    default = getattr(module, name)
-    setattr(module, name, value)
-    opdef.forget_plans()
-    try:
-        rows = runner.run_case(case, ["tritonkit"], "cuda", keep_going=True)
-    finally:
-        setattr(module, name, default)
-        opdef.forget_plans()
-    return [row | {"provider": label} for row in rows]
-
-
-def _shape(text: str) -> tuple[tuple, str]:
-    """A shape given as ROWSxC:DTYPE, as runner.cases takes one."""
-    dims, dtype = text.split(":")
-    return tuple(int(d) for d in dims.split("x")), dtype
-
-
-def _line(case, rows: list[dict]) -> str:
-    us = {r["provider"]: r["ms"] * 1e3 for r in rows if r.get("ms")}
-    eager = {r["provider"]: r["eager_ms"] * 1e3 for r in rows if r.get("eager_ms")}
-    ours = us.get("tritonkit")
-    peers = [v for k, v in us.items() if not k.startswith("tritonkit")]
-    copy = next((r.get("pct_copy_same_bytes") for r in rows if r["provider"] == "tritonkit"), None)
-    failed = [r["provider"] for r in rows if r.get("check") == "FAIL"]
-    return " ".join(
-        [
-            f"{'x'.join(map(str, case.shape))} {runner.dtype_name(case.dtype)} {case.mode}:",
-            ", ".join(f"{k} {v:.1f}" for k, v in us.items()),
-            f"us (eager: {', '.join(f'{k} {v:.1f}' for k, v in eager.items())});",
-            f"x best peer {min(peers) / ours:.2f}" if ours and peers else "",
-            *(f"x {k[10:-1]} {v / ours:.2f}" for k, v in us.items() if ours and k.startswith("tritonkit[")),
-            f"{copy:.0f}% of copy" if copy else "",
-            f"FAILED {failed}" if failed else "",
-        ]
-    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out")
-    parser.add_argument("--shape", type=_shape, action="append", help="ROWSxC:DTYPE (repeatable)")
+    shape = settings.shape_argument
+    parser.add_argument("--shape", type=shape, action="append", help="ROWSxC:DTYPE (repeatable)")
     parser.add_argument("--deadline", type=float, default=None, help="start no case after S seconds")
     args = parser.parse_args()
     start, rows = time.time(), []
@@ -94,10 +54,10 @@ def main() -> None:
             print(f"deadline: {case.shape} {case.mode} and later cases not run")
             break
         got = runner.run_case(case, None, "cuda", keep_going=True)
-        for label in SETTINGS:
-            got += _under(case, label)
+        for label, (module, name, value) in SETTINGS.items():
+            got += settings.rows_under(case, label, module, name, value)
         rows += got
-        print(_line(case, got), flush=True)
+        print(settings.line(case, got), flush=True)
         with open(args.out, "w") as f:
             json.dump({"command": " ".join([COMMAND, *sys.argv[2:]]), "rows": rows}, f, indent=1, default=str)
 

@@ -9,9 +9,10 @@ those given. For each op, shape and mode (fwd, bwd), the benchmark runner's rows
 (``tritonkit.bench.runner``: the error check against float64, CUDA-graph-replayed median ms, eager
 ms, share of a copy of the same bytes) for every provider, then tritonkit again with
 ``split.SPLIT_PER_SM = 0`` as "tritonkit[unsplit]", and with ``--per-sm K`` once more at
-``SPLIT_PER_SM = K`` as "tritonkit[split<K]": the split taken up to K programs an SM's rows. Before
-each, the replay plans and the configs chosen per call signature are forgotten (a signature replays
-what it recorded, and keeps the config chosen at its first call).
+``SPLIT_PER_SM = K`` as "tritonkit[split<K]": the split taken up to K programs an SM's rows
+(``tritonkit.bench.settings``: the replay plans and the configs chosen per call signature are
+forgotten around each, since a signature replays what it recorded and keeps the config chosen at
+its first call).
 """
 
 from __future__ import annotations
@@ -21,8 +22,7 @@ import json
 import sys
 import time
 
-from tritonkit import opdef, tuning
-from tritonkit.bench import runner
+from tritonkit.bench import runner, settings
 from tritonkit.ops.norm import split
 
 SHAPES = [
@@ -38,57 +38,13 @@ SHAPES = [
 COMMAND = "python benchmarks/norm_split_rows.py OUT.json"
 
 
-def _forget() -> None:
-    """Forget the replay plans and the configs chosen per call signature: the next call chooses its
-    config again, under the module's settings of now."""
-    opdef.forget_plans()
-    tuning.forget_chosen()
-
-
-def _at_per_sm(case, per_sm: int, label: str) -> list[dict]:
-    """tritonkit's rows for ``case`` with ``split.SPLIT_PER_SM = per_sm`` (0: the split off), as
-    provider ``label``."""
-    default = split.SPLIT_PER_SM
-    split.SPLIT_PER_SM = per_sm
-    _forget()
-    try:
-        rows = runner.run_case(case, ["tritonkit"], "cuda", keep_going=True)
-    finally:
-        split.SPLIT_PER_SM = default
-        _forget()
-    return [row | {"provider": label} for row in rows]
-
-
-def _shape(text: str) -> tuple[tuple, str]:
-    """A shape given as ROWSxN:DTYPE, as runner.cases takes one."""
-    dims, dtype = text.split(":")
-    return tuple(int(d) for d in dims.split("x")), dtype
-
-
-def _line(case, rows: list[dict]) -> str:
-    us = {r["provider"]: r["ms"] * 1e3 for r in rows if r.get("ms")}
-    ours = us.get("tritonkit")
-    peers = [v for k, v in us.items() if not k.startswith("tritonkit")]
-    copy = next((r.get("pct_copy_same_bytes") for r in rows if r["provider"] == "tritonkit"), None)
-    failed = [r["provider"] for r in rows if r.get("check") == "FAIL"]
-    return " ".join(
-        [
-            f"{case.workload.name} {'x'.join(map(str, case.shape))} {case.mode}:",
-            ", ".join(f"{k} {v:.1f}" for k, v in us.items()),
-            f"us; x best peer {min(peers) / ours:.2f}" if ours and peers else "",
-            *(f"x {k[10:-1]} {v / ours:.2f}" for k, v in us.items() if ours and k.startswith("tritonkit[")),
-            f"{copy:.0f}% of copy" if copy else "",
-            f"FAILED {failed}" if failed else "",
-        ]
-    )
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out")
     parser.add_argument("--ops", nargs="+", default=["layer_norm", "rms_norm", "add_rms_norm"])
     parser.add_argument("--deadline", type=float, default=None, help="start no case after S seconds")
-    parser.add_argument("--shape", type=_shape, action="append", help="ROWSxN:DTYPE (repeatable)")
+    shape = settings.shape_argument
+    parser.add_argument("--shape", type=shape, action="append", help="ROWSxN:DTYPE (repeatable)")
     parser.add_argument("--per-sm", type=int, default=None, help="also time SPLIT_PER_SM = K")
     parser.add_argument("--modes", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
     args = parser.parse_args()
@@ -97,11 +53,12 @@ def main() -> None:
         if args.deadline is not None and time.time() - start > args.deadline:
             print(f"deadline: {case.workload.name} {case.shape} {case.mode} and later cases not run")
             break
-        got = runner.run_case(case, None, "cuda", keep_going=True) + _at_per_sm(case, 0, "tritonkit[unsplit]")
+        got = runner.run_case(case, None, "cuda", keep_going=True)
+        got += settings.rows_under(case, "unsplit", split, "SPLIT_PER_SM", 0)
         if args.per_sm is not None:
-            got += _at_per_sm(case, args.per_sm, f"tritonkit[split<{args.per_sm}]")
+            got += settings.rows_under(case, f"split<{args.per_sm}", split, "SPLIT_PER_SM", args.per_sm)
         rows += got
-        print(_line(case, got), flush=True)
+        print(settings.line(case, got), flush=True)
         with open(args.out, "w") as f:
             json.dump({"command": " ".join([COMMAND, *sys.argv[2:]]), "rows": rows}, f, indent=1, default=str)
 

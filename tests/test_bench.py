@@ -659,3 +659,44 @@ def test_gpu_a_cases_inputs_are_drawn_on_the_device(workload):
     expected = torch.randn(64, 256, generator=torch.Generator(device="cuda").manual_seed(7), device="cuda")
     assert x.is_cuda and bias.is_cuda and torch.equal(x, expected)
     assert torch.equal(runner._inputs(case, "cuda", 7, False)[0], x)
+
+
+def test_a_setting_is_timed_as_a_provider_of_its_own_and_put_back(monkeypatch):
+    """bench.settings: tritonkit's rows again under a module setting, labelled "tritonkit[label]",
+    the setting put back (and plans and chosen configs forgotten) even when the run raises; a
+    command line's shape; one line with every provider's times and the setting's ratio."""
+    from types import SimpleNamespace
+
+    from tritonkit.bench import runner, settings
+
+    module, forgotten = SimpleNamespace(SWITCH=True), []
+    monkeypatch.setattr(settings, "forget", lambda: forgotten.append(module.SWITCH))
+
+    def run_case(case, providers, device, keep_going):
+        assert providers == ["tritonkit"] and module.SWITCH is False
+        return [{"provider": "tritonkit", "ms": 0.02, "eager_ms": 0.03}]
+
+    monkeypatch.setattr(runner, "run_case", run_case)
+    rows = settings.rows_under("case", "off", module, "SWITCH", False)
+    assert rows == [{"provider": "tritonkit[off]", "ms": 0.02, "eager_ms": 0.03}]
+    assert module.SWITCH is True and forgotten == [False, True]
+    monkeypatch.setattr(runner, "run_case", lambda *a, **k: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        settings.rows_under("case", "off", module, "SWITCH", False)
+    assert module.SWITCH is True
+    assert settings.shape_argument("2x12291808:fp16") == ((2, 12291808), "fp16")
+    case = SimpleNamespace(
+        workload=SimpleNamespace(name="cross_entropy"), shape=(8, 76), dtype=torch.bfloat16
+    )
+    case.mode = "fwd"
+    line = settings.line(
+        case,
+        [
+            {"provider": "tritonkit", "ms": 0.01, "eager_ms": 0.02, "pct_copy_same_bytes": 40.0},
+            {"provider": "torch", "ms": 0.03, "eager_ms": 0.04},
+            {"provider": "tritonkit[off]", "ms": 0.02, "eager_ms": 0.03, "check": "FAIL"},
+        ],
+    )
+    assert line.startswith("cross_entropy 8x76 bf16 fwd: tritonkit 10.0, torch 30.0, tritonkit[off] 20.0 us")
+    assert "x best peer 3.00" in line and "x off 2.00" in line and "40% of copy" in line
+    assert "FAILED ['tritonkit[off]']" in line
