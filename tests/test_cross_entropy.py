@@ -197,6 +197,7 @@ def test_the_split_takes_few_rows_of_a_megabyte():
     assert split.split_segment(4, 13795015, 4, 4096, "cpu") == 212992  # 65 a row
     assert split.split_segment(132, 13795015, 4, 4096, "cpu") == 0  # as many rows as SMs
     assert split.split_segment(8, 128256, 2, 8192, "cpu") == 0  # 256 KB rows
+    assert split.split_segment(0, 13795015, 4, 4096, "cpu") == 0  # no rows: no launch but the sum
 
 
 def test_rows_pack_where_one_warp_spans_them():

@@ -37,9 +37,9 @@ SPLIT_PER_SM = 2  # programs an SM the segments aim for
 
 def split_segment(n: int, classes: int, element_size: int, block_c: int, device) -> int:
     """Logits a segment (a multiple of ``block_c``) for ``n`` rows of ``classes``, or 0 where the rows
-    stay a program each: as many rows as SMs or more, or rows under SPLIT_MIN_ROW_BYTES."""
+    stay a program each: no rows, as many rows as SMs or more, or rows under SPLIT_MIN_ROW_BYTES."""
     sms = sm_count(device)
-    if not SPLIT_PER_SM or n >= sms or classes * element_size < SPLIT_MIN_ROW_BYTES:
+    if not SPLIT_PER_SM or not 0 < n < sms or classes * element_size < SPLIT_MIN_ROW_BYTES:
         return 0
     segments = max(2, SPLIT_PER_SM * sms // n)
     return cdiv(cdiv(classes, segments), block_c) * block_c
