@@ -361,7 +361,8 @@ def _row(shape, causal: bool, layer: bool = False) -> dict:
                     continue
 
                 def candidate(config=config, deterministic=deterministic):
-                    bwd._delta_launch(o, do, lse, None, delta).run()
+                    for launch in bwd._delta_launches(o, do, None, delta):
+                        launch.run()
                     bwd_sm90.attention_bwd_sm90(
                         do, q, k, v, lse, delta, *grads, scale=scores.scale, causal=causal,
                         upper_offset=0, deterministic=deterministic, config=config,

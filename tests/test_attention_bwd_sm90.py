@@ -409,7 +409,8 @@ def _run(
     from tritonkit.ops.attention import bwd, bwd_sm90
 
     delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
-    bwd._delta_launch(o, do, lse, None, delta).run()
+    for launch in bwd._delta_launches(o, do, None, delta):
+        launch.run()
     dq, dk, dv = grads or tuple(torch.full_like(t, math.nan) for t in (q, k, v))
     offset = q.shape[2] - k.shape[2]
     bwd_sm90.attention_bwd_sm90(

@@ -60,7 +60,8 @@ def _check_packed(q, k, v, do, packed, scores, deterministic: bool, config=None)
     views = [t.transpose(0, 1).unsqueeze(0) for t in (do, q, k, v, o)]  # (1, H, T, D), as bwd makes them
     lse = lse.unsqueeze(0)
     delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
-    bwd._delta_launch(views[4], views[0], lse, None, delta).run()
+    for launch in bwd._delta_launches(views[4], views[0], None, delta):
+        launch.run()
     lengths = (packed.max_q, packed.max_k)
     (upper, lower, *_), flags = scores.within(*lengths).kernel_args(0, 0)  # each sequence aligns its own
     grads = tuple(torch.full_like(t, math.nan) for t in (q, k, v))

@@ -58,7 +58,8 @@ def _check_window(q, k, v, do, scores, deterministic: bool, config=None) -> tupl
     )
     o, lse = o.to(q.dtype), lse.float()
     delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
-    bwd._delta_launch(o, do, lse, None, delta).run()
+    for launch in bwd._delta_launches(o, do, None, delta):
+        launch.run()
     (upper, lower, *_), flags = bwd.sm90_scores(scores, seq_q, seq_k).kernel_args(seq_q, seq_k)
     dq, dk, dv = (torch.full_like(t, math.nan) for t in (q, k, v))
     bwd_sm90.attention_bwd_sm90(

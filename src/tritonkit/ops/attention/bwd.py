@@ -36,11 +36,13 @@ from tritonkit.ops.attention.common import (
     Scores,
     _block_d,
     attention_reference,
+    batch_runs,
     calibration_inputs,
     calibration_scores,
     empty_in_layout,
     grid_lengths,
     per_sequence,
+    problem_runs,
     sequence_args,
     tuning_key,
 )
@@ -48,11 +50,10 @@ from tritonkit.ops.attention.common import (
 # ---------------------------------------------------------------- launches
 
 
-def _delta_launch(o, do, lse, dlse, delta) -> Launch:
-    """The delta kernel's launch: every query row of (B, H, Sq) views (a packed batch's are (1, H,
-    T): delta needs no sequence bounds)."""
+def _delta_launches(o, do, dlse, delta) -> list[Launch]:
+    """The delta kernel's launches: every query row of (B, H, Sq) views (a packed batch's are (1, H,
+    T): delta needs no sequence bounds), a launch a run of batches (``batch_runs``)."""
     batch, heads, seq_q, head_dim = o.shape
-    args = (o, do, dlse, delta, *o.stride()[:3], *do.stride(), heads, seq_q)  # dlse None: HAS_DLSE off
     meta = {
         "HEAD_DIM": head_dim,
         "BLOCK_D": _block_d(head_dim),
@@ -60,9 +61,13 @@ def _delta_launch(o, do, lse, dlse, delta) -> Launch:
         "BLOCK_M": DELTA_BLOCK_M,
         "num_warps": 4,
     }
-    return Launch(
-        "bwd delta", _attn_bwd_delta_kernel, args, meta, grid=(cdiv(seq_q, DELTA_BLOCK_M), batch * heads)
-    )
+    launches = []
+    for b0, b1 in batch_runs(batch, heads):
+        run = [t if t is None else t[b0:b1] for t in (o, do, dlse, delta)]  # dlse None: HAS_DLSE off
+        args = (*run, *o.stride()[:3], *do.stride(), heads, seq_q)
+        grid = (cdiv(seq_q, DELTA_BLOCK_M), (b1 - b0) * heads)
+        launches.append(Launch("bwd delta", _attn_bwd_delta_kernel, args, meta, grid=grid))
+    return launches
 
 
 def _problem(
@@ -102,7 +107,10 @@ def _problem(
 
 def _main_launches(kernel: str, problem: dict, config: dict) -> list[Launch]:
     """The launch of the dK/dV kernel (``kernel`` "dkdv": writes dk and dv, and adds into the dq
-    accumulator where the problem has one) or of the dQ kernel ("dq": writes dq)."""
+    accumulator where the problem has one) or of the dQ kernel ("dq": writes dq); a launch a run of
+    batches where batch x heads pass the grid's second dimension (``problem_runs``)."""
+    if len(runs := problem_runs(problem, problem["q"].shape[1])) > 1:
+        return [launch for run in runs for launch in _main_launches(kernel, run, config)]
     q, k, v, do, lse, delta = (problem[name] for name in ("q", "k", "v", "do", "lse", "delta"))
     scores, packed = problem["scores"], problem["packed"]
     _, heads, _, head_dim = q.shape
@@ -181,7 +189,8 @@ def _calibration(kernel: str, problem: dict, config: dict) -> dict:
     do = random_tensor(q.shape, q.dtype, device, generator=generator(13))
     o, lse = fwd.attention_fwd(q, k, v, scores, config=fwd._default(key))
     delta = torch.empty(lse.shape, dtype=torch.float32, device=device)
-    _delta_launch(o, do, lse, None, delta).run()
+    for launch in _delta_launches(o, do, None, delta):
+        launch.run()
     if kernel == "dq":
         return _problem(q, k, v, do, lse, delta, scores, dq=torch.empty_like(q))
     dq, dq_acc = (
@@ -372,7 +381,8 @@ def attention_bwd_into(
         do, q, k, v, o, dq, dk, dv = (t.transpose(0, 1).unsqueeze(0) for t in (do, q, k, v, o, dq, dk, dv))
         lse, dlse = lse.unsqueeze(0), dlse if dlse is None else dlse.unsqueeze(0)
     delta = scratch(lse.shape, torch.float32, q.device)
-    _delta_launch(o, do, lse, dlse, delta).run()
+    for launch in _delta_launches(o, do, dlse, delta):
+        launch.run()
     if config is None and sm90_takes(q, k, v, scores, packed, deterministic):
         from tritonkit.ops.attention import bwd_sm90
 
@@ -456,6 +466,6 @@ def _inspect_launches(shape: tuple, dtype: torch.dtype, config: dict | None, sco
         configs[kernel] |= (config or {}).get(kernel, {})
     problem = _problem(q, kv, kv, q, rows, rows, scores, dk=kv, dv=kv, dq=q)
     return [
-        _delta_launch(q, q, rows, None, rows),
+        *_delta_launches(q, q, None, rows),
         *(launch for kernel in KERNELS for launch in _main_launches(kernel, problem, configs[kernel])),
     ]

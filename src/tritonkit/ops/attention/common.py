@@ -84,6 +84,43 @@ def grid_lengths(q: torch.Tensor, k: torch.Tensor, packed: Packed | None) -> tup
     return (packed.max_q, packed.max_k) if packed is not None else (q.shape[2], k.shape[2])
 
 
+# Programs a launch grid's second dimension holds (CUDA's limit): the Triton kernels' grids put
+# batch x heads there, so a call of more (2048 sequences of 32 heads) is launched in runs of batches
+GRID_Y_MAX = 65535
+
+
+def batch_runs(batch: int, heads: int) -> list[tuple[int, int]]:
+    """(first, end) of each run of batches whose batch x heads programs the grid's second dimension
+    holds: one run (0, batch) where all of them fit."""
+    per = max(1, GRID_Y_MAX // heads)
+    return [(b, min(b + per, batch)) for b in range(0, batch, per)] or [(0, batch)]
+
+
+def problem_runs(problem: dict, heads: int) -> list[dict]:
+    """A main kernel's problem (q, k, v, ... as (B, H, ...) tensors, ``scores``, ``packed``) cut into
+    :func:`batch_runs`: each tensor's batches of the run, or a packed batch's run of sequences (its
+    cu_seqlens sliced: their offsets into the packed tensors stay as they are); [problem] where one
+    run holds them all."""
+    packed = problem["packed"]
+    runs = batch_runs(packed.sequences if packed is not None else problem["q"].shape[0], heads)
+    if len(runs) == 1:
+        return [problem]
+    if packed is not None:
+        return [
+            problem
+            | {
+                "packed": packed._replace(
+                    cu_q=packed.cu_q[b0 : b1 + 1], cu_k=packed.cu_k[b0 : b1 + 1], sequences=b1 - b0
+                )
+            }
+            for b0, b1 in runs
+        ]
+    return [
+        {name: value[b0:b1] if isinstance(value, torch.Tensor) else value for name, value in problem.items()}
+        for b0, b1 in runs
+    ]
+
+
 def per_sequence(strides: tuple, packed: Packed | None) -> tuple:
     """A tensor's strides as a kernel takes them: in a packed batch the leading (batch) stride is 0,
     since a program's "batch" index is its sequence, found by its first row instead."""

@@ -55,6 +55,7 @@ from tritonkit.ops.attention.common import (
     empty_in_layout,
     grid_lengths,
     per_sequence,
+    problem_runs,
     sequence_args,
     tuning_key,
 )
@@ -552,7 +553,10 @@ def _problem(q, k, v, o, lse, scores: Scores, packed: Packed | None = None) -> d
 
 
 def _fwd_launches(problem: dict, config: dict | None) -> list[Launch]:
-    """The forward kernel's launch for ``problem`` with ``config`` (None: the untuned tile)."""
+    """The forward kernel's launch for ``problem`` with ``config`` (None: the untuned tile); a launch
+    a run of batches where batch x heads pass the grid's second dimension (``problem_runs``)."""
+    if len(runs := problem_runs(problem, problem["q"].shape[1])) > 1:
+        return [launch for run in runs for launch in _fwd_launches(run, config)]
     q, k, v, o, lse = problem["q"], problem["k"], problem["v"], problem["o"], problem["lse"]
     scores, packed = problem["scores"], problem["packed"]
     _, heads, _, head_dim = q.shape
