@@ -66,6 +66,18 @@ def _check(x, target, weight, upstream=None, **kwargs):
     )
 
 
+def _check_lse(x, target, seed: int, **kwargs):
+    """The returned lse and its own gradient (a random upstream one) against the reference."""
+    upstream = torch.randn(x.shape[0], generator=torch.Generator().manual_seed(seed)).to(x.device)
+    testing.check_against_reference(
+        lambda x, t: tritonkit.cross_entropy(x, t, return_lse=True, **kwargs)[1],
+        lambda x, t: ce.cross_entropy_reference(x, t, return_lse=True, **kwargs)[1],
+        (x, target),
+        grad_inputs=(0,),
+        grad_outputs=[upstream],
+    )
+
+
 def test_the_grid_meets_every_pair():
     assert not pairs_not_met([(repr(f), s, d) for f, s, d in GRID])
 
@@ -129,13 +141,7 @@ def test_many_short_rows_pack_into_each_program(features, device):
             (5,),
         )
     _check(x, target, weight, **kwargs)
-    testing.check_against_reference(
-        lambda x, t: tritonkit.cross_entropy(x, t, return_lse=True, **kwargs)[1],
-        lambda x, t: ce.cross_entropy_reference(x, t, return_lse=True, **kwargs)[1],
-        (x, target),
-        grad_inputs=(0,),
-        grad_outputs=[torch.randn(300, generator=torch.Generator().manual_seed(3)).to(device)],
-    )
+    _check_lse(x, target, seed=3, **kwargs)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
@@ -179,13 +185,7 @@ def test_few_long_rows_split_into_segments(size, features, dtype, monkeypatch, d
     assert bwd.kernel is split._cross_entropy_bwd_segments_kernel and bwd.grid == fwd[0].grid
     assert segments == -(-size[1] // (64 if dtype == F32 else 128)), segments  # 88 wanted: one block each
     _check(x, target, weight, **kwargs)
-    testing.check_against_reference(
-        lambda x, t: tritonkit.cross_entropy(x, t, return_lse=True, **kwargs)[1],
-        lambda x, t: ce.cross_entropy_reference(x, t, return_lse=True, **kwargs)[1],
-        (x, target),
-        grad_inputs=(0,),
-        grad_outputs=[torch.randn(size[0], generator=torch.Generator().manual_seed(4)).to(device)],
-    )
+    _check_lse(x, target, seed=4, **kwargs)
     first, second = (tritonkit.cross_entropy(x, target, weight, **kwargs) for _ in range(2))
     assert torch.equal(first, second)
 

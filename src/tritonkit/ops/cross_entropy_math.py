@@ -132,26 +132,19 @@ def row_sums(
             tl.load(x_row + cols * stride_xc, mask=mask, other=0.0).to(tl.float32), softcap, HAS_SOFTCAP
         )
         x = tl.where(mask, x, -float("inf"))
-        m_new = tl.maximum(m, tl.max(x, 0))
-        step = tl.sum(tl.exp2((x - m_new) * LOG2E), 0)
-        s = s * tl.exp2((m - m_new) * LOG2E).to(tl.float64) + step.to(tl.float64)
-        m = m_new
-        if HAS_SMOOTHING:
-            if HAS_WEIGHT:
-                w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-                sum_wx += tl.sum(w * tl.where(mask, x, 0.0), 0)
-                sum_w += tl.sum(w, 0)
-            else:
-                sum_wx += tl.sum(tl.where(mask, x, 0.0), 0)
+        m, s, sum_wx, sum_w = step_sums(
+            x, cols, mask, weight_ptr, m, s, sum_wx, sum_w, HAS_WEIGHT, HAS_SMOOTHING
+        )
     return m, s, sum_wx, sum_w
 
 
 @triton.jit
-def window_sums(
+def step_sums(
     x, classes, mask, weight_ptr, m, s, sum_wx, sum_w, HAS_WEIGHT: tl.constexpr, HAS_SMOOTHING: tl.constexpr
 ):
-    """row_sums' step over ``x`` (-inf where not the row's) at ``classes`` under ``mask``, where a
-    step may hold none of the row (a max of -inf shifts by 0)."""
+    """A row's running sums (row_sums') taken on over a step ``x`` (-inf where not the row's) at
+    ``classes`` under ``mask``, which may hold none of the row (a max of -inf shifts by 0: a window's
+    edges, a row of -inf logits)."""
     m_new = tl.maximum(m, tl.max(x, 0))
     shift = tl.where(m_new == -float("inf"), 0.0, m_new)
     step = tl.sum(tl.exp2((x - shift) * LOG2E), 0)
@@ -178,7 +171,7 @@ def row_sums_in_window(
     edges, on_edge = window_edges(head, C, WINDOW)
     x_edge = tl.load(x_window + edges, mask=on_edge, other=0.0).to(tl.float32)
     x_edge = tl.where(on_edge, capped(x_edge, softcap, HAS_SOFTCAP), -float("inf"))
-    m, s, sum_wx, sum_w = window_sums(
+    m, s, sum_wx, sum_w = step_sums(
         x_edge, edges - head, on_edge, weight_ptr, -float("inf"), 0.0, 0.0, 0.0, HAS_WEIGHT, HAS_SMOOTHING
     )
     for start in range(0, head + C, BLOCK_C):
@@ -186,7 +179,7 @@ def row_sums_in_window(
         inner = window_interior(positions, head, C, WINDOW)
         x = tl.load(x_window + positions, mask=inner, other=0.0).to(tl.float32)
         x = tl.where(inner, capped(x, softcap, HAS_SOFTCAP), -float("inf"))
-        m, s, sum_wx, sum_w = window_sums(
+        m, s, sum_wx, sum_w = step_sums(
             x, positions - head, inner, weight_ptr, m, s, sum_wx, sum_w, HAS_WEIGHT, HAS_SMOOTHING
         )
     return m, s, sum_wx, sum_w
