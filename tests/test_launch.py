@@ -358,3 +358,15 @@ def test_launcher_rejects_constexprs_out_of_order():
             BLOCK_M=4,
             ALIGN=1,
         )
+
+
+def test_a_grid_past_the_second_and_third_dimensions_limit_is_refused_by_name():
+    """CUDA launches at most 65535 programs on a grid's second and third dimensions; past that a
+    launch fails as "invalid argument" (bias_gelu's backward did, at 107774 column blocks): a Launch
+    says which it is and why, before compiling anything; the first dimension holds 2^31 - 1."""
+    from tritonkit._launch import GRID_YZ_MAX, Launch
+
+    for grid in ((1, GRID_YZ_MAX + 1), (1, 1, GRID_YZ_MAX + 1)):
+        with pytest.raises(ValueError, match=r"^bwd \(no_kernel\): grid .* more than 65535 programs"):
+            Launch("bwd", "no_kernel", (), {}, grid=grid).run()
+    assert GRID_YZ_MAX == 65535

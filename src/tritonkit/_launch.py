@@ -37,6 +37,9 @@ LEAN = True
 log = logging.getLogger("tritonkit")
 
 
+GRID_YZ_MAX = 65535  # programs a launch grid's second and third dimensions hold (CUDA's limit)
+
+
 class Launch(NamedTuple):
     """One kernel launch: what an op runs, a tuner times and ``tritonkit inspect`` compiles, built by
     the op's own launch code. A tuple, because an op builds one or two on every call (a frozen
@@ -50,7 +53,13 @@ class Launch(NamedTuple):
     grid: tuple = ()  # programs along each axis, where the launch is to run (empty for inspection only)
 
     def run(self) -> None:
-        """Launch it, through the kernel's lean :class:`Launcher`."""
+        """Launch it, through the kernel's lean :class:`Launcher`; a ValueError naming it where its
+        grid's second or third dimension passes what a GPU launches (CUDA's "invalid argument")."""
+        if len(self.grid) > 1 and max(self.grid[1:]) > GRID_YZ_MAX:
+            raise ValueError(
+                f"{self.name} ({getattr(self.kernel, '__name__', self.kernel)}): grid {self.grid} has more "
+                f"than {GRID_YZ_MAX} programs on its second or third dimension, which no GPU launches"
+            )
         launcher_of(self.kernel)(self.grid, *self.args, **self.meta)
         for recording in _recordings:
             recording.launches.append(self)

@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import torch
 
+from tritonkit._launch import GRID_YZ_MAX
 from tritonkit._runtime import empty_output, empty_output_like
 from tritonkit._triton import tl, triton
 from tritonkit.dtypes import DTYPE_OF, HALVES, NAME_OF
@@ -84,16 +85,18 @@ def grid_lengths(q: torch.Tensor, k: torch.Tensor, packed: Packed | None) -> tup
     return (packed.max_q, packed.max_k) if packed is not None else (q.shape[2], k.shape[2])
 
 
-# Programs a launch grid's second dimension holds (CUDA's limit): the Triton kernels' grids put
-# batch x heads there, so a call of more (2048 sequences of 32 heads) is launched in runs of batches
-GRID_Y_MAX = 65535
+# Programs a launch grid's second dimension holds (``_launch.GRID_YZ_MAX``): the Triton kernels'
+# grids put batch x heads there, so a call of more (2048 sequences of 32 heads) runs in runs of batches
+GRID_Y_MAX = GRID_YZ_MAX
 
 
 def batch_runs(batch: int, heads: int) -> list[tuple[int, int]]:
     """(first, end) of each run of batches whose batch x heads programs the grid's second dimension
     holds: one run (0, batch) where all of them fit."""
+    if batch * heads <= GRID_Y_MAX:  # (every call but the largest: no list built)
+        return [(0, batch)]
     per = max(1, GRID_Y_MAX // heads)
-    return [(b, min(b + per, batch)) for b in range(0, batch, per)] or [(0, batch)]
+    return [(b, min(b + per, batch)) for b in range(0, batch, per)]
 
 
 def problem_runs(problem: dict, heads: int) -> list[dict]:
