@@ -12,7 +12,7 @@ allows (``ALIGN``)."""
 
 from __future__ import annotations
 
-from tritonkit._launch import Launch, next_power_of_2
+from tritonkit._launch import VECTOR_BYTES, Launch, next_power_of_2, row_align
 from tritonkit._triton import tl, triton
 from tritonkit.jit import LOG2E, aligned
 from tritonkit.ops.cross_entropy_math import capped, grad_terms, logit_grads, row_loss
@@ -21,7 +21,6 @@ from tritonkit.ops.cross_entropy_math import capped, grad_terms, logit_grads, ro
 PACKED = True
 TILE_BYTES = 16384  # logits a program holds: the row kernels' BLOCK_BYTES
 WARP_BYTES = 2048  # logits a warp holds: four 16-byte loads a thread
-VECTOR_BYTES = 16
 
 
 def packed_rows(n: int, classes: int, element_size: int, vector: int) -> int:
@@ -39,14 +38,14 @@ def packed_rows(n: int, classes: int, element_size: int, vector: int) -> int:
 def vector_entries(logits, *values: int) -> int:
     """Entries an access of the logits' rows takes: the largest power of two, at most VECTOR_BYTES,
     dividing every one of ``values`` (the row's length and its strides), where the entries are
-    contiguous; else 1."""
+    contiguous; else 1. (``row_align``'s, but for rows Triton already knows to be multiples of 16,
+    for which it answers 1.)"""
     if logits.stride(1) != 1:
         return 1
-    vector = VECTOR_BYTES // logits.element_size()
-    for value in (*values, logits.stride(0)):
-        while value % vector:
-            vector //= 2
-    return vector
+    values = (*values, logits.stride(0))
+    if all(value % 16 == 0 for value in values):
+        return VECTOR_BYTES // logits.element_size()
+    return row_align(values, logits.element_size())
 
 
 def packed_meta(n: int, classes: int, element_size: int, rows: int, align: int) -> dict:
