@@ -5,6 +5,7 @@ do_bench needs CUDA). The helpers come from test_norm.py."""
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 import torch
@@ -296,3 +297,43 @@ def test_the_backward_gate_takes_its_references_gradients_inside_a_custom_op(dev
     _GATED.update(problem=problem, config={"ROWS": 8, "num_warps": 4})
     assert nm._TUNED["bwd", False].admit(problem, _GATED["config"]).passed
     assert torch.ops.tritonkit_tests.norm_bwd_gate(x).item()
+
+
+class _GateInABackward(torch.autograd.Function):
+    """A backward that asks the norms' backward gate, as a backward's tuning on first use does."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        _GATED["threads"].append(threading.get_ident())
+        _GATED["verdict"] = nm._TUNED["bwd", False].admit(_GATED["problem"], _GATED["config"]).passed
+        return grad
+
+
+def test_the_backward_gate_runs_its_references_in_the_backward_s_own_thread(device):
+    """A backward's gate runs its reference's gradients in the thread that runs the backward: on a GPU
+    that is autograd's CUDA worker, and gradients taken in another thread queued for that worker while
+    it waited for them (test_norm.py's gpu tests hung there)."""
+    g = generator(5)
+    x = random_tensor((9, 50), F32, device, generator=g)
+    w, b = (random_tensor((50,), F32, device, generator=g) for _ in range(2))
+    _GATED.update(
+        problem={"h": x, "grad_h": None, "weight": w, "bias": b, "rms": False},
+        config={"ROWS": 8, "num_warps": 4},
+        threads=[],
+    )
+    seen = []
+    real = nm._TUNED["bwd", False].reference
+
+    def reference(problem):
+        seen.append(threading.get_ident())
+        return real(problem)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(nm._TUNED["bwd", False], "reference", reference)
+        leaf = x.clone().requires_grad_()
+        _GateInABackward.apply(leaf).sum().backward()
+    assert _GATED["verdict"] and seen and set(seen) == set(_GATED["threads"])

@@ -200,20 +200,23 @@ def with_autograd(fn, *args):
     """``fn(*args)`` where autograd records. A tuner's reference takes its gradients by autograd, and
     inside a torch.library custom op's kernel (a call through ``torch.ops``: torch.compile's graphs,
     opcheck) the dispatcher has turned autograd off for the thread, which ``torch.enable_grad`` does
-    not undo: outputs come out with no grad_fn. A thread of its own starts with the dispatcher's
-    defaults; it runs on the caller's CUDA stream, to read what that stream wrote."""
+    not undo: outputs come out with no grad_fn. So ``fn`` runs with the dispatch keys a new thread
+    starts with excluded, no others, in this thread. Not in a thread of its own: a backward's tuning
+    on a GPU runs in autograd's CUDA worker thread, and another thread's gradients of CUDA tensors
+    queue for that worker, which would be waiting on them (the gpu tests hung there)."""
+    import torch
+
+    include = torch._C._dispatch_tls_local_include_set()
+    with torch._C._ForceDispatchKeyGuard(include, _new_thread_exclude_set()), torch.enable_grad():
+        return fn(*args)
+
+
+@functools.cache
+def _new_thread_exclude_set():
+    """The dispatch keys a new thread starts with excluded (autocast's; autograd's are not)."""
     import concurrent.futures
-    import contextlib
 
     import torch
 
-    on_cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    stream = torch.cuda.current_stream() if on_cuda else None
-
-    def run():
-        caller_stream = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        with caller_stream, torch.enable_grad():
-            return fn(*args)
-
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(run).result()
+        return pool.submit(torch._C._dispatch_tls_local_exclude_set).result()
