@@ -15,9 +15,7 @@ forgotten before and after, since a call signature replays the launches it recor
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 
 from tritonkit.bench import runner, settings
 from tritonkit.ops import cross_entropy as ce
@@ -48,18 +46,8 @@ def main() -> None:
     parser.add_argument("--shape", type=shape, action="append", help="ROWSxC:DTYPE (repeatable)")
     parser.add_argument("--deadline", type=float, default=None, help="start no case after S seconds")
     args = parser.parse_args()
-    start, rows = time.time(), []
-    for case in runner.cases(["cross_entropy"], args.shape or SHAPES, None, ["fwd", "bwd"]):
-        if args.deadline is not None and time.time() - start > args.deadline:
-            print(f"deadline: {case.shape} {case.mode} and later cases not run")
-            break
-        got = runner.run_case(case, None, "cuda", keep_going=True)
-        for label, (module, name, value) in SETTINGS.items():
-            got += settings.rows_under(case, label, module, name, value)
-        rows += got
-        print(settings.line(case, got), flush=True)
-        with open(args.out, "w") as f:
-            json.dump({"command": " ".join([COMMAND, *sys.argv[2:]]), "rows": rows}, f, indent=1, default=str)
+    cases = runner.cases(["cross_entropy"], args.shape or SHAPES, None, ["fwd", "bwd"])
+    settings.compare(cases, SETTINGS, args.out, " ".join([COMMAND, *sys.argv[2:]]), args.deadline)
 
 
 if __name__ == "__main__":

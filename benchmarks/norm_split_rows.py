@@ -18,9 +18,7 @@ its first call).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 
 from tritonkit.bench import runner, settings
 from tritonkit.ops.norm import split
@@ -48,19 +46,11 @@ def main() -> None:
     parser.add_argument("--per-sm", type=int, default=None, help="also time SPLIT_PER_SM = K")
     parser.add_argument("--modes", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
     args = parser.parse_args()
-    start, rows = time.time(), []
-    for case in runner.cases(args.ops, args.shape or SHAPES, None, args.modes):
-        if args.deadline is not None and time.time() - start > args.deadline:
-            print(f"deadline: {case.workload.name} {case.shape} {case.mode} and later cases not run")
-            break
-        got = runner.run_case(case, None, "cuda", keep_going=True)
-        got += settings.rows_under(case, "unsplit", split, "SPLIT_PER_SM", 0)
-        if args.per_sm is not None:
-            got += settings.rows_under(case, f"split<{args.per_sm}", split, "SPLIT_PER_SM", args.per_sm)
-        rows += got
-        print(settings.line(case, got), flush=True)
-        with open(args.out, "w") as f:
-            json.dump({"command": " ".join([COMMAND, *sys.argv[2:]]), "rows": rows}, f, indent=1, default=str)
+    options = {"unsplit": (split, "SPLIT_PER_SM", 0)}
+    if args.per_sm is not None:
+        options[f"split<{args.per_sm}"] = (split, "SPLIT_PER_SM", args.per_sm)
+    cases = runner.cases(args.ops, args.shape or SHAPES, None, args.modes)
+    settings.compare(cases, options, args.out, " ".join([COMMAND, *sys.argv[2:]]), args.deadline)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import math
 
 import pytest
 import torch
@@ -161,7 +162,43 @@ def test_grids_are_flat_so_long_rows_launch():
         launches += bg._bwd_launches(dy, x, b, torch.empty_like(x), torch.empty_like(b), "none")
         for launch in launches:
             assert len(launch.grid) == 1 and launch.grid[0] < 2**31, (shape, launch.name, launch.grid)
-    assert [launch.grid for launch in launches[:2]] == [(29091,), (7296,)]  # 38788 x 3027: as before
+    # 38788 x 3027: the flat forward's blocks of 4096 entries (its rows are off their vectors), the
+    # backward's as before
+    assert [launch.grid for launch in launches[:2]] == [(28665,), (7296,)]
+
+
+@pytest.mark.parametrize(
+    "shape, dtype",
+    [((333, 5), F16), ((57, 1), BF16), ((40, 3), F32), ((19, 27), BF16), ((3, 1823), F32), ((4, 7), F32)],
+    ids=str,
+)
+def test_the_flat_forward_equals_the_row_tiles(shape, dtype, device, monkeypatch):
+    """Rows off their 16-byte vectors (shorter than a vector too: TINY) go forward flat, bit for bit
+    as the row tiles compute them, the bias read through a stride as well."""
+    x, b, _ = _inputs(shape, dtype, device, seed=shape[1])
+    strided_b = torch.stack([b, -b], dim=1)[:, 0]  # entries 2 apart
+    for bias in (b, strided_b):
+        monkeypatch.setattr(bg, "FLAT_FORWARD", True)
+        (launch,) = bg._fwd_launches(x, bias, torch.empty_like(x), "tanh")
+        assert launch.kernel.__name__ == "_bias_gelu_fwd_flat_kernel"
+        assert launch.meta["TINY"] == (shape[1] * dtype.itemsize < 16)
+        outputs = []
+        for flat in (True, False):
+            monkeypatch.setattr(bg, "FLAT_FORWARD", flat)
+            with poisoned_outputs():
+                outputs.append(bias_gelu(x, bias, approximate="tanh"))
+        assert torch.equal(outputs[0], outputs[1])
+        assert all(c.passed for c in _check(x, bias, torch.ones_like(x), "tanh", grad_inputs=()))
+
+
+def test_aligned_or_strided_rows_keep_the_row_tiles(device):
+    """The flat forward needs one run of entries whose rows start off their vectors: aligned rows, a
+    strided input and rows with gaps between them keep the row tiles."""
+    x, b, _ = _inputs((12, 32), BF16, device, seed=1)
+    odd, b_odd, _ = _inputs((12, 30), BF16, device, seed=2)
+    for input, bias in ((x, b), (odd.t().contiguous().t(), b_odd), (x[:, :30], b_odd)):
+        (launch,) = bg._fwd_launches(input, bias, torch.empty(input.shape, dtype=BF16, device=device), "none")
+        assert launch.kernel.__name__ == "_bias_gelu_fwd_kernel"
 
 
 @pytest.mark.parametrize("shape", [(21, 10), (2, 1), (64, 27)], ids=str)
@@ -533,16 +570,18 @@ def test_16_bit_passes_compile_to_few_instructions_a_value():
 
 
 def test_rows_of_any_length_move_as_wide_as_their_alignment_allows():
-    """Rows of 2900 bf16 entries (a multiple of 4, not of 16) move forward in 8-byte vectors, of 2904
-    in 16-byte ones (``_launch.row_align``), where Triton alone moved them an entry at a time; the
-    backward takes rows off their 16-byte vectors (2900, and 3027, odd) in windows: 16-byte vectors
-    but for the rows' first and last entries (an entry at a time) and its fp32 db partials, which
-    the norms' second stage sums in loads as wide as their fp32 rows allow (16 bytes, 4 at 3027)."""
+    """Rows of 2904 bf16 entries (a multiple of 8) move in 16-byte vectors in row tiles; rows off
+    their 16-byte vectors (2900, a multiple of 4; 3027, odd; 5) move forward flat in 16-byte vectors
+    (entry-wide loads only for the bias's gathers and the last program's tail), where row tiles
+    moved them 8 or 2 bytes at a time; the backward takes rows off their vectors in windows:
+    16-byte vectors but for the rows' first and last entries (an entry at a time) and its fp32 db
+    partials, which the norms' second stage sums in loads as wide as their fp32 rows allow (16
+    bytes, 4 at 3027)."""
     rows = sm90.access_widths("bias_gelu", [(4096, 2900), (4096, 2904), (4096, 3027)])
     sums = [row for row in rows if row["launch"] == "bwd partial sums"]
     assert [set(row["loads"]) for row in sums] == [{128}, {128}, {32}], sums
-    rows = [row for row in rows if row not in sums]
-    assert len(rows) == 6, rows
+    rows = [row for row in rows if row not in sums] + sm90.access_widths("bias_gelu", [(327218, 5)])[:1]
+    assert len(rows) == 7, rows
     for row in rows:
         n, backward = row["shape"][1], row["launch"] == "bwd"
         if n == 2904:
@@ -550,9 +589,34 @@ def test_rows_of_any_length_move_as_wide_as_their_alignment_allows():
         elif backward:
             assert max(row["loads"]) == max(row["stores"]) == 128, row
             assert row["loads"][128] == 4 and row["stores"][128] == 1, row  # x, dy (two tiles); dx
-        else:
-            width = 64 if n == 2900 else 16
-            assert set(row["loads"]) == set(row["stores"]) == {width}, row
+        else:  # flat: x and y in 16-byte vectors (16 entries a thread), in the last program's
+            # masked branch too where M x N is a multiple of 16 (Triton knows it then)
+            vectors = 4 if math.prod(row["shape"]) % 16 == 0 else 2
+            assert row["launch"] == "fwd" and row["loads"][128] == row["stores"][128] == vectors, row
+
+
+_FLAT_CHECK = r"""
+import torch
+import tritonkit.ops.bias_gelu as bg
+from tritonkit.asm import compile_launch
+
+for dtype, n in ((torch.bfloat16, 5), (torch.bfloat16, 3027), (torch.float32, 5), (torch.float32, 3027)):
+    x = torch.empty((327218, n), dtype=dtype, device="meta")
+    (launch,) = bg._fwd_launches(x, torch.empty((n,), dtype=dtype, device="meta"), x, "none")
+    report = compile_launch(launch)
+    print(launch.kernel.__name__, report.registers, report.occupancy[0], not report.spills)
+"""
+
+
+def test_the_flat_forward_keeps_its_registers_and_its_programs():
+    """The flat forward's sm_90 compile: at most 64 registers a thread at 8 warps (the bias gathered
+    at 16 entries a thread; 32 at 4 warps held 110 registers), at least 4 programs an SM, no spills."""
+    lines = sm90.run(_FLAT_CHECK)
+    assert len(lines) == 4, lines
+    for line in lines:
+        kernel, registers, programs, no_spills = line.split()
+        assert kernel == "_bias_gelu_fwd_flat_kernel" and no_spills == "True", line
+        assert int(registers) <= 64 and int(programs) >= 4, line
 
 
 _WINDOW_CHECK = r"""

@@ -6,6 +6,9 @@ worth (benchmarks/norm_split_rows.py, benchmarks/cross_entropy_rows.py)."""
 
 from __future__ import annotations
 
+import json
+import time
+
 from tritonkit import opdef, tuning
 from tritonkit.bench import runner
 
@@ -59,3 +62,22 @@ def line(case: runner.Case, rows: list[dict]) -> str:
             f"FAILED {failed}" if failed else "",
         ]
     )
+
+
+def compare(cases, settings: dict, out: str, command: str, deadline: float | None = None) -> list[dict]:
+    """Each case's rows from every provider, then tritonkit's under each of ``settings`` (label ->
+    (module, name, value)); a line a case, and every row so far written to ``out`` as JSON with the
+    command that made it after each case. No case starts past ``deadline`` seconds."""
+    start, rows = time.time(), []
+    for case in cases:
+        if deadline is not None and time.time() - start > deadline:
+            print(f"deadline: {case.workload.name} {case.shape} {case.mode} and later cases not run")
+            break
+        got = runner.run_case(case, None, "cuda", keep_going=True)
+        for label, (module, name, value) in settings.items():
+            got += rows_under(case, label, module, name, value)
+        rows += got
+        print(line(case, got), flush=True)
+        with open(out, "w") as f:
+            json.dump({"command": command, "rows": rows}, f, indent=1, default=str)
+    return rows

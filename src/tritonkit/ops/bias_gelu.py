@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from tritonkit._launch import Launch, cdiv, row_align, row_window, scratch
+from tritonkit._launch import VECTOR_BYTES, Launch, cdiv, row_align, row_window, scratch
 from tritonkit._runtime import empty_output_like, sm_count
 from tritonkit._triton import tl, triton
 from tritonkit.dtypes import FLOATS
@@ -49,6 +49,12 @@ DTYPES = FLOATS
 TILE_BYTES = 8192
 MAX_BLOCK_N = 1024
 NUM_WARPS = 4
+# Whether a contiguous input whose rows start off their vectors runs the flat forward; False keeps
+# the row tiles (what a test compares it with)
+FLAT_FORWARD = True
+# The flat forward gathers the bias an entry at a time, a 64-bit address each: at 4 warps (32 entries
+# a thread) the sm_90 compile held 110 registers, 4 programs an SM; at 8 warps, 16 entries a thread
+FLAT_WARPS = 8
 # Whether the backward reads rows that start off their vectors in windows (_bias_gelu_bwd_window);
 # False keeps them on ALIGN's narrower accesses (what a test compares them with)
 WINDOWS = True
@@ -92,6 +98,53 @@ def _bias_gelu_fwd_kernel(
     z = x.to(tl.float32) + b.to(tl.float32)[None, :]
     y = gelu_lean(z, APPROX_TANH=APPROX_TANH, FAST=y_ptr.dtype.element_ty != tl.float32)
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# Rows that start off their 16-byte vectors (an odd length in 16 bits, or rows of 5) moved forward
+# an entry or a few at a time in row tiles (327218 x 5 fp16: 0.64x torch.compile, the sweep's shard
+# 7). A contiguous input is one run of M * N entries whatever its rows, so the flat forward reads it
+# in 16-byte vectors and finds each entry's bias column from its place: one modulo a vector, then
+# the vector's entries one past it (wrapping once, as a row is at least a vector long), or a modulo
+# an entry where rows are shorter than a vector (TINY).
+@triton.jit
+def _bias_gelu_fwd_flat_kernel(
+    x_ptr,  # input, numel entries, contiguous
+    b_ptr,  # bias, (N,), stride stride_bn
+    y_ptr,  # output, numel entries, contiguous
+    numel,  # M * N
+    N,  # columns
+    stride_bn,  # elements between entries of b
+    APPROX_TANH: tl.constexpr,  # tanh approximation instead of erf
+    BLOCK: tl.constexpr,  # entries a program handles
+    VECTOR: tl.constexpr,  # entries of a 16-byte vector
+    TINY: tl.constexpr,  # N < VECTOR
+):
+    start = tl.program_id(0).to(tl.int64) * BLOCK  # int64: numel may pass 2^31
+    vectors = tl.arange(0, BLOCK // VECTOR)[:, None] * VECTOR
+    lanes = tl.arange(0, VECTOR)[None, :]
+    offsets = start + vectors + lanes
+    first_column = (start % N).to(tl.int32)
+    if TINY:
+        cols = (first_column + vectors + lanes) % N
+    else:
+        cols = (first_column + vectors) % N + lanes
+        cols = tl.where(cols >= N, cols - N, cols)
+    # Only the last program masks: a mask against a numel that is no multiple of VECTOR would keep
+    # every program's accesses an entry wide
+    if start + BLOCK <= numel:
+        _flat_block(x_ptr, b_ptr, y_ptr, offsets, cols, None, stride_bn, APPROX_TANH)
+    else:
+        _flat_block(x_ptr, b_ptr, y_ptr, offsets, cols, offsets < numel, stride_bn, APPROX_TANH)
+
+
+@triton.jit
+def _flat_block(x_ptr, b_ptr, y_ptr, offsets, cols, mask, stride_bn, APPROX_TANH: tl.constexpr):
+    """gelu(x + b) over a block of the flat forward, b gathered at each entry's column."""
+    x = tl.load(x_ptr + offsets, mask=mask)
+    b = tl.load(b_ptr + cols * stride_bn)  # (every column is a bias entry: no mask)
+    z = x.to(tl.float32) + b.to(tl.float32)
+    y = gelu_lean(z, APPROX_TANH=APPROX_TANH, FAST=y_ptr.dtype.element_ty != tl.float32)
+    tl.store(y_ptr + offsets, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 # Backward tiles as forward; each program also walks ROW_TILES tiles down its columns, summing
@@ -279,9 +332,14 @@ def _validate(input, bias, approximate: str) -> None:
 
 
 def _fwd_launches(input, bias, y, approximate: str) -> list[Launch]:
-    """The forward kernel's launch: tiles from the row length and dtype (no tuning)."""
+    """The forward kernel's launch: tiles from the row length and dtype (no tuning); a contiguous
+    input whose rows start off their 16-byte vectors in one flat run (``_bias_gelu_fwd_flat_kernel``)."""
     n_cols = input.shape[-1]
     x = input if input.dim() == 2 else input.reshape(-1, n_cols)  # a view whenever strides allow
+    vector = VECTOR_BYTES // input.element_size()
+    contiguous = x.stride(1) == 1 and (x.stride(0) == n_cols or x.shape[0] == 1)
+    if FLAT_FORWARD and contiguous and n_cols % vector:
+        return [_fwd_flat_launch(x, bias, y, approximate, vector)]
     block_m, block_n = tile_shape(n_cols, input.element_size())
     meta = {
         "APPROX_TANH": approximate == "tanh",
@@ -300,6 +358,21 @@ def _fwd_launches(input, bias, y, approximate: str) -> list[Launch]:
             grid=(cdiv(x.shape[0], block_m) * cdiv(n_cols, block_n),),
         )
     ]
+
+
+def _fwd_flat_launch(x, bias, y, approximate: str, vector: int) -> Launch:
+    """The flat forward over x's M * N contiguous entries: a TILE_BYTES block a program."""
+    block = TILE_BYTES // x.element_size()
+    n_cols = x.shape[1]
+    meta = {
+        "APPROX_TANH": approximate == "tanh",
+        "BLOCK": block,
+        "VECTOR": vector,
+        "TINY": n_cols < vector,
+        "num_warps": FLAT_WARPS,
+    }
+    args = (x, bias, y, x.numel(), n_cols, bias.stride(0))
+    return Launch("fwd", _bias_gelu_fwd_flat_kernel, args, meta, grid=(cdiv(x.numel(), block),))
 
 
 def _align(n_cols: int, *tensors: torch.Tensor) -> int:
@@ -380,7 +453,7 @@ def _bwd_tiles(x: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor) -> tuple[int
 # ---------------------------------------------------------------- ops and autograd
 
 
-@op("bias_gelu", mutates=("y",), replay=True)
+@op("bias_gelu", mutates=("y",), replay=lambda: (FLAT_FORWARD,))
 def _forward(input: torch.Tensor, bias: torch.Tensor, approximate: str, y: torch.Tensor) -> None:
     if y.numel():
         for launch in _fwd_launches(input, bias, y, approximate):

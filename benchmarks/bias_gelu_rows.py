@@ -1,0 +1,44 @@
+"""bias_gelu's flat forward (ops/bias_gelu.py, ``_bias_gelu_fwd_flat_kernel``): contiguous rows that
+start off their 16-byte vectors in one run of 16-byte vectors, against the same call in row tiles
+(``FLAT_FORWARD = False``, "tritonkit[rows]"), beside the peers, in one run.
+
+    python benchmarks/bias_gelu_rows.py OUT.json [--shape ROWSxN:DTYPE ...] [--deadline S]
+
+For each shape, the benchmark runner's forward rows (``tritonkit.bench.runner``: the error check
+against float64, CUDA-graph-replayed median ms, eager ms, share of a copy of the same bytes) for
+every provider, then tritonkit's under the row tiles (``tritonkit.bench.settings``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tritonkit.bench import runner, settings
+from tritonkit.ops import bias_gelu as bg
+
+SHAPES = [
+    ((327218, 5), "fp16"),  # the sweep's 0.64x (shard 7)
+    ((327218, 5), "fp32"),
+    ((1000000, 3), "bf16"),
+    ((38788, 3027), "bf16"),  # odd rows: an entry at a time in row tiles
+    ((38788, 3027), "fp32"),
+    ((4096, 2900), "bf16"),  # 8-byte vectors in row tiles
+    ((8192, 4101), "bf16"),
+]
+SETTINGS = {"rows": (bg, "FLAT_FORWARD", False)}
+COMMAND = "python benchmarks/bias_gelu_rows.py OUT.json"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out")
+    parser.add_argument("--shape", type=settings.shape_argument, action="append", help="ROWSxN:DTYPE")
+    parser.add_argument("--deadline", type=float, default=None, help="start no case after S seconds")
+    args = parser.parse_args()
+    cases = runner.cases(["bias_gelu"], args.shape or SHAPES, None, ["fwd"])
+    settings.compare(cases, SETTINGS, args.out, " ".join([COMMAND, *sys.argv[2:]]), args.deadline)
+
+
+if __name__ == "__main__":
+    main()
