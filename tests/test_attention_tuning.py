@@ -11,6 +11,7 @@ import torch
 from test_attention import check, qkv
 from tritonkit import testing, tuning
 from tritonkit._launch import Launch
+from tritonkit._runtime import interpret
 from tritonkit.ops.attention import bwd as ab
 from tritonkit.ops.attention import bwd_kernels as abk
 from tritonkit.ops.attention import common as ac
@@ -111,10 +112,14 @@ def test_the_keys_powers_of_two_are_tritons():
 # ---------------------------------------------------------------- forward
 
 
+# Candidates a key keeps at least: a GPU prunes by its own shared memory (an H100 keeps 5 at D = 256)
+MIN_CANDIDATES = 6 if interpret() else 5
+
+
 def test_the_candidates_fit_and_the_default_is_among_them():
     for head_dim in (64, 128, 256):
         candidates = af._TUNER._candidates(_key(head_dim=head_dim))
-        assert len(candidates) >= 6, (head_dim, candidates)
+        assert len(candidates) >= MIN_CANDIDATES, (head_dim, candidates)
         assert af._TUNER.default(_key(head_dim=head_dim)) in candidates
         assert all(c["BLOCK_M"] * head_dim / (32 * c["num_warps"]) <= af.MAX_TILE_VALUES for c in candidates)
     fewer = af._TUNER._candidates(_key(seq_q=16))  # 128 query rows a program > 2 x 16
@@ -137,7 +142,9 @@ def test_gate_rejects_a_wrong_result(monkeypatch, device):
     that sees no key (Sq > Sk bottom-right: the first 32 rows see none)."""
     key = _key(seq_q=64, seq_k=32, head_dim=32)
     problem = _fwd_problem(key, _scores(key["mask"], 0.2), device)
-    config = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+    # (three stages, the default's: at two ptxas crashed compiling this kernel for sm_90 at D = 32, a
+    # candidate the tuner logs and passes over)
+    config = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3}
     calibration = af._TUNED.calibrate(problem, config)
     assert calibration["q"].shape[2] > calibration["k"].shape[2]
     assert af._TUNED.admit(problem, config).passed
@@ -162,7 +169,7 @@ def test_backward_candidates_fit_and_the_default_is_among_them(kernel):
     held = abk.HELD[kernel]
     for head_dim in (64, 128, 256):
         candidates = tuner._candidates(_key(head_dim=head_dim))
-        assert len(candidates) >= 6, (head_dim, candidates)
+        assert len(candidates) >= MIN_CANDIDATES, (head_dim, candidates)
         assert tuner.default(_key(head_dim=head_dim)) in candidates
         for c in candidates[:-1]:  # the last may be the default, which is kept whatever prune says
             step = c["BLOCK_M"] + c["BLOCK_N"] - c[held]
@@ -208,6 +215,7 @@ def test_tuning_the_atomic_backward_leaves_dq_alone(monkeypatch, tmp_path, devic
     """deterministic=False while its dK/dV kernel is tuned: the candidates' timing runs (real runs,
     twice each, every one adding into the call's dq accumulator) must not reach the call's dq."""
     monkeypatch.setattr(tuning, "_single_config", lambda: False)
+    monkeypatch.setattr(ab, "sm90_takes", lambda *args, **kwargs: False)  # the Triton kernels, on sm_90 too
     monkeypatch.setenv("TRITONKIT_CACHE_DIR", str(tmp_path))
     # the forward as if its tuning were cached (its interpreter tile): only dK/dV's tuning is under
     # test, and the forward's own (a gate run and two timed runs) would add nothing to it
