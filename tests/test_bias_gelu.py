@@ -137,10 +137,12 @@ def test_window_backward_equals_the_plain_one(shape, dtype, device, monkeypatch)
     assert all(c.passed for c in _check(x, b, dy)), [str(c) for c in _check(x, b, dy)]
 
 
-def test_rows_shorter_than_two_vectors_take_no_windows():
+def test_rows_shorter_than_two_vectors_take_no_windows(monkeypatch):
     """A row shorter than two vectors (16 bytes each) holds no whole vector wherever it starts, or
     one at most: windows bought it only small tiles (327218 x 5 fp16: 2557 programs of 16 tiles of
-    8 rows, 0.28x the best peer in the sweep; now 640 tiles of 512 rows)."""
+    8 rows, 0.28x the best peer in the sweep; in row tiles 640 tiles of 512 rows, where they are
+    not flat)."""
+    monkeypatch.setattr(bg, "FLAT", False)
     for n, window in ((1, 0), (5, 0), (15, 0), (16, 0), (17, 8), (27, 8)):
         x = torch.empty((4099, n), dtype=BF16)
         assert bg._bwd_tiles(x, torch.empty_like(x), torch.empty_like(x))[3] == window, n
@@ -178,17 +180,65 @@ def test_the_flat_forward_equals_the_row_tiles(shape, dtype, device, monkeypatch
     x, b, _ = _inputs(shape, dtype, device, seed=shape[1])
     strided_b = torch.stack([b, -b], dim=1)[:, 0]  # entries 2 apart
     for bias in (b, strided_b):
-        monkeypatch.setattr(bg, "FLAT_FORWARD", True)
+        monkeypatch.setattr(bg, "FLAT", True)
         (launch,) = bg._fwd_launches(x, bias, torch.empty_like(x), "tanh")
         assert launch.kernel.__name__ == "_bias_gelu_fwd_flat_kernel"
         assert launch.meta["TINY"] == (shape[1] * dtype.itemsize < 16)
         outputs = []
         for flat in (True, False):
-            monkeypatch.setattr(bg, "FLAT_FORWARD", flat)
+            monkeypatch.setattr(bg, "FLAT", flat)
             with poisoned_outputs():
                 outputs.append(bias_gelu(x, bias, approximate="tanh"))
         assert torch.equal(outputs[0], outputs[1])
         assert all(c.passed for c in _check(x, bias, torch.ones_like(x), "tanh", grad_inputs=()))
+
+
+# (rows, N, dtype, SMs): more rows than a row tile holds, N under and over a vector, and on one SM a
+# walk of four chunks a program (13 chunks of 2040 entries: the last program's first ragged, its
+# other three past the end)
+FLAT_BACKWARD = [
+    (1100, 5, F16, None),
+    (600, 3, F32, None),
+    (700, 7, BF16, None),
+    (5000, 1, BF16, None),
+    (300, 13, F32, None),
+    (5000, 5, F16, 1),
+]
+
+
+@pytest.mark.parametrize("rows, n, dtype, sms", FLAT_BACKWARD, ids=str)
+def test_the_flat_backward_matches_the_reference(rows, n, dtype, sms, device, monkeypatch):
+    """Narrow rows off their vectors go backward flat: chunks of whole rows and vectors, db summed a
+    place over a program's chunks, then by column, then over programs."""
+    if sms is not None:
+        monkeypatch.setattr(bg, "sm_count", lambda device: sms)
+    x, b, dy = _inputs((rows, n), dtype, device, seed=rows + n)
+    launches = bg._bwd_launches(dy, x, b, torch.empty_like(x), torch.empty_like(b), "none")
+    assert [launch.kernel.__name__ for launch in launches] == [
+        "_bias_gelu_bwd_flat_kernel",
+        "_sum_partials_kernel",
+    ]
+    length = launches[0].args[-1] * launches[0].meta["VECTOR"]
+    assert length % n == 0 and length <= launches[0].meta["BLOCK"]
+    if sms is not None:
+        assert (launches[0].meta["CHUNKS"], launches[0].grid, length) == (4, (4,), 2040)
+    _check(x, b, dy)
+
+
+def test_which_backward_calls_go_flat(device):
+    """Contiguous rows off their vectors of at most FLAT_BWD_MAX_N entries, past one plain tile of
+    rows; not wider rows, aligned ones, strided ones, or one tile (one program sums db itself)."""
+
+    def flat(x, dy):
+        launch = bg._bwd_launches(dy, x, x[0], torch.empty_like(x), torch.empty_like(x[0]), "none")[0]
+        return launch.kernel.__name__ == "_bias_gelu_bwd_flat_kernel"
+
+    for n, expected in ((5, True), (bg.FLAT_BWD_MAX_N, False), (15, True), (17, False), (8, False)):
+        x = torch.empty((4099, n), dtype=BF16, device=device)
+        assert flat(x, torch.empty_like(x)) == expected, n
+    x = torch.empty((4099, 5), dtype=BF16, device=device)
+    assert not flat(torch.empty((5, 4099), dtype=BF16, device=device).t(), torch.empty_like(x))
+    assert not flat(x[:100], torch.empty_like(x[:100]))  # one tile
 
 
 def test_aligned_or_strided_rows_keep_the_row_tiles(device):
@@ -602,21 +652,29 @@ from tritonkit.asm import compile_launch
 
 for dtype, n in ((torch.bfloat16, 5), (torch.bfloat16, 3027), (torch.float32, 5), (torch.float32, 3027)):
     x = torch.empty((327218, n), dtype=dtype, device="meta")
-    (launch,) = bg._fwd_launches(x, torch.empty((n,), dtype=dtype, device="meta"), x, "none")
-    report = compile_launch(launch)
-    print(launch.kernel.__name__, report.registers, report.occupancy[0], not report.spills)
+    b = torch.empty((n,), dtype=dtype, device="meta")
+    launches = bg._fwd_launches(x, b, x, "none") + bg._bwd_launches(x, x, b, x, b, "none")[:1]
+    for launch in launches:
+        report = compile_launch(launch)
+        print(launch.kernel.__name__, report.registers, report.occupancy[0], not report.spills,
+              max(report.loads), max(report.stores))
 """
 
 
-def test_the_flat_forward_keeps_its_registers_and_its_programs():
-    """The flat forward's sm_90 compile: at most 64 registers a thread at 8 warps (the bias gathered
-    at 16 entries a thread; 32 at 4 warps held 110 registers), at least 4 programs an SM, no spills."""
+def test_the_flat_kernels_keep_their_registers_and_their_programs():
+    """The flat kernels' sm_90 compile: at most 80 registers a thread at 8 warps (the forward's bias
+    gathered at 16 entries a thread; 32 at 4 warps held 110 registers), at least 3 programs an SM,
+    no spills, x and dy read and y and dx written in 16-byte vectors (the backward's narrow rows;
+    3027 goes backward in windows)."""
     lines = sm90.run(_FLAT_CHECK)
-    assert len(lines) == 4, lines
+    kernels = [line.split()[0] for line in lines]
+    flat = ["_bias_gelu_fwd_flat_kernel", "_bias_gelu_bwd_flat_kernel"]
+    assert kernels == [*flat, flat[0], "_bias_gelu_bwd_kernel"] * 2, lines
     for line in lines:
-        kernel, registers, programs, no_spills = line.split()
-        assert kernel == "_bias_gelu_fwd_flat_kernel" and no_spills == "True", line
-        assert int(registers) <= 64 and int(programs) >= 4, line
+        kernel, registers, programs, no_spills, load, store = line.split()
+        assert no_spills == "True" and load == store == "128", line
+        if kernel in flat:
+            assert int(registers) <= 80 and int(programs) >= 3, line
 
 
 _WINDOW_CHECK = r"""

@@ -49,9 +49,10 @@ DTYPES = FLOATS
 TILE_BYTES = 8192
 MAX_BLOCK_N = 1024
 NUM_WARPS = 4
-# Whether a contiguous input whose rows start off their vectors runs the flat forward; False keeps
-# the row tiles (what a test compares it with)
-FLAT_FORWARD = True
+# Whether a contiguous input whose rows start off their vectors runs the flat kernels (the forward at
+# any row length, the backward up to FLAT_BWD_MAX_N); False keeps the row tiles (what a test compares
+# them with)
+FLAT = True
 # The flat forward gathers the bias an entry at a time, a 64-bit address each: at 4 warps (32 entries
 # a thread) the sm_90 compile held 110 registers, 4 programs an SM; at 8 warps, 16 entries a thread
 FLAT_WARPS = 8
@@ -300,6 +301,67 @@ def _window_tile(x_ptr, dy_ptr, rows, M, stride_xm, stride_dym, positions, inner
     return x, dy
 
 
+# Rows of at most FLAT_BWD_MAX_N entries off their vectors go backward flat too: row tiles move them
+# an entry at a time (327218 x 5 fp16: 0.81x torch; 107804 x 3 fp32 0.39x, 55993 x 14 fp32 0.59x in
+# the sweep). The run is walked in chunks of L entries, L a multiple of N and of VECTOR, so every
+# chunk starts on a row and on a vector: an entry's column is its place in the chunk modulo N, the
+# same in every chunk, and db's sums are kept a place (acc) over the program's chunks, then summed
+# by column, FLAT_BWD_MAX_N (padded to NP) reductions a program, into a (programs, N) partial.
+FLAT_BWD_MAX_N = 16
+# A chunk's tile, of each of x and dy, at FLAT_WARPS: at 8 KB (16 entries a thread in 16 bits) the
+# sm_90 compile held 105 registers, 2 programs an SM; at 4 KB 80, 3 programs an SM (fp32: 40, 6)
+FLAT_BWD_TILE_BYTES = 4096
+
+
+@triton.jit
+def _bias_gelu_bwd_flat_kernel(
+    dy_ptr,  # upstream gradient, numel entries, contiguous
+    x_ptr,  # input of the forward, numel entries, contiguous
+    b_ptr,  # bias, (N,), stride stride_bn
+    dx_ptr,  # gradient of x, numel entries, contiguous
+    db_partial_ptr,  # fp32 partial sums of db, (programs, N), contiguous
+    numel,  # M * N
+    N,  # columns
+    stride_bn,  # elements between entries of b
+    chunk_vectors,  # vectors a chunk: L = chunk_vectors * VECTOR entries, a multiple of N
+    APPROX_TANH: tl.constexpr,  # tanh approximation instead of erf
+    BLOCK: tl.constexpr,  # entries a chunk's tile holds (L or more)
+    VECTOR: tl.constexpr,  # entries of a 16-byte vector
+    NP: tl.constexpr,  # N padded to a power of two
+    CHUNKS: tl.constexpr,  # chunks a program walks
+):
+    vectors = tl.arange(0, BLOCK // VECTOR)[:, None]
+    places = vectors * VECTOR + tl.arange(0, VECTOR)[None, :]
+    in_chunk = vectors < chunk_vectors  # (a vector's entries alike: its accesses stay 16 bytes)
+    b = tl.load(b_ptr + places % N * stride_bn).to(tl.float32)  # (every column a bias entry: no mask)
+    acc = tl.zeros([BLOCK // VECTOR, VECTOR], dtype=tl.float32)
+    length = chunk_vectors.to(tl.int64) * VECTOR
+    for k in range(CHUNKS):
+        start = (tl.program_id(0).to(tl.int64) * CHUNKS + k) * length
+        if start + length <= numel:
+            acc += _flat_grads(dy_ptr, x_ptr, dx_ptr, start + places, in_chunk, b, APPROX_TANH)
+        else:  # the last chunk: masked an entry at a time
+            mask = in_chunk & (start + places < numel)
+            acc += _flat_grads(dy_ptr, x_ptr, dx_ptr, start + places, mask, b, APPROX_TANH)
+    acc = acc.to(tl.float64)  # (a column's sum over a thousand places or more, once a program)
+    cols = places % N  # (made again here, not held through the chunks)
+    for n in tl.static_range(NP):
+        if n < N:
+            column_sum = tl.sum(tl.where(cols == n, acc, 0.0))
+            tl.store(db_partial_ptr + tl.program_id(0) * N + n, column_sum.to(tl.float32))
+
+
+@triton.jit
+def _flat_grads(dy_ptr, x_ptr, dx_ptr, offsets, mask, b, APPROX_TANH: tl.constexpr):
+    """dx over a chunk of the flat backward, stored; returns its values, zero where masked."""
+    x = tl.load(x_ptr + offsets, mask=mask)
+    dy = tl.load(dy_ptr + offsets, mask=mask)
+    FAST: tl.constexpr = dx_ptr.dtype.element_ty != tl.float32
+    dz = dy.to(tl.float32) * gelu_lean_grad(x.to(tl.float32) + b, APPROX_TANH=APPROX_TANH, FAST=FAST)
+    tl.store(dx_ptr + offsets, dz.to(dx_ptr.dtype.element_ty), mask=mask)
+    return tl.where(mask, dz, 0.0)
+
+
 # ---------------------------------------------------------------- launches
 
 
@@ -338,7 +400,7 @@ def _fwd_launches(input, bias, y, approximate: str) -> list[Launch]:
     x = input if input.dim() == 2 else input.reshape(-1, n_cols)  # a view whenever strides allow
     vector = VECTOR_BYTES // input.element_size()
     contiguous = x.stride(1) == 1 and (x.stride(0) == n_cols or x.shape[0] == 1)
-    if FLAT_FORWARD and contiguous and n_cols % vector:
+    if FLAT and contiguous and n_cols % vector:
         return [_fwd_flat_launch(x, bias, y, approximate, vector)]
     block_m, block_n = tile_shape(n_cols, input.element_size())
     meta = {
@@ -388,9 +450,12 @@ def _bwd_launches(grad_output, input, bias, dx, db, approximate: str) -> list[La
     """The backward kernel's launch, then the sum of db's fp32 partials (the norms' second stage,
     which casts as it stores): one partial row a program's ROW_TILES tiles of rows, or in windows
     one per row of its tiles (``_bias_gelu_bwd_window``); ``db`` itself where that makes one row
-    (a tiny input: no sum after the kernel)."""
+    (a tiny input: no sum after the kernel). Narrow rows off their vectors go flat
+    (``_bias_gelu_bwd_flat_kernel``)."""
     n_cols = input.shape[-1]
     x, dy = input.reshape(-1, n_cols), grad_output.reshape(-1, n_cols)
+    if _flat_backward(x, dy):
+        return _bwd_flat_launches(dy, x, bias, dx, db, approximate)
     block_m, block_n, row_tiles, window = _bwd_tiles(x, dy, dx.reshape(-1, n_cols))
     # in windows, enough column blocks that every row's columns, shifted by up to WINDOW - 1 from
     # its window's start, are covered
@@ -428,6 +493,42 @@ def _bwd_launches(grad_output, input, bias, dx, db, approximate: str) -> list[La
     return [main] if db_partial is db else [main, sum_partials_launch(None, db_partial, None, db)]
 
 
+def _flat_backward(x: torch.Tensor, dy: torch.Tensor) -> bool:
+    """Whether the (M, N) views go backward flat: FLAT's rows (contiguous, off their vectors)
+    of at most FLAT_BWD_MAX_N entries, more than one plain tile of them (that one program sums db
+    itself)."""
+    n_rows, n_cols = x.shape
+    vector = VECTOR_BYTES // x.element_size()
+    contiguous = all(t.stride(1) == 1 and (t.stride(0) == n_cols or n_rows == 1) for t in (x, dy))
+    one_tile = n_rows <= tile_shape(n_cols, x.element_size())[0]
+    return FLAT and contiguous and n_cols % vector and n_cols <= FLAT_BWD_MAX_N and not one_tile
+
+
+def _bwd_flat_launches(dy, x, bias, dx, db, approximate: str) -> list[Launch]:
+    """The flat backward over chunks of L entries (the most whole lcm(N, VECTOR) runs a
+    FLAT_BWD_TILE_BYTES tile holds), CHUNKS a program (a power of two, at most MAX_ROW_TILES,
+    PROGRAMS_PER_SM programs an SM kept), then the sum of its (programs, N) partials into db."""
+    n_cols, vector = x.shape[1], VECTOR_BYTES // x.element_size()
+    block = FLAT_BWD_TILE_BYTES // x.element_size()
+    period = math.lcm(n_cols, vector)
+    chunk_vectors = block // period * period // vector
+    chunks = cdiv(x.numel(), chunk_vectors * vector)
+    per_program = row_tiles_per_program(chunks, 1, sm_count(x.device))
+    programs = cdiv(chunks, per_program)
+    db_partial = scratch((programs, n_cols), torch.float32, x.device)
+    meta = {
+        "APPROX_TANH": approximate == "tanh",
+        "BLOCK": block,
+        "VECTOR": vector,
+        "NP": triton.next_power_of_2(n_cols),
+        "CHUNKS": per_program,
+        "num_warps": FLAT_WARPS,
+    }
+    args = (dy, x, bias, dx, db_partial, x.numel(), n_cols, bias.stride(0), chunk_vectors)
+    main = Launch("bwd", _bias_gelu_bwd_flat_kernel, args, meta, grid=(programs,))
+    return [main, sum_partials_launch(None, db_partial, None, db)]
+
+
 def _bwd_tiles(x: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, ROW_TILES, WINDOW) of the backward over (M, N) views: WINDOW rows a tile in
     windows (``_launch.row_window``: rows off their vectors, entries contiguous), else tile_shape's."""
@@ -453,14 +554,14 @@ def _bwd_tiles(x: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor) -> tuple[int
 # ---------------------------------------------------------------- ops and autograd
 
 
-@op("bias_gelu", mutates=("y",), replay=lambda: (FLAT_FORWARD,))
+@op("bias_gelu", mutates=("y",), replay=lambda: (FLAT,))
 def _forward(input: torch.Tensor, bias: torch.Tensor, approximate: str, y: torch.Tensor) -> None:
     if y.numel():
         for launch in _fwd_launches(input, bias, y, approximate):
             launch.run()
 
 
-@op("bias_gelu_backward", mutates=("dx", "db"), replay=lambda: (WINDOWS,))
+@op("bias_gelu_backward", mutates=("dx", "db"), replay=lambda: (WINDOWS, FLAT))
 def _backward(
     grad_output: torch.Tensor,
     input: torch.Tensor,
