@@ -14,6 +14,7 @@ then tritonkit's under the row tiles (``tritonkit.bench.settings``).
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 from tritonkit.bench import runner, settings
@@ -35,6 +36,7 @@ BACKWARD_SHAPES = [
     ((1000000, 3), "bf16"),
 ]
 SETTINGS = {"rows": (bg, "FLAT", False)}
+REPORT = functools.partial(print, flush=True)  # a line a case, as it ends
 COMMAND = "python benchmarks/bias_gelu_rows.py OUT.json"
 
 
@@ -47,7 +49,7 @@ def main() -> None:
     cases = runner.cases(["bias_gelu"], args.shape or SHAPES, None, ["fwd"])
     if not args.shape:
         cases = [*runner.cases(["bias_gelu"], BACKWARD_SHAPES, None, ["bwd"]), *cases]
-    settings.compare(cases, SETTINGS, args.out, " ".join([COMMAND, *sys.argv[2:]]), args.deadline)
+    settings.compare(cases, SETTINGS, args.out, " ".join([COMMAND, *sys.argv[2:]]), REPORT, args.deadline)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ forgotten before and after, since a call signature replays the launches it recor
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 from tritonkit.bench import runner, settings
@@ -36,6 +37,7 @@ SETTINGS = {
     "one-sum": (ce, "SUM_SPAN", 0),
     "unsplit": (split, "SPLIT_PER_SM", 0),
 }
+REPORT = functools.partial(print, flush=True)  # a line a case, as it ends
 COMMAND = "python benchmarks/cross_entropy_rows.py OUT.json"
 
 
@@ -47,7 +49,7 @@ def main() -> None:
     parser.add_argument("--deadline", type=float, default=None, help="start no case after S seconds")
     args = parser.parse_args()
     cases = runner.cases(["cross_entropy"], args.shape or SHAPES, None, ["fwd", "bwd"])
-    settings.compare(cases, SETTINGS, args.out, " ".join([COMMAND, *sys.argv[2:]]), args.deadline)
+    settings.compare(cases, SETTINGS, args.out, " ".join([COMMAND, *sys.argv[2:]]), REPORT, args.deadline)
 
 
 if __name__ == "__main__":

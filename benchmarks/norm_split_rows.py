@@ -18,6 +18,7 @@ its first call).
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 from tritonkit.bench import runner, settings
@@ -33,6 +34,7 @@ SHAPES = [
     ((97, 11079), "fp16"),
     ((14, 12592), "fp32"),
 ]
+REPORT = functools.partial(print, flush=True)  # a line a case, as it ends
 COMMAND = "python benchmarks/norm_split_rows.py OUT.json"
 
 
@@ -50,7 +52,7 @@ def main() -> None:
     if args.per_sm is not None:
         options[f"split<{args.per_sm}"] = (split, "SPLIT_PER_SM", args.per_sm)
     cases = runner.cases(args.ops, args.shape or SHAPES, None, args.modes)
-    settings.compare(cases, options, args.out, " ".join([COMMAND, *sys.argv[2:]]), args.deadline)
+    settings.compare(cases, options, args.out, " ".join([COMMAND, *sys.argv[2:]]), REPORT, args.deadline)
 
 
 if __name__ == "__main__":

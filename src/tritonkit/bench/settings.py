@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 
 from tritonkit import opdef, tuning
 from tritonkit.bench import runner
@@ -64,20 +65,28 @@ def line(case: runner.Case, rows: list[dict]) -> str:
     )
 
 
-def compare(cases, settings: dict, out: str, command: str, deadline: float | None = None) -> list[dict]:
+def compare(
+    cases,
+    settings: dict,
+    out: str,
+    command: str,
+    report: Callable[[str], None],
+    deadline: float | None = None,
+) -> list[dict]:
     """Each case's rows from every provider, then tritonkit's under each of ``settings`` (label ->
-    (module, name, value)); a line a case, and every row so far written to ``out`` as JSON with the
-    command that made it after each case. No case starts past ``deadline`` seconds."""
+    (module, name, value)); a line a case to ``report`` (a benchmark script's print), and every row
+    so far written to ``out`` as JSON with the command that made it after each case. No case starts
+    past ``deadline`` seconds."""
     start, rows = time.time(), []
     for case in cases:
         if deadline is not None and time.time() - start > deadline:
-            print(f"deadline: {case.workload.name} {case.shape} {case.mode} and later cases not run")
+            report(f"deadline: {case.workload.name} {case.shape} {case.mode} and later cases not run")
             break
         got = runner.run_case(case, None, "cuda", keep_going=True)
         for label, (module, name, value) in settings.items():
             got += rows_under(case, label, module, name, value)
         rows += got
-        print(line(case, got), flush=True)
+        report(line(case, got))
         with open(out, "w") as f:
             json.dump({"command": command, "rows": rows}, f, indent=1, default=str)
     return rows
