@@ -8,11 +8,12 @@ The shapes are the sweep's few-long-rows cliffs (the norms at 1-20% of the copy 
 those given. For each op, shape and mode (fwd, bwd), the benchmark runner's rows
 (``tritonkit.bench.runner``: the error check against float64, CUDA-graph-replayed median ms, eager
 ms, share of a copy of the same bytes) for every provider, then tritonkit again with
-``split.SPLIT_PER_SM = 0`` as "tritonkit[unsplit]", and with ``--per-sm K`` once more at
-``SPLIT_PER_SM = K`` as "tritonkit[split<K]": the split taken up to K programs an SM's rows
-(``tritonkit.bench.settings``: the replay plans and the configs chosen per call signature are
-forgotten around each, since a signature replays what it recorded and keeps the config chosen at
-its first call).
+``split.SPLIT_PER_SM = 0`` as "tritonkit[unsplit]", with ``split.COLUMNS_ROWS_MAX = 0`` as
+"tritonkit[row-major]" (the split backward a row at a time, never by columns), and with ``--per-sm
+K`` once more at ``SPLIT_PER_SM = K`` as "tritonkit[split<K]": the split taken up to K programs an
+SM's rows (``tritonkit.bench.settings``: the replay plans and the configs chosen per call signature
+are forgotten around each, since a signature replays what it recorded and keeps the config chosen
+at its first call).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from tritonkit.bench import runner, settings
 from tritonkit.ops.norm import split
 
 SHAPES = [
+    ((4, 13795015), "fp32"),
     ((2, 12291808), "fp16"),
     ((32, 3738195), "bf16"),
     ((100, 784772), "fp32"),
@@ -48,7 +50,7 @@ def main() -> None:
     parser.add_argument("--per-sm", type=int, default=None, help="also time SPLIT_PER_SM = K")
     parser.add_argument("--modes", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
     args = parser.parse_args()
-    options = {"unsplit": (split, "SPLIT_PER_SM", 0)}
+    options = {"unsplit": (split, "SPLIT_PER_SM", 0), "row-major": (split, "COLUMNS_ROWS_MAX", 0)}
     if args.per_sm is not None:
         options[f"split<{args.per_sm}"] = (split, "SPLIT_PER_SM", args.per_sm)
     cases = runner.cases(args.ops, args.shape or SHAPES, None, args.modes)

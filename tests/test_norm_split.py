@@ -21,11 +21,13 @@ pytestmark = pytest.mark.norm
 
 F32, BF16 = torch.float32, torch.bfloat16
 SPLIT_KERNELS = {ns._norm_fwd_split_kernel: "fwd", ns._norm_bwd_split_kernel: "bwd"}
+COLUMNS_KERNEL = ns._norm_bwd_columns_kernel
 
 
 def _recording(monkeypatch) -> list:
-    """Each split launch of the calls that follow, as (direction, grid, PHASE, segments a row); the
-    tuners' memos of earlier calls are dropped, so that the calls take the settings a test makes."""
+    """Each split launch of the calls that follow, as (direction, grid, PHASE, segments a row; by
+    columns, "columns" and every program); the tuners' memos of earlier calls are dropped, so that
+    the calls take the settings a test makes."""
     for tuned in nm._TUNED.values():
         monkeypatch.setattr(tuned, "_chosen", {})
     seen, run = [], nm._run
@@ -35,6 +37,8 @@ def _recording(monkeypatch) -> list:
             if c.kernel in SPLIT_KERNELS:
                 segments = c.args[c.kernel.arg_names.index("segments")]
                 seen.append((SPLIT_KERNELS[c.kernel], c.grid, c.meta["PHASE"], segments))
+            elif c.kernel is COLUMNS_KERNEL:
+                seen.append(("columns", c.grid, c.meta["PHASE"], c.grid[0]))
         run(launches)
 
     monkeypatch.setattr(nm, "_run", recording)
@@ -59,6 +63,18 @@ def _forced(monkeypatch, config: dict, sms: int) -> list:
     return _recording(monkeypatch)
 
 
+@pytest.fixture
+def columns(monkeypatch):
+    """As ``split``, with every split backward by columns in tiles of 2 rows: the tests' rows take
+    a last block of one row, and several programs. The returned list records the split launches."""
+    monkeypatch.setattr(nm, "MAX_BLOCK_N", {"fwd": 64, "bwd": 64})
+    monkeypatch.setattr(ns, "SPLIT_BLOCK_N", {4: 32, 2: 64})
+    monkeypatch.setattr(ns, "COLUMNS_BLOCK_N", {4: 32, 2: 64})
+    monkeypatch.setattr(ns, "COLUMNS_ROW_BLOCK", 2)
+    monkeypatch.setattr(ns, "by_columns", lambda rows, n, size, device: True)
+    return _recording(monkeypatch)
+
+
 def _phases_seen(seen: list, direction: str) -> set:
     return {phase for d, _, phase, _ in seen if d == direction}
 
@@ -73,6 +89,24 @@ def test_few_long_rows_split_and_match_the_reference(kind, shape, dtype, split, 
     phases = {0} if device == "cuda" else {1, 2}
     assert _phases_seen(split, "fwd") == phases and _phases_seen(split, "bwd") == phases, split
     assert all(segments >= 2 and grid[0] % segments == 0 for _, grid, _, segments in split), split
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape", [(3, 300), (5, 257), (1, 1000)], ids=str)
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+def test_few_long_rows_by_columns_match_the_reference(kind, shape, dtype, columns, monkeypatch, device):
+    """The backward by columns: each program's columns through every row, dw and db its own; eight
+    SMs' programs (4 an SM) cut the rows into segments of whole chunks, one chunk or more."""
+    monkeypatch.setattr(split_rows, "sm_count", lambda device: 8)
+    monkeypatch.setattr(ns, "sm_count", lambda device: 8)
+    kernel, reference, inputs, grad_inputs, grads = _case(kind, shape, dtype, device, seed=sum(shape) + 5)
+    check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
+    launches = [(grid, phase) for d, grid, phase, _ in columns if d == "columns"]
+    chunk = ns.COLUMNS_BLOCK_N[dtype.itemsize]
+    programs = -(-shape[1] // (-(-shape[1] // (8 * ns.COLUMNS_PER_SM * chunk)) * chunk))
+    phases = [0] if device == "cuda" else [1, 2]
+    assert launches == [((programs,), phase) for phase in phases] and programs >= 2, columns
+    assert not [d for d, *_ in columns if d == "bwd"], columns
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -149,6 +183,15 @@ def test_the_rule_fills_the_sms_and_keeps_the_rows_in_flight_within_l2():
     assert ns.split_segment("fwd", 32, 3738195, 2, "cpu", default("fwd", 32, 3738195, BF16)) == 45056
 
 
+def test_the_backward_goes_by_columns_where_its_rows_overflow_l2():
+    """By columns: at most COLUMNS_ROWS_MAX rows whose h, dy and slices pass L2's share (the nominal
+    50 MB: 25 MB); row-major where they fit (each row then read from memory once) or are many."""
+    for rows, n, size in ((4, 13795015, 4), (32, 3738195, 2), (2, 12291808, 2), (100, 784772, 4)):
+        assert ns.by_columns(rows, n, size, "cpu"), (rows, n, size)
+    for rows, n, size in ((129, 784772, 4), (16, 65536, 2), (10, 72384, 4), (97, 11079, 2), (1, 83572, 2)):
+        assert not ns.by_columns(rows, n, size, "cpu"), (rows, n, size)
+
+
 @pytest.mark.parametrize("kind", ["layer_norm", "add_rms_norm"])
 def test_segments_lengthen_where_fewer_programs_run(kind, monkeypatch, device):
     """A SEGMENT that would cut a row into more segments than programs run at once (they would wait
@@ -173,14 +216,24 @@ def test_fp32_backward_rows_a_program_stay_within_the_sum_chain(monkeypatch, dev
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("shape, dtype", [((3, 300007), BF16), ((2, 1 << 20), F32), ((40, 40000), BF16)])
-def test_gpu_split_rows_at_the_real_chunk_sizes(kind, shape, dtype, monkeypatch):
-    """The untuned rule's split launches, cooperative and waiting, on the GPU."""
+@pytest.mark.parametrize(
+    "shape, dtype, backward",
+    [
+        ((3, 300007), BF16, "bwd"),
+        ((2, 1 << 20), F32, "columns"),
+        ((40, 40000), BF16, "bwd"),
+        ((5, 2000003), BF16, "columns"),
+    ],
+    ids=str,
+)
+def test_gpu_split_rows_at_the_real_chunk_sizes(kind, shape, dtype, backward, monkeypatch):
+    """The untuned rule's split launches, cooperative and waiting, on the GPU: row-major where the
+    rows fit in L2's share, else by columns (5 rows: a last block of one row, odd rows)."""
     seen = _recording(monkeypatch)
     kernel, reference, inputs, grad_inputs, grads = _case(kind, shape, dtype, "cuda", seed=shape[0])
     with tuning.disabled():  # the default, which tuning might replace by a looped config
         check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
-    assert {d for d, _, phase, _ in seen if phase == 0} == {"fwd", "bwd"}, seen
+    assert {d for d, _, phase, _ in seen if phase == 0} == {"fwd", backward}, seen
 
 
 _SPLIT_COMPILES = r"""
@@ -188,7 +241,9 @@ import json, torch
 from tritonkit.asm import compile_launch
 from tritonkit.ops import get_workload
 for name in ("layer_norm", "add_rms_norm"):
-    for shape, dtype in (((32, 3738112), torch.bfloat16), ((100, 784768), torch.float32)):
+    for shape, dtype in (
+        ((32, 3738112), torch.bfloat16), ((100, 784768), torch.float32), ((16, 65536), torch.bfloat16)
+    ):
         for launch in get_workload(name).op.inspect(shape, dtype, None):
             if "split" in launch.name:
                 r = compile_launch(launch, "sm_90")
@@ -200,10 +255,13 @@ for name in ("layer_norm", "add_rms_norm"):
 
 @pytest.mark.slow
 def test_split_kernels_compile_for_hopper_without_spills_in_16_byte_accesses():
-    """Both split kernels of LayerNorm and add_rms_norm at the sweep's few long rows (made multiples
-    of 16 entries), compiled for sm_90: no spills, rows read and written 16 bytes at a time."""
+    """The split kernels of LayerNorm and add_rms_norm at the sweep's few long rows (made multiples
+    of 16 entries; the backward by columns) and at 16 rows of 65536 (which L2 holds: row-major),
+    compiled for sm_90: no spills, rows read and written 16 bytes at a time."""
     rows = [json.loads(line) for line in sm90.run(_SPLIT_COMPILES)]
-    assert len(rows) == 8, rows
+    assert len(rows) == 12, rows
+    backwards = [row["case"].split(" bwd ")[-1] for row in rows if " bwd " in row["case"]]
+    assert backwards == ["split columns", "split columns", "split"] * 2, backwards
     for row in rows:  # (widths as JSON keys: strings)
         assert not row["spills"], row
         assert max(map(int, row["loads"])) == 128 and max(map(int, row["stores"])) == 128, row

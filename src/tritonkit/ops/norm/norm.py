@@ -61,6 +61,7 @@ from tritonkit.ops.norm.kernels import (
     _norm_fwd_looped_kernel,
 )
 from tritonkit.ops.norm.split import (
+    _norm_bwd_columns_kernel,
     _norm_bwd_split_kernel,
     _norm_fwd_split_kernel,
     bwd_split_launches,
@@ -191,7 +192,9 @@ def _bwd_launches(
     h2, dy2 = _rows_2d(h, n), _rows_2d(grad_y.to(h.dtype), n)
     dh2 = _rows_2d(grad_h.to(h.dtype), n) if grad_h is not None else None
     if config.get("SPLIT"):  # few long rows, each across programs side by side
-        split = bwd_split_launches(dy2, dh2, h2, _unit_stride(weight), bias, mean, rstd, rms, dx, config)
+        split = bwd_split_launches(
+            dy2, dh2, h2, _unit_stride(weight), bias, mean, rstd, rms, dx, dw, db, config
+        )
         launches, dw_partial, db_partial = split
         if dw_partial is None and db_partial is None:
             return launches
@@ -445,7 +448,7 @@ _TUNED = {
         True,
         BWD_LOOPED_CONFIGS,
         _bwd_looped_prune,
-        (_norm_bwd_looped_kernel, _norm_bwd_split_kernel, _sum_partials_kernel),
+        (_norm_bwd_looped_kernel, _norm_bwd_split_kernel, _norm_bwd_columns_kernel, _sum_partials_kernel),
     ),
 }
 

@@ -77,6 +77,16 @@ def split_segment(direction: str, rows: int, n: int, size: int, device, config: 
 # erred past the oracle's bound on db at 100 x 784772 on an H100; kernels.FP32_SUM_CHAIN_MAX says why)
 FP32_CHAIN_MAX = 32
 
+# The backward by columns (``_norm_bwd_columns_kernel``): rows at most this many, which together do
+# not fit in SPLIT_L2_SHARE of L2 (the row-major split then reads and writes its dw and db slices
+# from memory at every row, up to 2.5x the rows' own bytes); a program's dw and db add a block of
+# COLUMNS_ROW_BLOCK rows at a time, a chain of COLUMNS_ROWS_MAX / COLUMNS_ROW_BLOCK <= FP32_CHAIN_MAX
+COLUMNS_ROWS_MAX = 128
+COLUMNS_ROW_BLOCK = 4
+COLUMNS_WARPS = 4
+COLUMNS_PER_SM = 4  # programs an SM it aims for, fewer where occupancy allows fewer
+COLUMNS_BLOCK_N = {4: 512, 2: 1024}  # 16 bytes a thread a row at 4 warps
+
 
 def _fitted(
     kernel, config: dict, segment: int, rows: int, n: int, probe: tuple, meta: dict, device, chain: int
@@ -149,10 +159,20 @@ def fwd_split_launches(
     return _phases("fwd split", kernel, launch_args, meta, config, (groups * segments,))
 
 
-def bwd_split_launches(dy2, dh2, h2, weight, bias, mean, rstd, rms: bool, dx, config: dict) -> tuple:
+def by_columns(rows: int, n: int, size: int, device) -> bool:
+    """Whether the split backward of ``rows`` rows of ``n`` entries of ``size`` bytes goes by columns:
+    few rows (COLUMNS_ROWS_MAX) that together do not fit in SPLIT_L2_SHARE of L2 with their slices."""
+    reread = n * (2 * size + 8)
+    return rows <= COLUMNS_ROWS_MAX and rows * reread > SPLIT_L2_SHARE * l2_bytes(device)
+
+
+def bwd_split_launches(dy2, dh2, h2, weight, bias, mean, rstd, rms: bool, dx, dw, db, config: dict) -> tuple:
     """The split backward's launch(es) and its (groups, n) fp32 partials of dw and db (None where
-    absent), which the caller sums into dw and db."""
+    absent), which the caller sums into dw and db; by columns (``by_columns``, or the config's
+    COLUMNS), no partials: the launch writes ``dw`` and ``db`` itself."""
     rows, n = h2.shape
+    if config.get("COLUMNS", by_columns(rows, n, h2.element_size(), h2.device)):
+        return _bwd_columns_launches(dy2, dh2, h2, weight, mean, rstd, rms, dx, dw, db), None, None
     flags = {"RMS": rms, "HAS_DH": dh2 is not None, "HAS_WEIGHT": weight is not None}
     strides = (dy2.stride(0), dh2.stride(0) if dh2 is not None else 0, h2.stride(0))
     meta = _meta(config, flags | {"HAS_BIAS": bias is not None}, row_align((n, *strides), h2.element_size()))
@@ -180,6 +200,50 @@ def bwd_split_launches(dy2, dh2, h2, weight, bias, mean, rstd, rms: bool, dx, co
     launch_args = args(partials, arrived, dw_partial, db_partial, segments, segment)
     launches = _phases("bwd split", kernel, launch_args, meta, config, (groups * segments,))
     return launches, dw_partial, db_partial
+
+
+def _bwd_columns_launches(dy2, dh2, h2, weight, mean, rstd, rms: bool, dx, dw, db) -> list[Launch]:
+    """The backward by columns: programs side by side over the columns, each through every row."""
+    rows, n = h2.shape
+    size, device = h2.element_size(), h2.device
+    block_n = COLUMNS_BLOCK_N[size]
+    strides = (dy2.stride(0), dh2.stride(0) if dh2 is not None else 0, h2.stride(0))
+    flags = {
+        "RMS": rms,
+        "HAS_DH": dh2 is not None,
+        "HAS_WEIGHT": weight is not None,
+        "HAS_BIAS": db is not None,
+    }
+    meta = flags | {
+        "BLOCK_M": COLUMNS_ROW_BLOCK,
+        "BLOCK_N": block_n,
+        "PROGRAMS": 0,
+        "PHASE": 1 if interpret() else 0,
+    }
+    meta |= {"ALIGN": row_align((n, *strides), size), "num_warps": COLUMNS_WARPS}
+
+    def args(sums, totals, arrived, segment):
+        head = (dy2, dh2, h2, weight, mean, rstd, sums, totals, arrived, dx, dw, db, rows, n, segment)
+        return (*head, *strides)
+
+    kernel = _norm_bwd_columns_kernel
+    most = COLUMNS_PER_SM * sm_count(device)
+    meta["PROGRAMS"] = next_power_of_2(most)
+    stand_ins = (
+        _stand_in(torch.float32, device),
+        _stand_in(torch.float32, device),
+        _stand_in(torch.int32, device),
+    )
+    most = cooperative_programs(launcher_of(kernel), COLUMNS_PER_SM, args(*stand_ins, block_n), meta, device)
+    segment = cdiv(cdiv(n, most), block_n) * block_n
+    programs = cdiv(n, segment)
+    meta["PROGRAMS"] = next_power_of_2(programs)
+    sums = scratch((rows, programs, 2), torch.float32, device)
+    totals = scratch((programs, rows, 2), torch.float32, device)
+    arrived = scratch((1,), torch.int32, device, zeroed=True)
+    launch_args = args(sums, totals, arrived, segment)
+    config = {"COLUMNS": True, "BLOCK_N": block_n, "num_warps": COLUMNS_WARPS}
+    return _phases("bwd split columns", kernel, launch_args, meta, config, (programs,))
 
 
 @triton.jit
@@ -396,3 +460,123 @@ def _norm_bwd_split_kernel(
                 if HAS_BIAS:
                     db_at = db_partial_ptr + tl.cast(first_row, tl.int64) * N + cols
                     tl.store(db_at, dy + tl.load(db_at, mask=mask & later, other=0.0), mask=mask)
+
+
+@triton.jit
+def _row_block(rows_ptr, start, M, BLOCK_M: tl.constexpr):
+    """The rows ``start`` ... ``start + BLOCK_M - 1``, whether each exists, and their entries of the
+    per-row ``rows_ptr``."""
+    rows = start + tl.arange(0, BLOCK_M)
+    exists = rows < M
+    return rows, exists, tl.load(rows_ptr + rows, mask=exists, other=0.0)
+
+
+@triton.jit
+def _norm_bwd_columns_kernel(
+    dy_ptr,  # upstream gradient of y, (M, N), row stride stride_dym, unit column stride
+    dh_ptr,  # upstream gradient of h (add_ forms), (M, N), row stride stride_dhm
+    h_ptr,  # the forward's normalised input, (M, N), row stride stride_hm
+    w_ptr,  # weight, (N,) (unused without HAS_WEIGHT)
+    mean_ptr,  # fp32 row means from the forward, (M,) (LayerNorm only)
+    rstd_ptr,  # fp32 reciprocal standard deviations from the forward, (M,)
+    sums_ptr,  # fp32 (M, programs, 2): each program's sums of g * xhat and g over its columns
+    totals_ptr,  # fp32 (programs, M, 2): each program's own copy of the rows' means of them
+    arrived_ptr,  # int32 (1,): programs through pass 1, zero at launch (PHASE 0)
+    dx_ptr,  # gradient of x (and of the residual), (M, N), contiguous
+    dw_ptr,  # gradient of w, (N,) (HAS_WEIGHT)
+    db_ptr,  # gradient of the bias, (N,) (HAS_BIAS)
+    M,  # rows
+    N,  # row length
+    SEGMENT,  # columns a program, a multiple of BLOCK_N; the grid is cdiv(N, SEGMENT)
+    stride_dym,  # elements between rows of dy
+    stride_dhm,  # elements between rows of dh
+    stride_hm,  # elements between rows of h
+    RMS: tl.constexpr,  # RMSNorm instead of LayerNorm
+    HAS_DH: tl.constexpr,  # add the gradient of h (add_ forms)
+    HAS_WEIGHT: tl.constexpr,  # the forward scaled by w
+    HAS_BIAS: tl.constexpr,  # db is wanted
+    BLOCK_M: tl.constexpr,  # rows a tile
+    BLOCK_N: tl.constexpr,  # columns a tile
+    PROGRAMS: tl.constexpr,  # power of two >= the programs: the sums a row's mean adds
+    PHASE: tl.constexpr,  # 0: both passes, waiting between them; 1: pass 1 only; 2: pass 2 only
+    ALIGN: tl.constexpr,  # N and the row strides are multiples of it (jit.aligned)
+):
+    """The split backward by columns: pass 1 sums g * xhat and g over this program's columns of every
+    row; one wait for every program; pass 2 walks its columns a tile at a time through every row,
+    writing dx, and adds dw and db in registers, which it stores: one program a column, no slices."""
+    N = aligned(N, ALIGN)
+    stride_dym = aligned(stride_dym, ALIGN)
+    stride_dhm = aligned(stride_dhm, ALIGN)
+    stride_hm = aligned(stride_hm, ALIGN)
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    first = pid * SEGMENT
+    chunks = tl.cdiv(tl.minimum(N - first, SEGMENT), BLOCK_N)
+    offsets = tl.arange(0, BLOCK_N)
+    blocks = tl.cdiv(M, BLOCK_M)
+    if PHASE != 2:  # pass 1, a block of rows at a time (w read once a block)
+        for block in range(blocks):
+            rows, exists, rstd = _row_block(rstd_ptr, block * BLOCK_M, M, BLOCK_M=BLOCK_M)
+            shift = 0.0 if RMS else tl.load(mean_ptr + rows, mask=exists, other=0.0)[:, None]
+            rows64 = tl.cast(rows, tl.int64)[:, None]  # M * N may pass 2^31
+            gx = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            g_sum = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for i in range(chunks):
+                cols = first + i * BLOCK_N + offsets
+                mask = exists[:, None] & (cols < N)[None, :]
+                h = tl.load(h_ptr + rows64 * stride_hm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                g = tl.load(dy_ptr + rows64 * stride_dym + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                if HAS_WEIGHT:
+                    g *= tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+                gx += g * tl.where(mask, (h - shift) * rstd[:, None], 0.0)
+                g_sum += g
+            at = sums_ptr + (rows * programs + pid) * 2
+            tl.store(at, tl.sum(gx, axis=1), mask=exists)
+            tl.store(at + 1, tl.sum(g_sum, axis=1), mask=exists)
+    if PHASE == 0:
+        _publish_and_wait(arrived_ptr, 0, programs)
+    if PHASE != 1:
+        # every row's means of g * xhat and g, added in the same order by every program (same bits)
+        parts = tl.arange(0, PROGRAMS)
+        for block in range(blocks):
+            rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+            exists = rows < M
+            at = sums_ptr + (rows[:, None] * programs + parts[None, :]) * 2
+            mask = exists[:, None] & (parts < programs)[None, :]
+            c1 = tl.sum(tl.load(at, mask=mask, other=0.0, cache_modifier=".cg"), axis=1) / N
+            c2 = tl.sum(tl.load(at + 1, mask=mask, other=0.0, cache_modifier=".cg"), axis=1) / N
+            tl.store(totals_ptr + (pid * M + rows) * 2, c1, mask=exists)
+            tl.store(totals_ptr + (pid * M + rows) * 2 + 1, c2, mask=exists)
+        tl.debug_barrier()  # the totals' stores before any thread's loads of them
+        # pass 2: last-read columns and rows first (L2 holds pass 1's last reads)
+        for i in range(chunks):
+            cols = first + (chunks - 1 - i) * BLOCK_N + offsets
+            w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32) if HAS_WEIGHT else 1.0
+            dw = tl.zeros([BLOCK_N], tl.float32)
+            db = tl.zeros([BLOCK_N], tl.float32)
+            for j in range(blocks):
+                start = (blocks - 1 - j) * BLOCK_M
+                rows, exists, rstd = _row_block(rstd_ptr, start, M, BLOCK_M=BLOCK_M)
+                shift = 0.0 if RMS else tl.load(mean_ptr + rows, mask=exists, other=0.0)[:, None]
+                c1 = tl.load(totals_ptr + (pid * M + rows) * 2, mask=exists, other=0.0)[:, None]
+                c2 = tl.load(totals_ptr + (pid * M + rows) * 2 + 1, mask=exists, other=0.0)[:, None]
+                rows64 = tl.cast(rows, tl.int64)[:, None]
+                mask = exists[:, None] & (cols < N)[None, :]
+                h = tl.load(h_ptr + rows64 * stride_hm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                dy = tl.load(dy_ptr + rows64 * stride_dym + cols[None, :], mask=mask, other=0.0).to(
+                    tl.float32
+                )
+                xhat = tl.where(mask, (h - shift) * rstd[:, None], 0.0)
+                g = dy * w[None, :] if HAS_WEIGHT else dy
+                dh = (g - xhat * c1) * rstd[:, None] if RMS else (g - xhat * c1 - c2) * rstd[:, None]
+                if HAS_DH:
+                    dh += tl.load(dh_ptr + rows64 * stride_dhm + cols[None, :], mask=mask, other=0.0).to(
+                        tl.float32
+                    )
+                tl.store(dx_ptr + rows64 * N + cols[None, :], dh.to(dx_ptr.dtype.element_ty), mask=mask)
+                dw += tl.sum(dy * xhat, axis=0)
+                db += tl.sum(dy, axis=0)
+            if HAS_WEIGHT:
+                tl.store(dw_ptr + cols, dw.to(dw_ptr.dtype.element_ty), mask=cols < N)
+            if HAS_BIAS:
+                tl.store(db_ptr + cols, db.to(db_ptr.dtype.element_ty), mask=cols < N)
