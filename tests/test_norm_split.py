@@ -17,7 +17,9 @@ from tritonkit.ops.norm import norm as nm
 from tritonkit.ops.norm import split as ns
 from tritonkit.testing import check_against_reference
 
-pytestmark = pytest.mark.norm
+# the untuned launches these tests force and record: on a GPU, tuning on first use would time
+# (and might choose) other configs
+pytestmark = [pytest.mark.norm, pytest.mark.tuning_default]
 
 F32, BF16 = torch.float32, torch.bfloat16
 SPLIT_KERNELS = {ns._norm_fwd_split_kernel: "fwd", ns._norm_bwd_split_kernel: "bwd"}
@@ -184,11 +186,20 @@ def test_the_rule_fills_the_sms_and_keeps_the_rows_in_flight_within_l2():
 
 
 def test_the_backward_goes_by_columns_where_its_rows_overflow_l2():
-    """By columns: at most COLUMNS_ROWS_MAX rows whose h, dy and slices pass L2's share (the nominal
-    50 MB: 25 MB); row-major where they fit (each row then read from memory once) or are many."""
+    """By columns: at most COLUMNS_ROWS_MAX rows, of which L2's share (the nominal 50 MB: 25 MB)
+    holds fewer than four with their slices, and not all; row-major where it holds them (each row
+    then read from memory once) or they are many."""
     for rows, n, size in ((4, 13795015, 4), (32, 3738195, 2), (2, 12291808, 2), (100, 784772, 4)):
         assert ns.by_columns(rows, n, size, "cpu"), (rows, n, size)
-    for rows, n, size in ((129, 784772, 4), (16, 65536, 2), (10, 72384, 4), (97, 11079, 2), (1, 83572, 2)):
+    for rows, n, size in (
+        (129, 784772, 4),
+        (16, 65536, 2),
+        (10, 72384, 4),
+        (97, 11079, 2),
+        (1, 83572, 2),
+        (74, 187426, 2),  # eleven at once
+        (2, 1 << 20, 2),  # both at once
+    ):
         assert not ns.by_columns(rows, n, size, "cpu"), (rows, n, size)
 
 
