@@ -183,6 +183,9 @@ def test_the_rule_fills_the_sms_and_keeps_the_rows_in_flight_within_l2():
         )
     # 32 rows of 3738195 bf16 forward: three rows at once (7.5 MB each), 83 segments of 45056
     assert ns.split_segment("fwd", 32, 3738195, 2, "cpu", default("fwd", 32, 3738195, BF16)) == 45056
+    # 14 rows of 993436 fp32 forward: L2's share holds 6 (4 MB each), which take three rounds, as 5
+    # do: 5 at once, 52 segments of 20480 (10 chunks), not 44 of 24576
+    assert ns.split_segment("fwd", 14, 993436, 4, "cpu", default("fwd", 14, 993436, F32)) == 20480
 
 
 def test_the_backward_goes_by_columns_where_its_rows_overflow_l2():

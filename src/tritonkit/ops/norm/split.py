@@ -62,13 +62,17 @@ def split_segment(direction: str, rows: int, n: int, size: int, device, config: 
     ``size`` bytes, unless the config names one (SEGMENT): as many rows at once as keep what pass 2
     reads again within SPLIT_L2_SHARE of L2 (the forward its x or h; the backward h, dy and the dw
     and db slices it adds to), each in as many segments (SPLIT_CHUNKS_MIN chunks at least) as the
-    config's programs an SM allow: one row at a time on the SMs makes every program wait at every
-    row. The launch lengthens them where fewer programs run at once (``_fitted``)."""
+    config's programs an SM allow, as few at once as make as many rounds: one row at a time on the
+    SMs makes every program wait at every row. The launch lengthens them where fewer programs run at
+    once (``_fitted``)."""
     if "SEGMENT" in config:
         return config["SEGMENT"]
     block_n, programs = config["BLOCK_N"], config["PER_SM"] * sm_count(device)
     reread = n * (size if direction == "fwd" else 2 * size + 8)  # bytes of a row pass 2 finds in L2
     at_once = max(1, min(rows, int(SPLIT_L2_SHARE * l2_bytes(device)) // reread))
+    # as few rows at once as take as many rounds: 14 rows at 6 at once left two thirds of the
+    # programs idle in the third round; 5 at once runs rounds of 5, 5 and 4, each shorter
+    at_once = cdiv(rows, cdiv(rows, at_once))
     segments = max(1, min(max(2, programs // at_once), cdiv(n, SPLIT_CHUNKS_MIN * block_n)))
     return cdiv(cdiv(n, segments), block_n) * block_n
 
