@@ -704,8 +704,9 @@ def test_a_setting_is_timed_as_a_provider_of_its_own_and_put_back(monkeypatch):
 
 def test_settings_compare_reports_each_case_and_writes_the_rows_so_far(monkeypatch, tmp_path):
     """``settings.compare``: every provider's rows then tritonkit's under each setting, a line a case
-    through the caller's ``report``, the JSON rewritten after each case; no case starts past the
-    deadline."""
+    through the caller's ``report``, the JSON rewritten after each case, torch.compile's peer
+    compiled afresh for each case (past Dynamo's recompile limit it would run eagerly); no case
+    starts past the deadline."""
     import json
     from types import SimpleNamespace
 
@@ -713,19 +714,24 @@ def test_settings_compare_reports_each_case_and_writes_the_rows_so_far(monkeypat
 
     module = SimpleNamespace(SWITCH=True)
     monkeypatch.setattr(settings, "forget", lambda: None)
+    resets = []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(len(resets)))
 
     def run_case(case, providers, device, keep_going):
+        if providers is None:  # every provider's: Dynamo reset before each case's
+            assert len(resets) == case.shape[1] - 4
         return [{"provider": "tritonkit", "ms": 0.01 if module.SWITCH else 0.02, "eager_ms": 0.03}]
 
     monkeypatch.setattr(runner, "run_case", run_case)
     cases = [
         SimpleNamespace(workload=SimpleNamespace(name="op"), shape=(4, n), dtype=torch.float32, mode="fwd")
-        for n in (5, 7)
+        for n in (5, 6)
     ]
     out, lines = tmp_path / "rows.json", []
     rows = settings.compare(cases, {"off": (module, "SWITCH", False)}, str(out), "cmd", lines.append)
     assert [row["provider"] for row in rows] == ["tritonkit", "tritonkit[off]"] * 2
-    assert len(lines) == 2 and lines[1].startswith("op 4x7 fp32 fwd:") and "x off 2.00" in lines[1]
+    assert len(lines) == 2 and lines[1].startswith("op 4x6 fp32 fwd:") and "x off 2.00" in lines[1]
+    assert len(resets) == 2
     assert json.loads(out.read_text()) == {"command": "cmd", "rows": rows}
     lines.clear()
     assert settings.compare(cases, {}, str(out), "cmd", lines.append, deadline=-1.0) == []

@@ -71,7 +71,8 @@ def columns(monkeypatch):
     a last block of one row, and several programs. The returned list records the split launches."""
     monkeypatch.setattr(nm, "MAX_BLOCK_N", {"fwd": 64, "bwd": 64})
     monkeypatch.setattr(ns, "SPLIT_BLOCK_N", {4: 32, 2: 64})
-    monkeypatch.setattr(ns, "COLUMNS_BLOCK_N", {4: 32, 2: 64})
+    tiles = {(4, True): (32, 4), (2, True): (64, 4), (4, False): (32, 2), (2, False): (64, 2)}
+    monkeypatch.setattr(ns, "COLUMNS_TILES", tiles)
     monkeypatch.setattr(ns, "COLUMNS_ROW_BLOCK", 2)
     monkeypatch.setattr(ns, "by_columns", lambda rows, n, size, device: True)
     return _recording(monkeypatch)
@@ -104,7 +105,7 @@ def test_few_long_rows_by_columns_match_the_reference(kind, shape, dtype, column
     kernel, reference, inputs, grad_inputs, grads = _case(kind, shape, dtype, device, seed=sum(shape) + 5)
     check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
     launches = [(grid, phase) for d, grid, phase, _ in columns if d == "columns"]
-    chunk = ns.COLUMNS_BLOCK_N[dtype.itemsize]
+    chunk = ns.COLUMNS_TILES[dtype.itemsize, True][0]
     programs = -(-shape[1] // (-(-shape[1] // (8 * ns.COLUMNS_PER_SM * chunk)) * chunk))
     phases = [0] if device == "cuda" else [1, 2]
     assert launches == [((programs,), phase) for phase in phases] and programs >= 2, columns

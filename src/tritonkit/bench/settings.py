@@ -10,6 +10,8 @@ import json
 import time
 from collections.abc import Callable
 
+import torch
+
 from tritonkit import opdef, tuning
 from tritonkit.bench import runner
 
@@ -82,6 +84,7 @@ def compare(
         if deadline is not None and time.time() - start > deadline:
             report(f"deadline: {case.workload.name} {case.shape} {case.mode} and later cases not run")
             break
+        torch._dynamo.reset()  # torch.compile's peer compiled afresh for each case, as runner.run does
         got = runner.run_case(case, None, "cuda", keep_going=True)
         for label, (module, name, value) in settings.items():
             got += rows_under(case, label, module, name, value)
