@@ -146,6 +146,12 @@ def _stand_in(dtype, device) -> torch.Tensor | None:
     return None if dtype is None else torch.empty(1, dtype=dtype, device=device)
 
 
+def _on_vectors(values: tuple, size: int) -> bool:
+    """Whether rows of these lengths and strides of ``size``-byte entries start on 16 bytes (accessed
+    16 bytes at a time)."""
+    return all(value % 16 == 0 for value in values) or row_align(values, size) * size == VECTOR_BYTES
+
+
 def fwd_split_launches(
     x2, r2, h, y, weight, bias, mean, rstd, eps: float, rms: bool, config: dict
 ) -> list[Launch]:
@@ -154,8 +160,12 @@ def fwd_split_launches(
     rows, n = x2.shape
     flags = {"RMS": rms, "HAS_RESIDUAL": r2 is not None, "HAS_WEIGHT": weight is not None}
     strides = (x2.stride(0), r2.stride(0) if r2 is not None else 0)
-    align = row_align((n, *strides), min(x2.element_size(), y.element_size()))
+    size = min(x2.element_size(), y.element_size())
+    align = row_align((n, *strides), size)
     meta = _meta(config, flags | {"HAS_BIAS": bias is not None}, align)
+    # LayerNorm's pass 1 (a where() in its loop) was left rolled, one chunk's loads in flight where
+    # RMSNorm's was unrolled 4 times; off 16-byte vectors, unrolled, it held 214 registers
+    meta["UNROLL"] = 4 if not rms and _on_vectors((n, *strides), size) else 1
 
     def args(partials, arrived, segments, segment):
         head = (x2, r2, h, y, weight, bias, mean, rstd, partials, arrived, rows, n, segments, segment)
@@ -225,8 +235,7 @@ def _bwd_columns_launches(dy2, dh2, h2, weight, mean, rstd, rms: bool, dx, dw, d
     size, device = h2.element_size(), h2.device
     strides = (dy2.stride(0), dh2.stride(0) if dh2 is not None else 0, h2.stride(0))
     align = row_align((n, *strides), size)
-    vectors = align * size == VECTOR_BYTES or all(value % 16 == 0 for value in (n, *strides))
-    block_n, warps = COLUMNS_TILES[size, vectors]
+    block_n, warps = COLUMNS_TILES[size, _on_vectors((n, *strides), size)]
     flags = {
         "RMS": rms,
         "HAS_DH": dh2 is not None,
@@ -297,6 +306,21 @@ def _row_moments(partials_ptr, row, N, segments, SEGMENT, RMS: tl.constexpr, SEG
 
 
 @triton.jit
+def _fwd_chunk(x_row, r_ptr, h_ptr, row64, stride_rm, start, N, offsets, HAS_RESIDUAL: tl.constexpr):
+    """Pass 1's chunk of entries ``start + offsets`` of a row: h in fp32 (x, or x plus the residual,
+    which it stores: pass 2 reads it from L2) and the chunk's mask."""
+    cols = start + offsets
+    mask = cols < N
+    h = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + row64 * stride_rm + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+        h = (h + r.to(tl.float32)).to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + row64 * N + cols, h, mask=mask, eviction_policy="evict_last")
+        h = h.to(tl.float32)
+    return h, mask
+
+
+@triton.jit
 def _norm_fwd_split_kernel(
     x_ptr,  # input, (M, N), row stride stride_xm, unit column stride
     r_ptr,  # residual, (M, N), row stride stride_rm (unused without HAS_RESIDUAL)
@@ -323,6 +347,7 @@ def _norm_fwd_split_kernel(
     SEGMENTS: tl.constexpr,  # power of two >= segments: the pairs a program combines
     PHASE: tl.constexpr,  # 0: both passes, waiting between them; 1: pass 1 only; 2: pass 2 only
     ALIGN: tl.constexpr,  # N and the row strides are multiples of it (jit.aligned)
+    UNROLL: tl.constexpr,  # pass 1's chunks a loop iteration (LayerNorm on 16-byte vectors: 4)
 ):
     N = aligned(N, ALIGN)
     stride_xm = aligned(stride_xm, ALIGN)
@@ -337,22 +362,20 @@ def _norm_fwd_split_kernel(
             shift = 0.0
             total = tl.zeros([BLOCK_N], tl.float32)
             squares = tl.zeros([BLOCK_N], tl.float32)
-            for i in range(chunks):
-                cols = first + i * BLOCK_N + offsets
-                mask = cols < N
-                h = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-                if HAS_RESIDUAL:  # h, stored here, is what pass 2 reads (from L2)
-                    r = tl.load(
-                        r_ptr + row64 * stride_rm + cols,
-                        mask=mask,
-                        other=0.0,
-                        eviction_policy="evict_first",
-                    )
-                    h = (h + r.to(tl.float32)).to(h_ptr.dtype.element_ty)
-                    tl.store(h_ptr + row64 * N + cols, h, mask=mask, eviction_policy="evict_last")
-                    h = h.to(tl.float32)
+            start = 0
+            if not RMS and UNROLL > 1:  # the first chunk before the loop, whose branch kept it rolled
+                # (off 16-byte vectors the same code held 196 registers, not 114)
+                h, mask = _fwd_chunk(x_row, r_ptr, h_ptr, row64, stride_rm, first, N, offsets, HAS_RESIDUAL)
+                shift = tl.sum(h, axis=0) / tl.minimum(count, BLOCK_N)
+                h = tl.where(mask, h - shift, 0.0)
+                total += h
+                squares += h * h
+                start = 1
+            for i in tl.range(start, chunks, loop_unroll_factor=UNROLL):
+                cols = first + i * BLOCK_N
+                h, mask = _fwd_chunk(x_row, r_ptr, h_ptr, row64, stride_rm, cols, N, offsets, HAS_RESIDUAL)
                 if not RMS:
-                    if i == 0:
+                    if UNROLL == 1 and i == 0:
                         shift = tl.sum(h, axis=0) / tl.minimum(count, BLOCK_N)
                     h = tl.where(mask, h - shift, 0.0)
                 total += h
