@@ -321,10 +321,15 @@ def test_a_chunk_past_8192_with_a_smaller_second_pass(kind, n, out_block, looped
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_few_long_rows_go_one_a_program_backward(kind, looped, monkeypatch, device):
+def test_few_long_rows_go_one_a_program_backward(kind, looped, monkeypatch, tmp_path, device):
     """Up to BWD_LOOPED_ROW_A_PROGRAM long rows, the looped backward's default takes one a program
-    (ten rows: ten programs, where four a program made three); the gradients match."""
+    (ten rows: ten programs, where four a program made three); the gradients match. The default
+    itself: an empty tuning cache (on a GPU an earlier test's tuning of this key is cached, and
+    ``tuning.disabled()`` still takes a cached winner)."""
     monkeypatch.setattr(nk, "BWD_LOOPED_ROW_A_PROGRAM", 32)
+    monkeypatch.setenv("TRITONKIT_CACHE_DIR", str(tmp_path))
+    for tuned in nm._TUNED.values():
+        tuned.tuner.forget()
     launches = []
     run = nm._run
 
