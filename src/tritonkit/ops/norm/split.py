@@ -195,10 +195,10 @@ def by_columns(rows: int, n: int, size: int, device) -> bool:
 
 def bwd_split_launches(dy2, dh2, h2, weight, bias, mean, rstd, rms: bool, dx, dw, db, config: dict) -> tuple:
     """The split backward's launch(es) and its (groups, n) fp32 partials of dw and db (None where
-    absent), which the caller sums into dw and db; by columns (``by_columns``, or the config's
-    COLUMNS), no partials: the launch writes ``dw`` and ``db`` itself."""
+    absent), which the caller sums into dw and db; by columns (``by_columns``), no partials: the
+    launch writes ``dw`` and ``db`` itself."""
     rows, n = h2.shape
-    if config.get("COLUMNS", by_columns(rows, n, h2.element_size(), h2.device)):
+    if by_columns(rows, n, h2.element_size(), h2.device):
         return _bwd_columns_launches(dy2, dh2, h2, weight, mean, rstd, rms, dx, dw, db), None, None
     flags = {"RMS": rms, "HAS_DH": dh2 is not None, "HAS_WEIGHT": weight is not None}
     strides = (dy2.stride(0), dh2.stride(0) if dh2 is not None else 0, h2.stride(0))
@@ -255,8 +255,7 @@ def _bwd_columns_launches(dy2, dh2, h2, weight, mean, rstd, rms: bool, dx, dw, d
         return (*head, *strides)
 
     kernel = _norm_bwd_columns_kernel
-    most = COLUMNS_PER_SM * sm_count(device)
-    meta["PROGRAMS"] = next_power_of_2(most)
+    meta["PROGRAMS"] = next_power_of_2(COLUMNS_PER_SM * sm_count(device))  # (until the fit says)
     stand_ins = (
         _stand_in(torch.float32, device),
         _stand_in(torch.float32, device),
