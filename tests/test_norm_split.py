@@ -268,6 +268,35 @@ for name in ("layer_norm", "add_rms_norm"):
 """
 
 
+_UNALIGNED_PASS1 = r"""
+import json, torch
+from tritonkit.asm import compile_launch
+from tritonkit.ops import get_workload
+from tritonkit.ops.norm import split
+for unroll in (1, split.SPLIT_PASS1_UNROLL):
+    split.SPLIT_PASS1_UNROLL = unroll
+    for name in ("rms_norm", "add_rms_norm", "layer_norm"):
+        for launch in get_workload(name).op.inspect((32, 3738195), torch.bfloat16, None):
+            if launch.name == "fwd split":
+                r = compile_launch(launch, "sm_90")
+                loads = dict(r.loads).get(16, 0)
+                print(json.dumps({"name": name, "unroll": unroll, "spills": r.spills, "loads": loads}))
+"""
+
+
+@pytest.mark.slow
+def test_split_forward_unrolls_pass_1_off_16_byte_vectors():
+    """Rows of 3738195 bf16 start off 16 bytes, an access an entry: RMSNorm's pass 1 unrolled
+    SPLIT_PASS1_UNROLL times all the same (three more chunks of 16 2-byte loads a thread), without
+    spills; add_rms_norm (which spilled unrolled) and LayerNorm keep one chunk an iteration."""
+    rows = {(r["name"], r["unroll"]): r for r in map(json.loads, sm90.run(_UNALIGNED_PASS1))}
+    assert ns.SPLIT_PASS1_UNROLL == 4 and len(rows) == 6, rows
+    assert not any(row["spills"] for row in rows.values()), rows
+    assert rows["rms_norm", 4]["loads"] - rows["rms_norm", 1]["loads"] >= 3 * 16, rows
+    for name in ("add_rms_norm", "layer_norm"):
+        assert rows[name, 4]["loads"] == rows[name, 1]["loads"], rows
+
+
 @pytest.mark.slow
 def test_split_kernels_compile_for_hopper_without_spills_in_16_byte_accesses():
     """The split kernels of LayerNorm and add_rms_norm at the sweep's few long rows (made multiples

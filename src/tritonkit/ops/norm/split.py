@@ -36,6 +36,10 @@ SPLIT_PER_SM_RMS_BWD = 8
 # a segment is at least this many chunks: 97 rows of 11079 fp16 split in two segments of 2 chunks
 SPLIT_CHUNKS_MIN = 2
 SPLIT_WARPS = 8
+# Pass 1's chunks a loop iteration, their loads in flight at once (``tl.range``'s unroll). Left to
+# the compiler, LayerNorm's loop (a branch in it) stayed rolled and RMSNorm's was unrolled 4 times
+# on 16-byte vectors only: off them, one chunk, 16 2-byte loads a thread at 32 x 3738195 bf16
+SPLIT_PASS1_UNROLL = 4
 SPLIT_L2_SHARE = 0.5  # of L2, what the rows in flight may hold between their two passes
 # a chunk: 8 fp32 values a thread at 8 warps in fp32, 16 in 16 bits (16-byte loads either way); the
 # backward holds h, dy, w and its two sums of a chunk at once
@@ -163,9 +167,10 @@ def fwd_split_launches(
     size = min(x2.element_size(), y.element_size())
     align = row_align((n, *strides), size)
     meta = _meta(config, flags | {"HAS_BIAS": bias is not None}, align)
-    # LayerNorm's pass 1 (a where() in its loop) was left rolled, one chunk's loads in flight where
-    # RMSNorm's was unrolled 4 times; off 16-byte vectors, unrolled, it held 214 registers
-    meta["UNROLL"] = 4 if not rms and _on_vectors((n, *strides), size) else 1
+    # off 16-byte vectors (an access an entry, each with its own address), unrolled only without a
+    # residual and for RMSNorm: LayerNorm's held 196 registers, add_rms_norm's spilled in bf16
+    unrolled = _on_vectors((n, *strides), size) or rms and r2 is None
+    meta["UNROLL"] = SPLIT_PASS1_UNROLL if unrolled else 1
 
     def args(partials, arrived, segments, segment):
         head = (x2, r2, h, y, weight, bias, mean, rstd, partials, arrived, rows, n, segments, segment)
@@ -346,7 +351,7 @@ def _norm_fwd_split_kernel(
     SEGMENTS: tl.constexpr,  # power of two >= segments: the pairs a program combines
     PHASE: tl.constexpr,  # 0: both passes, waiting between them; 1: pass 1 only; 2: pass 2 only
     ALIGN: tl.constexpr,  # N and the row strides are multiples of it (jit.aligned)
-    UNROLL: tl.constexpr,  # pass 1's chunks a loop iteration (LayerNorm on 16-byte vectors: 4)
+    UNROLL: tl.constexpr,  # pass 1's chunks a loop iteration (SPLIT_PASS1_UNROLL; LayerNorm off 16 bytes: 1)
 ):
     N = aligned(N, ALIGN)
     stride_xm = aligned(stride_xm, ALIGN)
