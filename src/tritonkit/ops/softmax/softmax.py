@@ -156,6 +156,8 @@ def sums_in_fp64(direction: str, log: bool, dtype: torch.dtype) -> bool:
 # Whether the one-pass kernels read rows that start off their vectors' alignment in windows
 # (``_window``); False keeps them on ALIGN's narrower accesses (what a test compares them with).
 WINDOWS = True
+# False keeps the split configs' own segments (``_even_segment``; a benchmark's comparison)
+SPLIT_EVEN_ROUNDS = True
 
 
 def _window(tensors: tuple, geometry: tuple, block_n: int | None) -> int:
@@ -211,16 +213,65 @@ def _split_launch_args(
     direction: str, config: dict, log: bool, sum_fp64: bool, tensors: tuple, geometry: tuple, phase: int
 ) -> tuple[tuple, tuple, dict]:
     """The split kernels' launch: as many rows at once as PER_SM programs an SM allow (fewer where
-    the compiled kernel's registers fit fewer), each row's segments side by side; the
-    partial-result workspace and the zeroed per-row counters."""
+    the compiled kernel's registers fit fewer), each row's segments side by side, of the length
+    that ends a round soonest (``_even_segment``); the partial-result workspace and the zeroed
+    per-row counters."""
+    outer, rows, n, _ = geometry
+    total, segment = outer * rows, config["SEGMENT"]
+    launch = functools.partial(_split_launch, direction, config, log, sum_fp64, tensors, geometry, phase)
+    programs = launch(segment, probe=True)[2]
+    groups = max(1, min(total, programs // cdiv(n, segment)))
+    even = _even_segment(n, segment, groups, programs, config["BLOCK_N"], sm_count(tensors[0].device))
+    # (the kernel compiled for more segments may fit fewer programs at once)
+    if even != segment and groups * cdiv(n, even) <= launch(even, probe=True)[2]:
+        segment = even
+    args, meta, _ = launch(segment)
+    return (groups * cdiv(n, segment),), args, meta
+
+
+def _even_segment(n: int, segment: int, groups: int, programs: int, block_n: int, sms: int) -> int:
+    """The segment (a multiple of ``block_n``, at least the smaller of ``segment`` and 4 chunks) whose
+    ``groups`` rows at once of cdiv(n, segment) programs fit ``programs`` and end soonest: a round
+    takes the programs its busiest SM runs times a segment's chunks. The configs' power-of-two
+    segments left SMs uneven: 4 rows of 13795015 fp32 in 2 rows at once of 211 segments ran 422
+    programs where 528 fit, 4 on some SMs and 3 on others (26 chunks a segment: 520, 4 on each).
+    SPLIT_EVEN_ROUNDS False keeps ``segment``."""
+    if not SPLIT_EVEN_ROUNDS:
+        return segment
+    chunks = cdiv(segment, block_n)
+    fewest = min(chunks, 4)
+
+    def round_time(c: int) -> int:  # (chunks a segment: rounds of programs on the busiest SM x c)
+        return cdiv(groups * cdiv(n, c * block_n), sms) * c
+
+    fitting = [c for c in range(fewest, chunks + 1) if groups * cdiv(n, c * block_n) <= programs]
+    return min(fitting, key=lambda c: (round_time(c), -c), default=chunks) * block_n
+
+
+def _split_launch(
+    direction: str,
+    config: dict,
+    log: bool,
+    sum_fp64: bool,
+    tensors: tuple,
+    geometry: tuple,
+    phase: int,
+    segment: int,
+    probe: bool = False,
+) -> tuple[tuple, dict, int]:
+    """(arguments, constexprs and options, programs that run at once) of a split launch of ``segment``
+    entries a program; ``probe``: one-entry stand-ins for the workspace (no allocation, no zeroing),
+    for the programs alone."""
     outer, rows, n, strides = geometry
-    device, total, segment = tensors[0].device, outer * rows, config["SEGMENT"]
+    device, total = tensors[0].device, outer * rows
     segments = cdiv(n, segment)
     _check_segments(n, segment, segments, config["PER_SM"] * sm_count(device))
-    sums = torch.empty(total * segments, dtype=torch.float64 if sum_fp64 else torch.float32, device=device)
-    arrived = torch.zeros(total if phase == 0 else 1, dtype=torch.int32, device=device)
+    partials = 1 if probe else total * segments
+    sums = torch.empty(partials, dtype=torch.float64 if sum_fp64 else torch.float32, device=device)
+    counters = total if phase == 0 and not probe else 1
+    arrived = (torch.empty if probe else torch.zeros)(counters, dtype=torch.int32, device=device)
     if direction == "fwd":
-        maxima = torch.empty(total * segments, dtype=torch.float32, device=device)
+        maxima = torch.empty(partials, dtype=torch.float32, device=device)
         workspace = (maxima, sums, arrived)
     else:
         workspace = (sums, arrived)
@@ -238,9 +289,9 @@ def _split_launch_args(
         meta["launch_cooperative_grid"] = True  # the launch fails, not hangs, if they cannot all run
     args = (*tensors, *workspace, rows, n, total, segments, segment, *strides)
     programs = cooperative_programs(_LAUNCHERS[direction, "split"], config["PER_SM"], args, meta, device)
-    _check_segments(n, segment, segments, programs)
-    groups = max(1, min(total, programs // segments))
-    return (groups * segments,), args, meta
+    if not probe:
+        _check_segments(n, segment, segments, programs)
+    return args, meta, programs
 
 
 def _check_segments(n: int, segment: int, segments: int, programs: int) -> None:
