@@ -2,7 +2,7 @@
 against one program a row (the looped kernels, the split turned off), beside the peers, in one run.
 
     python benchmarks/norm_split_rows.py OUT.json [--ops layer_norm rms_norm] [--deadline S]
-        [--shape ROWSxN:DTYPE ...] [--per-sm K] [--modes fwd bwd]
+        [--shape ROWSxN:DTYPE ...] [--per-sm K] [--unroll K] [--modes fwd bwd]
 
 The shapes are the sweep's few-long-rows cliffs (the norms at 1-20% of the copy rate there), or
 those given. For each op, shape and mode (fwd, bwd), the benchmark runner's rows
@@ -48,11 +48,14 @@ def main() -> None:
     shape = settings.shape_argument
     parser.add_argument("--shape", type=shape, action="append", help="ROWSxN:DTYPE (repeatable)")
     parser.add_argument("--per-sm", type=int, default=None, help="also time SPLIT_PER_SM = K")
+    parser.add_argument("--unroll", type=int, default=None, help="also time SPLIT_PASS1_UNROLL = K")
     parser.add_argument("--modes", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
     args = parser.parse_args()
     options = {"unsplit": (split, "SPLIT_PER_SM", 0), "row-major": (split, "COLUMNS_ROWS_MAX", 0)}
     if args.per_sm is not None:
         options[f"split<{args.per_sm}"] = (split, "SPLIT_PER_SM", args.per_sm)
+    if args.unroll is not None:
+        options[f"unroll {args.unroll}"] = (split, "SPLIT_PASS1_UNROLL", args.unroll)
     cases = runner.cases(args.ops, args.shape or SHAPES, None, args.modes)
     settings.compare(cases, options, args.out, " ".join([COMMAND, *sys.argv[2:]]), REPORT, args.deadline)
 

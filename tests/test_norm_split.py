@@ -275,25 +275,30 @@ from tritonkit.ops import get_workload
 from tritonkit.ops.norm import split
 for unroll in (1, split.SPLIT_PASS1_UNROLL):
     split.SPLIT_PASS1_UNROLL = unroll
-    for name in ("rms_norm", "add_rms_norm", "layer_norm"):
-        for launch in get_workload(name).op.inspect((32, 3738195), torch.bfloat16, None):
+    for name, shape, dtype, bits in (
+        ("rms_norm", (4, 13795015), torch.float32, 32), ("add_rms_norm", (4, 13795015), torch.float32, 32),
+        ("layer_norm", (4, 13795015), torch.float32, 32), ("rms_norm", (32, 3738195), torch.bfloat16, 16),
+    ):
+        for launch in get_workload(name).op.inspect(shape, dtype, None):
             if launch.name == "fwd split":
                 r = compile_launch(launch, "sm_90")
-                loads = dict(r.loads).get(16, 0)
-                print(json.dumps({"name": name, "unroll": unroll, "spills": r.spills, "loads": loads}))
+                row = {"name": f"{name} {dtype}", "unroll": unroll, "spills": r.spills}
+                print(json.dumps(row | {"loads": dict(r.loads).get(bits, 0)}))
 """
 
 
 @pytest.mark.slow
-def test_split_forward_unrolls_pass_1_off_16_byte_vectors():
-    """Rows of 3738195 bf16 start off 16 bytes, an access an entry: RMSNorm's pass 1 unrolled
-    SPLIT_PASS1_UNROLL times all the same (three more chunks of 16 2-byte loads a thread), without
-    spills; add_rms_norm (which spilled unrolled) and LayerNorm keep one chunk an iteration."""
+def test_split_forward_unrolls_pass_1_of_fp32_off_16_byte_vectors():
+    """Rows of 13795015 fp32 start off 16 bytes, an access an entry: RMSNorm's pass 1 unrolled
+    SPLIT_PASS1_UNROLL times all the same (three more chunks of 8 4-byte loads a thread), without
+    spills; add_rms_norm and LayerNorm keep one chunk an iteration there, and 16-bit rows everywhere
+    (``split._unrolled``)."""
     rows = {(r["name"], r["unroll"]): r for r in map(json.loads, sm90.run(_UNALIGNED_PASS1))}
-    assert ns.SPLIT_PASS1_UNROLL == 4 and len(rows) == 6, rows
+    assert ns.SPLIT_PASS1_UNROLL == 4 and len(rows) == 8, rows
     assert not any(row["spills"] for row in rows.values()), rows
-    assert rows["rms_norm", 4]["loads"] - rows["rms_norm", 1]["loads"] >= 3 * 16, rows
-    for name in ("add_rms_norm", "layer_norm"):
+    rms = "rms_norm torch.float32"
+    assert rows[rms, 4]["loads"] - rows[rms, 1]["loads"] >= 3 * 8, rows
+    for name in ("add_rms_norm torch.float32", "layer_norm torch.float32", "rms_norm torch.bfloat16"):
         assert rows[name, 4]["loads"] == rows[name, 1]["loads"], rows
 
 

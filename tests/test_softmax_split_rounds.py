@@ -68,3 +68,23 @@ def test_the_launch_takes_the_even_segment_and_stays_right(monkeypatch, device):
     monkeypatch.setattr(sm, "SPLIT_EVEN_ROUNDS", True)
     x, dy = _inputs((4, 9000), F32, device, seed=9)
     _check(x, dy, log=False, variant="split")
+
+
+def test_rows_past_l2_go_one_at_a_time(monkeypatch, device):
+    """A row whose pass-2 bytes (y and dy backward: 9000 x 4 x 2) pass SPLIT_L2_BYTES goes one at a
+    time over every program (9 segments of 1024 on 11 SMs), at that size or under it as before (4
+    rows at once of 8); the backward still matches the reference."""
+    import torch
+
+    from test_softmax import F32, _check, _inputs
+
+    monkeypatch.setattr(sm, "sm_count", lambda device: 11)
+    config = {"variant": "split", "SEGMENT": 4096, "BLOCK_N": 256, "num_warps": 4, "PER_SM": 4}
+    views = tuple(torch.empty(1, 4, 9000, device=device) for _ in range(3))
+    grid = lambda: sm._launches("bwd", config, False, views, sm._geometry(views))[0].grid  # noqa: E731
+    monkeypatch.setattr(sm, "SPLIT_L2_BYTES", 9000 * 4 * 2)
+    assert grid() == (4 * 8,)
+    monkeypatch.setattr(sm, "SPLIT_L2_BYTES", 9000 * 4 * 2 - 1)
+    assert grid() == (9,)
+    x, dy = _inputs((4, 9000), F32, device, seed=10)
+    _check(x, dy, log=True, variant="split")

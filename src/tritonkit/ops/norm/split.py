@@ -36,9 +36,9 @@ SPLIT_PER_SM_RMS_BWD = 8
 # a segment is at least this many chunks: 97 rows of 11079 fp16 split in two segments of 2 chunks
 SPLIT_CHUNKS_MIN = 2
 SPLIT_WARPS = 8
-# Pass 1's chunks a loop iteration, their loads in flight at once (``tl.range``'s unroll). Left to
-# the compiler, LayerNorm's loop (a branch in it) stayed rolled and RMSNorm's was unrolled 4 times
-# on 16-byte vectors only: off them, one chunk, 16 2-byte loads a thread at 32 x 3738195 bf16
+# Pass 1's chunks a loop iteration where it unrolls (``_unrolled``), their loads in flight at once
+# (``tl.range``'s unroll). Left to the compiler, LayerNorm's loop (a branch in it) stayed rolled and
+# RMSNorm's was unrolled 4 times on 16-byte vectors only
 SPLIT_PASS1_UNROLL = 4
 SPLIT_L2_SHARE = 0.5  # of L2, what the rows in flight may hold between their two passes
 # a chunk: 8 fp32 values a thread at 8 warps in fp32, 16 in 16 bits (16-byte loads either way); the
@@ -156,6 +156,15 @@ def _on_vectors(values: tuple, size: int) -> bool:
     return all(value % 16 == 0 for value in values) or row_align(values, size) * size == VECTOR_BYTES
 
 
+def _unrolled(rms: bool, residual: bool, values: tuple, size: int) -> bool:
+    """Whether the forward's pass 1 takes SPLIT_PASS1_UNROLL chunks an iteration: fp32 entries only
+    (16-bit chunks hold 16 entries a thread; unrolled, at 32 x 3738192 bf16 on an H100 the forward
+    took 1.10x the time rolled (RMSNorm) and 1.07x (LayerNorm), and level at 32 x 3738195); off
+    16-byte vectors, RMSNorm's without a residual only (LayerNorm's held 196 registers). Unrolled,
+    RMSNorm's took 0.95x the time at 4 x 13795015 fp32 (off 16 bytes)."""
+    return size == 4 and (_on_vectors(values, size) or rms and not residual)
+
+
 def fwd_split_launches(
     x2, r2, h, y, weight, bias, mean, rstd, eps: float, rms: bool, config: dict
 ) -> list[Launch]:
@@ -167,10 +176,7 @@ def fwd_split_launches(
     size = min(x2.element_size(), y.element_size())
     align = row_align((n, *strides), size)
     meta = _meta(config, flags | {"HAS_BIAS": bias is not None}, align)
-    # off 16-byte vectors (an access an entry, each with its own address), unrolled only without a
-    # residual and for RMSNorm: LayerNorm's held 196 registers, add_rms_norm's spilled in bf16
-    unrolled = _on_vectors((n, *strides), size) or rms and r2 is None
-    meta["UNROLL"] = SPLIT_PASS1_UNROLL if unrolled else 1
+    meta["UNROLL"] = SPLIT_PASS1_UNROLL if _unrolled(rms, r2 is not None, (n, *strides), size) else 1
 
     def args(partials, arrived, segments, segment):
         head = (x2, r2, h, y, weight, bias, mean, rstd, partials, arrived, rows, n, segments, segment)
@@ -351,7 +357,7 @@ def _norm_fwd_split_kernel(
     SEGMENTS: tl.constexpr,  # power of two >= segments: the pairs a program combines
     PHASE: tl.constexpr,  # 0: both passes, waiting between them; 1: pass 1 only; 2: pass 2 only
     ALIGN: tl.constexpr,  # N and the row strides are multiples of it (jit.aligned)
-    UNROLL: tl.constexpr,  # pass 1's chunks a loop iteration (SPLIT_PASS1_UNROLL; LayerNorm off 16 bytes: 1)
+    UNROLL: tl.constexpr,  # pass 1's chunks a loop iteration (SPLIT_PASS1_UNROLL or 1: _unrolled)
 ):
     N = aligned(N, ALIGN)
     stride_xm = aligned(stride_xm, ALIGN)

@@ -67,7 +67,7 @@ from tritonkit._runtime import check_device, empty_output_like, interpret, sm_co
 from tritonkit.dtypes import FLOATS, NAME_OF
 from tritonkit.opdef import first_derivative_only, op
 from tritonkit.ops import Op, Workload
-from tritonkit.ops.softmax.configs import CONFIGS, _default, _one_pass_fits, _prune
+from tritonkit.ops.softmax.configs import CONFIGS, SPLIT_L2_BYTES, _default, _one_pass_fits, _prune
 from tritonkit.ops.softmax.kernels import (
     _softmax_bwd_kernel,
     _softmax_bwd_online_kernel,
@@ -156,7 +156,8 @@ def sums_in_fp64(direction: str, log: bool, dtype: torch.dtype) -> bool:
 # Whether the one-pass kernels read rows that start off their vectors' alignment in windows
 # (``_window``); False keeps them on ALIGN's narrower accesses (what a test compares them with).
 WINDOWS = True
-# False keeps the split configs' own segments (``_even_segment``; a benchmark's comparison)
+# False keeps the split configs' own segments (``_even_segment``) and rows at once (a benchmark's
+# comparison)
 SPLIT_EVEN_ROUNDS = True
 
 
@@ -221,6 +222,12 @@ def _split_launch_args(
     launch = functools.partial(_split_launch, direction, config, log, sum_fp64, tensors, geometry, phase)
     programs = launch(segment, probe=True)[2]
     groups = max(1, min(total, programs // cdiv(n, segment)))
+    row_bytes = n * tensors[0].element_size() * (1 if direction == "fwd" else 2)  # what pass 2 reads
+    if SPLIT_EVEN_ROUNDS and row_bytes > SPLIT_L2_BYTES:
+        # L2 holds none of such a row for pass 2 either way; one at a time over every program took
+        # 0.91x the time of two at once (log_softmax's backward at 4 x 13795015 fp32 on an H100,
+        # 0.96x its forward): the rounds' segments are shorter, and the rows' waits fewer at once
+        groups = 1
     even = _even_segment(n, segment, groups, programs, config["BLOCK_N"], sm_count(tensors[0].device))
     # (the kernel compiled for more segments may fit fewer programs at once)
     if even != segment and groups * cdiv(n, even) <= launch(even, probe=True)[2]:

@@ -1,0 +1,49 @@
+"""Softmax and log_softmax over few long rows, split across programs (ops/softmax/split_kernels.py),
+beside the peers, in one run.
+
+    python benchmarks/softmax_split_rows.py OUT.json [--ops softmax log_softmax] [--deadline S]
+        [--shape ROWSxN:DTYPE ...] [--modes fwd bwd]
+
+For each op, shape and mode, the benchmark runner's rows (``tritonkit.bench.runner``: the error check
+against float64, CUDA-graph-replayed median ms, eager ms, share of a copy of the same bytes) for
+every provider, then tritonkit again with ``softmax.SPLIT_EVEN_ROUNDS = False`` as
+"tritonkit[configs]": the split configs' own power-of-two segments and rows at once, where the
+launch otherwise takes the segments that end a round soonest and one row at a time for rows L2 does
+not hold (``softmax._split_launch_args``). Untuned calls: tuning is opt-in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+
+from tritonkit.bench import runner, settings
+from tritonkit.ops.softmax import softmax
+
+SHAPES = [
+    ((4, 13795015), "fp32"),
+    ((2, 12291808), "fp16"),
+    ((32, 3738195), "bf16"),
+    ((100, 784772), "fp32"),
+]
+REPORT = functools.partial(print, flush=True)  # a line a case, as it ends
+COMMAND = "python benchmarks/softmax_split_rows.py OUT.json"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out")
+    parser.add_argument("--ops", nargs="+", default=["softmax", "log_softmax"])
+    parser.add_argument("--deadline", type=float, default=None, help="start no case after S seconds")
+    shape = settings.shape_argument
+    parser.add_argument("--shape", type=shape, action="append", help="ROWSxN:DTYPE (repeatable)")
+    parser.add_argument("--modes", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
+    args = parser.parse_args()
+    options = {"configs": (softmax, "SPLIT_EVEN_ROUNDS", False)}
+    cases = runner.cases(args.ops, args.shape or SHAPES, None, args.modes)
+    settings.compare(cases, options, args.out, " ".join([COMMAND, *sys.argv[2:]]), REPORT, args.deadline)
+
+
+if __name__ == "__main__":
+    main()
