@@ -4,6 +4,7 @@ db slice added to row after row), LayerNorm rows far from zero, the rule, and it
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -187,6 +188,19 @@ def test_the_rule_fills_the_sms_and_keeps_the_rows_in_flight_within_l2():
     # 14 rows of 993436 fp32 forward: L2's share holds 6 (4 MB each), which take three rounds, as 5
     # do: 5 at once, 52 segments of 20480 (10 chunks), not 44 of 24576
     assert ns.split_segment("fwd", 14, 993436, 4, "cpu", default("fwd", 14, 993436, F32)) == 20480
+
+
+def test_segments_follow_the_programs_the_kernel_fits(monkeypatch):
+    """A config of 4 programs an SM whose compiled kernel fits 2 (LayerNorm's forward at 32 x 3738195
+    bf16, 114 registers): the segments are sized for the 264 programs that run, three rows at once of
+    83, not for 528 (153 segments a row, one row at a time: 1.57x the time on an H100)."""
+    monkeypatch.setattr(ns, "sm_count", lambda device: 132)
+    monkeypatch.setattr(ns, "cooperative_programs", lambda launcher, per_sm, args, meta, device: 2 * 132)
+    config = {"SPLIT": True, "BLOCK_N": 4096, "num_warps": 8, "PER_SM": 4}
+    segment_for = functools.partial(ns.split_segment, "fwd", 32, 3738195, 2, "cpu", config)
+    assert segment_for() == 24576  # (sized for 4 an SM: 153 segments a row)
+    fitted = ns._fitted(ns._norm_fwd_split_kernel, config, segment_for, 32, 3738195, (), {}, "cpu", 32)
+    assert fitted == (45056, 83, 3)
 
 
 def test_the_backward_goes_by_columns_where_its_rows_overflow_l2():
