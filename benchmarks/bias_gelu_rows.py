@@ -13,7 +13,6 @@ then tritonkit's under the row tiles (``tritonkit.bench.settings``).
 
 from __future__ import annotations
 
-import argparse
 import functools
 import sys
 
@@ -41,10 +40,7 @@ COMMAND = "python benchmarks/bias_gelu_rows.py OUT.json"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out")
-    parser.add_argument("--shape", type=settings.shape_argument, action="append", help="ROWSxN:DTYPE")
-    parser.add_argument("--deadline", type=float, default=None, help="start no case after S seconds")
+    parser = settings.parser(__doc__)
     args = parser.parse_args()
     cases = runner.cases(["bias_gelu"], args.shape or SHAPES, None, ["fwd"])
     if not args.shape:

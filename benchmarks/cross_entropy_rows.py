@@ -14,7 +14,6 @@ forgotten before and after, since a call signature replays the launches it recor
 
 from __future__ import annotations
 
-import argparse
 import functools
 import sys
 
@@ -42,11 +41,7 @@ COMMAND = "python benchmarks/cross_entropy_rows.py OUT.json"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out")
-    shape = settings.shape_argument
-    parser.add_argument("--shape", type=shape, action="append", help="ROWSxC:DTYPE (repeatable)")
-    parser.add_argument("--deadline", type=float, default=None, help="start no case after S seconds")
+    parser = settings.parser(__doc__)
     args = parser.parse_args()
     cases = runner.cases(["cross_entropy"], args.shape or SHAPES, None, ["fwd", "bwd"])
     settings.compare(cases, SETTINGS, args.out, " ".join([COMMAND, *sys.argv[2:]]), REPORT, args.deadline)

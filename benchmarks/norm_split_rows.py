@@ -18,7 +18,6 @@ at its first call).
 
 from __future__ import annotations
 
-import argparse
 import functools
 import sys
 
@@ -26,10 +25,7 @@ from tritonkit.bench import runner, settings
 from tritonkit.ops.norm import split
 
 SHAPES = [
-    ((4, 13795015), "fp32"),
-    ((2, 12291808), "fp16"),
-    ((32, 3738195), "bf16"),
-    ((100, 784772), "fp32"),
+    *settings.FEW_LONG_ROWS,
     ((1, 83572), "bf16"),
     ((74, 187426), "bf16"),
     ((10, 72384), "fp32"),
@@ -41,12 +37,8 @@ COMMAND = "python benchmarks/norm_split_rows.py OUT.json"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out")
+    parser = settings.parser(__doc__)
     parser.add_argument("--ops", nargs="+", default=["layer_norm", "rms_norm", "add_rms_norm"])
-    parser.add_argument("--deadline", type=float, default=None, help="start no case after S seconds")
-    shape = settings.shape_argument
-    parser.add_argument("--shape", type=shape, action="append", help="ROWSxN:DTYPE (repeatable)")
     parser.add_argument("--per-sm", type=int, default=None, help="also time SPLIT_PER_SM = K")
     parser.add_argument("--unroll", type=int, default=None, help="also time SPLIT_PASS1_UNROLL = K")
     parser.add_argument("--modes", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])

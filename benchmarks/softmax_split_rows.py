@@ -14,30 +14,20 @@ not hold (``softmax._split_launch_args``). Untuned calls: tuning is opt-in.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import sys
 
 from tritonkit.bench import runner, settings
 from tritonkit.ops.softmax import softmax
 
-SHAPES = [
-    ((4, 13795015), "fp32"),
-    ((2, 12291808), "fp16"),
-    ((32, 3738195), "bf16"),
-    ((100, 784772), "fp32"),
-]
+SHAPES = settings.FEW_LONG_ROWS
 REPORT = functools.partial(print, flush=True)  # a line a case, as it ends
 COMMAND = "python benchmarks/softmax_split_rows.py OUT.json"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out")
+    parser = settings.parser(__doc__)
     parser.add_argument("--ops", nargs="+", default=["softmax", "log_softmax"])
-    parser.add_argument("--deadline", type=float, default=None, help="start no case after S seconds")
-    shape = settings.shape_argument
-    parser.add_argument("--shape", type=shape, action="append", help="ROWSxN:DTYPE (repeatable)")
     parser.add_argument("--modes", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
     args = parser.parse_args()
     options = {"configs": (softmax, "SPLIT_EVEN_ROUNDS", False)}

@@ -2,10 +2,11 @@
 family's dispatch switch (a split turned off, packing off, a rule's threshold) set for one case,
 tritonkit's rows taken again under it as a provider of its own ("tritonkit[label]"), and a line
 that puts every provider of a case side by side. For benchmarks that ask what a dispatch choice is
-worth (benchmarks/norm_split_rows.py, benchmarks/cross_entropy_rows.py)."""
+worth (benchmarks/norm_split_rows.py, benchmarks/cross_entropy_rows.py and the other *_rows.py)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from collections.abc import Callable
@@ -14,6 +15,14 @@ import torch
 
 from tritonkit import opdef, tuning
 from tritonkit.bench import runner
+
+# The sweep's few long rows, where a row a program left most SMs idle (the split kernels' shapes)
+FEW_LONG_ROWS = [
+    ((4, 13795015), "fp32"),
+    ((2, 12291808), "fp16"),
+    ((32, 3738195), "bf16"),
+    ((100, 784772), "fp32"),
+]
 
 
 def forget() -> None:
@@ -35,6 +44,16 @@ def rows_under(case: runner.Case, label: str, module, name: str, value) -> list[
         setattr(module, name, default)
         forget()
     return [row | {"provider": f"tritonkit[{label}]"} for row in rows]
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """A row benchmark's command line (its docstring's first line as the description): OUT, the JSON
+    to write; --shape ROWSxN:DTYPE, repeatable, in place of the script's shapes; --deadline S."""
+    made = argparse.ArgumentParser(description=doc.splitlines()[0])
+    made.add_argument("out")
+    made.add_argument("--shape", type=shape_argument, action="append", help="ROWSxN:DTYPE (repeatable)")
+    made.add_argument("--deadline", type=float, default=None, help="start no case after S seconds")
+    return made
 
 
 def shape_argument(text: str) -> tuple[tuple, str]:
