@@ -226,7 +226,7 @@ def _split_launch_args(
     if SPLIT_EVEN_ROUNDS and row_bytes > SPLIT_L2_BYTES:
         # L2 holds none of such a row for pass 2 either way; one at a time over every program took
         # 0.91x the time of two at once (log_softmax's backward at 4 x 13795015 fp32 on an H100,
-        # 0.96x its forward): the rounds' segments are shorter, and the rows' waits fewer at once
+        # 0.95-0.96x the forwards), four at once 1.11-1.14x (docs/perf-notes/softmax.md)
         groups = 1
     even = _even_segment(n, segment, groups, programs, config["BLOCK_N"], sm_count(tensors[0].device))
     # (the kernel compiled for more segments may fit fewer programs at once)
@@ -241,8 +241,9 @@ def _even_segment(n: int, segment: int, groups: int, programs: int, block_n: int
     ``groups`` rows at once of cdiv(n, segment) programs fit ``programs`` and end soonest: a round
     takes the programs its busiest SM runs times a segment's chunks. The configs' power-of-two
     segments left SMs uneven: 4 rows of 13795015 fp32 in 2 rows at once of 211 segments ran 422
-    programs where 528 fit, 4 on some SMs and 3 on others (26 chunks a segment: 520, 4 on each).
-    SPLIT_EVEN_ROUNDS False keeps ``segment``."""
+    programs where 528 fit, 4 on some SMs and 3 on others (26 chunks a segment: 520, 4 on each),
+    which measured 0.97-0.99x the time on an H100: less than the count predicts, as programs share
+    the memory's rate wherever they sit. SPLIT_EVEN_ROUNDS False keeps ``segment``."""
     if not SPLIT_EVEN_ROUNDS:
         return segment
     chunks = cdiv(segment, block_n)
