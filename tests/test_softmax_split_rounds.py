@@ -1,13 +1,16 @@
 """The split launch's segments: the length that ends a round soonest (``softmax._even_segment``),
-in place of the configs' powers of two, which left some SMs a program more than others."""
+in place of the configs' powers of two, which left some SMs a program more than others; and rows
+L2 cannot hold for pass 2 one at a time."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+import torch
 
 import tritonkit.ops.softmax.softmax as sm
+from test_softmax import F32, _check, _inputs
 from tritonkit._launch import cdiv
 
 pytestmark = pytest.mark.softmax
@@ -54,10 +57,6 @@ def test_the_launch_takes_the_even_segment_and_stays_right(monkeypatch, device):
     """4 rows of 9000 fp32 on 11 SMs of 4 programs, a config of 4096-entry segments (3 a row: 12
     programs, 2 on one SM, a round of 32 chunks of 256): the launch takes 1280 (8 a row, 32 programs,
     3 an SM at most: 15 chunks), and the softmax and its backward still match the reference."""
-    import torch
-
-    from test_softmax import F32, _check, _inputs
-
     monkeypatch.setattr(sm, "sm_count", lambda device: 11)
     config = {"variant": "split", "SEGMENT": 4096, "BLOCK_N": 256, "num_warps": 4, "PER_SM": 4}
     views = tuple(torch.empty(1, 4, 9000, device=device) for _ in range(3))
@@ -74,10 +73,6 @@ def test_rows_past_l2_go_one_at_a_time(monkeypatch, device):
     """A row whose pass-2 bytes (y and dy backward: 9000 x 4 x 2) pass SPLIT_L2_BYTES goes one at a
     time over every program (9 segments of 1024 on 11 SMs), at that size or under it as before (4
     rows at once of 8); the backward still matches the reference."""
-    import torch
-
-    from test_softmax import F32, _check, _inputs
-
     monkeypatch.setattr(sm, "sm_count", lambda device: 11)
     config = {"variant": "split", "SEGMENT": 4096, "BLOCK_N": 256, "num_warps": 4, "PER_SM": 4}
     views = tuple(torch.empty(1, 4, 9000, device=device) for _ in range(3))

@@ -71,8 +71,9 @@ def split_segment(
     reads again within SPLIT_L2_SHARE of L2 (the forward its x or h; the backward h, dy and the dw
     and db slices it adds to), each in as many segments (SPLIT_CHUNKS_MIN chunks at least) as the
     config's programs an SM allow, as few at once as make as many rounds: one row at a time on the
-    SMs makes every program wait at every row. The launch lengthens them where fewer programs run at
-    once (``_fitted``), or for ``programs`` where given (the compiled kernel's: ``_fitted``)."""
+    SMs makes every program wait at every row. ``programs``: those that run at once where known
+    (``_fitted`` passes the compiled kernel's), else the config's PER_SM an SM; the launch then
+    lengthens the segments where the rows at once would take more (``_fitted``)."""
     if "SEGMENT" in config:
         return config["SEGMENT"]
     block_n, programs = config["BLOCK_N"], programs or config["PER_SM"] * sm_count(device)
