@@ -11,21 +11,22 @@ kernels' profile, on the H200: six diagnostics, one a run.
 ``protocols``: the step timed five ways (do_bench as the layer benchmark does, CUDA events with and
 without the L2 flush, a sync after each step, one loop of steps), the host's time to issue it, and
 under torch.profiler the runtime calls a step makes (a sync or a malloc would show) and the GPU's
-idle gaps. ``sustained``: the step's time right after three seconds idle (cool) and through 70
-steps back to back (hot: the H200 at its 700 W cap), with nvidia-smi's clock and power sampled
-beside it (OUT.json.PROVIDER.smi.csv); provider ``hybrid`` is tritonkit's norms and attention with
-cuBLAS's matmuls (F.linear). ``matmuls``: each of the layer's projections (fwd+bwd and fwd alone)
-on tritonkit.linear and on cuBLAS, cool and hot, and five tiles of the linear kernel hot at two of
+idle gaps. ``sustained``: the step's time right after three seconds idle (cool) and through 70 steps
+back to back (hot: the H200 at its 700 W cap), with nvidia-smi's clock and power sampled beside it
+(OUT.json.PROVIDER.smi.csv); provider ``hybrid`` is tritonkit's norms and attention with cuBLAS's
+matmuls (F.linear). ``matmuls``: each of the layer's projections (fwd+bwd and fwd alone) on
+tritonkit.linear and on cuBLAS, cool and hot, and five tiles of the linear kernel hot at two of
 them. ``backward``: each of the backward's matmul products (dx and dW of three projections, the
-MLP's gated dx in one kernel and as two matmuls) hot, on cuBLAS, on the tile tritonkit runs and on
-four other tiles. ``gated``: gated_linear's forward at the three layers' MLP shapes, cool and hot,
-with its products stored by the one gated kernel or by two plain matmuls and an elementwise
-act(g) * u, against cuBLAS's matmuls and torch's SiLU and product. ``host``: tritonkit's layer at
-each of CASES (comma-separated, default 8b-4k,d64-4k), forward and step: the host's time to issue
-it, the GPU idle before each (HOST_REPEATS times, sorted), through tritonkit's lean launch path
-and, alternating with it, through Triton's own launch, and under cProfile the Python calls a
-step makes and where its host time goes (``finish`` at 0087522 timed the attention backward's
-finishing passes). PROVIDERS: comma-separated, of ``bench layer``'s providers (and ``hybrid``).
+MLP's gated dx in one kernel, as two matmuls and each of those apart) hot, in turns, on cuBLAS, on
+the tile tritonkit runs and on BACKWARD_TILES. ``gated``: gated_linear's forward at the three
+layers' MLP shapes, cool and hot, with its products stored by the one gated kernel or by two plain
+matmuls and an elementwise act(g) * u, against cuBLAS's matmuls and torch's SiLU and product.
+``host``: tritonkit's layer at each of CASES (comma-separated, default 8b-4k,d64-4k), forward and
+step: the host's time to issue it, the GPU idle before each (HOST_REPEATS times, sorted), through
+tritonkit's lean launch path and, alternating with it, through Triton's own launch, and under
+cProfile the Python calls a step makes and where its host time goes (``finish`` at 0087522 timed the
+attention backward's finishing passes). PROVIDERS: comma-separated, of ``bench layer``'s providers
+(and ``hybrid``).
 """
 
 from __future__ import annotations
@@ -378,9 +379,18 @@ def matmuls() -> dict:
 # ---------------------------------------------------------------- backward
 
 
+# 256-row tiles lost 2-9% at every product at c1ce4d6 (docs/perf-notes/linear.md): the 128-row
+# tiles the tuner chooses among, each layout's C stored from registers and through TMA
 BACKWARD_TILES = _tiles(
-    ((128, 256, 8, 4, True), (256, 128, 8, 3, True), (256, 128, 8, 4, True), (256, 128, 8, 3, False))
-)  # fmt: skip
+    (
+        (128, 256, 8, 4, True),
+        (128, 256, 8, 3, True),
+        (128, 256, 8, 4, False),
+        (128, 128, 4, 4, True),
+        (128, 128, 8, 4, True),
+    )
+) | {"128x256 w8 s3 P TMA store": _tiles(((128, 256, 8, 3, True),))["128x256 w8 s3 P"] | {"TMA_STORE": True}}
+BACKWARD_ROUNDS = 2  # every product's calls in turn, twice: the card's clock wanders between rounds
 
 
 def _backward_products(tokens: int, d: int, ffn: int, qkv: int):
@@ -417,26 +427,46 @@ def _backward_products(tokens: int, d: int, ffn: int, qkv: int):
         mm.matmul(dg, wg.t(), dx)
         mm.matmul(du, wu.t(), dx, residual=dx)
 
+    # the two launches of gated_linear's dx apart: the second reads C back as its residual
+    first, second = mm.matmul_problem(dg, wg.t(), dx), mm.matmul_problem(du, wu.t(), dx, residual=dx)
+    yield (
+        "gated dx's first launch",
+        first,
+        lambda: torch.mm(dg, wg, out=dx),
+        lambda: mm.matmul(dg, wg.t(), dx),
+    )
+    yield (
+        "gated dx's second launch (+ residual)",
+        second,
+        lambda: dx.addmm_(du, wu),
+        lambda: mm.matmul(du, wu.t(), dx, residual=dx),
+    )
     yield "gated dx (one kernel)", None, cublas, one_kernel
     yield "gated dx (two matmuls, C read back as the residual)", None, cublas, two_matmuls
 
 
 def backward() -> dict:
     """The backward's matmul products of the 8b-4k layer, hot: cuBLAS, the tuned tile tritonkit runs
-    and BACKWARD_TILES; the gated dx in one kernel and as two matmuls."""
+    and BACKWARD_TILES, in turns BACKWARD_ROUNDS times (a row's figure the fastest of its rounds, its
+    ``rounds`` each); the gated dx in one kernel, as two matmuls and each of those apart."""
     from tritonkit.ops.linear import matmul as mm
 
     qkv = (SHAPE.heads + 2 * SHAPE.kv_heads) * SHAPE.head_dim
     rows = {}
     for name, problem, cublas, ours in _backward_products(SHAPE.batch * SHAPE.seq, SHAPE.dim, SHAPE.ffn, qkv):
         ours()  # a first call tunes an unshipped key
-        row = {"tritonkit": _hot(ours)}
-        if cublas is not None:
-            row["cublas"] = _hot(cublas)
+        calls = {"tritonkit": ours, "cublas": cublas}
         for tile, config in BACKWARD_TILES.items() if problem is not None else ():
-            row[tile] = _hot(lambda problem=problem, config=config: mm.MATMUL.run(problem, config))
-        print(name, {key: round(ms, 3) for key, ms in row.items()}, flush=True)
-        rows[name] = row
+            if config.get("TMA_STORE") and problem["residual"] is not None:
+                continue  # (the TMA store is the plain products' only)
+            calls[tile] = lambda problem=problem, config=config: mm.MATMUL.run(problem, config)
+        turns = defaultdict(list)
+        for _ in range(BACKWARD_ROUNDS):
+            for key, call in calls.items():
+                turns[key].append(_hot(call))
+        row = {key: min(ms) for key, ms in turns.items()}
+        print(name, {key: [round(ms, 3) for ms in turns[key]] for key in turns}, flush=True)
+        rows[name] = row | {"rounds": dict(turns)}
     return rows
 
 
