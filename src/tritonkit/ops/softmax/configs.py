@@ -93,11 +93,25 @@ SPLIT_DEFAULT_MIN_BLOCK_N = 1 << 17
 # programs of bf16 rows of 3738195 and 596536 entries (the launch now asks the compiled kernel's
 # occupancy); the default sizes its segments for two an SM, so that a row fits wherever two do.
 SPLIT_DEFAULT_SEGMENTS_PER_SM = 2
+# Rows the online kernel runs in one wave (up to SPLIT_ONE_WAVE_MAX_ROWS: its one program a row, 8
+# an SM by threads) end pass 1 together, so L2 holds only the last part of each row for pass 2 once
+# what they read passes SPLIT_L2_BYTES: softmax's backward at 516 x 58896 bf16 read 122 MB of y and
+# dy twice, mostly from memory (0.80x liger, which holds the row in one program;
+# docs/perf-notes/softmax.md). The split kernel takes as many rows at once as L2 holds for pass 2.
+# Past one wave the rows' passes interleave and the online kernel won the tuning (8192 x 32768
+# bf16's backward, 131072 x 65536's both ways). SPLIT_ONE_WAVE False leaves the online kernel there
+# (a benchmark's comparison).
+SPLIT_ONE_WAVE = True
+SPLIT_ONE_WAVE_MAX_ROWS = 1024
 
 
 def _tiles(key: dict) -> int:
     """Row tiles a one-pass program holds at once: x forward; y and dy backward."""
     return 1 if key["direction"] == "fwd" else 2
+
+
+def _element_bytes(key: dict) -> int:
+    return {"fp16": 2, "bf16": 2, "fp32": 4}[key["dtype"].split(">")[0]]
 
 
 def _one_pass_fits(key: dict) -> bool:
@@ -112,7 +126,7 @@ def _one_pass_fits(key: dict) -> bool:
 
 def _staged_fits(config: dict, key: dict) -> bool:
     """A persistent one-pass config: rows layout, its staged blocks within STAGED_MAX_SHARED_BYTES."""
-    element_bytes = {"fp16": 2, "bf16": 2, "fp32": 4}[key["dtype"].split(">")[0]]
+    element_bytes = _element_bytes(key)
     staged = config["BLOCK_M"] * key["block_n"] * element_bytes * _tiles(key) * (config["STAGES"] - 1)
     return key["layout"] == "rows" and staged <= STAGED_MAX_SHARED_BYTES
 
@@ -130,7 +144,7 @@ def _split_fits(config: dict, key: dict) -> bool:
     if not (2 <= segments <= programs and key["layout"] == "rows"):
         return False
     threads = config["PER_SM"] * config["num_warps"] * 32
-    element_bytes = {"fp16": 2, "bf16": 2, "fp32": 4}[key["dtype"].split(">")[0]]
+    element_bytes = _element_bytes(key)
     in_flight = programs * config["SEGMENT"] * element_bytes * _tiles(key)
     low, high = PER_THREAD["split"]
     return (
@@ -175,10 +189,23 @@ def _default(key: dict) -> dict:
 
 
 def _split_by_default(key: dict) -> bool:
-    """Whether the untuned default of an "auto" call splits its rows (see SPLIT_DEFAULT_MAX_ROWS)."""
+    """Whether the untuned default of an "auto" call splits its rows (see SPLIT_DEFAULT_MAX_ROWS and
+    SPLIT_ONE_WAVE)."""
     return key["block_n"] >= 4 * 4096 and (
-        key["rows"] <= SPLIT_DEFAULT_MAX_ROWS or key["block_n"] >= SPLIT_DEFAULT_MIN_BLOCK_N
+        key["rows"] <= SPLIT_DEFAULT_MAX_ROWS
+        or key["block_n"] >= SPLIT_DEFAULT_MIN_BLOCK_N
+        or _one_wave_past_l2(key)
     )
+
+
+def _one_wave_past_l2(key: dict) -> bool:
+    """The online kernel's rows in one wave, more of them than L2 holds for pass 2 (SPLIT_ONE_WAVE)."""
+    return SPLIT_ONE_WAVE and key["rows"] <= SPLIT_ONE_WAVE_MAX_ROWS and _pass_two_bytes(key) > SPLIT_L2_BYTES
+
+
+def _pass_two_bytes(key: dict) -> int:
+    """What pass 2 reads again of every row of the key's bucket: x forward, y and dy backward."""
+    return key["rows"] * key["block_n"] * _element_bytes(key) * _tiles(key)
 
 
 def _split_default(key: dict) -> dict:
