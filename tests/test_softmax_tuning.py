@@ -140,10 +140,11 @@ def test_named_variants_read_the_one_tuning_of_their_shape(tuned, launches, devi
 
 
 def test_untuned_auto_splits_few_rows_and_rows_of_many_chunks():
-    """Past the one-pass limit the untuned default splits a row over several programs where the
-    online kernel's one program a row would leave the GPU short of loads in flight (few rows, or
-    rows of many chunks) or one wave of rows would read more than L2 holds for pass 2. A row's segments fit at once (two programs an SM) and hold four chunks
-    or more, and it is the tuner's winner at the shapes tuned on the H200."""
+    """Past the one-pass limit the untuned default splits a row over several programs where the online
+    kernel's one program a row would leave the GPU short of loads in flight (few rows, or rows of many
+    chunks) or one wave of rows would read more than L2 holds for pass 2. A row's segments fit at once
+    (two programs an SM) and hold four chunks or more, and it is the tuner's winner at the shapes tuned
+    on the H200."""
     past = 2 * sk.ONE_PASS_MAX_BLOCK_N
     assert sm._default(_key("fwd", past, rows=sk.SPLIT_DEFAULT_MAX_ROWS))["variant"] == "split"
     # more rows: split while the online kernel's one wave of them reads more than L2 holds again
