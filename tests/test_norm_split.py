@@ -290,30 +290,58 @@ from tritonkit.ops.norm import split
 for unroll in (1, split.SPLIT_PASS1_UNROLL):
     split.SPLIT_PASS1_UNROLL = unroll
     for name, shape, dtype, bits in (
-        ("rms_norm", (4, 13795015), torch.float32, 32), ("add_rms_norm", (4, 13795015), torch.float32, 32),
-        ("layer_norm", (4, 13795015), torch.float32, 32), ("rms_norm", (32, 3738195), torch.bfloat16, 16),
+        ("rms_norm", (4, 13795015), torch.float32, 128), ("add_rms_norm", (4, 13795015), torch.float32, 32),
+        ("layer_norm", (4, 13795015), torch.float32, 32), ("rms_norm", (32, 3738195), torch.bfloat16, 128),
     ):
         for launch in get_workload(name).op.inspect(shape, dtype, None):
             if launch.name == "fwd split":
                 r = compile_launch(launch, "sm_90")
                 row = {"name": f"{name} {dtype}", "unroll": unroll, "spills": r.spills}
+                row |= {"window": launch.meta["WINDOW"], "stores": dict(r.stores).get(128, 0)}
                 print(json.dumps(row | {"loads": dict(r.loads).get(bits, 0)}))
 """
 
 
 @pytest.mark.slow
 def test_split_forward_unrolls_pass_1_of_fp32_off_16_byte_vectors():
-    """Rows of 13795015 fp32 start off 16 bytes, an access an entry: RMSNorm's pass 1 unrolled
-    SPLIT_PASS1_UNROLL times all the same (three more chunks of 8 4-byte loads a thread), without
-    spills; add_rms_norm and LayerNorm keep one chunk an iteration there, and 16-bit rows everywhere
-    (``split._unrolled``)."""
+    """Rows of 13795015 fp32 start off 16 bytes: RMSNorm's (no residual) are read in windows, 16 bytes
+    at a time, its pass 1 unrolled SPLIT_PASS1_UNROLL times all the same (three more chunks of 2
+    16-byte loads a thread), without spills; add_rms_norm and LayerNorm take an access an entry and
+    keep one chunk an iteration there, and 16-bit rows everywhere (``split._unrolled``). RMSNorm's
+    rows of 3738195 bf16 are windowed too: x read and y written 16 bytes at a time."""
     rows = {(r["name"], r["unroll"]): r for r in map(json.loads, sm90.run(_UNALIGNED_PASS1))}
     assert ns.SPLIT_PASS1_UNROLL == 4 and len(rows) == 8, rows
     assert not any(row["spills"] for row in rows.values()), rows
-    rms = "rms_norm torch.float32"
-    assert rows[rms, 4]["loads"] - rows[rms, 1]["loads"] >= 3 * 8, rows
-    for name in ("add_rms_norm torch.float32", "layer_norm torch.float32", "rms_norm torch.bfloat16"):
+    rms, rms16 = "rms_norm torch.float32", "rms_norm torch.bfloat16"
+    assert rows[rms, 4]["loads"] - rows[rms, 1]["loads"] >= 3 * 2, rows
+    for name in ("add_rms_norm torch.float32", "layer_norm torch.float32", rms16):
         assert rows[name, 4]["loads"] == rows[name, 1]["loads"], rows
+    for name, window in ((rms, 4), (rms16, 8), ("layer_norm torch.float32", 0)):
+        assert rows[name, 4]["window"] == window, rows
+    assert rows[rms16, 1]["loads"] >= 2 and rows[rms16, 1]["stores"] >= 1, rows
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+def test_rms_rows_off_16_bytes_are_read_in_windows(dtype, split, monkeypatch, device):
+    """RMSNorm's split forward over rows that start off 16 bytes (5 rows of 257: every offset a
+    window takes) reads them in windows (``WINDOW``), against the reference; on 16 bytes, and with
+    a residual, it does not."""
+    windows, run = [], nm._run
+
+    def recording(launches):
+        windows.extend(c.meta["WINDOW"] for c in launches if c.kernel is ns._norm_fwd_split_kernel)
+        run(launches)
+
+    monkeypatch.setattr(nm, "_run", recording)
+    for kind, n, window in (
+        ("rms_norm", 257, 16 // dtype.itemsize),
+        ("rms_norm", 256, 0),
+        ("add_rms_norm", 257, 0),
+    ):
+        windows.clear()
+        kernel, reference, inputs, grad_inputs, grads = _case(kind, (5, n), dtype, device, seed=n + 11)
+        check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
+        assert windows and set(windows) == {window}, (kind, n, windows)
 
 
 @pytest.mark.slow

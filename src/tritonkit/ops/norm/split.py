@@ -23,11 +23,20 @@ import functools
 
 import torch
 
-from tritonkit._launch import VECTOR_BYTES, Launch, cdiv, launcher_of, next_power_of_2, row_align, scratch
+from tritonkit._launch import (
+    VECTOR_BYTES,
+    Launch,
+    cdiv,
+    launcher_of,
+    next_power_of_2,
+    row_align,
+    row_window,
+    scratch,
+)
 from tritonkit._runtime import current_device, interpret, l2_bytes, sm_count
 from tritonkit._triton import tl, triton
 from tritonkit.dtypes import DTYPE_OF
-from tritonkit.jit import aligned
+from tritonkit.jit import aligned, window_base, window_edges, window_interior
 from tritonkit.split_rows import _publish_and_wait, _segment_of_program, cooperative_programs
 
 SPLIT_PER_SM = 2  # programs an SM the split launches aim for
@@ -185,19 +194,23 @@ def fwd_split_launches(
     align = row_align((n, *strides), size)
     meta = _meta(config, flags | {"HAS_BIAS": bias is not None}, align)
     meta["UNROLL"] = SPLIT_PASS1_UNROLL if _unrolled(rms, r2 is not None, (n, *strides), size) else 1
+    # RMSNorm's rows off 16 bytes in windows: x and y 16 bytes at a time, the weight an entry at a time
+    window = row_window(n, [(0, x2.stride(0)), (0, n)], (x2, y)) if rms and r2 is None else 0
+    meta["WINDOW"] = window
+    span = n + max(window - 1, 0)  # the positions a row's window may cover
 
     def args(partials, arrived, segments, segment):
         head = (x2, r2, h, y, weight, bias, mean, rstd, partials, arrived, rows, n, segments, segment)
         return (*head, *strides, float(eps))
 
     kernel, device = _norm_fwd_split_kernel, x2.device
-    segment_for = functools.partial(split_segment, "fwd", rows, n, x2.element_size(), device, config)
+    segment_for = functools.partial(split_segment, "fwd", rows, span, x2.element_size(), device, config)
     wanted = segment_for()
-    provisional = cdiv(n, wanted)
+    provisional = cdiv(span, wanted)
     stand_ins = (_stand_in(torch.float32, device), _stand_in(torch.int32, device))
     probe = args(*stand_ins, provisional, wanted)
     meta["SEGMENTS"] = next_power_of_2(provisional)
-    segment, segments, groups = _fitted(kernel, config, segment_for, rows, n, probe, meta, device, rows)
+    segment, segments, groups = _fitted(kernel, config, segment_for, rows, span, probe, meta, device, rows)
     partials = scratch((rows, segments, 2), torch.float32, device)
     arrived = scratch((rows,), torch.int32, device, zeroed=True)
     meta["SEGMENTS"] = next_power_of_2(segments)
@@ -368,17 +381,27 @@ def _norm_fwd_split_kernel(
     PHASE: tl.constexpr,  # 0: both passes, waiting between them; 1: pass 1 only; 2: pass 2 only
     ALIGN: tl.constexpr,  # N and the row strides are multiples of it (jit.aligned)
     UNROLL: tl.constexpr,  # pass 1's chunks a loop iteration (SPLIT_PASS1_UNROLL or 1: _unrolled)
+    WINDOW: tl.constexpr,  # 0, or RMSNorm's rows (no residual) read in windows (_window_pass_1)
 ):
     N = aligned(N, ALIGN)
     stride_xm = aligned(stride_xm, ALIGN)
     stride_rm = aligned(stride_rm, ALIGN)
-    first_row, groups, segment, first, chunks = _segment_of_program(N, segments, SEGMENT, BLOCK_N=BLOCK_N)
+    # windowed, segments cut the positions from each row's window base: up to WINDOW - 1 more
+    span = N
+    if WINDOW > 0:
+        span += WINDOW - 1
+    first_row, groups, segment, first, chunks = _segment_of_program(span, segments, SEGMENT, BLOCK_N=BLOCK_N)
     offsets = tl.arange(0, BLOCK_N)
     count = tl.minimum(N - first, SEGMENT).to(tl.float32)
     for row in range(first_row, M, groups):
         row64 = tl.cast(row, tl.int64)  # M * N may pass 2^31
         x_row = x_ptr + row64 * stride_xm
-        if PHASE != 2:  # pass 1: the segment's sums about the mean of its first chunk (LayerNorm)
+        if WINDOW > 0:
+            _windowed_rms_row(
+                x_ptr, y_ptr, w_ptr, rstd_ptr, partials_ptr, arrived_ptr, row, row64, N, segments, segment,
+                first, chunks, stride_xm, eps, offsets, SEGMENT, HAS_WEIGHT, SEGMENTS, PHASE, UNROLL, WINDOW,
+            )  # fmt: skip
+        elif PHASE != 2:  # pass 1: the segment's sums about the mean of its first chunk (LayerNorm)
             shift = 0.0
             total = tl.zeros([BLOCK_N], tl.float32)
             squares = tl.zeros([BLOCK_N], tl.float32)
@@ -405,9 +428,9 @@ def _norm_fwd_split_kernel(
             )
             tl.store(partials_ptr + (row * segments + segment) * 2, pair_first)
             tl.store(partials_ptr + (row * segments + segment) * 2 + 1, pair_second)
-        if PHASE == 0:
+        if PHASE == 0 and WINDOW == 0:
             _publish_and_wait(arrived_ptr, row, segments)
-        if PHASE != 1:  # pass 2: the row's statistics, then this segment's output, last-read chunk first
+        if PHASE != 1 and WINDOW == 0:  # pass 2: the row's statistics, then this segment's output
             mean, variance = _row_moments(partials_ptr, row, N, segments, SEGMENT, RMS=RMS, SEGMENTS=SEGMENTS)
             rstd = 1.0 / tl.sqrt(variance + eps)
             if segment == 0:
@@ -431,6 +454,56 @@ def _norm_fwd_split_kernel(
                 if HAS_BIAS:
                     y += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
                 tl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _windowed_rms_row(
+    x_ptr, y_ptr, w_ptr, rstd_ptr, partials_ptr, arrived_ptr, row, row64, N, segments, segment, first,
+    chunks, stride_xm, eps, offsets, SEGMENT, HAS_WEIGHT: tl.constexpr, SEGMENTS: tl.constexpr,
+    PHASE: tl.constexpr, UNROLL: tl.constexpr, WINDOW: tl.constexpr,
+):  # fmt: skip
+    """RMSNorm's two passes over a segment of a row that starts off 16 bytes, read in windows
+    (``jit.window_base``: from the row's offset rounded down to WINDOW entries, ``head`` entries before
+    the row, x's and y's heads alike): the vectors wholly in the row 16 bytes at a time, the row's two
+    edge vectors an entry at a time by the segments holding them, the weight an entry at a time (its
+    entries sit ``head`` off x's). The segment covers positions first, ... of the window."""
+    x_base, head = window_base(row64 * stride_xm, WINDOW)
+    y_base, _ = window_base(row64 * N, WINDOW)
+    x_row, y_row = x_ptr + x_base, y_ptr + y_base
+    edges, on_edge = window_edges(head, N, WINDOW)
+    on_edge = on_edge & (edges >= first) & (edges < first + SEGMENT)
+    if PHASE != 2:  # pass 1: the segment's sum of squares
+        squares = tl.zeros(offsets.shape, tl.float32)
+        for i in tl.range(0, chunks, loop_unroll_factor=UNROLL):
+            positions = first + i * offsets.shape[0] + offsets
+            inner = window_interior(positions, head, N, WINDOW)
+            h = tl.load(x_row + positions, mask=inner, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            squares += h * h
+        h = tl.load(x_row + edges, mask=on_edge, other=0.0).to(tl.float32)
+        tl.store(
+            partials_ptr + (row * segments + segment) * 2, tl.sum(squares, axis=0) + tl.sum(h * h, axis=0)
+        )
+    if PHASE == 0:
+        _publish_and_wait(arrived_ptr, row, segments)
+    if PHASE != 1:  # pass 2: the row's RMS, then this segment's output, last-read chunk first
+        _, mean_square = _row_moments(partials_ptr, row, N, segments, SEGMENT, RMS=True, SEGMENTS=SEGMENTS)
+        rstd = 1.0 / tl.sqrt(mean_square + eps)
+        if segment == 0:
+            tl.store(rstd_ptr + row, rstd)
+        for i in range(chunks):
+            positions = first + (chunks - 1 - i) * offsets.shape[0] + offsets
+            inner = window_interior(positions, head, N, WINDOW)
+            _scaled_out(x_row, y_row, w_ptr, positions, head, inner, rstd, HAS_WEIGHT)
+        _scaled_out(x_row, y_row, w_ptr, edges, head, on_edge, rstd, HAS_WEIGHT)
+
+
+@triton.jit
+def _scaled_out(x_row, y_row, w_ptr, positions, head, mask, rstd, HAS_WEIGHT: tl.constexpr):
+    """y = x * rstd (* w) at window ``positions`` of a row (``_windowed_rms_row``)."""
+    y = tl.load(x_row + positions, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32) * rstd
+    if HAS_WEIGHT:
+        y *= tl.load(w_ptr + (positions - head), mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_row + positions, y.to(y_row.dtype.element_ty), mask=mask)
 
 
 @triton.jit
