@@ -2,7 +2,7 @@
 against one program a row (the looped kernels, the split turned off), beside the peers, in one run.
 
     python benchmarks/norm_split_rows.py OUT.json [--ops layer_norm rms_norm] [--deadline S]
-        [--shape ROWSxN:DTYPE ...] [--per-sm K] [--unroll K] [--modes fwd bwd]
+        [--shape ROWSxN:DTYPE ...] [--per-sm K] [--unroll K] [--entries] [--modes fwd bwd]
 
 The shapes are the sweep's few-long-rows cliffs (the norms at 1-20% of the copy rate there), or
 those given. For each op, shape and mode (fwd, bwd), the benchmark runner's rows
@@ -13,7 +13,8 @@ ms, share of a copy of the same bytes) for every provider, then tritonkit again 
 K`` once more at ``SPLIT_PER_SM = K`` as "tritonkit[split<K]": the split taken up to K programs an
 SM's rows (``tritonkit.bench.settings``: the replay plans and the configs chosen per call signature
 are forgotten around each, since a signature replays what it recorded and keeps the config chosen
-at its first call).
+at its first call); with ``--entries``, ``split.SPLIT_WINDOWS = False`` as "tritonkit[entries]":
+RMSNorm's rows off 16 bytes an entry at a time, not in windows.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def main() -> None:
     parser.add_argument("--ops", nargs="+", default=["layer_norm", "rms_norm", "add_rms_norm"])
     parser.add_argument("--per-sm", type=int, default=None, help="also time SPLIT_PER_SM = K")
     parser.add_argument("--unroll", type=int, default=None, help="also time SPLIT_PASS1_UNROLL = K")
+    parser.add_argument("--entries", action="store_true", help="also time SPLIT_WINDOWS = False")
     parser.add_argument("--modes", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
     args = parser.parse_args()
     options = {"unsplit": (split, "SPLIT_PER_SM", 0), "row-major": (split, "COLUMNS_ROWS_MAX", 0)}
@@ -48,6 +50,8 @@ def main() -> None:
         options[f"split<{args.per_sm}"] = (split, "SPLIT_PER_SM", args.per_sm)
     if args.unroll is not None:
         options[f"unroll {args.unroll}"] = (split, "SPLIT_PASS1_UNROLL", args.unroll)
+    if args.entries:
+        options["entries"] = (split, "SPLIT_WINDOWS", False)
     cases = runner.cases(args.ops, args.shape or SHAPES, None, args.modes)
     settings.compare(cases, options, args.out, " ".join([COMMAND, *sys.argv[2:]]), REPORT, args.deadline)
 

@@ -55,6 +55,9 @@ SPLIT_L2_SHARE = 0.5  # of L2, what the rows in flight may hold between their tw
 # a chunk: 8 fp32 values a thread at 8 warps in fp32, 16 in 16 bits (16-byte loads either way); the
 # backward holds h, dy, w and its two sums of a chunk at once
 SPLIT_BLOCK_N = {4: 2048, 2: 4096}
+# RMSNorm's forward (no residual) reads rows that start off 16 bytes in windows (``_windowed_rms_row``);
+# False: an entry at a time, as the other forms (a benchmark's comparison)
+SPLIT_WINDOWS = True
 
 
 def split_default(key: dict) -> dict | None:
@@ -195,7 +198,8 @@ def fwd_split_launches(
     meta = _meta(config, flags | {"HAS_BIAS": bias is not None}, align)
     meta["UNROLL"] = SPLIT_PASS1_UNROLL if _unrolled(rms, r2 is not None, (n, *strides), size) else 1
     # RMSNorm's rows off 16 bytes in windows: x and y 16 bytes at a time, the weight an entry at a time
-    window = row_window(n, [(0, x2.stride(0)), (0, n)], (x2, y)) if rms and r2 is None else 0
+    windowed = SPLIT_WINDOWS and rms and r2 is None
+    window = row_window(n, [(0, x2.stride(0)), (0, n)], (x2, y)) if windowed else 0
     meta["WINDOW"] = window
     span = n + max(window - 1, 0)  # the positions a row's window may cover
 
