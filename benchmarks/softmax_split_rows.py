@@ -2,16 +2,16 @@
 beside the peers, in one run.
 
     python benchmarks/softmax_split_rows.py OUT.json [--ops softmax log_softmax] [--deadline S]
-        [--shape ROWSxN:DTYPE ...] [--modes fwd bwd] [--settings configs online]
+        [--shape ROWSxN:DTYPE ...] [--modes fwd bwd] [--settings configs one-wave]
 
 For each op, shape and mode, the benchmark runner's rows (``tritonkit.bench.runner``: the error check
 against float64, CUDA-graph-replayed median ms, eager ms, share of a copy of the same bytes) for
 every provider, then tritonkit again with ``softmax.SPLIT_EVEN_ROUNDS = False`` as
 "tritonkit[configs]": the split configs' own power-of-two segments and rows at once, where the
 launch otherwise takes the segments that end a round soonest and one row at a time for rows L2 does
-not hold (``softmax._split_launch_args``); with ``--settings online`` (or as well), tritonkit again
-with ``configs.SPLIT_ONE_WAVE = False`` as "tritonkit[online]": the online kernel for one wave of rows
-past L2, which the default splits. Untuned calls: tuning is opt-in.
+not hold (``softmax._split_launch_args``); with ``--settings one-wave`` (or as well), tritonkit again
+with ``configs.SPLIT_ONE_WAVE = True`` as "tritonkit[one-wave]": the split kernel for one wave of
+rows past L2, which the default leaves to the online kernel. Untuned calls: tuning is opt-in.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from tritonkit.ops.softmax import configs, softmax
 SHAPES = settings.FEW_LONG_ROWS
 SETTINGS = {  # label -> (module, name, value): tritonkit again with module.name = value
     "configs": (softmax, "SPLIT_EVEN_ROUNDS", False),
-    "online": (configs, "SPLIT_ONE_WAVE", False),
+    "one-wave": (configs, "SPLIT_ONE_WAVE", True),
 }
 REPORT = functools.partial(print, flush=True)  # a line a case, as it ends
 COMMAND = "python benchmarks/softmax_split_rows.py OUT.json"

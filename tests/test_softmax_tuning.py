@@ -139,22 +139,25 @@ def test_named_variants_read_the_one_tuning_of_their_shape(tuned, launches, devi
 # ---------------------------------------------------------------- split-row candidates
 
 
-def test_untuned_auto_splits_few_rows_and_rows_of_many_chunks():
+def test_untuned_auto_splits_few_rows_and_rows_of_many_chunks(monkeypatch):
     """Past the one-pass limit the untuned default splits a row over several programs where the online
     kernel's one program a row would leave the GPU short of loads in flight (few rows, or rows of many
-    chunks) or one wave of rows would read more than L2 holds for pass 2. A row's segments fit at once
-    (two programs an SM) and hold four chunks or more, and it is the tuner's winner at the shapes tuned
-    on the H200."""
+    chunks) or (SPLIT_ONE_WAVE) one wave of rows would read more than L2 holds for pass 2. A row's
+    segments fit at once (two programs an SM) and hold four chunks or more, and it is the tuner's winner
+    at the shapes tuned on the H200."""
     past = 2 * sk.ONE_PASS_MAX_BLOCK_N
     assert sm._default(_key("fwd", past, rows=sk.SPLIT_DEFAULT_MAX_ROWS))["variant"] == "split"
-    # more rows: split while the online kernel's one wave of them reads more than L2 holds again
+    # more rows: with SPLIT_ONE_WAVE, split while the online kernel's one wave of them reads more
+    # than L2 holds again
     wave = sk.SPLIT_ONE_WAVE_MAX_ROWS
-    for dtype in ("fp32>fp32", "bf16>bf16"):
-        for direction in ("fwd", "bwd"):
-            key = _key(direction, past, rows=wave, dtype=dtype)
-            assert sk._pass_two_bytes(key) > sk.SPLIT_L2_BYTES
-            assert sm._default(key)["variant"] == "split", key
-            assert sm._default(key | {"rows": 2 * wave})["variant"] == "online", key
+    for one_wave in (False, True):
+        monkeypatch.setattr(sk, "SPLIT_ONE_WAVE", one_wave)
+        for dtype in ("fp32>fp32", "bf16>bf16"):
+            for direction in ("fwd", "bwd"):
+                key = _key(direction, past, rows=wave, dtype=dtype)
+                assert sk._pass_two_bytes(key) > sk.SPLIT_L2_BYTES
+                assert sm._default(key)["variant"] == ("split" if one_wave else "online"), key
+                assert sm._default(key | {"rows": 2 * wave})["variant"] == "online", key
     assert sm._default(_key("fwd", sk.SPLIT_DEFAULT_MIN_BLOCK_N, rows=1 << 20))["variant"] == "split"
     assert sm._default(_key("fwd", past, "cols", rows=1))["variant"] == "online"  # rows only
     programs = sm_count(current_device())

@@ -42,8 +42,8 @@ Launch parameters come from accuracy-gated autotuning (``tritonkit.tuning``) ove
 ("auto"): each config below is admitted only if its output on a calibration input passes the test
 oracle. Rows too long for registers leave the online and split kernels; the untuned default
 splits them where few rows, or rows of many chunks, would leave the online kernel's one program a
-row short of loads in flight (``configs.SPLIT_DEFAULT_MAX_ROWS``), and where one wave of the online
-kernel's rows reads more than L2 holds for its pass 2 (``configs.SPLIT_ONE_WAVE``).
+row short of loads in flight (``configs.SPLIT_DEFAULT_MAX_ROWS``), and (``configs.SPLIT_ONE_WAVE``,
+off until measured) where one wave of the online kernel's rows reads more than L2 holds for pass 2.
 """
 
 from __future__ import annotations
