@@ -2,7 +2,7 @@
 beside the peers, in one run.
 
     python benchmarks/softmax_split_rows.py OUT.json [--ops softmax log_softmax] [--deadline S]
-        [--shape ROWSxN:DTYPE ...] [--modes fwd bwd] [--settings configs one-wave]
+        [--shape ROWSxN:DTYPE ...] [--modes fwd bwd] [--settings configs one-wave entries]
 
 For each op, shape and mode, the benchmark runner's rows (``tritonkit.bench.runner``: the error check
 against float64, CUDA-graph-replayed median ms, eager ms, share of a copy of the same bytes) for
@@ -11,7 +11,9 @@ every provider, then tritonkit again with ``softmax.SPLIT_EVEN_ROUNDS = False`` 
 launch otherwise takes the segments that end a round soonest and one row at a time for rows L2 does
 not hold (``softmax._split_launch_args``); with ``--settings one-wave`` (or as well), tritonkit again
 with ``configs.SPLIT_ONE_WAVE = True`` as "tritonkit[one-wave]": the split kernel for one wave of
-rows past L2, which the default leaves to the online kernel. Untuned calls: tuning is opt-in.
+rows past L2, which the default leaves to the online kernel; with ``entries``, ``softmax.WINDOWS =
+False``: rows that start off 16 bytes an entry at a time, not in windows. Untuned calls: tuning is
+opt-in.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ SHAPES = settings.FEW_LONG_ROWS
 SETTINGS = {  # label -> (module, name, value): tritonkit again with module.name = value
     "configs": (softmax, "SPLIT_EVEN_ROUNDS", False),
     "one-wave": (configs, "SPLIT_ONE_WAVE", True),
+    "entries": (softmax, "WINDOWS", False),
 }
 REPORT = functools.partial(print, flush=True)  # a line a case, as it ends
 COMMAND = "python benchmarks/softmax_split_rows.py OUT.json"

@@ -148,7 +148,7 @@ def check(direction, dtype, log, config):
     sum_fp64 = log and dtype == "fp32"
     constexprs = {a: 1 for a in kernel.arg_names if a.startswith("stride_") and a.endswith("n")}
     constexprs |= {"LOG": log, "SUM_FP64": sum_fp64, "BLOCK_N": config["BLOCK_N"], "SEGMENTS": 64,
-                   "PHASE": 0, "ALIGN": 1, "PREFETCH": config.get("PREFETCH", False)}
+                   "PHASE": 0, "ALIGN": 1, "PREFETCH": config.get("PREFETCH", False), "WINDOW": 0}
     workspace = {"max_ptr": "*fp32", "sum_ptr": "*fp64" if sum_fp64 else "*fp32",
                  "dot_ptr": "*fp64" if sum_fp64 else "*fp32", "arrived_ptr": "*i32"}
     signature = {a: workspace.get(a, f"*{dtype}") if a.endswith("_ptr") else "i32"

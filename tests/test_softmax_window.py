@@ -45,12 +45,12 @@ def test_the_window_is_taken_where_rows_start_off_their_vectors_and_one_head_ser
 
 @pytest.fixture
 def windows(monkeypatch):
-    """The WINDOW of every one-pass launch the op builds, as (direction, WINDOW)."""
+    """The WINDOW of every one-pass and split launch the op builds, as (direction, WINDOW)."""
     build, seen = sm._launch_args, []
 
     def recording(direction, config, *args, **kwargs):
         grid, arguments, meta = build(direction, config, *args, **kwargs)
-        if config["variant"] == "one-pass":
+        if config["variant"] in ("one-pass", "split"):
             seen.append((direction, meta["WINDOW"]))
         return grid, arguments, meta
 
@@ -112,14 +112,20 @@ def test_views_whose_heads_differ_take_the_plain_path(windows, device):
 def test_windows_compile_to_vectors_inside_rows_and_single_entries_at_their_ends():
     """Compiled for sm_90: rows of 2901 bf16 entries (odd: no two rows share an alignment) load and
     store 16 bytes at a time inside each row and 2 bytes at its first and last vectors, forward and
-    backward, and so do rows of 50257 through the online kernels' chunks; without the window every
-    entry moved alone."""
-    rows = sm90.access_widths("softmax", [(4096, 2901), (1024, 50257)])  # one-pass; online (chunks)
-    assert len(rows) == 4 and {row["launch"] for row in rows} >= {"fwd online", "bwd online"}, rows
+    backward, and so do rows of 50257 through the online kernels' chunks and rows of 3738195 through
+    the split kernels' segments (whose 4-byte loads read the segments' partials); without the window
+    every entry moved alone."""
+    shapes = [(4096, 2901), (1024, 50257), (32, 3738195)]  # one-pass; online (chunks); split
+    rows = sm90.access_widths("softmax", shapes)
+    launches = [row["launch"] for row in rows]
+    assert len(rows) == 6 and {"fwd online", "bwd online", "fwd split", "bwd split"} <= set(launches), rows
     for row in rows:
-        assert set(row["loads"]) == {128, 16} and set(row["stores"]) == {128, 16}, row
-        # the 16-bit accesses are the edges' (2 x 8 entries a row, y and dy backward): few instructions
-        assert row["loads"][16] <= 2 * 8 * (1 if row["launch"].startswith("fwd") else 2), row
+        split = row["launch"].endswith("split")
+        assert set(row["loads"]) == ({128, 16, 32} if split else {128, 16}), row
+        assert {128, 16} <= set(row["stores"]) <= {128, 16, 32}, row
+        # the 16-bit accesses are the edges' (2 x 8 entries a row, y and dy backward): few instructions,
+        # in both passes of the split kernels
+        assert row["loads"][16] <= 2 * 8 * (1 if row["launch"].startswith("fwd") else 2) * (1 + split), row
 
 
 GPU_WINDOWED = [
@@ -127,14 +133,15 @@ GPU_WINDOWED = [
     ((1000, 9017), BF16),
     ((3, 16001), F32),
     ((50000, 77), F16),
-]  # (512 x 50257 bf16 takes the split kernels, which read no windows: the H200 run of this test)
+    ((64, 300007), BF16),  # the split kernels
+]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape, dtype", GPU_WINDOWED, ids=str)
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
 def test_windows_on_the_gpu(shape, dtype, log, windows, device):
-    """Compiled: the vectors' masks, the ends' single entries, one-pass and online kernels alike."""
+    """Compiled: the vectors' masks, the ends' single entries, one-pass, online and split kernels alike."""
     with tuning.disabled():
         _check(*_inputs(shape, dtype, device, seed=93), log=log)
     assert {window for _, window in windows} == {4 if dtype == F32 else 8}, windows

@@ -154,8 +154,9 @@ def sums_in_fp64(direction: str, log: bool, dtype: torch.dtype) -> bool:
     return log and dtype == torch.float32 and (direction == "bwd" or LOG_FWD_SUM_FP64)
 
 
-# Whether the one-pass kernels read rows that start off their vectors' alignment in windows
-# (``_window``); False keeps them on ALIGN's narrower accesses (what a test compares them with).
+# Whether the kernels read rows that start off their vectors' alignment in windows (``_window``: the
+# one-pass, the online without PREFETCH, and the split kernels); False keeps them on ALIGN's narrower
+# accesses (what a test compares them with).
 WINDOWS = True
 # False keeps the split configs' own segments (``_even_segment``) and rows at once (a benchmark's
 # comparison)
@@ -220,21 +221,25 @@ def _split_launch_args(
     per-row counters."""
     outer, rows, n, _ = geometry
     total, segment = outer * rows, config["SEGMENT"]
-    launch = functools.partial(_split_launch, direction, config, log, sum_fp64, tensors, geometry, phase)
+    window = _window(tensors, geometry, None)
+    span = n + max(window - 1, 0)  # the positions a row covers, in a window up to window - 1 more
+    launch = functools.partial(
+        _split_launch, direction, config, log, sum_fp64, tensors, geometry, phase, window
+    )
     programs = launch(segment, probe=True)[2]
-    groups = max(1, min(total, programs // cdiv(n, segment)))
+    groups = max(1, min(total, programs // cdiv(span, segment)))
     row_bytes = n * tensors[0].element_size() * (1 if direction == "fwd" else 2)  # what pass 2 reads
     if SPLIT_EVEN_ROUNDS and row_bytes > SPLIT_L2_BYTES:
         # L2 holds none of such a row for pass 2 either way; one at a time over every program took
         # 0.91x the time of two at once (log_softmax's backward at 4 x 13795015 fp32 on an H100,
         # 0.95-0.96x the forwards), four at once 1.11-1.14x (docs/perf-notes/softmax.md)
         groups = 1
-    even = _even_segment(n, segment, groups, programs, config["BLOCK_N"], sm_count(tensors[0].device))
+    even = _even_segment(span, segment, groups, programs, config["BLOCK_N"], sm_count(tensors[0].device))
     # (the kernel compiled for more segments may fit fewer programs at once)
-    if even != segment and groups * cdiv(n, even) <= launch(even, probe=True)[2]:
+    if even != segment and groups * cdiv(span, even) <= launch(even, probe=True)[2]:
         segment = even
     args, meta, _ = launch(segment)
-    return (groups * cdiv(n, segment),), args, meta
+    return (groups * cdiv(span, segment),), args, meta
 
 
 def _even_segment(n: int, segment: int, groups: int, programs: int, block_n: int, sms: int) -> int:
@@ -265,15 +270,17 @@ def _split_launch(
     tensors: tuple,
     geometry: tuple,
     phase: int,
+    window: int,
     segment: int,
     probe: bool = False,
 ) -> tuple[tuple, dict, int]:
     """(arguments, constexprs and options, programs that run at once) of a split launch of ``segment``
-    entries a program; ``probe``: one-entry stand-ins for the workspace (no allocation, no zeroing),
-    for the programs alone."""
+    positions a program, rows read in windows of ``window`` entries (0: from their starts);
+    ``probe``: one-entry stand-ins for the workspace (no allocation, no zeroing), for the programs
+    alone."""
     outer, rows, n, strides = geometry
     device, total = tensors[0].device, outer * rows
-    segments = cdiv(n, segment)
+    segments = cdiv(n + max(window - 1, 0), segment)
     _check_segments(n, segment, segments, config["PER_SM"] * sm_count(device))
     partials = 1 if probe else total * segments
     sums = torch.empty(partials, dtype=torch.float64 if sum_fp64 else torch.float32, device=device)
@@ -290,8 +297,9 @@ def _split_launch(
         "BLOCK_N": config["BLOCK_N"],
         "SEGMENTS": next_power_of_2(segments),
         "PHASE": phase,
-        "ALIGN": _align(tensors, geometry),
+        "ALIGN": 1 if window else _align(tensors, geometry),  # (the windows' bases carry the alignment)
         "PREFETCH": config.get("PREFETCH", False),
+        "WINDOW": window,
         "num_warps": config["num_warps"],
     }
     if phase == 0:

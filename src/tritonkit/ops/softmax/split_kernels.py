@@ -6,7 +6,7 @@ and the rules that prune and default them are in ``configs.py``, with the other 
 from __future__ import annotations
 
 from tritonkit._triton import tl, triton
-from tritonkit.jit import LOG2E, aligned
+from tritonkit.jit import LOG2E, aligned, window_base, window_edges, window_interior
 from tritonkit.ops.softmax.kernels import _exp_shifted, _input_grad, _log, _row_dot, _row_sum, _tile
 from tritonkit.split_rows import _publish_and_wait, _segment_of_program
 
@@ -24,16 +24,64 @@ def _row_start(row, R, stride_o, stride_r, ALIGN: tl.constexpr):
 
 
 @triton.jit
-def _segment_chunk(ptr, row, first, i, chunks, offsets, stride_n, N, other, BLOCK_N: tl.constexpr):
+def _span(N, WINDOW: tl.constexpr):
+    """The positions a row covers: its entries, and in a window up to WINDOW - 1 before them."""
+    if WINDOW > 0:
+        return N + (WINDOW - 1)
+    else:
+        return N
+
+
+@triton.jit
+def _row_window(start, WINDOW: tl.constexpr):
+    """(offset, head) of a row whose entries are read from ``offset``: WINDOW 0, the row's start and
+    0; else its window's base and the row's start past it (``jit.window_base``: the row's vectors
+    16 bytes at a time, its two edge vectors an entry at a time, in ``_edges``)."""
+    if WINDOW > 0:
+        return window_base(start, WINDOW)
+    else:
+        return start, tl.zeros_like(start).to(tl.int32)
+
+
+@triton.jit
+def _chunk_mask(cols, N, head, WINDOW: tl.constexpr):
+    """A (1, BLOCK_N) chunk's mask: its entries in the row (WINDOW 0), or its vectors wholly in the
+    row, the cols then counting from the row's window base (``_row_window``)."""
+    if WINDOW > 0:
+        return window_interior(cols[None, :], head[:, None], N, WINDOW)
+    else:
+        return (cols < N)[None, :]
+
+
+@triton.jit
+def _edges(head, N, first, SEGMENT, WINDOW: tl.constexpr):
+    """(positions, mask), (1, 2 WINDOW): the entries of the row's two edge vectors that lie in the
+    segment at ``first`` (each taken by the one segment that holds it)."""
+    positions, mask = window_edges(head[:, None], N, WINDOW)
+    return positions, mask & (positions >= first) & (positions < first + SEGMENT)
+
+
+@triton.jit
+def _segment_chunk(
+    ptr, row, first, i, chunks, offsets, stride_n, N, head, other, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr
+):
     """Pass 1's load of chunk ``i`` of the segment at ``first``, kept in L2 for pass 2 (masked wholly
     for i = chunks, the chunk after the last that PREFETCH asks for: another program's)."""
     cols = first + i * BLOCK_N + offsets
     return tl.load(
         _tile(ptr, row, cols, stride_n),
-        mask=((cols < N) & (i < chunks))[None, :],
+        mask=_chunk_mask(cols, N, head, WINDOW) & (i < chunks),
         other=other,
         eviction_policy="evict_last",
     )
+
+
+@triton.jit
+def _online_step(x, m, s, SUM_FP64: tl.constexpr):
+    """The running max m and rescaled sum s of a row taking the (1, n) fp32 entries x."""
+    m_new = tl.maximum(m, tl.max(x, axis=1))
+    shift = tl.where(m_new == -float("inf"), 0.0, m_new)
+    return m_new, s * tl.exp2((m - shift) * LOG2E) + _row_sum(_exp_shifted(x, shift), SUM_FP64=SUM_FP64)
 
 
 @triton.jit
@@ -70,38 +118,53 @@ def _softmax_fwd_split_kernel(
     PHASE: tl.constexpr,  # 0: both passes, waiting between them; 1: pass 1 only; 2: pass 2 only
     ALIGN: tl.constexpr,  # N and the row and outer strides are multiples of it (jit.aligned)
     PREFETCH: tl.constexpr,  # pass 1 loads the segment's next chunk before it reduces this one
+    WINDOW: tl.constexpr,  # 0, or rows read in windows of WINDOW entries (_row_window); unit strides
 ):
     N = aligned(N, ALIGN)
-    first_row, groups, segment, first, chunks = _segment_of_program(N, segments, SEGMENT, BLOCK_N=BLOCK_N)
+    first_row, groups, segment, first, chunks = _segment_of_program(
+        _span(N, WINDOW), segments, SEGMENT, BLOCK_N=BLOCK_N
+    )
     offsets = tl.arange(0, BLOCK_N)
     for row in range(first_row, rows, groups):
-        x_row = _row_start(row, R, stride_xo, stride_xr, ALIGN)
+        x_row, head = _row_window(_row_start(row, R, stride_xo, stride_xr, ALIGN), WINDOW)
         if PHASE != 2:  # pass 1: the segment's running max and rescaled sum, as the online kernel
             m = tl.full([1], -float("inf"), tl.float32)
             s = tl.zeros([1], tl.float64 if SUM_FP64 else tl.float32)
             if PREFETCH:
                 x_next = _segment_chunk(
-                    x_ptr, x_row, first, 0, chunks, offsets, stride_xn, N, -float("inf"), BLOCK_N
+                    x_ptr,
+                    x_row,
+                    first,
+                    0,
+                    chunks,
+                    offsets,
+                    stride_xn,
+                    N,
+                    head,
+                    -float("inf"),
+                    BLOCK_N,
+                    WINDOW,
                 )
             for i in range(chunks):
                 if PREFETCH:  # two chunks in flight: the reductions' barriers no longer wait on this load
                     x = x_next
                     x_next = _segment_chunk(
-                        x_ptr, x_row, first, i + 1, chunks, offsets, stride_xn, N, -float("inf"), BLOCK_N
-                    )
+                        x_ptr, x_row, first, i + 1, chunks, offsets, stride_xn, N, head, -float("inf"),
+                        BLOCK_N, WINDOW,
+                    )  # fmt: skip
                 else:
                     cols = first + i * BLOCK_N + offsets
                     x = tl.load(
                         _tile(x_ptr, x_row, cols, stride_xn),
-                        mask=(cols < N)[None, :],
+                        mask=_chunk_mask(cols, N, head, WINDOW),
                         other=-float("inf"),
                         eviction_policy="evict_last",
                     )
-                x = x.to(tl.float32)
-                m_new = tl.maximum(m, tl.max(x, axis=1))
-                shift = tl.where(m_new == -float("inf"), 0.0, m_new)
-                s = s * tl.exp2((m - shift) * LOG2E) + _row_sum(_exp_shifted(x, shift), SUM_FP64=SUM_FP64)
-                m = m_new
+                m, s = _online_step(x.to(tl.float32), m, s, SUM_FP64)
+            if WINDOW > 0:
+                edges, on_edge = _edges(head, N, first, SEGMENT, WINDOW)
+                x_edge = tl.load(x_ptr + x_row[:, None] + edges, mask=on_edge, other=-float("inf"))
+                m, s = _online_step(x_edge.to(tl.float32), m, s, SUM_FP64)
             tl.store(max_ptr + row * segments + segment + tl.arange(0, 1), m)
             tl.store(sum_ptr + row * segments + segment + tl.arange(0, 1), s)
         if PHASE == 0:
@@ -120,14 +183,14 @@ def _softmax_fwd_split_kernel(
             # oracle's bound (rows of several segments); fp64 keeps the sum as exact as it is summed
             s = tl.sum(sums * tl.exp2((maxima.to(sums.dtype) - m.to(sums.dtype)) * LOG2E), axis=0)
             m = tl.full([1], 0.0, tl.float32) + m
-            y_row = _row_start(row, R, stride_yo, stride_yr, ALIGN)
+            y_row, _ = _row_window(_row_start(row, R, stride_yo, stride_yr, ALIGN), WINDOW)
             if LOG:
                 scale = tl.full([1], 0.0, tl.float32) + _log(s)
             else:
                 scale = tl.full([1], 0.0, tl.float32) + (1.0 / s).to(tl.float32)
             for i in range(chunks):
                 cols = first + (chunks - 1 - i) * BLOCK_N + offsets  # last read first: in L2
-                mask = (cols < N)[None, :]
+                mask = _chunk_mask(cols, N, head, WINDOW)
                 x = tl.load(
                     _tile(x_ptr, x_row, cols, stride_xn),
                     mask=mask,
@@ -139,6 +202,11 @@ def _softmax_fwd_split_kernel(
                     _normalized(x, m, scale, LOG=LOG).to(y_ptr.dtype.element_ty),
                     mask=mask,
                 )
+            if WINDOW > 0:
+                edges, on_edge = _edges(head, N, first, SEGMENT, WINDOW)
+                x_edge = tl.load(x_ptr + x_row[:, None] + edges, mask=on_edge, other=-float("inf"))
+                y_edge = _normalized(x_edge.to(tl.float32), m, scale, LOG=LOG)
+                tl.store(y_ptr + y_row[:, None] + edges, y_edge.to(y_ptr.dtype.element_ty), mask=on_edge)
 
 
 @triton.jit
@@ -169,32 +237,48 @@ def _softmax_bwd_split_kernel(
     PHASE: tl.constexpr,  # 0: both passes, waiting between them; 1: pass 1 only; 2: pass 2 only
     ALIGN: tl.constexpr,  # N and the row and outer strides are multiples of it (jit.aligned)
     PREFETCH: tl.constexpr,  # pass 1 loads the segment's next chunk before it reduces this one
+    WINDOW: tl.constexpr,  # 0, or rows read in windows of WINDOW entries (_row_window); unit strides
 ):
     N = aligned(N, ALIGN)
-    first_row, groups, segment, first, chunks = _segment_of_program(N, segments, SEGMENT, BLOCK_N=BLOCK_N)
+    first_row, groups, segment, first, chunks = _segment_of_program(
+        _span(N, WINDOW), segments, SEGMENT, BLOCK_N=BLOCK_N
+    )
     offsets = tl.arange(0, BLOCK_N)
     for row in range(first_row, rows, groups):
-        y_row = _row_start(row, R, stride_yo, stride_yr, ALIGN)
-        dy_row = _row_start(row, R, stride_dyo, stride_dyr, ALIGN)
+        y_row, head = _row_window(_row_start(row, R, stride_yo, stride_yr, ALIGN), WINDOW)
+        dy_row, _ = _row_window(_row_start(row, R, stride_dyo, stride_dyr, ALIGN), WINDOW)
         if PHASE != 2:
             dot = tl.zeros([1], tl.float64 if SUM_FP64 else tl.float32)
             if PREFETCH:
-                y_next = _segment_chunk(y_ptr, y_row, first, 0, chunks, offsets, stride_yn, N, 0.0, BLOCK_N)
+                y_next = _segment_chunk(
+                    y_ptr, y_row, first, 0, chunks, offsets, stride_yn, N, head, 0.0, BLOCK_N, WINDOW
+                )
                 dy_next = _segment_chunk(
-                    dy_ptr, dy_row, first, 0, chunks, offsets, stride_dyn, N, 0.0, BLOCK_N
+                    dy_ptr, dy_row, first, 0, chunks, offsets, stride_dyn, N, head, 0.0, BLOCK_N, WINDOW
                 )
             for i in range(chunks):
                 if PREFETCH:  # as in the forward
                     y, dy = y_next, dy_next
                     y_next = _segment_chunk(
-                        y_ptr, y_row, first, i + 1, chunks, offsets, stride_yn, N, 0.0, BLOCK_N
+                        y_ptr, y_row, first, i + 1, chunks, offsets, stride_yn, N, head, 0.0, BLOCK_N, WINDOW
                     )
                     dy_next = _segment_chunk(
-                        dy_ptr, dy_row, first, i + 1, chunks, offsets, stride_dyn, N, 0.0, BLOCK_N
+                        dy_ptr,
+                        dy_row,
+                        first,
+                        i + 1,
+                        chunks,
+                        offsets,
+                        stride_dyn,
+                        N,
+                        head,
+                        0.0,
+                        BLOCK_N,
+                        WINDOW,
                     )
                 else:
                     cols = first + i * BLOCK_N + offsets
-                    mask = (cols < N)[None, :]
+                    mask = _chunk_mask(cols, N, head, WINDOW)
                     y = tl.load(
                         _tile(y_ptr, y_row, cols, stride_yn),
                         mask=mask,
@@ -208,6 +292,11 @@ def _softmax_bwd_split_kernel(
                         eviction_policy="evict_last",
                     )
                 dot += _row_dot(y.to(tl.float32), dy.to(tl.float32), LOG=LOG, SUM_FP64=SUM_FP64)
+            if WINDOW > 0:
+                edges, on_edge = _edges(head, N, first, SEGMENT, WINDOW)
+                y_edge = tl.load(y_ptr + y_row[:, None] + edges, mask=on_edge, other=0.0).to(tl.float32)
+                dy_edge = tl.load(dy_ptr + dy_row[:, None] + edges, mask=on_edge, other=0.0).to(tl.float32)
+                dot += _row_dot(y_edge, dy_edge, LOG=LOG, SUM_FP64=SUM_FP64)
             tl.store(dot_ptr + row * segments + segment + tl.arange(0, 1), dot)
         if PHASE == 0:
             _publish_and_wait(arrived_ptr, row, segments)
@@ -217,10 +306,10 @@ def _softmax_bwd_split_kernel(
                 dot_ptr + row * segments + parts, mask=parts < segments, other=0.0, cache_modifier=".cg"
             )
             dot = tl.full([1], 0.0, dots.dtype) + tl.sum(dots, axis=0)  # fp64 kept: see _input_grad
-            dx_row = _row_start(row, R, stride_dxo, stride_dxr, ALIGN)
+            dx_row, _ = _row_window(_row_start(row, R, stride_dxo, stride_dxr, ALIGN), WINDOW)
             for i in range(chunks):
                 cols = first + (chunks - 1 - i) * BLOCK_N + offsets
-                mask = (cols < N)[None, :]
+                mask = _chunk_mask(cols, N, head, WINDOW)
                 y = tl.load(
                     _tile(y_ptr, y_row, cols, stride_yn), mask=mask, other=0.0, eviction_policy="evict_first"
                 )
@@ -232,3 +321,9 @@ def _softmax_bwd_split_kernel(
                 )
                 dx = _input_grad(y.to(tl.float32), dy.to(tl.float32), dot, LOG=LOG)
                 tl.store(_tile(dx_ptr, dx_row, cols, stride_dxn), dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            if WINDOW > 0:
+                edges, on_edge = _edges(head, N, first, SEGMENT, WINDOW)
+                y_edge = tl.load(y_ptr + y_row[:, None] + edges, mask=on_edge, other=0.0).to(tl.float32)
+                dy_edge = tl.load(dy_ptr + dy_row[:, None] + edges, mask=on_edge, other=0.0).to(tl.float32)
+                dx_edge = _input_grad(y_edge, dy_edge, dot, LOG=LOG)
+                tl.store(dx_ptr + dx_row[:, None] + edges, dx_edge.to(dx_ptr.dtype.element_ty), mask=on_edge)
