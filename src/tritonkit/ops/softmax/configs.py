@@ -98,10 +98,9 @@ SPLIT_DEFAULT_SEGMENTS_PER_SM = 2
 # what they read passes SPLIT_L2_BYTES: softmax's backward at 516 x 58896 bf16 read 122 MB of y and
 # dy twice, mostly from memory (0.80x liger, which holds the row in one program;
 # docs/perf-notes/softmax.md). SPLIT_ONE_WAVE sends such rows to the split kernel, which takes as
-# many rows at once as L2 holds for pass 2. Off until measured: the split kernels read rows that
-# start off 16 bytes an entry at a time (the online kernel in windows), and past one wave the rows'
-# passes interleave and the online kernel won the tuning (8192 x 32768 bf16's backward, 131072 x
-# 65536's both ways). benchmarks/softmax_split_rows.py --settings one-wave times it.
+# many rows at once as L2 holds for pass 2. Off until measured (benchmarks/softmax_split_rows.py
+# --settings one-wave times it): past one wave the rows' passes interleave and the online kernel won
+# the tuning (8192 x 32768 bf16's backward, 131072 x 65536's both ways).
 SPLIT_ONE_WAVE = False
 SPLIT_ONE_WAVE_MAX_ROWS = 1024
 
