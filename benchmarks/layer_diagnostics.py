@@ -445,7 +445,7 @@ def _backward_products(tokens: int, d: int, ffn: int, qkv: int):
     yield "gated dx (two matmuls, C read back as the residual)", None, cublas, two_matmuls
 
 
-def backward() -> dict:
+def backward(save=lambda rows: None) -> dict:
     """The backward's matmul products of the 8b-4k layer, hot: cuBLAS, the tuned tile tritonkit runs
     and BACKWARD_TILES, in turns BACKWARD_ROUNDS times (a row's figure the fastest of its rounds, its
     ``rounds`` each); the gated dx in one kernel, as two matmuls and each of those apart."""
@@ -467,6 +467,7 @@ def backward() -> dict:
         row = {key: min(ms) for key, ms in turns.items()}
         print(name, {key: [round(ms, 3) for ms in turns[key]] for key in turns}, flush=True)
         rows[name] = row | {"rounds": dict(turns)}
+        save(rows)  # each product's row kept as it ends: a long run cut short keeps what it timed
     return rows
 
 
@@ -606,11 +607,15 @@ def main() -> None:
     elif mode == "gated":
         rows = gated()
     elif mode == "backward":
-        rows = backward()
+        rows = backward(lambda rows: _save(out, mode, rows))
     elif mode == "host":
         rows = host(providers or ["8b-4k", "d64-4k"])
     else:
         raise SystemExit(f"mode must be protocols, sustained, matmuls, backward, gated or host, got {mode!r}")
+    _save(out, mode, rows)
+
+
+def _save(out: str, mode: str, rows) -> None:
     timing = "CUDA events; do_bench (_do_bench_ms) where named (module docstring)"
     with open(out, "w") as f:
         json.dump(
