@@ -342,10 +342,11 @@ GATED_BLOCK = 4096  # elements a program of the act(g) * u pass: 8 x 16 bytes a 
 # rows of the layers' MLPs on the H200 (4-9%; docs/perf-notes/linear.md, "The gated forward as two
 # matmuls"), not measured below. Without a gradient it holds g and u for the pass: 2 M N elements.
 # The backward's dx likewise: from SPLIT_ROWS rows dg Wg and du Wu by two plain matmuls, the second
-# adding the first's through its residual, rather than one kernel loading two A and two B tiles a
-# step (half the stages, no 128 x 256 tile): at 8192 rows of Llama-3-8B's MLP on the H200, hot, two
-# matmuls 3.08 ms, one kernel 3.43, cuBLAS's mm and addmm 2.80 (docs/perf-notes/linear.md, "The gated
-# backward's dx as two matmuls").
+# adding the first's through its residual, rather than one kernel: at 8192 rows of Llama-3-8B's MLP
+# on the H200, hot, two matmuls 3.08 ms, one kernel 3.43, cuBLAS's mm and addmm 2.80
+# (docs/perf-notes/linear.md, "The gated backward's dx as two matmuls"), when the one kernel loaded
+# two A and two B tiles a step (half the stages, no 128 x 256 tile); its products take turns since,
+# a tile of each a step, on a plain matmul's stages, not yet timed against the two matmuls.
 SPLIT_ROWS = 8192
 
 
