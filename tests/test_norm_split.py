@@ -125,6 +125,19 @@ def test_a_program_walks_several_rows(kind, per_sm, monkeypatch, device):
     assert {grid for _, grid, _, _ in seen} == {(2 * per_sm,)}, seen
 
 
+@pytest.mark.parametrize("at", [0, 37, 299], ids=["a-shift", "inside", "last"])
+def test_layer_norm_rows_with_an_outlier_keep_their_variance(at, split, device):
+    """A spike of 1e4 among N(0, 1) entries, as a lane's shift (its first entry: ``_lane_moments``),
+    inside a lane and as the row's last entry: the forward's variance and outputs hold to the
+    reference. (The backward's dw at the spike's column, 17 standard deviations out, came within
+    an ulp of its value but past the oracle's bound where the spike is column 0, before and after
+    the forward's lanes: not this test's subject.)"""
+    kernel, reference, inputs, _, _ = _case("layer_norm", (3, 300), F32, device, seed=at + 6)
+    inputs[0][:, at] = 1e4
+    check_against_reference(kernel, reference, inputs)
+    assert split
+
+
 def test_layer_norm_rows_far_from_zero_keep_their_variance(split, device):
     """Segments' means combined about the first segment's: rows at 1000 + N(0, 4) keep the variance
     that a sum of the means at their own magnitude (or of h^2) rounds away."""
