@@ -256,8 +256,8 @@ def test_gated_linear_computes_the_gradients_asked_for(grad_inputs, device):
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 def test_gated_linear_as_two_matmuls_matches_the_reference(activation, device, monkeypatch):
     """From SPLIT_ROWS rows (lowered here to 2) the forward is two plain matmuls and the elementwise
-    act(g) * u, and the backward's dx two plain matmuls, the second adding the first's as its
-    residual: against the reference, and the same values with and without a gradient."""
+    act(g) * u (the backward's dx one kernel at every row count): against the reference, and the same
+    values with and without a gradient."""
     monkeypatch.setattr(op_module, "SPLIT_ROWS", 2)
     x, w_gate, w_up, dy = _gated_inputs((3, 7), F16, device, seed=25)
     _check_gated(x, w_gate, w_up, dy, activation)

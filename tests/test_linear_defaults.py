@@ -4,6 +4,7 @@ time at each tuned key): what a first call on a shape no tuning covers runs."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tritonkit import tuning
 from tritonkit.ops.linear import kernels as lk
@@ -57,3 +58,20 @@ def test_untuned_tiles_are_the_fixed_one_elsewhere_and_under_the_interpreter(mon
     assert mm.untuned_tile(key) == mm.LARGE_TILES["linear"]
     assert mm.untuned_tile(key | {"k": 16}) == lk.DEFAULT_CONFIGS["linear"]  # (neither group)
     assert mm.untuned_tile(key | {"m": 64}) == mm.DECODE_TILES["linear"]
+
+
+def test_the_layers_gated_dx_takes_the_wide_tile(monkeypatch):
+    """The gated dx at Llama-3-8B's MLP (8192 x 4096 x 14336): no shipped record (those timed the
+    kernel whose products ran side by side, two tiles of each a step), so the untuned 128 x 256
+    tile runs, which the prune keeps."""
+    for module in (mm, lk):
+        monkeypatch.setattr(module, "interpret", lambda: False)
+    meta = {"dtype": torch.bfloat16, "device": "meta"}
+    dg, du = (torch.empty(8192, 14336, **meta) for _ in "gu")
+    wg, wu = (torch.empty(14336, 4096, **meta) for _ in "gu")
+    problem = mm.matmul_problem(
+        dg, wg.t(), torch.empty(8192, 4096, **meta), a2=du, b2=wu.t(), gated=lk.GATED_DX
+    )
+    key = mm.tuning_key(problem)
+    assert key["form"] == "gated dx" and not [e for e in tuning.shipped_records("linear") if e["key"] == key]
+    assert mm.untuned_tile(key) == mm.LARGE_TILES["gated dx"] and mm.LARGE_TILES["gated dx"]["BLOCK_N"] == 256

@@ -127,11 +127,11 @@ def test_a_program_walks_several_rows(kind, per_sm, monkeypatch, device):
 
 @pytest.mark.parametrize("at", [0, 37, 299], ids=["a-shift", "inside", "last"])
 def test_layer_norm_rows_with_an_outlier_keep_their_variance(at, split, device):
-    """A spike of 1e4 among N(0, 1) entries, as a lane's shift (its first entry: ``_lane_moments``),
-    inside a lane and as the row's last entry: the forward's variance and outputs hold to the
+    """A spike of 1e4 among N(0, 1) entries in the segment's first chunk (whose mean is pass 1's
+    shift), inside the row and as its last entry: the forward's variance and outputs hold to the
     reference. (The backward's dw at the spike's column, 17 standard deviations out, came within
-    an ulp of its value but past the oracle's bound where the spike is column 0, before and after
-    the forward's lanes: not this test's subject.)"""
+    an ulp of its value but past the oracle's bound where the spike is column 0: not this test's
+    subject.)"""
     kernel, reference, inputs, _, _ = _case("layer_norm", (3, 300), F32, device, seed=at + 6)
     inputs[0][:, at] = 1e4
     check_against_reference(kernel, reference, inputs)

@@ -341,12 +341,11 @@ GATED_BLOCK = 4096  # elements a program of the act(g) * u pass: 8 x 16 bytes a 
 # gradient (the same values either way), rather than one kernel: measured faster at 8192 and 16384
 # rows of the layers' MLPs on the H200 (4-9%; docs/perf-notes/linear.md, "The gated forward as two
 # matmuls"), not measured below. Without a gradient it holds g and u for the pass: 2 M N elements.
-# The backward's dx likewise: from SPLIT_ROWS rows dg Wg and du Wu by two plain matmuls, the second
-# adding the first's through its residual, rather than one kernel: at 8192 rows of Llama-3-8B's MLP
-# on the H200, hot, two matmuls 3.08 ms, one kernel 3.43, cuBLAS's mm and addmm 2.80
-# (docs/perf-notes/linear.md, "The gated backward's dx as two matmuls"), when the one kernel loaded
-# two A and two B tiles a step (half the stages, no 128 x 256 tile); its products take turns since,
-# a tile of each a step, on a plain matmul's stages, not yet timed against the two matmuls.
+# The backward's dx, dg Wg + du Wu, is one kernel at every row count: its two products take turns, a
+# tile of A and of B a step, on a plain matmul's stages. At 8192 rows of Llama-3-8B's MLP on the
+# H200, hot, 2.75 ms on 128 x 256 tiles against two plain matmuls' 2.87-2.91 (the second adding the
+# first's C as its residual) and cuBLAS's mm and addmm 2.77-2.86 (docs/perf-notes/linear.md, "The
+# gated dx's products in turn").
 SPLIT_ROWS = 8192
 
 
@@ -395,7 +394,7 @@ def _gated_backward_pass(
 ):
     """dx, dWg and dWu, each into its tensor where given: dg = dy * u * act'(g) and du = dy * act(g)
     in one elementwise pass (into g's and u's memory where ``in_place``), then dx = dg Wg + du Wu
-    (below SPLIT_ROWS rows one kernel, one accumulator; from SPLIT_ROWS two matmuls), dWg = dg^T x
+    (one kernel, one accumulator), dWg = dg^T x
     and dWu = du^T x. The weights' before dx, which reads no x: dx may be x's own memory (a norm's
     output made again, ``_input_again``)."""
     dg, du = _activation_backward(
@@ -406,13 +405,9 @@ def _gated_backward_pass(
         matmul(dg.t(), x.t(), dwg)
     if dwu is not None:
         matmul(du.t(), x.t(), dwu)
-    if dx is not None and dg.shape[0] < SPLIT_ROWS:
+    if dx is not None:
         wg, wu = _same_strides(weight_gate, weight_up)
         matmul(dg, wg.t(), as_rows(dx), a2=du, b2=wu.t(), gated=GATED_DX)
-    elif dx is not None:  # each product on the plain matmul's tile, the first's read back as the residual
-        dx_rows = as_rows(dx)
-        matmul(dg, weight_gate.t(), dx_rows)
-        matmul(du, weight_up.t(), dx_rows, residual=dx_rows)
 
 
 @op("gated_linear_backward", mutates=("dx", "dwg", "dwu"), replay=True)
@@ -564,8 +559,7 @@ def _inspect_launches(
     residual (storing z), its backward's elementwise pass (dz, db) and plain dx and dW matmuls
     (without an activation: a bare matmul, dx and dW), then gated_linear's forward (one kernel
     storing g and u; from SPLIT_ROWS rows linear's matmuls and the act(g) * u pass), its backward's
-    elementwise pass (dg, du) and dx (one kernel; from SPLIT_ROWS rows two of linear's matmuls, the
-    second with a residual; dW as linear's); ``forms`` picks which. ``config`` tiles the matmuls
+    elementwise pass (dg, du) and dx (one kernel; dW as linear's); ``forms`` picks which. ``config`` tiles the matmuls
     (default: each form's untuned tile). What ``tritonkit inspect`` compiles."""
     m, k, n = shape
     code = ACTIVATIONS[activation]

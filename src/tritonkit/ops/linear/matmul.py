@@ -331,8 +331,10 @@ LARGE_TILES = {
                "num_warps": 8, "num_stages": 4},
     "gated fwd": {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "TMA": True, "num_warps": 8,
                   "num_stages": 4},
-    "gated dx": {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "TMA": True, "num_warps": 4,
-                 "num_stages": 3},
+    # (its products in turn, a plain matmul's stages: at 8192 x 4096 x 14336 on the H200, hot, 2.75 ms
+    # against 128 x 128's 3.30 and cuBLAS's mm and addmm 2.77; docs/perf-notes/linear.md)
+    "gated dx": {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "PERSISTENT": 1, "TMA": True,
+                 "num_warps": 8, "num_stages": 3},
 }  # fmt: skip
 LARGE_EPILOGUE_TILE = {
     "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "TMA": True, "num_warps": 8, "num_stages": 4

@@ -6,7 +6,7 @@ of a launch is cut into segments, a program each, so that rows x segments fill t
 partial statistics are combined by every program of its row between the two passes.
 
 Forward, per segment of c entries: LayerNorm publishes its own mean and sum of squared deviations
-from it (``_lane_moments``; combined by Chan's parallel rule, no cancellation between a large mean
+from it (``_segment_moments``; combined by Chan's parallel rule, no cancellation between a large mean
 and a small variance), RMSNorm its sum of squares. Backward: the segment's sums of g * xhat and g.
 dw and db: a program takes the same segment of every row it walks, so it sums its rows' dy * xhat
 and dy into its group's row of a (groups, N) fp32 slice, which L2 holds between rows where it fits
@@ -312,24 +312,13 @@ def _bwd_columns_launches(dy2, dh2, h2, weight, mean, rstd, rms: bool, dx, dw, d
 
 
 @triton.jit
-def _lane_moments(total, squares, shift, remaining, chunks):
-    """LayerNorm's segment pair (its mean, its sum of squared deviations from that mean) from each
-    lane's sums of h - s and (h - s)^2 over its entries (its chunks up to the ``remaining`` entries of
-    the row from the segment's start), s = ``shift`` the lane's first entry. The mean is taken about
-    lane 0's shift, and each lane's deviations from it expand as sum (h - s)^2 + (s - mean) (n (s -
-    mean) + 2 sum (h - s)): no division a lane, and no sum at the entries' magnitude; as each shift is
-    one of its lane's entries, a lane's sums lose at most about 2n ulps of the segment's spread, so
-    neither a large mean nor an outlying entry rounds the variance away. Empty lanes add nothing."""
-    BLOCK_N: tl.constexpr = total.shape[0]
-    lane = tl.arange(0, BLOCK_N)
-    lanes = tl.minimum((tl.maximum(remaining - lane, 0) + BLOCK_N - 1) // BLOCK_N, chunks).to(tl.float32)
-    ref = tl.sum(tl.where(lane == 0, shift, 0.0), axis=0)
-    shift = tl.where(lanes > 0, shift - ref, 0.0)
-    offset = (tl.sum(lanes * shift, axis=0) + tl.sum(total, axis=0)) / tl.sum(lanes, axis=0)
-    deviation = shift - offset  # s - mean
-    return ref + offset, tl.maximum(
-        tl.sum(squares + deviation * (lanes * deviation + 2.0 * total), axis=0), 0.0
-    )
+def _segment_moments(total, squares, count, shift, RMS: tl.constexpr):
+    """A segment's published pair: RMSNorm (sum h^2, 0); LayerNorm (its mean, its sum of squared
+    deviations from that mean), from its sums of h - shift and (h - shift)^2 over ``count`` entries."""
+    if RMS:
+        return squares, 0.0
+    offset = total / count
+    return shift + offset, tl.maximum(squares - total * offset, 0.0)
 
 
 @triton.jit
@@ -378,7 +367,7 @@ def _norm_fwd_split_kernel(
     b_ptr,  # bias, (N,) (unused without HAS_BIAS)
     mean_ptr,  # fp32 row means, (M,) (LayerNorm only)
     rstd_ptr,  # fp32 reciprocal standard deviations (or RMS), (M,)
-    partials_ptr,  # fp32 (M, segments, 2): each segment's pair (RMSNorm's sum of squares; _lane_moments)
+    partials_ptr,  # fp32 (M, segments, 2): each segment's pair (_segment_moments)
     arrived_ptr,  # int32 (M,): segments of each row through pass 1, zero at launch (PHASE 0)
     M,  # rows
     N,  # row length
@@ -407,6 +396,7 @@ def _norm_fwd_split_kernel(
         span += WINDOW - 1
     first_row, groups, segment, first, chunks = _segment_of_program(span, segments, SEGMENT, BLOCK_N=BLOCK_N)
     offsets = tl.arange(0, BLOCK_N)
+    count = tl.minimum(N - first, SEGMENT).to(tl.float32)
     for row in range(first_row, M, groups):
         row64 = tl.cast(row, tl.int64)  # M * N may pass 2^31
         x_row = x_ptr + row64 * stride_xm
@@ -415,24 +405,31 @@ def _norm_fwd_split_kernel(
                 x_ptr, y_ptr, w_ptr, rstd_ptr, partials_ptr, arrived_ptr, row, row64, N, segments, segment,
                 first, chunks, stride_xm, eps, offsets, SEGMENT, HAS_WEIGHT, SEGMENTS, PHASE, UNROLL, WINDOW,
             )  # fmt: skip
-        elif PHASE != 2:  # pass 1: the segment's sums (LayerNorm's each lane's about its first entry)
+        elif PHASE != 2:  # pass 1: the segment's sums about the mean of its first chunk (LayerNorm)
+            shift = 0.0
             total = tl.zeros([BLOCK_N], tl.float32)
             squares = tl.zeros([BLOCK_N], tl.float32)
             start = 0
-            if not RMS:  # the first chunk is the shift: no reduction across the program before the loop
-                shift, _ = _fwd_chunk(x_row, r_ptr, h_ptr, row64, stride_rm, first, N, offsets, HAS_RESIDUAL)
+            if not RMS and UNROLL > 1:  # the first chunk before the loop, whose branch kept it rolled
+                # (off 16-byte vectors the same code held 196 registers, not 114)
+                h, mask = _fwd_chunk(x_row, r_ptr, h_ptr, row64, stride_rm, first, N, offsets, HAS_RESIDUAL)
+                shift = tl.sum(h, axis=0) / tl.minimum(count, BLOCK_N)
+                h = tl.where(mask, h - shift, 0.0)
+                total += h
+                squares += h * h
                 start = 1
             for i in tl.range(start, chunks, loop_unroll_factor=UNROLL):
                 cols = first + i * BLOCK_N
                 h, mask = _fwd_chunk(x_row, r_ptr, h_ptr, row64, stride_rm, cols, N, offsets, HAS_RESIDUAL)
                 if not RMS:
+                    if UNROLL == 1 and i == 0:
+                        shift = tl.sum(h, axis=0) / tl.minimum(count, BLOCK_N)
                     h = tl.where(mask, h - shift, 0.0)
                 total += h
                 squares += h * h
-            if RMS:
-                pair_first, pair_second = tl.sum(squares, axis=0), 0.0
-            else:
-                pair_first, pair_second = _lane_moments(total, squares, shift, N - first, chunks)
+            pair_first, pair_second = _segment_moments(
+                tl.sum(total, axis=0), tl.sum(squares, axis=0), count, shift, RMS=RMS
+            )
             tl.store(partials_ptr + (row * segments + segment) * 2, pair_first)
             tl.store(partials_ptr + (row * segments + segment) * 2 + 1, pair_second)
         if PHASE == 0 and WINDOW == 0:
