@@ -678,6 +678,7 @@ def test_gpu_default_tiles_match_the_reference(activation, device):
 
 TMA_GPU_TILES = {
     "persistent": {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "PERSISTENT": 1},
+    "wide persistent": {"BLOCK_N": 256, "num_warps": 8, "num_stages": 3, "PERSISTENT": 1},  # gated dx's
     "grid": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
     "shallow, descriptor store": {
         "BLOCK_N": 64,
