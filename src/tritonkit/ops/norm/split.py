@@ -385,7 +385,7 @@ def _norm_fwd_split_kernel(
     PHASE: tl.constexpr,  # 0: both passes, waiting between them; 1: pass 1 only; 2: pass 2 only
     ALIGN: tl.constexpr,  # N and the row strides are multiples of it (jit.aligned)
     UNROLL: tl.constexpr,  # pass 1's chunks a loop iteration (SPLIT_PASS1_UNROLL or 1: _unrolled)
-    WINDOW: tl.constexpr,  # 0, or RMSNorm's rows (no residual) read in windows (_window_pass_1)
+    WINDOW: tl.constexpr,  # 0, or RMSNorm's rows (no residual) read in windows (_windowed_rms_row)
 ):
     N = aligned(N, ALIGN)
     stride_xm = aligned(stride_xm, ALIGN)
