@@ -559,8 +559,8 @@ def _inspect_launches(
     residual (storing z), its backward's elementwise pass (dz, db) and plain dx and dW matmuls
     (without an activation: a bare matmul, dx and dW), then gated_linear's forward (one kernel
     storing g and u; from SPLIT_ROWS rows linear's matmuls and the act(g) * u pass), its backward's
-    elementwise pass (dg, du) and dx (one kernel; dW as linear's); ``forms`` picks which. ``config`` tiles the matmuls
-    (default: each form's untuned tile). What ``tritonkit inspect`` compiles."""
+    elementwise pass (dg, du) and dx (one kernel; dW as linear's); ``forms`` picks which. ``config``
+    tiles the matmuls (default: each form's untuned tile). What ``tritonkit inspect`` compiles."""
     m, k, n = shape
     code = ACTIVATIONS[activation]
     x, w = torch.empty((m, k), dtype=dtype, device="meta"), torch.empty((n, k), dtype=dtype, device="meta")
