@@ -127,6 +127,12 @@ def row_window(
     return window
 
 
+def row_span(n: int, window: int) -> int:
+    """The positions a row of ``n`` entries covers read in windows of ``window`` entries (0: none):
+    up to window - 1 before its first entry (``jit.window_span`` in a kernel)."""
+    return n + max(window - 1, 0)
+
+
 def cdiv(a: int, b: int) -> int:
     """Ceiling division (``triton.cdiv`` costs microseconds from Python: it unwraps constexprs)."""
     return -(-a // b)

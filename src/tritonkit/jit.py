@@ -209,3 +209,21 @@ def window_edges(head, N, WINDOW: tl.constexpr):
     in_row = (positions >= head) & (positions < head + N)
     first_or_other = (e < WINDOW) | (last > 0)
     return positions, in_row & ~window_interior(positions, head, N, WINDOW) & first_or_other
+
+
+@triton.jit
+def window_span(N, WINDOW: tl.constexpr):
+    """The positions a row of N entries covers from its window base: up to WINDOW - 1 more (WINDOW 0:
+    no window, N; ``_launch.row_span`` on the host)."""
+    if WINDOW > 0:
+        return N + (WINDOW - 1)
+    else:
+        return N
+
+
+@triton.jit
+def segment_edges(head, N, first, SEGMENT, WINDOW: tl.constexpr):
+    """``window_edges`` of the positions ``first``, ... ``first + SEGMENT - 1``: a split row's segment's
+    share of its two edge vectors (each edge entry taken by the one segment that holds it)."""
+    positions, mask = window_edges(head, N, WINDOW)
+    return positions, mask & (positions >= first) & (positions < first + SEGMENT)

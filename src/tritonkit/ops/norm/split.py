@@ -30,13 +30,14 @@ from tritonkit._launch import (
     launcher_of,
     next_power_of_2,
     row_align,
+    row_span,
     row_window,
     scratch,
 )
 from tritonkit._runtime import current_device, interpret, l2_bytes, sm_count
 from tritonkit._triton import tl, triton
 from tritonkit.dtypes import DTYPE_OF
-from tritonkit.jit import aligned, window_base, window_edges, window_interior
+from tritonkit.jit import aligned, segment_edges, window_base, window_interior, window_span
 from tritonkit.split_rows import _publish_and_wait, _segment_of_program, cooperative_programs
 
 SPLIT_PER_SM = 2  # programs an SM the split launches aim for
@@ -201,7 +202,7 @@ def fwd_split_launches(
     windowed = SPLIT_WINDOWS and rms and r2 is None
     window = row_window(n, [(0, x2.stride(0)), (0, n)], (x2, y)) if windowed else 0
     meta["WINDOW"] = window
-    span = n + max(window - 1, 0)  # the positions a row's window may cover
+    span = row_span(n, window)
 
     def args(partials, arrived, segments, segment):
         head = (x2, r2, h, y, weight, bias, mean, rstd, partials, arrived, rows, n, segments, segment)
@@ -390,11 +391,10 @@ def _norm_fwd_split_kernel(
     N = aligned(N, ALIGN)
     stride_xm = aligned(stride_xm, ALIGN)
     stride_rm = aligned(stride_rm, ALIGN)
-    # windowed, segments cut the positions from each row's window base: up to WINDOW - 1 more
-    span = N
-    if WINDOW > 0:
-        span += WINDOW - 1
-    first_row, groups, segment, first, chunks = _segment_of_program(span, segments, SEGMENT, BLOCK_N=BLOCK_N)
+    # windowed, segments cut the positions from each row's window base
+    first_row, groups, segment, first, chunks = _segment_of_program(
+        window_span(N, WINDOW), segments, SEGMENT, BLOCK_N=BLOCK_N
+    )
     offsets = tl.arange(0, BLOCK_N)
     count = tl.minimum(N - first, SEGMENT).to(tl.float32)
     for row in range(first_row, M, groups):
@@ -474,8 +474,7 @@ def _windowed_rms_row(
     x_base, head = window_base(row64 * stride_xm, WINDOW)
     y_base, _ = window_base(row64 * N, WINDOW)
     x_row, y_row = x_ptr + x_base, y_ptr + y_base
-    edges, on_edge = window_edges(head, N, WINDOW)
-    on_edge = on_edge & (edges >= first) & (edges < first + SEGMENT)
+    edges, on_edge = segment_edges(head, N, first, SEGMENT, WINDOW)
     if PHASE != 2:  # pass 1: the segment's sum of squares
         squares = tl.zeros(offsets.shape, tl.float32)
         for i in tl.range(0, chunks, loop_unroll_factor=UNROLL):

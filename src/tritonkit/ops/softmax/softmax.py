@@ -62,6 +62,7 @@ from tritonkit._launch import (
     launcher_of,
     next_power_of_2,
     row_align,
+    row_span,
     row_window,
 )
 from tritonkit._runtime import check_device, empty_output_like, interpret, sm_count
@@ -222,7 +223,7 @@ def _split_launch_args(
     outer, rows, n, _ = geometry
     total, segment = outer * rows, config["SEGMENT"]
     window = _window(tensors, geometry, None)
-    span = n + max(window - 1, 0)  # the positions a row covers, in a window up to window - 1 more
+    span = row_span(n, window)
     launch = functools.partial(
         _split_launch, direction, config, log, sum_fp64, tensors, geometry, phase, window
     )
@@ -280,7 +281,7 @@ def _split_launch(
     alone."""
     outer, rows, n, strides = geometry
     device, total = tensors[0].device, outer * rows
-    segments = cdiv(n + max(window - 1, 0), segment)
+    segments = cdiv(row_span(n, window), segment)
     _check_segments(n, segment, segments, config["PER_SM"] * sm_count(device))
     partials = 1 if probe else total * segments
     sums = torch.empty(partials, dtype=torch.float64 if sum_fp64 else torch.float32, device=device)

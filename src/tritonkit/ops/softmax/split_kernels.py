@@ -6,7 +6,7 @@ and the rules that prune and default them are in ``configs.py``, with the other 
 from __future__ import annotations
 
 from tritonkit._triton import tl, triton
-from tritonkit.jit import LOG2E, aligned, window_base, window_edges, window_interior
+from tritonkit.jit import LOG2E, aligned, segment_edges, window_base, window_interior, window_span
 from tritonkit.ops.softmax.kernels import _exp_shifted, _input_grad, _log, _row_dot, _row_sum, _tile
 from tritonkit.split_rows import _publish_and_wait, _segment_of_program
 
@@ -24,19 +24,10 @@ def _row_start(row, R, stride_o, stride_r, ALIGN: tl.constexpr):
 
 
 @triton.jit
-def _span(N, WINDOW: tl.constexpr):
-    """The positions a row covers: its entries, and in a window up to WINDOW - 1 before them."""
-    if WINDOW > 0:
-        return N + (WINDOW - 1)
-    else:
-        return N
-
-
-@triton.jit
 def _row_window(start, WINDOW: tl.constexpr):
     """(offset, head) of a row whose entries are read from ``offset``: WINDOW 0, the row's start and
     0; else its window's base and the row's start past it (``jit.window_base``: the row's vectors
-    16 bytes at a time, its two edge vectors an entry at a time, in ``_edges``)."""
+    16 bytes at a time, its two edge vectors an entry at a time, ``jit.segment_edges``)."""
     if WINDOW > 0:
         return window_base(start, WINDOW)
     else:
@@ -51,14 +42,6 @@ def _chunk_mask(cols, N, head, WINDOW: tl.constexpr):
         return window_interior(cols[None, :], head[:, None], N, WINDOW)
     else:
         return (cols < N)[None, :]
-
-
-@triton.jit
-def _edges(head, N, first, SEGMENT, WINDOW: tl.constexpr):
-    """(positions, mask), (1, 2 WINDOW): the entries of the row's two edge vectors that lie in the
-    segment at ``first`` (each taken by the one segment that holds it)."""
-    positions, mask = window_edges(head[:, None], N, WINDOW)
-    return positions, mask & (positions >= first) & (positions < first + SEGMENT)
 
 
 @triton.jit
@@ -122,7 +105,7 @@ def _softmax_fwd_split_kernel(
 ):
     N = aligned(N, ALIGN)
     first_row, groups, segment, first, chunks = _segment_of_program(
-        _span(N, WINDOW), segments, SEGMENT, BLOCK_N=BLOCK_N
+        window_span(N, WINDOW), segments, SEGMENT, BLOCK_N=BLOCK_N
     )
     offsets = tl.arange(0, BLOCK_N)
     for row in range(first_row, rows, groups):
@@ -162,7 +145,7 @@ def _softmax_fwd_split_kernel(
                     )
                 m, s = _online_step(x.to(tl.float32), m, s, SUM_FP64)
             if WINDOW > 0:
-                edges, on_edge = _edges(head, N, first, SEGMENT, WINDOW)
+                edges, on_edge = segment_edges(head[:, None], N, first, SEGMENT, WINDOW)
                 x_edge = tl.load(x_ptr + x_row[:, None] + edges, mask=on_edge, other=-float("inf"))
                 m, s = _online_step(x_edge.to(tl.float32), m, s, SUM_FP64)
             tl.store(max_ptr + row * segments + segment + tl.arange(0, 1), m)
@@ -203,7 +186,7 @@ def _softmax_fwd_split_kernel(
                     mask=mask,
                 )
             if WINDOW > 0:
-                edges, on_edge = _edges(head, N, first, SEGMENT, WINDOW)
+                edges, on_edge = segment_edges(head[:, None], N, first, SEGMENT, WINDOW)
                 x_edge = tl.load(x_ptr + x_row[:, None] + edges, mask=on_edge, other=-float("inf"))
                 y_edge = _normalized(x_edge.to(tl.float32), m, scale, LOG=LOG)
                 tl.store(y_ptr + y_row[:, None] + edges, y_edge.to(y_ptr.dtype.element_ty), mask=on_edge)
@@ -241,7 +224,7 @@ def _softmax_bwd_split_kernel(
 ):
     N = aligned(N, ALIGN)
     first_row, groups, segment, first, chunks = _segment_of_program(
-        _span(N, WINDOW), segments, SEGMENT, BLOCK_N=BLOCK_N
+        window_span(N, WINDOW), segments, SEGMENT, BLOCK_N=BLOCK_N
     )
     offsets = tl.arange(0, BLOCK_N)
     for row in range(first_row, rows, groups):
@@ -293,7 +276,7 @@ def _softmax_bwd_split_kernel(
                     )
                 dot += _row_dot(y.to(tl.float32), dy.to(tl.float32), LOG=LOG, SUM_FP64=SUM_FP64)
             if WINDOW > 0:
-                edges, on_edge = _edges(head, N, first, SEGMENT, WINDOW)
+                edges, on_edge = segment_edges(head[:, None], N, first, SEGMENT, WINDOW)
                 y_edge = tl.load(y_ptr + y_row[:, None] + edges, mask=on_edge, other=0.0).to(tl.float32)
                 dy_edge = tl.load(dy_ptr + dy_row[:, None] + edges, mask=on_edge, other=0.0).to(tl.float32)
                 dot += _row_dot(y_edge, dy_edge, LOG=LOG, SUM_FP64=SUM_FP64)
@@ -322,7 +305,7 @@ def _softmax_bwd_split_kernel(
                 dx = _input_grad(y.to(tl.float32), dy.to(tl.float32), dot, LOG=LOG)
                 tl.store(_tile(dx_ptr, dx_row, cols, stride_dxn), dx.to(dx_ptr.dtype.element_ty), mask=mask)
             if WINDOW > 0:
-                edges, on_edge = _edges(head, N, first, SEGMENT, WINDOW)
+                edges, on_edge = segment_edges(head[:, None], N, first, SEGMENT, WINDOW)
                 y_edge = tl.load(y_ptr + y_row[:, None] + edges, mask=on_edge, other=0.0).to(tl.float32)
                 dy_edge = tl.load(dy_ptr + dy_row[:, None] + edges, mask=on_edge, other=0.0).to(tl.float32)
                 dx_edge = _input_grad(y_edge, dy_edge, dot, LOG=LOG)
