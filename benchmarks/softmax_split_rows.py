@@ -2,7 +2,7 @@
 beside the peers, in one run.
 
     python benchmarks/softmax_split_rows.py OUT.json [--ops softmax log_softmax] [--deadline S]
-        [--shape ROWSxN:DTYPE ...] [--modes fwd bwd] [--settings configs one-wave entries]
+        [--shape ROWSxN:DTYPE ...] [--modes fwd bwd] [--settings configs one-wave entries two-launches]
 
 For each op, shape and mode, the benchmark runner's rows (``tritonkit.bench.runner``: the error check
 against float64, CUDA-graph-replayed median ms, eager ms, share of a copy of the same bytes) for
@@ -12,8 +12,9 @@ launch otherwise takes the segments that end a round soonest and one row at a ti
 not hold (``softmax._split_launch_args``); with ``--settings one-wave`` (or as well), tritonkit again
 with ``configs.SPLIT_ONE_WAVE = True`` as "tritonkit[one-wave]": the split kernel for one wave of
 rows past L2, which the default leaves to the online kernel; with ``entries``, ``softmax.WINDOWS =
-False``: rows that start off 16 bytes an entry at a time, not in windows. Untuned calls: tuning is
-opt-in.
+False``: rows that start off 16 bytes an entry at a time, not in windows; with ``two-launches``,
+``softmax.SPLIT_TWO_LAUNCHES = True``: rows past L2 split in two launches (every row's pass 1, then
+every pass 2), not one at a time in one cooperative launch. Untuned calls: tuning is opt-in.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ SETTINGS = {  # label -> (module, name, value): tritonkit again with module.name
     "configs": (softmax, "SPLIT_EVEN_ROUNDS", False),
     "one-wave": (configs, "SPLIT_ONE_WAVE", True),
     "entries": (softmax, "WINDOWS", False),
+    "two-launches": (softmax, "SPLIT_TWO_LAUNCHES", True),
 }
 REPORT = functools.partial(print, flush=True)  # a line a case, as it ends
 COMMAND = "python benchmarks/softmax_split_rows.py OUT.json"

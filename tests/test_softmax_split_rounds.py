@@ -83,3 +83,29 @@ def test_rows_past_l2_go_one_at_a_time(monkeypatch, device):
     assert grid() == (9,)
     x, dy = _inputs((4, 9000), F32, device, seed=10)
     _check(x, dy, log=True, variant="split")
+
+
+def test_rows_past_l2_split_in_two_launches(monkeypatch, device):
+    """With SPLIT_TWO_LAUNCHES, rows past L2 take two launches, every row's pass 1 and then every pass
+    2 (no cooperative wait), with as many rows at once as fit (4 of 8 segments on 11 SMs), where the
+    default takes them one at a time in one launch; rows under L2 keep one launch on the GPU. The
+    gradient still matches the reference."""
+    monkeypatch.setattr(sm, "sm_count", lambda device: 11)
+    monkeypatch.setattr(sm, "SPLIT_TWO_LAUNCHES", True)
+    monkeypatch.setattr(sm, "interpret", lambda: False)
+    config = {"variant": "split", "SEGMENT": 4096, "BLOCK_N": 256, "num_warps": 4, "PER_SM": 4}
+    views = tuple(torch.empty(1, 4, 9000, device=device) for _ in range(3))
+    geometry = sm._geometry(views)
+    monkeypatch.setattr(sm, "SPLIT_L2_BYTES", 9000 * 4 * 2 - 1)
+    launches = sm._launches("bwd", config, True, views, geometry)
+    assert [launch.meta["PHASE"] for launch in launches] == [1, 2]
+    assert [launch.grid for launch in launches] == [(4 * 8,)] * 2
+    assert not any("launch_cooperative_grid" in launch.meta for launch in launches)
+    monkeypatch.setattr(sm, "SPLIT_L2_BYTES", 9000 * 4 * 2)
+    (launch,) = sm._launches("bwd", config, True, views, geometry)
+    assert launch.meta["PHASE"] == 0 and launch.meta["launch_cooperative_grid"]
+    monkeypatch.undo()
+    monkeypatch.setattr(sm, "SPLIT_TWO_LAUNCHES", True)
+    monkeypatch.setattr(sm, "SPLIT_L2_BYTES", 9000 * 4 * 2 - 1)
+    x, dy = _inputs((4, 9000), F32, device, seed=11)
+    _check(x, dy, log=True, variant="split")

@@ -162,6 +162,12 @@ WINDOWS = True
 # False keeps the split configs' own segments (``_even_segment``) and rows at once (a benchmark's
 # comparison)
 SPLIT_EVEN_ROUNDS = True
+# True splits rows past L2 in two launches, every segment's pass 1 of every row in flight and then every
+# pass 2 (the kernels' PHASE 1 and 2, as the interpreter runs them), where the default launch takes such
+# rows one at a time, each waiting on its pass 1 in one cooperative launch. Off until timed: a row past L2
+# is read again from memory either way, and one launch leaves no gap between the passes, but each row's
+# wait drains every program before its pass 2 starts.
+SPLIT_TWO_LAUNCHES = False
 
 
 def _window(tensors: tuple, geometry: tuple, block_n: int | None) -> int:
@@ -229,8 +235,7 @@ def _split_launch_args(
     )
     programs = launch(segment, probe=True)[2]
     groups = max(1, min(total, programs // cdiv(span, segment)))
-    row_bytes = n * tensors[0].element_size() * (1 if direction == "fwd" else 2)  # what pass 2 reads
-    if SPLIT_EVEN_ROUNDS and row_bytes > SPLIT_L2_BYTES:
+    if SPLIT_EVEN_ROUNDS and _past_l2(direction, tensors, geometry) and not SPLIT_TWO_LAUNCHES:
         # L2 holds none of such a row for pass 2 either way; one at a time over every program took
         # 0.91x the time of two at once (log_softmax's backward at 4 x 13795015 fp32 on an H100,
         # 0.95-0.96x the forwards), four at once 1.11-1.14x (docs/perf-notes/softmax.md)
@@ -241,6 +246,11 @@ def _split_launch_args(
         segment = even
     args, meta, _ = launch(segment)
     return (groups * cdiv(span, segment),), args, meta
+
+
+def _past_l2(direction: str, tensors: tuple, geometry: tuple) -> bool:
+    """Whether what pass 2 reads of a row (x forward, y and dy backward) is more than L2 holds."""
+    return geometry[2] * tensors[0].element_size() * (1 if direction == "fwd" else 2) > SPLIT_L2_BYTES
 
 
 def _even_segment(n: int, segment: int, groups: int, programs: int, block_n: int, sms: int) -> int:
@@ -321,12 +331,13 @@ def _check_segments(n: int, segment: int, segments: int, programs: int) -> None:
 
 
 def _launches(direction: str, config: dict, log: bool, tensors: tuple, geometry: tuple) -> list[Launch]:
-    """The launches of one call: one kernel, or under the interpreter the split kernels' two passes
-    (it runs programs one after another, so none may wait for another: pass 1 for every segment,
-    then pass 2, through one workspace)."""
+    """The launches of one call: one kernel, or the split kernels' two passes, pass 1 for every segment
+    and then pass 2 through one workspace: under the interpreter (it runs programs one after another,
+    so none may wait for another) and for rows past L2 with ``SPLIT_TWO_LAUNCHES``."""
     kernel = _LAUNCHERS[direction, config["variant"]].kernel
     name = f"{direction} {config['variant']}"
-    if config["variant"] == "split" and interpret():
+    in_two = interpret() or (SPLIT_TWO_LAUNCHES and _past_l2(direction, tensors, geometry))
+    if config["variant"] == "split" and in_two:
         grid, args, meta = _launch_args(direction, config, log, tensors, geometry, phase=1)
         second = {**meta, "PHASE": 2}
         return [
