@@ -1,6 +1,6 @@
 """Decode attention over a KV cache (``ops/attention/decode.py``) against the float64 reference with
 the oracle's rule: contiguous and paged caches (a shuffled block table), ragged lengths from 0 to
-full, the new tokens appended where they belong and nowhere else, GQA, Sq 1 and 3, windows, soft
+full, the new tokens appended where they belong and nowhere else, GQA, Sq 1, 3 and 4, windows, soft
 caps, forced key splits; its custom op, the refusal of a gradient and of bad input. Small shapes
 under the CPU interpreter."""
 
@@ -79,7 +79,7 @@ def _check(args, append=True, **kwargs):
     return out, lse, before, after
 
 
-@pytest.mark.parametrize("seq_q", [1, 3])
+@pytest.mark.parametrize("seq_q", [1, 3, 4])
 def test_contiguous_cache_with_the_new_tokens_appended(seq_q, device):
     """GQA 4/2, ragged lengths (0, partly filled, full but for the new tokens); the new keys and
     values land at cache_seqlens[b]... and every other slot keeps its bits (its NaN too)."""
@@ -94,7 +94,7 @@ def test_contiguous_cache_with_the_new_tokens_appended(seq_q, device):
         assert torch.equal(new.view(torch.int16), expected.view(torch.int16))
 
 
-@pytest.mark.parametrize("slots", [16, 64])
+@pytest.mark.parametrize("slots", [16, 64, 256])
 def test_paged_cache_through_a_shuffled_block_table(slots, device):
     args = _case(2, 2, 6, 2, 64, 160, [0, 101], device, slots=slots, seed=slots)
     _, _, before, after = _check(args, causal=True)
@@ -446,6 +446,7 @@ def _every_other_dim(t: torch.Tensor) -> torch.Tensor:
         (lambda a: a.update(scale=float("nan")), "scale must be a finite number"),
         (lambda a: a.update(k_cache=_every_other_dim(a["k_cache"])), "k_cache must have a unit stride"),
         (lambda a: a.update(k=a["k"][:, :, :1]), "k must be \\(B, Sq, Hkv, D\\)"),
+        (lambda a: a.update(k_cache=a["k_cache"][:, :0], v_cache=a["v_cache"][:, :0]), "fewer than the Sq"),
     ],
 )
 def test_bad_input_is_refused_by_name(change, message, device):

@@ -458,6 +458,11 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softcap) -> No
             )
     elif k_cache.shape[0] != batch:
         raise ValueError(f"a contiguous cache must have B = {batch} sequences, got {k_cache.shape[0]}")
+    if k is not None and seq_q > _max_keys(k_cache, block_table):  # (not the room each sequence has left:
+        raise ValueError(  # that is cache_seqlens's values, a sync)
+            f"the cache holds {_max_keys(k_cache, block_table)} keys a sequence, fewer than the "
+            f"Sq = {seq_q} tokens appended"
+        )
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if cache.stride(-1) != 1:  # written in place, so never through a copy
             raise ValueError(f"{name} must have a unit stride in its last dim, got strides {cache.stride()}")
