@@ -1,5 +1,6 @@
 """FP8 quantization on the H200: tritonkit.quantize_fp8 against its PyTorch reference eager and
-under torch.compile, in one process, bf16 in and e4m3 out, beside a copy of the same bytes.
+under torch.compile and, where it is installed, torchao's own quantization (``_torchao``), in one
+process, bf16 in and e4m3 out, beside a copy of the same bytes.
 
     python benchmarks/quantize_fp8.py OUT.json [--shape M,N ...] [--granularity G ...] [--warps W ...]
 
@@ -34,6 +35,38 @@ def _same(ours: tuple, reference: tuple) -> bool:
     return scales and values
 
 
+def _torchao(granularity: str):
+    """torchao's quantization at ``granularity``, or None where torchao is not installed: its float8
+    training's scale and saturated cast (tensor, row, column), compiled as its Float8Linear runs them,
+    or its blockwise training's Triton kernels (block: an activation's 1 x 128 groups; column_block:
+    128 x 1, written column-major; block2d: a weight's 128 x 128 tiles). Its scales are the
+    reciprocals of ours (fp8 = x * scale) where it returns them so."""
+    try:
+        from torchao.float8.config import ScalingGranularity
+        from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
+        from torchao.prototype.blockwise_fp8_training import kernels
+    except ImportError:
+        return None
+    blockwise = {
+        "block": kernels.triton_fp8_blockwise_act_quant_lhs,
+        "column_block": kernels.triton_fp8_blockwise_act_quant_rhs,
+        "block2d": kernels.triton_fp8_blockwise_weight_quant_rhs,
+    }
+    if granularity in blockwise:
+        return blockwise[granularity]
+    scaling, dim = {
+        "tensor": (ScalingGranularity.TENSORWISE, None),
+        "row": (ScalingGranularity.AXISWISE, -1),
+        "column": (ScalingGranularity.AXISWISE, 0),
+    }[granularity]
+
+    def quantize(x: torch.Tensor) -> tuple:
+        scale = tensor_to_scale(x, torch.float8_e4m3fn, scaling_granularity=scaling, axiswise_dim=dim)
+        return to_fp8_saturated(x.to(torch.float32) * scale, torch.float8_e4m3fn), scale
+
+    return torch.compile(quantize, dynamic=False)
+
+
 def _bench_graph(fn) -> float:
     """The kernels' time alone: one call captured in a CUDA graph, its replay timed (an eager call
     of a small input is the host's time)."""
@@ -58,6 +91,9 @@ def _row(shape: tuple, granularity: str, warps: int | None) -> dict:
         "torch": lambda: qz.quantize_fp8_reference(x, granularity),
         "torch.compile": lambda: compiled(x, granularity),
     }
+    theirs = _torchao(granularity)
+    if theirs is not None:
+        calls["torchao"] = lambda: theirs(x)
     row = {"shape": list(shape), "granularity": granularity, "dtype": "bf16", "fp8": "e4m3fn"}
     row["num_warps"] = qz.NUM_WARPS
     row["bit_exact"] = _same(calls["tritonkit"](), calls["torch"]())
@@ -68,6 +104,8 @@ def _row(shape: tuple, granularity: str, warps: int | None) -> dict:
     row["ms"]["copy"] = _bench(lambda: target.copy_(source))  # reads and writes the op's bytes
     row["gbps"] = {name: cost.bytes / ms / 1e6 for name, ms in row["ms"].items()}
     row["vs_torch.compile"] = row["ms"]["torch.compile"] / row["ms"]["tritonkit"]
+    if theirs is not None:
+        row["vs_torchao"] = row["ms"]["torchao"] / row["ms"]["tritonkit"]
     row["pct_copy"] = 100 * row["ms"]["copy"] / row["ms"]["tritonkit"]
     return row
 

@@ -46,6 +46,7 @@ SHAPES = [
     (8192, 8192, 8192),
     (16384, 8192, 28672),
     (128, 4096, 14336),
+    (128, 4096, 16384),  # the decode-like product (14336 above: the MLP's width)
     (1024, 16384, 1024),
 ]
 # --tiles: scaled_mm's candidate tiles (ops/scaled_mm.py's TILE first), timed at rowwise scales
