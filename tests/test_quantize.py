@@ -1,4 +1,5 @@
-"""quantize_fp8 against its fp32 reference: the scales and the fp8 values bit for bit (NaN as NaN).
+"""quantize_fp8 against its fp32 reference (the scales and the fp8 values bit for bit, NaN as NaN) and
+against float64 arithmetic (`test_scales_and_values_against_float64`).
 
 Under the CPU interpreter the kernels build the fp8 bits themselves (its cast is wrong); the gpu
 tests hold the GPU's cast to the same bits.
@@ -334,3 +335,43 @@ def test_gpu_the_transposed_pass_is_the_transpose(shape, x_dtype):
             assert torch.equal(alone.view(torch.uint8), expected), (granularity, dtype)
             assert torch.equal(both.view(torch.uint8), expected), (granularity, dtype)
             assert torch.equal(scale_t, scale.t() if scale.dim() else scale)
+
+
+# (granularity, block_size, the group's rows and columns at (37, 300))
+FLOAT64_CASES = [
+    ("tensor", 128, (37, 300)),
+    ("row", 128, (1, 300)),
+    ("column", 128, (37, 1)),
+    ("block", 32, (1, 32)),
+    ("column_block", 16, (16, 1)),
+    ("block2d", 16, (16, 16)),
+]
+
+
+@pytest.mark.parametrize("case", FLOAT64_CASES, ids=lambda c: c[0])
+def test_scales_and_values_against_float64(case):
+    """Against float64 arithmetic, not the fp32 reference: each scale is its group's amax / 448
+    rounded once to fp32 (the kernels' fp32 division is correctly rounded, and float64 holds the
+    quotient exactly enough that rounding it to fp32 gives the same bits), and each fp8 value is the
+    nearest to x / scale in exact arithmetic, but where x / scale lies within 2^-22 of a midpoint
+    between two fp8 values (the kernels multiply by an fp32 reciprocal: two roundings)."""
+    granularity, block, (group_m, group_n) = case
+    x = _input((37, 300), torch.float32, seed=21)
+    q, scale = tritonkit.quantize_fp8(x, granularity, block_size=block)
+    x64 = x.double().cpu()
+    m, n = x64.shape
+    gm, gn = -(-m // group_m), -(-n // group_n)
+    padded = torch.zeros(gm * group_m, gn * group_n, dtype=torch.float64)
+    padded[:m, :n] = x64.abs()
+    amax = padded.view(gm, group_m, gn, group_n).amax(dim=(1, 3))
+    exact_scale = amax / qz.fp8_max(E4M3)
+    assert torch.equal(scale.cpu().reshape(gm, gn), exact_scale.float())
+    each = exact_scale.repeat_interleave(group_m, 0).repeat_interleave(group_n, 1)[:m, :n]
+    exact = x64 / each
+    nearest = exact.to(E4M3).double()
+    ours = q.cpu().double()
+    off = ours != nearest
+    if off.any():  # only at near-ties: the exact value within 2^-22 of the two values' midpoint
+        other = torch.where(off, ours, nearest)
+        midpoint = (nearest[off] + other[off]) / 2
+        assert ((exact[off] - midpoint).abs() <= exact[off].abs() * 2.0**-22).all()
