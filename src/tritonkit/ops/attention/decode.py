@@ -312,7 +312,9 @@ def _combine_kernel(
     lse: o = sum_s w_s o_s / sum_s w_s with w_s = exp(lse_s - max lse), lse = max + log(sum w); a
     split that saw no key weighs 0, and a split's NaN lse (a broken sequence: its length or table)
     makes the row's o and lse NaN. Every split's partial is loaded at once (one round trip to
-    memory, not one a split: at B = 1 the splits are many and the rows few)."""
+    memory, not one a split: at B = 1 the splits are many and the rows few). The maths is
+    ``merge``'s, not its kernel: that one folds one part into a running fp32 output in place, a
+    launch a part, where this folds every split in one launch straight into q's layout and dtype."""
     pair, row = tl.program_id(0), tl.program_id(1)
     batch, kv_head = pair // HEADS_KV, pair % HEADS_KV
     rows = GROUP * SEQ_Q
