@@ -14,7 +14,7 @@ K`` once more at ``SPLIT_PER_SM = K`` as "tritonkit[split<K]": the split taken u
 SM's rows (``tritonkit.bench.settings``: the replay plans and the configs chosen per call signature
 are forgotten around each, since a signature replays what it recorded and keeps the config chosen
 at its first call); with ``--entries``, ``split.SPLIT_WINDOWS = False`` as "tritonkit[entries]":
-RMSNorm's rows off 16 bytes an entry at a time, not in windows.
+rows off 16 bytes an entry at a time, not in windows.
 """
 
 from __future__ import annotations

@@ -125,23 +125,28 @@ def test_a_program_walks_several_rows(kind, per_sm, monkeypatch, device):
     assert {grid for _, grid, _, _ in seen} == {(2 * per_sm,)}, seen
 
 
+@pytest.mark.parametrize("n", [300, 301], ids=["on-vectors", "in-windows"])
 @pytest.mark.parametrize("at", [0, 37, 299], ids=["a-shift", "inside", "last"])
-def test_layer_norm_rows_with_an_outlier_keep_their_variance(at, split, device):
+def test_layer_norm_rows_with_an_outlier_keep_their_variance(at, n, split, device):
     """A spike of 1e4 among N(0, 1) entries in the segment's first chunk (whose mean is pass 1's
-    shift), inside the row and as its last entry: the forward's variance and outputs hold to the
-    reference. (The backward's dw at the spike's column, 17 standard deviations out, came within
-    an ulp of its value but past the oracle's bound where the spike is column 0: not this test's
-    subject.)"""
-    kernel, reference, inputs, _, _ = _case("layer_norm", (3, 300), F32, device, seed=at + 6)
+    shift), inside the row and as its last entry (next to last in windows): the forward's variance
+    and outputs hold to the reference. (The backward's dw at the spike's column, 17 standard
+    deviations out, came within an ulp of its value but past the oracle's bound where the spike is
+    column 0: not this test's subject.)"""
+    kernel, reference, inputs, _, _ = _case("layer_norm", (3, n), F32, device, seed=at + 6)
     inputs[0][:, at] = 1e4
     check_against_reference(kernel, reference, inputs)
     assert split
 
 
-def test_layer_norm_rows_far_from_zero_keep_their_variance(split, device):
+@pytest.mark.parametrize(
+    "kind, n", [("add_layer_norm", 300), ("layer_norm", 301)], ids=["residual", "windows"]
+)
+def test_layer_norm_rows_far_from_zero_keep_their_variance(kind, n, split, device):
     """Segments' means combined about the first segment's: rows at 1000 + N(0, 4) keep the variance
-    that a sum of the means at their own magnitude (or of h^2) rounds away."""
-    kernel, reference, inputs, grad_inputs, grads = _case("add_layer_norm", (3, 300), F32, device, seed=4)
+    that a sum of the means at their own magnitude (or of h^2) rounds away, rows off 16 bytes too
+    (in windows: each segment's count from the row's head)."""
+    kernel, reference, inputs, grad_inputs, grads = _case(kind, (3, n), F32, device, seed=4)
     inputs[0] += 1000.0
     check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
     assert split
@@ -304,7 +309,8 @@ for unroll in (1, split.SPLIT_PASS1_UNROLL):
     split.SPLIT_PASS1_UNROLL = unroll
     for name, shape, dtype, bits in (
         ("rms_norm", (4, 13795015), torch.float32, 128), ("add_rms_norm", (4, 13795015), torch.float32, 32),
-        ("layer_norm", (4, 13795015), torch.float32, 32), ("rms_norm", (32, 3738195), torch.bfloat16, 128),
+        ("layer_norm", (4, 13795015), torch.float32, 128), ("rms_norm", (32, 3738195), torch.bfloat16, 128),
+        ("layer_norm", (32, 3738195), torch.bfloat16, 128),
     ):
         for launch in get_workload(name).op.inspect(shape, dtype, None):
             if launch.name == "fwd split":
@@ -317,28 +323,30 @@ for unroll in (1, split.SPLIT_PASS1_UNROLL):
 
 @pytest.mark.slow
 def test_split_forward_unrolls_pass_1_of_fp32_off_16_byte_vectors():
-    """Rows of 13795015 fp32 start off 16 bytes: RMSNorm's (no residual) are read in windows, 16 bytes
-    at a time, its pass 1 unrolled SPLIT_PASS1_UNROLL times all the same (three more chunks of 2
-    16-byte loads a thread), without spills; add_rms_norm and LayerNorm take an access an entry and
-    keep one chunk an iteration there, and 16-bit rows everywhere (``split._unrolled``). RMSNorm's
-    rows of 3738195 bf16 are windowed too: x read and y written 16 bytes at a time."""
+    """Rows of 13795015 fp32 start off 16 bytes: RMSNorm's and LayerNorm's (no residual) are read in
+    windows, 16 bytes at a time, RMSNorm's pass 1 unrolled SPLIT_PASS1_UNROLL times all the same (three
+    more chunks of 2 16-byte loads a thread), without spills; add_rms_norm takes an access an entry,
+    and it, LayerNorm and 16-bit rows everywhere keep one chunk an iteration (``split._unrolled``).
+    Rows of 3738195 bf16 are windowed too: x read and y written 16 bytes at a time."""
     rows = {(r["name"], r["unroll"]): r for r in map(json.loads, sm90.run(_UNALIGNED_PASS1))}
-    assert ns.SPLIT_PASS1_UNROLL == 4 and len(rows) == 8, rows
+    assert ns.SPLIT_PASS1_UNROLL == 4 and len(rows) == 10, rows
     assert not any(row["spills"] for row in rows.values()), rows
     rms, rms16 = "rms_norm torch.float32", "rms_norm torch.bfloat16"
+    ln, ln16 = "layer_norm torch.float32", "layer_norm torch.bfloat16"
     assert rows[rms, 4]["loads"] - rows[rms, 1]["loads"] >= 3 * 2, rows
-    for name in ("add_rms_norm torch.float32", "layer_norm torch.float32", rms16):
+    for name in ("add_rms_norm torch.float32", ln, rms16, ln16):
         assert rows[name, 4]["loads"] == rows[name, 1]["loads"], rows
-    for name, window in ((rms, 4), (rms16, 8), ("layer_norm torch.float32", 0)):
+    for name, window in ((rms, 4), (rms16, 8), (ln, 4), (ln16, 8), ("add_rms_norm torch.float32", 0)):
         assert rows[name, 4]["window"] == window, rows
-    assert rows[rms16, 1]["loads"] >= 2 and rows[rms16, 1]["stores"] >= 1, rows
+    for name in (rms16, ln, ln16):
+        assert rows[name, 1]["loads"] >= 2 and rows[name, 1]["stores"] >= 1, rows
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
-def test_rms_rows_off_16_bytes_are_read_in_windows(dtype, split, monkeypatch, device):
-    """RMSNorm's split forward over rows that start off 16 bytes (5 rows of 257: every offset a
-    window takes) reads them in windows (``WINDOW``), against the reference; on 16 bytes, and with
-    a residual, it does not."""
+def test_rows_off_16_bytes_are_read_in_windows(dtype, split, monkeypatch, device):
+    """The split forward over rows that start off 16 bytes (5 rows of 257: every offset a window
+    takes) reads them in windows (``WINDOW``), RMSNorm's and LayerNorm's, against the reference; on 16
+    bytes, and with a residual, it does not."""
     windows, run = [], nm._run
 
     def recording(launches):
@@ -348,6 +356,7 @@ def test_rms_rows_off_16_bytes_are_read_in_windows(dtype, split, monkeypatch, de
     monkeypatch.setattr(nm, "_run", recording)
     for kind, n, window in (
         ("rms_norm", 257, 16 // dtype.itemsize),
+        ("layer_norm", 257, 16 // dtype.itemsize),
         ("rms_norm", 256, 0),
         ("add_rms_norm", 257, 0),
     ):

@@ -56,8 +56,8 @@ SPLIT_L2_SHARE = 0.5  # of L2, what the rows in flight may hold between their tw
 # a chunk: 8 fp32 values a thread at 8 warps in fp32, 16 in 16 bits (16-byte loads either way); the
 # backward holds h, dy, w and its two sums of a chunk at once
 SPLIT_BLOCK_N = {4: 2048, 2: 4096}
-# RMSNorm's forward (no residual) reads rows that start off 16 bytes in windows (``_windowed_rms_row``);
-# False: an entry at a time, as the other forms (a benchmark's comparison)
+# the forward (no residual) reads rows that start off 16 bytes in windows (``_windowed_row``); False: an
+# entry at a time, as the residual's form (a benchmark's comparison)
 SPLIT_WINDOWS = True
 
 
@@ -198,8 +198,8 @@ def fwd_split_launches(
     align = row_align((n, *strides), size)
     meta = _meta(config, flags | {"HAS_BIAS": bias is not None}, align)
     meta["UNROLL"] = SPLIT_PASS1_UNROLL if _unrolled(rms, r2 is not None, (n, *strides), size) else 1
-    # RMSNorm's rows off 16 bytes in windows: x and y 16 bytes at a time, the weight an entry at a time
-    windowed = SPLIT_WINDOWS and rms and r2 is None
+    # rows off 16 bytes (no residual) in windows: x and y 16 bytes at a time, w and b an entry at a time
+    windowed = SPLIT_WINDOWS and r2 is None
     window = row_window(n, [(0, x2.stride(0)), (0, n)], (x2, y)) if windowed else 0
     meta["WINDOW"] = window
     span = row_span(n, window)
@@ -318,14 +318,23 @@ def _segment_moments(total, squares, count, shift, RMS: tl.constexpr):
     deviations from that mean), from its sums of h - shift and (h - shift)^2 over ``count`` entries."""
     if RMS:
         return squares, 0.0
-    offset = total / count
+    offset = total / tl.maximum(count, 1.0)  # (a window's last segment may hold no entry: 0, 0)
     return shift + offset, tl.maximum(squares - total * offset, 0.0)
 
 
 @triton.jit
-def _row_moments(partials_ptr, row, N, segments, SEGMENT, RMS: tl.constexpr, SEGMENTS: tl.constexpr):
+def _segment_count(first, N, SEGMENT, head):
+    """The row's entries in the segment of positions first, ... first + SEGMENT - 1, the row being at
+    positions head, ... head + N - 1 (head 0 but in windows): 0 for a window's last segment that
+    holds none of them."""
+    return tl.maximum(tl.minimum(first + SEGMENT, head + N) - tl.maximum(first, head), 0).to(tl.float32)
+
+
+@triton.jit
+def _row_moments(partials_ptr, row, N, segments, SEGMENT, head, RMS: tl.constexpr, SEGMENTS: tl.constexpr):
     """(mean, variance) of the row from its segments' pairs (RMSNorm: 0 and the mean square); a
-    LayerNorm row combines them by Chan's rule, M2 = sum(M2_s + c_s * (mean_s - mean)^2)."""
+    LayerNorm row combines them by Chan's rule, M2 = sum(M2_s + c_s * (mean_s - mean)^2), each
+    segment's count c_s of entries from the row's ``head`` (``_segment_count``)."""
     parts = tl.arange(0, SEGMENTS)
     exists = parts < segments
     first = tl.load(partials_ptr + (row * segments + parts) * 2, mask=exists, other=0.0, cache_modifier=".cg")
@@ -334,7 +343,7 @@ def _row_moments(partials_ptr, row, N, segments, SEGMENT, RMS: tl.constexpr, SEG
     )
     if RMS:
         return 0.0, tl.sum(first, axis=0) / N
-    counts = tl.where(exists, tl.minimum(N - parts * SEGMENT, SEGMENT), 0).to(tl.float32)
+    counts = tl.where(exists, _segment_count(parts * SEGMENT, N, SEGMENT, head), 0.0)
     # about the first segment's mean: a sum of the means themselves would round at their magnitude
     ref = tl.sum(tl.where(parts == 0, first, 0.0), axis=0)
     offsets = tl.where(exists, first - ref, 0.0)
@@ -386,7 +395,7 @@ def _norm_fwd_split_kernel(
     PHASE: tl.constexpr,  # 0: both passes, waiting between them; 1: pass 1 only; 2: pass 2 only
     ALIGN: tl.constexpr,  # N and the row strides are multiples of it (jit.aligned)
     UNROLL: tl.constexpr,  # pass 1's chunks a loop iteration (SPLIT_PASS1_UNROLL or 1: _unrolled)
-    WINDOW: tl.constexpr,  # 0, or RMSNorm's rows (no residual) read in windows (_windowed_rms_row)
+    WINDOW: tl.constexpr,  # 0, or rows (no residual) read in windows (_windowed_row)
 ):
     N = aligned(N, ALIGN)
     stride_xm = aligned(stride_xm, ALIGN)
@@ -401,9 +410,10 @@ def _norm_fwd_split_kernel(
         row64 = tl.cast(row, tl.int64)  # M * N may pass 2^31
         x_row = x_ptr + row64 * stride_xm
         if WINDOW > 0:
-            _windowed_rms_row(
-                x_ptr, y_ptr, w_ptr, rstd_ptr, partials_ptr, arrived_ptr, row, row64, N, segments, segment,
-                first, chunks, stride_xm, eps, offsets, SEGMENT, HAS_WEIGHT, SEGMENTS, PHASE, UNROLL, WINDOW,
+            _windowed_row(
+                x_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, partials_ptr, arrived_ptr, row, row64, N,
+                segments, segment, first, chunks, stride_xm, eps, offsets, SEGMENT, RMS, HAS_WEIGHT, HAS_BIAS,
+                SEGMENTS, PHASE, UNROLL, WINDOW,
             )  # fmt: skip
         elif PHASE != 2:  # pass 1: the segment's sums about the mean of its first chunk (LayerNorm)
             shift = 0.0
@@ -435,7 +445,7 @@ def _norm_fwd_split_kernel(
         if PHASE == 0 and WINDOW == 0:
             _publish_and_wait(arrived_ptr, row, segments)
         if PHASE != 1 and WINDOW == 0:  # pass 2: the row's statistics, then this segment's output
-            mean, variance = _row_moments(partials_ptr, row, N, segments, SEGMENT, RMS=RMS, SEGMENTS=SEGMENTS)
+            mean, variance = _row_moments(partials_ptr, row, N, segments, SEGMENT, 0, RMS, SEGMENTS)
             rstd = 1.0 / tl.sqrt(variance + eps)
             if segment == 0:
                 tl.store(rstd_ptr + row, rstd)
@@ -461,51 +471,77 @@ def _norm_fwd_split_kernel(
 
 
 @triton.jit
-def _windowed_rms_row(
-    x_ptr, y_ptr, w_ptr, rstd_ptr, partials_ptr, arrived_ptr, row, row64, N, segments, segment, first,
-    chunks, stride_xm, eps, offsets, SEGMENT, HAS_WEIGHT: tl.constexpr, SEGMENTS: tl.constexpr,
-    PHASE: tl.constexpr, UNROLL: tl.constexpr, WINDOW: tl.constexpr,
+def _windowed_row(
+    x_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, partials_ptr, arrived_ptr, row, row64, N, segments,
+    segment, first, chunks, stride_xm, eps, offsets, SEGMENT, RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SEGMENTS: tl.constexpr, PHASE: tl.constexpr, UNROLL: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):  # fmt: skip
-    """RMSNorm's two passes over a segment of a row that starts off 16 bytes, read in windows
+    """The two passes over a segment of a row that starts off 16 bytes (no residual), read in windows
     (``jit.window_base``: from the row's offset rounded down to WINDOW entries, ``head`` entries before
     the row, x's and y's heads alike): the vectors wholly in the row 16 bytes at a time, the row's two
-    edge vectors an entry at a time by the segments holding them, the weight an entry at a time (its
-    entries sit ``head`` off x's). The segment covers positions first, ... of the window."""
+    edge vectors an entry at a time by the segments holding them, the weight and bias an entry at a
+    time (their entries sit ``head`` off x's). The segment covers positions first, ... of the window;
+    LayerNorm's sums are about the mean of its first chunk, as the unwindowed pass 1's."""
     x_base, head = window_base(row64 * stride_xm, WINDOW)
     y_base, _ = window_base(row64 * N, WINDOW)
     x_row, y_row = x_ptr + x_base, y_ptr + y_base
     edges, on_edge = segment_edges(head, N, first, SEGMENT, WINDOW)
-    if PHASE != 2:  # pass 1: the segment's sum of squares
+    if PHASE != 2:  # pass 1: the segment's sum of squares (LayerNorm: and sum, about the shift)
+        shift = 0.0
+        if not RMS:
+            inner = window_interior(first + offsets, head, N, WINDOW)
+            h = tl.load(x_row + first + offsets, mask=inner, other=0.0).to(tl.float32)
+            shift = tl.sum(h, axis=0) / tl.maximum(tl.sum(inner.to(tl.float32), axis=0), 1.0)
+        total = tl.zeros(offsets.shape, tl.float32)
         squares = tl.zeros(offsets.shape, tl.float32)
         for i in tl.range(0, chunks, loop_unroll_factor=UNROLL):
             positions = first + i * offsets.shape[0] + offsets
             inner = window_interior(positions, head, N, WINDOW)
             h = tl.load(x_row + positions, mask=inner, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            if not RMS:
+                h = tl.where(inner, h - shift, 0.0)
+                total += h
             squares += h * h
         h = tl.load(x_row + edges, mask=on_edge, other=0.0).to(tl.float32)
-        tl.store(
-            partials_ptr + (row * segments + segment) * 2, tl.sum(squares, axis=0) + tl.sum(h * h, axis=0)
+        h = tl.where(on_edge, h - shift, 0.0)
+        pair_first, pair_second = _segment_moments(
+            tl.sum(total, axis=0) + tl.sum(h, axis=0),
+            tl.sum(squares, axis=0) + tl.sum(h * h, axis=0),
+            _segment_count(first, N, SEGMENT, head),
+            shift,
+            RMS=RMS,
         )
+        tl.store(partials_ptr + (row * segments + segment) * 2, pair_first)
+        tl.store(partials_ptr + (row * segments + segment) * 2 + 1, pair_second)
     if PHASE == 0:
         _publish_and_wait(arrived_ptr, row, segments)
-    if PHASE != 1:  # pass 2: the row's RMS, then this segment's output, last-read chunk first
-        _, mean_square = _row_moments(partials_ptr, row, N, segments, SEGMENT, RMS=True, SEGMENTS=SEGMENTS)
-        rstd = 1.0 / tl.sqrt(mean_square + eps)
+    if PHASE != 1:  # pass 2: the row's statistics, then this segment's output, last-read chunk first
+        mean, variance = _row_moments(partials_ptr, row, N, segments, SEGMENT, head, RMS, SEGMENTS)
+        rstd = 1.0 / tl.sqrt(variance + eps)
         if segment == 0:
             tl.store(rstd_ptr + row, rstd)
+            if not RMS:
+                tl.store(mean_ptr + row, mean)
         for i in range(chunks):
             positions = first + (chunks - 1 - i) * offsets.shape[0] + offsets
             inner = window_interior(positions, head, N, WINDOW)
-            _scaled_out(x_row, y_row, w_ptr, positions, head, inner, rstd, HAS_WEIGHT)
-        _scaled_out(x_row, y_row, w_ptr, edges, head, on_edge, rstd, HAS_WEIGHT)
+            _normed_out(x_row, y_row, w_ptr, b_ptr, positions, head, inner, mean, rstd, HAS_WEIGHT, HAS_BIAS)
+        _normed_out(x_row, y_row, w_ptr, b_ptr, edges, head, on_edge, mean, rstd, HAS_WEIGHT, HAS_BIAS)
 
 
 @triton.jit
-def _scaled_out(x_row, y_row, w_ptr, positions, head, mask, rstd, HAS_WEIGHT: tl.constexpr):
-    """y = x * rstd (* w) at window ``positions`` of a row (``_windowed_rms_row``)."""
-    y = tl.load(x_row + positions, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32) * rstd
+def _normed_out(
+    x_row, y_row, w_ptr, b_ptr, positions, head, mask, mean, rstd, HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    """y = (x - mean) * rstd (* w) (+ b) at window ``positions`` of a row (``_windowed_row``)."""
+    x = tl.load(x_row + positions, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    y = (x - mean) * rstd
     if HAS_WEIGHT:
         y *= tl.load(w_ptr + (positions - head), mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + (positions - head), mask=mask, other=0.0).to(tl.float32)
     tl.store(y_row + positions, y.to(y_row.dtype.element_ty), mask=mask)
 
 
