@@ -308,9 +308,10 @@ from tritonkit.ops.norm import split
 for unroll in (1, split.SPLIT_PASS1_UNROLL):
     split.SPLIT_PASS1_UNROLL = unroll
     for name, shape, dtype, bits in (
-        ("rms_norm", (4, 13795015), torch.float32, 128), ("add_rms_norm", (4, 13795015), torch.float32, 32),
+        ("rms_norm", (4, 13795015), torch.float32, 128), ("add_rms_norm", (4, 13795015), torch.float32, 128),
         ("layer_norm", (4, 13795015), torch.float32, 128), ("rms_norm", (32, 3738195), torch.bfloat16, 128),
         ("layer_norm", (32, 3738195), torch.bfloat16, 128),
+        ("add_layer_norm", (32, 3738195), torch.bfloat16, 128),
     ):
         for launch in get_workload(name).op.inspect(shape, dtype, None):
             if launch.name == "fwd split":
@@ -323,30 +324,34 @@ for unroll in (1, split.SPLIT_PASS1_UNROLL):
 
 @pytest.mark.slow
 def test_split_forward_unrolls_pass_1_of_fp32_off_16_byte_vectors():
-    """Rows of 13795015 fp32 start off 16 bytes: RMSNorm's and LayerNorm's (no residual) are read in
-    windows, 16 bytes at a time, RMSNorm's pass 1 unrolled SPLIT_PASS1_UNROLL times all the same (three
-    more chunks of 2 16-byte loads a thread), without spills; add_rms_norm takes an access an entry,
-    and it, LayerNorm and 16-bit rows everywhere keep one chunk an iteration (``split._unrolled``).
-    Rows of 3738195 bf16 are windowed too: x read and y written 16 bytes at a time."""
+    """Rows of 13795015 fp32 start off 16 bytes: every norm's are read in windows, 16 bytes at a time,
+    RMSNorm's pass 1 (no residual) unrolled SPLIT_PASS1_UNROLL times all the same (three more chunks
+    of 2 16-byte loads a thread), without spills; the residual's forms, LayerNorm and 16-bit rows
+    everywhere keep one chunk an iteration (``split._unrolled``). Rows of 3738195 bf16 are windowed
+    too: x (and the residual) read and y (and h) written 16 bytes at a time."""
     rows = {(r["name"], r["unroll"]): r for r in map(json.loads, sm90.run(_UNALIGNED_PASS1))}
-    assert ns.SPLIT_PASS1_UNROLL == 4 and len(rows) == 10, rows
+    assert ns.SPLIT_PASS1_UNROLL == 4 and len(rows) == 12, rows
     assert not any(row["spills"] for row in rows.values()), rows
-    rms, rms16 = "rms_norm torch.float32", "rms_norm torch.bfloat16"
-    ln, ln16 = "layer_norm torch.float32", "layer_norm torch.bfloat16"
+    rms, rms16, add_rms = "rms_norm torch.float32", "rms_norm torch.bfloat16", "add_rms_norm torch.float32"
+    ln, ln16, add_ln16 = (
+        "layer_norm torch.float32",
+        "layer_norm torch.bfloat16",
+        "add_layer_norm torch.bfloat16",
+    )
     assert rows[rms, 4]["loads"] - rows[rms, 1]["loads"] >= 3 * 2, rows
-    for name in ("add_rms_norm torch.float32", ln, rms16, ln16):
+    for name in (add_rms, ln, rms16, ln16, add_ln16):
         assert rows[name, 4]["loads"] == rows[name, 1]["loads"], rows
-    for name, window in ((rms, 4), (rms16, 8), (ln, 4), (ln16, 8), ("add_rms_norm torch.float32", 0)):
+    for name, window in ((rms, 4), (rms16, 8), (ln, 4), (ln16, 8), (add_rms, 4), (add_ln16, 8)):
         assert rows[name, 4]["window"] == window, rows
-    for name in (rms16, ln, ln16):
+    for name in (rms16, ln, ln16, add_rms, add_ln16):
         assert rows[name, 1]["loads"] >= 2 and rows[name, 1]["stores"] >= 1, rows
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
 def test_rows_off_16_bytes_are_read_in_windows(dtype, split, monkeypatch, device):
     """The split forward over rows that start off 16 bytes (5 rows of 257: every offset a window
-    takes) reads them in windows (``WINDOW``), RMSNorm's and LayerNorm's, against the reference; on 16
-    bytes, and with a residual, it does not."""
+    takes) reads them in windows (``WINDOW``), each norm with and without a residual (h stored through
+    the windows too), against the reference; on 16 bytes it does not."""
     windows, run = [], nm._run
 
     def recording(launches):
@@ -357,8 +362,10 @@ def test_rows_off_16_bytes_are_read_in_windows(dtype, split, monkeypatch, device
     for kind, n, window in (
         ("rms_norm", 257, 16 // dtype.itemsize),
         ("layer_norm", 257, 16 // dtype.itemsize),
+        ("add_rms_norm", 257, 16 // dtype.itemsize),
+        ("add_layer_norm", 257, 16 // dtype.itemsize),
         ("rms_norm", 256, 0),
-        ("add_rms_norm", 257, 0),
+        ("add_layer_norm", 256, 0),
     ):
         windows.clear()
         kernel, reference, inputs, grad_inputs, grads = _case(kind, (5, n), dtype, device, seed=n + 11)

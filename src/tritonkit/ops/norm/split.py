@@ -56,8 +56,8 @@ SPLIT_L2_SHARE = 0.5  # of L2, what the rows in flight may hold between their tw
 # a chunk: 8 fp32 values a thread at 8 warps in fp32, 16 in 16 bits (16-byte loads either way); the
 # backward holds h, dy, w and its two sums of a chunk at once
 SPLIT_BLOCK_N = {4: 2048, 2: 4096}
-# the forward (no residual) reads rows that start off 16 bytes in windows (``_windowed_row``); False: an
-# entry at a time, as the residual's form (a benchmark's comparison)
+# the forward reads rows that start off 16 bytes in windows (``_windowed_row``); False: an entry at a
+# time (a benchmark's comparison)
 SPLIT_WINDOWS = True
 
 
@@ -198,9 +198,11 @@ def fwd_split_launches(
     align = row_align((n, *strides), size)
     meta = _meta(config, flags | {"HAS_BIAS": bias is not None}, align)
     meta["UNROLL"] = SPLIT_PASS1_UNROLL if _unrolled(rms, r2 is not None, (n, *strides), size) else 1
-    # rows off 16 bytes (no residual) in windows: x and y 16 bytes at a time, w and b an entry at a time
-    windowed = SPLIT_WINDOWS and r2 is None
-    window = row_window(n, [(0, x2.stride(0)), (0, n)], (x2, y)) if windowed else 0
+    # rows off 16 bytes in windows: x, the residual, h and y 16 bytes at a time, w and b an entry at a time
+    views, tensors = [(0, x2.stride(0)), (0, n)], (x2, y)
+    if r2 is not None:
+        views, tensors = views + [(0, r2.stride(0))], tensors + (r2, h)
+    window = row_window(n, views, tensors) if SPLIT_WINDOWS else 0
     meta["WINDOW"] = window
     span = row_span(n, window)
 
@@ -395,7 +397,7 @@ def _norm_fwd_split_kernel(
     PHASE: tl.constexpr,  # 0: both passes, waiting between them; 1: pass 1 only; 2: pass 2 only
     ALIGN: tl.constexpr,  # N and the row strides are multiples of it (jit.aligned)
     UNROLL: tl.constexpr,  # pass 1's chunks a loop iteration (SPLIT_PASS1_UNROLL or 1: _unrolled)
-    WINDOW: tl.constexpr,  # 0, or rows (no residual) read in windows (_windowed_row)
+    WINDOW: tl.constexpr,  # 0, or rows read in windows (_windowed_row)
 ):
     N = aligned(N, ALIGN)
     stride_xm = aligned(stride_xm, ALIGN)
@@ -411,9 +413,9 @@ def _norm_fwd_split_kernel(
         x_row = x_ptr + row64 * stride_xm
         if WINDOW > 0:
             _windowed_row(
-                x_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, partials_ptr, arrived_ptr, row, row64, N,
-                segments, segment, first, chunks, stride_xm, eps, offsets, SEGMENT, RMS, HAS_WEIGHT, HAS_BIAS,
-                SEGMENTS, PHASE, UNROLL, WINDOW,
+                x_ptr, r_ptr, h_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, partials_ptr, arrived_ptr, row,
+                row64, N, segments, segment, first, chunks, stride_xm, stride_rm, eps, offsets, SEGMENT, RMS,
+                HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, SEGMENTS, PHASE, UNROLL, WINDOW,
             )  # fmt: skip
         elif PHASE != 2:  # pass 1: the segment's sums about the mean of its first chunk (LayerNorm)
             shift = 0.0
@@ -472,38 +474,41 @@ def _norm_fwd_split_kernel(
 
 @triton.jit
 def _windowed_row(
-    x_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, partials_ptr, arrived_ptr, row, row64, N, segments,
-    segment, first, chunks, stride_xm, eps, offsets, SEGMENT, RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SEGMENTS: tl.constexpr, PHASE: tl.constexpr, UNROLL: tl.constexpr,
-    WINDOW: tl.constexpr,
+    x_ptr, r_ptr, h_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, partials_ptr, arrived_ptr, row, row64, N,
+    segments, segment, first, chunks, stride_xm, stride_rm, eps, offsets, SEGMENT, RMS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, SEGMENTS: tl.constexpr,
+    PHASE: tl.constexpr, UNROLL: tl.constexpr, WINDOW: tl.constexpr,
 ):  # fmt: skip
-    """The two passes over a segment of a row that starts off 16 bytes (no residual), read in windows
+    """The two passes over a segment of a row that starts off 16 bytes, read in windows
     (``jit.window_base``: from the row's offset rounded down to WINDOW entries, ``head`` entries before
-    the row, x's and y's heads alike): the vectors wholly in the row 16 bytes at a time, the row's two
-    edge vectors an entry at a time by the segments holding them, the weight and bias an entry at a
-    time (their entries sit ``head`` off x's). The segment covers positions first, ... of the window;
-    LayerNorm's sums are about the mean of its first chunk, as the unwindowed pass 1's."""
+    the row, the heads of x, the residual, h and y alike): the vectors wholly in the row 16 bytes at a
+    time, the row's two edge vectors an entry at a time by the segments holding them, the weight and
+    bias an entry at a time (their entries sit ``head`` off x's). The segment covers positions first,
+    ... of the window; LayerNorm's sums are about the mean of its first chunk, as the unwindowed pass
+    1's."""
     x_base, head = window_base(row64 * stride_xm, WINDOW)
-    y_base, _ = window_base(row64 * N, WINDOW)
-    x_row, y_row = x_ptr + x_base, y_ptr + y_base
+    y_base, _ = window_base(row64 * N, WINDOW)  # (h's too: both (M, N), contiguous)
+    x_row, y_row, r_row, h_row = x_ptr + x_base, y_ptr + y_base, r_ptr, h_ptr  # (r_ptr, h_ptr: None, unused)
+    if HAS_RESIDUAL:
+        r_row, h_row = r_ptr + window_base(row64 * stride_rm, WINDOW)[0], h_ptr + y_base
     edges, on_edge = segment_edges(head, N, first, SEGMENT, WINDOW)
     if PHASE != 2:  # pass 1: the segment's sum of squares (LayerNorm: and sum, about the shift)
         shift = 0.0
         if not RMS:
             inner = window_interior(first + offsets, head, N, WINDOW)
-            h = tl.load(x_row + first + offsets, mask=inner, other=0.0).to(tl.float32)
+            h = _window_h(x_row, r_row, h_row, first + offsets, inner, HAS_RESIDUAL, STORE=False)
             shift = tl.sum(h, axis=0) / tl.maximum(tl.sum(inner.to(tl.float32), axis=0), 1.0)
         total = tl.zeros(offsets.shape, tl.float32)
         squares = tl.zeros(offsets.shape, tl.float32)
         for i in tl.range(0, chunks, loop_unroll_factor=UNROLL):
             positions = first + i * offsets.shape[0] + offsets
             inner = window_interior(positions, head, N, WINDOW)
-            h = tl.load(x_row + positions, mask=inner, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            h = _window_h(x_row, r_row, h_row, positions, inner, HAS_RESIDUAL, STORE=True)
             if not RMS:
                 h = tl.where(inner, h - shift, 0.0)
                 total += h
             squares += h * h
-        h = tl.load(x_row + edges, mask=on_edge, other=0.0).to(tl.float32)
+        h = _window_h(x_row, r_row, h_row, edges, on_edge, HAS_RESIDUAL, STORE=True)
         h = tl.where(on_edge, h - shift, 0.0)
         pair_first, pair_second = _segment_moments(
             tl.sum(total, axis=0) + tl.sum(h, axis=0),
@@ -523,11 +528,29 @@ def _windowed_row(
             tl.store(rstd_ptr + row, rstd)
             if not RMS:
                 tl.store(mean_ptr + row, mean)
+        if HAS_RESIDUAL:  # (pass 2 reads h, which pass 1 stored)
+            source = h_row
+        else:
+            source = x_row
         for i in range(chunks):
             positions = first + (chunks - 1 - i) * offsets.shape[0] + offsets
             inner = window_interior(positions, head, N, WINDOW)
-            _normed_out(x_row, y_row, w_ptr, b_ptr, positions, head, inner, mean, rstd, HAS_WEIGHT, HAS_BIAS)
-        _normed_out(x_row, y_row, w_ptr, b_ptr, edges, head, on_edge, mean, rstd, HAS_WEIGHT, HAS_BIAS)
+            _normed_out(source, y_row, w_ptr, b_ptr, positions, head, inner, mean, rstd, HAS_WEIGHT, HAS_BIAS)
+        _normed_out(source, y_row, w_ptr, b_ptr, edges, head, on_edge, mean, rstd, HAS_WEIGHT, HAS_BIAS)
+
+
+@triton.jit
+def _window_h(x_row, r_row, h_row, positions, mask, HAS_RESIDUAL: tl.constexpr, STORE: tl.constexpr):
+    """h in fp32 at window ``positions`` of a row (``_windowed_row``): x, or x plus the residual,
+    rounded to h's dtype and, with STORE, stored (pass 2 reads it from L2)."""
+    h = tl.load(x_row + positions, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(r_row + positions, mask=mask, other=0.0, eviction_policy="evict_first")
+        h = (h + r.to(tl.float32)).to(h_row.dtype.element_ty)
+        if STORE:
+            tl.store(h_row + positions, h, mask=mask, eviction_policy="evict_last")
+        h = h.to(tl.float32)
+    return h
 
 
 @triton.jit
