@@ -120,7 +120,7 @@ def _backward_both_ways(x, b, dy, monkeypatch):
 
 @pytest.mark.parametrize(
     "shape, dtype",
-    [((133, 27), BF16), ((45, 131), F16), ((29, 301), F32), ((8195, 17), BF16), ((9, 2 * 128 + 3), F32)],
+    [((133, 27), BF16), ((45, 131), F16), ((29, 301), F32), ((1027, 17), BF16), ((9, 2 * 128 + 3), F32)],
     ids=str,
 )
 def test_window_backward_equals_the_plain_one(shape, dtype, device, monkeypatch):

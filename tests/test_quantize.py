@@ -155,7 +155,7 @@ def test_non_finite_values():
 
 @pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("shape", [(37, 50), (64, 160)], ids=["ragged", "by-16"])
+@pytest.mark.parametrize("shape", [(37, 50), (32, 48)], ids=["ragged", "by-16"])
 def test_the_transposed_copy_is_the_transpose(dtype, x_dtype, shape):
     """transpose=True: x_fp8's transpose, contiguous, bit for bit; the scales of
     the tensor as they are, the columns', column blocks' and 2-D blocks' transposed (the columns':
