@@ -17,7 +17,10 @@ from tritonkit import tuning
 from tritonkit._launch import row_window
 from tritonkit.testing import generator, random_tensor
 
-pytestmark = pytest.mark.softmax
+# the untuned launches these tests record: on a GPU, tuning on first use would time candidates through
+# the recorded launcher and run its winner past it (the recordings then miss a direction, or hold the
+# candidates' thousands)
+pytestmark = [pytest.mark.softmax, pytest.mark.tuning_default]
 launches = test_softmax.launches  # the fixture recording each launch, shared
 
 
