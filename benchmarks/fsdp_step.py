@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 from ring_attention import join_group
 
 LAYERS = 4  # bench model's default: the step's memory and the run's time stay small
-DRY = {"batch": (1, 16), "warmup": 1, "steps": 2}  # --dry-run: tokens a rank, steps
+DRY = {"batch": (1, 16), "warmup": 0, "steps": 1}  # --dry-run: tokens a rank, steps (the first step besides)
 TINY = dict(  # --dry-run's Llama
     vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
