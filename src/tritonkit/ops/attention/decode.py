@@ -460,8 +460,10 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softcap) -> No
             )
     elif k_cache.shape[0] != batch:
         raise ValueError(f"a contiguous cache must have B = {batch} sequences, got {k_cache.shape[0]}")
-    if k is not None and seq_q > _max_keys(k_cache, block_table):  # (not the room each sequence has left:
-        raise ValueError(  # that is cache_seqlens's values, a sync)
+    # the new tokens must fit a sequence's slots at all (the room each one has left is cache_seqlens's
+    # values: a sync, so not checked here)
+    if k is not None and seq_q > _max_keys(k_cache, block_table):
+        raise ValueError(
             f"the cache holds {_max_keys(k_cache, block_table)} keys a sequence, fewer than the "
             f"Sq = {seq_q} tokens appended"
         )
