@@ -351,7 +351,8 @@ def test_split_forward_unrolls_pass_1_of_fp32_off_16_byte_vectors():
 def test_rows_off_16_bytes_are_read_in_windows(dtype, split, monkeypatch, device):
     """The split forward over rows that start off 16 bytes (5 rows of 257: every offset a window
     takes) reads them in windows (``WINDOW``), each norm with and without a residual (h stored through
-    the windows too), against the reference; on 16 bytes it does not."""
+    the windows too), without a weight and bias and with fp32 ones, against the reference; on 16 bytes
+    it does not."""
     windows, run = [], nm._run
 
     def recording(launches):
@@ -359,18 +360,22 @@ def test_rows_off_16_bytes_are_read_in_windows(dtype, split, monkeypatch, device
         run(launches)
 
     monkeypatch.setattr(nm, "_run", recording)
-    for kind, n, window in (
-        ("rms_norm", 257, 16 // dtype.itemsize),
-        ("layer_norm", 257, 16 // dtype.itemsize),
-        ("add_rms_norm", 257, 16 // dtype.itemsize),
-        ("add_layer_norm", 257, 16 // dtype.itemsize),
-        ("rms_norm", 256, 0),
-        ("add_layer_norm", 256, 0),
+    window = 16 // dtype.itemsize
+    for kind, n, expected, params in (
+        ("rms_norm", 257, window, {}),
+        ("layer_norm", 257, window, {}),
+        ("add_rms_norm", 257, window, {}),
+        ("add_layer_norm", 257, window, {}),
+        ("layer_norm", 257, window, {"weight": False, "bias": False}),
+        ("add_layer_norm", 257, window, {"param_dtype": F32}),
+        ("rms_norm", 256, 0, {}),
+        ("add_layer_norm", 256, 0, {}),
     ):
         windows.clear()
-        kernel, reference, inputs, grad_inputs, grads = _case(kind, (5, n), dtype, device, seed=n + 11)
+        case = _case(kind, (5, n), dtype, device, seed=n + 11, **params)
+        kernel, reference, inputs, grad_inputs, grads = case
         check_against_reference(kernel, reference, inputs, grad_inputs=grad_inputs, grad_outputs=grads)
-        assert windows and set(windows) == {window}, (kind, n, windows)
+        assert windows and set(windows) == {expected}, (kind, n, params, windows)
 
 
 @pytest.mark.slow
