@@ -56,9 +56,13 @@ SPLIT_L2_SHARE = 0.5  # of L2, what the rows in flight may hold between their tw
 # a chunk: 8 fp32 values a thread at 8 warps in fp32, 16 in 16 bits (16-byte loads either way); the
 # backward holds h, dy, w and its two sums of a chunk at once
 SPLIT_BLOCK_N = {4: 2048, 2: 4096}
-# the forward reads rows that start off 16 bytes in windows (``_windowed_row``); False: an entry at a
-# time (a benchmark's comparison)
+# the forward reads rows that start off 16 bytes in windows (``_windowed_row``): 16-bit rows, and RMSNorm's
+# (no residual) in fp32 too. On an H100 (docs/perf-notes/norms.md) 16-bit rows of 3738195 ran 1.14-1.57x
+# their speed an entry at a time, fp32 rows of 13795015 0.94-1.00x but RMSNorm's (not timed there), so
+# those keep an entry at a time; SPLIT_WINDOWS_FP32 takes them in windows too (the tests' fp32 windows).
+# SPLIT_WINDOWS False: an entry at a time everywhere (a benchmark's comparison)
 SPLIT_WINDOWS = True
+SPLIT_WINDOWS_FP32 = False
 
 
 def split_default(key: dict) -> dict | None:
@@ -198,11 +202,13 @@ def fwd_split_launches(
     align = row_align((n, *strides), size)
     meta = _meta(config, flags | {"HAS_BIAS": bias is not None}, align)
     meta["UNROLL"] = SPLIT_PASS1_UNROLL if _unrolled(rms, r2 is not None, (n, *strides), size) else 1
-    # rows off 16 bytes in windows: x, the residual, h and y 16 bytes at a time, w and b an entry at a time
+    # rows off 16 bytes in windows (SPLIT_WINDOWS): x, the residual, h and y 16 bytes at a time, w and b an
+    # entry at a time
     views, tensors = [(0, x2.stride(0)), (0, n)], (x2, y)
     if r2 is not None:
         views, tensors = views + [(0, r2.stride(0))], tensors + (r2, h)
-    window = row_window(n, views, tensors) if SPLIT_WINDOWS else 0
+    windowed = SPLIT_WINDOWS and (size < 4 or rms and r2 is None or SPLIT_WINDOWS_FP32)
+    window = row_window(n, views, tensors) if windowed else 0
     meta["WINDOW"] = window
     span = row_span(n, window)
 
