@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tritonkit import roofline
-from tritonkit.bench import add_peer_ratios, format_table, run, write_results
+from tritonkit.bench import add_peer_ratios, format_table, run, runner, write_results
 from tritonkit.bench.providers import providers_for
 from tritonkit.bench.report import markdown_table
 from tritonkit.bench.runner import Case, run_case
@@ -736,3 +736,17 @@ def test_settings_compare_reports_each_case_and_writes_the_rows_so_far(monkeypat
     lines.clear()
     assert settings.compare(cases, {}, str(out), "cmd", lines.append, deadline=-1.0) == []
     assert lines == ["deadline: op (4, 5) fwd and later cases not run"]
+
+
+def test_a_reference_out_of_device_memory_leaves_the_row_timed_and_marked_unchecked(workload, monkeypatch):
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 GiB (a stand-in)")
+
+    monkeypatch.setattr(runner, "_check", out_of_memory)
+    [row] = run_case(Case(workload, (7, 33), torch.float32, "fwd"), ["tritonkit"], "cpu")
+    assert row["check"] == runner.UNCHECKED and "ran out of device memory" in row["error"]
+    assert "check" in row["bench_s"]  # the row went on past its check
+    table = markdown_table(
+        [_timed_row("tritonkit", 0.1, check=row["check"]), _timed_row("torch", 0.2, check="pass")]
+    )
+    assert "(unchecked)" in table and "FAIL" not in table

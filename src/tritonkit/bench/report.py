@@ -250,7 +250,8 @@ def markdown_table(rows: list[dict]) -> str:
             if row is None or rate_key not in row:
                 cells.append("refused" if row is not None else "-")
             else:
-                cells.append(f"{row[rate_key]:.0f}" + ("" if row.get("check") == "pass" else " (FAIL)"))
+                mark = {"pass": "", "unchecked": " (unchecked)"}.get(row.get("check"), " (FAIL)")
+                cells.append(f"{row[rate_key]:.0f}" + mark)
         ours = by_provider.get("tritonkit", {})
         for _, key in ours_columns:
             value = ours.get(key)
