@@ -2,21 +2,22 @@
 process, bf16, with the causal order's group sizes beside the default.
 
     python benchmarks/attention_fwd_sm90.py OUT.json [--deadline SECONDS] [--candidates]
-        [--shape B,Hq,Hkv,S,D] [--full | --causal] [--rounds N] [--softcap CAP] [--window LEFT,RIGHT]
+        [--changes KEY=VALUE ...] [--shape B,Hq,Hkv,S,D] [--full | --causal] [--rounds N]
+        [--softcap CAP] [--window LEFT,RIGHT]
 
-Rows: the backward benchmark's shapes (``attention_bwd_sm90.SHAPES``), full and causal, then the
-decoder layer's attention (``tritonkit bench layer``'s 8b-4k: GQA 32/8, S = 4096, causal, q, k and v
-strided views of one QKV projection). ``--shape`` times the given shapes instead (repeatable; no layer
-row), ``--full`` or ``--causal`` one mask. A causal row also times the causal order's other group
-sizes (``fwd_sm90.order``; ``GROUPS``); ``--candidates`` times every tile of
-``fwd_sm90.CANDIDATES`` for the head dim instead. A row's providers take turns, ``--rounds`` of
-them, as the backward benchmark's (``tritonkit.bench.timing.interleaved_turns``; the turns, the
-median turn, its spread and the paired ratios to cuDNN and of each variant to the default, which
-are what is printed), each turn
-``triton.testing.do_bench``'s median over an eager call (the host path included), L2 flushed;
-TFLOP/s from
-4 * B * Hq * Sq * Sk * D (half of it causal). Each row gives the largest difference from cuDNN's
-output. Rows stop being timed at the deadline (the JSON holds what was measured).
+Rows: the backward benchmark's shapes (``attention_bwd_sm90.SHAPES``), full and causal, then the decoder
+layer's attention (``tritonkit bench layer``'s 8b-4k: GQA 32/8, S = 4096, causal, q, k and v strided
+views of one QKV projection). ``--shape`` times the given shapes instead (repeatable; no layer row),
+``--full`` or ``--causal`` one mask. A causal row also times the causal order's other group sizes
+(``fwd_sm90.order``; ``GROUPS``); ``--candidates`` times every tile of ``fwd_sm90.CANDIDATES`` for the
+head dim instead (with ``--changes``, only the default and the candidates that change it by those words,
+as the rows name them: ``--changes pingpong=True``). A row's providers take turns, ``--rounds``
+of them, as the backward benchmark's (``tritonkit.bench.timing.interleaved_turns``; the turns, the
+median turn, its spread and the paired ratios to cuDNN and of each variant to the default, which are
+what is printed), each turn ``triton.testing.do_bench``'s median over an eager call (the host path
+included), L2 flushed; TFLOP/s from 4 * B * Hq * Sq * Sk * D (half of it causal). Each row gives the
+largest difference from cuDNN's output. Rows stop being timed at the deadline (the JSON holds what was
+measured).
 
 ``--softcap CAP`` and ``--window LEFT,RIGHT`` time soft-capped scores and sliding windows
 (``flash_attention``'s), which cuDNN does not take: the Gluon forward (with ``--candidates`` its
@@ -71,6 +72,8 @@ def _row(shape, causal: bool, layer: bool) -> dict:
     if "--candidates" in sys.argv:
         tile = fwd_sm90.default_config(head_dim, seq)
         for config in fwd_sm90.CANDIDATES[head_dim]:
+            if config != tile and not _wanted(_changes(config, tile)):
+                continue
 
             def candidate(config=config):
                 fwd_sm90.attention_fwd_sm90(
@@ -146,6 +149,14 @@ def _scores_row(row: dict, qkv: tuple, causal: bool, cudnn, flops: float) -> dic
     row["tflops"] = {name: flops / ms / 1e9 for name, ms in row["ms"].items()}
     row["vs_cudnn"] = {name: row["ms"]["cudnn"] / ms for name, ms in row["ms"].items()}
     return row
+
+
+def _wanted(changes: str) -> bool:
+    """Whether ``--changes`` (if given) names a candidate's changes of the default tile."""
+    if "--changes" not in sys.argv:
+        return True
+    named = sys.argv[sys.argv.index("--changes") + 1 :]
+    return changes in named[: next((i for i, word in enumerate(named) if word.startswith("--")), len(named))]
 
 
 def _changes(config, tile) -> str:
