@@ -215,6 +215,9 @@ def _compute_bound(row: dict) -> bool:
     return row["flops"] / row["bytes"] > row["measured_peak"] / row["measured_bandwidth"]
 
 
+UNCHECKED = "unchecked"  # a row's check when its float64 reference could not run (out of device memory)
+
+
 def markdown_table(rows: list[dict]) -> str:
     """Each provider's rate per case, tritonkit's share of its ceiling and its ratio to the best peer:
     the table the docs show. Rates are GB/s, or TFLOP/s for an op whose tritonkit rows are
@@ -250,7 +253,7 @@ def markdown_table(rows: list[dict]) -> str:
             if row is None or rate_key not in row:
                 cells.append("refused" if row is not None else "-")
             else:
-                mark = {"pass": "", "unchecked": " (unchecked)"}.get(row.get("check"), " (FAIL)")
+                mark = {"pass": "", UNCHECKED: f" ({UNCHECKED})"}.get(row.get("check"), " (FAIL)")
                 cells.append(f"{row[rate_key]:.0f}" + mark)
         ours = by_provider.get("tritonkit", {})
         for _, key in ours_columns:

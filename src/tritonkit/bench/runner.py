@@ -23,6 +23,7 @@ from tritonkit import roofline, testing
 from tritonkit._runtime import interpret
 from tritonkit.bench import timing
 from tritonkit.bench.providers import providers_for
+from tritonkit.bench.report import UNCHECKED
 from tritonkit.dtypes import DTYPE_OF, NAME_OF
 from tritonkit.ops import MODES, Workload, get_workload
 
@@ -180,9 +181,6 @@ def _check(fn: Callable, case: Case, inputs: tuple) -> dict:
     if failed:  # which tensors, by how much, against what bound: what a reader of the row needs next
         verdict["error"] = "wrong output: " + "; ".join(map(str, failed))
     return verdict
-
-
-UNCHECKED = "unchecked"  # a row's check when its reference could not run (out of device memory)
 
 
 def _unchecked() -> dict:
