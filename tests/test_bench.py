@@ -750,3 +750,12 @@ def test_a_reference_out_of_device_memory_leaves_the_row_timed_and_marked_unchec
         [_timed_row("tritonkit", 0.1, check=row["check"]), _timed_row("torch", 0.2, check="pass")]
     )
     assert "(unchecked)" in table and "FAIL" not in table
+
+
+def test_cli_bench_says_which_rows_went_unchecked(monkeypatch, capsys):
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (a stand-in)")
+
+    monkeypatch.setattr(runner, "_check", out_of_memory)
+    assert main(["bench", "bias_gelu", "--mode", "fwd", "--providers", "tritonkit", "--no-progress"]) == 0
+    assert "rows not checked: the float64 reference ran out of device memory" in capsys.readouterr().err
