@@ -59,13 +59,16 @@ class Config(NamedTuple):
     """A launch's tile: BLOCK_N keys a step, NUM_STAGES K/V tiles in flight; pin_softmax keeps a
     block's exponentials under the previous block's PV product (see ``_attend_blocks``); pingpong
     orders the consumers' products (``PINGPONG``); persistent launches one program an SM, each
-    walking tiles one after another (its turns, with ping-pong, running on across them)."""
+    walking tiles one after another (its turns, with ping-pong, running on across them);
+    rescale_under_s rescales O under the next block's S product, FA3's order, instead of after the
+    PV product's wait, when nothing is in flight (``RESCALE_UNDER_S``)."""
 
     block_n: int
     num_stages: int
     pin_softmax: bool = True
     pingpong: bool = PINGPONG
     persistent: bool = False
+    rescale_under_s: bool = True
 
 
 # Per head dim. The shared memory of a program is 2 x 64 x D for Q (reused for O) and NUM_STAGES x 2
@@ -107,8 +110,8 @@ def default_config(head_dim: int, seq_k: int) -> Config:
 
 
 # What the benchmark compares per head dim (and the tests check): the default, the same tile with ping-pong
-# toggled and without PIN_SOFTMAX (what each is worth), a deeper ring at D = 128, and the tile persistent (the
-# default over at most PERSISTENT_MAX_KEYS keys; causal, its walk in pairs of a long and a short block,
+# toggled, without PIN_SOFTMAX and with O's rescale after the PV wait (what each is worth), a deeper ring at
+# D = 128, and the tile persistent (the default over at most PERSISTENT_MAX_KEYS keys; causal, its walk in pairs of a long and a short block,
 # fwd_sm90_tiles._walk). FA3's three consumers at D = 64 (64-key steps, 160 registers) ran 0.84-0.89x cuDNN
 # against the default's 0.92-0.93: removed. So were (0bbcc80, docs/perf-notes/attention-forward.md) three at
 # 128-key steps with P through shared memory (0.47-0.95x against one tile a program's 0.67-0.94x) and K
@@ -122,6 +125,7 @@ CANDIDATES = {
         CONFIGS[64]._replace(pingpong=not PINGPONG),
         CONFIGS[64]._replace(pin_softmax=False),
         CONFIGS[64]._replace(persistent=True),
+        CONFIGS[64]._replace(persistent=True, rescale_under_s=False),
     ],
     128: [
         CONFIGS[128],
@@ -130,11 +134,14 @@ CANDIDATES = {
         CONFIGS[128]._replace(num_stages=3),
         CONFIGS[128]._replace(persistent=True),
         CONFIGS[128]._replace(persistent=True, pingpong=not PINGPONG),
+        CONFIGS[128]._replace(rescale_under_s=False),
+        CONFIGS[128]._replace(persistent=True, rescale_under_s=False),
     ],
     256: [
         CONFIGS[256],
         CONFIGS[256]._replace(pingpong=not PINGPONG),
         CONFIGS[256]._replace(pin_softmax=False),
+        CONFIGS[256]._replace(rescale_under_s=False),
     ],
 }
 
@@ -419,6 +426,7 @@ def launches(
         # packed: the tensors' D, to which O's masked row stores keep; dense: 0 (unused), so that a
         # padded head dim's launch is the next one's up, compiled once
         "TENSOR_D": head_dim if packed is not None else 0,
+        "RESCALE_UNDER_S": config.rescale_under_s,
         "num_warps": CONSUMER_WARPS.value,
     }
     tiles = cdiv(seq_q, BLOCK_M) * batch * heads_q
