@@ -13,7 +13,7 @@ Stop, after warm-up calls, so that ncu profiles those two kernels alone; ``--bac
 backward of ``tritonkit.flash_attention`` (free, then deterministic) and of cuDNN's SDPA (every
 kernel each launches). The second prints a row a kernel from the raw page: duration, SM clock,
 cycles, and each pipe's active share. Where the tensor and MUFU shares add up to about 100%, the
-two never run at once (docs/perf-notes/attention-forward.md, "The forward's pipes, counted").
+two never run at once (docs/perf-notes/attention-forward-sm90-loop.md, "The forward's pipes, counted").
 """
 
 from __future__ import annotations

@@ -3,13 +3,13 @@
     python benchmarks/exp2_throughput.py OUT.json
 
 Attention's softmax is bound in part by MUFU.EX2, one exponential a score
-(docs/perf-notes/attention-forward.md, "The forward's pipes, counted"). PTX also has ``ex2.approx.f16x2``, two
-exponentials a register: if the hardware ran a pair at the rate of one fp32 value, a 16-bit P (which the PV
-product takes anyway) would halve that cost. ptxas lowers it for sm_90 as two ``MUFU.EX2.F16``, one a half, so
-the question is their rate. Each thread runs four independent chains of 1024 exponentials over 8 values each
-(enough in flight to keep the pipe busy), timed with ``triton.testing.do_bench``;
-OUT.json holds exponentials a second and a clock of an SM at the H200's 1.98 GHz boost clock (an
-assumed clock: the ratio of the two rows is the result, not their absolute value).
+(docs/perf-notes/attention-forward-sm90-loop.md, "The forward's pipes, counted"). PTX also has
+``ex2.approx.f16x2``, two exponentials a register: if the hardware ran a pair at the rate of one fp32 value, a
+16-bit P (which the PV product takes anyway) would halve that cost. ptxas lowers it for sm_90 as two
+``MUFU.EX2.F16``, one a half, so the question is their rate. Each thread runs four independent chains of 1024
+exponentials over 8 values each (enough in flight to keep the pipe busy), timed with
+``triton.testing.do_bench``; OUT.json holds exponentials a second and a clock of an SM at the H200's 1.98 GHz
+boost clock (an assumed clock: the ratio of the two rows is the result, not their absolute value).
 """
 
 from __future__ import annotations

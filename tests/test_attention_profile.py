@@ -1,5 +1,6 @@
-"""``benchmarks/attention_profile.py``'s reader: the pipe shares docs/perf-notes/attention-forward.md
-cites ("The forward's pipes, counted") are what it reads from the committed Nsight Compute export."""
+"""``benchmarks/attention_profile.py``'s reader: the pipe shares
+docs/perf-notes/attention-forward-sm90-loop.md cites ("The forward's pipes, counted") are what it reads from
+the committed Nsight Compute export."""
 
 from __future__ import annotations
 

@@ -68,7 +68,7 @@ class Config(NamedTuple):
     pin_softmax: bool = True
     pingpong: bool = PINGPONG
     persistent: bool = False
-    rescale_under_s: bool = True
+    rescale_under_s: bool = False
 
 
 # Per head dim. The shared memory of a program is 2 x 64 x D for Q (reused for O) and NUM_STAGES x 2
@@ -81,8 +81,12 @@ class Config(NamedTuple):
 # - D = 256: 64-key steps, two stages (Q 64 KB, the ring 128 KB: 193 KB), one tile a program (the
 #   persistent tile's own O buffers, 64 KB more, do not fit). A consumer holds O (128 fp32), S (32)
 #   and P: no values on the stack compiled for sm_90; not yet timed.
+# O's rescale under the next S product at D = 64 only: timed in turns on an H100 at 51a8da1 (x the other
+# order, docs/perf-notes/attention-forward-sm90-loop.md), 1.007 full and 1.019 causal at (4, 32, 4096,
+# 64), but 0.973-0.996 at four of five D = 128 rows (0.982 causal at (4, 32, 4096, 128), slower in each
+# of 5 rounds).
 CONFIGS = {
-    64: Config(block_n=128, num_stages=3),
+    64: Config(block_n=128, num_stages=3, rescale_under_s=True),
     128: Config(block_n=128, num_stages=2),
     256: Config(block_n=64, num_stages=2),
 }
@@ -110,15 +114,15 @@ def default_config(head_dim: int, seq_k: int) -> Config:
 
 
 # What the benchmark compares per head dim (and the tests check): the default, the same tile with ping-pong
-# toggled, without PIN_SOFTMAX and with O's rescale after the PV wait (what each is worth), a deeper ring at
-# D = 128, and the tile persistent (the default over at most PERSISTENT_MAX_KEYS keys; causal, its walk in pairs of a long and a short block,
-# fwd_sm90_tiles._walk). FA3's three consumers at D = 64 (64-key steps, 160 registers) ran 0.84-0.89x cuDNN
-# against the default's 0.92-0.93: removed. So were (0bbcc80, docs/perf-notes/attention-forward.md) three at
-# 128-key steps with P through shared memory (0.47-0.95x against one tile a program's 0.67-0.94x) and K
-# released with V after the PV product, one arrive and warpgroup barrier a step fewer (level: 0.67-0.93x at D
-# = 64, 0.97-1.01x at D = 128), (c8fc77b) P through shared memory, two tiles a consumer: +1-2% over 4096 keys,
-# -3-4% at 1024, and (6680c00) PV_{j-1} issued after block j's row max: -1-3% at D = 64, -8% at D = 128
-# persistent.
+# toggled, without PIN_SOFTMAX and with O's rescale in the other place (what each is worth), a deeper ring at
+# D = 128, and the tile persistent (the default over at most PERSISTENT_MAX_KEYS keys; causal, its walk in
+# pairs of a long and a short block, fwd_sm90_tiles._walk). FA3's three consumers at D = 64 (64-key steps, 160
+# registers) ran 0.84-0.89x cuDNN against the default's 0.92-0.93: removed. So were (0bbcc80,
+# docs/perf-notes/attention-forward-sm90-loop.md) three at 128-key steps with P through shared memory
+# (0.47-0.95x against one tile a program's 0.67-0.94x) and K released with V after the PV product, one arrive
+# and warpgroup barrier a step fewer (level: 0.67-0.93x at D = 64, 0.97-1.01x at D = 128), (c8fc77b) P through
+# shared memory, two tiles a consumer: +1-2% over 4096 keys, -3-4% at 1024, and (6680c00) PV_{j-1} issued
+# after block j's row max: -1-3% at D = 64, -8% at D = 128 persistent.
 CANDIDATES = {
     64: [
         CONFIGS[64],
@@ -134,14 +138,14 @@ CANDIDATES = {
         CONFIGS[128]._replace(num_stages=3),
         CONFIGS[128]._replace(persistent=True),
         CONFIGS[128]._replace(persistent=True, pingpong=not PINGPONG),
-        CONFIGS[128]._replace(rescale_under_s=False),
-        CONFIGS[128]._replace(persistent=True, rescale_under_s=False),
+        CONFIGS[128]._replace(rescale_under_s=True),
+        CONFIGS[128]._replace(persistent=True, rescale_under_s=True),
     ],
     256: [
         CONFIGS[256],
         CONFIGS[256]._replace(pingpong=not PINGPONG),
         CONFIGS[256]._replace(pin_softmax=False),
-        CONFIGS[256]._replace(rescale_under_s=False),
+        CONFIGS[256]._replace(rescale_under_s=True),
     ],
 }
 
@@ -341,8 +345,9 @@ def check_packed_views(q: torch.Tensor, k: torch.Tensor, packed) -> None:
 # at 48877f9: level with groups of 1 (within 2%, either way by shape); every head at once 2-27%
 # slower. Groups of 2 (measured at f976360): groups of 4 ran 3-7% behind 1, 2 and 8 at (4, 32,
 # 4096, 64) in three runs on an H100, and 2 ran 3% ahead of 4 at (16, 16, 1024, 128) in two on the
-# H200; level (within 2%, either way) at the other shapes timed (docs/perf-notes/attention-forward.md,
-# "The causal order's groups"). The backward orders its pairs by its own rule (bwd_sm90).
+# H200; level (within 2%, either way) at the other shapes timed
+# (docs/perf-notes/attention-forward-sm90-loop.md, "The causal order's groups"). The backward orders
+# its pairs by its own rule (bwd_sm90).
 CAUSAL_HEADS_PER_GROUP = 2
 # At D = 256 (one tile a program), groups of 4: on an H100, 1.19x cuDNN against 2's 1.08x at (2, 16/8,
 # 4096, 256) causal, 1.21x against 1.10x in an earlier run, level (1.12x) at (1, 32/8, 8192, 256)

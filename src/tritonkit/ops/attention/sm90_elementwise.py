@@ -46,7 +46,7 @@ def hide_past(s, index, bound):
     the product's wait and its predicate lives one instruction. As ``gl.where`` of a mask, the 64
     compares a thread ran ahead of the wait and outlived the seven predicate registers: ptxas packed
     them into bits and unpacked them, about 230 instructions a masked block
-    (docs/perf-notes/attention-forward.md)."""
+    (docs/perf-notes/attention-forward-sm90-loop.md)."""
     return gl.inline_asm_elementwise(
         "{ .reg .pred p; setp.lt.s32 p, $2, $3; selp.f32 $0, $1, 0fFF800000, p; }",
         "=r,r,r,r",
