@@ -291,9 +291,11 @@ def _attend_blocks(
         if PINGPONG:
             mbarrier.wait(my_turn, (turn0 + j) & 1)
         s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        if RESCALE_UNDER_S:  # O's rescale under S_j (FA3's order), not after PV_{j-1} with nothing in flight
-            o = o * gl.convert_layout(alpha, row_o)[:, None]
         mbarrier.wait(v_ready.index(prev), ((kv_base + j - 1) // NUM_STAGES) & 1)
+        # O's rescale under S_j (FA3's order), not after PV_{j-1} with nothing in flight; below V's
+        # wait, which ptxas does not hoist it over: above, it split S's HGMMAs (2% slower at D = 128)
+        if RESCALE_UNDER_S:
+            o = o * gl.convert_layout(alpha, row_o)[:, None]
         o = warpgroup_mma(p, v_smem.index(prev), o, is_async=True)
         if PINGPONG:  # both products issued: the other consumer's turn
             mbarrier.arrive(next_turn, count=1)
