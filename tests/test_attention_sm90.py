@@ -24,26 +24,11 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
-from tritonkit.asm import _code, _cuobjdump, innermost_loops
+from tritonkit.asm import _cuobjdump, innermost_loops
 from tritonkit.ops.attention import fwd_sm90 as fwd
 
 def numbers(pattern, text):
     return sorted(set(int(n) for n in re.findall(pattern, text)))
-
-def rescale_outside_s(sass):
-    # (main loops, the most FMULs a main loop runs with no product in flight: from its last full
-    # wait to the step's end and from the step's start to its first HGMMA, where O's rescale ran
-    # before RESCALE_UNDER_S)
-    code, loops, worst = _code(sass), 0, 0
-    for loop in innermost_loops(sass):
-        body = [text for at, text in code if loop.start <= at <= loop.end]
-        waits = [i for i, text in enumerate(body) if "WARPGROUP.DEPBAR.LE gsb0, 0x0" in text]
-        products = [i for i, text in enumerate(body) if "HGMMA" in text]
-        if waits and products:
-            loops += 1
-            outside = body[waits[-1]:] + body[:products[0]]
-            worst = max(worst, sum(1 for text in outside if "FMUL" in text))
-    return loops, worst
 
 def descriptor(dtype, rows, head_dim):
     block = [1, 1, rows, head_dim]
@@ -65,13 +50,11 @@ for dtype, head_dim, causal, persistent, pingpong, *switches in CASES:
                  "qk_scale": "fp32", "cap_log2": "fp32", "IS_CAUSAL": "constexpr", "NUM_STAGES": "constexpr",
                  "PIN_SOFTMAX": "constexpr", "PINGPONG": "constexpr", "CONSUMERS": "constexpr",
                  "CONSUMER_REGS": "constexpr", "PERSISTENT": "constexpr", "SOFTCAP": "constexpr",
-                 "HAS_LOWER": "constexpr", "VARLEN": "constexpr", "TENSOR_D": "constexpr",
-                 "RESCALE_UNDER_S": "constexpr"}
+                 "HAS_LOWER": "constexpr", "VARLEN": "constexpr", "TENSOR_D": "constexpr"}
     constants = {"IS_CAUSAL": causal, "NUM_STAGES": config.num_stages, "PIN_SOFTMAX": config.pin_softmax,
                  "PINGPONG": config.pingpong, "CONSUMERS": fwd.NUM_CONSUMERS,
                  "CONSUMER_REGS": fwd.CONSUMER_REGS, "PERSISTENT": persistent, "SOFTCAP": softcap,
-                 "HAS_LOWER": window, "VARLEN": varlen, "TENSOR_D": tensor_d,
-                 "RESCALE_UNDER_S": config.rescale_under_s}
+                 "HAS_LOWER": window, "VARLEN": varlen, "TENSOR_D": tensor_d}
     kernel = triton.compile(GluonASTSource(fwd._attn_fwd_sm90_kernel, signature, constants),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": fwd.CONSUMER_WARPS.value})
     ptx, sass = kernel.asm["ptx"], _cuobjdump(kernel.asm["cubin"], "-sass")
@@ -84,7 +67,6 @@ for dtype, head_dim, causal, persistent, pingpong, *switches in CASES:
             current = None
         elif "MUFU.EX2" in line and current is not None:
             current += 1
-    main_loops, outside = rescale_outside_s(sass)
     print(json.dumps({
         "case": f"{dtype} d{head_dim} {'causal' if causal else 'full'}{' persistent' if persistent else ''}"
                 f"{' ping-pong' if pingpong else ''}{' softcap' if softcap else ''}"
@@ -101,7 +83,6 @@ for dtype, head_dim, causal, persistent, pingpong, *switches in CASES:
         "swaps": sass.count("PRMT"),
         "tma_loads": ptx.count("cp.async.bulk.tensor.4d.shared"), "exps_under_pv": max(under or [0]),
         "block_exps": fwd.SPLIT_M * config.block_n // 128,
-        "main_loops": main_loops, "rescale_outside_s": outside, "rescale_under_s": config.rescale_under_s,
     }))
 """
 
@@ -156,13 +137,6 @@ def test_the_kernel_compiles_for_hopper_warp_specialized_with_its_softmax_under_
         assert row["swaps"] <= 2 + (head_dim // 2 if "packed" in row["case"] else 0), row
         # a block's exponentials (64 a thread at 128 keys) run while the previous PV product does
         assert row["exps_under_pv"] >= row["block_exps"], row
-        # O's rescale (D / 2 FMULs a thread) where the tile says: under the next S product (at most a
-        # few FMULs left with nothing in flight), or after the PV product's wait
-        assert row["main_loops"] >= 1, row
-        if row["rescale_under_s"]:
-            assert row["rescale_outside_s"] <= head_dim // 8, row
-        else:
-            assert row["rescale_outside_s"] >= head_dim // 2, row
 
 
 def test_the_default_tile_is_persistent_over_few_keys():

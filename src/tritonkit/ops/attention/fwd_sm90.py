@@ -59,16 +59,13 @@ class Config(NamedTuple):
     """A launch's tile: BLOCK_N keys a step, NUM_STAGES K/V tiles in flight; pin_softmax keeps a
     block's exponentials under the previous block's PV product (see ``_attend_blocks``); pingpong
     orders the consumers' products (``PINGPONG``); persistent launches one program an SM, each
-    walking tiles one after another (its turns, with ping-pong, running on across them);
-    rescale_under_s rescales O under the next block's S product, FA3's order, instead of after the
-    PV product's wait, when nothing is in flight (``RESCALE_UNDER_S``)."""
+    walking tiles one after another (its turns, with ping-pong, running on across them)."""
 
     block_n: int
     num_stages: int
     pin_softmax: bool = True
     pingpong: bool = PINGPONG
     persistent: bool = False
-    rescale_under_s: bool = False
 
 
 # Per head dim. The shared memory of a program is 2 x 64 x D for Q (reused for O) and NUM_STAGES x 2
@@ -81,12 +78,8 @@ class Config(NamedTuple):
 # - D = 256: 64-key steps, two stages (Q 64 KB, the ring 128 KB: 193 KB), one tile a program (the
 #   persistent tile's own O buffers, 64 KB more, do not fit). A consumer holds O (128 fp32), S (32)
 #   and P: no values on the stack compiled for sm_90; not yet timed.
-# O's rescale under the next S product at D = 64 only: timed in turns on an H100 at 51a8da1 (x the other
-# order, docs/perf-notes/attention-forward-sm90-loop.md), 1.007 full and 1.019 causal at (4, 32, 4096,
-# 64), but 0.973-0.996 at four of five D = 128 rows (0.982 causal at (4, 32, 4096, 128), slower in each
-# of 5 rounds).
 CONFIGS = {
-    64: Config(block_n=128, num_stages=3, rescale_under_s=True),
+    64: Config(block_n=128, num_stages=3),
     128: Config(block_n=128, num_stages=2),
     256: Config(block_n=64, num_stages=2),
 }
@@ -114,22 +107,22 @@ def default_config(head_dim: int, seq_k: int) -> Config:
 
 
 # What the benchmark compares per head dim (and the tests check): the default, the same tile with ping-pong
-# toggled, without PIN_SOFTMAX and with O's rescale in the other place (what each is worth), a deeper ring at
-# D = 128, and the tile persistent (the default over at most PERSISTENT_MAX_KEYS keys; causal, its walk in
-# pairs of a long and a short block, fwd_sm90_tiles._walk). FA3's three consumers at D = 64 (64-key steps, 160
-# registers) ran 0.84-0.89x cuDNN against the default's 0.92-0.93: removed. So were (0bbcc80,
-# docs/perf-notes/attention-forward-sm90-loop.md) three at 128-key steps with P through shared memory
-# (0.47-0.95x against one tile a program's 0.67-0.94x) and K released with V after the PV product, one arrive
-# and warpgroup barrier a step fewer (level: 0.67-0.93x at D = 64, 0.97-1.01x at D = 128), (c8fc77b) P through
-# shared memory, two tiles a consumer: +1-2% over 4096 keys, -3-4% at 1024, and (6680c00) PV_{j-1} issued
-# after block j's row max: -1-3% at D = 64, -8% at D = 128 persistent.
+# toggled and without PIN_SOFTMAX (what each is worth), a deeper ring at D = 128, and the tile persistent (the
+# default over at most PERSISTENT_MAX_KEYS keys; causal, its walk in pairs of a long and a short block,
+# fwd_sm90_tiles._walk). FA3's three consumers at D = 64 (64-key steps, 160 registers) ran 0.84-0.89x cuDNN
+# against the default's 0.92-0.93: removed. So were (0bbcc80, docs/perf-notes/attention-forward-sm90-loop.md)
+# three at 128-key steps with P through shared memory (0.47-0.95x against one tile a program's 0.67-0.94x) and
+# K released with V after the PV product, one arrive and warpgroup barrier a step fewer (level: 0.67-0.93x at
+# D = 64, 0.97-1.01x at D = 128), (c8fc77b) P through shared memory, two tiles a consumer: +1-2% over 4096
+# keys, -3-4% at 1024, and (6680c00) PV_{j-1} issued after block j's row max: -1-3% at D = 64, -8% at D = 128
+# persistent, and (5062b8f) O's rescale under the next S product, FA3's order: -1.3% to +1.9% at D = 64,
+# -2.7% to +0.6% at D = 128 (two placements, on an H100).
 CANDIDATES = {
     64: [
         CONFIGS[64],
         CONFIGS[64]._replace(pingpong=not PINGPONG),
         CONFIGS[64]._replace(pin_softmax=False),
         CONFIGS[64]._replace(persistent=True),
-        CONFIGS[64]._replace(persistent=True, rescale_under_s=False),
     ],
     128: [
         CONFIGS[128],
@@ -138,14 +131,11 @@ CANDIDATES = {
         CONFIGS[128]._replace(num_stages=3),
         CONFIGS[128]._replace(persistent=True),
         CONFIGS[128]._replace(persistent=True, pingpong=not PINGPONG),
-        CONFIGS[128]._replace(rescale_under_s=True),
-        CONFIGS[128]._replace(persistent=True, rescale_under_s=True),
     ],
     256: [
         CONFIGS[256],
         CONFIGS[256]._replace(pingpong=not PINGPONG),
         CONFIGS[256]._replace(pin_softmax=False),
-        CONFIGS[256]._replace(rescale_under_s=True),
     ],
 }
 
@@ -431,7 +421,6 @@ def launches(
         # packed: the tensors' D, to which O's masked row stores keep; dense: 0 (unused), so that a
         # padded head dim's launch is the next one's up, compiled once
         "TENSOR_D": head_dim if packed is not None else 0,
-        "RESCALE_UNDER_S": config.rescale_under_s,
         "num_warps": CONSUMER_WARPS.value,
     }
     tiles = cdiv(seq_q, BLOCK_M) * batch * heads_q

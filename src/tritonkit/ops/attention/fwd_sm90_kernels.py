@@ -29,10 +29,9 @@ Structure (one program = BLOCK_M = 128 query rows of one (batch, head); a one-di
   (K and V have their own, so that Q K^T can start before V has landed);
 - two consumer warpgroups (240 registers each, ``setmaxnreg``) of SPLIT_M = 64 rows each (a wgmma
   has M = 64 per warpgroup), sharing the K/V ring (its empty barriers count both). Each walks the
-  keys with FA3's intra-warpgroup overlap: issue S_j = Q K_j^T, rescale O by block j - 1's factor
-  (under S_j: RESCALE_UNDER_S), issue O += P_{j-1} V_{j-1} (P from registers),
-  ``warpgroup_mma_wait(num_outstanding=1)`` (S_j done, PV may still run), release K_j, softmax of
-  block j under the PV product, ``wait(0)``, release V_{j-1}. The exp2 work
+  keys with FA3's intra-warpgroup overlap: issue S_j = Q K_j^T, issue O += P_{j-1} V_{j-1} (P from
+  registers), ``warpgroup_mma_wait(num_outstanding=1)`` (S_j done, PV may still run), release K_j,
+  softmax of block j under the PV product, ``wait(0)``, release V_{j-1}, rescale O. The exp2 work
   of block j thus runs while the tensor cores do the PV product of block j - 1 (ptxas would hoist
   the full wait above the exponentials; PIN_SOFTMAX keeps them under it, see ``_attend_blocks``),
   and the two warpgroups' products and softmaxes interleave on the SM's tensor cores. P goes to 16
@@ -238,7 +237,6 @@ def _online_softmax(
 def _attend_blocks(
     o,
     p,
-    alpha,
     m_i,
     l_i,
     q,
@@ -263,14 +261,11 @@ def _attend_blocks(
     PIN_SOFTMAX: gl.constexpr,
     PINGPONG: gl.constexpr,
     SOFTCAP: gl.constexpr,
-    RESCALE_UNDER_S: gl.constexpr,
 ):
     """Key blocks [first, last) of a consumer's tile, whose block 0 is the keys' block first_block (the
     ring's blocks kv_base + first, ...), one block
     behind for PV: on entry ``p`` holds block first - 1's probabilities (in the A-operand layout)
-    whose PV product is still to do, and ``alpha`` the factor O takes before that product
-    (RESCALE_UNDER_S: taken under the next S product, else at the end of the block that made it);
-    on exit, block last - 1's. Returns (o, p, alpha, m_i, l_i). ``pin``:
+    whose PV product is still to do; on exit, block last - 1's. Returns (o, p, m_i, l_i). ``pin``:
     this consumer's (SPLIT_M,) fp32 scratch in shared memory, written and never read
     (PIN_SOFTMAX). ``my_turn``/``next_turn``: PINGPONG's mbarriers; block j is this consumer's
     (turn0 + j)-th turn (the tile's prologue, S_0, its turn0-th)."""
@@ -292,17 +287,13 @@ def _attend_blocks(
             mbarrier.wait(my_turn, (turn0 + j) & 1)
         s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         mbarrier.wait(v_ready.index(prev), ((kv_base + j - 1) // NUM_STAGES) & 1)
-        # O's rescale under S_j (FA3's order), not after PV_{j-1} with nothing in flight; below V's
-        # wait, which ptxas does not hoist it over: above, it split S's HGMMAs (2% slower at D = 128)
-        if RESCALE_UNDER_S:
-            o = o * gl.convert_layout(alpha, row_o)[:, None]
         o = warpgroup_mma(p, v_smem.index(prev), o, is_async=True)
         if PINGPONG:  # both products issued: the other consumer's turn
             mbarrier.arrive(next_turn, count=1)
         # the older group (S_j) done, PV_{j-1} may still run: block j's softmax overlaps it
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
         mbarrier.arrive(k_empty.index(stage), count=1)
-        p_j, m_i, l_i, alpha_j = _online_softmax(
+        p_j, m_i, l_i, alpha = _online_softmax(
             s, m_i, l_i, rows, (first_block + j) * BLOCK_N, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale,
             cap_log2, MASKED, IS_CAUSAL, HAS_LOWER, SOFTCAP,
         )  # fmt: skip
@@ -315,11 +306,9 @@ def _attend_blocks(
             pin.store(l_i)
         o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
         mbarrier.arrive(v_empty.index(prev), count=1)
-        if not RESCALE_UNDER_S:
-            o = o * gl.convert_layout(alpha_j, row_o)[:, None]
-        alpha = alpha_j
+        o = o * gl.convert_layout(alpha, row_o)[:, None]
         p = p_next
-    return o, p, alpha, m_i, l_i
+    return o, p, m_i, l_i
 
 
 @gluon.jit
@@ -369,7 +358,6 @@ def _consume_tile(
     VARLEN: gl.constexpr,  # a packed batch: O leaves by masked stores (a box past the sequence's rows
     # would write the next sequence's)
     TENSOR_D: gl.constexpr,  # VARLEN: O's head dim, HEAD_DIM or fewer (a padded one: its columns masked)
-    RESCALE_UNDER_S: gl.constexpr,  # O's rescale runs under the next S product (see _attend_blocks)
 ):
     """One consumer's part of a tile: its 64 rows' output and lse."""
     ROWS: gl.constexpr = q_smem.type.shape[1]
@@ -417,7 +405,7 @@ def _consume_tile(
             mbarrier.arrive(next_turn, count=1)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         mbarrier.arrive(k_empty.index(first), count=1)
-        p, m_i, l_i, alpha = _online_softmax(
+        p, m_i, l_i, _ = _online_softmax(
             s, m_i, l_i, rows, first_block * BLOCK_N, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale, cap_log2,
             True, IS_CAUSAL, HAS_LOWER, SOFTCAP,
         )  # fmt: skip
@@ -428,33 +416,31 @@ def _consume_tile(
         # fmt: off
         if HAS_LOWER:
             lead_end = gl.minimum(gl.maximum(n_lead, 1), n_blocks)
-            o, p, alpha, m_i, l_i = _attend_blocks(
-                o, p, alpha, m_i, l_i, q, ring, pin, my_turn, next_turn, turn0, rows, 1, lead_end, kv_base,
+            o, p, m_i, l_i = _attend_blocks(
+                o, p, m_i, l_i, q, ring, pin, my_turn, next_turn, turn0, rows, 1, lead_end, kv_base,
                 first_block, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale, cap_log2, True, IS_CAUSAL,
-                HAS_LOWER, PIN_SOFTMAX, PINGPONG, SOFTCAP, RESCALE_UNDER_S)
+                HAS_LOWER, PIN_SOFTMAX, PINGPONG, SOFTCAP)
             full_end = gl.minimum(gl.maximum(n_full, lead_end), n_blocks)
-            o, p, alpha, m_i, l_i = _attend_blocks(
-                o, p, alpha, m_i, l_i, q, ring, pin, my_turn, next_turn, turn0, rows, lead_end, full_end,
-                kv_base, first_block, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale, cap_log2, False, IS_CAUSAL,
-                HAS_LOWER, PIN_SOFTMAX, PINGPONG, SOFTCAP, RESCALE_UNDER_S)
-        else:
-            o, p, alpha, m_i, l_i = _attend_blocks(
-                o, p, alpha, m_i, l_i, q, ring, pin, my_turn, next_turn, turn0, rows, 1, n_full, kv_base,
+            o, p, m_i, l_i = _attend_blocks(
+                o, p, m_i, l_i, q, ring, pin, my_turn, next_turn, turn0, rows, lead_end, full_end, kv_base,
                 first_block, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale, cap_log2, False, IS_CAUSAL,
-                HAS_LOWER, PIN_SOFTMAX, PINGPONG, SOFTCAP, RESCALE_UNDER_S)
+                HAS_LOWER, PIN_SOFTMAX, PINGPONG, SOFTCAP)
+        else:
+            o, p, m_i, l_i = _attend_blocks(
+                o, p, m_i, l_i, q, ring, pin, my_turn, next_turn, turn0, rows, 1, n_full, kv_base,
+                first_block, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale, cap_log2, False, IS_CAUSAL,
+                HAS_LOWER, PIN_SOFTMAX, PINGPONG, SOFTCAP)
             full_end = gl.maximum(n_full, 1)
-        o, p, alpha, m_i, l_i = _attend_blocks(
-            o, p, alpha, m_i, l_i, q, ring, pin, my_turn, next_turn, turn0, rows, full_end, n_blocks, kv_base,
+        o, p, m_i, l_i = _attend_blocks(
+            o, p, m_i, l_i, q, ring, pin, my_turn, next_turn, turn0, rows, full_end, n_blocks, kv_base,
             first_block, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, qk_scale, cap_log2, True, IS_CAUSAL, HAS_LOWER,
-            PIN_SOFTMAX, PINGPONG, SOFTCAP, RESCALE_UNDER_S)
+            PIN_SOFTMAX, PINGPONG, SOFTCAP)
         # fmt: on
         # the last block's PV product
         last = (kv_base + n_blocks - 1) % NUM_STAGES
         mbarrier.wait(v_ready.index(last), ((kv_base + n_blocks - 1) // NUM_STAGES) & 1)
         if PINGPONG:
             mbarrier.wait(my_turn, (turn0 + n_blocks) & 1)
-        if RESCALE_UNDER_S:
-            o = o * gl.convert_layout(alpha, row_o)[:, None]
         o = warpgroup_mma(p, v_smem.index(last), o, is_async=True)
         if PINGPONG:  # the second consumer's last hand-on opens the next tile (unwaited after the last)
             mbarrier.arrive(next_turn, count=1)
@@ -503,7 +489,7 @@ def _softmax_partition(
     k_empty, v_ready, v_empty, pin_smem, turn_smem, batch, head, start_m, first_block, n_blocks, n_lead,
     n_full, q_row0, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, stride_lb, stride_lh, qk_scale, cap_log2,
     IS_CAUSAL: gl.constexpr, PIN_SOFTMAX: gl.constexpr, PINGPONG: gl.constexpr, SOFTCAP: gl.constexpr,
-    HAS_LOWER: gl.constexpr, VARLEN: gl.constexpr, TENSOR_D: gl.constexpr, RESCALE_UNDER_S: gl.constexpr,
+    HAS_LOWER: gl.constexpr, VARLEN: gl.constexpr, TENSOR_D: gl.constexpr,
 ):  # fmt: skip
     """A consumer of a program of one tile (``_consume_tile``'s arguments; VARLEN, the tile's
     sequence's rows, lengths and bounds)."""
@@ -512,7 +498,6 @@ def _softmax_partition(
         v_empty, pin_smem, turn_smem, batch, head, start_m, first_block, n_blocks, n_lead, n_full, 0, 0,
         q_row0, o_ptr, stride_oh, stride_os, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, stride_lb, stride_lh,
         qk_scale, cap_log2, IS_CAUSAL, PIN_SOFTMAX, PINGPONG, False, SOFTCAP, HAS_LOWER, VARLEN, TENSOR_D,
-        RESCALE_UNDER_S,
     )  # fmt: skip
 
 
@@ -523,7 +508,6 @@ def _softmax_partition_persistent(
     GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET, cu_q_ptr, cu_k_ptr, stride_lb, stride_lh, qk_scale,
     cap_log2, IS_CAUSAL: gl.constexpr, PIN_SOFTMAX: gl.constexpr, PINGPONG: gl.constexpr,
     SOFTCAP: gl.constexpr, HAS_LOWER: gl.constexpr, VARLEN: gl.constexpr, TENSOR_D: gl.constexpr,
-    RESCALE_UNDER_S: gl.constexpr,
 ):  # fmt: skip
     """A consumer of a persistent program: the producer's tiles, in its order."""
     BLOCK: gl.constexpr = q_smem.type.shape[0] * q_smem.type.shape[1]
@@ -543,7 +527,7 @@ def _softmax_partition_persistent(
             v_ready, v_empty, pin_smem, turn_smem, batch, head, start_m, first_block, n_blocks, n_lead,
             n_full, kv_base, loads, q_row0, o_ptr, stride_oh, stride_os, seq_q, seq_k, upper, lower,
             stride_lb, stride_lh, qk_scale, cap_log2, IS_CAUSAL, PIN_SOFTMAX, PINGPONG, True, SOFTCAP,
-            HAS_LOWER, VARLEN, TENSOR_D, RESCALE_UNDER_S,
+            HAS_LOWER, VARLEN, TENSOR_D,
         )  # fmt: skip
         kv_base += n_blocks
         loads += gl.where(n_blocks > 0, 1, 0)
@@ -588,7 +572,6 @@ def _attn_fwd_sm90_kernel(
     HAS_LOWER: gl.constexpr,  # a window's lower bound
     VARLEN: gl.constexpr,  # a packed batch of B sequences (persistent only): tensors (1, H, T, D)
     TENSOR_D: gl.constexpr,  # VARLEN: the tensors' D, the boxes' (HEAD_DIM) or fewer (a padded head dim)
-    RESCALE_UNDER_S: gl.constexpr,  # O's rescale runs under the next S product (see _attend_blocks)
 ):
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -647,14 +630,14 @@ def _attn_fwd_sm90_kernel(
                                              HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
                                              cu_q_ptr, cu_k_ptr, stride_lb, stride_lh, qk_scale, cap_log2,
                                              IS_CAUSAL, PIN_SOFTMAX, PINGPONG, SOFTCAP, HAS_LOWER, VARLEN,
-                                             TENSOR_D, RESCALE_UNDER_S)),
+                                             TENSOR_D)),
             (_softmax_partition_persistent, (1, o_desc, o_ptr, stride_oh, stride_os, lse_ptr, q_smem, o_smem,
                                              k_smem, v_smem, q_ready, q_free, k_ready, k_empty, v_ready,
                                              v_empty, pin_smem, turn_smem, HEADS, BATCH_HEADS,
                                              HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
                                              cu_q_ptr, cu_k_ptr, stride_lb, stride_lh, qk_scale, cap_log2,
                                              IS_CAUSAL, PIN_SOFTMAX, PINGPONG, SOFTCAP, HAS_LOWER, VARLEN,
-                                             TENSOR_D, RESCALE_UNDER_S)),
+                                             TENSOR_D)),
             (_load_partition_persistent, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free,
                                           k_ready, k_empty, v_ready, v_empty, HEADS, BATCH_HEADS,
                                           HEADS_PER_GROUP, GROUP, SEQ_Q, SEQ_K, UPPER_OFFSET, LOWER_OFFSET,
@@ -666,14 +649,12 @@ def _attn_fwd_sm90_kernel(
                                   q_ready, k_ready, k_empty, v_ready, v_empty, pin_smem, turn_smem, batch,
                                   head, start_m, first_block, n_blocks, n_lead, n_full, q_row0, seq_q, seq_k,
                                   upper, lower, stride_lb, stride_lh, qk_scale, cap_log2, IS_CAUSAL,
-                                  PIN_SOFTMAX, PINGPONG, SOFTCAP, HAS_LOWER, VARLEN, TENSOR_D,
-                                  RESCALE_UNDER_S)),
+                                  PIN_SOFTMAX, PINGPONG, SOFTCAP, HAS_LOWER, VARLEN, TENSOR_D)),
             (_softmax_partition, (1, o_desc, o_ptr, stride_oh, stride_os, lse_ptr, q_smem, k_smem, v_smem,
                                   q_ready, k_ready, k_empty, v_ready, v_empty, pin_smem, turn_smem, batch,
                                   head, start_m, first_block, n_blocks, n_lead, n_full, q_row0, seq_q, seq_k,
                                   upper, lower, stride_lb, stride_lh, qk_scale, cap_log2, IS_CAUSAL,
-                                  PIN_SOFTMAX, PINGPONG, SOFTCAP, HAS_LOWER, VARLEN, TENSOR_D,
-                                  RESCALE_UNDER_S)),
+                                  PIN_SOFTMAX, PINGPONG, SOFTCAP, HAS_LOWER, VARLEN, TENSOR_D)),
             (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
                                v_ready, v_empty, batch, head, kv_head, start_m, first_block, n_blocks, q_row0,
                                k_row0)),
