@@ -105,8 +105,8 @@ class Config(NamedTuple):
 # measured 0.90x cuDNN full and 0.96-0.97x causal against one block's 0.74x and 0.87-0.88x; `python
 # benchmarks/attention_bwd_sm90.py OUT.json --defaults --skip-triton --config free:block_m=128
 # --config det:block_m=128,turn_blocks=1 --shape 4,32,32,4096,64 --shape 2,32,8,4096,64`;
-# docs/perf-notes/attention-backward-sm90.md). A second run (9b33d42, H100, --rounds 9, x the 64-row step
-# round by round): +1-5% full in both modes, +5% GQA causal free, -1-3% at the MHA causal shapes.
+# docs/perf-notes/attention-backward-sm90-steps.md). A second run (9b33d42, H100, --rounds 9, x the 64-row
+# step round by round): +1-5% full in both modes, +5% GQA causal free, -1-3% at the MHA causal shapes.
 # At D = 128 the free mode converts its 16-bit P in pairs too (p_in_pairs, the deterministic mode's):
 # on the H200 at c1360a6, x the fp32 P round by round, +7% at (4, 32, 4096, 128) and (8, 16, 1024,
 # 128) full, level at (2, 32/8, 4096, 128) full (a noisy 0.99x) and level causal (0.99-1.00x); `python
@@ -160,7 +160,7 @@ def default_config(
     an H100 at 9b33d42, x the one-value conversion in the same run, +9-14% causal and level to +2%
     full at D = 128; `python benchmarks/attention_bwd_sm90.py OUT.json --defaults --skip-triton
     --config det:p_in_pairs=True --shape 4,32,32,4096,128`;
-    docs/perf-notes/attention-backward-sm90.md); a turn of the dQ warp a step (at D = 256 two:
+    docs/perf-notes/attention-backward-sm90-steps.md); a turn of the dQ warp a step (at D = 256 two:
     WIDE_TURN_BLOCKS). With a soft cap at D = 64, 64-row steps (a turn two of them): the 128-row
     step's P (1 - tanh^2) beside P kept 7 values a step on the stack in the bf16 free mode (compiled
     for sm_90; none with 64 rows)."""

@@ -28,7 +28,8 @@ def to_pairs(x, dtype: gl.constexpr):
 def from_pairs(x):
     """``x`` (bf16) in fp32, a pair a register: a bf16 is the top half of its fp32, so element 0 (the
     low half) shifts up and element 1 keeps its half, two instructions a pair. ``x.to()`` compiled
-    to two PRMT and two shifts a pair in the backward's dS (docs/perf-notes/attention-backward-sm90.md)."""
+    to two PRMT and two shifts a pair in the backward's dS
+    (docs/perf-notes/attention-backward-sm90-steps.md)."""
     return gl.inline_asm_elementwise(
         "{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xffff0000; }",
         "=r,=r,r",

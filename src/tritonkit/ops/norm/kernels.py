@@ -250,7 +250,7 @@ def _bwd_default(key: dict) -> dict:
 # Rows of at most this many entries (a block) are many to a tile in the backward's default: a tile of
 # one row leaves a thread a value or two (the configs' BLOCK_M 4 at 4 warps: 4 values at 64), and
 # the default walked 64 rows a program one at a time (327218 x 5 fp16: LayerNorm's backward 0.67x
-# the best peer, add_rms_norm's 0.27x; the sweep's shard 7, docs/perf-notes/norms.md).
+# the best peer, add_rms_norm's 0.27x; the sweep's shard 7, docs/perf-notes/norms-split-rows.md).
 BWD_TINY_BLOCK_N = 64
 
 

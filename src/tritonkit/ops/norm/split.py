@@ -43,7 +43,7 @@ from tritonkit.split_rows import _publish_and_wait, _segment_of_program, coopera
 SPLIT_PER_SM = 2  # programs an SM the split launches aim for
 # RMSNorm's backward (one dw slice, no db) takes the split up to this many programs an SM's rows
 # too, at that many programs an SM: 1.14-1.79x at 411 x 25911 fp32 and 512 and 1024 x 16384 bf16
-# on an H100 (docs/perf-notes/norms.md); LayerNorm's (two slices) lost at 16384 bf16 (0.78-0.87x)
+# on an H100 (docs/perf-notes/norms-split-rows.md); LayerNorm's (two slices) lost at 16384 bf16 (0.78-0.87x)
 SPLIT_PER_SM_RMS_BWD = 8
 # a segment is at least this many chunks: 97 rows of 11079 fp16 split in two segments of 2 chunks
 SPLIT_CHUNKS_MIN = 2
@@ -57,9 +57,9 @@ SPLIT_L2_SHARE = 0.5  # of L2, what the rows in flight may hold between their tw
 # backward holds h, dy, w and its two sums of a chunk at once
 SPLIT_BLOCK_N = {4: 2048, 2: 4096}
 # the forward reads rows that start off 16 bytes in windows (``_windowed_row``): 16-bit rows, and RMSNorm's
-# (no residual) in fp32 too. On an H100 (docs/perf-notes/norms.md) 16-bit rows of 3738195 ran 1.14-1.57x
-# their speed an entry at a time, fp32 rows of 13795015 0.94-1.00x but RMSNorm's (not timed there), so
-# those keep an entry at a time; SPLIT_WINDOWS_FP32 takes them in windows too (the tests' fp32 windows).
+# (no residual) in fp32 too. On an H100 (docs/perf-notes/norms-split-rows.md) 16-bit rows of 3738195 ran
+# 1.14-1.57x their speed an entry at a time, fp32 rows of 13795015 0.94-1.00x but RMSNorm's (not timed there),
+# so those keep an entry at a time; SPLIT_WINDOWS_FP32 takes them in windows too (the tests' fp32 windows).
 # SPLIT_WINDOWS False: an entry at a time everywhere (a benchmark's comparison)
 SPLIT_WINDOWS = True
 SPLIT_WINDOWS_FP32 = False
