@@ -759,3 +759,39 @@ def test_cli_bench_says_which_rows_went_unchecked(monkeypatch, capsys):
     monkeypatch.setattr(runner, "_check", out_of_memory)
     assert main(["bench", "bias_gelu", "--mode", "fwd", "--providers", "tritonkit", "--no-progress"]) == 0
     assert "rows not checked: the float64 reference ran out of device memory" in capsys.readouterr().err
+
+
+def test_a_peer_out_of_device_memory_while_timed_gets_a_row_saying_so(workload, monkeypatch):
+    fails = {"torch"}  # the providers whose measures run out of device memory
+
+    def measured(fn, case, inputs, provider, clock):
+        if provider in fails:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB (a stand-in)")
+        return {"ms": 0.1, "gbps": 100.0}
+
+    made_on = []
+    real_inputs = runner._inputs
+
+    def inputs_on_the_cpu(case, device, seed, requires_grad):  # the row's "cuda" run, on this machine
+        made_on.append(device)
+        return real_inputs(case, "cpu", seed, requires_grad)
+
+    monkeypatch.setattr(runner, "_measured", measured)
+    monkeypatch.setattr(runner, "_make_room", lambda case: None)
+    monkeypatch.setattr(runner, "_free_device_memory", lambda: None)
+    monkeypatch.setattr(runner, "_inputs", inputs_on_the_cpu)
+    case = Case(workload, (7, 33), torch.float32, "fwd")
+    rows = run_case(case, ["tritonkit", "torch"], "cuda")
+    assert made_on == ["cuda", "cuda"]
+    ours, peer = rows
+    assert ours["ms"] == 0.1 and "unavailable" not in ours
+    assert peer["provider"] == "torch" and peer["unavailable"].startswith(runner.OUT_OF_MEMORY)
+    assert "8.00 GiB" in peer["unavailable"] and peer["check"] == "pass"  # checked before it was timed
+    table = markdown_table([_timed_row("tritonkit", 0.1), peer | {"shape": [8192, 4096], "dtype": "bf16"}])
+    assert "out of memory" in table and "refused" not in table
+    # tritonkit's own is a finding: raised, or in a sweep (keep_going) a row saying so
+    fails.add("tritonkit")
+    with pytest.raises(torch.OutOfMemoryError):
+        run_case(case, ["tritonkit"], "cuda")
+    [row] = run_case(case, ["tritonkit"], "cuda", keep_going=True)
+    assert row["unavailable"].startswith(runner.OUT_OF_MEMORY)

@@ -216,6 +216,15 @@ def _compute_bound(row: dict) -> bool:
 
 
 UNCHECKED = "unchecked"  # a row's check when its float64 reference could not run (out of device memory)
+# how the reason of a row whose provider ran out of device memory while timed (not in its check) starts
+OUT_OF_MEMORY = "out of device memory while timed"
+
+
+def _not_timed_cell(row: dict | None) -> str:
+    """A table's cell for a provider with no rate in a case: none run ("-"), out of memory, refused."""
+    if row is None:
+        return "-"
+    return "out of memory" if row.get("unavailable", "").startswith(OUT_OF_MEMORY) else "refused"
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -251,7 +260,7 @@ def markdown_table(rows: list[dict]) -> str:
         for provider in providers:
             row = by_provider.get(provider)
             if row is None or rate_key not in row:
-                cells.append("refused" if row is not None else "-")
+                cells.append(_not_timed_cell(row))
             else:
                 mark = {"pass": "", UNCHECKED: f" ({UNCHECKED})"}.get(row.get("check"), " (FAIL)")
                 cells.append(f"{row[rate_key]:.0f}" + mark)

@@ -23,7 +23,7 @@ from tritonkit import roofline, testing
 from tritonkit._runtime import interpret
 from tritonkit.bench import timing
 from tritonkit.bench.providers import providers_for
-from tritonkit.bench.report import UNCHECKED
+from tritonkit.bench.report import OUT_OF_MEMORY, UNCHECKED
 from tritonkit.dtypes import DTYPE_OF, NAME_OF
 from tritonkit.ops import MODES, Workload, get_workload
 
@@ -183,12 +183,18 @@ def _check(fn: Callable, case: Case, inputs: tuple) -> dict:
     return verdict
 
 
+def _free_device_memory() -> None:
+    """What an out-of-memory error left behind: the tensors its frames held (called outside the
+    handler, whose traceback holds them) and the allocator's idle segments."""
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def _unchecked() -> dict:
     """A row whose float64 reference ran out of device memory: the largest cases' do not fit beside
     the provider's tensors on every card (8192 x 262144 logits are 16 GiB a float64 tensor, against
     80 GB on an H100). The row is timed unchecked and says so; the tests check the op's numerics."""
-    gc.collect()
-    torch.cuda.empty_cache()
+    _free_device_memory()
     return {"check": UNCHECKED, "error": "the float64 reference ran out of device memory"}
 
 
@@ -230,14 +236,33 @@ def run_case(
             row |= _unchecked()
         clock.lap("check")
         if device == "cuda":
-            row |= _peak_extra(fn, case, inputs)
-            clock.lap("peak")
-            row |= _timings(fn, case, inputs, provider.name)
-            clock.lap("timing")
-            row |= _host_time(fn, case, provider.name)
-            clock.lap("host")
+            reason = None
+            try:
+                row |= _measured(fn, case, inputs, provider.name, clock)
+            except torch.OutOfMemoryError as error:
+                # a peer's (eager torch's fp32 copies of the largest logits) is a row saying so; ours
+                # is a finding, raised unless the run keeps going
+                if provider.name == "tritonkit" and not keep_going:
+                    raise
+                reason = f"{OUT_OF_MEMORY}: {error}"[:200]
+            if reason is not None:
+                del inputs
+                _free_device_memory()
+                rows.append(row | {"unavailable": reason, "bench_s": clock.laps})
+                continue
         rows.append(row | {"bench_s": clock.laps})
     return rows
+
+
+def _measured(fn: Callable, case: Case, inputs: tuple, provider: str, clock: _PhaseClock) -> dict:
+    """A checked call's measures on the GPU: its peak memory, kernel and eager times, host time."""
+    row = _peak_extra(fn, case, inputs)
+    clock.lap("peak")
+    row |= _timings(fn, case, inputs, provider)
+    clock.lap("timing")
+    row |= _host_time(fn, case, provider)
+    clock.lap("host")
+    return row
 
 
 # A row's device memory at most, in its op's bytes (Cost.bytes: inputs and outputs in their dtype):
