@@ -184,8 +184,8 @@ def _check(fn: Callable, case: Case, inputs: tuple) -> dict:
 
 
 def _free_device_memory() -> None:
-    """What an out-of-memory error left behind: the tensors its frames held (called outside the
-    handler, whose traceback holds them) and the allocator's idle segments."""
+    """Unreferenced tensors collected and the allocator's idle segments given back to the device
+    (after an out-of-memory error, called outside its handler, whose traceback holds its frames)."""
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -280,8 +280,7 @@ def _make_room(case: Case) -> None:
     fails."""
     need = ROOM_FACTOR * case.workload.cost(case.shape, case.dtype, case.mode).bytes
     if need > torch.cuda.mem_get_info()[0]:
-        gc.collect()
-        torch.cuda.empty_cache()
+        _free_device_memory()
 
 
 class _PhaseClock:
