@@ -1,6 +1,8 @@
 """The host time of an eager call of each op on a tiny input, beside torch's own op, in one process:
 issue 27's host goals (softmax <= 10 us, rms_norm <= 25 us, linear <= 1.5x F.linear, attention
-forward <= 30 us, each at most 1.5x torch's op, the backward likewise).
+forward <= 30 us, each at most 1.5x torch's op, the backward likewise); and a decode step's two
+per-layer calls, HF's rotation (beside its torch ops) and decode attention (forward only, beside
+the new token's write into the cache and SDPA over it).
 
 Run on a GPU:  PYTHONPATH=src python benchmarks/host_calls.py OUT.json [PROFILE.txt]
 Each figure is tritonkit.bench.timing.host_us: the median over bursts of calls of the time to issue
@@ -28,12 +30,33 @@ from tritonkit.bench.timing import host_us, profile_calls
 
 ROWS, HIDDEN = 4, 256  # the tiny input: (ROWS, HIDDEN) bf16
 ATTENTION = (1, 1, 128, 64)  # (B, H, S, D), causal
+# a decode step's: ROWS sequences, HEADS query heads over KV_HEADS of HEAD_DIM, CACHED tokens
+HEADS, KV_HEADS, HEAD_DIM, CACHED = 8, 2, 64, 128
+FORWARD_ONLY = ("flash_attention_with_kvcache",)  # no gradient: the forward timed alone
 GOALS_US = {"softmax": 10.0, "rms_norm": 25.0, "attention": 30.0}  # absolute forward goals
 
 
 def _sdpa(q, k, v):
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         return functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _hf_rotary(q, k, cos, sin):
+    """transformers' apply_rotary_pos_emb in torch ops: (x * cos + rotate_half(x) * sin) of each."""
+
+    def rotated(x):
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+    return rotated(q), rotated(k)
+
+
+def _sdpa_over_cache(q, k_cache, v_cache, k, v, lengths):
+    """torch's decode step: the new keys written into the cache, SDPA over the cache's first
+    CACHED + 1 positions (every sequence as long), the KV heads repeated for GQA."""
+    k_cache[:, CACHED : CACHED + 1], v_cache[:, CACHED : CACHED + 1] = k, v
+    keys, values = (c[:, : CACHED + 1].transpose(1, 2) for c in (k_cache, v_cache))
+    return functional.scaled_dot_product_attention(q.transpose(1, 2), keys, values, enable_gqa=True)
 
 
 def _pairs() -> dict:
@@ -45,6 +68,11 @@ def _pairs() -> dict:
 
     x, w, b, wm = randn(ROWS, HIDDEN), randn(HIDDEN), randn(HIDDEN), randn(HIDDEN, HIDDEN) / HIDDEN**0.5
     q, k, v = (randn(*ATTENTION) for _ in "qkv")
+    q1, k1 = randn(ROWS, HEADS, 1, HEAD_DIM), randn(ROWS, KV_HEADS, 1, HEAD_DIM)
+    cos, sin = randn(ROWS, 1, HEAD_DIM), randn(ROWS, 1, HEAD_DIM)
+    caches = [randn(ROWS, 2 * CACHED, KV_HEADS, HEAD_DIM) for _ in "kv"]
+    lengths = torch.full((ROWS,), CACHED, dtype=torch.int32, device="cuda")
+    new_k, new_v = k1.transpose(1, 2), randn(ROWS, 1, KV_HEADS, HEAD_DIM)
     target = torch.randint(0, HIDDEN, (ROWS,), generator=g, device="cuda")
     return {
         "softmax": ((x,), lambda x: tritonkit.softmax(x, -1), lambda x: torch.softmax(x, -1)),
@@ -65,11 +93,25 @@ def _pairs() -> dict:
             lambda q, k, v: tritonkit.flash_attention(q, k, v, causal=True),
             _sdpa,
         ),
+        "apply_rotary_pos_emb": (
+            (q1, k1, cos, sin),  # (the tables' gradients refused: detached)
+            lambda q, k, cos, sin: tritonkit.apply_rotary_pos_emb(q, k, cos.detach(), sin.detach())[0],
+            lambda q, k, cos, sin: _hf_rotary(q, k, cos.detach(), sin.detach())[0],
+        ),
+        "flash_attention_with_kvcache": (
+            (q1.transpose(1, 2), *caches, new_k, new_v, lengths),
+            lambda q, kc, vc, k, v, n: tritonkit.flash_attention_with_kvcache(
+                q, kc, vc, k, v, cache_seqlens=n
+            ),
+            _sdpa_over_cache,
+        ),
     }
 
 
-def _timed(inputs: tuple, call) -> dict:
-    """host_us of the forward alone and of a forward and backward."""
+def _timed(inputs: tuple, call, backward: bool = True) -> dict:
+    """host_us of the forward alone and (``backward``) of a forward and backward."""
+    if not backward:
+        return {"forward": host_us(lambda: call(*inputs))}
     leaves = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in inputs)
     out = call(*leaves)
     grad = torch.randn_like(out)
@@ -87,7 +129,12 @@ def main() -> None:
         "rows": [],
     }
     for op, (inputs, ours, theirs) in _pairs().items():
-        row = {"op": op, "tritonkit_us": _timed(inputs, ours), "torch_us": _timed(inputs, theirs)}
+        backward = op not in FORWARD_ONLY
+        row = {
+            "op": op,
+            "tritonkit_us": _timed(inputs, ours, backward),
+            "torch_us": _timed(inputs, theirs, backward),
+        }
         row["ratio"] = {mode: row["tritonkit_us"][mode] / row["torch_us"][mode] for mode in row["torch_us"]}
         if op in GOALS_US:
             row["forward_goal_us"] = GOALS_US[op]

@@ -201,6 +201,25 @@ def test_a_static_cache_without_a_mask_reads_only_written_slots():
     assert (got.scores[0].double() - reference).norm() / reference.norm() <= bound
 
 
+def test_a_steps_key_lengths_are_made_once_for_its_layers(monkeypatch):
+    """Every layer of a decode step gets the same position_ids: the lengths tensor made for the
+    first is the one the others get, and anything that changes them makes it anew: the positions
+    written in place, another batch or cache length, other positions, or a trace."""
+    positions = torch.tensor([[5], [9]])
+    first = tk_hf._key_lengths(positions, 2, 8)
+    assert first.tolist() == [6, 8]  # (the second clamped to the cache's 8 keys)
+    assert tk_hf._key_lengths(positions, 2, 8) is first
+    positions[1, 0] = 2  # written in place: its version moves
+    again = tk_hf._key_lengths(positions, 2, 8)
+    assert again is not first and again.tolist() == [6, 3]
+    assert tk_hf._key_lengths(positions, 2, 16).tolist() == [6, 3]
+    assert tk_hf._key_lengths(positions[:1], 4, 16).tolist() == [6] * 4
+    assert tk_hf._key_lengths(torch.tensor([[1], [2]]), 2, 16).tolist() == [2, 3]
+    settled = tk_hf._key_lengths(positions, 2, 8)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert tk_hf._key_lengths(positions, 2, 8) is not settled
+
+
 def test_patched_forwards_keep_their_class_signature_and_generate_masks_the_pad_token():
     """generate reads the model's forward signature: without ``attention_mask`` there it built no
     padding mask, so a prompt holding the pad token (Gemma 2's is 0) attended to it in the patched

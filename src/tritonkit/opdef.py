@@ -199,6 +199,37 @@ def _writes_outputs_only(*args, **kwargs) -> None:
     return None
 
 
+MAX_CHECKED = 256  # call signatures each checked_once check remembers
+
+
+def checked_once(check: Callable[..., None], signature: Callable[..., tuple | None]) -> Callable[..., None]:
+    """``check(*args)`` (an input check that raises or returns None), skipped where a call of the
+    same ``signature(*args)`` passed it before: a few microseconds of host time a call of a training
+    loop or a decode step. The signature holds everything the check reads: the tensors' geometry
+    (``_launch.call_signature``), the options, and any flag it reads off a tensor (requires_grad).
+    A signature that is None (``call_signature`` under torch.compile), unhashable or that fails on
+    a bad argument checks the call, so that the check raises its own error. The returned function's
+    ``passed`` holds the signatures seen (a test empties it)."""
+    passed: dict = {}
+
+    @functools.wraps(check)
+    def checked(*args) -> None:
+        try:
+            key = signature(*args)
+            if key is not None and key in passed:
+                return
+        except (AttributeError, TypeError):  # a non-tensor, an unhashable option: the check says
+            key = None
+        check(*args)
+        if key is not None:
+            if len(passed) >= MAX_CHECKED:
+                passed.clear()
+            passed[key] = True
+
+    checked.passed = passed
+    return checked
+
+
 def finite(value) -> bool:
     """Whether a number is finite: ``math.isfinite``'s answer, in a form torch.compile can trace
     where it makes the number symbolic (``dynamic=True``), which math.isfinite breaks the graph on."""

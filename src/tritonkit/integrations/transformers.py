@@ -144,11 +144,36 @@ def attention_forward(
 def _key_lengths(position_ids, batch: int, seq_k: int) -> torch.Tensor | None:
     """Each sequence's keys in the cache, (B,) int32, from its queries' last position (no host sync):
     at most the keys given (a sliding window's cache holds fewer than the positions); None (every
-    key) where transformers passed no positions."""
+    key) where transformers passed no positions. Every layer of a step gets the same position_ids
+    tensor: the lengths are made once a step (four small launches a layer fewer) and reused while
+    the call is that tensor, unchanged (its version), with the last call's sizes."""
+    global _last_lengths
     if not isinstance(position_ids, torch.Tensor):
         return None
+    reusable = _reusable(position_ids)
+    made_for = (position_ids._version, batch, seq_k)
+    (positions, last_for), lengths = _last_lengths
+    if reusable and positions is position_ids and last_for == made_for:
+        return lengths
     last = position_ids.reshape(-1, position_ids.shape[-1])[:, -1]
-    return (last + 1).clamp(max=seq_k).to(torch.int32).expand(batch).contiguous()
+    lengths = (last + 1).clamp(max=seq_k).to(torch.int32).expand(batch).contiguous()
+    if reusable:
+        _last_lengths = ((position_ids, made_for), lengths)
+    return lengths
+
+
+# the last step's key lengths: ((position_ids, (their version, batch, keys)), lengths); holding the
+# positions keeps their id from passing to another tensor
+_last_lengths: tuple = ((None, None), None)
+
+
+def _reusable(t: torch.Tensor) -> bool:
+    """Whether a tensor made from ``t`` by an earlier call may stand for this call's: not while
+    torch.compile traces, nor while a CUDA graph captures (the graph must make its own, which its
+    replays remake from the positions it reads then)."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def _padded_attention(query, key, value, keep: torch.Tensor, options: dict) -> torch.Tensor:

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import torch
 
-from tritonkit._launch import Launch, cdiv, next_power_of_2
+from tritonkit._launch import Launch, call_signature, cdiv, next_power_of_2
 from tritonkit._runtime import empty_output_like, l2_bytes
 from tritonkit._triton import tl, triton
 from tritonkit.dtypes import FLOATS
-from tritonkit.opdef import as_int, check_tensor, first_derivative_only, op
+from tritonkit.opdef import as_int, check_tensor, checked_once, first_derivative_only, op
 from tritonkit.ops import Op, Workload
 
 DTYPES = FLOATS
@@ -370,7 +370,7 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim: int =
             "position_ids is deprecated and unused in Hugging Face's apply_rotary_pos_emb: "
             "index cos and sin by position instead"
         )
-    _validate_hf(q, k, cos, sin, unsqueeze_dim)
+    _validate_hf_once(q, k, cos, sin, unsqueeze_dim)
     if cos.requires_grad or sin.requires_grad:
         raise NotImplementedError("apply_rotary_pos_emb has no gradient for cos and sin: pass them detached")
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
@@ -407,6 +407,12 @@ def _validate_hf(q, k, cos, sin, unsqueeze_dim) -> None:
         raise ValueError(
             f"cos and sin must have one shape and strides, got {tuple(cos.shape)} and {tuple(sin.shape)}"
         )
+
+
+_validate_hf_once = checked_once(
+    _validate_hf,
+    lambda q, k, cos, sin, unsqueeze_dim: call_signature((q, k, cos, sin), unsqueeze_dim),
+)
 
 
 class _RotaryEmb(torch.autograd.Function):
@@ -451,7 +457,7 @@ def apply_rotary_emb(
         raise ValueError(f"seqlen_offsets must be an int >= 0 or an int32 tensor, got {seqlen_offsets!r}")
     if isinstance(cu_seqlens, torch.Tensor):
         cu_seqlens = cu_seqlens.contiguous()
-    _validate_flash(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen)
+    _validate_flash_once(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen)
     if cos.requires_grad or sin.requires_grad:
         raise NotImplementedError("apply_rotary_emb has no gradient for cos and sin: pass them detached")
     offsets = seqlen_offsets if isinstance(seqlen_offsets, torch.Tensor) else None
@@ -511,6 +517,17 @@ def _validate_flash(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen) -> None
         check_tensor("seqlen_offsets", seqlen_offsets, dtypes=(torch.int32,), ndim=1, device_of=("x", x))
         if seqlen_offsets.shape[0] != batch:
             raise ValueError(f"seqlen_offsets must have B = {batch} entries, got {seqlen_offsets.shape[0]}")
+
+
+def _flash_signature(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen) -> tuple | None:
+    """What :func:`_validate_flash` reads: the tensors' geometry, an int offset, max_seqlen and its
+    type (a float equal to an int is refused)."""
+    offsets = seqlen_offsets if isinstance(seqlen_offsets, torch.Tensor) else None
+    offset = None if offsets is not None else seqlen_offsets
+    return call_signature((x, cos, sin, offsets, cu_seqlens), offset, max_seqlen, type(max_seqlen))
+
+
+_validate_flash_once = checked_once(_validate_flash, _flash_signature)
 
 
 # ---------------------------------------------------------------- references and cost

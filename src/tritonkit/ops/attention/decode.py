@@ -625,11 +625,8 @@ def flash_attention_with_kvcache(
     batch, seq_q, heads_q, head_dim = q.shape
     heads_kv = k_cache.shape[2]
     out = empty_output_like(q)
-    rows = (heads_q // heads_kv) * seq_q
-    shape = (splits, batch * heads_kv, rows) if splits > 1 else (1, 1, 1)
     lse = empty_output((batch, heads_q, seq_q), torch.float32, q.device)
-    part = empty_output((*shape, head_dim if splits > 1 else 1), torch.float32, q.device)
-    part_lse = empty_output(shape, torch.float32, q.device)
+    part, part_lse = _partials(splits, batch * heads_kv, (heads_q // heads_kv) * seq_q, head_dim, q.device)
     tensors = (*inputs, out, lse, part, part_lse)
     replayed = bool(out.numel()) and plan is not None and plan.run(tensors)
     if replayed:  # the op's own call moves the written caches' version counters (in_place); a replay
@@ -646,6 +643,27 @@ def flash_attention_with_kvcache(
     if torch.is_grad_enabled() and wanting:
         out, lse = (_NoGradient.apply(t, wanting[0]) for t in (out, lse))
     return (out, lse) if return_lse else out
+
+
+_ONE_SPLIT: dict = {}  # device -> the (part, part_lse) pair eager calls of one split share
+
+
+def _partials(splits: int, pairs: int, rows: int, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The splits' fp32 partial outputs (splits, B x Hkv, rows, D) and lses. At one split no launch
+    touches them (the kernel writes the output and lse) and they carry only the count, their first
+    dim: eager calls then share one pair a device, two allocations a call fewer (a traced call
+    allocates its own, the graph's)."""
+    shapes = (
+        ((splits, pairs, rows, head_dim), (splits, pairs, rows)) if splits > 1 else ((1, 1, 1, 1), (1, 1, 1))
+    )
+    if splits > 1 or torch.compiler.is_compiling():
+        return tuple(empty_output(shape, torch.float32, device) for shape in shapes)
+    pair = _ONE_SPLIT.get(device)
+    if pair is None:
+        pair = _ONE_SPLIT[device] = tuple(
+            torch.empty(shape, dtype=torch.float32, device=device) for shape in shapes
+        )
+    return pair
 
 
 class _NoGradient(torch.autograd.Function):

@@ -29,10 +29,10 @@ import functools
 
 import torch
 
-from tritonkit._launch import Launch, cdiv, scratch
+from tritonkit._launch import Launch, call_signature, cdiv, scratch
 from tritonkit._runtime import empty_output, empty_output_like, sm_count
 from tritonkit.dtypes import HALVES
-from tritonkit.opdef import as_rows, check_tensor, first_derivative_only, op
+from tritonkit.opdef import as_rows, check_tensor, checked_once, first_derivative_only, op
 from tritonkit.ops import Op, Workload
 from tritonkit.ops.bias_gelu import NUM_WARPS, row_tiles_per_program, tile_shape
 from tritonkit.ops.linear.kernels import (
@@ -328,6 +328,14 @@ def _validate_gated(input, weight_gate, weight_up, activation) -> None:
         )
 
 
+_validate_gated_once = checked_once(
+    _validate_gated,
+    lambda input, weight_gate, weight_up, activation: call_signature(
+        (input, weight_gate, weight_up), activation
+    ),
+)
+
+
 def _same_strides(weight_gate, weight_up):
     """The two weights in one layout (the kernel reads both through one pair of strides): contiguous
     copies where their strides differ."""
@@ -496,7 +504,7 @@ def gated_linear(
     below SPLIT_ROWS rows in one kernel, both products accumulated side by side and written to memory
     only when a gradient is wanted (the backward reads them); from SPLIT_ROWS rows two matmuls and an
     elementwise act(g) * u. Weights are (out_features, in_features)."""
-    _validate_gated(input, weight_gate, weight_up, activation)
+    _validate_gated_once(input, weight_gate, weight_up, activation)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (input, weight_gate, weight_up)):
         return _GatedLinear.apply(input, weight_gate, weight_up, activation)
     return _gated_linear(input, weight_gate, weight_up, activation, keep_products=False)[0]

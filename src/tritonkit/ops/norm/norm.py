@@ -40,7 +40,7 @@ from tritonkit import tuning
 from tritonkit._launch import Launch, call_signature, cdiv, next_power_of_2, row_align, scratch
 from tritonkit._runtime import empty_output, empty_output_like, sm_count
 from tritonkit.dtypes import DTYPE_OF, FLOATS, NAME_OF
-from tritonkit.opdef import check_tensor, finite, first_derivative_only, op
+from tritonkit.opdef import check_tensor, checked_once, finite, first_derivative_only, op
 from tritonkit.ops.norm import normed
 from tritonkit.ops.norm.kernels import (
     BWD_CONFIGS,
@@ -644,25 +644,13 @@ class _Norm(torch.autograd.Function):
         return dx, dx if ctx.has_residual else None, dw, db, None, None, None
 
 
-MAX_VALIDATED = 256  # call signatures _validate_once remembers
-_validated: dict[tuple, bool] = {}
-
-
-def _validate_once(input, normalized_shape, weight, bias, residual) -> None:
-    """:func:`_validate`, skipped where a call of the same signature (the tensors' shapes, strides,
-    dtypes and devices, and ``normalized_shape``) passed it before: a few microseconds of host time
-    a call of a training loop."""
-    key = call_signature((input, residual, weight, bias), normalized_shape)
-    try:
-        if key is not None and key in _validated:
-            return
-    except TypeError:  # normalized_shape given as a list: no key
-        key = None
-    _validate(input, normalized_shape, weight, bias, residual)
-    if key is not None:
-        if len(_validated) >= MAX_VALIDATED:
-            _validated.clear()
-        _validated[key] = True
+# (normalized_shape given as a list: no key, checked every call)
+_validate_once = checked_once(
+    _validate,
+    lambda input, normalized_shape, weight, bias, residual: call_signature(
+        (input, residual, weight, bias), normalized_shape
+    ),
+)
 
 
 def _norm(input, residual, normalized_shape, weight, bias, eps, rms: bool, pair: bool = False):
