@@ -288,6 +288,37 @@ def test_the_patched_modules_compile_without_a_graph_break():
         assert torch.equal(torch.compile(module, fullgraph=True)(x), module(x))
 
 
+def test_a_static_caches_decode_step_compiles_without_a_graph_break(monkeypatch):
+    """generate's compiled decoding (a static cache: transformers compiles the forward for it):
+    the patched model's step on one new token a sequence under torch.compile(fullgraph=True), the
+    decode kernel and the key lengths traced, gives eager's bits and writes the same cache."""
+    model = tk_hf.apply(_model("llama")).eval()
+    ids, _ = _batch(seed=3)
+    caches = [transformers.StaticCache(config=model.config, max_cache_len=2 * SEQ) for _ in range(2)]
+    token, position = ids[:, -1:], torch.tensor([SEQ])
+
+    def step(cache):
+        positions = position[None].expand(ids.shape[0], -1)
+        kept = {"cache_position": position, "position_ids": positions}
+        return model(token, cache=cache, use_cache=True, **kept).logits
+
+    with torch.no_grad():
+        for cache in caches:
+            model(ids, cache=cache, use_cache=True, cache_position=torch.arange(SEQ))
+        decode, calls = tritonkit.flash_attention_with_kvcache, []
+        with monkeypatch.context() as patch:  # (eager: the step takes the decode kernel)
+            patch.setattr(
+                tritonkit, "flash_attention_with_kvcache", lambda *a, **k: calls.append(1) or decode(*a, **k)
+            )
+            expected = step(caches[0])
+        assert len(calls) == len(model.model.layers)
+        torch._dynamo.reset()
+        got = torch.compile(step, fullgraph=True)(caches[1])
+    assert torch.equal(got, expected)
+    for eager_layer, compiled_layer in zip(caches[0].layers, caches[1].layers, strict=True):
+        assert torch.equal(eager_layer.keys, compiled_layer.keys)
+
+
 def test_each_patch_can_be_left_out():
     model = tk_hf.apply(_model("llama"), rope=False, mlp=False, cross_entropy=False)
     layer = model.model.layers[0]
