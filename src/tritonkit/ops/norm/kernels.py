@@ -15,7 +15,7 @@ from tritonkit._launch import cdiv
 from tritonkit._runtime import current_device, sm_count
 from tritonkit._triton import tl, triton
 from tritonkit.jit import aligned
-from tritonkit.ops.norm.split import split_default
+from tritonkit.ops.norm.split import centres_rows, layer_norm_terms, split_default
 
 # fp32 values a thread holds per tile, by looped or not (one-pass: the row tile, x or h and dy;
 # looped: a chunk): past 64 the one-pass kernels spill (the backward at 64 too where it also sums dw: at
@@ -165,12 +165,24 @@ def _norm_fwd_kernel(
         h = h.to(tl.float32)
     if RMS:
         centred = h
+        rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) / N + eps)
     else:
         mean = tl.sum(h, axis=1) / N
         centred = tl.where(mask, h - mean[:, None], 0.0)  # padding must not enter the variance
-        if STATS:
-            tl.store(mean_ptr + rows, mean, mask=rows < M)
-    rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) / N + eps)
+        if centres_rows(x_ptr):
+            # the corrected two-pass variance: h - mean sums to N times the fp32 mean's error, a
+            # shift that is much of the centred values where a row's spread is small beside its
+            # mean; taken out before they are squared and scaled, in the squares' exchange
+            sum_centred, squares = tl.reduce((centred, centred * centred), 1, _add_pairs)
+            error = sum_centred / N
+            centred = tl.where(mask, centred - error[:, None], 0.0)
+            rstd = 1.0 / tl.sqrt(tl.maximum(squares / N - error * error, 0.0) + eps)
+            if STATS:
+                tl.store(mean_ptr + rows, mean + error, mask=rows < M)
+        else:
+            if STATS:
+                tl.store(mean_ptr + rows, mean, mask=rows < M)
+            rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) / N + eps)
     if STATS:
         tl.store(rstd_ptr + rows, rstd, mask=rows < M)
     y = centred * rstd[:, None]
@@ -329,6 +341,11 @@ def _add_pairs(a_first, a_second, b_first, b_second):
 
 
 @triton.jit
+def _add_triples(a_first, a_second, a_third, b_first, b_second, b_third):
+    return a_first + b_first, a_second + b_second, a_third + b_third
+
+
+@triton.jit
 def _norm_bwd_kernel(
     dy_ptr,  # upstream gradient of y, (M, N), row stride stride_dym, unit column stride
     dh_ptr,  # upstream gradient of h (add_ forms), (M, N), row stride stride_dhm
@@ -415,7 +432,11 @@ def _norm_bwd_kernel(
         g = dy * w if HAS_WEIGHT else dy
         if RMS:
             dh = (g - xhat * (tl.sum(g * xhat, axis=1) / N)[:, None]) * rstd
-        else:  # both sums in one reduction: one exchange between warps instead of two
+        elif centres_rows(h_ptr):  # the three sums in one reduction: one exchange between warps
+            sum_g_xhat, sum_g, sum_xhat = tl.reduce((g * xhat, g, xhat), 1, _add_triples)
+            c1, c2 = layer_norm_terms(sum_g_xhat, sum_g, sum_xhat, N)
+            dh = (g - xhat * c1[:, None] - c2[:, None]) * rstd
+        else:
             sum_g_xhat, sum_g = tl.reduce((g * xhat, g), 1, _add_pairs)
             dh = (g - xhat * (sum_g_xhat / N)[:, None] - (sum_g / N)[:, None]) * rstd
         if HAS_DH:
@@ -695,7 +716,7 @@ def _norm_bwd_looped_kernel(
     w_ptr,  # weight, (N,) (unused without HAS_WEIGHT)
     mean_ptr,  # fp32 row means from the forward, (M,) (LayerNorm only)
     rstd_ptr,  # fp32 reciprocal standard deviations from the forward, (M,)
-    sums_ptr,  # fp32 scratch, (M, 2): each row's mean(g * xhat) and mean(g)
+    sums_ptr,  # fp32 scratch, (M, 2): each row's c1 and c2 (layer_norm_terms; RMSNorm's mean(g * xhat))
     dx_ptr,  # gradient of x (and of the residual), (M, N), contiguous
     dw_partial_ptr,  # fp32 partial sums of dw, (programs, N) (unused without HAS_WEIGHT)
     db_partial_ptr,  # fp32 partial sums of db, (programs, N) (unused without HAS_BIAS)
@@ -725,6 +746,7 @@ def _norm_bwd_looped_kernel(
             shift = 0.0 if RMS else tl.load(mean_ptr + row)
             gx = tl.zeros([BLOCK_N], tl.float32)
             g_sum = tl.zeros([BLOCK_N], tl.float32)
+            x_sum = tl.zeros([BLOCK_N], tl.float32)  # (LayerNorm's: xhat's own mean)
             for start in range(0, N, BLOCK_N):
                 cols = start + offsets
                 mask = cols < N
@@ -734,8 +756,15 @@ def _norm_bwd_looped_kernel(
                     g *= tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
                 gx += g * tl.where(mask, (h - shift) * rstd, 0.0)
                 g_sum += g
-            tl.store(sums_ptr + row * 2, tl.sum(gx, axis=0) / N)
-            tl.store(sums_ptr + row * 2 + 1, tl.sum(g_sum, axis=0) / N)
+                if centres_rows(h_ptr) and not RMS:
+                    x_sum += tl.where(mask, (h - shift) * rstd, 0.0)
+            if centres_rows(h_ptr) and not RMS:
+                sums = layer_norm_terms(tl.sum(gx, axis=0), tl.sum(g_sum, axis=0), tl.sum(x_sum, axis=0), N)
+                tl.store(sums_ptr + row * 2, sums[0])
+                tl.store(sums_ptr + row * 2 + 1, sums[1])
+            else:
+                tl.store(sums_ptr + row * 2, tl.sum(gx, axis=0) / N)
+                tl.store(sums_ptr + row * 2 + 1, tl.sum(g_sum, axis=0) / N)
     for start in range(0, N, BLOCK_N):  # pass 2: chunk by chunk over the program's rows
         cols = start + offsets
         mask = cols < N

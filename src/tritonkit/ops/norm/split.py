@@ -265,7 +265,7 @@ def bwd_split_launches(dy2, dh2, h2, weight, bias, mean, rstd, rms: bool, dx, dw
     segment, segments, groups = _fitted(
         kernel, config, segment_for, rows, n, args(*stand_ins, provisional, wanted), meta, device, chain
     )
-    partials = scratch((rows, segments, 2), torch.float32, device)
+    partials = scratch((rows, segments, BACKWARD_SUMS.value), torch.float32, device)
     arrived = scratch((rows,), torch.int32, device, zeroed=True)
     dw_partial, db_partial = (
         scratch((groups, n), torch.float32, device) if p is not None else None for p in (weight, bias)
@@ -312,7 +312,7 @@ def _bwd_columns_launches(dy2, dh2, h2, weight, mean, rstd, rms: bool, dx, dw, d
     segment = cdiv(cdiv(n, most), block_n) * block_n
     programs = cdiv(n, segment)
     meta["PROGRAMS"] = next_power_of_2(programs)
-    sums = scratch((rows, programs, 2), torch.float32, device)
+    sums = scratch((rows, programs, BACKWARD_SUMS.value), torch.float32, device)
     totals = scratch((programs, rows, 2), torch.float32, device)
     arrived = scratch((1,), torch.int32, device, zeroed=True)
     launch_args = args(sums, totals, arrived, segment)
@@ -574,6 +574,50 @@ def _normed_out(
     tl.store(y_row + positions, y.to(y_row.dtype.element_ty), mask=mask)
 
 
+# a backward row's sums, per segment or program: of g * xhat, of g and (LayerNorm, centres_rows) of xhat
+BACKWARD_SUMS = tl.constexpr(3)
+
+
+@triton.jit
+def centres_rows(rows_ptr):
+    """Whether LayerNorm's kernels take the fp32 mean's rounding out of a row's centred values
+    (``layer_norm_terms``; the one-pass forward's corrected variance): fp32 rows, whose spread may
+    sit far below their mean; a 16-bit row's entries cannot (its grid is coarser than that
+    rounding), so its kernels stay as they were, without the extra sums' registers."""
+    return rows_ptr.dtype.element_ty == tl.float32
+
+
+@triton.jit
+def layer_norm_terms(sum_g_xhat, sum_g, sum_xhat, N):
+    """LayerNorm's backward, dh = (g - xhat * c1 - c2) * rstd: its row terms (c1, c2) from the row's
+    sums of g * xhat, g and xhat. The exact xhat has mean zero; one computed from the forward's fp32
+    mean is off by that mean's rounding times rstd, one shift for the whole row, which the formula
+    multiplies up where the row's spread is small beside its mean (or beside eps; docs/perf-notes/
+    norms.md, "LayerNorm on rows far from zero").
+    xhat centred by its own mean c3 drops the shift, folded into the terms:
+    (xhat - c3) * c1 + c2 = xhat * c1 + (c2 - c3 * c1)."""
+    c3 = sum_xhat / N
+    c1 = (sum_g_xhat - c3 * sum_g) / N
+    return c1, sum_g / N - c3 * c1
+
+
+@triton.jit
+def _row_terms(sums_at, exists, N, RMS: tl.constexpr, CENTRE: tl.constexpr):
+    """A row's backward terms (c1, c2) from its parts' sums at ``sums_at`` (BACKWARD_SUMS apart, where
+    ``exists``): RMSNorm's mean(g * xhat) and 0, LayerNorm's ``layer_norm_terms`` (``CENTRE``) or
+    mean(g * xhat) and mean(g)."""
+    sum_g_xhat = tl.sum(tl.load(sums_at, mask=exists, other=0.0, cache_modifier=".cg"), axis=-1)
+    sum_g = tl.sum(tl.load(sums_at + 1, mask=exists, other=0.0, cache_modifier=".cg"), axis=-1)
+    if RMS:
+        c1, c2 = sum_g_xhat / N, tl.zeros_like(sum_g_xhat)
+    elif CENTRE:
+        sum_xhat = tl.sum(tl.load(sums_at + 2, mask=exists, other=0.0, cache_modifier=".cg"), axis=-1)
+        c1, c2 = layer_norm_terms(sum_g_xhat, sum_g, sum_xhat, N)
+    else:
+        c1, c2 = sum_g_xhat / N, sum_g / N
+    return c1, c2
+
+
 @triton.jit
 def _norm_bwd_split_kernel(
     dy_ptr,  # upstream gradient of y, (M, N), row stride stride_dym, unit column stride
@@ -582,7 +626,7 @@ def _norm_bwd_split_kernel(
     w_ptr,  # weight, (N,) (unused without HAS_WEIGHT)
     mean_ptr,  # fp32 row means from the forward, (M,) (LayerNorm only)
     rstd_ptr,  # fp32 reciprocal standard deviations from the forward, (M,)
-    partials_ptr,  # fp32 (M, segments, 2): each segment's sums of g * xhat and g
+    partials_ptr,  # fp32 (M, segments, BACKWARD_SUMS): each segment's sums of g * xhat, g and xhat
     arrived_ptr,  # int32 (M,): segments of each row through pass 1, zero at launch (PHASE 0)
     dx_ptr,  # gradient of x (and of the residual), (M, N), contiguous
     dw_partial_ptr,  # fp32 (groups, N): each group's sums of dy * xhat over its rows (HAS_WEIGHT)
@@ -615,9 +659,10 @@ def _norm_bwd_split_kernel(
         dy_row = dy_ptr + row64 * stride_dym
         rstd = tl.load(rstd_ptr + row)
         shift = 0.0 if RMS else tl.load(mean_ptr + row)
-        if PHASE != 2:  # pass 1: the segment's sums of g * xhat and g
+        if PHASE != 2:  # pass 1: the segment's sums of g * xhat, g and (LayerNorm) xhat
             gx = tl.zeros([BLOCK_N], tl.float32)
             g_sum = tl.zeros([BLOCK_N], tl.float32)
+            x_sum = tl.zeros([BLOCK_N], tl.float32)
             for i in range(chunks):
                 cols = first + i * BLOCK_N + offsets
                 mask = cols < N
@@ -627,16 +672,20 @@ def _norm_bwd_split_kernel(
                     g *= tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
                 gx += g * tl.where(mask, (h - shift) * rstd, 0.0)
                 g_sum += g
-            tl.store(partials_ptr + (row * segments + segment) * 2, tl.sum(gx, axis=0))
-            tl.store(partials_ptr + (row * segments + segment) * 2 + 1, tl.sum(g_sum, axis=0))
+                if centres_rows(h_ptr) and not RMS:
+                    x_sum += tl.where(mask, (h - shift) * rstd, 0.0)
+            at = partials_ptr + (row * segments + segment) * BACKWARD_SUMS
+            tl.store(at, tl.sum(gx, axis=0))
+            tl.store(at + 1, tl.sum(g_sum, axis=0))
+            if centres_rows(h_ptr) and not RMS:
+                tl.store(at + 2, tl.sum(x_sum, axis=0))
         if PHASE == 0:
             _publish_and_wait(arrived_ptr, row, segments)
         if PHASE != 1:  # pass 2: dx of this segment, and its rows' dw and db into the group's slice
             parts = tl.arange(0, SEGMENTS)
             exists = parts < segments
-            sums_at = partials_ptr + (row * segments + parts) * 2
-            c1 = tl.sum(tl.load(sums_at, mask=exists, other=0.0, cache_modifier=".cg"), axis=0) / N
-            c2 = tl.sum(tl.load(sums_at + 1, mask=exists, other=0.0, cache_modifier=".cg"), axis=0) / N
+            at = partials_ptr + (row * segments + parts) * BACKWARD_SUMS
+            c1, c2 = _row_terms(at, exists, N, RMS=RMS, CENTRE=centres_rows(h_ptr))
             later = row != first_row  # the group's first row stores its slice, later rows add to it
             for i in range(chunks):
                 cols = first + (chunks - 1 - i) * BLOCK_N + offsets
@@ -682,8 +731,8 @@ def _norm_bwd_columns_kernel(
     w_ptr,  # weight, (N,) (unused without HAS_WEIGHT)
     mean_ptr,  # fp32 row means from the forward, (M,) (LayerNorm only)
     rstd_ptr,  # fp32 reciprocal standard deviations from the forward, (M,)
-    sums_ptr,  # fp32 (M, programs, 2): each program's sums of g * xhat and g over its columns
-    totals_ptr,  # fp32 (programs, M, 2): each program's own copy of the rows' means of them
+    sums_ptr,  # fp32 (M, programs, BACKWARD_SUMS): each program's sums of g * xhat, g, xhat over its columns
+    totals_ptr,  # fp32 (programs, M, 2): each program's own copy of the rows' terms c1 and c2
     arrived_ptr,  # int32 (1,): programs through pass 1, zero at launch (PHASE 0)
     dx_ptr,  # gradient of x (and of the residual), (M, N), contiguous
     dw_ptr,  # gradient of w, (N,) (HAS_WEIGHT)
@@ -724,6 +773,7 @@ def _norm_bwd_columns_kernel(
             rows64 = tl.cast(rows, tl.int64)[:, None]  # M * N may pass 2^31
             gx = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             g_sum = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            x_sum = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for i in range(chunks):
                 cols = first + i * BLOCK_N + offsets
                 mask = exists[:, None] & (cols < N)[None, :]
@@ -733,21 +783,24 @@ def _norm_bwd_columns_kernel(
                     g *= tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
                 gx += g * tl.where(mask, (h - shift) * rstd[:, None], 0.0)
                 g_sum += g
-            at = sums_ptr + (rows * programs + pid) * 2
+                if centres_rows(h_ptr) and not RMS:
+                    x_sum += tl.where(mask, (h - shift) * rstd[:, None], 0.0)
+            at = sums_ptr + (rows * programs + pid) * BACKWARD_SUMS
             tl.store(at, tl.sum(gx, axis=1), mask=exists)
             tl.store(at + 1, tl.sum(g_sum, axis=1), mask=exists)
+            if centres_rows(h_ptr) and not RMS:
+                tl.store(at + 2, tl.sum(x_sum, axis=1), mask=exists)
     if PHASE == 0:
         _publish_and_wait(arrived_ptr, 0, programs)
     if PHASE != 1:
-        # every row's means of g * xhat and g, added in the same order by every program (same bits)
+        # every row's terms, its sums added in the same order by every program (same bits)
         parts = tl.arange(0, PROGRAMS)
         for block in range(blocks):
             rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
             exists = rows < M
-            at = sums_ptr + (rows[:, None] * programs + parts[None, :]) * 2
+            at = sums_ptr + (rows[:, None] * programs + parts[None, :]) * BACKWARD_SUMS
             mask = exists[:, None] & (parts < programs)[None, :]
-            c1 = tl.sum(tl.load(at, mask=mask, other=0.0, cache_modifier=".cg"), axis=1) / N
-            c2 = tl.sum(tl.load(at + 1, mask=mask, other=0.0, cache_modifier=".cg"), axis=1) / N
+            c1, c2 = _row_terms(at, mask, N, RMS=RMS, CENTRE=centres_rows(h_ptr))
             tl.store(totals_ptr + (pid * M + rows) * 2, c1, mask=exists)
             tl.store(totals_ptr + (pid * M + rows) * 2 + 1, c2, mask=exists)
         tl.debug_barrier()  # the totals' stores before any thread's loads of them
