@@ -394,7 +394,7 @@ def test_layer_norm_rows_far_from_zero_err_a_fiftieth_of_torchs(path, request, d
     """Rows at 100 with a spread of 0.005: the fp32 mean's rounding, one shift of every centred
     value, is much of that spread. torch's forward and backward carry it (its backward multiplies
     it up); the one-pass forward takes it out (the corrected two-pass variance) and every backward
-    centres xhat by its own mean (``split.layer_norm_terms``): each err at most a fiftieth of
+    centres xhat by its own mean (``terms.layer_norm_terms``): each err at most a fiftieth of
     torch's against the float64 reference (before: the forward 4.6x torch's, the backward 0.63x
     and, looped, 0.09x). The looped forward's y keeps the mean's own rounding, as torch's does."""
     if path == "looped":

@@ -15,7 +15,8 @@ from tritonkit._launch import cdiv
 from tritonkit._runtime import current_device, sm_count
 from tritonkit._triton import tl, triton
 from tritonkit.jit import aligned
-from tritonkit.ops.norm.split import centres_rows, layer_norm_terms, split_default
+from tritonkit.ops.norm.split import split_default
+from tritonkit.ops.norm.terms import centres_rows, layer_norm_terms
 
 # fp32 values a thread holds per tile, by looped or not (one-pass: the row tile, x or h and dy;
 # looped: a chunk): past 64 the one-pass kernels spill (the backward at 64 too where it also sums dw: at

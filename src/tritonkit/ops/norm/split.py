@@ -38,6 +38,7 @@ from tritonkit._runtime import current_device, interpret, l2_bytes, sm_count
 from tritonkit._triton import tl, triton
 from tritonkit.dtypes import DTYPE_OF
 from tritonkit.jit import aligned, segment_edges, window_base, window_interior, window_span
+from tritonkit.ops.norm.terms import BACKWARD_SUMS, centres_rows, row_terms
 from tritonkit.split_rows import _publish_and_wait, _segment_of_program, cooperative_programs
 
 SPLIT_PER_SM = 2  # programs an SM the split launches aim for
@@ -574,50 +575,6 @@ def _normed_out(
     tl.store(y_row + positions, y.to(y_row.dtype.element_ty), mask=mask)
 
 
-# a backward row's sums, per segment or program: of g * xhat, of g and (LayerNorm, centres_rows) of xhat
-BACKWARD_SUMS = tl.constexpr(3)
-
-
-@triton.jit
-def centres_rows(rows_ptr):
-    """Whether LayerNorm's kernels take the fp32 mean's rounding out of a row's centred values
-    (``layer_norm_terms``; the one-pass forward's corrected variance): fp32 rows, whose spread may
-    sit far below their mean; a 16-bit row's entries cannot (its grid is coarser than that
-    rounding), so its kernels stay as they were, without the extra sums' registers."""
-    return rows_ptr.dtype.element_ty == tl.float32
-
-
-@triton.jit
-def layer_norm_terms(sum_g_xhat, sum_g, sum_xhat, N):
-    """LayerNorm's backward, dh = (g - xhat * c1 - c2) * rstd: its row terms (c1, c2) from the row's
-    sums of g * xhat, g and xhat. The exact xhat has mean zero; one computed from the forward's fp32
-    mean is off by that mean's rounding times rstd, one shift for the whole row, which the formula
-    multiplies up where the row's spread is small beside its mean (or beside eps; docs/perf-notes/
-    norms.md, "LayerNorm on rows far from zero").
-    xhat centred by its own mean c3 drops the shift, folded into the terms:
-    (xhat - c3) * c1 + c2 = xhat * c1 + (c2 - c3 * c1)."""
-    c3 = sum_xhat / N
-    c1 = (sum_g_xhat - c3 * sum_g) / N
-    return c1, sum_g / N - c3 * c1
-
-
-@triton.jit
-def _row_terms(sums_at, exists, N, RMS: tl.constexpr, CENTRE: tl.constexpr):
-    """A row's backward terms (c1, c2) from its parts' sums at ``sums_at`` (BACKWARD_SUMS apart, where
-    ``exists``): RMSNorm's mean(g * xhat) and 0, LayerNorm's ``layer_norm_terms`` (``CENTRE``) or
-    mean(g * xhat) and mean(g)."""
-    sum_g_xhat = tl.sum(tl.load(sums_at, mask=exists, other=0.0, cache_modifier=".cg"), axis=-1)
-    sum_g = tl.sum(tl.load(sums_at + 1, mask=exists, other=0.0, cache_modifier=".cg"), axis=-1)
-    if RMS:
-        c1, c2 = sum_g_xhat / N, tl.zeros_like(sum_g_xhat)
-    elif CENTRE:
-        sum_xhat = tl.sum(tl.load(sums_at + 2, mask=exists, other=0.0, cache_modifier=".cg"), axis=-1)
-        c1, c2 = layer_norm_terms(sum_g_xhat, sum_g, sum_xhat, N)
-    else:
-        c1, c2 = sum_g_xhat / N, sum_g / N
-    return c1, c2
-
-
 @triton.jit
 def _norm_bwd_split_kernel(
     dy_ptr,  # upstream gradient of y, (M, N), row stride stride_dym, unit column stride
@@ -685,7 +642,7 @@ def _norm_bwd_split_kernel(
             parts = tl.arange(0, SEGMENTS)
             exists = parts < segments
             at = partials_ptr + (row * segments + parts) * BACKWARD_SUMS
-            c1, c2 = _row_terms(at, exists, N, RMS=RMS, CENTRE=centres_rows(h_ptr))
+            c1, c2 = row_terms(at, exists, N, RMS=RMS, CENTRE=centres_rows(h_ptr))
             later = row != first_row  # the group's first row stores its slice, later rows add to it
             for i in range(chunks):
                 cols = first + (chunks - 1 - i) * BLOCK_N + offsets
@@ -800,7 +757,7 @@ def _norm_bwd_columns_kernel(
             exists = rows < M
             at = sums_ptr + (rows[:, None] * programs + parts[None, :]) * BACKWARD_SUMS
             mask = exists[:, None] & (parts < programs)[None, :]
-            c1, c2 = _row_terms(at, mask, N, RMS=RMS, CENTRE=centres_rows(h_ptr))
+            c1, c2 = row_terms(at, mask, N, RMS=RMS, CENTRE=centres_rows(h_ptr))
             tl.store(totals_ptr + (pid * M + rows) * 2, c1, mask=exists)
             tl.store(totals_ptr + (pid * M + rows) * 2 + 1, c2, mask=exists)
         tl.debug_barrier()  # the totals' stores before any thread's loads of them
