@@ -318,18 +318,21 @@ def _capped_tanh(u_ptr, t_ptr, N: tl.constexpr):
     tl.store(t_ptr + offsets, t)
 
 
-@pytest.mark.skipif(not _runtime.interpret(), reason="the GPU's exp2 is its own; this checks the formula")
-def test_the_caps_tanh_is_within_an_ulp_below_a_half_and_four_past_it():
+def test_the_caps_tanh_is_within_an_ulp_below_a_half_and_four_past_it(device):
     """The soft cap's tanh in fp32 against float64's, in ulps: its series below |u| = 1/2 within
     one (the (1 - e) / (1 + e) form there erred up to 6, and a fuzzed fp32 loss summed over 27 capped
-    rows 3.4x torch's error), the exponential form past it within four."""
-    u = torch.linspace(-1.5, 1.5, 4096, dtype=torch.float32)
+    rows 3.4x torch's error), FMAs alone, on any device; the exponential form past it within four
+    where the exponential is numpy's (the interpreter; the GPU's ex2.approx has its own error)."""
+    u = torch.linspace(-1.5, 1.5, 4096, dtype=torch.float32, device=device)
     t = torch.empty_like(u)
     _capped_tanh[(1,)](u, t, N=4096)
+    u, t = u.cpu(), t.cpu()
     exact = torch.tanh(u.double())
     ulps = (t.double() - exact).abs() / torch.from_numpy(np.spacing(exact.float().abs().numpy())).double()
     near = u.abs() < 0.5
-    assert ulps[near].max() <= 1.0 and ulps[~near].max() <= 4.0, (ulps[near].max(), ulps[~near].max())
+    assert ulps[near].max() <= 1.0, ulps[near].max()
+    if _runtime.interpret():
+        assert ulps[~near].max() <= 4.0, ulps[~near].max()
 
 
 @pytest.mark.parametrize("view", ["strided", "expanded"])
